@@ -1,0 +1,96 @@
+"""Render a KernelSpec into source text through one strict Jinja environment."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.resources
+from pathlib import Path
+
+import jinja2
+import jinja2.meta
+
+from fagen import __version__, tables
+from fagen.enums import DType
+from fagen.spec import KernelSpec
+
+
+def template_dir() -> Path:
+    """The templates/ folder: packaged as fagen.templates when installed, at the repo root in a checkout."""
+    try:
+        packaged = Path(str(importlib.resources.files("fagen.templates")))
+        if packaged.is_dir():
+            return packaged
+    except ModuleNotFoundError:
+        pass
+    return Path(__file__).resolve().parent.parent / "templates"
+
+
+def _torchtype(dtype: DType) -> str:
+    return tables.TORCH_DTYPE[DType(dtype)]
+
+
+def _tltype(dtype: DType) -> str:
+    return tables.TRITON_DTYPE[DType(dtype)]
+
+
+def _cbool(flag: bool) -> str:
+    return "true" if flag else "false"
+
+
+@functools.cache
+def environment() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(template_dir()),
+        undefined=jinja2.StrictUndefined,  # a missing variable fails here, not as a compiler error later
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+    env.filters.update(torchtype=_torchtype, tltype=_tltype, cbool=_cbool)
+    return env
+
+
+def template_name(spec: KernelSpec) -> str:
+    return tables.TEMPLATE[(spec.backend, spec.kind)]
+
+
+def template_files(spec: KernelSpec) -> list[Path]:
+    """Every template file a spec's render may read: the entry template and all it imports or includes.
+
+    A superset (both sides of every `if`), which is what a cache key needs.
+    """
+    env = environment()
+    seen: set[str] = set()
+    todo = [template_name(spec)]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        try:
+            source = env.loader.get_source(env, name)[0]
+        except jinja2.TemplateNotFound:
+            continue  # a branch this spec never takes may name a template not written yet
+        seen.add(name)
+        todo.extend(n for n in jinja2.meta.find_referenced_templates(env.parse(source)) if n)
+    root = template_dir()
+    return sorted(root / n for n in seen)
+
+
+def template_digest(spec: KernelSpec) -> str:
+    """sha256 over the bytes of every template the spec uses; part of every cache key."""
+    h = hashlib.sha256()
+    root = template_dir()
+    for path in template_files(spec):
+        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def generate(spec: KernelSpec) -> str:
+    """The source text of one variant. Byte-identical for equal specs."""
+    if not isinstance(spec, KernelSpec):
+        raise TypeError(f"generate() takes a KernelSpec, got {type(spec).__name__}")
+    template = environment().get_template(template_name(spec))
+    return template.render(spec=spec, spec_json=spec.to_json(), version=__version__,
+                           dot_precision=tables.DOT_KWARGS[spec.dtype])

@@ -1,0 +1,46 @@
+"""Load a rendered variant as a Python module: render into the cache once, import, memoise."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import threading
+from pathlib import Path
+from types import ModuleType
+
+from fagen import __version__, cache, tables
+from fagen.render import generate, template_digest
+from fagen.spec import KernelSpec
+
+_loaded: dict[str, ModuleType] = {}
+_lock = threading.Lock()
+
+
+def source_key(spec: KernelSpec) -> str:
+    """Key of a spec's rendered source: spec, template bytes and fagen version."""
+    return cache.digest("source", __version__, spec.to_json(), template_digest(spec))[:20]
+
+
+def source_path(spec: KernelSpec) -> Path:
+    suffix = tables.SOURCE_SUFFIX[spec.backend]
+    return cache.cache_root() / "src" / f"{spec.name}-{source_key(spec)}{suffix}"
+
+
+def load(spec: KernelSpec) -> ModuleType:
+    """The generated module for `spec`. Rendered into the cache on first use; later calls are cache hits."""
+    if not isinstance(spec, KernelSpec):
+        raise TypeError(f"load() takes a KernelSpec, got {type(spec).__name__}")
+    path = source_path(spec)
+    with _lock:
+        module = _loaded.get(path.stem)
+        if module is not None:
+            return module
+        if not path.exists():
+            cache.write_if_different(path, generate(spec))
+        module_name = f"fagen_generated.{path.stem.replace('-', '_')}"
+        mod_spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(mod_spec)
+        sys.modules[module_name] = module  # triton's @jit reads the source through the module
+        mod_spec.loader.exec_module(module)
+        _loaded[path.stem] = module
+        return module

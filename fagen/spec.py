@@ -1,0 +1,157 @@
+"""KernelSpec: the small, validated description of one attention kernel variant."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import json
+import tomllib
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from fagen import tables
+from fagen.enums import Backend, Direction, DType, Kind, Mask
+
+HEAD_DIMS = range(16, 257, 8)
+BLOCK_SIZES = (16, 32, 64, 128, 256)
+NUM_WARPS = (1, 2, 4, 8, 16)
+NUM_STAGES = range(1, 9)
+MAX_GQA = 256
+
+
+class SpecError(ValueError):
+    """A spec value is invalid. Carries the field, the value given and what is allowed."""
+
+    def __init__(self, field: str, value: Any, allowed: str):
+        self.field, self.value, self.allowed = field, value, allowed
+        super().__init__(f"{field}: got {value!r}; {allowed}")
+
+
+def _int_field(name: str, value: Any, ok, allowed: str) -> int:
+    # bool is an int subclass; True is never a head dim.
+    if isinstance(value, bool) or not isinstance(value, int) or not ok(value):
+        raise SpecError(name, value, allowed)
+    return value
+
+
+def _enum_field(name: str, value: Any, enum_cls) -> Any:
+    if isinstance(value, enum_cls):
+        return value
+    try:
+        return enum_cls(value)
+    except ValueError:
+        raise SpecError(name, value, "must be one of " + ", ".join(repr(c) for c in enum_cls.choices())) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    """One kernel variant. Frozen; every field is validated and defaults resolved on construction.
+
+    Fields reach templates only as enums and integers, so no user text is pasted into source.
+    """
+
+    head_dim: int
+    mask: Mask = Mask.NONE
+    gqa: int = 1
+    dtype: DType = DType.FP16
+    direction: Direction = Direction.FWD
+    backend: Backend = Backend.TRITON
+    kind: Kind = Kind.PREFILL
+    block_m: int | None = None
+    block_n: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+    def __post_init__(self) -> None:
+        put = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
+        put("head_dim", _int_field("head_dim", self.head_dim, lambda d: d in HEAD_DIMS,
+                                   "must be a multiple of 8 from 16 to 256 (for example 64, 80, 128)"))
+        put("mask", _enum_field("mask", self.mask, Mask))
+        put("dtype", _enum_field("dtype", self.dtype, DType))
+        put("direction", _enum_field("direction", self.direction, Direction))
+        put("backend", _enum_field("backend", self.backend, Backend))
+        put("kind", _enum_field("kind", self.kind, Kind))
+        put("gqa", _int_field("gqa", self.gqa, lambda g: 1 <= g <= MAX_GQA,
+                              f"must be an integer from 1 (MHA) to {MAX_GQA}: query heads per KV head"))
+        if (self.backend, self.kind) not in tables.TEMPLATE:
+            have = ", ".join(f"{b}/{k}" for b, k in tables.TEMPLATE)
+            raise SpecError("backend", f"{self.backend}/{self.kind}",
+                            f"no templates for this backend and kind yet; available: {have}")
+        defaults = tables.default_config(self.head_dim, self.dtype, self.direction, self.kind)
+        for name, allowed, desc in (
+            ("block_m", BLOCK_SIZES, "must be a power of two from 16 to 256"),
+            ("block_n", BLOCK_SIZES, "must be a power of two from 16 to 256"),
+            ("num_warps", NUM_WARPS, "must be one of 1, 2, 4, 8, 16"),
+            ("num_stages", NUM_STAGES, "must be an integer from 1 to 8"),
+        ):
+            value = getattr(self, name)
+            put(name, defaults[name] if value is None else _int_field(name, value, lambda v: v in allowed, desc))
+
+    # -- names ---------------------------------------------------------------------------
+    @cached_property
+    def name(self) -> str:
+        """Readable, unique per spec: ``attn_fwd_causal_d128_m128n64w8s3_g4_bf16``."""
+        prefix = "attn" if self.kind is Kind.PREFILL else "decode"
+        suffix = "" if self.backend is Backend.TRITON else f"_{self.backend}"
+        return (f"{prefix}_{self.direction}_{tables.MASK_SHORT[self.mask]}_d{self.head_dim}"
+                f"_m{self.block_m}n{self.block_n}w{self.num_warps}s{self.num_stages}"
+                f"_g{self.gqa}_{self.dtype}{suffix}")
+
+    @cached_property
+    def hash(self) -> str:
+        """Content hash of the canonical JSON form (first 16 hex digits of sha256)."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+
+    # -- serialisation -------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: (v.value if isinstance(v := getattr(self, f.name), enum.Enum) else v)
+                for f in dataclasses.fields(self)}
+
+    def to_json(self) -> str:
+        """Canonical JSON: sorted keys, no whitespace. Equal specs give equal bytes."""
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    def to_toml(self) -> str:
+        return "".join(f"{k} = {json.dumps(v)}\n" for k, v in self.to_dict().items())
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> KernelSpec:
+        if not isinstance(data, dict):
+            raise SpecError("spec", data, "must be a table/object of spec fields")
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in data:
+            if key not in known:
+                raise SpecError(key, data[key], "unknown spec field; known fields: " + ", ".join(sorted(known)))
+        if "head_dim" not in data:
+            raise SpecError("head_dim", None, "is required")
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str) -> KernelSpec:
+        try:
+            return cls.from_dict(json.loads(text))
+        except json.JSONDecodeError as e:
+            raise SpecError("spec", text[:60], f"is not valid JSON ({e})") from None
+
+    @classmethod
+    def from_toml(cls, text: str) -> KernelSpec:
+        try:
+            return cls.from_dict(tomllib.loads(text))
+        except tomllib.TOMLDecodeError as e:
+            raise SpecError("spec", text[:60], f"is not valid TOML ({e})") from None
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> KernelSpec:
+        """Read a spec from a .toml or .json file."""
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise SpecError("spec", str(path), f"cannot be read ({e.strerror})") from None
+        if path.suffix == ".json":
+            return cls.from_json(text)
+        if path.suffix == ".toml":
+            return cls.from_toml(text)
+        raise SpecError("spec", str(path), "must be a .toml or .json file")

@@ -27,6 +27,13 @@ def digest(*parts: str | bytes) -> str:
     return h.hexdigest()
 
 
+def lock_for(path: Path) -> FileLock:
+    """A lock for one path, kept under the cache root so output folders hold no lock files."""
+    locks = cache_root() / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    return FileLock(str(locks / (digest(str(path.resolve()))[:32] + ".lock")))
+
+
 def write_if_different(path: Path, data: bytes | str) -> bool:
     """Write atomically (temp file + rename) unless the file already holds these bytes. True if written.
 
@@ -35,7 +42,7 @@ def write_if_different(path: Path, data: bytes | str) -> bool:
     """
     data = data.encode() if isinstance(data, str) else data
     path.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(path) + ".lock"):
+    with lock_for(path):
         try:
             if path.read_bytes() == data:
                 return False

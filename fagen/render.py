@@ -27,7 +27,7 @@ def template_dir() -> Path:
 
 
 def _torchtype(dtype: DType) -> str:
-    return tables.TORCH_DTYPE[DType(dtype)]
+    return "torch." + tables.TORCH_DTYPE[DType(dtype)]
 
 
 def _tltype(dtype: DType) -> str:

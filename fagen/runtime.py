@@ -37,10 +37,24 @@ def load(spec: KernelSpec) -> ModuleType:
             return module
         if not path.exists():
             cache.write_if_different(path, generate(spec))
-        module_name = f"fagen_generated.{path.stem.replace('-', '_')}"
-        mod_spec = importlib.util.spec_from_file_location(module_name, path)
-        module = importlib.util.module_from_spec(mod_spec)
-        sys.modules[module_name] = module  # triton's @jit reads the source through the module
-        mod_spec.loader.exec_module(module)
+        module = _import(path)
         _loaded[path.stem] = module
         return module
+
+
+def load_source(source: str, name: str) -> ModuleType:
+    """Import source text that is not a plain render (a mutant under test, say), through the cache."""
+    path = cache.cache_root() / "src" / f"{name}-{cache.digest(source)[:20]}.py"
+    cache.write_if_different(path, source)
+    return _import(path)
+
+
+def _import(path: Path) -> ModuleType:
+    module_name = f"fagen_generated.{path.stem.replace('-', '_')}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    mod_spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(mod_spec)
+    sys.modules[module_name] = module  # triton's @jit reads the source through the module
+    mod_spec.loader.exec_module(module)
+    return module

@@ -130,28 +130,33 @@ class KernelSpec:
 
     @classmethod
     def from_json(cls, text: str) -> KernelSpec:
-        try:
-            return cls.from_dict(json.loads(text))
-        except json.JSONDecodeError as e:
-            raise SpecError("spec", text[:60], f"is not valid JSON ({e})") from None
+        return cls.from_dict(parse_fields(text, "json"))
 
     @classmethod
     def from_toml(cls, text: str) -> KernelSpec:
-        try:
-            return cls.from_dict(tomllib.loads(text))
-        except tomllib.TOMLDecodeError as e:
-            raise SpecError("spec", text[:60], f"is not valid TOML ({e})") from None
+        return cls.from_dict(parse_fields(text, "toml"))
 
     @classmethod
     def from_file(cls, path: str | Path) -> KernelSpec:
         """Read a spec from a .toml or .json file."""
-        path = Path(path)
-        try:
-            text = path.read_text()
-        except OSError as e:
-            raise SpecError("spec", str(path), f"cannot be read ({e.strerror})") from None
-        if path.suffix == ".json":
-            return cls.from_json(text)
-        if path.suffix == ".toml":
-            return cls.from_toml(text)
+        return cls.from_dict(read_fields(path))
+
+
+def parse_fields(text: str, fmt: str) -> dict[str, Any]:
+    """The raw field table of a JSON or TOML spec, not yet validated."""
+    try:
+        return json.loads(text) if fmt == "json" else tomllib.loads(text)
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
+        raise SpecError("spec", text[:60], f"is not valid {fmt.upper()} ({e})") from None
+
+
+def read_fields(path: str | Path) -> dict[str, Any]:
+    """The raw field table of a .toml or .json spec file."""
+    path = Path(path)
+    if path.suffix not in (".json", ".toml"):
         raise SpecError("spec", str(path), "must be a .toml or .json file")
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise SpecError("spec", str(path), f"cannot be read ({e.strerror})") from None
+    return parse_fields(text, path.suffix[1:])

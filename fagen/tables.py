@@ -16,8 +16,8 @@ MASK_SHORT = {
 # Element type of q/k/v/out inside Triton.
 TRITON_DTYPE = {DType.FP16: "tl.float16", DType.BF16: "tl.bfloat16", DType.FP32: "tl.float32"}
 
-# The torch dtype a generated module expects, spelled as source text.
-TORCH_DTYPE = {DType.FP16: "torch.float16", DType.BF16: "torch.bfloat16", DType.FP32: "torch.float32"}
+# The torch dtype a generated module expects: getattr(torch, name); "torch." + name in source text.
+TORCH_DTYPE = {DType.FP16: "float16", DType.BF16: "bfloat16", DType.FP32: "float32"}
 
 # CUDA C++ element type (for the CUDA backend).
 CUDA_DTYPE = {DType.FP16: "half", DType.BF16: "__nv_bfloat16", DType.FP32: "float"}

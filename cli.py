@@ -1,0 +1,6 @@
+"""Entry point for running fagen from a checkout: `python cli.py --help`."""
+
+from fagen.cli import main
+
+if __name__ == "__main__":
+    main()

@@ -55,7 +55,7 @@ def spec_from_options(spec_file: Path | None, **flags) -> KernelSpec | None:
         if e.field in given:
             raise click.BadParameter(f"got {e.value!r}; {e.allowed}",
                                      param_hint=f"--{e.field.replace('_', '-')}") from None
-        raise click.ClickException(str(e)) from None
+        raise click.ClickException(f"{spec_file}: {e}" if spec_file else str(e)) from None
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -1,0 +1,43 @@
+"""The property suite can fail: each deliberately broken variant is caught by check_forward."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fagen
+from fagen.mutants import MUTANTS
+from fagen.runtime import load_source
+from fagen.strategies import Problem, problems
+from fagen.verify import PropertyFailure, check_forward
+from conftest import DEVICE, SCALE
+
+
+def _spec_for(mutant):
+    mask = mutant.masks[0]
+    return fagen.KernelSpec(head_dim=32, mask=mask, gqa=2 if mutant.name == "wrong-gqa-head" else 1,
+                            dtype="fp32", block_m=16, block_n=16)
+
+
+@pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.name)
+def test_mutant_is_caught(mutant):
+    spec = _spec_for(mutant)
+    broken = load_source(mutant.apply(fagen.generate(spec)), f"{spec.name}_{mutant.name}")
+    caught = []
+
+    @settings(max_examples=60, database=None)
+    @given(problem=problems(spec, SCALE))
+    def search(problem):
+        try:
+            check_forward(broken, spec, problem, DEVICE)
+        except PropertyFailure as e:
+            caught.append((problem, str(e)))
+            raise
+
+    with pytest.raises(PropertyFailure):
+        search()
+    assert caught, f"{mutant.name} ({mutant.what}) was not caught"
+
+
+def test_the_unbroken_kernel_passes_the_same_search():
+    spec = fagen.KernelSpec(head_dim=32, mask="causal", dtype="fp32", block_m=16, block_n=16)
+    check_forward(fagen.load(spec), spec, Problem(batch=1, heads_kv=1, seq_q=33, seq_k=47, seed=1), DEVICE)

@@ -14,12 +14,14 @@ from fagen.strategies import Problem
 
 # [Note] Tolerances: |kernel - reference| <= atol + rtol * |reference|, elementwise, against float64.
 # Both sides see the same rounded inputs, so what remains is the kernel's own rounding:
-#   fp32: fp32 dots ("ieee") and fp32 softmax; errors ~1e-6.
+#   fp32: fp32 dots ("ieee") and fp32 softmax. On the GPU exp2 is ex2.approx (~2 ulp) and scores of
+#         large-magnitude logits (|s| ~ 100) carry |s| * 2^-24 * sqrt(D) absolute error: the H100 showed
+#         max errors of 2.2e-5 .. 2.7e-5 at magnitude 16, so 1e-4 keeps a 4x margin.
 #   fp16: P is rounded to fp16 (11-bit mantissa) before P @ V, and out to fp16: ~2^-11 relative each.
 #   bf16: the same with an 8-bit mantissa: ~2^-8 relative each; out in [1, 2) rounds by up to 4e-3.
 # A wrong mask, a dropped rescale or a wrong head moves outputs by O(0.1) and fails all of these.
 TOLERANCE = {
-    DType.FP32: dict(atol=2e-5, rtol=2e-5),
+    DType.FP32: dict(atol=1e-4, rtol=1e-4),
     DType.FP16: dict(atol=3e-3, rtol=3e-3),
     DType.BF16: dict(atol=2e-2, rtol=2e-2),
 }

@@ -36,6 +36,7 @@ class Problem:
     seqlens_k: tuple[int, ...] | None = None
     parents: tuple[tuple[int, ...], ...] | None = None  # tree: parent index per node, -1 for a root
     magnitude: float = 1.0  # multiplies q: large values give large-magnitude logits
+    scale: float | None = None  # softmax scale passed to the kernel; None means the default 1/sqrt(D)
     poison: bool = False  # fill padding with NaN: it must never reach a valid output
     seed: int = 0
 
@@ -64,7 +65,7 @@ class Problem:
         q = normal(self.batch, hq, self.seq_q, d) * self.magnitude
         k = normal(self.batch, self.heads_kv, self.seq_k, d)
         v = normal(self.batch, self.heads_kv, self.seq_k, d)
-        kwargs: dict = {}
+        kwargs: dict = {} if self.scale is None else {"scale": self.scale}
         if self.seqlens_q is not None:
             kwargs["seqlens_q"] = torch.tensor(self.seqlens_q, dtype=torch.int32, device=device)
             kwargs["seqlens_k"] = torch.tensor(self.seqlens_k, dtype=torch.int32, device=device)
@@ -119,4 +120,5 @@ def problems(draw, spec: KernelSpec, scale: str = "cpu") -> Problem:
         extra["poison"] = draw(st.booleans())
     return Problem(batch=batch, heads_kv=heads_kv, seq_q=seq_q, seq_k=seq_k,
                    magnitude=draw(st.sampled_from((1.0, 1.0, 4.0, 16.0))),
+                   scale=draw(st.sampled_from((None, None, 0.05, 0.3))),
                    seed=draw(st.integers(0, 2**31 - 1)), **extra)

@@ -73,7 +73,7 @@ def check_forward(module, spec: KernelSpec, problem: Problem, device: str = "cpu
     out, lse = module.forward(q, k, v, **kwargs)
     if out.dtype != q.dtype or lse.dtype != torch.float32:
         raise PropertyFailure(f"dtypes: out {out.dtype} (want {q.dtype}), lse {lse.dtype} (want float32)")
-    ref_out, ref_lse = reference.attention(q, k, v, mask=spec.mask, **kwargs)
+    ref_out, ref_lse = reference.attention(q, k, v, mask=spec.mask, **kwargs)  # kwargs carry the scale too
     err = compare("out", out, ref_out, **TOLERANCE[spec.dtype])
     lse_err = compare("lse", lse, ref_lse, **LSE_TOLERANCE)
     return Outcome(max_err=err, max_lse_err=lse_err if math.isfinite(lse_err) else 0.0)

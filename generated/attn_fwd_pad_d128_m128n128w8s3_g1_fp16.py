@@ -128,8 +128,8 @@ def _check_mask_inputs(q, k, seqlens_q, seqlens_k, tree_mask):
 def _check_scale(scale):
     if scale is None:
         return 1.0 / math.sqrt(HEAD_DIM)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise InputError(f"scale: expected a finite float, got {scale!r}")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise InputError(f"scale: expected a positive finite float, got {scale!r}")
     return float(scale)
 
 
@@ -168,7 +168,7 @@ def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, qk_scale,
                SeqlensQ, SeqlensK, TreeBits, stride_tb, stride_tm,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                MASKED: tl.constexpr, UPCAST: tl.constexpr):
-    """Online softmax over key blocks [lo, hi). Scores live in the log2 domain (qk_scale includes 1/ln 2)."""
+    """Online softmax over key blocks [lo, hi). m_i lives in the log2 domain (qk_scale = scale / ln 2)."""
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         k = _load_rows(k_base + cols[:, None] * stride_kn + offs_d[None, :], cols, len_k, offs_d,
@@ -178,18 +178,18 @@ def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, qk_scale,
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k)) * qk_scale
+        qk = tl.dot(q, tl.trans(k))
         if MASKED:
             # [Note] Masking before exp2: masked scores are -inf so exp2 gives exactly 0. A row that has seen
             # only masked keys so far has m_new = -inf; a finite stand-in keeps exp2(-inf - -inf) = NaN out.
             qk = tl.where((cols[None, :] < len_k), qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # max commutes with the scale: qk_scale > 0
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
             m_use = m_new
+        p = tl.math.exp2(qk * qk_scale - m_use[:, None])  # scale and shift in one FMA per score
         alpha = tl.math.exp2(m_i - m_use)
-        p = tl.math.exp2(qk - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new

@@ -101,7 +101,8 @@ def _inputs(spec, b=1, hkv=1, sq=8, sk=8):
     (lambda q, k, v: (q[0], k, v), {}, "expected 4 dims"),
     (lambda q, k, v: (q, k, v), {"seqlens_q": torch.tensor([3], dtype=torch.int32)}, "has no padding"),
     (lambda q, k, v: (q, k, v), {"tree_mask": torch.ones(1, 8, 8, dtype=torch.bool)}, "takes no tree"),
-    (lambda q, k, v: (q, k, v), {"scale": float("nan")}, "scale: expected a finite float"),
+    (lambda q, k, v: (q, k, v), {"scale": float("nan")}, "scale: expected a positive finite float"),
+    (lambda q, k, v: (q, k, v), {"scale": -0.1}, "scale: expected a positive finite float"),
 ])
 def test_bad_inputs_raise_clear_errors(mutate, kwargs, message):
     spec = fagen.KernelSpec(head_dim=32, mask="causal", gqa=2, block_m=16, block_n=16)

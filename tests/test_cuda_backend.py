@@ -238,3 +238,33 @@ def test_good_mask_inputs_reach_the_device_check():
     mod = fagen.load(spec)
     with pytest.raises(mod.InputError, match="needs a CUDA device"):
         mod.forward(*_inputs(spec, sk=11), tree_mask=torch.tensor([[-1, 0, 1, 1, 0, 4, -1, 6]], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("mask", [Mask.CAUSAL_PADDING, Mask.TREE])
+def test_launch_arguments_match_the_kernel_signature(mask):
+    """The launcher's ctypes arguments line up, in order and C type, with fagen_attn_fwd's parameter list."""
+    import ctypes
+    import re
+
+    spec = cuda_spec(mask=mask, gqa=2)
+    mod = fagen.load(spec)
+    signature = re.search(r"fagen_attn_fwd\((.*?)\)\s*\{", fagen.generate(spec), re.S).group(1)
+    params = [" ".join(p.split()) for p in signature.split(",")]
+    c_types = {"int64_t": ctypes.c_int64, "int": ctypes.c_int, "float": ctypes.c_float}
+    want = [ctypes.c_void_p if "*" in p else c_types[p.rsplit(" ", 1)[0]] for p in params]
+    names = [p.rsplit(" ", 1)[1] for p in params]
+
+    q, k, v = _inputs(spec, b=2, hkv=3, sq=9, sk=13)
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)  # strided: [B, S, H, D] storage
+    out, lse = torch.empty_like(q), torch.empty(2, 6, 9)
+    lens = torch.tensor([9, 4], dtype=torch.int32)
+    bits = torch.zeros(2, 9, 1, dtype=torch.int32)
+    got = mod._params(q, k, v, out, lse, lens, lens, bits, 0.5)
+    assert [type(p) for p in got] == want
+    value = dict(zip(names, (p.value for p in got)))
+    assert value["q"] == q.data_ptr() and value["lse"] == lse.data_ptr() and value["tree_bits"] == bits.data_ptr()
+    assert (value["stride_qb"], value["stride_qh"], value["stride_qm"]) == q.stride()[:3]
+    assert (value["stride_vb"], value["stride_vh"], value["stride_vn"]) == v.stride()[:3]
+    assert (value["stride_tb"], value["stride_tm"]) == bits.stride()[:2]
+    assert (value["num_heads"], value["seq_q"], value["seq_k"]) == (6, 9, 13)
+    assert value["qk_scale_log2"] == pytest.approx(0.5 / 0.6931471805599453)

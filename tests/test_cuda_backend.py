@@ -148,11 +148,12 @@ def test_compile_errors_carry_the_nvcc_log(tmp_path):
 
 
 # [Note] Compile coverage. One nvcc run takes ~2.5 s per arch on the 2-core CI machine, so the default run compiles
-# a subset that still takes every mask, both dtypes, both gqa values and all three head dims at least once, for both
-# archs, with warnings as errors. The full product (5 masks x 2 dtypes x gqa 1/4 x head_dim 64/80/128 x 2 archs =
+# a subset that still takes every mask, both dtypes, both gqa values and all three head dims at least once (plus head
+# dims 16, 40 and 256), for both archs, with warnings as errors. The full product (5 masks x 2 dtypes x gqa 1/4 x head_dim 64/80/128 x 2 archs =
 # 120 compiles, ~2.5 min on 2 cores) runs with FAGEN_NVCC_CATALOG=1, or `pytest -m nvcc_catalog` plus that variable.
 FULL = list(itertools.product(Mask, DTYPES, (1, 4), (64, 80, 128)))
-SUBSET = [(mask, DTYPES[i % 2], (1, 4)[i // 2 % 2], (64, 80, 128)[i % 3]) for i, mask in enumerate(Mask)]
+SUBSET = [(mask, DTYPES[i % 2], (1, 4)[i // 2 % 2], (64, 80, 128)[i % 3]) for i, mask in enumerate(Mask)] + [
+    (Mask.CAUSAL, DType.BF16, 2, 16), (Mask.PADDING, DType.FP16, 8, 40), (Mask.TREE, DType.BF16, 1, 256)]
 
 
 def _compile_clean(mask, dtype, gqa, head_dim, arch, tmp_path):

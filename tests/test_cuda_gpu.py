@@ -29,9 +29,9 @@ def cuda_spec(**kw):
     return fagen.KernelSpec(**{"backend": "cuda", **kw})
 
 
-def property_specs(mask, dtype):
+def property_specs(mask, dtype, head_dims=HEAD_DIMS):
     return st.builds(lambda d, gqa, cfg: cuda_spec(head_dim=d, mask=mask, dtype=dtype, gqa=gqa, **cfg),
-                     st.sampled_from(HEAD_DIMS), st.sampled_from((1, 4)), st.sampled_from(CONFIGS))
+                     st.sampled_from(head_dims), st.sampled_from((1, 4)), st.sampled_from(CONFIGS))
 
 
 def _every_spec():
@@ -145,7 +145,7 @@ def _misaligned(t):
 @given(data=st.data())
 def test_cuda_and_triton_agree(mask, dtype, data):
     """Cross-backend: on the same inputs the CUDA and Triton kernels agree within the dtype's tolerance."""
-    spec = data.draw(property_specs(mask, dtype), label="spec")
+    spec = data.draw(property_specs(mask, dtype, head_dims=(40, 128)), label="spec")  # few Triton compiles
     problem = data.draw(problems(spec, SCALE), label="problem")
     (q, k, v), kwargs = problem.inputs(spec, DEVICE)
     twin = fagen.KernelSpec(head_dim=spec.head_dim, mask=mask, gqa=spec.gqa, dtype=dtype)

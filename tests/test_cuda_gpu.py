@@ -11,10 +11,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fagen
-from fagen import nvcc, reference
+from fagen import cache, nvcc, reference, runtime
+from fagen.render import generate_launcher
 from fagen.enums import DType, Mask
 from fagen.strategies import Problem, problems
-from fagen.verify import LSE_TOLERANCE, TOLERANCE, check_forward, compare
+from fagen.verify import LSE_TOLERANCE, TOLERANCE, PropertyFailure, check_forward, compare
 from conftest import DEVICE, ON_GPU, SCALE
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")]
@@ -183,3 +184,35 @@ def test_prebuilt_cubin_runs_without_compiling(tmp_path, monkeypatch):
     monkeypatch.setattr(nvcc, "compile_cached", refuse)
     mod.use_cubin(built.cubin, arch)
     assert check_forward(mod, spec, problem, DEVICE).max_err == want.max_err
+
+
+# Deliberately broken CUDA kernels (text edits of the rendered .cu): the properties above must catch each one.
+CUDA_MUTANTS = [
+    ("causal-off-by-one", "causal", "col <= (m0", "col < (m0"),
+    ("dropped-rescale", "none", "acc[mt][dt][2 * rh] *= alpha;", "acc[mt][dt][2 * rh] *= 1.0f;"),
+    ("wrong-gqa-head", "none", "const int h_kv = h / GQA;", "const int h_kv = h % (num_heads / GQA);"),
+    ("tree-ignores-bits", "tree", "return (word >> (node % 32)) & 1u;", "return word == word;"),
+    ("padding-rows-kept", "causal+padding", "l > 0.0f && row < len_q;", "l > 0.0f;"),
+    ("unmasked-tail", "padding", "(col < len_k)", "(col < len_k + BLOCK_N)"),
+]
+
+
+def _load_mutant(spec, old, new):
+    """The launcher of `spec` over a .cu with `old` replaced by `new`, rendered into the cache and imported."""
+    source = fagen.generate(spec)
+    assert old in source, f"mutant pattern {old!r} not in the rendered source"
+    broken = source.replace(old, new)
+    stem = f"{spec.name}-mutant{cache.digest(broken)[:12]}"
+    folder = cache.cache_root() / "src"
+    cache.write_if_different(folder / f"{stem}.cu", broken)
+    cache.write_if_different(folder / f"{stem}.py", generate_launcher(spec))
+    return runtime._import(folder / f"{stem}.py")
+
+
+@pytest.mark.parametrize("name, mask, old, new", CUDA_MUTANTS, ids=[m[0] for m in CUDA_MUTANTS])
+def test_broken_kernels_are_caught(name, mask, old, new):
+    spec = cuda_spec(head_dim=64, mask=mask, dtype="fp16", gqa=4)
+    problem = _ragged(Mask(mask), seed=21)
+    check_forward(fagen.load(spec), spec, problem, DEVICE)  # the intact kernel passes ...
+    with pytest.raises(PropertyFailure):  # ... and the broken one fails
+        check_forward(_load_mutant(spec, old, new), spec, problem, DEVICE)

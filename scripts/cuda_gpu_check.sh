@@ -12,8 +12,9 @@ python -c "import torch, triton; from cuda.bindings import driver; print('torch'
 nvcc --version | tail -2 | head -1
 
 status=0
+XDIST=""; python -c "import xdist" 2>/dev/null && XDIST="-n 8"  # parallel nvcc when pytest-xdist is there
 echo "== 1/3 nvcc + launcher checks (CPU side), full compile catalog"
-FAGEN_NVCC_CATALOG=1 timeout 900 python -m pytest tests/test_cuda_backend.py -q -n 8 -rfE --tb=short \
+FAGEN_NVCC_CATALOG=1 timeout 900 python -m pytest tests/test_cuda_backend.py -q $XDIST -rfE --tb=short \
     >"$LOGS/cuda_backend.log" 2>&1 || status=1
 tail -n 3 "$LOGS/cuda_backend.log"
 echo "== 2/3 GPU properties (one process: the float64 reference is large)"

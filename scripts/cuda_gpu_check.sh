@@ -22,7 +22,7 @@ timeout 1500 python -m pytest tests/test_cuda_gpu.py -q -s -rfE --tb=short --dur
     >"$LOGS/cuda_gpu.log" 2>&1 || status=1
 grep -E "^precompiled|passed|failed|^FAILED|^ERROR" "$LOGS/cuda_gpu.log" | head -n 40
 if grep -q -E "^(FAILED|ERROR)" "$LOGS/cuda_gpu.log"; then
-    echo "-- first failure:"; awk '/^_{5,} /{n++} n==1' "$LOGS/cuda_gpu.log" | head -n 60
+    echo "-- first failure:"; awk '/^_____+ /{n++} n==1' "$LOGS/cuda_gpu.log" | head -n 60
 fi
 echo "== 3/3 timing (d128 bf16 s16k, full and causal)"
 timeout 900 python scripts/bench_cuda.py 2>&1 | tee "$LOGS/bench_cuda.log" | tail -n 16 || status=1

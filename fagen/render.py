@@ -38,6 +38,18 @@ def _cbool(flag: bool) -> str:
     return "true" if flag else "false"
 
 
+def _cudatype(dtype: DType) -> str:
+    return tables.CUDA_DTYPE[DType(dtype)]
+
+
+def _mmatype(dtype: DType) -> str:
+    return tables.CUDA_MMA_TYPE[DType(dtype)]
+
+
+def _smem_bytes(spec: KernelSpec) -> int:
+    return tables.cuda_smem_bytes(spec.head_dim, spec.dtype, spec.block_m, spec.block_n, spec.num_stages)
+
+
 @functools.cache
 def environment() -> jinja2.Environment:
     env = jinja2.Environment(
@@ -48,7 +60,8 @@ def environment() -> jinja2.Environment:
         keep_trailing_newline=True,
         autoescape=False,
     )
-    env.filters.update(torchtype=_torchtype, tltype=_tltype, cbool=_cbool)
+    env.filters.update(torchtype=_torchtype, tltype=_tltype, cbool=_cbool, cudatype=_cudatype,
+                       mmatype=_mmatype, smem_bytes=_smem_bytes)
     return env
 
 
@@ -57,13 +70,13 @@ def template_name(spec: KernelSpec) -> str:
 
 
 def template_files(spec: KernelSpec) -> list[Path]:
-    """Every template file a spec's render may read: the entry template and all it imports or includes.
+    """Every template file a spec's render may read: the entry template (and launcher) and all they import or include.
 
     A superset (both sides of every `if`), which is what a cache key needs.
     """
     env = environment()
     seen: set[str] = set()
-    todo = [template_name(spec)]
+    todo = [template_name(spec)] + ([tables.LAUNCHER[spec.backend]] if spec.backend in tables.LAUNCHER else [])
     while todo:
         name = todo.pop()
         if name in seen:
@@ -94,3 +107,11 @@ def generate(spec: KernelSpec) -> str:
     template = environment().get_template(template_name(spec))
     return template.render(spec=spec, spec_json=spec.to_json(), version=__version__,
                            dot_precision=tables.DOT_KWARGS[spec.dtype])
+
+
+def generate_launcher(spec: KernelSpec) -> str:
+    """The Python module that compiles, loads and launches a non-Python source (the cuda backend's .cu)."""
+    if spec.backend not in tables.LAUNCHER:
+        raise ValueError(f"backend {spec.backend} emits Python directly; it has no launcher")
+    template = environment().get_template(tables.LAUNCHER[spec.backend])
+    return template.render(spec=spec, spec_json=spec.to_json(), version=__version__)

@@ -9,7 +9,7 @@ from pathlib import Path
 from types import ModuleType
 
 from fagen import __version__, cache, tables
-from fagen.render import generate, template_digest
+from fagen.render import generate, generate_launcher, template_digest
 from fagen.spec import KernelSpec
 
 _loaded: dict[str, ModuleType] = {}
@@ -37,6 +37,10 @@ def load(spec: KernelSpec) -> ModuleType:
             return module
         if not path.exists():
             cache.write_if_different(path, generate(spec))
+        if spec.backend in tables.LAUNCHER:  # a .cu source: import the Python launcher rendered beside it
+            path = path.with_suffix(".py")
+            if not path.exists():
+                cache.write_if_different(path, generate_launcher(spec))
         module = _import(path)
         _loaded[path.stem] = module
         return module

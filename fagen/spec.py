@@ -79,7 +79,8 @@ class KernelSpec:
             have = ", ".join(f"{b}/{k}" for b, k in tables.TEMPLATE)
             raise SpecError("backend", f"{self.backend}/{self.kind}",
                             f"no templates for this backend and kind yet; available: {have}")
-        defaults = tables.default_config(self.head_dim, self.dtype, self.direction, self.kind)
+        config = tables.cuda_default_config if self.backend is Backend.CUDA else tables.default_config
+        defaults = config(self.head_dim, self.dtype, self.direction, self.kind)
         for name, allowed, desc in (
             ("block_m", BLOCK_SIZES, "must be a power of two from 16 to 256"),
             ("block_n", BLOCK_SIZES, "must be a power of two from 16 to 256"),
@@ -88,6 +89,28 @@ class KernelSpec:
         ):
             value = getattr(self, name)
             put(name, defaults[name] if value is None else _int_field(name, value, lambda v: v in allowed, desc))
+        if self.backend is Backend.CUDA:
+            self._check_cuda()
+
+    def _check_cuda(self) -> None:
+        """The cuda backend's own limits (tables.CUDA_SUPPORTED); the message names the field to change."""
+        for name, (allowed, why) in tables.CUDA_SUPPORTED.items():
+            value = getattr(self, name)
+            if value not in allowed:
+                raise SpecError(name, value.value if isinstance(value, enum.Enum) else value, why)
+        rows = self.block_m // self.num_warps
+        if self.block_m % self.num_warps or rows not in tables.CUDA_ROWS_PER_WARP:
+            ok = ", ".join(str(self.block_m // r) for r in tables.CUDA_ROWS_PER_WARP)
+            raise SpecError("num_warps", self.num_warps,
+                            f"the cuda backend gives each warp 16 or 32 query rows: with block_m {self.block_m} "
+                            f"use num_warps {ok}")
+        smem = tables.cuda_smem_bytes(self.head_dim, self.dtype, self.block_m, self.block_n, self.num_stages)
+        limit = max(tables.CUDA_MAX_SMEM.values())
+        if smem > limit:
+            raise SpecError("num_stages", self.num_stages,
+                            f"needs {smem} bytes of shared memory with block_m {self.block_m}, block_n "
+                            f"{self.block_n}, head_dim {self.head_dim}; no GPU gives a block more than {limit}: "
+                            "use fewer stages or a smaller block_n/block_m")
 
     # -- names ---------------------------------------------------------------------------
     @cached_property

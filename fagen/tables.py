@@ -28,7 +28,11 @@ DOT_KWARGS = {DType.FP16: "", DType.BF16: "", DType.FP32: ', input_precision="ie
 # The template that renders a (backend, kind) pair. Direction is a switch inside it.
 TEMPLATE = {
     (Backend.TRITON, Kind.PREFILL): "triton/attention.py.j2",
+    (Backend.CUDA, Kind.PREFILL): "cuda/attention.cu.j2",
 }
+
+# The Python module that loads and launches a compiled source, for backends whose source is not Python.
+LAUNCHER = {Backend.CUDA: "cuda/launcher.py.j2"}
 
 # File suffix of a rendered source, per backend.
 SOURCE_SUFFIX = {Backend.TRITON: ".py", Backend.CUDA: ".cu"}
@@ -50,3 +54,41 @@ def default_config(head_dim: int, dtype: DType, direction: Direction, kind: Kind
     if head_dim <= 64:
         return {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 4}
     return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3}
+
+
+# -- CUDA backend ------------------------------------------------------------------------------
+# [Note] CUDA tiles. The forward kernel gives each warp 16 or 32 query rows (one or two 16-row MMA tiles:
+# block_m / num_warps in CUDA_ROWS_PER_WARP), streams K/V through a ring of num_stages shared-memory
+# buffers, and pads head_dim to a multiple of 16 plus 8 elements of row padding (ldmatrix bank spread).
+CUDA_SUPPORTED = {
+    "dtype": ((DType.FP16, DType.BF16), "the cuda backend computes fp16 and bf16 on tensor cores; use "
+                                        "backend 'triton' for fp32"),
+    "direction": ((Direction.FWD,), "the cuda backend has the forward only; use backend 'triton' for bwd"),
+    "block_m": ((64, 128), "the cuda backend supports block_m 64 or 128"),
+    "block_n": ((32, 64), "the cuda backend supports block_n 32 or 64"),
+    "num_stages": ((2, 3, 4), "the cuda backend pipelines K/V through 2, 3 or 4 shared-memory stages"),
+}
+CUDA_ROWS_PER_WARP = (16, 32)
+
+# Most dynamic shared memory one block may opt into, per arch (CUDA programming guide, "compute capabilities").
+CUDA_MAX_SMEM = {"sm_80": 166912, "sm_86": 101376, "sm_87": 166912, "sm_89": 101376, "sm_90": 232448,
+                 "sm_100": 232448, "sm_103": 232448, "sm_120": 101376}
+CUDA_MMA_TYPE = {DType.FP16: "f16", DType.BF16: "bf16"}
+
+
+def cuda_head_dim_padded(head_dim: int) -> int:
+    """head_dim rounded up to the MMA k-step of 16; the extra columns are zeros in shared memory."""
+    return (head_dim + 15) // 16 * 16
+
+
+def cuda_smem_bytes(head_dim: int, dtype: DType, block_m: int, block_n: int, num_stages: int) -> int:
+    """Dynamic shared memory of the CUDA forward: a Q tile and num_stages K and V tiles, rows padded by 8."""
+    row = (cuda_head_dim_padded(head_dim) + 8) * DType(dtype).itemsize
+    return (block_m + 2 * num_stages * block_n) * row
+
+
+def cuda_default_config(head_dim: int, dtype: DType, direction: Direction, kind: Kind) -> dict:
+    """Blocks, warps and stages of a cuda spec that leaves them unset: 16 rows per warp, no spills."""
+    if head_dim > 128:
+        return {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 2}
+    return {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2}

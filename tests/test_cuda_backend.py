@@ -208,7 +208,7 @@ def test_cpu_tensors_get_a_clear_device_error():
     (lambda q, k, v: (q[0], k, v), {}, "expected 4 dims"),
     (lambda q, k, v: (q, k, v), {"seqlens_q": torch.tensor([3], dtype=torch.int32)}, "has no padding"),
     (lambda q, k, v: (q, k, v), {"tree_mask": torch.ones(1, 8, 8, dtype=torch.bool)}, "takes no tree"),
-    (lambda q, k, v: (q, k, v), {"scale": float("nan")}, "scale: expected a finite float"),
+    (lambda q, k, v: (q, k, v), {"scale": float("nan")}, "scale: expected a positive finite float"),
 ])
 def test_bad_inputs_raise_clear_errors(mutate, kwargs, message):
     spec = cuda_spec(mask="causal", gqa=2)

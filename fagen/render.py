@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.resources
+import os
 from pathlib import Path
 
 import jinja2
@@ -16,7 +17,10 @@ from fagen.spec import KernelSpec
 
 
 def template_dir() -> Path:
-    """The templates/ folder: packaged as fagen.templates when installed, at the repo root in a checkout."""
+    """The templates/ folder: $FAGEN_TEMPLATE_DIR if set, else packaged as fagen.templates when installed,
+    else at the repo root in a checkout."""
+    if os.environ.get("FAGEN_TEMPLATE_DIR"):
+        return Path(os.environ["FAGEN_TEMPLATE_DIR"])
     try:
         packaged = Path(str(importlib.resources.files("fagen.templates")))
         if packaged.is_dir():
@@ -38,10 +42,14 @@ def _cbool(flag: bool) -> str:
     return "true" if flag else "false"
 
 
-@functools.cache
 def environment() -> jinja2.Environment:
+    return _environment(template_dir())
+
+
+@functools.cache
+def _environment(root: Path) -> jinja2.Environment:
     env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(template_dir()),
+        loader=jinja2.FileSystemLoader(root),  # auto_reload: an edited template is read again
         undefined=jinja2.StrictUndefined,  # a missing variable fails here, not as a compiler error later
         trim_blocks=True,
         lstrip_blocks=True,

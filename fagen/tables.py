@@ -49,3 +49,9 @@ def default_config(head_dim: int, dtype: DType, direction: Direction, kind: Kind
     if head_dim <= 64:
         return {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 3}
     return {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3}
+
+
+# GPU architectures fagen compiles for: compute capability, and the most shared memory one block may use
+# (the opt-in per-block limit: A100 163 KB, H100 227 KB). A build rejects a kernel over the limit.
+ARCH_CAPABILITY = {"sm_80": 80, "sm_90": 90}
+ARCH_SMEM_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}

@@ -52,7 +52,12 @@ def build(specs: Iterable[KernelSpec], archs: Iterable[str], out_dir: Path, jobs
     misses = []
     for spec in specs:
         for arch in archs:
-            hit = lookup(spec, arch)
+            try:
+                hit = lookup(spec, arch)
+            except CompileError as e:  # cached, but over a limit
+                failures.append(Failure(spec.name, arch, e.message))
+                progress(spec, arch, None, failures[-1])
+                continue
             if hit is None:
                 misses.append((spec, arch))
             else:

@@ -44,6 +44,11 @@ def write_if_different(path: Path, data: bytes | str) -> bool:
     killed build never leaves it held.
     """
     data = data.encode() if isinstance(data, str) else data
+    try:  # renames are atomic, so an unlocked read sees a whole file: equal bytes need no lock
+        if path.read_bytes() == data:
+            return False
+    except FileNotFoundError:
+        pass
     path.parent.mkdir(parents=True, exist_ok=True)
     with lock_for(path):
         try:

@@ -77,7 +77,12 @@ def lookup(spec: KernelSpec, arch: str, key: str | None = None) -> ArchBuild | N
     """The cached build of (spec, arch), or None."""
     key = key or artifact_key(spec, arch)
     meta = cache.read_entry(key)
-    return None if meta is None else _from_entry(spec, arch, key, meta, cached=True)
+    if meta is None:
+        return None
+    for k in meta["kernels"]:  # the limit is not part of the key: check it on every use
+        if k["shared"] > tables.ARCH_SMEM_LIMIT[arch]:
+            raise CompileError(spec.name, arch, f"kernel {k['name']}: " + _too_big(spec, arch, k["shared"]))
+    return _from_entry(spec, arch, key, meta, cached=True)
 
 
 def compile_arch(spec: KernelSpec, arch: str) -> ArchBuild:
@@ -165,11 +170,13 @@ def _compile_kernel(spec: KernelSpec, arch: str, entry: dict) -> tuple[bytes, by
     target = GPUTarget("cuda", tables.ARCH_CAPABILITY[arch], 32)
     backend = make_backend(target)
     options = backend.parse_options({"num_warps": entry["num_warps"], "num_stages": entry["num_stages"]})
-    limit = tables.ARCH_SMEM_LIMIT[arch]
     try:
         kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
     except OutOfResources as e:
-        raise fail(_too_big(spec, arch, getattr(e, "required", None), limit, what=str(e))) from None
+        if "shared" in str(e.name):
+            raise fail(_too_big(spec, arch, e.required)) from None
+        raise fail(f"out of {e.name}: needs {e.required}, {arch} allows {e.limit}; use smaller block_m/block_n or "
+                   "fewer num_warps/num_stages") from None
     except triton.CompilationError as e:
         raise fail("Triton could not compile it: " + str(e).strip().splitlines()[-1]) from None
     md = kernel.metadata
@@ -178,8 +185,8 @@ def _compile_kernel(spec: KernelSpec, arch: str, entry: dict) -> tuple[bytes, by
     cubin = kernel.asm["cubin"]
     registers, stack, static_shared = _resource_usage(cubin)
     shared = md.shared + static_shared
-    if shared > limit:
-        raise fail(_too_big(spec, arch, shared, limit))
+    if shared > tables.ARCH_SMEM_LIMIT[arch]:
+        raise fail(_too_big(spec, arch, shared))
     params = [[n, t] for n, t in signature.items() if t != "constexpr"]
     launch = {"symbol": md.name, "params": params, "constexprs": constexprs, "divisible": divisible,
               "num_warps": md.num_warps, "num_stages": md.num_stages, "dynamic_shared": md.shared,
@@ -189,10 +196,11 @@ def _compile_kernel(spec: KernelSpec, arch: str, entry: dict) -> tuple[bytes, by
     return kernel.asm["ptx"].encode(), cubin, record
 
 
-def _too_big(spec: KernelSpec, arch: str, need: int | None, limit: int, what: str = "") -> str:
-    need_text = f"{need / 1024:.1f} KB of shared memory" if need else f"more shared memory ({what})"
-    return (f"needs {need_text} per block but {arch} allows {limit // 1024} KB; use a smaller block_n "
-            f"(now {spec.block_n}) or block_m (now {spec.block_m}), or fewer num_stages (now {spec.num_stages})")
+def _too_big(spec: KernelSpec, arch: str, need: int) -> str:
+    limit = tables.ARCH_SMEM_LIMIT[arch]
+    return (f"needs {need / 1024:g} KB of shared memory per block but {arch} allows {limit / 1024:g} KB; use a "
+            f"smaller block_n (now {spec.block_n}) or block_m (now {spec.block_m}), or fewer num_stages "
+            f"(now {spec.num_stages})")
 
 
 _USAGE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")

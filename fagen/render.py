@@ -81,9 +81,15 @@ def template_files(spec: KernelSpec) -> list[Path]:
         except jinja2.TemplateNotFound:
             continue  # a branch this spec never takes may name a template not written yet
         seen.add(name)
-        todo.extend(n for n in jinja2.meta.find_referenced_templates(env.parse(source)) if n)
+        todo.extend(_references(source))
     root = template_dir()
     return sorted(root / n for n in seen)
+
+
+@functools.lru_cache(maxsize=256)
+def _references(source: str) -> tuple[str, ...]:
+    """The templates a template source imports or includes; parsed once per distinct source text."""
+    return tuple(n for n in jinja2.meta.find_referenced_templates(environment().parse(source)) if n)
 
 
 def template_digest(spec: KernelSpec) -> str:

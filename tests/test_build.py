@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -134,6 +135,23 @@ def test_build_writes_every_variant_and_arch(built):
         assert (out / k["cubin"]).read_bytes()[:4] == b"\x7fELF"
         assert 0 < k["registers"] <= 255 and k["shared"] > 0 and k["spills"] >= 0 and v["seconds"] > 0
     assert "attn_fwd_causal_d16" in first.output and "compile s" in first.output
+
+
+PTX_PARAM = {"*": ".u64 .ptr", "i32": ".u32", "i64": ".u64", "fp32": ".f32"}
+
+
+def test_launch_record_matches_the_kernel_abi_in_the_ptx(built):
+    """The prebuilt launcher passes the recorded params, then two scratch pointers: the PTX entry must agree."""
+    out = built[0]
+    for spec in (CAUSAL, TREE):
+        variant = json.loads((out / spec.name / "variant.json").read_text())
+        for arch, info in variant["archs"].items():
+            (kernel,) = info["kernels"]
+            ptx = (out / spec.name / kernel["ptx"]).read_text()
+            entry = ptx[ptx.index(f".entry {kernel['launch']['symbol']}("):]
+            got = re.findall(r"\.param (\.\w+(?: \.ptr)?)", entry[:entry.index(")")])
+            want = [PTX_PARAM["*" if t.startswith("*") else t] for _, t in kernel["launch"]["params"]] + [".u64 .ptr"] * 2
+            assert got == want, (spec.name, arch)
 
 
 def test_second_build_is_all_cached_and_byte_identical(built, tmp_path):

@@ -119,7 +119,8 @@ def _run_build(specs, archs, out_dir, jobs, keep_going, quiet, as_json, manifest
     from fagen.build import build, summary_table
 
     err = Console(stderr=True)
-    columns = (SpinnerColumn(), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.description}"))
+    columns = (SpinnerColumn(), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("{task.description}"))
     with Progress(*columns, console=err, disable=quiet or as_json) as bar:
         task = bar.add_task("checking the cache", total=len(specs) * len(archs))
 

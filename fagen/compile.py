@@ -42,6 +42,7 @@ class KernelArtifact:
     registers: int  # per thread
     spills: int  # per-thread local memory in 32-bit words (what Triton reports as n_spills); 0: no spilling
     shared: int  # bytes of shared memory per block, dynamic + static
+    seconds: float  # triton.compile time of this kernel when it was built
     launch: dict  # what fagen.prebuilt needs to launch the cubin: symbol, params, constexprs, shared, ...
 
 
@@ -101,10 +102,11 @@ def compile_arch(spec: KernelSpec, arch: str) -> ArchBuild:
         module = import_for_compile(spec)
         files, kernels = {}, []
         for entry in module.AOT_KERNELS:
+            kernel_start = time.perf_counter()
             with _compiled_mode():  # Triton's code generator also reads TRITON_INTERPRET
                 ptx, cubin, record = _compile_kernel(spec, arch, entry)
             files[f"{entry['name']}.ptx"], files[f"{entry['name']}.cubin"] = ptx, cubin
-            kernels.append(record)
+            kernels.append({**record, "seconds": round(time.perf_counter() - kernel_start, 3)})
         meta = {"spec": spec.to_dict(), "arch": arch, "seconds": round(time.perf_counter() - start, 3),
                 "kernels": kernels}
         meta = cache.write_entry(key, files, meta)
@@ -119,7 +121,7 @@ def _from_entry(spec: KernelSpec, arch: str, key: str, meta: dict, cached: bool)
     root = cache.entry_dir(key)
     kernels = tuple(KernelArtifact(name=k["name"], ptx=root / f"{k['name']}.ptx", cubin=root / f"{k['name']}.cubin",
                                    registers=k["registers"], spills=k["spills"], shared=k["shared"],
-                                   launch=k["launch"]) for k in meta["kernels"])
+                                   seconds=k["seconds"], launch=k["launch"]) for k in meta["kernels"])
     return ArchBuild(spec=spec, arch=arch, key=key, kernels=kernels, seconds=meta["seconds"], cached=cached)
 
 
@@ -239,7 +241,7 @@ def export(spec: KernelSpec, builds: list[ArchBuild], out_dir: Path) -> list[dic
             cache.write_if_different(vdir / b.arch / k.ptx.name, k.ptx.read_bytes())
             cache.write_if_different(vdir / b.arch / k.cubin.name, cubin)
             kernels.append({"name": k.name, "ptx": f"{b.arch}/{k.ptx.name}", "cubin": f"{b.arch}/{k.cubin.name}",
-                            "registers": k.registers, "spills": k.spills, "shared": k.shared,
+                            "registers": k.registers, "spills": k.spills, "shared": k.shared, "seconds": k.seconds,
                             "cubin_sha256": hashlib.sha256(cubin).hexdigest()})
         archs[b.arch] = {"key": b.key, "seconds": b.seconds,
                          "kernels": [{**rec, "launch": k.launch} for rec, k in zip(kernels, b.kernels)]}

@@ -91,7 +91,8 @@ class PrebuiltKernel:
         kwargs = dict(kwargs)
         warps, stages = kwargs.pop("num_warps", self.num_warps), kwargs.pop("num_stages", self.num_stages)
         bound = dict(zip(self.arg_names, args))
-        if len(args) > len(self.arg_names) or set(bound) & set(kwargs) or set(bound) | set(kwargs) != set(self.arg_names):
+        given = set(bound) | set(kwargs)
+        if len(args) > len(self.arg_names) or set(bound) & set(kwargs) or given != set(self.arg_names):
             raise TypeError(f"{self.name}: takes exactly the arguments {self.arg_names}")
         bound.update(kwargs)
         params = self._params(bound)

@@ -8,6 +8,7 @@ import json
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Iterable
@@ -112,7 +113,7 @@ def _run_pool(misses, workers: int, keep_going: bool, finish) -> int:
         multiprocessing.forkserver.ensure_running()
     started = 0
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
-                                                initargs=(env,)) as pool:
+                                                initargs=(env, os.getpid())) as pool:
         futures = {pool.submit(_run_one, spec, arch): (spec, arch) for spec, arch in misses}
         stop = False
         for future in concurrent.futures.as_completed(futures):
@@ -131,10 +132,24 @@ def _run_pool(misses, workers: int, keep_going: bool, finish) -> int:
     return started
 
 
-def _init_worker(env: dict[str, str]) -> None:
+def _init_worker(env: dict[str, str], build_pid: int) -> None:
     """Workers see the environment the build started with (cache dir, template dir, TRITON_* knobs)."""
     os.environ.clear()
     os.environ.update(env)
+    threading.Thread(target=_exit_with, args=(build_pid,), daemon=True).start()
+
+
+def _exit_with(build_pid: int) -> None:
+    """A worker's parent is the fork server, so it would outlive a killed build: leave when the build is gone.
+    Its locks are flock locks and die with it."""
+    while True:
+        time.sleep(0.5)
+        try:
+            os.kill(build_pid, 0)
+        except ProcessLookupError:
+            os._exit(1)
+        except PermissionError:
+            pass
 
 
 class _clean_interpret:

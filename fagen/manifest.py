@@ -9,6 +9,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Callable
 
+from fagen.compile import ARCHS, ArchError, parse_archs
 from fagen.spec import KernelSpec, SpecError
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,10 @@ def load_manifest(path: str | Path, predicate: Callable[[dict], str | None] = ke
         raise ManifestError(f"{path}: unknown section(s) {sorted(unknown)}; use [defaults], [[kernel]], [[sweep]]")
     defaults = dict(data.get("defaults", {}))
     archs = defaults.pop("arch", ["sm_90"])
-    archs = tuple(archs if isinstance(archs, list) else [archs])
+    try:
+        archs = parse_archs(archs if isinstance(archs, list) else [archs])
+    except (ArchError, AttributeError):
+        raise ManifestError(f"{path}: [defaults] arch = {archs!r}; use a list of {', '.join(ARCHS)}") from None
     specs: dict[KernelSpec, None] = {}
     dropped = []
     for section in ("kernel", "sweep"):

@@ -162,7 +162,7 @@ def compile_cached(source: str, arch: str, *, name: str = "kernel", werror: bool
 def check_fits(spec, arch: str) -> int:
     """The dynamic shared memory a cuda spec needs; NvccError if `arch` cannot give a block that much."""
     need = tables.cuda_smem_bytes(spec.head_dim, spec.dtype, spec.block_m, spec.block_n, spec.num_stages)
-    limit = tables.CUDA_MAX_SMEM.get(check_arch(arch).rstrip("a"))
+    limit = tables.ARCH_SMEM_LIMIT.get(check_arch(arch).rstrip("a"))
     if limit is not None and need > limit:
         raise NvccError(f"{spec.name}: needs {need} bytes of shared memory but {arch} gives a block at most {limit}; "
                         "use fewer stages (--num-stages) or a smaller --block-n / --block-m")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.resources
+import os
 from pathlib import Path
 
 import jinja2
@@ -16,7 +17,10 @@ from fagen.spec import KernelSpec
 
 
 def template_dir() -> Path:
-    """The templates/ folder: packaged as fagen.templates when installed, at the repo root in a checkout."""
+    """The templates/ folder: $FAGEN_TEMPLATE_DIR if set, else packaged as fagen.templates when installed,
+    else at the repo root in a checkout."""
+    if os.environ.get("FAGEN_TEMPLATE_DIR"):
+        return Path(os.environ["FAGEN_TEMPLATE_DIR"])
     try:
         packaged = Path(str(importlib.resources.files("fagen.templates")))
         if packaged.is_dir():
@@ -50,10 +54,14 @@ def _smem_bytes(spec: KernelSpec) -> int:
     return tables.cuda_smem_bytes(spec.head_dim, spec.dtype, spec.block_m, spec.block_n, spec.num_stages)
 
 
-@functools.cache
 def environment() -> jinja2.Environment:
+    return _environment(template_dir())
+
+
+@functools.cache
+def _environment(root: Path) -> jinja2.Environment:
     env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(template_dir()),
+        loader=jinja2.FileSystemLoader(root),  # auto_reload: an edited template is read again
         undefined=jinja2.StrictUndefined,  # a missing variable fails here, not as a compiler error later
         trim_blocks=True,
         lstrip_blocks=True,
@@ -86,9 +94,15 @@ def template_files(spec: KernelSpec) -> list[Path]:
         except jinja2.TemplateNotFound:
             continue  # a branch this spec never takes may name a template not written yet
         seen.add(name)
-        todo.extend(n for n in jinja2.meta.find_referenced_templates(env.parse(source)) if n)
+        todo.extend(_references(source))
     root = template_dir()
     return sorted(root / n for n in seen)
+
+
+@functools.lru_cache(maxsize=256)
+def _references(source: str) -> tuple[str, ...]:
+    """The templates a template source imports or includes; parsed once per distinct source text."""
+    return tuple(n for n in jinja2.meta.find_referenced_templates(environment().parse(source)) if n)
 
 
 def template_digest(spec: KernelSpec) -> str:

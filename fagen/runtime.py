@@ -26,10 +26,18 @@ def source_path(spec: KernelSpec) -> Path:
     return cache.cache_root() / "src" / f"{spec.name}-{source_key(spec)}{suffix}"
 
 
-def load(spec: KernelSpec) -> ModuleType:
-    """The generated module for `spec`. Rendered into the cache on first use; later calls are cache hits."""
+def load(spec: KernelSpec, build_dir: str | Path | None = None) -> ModuleType:
+    """The generated module for `spec`. Rendered into the cache on first use; later calls are cache hits.
+
+    With build_dir (the output of `fagen build` or `fagen compile`), its kernels launch the prebuilt cubins
+    for the current GPU instead of compiling (see fagen/prebuilt.py).
+    """
     if not isinstance(spec, KernelSpec):
         raise TypeError(f"load() takes a KernelSpec, got {type(spec).__name__}")
+    if build_dir is not None:
+        from fagen import prebuilt
+
+        return prebuilt.load(spec, Path(build_dir))
     path = source_path(spec)
     with _lock:
         module = _loaded.get(path.stem)
@@ -53,8 +61,8 @@ def load_source(source: str, name: str) -> ModuleType:
     return _import(path)
 
 
-def _import(path: Path) -> ModuleType:
-    module_name = f"fagen_generated.{path.stem.replace('-', '_')}"
+def _import(path: Path, module_name: str | None = None) -> ModuleType:
+    module_name = module_name or f"fagen_generated.{path.stem.replace('-', '_')}"
     if module_name in sys.modules:
         return sys.modules[module_name]
     mod_spec = importlib.util.spec_from_file_location(module_name, path)

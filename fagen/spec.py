@@ -105,7 +105,7 @@ class KernelSpec:
                             f"the cuda backend gives each warp 16 or 32 query rows: with block_m {self.block_m} "
                             f"use num_warps {ok}")
         smem = tables.cuda_smem_bytes(self.head_dim, self.dtype, self.block_m, self.block_n, self.num_stages)
-        limit = max(tables.CUDA_MAX_SMEM.values())
+        limit = max(tables.ARCH_SMEM_LIMIT.values())
         if smem > limit:
             raise SpecError("num_stages", self.num_stages,
                             f"needs {smem} bytes of shared memory with block_m {self.block_m}, block_n "

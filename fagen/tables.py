@@ -70,9 +70,6 @@ CUDA_SUPPORTED = {
 }
 CUDA_ROWS_PER_WARP = (16, 32)
 
-# Most dynamic shared memory one block may opt into, per arch (CUDA programming guide, "compute capabilities").
-CUDA_MAX_SMEM = {"sm_80": 166912, "sm_86": 101376, "sm_87": 166912, "sm_89": 101376, "sm_90": 232448,
-                 "sm_100": 232448, "sm_103": 232448, "sm_120": 101376}
 CUDA_MMA_TYPE = {DType.FP16: "f16", DType.BF16: "bf16"}
 
 
@@ -92,3 +89,11 @@ def cuda_default_config(head_dim: int, dtype: DType, direction: Direction, kind:
     if head_dim > 128:
         return {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 2}
     return {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2}
+
+
+# GPU architectures fagen compiles Triton for, by compute capability.
+ARCH_CAPABILITY = {"sm_80": 80, "sm_90": 90}
+# The most shared memory one block may opt into, per arch (CUDA programming guide, "compute capabilities":
+# A100 163 KB, H100 227 KB). A build or a cuda spec over the limit is rejected.
+ARCH_SMEM_LIMIT = {"sm_80": 166912, "sm_86": 101376, "sm_87": 166912, "sm_89": 101376, "sm_90": 232448,
+                   "sm_100": 232448, "sm_103": 232448, "sm_120": 101376}

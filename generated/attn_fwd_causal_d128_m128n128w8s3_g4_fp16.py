@@ -286,3 +286,39 @@ def forward(q, k, v, *, scale=None, seqlens_q=None, seqlens_k=None, tree_mask=No
     scale = _check_scale(scale)
     seqlens_q, seqlens_k, tree_bits = _check_mask_inputs(q, k, seqlens_q, seqlens_k, tree_mask)
     return _launch_forward(q, k, v, scale, seqlens_q, seqlens_k, tree_bits)
+
+
+# [Note] AOT kernels
+# AOT_KERNELS lists every @triton.jit entry point with the one specialization `fagen compile` builds ahead of
+# time (fagen/compile.py): each argument's Triton type, "constexpr" for compile-time values (a pointer that is
+# None for this spec is a constexpr None), the constexpr values the launcher passes (compiled kernels never
+# upcast, so UPCAST is False), warps and stages. "divisible" names arguments assumed to be multiples of 16
+# (pointers: 16-byte aligned), as Triton's JIT specializes them; a prebuilt launch checks every assumption.
+# The launcher above must pass exactly these; fagen/prebuilt.py refuses a launch that does not.
+_PTR = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}[DTYPE]
+_FWD_INTS = ("stride_qb stride_qh stride_qm stride_kb stride_kh stride_kn stride_vb stride_vh stride_vn "
+             "stride_ob stride_oh stride_om stride_tb stride_tm num_heads seq_q seq_k").split()
+AOT_KERNELS = [
+    {
+        "name": "_attn_fwd",
+        "fn": _attn_fwd,
+        "signature": {"Q": _PTR, "K": _PTR, "V": _PTR, "Out": _PTR, "Lse": "*fp32",
+                      "SeqlensQ": "constexpr",
+                      "SeqlensK": "constexpr",
+                      "TreeBits": "constexpr",
+                      "qk_scale": "fp32", **{name: "i32" for name in _FWD_INTS},
+                      **{name: "constexpr" for name in ("HEAD_DIM", "BLOCK_D", "BLOCK_M", "BLOCK_N", "GQA", "UPCAST")}},
+        "constexprs": {
+            "SeqlensQ": None, "SeqlensK": None,
+            "TreeBits": None,
+            "HEAD_DIM": HEAD_DIM, "BLOCK_D": triton.next_power_of_2(HEAD_DIM), "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N,
+            "GQA": GQA, "UPCAST": False,
+        },
+        # Contiguous row strides are multiples of 16 only when head_dim is.
+        "divisible": ["Q", "K", "V", "Out", "Lse"]
+        + ([name for name in _FWD_INTS if name.startswith(("stride_q", "stride_k", "stride_v", "stride_o"))]
+           if HEAD_DIM % 16 == 0 else []),
+        "num_warps": NUM_WARPS,
+        "num_stages": NUM_STAGES,
+    },
+]

@@ -1,4 +1,7 @@
-"""Ahead-of-time compile: a spec's Triton kernels to PTX and cubin for each GPU arch, without a GPU, cached."""
+"""Ahead-of-time compile: a spec's kernels to PTX and cubin for each GPU arch, without a GPU, cached.
+
+Triton specs go through triton.compile with an explicit target; cuda specs through nvcc (fagen.nvcc).
+"""
 
 from __future__ import annotations
 
@@ -15,7 +18,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Iterable
 
-from fagen import __version__, cache, runtime, tables
+from fagen import __version__, cache, nvcc, runtime, tables
+from fagen.enums import Backend
 from fagen.render import generate, template_digest
 from fagen.spec import KernelSpec
 
@@ -99,18 +103,39 @@ def compile_arch(spec: KernelSpec, arch: str) -> ArchBuild:
         if hit is not None:
             return hit
         start = time.perf_counter()
-        module = import_for_compile(spec)
-        files, kernels = {}, []
-        for entry in module.AOT_KERNELS:
-            kernel_start = time.perf_counter()
-            with _compiled_mode():  # Triton's code generator also reads TRITON_INTERPRET
-                ptx, cubin, record = _compile_kernel(spec, arch, entry)
-            files[f"{entry['name']}.ptx"], files[f"{entry['name']}.cubin"] = ptx, cubin
-            kernels.append({**record, "seconds": round(time.perf_counter() - kernel_start, 3)})
+        files, kernels = _compile_cuda(spec, arch) if spec.backend is Backend.CUDA else _compile_triton(spec, arch)
         meta = {"spec": spec.to_dict(), "arch": arch, "seconds": round(time.perf_counter() - start, 3),
                 "kernels": kernels}
         meta = cache.write_entry(key, files, meta)
     return _from_entry(spec, arch, key, meta, cached=False)
+
+
+def _compile_triton(spec: KernelSpec, arch: str) -> tuple[dict, list]:
+    """Each AOT kernel of the generated module through triton.compile for an explicit GPU target."""
+    module = import_for_compile(spec)
+    files, kernels = {}, []
+    for entry in module.AOT_KERNELS:
+        kernel_start = time.perf_counter()
+        with _compiled_mode():  # Triton's code generator also reads TRITON_INTERPRET
+            ptx, cubin, record = _compile_kernel(spec, arch, entry)
+        files[f"{entry['name']}.ptx"], files[f"{entry['name']}.cubin"] = ptx, cubin
+        kernels.append({**record, "seconds": round(time.perf_counter() - kernel_start, 3)})
+    return files, kernels
+
+
+def _compile_cuda(spec: KernelSpec, arch: str) -> tuple[dict, list]:
+    """The .cu source through nvcc (fagen.nvcc); the launcher module loads the cubin (use_cubin)."""
+    try:
+        done = nvcc.compile_spec(spec, arch)
+    except nvcc.NvccError as e:
+        raise CompileError(spec.name, arch, str(e)) from None
+    files, kernels = {}, []
+    for name, res in done.resources.items():
+        files[f"{name}.ptx"], files[f"{name}.cubin"] = done.ptx.read_bytes(), done.cubin.read_bytes()
+        kernels.append({"name": name, "registers": res.registers, "spills": res.spill_stores // 4,
+                        "shared": res.smem, "seconds": round(done.seconds, 3),
+                        "launch": {"backend": "cuda", "symbol": name, "shared": res.dynamic_smem}})
+    return files, kernels
 
 
 def compile_spec(spec: KernelSpec, archs: Iterable[str]) -> list[ArchBuild]:

@@ -101,37 +101,6 @@ def generate(spec_file, out_dir, **flags):
 
 # -- fagen verify ----------------------------------------------------------------------------------------
 
-def _prepare_device(device: str | None) -> str:
-    """Pick the device and set Triton's mode for it before any generated module is imported."""
-    import os
-    import sys
-
-    if device is None:
-        import torch  # importing torch does not decorate any Triton kernel, so the mode can still be chosen
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    interpret = device == "cpu"
-    if interpret:
-        os.environ["TRITON_INTERPRET"] = "1"  # read by @triton.jit and by generated modules when imported
-    elif os.environ.get("TRITON_INTERPRET", "0") == "1":
-        raise click.ClickException("TRITON_INTERPRET=1 is set, so kernels would run in the interpreter: "
-                                   "unset it to verify on the GPU (or use --device cpu)")
-    stale = [name for name, mod in list(sys.modules.items())
-             if name.startswith("fagen_generated.") and getattr(mod, "_INTERPRET", interpret) != interpret]
-    if interpret and "triton" in sys.modules and not sys.modules["triton"].knobs.runtime.interpret:
-        stale.append("triton (its interpret knob was set off in code)")
-    if stale:
-        raise click.ClickException(f"--device {device}: this process already imported kernels in the other "
-                                   f"Triton mode ({', '.join(stale[:3])}); run fagen verify in a fresh process")
-    if not interpret:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise click.ClickException(f"--device cuda: torch sees no CUDA device (torch {torch.__version__}); "
-                                       "use --device cpu to verify through Triton's interpreter")
-    return device
-
-
 def _verify_specs_from(spec_file, spec_files, manifest, flags) -> list[KernelSpec]:
     from fagen.manifest import ManifestError, load_manifest
 
@@ -194,11 +163,15 @@ def verify_command(ctx, spec_file, spec_files, manifest, examples, seed, time_bu
     if blob is None and not specs and not mutants:
         raise click.UsageError("name the kernels to verify: spec flags (--head-dim 64 --mask causal ...), "
                                "spec files, or --manifest FILE (or use --mutants, or --reproduce BLOB)")
-    device = _prepare_device(device)
-    scale = scale or ("gpu" if device == "cuda" else "cpu")
     from rich.console import Console
 
     from fagen import verifier
+
+    try:
+        device = verifier.prepare_device(device)
+    except verifier.DeviceError as e:
+        raise click.ClickException(str(e)) from None
+    scale = scale or ("gpu" if device == "cuda" else "cpu")
 
     unknown = [p for p in properties if p not in verifier.BY_NAME]
     if unknown:
@@ -241,7 +214,7 @@ def verify_command(ctx, spec_file, spec_files, manifest, examples, seed, time_bu
                    f"all {sum(s is not None for _, s in pairs)} applicable mutants caught")
         failed = bool(survived)
     else:
-        if not quiet:
+        if not quiet and report.results:
             console.print(verifier.summary_table(report))
             console.print(verifier.dtype_table(report))
         for message in report.errors:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import dataclasses
 import hashlib
 import json
 import math
 import time
+import warnings
 from types import ModuleType
 from typing import Callable, Iterable
 
@@ -35,7 +37,7 @@ class Property:
     what: str  # the claim, in words
     check: Callable  # (module, spec, problem, device) -> verify.Outcome; raises verify.PropertyFailure
     applies: Callable[[KernelSpec, ModuleType], bool]
-    bound: str  # what "equal" means: "tol" (TOLERANCE vs float64), "2·tol" (kernel vs kernel), "bitwise"
+    bound: str  # what "equal" means: "tol" (TOLERANCE vs float64), "2·tol" (kernel vs kernel), "bitwise", "exact"
     shape: Callable | None = None  # (draw, problem) -> the problem this property needs (a chain, a star, ...)
 
     def problems(self, spec: KernelSpec, scale: str) -> st.SearchStrategy[Problem]:
@@ -79,7 +81,7 @@ PROPERTIES = (
     Property("bwd-deterministic", "two backward runs are bitwise equal", verify.check_bwd_deterministic,
              _has_backward, "bitwise"),
     Property("bwd-masked-rows", "gradients finite; zero for rows and keys that see nothing",
-             verify.check_bwd_masked_rows, _has_backward, "bitwise"),
+             verify.check_bwd_masked_rows, _has_backward, "exact"),
     # Gradient values against float64 autograd: verify.check_backward, written with the backward kernel.
     Property("bwd-reference", "gradients match float64 autograd",
              lambda *a: verify.check_backward(*a),
@@ -130,10 +132,32 @@ class Counterexample:
             raise BlobError(f"unknown mutant {data['mutant']!r}")
         try:
             spec = KernelSpec.from_dict(data["spec"])
-            problem = Problem.from_json(json.dumps(data["problem"]))
-        except (SpecError, TypeError) as e:
+            problem = _checked(Problem.from_json(json.dumps(data["problem"])))
+        except (SpecError, TypeError, ValueError) as e:
             raise BlobError(f"the blob's spec or problem is invalid: {e}") from None
         return cls(spec, problem, data["property"], mutant=data.get("mutant"))
+
+
+def _checked(p: Problem) -> Problem:
+    """A problem read from outside: plain non-negative ints, lengths within the shapes, parents before children."""
+    def count(name, v, hi=None):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0 or (hi is not None and v > hi):
+            raise ValueError(f"{name} must be an integer in [0, {hi if hi is not None else 'inf'}], got {v!r}")
+
+    for name in ("batch", "heads_kv", "seq_q", "seq_k", "seed"):
+        count(name, getattr(p, name))
+    for name, lens, hi in (("seqlens_q", p.seqlens_q, p.seq_q), ("seqlens_k", p.seqlens_k, p.seq_k)):
+        if lens is not None:
+            if len(lens) != p.batch:
+                raise ValueError(f"{name} needs {p.batch} lengths, got {len(lens)}")
+            for v in lens:
+                count(name, v, hi)
+    for tree in p.parents or ():
+        if len(tree) != p.seq_q or any(not isinstance(x, int) or not -1 <= x < i for i, x in enumerate(tree)):
+            raise ValueError(f"parents must be {p.seq_q} indices, each -1 or an earlier node, got {list(tree)}")
+    if not isinstance(p.magnitude, (int, float)) or not math.isfinite(p.magnitude):
+        raise ValueError(f"magnitude must be a finite number, got {p.magnitude!r}")
+    return p
 
 
 # -- results ---------------------------------------------------------------------------------------------
@@ -266,7 +290,8 @@ def run_property(module, spec: KernelSpec, prop: Property, *, examples: int, see
         given(prop.problems(spec, scale))(attempt))
     run = hypothesis_seed(_seed_for(seed, spec, prop, mutant))(run)
     try:
-        run()
+        with _quiet_interpreter():
+            run()
     except _Failed:
         pass
     except HypothesisException as e:  # e.g. a flaky kernel: report it, it is a failure too
@@ -277,6 +302,14 @@ def run_property(module, spec: KernelSpec, prop: Property, *, examples: int, see
         result.failure = Counterexample(spec, last[0], prop.name, last[1], mutant)
     result.seconds = time.monotonic() - start
     return result
+
+
+@contextlib.contextmanager
+def _quiet_interpreter():
+    """Silence numpy's "invalid value" warnings from a broken kernel's NaN: the property reports the NaN."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton.runtime.interpreter")
+        yield
 
 
 def _finite(x: float) -> float:
@@ -292,12 +325,51 @@ def replay(example: Counterexample, device: str = "cpu") -> str | None:
     """Run one recorded example once; the failure message, or None when it passes."""
     module = mutant_module(example.spec, example.mutant) if example.mutant else runtime.load(example.spec)
     try:
-        BY_NAME[example.property].check(module, example.spec, example.problem, device)
+        with _quiet_interpreter():
+            BY_NAME[example.property].check(module, example.spec, example.problem, device)
     except verify.PropertyFailure as e:
         return str(e)
     except Exception as e:
         return f"{type(e).__name__}: {e}"
     return None
+
+
+# -- devices ---------------------------------------------------------------------------------------------
+
+class DeviceError(RuntimeError):
+    """The requested device cannot run kernels in this process; the message says why and what to do."""
+
+
+def prepare_device(device: str | None = None) -> str:
+    """Pick the device ("cpu" or "cuda") and set Triton's mode for it. Call before any kernel is loaded.
+
+    [Note] Triton reads TRITON_INTERPRET when a @triton.jit function is defined, i.e. when a generated module
+    is imported, and fagen memoises imported modules. So the variable is set here, first, and modules already
+    imported in the other mode (by earlier code in this process) are refused rather than silently reused.
+    """
+    import os
+    import sys
+
+    import torch  # importing torch defines no Triton kernel, so the mode can still be chosen
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    interpret = device == "cpu"
+    if interpret:
+        os.environ["TRITON_INTERPRET"] = "1"
+    elif os.environ.get("TRITON_INTERPRET", "0") == "1":
+        raise DeviceError("TRITON_INTERPRET=1 is set, so kernels would run in the interpreter: unset it to verify "
+                          "on the GPU (or use --device cpu)")
+    stale = [name for name, mod in list(sys.modules.items())
+             if name.startswith("fagen_generated.") and getattr(mod, "_INTERPRET", interpret) != interpret]
+    if interpret and "triton" in sys.modules and not sys.modules["triton"].knobs.runtime.interpret:
+        stale.append("triton (its interpret knob was switched off in code)")
+    if stale:
+        raise DeviceError(f"--device {device}: this process already imported kernels in the other Triton mode "
+                          f"({', '.join(stale[:3])}); run fagen verify in a fresh process")
+    if not interpret and not torch.cuda.is_available():
+        raise DeviceError(f"--device cuda: torch sees no CUDA device (torch {torch.__version__}); "
+                          "use --device cpu to verify through Triton's interpreter")
+    return device
 
 
 # -- many variants ---------------------------------------------------------------------------------------
@@ -308,9 +380,8 @@ Progress = Callable[[str, int, int], None]  # (label, examples done, examples in
 def verify_specs(specs: Iterable[KernelSpec], *, examples: int | None = None, seed: int = 0, scale: str = "cpu",
                  device: str = "cpu", time_budget: float | None = None, properties: Iterable[str] | None = None,
                  shrink_runs: int = SHRINK_RUNS, progress: Progress | None = None) -> Report:
-    """Verify every property that applies to each spec. `fagen verify` and `fagen build --verify` call this.
-
-    A spec that cannot be rendered or loaded is reported in Report.errors (it fails the report).
+    """Verify every property that applies to each spec. `fagen verify` and `fagen build --verify` call this
+    (after prepare_device(device)). A spec that cannot be rendered or loaded fails the report (Report.errors).
     """
     plan, errors = [], []
     for spec in specs:
@@ -433,7 +504,7 @@ def failure_lines(result: PropertyResult, device: str) -> list[str]:
             f"  message:  {f.message}",
             f"  spec:     {f.spec.to_json()}",
             f"  problem:  {f.problem.to_json()}",
-            f"            ({describe(f.problem)}; found after {result.examples} examples, "
+            f"            ({describe(f.problem)}; found at example {result.examples}, "
             f"shrunk in {result.shrink_runs} runs)",
             f"  replay:   {f.command(device)}"]
 
@@ -483,6 +554,6 @@ def mutant_table(report: Report, pairs):
         elif hit is None:
             row = (spec.name, "[bold red]SURVIVED[/]", "")
         else:
-            row = (spec.name, f"[green]{hit.property}[/] after {hit.examples}", describe(hit.failure.problem))
+            row = (spec.name, f"[green]{hit.property}[/] at example {hit.examples}", describe(hit.failure.problem))
         table.add_row(mutant.name, mutant.what, *row)
     return table

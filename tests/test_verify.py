@@ -141,6 +141,11 @@ def test_time_budget_cuts_exploration_short():
     (["--reproduce", "not-a-blob!"], 2, "not a fagen reproduce blob"),
     (["--reproduce", "eyJ4IjoxfQ"], 2, "lacks spec, problem or property"),
     (["--reproduce", "eyJ4IjoxfQ", "--head-dim", "32"], 2, "give it no spec"),
+    (["--reproduce", verifier.Counterexample(fagen.KernelSpec(head_dim=32), Problem(1, 1, 4, 4, seqlens_q=(9,)),
+                                             "reference").blob()], 2, "seqlens_q must be an integer in [0, 4], got 9"),
+    (["--reproduce", verifier.Counterexample(fagen.KernelSpec(head_dim=32, mask="tree"),
+                                             Problem(1, 1, 2, 4, parents=((0, 0),)), "reference").blob()],
+     2, "each -1 or an earlier node"),
     (["--head-dim", "12"], 2, "--head-dim"),
     (["--manifest", "/nonexistent.toml"], 1, "cannot be read"),
 ])

@@ -172,13 +172,14 @@ def check_tree_star(module, spec: KernelSpec, problem: Problem, device: str = "c
     (q, k, v), kwargs = problem.inputs(spec, device)
     out, lse = _run(module, q, k, v, **kwargs)
     prefix, n = problem.seq_k - problem.seq_q, problem.seq_q
-    vis = torch.zeros(problem.batch, n, problem.seq_k, dtype=torch.bool)
+    vis = torch.zeros(problem.batch, n, problem.seq_k, dtype=torch.bool, device=q.device)
     vis[:, :, :prefix] = True
-    vis[:, torch.arange(n), prefix + torch.arange(n)] = True  # itself
+    nodes = torch.arange(n, device=q.device)
+    vis[:, nodes, prefix + nodes] = True  # itself
     for b, kind in enumerate(kinds):
         vis[b, :, prefix] |= kind == "fan"  # node 0, the root of a fan
     # Direct float64 softmax: every row sees at least itself, so no row is empty.
-    q64, k64, v64 = (t.double().cpu() for t in (q, k, v))
+    q64, k64, v64 = (t.double() for t in (q, k, v))
     s = q64 @ k64.repeat_interleave(spec.gqa, 1).transpose(-1, -2) * spec.head_dim ** -0.5
     s = s.masked_fill(~vis[:, None], float("-inf"))
     want = torch.softmax(s, -1) @ v64.repeat_interleave(spec.gqa, 1)

@@ -185,8 +185,10 @@ def verify_command(ctx, spec_file, spec_files, manifest, examples, seed, time_bu
         except verifier.BlobError as e:
             raise click.BadParameter(str(e), param_hint="--reproduce") from None
         click.echo(f"spec:     {example.spec.to_json()}\nproblem:  {example.problem.to_json()}\n"
-                   f"          ({verifier.describe(example.problem)})\nproperty: {example.property}: "
-                   f"{verifier.BY_NAME[example.property].what}" + (f"\nmutant:   {example.mutant}" if example.mutant else ""))
+                   f"          ({verifier.describe(example.problem)})\n"
+                   f"property: {example.property}: {verifier.BY_NAME[example.property].what}")
+        if example.mutant:
+            click.echo(f"mutant:   {example.mutant}")
         message = verifier.replay(example, device)
         click.echo(f"FAIL (reproduced): {message}" if message else "pass: this example no longer fails")
         ctx.exit(1 if message else 0)

@@ -15,9 +15,10 @@ class Mutant:
     masks: tuple[Mask, ...]  # specs it applies to
     old: str  # text in the rendered source ...
     new: str  # ... and its broken replacement
+    min_gqa: int = 1  # a head-mapping bug is invisible while every query head has its own KV head
 
     def applies(self, spec: KernelSpec) -> bool:
-        return spec.mask in self.masks
+        return spec.mask in self.masks and spec.gqa >= self.min_gqa
 
     def apply(self, source: str) -> str:
         if self.old not in source:
@@ -35,9 +36,19 @@ MUTANTS = (
     Mutant("unmasked-tail", "keys past the end of the tail block are not masked out", (Mask.NONE, Mask.PADDING),
            "tl.where((cols[None, :] < len_k), qk", "tl.where((cols[None, :] < len_k + BLOCK_N), qk"),
     Mutant("wrong-gqa-head", "query head h reads KV head h % Hkv instead of h // gqa", tuple(Mask),
-           "off_hkv = off_h // GQA", "off_hkv = off_h % (num_heads // GQA)"),
+           "off_hkv = off_h // GQA", "off_hkv = off_h % (num_heads // GQA)", min_gqa=2),
     Mutant("dropped-rescale", "the accumulator is not rescaled when the running max grows", tuple(Mask),
            "acc = acc * alpha[:, None] + tl.dot", "acc = acc + tl.dot"),
     Mutant("tree-ignores-bits", "the tree part is treated as fully visible", (Mask.TREE,),
            "!= 0)) & (cols[None, :] < seq_k)", "!= 2)) & (cols[None, :] < seq_k)"),
+    Mutant("padding-keys-unmasked", "keys past seqlens_k are attended (the key padding mask is missing)",
+           (Mask.PADDING, Mask.CAUSAL_PADDING), "len_k = tl.load(SeqlensK + off_b)\n", "len_k = seq_k\n"),
+    Mutant("padding-loads-garbage", "K/V loads ignore seqlens_k: padding is read, then weighted by p = 0",
+           (Mask.PADDING, Mask.CAUSAL_PADDING), "cols, len_k, offs_d,", "cols, seq_k, offs_d,"),
+    Mutant("causal-padding-global-shift", "causal+padding aligned with the padded lengths, not each sequence's",
+           (Mask.CAUSAL_PADDING,), "shift = len_k - len_q\n", "shift = seq_k - seq_q\n"),
+    Mutant("lse-base-2", "lse stored in base 2 (the ln 2 factor is dropped)", tuple(Mask),
+           "* 0.6931471805599453, float(\"-inf\"))", "* 1.0, float(\"-inf\"))"),
+    Mutant("no-finite-stand-in", "a row whose first masked block is empty computes exp2(-inf - -inf) = NaN",
+           (Mask.TREE,), "m_use = tl.where(m_new == float(\"-inf\"), 0.0, m_new)", "m_use = m_new"),
 )

@@ -18,6 +18,20 @@ SCALES = {
     "gpu": dict(batch=2, heads_kv=2, seq=(0, 1, 63, 64, 127, 1000, 1024, 2047, 2049, 4096), max_seq=4096, tree=160),
 }
 CPU_HEAD_DIMS = (16, 24, 40, 64)
+
+
+def scale_config(spec: KernelSpec, scale: str) -> dict:
+    """SCALES[scale]; on the CPU, lengths stretch with a big-block spec so problems still span several blocks."""
+    cfg = SCALES[scale]
+    small, big = sorted((spec.block_m, spec.block_n))
+    if scale != "cpu":
+        return cfg
+    cfg = dict(cfg, tree=big + 8)  # a tree that spills into a second query block
+    if big <= 32:
+        return cfg
+    # Tails on both sides of each block edge, two key blocks and a ragged third; the interpreter stays ~1 s.
+    seq = (0, 1, 2, small - 1, small + 1, big - 1, big + 1, big + small + 3, 2 * big + 5)
+    return dict(cfg, seq=tuple(sorted(set(seq))), max_seq=2 * big + 8)
 GPU_HEAD_DIMS = (64, 80, 128)
 
 
@@ -101,16 +115,18 @@ def specs(masks=tuple(Mask), dtypes=tuple(DType), directions=(Direction.FWD,), h
 @st.composite
 def problems(draw, spec: KernelSpec, scale: str = "cpu") -> Problem:
     """Problems for `spec`: lengths that are not multiples of the blocks, Sq != Sk, lengths 0 and 1, trees."""
-    cfg = SCALES[scale]
+    cfg = scale_config(spec, scale)
     seq = st.one_of(st.sampled_from(cfg["seq"]), st.integers(0, cfg["max_seq"]))
     batch = draw(st.integers(1, cfg["batch"]))
     heads_kv = draw(st.integers(1, cfg["heads_kv"]))
     extra = {}
     if spec.mask is Mask.TREE:
-        n = draw(st.integers(1, cfg["tree"]))
-        seq_q, seq_k = n, n + draw(seq)
-        extra["parents"] = tuple(
-            tuple(draw(st.integers(-1, i - 1)) if i else -1 for i in range(n)) for _ in range(batch))
+        edges = [e for e in (1, spec.block_n - 1, spec.block_n + 1, spec.block_m + 1) if e <= cfg["tree"]]
+        n = draw(st.one_of(st.integers(1, cfg["tree"]), st.sampled_from(edges)))  # nodes; edges: just past a block
+        seq_q, seq_k = n, n + draw(st.one_of(st.just(0), seq))  # no prefix: the first key block is all tree
+        # A root, the previous node (chains) or any earlier node: forests, deep chains and bushy trees.
+        parent = lambda i: st.one_of(st.just(-1), st.just(i - 1), st.integers(-1, i - 1))  # noqa: E731
+        extra["parents"] = tuple(tuple(draw(parent(i)) if i else -1 for i in range(n)) for _ in range(batch))
     else:
         seq_q = draw(seq)
         seq_k = draw(st.one_of(st.just(seq_q), seq))

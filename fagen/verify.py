@@ -7,8 +7,8 @@ import math
 
 import torch
 
-from fagen import reference
-from fagen.enums import DType
+from fagen import reference, runtime
+from fagen.enums import DType, Mask
 from fagen.spec import KernelSpec
 from fagen.strategies import Problem
 
@@ -27,6 +27,10 @@ TOLERANCE = {
 }
 # lse is float32 from fp32 scores in every dtype; only its summation order differs from the reference.
 LSE_TOLERANCE = dict(atol=1e-4, rtol=1e-4)
+# [Note] Kernel against kernel: when a property compares two kernel runs (a gqa kernel against the MHA kernel,
+# two halves merged against the whole), each run may be TOLERANCE away from the truth, so by the triangle
+# inequality they may be twice that apart. No single kernel is ever held to less than TOLERANCE.
+PAIR = 2
 
 
 class PropertyFailure(AssertionError):
@@ -39,21 +43,25 @@ class Outcome:
     max_lse_err: float
 
 
-def compare(name: str, got: torch.Tensor, want: torch.Tensor, atol: float, rtol: float) -> float:
-    """Raise PropertyFailure unless got ~ want; returns the max abs error over finite entries."""
+def compare(name: str, got: torch.Tensor, want: torch.Tensor, atol: float, rtol: float,
+            expected: str = "reference") -> float:
+    """Raise PropertyFailure unless got ~ want; returns the max abs error over finite entries.
+
+    `expected` names what `want` is in messages (the float64 reference, or another kernel's output).
+    """
     got64, want = got.detach().double().cpu(), want.detach().double().cpu()
     if got64.shape != want.shape:
         raise PropertyFailure(f"{name}: shape {tuple(got64.shape)}, expected {tuple(want.shape)}")
     bad_nan = torch.isnan(got64) & ~torch.isnan(want)
     if bad_nan.any():
         idx = tuple(bad_nan.nonzero()[0].tolist())
-        raise PropertyFailure(f"{name}: NaN at {idx} ({int(bad_nan.sum())} NaNs), reference {want[idx].item():.6g}")
+        raise PropertyFailure(f"{name}: NaN at {idx} ({int(bad_nan.sum())} NaNs), {expected} {want[idx].item():.6g}")
     inf_mismatch = torch.isinf(got64) != torch.isinf(want)
     both_inf = torch.isinf(got64) & torch.isinf(want)
     inf_mismatch |= both_inf & (torch.sign(got64) != torch.sign(want))
     if inf_mismatch.any():
         idx = tuple(inf_mismatch.nonzero()[0].tolist())
-        raise PropertyFailure(f"{name}: {got64[idx].item():.6g} at {idx}, reference {want[idx].item():.6g}")
+        raise PropertyFailure(f"{name}: {got64[idx].item():.6g} at {idx}, {expected} {want[idx].item():.6g}")
     finite = torch.isfinite(want)
     err = torch.where(finite, (got64 - want).abs(), 0.0)
     allowed = atol + rtol * want.abs()
@@ -61,19 +69,271 @@ def compare(name: str, got: torch.Tensor, want: torch.Tensor, atol: float, rtol:
     if over.any():
         idx = tuple(over.nonzero()[0].tolist())
         raise PropertyFailure(
-            f"{name}: {got64[idx].item():.6g} at {idx}, reference {want[idx].item():.6g} "
+            f"{name}: {got64[idx].item():.6g} at {idx}, {expected} {want[idx].item():.6g} "
             f"(|err| {err[idx].item():.3g} > {allowed[idx].item():.3g}; {int(over.sum())} of {over.numel()} over; "
             f"max |err| {err.max().item():.3g})")
     return err.max().item() if err.numel() else 0.0
 
 
-def check_forward(module, spec: KernelSpec, problem: Problem, device: str = "cpu") -> Outcome:
-    """forward() of a loaded module matches the float64 reference, with no NaN, on one problem."""
-    (q, k, v), kwargs = problem.inputs(spec, device)
+def check_finite(out: torch.Tensor, lse: torch.Tensor, what: str = "forward") -> None:
+    """out is finite everywhere and lse is finite or -inf (a row that sees no key): never NaN, never +inf.
+
+    Holds for finite inputs and for NaN in padding alike: padded query rows give out = 0 and lse = -inf.
+    """
+    for name, bad in (("out", ~torch.isfinite(out)), ("lse", torch.isnan(lse) | (lse == float("inf")))):
+        if bad.any():
+            t = out if name == "out" else lse
+            idx = tuple(bad.nonzero()[0].tolist())
+            raise PropertyFailure(f"{what}: {name} is {t[idx].item()} at {idx} ({int(bad.sum())} entries); "
+                                  f"{name} must be {'finite' if name == 'out' else 'finite or -inf'}")
+
+
+def _run(module, q, k, v, what="forward", **kwargs):
     out, lse = module.forward(q, k, v, **kwargs)
+    check_finite(out, lse, what)
+    return out, lse
+
+
+def check_forward(module, spec: KernelSpec, problem: Problem, device: str = "cpu") -> Outcome:
+    """forward() of a loaded module matches the float64 reference, with no NaN or inf, on one problem."""
+    (q, k, v), kwargs = problem.inputs(spec, device)
+    out, lse = _run(module, q, k, v, **kwargs)
     if out.dtype != q.dtype or lse.dtype != torch.float32:
         raise PropertyFailure(f"dtypes: out {out.dtype} (want {q.dtype}), lse {lse.dtype} (want float32)")
     ref_out, ref_lse = reference.attention(q, k, v, mask=spec.mask, **kwargs)  # kwargs carry the scale too
     err = compare("out", out, ref_out, **TOLERANCE[spec.dtype])
     lse_err = compare("lse", lse, ref_lse, **LSE_TOLERANCE)
     return Outcome(max_err=err, max_lse_err=lse_err if math.isfinite(lse_err) else 0.0)
+
+
+# -- properties beyond "matches the reference" -----------------------------------------------------------
+# Each takes (module, spec, problem, device), returns the Outcome (worst errors) and raises PropertyFailure
+# with a precise message. Kernels other than `module` that a property compares against are plain renders
+# loaded through fagen.runtime. Properties that need a particular problem shape (a chain, a star) say so
+# with ValueError; fagen.verifier draws problems of that shape.
+
+def compare_pair(name: str, got: torch.Tensor, want: torch.Tensor, dtype: DType) -> float:
+    """Two kernel outputs agree within PAIR x TOLERANCE (see [Note] Kernel against kernel)."""
+    tol = TOLERANCE[dtype]
+    return compare(name, got, want, atol=PAIR * tol["atol"], rtol=PAIR * tol["rtol"], expected="expected")
+
+
+def compare_pair_lse(name: str, got: torch.Tensor, want: torch.Tensor) -> float:
+    err = compare(name, got, want, atol=PAIR * LSE_TOLERANCE["atol"], rtol=PAIR * LSE_TOLERANCE["rtol"],
+                  expected="expected")
+    return err if math.isfinite(err) else 0.0
+
+
+def _related(spec: KernelSpec, **fields):
+    """The plain kernel of `spec` with some fields changed (the MHA twin, the causal twin, ...)."""
+    return runtime.load(dataclasses.replace(spec, **fields))
+
+
+def check_gqa(module, spec: KernelSpec, problem: Problem, device: str = "cpu") -> Outcome:
+    """A gqa-g kernel equals the MHA kernel (gqa=1, same other fields) on K/V repeated g times."""
+    if spec.gqa == 1:
+        raise ValueError("the gqa property needs a spec with gqa > 1")
+    (q, k, v), kwargs = problem.inputs(spec, device)
+    out, lse = _run(module, q, k, v, **kwargs)
+    rep = lambda t: t.repeat_interleave(spec.gqa, dim=1)  # noqa: E731 - query head h meets KV head h // g
+    want, want_lse = _run(_related(spec, gqa=1), q, rep(k), rep(v), "MHA twin", **kwargs)
+    return Outcome(compare_pair(f"out vs the MHA kernel on K/V repeated {spec.gqa}x", out, want, spec.dtype),
+                   compare_pair_lse("lse vs the MHA kernel", lse, want_lse))
+
+
+def chain(n: int) -> tuple[int, ...]:
+    """Parent pointers of a chain: node i's parent is i - 1."""
+    return tuple(range(-1, n - 1))
+
+
+def check_tree_chain(module, spec: KernelSpec, problem: Problem, device: str = "cpu") -> Outcome:
+    """A chain-shaped tree is causal attention: node i sees the prefix and nodes 0..i, i.e. j <= i + Sk - Sq."""
+    if problem.parents is None or any(p != chain(problem.seq_q) for p in problem.parents):
+        raise ValueError("the tree-chain property needs chain-shaped parents")
+    (q, k, v), kwargs = problem.inputs(spec, device)
+    out, lse = _run(module, q, k, v, **kwargs)
+    want, want_lse = _run(_related(spec, mask=Mask.CAUSAL), q, k, v, "causal twin")
+    return Outcome(compare_pair("out vs the causal kernel on a chain-shaped tree", out, want, spec.dtype),
+                   compare_pair_lse("lse vs the causal kernel", lse, want_lse))
+
+
+def star_kind(parents: tuple[int, ...]) -> str | None:
+    """'roots' (every node a root), 'fan' (every node a child of node 0), or None for any other shape."""
+    if all(p == -1 for p in parents):
+        return "roots"
+    if parents[0] == -1 and all(p == 0 for p in parents[1:]):
+        return "fan"
+    return None
+
+
+def check_tree_star(module, spec: KernelSpec, problem: Problem, device: str = "cpu") -> Outcome:
+    """A star-shaped tree sees only the prefix, node 0 (for a fan) and itself: against a direct computation."""
+    kinds = [star_kind(p) for p in problem.parents or ()]
+    if not kinds or None in kinds:
+        raise ValueError("the tree-star property needs star-shaped parents (all roots, or all children of 0)")
+    (q, k, v), kwargs = problem.inputs(spec, device)
+    out, lse = _run(module, q, k, v, **kwargs)
+    prefix, n = problem.seq_k - problem.seq_q, problem.seq_q
+    vis = torch.zeros(problem.batch, n, problem.seq_k, dtype=torch.bool, device=q.device)
+    vis[:, :, :prefix] = True
+    nodes = torch.arange(n, device=q.device)
+    vis[:, nodes, prefix + nodes] = True  # itself
+    for b, kind in enumerate(kinds):
+        vis[b, :, prefix] |= kind == "fan"  # node 0, the root of a fan
+    # Direct float64 softmax: every row sees at least itself, so no row is empty.
+    q64, k64, v64 = (t.double() for t in (q, k, v))
+    s = q64 @ k64.repeat_interleave(spec.gqa, 1).transpose(-1, -2) * spec.head_dim ** -0.5
+    s = s.masked_fill(~vis[:, None], float("-inf"))
+    want = torch.softmax(s, -1) @ v64.repeat_interleave(spec.gqa, 1)
+    return Outcome(compare(f"out vs direct attention on star trees {kinds}", out, want, **TOLERANCE[spec.dtype],
+                           expected="direct"),
+                   compare("lse vs direct attention", lse, torch.logsumexp(s, -1), **LSE_TOLERANCE, expected="direct"))
+
+
+def _valid_rows(problem: Problem, device) -> torch.Tensor:
+    """bool [B, 1, Sq]: query rows inside each sequence's length."""
+    rows = torch.arange(problem.seq_q, device=device)
+    return (rows[None, :] < torch.tensor(problem.seqlens_q, device=device)[:, None]).unsqueeze(1)
+
+
+def _check_padded_rows(out, lse, problem: Problem, what: str) -> None:
+    """Padded query rows give exactly out = 0 and lse = -inf."""
+    pad = ~_valid_rows(problem, out.device)
+    bad = pad.unsqueeze(-1) & (out != 0)
+    if bad.any():
+        idx = tuple(bad.nonzero()[0].tolist())
+        raise PropertyFailure(f"{what}: padded row {idx[:3]} has out {out[idx].item():.6g} (must be 0; "
+                              f"seqlens_q {problem.seqlens_q})")
+    bad = pad.expand_as(lse) & (lse != float("-inf"))
+    if bad.any():
+        idx = tuple(bad.nonzero()[0].tolist())
+        raise PropertyFailure(f"{what}: padded row {idx} has lse {lse[idx].item():.6g} (must be -inf)")
+
+
+def check_padding_split(module, spec: KernelSpec, problem: Problem, device: str = "cpu") -> Outcome:
+    """A padded batch equals each sequence run alone at its own lengths (padding -> none, causal+padding -> causal)."""
+    (q, k, v), kwargs = problem.inputs(spec, device)
+    out, lse = _run(module, q, k, v, **kwargs)
+    _check_padded_rows(out, lse, problem, "padded batch")
+    alone = _related(spec, mask=Mask.CAUSAL if spec.mask.causal else Mask.NONE)
+    err = lse_err = 0.0
+    for b, (lq, lk) in enumerate(zip(problem.seqlens_q, problem.seqlens_k)):
+        o, lo = _run(alone, q[b:b + 1, :, :lq], k[b:b + 1, :, :lk], v[b:b + 1, :, :lk], f"sequence {b} alone")
+        where = f"batch entry {b} (seqlens_q {lq}, seqlens_k {lk})"
+        err = max(err, compare_pair(f"out of {where} vs the sequence alone", out[b:b + 1, :, :lq], o, spec.dtype))
+        lse_err = max(lse_err, compare_pair_lse(f"lse of {where} vs the sequence alone", lse[b:b + 1, :, :lq], lo))
+    return Outcome(err, lse_err)
+
+
+def check_padding_garbage(module, spec: KernelSpec, problem: Problem, device: str = "cpu") -> Outcome:
+    """Garbage in the padded part of q, k, v (random values, then NaN) never changes a valid output bit."""
+    runs = []
+    for poison in (False, True):
+        (q, k, v), kwargs = dataclasses.replace(problem, poison=poison).inputs(spec, device)
+        out, lse = _run(module, q, k, v, "NaN-padded inputs" if poison else "forward", **kwargs)
+        _check_padded_rows(out, lse, problem, "NaN-padded inputs" if poison else "random-padded inputs")
+        runs.append((out, lse))
+    (out, lse), (out_nan, lse_nan) = runs
+    valid = _valid_rows(problem, out.device)
+    for name, a, b in (("out", out, out_nan), ("lse", lse, lse_nan)):
+        differ = (a != b) & (valid.unsqueeze(-1) if name == "out" else valid)
+        if differ.any():
+            idx = tuple(differ.nonzero()[0].tolist())
+            raise PropertyFailure(f"{name} at valid position {idx} is {a[idx].item():.6g} with random padding but "
+                                  f"{b[idx].item():.6g} with NaN padding ({int(differ.sum())} entries differ)")
+    return Outcome(0.0, 0.0)
+
+
+def check_permutation(module, spec: KernelSpec, problem: Problem, device: str = "cpu") -> Outcome:
+    """Non-causal attention is a sum over keys: permuting keys and values together changes nothing."""
+    if spec.mask is not Mask.NONE:
+        raise ValueError("the permutation property holds for mask 'none' only")
+    (q, k, v), kwargs = problem.inputs(spec, device)
+    out, lse = _run(module, q, k, v)
+    perm = torch.randperm(problem.seq_k, generator=torch.Generator().manual_seed(problem.seed)).to(k.device)
+    got, got_lse = _run(module, q, k[:, :, perm], v[:, :, perm], "permuted keys")
+    return Outcome(compare_pair("out with keys and values permuted", got, out, spec.dtype),
+                   compare_pair_lse("lse with keys and values permuted", got_lse, lse))
+
+
+def lse_split(spec: KernelSpec, problem: Problem) -> int:
+    """Where check_lse_merge cuts the keys: halfway, but for causal and tree masks only inside the part that
+    every valid row sees in full (keys before Sk - Sq; with padding, before min over sequences of lk - lq)."""
+    half = problem.seq_k // 2
+    if spec.mask in (Mask.NONE, Mask.PADDING):
+        return half
+    if spec.mask is Mask.CAUSAL_PADDING:
+        rooms = [lk - lq for lq, lk in zip(problem.seqlens_q, problem.seqlens_k) if lq > 0]
+        return max(0, min([half, *rooms]))
+    return max(0, min(half, problem.seq_k - problem.seq_q))
+
+
+def check_lse_merge(module, spec: KernelSpec, problem: Problem, device: str = "cpu") -> Outcome:
+    """(out, lse) of keys [0, s) and [s, Sk), merged with the log-sum-exp rule, give the whole result.
+
+    Keys [0, s) are seen by every valid row (lse_split), so that half is plain non-causal attention ('none', or
+    'padding' with lengths min(lk, s)); keys [s, Sk) are the spec's own mask with Sk - s keys and lengths lk - s.
+    """
+    (q, k, v), kwargs = problem.inputs(spec, device)
+    out, lse = _run(module, q, k, v, **kwargs)
+    s = lse_split(spec, problem)
+    head_mask = Mask.PADDING if spec.mask.padded else Mask.NONE
+    head = module if spec.mask is head_mask else _related(spec, mask=head_mask)
+    head_kw, tail_kw = {}, dict(kwargs)
+    if spec.mask.padded:
+        lk = kwargs["seqlens_k"].long()
+        head_kw = dict(seqlens_q=kwargs["seqlens_q"], seqlens_k=lk.clamp(max=s).int())
+        tail_kw["seqlens_k"] = (lk - s).clamp(min=0).int()
+    o1, l1 = _run(head, q, k[:, :, :s], v[:, :, :s], f"keys [0, {s})", **head_kw)
+    o2, l2 = _run(module, q, k[:, :, s:], v[:, :, s:], f"keys [{s}, {problem.seq_k})", **tail_kw)
+    l1, l2 = l1.double(), l2.double()
+    merged_lse = torch.logaddexp(l1, l2)  # log(e^l1 + e^l2); -inf when both halves are empty
+    empty = merged_lse == float("-inf")
+    w1 = torch.where(empty, 0.0, torch.exp(l1 - merged_lse)).unsqueeze(-1)  # softmax weight of each half
+    w2 = torch.where(empty, 0.0, torch.exp(l2 - merged_lse)).unsqueeze(-1)
+    merged = w1 * o1.double() + w2 * o2.double()
+    where = f"split at key {s} of {problem.seq_k}"
+    return Outcome(compare_pair(f"out merged from two halves ({where}) vs whole", merged, out, spec.dtype),
+                   compare_pair_lse(f"lse merged from two halves ({where}) vs whole", merged_lse, lse))
+
+
+# -- backward (modules with `backward`); gradient values against autograd are check_backward's job --------
+
+def _gradients(module, spec: KernelSpec, problem: Problem, device: str):
+    (q, k, v), kwargs = problem.inputs(spec, device)
+    out, lse = module.forward(q, k, v, **kwargs)
+    gen = torch.Generator().manual_seed(problem.seed + 1)
+    do = torch.randn(out.shape, generator=gen).to(out.dtype).to(out.device)
+    call = dict(scale=spec.head_dim ** -0.5, seqlens_q=kwargs.get("seqlens_q"), seqlens_k=kwargs.get("seqlens_k"),
+                tree_mask=kwargs.get("tree_mask"))
+    return (lambda: module.backward(do, q, k, v, out, lse, **call)), kwargs
+
+
+def check_bwd_deterministic(module, spec: KernelSpec, problem: Problem, device: str = "cpu") -> Outcome:
+    """Two backward runs on the same inputs give bitwise equal dq, dk, dv (no atomics-order drift)."""
+    run, _ = _gradients(module, spec, problem, device)
+    first, second = run(), run()
+    for name, a, b in zip(("dq", "dk", "dv"), first, second):
+        differ = (a != b) & ~(torch.isnan(a) & torch.isnan(b))
+        if differ.any():
+            idx = tuple(differ.nonzero()[0].tolist())
+            raise PropertyFailure(f"{name} differs between two identical backward runs at {idx}: "
+                                  f"{a[idx].item():.6g} then {b[idx].item():.6g} ({int(differ.sum())} entries)")
+    return Outcome(0.0, 0.0)
+
+
+def check_bwd_masked_rows(module, spec: KernelSpec, problem: Problem, device: str = "cpu") -> Outcome:
+    """Gradients are finite; dq of a row that sees no key and dk, dv of a key that no row sees are exactly 0."""
+    run, kwargs = _gradients(module, spec, problem, device)
+    dq, dk, dv = run()
+    vis = reference.visible(spec.mask, problem.batch, problem.seq_q, problem.seq_k, device=dq.device, **kwargs)
+    unseen_rows, unseen_keys = ~vis.any(-1), ~vis.any(-2)  # [B, Sq], [B, Sk]
+    for name, g, unseen, what in (("dq", dq, unseen_rows, "query row that sees no key"),
+                                  ("dk", dk, unseen_keys, "key that no query sees"),
+                                  ("dv", dv, unseen_keys, "key that no query sees")):
+        bad = ~torch.isfinite(g) | (unseen[:, None, :, None] & (g != 0))
+        if bad.any():
+            idx = tuple(bad.nonzero()[0].tolist())
+            kind = "not finite" if not torch.isfinite(g[idx]) else f"nonzero for a {what}"
+            raise PropertyFailure(f"{name} is {g[idx].item():.6g} at {idx}: {kind} ({int(bad.sum())} entries)")
+    return Outcome(0.0, 0.0)

@@ -181,7 +181,9 @@ def compile_(spec_file, archs, out_dir, as_json, **flags):
 @click.option("--keep-going", is_flag=True, help="Build every other variant after a failure, then exit 1.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar or table; only errors.")
 @click.option("--json", "as_json", is_flag=True, help="Print the build record as JSON instead of a table.")
-def build_(manifest_file, out_dir, jobs, keep_going, quiet, as_json):
+@click.option("--verify", "verify_after", is_flag=True,
+              help="Then verify every variant with the property suite (as fagen verify --manifest MANIFEST).")
+def build_(manifest_file, out_dir, jobs, keep_going, quiet, as_json, verify_after):
     """Compile every variant x arch a manifest describes, in parallel, through the content-addressed cache.
 
     \b
@@ -199,6 +201,16 @@ def build_(manifest_file, out_dir, jobs, keep_going, quiet, as_json):
         raise click.ClickException(f"{manifest_file}: describes no variants; add a [[kernel]] or [[sweep]]")
     _run_build(list(manifest.specs), manifest.archs, out_dir, jobs, keep_going, quiet, as_json,
                manifest_path=manifest_file)
+    if verify_after:
+        # A fresh process: the build imported the kernels for compiling, and Triton's mode (compiled or
+        # interpreted) is fixed per process when a kernel is defined.
+        import subprocess
+        import sys
+
+        args = [sys.executable, "-m", "fagen.cli", "verify", "--manifest", str(manifest_file)] + (["-q"] if quiet else [])
+        code = subprocess.run(args).returncode
+        if code:
+            raise click.exceptions.Exit(code)
 # -- fagen verify ----------------------------------------------------------------------------------------
 
 def _verify_specs_from(spec_file, spec_files, manifest, flags) -> list[KernelSpec]:
@@ -342,3 +354,7 @@ def verify_command(ctx, spec_file, spec_files, manifest, examples, seed, time_bu
         write_if_different(json_path, json.dumps(data, indent=2) + "\n")
     click.echo(f"{verdict} in {report.seconds:.1f}s" + (f"; report in {json_path}" if json_path else ""))
     ctx.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -88,6 +88,11 @@ def check_finite(out: torch.Tensor, lse: torch.Tensor, what: str = "forward") ->
                                   f"{name} must be {'finite' if name == 'out' else 'finite or -inf'}")
 
 
+def _scale_of(kwargs: dict) -> dict:
+    """The problem's softmax scale as kwargs for a related run: every half, twin or slice uses the same scale."""
+    return {"scale": kwargs["scale"]} if "scale" in kwargs else {}
+
+
 def _run(module, q, k, v, what="forward", **kwargs):
     out, lse = module.forward(q, k, v, **kwargs)
     check_finite(out, lse, what)
@@ -152,7 +157,7 @@ def check_tree_chain(module, spec: KernelSpec, problem: Problem, device: str = "
         raise ValueError("the tree-chain property needs chain-shaped parents")
     (q, k, v), kwargs = problem.inputs(spec, device)
     out, lse = _run(module, q, k, v, **kwargs)
-    want, want_lse = _run(_related(spec, mask=Mask.CAUSAL), q, k, v, "causal twin")
+    want, want_lse = _run(_related(spec, mask=Mask.CAUSAL), q, k, v, "causal twin", **_scale_of(kwargs))
     return Outcome(compare_pair("out vs the causal kernel on a chain-shaped tree", out, want, spec.dtype),
                    compare_pair_lse("lse vs the causal kernel", lse, want_lse))
 
@@ -182,7 +187,7 @@ def check_tree_star(module, spec: KernelSpec, problem: Problem, device: str = "c
         vis[b, :, prefix] |= kind == "fan"  # node 0, the root of a fan
     # Direct float64 softmax: every row sees at least itself, so no row is empty.
     q64, k64, v64 = (t.double() for t in (q, k, v))
-    s = q64 @ k64.repeat_interleave(spec.gqa, 1).transpose(-1, -2) * spec.head_dim ** -0.5
+    s = q64 @ k64.repeat_interleave(spec.gqa, 1).transpose(-1, -2) * kwargs.get("scale", spec.head_dim ** -0.5)
     s = s.masked_fill(~vis[:, None], float("-inf"))
     want = torch.softmax(s, -1) @ v64.repeat_interleave(spec.gqa, 1)
     return Outcome(compare(f"out vs direct attention on star trees {kinds}", out, want, **TOLERANCE[spec.dtype],
@@ -218,7 +223,8 @@ def check_padding_split(module, spec: KernelSpec, problem: Problem, device: str 
     alone = _related(spec, mask=Mask.CAUSAL if spec.mask.causal else Mask.NONE)
     err = lse_err = 0.0
     for b, (lq, lk) in enumerate(zip(problem.seqlens_q, problem.seqlens_k)):
-        o, lo = _run(alone, q[b:b + 1, :, :lq], k[b:b + 1, :, :lk], v[b:b + 1, :, :lk], f"sequence {b} alone")
+        o, lo = _run(alone, q[b:b + 1, :, :lq], k[b:b + 1, :, :lk], v[b:b + 1, :, :lk], f"sequence {b} alone",
+                     **_scale_of(kwargs))
         where = f"batch entry {b} (seqlens_q {lq}, seqlens_k {lk})"
         err = max(err, compare_pair(f"out of {where} vs the sequence alone", out[b:b + 1, :, :lq], o, spec.dtype))
         lse_err = max(lse_err, compare_pair_lse(f"lse of {where} vs the sequence alone", lse[b:b + 1, :, :lq], lo))
@@ -279,10 +285,11 @@ def check_lse_merge(module, spec: KernelSpec, problem: Problem, device: str = "c
     s = lse_split(spec, problem)
     head_mask = Mask.PADDING if spec.mask.padded else Mask.NONE
     head = module if spec.mask is head_mask else _related(spec, mask=head_mask)
-    head_kw, tail_kw = {}, dict(kwargs)
+    head_kw = _scale_of(kwargs)
+    tail_kw = dict(kwargs)
     if spec.mask.padded:
         lk = kwargs["seqlens_k"].long()
-        head_kw = dict(seqlens_q=kwargs["seqlens_q"], seqlens_k=lk.clamp(max=s).int())
+        head_kw.update(seqlens_q=kwargs["seqlens_q"], seqlens_k=lk.clamp(max=s).int())
         tail_kw["seqlens_k"] = (lk - s).clamp(min=0).int()
     o1, l1 = _run(head, q, k[:, :, :s], v[:, :, :s], f"keys [0, {s})", **head_kw)
     o2, l2 = _run(module, q, k[:, :, s:], v[:, :, s:], f"keys [{s}, {problem.seq_k})", **tail_kw)
@@ -304,7 +311,7 @@ def _gradients(module, spec: KernelSpec, problem: Problem, device: str):
     out, lse = module.forward(q, k, v, **kwargs)
     gen = torch.Generator().manual_seed(problem.seed + 1)
     do = torch.randn(out.shape, generator=gen).to(out.dtype).to(out.device)
-    call = dict(scale=spec.head_dim ** -0.5, seqlens_q=kwargs.get("seqlens_q"), seqlens_k=kwargs.get("seqlens_k"),
+    call = dict(scale=kwargs.get("scale"), seqlens_q=kwargs.get("seqlens_q"), seqlens_k=kwargs.get("seqlens_k"),
                 tree_mask=kwargs.get("tree_mask"))
     return (lambda: module.backward(do, q, k, v, out, lse, **call)), kwargs
 

@@ -79,7 +79,7 @@ class KernelSpec:
             have = ", ".join(f"{b}/{k}" for b, k in tables.TEMPLATE)
             raise SpecError("backend", f"{self.backend}/{self.kind}",
                             f"no templates for this backend and kind yet; available: {have}")
-        defaults = tables.default_config(self.head_dim, self.dtype, self.direction, self.kind)
+        defaults = tables.default_config(self.head_dim, self.dtype, self.direction, self.kind, mask=self.mask)
         for name, allowed, desc in (
             ("block_m", BLOCK_SIZES, "must be a power of two from 16 to 256"),
             ("block_n", BLOCK_SIZES, "must be a power of two from 16 to 256"),

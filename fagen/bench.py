@@ -305,6 +305,8 @@ def run_case(case: BenchCase, opts: BenchOptions, log: Callable[[str], None] = p
             records.append(make_record(case, impl, "skipped", note=f"CUDA context lost earlier ({lost})"))
             continue
         t0 = time.perf_counter()
+        if os.environ.get("FAGEN_BENCH_TEST_CRASH") == impl:  # tests: a kernel that takes its process down
+            os._exit(86)
         try:
             prepared = prep[impl](case, cc)
             with prepared.context():

@@ -106,8 +106,10 @@ def markdown(records: list[dict], meta: dict | None = None) -> str:
     header, table, notes = rows(records, shows_targets(meta))
     out = []
     if meta:
-        where = ", ".join(f"{k} {meta[k]}" for k in ("gpu", "torch", "triton", "date") if meta.get(k))
-        out += [f"Measured on {where}." if where else "", ""]
+        what = [meta.get("gpu") or meta.get("device") or "?"]
+        what += [f"{k} {meta[k]}" for k in ("torch", "triton") if meta.get(k)]
+        when = f", {meta['date']}" if meta.get("date") else ""
+        out += [f"Measured on {what[0]}" + (f" ({', '.join(what[1:])})" if what[1:] else "") + f"{when}.", ""]
     out.append("| " + " | ".join(header) + " |")
     out.append("|" + "|".join("---" if i < 2 else "---:" for i in range(len(header))) + "|")
     out += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in table]

@@ -139,14 +139,13 @@ def _first_line(e: BaseException, limit: int = 200) -> str:
 
 # -- checking ----------------------------------------------------------------------------------------
 def _grad_compare(name: str, got: torch.Tensor, want: torch.Tensor, dtype: DType) -> float:
-    """Gradients: verify.GRAD_TOLERANCE elementwise when fagen has one, else normwise with TOLERANCE.
+    """Gradients: verify.compare_grad (GRAD_TOLERANCE) when fagen's verify has it, else normwise with TOLERANCE.
 
     Normwise: max |got - want| <= atol + rtol * max |want|, the dtype's forward tolerance applied to the
     largest gradient entry (gradients sum over a whole sequence, so small entries carry absolute error).
     """
-    table = getattr(verify, "GRAD_TOLERANCE", None)
-    if table is not None:
-        return verify.compare(name, got, want, **table[dtype])
+    if hasattr(verify, "compare_grad"):
+        return verify.compare_grad(name, got, want, dtype)
     tol = verify.TOLERANCE[dtype]
     got64, want = got.detach().double(), want.detach().double()
     if not torch.isfinite(got64).all():

@@ -14,7 +14,7 @@ from fagen.spec import KernelSpec
 METRICS = ("tflops", "gbs", "ms")  # what a case's table cell shows; ms is "lower is better"
 BWD_FACTOR = 2.5  # backward FLOPs = 2.5 x forward (two matmuls forward, five backward: 5/2)
 Q_MAGNITUDE = 3.0  # q ~ 3 N(0, 1): logits of std 3 make softmax peaky, so a wrong mask moves outputs by O(1)
-DECODE_MAX_SQ = 16  # queries per sequence up to which a case is memory-bound (decode)
+DECODE_MAX_SQ = getattr(tables, "DECODE_MAX_SEQ_Q", 16)  # queries per sequence served by decode kernels
 
 
 # -- cases -------------------------------------------------------------------------------------------
@@ -166,8 +166,10 @@ def make_case(name: str, *, head_dim: int, mask: Mask | str, batch: int, heads_q
     """A case whose padding lengths or tree are drawn from `seed` when the mask needs them."""
     mask = Mask(mask)
     if mask.padded and "seqlens_q" not in kw:
-        lens = random_lengths(batch, min(seq_q, seq_k), seed)
-        kw.update(seqlens_q=lens, seqlens_k=lens)
+        if seq_q == seq_k:  # padded self-attention: a sequence has one length for its queries and its keys
+            kw.update(seqlens_q=random_lengths(batch, seq_q, seed), seqlens_k=random_lengths(batch, seq_k, seed))
+        else:  # decode against a cache, or cross lengths: drawn apart
+            kw.update(seqlens_q=random_lengths(batch, seq_q, seed), seqlens_k=random_lengths(batch, seq_k, seed + 1))
     if mask is Mask.TREE and "parents" not in kw:
         kw["parents"] = random_tree(batch, seq_q, seed)
     if "metric" not in kw and seq_q <= DECODE_MAX_SQ:

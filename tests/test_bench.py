@@ -397,3 +397,38 @@ def test_bench_smoke_run_on_the_gpu(tmp_path):
         assert r["status"] in ("ok", "unsupported"), r
         assert r["check"] in (None, "ok"), r
     assert all(r["status"] == "ok" for r in recs if r["impl"] in ("fagen", "flex", "sdpa-cudnn"))
+
+
+def test_backward_cases_check_gradients_and_time_backward_alone():
+    """The bwd path on a differentiable stand-in (SDPA's math backend): grads checked, bwd and fwd+bwd timed."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from fagen.bench import time_prepared
+
+    case = make_case("b", head_dim=16, mask="causal", batch=2, heads_q=4, heads_kv=2, seq_q=21, seq_k=21,
+                     dtype="fp32", direction="bwd")
+    cc = CaseContext(case, CPU, 2)
+
+    def math(s):
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(s.q, s.k, s.v, is_causal=True, enable_gqa=True)
+
+    status, msg, err = check("fagen", Prepared(math), cc)
+    assert (status, msg) == ("ok", "") and err < 1e-4
+
+    class WrongGrad(torch.autograd.Function):  # a right forward with a wrong backward
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 1.5
+
+    status, msg, _ = check("fagen", Prepared(lambda s: WrongGrad.apply(math(s))), cc)
+    assert status == "fail" and msg.startswith("d")
+    times = time_prepared(Prepared(math), cc, BenchOptions(device="cpu", rep_ms=1))
+    assert times["ms"] > 0 and times["fwdbwd_ms"] > 0
+    rec = make_record(case, "fagen", "ok", **times)
+    assert rec["tflops"] == pytest.approx(2.5 * fwd_flops(case) / times["ms"] / 1e9)
+    assert rec["fwdbwd_tflops"] == pytest.approx(3.5 * fwd_flops(case) / times["fwdbwd_ms"] / 1e9)

@@ -20,6 +20,7 @@ from fagen.workload import (BWD_FACTOR, BenchCase, InputSet, flops, fwd_flops, k
 IMPLS = ("fagen", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")
 STATUSES = ("ok", "unsupported", "unavailable", "error", "skipped")
 SET_BUDGET = 4 << 30  # bytes of rotating input sets on a GPU
+RESTART_EXIT = 3  # a worker's exit status after a CUDA error poisoned its context (fagen.runner starts another)
 
 
 class Unsupported(Exception):
@@ -279,6 +280,16 @@ def make_record(case: BenchCase, impl: str, status: str, ms: float | None = None
     return rec
 
 
+def _test_crash(impl: str) -> str | None:
+    """Tests only: FAGEN_BENCH_TEST_CRASH="impl:die,impl:cuda,impl:hang" makes that impl kill its process,
+    raise the error of a kernel that poisoned the CUDA context, or hang, to exercise the recovery paths."""
+    for item in os.environ.get("FAGEN_BENCH_TEST_CRASH", "").split(","):
+        name, _, mode = item.partition(":")
+        if name == impl:
+            return mode
+    return None
+
+
 def _fatal_cuda(e: BaseException) -> bool:
     text = str(e)
     return any(s in text for s in ("illegal memory access", "device-side assert", "CUDA error: unspecified launch",
@@ -304,9 +315,14 @@ def run_case(case: BenchCase, opts: BenchOptions, log: Callable[[str], None] = p
             records.append(make_record(case, impl, "skipped", note=f"CUDA context lost earlier ({lost})"))
             continue
         t0 = time.perf_counter()
-        if os.environ.get("FAGEN_BENCH_TEST_CRASH") == impl:  # tests: a kernel that takes its process down
+        crash = _test_crash(impl)
+        if crash == "die":
             os._exit(86)
+        if crash == "hang":
+            time.sleep(3600)
         try:
+            if crash == "cuda":
+                raise RuntimeError("CUDA error: an illegal memory access was encountered (FAGEN_BENCH_TEST_CRASH)")
             prepared = prep[impl](case, cc)
             with prepared.context():
                 check_status, check_msg, err = ("skipped", "--no-check", None)
@@ -337,7 +353,7 @@ def run_case(case: BenchCase, opts: BenchOptions, log: Callable[[str], None] = p
             emit(rec)
         if lost is not None and exit_on_fatal:
             log(f"  CUDA context lost in {impl}; this worker exits and a fresh one goes on")
-            os._exit(3)
+            os._exit(RESTART_EXIT)
     del cc
     if device.type == "cuda" and lost is None:
         torch.cuda.empty_cache()

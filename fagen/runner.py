@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -17,10 +18,11 @@ from typing import Callable
 import torch
 
 from fagen import __version__
-from fagen.bench import BenchOptions, make_record, run_case
+from fagen.bench import RESTART_EXIT, BenchOptions, make_record, run_case
 from fagen.workload import BenchCase, describe_case
 
 DEADLINE_MARGIN_S = 20.0  # a case is not started with less time than this left
+PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
 POLL_S = 0.5
 
 
@@ -75,7 +77,12 @@ def run(cases: list[BenchCase], opts: BenchOptions, *, json_path: Path | None = 
         write_json(json_path, meta, records)
 
     if isolate:
-        _run_workers(cases, opts, deadline, case_timeout, log, keep)
+        # SIGTERM (a wall-clock limit around this run) becomes SystemExit, so the worker is ended on the way out.
+        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        try:
+            _run_workers(cases, opts, deadline, case_timeout, log, keep)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     else:
         for n, case in enumerate(cases, 1):
             if deadline is not None and time.monotonic() > deadline - DEADLINE_MARGIN_S:
@@ -115,6 +122,9 @@ def _run_workers(cases, opts, deadline, case_timeout, log, keep) -> None:
             continue
         n, case, impls, recorded = running
         left = [i for i in impls if i not in recorded]
+        if not reason:  # the worker left on purpose after a CUDA error it recorded: a fresh one takes the rest
+            pending = ([(n, case, left)] if left else []) + [item for item in pending if item[0] > n]
+            continue
         if left:
             keep(make_record(case, left[0], "error", note=reason))
             log(f"  {left[0]:<15} error: {reason}")
@@ -141,43 +151,69 @@ def _one_worker(pending, total, opts, deadline, case_timeout, log, keep):
             "time_left": None if deadline is None else deadline - time.monotonic()}))
         sys.stdout.flush()
         with open(err, "w") as err_file:
-            proc = subprocess.Popen([sys.executable, "-m", "fagen.runner", str(job)], stderr=err_file)
-            done, current, recorded, seen, started, reason = set(), None, [], 0, 0.0, ""
-            while True:
-                rc = proc.poll()
-                lines = events.read_text().splitlines() if events.exists() else []
-                complete = lines if rc is not None else lines[:-1]  # the last line may be half-written
-                for line in complete[seen:]:
-                    event = json.loads(line)
-                    if "start" in event:
-                        current, recorded, started = event["start"], [], time.monotonic()
-                    elif "record" in event:
-                        keep(event["record"])
-                        recorded.append(event["record"]["impl"])
-                    elif "end" in event:
-                        done.add(event["end"])
-                        current = None
-                seen = len(complete)
-                if rc is not None:
-                    if rc != 0 or current is not None:
-                        tail = " | ".join(err.read_text().strip().splitlines()[-2:])[-200:]
-                        reason = f"worker died (exit {rc}){': ' + tail if tail else ''}"
-                    break
-                if current is not None and time.monotonic() - started > case_timeout:
-                    proc.kill()
-                    proc.wait()
-                    reason = f"case timed out after {case_timeout:.0f} s (--case-timeout)"
-                    break
-                if deadline is not None and time.monotonic() > deadline:
-                    proc.kill()
-                    proc.wait()
-                    reason = "timed out: --time-limit reached"
-                    break
-                time.sleep(POLL_S)
+            env = dict(os.environ)  # the worker imports this fagen, wherever the parent found it
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+            proc = subprocess.Popen([sys.executable, "-m", "fagen.runner", str(job)], stderr=err_file, env=env,
+                                    start_new_session=True)  # its own process group: compile workers die with it
+            try:
+                done, current, recorded, reason = _follow(proc, events, err, deadline, case_timeout, keep)
+            finally:
+                if proc.poll() is None:
+                    _kill(proc)
     if current is None:
         return done, None, reason
     case, impls = by_n[current]
     return done, (current, case, impls, recorded), reason
+
+
+def _follow(proc, events: Path, err: Path, deadline, case_timeout, keep):
+    """Read the worker's events until it exits or is killed: (ended cases, running case, its impls done, why)."""
+    done, current, recorded, seen, started, reason = set(), None, [], 0, 0.0, ""
+    while True:
+        rc = proc.poll()
+        text = events.read_text() if events.exists() else ""
+        complete = text.split("\n")[:-1]  # lines end with a newline: what follows the last is half-written
+        for line in complete[seen:]:
+            event = json.loads(line)
+            if "start" in event:
+                current, recorded, started = event["start"], [], time.monotonic()
+            elif "record" in event:
+                keep(event["record"])
+                recorded.append(event["record"]["impl"])
+            elif "end" in event:
+                done.add(event["end"])
+                current = None
+        seen = len(complete)
+        if rc is not None:
+            if rc == RESTART_EXIT:
+                reason = ""
+            elif rc != 0 or current is not None:
+                tail = " | ".join(err.read_text().strip().splitlines()[-2:])[-200:]
+                reason = f"worker died (exit {rc}){': ' + tail if tail else ''}"
+            break
+        if current is not None and time.monotonic() - started > case_timeout:
+            _kill(proc)
+            reason = f"case timed out after {case_timeout:.0f} s (--case-timeout)"
+            break
+        if deadline is not None and time.monotonic() > deadline:
+            _kill(proc)
+            reason = "timed out: --time-limit reached"
+            break
+        time.sleep(POLL_S)
+    return done, current, recorded, reason
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """End the worker this run started, and its process group (inductor's compile workers)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def _worker_main(job_path: str) -> None:

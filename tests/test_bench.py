@@ -351,14 +351,30 @@ def test_bench_smoke_run_on_the_cpu(tmp_path):
 
 
 @pytest.mark.skipif(ON_GPU, reason="CPU worker test")
-def test_isolated_worker_survives_a_crashing_impl(monkeypatch):
-    monkeypatch.setenv("FAGEN_BENCH_TEST_CRASH", "sdpa-flash")
+def test_isolated_workers_survive_crashes(monkeypatch):
+    """A process death and a poisoned CUDA context each cost one record; fresh workers run the rest."""
+    monkeypatch.setenv("FAGEN_BENCH_TEST_CRASH", "sdpa-flash:die,sdpa-efficient:cuda")
     case = make_case("tiny", head_dim=16, mask="none", batch=1, heads_q=2, heads_kv=2, seq_q=8, seq_k=8)
-    opts = BenchOptions(device="cpu", impls=("sdpa-flash", "sdpa-efficient"), rep_ms=1)
+    opts = BenchOptions(device="cpu", impls=("sdpa-flash", "sdpa-efficient", "flex"), rep_ms=1)
     _, recs = runner.run([case], opts, isolate=True, log=lambda line: None)
     by = {r["impl"]: r for r in recs}
+    assert list(by) == ["sdpa-flash", "sdpa-efficient", "flex"]
     assert by["sdpa-flash"]["status"] == "error" and "worker died (exit 86)" in by["sdpa-flash"]["note"]
-    assert by["sdpa-efficient"]["status"] == "unsupported"  # a fresh worker went on with the rest
+    assert by["sdpa-efficient"]["status"] == "error" and "illegal memory access" in by["sdpa-efficient"]["note"]
+    assert by["flex"]["status"] == "unavailable"  # run by a third worker
+
+
+@pytest.mark.skipif(ON_GPU, reason="CPU worker test")
+def test_a_hung_case_is_killed_and_the_run_goes_on(monkeypatch):
+    monkeypatch.setenv("FAGEN_BENCH_TEST_CRASH", "sdpa-flash:hang")
+    cases = [make_case(f"tiny{i}", head_dim=16, mask="none", batch=1, heads_q=2, heads_kv=2, seq_q=8, seq_k=8)
+             for i in range(2)]
+    opts = BenchOptions(device="cpu", impls=("sdpa-flash", "flex"), rep_ms=1)
+    _, recs = runner.run(cases, opts, isolate=True, case_timeout=8, log=lambda line: None)
+    assert [(r["case"], r["impl"], r["status"]) for r in recs] == [
+        ("tiny0", "sdpa-flash", "error"), ("tiny0", "flex", "skipped"),
+        ("tiny1", "sdpa-flash", "error"), ("tiny1", "flex", "skipped")]
+    assert "timed out after 8 s" in recs[0]["note"]
 
 
 def test_time_limit_records_skips():

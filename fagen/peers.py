@@ -53,24 +53,34 @@ def sdpa_preparer(impl: str) -> Callable[[BenchCase, CaseContext], Prepared]:
 
 
 def prepare_sdpa(impl: str, case: BenchCase, cc: CaseContext) -> Prepared:
-    """SDPA with exactly one backend allowed; a backend that refuses the case raises Unsupported."""
+    """SDPA with exactly one backend allowed; a backend that refuses the case raises Unsupported.
+
+    Variants are tried in order until the backend takes one: native GQA and a bool mask first; then an
+    additive mask in q's dtype (some backends take no bool mask); then KV expanded to every query head (for
+    backends without GQA). The record's note says which variant ran.
+    """
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backend = getattr(SDPBackend, SDPA_BACKENDS[impl])
     kwargs, note = _sdpa_mask(impl, case, cc)
     gqa = case.gqa
+    mask = kwargs.get("attn_mask")
+    has_bool_mask = isinstance(mask, torch.Tensor) and mask.dtype == torch.bool
 
-    def native(s):
-        return F.scaled_dot_product_attention(s.q, s.k, s.v, **kwargs, **({"enable_gqa": True} if gqa > 1 else {}))
+    def additive():  # built only if the bool mask is refused: it costs 2 bytes per (query, key) pair
+        return torch.zeros(mask.shape, dtype=cc.sets[0].q.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
     expanded: dict[int, tuple] = {}
 
-    def expand(s):  # KV heads repeated gqa times: what a backend without GQA support needs (memory included)
-        key = id(s.k)
-        if key not in expanded:
-            expanded[key] = (s.k.repeat_interleave(gqa, dim=1), s.v.repeat_interleave(gqa, dim=1))
-        k, v = expanded[key]
-        return F.scaled_dot_product_attention(s.q, k, v, **kwargs)
+    def variant(kw, expand):
+        def fn(s):
+            if not expand:
+                return F.scaled_dot_product_attention(s.q, s.k, s.v, **kw, **({"enable_gqa": True} if gqa > 1 else {}))
+            if id(s.k) not in expanded:  # KV heads repeated gqa times, made once per input set
+                expanded[id(s.k)] = (s.k.repeat_interleave(gqa, dim=1), s.v.repeat_interleave(gqa, dim=1))
+            k, v = expanded[id(s.k)]
+            return F.scaled_dot_product_attention(s.q, k, v, **kw)
+        return fn
 
     def probe(fn):
         with sdpa_kernel(backend), warnings.catch_warnings(record=True) as caught:
@@ -84,16 +94,19 @@ def prepare_sdpa(impl: str, case: BenchCase, cc: CaseContext) -> Prepared:
             except (RuntimeError, ValueError, NotImplementedError) as e:
                 return _refusal(e, caught)
 
-    fn, why = native, probe(native)
-    if why is not None and gqa > 1:
-        why_expanded = probe(expand)
-        if why_expanded is None:
-            fn, why, note = expand, None, "; ".join(x for x in (note, "KV expanded to all query heads") if x)
-        else:
+    first_why = None
+    for use_additive in (False, True):
+        if use_additive and not has_bool_mask:
+            continue
+        kw = {**kwargs, "attn_mask": additive()} if use_additive else kwargs
+        for expand in (False, True) if gqa > 1 else (False,):
+            why = probe(fn := variant(kw, expand))
+            if why is None:
+                extra = ["additive mask in q's dtype"] * use_additive + ["KV expanded to all query heads"] * expand
+                return Prepared(fn, context=lambda: sdpa_kernel(backend), note="; ".join([note] * bool(note) + extra))
             expanded.clear()
-    if why is not None:
-        raise Unsupported(why)
-    return Prepared(fn, context=lambda: sdpa_kernel(backend), note=note)
+            first_why = first_why or why
+    raise Unsupported(first_why)
 
 
 def configure_dynamo() -> None:

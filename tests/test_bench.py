@@ -231,6 +231,32 @@ def test_peer_masks_match_the_reference(case):
         assert check("flex", Prepared(flex_callable(case, cc, compiled=False)), cc)[:2] == ("ok", "")
 
 
+def test_sdpa_falls_back_to_an_additive_mask_and_expanded_kv(monkeypatch):
+    """A backend that refuses bool masks and GQA still runs, on the variant the record names."""
+    from fagen import peers
+
+    real = F.scaled_dot_product_attention
+
+    def picky(q, k, v, attn_mask=None, enable_gqa=False, **kw):
+        if enable_gqa:
+            raise RuntimeError("no GQA here")
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            raise RuntimeError("no bool masks here")
+        return real(q, k, v, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(peers.F, "scaled_dot_product_attention", picky)
+    monkeypatch.setitem(peers.SDPA_BACKENDS, "sdpa-efficient", "MATH")
+    case = fp32(next(c for c in SMALL if c.mask is Mask.TREE))
+    cc = CaseContext(case, CPU, 1)
+    prepared = peers.prepare_sdpa("sdpa-efficient", case, cc)
+    assert "additive mask" in prepared.note and "KV expanded" in prepared.note
+    with prepared.context():
+        assert check("sdpa-efficient", prepared, cc)[:2] == ("ok", "")
+    monkeypatch.setattr(peers.F, "scaled_dot_product_attention", lambda *a, **k: picky(*a, enable_gqa=True))
+    with pytest.raises(peers.Unsupported, match="no GQA here"):
+        peers.prepare_sdpa("sdpa-efficient", case, cc)
+
+
 # -- tuned table -------------------------------------------------------------------------------------------
 ENTRY = dict(arch="sm_90", head_dim=64, mask="causal", dtype="fp16", direction="fwd", kind="prefill", block_m=64,
              block_n=32, num_warps=4, num_stages=4)

@@ -175,6 +175,8 @@ def _cases_from_options(suite, case_names, quick, spec_file, batch, heads, seq_q
               help="Draw fagen against the peers into this PNG (needs matplotlib).")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False, exists=True, path_type=Path),
               help="Run nothing: print the markdown table of a bench JSON file (and --plot it).")
+@click.option("--into", "into_path", type=click.Path(dir_okay=False, exists=True, path_type=Path),
+              help="With --report: write the table between the report markers of this file (a README).")
 @click.option("--time-limit", type=click.FloatRange(min=1), metavar="SECONDS",
               help="Start no case after this; the rest are recorded as skipped.")
 @click.option("--case-timeout", type=click.FloatRange(min=1), default=300, show_default=True, metavar="SECONDS",
@@ -188,7 +190,7 @@ def _cases_from_options(suite, case_names, quick, spec_file, batch, heads, seq_q
 @click.option("--no-check", is_flag=True, help="Time without checking outputs against the float64 reference.")
 @click.option("--seed", type=int, default=0, show_default=True)
 def bench(spec_file, batch, heads, seq_q, seq_k, suite, case_names, quick, device, impls, skip_flex, json_path,
-          plot_path, report_path, time_limit, case_timeout, isolate, warmup, rep, sets, no_check, seed, **flags):
+          plot_path, report_path, into_path, time_limit, case_timeout, isolate, warmup, rep, sets, no_check, seed, **flags):
     """Time fagen's kernel and the peers (SDPA flash/cudnn/efficient, FlexAttention) on the same inputs.
 
     Each implementation is first checked against the float64 reference, then timed (CUDA events, median,
@@ -200,6 +202,7 @@ def bench(spec_file, batch, heads, seq_q, seq_k, suite, case_names, quick, devic
       fagen bench --suite standard --case fwd-d128-causal-s16k --skip-flex
       fagen bench --head-dim 128 --mask causal --dtype bf16 --seq-q 8192
       fagen bench --report benchmarks/h100.json > table.md
+      fagen bench --report benchmarks/h100.json --into benchmarks/README.md
     """
     from rich.console import Console
 
@@ -214,8 +217,21 @@ def bench(spec_file, batch, heads, seq_q, seq_k, suite, case_names, quick, devic
             raise click.ClickException(str(e)) from None
         if plot_path is not None:
             _plot(report, records, plot_path, report_path, err=True)
-        click.echo(report.markdown(records, meta), nl=False)
+        table = report.markdown(records, meta)
+        if into_path is None:
+            click.echo(table, nl=False)
+            return
+        try:
+            text = report.splice(into_path.read_text(), table)
+        except ValueError as e:
+            raise click.ClickException(f"{into_path}: {e}") from None
+        from fagen.cache import write_if_different
+
+        write_if_different(into_path, text)
+        click.echo(f"wrote the table into {into_path}")
         return
+    if into_path is not None:
+        raise click.UsageError("--into goes with --report FILE")
     cases = _cases_from_options(suite, case_names, quick, spec_file, batch, heads, seq_q, seq_k, seed, flags)
     if cases is None:
         raise click.UsageError("give spec flags (--head-dim ...), --suite standard, or --report FILE")

@@ -159,3 +159,15 @@ def plot(records: list[dict], path: Path, title: str = "fagen vs peers") -> None
 
 def by_metric(records: list[dict], case: str) -> str:
     return next(r["metric"] for r in records if r["case"] == case)
+
+
+BEGIN, END = "<!-- fagen bench --report: begin -->", "<!-- fagen bench --report: end -->"
+
+
+def splice(document: str, table: str) -> str:
+    """`document` with the text between the BEGIN and END markers replaced by `table`."""
+    if document.count(BEGIN) != 1 or document.count(END) != 1 or document.index(BEGIN) > document.index(END):
+        raise ValueError(f"needs exactly one {BEGIN} line followed by one {END} line")
+    head, rest = document.split(BEGIN)
+    _, tail = rest.split(END)
+    return f"{head}{BEGIN}\n{table.rstrip()}\n{END}{tail}"

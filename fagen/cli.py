@@ -284,9 +284,11 @@ def _plot(report, records, plot_path, json_path, err=False):
 @click.option("--time-limit", type=click.FloatRange(min=1), metavar="SECONDS",
               help="Try no candidate after this; what was tuned so far is kept.")
 @click.option("--rep", type=click.FloatRange(min=1), default=50, show_default=True, help="Timed repetitions, ms.")
+@click.option("--jobs", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Processes that compile the candidates in parallel before the timing loop (CUDA only).")
 @click.option("--seed", type=int, default=0, show_default=True)
-def tune(spec_file, batch, heads, seq_q, seq_k, suite, quick, device, table, dry_run, force, time_limit, rep, seed,
-         **flags):
+def tune(spec_file, batch, heads, seq_q, seq_k, suite, quick, device, table, dry_run, force, time_limit, rep, jobs,
+         seed, **flags):
     """Search block sizes, warps and stages on the GPU and store the fastest verified config per
     (arch, head_dim, mask, dtype, direction, kind) in the tuned table that specs read their defaults from.
 
@@ -343,7 +345,7 @@ def tune(spec_file, batch, heads, seq_q, seq_k, suite, quick, device, table, dry
         if deadline is not None and _time.monotonic() > deadline:
             log(f"{case.name}: skipped (time limit)")
             continue
-        trials, entry = tuner.tune_case(case, dev, opts, search, fixed, log, deadline)
+        trials, entry = tuner.tune_case(case, dev, opts, search, fixed, log, deadline, jobs=jobs)
         if entry is None:
             log(f"{case.name}: no candidate passed; the table is unchanged for this key")
             continue

@@ -1,5 +1,4 @@
-"""Run benchmark cases in order: in this process, or in a worker process that a crashing kernel cannot take
-the whole run down with. Records reach the JSON file as they are made, so a killed run keeps what it had."""
+"""Run bench cases in order, in-process or in restartable worker processes; records reach the JSON as made."""
 
 from __future__ import annotations
 
@@ -151,15 +150,13 @@ def _one_worker(pending, total, opts, deadline, case_timeout, log, keep):
             "time_left": None if deadline is None else deadline - time.monotonic()}))
         sys.stdout.flush()
         with open(err, "w") as err_file:
-            env = dict(os.environ)  # the worker imports this fagen, wherever the parent found it
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
-            proc = subprocess.Popen([sys.executable, "-m", "fagen.runner", str(job)], stderr=err_file, env=env,
+            proc = subprocess.Popen([sys.executable, "-m", "fagen.runner", str(job)], stderr=err_file, env=worker_env(),
                                     start_new_session=True)  # its own process group: compile workers die with it
             try:
                 done, current, recorded, reason = _follow(proc, events, err, deadline, case_timeout, keep)
             finally:
                 if proc.poll() is None:
-                    _kill(proc)
+                    kill(proc)
     if current is None:
         return done, None, reason
     case, impls = by_n[current]
@@ -192,22 +189,29 @@ def _follow(proc, events: Path, err: Path, deadline, case_timeout, keep):
                 reason = f"worker died (exit {rc}){': ' + tail if tail else ''}"
             break
         if current is not None and time.monotonic() - started > case_timeout:
-            _kill(proc)
+            kill(proc)
             reason = f"case timed out after {case_timeout:.0f} s (--case-timeout)"
             break
         if deadline is not None and time.monotonic() > deadline:
-            _kill(proc)
+            kill(proc)
             reason = "timed out: --time-limit reached"
             break
         time.sleep(POLL_S)
     return done, current, recorded, reason
 
 
+def worker_env() -> dict:
+    """The environment of a worker process: this one's, with this fagen first on the import path."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+    return env
+
+
 def _exit_on_sigterm(signum, frame):
     raise SystemExit(128 + signum)
 
 
-def _kill(proc: subprocess.Popen) -> None:
+def kill(proc: subprocess.Popen) -> None:
     """End the worker this run started, and its process group (inductor's compile workers)."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)

@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
 
 from fagen import tuned
-from fagen.bench import BenchOptions, CaseContext, Unavailable, Unsupported, _first_line, check, prepare_fagen, \
-    time_prepared
+from fagen.bench import BenchOptions, CaseContext, Prepared, Unavailable, Unsupported, _first_line, _out, check, \
+    prepare_fagen, time_prepared
 from fagen.enums import Direction
 from fagen.spec import KernelSpec
 from fagen.workload import BenchCase, describe_case, flops, kv_bytes, make_case
@@ -95,12 +100,73 @@ class Trial:
     note: str = ""
 
 
+def _warm(prepared: Prepared, cc: CaseContext) -> None:
+    """One call, forward or forward + backward, so that every kernel of the config is compiled."""
+    s = cc.sets[0]
+    if cc.case.direction is Direction.BWD:
+        leaves = [t.detach().clone().requires_grad_() for t in (s.q, s.k, s.v)]
+        out = _out(prepared.fn(dataclasses.replace(s, q=leaves[0], k=leaves[1], v=leaves[2])))
+        torch.autograd.grad(out, leaves, s.dout)
+    else:
+        with torch.no_grad():
+            prepared.fn(s)
+
+
+# [Note] Parallel compilation
+# Compiling dominates tuning (about 60 compiles per key, the small verify shape and the timed shape specialise
+# differently), and Triton compiles on one core. So `jobs` processes first call every candidate once on both
+# shapes; Triton's on-disk cache then serves the sequential verify-and-time loop, whose timings stay undisturbed.
+def precompile(case: BenchCase, configs: list[dict], device: torch.device, jobs: int, seed: int,
+               log: Callable[[str], None], deadline: float | None = None) -> None:
+    if device.type != "cuda" or jobs <= 1 or len(configs) <= 1:
+        return
+    from fagen.runner import kill, worker_env
+
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="fagen-tune-") as tmp:
+        procs = []
+        for i in range(min(jobs, len(configs))):
+            job = Path(tmp) / f"job{i}.json"
+            job.write_text(json.dumps({"case": case.to_dict(), "configs": configs[i::jobs], "seed": seed,
+                                       "device": device.type}))
+            procs.append(subprocess.Popen([sys.executable, "-m", "fagen.tune", str(job)], env=worker_env(),
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                          start_new_session=True))
+        try:
+            for proc in procs:
+                left = None if deadline is None else max(1.0, deadline - time.monotonic())
+                proc.wait(timeout=left)
+        except subprocess.TimeoutExpired:
+            log("  precompiling ran into the time limit")
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    kill(proc)
+    log(f"  precompiled {len(configs)} candidates in {len(procs)} processes ({time.monotonic() - t0:.0f} s)")
+
+
+def _precompile_main(job_path: str) -> None:
+    job = json.loads(Path(job_path).read_text())
+    case, device = BenchCase.from_dict(job["case"]), torch.device(job["device"])
+    small = verify_case(case, device)
+    contexts = [(small, CaseContext(small, device, 1, job["seed"])), (case, CaseContext(case, device, 1, job["seed"]))]
+    for cfg in job["configs"]:
+        for c, cc in contexts:
+            try:
+                _warm(prepare_fagen(dataclasses.replace(c, overrides=tuple({**dict(c.overrides), **cfg}.items())), cc),
+                      cc)
+            except Exception:  # noqa: BLE001 - the sequential loop records what fails
+                pass
+
+
 def tune_case(case: BenchCase, device: torch.device, opts: BenchOptions, search: dict, fixed: dict,
-              log: Callable[[str], None] = print, deadline: float | None = None) -> tuple[list[Trial], dict | None]:
+              log: Callable[[str], None] = print, deadline: float | None = None,
+              jobs: int = 1) -> tuple[list[Trial], dict | None]:
     """Every candidate: verify on a small case, then time on `case`. Returns (trials, winning entry or None)."""
     spec, _ = case.spec()
     kept, dropped = candidates(spec, fixed, search, smem_limit(device))
     log(f"{case.name}: {len(kept)} candidates ({len(dropped)} dropped by the shared-memory filter)")
+    precompile(case, kept, device, jobs, opts.seed, log, deadline)
     small = verify_case(case, device)
     cc_small, cc = CaseContext(small, device, 1, opts.seed), CaseContext(case, device, opts.sets, opts.seed)
     base = dict(case.overrides)
@@ -159,3 +225,7 @@ def unique_by_key(cases: list[BenchCase]) -> list[BenchCase]:
 
 def existing(table, arch: str, spec: KernelSpec) -> dict | None:
     return tuned.lookup(spec.head_dim, spec.mask, spec.dtype, spec.direction, spec.kind, arch=arch, path=table)
+
+
+if __name__ == "__main__":
+    _precompile_main(sys.argv[1])

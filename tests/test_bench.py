@@ -443,6 +443,21 @@ def test_tune_smoke_run_on_the_cpu(tmp_path, tuned_table):
     assert "already has an entry" in res.output
 
 
+def test_precompile_worker_builds_every_candidate(tmp_path):
+    """What a precompile process does (on a GPU, in parallel) runs each config on both shapes without raising."""
+    from fagen import runtime, tune
+
+    case = make_case("p", head_dim=16, mask="causal", batch=1, heads_q=2, heads_kv=1, seq_q=20, seq_k=20,
+                     dtype="fp16", direction="fwd")
+    configs = [{"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1},
+               {"block_m": 16, "block_n": 32, "num_warps": 4, "num_stages": 1}]
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"case": case.to_dict(), "configs": configs, "seed": 0, "device": "cpu"}))
+    tune._precompile_main(str(job))
+    names = {dataclasses.replace(case, overrides=tuple(c.items())).spec()[0].name for c in configs}
+    assert names <= {p.split("-")[0] for p in runtime._loaded}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 def test_bench_smoke_run_on_the_gpu(tmp_path):

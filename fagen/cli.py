@@ -134,6 +134,8 @@ def _cases_from_options(suite, case_names, quick, spec_file, batch, heads, seq_q
     if suite and spec is not None:
         raise click.UsageError("give either --suite or spec flags (--head-dim ...), not both")
     if suite:
+        if any(x is not None for x in (batch, heads, seq_q, seq_k)):
+            raise click.UsageError("--batch/--heads/--seq-q/--seq-k shape one spec's case; a --suite has its own")
         cases = SUITES[suite](quick=quick)
         if case_names:
             names = [c.name for c in cases]
@@ -149,8 +151,10 @@ def _cases_from_options(suite, case_names, quick, spec_file, batch, heads, seq_q
         raise click.UsageError("--case selects rows of a --suite")
     overrides = [(k, v) for k, v in flags.items() if k in _SPEC_FLAGS and k not in
                  ("head_dim", "mask", "gqa", "dtype", "direction") and v is not None]
-    if quick:
-        seq_q, seq_k = seq_q or 64, seq_k or (seq_q or 64) + (40 if spec.mask is Mask.TREE else 0)
+    if quick:  # small defaults for what was not given
+        tree, decode = spec.mask is Mask.TREE, spec.kind is Kind.DECODE
+        seq_q = seq_q or (1 if decode else 24 if tree else 64)
+        seq_k = seq_k or (seq_q + 40 if tree else 96 if decode else seq_q)
         batch, heads = batch or 1, heads or 2 * spec.gqa
     try:
         return [case_from_spec(spec, batch=batch, heads=heads, seq_q=seq_q, seq_k=seq_k, overrides=overrides,

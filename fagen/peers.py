@@ -41,10 +41,14 @@ def _sdpa_mask(impl: str, case: BenchCase, cc: CaseContext) -> tuple[dict, str]:
 
 
 def _refusal(e: BaseException, caught: list) -> str:
-    """Why SDPA refused: its warnings name the reason; the RuntimeError only says 'no kernel'."""
-    reasons = [str(w.message).splitlines()[0] for w in caught if "sdp" in str(w.message).lower()
-               or "support" in str(w.message).lower() or "require" in str(w.message).lower()]
-    text = reasons[0] if reasons else _first_line(e)
+    """Why SDPA refused: its warnings name the reasons ("... not used because:" heads them, then one warning per
+    reason); the RuntimeError itself only says that no kernel was available."""
+    reasons = []
+    for w in caught:
+        line = str(w.message).strip().splitlines()[0] if str(w.message).strip() else ""
+        if line and not line.endswith(":") and line not in reasons:
+            reasons.append(line)
+    text = "; ".join(reasons[:2]) if reasons else _first_line(e)
     return text[:200]
 
 

@@ -212,7 +212,7 @@ def test_plot(tmp_path):
 def test_check_catches_a_broken_kernel_and_a_wrong_peer():
     case = make_case("c", head_dim=16, mask="causal", batch=2, heads_q=4, heads_kv=2, seq_q=37, seq_k=53,
                      dtype="fp16", overrides=(("block_m", 16), ("block_n", 16)))
-    cc = CaseContext(case, CPU, 1)
+    cc = CaseContext(case, torch.device(DEVICE), 1)
     spec, _ = case.spec()
     good = fagen.load(spec)
     assert check("fagen", Prepared(lambda s: good.forward(s.q, s.k, s.v)), cc)[0] == "ok"
@@ -273,6 +273,19 @@ def test_sdpa_falls_back_to_an_additive_mask_and_expanded_kv(monkeypatch):
     monkeypatch.setattr(peers.F, "scaled_dot_product_attention", lambda *a, **k: picky(*a, enable_gqa=True))
     with pytest.raises(peers.Unsupported, match="no GQA here"):
         peers.prepare_sdpa("sdpa-efficient", case, cc)
+
+
+def test_sdpa_refusal_reasons_come_from_its_warnings():
+    from types import SimpleNamespace as W
+
+    from fagen.peers import _refusal
+
+    err = RuntimeError("No available kernel. Aborting execution.")
+    caught = [W(message="Flash attention kernel not used because:"),
+              W(message="Both fused kernels do not support non-null attn_mask."),
+              W(message="Both fused kernels do not support non-null attn_mask.")]
+    assert _refusal(err, caught) == "Both fused kernels do not support non-null attn_mask."
+    assert _refusal(err, []) == "RuntimeError: No available kernel. Aborting execution."
 
 
 # -- tuned table -------------------------------------------------------------------------------------------

@@ -351,7 +351,7 @@ def tune(spec_file, batch, heads, seq_q, seq_k, suite, quick, device, table, dry
             continue
         trials, entry = tuner.tune_case(case, dev, opts, search, fixed, log, deadline, jobs=jobs)
         if entry is None:
-            log(f"{case.name}: no candidate passed; the table is unchanged for this key")
+            log(f"{case.name}: the table is unchanged for this key")
             continue
         winners.append(entry)
         if not dry_run:

@@ -173,8 +173,8 @@ def tune_case(case: BenchCase, device: torch.device, opts: BenchOptions, search:
     trials: list[Trial] = []
     for n, cfg in enumerate(kept, 1):
         if deadline is not None and time.monotonic() > deadline:
-            log("  time limit reached: the remaining candidates are not tried")
-            break
+            log("  time limit reached before the search was complete: nothing is stored for this key")
+            return trials, None
         overrides = tuple({**base, **cfg}.items())
         t0 = time.monotonic()
         try:

@@ -79,8 +79,10 @@ class KernelSpec:
             have = ", ".join(f"{b}/{k}" for b, k in tables.TEMPLATE)
             raise SpecError("backend", f"{self.backend}/{self.kind}",
                             f"no templates for this backend and kind yet; available: {have}")
-        config = tables.cuda_default_config if self.backend is Backend.CUDA else tables.default_config
-        defaults = config(self.head_dim, self.dtype, self.direction, self.kind)
+        if self.backend is Backend.CUDA:
+            defaults = tables.cuda_default_config(self.head_dim, self.dtype, self.direction, self.kind)
+        else:
+            defaults = tables.default_config(self.head_dim, self.dtype, self.direction, self.kind, mask=self.mask)
         for name, allowed, desc in (
             ("block_m", BLOCK_SIZES, "must be a power of two from 16 to 256"),
             ("block_n", BLOCK_SIZES, "must be a power of two from 16 to 256"),

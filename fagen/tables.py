@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from fagen import tuned
 from fagen.enums import Backend, DType, Direction, Kind, Mask
 
 # Short names used in readable variant names (``attn_fwd_causal_d128_...``).
@@ -38,13 +39,19 @@ LAUNCHER = {Backend.CUDA: "cuda/launcher.py.j2"}
 SOURCE_SUFFIX = {Backend.TRITON: ".py", Backend.CUDA: ".cu"}
 
 
-def default_config(head_dim: int, dtype: DType, direction: Direction, kind: Kind) -> dict:
+def default_config(head_dim: int, dtype: DType, direction: Direction, kind: Kind, mask: Mask | None = None,
+                   arch: str = tuned.DEFAULT_ARCH) -> dict:
     """Block sizes, warps and stages used when a spec leaves them unset.
 
-    Forward bf16/fp16 values are the best of a sweep on the H100 (benchmarks/raw/h100-forward-sweep-*.log):
-    d128 m128n128w8s3 510 TF/s full, 479 causal at s16k; d64 m128n64w8s4 429 causal. Wider tiles stay
-    within Hopper's 227 KB of shared memory: K/V tiles cost block_n * head_dim * bytes * 2 * num_stages.
+    The tuned table (fagen/tuned.json, written by `fagen tune`) wins for its (arch, head_dim, mask, dtype,
+    direction, kind); otherwise these hand defaults apply. Forward bf16/fp16 values are the best of a sweep on
+    the H100 (benchmarks/raw/h100-forward-sweep-*.log): d128 m128n128w8s3 510 TF/s full, 479 causal at s16k;
+    d64 m128n64w8s4 429 causal. Wider tiles stay within Hopper's 227 KB of shared memory: K/V tiles cost
+    block_n * head_dim * bytes * 2 * num_stages.
     """
+    found = tuned.lookup(head_dim, mask, dtype, direction, kind, arch=arch)
+    if found is not None:
+        return found
     wide = head_dim > 128 or dtype is DType.FP32
     if direction is Direction.BWD:
         return {"block_m": 64, "block_n": 64 if not wide else 32, "num_warps": 4 if not wide else 8,

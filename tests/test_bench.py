@@ -1,0 +1,522 @@
+"""fagen bench and fagen tune: counts, records, report, tuned table, the peers' masks, and smoke runs."""
+
+import dataclasses
+import io
+import json
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from click.testing import CliRunner
+
+import fagen
+from fagen import reference, report, runner, tables, tuned
+from fagen.bench import BenchOptions, CaseContext, Prepared, check, make_record
+from fagen.cli import main
+from fagen.enums import Direction, DType, Kind, Mask
+from fagen.mutants import MUTANTS
+from fagen.render import generate
+from fagen.runtime import load_source
+from fagen.strategies import Problem
+from fagen.tune import candidates, smem_bytes
+from fagen.verify import check_forward
+from fagen.workload import (BWD_FACTOR, TARGETS, BenchCase, flops, fwd_flops, kv_bytes, make_case, standard_suite,
+                            visible_pairs)
+from conftest import DEVICE, ON_GPU
+
+CPU = torch.device("cpu")
+SMALL = [
+    make_case("none", head_dim=16, mask="none", batch=2, heads_q=2, heads_kv=1, seq_q=5, seq_k=7),
+    make_case("causal-sq<sk", head_dim=16, mask="causal", batch=2, heads_q=2, heads_kv=1, seq_q=5, seq_k=9),
+    make_case("causal-sq>sk", head_dim=16, mask="causal", batch=1, heads_q=2, heads_kv=2, seq_q=9, seq_k=4),
+    make_case("causal-eq", head_dim=16, mask="causal", batch=1, heads_q=2, heads_kv=2, seq_q=6, seq_k=6),
+    make_case("pad", head_dim=16, mask="padding", batch=3, heads_q=4, heads_kv=2, seq_q=8, seq_k=11,
+              seqlens_q=(8, 0, 3), seqlens_k=(11, 5, 0)),
+    make_case("causalpad", head_dim=16, mask="causal+padding", batch=3, heads_q=4, heads_kv=2, seq_q=8, seq_k=11,
+              seqlens_q=(8, 2, 5), seqlens_k=(3, 11, 5)),
+    make_case("tree", head_dim=16, mask="tree", batch=2, heads_q=4, heads_kv=2, seq_q=7, seq_k=20),
+]
+
+
+def fp32(case: BenchCase) -> BenchCase:
+    return dataclasses.replace(case, dtype=DType.FP32)
+
+
+# -- counts --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", SMALL, ids=lambda c: c.name)
+def test_visible_pairs_match_the_dense_mask(case):
+    kw = {}
+    if case.mask.padded:
+        kw = dict(seqlens_q=torch.tensor(case.seqlens_q), seqlens_k=torch.tensor(case.seqlens_k))
+    if case.mask is Mask.TREE:
+        kw = dict(tree_mask=torch.tensor(case.parents, dtype=torch.int32))
+    dense = reference.visible(case.mask, case.batch, case.seq_q, case.seq_k, **kw)
+    assert visible_pairs(case) == int(dense.sum())
+    if case.mask is not Mask.CAUSAL or case.seq_q != case.seq_k:  # useful FLOPs: only what the mask leaves
+        assert fwd_flops(case) == 4 * case.head_dim * case.heads_q * int(dense.sum())
+
+
+def test_flop_conventions():
+    full = {c.name: c for c in standard_suite()}
+    c = full["fwd-d128-full-s16k"]
+    assert fwd_flops(c) == 4 * 1 * 16 * 16384 * 16384 * 128
+    c = full["fwd-d128-causal-s16k"]
+    assert fwd_flops(c) == 4 * 16 * 16384 * 16384 * 128 / 2  # halved, as the peers count
+    assert abs(fwd_flops(c) / (4 * 16 * 128 * visible_pairs(c)) - 1) < 1e-4  # ... within 1/S of the exact count
+    c = full["bwd-d128-causal-s16k"]
+    assert flops(c) == BWD_FACTOR * fwd_flops(c) and BWD_FACTOR == 2.5
+    c = full["fwd-causalpad-d128-s8k"]
+    assert fwd_flops(c) == 4 * 128 * 16 * sum(n * (n + 1) // 2 for n in c.seqlens_q)
+    c = full["fwd-tree-d128-p16k-n128"]
+    depth = sum(len(reference.ancestors_from_parents(torch.tensor([p])).nonzero()) for p in c.parents)
+    assert visible_pairs(c) == 4 * 128 * 16384 + depth
+
+
+def test_decode_bytes():
+    full = {c.name: c for c in standard_suite()}
+    assert kv_bytes(full["decode-d128-kv8k-b32"]) == 2 * 32 * 8 * 8192 * 128 * 2
+    assert kv_bytes(full["decode-d128-kv32k-b8"]) == 2 * 8 * 8 * 32768 * 128 * 2
+    pad = make_case("p", head_dim=64, mask="padding", batch=2, heads_q=4, heads_kv=2, seq_q=1, seq_k=100,
+                    seqlens_q=(1, 1), seqlens_k=(100, 30))
+    assert kv_bytes(pad) == 2 * 130 * 2 * 64 * 2  # only valid keys are read
+
+
+def test_standard_suite_is_the_issue_table():
+    cases = standard_suite()
+    assert [c.name for c in cases] == list(TARGETS)
+    assert all(c.dtype is DType.BF16 for c in cases)
+    by = {c.name: c for c in cases}
+    for name in ("fwd-d128-full-s16k", "fwd-d128-causal-s16k", "fwd-d64-causal-s16k", "bwd-d128-causal-s16k"):
+        c = by[name]
+        assert c.heads_q * c.head_dim == 2048 and c.batch * c.seq_q == 16384 and c.seq_q == c.seq_k
+    assert by["bwd-d128-causal-s16k"].direction is Direction.BWD
+    g = by["fwd-gqa-d128-causal-s4k"]
+    assert (g.batch, g.heads_q, g.heads_kv, g.seq_q, g.mask) == (4, 32, 8, 4096, Mask.CAUSAL)
+    p = by["fwd-causalpad-d128-s8k"]
+    assert (p.batch, p.heads_q, p.seq_q, p.mask) == (8, 16, 8192, Mask.CAUSAL_PADDING)
+    assert p.seqlens_q == p.seqlens_k and max(p.seqlens_q) <= 8192 and len(set(p.seqlens_q)) > 1
+    t = by["fwd-tree-d128-p16k-n128"]
+    assert (t.batch, t.heads_q, t.heads_kv, t.seq_q, t.seq_k - t.seq_q, t.metric) == (4, 32, 8, 128, 16384, "ms")
+    for name, (b, sk) in {"decode-d128-kv8k-b32": (32, 8192), "decode-d128-kv32k-b8": (8, 32768)}.items():
+        d = by[name]
+        assert (d.batch, d.heads_q, d.heads_kv, d.seq_q, d.seq_k, d.metric) == (b, 32, 8, 1, sk, "gbs")
+    quick = standard_suite(quick=True)
+    assert [c.name for c in quick] == list(TARGETS)
+    assert all(q.seq_k < c.seq_k and q.heads_q < c.heads_q for q, c in zip(quick, cases))
+    for c in cases + quick:  # cases travel to worker processes as JSON
+        assert BenchCase.from_dict(json.loads(json.dumps(c.to_dict()))) == c
+
+
+def test_decode_rows_use_a_decode_kernel_only_when_there_is_one():
+    spec, note = {c.name: c for c in standard_suite()}["decode-d128-kv8k-b32"].spec()
+    if (spec.backend, Kind.DECODE) in tables.TEMPLATE:
+        assert spec.kind is Kind.DECODE
+    else:
+        assert spec.kind is Kind.PREFILL and "prefill" in note
+
+
+# -- records and report ----------------------------------------------------------------------------------
+def _records():
+    full = {c.name: c for c in standard_suite()}
+    c, t, d = full["fwd-d128-causal-s16k"], full["fwd-tree-d128-p16k-n128"], full["decode-d128-kv8k-b32"]
+    return [
+        make_record(c, "fagen", "ok", ms=2.0, check="ok", max_err=1e-3),
+        make_record(c, "sdpa-cudnn", "ok", ms=2.5, check="ok"),
+        make_record(c, "sdpa-flash", "ok", ms=1.0, check="fail", note="out: 0.5 at (0, 0, 3, 1)"),
+        make_record(c, "flex", "error", note="BackendCompilerFailed: no valid config"),
+        make_record(t, "fagen", "ok", ms=0.2, check="ok"),
+        make_record(t, "flex", "ok", ms=0.335, check="ok"),
+        make_record(t, "sdpa-flash", "unsupported", note="flash takes no mask tensor"),
+        make_record(d, "fagen", "ok", ms=0.5, check="ok"),
+    ]
+
+
+def test_record_schema():
+    recs = _records()
+    json.dumps(recs)
+    for r in recs:
+        assert {"case", "impl", "ms", "tflops", "gbs", "status", "metric", "check", "note"} <= set(r)
+        assert r["status"] in ("ok", "unsupported", "unavailable", "error", "skipped")
+        assert r["impl"] in ("fagen", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")
+    ok = recs[0]
+    assert ok["tflops"] == pytest.approx(4 * 16 * 16384 ** 2 * 128 / 2 / 2e-3 / 1e12) and ok["gbs"] is None
+    assert recs[3]["ms"] is None and recs[3]["tflops"] is None
+    assert recs[-1]["gbs"] == pytest.approx(2 * 32 * 8 * 8192 * 128 * 2 / 0.5e-3 / 1e9)
+
+
+def test_report_markdown():
+    text = report.markdown(_records(), {"gpu": "NVIDIA H100 80GB HBM3", "torch": "2.11", "device": "cuda"})
+    lines = text.splitlines()
+    assert "NVIDIA H100" in lines[0]
+    header = next(ln for ln in lines if ln.startswith("| case"))
+    assert header.split("|")[3].strip() == "fagen" and "target" in header
+    causal = next(ln for ln in lines if ln.startswith("| fwd-d128-causal-s16k"))
+    cells = [c.strip() for c in causal.strip("|").split("|")]
+    # fagen 2 ms -> 550 TF/s; the failing flash is marked and not counted as the best peer (cudnn 440 is)
+    assert cells[2] == "550" and "!" in cells[3] and cells[4] == "440" and cells[-2] == "1.25x"
+    assert cells[-1] == ">= 560 MISSED" and "ERR" in cells
+    tree = [c.strip() for c in next(ln for ln in lines if ln.startswith("| fwd-tree")).strip("|").split("|")]
+    assert tree[1] == "ms" and tree[2] == "0.200" and tree[-2] == "1.68x" and tree[-1] == "<= 0.250 met"
+    assert any("flex error (fwd-d128-causal-s16k): BackendCompilerFailed" in ln for ln in lines)
+    assert any("check FAILED" in ln for ln in lines)
+    quick = report.markdown(_records(), {"device": "cuda", "quick": True})
+    assert "target" not in quick  # H100 targets mean nothing for shrunk shapes
+
+
+def test_terminal_table_is_ascii_and_last():
+    from rich.console import Console
+
+    buf = io.StringIO()
+    report.print_table(_records(), Console(file=buf, width=200), meta={"device": "cuda"})
+    text = buf.getvalue()
+    assert text.isascii() and "fwd-d128-causal-s16k" in text and "550" in text
+
+
+def test_report_command_and_bad_files(tmp_path):
+    path = tmp_path / "r.json"
+    runner.write_json(path, {"device": "cuda", "gpu": "H100"}, _records())
+    res = CliRunner().invoke(main, ["bench", "--report", str(path)], catch_exceptions=False)
+    assert res.exit_code == 0 and res.output.startswith("Measured on H100") and "| fwd-tree" in res.output
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"records": [{"case": "x"}]}')
+    res = CliRunner().invoke(main, ["bench", "--report", str(bad)], catch_exceptions=False)
+    assert res.exit_code == 1 and "record 0 lacks" in res.output and "Traceback" not in res.output
+
+
+def test_report_into_the_benchmarks_readme(tmp_path):
+    from pathlib import Path
+
+    readme = tmp_path / "README.md"
+    readme.write_text((Path(__file__).parent.parent / "benchmarks" / "README.md").read_text())
+    path = tmp_path / "r.json"
+    runner.write_json(path, {"device": "cuda", "gpu": "H100"}, _records())
+    for _ in range(2):  # idempotent: the second run replaces the first table
+        res = CliRunner().invoke(main, ["bench", "--report", str(path), "--into", str(readme)], catch_exceptions=False)
+        assert res.exit_code == 0, res.output
+    text = readme.read_text()
+    assert text.count("| fwd-tree-d128-p16k-n128 |") == 1 and "Not measured yet" not in text
+    assert text.index("## Results") < text.index("| case |") < text.index("![fagen vs peers]")
+    readme.write_text("no markers")
+    res = CliRunner().invoke(main, ["bench", "--report", str(path), "--into", str(readme)], catch_exceptions=False)
+    assert res.exit_code == 1 and "needs exactly one" in res.output
+
+
+def test_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    report.plot(_records(), tmp_path / "p.png")
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# -- checks have teeth -------------------------------------------------------------------------------------
+def test_check_catches_a_broken_kernel_and_a_wrong_peer():
+    case = make_case("c", head_dim=16, mask="causal", batch=2, heads_q=4, heads_kv=2, seq_q=37, seq_k=53,
+                     dtype="fp16", overrides=(("block_m", 16), ("block_n", 16)))
+    cc = CaseContext(case, torch.device(DEVICE), 1)
+    spec, _ = case.spec()
+    good = fagen.load(spec)
+    assert check("fagen", Prepared(lambda s: good.forward(s.q, s.k, s.v)), cc)[0] == "ok"
+    for mutant in (m for m in MUTANTS if m.name in ("causal-top-left", "wrong-gqa-head")):
+        bad = load_source(mutant.apply(generate(spec)), f"bench_{mutant.name}")
+        status, msg, _ = check("fagen", Prepared(lambda s, bad=bad: bad.forward(s.q, s.k, s.v)), cc)
+        assert status == "fail", mutant.name
+    top_left = Prepared(lambda s: F.scaled_dot_product_attention(s.q, s.k, s.v, is_causal=True, enable_gqa=True))
+    assert check("sdpa-flash", top_left, cc)[0] == "fail"  # SDPA's is_causal is top-left: wrong for Sq != Sk
+
+
+@pytest.mark.parametrize("case", [fp32(c) for c in SMALL], ids=lambda c: c.name)
+def test_peer_masks_match_the_reference(case):
+    """What the peers are given (SDPA kwargs, flex mask_mod and block mask) computes the contract's attention."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from fagen.peers import Unsupported, _sdpa_mask, flex_callable
+
+    cc = CaseContext(case, CPU, 1)
+    for impl in ("sdpa-efficient", "sdpa-flash"):
+        try:
+            kw, _ = _sdpa_mask(impl, case, cc)
+        except Unsupported:
+            assert impl == "sdpa-flash" and case.mask in (Mask.PADDING, Mask.CAUSAL_PADDING, Mask.TREE)
+            continue
+
+        def sdpa(s, kw=kw):
+            with sdpa_kernel(SDPBackend.MATH):  # the only backend the CPU has for every mask
+                return F.scaled_dot_product_attention(s.q, s.k, s.v, **kw, enable_gqa=case.gqa > 1)
+
+        assert check(impl, Prepared(sdpa), cc)[:2] == ("ok", ""), impl
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager flex warns that it is unfused
+        assert check("flex", Prepared(flex_callable(case, cc, compiled=False)), cc)[:2] == ("ok", "")
+
+
+def test_sdpa_falls_back_to_an_additive_mask_and_expanded_kv(monkeypatch):
+    """A backend that refuses bool masks and GQA still runs, on the variant the record names."""
+    from fagen import peers
+
+    real = F.scaled_dot_product_attention
+
+    def picky(q, k, v, attn_mask=None, enable_gqa=False, **kw):
+        if enable_gqa:
+            raise RuntimeError("no GQA here")
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            raise RuntimeError("no bool masks here")
+        return real(q, k, v, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(peers.F, "scaled_dot_product_attention", picky)
+    monkeypatch.setitem(peers.SDPA_BACKENDS, "sdpa-efficient", "MATH")
+    case = fp32(next(c for c in SMALL if c.mask is Mask.TREE))
+    cc = CaseContext(case, CPU, 1)
+    prepared = peers.prepare_sdpa("sdpa-efficient", case, cc)
+    assert "additive mask" in prepared.note and "KV expanded" in prepared.note
+    with prepared.context():
+        assert check("sdpa-efficient", prepared, cc)[:2] == ("ok", "")
+    monkeypatch.setattr(peers.F, "scaled_dot_product_attention", lambda *a, **k: picky(*a, enable_gqa=True))
+    with pytest.raises(peers.Unsupported, match="no GQA here"):
+        peers.prepare_sdpa("sdpa-efficient", case, cc)
+
+
+def test_sdpa_refusal_reasons_come_from_its_warnings():
+    from types import SimpleNamespace as W
+
+    from fagen.peers import _refusal
+
+    err = RuntimeError("No available kernel. Aborting execution.")
+    caught = [W(message="Flash attention kernel not used because:"),
+              W(message="Both fused kernels do not support non-null attn_mask."),
+              W(message="Both fused kernels do not support non-null attn_mask.")]
+    assert _refusal(err, caught) == "Both fused kernels do not support non-null attn_mask."
+    assert _refusal(err, []) == "RuntimeError: No available kernel. Aborting execution."
+
+
+# -- tuned table -------------------------------------------------------------------------------------------
+ENTRY = dict(arch="sm_90", head_dim=64, mask="causal", dtype="fp16", direction="fwd", kind="prefill", block_m=64,
+             block_n=32, num_warps=4, num_stages=4)
+
+
+@pytest.fixture
+def tuned_table(tmp_path, monkeypatch):
+    path = tmp_path / "tuned.json"
+    monkeypatch.setattr(tuned, "TUNED_PATH", path)
+    tuned._index.cache_clear()
+    yield path
+    tuned._index.cache_clear()
+
+
+def test_specs_read_the_tuned_table_for_sm90_only(tuned_table):
+    hand = tables.default_config(64, DType.FP16, Direction.FWD, Kind.PREFILL)
+    assert fagen.KernelSpec(head_dim=64, mask="causal").block_m == hand["block_m"]  # no file: hand defaults
+    tuned.upsert(tuned_table, ENTRY)
+    tuned.upsert(tuned_table, {**ENTRY, "arch": "sm_80", "block_m": 16})
+    spec = fagen.KernelSpec(head_dim=64, mask="causal")
+    assert (spec.block_m, spec.block_n, spec.num_warps, spec.num_stages) == (64, 32, 4, 4)
+    assert fagen.KernelSpec(head_dim=64, mask="causal", block_n=128).block_n == 128  # explicit fields win
+    assert fagen.KernelSpec(head_dim=64, mask="none").block_m == hand["block_m"]  # other key: hand defaults
+    assert fagen.KernelSpec(head_dim=64, mask="causal", dtype="bf16").block_m == hand["block_m"]
+    assert tables.default_config(64, DType.FP16, Direction.FWD, Kind.PREFILL, mask=Mask.CAUSAL,
+                                 arch="sm_80")["block_m"] == 16
+    assert tables.default_config(64, DType.FP16, Direction.FWD, Kind.PREFILL, mask=Mask.CAUSAL,
+                                 arch="sm_89") == hand
+    tuned.upsert(tuned_table, {**ENTRY, "block_m": 128, "ms": 1.0})  # same key: replaced, not duplicated
+    assert len(tuned.read_table(tuned_table)) == 2
+    assert fagen.KernelSpec(head_dim=64, mask="causal").block_m == 128
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{", "not valid JSON"),
+    ('{"format": 2, "entries": []}', "expected"),
+    (json.dumps({"format": 1, "entries": [{**ENTRY, "block_m": 48}]}), "block_m = 48"),
+    (json.dumps({"format": 1, "entries": [{k: v for k, v in ENTRY.items() if k != "num_warps"}]}), "num_warps"),
+    (json.dumps({"format": 1, "entries": [{**ENTRY, "mask": "diagonal"}]}), "mask = 'diagonal'"),
+    (json.dumps({"format": 1, "entries": [ENTRY, {**ENTRY, "block_m": 128}]}), "share the key"),
+])
+def test_malformed_tuned_tables_are_rejected(tmp_path, text, message):
+    path = tmp_path / "t.json"
+    path.write_text(text)
+    with pytest.raises(tuned.TunedTableError, match=message):
+        tuned.read_table(path)
+
+
+def test_shipped_tuned_configs_pass_the_forward_properties():
+    """Every config `fagen tune` shipped is correct (tiny ragged problems on the CPU, bigger on a GPU)."""
+    entries = tuned.read_table(tuned.TUNED_PATH)
+    for e in entries:
+        if e["direction"] != "fwd" or e["arch"] != "sm_90":
+            continue
+        spec = fagen.KernelSpec(**{k: e[k] for k in ("head_dim", "mask", "dtype", "direction", "kind", "block_m",
+                                                    "block_n", "num_warps", "num_stages")}, gqa=2)
+        sq, sk = (9, 9 + 70) if spec.mask is Mask.TREE else (1 if spec.kind is Kind.DECODE else 70, 133)
+        if ON_GPU:
+            sq, sk = (37, 37 + 1000) if spec.mask is Mask.TREE else (1 if spec.kind is Kind.DECODE else 1000, 1333)
+        problem = Problem(batch=2, heads_kv=2, seq_q=sq, seq_k=sk, seed=5,
+                          seqlens_q=(sq, sq // 2) if spec.mask.padded else None,
+                          seqlens_k=(sk, sk // 3) if spec.mask.padded else None,
+                          parents=(tuple(range(-1, sq - 1)),) * 2 if spec.mask is Mask.TREE else None)
+        check_forward(fagen.load(spec), spec, problem, DEVICE)
+
+
+def test_tuner_candidates_respect_shared_memory():
+    spec = fagen.KernelSpec(head_dim=128, mask="causal", dtype="bf16")
+    kept, dropped = candidates(spec, {}, {"block_m": (64, 128), "block_n": (32, 64, 128), "num_warps": (4, 8),
+                                          "num_stages": (2, 3, 4)}, 227 * 1024)
+    assert len(kept) + len(dropped) == 36 and dropped
+    for cfg in kept:
+        assert smem_bytes(dataclasses.replace(spec, **cfg)) <= 227 * 1024
+    assert {"block_m": 128, "block_n": 128, "num_warps": 4, "num_stages": 4} in [c for c, _ in dropped]
+    assert smem_bytes(dataclasses.replace(spec, block_m=128, block_n=128, num_stages=4)) == (128 + 8 * 128) * 128 * 2
+    pinned, _ = candidates(spec, {"block_m": 128, "num_warps": 8}, {"block_m": (64, 128), "block_n": (32, 64),
+                                                                     "num_warps": (4, 8), "num_stages": (2,)}, 1 << 30)
+    assert [(c["block_m"], c["num_warps"]) for c in pinned] == [(128, 8), (128, 8)]
+
+
+# -- the commands --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("command", ["bench", "tune"])
+def test_help(command):
+    res = CliRunner().invoke(main, [command, "--help"], catch_exceptions=False)
+    assert res.exit_code == 0 and "Examples" in res.output
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "give spec flags"),
+    (["--suite", "standard", "--head-dim", "64"], "either --suite or spec flags"),
+    (["--suite", "standard", "--case", "fwd-d999"], "fwd-d128-full-s16k"),
+    (["--head-dim", "64", "--gqa", "2", "--heads", "3"], "multiple of gqa 2"),
+    (["--head-dim", "64", "--mask", "tree", "--seq-q", "50", "--seq-k", "20"], "--seq-k >= --seq-q"),
+    (["--head-dim", "12"], "--head-dim"),
+])
+def test_bench_usage_errors(args, message):
+    res = CliRunner().invoke(main, ["bench", *args], catch_exceptions=False)
+    assert res.exit_code == 2 and message in res.output and "Traceback" not in res.output
+
+
+@pytest.mark.skipif(ON_GPU, reason="the CPU smoke run; the GPU one is below")
+def test_bench_smoke_run_on_the_cpu(tmp_path):
+    out = tmp_path / "b.json"
+    res = CliRunner().invoke(main, ["bench", "--device", "cpu", "--head-dim", "16", "--mask", "causal", "--gqa", "2",
+                                    "--batch", "2", "--heads", "4", "--seq-q", "37", "--seq-k", "53", "--block-m", "16",
+                                    "--block-n", "16", "--rep", "1", "--json", str(out)], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    meta, recs = runner.read_json(out)
+    by = {r["impl"]: r for r in recs}
+    assert list(by) == ["fagen", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex"]
+    assert by["fagen"]["status"] == "ok" and by["fagen"]["check"] == "ok" and by["fagen"]["ms"] > 0
+    assert by["fagen"]["spec"] == "attn_fwd_causal_d16_m16n16w4s3_g2_fp16"
+    assert by["flex"]["status"] == "unavailable" and "CUDA" in by["flex"]["note"]
+    assert by["sdpa-cudnn"]["status"] == "unsupported"
+    assert meta["device"] == "cpu" and meta["total_s"] >= 0
+    assert res.output.rstrip().splitlines()[-1].startswith("  - ")  # the table and its notes come last
+    assert "fwd-causal-d16-b2-h4/2-s37x53" in res.output
+
+
+@pytest.mark.skipif(ON_GPU, reason="CPU worker test")
+def test_isolated_workers_survive_crashes(monkeypatch):
+    """A process death and a poisoned CUDA context each cost one record; fresh workers run the rest."""
+    monkeypatch.setenv("FAGEN_BENCH_TEST_CRASH", "sdpa-flash:die,sdpa-efficient:cuda")
+    case = make_case("tiny", head_dim=16, mask="none", batch=1, heads_q=2, heads_kv=2, seq_q=8, seq_k=8)
+    opts = BenchOptions(device="cpu", impls=("sdpa-flash", "sdpa-efficient", "flex"), rep_ms=1)
+    _, recs = runner.run([case], opts, isolate=True, log=lambda line: None)
+    by = {r["impl"]: r for r in recs}
+    assert list(by) == ["sdpa-flash", "sdpa-efficient", "flex"]
+    assert by["sdpa-flash"]["status"] == "error" and "worker died (exit 86)" in by["sdpa-flash"]["note"]
+    assert by["sdpa-efficient"]["status"] == "error" and "illegal memory access" in by["sdpa-efficient"]["note"]
+    assert by["flex"]["status"] == "unavailable"  # run by a third worker
+
+
+@pytest.mark.skipif(ON_GPU, reason="CPU worker test")
+def test_a_hung_case_is_killed_and_the_run_goes_on(monkeypatch):
+    monkeypatch.setenv("FAGEN_BENCH_TEST_CRASH", "sdpa-flash:hang")
+    cases = [make_case(f"tiny{i}", head_dim=16, mask="none", batch=1, heads_q=2, heads_kv=2, seq_q=8, seq_k=8)
+             for i in range(2)]
+    opts = BenchOptions(device="cpu", impls=("sdpa-flash", "flex"), rep_ms=1)
+    _, recs = runner.run(cases, opts, isolate=True, case_timeout=3, log=lambda line: None)
+    assert [(r["case"], r["impl"], r["status"]) for r in recs] == [
+        ("tiny0", "sdpa-flash", "error"), ("tiny0", "flex", "skipped"),
+        ("tiny1", "sdpa-flash", "error"), ("tiny1", "flex", "skipped")]
+    assert "timed out after 3 s" in recs[0]["note"]
+
+
+def test_time_limit_records_skips():
+    case = make_case("tiny", head_dim=16, mask="none", batch=1, heads_q=2, heads_kv=2, seq_q=8, seq_k=8)
+    _, recs = runner.run([case], BenchOptions(device="cpu", impls=("fagen", "flex")), time_limit=1,
+                         log=lambda line: None)
+    assert [(r["impl"], r["status"]) for r in recs] == [("fagen", "skipped"), ("flex", "skipped")]
+
+
+@pytest.mark.skipif(ON_GPU, reason="CPU smoke run of the tuner")
+def test_tune_smoke_run_on_the_cpu(tmp_path, tuned_table):
+    table = tmp_path / "cpu.json"
+    args = ["tune", "--device", "cpu", "--quick", "--head-dim", "16", "--mask", "padding", "--block-m", "16"]
+    res = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert res.exit_code == 2 and "--dry-run" in res.output  # never writes interpreter timings into the package
+    res = CliRunner().invoke(main, [*args, "--table", str(table)], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    (entry,) = tuned.read_table(table)
+    assert entry["arch"] == "cpu" and entry["block_m"] == 16 and entry["block_n"] in (16, 32)
+    assert entry["mask"] == "padding" and entry["ms"] > 0
+    res = CliRunner().invoke(main, [*args, "--table", str(table)], catch_exceptions=False)
+    assert "already has an entry" in res.output
+
+
+def test_precompile_worker_builds_every_candidate(tmp_path):
+    """What a precompile process does (on a GPU, in parallel) runs each config on both shapes without raising."""
+    from fagen import runtime, tune
+
+    case = make_case("p", head_dim=16, mask="causal", batch=1, heads_q=2, heads_kv=1, seq_q=20, seq_k=20,
+                     dtype="fp16", direction="fwd")
+    configs = [{"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1},
+               {"block_m": 16, "block_n": 32, "num_warps": 4, "num_stages": 1}]
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"case": case.to_dict(), "configs": configs, "seed": 0, "device": "cpu"}))
+    tune._precompile_main(str(job))
+    names = {dataclasses.replace(case, overrides=tuple(c.items())).spec()[0].name for c in configs}
+    assert names <= {p.split("-")[0] for p in runtime._loaded}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+def test_bench_smoke_run_on_the_gpu(tmp_path):
+    """Pre-flight for the H100 run: the trickiest peers (masks, flex compile) on shrunk suite rows."""
+    out = tmp_path / "g.json"
+    res = CliRunner().invoke(main, ["bench", "--suite", "standard", "--quick", "--case", "fwd-causalpad-d128-s8k",
+                                    "--case", "fwd-tree-d128-p16k-n128", "--case", "decode-d128-kv8k-b32",
+                                    "--json", str(out)], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    _, recs = runner.read_json(out)
+    for r in recs:
+        assert r["status"] in ("ok", "unsupported"), r
+        assert r["check"] in (None, "ok"), r
+    assert all(r["status"] == "ok" for r in recs if r["impl"] in ("fagen", "flex", "sdpa-cudnn"))
+
+
+def test_backward_cases_check_gradients_and_time_backward_alone():
+    """The bwd path on a differentiable stand-in (SDPA's math backend): grads checked, bwd and fwd+bwd timed."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from fagen.bench import time_prepared
+
+    case = make_case("b", head_dim=16, mask="causal", batch=2, heads_q=4, heads_kv=2, seq_q=21, seq_k=21,
+                     dtype="fp32", direction="bwd")
+    cc = CaseContext(case, CPU, 2)
+
+    def math(s):
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(s.q, s.k, s.v, is_causal=True, enable_gqa=True)
+
+    status, msg, err = check("fagen", Prepared(math), cc)
+    assert (status, msg) == ("ok", "") and err < 1e-4
+
+    class WrongGrad(torch.autograd.Function):  # a right forward with a wrong backward
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 1.5
+
+    status, msg, _ = check("fagen", Prepared(lambda s: WrongGrad.apply(math(s))), cc)
+    assert status == "fail" and msg.startswith("d")
+    times = time_prepared(Prepared(math), cc, BenchOptions(device="cpu", rep_ms=1))
+    assert times["ms"] > 0 and times["fwdbwd_ms"] > 0
+    rec = make_record(case, "fagen", "ok", **times)
+    assert rec["tflops"] == pytest.approx(2.5 * fwd_flops(case) / times["ms"] / 1e9)
+    assert rec["fwdbwd_tflops"] == pytest.approx(3.5 * fwd_flops(case) / times["fwdbwd_ms"] / 1e9)

@@ -8,22 +8,22 @@ LOGS="${OUT:-cuda-gpu-logs}"
 mkdir -p "$LOGS"
 export FAGEN_CACHE_DIR="${FAGEN_CACHE_DIR:-$(mktemp -d -t fagen-cache-XXXX)}"  # one cache: each variant compiles once
 export HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-gpu}"
-python -c "import torch, triton; from cuda.bindings import driver; print('torch', torch.__version__, '| triton', triton.__version__, '| GPU', torch.cuda.get_device_name())" || exit 1
+python3 -c "import torch, triton; from cuda.bindings import driver; print('torch', torch.__version__, '| triton', triton.__version__, '| GPU', torch.cuda.get_device_name())" || exit 1
 nvcc --version | tail -2 | head -1
 
 status=0
 XDIST=""; python -c "import xdist" 2>/dev/null && XDIST="-n 8"  # parallel nvcc when pytest-xdist is there
 echo "== 1/3 nvcc + launcher checks (CPU side), full compile catalog"
-FAGEN_NVCC_CATALOG=1 timeout 900 python -m pytest tests/test_cuda_backend.py -q $XDIST -rfE --tb=short \
+FAGEN_NVCC_CATALOG=1 timeout 900 python3 -m pytest tests/test_cuda_backend.py -q $XDIST -rfE --tb=short \
     >"$LOGS/cuda_backend.log" 2>&1 || status=1
 tail -n 3 "$LOGS/cuda_backend.log"
 echo "== 2/3 GPU properties (one process: the float64 reference is large)"
-timeout 1500 python -m pytest tests/test_cuda_gpu.py -q -s -rfE --tb=short --durations=5 \
+timeout 1500 python3 -m pytest tests/test_cuda_gpu.py -q -s -rfE --tb=short --durations=5 \
     >"$LOGS/cuda_gpu.log" 2>&1 || status=1
 grep -E "^precompiled|passed|failed|^FAILED|^ERROR" "$LOGS/cuda_gpu.log" | head -n 40
 if grep -q -E "^(FAILED|ERROR)" "$LOGS/cuda_gpu.log"; then
     echo "-- first failure:"; awk '/^_____+ /{n++} n==1' "$LOGS/cuda_gpu.log" | head -n 60
 fi
 echo "== 3/3 timing (d128 bf16 s16k, full and causal)"
-timeout 900 python scripts/bench_cuda.py 2>&1 | tee "$LOGS/bench_cuda.log" | tail -n 16 || status=1
+timeout 900 python3 scripts/bench_cuda.py 2>&1 | tee "$LOGS/bench_cuda.log" | tail -n 16 || status=1
 exit $status

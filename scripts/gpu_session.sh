@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One stage of a GPU session on the H100: `bash scripts/gpu_session.sh tests|bench|cuda|decode`.
+# Full logs go under $OUT (the device tool brings them back); a compact summary is printed last.
+set -uo pipefail
+stage=${1:?usage: gpu_session.sh tests|bench|cuda|decode}
+OUT=${OUT:-$PWD/gpu-logs}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD FAGEN_CACHE_DIR=${FAGEN_CACHE_DIR:-/tmp/fagen-cache}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+case $stage in
+  tests)  # the whole suite at GPU scale (the CUDA backend's GPU tests run in the cuda stage)
+    timeout 400 python3 -m pytest tests -q -n 8 -p no:cacheprovider -rfE --tb=short \
+      --ignore=tests/test_cuda_gpu.py > "$OUT/pytest.log" 2>&1
+    echo "pytest exit $?"
+    timeout 120 python3 cli.py verify --head-dim 64 --mask tree --gqa 4 --dtype fp16 --device cuda --scale gpu \
+      > "$OUT/verify.log" 2>&1; echo "verify exit $?"
+    grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | cut -c1-220 | head -40
+    tail -3 "$OUT/pytest.log"; tail -4 "$OUT/verify.log" ;;
+  bench)
+    timeout 560 python3 cli.py bench --suite standard --json "$OUT/h100.json" --plot "$OUT/h100.png" \
+      --time-limit 480 > "$OUT/bench.log" 2>&1
+    echo "bench exit $?"; tail -c 5000 "$OUT/bench.log" ;;
+  cuda)  # the CUDA backend's GPU properties (10 examples each), then its timing script
+    HYPOTHESIS_PROFILE=ci timeout 380 python3 -m pytest tests/test_cuda_gpu.py -q -x -rfE --tb=short \
+      > "$OUT/cuda_gpu.log" 2>&1; echo "cuda gpu tests exit $?"
+    timeout 150 python3 scripts/bench_cuda.py > "$OUT/bench_cuda.log" 2>&1; echo "bench_cuda exit $?"
+    grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/cuda_gpu.log" | cut -c1-300 | head -20
+    tail -c 3000 "$OUT/bench_cuda.log" ;;
+  decode)
+    timeout 300 python3 scripts/bench_decode.py > "$OUT/decode.log" 2>&1; echo "decode exit $?"
+    tail -c 4000 "$OUT/decode.log" ;;
+esac

@@ -333,7 +333,8 @@ def check_bwd_masked_rows(module, spec: KernelSpec, problem: Problem, device: st
     """Gradients are finite; dq of a row that sees no key and dk, dv of a key that no row sees are exactly 0."""
     run, kwargs = _gradients(module, spec, problem, device)
     dq, dk, dv = run()
-    vis = reference.visible(spec.mask, problem.batch, problem.seq_q, problem.seq_k, device=dq.device, **kwargs)
+    mask_kw = {k: v for k, v in kwargs.items() if k in ("seqlens_q", "seqlens_k", "tree_mask")}
+    vis = reference.visible(spec.mask, problem.batch, problem.seq_q, problem.seq_k, device=dq.device, **mask_kw)
     unseen_rows, unseen_keys = ~vis.any(-1), ~vis.any(-2)  # [B, Sq], [B, Sk]
     for name, g, unseen, what in (("dq", dq, unseen_rows, "query row that sees no key"),
                                   ("dk", dk, unseen_keys, "key that no query sees"),

@@ -4,7 +4,7 @@
 set -uo pipefail
 stage=${1:?usage: gpu_session.sh tests|bench|cuda|decode}
 OUT=${OUT:-$PWD/gpu-logs}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD FAGEN_CACHE_DIR=${FAGEN_CACHE_DIR:-/tmp/fagen-cache}
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD  # tests make their own cache per worker, as in CI
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 case $stage in

@@ -65,5 +65,6 @@ def test_generate_without_spec_renders_the_default_catalog(tmp_path):
     result = run("generate", "-o", str(tmp_path))
     assert result.exit_code == 0, result.output
     from fagen.manifest import DEFAULT_CATALOG, load_manifest
-    names = {s.name + ".py" for s in load_manifest(DEFAULT_CATALOG).specs}
+    from fagen.tables import SOURCE_SUFFIX
+    names = {s.name + SOURCE_SUFFIX[s.backend] for s in load_manifest(DEFAULT_CATALOG).specs}
     assert {p.name for p in tmp_path.iterdir()} == names

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from fagen.enums import Mask
+from fagen.enums import Kind, Mask
 from fagen.spec import KernelSpec
 
 
@@ -16,9 +16,10 @@ class Mutant:
     old: str  # text in the rendered source ...
     new: str  # ... and its broken replacement
     min_gqa: int = 1  # a head-mapping bug is invisible while every query head has its own KV head
+    kinds: tuple[Kind, ...] = (Kind.PREFILL,)  # kernel kinds whose source it edits
 
     def applies(self, spec: KernelSpec) -> bool:
-        return spec.mask in self.masks and spec.gqa >= self.min_gqa
+        return spec.mask in self.masks and spec.gqa >= self.min_gqa and spec.kind in self.kinds
 
     def apply(self, source: str) -> str:
         if self.old not in source:
@@ -51,4 +52,14 @@ MUTANTS = (
            "* 0.6931471805599453, float(\"-inf\"))", "* 1.0, float(\"-inf\"))"),
     Mutant("no-finite-stand-in", "a row whose first masked block is empty computes exp2(-inf - -inf) = NaN",
            (Mask.TREE,), "m_use = tl.where(m_new == float(\"-inf\"), 0.0, m_new)", "m_use = m_new"),
+    # Decode (split-KV): what breaks when the splits or their merge are wrong. They show up only with several
+    # splits, which forward() picks for long caches and forward_split(num_splits=...) forces.
+    Mutant("decode-merge-no-rescale", "the merge adds each split's output without its 2^(lse_s - max) weight",
+           tuple(Mask), "acc = acc * alpha[:, None] + o_s * beta[:, None]", "acc = acc * alpha[:, None] + o_s",
+           kinds=(Kind.DECODE,)),
+    Mutant("decode-split-overlap", "each split also reads the first block of the next split's keys",
+           tuple(Mask), "hi = tl.minimum(tl.minimum(s0 + chunk, seq_k), kv_hi)",
+           "hi = tl.minimum(tl.minimum(s0 + chunk + BLOCK_N, seq_k), kv_hi)", kinds=(Kind.DECODE,)),
+    Mutant("decode-last-split-dropped", "the merge stops one split early", tuple(Mask),
+           "n_used = (kv_hi + chunk - 1) // chunk", "n_used = kv_hi // chunk", kinds=(Kind.DECODE,)),
 )

@@ -75,6 +75,9 @@ class KernelSpec:
         put("kind", _enum_field("kind", self.kind, Kind))
         put("gqa", _int_field("gqa", self.gqa, lambda g: 1 <= g <= MAX_GQA,
                               f"must be an integer from 1 (MHA) to {MAX_GQA}: query heads per KV head"))
+        if self.kind is Kind.DECODE and self.direction is not Direction.FWD:
+            raise SpecError("direction", str(self.direction),
+                            "decode kernels are forward-only: use direction 'fwd', or kind 'prefill' for a backward")
         if (self.backend, self.kind) not in tables.TEMPLATE:
             have = ", ".join(f"{b}/{k}" for b, k in tables.TEMPLATE)
             raise SpecError("backend", f"{self.backend}/{self.kind}",

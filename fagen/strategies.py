@@ -8,9 +8,9 @@ import json
 import torch
 from hypothesis import strategies as st
 
-from fagen.enums import DType, Direction, Mask
+from fagen.enums import DType, Direction, Kind, Mask
 from fagen.spec import KernelSpec
-from fagen.tables import TORCH_DTYPE
+from fagen.tables import DECODE_MAX_SEQ_Q, TORCH_DTYPE
 
 # Shape scales: "cpu" keeps the interpreter fast; "gpu" is realistic (up to 4096 x 4096, D 128).
 SCALES = {
@@ -94,7 +94,7 @@ class Problem:
 
 
 def specs(masks=tuple(Mask), dtypes=tuple(DType), directions=(Direction.FWD,), head_dims=CPU_HEAD_DIMS,
-          gqas=(1, 2, 4), blocks=(16, 32)) -> st.SearchStrategy[KernelSpec]:
+          gqas=(1, 2, 4), blocks=(16, 32), kinds=(Kind.PREFILL,)) -> st.SearchStrategy[KernelSpec]:
     """Valid specs. On the CPU keep blocks small so short sequences still span several blocks.
 
     blocks=None keeps the spec's default (tuned) block sizes: on a GPU each new spec is a compile.
@@ -109,6 +109,7 @@ def specs(masks=tuple(Mask), dtypes=tuple(DType), directions=(Direction.FWD,), h
         direction=st.sampled_from(list(directions)),
         block_m=block,
         block_n=block,
+        kind=st.sampled_from(list(kinds)),
     )
 
 
@@ -137,4 +138,35 @@ def problems(draw, spec: KernelSpec, scale: str = "cpu") -> Problem:
     return Problem(batch=batch, heads_kv=heads_kv, seq_q=seq_q, seq_k=seq_k,
                    magnitude=draw(st.sampled_from((1.0, 1.0, 4.0, 16.0))),
                    scale=draw(st.sampled_from((None, None, 0.05, 0.3))),
+                   seed=draw(st.integers(0, 2**31 - 1)), **extra)
+
+
+# Decode: 1..DECODE_MAX_SEQ_Q queries against KV caches long enough to span several splits of several blocks.
+DECODE_SCALES = {
+    "cpu": dict(batch=2, heads_kv=2, seq_k=(0, 1, 2, 15, 16, 17, 63, 65, 97, 131, 200), max_seq_k=260),
+    "gpu": dict(batch=4, heads_kv=4, seq_k=(0, 1, 63, 64, 1000, 4097, 8191, 16384, 32769), max_seq_k=33000),
+}
+
+
+@st.composite
+def decode_problems(draw, spec: KernelSpec, scale: str = "cpu") -> Problem:
+    """Problems for a decode spec: Sq from 1 to 16, KV lengths 0 and 1 and not multiples of any block or split."""
+    cfg = DECODE_SCALES[scale]
+    batch = draw(st.integers(1, cfg["batch"]))
+    seq_q = draw(st.integers(1, DECODE_MAX_SEQ_Q))
+    cache = draw(st.one_of(st.sampled_from(cfg["seq_k"]), st.integers(0, cfg["max_seq_k"])))
+    extra = {}
+    if spec.mask is Mask.TREE:  # the queries are the last seq_q keys; `cache` keys come before them
+        seq_k = seq_q + cache
+        extra["parents"] = tuple(
+            tuple(draw(st.integers(-1, i - 1)) if i else -1 for i in range(seq_q)) for _ in range(batch))
+    else:
+        seq_k = cache
+    if spec.mask.padded:
+        extra["seqlens_q"] = tuple(draw(st.integers(0, seq_q)) for _ in range(batch))
+        edges = st.sampled_from(sorted({0, min(1, seq_k), seq_k}))  # empty, one key, full
+        extra["seqlens_k"] = tuple(draw(st.one_of(edges, st.integers(0, seq_k))) for _ in range(batch))
+        extra["poison"] = draw(st.booleans())
+    return Problem(batch=batch, heads_kv=draw(st.integers(1, cfg["heads_kv"])), seq_q=seq_q, seq_k=seq_k,
+                   magnitude=draw(st.sampled_from((1.0, 1.0, 4.0, 16.0))),
                    seed=draw(st.integers(0, 2**31 - 1)), **extra)

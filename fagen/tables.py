@@ -30,10 +30,15 @@ DOT_KWARGS = {DType.FP16: "", DType.BF16: "", DType.FP32: ', input_precision="ie
 TEMPLATE = {
     (Backend.TRITON, Kind.PREFILL): "triton/attention.py.j2",
     (Backend.CUDA, Kind.PREFILL): "cuda/attention.cu.j2",
+    (Backend.TRITON, Kind.DECODE): "triton/decode.py.j2",
 }
 
 # The Python module that loads and launches a compiled source, for backends whose source is not Python.
 LAUNCHER = {Backend.CUDA: "cuda/launcher.py.j2"}
+
+# Decode kernels serve at most this many query tokens per sequence (one step, or a small speculative tree);
+# longer queries belong to the prefill kind. The decode template states the same number as MAX_SEQ_Q.
+DECODE_MAX_SEQ_Q = 16
 
 # File suffix of a rendered source, per backend.
 SOURCE_SUFFIX = {Backend.TRITON: ".py", Backend.CUDA: ".cu"}
@@ -53,6 +58,13 @@ def default_config(head_dim: int, dtype: DType, direction: Direction, kind: Kind
     if found is not None:
         return found
     wide = head_dim > 128 or dtype is DType.FP32
+    if kind is Kind.DECODE:
+        # block_m caps the query rows of one tile (gqa * Sq packed; the launcher shrinks it to fit), block_n is
+        # keys per step. Memory-bound: stages keep K/V loads in flight. At 4 warps the fp32 accumulator of a
+        # 64 x 128 tile is 64 registers a thread; 128 rows spill (sm_90 ptxas), so more rows take more tiles.
+        if wide:
+            return {"block_m": 32, "block_n": 32, "num_warps": 4, "num_stages": 2}
+        return {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3}
     if direction is Direction.BWD:
         return {"block_m": 64, "block_n": 64 if not wide else 32, "num_warps": 4 if not wide else 8,
                 "num_stages": 2 if wide else 3}

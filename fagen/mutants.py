@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from fagen.enums import Mask
+from fagen.enums import Direction, Mask
 from fagen.spec import KernelSpec
 
 
@@ -15,9 +15,10 @@ class Mutant:
     masks: tuple[Mask, ...]  # specs it applies to
     old: str  # text in the rendered source ...
     new: str  # ... and its broken replacement
+    directions: tuple[Direction, ...] = tuple(Direction)  # bwd-only mutants edit code a fwd spec does not have
 
     def applies(self, spec: KernelSpec) -> bool:
-        return spec.mask in self.masks
+        return spec.mask in self.masks and spec.direction in self.directions
 
     def apply(self, source: str) -> str:
         if self.old not in source:
@@ -40,4 +41,10 @@ MUTANTS = (
            "acc = acc * alpha[:, None] + tl.dot", "acc = acc + tl.dot"),
     Mutant("tree-ignores-bits", "the tree part is treated as fully visible", (Mask.TREE,),
            "!= 0)) & (cols[None, :] < seq_k)", "!= 2)) & (cols[None, :] < seq_k)"),
+    Mutant("bwd-causal-off-by-one", "dK/dV kernel: causal mask lets each row see one key past its diagonal",
+           (Mask.CAUSAL, Mask.CAUSAL_PADDING), "<= rows[None, :] + shift", "<= rows[None, :] + shift + 1",
+           (Direction.BWD,)),
+    Mutant("bwd-no-empty-row-guard", "backward: lse = -inf of empty rows is not replaced by +inf before exp2",
+           tuple(Mask), 'tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)',
+           "lse * 1.4426950408889634", (Direction.BWD,)),
 )

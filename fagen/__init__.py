@@ -6,6 +6,7 @@ from fagen.enums import Backend, Direction, DType, Kind, Mask  # noqa: E402
 from fagen.render import generate  # noqa: E402
 from fagen.runtime import load  # noqa: E402
 from fagen.spec import KernelSpec, SpecError  # noqa: E402
+from fagen.api import AttentionError, attention  # noqa: E402
 
 __all__ = ["KernelSpec", "SpecError", "Mask", "DType", "Direction", "Backend", "Kind", "generate", "load",
-           "__version__"]
+           "__version__", "attention", "AttentionError"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from fagen.enums import Kind, Mask
+from fagen.enums import Direction, Kind, Mask
 from fagen.spec import KernelSpec
 
 
@@ -17,9 +17,11 @@ class Mutant:
     new: str  # ... and its broken replacement
     min_gqa: int = 1  # a head-mapping bug is invisible while every query head has its own KV head
     kinds: tuple[Kind, ...] = (Kind.PREFILL,)  # kernel kinds whose source it edits
+    directions: tuple[Direction, ...] = tuple(Direction)  # bwd-only mutants edit code a fwd spec does not have
 
     def applies(self, spec: KernelSpec) -> bool:
-        return spec.mask in self.masks and spec.gqa >= self.min_gqa and spec.kind in self.kinds
+        return (spec.mask in self.masks and spec.gqa >= self.min_gqa and spec.kind in self.kinds
+                and spec.direction in self.directions)
 
     def apply(self, source: str) -> str:
         if self.old not in source:
@@ -62,4 +64,10 @@ MUTANTS = (
            "hi = tl.minimum(tl.minimum(s0 + chunk + BLOCK_N, seq_k), kv_hi)", kinds=(Kind.DECODE,)),
     Mutant("decode-last-split-dropped", "the merge stops one split early", tuple(Mask),
            "n_used = (kv_hi + chunk - 1) // chunk", "n_used = kv_hi // chunk", kinds=(Kind.DECODE,)),
+    Mutant("bwd-causal-off-by-one", "dK/dV kernel: causal mask lets each row see one key past its diagonal",
+           (Mask.CAUSAL, Mask.CAUSAL_PADDING), "<= rows[None, :] + shift", "<= rows[None, :] + shift + 1",
+           directions=(Direction.BWD,)),
+    Mutant("bwd-no-empty-row-guard", "backward: lse = -inf of empty rows is not replaced by +inf before exp2",
+           tuple(Mask), 'tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)',
+           "lse * 1.4426950408889634", (Direction.BWD,)),
 )

@@ -9,9 +9,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 case $stage in
   tests)  # the whole suite at GPU scale (the CUDA backend's GPU tests run in the cuda stage)
-    timeout 400 python3 -m pytest tests -q -n 8 -p no:cacheprovider -rfE --tb=short \
+    # -v logs each result as it lands, so a run cut short by its timeout still names its failures.
+    timeout ${TESTS_TIMEOUT:-400} python3 -m pytest ${TESTS:-tests} -v -n 8 -p no:cacheprovider -rfE --tb=short \
       --ignore=tests/test_cuda_gpu.py > "$OUT/pytest.log" 2>&1
-    echo "pytest exit $?"
+    echo "pytest exit $?"; grep -cE " PASSED " "$OUT/pytest.log"; grep -E " (FAILED|ERROR) " "$OUT/pytest.log" | head -20
     timeout 120 python3 cli.py verify --head-dim 64 --mask tree --gqa 4 --dtype fp16 --device cuda --scale gpu \
       > "$OUT/verify.log" 2>&1; echo "verify exit $?"
     grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | cut -c1-220 | head -40
@@ -27,6 +28,7 @@ case $stage in
     grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/cuda_gpu.log" | cut -c1-300 | head -20
     tail -c 3000 "$OUT/bench_cuda.log" ;;
   decode)
-    timeout 300 python3 scripts/bench_decode.py > "$OUT/decode.log" 2>&1; echo "decode exit $?"
+    timeout ${DECODE_TIMEOUT:-300} python3 scripts/bench_decode.py ${DECODE_ARGS:-} --json "$OUT/decode.json" \
+      > "$OUT/decode.log" 2>&1; echo "decode exit $?"
     tail -c 4000 "$OUT/decode.log" ;;
 esac

@@ -69,5 +69,5 @@ MUTANTS = (
            directions=(Direction.BWD,)),
     Mutant("bwd-no-empty-row-guard", "backward: lse = -inf of empty rows is not replaced by +inf before exp2",
            tuple(Mask), 'tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)',
-           "lse * 1.4426950408889634", (Direction.BWD,)),
+           "lse * 1.4426950408889634", directions=(Direction.BWD,)),
 )

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.errors import HypothesisException
 
 from fagen import __version__, render, runtime, strategies, verify
-from fagen.enums import DType, Mask
+from fagen.enums import Direction, DType, Kind, Mask
 from fagen.mutants import MUTANTS, Mutant
 from fagen.spec import KernelSpec, SpecError
 from fagen.strategies import Problem
@@ -437,10 +437,15 @@ def _execute(plan, errors, *, examples, seed, scale, device, time_budget, shrink
 # -- mutants: proving the verifier has teeth --------------------------------------------------------------
 
 def default_mutant_specs(scale: str = "cpu") -> tuple[KernelSpec, ...]:
-    """One spec per mask (gqa 2, so head-mapping bugs show); small blocks on the CPU keep the interpreter fast."""
+    """Per mask a forward, a backward and a decode spec (gqa 2, so head-mapping bugs show), so every mutant
+    has a spec it applies to; small blocks on the CPU keep the interpreter fast."""
     blocks = dict(block_m=32, block_n=16) if scale == "cpu" else {}
-    return tuple(KernelSpec(head_dim=32 if scale == "cpu" else 64, mask=m, gqa=2, dtype="fp16", **blocks)
-                 for m in Mask)
+    decode_blocks = dict(block_m=16, block_n=16) if scale == "cpu" else {}
+    head_dim = 32 if scale == "cpu" else 64
+    return tuple(
+        KernelSpec(head_dim=head_dim, mask=m, gqa=2, dtype="fp16", **fields)
+        for fields in ({**blocks}, {**blocks, "direction": Direction.BWD}, {**decode_blocks, "kind": Kind.DECODE})
+        for m in Mask)
 
 
 def mutant_module(spec: KernelSpec, name: str) -> ModuleType:

@@ -41,7 +41,9 @@ PAIR = 2
 # term for unit-normal inputs: where the exact gradient cancels to 0 (one visible key: dS = dO.v - dO.O = 0), the
 # rounding of those terms remains. The peaks below come from a float64 emulation of the kernel's rounding over
 # S up to 4096, D up to 128, q magnitude up to 16 (300 for fp16/bf16); each atol leaves a margin of about 4x.
-#   fp32: ieee dots everywhere; fp32 rounding of large scores remains: peak 1.4e-5 of the max.
+#   fp32: ieee dots everywhere; fp32 rounding of large scores remains: peak 1.4e-5 of the max in that emulation,
+#         but custom scales (0.3 with |q| 16: scores near 100) reached 5.7e-5 of the max (dv, tree, CPU
+#         interpreter, 2026-11-22), so atol is 2e-4: a 3.5x margin over what was seen.
 #   fp16: P and dS are rounded to fp16 (2^-11 relative) before the dV, dK and dQ dots, and dQ/dK/dV on store:
 #         peak 6.5e-4 of the max.
 #   bf16: the same with an 8-bit mantissa: peak 4.7e-3 of the max.
@@ -49,7 +51,7 @@ PAIR = 2
 # A mask off by one diagonal, a dropped -inf guard or a wrong head moves entries by a sizeable fraction of the max
 # (tests/test_backward.py::test_check_backward_catches_mutants).
 GRAD_TOLERANCE = {
-    DType.FP32: dict(atol=5e-5, rtol=2e-5),
+    DType.FP32: dict(atol=2e-4, rtol=2e-5),
     DType.FP16: dict(atol=3e-3, rtol=3e-3),
     DType.BF16: dict(atol=2e-2, rtol=2e-2),
 }

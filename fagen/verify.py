@@ -165,7 +165,6 @@ def check_backward(module, spec: KernelSpec, problem: Problem, device: str = "cp
     ref_out, ref_lse, ref_dq, ref_dk, ref_dv = reference_gradients(q, k, v, do, spec.mask, out=out, **kwargs)
     err = compare("out", out, ref_out, **TOLERANCE[spec.dtype])
     lse_err = compare("lse", lse, ref_lse, **LSE_TOLERANCE)
-    tol = GRAD_TOLERANCE[spec.dtype]
     grad_errs = [compare_grad(name, got, want, spec.dtype)
                  for name, got, want in (("dq", dq, ref_dq), ("dk", dk, ref_dk), ("dv", dv, ref_dv))]
     return GradOutcome(err, lse_err if math.isfinite(lse_err) else 0.0, *grad_errs)

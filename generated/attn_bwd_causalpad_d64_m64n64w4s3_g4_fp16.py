@@ -571,10 +571,9 @@ _AOT_NONE = {name: None for name, t in (("SeqlensQ", _AOT_SEQLENS), ("SeqlensK",
 
 
 def _aot_signature(fn, types):
-    """{arg: type} in fn's argument order: named types first, then "i32" for strides/sizes, constexprs last."""
-    names = fn.arg_names
-    return {n: types.get(n, "constexpr" if n in _AOT_CONST or n in ("GQA", "UPCAST") or n in _AOT_NONE else "i32")
-            for n in names}
+    """{arg: type} in fn's argument order: `types` where given, "constexpr" for compile-time args, else "i32"."""
+    const = set(_AOT_CONST) | set(_AOT_NONE) | {"GQA", "UPCAST"}
+    return {n: types.get(n, "constexpr" if n in const else "i32") for n in fn.arg_names}
 
 
 AOT_KERNELS += [

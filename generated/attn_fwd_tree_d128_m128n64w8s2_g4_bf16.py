@@ -134,21 +134,6 @@ def _check_scale(scale):
     return float(scale)
 
 
-def _check_saved(do, out, lse, q):
-    """The backward's extra inputs: dO and out like q (shape, dtype, device), lse float32 [B, Hq, Sq]."""
-    for name, t in (("do", do), ("out", out)):
-        if not isinstance(t, torch.Tensor):
-            raise InputError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        if t.shape != q.shape or t.dtype != q.dtype or t.device != q.device:
-            raise InputError(f"{name}: expected {q.dtype} {tuple(q.shape)} on {q.device} like q, "
-                             f"got {t.dtype} {tuple(t.shape)} on {t.device}")
-    if not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32 or lse.shape != q.shape[:3] \
-            or lse.device != q.device:
-        got = f"{lse.dtype} {tuple(lse.shape)}" if isinstance(lse, torch.Tensor) else type(lse).__name__
-        raise InputError(f"lse: expected float32 {tuple(q.shape[:3])} on {q.device} as returned by forward(), "
-                         f"got {got}")
-
-
 # [Note] Interpreter upcast
 # Under TRITON_INTERPRET=1 a tl.dot on bf16 operands returns wrong values (triton 3.6 and 3.9), so in
 # interpreter mode only the bf16 operands are upcast to fp32 before each dot. Compiled kernels never upcast.

@@ -8,8 +8,9 @@ from types import ModuleType
 import torch
 
 from fagen import tables
-from fagen.enums import Direction, Mask
+from fagen.enums import Direction, Kind, Mask
 from fagen.runtime import load
+from fagen.select import prefers_decode
 from fagen.spec import KernelSpec, SpecError
 
 _DTYPES = {getattr(torch, name): dtype for dtype, name in tables.TORCH_DTYPE.items()}
@@ -27,9 +28,17 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
     per process (then cached on disk). Masks and their inputs follow the generated kernels' contract:
     "causal" is bottom-right aligned, "padding"/"causal+padding" take seqlens_q and seqlens_k (int32 [B]),
     "tree" takes tree_mask (bool [B, Sq, Sq] ancestor-or-self, or int32 parent pointers [B, Sq]).
+
+    Without gradients, a few queries against a long KV cache (fagen.select.prefers_decode) run the split-KV
+    decode kernel; both kinds give the same results.
     """
-    return _module(spec_for(q, k, v, mask=mask)).attention(
-        q, k, v, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k, tree_mask=tree_mask)
+    spec = spec_for(q, k, v, mask=mask)
+    kwargs = dict(scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k, tree_mask=tree_mask)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if not needs_grad and prefers_decode(q.shape[2], k.shape[2]):
+        decode = KernelSpec(head_dim=spec.head_dim, mask=spec.mask, gqa=spec.gqa, dtype=spec.dtype, kind=Kind.DECODE)
+        return _module(decode).forward(q, k, v, **kwargs)[0]
+    return _module(spec).attention(q, k, v, **kwargs)
 
 
 def spec_for(q, k, v, *, mask: Mask | str = "none") -> KernelSpec:

@@ -10,7 +10,8 @@ from fagen import mutants, reference, runtime
 from fagen.enums import Direction, DType, Mask
 from fagen.render import generate
 from fagen.strategies import Problem, problems, specs
-from fagen.verify import PropertyFailure, check_backward, compare_grad, grad_output, reference_gradients
+from fagen.verify import (TOLERANCE, PropertyFailure, check_backward, compare, compare_grad, grad_output,
+                          reference_gradients)
 from conftest import DEVICE, ON_GPU
 
 BWD = Direction.BWD
@@ -285,3 +286,20 @@ def test_cli_generates_the_backward_source(tmp_path):
     for name in ("def _attn_bwd_preprocess(", "def _attn_bwd_dkdv(", "def _attn_bwd_dq(", "def backward(",
                  "class _Attention(torch.autograd.Function)", "def attention(", "AOT_KERNELS"):
         assert name in source
+
+
+
+def test_fagen_attention_picks_decode_for_few_queries_without_grad(monkeypatch):
+    """No gradient, 3 queries against 300 keys: the decode kernel serves it; with gradients, the bwd prefill."""
+    from fagen import api
+
+    seen = []
+    real = api._module
+    monkeypatch.setattr(api, "_module", lambda spec: seen.append(spec.kind.value) or real(spec))
+    spec = fagen.KernelSpec(head_dim=32, mask="causal", gqa=2, direction="bwd")
+    (q, k, v), _ = Problem(batch=1, heads_kv=2, seq_q=3, seq_k=300, seed=11).inputs(spec, DEVICE)
+    ref, _ = reference.attention(q, k, v, mask="causal")
+    compare("out", fagen.attention(q, k, v, mask="causal"), ref, **TOLERANCE[spec.dtype])
+    q.requires_grad_()
+    compare("out", fagen.attention(q, k, v, mask="causal"), ref, **TOLERANCE[spec.dtype])
+    assert seen == ["decode", "prefill"]

@@ -213,6 +213,21 @@ def build_(manifest_file, out_dir, jobs, keep_going, quiet, as_json, verify_afte
             raise click.exceptions.Exit(code)
 # -- fagen verify ----------------------------------------------------------------------------------------
 
+def _specs_of_build_dir(path: Path) -> list[KernelSpec]:
+    """The variants a `fagen build -o DIR` wrote into DIR/manifest.json."""
+    import json
+
+    record = path / "manifest.json"
+    if not record.is_file():
+        raise click.ClickException(f"{path}: a folder must be a build directory holding manifest.json "
+                                   "(from `fagen build MANIFEST -o DIR`)")
+    try:
+        variants = json.loads(record.read_text())["variants"]
+        return [KernelSpec.from_dict(v["spec"]) for v in variants]
+    except (ValueError, KeyError, TypeError) as e:
+        raise click.ClickException(f"{record}: not a fagen build record ({e})") from None
+
+
 def _verify_specs_from(spec_file, spec_files, manifest, flags) -> list[KernelSpec]:
     from fagen.manifest import ManifestError, load_manifest
 
@@ -222,7 +237,7 @@ def _verify_specs_from(spec_file, spec_files, manifest, flags) -> list[KernelSpe
         found.append(spec)
     for path in spec_files:
         try:
-            found.append(KernelSpec.from_file(path))
+            found += _specs_of_build_dir(path) if path.is_dir() else [KernelSpec.from_file(path)]
         except SpecError as e:
             raise click.ClickException(f"{path}: {e}") from None
     if manifest is not None:
@@ -235,7 +250,7 @@ def _verify_specs_from(spec_file, spec_files, manifest, flags) -> list[KernelSpe
 
 @main.command("verify")
 @spec_options
-@click.argument("spec_files", nargs=-1, type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("spec_files", nargs=-1, type=click.Path(exists=True, path_type=Path))
 @click.option("--manifest", type=click.Path(dir_okay=False, path_type=Path),
               help="Verify every variant of a TOML manifest (e.g. fagen/catalog.toml).")
 @click.option("--examples", type=click.IntRange(min=1),
@@ -266,6 +281,7 @@ def verify_command(ctx, spec_file, spec_files, manifest, examples, seed, time_bu
     Examples:
       fagen verify --head-dim 64 --mask tree --gqa 4 --dtype fp16
       fagen verify --manifest fagen/catalog.toml --device cuda --scale gpu
+      fagen verify build/                         # every variant a `fagen build -o build/` wrote
       fagen verify --mutants                      # every broken variant must be caught
       fagen verify --reproduce <BLOB>             # replay a printed counterexample
     """

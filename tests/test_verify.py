@@ -223,3 +223,14 @@ def test_backward_properties(broken, prop):
         result = verifier.run_property(module, spec, verifier.BY_NAME[name], examples=5, seed=0, scale=SCALE,
                                        device=DEVICE, shrink_runs=10)
         assert result.passed == (name != prop), result.failure
+
+
+def test_verify_reads_a_build_directory(tmp_path):
+    spec = fagen.KernelSpec(head_dim=16, mask="causal", block_m=16, block_n=16)
+    (tmp_path / "manifest.json").write_text(json.dumps({"variants": [{"spec": spec.to_dict(), "arch": "sm_80"},
+                                                                     {"spec": spec.to_dict(), "arch": "sm_90"}]}))
+    res = _cli(str(tmp_path), "--examples", "2", "--property", "reference", *RUN)
+    assert res.exit_code == 0, res.output
+    assert "all 1 checks passed" in res.output
+    bad = _cli(str(tmp_path / "nothing-here"), *RUN)
+    assert bad.exit_code == 2 and "does not exist" in bad.output

@@ -34,14 +34,6 @@ def _torchtype(dtype: DType) -> str:
     return "torch." + tables.TORCH_DTYPE[DType(dtype)]
 
 
-def _tltype(dtype: DType) -> str:
-    return tables.TRITON_DTYPE[DType(dtype)]
-
-
-def _cbool(flag: bool) -> str:
-    return "true" if flag else "false"
-
-
 def _cudatype(dtype: DType) -> str:
     return tables.CUDA_DTYPE[DType(dtype)]
 
@@ -68,7 +60,7 @@ def _environment(root: Path) -> jinja2.Environment:
         keep_trailing_newline=True,
         autoescape=False,
     )
-    env.filters.update(torchtype=_torchtype, tltype=_tltype, cbool=_cbool, cudatype=_cudatype,
+    env.filters.update(torchtype=_torchtype, cudatype=_cudatype,
                        mmatype=_mmatype, smem_bytes=_smem_bytes)
     return env
 

@@ -14,9 +14,6 @@ MASK_SHORT = {
     Mask.TREE: "tree",
 }
 
-# Element type of q/k/v/out inside Triton.
-TRITON_DTYPE = {DType.FP16: "tl.float16", DType.BF16: "tl.bfloat16", DType.FP32: "tl.float32"}
-
 # The torch dtype a generated module expects: getattr(torch, name); "torch." + name in source text.
 TORCH_DTYPE = {DType.FP16: "float16", DType.BF16: "bfloat16", DType.FP32: "float32"}
 

@@ -331,13 +331,11 @@ def check_lse_merge(module, spec: KernelSpec, problem: Problem, device: str = "c
 # -- backward (modules with `backward`); gradient values against autograd are check_backward's job --------
 
 def _gradients(module, spec: KernelSpec, problem: Problem, device: str):
+    """A backward run on the problem's inputs (the same dO as check_backward), and the mask kwargs."""
     (q, k, v), kwargs = problem.inputs(spec, device)
     out, lse = module.forward(q, k, v, **kwargs)
-    gen = torch.Generator().manual_seed(problem.seed + 1)
-    do = torch.randn(out.shape, generator=gen).to(out.dtype).to(out.device)
-    call = dict(scale=kwargs.get("scale"), seqlens_q=kwargs.get("seqlens_q"), seqlens_k=kwargs.get("seqlens_k"),
-                tree_mask=kwargs.get("tree_mask"))
-    return (lambda: module.backward(do, q, k, v, out, lse, **call)), kwargs
+    do = grad_output(problem, spec, device)
+    return (lambda: module.backward(do, q, k, v, out, lse, **kwargs)), kwargs
 
 
 def check_bwd_deterministic(module, spec: KernelSpec, problem: Problem, device: str = "cpu") -> Outcome:

@@ -199,7 +199,7 @@ class _AutogradBackward:
     def __init__(self, spec, broken=None):
         self.spec, self.broken, self.forward = spec, broken, fagen.load(spec).forward
 
-    def backward(self, do, q, k, v, out, lse, *, scale, seqlens_q, seqlens_k, tree_mask):
+    def backward(self, do, q, k, v, out, lse, *, scale=None, seqlens_q=None, seqlens_k=None, tree_mask=None):
         q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
         ref, _ = reference.attention(q, k, v, mask=self.spec.mask, scale=scale, seqlens_q=seqlens_q,
                                      seqlens_k=seqlens_k, tree_mask=tree_mask)

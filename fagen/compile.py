@@ -20,7 +20,7 @@ from typing import Iterable
 
 from fagen import __version__, cache, nvcc, runtime, tables
 from fagen.enums import Backend
-from fagen.render import generate, template_digest
+from fagen.render import generate, source_digest
 from fagen.spec import KernelSpec
 
 ARCHS = tuple(tables.ARCH_CAPABILITY)
@@ -73,7 +73,7 @@ def parse_archs(value: str | Iterable[str]) -> tuple[str, ...]:
 
 def artifact_key(spec: KernelSpec, arch: str) -> str:
     """The content key of one spec's binaries for one arch (see [Note] Artifact keys in fagen/cache.py)."""
-    return cache.digest("aot", str(cache.FORMAT_VERSION), __version__, spec.to_json(), template_digest(spec),
+    return cache.digest("aot", str(cache.FORMAT_VERSION), __version__, spec.to_json(), source_digest(spec),
                         cache.toolchain(spec.backend.value, tables.ARCH_CAPABILITY[arch]), arch,
                         json.dumps(cache.codegen_env()))
 

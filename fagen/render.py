@@ -112,7 +112,19 @@ def generate(spec: KernelSpec) -> str:
         raise TypeError(f"generate() takes a KernelSpec, got {type(spec).__name__}")
     template = environment().get_template(template_name(spec))
     return template.render(spec=spec, spec_json=spec.to_json(), version=__version__,
-                           dot_precision=tables.DOT_KWARGS[spec.dtype])
+                           dot_precision=tables.DOT_KWARGS[spec.dtype], tma=tables.tma_loads(spec))
+
+
+def source_digest(spec: KernelSpec) -> str:
+    """sha256 over everything rendered for the spec (source, and launcher where the backend has one).
+
+    [Note] Cache keys hash the render. The render reads the templates and the tables (dot precision, TMA choice,
+    ...), so hashing the rendered text, not the template bytes, keeps a cache entry from outliving either.
+    """
+    h = hashlib.sha256(generate(spec).encode())
+    if spec.backend in tables.LAUNCHER:
+        h.update(b"\0" + generate_launcher(spec).encode())
+    return h.hexdigest()
 
 
 def generate_launcher(spec: KernelSpec) -> str:

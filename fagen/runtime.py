@@ -9,7 +9,7 @@ from pathlib import Path
 from types import ModuleType
 
 from fagen import __version__, cache, tables
-from fagen.render import generate, generate_launcher, template_digest
+from fagen.render import generate, generate_launcher, source_digest
 from fagen.spec import KernelSpec
 
 _loaded: dict[str, ModuleType] = {}
@@ -18,7 +18,7 @@ _lock = threading.Lock()
 
 def source_key(spec: KernelSpec) -> str:
     """Key of a spec's rendered source: spec, template bytes and fagen version."""
-    return cache.digest("source", __version__, spec.to_json(), template_digest(spec))[:20]
+    return cache.digest("source", __version__, spec.to_json(), source_digest(spec))[:20]
 
 
 def source_path(spec: KernelSpec) -> Path:

@@ -23,6 +23,15 @@ CUDA_DTYPE = {DType.FP16: "half", DType.BF16: "__nv_bfloat16", DType.FP32: "floa
 # Extra tl.dot arguments: fp32 specs compute in full fp32 ("ieee"), never tf32.
 DOT_KWARGS = {DType.FP16: "", DType.BF16: "", DType.FP32: ', input_precision="ieee"'}
 
+
+def tma_loads(spec) -> bool:
+    """Whether the Triton prefill forward reads K/V through tensor descriptors (TMA on sm_90).
+
+    [Note] TMA choice, from `scripts/gpu_forward_sweep.py` on the H100 (2026-11-22): see default_config's sources.
+    """
+    return spec.backend is Backend.TRITON and spec.kind is Kind.PREFILL
+
+
 # The template that renders a (backend, kind) pair. Direction is a switch inside it.
 TEMPLATE = {
     (Backend.TRITON, Kind.PREFILL): "triton/attention.py.j2",

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# One stage of a GPU session on the H100: `bash scripts/gpu_session.sh tests|bench|cuda|decode`.
+# One stage of a GPU session on the H100: `bash scripts/gpu_session.sh tests|bench|cuda|decode|tune`.
 # Full logs go under $OUT (the device tool brings them back); a compact summary is printed last.
 set -uo pipefail
-stage=${1:?usage: gpu_session.sh tests|bench|cuda|decode}
+stage=${1:?usage: gpu_session.sh tests|bench|cuda|decode|tune}
 OUT=${OUT:-$PWD/gpu-logs}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD  # tests make their own cache per worker, as in CI
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -27,6 +27,15 @@ case $stage in
     timeout 150 python3 scripts/bench_cuda.py > "$OUT/bench_cuda.log" 2>&1; echo "bench_cuda exit $?"
     grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/cuda_gpu.log" | cut -c1-300 | head -20
     tail -c 3000 "$OUT/bench_cuda.log" ;;
+  tune)  # `fagen tune` for each key of TUNE_KEYS (';'-separated flag sets, the suite's shapes) into $OUT/tuned.json
+    IFS=';' read -ra keys <<< "${TUNE_KEYS:?set TUNE_KEYS to ';'-separated fagen tune flags}"
+    for key in "${keys[@]}"; do
+      echo "== fagen tune $key"
+      timeout ${TUNE_TIMEOUT:-150} python3 cli.py tune $key --table "${TUNE_TABLE:-$OUT/tuned.json}" \
+        --time-limit $(( ${TUNE_TIMEOUT:-150} - 30 )) >> "$OUT/tune.log" 2>&1; echo "exit $?"
+      grep -E "top:|winner|cannot|unchanged" "$OUT/tune.log" | tail -4
+    done
+    python3 -c "import json,sys; [print(e['head_dim'], e['mask'], e['direction'], 'm%dn%dw%ds%d' % (e['block_m'], e['block_n'], e['num_warps'], e['num_stages']), e['ms'], e.get('tflops')) for e in json.load(open(sys.argv[1]))['entries']]" "${TUNE_TABLE:-$OUT/tuned.json}" ;;
   decode)
     timeout ${DECODE_TIMEOUT:-300} python3 scripts/bench_decode.py ${DECODE_ARGS:-} --json "$OUT/decode.json" \
       > "$OUT/decode.log" 2>&1; echo "decode exit $?"

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fagen
-from fagen.render import environment, template_digest
+from fagen.render import environment, source_digest, template_digest
 from fagen.spec import KernelSpec, SpecError
 from fagen.strategies import specs
 
@@ -96,6 +96,15 @@ def test_template_digest_covers_included_templates():
     files = {p.name for p in fagen.render.template_files(spec)}
     assert {"attention.py.j2", "masks.j2", "checks.py.j2"} <= files
     assert len(template_digest(spec)) == 64
+
+
+def test_source_digest_follows_the_tables(monkeypatch):
+    """Cache keys hash the render, so a table the templates read (here the TMA choice) changes them."""
+    spec = KernelSpec(head_dim=64)
+    before = source_digest(spec)
+    assert fagen.render.tables.tma_loads(spec)
+    monkeypatch.setattr(fagen.render.tables, "tma_loads", lambda s: False)
+    assert source_digest(spec) != before
 
 
 def test_load_is_a_cache_hit_the_second_time():

@@ -23,6 +23,8 @@ BLOCK_M = 128
 BLOCK_N = 128
 NUM_WARPS = 8
 NUM_STAGES = 3
+# K/V tiles through tensor descriptors (TMA on Hopper) instead of pointer loads; see [Note] Tensor descriptors.
+TMA = True
 
 class InputError(ValueError):
     """An input does not fit this kernel's contract; the message says which and how to fix it."""
@@ -90,8 +92,8 @@ def tree_mask_from_parents(parents):
     return anc
 
 
-def _pack_tree(tree_mask, batch, n_nodes, device):
-    """bool [B, N, N] (or parents [B, N]) -> int32 [B, N, ceil(N/32)]; bit j % 32 of word j // 32 is node j."""
+def _tree_input(tree_mask, batch, n_nodes, device):
+    """The caller's tree as bool [B, N, N] ancestor-or-self (parent pointers [B, N] are expanded), checked."""
     if tree_mask is None:
         raise InputError("tree_mask: mask 'tree' needs tree_mask, bool [batch, n, n] (ancestor-or-self) "
                          "or parent pointers int32 [batch, n]")
@@ -104,25 +106,23 @@ def _pack_tree(tree_mask, batch, n_nodes, device):
     if tree_mask.dtype != torch.bool or tree_mask.shape != (batch, n_nodes, n_nodes):
         raise InputError(f"tree_mask: expected bool [{batch}, {n_nodes}, {n_nodes}] (the Sq queries are the tree), "
                          f"got {tree_mask.dtype} {tuple(tree_mask.shape)}")
-    words = (n_nodes + 31) // 32
-    padded = torch.zeros(batch, n_nodes, words * 32, dtype=torch.int64, device=device)
-    padded[..., :n_nodes] = tree_mask.to(torch.int64)
-    weights = torch.bitwise_left_shift(torch.ones(32, dtype=torch.int64, device=device),
-                                       torch.arange(32, device=device))
-    packed = (padded.view(batch, n_nodes, words, 32) * weights).sum(-1)
-    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32).contiguous()
+    return tree_mask
 
 
 def _check_mask_inputs(q, k, seqlens_q, seqlens_k, tree_mask):
-    """Validate the mask inputs for this spec; returns (seqlens_q, seqlens_k, tree_bits) ready to launch."""
+    """Validate the mask inputs for this spec; returns (seqlens_q, seqlens_k, tree) ready to launch.
+
+    tree is the launch form of tree_mask: its bytes (uint8 [B, N, N], row-contiguous) for the Triton kernels,
+    packed bit words (int32 [B, N, ceil(N/32)]) for the cuda kernels.
+    """
     b, _, sq, _ = q.shape
     sk = k.shape[2]
     seqlens_q = _check_seqlens("seqlens_q", seqlens_q, b, sq, q.device)
     seqlens_k = _check_seqlens("seqlens_k", seqlens_k, b, sk, q.device)
     if tree_mask is not None:
         raise InputError(f"tree_mask: mask {MASK!r} takes no tree; generate a 'tree' spec")
-    tree_bits = None
-    return seqlens_q, seqlens_k, tree_bits
+    tree = None
+    return seqlens_q, seqlens_k, tree
 
 
 def _check_scale(scale):
@@ -143,6 +143,7 @@ UPCAST = _INTERPRET and DTYPE == torch.bfloat16
 #   BLOCK_M    query rows per program; BLOCK_N keys per inner step
 #   GQA        query heads per KV head
 #   UPCAST     interpreter-only fp32 upcast of bf16 dot operands (see [Note] Interpreter upcast)
+#   TMA        K/V tiles come from tensor descriptors (k_src/v_src) rather than pointers
 
 
 @triton.jit
@@ -163,18 +164,22 @@ def _load_rows(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.c
 
 
 @triton.jit
-def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, qk_scale,
+def _fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, qk_scale,
                offs_m, offs_n, offs_d, lo, hi, len_q, len_k, seq_q, seq_k, off_b,
-               SeqlensQ, SeqlensK, TreeBits, stride_tb, stride_tm,
+               SeqlensQ, SeqlensK, TreeMask, stride_tb, stride_tm,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               MASKED: tl.constexpr, UPCAST: tl.constexpr):
+               MASKED: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr):
     """Online softmax over key blocks [lo, hi). m_i lives in the log2 domain (qk_scale = scale / ln 2)."""
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        k = _load_rows(k_base + cols[:, None] * stride_kn + offs_d[None, :], cols, len_k, offs_d,
-                       HEAD_DIM, BLOCK_D, MASKED)
-        v = _load_rows(v_base + cols[:, None] * stride_vn + offs_d[None, :], cols, len_k, offs_d,
-                       HEAD_DIM, BLOCK_D, MASKED)
+        if TMA:  # rows >= len_k and columns >= HEAD_DIM arrive as zeros, as from _load_rows
+            k = k_src.load([start_n, 0])
+            v = v_src.load([start_n, 0])
+        else:
+            k = _load_rows(k_src + cols[:, None] * stride_kn + offs_d[None, :], cols, len_k, offs_d,
+                           HEAD_DIM, BLOCK_D, MASKED)
+            v = _load_rows(v_src + cols[:, None] * stride_vn + offs_d[None, :], cols, len_k, offs_d,
+                           HEAD_DIM, BLOCK_D, MASKED)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -197,12 +202,12 @@ def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, qk_scale,
 
 
 @triton.jit
-def _attn_fwd(Q, K, V, Out, Lse, SeqlensQ, SeqlensK, TreeBits, qk_scale,
+def _attn_fwd(Q, K, V, Out, Lse, SeqlensQ, SeqlensK, TreeMask, qk_scale,
               stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
               stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
               stride_tb, stride_tm, num_heads, seq_q, seq_k,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              GQA: tl.constexpr, UPCAST: tl.constexpr):
+              GQA: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr):
     tl.static_assert(HEAD_DIM % 8 == 0)
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)
@@ -224,6 +229,17 @@ def _attn_fwd(Q, K, V, Out, Lse, SeqlensQ, SeqlensK, TreeBits, qk_scale,
                    HEAD_DIM, BLOCK_D, True)
     if UPCAST:
         q = q.to(tl.float32)
+    if TMA:
+        # [Note] Tensor descriptors: one descriptor per (batch, head) whose rows end at len_k, so the hardware
+        # zero-fills the tail block and never reads padding (the same values _load_rows gives). The launcher
+        # guarantees 16-byte aligned bases and row strides, as TMA requires.
+        k_src = tl.make_tensor_descriptor(k_base, shape=[tl.maximum(len_k, 1), HEAD_DIM], strides=[stride_kn, 1],
+                                          block_shape=[BLOCK_N, BLOCK_D])
+        v_src = tl.make_tensor_descriptor(v_base, shape=[tl.maximum(len_k, 1), HEAD_DIM], strides=[stride_vn, 1],
+                                          block_shape=[BLOCK_N, BLOCK_D])
+    else:
+        k_src = k_base
+        v_src = v_base
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -234,14 +250,14 @@ def _attn_fwd(Q, K, V, Out, Lse, SeqlensQ, SeqlensK, TreeBits, qk_scale,
     hi = tl.where(m0 < len_q, hi, 0)
     split = tl.minimum(split, hi)
 
-    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, qk_scale,
+    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, qk_scale,
                                offs_m, offs_n, offs_d, 0, split, len_q, len_k, seq_q, seq_k, off_b,
-                               SeqlensQ, SeqlensK, TreeBits, stride_tb, stride_tm,
-                               HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, UPCAST)
-    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, qk_scale,
+                               SeqlensQ, SeqlensK, TreeMask, stride_tb, stride_tm,
+                               HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, UPCAST, TMA)
+    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, qk_scale,
                                offs_m, offs_n, offs_d, split, hi, len_q, len_k, seq_q, seq_k, off_b,
-                               SeqlensQ, SeqlensK, TreeBits, stride_tb, stride_tm,
-                               HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, UPCAST)
+                               SeqlensQ, SeqlensK, TreeMask, stride_tb, stride_tm,
+                               HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, UPCAST, TMA)
 
     # [Note] Empty rows: a row that saw no key has l_i == 0 and acc == 0; it stores out = 0 and lse = -inf.
     # Every row that saw a key has l_i >= 1 (its maximum contributes exp2(0)).
@@ -258,7 +274,7 @@ def _attn_fwd(Q, K, V, Out, Lse, SeqlensQ, SeqlensK, TreeBits, qk_scale,
     tl.store(Lse + (off_b * num_heads + off_h).to(tl.int64) * seq_q + offs_m, lse, mask=offs_m < seq_q)
 
 
-def _launch_forward(q, k, v, scale, seqlens_q, seqlens_k, tree_bits):
+def _launch_forward(q, k, v, scale, seqlens_q, seqlens_k, tree):
     """Launch the forward kernel on checked inputs; returns (out, lse)."""
     b, hq, sq, _ = q.shape
     sk = k.shape[2]
@@ -267,25 +283,52 @@ def _launch_forward(q, k, v, scale, seqlens_q, seqlens_k, tree_bits):
     if out.numel() == 0:
         return out, lse
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    tree_strides = (tree_bits.stride(0), tree_bits.stride(1)) if tree_bits is not None else (0, 0)
+    if TMA:
+        k, v = (t if _tma_ready(t) else t.contiguous() for t in (k, v))
+        _ensure_allocator()
+    tree_strides = (tree.stride(0), tree.stride(1)) if tree is not None else (0, 0)
     grid = (triton.cdiv(sq, BLOCK_M), hq, b)
     _attn_fwd[grid](
-        q, k, v, out, lse, seqlens_q, seqlens_k, tree_bits, scale * 1.4426950408889634,  # 1/ln 2: exp2 domain
+        q, k, v, out, lse, seqlens_q, seqlens_k, tree, scale * 1.4426950408889634,  # 1/ln 2: exp2 domain
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         *tree_strides, hq, sq, sk,
         HEAD_DIM=HEAD_DIM, BLOCK_D=triton.next_power_of_2(HEAD_DIM), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        GQA=GQA, UPCAST=UPCAST, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        GQA=GQA, UPCAST=UPCAST, TMA=TMA, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     return out, lse
+
+
+def _tma_ready(t):
+    """TMA reads need a 16-byte aligned base and 16-byte multiples for the batch, head and row strides."""
+    size = t.element_size()
+    return t.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in t.stride()[:3])
+
+
+def _torch_scratch(size, alignment, stream):
+    return torch.empty(size, dtype=torch.int8, device="cpu" if _INTERPRET else "cuda")
+
+
+def _ensure_allocator():
+    """Device-side descriptors live in a small scratch buffer Triton asks its allocator for at each launch.
+
+    Only a missing allocator is replaced (by one that takes torch's caching allocator); one set by the caller stays.
+    """
+    try:
+        from triton.runtime._allocation import NullAllocator, _allocator
+        missing = isinstance(_allocator.get(), NullAllocator)
+    except ImportError:  # another triton layout: set ours
+        missing = True
+    if missing:
+        triton.set_allocator(_torch_scratch)
 
 
 def forward(q, k, v, *, scale=None, seqlens_q=None, seqlens_k=None, tree_mask=None):
     """Attention forward. Returns (out, lse): out like q, lse float32 [B, Hq, Sq] in natural log."""
     _check_qkv(q, k, v)
     scale = _check_scale(scale)
-    seqlens_q, seqlens_k, tree_bits = _check_mask_inputs(q, k, seqlens_q, seqlens_k, tree_mask)
-    return _launch_forward(q, k, v, scale, seqlens_q, seqlens_k, tree_bits)
+    seqlens_q, seqlens_k, tree = _check_mask_inputs(q, k, seqlens_q, seqlens_k, tree_mask)
+    return _launch_forward(q, k, v, scale, seqlens_q, seqlens_k, tree)
 
 
 # [Note] AOT kernels
@@ -305,13 +348,13 @@ AOT_KERNELS = [
         "signature": {"Q": _PTR, "K": _PTR, "V": _PTR, "Out": _PTR, "Lse": "*fp32",
                       "SeqlensQ": "*i32",
                       "SeqlensK": "*i32",
-                      "TreeBits": "constexpr",
+                      "TreeMask": "constexpr",
                       "qk_scale": "fp32", **{name: "i32" for name in _FWD_INTS},
-                      **{name: "constexpr" for name in ("HEAD_DIM", "BLOCK_D", "BLOCK_M", "BLOCK_N", "GQA", "UPCAST")}},
+                      **{name: "constexpr" for name in ("HEAD_DIM", "BLOCK_D", "BLOCK_M", "BLOCK_N", "GQA", "UPCAST", "TMA")}},
         "constexprs": {
-            "TreeBits": None,
+            "TreeMask": None,
             "HEAD_DIM": HEAD_DIM, "BLOCK_D": triton.next_power_of_2(HEAD_DIM), "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N,
-            "GQA": GQA, "UPCAST": False,
+            "GQA": GQA, "UPCAST": False, "TMA": TMA,
         },
         # Contiguous row strides are multiples of 16 only when head_dim is.
         "divisible": ["Q", "K", "V", "Out", "Lse"]

@@ -23,6 +23,8 @@ BLOCK_M = 128
 BLOCK_N = 64
 NUM_WARPS = 8
 NUM_STAGES = 3
+# K/V tiles through tensor descriptors (TMA on Hopper) instead of pointer loads; see [Note] Tensor descriptors.
+TMA = True
 
 class InputError(ValueError):
     """An input does not fit this kernel's contract; the message says which and how to fix it."""
@@ -90,8 +92,8 @@ def tree_mask_from_parents(parents):
     return anc
 
 
-def _pack_tree(tree_mask, batch, n_nodes, device):
-    """bool [B, N, N] (or parents [B, N]) -> int32 [B, N, ceil(N/32)]; bit j % 32 of word j // 32 is node j."""
+def _tree_input(tree_mask, batch, n_nodes, device):
+    """The caller's tree as bool [B, N, N] ancestor-or-self (parent pointers [B, N] are expanded), checked."""
     if tree_mask is None:
         raise InputError("tree_mask: mask 'tree' needs tree_mask, bool [batch, n, n] (ancestor-or-self) "
                          "or parent pointers int32 [batch, n]")
@@ -104,17 +106,15 @@ def _pack_tree(tree_mask, batch, n_nodes, device):
     if tree_mask.dtype != torch.bool or tree_mask.shape != (batch, n_nodes, n_nodes):
         raise InputError(f"tree_mask: expected bool [{batch}, {n_nodes}, {n_nodes}] (the Sq queries are the tree), "
                          f"got {tree_mask.dtype} {tuple(tree_mask.shape)}")
-    words = (n_nodes + 31) // 32
-    padded = torch.zeros(batch, n_nodes, words * 32, dtype=torch.int64, device=device)
-    padded[..., :n_nodes] = tree_mask.to(torch.int64)
-    weights = torch.bitwise_left_shift(torch.ones(32, dtype=torch.int64, device=device),
-                                       torch.arange(32, device=device))
-    packed = (padded.view(batch, n_nodes, words, 32) * weights).sum(-1)
-    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32).contiguous()
+    return tree_mask
 
 
 def _check_mask_inputs(q, k, seqlens_q, seqlens_k, tree_mask):
-    """Validate the mask inputs for this spec; returns (seqlens_q, seqlens_k, tree_bits) ready to launch."""
+    """Validate the mask inputs for this spec; returns (seqlens_q, seqlens_k, tree) ready to launch.
+
+    tree is the launch form of tree_mask: its bytes (uint8 [B, N, N], row-contiguous) for the Triton kernels,
+    packed bit words (int32 [B, N, ceil(N/32)]) for the cuda kernels.
+    """
     b, _, sq, _ = q.shape
     sk = k.shape[2]
     if seqlens_q is not None or seqlens_k is not None:
@@ -122,8 +122,9 @@ def _check_mask_inputs(q, k, seqlens_q, seqlens_k, tree_mask):
                          "generate a 'padding' or 'causal+padding' spec to pass lengths")
     if sk < sq:
         raise InputError(f"tree: the {sq} queries are the last {sq} keys, so k needs at least {sq} keys, got {sk}")
-    tree_bits = _pack_tree(tree_mask, b, sq, q.device)
-    return seqlens_q, seqlens_k, tree_bits
+    tree = _tree_input(tree_mask, b, sq, q.device)
+    tree = (tree if tree.stride(-1) == 1 else tree.contiguous()).view(torch.uint8)
+    return seqlens_q, seqlens_k, tree
 
 
 def _check_scale(scale):
@@ -144,6 +145,7 @@ UPCAST = _INTERPRET and DTYPE == torch.bfloat16
 #   BLOCK_M    query rows per program; BLOCK_N keys per inner step
 #   GQA        query heads per KV head
 #   UPCAST     interpreter-only fp32 upcast of bf16 dot operands (see [Note] Interpreter upcast)
+#   TMA        K/V tiles come from tensor descriptors (k_src/v_src) rather than pointers
 
 
 @triton.jit
@@ -164,29 +166,34 @@ def _load_rows(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.c
 
 
 @triton.jit
-def _tree_bit(bits, stride_tm, rows, nodes, n_nodes):
-    """Bit [rows, nodes] of the packed ancestor-or-self mask; 0 outside the tree."""
-    # [Note] Tree bits: row i's word w holds nodes 32w .. 32w+31, node j at bit j % 32.
+def _tree_visible(mask, stride_tm, rows, nodes, n_nodes):
+    """Entry [rows, nodes] of the ancestor-or-self mask (one byte per entry, row stride stride_tm); 0 outside it."""
+    # [Note] Tree mask bytes: the Triton kernels read the caller's bool [B, N, N] mask as bytes, so a launch
+    # packs nothing; only the tree's last block of keys reads it. (The cuda backend packs it into bit words.)
     inside = (rows[:, None] < n_nodes) & (nodes[None, :] >= 0) & (nodes[None, :] < n_nodes)
-    t = tl.maximum(nodes, 0)
-    words = tl.load(bits + rows[:, None] * stride_tm + (t // 32)[None, :], mask=inside, other=0)
-    return (words >> (t % 32)[None, :]) & 1
+    return tl.load(mask + rows[:, None] * stride_tm + nodes[None, :], mask=inside, other=0)
 
 
 @triton.jit
-def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, qk_scale,
+def _fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, qk_scale,
                offs_m, offs_n, offs_d, lo, hi, len_q, len_k, seq_q, seq_k, off_b,
-               SeqlensQ, SeqlensK, TreeBits, stride_tb, stride_tm,
+               SeqlensQ, SeqlensK, TreeMask, stride_tb, stride_tm,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               MASKED: tl.constexpr, UPCAST: tl.constexpr):
+               MASKED: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr):
     """Online softmax over key blocks [lo, hi). m_i lives in the log2 domain (qk_scale = scale / ln 2)."""
     prefix = seq_k - seq_q
-    for start_n in range(lo, hi, BLOCK_N):
+    # [Note] Unpipelined tree tail: the masked loop gathers the tree's bit words; staging them through the
+    # software pipeline like K and V would cost block_m * block_n * 4 bytes of shared memory per stage.
+    for start_n in tl.range(lo, hi, BLOCK_N, num_stages=1 if MASKED else 3):
         cols = start_n + offs_n
-        k = _load_rows(k_base + cols[:, None] * stride_kn + offs_d[None, :], cols, len_k, offs_d,
-                       HEAD_DIM, BLOCK_D, MASKED)
-        v = _load_rows(v_base + cols[:, None] * stride_vn + offs_d[None, :], cols, len_k, offs_d,
-                       HEAD_DIM, BLOCK_D, MASKED)
+        if TMA:  # rows >= len_k and columns >= HEAD_DIM arrive as zeros, as from _load_rows
+            k = k_src.load([start_n, 0])
+            v = v_src.load([start_n, 0])
+        else:
+            k = _load_rows(k_src + cols[:, None] * stride_kn + offs_d[None, :], cols, len_k, offs_d,
+                           HEAD_DIM, BLOCK_D, MASKED)
+            v = _load_rows(v_src + cols[:, None] * stride_vn + offs_d[None, :], cols, len_k, offs_d,
+                           HEAD_DIM, BLOCK_D, MASKED)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -194,7 +201,7 @@ def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, qk_scale,
         if MASKED:
             # [Note] Masking before exp2: masked scores are -inf so exp2 gives exactly 0. A row that has seen
             # only masked keys so far has m_new = -inf; a finite stand-in keeps exp2(-inf - -inf) = NaN out.
-            qk = tl.where((((cols[None, :] < prefix) | (_tree_bit(TreeBits + off_b.to(tl.int64) * stride_tb, stride_tm, offs_m, cols - prefix, seq_q) != 0)) & (cols[None, :] < seq_k)), qk, float("-inf"))
+            qk = tl.where((((cols[None, :] < prefix) | (_tree_visible(TreeMask + off_b.to(tl.int64) * stride_tb, stride_tm, offs_m, cols - prefix, seq_q) != 0)) & (cols[None, :] < seq_k)), qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # max commutes with the scale: qk_scale > 0
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
@@ -209,12 +216,12 @@ def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, qk_scale,
 
 
 @triton.jit
-def _attn_fwd(Q, K, V, Out, Lse, SeqlensQ, SeqlensK, TreeBits, qk_scale,
+def _attn_fwd(Q, K, V, Out, Lse, SeqlensQ, SeqlensK, TreeMask, qk_scale,
               stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
               stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
               stride_tb, stride_tm, num_heads, seq_q, seq_k,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              GQA: tl.constexpr, UPCAST: tl.constexpr):
+              GQA: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr):
     tl.static_assert(HEAD_DIM % 8 == 0)
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)
@@ -237,6 +244,17 @@ def _attn_fwd(Q, K, V, Out, Lse, SeqlensQ, SeqlensK, TreeBits, qk_scale,
                    HEAD_DIM, BLOCK_D, True)
     if UPCAST:
         q = q.to(tl.float32)
+    if TMA:
+        # [Note] Tensor descriptors: one descriptor per (batch, head) whose rows end at len_k, so the hardware
+        # zero-fills the tail block and never reads padding (the same values _load_rows gives). The launcher
+        # guarantees 16-byte aligned bases and row strides, as TMA requires.
+        k_src = tl.make_tensor_descriptor(k_base, shape=[tl.maximum(len_k, 1), HEAD_DIM], strides=[stride_kn, 1],
+                                          block_shape=[BLOCK_N, BLOCK_D])
+        v_src = tl.make_tensor_descriptor(v_base, shape=[tl.maximum(len_k, 1), HEAD_DIM], strides=[stride_vn, 1],
+                                          block_shape=[BLOCK_N, BLOCK_D])
+    else:
+        k_src = k_base
+        v_src = v_base
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -245,14 +263,14 @@ def _attn_fwd(Q, K, V, Out, Lse, SeqlensQ, SeqlensK, TreeBits, qk_scale,
     hi = seq_k
     split = prefix // BLOCK_N * BLOCK_N
 
-    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, qk_scale,
+    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, qk_scale,
                                offs_m, offs_n, offs_d, 0, split, len_q, len_k, seq_q, seq_k, off_b,
-                               SeqlensQ, SeqlensK, TreeBits, stride_tb, stride_tm,
-                               HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, UPCAST)
-    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, qk_scale,
+                               SeqlensQ, SeqlensK, TreeMask, stride_tb, stride_tm,
+                               HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, UPCAST, TMA)
+    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, qk_scale,
                                offs_m, offs_n, offs_d, split, hi, len_q, len_k, seq_q, seq_k, off_b,
-                               SeqlensQ, SeqlensK, TreeBits, stride_tb, stride_tm,
-                               HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, UPCAST)
+                               SeqlensQ, SeqlensK, TreeMask, stride_tb, stride_tm,
+                               HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, UPCAST, TMA)
 
     # [Note] Empty rows: a row that saw no key has l_i == 0 and acc == 0; it stores out = 0 and lse = -inf.
     # Every row that saw a key has l_i >= 1 (its maximum contributes exp2(0)).
@@ -268,7 +286,7 @@ def _attn_fwd(Q, K, V, Out, Lse, SeqlensQ, SeqlensK, TreeBits, qk_scale,
     tl.store(Lse + (off_b * num_heads + off_h).to(tl.int64) * seq_q + offs_m, lse, mask=offs_m < seq_q)
 
 
-def _launch_forward(q, k, v, scale, seqlens_q, seqlens_k, tree_bits):
+def _launch_forward(q, k, v, scale, seqlens_q, seqlens_k, tree):
     """Launch the forward kernel on checked inputs; returns (out, lse)."""
     b, hq, sq, _ = q.shape
     sk = k.shape[2]
@@ -277,25 +295,52 @@ def _launch_forward(q, k, v, scale, seqlens_q, seqlens_k, tree_bits):
     if out.numel() == 0:
         return out, lse
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    tree_strides = (tree_bits.stride(0), tree_bits.stride(1)) if tree_bits is not None else (0, 0)
+    if TMA:
+        k, v = (t if _tma_ready(t) else t.contiguous() for t in (k, v))
+        _ensure_allocator()
+    tree_strides = (tree.stride(0), tree.stride(1)) if tree is not None else (0, 0)
     grid = (triton.cdiv(sq, BLOCK_M), hq, b)
     _attn_fwd[grid](
-        q, k, v, out, lse, seqlens_q, seqlens_k, tree_bits, scale * 1.4426950408889634,  # 1/ln 2: exp2 domain
+        q, k, v, out, lse, seqlens_q, seqlens_k, tree, scale * 1.4426950408889634,  # 1/ln 2: exp2 domain
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         *tree_strides, hq, sq, sk,
         HEAD_DIM=HEAD_DIM, BLOCK_D=triton.next_power_of_2(HEAD_DIM), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        GQA=GQA, UPCAST=UPCAST, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        GQA=GQA, UPCAST=UPCAST, TMA=TMA, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     return out, lse
+
+
+def _tma_ready(t):
+    """TMA reads need a 16-byte aligned base and 16-byte multiples for the batch, head and row strides."""
+    size = t.element_size()
+    return t.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in t.stride()[:3])
+
+
+def _torch_scratch(size, alignment, stream):
+    return torch.empty(size, dtype=torch.int8, device="cpu" if _INTERPRET else "cuda")
+
+
+def _ensure_allocator():
+    """Device-side descriptors live in a small scratch buffer Triton asks its allocator for at each launch.
+
+    Only a missing allocator is replaced (by one that takes torch's caching allocator); one set by the caller stays.
+    """
+    try:
+        from triton.runtime._allocation import NullAllocator, _allocator
+        missing = isinstance(_allocator.get(), NullAllocator)
+    except ImportError:  # another triton layout: set ours
+        missing = True
+    if missing:
+        triton.set_allocator(_torch_scratch)
 
 
 def forward(q, k, v, *, scale=None, seqlens_q=None, seqlens_k=None, tree_mask=None):
     """Attention forward. Returns (out, lse): out like q, lse float32 [B, Hq, Sq] in natural log."""
     _check_qkv(q, k, v)
     scale = _check_scale(scale)
-    seqlens_q, seqlens_k, tree_bits = _check_mask_inputs(q, k, seqlens_q, seqlens_k, tree_mask)
-    return _launch_forward(q, k, v, scale, seqlens_q, seqlens_k, tree_bits)
+    seqlens_q, seqlens_k, tree = _check_mask_inputs(q, k, seqlens_q, seqlens_k, tree_mask)
+    return _launch_forward(q, k, v, scale, seqlens_q, seqlens_k, tree)
 
 
 # [Note] AOT kernels
@@ -315,16 +360,16 @@ AOT_KERNELS = [
         "signature": {"Q": _PTR, "K": _PTR, "V": _PTR, "Out": _PTR, "Lse": "*fp32",
                       "SeqlensQ": "constexpr",
                       "SeqlensK": "constexpr",
-                      "TreeBits": "*i32",
+                      "TreeMask": "*u8",
                       "qk_scale": "fp32", **{name: "i32" for name in _FWD_INTS},
-                      **{name: "constexpr" for name in ("HEAD_DIM", "BLOCK_D", "BLOCK_M", "BLOCK_N", "GQA", "UPCAST")}},
+                      **{name: "constexpr" for name in ("HEAD_DIM", "BLOCK_D", "BLOCK_M", "BLOCK_N", "GQA", "UPCAST", "TMA")}},
         "constexprs": {
             "SeqlensQ": None, "SeqlensK": None,
             "HEAD_DIM": HEAD_DIM, "BLOCK_D": triton.next_power_of_2(HEAD_DIM), "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N,
-            "GQA": GQA, "UPCAST": False,
+            "GQA": GQA, "UPCAST": False, "TMA": TMA,
         },
         # Contiguous row strides are multiples of 16 only when head_dim is.
-        "divisible": ["Q", "K", "V", "Out", "Lse", "TreeBits"]
+        "divisible": ["Q", "K", "V", "Out", "Lse"]
         + ([name for name in _FWD_INTS if name.startswith(("stride_q", "stride_k", "stride_v", "stride_o"))]
            if HEAD_DIM % 16 == 0 else []),
         "num_warps": NUM_WARPS,

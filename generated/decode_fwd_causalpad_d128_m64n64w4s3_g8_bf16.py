@@ -93,8 +93,8 @@ def tree_mask_from_parents(parents):
     return anc
 
 
-def _pack_tree(tree_mask, batch, n_nodes, device):
-    """bool [B, N, N] (or parents [B, N]) -> int32 [B, N, ceil(N/32)]; bit j % 32 of word j // 32 is node j."""
+def _tree_input(tree_mask, batch, n_nodes, device):
+    """The caller's tree as bool [B, N, N] ancestor-or-self (parent pointers [B, N] are expanded), checked."""
     if tree_mask is None:
         raise InputError("tree_mask: mask 'tree' needs tree_mask, bool [batch, n, n] (ancestor-or-self) "
                          "or parent pointers int32 [batch, n]")
@@ -107,25 +107,23 @@ def _pack_tree(tree_mask, batch, n_nodes, device):
     if tree_mask.dtype != torch.bool or tree_mask.shape != (batch, n_nodes, n_nodes):
         raise InputError(f"tree_mask: expected bool [{batch}, {n_nodes}, {n_nodes}] (the Sq queries are the tree), "
                          f"got {tree_mask.dtype} {tuple(tree_mask.shape)}")
-    words = (n_nodes + 31) // 32
-    padded = torch.zeros(batch, n_nodes, words * 32, dtype=torch.int64, device=device)
-    padded[..., :n_nodes] = tree_mask.to(torch.int64)
-    weights = torch.bitwise_left_shift(torch.ones(32, dtype=torch.int64, device=device),
-                                       torch.arange(32, device=device))
-    packed = (padded.view(batch, n_nodes, words, 32) * weights).sum(-1)
-    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32).contiguous()
+    return tree_mask
 
 
 def _check_mask_inputs(q, k, seqlens_q, seqlens_k, tree_mask):
-    """Validate the mask inputs for this spec; returns (seqlens_q, seqlens_k, tree_bits) ready to launch."""
+    """Validate the mask inputs for this spec; returns (seqlens_q, seqlens_k, tree) ready to launch.
+
+    tree is the launch form of tree_mask: its bytes (uint8 [B, N, N], row-contiguous) for the Triton kernels,
+    packed bit words (int32 [B, N, ceil(N/32)]) for the cuda kernels.
+    """
     b, _, sq, _ = q.shape
     sk = k.shape[2]
     seqlens_q = _check_seqlens("seqlens_q", seqlens_q, b, sq, q.device)
     seqlens_k = _check_seqlens("seqlens_k", seqlens_k, b, sk, q.device)
     if tree_mask is not None:
         raise InputError(f"tree_mask: mask {MASK!r} takes no tree; generate a 'tree' spec")
-    tree_bits = None
-    return seqlens_q, seqlens_k, tree_bits
+    tree = None
+    return seqlens_q, seqlens_k, tree
 
 
 def _check_scale(scale):
@@ -173,7 +171,7 @@ def _key_bounds(len_q, len_k, seq_q, seq_k):
 
 @triton.jit
 def _decode_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, qk_scale, offs_i, offs_n, offs_d,
-                  lo, hi, len_q, len_k, seq_q, seq_k, off_b, TreeBits, stride_tb, stride_tm,
+                  lo, hi, len_q, len_k, seq_q, seq_k, off_b, TreeMask, stride_tb, stride_tm,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                   MASKED: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr):
     """Online softmax over the key blocks [lo, hi) of one split, in the log2 domain (qk_scale has 1/ln 2)."""
@@ -224,7 +222,7 @@ def _decode_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, qk_sca
 
 
 @triton.jit
-def _decode_split(Q, K, V, Dst, DstLse, SeqlensQ, SeqlensK, TreeBits, qk_scale,
+def _decode_split(Q, K, V, Dst, DstLse, SeqlensQ, SeqlensK, TreeMask, qk_scale,
                   stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                   stride_ds, stride_db, stride_dh, stride_dm, stride_ls, stride_lb, stride_lh,
                   stride_tb, stride_tm, seq_q, seq_k, chunk, n_tiles,
@@ -277,10 +275,10 @@ def _decode_split(Q, K, V, Dst, DstLse, SeqlensQ, SeqlensK, TreeBits, qk_scale,
     # BLOCK_N, so every block starts inside this split and none reaches into the next one.
     mid = s0 + tl.maximum(tl.minimum(full_hi, hi) - s0, 0) // BLOCK_N * BLOCK_N
     acc, m_i, l_i = _decode_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, qk_scale, offs_i, offs_n,
-                                  offs_d, s0, mid, len_q, len_k, seq_q, seq_k, off_b, TreeBits, stride_tb, stride_tm,
+                                  offs_d, s0, mid, len_q, len_k, seq_q, seq_k, off_b, TreeMask, stride_tb, stride_tm,
                                   HEAD_DIM, BLOCK_D, BLOCK_N, False, DOT, UPCAST)
     acc, m_i, l_i = _decode_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, qk_scale, offs_i, offs_n,
-                                  offs_d, mid, hi, len_q, len_k, seq_q, seq_k, off_b, TreeBits, stride_tb, stride_tm,
+                                  offs_d, mid, hi, len_q, len_k, seq_q, seq_k, off_b, TreeMask, stride_tb, stride_tm,
                                   HEAD_DIM, BLOCK_D, BLOCK_N, True, DOT, UPCAST)
 
     # [Note] Empty rows: a row that saw no key has l_i == 0 and acc == 0; it stores out = 0 and lse = -inf.
@@ -390,7 +388,7 @@ def _check_decode_inputs(q, num_splits):
         raise InputError(f"num_splits: expected a positive int (or None to choose from the shapes), got {num_splits!r}")
 
 
-def _launch_decode(q, k, v, scale, seqlens_q, seqlens_k, tree_bits, num_splits):
+def _launch_decode(q, k, v, scale, seqlens_q, seqlens_k, tree, num_splits):
     """Launch the split kernel (and the merge when there is more than one split) on checked inputs."""
     b, hq, sq, _ = q.shape
     hkv, sk = k.shape[1], k.shape[2]
@@ -414,10 +412,10 @@ def _launch_decode(q, k, v, scale, seqlens_q, seqlens_k, tree_bits, num_splits):
         dst = torch.empty((splits, b, hq, sq, HEAD_DIM), dtype=torch.float32, device=q.device)
         dst_lse = torch.empty((splits, b, hq, sq), dtype=torch.float32, device=q.device)
         dst_strides = (*dst.stride()[:4], *dst_lse.stride()[:3])
-    tree_strides = (tree_bits.stride(0), tree_bits.stride(1)) if tree_bits is not None else (0, 0)
+    tree_strides = (tree.stride(0), tree.stride(1)) if tree is not None else (0, 0)
     block_d = triton.next_power_of_2(HEAD_DIM)
     _decode_split[(splits, hkv * n_tiles, b)](
-        q, k, v, dst, dst_lse, seqlens_q, seqlens_k, tree_bits, scale * 1.4426950408889634,  # 1/ln 2: exp2
+        q, k, v, dst, dst_lse, seqlens_q, seqlens_k, tree, scale * 1.4426950408889634,  # 1/ln 2: exp2
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), *dst_strides, *tree_strides, sq, sk, chunk, n_tiles,
         HEAD_DIM=HEAD_DIM, BLOCK_D=block_d, ROWS=rows, BLOCK_N=BLOCK_N, GQA=GQA, DOT=rows >= 16,
@@ -440,8 +438,8 @@ def forward_split(q, k, v, *, num_splits=None, scale=None, seqlens_q=None, seqle
     _check_qkv(q, k, v)
     _check_decode_inputs(q, num_splits)
     scale = _check_scale(scale)
-    seqlens_q, seqlens_k, tree_bits = _check_mask_inputs(q, k, seqlens_q, seqlens_k, tree_mask)
-    return _launch_decode(q, k, v, scale, seqlens_q, seqlens_k, tree_bits, num_splits)
+    seqlens_q, seqlens_k, tree = _check_mask_inputs(q, k, seqlens_q, seqlens_k, tree_mask)
+    return _launch_decode(q, k, v, scale, seqlens_q, seqlens_k, tree, num_splits)
 
 
 def forward(q, k, v, *, scale=None, seqlens_q=None, seqlens_k=None, tree_mask=None):

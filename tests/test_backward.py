@@ -269,7 +269,7 @@ def test_aot_kernel_list():
         dkdv = entries["_attn_bwd_dkdv"]
         assert dkdv["constexprs"]["GQA"] == 2 and dkdv["constexprs"]["UPCAST"] is False
         assert (dkdv["signature"]["SeqlensQ"] == "*i32") == (mask == "padding")
-        assert (dkdv["signature"]["TreeBits"] == "*i32") == (mask == "tree")
+        assert (dkdv["signature"]["TreeMask"] == "*u8") == (mask == "tree")
         assert mask == "padding" or dkdv["constexprs"]["SeqlensQ"] is None
 
 

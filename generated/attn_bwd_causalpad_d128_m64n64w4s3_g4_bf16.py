@@ -227,9 +227,7 @@ def _attn_fwd(Q, K, V, Out, Lse, SeqlensQ, SeqlensK, TreeMask, qk_scale,
     tl.static_assert(HEAD_DIM % 8 == 0)
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)
-    # [Note] Heaviest blocks first: under a causal mask the last query block sees the most keys. Launching the
-    # blocks of each head in reverse leaves the light ones for the tail of the grid, where they fill idle SMs.
-    start_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    start_m = tl.program_id(0)
     off_h = tl.program_id(1)
     off_b = tl.program_id(2)
     off_hkv = off_h // GQA  # query head h reads KV head h // GQA

@@ -119,6 +119,12 @@ def configure_dynamo() -> None:
     for name, value in DYNAMO_LIMITS.items():
         if hasattr(dynamo_config, name):
             setattr(dynamo_config, name, value)
+    # The bench times the backward alone by calling it again on a kept graph (retain_graph=True); AOTAutograd's
+    # donated buffers forbid that ("compiled with non-empty donated buffers ... retain_graph=False").
+    import torch._functorch.config as functorch_config
+
+    if hasattr(functorch_config, "donated_buffer"):
+        functorch_config.donated_buffer = False
 
 
 def flex_mask_mod(case: BenchCase, cc: CaseContext):

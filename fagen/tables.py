@@ -27,7 +27,10 @@ DOT_KWARGS = {DType.FP16: "", DType.BF16: "", DType.FP32: ', input_precision="ie
 def tma_loads(spec) -> bool:
     """Whether the Triton prefill forward reads K/V through tensor descriptors (TMA on sm_90).
 
-    [Note] TMA choice, from `scripts/gpu_forward_sweep.py` on the H100 (2026-11-22): see default_config's sources.
+    [Note] TMA choice: `fagen tune` on the H100 (2026-11-22) with and without descriptors, best config each,
+    bf16 TF/s: d128 full 547 vs 520, d128 causal 524 vs 475, d64 causal 448 vs 431, tree p16k+128 0.279 vs
+    0.304 ms. ptxas (sm_90, d128 m128n128w8s3): 196 registers instead of 247, no spills either way. On sm_80 the
+    descriptors lower to ordinary loads. The decode and backward kernels keep pointer loads.
     """
     return spec.backend is Backend.TRITON and spec.kind is Kind.PREFILL
 
@@ -54,11 +57,11 @@ def default_config(head_dim: int, dtype: DType, direction: Direction, kind: Kind
                    arch: str = tuned.DEFAULT_ARCH) -> dict:
     """Block sizes, warps and stages used when a spec leaves them unset.
 
-    The tuned table (fagen/tuned.json, written by `fagen tune`) wins for its (arch, head_dim, mask, dtype,
-    direction, kind); otherwise these hand defaults apply. Forward bf16/fp16 values are the best of a sweep on
-    the H100 (benchmarks/raw/h100-forward-sweep-*.log): d128 m128n128w8s3 510 TF/s full, 479 causal at s16k;
-    d64 m128n64w8s4 429 causal. Wider tiles stay within Hopper's 227 KB of shared memory: K/V tiles cost
-    block_n * head_dim * bytes * 2 * num_stages.
+    The tuned table (fagen/tuned.json, written by `fagen tune` on the H100) wins for its (arch, head_dim, mask,
+    dtype, direction, kind); otherwise these hand defaults apply. The forward's are the tuned winners of the bf16
+    keys, so fp16 and other head dims follow them: d128 m128n128w8s3 (547 TF/s full, 524 causal at s16k with
+    TMA), d64 m128n128w4s3 (448 causal). Wider tiles stay within Hopper's 227 KB of shared memory: K/V tiles
+    cost block_n * head_dim * bytes * 2 * num_stages.
     """
     found = tuned.lookup(head_dim, mask, dtype, direction, kind, arch=arch)
     if found is not None:
@@ -76,12 +79,8 @@ def default_config(head_dim: int, dtype: DType, direction: Direction, kind: Kind
                 "num_stages": 2 if wide else 3}
     if wide:
         return {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 2}
-    if mask == Mask.TREE:
-        # The tree's bit words are gathered as a [block_m, block_n] int32 tile, which the pipeliner also
-        # stages: at d128 m128n128s3 that needed 352 KB of shared memory (H100, 2026-11-22).
-        return {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2 if head_dim > 64 else 3}
     if head_dim <= 64:
-        return {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 4}
+        return {"block_m": 128, "block_n": 128, "num_warps": 4, "num_stages": 3}
     return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3}
 
 

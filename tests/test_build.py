@@ -351,9 +351,10 @@ build()
 append("triton/decode.py.j2", "# a comment only decode kernels carry\\n")
 build()
 build()
-(templates / "triton" / "unused.j2").write_text("{# no spec reads this #}\\n")
+(templates / "triton" / "unused.j2").write_text("{# no spec reads this #}\\n")  # keys hash the render
 build()
-append("triton/masks.j2", "{# read by both #}\\n")
+masks = templates / "triton" / "masks.j2"  # an edit both renders show (a comment-only edit changes no render)
+masks.write_text(masks.read_text().replace("{% macro lengths() %}\\n", "{% macro lengths() %}\\n    # edited\\n", 1))
 build()
 build(limit=2048, cache="fresh")
 build("--keep-going", limit=2048, cache="fresh")
@@ -386,7 +387,7 @@ def test_template_edit_rebuilds_exactly_its_users_and_limits_are_enforced(tmp_pa
     assert first["code"] == 0 and first["cached"] == {"decode": False, "attn": False}, first["stderr"]
     assert decode_edit["cached"] == {"decode": False, "attn": True}, "only the decode variant reads decode.py.j2"
     assert again["cached"] == unused["cached"] == {"decode": True, "attn": True}
-    assert masks["cached"] == {"decode": False, "attn": False}, "both read masks.j2"
+    assert masks["cached"] == {"decode": False, "attn": False}, "both render masks.j2's lengths()"
 
     # Over the arch's shared memory (a 2 KB limit here): the first failure stops the build with exit 1, and the
     # message names the kernel, what it needs, the limit and what to change.

@@ -69,8 +69,8 @@ def write_if_different(path: Path, data: bytes | str) -> bool:
 
 # -- artifact entries -----------------------------------------------------------------------------------------
 # [Note] Artifact keys
-# An AOT entry is keyed by everything that shapes its bytes: the canonical spec, the bytes of every template
-# it may read, the fagen version, FORMAT_VERSION (bump it when what compile writes changes), the toolchain
+# An AOT entry is keyed by everything that shapes its bytes: the canonical spec, its rendered source (which
+# covers the templates and the tables they read: see [Note] Cache keys hash the render), the fagen version, FORMAT_VERSION (bump it when what compile writes changes), the toolchain
 # (triton version and its ptxas, nvcc for the CUDA backend), the arch, and the environment variables that
 # change code generation. Nothing is keyed by name, so a stale binary can never be served.
 FORMAT_VERSION = 1

@@ -203,7 +203,11 @@ class _AutogradBackward:
         q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
         ref, _ = reference.attention(q, k, v, mask=self.spec.mask, scale=scale, seqlens_q=seqlens_q,
                                      seqlens_k=seqlens_k, tree_mask=tree_mask)
-        grads = [g.to(do.dtype) for g in torch.autograd.grad(ref, (q, k, v), do.double())]
+        dtype, do = do.dtype, do.double()
+        if seqlens_q is not None:  # the contract: dO rows past seqlens_q are never read (they may hold NaN)
+            rows = torch.arange(do.shape[2], device=do.device)
+            do = torch.where((rows[None, :] < seqlens_q[:, None])[:, None, :, None], do, 0.0)
+        grads = [g.to(dtype) for g in torch.autograd.grad(ref, (q, k, v), do)]
         if self.broken == "noise":  # the last bits drift between runs, as with atomics in a random order
             grads[0] = grads[0] * (1 + torch.rand_like(grads[0]) * 1e-2)
         if self.broken == "rows":  # masked rows get the gradient of a uniform softmax

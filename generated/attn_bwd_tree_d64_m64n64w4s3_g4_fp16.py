@@ -367,10 +367,11 @@ AOT_KERNELS = [
 #
 # [Note] Empty rows in the backward
 # A row that sees no key has lse = -inf. Recomputing P as exp2(qk - lse2) would give exp2(+inf) = inf and, on a
-# masked score, exp2(-inf - -inf) = NaN. The kernels replace lse = -inf by lse2 = +inf instead: every P of that row
-# is then exp2(finite or -inf - inf) = 0 exactly, so the row gets dQ = 0 and adds nothing to dK/dV.
-# Rows at or past len_q (padding and the tail of the last block) load q = dO = 0, delta = 0 and lse = -inf:
-# they are empty rows too, and garbage (even NaN) stored in padding is never read.
+# masked score, exp2(-inf - -inf) = NaN. The preprocess replaces lse = -inf by lse2 = +inf instead: every P of that
+# row is then exp2(finite or -inf - inf) = 0 exactly, so the row gets dQ = 0 and adds nothing to dK/dV.
+# Rows at or past len_q (padding and the tail of the last block) occur only in blocks that load with row checks,
+# which give them q = dO = 0, delta = 0 and lse2 = +inf: they are empty rows too, and garbage (even NaN) stored in
+# padding is never read.
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -386,40 +387,46 @@ DQ_NUM_STAGES = NUM_STAGES
 
 
 @triton.jit
-def _attn_bwd_preprocess(Out, DO, Delta, stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
-                         num_heads, seq_q,
+def _attn_bwd_preprocess(Out, DO, Lse, Delta, Lse2, SeqlensQ, stride_ob, stride_oh, stride_om, stride_dob, stride_doh,
+                         stride_dom, stride_sh, num_heads, seq_q,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The row statistics of the gradient kernels, [B, Hq, S_pad] with a head stride of stride_sh = S_pad (Sq
+    rounded up to whole blocks): delta = rowsum(dO * O) and lse2 = lse in the exp2 domain, +inf for a row that
+    sees no key (see [Note] Empty rows). Every row at or past len_q, up to S_pad, gets delta = 0 and lse2 = +inf,
+    so the gradient kernels load them without row checks; the conversion runs once per row, not once per step."""
     start_m = tl.program_id(0)
     off_h = tl.program_id(1)
     off_b = tl.program_id(2)
+    len_q = seq_q
     rows = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     o = _load_rows(Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
-                   + rows[:, None] * stride_om + offs_d[None, :], rows, seq_q, offs_d, HEAD_DIM, BLOCK_D, True)
+                   + rows[:, None] * stride_om + offs_d[None, :], rows, len_q, offs_d, HEAD_DIM, BLOCK_D, True)
     do = _load_rows(DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
-                    + rows[:, None] * stride_dom + offs_d[None, :], rows, seq_q, offs_d, HEAD_DIM, BLOCK_D, True)
+                    + rows[:, None] * stride_dom + offs_d[None, :], rows, len_q, offs_d, HEAD_DIM, BLOCK_D, True)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(Delta + (off_b * num_heads + off_h).to(tl.int64) * seq_q + rows, delta, mask=rows < seq_q)
+    head = off_b * num_heads + off_h
+    lse = tl.load(Lse + head.to(tl.int64) * seq_q + rows, mask=rows < len_q, other=float("-inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # log2(e): exp2 domain
+    tl.store(Delta + head.to(tl.int64) * stride_sh + rows, delta)
+    tl.store(Lse2 + head.to(tl.int64) * stride_sh + rows, lse2)
 
 
 @triton.jit
-def _load_row_stats(lse_base, delta_base, rows, len_q):
-    """lse in the log2 domain (+inf for empty and out-of-range rows: see [Note] Empty rows) and delta."""
-    in_q = rows < len_q
-    lse = tl.load(lse_base + rows, mask=in_q, other=float("-inf"))
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # log2(e): exp2 domain
-    delta = tl.load(delta_base + rows, mask=in_q, other=0.0)
-    return lse2, delta
+def _load_row_stats(lse2_base, delta_base, rows):
+    """lse2 and delta of `rows` from the preprocess's padded buffers: no row checks needed."""
+    return tl.load(lse2_base + rows), tl.load(delta_base + rows)
 
 
 @triton.jit
 def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qh, stride_qm, stride_doh,
-                    stride_dom, qk_scale, cols, offs_m, offs_d, lo, hi, len_q, len_k, seq_q, seq_k, off_b,
+                    stride_dom, stride_sh, qk_scale, cols, offs_m, offs_d, lo, hi, len_q, len_k, seq_q, seq_k, off_b,
                     TreeBits, stride_tb, stride_tm,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     GQA: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr):
     """Accumulate dK, dV of one key block over query blocks [lo, hi) of each of the GQA query heads whose first
-    head's rows start at q_base (do_base, ...), transposed: [keys, rows]. One flat loop over (head, block) pairs,
+    head's rows start at q_base (do_base, ...), transposed: [keys, rows]. Unmasked blocks hold only rows < len_q
+    and load without row checks. One flat loop over (head, block) pairs,
     head-major: a nested head loop around the block loop spills (the pipeliner's prologue and epilogue per head)."""
     prefix = seq_k - seq_q
     steps = (hi - lo + BLOCK_M - 1) // BLOCK_M  # lo <= hi (query_range)
@@ -432,17 +439,18 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_
             start_m = lo + (it - g * steps) * BLOCK_M
             q_head = q_base + g.to(tl.int64) * stride_qh
             do_head = do_base + g.to(tl.int64) * stride_doh
-            lse_head = lse_base + g.to(tl.int64) * seq_q  # lse and delta are [B, Hq, Sq]
-            delta_head = delta_base + g.to(tl.int64) * seq_q
+            lse_head = lse_base + g.to(tl.int64) * stride_sh  # lse2 and delta are [B, Hq, S_pad]
+            delta_head = delta_base + g.to(tl.int64) * stride_sh
+        start_m = tl.multiple_of(start_m, BLOCK_M)  # lo is a block boundary: aligned, vectorised row-stat loads
         rows = start_m + offs_m
         q = _load_rows(q_head + rows[:, None] * stride_qm + offs_d[None, :], rows, len_q, offs_d,
-                       HEAD_DIM, BLOCK_D, True)
+                       HEAD_DIM, BLOCK_D, MASKED)
         do = _load_rows(do_head + rows[:, None] * stride_dom + offs_d[None, :], rows, len_q, offs_d,
-                        HEAD_DIM, BLOCK_D, True)
+                        HEAD_DIM, BLOCK_D, MASKED)
         if UPCAST:
             q = q.to(tl.float32)
             do = do.to(tl.float32)
-        lse2, delta = _load_row_stats(lse_head, delta_head, rows, len_q)
+        lse2, delta = _load_row_stats(lse_head, delta_head, rows)
         qk_t = tl.dot(k, tl.trans(q))  # [BLOCK_N, BLOCK_M]: S^T
         dp_t = tl.dot(v, tl.trans(do))  # dP^T = V dO^T
         qk_t = qk_t * qk_scale  # the log2 domain
@@ -456,11 +464,11 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_
 
 
 @triton.jit
-def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, Lse, Delta, SeqlensQ, SeqlensK, TreeBits, qk_scale, scale,
+def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, Lse2, Delta, SeqlensQ, SeqlensK, TreeBits, qk_scale, scale,
                    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                    stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
                    stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                   stride_tb, stride_tm, num_heads, seq_q, seq_k,
+                   stride_tb, stride_tm, stride_sh, num_heads, seq_q, seq_k,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    GQA: tl.constexpr, UPCAST: tl.constexpr):
     tl.static_assert(HEAD_DIM % 8 == 0)
@@ -492,20 +500,25 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, Lse, Delta, SeqlensQ, SeqlensK, TreeBits
     lo = tl.minimum(tl.maximum(n0 - prefix, 0) // BLOCK_M * BLOCK_M, hi)
     split = tl.where(n0 + BLOCK_N <= prefix, lo, hi)
     split = tl.maximum(tl.minimum(split, hi), lo)
+    full = tl.maximum(tl.minimum(hi, len_q // BLOCK_M * BLOCK_M), split)
     # [Note] Deterministic GQA: the GQA query heads that read this KV head are visited in a fixed order by this
-    # one program (masked blocks of every head, then the unmasked ones), so dK/dV are the same sums, in the same
+    # one program (masked blocks of every head, then the unmasked ones, then the partial last block), so dK/dV are the same sums, in the same
     # order, on every run (no atomics anywhere).
     off_h = off_hkv * GQA  # the first query head of this KV head
     q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
     do_base = DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
-    lse_base = Lse + (off_b * num_heads + off_h).to(tl.int64) * seq_q
-    delta_base = Delta + (off_b * num_heads + off_h).to(tl.int64) * seq_q
+    lse_base = Lse2 + (off_b * num_heads + off_h).to(tl.int64) * stride_sh
+    delta_base = Delta + (off_b * num_heads + off_h).to(tl.int64) * stride_sh
     dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qh, stride_qm, stride_doh,
-                             stride_dom, qk_scale, cols, offs_m, offs_d, lo, split, len_q, len_k, seq_q, seq_k, off_b,
+                             stride_dom, stride_sh, qk_scale, cols, offs_m, offs_d, lo, split, len_q, len_k, seq_q, seq_k, off_b,
                              TreeBits, stride_tb, stride_tm, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, GQA, True, UPCAST)
     dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qh, stride_qm, stride_doh,
-                             stride_dom, qk_scale, cols, offs_m, offs_d, split, hi, len_q, len_k, seq_q, seq_k, off_b,
-                             TreeBits, stride_tb, stride_tm, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, GQA, False, UPCAST)
+                             stride_dom, stride_sh, qk_scale, cols, offs_m, offs_d, split, full, len_q, len_k, seq_q, seq_k,
+                             off_b, TreeBits, stride_tb, stride_tm, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, GQA, False,
+                             UPCAST)
+    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qh, stride_qm, stride_doh,
+                             stride_dom, stride_sh, qk_scale, cols, offs_m, offs_d, full, hi, len_q, len_k, seq_q, seq_k, off_b,
+                             TreeBits, stride_tb, stride_tm, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, GQA, True, UPCAST)
     dk *= scale  # dS was taken w.r.t. the scaled scores: dK = scale * dS^T Q
     out_mask = cols[:, None] < seq_k
     if BLOCK_D != HEAD_DIM:
@@ -543,10 +556,10 @@ def _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, 
 
 
 @triton.jit
-def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, SeqlensQ, SeqlensK, TreeBits, qk_scale, scale,
+def _attn_bwd_dq(Q, K, V, DO, DQ, Lse2, Delta, SeqlensQ, SeqlensK, TreeBits, qk_scale, scale,
                  stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                  stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
-                 stride_dqb, stride_dqh, stride_dqm, stride_tb, stride_tm, num_heads, seq_q, seq_k,
+                 stride_dqb, stride_dqh, stride_dqm, stride_tb, stride_tm, stride_sh, num_heads, seq_q, seq_k,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  GQA: tl.constexpr, UPCAST: tl.constexpr):
     tl.static_assert(HEAD_DIM % 8 == 0)
@@ -572,8 +585,8 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, SeqlensQ, SeqlensK, TreeBits, qk_s
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
-    lse2, delta = _load_row_stats(Lse + (off_b * num_heads + off_h).to(tl.int64) * seq_q,
-                                  Delta + (off_b * num_heads + off_h).to(tl.int64) * seq_q, rows, len_q)
+    lse2, delta = _load_row_stats(Lse2 + (off_b * num_heads + off_h).to(tl.int64) * stride_sh,
+                                  Delta + (off_b * num_heads + off_h).to(tl.int64) * stride_sh, rows)
     k_base = K + off_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * stride_kh
     v_base = V + off_b.to(tl.int64) * stride_vb + off_hkv.to(tl.int64) * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -613,19 +626,23 @@ def _aot_signature(fn, types):
 
 
 def _aot_divisible(fn):
-    """Pointers and row/head/batch strides: 16-aligned as Triton's JIT specializes them (strides when D % 16 == 0)."""
-    return [n for n in fn.arg_names if n in ("Q", "K", "V", "DO", "DK", "DV", "DQ", "Out", "Lse", "Delta")
+    """Pointers and strides: 16-aligned as Triton's JIT specializes them (q/k/v/o strides when D % 16 == 0; the
+    row statistics' head stride is a whole number of blocks)."""
+    return [n for n in fn.arg_names if n in ("Q", "K", "V", "DO", "DK", "DV", "DQ", "Out", "Lse", "Lse2", "Delta",
+                                              "stride_sh")
             or (HEAD_DIM % 16 == 0 and n.startswith("stride_") and not n.startswith("stride_t"))]
 
 
 AOT_KERNELS += [
     {"name": "_attn_bwd_preprocess", "fn": _attn_bwd_preprocess,
-     "signature": _aot_signature(_attn_bwd_preprocess, {"Out": _AOT_T, "DO": _AOT_T, "Delta": "*fp32"}),
-     "constexprs": {**_AOT_CONST, "BLOCK_M": DQ_BLOCK_M}, "divisible": _aot_divisible(_attn_bwd_preprocess),
+     "signature": _aot_signature(_attn_bwd_preprocess, {"Out": _AOT_T, "DO": _AOT_T, "Lse": "*fp32",
+                                                         "Delta": "*fp32", "Lse2": "*fp32",
+                                                         "SeqlensQ": _AOT_SEQLENS}),
+     "constexprs": {**_AOT_CONST, "BLOCK_M": DQ_BLOCK_M, **{k: v for k, v in _AOT_NONE.items() if k == "SeqlensQ"}}, "divisible": _aot_divisible(_attn_bwd_preprocess),
      "num_warps": DQ_NUM_WARPS, "num_stages": DQ_NUM_STAGES},
     {"name": "_attn_bwd_dkdv", "fn": _attn_bwd_dkdv,
      "signature": _aot_signature(_attn_bwd_dkdv, {
-         "Q": _AOT_T, "K": _AOT_T, "V": _AOT_T, "DO": _AOT_T, "DK": _AOT_T, "DV": _AOT_T, "Lse": "*fp32",
+         "Q": _AOT_T, "K": _AOT_T, "V": _AOT_T, "DO": _AOT_T, "DK": _AOT_T, "DV": _AOT_T, "Lse2": "*fp32",
          "Delta": "*fp32", "SeqlensQ": _AOT_SEQLENS, "SeqlensK": _AOT_SEQLENS, "TreeBits": _AOT_TREE,
          "qk_scale": "fp32", "scale": "fp32"}),
      "constexprs": {**_AOT_CONST, "BLOCK_M": DKDV_BLOCK_M, "BLOCK_N": DKDV_BLOCK_N, **_AOT_NONE, "GQA": GQA,
@@ -633,7 +650,7 @@ AOT_KERNELS += [
      "divisible": _aot_divisible(_attn_bwd_dkdv), "num_warps": DKDV_NUM_WARPS, "num_stages": DKDV_NUM_STAGES},
     {"name": "_attn_bwd_dq", "fn": _attn_bwd_dq,
      "signature": _aot_signature(_attn_bwd_dq, {
-         "Q": _AOT_T, "K": _AOT_T, "V": _AOT_T, "DO": _AOT_T, "DQ": _AOT_T, "Lse": "*fp32", "Delta": "*fp32",
+         "Q": _AOT_T, "K": _AOT_T, "V": _AOT_T, "DO": _AOT_T, "DQ": _AOT_T, "Lse2": "*fp32", "Delta": "*fp32",
          "SeqlensQ": _AOT_SEQLENS, "SeqlensK": _AOT_SEQLENS, "TreeBits": _AOT_TREE,
          "qk_scale": "fp32", "scale": "fp32"}),
      "constexprs": {**_AOT_CONST, "BLOCK_M": DQ_BLOCK_M, "BLOCK_N": DQ_BLOCK_N, **_AOT_NONE, "GQA": GQA,
@@ -654,10 +671,13 @@ def _launch_backward(do, q, k, v, out, lse, scale, seqlens_q, seqlens_k, tree_bi
     q, k, v, do, out = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, do, out))
     lse = lse.contiguous()
     block_d = triton.next_power_of_2(HEAD_DIM)
-    delta = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
-    _attn_bwd_preprocess[(triton.cdiv(sq, DQ_BLOCK_M), hq, b)](
-        out, do, delta, out.stride(0), out.stride(1), out.stride(2), do.stride(0), do.stride(1), do.stride(2),
-        hq, sq, HEAD_DIM=HEAD_DIM, BLOCK_D=block_d, BLOCK_M=DQ_BLOCK_M, num_warps=DQ_NUM_WARPS,
+    # Row statistics padded to whole blocks of both kernels (powers of two: the larger is a multiple of the other).
+    sq_pad = triton.cdiv(sq, max(DQ_BLOCK_M, DKDV_BLOCK_M)) * max(DQ_BLOCK_M, DKDV_BLOCK_M)
+    delta = torch.empty((b, hq, sq_pad), dtype=torch.float32, device=q.device)
+    lse2 = torch.empty_like(delta)
+    _attn_bwd_preprocess[(sq_pad // DQ_BLOCK_M, hq, b)](
+        out, do, lse, delta, lse2, seqlens_q, out.stride(0), out.stride(1), out.stride(2), do.stride(0),
+        do.stride(1), do.stride(2), sq_pad, hq, sq, HEAD_DIM=HEAD_DIM, BLOCK_D=block_d, BLOCK_M=DQ_BLOCK_M, num_warps=DQ_NUM_WARPS,
         num_stages=DQ_NUM_STAGES,
     )
     tree_strides = (tree_bits.stride(0), tree_bits.stride(1)) if tree_bits is not None else (0, 0)
@@ -667,15 +687,15 @@ def _launch_backward(do, q, k, v, out, lse, scale, seqlens_q, seqlens_k, tree_bi
                    v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
     if need_dkdv:
         _attn_bwd_dkdv[(triton.cdiv(sk, DKDV_BLOCK_N), hkv, b)](
-            q, k, v, do, dk, dv, lse, delta, seqlens_q, seqlens_k, tree_bits, qk_scale, scale, *qkv_strides,
+            q, k, v, do, dk, dv, lse2, delta, seqlens_q, seqlens_k, tree_bits, qk_scale, scale, *qkv_strides,
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-            *tree_strides, hq, sq, sk, BLOCK_M=DKDV_BLOCK_M, BLOCK_N=DKDV_BLOCK_N, **common,
+            *tree_strides, sq_pad, hq, sq, sk, BLOCK_M=DKDV_BLOCK_M, BLOCK_N=DKDV_BLOCK_N, **common,
             num_warps=DKDV_NUM_WARPS, num_stages=DKDV_NUM_STAGES,
         )
     if need_dq:
         _attn_bwd_dq[(triton.cdiv(sq, DQ_BLOCK_M), hq, b)](
-            q, k, v, do, dq, lse, delta, seqlens_q, seqlens_k, tree_bits, qk_scale, scale, *qkv_strides,
-            dq.stride(0), dq.stride(1), dq.stride(2), *tree_strides, hq, sq, sk,
+            q, k, v, do, dq, lse2, delta, seqlens_q, seqlens_k, tree_bits, qk_scale, scale, *qkv_strides,
+            dq.stride(0), dq.stride(1), dq.stride(2), *tree_strides, sq_pad, hq, sq, sk,
             BLOCK_M=DQ_BLOCK_M, BLOCK_N=DQ_BLOCK_N, **common, num_warps=DQ_NUM_WARPS, num_stages=DQ_NUM_STAGES,
         )
     return dq, dk, dv

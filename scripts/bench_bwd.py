@@ -256,6 +256,7 @@ def main():
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--jobs", type=int, default=8)
     ap.add_argument("--baseline", help="a generated module (.py) to time as the baseline")
+    ap.add_argument("--gqa-baseline", help="a generated gqa-4 module (.py): timed against the gqa-4 default")
     ap.add_argument("--deadline", type=float, default=380.0, help="seconds; later timings are skipped")
     args = ap.parse_args()
     start = time.time()
@@ -336,6 +337,25 @@ def main():
                 table.append(show(f"{name}: dkdv {fmt_tile(best_dkdv)} dq {fmt_tile(best_dq)}", r, err))
             except Exception as e:  # noqa: BLE001
                 print(f"{name} ERROR {type(e).__name__}: {str(e)[:160]}", flush=True)
+
+    if args.gqa_baseline and not SMOKE:  # gqa 4 (Hq 16, Hkv 4), S 8192: the flat head x block loop of dK/dV
+        try:
+            g = torch.Generator(device=DEVICE).manual_seed(1)
+            sq = 8192
+            q, do = (torch.randn(1, 16, sq, D, device=DEVICE, dtype=torch.bfloat16, generator=g) for _ in range(2))
+            k, v = (torch.randn(1, 4, sq, D, device=DEVICE, dtype=torch.bfloat16, generator=g) for _ in range(2))
+            flop = 4 * 16 * sq * sq * D / 2
+            spec4 = fagen.KernelSpec(**SPEC, gqa=4)
+            mod4 = fagen.load(spec4)
+            why = check(spec4, mod4)
+            for name, m in ((f"gqa4 S8k default {spec4.name} (check {why or 'ok'})", mod4),
+                            ("gqa4 S8k baseline (main)", runtime.load_source(open(args.gqa_baseline).read(),
+                                                                             "bench_bwd_baseline_g4"))):
+                r = time_autograd(lambda a, b, c: m.attention(a, b, c), (q, k, v, do))
+                r["bwd_tflops"], r["fwdbwd_tflops"] = 2.5 * flop / r["bwd_ms"] / 1e9, 3.5 * flop / r["fwdbwd_ms"] / 1e9
+                table.append(show(name, r))
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
 
     print(f"\n== B{B} H{H} S{S} D{D} causal bf16, {time.time() - start:.0f}s; TF/s: bwd = 2.5 x fwd FLOPs ==")
     print(HEADER)

@@ -92,6 +92,9 @@ def load_variant(patch: str | None = None, glob: dict | None = None, spec_cfg: d
                 raise RuntimeError(f"patch {patch}: text not found: {old[:60]!r}")
             src = src.replace(old, new)
         mod = runtime.load_source(src, f"bench_bwd_{patch.replace('-', '_')}")
+    elif glob:  # a module of its own: the globals below must not leak into fagen.load's shared module
+        tag = "_".join(f"{k}{v}" for k, v in sorted(glob.items())).lower()
+        mod = runtime.load_source(fagen.generate(spec), f"bench_bwd_{tag}")
     else:
         mod = fagen.load(spec)
     for k, v in (glob or {}).items():
@@ -256,6 +259,10 @@ def main():
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--jobs", type=int, default=8)
     ap.add_argument("--baseline", help="a generated module (.py) to time as the baseline")
+    ap.add_argument("--compare", action="append", default=[], help="LABEL=PATH of another generated module to time")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="a PATCHES name, or dkdv=M,N,W,S / dq=M,N,W,S: the default spec so changed, timed beside it")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds of the default and the peers")
     ap.add_argument("--gqa-baseline", help="a generated gqa-4 module (.py): timed against the gqa-4 default")
     ap.add_argument("--deadline", type=float, default=380.0, help="seconds; later timings are skipped")
     args = ap.parse_args()
@@ -272,30 +279,55 @@ def main():
             prepared = pool.map(_prepare, candidates(args), chunksize=1)
         print(f"prepared {len(prepared)} candidates in {time.time() - t0:.0f}s", flush=True)
 
-    # 1. The comparison that matters most first: the default spec, the baseline and the peers.
+    # 1. The comparison that matters most first: the default spec, other modules (--compare) and the peers, timed
+    #    in --rounds interleaved rounds (median of the rounds), so that clock drift hits every row alike.
     print(HEADER, flush=True)
     spec = fagen.KernelSpec(**SPEC)
     mod = fagen.load(spec)
     why = check(spec, mod)
-    r = time_autograd(lambda a, b, c: mod.attention(a, b, c), tensors)
-    r.update(time_kernels(mod, tensors))
-    err = "" if SMOKE else f"grad vs flash {grads_vs_flash(mod, tensors):.1e}"
-    table.append(show(f"default {spec.name}", r, f"check {why or 'ok'}; {err}"))
-    if args.baseline:
+    impls = [(f"default {spec.name}", lambda a, b, c: mod.attention(a, b, c), mod,
+              f"check {why or 'ok'}" + ("" if SMOKE else f"; grad vs flash {grads_vs_flash(mod, tensors):.1e}"))]
+    for label, path in [("baseline (main)", args.baseline)] * bool(args.baseline) + [
+            tuple(c.split("=", 1)) for c in args.compare]:
         try:
-            _, base = load_variant(source_path=args.baseline)
-            r = time_autograd(lambda a, b, c: base.attention(a, b, c), tensors)
-            r.update(time_kernels(base, tensors))
-            table.append(show("baseline (main)", r))
+            _, other = load_variant(source_path=path)
+            impls.append((label, (lambda m: lambda a, b, c: m.attention(a, b, c))(other), other, ""))
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+    for v in args.variant:  # "PATCH" or "dkdv=M,N,W,S" / "dq=M,N,W,S": the default spec, patched or re-tiled
+        try:
+            if "=" in v:
+                which, tile = v.split("=")
+                glob = cfg_globals(**{which: tuple(int(x) for x in tile.split(","))})
+                vspec, vmod = load_variant(None, glob, spec_cfg={})
+            else:
+                vspec, vmod = load_variant(v, None, spec_cfg={})
+            vwhy = check(vspec, vmod)
+            impls.append((f"variant {v}", (lambda m: lambda a, b, c: m.attention(a, b, c))(vmod), vmod,
+                          f"check {vwhy or 'ok'}"))
         except Exception:  # noqa: BLE001
             traceback.print_exc()
     from torch.nn.attention import SDPBackend
     peers = (("sdpa-flash", SDPBackend.FLASH_ATTENTION), ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION))
-    for name, backend in () if SMOKE else peers:
-        try:
-            table.append(show(name, time_autograd(sdpa(backend), tensors)))
-        except Exception as e:  # noqa: BLE001
-            table.append(show(name, None, f"failed: {str(e)[:80]}"))
+    impls += [(name, sdpa(backend), None, "") for name, backend in (() if SMOKE else peers)]
+    runs = {name: [] for name, *_ in impls}
+    for rnd in range(args.rounds):
+        for name, attn, _, _ in impls:
+            try:
+                runs[name].append(time_autograd(attn, tensors))
+                r = runs[name][-1]
+                print(f"  round {rnd} {name:60s} bwd {r['bwd_ms']:.3f} ms  fwd+bwd {r['fwdbwd_ms']:.3f} ms", flush=True)
+            except Exception as e:  # noqa: BLE001
+                print(f"  round {rnd} {name}: failed {str(e)[:80]}", flush=True)
+    for name, _, module, note in impls:
+        if not runs[name]:
+            table.append(show(name, None, "failed"))
+            continue
+        med = {k: sorted(r[k] for r in runs[name])[len(runs[name]) // 2] for k in runs[name][0]}
+        if module is not None:
+            med.update(time_kernels(module, tensors))
+        spread = max(r["bwd_ms"] for r in runs[name]) / min(r["bwd_ms"] for r in runs[name]) - 1
+        table.append(show(name, med, f"{note} (bwd spread {100 * spread:.1f}% over {len(runs[name])} rounds)"))
 
     # 2. Per-kernel tiles and variants, each timed alone.
     results = []

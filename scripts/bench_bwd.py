@@ -1,7 +1,12 @@
 """Backward tile sweep on a GPU: every candidate is checked against the float64 reference first, then timed.
 
     python3 scripts/bench_bwd.py --sweep [--jobs 12] [--baseline OLD_MODULE.py]   # per-kernel tiles, variants
-    python3 scripts/bench_bwd.py                                                   # the default spec only
+    python3 scripts/bench_bwd.py --rounds 3 --baseline OLD.py --compare "label=OTHER.py" --variant two-streams \
+        --gqa-baseline OLD_G4.py                             # the default against other modules and SDPA
+
+OLD.py and friends are generated modules (say `git show REV:generated/attn_bwd_causal_d128_..._g1_bf16.py`).
+Results of the runs behind the current default: docs/backward.md, "Speed (H100)". Without a GPU the script runs
+on tiny shapes in Triton's interpreter, to test the script itself.
 
 Shape: the standard suite's bwd-d128-causal-s16k (B 1, H 16, S 16384, D 128, bf16). Timings are medians of
 triton.testing.do_bench (L2 flushed between calls). "bwd" is the backward alone through autograd (the graph is

@@ -75,8 +75,16 @@ def default_config(head_dim: int, dtype: DType, direction: Direction, kind: Kind
             return {"block_m": 32, "block_n": 32, "num_warps": 4, "num_stages": 2}
         return {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3}
     if direction is Direction.BWD:
-        return {"block_m": 64, "block_n": 64 if not wide else 32, "num_warps": 4 if not wide else 8,
-                "num_stages": 2 if wide else 3}
+        # block_n = keys per dK/dV program, block_m = queries per dQ program; each steps over the other axis in
+        # tiles of at most 64 (templates/triton/backward.py.j2, [Note] Backward tiles). The forward of a bwd module
+        # runs with the same values, so d128 takes the forward's best tile. H100 sweep: docs/backward.md.
+        if wide:
+            return {"block_m": 64, "block_n": 32, "num_warps": 8, "num_stages": 2}
+        if head_dim <= 64:
+            return {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3}
+        if mask == Mask.TREE:  # measured only for correctness: the masked steps stage tree-mask tiles too
+            return {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2}
+        return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3}
     if wide:
         return {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 2}
     if head_dim <= 64:

@@ -31,15 +31,19 @@ def smem_bytes(spec: KernelSpec) -> int:
 
     [Note] Shared-memory filter
     Forward: the Q tile stays resident and each pipeline stage holds one K and one V tile:
-    (block_m + 2 * num_stages * block_n) * D * bytes. Backward: K and V tiles stay resident and each stage holds
-    a Q and a dO tile: (2 * block_n + 2 * num_stages * block_m) * D * bytes. Triton's real use differs a little;
-    a config that still does not fit fails to compile and is recorded as rejected, so the filter only saves time.
+    (block_m + 2 * num_stages * block_n) * D * bytes. Backward (templates/triton/backward.py.j2, [Note] Backward
+    tiles): the dK/dV kernel keeps block_n rows of K and V resident and stages Q and dO tiles of min(block_m, 64)
+    rows; the dQ kernel keeps block_m rows of Q and dO and stages K and V tiles of min(block_n, 64) rows; a bwd
+    module's forward runs with the same config, so the largest of the three must fit. Triton's real use differs a
+    little (d128 bf16 m128n128s3: estimated 224/160/160 KB, compiled 225/162/161); a config that still does not fit
+    fails to compile and is recorded as rejected, so the filter only saves time.
     """
     d = 1 << (spec.head_dim - 1).bit_length()  # the kernel pads D to a power of two
+    tiles = spec.block_m + 2 * spec.num_stages * spec.block_n
     if spec.direction is Direction.BWD:
-        tiles = 2 * spec.block_n + 2 * spec.num_stages * spec.block_m
-    else:
-        tiles = spec.block_m + 2 * spec.num_stages * spec.block_n
+        dkdv = 2 * spec.block_n + 2 * spec.num_stages * min(spec.block_m, 64)
+        dq = 2 * spec.block_m + 2 * spec.num_stages * min(spec.block_n, 64)
+        tiles = max(tiles, dkdv, dq)
     return tiles * d * spec.dtype.itemsize
 
 

@@ -394,76 +394,117 @@ AOT_KERNELS = [
 #   _attn_bwd_dq          one program per (query block, query head, batch); loops over key blocks.
 # Both gradient kernels recompute P = exp2(qk * qk_scale - lse * log2(e)) from the forward's lse.
 #
+# [Note] Backward tiles
+# The spec's block_n is the number of keys one dK/dV program owns and block_m the number of queries one dQ program
+# owns (for the forward in this module they keep their forward meaning). Each gradient kernel steps over the other
+# axis in tiles of at most 64 (bwd_step): the [owned, step] score tile and its dP partner are the live fp32 registers
+# besides the two [owned, D] accumulators, so a 128-wide program with 64-wide steps fits 8 warps without spilling
+# much, while the owned side stays wide so that each Q/dO (K/V) tile loaded from L2 serves 128 keys (queries).
+#
 # [Note] Empty rows in the backward
 # A row that sees no key has lse = -inf. Recomputing P as exp2(qk - lse2) would give exp2(+inf) = inf and, on a
-# masked score, exp2(-inf - -inf) = NaN. The kernels replace lse = -inf by lse2 = +inf instead: every P of that row
-# is then exp2(finite or -inf - inf) = 0 exactly, so the row gets dQ = 0 and adds nothing to dK/dV.
-# Rows at or past len_q (padding and the tail of the last block) load q = dO = 0, delta = 0 and lse = -inf:
-# they are empty rows too, and garbage (even NaN) stored in padding is never read.
+# masked score, exp2(-inf - -inf) = NaN. The preprocess replaces lse = -inf by lse2 = +inf instead: every P of that
+# row is then exp2(finite or -inf - inf) = 0 exactly, so the row gets dQ = 0 and adds nothing to dK/dV.
+# Rows at or past len_q (padding and the tail of the last block) occur only in blocks that load with row checks,
+# which give them q = dO = 0, delta = 0 and lse2 = +inf: they are empty rows too, and garbage (even NaN) stored in
+# padding is never read.
 # ---------------------------------------------------------------------------------------------------------------
 
 
+# Tiles of the backward kernels (see [Note] Backward tiles).
+DKDV_BLOCK_N = 64  # keys per dK/dV program
+DKDV_BLOCK_M = 64  # queries per step of a dK/dV program
+DQ_BLOCK_M = 64  # queries per dQ program (and per preprocess program)
+DQ_BLOCK_N = 64  # keys per step of a dQ program
+DKDV_NUM_WARPS = NUM_WARPS
+DQ_NUM_WARPS = NUM_WARPS
+DKDV_NUM_STAGES = NUM_STAGES
+DQ_NUM_STAGES = NUM_STAGES
+
+
 @triton.jit
-def _attn_bwd_preprocess(Out, DO, Delta, stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
-                         num_heads, seq_q,
+def _attn_bwd_preprocess(Out, DO, Lse, Delta, Lse2, SeqlensQ, stride_ob, stride_oh, stride_om, stride_dob, stride_doh,
+                         stride_dom, stride_sh, num_heads, seq_q,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The row statistics of the gradient kernels, [B, Hq, S_pad] with a head stride of stride_sh = S_pad (Sq
+    rounded up to whole blocks): delta = rowsum(dO * O) and lse2 = lse in the exp2 domain, +inf for a row that
+    sees no key (see [Note] Empty rows). Every row at or past len_q, up to S_pad, gets delta = 0 and lse2 = +inf,
+    so the gradient kernels load them without row checks; the conversion runs once per row, not once per step."""
     start_m = tl.program_id(0)
     off_h = tl.program_id(1)
     off_b = tl.program_id(2)
+    len_q = tl.load(SeqlensQ + off_b)
     rows = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     o = _load_rows(Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
-                   + rows[:, None] * stride_om + offs_d[None, :], rows, seq_q, offs_d, HEAD_DIM, BLOCK_D, True)
+                   + rows[:, None] * stride_om + offs_d[None, :], rows, len_q, offs_d, HEAD_DIM, BLOCK_D, True)
     do = _load_rows(DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
-                    + rows[:, None] * stride_dom + offs_d[None, :], rows, seq_q, offs_d, HEAD_DIM, BLOCK_D, True)
+                    + rows[:, None] * stride_dom + offs_d[None, :], rows, len_q, offs_d, HEAD_DIM, BLOCK_D, True)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(Delta + (off_b * num_heads + off_h).to(tl.int64) * seq_q + rows, delta, mask=rows < seq_q)
-
-
-@triton.jit
-def _load_row_stats(lse_base, delta_base, rows, len_q):
-    """lse in the log2 domain (+inf for empty and out-of-range rows: see [Note] Empty rows) and delta."""
-    in_q = rows < len_q
-    lse = tl.load(lse_base + rows, mask=in_q, other=float("-inf"))
+    head = off_b * num_heads + off_h
+    lse = tl.load(Lse + head.to(tl.int64) * seq_q + rows, mask=rows < len_q, other=float("-inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # log2(e): exp2 domain
-    delta = tl.load(delta_base + rows, mask=in_q, other=0.0)
-    return lse2, delta
+    tl.store(Delta + head.to(tl.int64) * stride_sh + rows, delta)
+    tl.store(Lse2 + head.to(tl.int64) * stride_sh + rows, lse2)
 
 
 @triton.jit
-def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom, qk_scale,
-                    cols, offs_m, offs_d, lo, hi, len_q, len_k, seq_q, seq_k, off_b, TreeMask, stride_tb, stride_tm,
+def _load_row_stats(lse2_base, delta_base, rows):
+    """lse2 and delta of `rows` from the preprocess's padded buffers: no row checks needed."""
+    return tl.load(lse2_base + rows), tl.load(delta_base + rows)
+
+
+@triton.jit
+def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qh, stride_qm, stride_doh,
+                    stride_dom, stride_sh, qk_scale, cols, offs_m, offs_d, lo, hi, len_q, len_k, seq_q, seq_k, off_b,
+                    TreeMask, stride_tb, stride_tm,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    MASKED: tl.constexpr, UPCAST: tl.constexpr):
-    """Accumulate dK, dV of one key block over query blocks [lo, hi) of one query head, transposed: [keys, rows]."""
+                    GQA: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr):
+    """Accumulate dK, dV of one key block over query blocks [lo, hi) of each of the GQA query heads whose first
+    head's rows start at q_base (do_base, ...), transposed: [keys, rows]. Unmasked blocks hold only rows < len_q
+    and load without row checks. One flat loop over (head, block) pairs,
+    head-major: a nested head loop around the block loop spills (the pipeliner's prologue and epilogue per head)."""
     shift = len_k - len_q
-    for start_m in range(lo, hi, BLOCK_M):
+    steps = (hi - lo + BLOCK_M - 1) // BLOCK_M  # lo <= hi (query_range)
+    for it in range(0, GQA * steps):
+        if GQA == 1:
+            start_m = lo + it * BLOCK_M
+            q_head, do_head, lse_head, delta_head = q_base, do_base, lse_base, delta_base
+        else:
+            g = it // steps
+            start_m = lo + (it - g * steps) * BLOCK_M
+            q_head = q_base + g.to(tl.int64) * stride_qh
+            do_head = do_base + g.to(tl.int64) * stride_doh
+            lse_head = lse_base + g.to(tl.int64) * stride_sh  # lse2 and delta are [B, Hq, S_pad]
+            delta_head = delta_base + g.to(tl.int64) * stride_sh
+        start_m = tl.multiple_of(start_m, BLOCK_M)  # lo is a block boundary: aligned, vectorised row-stat loads
         rows = start_m + offs_m
-        q = _load_rows(q_base + rows[:, None] * stride_qm + offs_d[None, :], rows, len_q, offs_d,
-                       HEAD_DIM, BLOCK_D, True)
-        do = _load_rows(do_base + rows[:, None] * stride_dom + offs_d[None, :], rows, len_q, offs_d,
-                        HEAD_DIM, BLOCK_D, True)
+        q = _load_rows(q_head + rows[:, None] * stride_qm + offs_d[None, :], rows, len_q, offs_d,
+                       HEAD_DIM, BLOCK_D, MASKED)
+        do = _load_rows(do_head + rows[:, None] * stride_dom + offs_d[None, :], rows, len_q, offs_d,
+                        HEAD_DIM, BLOCK_D, MASKED)
         if UPCAST:
             q = q.to(tl.float32)
             do = do.to(tl.float32)
-        lse2, delta = _load_row_stats(lse_base, delta_base, rows, len_q)
-        qk_t = tl.dot(k, tl.trans(q)) * qk_scale  # [BLOCK_N, BLOCK_M]: S^T in the log2 domain
+        lse2, delta = _load_row_stats(lse_head, delta_head, rows)
+        qk_t = tl.dot(k, tl.trans(q))  # [BLOCK_N, BLOCK_M]: S^T
+        dp_t = tl.dot(v, tl.trans(do))  # dP^T = V dO^T
+        qk_t = qk_t * qk_scale  # the log2 domain
         if MASKED:
             qk_t = tl.where(((cols[:, None] < len_k) & (cols[:, None] <= rows[None, :] + shift)), qk_t, float("-inf"))  # -inf before exp2
         p_t = tl.math.exp2(qk_t - lse2[None, :])
         dv += tl.dot(p_t.to(do.dtype), do)  # dV = P^T dO
-        dp_t = tl.dot(v, tl.trans(do))  # dP^T = V dO^T
         ds_t = p_t * (dp_t - delta[None, :])  # dS = P * (dP - delta), softmax backward
         dk += tl.dot(ds_t.to(q.dtype), q)  # dK = dS^T Q (times scale, applied once at the end)
     return dk, dv
 
 
 @triton.jit
-def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, Lse, Delta, SeqlensQ, SeqlensK, TreeMask, qk_scale, scale,
+def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, Lse2, Delta, SeqlensQ, SeqlensK, TreeMask, qk_scale, scale,
                    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                    stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
                    stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                   stride_tb, stride_tm, num_heads, seq_q, seq_k,
+                   stride_tb, stride_tm, stride_sh, num_heads, seq_q, seq_k,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    GQA: tl.constexpr, UPCAST: tl.constexpr):
     tl.static_assert(HEAD_DIM % 8 == 0)
@@ -496,20 +537,25 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, Lse, Delta, SeqlensQ, SeqlensK, TreeMask
     split = (tl.maximum(n0 + BLOCK_N - 1 - shift, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     split = tl.where(n0 + BLOCK_N <= len_k, split, hi)
     split = tl.maximum(tl.minimum(split, hi), lo)
+    full = tl.maximum(tl.minimum(hi, len_q // BLOCK_M * BLOCK_M), split)
     # [Note] Deterministic GQA: the GQA query heads that read this KV head are visited in a fixed order by this
-    # one program, so dK/dV are the same sums, in the same order, on every run (no atomics anywhere).
-    for g in range(GQA):
-        off_h = off_hkv * GQA + g
-        q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
-        do_base = DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
-        lse_base = Lse + (off_b * num_heads + off_h).to(tl.int64) * seq_q
-        delta_base = Delta + (off_b * num_heads + off_h).to(tl.int64) * seq_q
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
-                                 qk_scale, cols, offs_m, offs_d, lo, split, len_q, len_k, seq_q, seq_k, off_b,
-                                 TreeMask, stride_tb, stride_tm, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, UPCAST)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
-                                 qk_scale, cols, offs_m, offs_d, split, hi, len_q, len_k, seq_q, seq_k, off_b,
-                                 TreeMask, stride_tb, stride_tm, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, UPCAST)
+    # one program (masked blocks of every head, then the unmasked ones, then the partial last block), so dK/dV are the same sums, in the same
+    # order, on every run (no atomics anywhere).
+    off_h = off_hkv * GQA  # the first query head of this KV head
+    q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+    do_base = DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
+    lse_base = Lse2 + (off_b * num_heads + off_h).to(tl.int64) * stride_sh
+    delta_base = Delta + (off_b * num_heads + off_h).to(tl.int64) * stride_sh
+    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qh, stride_qm, stride_doh,
+                             stride_dom, stride_sh, qk_scale, cols, offs_m, offs_d, lo, split, len_q, len_k, seq_q, seq_k, off_b,
+                             TreeMask, stride_tb, stride_tm, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, GQA, True, UPCAST)
+    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qh, stride_qm, stride_doh,
+                             stride_dom, stride_sh, qk_scale, cols, offs_m, offs_d, split, full, len_q, len_k, seq_q, seq_k,
+                             off_b, TreeMask, stride_tb, stride_tm, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, GQA, False,
+                             UPCAST)
+    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qh, stride_qm, stride_doh,
+                             stride_dom, stride_sh, qk_scale, cols, offs_m, offs_d, full, hi, len_q, len_k, seq_q, seq_k, off_b,
+                             TreeMask, stride_tb, stride_tm, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, GQA, True, UPCAST)
     dk *= scale  # dS was taken w.r.t. the scaled scores: dK = scale * dS^T Q
     out_mask = cols[:, None] < seq_k
     if BLOCK_D != HEAD_DIM:
@@ -547,16 +593,17 @@ def _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, 
 
 
 @triton.jit
-def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, SeqlensQ, SeqlensK, TreeMask, qk_scale, scale,
+def _attn_bwd_dq(Q, K, V, DO, DQ, Lse2, Delta, SeqlensQ, SeqlensK, TreeMask, qk_scale, scale,
                  stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                  stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
-                 stride_dqb, stride_dqh, stride_dqm, stride_tb, stride_tm, num_heads, seq_q, seq_k,
+                 stride_dqb, stride_dqh, stride_dqm, stride_tb, stride_tm, stride_sh, num_heads, seq_q, seq_k,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  GQA: tl.constexpr, UPCAST: tl.constexpr):
     tl.static_assert(HEAD_DIM % 8 == 0)
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)
-    start_m = tl.program_id(0)
+    # Last query block first: under a causal mask it has the most keys, and the lightest blocks should close the grid.
+    start_m = tl.num_programs(0) - 1 - tl.program_id(0)
     off_h = tl.program_id(1)
     off_b = tl.program_id(2)
     off_hkv = off_h // GQA  # query head h reads KV head h // GQA
@@ -575,8 +622,8 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, SeqlensQ, SeqlensK, TreeMask, qk_s
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
-    lse2, delta = _load_row_stats(Lse + (off_b * num_heads + off_h).to(tl.int64) * seq_q,
-                                  Delta + (off_b * num_heads + off_h).to(tl.int64) * seq_q, rows, len_q)
+    lse2, delta = _load_row_stats(Lse2 + (off_b * num_heads + off_h).to(tl.int64) * stride_sh,
+                                  Delta + (off_b * num_heads + off_h).to(tl.int64) * stride_sh, rows)
     k_base = K + off_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * stride_kh
     v_base = V + off_b.to(tl.int64) * stride_vb + off_hkv.to(tl.int64) * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -607,37 +654,48 @@ AOT_KERNELS = globals().get("AOT_KERNELS", [])
 _AOT_T = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}[DTYPE]
 _AOT_SEQLENS = "*i32" if MASK in ("padding", "causal+padding") else "constexpr"
 _AOT_TREE = "*u8" if MASK == "tree" else "constexpr"
-_AOT_CONST = {"HEAD_DIM": HEAD_DIM, "BLOCK_D": triton.next_power_of_2(HEAD_DIM), "BLOCK_M": BLOCK_M,
-              "BLOCK_N": BLOCK_N}
+_AOT_CONST = {"HEAD_DIM": HEAD_DIM, "BLOCK_D": triton.next_power_of_2(HEAD_DIM)}
 _AOT_NONE = {name: None for name, t in (("SeqlensQ", _AOT_SEQLENS), ("SeqlensK", _AOT_SEQLENS),
                                         ("TreeMask", _AOT_TREE)) if t == "constexpr"}
 
 
 def _aot_signature(fn, types):
     """{arg: type} in fn's argument order: `types` where given, "constexpr" for compile-time args, else "i32"."""
-    const = set(_AOT_CONST) | set(_AOT_NONE) | {"GQA", "UPCAST"}
+    const = set(_AOT_CONST) | set(_AOT_NONE) | {"BLOCK_M", "BLOCK_N", "GQA", "UPCAST"}
     return {n: types.get(n, "constexpr" if n in const else "i32") for n in fn.arg_names}
+
+
+def _aot_divisible(fn):
+    """Pointers and strides: 16-aligned as Triton's JIT specializes them (q/k/v/o strides when D % 16 == 0; the
+    row statistics' head stride is a whole number of blocks)."""
+    return [n for n in fn.arg_names if n in ("Q", "K", "V", "DO", "DK", "DV", "DQ", "Out", "Lse", "Lse2", "Delta",
+                                              "stride_sh")
+            or (HEAD_DIM % 16 == 0 and n.startswith("stride_") and not n.startswith("stride_t"))]
 
 
 AOT_KERNELS += [
     {"name": "_attn_bwd_preprocess", "fn": _attn_bwd_preprocess,
-     "signature": _aot_signature(_attn_bwd_preprocess, {"Out": _AOT_T, "DO": _AOT_T, "Delta": "*fp32"}),
-     "constexprs": {k: _AOT_CONST[k] for k in ("HEAD_DIM", "BLOCK_D", "BLOCK_M")},
-     "num_warps": NUM_WARPS, "num_stages": NUM_STAGES},
+     "signature": _aot_signature(_attn_bwd_preprocess, {"Out": _AOT_T, "DO": _AOT_T, "Lse": "*fp32",
+                                                         "Delta": "*fp32", "Lse2": "*fp32",
+                                                         "SeqlensQ": _AOT_SEQLENS}),
+     "constexprs": {**_AOT_CONST, "BLOCK_M": DQ_BLOCK_M, **{k: v for k, v in _AOT_NONE.items() if k == "SeqlensQ"}}, "divisible": _aot_divisible(_attn_bwd_preprocess),
+     "num_warps": DQ_NUM_WARPS, "num_stages": DQ_NUM_STAGES},
     {"name": "_attn_bwd_dkdv", "fn": _attn_bwd_dkdv,
      "signature": _aot_signature(_attn_bwd_dkdv, {
-         "Q": _AOT_T, "K": _AOT_T, "V": _AOT_T, "DO": _AOT_T, "DK": _AOT_T, "DV": _AOT_T, "Lse": "*fp32",
+         "Q": _AOT_T, "K": _AOT_T, "V": _AOT_T, "DO": _AOT_T, "DK": _AOT_T, "DV": _AOT_T, "Lse2": "*fp32",
          "Delta": "*fp32", "SeqlensQ": _AOT_SEQLENS, "SeqlensK": _AOT_SEQLENS, "TreeMask": _AOT_TREE,
          "qk_scale": "fp32", "scale": "fp32"}),
-     "constexprs": {**_AOT_CONST, **_AOT_NONE, "GQA": GQA, "UPCAST": False},
-     "num_warps": NUM_WARPS, "num_stages": NUM_STAGES},
+     "constexprs": {**_AOT_CONST, "BLOCK_M": DKDV_BLOCK_M, "BLOCK_N": DKDV_BLOCK_N, **_AOT_NONE, "GQA": GQA,
+                    "UPCAST": False},
+     "divisible": _aot_divisible(_attn_bwd_dkdv), "num_warps": DKDV_NUM_WARPS, "num_stages": DKDV_NUM_STAGES},
     {"name": "_attn_bwd_dq", "fn": _attn_bwd_dq,
      "signature": _aot_signature(_attn_bwd_dq, {
-         "Q": _AOT_T, "K": _AOT_T, "V": _AOT_T, "DO": _AOT_T, "DQ": _AOT_T, "Lse": "*fp32", "Delta": "*fp32",
+         "Q": _AOT_T, "K": _AOT_T, "V": _AOT_T, "DO": _AOT_T, "DQ": _AOT_T, "Lse2": "*fp32", "Delta": "*fp32",
          "SeqlensQ": _AOT_SEQLENS, "SeqlensK": _AOT_SEQLENS, "TreeMask": _AOT_TREE,
          "qk_scale": "fp32", "scale": "fp32"}),
-     "constexprs": {**_AOT_CONST, **_AOT_NONE, "GQA": GQA, "UPCAST": False},
-     "num_warps": NUM_WARPS, "num_stages": NUM_STAGES},
+     "constexprs": {**_AOT_CONST, "BLOCK_M": DQ_BLOCK_M, "BLOCK_N": DQ_BLOCK_N, **_AOT_NONE, "GQA": GQA,
+                    "UPCAST": False},
+     "divisible": _aot_divisible(_attn_bwd_dq), "num_warps": DQ_NUM_WARPS, "num_stages": DQ_NUM_STAGES},
 ]
 
 
@@ -653,27 +711,32 @@ def _launch_backward(do, q, k, v, out, lse, scale, seqlens_q, seqlens_k, tree, n
     q, k, v, do, out = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, do, out))
     lse = lse.contiguous()
     block_d = triton.next_power_of_2(HEAD_DIM)
-    delta = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
-    _attn_bwd_preprocess[(triton.cdiv(sq, BLOCK_M), hq, b)](
-        out, do, delta, out.stride(0), out.stride(1), out.stride(2), do.stride(0), do.stride(1), do.stride(2),
-        hq, sq, HEAD_DIM=HEAD_DIM, BLOCK_D=block_d, BLOCK_M=BLOCK_M, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    # Row statistics padded to whole blocks of both kernels (powers of two: the larger is a multiple of the other).
+    sq_pad = triton.cdiv(sq, max(DQ_BLOCK_M, DKDV_BLOCK_M)) * max(DQ_BLOCK_M, DKDV_BLOCK_M)
+    delta = torch.empty((b, hq, sq_pad), dtype=torch.float32, device=q.device)
+    lse2 = torch.empty_like(delta)
+    _attn_bwd_preprocess[(sq_pad // DQ_BLOCK_M, hq, b)](
+        out, do, lse, delta, lse2, seqlens_q, out.stride(0), out.stride(1), out.stride(2), do.stride(0),
+        do.stride(1), do.stride(2), sq_pad, hq, sq, HEAD_DIM=HEAD_DIM, BLOCK_D=block_d, BLOCK_M=DQ_BLOCK_M, num_warps=DQ_NUM_WARPS,
+        num_stages=DQ_NUM_STAGES,
     )
     tree_strides = (tree.stride(0), tree.stride(1)) if tree is not None else (0, 0)
-    common = dict(HEAD_DIM=HEAD_DIM, BLOCK_D=block_d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, GQA=GQA, UPCAST=UPCAST,
-                  num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    common = dict(HEAD_DIM=HEAD_DIM, BLOCK_D=block_d, GQA=GQA, UPCAST=UPCAST)
     qk_scale = scale * 1.4426950408889634  # 1/ln 2: exp2 domain, as in the forward
     qkv_strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                    v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
     if need_dkdv:
-        _attn_bwd_dkdv[(triton.cdiv(sk, BLOCK_N), hkv, b)](
-            q, k, v, do, dk, dv, lse, delta, seqlens_q, seqlens_k, tree, qk_scale, scale, *qkv_strides,
+        _attn_bwd_dkdv[(triton.cdiv(sk, DKDV_BLOCK_N), hkv, b)](
+            q, k, v, do, dk, dv, lse2, delta, seqlens_q, seqlens_k, tree, qk_scale, scale, *qkv_strides,
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-            *tree_strides, hq, sq, sk, **common,
+            *tree_strides, sq_pad, hq, sq, sk, BLOCK_M=DKDV_BLOCK_M, BLOCK_N=DKDV_BLOCK_N, **common,
+            num_warps=DKDV_NUM_WARPS, num_stages=DKDV_NUM_STAGES,
         )
     if need_dq:
-        _attn_bwd_dq[(triton.cdiv(sq, BLOCK_M), hq, b)](
-            q, k, v, do, dq, lse, delta, seqlens_q, seqlens_k, tree, qk_scale, scale, *qkv_strides,
-            dq.stride(0), dq.stride(1), dq.stride(2), *tree_strides, hq, sq, sk, **common,
+        _attn_bwd_dq[(triton.cdiv(sq, DQ_BLOCK_M), hq, b)](
+            q, k, v, do, dq, lse2, delta, seqlens_q, seqlens_k, tree, qk_scale, scale, *qkv_strides,
+            dq.stride(0), dq.stride(1), dq.stride(2), *tree_strides, sq_pad, hq, sq, sk,
+            BLOCK_M=DQ_BLOCK_M, BLOCK_N=DQ_BLOCK_N, **common, num_warps=DQ_NUM_WARPS, num_stages=DQ_NUM_STAGES,
         )
     return dq, dk, dv
 

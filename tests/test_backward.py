@@ -61,6 +61,34 @@ def test_every_mask_with_gqa_4_odd_head_dim_and_poison(mask):
     check_backward(fagen.load(spec), spec, ragged_problem(mask, poison=mask.padded), DEVICE)
 
 
+def wide_block_problem(mask):
+    """Several 128-blocks and 64-steps on both axes, ragged tails, Sq != Sk, padding with NaN, a 70-node forest."""
+    if mask is Mask.TREE:
+        parents = tuple(-1 if i % 23 == 0 else (i - 1 if i % 3 else i // 2) for i in range(70))
+        return Problem(batch=2, heads_kv=1, seq_q=70, seq_k=70 + 141, seed=21, parents=(parents,) * 2)
+    return Problem(batch=2, heads_kv=1, seq_q=150, seq_k=301, seed=21, poison=mask.padded,
+                   seqlens_q=(150, 70) if mask.padded else None, seqlens_k=(301, 129) if mask.padded else None)
+
+
+@pytest.mark.parametrize("mask", list(Mask))
+def test_wide_blocks_step_over_the_other_axis_in_tiles_of_64(mask):
+    """block_m = block_n = 128 (the d128 default): dK/dV programs own 128 keys and step over 64 queries at a time,
+    dQ programs own 128 queries and step over 64 keys; the query/key ranges, masks and gqa-2 sums stay exact."""
+    spec = bwd_spec(mask, dtype="bf16", gqa=2, head_dim=128 if ON_GPU else 24, block=128)
+    mod = fagen.load(spec)
+    assert (mod.DKDV_BLOCK_N, mod.DKDV_BLOCK_M, mod.DQ_BLOCK_M, mod.DQ_BLOCK_N) == (128, 64, 128, 64)
+    check_backward(mod, spec, wide_block_problem(mask), DEVICE)
+
+
+@pytest.mark.parametrize("mask", ["causal", "tree"])
+def test_default_d128_bwd_spec_matches_reference(mask):
+    """The d128 default tiles (m128n128w8s3; tree m128n64w8s2) on ragged problems, gqa 4 (one flat head loop)."""
+    spec = fagen.KernelSpec(head_dim=128, mask=mask, dtype="bf16", gqa=4, direction=BWD)
+    assert (spec.block_m, spec.block_n) == ((128, 128) if mask == "causal" else (128, 64))
+    problem = wide_block_problem(Mask(mask))
+    check_backward(fagen.load(spec), spec, problem, DEVICE)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="realistic shapes need a GPU")
 @pytest.mark.parametrize("mask", ["causal", "none"])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])

@@ -84,7 +84,7 @@ CUDA_SUPPORTED = {
     "dtype": ((DType.FP16, DType.BF16), "the cuda backend computes fp16 and bf16 on tensor cores; use "
                                         "backend 'triton' for fp32"),
     "direction": ((Direction.FWD,), "the cuda backend has the forward only; use backend 'triton' for bwd"),
-    "block_m": ((64, 128), "the cuda backend supports block_m 64 or 128"),
+    "block_m": ((64, 128, 256), "the cuda backend supports block_m 64, 128 or 256"),
     "block_n": ((32, 64), "the cuda backend supports block_n 32 or 64"),
     "num_stages": ((2, 3, 4), "the cuda backend pipelines K/V through 2, 3 or 4 shared-memory stages"),
 }

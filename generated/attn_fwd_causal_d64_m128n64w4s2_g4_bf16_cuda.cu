@@ -129,6 +129,33 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+struct Max {
+    __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+struct Sum {
+    __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }
+};
+
+// OP over this lane's 2 * N_TILES scores of row half rh (elements 2 rh, 2 rh + 1 of every key tile), as a
+// balanced tree: dependency chains of log2 length instead of one long chain.
+template <typename OP>
+__device__ __forceinline__ float tree_reduce(const float (&s)[N_TILES][4], int rh) {
+    static_assert((N_TILES & (N_TILES - 1)) == 0, "a power-of-two number of key tiles");
+    float x[N_TILES];
+#pragma unroll
+    for (int nt = 0; nt < N_TILES; ++nt) {
+        x[nt] = OP()(s[nt][2 * rh], s[nt][2 * rh + 1]);
+    }
+#pragma unroll
+    for (int width = N_TILES / 2; width > 0; width /= 2) {
+#pragma unroll
+        for (int i = 0; i < width; ++i) {
+            x[i] = OP()(x[i], x[i + width]);
+        }
+    }
+    return x[0];
+}
+
 // Queue the copy of rows [row0, row0 + ROWS) of a [rows, HEAD_DIM] global matrix into a [ROWS, SMEM_STRIDE]
 // shared tile at shared address `tile`. Rows at or past `limit` and columns past HEAD_DIM become zeros: padding
 // (even NaN) is never read. When NUM_THREADS is a multiple of CHUNKS, thread `tid` copies chunk tid % CHUNKS of
@@ -352,10 +379,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) fagen_attn_fwd(
                         }
                     }
                 }
-#pragma unroll
-                for (int nt = 0; nt < N_TILES; ++nt) {
-                    mx = fmaxf(mx, fmaxf(s[mt][nt][2 * rh], s[mt][nt][2 * rh + 1]));
-                }
+                mx = fmaxf(mx, tree_reduce<Max>(s[mt], rh));
                 mx = quad_max(mx);
                 // A row that has seen only masked keys so far has mx = -inf; a finite stand-in keeps
                 // exp2(-inf - -inf) = NaN out (its p and alpha are then exactly 0).
@@ -363,17 +387,14 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) fagen_attn_fwd(
                 alpha[mt][rh] = fast_exp2(row_max[mt][rh] * qk_scale_log2 - m_scaled);
                 rescale |= alpha[mt][rh] != 1.0f;
                 row_max[mt][rh] = mx;
-                float sum = 0.0f;
 #pragma unroll
                 for (int nt = 0; nt < N_TILES; ++nt) {
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        const float p = fast_exp2(fmaf(s[mt][nt][2 * rh + e], qk_scale_log2, -m_scaled));
-                        s[mt][nt][2 * rh + e] = p;
-                        sum += p;
+                        s[mt][nt][2 * rh + e] = fast_exp2(fmaf(s[mt][nt][2 * rh + e], qk_scale_log2, -m_scaled));
                     }
                 }
-                row_sum[mt][rh] = row_sum[mt][rh] * alpha[mt][rh] + sum;
+                row_sum[mt][rh] = row_sum[mt][rh] * alpha[mt][rh] + tree_reduce<Sum>(s[mt], rh);
             }
             // The accumulators of key tiles 2kk and 2kk + 1 are the A fragment of k-step kk.
 #pragma unroll

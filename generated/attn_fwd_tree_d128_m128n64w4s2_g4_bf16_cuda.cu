@@ -308,6 +308,21 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) fagen_attn_fwd(
         }
     }
 
+    // [Note] K/V copies. Step `it` queues the copy of key block it + NUM_STAGES - 1 into the buffer of block it - 1,
+    // which every warp has finished with (the barrier at the top of the step), and commits one group (empty at
+    // the end, so the count stays uniform). Unmasked steps queue it after the softmax, just before the P V MMAs
+    // (measured best on the H100: the copies' issue hides behind the MMAs); masked steps right after S, where
+    // it needs the fewest registers beside the mask arithmetic.
+    auto issue_next = [&](const int it) {
+        const int next = it + NUM_STAGES - 1;
+        if (next < n_blocks) {
+            const int stage = next % NUM_STAGES;
+            load_tile<BLOCK_N>(smem_addr(s_k + stage * BLOCK_N * SMEM_STRIDE), k_base, stride_kn, next * BLOCK_N, len_k, tid);
+            load_tile<BLOCK_N>(smem_addr(s_v + stage * BLOCK_N * SMEM_STRIDE), v_base, stride_vn, next * BLOCK_N, len_k, tid);
+        }
+        cp_async_commit();
+    };
+
     // One key block: S = Q K^T, the online softmax, O += P V. MASKED (a std::integral_constant) is true only for
     // key blocks at or past `split`; the others compile without any mask arithmetic.
     auto step = [&](const int it, auto masked_tag) {
@@ -354,15 +369,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) fagen_attn_fwd(
             }
         }
 
-        // Queue the copy of key block it + NUM_STAGES - 1 into the buffer of block it - 1, which every warp has
-        // finished with (the barrier above). Issued after S's MMAs, where fewer registers are live.
-        const int next = it + NUM_STAGES - 1;
-        if (next < n_blocks) {
-            const int stage = next % NUM_STAGES;
-            load_tile<BLOCK_N>(smem_addr(s_k + stage * BLOCK_N * SMEM_STRIDE), k_base, stride_kn, next * BLOCK_N, len_k, tid);
-            load_tile<BLOCK_N>(smem_addr(s_v + stage * BLOCK_N * SMEM_STRIDE), v_base, stride_vn, next * BLOCK_N, len_k, tid);
+        if constexpr (MASKED) {
+            issue_next(it);  // masked blocks: right after S, where the mask needs no registers yet
         }
-        cp_async_commit();
 
         // Online softmax. Maxima are taken over raw scores (the scale is positive), then one FMA per score moves
         // it into the exp2 domain: p = 2^(s * qk_scale_log2 - max * qk_scale_log2).
@@ -413,6 +422,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) fagen_attn_fwd(
                 pa[mt][kk][2] = pack2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
                 pa[mt][kk][3] = pack2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
             }
+        }
+        if constexpr (!MASKED) {
+            issue_next(it);
         }
         // [Note] Lazy rescale. Once the row maxima settle, most key blocks leave every max of the warp unchanged:
         // alpha is then exactly 1 and the warp skips multiplying its accumulators by it (a uniform branch).

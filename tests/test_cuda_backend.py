@@ -26,7 +26,7 @@ def cuda_spec(**kw):
 @pytest.mark.parametrize("fields, field, message", [
     ({"dtype": "fp32"}, "dtype", "use backend 'triton' for fp32"),
     ({"direction": "bwd"}, "direction", "forward only"),
-    ({"block_m": 32}, "block_m", "block_m 64 or 128"),
+    ({"block_m": 32}, "block_m", "block_m 64, 128 or 256"),
     ({"block_n": 128}, "block_n", "block_n 32 or 64"),
     ({"num_stages": 1}, "num_stages", "2, 3 or 4"),
     ({"block_m": 64, "num_warps": 8}, "num_warps", "use num_warps 4, 2"),

@@ -22,8 +22,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ON_GPU, reason="needs a CU
 
 DTYPES = (DType.FP16, DType.BF16)
 HEAD_DIMS = (40, 64, 80, 128)  # 40: head_dim padded to 48 in shared memory
-CONFIGS = ({}, {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 3})  # default: 128x64, 8 warps, 2 stages
-TWO_TILES = {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 2}  # 32 rows (two MMA tiles) per warp
+# The default (head_dim <= 128: 128x64, 4 warps of 32 rows = two MMA tiles each, 2 stages) and one with 16 rows
+# per warp (one MMA tile, Q fragments kept in registers), 32 keys a step and 3 stages.
+CONFIGS = ({}, {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 3})
+ONE_TILE = {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2}  # 16 rows (one MMA tile) per warp
+WIDE = {"block_m": 256, "block_n": 64, "num_warps": 8, "num_stages": 2}  # 8 warps of 32 rows
 
 
 def cuda_spec(**kw):
@@ -38,7 +41,8 @@ def property_specs(mask, dtype, head_dims=HEAD_DIMS):
 def _every_spec():
     specs = [cuda_spec(head_dim=d, mask=m, dtype=t, gqa=g, **c)
              for m, t, d, g, c in itertools.product(Mask, DTYPES, HEAD_DIMS, (1, 4), CONFIGS)]
-    specs += [cuda_spec(head_dim=64, mask=m, dtype=t, gqa=4, **TWO_TILES) for m, t in itertools.product(Mask, DTYPES)]
+    specs += [cuda_spec(head_dim=64, mask=m, dtype=t, gqa=4, **cfg)
+              for m, t, cfg in itertools.product(Mask, DTYPES, (ONE_TILE, WIDE))]
     specs += [cuda_spec(head_dim=d, mask="causal", dtype="bf16") for d in (16, 24, 200, 256)]
     return specs
 
@@ -83,10 +87,12 @@ def test_every_mask_dtype_gqa_with_padded_head_dim(mask, dtype, gqa, config):
     check_forward(fagen.load(spec), spec, _ragged(mask, seed=11), DEVICE)
 
 
+@pytest.mark.parametrize("config", ["one-tile", "wide"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("mask", list(Mask))
-def test_two_mma_tiles_per_warp(mask, dtype):
-    spec = cuda_spec(head_dim=64, mask=mask, dtype=dtype, gqa=4, **TWO_TILES)
+def test_other_warp_layouts(mask, dtype, config):
+    """16 rows per warp with 8 warps (Q in registers), and 8 warps of 32 rows (block_m 256)."""
+    spec = cuda_spec(head_dim=64, mask=mask, dtype=dtype, gqa=4, **{"one-tile": ONE_TILE, "wide": WIDE}[config])
     check_forward(fagen.load(spec), spec, _ragged(mask, seed=12), DEVICE)
 
 
@@ -188,12 +194,12 @@ def test_prebuilt_cubin_runs_without_compiling(tmp_path, monkeypatch):
 
 # Deliberately broken CUDA kernels (text edits of the rendered .cu): the properties above must catch each one.
 CUDA_MUTANTS = [
-    ("causal-off-by-one", "causal", "col <= (m0", "col < (m0"),
-    ("dropped-rescale", "none", "acc[mt][dt][2 * rh] *= alpha;", "acc[mt][dt][2 * rh] *= 1.0f;"),
+    ("causal-off-by-one", "causal", "8 * rh) + shift + 1)", "8 * rh) + shift)"),
+    ("dropped-rescale", "none", "acc[mt][dt][0] *= alpha[mt][0];", "acc[mt][dt][0] *= 1.0f;"),
     ("wrong-gqa-head", "none", "const int h_kv = h / GQA;", "const int h_kv = h % (num_heads / GQA);"),
     ("tree-ignores-bits", "tree", "return (word >> (node % 32)) & 1u;", "return word == word;"),
     ("padding-rows-kept", "causal+padding", "l > 0.0f && row < len_q;", "l > 0.0f;"),
-    ("unmasked-tail", "padding", "(col < len_k)", "(col < len_k + BLOCK_N)"),
+    ("unmasked-tail", "padding", "const int lim = len_k -", "const int lim = len_k + BLOCK_N -"),
 ]
 
 

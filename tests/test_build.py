@@ -113,12 +113,20 @@ def test_compile_needs_a_spec(tmp_path):
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("build")
+    # Its own cache while this module runs, so the first build compiles everything whatever ran before it
+    # in this worker (another test may have built the same specs into the worker's cache).
+    old_cache = os.environ.get("FAGEN_CACHE_DIR")
+    os.environ["FAGEN_CACHE_DIR"] = str(tmp / "cache")
     manifest = write_manifest(tmp / "kernels.toml", [CAUSAL, TREE])
     start = time.perf_counter()
     first = run_cli("build", manifest, "-o", tmp / "out", "-j", 2)
     first_s = time.perf_counter() - start
     assert first.exit_code == 0, first.output
-    return tmp / "out", manifest, first, first_s
+    yield tmp / "out", manifest, first, first_s
+    if old_cache is None:
+        os.environ.pop("FAGEN_CACHE_DIR", None)
+    else:
+        os.environ["FAGEN_CACHE_DIR"] = old_cache
 
 
 def test_build_writes_every_variant_and_arch(built):

@@ -432,4 +432,8 @@ def test_a_corrupted_cache_entry_is_rebuilt_not_served(built):
     assert result.exit_code == 0
     rebuilt = [(v["name"], v["arch"]) for v in json.loads(result.stdout)["variants"] if not v["cached"]]
     assert rebuilt == [(CAUSAL.name, "sm_80")]
-    assert entry_cubin.read_bytes() == good == (out / causal_sm80["kernels"][0]["cubin"]).read_bytes()
+    # A recompile need not be byte-identical (on the H100 machine one byte of the cubin's notes differed), so
+    # the check is: a whole ELF again, the same in the cache and in the output, and not the truncated one.
+    rebuilt_cubin = entry_cubin.read_bytes()
+    assert rebuilt_cubin[:4] == b"\x7fELF" and len(rebuilt_cubin) == len(good)
+    assert rebuilt_cubin == (out / causal_sm80["kernels"][0]["cubin"]).read_bytes()

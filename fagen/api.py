@@ -72,7 +72,7 @@ def spec_for(q, k, v, *, mask: Mask | str = "none") -> KernelSpec:
 
 @functools.lru_cache(maxsize=None)
 def _module(spec: KernelSpec) -> ModuleType:
-    return load(spec)  # load() also memoises, but first re-hashes the templates: this skips that per call
+    return load(spec)  # load() also memoises, but first renders the spec to key it: this skips that per call
 
 
 __all__ = ["attention", "spec_for", "AttentionError"]

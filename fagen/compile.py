@@ -166,9 +166,7 @@ def _compiled_mode():
 
 def import_for_compile(spec: KernelSpec) -> ModuleType:
     """The generated module with real @triton.jit functions (never the interpreter's)."""
-    path = runtime.source_path(spec)
-    if not path.exists():
-        cache.write_if_different(path, generate(spec))
+    path = runtime.write_source(spec)
     with _compiled_mode():
         return runtime._import(path, "fagen_aot." + path.stem.replace("-", "_"))
 

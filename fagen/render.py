@@ -9,7 +9,6 @@ import os
 from pathlib import Path
 
 import jinja2
-import jinja2.meta
 
 from fagen import __version__, tables
 from fagen.enums import DType
@@ -67,43 +66,6 @@ def _environment(root: Path) -> jinja2.Environment:
 
 def template_name(spec: KernelSpec) -> str:
     return tables.TEMPLATE[(spec.backend, spec.kind)]
-
-
-def template_files(spec: KernelSpec) -> list[Path]:
-    """Every template file a spec's render may read: the entry template (and launcher) and all they import or include.
-
-    A superset (both sides of every `if`), which is what a cache key needs.
-    """
-    env = environment()
-    seen: set[str] = set()
-    todo = [template_name(spec)] + ([tables.LAUNCHER[spec.backend]] if spec.backend in tables.LAUNCHER else [])
-    while todo:
-        name = todo.pop()
-        if name in seen:
-            continue
-        try:
-            source = env.loader.get_source(env, name)[0]
-        except jinja2.TemplateNotFound:
-            continue  # a branch this spec never takes may name a template not written yet
-        seen.add(name)
-        todo.extend(_references(source))
-    root = template_dir()
-    return sorted(root / n for n in seen)
-
-
-@functools.lru_cache(maxsize=256)
-def _references(source: str) -> tuple[str, ...]:
-    """The templates a template source imports or includes; parsed once per distinct source text."""
-    return tuple(n for n in jinja2.meta.find_referenced_templates(environment().parse(source)) if n)
-
-
-def template_digest(spec: KernelSpec) -> str:
-    """sha256 over the bytes of every template the spec uses; part of every cache key."""
-    h = hashlib.sha256()
-    root = template_dir()
-    for path in template_files(spec):
-        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
-    return h.hexdigest()
 
 
 def generate(spec: KernelSpec) -> str:

@@ -9,21 +9,28 @@ from pathlib import Path
 from types import ModuleType
 
 from fagen import __version__, cache, tables
-from fagen.render import generate, generate_launcher, source_digest
+from fagen.render import generate, generate_launcher
 from fagen.spec import KernelSpec
 
 _loaded: dict[str, ModuleType] = {}
 _lock = threading.Lock()
 
 
-def source_key(spec: KernelSpec) -> str:
-    """Key of a spec's rendered source: spec, template bytes and fagen version."""
-    return cache.digest("source", __version__, spec.to_json(), source_digest(spec))[:20]
+def write_source(spec: KernelSpec) -> Path:
+    """Render `spec` once and store it in the cache under a key of the render itself; returns the source's path.
 
-
-def source_path(spec: KernelSpec) -> Path:
-    suffix = tables.SOURCE_SUFFIX[spec.backend]
-    return cache.cache_root() / "src" / f"{spec.name}-{source_key(spec)}{suffix}"
+    A backend with a launcher (cuda) gets it beside the source, with the same stem and a .py suffix.
+    """
+    files = {tables.SOURCE_SUFFIX[spec.backend]: generate(spec)}
+    if spec.backend in tables.LAUNCHER:
+        files[".py"] = generate_launcher(spec)
+    key = cache.digest("source", __version__, spec.to_json(), *files.values())[:20]
+    stem = cache.cache_root() / "src" / f"{spec.name}-{key}"
+    for suffix, text in files.items():
+        path = stem.with_name(stem.name + suffix)
+        if not path.exists():
+            cache.write_if_different(path, text)
+    return stem.with_name(stem.name + tables.SOURCE_SUFFIX[spec.backend])
 
 
 def load(spec: KernelSpec, build_dir: str | Path | None = None) -> ModuleType:
@@ -38,17 +45,11 @@ def load(spec: KernelSpec, build_dir: str | Path | None = None) -> ModuleType:
         from fagen import prebuilt
 
         return prebuilt.load(spec, Path(build_dir))
-    path = source_path(spec)
+    path = write_source(spec).with_suffix(".py")  # a .cu source is imported through its launcher beside it
     with _lock:
         module = _loaded.get(path.stem)
         if module is not None:
             return module
-        if not path.exists():
-            cache.write_if_different(path, generate(spec))
-        if spec.backend in tables.LAUNCHER:  # a .cu source: import the Python launcher rendered beside it
-            path = path.with_suffix(".py")
-            if not path.exists():
-                cache.write_if_different(path, generate_launcher(spec))
         module = _import(path)
         _loaded[path.stem] = module
         return module

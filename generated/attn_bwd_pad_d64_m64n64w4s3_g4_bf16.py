@@ -320,6 +320,12 @@ def _tma_ready(t):
     return t.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in t.stride()[:3])
 
 
+try:  # triton's current allocator, read at each launch (another triton layout: ours is set every time)
+    from triton.runtime._allocation import NullAllocator as _NullAllocator, _allocator as _TRITON_ALLOCATOR
+except ImportError:
+    _NullAllocator, _TRITON_ALLOCATOR = None, None
+
+
 def _torch_scratch(size, alignment, stream):
     return torch.empty(size, dtype=torch.int8, device="cpu" if _INTERPRET else "cuda")
 
@@ -329,12 +335,7 @@ def _ensure_allocator():
 
     Only a missing allocator is replaced (by one that takes torch's caching allocator); one set by the caller stays.
     """
-    try:
-        from triton.runtime._allocation import NullAllocator, _allocator
-        missing = isinstance(_allocator.get(), NullAllocator)
-    except ImportError:  # another triton layout: set ours
-        missing = True
-    if missing:
+    if _TRITON_ALLOCATOR is None or isinstance(_TRITON_ALLOCATOR.get(), _NullAllocator):
         triton.set_allocator(_torch_scratch)
 
 

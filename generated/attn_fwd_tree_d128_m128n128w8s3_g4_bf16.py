@@ -182,8 +182,8 @@ def _fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, qk_scale,
                MASKED: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr):
     """Online softmax over key blocks [lo, hi). m_i lives in the log2 domain (qk_scale = scale / ln 2)."""
     prefix = seq_k - seq_q
-    # [Note] Unpipelined tree tail: the masked loop gathers the tree's bit words; staging them through the
-    # software pipeline like K and V would cost block_m * block_n * 4 bytes of shared memory per stage.
+    # [Note] Unpipelined tree tail: the masked loop gathers tree-mask tiles; staging them through the software
+    # pipeline like K and V would cost shared memory per stage for a loop that runs one or two blocks.
     for start_n in tl.range(lo, hi, BLOCK_N, num_stages=1 if MASKED else 3):
         cols = start_n + offs_n
         if TMA:  # rows >= len_k and columns >= HEAD_DIM arrive as zeros, as from _load_rows
@@ -259,7 +259,7 @@ def _attn_fwd(Q, K, V, Out, Lse, SeqlensQ, SeqlensK, TreeMask, qk_scale,
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    # The dense prefix runs unmasked; the block that straddles it and the tree keys use the bit mask.
+    # The dense prefix runs unmasked; the block that straddles it and the tree keys read the tree mask.
     hi = seq_k
     split = prefix // BLOCK_N * BLOCK_N
 
@@ -317,6 +317,12 @@ def _tma_ready(t):
     return t.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in t.stride()[:3])
 
 
+try:  # triton's current allocator, read at each launch (another triton layout: ours is set every time)
+    from triton.runtime._allocation import NullAllocator as _NullAllocator, _allocator as _TRITON_ALLOCATOR
+except ImportError:
+    _NullAllocator, _TRITON_ALLOCATOR = None, None
+
+
 def _torch_scratch(size, alignment, stream):
     return torch.empty(size, dtype=torch.int8, device="cpu" if _INTERPRET else "cuda")
 
@@ -326,12 +332,7 @@ def _ensure_allocator():
 
     Only a missing allocator is replaced (by one that takes torch's caching allocator); one set by the caller stays.
     """
-    try:
-        from triton.runtime._allocation import NullAllocator, _allocator
-        missing = isinstance(_allocator.get(), NullAllocator)
-    except ImportError:  # another triton layout: set ours
-        missing = True
-    if missing:
+    if _TRITON_ALLOCATOR is None or isinstance(_TRITON_ALLOCATOR.get(), _NullAllocator):
         triton.set_allocator(_torch_scratch)
 
 

@@ -8,6 +8,7 @@ A query row that sees no key gets out = 0 and lse = -inf.
 """
 import math
 import os
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -31,6 +32,10 @@ class InputError(ValueError):
 
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# [Note] Checks that read device values. Shape, dtype and device checks are host-only and always run. Checks that
+# must read tensor values (length ranges, tree structure) sync the host with the GPU and cannot run inside a CUDA
+# graph capture, so they run only with check=True, or for every call when FAGEN_CHECK=1 is set at import.
+CHECK = os.environ.get("FAGEN_CHECK", "0") == "1"
 
 
 def _check_qkv(q, k, v):
@@ -59,7 +64,7 @@ def _check_qkv(q, k, v):
                          f"(needs q heads = {GQA} x kv heads)")
 
 
-def _check_seqlens(name, lens, batch, limit, device):
+def _check_seqlens(name, lens, batch, limit, device, check):
     if lens is None:
         raise InputError(f"{name}: mask {MASK!r} needs {name}, an int32 tensor [batch] of valid lengths")
     if not isinstance(lens, torch.Tensor) or lens.dtype not in (torch.int32, torch.int64):
@@ -68,32 +73,54 @@ def _check_seqlens(name, lens, batch, limit, device):
         raise InputError(f"{name}: expected shape ({batch},), got {tuple(lens.shape)}")
     if lens.device != device:
         raise InputError(f"{name}: on {lens.device} but q is on {device}")
-    if batch and (int(lens.min()) < 0 or int(lens.max()) > limit):
+    if check and batch and (int(lens.min()) < 0 or int(lens.max()) > limit):
         raise InputError(f"{name}: lengths must lie in [0, {limit}], got min {int(lens.min())} max {int(lens.max())}")
     return lens.to(torch.int32).contiguous()
 
 
-def tree_mask_from_parents(parents):
+def tree_mask_from_parents(parents, check=True):
     """Ancestor-or-self matrix bool [B, N, N] from parent pointers int [B, N] (-1 marks a root).
 
-    Nodes come in tree order: every parent index is smaller than its child's.
+    Nodes come in tree order: every parent index is smaller than its child's (checked when `check`).
     """
     if not isinstance(parents, torch.Tensor) or parents.dim() != 2 or parents.dtype not in (torch.int32, torch.int64):
         raise InputError("tree parents: expected an int32 tensor [batch, nodes] with -1 for roots")
     b, n = parents.shape
     idx = torch.arange(n, device=parents.device)
-    if n and (bool((parents < -1).any()) or bool((parents >= idx).any())):
+    if check and n and (bool((parents < -1).any()) or bool((parents >= idx).any())):
         raise InputError("tree parents: each parent must be -1 or the index of an earlier node (parents[b, i] < i)")
     anc = torch.eye(n, dtype=torch.bool, device=parents.device).expand(b, n, n).clone()
-    for i in range(n):
-        p = parents[:, i].long()
-        has = p >= 0
-        anc[has, i] |= anc[has, p[has]]
+    for i in range(n):  # no boolean indexing: nothing here reads a device value (CUDA-graph safe)
+        p = parents[:, i].long().clamp(-1, i - 1)  # unchecked garbage cannot index out of bounds
+        row = anc.gather(1, p.clamp(min=0).view(b, 1, 1).expand(b, 1, n)).squeeze(1)
+        anc[:, i] |= row & (p >= 0)[:, None]
     return anc
 
 
-def _tree_input(tree_mask, batch, n_nodes, device):
-    """The caller's tree as bool [B, N, N] ancestor-or-self (parent pointers [B, N] are expanded), checked."""
+def _check_tree(tree_mask):
+    """InputError unless bool [B, N, N] is a tree's ancestor-or-self matrix: every node sees itself, no node sees a
+    later one, and each node sees exactly its parent's set plus itself (its parent: the latest earlier node it sees).
+    """
+    b, n, _ = tree_mask.shape
+    if not n:
+        return
+    idx = torch.arange(n, device=tree_mask.device)
+    if not bool(tree_mask[:, idx, idx].all()):
+        raise InputError("tree_mask: every node must see itself (tree_mask[b, i, i] must be True)")
+    if bool(torch.triu(tree_mask, diagonal=1).any()):
+        raise InputError("tree_mask: a node sees a later node; nodes come in tree order (ancestors first), so "
+                         "tree_mask[b, i, j] must be False for j > i")
+    earlier = torch.tril(tree_mask, diagonal=-1)
+    parents = torch.where(earlier.any(-1), (earlier * (idx + 1)).amax(-1) - 1, -1)
+    if not torch.equal(tree_mask_from_parents(parents, check=False), tree_mask):
+        bad = (tree_mask_from_parents(parents, check=False) != tree_mask).any(-1).nonzero()[0].tolist()
+        raise InputError(f"tree_mask: batch {bad[0]} node {bad[1]} does not see exactly its parent's ancestors and "
+                         "itself (not ancestor-closed); pass parent pointers, or tree_mask_from_parents(parents)")
+
+
+def _tree_input(tree_mask, batch, n_nodes, device, check):
+    """The caller's tree as bool [B, N, N] ancestor-or-self (parent pointers [B, N] are expanded); its structure is
+    checked when `check` ([Note] Checks that read device values)."""
     if tree_mask is None:
         raise InputError("tree_mask: mask 'tree' needs tree_mask, bool [batch, n, n] (ancestor-or-self) "
                          "or parent pointers int32 [batch, n]")
@@ -102,23 +129,32 @@ def _tree_input(tree_mask, batch, n_nodes, device):
     if tree_mask.device != device:
         raise InputError(f"tree_mask: on {tree_mask.device} but q is on {device}")
     if tree_mask.dtype in (torch.int32, torch.int64):
-        tree_mask = tree_mask_from_parents(tree_mask)
+        if tree_mask.shape != (batch, n_nodes):
+            raise InputError(f"tree_mask: parent pointers must be int32 [{batch}, {n_nodes}], got "
+                             f"{tuple(tree_mask.shape)}")
+        return tree_mask_from_parents(tree_mask, check)
     if tree_mask.dtype != torch.bool or tree_mask.shape != (batch, n_nodes, n_nodes):
         raise InputError(f"tree_mask: expected bool [{batch}, {n_nodes}, {n_nodes}] (the Sq queries are the tree), "
                          f"got {tree_mask.dtype} {tuple(tree_mask.shape)}")
+    if check:
+        _check_tree(tree_mask)
     return tree_mask
 
 
-def _check_mask_inputs(q, k, seqlens_q, seqlens_k, tree_mask):
+def _check_mask_inputs(q, k, seqlens_q, seqlens_k, tree_mask, check=None):
     """Validate the mask inputs for this spec; returns (seqlens_q, seqlens_k, tree) ready to launch.
+
+    check: None follows FAGEN_CHECK; True also checks the values (length ranges, tree structure), which reads them
+    on the host ([Note] Checks that read device values).
 
     tree is the launch form of tree_mask: its bytes (uint8 [B, N, N], row-contiguous) for the Triton kernels,
     packed bit words (int32 [B, N, ceil(N/32)]) for the cuda kernels.
     """
+    check = CHECK if check is None else bool(check)
     b, _, sq, _ = q.shape
     sk = k.shape[2]
-    seqlens_q = _check_seqlens("seqlens_q", seqlens_q, b, sq, q.device)
-    seqlens_k = _check_seqlens("seqlens_k", seqlens_k, b, sk, q.device)
+    seqlens_q = _check_seqlens("seqlens_q", seqlens_q, b, sq, q.device, check)
+    seqlens_k = _check_seqlens("seqlens_k", seqlens_k, b, sk, q.device, check)
     if tree_mask is not None:
         raise InputError(f"tree_mask: mask {MASK!r} takes no tree; generate a 'tree' spec")
     tree = None
@@ -260,8 +296,9 @@ def _attn_fwd(Q, K, V, Out, Lse, SeqlensQ, SeqlensK, TreeMask, qk_scale,
                                HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, UPCAST, TMA)
 
     # [Note] Empty rows: a row that saw no key has l_i == 0 and acc == 0; it stores out = 0 and lse = -inf.
-    # Every row that saw a key has l_i >= 1 (its maximum contributes exp2(0)).
-    seen = l_i > 0
+    # Every row that saw a key has l_i >= 1 (its maximum contributes exp2(0)), or l_i = NaN when a visible
+    # score was NaN: `!= 0` keeps that NaN in out and lse (NaN in real inputs propagates, as in the reference).
+    seen = l_i != 0
     seen = seen & (offs_m < len_q)  # padding rows see nothing, whatever their (garbage) inputs
     out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))  # ln 2
@@ -274,12 +311,12 @@ def _attn_fwd(Q, K, V, Out, Lse, SeqlensQ, SeqlensK, TreeMask, qk_scale,
     tl.store(Lse + (off_b * num_heads + off_h).to(tl.int64) * seq_q + offs_m, lse, mask=offs_m < seq_q)
 
 
-def _launch_forward(q, k, v, scale, seqlens_q, seqlens_k, tree):
-    """Launch the forward kernel on checked inputs; returns (out, lse)."""
+def _launch_forward(q, k, v, scale, seqlens_q, seqlens_k, tree, out=None, lse=None):
+    """Launch the forward kernel on checked inputs; returns (out, lse), written into the given buffers if any."""
     b, hq, sq, _ = q.shape
     sk = k.shape[2]
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+    lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device) if lse is None else lse
     if out.numel() == 0:
         return out, lse
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
@@ -324,21 +361,30 @@ def _ensure_allocator():
         triton.set_allocator(_torch_scratch)
 
 
-def forward(q, k, v, *, scale=None, seqlens_q=None, seqlens_k=None, tree_mask=None):
-    """Attention forward. Returns (out, lse): out like q, lse float32 [B, Hq, Sq] in natural log."""
+_launch = _launch_forward
+
+
+def forward(q, k, v, *, scale=None, seqlens_q=None, seqlens_k=None, tree_mask=None, out=None, lse=None,
+            check=None):
+    """Attention forward. Returns (out, lse): out like q, lse float32 [B, Hq, Sq] in natural log.
+
+    out / lse: caller-owned buffers to write into (an engine's preallocated output); check: see [Note] Checks
+    that read device values.
+    """
     _check_qkv(q, k, v)
     scale = _check_scale(scale)
-    seqlens_q, seqlens_k, tree = _check_mask_inputs(q, k, seqlens_q, seqlens_k, tree_mask)
-    return _launch_forward(q, k, v, scale, seqlens_q, seqlens_k, tree)
+    seqlens_q, seqlens_k, tree = _check_mask_inputs(q, k, seqlens_q, seqlens_k, tree_mask, check)
+    _check_buffers(q, out, lse)
+    return _call(q, k, v, scale, seqlens_q, seqlens_k, tree, out, lse)
 
 
 # [Note] AOT kernels
 # AOT_KERNELS lists every @triton.jit entry point with the one specialization `fagen compile` builds ahead of
-# time (fagen/compile.py): each argument's Triton type, "constexpr" for compile-time values (a pointer that is
+# time (fagen/aot/artifacts.py): each argument's Triton type, "constexpr" for compile-time values (a pointer that is
 # None for this spec is a constexpr None), the constexpr values the launcher passes (compiled kernels never
 # upcast, so UPCAST is False), warps and stages. "divisible" names arguments assumed to be multiples of 16
 # (pointers: 16-byte aligned), as Triton's JIT specializes them; a prebuilt launch checks every assumption.
-# The launcher above must pass exactly these; fagen/prebuilt.py refuses a launch that does not.
+# The launcher above must pass exactly these; fagen/runtime/prebuilt.py refuses a launch that does not.
 _PTR = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}[DTYPE]
 _FWD_INTS = ("stride_qb stride_qh stride_qm stride_kb stride_kh stride_kn stride_vb stride_vh stride_vn "
              "stride_ob stride_oh stride_om stride_tb stride_tm num_heads seq_q seq_k").split()
@@ -365,3 +411,62 @@ AOT_KERNELS = [
         "num_stages": NUM_STAGES,
     },
 ]
+
+
+# [Note] Operators
+# The launches are also torch.library custom operators (fagen::<module>_fwd, _fwd_out, _bwd), with fake
+# implementations and, for bwd specs, registered autograd. Under torch.compile the public functions call the
+# operators, so a call traces with no graph break and no recompile per sequence length (the fake outputs follow
+# the input shapes); in eager mode they launch directly and skip the dispatcher (microseconds per call). The
+# operators take checked, launch-ready inputs: scale a float, the tree in its launch form.
+_OP = "fagen::" + __name__.rpartition(".")[2].replace("-", "_")
+
+
+@torch.library.custom_op(_OP + "_fwd", mutates_args=())
+def forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, seqlens_q: Optional[torch.Tensor],
+               seqlens_k: Optional[torch.Tensor], tree: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    return _launch(q, k, v, scale, seqlens_q, seqlens_k, tree)
+
+
+@forward_op.register_fake
+def _forward_fake(q, k, v, scale, seqlens_q, seqlens_k, tree):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op(_OP + "_fwd_out", mutates_args=("out", "lse"))
+def forward_out_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                   seqlens_q: Optional[torch.Tensor], seqlens_k: Optional[torch.Tensor], tree: Optional[torch.Tensor],
+                   out: torch.Tensor, lse: torch.Tensor) -> None:
+    _launch(q, k, v, scale, seqlens_q, seqlens_k, tree, out=out, lse=lse)
+
+
+@forward_out_op.register_fake
+def _forward_out_fake(q, k, v, scale, seqlens_q, seqlens_k, tree, out, lse):
+    return None
+
+
+def _call(q, k, v, scale, seqlens_q, seqlens_k, tree, out, lse):
+    """Eager: launch directly. Under torch.compile: through the operators ([Note] Operators)."""
+    if not torch.compiler.is_compiling():
+        return _launch(q, k, v, scale, seqlens_q, seqlens_k, tree, out=out, lse=lse)
+    if out is None and lse is None:
+        return forward_op(q, k, v, scale, seqlens_q, seqlens_k, tree)
+    out = q.new_empty(q.shape) if out is None else out
+    lse = q.new_empty(q.shape[:3], dtype=torch.float32) if lse is None else lse
+    forward_out_op(q, k, v, scale, seqlens_q, seqlens_k, tree, out, lse)
+    return out, lse
+
+
+def _check_buffers(q, out, lse):
+    """Caller-owned outputs: out like q (shape, dtype, device), lse float32 [B, Hq, Sq]; host-only checks."""
+    if out is not None:
+        if not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype \
+                or out.device != q.device or out.stride(-1) != 1:
+            got = f"{out.dtype} {tuple(out.shape)} on {out.device}" if isinstance(out, torch.Tensor) else type(out)
+            raise InputError(f"out: expected {q.dtype} {tuple(q.shape)} on {q.device} with unit last stride, like q; "
+                             f"got {got}")
+    if lse is not None:
+        if not isinstance(lse, torch.Tensor) or lse.shape != q.shape[:3] or lse.dtype != torch.float32 \
+                or lse.device != q.device or not lse.is_contiguous():
+            got = f"{lse.dtype} {tuple(lse.shape)} on {lse.device}" if isinstance(lse, torch.Tensor) else type(lse)
+            raise InputError(f"lse: expected a contiguous float32 {tuple(q.shape[:3])} on {q.device}; got {got}")

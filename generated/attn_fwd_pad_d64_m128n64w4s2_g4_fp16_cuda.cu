@@ -58,7 +58,7 @@ static_assert(BLOCK_N % 16 == 0, "BLOCK_N is a whole number of MMA k-steps (P @ 
 static_assert(NUM_STAGES >= 2, "the K/V pipeline needs at least two buffers");
 static_assert((SMEM_STRIDE * sizeof(T)) % 16 == 0, "cp.async and ldmatrix need 16-byte aligned rows");
 static_assert((SMEM_STRIDE * sizeof(T)) % 128 != 0, "row padding spreads ldmatrix rows over the banks");
-static_assert(SMEM_BYTES == 55296, "shared memory layout disagrees with fagen.tables.cuda_smem_bytes");
+static_assert(SMEM_BYTES == 55296, "shared memory layout disagrees with fagen.spec.targets.cuda_smem_bytes");
 
 __device__ __forceinline__ uint32_t smem_addr(const void* ptr) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
@@ -467,7 +467,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) fagen_attn_fwd(
         for (int rh = 0; rh < 2; ++rh) {
             const float l = quad_sum(row_sum[mt][rh]);
             const int row = m0 + warp_row0 + mt * 16 + g + 8 * rh;
-            const bool seen = l > 0.0f && row < len_q;  // padding rows see nothing, whatever their inputs
+            const bool seen = l != 0.0f && row < len_q;  // padding rows see nothing, whatever their inputs
             const float inv = seen ? 1.0f / l : 0.0f;
             if (row < seq_q) {
                 T* o_row = out + b * stride_ob + h * stride_oh + row * stride_om;

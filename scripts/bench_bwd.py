@@ -37,9 +37,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import fagen  # noqa: E402
-from fagen import runtime  # noqa: E402
-from fagen.strategies import Problem  # noqa: E402
-from fagen.verify import check_backward  # noqa: E402
+from fagen.runtime import loader as runtime  # noqa: E402
+from fagen.verify.strategies import Problem  # noqa: E402
+from fagen.verify.properties import check_backward  # noqa: E402
 
 SMOKE = not torch.cuda.is_available()  # CPU: the interpreter on tiny shapes, to test this script itself
 DEVICE = "cpu" if SMOKE else "cuda"
@@ -47,7 +47,7 @@ B, H, S, D = (1, 2, 128, 128) if SMOKE else (1, 16, 16384, 128)
 FWD_FLOP = 4 * B * H * S * S * D / 2
 BWD_FLOP = 2.5 * FWD_FLOP
 SPEC = dict(head_dim=128, mask="causal", dtype="bf16", direction="bwd")
-FWD_CFG = dict(block_m=128, block_n=128, num_warps=8, num_stages=3)  # the forward's best (tables.default_config)
+FWD_CFG = dict(block_m=128, block_n=128, num_warps=8, num_stages=3)  # the forward's best (defaults.default_config)
 
 # Source patches (generated text, bf16: no dot_precision) for structural A/B variants.
 PATCHES = {

@@ -26,8 +26,8 @@ from triton.testing import do_bench
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 import fagen  # noqa: E402
-from fagen import nvcc  # noqa: E402
-from fagen.verify import PropertyFailure, TOLERANCE, compare  # noqa: E402
+from fagen.aot import nvcc  # noqa: E402
+from fagen.verify.tolerances import TOLERANCE, PropertyFailure, compare  # noqa: E402
 
 FA2_BAR = {"none": 361.0, "causal": 324.0}  # d128 bf16 s16k, TFLOP/s (PEERS.md)
 # Configs worth knowing about next to the default: stages, 32 keys a step, 16 rows per warp (Q in registers),

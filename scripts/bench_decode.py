@@ -23,7 +23,7 @@ import torch.nn.functional as F  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 import fagen  # noqa: E402
 from triton.errors import TritonError  # noqa: E402
-from fagen.verify import LSE_TOLERANCE, TOLERANCE, PropertyFailure, compare  # noqa: E402
+from fagen.verify.tolerances import LSE_TOLERANCE, TOLERANCE, PropertyFailure, compare  # noqa: E402
 
 # The decode shapes: bf16, 32 query heads over 8 KV heads (gqa 4), head_dim 128, one query token.
 CASES = {"kv32768_b8": dict(batch=8, seq_k=32768), "kv8192_b32": dict(batch=32, seq_k=8192)}

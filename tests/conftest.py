@@ -1,15 +1,18 @@
-"""Test set-up: the CPU runs kernels through Triton's interpreter; a GPU runs them compiled at realistic shapes."""
+"""Test set-up: the CPU runs kernels through Triton's interpreter; a GPU runs them compiled at realistic shapes.
+
+The kernel cache of a test run lives under pytest's own temporary folder (tmp_path_factory), which pytest prunes:
+runs leave nothing behind in /tmp.
+"""
 
 import os
-import tempfile
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
 ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when generated modules are imported
-os.environ.setdefault("FAGEN_CACHE_DIR", tempfile.mkdtemp(prefix="fagen-test-cache-"))
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 SCALE = "gpu" if ON_GPU else "cpu"
@@ -20,3 +23,25 @@ settings.register_profile("ci", max_examples=10, **_common)
 settings.register_profile("gpu", max_examples=25, **_common)
 settings.register_profile("thorough", max_examples=200, **_common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "gpu" if ON_GPU else "ci"))
+
+
+def pytest_configure(config):
+    # One cache per worker, inside pytest's temporary folder (kept for the last three runs, then removed).
+    if "FAGEN_CACHE_DIR" not in os.environ or os.environ.get("FAGEN_TEST_OWN_CACHE") == "1":
+        from _pytest.tmpdir import TempPathFactory
+
+        factory = TempPathFactory.from_config(config, _ispytest=True)
+        os.environ["FAGEN_CACHE_DIR"] = str(factory.mktemp("fagen-cache"))
+        os.environ["FAGEN_TEST_OWN_CACHE"] = "1"
+
+
+@pytest.fixture(scope="session")
+def device() -> str:
+    """"cuda" on a GPU machine, else "cpu" (kernels through Triton's interpreter)."""
+    return DEVICE
+
+
+@pytest.fixture(scope="session")
+def scale() -> str:
+    """The shape scale of drawn problems: "gpu" (realistic) or "cpu" (small, for the interpreter)."""
+    return SCALE

@@ -6,11 +6,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fagen
-from fagen import mutants, reference, runtime
-from fagen.enums import Direction, DType, Mask
-from fagen.render import generate
-from fagen.strategies import Problem, problems, specs
-from fagen.verify import (TOLERANCE, PropertyFailure, check_backward, compare, compare_grad, grad_output,
+from fagen.runtime import loader as runtime
+from fagen.verify import mutants, reference
+from fagen.spec.axes import Direction, DType, Mask
+from fagen.codegen.render import generate
+from fagen.verify.strategies import Problem, problems, specs
+from fagen.verify.properties import (TOLERANCE, PropertyFailure, check_backward, compare, compare_grad, grad_output,
                           reference_gradients)
 from conftest import DEVICE, ON_GPU
 
@@ -212,7 +213,9 @@ def test_attention_without_grad_and_with_strided_inputs_and_expanded_do():
 @pytest.mark.parametrize("mask", list(Mask))
 def test_fagen_attention_picks_the_kernel_and_trains(mask):
     problem = ragged_problem(mask)
-    spec = fagen.api.spec_for(*problem.inputs(bwd_spec(mask, gqa=2, head_dim=24), DEVICE)[0], mask=mask)
+    from fagen.runtime.api import spec_for
+
+    spec = spec_for(*problem.inputs(bwd_spec(mask, gqa=2, head_dim=24), DEVICE)[0], mask=mask)
     assert (spec.gqa, spec.head_dim, spec.dtype, spec.direction, spec.mask) == (2, 24, DType.FP16, BWD, mask)
     (q, k, v), kwargs = problem.inputs(spec, DEVICE)
     do = grad_output(problem, spec, DEVICE)
@@ -319,11 +322,13 @@ def test_cli_generates_the_backward_source(tmp_path):
 
 def test_fagen_attention_picks_decode_for_few_queries_without_grad(monkeypatch):
     """No gradient, 3 queries against 300 keys: the decode kernel serves it; with gradients, the bwd prefill."""
-    from fagen import api
+    from fagen.runtime import api, resolve
 
     seen = []
-    real = api._module
-    monkeypatch.setattr(api, "_module", lambda spec: seen.append(spec.kind.value) or real(spec))
+    real = resolve._module
+    monkeypatch.setattr(resolve, "_module", lambda spec: seen.append(spec.kind.value) or real(spec))
+    monkeypatch.setattr(resolve, "_FAST", {})
+    monkeypatch.setattr(api, "_FAST", resolve._FAST)
     spec = fagen.KernelSpec(head_dim=32, mask="causal", gqa=2, direction="bwd")
     (q, k, v), _ = Problem(batch=1, heads_kv=2, seq_q=3, seq_k=300, seed=11).inputs(spec, DEVICE)
     ref, _ = reference.attention(q, k, v, mask="causal")

@@ -4,17 +4,58 @@ import pytest
 from click.testing import CliRunner
 
 import fagen
-from fagen.cli import main
+from fagen.cli import COMMANDS, main
 
 
 def run(*args):
     return CliRunner().invoke(main, list(args), catch_exceptions=False)
 
 
-@pytest.mark.parametrize("command", [[]] + [[name] for name in main.commands])
+@pytest.mark.parametrize("command", [[]] + [[name] for name in COMMANDS])
 def test_help(command):
+    """Every command's --help (and the group's, which lists every command's whole summary)."""
     result = run(*command, "--help")
     assert result.exit_code == 0 and "Usage:" in result.output
+    if not command:
+        assert all(summary in " ".join(result.output.split()) for _, _, summary in COMMANDS.values())
+    else:
+        assert "Examples" in result.output
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[]", "must be a JSON object of spec fields"),
+    ("null", "must be a JSON object of spec fields"),
+    ('"x"', "must be a JSON object of spec fields"),
+    (b"\xff\xfe{", "is not UTF-8 text"),
+    ('{"head_dim": 64, "maks": 1, "dtyp": 2}', "unknown spec fields; known fields"),
+])
+def test_a_spec_file_that_is_not_a_spec_object_is_one_line(tmp_path, text, message):
+    """Issue 18: these gave a 26-33-line traceback from the CLI."""
+    spec_file = tmp_path / "k.json"
+    spec_file.write_bytes(text if isinstance(text, bytes) else text.encode())
+    result = CliRunner().invoke(main, ["generate", "--spec", str(spec_file), "-o", str(tmp_path / "out")])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and str(spec_file) in lines[0], result.output
+    assert not (tmp_path / "out").exists()
+    if isinstance(text, str) and "maks" in text:
+        assert "maks, dtyp" in lines[0]
+
+
+def test_malformed_toml_names_the_line_without_echoing_the_file(tmp_path):
+    spec_file = tmp_path / "k.toml"
+    spec_file.write_text("head_dim = 64\n" + "# filler\n" * 50 + "mask = \n")
+    result = CliRunner().invoke(main, ["generate", "--spec", str(spec_file)])
+    assert result.exit_code == 1 and "not valid TOML" in result.output and "filler" not in result.output
+    assert "line 52" in result.output
+
+
+def test_an_unwritable_output_folder_is_one_line(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    result = CliRunner().invoke(main, ["generate", "--head-dim", "64", "-o", str(blocker / "out")])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert result.output.startswith("Error: cannot write") and "choose a writable output folder" in result.output
 
 
 def test_generate_writes_the_triton_source(tmp_path):
@@ -64,7 +105,7 @@ def test_bad_spec_file_is_one_clear_line(tmp_path):
 def test_generate_without_spec_renders_the_default_catalog(tmp_path):
     result = run("generate", "-o", str(tmp_path))
     assert result.exit_code == 0, result.output
-    from fagen.manifest import DEFAULT_CATALOG, load_manifest
-    from fagen.tables import SOURCE_SUFFIX
+    from fagen.spec.manifest import DEFAULT_CATALOG, load_manifest
+    from fagen.spec.tables import SOURCE_SUFFIX
     names = {s.name + SOURCE_SUFFIX[s.backend] for s in load_manifest(DEFAULT_CATALOG).specs}
     assert {p.name for p in tmp_path.iterdir()} == names

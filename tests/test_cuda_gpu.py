@@ -11,11 +11,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fagen
-from fagen import cache, nvcc, reference, runtime
-from fagen.render import generate_launcher
-from fagen.enums import DType, Mask
-from fagen.strategies import Problem, problems
-from fagen.verify import LSE_TOLERANCE, TOLERANCE, PropertyFailure, check_forward, compare
+from fagen.aot import nvcc
+from fagen.runtime import cache
+from fagen.runtime import loader as runtime
+from fagen.runtime.modules import import_module
+from fagen.verify.properties import reference
+from fagen.codegen.render import generate_launcher
+from fagen.spec.axes import DType, Mask
+from fagen.verify.strategies import Problem, problems
+from fagen.verify.properties import LSE_TOLERANCE, TOLERANCE, PropertyFailure, check_forward, compare
 from conftest import DEVICE, ON_GPU, SCALE
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")]
@@ -212,7 +216,7 @@ def _load_mutant(spec, old, new):
     folder = cache.cache_root() / "src"
     cache.write_if_different(folder / f"{stem}.cu", broken)
     cache.write_if_different(folder / f"{stem}.py", generate_launcher(spec))
-    return runtime._import(folder / f"{stem}.py")
+    return import_module(folder / f"{stem}.py")
 
 
 @pytest.mark.parametrize("name, mask, old, new", CUDA_MUTANTS, ids=[m[0] for m in CUDA_MUTANTS])

@@ -9,11 +9,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fagen
-from fagen import reference, runtime, select, tables
-from fagen.enums import DType, Kind, Mask
-from fagen.strategies import GPU_HEAD_DIMS, Problem, decode_problems, specs
-from fagen.mutants import MUTANTS
-from fagen.verify import TOLERANCE, PropertyFailure, check_forward, compare
+from fagen.runtime import kinds as select
+from fagen.runtime import loader as runtime
+from fagen.spec import axes, tables, targets
+from fagen.verify.properties import reference
+from fagen.spec.axes import DType, Kind, Mask
+from fagen.verify.strategies import GPU_HEAD_DIMS, Problem, decode_problems, specs
+from fagen.verify.mutants import MUTANTS
+from fagen.verify.properties import TOLERANCE, PropertyFailure, check_forward, compare
 from conftest import DEVICE, ON_GPU, SCALE
 
 HEAD_DIMS = GPU_HEAD_DIMS if ON_GPU else (16, 24, 40)
@@ -139,7 +142,7 @@ def test_split_heuristic():
     assert mod.num_splits_for(1, 100_000, 132) <= mod.MAX_SPLITS
     assert mod.tile_rows(1) == 1 and mod.tile_rows(4) == 16 and mod.tile_rows(20) == 32
     assert mod.tile_rows(8 * 16) == mod.BLOCK_M == 64  # the cap: 128 packed rows take two tiles
-    assert mod.MAX_SEQ_Q == tables.DECODE_MAX_SEQ_Q
+    assert mod.MAX_SEQ_Q == axes.DECODE_MAX_SEQ_Q
 
 
 def test_select_rule():

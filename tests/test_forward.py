@@ -6,10 +6,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fagen
-from fagen import reference
-from fagen.enums import DType, Mask
-from fagen.strategies import GPU_HEAD_DIMS, Problem, problems, specs
-from fagen.verify import check_forward
+from fagen.verify import reference
+from fagen.spec.axes import DType, Mask
+from fagen.verify.strategies import GPU_HEAD_DIMS, Problem, problems, specs
+from fagen.verify.properties import check_forward
 from conftest import DEVICE, ON_GPU, SCALE
 
 # On a GPU every new spec is a compile: keep default blocks and two gqa values there.
@@ -127,7 +127,65 @@ def test_bad_mask_inputs_raise_clear_errors(mask, kwargs, message):
     mod = fagen.load(spec)
     kwargs = {k_: v_.to(DEVICE) for k_, v_ in kwargs.items()}
     with pytest.raises(mod.InputError, match=message):
-        mod.forward(*_inputs(spec), **kwargs)
+        mod.forward(*_inputs(spec), **kwargs, check=True)
+
+
+# [Note] Value checks are opt-in (check=True or FAGEN_CHECK=1): they read device values, which a CUDA graph
+# capture forbids. Without them a bad length or tree is the caller's contract to keep; the kernel still never
+# reads out of bounds (lengths clamp to the tensor, a bad tree is read as some tree).
+@pytest.mark.parametrize("tree, message", [
+    ([[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 0, 1]], "not ancestor-closed"),  # 2 sees 1, not 1's root 0
+    ([[1, 0, 0, 0], [1, 0, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]], "must see itself"),
+    ([[1, 1, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]], "sees a later node"),
+    ([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 1, 1]], "not ancestor-closed"),  # 3 sees 1 and 2: a DAG
+])
+def test_a_bool_tree_that_breaks_the_contract_is_refused_with_check(tree, message):
+    spec = fagen.KernelSpec(head_dim=32, mask="tree", block_m=16, block_n=16)
+    mod = fagen.load(spec)
+    bad = torch.tensor([tree], dtype=torch.bool, device=DEVICE)
+    with pytest.raises(mod.InputError, match=message):
+        mod.forward(*_inputs(spec, sq=4, sk=9), tree_mask=bad, check=True)
+    mod.forward(*_inputs(spec, sq=4, sk=9), tree_mask=bad)  # unchecked by default: no host sync, no error
+
+
+def test_a_valid_bool_tree_passes_the_check_and_equals_its_parent_pointers():
+    spec = fagen.KernelSpec(head_dim=32, mask="tree", block_m=16, block_n=16)
+    mod = fagen.load(spec)
+    parents = torch.tensor([[-1, 0, 0, 1, -1, 4]], dtype=torch.int32, device=DEVICE)
+    tree = mod.tree_mask_from_parents(parents)
+    q, k, v = _inputs(spec, sq=6, sk=11)
+    a = mod.forward(q, k, v, tree_mask=tree, check=True)
+    b = mod.forward(q, k, v, tree_mask=parents, check=True)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_value_checks_follow_fagen_check(monkeypatch):
+    spec = fagen.KernelSpec(head_dim=32, mask="padding", block_m=16, block_n=16)
+    mod = fagen.load(spec)
+    lens = {"seqlens_q": torch.tensor([9], device=DEVICE), "seqlens_k": torch.tensor([8], device=DEVICE)}
+    mod.forward(*_inputs(spec), **lens)  # off by default
+    monkeypatch.setattr(mod, "CHECK", True)  # what FAGEN_CHECK=1 at import sets
+    with pytest.raises(mod.InputError, match=r"lie in \[0, 8\]"):
+        mod.forward(*_inputs(spec), **lens)
+    mod.forward(*_inputs(spec), **lens, check=False)  # an explicit argument wins
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "padding", "tree"])
+def test_nan_in_a_valid_key_propagates_like_the_reference(mask):
+    """Issue 18: NaN in k[..., 7, :] used to turn 13 causal rows into out = 0, lse = -inf."""
+    spec = fagen.KernelSpec(head_dim=32, mask=mask, block_m=16, block_n=16, dtype="fp32")
+    problem = Problem(batch=1, heads_kv=2, seq_q=20, seq_k=27, seed=7,
+                      seqlens_q=(20,) if spec.mask.padded else None, seqlens_k=(25,) if spec.mask.padded else None,
+                      parents=((-1,) + tuple(range(19)),) if mask == "tree" else None)
+    from fagen.verify.properties import check_nan_propagates
+
+    check_nan_propagates(fagen.load(spec), spec, problem, DEVICE)
+    (q, k, v), kwargs = problem.inputs(spec, DEVICE)
+    k[0, 0, 7, 3] = float("nan")
+    out, lse = fagen.load(spec).forward(q, k, v, **kwargs)
+    sees = torch.isnan(lse[0, 0])
+    assert sees.any() and torch.isnan(out[0, 0][sees]).all()
+    assert torch.isfinite(lse[0, 1]).all()  # the other KV head's query heads never see the NaN key
 
 
 def test_tree_needs_enough_keys():

@@ -2,9 +2,9 @@
 
 from pathlib import Path
 
-from fagen.manifest import DEFAULT_CATALOG, load_manifest
-from fagen.render import generate
-from fagen.tables import SOURCE_SUFFIX
+from fagen.spec.manifest import DEFAULT_CATALOG, load_manifest
+from fagen.codegen.render import generate
+from fagen.spec.tables import SOURCE_SUFFIX
 
 GENERATED = Path(__file__).resolve().parent.parent / "generated"
 FIX = "run `python cli.py generate` (or `fagen generate`) and commit generated/"

@@ -8,9 +8,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fagen
-from fagen.render import environment, source_digest
+from fagen.codegen.render import environment, source_digest
 from fagen.spec import KernelSpec, SpecError
-from fagen.strategies import specs
+from fagen.verify.strategies import specs
 
 
 @given(specs(head_dims=range(16, 257, 8), blocks=(16, 32, 64, 128, 256)))
@@ -93,11 +93,18 @@ def test_environment_is_strict():
 
 def test_source_digest_follows_the_tables(monkeypatch):
     """Cache keys hash the render, so a table the templates read (here the TMA choice) changes them."""
+    import fagen.codegen.render as codegen
+
     spec = KernelSpec(head_dim=64)
     before = source_digest(spec)
-    assert fagen.render.tables.tma_loads(spec)
-    monkeypatch.setattr(fagen.render.tables, "tma_loads", lambda s: False)
-    assert source_digest(spec) != before
+    assert codegen.tables.tma_loads(spec)
+    monkeypatch.setattr(codegen.tables, "tma_loads", lambda s: False)
+    codegen.render.cache_clear()  # renders are memoised per process; the tables changed under them
+    try:
+        assert source_digest(spec) != before
+    finally:
+        monkeypatch.undo()
+        codegen.render.cache_clear()
 
 
 def test_load_is_a_cache_hit_the_second_time():

@@ -1,14 +1,14 @@
-"""The property suite can fail: each deliberately broken variant is caught by check_forward."""
+"""The property suite can fail: each deliberately broken forward variant is caught by the verify engine's own
+Hypothesis search of the "reference" property (the same search `fagen verify --mutants` runs)."""
 
 import pytest
-from hypothesis import given, settings
 
 import fagen
-from fagen.enums import Kind
-from fagen.mutants import MUTANTS
-from fagen.runtime import load_source
-from fagen.strategies import Problem, problems
-from fagen.verify import PropertyFailure, check_forward
+from fagen.spec.axes import Kind
+from fagen.verify import engine
+from fagen.verify.mutants import MUTANTS
+from fagen.verify.properties import BY_NAME, PropertyFailure, check_forward
+from fagen.verify.strategies import Problem
 from conftest import DEVICE, SCALE
 
 
@@ -24,25 +24,14 @@ def _spec_for(mutant):
 @pytest.mark.parametrize("mutant", FORWARD_MUTANTS, ids=lambda m: m.name)
 def test_mutant_is_caught(mutant):
     spec = _spec_for(mutant)
-    broken = load_source(mutant.apply(fagen.generate(spec)), f"{spec.name}_{mutant.name}")
-    caught = []
-
-    @settings(max_examples=60, database=None)
-    @given(problem=problems(spec, SCALE))
-    def search(problem):
-        try:
-            check_forward(broken, spec, problem, DEVICE)
-        except PropertyFailure as e:
-            caught.append((problem, str(e)))
-            raise
-
+    broken = engine.mutant_module(spec, mutant.name)
     if mutant.name in KNOWN_TRIGGERS:  # a rare shape the random search finds only sometimes
         with pytest.raises(PropertyFailure):
             check_forward(broken, spec, KNOWN_TRIGGERS[mutant.name], DEVICE)
         return
-    with pytest.raises(PropertyFailure):
-        search()
-    assert caught, f"{mutant.name} ({mutant.what}) was not caught"
+    result = engine.run_property(broken, spec, BY_NAME["reference"], examples=60, seed=0, scale=SCALE,
+                                 device=DEVICE, mutant=mutant.name, shrink_runs=20)
+    assert result.failure is not None, f"{mutant.name} ({mutant.what}) was not caught in {result.examples} examples"
 
 
 # Row 16 (the second 16-row block) is a root whose first key block, nodes 0..15, holds none of its ancestors, and

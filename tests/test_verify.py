@@ -10,10 +10,12 @@ import torch
 from click.testing import CliRunner
 
 import fagen
-from fagen import reference, verifier, verify
+from fagen.verify import counterexamples, engine, properties, reference
+from fagen.verify import properties as verify
+from fagen.verify import report as vreport
 from fagen.cli import main
-from fagen.mutants import MUTANTS
-from fagen.strategies import Problem
+from fagen.verify.mutants import MUTANTS
+from fagen.verify.strategies import Problem
 from conftest import DEVICE, ON_GPU, SCALE
 
 BLOCKS = {} if ON_GPU else dict(block_m=32, block_n=16)  # short CPU sequences still span several blocks
@@ -32,13 +34,13 @@ def _cli(*args):
                                          ("causal+padding", "fp16"), ("tree", "bf16")])
 def test_every_property_passes_on_correct_kernels(mask, dtype):
     spec = _spec(mask, dtype)
-    report = verifier.verify_specs([spec], examples=4, seed=1, scale=SCALE, device=DEVICE)
+    report = engine.verify_specs([spec], examples=4, seed=1, scale=SCALE, device=DEVICE)
     names = {r.property for r in report.results}
     assert {"reference", "gqa", "lse-merge"} <= names
     assert ("permutation" in names) == (mask == "none")
     assert ("padding-garbage" in names) == (mask in ("padding", "causal+padding"))
     assert ("tree-star" in names) == (mask == "tree")
-    failures = [verifier.failure_lines(r, DEVICE) for r in report.results if r.failure]
+    failures = [vreport.failure_lines(r, DEVICE) for r in report.results if r.failure]
     assert report.passed, failures
     assert all(r.examples > 0 for r in report.results)
 
@@ -58,16 +60,16 @@ def test_every_property_passes_on_correct_kernels(mask, dtype):
 ])
 def test_each_property_catches_a_mutant(prop, mutant, mask):
     spec = dataclasses.replace(_spec(mask), block_m=32, block_n=16)  # small shapes must still span several blocks
-    module = verifier.mutant_module(spec, mutant)
+    module = engine.mutant_module(spec, mutant)
     # Small shapes and blocks on any device: each pairing is chosen for the shapes the CPU scale draws (a GPU-scale
     # tree rarely has the empty first block that no-finite-stand-in needs); --mutants covers the GPU scale.
-    result = verifier.run_property(module, spec, verifier.BY_NAME[prop], examples=12, seed=0, scale="cpu",
+    result = engine.run_property(module, spec, properties.BY_NAME[prop], examples=12, seed=0, scale="cpu",
                                    device=DEVICE, mutant=mutant, shrink_runs=40)
     assert result.failure is not None, f"{prop} missed {mutant}"
     assert result.failure.mutant == mutant and result.failure.property == prop
-    example = verifier.Counterexample.from_blob(result.failure.blob())
+    example = counterexamples.Counterexample.from_blob(result.failure.blob())
     assert example == dataclasses.replace(result.failure, message="")
-    assert verifier.replay(example, DEVICE) == result.failure.message
+    assert engine.replay(example, DEVICE) == result.failure.message
 
 
 def test_mutants_are_all_caught_and_replay(tmp_path):
@@ -98,19 +100,20 @@ def test_verify_command_passes_prints_summary_and_json(tmp_path):
     assert "worst error against float64 per dtype" in res.output
     data = json.loads(report_path.read_text())
     assert data["passed"] and data["seed"] == 0
-    assert {r["property"] for r in data["results"]} == {"reference", "gqa", "tree-chain", "tree-star", "lse-merge"}
+    assert {r["property"] for r in data["results"]} == {"reference", "gqa", "tree-chain", "tree-star", "nan-propagates",
+                                                        "lse-merge"}
     assert data["worst_by_dtype"]["fp16"]["out"] < verify.TOLERANCE[fagen.DType.FP16]["atol"] * 2
 
 
 def test_failure_prints_a_replayable_counterexample(tmp_path):
     """A failing run exits 1 and prints spec, problem, property, message and the replay command."""
     spec = _spec("causal")
-    good = verifier.verify_specs([spec], examples=2, scale=SCALE, device=DEVICE, properties=["reference"])
+    good = engine.verify_specs([spec], examples=2, scale=SCALE, device=DEVICE, properties=["reference"])
     assert good.passed
-    module = verifier.mutant_module(spec, "causal-top-left")
-    result = verifier.run_property(module, spec, verifier.BY_NAME["reference"], examples=10, seed=0, scale=SCALE,
+    module = engine.mutant_module(spec, "causal-top-left")
+    result = engine.run_property(module, spec, properties.BY_NAME["reference"], examples=10, seed=0, scale=SCALE,
                                    device=DEVICE, mutant="causal-top-left", shrink_runs=60)
-    text = "\n".join(verifier.failure_lines(result, DEVICE))
+    text = "\n".join(vreport.failure_lines(result, DEVICE))
     for needle in ("FAIL", "mutant causal-top-left", '"mask":"causal"', '"seq_q":', "replay:   fagen verify "):
         assert needle in text
     # Top-left alignment differs from bottom-right only when Sq != Sk: the shrunk problem shows exactly that.
@@ -133,7 +136,7 @@ def test_spec_files_and_manifest(tmp_path):
 
 def test_time_budget_cuts_exploration_short():
     spec = _spec("none", gqa=1)
-    report = verifier.verify_specs([spec], examples=50, time_budget=1e-3, scale=SCALE, device=DEVICE)
+    report = engine.verify_specs([spec], examples=50, time_budget=1e-3, scale=SCALE, device=DEVICE)
     assert report.passed and all(r.out_of_time and r.examples <= 1 for r in report.results)
 
 
@@ -143,9 +146,9 @@ def test_time_budget_cuts_exploration_short():
     (["--reproduce", "not-a-blob!"], 2, "not a fagen reproduce blob"),
     (["--reproduce", "eyJ4IjoxfQ"], 2, "lacks spec, problem or property"),
     (["--reproduce", "eyJ4IjoxfQ", "--head-dim", "32"], 2, "give it no spec"),
-    (["--reproduce", verifier.Counterexample(fagen.KernelSpec(head_dim=32), Problem(1, 1, 4, 4, seqlens_q=(9,)),
+    (["--reproduce", counterexamples.Counterexample(fagen.KernelSpec(head_dim=32), Problem(1, 1, 4, 4, seqlens_q=(9,)),
                                              "reference").blob()], 2, "seqlens_q must be an integer in [0, 4], got 9"),
-    (["--reproduce", verifier.Counterexample(fagen.KernelSpec(head_dim=32, mask="tree"),
+    (["--reproduce", counterexamples.Counterexample(fagen.KernelSpec(head_dim=32, mask="tree"),
                                              Problem(1, 1, 2, 4, parents=((0, 0),)), "reference").blob()],
      2, "each -1 or an earlier node"),
     (["--head-dim", "12"], 2, "--head-dim"),
@@ -173,9 +176,9 @@ def test_kernels_imported_in_the_other_triton_mode_are_refused(monkeypatch):
 def test_blob_round_trip_and_replay_of_a_passing_example():
     spec = _spec("tree")
     problem = Problem(batch=1, heads_kv=1, seq_q=5, seq_k=9, parents=((-1, 0, 0, 0, 0),), seed=3)
-    example = verifier.Counterexample(spec, problem, "tree-star")
-    assert verifier.Counterexample.from_blob(example.blob()) == example
-    assert verifier.replay(example, DEVICE) is None
+    example = counterexamples.Counterexample(spec, problem, "tree-star")
+    assert counterexamples.Counterexample.from_blob(example.blob()) == example
+    assert engine.replay(example, DEVICE) is None
     res = _cli("--reproduce", example.blob(), "--device", DEVICE)
     assert res.exit_code == 0 and "pass: this example no longer fails" in res.output
 
@@ -220,11 +223,11 @@ class _AutogradBackward:
 def test_backward_properties(broken, prop):
     spec = _spec("causal+padding")
     module = _AutogradBackward(spec, broken)
-    names = [p.name for p in verifier.properties_for(spec, module)]
+    names = [p.name for p in engine.properties_for(spec, module)]
     assert {"bwd-deterministic", "bwd-masked-rows"} <= set(names)
     assert ("bwd-reference" in names) == hasattr(verify, "check_backward")
     for name in ("bwd-deterministic", "bwd-masked-rows"):
-        result = verifier.run_property(module, spec, verifier.BY_NAME[name], examples=5, seed=0, scale=SCALE,
+        result = engine.run_property(module, spec, properties.BY_NAME[name], examples=5, seed=0, scale=SCALE,
                                        device=DEVICE, shrink_runs=10)
         assert result.passed == (name != prop), result.failure
 

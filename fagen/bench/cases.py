@@ -1,0 +1,133 @@
+"""What every implementation of a bench case shares: the case context (inputs, dense mask, reference slices),
+the prepared callable, the options, and the two ways an implementation declines a case."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Callable
+
+import torch
+
+from fagen.bench.workloads import BenchCase, InputSet, make_inputs, set_bytes
+from fagen.spec.axes import Direction
+from fagen.verify import reference
+
+IMPLS = ("fagen", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")
+STATUSES = ("ok", "unsupported", "unavailable", "error", "skipped")
+SET_BUDGET = 4 << 30  # bytes of rotating input sets on a GPU
+RESTART_EXIT = 3  # a worker's exit status after a CUDA error poisoned its context (fagen.bench.runner starts another)
+
+
+class Unsupported(Exception):
+    """An implementation cannot compute this case (a backend refuses the mask, a module has no backward)."""
+
+
+class Unavailable(Exception):
+    """An implementation cannot run here at all (needs CUDA, a package is missing)."""
+
+
+class CaseContext:
+    """What every implementation of one case shares: the device, the input sets, the dense mask, the reference."""
+
+    def __init__(self, case: BenchCase, device: torch.device, n_sets: int, seed: int = 0):
+        self.case, self.device = case, device
+        if device.type == "cuda":
+            n_sets = max(1, min(n_sets, SET_BUDGET // max(1, set_bytes(case))))
+        self.sets = [make_inputs(case, device, seed + i) for i in range(n_sets)]
+        self._dense: torch.Tensor | None = None
+        self._refs: dict | None = None
+
+    def dense_mask(self) -> torch.Tensor:
+        """bool [B, Sq, Sk]: the visibility mask written out (for peers that need a dense mask)."""
+        if self._dense is None:
+            c, kw = self.case, self.sets[0].kwargs
+            self._dense = reference.visible(c.mask, c.batch, c.seq_q, c.seq_k, seqlens_q=kw.get("seqlens_q"),
+                                            seqlens_k=kw.get("seqlens_k"), tree_mask=kw.get("tree_mask"),
+                                            device=self.device)
+        return self._dense
+
+    # [Note] Reference slices
+    # The float64 reference of a whole 16k case does not fit in memory, but heads and batch entries are
+    # independent: one KV group (its gqa query heads and its KV head) of one batch entry is a complete
+    # sub-problem, gradients included. We check the first group of the first entry and the last of the last.
+    def slices(self) -> list[tuple[int, int]]:
+        c = self.case
+        return sorted({(0, 0), (c.batch - 1, c.heads_kv - 1)})
+
+    def slice_of(self, s: InputSet, b: int, g: int) -> tuple[torch.Tensor, ...]:
+        G = self.case.gqa
+        return s.q[b:b + 1, g * G:(g + 1) * G], s.k[b:b + 1, g:g + 1], s.v[b:b + 1, g:g + 1]
+
+    def reference_fits(self) -> bool:
+        c = self.case
+        elems = c.gqa * c.seq_q * c.seq_k
+        need = elems * 8 * (16 if c.direction is Direction.BWD else 12)  # float64 score-sized temporaries
+        if self.device.type == "cuda":
+            return need < 0.6 * torch.cuda.mem_get_info(self.device)[0]
+        return need < (2 << 30)
+
+    def references(self) -> dict:
+        """{(b, g): (out, lse, grads or None)} in float64 for input set 0; computed once per case."""
+        if self._refs is None:
+            c, s = self.case, self.sets[0]
+            self._refs = {}
+            for b, g in self.slices():
+                q, k, v = self.slice_of(s, b, g)
+                kw = {name: t[b:b + 1] for name, t in s.kwargs.items()}
+                if c.direction is Direction.BWD:
+                    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+                    out, lse = reference.attention(q, k, v, mask=c.mask, **kw)
+                    dout = s.dout[b:b + 1, g * c.gqa:(g + 1) * c.gqa].double()
+                    grads = torch.autograd.grad(out, (q, k, v), dout)
+                    self._refs[(b, g)] = (out.detach(), lse.detach(), grads)
+                else:
+                    out, lse = reference.attention(q, k, v, mask=c.mask, **kw)
+                    self._refs[(b, g)] = (out, lse, None)
+        return self._refs
+
+
+@dataclasses.dataclass
+class Prepared:
+    """An implementation ready to run one case: fn(input set) -> out, or (out, lse) when it gives lse."""
+
+    fn: Callable[[InputSet], Any]
+    context: Callable[[], Any] = contextlib.nullcontext  # entered around the check and the timing
+    note: str = ""
+    spec: str | None = None
+
+
+@dataclasses.dataclass
+class BenchOptions:
+    device: str = "cuda"
+    impls: tuple[str, ...] = IMPLS
+    warmup_ms: float = 25.0
+    rep_ms: float = 100.0
+    sets: int = 3
+    check: bool = True
+    seed: int = 0
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def out_of(result) -> torch.Tensor:
+    return result[0] if isinstance(result, (tuple, list)) else result
+
+
+def first_line(e: BaseException, limit: int = 200) -> str:
+    """The gist of an exception on one line (a wrapper's "... raised:" line is joined with the next)."""
+    text = f"{type(e).__name__}: {e}".strip()
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    line = lines[0] if lines else type(e).__name__
+    if line.endswith(":") and len(lines) > 1:
+        line += " " + lines[1]
+    return shorten(line, limit)
+
+
+def shorten(text: str, limit: int) -> str:
+    """text cut to at most `limit` characters at a word boundary, marked with "..." (never mid-word)."""
+    if len(text) <= limit:
+        return text
+    cut = text.rfind(" ", 0, limit - 3)
+    return text[:cut if cut > limit // 2 else limit - 3].rstrip(" ;,") + "..."

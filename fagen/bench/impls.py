@@ -1,0 +1,148 @@
+"""`fagen bench`: check and time fagen's kernels and the peers (SDPA backends, FlexAttention) on one case."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable
+
+import torch
+
+from fagen.bench.cases import (IMPLS, RESTART_EXIT, STATUSES, BenchOptions, CaseContext, Prepared, Unavailable,
+                               Unsupported, first_line, shorten)
+from fagen.bench.check import check
+from fagen.bench.timing import time_prepared
+from fagen.bench.workloads import BWD_FACTOR, BenchCase, flops, fwd_flops, kv_bytes
+from fagen.spec.axes import Direction
+
+__all__ = ["IMPLS", "STATUSES", "RESTART_EXIT", "BenchOptions", "run_case", "make_record", "describe", "preparers",
+           "prepare_fagen"]
+
+
+def prepare_fagen(case: BenchCase, cc: CaseContext) -> Prepared:
+    from fagen.runtime.loader import load
+
+    spec, note = case.spec()
+    try:
+        module = load(spec)
+    except Exception as e:  # a template not written yet (say the backward) is not a crash of the bench
+        raise Unavailable(f"cannot render/load {spec.name}: {first_line(e)}") from None
+    if case.direction is Direction.BWD:
+        if not hasattr(module, "attention"):
+            raise Unsupported(f"{spec.name} has no backward yet (module.attention missing)")
+        return Prepared(lambda s: module.attention(s.q, s.k, s.v, **s.kwargs), note=note, spec=spec.name)
+    return Prepared(lambda s: module.forward(s.q, s.k, s.v, **s.kwargs), note=note, spec=spec.name)
+
+
+def preparers() -> dict[str, Callable[[BenchCase, CaseContext], Prepared]]:
+    from fagen.bench import peers
+
+    return {"fagen": prepare_fagen, **{name: peers.sdpa_preparer(name) for name in peers.SDPA_BACKENDS},
+            "flex": peers.prepare_flex}
+
+
+def make_record(case: BenchCase, impl: str, status: str, ms: float | None = None, **extra) -> dict:
+    """One JSON record: {case, impl, ms, tflops, gbs} plus status, check, note and details."""
+    rec = {"case": case.name, "impl": impl, "ms": ms, "tflops": None, "gbs": None, "status": status,
+           "metric": case.metric, "direction": case.direction.value, "check": None, "note": ""}
+    if ms is not None and ms > 0:
+        rec["tflops"] = flops(case) / ms / 1e9  # FLOP / (ms * 1e-3) / 1e12
+        if case.decode:
+            rec["gbs"] = kv_bytes(case) / ms / 1e6  # bytes / (ms * 1e-3) / 1e9
+    if extra.get("fwdbwd_ms"):
+        extra["fwdbwd_tflops"] = fwd_flops(case) * (1 + BWD_FACTOR) / extra["fwdbwd_ms"] / 1e9
+    rec.update(extra)
+    return rec
+
+
+def _test_crash(impl: str) -> str | None:
+    """Tests only: FAGEN_BENCH_TEST_CRASH="impl:die,impl:cuda,impl:hang" makes that impl kill its process,
+    raise the error of a kernel that poisoned the CUDA context, or hang, to exercise the recovery paths."""
+    for item in os.environ.get("FAGEN_BENCH_TEST_CRASH", "").split(","):
+        name, _, mode = item.partition(":")
+        if name == impl:
+            return mode
+    return None
+
+
+def _fatal_cuda(e: BaseException) -> bool:
+    text = str(e)
+    return any(s in text for s in ("illegal memory access", "device-side assert", "CUDA error: unspecified launch",
+                                   "misaligned address", "an illegal instruction"))
+
+
+def run_case(case: BenchCase, opts: BenchOptions, log: Callable[[str], None] = print,
+             emit: Callable[[dict], None] | None = None, exit_on_fatal: bool = False) -> list[dict]:
+    """Every requested implementation on one case: check, then time. Failures become records, never raise.
+
+    `emit` sees each record as soon as it exists. After a CUDA error that poisons the context, the remaining
+    impls are skipped, or with `exit_on_fatal` the process exits so that a fresh one can take over.
+    """
+    device = torch.device(opts.device)
+    t_case = time.perf_counter()
+    try:
+        cc = CaseContext(case, device, opts.sets, opts.seed)
+    except Exception as e:
+        return [make_record(case, impl, "error", note=f"inputs: {first_line(e)}") for impl in opts.impls]
+    records, prep, lost = [], preparers(), None
+    for impl in opts.impls:
+        if lost is not None:
+            records.append(make_record(case, impl, "skipped", note=f"CUDA context lost earlier ({lost})"))
+            continue
+        t0 = time.perf_counter()
+        crash = _test_crash(impl)
+        if crash == "die":
+            os._exit(86)
+        if crash == "hang":
+            time.sleep(3600)
+        try:
+            if crash == "cuda":
+                raise RuntimeError("CUDA error: an illegal memory access was encountered (FAGEN_BENCH_TEST_CRASH)")
+            prepared = prep[impl](case, cc)
+            with prepared.context():
+                check_status, check_msg, err = ("skipped", "--no-check", None)
+                if opts.check:
+                    check_status, check_msg, err = check(impl, prepared, cc)
+                elif case.direction is Direction.FWD:
+                    with torch.no_grad():
+                        prepared.fn(cc.sets[0])  # compile outside the timing
+                setup_s = time.perf_counter() - t0
+                times = time_prepared(prepared, cc, opts)
+            note = "; ".join(x for x in (prepared.note, check_msg) if x)
+            rec = make_record(case, impl, "ok", check=check_status, note=note, max_err=err, setup_s=setup_s,
+                              spec=prepared.spec, **times)
+        except Unsupported as e:
+            rec = make_record(case, impl, "unsupported", note=str(e))
+        except Unavailable as e:
+            rec = make_record(case, impl, "unavailable", note=str(e))
+        except Exception as e:  # noqa: BLE001 - one impl failing must not stop the run
+            rec = make_record(case, impl, "error", note=first_line(e))
+            if _fatal_cuda(e):
+                lost = impl
+            if isinstance(e, torch.cuda.OutOfMemoryError):
+                torch.cuda.empty_cache()
+        rec["wall_s"] = round(time.perf_counter() - t0, 2)
+        records.append(rec)
+        log(describe(rec))
+        if emit is not None:
+            emit(rec)
+        if lost is not None and exit_on_fatal:
+            log(f"  CUDA context lost in {impl}; this worker exits and a fresh one goes on")
+            os._exit(RESTART_EXIT)
+    del cc
+    if device.type == "cuda" and lost is None:
+        torch.cuda.empty_cache()
+    log(f"  {case.name}: {time.perf_counter() - t_case:.1f} s")
+    return records
+
+
+def describe(rec: dict) -> str:
+    """One progress line for a record."""
+    if rec["status"] != "ok":
+        return shorten(f"  {rec['impl']:<15} {rec['status']}: {rec['note']}", 240)
+    unit = {"tflops": "{:.4g} TF/s", "gbs": "{:.4g} GB/s", "ms": "{:.4g} ms"}[rec["metric"]]
+    check_txt = rec["check"] + (f" (err {rec['max_err']:.1e})" if rec.get("max_err") is not None else "")
+    ms = "" if rec["metric"] == "ms" else f"  {rec['ms']:.4g} ms"
+    line = (f"  {rec['impl']:<15} {unit.format(rec[rec['metric']]):>12}{ms}  check {check_txt}  "
+            f"setup {rec['setup_s']:.1f} s")
+    return shorten(line + (f"  [{rec['note']}]" if rec["note"] else ""), 300)

@@ -1,0 +1,107 @@
+"""`fagen bench --suite latency`: host time per call of small problems, fagen against SDPA in one run.
+
+[Note] Host time. For a decode step or a short prompt the GPU finishes each kernel in microseconds, so a loop of
+calls runs at the speed of the host code that launches them. Each case makes `calls` back-to-back calls on one
+input set (no L2 flush, no synchronisation inside the loop) and reports wall time / calls: the per-call cost a
+serving loop pays. The same loop runs fagen.attention (the public path), the generated module's forward (one
+layer of indirection less) and torch's SDPA, interleaved over `rounds` rounds, median reported.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import dataclasses
+import io
+import pstats
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class LatencyCase:
+    name: str
+    batch: int
+    heads_q: int
+    heads_kv: int
+    seq_q: int
+    seq_k: int
+    head_dim: int = 128
+    mask: str = "causal"
+
+
+CASES = (
+    LatencyCase("decode-b1-h32/8-kv1024-d128", 1, 32, 8, 1, 1024, mask="none"),
+    LatencyCase("prefill-causal-b1-h32/8-s128-d128", 1, 32, 8, 128, 128),
+)
+
+
+def _inputs(case: LatencyCase, device: str, dtype: torch.dtype):
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q = torch.randn(case.batch, case.heads_q, case.seq_q, case.head_dim, generator=g).to(device, dtype)
+    k = torch.randn(case.batch, case.heads_kv, case.seq_k, case.head_dim, generator=g).to(device, dtype)
+    return q, k, torch.randn_like(k)
+
+
+def implementations(case: LatencyCase, q, k, v) -> dict[str, Callable[[], object]]:
+    import fagen
+    from fagen.runtime.resolve import resolve
+
+    causal = case.mask == "causal" and case.seq_q > 1
+    module = resolve(q, k, v, case.mask, case.seq_q <= 16 and case.seq_k >= 256)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    return {
+        "fagen.attention": lambda: fagen.attention(q, k, v, mask=case.mask),
+        "fagen module.forward": lambda: module.forward(q, k, v),
+        "sdpa": lambda: sdpa(q, k, v, is_causal=causal, enable_gqa=case.heads_q != case.heads_kv),
+    }
+
+
+def per_call_us(fn: Callable[[], object], calls: int, device: str) -> float:
+    for _ in range(min(20, calls)):
+        fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def run(device: str, dtype: torch.dtype = torch.bfloat16, calls: int = 2000, rounds: int = 5,
+        log: Callable[[str], None] = print, profile: bool = False, cases=CASES) -> list[dict]:
+    records = []
+    for case in cases:
+        q, k, v = _inputs(case, device, dtype)
+        impls = implementations(case, q, k, v)
+        with torch.no_grad():
+            times = {name: [] for name in impls}
+            for _ in range(rounds):  # interleaved rounds: drift in clocks or load hits every implementation alike
+                for name, fn in impls.items():
+                    times[name].append(per_call_us(fn, calls, device))
+            prof = _profile(impls["fagen.attention"], calls) if profile else ""
+        base = statistics.median(times["sdpa"])
+        for name, ts in times.items():
+            us = statistics.median(ts)
+            records.append({"case": case.name, "impl": name, "us_per_call": round(us, 2),
+                            "vs_sdpa": round(us / base, 3), "rounds_us": [round(t, 2) for t in ts]})
+            log(f"  {case.name:<36} {name:<22} {us:8.2f} us/call  {us / base:5.2f}x sdpa")
+        if prof:
+            records.append({"case": case.name, "impl": "profile", "text": prof})
+    return records
+
+
+def _profile(fn: Callable[[], object], calls: int) -> str:
+    """cProfile of the fagen.attention loop: where the host time per call goes (cumulative, top 25)."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+    profiler.disable()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(25)
+    return out.getvalue()

@@ -1,0 +1,294 @@
+"""Benchmark workloads: cases, the FLOP and byte counts they are scored by, the standard suite, inputs."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from fagen.runtime.kinds import prefers_decode
+from fagen.spec import tables
+from fagen.spec.axes import Direction, DType, Kind, Mask
+from fagen.spec.kernel import KernelSpec
+from fagen.verify import reference
+
+METRICS = ("tflops", "gbs", "ms")  # what a case's table cell shows; ms is "lower is better"
+BWD_FACTOR = 2.5  # backward FLOPs = 2.5 x forward (two matmuls forward, five backward: 5/2)
+Q_MAGNITUDE = 3.0  # q ~ 3 N(0, 1): logits of std 3 make softmax peaky, so a wrong mask moves outputs by O(1)
+
+
+# -- cases -------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class BenchCase:
+    """One benchmark problem: shapes, mask data, what is timed and which number the table shows."""
+
+    name: str
+    head_dim: int
+    mask: Mask
+    batch: int
+    heads_q: int
+    heads_kv: int
+    seq_q: int
+    seq_k: int
+    dtype: DType = DType.BF16
+    direction: Direction = Direction.FWD  # bwd: the backward pass alone is timed (fwd+bwd is recorded too)
+    seqlens_q: tuple[int, ...] | None = None
+    seqlens_k: tuple[int, ...] | None = None
+    parents: tuple[tuple[int, ...], ...] | None = None  # tree: parent of each node per batch entry, -1 = root
+    metric: str = "tflops"
+    overrides: tuple[tuple[str, Any], ...] = ()  # spec fields given on the command line (block sizes ...)
+
+    def __post_init__(self):
+        put = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
+        put("mask", Mask(self.mask))
+        put("dtype", DType(self.dtype))
+        put("direction", Direction(self.direction))
+        for name in ("seqlens_q", "seqlens_k"):
+            if getattr(self, name) is not None:
+                put(name, tuple(int(x) for x in getattr(self, name)))
+        if self.parents is not None:
+            put("parents", tuple(tuple(int(x) for x in p) for p in self.parents))
+        put("overrides", tuple((str(k), v) for k, v in self.overrides))
+        if self.metric not in METRICS:
+            raise ValueError(f"case {self.name}: metric must be one of {METRICS}, got {self.metric!r}")
+        if self.heads_kv < 1 or self.heads_q % self.heads_kv:
+            raise ValueError(f"case {self.name}: {self.heads_q} query heads are not a multiple of "
+                             f"{self.heads_kv} KV heads")
+        if self.mask.padded and (self.seqlens_q is None or self.seqlens_k is None):
+            raise ValueError(f"case {self.name}: mask {self.mask} needs seqlens_q and seqlens_k")
+        if self.mask is Mask.TREE and (self.parents is None or self.seq_k < self.seq_q):
+            raise ValueError(f"case {self.name}: a tree case needs parents and seq_k >= seq_q")
+
+    @property
+    def gqa(self) -> int:
+        return self.heads_q // self.heads_kv
+
+    @property
+    def decode(self) -> bool:
+        """A decode-shaped case: the same rule fagen.attention uses to pick the decode kernel."""
+        return prefers_decode(self.seq_q, self.seq_k)
+
+    def spec(self) -> tuple[KernelSpec, str]:
+        """fagen's spec for this case, and a note on which kernel kind serves it."""
+        kind, note = Kind.PREFILL, ""
+        if self.decode and self.direction is Direction.FWD:
+            kind, note = Kind.DECODE, "decode kernel"
+        fields = dict(head_dim=self.head_dim, mask=self.mask, gqa=self.gqa, dtype=self.dtype,
+                      direction=self.direction, kind=kind)
+        fields.update(self.overrides)  # explicit flags win
+        if fields["kind"] != kind:
+            note = f"{fields['kind']} kernel (as asked)"
+        return KernelSpec(**fields), note
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.update(mask=self.mask.value, dtype=self.dtype.value, direction=self.direction.value,
+                 overrides=[list(o) for o in self.overrides])
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> BenchCase:
+        return cls(**d)
+
+
+def causal_pairs(len_q: int, len_k: int) -> int:
+    """Visible (query, key) pairs of a bottom-right causal mask: query i sees keys j <= i + len_k - len_q."""
+    if len_q <= 0 or len_k <= 0:
+        return 0
+    i = torch.arange(len_q, dtype=torch.int64)
+    return int((i + (len_k - len_q) + 1).clamp(0, len_k).sum())
+
+
+def tree_depths(parents: tuple[int, ...]) -> list[int]:
+    """Ancestors-or-self count of each node (parents come before their children)."""
+    depth: list[int] = []
+    for i, p in enumerate(parents):
+        depth.append(1 if p < 0 else depth[p] + 1)
+    return depth
+
+
+def visible_pairs(case: BenchCase) -> int:
+    """Visible (query, key) pairs of one head summed over the batch: the work a mask leaves."""
+    b, sq, sk = case.batch, case.seq_q, case.seq_k
+    if case.mask is Mask.NONE:
+        return b * sq * sk
+    if case.mask is Mask.CAUSAL:
+        return b * causal_pairs(sq, sk)
+    if case.mask is Mask.PADDING:
+        return sum(lq * lk for lq, lk in zip(case.seqlens_q, case.seqlens_k))
+    if case.mask is Mask.CAUSAL_PADDING:
+        return sum(causal_pairs(lq, lk) for lq, lk in zip(case.seqlens_q, case.seqlens_k))
+    prefix = sk - sq  # tree: every node sees the prefix, then its ancestors and itself
+    return sum(sq * prefix + sum(tree_depths(p)) for p in case.parents)
+
+
+def fwd_flops(case: BenchCase) -> float:
+    """Forward FLOPs: 4 * D per visible pair and head (QK^T and PV, 2 FLOPs per multiply-add).
+
+    Unmasked and causal cases follow the peers' convention (4*B*H*Sq*Sk*D, halved for causal with Sq == Sk);
+    padding and tree count only the visible ("useful") pairs.
+    """
+    if case.mask is Mask.CAUSAL and case.seq_q == case.seq_k:
+        pairs = case.batch * case.seq_q * case.seq_k / 2
+    else:
+        pairs = visible_pairs(case)
+    return 4.0 * case.head_dim * case.heads_q * pairs
+
+
+def flops(case: BenchCase) -> float:
+    """FLOPs of what is timed: the forward, or the backward alone (2.5 x forward)."""
+    return fwd_flops(case) * (BWD_FACTOR if case.direction is Direction.BWD else 1.0)
+
+
+def kv_bytes(case: BenchCase) -> int:
+    """Bytes of K and V a decode step must read: the valid keys of every KV head, once."""
+    keys = sum(case.seqlens_k) if case.mask.padded else case.batch * case.seq_k
+    return 2 * keys * case.heads_kv * case.head_dim * case.dtype.itemsize
+
+
+def random_lengths(count: int, limit: int, seed: int) -> tuple[int, ...]:
+    """`count` lengths drawn uniformly from [1, limit], reproducibly."""
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(int(x) for x in torch.randint(1, limit + 1, (count,), generator=gen))
+
+
+def random_tree(batch: int, nodes: int, seed: int) -> tuple[tuple[int, ...], ...]:
+    """Random token trees in tree order: node i's parent is uniform over the earlier nodes (node 0 is a root)."""
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(tuple(-1 if i == 0 else int(torch.randint(0, i, (1,), generator=gen)) for i in range(nodes))
+                 for _ in range(batch))
+
+
+def make_case(name: str, *, head_dim: int, mask: Mask | str, batch: int, heads_q: int, heads_kv: int,
+              seq_q: int, seq_k: int, seed: int = 0, **kw) -> BenchCase:
+    """A case whose padding lengths or tree are drawn from `seed` when the mask needs them."""
+    mask = Mask(mask)
+    if mask.padded and "seqlens_q" not in kw:
+        if seq_q == seq_k:  # padded self-attention: a sequence has one length for its queries and its keys
+            kw.update(seqlens_q=random_lengths(batch, seq_q, seed), seqlens_k=random_lengths(batch, seq_k, seed))
+        else:  # decode against a cache, or cross lengths: drawn apart
+            kw.update(seqlens_q=random_lengths(batch, seq_q, seed), seqlens_k=random_lengths(batch, seq_k, seed + 1))
+    if mask is Mask.TREE and "parents" not in kw:
+        kw["parents"] = random_tree(batch, seq_q, seed)
+    if "metric" not in kw and prefers_decode(seq_q, seq_k):
+        kw["metric"] = "gbs"
+    return BenchCase(name=name, head_dim=head_dim, mask=mask, batch=batch, heads_q=heads_q, heads_kv=heads_kv,
+                     seq_q=seq_q, seq_k=seq_k, **kw)
+
+
+# Targets from issues 5 and 7 (H100, bf16): the table marks each row met or not.
+TARGETS = {
+    "fwd-d128-full-s16k": 630, "fwd-d128-causal-s16k": 560, "fwd-d64-causal-s16k": 440,
+    "bwd-d128-causal-s16k": 420, "fwd-gqa-d128-causal-s4k": 550, "fwd-causalpad-d128-s8k": 450,
+    "fwd-tree-d128-p16k-n128": 0.25, "decode-d128-kv8k-b32": 2800, "decode-d128-kv32k-b8": 2800,
+}
+
+
+def standard_suite(quick: bool = False) -> list[BenchCase]:
+    """The table of issue 5 (bf16, hidden 2048 = heads x head_dim, batch x seq = 16k) plus issue 7's decode.
+
+    `quick` shrinks every shape (sequences / 64, heads / 4, batch <= 2) for a smoke run; names stay.
+    """
+    s = (lambda n: max(1, n // 64)) if quick else (lambda n: n)
+    h = (lambda n: max(1, n // 4)) if quick else (lambda n: n)
+    b = (lambda n: min(n, 2)) if quick else (lambda n: n)
+    nodes = 24 if quick else 128
+    return [
+        make_case("fwd-d128-full-s16k", head_dim=128, mask="none", batch=1, heads_q=h(16), heads_kv=h(16),
+                  seq_q=s(16384), seq_k=s(16384)),
+        make_case("fwd-d128-causal-s16k", head_dim=128, mask="causal", batch=1, heads_q=h(16), heads_kv=h(16),
+                  seq_q=s(16384), seq_k=s(16384)),
+        make_case("fwd-d64-causal-s16k", head_dim=64, mask="causal", batch=1, heads_q=h(32), heads_kv=h(32),
+                  seq_q=s(16384), seq_k=s(16384)),
+        make_case("bwd-d128-causal-s16k", head_dim=128, mask="causal", batch=1, heads_q=h(16), heads_kv=h(16),
+                  seq_q=s(16384), seq_k=s(16384), direction="bwd"),
+        make_case("fwd-gqa-d128-causal-s4k", head_dim=128, mask="causal", batch=b(4), heads_q=h(32),
+                  heads_kv=h(8), seq_q=s(4096), seq_k=s(4096)),
+        make_case("fwd-causalpad-d128-s8k", head_dim=128, mask="causal+padding", batch=b(8), heads_q=h(16),
+                  heads_kv=h(16), seq_q=s(8192), seq_k=s(8192), seed=8192),
+        make_case("fwd-tree-d128-p16k-n128", head_dim=128, mask="tree", batch=b(4), heads_q=h(32), heads_kv=h(8),
+                  seq_q=nodes, seq_k=s(16384) + nodes, seed=128, metric="ms"),
+        make_case("decode-d128-kv8k-b32", head_dim=128, mask="none", batch=b(32), heads_q=h(32), heads_kv=h(8),
+                  seq_q=1, seq_k=s(8192)),
+        make_case("decode-d128-kv32k-b8", head_dim=128, mask="none", batch=b(8), heads_q=h(32), heads_kv=h(8),
+                  seq_q=1, seq_k=s(32768)),
+    ]
+
+
+SUITES = {"standard": standard_suite}
+
+
+@dataclasses.dataclass
+class InputSet:
+    """One set of inputs in the fagen contract's form; every implementation reads the same tensors."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    kwargs: dict  # seqlens_q, seqlens_k, tree_mask (bool ancestor-or-self [B, Sq, Sq]) as the mask needs
+    dout: torch.Tensor | None = None  # incoming gradient for backward cases
+
+
+def make_inputs(case: BenchCase, device: torch.device, seed: int) -> InputSet:
+    """Fresh normal inputs on the device (padding positions hold data too: masks, not zeros, hide them)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    dtype = getattr(torch, tables.TORCH_DTYPE[case.dtype])
+
+    def normal(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, device=device, dtype=torch.float32) * scale).to(dtype)
+
+    q = normal(case.batch, case.heads_q, case.seq_q, case.head_dim, scale=Q_MAGNITUDE)
+    k = normal(case.batch, case.heads_kv, case.seq_k, case.head_dim)
+    v = normal(case.batch, case.heads_kv, case.seq_k, case.head_dim)
+    kwargs: dict = {}
+    if case.mask.padded:
+        kwargs["seqlens_q"] = torch.tensor(case.seqlens_q, dtype=torch.int32, device=device)
+        kwargs["seqlens_k"] = torch.tensor(case.seqlens_k, dtype=torch.int32, device=device)
+    if case.mask is Mask.TREE:
+        kwargs["tree_mask"] = reference.ancestors_from_parents(torch.tensor(case.parents)).to(device)
+    dout = normal(*q.shape) if case.direction is Direction.BWD else None
+    return InputSet(q, k, v, kwargs, dout)
+
+
+def set_bytes(case: BenchCase) -> int:
+    per_q = case.batch * case.heads_q * case.seq_q * case.head_dim
+    per_kv = case.batch * case.heads_kv * case.seq_k * case.head_dim
+    return (per_q * (3 if case.direction is Direction.BWD else 2) + 2 * per_kv) * case.dtype.itemsize
+
+
+def describe_case(c: BenchCase) -> str:
+    """Shapes in one short line: ``fwd causal d128 b1 h16 sq16384 sk16384 bf16``."""
+    heads = f"h{c.heads_q}" if c.gqa == 1 else f"h{c.heads_q}/{c.heads_kv}"
+    return f"{c.direction} {c.mask} d{c.head_dim} b{c.batch} {heads} sq{c.seq_q} sk{c.seq_k} {c.dtype}"
+
+
+HIDDEN = 2048  # heads x head_dim of the default shapes, as in the peers' table
+TOKENS = 16384  # batch x seq of the default shapes
+
+
+def case_from_spec(spec: KernelSpec, *, batch: int | None = None, heads: int | None = None,
+                   seq_q: int | None = None, seq_k: int | None = None, overrides=(), seed: int = 0) -> BenchCase:
+    """A case for one spec; unset shapes follow the peers' table (hidden 2048, batch x seq = 16k)."""
+    decode, tree = spec.kind is Kind.DECODE, spec.mask is Mask.TREE
+    if seq_q is None:
+        seq_q = 1 if decode else 128 if tree else 4096
+    if seq_k is None:
+        seq_k = 8192 if decode else seq_q + 4096 if tree else seq_q
+    if heads is None:
+        heads = max(spec.gqa, HIDDEN // spec.head_dim // spec.gqa * spec.gqa)
+    if heads < 1 or heads % spec.gqa:
+        raise ValueError(f"--heads {heads} must be a positive multiple of gqa {spec.gqa}")
+    if batch is None:
+        batch = 8 if decode else 4 if tree else max(1, TOKENS // max(1, seq_q))
+    for name, value in (("batch", batch), ("seq-q", seq_q), ("seq-k", seq_k)):
+        if value < 1:
+            raise ValueError(f"--{name} must be at least 1, got {value}")
+    if tree and seq_k < seq_q:
+        raise ValueError(f"a tree case needs --seq-k >= --seq-q (the {seq_q} nodes are the last keys), got {seq_k}")
+    kv = f"/{heads // spec.gqa}" if spec.gqa > 1 else ""
+    name = f"{spec.direction}-{tables.MASK_SHORT[spec.mask]}-d{spec.head_dim}-b{batch}-h{heads}{kv}-s{seq_q}x{seq_k}"
+    metric = "gbs" if decode or prefers_decode(seq_q, seq_k) else "ms" if tree else "tflops"
+    return make_case(name, head_dim=spec.head_dim, mask=spec.mask, batch=batch, heads_q=heads,
+                     heads_kv=heads // spec.gqa, seq_q=seq_q, seq_k=seq_k, seed=seed, dtype=spec.dtype,
+                     direction=spec.direction, overrides=tuple(overrides), metric=metric)

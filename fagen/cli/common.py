@@ -1,0 +1,124 @@
+"""What the commands share: the spec flags, the shape flags, one console, device choice, and bench cases."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import click
+
+from fagen.spec.axes import Backend, Direction, DType, Kind, Mask
+from fagen.spec.kernel import KernelSpec, SpecError, read_fields
+
+_SPEC_FLAGS = ("head_dim", "mask", "gqa", "dtype", "direction", "backend", "kind",
+               "block_m", "block_n", "num_warps", "num_stages")
+
+
+def spec_options(fn):
+    """The flags that mirror KernelSpec, plus --spec FILE. Shared by every command that takes one spec."""
+    options = [
+        click.option("--spec", "spec_file", type=click.Path(dir_okay=False, path_type=Path),
+                     help="Read the spec from a .toml or .json file (flags given too override its fields)."),
+        click.option("--head-dim", type=int, help="Head dim: a multiple of 8 from 16 to 256."),
+        click.option("--mask", type=click.Choice(Mask.choices()), help="Attention mask."),
+        click.option("--gqa", type=int, help="Query heads per KV head (1 = MHA)."),
+        click.option("--dtype", type=click.Choice(DType.choices()), help="Element type of q, k, v and out."),
+        click.option("--direction", type=click.Choice(Direction.choices()), help="fwd, or bwd for training."),
+        click.option("--backend", type=click.Choice(Backend.choices()), help="Emitted language."),
+        click.option("--kind", type=click.Choice(Kind.choices()), help="prefill, or decode for short queries."),
+        click.option("--block-m", type=int, help="Query rows per program (power of two, 16..256)."),
+        click.option("--block-n", type=int, help="Keys per inner step (power of two, 16..256)."),
+        click.option("--num-warps", type=int, help="Warps per program."),
+        click.option("--num-stages", type=int, help="Software pipelining depth."),
+    ]
+    return functools.reduce(lambda f, opt: opt(f), reversed(options), fn)
+
+
+def spec_from_options(spec_file: Path | None, **flags) -> KernelSpec | None:
+    """The spec the flags describe, or None when none was given. Errors name the flag or file."""
+    given = {k: v for k, v in flags.items() if k in _SPEC_FLAGS and v is not None}
+    if spec_file is None and not given:
+        return None
+    fields = {}
+    if spec_file is not None:
+        try:
+            fields = read_fields(spec_file)
+        except SpecError as e:
+            raise click.ClickException(f"{spec_file}: {e}") from None
+    fields.update(given)
+    if "head_dim" not in fields:
+        raise click.UsageError("--head-dim is required (or give --spec FILE)")
+    try:
+        return KernelSpec.from_dict(fields)
+    except SpecError as e:
+        if e.field in given:
+            raise click.BadParameter(f"got {e.value!r}; {e.allowed}",
+                                     param_hint=f"--{e.field.replace('_', '-')}") from None
+        raise click.ClickException(f"{spec_file}: {e}" if spec_file else str(e)) from None
+
+
+
+def console(stderr: bool = False):
+    """A rich console; piped or captured output gets a wide one, so variant names and rows are never squeezed."""
+    from rich.console import Console
+
+    out = Console(stderr=stderr, highlight=False)
+    return out if out.is_terminal else Console(stderr=stderr, width=200, highlight=False)
+
+
+def pick_device(device: str) -> str:
+    """--device auto|cuda|cpu, resolved once (fagen.runtime.device); cpu runs kernels through the interpreter."""
+    from fagen.runtime.device import DeviceError, prepare_device
+
+    try:
+        return prepare_device(device)
+    except DeviceError as e:
+        raise click.ClickException(str(e)) from None
+
+
+def shape_options(fn):
+    """--batch/--heads/--seq-q/--seq-k: the problem a single spec is measured on."""
+    options = [
+        click.option("--batch", type=click.IntRange(min=1), help="Batch size (default: batch x seq = 16k)."),
+        click.option("--heads", type=click.IntRange(min=1),
+                     help="Query heads, a multiple of --gqa (default: 2048 / head_dim)."),
+        click.option("--seq-q", type=click.IntRange(min=1), help="Queries per sequence (default 4096; tree: nodes)."),
+        click.option("--seq-k", type=click.IntRange(min=1), help="Keys per sequence (default: --seq-q)."),
+    ]
+    return functools.reduce(lambda f, opt: opt(f), reversed(options), fn)
+
+
+def cases_from_options(suite, case_names, quick, spec_file, batch, heads, seq_q, seq_k, seed, flags):
+    from fagen.bench.workloads import SUITES, case_from_spec
+
+    spec = spec_from_options(spec_file, **flags)
+    if suite and spec is not None:
+        raise click.UsageError("give either --suite or spec flags (--head-dim ...), not both")
+    if suite:
+        if any(x is not None for x in (batch, heads, seq_q, seq_k)):
+            raise click.UsageError("--batch/--heads/--seq-q/--seq-k shape one spec's case; a --suite has its own")
+        cases = SUITES[suite](quick=quick)
+        if case_names:
+            names = [c.name for c in cases]
+            unknown = [n for n in case_names if n not in names]
+            if unknown:
+                raise click.BadParameter(f"unknown case(s) {', '.join(unknown)}; the {suite} suite has: "
+                                         + ", ".join(names), param_hint="--case")
+            cases = [c for c in cases if c.name in case_names]
+        return cases
+    if spec is None:
+        return None
+    if case_names:
+        raise click.UsageError("--case selects rows of a --suite")
+    overrides = [(k, v) for k, v in flags.items() if k in _SPEC_FLAGS and k not in
+                 ("head_dim", "mask", "gqa", "dtype", "direction") and v is not None]
+    if quick:  # small defaults for what was not given
+        tree, decode = spec.mask is Mask.TREE, spec.kind is Kind.DECODE
+        seq_q = seq_q or (1 if decode else 24 if tree else 64)
+        seq_k = seq_k or (seq_q + 40 if tree else 96 if decode else seq_q)
+        batch, heads = batch or 1, heads or 2 * spec.gqa
+    try:
+        return [case_from_spec(spec, batch=batch, heads=heads, seq_q=seq_q, seq_k=seq_k, overrides=overrides,
+                               seed=seed)]
+    except (ValueError, SpecError) as e:
+        raise click.UsageError(str(e)) from None

@@ -1,0 +1,163 @@
+"""`fagen verify`: property-based verification of generated kernels, mutants and replays."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from fagen.cli.common import console, pick_device, spec_from_options, spec_options
+from fagen.spec.kernel import KernelSpec, SpecError
+
+def _specs_of_build_dir(path: Path) -> list[KernelSpec]:
+    """The variants a `fagen build -o DIR` wrote into DIR/manifest.json."""
+    import json
+
+    record = path / "manifest.json"
+    if not record.is_file():
+        raise click.ClickException(f"{path}: a folder must be a build directory holding manifest.json "
+                                   "(from `fagen build MANIFEST -o DIR`)")
+    try:
+        variants = json.loads(record.read_text())["variants"]
+        return [KernelSpec.from_dict(v["spec"]) for v in variants]
+    except (ValueError, KeyError, TypeError) as e:
+        raise click.ClickException(f"{record}: not a fagen build record ({e})") from None
+
+
+def _verify_specs_from(spec_file, spec_files, manifest, flags) -> list[KernelSpec]:
+    from fagen.spec.manifest import ManifestError, load_manifest
+
+    found = []
+    spec = spec_from_options(spec_file, **flags)
+    if spec is not None:
+        found.append(spec)
+    for path in spec_files:
+        try:
+            found += _specs_of_build_dir(path) if path.is_dir() else [KernelSpec.from_file(path)]
+        except SpecError as e:
+            raise click.ClickException(f"{path}: {e}") from None
+    if manifest is not None:
+        try:
+            found += load_manifest(manifest).specs
+        except ManifestError as e:
+            raise click.ClickException(str(e)) from None
+    return list(dict.fromkeys(found))  # in order, without repeats
+
+
+@click.command("verify")
+@spec_options
+@click.argument("spec_files", nargs=-1, type=click.Path(exists=True, path_type=Path))
+@click.option("--manifest", type=click.Path(dir_okay=False, path_type=Path),
+              help="Verify every variant of a TOML manifest (e.g. fagen/spec/catalog.toml).")
+@click.option("--examples", type=click.IntRange(min=1),
+              help="Examples per variant and property [default: 20 at --scale cpu, 50 at gpu].")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the example search; vary to explore.")
+@click.option("--time-budget", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",
+              help="Stop exploring after this long in all (shared evenly; a failure is still shrunk).")
+@click.option("--scale", type=click.Choice(["cpu", "gpu"]),
+              help="Shape scale: small for the interpreter, realistic (up to 4096) for a GPU [default: by device].")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]),
+              help="cpu runs kernels through Triton's interpreter [default: cuda when available].")
+@click.option("--property", "properties", multiple=True, metavar="NAME",
+              help="Only this property (repeatable): reference, gqa, tree-chain, tree-star, padding-split, "
+                   "padding-garbage, permutation, lse-merge, bwd-deterministic, bwd-masked-rows, bwd-reference.")
+@click.option("--shrink-runs", type=click.IntRange(min=0), default=150, show_default=True,
+              help="Kernel runs allowed for shrinking each failure to a minimal example.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write a JSON report.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar or tables: only failures and the verdict.")
+@click.option("--mutants", is_flag=True,
+              help="Prove the suite has teeth: every deliberately broken variant must be caught.")
+@click.option("--reproduce", "blob", metavar="BLOB", help="Replay one failing example printed by an earlier run.")
+@click.pass_context
+def verify_command(ctx, spec_file, spec_files, manifest, examples, seed, time_budget, scale, device, properties,
+                   shrink_runs, json_path, quiet, mutants, blob, **flags):
+    """Property-based verification of generated kernels against a float64 reference.
+
+    \b
+    Examples:
+      fagen verify --head-dim 64 --mask tree --gqa 4 --dtype fp16
+      fagen verify --manifest fagen/spec/catalog.toml --device cuda --scale gpu
+      fagen verify build/                         # every variant a `fagen build -o build/` wrote
+      fagen verify --mutants                      # every broken variant must be caught
+      fagen verify --reproduce <BLOB>             # replay a printed counterexample
+    """
+    specs = _verify_specs_from(spec_file, spec_files, manifest, flags)
+    if blob is not None and (specs or mutants):
+        raise click.UsageError("--reproduce replays one recorded example: give it no spec, manifest or --mutants")
+    if blob is None and not specs and not mutants:
+        raise click.UsageError("name the kernels to verify: spec flags (--head-dim 64 --mask causal ...), "
+                               "spec files, or --manifest FILE (or use --mutants, or --reproduce BLOB)")
+    from fagen.verify import engine, report as reports
+    from fagen.verify.counterexamples import BlobError, Counterexample
+    from fagen.verify.properties import BY_NAME
+
+    device = pick_device(device)
+    scale = scale or ("gpu" if device == "cuda" else "cpu")
+
+    unknown = [p for p in properties if p not in BY_NAME]
+    if unknown:
+        raise click.BadParameter(f"got {unknown[0]!r}; known: {', '.join(BY_NAME)}", param_hint="--property")
+    out = console()
+    if blob is not None:
+        try:
+            example = Counterexample.from_blob(blob)
+        except BlobError as e:
+            raise click.BadParameter(str(e), param_hint="--reproduce") from None
+        click.echo(f"spec:     {example.spec.to_json()}\nproblem:  {example.problem.to_json()}\n"
+                   f"          ({reports.describe(example.problem)})\n"
+                   f"property: {example.property}: {BY_NAME[example.property].what}")
+        if example.mutant:
+            click.echo(f"mutant:   {example.mutant}")
+        message = engine.replay(example, device)
+        click.echo(f"FAIL (reproduced): {message}" if message else "pass: this example no longer fails")
+        ctx.exit(1 if message else 0)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    options = dict(examples=examples, seed=seed, scale=scale, device=device, time_budget=time_budget,
+                   properties=properties or None, shrink_runs=shrink_runs)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console(stderr=True), disable=quiet, transient=True) as bar:
+        task = bar.add_task("verifying", total=None)
+        tick = lambda label, done, total: bar.update(task, description=label, completed=done, total=total)  # noqa: E731
+        if mutants:
+            report, pairs = engine.verify_mutants(specs or engine.default_mutant_specs(scale),
+                                                    progress=tick, **options)
+        else:
+            report = engine.verify_specs(specs, progress=tick, **options)
+    if mutants:
+        survived = [m.name for m, s in pairs if s is not None and engine.mutant_catch(report, m, s) is None]
+        if not quiet:
+            out.print(reports.mutant_table(report, pairs))
+        for r in report.results:
+            if r.failure:
+                click.echo("\n".join(reports.failure_lines(r, device)))
+        verdict = (f"{len(survived)} mutant(s) SURVIVED: {', '.join(survived)}" if survived else
+                   f"all {sum(s is not None for _, s in pairs)} applicable mutants caught")
+        failed = bool(survived)
+    else:
+        if not quiet and report.results:
+            out.print(reports.summary_table(report))
+            out.print(reports.dtype_table(report))
+        for message in report.errors:
+            click.echo(f"ERROR {message}")
+        for r in report.results:
+            if r.failure:
+                click.echo("\n".join(reports.failure_lines(r, device)))
+        bad = sum(not r.passed for r in report.results) + len(report.errors)
+        verdict = (f"{bad} of {len(report.results) + len(report.errors)} checks FAILED" if bad else
+                   f"all {len(report.results)} checks passed")
+        failed = bad > 0
+    if json_path is not None:
+        import json
+
+        from fagen.runtime.cache import write_if_different
+
+        data = report.to_dict()
+        if mutants:
+            data["mutants"] = [{"mutant": m.name, "bug": m.what, "spec": s.name if s else None,
+                                "caught_by": (hit.property if (hit := engine.mutant_catch(report, m, s)) else None)}
+                               for m, s in pairs]
+            data["passed"] = not failed
+        write_if_different(json_path, json.dumps(data, indent=2) + "\n")
+    click.echo(f"{verdict} in {report.seconds:.1f}s" + (f"; report in {json_path}" if json_path else ""))
+    ctx.exit(1 if failed else 0)

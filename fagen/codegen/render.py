@@ -1,0 +1,146 @@
+"""Render a KernelSpec into source text through one strict Jinja environment, once.
+
+`render(spec)` returns a Rendered: every file of the variant (the source, and the launcher where the backend has
+one) and the sha256 of them all. The cache key, the cached source, the build directory and nvcc all take that one
+Rendered, so a spec is rendered once per process however many stages use it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import os
+from pathlib import Path
+
+import jinja2
+
+from fagen import __version__
+from fagen.spec import tables, targets
+from fagen.spec.axes import DECODE_MAX_SEQ_Q, DType
+from fagen.spec.kernel import KernelSpec
+
+TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"  # fagen/templates, installed with the package
+
+
+def template_dir() -> Path:
+    """The templates folder: $FAGEN_TEMPLATE_DIR if set (to try edited templates), else fagen/templates."""
+    return Path(os.environ["FAGEN_TEMPLATE_DIR"]) if os.environ.get("FAGEN_TEMPLATE_DIR") else TEMPLATE_DIR
+
+
+def _torchtype(dtype: DType) -> str:
+    return "torch." + tables.TORCH_DTYPE[DType(dtype)]
+
+
+def _cudatype(dtype: DType) -> str:
+    return tables.CUDA_DTYPE[DType(dtype)]
+
+
+def _mmatype(dtype: DType) -> str:
+    return tables.CUDA_MMA_TYPE[DType(dtype)]
+
+
+def _smem_bytes(spec: KernelSpec) -> int:
+    return targets.cuda_smem_bytes(spec.head_dim, spec.dtype, spec.block_m, spec.block_n, spec.num_stages)
+
+
+def environment() -> jinja2.Environment:
+    return _environment(template_dir())
+
+
+@functools.cache
+def _environment(root: Path) -> jinja2.Environment:
+    if not (root / "triton").is_dir():
+        raise FileNotFoundError(f"fagen's templates are missing: {root} has no triton/ folder "
+                                "(reinstall fagen, or unset FAGEN_TEMPLATE_DIR)")
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(root),  # auto_reload: an edited template is read again
+        undefined=jinja2.StrictUndefined,  # a missing variable fails here, not as a compiler error later
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+    env.filters.update(torchtype=_torchtype, cudatype=_cudatype,
+                       mmatype=_mmatype, smem_bytes=_smem_bytes)
+    return env
+
+
+def template_name(spec: KernelSpec) -> str:
+    return tables.TEMPLATE[(spec.backend, spec.kind)]
+
+
+def _context(spec: KernelSpec) -> dict:
+    """Everything a template sees: the spec (enums and integers only), and values the tables derive from it."""
+    return dict(spec=spec, spec_json=spec.to_json(), version=__version__, max_seq_q=DECODE_MAX_SEQ_Q,
+                dot_precision=tables.DOT_KWARGS[spec.dtype], tma=tables.tma_loads(spec))
+
+
+@dataclasses.dataclass(frozen=True)
+class Rendered:
+    """Every file of one variant, by suffix (".py"; or ".cu" and its ".py" launcher), and their sha256."""
+
+    spec: KernelSpec
+    files: dict[str, str]
+    digest: str
+
+    @property
+    def source(self) -> str:
+        """The kernel source (the .py module, or the .cu file of the cuda backend)."""
+        return self.files[tables.SOURCE_SUFFIX[self.spec.backend]]
+
+    @property
+    def launcher(self) -> str | None:
+        return self.files[".py"] if self.spec.backend in tables.LAUNCHER else None
+
+
+def _stamp(root: Path) -> tuple:
+    """(name, mtime, size) of every template file: an edited template changes it, so a memoised render is redone."""
+    return tuple(sorted((str(p.relative_to(root)), st.st_mtime_ns, st.st_size)
+                        for p in root.rglob("*.j2") for st in (p.stat(),)))
+
+
+def render(spec: KernelSpec) -> Rendered:
+    """Render every file of `spec` once per process (memoised until a template file changes).
+
+    [Note] Cache keys hash the render. The render reads the templates and the tables (dot precision, TMA choice,
+    ...), so hashing the rendered text, not the template bytes, keeps a cache entry from outliving either.
+    """
+    if not isinstance(spec, KernelSpec):
+        raise TypeError(f"render() takes a KernelSpec, got {type(spec).__name__}")
+    root = template_dir()
+    return _render(spec, root, _stamp(root))
+
+
+render.cache_clear = lambda: _render.cache_clear()  # for tests that change the tables under a render
+
+
+@functools.lru_cache(maxsize=512)
+def _render(spec: KernelSpec, root: Path, stamp: tuple) -> Rendered:
+    env = _environment(root)
+    files = {tables.SOURCE_SUFFIX[spec.backend]: env.get_template(template_name(spec)).render(**_context(spec))}
+    if spec.backend in tables.LAUNCHER:
+        files[".py"] = env.get_template(tables.LAUNCHER[spec.backend]).render(**_context(spec))
+    h = hashlib.sha256(files[tables.SOURCE_SUFFIX[spec.backend]].encode())
+    if ".py" in files and tables.SOURCE_SUFFIX[spec.backend] != ".py":
+        h.update(b"\0" + files[".py"].encode())
+    return Rendered(spec=spec, files=files, digest=h.hexdigest())
+
+
+def generate(spec: KernelSpec) -> str:
+    """The source text of one variant. Byte-identical for equal specs."""
+    if not isinstance(spec, KernelSpec):
+        raise TypeError(f"generate() takes a KernelSpec, got {type(spec).__name__}")
+    return render(spec).source
+
+
+def generate_launcher(spec: KernelSpec) -> str:
+    """The Python module that compiles, loads and launches a non-Python source (the cuda backend's .cu)."""
+    if spec.backend not in tables.LAUNCHER:
+        raise ValueError(f"backend {spec.backend} emits Python directly; it has no launcher")
+    return render(spec).launcher
+
+
+def source_digest(spec: KernelSpec) -> str:
+    """sha256 over everything rendered for the spec (source, and launcher where the backend has one)."""
+    return render(spec).digest

@@ -1,0 +1,1 @@
+"""Integrations of fagen into other libraries (each imported only when used)."""

@@ -1,0 +1,1 @@
+"""Runtime: the content-addressed cache, module import, load, prebuilt cubins, device choice, fagen.attention."""

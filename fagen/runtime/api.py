@@ -1,0 +1,47 @@
+"""fagen.attention: differentiable attention that picks, renders, caches and runs the kernel matching its inputs."""
+
+from __future__ import annotations
+
+import torch
+
+from fagen.runtime import ops
+from fagen.runtime.kinds import prefers_decode
+from fagen.runtime.resolve import _FAST, AttentionError, resolve, spec_for
+from fagen.spec.axes import Mask
+
+
+def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None, seqlens_q=None, seqlens_k=None,
+              tree_mask=None, check: bool | None = None) -> torch.Tensor:
+    """Attention over q [B, Hq, Sq, D], k and v [B, Hkv, Sk, D]; returns out like q, differentiable.
+
+    The kernel is chosen from the inputs (dtype, head_dim D, gqa = Hq / Hkv) and `mask`, rendered and loaded once
+    per process (then cached on disk). Masks and their inputs follow the generated kernels' contract:
+    "causal" is bottom-right aligned, "padding"/"causal+padding" take seqlens_q and seqlens_k (int32 [B]),
+    "tree" takes tree_mask (bool [B, Sq, Sq] ancestor-or-self, or int32 parent pointers [B, Sq]).
+    check=True also validates the values of those inputs (a host sync; see the README).
+
+    Without gradients, a few queries against a long KV cache (fagen.runtime.kinds.prefers_decode) run the split-KV
+    decode kernel; both kinds give the same results. Under torch.compile the call is one custom operator
+    (fagen::attention, with its backward), so it traces with no graph break.
+    """
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+        spec_for(q, k, v, mask=mask)  # raises the AttentionError that names the bad input
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    decode = not needs_grad and q.dim() == 4 and k.dim() == 4 and prefers_decode(q.shape[2], k.shape[2])
+    if torch.compiler.is_compiling():
+        return ops.attention(q, k, v, str(mask), scale, seqlens_q, seqlens_k, tree_mask, decode)[0]
+    # [Note] Host time. A warm call costs one dict lookup on plain values before the module's own checks and launch:
+    # no spec is built, hashed or validated per call.
+    module = _FAST.get((q.dtype, q.shape[-1], q.shape[1], k.shape[1], mask, decode)) \
+        if isinstance(mask, str) and q.dim() == 4 and k.dim() == 4 else None
+    if module is None:
+        module = resolve(q, k, v, mask, decode)
+    if decode:
+        return module.forward(q, k, v, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k, tree_mask=tree_mask,
+                              check=check)[0]
+    return module.attention(q, k, v, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k, tree_mask=tree_mask,
+                            check=check)
+
+
+
+__all__ = ["attention", "spec_for", "AttentionError"]

@@ -1,0 +1,188 @@
+"""Content-addressed on-disk cache: keys over everything that shapes an artifact, atomic locked writes.
+
+Files are written with the permissions the umask allows (shared caches and shipped artifacts stay readable), and
+a warm cache that is read-only still serves reads: nothing is written, and no lock is taken, for equal bytes."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+from filelock import FileLock
+
+
+class CacheError(OSError):
+    """A file fagen must write cannot be written; the message names the path and what to do."""
+
+
+def cache_root() -> Path:
+    """$FAGEN_CACHE_DIR, else $XDG_CACHE_HOME/fagen, else ~/.cache/fagen. "~" is expanded; an empty or relative
+    XDG_CACHE_HOME is ignored, as the XDG base-directory spec says."""
+    env = os.environ.get("FAGEN_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    base = Path(xdg).expanduser() if xdg and Path(xdg).expanduser().is_absolute() else Path.home() / ".cache"
+    return base / "fagen"
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _writable_dir(folder: Path) -> bool:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(folder, os.W_OK | os.X_OK)
+
+
+def digest(*parts: str | bytes) -> str:
+    """sha256 over length-prefixed parts, so ("ab", "c") and ("a", "bc") differ."""
+    h = hashlib.sha256()
+    for part in parts:
+        data = part.encode() if isinstance(part, str) else part
+        h.update(len(data).to_bytes(8, "little") + data)
+    return h.hexdigest()
+
+
+def lock_for(path: Path) -> FileLock:
+    """A lock for one path, kept under the cache root so output folders hold no lock files.
+
+    A read-only cache (a warm cache shipped in a container, say) keeps its locks in the temp folder instead.
+    """
+    for locks in (cache_root() / "locks", Path(tempfile.gettempdir()) / f"fagen-locks-{os.getuid()}"):
+        if _writable_dir(locks):
+            return FileLock(str(locks / (digest(str(path.resolve()))[:32] + ".lock")), mode=0o666 & ~_umask())
+    raise CacheError(f"no folder for lock files: neither {cache_root() / 'locks'} nor the temp folder is writable; "
+                     "set FAGEN_CACHE_DIR to a writable folder")
+
+
+def write_if_different(path: Path, data: bytes | str) -> bool:
+    """Write atomically (temp file + rename) unless the file already holds these bytes. True if written.
+
+    A per-file lock serialises concurrent writers; FileLock releases on process death (flock), so a
+    killed build never leaves it held.
+    """
+    data = data.encode() if isinstance(data, str) else data
+    path = Path(path)
+    try:  # renames are atomic, so an unlocked read sees a whole file: equal bytes need no lock
+        if path.read_bytes() == data:
+            return False
+    except (FileNotFoundError, NotADirectoryError):
+        pass
+    except OSError as e:
+        raise CacheError(f"cannot read {path}: {e.strerror}") from None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with lock_for(path):
+            try:
+                if path.read_bytes() == data:
+                    return False
+            except FileNotFoundError:
+                pass
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; the file gets what the umask allows
+                os.replace(tmp, path)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+    except CacheError:
+        raise
+    except OSError as e:
+        hint = ("set FAGEN_CACHE_DIR to a writable folder" if _inside(path, cache_root())
+                else "choose a writable output folder")
+        raise CacheError(f"cannot write {path}: {e.strerror or e}; {hint}") from None
+    return True
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    try:
+        path.resolve().relative_to(folder.resolve())
+        return True
+    except ValueError:
+        return False
+
+
+# -- artifact entries -----------------------------------------------------------------------------------------
+# [Note] Artifact keys
+# An AOT entry is keyed by everything that shapes its bytes: the canonical spec, its rendered source (which
+# covers the templates and the tables they read: see [Note] Cache keys hash the render), the fagen version, FORMAT_VERSION (bump it when what compile writes changes), the toolchain
+# (triton version and its ptxas, nvcc for the CUDA backend), the arch, and the environment variables that
+# change code generation. Nothing is keyed by name, so a stale binary can never be served.
+FORMAT_VERSION = 1
+
+# TRITON_* variables that only move files around or print: they never change the generated code.
+_NEUTRAL_ENV = frozenset({
+    "TRITON_CACHE_DIR", "TRITON_HOME", "TRITON_DUMP_DIR", "TRITON_OVERRIDE_DIR", "TRITON_INTERPRET",
+    "TRITON_CACHE_MANAGER", "TRITON_REMOTE_CACHE_BACKEND", "TRITON_REDIS_HOST", "TRITON_REDIS_PORT",
+    "TRITON_REDIS_KEY_FORMAT", "TRITON_ALWAYS_COMPILE", "TRITON_KERNEL_DUMP", "TRITON_STORE_BINARY_ONLY",
+    "TRITON_DUMP_PTXAS_LOG", "TRITON_PRINT_AUTOTUNING", "TRITON_CACHE_AUTOTUNING", "TRITON_PROTON_DISABLE",
+    "TRITON_ENABLE_NVTX",
+})
+
+
+def codegen_env() -> dict[str, str]:
+    """The set environment variables that may change generated code (conservative: every TRITON_* that is not
+    known to be neutral, ptxas options, and whatever Triton's C++ side lists as cache-invalidating)."""
+    from triton._C.libtriton import get_cache_invalidating_env_vars
+
+    env = {k: v for k, v in os.environ.items()
+           if (k.startswith("TRITON_") and k not in _NEUTRAL_ENV) or k in ("PTXAS_OPTIONS", "DISABLE_PTXAS_OPT")}
+    env.update(get_cache_invalidating_env_vars())
+    return dict(sorted(env.items()))
+
+
+@functools.cache
+def toolchain(backend: str, capability: int) -> str:
+    """Versions of the tools that turn a source into a binary for this backend and arch."""
+    import triton
+
+    if backend == "cuda":
+        try:
+            out = subprocess.run(["nvcc", "--version"], capture_output=True, text=True, check=True).stdout
+        except (OSError, subprocess.CalledProcessError):
+            out = "nvcc: not found"
+        return f"triton {triton.__version__}; {out.strip().splitlines()[-1]}"
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+
+    return f"triton {triton.__version__}; " + make_backend(GPUTarget("cuda", capability, 32)).hash()
+
+
+def entry_dir(key: str) -> Path:
+    return cache_root() / "aot" / key[:2] / key
+
+
+def read_entry(key: str) -> dict | None:
+    """The entry stored under `key` if it is complete and every file still hashes to what was recorded."""
+    root = entry_dir(key)
+    try:
+        meta = json.loads((root / "entry.json").read_text())
+        for name, sha in meta["files"].items():
+            if hashlib.sha256((root / name).read_bytes()).hexdigest() != sha:
+                return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return meta
+
+
+def write_entry(key: str, files: dict[str, bytes], meta: dict) -> dict:
+    """Store files, then entry.json (with their sha256) last: a reader sees a whole entry or none."""
+    root = entry_dir(key)
+    for name, data in files.items():
+        write_if_different(root / name, data)
+    meta = {**meta, "key": key, "files": {n: hashlib.sha256(d).hexdigest() for n, d in sorted(files.items())}}
+    write_if_different(root / "entry.json", json.dumps(meta, indent=1, sort_keys=True))
+    return meta

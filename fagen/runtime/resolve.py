@@ -1,0 +1,66 @@
+"""Which generated module serves fagen.attention's inputs: validated once per input kind, then one dict lookup."""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+
+import torch
+
+from fagen.runtime.loader import load
+from fagen.spec import tables
+from fagen.spec.axes import Direction, Kind, Mask
+from fagen.spec.kernel import KernelSpec, SpecError
+
+_DTYPES = {getattr(torch, name): dtype for dtype, name in tables.TORCH_DTYPE.items()}
+
+
+class AttentionError(ValueError):
+    """The inputs of fagen.attention fit no kernel fagen can generate; the message says what and how to fix it."""
+
+
+_FAST: dict[tuple, ModuleType] = {}
+
+
+def resolve(q, k, v, mask, decode: bool) -> ModuleType:
+    """The module that serves these inputs: the bwd (differentiable) kernel, or the decode kernel; memoised."""
+    spec = spec_for(q, k, v, mask=mask)
+    if decode:
+        spec = KernelSpec(head_dim=spec.head_dim, mask=spec.mask, gqa=spec.gqa, dtype=spec.dtype, kind=Kind.DECODE)
+    module = _module(spec)
+    _FAST[(q.dtype, q.shape[-1], q.shape[1], k.shape[1], mask, decode)] = module
+    return module
+
+
+def spec_for(q, k, v, *, mask: Mask | str = "none") -> KernelSpec:
+    """The bwd (differentiable) spec whose kernel runs attention on these inputs."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise AttentionError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise AttentionError(f"{name}: expected 4 dims [batch, heads, seq, head_dim], got shape {tuple(t.shape)}")
+    if q.dtype not in _DTYPES:
+        raise AttentionError(f"q: dtype {q.dtype} is not supported; use torch.float16, torch.bfloat16 or "
+                             "torch.float32")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise AttentionError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
+    if k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
+        raise AttentionError(f"head_dim: q has {q.shape[-1]}, k {k.shape[-1]}, v {v.shape[-1]}; they must agree")
+    hq, hkv = q.shape[1], k.shape[1]
+    if hkv == 0 or hq % hkv:
+        raise AttentionError(f"heads: q has {hq} heads and k/v have {hkv}; q's heads must be a multiple of k/v's "
+                             "(gqa = q heads / kv heads)")
+    try:
+        mask = Mask(mask)
+    except ValueError:
+        raise AttentionError(f"mask: got {mask!r}; must be one of " + ", ".join(map(repr, Mask.choices()))) from None
+    try:
+        return KernelSpec(head_dim=q.shape[-1], mask=mask, gqa=hq // hkv, dtype=_DTYPES[q.dtype],
+                          direction=Direction.BWD)
+    except SpecError as e:
+        raise AttentionError(f"no kernel for these inputs: {e}") from None
+
+
+@functools.lru_cache(maxsize=None)
+def _module(spec: KernelSpec) -> ModuleType:
+    return load(spec)  # load() also memoises, but first renders the spec to key it: this skips that per call

@@ -1,0 +1,69 @@
+"""The axes of a kernel spec: one enum per choice (values are the spellings users type) and the integer ranges."""
+
+from __future__ import annotations
+
+import enum
+
+
+class _Axis(str, enum.Enum):
+    """An enum whose value is its user-facing spelling."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def choices(cls) -> list[str]:
+        return [m.value for m in cls]
+
+
+class Mask(_Axis):
+    NONE = "none"
+    CAUSAL = "causal"
+    PADDING = "padding"
+    CAUSAL_PADDING = "causal+padding"
+    TREE = "tree"
+
+    @property
+    def causal(self) -> bool:
+        return self in (Mask.CAUSAL, Mask.CAUSAL_PADDING)
+
+    @property
+    def padded(self) -> bool:
+        return self in (Mask.PADDING, Mask.CAUSAL_PADDING)
+
+
+class DType(_Axis):
+    FP16 = "fp16"
+    BF16 = "bf16"
+    FP32 = "fp32"
+
+    @property
+    def itemsize(self) -> int:
+        return 4 if self is DType.FP32 else 2
+
+
+class Direction(_Axis):
+    FWD = "fwd"
+    BWD = "bwd"
+
+
+class Backend(_Axis):
+    TRITON = "triton"
+    CUDA = "cuda"
+
+
+class Kind(_Axis):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+# -- integer axes --------------------------------------------------------------------------------------------
+HEAD_DIMS = range(16, 257, 8)
+BLOCK_SIZES = (16, 32, 64, 128, 256)
+NUM_WARPS = (1, 2, 4, 8, 16)
+NUM_STAGES = range(1, 9)
+MAX_GQA = 256
+
+# Decode kernels serve at most this many query tokens per sequence (one step, or a small speculative tree);
+# longer queries belong to the prefill kind. The decode template renders it as MAX_SEQ_Q.
+DECODE_MAX_SEQ_Q = 16

@@ -1,0 +1,75 @@
+"""Defaults: the launch config a spec gets when it leaves block sizes, warps and stages unset (tuned table
+first, then the hand defaults), and the cuda backend's limits."""
+
+from __future__ import annotations
+
+from fagen.spec import tuned
+from fagen.spec.axes import DType, Direction, Kind, Mask
+
+def default_config(head_dim: int, dtype: DType, direction: Direction, kind: Kind, mask: Mask | None = None,
+                   arch: str = tuned.DEFAULT_ARCH) -> dict:
+    """Block sizes, warps and stages used when a spec leaves them unset.
+
+    The tuned table (fagen/spec/tuned.json, written by `fagen tune` on the H100) wins for its (arch, head_dim, mask,
+    dtype, direction, kind); otherwise these hand defaults apply. The forward's are the tuned winners of the bf16
+    keys, so fp16 and other head dims follow them: d128 m128n128w8s3 (547 TF/s full, 524 causal at s16k with
+    TMA), d64 m128n128w4s3 (448 causal). Wider tiles stay within Hopper's 227 KB of shared memory: K/V tiles
+    cost block_n * head_dim * bytes * 2 * num_stages.
+    """
+    found = tuned.lookup(head_dim, mask, dtype, direction, kind, arch=arch)
+    if found is not None:
+        return found
+    wide = head_dim > 128 or dtype is DType.FP32
+    if kind is Kind.DECODE:
+        # block_m caps the query rows of one tile (gqa * Sq packed; the launcher shrinks it to fit), block_n is
+        # keys per step. Memory-bound: stages keep K/V loads in flight. At 4 warps the fp32 accumulator of a
+        # 64 x 128 tile is 64 registers a thread; 128 rows spill (sm_90 ptxas), so more rows take more tiles.
+        if wide:
+            return {"block_m": 32, "block_n": 32, "num_warps": 4, "num_stages": 2}
+        return {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3}
+    if direction is Direction.BWD:
+        # block_n = keys per dK/dV program, block_m = queries per dQ program; each steps over the other axis in
+        # tiles of at most 64 (fagen/templates/triton/backward.py.j2, [Note] Backward tiles). The forward of a bwd module
+        # runs with the same values, so d128 takes the forward's best tile. H100 sweep: docs/backward.md.
+        if wide:
+            return {"block_m": 64, "block_n": 32, "num_warps": 8, "num_stages": 2}
+        if head_dim <= 64:
+            return {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3}
+        if mask == Mask.TREE:  # measured only for correctness: the masked steps stage tree-mask tiles too
+            return {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2}
+        return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3}
+    if wide:
+        return {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 2}
+    if head_dim <= 64:
+        return {"block_m": 128, "block_n": 128, "num_warps": 4, "num_stages": 3}
+    return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3}
+
+
+# -- CUDA backend ------------------------------------------------------------------------------
+# [Note] CUDA tiles. The forward kernel gives each warp 16 or 32 query rows (one or two 16-row MMA tiles:
+# block_m / num_warps in CUDA_ROWS_PER_WARP), streams K/V through a ring of num_stages shared-memory
+# buffers, and pads head_dim to a multiple of 16 plus 8 elements of row padding (ldmatrix bank spread).
+CUDA_SUPPORTED = {
+    "dtype": ((DType.FP16, DType.BF16), "the cuda backend computes fp16 and bf16 on tensor cores; use "
+                                        "backend 'triton' for fp32"),
+    "direction": ((Direction.FWD,), "the cuda backend has the forward only; use backend 'triton' for bwd"),
+    "block_m": ((64, 128, 256), "the cuda backend supports block_m 64, 128 or 256"),
+    "block_n": ((32, 64), "the cuda backend supports block_n 32 or 64"),
+    "num_stages": ((2, 3, 4), "the cuda backend pipelines K/V through 2, 3 or 4 shared-memory stages"),
+}
+CUDA_ROWS_PER_WARP = (16, 32)
+
+
+def cuda_default_config(head_dim: int, dtype: DType, direction: Direction, kind: Kind) -> dict:
+    """Blocks, warps and stages of a cuda spec that leaves them unset.
+
+    head_dim <= 128: 4 warps of 32 query rows (two MMA tiles: each K/V fragment read from shared memory feeds
+    four MMAs), 64 keys a step, two stages: two blocks per SM. H100, d128 bf16 s16k: 369 TF/s full, 343 causal
+    (SDPA flash 364 / 322 in the same run; docs/cuda.md). Wider heads: 16 rows per warp, so that the fp32
+    accumulator of a warp stays within its registers.
+    """
+    if head_dim > 128:
+        return {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 2}
+    return {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 2}
+
+

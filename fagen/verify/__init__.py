@@ -1,0 +1,1 @@
+"""Verification: the float64 reference, Hypothesis strategies, tolerances, properties, the engine, mutants."""

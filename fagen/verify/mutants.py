@@ -1,0 +1,73 @@
+"""Deliberately broken variants: each is a small edit of a rendered source that a verifier must catch."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fagen.spec.axes import Direction, Kind, Mask
+from fagen.spec import KernelSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+    name: str
+    what: str  # the bug, in words
+    masks: tuple[Mask, ...]  # specs it applies to
+    old: str  # text in the rendered source ...
+    new: str  # ... and its broken replacement
+    min_gqa: int = 1  # a head-mapping bug is invisible while every query head has its own KV head
+    kinds: tuple[Kind, ...] = (Kind.PREFILL,)  # kernel kinds whose source it edits
+    directions: tuple[Direction, ...] = tuple(Direction)  # bwd-only mutants edit code a fwd spec does not have
+
+    def applies(self, spec: KernelSpec) -> bool:
+        return (spec.mask in self.masks and spec.gqa >= self.min_gqa and spec.kind in self.kinds
+                and spec.direction in self.directions)
+
+    def apply(self, source: str) -> str:
+        if self.old not in source:
+            raise ValueError(f"mutant {self.name}: pattern not found in the rendered source")
+        return source.replace(self.old, self.new)
+
+
+MUTANTS = (
+    Mutant("causal-off-by-one", "causal alignment off by one (j < i + shift instead of j <= i + shift)",
+           (Mask.CAUSAL, Mask.CAUSAL_PADDING), "<= offs_m[:, None] + shift", "< offs_m[:, None] + shift"),
+    Mutant("causal-top-left", "causal aligned top-left (ignores Sk - Sq)",
+           (Mask.CAUSAL,), "shift = len_k - len_q\n", "shift = 0\n"),
+    Mutant("no-padding-rows", "padding rows not zeroed", (Mask.PADDING, Mask.CAUSAL_PADDING),
+           "seen = seen & (offs_m < len_q)", "seen = seen"),
+    Mutant("unmasked-tail", "keys past the end of the tail block are not masked out", (Mask.NONE, Mask.PADDING),
+           "tl.where((cols[None, :] < len_k), qk", "tl.where((cols[None, :] < len_k + BLOCK_N), qk"),
+    Mutant("wrong-gqa-head", "query head h reads KV head h % Hkv instead of h // gqa", tuple(Mask),
+           "off_hkv = off_h // GQA", "off_hkv = off_h % (num_heads // GQA)", min_gqa=2),
+    Mutant("dropped-rescale", "the accumulator is not rescaled when the running max grows", tuple(Mask),
+           "acc = acc * alpha[:, None] + tl.dot", "acc = acc + tl.dot"),
+    Mutant("tree-ignores-bits", "the tree part is treated as fully visible", (Mask.TREE,),
+           "!= 0)) & (cols[None, :] < seq_k)", "!= 2)) & (cols[None, :] < seq_k)"),
+    Mutant("padding-keys-unmasked", "keys past seqlens_k are attended (the key padding mask is missing)",
+           (Mask.PADDING, Mask.CAUSAL_PADDING), "len_k = tl.load(SeqlensK + off_b)\n", "len_k = seq_k\n"),
+    Mutant("padding-loads-garbage", "K/V loads ignore seqlens_k: padding is read, then weighted by p = 0",
+           (Mask.PADDING, Mask.CAUSAL_PADDING), "shape=[tl.maximum(len_k, 1), HEAD_DIM]", "shape=[seq_k, HEAD_DIM]"),
+    Mutant("causal-padding-global-shift", "causal+padding aligned with the padded lengths, not each sequence's",
+           (Mask.CAUSAL_PADDING,), "shift = len_k - len_q\n", "shift = seq_k - seq_q\n"),
+    Mutant("lse-base-2", "lse stored in base 2 (the ln 2 factor is dropped)", tuple(Mask),
+           "* 0.6931471805599453, float(\"-inf\"))", "* 1.0, float(\"-inf\"))"),
+    Mutant("no-finite-stand-in", "a row whose first masked block is empty computes exp2(-inf - -inf) = NaN",
+           (Mask.TREE,), "m_use = tl.where(m_new == float(\"-inf\"), 0.0, m_new)", "m_use = m_new"),
+    # Decode (split-KV): what breaks when the splits or their merge are wrong. They show up only with several
+    # splits, which forward() picks for long caches and forward_split(num_splits=...) forces.
+    Mutant("decode-merge-no-rescale", "the merge adds each split's output without its 2^(lse_s - max) weight",
+           tuple(Mask), "acc = acc * alpha[:, None] + o_s * beta[:, None]", "acc = acc * alpha[:, None] + o_s",
+           kinds=(Kind.DECODE,)),
+    Mutant("decode-split-overlap", "each split also reads the first block of the next split's keys",
+           tuple(Mask), "hi = tl.minimum(tl.minimum(s0 + chunk, seq_k), kv_hi)",
+           "hi = tl.minimum(tl.minimum(s0 + chunk + BLOCK_N, seq_k), kv_hi)", kinds=(Kind.DECODE,)),
+    Mutant("decode-last-split-dropped", "the merge stops one split early", tuple(Mask),
+           "n_used = (kv_hi + chunk - 1) // chunk", "n_used = kv_hi // chunk", kinds=(Kind.DECODE,)),
+    Mutant("bwd-causal-off-by-one", "dK/dV kernel: causal mask lets each row see one key past its diagonal",
+           (Mask.CAUSAL, Mask.CAUSAL_PADDING), "<= rows[None, :] + shift", "<= rows[None, :] + shift + 1",
+           directions=(Direction.BWD,)),
+    Mutant("bwd-no-empty-row-guard", "backward: lse = -inf of empty rows is not replaced by +inf before exp2",
+           tuple(Mask), 'tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)',
+           "lse * 1.4426950408889634", directions=(Direction.BWD,)),
+)

@@ -1,0 +1,75 @@
+"""Float64 reference attention, written from the contract alone; it shares no code with the kernels."""
+
+from __future__ import annotations
+
+import torch
+
+from fagen.spec.axes import Mask
+
+
+def ancestors_from_parents(parents: torch.Tensor) -> torch.Tensor:
+    """bool [B, N, N]: entry [b, i, j] is True iff j is i or an ancestor of i (parents: -1 marks a root)."""
+    b, n = parents.shape
+    out = torch.zeros(b, n, n, dtype=torch.bool)
+    for bi in range(b):
+        for i in range(n):
+            j = i
+            while j >= 0:
+                out[bi, i, j] = True
+                j = int(parents[bi, j])
+    return out.to(parents.device)
+
+
+def visible(mask: Mask | str, batch: int, seq_q: int, seq_k: int, *, seqlens_q=None, seqlens_k=None,
+            tree_mask=None, device="cpu") -> torch.Tensor:
+    """Dense bool [B, Sq, Sk]: may query i of batch entry b see key j?"""
+    mask = Mask(mask)
+    i = torch.arange(seq_q, device=device).view(1, -1, 1)
+    j = torch.arange(seq_k, device=device).view(1, 1, -1)
+    full = torch.ones(batch, seq_q, seq_k, dtype=torch.bool, device=device)
+    if mask is Mask.NONE:
+        return full
+    if mask is Mask.CAUSAL:  # bottom-right aligned
+        return full & (j <= i + (seq_k - seq_q))
+    if mask.padded:
+        lq = seqlens_q.to(device).long().view(-1, 1, 1)
+        lk = seqlens_k.to(device).long().view(-1, 1, 1)
+        vis = (i < lq) & (j < lk)
+        if mask is Mask.CAUSAL_PADDING:
+            vis = vis & (j <= i + lk - lq)
+        return vis
+    # tree: every query sees the prefix; among the last Sq keys, only its ancestors and itself.
+    prefix = seq_k - seq_q
+    tree = tree_mask.to(device)
+    if tree.dtype != torch.bool:
+        tree = ancestors_from_parents(tree.cpu()).to(device)
+    vis = (j < prefix).expand(batch, seq_q, seq_k).clone()
+    vis[:, :, prefix:] = tree
+    return vis
+
+
+def attention(q, k, v, *, mask: Mask | str = Mask.NONE, scale=None, seqlens_q=None, seqlens_k=None,
+              tree_mask=None):
+    """(out, lse) in float64 for the fagen contract; differentiable (autograd gives the reference gradients).
+
+    Rows that see no key give out = 0 and lse = -inf. Keys that no query sees are zeroed first, so garbage
+    (even NaN) in padding never reaches a valid output. No exp() ever sees -inf - -inf, so gradients stay finite.
+    """
+    q, k, v = q.double(), k.double(), v.double()
+    b, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    gqa = hq // hkv
+    scale = d ** -0.5 if scale is None else scale
+    vis = visible(mask, b, sq, sk, seqlens_q=seqlens_q, seqlens_k=seqlens_k, tree_mask=tree_mask,
+                  device=q.device).unsqueeze(1)  # [B, 1, Sq, Sk], broadcast over heads
+    seen_key = vis.any(dim=2, keepdim=True).transpose(-1, -2)  # [B, 1, Sk, 1]
+    k = torch.where(seen_key, k, 0.0).repeat_interleave(gqa, dim=1)  # query head h reads KV head h // gqa
+    v = torch.where(seen_key, v, 0.0).repeat_interleave(gqa, dim=1)
+    q = torch.where(vis.any(dim=3, keepdim=True), q, 0.0)
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    row_any = vis.any(dim=-1)  # [B, 1, Sq]
+    lse_finite = torch.logsumexp(torch.where(row_any.unsqueeze(-1), torch.where(vis, s, float("-inf")), 0.0), -1)
+    p = torch.where(vis, torch.exp(torch.where(vis, s, 0.0) - lse_finite.unsqueeze(-1)), 0.0)
+    out = torch.matmul(p, v)
+    lse = torch.where(row_any, lse_finite, float("-inf"))
+    return out, lse

@@ -24,11 +24,11 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 # name -> config overrides (per head_dim the ring depth that fits); "default" is what docs/hopper.md reports.
 VARIANTS = {
-    "default": dict(block_n=128, stages=2, pingpong=1),
-    "nopp": dict(block_n=128, stages=2, pingpong=0),
-    "n64s4": dict(block_n=64, stages=4, pingpong=1),
+    "default": dict(block_n=128, stages=2, q_stages=2, pingpong=1),
+    "nopp": dict(block_n=128, stages=2, q_stages=2, pingpong=0),
+    "q1": dict(block_n=128, stages=2, q_stages=1, pingpong=1),
 }
-D64_STAGES = {"default": 3, "nopp": 3, "n64s4": 4}
+D64_STAGES = {"default": 3, "nopp": 3, "q1": 3}
 
 # (name, head_dim, mask, batch, q heads, kv heads, seq)
 CASES = [
@@ -196,7 +196,7 @@ def main():
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--cases", default="all", choices=["all", "quick"])
     parser.add_argument("--no-peers", action="store_true")
-    parser.add_argument("--timeout", type=int, default=180, help="seconds per subprocess")
+    parser.add_argument("--timeout", type=int, default=200, help="seconds per subprocess")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     out_dir = Path(os.environ.get("OUT", "/tmp/hopper_out"))

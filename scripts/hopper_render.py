@@ -40,6 +40,7 @@ class HopperConfig:
     block_m: int = 64
     block_n: int = 128
     stages: int = 2
+    q_stages: int = 2
     pingpong: int = 1
     consumer_regs: int = 240
     loader_regs: int = 24
@@ -53,6 +54,7 @@ class HopperConfig:
             ("block_m", self.block_m == 64, "64 (one wgmma M tile per consumer warpgroup)"),
             ("block_n", self.block_n in (64, 128), "64 or 128 (a TMA box side is a power of two)"),
             ("stages", self.stages in (2, 3, 4), "2, 3 or 4"),
+            ("q_stages", self.q_stages in (1, 2), "1 or 2"),
             ("pingpong", self.pingpong in (0, 1), "0 or 1"),
             ("consumer_regs", self.consumer_regs in range(24, 257, 8), "a multiple of 8 in [24, 256]"),
             ("loader_regs", self.loader_regs in range(24, 257, 8), "a multiple of 8 in [24, 256]"),
@@ -66,13 +68,14 @@ class HopperConfig:
             raise ConfigError("consumer_regs", self.consumer_regs, "2*128*consumer + 128*loader <= 65536 registers")
 
     def smem_bytes(self) -> int:
-        """Q and O (2 warpgroups each) plus the K/V ring, 2 bytes an element."""
-        return 2 * (4 * self.block_m + 2 * self.stages * self.block_n) * self.head_dim
+        """Q (q_stages per warpgroup), O (one per warpgroup) and the K/V ring, 2 bytes an element, plus 1 KB for
+        barriers and triton's scratch."""
+        return 2 * (2 * (self.q_stages + 1) * self.block_m + 2 * self.stages * self.block_n) * self.head_dim + 1024
 
     @property
     def name(self) -> str:
         return (f"attn_fwd_hopper_{self.mask}_d{self.head_dim}_m{2 * self.block_m}n{self.block_n}s{self.stages}"
-                f"{'_pp' if self.pingpong else ''}_g{self.gqa}_{self.dtype}")
+                f"q{self.q_stages}{'_pp' if self.pingpong else ''}_g{self.gqa}_{self.dtype}")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

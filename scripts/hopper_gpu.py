@@ -24,11 +24,13 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 # name -> config overrides (per head_dim the ring depth that fits); "default" is what docs/hopper.md reports.
 VARIANTS = {
-    "default": dict(block_n=128, stages=2, q_stages=2, pingpong=1),
-    "nopp": dict(block_n=128, stages=2, q_stages=2, pingpong=0),
-    "q1": dict(block_n=128, stages=2, q_stages=1, pingpong=1),
+    "default": dict(block_n=128, stages=2, q_stages=2, pingpong=1, v_late=0),
+    "nopp": dict(block_n=128, stages=2, q_stages=2, pingpong=0, v_late=0),
+    "q1nopp": dict(block_n=128, stages=2, q_stages=1, pingpong=0, v_late=0),
+    "vlate": dict(block_n=128, stages=2, q_stages=2, pingpong=1, v_late=1),
+    "vlatenopp": dict(block_n=128, stages=2, q_stages=2, pingpong=0, v_late=1),
 }
-D64_STAGES = {"default": 3, "nopp": 3, "q1": 3}
+D64_STAGES = {name: 3 for name in VARIANTS}
 
 # (name, head_dim, mask, batch, q heads, kv heads, seq)
 CASES = [

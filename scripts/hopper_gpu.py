@@ -24,20 +24,18 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 # name -> config overrides (per head_dim the ring depth that fits); "default" is what docs/hopper.md reports.
 VARIANTS = {
-    "default": dict(block_n=128, stages=2, q_stages=2, pingpong=1, v_late=0),
-    "nopp": dict(block_n=128, stages=2, q_stages=2, pingpong=0, v_late=0),
-    "q1nopp": dict(block_n=128, stages=2, q_stages=1, pingpong=0, v_late=0),
-    "vlate": dict(block_n=128, stages=2, q_stages=2, pingpong=1, v_late=1),
-    "vlatenopp": dict(block_n=128, stages=2, q_stages=2, pingpong=0, v_late=1),
+    "default": dict(block_n=128, stages=2, q_stages=2, pingpong=0, v_late=0),
+    "pingpong": dict(block_n=128, stages=2, q_stages=2, pingpong=1, v_late=0),
 }
 D64_STAGES = {name: 3 for name in VARIANTS}
 
-# (name, head_dim, mask, batch, q heads, kv heads, seq)
+# (name, head_dim, mask, batch, q heads, kv heads, seq[, dtype])
 CASES = [
     ("fwd-d128-full-s16k", 128, "none", 1, 16, 16, 16384),
     ("fwd-d128-causal-s16k", 128, "causal", 1, 16, 16, 16384),
     ("fwd-gqa-d128-causal-s4k", 128, "causal", 4, 32, 8, 4096),
     ("fwd-d64-causal-s16k", 64, "causal", 1, 32, 32, 16384),
+    ("fwd-fp16-d128-causal-s8k", 128, "causal", 2, 16, 16, 8192, "fp16"),
 ]
 QUICK_CASES = [CASES[0], CASES[1]]
 
@@ -52,15 +50,20 @@ def config_for(variant, head_dim, mask, gqa, dtype):
     return cfg
 
 
+def case_dtype(case):
+    return case[7] if len(case) > 7 else "bf16"
+
+
 def tflops(case, ms):
-    _, d, mask, b, hq, _, s = case
+    _, d, mask, b, hq, _, s = case[:7]
     flops = 4.0 * b * hq * s * s * d * (0.5 if mask == "causal" else 1.0)
     return flops / (ms * 1e-3) / 1e12
 
 
-def inputs(case, dtype, seed=0):
+def inputs(case, seed=0):
     import torch
-    _, d, _, b, hq, hkv, s = case
+    _, d, _, b, hq, hkv, s = case[:7]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[case_dtype(case)]
     g = torch.Generator(device="cuda").manual_seed(seed)
     return [torch.randn((b, h, s, d), generator=g, device="cuda", dtype=dtype) for h in (hq, hkv, hkv)]
 
@@ -133,15 +136,15 @@ def worker_variant(variant, cases, log):
             log(f"  check {key} FAILED\n{traceback.format_exc()}")
     # Registers and spills of the kernels that are timed.
     for case in cases:
-        name, d, m, b, hq, hkv, s = case
-        cfg = config_for(variant, d, m, hq // hkv, "bf16")
+        name, d, m, b, hq, hkv, s = case[:7]
+        cfg = config_for(variant, d, m, hq // hkv, case_dtype(case))
         try:
             mod = hopper_render.load(**cfg)
             ck = mod.compile_for(GPUTarget("cuda", 90, 32))
             ck._init_handles()
             out["compile"][name] = dict(n_regs=ck.n_regs, n_spills=ck.n_spills, shared=ck.metadata.shared,
                                         num_warps=ck.metadata.num_warps, name=mod.NAME)
-            q, k, v = inputs(case, torch.bfloat16)
+            q, k, v = inputs(case)
             ms = bench(lambda: mod.forward(q, k, v))
             out["times"][name] = ms
             log(f"  {variant} {name}: {[round(t, 4) for t in ms]} ms = {tflops(case, min(ms)):.0f} TF/s "
@@ -158,8 +161,8 @@ def worker_peers(cases, log):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     out = dict(times={})
     for case in cases:
-        name, d, m, b, hq, hkv, s = case
-        q, k, v = inputs(case, torch.bfloat16)
+        name, d, m, b, hq, hkv, s = case[:7]
+        q, k, v = inputs(case)
         causal = m == "causal"
         peers = {}
         for peer, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
@@ -169,7 +172,7 @@ def worker_peers(cases, log):
             peers[peer] = run
         try:
             import fagen
-            spec = fagen.KernelSpec(head_dim=d, mask=m, gqa=hq // hkv, dtype="bf16")
+            spec = fagen.KernelSpec(head_dim=d, mask=m, gqa=hq // hkv, dtype=case_dtype(case))
             mod = fagen.load(spec)
             peers["fagen-triton"] = lambda mod=mod: mod.forward(q, k, v)
             out.setdefault("fagen_triton_spec", {})[name] = spec.name

@@ -41,7 +41,7 @@ class HopperConfig:
     block_n: int = 128
     stages: int = 2
     q_stages: int = 2
-    pingpong: int = 1
+    pingpong: int = 0
     v_late: int = 0
     consumer_regs: int = 240
     loader_regs: int = 24

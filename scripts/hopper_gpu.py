@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 # name -> config overrides (per head_dim the ring depth that fits); "default" is what docs/hopper.md reports.
 VARIANTS = {
     "default": dict(block_n=128, stages=2, q_stages=2, pingpong=0, v_late=0),
-    "pingpong": dict(block_n=128, stages=2, q_stages=2, pingpong=1, v_late=0),
+    "klate": dict(block_n=128, stages=2, q_stages=2, pingpong=0, v_late=0, k_late=1),
 }
 D64_STAGES = {name: 3 for name in VARIANTS}
 

@@ -43,6 +43,7 @@ class HopperConfig:
     q_stages: int = 2
     pingpong: int = 0
     v_late: int = 0
+    k_late: int = 0
     consumer_regs: int = 240
     loader_regs: int = 24
 
@@ -58,6 +59,7 @@ class HopperConfig:
             ("q_stages", self.q_stages in (1, 2), "1 or 2"),
             ("pingpong", self.pingpong in (0, 1), "0 or 1"),
             ("v_late", self.v_late in (0, 1), "0 or 1"),
+            ("k_late", self.k_late in (0, 1), "0 or 1"),
             ("consumer_regs", self.consumer_regs in range(24, 257, 8), "a multiple of 8 in [24, 256]"),
             ("loader_regs", self.loader_regs in range(24, 257, 8), "a multiple of 8 in [24, 256]"),
         ]
@@ -77,7 +79,7 @@ class HopperConfig:
     @property
     def name(self) -> str:
         return (f"attn_fwd_hopper_{self.mask}_d{self.head_dim}_m{2 * self.block_m}n{self.block_n}s{self.stages}"
-                f"q{self.q_stages}{'_pp' if self.pingpong else ''}{'_vl' if self.v_late else ''}_g{self.gqa}_{self.dtype}")
+                f"q{self.q_stages}{'_pp' if self.pingpong else ''}{'_vl' if self.v_late else ''}{'_kl' if self.k_late else ''}_g{self.gqa}_{self.dtype}")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

@@ -39,7 +39,7 @@ class HopperConfig:
     dtype: str = "bf16"
     block_m: int = 64
     block_n: int = 128
-    stages: int = 2
+    stages: int = 0  # 0: the measured default, 2 at head_dim 128 (shared memory allows no more), 3 at 64
     q_stages: int = 2
     pingpong: int = 0
     v_late: int = 0
@@ -48,6 +48,8 @@ class HopperConfig:
     loader_regs: int = 24
 
     def __post_init__(self):
+        if self.stages == 0:
+            object.__setattr__(self, "stages", 3 if self.head_dim == 64 else 2)
         checks = [
             ("head_dim", self.head_dim in (64, 128), "64 or 128"),
             ("mask", self.mask in ("none", "causal"), "'none' or 'causal'"),

@@ -80,8 +80,9 @@ class HopperConfig:
 
     @property
     def name(self) -> str:
+        flags = "".join(tag for on, tag in ((self.pingpong, "_pp"), (self.v_late, "_vl"), (self.k_late, "_kl")) if on)
         return (f"attn_fwd_hopper_{self.mask}_d{self.head_dim}_m{2 * self.block_m}n{self.block_n}s{self.stages}"
-                f"q{self.q_stages}{'_pp' if self.pingpong else ''}{'_vl' if self.v_late else ''}{'_kl' if self.k_late else ''}_g{self.gqa}_{self.dtype}")
+                f"q{self.q_stages}{flags}_g{self.gqa}_{self.dtype}")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

@@ -1,0 +1,139 @@
+"""Render templates/gluon/attention.py.j2 (the Hopper forward) for one validated config, outside fagen's spec.
+
+    python scripts/hopper_render.py --head-dim 128 --mask causal --gqa 4 --dtype bf16 -o out.py
+
+`render(**config)` returns the source; `load(**config)` renders, writes it to a cache folder and imports it
+(Gluon, like Triton, reads the source of its kernels from a file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import jinja2
+
+ROOT = Path(__file__).resolve().parent.parent
+VERSION = "hopper-0"
+
+
+class ConfigError(ValueError):
+    """A config field is out of range; the message names the field, the value and what is allowed."""
+
+    def __init__(self, field, value, allowed):
+        super().__init__(f"{field}={value!r} is not supported; allowed: {allowed}")
+
+
+@dataclasses.dataclass(frozen=True)
+class HopperConfig:
+    head_dim: int = 128
+    mask: str = "none"
+    gqa: int = 1
+    dtype: str = "bf16"
+    block_m: int = 64
+    block_n: int = 128
+    stages: int = 0  # 0: the measured default, 2 at head_dim 128 (shared memory allows no more), 3 at 64
+    q_stages: int = 2
+    pingpong: int = 0
+    v_late: int = 0
+    k_late: int = 0
+    consumer_regs: int = 240
+    loader_regs: int = 24
+
+    def __post_init__(self):
+        if self.stages == 0:
+            object.__setattr__(self, "stages", 3 if self.head_dim == 64 else 2)
+        checks = [
+            ("head_dim", self.head_dim in (64, 128), "64 or 128"),
+            ("mask", self.mask in ("none", "causal"), "'none' or 'causal'"),
+            ("gqa", isinstance(self.gqa, int) and 1 <= self.gqa <= 64, "an int in [1, 64]"),
+            ("dtype", self.dtype in ("bf16", "fp16"), "'bf16' or 'fp16'"),
+            ("block_m", self.block_m == 64, "64 (one wgmma M tile per consumer warpgroup)"),
+            ("block_n", self.block_n in (64, 128), "64 or 128 (a TMA box side is a power of two)"),
+            ("stages", self.stages in (2, 3, 4), "2, 3 or 4"),
+            ("q_stages", self.q_stages in (1, 2), "1 or 2"),
+            ("pingpong", self.pingpong in (0, 1), "0 or 1"),
+            ("v_late", self.v_late in (0, 1), "0 or 1"),
+            ("k_late", self.k_late in (0, 1), "0 or 1"),
+            ("consumer_regs", self.consumer_regs in range(24, 257, 8), "a multiple of 8 in [24, 256]"),
+            ("loader_regs", self.loader_regs in range(24, 257, 8), "a multiple of 8 in [24, 256]"),
+        ]
+        for field, ok, allowed in checks:
+            if not ok:
+                raise ConfigError(field, getattr(self, field), allowed)
+        if self.smem_bytes() > 227 * 1024:
+            raise ConfigError("stages", self.stages, f"fewer: {self.smem_bytes()} bytes of shared memory > 227 KB")
+        if 2 * self.consumer_regs * 128 + 128 * self.loader_regs > 65536:
+            raise ConfigError("consumer_regs", self.consumer_regs, "2*128*consumer + 128*loader <= 65536 registers")
+
+    def smem_bytes(self) -> int:
+        """Q (q_stages per warpgroup), O (one per warpgroup) and the K/V ring, 2 bytes an element, plus 1 KB for
+        barriers and triton's scratch."""
+        return 2 * (2 * (self.q_stages + 1) * self.block_m + 2 * self.stages * self.block_n) * self.head_dim + 1024
+
+    @property
+    def name(self) -> str:
+        flags = "".join(tag for on, tag in ((self.pingpong, "_pp"), (self.v_late, "_vl"), (self.k_late, "_kl")) if on)
+        return (f"attn_fwd_hopper_{self.mask}_d{self.head_dim}_m{2 * self.block_m}n{self.block_n}s{self.stages}"
+                f"q{self.q_stages}{flags}_g{self.gqa}_{self.dtype}")
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+
+def _environment() -> jinja2.Environment:
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(ROOT / "templates"), undefined=jinja2.StrictUndefined,
+                              trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True, autoescape=False)
+
+
+def render(**config) -> str:
+    cfg = HopperConfig(**config)
+    view = dict(dataclasses.asdict(cfg), name=cfg.name, json=cfg.to_json(), version=VERSION)
+    return _environment().get_template("gluon/attention.py.j2").render(cfg=view)
+
+
+def load(**config):
+    """Render, write under $FAGEN_HOPPER_CACHE (default: a temp folder) and import the module."""
+    src = render(**config)
+    digest = hashlib.sha256(src.encode()).hexdigest()[:16]
+    folder = Path(os.environ.get("FAGEN_HOPPER_CACHE", Path(tempfile.gettempdir()) / "fagen_hopper"))
+    folder.mkdir(parents=True, exist_ok=True)
+    name = f"{HopperConfig(**config).name}_{digest}"
+    path = folder / f"{name}.py"
+    if not path.exists() or path.read_text() != src:
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(src)
+        tmp.replace(path)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for field in dataclasses.fields(HopperConfig):
+        parser.add_argument("--" + field.name.replace("_", "-"), type=type(field.default), default=field.default)
+    parser.add_argument("-o", "--output", help="write here instead of stdout")
+    args = vars(parser.parse_args(argv))
+    output = args.pop("output")
+    try:
+        src = render(**args)
+    except ConfigError as err:
+        parser.error(str(err))
+    if output:
+        Path(output).write_text(src)
+    else:
+        sys.stdout.write(src)
+
+
+if __name__ == "__main__":
+    main()

@@ -80,8 +80,9 @@ def poisoned_forward(forward, q, k, v):
 def check_module(mod, cfg, log, full=True):
     """Correctness of one rendered module on ragged random shapes, against fagen.reference in float64."""
     import torch
-    from fagen import reference, verify
-    from fagen.enums import DType
+    from fagen.verify import reference
+    from fagen.verify import tolerances as verify
+    from fagen.spec.axes import DType
     tol = verify.TOLERANCE[DType(cfg["dtype"])]
     dtype = mod.DTYPE
     results = []

@@ -1,4 +1,4 @@
-"""Render templates/gluon/attention.py.j2 (the Hopper forward) for one validated config, outside fagen's spec.
+"""Render fagen/templates/gluon/attention.py.j2 (the Hopper forward) for one validated config, outside fagen's spec.
 
     python scripts/hopper_render.py --head-dim 128 --mask causal --gqa 4 --dtype bf16 -o out.py
 
@@ -89,7 +89,7 @@ class HopperConfig:
 
 
 def _environment() -> jinja2.Environment:
-    return jinja2.Environment(loader=jinja2.FileSystemLoader(ROOT / "templates"), undefined=jinja2.StrictUndefined,
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(ROOT / "fagen" / "templates"), undefined=jinja2.StrictUndefined,
                               trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True, autoescape=False)
 
 

@@ -61,10 +61,11 @@ class _Ring:
         self.prev = dist.get_global_rank(whole, (self.rank - 1) % self.world)
         self.mask, self.layout, self.scale = mask, layout, scale
 
-    def exchange(self, send: torch.Tensor, recv: torch.Tensor, tag: int):
-        """Send `send` to the next rank and receive the previous rank's into `recv`; returns the works to wait on."""
-        ops = [dist.P2POp(dist.isend, send, self.next, self.group, tag),
-               dist.P2POp(dist.irecv, recv, self.prev, self.group, tag)]
+    def exchange(self, send, recv, tag: int):
+        """Send the tensors `send` to the next rank and receive the previous rank's into `recv` (one batch);
+        returns the works to wait on."""
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag) for t in send]
+        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group, tag) for t in recv]
         return dist.batch_isend_irecv(ops)
 
     def block(self, step: int):
@@ -102,12 +103,12 @@ def _merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor,
 
 def _ring_forward(ring: _Ring, mods, q, k, v):
     """(out like q, lse float32) of this rank's queries against the whole sequence's keys."""
-    kv, spare = torch.stack([k, v]), None
+    kv, spare = (k.contiguous(), v.contiguous()), None  # K/V held: this rank's shard and one receive buffer
     acc_out = acc_lse = None
     for step in range(ring.world):
         works = []
         if step < ring.world - 1:  # the next block travels while this one is computed
-            spare = torch.empty_like(kv) if spare is None else spare
+            spare = (torch.empty_like(kv[0]), torch.empty_like(kv[1])) if spare is None else spare
             works = ring.exchange(kv, spare, _TAG_KV)
         todo = ring.block(step)
         if todo is not None:
@@ -125,15 +126,15 @@ def _ring_forward(ring: _Ring, mods, q, k, v):
 
 def _ring_backward(ring: _Ring, mods, do, q, k, v, out, lse):
     """(dq, dk, dv) of this rank's shards: dQ accumulates here, dK/dV travel with their K/V block and come home."""
-    kv, spare = torch.stack([k, v]), None
+    kv, spare = (k.contiguous(), v.contiguous()), None
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dkv = [torch.zeros(kv.shape, dtype=torch.float32, device=q.device), torch.empty(kv.shape, dtype=torch.float32,
-                                                                                    device=q.device)]
+    dkv = [torch.zeros((2, *k.shape), dtype=torch.float32, device=q.device),  # [dK, dV] of the block in hand
+           torch.empty((2, *k.shape), dtype=torch.float32, device=q.device)]
     dkv_works = []
     for step in range(ring.world):
         works = []
         if step < ring.world - 1:
-            spare = torch.empty_like(kv) if spare is None else spare
+            spare = (torch.empty_like(kv[0]), torch.empty_like(kv[1])) if spare is None else spare
             works = ring.exchange(kv, spare, _TAG_KV)
         for work in dkv_works:  # the accumulator of the block in hand has arrived
             work.wait()
@@ -146,7 +147,7 @@ def _ring_backward(ring: _Ring, mods, do, q, k, v, out, lse):
             _part(dq, rows).add_(gq)
             _part(acc[0], cols).add_(gk)
             _part(acc[1], cols).add_(gv)
-        dkv_works = ring.exchange(acc, dkv[(step + 1) % 2], _TAG_DKV)  # on to the next rank; the last hop: home
+        dkv_works = ring.exchange([acc], [dkv[(step + 1) % 2]], _TAG_DKV)  # on to the next rank; the last hop: home
         for work in works:
             work.wait()
         kv, spare = spare, kv

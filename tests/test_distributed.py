@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import fagen.distributed as cp
-from fagen.distributed import ContextParallelError, ring
+from fagen.distributed import ContextParallelError, bench, ring
 
 WORLD = 2
 # name: (mask, layout, dtype, q heads, kv heads, full sequence length, head_dim)
@@ -126,6 +126,10 @@ def worker(rank, init_file, out_dir):
     # A group of one rank runs the local kernel on the whole problem.
     solo = [dist.new_group([r]) for r in range(WORLD)]
     results["solo"] = run_case("causal-zigzag-gqa-fp32", group=solo[rank], seed=rank)
+    # The benchmark's code path (timings on the interpreter mean nothing; the rows and the check must come out).
+    shape = dict(heads=4, kv_heads=2, head_dim=16, mask="causal", layout="zigzag")
+    results["bench"] = bench.run_cp_bench(seq=64, dtype="fp32", warmup=0, iters=1, **shape)
+    results["check"] = bench.check_against_one_gpu(seq=64, dtype=torch.float32, **shape)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
@@ -135,7 +139,7 @@ def worker(rank, init_file, out_dir):
 def results():
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(worker, args=(os.path.join(tmp, "init"), tmp), nprocs=WORLD, join=True)
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(WORLD)]
+        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
 
 
 def assembled(results, key, layout):
@@ -225,3 +229,14 @@ def test_errors_without_a_process_group():
         cp.ring_attention(x, x, x)
     with pytest.raises(ContextParallelError, match="pad it to a multiple of 4"):
         cp.shard(torch.randn(1, 1, 10, 4), 0, 2, layout="zigzag")
+
+
+def test_bench_rows_and_check(results):
+    rows = results[0]["bench"]
+    assert [(r["direction"], r["gpus"]) for r in rows] == [("fwd", 1), ("fwd", 2), ("bwd", 1), ("bwd", 2)]
+    assert all(r["ms"] > 0 and r["tflops_per_gpu"] > 0 for r in rows)
+    assert rows[1]["kv_bytes_per_gpu"] * 2 == rows[0]["kv_bytes_per_gpu"]
+    assert "| fwd | 2 |" in bench.format_table(rows)
+    check = results[0]["check"]
+    assert max(check["max_abs_diff_vs_one_gpu"].values()) < TOL[torch.float32], check
+    assert max(check["head0_out_max_abs_err_vs_float64"].values()) < TOL[torch.float32], check

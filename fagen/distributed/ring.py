@@ -136,15 +136,16 @@ def _ring_backward(ring: _Ring, mods, do, q, k, v, out, lse):
         if step < ring.world - 1:
             spare = (torch.empty_like(kv[0]), torch.empty_like(kv[1])) if spare is None else spare
             works = ring.exchange(kv, spare, _TAG_KV)
-        for work in dkv_works:  # the accumulator of the block in hand has arrived
-            work.wait()
-        acc = dkv[step % 2]
         todo = ring.block(step)
-        if todo is not None:
+        if todo is not None:  # the kernels run while the block's dK/dV accumulator is still arriving
             rows, cols, mask = todo
             gq, gk, gv = mods[mask].backward(_part(do, rows), _part(q, rows), _part(kv[0], cols), _part(kv[1], cols),
                                              _part(out, rows), _part(lse, rows), scale=ring.scale)
             _part(dq, rows).add_(gq)
+        for work in dkv_works:  # the accumulator of the block in hand has arrived (step 0: zeros, ours)
+            work.wait()
+        acc = dkv[step % 2]
+        if todo is not None:
             _part(acc[0], cols).add_(gk)
             _part(acc[1], cols).add_(gv)
         dkv_works = ring.exchange([acc], [dkv[(step + 1) % 2]], _TAG_DKV)  # on to the next rank; the last hop: home

@@ -91,6 +91,7 @@ def expect_error(fn):
 
 def worker(rank, init_file, out_dir):
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # 127.0.0.1 only
+    os.environ["TRITON_INTERPRET"] = "1"  # gloo moves CPU tensors: the interpreter, also on a GPU machine
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=60))  # a hang in the ring fails instead
     results = {}

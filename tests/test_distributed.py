@@ -6,6 +6,7 @@ run through Triton's interpreter (TRITON_INTERPRET=1, set by conftest and inheri
 """
 
 import datetime
+import json
 import os
 import tempfile
 
@@ -241,3 +242,29 @@ def test_bench_rows_and_check(results):
     check = results[0]["check"]
     assert max(check["max_abs_diff_vs_one_gpu"].values()) < TOL[torch.float32], check
     assert max(check["head0_out_max_abs_err_vs_float64"].values()) < TOL[torch.float32], check
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the launcher takes one process per GPU")
+def test_bench_launcher_under_torchrun(tmp_path, monkeypatch):
+    """python -m fagen.distributed.bench through torch.distributed.run, 2 CPU processes on gloo."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    out = tmp_path / "cp.json"
+    rc = bench.launch_cp_bench(["--seq", "64", "--heads", "2", "--head-dim", "16", "--dtype", "fp32", "--mask",
+                                "none", "--layout", "contiguous", "--directions", "fwd", "--warmup", "0", "--iters",
+                                "1", "--json", str(out)], nproc=2)
+    assert rc == 0
+    rows = json.loads(out.read_text())
+    assert [(r["direction"], r["gpus"]) for r in rows] == [("fwd", 1), ("fwd", 2)]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--seq", "66"], "--seq 66: the zigzag layout over 2 ranks cuts the sequence into 4 equal chunks"),
+    (["--head-dim", "12"], "head_dim: got 12"),
+    (["--heads", "6", "--kv-heads", "4"], "--heads 6 must be a positive multiple of --kv-heads 4"),
+    (["--directions", "sideways"], "--directions: got 'sideways'"),
+])
+def test_bench_launcher_refuses_bad_flags_in_one_line(capsys, args, message):
+    assert bench.launch_cp_bench(args, nproc=2) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and "\n" not in err

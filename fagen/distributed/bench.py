@@ -194,7 +194,7 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m fagen.distributed.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--seq", type=int, default=131072, help="full sequence length (all ranks together)")
     p.add_argument("--batch", type=int, default=1)
@@ -209,13 +209,62 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--check-seq", type=int, default=0, help="first compare the ring with one GPU at this length")
     p.add_argument("--json", default=None, help="write the rows here (rank 0)")
+    return p
+
+
+def _validate(args, world: int) -> None:
+    """The user errors a rank would hit, found before any process starts; raises ContextParallelError."""
+    directions = [d for d in args.directions.split(",") if d]
+    if not directions or any(d not in ("fwd", "bwd") for d in directions):
+        raise ContextParallelError(f"--directions: got {args.directions!r}; use fwd, bwd or fwd,bwd")
+    kv_heads = args.kv_heads or args.heads
+    if args.heads < 1 or kv_heads < 1 or args.heads % kv_heads:
+        raise ContextParallelError(f"--heads {args.heads} must be a positive multiple of --kv-heads {kv_heads}")
+    try:
+        fagen.KernelSpec(head_dim=args.head_dim, mask=args.mask, gqa=args.heads // kv_heads, dtype=args.dtype,
+                         direction="bwd")
+    except fagen.SpecError as e:
+        raise ContextParallelError(str(e)) from None
+    chunks = world * (2 if args.layout == "zigzag" else 1)
+    for flag, seq in (("--seq", args.seq), ("--check-seq", args.check_seq)):
+        if seq < 0 or (seq and seq % chunks) or (flag == "--seq" and seq == 0):
+            raise ContextParallelError(f"{flag} {seq}: the {args.layout} layout over {world} ranks cuts the sequence "
+                                       f"into {chunks} equal chunks; use a positive multiple of {chunks}")
+
+
+def launch_cp_bench(args: list[str], nproc: int | None = None) -> int:
+    """Run this benchmark on `nproc` local processes (default: one per visible GPU, at least 2) through torchrun
+    (torch.distributed.run, standalone rendezvous on this host); returns its exit status. `args` are main()'s
+    flags, e.g. ["--seq", "131072", "--json", "cp.json"]. Under torchrun already (RANK set), it runs main(args).
+    Bad flags get one line on stderr and status 2 before any process starts."""
+    import subprocess
+
+    if "RANK" in os.environ:
+        return main(args)
+    nproc = nproc or max(2, torch.cuda.device_count())
+    try:
+        _validate(_parser().parse_args(args), nproc)
+    except ContextParallelError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "fagen.distributed.bench", *args]
+    return subprocess.call(cmd)
+
+
+def main(argv=None) -> int:
+    p = _parser()
     args = p.parse_args(argv)
     directions = tuple(d for d in args.directions.split(",") if d)
-    if not directions or any(d not in ("fwd", "bwd") for d in directions):
-        p.error(f"--directions: got {args.directions!r}; use fwd, bwd or fwd,bwd")
     if "RANK" not in os.environ:
         p.error("run it under torchrun (it reads RANK, WORLD_SIZE, LOCAL_RANK), e.g. "
                 "torchrun --nproc-per-node 2 -m fagen.distributed.bench")
+    try:
+        _validate(args, int(os.environ.get("WORLD_SIZE", 1)))
+    except ContextParallelError as e:
+        if os.environ.get("RANK") == "0":
+            print(f"error: {e}", file=sys.stderr)
+        return 2
     cuda = torch.cuda.is_available()
     if cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))

@@ -123,6 +123,7 @@ def worker(rank, init_file, out_dir):
         "mask": lambda: cp.ring_attention(x, x, x, mask="tree"),
         "layout": lambda: cp.ring_attention(x, x, x, layout="striped"),
         "heads": lambda: cp.ring_attention(torch.randn(1, 3, 16, 16), x, x),
+        "head_dim": lambda: cp.ring_attention(*(torch.randn(1, 2, 16, 12),) * 3),
     }
     results["errors"] = {name: expect_error(fn) for name, fn in errors.items()}
     # A group of one rank runs the local kernel on the whole problem.
@@ -214,6 +215,7 @@ EXPECTED_ERRORS = {
     "mask": "ring attention supports 'none', 'causal'",
     "layout": "layout: got 'striped'",
     "heads": "q's heads must be a multiple",
+    "head_dim": "no fagen kernel for these shards: head_dim: got 12",
 }
 
 

@@ -263,8 +263,10 @@ def ring_attention(q, k, v, *, group=None, mask: str = "none", scale: float | No
     if ring.world > 1:
         _check_ranks(ring, q, k, mask, layout)
     gqa = q.shape[1] // k.shape[1]
-    mods = {m: _kernel(q.shape[-1], gqa, _DTYPES[q.dtype], m) for m in (("none", "causal") if mask == "causal"
-                                                                         else ("none",))}
+    try:
+        mods = {m: _kernel(q.shape[-1], gqa, _DTYPES[q.dtype], m) for m in {"none", mask}}
+    except fagen.SpecError as e:  # the same on every rank (their shapes were compared above): none hangs
+        raise ContextParallelError(f"no fagen kernel for these shards: {e}") from None
     if ring.world == 1:  # one rank holds the whole sequence in order (a one-rank zigzag is chunks 0 and 1)
         return mods[mask].attention(q, k, v, scale=scale)
     return _RingAttention.apply(q, k, v, ring, mods)

@@ -56,12 +56,12 @@ def reference(q, k, v, do, mask):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def run_case(case, *, group=None, seed=0):
+def run_case(case, *, group=None, seed=0, **kwargs):
     """This rank's (out, dq, dk, dv) shards of ring attention on the case's full problem."""
     mask, layout = CASES[case][:2]
     q, k, v, do = (cp.shard_for_group(t, group=group, layout=layout) for t in full_problem(case, seed))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    out = cp.ring_attention(q, k, v, group=group, mask=mask, layout=layout)
+    out = cp.ring_attention(q, k, v, group=group, mask=mask, layout=layout, **kwargs)
     out.backward(do)
     return [t.detach().clone() for t in (out, q.grad, k.grad, v.grad)]
 
@@ -98,7 +98,7 @@ def worker(rank, init_file, out_dir):
     results = {}
     for case in CASES:
         results[case] = run_case(case)
-    results["determinism"] = run_case("causal-zigzag-gqa-fp32")
+    results["determinism"] = run_case("causal-zigzag-gqa-fp32", check_ranks=False)  # the check changes nothing
     results["shards"] = {layout: cp.gather(cp.shard_for_group(full_problem("none-contiguous-fp32")[0], layout=layout),
                                            layout=layout) for layout in cp.LAYOUTS}
     original_merge = ring._merge_into

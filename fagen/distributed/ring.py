@@ -242,7 +242,7 @@ def _check_ranks(ring: _Ring, q, k, mask, layout):
 
 
 def ring_attention(q, k, v, *, group=None, mask: str = "none", scale: float | None = None,
-                   layout: str = "contiguous") -> torch.Tensor:
+                   layout: str = "contiguous", check_ranks: bool = True) -> torch.Tensor:
     """Attention over a sequence sharded across the ranks of `group` (default: the whole world); differentiable.
 
     q [B, Hq, Sq_local, D], k and v [B, Hkv, Sk_local, D] are this rank's shards in `layout` ("contiguous" or
@@ -251,6 +251,10 @@ def ring_attention(q, k, v, *, group=None, mask: str = "none", scale: float | No
     layout="zigzag" so that every rank does equal work). scale defaults to 1/sqrt(D). Hq must be a multiple of Hkv
     (GQA). Every rank of the group must call it, with equal shard lengths, dtype, mask, layout and scale; a group
     of one rank runs the local kernel. Raises ContextParallelError on bad input.
+
+    check_ranks: compare the ranks' shapes, dtype, mask, layout and scale first (one small all_gather; on NCCL it
+    also waits for the GPU). Inconsistent calls would otherwise hang or compute garbage; pass False only in a loop
+    whose shapes are known to agree on every rank.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise ContextParallelError("torch.distributed is not initialized; call torch.distributed.init_process_group "
@@ -260,7 +264,7 @@ def ring_attention(q, k, v, *, group=None, mask: str = "none", scale: float | No
     if layout == "zigzag" and ring.world > 1 and (q.shape[2] % 2 or k.shape[2] % 2):
         raise ContextParallelError(f"zigzag layout: a shard is two equal chunks, so its length must be even; got q "
                                    f"{q.shape[2]} and k {k.shape[2]}; cut the sequence with fagen.distributed.shard")
-    if ring.world > 1:
+    if ring.world > 1 and check_ranks:
         _check_ranks(ring, q, k, mask, layout)
     gqa = q.shape[1] // k.shape[1]
     try:

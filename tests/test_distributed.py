@@ -26,7 +26,12 @@ CASES = {
     "causal-contiguous-gqa-fp32": ("causal", "contiguous", torch.float32, 4, 2, 64, 16),
     "causal-zigzag-gqa-fp32": ("causal", "zigzag", torch.float32, 4, 2, 64, 16),
     "causal-zigzag-bf16": ("causal", "zigzag", torch.bfloat16, 2, 2, 64, 32),
+    # lengths that 3 ranks cut too (6 zigzag chunks): a ring of 3 passes blocks and dK/dV on over several hops
+    "causal-zigzag-gqa-fp32-s48": ("causal", "zigzag", torch.float32, 4, 2, 48, 16),
+    "causal-contiguous-fp16-s48": ("causal", "contiguous", torch.float16, 4, 2, 48, 16),
+    "none-contiguous-gqa-fp32-s48": ("none", "contiguous", torch.float32, 4, 2, 48, 16),
 }
+WORLD3_CASES = [name for name in CASES if name.endswith("-s48")]
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 4e-2}  # max abs error, outputs and gradients
 BATCH = 2
 
@@ -61,8 +66,11 @@ def run_case(case, *, group=None, seed=0, **kwargs):
     mask, layout = CASES[case][:2]
     q, k, v, do = (cp.shard_for_group(t, group=group, layout=layout) for t in full_problem(case, seed))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
+    before = [t.detach().clone() for t in (q, k, v)]
     out = cp.ring_attention(q, k, v, group=group, mask=mask, layout=layout, **kwargs)
     out.backward(do)
+    if not all(torch.equal(a, b) for a, b in zip(before, (q, k, v))):
+        raise AssertionError(f"{case}: ring_attention wrote into its inputs")
     return [t.detach().clone() for t in (out, q.grad, k.grad, v.grad)]
 
 
@@ -138,6 +146,23 @@ def worker(rank, init_file, out_dir):
     dist.destroy_process_group()
 
 
+def worker3(rank, init_file, out_dir):
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ["TRITON_INTERPRET"] = "1"
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=3,
+                            timeout=datetime.timedelta(seconds=60))
+    torch.save({case: run_case(case) for case in WORLD3_CASES}, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def results3():
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(worker3, args=(os.path.join(tmp, "init"), tmp), nprocs=3, join=True)
+        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(3)]
+
+
 @pytest.fixture(scope="module")
 def results():
     with tempfile.TemporaryDirectory() as tmp:
@@ -147,7 +172,7 @@ def results():
 
 def assembled(results, key, layout):
     """The full (out, dq, dk, dv) from every rank's shards."""
-    return [cp.unshard([results[r][key][i] for r in range(WORLD)], layout=layout) for i in range(4)]
+    return [cp.unshard([per_rank[key][i] for per_rank in results], layout=layout) for i in range(4)]
 
 
 def max_errors(got, case, seed=0):
@@ -161,6 +186,13 @@ def test_outputs_and_gradients_match_float64_reference(results, case):
     errors = max_errors(assembled(results, case, CASES[case][1]), case)
     tol = TOL[CASES[case][2]]
     assert max(errors) < tol, f"{case}: max |error| of out, dq, dk, dv = {errors} (tolerance {tol})"
+
+
+@pytest.mark.parametrize("case", WORLD3_CASES)
+def test_a_ring_of_three_matches_float64_reference(results3, case):
+    errors = max_errors(assembled(results3, case, CASES[case][1]), case)
+    tol = TOL[CASES[case][2]]
+    assert max(errors) < tol, f"{case} on 3 ranks: max |error| of out, dq, dk, dv = {errors} (tolerance {tol})"
 
 
 def test_deterministic_for_a_fixed_world_size(results):

@@ -169,7 +169,7 @@ def run_cp_bench(*, seq: int = 131072, heads: int = 32, kv_heads: int | None = N
                          efficiency=1.0, kv_bytes_per_gpu=kv_full, kv_ring_buffer_bytes=0, peak_bytes_per_gpu=peak1))
         rows.append(dict(common, direction=direction, gpus=world, ms=tn * 1e3, tflops_per_gpu=tfn, speedup=t1 / tn,
                          efficiency=tfn / tf1, kv_bytes_per_gpu=kv_shard,
-                         kv_ring_buffer_bytes=kv_shard if world > 1 else 0, peak_bytes_per_gpu=peakn))
+                         kv_ring_buffer_bytes=kv_shard * min(2, world - 1), peak_bytes_per_gpu=peakn))
     return rows
 
 

@@ -81,6 +81,21 @@ class _Ring:
         return ("all", "first", "none") if source < self.rank else ("second", "all", "none")
 
 
+class _Buffers:
+    """The K/V receive buffers: step i receives into buffer i % 2, allocated on first use. Never the caller's k and
+    v (the backward needs them, and the caller owns them): a ring of N > 2 holds two buffers besides its shard (the
+    block in hand and the one arriving), a ring of 2 one."""
+
+    def __init__(self, like: torch.Tensor):
+        self.like, self.pairs = like, [None, None]
+
+    def receive(self, step: int):
+        if self.pairs[step % 2] is None:
+            self.pairs[step % 2] = (torch.empty(self.like.shape, dtype=self.like.dtype, device=self.like.device),
+                                    torch.empty(self.like.shape, dtype=self.like.dtype, device=self.like.device))
+        return self.pairs[step % 2]
+
+
 def _part(t: torch.Tensor, which: str) -> torch.Tensor:
     """A view of t's sequence dim (2): all of it, or its first or second half."""
     if which == "all":
@@ -103,13 +118,12 @@ def _merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor,
 
 def _ring_forward(ring: _Ring, mods, q, k, v):
     """(out like q, lse float32) of this rank's queries against the whole sequence's keys."""
-    kv, spare = (k.contiguous(), v.contiguous()), None  # K/V held: this rank's shard and one receive buffer
+    kv, bufs = (k.contiguous(), v.contiguous()), _Buffers(k)
     acc_out = acc_lse = None
     for step in range(ring.world):
         works = []
         if step < ring.world - 1:  # the next block travels while this one is computed
-            spare = (torch.empty_like(kv[0]), torch.empty_like(kv[1])) if spare is None else spare
-            works = ring.exchange(kv, spare, _TAG_KV)
+            works = ring.exchange(kv, bufs.receive(step), _TAG_KV)
         todo = ring.block(step)
         if todo is not None:
             rows, cols, mask = todo
@@ -120,13 +134,13 @@ def _ring_forward(ring: _Ring, mods, q, k, v):
                 _merge_into(_part(acc_out, rows), _part(acc_lse, rows), out, lse)
         for work in works:
             work.wait()
-        kv, spare = spare, kv
+        kv = bufs.receive(step) if works else kv
     return acc_out.to(q.dtype), acc_lse
 
 
 def _ring_backward(ring: _Ring, mods, do, q, k, v, out, lse):
     """(dq, dk, dv) of this rank's shards: dQ accumulates here, dK/dV travel with their K/V block and come home."""
-    kv, spare = (k.contiguous(), v.contiguous()), None
+    kv, bufs = (k.contiguous(), v.contiguous()), _Buffers(k)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dkv = [torch.zeros((2, *k.shape), dtype=torch.float32, device=q.device),  # [dK, dV] of the block in hand
            torch.empty((2, *k.shape), dtype=torch.float32, device=q.device)]
@@ -134,8 +148,7 @@ def _ring_backward(ring: _Ring, mods, do, q, k, v, out, lse):
     for step in range(ring.world):
         works = []
         if step < ring.world - 1:
-            spare = (torch.empty_like(kv[0]), torch.empty_like(kv[1])) if spare is None else spare
-            works = ring.exchange(kv, spare, _TAG_KV)
+            works = ring.exchange(kv, bufs.receive(step), _TAG_KV)
         todo = ring.block(step)
         if todo is not None:  # the kernels run while the block's dK/dV accumulator is still arriving
             rows, cols, mask = todo
@@ -151,7 +164,7 @@ def _ring_backward(ring: _Ring, mods, do, q, k, v, out, lse):
         dkv_works = ring.exchange([acc], [dkv[(step + 1) % 2]], _TAG_DKV)  # on to the next rank; the last hop: home
         for work in works:
             work.wait()
-        kv, spare = spare, kv
+        kv = bufs.receive(step) if works else kv
     for work in dkv_works:
         work.wait()
     home = dkv[ring.world % 2]

@@ -6,6 +6,7 @@ run through Triton's interpreter (TRITON_INTERPRET=1, set by conftest and inheri
 """
 
 import datetime
+import fcntl
 import json
 import os
 import tempfile
@@ -156,18 +157,30 @@ def worker3(rank, init_file, out_dir):
     dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def results3():
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(worker3, args=(os.path.join(tmp, "init"), tmp), nprocs=3, join=True)
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(3)]
+def spawned(tmp_path_factory, fn, nprocs):
+    """Every rank's results of fn on nprocs gloo processes, spawned once per test session: under pytest-xdist the
+    first worker to get here runs them and the others read its file (a lock in the session's shared temp dir)."""
+    root = tmp_path_factory.getbasetemp()
+    root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+    done = root / f"{fn.__name__}.pt"
+    with open(root / f"{fn.__name__}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            with tempfile.TemporaryDirectory() as tmp:
+                mp.spawn(fn, args=(os.path.join(tmp, "init"), tmp), nprocs=nprocs, join=True)
+                ranks = [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(nprocs)]
+            torch.save(ranks, done)
+    return torch.load(done, weights_only=False)
 
 
 @pytest.fixture(scope="module")
-def results():
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(worker, args=(os.path.join(tmp, "init"), tmp), nprocs=WORLD, join=True)
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
+def results3(tmp_path_factory):
+    return spawned(tmp_path_factory, worker3, 3)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return spawned(tmp_path_factory, worker, WORLD)
 
 
 def assembled(results, key, layout):

@@ -1,8 +1,9 @@
-"""Ring attention (fagen.distributed) on 2 real gloo processes against a float64 single-process reference.
+"""Ring attention (fagen.distributed) on real gloo processes (2, and 3) against a float64 single-process reference.
 
-One spawn of 2 workers runs every case (the interpreter and process start-up dominate; one spawn keeps the file
-fast) and saves each rank's shards; the tests below put the shards back together and compare. On CPU the kernels
-run through Triton's interpreter (TRITON_INTERPRET=1, set by conftest and inherited by the workers).
+One spawn of 2 workers runs every case, and one of 3 workers the lengths 3 ranks can cut (process start-up and
+the interpreter dominate; one spawn per session keeps the file fast), saving each rank's shards; the tests below
+put the shards back together and compare. The workers run the kernels through Triton's interpreter
+(TRITON_INTERPRET=1): gloo moves CPU tensors.
 """
 
 import datetime

@@ -11,8 +11,9 @@ from fagen.cli.common import cases_from_options, console, pick_device, shape_opt
 @click.command()
 @spec_options
 @shape_options
-@click.option("--suite", type=click.Choice(["standard", "latency"]),
-              help="Run a named table of cases instead of one spec (latency: host time per call against SDPA).")
+@click.option("--suite", type=click.Choice(["standard", "latency", "cp"]),
+              help="A named table of cases instead of one spec. latency: host time per call against SDPA; cp: ring "
+                   "attention on 1 and N GPUs (torchrun; --seq-q, --heads, --head-dim, --mask shape it).")
 @click.option("--case", "case_names", multiple=True, metavar="NAME", help="Only these rows of the suite (repeatable).")
 @click.option("--quick", is_flag=True, help="Shrink every shape for a smoke run.")
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True)
@@ -51,6 +52,7 @@ def bench(spec_file, batch, heads, seq_q, seq_k, suite, case_names, quick, devic
       fagen bench --suite standard --json benchmarks/h100.json --plot benchmarks/h100.png
       fagen bench --suite standard --case fwd-d128-causal-s16k --skip-flex
       fagen bench --suite latency --json benchmarks/latency.json
+      fagen bench --suite cp --seq-q 131072 --json benchmarks/cp/cp.json
       fagen bench --head-dim 128 --mask causal --dtype bf16 --seq-q 8192
       fagen bench --report benchmarks/h100.json > table.md
       fagen bench --report benchmarks/h100.json --into benchmarks/README.md
@@ -81,6 +83,13 @@ def bench(spec_file, batch, heads, seq_q, seq_k, suite, case_names, quick, devic
         return
     if into_path is not None:
         raise click.UsageError("--into goes with --report FILE")
+    if suite == "cp":
+        from fagen.distributed.bench import launch_cp_bench
+
+        args = [*(["--seq", str(seq_q)] if seq_q else []), *(["--heads", str(heads)] if heads else []),
+                *(["--head-dim", str(flags["head_dim"])] if flags.get("head_dim") else []),
+                *(["--mask", flags["mask"]] if flags.get("mask") else []), *(["--json", str(json_path)] if json_path else [])]
+        raise click.exceptions.Exit(launch_cp_bench(args))
     if suite == "latency":
         return _latency(pick_device(device), json_path, out, quick)
     cases = cases_from_options(suite, case_names, quick, spec_file, batch, heads, seq_q, seq_k, seed, flags)

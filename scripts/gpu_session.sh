@@ -1,13 +1,25 @@
 #!/usr/bin/env bash
-# One stage of a GPU session on the H100: `bash scripts/gpu_session.sh tests|bench|cuda|decode|tune`.
+# One stage of a GPU session on the H100: `bash scripts/gpu_session.sh tests|bench|cuda|decode|tune|runtime|timing`.
 # Full logs go under $OUT (the device tool brings them back); a compact summary is printed last.
 set -uo pipefail
-stage=${1:?usage: gpu_session.sh tests|bench|cuda|decode|tune}
+stage=${1:?usage: gpu_session.sh tests|bench|cuda|decode|tune|runtime|timing}
 OUT=${OUT:-$PWD/gpu-logs}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD  # tests make their own cache per worker, as in CI
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 case $stage in
+  runtime)  # issue 13: graphs, operators/compile, transformers; then forward/decode/backward at GPU scale (ci profile)
+    timeout 240 python3 -m pytest tests/test_graphs.py tests/test_ops.py tests/test_transformers.py tests/test_cache.py \
+      -v -n 8 -p no:cacheprovider -rfE --tb=short > "$OUT/runtime.log" 2>&1; echo "runtime tests exit $?"
+    HYPOTHESIS_PROFILE=ci timeout 170 python3 -m pytest tests/test_forward.py tests/test_decode.py tests/test_backward.py \
+      -q -n 8 -p no:cacheprovider -rfE --tb=short > "$OUT/kernels.log" 2>&1; echo "kernel tests exit $?"
+    grep -E "^(FAILED|ERROR)" "$OUT/runtime.log" "$OUT/kernels.log" | cut -c1-240 | head -40
+    tail -2 "$OUT/runtime.log"; tail -2 "$OUT/kernels.log" ;;
+  timing)  # issue 13: host time per call; the standard suite (no flex) to check for regressions
+    timeout 120 python3 cli.py bench --suite latency --json "$OUT/latency.json" > "$OUT/latency.log" 2>&1
+    echo "latency exit $?"; cat "$OUT/latency.log"
+    timeout 280 python3 cli.py bench --suite standard --skip-flex --json "$OUT/h100.json" --time-limit 240 \
+      > "$OUT/bench.log" 2>&1; echo "bench exit $?"; tail -c 3500 "$OUT/bench.log" ;;
   tests)  # the whole suite at GPU scale (the CUDA backend's GPU tests run in the cuda stage)
     # -v logs each result as it lands, so a run cut short by its timeout still names its failures.
     timeout ${TESTS_TIMEOUT:-400} python3 -m pytest ${TESTS:-tests} -v -n 8 -p no:cacheprovider -rfE --tb=short \

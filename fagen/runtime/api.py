@@ -36,7 +36,7 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
         if isinstance(mask, str) and q.dim() == 4 and k.dim() == 4 else None
     if module is None:
         module = resolve(q, k, v, mask, decode)
-    if decode:
+    if not needs_grad:  # no autograd node to build: the forward alone (prefill or decode)
         return module.forward(q, k, v, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k, tree_mask=tree_mask,
                               check=check)[0]
     return module.attention(q, k, v, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k, tree_mask=tree_mask,

@@ -421,7 +421,7 @@ def _check_decode_inputs(q, num_splits):
         raise InputError(f"num_splits: expected a positive int (or None to choose from the shapes), got {num_splits!r}")
 
 
-def _launch_decode(q, k, v, scale, seqlens_q, seqlens_k, tree, num_splits, out=None, lse=None):
+def _launch_decode(q, k, v, scale, seqlens_q, seqlens_k, tree, num_splits, out=None, lse=None, workspace=None):
     """Launch the split kernel (and the merge when there is more than one split) on checked inputs.
 
     Workspaces come from torch's caching allocator; the split count from host-known shapes and the SM count
@@ -445,9 +445,12 @@ def _launch_decode(q, k, v, scale, seqlens_q, seqlens_k, tree, num_splits, out=N
     if direct:
         dst, dst_lse = out, lse
         dst_strides = (0, out.stride(0), out.stride(1), out.stride(2), 0, lse.stride(0), lse.stride(1))
+    elif workspace is not None:  # a Plan's buffers, sized for its largest problem: views of the leading part
+        dst, dst_lse = workspace[0][:splits, :b, :, :sq], workspace[1][:splits, :b, :, :sq]
     else:
         dst = torch.empty((splits, b, hq, sq, HEAD_DIM), dtype=torch.float32, device=q.device)
         dst_lse = torch.empty((splits, b, hq, sq), dtype=torch.float32, device=q.device)
+    if not direct:
         dst_strides = (*dst.stride()[:4], *dst_lse.stride()[:3])
     tree_strides = (tree.stride(0), tree.stride(1)) if tree is not None else (0, 0)
     block_d = triton.next_power_of_2(HEAD_DIM)
@@ -482,6 +485,57 @@ def forward_split(q, k, v, *, num_splits=None, scale=None, seqlens_q=None, seqle
 
 def _launch(q, k, v, scale, seqlens_q, seqlens_k, tree, out=None, lse=None):
     return _launch_decode(q, k, v, scale, seqlens_q, seqlens_k, tree, None, out, lse)
+
+
+class Plan:
+    """A decode step fixed once (plan), launched many times (run): what a CUDA graph captures.
+
+    plan() chooses the KV split count for the largest problem it is given (batch, query heads, queries, KV length)
+    and allocates the split workspace once; run() checks only host-known shapes, takes no allocation but the
+    outputs (or none, with out= and lse=), and launches. Nothing in run() reads a device value.
+    """
+
+    def __init__(self, max_batch, heads_q, max_seq_q, max_seq_k, device, num_splits=None):
+        for name, value in (("max_batch", max_batch), ("heads_q", heads_q), ("max_seq_q", max_seq_q),
+                            ("max_seq_k", max_seq_k)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InputError(f"plan: {name} must be a positive int, got {value!r}")
+        if max_seq_q > MAX_SEQ_Q or heads_q % GQA:
+            raise InputError(f"plan: max_seq_q must be at most {MAX_SEQ_Q} and heads_q a multiple of gqa={GQA}, got "
+                             f"{max_seq_q} and {heads_q}")
+        _check_decode_inputs(torch.empty(0, 0, max_seq_q, 0), num_splits)
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.limits = (max_batch, heads_q, max_seq_q, max_seq_k)
+        rows = tile_rows(GQA * max_seq_q)
+        n_tiles = triton.cdiv(GQA * max_seq_q, rows)
+        self.num_splits = num_splits or num_splits_for(max_batch * (heads_q // GQA) * n_tiles, max_seq_k,
+                                                       sm_count(self.device.index or 0))
+        self.workspace = (torch.empty((self.num_splits, max_batch, heads_q, max_seq_q, HEAD_DIM), dtype=torch.float32,
+                                      device=self.device),
+                          torch.empty((self.num_splits, max_batch, heads_q, max_seq_q), dtype=torch.float32,
+                                      device=self.device))
+
+    def run(self, q, k, v, *, scale=None, seqlens_q=None, seqlens_k=None, tree_mask=None, out=None, lse=None,
+            check=None):
+        """forward() with the plan's split count and workspace. Returns (out, lse)."""
+        _check_qkv(q, k, v)
+        b, hq, sq, _ = q.shape
+        if b > self.limits[0] or hq != self.limits[1] or sq > self.limits[2] or k.shape[2] > self.limits[3] \
+                or q.device != self.device:
+            raise InputError(f"run: q {tuple(q.shape)} with {k.shape[2]} keys on {q.device} exceeds the plan "
+                             f"(batch <= {self.limits[0]}, {self.limits[1]} heads, queries <= {self.limits[2]}, "
+                             f"keys <= {self.limits[3]}, on {self.device}); make a larger plan")
+        scale = _check_scale(scale)
+        seqlens_q, seqlens_k, tree = _check_mask_inputs(q, k, seqlens_q, seqlens_k, tree_mask, check)
+        _check_buffers(q, out, lse)
+        return _launch_decode(q, k, v, scale, seqlens_q, seqlens_k, tree, self.num_splits, out, lse, self.workspace)
+
+
+def plan(max_batch, heads_q, max_seq_q, max_seq_k, *, device="cuda", num_splits=None):
+    """A Plan for decode steps up to these sizes (see Plan)."""
+    return Plan(max_batch, heads_q, max_seq_q, max_seq_k, device, num_splits)
 
 
 def forward(q, k, v, *, scale=None, seqlens_q=None, seqlens_k=None, tree_mask=None, out=None, lse=None,

@@ -25,7 +25,7 @@ def _problem(mask, sq, sk):
 def test_checks_read_no_device_value_unless_asked(mask, backend):
     spec = fagen.KernelSpec(head_dim=32, mask=mask, gqa=2, dtype="fp16", backend=backend)
     module = fagen.load(spec)
-    (q, k, v), kw = _problem(mask, 12, 20).inputs(spec, "cpu")
+    (q, k, v), kw = _problem(mask, 12, 20).inputs(spec, DEVICE)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         fq, fk = mode.from_tensor(q), mode.from_tensor(k)
         fkw = {name: mode.from_tensor(t) for name, t in kw.items()}

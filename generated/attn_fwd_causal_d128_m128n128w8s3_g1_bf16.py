@@ -170,6 +170,66 @@ def _check_scale(scale):
     return float(scale)
 
 
+# [Note] Fast launches
+# fn[grid](...) re-binds and re-specialises every argument and recomputes the kernel's cache key on each call:
+# about half of a small call's host time (benchmarks/latency.md). _run keeps the compiled kernel of each
+# specialisation under a key of exactly what Triton specialises on (each tensor's dtype and 16-byte alignment,
+# each integer's == 1 and % 16 == 0, None) and calls its launcher directly. The first call of a specialisation
+# (and the interpreter, and Triton releases whose launcher this was not checked on) go through fn[grid].
+_FAST_LAUNCH = not _INTERPRET and triton.__version__.split("+")[0] in ("3.6.0",) \
+    and os.environ.get("FAGEN_FAST_LAUNCH", "1") != "0"
+_KERNELS = {}
+
+
+def _specialisation(values):
+    key = []
+    for a in values:
+        if isinstance(a, torch.Tensor):
+            key.append((a.dtype, a.data_ptr() % 16 == 0))
+        elif isinstance(a, bool) or a is None or isinstance(a, float):
+            key.append(a if not isinstance(a, float) else 0.5)
+        elif isinstance(a, int):
+            key.append((a == 1, a % 16 == 0))
+        else:
+            key.append(a)
+    return tuple(key)
+
+
+def _run(fn, grid, args, consts):
+    """fn[grid](*args, **consts), through the compiled kernel's launcher once this specialisation was compiled."""
+    if not _FAST_LAUNCH:
+        fn[grid](*args, **consts)
+        return
+    key = (fn, _specialisation(args), tuple(consts.items()))
+    kernel = _KERNELS.get(key)
+    if kernel is None:
+        _KERNELS[key] = fn[grid](*args, **consts)
+        return
+    values = list(args) + [consts[name] for name in fn.arg_names[len(args):]]
+    device = args[0].device.index
+    stream = torch.cuda.current_stream(device).cuda_stream
+    grid = tuple(grid) + (1,) * (3 - len(grid))
+    kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, None, None, None,
+               *values)
+
+
+class _Fast:
+    """_fast(fn)[grid](*args, **consts): the call syntax of fn[grid](...), through _run."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __getitem__(self, grid):
+        return lambda *args, **consts: _run(self.fn, grid, args, consts)
+
+
+def _fast(fn):
+    """A fast launcher for a @triton.jit kernel; anything else (a prebuilt launcher) is returned as it is."""
+    return _Fast(fn) if isinstance(fn, triton.runtime.JITFunction) else fn
+
+
 # [Note] Interpreter upcast
 # Under TRITON_INTERPRET=1 a tl.dot on bf16 operands returns wrong values (triton 3.6 and 3.9), so in
 # interpreter mode only the bf16 operands are upcast to fp32 before each dot. Compiled kernels never upcast.
@@ -329,7 +389,7 @@ def _launch_forward(q, k, v, scale, seqlens_q, seqlens_k, tree, out=None, lse=No
         _ensure_allocator()
     tree_strides = (tree.stride(0), tree.stride(1)) if tree is not None else (0, 0)
     grid = (triton.cdiv(sq, BLOCK_M), hq, b)
-    _attn_fwd[grid](
+    _fast(_attn_fwd)[grid](
         q, k, v, out, lse, seqlens_q, seqlens_k, tree, scale * 1.4426950408889634,  # 1/ln 2: exp2 domain
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),

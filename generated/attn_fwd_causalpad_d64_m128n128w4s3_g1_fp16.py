@@ -181,17 +181,18 @@ _KERNELS = {}
 
 
 def _specialisation(values):
-    key = []
-    for a in values:
-        if isinstance(a, torch.Tensor):
-            key.append((a.dtype, a.data_ptr() % 16 == 0))
-        elif isinstance(a, bool) or a is None or isinstance(a, float):
-            key.append(a if not isinstance(a, float) else 0.5)
-        elif isinstance(a, int):
-            key.append((a == 1, a % 16 == 0))
-        else:
-            key.append(a)
-    return tuple(key)
+    # Each position's dtype is fixed by the module's checks (q, k, v, out in DTYPE; lengths int32; lse float32), so
+    # alignment is what varies for a tensor. Floats are never specialised; a bool or None is its own key.
+    return tuple([(a.data_ptr() & 15) == 0 if type(a) is torch.Tensor
+                  else (a == 1, (a & 15) == 0) if type(a) is int
+                  else 0.5 if type(a) is float else a for a in values])
+
+
+try:  # the raw current stream, as Triton's own launch path reads it (falls back to the public API)
+    _raw_stream = torch._C._cuda_getCurrentRawStream
+except AttributeError:
+    def _raw_stream(device):
+        return torch.cuda.current_stream(device).cuda_stream
 
 
 def _run(fn, grid, args, consts):
@@ -205,8 +206,7 @@ def _run(fn, grid, args, consts):
         _KERNELS[key] = fn[grid](*args, **consts)
         return
     values = list(args) + [consts[name] for name in fn.arg_names[len(args):]]
-    device = args[0].device.index
-    stream = torch.cuda.current_stream(device).cuda_stream
+    stream = _raw_stream(args[0].device.index)
     grid = tuple(grid) + (1,) * (3 - len(grid))
     kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, None, None, None,
                *values)

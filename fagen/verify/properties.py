@@ -302,11 +302,16 @@ def grad_output(problem: Problem, spec: KernelSpec, device: str = "cpu") -> torc
 
 def reference_gradients(q, k, v, do, mask, *, out=None, **kwargs):
     """(out, lse, dq, dk, dv) in float64: autograd through the reference. dO rows past seqlens_q are ignored.
+    With sinks in kwargs, a sixth entry: dsinks, their gradient.
 
     With `out` (the output a backward kernel is given), the softmax backward uses delta = rowsum(dO * out) as the
     kernel does: see [Note] Delta from the saved output.
     """
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    sinks64 = None
+    if kwargs.get("sinks") is not None:
+        sinks64 = kwargs["sinks"].detach().double().requires_grad_()
+        kwargs = dict(kwargs, sinks=sinks64)
     ref_out, lse = reference.attention(q64, k64, v64, mask=mask, **kwargs)
     do64 = do.detach().double()
     if kwargs.get("seqlens_q") is not None:  # padded rows of dO are garbage by contract: they carry no gradient
@@ -327,6 +332,8 @@ def reference_gradients(q, k, v, do, mask, *, out=None, **kwargs):
         d = torch.where(torch.isfinite(lse), d, 0.0)
         loss = loss - (d * torch.where(torch.isfinite(lse), lse, 0.0)).sum()
     loss.backward()
+    if sinks64 is not None:
+        return ref_out.detach(), lse.detach(), q64.grad, k64.grad, v64.grad, sinks64.grad
     return ref_out.detach(), lse.detach(), q64.grad, k64.grad, v64.grad
 
 
@@ -335,16 +342,22 @@ def check_backward(module, spec: KernelSpec, problem: Problem, device: str = "cp
     (q, k, v), kwargs = problem.inputs(spec, device)
     do = grad_output(problem, spec, device)
     out, lse = module.forward(q, k, v, **kwargs)
-    dq, dk, dv = module.backward(do, q, k, v, out, lse, **kwargs)
+    grads = module.backward(do, q, k, v, out, lse, **kwargs)
+    dq, dk, dv = grads[:3]
     for name, got, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
         if got.dtype != like.dtype or got.shape != like.shape:
             raise PropertyFailure(f"{name}: {got.dtype} {tuple(got.shape)}, want {like.dtype} {tuple(like.shape)}")
-    ref_out, ref_lse, ref_dq, ref_dk, ref_dv = reference_gradients(q, k, v, do, spec.mask, out=out, **kwargs)
+    ref = reference_gradients(q, k, v, do, spec.mask, out=out, **kwargs)
+    ref_out, ref_lse, ref_dq, ref_dk, ref_dv = ref[:5]
     err = compare("out", out, ref_out, **TOLERANCE[spec.dtype])
     lse_err = compare("lse", lse, ref_lse, **LSE_TOLERANCE)
-    grad_errs = [compare_grad(name, got, want, spec.dtype)
-                 for name, got, want in (("dq", dq, ref_dq), ("dk", dk, ref_dk), ("dv", dv, ref_dv))]
-    return GradOutcome(err, lse_err if math.isfinite(lse_err) else 0.0, *grad_errs)
+    pairs = [("dq", dq, ref_dq), ("dk", dk, ref_dk), ("dv", dv, ref_dv)]
+    if spec.sinks:
+        if len(grads) != 4 or grads[3].shape != kwargs["sinks"].shape:
+            raise PropertyFailure("backward of a sinks kernel must return (dq, dk, dv, dsinks [Hq])")
+        pairs.append(("dsinks", grads[3], ref[5]))
+    grad_errs = [compare_grad(name, got, want, spec.dtype) for name, got, want in pairs]
+    return GradOutcome(err, lse_err if math.isfinite(lse_err) else 0.0, *grad_errs[:3])
 
 
 # -- properties ------------------------------------------------------------------------------------------

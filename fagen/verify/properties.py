@@ -272,7 +272,10 @@ def check_bwd_deterministic(module, spec: KernelSpec, problem: Problem, device: 
 def check_bwd_masked_rows(module, spec: KernelSpec, problem: Problem, device: str = "cpu") -> Outcome:
     """Gradients are finite; dq of a row that sees no key and dk, dv of a key that no row sees are exactly 0."""
     run, kwargs = _gradients(module, spec, problem, device)
-    dq, dk, dv = run()
+    grads = run()
+    dq, dk, dv = grads[:3]
+    if spec.sinks and not torch.isfinite(grads[3]).all():
+        raise PropertyFailure(f"dsinks is not finite: {grads[3].tolist()}")
     mask_kw = {k: v for k, v in kwargs.items() if k in ("seqlens_q", "seqlens_k", "tree_mask", "window")}
     vis = reference.visible(spec.mask, problem.batch, problem.seq_q, problem.seq_k, device=dq.device, **mask_kw)
     unseen_rows, unseen_keys = ~vis.any(-1), ~vis.any(-2)  # [B, Sq], [B, Sk]

@@ -11,7 +11,7 @@ import torch
 from hypothesis import strategies as st
 
 from fagen.runtime.loader import load
-from fagen.spec.axes import DType, Mask
+from fagen.spec.axes import DType, Kind, Mask
 from fagen.spec.kernel import KernelSpec
 from fagen.spec.tables import TORCH_DTYPE
 from fagen.verify import reference, strategies
@@ -379,7 +379,8 @@ class Property:
     shape: Callable | None = None  # (draw, problem) -> the problem this property needs (a chain, a star, ...)
 
     def problems(self, spec: KernelSpec, scale: str) -> st.SearchStrategy[Problem]:
-        base = strategies.problems(spec, scale)
+        draw_problems = strategies.decode_problems if spec.kind is Kind.DECODE else strategies.problems
+        base = draw_problems(spec, scale)
         if self.shape is None:
             return base
         return st.composite(lambda draw: self.shape(draw, draw(base)))()

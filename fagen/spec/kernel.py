@@ -125,7 +125,9 @@ class KernelSpec:
             if value not in allowed:
                 raise SpecError(name, value.value if isinstance(value, enum.Enum) else value, why)
         for name in self.switches:
-            raise SpecError(name, True, "the cuda backend has no score switches yet; use backend 'triton'")
+            if name not in ("window", "softcap"):
+                raise SpecError(name, True, "the cuda backend has the window and softcap switches only; use "
+                                            "backend 'triton'")
         rows = self.block_m // self.num_warps
         if self.block_m % self.num_warps or rows not in defaults.CUDA_ROWS_PER_WARP:
             ok = ", ".join(str(self.block_m // r) for r in defaults.CUDA_ROWS_PER_WARP)

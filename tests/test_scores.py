@@ -169,5 +169,5 @@ def test_spec_names_and_json():
     assert fagen.KernelSpec.from_json(spec.to_json()) == spec and '"sinks":true' in spec.to_json()
     with pytest.raises(SpecError, match="must be true or false"):
         fagen.KernelSpec(head_dim=64, softcap="yes")
-    with pytest.raises(SpecError, match="cuda backend has no score switches"):
+    with pytest.raises(SpecError, match="cuda backend has the window and softcap switches only"):
         fagen.KernelSpec(head_dim=64, backend="cuda", alibi=True)

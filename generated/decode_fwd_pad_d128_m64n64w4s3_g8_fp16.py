@@ -480,7 +480,8 @@ def _check_decode_inputs(q, num_splits):
         raise InputError(f"num_splits: expected a positive int (or None to choose from the shapes), got {num_splits!r}")
 
 
-def _launch_decode(q, k, v, scale, seqlens_q, seqlens_k, tree, num_splits, out=None, lse=None, workspace=None):
+def _launch_decode(q, k, v, scale, seqlens_q, seqlens_k, tree, num_splits, out=None, lse=None,
+                   workspace=None):
     """Launch the split kernel (and the merge when there is more than one split) on checked inputs.
 
     Workspaces come from torch's caching allocator; the split count from host-known shapes and the SM count
@@ -576,7 +577,8 @@ class Plan:
                           torch.empty((self.num_splits, max_batch, heads_q, max_seq_q), dtype=torch.float32,
                                       device=self.device))
 
-    def run(self, q, k, v, *, scale=None, seqlens_q=None, seqlens_k=None, tree_mask=None, out=None, lse=None,
+    def run(self, q, k, v, *, scale=None, seqlens_q=None, seqlens_k=None, tree_mask=None,
+            out=None, lse=None,
             check=None):
         """forward() with the plan's split count and workspace. Returns (out, lse)."""
         _check_qkv(q, k, v)
@@ -589,7 +591,8 @@ class Plan:
         scale = _check_scale(scale)
         seqlens_q, seqlens_k, tree = _check_mask_inputs(q, k, seqlens_q, seqlens_k, tree_mask, check)
         _check_buffers(q, out, lse)
-        return _launch_decode(q, k, v, scale, seqlens_q, seqlens_k, tree, self.num_splits, out, lse, self.workspace)
+        return _launch_decode(q, k, v, scale, seqlens_q, seqlens_k, tree, self.num_splits, out, lse,
+                              self.workspace)
 
 
 def plan(max_batch, heads_q, max_seq_q, max_seq_k, *, device="cuda", num_splits=None):

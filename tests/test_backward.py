@@ -276,9 +276,11 @@ BWD_MUTANTS = [m for m in mutants.MUTANTS if m.directions == (Direction.BWD,)]
 def test_check_backward_catches_mutants(mutant):
     """Each backward mutant, on a spec it applies to, fails check_backward; the unmutated source passes."""
     mask = mutant.masks[0]
-    spec = bwd_spec(mask, gqa=2, head_dim=24)
-    assert mutant.applies(spec) and not mutant.applies(fagen.KernelSpec(head_dim=24, mask=mask))
-    problem = ragged_problem(mask)
+    switches = {switch: True for switch in mutant.switches}
+    spec = bwd_spec(mask, gqa=2, head_dim=24, **switches)
+    assert mutant.applies(spec) and not mutant.applies(fagen.KernelSpec(head_dim=24, mask=mask, **switches))
+    problem = ragged_problem(mask, **({"softcap": 2.0, "magnitude": 4.0} if "softcap" in switches else {}),
+                             **({"sinks": True} if "sinks" in switches else {}))
     check_backward(fagen.load(spec), spec, problem, DEVICE)
     broken = runtime.load_source(mutant.apply(generate(spec)), f"{spec.name}_{mutant.name.replace('-', '_')}")
     with pytest.raises(PropertyFailure):

@@ -263,3 +263,23 @@ def test_launch_arguments_match_the_kernel_signature(mask):
     assert (value["stride_tb"], value["stride_tm"]) == bits.stride()[:2]
     assert (value["num_heads"], value["seq_q"], value["seq_k"]) == (6, 9, 13)
     assert value["qk_scale_log2"] == pytest.approx(0.5 / 0.6931471805599453)
+
+
+# -- score switches: window and softcap (alibi and sinks are Triton-only) ----------------------------------
+def test_score_switches_render_only_when_on():
+    plain = fagen.generate(cuda_spec(head_dim=64, mask="causal"))
+    both = fagen.generate(cuda_spec(head_dim=64, mask="causal", window=True, softcap=True))
+    assert "win_left" not in plain and "tanhf" not in plain
+    assert "int win_left, int win_right, float cap_in, float cap_out" in both and "tanhf(" in both
+    with pytest.raises(fagen.SpecError, match="window and softcap switches only"):
+        cuda_spec(head_dim=64, sinks=True)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("mask", ["causal", "padding"])
+def test_window_and_softcap_compile(mask):
+    """nvcc compiles the window + softcap forward (the GPU tests in test_cuda_gpu.py check its values)."""
+    spec = cuda_spec(head_dim=128, mask=mask, dtype="bf16", window=True, softcap=True)
+    for arch in ("sm_80", "sm_90"):
+        res = nvcc.compile_spec(spec, arch).resources["fagen_attn_fwd"]
+        assert 0 < res.registers <= 255

@@ -226,3 +226,21 @@ def test_broken_kernels_are_caught(name, mask, old, new):
     check_forward(fagen.load(spec), spec, problem, DEVICE)  # the intact kernel passes ...
     with pytest.raises(PropertyFailure):  # ... and the broken one fails
         check_forward(_load_mutant(spec, old, new), spec, problem, DEVICE)
+
+
+@pytest.mark.parametrize("switches", [dict(window=True), dict(softcap=True), dict(window=True, softcap=True)])
+@pytest.mark.parametrize("mask", list(Mask))
+def test_window_and_softcap_match_reference(mask, switches):
+    """The cuda forward's window (with block skipping) and softcap against float64, on ragged problems."""
+    spec = cuda_spec(head_dim=64, mask=mask, dtype="bf16", gqa=4, **switches)
+    module = fagen.load(spec)
+    sq, sk = (9, 9 + 1000) if mask is Mask.TREE else (1000, 1537)
+    for window in ((0, 0), (127, 0), (300, 45), (None, 64), (2000, None)):
+        problem = Problem(batch=2, heads_kv=2, seq_q=sq, seq_k=sk, seed=5, magnitude=4.0,
+                          seqlens_q=(sq, sq // 3) if mask.padded else None,
+                          seqlens_k=(sk, sk // 2) if mask.padded else None,
+                          parents=((-1, 0, 1, 1, 0, 4, -1, 6, 2),) * 2 if mask is Mask.TREE else None,
+                          window=window if spec.window else None, softcap=5.0 if spec.softcap else None)
+        check_forward(module, spec, problem, DEVICE)
+        if not spec.window:
+            break

@@ -110,3 +110,43 @@ def test_caller_owned_out_and_lse(kind):
     assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
     with pytest.raises(module.InputError, match="lse: expected a contiguous float32"):
         module.forward(q, k, v, lse=torch.empty(3))
+
+
+@pytest.mark.parametrize("kind", ["prefill", "decode"])
+def test_opcheck_with_every_score_switch(kind):
+    """The per-spec operators carry window, softcap, slopes and sinks (and the sinks' gradient)."""
+    direction = "bwd" if kind == "prefill" else "fwd"
+    spec = fagen.KernelSpec(head_dim=16, mask="causal", gqa=2, dtype="fp32", direction=direction, kind=kind,
+                            block_m=16, block_n=16, window=True, softcap=True, alibi=True, sinks=True)
+    module = fagen.load(spec)
+    (q, k, v), _ = _problem(spec, sq=3 if kind == "decode" else 20, sk=27).inputs(spec, DEVICE)
+    g = torch.Generator().manual_seed(3)
+    slopes, sinks = torch.rand(4, generator=g).to(DEVICE), torch.randn(4, generator=g).to(DEVICE)
+    if kind == "prefill":
+        q, k, v, sinks = (t.requires_grad_() for t in (q, k, v, sinks))
+    args = (q, k, v, 0.25, None, None, None, 5, 0, 3.0, slopes, sinks)
+    result = opcheck(module.forward_op, args)
+    assert set(result.values()) == {"SUCCESS"}, result
+
+
+def test_fullgraph_compile_with_score_switches_and_sink_gradient():
+    from fagen.runtime import ops
+
+    torch._dynamo.reset()
+    spec = fagen.KernelSpec(head_dim=16, mask="causal", gqa=2, dtype="fp32", direction="bwd")
+    (q, k, v), _ = _problem(spec).inputs(spec, DEVICE)
+    sinks = torch.randn(q.shape[1], generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    result = opcheck(ops.attention, (q.requires_grad_(), k, v, "causal", None, None, None, None, False, [7, 0], 2.0,
+                                     None, sinks.clone().requires_grad_()))
+    assert set(result.values()) == {"SUCCESS"}, result
+
+    def layer(q, k, v, sinks):
+        return fagen.attention(q, k, v, mask="causal", window=(7, 0), softcap=2.0, sinks=sinks).sum(-1)
+
+    compiled = torch.compile(layer, fullgraph=True, backend=BACKEND)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, sinks)]
+    compiled(*leaves).sum().backward()
+    eager = [t.detach().clone().requires_grad_() for t in (q, k, v, sinks)]
+    layer(*eager).sum().backward()
+    for a, b in zip(leaves, eager):
+        compare("grad", a.grad, b.grad, atol=1e-5, rtol=1e-5, expected="eager")

@@ -18,7 +18,7 @@ FORWARD_MUTANTS = [m for m in MUTANTS if Kind.PREFILL in m.kinds and not m.name.
 
 def _spec_for(mutant):
     return fagen.KernelSpec(head_dim=32, mask=mutant.masks[0], gqa=max(mutant.min_gqa, 1), dtype="fp32",
-                            block_m=16, block_n=16)
+                            block_m=16, block_n=16, **{switch: True for switch in mutant.switches})
 
 
 @pytest.mark.parametrize("mutant", FORWARD_MUTANTS, ids=lambda m: m.name)

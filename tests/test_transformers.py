@@ -56,3 +56,42 @@ def test_left_padding_is_a_clear_error():
     mask[1, :3] = 0
     with pytest.raises(fagen_hf.UnsupportedAttention, match="padding must be on the right"):
         ours(input_ids=ids, attention_mask=mask)
+
+
+def _against_eager(cls, config):
+    """Logits and every gradient (the sinks' included) of a small model, fagen against transformers' eager."""
+    torch.manual_seed(0)
+    ours = cls(copy.deepcopy(config)).to(DEVICE, DTYPE)
+    eager = cls(copy.deepcopy(config)).to(DEVICE, DTYPE)
+    eager.load_state_dict(ours.state_dict())
+    ours.set_attn_implementation(fagen_hf.register())
+    eager.set_attn_implementation("eager")
+    ids = torch.randint(0, 97, (2, 13), device=DEVICE)
+    logits = []
+    for model in (ours, eager):
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        logits.append(out.logits)
+    torch.testing.assert_close(logits[0], logits[1], **TOL)
+    for (name, p), (_, p_ref) in zip(ours.named_parameters(), eager.named_parameters()):
+        assert p.grad is not None, name
+        scale = max(1.0, p_ref.grad.abs().max().item())
+        torch.testing.assert_close(p.grad / scale, p_ref.grad / scale, **TOL, msg=lambda m: f"{name}: {m}")
+    return ours
+
+
+def test_gemma2_softcap_and_sliding_window_match_eager():
+    config = transformers.Gemma2Config(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                       max_position_embeddings=64, sliding_window=4, attn_logit_softcapping=2.0,
+                                       query_pre_attn_scalar=16)
+    _against_eager(transformers.Gemma2ForCausalLM, config)
+
+
+def test_gpt_oss_sinks_and_sliding_window_match_eager():
+    config = transformers.GptOssConfig(vocab_size=97, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                       max_position_embeddings=64, sliding_window=4, num_local_experts=4,
+                                       num_experts_per_tok=2)
+    model = _against_eager(transformers.GptOssForCausalLM, config)
+    assert any(name.endswith("sinks") for name, _ in model.named_parameters())

@@ -11,7 +11,7 @@ from fagen.spec.axes import Backend, Direction, DType, Kind, Mask
 from fagen.spec.kernel import KernelSpec, SpecError, read_fields
 
 _SPEC_FLAGS = ("head_dim", "mask", "gqa", "dtype", "direction", "backend", "kind",
-               "block_m", "block_n", "num_warps", "num_stages")
+               "block_m", "block_n", "num_warps", "num_stages", "window", "softcap", "alibi", "sinks")
 
 
 def spec_options(fn):
@@ -30,6 +30,10 @@ def spec_options(fn):
         click.option("--block-n", type=int, help="Keys per inner step (power of two, 16..256)."),
         click.option("--num-warps", type=int, help="Warps per program."),
         click.option("--num-stages", type=int, help="Software pipelining depth."),
+        click.option("--window/--no-window", default=None, help="Sliding window (left, right) as runtime arguments."),
+        click.option("--softcap/--no-softcap", default=None, help="Logit softcap cap * tanh(s / cap)."),
+        click.option("--alibi/--no-alibi", default=None, help="ALiBi slopes, float32 [Hq]."),
+        click.option("--sinks/--no-sinks", default=None, help="Attention sinks, float32 [Hq] (with their gradient)."),
     ]
     return functools.reduce(lambda f, opt: opt(f), reversed(options), fn)
 

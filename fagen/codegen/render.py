@@ -73,7 +73,16 @@ def template_name(spec: KernelSpec) -> str:
 def _context(spec: KernelSpec) -> dict:
     """Everything a template sees: the spec (enums and integers only), and values the tables derive from it."""
     return dict(spec=spec, spec_json=spec.to_json(), version=__version__, max_seq_q=DECODE_MAX_SEQ_Q,
-                dot_precision=tables.DOT_KWARGS[spec.dtype], tma=tables.tma_loads(spec))
+                dot_precision=tables.DOT_KWARGS[spec.dtype], tma=tables.tma_loads(spec),
+                xargs=SCORE_ARGS if spec.switches else "", xsig=SCORE_SIG if spec.switches else "")
+
+
+# [Note] Score arguments. A spec with any score switch threads these launch-form values through its launch
+# function, operators and autograd (appended to every argument list as {{ xargs }} / {{ xsig }}); a spec without
+# switches renders neither, so its source is unchanged.
+SCORE_ARGS = ", window_left, window_right, softcap, alibi_slopes, sinks"
+SCORE_SIG = (", window_left: int, window_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor], "
+             "sinks: Optional[torch.Tensor]")
 
 
 @dataclasses.dataclass(frozen=True)

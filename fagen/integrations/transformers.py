@@ -7,7 +7,10 @@
 The attention function receives transformers' query/key/value ([B, H, S, D], K/V with their own KV heads: fagen
 runs GQA natively) and the 2D padding mask that transformers builds for un-padded kernels (flash_attention_mask:
 None when nothing is padded). Right padding maps onto fagen's `padding` / `causal+padding` masks; the model's
-own causal flag and scaling are passed through. Needs `pip install "fagen[hf]"`.
+own causal flag and scaling are passed through, and so are the model's score modifiers: `sliding_window` (keys
+within sliding_window - 1 before the query, and as many after it for a bidirectional layer), `softcap` (Gemma 2)
+and `s_aux`, the per-head attention sinks (gpt-oss; cast to float32, with their gradient). Needs
+`pip install "fagen[hf]"`.
 """
 
 from __future__ import annotations
@@ -49,16 +52,27 @@ def _lengths(mask: torch.Tensor, q_len: int) -> torch.Tensor:
     return lens
 
 
+def _scores(kwargs: dict, causal: bool) -> dict:
+    """fagen.attention's score arguments from the model's sliding_window, softcap and s_aux (sinks)."""
+    scores = {}
+    window = kwargs.get("sliding_window")
+    if window is not None:  # transformers: key j is in query i's window iff |i - j| < sliding_window
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise UnsupportedAttention(f"fagen: sliding_window must be a positive int, got {window!r}")
+        scores["window"] = (window - 1, 0 if causal else window - 1)
+    if kwargs.get("softcap") is not None:
+        scores["softcap"] = float(kwargs["softcap"])
+    if kwargs.get("s_aux") is not None:
+        scores["sinks"] = kwargs["s_aux"].float()
+    return scores
+
+
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                       is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: returns (out [B, S, H, D], None)."""
     if dropout:
         raise UnsupportedAttention(f"fagen has no attention dropout (got {dropout}); set attention_dropout=0")
-    for option in ("softcap", "sliding_window", "s_aux"):
-        if kwargs.get(option) is not None:
-            raise UnsupportedAttention(f"fagen: the model passes {option}={kwargs[option]!r}, which this integration "
-                                       "does not pass on yet; use attn_implementation='sdpa' for this model")
     if kwargs.get("output_attentions"):
         raise UnsupportedAttention("fagen does not return attention weights; use attn_implementation='eager'")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
@@ -68,5 +82,5 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         seqlens = _lengths(attention_mask, query.shape[2])
         lens = {"seqlens_q": seqlens, "seqlens_k": seqlens}
     mask = ("causal" if causal else "none") if not lens else ("causal+padding" if causal else "padding")
-    out = fagen.attention(query, key, value, mask=mask, scale=scaling, **lens)
+    out = fagen.attention(query, key, value, mask=mask, scale=scaling, **lens, **_scores(kwargs, causal))
     return out.transpose(1, 2).contiguous(), None

@@ -8,10 +8,12 @@ from fagen.runtime import ops
 from fagen.runtime.kinds import prefers_decode
 from fagen.runtime.resolve import _FAST, AttentionError, resolve, spec_for
 from fagen.spec.axes import Mask
+from fagen.spec.kernel import SCORE_SWITCHES
 
 
 def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None, seqlens_q=None, seqlens_k=None,
-              tree_mask=None, check: bool | None = None) -> torch.Tensor:
+              tree_mask=None, window=None, softcap: float | None = None, alibi_slopes=None, sinks=None,
+              check: bool | None = None) -> torch.Tensor:
     """Attention over q [B, Hq, Sq, D], k and v [B, Hkv, Sk, D]; returns out like q, differentiable.
 
     The kernel is chosen from the inputs (dtype, head_dim D, gqa = Hq / Hkv) and `mask`, rendered and loaded once
@@ -19,6 +21,9 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
     "causal" is bottom-right aligned, "padding"/"causal+padding" take seqlens_q and seqlens_k (int32 [B]),
     "tree" takes tree_mask (bool [B, Sq, Sq] ancestor-or-self, or int32 parent pointers [B, Sq]).
     check=True also validates the values of those inputs (a host sync; see the README).
+    Score modifiers (README "Score modifiers"), each picking a kernel with that switch: window=(left, right) (ints,
+    None for an unbounded side; (w, 0) with "causal" is the usual sliding window), softcap (cap * tanh(s / cap)),
+    alibi_slopes (float32 [Hq]) and sinks (float32 [Hq] logits; sinks.grad is filled when it requires grad).
 
     Without gradients, a few queries against a long KV cache (fagen.runtime.kinds.prefers_decode) run the split-KV
     decode kernel; both kinds give the same results. Under torch.compile the call is one custom operator
@@ -26,21 +31,27 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
     """
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
         spec_for(q, k, v, mask=mask)  # raises the AttentionError that names the bad input
-    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                              or (isinstance(sinks, torch.Tensor) and sinks.requires_grad))
     decode = not needs_grad and q.dim() == 4 and k.dim() == 4 and prefers_decode(q.shape[2], k.shape[2])
+    scores = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+    switches = tuple(name for name, value in zip(SCORE_SWITCHES, scores.values()) if value is not None)
     if torch.compiler.is_compiling():
-        return ops.attention(q, k, v, str(mask), scale, seqlens_q, seqlens_k, tree_mask, decode)[0]
+        win = None if window is None else [-1 if w is None else w for w in window]
+        return ops.attention(q, k, v, str(mask), scale, seqlens_q, seqlens_k, tree_mask, decode, win, softcap,
+                             alibi_slopes, sinks)[0]
     # [Note] Host time. A warm call costs one dict lookup on plain values before the module's own checks and launch:
     # no spec is built, hashed or validated per call.
-    module = _FAST.get((q.dtype, q.shape[-1], q.shape[1], k.shape[1], mask, decode)) \
+    module = _FAST.get((q.dtype, q.shape[-1], q.shape[1], k.shape[1], mask, decode, switches)) \
         if isinstance(mask, str) and q.dim() == 4 and k.dim() == 4 else None
     if module is None:
-        module = resolve(q, k, v, mask, decode)
+        module = resolve(q, k, v, mask, decode, switches)
+    scores = {name: value for name, value in scores.items() if value is not None}
     if not needs_grad:  # no autograd node to build: the forward alone (prefill or decode)
         return module.forward(q, k, v, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k, tree_mask=tree_mask,
-                              check=check)[0]
+                              check=check, **scores)[0]
     return module.attention(q, k, v, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k, tree_mask=tree_mask,
-                            check=check)
+                            check=check, **scores)
 
 
 

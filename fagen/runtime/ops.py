@@ -3,57 +3,83 @@
 Dynamo sees a single operator call whose fake implementation follows the input shapes: no graph break, and no
 recompile when a sequence length changes. The operator's implementation runs eagerly, picks the generated module
 (fagen.runtime.resolve.resolve) and launches it; the generated modules register their own per-spec operators too
-([Note] Operators in fagen/templates/host/ops.py.j2).
+([Note] Operators in fagen/templates/host/ops.py.j2). The score inputs travel as operator arguments: window as
+[left, right] with -1 for an unbounded side, softcap, alibi_slopes and sinks (whose gradient the backward returns).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
 from fagen.runtime.resolve import resolve
 
 
+def _scores(window, softcap, alibi_slopes, sinks):
+    """(switches, kwargs) of the score inputs given to the operator."""
+    kwargs = {}
+    if window is not None:
+        kwargs["window"] = tuple(None if w < 0 else w for w in window)
+    for name, value in (("softcap", softcap), ("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if value is not None:
+            kwargs[name] = value
+    names = {"window": "window", "softcap": "softcap", "alibi_slopes": "alibi", "sinks": "sinks"}
+    return tuple(names[key] for key in kwargs), kwargs
+
+
 @torch.library.custom_op("fagen::attention", mutates_args=())
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: str, scale: Optional[float],
               seqlens_q: Optional[torch.Tensor], seqlens_k: Optional[torch.Tensor], tree_mask: Optional[torch.Tensor],
-              decode: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    module = resolve(q, k, v, mask, decode)
-    return module.forward(q, k, v, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k, tree_mask=tree_mask)
+              decode: bool, window: Optional[List[int]] = None, softcap: Optional[float] = None,
+              alibi_slopes: Optional[torch.Tensor] = None,
+              sinks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    switches, scores = _scores(window, softcap, alibi_slopes, sinks)
+    module = resolve(q, k, v, mask, decode, switches)
+    return module.forward(q, k, v, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k, tree_mask=tree_mask,
+                          **scores)
 
 
 @attention.register_fake
-def _attention_fake(q, k, v, mask, scale, seqlens_q, seqlens_k, tree_mask, decode):
+def _attention_fake(q, k, v, mask, scale, seqlens_q, seqlens_k, tree_mask, decode, window=None, softcap=None,
+                    alibi_slopes=None, sinks=None):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("fagen::attention_backward", mutates_args=())
 def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                        lse: torch.Tensor, mask: str, scale: Optional[float], seqlens_q: Optional[torch.Tensor],
-                       seqlens_k: Optional[torch.Tensor],
-                       tree_mask: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    module = resolve(q, k, v, mask, False)
-    return module.backward(do, q, k, v, out, lse, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
-                           tree_mask=tree_mask)
+                       seqlens_k: Optional[torch.Tensor], tree_mask: Optional[torch.Tensor],
+                       window: Optional[List[int]] = None, softcap: Optional[float] = None,
+                       alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dsinks); dsinks is empty without sinks."""
+    switches, scores = _scores(window, softcap, alibi_slopes, sinks)
+    module = resolve(q, k, v, mask, False, switches)
+    grads = module.backward(do, q, k, v, out, lse, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
+                            tree_mask=tree_mask, **scores)
+    return (*grads[:3], grads[3] if sinks is not None else q.new_empty(0, dtype=torch.float32))
 
 
 @attention_backward.register_fake
-def _attention_backward_fake(do, q, k, v, out, lse, mask, scale, seqlens_q, seqlens_k, tree_mask):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def _attention_backward_fake(do, q, k, v, out, lse, mask, scale, seqlens_q, seqlens_k, tree_mask, window=None,
+                             softcap=None, alibi_slopes=None, sinks=None):
+    dsinks = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty(0, dtype=torch.float32)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, mask, scale, seqlens_q, seqlens_k, tree_mask, decode = inputs
-    ctx.save_for_backward(q, k, v, output[0], output[1], seqlens_q, seqlens_k, tree_mask)
-    ctx.mask, ctx.scale = mask, scale
+    q, k, v, mask, scale, seqlens_q, seqlens_k, tree_mask, decode, window, softcap, alibi_slopes, sinks = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], seqlens_q, seqlens_k, tree_mask, alibi_slopes, sinks)
+    ctx.mask, ctx.scale, ctx.window, ctx.softcap = mask, scale, window, softcap
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, seqlens_q, seqlens_k, tree_mask = ctx.saved_tensors
-    dq, dk, dv = attention_backward(dout.to(q.dtype).contiguous(), q, k, v, out, lse, ctx.mask, ctx.scale, seqlens_q,
-                                    seqlens_k, tree_mask)
-    return dq, dk, dv, None, None, None, None, None, None
+    q, k, v, out, lse, seqlens_q, seqlens_k, tree_mask, alibi_slopes, sinks = ctx.saved_tensors
+    dq, dk, dv, dsinks = attention_backward(dout.to(q.dtype).contiguous(), q, k, v, out, lse, ctx.mask, ctx.scale,
+                                            seqlens_q, seqlens_k, tree_mask, ctx.window, ctx.softcap, alibi_slopes,
+                                            sinks)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, dsinks if sinks is not None else None
 
 
 attention.register_autograd(_backward, setup_context=_setup)

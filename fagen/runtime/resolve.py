@@ -22,17 +22,19 @@ class AttentionError(ValueError):
 _FAST: dict[tuple, ModuleType] = {}
 
 
-def resolve(q, k, v, mask, decode: bool) -> ModuleType:
-    """The module that serves these inputs: the bwd (differentiable) kernel, or the decode kernel; memoised."""
-    spec = spec_for(q, k, v, mask=mask)
+def resolve(q, k, v, mask, decode: bool, switches: tuple[str, ...] = ()) -> ModuleType:
+    """The module that serves these inputs: the bwd (differentiable) kernel, or the decode kernel; memoised.
+    switches: the score switches the call uses ("window", "softcap", "alibi", "sinks")."""
+    spec = spec_for(q, k, v, mask=mask, switches=switches)
     if decode:
-        spec = KernelSpec(head_dim=spec.head_dim, mask=spec.mask, gqa=spec.gqa, dtype=spec.dtype, kind=Kind.DECODE)
+        spec = KernelSpec(head_dim=spec.head_dim, mask=spec.mask, gqa=spec.gqa, dtype=spec.dtype, kind=Kind.DECODE,
+                          **{name: True for name in switches})
     module = _module(spec)
-    _FAST[(q.dtype, q.shape[-1], q.shape[1], k.shape[1], mask, decode)] = module
+    _FAST[(q.dtype, q.shape[-1], q.shape[1], k.shape[1], mask, decode, switches)] = module
     return module
 
 
-def spec_for(q, k, v, *, mask: Mask | str = "none") -> KernelSpec:
+def spec_for(q, k, v, *, mask: Mask | str = "none", switches: tuple[str, ...] = ()) -> KernelSpec:
     """The bwd (differentiable) spec whose kernel runs attention on these inputs."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -56,7 +58,7 @@ def spec_for(q, k, v, *, mask: Mask | str = "none") -> KernelSpec:
         raise AttentionError(f"mask: got {mask!r}; must be one of " + ", ".join(map(repr, Mask.choices()))) from None
     try:
         return KernelSpec(head_dim=q.shape[-1], mask=mask, gqa=hq // hkv, dtype=_DTYPES[q.dtype],
-                          direction=Direction.BWD)
+                          direction=Direction.BWD, **{name: True for name in switches})
     except SpecError as e:
         raise AttentionError(f"no kernel for these inputs: {e}") from None
 

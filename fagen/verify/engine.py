@@ -274,10 +274,12 @@ def default_mutant_specs(scale: str = "cpu") -> tuple[KernelSpec, ...]:
     blocks = dict(block_m=32, block_n=16) if scale == "cpu" else {}
     decode_blocks = dict(block_m=16, block_n=16) if scale == "cpu" else {}
     head_dim = 32 if scale == "cpu" else 64
-    return tuple(
-        KernelSpec(head_dim=head_dim, mask=m, gqa=2, dtype="fp16", **fields)
-        for fields in ({**blocks}, {**blocks, "direction": Direction.BWD}, {**decode_blocks, "kind": Kind.DECODE})
-        for m in Mask)
+    kinds = ({**blocks}, {**blocks, "direction": Direction.BWD}, {**decode_blocks, "kind": Kind.DECODE})
+    plain = tuple(KernelSpec(head_dim=head_dim, mask=m, gqa=2, dtype="fp16", **fields) for fields in kinds for m in Mask)
+    # Every score switch on, for the mutants that edit their code (fp32: the switches' bugs, not rounding, show).
+    scored = tuple(KernelSpec(head_dim=head_dim, mask="causal", gqa=2, dtype="fp32", window=True, softcap=True,
+                              alibi=True, sinks=True, **fields) for fields in kinds)
+    return plain + scored
 
 
 def mutant_module(spec: KernelSpec, name: str) -> ModuleType:

@@ -18,10 +18,11 @@ class Mutant:
     min_gqa: int = 1  # a head-mapping bug is invisible while every query head has its own KV head
     kinds: tuple[Kind, ...] = (Kind.PREFILL,)  # kernel kinds whose source it edits
     directions: tuple[Direction, ...] = tuple(Direction)  # bwd-only mutants edit code a fwd spec does not have
+    switches: tuple[str, ...] = ()  # score switches the spec must have (the edited code exists only with them)
 
     def applies(self, spec: KernelSpec) -> bool:
         return (spec.mask in self.masks and spec.gqa >= self.min_gqa and spec.kind in self.kinds
-                and spec.direction in self.directions)
+                and spec.direction in self.directions and all(getattr(spec, s) for s in self.switches))
 
     def apply(self, source: str) -> str:
         if self.old not in source:
@@ -70,4 +71,27 @@ MUTANTS = (
     Mutant("bwd-no-empty-row-guard", "backward: lse = -inf of empty rows is not replaced by +inf before exp2",
            tuple(Mask), 'tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)',
            "lse * 1.4426950408889634", directions=(Direction.BWD,)),
+    # Score switches (issue 15).
+    Mutant("window-off-by-one", "the window's left edge excludes key i_aligned - left",
+           tuple(Mask), "cols[None, :] >= offs_m[:, None] + wshift - win_left",
+           "cols[None, :] > offs_m[:, None] + wshift - win_left", switches=("window",)),
+    Mutant("window-top-left", "the window is aligned top-left (i_aligned = i, ignoring len_k - len_q)",
+           tuple(Mask), "    wshift = len_k - len_q\n", "    wshift = 0\n", switches=("window",)),
+    Mutant("window-skips-a-block", "block skipping starts one key block past the window's first block",
+           tuple(Mask), "lo = tl.minimum(tl.maximum(m0 + wshift - win_left, 0) // BLOCK_N * BLOCK_N, hi)",
+           "lo = tl.minimum(tl.maximum(m0 + wshift - win_left, 0) // BLOCK_N * BLOCK_N + BLOCK_N, hi)",
+           switches=("window",)),
+    Mutant("softcap-after-mask", "the mask is applied before the softcap: masked scores become -cap, not -inf",
+           tuple(Mask), ', qk, float("-inf"))\n            m_new', ", qk, -cap_out)\n            m_new",
+           switches=("softcap",)),
+    Mutant("alibi-sign-flipped", "ALiBi adds +slope * |j - i_aligned| instead of subtracting it", tuple(Mask),
+           "qk = qk - slope2 * tl.abs(", "qk = qk + slope2 * tl.abs(", switches=("alibi",)),
+    Mutant("sink-left-out", "the sink is left out of the softmax denominator (and so of lse)", tuple(Mask),
+           "l_i = l_i * alpha + tl.math.exp2(sink2 - m_fu)", "l_i = l_i * alpha", switches=("sinks",)),
+    Mutant("bwd-sink-grad-dropped", "backward: the sinks' gradient is returned as zeros", tuple(Mask),
+           "_sink_grad(do, out, lse, sinks, delta[:, :, :sq])", "torch.zeros_like(sinks)",
+           directions=(Direction.BWD,), switches=("sinks",)),
+    Mutant("bwd-softcap-no-chain", "backward: dS skips the softcap's factor 1 - tanh^2", tuple(Mask),
+           "ds_t = ds_t * (1.0 - tanh_s * tanh_s)", "ds_t = ds_t", directions=(Direction.BWD,),
+           switches=("softcap",)),
 )

@@ -11,7 +11,7 @@ import torch
 from hypothesis import strategies as st
 
 from fagen.runtime.loader import load
-from fagen.spec.axes import DType, Mask
+from fagen.spec.axes import DType, Kind, Mask
 from fagen.spec.kernel import KernelSpec
 from fagen.spec.tables import TORCH_DTYPE
 from fagen.verify import reference, strategies
@@ -19,9 +19,13 @@ from fagen.verify.strategies import Problem
 from fagen.verify.tolerances import (GRAD_TOLERANCE, LSE_TOLERANCE, PAIR, TOLERANCE, Outcome, PropertyFailure, compare,
                                      compare_grad, compare_pair, compare_pair_lse, check_finite)
 
+SCORE_KWARGS = ("window", "softcap", "alibi_slopes", "sinks")
+
+
 def _scale_of(kwargs: dict) -> dict:
-    """The problem's softmax scale as kwargs for a related run: every half, twin or slice uses the same scale."""
-    return {"scale": kwargs["scale"]} if "scale" in kwargs else {}
+    """The problem's softmax scale and score inputs as kwargs for a related run: every half, twin or slice uses
+    the same scale, window, cap, slopes and sinks."""
+    return {key: kwargs[key] for key in ("scale", *SCORE_KWARGS) if key in kwargs}
 
 
 def _run(module, q, k, v, what="forward", **kwargs):
@@ -193,9 +197,9 @@ def check_permutation(module, spec: KernelSpec, problem: Problem, device: str = 
     if spec.mask is not Mask.NONE:
         raise ValueError("the permutation property holds for mask 'none' only")
     (q, k, v), kwargs = problem.inputs(spec, device)
-    out, lse = _run(module, q, k, v)
+    out, lse = _run(module, q, k, v, **_scale_of(kwargs))
     perm = torch.randperm(problem.seq_k, generator=torch.Generator().manual_seed(problem.seed)).to(k.device)
-    got, got_lse = _run(module, q, k[:, :, perm], v[:, :, perm], "permuted keys")
+    got, got_lse = _run(module, q, k[:, :, perm], v[:, :, perm], "permuted keys", **_scale_of(kwargs))
     return Outcome(compare_pair("out with keys and values permuted", got, out, spec.dtype),
                    compare_pair_lse("lse with keys and values permuted", got_lse, lse))
 
@@ -268,8 +272,11 @@ def check_bwd_deterministic(module, spec: KernelSpec, problem: Problem, device: 
 def check_bwd_masked_rows(module, spec: KernelSpec, problem: Problem, device: str = "cpu") -> Outcome:
     """Gradients are finite; dq of a row that sees no key and dk, dv of a key that no row sees are exactly 0."""
     run, kwargs = _gradients(module, spec, problem, device)
-    dq, dk, dv = run()
-    mask_kw = {k: v for k, v in kwargs.items() if k in ("seqlens_q", "seqlens_k", "tree_mask")}
+    grads = run()
+    dq, dk, dv = grads[:3]
+    if spec.sinks and not torch.isfinite(grads[3]).all():
+        raise PropertyFailure(f"dsinks is not finite: {grads[3].tolist()}")
+    mask_kw = {k: v for k, v in kwargs.items() if k in ("seqlens_q", "seqlens_k", "tree_mask", "window")}
     vis = reference.visible(spec.mask, problem.batch, problem.seq_q, problem.seq_k, device=dq.device, **mask_kw)
     unseen_rows, unseen_keys = ~vis.any(-1), ~vis.any(-2)  # [B, Sq], [B, Sk]
     for name, g, unseen, what in (("dq", dq, unseen_rows, "query row that sees no key"),
@@ -302,11 +309,16 @@ def grad_output(problem: Problem, spec: KernelSpec, device: str = "cpu") -> torc
 
 def reference_gradients(q, k, v, do, mask, *, out=None, **kwargs):
     """(out, lse, dq, dk, dv) in float64: autograd through the reference. dO rows past seqlens_q are ignored.
+    With sinks in kwargs, a sixth entry: dsinks, their gradient.
 
     With `out` (the output a backward kernel is given), the softmax backward uses delta = rowsum(dO * out) as the
     kernel does: see [Note] Delta from the saved output.
     """
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    sinks64 = None
+    if kwargs.get("sinks") is not None:
+        sinks64 = kwargs["sinks"].detach().double().requires_grad_()
+        kwargs = dict(kwargs, sinks=sinks64)
     ref_out, lse = reference.attention(q64, k64, v64, mask=mask, **kwargs)
     do64 = do.detach().double()
     if kwargs.get("seqlens_q") is not None:  # padded rows of dO are garbage by contract: they carry no gradient
@@ -327,6 +339,8 @@ def reference_gradients(q, k, v, do, mask, *, out=None, **kwargs):
         d = torch.where(torch.isfinite(lse), d, 0.0)
         loss = loss - (d * torch.where(torch.isfinite(lse), lse, 0.0)).sum()
     loss.backward()
+    if sinks64 is not None:
+        return ref_out.detach(), lse.detach(), q64.grad, k64.grad, v64.grad, sinks64.grad
     return ref_out.detach(), lse.detach(), q64.grad, k64.grad, v64.grad
 
 
@@ -335,16 +349,22 @@ def check_backward(module, spec: KernelSpec, problem: Problem, device: str = "cp
     (q, k, v), kwargs = problem.inputs(spec, device)
     do = grad_output(problem, spec, device)
     out, lse = module.forward(q, k, v, **kwargs)
-    dq, dk, dv = module.backward(do, q, k, v, out, lse, **kwargs)
+    grads = module.backward(do, q, k, v, out, lse, **kwargs)
+    dq, dk, dv = grads[:3]
     for name, got, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
         if got.dtype != like.dtype or got.shape != like.shape:
             raise PropertyFailure(f"{name}: {got.dtype} {tuple(got.shape)}, want {like.dtype} {tuple(like.shape)}")
-    ref_out, ref_lse, ref_dq, ref_dk, ref_dv = reference_gradients(q, k, v, do, spec.mask, out=out, **kwargs)
+    ref = reference_gradients(q, k, v, do, spec.mask, out=out, **kwargs)
+    ref_out, ref_lse, ref_dq, ref_dk, ref_dv = ref[:5]
     err = compare("out", out, ref_out, **TOLERANCE[spec.dtype])
     lse_err = compare("lse", lse, ref_lse, **LSE_TOLERANCE)
-    grad_errs = [compare_grad(name, got, want, spec.dtype)
-                 for name, got, want in (("dq", dq, ref_dq), ("dk", dk, ref_dk), ("dv", dv, ref_dv))]
-    return GradOutcome(err, lse_err if math.isfinite(lse_err) else 0.0, *grad_errs)
+    pairs = [("dq", dq, ref_dq), ("dk", dk, ref_dk), ("dv", dv, ref_dv)]
+    if spec.sinks:
+        if len(grads) != 4 or grads[3].shape != kwargs["sinks"].shape:
+            raise PropertyFailure("backward of a sinks kernel must return (dq, dk, dv, dsinks [Hq])")
+        pairs.append(("dsinks", grads[3], ref[5]))
+    grad_errs = [compare_grad(name, got, want, spec.dtype) for name, got, want in pairs]
+    return GradOutcome(err, lse_err if math.isfinite(lse_err) else 0.0, *grad_errs[:3])
 
 
 # -- properties ------------------------------------------------------------------------------------------
@@ -359,7 +379,8 @@ class Property:
     shape: Callable | None = None  # (draw, problem) -> the problem this property needs (a chain, a star, ...)
 
     def problems(self, spec: KernelSpec, scale: str) -> st.SearchStrategy[Problem]:
-        base = strategies.problems(spec, scale)
+        draw_problems = strategies.decode_problems if spec.kind is Kind.DECODE else strategies.problems
+        base = draw_problems(spec, scale)
         if self.shape is None:
             return base
         return st.composite(lambda draw: self.shape(draw, draw(base)))()
@@ -379,6 +400,11 @@ def _has_backward(spec, module) -> bool:
     return callable(getattr(module, "backward", None))
 
 
+def _positional(spec) -> bool:
+    """Scores depend on key positions (window, ALiBi): permuting or slicing keys changes them."""
+    return spec.window or spec.alibi
+
+
 PROPERTIES = (
     Property("reference", "out and lse match the float64 reference; out never NaN or inf",
              check_forward, lambda spec, m: True, "tol"),
@@ -387,7 +413,7 @@ PROPERTIES = (
     Property("tree-chain", "a chain-shaped tree equals causal attention", check_tree_chain,
              lambda spec, m: spec.mask is Mask.TREE, "2·tol", _chain),
     Property("tree-star", "a star-shaped tree sees only the prefix and itself", check_tree_star,
-             lambda spec, m: spec.mask is Mask.TREE, "tol", _star),
+             lambda spec, m: spec.mask is Mask.TREE and not spec.switches, "tol", _star),
     Property("padding-split", "a padded batch equals each sequence run alone", check_padding_split,
              lambda spec, m: spec.mask.padded, "2·tol"),
     Property("padding-garbage", "garbage (NaN) in padding never changes a valid output",
@@ -395,9 +421,10 @@ PROPERTIES = (
     Property("nan-propagates", "NaN in a valid key reaches the rows that see it, and only those",
              check_nan_propagates, lambda spec, m: True, "tol"),
     Property("permutation", "permuting keys and values together changes nothing", check_permutation,
-             lambda spec, m: spec.mask is Mask.NONE, "2·tol"),
+             lambda spec, m: spec.mask is Mask.NONE and not _positional(spec), "2·tol"),
+    # Sinks join each half's denominator, so halves do not merge; window and ALiBi move with the split.
     Property("lse-merge", "two halves of the keys merged by log-sum-exp give the whole", check_lse_merge,
-             lambda spec, m: True, "2·tol"),
+             lambda spec, m: not (_positional(spec) or spec.sinks), "2·tol"),
     Property("bwd-deterministic", "two backward runs are bitwise equal", check_bwd_deterministic,
              _has_backward, "bitwise"),
     Property("bwd-masked-rows", "gradients finite; zero for rows and keys that see nothing",

@@ -20,9 +20,32 @@ def ancestors_from_parents(parents: torch.Tensor) -> torch.Tensor:
     return out.to(parents.device)
 
 
+def aligned_rows(batch: int, seq_q: int, seq_k: int, seqlens_q=None, seqlens_k=None, device="cpu"):
+    """i_aligned = i + len_k - len_q per sequence (bottom-right, as causal), int64 [B, Sq, 1]."""
+    i = torch.arange(seq_q, device=device).view(1, -1, 1).expand(batch, -1, -1)
+    if seqlens_q is None:
+        return i + (seq_k - seq_q)
+    return i + (seqlens_k.to(device).long() - seqlens_q.to(device).long()).view(-1, 1, 1)
+
+
 def visible(mask: Mask | str, batch: int, seq_q: int, seq_k: int, *, seqlens_q=None, seqlens_k=None,
-            tree_mask=None, device="cpu") -> torch.Tensor:
-    """Dense bool [B, Sq, Sk]: may query i of batch entry b see key j?"""
+            tree_mask=None, window=None, device="cpu") -> torch.Tensor:
+    """Dense bool [B, Sq, Sk]: may query i of batch entry b see key j? window (left, right), None for no bound
+    on a side: also i_aligned - left <= j <= i_aligned + right."""
+    vis = _visible(mask, batch, seq_q, seq_k, seqlens_q=seqlens_q, seqlens_k=seqlens_k, tree_mask=tree_mask,
+                   device=device)
+    if window is not None:
+        left, right = window
+        j = torch.arange(seq_k, device=device).view(1, 1, -1)
+        ia = aligned_rows(batch, seq_q, seq_k, seqlens_q, seqlens_k, device)
+        if left is not None:
+            vis = vis & (j >= ia - left)
+        if right is not None:
+            vis = vis & (j <= ia + right)
+    return vis
+
+
+def _visible(mask, batch, seq_q, seq_k, *, seqlens_q, seqlens_k, tree_mask, device) -> torch.Tensor:
     mask = Mask(mask)
     i = torch.arange(seq_q, device=device).view(1, -1, 1)
     j = torch.arange(seq_k, device=device).view(1, 1, -1)
@@ -49,10 +72,14 @@ def visible(mask: Mask | str, batch: int, seq_q: int, seq_k: int, *, seqlens_q=N
 
 
 def attention(q, k, v, *, mask: Mask | str = Mask.NONE, scale=None, seqlens_q=None, seqlens_k=None,
-              tree_mask=None):
-    """(out, lse) in float64 for the fagen contract; differentiable (autograd gives the reference gradients).
+              tree_mask=None, window=None, softcap=None, alibi_slopes=None, sinks=None):
+    """(out, lse) in float64 for the fagen contract; differentiable (autograd gives the reference gradients,
+    the sinks' included when `sinks` requires grad).
 
-    Rows that see no key give out = 0 and lse = -inf. Keys that no query sees are zeroed first, so garbage
+    Scores, in FlashAttention-2's order: s = scale * q.k; softcap: s = cap * tanh(s / cap); ALiBi:
+    s -= slope[h] * |j - i_aligned|; then the mask (and the window). A sink adds exp(sink[h]) to each valid row's
+    softmax denominator: lse includes it, and a valid row that sees no key gets out = 0 and lse = sink[h].
+    Rows that see no key (and have no sink), and padding rows, give out = 0 and lse = -inf. Keys that no query sees are zeroed first, so garbage
     (even NaN) in padding never reaches a valid output. No exp() ever sees -inf - -inf, so gradients stay finite.
     """
     q, k, v = q.double(), k.double(), v.double()
@@ -60,16 +87,28 @@ def attention(q, k, v, *, mask: Mask | str = Mask.NONE, scale=None, seqlens_q=No
     hkv, sk = k.shape[1], k.shape[2]
     gqa = hq // hkv
     scale = d ** -0.5 if scale is None else scale
-    vis = visible(mask, b, sq, sk, seqlens_q=seqlens_q, seqlens_k=seqlens_k, tree_mask=tree_mask,
+    vis = visible(mask, b, sq, sk, seqlens_q=seqlens_q, seqlens_k=seqlens_k, tree_mask=tree_mask, window=window,
                   device=q.device).unsqueeze(1)  # [B, 1, Sq, Sk], broadcast over heads
     seen_key = vis.any(dim=2, keepdim=True).transpose(-1, -2)  # [B, 1, Sk, 1]
     k = torch.where(seen_key, k, 0.0).repeat_interleave(gqa, dim=1)  # query head h reads KV head h // gqa
     v = torch.where(seen_key, v, 0.0).repeat_interleave(gqa, dim=1)
     q = torch.where(vis.any(dim=3, keepdim=True), q, 0.0)
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    row_any = vis.any(dim=-1)  # [B, 1, Sq]
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    if alibi_slopes is not None:
+        dist = (torch.arange(sk, device=q.device).view(1, 1, -1)
+                - aligned_rows(b, sq, sk, seqlens_q, seqlens_k, q.device)).abs().unsqueeze(1)  # [B, 1, Sq, Sk]
+        s = s - alibi_slopes.double().view(1, -1, 1, 1) * dist
+    vis = vis.expand(b, hq, sq, sk)
+    if sinks is not None:  # one more column per row: the sink logit, seen by every valid (non-padding) row
+        rows_ok = torch.arange(sq, device=q.device).view(1, 1, -1, 1)
+        rows_ok = rows_ok < (seqlens_q.to(q.device).long().view(-1, 1, 1, 1) if seqlens_q is not None else sq)
+        s = torch.cat([s, sinks.double().view(1, -1, 1, 1).expand(b, hq, sq, 1)], -1)
+        vis = torch.cat([vis, rows_ok.expand(b, hq, sq, 1)], -1)
+    row_any = vis.any(dim=-1)  # [B, Hq, Sq]
     lse_finite = torch.logsumexp(torch.where(row_any.unsqueeze(-1), torch.where(vis, s, float("-inf")), 0.0), -1)
     p = torch.where(vis, torch.exp(torch.where(vis, s, 0.0) - lse_finite.unsqueeze(-1)), 0.0)
-    out = torch.matmul(p, v)
+    out = torch.matmul(p[..., :sk], v)
     lse = torch.where(row_any, lse_finite, float("-inf"))
     return out, lse

@@ -57,6 +57,12 @@ class Problem:
     scale: float | None = None  # softmax scale passed to the kernel; None means the default 1/sqrt(D)
     poison: bool = False  # fill padding with NaN: it must never reach a valid output
     seed: int = 0
+    # Score switches (only for specs that have them): window (left, right), None for an unbounded side; the cap;
+    # ALiBi slopes and sink logits drawn from the seed (fp32 [Hq]).
+    window: tuple[int | None, int | None] | None = None
+    softcap: float | None = None
+    alibi: bool = False
+    sinks: bool = False
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
@@ -69,7 +75,24 @@ class Problem:
                 d[key] = tuple(d[key])
         if d.get("parents") is not None:
             d["parents"] = tuple(tuple(p) for p in d["parents"])
+        if d.get("window") is not None:
+            d["window"] = tuple(d["window"])
         return cls(**d)
+
+    def score_kwargs(self, heads: int, device: str = "cpu") -> dict:
+        """window / softcap / alibi_slopes / sinks kwargs; slopes and sinks come from their own stream of the seed,
+        so the q, k, v of a problem do not depend on its switches."""
+        gen = torch.Generator().manual_seed(self.seed ^ 0xA11B1)
+        kwargs: dict = {}
+        if self.window is not None:
+            kwargs["window"] = self.window
+        if self.softcap is not None:
+            kwargs["softcap"] = self.softcap
+        if self.alibi:  # positive, up to 0.5 per key: strong enough to move every row
+            kwargs["alibi_slopes"] = (torch.rand(heads, generator=gen) * 0.5).to(device)
+        if self.sinks:  # from well below to well above a typical row's lse
+            kwargs["sinks"] = (torch.randn(heads, generator=gen) * 3.0).to(device)
+        return kwargs
 
     def inputs(self, spec: KernelSpec, device: str = "cpu") -> tuple[tuple[torch.Tensor, ...], dict]:
         """(q, k, v), kwargs: fresh normal data from this problem's seed, in the spec's dtype."""
@@ -94,14 +117,17 @@ class Problem:
                     v[b, :, lk:] = float("nan")
         if self.parents is not None:
             kwargs["tree_mask"] = torch.tensor(self.parents, dtype=torch.int32, device=device)
+        kwargs.update(self.score_kwargs(hq, device))
         return tuple(t.to(dtype).to(device) for t in (q, k, v)), kwargs
 
 
 def specs(masks=tuple(Mask), dtypes=tuple(DType), directions=(Direction.FWD,), head_dims=CPU_HEAD_DIMS,
-          gqas=(1, 2, 4), blocks=(16, 32), kinds=(Kind.PREFILL,)) -> st.SearchStrategy[KernelSpec]:
+          gqas=(1, 2, 4), blocks=(16, 32), kinds=(Kind.PREFILL,), window=(False,), softcap=(False,),
+          alibi=(False,), sinks=(False,)) -> st.SearchStrategy[KernelSpec]:
     """Valid specs. On the CPU keep blocks small so short sequences still span several blocks.
 
     blocks=None keeps the spec's default (tuned) block sizes: on a GPU each new spec is a compile.
+    window, softcap, alibi, sinks: the values each score switch may take.
     """
     block = st.none() if blocks is None else st.sampled_from(blocks)
     return st.builds(
@@ -114,6 +140,10 @@ def specs(masks=tuple(Mask), dtypes=tuple(DType), directions=(Direction.FWD,), h
         block_m=block,
         block_n=block,
         kind=st.sampled_from(list(kinds)),
+        window=st.sampled_from(window),
+        softcap=st.sampled_from(softcap),
+        alibi=st.sampled_from(alibi),
+        sinks=st.sampled_from(sinks),
     )
 
 
@@ -142,10 +172,27 @@ def problems(draw, spec: KernelSpec, scale: str = "cpu") -> Problem:
     if "max_elems" in cfg and batch * heads_kv * seq_q * seq_k > cfg["max_elems"]:
         batch, heads_kv = 1, 1
         extra = {key: (val[:1] if isinstance(val, tuple) else val) for key, val in extra.items()}
+    extra.update(draw(score_switches(spec, max(seq_q, seq_k))))
     return Problem(batch=batch, heads_kv=heads_kv, seq_q=seq_q, seq_k=seq_k,
                    magnitude=draw(st.sampled_from((1.0, 1.0, 4.0, 16.0))),
                    scale=draw(st.sampled_from((None, None, 0.05, 0.3))),
                    seed=draw(st.integers(0, 2**31 - 1)), **extra)
+
+
+@st.composite
+def score_switches(draw, spec: KernelSpec, longest: int) -> dict:
+    """Problem fields for the spec's score switches: windows from empty (0, 0) through one block to wider than
+    the sequence and unbounded sides; caps that bite and caps that do not."""
+    extra: dict = {}
+    if spec.window:
+        side = st.one_of(st.sampled_from((0, 1, spec.block_n - 1, spec.block_n, spec.block_m + 1)),
+                         st.integers(0, longest + 2), st.none())
+        extra["window"] = (draw(side), draw(side))
+    if spec.softcap:
+        extra["softcap"] = draw(st.sampled_from((0.5, 2.0, 5.0, 30.0)))
+    extra["alibi"] = spec.alibi
+    extra["sinks"] = spec.sinks
+    return extra
 
 
 # Decode: 1..DECODE_MAX_SEQ_Q queries against KV caches long enough to span several splits of several blocks.
@@ -174,6 +221,7 @@ def decode_problems(draw, spec: KernelSpec, scale: str = "cpu") -> Problem:
         edges = st.sampled_from(sorted({0, min(1, seq_k), seq_k}))  # empty, one key, full
         extra["seqlens_k"] = tuple(draw(st.one_of(edges, st.integers(0, seq_k))) for _ in range(batch))
         extra["poison"] = draw(st.booleans())
+    extra.update(draw(score_switches(spec, seq_k)))
     return Problem(batch=batch, heads_kv=draw(st.integers(1, cfg["heads_kv"])), seq_q=seq_q, seq_k=seq_k,
                    magnitude=draw(st.sampled_from((1.0, 1.0, 4.0, 16.0))),
                    seed=draw(st.integers(0, 2**31 - 1)), **extra)

@@ -6,7 +6,7 @@ import torch
 
 from fagen.runtime import ops
 from fagen.runtime.kinds import prefers_decode
-from fagen.runtime.resolve import _FAST, AttentionError, resolve, spec_for
+from fagen.runtime.resolve import _FAST, AttentionError, fast_key, resolve, spec_for
 from fagen.spec.axes import Mask
 
 
@@ -31,12 +31,16 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
     if torch.compiler.is_compiling():
         return ops.attention(q, k, v, str(mask), scale, seqlens_q, seqlens_k, tree_mask, decode)[0]
     # [Note] Host time. A warm call costs one dict lookup on plain values before the module's own checks and launch:
-    # no spec is built, hashed or validated per call.
-    module = _FAST.get((q.dtype, q.shape[-1], q.shape[1], k.shape[1], mask, decode)) \
+    # no spec is built, hashed or validated per call. Without gradients on an H100/H200 the Gluon forward may serve
+    # ([Note] Hopper selection in fagen/runtime/hopper.py); it has forward() only.
+    forward_only = not needs_grad and not decode
+    hit = _FAST.get(fast_key(q, k, mask, decode, forward_only)) \
         if isinstance(mask, str) and q.dim() == 4 and k.dim() == 4 else None
-    if module is None:
-        module = resolve(q, k, v, mask, decode)
-    if decode:
+    if hit is None:
+        resolve(q, k, v, mask, decode, forward_only)
+        hit = _FAST[fast_key(q, k, mask, decode, forward_only)]
+    module, plain = hit
+    if plain:
         return module.forward(q, k, v, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k, tree_mask=tree_mask,
                               check=check)[0]
     return module.attention(q, k, v, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k, tree_mask=tree_mask,

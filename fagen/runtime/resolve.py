@@ -7,6 +7,7 @@ from types import ModuleType
 
 import torch
 
+from fagen.runtime import hopper
 from fagen.runtime.loader import load
 from fagen.spec import tables
 from fagen.spec.axes import Direction, Kind, Mask
@@ -19,16 +20,28 @@ class AttentionError(ValueError):
     """The inputs of fagen.attention fit no kernel fagen can generate; the message says what and how to fix it."""
 
 
-_FAST: dict[tuple, ModuleType] = {}
+# (dtype, head_dim, q heads, kv heads, mask, decode, forward_only, device) -> (module, call its forward)
+_FAST: dict[tuple, tuple[ModuleType, bool]] = {}
 
 
-def resolve(q, k, v, mask, decode: bool) -> ModuleType:
-    """The module that serves these inputs: the bwd (differentiable) kernel, or the decode kernel; memoised."""
+def fast_key(q, k, mask, decode: bool, forward_only: bool) -> tuple:
+    return (q.dtype, q.shape[-1], q.shape[1], k.shape[1], mask, decode, forward_only, q.device)
+
+
+def resolve(q, k, v, mask, decode: bool, forward_only: bool = False) -> ModuleType:
+    """The module that serves these inputs: the bwd (differentiable) kernel, or the decode kernel; memoised.
+
+    forward_only (no gradient needed, not decode): on sm_90 the Gluon forward where it wins ([Note] Hopper
+    selection in fagen/runtime/hopper.py); its module has `forward` only, so callers use forward() when
+    `served_by_forward(module)`.
+    """
     spec = spec_for(q, k, v, mask=mask)
     if decode:
         spec = KernelSpec(head_dim=spec.head_dim, mask=spec.mask, gqa=spec.gqa, dtype=spec.dtype, kind=Kind.DECODE)
+    elif forward_only:
+        spec = hopper.forward_spec(spec, q.device) or spec
     module = _module(spec)
-    _FAST[(q.dtype, q.shape[-1], q.shape[1], k.shape[1], mask, decode)] = module
+    _FAST[fast_key(q, k, mask, decode, forward_only)] = (module, decode or not hasattr(module, "attention"))
     return module
 
 

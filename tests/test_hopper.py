@@ -109,8 +109,8 @@ def as_if_hopper(monkeypatch):
     monkeypatch.setattr(hopper, "is_hopper", lambda device: True)
     monkeypatch.setattr(hopper, "gluon_missing", lambda: None)
     monkeypatch.delenv(hopper.ENV, raising=False)
+    from fagen.runtime import api  # imported before the patch: it binds resolve's _FAST at import
     monkeypatch.setattr(resolve, "_FAST", {})
-    from fagen.runtime import api
     monkeypatch.setattr(api, "_FAST", resolve._FAST)
 
 

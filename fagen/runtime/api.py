@@ -6,7 +6,7 @@ import torch
 
 from fagen.runtime import ops
 from fagen.runtime.kinds import prefers_decode
-from fagen.runtime.resolve import _FAST, AttentionError, fast_key, resolve, spec_for
+from fagen.runtime.resolve import _FAST, AttentionError, fast_key, resolve_entry, spec_for
 from fagen.spec.axes import Mask
 
 
@@ -37,8 +37,7 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
     hit = _FAST.get(fast_key(q, k, mask, decode, forward_only)) \
         if isinstance(mask, str) and q.dim() == 4 and k.dim() == 4 else None
     if hit is None:
-        resolve(q, k, v, mask, decode, forward_only)
-        hit = _FAST[fast_key(q, k, mask, decode, forward_only)]
+        hit = resolve_entry(q, k, v, mask, decode, forward_only)
     module, plain = hit
     if plain:
         return module.forward(q, k, v, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k, tree_mask=tree_mask,

@@ -29,11 +29,15 @@ def fast_key(q, k, mask, decode: bool, forward_only: bool) -> tuple:
 
 
 def resolve(q, k, v, mask, decode: bool, forward_only: bool = False) -> ModuleType:
-    """The module that serves these inputs: the bwd (differentiable) kernel, or the decode kernel; memoised.
+    """The module that serves these inputs: the bwd (differentiable) kernel, or the decode kernel; memoised."""
+    return resolve_entry(q, k, v, mask, decode, forward_only)[0]
+
+
+def resolve_entry(q, k, v, mask, decode: bool, forward_only: bool = False) -> tuple[ModuleType, bool]:
+    """(module, whether to call its forward() rather than attention()), memoised in _FAST.
 
     forward_only (no gradient needed, not decode): on sm_90 the Gluon forward where it wins ([Note] Hopper
-    selection in fagen/runtime/hopper.py); its module has `forward` only, so callers use forward() when
-    `served_by_forward(module)`.
+    selection in fagen/runtime/hopper.py); its module has forward() only.
     """
     spec = spec_for(q, k, v, mask=mask)
     if decode:
@@ -41,8 +45,9 @@ def resolve(q, k, v, mask, decode: bool, forward_only: bool = False) -> ModuleTy
     elif forward_only:
         spec = hopper.forward_spec(spec, q.device) or spec
     module = _module(spec)
-    _FAST[fast_key(q, k, mask, decode, forward_only)] = (module, decode or not hasattr(module, "attention"))
-    return module
+    entry = (module, decode or not hasattr(module, "attention"))
+    _FAST[fast_key(q, k, mask, decode, forward_only)] = entry
+    return entry
 
 
 def spec_for(q, k, v, *, mask: Mask | str = "none") -> KernelSpec:

@@ -1,9 +1,12 @@
-"""Render fagen/templates/gluon/attention.py.j2 (the Hopper forward) for one validated config, outside fagen's spec.
+"""Render fagen/templates/gluon/attention.py.j2 (the Hopper forward) with its variant switches, for measurements.
 
     python scripts/hopper_render.py --head-dim 128 --mask causal --gqa 4 --dtype bf16 -o out.py
 
-`render(**config)` returns the source; `load(**config)` renders, writes it to a cache folder and imports it
-(Gluon, like Triton, reads the source of its kernels from a file).
+The kernel itself is fagen's backend 'gluon' (`fagen generate --backend gluon ...`); its spec fixes the variant
+switches at their measured defaults (fagen.spec.defaults.GLUON_VARIANT). This script renders the same template
+through fagen's environment with the switches set (ping-pong, late releases, Q buffers, register budgets), to
+measure them. `render(**config)` returns the source; `load(**config)` renders, writes it to a cache folder and
+imports it (Gluon, like Triton, reads the source of its kernels from a file).
 """
 
 from __future__ import annotations
@@ -18,10 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-import jinja2
-
 ROOT = Path(__file__).resolve().parent.parent
-VERSION = "hopper-0"
+sys.path.insert(0, str(ROOT))  # fagen from this checkout
 
 
 class ConfigError(ValueError):
@@ -88,15 +89,23 @@ class HopperConfig:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
 
-def _environment() -> jinja2.Environment:
-    return jinja2.Environment(loader=jinja2.FileSystemLoader(ROOT / "fagen" / "templates"), undefined=jinja2.StrictUndefined,
-                              trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True, autoescape=False)
+def spec_of(cfg: HopperConfig):
+    """The fagen spec of a config (the variant switches aside); a SpecError names what fagen refuses."""
+    from fagen.spec.kernel import KernelSpec
+
+    return KernelSpec(head_dim=cfg.head_dim, mask=cfg.mask, gqa=cfg.gqa, dtype=cfg.dtype, backend="gluon",
+                      block_m=2 * cfg.block_m, block_n=cfg.block_n, num_stages=cfg.stages)
 
 
 def render(**config) -> str:
+    from fagen.codegen import render as fagen_render
+
     cfg = HopperConfig(**config)
-    view = dict(dataclasses.asdict(cfg), name=cfg.name, json=cfg.to_json(), version=VERSION)
-    return _environment().get_template("gluon/attention.py.j2").render(cfg=view)
+    spec = spec_of(cfg)
+    context = fagen_render._context(spec)
+    context["gluon"] = {f: getattr(cfg, f) for f in ("q_stages", "pingpong", "v_late", "k_late", "consumer_regs",
+                                                     "loader_regs")}
+    return fagen_render.environment().get_template("gluon/attention.py.j2").render(**context)
 
 
 def load(**config):

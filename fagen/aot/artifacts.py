@@ -92,6 +92,9 @@ def compile_arch(spec: KernelSpec, arch: str) -> ArchBuild:
     The spec is rendered once here (the key, the source to compile and nvcc's input are that one render), and a
     variant whose tiles cannot fit the arch's shared memory by the backend's formula is rejected before compiling.
     """
+    if spec.backend is Backend.GLUON:  # its launch takes host TMA descriptors: no prebuilt launcher yet
+        raise CompileError(spec.name, arch, "backend 'gluon' has no ahead-of-time build yet; the module compiles "
+                                            "itself on first use on sm_90 (compile_for() builds it without a GPU)")
     rendered = render(spec)
     key = artifact_key(spec, arch, rendered)
     hit = lookup(spec, arch, key)

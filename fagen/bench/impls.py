@@ -22,7 +22,7 @@ __all__ = ["IMPLS", "STATUSES", "RESTART_EXIT", "BenchOptions", "run_case", "mak
 def prepare_fagen(case: BenchCase, cc: CaseContext) -> Prepared:
     from fagen.runtime.loader import load
 
-    spec, note = case.spec()
+    spec, note = case.spec(cc.device)
     try:
         module = load(spec)
     except Exception as e:  # a template not written yet (say the backward) is not a crash of the bench

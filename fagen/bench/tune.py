@@ -145,7 +145,7 @@ def tune_case(case: BenchCase, device: torch.device, opts: BenchOptions, search:
               log: Callable[[str], None] = print, deadline: float | None = None,
               jobs: int = 1) -> tuple[list[Trial], dict | None]:
     """Every candidate: verify on a small case, then time on `case`. Returns (trials, winning entry or None)."""
-    spec, _ = case.spec()
+    spec, _ = case.spec(hopper=False)
     kept, dropped = candidates(spec, fixed, search, smem_limit(device))
     log(f"{case.name}: {len(kept)} candidates ({len(dropped)} dropped by the shared-memory filter)")
     precompile(case, kept, device, jobs, opts.seed, log, deadline)
@@ -197,7 +197,7 @@ def unique_by_key(cases: list[BenchCase]) -> list[BenchCase]:
     """The first case of each tuning key (head_dim, mask, dtype, direction, kind); gqa is not part of the key."""
     seen, out = set(), []
     for case in cases:
-        spec, _ = case.spec()
+        spec, _ = case.spec(hopper=False)
         key = (spec.head_dim, spec.mask, spec.dtype, spec.direction, spec.kind)
         if key not in seen:
             seen.add(key)

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from fagen.runtime import hopper as hopper_rule
 from fagen.runtime.kinds import prefers_decode
 from fagen.spec import tables
 from fagen.spec.axes import Direction, DType, Kind, Mask
@@ -69,8 +70,14 @@ class BenchCase:
         """A decode-shaped case: the same rule fagen.attention uses to pick the decode kernel."""
         return prefers_decode(self.seq_q, self.seq_k)
 
-    def spec(self) -> tuple[KernelSpec, str]:
-        """fagen's spec for this case, and a note on which kernel kind serves it."""
+    def spec(self, device: str | torch.device | None = None, hopper: bool = True) -> tuple[KernelSpec, str]:
+        """fagen's spec for this case, and a note on which kernel serves it.
+
+        With no spec field pinned (no overrides) and `hopper`, a forward case on an sm_90 device (`device`, default:
+        the current CUDA device when there is one) takes the Gluon forward where it wins ([Note] Hopper selection
+        in fagen/runtime/hopper.py; FAGEN_HOPPER=0 turns it off). The tuner passes hopper=False: it tunes the
+        Triton kernels.
+        """
         kind, note = Kind.PREFILL, ""
         if self.decode and self.direction is Direction.FWD:
             kind, note = Kind.DECODE, "decode kernel"
@@ -79,7 +86,14 @@ class BenchCase:
         fields.update(self.overrides)  # explicit flags win
         if fields["kind"] != kind:
             note = f"{fields['kind']} kernel (as asked)"
-        return KernelSpec(**fields), note
+        spec = KernelSpec(**fields)
+        if hopper and not self.overrides and spec.direction is Direction.FWD and spec.kind is Kind.PREFILL:
+            if device is None:
+                device = "cuda" if torch.cuda.is_available() else "cpu"
+            gluon = hopper_rule.forward_spec(spec, torch.device(device))
+            if gluon is not None:
+                return gluon, f"gluon Hopper forward ({hopper_rule.ENV}=0 for the Triton one)"
+        return spec, note
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

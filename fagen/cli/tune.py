@@ -74,7 +74,7 @@ def tune(spec_file, batch, heads, seq_q, seq_k, suite, quick, device, table, dry
 
     winners = []
     for case in tuner.unique_by_key(cases):
-        spec, _ = case.spec()
+        spec, _ = case.spec(hopper=False)
         if not force and tuner.existing(table, arch, spec) is not None:
             log(f"{case.name}: {arch} already has an entry in {table} (--force to tune again)")
             continue

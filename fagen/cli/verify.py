@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from fagen.cli.common import console, pick_device, spec_from_options, spec_options
+from fagen.spec.axes import Backend
 from fagen.spec.kernel import KernelSpec, SpecError
 
 def _specs_of_build_dir(path: Path) -> list[KernelSpec]:
@@ -93,6 +94,10 @@ def verify_command(ctx, spec_file, spec_files, manifest, examples, seed, time_bu
 
     device = pick_device(device)
     scale = scale or ("gpu" if device == "cuda" else "cpu")
+    if device == "cpu" and any(s.backend is Backend.GLUON for s in specs):
+        raise click.UsageError("backend 'gluon' kernels run on an sm_90 GPU only (Gluon has no interpreter): verify "
+                               "them with --device cuda on an H100/H200; `python -m pytest tests/test_hopper.py` "
+                               "compiles them for sm_90 without a GPU")
 
     unknown = [p for p in properties if p not in BY_NAME]
     if unknown:

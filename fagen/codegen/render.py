@@ -16,7 +16,7 @@ from pathlib import Path
 import jinja2
 
 from fagen import __version__
-from fagen.spec import tables, targets
+from fagen.spec import defaults, tables, targets
 from fagen.spec.axes import DECODE_MAX_SEQ_Q, DType
 from fagen.spec.kernel import KernelSpec
 
@@ -73,7 +73,7 @@ def template_name(spec: KernelSpec) -> str:
 def _context(spec: KernelSpec) -> dict:
     """Everything a template sees: the spec (enums and integers only), and values the tables derive from it."""
     return dict(spec=spec, spec_json=spec.to_json(), version=__version__, max_seq_q=DECODE_MAX_SEQ_Q,
-                dot_precision=tables.DOT_KWARGS[spec.dtype], tma=tables.tma_loads(spec),
+                dot_precision=tables.DOT_KWARGS[spec.dtype], tma=tables.tma_loads(spec), gluon=defaults.GLUON_VARIANT,
                 xargs=SCORE_ARGS if spec.switches else "", xsig=SCORE_SIG if spec.switches else "")
 
 

@@ -6,7 +6,7 @@ import torch
 
 from fagen.runtime import ops
 from fagen.runtime.kinds import prefers_decode
-from fagen.runtime.resolve import _FAST, AttentionError, resolve, spec_for
+from fagen.runtime.resolve import _FAST, AttentionError, fast_key, resolve, spec_for
 from fagen.spec.axes import Mask
 from fagen.spec.kernel import SCORE_SWITCHES
 
@@ -41,13 +41,15 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
         return ops.attention(q, k, v, str(mask), scale, seqlens_q, seqlens_k, tree_mask, decode, win, softcap,
                              alibi_slopes, sinks)[0]
     # [Note] Host time. A warm call costs one dict lookup on plain values before the module's own checks and launch:
-    # no spec is built, hashed or validated per call.
-    module = _FAST.get((q.dtype, q.shape[-1], q.shape[1], k.shape[1], mask, decode, switches)) \
+    # no spec is built, hashed or validated per call. Without gradients on an H100/H200 the Gluon forward may serve
+    # ([Note] Hopper selection in fagen/runtime/hopper.py); it has forward() only.
+    forward_only = not needs_grad and not decode
+    module = _FAST.get(fast_key(q, k, mask, decode, switches, forward_only)) \
         if isinstance(mask, str) and q.dim() == 4 and k.dim() == 4 else None
     if module is None:
-        module = resolve(q, k, v, mask, decode, switches)
+        module = resolve(q, k, v, mask, decode, switches, forward_only)
     scores = {name: value for name, value in scores.items() if value is not None}
-    if not needs_grad:  # no autograd node to build: the forward alone (prefill or decode)
+    if not needs_grad:  # no autograd node to build: the forward alone (prefill, decode, or the Gluon forward)
         return module.forward(q, k, v, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k, tree_mask=tree_mask,
                               check=check, **scores)[0]
     return module.attention(q, k, v, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k, tree_mask=tree_mask,

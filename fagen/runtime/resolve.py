@@ -7,6 +7,7 @@ from types import ModuleType
 
 import torch
 
+from fagen.runtime import hopper
 from fagen.runtime.loader import load
 from fagen.spec import tables
 from fagen.spec.axes import Direction, Kind, Mask
@@ -19,18 +20,27 @@ class AttentionError(ValueError):
     """The inputs of fagen.attention fit no kernel fagen can generate; the message says what and how to fix it."""
 
 
+# (dtype, head_dim, q heads, kv heads, mask, decode, switches, forward_only, device) -> module
 _FAST: dict[tuple, ModuleType] = {}
 
 
-def resolve(q, k, v, mask, decode: bool, switches: tuple[str, ...] = ()) -> ModuleType:
-    """The module that serves these inputs: the bwd (differentiable) kernel, or the decode kernel; memoised.
+def fast_key(q, k, mask, decode: bool, switches: tuple[str, ...], forward_only: bool) -> tuple:
+    return (q.dtype, q.shape[-1], q.shape[1], k.shape[1], mask, decode, switches, forward_only, q.device)
+
+
+def resolve(q, k, v, mask, decode: bool, switches: tuple[str, ...] = (), forward_only: bool = False) -> ModuleType:
+    """The module that serves these inputs, memoised in _FAST: the decode kernel, the bwd (differentiable) kernel,
+    or, with forward_only (no gradient, not decode, no score switch) on sm_90, the Gluon forward where it wins
+    ([Note] Hopper selection in fagen/runtime/hopper.py; that module has forward() only).
     switches: the score switches the call uses ("window", "softcap", "alibi", "sinks")."""
     spec = spec_for(q, k, v, mask=mask, switches=switches)
     if decode:
         spec = KernelSpec(head_dim=spec.head_dim, mask=spec.mask, gqa=spec.gqa, dtype=spec.dtype, kind=Kind.DECODE,
                           **{name: True for name in switches})
+    elif forward_only and not switches:
+        spec = hopper.forward_spec(spec, q.device) or spec
     module = _module(spec)
-    _FAST[(q.dtype, q.shape[-1], q.shape[1], k.shape[1], mask, decode, switches)] = module
+    _FAST[fast_key(q, k, mask, decode, switches, forward_only)] = module
     return module
 
 

@@ -50,6 +50,7 @@ class Direction(_Axis):
 class Backend(_Axis):
     TRITON = "triton"
     CUDA = "cuda"
+    GLUON = "gluon"  # Hopper (sm_90) forward in triton.experimental.gluon: warpgroup MMA, TMA, warp specialization
 
 
 class Kind(_Axis):

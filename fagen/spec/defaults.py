@@ -77,3 +77,37 @@ def cuda_default_config(head_dim: int, dtype: DType, direction: Direction, kind:
     return {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 2}
 
 
+
+
+# -- Gluon (Hopper) backend ----------------------------------------------------------------------
+# [Note] Gluon tiles. fagen/templates/gluon/attention.py.j2 runs a persistent CTA of two consumer warpgroups
+# (block_m / 2 = 64 query rows each: one wgmma M tile) and one producer warp; num_warps counts the consumer warps
+# (the producer warp is added). K/V stream through a ring of num_stages slots of block_n keys, loaded by TMA.
+# The checks come from scripts/hopper_render.py's HopperConfig, which measured the variants (docs/hopper.md).
+GLUON_SUPPORTED = {
+    "head_dim": ((64, 128), "the gluon backend supports head_dim 64 or 128 (a TMA box of whole 16-byte rows, one "
+                            "wgmma N tile); use backend 'triton' for other head dims"),
+    "mask": ((Mask.NONE, Mask.CAUSAL), "the gluon backend supports masks 'none' and 'causal'; use backend "
+                                       "'triton' for padding and tree masks"),
+    "dtype": ((DType.FP16, DType.BF16), "the gluon backend computes fp16 and bf16 on tensor cores; use backend "
+                                        "'triton' for fp32"),
+    "direction": ((Direction.FWD,), "the gluon backend has the forward only; use backend 'triton' for bwd"),
+    "block_m": ((128,), "the gluon backend takes block_m 128: two consumer warpgroups of 64 rows"),
+    "block_n": ((64, 128), "the gluon backend supports block_n 64 or 128 (a TMA box side is a power of two)"),
+    "num_warps": ((8,), "the gluon backend runs 8 consumer warps (two warpgroups) plus its producer warp"),
+    "num_stages": ((2, 3, 4), "the gluon backend rings K/V through 2, 3 or 4 shared-memory slots"),
+}
+
+
+def gluon_default_config(head_dim: int) -> dict:
+    """Blocks, warps and stages of a gluon spec that leaves them unset: the measured default (docs/hopper.md).
+
+    d128: 2 K/V slots, all that fits beside Q (two buffers per warpgroup) and O (H100: 630 TF/s full, 568 causal
+    at s16k bf16); d64: 3 slots.
+    """
+    return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2 if head_dim >= 128 else 3}
+
+# The gluon kernel's variant switches, fixed at their measured defaults (docs/hopper.md, "Variants measured"): two Q
+# buffers per warpgroup, no ping-pong token, K released after S and V after its P V, 240 registers per consumer
+# thread and 24 for the producer. Not spec fields: scripts/hopper_render.py overrides them to measure variants.
+GLUON_VARIANT = {"q_stages": 2, "pingpong": 0, "v_late": 0, "k_late": 0, "consumer_regs": 240, "loader_regs": 24}

@@ -95,6 +95,8 @@ class KernelSpec:
                             f"no templates for this backend and kind yet; available: {have}")
         if self.backend is Backend.CUDA:
             config = defaults.cuda_default_config(self.head_dim, self.dtype, self.direction, self.kind)
+        elif self.backend is Backend.GLUON:
+            config = defaults.gluon_default_config(self.head_dim)
         else:
             config = defaults.default_config(self.head_dim, self.dtype, self.direction, self.kind, mask=self.mask)
         for name, allowed, desc in (
@@ -107,6 +109,8 @@ class KernelSpec:
             put(name, config[name] if value is None else _int_field(name, value, lambda v: v in allowed, desc))
         if self.backend is Backend.CUDA:
             self._check_cuda()
+        elif self.backend is Backend.GLUON:
+            self._check_gluon()
 
     @property
     def switches(self) -> tuple[str, ...]:
@@ -141,6 +145,19 @@ class KernelSpec:
                             f"needs {smem} bytes of shared memory with block_m {self.block_m}, block_n "
                             f"{self.block_n}, head_dim {self.head_dim}; no GPU gives a block more than {limit}: "
                             "use fewer stages or a smaller block_n/block_m")
+
+    def _check_gluon(self) -> None:
+        """The gluon backend's own limits (defaults.GLUON_SUPPORTED) and its shared memory on sm_90."""
+        for name, (allowed, why) in defaults.GLUON_SUPPORTED.items():
+            value = getattr(self, name)
+            if value not in allowed:
+                raise SpecError(name, value.value if isinstance(value, enum.Enum) else value, why)
+        smem = targets.smem_bytes(self)
+        limit = targets.ARCH_SMEM_LIMIT["sm_90"]
+        if smem > limit:
+            raise SpecError("num_stages", self.num_stages,
+                            f"needs {smem} bytes of shared memory with block_n {self.block_n}, head_dim "
+                            f"{self.head_dim}; sm_90 gives a block at most {limit}: use fewer stages or block_n 64")
 
     # -- names ---------------------------------------------------------------------------
     @cached_property

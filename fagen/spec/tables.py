@@ -39,13 +39,14 @@ TEMPLATE = {
     (Backend.TRITON, Kind.PREFILL): "triton/attention.py.j2",
     (Backend.CUDA, Kind.PREFILL): "cuda/attention.cu.j2",
     (Backend.TRITON, Kind.DECODE): "triton/decode.py.j2",
+    (Backend.GLUON, Kind.PREFILL): "gluon/attention.py.j2",
 }
 
 # The Python module that loads and launches a compiled source, for backends whose source is not Python.
 LAUNCHER = {Backend.CUDA: "cuda/launcher.py.j2"}
 
 # File suffix of a rendered source, per backend.
-SOURCE_SUFFIX = {Backend.TRITON: ".py", Backend.CUDA: ".cu"}
+SOURCE_SUFFIX = {Backend.TRITON: ".py", Backend.CUDA: ".cu", Backend.GLUON: ".py"}
 
 # The PTX mma.sync element type (for the CUDA backend).
 CUDA_MMA_TYPE = {DType.FP16: "f16", DType.BF16: "bf16"}

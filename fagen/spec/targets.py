@@ -73,10 +73,22 @@ def triton_smem_bytes(spec) -> int:
     return tiles * d * spec.dtype.itemsize
 
 
+def gluon_smem_bytes(head_dim: int, block_m: int, block_n: int, num_stages: int, q_stages: int = 2) -> int:
+    """Shared memory of the Gluon (Hopper) forward (fagen/templates/gluon/attention.py.j2, [Note] Roles).
+
+    A program owns block_m query rows, block_m / 2 per consumer warpgroup. Each warpgroup has q_stages Q buffers
+    and one O staging buffer; the K/V ring holds num_stages K and V tiles of block_n rows; 2 bytes an element,
+    plus 1 KB for the mbarriers and triton's scratch. d128 m128 n128 s2: 230,400 bytes (compiled: 229,752)."""
+    half = block_m // 2
+    return 2 * (2 * (q_stages + 1) * half + 2 * num_stages * block_n) * head_dim + 1024
+
+
 def smem_bytes(spec) -> int:
     """The shared memory a spec's kernels need, by its backend's formula."""
     from fagen.spec.axes import Backend
 
     if spec.backend is Backend.CUDA:
         return cuda_smem_bytes(spec.head_dim, spec.dtype, spec.block_m, spec.block_n, spec.num_stages)
+    if spec.backend is Backend.GLUON:
+        return gluon_smem_bytes(spec.head_dim, spec.block_m, spec.block_n, spec.num_stages)
     return triton_smem_bytes(spec)

@@ -1,0 +1,89 @@
+"""When the Gluon (Hopper) forward serves a case in place of the Triton one: the use-time, machine-dependent choice.
+
+[Note] Hopper selection
+A spec never depends on the machine ([Note] Deterministic specs in fagen/spec/tuned.py): KernelSpec's default
+backend stays 'triton' everywhere. The choice of the gluon backend is made where a kernel is *used*, from the
+inputs' device: by fagen.attention (fagen/runtime/resolve.py) when no gradient is needed, and by `fagen bench`
+(BenchCase.spec) when no spec field is pinned on the command line. It applies when
+  - $FAGEN_HOPPER is not "0" (read when a case is first resolved in a process; set it before the first call),
+  - the device is CUDA of compute capability 9.0 (H100/H200) and triton has the Gluon Hopper API (>= 3.6),
+  - the case is one where the H100 measurements of docs/hopper.md show a win over the Triton forward: a prefill
+    forward, head_dim 128, bf16, mask none or causal, any gqa (+7% full, +3% causal, +22% gqa 32/8 causal at
+    d128 bf16). Not d64 (-7%), not fp16 (496 vs 493 TF/s, a tie), not padding/tree masks (no such kernel).
+Everywhere else the present kernels serve, unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+from fagen.spec.axes import Backend, Direction, DType, Kind, Mask
+from fagen.spec.kernel import KernelSpec
+
+ENV = "FAGEN_HOPPER"
+# The cases the gluon forward is selected for (head_dim, dtype, masks): measured wins only, see the note above.
+SELECTED_HEAD_DIMS = (128,)
+SELECTED_DTYPES = (DType.BF16,)
+SELECTED_MASKS = (Mask.NONE, Mask.CAUSAL)
+
+
+def enabled() -> bool:
+    """False when $FAGEN_HOPPER is "0" (or "off", "false", "no"): the Triton kernels serve everywhere."""
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+@functools.cache
+def gluon_missing() -> str | None:
+    """None when this triton has the Gluon Hopper API the template is written against; else the reason."""
+    try:
+        import triton
+        from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma  # noqa: F401
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: F401
+    except ImportError as e:
+        return f"triton has no Gluon Hopper API ({e})"
+    try:
+        major, minor = (int(x) for x in triton.__version__.split(".")[:2])
+    except ValueError:
+        return f"unreadable triton version {triton.__version__!r}"
+    if (major, minor) < (3, 6):
+        return f"the Gluon kernel is written against triton 3.6's API; found {triton.__version__}"
+    return None
+
+
+_CAPABILITY: dict[int, tuple[int, int]] = {}
+
+
+def is_hopper(device) -> bool:
+    """Whether `device` (a torch.device) is a CUDA device of compute capability 9.0."""
+    if getattr(device, "type", None) != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return False
+    import torch
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABILITY:
+        _CAPABILITY[index] = torch.cuda.get_device_capability(index)
+    return _CAPABILITY[index] == (9, 0)
+
+
+def selected(spec: KernelSpec) -> bool:
+    """Whether the measured rule picks the gluon forward for the case of `spec` (machine not considered)."""
+    return (spec.kind is Kind.PREFILL and spec.direction is Direction.FWD and spec.head_dim in SELECTED_HEAD_DIMS
+            and spec.dtype in SELECTED_DTYPES and spec.mask in SELECTED_MASKS)
+
+
+def gluon_twin(spec: KernelSpec) -> KernelSpec:
+    """The gluon spec of the same case (its own default blocks)."""
+    return KernelSpec(head_dim=spec.head_dim, mask=spec.mask, gqa=spec.gqa, dtype=spec.dtype,
+                      backend=Backend.GLUON)
+
+
+def forward_spec(spec: KernelSpec, device) -> KernelSpec | None:
+    """The gluon spec that should serve `spec`'s case as a forward on `device`, or None: keep `spec`.
+
+    `spec` may be a bwd spec (fagen.attention's): only its case (head_dim, mask, dtype, gqa) is read.
+    """
+    case = KernelSpec(head_dim=spec.head_dim, mask=spec.mask, gqa=spec.gqa, dtype=spec.dtype, kind=spec.kind)
+    if not (enabled() and selected(case) and is_hopper(device) and gluon_missing() is None):
+        return None
+    return gluon_twin(case)

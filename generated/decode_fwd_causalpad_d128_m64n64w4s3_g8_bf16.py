@@ -475,8 +475,7 @@ def num_splits_for(groups, seq_k, sms):
     return min(n for n, e in effs.items() if e >= 0.85 * best)
 
 
-def _check_decode_inputs(q, num_splits):
-    sq = q.shape[2]
+def _check_decode_inputs(sq, num_splits):
     if sq > MAX_SEQ_Q:
         raise InputError(f"seq_q: {sq} query tokens, but decode kernels take 1 to {MAX_SEQ_Q}; "
                          "use a kind='prefill' spec for longer queries")
@@ -542,7 +541,7 @@ def forward_split(q, k, v, *, num_splits=None, scale=None, seqlens_q=None, seqle
     Asking for more splits than there are BLOCK_N blocks of keys gives one block per split.
     """
     _check_qkv(q, k, v)
-    _check_decode_inputs(q, num_splits)
+    _check_decode_inputs(q.shape[2], num_splits)
     scale = _check_scale(scale)
     seqlens_q, seqlens_k, tree = _check_mask_inputs(q, k, seqlens_q, seqlens_k, tree_mask, check)
     return _launch_decode(q, k, v, scale, seqlens_q, seqlens_k, tree, num_splits)
@@ -568,7 +567,7 @@ class Plan:
         if max_seq_q > MAX_SEQ_Q or heads_q % GQA:
             raise InputError(f"plan: max_seq_q must be at most {MAX_SEQ_Q} and heads_q a multiple of gqa={GQA}, got "
                              f"{max_seq_q} and {heads_q}")
-        _check_decode_inputs(torch.empty(0, 0, max_seq_q, 0), num_splits)
+        _check_decode_inputs(max_seq_q, num_splits)
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -612,7 +611,7 @@ def forward(q, k, v, *, scale=None, seqlens_q=None, seqlens_k=None, tree_mask=No
     out / lse: caller-owned buffers to write into; check: see [Note] Checks that read device values.
     """
     _check_qkv(q, k, v)
-    _check_decode_inputs(q, None)
+    _check_decode_inputs(q.shape[2], None)
     scale = _check_scale(scale)
     seqlens_q, seqlens_k, tree = _check_mask_inputs(q, k, seqlens_q, seqlens_k, tree_mask, check)
     _check_buffers(q, out, lse)

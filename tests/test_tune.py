@@ -1,51 +1,24 @@
 """`fagen tune` and the tuned table it writes: lookups, validation, the shared-memory filter, the tuner's runs."""
 
 import dataclasses
-import io
 import json
-import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 from click.testing import CliRunner
 
 import fagen
-from fagen.bench import report, runner
-from fagen.spec import defaults, tables, tuned
-from fagen.verify.properties import reference
-from fagen.bench.cases import BenchOptions, CaseContext, Prepared
-from fagen.bench.check import check
-from fagen.bench.impls import make_record
-from fagen.cli import main
-from fagen.spec.axes import Direction, DType, Kind, Mask
-from fagen.verify.mutants import MUTANTS
-from fagen.codegen.render import generate
-from fagen.runtime.loader import load_source
-from fagen.verify.strategies import Problem
 from fagen.bench.tune import candidates
+from fagen.bench.workloads import make_case
+from fagen.cli import main
+from fagen.spec import defaults, tuned
+from fagen.spec.axes import Direction, DType, Kind, Mask
 from fagen.spec.targets import triton_smem_bytes as smem_bytes
 from fagen.verify.properties import check_forward
-from fagen.bench.workloads import (BWD_FACTOR, TARGETS, BenchCase, flops, fwd_flops, kv_bytes, make_case, standard_suite,
-                            visible_pairs)
+from fagen.verify.strategies import Problem
 from conftest import DEVICE, ON_GPU
 
 CPU = torch.device("cpu")
-SMALL = [
-    make_case("none", head_dim=16, mask="none", batch=2, heads_q=2, heads_kv=1, seq_q=5, seq_k=7),
-    make_case("causal-sq<sk", head_dim=16, mask="causal", batch=2, heads_q=2, heads_kv=1, seq_q=5, seq_k=9),
-    make_case("causal-sq>sk", head_dim=16, mask="causal", batch=1, heads_q=2, heads_kv=2, seq_q=9, seq_k=4),
-    make_case("causal-eq", head_dim=16, mask="causal", batch=1, heads_q=2, heads_kv=2, seq_q=6, seq_k=6),
-    make_case("pad", head_dim=16, mask="padding", batch=3, heads_q=4, heads_kv=2, seq_q=8, seq_k=11,
-              seqlens_q=(8, 0, 3), seqlens_k=(11, 5, 0)),
-    make_case("causalpad", head_dim=16, mask="causal+padding", batch=3, heads_q=4, heads_kv=2, seq_q=8, seq_k=11,
-              seqlens_q=(8, 2, 5), seqlens_k=(3, 11, 5)),
-    make_case("tree", head_dim=16, mask="tree", batch=2, heads_q=4, heads_kv=2, seq_q=7, seq_k=20),
-]
-
-
-def fp32(case: BenchCase) -> BenchCase:
-    return dataclasses.replace(case, dtype=DType.FP32)
 
 
 # -- the tuned table --------------------------------------------------------------------------------------

@@ -47,10 +47,11 @@ def _inputs(case: LatencyCase, device: str, dtype: torch.dtype):
 
 def implementations(case: LatencyCase, q, k, v) -> dict[str, Callable[[], object]]:
     import fagen
+    from fagen.runtime.kinds import prefers_decode
     from fagen.runtime.resolve import resolve
 
     causal = case.mask == "causal" and case.seq_q > 1
-    module = resolve(q, k, v, case.mask, case.seq_q <= 16 and case.seq_k >= 256)
+    module = resolve(q, k, v, case.mask, prefers_decode(case.seq_q, case.seq_k))  # fagen.attention's rule
     sdpa = torch.nn.functional.scaled_dot_product_attention
     return {
         "fagen.attention": lambda: fagen.attention(q, k, v, mask=case.mask),

@@ -133,10 +133,8 @@ def _plot(report, records, plot_path, json_path, err=False):
 def _latency(device, json_path, out, quick):
     """The latency suite ([Note] Host time in fagen/bench/latency.py), with a cProfile of fagen's loop."""
     import dataclasses
-    import json
 
     from fagen.bench import latency, runner
-    from fagen.runtime.cache import write_if_different
 
     def log(line: str) -> None:
         out.print(line, markup=False, highlight=False)
@@ -149,6 +147,5 @@ def _latency(device, json_path, out, quick):
     else:
         records = latency.run(device, log=log, profile=json_path is not None)
     if json_path is not None:
-        meta = runner.environment_meta(device)
-        write_if_different(json_path, json.dumps({"meta": meta, "records": records}, indent=1) + "\n")
+        runner.write_json(json_path, runner.environment_meta(device), records)
         log(f"wrote {json_path}")

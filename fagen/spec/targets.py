@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from fagen.spec.axes import Direction, DType
+from fagen.spec.axes import Backend, Direction, DType
 
 # GPU architectures fagen compiles Triton for, by compute capability.
 ARCH_CAPABILITY = {"sm_80": 80, "sm_90": 90}
@@ -85,8 +85,6 @@ def gluon_smem_bytes(head_dim: int, block_m: int, block_n: int, num_stages: int,
 
 def smem_bytes(spec) -> int:
     """The shared memory a spec's kernels need, by its backend's formula."""
-    from fagen.spec.axes import Backend
-
     if spec.backend is Backend.CUDA:
         return cuda_smem_bytes(spec.head_dim, spec.dtype, spec.block_m, spec.block_n, spec.num_stages)
     if spec.backend is Backend.GLUON:

@@ -185,3 +185,20 @@ def test_layout_mutant_is_caught(mutant):
 
     with pytest.raises(PropertyFailure):
         run()
+
+
+def test_the_layouts_bench_suite_runs_and_checks_its_rows(tmp_path):
+    """`fagen bench --suite layouts --quick`: both row kinds, checked against fagen's dense kernels, into JSON."""
+    import json
+
+    from click.testing import CliRunner
+
+    from fagen.cli import main
+
+    out = tmp_path / "layouts.json"
+    res = CliRunner().invoke(main, ["bench", "--suite", "layouts", "--quick", "--device", DEVICE, "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    records = json.loads(out.read_text())["records"]
+    assert [r["kind"] for r in records] == ["paged-decode", "varlen-prefill"]
+    assert records[0]["max_err_vs_dense"] < 1e-2 and records[0]["paged/dense"] > 0
+    assert records[1]["fagen varlen"]["TF/s"] > 0

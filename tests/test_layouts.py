@@ -47,7 +47,38 @@ def test_varlen_backward_matches_the_reference(mask, dtype):
     spec = _spec("varlen", mask, direction="bwd", dtype=dtype)
     module = load(spec)
 
-    @settings(max_examples=4 if not ON_GPU else 20)
+    @settings(max_examples=4 if not ON_GPU else 10)
+    @given(layouts.cases(spec, max_len=MAX_LEN))
+    def run(case):
+        layouts.check_backward(module, spec, case, DEVICE)
+
+    run()
+
+
+SWITCH_SETS = [dict(window=True), dict(softcap=True, alibi=True), dict(window=True, sinks=True)]
+
+
+@pytest.mark.parametrize("switches", SWITCH_SETS, ids=lambda s: "+".join(s))
+@pytest.mark.parametrize("layout,kind", LAYOUT_SPECS)
+def test_score_switches_compose_with_the_layouts(layout, kind, switches):
+    spec = _spec(layout, "causal", kind, dtype="fp16", **switches)
+    module = load(spec)
+
+    @settings(max_examples=4 if not ON_GPU else 15)
+    @given(layouts.cases(spec, max_len=MAX_LEN))
+    def run(case):
+        layouts.check_forward(module, spec, case, DEVICE)
+
+    run()
+
+
+@pytest.mark.parametrize("switches", [dict(window=True, sinks=True), dict(softcap=True, alibi=True)],
+                         ids=lambda s: "+".join(s))
+def test_score_switches_in_the_varlen_backward(switches):
+    spec = _spec("varlen", "causal", direction="bwd", dtype="fp32", **switches)
+    module = load(spec)
+
+    @settings(max_examples=3 if not ON_GPU else 8)
     @given(layouts.cases(spec, max_len=MAX_LEN))
     def run(case):
         layouts.check_backward(module, spec, case, DEVICE)

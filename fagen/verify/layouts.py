@@ -18,7 +18,7 @@ from fagen.spec import tables
 from fagen.spec.axes import Kind, Layout, Mask
 from fagen.spec.kernel import KernelSpec
 from fagen.verify import reference
-from fagen.verify.tolerances import compare_grad, compare_pair, compare_pair_lse
+from fagen.verify.tolerances import LSE_TOLERANCE, TOLERANCE, compare, compare_grad
 
 
 @dataclasses.dataclass
@@ -73,6 +73,23 @@ class LayoutInputs:
     args: tuple
     kwargs: dict
     dense: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # per sequence: q [Sq, Hq, D], k/v [Sk, Hkv, D]
+    scores: dict  # the score switches' inputs (README "Score modifiers"), for the module and the reference alike
+
+
+def _scores(spec: KernelSpec, hq: int, gen: torch.Generator, device) -> dict:
+    """Random values for the spec's score switches: window extents 0..24 (right 0 half the time), a cap 5..30,
+    ALiBi slopes 0..0.5 and sink logits -2..2 per query head."""
+    scores = {}
+    ints = lambda hi: int(torch.randint(0, hi + 1, (1,), generator=gen))  # noqa: E731
+    if spec.window:
+        scores["window"] = (ints(24), 0 if ints(1) else ints(24))
+    if spec.softcap:
+        scores["softcap"] = 5.0 + 25.0 * float(torch.rand(1, generator=gen))
+    if spec.alibi:
+        scores["alibi_slopes"] = (0.5 * torch.rand(hq, generator=gen)).to(device)
+    if spec.sinks:
+        scores["sinks"] = (4.0 * torch.rand(hq, generator=gen) - 2.0).to(device)
+    return scores
 
 
 def make_inputs(spec: KernelSpec, case: LayoutCase, device) -> LayoutInputs:
@@ -88,7 +105,7 @@ def make_inputs(spec: KernelSpec, case: LayoutCase, device) -> LayoutInputs:
         kwargs = dict(cu_seqlens_q=_cu(case.lens_q, device), cu_seqlens_k=_cu(case.lens_k, device),
                       max_seqlen_q=max(case.lens_q), max_seqlen_k=max(case.lens_k))
         args = tuple(torch.cat(t).to(device) for t in (qs, ks, vs))
-        return LayoutInputs(args, kwargs, list(zip(qs, ks, vs)))
+        return LayoutInputs(args, kwargs, list(zip(qs, ks, vs)), _scores(spec, hq, gen, device))
     # Paged: each sequence's pages, shuffled over a cache with spare pages; a shared prefix reuses sequence 0's.
     page = case.page_size
     n_pages = [-(-n // page) for n in case.lens_k]
@@ -123,46 +140,53 @@ def make_inputs(spec: KernelSpec, case: LayoutCase, device) -> LayoutInputs:
         idx = torch.arange(case.lens_k[b])
         rows = table[b, idx // page].long()
         dense.append((qs[b], k_cache[rows, idx % page], v_cache[rows, idx % page]))
-    return LayoutInputs((q, k_cache.to(device), v_cache.to(device)), kwargs, dense)
+    return LayoutInputs((q, k_cache.to(device), v_cache.to(device)), kwargs, dense, _scores(spec, hq, gen, device))
 
 
 def reference_sequence(spec: KernelSpec, q, k, v, scores: dict | None = None):
     """float64 (out [Sq, Hq, D], lse [Hq, Sq]) of one sequence: the dense reference with batch 1."""
     mask = Mask.CAUSAL if spec.mask.causal else Mask.NONE
+    scores = {name: value.cpu() if isinstance(value, torch.Tensor) else value for name, value in (scores or {}).items()}
     out, lse = reference.attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                   mask=mask, **(scores or {}))
+                                   mask=mask, **scores)
     return out[0].transpose(0, 1), lse[0]
 
 
 def check_forward(module, spec: KernelSpec, case: LayoutCase, device) -> None:
     """Run forward() and compare every sequence's out and lse with the reference; raises PropertyFailure."""
     inputs = make_inputs(spec, case, device)
-    out, lse = module.forward(*inputs.args, **inputs.kwargs)
+    out, lse = module.forward(*inputs.args, **inputs.kwargs, **inputs.scores)
     row = 0
+    tol = TOLERANCE[spec.dtype]
     for b, (q, k, v) in enumerate(inputs.dense):
-        want_out, want_lse = reference_sequence(spec, q, k, v)
+        want_out, want_lse = reference_sequence(spec, q, k, v, inputs.scores)
         n = case.lens_q[b]
         if spec.kind is Kind.DECODE:
             got_out, got_lse = out[b].transpose(0, 1), lse[b]
         else:
             got_out, got_lse = out[row:row + n], lse[:, row:row + n]
             row += n
-        compare_pair(f"out (sequence {b})", got_out.cpu(), want_out, spec.dtype)
-        compare_pair_lse(f"lse (sequence {b})", got_lse.cpu(), want_lse)
+        compare(f"out (sequence {b})", got_out.cpu(), want_out, atol=tol["atol"], rtol=tol["rtol"])
+        compare(f"lse (sequence {b})", got_lse.cpu(), want_lse, **LSE_TOLERANCE)  # -inf rows must match exactly
 
 
 def check_backward(module, spec: KernelSpec, case: LayoutCase, device) -> None:
     """Varlen: gradients of attention() against the reference's, sequence by sequence."""
     inputs = make_inputs(spec, case, device)
     q, k, v = (t.detach().requires_grad_() for t in inputs.args)
-    out = module.attention(q, k, v, **inputs.kwargs)
+    sinks = inputs.scores.get("sinks")
+    scores = dict(inputs.scores, sinks=sinks.detach().clone().requires_grad_()) if sinks is not None else inputs.scores
+    out = module.attention(q, k, v, **inputs.kwargs, **scores)
     gen = torch.Generator().manual_seed(case.seed + 1)
     dout = torch.randn(out.shape, generator=gen).to(out.dtype).to(device)
     out.backward(dout)
     wants = []
+    ref_scores = dict(inputs.scores)
+    if sinks is not None:
+        ref_scores["sinks"] = sinks.detach().cpu().double().requires_grad_()
     for b, (qb, kb, vb) in enumerate(inputs.dense):
         qd, kd, vd = (t.double().requires_grad_() for t in (qb, kb, vb))
-        o, _ = reference_sequence(spec, qd, kd, vd)
+        o, _ = reference_sequence(spec, qd, kd, vd, ref_scores)
         wants.append((o, qd, kd, vd))
     cq, ck = inputs.kwargs["cu_seqlens_q"].cpu(), inputs.kwargs["cu_seqlens_k"].cpu()
     for b, (o, qd, kd, vd) in enumerate(wants):
@@ -170,3 +194,5 @@ def check_backward(module, spec: KernelSpec, case: LayoutCase, device) -> None:
         for name, got, want in (("dq", q.grad[cq[b]:cq[b + 1]], qd.grad), ("dk", k.grad[ck[b]:ck[b + 1]], kd.grad),
                                 ("dv", v.grad[ck[b]:ck[b + 1]], vd.grad)):
             compare_grad(f"{name} (sequence {b})", got.cpu(), want, spec.dtype)
+    if sinks is not None:
+        compare_grad("dsinks", scores["sinks"].grad.cpu(), ref_scores["sinks"].grad, spec.dtype)

@@ -41,6 +41,20 @@ def test_forward_matches_the_gathered_reference(layout, kind, mask, dtype):
     run()
 
 
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_tree_decode_on_a_paged_cache(dtype):
+    """Speculative verification: each sequence's draft tree is its last Sq cached keys."""
+    spec = _spec("paged", "tree", "decode", dtype=dtype)
+    module = load(spec)
+
+    @settings(max_examples=6 if not ON_GPU else 25)
+    @given(layouts.cases(spec, max_len=MAX_LEN))
+    def run(case):
+        layouts.check_forward(module, spec, case, DEVICE)
+
+    run()
+
+
 @pytest.mark.parametrize("mask", ["none", "causal"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_varlen_backward_matches_the_reference(mask, dtype):

@@ -31,6 +31,7 @@ class LayoutCase:
     page_size: int = 0
     shared: bool = False  # paged: sequences after the first reuse its first pages (a shared prompt prefix)
     seed: int = 0
+    parents: list[list[int]] | None = None  # tree decode: each sequence's draft tree (parent of node i < i, -1 root)
 
     @property
     def batch(self) -> int:
@@ -50,13 +51,17 @@ def cases(spec: KernelSpec, max_len: int = 40, max_batch: int = 4) -> st.SearchS
         else:
             lens_q = [draw(lens) for _ in range(batch)]
         lens_k = [draw(lens) for _ in range(batch)]
+        parents = None
+        if spec.mask is Mask.TREE:  # the Sq queries are the last Sq cached keys: a draft tree per sequence
+            lens_k = [max(k, lens_q[0]) for k in lens_k]
+            parents = [[draw(st.integers(-1, i - 1)) for i in range(lens_q[0])] for _ in range(batch)]
         if spec.mask.causal and spec.layout is Layout.PAGED:
             # chunked prefill / decode: the new queries are the last of the cached keys (rows may still be empty)
             lens_k = [max(k, q) if draw(st.booleans()) else k for q, k in zip(lens_q, lens_k)]
         page = draw(st.sampled_from([1, 2, 4, 8, 16])) if spec.layout is Layout.PAGED else 0
         return LayoutCase(lens_q, lens_k, heads_kv=draw(st.integers(1, 2)), page_size=page,
                           shared=spec.layout is Layout.PAGED and draw(st.booleans()),
-                          seed=draw(st.integers(0, 2**31 - 1)))
+                          seed=draw(st.integers(0, 2**31 - 1)), parents=parents)
 
     return case()
 
@@ -129,6 +134,8 @@ def make_inputs(spec: KernelSpec, case: LayoutCase, device) -> LayoutInputs:
             k_cache[table[b, j // page], j % page] = ks[b][j]
             v_cache[table[b, j // page], j % page] = vs[b][j]
     kwargs = dict(block_table=table.to(device), seqlens_k=torch.tensor(case.lens_k, dtype=torch.int32, device=device))
+    if case.parents is not None:
+        kwargs["tree_mask"] = reference.ancestors_from_parents(torch.tensor(case.parents)).to(device)
     if spec.kind is Kind.DECODE:
         q = torch.stack([x.transpose(0, 1) for x in qs]).to(device)  # [B, Hq, Sq, D]
     else:
@@ -143,9 +150,12 @@ def make_inputs(spec: KernelSpec, case: LayoutCase, device) -> LayoutInputs:
     return LayoutInputs((q, k_cache.to(device), v_cache.to(device)), kwargs, dense, _scores(spec, hq, gen, device))
 
 
-def reference_sequence(spec: KernelSpec, q, k, v, scores: dict | None = None):
-    """float64 (out [Sq, Hq, D], lse [Hq, Sq]) of one sequence: the dense reference with batch 1."""
-    mask = Mask.CAUSAL if spec.mask.causal else Mask.NONE
+def reference_sequence(spec: KernelSpec, q, k, v, scores: dict | None = None, tree=None):
+    """float64 (out [Sq, Hq, D], lse [Hq, Sq]) of one sequence: the dense reference with batch 1 (tree: its
+    bool [Sq, Sq] ancestor-or-self mask)."""
+    mask = spec.mask if spec.mask in (Mask.CAUSAL, Mask.TREE) else Mask.NONE
+    if tree is not None:
+        scores = dict(scores or {}, tree_mask=tree.cpu()[None])
     scores = {name: value.cpu() if isinstance(value, torch.Tensor) else value for name, value in (scores or {}).items()}
     out, lse = reference.attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                    mask=mask, **scores)
@@ -159,7 +169,8 @@ def check_forward(module, spec: KernelSpec, case: LayoutCase, device) -> None:
     row = 0
     tol = TOLERANCE[spec.dtype]
     for b, (q, k, v) in enumerate(inputs.dense):
-        want_out, want_lse = reference_sequence(spec, q, k, v, inputs.scores)
+        tree = inputs.kwargs["tree_mask"][b] if "tree_mask" in inputs.kwargs else None
+        want_out, want_lse = reference_sequence(spec, q, k, v, inputs.scores, tree)
         n = case.lens_q[b]
         if spec.kind is Kind.DECODE:
             got_out, got_lse = out[b].transpose(0, 1), lse[b]

@@ -104,7 +104,8 @@ class KernelSpec:
         elif self.backend is Backend.GLUON:
             config = defaults.gluon_default_config(self.head_dim)
         else:
-            config = defaults.default_config(self.head_dim, self.dtype, self.direction, self.kind, mask=self.mask)
+            config = defaults.default_config(self.head_dim, self.dtype, self.direction, self.kind, mask=self.mask,
+                                             layout=self.layout)
         for name, allowed, desc in (
             ("block_m", BLOCK_SIZES, "must be a power of two from 16 to 256"),
             ("block_n", BLOCK_SIZES, "must be a power of two from 16 to 256"),

@@ -3,7 +3,7 @@ reference run on their gathered dense equivalent, and the checks.
 
 Every case is drawn with Hypothesis from the semantics, not from the kernels: sequence lengths include 0 and 1 and
 lengths that are not multiples of the block sizes; pages are shuffled, may be shared between sequences (a shared
-prompt prefix), the last page of a sequence is partly filled, page sizes run from 1 up; every cache slot that no
+prompt prefix), the last page of a sequence is partly filled, page sizes run from 1 to 256; every cache slot that no
 sequence uses holds NaN, which must never reach an output.
 """
 
@@ -58,7 +58,7 @@ def cases(spec: KernelSpec, max_len: int = 40, max_batch: int = 4) -> st.SearchS
         if spec.mask.causal and spec.layout is Layout.PAGED:
             # chunked prefill / decode: the new queries are the last of the cached keys (rows may still be empty)
             lens_k = [max(k, q) if draw(st.booleans()) else k for q, k in zip(lens_q, lens_k)]
-        page = draw(st.sampled_from([1, 2, 4, 8, 16])) if spec.layout is Layout.PAGED else 0
+        page = draw(st.sampled_from([1, 2, 4, 8, 16, 32, 64, 256])) if spec.layout is Layout.PAGED else 0
         return LayoutCase(lens_q, lens_k, heads_kv=draw(st.integers(1, 2)), page_size=page,
                           shared=spec.layout is Layout.PAGED and draw(st.booleans()),
                           seed=draw(st.integers(0, 2**31 - 1)), parents=parents)

@@ -26,7 +26,7 @@ def _spec(layout, mask, kind="prefill", direction="fwd", dtype="fp16", gqa=2, **
 LAYOUT_SPECS = [("varlen", "prefill"), ("paged", "prefill"), ("paged", "decode")]
 
 
-@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
 @pytest.mark.parametrize("mask", ["none", "causal"])
 @pytest.mark.parametrize("layout,kind", LAYOUT_SPECS)
 def test_forward_matches_the_gathered_reference(layout, kind, mask, dtype):
@@ -248,3 +248,24 @@ def test_the_layouts_bench_suite_runs_and_checks_its_rows(tmp_path):
     assert [r["kind"] for r in records] == ["paged-decode", "varlen-prefill"]
     assert records[0]["max_err_vs_dense"] < 1e-2 and records[0]["paged/dense"] > 0
     assert records[1]["fagen varlen"]["TF/s"] > 0
+
+
+def test_fagen_verify_searches_layout_specs(tmp_path):
+    """`fagen verify` routes varlen and paged specs to the gathered-reference search, and it fails on a mutant."""
+    import json
+
+    from click.testing import CliRunner
+
+    from fagen.cli import main
+    from fagen.verify.layouts import verify_layout_spec
+
+    report = tmp_path / "verify.json"
+    res = CliRunner().invoke(main, ["verify", "--head-dim", "32", "--mask", "causal", "--gqa", "2", "--dtype", "fp16",
+                                    "--layout", "paged", "--kind", "decode", "--block-n", "16", "--examples", "4",
+                                    "--device", DEVICE, "--json", str(report), "-q"])
+    assert res.exit_code == 0, res.output
+    assert "pass decode_fwd_causal_d32" in res.output and "all 1 checks passed" in res.output
+    assert json.loads(report.read_text())["layouts"][0]["passed"] is True
+    spec = _spec("paged", "causal", "decode")
+    broken = verify_layout_spec(spec, examples=30, seed=0, device=DEVICE, scale="cpu", mutant="paged-page-boundary")
+    assert not broken[0].passed and "sequence" in broken[0].failure

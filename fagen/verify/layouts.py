@@ -207,3 +207,69 @@ def check_backward(module, spec: KernelSpec, case: LayoutCase, device) -> None:
             compare_grad(f"{name} (sequence {b})", got.cpu(), want, spec.dtype)
     if sinks is not None:
         compare_grad("dsinks", scores["sinks"].grad.cpu(), ref_scores["sinks"].grad, spec.dtype)
+
+
+@dataclasses.dataclass
+class LayoutVerdict:
+    """`fagen verify` on one varlen or paged spec: the property run, and the failure if any."""
+
+    spec: KernelSpec
+    property: str  # "layout-reference" (forward) or "layout-bwd-reference"
+    examples: int
+    seconds: float
+    failure: str | None = None
+
+    @property
+    def passed(self) -> bool:
+        return self.failure is None
+
+    def to_dict(self) -> dict:
+        return {"spec": self.spec.name, "property": self.property, "examples": self.examples,
+                "seconds": round(self.seconds, 3), "passed": self.passed, "failure": self.failure}
+
+
+def verify_layout_spec(spec: KernelSpec, *, examples: int, seed: int, device, scale: str,
+                       mutant: str | None = None) -> list[LayoutVerdict]:
+    """Search `examples` drawn cases of a varlen or paged spec against the gathered dense reference (forward, and
+    for bwd specs the gradients); each failure is shrunk by Hypothesis to a small case and reported in words."""
+    import time
+
+    from fagen.runtime.loader import load
+    from fagen.verify.tolerances import PropertyFailure
+
+    module = load(spec) if mutant is None else _mutant(spec, mutant)
+    checks = [("layout-reference", check_forward)]
+    if spec.direction.value == "bwd":
+        checks.append(("layout-bwd-reference", check_backward))
+    verdicts = []
+    for name, check in checks:
+        seen: list[LayoutCase] = []
+        run = _search(module, spec, check, seen, examples, scale, device)
+        run._hypothesis_internal_use_seed = seed
+        start = time.perf_counter()
+        try:
+            run()
+            failure = None
+        except PropertyFailure as e:
+            failure = f"{e} (case: {seen[-1]})"
+        verdicts.append(LayoutVerdict(spec, name, len(seen), time.perf_counter() - start, failure))
+    return verdicts
+
+
+def _search(module, spec, check, seen, examples, scale, device):
+    from hypothesis import HealthCheck, Phase, given, settings
+
+    @settings(max_examples=examples, deadline=None, database=None, report_multiple_bugs=False,
+              suppress_health_check=list(HealthCheck), phases=[Phase.generate, Phase.shrink])
+    @given(cases(spec, max_len=40 if scale == "cpu" else 2048))
+    def run(case):
+        seen.append(case)
+        check(module, spec, case, device)
+
+    return run
+
+
+def _mutant(spec: KernelSpec, name: str):
+    from fagen.verify.engine import mutant_module
+
+    return mutant_module(spec, name)

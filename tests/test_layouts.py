@@ -269,3 +269,59 @@ def test_fagen_verify_searches_layout_specs(tmp_path):
     spec = _spec("paged", "causal", "decode")
     broken = verify_layout_spec(spec, examples=30, seed=0, device=DEVICE, scale="cpu", mutant="paged-page-boundary")
     assert not broken[0].passed and "sequence" in broken[0].failure
+
+
+# -- runtime: operators, torch.compile, CUDA graphs (the runtime issue's contract holds for the layouts) ----------
+def _runtime_case(layout, kind, direction="fwd"):
+    spec = _spec(layout, "causal", kind, direction=direction, dtype="fp32")
+    case = layouts.LayoutCase([3, 0, 9] if kind == "prefill" else [2, 2, 2], [5, 4, 9], heads_kv=2, page_size=4,
+                              seed=3)
+    return spec, fagen.load(spec), layouts.make_inputs(spec, case, DEVICE)
+
+
+@pytest.mark.parametrize("layout,kind", LAYOUT_SPECS)
+def test_layout_operators_pass_opcheck(layout, kind):
+    from torch.library import opcheck
+
+    spec, module, inputs = _runtime_case(layout, kind, "bwd" if layout == "varlen" else "fwd")
+    q, k, v = inputs.args
+    slots = module._check_layout(q, k, v, **inputs.kwargs)
+    if layout == "varlen":
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+    result = opcheck(module.forward_op, (q, k, v, spec.head_dim ** -0.5, *slots))
+    assert set(result.values()) == {"SUCCESS"}, result
+
+
+def test_varlen_compiles_fullgraph_forward_and_backward():
+    torch._dynamo.reset()
+    spec, module, inputs = _runtime_case("varlen", "prefill", "bwd")
+
+    def layer(q, k, v):
+        return module.attention(q, k, v, **inputs.kwargs).sum(-1)
+
+    explain = torch._dynamo.explain(layer)(*inputs.args)
+    assert explain.graph_break_count == 0 and explain.graph_count == 1, explain.break_reasons
+    compiled = torch.compile(layer, fullgraph=True, backend="inductor" if ON_GPU else "aot_eager")
+    leaves = [t.clone().requires_grad_() for t in inputs.args]
+    compiled(*leaves).sum().backward()
+    eager = [t.clone().requires_grad_() for t in inputs.args]
+    layer(*eager).sum().backward()
+    for a, b in zip(leaves, eager):
+        assert torch.allclose(a.grad, b.grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("layout,kind", LAYOUT_SPECS)
+def test_layouts_capture_and_replay_equal_to_eager(layout, kind):
+    spec, module, inputs = _runtime_case(layout, kind)
+    want, want_lse = module.forward(*inputs.args, **inputs.kwargs)
+    out, lse = torch.empty_like(want), torch.empty_like(want_lse)
+    module.forward(*inputs.args, **inputs.kwargs, out=out, lse=lse)  # warm: compiled before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        module.forward(*inputs.args, **inputs.kwargs, out=out, lse=lse)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)

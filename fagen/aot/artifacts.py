@@ -123,6 +123,10 @@ def compile_arch(spec: KernelSpec, arch: str) -> ArchBuild:
 def _compile_triton(spec: KernelSpec, arch: str, rendered: Rendered) -> tuple[dict, list]:
     """Each AOT kernel of the generated module through triton.compile for an explicit GPU target."""
     module = import_for_compile(spec, rendered)
+    if not hasattr(module, "AOT_KERNELS"):
+        raise CompileError(spec.name, arch, f"{spec.kind} kernels have no ahead-of-time build: their tile rows and "
+                                            "split count follow each call's query and KV lengths, so they compile "
+                                            "at first use (fagen.load(spec)); build the prefill kind ahead of time")
     files, kernels = {}, []
     for entry in module.AOT_KERNELS:
         kernel_start = time.perf_counter()

@@ -26,47 +26,35 @@ def _spec(layout, mask, kind="prefill", direction="fwd", dtype="fp16", gqa=2, **
 LAYOUT_SPECS = [("varlen", "prefill"), ("paged", "prefill"), ("paged", "decode")]
 
 
+def _search(spec, check, cpu, gpu):
+    """Hypothesis over the layout's cases: `check` (forward or backward) against the gathered reference."""
+    module = load(spec)
+
+    @settings(max_examples=cpu if not ON_GPU else gpu)
+    @given(layouts.cases(spec, max_len=MAX_LEN))
+    def run(case):
+        check(module, spec, case, DEVICE)
+
+    run()
+
+
 @pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
 @pytest.mark.parametrize("mask", ["none", "causal"])
 @pytest.mark.parametrize("layout,kind", LAYOUT_SPECS)
 def test_forward_matches_the_gathered_reference(layout, kind, mask, dtype):
-    spec = _spec(layout, mask, kind, dtype=dtype)
-    module = load(spec)
-
-    @settings(max_examples=6 if not ON_GPU else 25)
-    @given(layouts.cases(spec, max_len=MAX_LEN))
-    def run(case):
-        layouts.check_forward(module, spec, case, DEVICE)
-
-    run()
+    _search(_spec(layout, mask, kind, dtype=dtype), layouts.check_forward, cpu=6, gpu=25)
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_tree_decode_on_a_paged_cache(dtype):
     """Speculative verification: each sequence's draft tree is its last Sq cached keys."""
-    spec = _spec("paged", "tree", "decode", dtype=dtype)
-    module = load(spec)
-
-    @settings(max_examples=6 if not ON_GPU else 25)
-    @given(layouts.cases(spec, max_len=MAX_LEN))
-    def run(case):
-        layouts.check_forward(module, spec, case, DEVICE)
-
-    run()
+    _search(_spec("paged", "tree", "decode", dtype=dtype), layouts.check_forward, cpu=6, gpu=25)
 
 
 @pytest.mark.parametrize("mask", ["none", "causal"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_varlen_backward_matches_the_reference(mask, dtype):
-    spec = _spec("varlen", mask, direction="bwd", dtype=dtype)
-    module = load(spec)
-
-    @settings(max_examples=4 if not ON_GPU else 10)
-    @given(layouts.cases(spec, max_len=MAX_LEN))
-    def run(case):
-        layouts.check_backward(module, spec, case, DEVICE)
-
-    run()
+    _search(_spec("varlen", mask, direction="bwd", dtype=dtype), layouts.check_backward, cpu=4, gpu=10)
 
 
 SWITCH_SETS = [dict(window=True), dict(softcap=True, alibi=True), dict(window=True, sinks=True)]
@@ -75,15 +63,7 @@ SWITCH_SETS = [dict(window=True), dict(softcap=True, alibi=True), dict(window=Tr
 @pytest.mark.parametrize("switches", SWITCH_SETS, ids=lambda s: "+".join(s))
 @pytest.mark.parametrize("layout,kind", LAYOUT_SPECS)
 def test_score_switches_compose_with_the_layouts(layout, kind, switches):
-    spec = _spec(layout, "causal", kind, dtype="fp16", **switches)
-    module = load(spec)
-
-    @settings(max_examples=4 if not ON_GPU else 15)
-    @given(layouts.cases(spec, max_len=MAX_LEN))
-    def run(case):
-        layouts.check_forward(module, spec, case, DEVICE)
-
-    run()
+    _search(_spec(layout, "causal", kind, dtype="fp16", **switches), layouts.check_forward, cpu=4, gpu=15)
 
 
 @pytest.mark.parametrize("switches", [dict(window=True, sinks=True), dict(softcap=True, alibi=True)],
@@ -91,14 +71,7 @@ def test_score_switches_compose_with_the_layouts(layout, kind, switches):
 def test_score_switches_in_the_varlen_backward(switches):
     # fp32 on the CPU; bf16 at GPU scale (an fp32 d128 backward with switches compiles for minutes)
     spec = _spec("varlen", "causal", direction="bwd", dtype="bf16" if ON_GPU else "fp32", **switches)
-    module = load(spec)
-
-    @settings(max_examples=3 if not ON_GPU else 8)
-    @given(layouts.cases(spec, max_len=MAX_LEN))
-    def run(case):
-        layouts.check_backward(module, spec, case, DEVICE)
-
-    run()
+    _search(spec, layouts.check_backward, cpu=3, gpu=8)
 
 
 def test_varlen_equals_dense_per_sequence_bitwise_lengths():

@@ -22,7 +22,26 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
     warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from triton._C.libtriton import ir as _ir
+from triton.experimental.gluon.language._core import builtin as _builtin
+
 LOG2E = 1.4426950408889634
+
+
+@_builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """Global[coord box] += shared `src` through the TMA unit (cp.reduce.async.bulk.tensor .add): triton 3.6 has
+    the op (ttng.async_tma_reduce, behind tl's descriptor atomic_add) but Gluon exposes no wrapper."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+@gluon.jit
+def _bulk_wait_all(x):
+    """cp.async.bulk.wait_group 0 (not .read): this thread's bulk operations are complete, their writes
+    performed; `x` is any scalar (inline asm needs an operand)."""
+    return gl.inline_asm_elementwise("cp.async.bulk.wait_group 0; mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32,
+                                     is_pure=False, pack=1)
 
 
 @gluon.constexpr_function
@@ -157,7 +176,7 @@ def _publish_dq(Sem, DQacc, head, m0, n_blk, n_mblk, sq_pad, dq, BLOCK_M: gl.con
 
 
 @gluon.jit(do_not_specialize=["num_tiles", "num_bh", "num_heads_kv", "seq_q", "seq_k", "sq_pad"])
-def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, DK, DV, DQacc, Sem, qk_scale, scale,
+def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, dq_desc, DK, DV, DQacc, Sem, qk_scale, scale,
                      num_tiles, num_bh, num_heads_kv, seq_q, seq_k, sq_pad,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                      GQA: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr, RED_VEC: gl.constexpr,
@@ -176,6 +195,9 @@ def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, DK, DV, DQ
     k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_sl)
     v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_sl)
     ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_sl)
+    if DQ_MODE == 3:
+        dqr_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM], gl.NVMMASharedLayout(
+            swizzle_byte_width=0, element_bitwidth=32, rank=2))
     if DEFER == 2:  # the previous step's dQ waits here for its adds
         dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM],
                                             gl.SwizzledSharedLayout(4, 1, 8, order=[1, 0]))
@@ -244,6 +266,11 @@ def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, DK, DV, DQ
                                     use_acc=False, is_async=True)
             qrows = m0 + qrow0
             lse2 = l_smem.index(s).reshape([BLOCK_M]).load(gl.SliceLayout(0, s_l))
+            if DQ_MODE == 3:  # the previous step's TMA reduce: complete, then publish (while S^T and dP^T run)
+                if i > 0:
+                    _bulk_wait_all(n_blk)
+                    gl.thread_barrier()
+                    gl.atomic_add(Sem + prev_head * n_mblk + prev_m0 // BLOCK_M, 1, sem="release", scope="gpu")
             if DEFER == 2:  # the previous step's dQ, while S^T and dP^T run (step i's top barrier ordered its store)
                 if i > 0:
                     _publish_dq(Sem, DQacc, prev_head, prev_m0, n_blk, n_mblk, sq_pad, dq_smem, BLOCK_M, HEAD_DIM,
@@ -272,7 +299,21 @@ def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, DK, DV, DQ
             dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_l),
                                    use_acc=False, is_async=True)
             dv, dk, dq, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok, pt_op, dst_op))
-            if DEFER == 2:
+            if DQ_MODE == 3:
+                # [Note] Fixed-order dQ through the TMA unit: wait for key blocks 0..n-1, add, publish at the next
+                # step's top (the reduce completes under that step's matmuls).
+                sem = Sem + head * n_mblk + m0 // BLOCK_M
+                seen = gl.atomic_add(sem, 0, sem="acquire", scope="gpu")
+                while seen != n_blk:
+                    seen = gl.atomic_add(sem, 0, sem="acquire", scope="gpu")
+                dqr_smem.store(dq)  # the previous reduce completed at this step's top
+                fence_async_shared()
+                gl.thread_barrier()
+                _tma_reduce_add(dq_desc, [off_b, h0 + g, m0, 0],
+                                dqr_smem._reinterpret(gl.float32, [1, 1, BLOCK_M, HEAD_DIM], dq_desc.layout))
+                prev_head = head
+                prev_m0 = m0
+            elif DEFER == 2:
                 dq_smem.store(dq)  # the publish above read the previous one before the dS barrier
                 prev_head = head
                 prev_m0 = m0
@@ -283,6 +324,11 @@ def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, DK, DV, DQ
             else:
                 _publish_dq(Sem, DQacc, head, m0, n_blk, n_mblk, sq_pad, dq, BLOCK_M, HEAD_DIM, DQ_MODE, RED_VEC)
             j += 1
+        if DQ_MODE == 3:
+            if n_steps > 0:
+                _bulk_wait_all(n_blk)
+                gl.thread_barrier()
+                gl.atomic_add(Sem + prev_head * n_mblk + prev_m0 // BLOCK_M, 1, sem="release", scope="gpu")
         if DEFER == 2:
             if n_steps > 0:
                 gl.thread_barrier()  # the last step's dQ is in dq_smem
@@ -312,6 +358,12 @@ def _descriptor(t, rows, head_dim):
 BLOCK_M, BLOCK_N, STAGES = 64, 128, 2
 
 
+def _acc_descriptor(t):
+    """The float32 dQ accumulator [B, H, sq_pad, D] in boxes of [BLOCK_M, D] (unswizzled: 512-byte rows)."""
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=4)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, BLOCK_M, t.shape[-1]], layout)
+
+
 def _row_descriptor(t):
     """lse2 / delta [B, H, sq_pad] float32 as rows of BLOCK_M through TMA."""
     t2 = t.view(-1, t.shape[-1])
@@ -338,7 +390,8 @@ def backward(do, q, k, v, out, lse, scale, causal, stages=STAGES, dq_mode=1, red
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     _attn_bwd_hopper[(min(num_tiles, sms), )](
         _descriptor(q, BLOCK_M, d), _descriptor(do, BLOCK_M, d), _descriptor(k, BLOCK_N, d),
-        _descriptor(v, BLOCK_N, d), _row_descriptor(lse2), _row_descriptor(delta), dk, dv, dqacc, sem,
+        _descriptor(v, BLOCK_N, d), _row_descriptor(lse2), _row_descriptor(delta), _acc_descriptor(dqacc), dk, dv,
+        dqacc, sem,
         scale * LOG2E, scale,
         num_tiles, num_bh, hkv, sq, sk, sq_pad,
         HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, GQA=gqa, CAUSAL=int(causal), DQ_MODE=dq_mode,
@@ -358,7 +411,8 @@ def compile_main(gqa=1, causal=1, d=128, stages=STAGES, dtype=torch.bfloat16, dq
     f = torch.empty((1, gqa, 1024), dtype=torch.float32)
     args = {"q_desc": _descriptor(q, BLOCK_M, d), "do_desc": _descriptor(q, BLOCK_M, d),
             "k_desc": _descriptor(k, BLOCK_N, d), "v_desc": _descriptor(k, BLOCK_N, d),
-            "l_desc": _row_descriptor(f), "d_desc": _row_descriptor(f), "DK": k, "DV": k,
+            "l_desc": _row_descriptor(f), "d_desc": _row_descriptor(f),
+            "dq_desc": _acc_descriptor(torch.empty((1, gqa, 1024, d), dtype=torch.float32)), "DK": k, "DV": k,
             "DQacc": f, "Sem": torch.empty(4, dtype=torch.int32), "qk_scale": 0.5,
             "scale": 0.5, "num_tiles": 2, "num_bh": 2, "num_heads_kv": 2, "seq_q": 1000, "seq_k": 1000,
             "sq_pad": 1024}
@@ -413,7 +467,7 @@ def compare(name, got, ref, log):
 WORST, WORST_ABS = {}, {}
 
 
-VARIANTS = [("v4", {}), ("v4 defer", {"defer": 2}), ("v2", {"red_vec": 2})]
+VARIANTS = [("tma", {"dq_mode": 3}), ("tma s3", {"dq_mode": 3, "stages": 3}), ("red v4", {})]
 
 
 def gpu_main():
@@ -502,12 +556,9 @@ def gpu_main():
         flop = 2.5 * 4 * bsz * hq * s * s * 128 / (2 if causal else 1)
         res = {"case": label}
         fns = {
-            "hopper v4": lambda: backward(do, q, k, v, out, lse, scale, causal),
-            "hopper v2": lambda: backward(do, q, k, v, out, lse, scale, causal, red_vec=2),
-            "hopper v4 defer": lambda: backward(do, q, k, v, out, lse, scale, causal, defer=2),
-            "hopper v4 defer s3": lambda: backward(do, q, k, v, out, lse, scale, causal, defer=2, stages=3),
-            "hopper unordered": lambda: backward(do, q, k, v, out, lse, scale, causal, dq_mode=2),
-            "hopper unordered defer": lambda: backward(do, q, k, v, out, lse, scale, causal, dq_mode=2, defer=2),
+            "hopper tma": lambda: backward(do, q, k, v, out, lse, scale, causal, dq_mode=3),
+            "hopper tma s3": lambda: backward(do, q, k, v, out, lse, scale, causal, dq_mode=3, stages=3),
+            "hopper red v4": lambda: backward(do, q, k, v, out, lse, scale, causal),
             "hopper no dQ": lambda: backward(do, q, k, v, out, lse, scale, causal, dq_mode=0),
             "triton": lambda: mod.backward(do, q, k, v, out, lse),
         }
@@ -541,7 +592,7 @@ def gpu_main():
 
 if __name__ == "__main__":
     if sys.argv[1] == "compile":
-        for mode, st, rv, df in ((1, 2, 4, 0), (1, 2, 2, 0), (1, 2, 4, 2), (1, 3, 4, 2), (0, 2, 4, 0)):
+        for mode, st, rv, df in ((3, 2, 4, 0), (3, 3, 4, 0), (1, 2, 4, 0), (0, 2, 4, 0)):
                 ck = compile_main(stages=st, dq_mode=mode, red_vec=rv, defer=df)
                 ptx = ck.asm["ptx"]
                 print(f"dq_mode {mode} stages {st} red_vec {rv} defer {df}: shared {ck.metadata.shared}", ptxas_report(ck).splitlines()[-3:-1],

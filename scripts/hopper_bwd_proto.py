@@ -371,7 +371,7 @@ def _row_descriptor(t):
     return TensorDescriptor(t2, list(t2.shape), list(t2.stride()), [1, BLOCK_M], layout)
 
 
-def backward(do, q, k, v, out, lse, scale, causal, stages=STAGES, dq_mode=1, red_vec=4, defer=0):
+def backward(do, q, k, v, out, lse, scale, causal, stages=STAGES, dq_mode=3, red_vec=4, defer=0):
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     gqa = hq // hkv
@@ -467,7 +467,7 @@ def compare(name, got, ref, log):
 WORST, WORST_ABS = {}, {}
 
 
-VARIANTS = [("tma", {"dq_mode": 3}), ("tma s3", {"dq_mode": 3, "stages": 3}), ("red v4", {})]
+VARIANTS = [("tma", {"dq_mode": 3}), ("tma s3", {"dq_mode": 3, "stages": 3}), ("red v4", {"dq_mode": 1})]
 
 
 def gpu_main():
@@ -558,7 +558,7 @@ def gpu_main():
         fns = {
             "hopper tma": lambda: backward(do, q, k, v, out, lse, scale, causal, dq_mode=3),
             "hopper tma s3": lambda: backward(do, q, k, v, out, lse, scale, causal, dq_mode=3, stages=3),
-            "hopper red v4": lambda: backward(do, q, k, v, out, lse, scale, causal),
+            "hopper red v4": lambda: backward(do, q, k, v, out, lse, scale, causal, dq_mode=1),
             "hopper no dQ": lambda: backward(do, q, k, v, out, lse, scale, causal, dq_mode=0),
             "triton": lambda: mod.backward(do, q, k, v, out, lse),
         }

@@ -18,8 +18,10 @@ print("smoke ok", [t.float().norm().item() for t in g])
 PY
 echo "smoke rc $?"; tail -3 "$OUT/smoke.txt"
 if grep -q "smoke ok" "$OUT/smoke.txt"; then
-  timeout 400 python scripts/hopper_bwd_gpu.py 2>&1 | grep -v Warning | tail -45
-  timeout 120 python -m fagen.cli verify --backend gluon --direction bwd --head-dim 128 --mask causal --gqa 2 \
+  timeout 330 python scripts/hopper_bwd_gpu.py 2>&1 | grep -v Warning | tail -45
+  timeout 80 python -m pytest -q -p no:cacheprovider tests/test_hopper.py -k on_hopper > "$OUT/pytest.txt" 2>&1
+  echo "pytest rc $?"; tail -3 "$OUT/pytest.txt"
+  timeout 90 python -m fagen.cli verify --backend gluon --direction bwd --head-dim 128 --mask causal --gqa 2 \
     --dtype bf16 --device cuda --examples 8 > "$OUT/verify.txt" 2>&1
   echo "verify rc $?"; tail -12 "$OUT/verify.txt"
 else

@@ -104,6 +104,7 @@ def correctness():
     v = torch.randn(1, 1, 300, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     do = torch.randn(1, 4, 300, 128, device="cuda", dtype=torch.bfloat16)
     from fagen.runtime import resolve
+    os.environ["FAGEN_HOPPER_BWD"] = "1"  # the opt-in (run 4 ran before it existed, with the rule on by default)
     mod = resolve.resolve(q, k, v, "causal", False)
     log(f"fagen.attention with gradients resolves to {mod.NAME}")
     out = fagen.attention(q, k, v, mask="causal")

@@ -138,6 +138,7 @@ def as_if_hopper(monkeypatch):
     monkeypatch.setattr(hopper, "is_hopper", lambda device: True)
     monkeypatch.setattr(hopper, "gluon_missing", lambda: None)
     monkeypatch.delenv(hopper.ENV, raising=False)
+    monkeypatch.delenv(hopper.BWD_ENV, raising=False)
     from fagen.runtime import api  # imported before the patch: it binds resolve's _FAST at import
     monkeypatch.setattr(resolve, "_FAST", {})
     monkeypatch.setattr(api, "_FAST", resolve._FAST)
@@ -168,15 +169,20 @@ def test_the_rule_picks_measured_wins_only(as_if_hopper, fields, picked):
     (dict(mask="causal", dtype="fp16"), False),  # not measured
     (dict(mask="padding"), False), (dict(mask="causal", softcap=True), False), (dict(mask="none", head_dim=80), False),
 ])
-def test_the_backward_rule_picks_measured_wins_only(as_if_hopper, fields, picked):
+def test_the_backward_is_an_opt_in(as_if_hopper, monkeypatch, fields, picked):
+    """Slower than the Triton backward on the H100 (docs/hopper.md, phase 3): selected only with FAGEN_HOPPER_BWD=1,
+    and then for its supported cases only."""
     spec = KernelSpec(**{"head_dim": 128, "dtype": "bf16", "direction": "bwd", **fields})
     assert hopper.backward_selected(spec) == picked
+    assert hopper.backward_spec(spec, torch.device("cuda")) is None  # the default: no case
+    monkeypatch.setenv(hopper.BWD_ENV, "1")
     got = hopper.backward_spec(spec, torch.device("cuda"))
     assert got == (gluon(mask=spec.mask, gqa=spec.gqa, direction="bwd") if picked else None)
 
 
 def test_fagen_hopper_0_switches_it_off(as_if_hopper, monkeypatch):
     monkeypatch.setenv(hopper.ENV, "0")
+    monkeypatch.setenv(hopper.BWD_ENV, "1")
     assert hopper.forward_spec(KernelSpec(head_dim=128, dtype="bf16"), torch.device("cuda")) is None
     assert hopper.backward_spec(KernelSpec(head_dim=128, dtype="bf16", direction="bwd"), torch.device("cuda")) is None
 
@@ -200,13 +206,17 @@ def test_bench_case_spec_picks_gluon_with_a_note(as_if_hopper):
     assert fp16.spec("cuda")[0].backend.value == "triton"
 
 
-def test_fagen_attention_routes_forward_only_calls_to_gluon(as_if_hopper):
+def test_fagen_attention_routes_forward_only_calls_to_gluon(as_if_hopper, monkeypatch):
     """No gradient: the gluon module (its forward refuses CPU tensors, which shows it was called); with a gradient:
-    the gluon bwd module (its Gluon forward and backward)."""
+    the Triton bwd module, or the gluon bwd module once opted in (FAGEN_HOPPER_BWD=1)."""
     q = torch.zeros(1, 4, 8, 128, dtype=torch.bfloat16)
     k = torch.zeros(1, 1, 8, 128, dtype=torch.bfloat16)
     fwd = resolve.resolve(q, k, k, "causal", False, forward_only=True)
     assert fwd.NAME.endswith("_gluon") and not hasattr(fwd, "attention")
+    bwd = resolve.resolve(q, k, k, "causal", False)
+    assert bwd.NAME.startswith("attn_bwd_") and not bwd.NAME.endswith("_gluon") and hasattr(bwd, "attention")
+    monkeypatch.setenv(hopper.BWD_ENV, "1")
+    resolve._FAST.clear()
     bwd = resolve.resolve(q, k, k, "causal", False)
     assert bwd.NAME.startswith("attn_bwd_") and bwd.NAME.endswith("_gluon") and hasattr(bwd, "attention")
     # a score switch, fp16 or d64 keeps the Triton bwd module

@@ -12,10 +12,12 @@ inputs' device: by fagen.attention (fagen/runtime/resolve.py) when no gradient i
     d128 bf16). Not d64 (-7%), not fp16 (496 vs 493 TF/s, a tie), not padding/tree masks (no such kernel).
 Everywhere else the present kernels serve, unchanged.
 
-The backward (issue 16 phase 3, fagen/templates/gluon/backward.py.j2): fagen.attention *with* gradients takes the
-gluon bwd module (its Gluon forward and its fused Gluon backward) under the same conditions when the case is in
-BWD_SELECTED (backward_spec): head_dim 128, bf16, none/causal, any gqa, no score switch; see docs/hopper.md,
-phase 3, for the measurements that set it. `fagen bench` rows and the torch.compile operator keep the Triton kernels.
+The backward (issue 16 phase 3, fagen/templates/gluon/backward.py.j2) is wired the same way but selected for no
+case by default: on the H100 it is correct, deterministic and exact where rows see one key, yet slower than the
+Triton backward (d128 causal s16k bf16: 291 vs 417 TF/s; docs/hopper.md, phase 3). With $FAGEN_HOPPER_BWD=1 (and
+the conditions above), fagen.attention *with* gradients takes the gluon bwd module (its Gluon forward and fused
+Gluon backward) for head_dim 128, bf16, none/causal, any gqa, no score switch (backward_spec). `fagen bench` rows
+and the torch.compile operator keep the Triton kernels.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ ENV = "FAGEN_HOPPER"
 SELECTED_HEAD_DIMS = (128,)
 SELECTED_DTYPES = (DType.BF16,)
 SELECTED_MASKS = (Mask.NONE, Mask.CAUSAL)
-# The cases the gluon backward is selected for (head_dim, dtype, masks), by the same rule: measured wins only.
+# The cases the gluon backward serves when opted in ($FAGEN_HOPPER_BWD=1): it measured slower than the Triton
+# backward on every case (docs/hopper.md, phase 3), so by the measured-wins rule nothing selects it by default.
+BWD_ENV = "FAGEN_HOPPER_BWD"
 BWD_SELECTED_HEAD_DIMS = (128,)
 BWD_SELECTED_DTYPES = (DType.BF16,)
 BWD_SELECTED_MASKS = (Mask.NONE, Mask.CAUSAL)
@@ -98,8 +102,13 @@ def forward_spec(spec: KernelSpec, device) -> KernelSpec | None:
     return gluon_twin(case)
 
 
+def backward_enabled() -> bool:
+    """True only when $FAGEN_HOPPER_BWD is "1" (or "on", "true", "yes"): an opt-in, see the note above."""
+    return os.environ.get(BWD_ENV, "0").strip().lower() in ("1", "on", "true", "yes")
+
+
 def backward_selected(spec: KernelSpec) -> bool:
-    """Whether the measured rule picks the gluon backward for the case of `spec` (machine not considered)."""
+    """Whether the gluon backward serves the case of `spec` once opted in (machine not considered)."""
     return (spec.kind is Kind.PREFILL and not spec.switches and spec.head_dim in BWD_SELECTED_HEAD_DIMS
             and spec.dtype in BWD_SELECTED_DTYPES and spec.mask in BWD_SELECTED_MASKS)
 
@@ -108,7 +117,8 @@ def backward_spec(spec: KernelSpec, device) -> KernelSpec | None:
     """The gluon bwd spec that should serve `spec`'s case with gradients on `device`, or None: keep `spec`."""
     case = KernelSpec(head_dim=spec.head_dim, mask=spec.mask, gqa=spec.gqa, dtype=spec.dtype, kind=spec.kind,
                       **{name: True for name in spec.switches})
-    if not (enabled() and backward_selected(case) and is_hopper(device) and gluon_missing() is None):
+    if not (enabled() and backward_enabled() and backward_selected(case) and is_hopper(device)
+            and gluon_missing() is None):
         return None
     return KernelSpec(head_dim=spec.head_dim, mask=spec.mask, gqa=spec.gqa, dtype=spec.dtype,
                       direction=Direction.BWD, backend=Backend.GLUON)

@@ -47,7 +47,7 @@ def test_default_gluon_spec():
 
 @pytest.mark.parametrize("fields,field", [
     (dict(head_dim=96), "head_dim"), (dict(mask="padding"), "mask"), (dict(mask="tree"), "mask"),
-    (dict(dtype="fp32"), "dtype"), (dict(direction="bwd"), "direction"), (dict(block_n=32), "block_n"),
+    (dict(dtype="fp32"), "dtype"), (dict(direction="bwd", head_dim=64), "head_dim"), (dict(block_n=32), "block_n"),
     (dict(block_m=64), "block_m"), (dict(num_warps=4), "num_warps"), (dict(num_stages=3), "num_stages"),
     (dict(kind="decode"), "backend"),
 ])
@@ -102,6 +102,35 @@ def test_module_checks_inputs_like_the_triton_module():
             mod.forward(q, k, k)
 
 
+def test_gluon_backward_module_contract():
+    """A bwd gluon spec renders the fused backward with the shared contract: backward(), attention() with autograd,
+    the _bwd operator; its checks fire on the CPU before the device check."""
+    spec = gluon(mask="causal", gqa=2, direction="bwd")
+    assert spec.name == "attn_bwd_causal_d128_m128n128w8s2_g2_bf16_gluon"
+    src = fagen.generate(spec)
+    for name in ("def _launch_backward(", "def backward(do, q, k, v, out, lse, *, scale=None", "class _Attention(",
+                 "def attention(q, k, v, *", '@torch.library.custom_op(_OP + "_bwd"', "def compile_backward_for(",
+                 "_tma_reduce_add(", "gl.warp_specialize("):
+        assert name in src, name
+    assert "_attn_bwd_hopper" not in fagen.generate(gluon(mask="causal", gqa=2))  # forward specs: no backward
+    mod = fagen.load(spec)
+    tri = fagen.load(KernelSpec(head_dim=128, mask="causal", gqa=2, dtype="bf16", direction="bwd"))
+    assert inspect.signature(mod.backward) == inspect.signature(tri.backward)
+    assert inspect.signature(mod.attention) == inspect.signature(tri.attention)
+    q = torch.zeros(1, 4, 8, 128, dtype=torch.bfloat16)
+    k = torch.zeros(1, 2, 8, 128, dtype=torch.bfloat16)
+    lse = torch.zeros(1, 4, 8)
+    with pytest.raises(mod.InputError, match="do"):
+        mod.backward(q[:, :, :4], q, k, k, q, lse)
+    with pytest.raises(mod.InputError, match="lse"):
+        mod.backward(q, q, k, k, q, lse.double())
+    if not torch.cuda.is_available():
+        with pytest.raises(mod.InputError, match="CUDA device of compute capability 9.0"):
+            mod.backward(q, q, k, k, q, lse)
+        with pytest.raises(mod.InputError, match="CUDA device of compute capability 9.0"):
+            mod.attention(q, k, k)
+
+
 # -- selection (use time, never in the spec) ------------------------------------------------------------------
 @pytest.fixture
 def as_if_hopper(monkeypatch):
@@ -109,6 +138,7 @@ def as_if_hopper(monkeypatch):
     monkeypatch.setattr(hopper, "is_hopper", lambda device: True)
     monkeypatch.setattr(hopper, "gluon_missing", lambda: None)
     monkeypatch.delenv(hopper.ENV, raising=False)
+    monkeypatch.delenv(hopper.BWD_ENV, raising=False)
     from fagen.runtime import api  # imported before the patch: it binds resolve's _FAST at import
     monkeypatch.setattr(resolve, "_FAST", {})
     monkeypatch.setattr(api, "_FAST", resolve._FAST)
@@ -133,9 +163,28 @@ def test_the_rule_picks_measured_wins_only(as_if_hopper, fields, picked):
         assert got == (gluon(mask=spec.mask, gqa=spec.gqa) if picked else None)
 
 
+@pytest.mark.parametrize("fields,picked", [
+    (dict(mask="none"), True), (dict(mask="causal", gqa=4), True),
+    (dict(mask="causal", head_dim=64), False),  # no gluon backward at d64
+    (dict(mask="causal", dtype="fp16"), False),  # not measured
+    (dict(mask="padding"), False), (dict(mask="causal", softcap=True), False), (dict(mask="none", head_dim=80), False),
+])
+def test_the_backward_is_an_opt_in(as_if_hopper, monkeypatch, fields, picked):
+    """Slower than the Triton backward on the H100 (docs/hopper.md, phase 3): selected only with FAGEN_HOPPER_BWD=1,
+    and then for its supported cases only."""
+    spec = KernelSpec(**{"head_dim": 128, "dtype": "bf16", "direction": "bwd", **fields})
+    assert hopper.backward_selected(spec) == picked
+    assert hopper.backward_spec(spec, torch.device("cuda")) is None  # the default: no case
+    monkeypatch.setenv(hopper.BWD_ENV, "1")
+    got = hopper.backward_spec(spec, torch.device("cuda"))
+    assert got == (gluon(mask=spec.mask, gqa=spec.gqa, direction="bwd") if picked else None)
+
+
 def test_fagen_hopper_0_switches_it_off(as_if_hopper, monkeypatch):
     monkeypatch.setenv(hopper.ENV, "0")
+    monkeypatch.setenv(hopper.BWD_ENV, "1")
     assert hopper.forward_spec(KernelSpec(head_dim=128, dtype="bf16"), torch.device("cuda")) is None
+    assert hopper.backward_spec(KernelSpec(head_dim=128, dtype="bf16", direction="bwd"), torch.device("cuda")) is None
 
 
 def test_no_selection_off_hopper(monkeypatch):
@@ -157,15 +206,22 @@ def test_bench_case_spec_picks_gluon_with_a_note(as_if_hopper):
     assert fp16.spec("cuda")[0].backend.value == "triton"
 
 
-def test_fagen_attention_routes_forward_only_calls_to_gluon(as_if_hopper):
+def test_fagen_attention_routes_forward_only_calls_to_gluon(as_if_hopper, monkeypatch):
     """No gradient: the gluon module (its forward refuses CPU tensors, which shows it was called); with a gradient:
-    the Triton bwd module."""
+    the Triton bwd module, or the gluon bwd module once opted in (FAGEN_HOPPER_BWD=1)."""
     q = torch.zeros(1, 4, 8, 128, dtype=torch.bfloat16)
     k = torch.zeros(1, 1, 8, 128, dtype=torch.bfloat16)
     fwd = resolve.resolve(q, k, k, "causal", False, forward_only=True)
     assert fwd.NAME.endswith("_gluon") and not hasattr(fwd, "attention")
     bwd = resolve.resolve(q, k, k, "causal", False)
-    assert bwd.NAME.startswith("attn_bwd_") and hasattr(bwd, "attention")
+    assert bwd.NAME.startswith("attn_bwd_") and not bwd.NAME.endswith("_gluon") and hasattr(bwd, "attention")
+    monkeypatch.setenv(hopper.BWD_ENV, "1")
+    resolve._FAST.clear()
+    bwd = resolve.resolve(q, k, k, "causal", False)
+    assert bwd.NAME.startswith("attn_bwd_") and bwd.NAME.endswith("_gluon") and hasattr(bwd, "attention")
+    # a score switch, fp16 or d64 keeps the Triton bwd module
+    assert not resolve.resolve(q, k, k, "causal", False, switches=("softcap", )).NAME.endswith("_gluon")
+    assert not resolve.resolve(q.half(), k.half(), k.half(), "causal", False).NAME.endswith("_gluon")
     if not torch.cuda.is_available():
         with pytest.raises(fwd.InputError, match="Gluon kernel"):
             fagen.attention(q, k, k, mask="causal")
@@ -204,6 +260,14 @@ for mod in mods:
                     wgmma=ptx.count("wgmma.mma_async"), tma=ptx.count("cp.async.bulk.tensor"),
                     mbarrier_wait=ptx.count("mbarrier.try_wait"), setmaxnreg=ptx.count("setmaxnreg"),
                     cubin=len(ck.asm["cubin"]), head_dim=mod.HEAD_DIM, block_n=mod.BLOCK_N))
+bwd = fagen.load(KernelSpec(backend="gluon", head_dim=128, dtype="bf16", mask="causal", gqa=2, direction="bwd"))
+ck = bwd.compile_backward_for()
+ptx = ck.asm["ptx"]
+print("BWD " + json.dumps(dict(shared=ck.metadata.shared, num_warps=ck.metadata.num_warps,
+                               wgmma=ptx.count("wgmma.mma_async"), reduce=ptx.count("cp.reduce.async.bulk.tensor"),
+                               bulk_wait=ptx.count("cp.async.bulk.wait_group 0;"),
+                               release=ptx.count("atom.global.gpu.release"), acquire=ptx.count(".global.gpu.acquire"),
+                               setmaxnreg=ptx.count("setmaxnreg"), cubin=len(ck.asm["cubin"]))))
 print("RESULT " + json.dumps(out))
 """
 
@@ -220,6 +284,15 @@ def test_compiles_for_sm90_without_a_gpu(tmp_path):
                            json.dumps(COMPILE_VARIANTS)], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    # The fused backward: five matmuls of 8 + 8 + 4 + 4 + 8 wgmma instructions (K = D, D, BLOCK_M, BLOCK_M, BLOCK_N
+    # over 16), plus the preprocess's; the dQ add through the TMA unit, awaited in full, published with a release
+    # increment after acquire polls (triton lowers the add of 0 to ld.acquire); a register budget per partition; within sm_90's shared memory.
+    b = json.loads(proc.stdout.split("BWD ", 1)[1].splitlines()[0])
+    assert b["wgmma"] >= 32 and b["reduce"] >= 1 and b["bulk_wait"] >= 1, b
+    assert b["release"] >= 1 and b["acquire"] >= 1 and b["setmaxnreg"] > 0 and b["cubin"] > 0, b
+    assert b["num_warps"] == 12, b  # 8 compute warps + the dQ writer warp, padded to a warpgroup
+    from fagen.spec import targets as _targets
+    assert b["shared"] <= _targets.ARCH_SMEM_LIMIT["sm_90"], b
     assert len(results) == len(COMPILE_SPECS) + len(COMPILE_VARIANTS)
     from fagen.spec import targets
     for r, fields in zip(results, COMPILE_SPECS):
@@ -256,6 +329,35 @@ def test_matches_the_reference_on_hopper(mask, gqa):
         # fagen.attention without gradients is served by the same kernel
         got = fagen.attention(q, k, v, mask=mask)
         assert torch.equal(got, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="runs on an sm_90 GPU (H100/H200)")
+@pytest.mark.parametrize("mask", ["none", "causal"])
+@pytest.mark.parametrize("gqa", [1, 4])
+def test_backward_matches_the_reference_on_hopper(mask, gqa):
+    """The fused Gluon backward: gradients within bf16 tolerance of float64 autograd, bitwise equal on a second
+    run (the fixed-order dQ), and exactly 0 for dQ and dK where every row sees a single key ([Note] Exact delta)."""
+    from fagen.spec.axes import DType
+    from fagen.verify import tolerances as verify
+    from fagen.verify.properties import reference_gradients
+    mod = fagen.load(gluon(mask=mask, gqa=gqa, direction="bwd"))
+    g = torch.Generator(device="cuda").manual_seed(11)
+    for sq, sk in [(97, 97), (200, 333), (333, 200), (1000, 1000)]:
+        q, do = (torch.randn((2, 2 * gqa, sq, 128), generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        k, v = (torch.randn((2, 2, sk, 128), generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        out, lse = mod.forward(q, k, v)
+        grads = mod.backward(do, q, k, v, out, lse)
+        ref = reference_gradients(q, k, v, do, mask, out=out)[2:5]
+        for name, got, want in zip(("dq", "dk", "dv"), grads, ref):
+            verify.compare_grad(name, got, want, DType.BF16)
+        assert all(torch.equal(a, b) for a, b in zip(grads, mod.backward(do, q, k, v, out, lse)))
+    q, do = (torch.randn((1, 2 * gqa, 300, 128), generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn((1, 2, 1, 128), generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    out, lse = mod.forward(q, k, v)
+    dq, dk, _ = mod.backward(do, q, k, v, out, lse)
+    # one key: every row sees it (causal: only the last row does; the others see none and get 0 anyway)
+    assert dq.abs().max().item() == 0 and dk.abs().max().item() == 0
 
 
 # -- the variant script ---------------------------------------------------------------------------------------

@@ -11,6 +11,13 @@ inputs' device: by fagen.attention (fagen/runtime/resolve.py) when no gradient i
     forward, head_dim 128, bf16, mask none or causal, any gqa (+7% full, +3% causal, +22% gqa 32/8 causal at
     d128 bf16). Not d64 (-7%), not fp16 (496 vs 493 TF/s, a tie), not padding/tree masks (no such kernel).
 Everywhere else the present kernels serve, unchanged.
+
+The backward (issue 16 phase 3, fagen/templates/gluon/backward.py.j2) is wired the same way but selected for no
+case by default: on the H100 it is correct, deterministic and exact where rows see one key, yet slower than the
+Triton backward (d128 causal s16k bf16: 291 vs 417 TF/s; docs/hopper.md, phase 3). With $FAGEN_HOPPER_BWD=1 (and
+the conditions above), fagen.attention *with* gradients takes the gluon bwd module (its Gluon forward and fused
+Gluon backward) for head_dim 128, bf16, none/causal, any gqa, no score switch (backward_spec). `fagen bench` rows
+and the torch.compile operator keep the Triton kernels.
 """
 
 from __future__ import annotations
@@ -26,6 +33,12 @@ ENV = "FAGEN_HOPPER"
 SELECTED_HEAD_DIMS = (128,)
 SELECTED_DTYPES = (DType.BF16,)
 SELECTED_MASKS = (Mask.NONE, Mask.CAUSAL)
+# The cases the gluon backward serves when opted in ($FAGEN_HOPPER_BWD=1): it measured slower than the Triton
+# backward on every case (docs/hopper.md, phase 3), so by the measured-wins rule nothing selects it by default.
+BWD_ENV = "FAGEN_HOPPER_BWD"
+BWD_SELECTED_HEAD_DIMS = (128,)
+BWD_SELECTED_DTYPES = (DType.BF16,)
+BWD_SELECTED_MASKS = (Mask.NONE, Mask.CAUSAL)
 
 
 def enabled() -> bool:
@@ -87,3 +100,25 @@ def forward_spec(spec: KernelSpec, device) -> KernelSpec | None:
     if not (enabled() and selected(case) and is_hopper(device) and gluon_missing() is None):
         return None
     return gluon_twin(case)
+
+
+def backward_enabled() -> bool:
+    """True only when $FAGEN_HOPPER_BWD is "1" (or "on", "true", "yes"): an opt-in, see the note above."""
+    return os.environ.get(BWD_ENV, "0").strip().lower() in ("1", "on", "true", "yes")
+
+
+def backward_selected(spec: KernelSpec) -> bool:
+    """Whether the gluon backward serves the case of `spec` once opted in (machine not considered)."""
+    return (spec.kind is Kind.PREFILL and not spec.switches and spec.head_dim in BWD_SELECTED_HEAD_DIMS
+            and spec.dtype in BWD_SELECTED_DTYPES and spec.mask in BWD_SELECTED_MASKS)
+
+
+def backward_spec(spec: KernelSpec, device) -> KernelSpec | None:
+    """The gluon bwd spec that should serve `spec`'s case with gradients on `device`, or None: keep `spec`."""
+    case = KernelSpec(head_dim=spec.head_dim, mask=spec.mask, gqa=spec.gqa, dtype=spec.dtype, kind=spec.kind,
+                      **{name: True for name in spec.switches})
+    if not (enabled() and backward_enabled() and backward_selected(case) and is_hopper(device)
+            and gluon_missing() is None):
+        return None
+    return KernelSpec(head_dim=spec.head_dim, mask=spec.mask, gqa=spec.gqa, dtype=spec.dtype,
+                      direction=Direction.BWD, backend=Backend.GLUON)

@@ -184,6 +184,9 @@ class KernelSpec:
             value = getattr(self, name)
             if value not in allowed:
                 raise SpecError(name, value.value if isinstance(value, enum.Enum) else value, why)
+        if self.direction is Direction.BWD and self.head_dim not in defaults.GLUON_BWD_HEAD_DIMS:
+            raise SpecError("head_dim", self.head_dim, "the gluon backward supports head_dim 128; use backend "
+                            "'triton' for other head dims")
         smem = targets.smem_bytes(self)
         limit = targets.ARCH_SMEM_LIMIT["sm_90"]
         if smem > limit:

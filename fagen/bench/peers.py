@@ -29,12 +29,13 @@ def _sdpa_mask(impl: str, case: BenchCase, cc: CaseContext) -> tuple[dict, str]:
                                                              if case.softcap is not None else
                                                              "ALiBi needs a per-head float bias (not tried)"))
     if case.window is not None or case.sinks:
-        what = " and no ".join(["sliding window"] * (case.window is not None) + ["sinks"] * case.sinks)
         if impl == "sdpa-flash":
+            what = " and no ".join(["sliding window"] * (case.window is not None) + ["sinks"] * case.sinks)
             raise Unsupported(f"flash takes no mask tensor, so no {what}")
         mask = cc.dense_mask().unsqueeze(1)
         if case.sinks:
             mask = torch.cat([mask, _sink_columns(case, cc)], -1)
+        what = ", ".join(["sliding window"] * (case.window is not None) + ["sinks as an extra key"] * case.sinks)
         return {"attn_mask": mask}, f"dense bool mask [B, 1, Sq, Sk{' + 16' * case.sinks}] ({what})"
     if case.mask is Mask.NONE:
         return {}, ""

@@ -26,8 +26,8 @@ from fagen.verify.strategies import Problem
 from fagen.bench.tune import candidates
 from fagen.spec.targets import triton_smem_bytes as smem_bytes
 from fagen.verify.properties import check_forward
-from fagen.bench.workloads import (BWD_FACTOR, TARGETS, BenchCase, flops, fwd_flops, kv_bytes, make_case, standard_suite,
-                            visible_pairs)
+from fagen.bench.workloads import (BWD_FACTOR, RELATIVE_TARGETS, TARGETS, BenchCase, flops, fwd_flops, kv_bytes,
+                                   make_case, score_rows, scores_suite, standard_suite, visible_pairs, window_pairs)
 from conftest import DEVICE, ON_GPU
 
 CPU = torch.device("cpu")
@@ -87,9 +87,13 @@ def test_decode_bytes():
     assert kv_bytes(pad) == 2 * 130 * 2 * 64 * 2  # only valid keys are read
 
 
+SCORE_ROWS = ["fwd-d128-causal-s32k", "fwd-d128-win4k-s32k", "fwd-d128-softcap-causal-s16k",
+              "fwd-gptoss-d64-win128-sink-s8k"]
+
+
 def test_standard_suite_is_the_issue_table():
     cases = standard_suite()
-    assert [c.name for c in cases] == list(TARGETS)
+    assert [c.name for c in cases] == list(TARGETS) + SCORE_ROWS
     assert all(c.dtype is DType.BF16 for c in cases)
     by = {c.name: c for c in cases}
     for name in ("fwd-d128-full-s16k", "fwd-d128-causal-s16k", "fwd-d64-causal-s16k", "bwd-d128-causal-s16k"):
@@ -107,7 +111,7 @@ def test_standard_suite_is_the_issue_table():
         d = by[name]
         assert (d.batch, d.heads_q, d.heads_kv, d.seq_q, d.seq_k, d.metric) == (b, 32, 8, 1, sk, "gbs")
     quick = standard_suite(quick=True)
-    assert [c.name for c in quick] == list(TARGETS)
+    assert [c.name for c in quick] == list(TARGETS) + SCORE_ROWS
     assert all(q.seq_k < c.seq_k and q.heads_q < c.heads_q for q, c in zip(quick, cases))
     for c in cases + quick:  # cases travel to worker processes as JSON
         assert BenchCase.from_dict(json.loads(json.dumps(c.to_dict()))) == c
@@ -410,3 +414,232 @@ def test_backward_cases_check_gradients_and_time_backward_alone():
     rec = make_record(case, "fagen", "ok", **times)
     assert rec["tflops"] == pytest.approx(2.5 * fwd_flops(case) / times["ms"] / 1e9)
     assert rec["fwdbwd_tflops"] == pytest.approx(3.5 * fwd_flops(case) / times["fwdbwd_ms"] / 1e9)
+
+
+# -- score-switch rows (issue 15) -------------------------------------------------------------------------------
+WINDOWS = [(0, 0), (3, 0), (2, 5), (None, 4), (6, None), (40, 40), (None, None)]
+
+
+@pytest.mark.parametrize("window", WINDOWS, ids=str)
+@pytest.mark.parametrize("case", SMALL, ids=lambda c: c.name)
+def test_window_pairs_match_the_dense_mask(case, window):
+    """The visited-key count of a windowed case is the number of visible pairs of the README's semantics
+    (reference.visible: i_aligned - left <= j <= i_aligned + right, and the mask); FLOPs count exactly those."""
+    case = dataclasses.replace(case, window=window)
+    kw = {}
+    if case.mask.padded:
+        kw = dict(seqlens_q=torch.tensor(case.seqlens_q), seqlens_k=torch.tensor(case.seqlens_k))
+    if case.mask is Mask.TREE:
+        kw = dict(tree_mask=torch.tensor(case.parents, dtype=torch.int32))
+    dense = reference.visible(case.mask, case.batch, case.seq_q, case.seq_k, window=window, **kw)
+    assert visible_pairs(case) == int(dense.sum())
+    assert fwd_flops(case) == 4 * case.head_dim * case.heads_q * int(dense.sum())
+
+
+def test_window_flops_of_the_score_rows():
+    rows = {c.name: c for c in score_rows()}
+    win = rows["fwd-d128-win4k-s32k"]
+    assert win.window == (4095, 0) and win.mask is Mask.CAUSAL and win.seq_q == win.seq_k == 32768
+    # row i sees min(i + 1, 4096) keys
+    assert visible_pairs(win) == sum(min(i + 1, 4096) for i in range(32768))
+    assert fwd_flops(win) == 4 * 128 * 16 * visible_pairs(win)
+    base = rows["fwd-d128-causal-s32k"]
+    assert fwd_flops(base) == 4 * 128 * 16 * 32768 ** 2 / 2 and not base.peers
+    oss = rows["fwd-gptoss-d64-win128-sink-s8k"]
+    assert (oss.head_dim, oss.heads_q, oss.heads_kv, oss.window, oss.sinks) == (64, 64, 8, (127, 0), True)
+    assert fwd_flops(oss) == 4 * 64 * 64 * sum(min(i + 1, 128) for i in range(8192))
+    cap = rows["fwd-d128-softcap-causal-s16k"]
+    assert cap.softcap == 50.0 and fwd_flops(cap) == fwd_flops({c.name: c for c in standard_suite()}[
+        "fwd-d128-causal-s16k"])  # the cap costs no matmul FLOPs
+    assert window_pairs(5, 5, None, None) == 25 and window_pairs(5, 9, None, 0) == 5 + 6 + 7 + 8 + 9
+    assert window_pairs(4, 2, 0, 0) == 2  # Sq > Sk: rows 0 and 1 align before the first key
+
+
+def test_score_rows_specs_and_baselines():
+    suite = scores_suite()
+    names = [c.name for c in suite]
+    assert names[:4] == SCORE_ROWS and len(set(names)) == len(names)
+    for case, refs in RELATIVE_TARGETS.items():  # every relative target names a peer or a row of both suites
+        for ref, bound in refs:
+            assert ref in IMPLS_ or (ref in names and ref in [c.name for c in standard_suite()]), ref
+    by = {c.name: c for c in suite}
+    for name in SCORE_ROWS[1:]:
+        spec, _ = by[name].spec("cpu")
+        assert set(spec.switches) == set(by[name].switches) and spec.backend.value == "triton"
+    triton = by["fwd-d128-causal-s32k-triton"]
+    assert not triton.hopper and not triton.peers and triton.spec("cpu")[0] == by["fwd-d128-causal-s32k"].spec("cpu")[0]
+    for c in suite + scores_suite(quick=True):  # cases travel to worker processes as JSON
+        assert BenchCase.from_dict(json.loads(json.dumps(c.to_dict()))) == c
+    with pytest.raises(ValueError, match="window must be"):
+        make_case("w", head_dim=16, mask="causal", batch=1, heads_q=1, heads_kv=1, seq_q=4, seq_k=4, window=(-1, 0))
+
+
+IMPLS_ = ("fagen", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")
+SWITCH_CASES = [
+    make_case("win", head_dim=16, mask="causal", batch=2, heads_q=4, heads_kv=2, seq_q=21, seq_k=37, dtype="fp32",
+              window=(5, 0)),
+    make_case("win-none", head_dim=16, mask="none", batch=1, heads_q=2, heads_kv=1, seq_q=19, seq_k=19, dtype="fp32",
+              window=(3, 4)),
+    make_case("cap", head_dim=16, mask="causal", batch=1, heads_q=2, heads_kv=2, seq_q=19, seq_k=19, dtype="fp32",
+              softcap=2.0),
+    make_case("sink-win", head_dim=16, mask="causal", batch=1, heads_q=4, heads_kv=1, seq_q=24, seq_k=24,
+              dtype="fp32", window=(7, 0), sinks=True),
+    make_case("sink-pad", head_dim=16, mask="causal+padding", batch=2, heads_q=2, heads_kv=1, seq_q=9, seq_k=14,
+              dtype="fp32", seqlens_q=(9, 4), seqlens_k=(14, 6), sinks=True, window=(2, None)),
+    make_case("alibi-tree", head_dim=16, mask="tree", batch=1, heads_q=2, heads_kv=1, seq_q=6, seq_k=15,
+              dtype="fp32", alibi=True, window=(8, 0)),
+]
+
+
+def _math_sdpa(case, kw):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from fagen.bench.peers import sink_extend
+
+    def sdpa(s):
+        with sdpa_kernel(SDPBackend.MATH):
+            if case.sinks:
+                q, k, v = sink_extend(s.q, s.k, s.v, s.scores["sinks"])
+                return F.scaled_dot_product_attention(q, k, v, **kw, enable_gqa=case.gqa > 1,
+                                                      scale=case.head_dim ** -0.5)[..., :case.head_dim]
+            return F.scaled_dot_product_attention(s.q, s.k, s.v, **kw, enable_gqa=case.gqa > 1)
+
+    return sdpa
+
+
+@pytest.mark.parametrize("case", SWITCH_CASES, ids=lambda c: c.name)
+def test_fagen_and_peers_with_switches_match_the_reference(case):
+    """fagen with the case's switches, SDPA's mask (window) and extra key (sinks), flex's mask_mod, score_mod and
+    lse-based sinks all compute the contract (SDPA's math backend and eager flex stand in for the GPU kernels)."""
+    from fagen.bench.impls import prepare_fagen
+    from fagen.bench.peers import Unsupported, _sdpa_mask, flex_callable
+
+    case = dataclasses.replace(case, overrides=(("block_m", 16), ("block_n", 16)))
+    cc = CaseContext(case, CPU, 1)
+    assert check("fagen", prepare_fagen(case, cc), cc)[:2] == ("ok", "")
+    for impl in ("sdpa-efficient", "sdpa-flash"):
+        try:
+            kw, note = _sdpa_mask(impl, case, cc)
+        except Unsupported as e:
+            assert impl == "sdpa-flash" or case.softcap is not None or case.alibi, (impl, e)
+            continue
+        assert "dense bool mask" in note
+        assert check(impl, Prepared(_math_sdpa(case, kw)), cc)[:2] == ("ok", ""), impl
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager flex warns that it is unfused
+        assert check("flex", Prepared(flex_callable(case, cc, compiled=False)), cc)[:2] == ("ok", "")
+
+
+@pytest.mark.parametrize("drop", ["window", "softcap", "sinks"])
+def test_check_catches_a_peer_that_drops_a_switch(drop):
+    """A peer that ignores one switch fails the check on the bench's inputs: the sinks sit near the rows' lse
+    and the softcap bends the large logits, so neither is lost in the tolerance."""
+    from fagen.bench.peers import flex_callable
+
+    fields = {"window": (4, 0), "softcap": 2.0, "sinks": True}
+    case = make_case("c", head_dim=16, mask="causal", batch=1, heads_q=2, heads_kv=1, seq_q=40, seq_k=40,
+                     dtype="bf16", **{drop: fields[drop]})
+    cc = CaseContext(case, CPU, 1)
+    blind = dataclasses.replace(case, **{drop: False if drop == "sinks" else None})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert check("flex", Prepared(flex_callable(case, cc, compiled=False)), cc)[0] == "ok"
+        assert check("flex", Prepared(flex_callable(blind, cc, compiled=False)), cc)[0] == "fail"
+
+
+def test_sdpa_sinks_use_one_extra_key_and_flash_declines():
+    from fagen.bench.peers import SINK_KEYS, Unsupported, _sdpa_mask, prepare_sdpa, sink_extend
+
+    case = SWITCH_CASES[3]
+    cc = CaseContext(case, CPU, 1)
+    kw, _ = _sdpa_mask("sdpa-cudnn", case, cc)
+    assert kw["attn_mask"].shape == (1, 1, 24, 24 + SINK_KEYS)
+    assert kw["attn_mask"][..., 24].all() and not kw["attn_mask"][..., 25:].any()
+    s = cc.sets[0]
+    q, k, v = sink_extend(s.q, s.k, s.v, s.scores["sinks"])
+    logits = q[0, :, 0] @ k[0, 0, 24]  # every head's query meets its sink on the extra key
+    torch.testing.assert_close(logits / 16 ** 0.5, s.scores["sinks"])
+    assert (v[..., 24:, :] == 0).all() and (k[..., :24, 16:] == 0).all()
+    with pytest.raises(Unsupported, match="no sliding window and no sinks"):
+        _sdpa_mask("sdpa-flash", case, cc)
+    with pytest.raises(Unsupported, match="softcap"):
+        prepare_sdpa("sdpa-cudnn", SWITCH_CASES[2], CaseContext(SWITCH_CASES[2], CPU, 1))
+
+
+@pytest.mark.parametrize("case", [SWITCH_CASES[0], SWITCH_CASES[3],
+                                  make_case("none", head_dim=16, mask="none", batch=1, heads_q=2, heads_kv=1,
+                                            seq_q=30, seq_k=50, dtype="fp32", softcap=3.0)], ids=lambda c: c.name)
+def test_row_slices_are_exact_sub_problems(case, monkeypatch):
+    """When a whole KV group's reference does not fit, forwards are checked on row slices whose reference equals
+    the full reference's rows, and a wrong row inside a slice is caught."""
+    cc = CaseContext(case, CPU, 1)
+    full = cc.references()
+    monkeypatch.setattr(CaseContext, "_fits", lambda self, rows, keys: rows <= 16)
+    cc2 = CaseContext(case, CPU, 1)
+    slices = cc2.slices()
+    assert slices and all(r1 - r0 == 16 for _, _, r0, r1, _ in slices)
+    assert len(slices) == (2 if case.mask is Mask.CAUSAL else 1)  # first rows only when no row sees right
+    for (b, g, r0, r1, kend), (out, lse, _) in cc2.references().items():
+        ref_out, ref_lse, _ = full[next(sl for sl in full if sl[:2] == (b, g))]
+        torch.testing.assert_close(out, ref_out[:, :, r0:r1], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(lse, ref_lse[:, :, r0:r1], rtol=1e-12, atol=1e-12)
+    from fagen.bench.impls import prepare_fagen
+
+    case = dataclasses.replace(case, overrides=(("block_m", 16), ("block_n", 16)))
+    cc3 = CaseContext(case, CPU, 1)
+    good = prepare_fagen(case, cc3)
+    assert check("fagen", good, cc3)[:2] == ("ok", "")
+    r0 = slices[0][2]
+
+    def bad(s):
+        out, lse = good.fn(s)
+        out = out.clone()
+        out[:, :, r0 + 3] += 0.5
+        return out, lse
+
+    status, msg, _ = check("fagen", Prepared(bad), cc3)
+    assert status == "fail" and f"rows {r0}..{r0 + 15}" in msg
+
+
+def test_report_relative_targets():
+    rows_ = {c.name: c for c in scores_suite()}
+    win, base, cap = rows_["fwd-d128-win4k-s32k"], rows_["fwd-d128-causal-s32k"], rows_["fwd-d128-softcap-causal-s16k"]
+    base16 = rows_["fwd-d128-causal-s16k"]
+    recs = [make_record(base, "fagen", "ok", ms=fwd_flops(base) / 500e9, check="ok"),  # 500 TF/s
+            make_record(win, "fagen", "ok", ms=fwd_flops(win) / 480e9, check="ok"),  # 480 TF/s
+            make_record(win, "flex", "ok", ms=fwd_flops(win) / 300e9, check="ok"),  # 300 TF/s
+            make_record(cap, "fagen", "ok", ms=fwd_flops(cap) / 400e9, check="ok"),
+            make_record(base16, "fagen", "ok", ms=fwd_flops(base16) / 600e9, check="fail")]
+    header, table, _ = report.rows(recs)
+    by = {r[0]: dict(zip(header, r)) for r in table}
+    assert by["fwd-d128-win4k-s32k"]["target"] == (
+        "1.60x flex (>= 1.3 met); 0.96x fwd-d128-causal-s32k (>= 0.9 met)")
+    assert by["fwd-d128-softcap-causal-s16k"]["target"] == ">= 0.9x fwd-d128-causal-s16k -"  # baseline failed
+    recs[1] = make_record(win, "fagen", "ok", ms=fwd_flops(win) / 350e9, check="ok")
+    header, table, _ = report.rows(recs)
+    assert dict(zip(header, table[1]))["target"] == "1.17x flex (>= 1.3 MISSED); 0.70x fwd-d128-causal-s32k (>= 0.9 MISSED)"
+
+
+@pytest.mark.skipif(ON_GPU, reason="CPU worker test")
+def test_baseline_rows_run_fagen_alone():
+    case = make_case("base", head_dim=16, mask="causal", batch=1, heads_q=2, heads_kv=2, seq_q=8, seq_k=8,
+                     peers=False, hopper=False, overrides=(("block_m", 16), ("block_n", 16)))
+    for isolate in (False, True):
+        _, recs = runner.run([case], BenchOptions(device="cpu", rep_ms=1, sets=1), isolate=isolate,
+                             log=lambda line: None)
+        assert [(r["impl"], r["status"], r["check"]) for r in recs] == [("fagen", "ok", "ok")]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+def test_score_rows_smoke_run_on_the_gpu(tmp_path):
+    """Pre-flight for the H100 run: the switch rows, shrunk, through compiled flex and SDPA's extra key."""
+    out = tmp_path / "s.json"
+    res = CliRunner().invoke(main, ["bench", "--suite", "scores", "--quick", "--json", str(out)],
+                             catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    _, recs = runner.read_json(out)
+    for r in recs:
+        assert r["status"] in ("ok", "unsupported"), r
+        assert r["check"] in (None, "ok"), r
+    assert all(r["status"] == "ok" for r in recs if r["impl"] in ("fagen", "flex"))

@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 
 from fagen.bench.workloads import BenchCase, InputSet, make_inputs, set_bytes
-from fagen.spec.axes import Direction
+from fagen.spec.axes import Direction, Mask
 from fagen.verify import reference
 
 IMPLS = ("fagen", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")
@@ -37,53 +37,91 @@ class CaseContext:
         self.sets = [make_inputs(case, device, seed + i) for i in range(n_sets)]
         self._dense: torch.Tensor | None = None
         self._refs: dict | None = None
+        self._slices: list | None = None
 
     def dense_mask(self) -> torch.Tensor:
-        """bool [B, Sq, Sk]: the visibility mask written out (for peers that need a dense mask)."""
+        """bool [B, Sq, Sk]: the visibility mask written out, window included (for peers that need a dense mask)."""
         if self._dense is None:
             c, kw = self.case, self.sets[0].kwargs
             self._dense = reference.visible(c.mask, c.batch, c.seq_q, c.seq_k, seqlens_q=kw.get("seqlens_q"),
                                             seqlens_k=kw.get("seqlens_k"), tree_mask=kw.get("tree_mask"),
-                                            device=self.device)
+                                            window=c.window, device=self.device)
         return self._dense
 
     # [Note] Reference slices
     # The float64 reference of a whole 16k case does not fit in memory, but heads and batch entries are
     # independent: one KV group (its gqa query heads and its KV head) of one batch entry is a complete
     # sub-problem, gradients included. We check the first group of the first entry and the last of the last.
-    def slices(self) -> list[tuple[int, int]]:
-        c = self.case
-        return sorted({(0, 0), (c.batch - 1, c.heads_kv - 1)})
+    # When even one group does not fit (a 32k forward, or GQA 8 at 8k), a forward without padding or tree is cut
+    # by query rows too, into pieces that are exact sub-problems of the contract's bottom-right alignment
+    # (i_aligned = i + Sk - Sq): the last n rows against every key (n + Sk - n = the alignment of rows Sq - n..),
+    # and, when no row sees a key right of its aligned position (causal, or a window with right = 0), the first
+    # n rows against keys [0, n + Sk - Sq), which holds every key they see and keeps their alignment.
+    def slices(self) -> list[tuple[int, int, int, int, int]]:
+        """(batch entry, KV group, first row, end row, end key) of each checked sub-problem; [] if none fits."""
+        if self._slices is None:
+            c = self.case
+            groups = sorted({(0, 0), (c.batch - 1, c.heads_kv - 1)})
+            self._slices = [(b, g, 0, c.seq_q, c.seq_k) for b, g in groups]
+            if not self._fits(c.seq_q, c.seq_k):
+                self._slices = self._row_slices()
+        return self._slices
 
-    def slice_of(self, s: InputSet, b: int, g: int) -> tuple[torch.Tensor, ...]:
-        G = self.case.gqa
-        return s.q[b:b + 1, g * G:(g + 1) * G], s.k[b:b + 1, g:g + 1], s.v[b:b + 1, g:g + 1]
-
-    def reference_fits(self) -> bool:
+    def _fits(self, rows: int, keys: int) -> bool:
         c = self.case
-        elems = c.gqa * c.seq_q * c.seq_k
-        need = elems * 8 * (16 if c.direction is Direction.BWD else 12)  # float64 score-sized temporaries
+        need = c.gqa * rows * keys * 8 * (16 if c.direction is Direction.BWD else 12)  # float64 temporaries
         if self.device.type == "cuda":
             return need < 0.6 * torch.cuda.mem_get_info(self.device)[0]
         return need < (2 << 30)
 
+    def _row_slices(self) -> list[tuple[int, int, int, int, int]]:
+        c = self.case
+        if c.direction is Direction.BWD or c.mask not in (Mask.NONE, Mask.CAUSAL):
+            return []
+        shift = c.seq_k - c.seq_q
+        right = c.window[1] if c.window is not None else None
+        bounded = c.mask is Mask.CAUSAL or right == 0  # no row sees past its aligned position
+        rows = next((n for n in (1024, 512, 256, 128, 64, 32, 16) if n < c.seq_q and self._fits(n, c.seq_k)), None)
+        if rows is None:
+            return []
+        out = [(c.batch - 1, c.heads_kv - 1, c.seq_q - rows, c.seq_q, c.seq_k)]
+        if bounded and rows + shift > 0 and rows < c.seq_q:
+            out.insert(0, (0, 0, 0, rows, rows + shift))
+        return out
+
+    def reference_fits(self) -> bool:
+        return bool(self.slices())
+
+    def slice_of(self, s: InputSet, b: int, g: int, r0: int = 0, r1: int | None = None,
+                 kend: int | None = None) -> tuple[torch.Tensor, ...]:
+        G = self.case.gqa
+        return (s.q[b:b + 1, g * G:(g + 1) * G, r0:r1], s.k[b:b + 1, g:g + 1, :kend],
+                s.v[b:b + 1, g:g + 1, :kend])
+
+    def score_slice(self, s: InputSet, g: int) -> dict:
+        """The score arguments of KV group g's query heads (per-head slopes and sinks cut to the group)."""
+        G = self.case.gqa
+        return {name: (t[g * G:(g + 1) * G] if isinstance(t, torch.Tensor) else t) for name, t in s.scores.items()}
+
     def references(self) -> dict:
-        """{(b, g): (out, lse, grads or None)} in float64 for input set 0; computed once per case."""
+        """{slice: (out, lse, grads or None)} in float64 for input set 0; computed once per case."""
         if self._refs is None:
             c, s = self.case, self.sets[0]
             self._refs = {}
-            for b, g in self.slices():
-                q, k, v = self.slice_of(s, b, g)
+            for sl in self.slices():
+                b, g, r0, r1, kend = sl
+                q, k, v = self.slice_of(s, b, g, r0, r1, kend)
                 kw = {name: t[b:b + 1] for name, t in s.kwargs.items()}
+                kw.update(self.score_slice(s, g))
                 if c.direction is Direction.BWD:
                     q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
                     out, lse = reference.attention(q, k, v, mask=c.mask, **kw)
                     dout = s.dout[b:b + 1, g * c.gqa:(g + 1) * c.gqa].double()
                     grads = torch.autograd.grad(out, (q, k, v), dout)
-                    self._refs[(b, g)] = (out.detach(), lse.detach(), grads)
+                    self._refs[sl] = (out.detach(), lse.detach(), grads)
                 else:
                     out, lse = reference.attention(q, k, v, mask=c.mask, **kw)
-                    self._refs[(b, g)] = (out, lse, None)
+                    self._refs[sl] = (out, lse, None)
         return self._refs
 
 

@@ -30,8 +30,9 @@ def prepare_fagen(case: BenchCase, cc: CaseContext) -> Prepared:
     if case.direction is Direction.BWD:
         if not hasattr(module, "attention"):
             raise Unsupported(f"{spec.name} has no backward yet (module.attention missing)")
-        return Prepared(lambda s: module.attention(s.q, s.k, s.v, **s.kwargs), note=note, spec=spec.name)
-    return Prepared(lambda s: module.forward(s.q, s.k, s.v, **s.kwargs), note=note, spec=spec.name)
+        return Prepared(lambda s: module.attention(s.q, s.k, s.v, **s.kwargs, **s.scores), note=note,
+                        spec=spec.name)
+    return Prepared(lambda s: module.forward(s.q, s.k, s.v, **s.kwargs, **s.scores), note=note, spec=spec.name)
 
 
 def preparers() -> dict[str, Callable[[BenchCase, CaseContext], Prepared]]:
@@ -39,6 +40,11 @@ def preparers() -> dict[str, Callable[[BenchCase, CaseContext], Prepared]]:
 
     return {"fagen": prepare_fagen, **{name: peers.sdpa_preparer(name) for name in peers.SDPA_BACKENDS},
             "flex": peers.prepare_flex}
+
+
+def case_impls(case: BenchCase, impls) -> tuple[str, ...]:
+    """The implementations that run a case: all asked for, or fagen alone on a baseline row (case.peers False)."""
+    return tuple(i for i in impls if case.peers or i == "fagen")
 
 
 def make_record(case: BenchCase, impl: str, status: str, ms: float | None = None, **extra) -> dict:
@@ -83,9 +89,10 @@ def run_case(case: BenchCase, opts: BenchOptions, log: Callable[[str], None] = p
     try:
         cc = CaseContext(case, device, opts.sets, opts.seed)
     except Exception as e:
-        return [make_record(case, impl, "error", note=f"inputs: {first_line(e)}") for impl in opts.impls]
+        return [make_record(case, impl, "error", note=f"inputs: {first_line(e)}")
+                for impl in case_impls(case, opts.impls)]
     records, prep, lost = [], preparers(), None
-    for impl in opts.impls:
+    for impl in case_impls(case, opts.impls):
         if lost is not None:
             records.append(make_record(case, impl, "skipped", note=f"CUDA context lost earlier ({lost})"))
             continue

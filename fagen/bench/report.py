@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fagen.bench.cases import IMPLS, shorten
-from fagen.bench.workloads import TARGETS
+from fagen.bench.workloads import RELATIVE_TARGETS, TARGETS
 
 UNIT = {"tflops": "TF/s", "gbs": "GB/s", "ms": "ms"}
 NOTE_CHARS = 170  # one terminal line per note
@@ -67,7 +67,9 @@ def rows(records: list[dict], targets: bool = True) -> tuple[list[str], list[lis
         row = cells + [ratio]
         if targets:
             target, target_txt = TARGETS.get(case), ""
-            if target is not None:
+            if case in RELATIVE_TARGETS:
+                target_txt = relative_target(case, mine, by)
+            elif target is not None:
                 bound = "<=" if metric == "ms" else ">="
                 met = mine is not None and not better(target, mine, metric)
                 target_txt = f"{bound} {_fmt(target, metric)} " + ("met" if met else "-" if mine is None else "MISSED")
@@ -78,6 +80,21 @@ def rows(records: list[dict], targets: bool = True) -> tuple[list[str], list[lis
         scope = "all cases" if len(where) == len(cases) > 1 else ", ".join(where)
         notes.append(f"{impl} {status} ({scope}): {note}")
     return header, table, notes
+
+
+def relative_target(case: str, mine: float | None, by: dict) -> str:
+    """The row's relative targets ([Note] Score-switch rows in fagen/bench/workloads.py), as
+    "1.52x flex (>= 1.3 met); 0.95x fwd-d128-causal-s32k (>= 0.9 met)"; "-" where a number is missing."""
+    parts = []
+    for ref, bound in RELATIVE_TARGETS[case]:
+        rec = by.get((case, ref)) if ref in IMPLS else by.get((ref, "fagen"))
+        theirs = value(rec) if rec is not None and rec.get("check") != "fail" else None
+        if mine is None or theirs is None:
+            parts.append(f">= {bound:g}x {ref} -")
+            continue
+        ratio = mine / theirs
+        parts.append(f"{ratio:.2f}x {ref} (>= {bound:g} {'met' if ratio >= bound else 'MISSED'})")
+    return "; ".join(parts)
 
 
 def shows_targets(meta: dict | None) -> bool:
@@ -113,7 +130,7 @@ def markdown(records: list[dict], meta: dict | None = None) -> str:
     out.append("| " + " | ".join(header) + " |")
     out.append("|" + "|".join("---" if i < 2 else "---:" for i in range(len(header))) + "|")
     out += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in table]
-    out += ["", "Cells: TF/s (padding and tree count only visible pairs), GB/s of K+V read (decode), or ms "
+    out += ["", "Cells: TF/s (padding, tree and windows count only visible pairs), GB/s of K+V read (decode), or ms "
             "(lower is better); n/a = the implementation cannot compute the case; ERR = it failed; "
             "a trailing ! = its output disagreed with the float64 reference."]
     if notes:

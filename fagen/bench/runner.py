@@ -18,7 +18,7 @@ import torch
 
 from fagen import __version__
 from fagen.bench.cases import RESTART_EXIT, BenchOptions
-from fagen.bench.impls import make_record, run_case
+from fagen.bench.impls import case_impls, make_record, run_case
 from fagen.bench.workloads import BenchCase, describe_case
 from fagen.runtime.device import prepare_device
 
@@ -87,7 +87,7 @@ def run(cases: list[BenchCase], opts: BenchOptions, *, json_path: Path | None = 
     else:
         for n, case in enumerate(cases, 1):
             if deadline is not None and time.monotonic() > deadline - DEADLINE_MARGIN_S:
-                for impl in opts.impls:
+                for impl in case_impls(case, opts.impls):
                     keep(make_record(case, impl, "skipped", note=f"--time-limit {time_limit:.0f} s reached"))
                 log(f"[{n}/{len(cases)}] {case.name}: skipped (time limit)")
                 continue
@@ -105,7 +105,7 @@ def run(cases: list[BenchCase], opts: BenchOptions, *, json_path: Path | None = 
 # (a kernel poisoned the CUDA context, a segfault) or a case outlives --case-timeout, the impl that was running
 # gets an error record and a fresh worker takes the rest: its case's remaining impls, then the later cases.
 def _run_workers(cases, opts, deadline, case_timeout, log, keep) -> None:
-    pending = [(n, case, list(opts.impls)) for n, case in enumerate(cases, 1)]
+    pending = [(n, case, list(case_impls(case, opts.impls))) for n, case in enumerate(cases, 1)]
     while pending:
         if deadline is not None and time.monotonic() > deadline - DEADLINE_MARGIN_S:
             break

@@ -11,7 +11,7 @@ from fagen.runtime import hopper as hopper_rule
 from fagen.runtime.kinds import prefers_decode
 from fagen.spec import tables
 from fagen.spec.axes import Direction, DType, Kind, Mask
-from fagen.spec.kernel import KernelSpec
+from fagen.spec.kernel import SCORE_SWITCHES, KernelSpec
 from fagen.verify import reference
 
 METRICS = ("tflops", "gbs", "ms")  # what a case's table cell shows; ms is "lower is better"
@@ -39,6 +39,14 @@ class BenchCase:
     parents: tuple[tuple[int, ...], ...] | None = None  # tree: parent of each node per batch entry, -1 = root
     metric: str = "tflops"
     overrides: tuple[tuple[str, Any], ...] = ()  # spec fields given on the command line (block sizes ...)
+    # Score switches (docs/scores.md): window (left, right) with None for an unbounded side, the softcap, and
+    # whether ALiBi slopes / attention sinks are used (their values are drawn in make_inputs).
+    window: tuple[int | None, int | None] | None = None
+    softcap: float | None = None
+    alibi: bool = False
+    sinks: bool = False
+    hopper: bool = True  # False: keep the Triton forward on sm_90 (a baseline row for the switch rows)
+    peers: bool = True  # False: only fagen runs (a baseline row of fagen itself)
 
     def __post_init__(self):
         put = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
@@ -51,6 +59,16 @@ class BenchCase:
         if self.parents is not None:
             put("parents", tuple(tuple(int(x) for x in p) for p in self.parents))
         put("overrides", tuple((str(k), v) for k, v in self.overrides))
+        if self.window is not None:
+            if len(self.window) != 2 or any(w is not None and (isinstance(w, bool) or int(w) != w or w < 0)
+                                            for w in self.window):
+                raise ValueError(f"case {self.name}: window must be (left, right), ints >= 0 or None, "
+                                 f"got {self.window!r}")
+            put("window", tuple(None if w is None else int(w) for w in self.window))
+        if self.softcap is not None:
+            if not self.softcap > 0:
+                raise ValueError(f"case {self.name}: softcap must be positive, got {self.softcap!r}")
+            put("softcap", float(self.softcap))
         if self.metric not in METRICS:
             raise ValueError(f"case {self.name}: metric must be one of {METRICS}, got {self.metric!r}")
         if self.heads_kv < 1 or self.heads_q % self.heads_kv:
@@ -64,6 +82,13 @@ class BenchCase:
     @property
     def gqa(self) -> int:
         return self.heads_q // self.heads_kv
+
+    @property
+    def switches(self) -> tuple[str, ...]:
+        """The score switches this case uses, in the spec's order."""
+        on = {"window": self.window is not None, "softcap": self.softcap is not None, "alibi": self.alibi,
+              "sinks": self.sinks}
+        return tuple(name for name in SCORE_SWITCHES if on[name])
 
     @property
     def decode(self) -> bool:
@@ -82,12 +107,15 @@ class BenchCase:
         if self.decode and self.direction is Direction.FWD:
             kind, note = Kind.DECODE, "decode kernel"
         fields = dict(head_dim=self.head_dim, mask=self.mask, gqa=self.gqa, dtype=self.dtype,
-                      direction=self.direction, kind=kind)
+                      direction=self.direction, kind=kind, **{name: True for name in self.switches})
         fields.update(self.overrides)  # explicit flags win
         if fields["kind"] != kind:
             note = f"{fields['kind']} kernel (as asked)"
         spec = KernelSpec(**fields)
-        if hopper and not self.overrides and spec.direction is Direction.FWD and spec.kind is Kind.PREFILL:
+        if not self.hopper and not note:
+            note = "Triton forward (no Hopper selection)"
+        if (hopper and self.hopper and not self.overrides and not spec.switches and spec.direction is Direction.FWD
+                and spec.kind is Kind.PREFILL):  # the gluon forward has no score switches
             if device is None:
                 device = "cuda" if torch.cuda.is_available() else "cpu"
             gluon = hopper_rule.forward_spec(spec, torch.device(device))
@@ -98,20 +126,38 @@ class BenchCase:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d.update(mask=self.mask.value, dtype=self.dtype.value, direction=self.direction.value,
-                 overrides=[list(o) for o in self.overrides])
+                 overrides=[list(o) for o in self.overrides], window=None if self.window is None else list(self.window))
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> BenchCase:
+        if d.get("window") is not None:
+            d = {**d, "window": tuple(d["window"])}
         return cls(**d)
 
 
 def causal_pairs(len_q: int, len_k: int) -> int:
     """Visible (query, key) pairs of a bottom-right causal mask: query i sees keys j <= i + len_k - len_q."""
+    return window_pairs(len_q, len_k, None, 0)
+
+
+def window_pairs(len_q: int, len_k: int, left: int | None, right: int | None) -> int:
+    """Visible (query, key) pairs of one sequence when query i (aligned: a = i + len_k - len_q) sees the keys
+    a - left <= j <= a + right of 0 <= j < len_k; None is an unbounded side (causal is right = 0)."""
     if len_q <= 0 or len_k <= 0:
         return 0
-    i = torch.arange(len_q, dtype=torch.int64)
-    return int((i + (len_k - len_q) + 1).clamp(0, len_k).sum())
+    a = torch.arange(len_q, dtype=torch.int64) + (len_k - len_q)
+    lo = a - left if left is not None else torch.zeros_like(a)
+    hi = a + right if right is not None else torch.full_like(a, len_k - 1)
+    return int((hi.clamp(max=len_k - 1) - lo.clamp(min=0) + 1).clamp(min=0).sum())
+
+
+def _sides(case: BenchCase) -> tuple[int | None, int | None]:
+    """(left, right) bounds of the case's mask and window together (causal bounds the right side at 0)."""
+    left, right = case.window if case.window is not None else (None, None)
+    if case.mask.causal:
+        right = 0 if right is None else min(right, 0)
+    return left, right
 
 
 def tree_depths(parents: tuple[int, ...]) -> list[int]:
@@ -125,25 +171,38 @@ def tree_depths(parents: tuple[int, ...]) -> list[int]:
 def visible_pairs(case: BenchCase) -> int:
     """Visible (query, key) pairs of one head summed over the batch: the work a mask leaves."""
     b, sq, sk = case.batch, case.seq_q, case.seq_k
-    if case.mask is Mask.NONE:
-        return b * sq * sk
-    if case.mask is Mask.CAUSAL:
-        return b * causal_pairs(sq, sk)
-    if case.mask is Mask.PADDING:
-        return sum(lq * lk for lq, lk in zip(case.seqlens_q, case.seqlens_k))
-    if case.mask is Mask.CAUSAL_PADDING:
-        return sum(causal_pairs(lq, lk) for lq, lk in zip(case.seqlens_q, case.seqlens_k))
-    prefix = sk - sq  # tree: every node sees the prefix, then its ancestors and itself
-    return sum(sq * prefix + sum(tree_depths(p)) for p in case.parents)
+    if case.mask is Mask.TREE:
+        prefix = sk - sq  # tree: every node sees the prefix, then its ancestors and itself
+        if case.window is None:
+            return sum(sq * prefix + sum(tree_depths(p)) for p in case.parents)
+        # with a window (aligned by the prefix length): the prefix keys and the ancestors inside it
+        return sum(window_pairs(sq, sk, *case.window) - window_pairs(sq, sq, *case.window)  # prefix part
+                   + sum(_window_ancestors(p, *case.window)) for p in case.parents)
+    if case.mask.padded:
+        return sum(window_pairs(lq, lk, *_sides(case)) for lq, lk in zip(case.seqlens_q, case.seqlens_k))
+    return b * window_pairs(sq, sk, *_sides(case))
+
+
+def _window_ancestors(parents: tuple[int, ...], left: int | None, right: int | None) -> list[int]:
+    """Per node, its ancestors-or-self at tree positions p with i - left <= p <= i + right (ancestors come first,
+    so p <= i and only `left` binds)."""
+    out = []
+    for i in range(len(parents)):
+        n, p = 0, i
+        while p >= 0:
+            n += left is None or p >= i - left
+            p = parents[p]
+        out.append(n)
+    return out
 
 
 def fwd_flops(case: BenchCase) -> float:
     """Forward FLOPs: 4 * D per visible pair and head (QK^T and PV, 2 FLOPs per multiply-add).
 
     Unmasked and causal cases follow the peers' convention (4*B*H*Sq*Sk*D, halved for causal with Sq == Sk);
-    padding and tree count only the visible ("useful") pairs.
+    padding, tree and windows count only the visible ("useful", visited) pairs.
     """
-    if case.mask is Mask.CAUSAL and case.seq_q == case.seq_k:
+    if case.mask is Mask.CAUSAL and case.seq_q == case.seq_k and case.window is None:
         pairs = case.batch * case.seq_q * case.seq_k / 2
     else:
         pairs = visible_pairs(case)
@@ -227,10 +286,59 @@ def standard_suite(quick: bool = False) -> list[BenchCase]:
                   seq_q=1, seq_k=s(8192)),
         make_case("decode-d128-kv32k-b8", head_dim=128, mask="none", batch=b(8), heads_q=h(32), heads_kv=h(8),
                   seq_q=1, seq_k=s(32768)),
+        *score_rows(quick),
     ]
 
 
-SUITES = {"standard": standard_suite}
+# [Note] Score-switch rows (issue 15)
+# A sliding window is scored on the keys it visits (fwd_flops counts visible pairs), so its TF/s is comparable
+# with fagen's own dense causal at the same length: the baseline row fwd-d128-causal-s32k (fagen only). The
+# softcap row is compared with fwd-d128-causal-s16k. RELATIVE_TARGETS holds these ratios: (impl or case, bound)
+# means fagen's number on the row over that peer's on the same row, or over fagen's on that case, is >= bound.
+# The gpt-oss row (d64, window 128, sinks, GQA 64/8) has peers only: FlexAttention (its sinks through the lse it
+# returns) and SDPA with a float mask (its sinks as an extra key; fagen/bench/peers.py).
+RELATIVE_TARGETS = {
+    "fwd-d128-win4k-s32k": (("flex", 1.3), ("fwd-d128-causal-s32k", 0.9)),
+    "fwd-d128-softcap-causal-s16k": (("fwd-d128-causal-s16k", 0.9),),
+}
+WINDOW = 4096  # the usual "window 4096": a query sees itself and the 4095 keys before it
+SOFTCAP = 50.0  # Gemma 2's attention logit cap
+GPT_OSS_WINDOW = 128
+
+
+def score_rows(quick: bool = False, baselines: bool = False) -> list[BenchCase]:
+    """The rows of issue 15 (bf16 forward): causal sliding window 4096 at 32k, softcap 50 at 16k, and a gpt-oss
+    layer (d64, sinks, causal window 128, GQA 64/8, 8k). With `baselines`, fagen-only rows to compare with:
+    the dense causal rows they are measured against, and the same on the Triton forward (no Hopper selection).
+    """
+    s = (lambda n: max(1, n // 64)) if quick else (lambda n: n)
+    h = (lambda n: max(1, n // 4)) if quick else (lambda n: n)
+    win, oss = (s(WINDOW), 16) if quick else (WINDOW, GPT_OSS_WINDOW)
+    d128 = dict(head_dim=128, mask="causal", batch=1, heads_q=h(16), heads_kv=h(16))
+    rows = [
+        make_case("fwd-d128-causal-s32k", **d128, seq_q=s(32768), seq_k=s(32768), peers=False),
+        make_case("fwd-d128-win4k-s32k", **d128, seq_q=s(32768), seq_k=s(32768), window=(win - 1, 0)),
+        make_case("fwd-d128-softcap-causal-s16k", **d128, seq_q=s(16384), seq_k=s(16384), softcap=SOFTCAP),
+        make_case("fwd-gptoss-d64-win128-sink-s8k", head_dim=64, mask="causal", batch=1, heads_q=h(64),
+                  heads_kv=h(8), seq_q=s(8192), seq_k=s(8192), window=(oss - 1, 0), sinks=True),
+    ]
+    if baselines:
+        rows += [
+            make_case("fwd-d128-causal-s16k", **d128, seq_q=s(16384), seq_k=s(16384), peers=False),
+            make_case("fwd-d128-causal-s16k-triton", **d128, seq_q=s(16384), seq_k=s(16384), peers=False,
+                      hopper=False),
+            make_case("fwd-d128-causal-s32k-triton", **d128, seq_q=s(32768), seq_k=s(32768), peers=False,
+                      hopper=False),
+        ]
+    return rows
+
+
+def scores_suite(quick: bool = False) -> list[BenchCase]:
+    """`--suite scores`: the switch rows of the standard suite with their fagen-only baselines."""
+    return score_rows(quick, baselines=True)
+
+
+SUITES = {"standard": standard_suite, "scores": scores_suite}
 
 
 @dataclasses.dataclass
@@ -242,6 +350,33 @@ class InputSet:
     v: torch.Tensor
     kwargs: dict  # seqlens_q, seqlens_k, tree_mask (bool ancestor-or-self [B, Sq, Sq]) as the mask needs
     dout: torch.Tensor | None = None  # incoming gradient for backward cases
+    scores: dict = dataclasses.field(default_factory=dict)  # window, softcap, alibi_slopes [Hq], sinks [Hq]
+
+
+def alibi_slopes(heads: int) -> torch.Tensor:
+    """The ALiBi paper's geometric slopes 2^(-8 (h + 1) / H), float32 [H]."""
+    return torch.exp2(-8.0 * torch.arange(1, heads + 1, dtype=torch.float32) / heads)
+
+
+# Sinks near a row's logsumexp, so that the sink takes a sizeable share of each row (a peer that drops it fails
+# the check): with q ~ 3 N(0, 1) the scaled logits have std 3, so a row of n keys has lse ~ ln n + 4.5.
+SINK_CENTER, SINK_SPREAD = 9.0, 2.0
+
+
+def score_inputs(case: BenchCase, device: torch.device, seed: int) -> dict:
+    """The switch arguments of fagen.attention for the case (slopes and sinks drawn from `seed`, float32 [Hq])."""
+    out: dict = {}
+    if case.window is not None:
+        out["window"] = case.window
+    if case.softcap is not None:
+        out["softcap"] = case.softcap
+    if case.alibi:
+        out["alibi_slopes"] = alibi_slopes(case.heads_q).to(device)
+    if case.sinks:
+        gen = torch.Generator().manual_seed(seed + 7919)
+        sinks = SINK_CENTER + SINK_SPREAD * (2 * torch.rand(case.heads_q, generator=gen) - 1)
+        out["sinks"] = sinks.to(device)
+    return out
 
 
 def make_inputs(case: BenchCase, device: torch.device, seed: int) -> InputSet:
@@ -262,7 +397,7 @@ def make_inputs(case: BenchCase, device: torch.device, seed: int) -> InputSet:
     if case.mask is Mask.TREE:
         kwargs["tree_mask"] = reference.ancestors_from_parents(torch.tensor(case.parents)).to(device)
     dout = normal(*q.shape) if case.direction is Direction.BWD else None
-    return InputSet(q, k, v, kwargs, dout)
+    return InputSet(q, k, v, kwargs, dout, score_inputs(case, device, seed))
 
 
 def set_bytes(case: BenchCase) -> int:
@@ -274,7 +409,11 @@ def set_bytes(case: BenchCase) -> int:
 def describe_case(c: BenchCase) -> str:
     """Shapes in one short line: ``fwd causal d128 b1 h16 sq16384 sk16384 bf16``."""
     heads = f"h{c.heads_q}" if c.gqa == 1 else f"h{c.heads_q}/{c.heads_kv}"
-    return f"{c.direction} {c.mask} d{c.head_dim} b{c.batch} {heads} sq{c.seq_q} sk{c.seq_k} {c.dtype}"
+    side = lambda w: "inf" if w is None else str(w)  # noqa: E731
+    extra = "".join([f" window {side(c.window[0])}/{side(c.window[1])}" if c.window else "",
+                     f" softcap {c.softcap:g}" if c.softcap is not None else "", " alibi" * c.alibi,
+                     " sinks" * c.sinks, " triton" * (not c.hopper)])
+    return f"{c.direction} {c.mask} d{c.head_dim} b{c.batch} {heads} sq{c.seq_q} sk{c.seq_k} {c.dtype}{extra}"
 
 
 HIDDEN = 2048  # heads x head_dim of the default shapes, as in the peers' table

@@ -8,8 +8,10 @@ inputs' device: by fagen.attention (fagen/runtime/resolve.py) when no gradient i
   - $FAGEN_HOPPER is not "0" (read when a case is first resolved in a process; set it before the first call),
   - the device is CUDA of compute capability 9.0 (H100/H200) and triton has the Gluon Hopper API (>= 3.6),
   - the case is one where the H100 measurements of docs/hopper.md show a win over the Triton forward: a prefill
-    forward, head_dim 128, bf16, mask none or causal, any gqa (+7% full, +3% causal, +22% gqa 32/8 causal at
-    d128 bf16). Not d64 (-7%), not fp16 (496 vs 493 TF/s, a tie), not padding/tree masks (no such kernel).
+    forward, head_dim 128, bf16, mask none (any gqa: +5% full s16k) or causal with gqa > 1 (+13% gqa 32/8 causal
+    s4k). Not MHA causal: the Triton forward won it in the three latest runs (s16k Triton / Gluon TF/s: 558 / 550
+    in benchmarks/hopper/6-integration, 559 / 543 and 562 / 543 in benchmarks/scores.md), so phase 1's +3% did
+    not hold. Not d64 (-7%), not fp16 (496 vs 493 TF/s, a tie), not padding/tree masks (no such kernel).
 Everywhere else the present kernels serve, unchanged.
 
 The backward (issue 16 phase 3, fagen/templates/gluon/backward.py.j2) is wired the same way but selected for no
@@ -82,7 +84,8 @@ def is_hopper(device) -> bool:
 def selected(spec: KernelSpec) -> bool:
     """Whether the measured rule picks the gluon forward for the case of `spec` (machine not considered)."""
     return (spec.kind is Kind.PREFILL and spec.direction is Direction.FWD and spec.head_dim in SELECTED_HEAD_DIMS
-            and spec.dtype in SELECTED_DTYPES and spec.mask in SELECTED_MASKS)
+            and spec.dtype in SELECTED_DTYPES and spec.mask in SELECTED_MASKS
+            and not (spec.mask is Mask.CAUSAL and spec.gqa == 1))
 
 
 def gluon_twin(spec: KernelSpec) -> KernelSpec:

@@ -603,17 +603,20 @@ def _launch_decode(q, k, v, scale, seqlens_q, seqlens_k, tree, num_splits, out=N
     if step is not None:  # [Note] Decode steps
         split_grid, split_entry, split_ints, merge_grid, merge_entry, merge_ints, ws_shape = step
         dst, dst_lse = (out, lse) if ws_shape is None else _workspace(ws_shape, q.device, device)
-        if ((q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr() | lse.data_ptr() | dst.data_ptr()
-             | dst_lse.data_ptr()) & 15) == 0:
+        # Device addresses as ints: the launcher takes them as they are (a tensor costs it a data_ptr() call and a
+        # driver query of the pointer); the checks above put every tensor on q's device.
+        pq, pk, pv, po, pl, pd, pdl = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+                                       dst.data_ptr(), dst_lse.data_ptr())
+        if ((pq | pk | pv | po | pl | pd | pdl) & 15) == 0:
             stream = _raw_stream(device)
             launch, flags, function, metadata, tail = split_entry
             launch(*split_grid, stream, function, *flags, None, None, metadata, None, None, None,
-                   q, k, v, dst, dst_lse, seqlens_q, seqlens_k, tree, scale * 1.4426950408889634,
+                   pq, pk, pv, pd, pdl, seqlens_q, seqlens_k, tree, scale * 1.4426950408889634,
                    *split_ints, *tail)
             if merge_entry is not None:
                 launch, flags, function, metadata, tail = merge_entry
                 launch(*merge_grid, stream, function, *flags, None, None, metadata, None, None, None,
-                       dst, dst_lse, out, lse, seqlens_q, seqlens_k, *merge_ints, *tail)
+                       pd, pdl, po, pl, seqlens_q, seqlens_k, *merge_ints, *tail)
             return out, lse
     hkv, sk = k.shape[1], k.shape[2]
     copied = qs[3] != 1 or ks[3] != 1 or vs[3] != 1

@@ -166,31 +166,54 @@ class FakeTritonJIT(triton.runtime.JITFunction, FakeJIT):
     __hash__ = object.__hash__
 
 
-def _same(a, b):
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape \
-            and a.dtype == b.dtype
-    return a == b
+def _same(launched, compiled):
+    """An argument of the replayed launch against the general path's: a tensor goes as itself or its address."""
+    if isinstance(compiled, torch.Tensor):
+        return launched is compiled or (type(launched) is int and launched == compiled.data_ptr())
+    return type(launched) is type(compiled) and launched == compiled
 
 
+STEP_SPECS = {
+    "none": DECODE,
+    "causal+padding": fagen.KernelSpec(head_dim=16, mask="causal+padding", gqa=2, dtype="fp32", kind="decode",
+                                       block_m=16, block_n=16),
+    "tree": fagen.KernelSpec(head_dim=16, mask="tree", gqa=2, dtype="fp32", kind="decode", block_m=16, block_n=16),
+    "switches": fagen.KernelSpec(head_dim=16, mask="causal", gqa=2, dtype="fp32", kind="decode", block_m=16,
+                                 block_n=16, window=True, softcap=True, alibi=True, sinks=True),
+}
+
+
+@pytest.mark.parametrize("which", list(STEP_SPECS))
 @pytest.mark.parametrize("seq_k", [300, 16])  # split (split + merge kernels) and direct (one kernel)
-def test_decode_step_replays_the_general_path(module, monkeypatch, seq_k):
+def test_decode_step_replays_the_general_path(monkeypatch, which, seq_k):
     """[Note] Decode steps: the second call of a shape launches exactly what the first (general) call did."""
-    monkeypatch.setattr(module, "_INTERPRET", False)
+    module = fagen.load(STEP_SPECS[which])
+    for name, value in (("_FAST_LAUNCH", True), ("_KERNELS", {}), ("_INTERPRET", False), ("_STEPS", {}),
+                        ("_WORKSPACES", threading.local()), ("_raw_stream", _raw_stream_of([77]))):
+        monkeypatch.setattr(module, name, value)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(module, "_WORKSPACES", threading.local())
-    monkeypatch.setattr(module, "_STEPS", {})
-    monkeypatch.setattr(module, "_raw_stream", _raw_stream_of([77]))
     split, merge = FakeTritonJIT(module._decode_split), FakeTritonJIT(module._decode_merge)
     monkeypatch.setattr(module, "_decode_split", split)
     monkeypatch.setattr(module, "_decode_merge", merge)
-    q = torch.randn(1, 4, 1, 16)
+    sq = 3
+    q = torch.randn(1, 4, sq, 16)
     k, v = torch.randn(1, 2, seq_k, 16), torch.randn(1, 2, seq_k, 16)
     assert (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0
-    module._launch_decode(q, k, v, 0.25, None, None, None, None)
+    lens = dict(seqlens_q=torch.tensor([2], dtype=torch.int32), seqlens_k=torch.tensor([seq_k - 1], dtype=torch.int32)) \
+        if which == "causal+padding" else {}
+    parents = torch.tensor([[-1, 0, 0]], dtype=torch.int32) if which == "tree" else None
+    masks = module._check_mask_inputs(q, k, lens.get("seqlens_q"), lens.get("seqlens_k"), parents)
+    scores = module._check_scores(q, (8, None), 30.0, torch.rand(4), torch.rand(4)) if which == "switches" else ()
+
+    def launch(**buffers):
+        return module._launch(q, k, v, 0.25, *masks, *scores, **buffers)
+
+    launch()
     splits = len(merge.compiles) == 1
     assert len(split.compiles) == 1 and splits == (seq_k == 300) and len(module._STEPS) == 1
-    module._launch_decode(q, k, v, 0.25, None, None, None, None)
+    # the second call writes into the first call's outputs, so every address matches what was compiled with
+    first_out, first_lse = split.compiles[0][1][3:5] if not splits else merge.compiles[0][1][2:4]
+    launch(out=first_out, lse=first_lse)
     assert len(split.compiles) == 1 and len(merge.compiles) == splits  # nothing new compiled or re-specialised
     for fn in (split, merge) if splits else (split,):
         (grid, args, consts), = fn.compiles
@@ -199,9 +222,10 @@ def test_decode_step_replays_the_general_path(module, monkeypatch, seq_k):
         assert call[:13] == (*grid, *(1,) * (3 - len(grid)), 77, 1234, False, True, None, None, (4, 1, 0), None,
                              None, None)
         assert len(call) == 13 + len(args) + len(tail)
-        assert all(_same(a, b) for a, b in zip(call[13:], args + tail)), fn.arg_names
-    misaligned = torch.randn(1, 4, 1, 16 + 1)[..., 1:]  # a 4-byte offset: Triton specialises it differently
-    module._launch_decode(misaligned, k, v, 0.25, None, None, None, None)
+        bad = [name for name, a, b in zip(fn.arg_names, call[13:], args + tail) if not _same(a, b)]
+        assert not bad, bad
+    q = torch.randn(1, 4, sq, 16 + 1)[..., 1:]  # a 4-byte offset: Triton specialises it differently
+    launch()
     assert len(split.compiles) == 2
 
 

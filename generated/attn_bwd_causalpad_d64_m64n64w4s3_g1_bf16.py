@@ -170,7 +170,7 @@ def _check_scale(scale):
 
 
 def _check_saved(do, out, lse, q):
-    """The backward's extra inputs: dO and out like q (shape, dtype, device), lse float32 [B, Hq, Sq]."""
+    """The backward's extra inputs: dO and out like q (shape, dtype, device), lse float32 as forward() returns it."""
     for name, t in (("do", do), ("out", out)):
         if not isinstance(t, torch.Tensor):
             raise InputError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -408,7 +408,7 @@ def _attn_fwd(Q, K, V, Out, Lse, SeqlensQ, SeqlensK, TreeMask, qk_scale,
     # Row m0 (the block's first) sees keys j <= m0 + shift; the last row sees j < m0 + BLOCK_M + shift.
     hi = tl.maximum(tl.minimum(len_k, m0 + BLOCK_M + shift), 0)
     split = tl.minimum(tl.maximum(m0 + shift + 1, 0) // BLOCK_N * BLOCK_N, len_k // BLOCK_N * BLOCK_N)
-    # A block of padding rows sees nothing: skip its keys altogether.
+    # A block of padding rows (or past a packed sequence's end) sees nothing: skip its keys altogether.
     hi = tl.where(m0 < len_q, hi, 0)
     split = tl.minimum(split, hi)
 
@@ -442,15 +442,16 @@ def _launch_forward(q, k, v, scale, seqlens_q, seqlens_k, tree, out=None, lse=No
     b, hq, sq, _ = q.shape
     sk = k.shape[2]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
-    lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device) if lse is None else lse
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device) if lse is None else lse
     if out.numel() == 0:
         return out, lse
+    rows_q = sq
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     if TMA:
         k, v = (t if _tma_ready(t) else t.contiguous() for t in (k, v))
         _ensure_allocator()
     tree_strides = (tree.stride(0), tree.stride(1)) if tree is not None else (0, 0)
-    grid = (_cdiv(sq, BLOCK_M), hq, b)
+    grid = (_cdiv(rows_q, BLOCK_M), hq, b)
     _fast(_attn_fwd)[grid](
         q, k, v, out, lse, seqlens_q, seqlens_k, tree, scale * 1.4426950408889634,  # 1/ln 2: exp2 domain
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -596,8 +597,8 @@ def _attn_bwd_preprocess(Out, DO, Lse, Delta, Lse2, SeqlensQ, stride_ob, stride_
     do = _load_rows(DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
                     + rows[:, None] * stride_dom + offs_d[None, :], rows, len_q, offs_d, HEAD_DIM, BLOCK_D, True)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    head = off_b * num_heads + off_h
-    lse = tl.load(Lse + head.to(tl.int64) * seq_q + rows, mask=rows < len_q, other=float("-inf"))
+    head = off_b * num_heads + off_h  # the row statistics are [B, Hq, S_pad] in every layout
+    lse = tl.load(Lse + (off_b * num_heads + off_h).to(tl.int64) * seq_q + rows, mask=rows < len_q, other=float("-inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # log2(e): exp2 domain
     tl.store(Delta + head.to(tl.int64) * stride_sh + rows, delta)
     tl.store(Lse2 + head.to(tl.int64) * stride_sh + rows, lse2)
@@ -712,7 +713,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, Lse2, Delta, SeqlensQ, SeqlensK, TreeMas
                              stride_dom, stride_sh, qk_scale, cols, offs_m, offs_d, full, hi, len_q, len_k, seq_q, seq_k, off_b,
                              TreeMask, stride_tb, stride_tm, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, GQA, True, UPCAST)
     dk *= scale  # dS was taken w.r.t. the scaled scores: dK = scale * dS^T Q
-    out_mask = cols[:, None] < seq_k
+    out_mask = cols[:, None] < seq_k  # packed rows past len_k: the next sequence's
     if BLOCK_D != HEAD_DIM:
         out_mask = out_mask & (offs_d[None, :] < HEAD_DIM)
     tl.store(DK + off_b.to(tl.int64) * stride_dkb + off_hkv.to(tl.int64) * stride_dkh
@@ -785,7 +786,7 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse2, Delta, SeqlensQ, SeqlensK, TreeMask, qk_
     # Row m0 (the block's first) sees keys j <= m0 + shift; the last row sees j < m0 + BLOCK_M + shift.
     hi = tl.maximum(tl.minimum(len_k, m0 + BLOCK_M + shift), 0)
     split = tl.minimum(tl.maximum(m0 + shift + 1, 0) // BLOCK_N * BLOCK_N, len_k // BLOCK_N * BLOCK_N)
-    # A block of padding rows sees nothing: skip its keys altogether.
+    # A block of padding rows (or past a packed sequence's end) sees nothing: skip its keys altogether.
     hi = tl.where(m0 < len_q, hi, 0)
     split = tl.minimum(split, hi)
 
@@ -807,7 +808,7 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse2, Delta, SeqlensQ, SeqlensK, TreeMask, qk_
 # types of a compiled launch. Pointers that this mask never reads are constexpr None.
 AOT_KERNELS = globals().get("AOT_KERNELS", [])
 _AOT_T = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}[DTYPE]
-_AOT_SEQLENS = "*i32" if MASK in ("padding", "causal+padding") else "constexpr"
+_AOT_SEQLENS = "*i32"
 _AOT_TREE = "*u8" if MASK == "tree" else "constexpr"
 _AOT_CONST = {"HEAD_DIM": HEAD_DIM, "BLOCK_D": triton.next_power_of_2(HEAD_DIM)}
 _AOT_NONE = {name: None for name, t in (("SeqlensQ", _AOT_SEQLENS), ("SeqlensK", _AOT_SEQLENS),
@@ -856,18 +857,19 @@ AOT_KERNELS += [
 
 def _launch_backward(do, q, k, v, out, lse, scale, seqlens_q, seqlens_k, tree, need_dq=True, need_dkdv=True):
     """Launch the backward kernels on checked inputs; returns (dq, dk, dv), None where not needed."""
-    b, hq, sq, _ = q.shape
-    hkv, sk = k.shape[1], k.shape[2]
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device) if need_dq else None
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device) if need_dkdv else None
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device) if need_dkdv else None
-    if b == 0 or hq == 0 or sq == 0 or sk == 0:  # nothing to launch: rows see no key, keys get no gradient
+    b, hq, sq, _ = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    rows_q, rows_k = sq, sk
+    if b == 0 or hq == 0 or rows_q == 0 or rows_k == 0:  # nothing to launch: rows see no key, keys get no gradient
         return tuple(t.zero_() if t is not None else None for t in (dq, dk, dv))
     q, k, v, do, out = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, do, out))
     lse = lse.contiguous()
     block_d = triton.next_power_of_2(HEAD_DIM)
     # Row statistics padded to whole blocks of both kernels (powers of two: the larger is a multiple of the other).
-    sq_pad = triton.cdiv(sq, max(DQ_BLOCK_M, DKDV_BLOCK_M)) * max(DQ_BLOCK_M, DKDV_BLOCK_M)
+    sq_pad = triton.cdiv(rows_q, max(DQ_BLOCK_M, DKDV_BLOCK_M)) * max(DQ_BLOCK_M, DKDV_BLOCK_M)
     delta = torch.empty((b, hq, sq_pad), dtype=torch.float32, device=q.device)
     lse2 = torch.empty_like(delta)
     _attn_bwd_preprocess[(sq_pad // DQ_BLOCK_M, hq, b)](
@@ -881,14 +883,14 @@ def _launch_backward(do, q, k, v, out, lse, scale, seqlens_q, seqlens_k, tree, n
     qkv_strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                    v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
     if need_dkdv:
-        _attn_bwd_dkdv[(triton.cdiv(sk, DKDV_BLOCK_N), hkv, b)](
+        _attn_bwd_dkdv[(triton.cdiv(rows_k, DKDV_BLOCK_N), hkv, b)](
             q, k, v, do, dk, dv, lse2, delta, seqlens_q, seqlens_k, tree, qk_scale, scale, *qkv_strides,
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
             *tree_strides, sq_pad, hq, sq, sk, BLOCK_M=DKDV_BLOCK_M, BLOCK_N=DKDV_BLOCK_N, **common,
             num_warps=DKDV_NUM_WARPS, num_stages=DKDV_NUM_STAGES,
         )
     if need_dq:
-        _attn_bwd_dq[(triton.cdiv(sq, DQ_BLOCK_M), hq, b)](
+        _attn_bwd_dq[(triton.cdiv(rows_q, DQ_BLOCK_M), hq, b)](
             q, k, v, do, dq, lse2, delta, seqlens_q, seqlens_k, tree, qk_scale, scale, *qkv_strides,
             dq.stride(0), dq.stride(1), dq.stride(2), *tree_strides, sq_pad, hq, sq, sk,
             BLOCK_M=DQ_BLOCK_M, BLOCK_N=DQ_BLOCK_N, **common, num_warps=DQ_NUM_WARPS, num_stages=DQ_NUM_STAGES,

@@ -390,7 +390,7 @@ def _attn_fwd(Q, K, V, Out, Lse, SeqlensQ, SeqlensK, TreeMask, qk_scale,
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     hi = len_k
     split = len_k // BLOCK_N * BLOCK_N
-    # A block of padding rows sees nothing: skip its keys altogether.
+    # A block of padding rows (or past a packed sequence's end) sees nothing: skip its keys altogether.
     hi = tl.where(m0 < len_q, hi, 0)
     split = tl.minimum(split, hi)
 
@@ -424,15 +424,16 @@ def _launch_forward(q, k, v, scale, seqlens_q, seqlens_k, tree, out=None, lse=No
     b, hq, sq, _ = q.shape
     sk = k.shape[2]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
-    lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device) if lse is None else lse
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device) if lse is None else lse
     if out.numel() == 0:
         return out, lse
+    rows_q = sq
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     if TMA:
         k, v = (t if _tma_ready(t) else t.contiguous() for t in (k, v))
         _ensure_allocator()
     tree_strides = (tree.stride(0), tree.stride(1)) if tree is not None else (0, 0)
-    grid = (_cdiv(sq, BLOCK_M), hq, b)
+    grid = (_cdiv(rows_q, BLOCK_M), hq, b)
     _fast(_attn_fwd)[grid](
         q, k, v, out, lse, seqlens_q, seqlens_k, tree, scale * 1.4426950408889634,  # 1/ln 2: exp2 domain
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),

@@ -2,12 +2,19 @@
 # One stage of a GPU session on the H100: `bash scripts/gpu_session.sh tests|bench|cuda|decode|tune|runtime|timing`.
 # Full logs go under $OUT (the device tool brings them back); a compact summary is printed last.
 set -uo pipefail
-stage=${1:?usage: gpu_session.sh tests|bench|cuda|decode|tune|runtime|timing}
+stage=${1:?usage: gpu_session.sh tests|bench|cuda|decode|tune|runtime|timing|layouts}
 OUT=${OUT:-$PWD/gpu-logs}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD  # tests make their own cache per worker, as in CI
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 case $stage in
+  layouts)  # issue 14: the layouts' property tests at GPU scale, then the layouts bench suite
+    timeout ${TESTS_TIMEOUT:-300} python3 -m pytest tests/test_layouts.py -v -n 8 -p no:cacheprovider -rfE --tb=short \
+      > "$OUT/layouts-tests.log" 2>&1; echo "layouts tests exit $?"
+    grep -cE " PASSED " "$OUT/layouts-tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/layouts-tests.log" | cut -c1-240 | head
+    tail -2 "$OUT/layouts-tests.log"
+    timeout 240 python3 cli.py bench --suite layouts --json "$OUT/layouts.json" > "$OUT/layouts-bench.log" 2>&1
+    echo "layouts bench exit $?"; cat "$OUT/layouts-bench.log" | tail -20 ;;
   runtime)  # issue 13: graphs, operators/compile, transformers; then forward/decode/backward at GPU scale (ci profile)
     timeout 240 python3 -m pytest tests/test_graphs.py tests/test_ops.py tests/test_transformers.py tests/test_cache.py \
       -v -n 8 -p no:cacheprovider -rfE --tb=short > "$OUT/runtime.log" 2>&1; echo "runtime tests exit $?"

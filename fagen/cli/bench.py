@@ -11,9 +11,10 @@ from fagen.cli.common import cases_from_options, console, pick_device, shape_opt
 @click.command()
 @spec_options
 @shape_options
-@click.option("--suite", type=click.Choice(["standard", "latency", "cp"]),
+@click.option("--suite", type=click.Choice(["standard", "latency", "cp", "layouts"]),
               help="A named table of cases instead of one spec. latency: host time per call against SDPA; cp: ring "
-                   "attention on 1 and N GPUs (torchrun; --seq-q, --heads, --head-dim, --mask shape it).")
+                   "attention on 1 and N GPUs (torchrun; --seq-q, --heads, --head-dim, --mask shape it); layouts: "
+                   "paged decode and varlen prefill against fagen's dense kernels and the peers.")
 @click.option("--case", "case_names", multiple=True, metavar="NAME", help="Only these rows of the suite (repeatable).")
 @click.option("--quick", is_flag=True, help="Shrink every shape for a smoke run.")
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True)
@@ -52,6 +53,7 @@ def bench(spec_file, batch, heads, seq_q, seq_k, suite, case_names, quick, devic
       fagen bench --suite standard --json benchmarks/h100.json --plot benchmarks/h100.png
       fagen bench --suite standard --case fwd-d128-causal-s16k --skip-flex
       fagen bench --suite latency --json benchmarks/latency.json
+      fagen bench --suite layouts --json benchmarks/layouts.json
       fagen bench --suite cp --seq-q 131072 --json benchmarks/cp/cp.json
       fagen bench --head-dim 128 --mask causal --dtype bf16 --seq-q 8192
       fagen bench --report benchmarks/h100.json > table.md
@@ -92,6 +94,8 @@ def bench(spec_file, batch, heads, seq_q, seq_k, suite, case_names, quick, devic
         raise click.exceptions.Exit(launch_cp_bench(args))
     if suite == "latency":
         return _latency(pick_device(device), json_path, out, quick)
+    if suite == "layouts":
+        return _layouts(pick_device(device), json_path, out, quick)
     cases = cases_from_options(suite, case_names, quick, spec_file, batch, heads, seq_q, seq_k, seed, flags)
     if cases is None:
         raise click.UsageError("give spec flags (--head-dim ...), --suite standard, or --report FILE")
@@ -128,6 +132,20 @@ def _plot(report, records, plot_path, json_path, err=False):
                    err=err)
         return
     click.echo(f"wrote {plot_path}", err=err)
+
+
+def _layouts(device, json_path, out, quick):
+    """The layouts suite ([Note] Layout rows in fagen/bench/layouts.py): paged decode and varlen prefill."""
+    from fagen.bench import layouts, runner
+
+    def log(line: str) -> None:
+        out.print(line, markup=False, highlight=False)
+        out.file.flush()
+
+    records = layouts.run(device, log=log, quick=quick)
+    if json_path is not None:
+        runner.write_json(json_path, runner.environment_meta(device), records)
+        log(f"wrote {json_path}")
 
 
 def _latency(device, json_path, out, quick):

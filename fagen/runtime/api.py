@@ -6,13 +6,14 @@ import torch
 
 from fagen.runtime import ops
 from fagen.runtime.kinds import prefers_decode
-from fagen.runtime.resolve import _FAST, AttentionError, resolve, spec_for
+from fagen.runtime.resolve import _FAST, AttentionError, resolve, resolve_varlen, spec_for
 from fagen.spec.axes import Mask
 from fagen.spec.kernel import SCORE_SWITCHES
 
 
 def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None, seqlens_q=None, seqlens_k=None,
               tree_mask=None, window=None, softcap: float | None = None, alibi_slopes=None, sinks=None,
+              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
               check: bool | None = None) -> torch.Tensor:
     """Attention over q [B, Hq, Sq, D], k and v [B, Hkv, Sk, D]; returns out like q, differentiable.
 
@@ -25,10 +26,18 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
     None for an unbounded side; (w, 0) with "causal" is the usual sliding window), softcap (cap * tanh(s / cap)),
     alibi_slopes (float32 [Hq]) and sinks (float32 [Hq] logits; sinks.grad is filled when it requires grad).
 
+    Packed sequences (README "Layouts", varlen): q [total_q, Hq, D], k and v [total_k, Hkv, D] with cu_seqlens_q and
+    cu_seqlens_k (int32 [B + 1] prefix sums) and max_seqlen_q / max_seqlen_k (host ints); mask "none" or "causal"
+    (per sequence, bottom-right aligned); out is like q. Called eagerly; under torch.compile call the varlen
+    module's attention() (fagen.load(spec)), which traces as its own operators.
+
     Without gradients, a few queries against a long KV cache (fagen.runtime.kinds.prefers_decode) run the split-KV
     decode kernel; both kinds give the same results. Under torch.compile the call is one custom operator
     (fagen::attention, with its backward), so it traces with no graph break.
     """
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        return _varlen(q, k, v, mask, scale, window, softcap, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k,
+                       max_seqlen_q, max_seqlen_k, check)
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
         spec_for(q, k, v, mask=mask)  # raises the AttentionError that names the bad input
     if window is None and softcap is None and alibi_slopes is None and sinks is None:  # the common call
@@ -65,6 +74,20 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
 
 _NO_SCORES: dict = {}
 _SCORE_ARGS = ("window", "softcap", "alibi_slopes", "sinks")  # in SCORE_SWITCHES' order
+
+
+def _varlen(q, k, v, mask, scale, window, softcap, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+            max_seqlen_k, check):
+    """fagen.attention on packed sequences: the varlen bwd module of these inputs (differentiable)."""
+    if cu_seqlens_q is None or cu_seqlens_k is None or max_seqlen_q is None or max_seqlen_k is None:
+        raise AttentionError("varlen: pass cu_seqlens_q, cu_seqlens_k, max_seqlen_q and max_seqlen_k together "
+                             "(README \"Layouts\")")
+    scores = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+    switches = tuple(name for name, value in zip(SCORE_SWITCHES, scores.values()) if value is not None)
+    module = resolve_varlen(q, k, v, mask, switches)
+    scores = {name: value for name, value in scores.items() if value is not None}
+    return module.attention(q, k, v, scale=scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, check=check, **scores)
 
 
 __all__ = ["attention", "spec_for", "AttentionError"]

@@ -10,7 +10,7 @@ import torch
 from fagen.runtime import hopper
 from fagen.runtime.loader import load
 from fagen.spec import tables
-from fagen.spec.axes import Direction, Kind, Mask
+from fagen.spec.axes import Direction, Kind, Layout, Mask
 from fagen.spec.kernel import KernelSpec, SpecError
 
 _DTYPES = {getattr(torch, name): dtype for dtype, name in tables.TORCH_DTYPE.items()}
@@ -44,13 +44,27 @@ def resolve(q, k, v, mask, decode: bool, switches: tuple[str, ...] = (), forward
     return module
 
 
-def spec_for(q, k, v, *, mask: Mask | str = "none", switches: tuple[str, ...] = ()) -> KernelSpec:
+def resolve_varlen(q, k, v, mask, switches: tuple[str, ...] = ()) -> ModuleType:
+    """The varlen bwd module for packed q [total_q, Hq, D], k/v [total_k, Hkv, D] (README "Layouts")."""
+    key = ("varlen", q.dtype, q.shape[-1], q.shape[1], k.shape[1], mask, switches) \
+        if all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in (q, k, v)) else None
+    module = _FAST.get(key) if key is not None else None
+    if module is None:
+        module = _module(spec_for(q, k, v, mask=mask, switches=switches, layout=Layout.VARLEN))
+        _FAST[key] = module
+    return module
+
+
+def spec_for(q, k, v, *, mask: Mask | str = "none", switches: tuple[str, ...] = (),
+             layout: Layout = Layout.DENSE) -> KernelSpec:
     """The bwd (differentiable) spec whose kernel runs attention on these inputs."""
+    dims = ("4 dims [batch, heads, seq, head_dim]" if layout is Layout.DENSE
+            else "3 dims [total, heads, head_dim] (packed sequences)")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise AttentionError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise AttentionError(f"{name}: expected 4 dims [batch, heads, seq, head_dim], got shape {tuple(t.shape)}")
+        if t.dim() != (4 if layout is Layout.DENSE else 3):
+            raise AttentionError(f"{name}: expected {dims}, got shape {tuple(t.shape)}")
     if q.dtype not in _DTYPES:
         raise AttentionError(f"q: dtype {q.dtype} is not supported; use torch.float16, torch.bfloat16 or "
                              "torch.float32")
@@ -58,7 +72,7 @@ def spec_for(q, k, v, *, mask: Mask | str = "none", switches: tuple[str, ...] = 
         raise AttentionError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
     if k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
         raise AttentionError(f"head_dim: q has {q.shape[-1]}, k {k.shape[-1]}, v {v.shape[-1]}; they must agree")
-    hq, hkv = q.shape[1], k.shape[1]
+    hq, hkv = q.shape[-3 if layout is Layout.DENSE else -2], k.shape[-3 if layout is Layout.DENSE else -2]
     if hkv == 0 or hq % hkv:
         raise AttentionError(f"heads: q has {hq} heads and k/v have {hkv}; q's heads must be a multiple of k/v's "
                              "(gqa = q heads / kv heads)")
@@ -68,7 +82,7 @@ def spec_for(q, k, v, *, mask: Mask | str = "none", switches: tuple[str, ...] = 
         raise AttentionError(f"mask: got {mask!r}; must be one of " + ", ".join(map(repr, Mask.choices()))) from None
     try:
         return KernelSpec(head_dim=q.shape[-1], mask=mask, gqa=hq // hkv, dtype=_DTYPES[q.dtype],
-                          direction=Direction.BWD, **{name: True for name in switches})
+                          direction=Direction.BWD, layout=layout, **{name: True for name in switches})
     except SpecError as e:
         raise AttentionError(f"no kernel for these inputs: {e}") from None
 

@@ -58,6 +58,14 @@ class Kind(_Axis):
     DECODE = "decode"
 
 
+class Layout(_Axis):
+    """How q, k and v lie in memory (README "Layouts")."""
+
+    DENSE = "dense"    # q [B, Hq, Sq, D], k/v [B, Hkv, Sk, D]
+    VARLEN = "varlen"  # packed sequences: q [total_q, Hq, D], k/v [total_k, Hkv, D] with cu_seqlens prefix sums
+    PAGED = "paged"    # k/v in a page cache [num_pages, page_size, Hkv, D] read through a block table
+
+
 # -- integer axes --------------------------------------------------------------------------------------------
 HEAD_DIMS = range(16, 257, 8)
 BLOCK_SIZES = (16, 32, 64, 128, 256)
@@ -68,3 +76,6 @@ MAX_GQA = 256
 # Decode kernels serve at most this many query tokens per sequence (one step, or a small speculative tree);
 # longer queries belong to the prefill kind. The decode template renders it as MAX_SEQ_Q.
 DECODE_MAX_SEQ_Q = 16
+
+# Paged KV caches: pages hold a power of two of tokens, from 1 to this many.
+MAX_PAGE_SIZE = 256

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fagen.spec.axes import Backend, DType, Kind, Mask
+from fagen.spec.axes import Backend, DType, Kind, Layout, Mask
 
 # Short names used in readable variant names (``attn_fwd_causal_d128_...``).
 MASK_SHORT = {
@@ -29,9 +29,10 @@ def tma_loads(spec) -> bool:
     [Note] TMA choice: `fagen tune` on the H100 (2026-11-22) with and without descriptors, best config each,
     bf16 TF/s: d128 full 547 vs 520, d128 causal 524 vs 475, d64 causal 448 vs 431, tree p16k+128 0.279 vs
     0.304 ms. ptxas (sm_90, d128 m128n128w8s3): 196 registers instead of 247, no spills either way. On sm_80 the
-    descriptors lower to ordinary loads. The decode and backward kernels keep pointer loads.
+    descriptors lower to ordinary loads. The decode and backward kernels keep pointer loads, and so do paged caches
+    (each key row is gathered through the block table).
     """
-    return spec.backend is Backend.TRITON and spec.kind is Kind.PREFILL
+    return spec.backend is Backend.TRITON and spec.kind is Kind.PREFILL and spec.layout is not Layout.PAGED
 
 
 # The template that renders a (backend, kind) pair. Direction is a switch inside it.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from fagen.spec.axes import Direction, Kind, Mask
+from fagen.spec.axes import Direction, Kind, Layout, Mask
 from fagen.spec import KernelSpec
 
 
@@ -19,10 +19,12 @@ class Mutant:
     kinds: tuple[Kind, ...] = (Kind.PREFILL,)  # kernel kinds whose source it edits
     directions: tuple[Direction, ...] = tuple(Direction)  # bwd-only mutants edit code a fwd spec does not have
     switches: tuple[str, ...] = ()  # score switches the spec must have (the edited code exists only with them)
+    layouts: tuple[Layout, ...] = (Layout.DENSE,)  # layouts whose source has the edited code
 
     def applies(self, spec: KernelSpec) -> bool:
         return (spec.mask in self.masks and spec.gqa >= self.min_gqa and spec.kind in self.kinds
-                and spec.direction in self.directions and all(getattr(spec, s) for s in self.switches))
+                and spec.direction in self.directions and all(getattr(spec, s) for s in self.switches)
+                and spec.layout in self.layouts)
 
     def apply(self, source: str) -> str:
         if self.old not in source:
@@ -94,4 +96,26 @@ MUTANTS = (
     Mutant("bwd-softcap-no-chain", "backward: dS skips the softcap's factor 1 - tanh^2", tuple(Mask),
            "ds_t = ds_t * (1.0 - tanh_s * tanh_s)", "ds_t = ds_t", directions=(Direction.BWD,),
            switches=("softcap",)),
+)
+
+# Layouts (README "Layouts"): caught by the layouts' own search (fagen/verify/layouts.py against the gathered dense
+# reference, tests/test_layouts.py); `fagen verify` searches dense specs and runs MUTANTS only.
+LAYOUT_MUTANTS = (
+    Mutant("paged-wrong-page", "every sequence reads sequence 0's block table row (a wrong page index)",
+           (Mask.NONE, Mask.CAUSAL), "table = BlockTable + off_b.to(tl.int64) * stride_btb", "table = BlockTable",
+           kinds=(Kind.DECODE, Kind.PREFILL), directions=(Direction.FWD,), layouts=(Layout.PAGED,)),
+    Mutant("paged-page-boundary", "slots off by one at a page boundary (key j reads slot (j + 1) % page_size)",
+           (Mask.NONE, Mask.CAUSAL), "slot = (cols & ((1 << page_shift) - 1))",
+           "slot = ((cols + 1) & ((1 << page_shift) - 1))", kinds=(Kind.DECODE, Kind.PREFILL),
+           directions=(Direction.FWD,), layouts=(Layout.PAGED,)),
+    Mutant("varlen-keys-one-sequence-off", "each sequence's keys start at the previous sequence's cu_seqlens_k",
+           (Mask.NONE, Mask.CAUSAL), "k_row0 = tl.load(SeqlensK + off_b)",
+           "k_row0 = tl.load(SeqlensK + tl.maximum(off_b - 1, 0))", layouts=(Layout.VARLEN,)),
+    Mutant("varlen-queries-one-sequence-off", "each sequence's queries start at the next sequence's cu_seqlens_q",
+           (Mask.CAUSAL, Mask.NONE), "q_row0 = tl.load(SeqlensQ + off_b)  # cu_seqlens_q ([Note] Layouts)\n",
+           "q_row0 = tl.load(SeqlensQ + off_b + 1)\n", layouts=(Layout.VARLEN,)),
+    Mutant("varlen-lse-ignores-row0", "lse rows of every sequence land at the first sequence's rows (the packed "
+           "offset is dropped), so the backward recomputes P from another row's lse",
+           (Mask.CAUSAL, Mask.NONE), "(off_h.to(tl.int64) * seq_q + q_row0)", "(off_h.to(tl.int64) * seq_q)",
+           directions=(Direction.BWD,), layouts=(Layout.VARLEN,)),
 )

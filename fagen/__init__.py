@@ -26,6 +26,7 @@ _EXPORTS = {
     "Direction": "fagen.spec.axes",
     "Backend": "fagen.spec.axes",
     "Kind": "fagen.spec.axes",
+    "Layout": "fagen.spec.axes",
     "generate": "fagen.codegen.render",
     "render": "fagen.codegen.render",
     "load": "fagen.runtime.loader",

@@ -26,11 +26,25 @@ def _spec(layout, mask, kind="prefill", direction="fwd", dtype="fp16", gqa=2, **
 LAYOUT_SPECS = [("varlen", "prefill"), ("paged", "prefill"), ("paged", "decode")]
 
 
-@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
 @pytest.mark.parametrize("mask", ["none", "causal"])
 @pytest.mark.parametrize("layout,kind", LAYOUT_SPECS)
 def test_forward_matches_the_gathered_reference(layout, kind, mask, dtype):
     spec = _spec(layout, mask, kind, dtype=dtype)
+    module = load(spec)
+
+    @settings(max_examples=6 if not ON_GPU else 25)
+    @given(layouts.cases(spec, max_len=MAX_LEN))
+    def run(case):
+        layouts.check_forward(module, spec, case, DEVICE)
+
+    run()
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_tree_decode_on_a_paged_cache(dtype):
+    """Speculative verification: each sequence's draft tree is its last Sq cached keys."""
+    spec = _spec("paged", "tree", "decode", dtype=dtype)
     module = load(spec)
 
     @settings(max_examples=6 if not ON_GPU else 25)
@@ -47,7 +61,39 @@ def test_varlen_backward_matches_the_reference(mask, dtype):
     spec = _spec("varlen", mask, direction="bwd", dtype=dtype)
     module = load(spec)
 
-    @settings(max_examples=4 if not ON_GPU else 20)
+    @settings(max_examples=4 if not ON_GPU else 10)
+    @given(layouts.cases(spec, max_len=MAX_LEN))
+    def run(case):
+        layouts.check_backward(module, spec, case, DEVICE)
+
+    run()
+
+
+SWITCH_SETS = [dict(window=True), dict(softcap=True, alibi=True), dict(window=True, sinks=True)]
+
+
+@pytest.mark.parametrize("switches", SWITCH_SETS, ids=lambda s: "+".join(s))
+@pytest.mark.parametrize("layout,kind", LAYOUT_SPECS)
+def test_score_switches_compose_with_the_layouts(layout, kind, switches):
+    spec = _spec(layout, "causal", kind, dtype="fp16", **switches)
+    module = load(spec)
+
+    @settings(max_examples=4 if not ON_GPU else 15)
+    @given(layouts.cases(spec, max_len=MAX_LEN))
+    def run(case):
+        layouts.check_forward(module, spec, case, DEVICE)
+
+    run()
+
+
+@pytest.mark.parametrize("switches", [dict(window=True, sinks=True), dict(softcap=True, alibi=True)],
+                         ids=lambda s: "+".join(s))
+def test_score_switches_in_the_varlen_backward(switches):
+    # fp32 on the CPU; bf16 at GPU scale (an fp32 d128 backward with switches compiles for minutes)
+    spec = _spec("varlen", "causal", direction="bwd", dtype="bf16" if ON_GPU else "fp32", **switches)
+    module = load(spec)
+
+    @settings(max_examples=3 if not ON_GPU else 8)
     @given(layouts.cases(spec, max_len=MAX_LEN))
     def run(case):
         layouts.check_backward(module, spec, case, DEVICE)
@@ -202,3 +248,80 @@ def test_the_layouts_bench_suite_runs_and_checks_its_rows(tmp_path):
     assert [r["kind"] for r in records] == ["paged-decode", "varlen-prefill"]
     assert records[0]["max_err_vs_dense"] < 1e-2 and records[0]["paged/dense"] > 0
     assert records[1]["fagen varlen"]["TF/s"] > 0
+
+
+def test_fagen_verify_searches_layout_specs(tmp_path):
+    """`fagen verify` routes varlen and paged specs to the gathered-reference search, and it fails on a mutant."""
+    import json
+
+    from click.testing import CliRunner
+
+    from fagen.cli import main
+    from fagen.verify.layouts import verify_layout_spec
+
+    report = tmp_path / "verify.json"
+    res = CliRunner().invoke(main, ["verify", "--head-dim", "32", "--mask", "causal", "--gqa", "2", "--dtype", "fp16",
+                                    "--layout", "paged", "--kind", "decode", "--block-n", "16", "--examples", "4",
+                                    "--device", DEVICE, "--json", str(report), "-q"])
+    assert res.exit_code == 0, res.output
+    assert "pass decode_fwd_causal_d32" in res.output and "all 1 checks passed" in res.output
+    assert json.loads(report.read_text())["layouts"][0]["passed"] is True
+    spec = _spec("paged", "causal", "decode")
+    broken = verify_layout_spec(spec, examples=30, seed=0, device=DEVICE, scale="cpu", mutant="paged-page-boundary")
+    assert not broken[0].passed and "sequence" in broken[0].failure
+
+
+# -- runtime: operators, torch.compile, CUDA graphs (the runtime issue's contract holds for the layouts) ----------
+def _runtime_case(layout, kind, direction="fwd"):
+    spec = _spec(layout, "causal", kind, direction=direction, dtype="fp32")
+    case = layouts.LayoutCase([3, 0, 9] if kind == "prefill" else [2, 2, 2], [5, 4, 9], heads_kv=2, page_size=4,
+                              seed=3)
+    return spec, fagen.load(spec), layouts.make_inputs(spec, case, DEVICE)
+
+
+@pytest.mark.parametrize("layout,kind", LAYOUT_SPECS)
+def test_layout_operators_pass_opcheck(layout, kind):
+    from torch.library import opcheck
+
+    spec, module, inputs = _runtime_case(layout, kind, "bwd" if layout == "varlen" else "fwd")
+    q, k, v = inputs.args
+    slots = module._check_layout(q, k, v, **inputs.kwargs)
+    if layout == "varlen":
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+    result = opcheck(module.forward_op, (q, k, v, spec.head_dim ** -0.5, *slots))
+    assert set(result.values()) == {"SUCCESS"}, result
+
+
+def test_varlen_compiles_fullgraph_forward_and_backward():
+    torch._dynamo.reset()
+    spec, module, inputs = _runtime_case("varlen", "prefill", "bwd")
+
+    def layer(q, k, v):
+        return module.attention(q, k, v, **inputs.kwargs).sum(-1)
+
+    explain = torch._dynamo.explain(layer)(*inputs.args)
+    assert explain.graph_break_count == 0 and explain.graph_count == 1, explain.break_reasons
+    compiled = torch.compile(layer, fullgraph=True, backend="inductor" if ON_GPU else "aot_eager")
+    leaves = [t.clone().requires_grad_() for t in inputs.args]
+    compiled(*leaves).sum().backward()
+    eager = [t.clone().requires_grad_() for t in inputs.args]
+    layer(*eager).sum().backward()
+    for a, b in zip(leaves, eager):
+        assert torch.allclose(a.grad, b.grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("layout,kind", LAYOUT_SPECS)
+def test_layouts_capture_and_replay_equal_to_eager(layout, kind):
+    spec, module, inputs = _runtime_case(layout, kind)
+    want, want_lse = module.forward(*inputs.args, **inputs.kwargs)
+    out, lse = torch.empty_like(want), torch.empty_like(want_lse)
+    module.forward(*inputs.args, **inputs.kwargs, out=out, lse=lse)  # warm: compiled before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        module.forward(*inputs.args, **inputs.kwargs, out=out, lse=lse)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)

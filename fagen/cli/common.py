@@ -7,10 +7,10 @@ from pathlib import Path
 
 import click
 
-from fagen.spec.axes import Backend, Direction, DType, Kind, Mask
+from fagen.spec.axes import Backend, Direction, DType, Kind, Layout, Mask
 from fagen.spec.kernel import KernelSpec, SpecError, read_fields
 
-_SPEC_FLAGS = ("head_dim", "mask", "gqa", "dtype", "direction", "backend", "kind",
+_SPEC_FLAGS = ("head_dim", "mask", "gqa", "dtype", "direction", "backend", "kind", "layout",
                "block_m", "block_n", "num_warps", "num_stages", "window", "softcap", "alibi", "sinks")
 
 
@@ -26,6 +26,8 @@ def spec_options(fn):
         click.option("--direction", type=click.Choice(Direction.choices()), help="fwd, or bwd for training."),
         click.option("--backend", type=click.Choice(Backend.choices()), help="Emitted language."),
         click.option("--kind", type=click.Choice(Kind.choices()), help="prefill, or decode for short queries."),
+        click.option("--layout", type=click.Choice(Layout.choices()),
+                     help="dense, varlen (packed sequences) or paged (a paged KV cache)."),
         click.option("--block-m", type=int, help="Query rows per program (power of two, 16..256)."),
         click.option("--block-n", type=int, help="Keys per inner step (power of two, 16..256)."),
         click.option("--num-warps", type=int, help="Warps per program."),

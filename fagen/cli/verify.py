@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from fagen.cli.common import console, pick_device, spec_from_options, spec_options
-from fagen.spec.axes import Backend
+from fagen.spec.axes import Backend, Layout
 from fagen.spec.kernel import KernelSpec, SpecError
 
 def _specs_of_build_dir(path: Path) -> list[KernelSpec]:
@@ -118,12 +118,25 @@ def verify_command(ctx, spec_file, spec_files, manifest, examples, seed, time_bu
         ctx.exit(1 if message else 0)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    # Varlen and paged specs are searched by fagen.verify.layouts (the gathered dense reference), the rest by the engine.
+    layout_specs = [s for s in specs if s.layout is not Layout.DENSE]
+    specs = [s for s in specs if s.layout is Layout.DENSE]
+    if mutants and layout_specs:
+        raise click.UsageError("--mutants runs on dense specs; the layouts' mutants are caught by "
+                               "`python -m pytest tests/test_layouts.py -k mutant`")
     options = dict(examples=examples, seed=seed, scale=scale, device=device, time_budget=time_budget,
                    properties=properties or None, shrink_runs=shrink_runs)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console(stderr=True), disable=quiet, transient=True) as bar:
         task = bar.add_task("verifying", total=None)
         tick = lambda label, done, total: bar.update(task, description=label, completed=done, total=total)  # noqa: E731
+        layout_verdicts = []
+        for i, spec in enumerate(layout_specs):
+            from fagen.verify.layouts import verify_layout_spec
+
+            tick(f"{spec.name} (layout reference)", i, len(layout_specs))
+            layout_verdicts += verify_layout_spec(spec, examples=examples or (20 if scale == "cpu" else 50),
+                                                  seed=seed, device=device, scale=scale)
         if mutants:
             report, pairs = engine.verify_mutants(specs or engine.default_mutant_specs(scale),
                                                     progress=tick, **options)
@@ -148,9 +161,12 @@ def verify_command(ctx, spec_file, spec_files, manifest, examples, seed, time_bu
         for r in report.results:
             if r.failure:
                 click.echo("\n".join(reports.failure_lines(r, device)))
-        bad = sum(not r.passed for r in report.results) + len(report.errors)
-        verdict = (f"{bad} of {len(report.results) + len(report.errors)} checks FAILED" if bad else
-                   f"all {len(report.results)} checks passed")
+        for v in layout_verdicts:
+            click.echo(f"{'pass' if v.passed else 'FAIL'} {v.spec.name} {v.property}: {v.examples} examples"
+                       + (f": {v.failure}" if v.failure else ""))
+        bad = sum(not r.passed for r in report.results) + len(report.errors) + sum(not v.passed for v in layout_verdicts)
+        total = len(report.results) + len(report.errors) + len(layout_verdicts)
+        verdict = f"{bad} of {total} checks FAILED" if bad else f"all {total} checks passed"
         failed = bad > 0
     if json_path is not None:
         import json
@@ -158,11 +174,13 @@ def verify_command(ctx, spec_file, spec_files, manifest, examples, seed, time_bu
         from fagen.runtime.cache import write_if_different
 
         data = report.to_dict()
+        data["layouts"] = [v.to_dict() for v in layout_verdicts]
         if mutants:
             data["mutants"] = [{"mutant": m.name, "bug": m.what, "spec": s.name if s else None,
                                 "caught_by": (hit.property if (hit := engine.mutant_catch(report, m, s)) else None)}
                                for m, s in pairs]
             data["passed"] = not failed
         write_if_different(json_path, json.dumps(data, indent=2) + "\n")
-    click.echo(f"{verdict} in {report.seconds:.1f}s" + (f"; report in {json_path}" if json_path else ""))
+    seconds = report.seconds + (0.0 if mutants else sum(v.seconds for v in layout_verdicts))
+    click.echo(f"{verdict} in {seconds:.1f}s" + (f"; report in {json_path}" if json_path else ""))
     ctx.exit(1 if failed else 0)

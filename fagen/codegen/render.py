@@ -17,7 +17,7 @@ import jinja2
 
 from fagen import __version__
 from fagen.spec import defaults, tables, targets
-from fagen.spec.axes import DECODE_MAX_SEQ_Q, MAX_PAGE_SIZE, DType, Kind, Layout
+from fagen.spec.axes import DECODE_MAX_SEQ_Q, MAX_PAGE_SIZE, DType, Kind, Layout, Mask
 from fagen.spec.kernel import KernelSpec
 
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"  # fagen/templates, installed with the package
@@ -99,9 +99,11 @@ _LAYOUT_KEYWORDS = {
 def _layout_context(spec: KernelSpec) -> dict:
     names = _LAYOUT_ARGS.get((spec.layout, spec.kind), ())
     paged = spec.layout is Layout.PAGED
+    tree = spec.mask is Mask.TREE
     return dict(packed_q=spec.packed_q, packed_k=spec.layout is Layout.VARLEN, paged=paged,
                 ragged=spec.mask.padded or spec.layout is not Layout.DENSE,
-                lkw=", ".join(_LAYOUT_KEYWORDS.get((spec.layout, spec.kind), ())),
+                lkw=", ".join(_LAYOUT_KEYWORDS.get((spec.layout, spec.kind), ()) + (("tree_mask",) if tree else ())),
+                tree_keys="len_k" if paged else "seq_k",  # tree nodes are the last Sq of these keys
                 lse_shape="(q.shape[1], q.shape[0])" if spec.packed_q else "q.shape[:3]",
                 # the autograd's view of them: saved on ctx (varlen, the one layout with a backward), no gradient
                 layout_ctx="".join(", ctx." + n for n in names), layout_none=", None" * len(names),

@@ -4,10 +4,10 @@ first, then the hand defaults), and the cuda backend's limits."""
 from __future__ import annotations
 
 from fagen.spec import tuned
-from fagen.spec.axes import DType, Direction, Kind, Mask
+from fagen.spec.axes import DType, Direction, Kind, Layout, Mask
 
 def default_config(head_dim: int, dtype: DType, direction: Direction, kind: Kind, mask: Mask | None = None,
-                   arch: str = tuned.DEFAULT_ARCH) -> dict:
+                   arch: str = tuned.DEFAULT_ARCH, layout: Layout = Layout.DENSE) -> dict:
     """Block sizes, warps and stages used when a spec leaves them unset.
 
     The tuned table (fagen/spec/tuned.json, written by `fagen tune` on the H100) wins for its (arch, head_dim, mask,
@@ -26,6 +26,12 @@ def default_config(head_dim: int, dtype: DType, direction: Direction, kind: Kind
         # 64 x 128 tile is 64 registers a thread; 128 rows spill (sm_90 ptxas), so more rows take more tiles.
         if wide:
             return {"block_m": 32, "block_n": 32, "num_warps": 4, "num_stages": 2}
+        if layout is Layout.PAGED:
+            # [Note] Paged decode tiles. Each block's rows are gathered through the block table, a dependent load
+            # before K/V: wider blocks amortise it. H100, d128 bf16 32/8 heads, page 16 (scripts/paged_sweep.py,
+            # 2026-11-23): n128 w4 s2 2904 / 2868 GB/s (KV 8k x b32 / 32k x b8), n64 w4 s3 2799 / 2788,
+            # n32 2380 / 2374; dense decode (n64 w4 s3) 2952 / 2920 on the same problems.
+            return {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 2}
         return {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3}
     if direction is Direction.BWD:
         # block_n = keys per dK/dV program, block_m = queries per dQ program; each steps over the other axis in

@@ -104,7 +104,8 @@ class KernelSpec:
         elif self.backend is Backend.GLUON:
             config = defaults.gluon_default_config(self.head_dim)
         else:
-            config = defaults.default_config(self.head_dim, self.dtype, self.direction, self.kind, mask=self.mask)
+            config = defaults.default_config(self.head_dim, self.dtype, self.direction, self.kind, mask=self.mask,
+                                             layout=self.layout)
         for name, allowed, desc in (
             ("block_m", BLOCK_SIZES, "must be a power of two from 16 to 256"),
             ("block_n", BLOCK_SIZES, "must be a power of two from 16 to 256"),
@@ -136,9 +137,10 @@ class KernelSpec:
             raise SpecError("mask", str(self.mask),
                             f"a {self.layout} layout carries each sequence's own lengths, so padding is implied: "
                             f"use mask {'causal' if self.mask.causal else 'none'}")
-        if self.mask is Mask.TREE:
-            raise SpecError("mask", str(self.mask), f"the {self.layout} layout has masks 'none' and 'causal'; "
-                                                    "tree masks need layout 'dense'")
+        if self.mask is Mask.TREE and not (self.layout is Layout.PAGED and self.kind is Kind.DECODE):
+            raise SpecError("mask", str(self.mask), f"the {self.layout} layout takes a tree mask in decode only (kind "
+                                                    "'decode', layout 'paged': speculative verification on a paged "
+                                                    "cache); use mask 'none' or 'causal', or layout 'dense'")
         if self.layout is Layout.VARLEN and self.kind is Kind.DECODE:
             raise SpecError("kind", str(self.kind), "layout 'varlen' is for prefill and training (kind 'prefill'); "
                                                     "decode steps read a paged or dense cache")

@@ -118,4 +118,7 @@ LAYOUT_MUTANTS = (
            "offset is dropped), so the backward recomputes P from another row's lse",
            (Mask.CAUSAL, Mask.NONE), "(off_h.to(tl.int64) * seq_q + q_row0)", "(off_h.to(tl.int64) * seq_q)",
            directions=(Direction.BWD,), layouts=(Layout.VARLEN,)),
+    Mutant("paged-tree-global-prefix", "tree decode places the draft nodes at the table's last slots, not at each "
+           "sequence's last cached keys", (Mask.TREE,), "prefix = len_k - seq_q\n", "prefix = seq_k - seq_q\n",
+           kinds=(Kind.DECODE,), directions=(Direction.FWD,), layouts=(Layout.PAGED,)),
 )

@@ -199,8 +199,10 @@ def test_decode_step_replays_the_general_path(monkeypatch, which, seq_k):
     q = torch.randn(1, 4, sq, 16)
     k, v = torch.randn(1, 2, seq_k, 16), torch.randn(1, 2, seq_k, 16)
     assert (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0
-    lens = dict(seqlens_q=torch.tensor([2], dtype=torch.int32), seqlens_k=torch.tensor([seq_k - 1], dtype=torch.int32)) \
-        if which == "causal+padding" else {}
+    lens = {}
+    if which == "causal+padding":
+        lens = dict(seqlens_q=torch.tensor([2], dtype=torch.int32),
+                    seqlens_k=torch.tensor([seq_k - 1], dtype=torch.int32))
     parents = torch.tensor([[-1, 0, 0]], dtype=torch.int32) if which == "tree" else None
     masks = module._check_mask_inputs(q, k, lens.get("seqlens_q"), lens.get("seqlens_k"), parents)
     scores = module._check_scores(q, (8, None), 30.0, torch.rand(4), torch.rand(4)) if which == "switches" else ()

@@ -188,56 +188,104 @@ def _check_saved(do, out, lse, q):
 # [Note] Fast launches
 # fn[grid](...) re-binds and re-specialises every argument and recomputes the kernel's cache key on each call:
 # about half of a small call's host time (benchmarks/latency.md). _run keeps the compiled kernel of each
-# specialisation under a key of exactly what Triton specialises on (each tensor's dtype and 16-byte alignment,
-# each integer's == 1 and % 16 == 0, None) and calls its launcher directly. The first call of a specialisation
-# (and the interpreter, and Triton releases whose launcher this was not checked on) go through fn[grid].
+# specialisation under a key of exactly what Triton specialises on and calls the launcher's C entry point directly
+# (past triton's Python wrapper; through it only for kernels that need a scratch buffer). The key: the device;
+# for each tensor its 16-byte alignment (its dtype per position is fixed by the module's checks: q, k, v, out in
+# DTYPE, lengths int32, lse float32); for each int whether it == 1, is a multiple of 16 and fits int32 (a class
+# looked up in _INT_CLASS, not computed per call); floats are never specialised; None and bools are their own key.
+# The first call of a specialisation (and the interpreter, and Triton releases whose launcher this was not checked
+# on) go through fn[grid]. Triton's launch hooks (knobs.runtime.launch_enter_hook) are not called on fast launches.
 _FAST_LAUNCH = not _INTERPRET and triton.__version__.split("+")[0] in ("3.6.0",) \
     and os.environ.get("FAGEN_FAST_LAUNCH", "1") != "0"
 _KERNELS = {}
+_Tensor = torch.Tensor
 
 
-def _specialisation(values):
-    # Each position's dtype is fixed by the module's checks (q, k, v, out in DTYPE; lengths int32; lse float32), so
-    # alignment is what varies for a tensor. Floats are never specialised; a bool or None is its own key.
-    return tuple([(a.data_ptr() & 15) == 0 if type(a) is torch.Tensor
-                  else (a == 1, (a & 15) == 0) if type(a) is int
-                  else 0.5 if type(a) is float else a for a in values])
+def _cdiv(a, b):
+    """triton.cdiv for host ints: triton's is a constexpr_function, ~1-3 us a call from host code."""
+    return -(-a // b)
+
+
+def _pow2(n):
+    """triton.next_power_of_2 for host ints >= 0 (1 for 0), without the constexpr_function wrapper."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+class _IntClass(dict):
+    """int -> its Triton specialisation class: bit 0 multiple of 16, bit 1 == 1, bit 2 fits int32."""
+
+    def __missing__(self, a):
+        if len(self) > 65536:  # distinct ints seen (strides, lengths): bounded
+            self.clear()
+        cls = self[a] = ((a & 15) == 0) | (a == 1) << 1 | (-2147483648 <= a <= 2147483647) << 2
+        return cls
+
+
+_INT_CLASS = _IntClass()
 
 
 try:  # the raw current stream, as Triton's own launch path reads it (falls back to the public API)
-    _raw_stream = torch._C._cuda_getCurrentRawStream
-except AttributeError:
+    from torch._C import _cuda_getCurrentRawStream as _raw_stream
+except ImportError:
     def _raw_stream(device):
         return torch.cuda.current_stream(device).cuda_stream
 
 
+def _entry(kernel, fn, n_args, consts):
+    """(launch, flags, function, packed metadata, constexpr tail) of a compiled kernel for _run; None when the
+    kernel does not look like triton 3.6's CompiledKernel (then every call goes through fn[grid])."""
+    try:
+        launcher = kernel.run  # loads the module on the current device the first time
+        tail = tuple(consts[name] for name in fn.arg_names[n_args:])
+        if launcher.global_scratch_size or launcher.profile_scratch_size:  # scratch: triton's wrapper allocates it
+            return launcher, None, kernel.function, kernel.packed_metadata, tail
+        return (launcher.launch, (launcher.launch_cooperative_grid, launcher.launch_pdl), kernel.function,
+                kernel.packed_metadata, tail)
+    except (AttributeError, KeyError, TypeError):
+        return None
+
+
 def _run(fn, grid, args, consts):
-    """fn[grid](*args, **consts), through the compiled kernel's launcher once this specialisation was compiled."""
+    """fn[grid](*args, **consts), through the compiled kernel's launcher once this specialisation was compiled.
+    Returns the launch entry of this specialisation (see _entry), or None where launches go through fn[grid]."""
     if not _FAST_LAUNCH:
         fn[grid](*args, **consts)
-        return
-    key = (fn, _specialisation(args), tuple(consts.items()))
-    kernel = _KERNELS.get(key)
-    if kernel is None:
-        _KERNELS[key] = fn[grid](*args, **consts)
-        return
-    values = list(args) + [consts[name] for name in fn.arg_names[len(args):]]
-    stream = _raw_stream(args[0].device.index)
-    grid = tuple(grid) + (1,) * (3 - len(grid))
-    kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, None, None, None,
-               *values)
+        return None
+    device = args[0].get_device()
+    key = (fn, device, tuple(consts.items()),
+           *[_INT_CLASS[a] if type(a) is int else (a.data_ptr() & 15) == 0 if type(a) is _Tensor
+             else 0.5 if type(a) is float else a for a in args])
+    entry = _KERNELS.get(key, _KERNELS)
+    if entry is None or entry is _KERNELS:
+        kernel = fn[grid](*args, **consts)
+        if entry is _KERNELS:
+            entry = _KERNELS[key] = _entry(kernel, fn, len(args), consts)
+        return entry
+    launch, flags, function, metadata, tail = entry
+    if len(grid) != 3:
+        grid = (*grid, 1, 1)
+    if flags is None:
+        launch(grid[0], grid[1], grid[2], _raw_stream(device), function, metadata, None, None, None, *args, *tail)
+    else:
+        launch(grid[0], grid[1], grid[2], _raw_stream(device), function, flags[0], flags[1], None, None, metadata,
+               None, None, None, *args, *tail)
+    return entry
 
 
 class _Fast:
     """_fast(fn)[grid](*args, **consts): the call syntax of fn[grid](...), through _run."""
 
-    __slots__ = ("fn",)
+    __slots__ = ("fn", "grid")
 
     def __init__(self, fn):
         self.fn = fn
 
     def __getitem__(self, grid):
-        return lambda *args, **consts: _run(self.fn, grid, args, consts)
+        self.grid = grid
+        return self
+
+    def __call__(self, *args, **consts):
+        return _run(self.fn, self.grid, args, consts)
 
 
 def _fast(fn):
@@ -404,13 +452,13 @@ def _launch_forward(q, k, v, scale, seqlens_q, seqlens_k, tree, out=None, lse=No
         k, v = (t if _tma_ready(t) else t.contiguous() for t in (k, v))
         _ensure_allocator()
     tree_strides = (tree.stride(0), tree.stride(1)) if tree is not None else (0, 0)
-    grid = (triton.cdiv(rows_q, BLOCK_M), hq, b)
+    grid = (_cdiv(rows_q, BLOCK_M), hq, b)
     _fast(_attn_fwd)[grid](
         q, k, v, out, lse, seqlens_q, seqlens_k, tree, scale * 1.4426950408889634,  # 1/ln 2: exp2 domain
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         *tree_strides, hq, sq, sk,
-        HEAD_DIM=HEAD_DIM, BLOCK_D=triton.next_power_of_2(HEAD_DIM), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        HEAD_DIM=HEAD_DIM, BLOCK_D=_pow2(HEAD_DIM), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         GQA=GQA, UPCAST=UPCAST, TMA=TMA, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     return out, lse

@@ -10,6 +10,7 @@ and lse = -inf. forward_split() is the same with the number of KV splits chosen 
 import functools
 import math
 import os
+import threading
 from typing import Optional, Tuple
 
 import torch
@@ -281,56 +282,104 @@ def _check_scale(scale):
 # [Note] Fast launches
 # fn[grid](...) re-binds and re-specialises every argument and recomputes the kernel's cache key on each call:
 # about half of a small call's host time (benchmarks/latency.md). _run keeps the compiled kernel of each
-# specialisation under a key of exactly what Triton specialises on (each tensor's dtype and 16-byte alignment,
-# each integer's == 1 and % 16 == 0, None) and calls its launcher directly. The first call of a specialisation
-# (and the interpreter, and Triton releases whose launcher this was not checked on) go through fn[grid].
+# specialisation under a key of exactly what Triton specialises on and calls the launcher's C entry point directly
+# (past triton's Python wrapper; through it only for kernels that need a scratch buffer). The key: the device;
+# for each tensor its 16-byte alignment (its dtype per position is fixed by the module's checks: q, k, v, out in
+# DTYPE, lengths int32, lse float32); for each int whether it == 1, is a multiple of 16 and fits int32 (a class
+# looked up in _INT_CLASS, not computed per call); floats are never specialised; None and bools are their own key.
+# The first call of a specialisation (and the interpreter, and Triton releases whose launcher this was not checked
+# on) go through fn[grid]. Triton's launch hooks (knobs.runtime.launch_enter_hook) are not called on fast launches.
 _FAST_LAUNCH = not _INTERPRET and triton.__version__.split("+")[0] in ("3.6.0",) \
     and os.environ.get("FAGEN_FAST_LAUNCH", "1") != "0"
 _KERNELS = {}
+_Tensor = torch.Tensor
 
 
-def _specialisation(values):
-    # Each position's dtype is fixed by the module's checks (q, k, v, out in DTYPE; lengths int32; lse float32), so
-    # alignment is what varies for a tensor. Floats are never specialised; a bool or None is its own key.
-    return tuple([(a.data_ptr() & 15) == 0 if type(a) is torch.Tensor
-                  else (a == 1, (a & 15) == 0) if type(a) is int
-                  else 0.5 if type(a) is float else a for a in values])
+def _cdiv(a, b):
+    """triton.cdiv for host ints: triton's is a constexpr_function, ~1-3 us a call from host code."""
+    return -(-a // b)
+
+
+def _pow2(n):
+    """triton.next_power_of_2 for host ints >= 0 (1 for 0), without the constexpr_function wrapper."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+class _IntClass(dict):
+    """int -> its Triton specialisation class: bit 0 multiple of 16, bit 1 == 1, bit 2 fits int32."""
+
+    def __missing__(self, a):
+        if len(self) > 65536:  # distinct ints seen (strides, lengths): bounded
+            self.clear()
+        cls = self[a] = ((a & 15) == 0) | (a == 1) << 1 | (-2147483648 <= a <= 2147483647) << 2
+        return cls
+
+
+_INT_CLASS = _IntClass()
 
 
 try:  # the raw current stream, as Triton's own launch path reads it (falls back to the public API)
-    _raw_stream = torch._C._cuda_getCurrentRawStream
-except AttributeError:
+    from torch._C import _cuda_getCurrentRawStream as _raw_stream
+except ImportError:
     def _raw_stream(device):
         return torch.cuda.current_stream(device).cuda_stream
 
 
+def _entry(kernel, fn, n_args, consts):
+    """(launch, flags, function, packed metadata, constexpr tail) of a compiled kernel for _run; None when the
+    kernel does not look like triton 3.6's CompiledKernel (then every call goes through fn[grid])."""
+    try:
+        launcher = kernel.run  # loads the module on the current device the first time
+        tail = tuple(consts[name] for name in fn.arg_names[n_args:])
+        if launcher.global_scratch_size or launcher.profile_scratch_size:  # scratch: triton's wrapper allocates it
+            return launcher, None, kernel.function, kernel.packed_metadata, tail
+        return (launcher.launch, (launcher.launch_cooperative_grid, launcher.launch_pdl), kernel.function,
+                kernel.packed_metadata, tail)
+    except (AttributeError, KeyError, TypeError):
+        return None
+
+
 def _run(fn, grid, args, consts):
-    """fn[grid](*args, **consts), through the compiled kernel's launcher once this specialisation was compiled."""
+    """fn[grid](*args, **consts), through the compiled kernel's launcher once this specialisation was compiled.
+    Returns the launch entry of this specialisation (see _entry), or None where launches go through fn[grid]."""
     if not _FAST_LAUNCH:
         fn[grid](*args, **consts)
-        return
-    key = (fn, _specialisation(args), tuple(consts.items()))
-    kernel = _KERNELS.get(key)
-    if kernel is None:
-        _KERNELS[key] = fn[grid](*args, **consts)
-        return
-    values = list(args) + [consts[name] for name in fn.arg_names[len(args):]]
-    stream = _raw_stream(args[0].device.index)
-    grid = tuple(grid) + (1,) * (3 - len(grid))
-    kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, None, None, None,
-               *values)
+        return None
+    device = args[0].get_device()
+    key = (fn, device, tuple(consts.items()),
+           *[_INT_CLASS[a] if type(a) is int else (a.data_ptr() & 15) == 0 if type(a) is _Tensor
+             else 0.5 if type(a) is float else a for a in args])
+    entry = _KERNELS.get(key, _KERNELS)
+    if entry is None or entry is _KERNELS:
+        kernel = fn[grid](*args, **consts)
+        if entry is _KERNELS:
+            entry = _KERNELS[key] = _entry(kernel, fn, len(args), consts)
+        return entry
+    launch, flags, function, metadata, tail = entry
+    if len(grid) != 3:
+        grid = (*grid, 1, 1)
+    if flags is None:
+        launch(grid[0], grid[1], grid[2], _raw_stream(device), function, metadata, None, None, None, *args, *tail)
+    else:
+        launch(grid[0], grid[1], grid[2], _raw_stream(device), function, flags[0], flags[1], None, None, metadata,
+               None, None, None, *args, *tail)
+    return entry
 
 
 class _Fast:
     """_fast(fn)[grid](*args, **consts): the call syntax of fn[grid](...), through _run."""
 
-    __slots__ = ("fn",)
+    __slots__ = ("fn", "grid")
 
     def __init__(self, fn):
         self.fn = fn
 
     def __getitem__(self, grid):
-        return lambda *args, **consts: _run(self.fn, grid, args, consts)
+        self.grid = grid
+        return self
+
+    def __call__(self, *args, **consts):
+        return _run(self.fn, self.grid, args, consts)
 
 
 def _fast(fn):
@@ -562,25 +611,40 @@ def sm_count(device_index):
 def tile_rows(rows):
     """Rows of one tile for `rows` = gqa * Sq packed query rows: the smallest fit, at most BLOCK_M."""
     if rows <= BROADCAST_MAX_ROWS:
-        return triton.next_power_of_2(rows)
-    return min(BLOCK_M, max(16, triton.next_power_of_2(rows)))
+        return _pow2(rows)
+    return min(BLOCK_M, max(16, _pow2(rows)))
 
 
 @functools.lru_cache(maxsize=4096)  # a Python loop: uncached it cost ~0.3 ms a call, more than the kernel
 def num_splits_for(groups, seq_k, sms):
     """KV splits for `groups` programs per split (batch x KV heads x row tiles); see [Note] Split heuristic."""
     slots = sms * PROGRAMS_PER_SM
-    blocks = triton.cdiv(seq_k, BLOCK_N)
+    blocks = _cdiv(seq_k, BLOCK_N)
     if groups >= 0.8 * slots or blocks <= 1:
         return 1
     most = min(MAX_SPLITS, slots, blocks)
     effs = {}
     for n in range(1, most + 1):
-        if n == 1 or triton.cdiv(blocks, n) != triton.cdiv(blocks, n - 1):  # else n - 1 splits do the same
+        if n == 1 or _cdiv(blocks, n) != _cdiv(blocks, n - 1):  # else n - 1 splits do the same
             waves = groups * n / slots
             effs[n] = waves / math.ceil(waves)
     best = max(effs.values())
     return min(n for n, e in effs.items() if e >= 0.85 * best)
+
+
+@functools.lru_cache(maxsize=4096)
+def _geometry(b, hkv, sq, span, num_splits, device_index):
+    """(rows, n_tiles, chunk, splits) of a decode launch over `span` keys: host ints only, memoised per shape.
+
+    num_splits None: chosen by num_splits_for ([Note] Split heuristic). Chunks are whole BLOCK_N blocks, so no key
+    block straddles two splits; the last chunk may be short.
+    """
+    rows = tile_rows(GQA * sq)
+    n_tiles = _cdiv(GQA * sq, rows)
+    if num_splits is None:
+        num_splits = num_splits_for(b * hkv * n_tiles, span, sm_count(device_index))
+    chunk = _cdiv(_cdiv(max(span, 1), num_splits), BLOCK_N) * BLOCK_N
+    return rows, n_tiles, chunk, max(1, _cdiv(span, chunk))
 
 
 def _check_decode_inputs(sq, num_splits):
@@ -592,56 +656,98 @@ def _check_decode_inputs(sq, num_splits):
         raise InputError(f"num_splits: expected a positive int (or None to choose from the shapes), got {num_splits!r}")
 
 
+# [Note] Decode workspace
+# With more than one split the split kernel writes partial results (fp32 [splits, B, Hq, Sq, D] and their lse) that
+# the merge kernel reads. A Plan owns its workspace. Otherwise each thread keeps one workspace per (device, current
+# stream), reused while the shape repeats (one allocation less per step; replaced, not grown, when it changes):
+# kernels on one stream run in order, so step n + 1's split kernel cannot overwrite what step n's merge still
+# reads, and a thread of its own cannot interleave its launches with this one's. While the stream is capturing a
+# CUDA graph the workspace comes from the caching allocator as before (the graph's private pool owns it).
+_WORKSPACES = threading.local()
+
+
+def _workspace(shape, device, index):
+    """The split workspace (fp32 [*shape, HEAD_DIM] and [*shape]) on `device` (its index: `index`) for this call."""
+    if _INTERPRET or torch.cuda.is_current_stream_capturing():
+        return (torch.empty((*shape, HEAD_DIM), dtype=torch.float32, device=device),
+                torch.empty(shape, dtype=torch.float32, device=device))
+    cache = _WORKSPACES.__dict__
+    key = (index, _raw_stream(index))
+    entry = cache.get(key)
+    if entry is None or entry[0] != shape:
+        entry = cache[key] = (shape, torch.empty((*shape, HEAD_DIM), dtype=torch.float32, device=device),
+                              torch.empty(shape, dtype=torch.float32, device=device))
+    return entry[1], entry[2]
+
+
+# [Note] Decode steps
+# A decode loop calls with one shape step after step. The first call of a shape takes the general path of
+# _launch_decode (geometry, strides, two _fast launches) and, where both launches were fast ([Note] Fast launches),
+# no input was copied and every pointer is 16-byte aligned, keeps what the next call needs in _STEPS: grids, int
+# arguments and launch entries. A later call with the same key (device, shapes, strides, split count, window) checks
+# the pointers' alignment in one expression and calls the two launchers with those arguments. A KV cache that grows
+# by one key a step changes the key each step and takes the general path (_STEPS is cleared past 1024 entries).
+_STEPS = {}
+
+
 def _launch_decode(q, k, v, scale, seqlens_q, seqlens_k, tree, block_table, num_splits, out=None, lse=None,
                    workspace=None):
     """Launch the split kernel (and the merge when there is more than one split) on checked inputs.
 
-    Workspaces come from torch's caching allocator; the split count from host-known shapes and the SM count
-    (cached per device): nothing here reads a device value, so a CUDA graph can capture it.
+    Workspaces come from a Plan, the per-stream cache or torch's caching allocator ([Note] Decode workspace); the
+    split count from host-known shapes and the SM count (cached per device): nothing here reads a device value, so
+    a CUDA graph can capture it.
     """
     b, hq, sq, _ = q.shape
-    hkv, sk = k.shape[2], block_table.shape[1] * k.shape[1]  # key rows a sequence may have: its pages' slots
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device) if lse is None else lse
     if out.numel() == 0:
         return out, lse
+    device = q.get_device()
+    hkv, sk = k.shape[2], block_table.shape[1] * k.shape[1]  # key rows a sequence may have: its pages' slots
     q, k, v, _, _, _, _, _, paging = _kernel_views(q, k, v, out, lse, seqlens_q, block_table)
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    rows = tile_rows(GQA * sq)
-    n_tiles = triton.cdiv(GQA * sq, rows)
-    if num_splits is None:
-        num_splits = num_splits_for(b * hkv * n_tiles, sk, sm_count(q.device.index or 0))
-    # Chunks are whole BLOCK_N blocks, so no key block straddles two splits; the last chunk may be short.
-    chunk = triton.cdiv(triton.cdiv(max(sk, 1), num_splits), BLOCK_N) * BLOCK_N
-    splits = max(1, triton.cdiv(sk, chunk))
+    qs, ks, vs, os_, ls = q.stride(), k.stride(), v.stride(), out.stride(), lse.stride()
+    copied = qs[3] != 1 or ks[3] != 1 or vs[3] != 1
+    if copied:
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+        qs, ks, vs = q.stride(), k.stride(), v.stride()
+    span = sk
+    rows, n_tiles, chunk, splits = _geometry(b, hkv, sq, span, num_splits, max(device, 0))
     direct = splits == 1
     if direct:
-        dst, dst_lse = out, lse
-        dst_strides = (0, out.stride(0), out.stride(1), out.stride(2), 0, lse.stride(0), lse.stride(1))
-    elif workspace is not None:  # a Plan's buffers, sized for its largest problem: views of the leading part
-        dst, dst_lse = workspace[0][:splits, :b, :, :sq], workspace[1][:splits, :b, :, :sq]
+        dst, dst_lse, ws_shape = out, lse, None
+        dst_strides = (0, os_[0], os_[1], os_[2], 0, ls[0], ls[1])
     else:
-        dst = torch.empty((splits, b, hq, sq, HEAD_DIM), dtype=torch.float32, device=q.device)
-        dst_lse = torch.empty((splits, b, hq, sq), dtype=torch.float32, device=q.device)
-    if not direct:
-        dst_strides = (*dst.stride()[:4], *dst_lse.stride()[:3])
+        ws_shape = (splits, b, hq, sq)
+        if workspace is not None:  # a Plan's buffers, sized for its largest problem: views of the leading part
+            dst, dst_lse = workspace[0][:splits, :b, :, :sq], workspace[1][:splits, :b, :, :sq]
+        else:
+            dst, dst_lse = _workspace(ws_shape, q.device, device)
+        ds, dls = dst.stride(), dst_lse.stride()
+        dst_strides = (ds[0], ds[1], ds[2], ds[3], dls[0], dls[1], dls[2])
     tree_strides = (tree.stride(0), tree.stride(1)) if tree is not None else (0, 0)
-    block_d = triton.next_power_of_2(HEAD_DIM)
-    _fast(_decode_split)[(splits, hkv * n_tiles, b)](
+    block_d = _pow2(HEAD_DIM)
+    split_grid, split_ints = (splits, hkv * n_tiles, b), (qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
+                                                          *dst_strides, *tree_strides, sq, sk, chunk, n_tiles)
+    split_entry = _fast(_decode_split)[split_grid](
         q, k, v, dst, dst_lse, seqlens_q, seqlens_k, tree, scale * 1.4426950408889634,  # 1/ln 2: exp2
         *paging,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), *dst_strides, *tree_strides, sq, sk, chunk, n_tiles,
-        HEAD_DIM=HEAD_DIM, BLOCK_D=block_d, ROWS=rows, BLOCK_N=BLOCK_N, GQA=GQA, DOT=rows >= 16,
+        *split_ints, HEAD_DIM=HEAD_DIM, BLOCK_D=block_d, ROWS=rows, BLOCK_N=BLOCK_N, GQA=GQA, DOT=rows >= 16,
         DIRECT=direct, UPCAST=UPCAST, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
+    merge_grid, merge_entry = (hq, b, 1), None
+    merge_ints = (*dst_strides, os_[0], os_[1], os_[2], ls[0], ls[1], sq, sk, chunk)
     if not direct:
-        _fast(_decode_merge)[(hq, b)](
-            dst, dst_lse, out, lse, seqlens_q, seqlens_k, *dst.stride()[:4], *dst_lse.stride()[:3],
-            out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), sq, sk, chunk,
-            HEAD_DIM=HEAD_DIM, BLOCK_D=block_d, BLOCK_Q=triton.next_power_of_2(sq), num_warps=4,
+        merge_entry = _fast(_decode_merge)[merge_grid](
+            dst, dst_lse, out, lse, seqlens_q, seqlens_k, *merge_ints,
+            HEAD_DIM=HEAD_DIM, BLOCK_D=block_d, BLOCK_Q=_pow2(sq), num_warps=4,
         )
     return out, lse
+
+
+def _fast_entry(entry):
+    """True for a launch entry of _run that calls the launcher's C entry point directly (no scratch, no fn[grid])."""
+    return type(entry) is tuple and entry[1] is not None
 
 
 def forward_split(q, k, v, *, num_splits=None, scale=None, block_table, seqlens_k,
@@ -683,7 +789,7 @@ class Plan:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.limits = (max_batch, heads_q, max_seq_q, max_seq_k)
         rows = tile_rows(GQA * max_seq_q)
-        n_tiles = triton.cdiv(GQA * max_seq_q, rows)
+        n_tiles = _cdiv(GQA * max_seq_q, rows)
         self.num_splits = num_splits or num_splits_for(max_batch * (heads_q // GQA) * n_tiles, max_seq_k,
                                                        sm_count(self.device.index or 0))
         self.workspace = (torch.empty((self.num_splits, max_batch, heads_q, max_seq_q, HEAD_DIM), dtype=torch.float32,

@@ -4,7 +4,8 @@
 calls runs at the speed of the host code that launches them. Each case makes `calls` back-to-back calls on one
 input set (no L2 flush, no synchronisation inside the loop) and reports wall time / calls: the per-call cost a
 serving loop pays. The same loop runs fagen.attention (the public path), the generated module's forward (one
-layer of indirection less) and torch's SDPA, interleaved over `rounds` rounds, median reported.
+layer of indirection less), the same with caller-owned out/lse (no output allocation) and torch's SDPA,
+interleaved over `rounds` rounds, median reported.
 """
 
 from __future__ import annotations
@@ -45,19 +46,29 @@ def _inputs(case: LatencyCase, device: str, dtype: torch.dtype):
     return q, k, torch.randn_like(k)
 
 
-def implementations(case: LatencyCase, q, k, v) -> dict[str, Callable[[], object]]:
+def implementations(case: LatencyCase, q, k, v) -> dict[str, tuple[Callable[[], object], str]]:
+    """name -> (call, the generated module it runs). "module.forward" is the module fagen.attention resolves for
+    these inputs without gradients (on an H100/H200 that may be the Gluon forward, [Note] Hopper selection); where
+    that is not the Triton module, "triton module.forward" times the Triton one too."""
     import fagen
     from fagen.runtime.kinds import prefers_decode
     from fagen.runtime.resolve import resolve
 
     causal = case.mask == "causal" and case.seq_q > 1
-    module = resolve(q, k, v, case.mask, prefers_decode(case.seq_q, case.seq_k))  # fagen.attention's rule
+    decode = prefers_decode(case.seq_q, case.seq_k)  # fagen.attention's rule
+    module = resolve(q, k, v, case.mask, decode, forward_only=not decode)  # what fagen.attention runs (no grad)
+    triton_module = resolve(q, k, v, case.mask, decode)
+    out, lse = module.forward(q, k, v)
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    return {
-        "fagen.attention": lambda: fagen.attention(q, k, v, mask=case.mask),
-        "fagen module.forward": lambda: module.forward(q, k, v),
-        "sdpa": lambda: sdpa(q, k, v, is_causal=causal, enable_gqa=case.heads_q != case.heads_kv),
+    impls = {
+        "fagen.attention": (lambda: fagen.attention(q, k, v, mask=case.mask), module.NAME),
+        "fagen module.forward": (lambda: module.forward(q, k, v), module.NAME),
+        "module.forward(out=, lse=)": (lambda: module.forward(q, k, v, out=out, lse=lse), module.NAME),
     }
+    if triton_module is not module:
+        impls["triton module.forward"] = (lambda: triton_module.forward(q, k, v), triton_module.NAME)
+    impls["sdpa"] = (lambda: sdpa(q, k, v, is_causal=causal, enable_gqa=case.heads_q != case.heads_kv), "")
+    return impls
 
 
 def per_call_us(fn: Callable[[], object], calls: int, device: str) -> float:
@@ -82,15 +93,15 @@ def run(device: str, dtype: torch.dtype = torch.bfloat16, calls: int = 2000, rou
         with torch.no_grad():
             times = {name: [] for name in impls}
             for _ in range(rounds):  # interleaved rounds: drift in clocks or load hits every implementation alike
-                for name, fn in impls.items():
+                for name, (fn, _) in impls.items():
                     times[name].append(per_call_us(fn, calls, device))
-            prof = _profile(impls["fagen.attention"], calls) if profile else ""
+            prof = _profile(impls["fagen.attention"][0], calls) if profile else ""
         base = statistics.median(times["sdpa"])
         for name, ts in times.items():
             us = statistics.median(ts)
-            records.append({"case": case.name, "impl": name, "us_per_call": round(us, 2),
+            records.append({"case": case.name, "impl": name, "module": impls[name][1], "us_per_call": round(us, 2),
                             "vs_sdpa": round(us / base, 3), "rounds_us": [round(t, 2) for t in ts]})
-            log(f"  {case.name:<36} {name:<22} {us:8.2f} us/call  {us / base:5.2f}x sdpa")
+            log(f"  {case.name:<36} {name:<28} {us:8.2f} us/call  {us / base:5.2f}x sdpa  {impls[name][1]}")
         if prof:
             records.append({"case": case.name, "impl": "profile", "text": prof})
     return records

@@ -6,7 +6,7 @@ import torch
 
 from fagen.runtime import ops
 from fagen.runtime.kinds import prefers_decode
-from fagen.runtime.resolve import _FAST, AttentionError, fast_key, resolve, resolve_varlen, spec_for
+from fagen.runtime.resolve import _FAST, AttentionError, resolve, resolve_varlen, spec_for
 from fagen.spec.axes import Mask
 from fagen.spec.kernel import SCORE_SWITCHES
 
@@ -40,30 +40,40 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
                        max_seqlen_q, max_seqlen_k, check)
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
         spec_for(q, k, v, mask=mask)  # raises the AttentionError that names the bad input
-    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                              or (isinstance(sinks, torch.Tensor) and sinks.requires_grad))
-    decode = not needs_grad and q.dim() == 4 and k.dim() == 4 and prefers_decode(q.shape[2], k.shape[2])
-    scores = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
-    switches = tuple(name for name, value in zip(SCORE_SWITCHES, scores.values()) if value is not None)
+    if window is None and softcap is None and alibi_slopes is None and sinks is None:  # the common call
+        switches, scores = (), _NO_SCORES
+        needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    else:
+        scores = {name: value for name, value in zip(_SCORE_ARGS, (window, softcap, alibi_slopes, sinks))
+                  if value is not None}
+        switches = tuple(name for name, arg in zip(SCORE_SWITCHES, _SCORE_ARGS) if arg in scores)
+        needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                                  or (isinstance(sinks, torch.Tensor) and sinks.requires_grad))
+    qs, ks = q.shape, k.shape
+    four = len(qs) == 4 and len(ks) == 4
+    decode = not needs_grad and four and prefers_decode(qs[2], ks[2])
     if torch.compiler.is_compiling():
         win = None if window is None else [-1 if w is None else w for w in window]
         return ops.attention(q, k, v, str(mask), scale, seqlens_q, seqlens_k, tree_mask, decode, win, softcap,
                              alibi_slopes, sinks)[0]
     # [Note] Host time. A warm call costs one dict lookup on plain values before the module's own checks and launch:
-    # no spec is built, hashed or validated per call. Without gradients on an H100/H200 the Gluon forward may serve
-    # ([Note] Hopper selection in fagen/runtime/hopper.py); it has forward() only.
+    # no spec is built, hashed or validated per call (the key is fast_key's, inlined). Without gradients on an
+    # H100/H200 the Gluon forward may serve ([Note] Hopper selection in fagen/runtime/hopper.py); it has forward()
+    # only.
     forward_only = not needs_grad and not decode
-    module = _FAST.get(fast_key(q, k, mask, decode, switches, forward_only)) \
-        if isinstance(mask, str) and q.dim() == 4 and k.dim() == 4 else None
+    module = _FAST.get((q.dtype, qs[3], qs[1], ks[1], mask, decode, switches, forward_only, q.device)) \
+        if four and isinstance(mask, str) else None
     if module is None:
         module = resolve(q, k, v, mask, decode, switches, forward_only)
-    scores = {name: value for name, value in scores.items() if value is not None}
     if not needs_grad:  # no autograd node to build: the forward alone (prefill, decode, or the Gluon forward)
         return module.forward(q, k, v, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k, tree_mask=tree_mask,
                               check=check, **scores)[0]
     return module.attention(q, k, v, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k, tree_mask=tree_mask,
                             check=check, **scores)
 
+
+_NO_SCORES: dict = {}
+_SCORE_ARGS = ("window", "softcap", "alibi_slopes", "sinks")  # in SCORE_SWITCHES' order
 
 
 def _varlen(q, k, v, mask, scale, window, softcap, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,

@@ -20,7 +20,8 @@ class AttentionError(ValueError):
     """The inputs of fagen.attention fit no kernel fagen can generate; the message says what and how to fix it."""
 
 
-# (dtype, head_dim, q heads, kv heads, mask, decode, switches, forward_only, device) -> module
+# (dtype, head_dim, q heads, kv heads, mask, decode, switches, forward_only, device) -> module; fagen.attention
+# builds the same key inline (fagen/runtime/api.py), tests/test_launch.py checks a warm call resolves nothing.
 _FAST: dict[tuple, ModuleType] = {}
 
 

@@ -1,0 +1,240 @@
+"""The host path of a call (issue 13): fast launches ([Note] Fast launches in fagen/templates/host/launch.py.j2), the
+decode workspace cache ([Note] Decode workspace) and fagen.attention's warm path. The launcher and the kernels are
+fakes here, so these run on the CPU too; the real launches are exercised by every kernel test on a GPU."""
+
+import threading
+
+import pytest
+import torch
+import triton
+
+import fagen
+from fagen.runtime import api
+
+DECODE = fagen.KernelSpec(head_dim=16, mask="none", gqa=2, dtype="fp32", kind="decode", block_m=16, block_n=16)
+
+
+class FakeLauncher:
+    """triton 3.6's CudaLauncher as _run reads it: the C entry point `launch` and its flags."""
+
+    def __init__(self, scratch=0):
+        self.calls, self.wrapper_calls = [], []
+        self.global_scratch_size, self.profile_scratch_size = scratch, 0
+        self.launch_cooperative_grid, self.launch_pdl = False, True
+
+    def launch(self, *args):
+        self.calls.append(args)
+
+    def __call__(self, *args):
+        self.wrapper_calls.append(args)
+
+
+class FakeKernel:
+    def __init__(self, launcher):
+        self.run, self.function, self.packed_metadata = launcher, 1234, (4, 1, 0)
+
+
+class FakeJIT:
+    """A @triton.jit function as _run uses it: arg_names, and fn[grid](...) compiles (counted), launches, returns."""
+
+    def __init__(self, arg_names, scratch=0):
+        self.arg_names, self.compiles, self.launcher = arg_names, [], FakeLauncher(scratch)
+
+    def __getitem__(self, grid):
+        def compile_and_launch(*args, **consts):
+            self.compiles.append((grid, args, consts))
+            return FakeKernel(self.launcher)
+        return compile_and_launch
+
+
+@pytest.fixture
+def module(monkeypatch):
+    mod = fagen.load(DECODE)
+    monkeypatch.setattr(mod, "_FAST_LAUNCH", True)
+    monkeypatch.setattr(mod, "_KERNELS", {})
+    monkeypatch.setattr(mod, "_raw_stream", lambda device: 77)
+    return mod
+
+
+def _aligned(n=64):
+    t = torch.zeros(n + 16, dtype=torch.float32)
+    return t[(-t.data_ptr() % 16) // 4:][:n]  # 16-byte aligned start
+
+
+def test_fast_launch_calls_the_launcher_directly(module):
+    fn = FakeJIT(["X", "Y", "n", "s", "BLOCK"])
+    x, y = _aligned(), _aligned()
+    for _ in range(3):
+        module._run(fn, (5, 2), (x, y, 32, 0.5), {"BLOCK": 16, "num_warps": 4})
+    assert len(fn.compiles) == 1  # compiled (through fn[grid]) once, then the launcher's C entry point
+    assert len(fn.launcher.calls) == 2 and not fn.launcher.wrapper_calls
+    assert fn.launcher.calls[0] == (5, 2, 1, 77, 1234, False, True, None, None, (4, 1, 0), None, None, None,
+                                    x, y, 32, 0.5, 16)
+
+
+def test_specialisation_key_follows_triton(module):
+    """A new compile exactly where Triton specialises: pointer alignment, int == 1, % 16, int32 range; floats and
+    other int values reuse the kernel."""
+    fn = FakeJIT(["X", "n"])
+    x = _aligned()
+    launches = [(x, 32), (x, 48), (x, 1), (x, 17), (x, 33), (x, 2 ** 31), (x, 2 ** 31 + 16), (x[1:], 32), (x, 32)]
+    for args in launches:
+        module._run(fn, (1,), args, {})
+    compiled = [args[1] if args[0] is x else "misaligned" for _, args, _ in fn.compiles]
+    assert compiled == [32, 1, 17, 2 ** 31, "misaligned"]  # 2 ** 31: int64, no longer int32
+    assert len(fn.launcher.calls) == 4  # 48 like 32, 33 like 17, 2 ** 31 + 16 like 2 ** 31, the final 32
+
+
+def test_constexprs_and_device_are_part_of_the_key(module, monkeypatch):
+    fn = FakeJIT(["X", "BLOCK"])
+    x = _aligned()
+    for block in (16, 32, 16):
+        module._run(fn, (1,), (x,), {"BLOCK": block})
+    assert [c["BLOCK"] for _, _, c in fn.compiles] == [16, 32]
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 3)  # the same launch from another device
+    module._run(fn, (1,), (x,), {"BLOCK": 16})
+    assert len(fn.compiles) == 3
+
+
+def test_kernels_with_scratch_go_through_triton_wrapper(module):
+    fn = FakeJIT(["X"], scratch=128)
+    x = _aligned()
+    for _ in range(2):
+        module._run(fn, (1, 1, 1), (x,), {})
+    assert len(fn.compiles) == 1 and not fn.launcher.calls
+    assert fn.launcher.wrapper_calls == [(1, 1, 1, 77, 1234, (4, 1, 0), None, None, None, x)]
+
+
+def test_unknown_kernels_always_take_fn_grid(module):
+    class Odd(FakeJIT):
+        def __getitem__(self, grid):
+            def launch(*args, **consts):
+                self.compiles.append(args)
+                return None  # not a CompiledKernel (another triton): no fast launch
+            return launch
+    fn = Odd(["X"])
+    for _ in range(3):
+        module._run(fn, (1,), (_aligned(),), {})
+    assert len(fn.compiles) == 3
+
+
+def test_host_int_helpers_match_triton(module):
+    for n in range(0, 300):
+        assert module._pow2(n) == triton.next_power_of_2(max(n, 1)), n
+        for d in (1, 3, 16, 64):
+            assert module._cdiv(n, d) == triton.cdiv(n, d), (n, d)
+
+
+def _raw_stream_of(streams):
+    def raw_stream(index):  # torch._C._cuda_getCurrentRawStream takes a device index, nothing else
+        assert type(index) is int, f"raw stream queried with {index!r}"
+        return streams[0]
+    return raw_stream
+
+
+def test_decode_workspace_is_reused_per_stream_and_thread(module, monkeypatch):
+    monkeypatch.setattr(module, "_INTERPRET", False)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(module, "_WORKSPACES", threading.local())
+    stream = [5]
+    monkeypatch.setattr(module, "_raw_stream", _raw_stream_of(stream))
+    cpu = torch.device("cpu")
+    first = module._workspace((4, 1, 8, 1), cpu, 0)
+    assert first[0].shape == (4, 1, 8, 1, 16) and first[1].shape == (4, 1, 8, 1)
+    assert all(a is b for a, b in zip(module._workspace((4, 1, 8, 1), cpu, 0), first))  # same shape and stream
+    stream[0] = 6
+    assert all(a is not b for a, b in zip(module._workspace((4, 1, 8, 1), cpu, 0), first))  # another stream
+    stream[0] = 5
+    other = []
+    thread = threading.Thread(target=lambda: other.append(module._workspace((4, 1, 8, 1), cpu, 0)))
+    thread.start()
+    thread.join()
+    assert other[0][0] is not first[0]  # another thread: its own
+    resized = module._workspace((2, 1, 8, 1), cpu, 0)
+    assert resized[0].shape == (2, 1, 8, 1, 16) and resized[0] is not first[0]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert module._workspace((2, 1, 8, 1), cpu, 0)[0] is not resized[0]  # capturing: the graph's pool owns it
+
+
+class FakeTritonJIT(triton.runtime.JITFunction, FakeJIT):
+    """FakeJIT that _fast takes for a @triton.jit function."""
+
+    def __init__(self, real):
+        FakeJIT.__init__(self, real.arg_names)
+
+    __getitem__ = FakeJIT.__getitem__
+    __hash__ = object.__hash__
+
+
+def _same(launched, compiled):
+    """An argument of the replayed launch against the general path's: a tensor goes as itself or its address."""
+    if isinstance(compiled, torch.Tensor):
+        return launched is compiled or (type(launched) is int and launched == compiled.data_ptr())
+    return type(launched) is type(compiled) and launched == compiled
+
+
+STEP_SPECS = {
+    "none": DECODE,
+    "causal+padding": fagen.KernelSpec(head_dim=16, mask="causal+padding", gqa=2, dtype="fp32", kind="decode",
+                                       block_m=16, block_n=16),
+    "tree": fagen.KernelSpec(head_dim=16, mask="tree", gqa=2, dtype="fp32", kind="decode", block_m=16, block_n=16),
+    "switches": fagen.KernelSpec(head_dim=16, mask="causal", gqa=2, dtype="fp32", kind="decode", block_m=16,
+                                 block_n=16, window=True, softcap=True, alibi=True, sinks=True),
+}
+
+
+@pytest.mark.parametrize("which", list(STEP_SPECS))
+@pytest.mark.parametrize("seq_k", [300, 16])  # split (split + merge kernels) and direct (one kernel)
+def test_decode_step_replays_the_general_path(monkeypatch, which, seq_k):
+    """[Note] Decode steps: the second call of a shape launches exactly what the first (general) call did."""
+    module = fagen.load(STEP_SPECS[which])
+    for name, value in (("_FAST_LAUNCH", True), ("_KERNELS", {}), ("_INTERPRET", False), ("_STEPS", {}),
+                        ("_WORKSPACES", threading.local()), ("_raw_stream", _raw_stream_of([77]))):
+        monkeypatch.setattr(module, name, value)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    split, merge = FakeTritonJIT(module._decode_split), FakeTritonJIT(module._decode_merge)
+    monkeypatch.setattr(module, "_decode_split", split)
+    monkeypatch.setattr(module, "_decode_merge", merge)
+    sq = 3
+    q = torch.randn(1, 4, sq, 16)
+    k, v = torch.randn(1, 2, seq_k, 16), torch.randn(1, 2, seq_k, 16)
+    assert (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0
+    lens = {}
+    if which == "causal+padding":
+        lens = dict(seqlens_q=torch.tensor([2], dtype=torch.int32),
+                    seqlens_k=torch.tensor([seq_k - 1], dtype=torch.int32))
+    parents = torch.tensor([[-1, 0, 0]], dtype=torch.int32) if which == "tree" else None
+    masks = module._check_mask_inputs(q, k, lens.get("seqlens_q"), lens.get("seqlens_k"), parents)
+    scores = module._check_scores(q, (8, None), 30.0, torch.rand(4), torch.rand(4)) if which == "switches" else ()
+
+    def launch(**buffers):
+        return module._launch(q, k, v, 0.25, *masks, *scores, **buffers)
+
+    launch()
+    splits = len(merge.compiles) == 1
+    assert len(split.compiles) == 1 and splits == (seq_k == 300) and len(module._STEPS) == 1
+    # the second call writes into the first call's outputs, so every address matches what was compiled with
+    first_out, first_lse = split.compiles[0][1][3:5] if not splits else merge.compiles[0][1][2:4]
+    launch(out=first_out, lse=first_lse)
+    assert len(split.compiles) == 1 and len(merge.compiles) == splits  # nothing new compiled or re-specialised
+    for fn in (split, merge) if splits else (split,):
+        (grid, args, consts), = fn.compiles
+        (call,) = fn.launcher.calls
+        tail = tuple(consts[name] for name in fn.arg_names[len(args):])
+        assert call[:13] == (*grid, *(1,) * (3 - len(grid)), 77, 1234, False, True, None, None, (4, 1, 0), None,
+                             None, None)
+        assert len(call) == 13 + len(args) + len(tail)
+        bad = [name for name, a, b in zip(fn.arg_names, call[13:], args + tail) if not _same(a, b)]
+        assert not bad, bad
+    q = torch.randn(1, 4, sq, 16 + 1)[..., 1:]  # a 4-byte offset: Triton specialises it differently
+    launch()
+    assert len(split.compiles) == 2
+
+
+def test_warm_attention_call_resolves_nothing(monkeypatch, device):
+    q = torch.randn(1, 4, 1, 16, device=device)
+    k = torch.randn(1, 2, 300, 16, device=device)
+    with torch.no_grad():
+        first = fagen.attention(q, k, k)
+        monkeypatch.setattr(api, "resolve", lambda *a, **kw: pytest.fail("a warm call resolved its module again"))
+        assert torch.equal(fagen.attention(q, k, k), first)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from fagen.runtime import ops
+from fagen.runtime.hopper import MIN_WORK
 from fagen.runtime.kinds import prefers_decode
 from fagen.runtime.resolve import _FAST, AttentionError, resolve, resolve_varlen, spec_for
 from fagen.spec.axes import Mask
@@ -59,8 +60,8 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
     # [Note] Host time. A warm call costs one dict lookup on plain values before the module's own checks and launch:
     # no spec is built, hashed or validated per call (the key is fast_key's, inlined). Without gradients on an
     # H100/H200 the Gluon forward may serve ([Note] Hopper selection in fagen/runtime/hopper.py); it has forward()
-    # only.
-    forward_only = not needs_grad and not decode
+    # only, and its host path is slower, so only problems of at least hopper.MIN_WORK query-key pairs may take it.
+    forward_only = not needs_grad and not decode and four and qs[0] * qs[1] * qs[2] * ks[2] >= MIN_WORK
     module = _FAST.get((q.dtype, qs[3], qs[1], ks[1], mask, decode, switches, forward_only, q.device)) \
         if four and isinstance(mask, str) else None
     if module is None:

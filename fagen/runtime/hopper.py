@@ -12,7 +12,11 @@ inputs' device: by fagen.attention (fagen/runtime/resolve.py) when no gradient i
     s4k). Not MHA causal: the Triton forward won it in the three latest runs (s16k Triton / Gluon TF/s: 558 / 550
     in benchmarks/hopper/6-integration, 559 / 543 and 562 / 543 in benchmarks/scores.md), so phase 1's +3% did
     not hold. Not d64 (-7%), not fp16 (496 vs 493 TF/s, a tie), not padding/tree masks (no such kernel).
-Everywhere else the present kernels serve, unchanged.
+Everywhere else the present kernels serve, unchanged. fagen.attention also asks for a problem of at least MIN_WORK
+(batch x query heads x Sq x Sk) pairs: the Gluon module's host path builds four TMA descriptors and goes through
+the JIT dispatch on every call (about 200 us on the H100, against about 70 us for the Triton forward with fast
+launches; benchmarks/latency.md), so it wins only where the kernel outlasts that: 2^29 pairs at d128 are about
+0.5 ms of full attention (0.25 ms causal) at 550 TF/s, so a queue of such calls stays GPU-bound either way.
 
 The backward (issue 16 phase 3, fagen/templates/gluon/backward.py.j2) is wired the same way but selected for no
 case by default: on the H100 it is correct, deterministic and exact where rows see one key, yet slower than the
@@ -31,6 +35,7 @@ from fagen.spec.axes import Backend, Direction, DType, Kind, Mask
 from fagen.spec.kernel import KernelSpec
 
 ENV = "FAGEN_HOPPER"
+MIN_WORK = 1 << 29  # batch x query heads x Sq x Sk below which fagen.attention keeps the Triton forward
 # The cases the gluon forward is selected for (head_dim, dtype, masks): measured wins only, see the note above.
 SELECTED_HEAD_DIMS = (128,)
 SELECTED_DTYPES = (DType.BF16,)

@@ -223,6 +223,8 @@ def test_fagen_attention_routes_forward_only_calls_to_gluon(as_if_hopper, monkey
     # a score switch, fp16 or d64 keeps the Triton bwd module
     assert not resolve.resolve(q, k, k, "causal", False, switches=("softcap", )).NAME.endswith("_gluon")
     assert not resolve.resolve(q.half(), k.half(), k.half(), "causal", False).NAME.endswith("_gluon")
+    monkeypatch.delenv(hopper.BWD_ENV)
+    resolve._FAST.clear()
     if not torch.cuda.is_available():
         # fagen.attention takes the gluon forward from hopper.MIN_WORK query-key pairs on (its host path is slower)
         big_q = torch.zeros(1, 32, 4096, 128, dtype=torch.bfloat16)

@@ -48,15 +48,19 @@ def _inputs(case: LatencyCase, device: str, dtype: torch.dtype):
 
 def implementations(case: LatencyCase, q, k, v) -> dict[str, tuple[Callable[[], object], str]]:
     """name -> (call, the generated module it runs). "module.forward" is the module fagen.attention resolves for
-    these inputs without gradients (on an H100/H200 that may be the Gluon forward, [Note] Hopper selection); where
-    that is not the Triton module, "triton module.forward" times the Triton one too."""
+    these inputs without gradients (on an H100/H200 that may be the Gluon forward for problems of hopper.MIN_WORK
+    pairs and more, [Note] Hopper selection); where that is not the Triton module, "triton module.forward" times
+    the Triton one too."""
     import fagen
     from fagen.runtime.kinds import prefers_decode
     from fagen.runtime.resolve import resolve
 
     causal = case.mask == "causal" and case.seq_q > 1
     decode = prefers_decode(case.seq_q, case.seq_k)  # fagen.attention's rule
-    module = resolve(q, k, v, case.mask, decode, forward_only=not decode)  # what fagen.attention runs (no grad)
+    from fagen.runtime.hopper import MIN_WORK
+
+    big = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] >= MIN_WORK  # fagen.attention's Gluon size rule
+    module = resolve(q, k, v, case.mask, decode, forward_only=not decode and big)  # what fagen.attention runs
     triton_module = resolve(q, k, v, case.mask, decode)
     out, lse = module.forward(q, k, v)
     sdpa = torch.nn.functional.scaled_dot_product_attention

@@ -52,7 +52,7 @@ def test_tree_decode_on_a_paged_cache(dtype):
 
 
 @pytest.mark.parametrize("mask", ["none", "causal"])
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
 def test_varlen_backward_matches_the_reference(mask, dtype):
     _search(_spec("varlen", mask, direction="bwd", dtype=dtype), layouts.check_backward, cpu=4, gpu=10)
 

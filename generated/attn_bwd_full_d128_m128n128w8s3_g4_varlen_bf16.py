@@ -39,11 +39,13 @@ CHECK = os.environ.get("FAGEN_CHECK", "0") == "1"
 
 
 def _check_qkv(q, k, v):
-    for name, t in (("q", q), ("k", k), ("v", v)):
+    """q, k and v of the varlen layout (README "Layouts"): host-only checks."""
+    for name, t, dims in (("q", q, ("total_q", "heads", "head_dim")), ("k", k, ("total_k", "kv_heads", "head_dim")),
+                          ("v", v, ("total_k", "kv_heads", "head_dim"))):
         if not isinstance(t, torch.Tensor):
             raise InputError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise InputError(f"{name}: expected 4 dims [batch, heads, seq, head_dim], got shape {tuple(t.shape)}")
+        if t.dim() != len(dims):
+            raise InputError(f"{name}: expected {len(dims)} dims [{', '.join(dims)}], got shape {tuple(t.shape)}")
         if t.dtype != DTYPE:
             raise InputError(f"{name}: dtype {t.dtype} but this kernel ({NAME}) is built for {DTYPE}; "
                              f"cast with .to({DTYPE}) or generate a spec with that dtype")
@@ -56,9 +58,7 @@ def _check_qkv(q, k, v):
                          "(or on the CPU with TRITON_INTERPRET=1 set before import)")
     if k.shape != v.shape:
         raise InputError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    (b, hq, _, _), (bk, hkv, _, _) = q.shape, k.shape
-    if bk != b:
-        raise InputError(f"batch: q has {b}, k/v have {bk}")
+    hq, hkv = q.shape[-2], k.shape[-2]
     if hq != GQA * hkv:
         raise InputError(f"heads: q has {hq} heads and k/v have {hkv}, but this kernel has gqa={GQA} "
                          f"(needs q heads = {GQA} x kv heads)")
@@ -175,28 +175,6 @@ def _check_tensor(name, t, dims, device, dtype=None):
         raise InputError(f"{name}: expected dtype {dtype}, got {t.dtype}")
     if device is not None and t.device != device:
         raise InputError(f"{name}: on {t.device} but q is on {device}; put every input on one device")
-
-
-def _check_layout_shapes(q, k, v):
-    """q, k and v of the varlen layout: ranks, dtype, head_dim, device, heads (host-only)."""
-    _check_tensor("q", q, ("total_q", "heads", "head_dim"), None)
-    for name, t in (("k", k), ("v", v)):
-        _check_tensor(name, t, ("total_k", "kv_heads", "head_dim"), q.device)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dtype != DTYPE:
-            raise InputError(f"{name}: dtype {t.dtype} but this kernel ({NAME}) is built for {DTYPE}; "
-                             f"cast with .to({DTYPE}) or generate a spec with that dtype")
-        if t.shape[-1] != HEAD_DIM:
-            raise InputError(f"{name}: head_dim {t.shape[-1]} but this kernel is built for head_dim {HEAD_DIM}")
-    if q.device.type != "cuda" and not _INTERPRET:
-        raise InputError(f"inputs are on {q.device}; Triton kernels run on a CUDA device "
-                         "(or on the CPU with TRITON_INTERPRET=1 set before import)")
-    if k.shape != v.shape:
-        raise InputError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    hq, hkv = q.shape[-2 if q.dim() == 3 else 1], k.shape[-2]
-    if hq != GQA * hkv:
-        raise InputError(f"heads: q has {hq} heads and k/v have {hkv}, but this kernel has gqa={GQA} "
-                         f"(needs q heads = {GQA} x kv heads)")
 
 
 def _check_max_seqlen(name, value):
@@ -587,7 +565,7 @@ def forward(q, k, v, *, scale=None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     out / lse: caller-owned buffers to write into (an engine's preallocated output); check: see [Note] Checks
     that read device values.
     """
-    _check_layout_shapes(q, k, v)
+    _check_qkv(q, k, v)
     scale = _check_scale(scale)
     seqlens_q, seqlens_k, tree, max_seqlen_q, max_seqlen_k = _check_layout(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check)
     _check_buffers(q, out, lse)
@@ -678,7 +656,7 @@ def _attn_bwd_preprocess(Out, DO, Lse, Delta, Lse2, SeqlensQ, stride_ob, stride_
     start_m = tl.program_id(0)
     off_h = tl.program_id(1)
     off_b = tl.program_id(2)
-    q_row0 = tl.load(SeqlensQ + off_b)  # cu_seqlens_q ([Note] Layouts in masks.j2)
+    q_row0 = tl.load(SeqlensQ + off_b)  # cu_seqlens_q ([Note] Layouts)
     len_q = tl.load(SeqlensQ + off_b + 1) - q_row0
     rows = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -995,7 +973,7 @@ def backward(do, q, k, v, out, lse, *, scale=None, cu_seqlens_q, cu_seqlens_k, m
 
     dq is like q; dk, dv are like k, v (shape and dtype). Deterministic: equal inputs give bitwise-equal gradients.
     """
-    _check_layout_shapes(q, k, v)
+    _check_qkv(q, k, v)
     _check_saved(do, out, lse, q)
     scale = _check_scale(scale)
     seqlens_q, seqlens_k, tree, max_seqlen_q, max_seqlen_k = _check_layout(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check)
@@ -1026,7 +1004,7 @@ class _Attention(torch.autograd.Function):
 
 def attention(q, k, v, *, scale=None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check=None):
     """Differentiable attention: returns out (like q); out.backward(g) fills q.grad, k.grad and v.grad."""
-    _check_layout_shapes(q, k, v)
+    _check_qkv(q, k, v)
     scale = _check_scale(scale)
     seqlens_q, seqlens_k, tree, max_seqlen_q, max_seqlen_k = _check_layout(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check)
     if torch.compiler.is_compiling():  # the operator has the same autograd, and traces without a graph break

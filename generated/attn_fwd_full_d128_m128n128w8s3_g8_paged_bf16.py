@@ -39,11 +39,13 @@ CHECK = os.environ.get("FAGEN_CHECK", "0") == "1"
 
 
 def _check_qkv(q, k, v):
-    for name, t in (("q", q), ("k", k), ("v", v)):
+    """q, k and v of the paged layout (README "Layouts"): host-only checks."""
+    for name, t, dims in (("q", q, ("total_q", "heads", "head_dim")), ("k_cache", k, ("num_pages", "page_size", "kv_heads", "head_dim")),
+                          ("v_cache", v, ("num_pages", "page_size", "kv_heads", "head_dim"))):
         if not isinstance(t, torch.Tensor):
             raise InputError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise InputError(f"{name}: expected 4 dims [batch, heads, seq, head_dim], got shape {tuple(t.shape)}")
+        if t.dim() != len(dims):
+            raise InputError(f"{name}: expected {len(dims)} dims [{', '.join(dims)}], got shape {tuple(t.shape)}")
         if t.dtype != DTYPE:
             raise InputError(f"{name}: dtype {t.dtype} but this kernel ({NAME}) is built for {DTYPE}; "
                              f"cast with .to({DTYPE}) or generate a spec with that dtype")
@@ -56,12 +58,13 @@ def _check_qkv(q, k, v):
                          "(or on the CPU with TRITON_INTERPRET=1 set before import)")
     if k.shape != v.shape:
         raise InputError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    (b, hq, _, _), (bk, hkv, _, _) = q.shape, k.shape
-    if bk != b:
-        raise InputError(f"batch: q has {b}, k/v have {bk}")
+    hq, hkv = q.shape[-2], k.shape[-2]
     if hq != GQA * hkv:
         raise InputError(f"heads: q has {hq} heads and k/v have {hkv}, but this kernel has gqa={GQA} "
                          f"(needs q heads = {GQA} x kv heads)")
+    page_size = k.shape[1]
+    if page_size > 256 or page_size & (page_size - 1) or not page_size:
+        raise InputError(f"k_cache: page_size (dim 1) must be a power of two from 1 to 256, got {page_size}")
 
 
 def _check_seqlens(name, lens, batch, limit, device, check):
@@ -175,31 +178,6 @@ def _check_tensor(name, t, dims, device, dtype=None):
         raise InputError(f"{name}: expected dtype {dtype}, got {t.dtype}")
     if device is not None and t.device != device:
         raise InputError(f"{name}: on {t.device} but q is on {device}; put every input on one device")
-
-
-def _check_layout_shapes(q, k, v):
-    """q, k and v of the paged layout: ranks, dtype, head_dim, device, heads (host-only)."""
-    _check_tensor("q", q, ("total_q", "heads", "head_dim"), None)
-    for name, t in (("k_cache", k), ("v_cache", v)):
-        _check_tensor(name, t, ("num_pages", "page_size", "kv_heads", "head_dim"), q.device)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dtype != DTYPE:
-            raise InputError(f"{name}: dtype {t.dtype} but this kernel ({NAME}) is built for {DTYPE}; "
-                             f"cast with .to({DTYPE}) or generate a spec with that dtype")
-        if t.shape[-1] != HEAD_DIM:
-            raise InputError(f"{name}: head_dim {t.shape[-1]} but this kernel is built for head_dim {HEAD_DIM}")
-    if q.device.type != "cuda" and not _INTERPRET:
-        raise InputError(f"inputs are on {q.device}; Triton kernels run on a CUDA device "
-                         "(or on the CPU with TRITON_INTERPRET=1 set before import)")
-    if k.shape != v.shape:
-        raise InputError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    hq, hkv = q.shape[-2 if q.dim() == 3 else 1], k.shape[-2]
-    if hq != GQA * hkv:
-        raise InputError(f"heads: q has {hq} heads and k/v have {hkv}, but this kernel has gqa={GQA} "
-                         f"(needs q heads = {GQA} x kv heads)")
-    page_size = k.shape[1]
-    if page_size < 1 or page_size > 256 or page_size & (page_size - 1):
-        raise InputError(f"k_cache: page_size (dim 1) must be a power of two from 1 to 256, got {page_size}")
 
 
 def _check_max_seqlen(name, value):
@@ -600,7 +578,7 @@ def forward(q, k, v, *, scale=None, cu_seqlens_q, max_seqlen_q, block_table, seq
     out / lse: caller-owned buffers to write into (an engine's preallocated output); check: see [Note] Checks
     that read device values.
     """
-    _check_layout_shapes(q, k, v)
+    _check_qkv(q, k, v)
     scale = _check_scale(scale)
     seqlens_q, seqlens_k, tree, block_table, max_seqlen_q = _check_layout(q, k, v, cu_seqlens_q, max_seqlen_q, block_table, seqlens_k, check)
     _check_buffers(q, out, lse)

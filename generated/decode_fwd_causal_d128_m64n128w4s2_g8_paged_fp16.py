@@ -41,11 +41,13 @@ CHECK = os.environ.get("FAGEN_CHECK", "0") == "1"
 
 
 def _check_qkv(q, k, v):
-    for name, t in (("q", q), ("k", k), ("v", v)):
+    """q, k and v of the paged layout (README "Layouts"): host-only checks."""
+    for name, t, dims in (("q", q, ("batch", "heads", "seq", "head_dim")), ("k_cache", k, ("num_pages", "page_size", "kv_heads", "head_dim")),
+                          ("v_cache", v, ("num_pages", "page_size", "kv_heads", "head_dim"))):
         if not isinstance(t, torch.Tensor):
             raise InputError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise InputError(f"{name}: expected 4 dims [batch, heads, seq, head_dim], got shape {tuple(t.shape)}")
+        if t.dim() != len(dims):
+            raise InputError(f"{name}: expected {len(dims)} dims [{', '.join(dims)}], got shape {tuple(t.shape)}")
         if t.dtype != DTYPE:
             raise InputError(f"{name}: dtype {t.dtype} but this kernel ({NAME}) is built for {DTYPE}; "
                              f"cast with .to({DTYPE}) or generate a spec with that dtype")
@@ -58,12 +60,13 @@ def _check_qkv(q, k, v):
                          "(or on the CPU with TRITON_INTERPRET=1 set before import)")
     if k.shape != v.shape:
         raise InputError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    (b, hq, _, _), (bk, hkv, _, _) = q.shape, k.shape
-    if bk != b:
-        raise InputError(f"batch: q has {b}, k/v have {bk}")
+    hq, hkv = q.shape[1], k.shape[-2]
     if hq != GQA * hkv:
         raise InputError(f"heads: q has {hq} heads and k/v have {hkv}, but this kernel has gqa={GQA} "
                          f"(needs q heads = {GQA} x kv heads)")
+    page_size = k.shape[1]
+    if page_size > 256 or page_size & (page_size - 1) or not page_size:
+        raise InputError(f"k_cache: page_size (dim 1) must be a power of two from 1 to 256, got {page_size}")
 
 
 def _check_seqlens(name, lens, batch, limit, device, check):
@@ -177,31 +180,6 @@ def _check_tensor(name, t, dims, device, dtype=None):
         raise InputError(f"{name}: expected dtype {dtype}, got {t.dtype}")
     if device is not None and t.device != device:
         raise InputError(f"{name}: on {t.device} but q is on {device}; put every input on one device")
-
-
-def _check_layout_shapes(q, k, v):
-    """q, k and v of the paged layout: ranks, dtype, head_dim, device, heads (host-only)."""
-    _check_tensor("q", q, ("batch", "heads", "seq", "head_dim"), None)
-    for name, t in (("k_cache", k), ("v_cache", v)):
-        _check_tensor(name, t, ("num_pages", "page_size", "kv_heads", "head_dim"), q.device)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dtype != DTYPE:
-            raise InputError(f"{name}: dtype {t.dtype} but this kernel ({NAME}) is built for {DTYPE}; "
-                             f"cast with .to({DTYPE}) or generate a spec with that dtype")
-        if t.shape[-1] != HEAD_DIM:
-            raise InputError(f"{name}: head_dim {t.shape[-1]} but this kernel is built for head_dim {HEAD_DIM}")
-    if q.device.type != "cuda" and not _INTERPRET:
-        raise InputError(f"inputs are on {q.device}; Triton kernels run on a CUDA device "
-                         "(or on the CPU with TRITON_INTERPRET=1 set before import)")
-    if k.shape != v.shape:
-        raise InputError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    hq, hkv = q.shape[-2 if q.dim() == 3 else 1], k.shape[-2]
-    if hq != GQA * hkv:
-        raise InputError(f"heads: q has {hq} heads and k/v have {hkv}, but this kernel has gqa={GQA} "
-                         f"(needs q heads = {GQA} x kv heads)")
-    page_size = k.shape[1]
-    if page_size < 1 or page_size > 256 or page_size & (page_size - 1):
-        raise InputError(f"k_cache: page_size (dim 1) must be a power of two from 1 to 256, got {page_size}")
 
 
 def _check_max_seqlen(name, value):
@@ -709,8 +687,9 @@ def _launch_decode(q, k, v, scale, seqlens_q, seqlens_k, tree, block_table, num_
     if out.numel() == 0:
         return out, lse
     device = q.get_device()
-    hkv, sk = k.shape[2], block_table.shape[1] * k.shape[1]  # key rows a sequence may have: its pages' slots
-    q, k, v, _, _, _, _, _, paging = _kernel_views(q, k, v, out, lse, seqlens_q, block_table)
+    # [pages, kv heads, slots, D] views; the key rows a sequence may have: its pages' slots
+    q, k, v, _, _, _, _, sk, paging = _kernel_views(q, k, v, out, lse, seqlens_q, block_table)
+    hkv = k.shape[1]
     qs, ks, vs, os_, ls = q.stride(), k.stride(), v.stride(), out.stride(), lse.stride()
     copied = qs[3] != 1 or ks[3] != 1 or vs[3] != 1
     if copied:
@@ -761,7 +740,7 @@ def forward_split(q, k, v, *, num_splits=None, scale=None, block_table, seqlens_
 
     Asking for more splits than there are BLOCK_N blocks of keys gives one block per split.
     """
-    _check_layout_shapes(q, k, v)
+    _check_qkv(q, k, v)
     _check_decode_inputs(q.shape[2], num_splits)
     scale = _check_scale(scale)
     seqlens_q, seqlens_k, tree, block_table = _check_layout(q, k, v, block_table, seqlens_k, check)
@@ -806,7 +785,7 @@ class Plan:
             out=None, lse=None,
             check=None):
         """forward() with the plan's split count and workspace. Returns (out, lse)."""
-        _check_layout_shapes(q, k, v)
+        _check_qkv(q, k, v)
         b, hq, sq, _ = q.shape
         if b > self.limits[0] or hq != self.limits[1] or sq > self.limits[2] or block_table.shape[1] * k.shape[1] > self.limits[3] \
                 or q.device != self.device:
@@ -831,7 +810,7 @@ def forward(q, k, v, *, scale=None, block_table, seqlens_k, out=None, lse=None,
 
     out / lse: caller-owned buffers to write into; check: see [Note] Checks that read device values.
     """
-    _check_layout_shapes(q, k, v)
+    _check_qkv(q, k, v)
     _check_decode_inputs(q.shape[2], None)
     scale = _check_scale(scale)
     seqlens_q, seqlens_k, tree, block_table = _check_layout(q, k, v, block_table, seqlens_k, check)

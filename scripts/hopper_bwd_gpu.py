@@ -20,6 +20,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
 
 import fagen  # noqa: E402
 from fagen.spec.kernel import KernelSpec  # noqa: E402
+from fagen.verify import reference as verify_reference  # noqa: E402
 
 OUT = os.environ.get("OUT", "/tmp")
 LINES = []
@@ -32,19 +33,10 @@ def log(msg):
 
 
 def reference(q, k, v, do, scale, causal):
-    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
-    g = q.shape[1] // k.shape[1]
-    kk, vv = k64.repeat_interleave(g, 1), v64.repeat_interleave(g, 1)
-    s = q64 @ kk.transpose(-1, -2) * scale
-    sq, sk = q.shape[2], k.shape[2]
-    if causal:
-        i = torch.arange(sq, device=q.device)[:, None]
-        j = torch.arange(sk, device=q.device)[None, :]
-        s = s.masked_fill(j > i + sk - sq, float("-inf"))
-    lse = torch.logsumexp(s, -1)
-    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
-    out = p @ vv
-    dq, dk, dv = torch.autograd.grad(out, (q64, k64, v64), do.double())
+    """float64 out, lse, dq, dk, dv: fagen's reference (fagen.verify.reference) and autograd."""
+    leaves = tuple(t.double().requires_grad_() for t in (q, k, v))
+    out, lse = verify_reference.attention(*leaves, mask="causal" if causal else "none", scale=scale)
+    dq, dk, dv = torch.autograd.grad(out, leaves, do.double())
     return out.detach(), lse.detach(), dq, dk, dv
 
 

@@ -8,7 +8,7 @@ import json
 
 import torch
 
-from fagen.bench.layouts import PAGED, _paged_inputs
+from fagen.bench.layouts import PAGED, _paged_inputs, paged_bytes
 from fagen.bench.timing import measure
 from fagen.runtime.loader import load
 from fagen.spec.kernel import KernelSpec, SpecError
@@ -19,7 +19,7 @@ args = ap.parse_args()
 rows = []
 for c in PAGED:
     q, k, v, kc, vc, table, lens = _paged_inputs(c, "cuda", torch.bfloat16)
-    nbytes = (k.numel() + v.numel() + 2 * q.numel()) * 2 + table.numel() * 4
+    nbytes = paged_bytes(q, k, v, table)
     dense = load(KernelSpec(head_dim=128, gqa=4, dtype="bf16", kind="decode"))
     ms = measure(lambda i: dense.forward(q, k, v), 1, torch.device("cuda"), 25, 200)
     print(f"{c.name} dense default {nbytes / ms / 1e6:.0f} GB/s", flush=True)

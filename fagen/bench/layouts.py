@@ -22,6 +22,7 @@ import torch
 from fagen.bench.timing import measure
 from fagen.runtime.loader import load
 from fagen.spec.kernel import KernelSpec
+from fagen.verify.layouts import cu_seqlens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +70,11 @@ def _paged_inputs(c: PagedCase, device, dtype, seed=0):
     return q, k, v, k_cache, v_cache, table.to(device), seqlens
 
 
+def paged_bytes(q, k, v, table) -> int:
+    """Bytes a decode step must move: the K/V of every cached token, q and out, and the block table."""
+    return (k.numel() + v.numel() + 2 * q.numel()) * k.element_size() + table.numel() * table.element_size()
+
+
 def paged_rows(device, dtype=torch.bfloat16, cases=PAGED, log=print, rep_ms=200.0) -> list[dict]:
     records = []
     for c in cases:
@@ -81,7 +87,7 @@ def paged_rows(device, dtype=torch.bfloat16, cases=PAGED, log=print, rep_ms=200.
         err = (got.float() - want.float()).abs().max().item()
         if err > 1e-2:
             raise AssertionError(f"{c.name}: paged decode differs from dense decode by {err}")
-        nbytes = (k.numel() + v.numel() + 2 * q.numel()) * k.element_size() + table.numel() * 4
+        nbytes = paged_bytes(q, k, v, table)
         impls: dict[str, Callable[[], object]] = {
             "fagen dense decode": lambda: dense.forward(q, k, v),
             "fagen paged decode": lambda: paged.forward(q, k_cache, v_cache, block_table=table, seqlens_k=seqlens),
@@ -107,7 +113,7 @@ def varlen_rows(device, dtype=torch.bfloat16, cases=VARLEN, log=print, rep_ms=30
         g = torch.Generator(device="cpu").manual_seed(0)
         total, b = sum(c.lengths), len(c.lengths)
         q, k, v = (torch.randn(total, c.heads, c.head_dim, generator=g).to(device, dtype) for _ in range(3))
-        cu = torch.tensor([0] + list(torch.tensor(c.lengths).cumsum(0).tolist()), dtype=torch.int32, device=device)
+        cu = cu_seqlens(c.lengths, device)
         longest = max(c.lengths)
         varlen = load(KernelSpec(head_dim=c.head_dim, mask="causal", dtype="bf16", layout="varlen"))
         dense = load(KernelSpec(head_dim=c.head_dim, mask="causal", dtype="bf16"))
@@ -151,7 +157,6 @@ def _flex_document(q, k, v, lengths):
     total = q.shape[0]
     doc = torch.repeat_interleave(torch.arange(len(lengths), device=q.device),
                                   torch.tensor(lengths, device=q.device))
-    starts = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist())[:-1], device=q.device)
 
     def mask_mod(b, h, qi, kv):
         return (doc[qi] == doc[kv]) & (kv <= qi)
@@ -159,14 +164,13 @@ def _flex_document(q, k, v, lengths):
     block_mask = create_block_mask(mask_mod, None, None, total, total, device=q.device)
     compiled = torch.compile(flex_attention)
     qt, kt, vt = (t.transpose(0, 1)[None] for t in (q, k, v))
-    del starts
     return lambda: compiled(qt, kt, vt, block_mask=block_mask)[0].transpose(0, 1)
 
 
 def _sdpa_nested(q, k, v, lengths):
     import torch.nn.functional as F
 
-    offsets = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), device=q.device)
+    offsets = cu_seqlens(lengths, q.device).long()
     nq, nk, nv = (torch.nested.nested_tensor_from_jagged(t, offsets).transpose(1, 2) for t in (q, k, v))
 
     def fn():

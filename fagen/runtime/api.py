@@ -8,7 +8,7 @@ from fagen.runtime import ops
 from fagen.runtime.hopper import MIN_WORK
 from fagen.runtime.kinds import prefers_decode
 from fagen.runtime.resolve import _FAST, AttentionError, resolve, resolve_varlen, spec_for
-from fagen.spec.axes import Mask
+from fagen.spec.axes import Layout, Mask
 from fagen.spec.kernel import SCORE_SWITCHES
 
 
@@ -36,11 +36,9 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
     decode kernel; both kinds give the same results. Under torch.compile the call is one custom operator
     (fagen::attention, with its backward), so it traces with no graph break.
     """
-    if cu_seqlens_q is not None or cu_seqlens_k is not None:
-        return _varlen(q, k, v, mask, scale, window, softcap, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k,
-                       max_seqlen_q, max_seqlen_k, check)
+    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
-        spec_for(q, k, v, mask=mask)  # raises the AttentionError that names the bad input
+        spec_for(q, k, v, mask=mask, layout=Layout.VARLEN if varlen else Layout.DENSE)  # raises, naming the input
     if window is None and softcap is None and alibi_slopes is None and sinks is None:  # the common call
         switches, scores = (), _NO_SCORES
         needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
@@ -50,6 +48,9 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
         switches = tuple(name for name, arg in zip(SCORE_SWITCHES, _SCORE_ARGS) if arg in scores)
         needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                                   or (isinstance(sinks, torch.Tensor) and sinks.requires_grad))
+    if varlen:
+        return _varlen(q, k, v, mask, scale, scores, switches, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                       max_seqlen_k, check)
     qs, ks = q.shape, k.shape
     four = len(qs) == 4 and len(ks) == 4
     decode = not needs_grad and four and prefers_decode(qs[2], ks[2])
@@ -77,16 +78,12 @@ _NO_SCORES: dict = {}
 _SCORE_ARGS = ("window", "softcap", "alibi_slopes", "sinks")  # in SCORE_SWITCHES' order
 
 
-def _varlen(q, k, v, mask, scale, window, softcap, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-            max_seqlen_k, check):
+def _varlen(q, k, v, mask, scale, scores, switches, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check):
     """fagen.attention on packed sequences: the varlen bwd module of these inputs (differentiable)."""
     if cu_seqlens_q is None or cu_seqlens_k is None or max_seqlen_q is None or max_seqlen_k is None:
         raise AttentionError("varlen: pass cu_seqlens_q, cu_seqlens_k, max_seqlen_q and max_seqlen_k together "
                              "(README \"Layouts\")")
-    scores = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
-    switches = tuple(name for name, value in zip(SCORE_SWITCHES, scores.values()) if value is not None)
     module = resolve_varlen(q, k, v, mask, switches)
-    scores = {name: value for name, value in scores.items() if value is not None}
     return module.attention(q, k, v, scale=scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, check=check, **scores)
 

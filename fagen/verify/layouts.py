@@ -66,7 +66,8 @@ def cases(spec: KernelSpec, max_len: int = 40, max_batch: int = 4) -> st.SearchS
     return case()
 
 
-def _cu(lens: list[int], device) -> torch.Tensor:
+def cu_seqlens(lens: list[int], device) -> torch.Tensor:
+    """int32 [B + 1] prefix sums of `lens` (the varlen layout's cu_seqlens)."""
     return torch.tensor([0] + list(torch.tensor(lens, dtype=torch.int64).cumsum(0).tolist()), dtype=torch.int32,
                         device=device)
 
@@ -107,7 +108,7 @@ def make_inputs(spec: KernelSpec, case: LayoutCase, device) -> LayoutInputs:
     ks = [rnd(n, hkv, d) for n in case.lens_k]
     vs = [rnd(n, hkv, d) for n in case.lens_k]
     if spec.layout is Layout.VARLEN:
-        kwargs = dict(cu_seqlens_q=_cu(case.lens_q, device), cu_seqlens_k=_cu(case.lens_k, device),
+        kwargs = dict(cu_seqlens_q=cu_seqlens(case.lens_q, device), cu_seqlens_k=cu_seqlens(case.lens_k, device),
                       max_seqlen_q=max(case.lens_q), max_seqlen_k=max(case.lens_k))
         args = tuple(torch.cat(t).to(device) for t in (qs, ks, vs))
         return LayoutInputs(args, kwargs, list(zip(qs, ks, vs)), _scores(spec, hq, gen, device))
@@ -115,7 +116,7 @@ def make_inputs(spec: KernelSpec, case: LayoutCase, device) -> LayoutInputs:
     page = case.page_size
     n_pages = [-(-n // page) for n in case.lens_k]
     width = max(max(n_pages), 1) + 1  # one spare table column: entries past a sequence's pages are never read
-    shared = min(n_pages[0], min(n_pages)) if case.shared and case.batch > 1 else 0
+    shared = min(n_pages) if case.shared and case.batch > 1 else 0  # pages every sequence has
     total = sum(n_pages) - shared * (case.batch - 1) + 2  # two pages no sequence uses
     order = torch.randperm(total, generator=gen)
     table = torch.full((case.batch, width), -1, dtype=torch.int32)  # unused entries: -1, as engines leave them
@@ -129,10 +130,9 @@ def make_inputs(spec: KernelSpec, case: LayoutCase, device) -> LayoutInputs:
             else:
                 table[b, p] = order[nxt]
                 nxt += 1
-    for b in range(case.batch):  # later sequences overwrite shared slots; each writes every slot it reads
-        for j in range(case.lens_k[b]):
-            k_cache[table[b, j // page], j % page] = ks[b][j]
-            v_cache[table[b, j // page], j % page] = vs[b][j]
+    slots = [(table[b, torch.arange(n) // page].long(), torch.arange(n) % page) for b, n in enumerate(case.lens_k)]
+    for b, (rows, slot) in enumerate(slots):  # later sequences overwrite shared slots; each writes all it reads
+        k_cache[rows, slot], v_cache[rows, slot] = ks[b], vs[b]
     kwargs = dict(block_table=table.to(device), seqlens_k=torch.tensor(case.lens_k, dtype=torch.int32, device=device))
     if case.parents is not None:
         kwargs["tree_mask"] = reference.ancestors_from_parents(torch.tensor(case.parents)).to(device)
@@ -140,13 +140,9 @@ def make_inputs(spec: KernelSpec, case: LayoutCase, device) -> LayoutInputs:
         q = torch.stack([x.transpose(0, 1) for x in qs]).to(device)  # [B, Hq, Sq, D]
     else:
         q = torch.cat(qs).to(device)
-        kwargs.update(cu_seqlens_q=_cu(case.lens_q, device), max_seqlen_q=max(case.lens_q))
+        kwargs.update(cu_seqlens_q=cu_seqlens(case.lens_q, device), max_seqlen_q=max(case.lens_q))
     # the dense keys each sequence sees: what its pages hold (shared pages: the last writer's keys)
-    dense = []
-    for b in range(case.batch):
-        idx = torch.arange(case.lens_k[b])
-        rows = table[b, idx // page].long()
-        dense.append((qs[b], k_cache[rows, idx % page], v_cache[rows, idx % page]))
+    dense = [(qs[b], k_cache[rows, slot], v_cache[rows, slot]) for b, (rows, slot) in enumerate(slots)]
     return LayoutInputs((q, k_cache.to(device), v_cache.to(device)), kwargs, dense, _scores(spec, hq, gen, device))
 
 

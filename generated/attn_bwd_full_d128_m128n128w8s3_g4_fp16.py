@@ -38,7 +38,23 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 CHECK = os.environ.get("FAGEN_CHECK", "0") == "1"
 
 
+# [Note] Fast accept. A call's q, k and v are nearly always plain tensors that fit: one expression over their
+# types, dtypes, shapes and devices accepts them (about 1 us on the host, against 3-6 us for the loop below, which
+# runs only when the expression fails and names what is wrong). Same conditions as the loop, nothing weaker.
 def _check_qkv(q, k, v):
+    if type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor \
+            and q.dtype is DTYPE and k.dtype is DTYPE and v.dtype is DTYPE:
+        qs, ks = q.shape, k.shape
+        if len(qs) == 4 and len(ks) == 4 and ks == v.shape and qs[3] == HEAD_DIM and ks[3] == HEAD_DIM \
+                and qs[0] == ks[0] and qs[1] == GQA * ks[1]:
+            d = q.get_device()
+            if k.get_device() == d and v.get_device() == d and (
+                    q.is_cuda and k.is_cuda and v.is_cuda if d >= 0 else _INTERPRET and q.is_cpu and k.is_cpu and v.is_cpu):
+                return
+    _check_qkv_each(q, k, v)
+
+
+def _check_qkv_each(q, k, v):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise InputError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -189,7 +205,8 @@ def _check_saved(do, out, lse, q):
 # fn[grid](...) re-binds and re-specialises every argument and recomputes the kernel's cache key on each call:
 # about half of a small call's host time (benchmarks/latency.md). _run keeps the compiled kernel of each
 # specialisation under a key of exactly what Triton specialises on and calls the launcher's C entry point directly
-# (past triton's Python wrapper; through it only for kernels that need a scratch buffer). The key: the device;
+# (past triton's Python wrapper, with the scratch of [Note] Launch scratch; through the wrapper only for kernels
+# with a profiling buffer). The key: the device;
 # for each tensor its 16-byte alignment (its dtype per position is fixed by the module's checks: q, k, v, out in
 # DTYPE, lengths int32, lse float32); for each int whether it == 1, is a multiple of 16 and fits int32 (a class
 # looked up in _INT_CLASS, not computed per call); floats are never specialised; None and bools are their own key.
@@ -232,17 +249,61 @@ except ImportError:
 
 
 def _entry(kernel, fn, n_args, consts):
-    """(launch, flags, function, packed metadata, constexpr tail) of a compiled kernel for _run; None when the
-    kernel does not look like triton 3.6's CompiledKernel (then every call goes through fn[grid])."""
+    """(launch, flags, function, packed metadata, constexpr tail, scratch bytes per program) of a compiled kernel
+    for _run; None when the kernel does not look like triton 3.6's CompiledKernel (then every call goes through
+    fn[grid]). flags None: launch is triton's Python wrapper (a kernel with a profiling scratch buffer)."""
     try:
         launcher = kernel.run  # loads the module on the current device the first time
         tail = tuple(consts[name] for name in fn.arg_names[n_args:])
-        if launcher.global_scratch_size or launcher.profile_scratch_size:  # scratch: triton's wrapper allocates it
-            return launcher, None, kernel.function, kernel.packed_metadata, tail
+        if launcher.profile_scratch_size:
+            return launcher, None, kernel.function, kernel.packed_metadata, tail, 0
         return (launcher.launch, (launcher.launch_cooperative_grid, launcher.launch_pdl), kernel.function,
-                kernel.packed_metadata, tail)
+                kernel.packed_metadata, tail, launcher.global_scratch_size * launcher.num_ctas)
     except (AttributeError, KeyError, TypeError):
         return None
+
+
+# [Note] Launch scratch
+# Kernels that build TMA descriptors on the device (tl.make_tensor_descriptor) need a global scratch buffer of a
+# few hundred bytes per program. Triton's wrapper asks its allocator for a fresh one at every launch (a
+# torch.empty, ~4 us); _scratch keeps one per (device, stream) and grows it when a grid needs more. Kernels on one
+# stream run in order and each writes its descriptors before reading them, so consecutive launches may share
+# the bytes; another stream gets its own. While a CUDA graph is being captured the buffer is fresh from the
+# caching allocator (the graph's pool owns it), so no graph holds the address of a buffer that may be replaced.
+_SCRATCH = {}
+
+
+def _scratch(nbytes, device, stream):
+    """A uint8 device tensor of at least nbytes for one launch on (device, stream) (device -1: the CPU, for fakes)."""
+    capturing = torch.cuda.is_current_stream_capturing()
+    buf = None if capturing else _SCRATCH.get((device, stream))
+    if buf is None or buf.numel() < nbytes:
+        where = torch.device("cuda", device) if device >= 0 else torch.device("cpu")
+        buf = torch.empty(nbytes if capturing else max(nbytes, 1 << 16), dtype=torch.uint8, device=where)
+        if not capturing:
+            _SCRATCH[(device, stream)] = buf
+    return buf
+
+
+def _launch_entry(entry, grid, device, args):
+    """Launch a compiled kernel through its entry (see _entry) on the current stream of `device`."""
+    launch, flags, function, metadata, tail, scratch = entry
+    stream = _raw_stream(device)
+    if flags is None:
+        launch(grid[0], grid[1], grid[2], stream, function, metadata, None, None, None, *args, *tail)
+    elif scratch:
+        buf = _scratch(scratch * grid[0] * grid[1] * grid[2], device, stream)
+        launch(grid[0], grid[1], grid[2], stream, function, flags[0], flags[1], buf.data_ptr(), None, metadata,
+               None, None, None, *args, *tail)
+    else:
+        launch(grid[0], grid[1], grid[2], stream, function, flags[0], flags[1], None, None, metadata,
+               None, None, None, *args, *tail)
+
+
+def _new_out(t):
+    """An empty contiguous tensor like t (empty_like: about half the host time of torch.empty(shape, dtype=, device=),
+    which parses a shape and a device)."""
+    return torch.empty_like(t, memory_format=torch.contiguous_format)
 
 
 def _run(fn, grid, args, consts):
@@ -261,14 +322,7 @@ def _run(fn, grid, args, consts):
         if entry is _KERNELS:
             entry = _KERNELS[key] = _entry(kernel, fn, len(args), consts)
         return entry
-    launch, flags, function, metadata, tail = entry
-    if len(grid) != 3:
-        grid = (*grid, 1, 1)
-    if flags is None:
-        launch(grid[0], grid[1], grid[2], _raw_stream(device), function, metadata, None, None, None, *args, *tail)
-    else:
-        launch(grid[0], grid[1], grid[2], _raw_stream(device), function, flags[0], flags[1], None, None, metadata,
-               None, None, None, *args, *tail)
+    _launch_entry(entry, grid if len(grid) == 3 else (*grid, 1, 1), device, args)
     return entry
 
 
@@ -431,29 +485,59 @@ def _attn_fwd(Q, K, V, Out, Lse, SeqlensQ, SeqlensK, TreeMask, qk_scale,
     tl.store(Lse + (off_b * num_heads + off_h).to(tl.int64) * seq_q + offs_m, lse, mask=offs_m < seq_q)
 
 
+# [Note] Forward steps
+# A model calls one layer's attention with one shape again and again. The first call of a shape takes the general
+# path of _launch_forward (contiguity and TMA checks, strides, grid, a _fast launch) and, where the launch was fast
+# ([Note] Fast launches), no input was copied and every pointer is 16-byte aligned, keeps its grid, int arguments
+# and launch entry in _STEPS under a key of the device, the shapes and the strides. A later call with that key
+# checks the pointers' alignment in one expression and calls the launcher with device addresses as ints (a
+# tensor costs the launcher a data_ptr() call and a driver query of the pointer). Specs with score switches take
+# the general path on every call (their int arguments are specialised per value class). _STEPS is cleared past
+# 1024 entries.
+_STEPS = {}
+
+
 def _launch_forward(q, k, v, scale, seqlens_q, seqlens_k, tree, out=None, lse=None):
     """Launch the forward kernel on checked inputs; returns (out, lse), written into the given buffers if any."""
     b, hq, sq, _ = q.shape
     sk = k.shape[2]
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
-    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device) if lse is None else lse
+    out = _new_out(q) if out is None else out
+    lse = q.new_empty(q.shape[:3], dtype=torch.float32) if lse is None else lse
     if out.numel() == 0:
         return out, lse
+    device = q.get_device()
+    qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
+    key = (device, q.shape, k.shape, qs, ks, vs, os_)
+    step = _STEPS.get(key)
+    if step is not None:  # [Note] Forward steps
+        grid, entry, ints = step
+        pq, pk, pv, po, pl = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()
+        if ((pq | pk | pv | po | pl) & 15) == 0:
+            _launch_entry(entry, grid, device, (pq, pk, pv, po, pl, seqlens_q, seqlens_k, tree,
+                                                scale * 1.4426950408889634, *ints))
+            return out, lse
     rows_q = sq
+    copied = q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     if TMA:
+        copied = copied or not (_tma_ready(k) and _tma_ready(v))
         k, v = (t if _tma_ready(t) else t.contiguous() for t in (k, v))
         _ensure_allocator()
     tree_strides = (tree.stride(0), tree.stride(1)) if tree is not None else (0, 0)
     grid = (_cdiv(rows_q, BLOCK_M), hq, b)
-    _fast(_attn_fwd)[grid](
+    ints = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2), *tree_strides, hq, sq, sk)
+    entry = _fast(_attn_fwd)[grid](
         q, k, v, out, lse, seqlens_q, seqlens_k, tree, scale * 1.4426950408889634,  # 1/ln 2: exp2 domain
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        *tree_strides, hq, sq, sk,
+        *ints,
         HEAD_DIM=HEAD_DIM, BLOCK_D=_pow2(HEAD_DIM), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         GQA=GQA, UPCAST=UPCAST, TMA=TMA, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
+    if type(entry) is tuple and entry[1] is not None and not copied \
+            and ((q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr() | lse.data_ptr()) & 15) == 0:
+        if len(_STEPS) >= 1024:
+            _STEPS.clear()
+        _STEPS[key] = (grid, entry, ints)
     return out, lse
 
 
@@ -842,9 +926,9 @@ AOT_KERNELS += [
 
 def _launch_backward(do, q, k, v, out, lse, scale, seqlens_q, seqlens_k, tree, need_dq=True, need_dkdv=True):
     """Launch the backward kernels on checked inputs; returns (dq, dk, dv), None where not needed."""
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device) if need_dq else None
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device) if need_dkdv else None
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device) if need_dkdv else None
+    dq = _new_out(q) if need_dq else None
+    dk = _new_out(k) if need_dkdv else None
+    dv = _new_out(v) if need_dkdv else None
     b, hq, sq, _ = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     rows_q, rows_k = sq, sk

@@ -40,7 +40,23 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 CHECK = os.environ.get("FAGEN_CHECK", "0") == "1"
 
 
+# [Note] Fast accept. A call's q, k and v are nearly always plain tensors that fit: one expression over their
+# types, dtypes, shapes and devices accepts them (about 1 us on the host, against 3-6 us for the loop below, which
+# runs only when the expression fails and names what is wrong). Same conditions as the loop, nothing weaker.
 def _check_qkv(q, k, v):
+    if type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor \
+            and q.dtype is DTYPE and k.dtype is DTYPE and v.dtype is DTYPE:
+        qs, ks = q.shape, k.shape
+        if len(qs) == 4 and len(ks) == 4 and ks == v.shape and qs[3] == HEAD_DIM and ks[3] == HEAD_DIM \
+                and qs[0] == ks[0] and qs[1] == GQA * ks[1]:
+            d = q.get_device()
+            if k.get_device() == d and v.get_device() == d and (
+                    q.is_cuda and k.is_cuda and v.is_cuda if d >= 0 else _INTERPRET and q.is_cpu and k.is_cpu and v.is_cpu):
+                return
+    _check_qkv_each(q, k, v)
+
+
+def _check_qkv_each(q, k, v):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise InputError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -175,7 +191,8 @@ def _check_scale(scale):
 # fn[grid](...) re-binds and re-specialises every argument and recomputes the kernel's cache key on each call:
 # about half of a small call's host time (benchmarks/latency.md). _run keeps the compiled kernel of each
 # specialisation under a key of exactly what Triton specialises on and calls the launcher's C entry point directly
-# (past triton's Python wrapper; through it only for kernels that need a scratch buffer). The key: the device;
+# (past triton's Python wrapper, with the scratch of [Note] Launch scratch; through the wrapper only for kernels
+# with a profiling buffer). The key: the device;
 # for each tensor its 16-byte alignment (its dtype per position is fixed by the module's checks: q, k, v, out in
 # DTYPE, lengths int32, lse float32); for each int whether it == 1, is a multiple of 16 and fits int32 (a class
 # looked up in _INT_CLASS, not computed per call); floats are never specialised; None and bools are their own key.
@@ -218,17 +235,61 @@ except ImportError:
 
 
 def _entry(kernel, fn, n_args, consts):
-    """(launch, flags, function, packed metadata, constexpr tail) of a compiled kernel for _run; None when the
-    kernel does not look like triton 3.6's CompiledKernel (then every call goes through fn[grid])."""
+    """(launch, flags, function, packed metadata, constexpr tail, scratch bytes per program) of a compiled kernel
+    for _run; None when the kernel does not look like triton 3.6's CompiledKernel (then every call goes through
+    fn[grid]). flags None: launch is triton's Python wrapper (a kernel with a profiling scratch buffer)."""
     try:
         launcher = kernel.run  # loads the module on the current device the first time
         tail = tuple(consts[name] for name in fn.arg_names[n_args:])
-        if launcher.global_scratch_size or launcher.profile_scratch_size:  # scratch: triton's wrapper allocates it
-            return launcher, None, kernel.function, kernel.packed_metadata, tail
+        if launcher.profile_scratch_size:
+            return launcher, None, kernel.function, kernel.packed_metadata, tail, 0
         return (launcher.launch, (launcher.launch_cooperative_grid, launcher.launch_pdl), kernel.function,
-                kernel.packed_metadata, tail)
+                kernel.packed_metadata, tail, launcher.global_scratch_size * launcher.num_ctas)
     except (AttributeError, KeyError, TypeError):
         return None
+
+
+# [Note] Launch scratch
+# Kernels that build TMA descriptors on the device (tl.make_tensor_descriptor) need a global scratch buffer of a
+# few hundred bytes per program. Triton's wrapper asks its allocator for a fresh one at every launch (a
+# torch.empty, ~4 us); _scratch keeps one per (device, stream) and grows it when a grid needs more. Kernels on one
+# stream run in order and each writes its descriptors before reading them, so consecutive launches may share
+# the bytes; another stream gets its own. While a CUDA graph is being captured the buffer is fresh from the
+# caching allocator (the graph's pool owns it), so no graph holds the address of a buffer that may be replaced.
+_SCRATCH = {}
+
+
+def _scratch(nbytes, device, stream):
+    """A uint8 device tensor of at least nbytes for one launch on (device, stream) (device -1: the CPU, for fakes)."""
+    capturing = torch.cuda.is_current_stream_capturing()
+    buf = None if capturing else _SCRATCH.get((device, stream))
+    if buf is None or buf.numel() < nbytes:
+        where = torch.device("cuda", device) if device >= 0 else torch.device("cpu")
+        buf = torch.empty(nbytes if capturing else max(nbytes, 1 << 16), dtype=torch.uint8, device=where)
+        if not capturing:
+            _SCRATCH[(device, stream)] = buf
+    return buf
+
+
+def _launch_entry(entry, grid, device, args):
+    """Launch a compiled kernel through its entry (see _entry) on the current stream of `device`."""
+    launch, flags, function, metadata, tail, scratch = entry
+    stream = _raw_stream(device)
+    if flags is None:
+        launch(grid[0], grid[1], grid[2], stream, function, metadata, None, None, None, *args, *tail)
+    elif scratch:
+        buf = _scratch(scratch * grid[0] * grid[1] * grid[2], device, stream)
+        launch(grid[0], grid[1], grid[2], stream, function, flags[0], flags[1], buf.data_ptr(), None, metadata,
+               None, None, None, *args, *tail)
+    else:
+        launch(grid[0], grid[1], grid[2], stream, function, flags[0], flags[1], None, None, metadata,
+               None, None, None, *args, *tail)
+
+
+def _new_out(t):
+    """An empty contiguous tensor like t (empty_like: about half the host time of torch.empty(shape, dtype=, device=),
+    which parses a shape and a device)."""
+    return torch.empty_like(t, memory_format=torch.contiguous_format)
 
 
 def _run(fn, grid, args, consts):
@@ -247,14 +308,7 @@ def _run(fn, grid, args, consts):
         if entry is _KERNELS:
             entry = _KERNELS[key] = _entry(kernel, fn, len(args), consts)
         return entry
-    launch, flags, function, metadata, tail = entry
-    if len(grid) != 3:
-        grid = (*grid, 1, 1)
-    if flags is None:
-        launch(grid[0], grid[1], grid[2], _raw_stream(device), function, metadata, None, None, None, *args, *tail)
-    else:
-        launch(grid[0], grid[1], grid[2], _raw_stream(device), function, flags[0], flags[1], None, None, metadata,
-               None, None, None, *args, *tail)
+    _launch_entry(entry, grid if len(grid) == 3 else (*grid, 1, 1), device, args)
     return entry
 
 
@@ -367,15 +421,17 @@ def _decode_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, qk_sca
 
 
 @triton.jit
-def _decode_split(Q, K, V, Dst, DstLse, SeqlensQ, SeqlensK, TreeMask, qk_scale,
+def _decode_split(Q, K, V, Dst, DstLse, Out, Lse, Counter, SeqlensQ, SeqlensK, TreeMask, qk_scale,
                   stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                   stride_ds, stride_db, stride_dh, stride_dm, stride_ls, stride_lb, stride_lh,
+                  stride_ob, stride_oh, stride_om, stride_eb, stride_eh,
                   stride_tb, stride_tm, seq_q, seq_k, chunk, n_tiles,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                   GQA: tl.constexpr, DOT: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr):
     """Keys [split * chunk, (split + 1) * chunk) against one tile of a KV group's packed query rows.
 
-    Writes the tile's partial (out, lse) for this split (lse in log2), or, when DIRECT, the final out and lse.
+    Writes the tile's partial (out, lse) for this split (lse in log2) into Dst/DstLse; the tile's last split to
+    finish merges them into Out/Lse ([Note] Last split merges). When DIRECT (one split) Dst/DstLse are Out/Lse.
     """
     tl.static_assert(HEAD_DIM % 8 == 0)
     tl.static_assert(BLOCK_D >= HEAD_DIM)
@@ -391,9 +447,6 @@ def _decode_split(Q, K, V, Dst, DstLse, SeqlensQ, SeqlensK, TreeMask, qk_scale,
     full_hi, kv_hi = _key_bounds(len_q, len_k, seq_q, seq_k)
     s0 = split * chunk
     hi = tl.minimum(tl.minimum(s0 + chunk, seq_k), kv_hi)
-    if not DIRECT:
-        if s0 >= hi:
-            return  # no row sees a key here; the merge stops before this split (see [Note] Used splits)
 
     # [Note] GQA packing: the tile's rows are (head g of the group, query i) pairs, r = g * seq_q + i, so the
     # whole group shares every K/V load; each K/V element is read once per (group, row tile).
@@ -402,9 +455,24 @@ def _decode_split(Q, K, V, Dst, DstLse, SeqlensQ, SeqlensK, TreeMask, qk_scale,
     off_h = off_hkv * GQA + rows // seq_q
     row_real = rows < GQA * seq_q
     row_ok = row_real & (offs_i < len_q)  # padding queries load zeros and are zeroed at the end
-    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d[None, :] < HEAD_DIM
+    o_mask = row_real[:, None]
+    if BLOCK_D != HEAD_DIM:
+        o_mask = o_mask & d_ok
+    head0 = off_b.to(tl.int64) * stride_db + off_h.to(tl.int64) * stride_dh
+    lse_head0 = off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh
+    if not DIRECT:
+        # [Note] Used splits: split s has keys iff s * chunk < kv_hi (counted from base under a window), so the
+        # first n_used splits are exactly those with keys; the others write nothing.
+        n_used = (kv_hi + chunk - 1) // chunk
+        if s0 >= hi:
+            if split == 0:  # no split has a key for these rows: split 0 writes their (empty) result
+                _merge_splits(Dst, DstLse, Out, Lse, head0, lse_head0, off_b, off_h, offs_i, offs_d,
+                              row_real, row_ok, o_mask, 0, stride_ds, stride_dm, stride_ls,
+                              stride_ob, stride_oh, stride_om, stride_eb, stride_eh, ROWS, BLOCK_D)
+            return
+    offs_n = tl.arange(0, BLOCK_N)
     q_ptrs = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64)[:, None] * stride_qh \
         + offs_i[:, None] * stride_qm + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok, other=0.0)
@@ -434,45 +502,39 @@ def _decode_split(Q, K, V, Dst, DstLse, SeqlensQ, SeqlensK, TreeMask, qk_scale,
     lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
     if DIRECT:
         lse = lse * 0.6931471805599453  # ln 2: the final lse is a natural log
-    head = off_b.to(tl.int64) * stride_db + off_h.to(tl.int64) * stride_dh + split.to(tl.int64) * stride_ds
-    o_mask = row_real[:, None]
-    if BLOCK_D != HEAD_DIM:
-        o_mask = o_mask & d_ok
-    tl.store(Dst + head[:, None] + offs_i[:, None] * stride_dm + offs_d[None, :],
+    tl.store(Dst + head0[:, None] + split.to(tl.int64) * stride_ds + offs_i[:, None] * stride_dm + offs_d[None, :],
              out.to(Dst.dtype.element_ty), mask=o_mask)
-    lse_head = off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh + split.to(tl.int64) * stride_ls
-    tl.store(DstLse + lse_head + offs_i, lse, mask=row_real)
+    tl.store(DstLse + lse_head0 + split.to(tl.int64) * stride_ls + offs_i, lse, mask=row_real)
+    if not DIRECT:
+        # [Note] Last split merges. The tile's used splits each take a ticket from its counter once their partial
+        # is stored (the barrier orders every thread's stores before the ticket; acq_rel makes them visible to
+        # the split that takes the last ticket, and that split's reads see them). The last one merges all
+        # n_used partials in split order, so the result does not depend on which split finishes last (the same
+        # bits as a separate merge kernel), and sets the counter back to 0 for the next launch. One launch per
+        # decode step instead of two: about 5 us less host time, and no gap between two kernels on the GPU.
+        tl.debug_barrier()
+        counter = Counter + off_b * tl.num_programs(1) + tl.program_id(1)
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == n_used - 1:
+            tl.store(counter, 0)
+            _merge_splits(Dst, DstLse, Out, Lse, head0, lse_head0, off_b, off_h, offs_i, offs_d,
+                          row_real, row_ok, o_mask, n_used, stride_ds, stride_dm, stride_ls,
+                          stride_ob, stride_oh, stride_om, stride_eb, stride_eh, ROWS, BLOCK_D)
 
 
 @triton.jit
-def _decode_merge(Part, PartLse, Out, Lse, SeqlensQ, SeqlensK,
-                  stride_ps, stride_pb, stride_ph, stride_pm, stride_ls, stride_lb, stride_lh,
-                  stride_ob, stride_oh, stride_om, stride_eb, stride_eh, seq_q, seq_k, chunk,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr):
-    """Combine the splits' partial (out, lse) of one (batch, query head) by the log-sum-exp rule."""
-    off_h = tl.program_id(0)
-    off_b = tl.program_id(1)
-    len_q = tl.load(SeqlensQ + off_b)
-    len_k = tl.load(SeqlensK + off_b)
-    shift = len_k - len_q
-
-    # [Note] Used splits: split s ran iff s * chunk < kv_hi (the split kernel returns early otherwise and
-    # writes nothing), so only the first cdiv(kv_hi, chunk) partials exist.
-    full_hi, kv_hi = _key_bounds(len_q, len_k, seq_q, seq_k)
-    n_used = (kv_hi + chunk - 1) // chunk
-    offs_m = tl.arange(0, BLOCK_Q)
-    offs_d = tl.arange(0, BLOCK_D)
-    m_ok = offs_m < seq_q
-    o_mask = m_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-    part = Part + off_b.to(tl.int64) * stride_pb + off_h.to(tl.int64) * stride_ph \
-        + offs_m[:, None] * stride_pm + offs_d[None, :]
-    part_lse = PartLse + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh + offs_m
-    m = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
-    l = tl.zeros([BLOCK_Q], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
+def _merge_splits(Part, PartLse, Out, Lse, head0, lse_head0, off_b, off_h, offs_i, offs_d,
+                  row_real, row_ok, o_mask, n_used, stride_ps, stride_pm, stride_ls,
+                  stride_ob, stride_oh, stride_om, stride_eb, stride_eh, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Combine the first n_used splits' partial (out, lse) of a tile's packed rows by the log-sum-exp rule and
+    store the final out and lse (natural log). Partials are read through L2 (.cg): other SMs wrote them."""
+    part = Part + head0[:, None] + offs_i[:, None] * stride_pm + offs_d[None, :]
+    part_lse = PartLse + lse_head0 + offs_i
+    m = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    l = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
     for s in range(0, n_used):
-        lse_s = tl.load(part_lse + s * stride_ls, mask=m_ok, other=float("-inf"))
-        o_s = tl.load(part + s * stride_ps, mask=o_mask, other=0.0)
+        lse_s = tl.load(part_lse + s * stride_ls, mask=row_real, other=float("-inf"), cache_modifier=".cg")
+        o_s = tl.load(part + s * stride_ps, mask=o_mask, other=0.0, cache_modifier=".cg")
         # out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M), lse = M + log2 sum_s 2^(lse_s - M), for any M:
         # the running max keeps every power <= 1. A split whose row saw no key has lse_s = -inf and o_s = 0,
         # so its weight is exactly 0; the finite stand-in keeps exp2(-inf - -inf) = NaN out while all are empty
@@ -487,9 +549,9 @@ def _decode_merge(Part, PartLse, Out, Lse, SeqlensQ, SeqlensK,
     seen = l != 0  # NaN from a split stays NaN ([Note] Empty rows)
     out = tl.where(seen[:, None], acc / tl.where(seen, l, 1.0)[:, None], 0.0)
     lse = tl.where(seen, (m + tl.math.log2(tl.where(seen, l, 1.0))) * 0.6931471805599453, float("-inf"))  # ln 2
-    tl.store(Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh + offs_m[:, None] * stride_om
-             + offs_d[None, :], out.to(Out.dtype.element_ty), mask=o_mask)
-    tl.store(Lse + off_b.to(tl.int64) * stride_eb + off_h.to(tl.int64) * stride_eh + offs_m, lse, mask=m_ok)
+    tl.store(Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64)[:, None] * stride_oh
+             + offs_i[:, None] * stride_om + offs_d[None, :], out.to(Out.dtype.element_ty), mask=o_mask)
+    tl.store(Lse + off_b.to(tl.int64) * stride_eb + off_h.to(tl.int64) * stride_eh + offs_i, lse, mask=row_real)
 
 
 @functools.cache
@@ -550,26 +612,40 @@ def _check_decode_inputs(sq, num_splits):
 
 # [Note] Decode workspace
 # With more than one split the split kernel writes partial results (fp32 [splits, B, Hq, Sq, D] and their lse) that
-# the merge kernel reads. A Plan owns its workspace. Otherwise each thread keeps one workspace per (device, current
-# stream), reused while the shape repeats (one allocation less per step; replaced, not grown, when it changes):
-# kernels on one stream run in order, so step n + 1's split kernel cannot overwrite what step n's merge still
-# reads, and a thread of its own cannot interleave its launches with this one's. While the stream is capturing a
-# CUDA graph the workspace comes from the caching allocator as before (the graph's private pool owns it).
+# the tile's last split merges, and a ticket counter per (batch, KV head, row tile) (int32, zero between launches:
+# the merging split sets its counter back; [Note] Last split merges). A Plan owns its workspace. Otherwise each
+# thread keeps one workspace per (device, current stream), reused while the shape repeats (one allocation less per
+# step; replaced, not grown, when it changes): kernels on one stream run in order, so step n + 1 cannot overwrite
+# what step n still reads, and a thread of its own cannot interleave its launches with this one's. While the
+# stream is capturing a CUDA graph the workspace comes from the caching allocator as before (the graph's private
+# pool owns it, and the graph zeroes its counters on every replay).
 _WORKSPACES = threading.local()
 
 
+def _new_workspace(shape, device, counters):
+    return (torch.empty((*shape, HEAD_DIM), dtype=torch.float32, device=device),
+            torch.empty(shape, dtype=torch.float32, device=device), torch.zeros(counters, dtype=torch.int32, device=device))
+
+
+def _counters(b, hq, sq):
+    """Ticket counters of a launch: one per (batch, KV head, row tile)."""
+    return b * (hq // GQA) * _cdiv(GQA * sq, tile_rows(GQA * sq))
+
+
 def _workspace(shape, device, index):
-    """The split workspace (fp32 [*shape, HEAD_DIM] and [*shape]) on `device` (its index: `index`) for this call."""
-    if _INTERPRET or torch.cuda.is_current_stream_capturing():
-        return (torch.empty((*shape, HEAD_DIM), dtype=torch.float32, device=device),
-                torch.empty(shape, dtype=torch.float32, device=device))
+    """The split workspace for shape (splits, B, Hq, Sq) on `device` (its index: `index`): partial outputs fp32
+    [*shape, HEAD_DIM], their lse fp32 [*shape] and the ticket counters."""
+    if _INTERPRET:  # the CPU: no streams, but the same reuse (so the counters' reset is exercised there too)
+        key = (index, None)
+    elif torch.cuda.is_current_stream_capturing():
+        return _new_workspace(shape, device, _counters(*shape[1:]))
+    else:
+        key = (index, _raw_stream(index))
     cache = _WORKSPACES.__dict__
-    key = (index, _raw_stream(index))
     entry = cache.get(key)
     if entry is None or entry[0] != shape:
-        entry = cache[key] = (shape, torch.empty((*shape, HEAD_DIM), dtype=torch.float32, device=device),
-                              torch.empty(shape, dtype=torch.float32, device=device))
-    return entry[1], entry[2]
+        entry = cache[key] = (shape, _new_workspace(shape, device, _counters(*shape[1:])))
+    return entry[1]
 
 
 # [Note] Decode steps
@@ -584,15 +660,15 @@ _STEPS = {}
 
 def _launch_decode(q, k, v, scale, seqlens_q, seqlens_k, tree, num_splits, out=None, lse=None,
                    workspace=None):
-    """Launch the split kernel (and the merge when there is more than one split) on checked inputs.
+    """Launch the split kernel (whose last split per tile merges, [Note] Last split merges) on checked inputs.
 
     Workspaces come from a Plan, the per-stream cache or torch's caching allocator ([Note] Decode workspace); the
     split count from host-known shapes and the SM count (cached per device): nothing here reads a device value, so
     a CUDA graph can capture it.
     """
     b, hq, sq, _ = q.shape
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
-    lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device) if lse is None else lse
+    out = _new_out(q) if out is None else out
+    lse = q.new_empty((b, hq, sq), dtype=torch.float32) if lse is None else lse
     if out.numel() == 0:
         return out, lse
     device = q.get_device()
@@ -600,22 +676,19 @@ def _launch_decode(q, k, v, scale, seqlens_q, seqlens_k, tree, num_splits, out=N
     key = (device, q.shape, k.shape, qs, ks, vs, os_, ls, num_splits, None if tree is None else tree.stride())
     step = _STEPS.get(key) if workspace is None else None
     if step is not None:  # [Note] Decode steps
-        split_grid, split_entry, split_ints, merge_grid, merge_entry, merge_ints, ws_shape = step
-        dst, dst_lse = (out, lse) if ws_shape is None else _workspace(ws_shape, q.device, device)
+        split_grid, (launch, flags, function, metadata, tail, _), split_ints, ws_shape = step
         # Device addresses as ints: the launcher takes them as they are (a tensor costs it a data_ptr() call and a
         # driver query of the pointer); the checks above put every tensor on q's device.
-        pq, pk, pv, po, pl, pd, pdl = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
-                                       dst.data_ptr(), dst_lse.data_ptr())
+        pq, pk, pv, po, pl = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()
+        if ws_shape is None:
+            pd, pdl, pc = po, pl, None
+        else:
+            dst, dst_lse, tickets = _workspace(ws_shape, q.device, device)
+            pd, pdl, pc = dst.data_ptr(), dst_lse.data_ptr(), tickets.data_ptr()
         if ((pq | pk | pv | po | pl | pd | pdl | seqlens_q.data_ptr() | seqlens_k.data_ptr()) & 15) == 0:
-            stream = _raw_stream(device)
-            launch, flags, function, metadata, tail = split_entry
-            launch(*split_grid, stream, function, *flags, None, None, metadata, None, None, None,
-                   pq, pk, pv, pd, pdl, seqlens_q, seqlens_k, tree, scale * 1.4426950408889634,
+            launch(*split_grid, _raw_stream(device), function, *flags, None, None, metadata, None, None, None,
+                   pq, pk, pv, pd, pdl, po, pl, pc, seqlens_q, seqlens_k, tree, scale * 1.4426950408889634,
                    *split_ints, *tail)
-            if merge_entry is not None:
-                launch, flags, function, metadata, tail = merge_entry
-                launch(*merge_grid, stream, function, *flags, None, None, metadata, None, None, None,
-                       pd, pdl, po, pl, seqlens_q, seqlens_k, *merge_ints, *tail)
             return out, lse
     hkv, sk = k.shape[1], k.shape[2]
     copied = qs[3] != 1 or ks[3] != 1 or vs[3] != 1
@@ -626,44 +699,38 @@ def _launch_decode(q, k, v, scale, seqlens_q, seqlens_k, tree, num_splits, out=N
     rows, n_tiles, chunk, splits = _geometry(b, hkv, sq, span, num_splits, max(device, 0))
     direct = splits == 1
     if direct:
-        dst, dst_lse, ws_shape = out, lse, None
+        dst, dst_lse, tickets, ws_shape = out, lse, None, None
         dst_strides = (0, os_[0], os_[1], os_[2], 0, ls[0], ls[1])
     else:
         ws_shape = (splits, b, hq, sq)
         if workspace is not None:  # a Plan's buffers, sized for its largest problem: views of the leading part
-            dst, dst_lse = workspace[0][:splits, :b, :, :sq], workspace[1][:splits, :b, :, :sq]
+            dst, dst_lse, tickets = workspace[0][:splits, :b, :, :sq], workspace[1][:splits, :b, :, :sq], workspace[2]
         else:
-            dst, dst_lse = _workspace(ws_shape, q.device, device)
+            dst, dst_lse, tickets = _workspace(ws_shape, q.device, device)
         ds, dls = dst.stride(), dst_lse.stride()
         dst_strides = (ds[0], ds[1], ds[2], ds[3], dls[0], dls[1], dls[2])
     tree_strides = (tree.stride(0), tree.stride(1)) if tree is not None else (0, 0)
     block_d = _pow2(HEAD_DIM)
-    split_grid, split_ints = (splits, hkv * n_tiles, b), (qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
-                                                          *dst_strides, *tree_strides, sq, sk, chunk, n_tiles)
+    split_grid = (splits, hkv * n_tiles, b)
+    split_ints = (qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], *dst_strides,
+                  os_[0], os_[1], os_[2], ls[0], ls[1], *tree_strides, sq, sk, chunk, n_tiles)
     split_entry = _fast(_decode_split)[split_grid](
-        q, k, v, dst, dst_lse, seqlens_q, seqlens_k, tree, scale * 1.4426950408889634,  # 1/ln 2: exp2
+        q, k, v, dst, dst_lse, out, lse, tickets, seqlens_q, seqlens_k, tree, scale * 1.4426950408889634,  # 1/ln 2: exp2
         *split_ints, HEAD_DIM=HEAD_DIM, BLOCK_D=block_d, ROWS=rows, BLOCK_N=BLOCK_N, GQA=GQA, DOT=rows >= 16,
         DIRECT=direct, UPCAST=UPCAST, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
-    merge_grid, merge_entry = (hq, b, 1), None
-    merge_ints = (*dst_strides, os_[0], os_[1], os_[2], ls[0], ls[1], sq, sk, chunk)
-    if not direct:
-        merge_entry = _fast(_decode_merge)[merge_grid](
-            dst, dst_lse, out, lse, seqlens_q, seqlens_k, *merge_ints,
-            HEAD_DIM=HEAD_DIM, BLOCK_D=block_d, BLOCK_Q=_pow2(sq), num_warps=4,
-        )
-    if workspace is None and not copied and _fast_entry(split_entry) and (direct or _fast_entry(merge_entry)) \
+    if workspace is None and not copied and _fast_entry(split_entry) \
             and ((q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr() | lse.data_ptr() | dst.data_ptr()
                   | dst_lse.data_ptr() | seqlens_q.data_ptr() | seqlens_k.data_ptr()) & 15) == 0:
         if len(_STEPS) >= 1024:
             _STEPS.clear()
-        _STEPS[key] = ((*split_grid,), split_entry, split_ints, merge_grid, merge_entry, merge_ints, ws_shape)
+        _STEPS[key] = (split_grid, split_entry, split_ints, ws_shape)
     return out, lse
 
 
 def _fast_entry(entry):
     """True for a launch entry of _run that calls the launcher's C entry point directly (no scratch, no fn[grid])."""
-    return type(entry) is tuple and entry[1] is not None
+    return type(entry) is tuple and entry[1] is not None and not entry[5]
 
 
 def forward_split(q, k, v, *, num_splits=None, scale=None, seqlens_q=None, seqlens_k=None, tree_mask=None,
@@ -708,10 +775,8 @@ class Plan:
         n_tiles = _cdiv(GQA * max_seq_q, rows)
         self.num_splits = num_splits or num_splits_for(max_batch * (heads_q // GQA) * n_tiles, max_seq_k,
                                                        sm_count(self.device.index or 0))
-        self.workspace = (torch.empty((self.num_splits, max_batch, heads_q, max_seq_q, HEAD_DIM), dtype=torch.float32,
-                                      device=self.device),
-                          torch.empty((self.num_splits, max_batch, heads_q, max_seq_q), dtype=torch.float32,
-                                      device=self.device))
+        self.workspace = _new_workspace((self.num_splits, max_batch, heads_q, max_seq_q), self.device,
+                                        _counters(max_batch, heads_q, max_seq_q))
 
     def run(self, q, k, v, *, scale=None, seqlens_q=None, seqlens_k=None, tree_mask=None,
             out=None, lse=None,

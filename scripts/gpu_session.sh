@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# One stage of a GPU session on the H100: `bash scripts/gpu_session.sh tests|bench|cuda|decode|tune|runtime|timing`.
+# One stage of a GPU session on the H100: `bash scripts/gpu_session.sh tests|bench|cuda|decode|tune|runtime|timing|host`.
 # Full logs go under $OUT (the device tool brings them back); a compact summary is printed last.
 set -uo pipefail
-stage=${1:?usage: gpu_session.sh tests|bench|cuda|decode|tune|runtime|timing|layouts}
+stage=${1:?usage: gpu_session.sh tests|bench|cuda|decode|tune|runtime|timing|layouts|host}
 OUT=${OUT:-$PWD/gpu-logs}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD  # tests make their own cache per worker, as in CI
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -15,6 +15,18 @@ case $stage in
     tail -2 "$OUT/layouts-tests.log"
     timeout 240 python3 cli.py bench --suite layouts --json "$OUT/layouts.json" > "$OUT/layouts-bench.log" 2>&1
     echo "layouts bench exit $?"; cat "$OUT/layouts-bench.log" | tail -20 ;;
+  host)  # issue 13: host time per call (latency suite, per-piece breakdown), the decode rows, the host-path tests
+    timeout 150 python3 cli.py bench --suite latency --json "$OUT/latency.json" > "$OUT/latency.log" 2>&1
+    echo "latency exit $?"; grep -v "^ *$" "$OUT/latency.log" | tail -14
+    timeout 90 python3 scripts/host_breakdown.py > "$OUT/breakdown.log" 2>&1; echo "breakdown exit $?"
+    cat "$OUT/breakdown.log"
+    timeout 120 python3 cli.py bench --suite standard --impl fagen --impl sdpa-cudnn --case decode-d128-kv8k-b32 \
+      --case decode-d128-kv32k-b8 --json "$OUT/decode-rows.json" > "$OUT/decode-rows.log" 2>&1
+    echo "decode rows exit $?"; tail -c 1500 "$OUT/decode-rows.log"
+    HYPOTHESIS_PROFILE=ci timeout ${TESTS_TIMEOUT:-200} python3 -m pytest tests/test_launch.py tests/test_graphs.py \
+      tests/test_ops.py tests/test_decode.py ${HOST_TESTS:-} -q -n 8 -p no:cacheprovider -rfE --tb=short \
+      > "$OUT/host-tests.log" 2>&1; echo "host tests exit $?"
+    grep -E "^(FAILED|ERROR)" "$OUT/host-tests.log" | cut -c1-240 | head -30; tail -2 "$OUT/host-tests.log" ;;
   runtime)  # issue 13: graphs, operators/compile, transformers; then forward/decode/backward at GPU scale (ci profile)
     timeout 240 python3 -m pytest tests/test_graphs.py tests/test_ops.py tests/test_transformers.py tests/test_cache.py \
       -v -n 8 -p no:cacheprovider -rfE --tb=short > "$OUT/runtime.log" 2>&1; echo "runtime tests exit $?"

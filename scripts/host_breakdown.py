@@ -45,18 +45,22 @@ for name, (b, hq, hkv, sq, sk, mask) in {"decode": (1, 32, 8, 1, 1024, "none"), 
         t("q.stride() x5", lambda: (q.stride(), k.stride(), v.stride(), out.stride(), lse.stride()))
         t("_raw_stream", lambda: mod._raw_stream(0))
         t("is_current_stream_capturing", torch.cuda.is_current_stream_capturing)
+        t("_check_buffers(out, lse)", lambda: mod._check_buffers(q, out, lse))
+        t("_check_mask_inputs", lambda: mod._check_mask_inputs(q, k, None, None, None))
+        t("q.new_empty(lse shape, float32)", lambda: q.new_empty(q.shape[:3], dtype=torch.float32))
+        t("_new_out(q) (empty_like)", lambda: mod._new_out(q))
         if name == "decode" and mod._STEPS:
             key, step = next(iter(mod._STEPS.items()))
-            split_grid, (launch, flags, function, metadata, tail), split_ints = step[:3]
-            ws = mod._workspace(step[6], q.device, 0)
+            split_grid, (launch, flags, function, metadata, tail, _), split_ints, ws_shape = step
+            ws = mod._workspace(ws_shape, q.device, 0)
             s = mod._raw_stream(0)
-            t("split launcher C call, tensors", lambda: launch(*split_grid, s, function, *flags, None, None, metadata, None, None, None, q, k, v, ws[0], ws[1], None, None, None, 0.1, *split_ints, *tail))
-            ptrs = [x.data_ptr() for x in (q, k, v, ws[0], ws[1])]
+            t("split launcher C call, tensors", lambda: launch(*split_grid, s, function, *flags, None, None, metadata, None, None, None, q, k, v, ws[0], ws[1], out, lse, ws[2], None, None, None, 0.1, *split_ints, *tail))
+            ptrs = [x.data_ptr() for x in (q, k, v, ws[0], ws[1], out, lse, ws[2])]
             t("split launcher C call, int pointers", lambda: launch(*split_grid, s, function, *flags, None, None, metadata, None, None, None, *ptrs, None, None, None, 0.1, *split_ints, *tail))
-            print("  decode steps cached:", len(mod._STEPS), "splits", step[6], flush=True)
+            print("  decode steps cached:", len(mod._STEPS), "workspace", ws_shape, flush=True)
         if name == "prefill":
             t("_tma_ready(k)", lambda: mod._tma_ready(k))
-            t("_ensure_allocator", mod._ensure_allocator)
-            t("_torch_scratch(128*grid)", lambda: mod._torch_scratch(128 * 32, 128, 0))
+            print("  forward steps cached:", len(getattr(mod, "_STEPS", {})), flush=True)
             entries = [e for e in mod._KERNELS.values() if e]
-            print("  prefill kernel entries:", [(type(e[0]).__name__, e[1]) for e in entries], flush=True)
+            print("  prefill kernel entries (launch, direct, scratch bytes):",
+                  [(type(e[0]).__name__, e[1] is not None, e[5]) for e in entries], flush=True)

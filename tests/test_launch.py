@@ -17,9 +17,9 @@ DECODE = fagen.KernelSpec(head_dim=16, mask="none", gqa=2, dtype="fp32", kind="d
 class FakeLauncher:
     """triton 3.6's CudaLauncher as _run reads it: the C entry point `launch` and its flags."""
 
-    def __init__(self, scratch=0):
+    def __init__(self, scratch=0, profile=0):
         self.calls, self.wrapper_calls = [], []
-        self.global_scratch_size, self.profile_scratch_size = scratch, 0
+        self.global_scratch_size, self.profile_scratch_size, self.num_ctas = scratch, profile, 1
         self.launch_cooperative_grid, self.launch_pdl = False, True
 
     def launch(self, *args):
@@ -37,8 +37,8 @@ class FakeKernel:
 class FakeJIT:
     """A @triton.jit function as _run uses it: arg_names, and fn[grid](...) compiles (counted), launches, returns."""
 
-    def __init__(self, arg_names, scratch=0):
-        self.arg_names, self.compiles, self.launcher = arg_names, [], FakeLauncher(scratch)
+    def __init__(self, arg_names, scratch=0, profile=0):
+        self.arg_names, self.compiles, self.launcher = arg_names, [], FakeLauncher(scratch, profile)
 
     def __getitem__(self, grid):
         def compile_and_launch(*args, **consts):
@@ -96,8 +96,30 @@ def test_constexprs_and_device_are_part_of_the_key(module, monkeypatch):
     assert len(fn.compiles) == 3
 
 
-def test_kernels_with_scratch_go_through_triton_wrapper(module):
+def test_kernels_with_scratch_launch_directly_with_a_kept_buffer(module, monkeypatch):
+    """[Note] Launch scratch: one buffer per (device, stream), grown for a larger grid, fresh under graph capture."""
+    monkeypatch.setattr(module, "_SCRATCH", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     fn = FakeJIT(["X"], scratch=128)
+    x = _aligned()
+    for grid in ((1, 1, 1), (4, 2, 1), (4, 2, 1), (1024, 1, 1)):
+        module._run(fn, grid, (x,), {})
+    assert len(fn.compiles) == 1 and not fn.launcher.wrapper_calls
+    scratch = [call[7] for call in fn.launcher.calls]
+    assert all(type(p) is int for p in scratch)
+    (buf,) = module._SCRATCH.values()
+    assert buf.numel() >= 1024 * 128 and scratch[2] == buf.data_ptr()  # grown to the largest grid, then kept
+    assert scratch[0] == scratch[1]  # the same buffer while it is large enough
+    monkeypatch.setattr(module, "_raw_stream", lambda device: 78)  # another stream: its own buffer
+    module._run(fn, (1, 1, 1), (x,), {})
+    assert len(module._SCRATCH) == 2 and fn.launcher.calls[-1][7] != buf.data_ptr()
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)  # capturing: the graph owns it
+    module._run(fn, (1, 1, 1), (x,), {})
+    assert len(module._SCRATCH) == 2 and fn.launcher.calls[-1][7] not in {b.data_ptr() for b in module._SCRATCH.values()}
+
+
+def test_kernels_with_a_profiling_buffer_go_through_triton_wrapper(module):
+    fn = FakeJIT(["X"], profile=64)
     x = _aligned()
     for _ in range(2):
         module._run(fn, (1, 1, 1), (x,), {})
@@ -141,6 +163,7 @@ def test_decode_workspace_is_reused_per_stream_and_thread(module, monkeypatch):
     cpu = torch.device("cpu")
     first = module._workspace((4, 1, 8, 1), cpu, 0)
     assert first[0].shape == (4, 1, 8, 1, 16) and first[1].shape == (4, 1, 8, 1)
+    assert first[2].dtype == torch.int32 and first[2].shape == (1 * 4,) and not first[2].any()  # 8 heads / gqa 2
     assert all(a is b for a, b in zip(module._workspace((4, 1, 8, 1), cpu, 0), first))  # same shape and stream
     stream[0] = 6
     assert all(a is not b for a, b in zip(module._workspace((4, 1, 8, 1), cpu, 0), first))  # another stream
@@ -184,7 +207,7 @@ STEP_SPECS = {
 
 
 @pytest.mark.parametrize("which", list(STEP_SPECS))
-@pytest.mark.parametrize("seq_k", [300, 16])  # split (split + merge kernels) and direct (one kernel)
+@pytest.mark.parametrize("seq_k", [300, 16])  # split (the last split merges) and direct (one split)
 def test_decode_step_replays_the_general_path(monkeypatch, which, seq_k):
     """[Note] Decode steps: the second call of a shape launches exactly what the first (general) call did."""
     module = fagen.load(STEP_SPECS[which])
@@ -192,9 +215,8 @@ def test_decode_step_replays_the_general_path(monkeypatch, which, seq_k):
                         ("_WORKSPACES", threading.local()), ("_raw_stream", _raw_stream_of([77]))):
         monkeypatch.setattr(module, name, value)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    split, merge = FakeTritonJIT(module._decode_split), FakeTritonJIT(module._decode_merge)
+    split = FakeTritonJIT(module._decode_split)
     monkeypatch.setattr(module, "_decode_split", split)
-    monkeypatch.setattr(module, "_decode_merge", merge)
     sq = 3
     q = torch.randn(1, 4, sq, 16)
     k, v = torch.randn(1, 2, seq_k, 16), torch.randn(1, 2, seq_k, 16)
@@ -211,21 +233,19 @@ def test_decode_step_replays_the_general_path(monkeypatch, which, seq_k):
         return module._launch(q, k, v, 0.25, *masks, *scores, **buffers)
 
     launch()
-    splits = len(merge.compiles) == 1
-    assert len(split.compiles) == 1 and splits == (seq_k == 300) and len(module._STEPS) == 1
+    assert len(split.compiles) == 1 and len(module._STEPS) == 1
+    (grid, args, consts), = split.compiles
+    assert (grid[0] > 1) == (seq_k == 300) and (args[7] is None) == (seq_k == 16)  # tickets only with splits
     # the second call writes into the first call's outputs, so every address matches what was compiled with
-    first_out, first_lse = split.compiles[0][1][3:5] if not splits else merge.compiles[0][1][2:4]
+    first_out, first_lse = args[5:7]
     launch(out=first_out, lse=first_lse)
-    assert len(split.compiles) == 1 and len(merge.compiles) == splits  # nothing new compiled or re-specialised
-    for fn in (split, merge) if splits else (split,):
-        (grid, args, consts), = fn.compiles
-        (call,) = fn.launcher.calls
-        tail = tuple(consts[name] for name in fn.arg_names[len(args):])
-        assert call[:13] == (*grid, *(1,) * (3 - len(grid)), 77, 1234, False, True, None, None, (4, 1, 0), None,
-                             None, None)
-        assert len(call) == 13 + len(args) + len(tail)
-        bad = [name for name, a, b in zip(fn.arg_names, call[13:], args + tail) if not _same(a, b)]
-        assert not bad, bad
+    assert len(split.compiles) == 1  # nothing new compiled or re-specialised
+    (call,) = split.launcher.calls
+    tail = tuple(consts[name] for name in split.arg_names[len(args):])
+    assert call[:13] == (*grid, 77, 1234, False, True, None, None, (4, 1, 0), None, None, None)
+    assert len(call) == 13 + len(args) + len(tail)
+    bad = [name for name, a, b in zip(split.arg_names, call[13:], args + tail) if not _same(a, b)]
+    assert not bad, bad
     q = torch.randn(1, 4, sq, 16 + 1)[..., 1:]  # a 4-byte offset: Triton specialises it differently
     launch()
     assert len(split.compiles) == 2
@@ -238,3 +258,84 @@ def test_warm_attention_call_resolves_nothing(monkeypatch, device):
         first = fagen.attention(q, k, k)
         monkeypatch.setattr(api, "resolve", lambda *a, **kw: pytest.fail("a warm call resolved its module again"))
         assert torch.equal(fagen.attention(q, k, k), first)
+
+
+FORWARD_SPECS = {
+    "none": fagen.KernelSpec(head_dim=16, mask="none", gqa=2, dtype="fp32", block_m=16, block_n=16),
+    "causal+padding": fagen.KernelSpec(head_dim=16, mask="causal+padding", gqa=2, dtype="fp32", block_m=16,
+                                       block_n=16),
+    "tree": fagen.KernelSpec(head_dim=16, mask="tree", gqa=2, dtype="fp32", block_m=16, block_n=16),
+}
+
+
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("which", list(FORWARD_SPECS))
+def test_forward_step_replays_the_general_path(monkeypatch, which, tma):
+    """[Note] Forward steps: the second call of a shape launches exactly what the first (general) call did, with
+    device addresses as ints and (TMA) a kept scratch buffer; a misaligned or strided input takes the general path."""
+    module = fagen.load(FORWARD_SPECS[which])
+    for name, value in (("_FAST_LAUNCH", True), ("_KERNELS", {}), ("_INTERPRET", False), ("_STEPS", {}),
+                        ("_SCRATCH", {}), ("TMA", tma), ("_raw_stream", _raw_stream_of([77]))):
+        monkeypatch.setattr(module, name, value)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    fwd = FakeTritonJIT(module._attn_fwd)
+    fwd.launcher.global_scratch_size = 128 if tma else 0
+    monkeypatch.setattr(module, "_attn_fwd", fwd)
+    sq, sk = 5, 37
+    q = torch.randn(2, 4, sq, 16)
+    k, v = torch.randn(2, 2, sk, 16), torch.randn(2, 2, sk, 16)
+    lens = {}
+    if which == "causal+padding":
+        lens = dict(seqlens_q=torch.tensor([5, 2], dtype=torch.int32), seqlens_k=torch.tensor([37, 9], dtype=torch.int32))
+    parents = torch.tensor([[-1, 0, 0, 1, 1]] * 2, dtype=torch.int32) if which == "tree" else None
+    masks = module._check_mask_inputs(q, k, lens.get("seqlens_q"), lens.get("seqlens_k"), parents)
+
+    def launch(**buffers):
+        return module._launch(q, k, v, 0.25, *masks, **buffers)
+
+    launch()
+    assert len(fwd.compiles) == 1 and len(module._STEPS) == 1
+    first_out, first_lse = fwd.compiles[0][1][3:5]
+    launch(out=first_out, lse=first_lse)
+    launch(out=first_out, lse=first_lse)
+    assert len(fwd.compiles) == 1 and len(fwd.launcher.calls) == 2  # nothing new compiled: two replays
+    (grid, args, consts), = fwd.compiles
+    tail = tuple(consts[name] for name in fwd.arg_names[len(args):])
+    for call in fwd.launcher.calls:
+        assert call[:7] == (*grid, 77, 1234, False, True) and call[8:13] == (None, (4, 1, 0), None, None, None)
+        assert (type(call[7]) is int) == tma and (call[7] is None) == (not tma)
+        assert len(call) == 13 + len(args) + len(tail)
+        bad = [name for name, a, b in zip(fwd.arg_names, call[13:], args + tail) if not _same(a, b)]
+        assert not bad, bad
+    q = torch.randn(2, 4, sq, 16 + 1)[..., 1:]  # a 4-byte offset: Triton specialises it differently
+    launch()
+    assert len(fwd.compiles) == 2
+    q = torch.randn(2, 4, 16, sq).transpose(2, 3)  # not unit-stride: copied, so never kept as a step
+    launch()
+    assert len(module._STEPS) == 1
+
+
+def _qkv16(b=2, hq=4, hkv=2, sq=5, sk=7, d=16):
+    return torch.randn(b, hq, sq, d), torch.randn(b, hkv, sk, d), torch.randn(b, hkv, sk, d)
+
+
+@pytest.mark.parametrize("defect, message", [
+    (lambda q, k, v: ([1.0], k, v), "q: expected a torch.Tensor"),
+    (lambda q, k, v: (q, k.double(), v), "k: dtype torch.float64"),
+    (lambda q, k, v: (q, k, v.half()), "v: dtype torch.float16"),
+    (lambda q, k, v: (q[0], k, v), "q: expected 4 dims"),
+    (lambda q, k, v: (q, k[0], v[0]), "k: expected 4 dims"),
+    (lambda q, k, v: (q, k, v[:, :, :3]), "k and v must have one shape"),
+    (lambda q, k, v: (q[..., :8], k, v), "q: head_dim 8"),
+    (lambda q, k, v: (q, k[..., :8], v[..., :8]), "k: head_dim 8"),
+    (lambda q, k, v: (q[:1], k, v), "batch: q has 1, k/v have 2"),
+    (lambda q, k, v: (q[:, :2], k, v), "heads: q has 2 heads"),
+    (lambda q, k, v: (q, k.to("meta"), v), "k: on meta"),
+])
+def test_fast_accept_takes_nothing_the_checks_refuse(defect, message):
+    """[Note] Fast accept: every input with one defect is refused with the loop's message; fitting ones pass."""
+    module = fagen.load(FORWARD_SPECS["none"])
+    module._check_qkv(*_qkv16())
+    module._check_qkv(torch.nn.Parameter(torch.randn(2, 4, 5, 16)), *_qkv16()[1:])  # a subclass: the loop accepts
+    with pytest.raises(module.InputError, match=message):
+        module._check_qkv(*defect(*_qkv16()))

@@ -68,8 +68,11 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
     if module is None:
         module = resolve(q, k, v, mask, decode, switches, forward_only)
     if not needs_grad:  # no autograd node to build: the forward alone (prefill, decode, or the Gluon forward)
-        return module.forward(q, k, v, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k, tree_mask=tree_mask,
-                              check=check, **scores)[0]
+        if scores or scale is not None or seqlens_q is not None or seqlens_k is not None or tree_mask is not None \
+                or check is not None:
+            return module.forward(q, k, v, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
+                                  tree_mask=tree_mask, check=check, **scores)[0]
+        return module.forward(q, k, v)[0]  # the plainest call: no keyword to pass
     return module.attention(q, k, v, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k, tree_mask=tree_mask,
                             check=check, **scores)
 

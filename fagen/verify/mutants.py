@@ -67,6 +67,8 @@ MUTANTS = (
            "hi = tl.minimum(tl.minimum(s0 + chunk + BLOCK_N, seq_k), kv_hi)", kinds=(Kind.DECODE,)),
     Mutant("decode-last-split-dropped", "the merge stops one split early", tuple(Mask),
            "n_used = (kv_hi + chunk - 1) // chunk", "n_used = kv_hi // chunk", kinds=(Kind.DECODE,)),
+    Mutant("decode-ticket-not-reset", "the merging split leaves its counter set, so the next launch never merges",
+           tuple(Mask), "            tl.store(counter, 0)\n", "", kinds=(Kind.DECODE,)),
     Mutant("bwd-causal-off-by-one", "dK/dV kernel: causal mask lets each row see one key past its diagonal",
            (Mask.CAUSAL, Mask.CAUSAL_PADDING), "<= rows[None, :] + shift", "<= rows[None, :] + shift + 1",
            directions=(Direction.BWD,)),

@@ -185,11 +185,14 @@ def test_decode_mutants_are_caught(mutant):
     spec = decode_spec(head_dim=32, mask="padding", gqa=4, block_n=16)
     assert mutant.applies(spec)
     broken = runtime.load_source(mutant.apply(fagen.generate(spec)), f"mutant_{mutant.name.replace('-', '_')}")
-    problem = Problem(batch=2, heads_kv=1, seq_q=2, seq_k=90, seqlens_q=(2, 1), seqlens_k=(90, 75), seed=9)
-    for _ in range(2):  # twice: the second launch reuses the first one's workspace and ticket counters
+    # Twice, on fresh inputs: the second launch reuses the first one's workspace and ticket counters (and may get
+    # the first one's output memory back from the allocator, so its inputs differ).
+    problems = [Problem(batch=2, heads_kv=1, seq_q=2, seq_k=90, seqlens_q=(2, 1), seqlens_k=(90, 75), seed=seed)
+                for seed in (9, 10)]
+    for problem in problems:
         check_forward(with_splits(fagen.load(spec), 4), spec, problem, DEVICE)  # the intact kernel passes
     with pytest.raises(PropertyFailure):
-        for _ in range(2):
+        for problem in problems:
             check_forward(with_splits(broken, 4), spec, problem, DEVICE)
 
 

@@ -9,6 +9,7 @@ import torch
 import triton
 
 import fagen
+from conftest import DEVICE
 from fagen.runtime import api
 
 DECODE = fagen.KernelSpec(head_dim=16, mask="none", gqa=2, dtype="fp32", kind="decode", block_m=16, block_n=16)
@@ -316,7 +317,7 @@ def test_forward_step_replays_the_general_path(monkeypatch, which, tma):
 
 
 def _qkv16(b=2, hq=4, hkv=2, sq=5, sk=7, d=16):
-    return torch.randn(b, hq, sq, d), torch.randn(b, hkv, sk, d), torch.randn(b, hkv, sk, d)
+    return tuple(torch.randn(b, h, s, d, device=DEVICE) for h, s in ((hq, sq), (hkv, sk), (hkv, sk)))
 
 
 @pytest.mark.parametrize("defect, message", [
@@ -336,6 +337,6 @@ def test_fast_accept_takes_nothing_the_checks_refuse(defect, message):
     """[Note] Fast accept: every input with one defect is refused with the loop's message; fitting ones pass."""
     module = fagen.load(FORWARD_SPECS["none"])
     module._check_qkv(*_qkv16())
-    module._check_qkv(torch.nn.Parameter(torch.randn(2, 4, 5, 16)), *_qkv16()[1:])  # a subclass: the loop accepts
+    module._check_qkv(torch.nn.Parameter(_qkv16()[0]), *_qkv16()[1:])  # a subclass: the loop accepts
     with pytest.raises(module.InputError, match=message):
         module._check_qkv(*defect(*_qkv16()))

@@ -340,3 +340,16 @@ def test_fast_accept_takes_nothing_the_checks_refuse(defect, message):
     module._check_qkv(torch.nn.Parameter(_qkv16()[0]), *_qkv16()[1:])  # a subclass: the loop accepts
     with pytest.raises(module.InputError, match=message):
         module._check_qkv(*defect(*_qkv16()))
+
+
+def test_new_outputs_are_fresh_contiguous_tensors(module):
+    """_new_out / _new_lse: q's dtype and device (lse float32 [B, Hq, Sq]), contiguous, a new tensor per call, for
+    contiguous and strided q alike."""
+    for q in (torch.randn(2, 4, 5, 16, device=DEVICE), torch.randn(2, 5, 4, 16, device=DEVICE).transpose(1, 2)):
+        outs = [module._new_out(q) for _ in range(2)]
+        lses = [module._new_lse(q) for _ in range(2)]
+        for out, lse in zip(outs, lses):
+            assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device and out.is_contiguous()
+            assert lse.shape == q.shape[:3] and lse.dtype == torch.float32 and lse.device == q.device
+            assert lse.is_contiguous() and lse.untyped_storage().nbytes() == 4 * q.shape[:3].numel()
+        assert outs[0].data_ptr() != outs[1].data_ptr() and lses[0].data_ptr() != lses[1].data_ptr()

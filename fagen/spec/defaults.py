@@ -23,10 +23,10 @@ def default_config(head_dim: int, dtype: DType, direction: Direction, kind: Kind
         # is one. The d64 models with windowed layers use small windows (gpt-oss: 128 keys, alternate layers),
         # where a 128 x 128 tile loads 2-3 key blocks (256-384 keys) per 128-key window, every one of them with
         # mask arithmetic. H100, gpt-oss layer (d64, causal window 128, sinks, GQA 64/8, s8k, bf16;
-        # benchmarks/scores.md): m128n128w4s3 (the plain d64 tile) 69 TF/s, 0.88x FlexAttention (78);
-        # m64n32w4s3 105 TF/s (1.35x Flex); m64n16 98, m64n32s4 101, m64n64 90, m128n32 83, m32 blocks 48-67.
-        # A wide window at d64 pays for the small tile (measured in benchmarks/scores.md); a caller who knows
-        # the window is wide sets block_m/block_n on the spec.
+        # benchmarks/scores.md): m128n128w4s3 (the plain d64 tile) 68-69 TF/s, 0.88x FlexAttention (78);
+        # m64n32w4s3 104-105 TF/s (1.33-1.35x Flex, three runs); m64n16 98, m64n32s4 101, m64n64 90, m128n32 83,
+        # m32 blocks 48-67. A wide window pays for the small tile: d64 causal window 4096 at s16k runs 349 TF/s
+        # on it against 379 on m128n128w4s3 (0.92x); a caller who knows its window is wide sets the blocks.
         return {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 3}
     found = tuned.lookup(head_dim, mask, dtype, direction, kind, arch=arch)
     if found is not None:

@@ -7,10 +7,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fagen
+from fagen.codegen.render import generate
+from fagen.runtime.loader import load_source
 from fagen.spec.axes import Direction, DType, Kind, Mask
 from fagen.spec.kernel import SpecError
 from fagen.verify import reference
 from fagen.verify.properties import BY_NAME, check_backward, check_forward
+from fagen.verify.tolerances import PropertyFailure
 from fagen.verify.strategies import GPU_HEAD_DIMS, Problem, decode_problems, problems, specs
 from conftest import DEVICE, ON_GPU, SCALE
 
@@ -130,6 +133,61 @@ def test_window_never_loads_keys_outside_it(kind):
         torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
 
 
+# [Note] Approximate tanh (fagen/templates/triton/masks.j2): fp16/bf16 kernels compiled for CUDA take the softcap's
+# tanh from the PTX tanh.approx.f32; fp32 kernels and the interpreter keep the exact exp2 form. On the GPU the tests
+# below hold the approximation to the dtype tolerances (out, and lse at 1e-4) with caps that bite and that do not.
+APPROX = 'tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x],'
+KINDS = [("prefill", "fwd"), ("prefill", "bwd"), ("decode", "fwd")]
+
+
+def softcap_spec(dtype, kind="prefill", direction="fwd", **kw):
+    blocks = {} if ON_GPU else {"block_m": 16, "block_n": 16}
+    return fagen.KernelSpec(head_dim=128 if ON_GPU else 32, mask="causal", gqa=2, dtype=dtype, kind=kind,
+                            direction=direction, softcap=True, **blocks, **kw)
+
+
+@pytest.mark.parametrize("kind, direction", KINDS)
+@pytest.mark.parametrize("dtype", list(DType))
+def test_approximate_tanh_only_in_half_precision_cuda_kernels(dtype, kind, direction):
+    spec = softcap_spec(dtype, kind, direction)
+    assert (APPROX in generate(spec)) == (dtype is not DType.FP32)
+    assert bool(getattr(fagen.load(spec), "_TANH_APPROX", False)) == (ON_GPU and dtype is not DType.FP32)
+    plain = fagen.KernelSpec(**{**spec.to_dict(), "softcap": False})
+    assert "_tanh" not in generate(plain)
+
+
+def approx_problems(spec):
+    """Caps that saturate tanh (0.5 at magnitude 16), that sit in its bend and that barely bite; decode: Sq 3."""
+    caps, magnitudes = ((0.5, 2.0, 5.0, 30.0), (1.0, 4.0, 16.0)) if ON_GPU else ((2.0, 30.0), (16.0,))
+    sq, sk = (3 if spec.kind is Kind.DECODE else 257, 300) if ON_GPU else (3 if spec.kind is Kind.DECODE else 37, 53)
+    return [Problem(batch=2, heads_kv=2, seq_q=sq, seq_k=sk, magnitude=m, softcap=cap, seed=i)
+            for i, (cap, m) in enumerate((c, m) for c in caps for m in magnitudes)]
+
+
+@pytest.mark.parametrize("kind, direction", KINDS)
+@pytest.mark.parametrize("dtype", [DType.FP16, DType.BF16])
+def test_approximate_tanh_matches_reference(dtype, kind, direction):
+    spec = softcap_spec(dtype, kind, direction)
+    module = fagen.load(spec)
+    check = check_backward if direction == "bwd" else check_forward
+    for problem in approx_problems(spec):
+        check(module, spec, problem, DEVICE)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the approximate tanh runs only in compiled CUDA kernels")
+@pytest.mark.parametrize("dtype", [DType.FP16, DType.BF16])
+def test_approximate_tanh_has_teeth(dtype):
+    """The same checks catch an approximate tanh off by 1% (its input scaled by 1.01): they run the PTX path."""
+    spec = softcap_spec(dtype)
+    source = generate(spec)
+    broken = source.replace(APPROX, APPROX.replace("[x]", "[x * 1.01]"))
+    assert broken != source
+    module = load_source(broken, f"{spec.name}_tanh_off_by_1pc")
+    with pytest.raises(PropertyFailure):
+        for problem in approx_problems(spec):
+            check_forward(module, spec, problem, DEVICE)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(window=(3,)), "window: expected"),
     (dict(window=(-1, 0)), "left extent"),
@@ -171,3 +229,20 @@ def test_spec_names_and_json():
         fagen.KernelSpec(head_dim=64, softcap="yes")
     with pytest.raises(SpecError, match="cuda backend has the window and softcap switches only"):
         fagen.KernelSpec(head_dim=64, backend="cuda", alibi=True)
+
+
+def test_windowed_d64_forwards_take_small_tiles():
+    """[Note] Windowed d64 tiles (fagen/spec/defaults.py): a windowed d64 prefill forward defaults to m64n32w4s3;
+    every other spec keeps its tile, and explicit fields win."""
+    tile = lambda s: (s.block_m, s.block_n, s.num_warps, s.num_stages)  # noqa: E731
+    for layout in ("dense", "varlen"):
+        for dtype in ("fp16", "bf16"):
+            fields = dict(head_dim=64, mask="causal", gqa=8, sinks=True, dtype=dtype, layout=layout)
+            assert tile(fagen.KernelSpec(window=True, **fields)) == (64, 32, 4, 3)
+            assert tile(fagen.KernelSpec(**fields)) == (128, 128, 4, 3)
+    assert fagen.KernelSpec(head_dim=64, mask="causal", window=True, sinks=True, gqa=8).name == \
+        "attn_fwd_causal_d64_m64n32w4s3_g8_win_sink_fp16"
+    for other in (dict(head_dim=128), dict(direction="bwd"), dict(kind="decode"), dict(dtype="fp32")):
+        fields = {"head_dim": 64, "mask": "causal", **other}
+        assert tile(fagen.KernelSpec(window=True, **fields)) == tile(fagen.KernelSpec(**fields))
+    assert tile(fagen.KernelSpec(head_dim=64, window=True, block_m=128, block_n=64)) == (128, 64, 4, 3)

@@ -7,19 +7,30 @@ from fagen.spec import tuned
 from fagen.spec.axes import DType, Direction, Kind, Layout, Mask
 
 def default_config(head_dim: int, dtype: DType, direction: Direction, kind: Kind, mask: Mask | None = None,
-                   arch: str = tuned.DEFAULT_ARCH, layout: Layout = Layout.DENSE) -> dict:
+                   arch: str = tuned.DEFAULT_ARCH, layout: Layout = Layout.DENSE, window: bool = False) -> dict:
     """Block sizes, warps and stages used when a spec leaves them unset.
 
     The tuned table (fagen/spec/tuned.json, written by `fagen tune` on the H100) wins for its (arch, head_dim, mask,
     dtype, direction, kind); otherwise these hand defaults apply. The forward's are the tuned winners of the bf16
     keys, so fp16 and other head dims follow them: d128 m128n128w8s3 (547 TF/s full, 524 causal at s16k with
     TMA), d64 m128n128w4s3 (448 causal). Wider tiles stay within Hopper's 227 KB of shared memory: K/V tiles
-    cost block_n * head_dim * bytes * 2 * num_stages.
+    cost block_n * head_dim * bytes * 2 * num_stages. Windowed d64 forwards take their own tile, before the
+    table (whose keys have no score switches): see [Note] Windowed d64 tiles.
     """
+    wide = head_dim > 128 or dtype is DType.FP32
+    if window and head_dim <= 64 and not wide and direction is Direction.FWD and kind is Kind.PREFILL:
+        # [Note] Windowed d64 tiles. The window's width is a runtime argument, so the spec only knows that there
+        # is one. The d64 models with windowed layers use small windows (gpt-oss: 128 keys, alternate layers),
+        # where a 128 x 128 tile loads 2-3 key blocks (256-384 keys) per 128-key window, every one of them with
+        # mask arithmetic. H100, gpt-oss layer (d64, causal window 128, sinks, GQA 64/8, s8k, bf16;
+        # benchmarks/scores.md): m128n128w4s3 (the plain d64 tile) 68-69 TF/s, 0.88x FlexAttention (78);
+        # m64n32w4s3 104-105 TF/s (1.33-1.35x Flex, three runs); m64n16 98, m64n32s4 101, m64n64 90, m128n32 83,
+        # m32 blocks 48-67. A wide window pays for the small tile: d64 causal window 4096 at s16k runs 349 TF/s
+        # on it against 379 on m128n128w4s3 (0.92x); a caller who knows its window is wide sets the blocks.
+        return {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 3}
     found = tuned.lookup(head_dim, mask, dtype, direction, kind, arch=arch)
     if found is not None:
         return found
-    wide = head_dim > 128 or dtype is DType.FP32
     if kind is Kind.DECODE:
         # block_m caps the query rows of one tile (gqa * Sq packed; the launcher shrinks it to fit), block_n is
         # keys per step. Memory-bound: stages keep K/V loads in flight. At 4 warps the fp32 accumulator of a

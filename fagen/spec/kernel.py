@@ -105,7 +105,7 @@ class KernelSpec:
             config = defaults.gluon_default_config(self.head_dim)
         else:
             config = defaults.default_config(self.head_dim, self.dtype, self.direction, self.kind, mask=self.mask,
-                                             layout=self.layout)
+                                             layout=self.layout, window=self.window)
         for name, allowed, desc in (
             ("block_m", BLOCK_SIZES, "must be a power of two from 16 to 256"),
             ("block_n", BLOCK_SIZES, "must be a power of two from 16 to 256"),

@@ -29,6 +29,11 @@ MUTANTS = [
     # whatever order the key blocks reach it, so the float32 sums may differ between runs; only the bitwise check
     # can see it, and only if the order varies between the two runs
     ("no-turn-wait", "while seen != n_blk:", "while seen < 0:"),
+    # the TMA reduce is never issued (dQ stays 0): a diagnostic for scripts/hopper_bwd_sweep.py (the cost of the add
+    # itself, the protocol kept)
+    # (an edit inside the jit code: triton's cache key does not cover the @builtin wrapper's body)
+    ("no-reduce", "            _tma_reduce_add(dq_desc, [off_b, h0 + g, m0, 0],",
+     "            if n_blk < 0: _tma_reduce_add(dq_desc, [off_b, h0 + g, m0, 0],"),
 ]
 
 

@@ -1,13 +1,14 @@
 """The Gluon (sm_90) backward's dQ-writer variants on an H100/H200, against cuDNN and fagen's Triton backward in the
 same process (docs/hopper.md, phase 4).
 
-    OUT=/tmp/out python scripts/hopper_bwd_sweep.py [P,SWIZZLE ...]     # writes $OUT/sweep.log and $OUT/sweep.json
+    OUT=/tmp/out python scripts/hopper_bwd_sweep.py [P,SWIZZLE,HEAD_MAJOR[,MUTANT] ...]   # $OUT/sweep.log, .json
 
 A variant sets the module constants BWD_DQ_PENDING (dQ adds in flight before the writer awaits their completion:
-0, 1, 2) and BWD_DQ_SWIZZLE (0 or 128: the float32 dQ staging tile's swizzle) of the template's module; each is a
-separate compile (they are constexprs). Before it is timed, each variant is checked: gradients against fagen's
-float64 reference (two shapes per module, none and causal, GQA 1 and 4) and bitwise repeatability over 3 runs on
-each timed case. TF/s as `fagen bench` counts them (backward = 2.5 x forward FLOPs); medians of do_bench, best of
+0, 1, 2), BWD_DQ_SWIZZLE (0 or 128: the float32 dQ staging tile's swizzle) and BWD_HEAD_MAJOR (tile order) of the
+template's module; each is a separate compile (they are constexprs). Before it is timed, each variant is checked:
+gradients against fagen's float64 reference (two shapes per module) and bitwise repeatability over 3 runs on each
+timed case. A variant naming a MUTANT of scripts/hopper_bwd_mutant.py (no-turn-wait, no-reduce) is a diagnostic,
+wrong by construction: timed only, on the first case. TF/s as `fagen bench` counts them (backward = 2.5 x forward FLOPs); medians of do_bench, best of
 two.
 """
 import json
@@ -44,8 +45,20 @@ def triton_bwd(mask, gqa):
     return fagen.load(KernelSpec(head_dim=128, mask=mask, gqa=gqa, dtype="bf16", direction="bwd"))
 
 
-def set_variant(mod, pending, swizzle):
-    mod.BWD_DQ_PENDING, mod.BWD_DQ_SWIZZLE = pending, swizzle
+def set_variant(mod, pending, swizzle, head_major):
+    mod.BWD_DQ_PENDING, mod.BWD_DQ_SWIZZLE, mod.BWD_HEAD_MAJOR = pending, swizzle, head_major
+
+
+def parse(arg):
+    parts = arg.split(",")
+    return tuple(int(x) for x in parts[:3]) + (parts[3] if len(parts) > 3 else "", )
+
+
+def mutant(mask, gqa, name):
+    import hopper_bwd_mutant as hm
+    old, new = next((o, n) for m, o, n in hm.MUTANTS if m == name)
+    spec = KernelSpec(backend="gluon", head_dim=128, mask=mask, gqa=gqa, dtype="bf16", direction="bwd")
+    return hm.mutant_module(spec, name, old, new)
 
 
 def check(tag, mod, mask, gqa):
@@ -69,8 +82,9 @@ def check(tag, mod, mask, gqa):
 def main():
     from triton.testing import do_bench
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    variants = [tuple(int(x) for x in a.split(",")) for a in sys.argv[1:]] or [(1, 128), (1, 0), (2, 128)]
-    log(f"device {torch.cuda.get_device_name()} torch {torch.__version__}; variants (pending, swizzle) {variants}")
+    variants = [parse(a) for a in sys.argv[1:]] or [(1, 128, 0, ""), (1, 128, 1, "")]
+    log(f"device {torch.cuda.get_device_name()} torch {torch.__version__}; variants (pending, swizzle, head major, "
+        f"mutant) {variants}")
     rows = []
     for label, mask, hq, hkv, s, bsz in CASES:
         causal, gqa = mask == "causal", hq // hkv
@@ -82,9 +96,21 @@ def main():
         flop = 2.5 * 4 * bsz * hq * s * s * 128 / (2 if causal else 1)
         res = {"case": label}
         fns = {}
-        for pending, swizzle in variants:
-            tag = f"gluon p{pending} s{swizzle}"
-            set_variant(g, pending, swizzle)
+        for pending, swizzle, head_major, name in variants:
+            tag = f"gluon p{pending} s{swizzle} hm{head_major}" + (f" DIAGNOSTIC {name}" if name else "")
+            if name:
+                if label != CASES[0][0]:
+                    continue
+                m = mutant(mask, gqa, name)
+                set_variant(m, pending, swizzle, head_major)
+                m.backward(do, q, k, v, out, lse)
+                torch.cuda.synchronize()
+                ms = min(do_bench(lambda: m.backward(do, q, k, v, out, lse), warmup=25, rep=200,
+                                  return_mode="median") for _ in range(2))
+                res[tag] = round(flop / ms / 1e9, 1)
+                log(f"  {label} {tag}: {res[tag]:.0f} TF/s (wrong by construction: timed only)")
+                continue
+            set_variant(g, pending, swizzle, head_major)
             t0 = time.time()
             check(tag, g, mask, gqa)
             first = g.backward(do, q, k, v, out, lse)
@@ -101,7 +127,7 @@ def main():
                      for _ in range(2))
             res[tag] = round(flop / ms / 1e9, 1)
             log(f"  {label} {tag}: {res[tag]:.0f} TF/s")
-        set_variant(g, 1, 128)
+        set_variant(g, 1, 128, 1)
         fns["triton"] = lambda: t.backward(do, q, k, v, out, lse)
         qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):

@@ -274,6 +274,9 @@ ptx = ck.asm["ptx"]
 print("BWD " + json.dumps(dict(shared=ck.metadata.shared, num_warps=ck.metadata.num_warps,
                                wgmma=ptx.count("wgmma.mma_async"), reduce=ptx.count("cp.reduce.async.bulk.tensor"),
                                bulk_wait=ptx.count("cp.async.bulk.wait_group 0;"),
+                               bulk_wait1=ptx.count("cp.async.bulk.wait_group 1;"),
+                               bulk_read=ptx.count("cp.async.bulk.wait_group.read"),
+                               commit=ptx.count("cp.async.bulk.commit_group"),
                                release=ptx.count("atom.global.gpu.release"), acquire=ptx.count(".global.gpu.acquire"),
                                setmaxnreg=ptx.count("setmaxnreg"), cubin=len(ck.asm["cubin"]))))
 print("RESULT " + json.dumps(out))
@@ -293,10 +296,14 @@ def test_compiles_for_sm90_without_a_gpu(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(proc.stdout.split("RESULT ", 1)[1])
     # The fused backward: five matmuls of 8 + 8 + 4 + 4 + 8 wgmma instructions (K = D, D, BLOCK_M, BLOCK_M, BLOCK_N
-    # over 16), plus the preprocess's; the dQ add through the TMA unit, awaited in full, published with a release
-    # increment after acquire polls (triton lowers the add of 0 to ld.acquire); a register budget per partition; within sm_90's shared memory.
+    # over 16), plus the preprocess's; the dQ add through the TMA unit: four messages of [64, 32] floats (the
+    # 128-byte swizzle) in one bulk group, the slot freed once read (wait_group.read), the add published a step later
+    # once complete (wait_group 1) and at the tile's end (wait_group 0) ([Note] Pipelined dQ writer), with a release
+    # increment after acquire polls (triton lowers the add of 0 to ld.acquire); a register budget per partition;
+    # within sm_90's shared memory.
     b = json.loads(proc.stdout.split("BWD ", 1)[1].splitlines()[0])
-    assert b["wgmma"] >= 32 and b["reduce"] >= 1 and b["bulk_wait"] >= 1, b
+    assert b["wgmma"] >= 32 and b["reduce"] == 4 and b["commit"] == 1 and b["bulk_read"] >= 1, b
+    assert b["bulk_wait"] >= 1 and b["bulk_wait1"] >= 1, b
     assert b["release"] >= 1 and b["acquire"] >= 1 and b["setmaxnreg"] > 0 and b["cubin"] > 0, b
     assert b["num_warps"] == 12, b  # 8 compute warps + the dQ writer warp, padded to a warpgroup
     from fagen.spec import targets as _targets

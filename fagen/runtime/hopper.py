@@ -20,10 +20,11 @@ launches; benchmarks/latency.md), so it wins only where the kernel outlasts that
 
 The backward (issue 16 phase 3, fagen/templates/gluon/backward.py.j2) is wired the same way but selected for no
 case by default: on the H100 it is correct, deterministic and exact where rows see one key, yet slower than the
-Triton backward (d128 causal s16k bf16: 291 vs 417 TF/s; docs/hopper.md, phase 3). With $FAGEN_HOPPER_BWD=1 (and
-the conditions above), fagen.attention *with* gradients takes the gluon bwd module (its Gluon forward and fused
-Gluon backward) for head_dim 128, bf16, none/causal, any gqa, no score switch (backward_spec). `fagen bench` rows
-and the torch.compile operator keep the Triton kernels.
+Triton backward (d128 causal s16k bf16: 298 vs 433 TF/s with phase 4's pipelined dQ writer, 291 vs 417 before;
+docs/hopper.md, phases 3 and 4). With $FAGEN_HOPPER_BWD=1 (and the conditions above), fagen.attention *with*
+gradients takes the gluon bwd module (its Gluon forward and fused Gluon backward) for head_dim 128, bf16,
+none/causal, any gqa, no score switch (backward_spec). `fagen bench` rows and the torch.compile operator keep the
+Triton kernels.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ SELECTED_HEAD_DIMS = (128,)
 SELECTED_DTYPES = (DType.BF16,)
 SELECTED_MASKS = (Mask.NONE, Mask.CAUSAL)
 # The cases the gluon backward serves when opted in ($FAGEN_HOPPER_BWD=1): it measured slower than the Triton
-# backward on every case (docs/hopper.md, phase 3), so by the measured-wins rule nothing selects it by default.
+# backward on every case (docs/hopper.md, phases 3 and 4), so by the measured-wins rule nothing selects it by default.
 BWD_ENV = "FAGEN_HOPPER_BWD"
 BWD_SELECTED_HEAD_DIMS = (128,)
 BWD_SELECTED_DTYPES = (DType.BF16,)

@@ -966,12 +966,13 @@ def _launch_backward(do, q, k, v, out, lse, scale, seqlens_q, seqlens_k, tree, n
         return tuple(t.zero_() if t is not None else None for t in (dq, dk, dv))
     q, k, v, do, out = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, do, out))
     lse = lse.contiguous()
-    block_d = triton.next_power_of_2(HEAD_DIM)
+    block_d = _pow2(HEAD_DIM)
     # Row statistics padded to whole blocks of both kernels (powers of two: the larger is a multiple of the other).
-    sq_pad = triton.cdiv(rows_q, max(DQ_BLOCK_M, DKDV_BLOCK_M)) * max(DQ_BLOCK_M, DKDV_BLOCK_M)
-    delta = torch.empty((b, hq, sq_pad), dtype=torch.float32, device=q.device)
+    sq_pad = _cdiv(rows_q, max(DQ_BLOCK_M, DKDV_BLOCK_M)) * max(DQ_BLOCK_M, DKDV_BLOCK_M)
+    delta = q.new_empty((b, hq, sq_pad), dtype=torch.float32)
     lse2 = torch.empty_like(delta)
-    _attn_bwd_preprocess[(sq_pad // DQ_BLOCK_M, hq, b)](
+    # Launches through _fast ([Note] Fast launches): a training step's backward is three kernels.
+    _fast(_attn_bwd_preprocess)[(sq_pad // DQ_BLOCK_M, hq, b)](
         out, do, lse, delta, lse2, seqlens_q, out.stride(0), out.stride(1), out.stride(2), do.stride(0),
         do.stride(1), do.stride(2), sq_pad, hq, sq, HEAD_DIM=HEAD_DIM, BLOCK_D=block_d, BLOCK_M=DQ_BLOCK_M, num_warps=DQ_NUM_WARPS,
         num_stages=DQ_NUM_STAGES,
@@ -982,14 +983,14 @@ def _launch_backward(do, q, k, v, out, lse, scale, seqlens_q, seqlens_k, tree, n
     qkv_strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                    v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
     if need_dkdv:
-        _attn_bwd_dkdv[(triton.cdiv(rows_k, DKDV_BLOCK_N), hkv, b)](
+        _fast(_attn_bwd_dkdv)[(_cdiv(rows_k, DKDV_BLOCK_N), hkv, b)](
             q, k, v, do, dk, dv, lse2, delta, seqlens_q, seqlens_k, tree, qk_scale, scale, *qkv_strides,
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
             *tree_strides, sq_pad, hq, sq, sk, BLOCK_M=DKDV_BLOCK_M, BLOCK_N=DKDV_BLOCK_N, **common,
             num_warps=DKDV_NUM_WARPS, num_stages=DKDV_NUM_STAGES,
         )
     if need_dq:
-        _attn_bwd_dq[(triton.cdiv(rows_q, DQ_BLOCK_M), hq, b)](
+        _fast(_attn_bwd_dq)[(_cdiv(rows_q, DQ_BLOCK_M), hq, b)](
             q, k, v, do, dq, lse2, delta, seqlens_q, seqlens_k, tree, qk_scale, scale, *qkv_strides,
             dq.stride(0), dq.stride(1), dq.stride(2), *tree_strides, sq_pad, hq, sq, sk,
             BLOCK_M=DQ_BLOCK_M, BLOCK_N=DQ_BLOCK_N, **common, num_warps=DQ_NUM_WARPS, num_stages=DQ_NUM_STAGES,

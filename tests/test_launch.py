@@ -353,3 +353,30 @@ def test_new_outputs_are_fresh_contiguous_tensors(module):
             assert lse.shape == q.shape[:3] and lse.dtype == torch.float32 and lse.device == q.device
             assert lse.is_contiguous() and lse.untyped_storage().nbytes() == 4 * q.shape[:3].numel()
         assert outs[0].data_ptr() != outs[1].data_ptr() and lses[0].data_ptr() != lses[1].data_ptr()
+
+
+def test_backward_launches_replay_through_the_launcher(monkeypatch):
+    """[Note] Fast launches in the backward: the second call of a shape compiles nothing and calls each of the three
+    kernels' launcher with exactly the first call's arguments."""
+    module = fagen.load(fagen.KernelSpec(head_dim=16, mask="causal", gqa=2, dtype="fp32", direction="bwd",
+                                         block_m=16, block_n=16))
+    for name, value in (("_FAST_LAUNCH", True), ("_KERNELS", {}), ("_INTERPRET", False),
+                        ("_raw_stream", _raw_stream_of([77]))):
+        monkeypatch.setattr(module, name, value)
+    fakes = {}
+    for name in ("_attn_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq"):
+        fakes[name] = FakeTritonJIT(getattr(module, name))
+        monkeypatch.setattr(module, name, fakes[name])
+    q, k, v = torch.randn(2, 4, 5, 16), torch.randn(2, 2, 37, 16), torch.randn(2, 2, 37, 16)
+    do, out, lse = torch.randn(2, 4, 5, 16), torch.randn(2, 4, 5, 16), torch.randn(2, 4, 5)
+    for _ in range(3):
+        module._launch_backward(do, q, k, v, out, lse, 0.25, None, None, None)
+    for name, fn in fakes.items():
+        (grid, args, consts), = fn.compiles  # compiled once
+        tail = tuple(consts[n] for n in fn.arg_names[len(args):])
+        assert len(fn.launcher.calls) == 2, name
+        for call in fn.launcher.calls:
+            assert call[:13] == (*grid, 77, 1234, False, True, None, None, (4, 1, 0), None, None, None), name
+            same = [a is b or (isinstance(b, torch.Tensor) and isinstance(a, torch.Tensor) and a.shape == b.shape)
+                    or a == b for a, b in zip(call[13:], args + tail)]
+            assert len(call) == 13 + len(args) + len(tail) and all(same), name

@@ -266,6 +266,8 @@ FORWARD_SPECS = {
     "causal+padding": fagen.KernelSpec(head_dim=16, mask="causal+padding", gqa=2, dtype="fp32", block_m=16,
                                        block_n=16),
     "tree": fagen.KernelSpec(head_dim=16, mask="tree", gqa=2, dtype="fp32", block_m=16, block_n=16),
+    "switches": fagen.KernelSpec(head_dim=16, mask="causal", gqa=2, dtype="fp32", block_m=16, block_n=16,
+                                 window=True, softcap=True, alibi=True, sinks=True),
 }
 
 
@@ -290,9 +292,12 @@ def test_forward_step_replays_the_general_path(monkeypatch, which, tma):
         lens = dict(seqlens_q=torch.tensor([5, 2], dtype=torch.int32), seqlens_k=torch.tensor([37, 9], dtype=torch.int32))
     parents = torch.tensor([[-1, 0, 0, 1, 1]] * 2, dtype=torch.int32) if which == "tree" else None
     masks = module._check_mask_inputs(q, k, lens.get("seqlens_q"), lens.get("seqlens_k"), parents)
+    window = [8, None]
+    scores = lambda: module._check_scores(q, tuple(window), 30.0, torch.rand(4), torch.rand(4)) \
+        if which == "switches" else ()  # noqa: E731
 
     def launch(**buffers):
-        return module._launch(q, k, v, 0.25, *masks, **buffers)
+        return module._launch(q, k, v, 0.25, *masks, *scores(), **buffers)
 
     launch()
     assert len(fwd.compiles) == 1 and len(module._STEPS) == 1
@@ -306,14 +311,20 @@ def test_forward_step_replays_the_general_path(monkeypatch, which, tma):
         assert call[:7] == (*grid, 77, 1234, False, True) and call[8:13] == (None, (4, 1, 0), None, None, None)
         assert (type(call[7]) is int) == tma and (call[7] is None) == (not tma)
         assert len(call) == 13 + len(args) + len(tail)
-        bad = [name for name, a, b in zip(fwd.arg_names, call[13:], args + tail) if not _same(a, b)]
+        bad = [name for name, a, b in zip(fwd.arg_names, call[13:], args + tail)
+               if not _same(a, b) and name not in ("Slopes", "Sinks")]  # fresh tensors per call
         assert not bad, bad
+    if which == "switches":
+        window[0] = 16  # another window extent: another int class for Triton, so another step and kernel
+        launch()
+        assert len(fwd.compiles) == 2 and len(module._STEPS) == 2
     q = torch.randn(2, 4, sq, 16 + 1)[..., 1:]  # a 4-byte offset: Triton specialises it differently
+    compiles, steps = len(fwd.compiles), len(module._STEPS)
     launch()
-    assert len(fwd.compiles) == 2
+    assert len(fwd.compiles) == compiles + 1
     q = torch.randn(2, 4, 16, sq).transpose(2, 3)  # not unit-stride: copied, so never kept as a step
     launch()
-    assert len(module._STEPS) == 1
+    assert len(module._STEPS) == steps
 
 
 def _qkv16(b=2, hq=4, hkv=2, sq=5, sk=7, d=16):

@@ -741,6 +741,8 @@ def _workspace(shape, device, index):
 # arguments and launch entries. A later call with the same key (device, shapes, strides, split count, window) checks
 # the pointers' alignment in one expression and calls the two launchers with those arguments. A KV cache that grows
 # by one key a step changes the key each step and takes the general path (_STEPS is cleared past 1024 entries).
+# A paged cache keeps its shape while sequences grow (their lengths are device values), so paged steps repeat: the
+# key adds the block table's width and row stride and the page size (all ints the kernel specialises on).
 _STEPS = {}
 
 
@@ -762,6 +764,23 @@ def _launch_decode(q, k, v, scale, seqlens_q, seqlens_k, tree, block_table, num_
     q, k, v, _, _, _, _, sk, paging = _kernel_views(q, k, v, out, lse, seqlens_q, block_table)
     hkv = k.shape[1]
     qs, ks, vs, os_, ls = q.stride(), k.stride(), v.stride(), out.stride(), lse.stride()
+    key = (device, q.shape, k.shape, qs, ks, vs, os_, ls, num_splits, None if tree is None else tree.stride(), sk, paging[1], paging[2])
+    step = _STEPS.get(key) if workspace is None else None
+    if step is not None:  # [Note] Decode steps
+        split_grid, (launch, flags, function, metadata, tail, _), split_ints, ws_shape = step
+        # Device addresses as ints: the launcher takes them as they are (a tensor costs it a data_ptr() call and a
+        # driver query of the pointer); the checks above put every tensor on q's device.
+        pq, pk, pv, po, pl = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()
+        if ws_shape is None:
+            pd, pdl, pc = po, pl, None
+        else:
+            dst, dst_lse, tickets = _workspace(ws_shape, q.device, device)
+            pd, pdl, pc = dst.data_ptr(), dst_lse.data_ptr(), tickets.data_ptr()
+        if ((pq | pk | pv | po | pl | pd | pdl | paging[0].data_ptr() | seqlens_k.data_ptr()) & 15) == 0:
+            launch(*split_grid, _raw_stream(device), function, *flags, None, None, metadata, None, None, None,
+                   pq, pk, pv, pd, pdl, po, pl, pc, seqlens_q, seqlens_k, tree, scale * 1.4426950408889634, *paging,
+                   *split_ints, *tail)
+            return out, lse
     copied = qs[3] != 1 or ks[3] != 1 or vs[3] != 1
     if copied:
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
@@ -791,6 +810,12 @@ def _launch_decode(q, k, v, scale, seqlens_q, seqlens_k, tree, block_table, num_
         *split_ints, HEAD_DIM=HEAD_DIM, BLOCK_D=block_d, ROWS=rows, BLOCK_N=BLOCK_N, GQA=GQA, DOT=rows >= 16,
         DIRECT=direct, UPCAST=UPCAST, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
+    if workspace is None and not copied and _fast_entry(split_entry) \
+            and ((q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr() | lse.data_ptr() | dst.data_ptr()
+                  | dst_lse.data_ptr() | paging[0].data_ptr() | seqlens_k.data_ptr()) & 15) == 0:
+        if len(_STEPS) >= 1024:
+            _STEPS.clear()
+        _STEPS[key] = (split_grid, split_entry, split_ints, ws_shape)
     return out, lse
 
 

@@ -667,6 +667,8 @@ def _workspace(shape, device, index):
 # arguments and launch entries. A later call with the same key (device, shapes, strides, split count, window) checks
 # the pointers' alignment in one expression and calls the two launchers with those arguments. A KV cache that grows
 # by one key a step changes the key each step and takes the general path (_STEPS is cleared past 1024 entries).
+# A paged cache keeps its shape while sequences grow (their lengths are device values), so paged steps repeat: the
+# key adds the block table's width and row stride and the page size (all ints the kernel specialises on).
 _STEPS = {}
 
 

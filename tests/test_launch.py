@@ -391,3 +391,43 @@ def test_backward_launches_replay_through_the_launcher(monkeypatch):
             same = [a is b or (isinstance(b, torch.Tensor) and isinstance(a, torch.Tensor) and a.shape == b.shape)
                     or a == b for a, b in zip(call[13:], args + tail)]
             assert len(call) == 13 + len(args) + len(tail) and all(same), name
+
+
+@pytest.mark.parametrize("pages", [30, 1])  # split (the last split merges) and direct (one split)
+def test_paged_decode_step_replays_the_general_path(monkeypatch, pages):
+    """[Note] Decode steps, paged: a cache of fixed shape repeats its step while the lengths (device values) grow;
+    the second call launches exactly what the first did; another block table width is another step."""
+    module = fagen.load(fagen.KernelSpec(head_dim=16, mask="causal", gqa=2, dtype="fp32", kind="decode",
+                                         layout="paged", block_m=16, block_n=16))
+    for name, value in (("_FAST_LAUNCH", True), ("_KERNELS", {}), ("_INTERPRET", False), ("_STEPS", {}),
+                        ("_WORKSPACES", threading.local()), ("_raw_stream", _raw_stream_of([77]))):
+        monkeypatch.setattr(module, name, value)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    split = FakeTritonJIT(module._decode_split)
+    monkeypatch.setattr(module, "_decode_split", split)
+    q = torch.randn(2, 4, 1, 16)
+    k_cache, v_cache = torch.randn(64, 16, 2, 16), torch.randn(64, 16, 2, 16)
+    table = torch.randperm(64, dtype=torch.int32)[:2 * pages].reshape(2, pages).contiguous()
+    lens = torch.tensor([pages * 16 - 3, min(7, pages * 16)], dtype=torch.int32)
+    sq, sk, tree, table = module._check_layout(q, k_cache, v_cache, table, lens, None)
+
+    def launch(**buffers):
+        return module._launch(q, k_cache, v_cache, 0.25, sq, sk, tree, table, **buffers)
+
+    launch()
+    assert len(split.compiles) == 1 and len(module._STEPS) == 1
+    (grid, args, consts), = split.compiles
+    assert (grid[0] > 1) == (pages == 30)
+    first_out, first_lse = args[5:7]
+    sk.add_(1)  # the sequences grow: a device value, the same step
+    launch(out=first_out, lse=first_lse)
+    assert len(split.compiles) == 1 and len(module._STEPS) == 1
+    (call,) = split.launcher.calls
+    tail = tuple(consts[name] for name in split.arg_names[len(args):])
+    assert call[:13] == (*grid, 77, 1234, False, True, None, None, (4, 1, 0), None, None, None)
+    assert len(call) == 13 + len(args) + len(tail)
+    bad = [name for name, a, b in zip(split.arg_names, call[13:], args + tail) if not _same(a, b)]
+    assert not bad, bad
+    table = torch.cat([table, table[:, :1]], 1).contiguous()  # a wider table: more keys, another step
+    launch()
+    assert len(module._STEPS) == 2

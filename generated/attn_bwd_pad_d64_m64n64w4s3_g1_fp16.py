@@ -284,6 +284,12 @@ def _scratch(nbytes, device, stream):
     return buf
 
 
+def _direct_entry(entry):
+    """True for a launch entry of _run that _launch_entry calls through the launcher's C entry point (not None, not
+    triton's wrapper): what a step may keep."""
+    return type(entry) is tuple and entry[1] is not None
+
+
 def _launch_entry(entry, grid, device, args):
     """Launch a compiled kernel through its entry (see _entry) on the current stream of `device`."""
     launch, flags, function, metadata, tail, scratch = entry
@@ -551,7 +557,7 @@ def _launch_forward(q, k, v, scale, seqlens_q, seqlens_k, tree, out=None, lse=No
         HEAD_DIM=HEAD_DIM, BLOCK_D=_pow2(HEAD_DIM), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         GQA=GQA, UPCAST=UPCAST, TMA=TMA, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
-    if type(entry) is tuple and entry[1] is not None and not copied \
+    if _direct_entry(entry) and not copied \
             and ((q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr() | lse.data_ptr() | seqlens_q.data_ptr() | seqlens_k.data_ptr()) & 15) == 0:
         if len(_STEPS) >= 1024:
             _STEPS.clear()

@@ -319,6 +319,12 @@ def _scratch(nbytes, device, stream):
     return buf
 
 
+def _direct_entry(entry):
+    """True for a launch entry of _run that _launch_entry calls through the launcher's C entry point (not None, not
+    triton's wrapper): what a step may keep."""
+    return type(entry) is tuple and entry[1] is not None
+
+
 def _launch_entry(entry, grid, device, args):
     """Launch a compiled kernel through its entry (see _entry) on the current stream of `device`."""
     launch, flags, function, metadata, tail, scratch = entry

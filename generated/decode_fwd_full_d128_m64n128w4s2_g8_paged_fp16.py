@@ -341,6 +341,12 @@ def _scratch(nbytes, device, stream):
     return buf
 
 
+def _direct_entry(entry):
+    """True for a launch entry of _run that _launch_entry calls through the launcher's C entry point (not None, not
+    triton's wrapper): what a step may keep."""
+    return type(entry) is tuple and entry[1] is not None
+
+
 def _launch_entry(entry, grid, device, args):
     """Launch a compiled kernel through its entry (see _entry) on the current stream of `device`."""
     launch, flags, function, metadata, tail, scratch = entry
@@ -736,13 +742,13 @@ def _workspace(shape, device, index):
 
 # [Note] Decode steps
 # A decode loop calls with one shape step after step. The first call of a shape takes the general path of
-# _launch_decode (geometry, strides, two _fast launches) and, where both launches were fast ([Note] Fast launches),
-# no input was copied and every pointer is 16-byte aligned, keeps what the next call needs in _STEPS: grids, int
-# arguments and launch entries. A later call with the same key (device, shapes, strides, split count, window) checks
-# the pointers' alignment in one expression and calls the two launchers with those arguments. A KV cache that grows
-# by one key a step changes the key each step and takes the general path (_STEPS is cleared past 1024 entries).
-# A paged cache keeps its shape while sequences grow (their lengths are device values), so paged steps repeat: the
-# key adds the block table's width and row stride and the page size (all ints the kernel specialises on).
+# _launch_decode (geometry, strides, a _fast launch) and, where the launch was direct ([Note] Fast launches), no
+# input was copied and every pointer is 16-byte aligned, keeps what the next call needs in _STEPS: grid, int
+# arguments and launch entry. A later call with the same key (device, shapes, strides, split count, window) checks
+# the pointers' alignment in one expression and launches with those arguments. A KV cache that grows by one key a
+# step changes the key each step and takes the general path (_STEPS is cleared past 1024 entries). A paged cache
+# keeps its shape while sequences grow (their lengths are device values), so paged steps repeat: the key adds the
+# block table's width and row stride and the page size (all ints the kernel specialises on).
 _STEPS = {}
 
 
@@ -767,7 +773,7 @@ def _launch_decode(q, k, v, scale, seqlens_q, seqlens_k, tree, block_table, num_
     key = (device, q.shape, k.shape, qs, ks, vs, os_, ls, num_splits, None if tree is None else tree.stride(), sk, paging[1], paging[2])
     step = _STEPS.get(key) if workspace is None else None
     if step is not None:  # [Note] Decode steps
-        split_grid, (launch, flags, function, metadata, tail, _), split_ints, ws_shape = step
+        split_grid, split_entry, split_ints, ws_shape = step
         # Device addresses as ints: the launcher takes them as they are (a tensor costs it a data_ptr() call and a
         # driver query of the pointer); the checks above put every tensor on q's device.
         pq, pk, pv, po, pl = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()
@@ -777,9 +783,9 @@ def _launch_decode(q, k, v, scale, seqlens_q, seqlens_k, tree, block_table, num_
             dst, dst_lse, tickets = _workspace(ws_shape, q.device, device)
             pd, pdl, pc = dst.data_ptr(), dst_lse.data_ptr(), tickets.data_ptr()
         if ((pq | pk | pv | po | pl | pd | pdl | paging[0].data_ptr() | seqlens_k.data_ptr()) & 15) == 0:
-            launch(*split_grid, _raw_stream(device), function, *flags, None, None, metadata, None, None, None,
-                   pq, pk, pv, pd, pdl, po, pl, pc, seqlens_q, seqlens_k, tree, scale * 1.4426950408889634, *paging,
-                   *split_ints, *tail)
+            _launch_entry(split_entry, split_grid, device,
+                          (pq, pk, pv, pd, pdl, po, pl, pc, seqlens_q, seqlens_k, tree, scale * 1.4426950408889634, *paging,
+                           *split_ints))
             return out, lse
     copied = qs[3] != 1 or ks[3] != 1 or vs[3] != 1
     if copied:
@@ -810,18 +816,13 @@ def _launch_decode(q, k, v, scale, seqlens_q, seqlens_k, tree, block_table, num_
         *split_ints, HEAD_DIM=HEAD_DIM, BLOCK_D=block_d, ROWS=rows, BLOCK_N=BLOCK_N, GQA=GQA, DOT=rows >= 16,
         DIRECT=direct, UPCAST=UPCAST, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
-    if workspace is None and not copied and _fast_entry(split_entry) \
+    if workspace is None and not copied and _direct_entry(split_entry) \
             and ((q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr() | lse.data_ptr() | dst.data_ptr()
                   | dst_lse.data_ptr() | paging[0].data_ptr() | seqlens_k.data_ptr()) & 15) == 0:
         if len(_STEPS) >= 1024:
             _STEPS.clear()
         _STEPS[key] = (split_grid, split_entry, split_ints, ws_shape)
     return out, lse
-
-
-def _fast_entry(entry):
-    """True for a launch entry of _run that calls the launcher's C entry point directly (no scratch, no fn[grid])."""
-    return type(entry) is tuple and entry[1] is not None and not entry[5]
 
 
 def forward_split(q, k, v, *, num_splits=None, scale=None, block_table, seqlens_k,

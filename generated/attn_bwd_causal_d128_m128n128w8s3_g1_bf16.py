@@ -651,7 +651,8 @@ AOT_KERNELS = [
 # ---------------------------------------------------------------------------------------------------------------
 # Backward: three kernels, no atomics.
 #   _attn_bwd_preprocess  delta[i] = rowsum(dO[i] * O[i]) in fp32 (= rowsum(dP * P): the softmax backward's
-#                         correction term, without materialising P).
+#                         correction term, without materialising P), formed on the tensor cores as dP is
+#                         ([Note] Exact delta).
 #   _attn_bwd_dkdv        one program per (key block, KV head, batch). Keeps K, V and the dK, dV accumulators on
 #                         chip and loops over the GQA query heads of its KV head, then over query blocks, in a fixed
 #                         order: dK/dV of a KV head are the sums over its query heads with no atomics.
@@ -689,7 +690,7 @@ DQ_NUM_STAGES = NUM_STAGES
 @triton.jit
 def _attn_bwd_preprocess(Out, DO, Lse, Delta, Lse2, SeqlensQ, stride_ob, stride_oh, stride_om, stride_dob, stride_doh,
                          stride_dom, stride_sh, num_heads, seq_q,
-                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, UPCAST: tl.constexpr):
     """The row statistics of the gradient kernels, [B, Hq, S_pad] with a head stride of stride_sh = S_pad (Sq
     rounded up to whole blocks): delta = rowsum(dO * O) and lse2 = lse in the exp2 domain, +inf for a row that
     sees no key (see [Note] Empty rows). Every row at or past len_q, up to S_pad, gets delta = 0 and lse2 = +inf,
@@ -704,7 +705,16 @@ def _attn_bwd_preprocess(Out, DO, Lse, Delta, Lse2, SeqlensQ, stride_ob, stride_
                    + rows[:, None] * stride_om + offs_d[None, :], rows, len_q, offs_d, HEAD_DIM, BLOCK_D, True)
     do = _load_rows(DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
                     + rows[:, None] * stride_dom + offs_d[None, :], rows, len_q, offs_d, HEAD_DIM, BLOCK_D, True)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    if UPCAST:  # the interpreter's bf16 dot is wrong: fp32 operands there (exact: bf16/fp16 widen exactly)
+        o, do = o.to(tl.float32), do.to(tl.float32)
+    # [Note] Exact delta: delta_i is the diagonal of O dO^T formed by the same tensor-core dot (same operands, same
+    # k order, fp32 accumulation) that forms dP_ij = dO_i . V_j in the gradient kernels. When a row sees a single
+    # key j the forward stores O_i = V_j exactly (p = 1), so dP_ij == delta_i bitwise and dS = P (dP - delta) = 0:
+    # dQ and dK come out exactly 0, as PyTorch's own gradient does. rowsum(dO * O) on the CUDA cores rounds in
+    # another order and left up to ~5e-5 there. The [BLOCK_M, BLOCK_M] product is a small cost on a memory-bound
+    # preprocess (one block's worth of a forward step per program).
+    eye = tl.arange(0, BLOCK_M)[:, None] == tl.arange(0, BLOCK_M)[None, :]
+    delta = tl.sum(tl.where(eye, tl.dot(o, tl.trans(do)), 0.0), 1)
     head = off_b * num_heads + off_h  # the row statistics are [B, Hq, S_pad] in every layout
     lse = tl.load(Lse + (off_b * num_heads + off_h).to(tl.int64) * seq_q + rows, mask=rows < len_q, other=float("-inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # log2(e): exp2 domain
@@ -939,7 +949,8 @@ AOT_KERNELS += [
      "signature": _aot_signature(_attn_bwd_preprocess, {"Out": _AOT_T, "DO": _AOT_T, "Lse": "*fp32",
                                                          "Delta": "*fp32", "Lse2": "*fp32",
                                                          "SeqlensQ": _AOT_SEQLENS}),
-     "constexprs": {**_AOT_CONST, "BLOCK_M": DQ_BLOCK_M, **{k: v for k, v in _AOT_NONE.items() if k == "SeqlensQ"}}, "divisible": _aot_divisible(_attn_bwd_preprocess),
+     "constexprs": {**_AOT_CONST, "BLOCK_M": DQ_BLOCK_M, **{k: v for k, v in _AOT_NONE.items() if k == "SeqlensQ"},
+                    "UPCAST": False}, "divisible": _aot_divisible(_attn_bwd_preprocess),
      "num_warps": DQ_NUM_WARPS, "num_stages": DQ_NUM_STAGES},
     {"name": "_attn_bwd_dkdv", "fn": _attn_bwd_dkdv,
      "signature": _aot_signature(_attn_bwd_dkdv, {
@@ -980,7 +991,8 @@ def _launch_backward(do, q, k, v, out, lse, scale, seqlens_q, seqlens_k, tree, n
     # Launches through _fast ([Note] Fast launches): a training step's backward is three kernels.
     _fast(_attn_bwd_preprocess)[(sq_pad // DQ_BLOCK_M, hq, b)](
         out, do, lse, delta, lse2, seqlens_q, out.stride(0), out.stride(1), out.stride(2), do.stride(0),
-        do.stride(1), do.stride(2), sq_pad, hq, sq, HEAD_DIM=HEAD_DIM, BLOCK_D=block_d, BLOCK_M=DQ_BLOCK_M, num_warps=DQ_NUM_WARPS,
+        do.stride(1), do.stride(2), sq_pad, hq, sq, HEAD_DIM=HEAD_DIM, BLOCK_D=block_d, BLOCK_M=DQ_BLOCK_M, UPCAST=UPCAST,
+        num_warps=DQ_NUM_WARPS,
         num_stages=DQ_NUM_STAGES,
     )
     tree_strides = (tree.stride(0), tree.stride(1)) if tree is not None else (0, 0)

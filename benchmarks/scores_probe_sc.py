@@ -39,6 +39,7 @@ EVERY = {"off": 0, "all": 1, "half": 2, "quarter": 4}
 CHECKS = [dict(batch=1, heads_kv=2, seq_q=333, seq_k=333, softcap=SOFTCAP, magnitude=4.0, seed=1),
           dict(batch=2, heads_kv=4, seq_q=1000, seq_k=1000, softcap=5.0, magnitude=4.0, seed=2)]
 B, H, S, D = 1, 16, 16384, 128
+DEVICE = "cuda"
 
 
 def soft_source(spec, every: int, degree: int = 4) -> str:
@@ -58,9 +59,9 @@ def specs():
 
 def variants(names, degree):
     cap, plain = specs()
-    out = [("plain", plain, soft_source(plain, 0))]
-    out += [(f"softcap {n}" + (f" d{degree}" if EVERY[n] else ""), cap, soft_source(cap, EVERY[n], degree))
-            for n in names]
+    out = [("plain", "plain", plain, soft_source(plain, 0))]
+    out += [(f"softcap {n}" + (f" d{degree}" if EVERY[n] else ""), f"soft{EVERY[n]}d{degree}", cap,
+             soft_source(cap, EVERY[n], degree)) for n in names]
     return out
 
 
@@ -104,7 +105,7 @@ def compile_sm90(spec, source):
 
 def dry_run(rows, log):
     out = []
-    for label, spec, source in rows:
+    for label, _, spec, source in rows:
         rec = dict(label=label, spec=spec.name, **compile_sm90(spec, source))
         out.append(rec)
         log(f"{label:<22} regs {rec['registers']:3d} spills {rec['spills']:3d} convert_layout {rec['convert_layout']} "
@@ -118,20 +119,20 @@ def gpu_run(rows, log, warmup, rep, rounds):
     import triton
 
     out = []
-    q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    q, k, v = (torch.randn(B, H, S, D, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
     flops = 4 * B * H * S * S * D / 2
     mods = {}
-    for label, spec, source in rows:
+    for label, tag, spec, source in rows:
         t0 = time.perf_counter()
         rec = dict(label=label, spec=spec.name, checks=[])
-        mod = h15.load_source(source, f"{spec.name}_sc_{label.split()[-1] if spec.softcap else 'plain'}")
+        mod = h15.load_source(source, f"{spec.name}_sc_{tag}")
         mods[label] = mod
         if spec.softcap:
             for kw in CHECKS:
                 p = Problem(**kw)
                 try:
-                    o = check_forward(mod, spec, p, "cuda")
-                    check_nan_propagates(mod, spec, p, "cuda")
+                    o = check_forward(mod, spec, p, DEVICE)
+                    check_nan_propagates(mod, spec, p, DEVICE)
                     rec["checks"].append(dict(problem=kw, ok=True, max_err=o.max_err, max_lse_err=o.max_lse_err))
                     log(f"{label:<22} {p.batch},{p.heads_kv},{p.seq_q} cap {p.softcap}: PASS (out {o.max_err:.3g}, "
                         f"lse {o.max_lse_err:.3g}; NaN propagates)")
@@ -140,7 +141,8 @@ def gpu_run(rows, log, warmup, rep, rounds):
                     log(f"{label:<22} {p.batch},{p.heads_kv},{p.seq_q} cap {p.softcap}: FAIL {str(e)[:200]}")
         kwargs = {"softcap": SOFTCAP} if spec.softcap else {}
         mod.forward(q, k, v, **kwargs)  # compile at this shape
-        torch.cuda.synchronize()
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
         rec["load_s"] = round(time.perf_counter() - t0, 1)
         rec["ms"] = []
         out.append(rec)

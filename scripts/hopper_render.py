@@ -1,6 +1,7 @@
 """Render fagen/templates/gluon/attention.py.j2 (the Hopper forward) with its variant switches, for measurements.
 
     python scripts/hopper_render.py --head-dim 128 --mask causal --gqa 4 --dtype bf16 -o out.py
+    python scripts/hopper_render.py --o-via-q 1 --q-stages 1 --stages 3 --kv-join 2 -o out.py   # 3 K/V slots at d128
 
 The kernel itself is fagen's backend 'gluon' (`fagen generate --backend gluon ...`); its spec fixes the variant
 switches at their measured defaults (fagen.spec.defaults.GLUON_VARIANT). This script renders the same template
@@ -47,6 +48,8 @@ class HopperConfig:
     k_late: int = 0
     consumer_regs: int = 240
     loader_regs: int = 24
+    o_via_q: int = 0  # 1: O staged through the tile's Q buffer, no O buffer ([Note] O via Q)
+    kv_join: int = 0  # 1: one `empty` barrier per slot for K_n and V_n; 2: one per step for K_n and V_{n-1}
 
     def __post_init__(self):
         if self.stages == 0:
@@ -65,23 +68,31 @@ class HopperConfig:
             ("k_late", self.k_late in (0, 1), "0 or 1"),
             ("consumer_regs", self.consumer_regs in range(24, 257, 8), "a multiple of 8 in [24, 256]"),
             ("loader_regs", self.loader_regs in range(24, 257, 8), "a multiple of 8 in [24, 256]"),
+            ("o_via_q", self.o_via_q in (0, 1), "0 or 1"),
+            ("kv_join", self.kv_join in (0, 1, 2), "0, 1 or 2"),
+            ("k_late", not (self.k_late and self.kv_join), "0 with kv_join (the joined barrier places the K release)"),
+            ("v_late", not (self.v_late and self.kv_join == 2), "0 with kv_join 2 (the step's one arrive frees V)"),
         ]
         for field, ok, allowed in checks:
             if not ok:
                 raise ConfigError(field, getattr(self, field), allowed)
         if self.smem_bytes() > 227 * 1024:
-            raise ConfigError("stages", self.stages, f"fewer: {self.smem_bytes()} bytes of shared memory > 227 KB")
+            raise ConfigError("stages", self.stages, f"fewer (or o_via_q 1, q_stages 1): {self.smem_bytes()} bytes "
+                              "of shared memory > 227 KB")
         if 2 * self.consumer_regs * 128 + 128 * self.loader_regs > 65536:
             raise ConfigError("consumer_regs", self.consumer_regs, "2*128*consumer + 128*loader <= 65536 registers")
 
     def smem_bytes(self) -> int:
-        """Q (q_stages per warpgroup), O (one per warpgroup) and the K/V ring, 2 bytes an element, plus 1 KB for
-        barriers and triton's scratch."""
-        return 2 * (2 * (self.q_stages + 1) * self.block_m + 2 * self.stages * self.block_n) * self.head_dim + 1024
+        """Q (q_stages per warpgroup), O (one per warpgroup, none with o_via_q) and the K/V ring, 2 bytes an
+        element, plus 1 KB for barriers and triton's scratch (fagen.spec.targets.gluon_smem_bytes)."""
+        from fagen.spec import targets
+        return targets.gluon_smem_bytes(self.head_dim, 2 * self.block_m, self.block_n, self.stages, self.q_stages,
+                                        self.o_via_q)
 
     @property
     def name(self) -> str:
-        flags = "".join(tag for on, tag in ((self.pingpong, "_pp"), (self.v_late, "_vl"), (self.k_late, "_kl")) if on)
+        flags = "".join(tag for on, tag in ((self.pingpong, "_pp"), (self.v_late, "_vl"), (self.k_late, "_kl"),
+                                            (self.o_via_q, "_oq"), (self.kv_join, f"_j{self.kv_join}")) if on)
         return (f"attn_fwd_hopper_{self.mask}_d{self.head_dim}_m{2 * self.block_m}n{self.block_n}s{self.stages}"
                 f"q{self.q_stages}{flags}_g{self.gqa}_{self.dtype}")
 
@@ -90,11 +101,19 @@ class HopperConfig:
 
 
 def spec_of(cfg: HopperConfig):
-    """The fagen spec of a config (the variant switches aside); a SpecError names what fagen refuses."""
+    """The fagen spec of a config (the variant switches aside); a SpecError names what fagen refuses.
+
+    A ring that fits only without the O buffer (o_via_q) is not a valid spec (the spec's shared memory counts the
+    default variant): the spec then keeps the default depth and the template takes the ring depth from kv_stages.
+    """
+    from fagen.spec import defaults, targets
     from fagen.spec.kernel import KernelSpec
 
+    stages = cfg.stages
+    if targets.gluon_smem_bytes(cfg.head_dim, 2 * cfg.block_m, cfg.block_n, stages) > targets.ARCH_SMEM_LIMIT["sm_90"]:
+        stages = defaults.gluon_default_config(cfg.head_dim)["num_stages"]
     return KernelSpec(head_dim=cfg.head_dim, mask=cfg.mask, gqa=cfg.gqa, dtype=cfg.dtype, backend="gluon",
-                      block_m=2 * cfg.block_m, block_n=cfg.block_n, num_stages=cfg.stages)
+                      block_m=2 * cfg.block_m, block_n=cfg.block_n, num_stages=stages)
 
 
 def render(**config) -> str:
@@ -104,7 +123,8 @@ def render(**config) -> str:
     spec = spec_of(cfg)
     context = fagen_render._context(spec)
     context["gluon"] = {f: getattr(cfg, f) for f in ("q_stages", "pingpong", "v_late", "k_late", "consumer_regs",
-                                                     "loader_regs")}
+                                                     "loader_regs", "o_via_q", "kv_join")}
+    context["gluon"]["kv_stages"] = cfg.stages
     return fagen_render.environment().get_template("gluon/attention.py.j2").render(**context)
 
 

@@ -323,6 +323,55 @@ def test_compiles_for_sm90_without_a_gpu(tmp_path):
         assert r["cubin"] > 0
 
 
+_PROBE_SCRIPT = r"""
+import json, sys
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/scripts"]
+import hopper_fwd_probe
+res = hopper_fwd_probe.dry_run(None, [tuple(j) for j in json.loads(sys.argv[2])])
+print("RESULT " + json.dumps(res))
+"""
+# O through Q with Q double-buffered (2 slots), the joined release alone, and the 3-slot ring at d128 (Q single-
+# buffered, O through it) with either joined release.
+PROBE_JOBS = [("oq", "causal"), ("j2", "none"), ("oq_s3_j1", "none"), ("oq_s3_j2", "causal")]
+
+
+def test_o_via_q_and_joined_release_compile_for_sm90(tmp_path):
+    """[Note] O via Q and [Note] Joined release: each variant builds for sm_90 within shared memory (the 3-slot ring
+    at d128 fits only without the O buffer), spills nothing, and a joined release makes one mbarrier arrive and
+    two bar.syncs per consumer step instead of two and three (scripts/hopper_fwd_probe.py --dry-run)."""
+    reason = _gluon_hopper_missing()
+    if reason:
+        pytest.skip(reason)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["FAGEN_HOPPER_CACHE"] = str(tmp_path)
+    proc = subprocess.run([sys.executable, "-c", _PROBE_SCRIPT, str(ROOT), json.dumps(PROBE_JOBS)], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    assert [(r["variant"], r["mask"]) for r in results] == [tuple(j) for j in PROBE_JOBS]
+    probe = sys.modules.get("hopper_fwd_probe") or _load_script("hopper_fwd_probe")
+    probe.check_dry_run(results)  # shared <= formula <= sm_90's limit, 0 spills, barrier ops per step
+    by = {r["variant"]: r for r in results}
+    assert by["oq"]["formula"] == targets_gluon(2, o_via_q=1) == targets_gluon(2) - 32 * 1024  # no O buffer
+    assert by["oq_s3_j2"]["formula"] == targets_gluon(3, q_stages=1, o_via_q=1)
+    with pytest.raises(hopper_render.ConfigError, match="stages"):  # 3 slots do not fit beside an O buffer
+        hopper_render.HopperConfig(stages=3, q_stages=1)
+
+
+def targets_gluon(stages, **kw):
+    from fagen.spec import targets
+    return targets.gluon_smem_bytes(128, 128, 128, stages, **kw)
+
+
+def _load_script(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(name, mod)
+    sys.path.insert(0, str(ROOT / "scripts"))  # it imports hopper_gpu
+    spec.loader.exec_module(mod)
+    return mod
+
+
 # -- on an H100/H200 -------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_HOPPER, reason="runs on an sm_90 GPU (H100/H200)")
@@ -377,7 +426,30 @@ def test_backward_matches_the_reference_on_hopper(mask, gqa):
 
 # -- the variant script ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("field,value", [("head_dim", 96), ("mask", "padding"), ("dtype", "fp32"),
-                                         ("block_n", 96), ("stages", 5), ("gqa", 0)])
+                                         ("block_n", 96), ("stages", 5), ("gqa", 0), ("o_via_q", 2),
+                                         ("kv_join", 3)])
 def test_invalid_variant_config_names_the_field(field, value):
     with pytest.raises(hopper_render.ConfigError, match=field):
         hopper_render.HopperConfig(**{field: value})
+
+
+@pytest.mark.parametrize("fields,field", [(dict(stages=3), "stages"), (dict(stages=3, o_via_q=1), "stages"),
+                                          (dict(kv_join=1, k_late=1), "k_late"), (dict(kv_join=2, v_late=1), "v_late")])
+def test_variant_combinations_that_do_not_fit_or_conflict(fields, field):
+    with pytest.raises(hopper_render.ConfigError, match=field):
+        hopper_render.HopperConfig(**fields)
+
+
+def test_o_via_q_renders_a_three_slot_ring_at_d128():
+    """The 3-slot ring needs O through Q and one Q buffer (32 + 192 KB): the spec keeps its default depth, the
+    template the ring's; the CLI takes the switches; the defaults render the shipped kernel."""
+    cfg = hopper_render.HopperConfig(o_via_q=1, q_stages=1, stages=3, kv_join=2)
+    assert cfg.smem_bytes() == 230400 <= 232448 and cfg.name.endswith("s3q1_oq_j2_g1_bf16")
+    src = hopper_render.render(o_via_q=1, q_stages=1, stages=3, kv_join=2)
+    assert "STAGES = 3" in src and "O_VIA_Q = 1" in src and "KV_JOIN = 2" in src and "Q_STAGES = 1" in src
+    assert hopper_render.spec_of(cfg).num_stages == 2
+    default = fagen.generate(gluon())
+    assert "O_VIA_Q = 0" in default and "KV_JOIN = 0" in default and "STAGES = 2" in default
+    assert hopper_render.render() == default
+    with pytest.raises(SystemExit):
+        hopper_render.main(["--stages", "3", "--o-via-q", "1"])  # Q double-buffered: 256 KB, a parser error

@@ -129,8 +129,12 @@ def gluon_default_config(head_dim: int) -> dict:
 
 # The gluon kernel's variant switches, fixed at their measured defaults (docs/hopper.md, "Variants measured"): two Q
 # buffers per warpgroup, no ping-pong token, K released after S and V after its P V, 240 registers per consumer
-# thread and 24 for the producer. Not spec fields: scripts/hopper_render.py overrides them to measure variants.
-GLUON_VARIANT = {"q_stages": 2, "pingpong": 0, "v_late": 0, "k_late": 0, "consumer_regs": 240, "loader_regs": 24}
+# thread and 24 for the producer; O staged in its own buffer (o_via_q 0), separate K and V `empty` barriers
+# (kv_join 0), the ring depth of the spec (kv_stages 0 = spec.num_stages). Not spec fields:
+# scripts/hopper_render.py overrides them to measure variants (o_via_q/kv_join: [Note] O via Q, [Note] Joined
+# release in fagen/templates/gluon/attention.py.j2).
+GLUON_VARIANT = {"q_stages": 2, "pingpong": 0, "v_late": 0, "k_late": 0, "consumer_regs": 240, "loader_regs": 24,
+                 "o_via_q": 0, "kv_join": 0, "kv_stages": 0}
 
 # [Note] Software exp2 (fagen/templates/triton/attention.py.j2): the half-precision softcap forward takes the exp2 of
 # 1 of every `every` score columns from a polynomial on the FMA pipe (0: none, today's kernel; 1: all; 2; 4) with a

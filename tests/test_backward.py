@@ -175,6 +175,27 @@ def test_rows_that_see_one_key_get_exactly_zero_dq_and_dk(mask, problem, dtype):
     assert dv.abs().max().item() > 0, "dv must carry the gradient (the problem is not degenerate)"
 
 
+# The delta line of [Note] Exact delta and the rowsum it replaced: the teeth of the test above.
+EXACT_DELTA = "delta = tl.sum(tl.where(eye, tl.dot(o, tl.trans(do)), 0.0), 1)"
+ROWSUM_DELTA = "delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)"
+
+
+@pytest.mark.skipif(not ON_GPU, reason="a property of the tensor cores' sums (see above)")
+def test_one_key_test_fails_with_a_rowsum_delta():
+    """With delta = rowsum(dO * O) on the CUDA cores (the backward before [Note] Exact delta), the one-key rows of
+    the test above are left with a residue: that test can fail."""
+    mask, problem = ONE_KEY[0]
+    spec = bwd_spec(mask, dtype="bf16", gqa=2, head_dim=128, block=64)
+    source = generate(spec)
+    assert EXACT_DELTA in source
+    mod = runtime.load_source(source.replace(EXACT_DELTA, ROWSUM_DELTA), f"{spec.name}_rowsum_delta")
+    (q, k, v), kwargs = problem.inputs(spec, DEVICE)
+    do = grad_output(problem, spec, DEVICE)
+    out, lse = mod.forward(q, k, v, **kwargs)
+    dq, dk, _ = mod.backward(do, q, k, v, out, lse, **kwargs)
+    assert max(dq.abs().max().item(), dk.abs().max().item()) > 0, "the rowsum delta cancelled exactly too"
+
+
 @pytest.mark.parametrize("dtype", list(DType))
 @pytest.mark.parametrize("mask", list(Mask))
 def test_no_nan_with_large_magnitude_inputs(mask, dtype):

@@ -9,8 +9,8 @@ Issue 15's targets (bf16, d128, fagen/bench/workloads.py RELATIVE_TARGETS): soft
 fagen's dense causal s32k. Phase 1 (subprocesses, all at once, each with a time limit, so a deadlock costs that
 module only and the compiles run in parallel): the gluon softcap, window and plain causal modules against the
 float64 reference (fagen.verify.reference, compare with fagen.verify.tolerances, hopper_gpu.poisoned_forward) on
-small shapes (ragged; Sq > Sk, where rows see no key; many tiles per persistent program), while one more
-subprocess compiles the Triton modules at the timed shapes. Phase 2 (one subprocess, triton's cache filled):
+small shapes (ragged; Sq > Sk, where rows see no key; many tiles per persistent program), while three
+more compile the Triton modules at the timed shapes. Phase 2 (one subprocess, triton's cache filled):
 triton.testing.do_bench (hopper_gpu.bench: median, best of 2) of each module on the suite's rows
 (fagen.bench.workloads.score_rows), TF/s from fagen.bench.workloads.fwd_flops (a window counts visible pairs).
 Output: the log and scores_probe.json in $OUT (the workers' parts go to a temporary folder).
@@ -45,6 +45,7 @@ MODULES = {
     "both": dict(window=True, softcap=True),  # dry run only (not timed, checked on the GPU tests)
 }
 CHECKED = ("softcap", "window", "plain")
+WARMED = ("triton-softcap", "triton-window", "triton-causal")  # compiled in phase 1, one subprocess each
 # (batch, q heads, Sq, Sk, window): ragged, Sq > Sk (the first rows see no key), many tiles per program (the
 # persistent loop crosses tiles whose key ranges start at different blocks).
 CHECK_SHAPES = {
@@ -178,21 +179,21 @@ def case_inputs(case):
             for h in (case.heads_q, case.heads_kv, case.heads_kv)]
 
 
-def worker_warm(log):
-    """Compile the Triton modules at the timed shapes (triton's cache) while the gluon modules are checked."""
+def worker_warm(which, log):
+    """Compile one Triton module at the timed shapes (triton's cache) while the gluon modules are checked."""
     import torch
     import fagen
     for case, impls in timed_rows():
         q, k, v = case_inputs(case)
         for impl, spec, kw in impls:
-            if impl.startswith("triton"):
+            if impl == which:
                 fagen.load(spec).forward(q, k, v, **kw)
                 torch.cuda.synchronize()
                 log(f"  warm {impl} {case.name}")
     return {}
 
 
-def worker_time(ok, log):
+def worker_time(ok, log, save):
     import torch
     import fagen
     from fagen.bench.workloads import fwd_flops
@@ -216,6 +217,7 @@ def worker_time(ok, log):
                 log(f"  {impl} {case.name}: {[round(t, 4) for t in ms]} ms = {tf:.0f} TF/s")
             except Exception as e:  # noqa: BLE001
                 log(f"  {impl} {case.name} FAILED: {type(e).__name__}: {e}"[:600])
+            save(out)  # after each module: a later hang keeps what was measured
     return out
 
 
@@ -247,7 +249,7 @@ def ratios(tf):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="compile every gluon module for sm_90 (no GPU needed)")
-    parser.add_argument("--timeout", type=int, default=75, help="seconds for phase 1 (checks and Triton compiles)")
+    parser.add_argument("--timeout", type=int, default=80, help="seconds for phase 1 (checks and Triton compiles)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.dry_run:
@@ -267,9 +269,10 @@ def main():
 
     if args.worker:
         kind, _, arg = args.worker.partition(":")
-        result = {"check": lambda: worker_check(arg, log), "warm": lambda: worker_warm(log),
-                  "time": lambda: worker_time([a for a in arg.split(",") if a], log)}[kind]()
-        (parts / f"part_{kind}_{arg or 'x'}.json").write_text(json.dumps(result, indent=1))
+        path = parts / f"part_{kind}_{arg or 'x'}.json"
+        save = lambda result: path.write_text(json.dumps(result, indent=1))  # noqa: E731
+        save({"check": lambda: worker_check(arg, log), "warm": lambda: worker_warm(arg, log),
+              "time": lambda: worker_time([a for a in arg.split(",") if a], log, save)}[kind]())
         return
 
     import torch
@@ -284,7 +287,7 @@ def main():
         return json.loads(p.read_text()) if p.exists() else None
 
     procs = {w: subprocess.Popen([sys.executable, __file__, "--worker", w])
-             for w in [f"check:{key}" for key in CHECKED] + ["warm:"]}
+             for w in [f"check:{key}" for key in CHECKED] + [f"warm:{impl}" for impl in WARMED]}
     rcs = {}
     for w, proc in procs.items():
         try:

@@ -58,6 +58,26 @@ def test_gluon_limits_are_spec_errors_naming_the_field(fields, field):
     assert "triton" in str(e.value) or field in ("block_m", "block_n", "num_warps", "num_stages", "backend")
 
 
+@pytest.mark.parametrize("fields", [dict(softcap=True), dict(window=True), dict(window=True, softcap=True),
+                                    dict(mask="none", window=True, head_dim=64)])
+def test_gluon_forward_takes_window_and_softcap(fields):
+    s = gluon(**{"mask": "causal", **fields})
+    assert s.switches == tuple(n for n in ("window", "softcap") if fields.get(n))
+    assert s.name.endswith("_bf16_gluon") and KernelSpec.from_json(s.to_json()) == s
+
+
+@pytest.mark.parametrize("fields,field,words", [
+    (dict(alibi=True), "alibi", "window and softcap switches only"),
+    (dict(sinks=True, window=True), "sinks", "window and softcap switches only"),
+    (dict(softcap=True, direction="bwd"), "softcap", "gluon backward has no score switches"),
+    (dict(window=True, direction="bwd"), "window", "gluon backward has no score switches"),
+])
+def test_gluon_refuses_other_switches_naming_the_field(fields, field, words):
+    with pytest.raises(SpecError) as e:
+        gluon(mask="causal", **fields)
+    assert e.value.field == field and words in str(e.value) and "backend 'triton'" in str(e.value)
+
+
 def test_shared_memory_formula_matches_the_config_script():
     for d, bn, st in ((128, 128, 2), (64, 128, 3), (128, 64, 4)):
         cfg = hopper_render.HopperConfig(head_dim=d, block_n=bn, stages=st)
@@ -100,6 +120,56 @@ def test_module_checks_inputs_like_the_triton_module():
     if not torch.cuda.is_available():
         with pytest.raises(mod.InputError, match="CUDA device of compute capability 9.0"):
             mod.forward(q, k, k)
+
+
+def test_switch_modules_render_only_with_their_switches():
+    """A spec without switches renders none of their code (its source is unchanged); window and softcap render the
+    block skipping, the boundary mask, and tanh.approx with the cap folded into qk_scale."""
+    plain = fagen.generate(gluon(mask="causal"))
+    for word in ("win_left", "cap_in", "_tanh", "w_lo", "_score_launch", "window=None"):
+        assert word not in plain, word
+    cap = fagen.generate(gluon(mask="causal", softcap=True))
+    assert "tanh.approx.f32" in cap and "cap_out, num_tiles" in cap and "w_lo" not in cap
+    win = fagen.generate(gluon(mask="causal", window=True))
+    assert "lo, hi, w_lo, w_hi = _key_range(" in win and "def _tanh" not in win
+    assert "range(gl.maximum(w_lo, lo + BLOCK_N), w_hi, BLOCK_N)" in win
+    assert '"win_left", "win_right"]' in win  # window extents are not specialized: one kernel for every window
+    for src in (cap, win):
+        compile(src, "rendered", "exec")
+
+
+@pytest.mark.parametrize("switches", [("softcap", ), ("window", ), ("window", "softcap")])
+def test_switch_module_checks_scores_like_the_triton_module(switches):
+    """Same forward signature and the same messages for bad score inputs as the Triton module (the shared
+    _check_scores); every check fires before the device check."""
+    on = {name: True for name in switches}
+    mod = fagen.load(gluon(mask="causal", **on))
+    tri = fagen.load(KernelSpec(head_dim=128, mask="causal", dtype="bf16", **on))
+    assert inspect.signature(mod.forward) == inspect.signature(tri.forward)
+    q = torch.zeros(1, 2, 8, 128, dtype=torch.bfloat16)
+    good = dict(window=(4, 0) if "window" in switches else None, softcap=30.0 if "softcap" in switches else None)
+    bad = [dict(alibi_slopes=torch.ones(2)), dict(sinks=torch.ones(2))]
+    if "window" in switches:
+        bad += [dict(window=(-1, 0)), dict(window=(4, )), dict(window=(1.5, 0)), dict(window=None)]
+    else:
+        bad += [dict(window=(4, 0))]  # built without it
+    if "softcap" in switches:
+        bad += [dict(softcap=0.0), dict(softcap=float("inf")), dict(softcap=True), dict(softcap=None)]
+    else:
+        bad += [dict(softcap=30.0)]
+    seen = 0
+    for kw in bad:
+        args = {**good, **kw}
+        with pytest.raises(tri.InputError) as want:
+            tri.forward(q, q, q, **args)
+        with pytest.raises(mod.InputError) as got:
+            mod.forward(q, q, q, **args)
+        assert str(got.value).replace(mod.NAME, "NAME") == str(want.value).replace(tri.NAME, "NAME"), kw
+        seen += "device" not in str(got.value)
+    assert seen == len(bad)
+    if not torch.cuda.is_available():
+        with pytest.raises(mod.InputError, match="CUDA device of compute capability 9.0"):
+            mod.forward(q, q, q, **good)
 
 
 def test_gluon_backward_module_contract():
@@ -358,6 +428,36 @@ def test_o_via_q_and_joined_release_compile_for_sm90(tmp_path):
         hopper_render.HopperConfig(stages=3, q_stages=1)
 
 
+_SCORES_SCRIPT = r"""
+import json, sys
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/scripts"]
+import hopper_scores_probe
+res = hopper_scores_probe.dry_run()
+hopper_scores_probe.check_dry_run(res)
+print("RESULT " + json.dumps(res))
+"""
+
+
+def test_score_switches_compile_for_sm90(tmp_path):
+    """[Note] Gluon score switches: the causal forward with softcap, window and both builds for sm_90 within shared
+    memory and spills nothing; the softcap's tanh.approx is there exactly when the spec has it, and a window adds
+    the left-edge masked loop in each warpgroup (scripts/hopper_scores_probe.py --dry-run)."""
+    reason = _gluon_hopper_missing()
+    if reason:
+        pytest.skip(reason)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["FAGEN_HOPPER_CACHE"] = str(tmp_path)
+    proc = subprocess.run([sys.executable, "-c", _SCORES_SCRIPT, str(ROOT)], env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = {r["module"]: r for r in json.loads(proc.stdout.split("RESULT ", 1)[1])}
+    assert set(results) == {"plain", "softcap", "window", "both"}
+    from fagen.spec import targets
+    for r in results.values():
+        assert r["shared"] <= targets.ARCH_SMEM_LIMIT["sm_90"] and r["spill_stores"] == r["spill_loads"] == 0, r
+    assert results["softcap"]["tanh"] > 0 and results["window"]["tanh"] == 0 and results["both"]["tanh"] > 0
+
+
 def targets_gluon(stages, **kw):
     from fagen.spec import targets
     return targets.gluon_smem_bytes(128, 128, 128, stages, **kw)
@@ -422,6 +522,43 @@ def test_backward_matches_the_reference_on_hopper(mask, gqa):
     dq, dk, _ = mod.backward(do, q, k, v, out, lse)
     # one key: every row sees it (causal: only the last row does; the others see none and get 0 anyway)
     assert dq.abs().max().item() == 0 and dk.abs().max().item() == 0
+
+
+# Score switches on the GPU: (switches, [(batch, q heads, kv heads, Sq, Sk, window)]). Ragged lengths, Sq != Sk both
+# ways (Sq > Sk: the first rows see no key), windows with a bounded and an unbounded side, a window narrower than a
+# block, many tiles per persistent program.
+SWITCH_CASES = [
+    (("softcap", ), [(2, 4, 2, 97, 97, None), (1, 2, 2, 200, 333, None), (2, 2, 2, 333, 200, None),
+                     (16, 4, 4, 1000, 1000, None)]),
+    (("window", ), [(2, 4, 2, 97, 97, (10, 0)), (1, 2, 2, 200, 333, (50, 3)), (2, 2, 2, 333, 200, (37, 0)),
+                    (1, 2, 2, 1000, 1000, (None, 0)), (16, 4, 4, 1000, 1000, (300, None)),
+                    (1, 2, 2, 700, 700, (0, 0))]),
+    (("window", "softcap"), [(1, 2, 2, 200, 333, (129, 0)), (2, 2, 2, 333, 200, (37, 0)),
+                             (16, 4, 4, 1000, 1000, (256, 0))]),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="runs on an sm_90 GPU (H100/H200)")
+@pytest.mark.parametrize("switches,shapes", SWITCH_CASES)
+def test_score_switches_match_the_reference_on_hopper(switches, shapes):
+    from fagen.spec.axes import DType
+    from fagen.verify import reference
+    from fagen.verify import tolerances as verify
+    g = torch.Generator(device="cuda").manual_seed(15)
+    for b, hq, hkv, sq, sk, window in shapes:
+        mod = fagen.load(gluon(mask="causal", gqa=hq // hkv, **{name: True for name in switches}))
+        q = torch.randn((b, hq, sq, 128), generator=g, device="cuda", dtype=torch.bfloat16) * 4
+        k, v = (torch.randn((b, hkv, sk, 128), generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        kw = dict(window=window) if "window" in switches else {}
+        if "softcap" in switches:
+            kw["softcap"] = 5.0  # scale * q.k ~ N(0, 16): well into tanh's bend
+        out, lse = mod.forward(q, k, v, **kw)
+        ref_out, ref_lse = reference.attention(q, k, v, mask="causal", **kw)
+        verify.compare("out", out, ref_out, **verify.TOLERANCE[DType.BF16])
+        verify.compare("lse", lse, ref_lse, **verify.LSE_TOLERANCE)
+        if sq > sk:  # rows before Sq - Sk see no key: out 0, lse -inf
+            assert torch.isinf(lse[:, :, :sq - sk]).all() and (out[:, :, :sq - sk] == 0).all()
 
 
 # -- the variant script ---------------------------------------------------------------------------------------

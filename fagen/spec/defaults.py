@@ -114,6 +114,9 @@ GLUON_SUPPORTED = {
     "num_warps": ((8,), "the gluon backend runs 8 consumer warps (two warpgroups) plus its producer warp"),
     "num_stages": ((2, 3, 4), "the gluon backend rings K/V through 2, 3 or 4 shared-memory slots"),
 }
+# Score switches of the gluon forward ([Note] Gluon score switches in fagen/templates/gluon/attention.py.j2); ALiBi,
+# sinks and every switch of the gluon backward are backend 'triton' only.
+GLUON_SWITCHES = ("window", "softcap")
 # The gluon backward (fagen/templates/gluon/backward.py.j2): head_dim 128 only (its tiles and registers are laid
 # out for it; docs/hopper.md, phase 3).
 GLUON_BWD_HEAD_DIMS = (128,)

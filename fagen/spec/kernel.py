@@ -184,6 +184,13 @@ class KernelSpec:
             value = getattr(self, name)
             if value not in allowed:
                 raise SpecError(name, value.value if isinstance(value, enum.Enum) else value, why)
+        for name in self.switches:
+            if name not in defaults.GLUON_SWITCHES:
+                raise SpecError(name, True, "the gluon backend has the window and softcap switches only (forward); "
+                                            "use backend 'triton'")
+            if self.direction is Direction.BWD:
+                raise SpecError(name, True, "the gluon backward has no score switches; use backend 'triton', or "
+                                            "direction 'fwd' for the gluon forward")
         if self.direction is Direction.BWD and self.head_dim not in defaults.GLUON_BWD_HEAD_DIMS:
             raise SpecError("head_dim", self.head_dim, "the gluon backward supports head_dim 128; use backend "
                             "'triton' for other head dims")

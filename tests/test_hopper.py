@@ -146,9 +146,12 @@ def test_switch_module_checks_scores_like_the_triton_module(switches):
     mod = fagen.load(gluon(mask="causal", **on))
     tri = fagen.load(KernelSpec(head_dim=128, mask="causal", dtype="bf16", **on))
     assert inspect.signature(mod.forward) == inspect.signature(tri.forward)
-    q = torch.zeros(1, 2, 8, 128, dtype=torch.bfloat16)
+    # On the inputs' device: the Triton module checks the device before the scores, so CPU tensors on a GPU
+    # machine (no interpreter) would stop it at the device check.
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    q = torch.zeros(1, 2, 8, 128, dtype=torch.bfloat16, device=dev)
     good = dict(window=(4, 0) if "window" in switches else None, softcap=30.0 if "softcap" in switches else None)
-    bad = [dict(alibi_slopes=torch.ones(2)), dict(sinks=torch.ones(2))]
+    bad = [dict(alibi_slopes=torch.ones(2, device=dev)), dict(sinks=torch.ones(2, device=dev))]
     if "window" in switches:
         bad += [dict(window=(-1, 0)), dict(window=(4, )), dict(window=(1.5, 0)), dict(window=None)]
     else:
@@ -232,6 +235,43 @@ def test_the_rule_picks_measured_wins_only(as_if_hopper, fields, picked):
     if spec.direction.value == "fwd":
         got = hopper.forward_spec(spec, torch.device("cuda"))
         assert got == (gluon(mask=spec.mask, gqa=spec.gqa) if picked else None)
+
+
+@pytest.mark.parametrize("fields,picked", [
+    (dict(mask="causal", window=True), True), (dict(mask="causal", gqa=8, window=True), True),
+    (dict(mask="causal", softcap=True), False),  # a tie lost on the H100 (470 vs 477 TF/s)
+    (dict(mask="causal", window=True, softcap=True), False),  # not measured
+    (dict(mask="none", window=True), False), (dict(mask="causal", window=True, head_dim=64), False),
+    (dict(mask="causal", window=True, sinks=True), False), (dict(mask="causal", alibi=True), False),
+    (dict(mask="causal", window=True, direction="bwd"), False),
+])
+def test_the_rule_picks_the_causal_window_of_the_switches(as_if_hopper, fields, picked):
+    """The gluon forward's window block skipping measured +9% over the Triton forward (docs/hopper.md)."""
+    spec = KernelSpec(**{"head_dim": 128, "dtype": "bf16", **fields})
+    assert hopper.selected(spec) == picked
+    if spec.direction.value == "fwd":
+        got = hopper.forward_spec(spec, torch.device("cuda"))
+        assert got == (gluon(mask=spec.mask, gqa=spec.gqa, window=True) if picked else None)
+
+
+def test_a_window_counts_its_own_pairs_toward_min_work(as_if_hopper, monkeypatch):
+    """fagen.attention takes the gluon forward by the pairs a window visits, not Sq x Sk."""
+    from fagen.runtime import api
+    assert api._window_keys(32768, (4095, 0)) == 4096 and api._window_keys(100, (None, 0)) == 100
+    assert api._window_keys(32768, (10, None)) == 32768 and api._window_keys(50, (10, 5)) == 16
+    if torch.cuda.is_available():
+        return
+    q = torch.randn(1, 1, 64, 128, dtype=torch.bfloat16)
+    monkeypatch.setattr(api, "MIN_WORK", 64 * 40 + 1)  # a window (39, 0) visits 64 x 40 pairs, Sq x Sk is 64 x 64
+    resolve._FAST.clear()
+    with pytest.raises(ValueError, match="Gluon kernel"):  # the gluon module's InputError (CPU tensors)
+        fagen.attention(q, q, q, mask="causal", window=(63, 0))
+    assert fagen.attention(q, q, q, mask="causal", window=(39, 0)).shape == q.shape  # the Triton forward
+    monkeypatch.setattr(api, "MIN_WORK", 64 * 40)
+    resolve._FAST.clear()
+    with pytest.raises(ValueError, match="Gluon kernel"):
+        fagen.attention(q, q, q, mask="causal", window=(39, 0))
+    resolve._FAST.clear()
 
 
 @pytest.mark.parametrize("fields,picked", [

@@ -114,8 +114,8 @@ class BenchCase:
         spec = KernelSpec(**fields)
         if not self.hopper and not note:
             note = "Triton forward (no Hopper selection)"
-        if (hopper and self.hopper and not self.overrides and not spec.switches and spec.direction is Direction.FWD
-                and spec.kind is Kind.PREFILL):  # the gluon forward has no score switches
+        if (hopper and self.hopper and not self.overrides and spec.direction is Direction.FWD
+                and spec.kind is Kind.PREFILL):  # hopper_rule.selected decides, score switches included
             if device is None:
                 device = "cuda" if torch.cuda.is_available() else "cpu"
             gluon = hopper_rule.forward_spec(spec, torch.device(device))

@@ -62,7 +62,9 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
     # no spec is built, hashed or validated per call (the key is fast_key's, inlined). Without gradients on an
     # H100/H200 the Gluon forward may serve ([Note] Hopper selection in fagen/runtime/hopper.py); it has forward()
     # only, and its host path is slower, so only problems of at least hopper.MIN_WORK query-key pairs may take it.
-    forward_only = not needs_grad and not decode and four and qs[0] * qs[1] * qs[2] * ks[2] >= MIN_WORK
+    # A window bounds the keys a row visits: its pairs count, not Sq x Sk.
+    keys = ks[2] if four and window is None else _window_keys(ks[2], window) if four else 0
+    forward_only = not needs_grad and not decode and four and qs[0] * qs[1] * qs[2] * keys >= MIN_WORK
     module = _FAST.get((q.dtype, qs[3], qs[1], ks[1], mask, decode, switches, forward_only, q.device)) \
         if four and isinstance(mask, str) else None
     if module is None:
@@ -92,3 +94,9 @@ def _varlen(q, k, v, mask, scale, scores, switches, cu_seqlens_q, cu_seqlens_k, 
 
 
 __all__ = ["attention", "spec_for", "AttentionError"]
+
+
+def _window_keys(sk, window) -> int:
+    """Keys a row can see at most under window (left, right): None for an unbounded side."""
+    left, right = window
+    return min(sk, (sk if left is None else left) + (sk if right is None else right) + 1)

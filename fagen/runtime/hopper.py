@@ -12,6 +12,10 @@ inputs' device: by fagen.attention (fagen/runtime/resolve.py) when no gradient i
     s4k). Not MHA causal: the Triton forward won it in the three latest runs (s16k Triton / Gluon TF/s: 558 / 550
     in benchmarks/hopper/6-integration, 559 / 543 and 562 / 543 in benchmarks/scores.md), so phase 1's +3% did
     not hold. Not d64 (-7%), not fp16 (496 vs 493 TF/s, a tie), not padding/tree masks (no such kernel).
+    With score switches: causal with the window switch alone (any gqa), where the gluon forward's block skipping
+    measured +9% over the Triton one (window 4096 at s32k, d128 bf16, MHA: 540 vs 497 TF/s, same run;
+    docs/hopper.md, "Score switches in the forward"). Not the softcap (470 vs 477 TF/s, a tie lost), not window
+    with softcap (not measured), never ALiBi or sinks (the gluon forward has neither).
 Everywhere else the present kernels serve, unchanged. fagen.attention also asks for a problem of at least MIN_WORK
 (batch x query heads x Sq x Sk) pairs: the Gluon module's host path builds four TMA descriptors and goes through
 the JIT dispatch on every call (about 200 us on the H100, against about 70 us for the Triton forward with fast
@@ -41,6 +45,7 @@ MIN_WORK = 1 << 29  # batch x query heads x Sq x Sk below which fagen.attention 
 SELECTED_HEAD_DIMS = (128,)
 SELECTED_DTYPES = (DType.BF16,)
 SELECTED_MASKS = (Mask.NONE, Mask.CAUSAL)
+SELECTED_SWITCHES = (("window",), Mask.CAUSAL)  # the one switch set selected, and its mask (any gqa)
 # The cases the gluon backward serves when opted in ($FAGEN_HOPPER_BWD=1): it measured slower than the Triton
 # backward on every case (docs/hopper.md, phases 3 and 4), so by the measured-wins rule nothing selects it by default.
 BWD_ENV = "FAGEN_HOPPER_BWD"
@@ -89,15 +94,18 @@ def is_hopper(device) -> bool:
 
 def selected(spec: KernelSpec) -> bool:
     """Whether the measured rule picks the gluon forward for the case of `spec` (machine not considered)."""
-    return (spec.kind is Kind.PREFILL and spec.direction is Direction.FWD and spec.head_dim in SELECTED_HEAD_DIMS
-            and spec.dtype in SELECTED_DTYPES and spec.mask in SELECTED_MASKS
-            and not (spec.mask is Mask.CAUSAL and spec.gqa == 1))
+    if not (spec.kind is Kind.PREFILL and spec.direction is Direction.FWD and spec.head_dim in SELECTED_HEAD_DIMS
+            and spec.dtype in SELECTED_DTYPES):
+        return False
+    if spec.switches:
+        return (spec.switches, spec.mask) == SELECTED_SWITCHES
+    return spec.mask in SELECTED_MASKS and not (spec.mask is Mask.CAUSAL and spec.gqa == 1)
 
 
 def gluon_twin(spec: KernelSpec) -> KernelSpec:
     """The gluon spec of the same case (its own default blocks)."""
     return KernelSpec(head_dim=spec.head_dim, mask=spec.mask, gqa=spec.gqa, dtype=spec.dtype,
-                      backend=Backend.GLUON)
+                      backend=Backend.GLUON, **{name: True for name in spec.switches})
 
 
 def forward_spec(spec: KernelSpec, device) -> KernelSpec | None:
@@ -105,7 +113,8 @@ def forward_spec(spec: KernelSpec, device) -> KernelSpec | None:
 
     `spec` may be a bwd spec (fagen.attention's): only its case (head_dim, mask, dtype, gqa) is read.
     """
-    case = KernelSpec(head_dim=spec.head_dim, mask=spec.mask, gqa=spec.gqa, dtype=spec.dtype, kind=spec.kind)
+    case = KernelSpec(head_dim=spec.head_dim, mask=spec.mask, gqa=spec.gqa, dtype=spec.dtype, kind=spec.kind,
+                      **{name: True for name in spec.switches})
     if not (enabled() and selected(case) and is_hopper(device) and gluon_missing() is None):
         return None
     return gluon_twin(case)

@@ -31,14 +31,14 @@ def fast_key(q, k, mask, decode: bool, switches: tuple[str, ...], forward_only: 
 
 def resolve(q, k, v, mask, decode: bool, switches: tuple[str, ...] = (), forward_only: bool = False) -> ModuleType:
     """The module that serves these inputs, memoised in _FAST: the decode kernel, the bwd (differentiable) kernel,
-    or, with forward_only (no gradient, not decode, no score switch) on sm_90, the Gluon forward where it wins
+    or, with forward_only (no gradient, not decode) on sm_90, the Gluon forward where it wins
     ([Note] Hopper selection in fagen/runtime/hopper.py; that module has forward() only).
     switches: the score switches the call uses ("window", "softcap", "alibi", "sinks")."""
     spec = spec_for(q, k, v, mask=mask, switches=switches)
     if decode:
         spec = KernelSpec(head_dim=spec.head_dim, mask=spec.mask, gqa=spec.gqa, dtype=spec.dtype, kind=Kind.DECODE,
                           **{name: True for name in switches})
-    elif forward_only and not switches:
+    elif forward_only:
         spec = hopper.forward_spec(spec, q.device) or spec
     elif not switches:  # with gradients: the Gluon backward where it is selected ([Note] Hopper selection)
         spec = hopper.backward_spec(spec, q.device) or spec

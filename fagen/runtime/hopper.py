@@ -17,7 +17,7 @@ inputs' device: by fagen.attention (fagen/runtime/resolve.py) when no gradient i
     docs/hopper.md, "Score switches in the forward"). Not the softcap (470 vs 477 TF/s, a tie lost), not window
     with softcap (not measured), never ALiBi or sinks (the gluon forward has neither).
 Everywhere else the present kernels serve, unchanged. fagen.attention also asks for a problem of at least MIN_WORK
-(batch x query heads x Sq x Sk) pairs: the Gluon module's host path builds four TMA descriptors and goes through
+(batch x query heads x Sq x Sk, with Sk bounded by a window's left + right + 1) pairs: the Gluon module's host path builds four TMA descriptors and goes through
 the JIT dispatch on every call (about 200 us on the H100, against about 70 us for the Triton forward with fast
 launches; benchmarks/latency.md), so it wins only where the kernel outlasts that: 2^29 pairs at d128 are about
 0.5 ms of full attention (0.25 ms causal) at 550 TF/s, so a queue of such calls stays GPU-bound either way.

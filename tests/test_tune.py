@@ -133,3 +133,18 @@ def test_precompile_worker_builds_every_candidate(tmp_path):
     assert {s.hash for s in specs} <= set(runtime._loaded)
 
 
+
+
+def test_the_incumbent_stays_unless_beaten_by_more_than_the_margin():
+    """A 0.25% win is inside the H100's run-to-run spread: the config specs have today stays (with a note)."""
+    from fagen.bench.tune import KEEP_MARGIN, Trial, choose
+    inc = {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3}
+    new = {**inc, "block_n": 64}
+    near = [Trial(inc, "ok", ms=1.961), Trial(new, "ok", ms=1.956), Trial({**inc, "num_stages": 2}, "rejected")]
+    kept = choose(near, inc)
+    assert kept.config == inc and "within 1%" in kept.note and "1.956" in kept.note
+    far = [Trial(inc, "ok", ms=1.961 * (1 + KEEP_MARGIN) + 1e-3), Trial(new, "ok", ms=1.961)]
+    assert choose(far, inc).config == new and not choose(far, inc).note
+    assert choose([Trial(new, "ok", ms=2.0), Trial(inc, "error")], inc).config == new  # incumbent did not run
+    assert choose([Trial(inc, "ok", ms=1.9), Trial(new, "ok", ms=2.0)], inc).note == ""  # it is the fastest
+    assert choose([Trial(inc, "rejected")], inc) is None

@@ -74,7 +74,6 @@ def _context(spec: KernelSpec) -> dict:
     """Everything a template sees: the spec (enums and integers only), and values the tables derive from it."""
     return dict(spec=spec, spec_json=spec.to_json(), version=__version__, max_seq_q=DECODE_MAX_SEQ_Q,
                 dot_precision=tables.DOT_KWARGS[spec.dtype], tma=tables.tma_loads(spec), gluon=defaults.GLUON_VARIANT,
-                soft_exp2=defaults.SOFT_EXP2,
                 xargs=SCORE_ARGS if spec.switches else "", xsig=SCORE_SIG if spec.switches else "",
                 max_page_size=MAX_PAGE_SIZE, **_layout_context(spec))
 

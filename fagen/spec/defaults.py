@@ -138,9 +138,3 @@ def gluon_default_config(head_dim: int) -> dict:
 # release in fagen/templates/gluon/attention.py.j2).
 GLUON_VARIANT = {"q_stages": 2, "pingpong": 0, "v_late": 0, "k_late": 0, "consumer_regs": 240, "loader_regs": 24,
                  "o_via_q": 0, "kv_join": 0, "kv_stages": 0}
-
-# [Note] Software exp2 (fagen/templates/triton/attention.py.j2): the half-precision softcap forward takes the exp2 of
-# 1 of every `every` score columns from a polynomial on the FMA pipe (0: none, today's kernel; 1: all; 2; 4) with a
-# minimax polynomial of `degree` 3, 4 or 5. A render knob, not a spec field: benchmarks/scores_probe_sc.py renders
-# the variants to measure them. Off: every variant was slower on the H100 (benchmarks/scores.md, 2026-11-25).
-SOFT_EXP2 = {"every": 0, "degree": 4}

@@ -10,7 +10,7 @@ inputs' device: by fagen.attention (fagen/runtime/resolve.py) when no gradient i
   - the case is one where the H100 measurements of docs/hopper.md show a win over the Triton forward: a prefill
     forward, head_dim 128, bf16, mask none (any gqa: +5% full s16k) or causal with gqa > 1 (+13% gqa 32/8 causal
     s4k). Not MHA causal: the Triton forward won it in the three latest runs (s16k Triton / Gluon TF/s: 558 / 550
-    in benchmarks/hopper/6-integration, 559 / 543 and 562 / 543 in benchmarks/scores.md), so phase 1's +3% did
+    in c68d572:benchmarks/hopper/6-integration, 559 / 543 and 562 / 543 in benchmarks/scores.md), so phase 1's +3% did
     not hold. Not d64 (-7%), not fp16 (496 vs 493 TF/s, a tie), not padding/tree masks (no such kernel).
     With score switches: causal with the window switch alone (any gqa), where the gluon forward's block skipping
     measured +9% over the Triton one (window 4096 at s32k, d128 bf16, MHA: 540 vs 497 TF/s, same run;

@@ -100,7 +100,7 @@ def cuda_default_config(head_dim: int, dtype: DType, direction: Direction, kind:
 # [Note] Gluon tiles. fagen/templates/gluon/attention.py.j2 runs a persistent CTA of two consumer warpgroups
 # (block_m / 2 = 64 query rows each: one wgmma M tile) and one producer warp; num_warps counts the consumer warps
 # (the producer warp is added). K/V stream through a ring of num_stages slots of block_n keys, loaded by TMA.
-# The checks come from c68d572:scripts/hopper_render.py's HopperConfig, which measured the variants (docs/hopper.md).
+# The limits are the measured configs of docs/hopper.md.
 GLUON_SUPPORTED = {
     "head_dim": ((64, 128), "the gluon backend supports head_dim 64 or 128 (a TMA box of whole 16-byte rows, one "
                             "wgmma N tile); use backend 'triton' for other head dims"),
@@ -130,11 +130,8 @@ def gluon_default_config(head_dim: int) -> dict:
     """
     return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2 if head_dim >= 128 else 3}
 
-# The gluon kernel's variant switches, fixed at their measured defaults (docs/hopper.md, "Variants measured"): two Q
-# buffers per warpgroup, no ping-pong token, K released after S and V after its P V, 240 registers per consumer
-# thread and 24 for the producer; O staged in its own buffer (o_via_q 0), separate K and V `empty` barriers
-# (kv_join 0), the ring depth of the spec (kv_stages 0 = spec.num_stages). Not spec fields:
-# c68d572:scripts/hopper_render.py overrides them to measure variants (o_via_q/kv_join: [Note] O via Q, [Note] Joined
-# release in fagen/templates/gluon/attention.py.j2).
-GLUON_VARIANT = {"q_stages": 2, "pingpong": 0, "v_late": 0, "k_late": 0, "consumer_regs": 240, "loader_regs": 24,
-                 "o_via_q": 0, "kv_join": 0, "kv_stages": 0}
+# The gluon forward's register budgets (setmaxnreg): 240 per consumer thread, 24 for the producer (docs/hopper.md,
+# "Variants measured"). The variant switches measured beside them (ping-pong, late K/V releases, O via Q, joined
+# releases, one Q buffer, a K/V ring deeper than the spec's) were slower or no faster and left the template
+# (docs/hopper.md, "What left the product").
+GLUON_VARIANT = {"consumer_regs": 240, "loader_regs": 24}

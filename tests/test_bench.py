@@ -28,7 +28,7 @@ from fagen.spec.targets import triton_smem_bytes as smem_bytes
 from fagen.verify.properties import check_forward
 from fagen.bench.workloads import (BWD_FACTOR, RELATIVE_TARGETS, TARGETS, BenchCase, flops, fwd_flops, kv_bytes,
                                    make_case, score_rows, scores_suite, standard_suite, visible_pairs, window_pairs)
-from conftest import DEVICE, ON_GPU
+from _env import DEVICE, ON_GPU
 
 CPU = torch.device("cpu")
 SMALL = [

@@ -23,7 +23,7 @@ from fagen.runtime.prebuilt import PrebuiltError, PrebuiltKernel
 from fagen.verify.strategies import Problem
 from fagen.spec.targets import ARCH_CAPABILITY
 from fagen.verify.properties import check_forward
-from conftest import DEVICE, ON_GPU
+from _env import DEVICE, ON_GPU
 
 ROOT = Path(__file__).resolve().parent.parent
 # Tiny kernels: Triton's AOT compile costs ~1.5 s each on a CPU core, so tests build few and small.

@@ -20,7 +20,7 @@ from fagen.codegen.render import generate_launcher
 from fagen.spec.axes import DType, Mask
 from fagen.verify.strategies import Problem, problems
 from fagen.verify.properties import LSE_TOLERANCE, TOLERANCE, PropertyFailure, check_forward, compare
-from conftest import DEVICE, ON_GPU, SCALE
+from _env import DEVICE, ON_GPU, SCALE
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")]
 

@@ -108,18 +108,15 @@ GLUON_SUPPORTED = {
                                        "'triton' for padding and tree masks"),
     "dtype": ((DType.FP16, DType.BF16), "the gluon backend computes fp16 and bf16 on tensor cores; use backend "
                                         "'triton' for fp32"),
-    "direction": ((Direction.FWD, Direction.BWD), "the gluon backend has a forward and a backward"),
+    "direction": ((Direction.FWD,), "the gluon backend has the forward only; use backend 'triton' for bwd"),
     "block_m": ((128,), "the gluon backend takes block_m 128: two consumer warpgroups of 64 rows"),
     "block_n": ((64, 128), "the gluon backend supports block_n 64 or 128 (a TMA box side is a power of two)"),
     "num_warps": ((8,), "the gluon backend runs 8 consumer warps (two warpgroups) plus its producer warp"),
     "num_stages": ((2, 3, 4), "the gluon backend rings K/V through 2, 3 or 4 shared-memory slots"),
 }
-# Score switches of the gluon forward ([Note] Gluon score switches in fagen/templates/gluon/attention.py.j2); ALiBi,
-# sinks and every switch of the gluon backward are backend 'triton' only.
+# Score switches of the gluon forward ([Note] Gluon score switches in fagen/templates/gluon/attention.py.j2); ALiBi
+# and sinks are backend 'triton' only.
 GLUON_SWITCHES = ("window", "softcap")
-# The gluon backward (fagen/templates/gluon/backward.py.j2): head_dim 128 only (its tiles and registers are laid
-# out for it; docs/hopper.md, phase 3).
-GLUON_BWD_HEAD_DIMS = (128,)
 
 
 def gluon_default_config(head_dim: int) -> dict:

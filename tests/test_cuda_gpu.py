@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import fagen
 from fagen.aot import nvcc
-from fagen.runtime import cache
+from fagen import files
 from fagen.runtime import loader as runtime
 from fagen.runtime.modules import import_module
 from fagen.verify.properties import reference
@@ -212,10 +212,10 @@ def _load_mutant(spec, old, new):
     source = fagen.generate(spec)
     assert old in source, f"mutant pattern {old!r} not in the rendered source"
     broken = source.replace(old, new)
-    stem = f"{spec.name}-mutant{cache.digest(broken)[:12]}"
-    folder = cache.cache_root() / "src"
-    cache.write_if_different(folder / f"{stem}.cu", broken)
-    cache.write_if_different(folder / f"{stem}.py", generate_launcher(spec))
+    stem = f"{spec.name}-mutant{files.digest(broken)[:12]}"
+    folder = files.cache_root() / "src"
+    files.write_if_different(folder / f"{stem}.cu", broken)
+    files.write_if_different(folder / f"{stem}.py", generate_launcher(spec))
     return import_module(folder / f"{stem}.py")
 
 

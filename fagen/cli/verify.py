@@ -171,7 +171,7 @@ def verify_command(ctx, spec_file, spec_files, manifest, examples, seed, time_bu
     if json_path is not None:
         import json
 
-        from fagen.runtime.cache import write_if_different
+        from fagen.files import write_if_different
 
         data = report.to_dict()
         data["layouts"] = [v.to_dict() for v in layout_verdicts]

@@ -13,7 +13,7 @@ from fagen.codegen.render import generate
 from fagen.verify.strategies import Problem, problems, specs
 from fagen.verify.properties import (TOLERANCE, PropertyFailure, check_backward, compare, compare_grad, grad_output,
                           reference_gradients)
-from conftest import DEVICE, ON_GPU
+from _env import DEVICE, ON_GPU
 
 BWD = Direction.BWD
 # GPU: realistic head dims and one block config, so few kernels compile (fp32's ieee dots compile slowly: D 64 and

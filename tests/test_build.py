@@ -16,14 +16,15 @@ from click.testing import CliRunner
 from filelock import FileLock, Timeout
 
 import fagen
-from fagen.runtime import cache
+from fagen import files
+from fagen.aot import keys
 from fagen.cli import main
 from fagen.aot.artifacts import artifact_key
 from fagen.runtime.prebuilt import PrebuiltError, PrebuiltKernel
 from fagen.verify.strategies import Problem
 from fagen.spec.targets import ARCH_CAPABILITY
 from fagen.verify.properties import check_forward
-from conftest import DEVICE, ON_GPU
+from _env import DEVICE, ON_GPU
 
 ROOT = Path(__file__).resolve().parent.parent
 # Tiny kernels: Triton's AOT compile costs ~1.5 s each on a CPU core, so tests build few and small.
@@ -295,7 +296,7 @@ def test_a_killed_build_leaves_no_lock_held_and_no_process(tmp_path, monkeypatch
     manifest = write_manifest(tmp_path / "m.toml", [spec], ["sm_80", "sm_90"])
     env = subprocess_env(cache_dir, TRITON_CACHE_DIR=str(tmp_path / "triton"))  # a real, seconds-long compile
     monkeypatch.setenv("FAGEN_CACHE_DIR", str(cache_dir))  # the lock lives under the cache root
-    lock_path = cache.lock_for(cache.entry_dir(artifact_key(spec, "sm_80"))).lock_file
+    lock_path = files.lock_for(keys.entry_dir(artifact_key(spec, "sm_80"))).lock_file
     proc = subprocess.Popen([sys.executable, "cli.py", "build", manifest, "-o", tmp_path / "out", "-q", "-j", str(jobs)],
                             cwd=ROOT, env=env)
     deadline = time.monotonic() + 120
@@ -422,7 +423,7 @@ def test_a_corrupted_cache_entry_is_rebuilt_not_served(built):
     (causal_sm80,) = [v for v in json.loads((out / "manifest.json").read_text())["variants"]
                       if v["name"] == CAUSAL.name and v["arch"] == "sm_80"]
     good = (out / causal_sm80["kernels"][0]["cubin"]).read_bytes()
-    entry_cubin = cache.entry_dir(causal_sm80["key"]) / "_attn_fwd.cubin"
+    entry_cubin = keys.entry_dir(causal_sm80["key"]) / "_attn_fwd.cubin"
     entry_cubin.write_bytes(good[:-8])  # truncated, as by a full disk
     result = run_cli("build", manifest, "-o", out, "--json")
     assert result.exit_code == 0

@@ -17,7 +17,7 @@ from fagen.spec.axes import DType, Kind, Mask
 from fagen.verify.strategies import GPU_HEAD_DIMS, Problem, decode_problems, specs
 from fagen.verify.mutants import MUTANTS
 from fagen.verify.properties import TOLERANCE, PropertyFailure, check_forward, compare
-from conftest import DEVICE, ON_GPU, SCALE
+from _env import DEVICE, ON_GPU, SCALE
 
 HEAD_DIMS = GPU_HEAD_DIMS if ON_GPU else (16, 24, 40)
 BLOCKS = (32, 64) if ON_GPU else (16, 32)  # block_m caps the packed rows; block_n keys per step

@@ -10,7 +10,7 @@ from fagen.verify import reference
 from fagen.spec.axes import DType, Mask
 from fagen.verify.strategies import GPU_HEAD_DIMS, Problem, problems, specs
 from fagen.verify.properties import check_forward
-from conftest import DEVICE, ON_GPU, SCALE
+from _env import DEVICE, ON_GPU, SCALE
 
 # On a GPU every new spec is a compile: keep default blocks and two gqa values there.
 HEAD_DIMS = GPU_HEAD_DIMS if ON_GPU else (16, 24, 40, 64)

@@ -6,7 +6,7 @@ import torch
 from hypothesis import Phase, given, settings
 
 import fagen
-from conftest import DEVICE, ON_GPU
+from _env import DEVICE, ON_GPU
 from fagen.runtime.loader import load
 from fagen.verify import layouts
 from fagen.verify.engine import mutant_module

@@ -15,7 +15,7 @@ from fagen.verify import reference
 from fagen.verify.properties import BY_NAME, check_backward, check_forward
 from fagen.verify.tolerances import PropertyFailure
 from fagen.verify.strategies import GPU_HEAD_DIMS, Problem, decode_problems, problems, specs
-from conftest import DEVICE, ON_GPU, SCALE
+from _env import DEVICE, ON_GPU, SCALE
 
 HEAD_DIMS = GPU_HEAD_DIMS if ON_GPU else (16, 40)
 BLOCKS = None if ON_GPU else (16, 32)

@@ -16,7 +16,7 @@ from fagen.spec.axes import Direction, DType, Kind, Mask
 from fagen.spec.targets import triton_smem_bytes as smem_bytes
 from fagen.verify.properties import check_forward
 from fagen.verify.strategies import Problem
-from conftest import DEVICE, ON_GPU
+from _env import DEVICE, ON_GPU
 
 CPU = torch.device("cpu")
 

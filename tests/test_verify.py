@@ -16,7 +16,7 @@ from fagen.verify import report as vreport
 from fagen.cli import main
 from fagen.verify.mutants import MUTANTS
 from fagen.verify.strategies import Problem
-from conftest import DEVICE, ON_GPU, SCALE
+from _env import DEVICE, ON_GPU, SCALE
 
 BLOCKS = {} if ON_GPU else dict(block_m=32, block_n=16)  # short CPU sequences still span several blocks
 RUN = ["--device", DEVICE, "--scale", SCALE]

@@ -21,7 +21,8 @@ from typing import Iterable
 from fagen import __version__
 from fagen.aot import nvcc
 from fagen.codegen.render import Rendered, render
-from fagen.runtime import cache
+from fagen.aot import keys
+from fagen.files import digest, lock_for
 from fagen.runtime.loader import write_source
 from fagen.runtime.modules import import_module
 from fagen.spec import targets
@@ -67,17 +68,17 @@ class ArchBuild:
 
 
 def artifact_key(spec: KernelSpec, arch: str, rendered: Rendered | None = None) -> str:
-    """The content key of one spec's binaries for one arch (see [Note] Artifact keys in fagen/runtime/cache.py)."""
+    """The content key of one spec's binaries for one arch (see [Note] Artifact keys in fagen/aot/keys.py)."""
     rendered = rendered or render(spec)
-    return cache.digest("aot", str(cache.FORMAT_VERSION), __version__, spec.to_json(), rendered.digest,
-                        cache.toolchain(spec.backend.value, targets.ARCH_CAPABILITY[arch]), arch,
-                        json.dumps(cache.codegen_env()))
+    return digest("aot", str(keys.FORMAT_VERSION), __version__, spec.to_json(), rendered.digest,
+                        keys.toolchain(spec.backend.value, targets.ARCH_CAPABILITY[arch]), arch,
+                        json.dumps(keys.codegen_env()))
 
 
 def lookup(spec: KernelSpec, arch: str, key: str | None = None) -> ArchBuild | None:
     """The cached build of (spec, arch), or None."""
     key = key or artifact_key(spec, arch)
-    meta = cache.read_entry(key)
+    meta = keys.read_entry(key)
     if meta is None:
         return None
     for k in meta["kernels"]:  # the limit is not part of the key: check it on every use
@@ -105,7 +106,7 @@ def compile_arch(spec: KernelSpec, arch: str) -> ArchBuild:
         raise CompileError(spec.name, arch, _too_big(spec, arch, need) + " (estimated before compiling)")
     # [Note] One builder per key: the lock is flock-based, so a killed builder releases it. A waiter then
     # looks again and takes what the other process finished, or compiles it itself.
-    with cache.lock_for(cache.entry_dir(key)):
+    with lock_for(keys.entry_dir(key)):
         hit = lookup(spec, arch, key)
         if hit is not None:
             return hit
@@ -116,7 +117,7 @@ def compile_arch(spec: KernelSpec, arch: str) -> ArchBuild:
             files, kernels = _compile_triton(spec, arch, rendered)
         meta = {"spec": spec.to_dict(), "arch": arch, "seconds": round(time.perf_counter() - start, 3),
                 "kernels": kernels}
-        meta = cache.write_entry(key, files, meta)
+        meta = keys.write_entry(key, files, meta)
     return _from_entry(spec, arch, key, meta, cached=False)
 
 
@@ -157,7 +158,7 @@ def compile_spec(spec: KernelSpec, archs: Iterable[str]) -> list[ArchBuild]:
 
 
 def _from_entry(spec: KernelSpec, arch: str, key: str, meta: dict, cached: bool) -> ArchBuild:
-    root = cache.entry_dir(key)
+    root = keys.entry_dir(key)
     kernels = tuple(KernelArtifact(name=k["name"], ptx=root / f"{k['name']}.ptx", cubin=root / f"{k['name']}.cubin",
                                    registers=k["registers"], spills=k["spills"], shared=k["shared"],
                                    seconds=k["seconds"], launch=k["launch"]) for k in meta["kernels"])

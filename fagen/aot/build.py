@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from fagen import __version__
-from fagen.runtime import cache
+from fagen.aot import keys
+from fagen.files import write_if_different
 from fagen.aot.artifacts import ArchBuild, CompileError, compile_arch, lookup
 from fagen.aot.export import export
 from fagen.spec.kernel import KernelSpec
@@ -176,12 +177,12 @@ def write_manifest(out_dir: Path, records: list[dict], failures: list[Failure], 
                    manifest_path: Path | None = None) -> Path:
     import triton
 
-    data = {"fagen_version": __version__, "triton_version": triton.__version__, "cache_format": cache.FORMAT_VERSION,
+    data = {"fagen_version": __version__, "triton_version": triton.__version__, "cache_format": keys.FORMAT_VERSION,
             "manifest": str(manifest_path) if manifest_path else None, "archs": list(archs),
             "variants": records,
             "failures": [{"name": f.name, "arch": f.arch, "error": f.message} for f in failures]}
     path = out_dir / "manifest.json"
-    cache.write_if_different(path, json.dumps(data, indent=1) + "\n")
+    write_if_different(path, json.dumps(data, indent=1) + "\n")
     return path
 
 

@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from fagen.runtime import cache
+from fagen import files
 from fagen.spec import targets
 from fagen.spec.axes import Backend
 
@@ -128,7 +128,7 @@ def compile(source: str, arch: str, out_dir: str | Path, *, name: str = "kernel"
     paths = {}
     for kind, data in outputs.items():
         paths[kind] = out_dir / f"{name}.{kind}"
-        cache.write_if_different(paths[kind], data)
+        files.write_if_different(paths[kind], data)
     return Compiled(cubin=paths["cubin"], ptx=paths["ptx"], arch=arch, resources=resources, seconds=seconds)
 
 
@@ -138,7 +138,7 @@ def _flags(werror: bool) -> list[str]:
 
 def artifact_key(source: str, arch: str, *, werror: bool = False) -> str:
     """Cache key of a compile: format, nvcc version, arch, flags and the source bytes."""
-    return cache.digest("nvcc", FORMAT, nvcc_version(), check_arch(arch), " ".join(_flags(werror)), source)[:24]
+    return files.digest("nvcc", FORMAT, nvcc_version(), check_arch(arch), " ".join(_flags(werror)), source)[:24]
 
 
 def compile_cached(source: str, arch: str, *, name: str = "kernel", werror: bool = False) -> Compiled:
@@ -147,9 +147,9 @@ def compile_cached(source: str, arch: str, *, name: str = "kernel", werror: bool
     resources.json is written last, so a folder that has it is complete; a concurrent compile of the same key
     waits on the lock and then finds it.
     """
-    folder = cache.cache_root() / "cuda" / artifact_key(source, arch, werror=werror)
+    folder = files.cache_root() / "cuda" / artifact_key(source, arch, werror=werror)
     report = folder / "resources.json"
-    with cache.lock_for(folder):
+    with files.lock_for(folder):
         if report.exists():
             data = json.loads(report.read_text())
             return Compiled(cubin=folder / data["cubin"], ptx=folder / data["ptx"], arch=arch, cached=True,
@@ -157,7 +157,7 @@ def compile_cached(source: str, arch: str, *, name: str = "kernel", werror: bool
         done = compile(source, arch, folder, name=name, werror=werror)
         record = {"cubin": done.cubin.name, "ptx": done.ptx.name, "arch": arch,
                   "resources": {k: dataclasses.asdict(v) for k, v in done.resources.items()}}
-        cache.write_if_different(report, json.dumps(record, indent=1, sort_keys=True))
+        files.write_if_different(report, json.dumps(record, indent=1, sort_keys=True))
         return done
 
 

@@ -79,7 +79,7 @@ def bench(spec_file, batch, heads, seq_q, seq_k, suite, case_names, quick, devic
             text = report.splice(into_path.read_text(), table)
         except ValueError as e:
             raise click.ClickException(f"{into_path}: {e}") from None
-        from fagen.runtime.cache import write_if_different
+        from fagen.files import write_if_different
 
         write_if_different(into_path, text)
         click.echo(f"wrote the table into {into_path}")

@@ -22,7 +22,7 @@ def generate(spec_file, out_dir, **flags):
       fagen generate            # the default catalog into generated/
     """
     from fagen.codegen.render import generate as render
-    from fagen.runtime.cache import write_if_different
+    from fagen.files import write_if_different
     from fagen.spec.manifest import DEFAULT_CATALOG, ManifestError, load_manifest
     from fagen.spec.tables import SOURCE_SUFFIX
 

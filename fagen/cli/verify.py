@@ -96,7 +96,7 @@ def verify_command(ctx, spec_file, spec_files, manifest, examples, seed, time_bu
     scale = scale or ("gpu" if device == "cuda" else "cpu")
     if device == "cpu" and any(s.backend is Backend.GLUON for s in specs):
         raise click.UsageError("backend 'gluon' kernels run on an sm_90 GPU only (Gluon has no interpreter): verify "
-                               "them with --device cuda on an H100/H200; `python -m pytest tests/test_hopper.py` "
+                               "them with --device cuda on an H100/H200; `python -m pytest tests/test_hopper_compile.py` "
                                "compiles them for sm_90 without a GPU")
 
     unknown = [p for p in properties if p not in BY_NAME]
@@ -171,7 +171,7 @@ def verify_command(ctx, spec_file, spec_files, manifest, examples, seed, time_bu
     if json_path is not None:
         import json
 
-        from fagen.runtime.cache import write_if_different
+        from fagen.files import write_if_different
 
         data = report.to_dict()
         data["layouts"] = [v.to_dict() for v in layout_verdicts]

@@ -10,7 +10,7 @@ inputs' device: by fagen.attention (fagen/runtime/resolve.py) when no gradient i
   - the case is one where the H100 measurements of docs/hopper.md show a win over the Triton forward: a prefill
     forward, head_dim 128, bf16, mask none (any gqa: +5% full s16k) or causal with gqa > 1 (+13% gqa 32/8 causal
     s4k). Not MHA causal: the Triton forward won it in the three latest runs (s16k Triton / Gluon TF/s: 558 / 550
-    in benchmarks/hopper/6-integration, 559 / 543 and 562 / 543 in benchmarks/scores.md), so phase 1's +3% did
+    in c68d572:benchmarks/hopper/6-integration, 559 / 543 and 562 / 543 in benchmarks/scores.md), so phase 1's +3% did
     not hold. Not d64 (-7%), not fp16 (496 vs 493 TF/s, a tie), not padding/tree masks (no such kernel).
     With score switches: causal with the window switch alone (any gqa), where the gluon forward's block skipping
     measured +9% over the Triton one (window 4096 at s32k, d128 bf16, MHA: 540 vs 497 TF/s, same run;
@@ -22,13 +22,9 @@ the JIT dispatch on every call (about 200 us on the H100, against about 70 us fo
 launches; benchmarks/latency.md), so it wins only where the kernel outlasts that: 2^29 pairs at d128 are about
 0.5 ms of full attention (0.25 ms causal) at 550 TF/s, so a queue of such calls stays GPU-bound either way.
 
-The backward (issue 16 phase 3, fagen/templates/gluon/backward.py.j2) is wired the same way but selected for no
-case by default: on the H100 it is correct, deterministic and exact where rows see one key, yet slower than the
-Triton backward (d128 causal s16k bf16: 298 vs 433 TF/s with phase 4's pipelined dQ writer, 291 vs 417 before;
-docs/hopper.md, phases 3 and 4). With $FAGEN_HOPPER_BWD=1 (and the conditions above), fagen.attention *with*
-gradients takes the gluon bwd module (its Gluon forward and fused Gluon backward) for head_dim 128, bf16,
-none/causal, any gqa, no score switch (backward_spec). `fagen bench` rows and the torch.compile operator keep the
-Triton kernels.
+With gradients, fagen.attention keeps the Triton bwd module: the gluon backend has no backward (a Gluon backward
+measured slower than the Triton one everywhere, 298 vs 433 TF/s at d128 causal s16k bf16, and left the product;
+docs/hopper.md, "What left the product").
 """
 
 from __future__ import annotations
@@ -46,12 +42,6 @@ SELECTED_HEAD_DIMS = (128,)
 SELECTED_DTYPES = (DType.BF16,)
 SELECTED_MASKS = (Mask.NONE, Mask.CAUSAL)
 SELECTED_SWITCHES = (("window",), Mask.CAUSAL)  # the one switch set selected, and its mask (any gqa)
-# The cases the gluon backward serves when opted in ($FAGEN_HOPPER_BWD=1): it measured slower than the Triton
-# backward on every case (docs/hopper.md, phases 3 and 4), so by the measured-wins rule nothing selects it by default.
-BWD_ENV = "FAGEN_HOPPER_BWD"
-BWD_SELECTED_HEAD_DIMS = (128,)
-BWD_SELECTED_DTYPES = (DType.BF16,)
-BWD_SELECTED_MASKS = (Mask.NONE, Mask.CAUSAL)
 
 
 def enabled() -> bool:
@@ -119,24 +109,3 @@ def forward_spec(spec: KernelSpec, device) -> KernelSpec | None:
         return None
     return gluon_twin(case)
 
-
-def backward_enabled() -> bool:
-    """True only when $FAGEN_HOPPER_BWD is "1" (or "on", "true", "yes"): an opt-in, see the note above."""
-    return os.environ.get(BWD_ENV, "0").strip().lower() in ("1", "on", "true", "yes")
-
-
-def backward_selected(spec: KernelSpec) -> bool:
-    """Whether the gluon backward serves the case of `spec` once opted in (machine not considered)."""
-    return (spec.kind is Kind.PREFILL and not spec.switches and spec.head_dim in BWD_SELECTED_HEAD_DIMS
-            and spec.dtype in BWD_SELECTED_DTYPES and spec.mask in BWD_SELECTED_MASKS)
-
-
-def backward_spec(spec: KernelSpec, device) -> KernelSpec | None:
-    """The gluon bwd spec that should serve `spec`'s case with gradients on `device`, or None: keep `spec`."""
-    case = KernelSpec(head_dim=spec.head_dim, mask=spec.mask, gqa=spec.gqa, dtype=spec.dtype, kind=spec.kind,
-                      **{name: True for name in spec.switches})
-    if not (enabled() and backward_enabled() and backward_selected(case) and is_hopper(device)
-            and gluon_missing() is None):
-        return None
-    return KernelSpec(head_dim=spec.head_dim, mask=spec.mask, gqa=spec.gqa, dtype=spec.dtype,
-                      direction=Direction.BWD, backend=Backend.GLUON)

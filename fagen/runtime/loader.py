@@ -8,7 +8,7 @@ from types import ModuleType
 
 from fagen import __version__
 from fagen.codegen.render import Rendered, render
-from fagen.runtime import cache
+from fagen import files
 from fagen.runtime.modules import import_module
 from fagen.spec import tables
 from fagen.spec.kernel import KernelSpec
@@ -25,10 +25,10 @@ def write_source(spec: KernelSpec, rendered: Rendered | None = None) -> Path:
     is repaired rather than imported; a read-only cache whose files are whole is only read.
     """
     rendered = rendered or render(spec)
-    key = cache.digest("source", __version__, spec.to_json(), *rendered.files.values())[:20]
-    stem = cache.cache_root() / "src" / f"{spec.name}-{key}"
+    key = files.digest("source", __version__, spec.to_json(), *rendered.files.values())[:20]
+    stem = files.cache_root() / "src" / f"{spec.name}-{key}"
     for suffix, text in rendered.files.items():
-        cache.write_if_different(stem.with_name(stem.name + suffix), text)
+        files.write_if_different(stem.with_name(stem.name + suffix), text)
     return stem.with_name(stem.name + tables.SOURCE_SUFFIX[spec.backend])
 
 
@@ -56,6 +56,6 @@ def load(spec: KernelSpec, build_dir: str | Path | None = None) -> ModuleType:
 
 def load_source(source: str, name: str) -> ModuleType:
     """Import source text that is not a plain render (a mutant under test, say), through the cache."""
-    path = cache.cache_root() / "src" / f"{name}-{cache.digest(source)[:20]}.py"
-    cache.write_if_different(path, source)
+    path = files.cache_root() / "src" / f"{name}-{files.digest(source)[:20]}.py"
+    files.write_if_different(path, source)
     return import_module(path)

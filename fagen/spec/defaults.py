@@ -39,7 +39,7 @@ def default_config(head_dim: int, dtype: DType, direction: Direction, kind: Kind
             return {"block_m": 32, "block_n": 32, "num_warps": 4, "num_stages": 2}
         if layout is Layout.PAGED:
             # [Note] Paged decode tiles. Each block's rows are gathered through the block table, a dependent load
-            # before K/V: wider blocks amortise it. H100, d128 bf16 32/8 heads, page 16 (scripts/paged_sweep.py,
+            # before K/V: wider blocks amortise it. H100, d128 bf16 32/8 heads, page 16 (c68d572:scripts/paged_sweep.py,
             # 2026-11-23): n128 w4 s2 2904 / 2868 GB/s (KV 8k x b32 / 32k x b8), n64 w4 s3 2799 / 2788,
             # n32 2380 / 2374; dense decode (n64 w4 s3) 2952 / 2920 on the same problems.
             return {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 2}
@@ -100,7 +100,7 @@ def cuda_default_config(head_dim: int, dtype: DType, direction: Direction, kind:
 # [Note] Gluon tiles. fagen/templates/gluon/attention.py.j2 runs a persistent CTA of two consumer warpgroups
 # (block_m / 2 = 64 query rows each: one wgmma M tile) and one producer warp; num_warps counts the consumer warps
 # (the producer warp is added). K/V stream through a ring of num_stages slots of block_n keys, loaded by TMA.
-# The checks come from scripts/hopper_render.py's HopperConfig, which measured the variants (docs/hopper.md).
+# The limits are the measured configs of docs/hopper.md.
 GLUON_SUPPORTED = {
     "head_dim": ((64, 128), "the gluon backend supports head_dim 64 or 128 (a TMA box of whole 16-byte rows, one "
                             "wgmma N tile); use backend 'triton' for other head dims"),
@@ -108,18 +108,15 @@ GLUON_SUPPORTED = {
                                        "'triton' for padding and tree masks"),
     "dtype": ((DType.FP16, DType.BF16), "the gluon backend computes fp16 and bf16 on tensor cores; use backend "
                                         "'triton' for fp32"),
-    "direction": ((Direction.FWD, Direction.BWD), "the gluon backend has a forward and a backward"),
+    "direction": ((Direction.FWD,), "the gluon backend has the forward only; use backend 'triton' for bwd"),
     "block_m": ((128,), "the gluon backend takes block_m 128: two consumer warpgroups of 64 rows"),
     "block_n": ((64, 128), "the gluon backend supports block_n 64 or 128 (a TMA box side is a power of two)"),
     "num_warps": ((8,), "the gluon backend runs 8 consumer warps (two warpgroups) plus its producer warp"),
     "num_stages": ((2, 3, 4), "the gluon backend rings K/V through 2, 3 or 4 shared-memory slots"),
 }
-# Score switches of the gluon forward ([Note] Gluon score switches in fagen/templates/gluon/attention.py.j2); ALiBi,
-# sinks and every switch of the gluon backward are backend 'triton' only.
+# Score switches of the gluon forward ([Note] Gluon score switches in fagen/templates/gluon/attention.py.j2); ALiBi
+# and sinks are backend 'triton' only.
 GLUON_SWITCHES = ("window", "softcap")
-# The gluon backward (fagen/templates/gluon/backward.py.j2): head_dim 128 only (its tiles and registers are laid
-# out for it; docs/hopper.md, phase 3).
-GLUON_BWD_HEAD_DIMS = (128,)
 
 
 def gluon_default_config(head_dim: int) -> dict:
@@ -130,11 +127,8 @@ def gluon_default_config(head_dim: int) -> dict:
     """
     return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2 if head_dim >= 128 else 3}
 
-# The gluon kernel's variant switches, fixed at their measured defaults (docs/hopper.md, "Variants measured"): two Q
-# buffers per warpgroup, no ping-pong token, K released after S and V after its P V, 240 registers per consumer
-# thread and 24 for the producer; O staged in its own buffer (o_via_q 0), separate K and V `empty` barriers
-# (kv_join 0), the ring depth of the spec (kv_stages 0 = spec.num_stages). Not spec fields:
-# scripts/hopper_render.py overrides them to measure variants (o_via_q/kv_join: [Note] O via Q, [Note] Joined
-# release in fagen/templates/gluon/attention.py.j2).
-GLUON_VARIANT = {"q_stages": 2, "pingpong": 0, "v_late": 0, "k_late": 0, "consumer_regs": 240, "loader_regs": 24,
-                 "o_via_q": 0, "kv_join": 0, "kv_stages": 0}
+# The gluon forward's register budgets (setmaxnreg): 240 per consumer thread, 24 for the producer (docs/hopper.md,
+# "Variants measured"). The variant switches measured beside them (ping-pong, late K/V releases, O via Q, joined
+# releases, one Q buffer, a K/V ring deeper than the spec's) were slower or no faster and left the template
+# (docs/hopper.md, "What left the product").
+GLUON_VARIANT = {"consumer_regs": 240, "loader_regs": 24}

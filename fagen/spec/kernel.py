@@ -186,14 +186,8 @@ class KernelSpec:
                 raise SpecError(name, value.value if isinstance(value, enum.Enum) else value, why)
         for name in self.switches:
             if name not in defaults.GLUON_SWITCHES:
-                raise SpecError(name, True, "the gluon backend has the window and softcap switches only (forward); "
-                                            "use backend 'triton'")
-            if self.direction is Direction.BWD:
-                raise SpecError(name, True, "the gluon backward has no score switches; use backend 'triton', or "
-                                            "direction 'fwd' for the gluon forward")
-        if self.direction is Direction.BWD and self.head_dim not in defaults.GLUON_BWD_HEAD_DIMS:
-            raise SpecError("head_dim", self.head_dim, "the gluon backward supports head_dim 128; use backend "
-                            "'triton' for other head dims")
+                raise SpecError(name, True, "the gluon backend has the window and softcap switches only; use "
+                                            "backend 'triton'")
         smem = targets.smem_bytes(self)
         limit = targets.ARCH_SMEM_LIMIT["sm_90"]
         if smem > limit:

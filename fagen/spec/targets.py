@@ -73,18 +73,14 @@ def triton_smem_bytes(spec) -> int:
     return tiles * d * spec.dtype.itemsize
 
 
-def gluon_smem_bytes(head_dim: int, block_m: int, block_n: int, num_stages: int, q_stages: int = 2,
-                     o_via_q: int = 0) -> int:
+def gluon_smem_bytes(head_dim: int, block_m: int, block_n: int, num_stages: int) -> int:
     """Shared memory of the Gluon (Hopper) forward (fagen/templates/gluon/attention.py.j2, [Note] Roles).
 
-    A program owns block_m query rows, block_m / 2 per consumer warpgroup. Each warpgroup has q_stages Q buffers
-    and one O staging buffer (none with o_via_q: O goes through the tile's Q buffer, [Note] O via Q); the K/V
-    ring holds num_stages K and V tiles of block_n rows; 2 bytes an element, plus 1 KB for the mbarriers and
-    triton's scratch. d128 m128 n128 s2: 230,400 bytes (compiled: 229,752); with o_via_q, q_stages 1, s3:
-    230,400 too (32 KB of Q + 192 KB of K/V)."""
+    A program owns block_m query rows, block_m / 2 per consumer warpgroup. Each warpgroup has two Q buffers and
+    one O staging buffer; the K/V ring holds num_stages K and V tiles of block_n rows; 2 bytes an element, plus
+    1 KB for the mbarriers and triton's scratch. d128 m128 n128 s2: 230,400 bytes (compiled: 229,752)."""
     half = block_m // 2
-    o_buffers = 0 if o_via_q else 1
-    return 2 * (2 * (q_stages + o_buffers) * half + 2 * num_stages * block_n) * head_dim + 1024
+    return 2 * (2 * 3 * half + 2 * num_stages * block_n) * head_dim + 1024
 
 
 def smem_bytes(spec) -> int:

@@ -86,7 +86,7 @@ def lookup(head_dim: int, mask, dtype, direction, kind, arch: str = DEFAULT_ARCH
 
 def upsert(path: Path, entry: dict) -> None:
     """Insert or replace one entry (matched on the key fields); written atomically, sorted for stable diffs."""
-    from fagen.runtime.cache import write_if_different
+    from fagen.files import write_if_different
 
     path = Path(path)
     entry = validate_entry(dict(entry), "new entry")

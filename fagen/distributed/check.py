@@ -9,13 +9,32 @@ its message, fetched with all_gather_object on this error path only). Only then 
 
 from __future__ import annotations
 
+import struct
+
 import torch
 import torch.distributed as dist
 
-from fagen.distributed.shard import ContextParallelError
+from fagen.distributed.common import _DTYPE_CODES, MASKS
+from fagen.distributed.shard import LAYOUTS, ContextParallelError
 
+FIELDS = 16  # every call gathers this many ints per rank (a refused rank sends zeros): one message size for all
 SAME_SHARDS = ("cut the sequence into equal shards with fagen.distributed.shard (pad it to a multiple of the number "
-               "of chunks)")
+               "of chunks), or the packed rows with plan.shard")
+
+
+def float_bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def _bits_float(x: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", x))[0]
+
+
+SHOW = {"dtype": lambda x: str(_DTYPE_CODES[x]), "mask": lambda x: MASKS[x], "layout": lambda x: LAYOUTS[x],
+        "scale": _bits_float, "plan": lambda x: f"{x:#x}", "call": lambda x: ("dense", "packed (plan=)")[x]}
+HINTS = {"q shard length": SAME_SHARDS, "k/v shard length": SAME_SHARDS,
+         "dtype": "cast every rank's q, k and v to one dtype",
+         "plan": "build the plan from the same cu_seqlens, balance and mask on every rank"}
 
 
 def _device(group) -> torch.device:
@@ -30,7 +49,10 @@ def agree(group, error: ContextParallelError | None, fields: list[tuple[str, int
     one of `fields` (name, int) differs across ranks; return otherwise. `show` maps a field name to a function
     that renders its int for the message; `hints` maps a field name to the fix to suggest."""
     world = dist.get_world_size(group)
+    if len(fields) >= FIELDS:
+        raise ValueError(f"agree: at most {FIELDS - 1} fields")
     mine = [1 if error is not None else 0] + [0 if error is not None else int(v) for _, v in fields]
+    mine += [0] * (FIELDS - len(mine))
     mine_t = torch.tensor(mine, dtype=torch.int64, device=_device(group))
     every = [torch.empty_like(mine_t) for _ in range(world)]
     dist.all_gather(every, mine_t, group=group)
@@ -60,4 +82,4 @@ def require_initialized() -> None:
                                    "first (launch with torchrun), or use fagen.attention on one device")
 
 
-__all__ = ["agree", "require_initialized", "SAME_SHARDS"]
+__all__ = ["agree", "require_initialized", "float_bits", "FIELDS", "SAME_SHARDS", "SHOW", "HINTS"]

@@ -78,11 +78,10 @@ LENS = torch.tensor([29, 11], dtype=torch.int32)
 ULYSSES2 = {
     "causal-zigzag-gqa": ("causal", "zigzag", 4, 2, 32, torch.float32, 1, {}),
     "none-contiguous-mqa-fp16": ("none", "contiguous", 4, 1, 24, torch.float16, 1, {}),
-    "causal+padding": ("causal+padding", "contiguous", 2, 2, 32, torch.float32, 2,
-                       dict(seqlens_q=LENS, seqlens_k=LENS)),
+    "causal+padding-alibi": ("causal+padding", "contiguous", 2, 2, 32, torch.float32, 2,
+                             dict(seqlens_q=LENS, seqlens_k=LENS, alibi_slopes=SLOPES[:2])),
     "window-softcap-sinks": ("causal", "zigzag", 4, 2, 32, torch.float32, 1, dict(window=(5, 0), softcap=3.0,
                                                                                   sinks=SINKS)),
-    "alibi": ("none", "contiguous", 4, 4, 24, torch.float32, 1, dict(alibi_slopes=SLOPES)),
 }
 
 

@@ -116,7 +116,8 @@ def check(world, groups, rank):
         out = fn(qs, ks, vs, mask="causal", plan=plan)
         grads = torch.autograd.grad(out, (qs, ks, vs), plan.shard(do, rank))
         got = [plan.gather(t.detach()) for t in (out, *grads)]
-        rows.append(dict(kind="check", method=name, mask="causal", heads=f"{gqa[0]}/{gqa[1]}", seq=seq, docs=len(lengths),
+        rows.append(dict(kind="check", method=name, mask="causal", heads=f"{gqa[0]}/{gqa[1]}", seq=seq,
+                         docs=len(lengths),
                          ratio=ratios(got, want), balance=plan.balance_stats()["ratio"]))
     return rows
 
@@ -153,9 +154,11 @@ def table(rows):
              "|---|---|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         if r["kind"] == "bench":
-            lines.append(f"| {r['seq'] // 1024 if r['seq'] >= 1024 else r['seq']}{'k' if r['seq'] >= 1024 else ''} | {r['mask']} | {r['heads']} | {r['method']} | {r['fwd_ms']:.1f} | "
+            seq = f"{r['seq'] // 1024}k" if r["seq"] >= 1024 else str(r["seq"])
+            lines.append(f"| {seq} | {r['mask']} | {r['heads']} | {r['method']} | {r['fwd_ms']:.1f} | "
                          f"{r['fwd_tflops']:.0f} | {r['bwd_ms']:.1f} | {r['bwd_tflops']:.0f} | {r['peak_gib']:.1f} |")
-    lines += ["", "| check | mask | heads | seq | max diff / max (out, dq, dk, dv) | verdict |", "|---|---|---|---|---|---|"]
+    lines += ["", "| check | mask | heads | seq | max diff / max (out, dq, dk, dv) | verdict |",
+              "|---|---|---|---|---|---|"]
     for r in rows:
         if r["kind"] == "check":
             worst = max(r["ratio"].values())

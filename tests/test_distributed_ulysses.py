@@ -216,7 +216,8 @@ def test_bitwise_deterministic(results2):
 def test_three_ranks(results3):
     got = [cp.unshard([r["ulysses"][i] for r in results3], layout="zigzag") for i in range(4)]
     check(got, dense_reference(*dense_problem(3, 3, 24), "causal"), torch.float32, "ulysses on 3 ranks")
-    for key, mask, balance, heads in (("ring", "causal", "greedy", (2, 1)), ("ulysses-packed", "none", "zigzag", (3, 3))):
+    for key, mask, balance, heads in (("ring", "causal", "greedy", (2, 1)),
+                                      ("ulysses-packed", "none", "zigzag", (3, 3))):
         plan = plan_documents(CU, 3, balance=balance, mask=mask, min_chunk=4)
         got = [plan.unshard([r[key][i] for r in results3]) for i in range(4)]
         check(got, packed_reference(*packed_problem(*heads), mask), torch.float32, f"{key} on 3 ranks")

@@ -749,10 +749,14 @@ def _workspace(shape, device, index):
 # _launch_decode (geometry, strides, a _fast launch) and, where the launch was direct ([Note] Fast launches), no
 # input was copied and every pointer is 16-byte aligned, keeps what the next call needs in _STEPS: grid, int
 # arguments and launch entry. A later call with the same key (device, shapes, strides, split count, window) checks
-# the pointers' alignment in one expression and launches with those arguments. A KV cache that grows by one key a
-# step changes the key each step and takes the general path (_STEPS is cleared past 1024 entries). A paged cache
-# keeps its shape while sequences grow (their lengths are device values), so paged steps repeat: the key adds the
-# block table's width and row stride and the page size (all ints the kernel specialises on).
+# the pointers' alignment in one expression and launches with those arguments. A dense KV cache that grows by one
+# key a step (transformers' DynamicCache: a new, contiguous k and v every step) repeats too: its key holds not Sk
+# and k/v's batch and head strides but what the launch depends on, Sk's count of BLOCK_N blocks (the geometry:
+# split count, chunk, grid) and the Triton class of each of those ints (what the compiled kernel specialised on),
+# and a hit launches with this call's Sk and strides. So a step takes the general path once per BLOCK_N keys and
+# class, not every step (62 against 17.7 us a step on the H200 before). A paged cache keeps its shape while
+# sequences grow (their lengths are device values), so paged steps repeat: the key adds the block table's width
+# and row stride and the page size (all ints the kernel specialises on). _STEPS is cleared past 1024 entries.
 _STEPS = {}
 
 
@@ -796,7 +800,8 @@ def _launch_decode(q, k, v, scale, seqlens_q, seqlens_k, tree, block_table, num_
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         qs, ks, vs = q.stride(), k.stride(), v.stride()
     span = sk
-    rows, n_tiles, chunk, splits = _geometry(b, hkv, sq, span, num_splits, max(device, 0))
+    # The geometry depends on span's count of key blocks only: memoised per block count, not per length.
+    rows, n_tiles, chunk, splits = _geometry(b, hkv, sq, _cdiv(span, BLOCK_N) * BLOCK_N, num_splits, max(device, 0))
     direct = splits == 1
     if direct:
         dst, dst_lse, tickets, ws_shape = out, lse, None, None

@@ -670,10 +670,14 @@ def _workspace(shape, device, index):
 # _launch_decode (geometry, strides, a _fast launch) and, where the launch was direct ([Note] Fast launches), no
 # input was copied and every pointer is 16-byte aligned, keeps what the next call needs in _STEPS: grid, int
 # arguments and launch entry. A later call with the same key (device, shapes, strides, split count, window) checks
-# the pointers' alignment in one expression and launches with those arguments. A KV cache that grows by one key a
-# step changes the key each step and takes the general path (_STEPS is cleared past 1024 entries). A paged cache
-# keeps its shape while sequences grow (their lengths are device values), so paged steps repeat: the key adds the
-# block table's width and row stride and the page size (all ints the kernel specialises on).
+# the pointers' alignment in one expression and launches with those arguments. A dense KV cache that grows by one
+# key a step (transformers' DynamicCache: a new, contiguous k and v every step) repeats too: its key holds not Sk
+# and k/v's batch and head strides but what the launch depends on, Sk's count of BLOCK_N blocks (the geometry:
+# split count, chunk, grid) and the Triton class of each of those ints (what the compiled kernel specialised on),
+# and a hit launches with this call's Sk and strides. So a step takes the general path once per BLOCK_N keys and
+# class, not every step (62 against 17.7 us a step on the H200 before). A paged cache keeps its shape while
+# sequences grow (their lengths are device values), so paged steps repeat: the key adds the block table's width
+# and row stride and the page size (all ints the kernel specialises on). _STEPS is cleared past 1024 entries.
 _STEPS = {}
 
 
@@ -692,10 +696,15 @@ def _launch_decode(q, k, v, scale, seqlens_q, seqlens_k, tree, num_splits, out=N
         return out, lse
     device = q.get_device()
     qs, ks, vs, os_, ls = q.stride(), k.stride(), v.stride(), out.stride(), lse.stride()
-    key = (device, q.shape, k.shape, qs, ks, vs, os_, ls, num_splits, None if tree is None else tree.stride())
+    sk = k.shape[2]  # k's other dims follow q's (checked); Sk and the strides it scales go in as classes
+    key = (device, q.shape, _cdiv(sk, BLOCK_N), _INT_CLASS[sk], _INT_CLASS[ks[0]], _INT_CLASS[ks[1]], ks[2], ks[3],
+           _INT_CLASS[vs[0]], _INT_CLASS[vs[1]], vs[2], vs[3], qs, os_, ls, num_splits,
+           None if tree is None else tree.stride())
     step = _STEPS.get(key) if workspace is None else None
     if step is not None:  # [Note] Decode steps
         split_grid, split_entry, split_ints, ws_shape = step
+        split_ints = (qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], *split_ints[9:-3], sk,
+                      *split_ints[-2:])  # this call's Sk and k/v strides (the key holds their classes)
         # Device addresses as ints: the launcher takes them as they are (a tensor costs it a data_ptr() call and a
         # driver query of the pointer); the checks above put every tensor on q's device.
         pq, pk, pv, po, pl = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()
@@ -709,13 +718,14 @@ def _launch_decode(q, k, v, scale, seqlens_q, seqlens_k, tree, num_splits, out=N
                           (pq, pk, pv, pd, pdl, po, pl, pc, seqlens_q, seqlens_k, tree, scale * 1.4426950408889634,
                            *split_ints))
             return out, lse
-    hkv, sk = k.shape[1], k.shape[2]
+    hkv = k.shape[1]
     copied = qs[3] != 1 or ks[3] != 1 or vs[3] != 1
     if copied:
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         qs, ks, vs = q.stride(), k.stride(), v.stride()
     span = sk
-    rows, n_tiles, chunk, splits = _geometry(b, hkv, sq, span, num_splits, max(device, 0))
+    # The geometry depends on span's count of key blocks only: memoised per block count, not per length.
+    rows, n_tiles, chunk, splits = _geometry(b, hkv, sq, _cdiv(span, BLOCK_N) * BLOCK_N, num_splits, max(device, 0))
     direct = splits == 1
     if direct:
         dst, dst_lse, tickets, ws_shape = out, lse, None, None

@@ -95,6 +95,8 @@ class KernelSpec:
                             "decode kernels are forward-only: use direction 'fwd', or kind 'prefill' for a backward")
         if self.layout is not Layout.DENSE:
             self._check_layout()
+        if self.dtype is DType.FP8_E4M3:
+            self._check_fp8()
         if (self.backend, self.kind) not in tables.TEMPLATE:
             have = ", ".join(f"{b}/{k}" for b, k in tables.TEMPLATE)
             raise SpecError("backend", f"{self.backend}/{self.kind}",
@@ -102,7 +104,7 @@ class KernelSpec:
         if self.backend is Backend.CUDA:
             config = defaults.cuda_default_config(self.head_dim, self.dtype, self.direction, self.kind)
         elif self.backend is Backend.GLUON:
-            config = defaults.gluon_default_config(self.head_dim)
+            config = defaults.gluon_default_config(self.head_dim, self.dtype)
         else:
             config = defaults.default_config(self.head_dim, self.dtype, self.direction, self.kind, mask=self.mask,
                                              layout=self.layout, window=self.window)
@@ -148,6 +150,20 @@ class KernelSpec:
             raise SpecError("direction", str(self.direction),
                             "layout 'paged' serves inference (decode and chunked prefill) and is forward-only; "
                             "use layout 'varlen' for a backward")
+
+    def _check_fp8(self) -> None:
+        """fp8 (e4m3) is the sm_90 gluon prefill forward's alone (README "fp8 forward"); the message names the field."""
+        fix = "or use dtype 'bf16'"
+        if self.backend is not Backend.GLUON:
+            raise SpecError("backend", str(self.backend), "dtype 'fp8_e4m3' runs on backend 'gluon' only (the sm_90 "
+                                                          f"forward): set backend 'gluon', {fix}")
+        if self.kind is not Kind.PREFILL:
+            raise SpecError("kind", str(self.kind), f"dtype 'fp8_e4m3' is a prefill forward: use kind 'prefill', {fix}")
+        if self.direction is not Direction.FWD:
+            raise SpecError("direction", str(self.direction),
+                            f"dtype 'fp8_e4m3' has a forward only: use direction 'fwd', {fix} for a backward")
+        if self.softcap:
+            raise SpecError("softcap", True, f"the fp8 forward takes the window switch only: drop softcap, {fix}")
 
     @property
     def packed_q(self) -> bool:

@@ -14,7 +14,9 @@ from fagen.spec.axes import DType
 from fagen.spec.kernel import KernelSpec, SpecError
 
 E4M3 = torch.float8_e4m3fn
-ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+from _env import ON_GPU
+
+ON_HOPPER = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
 
 
 def fp8(**fields) -> KernelSpec:
@@ -140,6 +142,33 @@ def test_transpose_v_is_v_with_keys_contiguous_and_tma_strides(sk):
     assert torch.equal(vt.view(torch.uint8), v.transpose(2, 3).view(torch.uint8))
 
 
+# -- the GPU script's checker -------------------------------------------------------------------------------
+def _gpu_script():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "scripts" / "gpu_fp8.py"
+    spec = importlib.util.spec_from_file_location("gpu_fp8", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("mask,gqa,sq,sk", [("none", 1, 100, 100), ("causal", 2, 100, 70)])
+def test_the_gpu_checker_passes_e4m3_numerics_and_fails_a_bf16_p(mask, gqa, sq, sk):
+    """scripts/gpu_fp8.py's check() with the kernel replaced by its emulation: P rounded to e4m3 passes; P kept in
+    bf16 (a kernel that silently computes P V in bf16) fails on the fingerprint, though it is more accurate."""
+    gpu_fp8 = _gpu_script()
+    rows = {}
+    for name, p_dtype in (("e4m3", E4M3), ("bf16", torch.bfloat16)):
+        rows[name] = gpu_fp8.check(64, mask, gqa, 1, 1, sq, sk, outliers=True, per_head=gqa > 1, device="cpu",
+                                   forward=gpu_fp8.emulated_forward(mask, p_dtype))
+    assert rows["e4m3"]["pass"] and rows["e4m3"]["fingerprint"] < 0.2, rows["e4m3"]
+    assert not rows["bf16"]["pass"] and rows["bf16"]["fingerprint"] > 2, rows["bf16"]
+    # the bf16 P is closer to the reference: RMSE alone cannot tell
+    assert rows["bf16"]["rmse"] < rows["e4m3"]["rmse"] / 3
+    assert rows["e4m3"]["empty_ok"] and rows["e4m3"]["empty_rows"] == gqa * max(sq - sk, 0)
+
+
 # -- on an H100/H200 -----------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_HOPPER, reason="runs on an sm_90 GPU (H100/H200)")
@@ -148,12 +177,7 @@ def test_transpose_v_is_v_with_keys_contiguous_and_tma_strides(sk):
 def test_fp8_matches_the_float64_reference_on_the_dequantized_inputs(mask, head_dim, gqa):
     """RMSE within the README bound, and far closer to the e4m3-P emulation than to a bf16-P one (the kernel does
     not silently compute P V in bf16): scripts/gpu_fp8.py's checks at test sizes."""
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parent.parent / "scripts" / "gpu_fp8.py"
-    spec = importlib.util.spec_from_file_location("gpu_fp8", path)
-    gpu_fp8 = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_fp8)
+    gpu_fp8 = _gpu_script()
     for sq, sk in [(97, 97), (200, 333), (333, 200), (1000, 1000)]:
         row = gpu_fp8.check(head_dim=head_dim, mask=mask, gqa=gqa, batch=2, kv_heads=2, sq=sq, sk=sk, outliers=False,
                             per_head=gqa > 1)

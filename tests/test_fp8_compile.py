@@ -54,8 +54,10 @@ for key, fields in json.loads(sys.argv[2]).items():
                     spills=res.spill_stores + res.spill_loads, stack=res.stack,
                     wgmma=sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\S+?)\s", ptx))),
                     sass_mma=sorted(set(re.findall(r"\b([QH]GMMA\.\S+)", sass))),
-                    setmaxnreg=sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
-                    bf16_store=len(re.findall(r"cvt\.rn\.bf16x2\.f32", ptx)), f16_store=len(re.findall(r"cvt\.rn\.f16x2\.f32", ptx)),
+                    setmaxnreg=sorted({int(x) for x in
+                                       re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
+                    bf16_store=len(re.findall(r"cvt\.rn\.bf16x2\.f32", ptx)),
+                    f16_store=len(re.findall(r"cvt\.rn\.f16x2\.f32", ptx)),
                     e4m3_cvt=len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx)))
 print("RESULT " + json.dumps(out))
 """

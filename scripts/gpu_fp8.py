@@ -75,9 +75,10 @@ def per_query_head(d, heads, gqa):
     return d.expand(heads).repeat_interleave(gqa).view(1, -1, 1, 1)
 
 
-def emulate(q8, k8, v8, dq, dk, dv, vis, p_dtype, block_n=128):
+def emulate(q8, k8, v8, dq, dk, dv, vis, p_dtype, block_n=128, p_offset=8.0):
     """The kernel's numerics in fp32: S from e4m3 values, online softmax over blocks of block_n keys in the exp2
-    domain, P rounded to p_dtype for P V, O * v_descale / l at the end. vis: [B, 1, Sq, Sk] bool."""
+    domain, P = 2^p_offset exp2(s - m) ([Note] fp8 P range) rounded to p_dtype for P V, O * v_descale / l at the
+    end. vis: [B, 1, Sq, Sk] bool."""
     import torch
     b, hq, sq, d = q8.shape
     hkv, sk = k8.shape[1], k8.shape[2]
@@ -93,7 +94,7 @@ def emulate(q8, k8, v8, dq, dk, dv, vis, p_dtype, block_n=128):
         s = s.masked_fill(~vis[..., s0:s0 + block_n], float("-inf"))
         mn = torch.maximum(m, s.amax(-1, keepdim=True) * c)
         mu = torch.where(mn == float("-inf"), 0.0, mn)
-        p = torch.exp2(s * c - mu)
+        p = torch.exp2(s * c - (mu - p_offset))
         a = torch.exp2(m - mu)
         l = l * a + p.sum(-1, keepdim=True)
         o = o * a + p.to(p_dtype).float() @ v[:, :, s0:s0 + block_n]

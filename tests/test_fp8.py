@@ -67,6 +67,14 @@ def test_fp8_is_the_gluon_forward_wherever_it_exists():
     assert hopper.forward_spec(fp8(), torch.device("cpu")) is None  # not a Hopper device
 
 
+def test_fagen_verify_refuses_fp8_in_one_line():
+    from click.testing import CliRunner
+    from fagen.cli import main
+    r = CliRunner().invoke(main, ["verify", "--head-dim", "128", "--dtype", "fp8_e4m3", "--backend", "gluon",
+                                  "--device", "cpu"])
+    assert r.exit_code == 2 and "dtype 'fp8_e4m3'" in r.output and "scripts/gpu_fp8.py" in r.output, r.output
+
+
 # -- the module ----------------------------------------------------------------------------------------------
 def test_fp8_module_renders_the_e4m3_path_and_bf16_modules_do_not():
     src = fagen.generate(fp8(mask="causal", gqa=2))

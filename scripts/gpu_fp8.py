@@ -36,8 +36,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 # out RMSE vs float64 on the dequantized inputs at S=4096 (README "fp8 forward"), without / with outliers; the CPU
-# emulation of the kernel's numerics gives 0.65e-3 / 1.4e-3 (full / causal) and 1.8e-3 to 3.3e-3 with outliers.
-RMSE_BOUND = {False: 2.5e-3, True: 6e-3}
+# emulation of the kernel's numerics gives 0.64e-3 / 1.4e-3 (full / causal) and 0.8e-3 to 1.7e-3 with outliers.
+RMSE_BOUND = {False: 2.5e-3, True: 4e-3}
 EMU_SLACK = 1.5           # every row: RMSE <= EMU_SLACK * (the e4m3 emulation's RMSE) + 1e-4
 LSE_BOUND = 2e-3          # lse max |err|: fp32 scores from exact e4m3 products (fp8 wgmma accumulation)
 FINGERPRINT_BOUND = 0.25  # rmse(kernel, e4m3-P emulation) / rmse(kernel, bf16-P emulation)
@@ -309,6 +309,10 @@ def dry_run():
         ok &= fits and e4m3 and res.spill_stores + res.spill_loads == 0
         log(f"{spec.name:<52} shared {ck.metadata.shared:>6} (formula {targets.smem_bytes(spec)}) regs "
             f"{res.registers} spills {res.spill_stores + res.spill_loads} wgmma {', '.join(kinds)}")
+        if str(spec.dtype) == "fp8_e4m3":
+            tk = fagen.load(spec).compile_transpose_for()
+            ok &= len(tk.asm["cubin"]) > 0
+
 
     for mask, gqa, sq, sk in (("none", 1, 300, 300), ("causal", 2, 300, 200)):
         for p_dtype, want in ((torch.float8_e4m3fn, True), (torch.bfloat16, False)):

@@ -50,7 +50,14 @@ for key, fields in json.loads(sys.argv[2]).items():
         sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", path + ".cubin"], capture_output=True,
                               text=True).stdout
     res = parse_resources(r.stdout + r.stderr)["_attn_fwd_hopper"]
-    out[key] = dict(shared=ck.metadata.shared, num_warps=ck.metadata.num_warps, regs=res.registers,
+    tk = mod.compile_transpose_for()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "t.ptx")
+        open(path, "w").write(tk.asm["ptx"])
+        rt = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", path + ".cubin"], capture_output=True, text=True)
+    tres = parse_resources(rt.stdout + rt.stderr)["_transpose_v_kernel"]
+    out[key] = dict(transpose_spills=tres.spill_stores + tres.spill_loads, transpose_cubin=len(tk.asm["cubin"]),
+                    shared=ck.metadata.shared, num_warps=ck.metadata.num_warps, regs=res.registers,
                     spills=res.spill_stores + res.spill_loads, stack=res.stack,
                     wgmma=sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\S+?)\s", ptx))),
                     sass_mma=sorted(set(re.findall(r"\b([QH]GMMA\.\S+)", sass))),
@@ -87,6 +94,7 @@ def test_fp8_builds_within_shared_memory_without_spills(built, key):
     formula = targets.smem_bytes(spec_of(key))
     assert formula - 1024 <= r["shared"] <= formula <= targets.ARCH_SMEM_LIMIT["sm_90"], r
     assert r["spills"] == 0 and r["stack"] == 0, r
+    assert r["transpose_spills"] == 0 and r["transpose_cubin"] > 0, r  # transpose_v's kernel, launched before it
     assert r["num_warps"] == 12, r
     assert {defaults.GLUON_VARIANT["loader_regs"], defaults.GLUON_VARIANT["consumer_regs"]} <= set(r["setmaxnreg"])
 

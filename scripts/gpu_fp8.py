@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -361,20 +361,26 @@ def main():
     env.setdefault("FAGEN_CACHE_DIR", "/tmp/fagen-cache-gpu-fp8")
     for name, limit in PHASE_TIMEOUT.items():
         log(f"#### phase {name} (timeout {limit}s)")
+        lines = []
+        proc = subprocess.Popen([sys.executable, __file__, "--phase", name], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, bufsize=1)
+
+        def pump(stream=proc.stdout, lines=lines):  # print the child's lines as they come
+            for line in stream:
+                lines.append(line)
+                print(line, end="", flush=True)
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
         try:
-            proc = subprocess.run([sys.executable, __file__, "--phase", name], env=env, timeout=limit,
-                                  capture_output=True, text=True)
-            text, rc = proc.stdout + proc.stderr, proc.returncode
-        except subprocess.TimeoutExpired as e:
-            text = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-            text += f"\n{name}: TIMEOUT after {limit}s (a hung kernel?)\n"
-            rc = "timeout"
-        print(text, end="", flush=True)
+            rc = proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = f"killed after {limit}s (a hung kernel?)"
+        reader.join(timeout=5)
         log(f"#### phase {name}: rc={rc}, {time.time() - t0:.0f}s so far")
         if out:
             Path(out).mkdir(parents=True, exist_ok=True)
-            (Path(out) / f"gpu_fp8_{name}.log").write_text(text)
-
+            (Path(out) / f"gpu_fp8_{name}.log").write_text("".join(lines))
 
 if __name__ == "__main__":
     main()

@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 RMSE_BOUND = {False: 2.5e-3, True: 4e-3}
 EMU_SLACK = 1.5           # every row: RMSE <= EMU_SLACK * (the e4m3 emulation's RMSE) + 1e-4
 LSE_BOUND = 2e-3          # lse max |err|: fp32 scores from exact e4m3 products (fp8 wgmma accumulation)
-FINGERPRINT_BOUND = 0.25  # rmse(kernel, e4m3-P emulation) / rmse(kernel, bf16-P emulation)
+FINGERPRINT_BOUND = 0.5   # rmse(kernel, e4m3-P emulation) / rmse(kernel, bf16-P emulation): [Note] Fingerprint
 FA3_FP8 = "FA3 paper (Shah et al., 2024): fp8 forward up to ~1.2 PFLOP/s on H100 SXM5 (head dim 256; not run here)"
 PHASE_TIMEOUT = {"check": 90, "time": 80}  # seconds; both together stay under 3 minutes
 
@@ -102,6 +102,10 @@ def emulate(q8, k8, v8, dq, dk, dv, vis, p_dtype, block_n=128, p_offset=8.0):
     return torch.where(l > 0, o * per_query_head(dv, hkv, gqa) / torch.where(l > 0, l, 1.0), 0.0)
 
 
+# [Note] Fingerprint. The kernel's P should round exactly as the e4m3 emulation's, except where its scores differ
+# from the emulation's exact fp32 ones (fast fp8 accumulation, ex2.approx) by enough to cross an e4m3 rounding
+# boundary, and out's bf16 rounding adds a floor: on the CPU the emulation itself, rounded to bf16, sits at 0.07 to
+# 0.1; a P kept in bf16 sits at 10 to 14 (tests/test_fp8.py). 0.5 leaves room for the accumulation's share.
 def _rmse(a, b):
     return ((a.double() - b.double()) ** 2).mean().sqrt().item()
 

@@ -164,6 +164,12 @@ class KernelSpec:
                             f"dtype 'fp8_e4m3' has a forward only: use direction 'fwd', {fix} for a backward")
         if self.softcap:
             raise SpecError("softcap", True, f"the fp8 forward takes the window switch only: drop softcap, {fix}")
+        if self.head_dim not in (64, 128):
+            raise SpecError("head_dim", self.head_dim, f"the fp8 forward supports head_dim 64 or 128, {fix} (backend "
+                                                       "'triton' takes any head dim)")
+        if self.mask not in (Mask.NONE, Mask.CAUSAL):
+            raise SpecError("mask", str(self.mask), f"the fp8 forward supports masks 'none' and 'causal', {fix} "
+                                                    "(backend 'triton' takes every mask)")
 
     @property
     def packed_q(self) -> bool:

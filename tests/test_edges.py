@@ -1,0 +1,60 @@
+"""The API's edges: inputs a newcomer gets wrong are refused with one line naming the input and the fix."""
+
+import pytest
+import torch
+
+import fagen
+from fagen.runtime.resolve import AttentionError
+
+from conftest import DEVICE
+
+
+def _dense(sq=5, sk=7, d=16, requires_grad=False):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, s, d, generator=g).to(DEVICE).requires_grad_(requires_grad) for s in (sq, sk, sk))
+    return q, k, v
+
+
+def _packed(d=16):
+    g = torch.Generator().manual_seed(1)
+    q, k = torch.randn(12, 2, d, generator=g).to(DEVICE), torch.randn(14, 2, d, generator=g).to(DEVICE)
+    cu_q = torch.tensor([0, 5, 12], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 7, 14], dtype=torch.int32, device=DEVICE)
+    return q, k, k.clone(), dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=7, max_seqlen_k=7)
+
+
+@pytest.mark.parametrize("extra", ["seqlens_q", "seqlens_k", "tree_mask"])
+def test_packed_sequences_refuse_dense_mask_inputs(extra):
+    """cu_seqlens with seqlens_q, seqlens_k or tree_mask: refused, naming the input (they used to be ignored)."""
+    q, k, v, layout = _packed()
+    value = torch.ones(2, 2, 2, dtype=torch.bool) if extra == "tree_mask" else torch.tensor([3, 4], dtype=torch.int32)
+    with pytest.raises(AttentionError, match=f"^{extra}: packed sequences .* drop {extra}$"):
+        fagen.attention(q, k, v, **layout, **{extra: value.to(DEVICE)})
+
+
+@pytest.mark.parametrize("requires_grad", [False, True], ids=["forward", "differentiable"])
+@pytest.mark.parametrize("window, message", [
+    (5, r"window: expected \(left, right\), two ints >= 0 or None, got 5"),
+    ((3,), r"window: expected \(left, right\), two ints >= 0 or None, got \(3,\)"),
+    (("a", 1), "window: left extent must be an int >= 0 or None"),
+    ((2, -1), "window: right extent must be an int >= 0 or None"),
+])
+def test_attention_window_errors_are_the_modules(window, message, requires_grad):
+    """fagen.attention refuses a malformed window with the generated module's InputError (one check, not two)."""
+    q, k, v = _dense(requires_grad=requires_grad)
+    with pytest.raises(ValueError, match=message) as info:
+        fagen.attention(q, k, v, window=window)
+    assert type(info.value).__name__ == "InputError"
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_meta_inputs_raise_input_error(varlen):
+    """Meta tensors hold no data: an InputError naming the device, not the interpreter's NotImplementedError."""
+    if varlen:
+        q, k, v, layout = _packed()
+        layout = {n: t.to("meta") if isinstance(t, torch.Tensor) else t for n, t in layout.items()}
+    else:
+        (q, k, v), layout = _dense(), {}
+    with pytest.raises(ValueError, match="inputs are on meta; Triton kernels run on a CUDA device") as info:
+        fagen.attention(q.to("meta"), k.to("meta"), v.to("meta"), **layout)
+    assert type(info.value).__name__ == "InputError"

@@ -58,3 +58,40 @@ def test_meta_inputs_raise_input_error(varlen):
     with pytest.raises(ValueError, match="inputs are on meta; Triton kernels run on a CUDA device") as info:
         fagen.attention(q.to("meta"), k.to("meta"), v.to("meta"), **layout)
     assert type(info.value).__name__ == "InputError"
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(foo=1), "^foo: got 1; unknown spec field; known fields: alibi, backend, .*, window$"),
+    (dict(head_dim=64, maks="causal"), "^maks: got 'causal'; unknown spec field \\(did you mean mask\\?\\); known"),
+    (dict(head_dim=64, xx=1, dtyp=2), "^spec: got 'xx, dtyp'; unknown spec fields \\(did you mean dtype\\?\\)"),
+    (dict(mask="causal"), "^head_dim: got None; is required"),
+])
+def test_spec_constructor_names_unknown_and_missing_fields(fields, message):
+    """KernelSpec(...) refuses a misspelt or missing field as from_dict does: a SpecError, not a TypeError."""
+    with pytest.raises(fagen.SpecError, match=message):
+        fagen.KernelSpec(**fields)
+
+
+def test_spec_still_pickles_copies_and_replaces():
+    import copy
+    import dataclasses
+    import pickle
+
+    spec = fagen.KernelSpec(64, "causal", window=True)
+    assert pickle.loads(pickle.dumps(spec)) == spec and copy.deepcopy(spec) == spec
+    assert dataclasses.replace(spec, gqa=2).gqa == 2
+    with pytest.raises(fagen.SpecError, match="did you mean gqa"):
+        dataclasses.replace(spec, gq=2)
+
+
+@pytest.mark.parametrize("field, value, hint", [
+    ("window", 4096, "window is a switch, and its extents are runtime arguments: forward(..., window=(4096, 0))"),
+    ("window", (128, 0), "forward(..., window=(128, 0))"),
+    ("softcap", 30.0, "softcap is a switch, and its cap is a runtime argument: forward(..., softcap=30.0)"),
+    ("alibi", [0.5], "forward(..., alibi_slopes=<float32 [q heads]>)"),
+    ("sinks", 1, "forward(..., sinks=<float32 [q heads]>)"),
+])
+def test_switch_given_a_value_says_it_is_a_runtime_argument(field, value, hint):
+    with pytest.raises(fagen.SpecError, match="must be true or false") as info:
+        fagen.KernelSpec(head_dim=64, **{field: value})
+    assert str(info.value).endswith(hint)

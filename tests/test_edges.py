@@ -95,3 +95,54 @@ def test_switch_given_a_value_says_it_is_a_runtime_argument(field, value, hint):
     with pytest.raises(fagen.SpecError, match="must be true or false") as info:
         fagen.KernelSpec(head_dim=64, **{field: value})
     assert str(info.value).endswith(hint)
+
+
+# -- index dtypes ([Note] Index dtypes in fagen/templates/host/checks.py.j2) -------------------------------------
+def _paged_decode():
+    spec = fagen.KernelSpec(head_dim=16, mask="causal", gqa=2, kind="decode", layout="paged", block_n=16)
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 4, 2, 16, generator=g).half().to(DEVICE)
+    kc, vc = (torch.randn(6, 4, 2, 16, generator=g).half().to(DEVICE) for _ in range(2))
+    table = torch.tensor([[5, 1, 2], [3, 0, 4]], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([11, 6], dtype=torch.int32, device=DEVICE)
+    return fagen.load(spec), q, kc, vc, dict(block_table=table, seqlens_k=lens)
+
+
+@pytest.mark.parametrize("check", [False, True])
+def test_int64_index_inputs_equal_int32(check):
+    """cu_seqlens (fagen.attention), block_table and paged seqlens_k (module.forward), padding seqlens: int64 gives
+    exactly the int32 result."""
+    q, k, v, layout = _packed()
+    want = fagen.attention(q, k, v, mask="causal", check=check, **layout)
+    wide = {n: t.long() if isinstance(t, torch.Tensor) else t for n, t in layout.items()}
+    assert torch.equal(fagen.attention(q, k, v, mask="causal", check=check, **wide), want)
+
+    module, q, kc, vc, paging = _paged_decode()
+    want = module.forward(q, kc, vc, check=check, **paging)
+    got = module.forward(q, kc, vc, check=check, **{n: t.long() for n, t in paging.items()})
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+    q, k, v = _dense()
+    lens = dict(seqlens_q=torch.tensor([4], device=DEVICE), seqlens_k=torch.tensor([6], device=DEVICE))
+    want = fagen.attention(q, k, v, mask="padding", check=check, **{n: t.int() for n, t in lens.items()})
+    assert torch.equal(fagen.attention(q, k, v, mask="padding", check=check, **lens), want)
+
+
+def test_int32_index_inputs_are_not_copied():
+    module, q, kc, vc, paging = _paged_decode()
+    _, seqlens_k, _, block_table = module._check_layout(q, kc, vc, **paging, check=False)
+    assert seqlens_k is paging["seqlens_k"] and block_table is paging["block_table"]
+    q, k, v, layout = _packed()
+    varlen = fagen.load(fagen.KernelSpec(head_dim=16, layout="varlen", dtype="fp32", block_m=16, block_n=16))
+    cu_q, cu_k, *_ = varlen._check_layout(q, k, v, **layout, check=False)
+    assert cu_q is layout["cu_seqlens_q"] and cu_k is layout["cu_seqlens_k"]
+
+
+def test_int64_values_past_int32_are_refused_with_check_not_wrapped():
+    module, q, kc, vc, paging = _paged_decode()
+    lens = paging["seqlens_k"].long() + 2**32  # 11 and 6 after a wrap to int32
+    with pytest.raises(module.InputError, match=r"seqlens_k: lengths must lie in \[0, 12\]"):
+        module.forward(q, kc, vc, check=True, **{**paging, "seqlens_k": lens})
+    with pytest.raises(module.InputError, match="block_table: expected dtype torch.int32 or torch.int64, got "
+                                                "torch.float32"):
+        module.forward(q, kc, vc, **{**paging, "block_table": paging["block_table"].float()})

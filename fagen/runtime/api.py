@@ -20,15 +20,16 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
 
     The kernel is chosen from the inputs (dtype, head_dim D, gqa = Hq / Hkv) and `mask`, rendered and loaded once
     per process (then cached on disk). Masks and their inputs follow the generated kernels' contract:
-    "causal" is bottom-right aligned, "padding"/"causal+padding" take seqlens_q and seqlens_k (int32 [B]),
-    "tree" takes tree_mask (bool [B, Sq, Sq] ancestor-or-self, or int32 parent pointers [B, Sq]).
+    "causal" is bottom-right aligned, "padding"/"causal+padding" take seqlens_q and seqlens_k (int [B]),
+    "tree" takes tree_mask (bool [B, Sq, Sq] ancestor-or-self, or int parent pointers [B, Sq]). Index inputs are
+    int32 or int64 (README "Index dtypes").
     check=True also validates the values of those inputs (a host sync; see the README).
     Score modifiers (README "Score modifiers"), each picking a kernel with that switch: window=(left, right) (ints,
     None for an unbounded side; (w, 0) with "causal" is the usual sliding window), softcap (cap * tanh(s / cap)),
     alibi_slopes (float32 [Hq]) and sinks (float32 [Hq] logits; sinks.grad is filled when it requires grad).
 
     Packed sequences (README "Layouts", varlen): q [total_q, Hq, D], k and v [total_k, Hkv, D] with cu_seqlens_q and
-    cu_seqlens_k (int32 [B + 1] prefix sums) and max_seqlen_q / max_seqlen_k (host ints); mask "none" or "causal"
+    cu_seqlens_k (int [B + 1] prefix sums) and max_seqlen_q / max_seqlen_k (host ints); mask "none" or "causal"
     (per sequence, bottom-right aligned); out is like q. Called eagerly; under torch.compile call the varlen
     module's attention() (fagen.load(spec)), which traces as its own operators.
 

@@ -146,3 +146,31 @@ def test_int64_values_past_int32_are_refused_with_check_not_wrapped():
     with pytest.raises(module.InputError, match="block_table: expected dtype torch.int32 or torch.int64, got "
                                                 "torch.float32"):
         module.forward(q, kc, vc, **{**paging, "block_table": paging["block_table"].float()})
+
+
+# -- fagen bench --suite cp ----------------------------------------------------------------------------------------
+def test_bench_cp_passes_device_quick_dtype_on(monkeypatch):
+    """`fagen bench --suite cp` hands --device, --quick, --dtype (and the shape flags) to the ranks' command line."""
+    from click.testing import CliRunner
+
+    from fagen.cli import main
+    from fagen.distributed import bench
+
+    seen = []
+    monkeypatch.setattr(bench, "launch_cp_bench", lambda args: seen.append(args) or 0)
+    result = CliRunner().invoke(main, ["bench", "--suite", "cp", "--device", "cpu", "--quick", "--dtype", "fp32",
+                                      "--heads", "4", "--mask", "none"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert seen == [["--device", "cpu", "--quick", "--heads", "4", "--dtype", "fp32", "--mask", "none"]]
+
+
+def test_cp_ranks_on_the_cpu_get_the_interpreter_and_quick_sizes(monkeypatch):
+    from fagen.distributed import bench
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cmd, env = bench.cp_command(["--device", "cpu", "--quick"])
+    assert env["TRITON_INTERPRET"] == "1" and "--nproc-per-node=2" in cmd and cmd[-3:] == ["--device", "cpu", "--quick"]
+    quick = bench._parse(["--quick", "--heads", "4"])
+    assert (quick.seq, quick.heads, quick.head_dim, quick.warmup, quick.iters) == (64, 4, 16, 0, 1)
+    full = bench._parse([])
+    assert (full.seq, full.heads, full.head_dim, full.warmup, full.iters) == (131072, 32, 128, 2, 5)

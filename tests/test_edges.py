@@ -174,3 +174,42 @@ def test_cp_ranks_on_the_cpu_get_the_interpreter_and_quick_sizes(monkeypatch):
     assert (quick.seq, quick.heads, quick.head_dim, quick.warmup, quick.iters) == (64, 4, 16, 0, 1)
     full = bench._parse([])
     assert (full.seq, full.heads, full.head_dim, full.warmup, full.iters) == (131072, 32, 128, 2, 5)
+
+
+# -- fagen tune's own table -------------------------------------------------------------------------------------
+ENTRY = dict(arch="sm_90", head_dim=64, mask="causal", dtype="fp16", direction="fwd", kind="prefill", block_m=64,
+             block_n=32, num_warps=4, num_stages=4)
+
+
+@pytest.fixture
+def own_tables(tmp_path, monkeypatch):
+    """A fresh cache root (so a fresh user table) and a stand-in for the shipped table."""
+    from fagen.spec import tuned
+
+    monkeypatch.setenv("FAGEN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(tuned, "TUNED_PATH", tmp_path / "shipped.json")
+    tuned._index.cache_clear()
+    yield tuned
+    tuned._index.cache_clear()
+
+
+def test_the_user_table_lives_in_the_cache_root_and_wins_over_the_shipped_one(own_tables, tmp_path):
+    tuned = own_tables
+    assert tuned.user_table_path() == tmp_path / "cache" / "tuned.json"
+    tuned.upsert(tuned.TUNED_PATH, ENTRY)
+    tuned.upsert(tuned.TUNED_PATH, {**ENTRY, "mask": "none", "block_m": 128})
+    tuned.upsert(tuned.user_table_path(), {**ENTRY, "block_n": 16})
+    spec = fagen.KernelSpec(head_dim=64, mask="causal")
+    assert (spec.block_m, spec.block_n) == (64, 16)  # the user's entry for this key
+    assert fagen.KernelSpec(head_dim=64, mask="none").block_m == 128  # no user entry: the shipped one
+    assert tuned.lookup(64, "causal", "fp16", "fwd", "prefill", path=tuned.TUNED_PATH)["block_n"] == 32
+
+
+def test_tune_defaults_to_the_user_table_and_says_so(own_tables, tmp_path):
+    from click.testing import CliRunner
+
+    from fagen.cli import main
+
+    res = CliRunner().invoke(main, ["tune", "--device", "cpu", "--quick", "--head-dim", "16"],
+                             catch_exceptions=False)
+    assert res.exit_code == 2 and f"your tuned table ({tmp_path / 'cache' / 'tuned.json'})" in res.output

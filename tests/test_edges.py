@@ -213,3 +213,22 @@ def test_tune_defaults_to_the_user_table_and_says_so(own_tables, tmp_path):
     res = CliRunner().invoke(main, ["tune", "--device", "cpu", "--quick", "--head-dim", "16"],
                              catch_exceptions=False)
     assert res.exit_code == 2 and f"your tuned table ({tmp_path / 'cache' / 'tuned.json'})" in res.output
+
+
+def test_a_relative_cache_dir_is_resolved_once(tmp_path, monkeypatch):
+    """A relative FAGEN_CACHE_DIR names one folder for the whole process and its children, whatever chdir does."""
+    import subprocess
+    import sys
+
+    from fagen.runtime import cache
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.setenv("FAGEN_CACHE_DIR", "rel/cache")
+    monkeypatch.chdir(tmp_path / "a")
+    assert cache.cache_root() == tmp_path / "a" / "rel" / "cache"
+    monkeypatch.chdir(tmp_path / "b")
+    assert cache.cache_root() == tmp_path / "a" / "rel" / "cache"
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.environ['FAGEN_CACHE_DIR'])"],
+                           capture_output=True, text=True, check=True)
+    assert child.stdout.strip() == str(tmp_path / "a" / "rel" / "cache")

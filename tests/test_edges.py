@@ -47,6 +47,15 @@ def test_attention_window_errors_are_the_modules(window, message, requires_grad)
     assert type(info.value).__name__ == "InputError"
 
 
+def test_compiled_attention_refuses_a_malformed_window_too():
+    """Under torch.compile the operator carries [left, right] with -1 for None: a window it cannot carry (-1 once
+    read as unbounded) runs eagerly into the module's check."""
+    q, k, v = _dense()
+    f = torch.compile(lambda q, w: fagen.attention(q, k, v, window=w), backend="eager")
+    with pytest.raises(ValueError, match="left extent must be an int >= 0"):
+        f(q, (-1, 0))
+
+
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
 def test_meta_inputs_raise_input_error(varlen):
     """Meta tensors hold no data: an InputError naming the device, not the interpreter's NotImplementedError."""

@@ -60,8 +60,12 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
     qs, ks = q.shape, k.shape
     four = len(qs) == 4 and len(ks) == 4
     decode = not needs_grad and four and prefers_decode(qs[2], ks[2])
-    if torch.compiler.is_compiling() and (window is None or _op_window(window) is not None):
+    if torch.compiler.is_compiling():
         win = None if window is None else _op_window(window)
+        if window is not None and win is None:  # the operator cannot carry it: run eagerly into the module's check
+            return _eager(q, k, v, mask=mask, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
+                          tree_mask=tree_mask, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                          sinks=sinks, check=check)
         return ops.attention(q, k, v, str(mask), scale, seqlens_q, seqlens_k, tree_mask, decode, win, softcap,
                              alibi_slopes, sinks)[0]
     # [Note] Host time. A warm call costs one dict lookup on plain values before the module's own checks and launch:
@@ -85,6 +89,7 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
                             check=check, **scores)
 
 
+_eager = torch.compiler.disable(attention)  # a call Dynamo leaves alone
 _NO_SCORES: dict = {}
 _SCORE_ARGS = ("window", "softcap", "alibi_slopes", "sinks")  # in SCORE_SWITCHES' order
 

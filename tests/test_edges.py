@@ -241,3 +241,13 @@ def test_a_relative_cache_dir_is_resolved_once(tmp_path, monkeypatch):
     child = subprocess.run([sys.executable, "-c", "import os; print(os.environ['FAGEN_CACHE_DIR'])"],
                            capture_output=True, text=True, check=True)
     assert child.stdout.strip() == str(tmp_path / "a" / "rel" / "cache")
+
+
+def test_a_strided_paged_seqlens_k_is_read_as_its_values():
+    """The kernels read lengths at stride 1: a strided view (every other entry) is made contiguous first."""
+    module, q, kc, vc, paging = _paged_decode()
+    lens = torch.stack([paging["seqlens_k"], paging["seqlens_k"] - 1], 1).reshape(-1)[::2]  # 11, 6 at stride 2
+    assert lens.stride(0) == 2 and lens.tolist() == paging["seqlens_k"].tolist()
+    want = module.forward(q, kc, vc, **paging)
+    got = module.forward(q, kc, vc, **{**paging, "seqlens_k": lens})
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

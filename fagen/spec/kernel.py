@@ -12,16 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from fagen.spec import defaults, tables, targets
+from fagen.spec.errors import SpecError  # defined apart so that fagen.mods can raise it without an import cycle
 from fagen.spec.axes import (BLOCK_SIZES, HEAD_DIMS, MAX_GQA, NUM_STAGES, NUM_WARPS, Backend, Direction, DType, Kind,
                              Layout, Mask)
-
-
-class SpecError(ValueError):
-    """A spec value is invalid. Carries the field, the value given and what is allowed."""
-
-    def __init__(self, field: str, value: Any, allowed: str):
-        self.field, self.value, self.allowed = field, value, allowed
-        super().__init__(f"{field}: got {value!r}; {allowed}")
 
 
 def _int_field(name: str, value: Any, ok, allowed: str) -> int:

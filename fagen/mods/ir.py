@@ -154,13 +154,47 @@ def const(value) -> Const:
     raise TypeRuleError(f"constant {value!r} of type {type(value).__name__}; only int, float and bool")
 
 
+_PY_BINARY = {"+": lambda x, y: x + y, "-": lambda x, y: x - y, "*": lambda x, y: x * y, "/": lambda x, y: x / y,
+              "//": lambda x, y: x // y, "%": lambda x, y: x % y, "&": lambda x, y: x & y, "|": lambda x, y: x | y,
+              "<": lambda x, y: x < y, "<=": lambda x, y: x <= y, ">": lambda x, y: x > y, ">=": lambda x, y: x >= y,
+              "==": lambda x, y: x == y, "!=": lambda x, y: x != y, "minimum": min, "maximum": max}
+_PY_UNARY = {"abs": abs, "exp": math.exp, "exp2": lambda x: 2.0 ** x, "log": math.log, "tanh": math.tanh,
+             "sigmoid": lambda x: 1.0 / (1.0 + math.exp(-x)), "sqrt": math.sqrt}
+
+
+def _fold(fn, node: Node, *values) -> Node:
+    """An operation on constants only, computed here (Python's rules, which torch's follow for these ops)."""
+    try:
+        value = fn(*values)
+    except (ArithmeticError, ValueError) as e:
+        raise TypeRuleError(f"constant expression fails: {e}") from None
+    if node.type == FLOAT:
+        value = float(value)
+    elif node.type == INT:
+        value = int(value)
+    return const(value)
+
+
 def binary(op: str, a: Node, b: Node) -> Node:
+    node = _binary(op, a, b)
+    if isinstance(node, Binary) and isinstance(a, Const) and isinstance(b, Const):
+        return _fold(_PY_BINARY[op], node, a.value, b.value)
+    return node
+
+
+def _binary(op: str, a: Node, b: Node) -> Node:
     ta, tb = a.type, b.type
     if op in COMPARE:
         return Binary(op, a, b, BOOL)
     if op in BITS:
         if FLOAT in (ta, tb):
             raise TypeRuleError(f"`{op}` on a float; `&` `|` `~` take bools (comparisons) or ints")
+        if ta == tb == BOOL:  # True & x = x, False | x = x: torch's and_masks/or_masks start from these
+            unit = op == "&"
+            if isinstance(a, Const) and a.value is unit:
+                return b
+            if isinstance(b, Const) and b.value is unit:
+                return a
         return Binary(op, a, b, _promote(ta, tb))
     if op in MINMAX:
         return Binary(op, a, b, _promote(ta, tb))
@@ -186,13 +220,21 @@ def unary(op: str, x: Node) -> Node:
         return Unary(op, x, x.type)
     if x.type == BOOL:
         raise TypeRuleError(f"{op}() of a bool; use torch.where(cond, 1.0, 0.0) to make it a number")
-    return Unary(op, x, x.type if op == "abs" else FLOAT)
+    node = Unary(op, x, x.type if op == "abs" else FLOAT)
+    return _fold(_PY_UNARY[op], node, x.value) if isinstance(x, Const) else node
 
 
 def where(cond: Node, a: Node, b: Node) -> Node:
     if cond.type != BOOL:
         raise TypeRuleError("where() needs a bool condition (a comparison)")
-    return Where(cond, a, b, _promote(a.type, b.type))
+    t = _promote(a.type, b.type)
+    if isinstance(cond, Const):  # a constant condition picks its branch (if the branch keeps the type)
+        pick = a if cond.value else b
+        if pick.type == t:
+            return pick
+        if isinstance(pick, Const):
+            return const(float(pick.value) if t == FLOAT else int(pick.value))
+    return Where(cond, a, b, t)
 
 
 def clamp(x: Node, lo: Node, hi: Node) -> Node:

@@ -89,3 +89,33 @@ def generate_learned_bias(bias):
         return score + bias[b, h, q_idx, kv_idx]
 
     return bias_mod
+
+
+def generate_natten(canvas_w, canvas_h, kernel_w, kernel_h):  # attn_gym/masks/natten.py
+    def get_x_y(idx):
+        return idx // canvas_w, idx % canvas_w
+
+    def natten_mask_mod(b, h, q_idx, kv_idx):
+        q_x, q_y = get_x_y(q_idx)
+        kv_x, kv_y = get_x_y(kv_idx)
+        kernel_center_x = q_x.clamp(kernel_w // 2, (canvas_w - 1) - kernel_w // 2)
+        kernel_center_y = q_y.clamp(kernel_h // 2, (canvas_h - 1) - kernel_h // 2)
+        hori_mask = (kernel_center_x - kv_x).abs() <= kernel_w // 2
+        vert_mask = (kernel_center_y - kv_y).abs() <= kernel_h // 2
+        return hori_mask & vert_mask
+
+    return natten_mask_mod
+
+
+def generate_vision_cross_attention_mask_mod(intervals, image_token_length):  # attn_gym/masks/flamingo.py
+    num_images = intervals.shape[0]
+    image_boundaries = torch.repeat_interleave(
+        torch.arange(num_images, device=intervals.device), repeats=image_token_length
+    )
+
+    def vision_cross_attention_mask_mod(b, h, q_idx, kv_idx):
+        image_idx = image_boundaries[kv_idx]
+        interval = intervals[image_idx]
+        return (q_idx >= interval[0]) & (q_idx < interval[1])
+
+    return vision_cross_attention_mask_mod

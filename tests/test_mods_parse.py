@@ -5,7 +5,7 @@ import pytest
 
 from fagen.mods import ir
 from fagen.mods.text import canonical, parse, parse_scalar_decl, parse_tensor_decl, to_text
-from fagen.spec.errors import SpecError
+from fagen.errors import SpecError
 
 TENSORS = (("bias", "fp32", 2), ("doc", "i32", 1), ("s0", "fp32", 0))
 SCALARS = (("cap", "float"), ("w", "int"))
@@ -67,8 +67,8 @@ def test_canonical_text_normalises_spelling():
     ("score + " + "exp(" * 40 + "1.0" + ")" * 40, "nests deeper"),
     ("score + " + "(" * 300 + "1.0" + ")" * 300, "not a valid expression"),  # Python's parser stops at 200
     ("-" * 40 + "score", "nests deeper"),
-    ("score + " + _balanced(8), "more than 256 nodes"),
-    ("score" + " + 1.0" * 2000, "longer than 2000"),
+    ("score + " + _balanced(10), "more than 1024 nodes"),
+    ("score" + " + 1.0" * 2000, "longer than 8000"),
     ("score + bogus", "unknown name"),
     ("score + cap[0]", "only a declared tensor"),
     ("score + h[0]", "only a declared tensor"),

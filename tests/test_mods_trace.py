@@ -8,7 +8,7 @@ import gym_mods as gym
 from fagen.mods import grad, ir
 from fagen.mods.text import parse, to_text
 from fagen.mods.trace import read_captures, trace, trace_mask_mod, trace_score_mod
-from fagen.spec.errors import SpecError
+from fagen.errors import SpecError
 
 _G = torch.Generator().manual_seed(0)
 OFFSETS = gym.length_to_offsets([5, 9, 2, 17], "cpu")
@@ -31,6 +31,14 @@ MASK_MODS = {
     "dilated": (lambda: gym.generate_dilated_sliding_window(4, 2),
                 "(abs(q_idx - kv_idx) <= window_size) & (abs(q_idx - kv_idx) % dilation == 0)"),
     "causal": (lambda: gym.causal_mask, "q_idx >= kv_idx"),
+    "natten": (lambda: gym.generate_natten(8, 6, 3, 3),
+               "(abs(clamp(q_idx // canvas_w, kernel_w // 2, canvas_w - 1 - kernel_w // 2) - kv_idx // canvas_w) <= "
+               "kernel_w // 2) & (abs(clamp(q_idx % canvas_w, kernel_h // 2, canvas_h - 1 - kernel_h // 2) - "
+               "kv_idx % canvas_w) <= kernel_h // 2)"),
+    "flamingo (rows of a captured tensor)": (
+        lambda: gym.generate_vision_cross_attention_mask_mod(torch.tensor([[0, 7], [1, 7], [7, 12]],
+                                                                          dtype=torch.int32), 6),
+        "(q_idx >= intervals[image_boundaries[kv_idx], 0]) & (q_idx < intervals[image_boundaries[kv_idx], 1])"),
 }
 
 
@@ -152,13 +160,13 @@ def test_return_types_are_checked():
 
 def test_outside_the_whitelist_in_attention_gym():
     """attention-gym mods that cannot trace, and why: MLA's rope score_mod takes a vector dot product of captured
-    rows (partial indexing and torch.dot); the morton NATTEN mask uses bit shifts."""
+    rows (torch.dot); the morton NATTEN mask uses bit shifts; SVG's masks use math.floor."""
     rope = torch.randn(1, 2, 8, 4)
 
     def mla_rope_score_mod(score, b, h, q_idx, kv_idx):  # attn_gym/mods/latent_attention.py, in spirit
         return score + 0.5 * torch.dot(rope[b, h, q_idx], rope[b, h, kv_idx])
 
-    with pytest.raises(SpecError, match="takes exactly 4 indices"):
+    with pytest.raises(SpecError, match="torch.dot"):
         trace_score_mod(mla_rope_score_mod)
 
     def morton(b, h, q_idx, kv_idx):

@@ -13,7 +13,7 @@ import dataclasses
 import math
 import re
 
-from fagen.spec.errors import SpecError
+from fagen.errors import SpecError
 
 INT, FLOAT, BOOL = "int", "float", "bool"
 
@@ -36,7 +36,7 @@ TENSOR_DTYPES = {"fp32": FLOAT, "fp16": FLOAT, "bf16": FLOAT, "i64": INT, "i32":
 MAX_RANK = 4
 
 # Limits every tree keeps, whether traced or parsed: they bound the source a kernel gets and the parser's work.
-MAX_NODES = 256
+MAX_NODES = 1024  # attention-gym's largest (STA 3-d) has 271
 MAX_DEPTH = 32
 INT_MAX = 2 ** 31 - 1  # int constants are int32 in a kernel
 FLOAT_MAX = 3.4028234663852886e38  # the largest finite fp32; inf itself is allowed

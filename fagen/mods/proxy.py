@@ -277,13 +277,16 @@ class ScalarProxy(_Ops):
 
 
 class TensorProxy:
-    """A captured tensor. Indexing it with int expressions loads one element (a Load node); nothing else."""
+    """A captured tensor. Indexing it with int expressions loads one element (a Load node); nothing else. Indexing
+    fewer dimensions than its rank gives a row (`interval = intervals[i]`, then `interval[0]`): the indices
+    collect until every dimension has one."""
 
-    __slots__ = ("_tracer", "_base", "_tensor", "_path", "_decl")
+    __slots__ = ("_tracer", "_base", "_tensor", "_path", "_decl", "_prefix")
     __hash__ = object.__hash__
 
-    def __init__(self, tracer, base: str, tensor, path: tuple):
-        self._tracer, self._base, self._tensor, self._path, self._decl = tracer, base, tensor, path, None
+    def __init__(self, tracer, base: str, tensor, path: tuple, decl=None, prefix: tuple = ()):
+        self._tracer, self._base, self._tensor, self._path = tracer, base, tensor, path
+        self._decl, self._prefix = decl, prefix
 
     def _declared(self):
         if self._decl is None:
@@ -298,6 +301,9 @@ class TensorProxy:
             if isinstance(i, (slice, type(None), type(Ellipsis))) or isinstance(i, bool):
                 self._tracer.fail(f"{decl.name}[...]", "indices are int expressions (no slices, None, ..., bools)")
             nodes.append(node_of(i, self._tracer, f"{decl.name}[...]"))
+        nodes = list(self._prefix) + nodes
+        if len(nodes) < decl.rank:
+            return TensorProxy(self._tracer, self._base, self._tensor, self._path, decl, tuple(nodes))
         try:
             return Proxy(ir.load(decl.name, decl.dtype, decl.rank, tuple(nodes)), self._tracer)
         except ir.TypeRuleError as e:
@@ -307,10 +313,10 @@ class TensorProxy:
     def node(self) -> ir.Node:
         """A 0-dim tensor reads as its one element; any other must be indexed."""
         decl = self._declared()
-        if decl.rank:
+        if decl.rank != len(self._prefix):
             self._tracer.fail(decl.name, f"a captured tensor of rank {decl.rank} is used without an index; write "
                                          f"{decl.name}[i{', ...' if decl.rank > 1 else ''}]")
-        return ir.load(decl.name, decl.dtype, 0, ())
+        return ir.load(decl.name, decl.dtype, decl.rank, self._prefix)
 
     def __getattr__(self, name):
         if name.startswith("_"):

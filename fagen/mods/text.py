@@ -22,9 +22,9 @@ import ast
 from typing import NamedTuple
 
 from fagen.mods import ir
-from fagen.spec.errors import SpecError
+from fagen.errors import SpecError
 
-MAX_TEXT = 2000  # characters; far above any real mod, small enough that the parser's work stays trivial
+MAX_TEXT = 8000  # characters: room for MAX_NODES nodes; far above any real mod, small enough that parsing stays trivial
 
 
 class ModTensor(NamedTuple):

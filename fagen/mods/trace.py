@@ -31,7 +31,7 @@ from typing import Any
 from fagen.mods import ir
 from fagen.mods.proxy import TORCH_DIR, Proxy, ScalarProxy, TensorProxy, init_torch, node_of, tensor_dtype
 from fagen.mods.text import ModScalar, ModTensor, parse, to_text
-from fagen.spec.errors import SpecError
+from fagen.errors import SpecError
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 def _is_user_file(filename: str) -> bool:

@@ -13,7 +13,7 @@ from typing import Any
 
 from fagen.mods.text import canonical
 from fagen.spec import defaults, tables, targets
-from fagen.spec.errors import SpecError  # defined apart so that fagen.mods can raise it without an import cycle
+from fagen.errors import SpecError  # defined apart so that fagen.mods can raise it without an import cycle
 from fagen.spec.axes import (BLOCK_SIZES, HEAD_DIMS, MAX_GQA, NUM_STAGES, NUM_WARPS, Backend, Direction, DType, Kind,
                              Layout, Mask)
 

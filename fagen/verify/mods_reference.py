@@ -1,5 +1,11 @@
-"""Float64 evaluation of a user's own score_mod / mask_mod, for the reference: the functions run on broadcast
-index tensors as written, with no tracing and nothing shared with the kernels."""
+"""Float64 evaluation of a user's own score_mod / mask_mod, for the reference: the functions run as written over
+the index tensors, with no tracing and nothing shared with the kernels.
+
+[Note] vmap, not broadcasting. Each function is vmapped over kv_idx, q_idx, h and b in turn (as FlexAttention's
+own reference does), so inside it every index is a 0-dim tensor, as in a kernel. Plain broadcasting would give
+the same values for element-wise mods but not for one that indexes a captured tensor partway:
+`interval = intervals[image_boundaries[kv_idx]]; interval[0]` (attention-gym's Flamingo mask) must read column 0.
+"""
 
 from __future__ import annotations
 
@@ -19,26 +25,31 @@ def _float64_default():
         torch.set_default_dtype(old)
 
 
-def index_grid(batch: int, heads: int, seq_q: int, seq_k: int, device="cpu"):
-    """b [B,1,1,1], h [1,H,1,1], q_idx [1,1,Sq,1], kv_idx [1,1,1,Sk]: int64, broadcasting to [B, H, Sq, Sk].
-    h is the query head; q_idx and kv_idx are positions within the sequence (FlexAttention's meaning)."""
-    ar = lambda n, dim: torch.arange(n, device=device).view([-1 if d == dim else 1 for d in range(4)])  # noqa: E731
-    return ar(batch, 0), ar(heads, 1), ar(seq_q, 2), ar(seq_k, 3)
+def _over_grid(fn, score: bool):
+    """fn vmapped over (b, h, q_idx, kv_idx) given as 1-d index tensors (and score [B, H, Sq, Sk] first)."""
+    for level in range(4):  # kv_idx innermost, b outermost
+        dims = tuple(0 if d == 3 - level else None for d in range(4))
+        fn = torch.vmap(fn, in_dims=((0,) if score else ()) + dims, out_dims=0)
+    return fn
+
+
+def _indices(batch, heads, seq_q, seq_k, device):
+    return [torch.arange(n, device=device) for n in (batch, heads, seq_q, seq_k)]
 
 
 def score_mod_scores(score_mod, s: torch.Tensor) -> torch.Tensor:
-    """score_mod(s, b, h, q_idx, kv_idx) over s [B, H, Sq, Sk] (float64), broadcast to s's shape."""
+    """score_mod(s, b, h, q_idx, kv_idx) at every element of s [B, H, Sq, Sk] (float64)."""
     with _float64_default():
-        out = score_mod(s, *index_grid(*s.shape, device=s.device))
-    out = torch.as_tensor(out, device=s.device)
-    return (out if out.dtype == torch.float64 else out.double()).expand(s.shape)
+        out = _over_grid(lambda *a: torch.as_tensor(score_mod(*a), dtype=torch.float64), True)(
+            s, *_indices(*s.shape, s.device))
+    return out
 
 
 def mask_mod_visible(mask_mod, batch: int, heads: int, seq_q: int, seq_k: int, device="cpu") -> torch.Tensor:
     """bool [B, H, Sq, Sk]: mask_mod(b, h, q_idx, kv_idx), True where visible."""
     with _float64_default():
-        out = mask_mod(*index_grid(batch, heads, seq_q, seq_k, device=device))
-    out = torch.as_tensor(out, device=device)
+        out = _over_grid(lambda *a: torch.as_tensor(mask_mod(*a)), False)(
+            *_indices(batch, heads, seq_q, seq_k, device))
     if out.dtype != torch.bool:
         raise TypeError(f"mask_mod returned {out.dtype}; it must return a bool tensor (True: visible)")
-    return out.expand(batch, heads, seq_q, seq_k)
+    return out

@@ -1,4 +1,6 @@
-"""SpecError: the one error a spec value, a mod expression or a spec file raises; it imports nothing of fagen."""
+"""SpecError: the one error a spec value, a mod expression or a spec file raises. It imports nothing, and it lives
+outside fagen/spec/ so that fagen.mods (which fagen.spec.kernel imports) can raise it without running
+fagen/spec/__init__.py first."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ import jinja2
 from fagen import __version__
 from fagen.spec import defaults, tables, targets
 from fagen.spec.axes import DECODE_MAX_SEQ_Q, MAX_PAGE_SIZE, DType, Kind, Layout, Mask
-from fagen.spec.kernel import KernelSpec
+from fagen.spec.kernel import KernelSpec, SpecError
 
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"  # fagen/templates, installed with the package
 
@@ -153,6 +153,9 @@ def render(spec: KernelSpec) -> Rendered:
     """
     if not isinstance(spec, KernelSpec):
         raise TypeError(f"render() takes a KernelSpec, got {type(spec).__name__}")
+    if spec.modded:  # the spec and the fagen.mods front end exist; no template emits a mod yet
+        raise SpecError("score_mod" if spec.score_mod else "mask_mod", spec.score_mod or spec.mask_mod,
+                        "user mods are not rendered into kernels yet (docs/mods.md)")
     root = template_dir()
     return _render(spec, root, _stamp(root))
 

@@ -27,6 +27,6 @@ def test_bad_values_stay_inside_the_tensors(groups):
     failed = [line for line in lines if line.startswith("FAIL")]
     summary = [line for line in lines if line.startswith("summary:")]
     assert run.returncode == 0 and not failed and summary, (
-        f"exit {run.returncode} (139: segfault, 134: abort on a corrupted heap)\n" + "\n".join(failed or lines[-5:])
+        f"exit {run.returncode} (-11: segfault, -6: abort on a corrupted heap)\n" + "\n".join(failed or lines[-5:])
         + "\n" + run.stderr[-2000:])
     assert " 0 failed" in summary[0]

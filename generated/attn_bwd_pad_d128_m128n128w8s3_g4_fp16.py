@@ -450,7 +450,9 @@ def _attn_fwd(Q, K, V, Out, Lse, SeqlensQ, SeqlensK, TreeMask, qk_scale,
     off_b = tl.program_id(2)
     off_hkv = off_h // GQA  # query head h reads KV head h // GQA
     len_q = tl.load(SeqlensQ + off_b)
+    len_q = tl.minimum(tl.maximum(len_q, 0), seq_q)  # [Note] Memory safety
     len_k = tl.load(SeqlensK + off_b)
+    len_k = tl.minimum(tl.maximum(len_k, 0), seq_k)  # [Note] Memory safety
 
     m0 = start_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -693,6 +695,7 @@ def _attn_bwd_preprocess(Out, DO, Lse, Delta, Lse2, SeqlensQ, stride_ob, stride_
     off_h = tl.program_id(1)
     off_b = tl.program_id(2)
     len_q = tl.load(SeqlensQ + off_b)
+    len_q = tl.minimum(tl.maximum(len_q, 0), seq_q)  # [Note] Memory safety
     rows = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     o = _load_rows(Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
@@ -781,7 +784,9 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, Lse2, Delta, SeqlensQ, SeqlensK, TreeMas
     off_hkv = tl.program_id(1)
     off_b = tl.program_id(2)
     len_q = tl.load(SeqlensQ + off_b)
+    len_q = tl.minimum(tl.maximum(len_q, 0), seq_q)  # [Note] Memory safety
     len_k = tl.load(SeqlensK + off_b)
+    len_k = tl.minimum(tl.maximum(len_k, 0), seq_k)  # [Note] Memory safety
 
     n0 = start_n * BLOCK_N
     cols = n0 + tl.arange(0, BLOCK_N)
@@ -870,7 +875,9 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse2, Delta, SeqlensQ, SeqlensK, TreeMask, qk_
     off_b = tl.program_id(2)
     off_hkv = off_h // GQA  # query head h reads KV head h // GQA
     len_q = tl.load(SeqlensQ + off_b)
+    len_q = tl.minimum(tl.maximum(len_q, 0), seq_q)  # [Note] Memory safety
     len_k = tl.load(SeqlensK + off_b)
+    len_k = tl.minimum(tl.maximum(len_k, 0), seq_k)  # [Note] Memory safety
 
     m0 = start_m * BLOCK_M
     rows = m0 + tl.arange(0, BLOCK_M)

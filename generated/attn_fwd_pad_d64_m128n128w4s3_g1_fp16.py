@@ -435,7 +435,9 @@ def _attn_fwd(Q, K, V, Out, Lse, SeqlensQ, SeqlensK, TreeMask, qk_scale,
     off_b = tl.program_id(2)
     off_hkv = off_h // GQA  # query head h reads KV head h // GQA
     len_q = tl.load(SeqlensQ + off_b)
+    len_q = tl.minimum(tl.maximum(len_q, 0), seq_q)  # [Note] Memory safety
     len_k = tl.load(SeqlensK + off_b)
+    len_k = tl.minimum(tl.maximum(len_k, 0), seq_k)  # [Note] Memory safety
 
     m0 = start_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)

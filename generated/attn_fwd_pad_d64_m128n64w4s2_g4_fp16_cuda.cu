@@ -224,8 +224,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) fagen_attn_fwd(
     const int b = blockIdx.z;
     const int h_kv = h / GQA;  // query head h reads KV head h / GQA
     const int m0 = m_block * BLOCK_M;
-    const int len_q = seqlens_q[b];
-    const int len_k = seqlens_k[b];
+    const int len_q = min(max(seqlens_q[b], 0), seq_q);  // [Note] Memory safety
+    const int len_k = min(max(seqlens_k[b], 0), seq_k);
 
     int hi = len_k;
     int split = len_k / BLOCK_N * BLOCK_N;

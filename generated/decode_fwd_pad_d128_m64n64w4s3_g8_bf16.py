@@ -459,7 +459,9 @@ def _decode_split(Q, K, V, Dst, DstLse, Out, Lse, Counter, SeqlensQ, SeqlensK, T
     tile = tl.program_id(1) % n_tiles
     off_b = tl.program_id(2)
     len_q = tl.load(SeqlensQ + off_b)
+    len_q = tl.minimum(tl.maximum(len_q, 0), seq_q)  # [Note] Memory safety
     len_k = tl.load(SeqlensK + off_b)
+    len_k = tl.minimum(tl.maximum(len_k, 0), seq_k)  # [Note] Memory safety
 
     full_hi, kv_hi = _key_bounds(len_q, len_k, seq_q, seq_k)
     s0 = split * chunk

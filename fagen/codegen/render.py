@@ -109,8 +109,8 @@ def _layout_context(spec: KernelSpec) -> dict:
                 layout_ctx="".join(", ctx." + n for n in names), layout_none=", None" * len(names),
                 largs="".join(", " + n for n in names), lsig="".join(f", {n}: {_LAYOUT_TYPES[n]}" for n in names),
                 # the kernels' page arguments: the top-level kernel's, and the inner loops' (this sequence's row)
-                xkpg=", BlockTable, stride_btb, page_shift" if paged else "",
-                xpg=", table, stride_kb, stride_vb, page_shift" if paged else "")
+                xkpg=", BlockTable, stride_btb, page_shift, num_pages" if paged else "",
+                xpg=", table, stride_kb, stride_vb, page_shift, num_pages" if paged else "")
 
 
 # [Note] Score arguments. A spec with any score switch threads these launch-form values through its launch

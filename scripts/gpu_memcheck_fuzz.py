@@ -271,7 +271,7 @@ def group_paged():
              [(key, other) for key in good_d], good_d)
         case(f"paged prefill {what}={value}", lambda: prefill(what, value),
              [("out", (not_seq1,)), ("lse", (slice(None), not_seq1))], good_p)
-    for cu in ([0, 3, 100000, 9], [0, 3, 6, I32_MAX], [0, 3, 9, 5], [0, 3, -1]):
+    for cu in ([0, 3, 100000, 9], [0, 3, 6, I32_MAX], [0, 3, 9, 5], [0, 3, -1, 9]):
         cu = cu[:NB + 1]
         case(f"paged prefill cu_seqlens_q={cu}", lambda: prefill(cu=cu),
              [("out", (slice(0, 3),)), ("lse", (slice(None), slice(0, 3)))], good_p)

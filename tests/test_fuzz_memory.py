@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _env import DEVICE
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_memcheck_fuzz.py"
@@ -20,7 +21,7 @@ SCRIPT = ROOT / "scripts" / "gpu_memcheck_fuzz.py"
 
 @pytest.mark.parametrize("groups", [("padding", "window"), ("varlen", "tree"), ("paged",)], ids="+".join)
 def test_bad_values_stay_inside_the_tensors(groups):
-    cmd = [sys.executable, str(SCRIPT), "--device", "cpu", *(a for g in groups for a in ("--group", g))]
+    cmd = [sys.executable, str(SCRIPT), "--device", DEVICE, *(a for g in groups for a in ("--group", g))]
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     lines = run.stdout.splitlines()

@@ -14,13 +14,13 @@ MASK_SHORT = {
 }
 
 # The torch dtype a generated module expects: getattr(torch, name); "torch." + name in source text.
-TORCH_DTYPE = {DType.FP16: "float16", DType.BF16: "bfloat16", DType.FP32: "float32"}
+TORCH_DTYPE = {DType.FP16: "float16", DType.BF16: "bfloat16", DType.FP32: "float32", DType.FP8_E4M3: "float8_e4m3fn"}
 
 # CUDA C++ element type (for the CUDA backend).
 CUDA_DTYPE = {DType.FP16: "half", DType.BF16: "__nv_bfloat16", DType.FP32: "float"}
 
 # Extra tl.dot arguments: fp32 specs compute in full fp32 ("ieee"), never tf32.
-DOT_KWARGS = {DType.FP16: "", DType.BF16: "", DType.FP32: ', input_precision="ieee"'}
+DOT_KWARGS = {DType.FP16: "", DType.BF16: "", DType.FP32: ', input_precision="ieee"', DType.FP8_E4M3: ""}
 
 
 def tma_loads(spec) -> bool:

@@ -48,7 +48,9 @@ def test_specs_read_the_tuned_table_for_sm90_only(tuned_table):
     assert defaults.default_config(64, DType.FP16, Direction.FWD, Kind.PREFILL, mask=Mask.CAUSAL,
                                  arch="sm_80")["block_m"] == 16
     assert defaults.default_config(64, DType.FP16, Direction.FWD, Kind.PREFILL, mask=Mask.CAUSAL,
-                                 arch="sm_89") == hand
+                                 arch="sm_100") == hand  # sm_90's family, no entry of its own
+    assert fagen.KernelSpec(head_dim=64, mask="causal", arch="sm_80").block_m == 16  # a spec given an arch
+    assert spec.for_arch("sm_80").block_m == 16 and spec.for_arch("sm_90") == spec
     tuned.upsert(tuned_table, {**ENTRY, "block_m": 128, "ms": 1.0})  # same key: replaced, not duplicated
     assert len(tuned.read_table(tuned_table)) == 2
     assert fagen.KernelSpec(head_dim=64, mask="causal").block_m == 128

@@ -25,7 +25,7 @@ from fagen.runtime import cache
 from fagen.runtime.loader import write_source
 from fagen.runtime.modules import import_module
 from fagen.spec import targets
-from fagen.spec.axes import Backend
+from fagen.spec.axes import Backend, Kind
 from fagen.spec.kernel import KernelSpec
 from fagen.spec.targets import ARCHS, ArchError, parse_archs  # noqa: F401 - re-exported for the CLI
 
@@ -86,15 +86,26 @@ def lookup(spec: KernelSpec, arch: str, key: str | None = None) -> ArchBuild | N
     return _from_entry(spec, arch, key, meta, cached=True)
 
 
+def aot_missing(spec: KernelSpec) -> str | None:
+    """Why `spec` has no ahead-of-time build (`fagen build` leaves such variants out and counts them), or None."""
+    if spec.backend is Backend.GLUON:  # its launch takes host TMA descriptors: no prebuilt launcher yet
+        return ("backend 'gluon' has no ahead-of-time build yet; the module compiles itself on first use on sm_90 "
+                "(compile_for() builds it without a GPU)")
+    if spec.kind is Kind.DECODE:
+        return ("decode kernels have no ahead-of-time build: their tile rows and split count follow each call's "
+                "query and KV lengths, so they compile at first use (fagen.load(spec))")
+    return None
+
+
 def compile_arch(spec: KernelSpec, arch: str) -> ArchBuild:
     """Build one spec for one arch, or take it from the cache. Safe to run from many processes at once.
 
     The spec is rendered once here (the key, the source to compile and nvcc's input are that one render), and a
     variant whose tiles cannot fit the arch's shared memory by the backend's formula is rejected before compiling.
     """
-    if spec.backend is Backend.GLUON:  # its launch takes host TMA descriptors: no prebuilt launcher yet
-        raise CompileError(spec.name, arch, "backend 'gluon' has no ahead-of-time build yet; the module compiles "
-                                            "itself on first use on sm_90 (compile_for() builds it without a GPU)")
+    missing = aot_missing(spec)
+    if missing:
+        raise CompileError(spec.name, arch, missing)
     rendered = render(spec)
     key = artifact_key(spec, arch, rendered)
     hit = lookup(spec, arch, key)
@@ -124,9 +135,7 @@ def _compile_triton(spec: KernelSpec, arch: str, rendered: Rendered) -> tuple[di
     """Each AOT kernel of the generated module through triton.compile for an explicit GPU target."""
     module = import_for_compile(spec, rendered)
     if not hasattr(module, "AOT_KERNELS"):
-        raise CompileError(spec.name, arch, f"{spec.kind} kernels have no ahead-of-time build: their tile rows and "
-                                            "split count follow each call's query and KV lengths, so they compile "
-                                            "at first use (fagen.load(spec)); build the prefill kind ahead of time")
+        raise CompileError(spec.name, arch, "the generated module has no AOT_KERNELS list (docs/build.md)")
     files, kernels = {}, []
     for entry in module.AOT_KERNELS:
         kernel_start = time.perf_counter()

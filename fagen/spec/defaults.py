@@ -1,21 +1,51 @@
-"""Defaults: the launch config a spec gets when it leaves block sizes, warps and stages unset (tuned table
-first, then the hand defaults), and the cuda backend's limits."""
+"""Defaults: the launch config a spec gets when it leaves block sizes, warps and stages unset, per target arch
+(tuned table first, then the hand defaults of the arch's family, shrunk until they fit), and the backends' limits."""
 
 from __future__ import annotations
 
-from fagen.spec import tuned
+from typing import Callable
+
+from fagen.spec import targets, tuned
 from fagen.spec.axes import DType, Direction, Kind, Layout, Mask
 
-def default_config(head_dim: int, dtype: DType, direction: Direction, kind: Kind, mask: Mask | None = None,
-                   arch: str = tuned.DEFAULT_ARCH, layout: Layout = Layout.DENSE, window: bool = False) -> dict:
-    """Block sizes, warps and stages used when a spec leaves them unset.
+LAUNCH_FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
 
-    The tuned table (fagen/spec/tuned.json, written by `fagen tune` on the H100) wins for its (arch, head_dim, mask,
-    dtype, direction, kind); otherwise these hand defaults apply. The forward's are the tuned winners of the bf16
-    keys, so fp16 and other head dims follow them: d128 m128n128w8s3 (547 TF/s full, 524 causal at s16k with
-    TMA), d64 m128n128w4s3 (448 causal). Wider tiles stay within Hopper's 227 KB of shared memory: K/V tiles
-    cost block_n * head_dim * bytes * 2 * num_stages. Windowed d64 forwards take their own tile, before the
-    table (whose keys have no score switches): see [Note] Windowed d64 tiles.
+
+def default_config(head_dim: int, dtype: DType, direction: Direction, kind: Kind, mask: Mask | None = None,
+                   arch: str = tuned.DEFAULT_ARCH, layout: Layout = Layout.DENSE, window: bool = False,
+                   given: dict | None = None) -> dict:
+    """Block sizes, warps and stages used on `arch` when a spec leaves them unset.
+
+    [Note] Tiles per arch
+    The tuned table (fagen/spec/tuned.json, written by `fagen tune`) wins for its (arch, head_dim, mask, dtype,
+    direction, kind); otherwise the hand defaults of the arch's family (targets.TILE_FAMILY) apply, shrunk by
+    `fit` until the shared-memory estimate fits the arch (stages to 2, then block_n to 32, then block_m to 64);
+    the fields in `given` (what the spec sets) stay as given.
+    sm_90's are the H100's tuned winners; sm_80's were chosen with ptxas so that no catalog kernel spills on
+    sm_80 and every one fits its 163 KB (tests/test_arch_defaults.py compiles them).
+    """
+    config = _tuned_or_hand(head_dim, dtype, direction, kind, mask, arch, layout, window)
+    return fit(config, lambda c: targets.triton_tile_bytes(head_dim, dtype, direction, c["block_m"], c["block_n"],
+                                                            c["num_stages"]), targets.smem_limit(arch), given)
+
+
+def fit(config: dict, need: Callable[[dict], int], limit: int, given: dict | None = None,
+        floors: tuple = (("num_stages", 2), ("block_n", 32), ("block_m", 64), ("num_stages", 1))) -> dict:
+    """`config` updated with `given`, its other stages and blocks lowered in the order of `floors` until
+    need(config) <= limit (or nothing is left to lower: the spec's own check then names the field)."""
+    config = {**config, **(given or {})}
+    for field, floor in floors:
+        while need(config) > limit and field not in (given or {}) and config[field] > floor:
+            config[field] = config[field] - 1 if field == "num_stages" else config[field] // 2
+    return config
+
+
+def _tuned_or_hand(head_dim: int, dtype: DType, direction: Direction, kind: Kind, mask: Mask | None, arch: str,
+                   layout: Layout, window: bool) -> dict:
+    """The tuned entry of `arch`, else its family's hand default (sm_90's: the bf16 winners of the H100 table, so
+    fp16 and other head dims follow them: d128 m128n128w8s3, 547 TF/s full and 524 causal at s16k with TMA; d64
+    m128n128w4s3, 448 causal). Windowed d64 forwards take their own tile, before the table (whose keys have no
+    score switches): see [Note] Windowed d64 tiles.
     """
     wide = head_dim > 128 or dtype is DType.FP32
     if window and head_dim <= 64 and not wide and direction is Direction.FWD and kind is Kind.PREFILL:
@@ -31,6 +61,8 @@ def default_config(head_dim: int, dtype: DType, direction: Direction, kind: Kind
     found = tuned.lookup(head_dim, mask, dtype, direction, kind, arch=arch)
     if found is not None:
         return found
+    if kind is not Kind.DECODE and not wide and targets.TILE_FAMILY.get(arch) == "sm_80":
+        return _sm80_config(head_dim, direction, mask, layout)
     if kind is Kind.DECODE:
         # block_m caps the query rows of one tile (gqa * Sq packed; the launcher shrinks it to fit), block_n is
         # keys per step. Memory-bound: stages keep K/V loads in flight. At 4 warps the fp32 accumulator of a
@@ -52,8 +84,8 @@ def default_config(head_dim: int, dtype: DType, direction: Direction, kind: Kind
             return {"block_m": 64, "block_n": 32, "num_warps": 8, "num_stages": 2}
         if head_dim <= 64:
             return {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3}
-        if mask == Mask.TREE:  # measured only for correctness: the masked steps stage tree-mask tiles too
-            return {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2}
+        if mask == Mask.TREE:  # measured only for correctness; m128n64w8s2 spilled 216 words (sm_90), this none
+            return {"block_m": 64, "block_n": 32, "num_warps": 8, "num_stages": 2}
         return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3}
     if wide:
         return {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 2}
@@ -64,6 +96,28 @@ def default_config(head_dim: int, dtype: DType, direction: Direction, kind: Kind
     if head_dim <= 64:
         return {"block_m": 128, "block_n": 128, "num_warps": 4, "num_stages": 3}
     return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3}
+
+
+def _sm80_config(head_dim: int, direction: Direction, mask: Mask | None, layout: Layout) -> dict:
+    """sm_80's prefill tiles for head_dim <= 128 in fp16/bf16 (mma.sync; 163 KB of shared memory a block).
+
+    No A100 timing chose them: they are the largest tiles of the sm_90 rules' shape that fit and spill nothing
+    in any catalog variant (ptxas of triton 3.6, 2026-11-26; `fagen build fagen/spec/catalog.toml`). The sm_90
+    tiles spill on sm_80 (d64 causal m128n128w4s3: 78 words) or do not fit (d128 m128n128w8s3: 224 KB). Spills of
+    the candidates, bf16: forward d64 causal m128n64w4s3 2 words, m128n64w8s3 0; d128 m128n64w8s3 0, tree 222
+    (m64n64w8s2 2, m64n32w8s2 0), paged 6 (m128n64w8s2 0); backward d64 m64n64w4s3 16 (gqa 4, mask none),
+    m64n64w8s3 0; d128 m64n64w4s3 16, m64n64w8s3 0; tree d64 m128n64w8s2 140, m64n32w4s2 0; tree d128
+    m128n64w8s2 1404, m64n32w8s2 0. Decode kernels keep the sm_90 tiles (they fit: 112 KB dense, 144 KB paged).
+    """
+    tree = mask == Mask.TREE
+    if direction is Direction.BWD:
+        if tree:
+            return {"block_m": 64, "block_n": 32, "num_warps": 4 if head_dim <= 64 else 8, "num_stages": 2}
+        return {"block_m": 64, "block_n": 64, "num_warps": 8, "num_stages": 3}
+    if tree:
+        return ({"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2} if head_dim <= 64
+                else {"block_m": 64, "block_n": 32, "num_warps": 8, "num_stages": 2})
+    return {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2 if layout is Layout.PAGED else 3}
 
 
 # -- CUDA backend ------------------------------------------------------------------------------
@@ -81,17 +135,21 @@ CUDA_SUPPORTED = {
 CUDA_ROWS_PER_WARP = (16, 32)
 
 
-def cuda_default_config(head_dim: int, dtype: DType, direction: Direction, kind: Kind) -> dict:
-    """Blocks, warps and stages of a cuda spec that leaves them unset.
+def cuda_default_config(head_dim: int, dtype: DType, direction: Direction, kind: Kind,
+                        arch: str = tuned.DEFAULT_ARCH, given: dict | None = None) -> dict:
+    """Blocks, warps and stages of a cuda spec that leaves them unset, shrunk by `fit` to the arch's shared memory.
 
     head_dim <= 128: 4 warps of 32 query rows (two MMA tiles: each K/V fragment read from shared memory feeds
     four MMAs), 64 keys a step, two stages: two blocks per SM. H100, d128 bf16 s16k: 369 TF/s full, 343 causal
     (SDPA flash 364 / 322 in the same run; docs/cuda.md). Wider heads: 16 rows per warp, so that the fp32
-    accumulator of a warp stays within its registers.
+    accumulator of a warp stays within its registers. With nvcc 13 the d128 tile spills 2-6 words on sm_80 and
+    sm_90 (causal, padding and tree masks); 16 rows per warp spills none but ran 279 / 275 TF/s (docs/cuda.md).
     """
-    if head_dim > 128:
-        return {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 2}
-    return {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 2}
+    config = ({"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 2} if head_dim > 128
+              else {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 2})
+    need = lambda c: targets.cuda_smem_bytes(head_dim, dtype, c["block_m"], c["block_n"], c["num_stages"])  # noqa: E731
+    config = fit(config, need, targets.smem_limit(arch), given, floors=(("block_n", 32), ("block_m", 64)))
+    return config
 
 
 

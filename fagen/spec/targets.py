@@ -16,6 +16,11 @@ ARCH_SMEM_LIMIT = {"sm_80": 166912, "sm_86": 101376, "sm_87": 166912, "sm_89": 1
 ARCHS = tuple(ARCH_CAPABILITY)
 # The arch whose limits apply where none is named (the interpreter, a spec's own check): the largest, Hopper's.
 DEFAULT_SMEM_LIMIT = ARCH_SMEM_LIMIT["sm_90"]
+# Whose hand-default tiles an arch takes (fagen/spec/defaults.py, [Note] Tiles per arch): sm_80's fit its 163 KB
+# and do not spill with mma.sync; sm_90's are the H100's tuned winners. An arch with less shared memory than its
+# family's (sm_86, sm_89, sm_120: 99 KB) gets them shrunk until they fit.
+TILE_FAMILY = {"sm_80": "sm_80", "sm_86": "sm_80", "sm_87": "sm_80", "sm_89": "sm_80", "sm_90": "sm_90",
+               "sm_100": "sm_90", "sm_103": "sm_90", "sm_120": "sm_80"}
 
 
 class ArchError(ValueError):
@@ -38,6 +43,14 @@ def smem_limit(arch: str | None) -> int:
     return ARCH_SMEM_LIMIT.get(arch, DEFAULT_SMEM_LIMIT) if arch else DEFAULT_SMEM_LIMIT
 
 
+def arch_of(capability: tuple[int, int]) -> str:
+    """The arch whose tiles a GPU of this compute capability takes: its own name where fagen knows it (9.0 ->
+    'sm_90'), else the nearest known arch below it, else sm_80 (a GPU older than any fagen targets)."""
+    number = 10 * capability[0] + capability[1]
+    known = sorted((int(a[3:]), a) for a in ARCH_SMEM_LIMIT)
+    return max(((n, a) for n, a in known if n <= number), default=known[0])[1]
+
+
 # -- shared memory, one formula per backend ------------------------------------------------------------------
 def cuda_head_dim_padded(head_dim: int) -> int:
     """head_dim rounded up to the MMA k-step of 16; the extra columns are zeros in shared memory."""
@@ -52,6 +65,13 @@ def cuda_smem_bytes(head_dim: int, dtype: DType, block_m: int, block_n: int, num
 
 
 def triton_smem_bytes(spec) -> int:
+    """Shared memory a Triton spec's tiles need, estimated from the tiles the kernel stages (triton_tile_bytes)."""
+    return triton_tile_bytes(spec.head_dim, spec.dtype, spec.direction, spec.block_m, spec.block_n,
+                             spec.num_stages)
+
+
+def triton_tile_bytes(head_dim: int, dtype: DType, direction: Direction, block_m: int, block_n: int,
+                      num_stages: int) -> int:
     """Shared memory a Triton config's tiles need, estimated from the tiles the kernel stages.
 
     [Note] Shared-memory filter
@@ -64,13 +84,13 @@ def triton_smem_bytes(spec) -> int:
     tiles as the forward. A config over the limit by this estimate is rejected before compiling; one that passes
     it and still does not fit fails in the compiler.
     """
-    d = 1 << (spec.head_dim - 1).bit_length()  # the kernel pads D to a power of two
-    tiles = spec.block_m + 2 * spec.num_stages * spec.block_n
-    if spec.direction is Direction.BWD:
-        dkdv = 2 * spec.block_n + 2 * spec.num_stages * min(spec.block_m, 64)
-        dq = 2 * spec.block_m + 2 * spec.num_stages * min(spec.block_n, 64)
+    d = 1 << (head_dim - 1).bit_length()  # the kernel pads D to a power of two
+    tiles = block_m + 2 * num_stages * block_n
+    if direction is Direction.BWD:
+        dkdv = 2 * block_n + 2 * num_stages * min(block_m, 64)
+        dq = 2 * block_m + 2 * num_stages * min(block_n, 64)
         tiles = max(tiles, dkdv, dq)
-    return tiles * d * spec.dtype.itemsize
+    return tiles * d * DType(dtype).itemsize
 
 
 def gluon_smem_bytes(head_dim: int, block_m: int, block_n: int, num_stages: int, q_stages: int = 2,

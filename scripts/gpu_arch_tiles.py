@@ -6,7 +6,7 @@ nor the cuda one (docs/cuda.md has its numbers).
     python scripts/gpu_arch_tiles.py          # about 2 minutes; logs and JSON to $OUT if set
 
 Prints one row per case: TF/s of the default tile and of the spill-free tile. A spill-free tile within noise (or
-faster) should replace the default in fagen/spec/defaults.py or fagen/spec/tuned.json; otherwise the allowance
+faster) should replace the default in fagen/backends/triton.py or fagen/spec/tuned.json; otherwise the allowance
 stays, with these numbers in the test's table.
 """
 

@@ -118,7 +118,7 @@ def dry_run(variants, jobs=None):
         print(f"{r['variant']:10} {r['mask']:6} {r['shared']:7} {r['formula']:7} {r['regs_entry']:4} "
               f"{str(r['setmaxnreg']):>12} {r['spill_stores']:>5}/{r['spill_loads']:<5} "
               f"{st.get('bar_sync', '-'):>13} {st.get('mbar_arrive', '-'):>6} {st.get('mbar_wait', '-'):>6}")
-    print("(shared: compiled metadata; formula: fagen.spec.targets.gluon_smem_bytes; regs: ptxas at entry; per step: "
+    print("(shared: compiled metadata; formula: fagen.backends.gluon.smem_bytes; regs: ptxas at entry; per step: "
           "the first innermost PTX loop holding a consumer step, one warpgroup; sm_90 limit 232448 B)")
     return results
 

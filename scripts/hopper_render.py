@@ -4,7 +4,7 @@
     python scripts/hopper_render.py --o-via-q 1 --q-stages 1 --stages 3 --kv-join 2 -o out.py   # 3 K/V slots at d128
 
 The kernel itself is fagen's backend 'gluon' (`fagen generate --backend gluon ...`); its spec fixes the variant
-switches at their measured defaults (fagen.spec.defaults.GLUON_VARIANT). This script renders the same template
+switches at their measured defaults (fagen.backends.GLUON.variant). This script renders the same template
 through fagen's environment with the switches set (ping-pong, late releases, Q buffers, register budgets), to
 measure them. `render(**config)` returns the source; `load(**config)` renders, writes it to a cache folder and
 imports it (Gluon, like Triton, reads the source of its kernels from a file).
@@ -84,10 +84,10 @@ class HopperConfig:
 
     def smem_bytes(self) -> int:
         """Q (q_stages per warpgroup), O (one per warpgroup, none with o_via_q) and the K/V ring, 2 bytes an
-        element, plus 1 KB for barriers and triton's scratch (fagen.spec.targets.gluon_smem_bytes)."""
-        from fagen.spec import targets
-        return targets.gluon_smem_bytes(self.head_dim, 2 * self.block_m, self.block_n, self.stages, self.q_stages,
-                                        self.o_via_q)
+        element, plus 1 KB for barriers and triton's scratch (fagen.backends.gluon.smem_bytes)."""
+        from fagen.backends import gluon
+        return gluon.smem_bytes(self.head_dim, 2 * self.block_m, self.block_n, self.stages, self.q_stages,
+                                self.o_via_q)
 
     @property
     def name(self) -> str:
@@ -106,12 +106,13 @@ def spec_of(cfg: HopperConfig):
     A ring that fits only without the O buffer (o_via_q) is not a valid spec (the spec's shared memory counts the
     default variant): the spec then keeps the default depth and the template takes the ring depth from kv_stages.
     """
-    from fagen.spec import defaults, targets
+    from fagen.backends import gluon
+    from fagen.spec import targets
     from fagen.spec.kernel import KernelSpec
 
     stages = cfg.stages
-    if targets.gluon_smem_bytes(cfg.head_dim, 2 * cfg.block_m, cfg.block_n, stages) > targets.ARCH_SMEM_LIMIT["sm_90"]:
-        stages = defaults.gluon_default_config(cfg.head_dim)["num_stages"]
+    if gluon.smem_bytes(cfg.head_dim, 2 * cfg.block_m, cfg.block_n, stages) > targets.ARCH_SMEM_LIMIT["sm_90"]:
+        stages = 2 if cfg.head_dim >= 128 else 3  # backends.GLUON's default ring
     return KernelSpec(head_dim=cfg.head_dim, mask=cfg.mask, gqa=cfg.gqa, dtype=cfg.dtype, backend="gluon",
                       block_m=2 * cfg.block_m, block_n=cfg.block_n, num_stages=stages)
 

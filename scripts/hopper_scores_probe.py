@@ -67,7 +67,7 @@ def compile_info(key):
     import fagen
     import hopper_fwd_probe
     from fagen.aot.nvcc import parse_resources
-    from fagen.spec import targets
+    from fagen import backends
     spec = gluon_spec(key)
     mod = fagen.load(spec)
     t0 = time.time()
@@ -81,7 +81,7 @@ def compile_info(key):
         r = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", src + ".cubin"], capture_output=True, text=True)
     res = parse_resources(r.stdout + r.stderr)["_attn_fwd_hopper"]
     steps = hopper_fwd_probe._loops(ptx)
-    return dict(module=key, name=spec.name, shared=ck.metadata.shared, formula=targets.smem_bytes(spec),
+    return dict(module=key, name=spec.name, shared=ck.metadata.shared, formula=backends.smem_bytes(spec),
                 regs_entry=res.registers,
                 setmaxnreg=sorted(set(int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx))),
                 spill_stores=res.spill_stores, spill_loads=res.spill_loads, stack=res.stack,
@@ -101,7 +101,7 @@ def dry_run(keys=None):
         print(f"{r['module']:8} {r['shared']:7} {r['formula']:7} {r['regs_entry']:4} {str(r['setmaxnreg']):>12} "
               f"{r['spill_stores']:>5}/{r['spill_loads']:<5} {r['stack']:5} {r['tanh']:4} {r['wgmma']:5} "
               f"{r['step_loops']:10}")
-    print("(shared: compiled metadata; formula: fagen.spec.targets.smem_bytes; regs: ptxas at entry; sm_90 limit "
+    print("(shared: compiled metadata; formula: fagen.backends.smem_bytes; regs: ptxas at entry; sm_90 limit "
           "232448 B; step loops: innermost PTX loops holding a consumer step, both warpgroups)")
     return results
 

@@ -24,7 +24,9 @@ import pytest
 import fagen
 from fagen.aot.artifacts import aot_missing
 from fagen.aot.build import build
-from fagen.spec import defaults, targets
+from fagen import backends
+from fagen.backends.base import fit
+from fagen.spec import targets
 from fagen.spec.axes import Backend, DType, Direction, Kind, Layout, Mask
 from fagen.spec.manifest import DEFAULT_CATALOG, load_manifest
 
@@ -77,8 +79,8 @@ def test_the_catalog_builds_everything_but_decode():
 @pytest.mark.parametrize("arch", ARCHS + ("sm_86",))
 def test_every_catalog_default_fits_the_arch_by_the_estimate(arch):
     limit = targets.ARCH_SMEM_LIMIT[arch]
-    over = [(s.name, targets.smem_bytes(s)) for s in (spec.for_arch(arch) for spec in CATALOG)
-            if targets.smem_bytes(s) > limit]
+    over = [(s.name, backends.smem_bytes(s)) for s in (spec.for_arch(arch) for spec in CATALOG)
+            if backends.smem_bytes(s) > limit]
     assert not over, f"{len(over)} catalog defaults over {arch}'s {limit} bytes: {over[:5]}"
 
 
@@ -97,7 +99,7 @@ def test_the_name_says_which_tiles_each_arch_got():
                               num_stages=3)
     assert pinned.for_arch("sm_80") is pinned  # given tiles stay, even where they do not fit
     half = fagen.KernelSpec(head_dim=128, block_n=128, arch="sm_80")  # the rest is fitted around a given field
-    assert half.block_n == 128 and targets.smem_bytes(half) <= targets.ARCH_SMEM_LIMIT["sm_80"]
+    assert half.block_n == 128 and backends.smem_bytes(half) <= targets.ARCH_SMEM_LIMIT["sm_80"]
     with pytest.raises(fagen.SpecError, match="arch: got 'sm_75'; must be one of sm_80"):
         fagen.KernelSpec(head_dim=64, arch="sm_75")
 
@@ -105,20 +107,20 @@ def test_the_name_says_which_tiles_each_arch_got():
 def test_fit_lowers_stages_then_blocks_and_keeps_given_fields():
     need = lambda c: (c["block_m"] + 2 * c["num_stages"] * c["block_n"]) * 256  # noqa: E731 - d128 bf16
     start = {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 4}
-    assert defaults.fit(start, need, 10**9) == start
-    assert defaults.fit(start, need, 170_000) == {**start, "num_stages": 2}  # 640 rows: 163,840 bytes
-    assert defaults.fit(start, need, 90_000) == {**start, "num_stages": 2, "block_n": 32}
-    assert defaults.fit(start, need, 90_000, given={"block_n": 128}) == {**start, "block_m": 64, "num_stages": 1}
-    assert defaults.fit(start, need, 1000, given={"block_n": 128}) == {**start, "block_m": 64, "num_stages": 1}
+    assert fit(start, need, 10**9) == start
+    assert fit(start, need, 170_000) == {**start, "num_stages": 2}  # 640 rows: 163,840 bytes
+    assert fit(start, need, 90_000) == {**start, "num_stages": 2, "block_n": 32}
+    assert fit(start, need, 90_000, given={"block_n": 128}) == {**start, "block_m": 64, "num_stages": 1}
+    assert fit(start, need, 1000, given={"block_n": 128}) == {**start, "block_m": 64, "num_stages": 1}
     assert targets.arch_of((8, 0)) == "sm_80" and targets.arch_of((8, 9)) == "sm_89"
     assert targets.arch_of((7, 5)) == "sm_80" and targets.arch_of((12, 1)) == "sm_120"
 
 
 def test_a_smaller_gpu_gets_tiles_that_fit_it():
     spec = fagen.KernelSpec(head_dim=128, direction=Direction.BWD, arch="sm_86")  # 99 KB
-    assert targets.smem_bytes(spec) <= targets.ARCH_SMEM_LIMIT["sm_86"]
+    assert backends.smem_bytes(spec) <= targets.ARCH_SMEM_LIMIT["sm_86"]
     cuda = fagen.KernelSpec(head_dim=128, backend="cuda", arch="sm_86")
-    assert targets.smem_bytes(cuda) <= targets.ARCH_SMEM_LIMIT["sm_86"]
+    assert backends.smem_bytes(cuda) <= targets.ARCH_SMEM_LIMIT["sm_86"]
 
 
 @pytest.fixture(scope="module")

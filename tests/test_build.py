@@ -371,19 +371,18 @@ def test_a_killed_build_leaves_no_lock_held_and_no_process(tmp_path, monkeypatch
 
 # [Note] Template edits in a fresh process
 # Compiling needs a process whose triton is not the interpreter's, so this scenario runs as one script in a
-# fresh process (one torch import, builds in-process with -j 1). It registers a decode template (a copy of the
-# prefill one, so it builds ahead of time), as a future backend will, and sets the sm_80 shared-memory limit per
-# build. Each build's exit code, stdout (--json) and stderr are printed as JSON for the test to check.
+# fresh process (one torch import, builds in-process with -j 1). It replaces the decode template with a copy of
+# the prefill one (so it builds ahead of time), a template only one variant reads, and sets the sm_80
+# shared-memory limit per build. Each build's exit code, stdout (--json) and stderr are printed as JSON for the
+# test to check.
 TEMPLATE_SCENARIO = """
 import json, os, sys
 from pathlib import Path
 from click.testing import CliRunner
-from fagen.spec import axes, tables, targets
+from fagen.spec import targets
 from fagen.aot import artifacts
 from fagen.cli import main
-from fagen.spec.axes import Backend, Kind
 
-tables.TEMPLATE[(Backend.TRITON, Kind.DECODE)] = "triton/decode.py.j2"
 artifacts.aot_missing = lambda spec: None  # the copy has the prefill's AOT_KERNELS
 templates, manifest, tmp = map(Path, sys.argv[1:])
 results = []
@@ -441,7 +440,7 @@ def test_template_edit_rebuilds_exactly_its_users_and_limits_are_enforced(tmp_pa
     assert masks["cached"] == {"decode": False, "attn": False}, "both render masks.j2's lengths()"
 
     # Over the arch's shared memory (a 2 KB limit here): rejected by the shared-memory formula before any compile
-    # (fagen.spec.targets.triton_smem_bytes); the first failure stops the build with exit 1, and the message
+    # (fagen.backends.triton.smem_bytes); the first failure stops the build with exit 1, and the message
     # names the variant, what it needs, the limit and what to change.
     assert over["code"] == 1 and not over["cached"]
     assert "decode_fwd_full_d32_m32n16w1s1_g1_fp16 [sm_80]: needs 4 KB of shared memory per block but sm_80 " \

@@ -81,8 +81,8 @@ def test_gluon_refuses_other_switches_naming_the_field(fields, field, words):
 def test_shared_memory_formula_matches_the_config_script():
     for d, bn, st in ((128, 128, 2), (64, 128, 3), (128, 64, 4)):
         cfg = hopper_render.HopperConfig(head_dim=d, block_n=bn, stages=st)
-        from fagen.spec import targets
-        assert targets.smem_bytes(gluon(head_dim=d, block_n=bn, num_stages=st)) == cfg.smem_bytes()
+        from fagen import backends
+        assert backends.smem_bytes(gluon(head_dim=d, block_n=bn, num_stages=st)) == cfg.smem_bytes()
 
 
 # -- the module contract -------------------------------------------------------------------------------------
@@ -419,9 +419,10 @@ def test_compiles_for_sm90_without_a_gpu(tmp_path):
     from fagen.spec import targets as _targets
     assert b["shared"] <= _targets.ARCH_SMEM_LIMIT["sm_90"], b
     assert len(results) == len(COMPILE_SPECS) + len(COMPILE_VARIANTS)
+    from fagen import backends
     from fagen.spec import targets
     for r, fields in zip(results, COMPILE_SPECS):
-        assert r["shared"] <= targets.smem_bytes(gluon(**fields)), r  # the spec's formula is an upper bound
+        assert r["shared"] <= backends.smem_bytes(gluon(**fields)), r  # the spec's formula is an upper bound
     for r in results:
         # 2 consumer warpgroups x (S in the prologue, S and P V in each of two loops, P V in the epilogue), each
         # a warpgroup_mma of HEAD_DIM/16 or BLOCK_N/16 wgmma instructions.
@@ -499,8 +500,8 @@ def test_score_switches_compile_for_sm90(tmp_path):
 
 
 def targets_gluon(stages, **kw):
-    from fagen.spec import targets
-    return targets.gluon_smem_bytes(128, 128, 128, stages, **kw)
+    from fagen.backends import gluon
+    return gluon.smem_bytes(128, 128, 128, stages, **kw)
 
 
 def _load_script(name):

@@ -18,19 +18,18 @@ from pathlib import Path
 from types import ModuleType
 from typing import Iterable
 
-from fagen import __version__
+from fagen import __version__, backends
 from fagen.aot import nvcc
 from fagen.codegen.render import Rendered, render
 from fagen.runtime import cache
 from fagen.runtime.loader import write_source
 from fagen.runtime.modules import import_module
 from fagen.spec import targets
-from fagen.spec.axes import Backend, Kind
 from fagen.spec.kernel import KernelSpec
 from fagen.spec.targets import ARCHS, ArchError, parse_archs  # noqa: F401 - re-exported for the CLI
 
 
-# [Note] Shared-memory precheck. The Triton formula (fagen.spec.targets.triton_smem_bytes) is an estimate within a
+# [Note] Shared-memory precheck. The Triton formula (fagen.backends.triton.smem_bytes) is an estimate within a
 # few KB of what the compiler allocates; a variant over the limit by more than this slack is rejected before any
 # compile (a 512 KB variant used to take minutes to fail), and one nearer the limit is left to the compiler.
 PRECHECK_SLACK = 1.1
@@ -88,13 +87,7 @@ def lookup(spec: KernelSpec, arch: str, key: str | None = None) -> ArchBuild | N
 
 def aot_missing(spec: KernelSpec) -> str | None:
     """Why `spec` has no ahead-of-time build (`fagen build` leaves such variants out and counts them), or None."""
-    if spec.backend is Backend.GLUON:  # its launch takes host TMA descriptors: no prebuilt launcher yet
-        return ("backend 'gluon' has no ahead-of-time build yet; the module compiles itself on first use on sm_90 "
-                "(compile_for() builds it without a GPU)")
-    if spec.kind is Kind.DECODE:
-        return ("decode kernels have no ahead-of-time build: their tile rows and split count follow each call's "
-                "query and KV lengths, so they compile at first use (fagen.load(spec))")
-    return None
+    return backends.get(spec.backend).aot_missing(spec)
 
 
 def compile_arch(spec: KernelSpec, arch: str) -> ArchBuild:
@@ -111,7 +104,7 @@ def compile_arch(spec: KernelSpec, arch: str) -> ArchBuild:
     hit = lookup(spec, arch, key)
     if hit is not None:
         return hit
-    need = targets.smem_bytes(spec)
+    need = backends.get(spec.backend).smem_bytes(spec)
     if need > targets.ARCH_SMEM_LIMIT[arch] * PRECHECK_SLACK:
         raise CompileError(spec.name, arch, _too_big(spec, arch, need) + " (estimated before compiling)")
     # [Note] One builder per key: the lock is flock-based, so a killed builder releases it. A waiter then
@@ -121,7 +114,7 @@ def compile_arch(spec: KernelSpec, arch: str) -> ArchBuild:
         if hit is not None:
             return hit
         start = time.perf_counter()
-        if spec.backend is Backend.CUDA:
+        if backends.get(spec.backend).compiler == "nvcc":
             files, kernels = _compile_cuda(spec, arch, rendered)
         else:
             files, kernels = _compile_triton(spec, arch, rendered)

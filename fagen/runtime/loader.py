@@ -6,12 +6,11 @@ import threading
 from pathlib import Path
 from types import ModuleType
 
-from fagen import __version__
+from fagen import __version__, backends
 from fagen.codegen.render import Rendered, render
 from fagen.runtime import cache
 from fagen.runtime.device import gpu_arch
 from fagen.runtime.modules import import_module
-from fagen.spec import tables
 from fagen.spec.kernel import KernelSpec
 
 _loaded: dict[str, ModuleType] = {}
@@ -30,7 +29,7 @@ def write_source(spec: KernelSpec, rendered: Rendered | None = None) -> Path:
     stem = cache.cache_root() / "src" / f"{spec.name}-{key}"
     for suffix, text in rendered.files.items():
         cache.write_if_different(stem.with_name(stem.name + suffix), text)
-    return stem.with_name(stem.name + tables.SOURCE_SUFFIX[spec.backend])
+    return stem.with_name(stem.name + backends.get(spec.backend).suffix)
 
 
 def load(spec: KernelSpec, build_dir: str | Path | None = None) -> ModuleType:

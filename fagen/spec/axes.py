@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 
 class _Axis(str, enum.Enum):
@@ -79,3 +80,11 @@ DECODE_MAX_SEQ_Q = 16
 
 # Paged KV caches: pages hold a power of two of tokens, from 1 to this many.
 MAX_PAGE_SIZE = 256
+
+
+class SpecError(ValueError):
+    """A spec value is invalid. Carries the field, the value given and what is allowed."""
+
+    def __init__(self, field: str, value: Any, allowed: str):
+        self.field, self.value, self.allowed = field, value, allowed
+        super().__init__(f"{field}: got {value!r}; {allowed}")

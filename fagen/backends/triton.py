@@ -1,14 +1,36 @@
-"""Defaults: the launch config a spec gets when it leaves block sizes, warps and stages unset, per target arch
-(tuned table first, then the hand defaults of the arch's family, shrunk until they fit), and the backends' limits."""
+"""The Triton backend: the default one, for every head dim, dtype, mask, layout, kind and direction.
+
+Its tiles come per target arch ([Note] Tiles per arch); its shared memory is estimated from the tiles the kernels
+stage ([Note] Shared-memory filter); the build checks it per arch, the spec does not.
+"""
 
 from __future__ import annotations
 
-from typing import Callable
-
+from fagen.backends.base import KernelBackend, fit
 from fagen.spec import targets, tuned
-from fagen.spec.axes import DType, Direction, Kind, Layout, Mask
+from fagen.spec.axes import Backend, DType, Direction, Kind, Layout, Mask
 
-LAUNCH_FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
+
+class TritonBackend(KernelBackend):
+    backend = Backend.TRITON
+    templates = {Kind.PREFILL: "triton/attention.py.j2", Kind.DECODE: "triton/decode.py.j2"}
+    layouts = (Layout.DENSE, Layout.VARLEN, Layout.PAGED)
+
+    def default_config(self, spec, arch: str, given: dict) -> dict:
+        return default_config(spec.head_dim, spec.dtype, spec.direction, spec.kind, mask=spec.mask, arch=arch,
+                              layout=spec.layout, window=spec.window, given=given)
+
+    def smem_bytes(self, spec) -> int:
+        return smem_bytes(spec)
+
+    def tma_loads(self, spec) -> bool:
+        return tma_loads(spec)
+
+    def aot_missing(self, spec) -> str | None:
+        if spec.kind is Kind.DECODE:
+            return ("decode kernels have no ahead-of-time build: their tile rows and split count follow each call's "
+                    "query and KV lengths, so they compile at first use (fagen.load(spec))")
+        return None
 
 
 def default_config(head_dim: int, dtype: DType, direction: Direction, kind: Kind, mask: Mask | None = None,
@@ -25,19 +47,8 @@ def default_config(head_dim: int, dtype: DType, direction: Direction, kind: Kind
     sm_80 and every one fits its 163 KB (tests/test_arch_defaults.py compiles them).
     """
     config = _tuned_or_hand(head_dim, dtype, direction, kind, mask, arch, layout, window)
-    return fit(config, lambda c: targets.triton_tile_bytes(head_dim, dtype, direction, c["block_m"], c["block_n"],
-                                                            c["num_stages"]), targets.smem_limit(arch), given)
-
-
-def fit(config: dict, need: Callable[[dict], int], limit: int, given: dict | None = None,
-        floors: tuple = (("num_stages", 2), ("block_n", 32), ("block_m", 64), ("num_stages", 1))) -> dict:
-    """`config` updated with `given`, its other stages and blocks lowered in the order of `floors` until
-    need(config) <= limit (or nothing is left to lower: the spec's own check then names the field)."""
-    config = {**config, **(given or {})}
-    for field, floor in floors:
-        while need(config) > limit and field not in (given or {}) and config[field] > floor:
-            config[field] = config[field] - 1 if field == "num_stages" else config[field] // 2
-    return config
+    return fit(config, lambda c: tile_bytes(head_dim, dtype, direction, c["block_m"], c["block_n"], c["num_stages"]),
+               targets.smem_limit(arch), given)
 
 
 def _tuned_or_hand(head_dim: int, dtype: DType, direction: Direction, kind: Kind, mask: Mask | None, arch: str,
@@ -120,79 +131,41 @@ def _sm80_config(head_dim: int, direction: Direction, mask: Mask | None, layout:
     return {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2 if layout is Layout.PAGED else 3}
 
 
-# -- CUDA backend ------------------------------------------------------------------------------
-# [Note] CUDA tiles. The forward kernel gives each warp 16 or 32 query rows (one or two 16-row MMA tiles:
-# block_m / num_warps in CUDA_ROWS_PER_WARP), streams K/V through a ring of num_stages shared-memory
-# buffers, and pads head_dim to a multiple of 16 plus 8 elements of row padding (ldmatrix bank spread).
-CUDA_SUPPORTED = {
-    "dtype": ((DType.FP16, DType.BF16), "the cuda backend computes fp16 and bf16 on tensor cores; use "
-                                        "backend 'triton' for fp32"),
-    "direction": ((Direction.FWD,), "the cuda backend has the forward only; use backend 'triton' for bwd"),
-    "block_m": ((64, 128, 256), "the cuda backend supports block_m 64, 128 or 256"),
-    "block_n": ((32, 64), "the cuda backend supports block_n 32 or 64"),
-    "num_stages": ((2, 3, 4), "the cuda backend pipelines K/V through 2, 3 or 4 shared-memory stages"),
-}
-CUDA_ROWS_PER_WARP = (16, 32)
+def smem_bytes(spec) -> int:
+    """Shared memory a Triton spec's tiles need, estimated from the tiles the kernel stages (tile_bytes)."""
+    return tile_bytes(spec.head_dim, spec.dtype, spec.direction, spec.block_m, spec.block_n, spec.num_stages)
 
 
-def cuda_default_config(head_dim: int, dtype: DType, direction: Direction, kind: Kind,
-                        arch: str = tuned.DEFAULT_ARCH, given: dict | None = None) -> dict:
-    """Blocks, warps and stages of a cuda spec that leaves them unset, shrunk by `fit` to the arch's shared memory.
+def tile_bytes(head_dim: int, dtype: DType, direction: Direction, block_m: int, block_n: int,
+                      num_stages: int) -> int:
+    """Shared memory a Triton config's tiles need, estimated from the tiles the kernel stages.
 
-    head_dim <= 128: 4 warps of 32 query rows (two MMA tiles: each K/V fragment read from shared memory feeds
-    four MMAs), 64 keys a step, two stages: two blocks per SM. H100, d128 bf16 s16k: 369 TF/s full, 343 causal
-    (SDPA flash 364 / 322 in the same run; docs/cuda.md). Wider heads: 16 rows per warp, so that the fp32
-    accumulator of a warp stays within its registers. With nvcc 13 the d128 tile spills 2-6 words on sm_80 and
-    sm_90 (causal, padding and tree masks); 16 rows per warp spills none but ran 279 / 275 TF/s (docs/cuda.md).
+    [Note] Shared-memory filter
+    Forward: the Q tile stays resident and each pipeline stage holds one K and one V tile:
+    (block_m + 2 * num_stages * block_n) * D * bytes. Backward (fagen/templates/triton/backward.py.j2, [Note] Backward
+    tiles): the dK/dV kernel keeps block_n rows of K and V resident and stages Q and dO tiles of min(block_m, 64)
+    rows; the dQ kernel keeps block_m rows of Q and dO and stages K and V tiles of min(block_n, 64) rows; a bwd
+    module's forward runs with the same config, so the largest of the three must fit. Triton's real use differs a
+    little (d128 bf16 m128n128s3: estimated 224/160/160 KB, compiled 225/162/161). Decode kernels stage the same
+    tiles as the forward. A config over the limit by this estimate is rejected before compiling; one that passes
+    it and still does not fit fails in the compiler.
     """
-    config = ({"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 2} if head_dim > 128
-              else {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 2})
-    need = lambda c: targets.cuda_smem_bytes(head_dim, dtype, c["block_m"], c["block_n"], c["num_stages"])  # noqa: E731
-    config = fit(config, need, targets.smem_limit(arch), given, floors=(("block_n", 32), ("block_m", 64)))
-    return config
+    d = 1 << (head_dim - 1).bit_length()  # the kernel pads D to a power of two
+    tiles = block_m + 2 * num_stages * block_n
+    if direction is Direction.BWD:
+        dkdv = 2 * block_n + 2 * num_stages * min(block_m, 64)
+        dq = 2 * block_m + 2 * num_stages * min(block_n, 64)
+        tiles = max(tiles, dkdv, dq)
+    return tiles * d * DType(dtype).itemsize
 
 
+def tma_loads(spec) -> bool:
+    """Whether the Triton prefill forward reads K/V through tensor descriptors (TMA on sm_90).
 
-
-# -- Gluon (Hopper) backend ----------------------------------------------------------------------
-# [Note] Gluon tiles. fagen/templates/gluon/attention.py.j2 runs a persistent CTA of two consumer warpgroups
-# (block_m / 2 = 64 query rows each: one wgmma M tile) and one producer warp; num_warps counts the consumer warps
-# (the producer warp is added). K/V stream through a ring of num_stages slots of block_n keys, loaded by TMA.
-# The checks come from scripts/hopper_render.py's HopperConfig, which measured the variants (docs/hopper.md).
-GLUON_SUPPORTED = {
-    "head_dim": ((64, 128), "the gluon backend supports head_dim 64 or 128 (a TMA box of whole 16-byte rows, one "
-                            "wgmma N tile); use backend 'triton' for other head dims"),
-    "mask": ((Mask.NONE, Mask.CAUSAL), "the gluon backend supports masks 'none' and 'causal'; use backend "
-                                       "'triton' for padding and tree masks"),
-    "dtype": ((DType.FP16, DType.BF16), "the gluon backend computes fp16 and bf16 on tensor cores; use backend "
-                                        "'triton' for fp32"),
-    "direction": ((Direction.FWD, Direction.BWD), "the gluon backend has a forward and a backward"),
-    "block_m": ((128,), "the gluon backend takes block_m 128: two consumer warpgroups of 64 rows"),
-    "block_n": ((64, 128), "the gluon backend supports block_n 64 or 128 (a TMA box side is a power of two)"),
-    "num_warps": ((8,), "the gluon backend runs 8 consumer warps (two warpgroups) plus its producer warp"),
-    "num_stages": ((2, 3, 4), "the gluon backend rings K/V through 2, 3 or 4 shared-memory slots"),
-}
-# Score switches of the gluon forward ([Note] Gluon score switches in fagen/templates/gluon/attention.py.j2); ALiBi,
-# sinks and every switch of the gluon backward are backend 'triton' only.
-GLUON_SWITCHES = ("window", "softcap")
-# The gluon backward (fagen/templates/gluon/backward.py.j2): head_dim 128 only (its tiles and registers are laid
-# out for it; docs/hopper.md, phase 3).
-GLUON_BWD_HEAD_DIMS = (128,)
-
-
-def gluon_default_config(head_dim: int) -> dict:
-    """Blocks, warps and stages of a gluon spec that leaves them unset: the measured default (docs/hopper.md).
-
-    d128: 2 K/V slots, all that fits beside Q (two buffers per warpgroup) and O (H100: 630 TF/s full, 568 causal
-    at s16k bf16); d64: 3 slots.
+    [Note] TMA choice: `fagen tune` on the H100 (2026-11-22) with and without descriptors, best config each,
+    bf16 TF/s: d128 full 547 vs 520, d128 causal 524 vs 475, d64 causal 448 vs 431, tree p16k+128 0.279 vs
+    0.304 ms. ptxas (sm_90, d128 m128n128w8s3): 196 registers instead of 247, no spills either way. On sm_80 the
+    descriptors lower to ordinary loads. The decode and backward kernels keep pointer loads, and so do paged caches
+    (each key row is gathered through the block table).
     """
-    return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2 if head_dim >= 128 else 3}
-
-# The gluon kernel's variant switches, fixed at their measured defaults (docs/hopper.md, "Variants measured"): two Q
-# buffers per warpgroup, no ping-pong token, K released after S and V after its P V, 240 registers per consumer
-# thread and 24 for the producer; O staged in its own buffer (o_via_q 0), separate K and V `empty` barriers
-# (kv_join 0), the ring depth of the spec (kv_stages 0 = spec.num_stages). Not spec fields:
-# scripts/hopper_render.py overrides them to measure variants (o_via_q/kv_join: [Note] O via Q, [Note] Joined
-# release in fagen/templates/gluon/attention.py.j2).
-GLUON_VARIANT = {"q_stages": 2, "pingpong": 0, "v_late": 0, "k_late": 0, "consumer_regs": 240, "loader_regs": 24,
-                 "o_via_q": 0, "kv_join": 0, "kv_stages": 0}
+    return spec.kind is Kind.PREFILL and spec.layout is not Layout.PAGED

@@ -65,7 +65,21 @@ def _environment(root: Path) -> jinja2.Environment:
     env.filters.update(torchtype=_torchtype, cudatype=_cudatype,
                        mmatype=_mmatype, smem_bytes=_smem_bytes)
     signatures.register(env)  # def_kernel, launch, args, ...: the argument lists of fagen/codegen/args.py
+    env.globals["verbatim"] = _verbatim
     return env
+
+
+VERBATIM_MARKER = "# -- fagen: included verbatim below this line --\n"
+
+
+@jinja2.pass_environment
+def _verbatim(env: jinja2.Environment, name: str) -> str:
+    """The static code of templates/<name> (a .py file linters read): the text below its marker line, without the
+    last newline (the including template's line supplies it)."""
+    source = env.loader.get_source(env, name)[0]
+    if VERBATIM_MARKER not in source:
+        raise ValueError(f"templates/{name} has no line {VERBATIM_MARKER.strip()!r} to include below")
+    return source.split(VERBATIM_MARKER, 1)[1].removesuffix("\n")
 
 
 def template_name(spec: KernelSpec) -> str:
@@ -103,9 +117,10 @@ class Rendered:
 
 
 def _stamp(root: Path) -> tuple:
-    """(name, mtime, size) of every template file: an edited template changes it, so a memoised render is redone."""
+    """(name, mtime, size) of every template file (.j2, and the static .py included verbatim): an edited template
+    changes it, so a memoised render is redone."""
     return tuple(sorted((str(p.relative_to(root)), st.st_mtime_ns, st.st_size)
-                        for p in root.rglob("*.j2") for st in (p.stat(),)))
+                        for p in root.rglob("*") if p.suffix in (".j2", ".py") for st in (p.stat(),)))
 
 
 def render(spec: KernelSpec) -> Rendered:

@@ -108,3 +108,34 @@ def test_cli_spec_flags_are_the_spec_fields():
     for field in dataclasses.fields(KernelSpec):
         assert "--" + field.name.replace("_", "-") in text, field.name
     assert "[none|causal|padding|causal+padding|tree]" in text and "--sinks / --no-sinks" in text
+
+
+@pytest.mark.parametrize("switches", [dict(softcap=True), dict(alibi=True, sinks=True)], ids=lambda s: "+".join(s))
+def test_autograd_tuple_follows_the_op_list(switches):
+    """_Attention.backward returns one gradient per input of the launch form (rendered from the list): the same
+    gradients as backward(), None for the inputs without one (a switch the spec lacks passes None)."""
+    import torch
+
+    from conftest import DEVICE
+
+    spec = KernelSpec(head_dim=16, mask="causal", gqa=2, dtype="fp32", direction="bwd", block_m=16, block_n=16,
+                      **switches)
+    module = fagen.load(spec)
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, h, 19, 16, generator=g).to(DEVICE) for h in (4, 2, 2))
+    kw = dict(softcap=2.5) if spec.softcap else dict(alibi_slopes=torch.rand(4, generator=g).to(DEVICE),
+                                                      sinks=torch.randn(4, generator=g).to(DEVICE))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    if spec.sinks:
+        kw["sinks"] = kw["sinks"].clone().requires_grad_()
+    out = module.attention(*leaves, **kw)
+    do = torch.randn(out.shape, generator=g).to(DEVICE)
+    out.backward(do)
+    want_out, lse = module.forward(q, k, v, **{n: (t.detach() if isinstance(t, torch.Tensor) else t)
+                                             for n, t in kw.items()})
+    want = module.backward(do, q, k, v, want_out, lse, **{n: (t.detach() if isinstance(t, torch.Tensor) else t)
+                                                           for n, t in kw.items()})
+    got = [t.grad for t in leaves] + ([kw["sinks"].grad] if spec.sinks else [])
+    assert len(want) == len(got)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)

@@ -105,7 +105,7 @@ class Arg:
     wide: bool = False  # cuda: int64_t rather than int
     written: bool = False  # cuda: a pointer the kernel stores through (not const)
     optional: bool = False  # host: the value may be None (Optional[...] in an operator schema)
-    grad: str = ""  # host: the autograd expression of this input's gradient ("" for none)
+    grad: str = ""  # host: the autograd expression of this input's gradient where `real` ("" for none)
 
     def __post_init__(self) -> None:
         if self.kind not in (TENSOR, INT, FLOAT, CONSTEXPR):
@@ -119,7 +119,7 @@ class Kernel:
     name: str
     args: tuple[Arg, ...]
     packs: dict = dataclasses.field(default_factory=dict)  # pack -> the star expression's value (default: its name)
-    warps: str = "NUM_WARPS"
+    warps: str = "NUM_WARPS"  # warps and stages of its AOT entry (the Triton entry points)
     stages: str = "NUM_STAGES"
     constexpr_type: str = "tl.constexpr"
 
@@ -273,7 +273,7 @@ GLUON_FWD = Kernel("_attn_fwd_hopper", (
     C("HEAD_DIM", br=True), C("BLOCK_M"), C("BLOCK_N"), C("STAGES"), C("Q_STAGES", br=True), C("GQA"), C("CAUSAL"),
     C("PINGPONG"), C("V_LATE", br=True), C("K_LATE"), C("O_VIA_Q"), C("KV_JOIN"), C("CONSUMER_REGS", br=True),
     C("LOADER_REGS"),
-), warps="4", stages="", constexpr_type="gl.constexpr")
+), constexpr_type="gl.constexpr")
 
 KERNELS = {k.name: k for k in (ATTN_FWD, ATTN_BWD_PREPROCESS, ATTN_BWD_DKDV, ATTN_BWD_DQ, DECODE_SPLIT, CUDA_FWD,
                                GLUON_FWD)}
@@ -299,8 +299,8 @@ THREADED = {
 OP_BASE = (T("q", grad="dq"), T("k", grad="dk if need_k else None"), T("v", grad="dv if need_v else None"),
            F("scale"), T("seqlens_q", optional=True), T("seqlens_k", optional=True), T("tree", optional=True))
 OP_SCORES = (I("window_left", when=switched), I("window_right", when=switched), F("softcap", when=switched),
-             T("alibi_slopes", "fp32", when=switched, optional=True),
-             T("sinks", "fp32", when=switched, optional=True, grad="dsinks"))
+             T("alibi_slopes", "fp32", when=switched, real=alibi, optional=True),
+             T("sinks", "fp32", when=switched, real=sinks, optional=True, grad="dsinks"))
 OP_LAYOUT = (T("block_table", "i32", when=paged), I("max_seqlen_q", when=packed_q), I("max_seqlen_k", when=varlen))
 OP = OP_BASE + OP_SCORES + OP_LAYOUT
 # The backward's: dO first, the forward's out and lse after v.

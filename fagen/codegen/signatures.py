@@ -177,8 +177,9 @@ class Helpers:
         return ", ".join("ctx." + n for n in names) + " = " + ", ".join(names)
 
     def grads(self, name: str = "op") -> str:
-        """The autograd backward's return tuple: each input's gradient expression, or None."""
-        return ", ".join(a.grad or "None" for a in self._list(name))
+        """The autograd backward's return tuple: each input's gradient expression (a tensor input the spec passes
+        as None has none), or None."""
+        return ", ".join(a.grad if a.grad and a.real(self.spec) else "None" for a in self._list(name))
 
     def grad_index(self, arg: str, name: str = "op") -> int:
         return [a.name for a in self._list(name)].index(arg)

@@ -983,8 +983,8 @@ def _launch_backward(do, q, k, v, out, lse, scale, seqlens_q, seqlens_k, tree, n
     _fast(_attn_bwd_preprocess)[(sq_pad // DQ_BLOCK_M, hq, b)](
         out, do, lse, delta, lse2, seqlens_q, out.stride(0), out.stride(1), out.stride(2), do.stride(0), do.stride(1),
         do.stride(2), sq_pad, hq, sq,
-        HEAD_DIM=HEAD_DIM, BLOCK_D=_pow2(HEAD_DIM), BLOCK_M=DQ_BLOCK_M, UPCAST=UPCAST,
-        num_warps=DQ_NUM_WARPS, num_stages=DQ_NUM_STAGES,
+        HEAD_DIM=HEAD_DIM, BLOCK_D=block_d, BLOCK_M=DQ_BLOCK_M, UPCAST=UPCAST, num_warps=DQ_NUM_WARPS,
+        num_stages=DQ_NUM_STAGES,
     )
     tree_strides = (tree.stride(0), tree.stride(1)) if tree is not None else (0, 0)
     qk_scale = scale * 1.4426950408889634  # 1/ln 2: exp2 domain, as in the forward
@@ -994,15 +994,14 @@ def _launch_backward(do, q, k, v, out, lse, scale, seqlens_q, seqlens_k, tree, n
         _fast(_attn_bwd_dkdv)[(_cdiv(rows_k, DKDV_BLOCK_N), hkv, b)](
             q, k, v, do, dk, dv, lse2, delta, seqlens_q, seqlens_k, tree, qk_scale, scale, *qkv_strides, dk.stride(0),
             dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), *tree_strides, sq_pad, hq, sq, sk,
-            HEAD_DIM=HEAD_DIM, BLOCK_D=_pow2(HEAD_DIM), BLOCK_M=DKDV_BLOCK_M, BLOCK_N=DKDV_BLOCK_N, GQA=GQA,
-            UPCAST=UPCAST,
+            HEAD_DIM=HEAD_DIM, BLOCK_D=block_d, BLOCK_M=DKDV_BLOCK_M, BLOCK_N=DKDV_BLOCK_N, GQA=GQA, UPCAST=UPCAST,
             num_warps=DKDV_NUM_WARPS, num_stages=DKDV_NUM_STAGES,
         )
     if need_dq:
         _fast(_attn_bwd_dq)[(_cdiv(rows_q, DQ_BLOCK_M), hq, b)](
             q, k, v, do, dq, lse2, delta, seqlens_q, seqlens_k, tree, qk_scale, scale, *qkv_strides, dq.stride(0),
             dq.stride(1), dq.stride(2), *tree_strides, sq_pad, hq, sq, sk,
-            HEAD_DIM=HEAD_DIM, BLOCK_D=_pow2(HEAD_DIM), BLOCK_M=DQ_BLOCK_M, BLOCK_N=DQ_BLOCK_N, GQA=GQA, UPCAST=UPCAST,
+            HEAD_DIM=HEAD_DIM, BLOCK_D=block_d, BLOCK_M=DQ_BLOCK_M, BLOCK_N=DQ_BLOCK_N, GQA=GQA, UPCAST=UPCAST,
             num_warps=DQ_NUM_WARPS, num_stages=DQ_NUM_STAGES,
         )
     return dq, dk, dv

@@ -813,9 +813,8 @@ def _launch_decode(q, k, v, scale, seqlens_q, seqlens_k, tree, block_table, num_
     split_entry = _fast(_decode_split)[split_grid](
         q, k, v, dst, dst_lse, out, lse, tickets, seqlens_q, seqlens_k, tree, scale * 1.4426950408889634, *paging,
         *split_ints,
-        HEAD_DIM=HEAD_DIM, BLOCK_D=_pow2(HEAD_DIM), ROWS=rows, BLOCK_N=BLOCK_N, GQA=GQA, DOT=rows >= 16, DIRECT=direct,
-        UPCAST=UPCAST,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        HEAD_DIM=HEAD_DIM, BLOCK_D=block_d, ROWS=rows, BLOCK_N=BLOCK_N, GQA=GQA, DOT=rows >= 16, DIRECT=direct,
+        UPCAST=UPCAST, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     if workspace is None and not copied and _direct_entry(split_entry) \
             and ((q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr() | lse.data_ptr() | dst.data_ptr()

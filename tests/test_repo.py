@@ -116,9 +116,9 @@ def hand_written_signatures(texts: dict[str, str]) -> list[str]:
     for name, text in texts.items():
         for m in re.finditer(r"^def (\w+)\(", text, re.M):
             if m.group(1) in KERNELS:
-                found.append(f"{name}: def {m.group(1)}(...) written by hand; use {{{{ def_kernel(\"{m.group(1)}\") }}}}")
+                found.append(f"{name}: def {m.group(1)}(...) written by hand; use def_kernel(\"{m.group(1)}\")")
         if re.search(r"fagen_attn_fwd\(\s*(const |int |float |T\*)", text):
-            found.append(f"{name}: the cuda kernel's parameters written by hand; use {{{{ c_params(...) }}}}")
+            found.append(f"{name}: the cuda kernel's parameters written by hand; use c_params(...)")
         for literal in ("q, k, v, scale, seqlens_q", "window=None, softcap=None", "window_left, window_right, softcap"):
             if literal in text:
                 found.append(f"{name}: {literal!r} written by hand; use the args/keywords helpers")
@@ -132,6 +132,7 @@ def test_no_template_spells_a_kernel_signature():
 
 
 def test_the_signature_finder_finds_hand_written_signatures():
-    texts = {"a.j2": "@triton.jit\ndef _attn_fwd(Q, K, V,\n    qk_scale):\n", "b.j2": "def f(q, k, v, scale, seqlens_q):",
+    texts = {"a.j2": "@triton.jit\ndef _attn_fwd(Q, K, V,\n    qk_scale):\n",
+             "b.j2": "def f(q, k, v, scale, seqlens_q):",
              "c.cu.j2": "void fagen_attn_fwd(\n    const T* __restrict__ q)", "d.j2": "{{ def_kernel(\"_attn_fwd\") }}"}
     assert [f.split(":")[0] for f in hand_written_signatures(texts)] == ["a.j2", "b.j2", "c.cu.j2"]

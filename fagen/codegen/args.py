@@ -119,7 +119,7 @@ class Kernel:
     name: str
     args: tuple[Arg, ...]
     packs: dict = dataclasses.field(default_factory=dict)  # pack -> the star expression's value (default: its name)
-    warps: str = "NUM_WARPS"  # warps and stages of its AOT entry (the Triton entry points)
+    warps: str = "NUM_WARPS"  # num_warps and num_stages of its launches and AOT entry ("": not passed)
     stages: str = "NUM_STAGES"
     constexpr_type: str = "tl.constexpr"
 
@@ -161,7 +161,8 @@ def _strides(prefix: str, dims: str, source: str, pack: str = "", br: str = "", 
 # -- the triton kernels' shared pieces -----------------------------------------------------------------------------
 SCALE_LOG2 = "scale * 1.4426950408889634"  # 1/ln 2: the kernels' exp2 domain
 SCORE_LAUNCH = "_score_launch(scale, window_left, window_right, softcap, alibi_slopes, sinks)"
-_LENGTHS = [T("SeqlensQ", "i32", real=lengths_q, host="seqlens_q"), T("SeqlensK", "i32", real=lengths_k, host="seqlens_k"),
+_LENGTHS = [T("SeqlensQ", "i32", real=lengths_q, host="seqlens_q"),
+            T("SeqlensK", "i32", real=lengths_k, host="seqlens_k"),
             T("TreeMask", "u8", real=tree, host="tree")]
 _SCORES = [I("win_left", when=switched, pack="scores"), I("win_right", when=switched, pack="scores"),
            F("cap_in", when=switched, pack="scores"), F("cap_out", when=switched, pack="scores"),
@@ -171,6 +172,7 @@ _PAGING = [T("BlockTable", "i32", when=paged, pack="paging"), I("stride_btb", wh
            I("page_shift", when=paged, pack="paging")]
 _TREE_STRIDES = [I("stride_tb", host="*tree_strides"), I("stride_tm")]
 _HEAD = [C("HEAD_DIM", br=True), C("BLOCK_D", "_pow2(HEAD_DIM)", aot="triton.next_power_of_2(HEAD_DIM)")]
+_HEAD_D = [_HEAD[0], dataclasses.replace(_HEAD[1], host="block_d")]  # launchers that compute block_d once
 _UPCAST = C("UPCAST", aot="False")  # compiled kernels never upcast ([Note] Interpreter upcast)
 
 
@@ -204,7 +206,7 @@ ATTN_BWD_PREPROCESS = Kernel("_attn_bwd_preprocess", (
     T("Lse2", "fp32", host="lse2", divisible=always), _LENGTHS[0], *_strides("o", "bhm", "out"),
     *_strides("do", "bhm", "do", br="m"), I("stride_sh", host="sq_pad", divisible=always),
     I("num_heads", host="hq"), I("seq_q", host="sq"),
-    *_HEAD, C("BLOCK_M", "DQ_BLOCK_M"), _UPCAST,
+    *_HEAD_D, C("BLOCK_M", "DQ_BLOCK_M"), _UPCAST,
 ), warps="DQ_NUM_WARPS", stages="DQ_NUM_STAGES")
 
 ATTN_BWD_DKDV = Kernel("_attn_bwd_dkdv", (
@@ -213,7 +215,7 @@ ATTN_BWD_DKDV = Kernel("_attn_bwd_dkdv", (
     *_ROW_STATS, *_LENGTHS, *_BWD_SCALES, *_BWD_QKV_STRIDES,
     *_strides("dk", "bhn", "dk", br="b"), *_strides("dv", "bhn", "dv"),
     dataclasses.replace(_TREE_STRIDES[0], br=True), _TREE_STRIDES[1], *_BWD_TAIL,
-    *_HEAD, C("BLOCK_M", "DKDV_BLOCK_M"), C("BLOCK_N", "DKDV_BLOCK_N"), C("GQA", br=True), _UPCAST,
+    *_HEAD_D, C("BLOCK_M", "DKDV_BLOCK_M"), C("BLOCK_N", "DKDV_BLOCK_N"), C("GQA", br=True), _UPCAST,
 ), packs={"scores": "scores"}, warps="DKDV_NUM_WARPS", stages="DKDV_NUM_STAGES")
 
 ATTN_BWD_DQ = Kernel("_attn_bwd_dq", (
@@ -221,7 +223,7 @@ ATTN_BWD_DQ = Kernel("_attn_bwd_dq", (
     T("DO", host="do", divisible=always), T("DQ", host="dq", divisible=always),
     *_ROW_STATS, *_LENGTHS, *_BWD_SCALES, *_BWD_QKV_STRIDES,
     *_strides("dq", "bhm", "dq", br="b"), *_TREE_STRIDES, *_BWD_TAIL,
-    *_HEAD, C("BLOCK_M", "DQ_BLOCK_M"), C("BLOCK_N", "DQ_BLOCK_N"), C("GQA", br=True), _UPCAST,
+    *_HEAD_D, C("BLOCK_M", "DQ_BLOCK_M"), C("BLOCK_N", "DQ_BLOCK_N"), C("GQA", br=True), _UPCAST,
 ), packs={"scores": "scores"}, warps="DQ_NUM_WARPS", stages="DQ_NUM_STAGES")
 
 # Split-KV decode ([Note] Last split merges in triton/decode.py.j2): one kernel, whose last split merges.
@@ -240,12 +242,14 @@ DECODE_SPLIT = Kernel("_decode_split", (
     *_in_pack([dataclasses.replace(_TREE_STRIDES[0], br=True), _TREE_STRIDES[1]], "split_ints"),
     I("seq_q", host="sq", pack="split_ints"), I("seq_k", host="sk", pack="split_ints"),
     I("chunk", host="chunk", pack="split_ints"), I("n_tiles", host="n_tiles", pack="split_ints"),
-    *_HEAD, C("ROWS", "rows"), C("BLOCK_N"), C("GQA", br=True), C("DOT", "rows >= 16"), C("DIRECT", "direct"), _UPCAST,
+    *_HEAD_D, C("ROWS", "rows"), C("BLOCK_N"), C("GQA", br=True), C("DOT", "rows >= 16"), C("DIRECT", "direct"),
+    _UPCAST,
 ), packs={"scores": SCORE_LAUNCH})
 
 # -- the cuda and gluon forwards ----------------------------------------------------------------------------------
 def _c_strides(prefix: str, dims: str, source: str) -> list[Arg]:
-    return [dataclasses.replace(a, pack="strides", wide=True, divisible=None) for a in _strides(prefix, dims, source, br=dims[0])]
+    return [dataclasses.replace(a, pack="strides", wide=True, divisible=None)
+            for a in _strides(prefix, dims, source, br=dims[0])]
 
 
 CUDA_FWD = Kernel("fagen_attn_fwd", (
@@ -253,8 +257,9 @@ CUDA_FWD = Kernel("fagen_attn_fwd", (
     T("lse", "fp32", host="lse", written=True, br=True), T("seqlens_q", "i32", host="seqlens_q"),
     T("seqlens_k", "i32", host="seqlens_k"), T("tree_bits", "i32", host="tree", br=True),
     *_c_strides("q", "bhm", "q"), *_c_strides("k", "bhn", "k"), *_c_strides("v", "bhn", "v"),
-    *_c_strides("o", "bhm", "out"), *_c_strides("t", "bm", "*tree_strides"), I("num_heads", host="q.shape[1]", br=True), I("seq_q", host="q.shape[2]"),
-    I("seq_k", host="k.shape[2]"), F("qk_scale_log2", host=SCALE_LOG2), *_SCORES[:4],
+    *_c_strides("o", "bhm", "out"), *_c_strides("t", "bm", "*tree_strides"),
+    I("num_heads", host="q.shape[1]", br=True), I("seq_q", host="q.shape[2]"), I("seq_k", host="k.shape[2]"),
+    F("qk_scale_log2", host=SCALE_LOG2), *_SCORES[:4],
 ), packs={"strides": "(ctypes.c_int64(s) for s in strides)",
           "scores": "_score_params(scale, window_left, window_right, softcap, alibi_slopes, sinks)"})
 
@@ -273,7 +278,7 @@ GLUON_FWD = Kernel("_attn_fwd_hopper", (
     C("HEAD_DIM", br=True), C("BLOCK_M"), C("BLOCK_N"), C("STAGES"), C("Q_STAGES", br=True), C("GQA"), C("CAUSAL"),
     C("PINGPONG"), C("V_LATE", br=True), C("K_LATE"), C("O_VIA_Q"), C("KV_JOIN"), C("CONSUMER_REGS", br=True),
     C("LOADER_REGS"),
-), constexpr_type="gl.constexpr")
+), warps="4", stages="", constexpr_type="gl.constexpr")
 
 KERNELS = {k.name: k for k in (ATTN_FWD, ATTN_BWD_PREPROCESS, ATTN_BWD_DKDV, ATTN_BWD_DQ, DECODE_SPLIT, CUDA_FWD,
                                GLUON_FWD)}

@@ -84,11 +84,13 @@ class Helpers:
         return f"def {name}(" + _joined(kernel.of(self.spec), text, len(f"def {name}(")) + "):"
 
     def launch(self, name: str, indent: int, fast: bool = False, end: str = ",") -> str:
-        """The arguments of a launch of `name`, positional then constexpr keywords, on lines ending in ","; fast: the
+        """The arguments of a launch of `name`, positional then constexpr keywords and launch options, on lines ending
+        in ","; fast: the
         positional ones of a step's launch, with device addresses for tensors ([Note] Forward steps)."""
         kernel = KERNELS[name]
         text = _wrap(_positional(kernel, self.spec, fast), indent, end=end)
         consts = [f"{a.name}={_host(a, self.spec)}" for a in kernel.of(self.spec) if a.kind == CONSTEXPR]
+        consts += [f"num_{k}={v}" for k, v in (("warps", kernel.warps), ("stages", kernel.stages)) if v]
         return text if fast or not consts else text + "\n" + " " * indent + _wrap(consts, indent, end=end)
 
     def pack(self, name: str, pack: str, indent: int) -> str:

@@ -25,5 +25,8 @@ if grep -q -E "^(FAILED|ERROR)" "$LOGS/cuda_gpu.log"; then
     echo "-- first failure:"; awk '/^_____+ /{n++} n==1' "$LOGS/cuda_gpu.log" | head -n 60
 fi
 echo "== 3/3 timing (d128 bf16 s16k, full and causal)"
-timeout 900 python3 scripts/bench_cuda.py 2>&1 | tee "$LOGS/bench_cuda.log" | tail -n 16 || status=1
+for mask in none causal; do
+    timeout 450 python3 cli.py bench --backend cuda --head-dim 128 --dtype bf16 --mask $mask --seq-q 16384 \
+        --skip-flex 2>&1 | tee "$LOGS/bench_cuda_$mask.log" | tail -n 8 || status=1
+done
 exit $status

@@ -15,11 +15,9 @@ case $stage in
     tail -2 "$OUT/layouts-tests.log"
     timeout 240 python3 cli.py bench --suite layouts --json "$OUT/layouts.json" > "$OUT/layouts-bench.log" 2>&1
     echo "layouts bench exit $?"; cat "$OUT/layouts-bench.log" | tail -20 ;;
-  host)  # issue 13: host time per call (latency suite, per-piece breakdown), the decode rows, the host-path tests
+  host)  # issue 13: host time per call (latency suite), the decode rows, the host-path tests
     timeout 150 python3 cli.py bench --suite latency --json "$OUT/latency.json" > "$OUT/latency.log" 2>&1
     echo "latency exit $?"; grep -v "^ *$" "$OUT/latency.log" | tail -14
-    timeout 90 python3 scripts/host_breakdown.py > "$OUT/breakdown.log" 2>&1; echo "breakdown exit $?"
-    cat "$OUT/breakdown.log"
     timeout 120 python3 cli.py bench --suite standard --impl fagen --impl sdpa-cudnn --case decode-d128-kv8k-b32 \
       --case decode-d128-kv32k-b8 --json "$OUT/decode-rows.json" > "$OUT/decode-rows.log" 2>&1
     echo "decode rows exit $?"; tail -c 1500 "$OUT/decode-rows.log"
@@ -55,7 +53,8 @@ case $stage in
   cuda)  # the CUDA backend's GPU properties (10 examples each), then its timing script
     HYPOTHESIS_PROFILE=ci timeout 380 python3 -m pytest tests/test_cuda_gpu.py -q -x -rfE --tb=short \
       > "$OUT/cuda_gpu.log" 2>&1; echo "cuda gpu tests exit $?"
-    timeout 150 python3 scripts/bench_cuda.py > "$OUT/bench_cuda.log" 2>&1; echo "bench_cuda exit $?"
+    timeout 150 python3 cli.py bench --backend cuda --head-dim 128 --dtype bf16 --mask causal --seq-q 16384 \
+      --skip-flex > "$OUT/bench_cuda.log" 2>&1; echo "bench cuda exit $?"
     grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/cuda_gpu.log" | cut -c1-300 | head -20
     tail -c 3000 "$OUT/bench_cuda.log" ;;
   tune)  # `fagen tune` for each key of TUNE_KEYS (';'-separated flag sets, the suite's shapes) into $OUT/tuned.json

@@ -6,16 +6,9 @@ runs leave nothing behind in /tmp.
 
 import os
 
-import pytest
-import torch
 from hypothesis import HealthCheck, settings
 
-ON_GPU = torch.cuda.is_available()
-if not ON_GPU:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when generated modules are imported
-
-DEVICE = "cuda" if ON_GPU else "cpu"
-SCALE = "gpu" if ON_GPU else "cpu"
+from _env import ON_GPU  # sets TRITON_INTERPRET on a CPU machine; test modules import DEVICE/SCALE from _env too
 
 _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
                derandomize=False, print_blob=True)
@@ -34,14 +27,3 @@ def pytest_configure(config):
         os.environ["FAGEN_CACHE_DIR"] = str(factory.mktemp("fagen-cache"))
         os.environ["FAGEN_TEST_OWN_CACHE"] = "1"
 
-
-@pytest.fixture(scope="session")
-def device() -> str:
-    """"cuda" on a GPU machine, else "cpu" (kernels through Triton's interpreter)."""
-    return DEVICE
-
-
-@pytest.fixture(scope="session")
-def scale() -> str:
-    """The shape scale of drawn problems: "gpu" (realistic) or "cpu" (small, for the interpreter)."""
-    return SCALE

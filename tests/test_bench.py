@@ -3,6 +3,7 @@
 import dataclasses
 import io
 import json
+import os
 import warnings
 
 import pytest
@@ -12,7 +13,8 @@ from click.testing import CliRunner
 
 import fagen
 from fagen.bench import report, runner
-from fagen.spec import defaults, tables, tuned
+from fagen import backends
+from fagen.spec import tuned
 from fagen.verify.properties import reference
 from fagen.bench.cases import BenchOptions, CaseContext, Prepared
 from fagen.bench.check import check
@@ -24,11 +26,11 @@ from fagen.codegen.render import generate
 from fagen.runtime.loader import load_source
 from fagen.verify.strategies import Problem
 from fagen.bench.tune import candidates
-from fagen.spec.targets import triton_smem_bytes as smem_bytes
+from fagen.backends.triton import smem_bytes
 from fagen.verify.properties import check_forward
 from fagen.bench.workloads import (BWD_FACTOR, RELATIVE_TARGETS, TARGETS, BenchCase, flops, fwd_flops, kv_bytes,
                                    make_case, score_rows, scores_suite, standard_suite, visible_pairs, window_pairs)
-from conftest import DEVICE, ON_GPU
+from _env import DEVICE, ON_GPU
 
 CPU = torch.device("cpu")
 SMALL = [
@@ -119,7 +121,7 @@ def test_standard_suite_is_the_issue_table():
 
 def test_decode_rows_use_a_decode_kernel_only_when_there_is_one():
     spec, note = {c.name: c for c in standard_suite()}["decode-d128-kv8k-b32"].spec()
-    if (spec.backend, Kind.DECODE) in tables.TEMPLATE:
+    if Kind.DECODE in backends.get(spec.backend).templates:
         assert spec.kind is Kind.DECODE
     else:
         assert spec.kind is Kind.PREFILL and "prefill" in note
@@ -331,10 +333,41 @@ def test_bench_smoke_run_on_the_cpu(tmp_path):
     assert "fwd-causal-d16-b2-h4/2-s37x53" in res.output
 
 
+_CRASHING_WORKER = """
+import os, time
+from fagen.bench import impls
+
+MODES = {modes!r}
+_preparers = impls.preparers
+
+
+def _crash(mode):
+    def prepare(case, cc):
+        if mode == "die":
+            os._exit(86)
+        if mode == "hang":
+            time.sleep(3600)
+        raise RuntimeError("CUDA error: an illegal memory access was encountered (a test's crash)")
+    return prepare
+
+
+impls.preparers = lambda: {{**_preparers(), **{{impl: _crash(mode) for impl, mode in MODES.items()}}}}
+"""
+
+
+def crash_workers(monkeypatch, tmp_path, **modes):
+    """Bench workers (fresh processes) whose impls in `modes` kill the process ("die"), raise the error of a kernel
+    that poisoned the CUDA context ("cuda") or hang ("hang"): a sitecustomize on the workers' PYTHONPATH replaces
+    their preparers, so the product carries no hook for it."""
+    (tmp_path / "sitecustomize.py").write_text(_CRASHING_WORKER.format(modes={k.replace("_", "-"): v
+                                                                               for k, v in modes.items()}))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p))
+
+
 @pytest.mark.skipif(ON_GPU, reason="CPU worker test")
-def test_isolated_workers_survive_crashes(monkeypatch):
+def test_isolated_workers_survive_crashes(monkeypatch, tmp_path):
     """A process death and a poisoned CUDA context each cost one record; fresh workers run the rest."""
-    monkeypatch.setenv("FAGEN_BENCH_TEST_CRASH", "sdpa-flash:die,sdpa-efficient:cuda")
+    crash_workers(monkeypatch, tmp_path, sdpa_flash="die", sdpa_efficient="cuda")
     case = make_case("tiny", head_dim=16, mask="none", batch=1, heads_q=2, heads_kv=2, seq_q=8, seq_k=8)
     opts = BenchOptions(device="cpu", impls=("sdpa-flash", "sdpa-efficient", "flex"), rep_ms=1)
     _, recs = runner.run([case], opts, isolate=True, log=lambda line: None)
@@ -346,8 +379,8 @@ def test_isolated_workers_survive_crashes(monkeypatch):
 
 
 @pytest.mark.skipif(ON_GPU, reason="CPU worker test")
-def test_a_hung_case_is_killed_and_the_run_goes_on(monkeypatch):
-    monkeypatch.setenv("FAGEN_BENCH_TEST_CRASH", "sdpa-flash:hang")
+def test_a_hung_case_is_killed_and_the_run_goes_on(monkeypatch, tmp_path):
+    crash_workers(monkeypatch, tmp_path, sdpa_flash="hang")
     cases = [make_case(f"tiny{i}", head_dim=16, mask="none", batch=1, heads_q=2, heads_kv=2, seq_q=8, seq_k=8)
              for i in range(2)]
     opts = BenchOptions(device="cpu", impls=("sdpa-flash", "flex"), rep_ms=1)

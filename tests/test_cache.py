@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 import fagen
-from fagen.runtime import cache, loader
+from fagen import files
+from fagen.runtime import loader
 
 SPEC = fagen.KernelSpec(head_dim=16, mask="causal", block_m=16, block_n=16)
 
@@ -40,7 +41,7 @@ def test_a_truncated_cached_source_is_rebuilt(own_cache):
 def test_a_warm_read_only_cache_serves_loads(own_cache, monkeypatch):
     """Issue 18: even a fully cached load failed on a read-only cache (its lock files went into cache/locks)."""
     loader.write_source(SPEC)
-    real_mkdir, real_mkstemp = Path.mkdir, cache.tempfile.mkstemp
+    real_mkdir, real_mkstemp = Path.mkdir, files.tempfile.mkstemp
 
     def no_writes_under_cache(path, *args, **kwargs):
         if str(path).startswith(str(own_cache)):
@@ -48,11 +49,11 @@ def test_a_warm_read_only_cache_serves_loads(own_cache, monkeypatch):
         return real_mkdir(path, *args, **kwargs)
 
     monkeypatch.setattr(Path, "mkdir", no_writes_under_cache)
-    monkeypatch.setattr(cache.tempfile, "mkstemp", lambda *a, dir=None, **k: (_ for _ in ()).throw(
+    monkeypatch.setattr(files.tempfile, "mkstemp", lambda *a, dir=None, **k: (_ for _ in ()).throw(
         PermissionError(13, "Permission denied", str(dir))) if str(dir).startswith(str(own_cache))
         else real_mkstemp(*a, dir=dir, **k))
     assert loader.write_source(SPEC).exists()  # equal bytes: nothing written, no lock taken
-    with pytest.raises(cache.CacheError, match="cannot write .*set FAGEN_CACHE_DIR to a writable folder"):
+    with pytest.raises(files.CacheError, match="cannot write .*set FAGEN_CACHE_DIR to a writable folder"):
         loader.write_source(fagen.KernelSpec(head_dim=24, block_m=16, block_n=16))  # a miss needs a write
 
 
@@ -60,10 +61,10 @@ def test_files_honour_the_umask(tmp_path):
     """Issue 18: every file fagen wrote was mode 0600 (mkstemp), whatever the umask."""
     old = os.umask(0o022)
     try:
-        cache.write_if_different(tmp_path / "a.txt", "x")
+        files.write_if_different(tmp_path / "a.txt", "x")
         assert stat.S_IMODE((tmp_path / "a.txt").stat().st_mode) == 0o644
         os.umask(0o077)
-        cache.write_if_different(tmp_path / "b.txt", "x")
+        files.write_if_different(tmp_path / "b.txt", "x")
         assert stat.S_IMODE((tmp_path / "b.txt").stat().st_mode) == 0o600
     finally:
         os.umask(old)
@@ -75,6 +76,6 @@ def test_files_honour_the_umask(tmp_path):
 def test_the_cache_location(monkeypatch, xdg, expected):
     monkeypatch.delenv("FAGEN_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", xdg)
-    assert cache.cache_root() == Path(expected).expanduser()
+    assert files.cache_root() == Path(expected).expanduser()
     monkeypatch.setenv("FAGEN_CACHE_DIR", "~/mine")
-    assert cache.cache_root() == Path("~/mine").expanduser()
+    assert files.cache_root() == Path("~/mine").expanduser()

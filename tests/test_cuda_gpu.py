@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import fagen
 from fagen.aot import nvcc
-from fagen.runtime import cache
+from fagen import files
 from fagen.runtime import loader as runtime
 from fagen.runtime.modules import import_module
 from fagen.verify.properties import reference
@@ -20,7 +20,7 @@ from fagen.codegen.render import generate_launcher
 from fagen.spec.axes import DType, Mask
 from fagen.verify.strategies import Problem, problems
 from fagen.verify.properties import LSE_TOLERANCE, TOLERANCE, PropertyFailure, check_forward, compare
-from conftest import DEVICE, ON_GPU, SCALE
+from _env import DEVICE, ON_GPU, SCALE
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")]
 
@@ -212,10 +212,10 @@ def _load_mutant(spec, old, new):
     source = fagen.generate(spec)
     assert old in source, f"mutant pattern {old!r} not in the rendered source"
     broken = source.replace(old, new)
-    stem = f"{spec.name}-mutant{cache.digest(broken)[:12]}"
-    folder = cache.cache_root() / "src"
-    cache.write_if_different(folder / f"{stem}.cu", broken)
-    cache.write_if_different(folder / f"{stem}.py", generate_launcher(spec))
+    stem = f"{spec.name}-mutant{files.digest(broken)[:12]}"
+    folder = files.cache_root() / "src"
+    files.write_if_different(folder / f"{stem}.cu", broken)
+    files.write_if_different(folder / f"{stem}.py", generate_launcher(spec))
     return import_module(folder / f"{stem}.py")
 
 

@@ -8,7 +8,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTens
 
 import fagen
 from fagen.verify.strategies import Problem
-from conftest import DEVICE, ON_GPU
+from _env import DEVICE, ON_GPU
 
 MASKS = ["none", "causal", "padding", "causal+padding", "tree"]
 

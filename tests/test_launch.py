@@ -9,7 +9,7 @@ import torch
 import triton
 
 import fagen
-from conftest import DEVICE
+from _env import DEVICE
 from fagen.runtime import api
 
 DECODE = fagen.KernelSpec(head_dim=16, mask="none", gqa=2, dtype="fp32", kind="decode", block_m=16, block_n=16)
@@ -252,9 +252,9 @@ def test_decode_step_replays_the_general_path(monkeypatch, which, seq_k):
     assert len(split.compiles) == 2
 
 
-def test_warm_attention_call_resolves_nothing(monkeypatch, device):
-    q = torch.randn(1, 4, 1, 16, device=device)
-    k = torch.randn(1, 2, 300, 16, device=device)
+def test_warm_attention_call_resolves_nothing(monkeypatch):
+    q = torch.randn(1, 4, 1, 16, device=DEVICE)
+    k = torch.randn(1, 2, 300, 16, device=DEVICE)
     with torch.no_grad():
         first = fagen.attention(q, k, k)
         monkeypatch.setattr(api, "resolve", lambda *a, **kw: pytest.fail("a warm call resolved its module again"))

@@ -10,7 +10,7 @@ import fagen
 from fagen.verify import reference
 from fagen.verify.strategies import Problem
 from fagen.verify.tolerances import TOLERANCE, compare
-from conftest import DEVICE, ON_GPU
+from _env import DEVICE, ON_GPU
 
 BACKEND = "inductor" if ON_GPU else "aot_eager"
 MASKS = ["none", "causal", "padding", "causal+padding", "tree"]

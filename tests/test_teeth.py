@@ -9,7 +9,7 @@ from fagen.verify import engine
 from fagen.verify.mutants import MUTANTS
 from fagen.verify.properties import BY_NAME, PropertyFailure, check_forward
 from fagen.verify.strategies import Problem
-from conftest import DEVICE, SCALE
+from _env import DEVICE, SCALE
 
 
 # Prefill forward mutants; decode and backward mutants are caught in their own test files.

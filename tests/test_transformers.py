@@ -9,7 +9,7 @@ import torch
 transformers = pytest.importorskip("transformers", reason="the hf extra is not installed: pip install -e '.[hf]'")
 
 import fagen.integrations.transformers as fagen_hf  # noqa: E402
-from conftest import DEVICE, ON_GPU  # noqa: E402
+from _env import DEVICE, ON_GPU  # noqa: E402
 
 DTYPE = torch.bfloat16 if ON_GPU else torch.float32
 TOL = dict(atol=3e-2, rtol=3e-2) if ON_GPU else dict(atol=2e-4, rtol=2e-4)

@@ -18,19 +18,19 @@ from pathlib import Path
 from types import ModuleType
 from typing import Iterable
 
-from fagen import __version__
+from fagen import __version__, backends
 from fagen.aot import nvcc
 from fagen.codegen.render import Rendered, render
-from fagen.runtime import cache
+from fagen.aot import keys
+from fagen.files import digest, lock_for
 from fagen.runtime.loader import write_source
 from fagen.runtime.modules import import_module
 from fagen.spec import targets
-from fagen.spec.axes import Backend
 from fagen.spec.kernel import KernelSpec
 from fagen.spec.targets import ARCHS, ArchError, parse_archs  # noqa: F401 - re-exported for the CLI
 
 
-# [Note] Shared-memory precheck. The Triton formula (fagen.spec.targets.triton_smem_bytes) is an estimate within a
+# [Note] Shared-memory precheck. The Triton formula (fagen.backends.triton.smem_bytes) is an estimate within a
 # few KB of what the compiler allocates; a variant over the limit by more than this slack is rejected before any
 # compile (a 512 KB variant used to take minutes to fail), and one nearer the limit is left to the compiler.
 PRECHECK_SLACK = 1.1
@@ -67,17 +67,17 @@ class ArchBuild:
 
 
 def artifact_key(spec: KernelSpec, arch: str, rendered: Rendered | None = None) -> str:
-    """The content key of one spec's binaries for one arch (see [Note] Artifact keys in fagen/runtime/cache.py)."""
+    """The content key of one spec's binaries for one arch (see [Note] Artifact keys in fagen/aot/keys.py)."""
     rendered = rendered or render(spec)
-    return cache.digest("aot", str(cache.FORMAT_VERSION), __version__, spec.to_json(), rendered.digest,
-                        cache.toolchain(spec.backend.value, targets.ARCH_CAPABILITY[arch]), arch,
-                        json.dumps(cache.codegen_env()))
+    return digest("aot", str(keys.FORMAT_VERSION), __version__, spec.to_json(), rendered.digest,
+                        keys.toolchain(spec.backend.value, targets.ARCH_CAPABILITY[arch]), arch,
+                        json.dumps(keys.codegen_env()))
 
 
 def lookup(spec: KernelSpec, arch: str, key: str | None = None) -> ArchBuild | None:
     """The cached build of (spec, arch), or None."""
     key = key or artifact_key(spec, arch)
-    meta = cache.read_entry(key)
+    meta = keys.read_entry(key)
     if meta is None:
         return None
     for k in meta["kernels"]:  # the limit is not part of the key: check it on every use
@@ -86,37 +86,42 @@ def lookup(spec: KernelSpec, arch: str, key: str | None = None) -> ArchBuild | N
     return _from_entry(spec, arch, key, meta, cached=True)
 
 
+def aot_missing(spec: KernelSpec) -> str | None:
+    """Why `spec` has no ahead-of-time build (`fagen build` leaves such variants out and counts them), or None."""
+    return backends.get(spec.backend).aot_missing(spec)
+
+
 def compile_arch(spec: KernelSpec, arch: str) -> ArchBuild:
     """Build one spec for one arch, or take it from the cache. Safe to run from many processes at once.
 
     The spec is rendered once here (the key, the source to compile and nvcc's input are that one render), and a
     variant whose tiles cannot fit the arch's shared memory by the backend's formula is rejected before compiling.
     """
-    if spec.backend is Backend.GLUON:  # its launch takes host TMA descriptors: no prebuilt launcher yet
-        raise CompileError(spec.name, arch, "backend 'gluon' has no ahead-of-time build yet; the module compiles "
-                                            "itself on first use on sm_90 (compile_for() builds it without a GPU)")
+    missing = aot_missing(spec)
+    if missing:
+        raise CompileError(spec.name, arch, missing)
     rendered = render(spec)
     key = artifact_key(spec, arch, rendered)
     hit = lookup(spec, arch, key)
     if hit is not None:
         return hit
-    need = targets.smem_bytes(spec)
+    need = backends.get(spec.backend).smem_bytes(spec)
     if need > targets.ARCH_SMEM_LIMIT[arch] * PRECHECK_SLACK:
         raise CompileError(spec.name, arch, _too_big(spec, arch, need) + " (estimated before compiling)")
     # [Note] One builder per key: the lock is flock-based, so a killed builder releases it. A waiter then
     # looks again and takes what the other process finished, or compiles it itself.
-    with cache.lock_for(cache.entry_dir(key)):
+    with lock_for(keys.entry_dir(key)):
         hit = lookup(spec, arch, key)
         if hit is not None:
             return hit
         start = time.perf_counter()
-        if spec.backend is Backend.CUDA:
+        if backends.get(spec.backend).compiler == "nvcc":
             files, kernels = _compile_cuda(spec, arch, rendered)
         else:
             files, kernels = _compile_triton(spec, arch, rendered)
         meta = {"spec": spec.to_dict(), "arch": arch, "seconds": round(time.perf_counter() - start, 3),
                 "kernels": kernels}
-        meta = cache.write_entry(key, files, meta)
+        meta = keys.write_entry(key, files, meta)
     return _from_entry(spec, arch, key, meta, cached=False)
 
 
@@ -124,9 +129,7 @@ def _compile_triton(spec: KernelSpec, arch: str, rendered: Rendered) -> tuple[di
     """Each AOT kernel of the generated module through triton.compile for an explicit GPU target."""
     module = import_for_compile(spec, rendered)
     if not hasattr(module, "AOT_KERNELS"):
-        raise CompileError(spec.name, arch, f"{spec.kind} kernels have no ahead-of-time build: their tile rows and "
-                                            "split count follow each call's query and KV lengths, so they compile "
-                                            "at first use (fagen.load(spec)); build the prefill kind ahead of time")
+        raise CompileError(spec.name, arch, "the generated module has no AOT_KERNELS list (docs/build.md)")
     files, kernels = {}, []
     for entry in module.AOT_KERNELS:
         kernel_start = time.perf_counter()
@@ -157,7 +160,7 @@ def compile_spec(spec: KernelSpec, archs: Iterable[str]) -> list[ArchBuild]:
 
 
 def _from_entry(spec: KernelSpec, arch: str, key: str, meta: dict, cached: bool) -> ArchBuild:
-    root = cache.entry_dir(key)
+    root = keys.entry_dir(key)
     kernels = tuple(KernelArtifact(name=k["name"], ptx=root / f"{k['name']}.ptx", cubin=root / f"{k['name']}.cubin",
                                    registers=k["registers"], spills=k["spills"], shared=k["shared"],
                                    seconds=k["seconds"], launch=k["launch"]) for k in meta["kernels"])

@@ -6,11 +6,10 @@ import hashlib
 import json
 from pathlib import Path
 
-from fagen import __version__
+from fagen import __version__, backends
 from fagen.aot.artifacts import ArchBuild
 from fagen.codegen.render import render
-from fagen.runtime import cache
-from fagen.spec import tables
+from fagen.files import write_if_different
 from fagen.spec.kernel import KernelSpec
 
 
@@ -20,15 +19,15 @@ def export(spec: KernelSpec, builds: list[ArchBuild], out_dir: Path) -> list[dic
     Returns one record per arch for manifest.json, with paths relative to out_dir.
     """
     vdir = out_dir / spec.name
-    source = vdir / f"{spec.name}{tables.SOURCE_SUFFIX[spec.backend]}"
-    cache.write_if_different(source, render(spec).source)
+    source = vdir / f"{spec.name}{backends.get(spec.backend).suffix}"
+    write_if_different(source, render(spec).source)
     records, archs = [], {}
     for b in builds:
         kernels = []
         for k in b.kernels:
             cubin = k.cubin.read_bytes()
-            cache.write_if_different(vdir / b.arch / k.ptx.name, k.ptx.read_bytes())
-            cache.write_if_different(vdir / b.arch / k.cubin.name, cubin)
+            write_if_different(vdir / b.arch / k.ptx.name, k.ptx.read_bytes())
+            write_if_different(vdir / b.arch / k.cubin.name, cubin)
             kernels.append({"name": k.name, "ptx": f"{b.arch}/{k.ptx.name}", "cubin": f"{b.arch}/{k.cubin.name}",
                             "registers": k.registers, "spills": k.spills, "shared": k.shared, "seconds": k.seconds,
                             "cubin_sha256": hashlib.sha256(cubin).hexdigest()})
@@ -47,7 +46,7 @@ def export(spec: KernelSpec, builds: list[ArchBuild], out_dir: Path) -> list[dic
         archs = {**old.get("archs", {}), **archs}  # an earlier compile of this same source for other archs
     variant = {"name": spec.name, "hash": spec.hash, "spec": spec.to_dict(), "source": source.name,
                "source_sha256": source_sha, "fagen_version": __version__, "archs": dict(sorted(archs.items()))}
-    cache.write_if_different(vdir / "variant.json", json.dumps(variant, indent=1, sort_keys=True) + "\n")
+    write_if_different(vdir / "variant.json", json.dumps(variant, indent=1, sort_keys=True) + "\n")
     return records
 
 

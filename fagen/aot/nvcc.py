@@ -12,9 +12,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from fagen.runtime import cache
+from fagen import backends, files
 from fagen.spec import targets
-from fagen.spec.axes import Backend
 
 # -O3 and C++17; no fast-math: exp2f/log2f keep their documented accuracy. -Xptxas -v prints the resources.
 FLAGS = ("-O3", "-std=c++17", "-Xptxas", "-v")
@@ -128,7 +127,7 @@ def compile(source: str, arch: str, out_dir: str | Path, *, name: str = "kernel"
     paths = {}
     for kind, data in outputs.items():
         paths[kind] = out_dir / f"{name}.{kind}"
-        cache.write_if_different(paths[kind], data)
+        files.write_if_different(paths[kind], data)
     return Compiled(cubin=paths["cubin"], ptx=paths["ptx"], arch=arch, resources=resources, seconds=seconds)
 
 
@@ -138,7 +137,7 @@ def _flags(werror: bool) -> list[str]:
 
 def artifact_key(source: str, arch: str, *, werror: bool = False) -> str:
     """Cache key of a compile: format, nvcc version, arch, flags and the source bytes."""
-    return cache.digest("nvcc", FORMAT, nvcc_version(), check_arch(arch), " ".join(_flags(werror)), source)[:24]
+    return files.digest("nvcc", FORMAT, nvcc_version(), check_arch(arch), " ".join(_flags(werror)), source)[:24]
 
 
 def compile_cached(source: str, arch: str, *, name: str = "kernel", werror: bool = False) -> Compiled:
@@ -147,9 +146,9 @@ def compile_cached(source: str, arch: str, *, name: str = "kernel", werror: bool
     resources.json is written last, so a folder that has it is complete; a concurrent compile of the same key
     waits on the lock and then finds it.
     """
-    folder = cache.cache_root() / "cuda" / artifact_key(source, arch, werror=werror)
+    folder = files.cache_root() / "cuda" / artifact_key(source, arch, werror=werror)
     report = folder / "resources.json"
-    with cache.lock_for(folder):
+    with files.lock_for(folder):
         if report.exists():
             data = json.loads(report.read_text())
             return Compiled(cubin=folder / data["cubin"], ptx=folder / data["ptx"], arch=arch, cached=True,
@@ -157,13 +156,13 @@ def compile_cached(source: str, arch: str, *, name: str = "kernel", werror: bool
         done = compile(source, arch, folder, name=name, werror=werror)
         record = {"cubin": done.cubin.name, "ptx": done.ptx.name, "arch": arch,
                   "resources": {k: dataclasses.asdict(v) for k, v in done.resources.items()}}
-        cache.write_if_different(report, json.dumps(record, indent=1, sort_keys=True))
+        files.write_if_different(report, json.dumps(record, indent=1, sort_keys=True))
         return done
 
 
 def check_fits(spec, arch: str) -> int:
     """The dynamic shared memory a cuda spec needs; NvccError if `arch` cannot give a block that much."""
-    need = targets.cuda_smem_bytes(spec.head_dim, spec.dtype, spec.block_m, spec.block_n, spec.num_stages)
+    need = backends.CUDA.smem_bytes(spec)
     limit = targets.ARCH_SMEM_LIMIT.get(check_arch(arch).rstrip("a"))
     if limit is not None and need > limit:
         raise NvccError(f"{spec.name}: needs {need} bytes of shared memory but {arch} gives a block at most {limit}; "
@@ -180,7 +179,7 @@ def compile_spec(spec, arch: str, out_dir: str | Path | None = None, *, werror: 
     """
     from fagen.codegen.render import render
 
-    if spec.backend is not Backend.CUDA:
+    if backends.get(spec.backend).compiler != "nvcc":
         raise NvccError(f"{spec.name}: backend {spec.backend} is not compiled by nvcc")
     dynamic = check_fits(spec, arch)
     source = (rendered or render(spec)).source

@@ -61,16 +61,6 @@ def make_record(case: BenchCase, impl: str, status: str, ms: float | None = None
     return rec
 
 
-def _test_crash(impl: str) -> str | None:
-    """Tests only: FAGEN_BENCH_TEST_CRASH="impl:die,impl:cuda,impl:hang" makes that impl kill its process,
-    raise the error of a kernel that poisoned the CUDA context, or hang, to exercise the recovery paths."""
-    for item in os.environ.get("FAGEN_BENCH_TEST_CRASH", "").split(","):
-        name, _, mode = item.partition(":")
-        if name == impl:
-            return mode
-    return None
-
-
 def _fatal_cuda(e: BaseException) -> bool:
     text = str(e)
     return any(s in text for s in ("illegal memory access", "device-side assert", "CUDA error: unspecified launch",
@@ -97,14 +87,7 @@ def run_case(case: BenchCase, opts: BenchOptions, log: Callable[[str], None] = p
             records.append(make_record(case, impl, "skipped", note=f"CUDA context lost earlier ({lost})"))
             continue
         t0 = time.perf_counter()
-        crash = _test_crash(impl)
-        if crash == "die":
-            os._exit(86)
-        if crash == "hang":
-            time.sleep(3600)
         try:
-            if crash == "cuda":
-                raise RuntimeError("CUDA error: an illegal memory access was encountered (FAGEN_BENCH_TEST_CRASH)")
             prepared = prep[impl](case, cc)
             with prepared.context():
                 check_status, check_msg, err = ("skipped", "--no-check", None)

@@ -41,7 +41,7 @@ def environment_meta(device: str) -> dict:
 
 def write_json(path: Path | None, meta: dict, records: list[dict]) -> None:
     if path is not None:
-        from fagen.runtime.cache import write_if_different
+        from fagen.files import write_if_different
 
         write_if_different(Path(path), json.dumps({"meta": meta, "records": records}, indent=1) + "\n")
 

@@ -45,7 +45,7 @@ class LazyGroup(click.Group):
 
     def invoke(self, ctx):
         # A file fagen cannot read or write (a read-only cache, an unwritable -o) is one line and exit 1.
-        from fagen.runtime.cache import CacheError
+        from fagen.files import CacheError
 
         try:
             return super().invoke(ctx)

@@ -32,14 +32,36 @@ _SPEC_HELP = {
     "alibi": "ALiBi slopes, float32 [Hq].",
     "sinks": "Attention sinks, float32 [Hq] (with their gradient).",
     "layout": "dense, varlen (packed sequences) or paged (a paged KV cache).",
+    "score_mod": 'A score mod as expression text, e.g. "score + bias[h, q_idx - kv_idx + 4095]" (docs/mods.md).',
+    "mask_mod": 'A mask mod as expression text, e.g. "q_idx >= kv_idx" (True: visible).',
+    "mod_tensors": "A tensor the mods index, NAME=DTYPE:RANK, e.g. bias=fp32:2 (repeatable).",
+    "mod_scalars": "A runtime scalar the mods read, NAME=int|float, e.g. cap=float (repeatable).",
 }
+# The mods' repeatable declarations: flag (singular) and the parser of one NAME=... text (fagen/mods/text.py).
+_DECLS = {"mod_tensors": ("--mod-tensor", "parse_tensor_decl"), "mod_scalars": ("--mod-scalar", "parse_scalar_decl")}
+
+
+def _decls(field: str):
+    def parse(ctx, param, values):
+        from fagen.mods import text
+
+        try:
+            return tuple(tuple(getattr(text, _DECLS[field][1])(v)) for v in values)
+        except SpecError as e:
+            raise click.BadParameter(f"got {e.value!r}; {e.allowed}") from None
+    return parse
 _SPEC_FLAGS = tuple(f.name for f in dataclasses.fields(KernelSpec))
 
 
 def _spec_option(field: dataclasses.Field):
-    """The click option of one KernelSpec field: --x/--no-x for a switch, a choice of its enum, else an int."""
+    """The click option of one KernelSpec field: --x/--no-x for a switch, a choice of its enum, mod text, a
+    repeatable mod declaration, else an int."""
     hint = typing.get_type_hints(KernelSpec)[field.name]
     flag, text = "--" + field.name.replace("_", "-"), _SPEC_HELP[field.name]
+    if field.name in _DECLS:
+        return click.option(_DECLS[field.name][0], field.name, multiple=True, callback=_decls(field.name), help=text)
+    if hint == str | None:
+        return click.option(flag, type=str, help=text)
     if hint is bool:
         return click.option(f"{flag}/--no-{flag[2:]}", default=None, help=text)
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
@@ -59,7 +81,7 @@ def spec_options(fn):
 
 def spec_from_options(spec_file: Path | None, **flags) -> KernelSpec | None:
     """The spec the flags describe, or None when none was given. Errors name the flag or file."""
-    given = {k: v for k, v in flags.items() if k in _SPEC_FLAGS and v is not None}
+    given = {k: v for k, v in flags.items() if k in _SPEC_FLAGS and v is not None and v != ()}
     if spec_file is None and not given:
         return None
     fields = {}

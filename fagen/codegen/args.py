@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from fagen.spec.axes import Layout, Mask
+from fagen.spec.axes import DType, Layout, Mask
 from fagen.spec.kernel import KernelSpec
 
 TENSOR, INT, FLOAT, CONSTEXPR = "tensor", "int", "float", "constexpr"
@@ -46,6 +46,11 @@ def sinks(spec: KernelSpec) -> bool:
 
 def window(spec: KernelSpec) -> bool:
     return spec.window
+
+
+def fp8(spec: KernelSpec) -> bool:
+    """The fp8 (e4m3) gluon forward: descales, and V transposed (docs/hopper.md, "fp8 forward")."""
+    return spec.dtype is DType.FP8_E4M3
 
 
 def dense(spec: KernelSpec) -> bool:
@@ -169,7 +174,7 @@ _SCORES = [I("win_left", when=switched, pack="scores"), I("win_right", when=swit
            T("Slopes", "fp32", when=switched, real=alibi, pack="scores")]
 _SINKS = T("Sinks", "fp32", when=switched, real=sinks, pack="scores")
 _PAGING = [T("BlockTable", "i32", when=paged, pack="paging"), I("stride_btb", when=paged, pack="paging"),
-           I("page_shift", when=paged, pack="paging")]
+           I("page_shift", when=paged, pack="paging"), I("num_pages", when=paged, pack="paging")]
 _TREE_STRIDES = [I("stride_tb", host="*tree_strides"), I("stride_tm")]
 _HEAD = [C("HEAD_DIM", br=True), C("BLOCK_D", "_pow2(HEAD_DIM)", aot="triton.next_power_of_2(HEAD_DIM)")]
 _HEAD_D = [_HEAD[0], dataclasses.replace(_HEAD[1], host="block_d")]  # launchers that compute block_d once
@@ -268,15 +273,22 @@ def _gluon_scale(spec: KernelSpec) -> str:
     return "cap_out" if spec.softcap else SCALE_LOG2  # [Note] Gluon score switches
 
 
+def _gluon_v(spec: KernelSpec) -> str:
+    return "_descriptor(vt, HEAD_DIM, BLOCK_N)" if fp8(spec) else "_descriptor(v, BLOCK_N)"  # [Note] fp8 V
+
+
+_DESCALES = (T("QDescale", "fp32", when=fp8, host="qd"), T("KDescale", "fp32", when=fp8, host="kd"),
+             T("VDescale", "fp32", when=fp8, host="vd"), I("qd_h", when=fp8, host="qd_h"),
+             I("kd_h", when=fp8, host="kd_h"), I("vd_h", when=fp8, host="vd_h"))
+
 GLUON_FWD = Kernel("_attn_fwd_hopper", (
     T("q_desc", host="_descriptor(q, BLOCK_M)"), T("k_desc", host="_descriptor(k, BLOCK_N)"),
-    T("v_desc", host="_descriptor(v, BLOCK_N)"), T("o_desc", host="_descriptor(o, BLOCK_M)"),
+    T("v_desc", host=_gluon_v), T("o_desc", host="_descriptor(o, BLOCK_M)"),
     T("Lse", "fp32", host="lse"), F("qk_scale", host=_gluon_scale), I("num_tiles", host="num_tiles"),
     I("n_m", host="n_m"), I("num_heads", host="hq"), I("seq_q", host="sq"), I("seq_k", host="sk"),
     I("win_left", when=switched, host="win_left"), I("win_right", when=switched, host="win_right"),
-    F("cap_in", when=switched, host="cap_in"),
-    C("HEAD_DIM", br=True), C("BLOCK_M"), C("BLOCK_N"), C("STAGES"), C("Q_STAGES", br=True), C("GQA"), C("CAUSAL"),
-    C("PINGPONG"), C("V_LATE", br=True), C("K_LATE"), C("O_VIA_Q"), C("KV_JOIN"), C("CONSUMER_REGS", br=True),
+    F("cap_in", when=switched, host=lambda spec: "0.0" if fp8(spec) else "cap_in"), *_DESCALES,
+    C("HEAD_DIM", br=True), C("BLOCK_M"), C("BLOCK_N"), C("STAGES"), C("GQA"), C("CAUSAL"), C("CONSUMER_REGS", br=True),
     C("LOADER_REGS"),
 ), warps="4", stages="", constexpr_type="gl.constexpr")
 
@@ -289,12 +301,14 @@ _INNER_SCORES = (I("win_left", when=switched), I("win_right", when=switched), F(
 THREADED = {
     # the key-block loops of the forward and decode (_fwd_inner, _decode_inner), and the backward's dQ loop
     "fwd_inner": (*_INNER_SCORES, F("slope2", when=switched), T("table", "i32", when=paged),
-                  I("stride_kb", when=paged), I("stride_vb", when=paged), I("page_shift", when=paged)),
+                  I("stride_kb", when=paged), I("stride_vb", when=paged), I("page_shift", when=paged),
+                  I("num_pages", when=paged)),
     "dq_inner": (*_INNER_SCORES, F("slope2", when=switched)),
     "dkdv_inner": (*_INNER_SCORES, T("slope_base", "fp32", when=switched)),
     "merge": (T("Sinks", "fp32", when=sinks),),  # decode's _merge_splits
     "gluon_scores": (*_INNER_SCORES[:3],),
     "gluon_window": (I("win_left", when=window), I("win_right", when=window)),
+    "gluon_descales": _DESCALES,  # the fp8 consumers' descale pointers and head strides
 }
 
 # -- the host's calling conventions -------------------------------------------------------------------------------

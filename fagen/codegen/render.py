@@ -15,11 +15,11 @@ from pathlib import Path
 
 import jinja2
 
-from fagen import __version__
+from fagen import __version__, backends
 from fagen.codegen import signatures
-from fagen.spec import defaults, tables, targets
+from fagen.spec import tables
 from fagen.spec.axes import DECODE_MAX_SEQ_Q, MAX_PAGE_SIZE, DType, Layout
-from fagen.spec.kernel import KernelSpec
+from fagen.spec.kernel import KernelSpec, SpecError
 
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"  # fagen/templates, installed with the package
 
@@ -42,7 +42,7 @@ def _mmatype(dtype: DType) -> str:
 
 
 def _smem_bytes(spec: KernelSpec) -> int:
-    return targets.cuda_smem_bytes(spec.head_dim, spec.dtype, spec.block_m, spec.block_n, spec.num_stages)
+    return backends.get(spec.backend).smem_bytes(spec)
 
 
 def environment() -> jinja2.Environment:
@@ -83,15 +83,16 @@ def _verbatim(env: jinja2.Environment, name: str) -> str:
 
 
 def template_name(spec: KernelSpec) -> str:
-    return tables.TEMPLATE[(spec.backend, spec.kind)]
+    return backends.get(spec.backend).templates[spec.kind]
 
 
 def _context(spec: KernelSpec) -> dict:
     """Everything a template sees: the spec (enums and integers only), values the tables derive from it, and the
     argument-list helpers (fagen/codegen/signatures.py)."""
+    backend = backends.get(spec.backend)
     paged = spec.layout is Layout.PAGED
     return dict(spec=spec, spec_json=spec.to_json(), version=__version__, max_seq_q=DECODE_MAX_SEQ_Q,
-                dot_precision=tables.DOT_KWARGS[spec.dtype], tma=tables.tma_loads(spec), gluon=defaults.GLUON_VARIANT,
+                dot_precision=tables.DOT_KWARGS[spec.dtype], tma=backend.tma_loads(spec), gluon=backends.GLUON.variant,
                 max_page_size=MAX_PAGE_SIZE, packed_q=spec.packed_q, packed_k=spec.layout is Layout.VARLEN,
                 paged=paged, ragged=spec.mask.padded or spec.layout is not Layout.DENSE,
                 tree_keys="len_k" if paged else "seq_k",  # tree nodes are the last Sq of these keys
@@ -109,11 +110,11 @@ class Rendered:
     @property
     def source(self) -> str:
         """The kernel source (the .py module, or the .cu file of the cuda backend)."""
-        return self.files[tables.SOURCE_SUFFIX[self.spec.backend]]
+        return self.files[backends.get(self.spec.backend).suffix]
 
     @property
     def launcher(self) -> str | None:
-        return self.files[".py"] if self.spec.backend in tables.LAUNCHER else None
+        return self.files[".py"] if backends.get(self.spec.backend).launcher else None
 
 
 def _stamp(root: Path) -> tuple:
@@ -131,6 +132,9 @@ def render(spec: KernelSpec) -> Rendered:
     """
     if not isinstance(spec, KernelSpec):
         raise TypeError(f"render() takes a KernelSpec, got {type(spec).__name__}")
+    if spec.modded:  # the spec and the fagen.mods front end exist; no template emits a mod yet
+        raise SpecError("score_mod" if spec.score_mod else "mask_mod", spec.score_mod or spec.mask_mod,
+                        "user mods are not rendered into kernels yet (docs/mods.md)")
     root = template_dir()
     return _render(spec, root, _stamp(root))
 
@@ -140,12 +144,12 @@ render.cache_clear = lambda: _render.cache_clear()  # for tests that change the 
 
 @functools.lru_cache(maxsize=512)
 def _render(spec: KernelSpec, root: Path, stamp: tuple) -> Rendered:
-    env = _environment(root)
-    files = {tables.SOURCE_SUFFIX[spec.backend]: env.get_template(template_name(spec)).render(**_context(spec))}
-    if spec.backend in tables.LAUNCHER:
-        files[".py"] = env.get_template(tables.LAUNCHER[spec.backend]).render(**_context(spec))
-    h = hashlib.sha256(files[tables.SOURCE_SUFFIX[spec.backend]].encode())
-    if ".py" in files and tables.SOURCE_SUFFIX[spec.backend] != ".py":
+    env, backend = _environment(root), backends.get(spec.backend)
+    files = {backend.suffix: env.get_template(template_name(spec)).render(**_context(spec))}
+    if backend.launcher:
+        files[".py"] = env.get_template(backend.launcher).render(**_context(spec))
+    h = hashlib.sha256(files[backend.suffix].encode())
+    if ".py" in files and backend.suffix != ".py":
         h.update(b"\0" + files[".py"].encode())
     return Rendered(spec=spec, files=files, digest=h.hexdigest())
 
@@ -159,7 +163,7 @@ def generate(spec: KernelSpec) -> str:
 
 def generate_launcher(spec: KernelSpec) -> str:
     """The Python module that compiles, loads and launches a non-Python source (the cuda backend's .cu)."""
-    if spec.backend not in tables.LAUNCHER:
+    if not backends.get(spec.backend).launcher:
         raise ValueError(f"backend {spec.backend} emits Python directly; it has no launcher")
     return render(spec).launcher
 

@@ -7,28 +7,19 @@ inputs' device: by fagen.attention (fagen/runtime/resolve.py) when no gradient i
 (BenchCase.spec) when no spec field is pinned on the command line. It applies when
   - $FAGEN_HOPPER is not "0" (read when a case is first resolved in a process; set it before the first call),
   - the device is CUDA of compute capability 9.0 (H100/H200) and triton has the Gluon Hopper API (>= 3.6),
-  - the case is one where the H100 measurements of docs/hopper.md show a win over the Triton forward: a prefill
-    forward, head_dim 128, bf16, mask none (any gqa: +5% full s16k) or causal with gqa > 1 (+13% gqa 32/8 causal
-    s4k). Not MHA causal: the Triton forward won it in the three latest runs (s16k Triton / Gluon TF/s: 558 / 550
-    in benchmarks/hopper/6-integration, 559 / 543 and 562 / 543 in benchmarks/scores.md), so phase 1's +3% did
-    not hold. Not d64 (-7%), not fp16 (496 vs 493 TF/s, a tie), not padding/tree masks (no such kernel).
-    With score switches: causal with the window switch alone (any gqa), where the gluon forward's block skipping
-    measured +9% over the Triton one (window 4096 at s32k, d128 bf16, MHA: 540 vs 497 TF/s, same run;
-    docs/hopper.md, "Score switches in the forward"). Not the softcap (470 vs 477 TF/s, a tie lost), not window
-    with softcap (not measured), never ALiBi or sinks (the gluon forward has neither).
+  - the gluon backend's measured rule picks the case (GluonBackend.selected, [Note] Gluon selection rule in
+    fagen/backends/gluon.py: where the H100 measurements of docs/hopper.md show a win over the Triton forward).
+fp8 (dtype fp8_e4m3) has no other kernel: an fp8 case within the gluon forward's limits (prefill forward, head_dim
+64/128, mask none/causal, no switch or the window alone) is always the gluon one on sm_90 (README "fp8 forward").
 Everywhere else the present kernels serve, unchanged. fagen.attention also asks for a problem of at least MIN_WORK
 (batch x query heads x Sq x Sk, with Sk bounded by a window's left + right + 1) pairs: the Gluon module's host path builds four TMA descriptors and goes through
 the JIT dispatch on every call (about 200 us on the H100, against about 70 us for the Triton forward with fast
 launches; benchmarks/latency.md), so it wins only where the kernel outlasts that: 2^29 pairs at d128 are about
 0.5 ms of full attention (0.25 ms causal) at 550 TF/s, so a queue of such calls stays GPU-bound either way.
 
-The backward (issue 16 phase 3, fagen/templates/gluon/backward.py.j2) is wired the same way but selected for no
-case by default: on the H100 it is correct, deterministic and exact where rows see one key, yet slower than the
-Triton backward (d128 causal s16k bf16: 298 vs 433 TF/s with phase 4's pipelined dQ writer, 291 vs 417 before;
-docs/hopper.md, phases 3 and 4). With $FAGEN_HOPPER_BWD=1 (and the conditions above), fagen.attention *with*
-gradients takes the gluon bwd module (its Gluon forward and fused Gluon backward) for head_dim 128, bf16,
-none/causal, any gqa, no score switch (backward_spec). `fagen bench` rows and the torch.compile operator keep the
-Triton kernels.
+With gradients, fagen.attention keeps the Triton bwd module: the gluon backend has no backward (a Gluon backward
+measured slower than the Triton one everywhere, 298 vs 433 TF/s at d128 causal s16k bf16, and left the product;
+docs/hopper.md, "What left the product").
 """
 
 from __future__ import annotations
@@ -36,22 +27,14 @@ from __future__ import annotations
 import functools
 import os
 
-from fagen.spec.axes import Backend, Direction, DType, Kind, Mask
+from fagen.backends import GLUON
+from fagen.spec.axes import Backend, DType
 from fagen.spec.kernel import KernelSpec
 
 ENV = "FAGEN_HOPPER"
 MIN_WORK = 1 << 29  # batch x query heads x Sq x Sk below which fagen.attention keeps the Triton forward
-# The cases the gluon forward is selected for (head_dim, dtype, masks): measured wins only, see the note above.
-SELECTED_HEAD_DIMS = (128,)
-SELECTED_DTYPES = (DType.BF16,)
-SELECTED_MASKS = (Mask.NONE, Mask.CAUSAL)
-SELECTED_SWITCHES = (("window",), Mask.CAUSAL)  # the one switch set selected, and its mask (any gqa)
-# The cases the gluon backward serves when opted in ($FAGEN_HOPPER_BWD=1): it measured slower than the Triton
-# backward on every case (docs/hopper.md, phases 3 and 4), so by the measured-wins rule nothing selects it by default.
-BWD_ENV = "FAGEN_HOPPER_BWD"
-BWD_SELECTED_HEAD_DIMS = (128,)
-BWD_SELECTED_DTYPES = (DType.BF16,)
-BWD_SELECTED_MASKS = (Mask.NONE, Mask.CAUSAL)
+# The measured rule, as the gluon backend's descriptor states it (machine not considered).
+selected = GLUON.selected
 
 
 def enabled() -> bool:
@@ -92,16 +75,6 @@ def is_hopper(device) -> bool:
     return _CAPABILITY[index] == (9, 0)
 
 
-def selected(spec: KernelSpec) -> bool:
-    """Whether the measured rule picks the gluon forward for the case of `spec` (machine not considered)."""
-    if not (spec.kind is Kind.PREFILL and spec.direction is Direction.FWD and spec.head_dim in SELECTED_HEAD_DIMS
-            and spec.dtype in SELECTED_DTYPES):
-        return False
-    if spec.switches:
-        return (spec.switches, spec.mask) == SELECTED_SWITCHES
-    return spec.mask in SELECTED_MASKS and not (spec.mask is Mask.CAUSAL and spec.gqa == 1)
-
-
 def gluon_twin(spec: KernelSpec) -> KernelSpec:
     """The gluon spec of the same case (its own default blocks)."""
     return KernelSpec(head_dim=spec.head_dim, mask=spec.mask, gqa=spec.gqa, dtype=spec.dtype,
@@ -113,30 +86,12 @@ def forward_spec(spec: KernelSpec, device) -> KernelSpec | None:
 
     `spec` may be a bwd spec (fagen.attention's): only its case (head_dim, mask, dtype, gqa) is read.
     """
+    if spec.dtype is DType.FP8_E4M3:  # no Triton fp8 kernel to keep: $FAGEN_HOPPER does not apply
+        fp8 = gluon_twin(spec)
+        return fp8 if selected(fp8) and is_hopper(device) and gluon_missing() is None else None
     case = KernelSpec(head_dim=spec.head_dim, mask=spec.mask, gqa=spec.gqa, dtype=spec.dtype, kind=spec.kind,
                       **{name: True for name in spec.switches})
     if not (enabled() and selected(case) and is_hopper(device) and gluon_missing() is None):
         return None
     return gluon_twin(case)
 
-
-def backward_enabled() -> bool:
-    """True only when $FAGEN_HOPPER_BWD is "1" (or "on", "true", "yes"): an opt-in, see the note above."""
-    return os.environ.get(BWD_ENV, "0").strip().lower() in ("1", "on", "true", "yes")
-
-
-def backward_selected(spec: KernelSpec) -> bool:
-    """Whether the gluon backward serves the case of `spec` once opted in (machine not considered)."""
-    return (spec.kind is Kind.PREFILL and not spec.switches and spec.head_dim in BWD_SELECTED_HEAD_DIMS
-            and spec.dtype in BWD_SELECTED_DTYPES and spec.mask in BWD_SELECTED_MASKS)
-
-
-def backward_spec(spec: KernelSpec, device) -> KernelSpec | None:
-    """The gluon bwd spec that should serve `spec`'s case with gradients on `device`, or None: keep `spec`."""
-    case = KernelSpec(head_dim=spec.head_dim, mask=spec.mask, gqa=spec.gqa, dtype=spec.dtype, kind=spec.kind,
-                      **{name: True for name in spec.switches})
-    if not (enabled() and backward_enabled() and backward_selected(case) and is_hopper(device)
-            and gluon_missing() is None):
-        return None
-    return KernelSpec(head_dim=spec.head_dim, mask=spec.mask, gqa=spec.gqa, dtype=spec.dtype,
-                      direction=Direction.BWD, backend=Backend.GLUON)

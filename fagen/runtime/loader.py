@@ -6,11 +6,11 @@ import threading
 from pathlib import Path
 from types import ModuleType
 
-from fagen import __version__
+from fagen import __version__, backends
 from fagen.codegen.render import Rendered, render
-from fagen.runtime import cache
+from fagen import files
+from fagen.runtime.device import gpu_arch
 from fagen.runtime.modules import import_module
-from fagen.spec import tables
 from fagen.spec.kernel import KernelSpec
 
 _loaded: dict[str, ModuleType] = {}
@@ -25,21 +25,23 @@ def write_source(spec: KernelSpec, rendered: Rendered | None = None) -> Path:
     is repaired rather than imported; a read-only cache whose files are whole is only read.
     """
     rendered = rendered or render(spec)
-    key = cache.digest("source", __version__, spec.to_json(), *rendered.files.values())[:20]
-    stem = cache.cache_root() / "src" / f"{spec.name}-{key}"
+    key = files.digest("source", __version__, spec.to_json(), *rendered.files.values())[:20]
+    stem = files.cache_root() / "src" / f"{spec.name}-{key}"
     for suffix, text in rendered.files.items():
-        cache.write_if_different(stem.with_name(stem.name + suffix), text)
-    return stem.with_name(stem.name + tables.SOURCE_SUFFIX[spec.backend])
+        files.write_if_different(stem.with_name(stem.name + suffix), text)
+    return stem.with_name(stem.name + backends.get(spec.backend).suffix)
 
 
 def load(spec: KernelSpec, build_dir: str | Path | None = None) -> ModuleType:
     """The generated module for `spec`. Rendered into the cache on first use; later calls are cache hits.
 
     With build_dir (the output of `fagen build` or `fagen compile`), its kernels launch the prebuilt cubins
-    for the current GPU instead of compiling (see fagen/runtime/prebuilt.py).
+    for the current GPU instead of compiling (see fagen/runtime/prebuilt.py). On a GPU, the launch fields the
+    spec left unset take that GPU arch's defaults (KernelSpec.for_arch; the interpreter keeps the spec as it is).
     """
     if not isinstance(spec, KernelSpec):
         raise TypeError(f"load() takes a KernelSpec, got {type(spec).__name__}")
+    spec = spec.for_arch(gpu_arch())
     if build_dir is not None:
         from fagen.runtime import prebuilt
 
@@ -56,6 +58,6 @@ def load(spec: KernelSpec, build_dir: str | Path | None = None) -> ModuleType:
 
 def load_source(source: str, name: str) -> ModuleType:
     """Import source text that is not a plain render (a mutant under test, say), through the cache."""
-    path = cache.cache_root() / "src" / f"{name}-{cache.digest(source)[:20]}.py"
-    cache.write_if_different(path, source)
+    path = files.cache_root() / "src" / f"{name}-{files.digest(source)[:20]}.py"
+    files.write_if_different(path, source)
     return import_module(path)

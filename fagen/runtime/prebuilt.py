@@ -9,7 +9,7 @@ import threading
 from pathlib import Path
 from types import ModuleType
 
-from fagen.runtime import cache
+from fagen import files
 from fagen.runtime.modules import import_module
 from fagen.spec.kernel import KernelSpec
 
@@ -34,7 +34,7 @@ def load(spec: KernelSpec, build_dir: Path) -> ModuleType:
     source_sha = hashlib.sha256(source.read_bytes()).hexdigest()
     if source_sha != variant["source_sha256"]:
         raise PrebuiltError(f"{source} changed after it was built; rebuild {build_dir}")
-    name = f"fagen_prebuilt.{spec.name}_{cache.digest(str(vdir.resolve()), source_sha)[:16]}"
+    name = f"fagen_prebuilt.{spec.name}_{files.digest(str(vdir.resolve()), source_sha)[:16]}"
     with _lock:
         module = import_module(source, name)
         if not getattr(module, "_FAGEN_PREBUILT", False):

@@ -40,8 +40,6 @@ def resolve(q, k, v, mask, decode: bool, switches: tuple[str, ...] = (), forward
                           **{name: True for name in switches})
     elif forward_only:
         spec = hopper.forward_spec(spec, q.device) or spec
-    elif not switches:  # with gradients: the Gluon backward where it is selected ([Note] Hopper selection)
-        spec = hopper.backward_spec(spec, q.device) or spec
     module = _module(spec)
     _FAST[fast_key(q, k, mask, decode, switches, forward_only)] = module
     return module

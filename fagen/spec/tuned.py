@@ -1,4 +1,5 @@
-"""The shipped table of tuned launch configs (fagen/spec/tuned.json): load, validate, look up, update."""
+"""The tuned launch configs: the shipped table (fagen/spec/tuned.json) under the user's own; load, validate, look up,
+update."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from fagen.spec.axes import BLOCK_SIZES, HEAD_DIMS, NUM_STAGES, NUM_WARPS, Direc
 TUNED_PATH = Path(__file__).with_name("tuned.json")
 FORMAT = 1
 # [Note] Deterministic specs
-# A spec's resolved block sizes must not depend on the machine it is built on, so KernelSpec always reads
-# the entries of DEFAULT_ARCH. Only a caller that names an arch (the tuner, a build for another GPU) reads others.
+# A spec's resolved block sizes must not depend on the machine it is built on, so KernelSpec reads the entries of
+# DEFAULT_ARCH unless it is given an arch: KernelSpec(..., arch="sm_80"), spec.for_arch(arch). Those who name one
+# are the tuner, `fagen build`/`fagen compile` (each target arch) and fagen.load on a GPU (the GPU's arch); the
+# interpreter keeps DEFAULT_ARCH's.
 DEFAULT_ARCH = "sm_90"
 KEY_FIELDS = ("arch", "head_dim", "mask", "dtype", "direction", "kind")
 CONFIG_FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
@@ -75,18 +78,30 @@ def _index(path: str) -> dict[tuple, dict]:
     return {_key(*(e[f] for f in KEY_FIELDS)): {f: e[f] for f in CONFIG_FIELDS} for e in read_table(Path(path))}
 
 
+def user_table_path() -> Path:
+    """The user's tuned table, tuned.json in fagen's cache root ($FAGEN_CACHE_DIR, else ~/.cache/fagen): where
+    `fagen tune` writes without --table (never into the installed package), read by lookup() over the shipped
+    table."""
+    from fagen.files import cache_root
+
+    return cache_root() / "tuned.json"
+
+
 def lookup(head_dim: int, mask, dtype, direction, kind, arch: str = DEFAULT_ARCH,
            path: Path | None = None) -> dict | None:
-    """The tuned config {block_m, block_n, num_warps, num_stages} for this key, or None when there is none."""
+    """The tuned config {block_m, block_n, num_warps, num_stages} for this key, or None when there is none.
+    Without `path`: the user's table (user_table_path) where it has the key, else the shipped table."""
     if mask is None:
         return None
-    found = _index(str(path or TUNED_PATH)).get(_key(arch, head_dim, mask, dtype, direction, kind))
+    key = _key(arch, head_dim, mask, dtype, direction, kind)
+    found = _index(str(path)).get(key) if path else \
+        _index(str(user_table_path())).get(key) or _index(str(TUNED_PATH)).get(key)
     return dict(found) if found is not None else None
 
 
 def upsert(path: Path, entry: dict) -> None:
     """Insert or replace one entry (matched on the key fields); written atomically, sorted for stable diffs."""
-    from fagen.runtime.cache import write_if_different
+    from fagen.files import write_if_different
 
     path = Path(path)
     entry = validate_entry(dict(entry), "new entry")

@@ -1,0 +1,64 @@
+"""A user mod's kernel arguments: each captured tensor (pointer, one stride and one size per dimension) and each
+runtime scalar, named by position so that no user name reaches a kernel identifier.
+
+[Note] Mod argument names. Captured tensors are `mt<i>` (pointer), `mt<i>_s<d>` (stride of dim d) and
+`mt<i>_n<d>` (size of dim d), and scalars `ms<j>`, with i and j the positions in the spec's sorted declarations.
+User names are identifiers of letters, digits and `_`, so prefixing them could collide (tensor `a` with stride
+`a_s0` and a tensor named `a_s0`); positions cannot. Every int among them (strides, sizes, int scalars) is listed
+in `no_specialize`: Triton specialises an int argument equal to 1 or divisible by 16, so a captured length or a
+closure int changing from 64 to 65 would otherwise compile a new kernel ([Note] Runtime scalars in docs/mods.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fagen.mods import ir
+from fagen.mods.emit import TensorRef
+from fagen.mods.text import ModScalar, ModTensor
+
+
+@dataclasses.dataclass(frozen=True)
+class ModArgs:
+    """The kernel parameters of a spec's captured tensors and scalars, in declaration order."""
+
+    tensors: tuple[ModTensor, ...]
+    scalars: tuple[ModScalar, ...]
+
+    def refs(self) -> dict:
+        """to_triton's names for the captured values (each tensor a TensorRef, each scalar its parameter)."""
+        out: dict = {}
+        for i, t in enumerate(self.tensors):
+            out[t.name] = TensorRef(f"mt{i}", tuple(f"mt{i}_s{d}" for d in range(t.rank)),
+                                    tuple(f"mt{i}_n{d}" for d in range(t.rank)))
+        for j, s in enumerate(self.scalars):
+            out[s.name] = f"ms{j}"
+        return out
+
+    def params(self) -> list[str]:
+        """The parameter names, in order: per tensor its pointer, strides and sizes; then the scalars."""
+        names = []
+        for i, t in enumerate(self.tensors):
+            names += [f"mt{i}", *(f"mt{i}_s{d}" for d in range(t.rank)), *(f"mt{i}_n{d}" for d in range(t.rank))]
+        return names + [f"ms{j}" for j in range(len(self.scalars))]
+
+    def no_specialize(self) -> list[str]:
+        """The int parameters (strides, sizes, int scalars): Triton must not specialise them by value."""
+        names = []
+        for i, t in enumerate(self.tensors):
+            names += [*(f"mt{i}_s{d}" for d in range(t.rank)), *(f"mt{i}_n{d}" for d in range(t.rank))]
+        return names + [f"ms{j}" for j, s in enumerate(self.scalars) if s.type == ir.INT]
+
+    def legend(self) -> list[str]:
+        """`mt0 = bias (fp32, rank 2)` lines for the generated source's header (names are validated identifiers)."""
+        return [f"mt{i} = {t.name} ({t.dtype}, rank {t.rank})" for i, t in enumerate(self.tensors)] + \
+            [f"ms{j} = {s.name} ({s.type})" for j, s in enumerate(self.scalars)]
+
+
+def host_values(args: ModArgs, values: dict) -> list:
+    """The launch values of `params()` from the captured values (name -> tensor or number)."""
+    out: list = []
+    for t in args.tensors:
+        x = values[t.name]
+        out += [x, *x.stride(), *x.shape]
+    return out + [values[s.name] for s in args.scalars]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from fagen.mods import ir
-from fagen.mods.emit import TensorRef
+from fagen.mods.emit import TRITON_HELPERS, TensorRef, to_triton
 from fagen.mods.text import ModScalar, ModTensor
 
 
@@ -62,3 +62,36 @@ def host_values(args: ModArgs, values: dict) -> list:
         x = values[t.name]
         out += [x, *x.stride(), *x.shape]
     return out + [values[s.name] for s in args.scalars]
+
+
+class ModCode:
+    """What a template emits for a spec's mods: Triton expressions of the score_mod, its d/d score and the mask_mod
+    at given kernel names, all printed from the parsed trees by fagen.mods.emit (never from the user's text)."""
+
+    def __init__(self, spec) -> None:
+        from fagen.mods.grad import d_score
+        from fagen.mods.text import parse
+
+        self.args = ModArgs(tuple(ModTensor(*t) for t in spec.mod_tensors),
+                            tuple(ModScalar(*s) for s in spec.mod_scalars))
+        decls = (self.args.tensors, self.args.scalars)
+        self.score_tree = parse(spec.score_mod, "score_mod", *decls) if spec.score_mod is not None else None
+        self.mask_tree = parse(spec.mask_mod, "mask_mod", *decls) if spec.mask_mod is not None else None
+        self.dscore_tree = d_score(self.score_tree) if self.score_tree is not None else None
+        self.helpers = TRITON_HELPERS
+
+    def _names(self, score, b, h, q_idx, kv_idx) -> dict:
+        return {"score": score, "b": b, "h": h, "q_idx": q_idx, "kv_idx": kv_idx, **self.args.refs()}
+
+    def score(self, score: str, b: str, h: str, q_idx: str, kv_idx: str) -> str:
+        return to_triton(self.score_tree, self._names(score, b, h, q_idx, kv_idx))
+
+    def dscore(self, score: str, b: str, h: str, q_idx: str, kv_idx: str) -> str | None:
+        """d score_mod / d score, or None where it is the constant 1 (additive mods: dS passes through)."""
+        tree = self.dscore_tree
+        if isinstance(tree, ir.Const) and tree.value == 1:
+            return None
+        return to_triton(tree, self._names(score, b, h, q_idx, kv_idx))
+
+    def visible(self, b: str, h: str, q_idx: str, kv_idx: str) -> str:
+        return to_triton(self.mask_tree, self._names("", b, h, q_idx, kv_idx))

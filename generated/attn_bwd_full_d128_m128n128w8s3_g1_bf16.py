@@ -560,13 +560,12 @@ def _launch_forward(q, k, v, scale, seqlens_q, seqlens_k, tree, out=None, lse=No
         _ensure_allocator()
     tree_strides = (tree.stride(0), tree.stride(1)) if tree is not None else (0, 0)
     grid = (_cdiv(rows_q, BLOCK_M), hq, b)
-    ints = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2), *tree_strides, hq, sq, sk)
+    ints = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+            v.stride(2), out.stride(0), out.stride(1), out.stride(2), *tree_strides, hq, sq, sk)
     entry = _fast(_attn_fwd)[grid](
-        q, k, v, out, lse, seqlens_q, seqlens_k, tree, scale * 1.4426950408889634,  # 1/ln 2: exp2 domain
-        *ints,
-        HEAD_DIM=HEAD_DIM, BLOCK_D=_pow2(HEAD_DIM), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        GQA=GQA, UPCAST=UPCAST, TMA=TMA, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        q, k, v, out, lse, seqlens_q, seqlens_k, tree, scale * 1.4426950408889634, *ints,
+        HEAD_DIM=HEAD_DIM, BLOCK_D=_pow2(HEAD_DIM), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, GQA=GQA, UPCAST=UPCAST, TMA=TMA,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     if _direct_entry(entry) and not copied \
             and ((q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr() | lse.data_ptr()) & 15) == 0:
@@ -624,31 +623,25 @@ def forward(q, k, v, *, scale=None, seqlens_q=None, seqlens_k=None, tree_mask=No
 # None for this spec is a constexpr None), the constexpr values the launcher passes (compiled kernels never
 # upcast, so UPCAST is False), warps and stages. "divisible" names arguments assumed to be multiples of 16
 # (pointers: 16-byte aligned), as Triton's JIT specializes them; a prebuilt launch checks every assumption.
-# The launcher above must pass exactly these; fagen/runtime/prebuilt.py refuses a launch that does not.
-_PTR = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}[DTYPE]
-_FWD_INTS = ("stride_qb stride_qh stride_qm stride_kb stride_kh stride_kn stride_vb stride_vh stride_vn "
-             "stride_ob stride_oh stride_om stride_tb stride_tm num_heads seq_q seq_k").split()
+# The entries are rendered from the kernels' argument lists (fagen/codegen/args.py), as are the launches above,
+# so the launcher passes exactly these; fagen/runtime/prebuilt.py refuses a launch that does not.
 AOT_KERNELS = [
     {
         "name": "_attn_fwd",
         "fn": _attn_fwd,
-        "signature": {"Q": _PTR, "K": _PTR, "V": _PTR, "Out": _PTR, "Lse": "*fp32",
-                      "SeqlensQ": "constexpr",
-                      "SeqlensK": "constexpr",
-                      "TreeMask": "constexpr",
-                      "qk_scale": "fp32", **{name: "i32" for name in _FWD_INTS},
-                      **{name: "constexpr" for name in ("HEAD_DIM", "BLOCK_D", "BLOCK_M", "BLOCK_N", "GQA", "UPCAST", "TMA")}},
-        "constexprs": {
-            "SeqlensQ": None,
-            "SeqlensK": None,
-            "TreeMask": None,
-            "HEAD_DIM": HEAD_DIM, "BLOCK_D": triton.next_power_of_2(HEAD_DIM), "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N,
-            "GQA": GQA, "UPCAST": False, "TMA": TMA,
-        },
-        # Contiguous row strides are multiples of 16 only when head_dim is.
-        "divisible": ["Q", "K", "V", "Out", "Lse"]
-        + ([name for name in _FWD_INTS if name.startswith(("stride_q", "stride_k", "stride_v", "stride_o"))]
-           if HEAD_DIM % 16 == 0 else []),
+        "signature": {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "Lse": "*fp32", "SeqlensQ": "constexpr",
+                      "SeqlensK": "constexpr", "TreeMask": "constexpr", "qk_scale": "fp32", "stride_qb": "i32",
+                      "stride_qh": "i32", "stride_qm": "i32", "stride_kb": "i32", "stride_kh": "i32",
+                      "stride_kn": "i32", "stride_vb": "i32", "stride_vh": "i32", "stride_vn": "i32",
+                      "stride_ob": "i32", "stride_oh": "i32", "stride_om": "i32", "stride_tb": "i32",
+                      "stride_tm": "i32", "num_heads": "i32", "seq_q": "i32", "seq_k": "i32", "HEAD_DIM": "constexpr",
+                      "BLOCK_D": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "GQA": "constexpr",
+                      "UPCAST": "constexpr", "TMA": "constexpr"},
+        "constexprs": {"SeqlensQ": None, "SeqlensK": None, "TreeMask": None, "HEAD_DIM": HEAD_DIM,
+                       "BLOCK_D": triton.next_power_of_2(HEAD_DIM), "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "GQA": GQA,
+                       "UPCAST": False, "TMA": TMA},
+        "divisible": ["Q", "K", "V", "Out", "Lse", "stride_qb", "stride_qh", "stride_qm", "stride_kb", "stride_kh",
+                      "stride_kn", "stride_vb", "stride_vh", "stride_vn", "stride_ob", "stride_oh", "stride_om"],
         "num_warps": NUM_WARPS,
         "num_stages": NUM_STAGES,
     },
@@ -918,55 +911,68 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse2, Delta, SeqlensQ, SeqlensK, TreeMask, qk_
              + rows[:, None] * stride_dqm + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=out_mask)
 
 
-# Ahead-of-time kernel list (see fagen's AOT convention): one entry per @triton.jit kernel with the argument
-# types of a compiled launch. Pointers that this mask never reads are constexpr None.
-AOT_KERNELS = globals().get("AOT_KERNELS", [])
-_AOT_T = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}[DTYPE]
-_AOT_SEQLENS = "constexpr"
-_AOT_TREE = "*u8" if MASK == "tree" else "constexpr"
-_AOT_CONST = {"HEAD_DIM": HEAD_DIM, "BLOCK_D": triton.next_power_of_2(HEAD_DIM)}
-_AOT_NONE = {name: None for name, t in (("SeqlensQ", _AOT_SEQLENS), ("SeqlensK", _AOT_SEQLENS),
-                                        ("TreeMask", _AOT_TREE)) if t == "constexpr"}
-
-
-def _aot_signature(fn, types):
-    """{arg: type} in fn's argument order: `types` where given, "constexpr" for compile-time args, else "i32"."""
-    const = set(_AOT_CONST) | set(_AOT_NONE) | {"BLOCK_M", "BLOCK_N", "GQA", "UPCAST"}
-    return {n: types.get(n, "constexpr" if n in const else "i32") for n in fn.arg_names}
-
-
-def _aot_divisible(fn):
-    """Pointers and strides: 16-aligned as Triton's JIT specializes them (q/k/v/o strides when D % 16 == 0; the
-    row statistics' head stride is a whole number of blocks)."""
-    return [n for n in fn.arg_names if n in ("Q", "K", "V", "DO", "DK", "DV", "DQ", "Out", "Lse", "Lse2", "Delta",
-                                              "stride_sh")
-            or (HEAD_DIM % 16 == 0 and n.startswith("stride_") and not n.startswith("stride_t"))]
-
-
+# Ahead-of-time kernel list ([Note] AOT kernels): one entry per @triton.jit kernel, from its argument list.
 AOT_KERNELS += [
-    {"name": "_attn_bwd_preprocess", "fn": _attn_bwd_preprocess,
-     "signature": _aot_signature(_attn_bwd_preprocess, {"Out": _AOT_T, "DO": _AOT_T, "Lse": "*fp32",
-                                                         "Delta": "*fp32", "Lse2": "*fp32",
-                                                         "SeqlensQ": _AOT_SEQLENS}),
-     "constexprs": {**_AOT_CONST, "BLOCK_M": DQ_BLOCK_M, **{k: v for k, v in _AOT_NONE.items() if k == "SeqlensQ"},
-                    "UPCAST": False}, "divisible": _aot_divisible(_attn_bwd_preprocess),
-     "num_warps": DQ_NUM_WARPS, "num_stages": DQ_NUM_STAGES},
-    {"name": "_attn_bwd_dkdv", "fn": _attn_bwd_dkdv,
-     "signature": _aot_signature(_attn_bwd_dkdv, {
-         "Q": _AOT_T, "K": _AOT_T, "V": _AOT_T, "DO": _AOT_T, "DK": _AOT_T, "DV": _AOT_T, "Lse2": "*fp32",
-         "Delta": "*fp32", "SeqlensQ": _AOT_SEQLENS, "SeqlensK": _AOT_SEQLENS, "TreeMask": _AOT_TREE,
-         "qk_scale": "fp32", "scale": "fp32"}),
-     "constexprs": {**_AOT_CONST, "BLOCK_M": DKDV_BLOCK_M, "BLOCK_N": DKDV_BLOCK_N, **_AOT_NONE, "GQA": GQA,
-                    "UPCAST": False},
-     "divisible": _aot_divisible(_attn_bwd_dkdv), "num_warps": DKDV_NUM_WARPS, "num_stages": DKDV_NUM_STAGES},
-    {"name": "_attn_bwd_dq", "fn": _attn_bwd_dq,
-     "signature": _aot_signature(_attn_bwd_dq, {
-         "Q": _AOT_T, "K": _AOT_T, "V": _AOT_T, "DO": _AOT_T, "DQ": _AOT_T, "Lse2": "*fp32", "Delta": "*fp32",
-         "SeqlensQ": _AOT_SEQLENS, "SeqlensK": _AOT_SEQLENS, "TreeMask": _AOT_TREE,
-         "qk_scale": "fp32", "scale": "fp32"}),
-     "constexprs": {**_AOT_CONST, "BLOCK_M": DQ_BLOCK_M, "BLOCK_N": DQ_BLOCK_N, **_AOT_NONE, "GQA": GQA,
-                    "UPCAST": False},
-     "divisible": _aot_divisible(_attn_bwd_dq), "num_warps": DQ_NUM_WARPS, "num_stages": DQ_NUM_STAGES},
+    {
+        "name": "_attn_bwd_preprocess",
+        "fn": _attn_bwd_preprocess,
+        "signature": {"Out": "*bf16", "DO": "*bf16", "Lse": "*fp32", "Delta": "*fp32", "Lse2": "*fp32",
+                      "SeqlensQ": "constexpr", "stride_ob": "i32", "stride_oh": "i32", "stride_om": "i32",
+                      "stride_dob": "i32", "stride_doh": "i32", "stride_dom": "i32", "stride_sh": "i32",
+                      "num_heads": "i32", "seq_q": "i32", "HEAD_DIM": "constexpr", "BLOCK_D": "constexpr",
+                      "BLOCK_M": "constexpr", "UPCAST": "constexpr"},
+        "constexprs": {"SeqlensQ": None, "HEAD_DIM": HEAD_DIM, "BLOCK_D": triton.next_power_of_2(HEAD_DIM),
+                       "BLOCK_M": DQ_BLOCK_M, "UPCAST": False},
+        "divisible": ["Out", "DO", "Lse", "Delta", "Lse2", "stride_ob", "stride_oh", "stride_om", "stride_dob",
+                      "stride_doh", "stride_dom", "stride_sh"],
+        "num_warps": DQ_NUM_WARPS,
+        "num_stages": DQ_NUM_STAGES,
+    },
+    {
+        "name": "_attn_bwd_dkdv",
+        "fn": _attn_bwd_dkdv,
+        "signature": {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "DO": "*bf16", "DK": "*bf16", "DV": "*bf16",
+                      "Lse2": "*fp32", "Delta": "*fp32", "SeqlensQ": "constexpr", "SeqlensK": "constexpr",
+                      "TreeMask": "constexpr", "qk_scale": "fp32", "scale": "fp32", "stride_qb": "i32",
+                      "stride_qh": "i32", "stride_qm": "i32", "stride_kb": "i32", "stride_kh": "i32",
+                      "stride_kn": "i32", "stride_vb": "i32", "stride_vh": "i32", "stride_vn": "i32",
+                      "stride_dob": "i32", "stride_doh": "i32", "stride_dom": "i32", "stride_dkb": "i32",
+                      "stride_dkh": "i32", "stride_dkn": "i32", "stride_dvb": "i32", "stride_dvh": "i32",
+                      "stride_dvn": "i32", "stride_tb": "i32", "stride_tm": "i32", "stride_sh": "i32",
+                      "num_heads": "i32", "seq_q": "i32", "seq_k": "i32", "HEAD_DIM": "constexpr",
+                      "BLOCK_D": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "GQA": "constexpr",
+                      "UPCAST": "constexpr"},
+        "constexprs": {"SeqlensQ": None, "SeqlensK": None, "TreeMask": None, "HEAD_DIM": HEAD_DIM,
+                       "BLOCK_D": triton.next_power_of_2(HEAD_DIM), "BLOCK_M": DKDV_BLOCK_M, "BLOCK_N": DKDV_BLOCK_N,
+                       "GQA": GQA, "UPCAST": False},
+        "divisible": ["Q", "K", "V", "DO", "DK", "DV", "Lse2", "Delta", "stride_qb", "stride_qh", "stride_qm",
+                      "stride_kb", "stride_kh", "stride_kn", "stride_vb", "stride_vh", "stride_vn", "stride_dob",
+                      "stride_doh", "stride_dom", "stride_dkb", "stride_dkh", "stride_dkn", "stride_dvb", "stride_dvh",
+                      "stride_dvn", "stride_sh"],
+        "num_warps": DKDV_NUM_WARPS,
+        "num_stages": DKDV_NUM_STAGES,
+    },
+    {
+        "name": "_attn_bwd_dq",
+        "fn": _attn_bwd_dq,
+        "signature": {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "DO": "*bf16", "DQ": "*bf16", "Lse2": "*fp32",
+                      "Delta": "*fp32", "SeqlensQ": "constexpr", "SeqlensK": "constexpr", "TreeMask": "constexpr",
+                      "qk_scale": "fp32", "scale": "fp32", "stride_qb": "i32", "stride_qh": "i32", "stride_qm": "i32",
+                      "stride_kb": "i32", "stride_kh": "i32", "stride_kn": "i32", "stride_vb": "i32",
+                      "stride_vh": "i32", "stride_vn": "i32", "stride_dob": "i32", "stride_doh": "i32",
+                      "stride_dom": "i32", "stride_dqb": "i32", "stride_dqh": "i32", "stride_dqm": "i32",
+                      "stride_tb": "i32", "stride_tm": "i32", "stride_sh": "i32", "num_heads": "i32", "seq_q": "i32",
+                      "seq_k": "i32", "HEAD_DIM": "constexpr", "BLOCK_D": "constexpr", "BLOCK_M": "constexpr",
+                      "BLOCK_N": "constexpr", "GQA": "constexpr", "UPCAST": "constexpr"},
+        "constexprs": {"SeqlensQ": None, "SeqlensK": None, "TreeMask": None, "HEAD_DIM": HEAD_DIM,
+                       "BLOCK_D": triton.next_power_of_2(HEAD_DIM), "BLOCK_M": DQ_BLOCK_M, "BLOCK_N": DQ_BLOCK_N,
+                       "GQA": GQA, "UPCAST": False},
+        "divisible": ["Q", "K", "V", "DO", "DQ", "Lse2", "Delta", "stride_qb", "stride_qh", "stride_qm", "stride_kb",
+                      "stride_kh", "stride_kn", "stride_vb", "stride_vh", "stride_vn", "stride_dob", "stride_doh",
+                      "stride_dom", "stride_dqb", "stride_dqh", "stride_dqm", "stride_sh"],
+        "num_warps": DQ_NUM_WARPS,
+        "num_stages": DQ_NUM_STAGES,
+    },
 ]
 
 
@@ -989,28 +995,28 @@ def _launch_backward(do, q, k, v, out, lse, scale, seqlens_q, seqlens_k, tree, n
     lse2 = torch.empty_like(delta)
     # Launches through _fast ([Note] Fast launches): a training step's backward is three kernels.
     _fast(_attn_bwd_preprocess)[(sq_pad // DQ_BLOCK_M, hq, b)](
-        out, do, lse, delta, lse2, seqlens_q, out.stride(0), out.stride(1), out.stride(2), do.stride(0),
-        do.stride(1), do.stride(2), sq_pad, hq, sq, HEAD_DIM=HEAD_DIM, BLOCK_D=block_d, BLOCK_M=DQ_BLOCK_M, UPCAST=UPCAST,
-        num_warps=DQ_NUM_WARPS,
+        out, do, lse, delta, lse2, seqlens_q, out.stride(0), out.stride(1), out.stride(2), do.stride(0), do.stride(1),
+        do.stride(2), sq_pad, hq, sq,
+        HEAD_DIM=HEAD_DIM, BLOCK_D=block_d, BLOCK_M=DQ_BLOCK_M, UPCAST=UPCAST, num_warps=DQ_NUM_WARPS,
         num_stages=DQ_NUM_STAGES,
     )
     tree_strides = (tree.stride(0), tree.stride(1)) if tree is not None else (0, 0)
-    common = dict(HEAD_DIM=HEAD_DIM, BLOCK_D=block_d, GQA=GQA, UPCAST=UPCAST)
     qk_scale = scale * 1.4426950408889634  # 1/ln 2: exp2 domain, as in the forward
-    qkv_strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                   v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
+    qkv_strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0),
+                   v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
     if need_dkdv:
         _fast(_attn_bwd_dkdv)[(_cdiv(rows_k, DKDV_BLOCK_N), hkv, b)](
-            q, k, v, do, dk, dv, lse2, delta, seqlens_q, seqlens_k, tree, qk_scale, scale, *qkv_strides,
-            dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-            *tree_strides, sq_pad, hq, sq, sk, BLOCK_M=DKDV_BLOCK_M, BLOCK_N=DKDV_BLOCK_N, **common,
+            q, k, v, do, dk, dv, lse2, delta, seqlens_q, seqlens_k, tree, qk_scale, scale, *qkv_strides, dk.stride(0),
+            dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), *tree_strides, sq_pad, hq, sq, sk,
+            HEAD_DIM=HEAD_DIM, BLOCK_D=block_d, BLOCK_M=DKDV_BLOCK_M, BLOCK_N=DKDV_BLOCK_N, GQA=GQA, UPCAST=UPCAST,
             num_warps=DKDV_NUM_WARPS, num_stages=DKDV_NUM_STAGES,
         )
     if need_dq:
         _fast(_attn_bwd_dq)[(_cdiv(rows_q, DQ_BLOCK_M), hq, b)](
-            q, k, v, do, dq, lse2, delta, seqlens_q, seqlens_k, tree, qk_scale, scale, *qkv_strides,
-            dq.stride(0), dq.stride(1), dq.stride(2), *tree_strides, sq_pad, hq, sq, sk,
-            BLOCK_M=DQ_BLOCK_M, BLOCK_N=DQ_BLOCK_N, **common, num_warps=DQ_NUM_WARPS, num_stages=DQ_NUM_STAGES,
+            q, k, v, do, dq, lse2, delta, seqlens_q, seqlens_k, tree, qk_scale, scale, *qkv_strides, dq.stride(0),
+            dq.stride(1), dq.stride(2), *tree_strides, sq_pad, hq, sq, sk,
+            HEAD_DIM=HEAD_DIM, BLOCK_D=block_d, BLOCK_M=DQ_BLOCK_M, BLOCK_N=DQ_BLOCK_N, GQA=GQA, UPCAST=UPCAST,
+            num_warps=DQ_NUM_WARPS, num_stages=DQ_NUM_STAGES,
         )
     return dq, dk, dv
 
@@ -1031,11 +1037,18 @@ def backward(do, q, k, v, out, lse, *, scale=None, seqlens_q=None, seqlens_k=Non
 
 
 class _Attention(torch.autograd.Function):
-    """out = attention(q, k, v); backward runs the kernels above. Mask inputs and scale get no gradient."""
+    """out = attention(q, k, v); backward runs the kernels above. Mask inputs and scale get no gradient.
+
+    [Note] One autograd. This Function is the module's only autograd: eager calls launch directly (an
+    autograd.Function costs a few microseconds a call, a custom operator with registered autograd several times
+    that); under torch.compile Dynamo traces it, and it calls the operators forward_op and backward_op ([Note]
+    Operators), so the graph holds them with this backward and no graph break.
+    """
 
     @staticmethod
     def forward(ctx, q, k, v, scale, seqlens_q, seqlens_k, tree):
-        out, lse = _launch_forward(q, k, v, scale, seqlens_q, seqlens_k, tree)
+        launch = forward_op if torch.compiler.is_compiling() else _launch_forward
+        out, lse = launch(q, k, v, scale, seqlens_q, seqlens_k, tree)
         ctx.save_for_backward(q, k, v, out, lse, seqlens_q, seqlens_k, tree)
         ctx.scale = scale
         return out
@@ -1044,8 +1057,13 @@ class _Attention(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, out, lse, seqlens_q, seqlens_k, tree = ctx.saved_tensors
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
-        dq, dk, dv = _launch_backward(do.to(q.dtype), q, k, v, out, lse, ctx.scale, seqlens_q, seqlens_k, tree,
-                                      need_dq=need_q, need_dkdv=need_k or need_v)
+        do = do.to(q.dtype)
+        if torch.compiler.is_compiling():
+            grads = backward_op(do, q, k, v, out, lse, ctx.scale, seqlens_q, seqlens_k, tree)
+        else:
+            grads = _launch_backward(do, q, k, v, out, lse, ctx.scale, seqlens_q, seqlens_k, tree,
+                                     need_dq=need_q, need_dkdv=need_k or need_v)
+        dq, dk, dv = grads[:3]
         return dq, dk if need_k else None, dv if need_v else None, None, None, None, None
 
 
@@ -1054,17 +1072,16 @@ def attention(q, k, v, *, scale=None, seqlens_q=None, seqlens_k=None, tree_mask=
     _check_qkv(q, k, v)
     scale = _check_scale(scale)
     seqlens_q, seqlens_k, tree = _check_mask_inputs(q, k, seqlens_q, seqlens_k, tree_mask, check)
-    if torch.compiler.is_compiling():  # the operator has the same autograd, and traces without a graph break
-        return forward_op(q, k, v, scale, seqlens_q, seqlens_k, tree)[0]
-    return _Attention.apply(q, k, v, scale, seqlens_q, seqlens_k, tree)
+    return _Attention.apply(q, k, v, scale, seqlens_q, seqlens_k, tree)  # [Note] One autograd
 
 
 # [Note] Operators
-# The launches are also torch.library custom operators (fagen::<module>_fwd, _fwd_out, _bwd), with fake
-# implementations and, for bwd specs, registered autograd. Under torch.compile the public functions call the
-# operators, so a call traces with no graph break and no recompile per sequence length (the fake outputs follow
-# the input shapes); in eager mode they launch directly and skip the dispatcher (microseconds per call). The
-# operators take checked, launch-ready inputs: scale a float, the tree in its launch form.
+# The launches are also torch.library custom operators (fagen::<module>_fwd, _fwd_out, _bwd) with fake
+# implementations. Under torch.compile the public functions call the operators, so a call traces with no graph
+# break and no recompile per sequence length (the fake outputs follow the input shapes); in eager mode they launch
+# directly and skip the dispatcher (microseconds per call). The operators take checked, launch-ready inputs: scale
+# a float, the tree in its launch form. They carry no autograd: the one autograd of a bwd module is _Attention
+# ([Note] One autograd), which calls them when compiling.
 _OP = "fagen::" + __name__.rpartition(".")[2].replace("-", "_")
 
 
@@ -1128,20 +1145,3 @@ def backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 @backward_op.register_fake
 def _backward_fake(do, q, k, v, out, lse, scale, seqlens_q, seqlens_k, tree):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
-
-def _op_setup(ctx, inputs, output):
-    q, k, v, scale, seqlens_q, seqlens_k, tree = inputs
-    ctx.save_for_backward(q, k, v, output[0], output[1], seqlens_q, seqlens_k, tree)
-    ctx.scale = scale
-
-
-def _op_backward(ctx, dout, dlse):
-    # lse is an output for merging partial results (ring attention, split KV); it carries no gradient here.
-    q, k, v, out, lse, seqlens_q, seqlens_k, tree = ctx.saved_tensors
-    dq, dk, dv = backward_op(dout.to(q.dtype).contiguous(), q, k, v, out, lse, ctx.scale, seqlens_q, seqlens_k,
-                             tree)
-    return dq, dk, dv, None, None, None, None
-
-
-forward_op.register_autograd(_op_backward, setup_context=_op_setup)

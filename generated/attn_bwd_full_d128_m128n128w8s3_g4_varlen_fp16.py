@@ -178,8 +178,8 @@ def _check_mask_inputs(q, k, seqlens_q, seqlens_k, tree_mask, check=None):
 
 # [Note] Layout inputs (README "Layouts"). Shapes, dtypes and devices are host-only and always checked; the values of
 # cu_seqlens, seqlens_k and block_table are read only with check=True or FAGEN_CHECK=1 ([Note] Checks that read
-# device values), so that CUDA graphs capture. Unchecked, a cached length past the block table's pages is clamped to
-# them in the kernel; a page index outside the cache is the caller's to avoid.
+# device values), so that CUDA graphs capture. Unchecked, the kernels clamp lengths, cu_seqlens and page indices
+# ([Note] Memory safety in triton/masks.j2): a bad value changes only its own sequence's result.
 def _check_index(name, t, dims, device):
     """An index tensor of these dims on `device`, int32 or int64 ([Note] Index dtypes)."""
     if not isinstance(t, torch.Tensor):
@@ -462,6 +462,19 @@ def _load_rows(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.c
     return tile
 
 
+# [Note] Memory safety. Lengths, cu_seqlens and block tables are device values that only check=True reads on the
+# host, so the kernels trust none of them: whatever their values, every load and store stays inside the tensors the
+# launch was given. As FlashAttention does for its lengths, each program clamps its own scalars once, before any
+# loop: a padding length into [0, S] (S the tensor's rows), a cu_seqlens start into [0, total rows] and its end into
+# [start, total rows], a cached length into [0, the table's pages x page_size] (0 for an empty cache), and each
+# gathered page index into [0, num_pages - 1] (one min/max per key, beside the table load the gather already pays).
+# Every later bound (key ranges, masks, stores) derives from the clamped values, so a bad value can only change its
+# own sequence's result (unspecified for it, never a crash), never another sequence's rows. The backward's row
+# statistics have S_pad rows per head, so its dK/dV kernel also keeps len_q <= S_pad. Tree masks are read only at
+# nodes inside [0, Sq), parent pointers are clamped where the host expands them, and window extents are host ints,
+# checked and capped at UNBOUNDED. Tests: tests/test_fuzz_memory.py, scripts/gpu_memcheck_fuzz.py.
+
+
 @triton.jit
 def _fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, qk_scale,
                offs_m, offs_n, offs_d, lo, hi, len_q, len_k, seq_q, seq_k, off_b,
@@ -515,9 +528,13 @@ def _attn_fwd(Q, K, V, Out, Lse, SeqlensQ, SeqlensK, TreeMask, qk_scale,
     off_b = tl.program_id(2)
     off_hkv = off_h // GQA  # query head h reads KV head h // GQA
     q_row0 = tl.load(SeqlensQ + off_b)  # cu_seqlens_q ([Note] Layouts)
-    len_q = tl.load(SeqlensQ + off_b + 1) - q_row0
+    q_end = tl.load(SeqlensQ + off_b + 1)
+    q_row0 = tl.minimum(tl.maximum(q_row0, 0), seq_q)  # [Note] Memory safety: seq_q is the packed row count
+    len_q = tl.minimum(tl.maximum(q_end, q_row0), seq_q) - q_row0
     k_row0 = tl.load(SeqlensK + off_b)  # cu_seqlens_k
-    len_k = tl.load(SeqlensK + off_b + 1) - k_row0
+    k_end = tl.load(SeqlensK + off_b + 1)
+    k_row0 = tl.minimum(tl.maximum(k_row0, 0), seq_k)  # [Note] Memory safety: seq_k is the packed row count
+    len_k = tl.minimum(tl.maximum(k_end, k_row0), seq_k) - k_row0
 
     m0 = start_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -587,6 +604,7 @@ def _launch_forward(q, k, v, scale, seqlens_q, seqlens_k, tree, max_seqlen_q, ma
     result = out, lse
     q, k, v, out, lse, b, rows_q, sk, paging = _kernel_views(q, k, v, out, lse, seqlens_q, max_seqlen_q, max_seqlen_k)
     hq, sq = q.shape[1], q.shape[2]
+    sk = k.shape[2]  # the kernel's seq_k: the packed key rows, into which it clamps cu_seqlens_k ([Note] Memory safety)
     if b == 0 or rows_q == 0:
         return result
     copied = q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1
@@ -597,13 +615,12 @@ def _launch_forward(q, k, v, scale, seqlens_q, seqlens_k, tree, max_seqlen_q, ma
         _ensure_allocator()
     tree_strides = (tree.stride(0), tree.stride(1)) if tree is not None else (0, 0)
     grid = (_cdiv(rows_q, BLOCK_M), hq, b)
-    ints = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2), *tree_strides, hq, sq, sk)
+    ints = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+            v.stride(2), out.stride(0), out.stride(1), out.stride(2), *tree_strides, hq, sq, sk)
     entry = _fast(_attn_fwd)[grid](
-        q, k, v, out, lse, seqlens_q, seqlens_k, tree, scale * 1.4426950408889634,  # 1/ln 2: exp2 domain
-        *ints,
-        HEAD_DIM=HEAD_DIM, BLOCK_D=_pow2(HEAD_DIM), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        GQA=GQA, UPCAST=UPCAST, TMA=TMA, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        q, k, v, out, lse, seqlens_q, seqlens_k, tree, scale * 1.4426950408889634, *ints,
+        HEAD_DIM=HEAD_DIM, BLOCK_D=_pow2(HEAD_DIM), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, GQA=GQA, UPCAST=UPCAST, TMA=TMA,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     return result
 
@@ -656,29 +673,24 @@ def forward(q, k, v, *, scale=None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 # None for this spec is a constexpr None), the constexpr values the launcher passes (compiled kernels never
 # upcast, so UPCAST is False), warps and stages. "divisible" names arguments assumed to be multiples of 16
 # (pointers: 16-byte aligned), as Triton's JIT specializes them; a prebuilt launch checks every assumption.
-# The launcher above must pass exactly these; fagen/runtime/prebuilt.py refuses a launch that does not.
-_PTR = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}[DTYPE]
-_FWD_INTS = ("stride_qb stride_qh stride_qm stride_kb stride_kh stride_kn stride_vb stride_vh stride_vn "
-             "stride_ob stride_oh stride_om stride_tb stride_tm num_heads seq_q seq_k").split()
+# The entries are rendered from the kernels' argument lists (fagen/codegen/args.py), as are the launches above,
+# so the launcher passes exactly these; fagen/runtime/prebuilt.py refuses a launch that does not.
 AOT_KERNELS = [
     {
         "name": "_attn_fwd",
         "fn": _attn_fwd,
-        "signature": {"Q": _PTR, "K": _PTR, "V": _PTR, "Out": _PTR, "Lse": "*fp32",
-                      "SeqlensQ": "*i32",
-                      "SeqlensK": "*i32",
-                      "TreeMask": "constexpr",
-                      "qk_scale": "fp32", **{name: "i32" for name in _FWD_INTS},
-                      **{name: "constexpr" for name in ("HEAD_DIM", "BLOCK_D", "BLOCK_M", "BLOCK_N", "GQA", "UPCAST", "TMA")}},
-        "constexprs": {
-            "TreeMask": None,
-            "HEAD_DIM": HEAD_DIM, "BLOCK_D": triton.next_power_of_2(HEAD_DIM), "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N,
-            "GQA": GQA, "UPCAST": False, "TMA": TMA,
-        },
-        # Contiguous row strides are multiples of 16 only when head_dim is.
-        "divisible": ["Q", "K", "V", "Out", "Lse"]
-        + ([name for name in _FWD_INTS if name.startswith(("stride_q", "stride_k", "stride_v", "stride_o"))]
-           if HEAD_DIM % 16 == 0 else []),
+        "signature": {"Q": "*fp16", "K": "*fp16", "V": "*fp16", "Out": "*fp16", "Lse": "*fp32", "SeqlensQ": "*i32",
+                      "SeqlensK": "*i32", "TreeMask": "constexpr", "qk_scale": "fp32", "stride_qb": "i32",
+                      "stride_qh": "i32", "stride_qm": "i32", "stride_kb": "i32", "stride_kh": "i32",
+                      "stride_kn": "i32", "stride_vb": "i32", "stride_vh": "i32", "stride_vn": "i32",
+                      "stride_ob": "i32", "stride_oh": "i32", "stride_om": "i32", "stride_tb": "i32",
+                      "stride_tm": "i32", "num_heads": "i32", "seq_q": "i32", "seq_k": "i32", "HEAD_DIM": "constexpr",
+                      "BLOCK_D": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "GQA": "constexpr",
+                      "UPCAST": "constexpr", "TMA": "constexpr"},
+        "constexprs": {"TreeMask": None, "HEAD_DIM": HEAD_DIM, "BLOCK_D": triton.next_power_of_2(HEAD_DIM),
+                       "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "GQA": GQA, "UPCAST": False, "TMA": TMA},
+        "divisible": ["Q", "K", "V", "Out", "Lse", "stride_qb", "stride_qh", "stride_qm", "stride_kb", "stride_kh",
+                      "stride_kn", "stride_vb", "stride_vh", "stride_vn", "stride_ob", "stride_oh", "stride_om"],
         "num_warps": NUM_WARPS,
         "num_stages": NUM_STAGES,
     },
@@ -736,7 +748,9 @@ def _attn_bwd_preprocess(Out, DO, Lse, Delta, Lse2, SeqlensQ, stride_ob, stride_
     off_h = tl.program_id(1)
     off_b = tl.program_id(2)
     q_row0 = tl.load(SeqlensQ + off_b)  # cu_seqlens_q ([Note] Layouts)
-    len_q = tl.load(SeqlensQ + off_b + 1) - q_row0
+    q_end = tl.load(SeqlensQ + off_b + 1)
+    q_row0 = tl.minimum(tl.maximum(q_row0, 0), seq_q)  # [Note] Memory safety: seq_q is the packed row count
+    len_q = tl.minimum(tl.maximum(q_end, q_row0), seq_q) - q_row0
     rows = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     o = _load_rows(Out + q_row0.to(tl.int64) * stride_om + off_h.to(tl.int64) * stride_oh
@@ -825,10 +839,15 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, Lse2, Delta, SeqlensQ, SeqlensK, TreeMas
     off_hkv = tl.program_id(1)
     off_b = tl.program_id(2)
     q_row0 = tl.load(SeqlensQ + off_b)  # cu_seqlens_q ([Note] Layouts)
-    len_q = tl.load(SeqlensQ + off_b + 1) - q_row0
+    q_end = tl.load(SeqlensQ + off_b + 1)
+    q_row0 = tl.minimum(tl.maximum(q_row0, 0), seq_q)  # [Note] Memory safety: seq_q is the packed row count
+    len_q = tl.minimum(tl.maximum(q_end, q_row0), seq_q) - q_row0
     k_row0 = tl.load(SeqlensK + off_b)  # cu_seqlens_k
-    len_k = tl.load(SeqlensK + off_b + 1) - k_row0
+    k_end = tl.load(SeqlensK + off_b + 1)
+    k_row0 = tl.minimum(tl.maximum(k_row0, 0), seq_k)  # [Note] Memory safety: seq_k is the packed row count
+    len_k = tl.minimum(tl.maximum(k_end, k_row0), seq_k) - k_row0
 
+    len_q = tl.minimum(len_q, stride_sh)  # [Note] Memory safety: the row statistics hold S_pad rows per head
     n0 = start_n * BLOCK_N
     cols = n0 + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -916,9 +935,13 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse2, Delta, SeqlensQ, SeqlensK, TreeMask, qk_
     off_b = tl.program_id(2)
     off_hkv = off_h // GQA  # query head h reads KV head h // GQA
     q_row0 = tl.load(SeqlensQ + off_b)  # cu_seqlens_q ([Note] Layouts)
-    len_q = tl.load(SeqlensQ + off_b + 1) - q_row0
+    q_end = tl.load(SeqlensQ + off_b + 1)
+    q_row0 = tl.minimum(tl.maximum(q_row0, 0), seq_q)  # [Note] Memory safety: seq_q is the packed row count
+    len_q = tl.minimum(tl.maximum(q_end, q_row0), seq_q) - q_row0
     k_row0 = tl.load(SeqlensK + off_b)  # cu_seqlens_k
-    len_k = tl.load(SeqlensK + off_b + 1) - k_row0
+    k_end = tl.load(SeqlensK + off_b + 1)
+    k_row0 = tl.minimum(tl.maximum(k_row0, 0), seq_k)  # [Note] Memory safety: seq_k is the packed row count
+    len_k = tl.minimum(tl.maximum(k_end, k_row0), seq_k) - k_row0
 
     m0 = start_m * BLOCK_M
     rows = m0 + tl.arange(0, BLOCK_M)
@@ -956,55 +979,66 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse2, Delta, SeqlensQ, SeqlensK, TreeMask, qk_
              + rows[:, None] * stride_dqm + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=out_mask)
 
 
-# Ahead-of-time kernel list (see fagen's AOT convention): one entry per @triton.jit kernel with the argument
-# types of a compiled launch. Pointers that this mask never reads are constexpr None.
-AOT_KERNELS = globals().get("AOT_KERNELS", [])
-_AOT_T = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}[DTYPE]
-_AOT_SEQLENS = "*i32"
-_AOT_TREE = "*u8" if MASK == "tree" else "constexpr"
-_AOT_CONST = {"HEAD_DIM": HEAD_DIM, "BLOCK_D": triton.next_power_of_2(HEAD_DIM)}
-_AOT_NONE = {name: None for name, t in (("SeqlensQ", _AOT_SEQLENS), ("SeqlensK", _AOT_SEQLENS),
-                                        ("TreeMask", _AOT_TREE)) if t == "constexpr"}
-
-
-def _aot_signature(fn, types):
-    """{arg: type} in fn's argument order: `types` where given, "constexpr" for compile-time args, else "i32"."""
-    const = set(_AOT_CONST) | set(_AOT_NONE) | {"BLOCK_M", "BLOCK_N", "GQA", "UPCAST"}
-    return {n: types.get(n, "constexpr" if n in const else "i32") for n in fn.arg_names}
-
-
-def _aot_divisible(fn):
-    """Pointers and strides: 16-aligned as Triton's JIT specializes them (q/k/v/o strides when D % 16 == 0; the
-    row statistics' head stride is a whole number of blocks)."""
-    return [n for n in fn.arg_names if n in ("Q", "K", "V", "DO", "DK", "DV", "DQ", "Out", "Lse", "Lse2", "Delta",
-                                              "stride_sh")
-            or (HEAD_DIM % 16 == 0 and n.startswith("stride_") and not n.startswith("stride_t"))]
-
-
+# Ahead-of-time kernel list ([Note] AOT kernels): one entry per @triton.jit kernel, from its argument list.
 AOT_KERNELS += [
-    {"name": "_attn_bwd_preprocess", "fn": _attn_bwd_preprocess,
-     "signature": _aot_signature(_attn_bwd_preprocess, {"Out": _AOT_T, "DO": _AOT_T, "Lse": "*fp32",
-                                                         "Delta": "*fp32", "Lse2": "*fp32",
-                                                         "SeqlensQ": _AOT_SEQLENS}),
-     "constexprs": {**_AOT_CONST, "BLOCK_M": DQ_BLOCK_M, **{k: v for k, v in _AOT_NONE.items() if k == "SeqlensQ"},
-                    "UPCAST": False}, "divisible": _aot_divisible(_attn_bwd_preprocess),
-     "num_warps": DQ_NUM_WARPS, "num_stages": DQ_NUM_STAGES},
-    {"name": "_attn_bwd_dkdv", "fn": _attn_bwd_dkdv,
-     "signature": _aot_signature(_attn_bwd_dkdv, {
-         "Q": _AOT_T, "K": _AOT_T, "V": _AOT_T, "DO": _AOT_T, "DK": _AOT_T, "DV": _AOT_T, "Lse2": "*fp32",
-         "Delta": "*fp32", "SeqlensQ": _AOT_SEQLENS, "SeqlensK": _AOT_SEQLENS, "TreeMask": _AOT_TREE,
-         "qk_scale": "fp32", "scale": "fp32"}),
-     "constexprs": {**_AOT_CONST, "BLOCK_M": DKDV_BLOCK_M, "BLOCK_N": DKDV_BLOCK_N, **_AOT_NONE, "GQA": GQA,
-                    "UPCAST": False},
-     "divisible": _aot_divisible(_attn_bwd_dkdv), "num_warps": DKDV_NUM_WARPS, "num_stages": DKDV_NUM_STAGES},
-    {"name": "_attn_bwd_dq", "fn": _attn_bwd_dq,
-     "signature": _aot_signature(_attn_bwd_dq, {
-         "Q": _AOT_T, "K": _AOT_T, "V": _AOT_T, "DO": _AOT_T, "DQ": _AOT_T, "Lse2": "*fp32", "Delta": "*fp32",
-         "SeqlensQ": _AOT_SEQLENS, "SeqlensK": _AOT_SEQLENS, "TreeMask": _AOT_TREE,
-         "qk_scale": "fp32", "scale": "fp32"}),
-     "constexprs": {**_AOT_CONST, "BLOCK_M": DQ_BLOCK_M, "BLOCK_N": DQ_BLOCK_N, **_AOT_NONE, "GQA": GQA,
-                    "UPCAST": False},
-     "divisible": _aot_divisible(_attn_bwd_dq), "num_warps": DQ_NUM_WARPS, "num_stages": DQ_NUM_STAGES},
+    {
+        "name": "_attn_bwd_preprocess",
+        "fn": _attn_bwd_preprocess,
+        "signature": {"Out": "*fp16", "DO": "*fp16", "Lse": "*fp32", "Delta": "*fp32", "Lse2": "*fp32",
+                      "SeqlensQ": "*i32", "stride_ob": "i32", "stride_oh": "i32", "stride_om": "i32",
+                      "stride_dob": "i32", "stride_doh": "i32", "stride_dom": "i32", "stride_sh": "i32",
+                      "num_heads": "i32", "seq_q": "i32", "HEAD_DIM": "constexpr", "BLOCK_D": "constexpr",
+                      "BLOCK_M": "constexpr", "UPCAST": "constexpr"},
+        "constexprs": {"HEAD_DIM": HEAD_DIM, "BLOCK_D": triton.next_power_of_2(HEAD_DIM), "BLOCK_M": DQ_BLOCK_M,
+                       "UPCAST": False},
+        "divisible": ["Out", "DO", "Lse", "Delta", "Lse2", "stride_ob", "stride_oh", "stride_om", "stride_dob",
+                      "stride_doh", "stride_dom", "stride_sh"],
+        "num_warps": DQ_NUM_WARPS,
+        "num_stages": DQ_NUM_STAGES,
+    },
+    {
+        "name": "_attn_bwd_dkdv",
+        "fn": _attn_bwd_dkdv,
+        "signature": {"Q": "*fp16", "K": "*fp16", "V": "*fp16", "DO": "*fp16", "DK": "*fp16", "DV": "*fp16",
+                      "Lse2": "*fp32", "Delta": "*fp32", "SeqlensQ": "*i32", "SeqlensK": "*i32",
+                      "TreeMask": "constexpr", "qk_scale": "fp32", "scale": "fp32", "stride_qb": "i32",
+                      "stride_qh": "i32", "stride_qm": "i32", "stride_kb": "i32", "stride_kh": "i32",
+                      "stride_kn": "i32", "stride_vb": "i32", "stride_vh": "i32", "stride_vn": "i32",
+                      "stride_dob": "i32", "stride_doh": "i32", "stride_dom": "i32", "stride_dkb": "i32",
+                      "stride_dkh": "i32", "stride_dkn": "i32", "stride_dvb": "i32", "stride_dvh": "i32",
+                      "stride_dvn": "i32", "stride_tb": "i32", "stride_tm": "i32", "stride_sh": "i32",
+                      "num_heads": "i32", "seq_q": "i32", "seq_k": "i32", "HEAD_DIM": "constexpr",
+                      "BLOCK_D": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "GQA": "constexpr",
+                      "UPCAST": "constexpr"},
+        "constexprs": {"TreeMask": None, "HEAD_DIM": HEAD_DIM, "BLOCK_D": triton.next_power_of_2(HEAD_DIM),
+                       "BLOCK_M": DKDV_BLOCK_M, "BLOCK_N": DKDV_BLOCK_N, "GQA": GQA, "UPCAST": False},
+        "divisible": ["Q", "K", "V", "DO", "DK", "DV", "Lse2", "Delta", "stride_qb", "stride_qh", "stride_qm",
+                      "stride_kb", "stride_kh", "stride_kn", "stride_vb", "stride_vh", "stride_vn", "stride_dob",
+                      "stride_doh", "stride_dom", "stride_dkb", "stride_dkh", "stride_dkn", "stride_dvb", "stride_dvh",
+                      "stride_dvn", "stride_sh"],
+        "num_warps": DKDV_NUM_WARPS,
+        "num_stages": DKDV_NUM_STAGES,
+    },
+    {
+        "name": "_attn_bwd_dq",
+        "fn": _attn_bwd_dq,
+        "signature": {"Q": "*fp16", "K": "*fp16", "V": "*fp16", "DO": "*fp16", "DQ": "*fp16", "Lse2": "*fp32",
+                      "Delta": "*fp32", "SeqlensQ": "*i32", "SeqlensK": "*i32", "TreeMask": "constexpr",
+                      "qk_scale": "fp32", "scale": "fp32", "stride_qb": "i32", "stride_qh": "i32", "stride_qm": "i32",
+                      "stride_kb": "i32", "stride_kh": "i32", "stride_kn": "i32", "stride_vb": "i32",
+                      "stride_vh": "i32", "stride_vn": "i32", "stride_dob": "i32", "stride_doh": "i32",
+                      "stride_dom": "i32", "stride_dqb": "i32", "stride_dqh": "i32", "stride_dqm": "i32",
+                      "stride_tb": "i32", "stride_tm": "i32", "stride_sh": "i32", "num_heads": "i32", "seq_q": "i32",
+                      "seq_k": "i32", "HEAD_DIM": "constexpr", "BLOCK_D": "constexpr", "BLOCK_M": "constexpr",
+                      "BLOCK_N": "constexpr", "GQA": "constexpr", "UPCAST": "constexpr"},
+        "constexprs": {"TreeMask": None, "HEAD_DIM": HEAD_DIM, "BLOCK_D": triton.next_power_of_2(HEAD_DIM),
+                       "BLOCK_M": DQ_BLOCK_M, "BLOCK_N": DQ_BLOCK_N, "GQA": GQA, "UPCAST": False},
+        "divisible": ["Q", "K", "V", "DO", "DQ", "Lse2", "Delta", "stride_qb", "stride_qh", "stride_qm", "stride_kb",
+                      "stride_kh", "stride_kn", "stride_vb", "stride_vh", "stride_vn", "stride_dob", "stride_doh",
+                      "stride_dom", "stride_dqb", "stride_dqh", "stride_dqm", "stride_sh"],
+        "num_warps": DQ_NUM_WARPS,
+        "num_stages": DQ_NUM_STAGES,
+    },
 ]
 
 
@@ -1032,28 +1066,28 @@ def _launch_backward(do, q, k, v, out, lse, scale, seqlens_q, seqlens_k, tree, m
     lse2 = torch.empty_like(delta)
     # Launches through _fast ([Note] Fast launches): a training step's backward is three kernels.
     _fast(_attn_bwd_preprocess)[(sq_pad // DQ_BLOCK_M, hq, b)](
-        out, do, lse, delta, lse2, seqlens_q, out.stride(0), out.stride(1), out.stride(2), do.stride(0),
-        do.stride(1), do.stride(2), sq_pad, hq, sq, HEAD_DIM=HEAD_DIM, BLOCK_D=block_d, BLOCK_M=DQ_BLOCK_M, UPCAST=UPCAST,
-        num_warps=DQ_NUM_WARPS,
+        out, do, lse, delta, lse2, seqlens_q, out.stride(0), out.stride(1), out.stride(2), do.stride(0), do.stride(1),
+        do.stride(2), sq_pad, hq, sq,
+        HEAD_DIM=HEAD_DIM, BLOCK_D=block_d, BLOCK_M=DQ_BLOCK_M, UPCAST=UPCAST, num_warps=DQ_NUM_WARPS,
         num_stages=DQ_NUM_STAGES,
     )
     tree_strides = (tree.stride(0), tree.stride(1)) if tree is not None else (0, 0)
-    common = dict(HEAD_DIM=HEAD_DIM, BLOCK_D=block_d, GQA=GQA, UPCAST=UPCAST)
     qk_scale = scale * 1.4426950408889634  # 1/ln 2: exp2 domain, as in the forward
-    qkv_strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                   v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
+    qkv_strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0),
+                   v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
     if need_dkdv:
         _fast(_attn_bwd_dkdv)[(_cdiv(rows_k, DKDV_BLOCK_N), hkv, b)](
-            q, k, v, do, dk, dv, lse2, delta, seqlens_q, seqlens_k, tree, qk_scale, scale, *qkv_strides,
-            dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-            *tree_strides, sq_pad, hq, sq, sk, BLOCK_M=DKDV_BLOCK_M, BLOCK_N=DKDV_BLOCK_N, **common,
+            q, k, v, do, dk, dv, lse2, delta, seqlens_q, seqlens_k, tree, qk_scale, scale, *qkv_strides, dk.stride(0),
+            dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), *tree_strides, sq_pad, hq, sq, sk,
+            HEAD_DIM=HEAD_DIM, BLOCK_D=block_d, BLOCK_M=DKDV_BLOCK_M, BLOCK_N=DKDV_BLOCK_N, GQA=GQA, UPCAST=UPCAST,
             num_warps=DKDV_NUM_WARPS, num_stages=DKDV_NUM_STAGES,
         )
     if need_dq:
         _fast(_attn_bwd_dq)[(_cdiv(rows_q, DQ_BLOCK_M), hq, b)](
-            q, k, v, do, dq, lse2, delta, seqlens_q, seqlens_k, tree, qk_scale, scale, *qkv_strides,
-            dq.stride(0), dq.stride(1), dq.stride(2), *tree_strides, sq_pad, hq, sq, sk,
-            BLOCK_M=DQ_BLOCK_M, BLOCK_N=DQ_BLOCK_N, **common, num_warps=DQ_NUM_WARPS, num_stages=DQ_NUM_STAGES,
+            q, k, v, do, dq, lse2, delta, seqlens_q, seqlens_k, tree, qk_scale, scale, *qkv_strides, dq.stride(0),
+            dq.stride(1), dq.stride(2), *tree_strides, sq_pad, hq, sq, sk,
+            HEAD_DIM=HEAD_DIM, BLOCK_D=block_d, BLOCK_M=DQ_BLOCK_M, BLOCK_N=DQ_BLOCK_N, GQA=GQA, UPCAST=UPCAST,
+            num_warps=DQ_NUM_WARPS, num_stages=DQ_NUM_STAGES,
         )
     return result
 
@@ -1074,22 +1108,33 @@ def backward(do, q, k, v, out, lse, *, scale=None, cu_seqlens_q, cu_seqlens_k, m
 
 
 class _Attention(torch.autograd.Function):
-    """out = attention(q, k, v); backward runs the kernels above. Mask inputs and scale get no gradient."""
+    """out = attention(q, k, v); backward runs the kernels above. Mask inputs and scale get no gradient.
+
+    [Note] One autograd. This Function is the module's only autograd: eager calls launch directly (an
+    autograd.Function costs a few microseconds a call, a custom operator with registered autograd several times
+    that); under torch.compile Dynamo traces it, and it calls the operators forward_op and backward_op ([Note]
+    Operators), so the graph holds them with this backward and no graph break.
+    """
 
     @staticmethod
     def forward(ctx, q, k, v, scale, seqlens_q, seqlens_k, tree, max_seqlen_q, max_seqlen_k):
-        out, lse = _launch_forward(q, k, v, scale, seqlens_q, seqlens_k, tree, max_seqlen_q, max_seqlen_k)
+        launch = forward_op if torch.compiler.is_compiling() else _launch_forward
+        out, lse = launch(q, k, v, scale, seqlens_q, seqlens_k, tree, max_seqlen_q, max_seqlen_k)
         ctx.save_for_backward(q, k, v, out, lse, seqlens_q, seqlens_k, tree)
-        ctx.scale = scale
-        ctx.max_seqlen_q, ctx.max_seqlen_k = max_seqlen_q, max_seqlen_k
+        ctx.scale, ctx.max_seqlen_q, ctx.max_seqlen_k = scale, max_seqlen_q, max_seqlen_k
         return out
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, out, lse, seqlens_q, seqlens_k, tree = ctx.saved_tensors
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
-        dq, dk, dv = _launch_backward(do.to(q.dtype), q, k, v, out, lse, ctx.scale, seqlens_q, seqlens_k, tree, ctx.max_seqlen_q, ctx.max_seqlen_k,
-                                      need_dq=need_q, need_dkdv=need_k or need_v)
+        do = do.to(q.dtype)
+        if torch.compiler.is_compiling():
+            grads = backward_op(do, q, k, v, out, lse, ctx.scale, seqlens_q, seqlens_k, tree, ctx.max_seqlen_q, ctx.max_seqlen_k)
+        else:
+            grads = _launch_backward(do, q, k, v, out, lse, ctx.scale, seqlens_q, seqlens_k, tree, ctx.max_seqlen_q, ctx.max_seqlen_k,
+                                     need_dq=need_q, need_dkdv=need_k or need_v)
+        dq, dk, dv = grads[:3]
         return dq, dk if need_k else None, dv if need_v else None, None, None, None, None, None, None
 
 
@@ -1098,17 +1143,16 @@ def attention(q, k, v, *, scale=None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     _check_qkv(q, k, v)
     scale = _check_scale(scale)
     seqlens_q, seqlens_k, tree, max_seqlen_q, max_seqlen_k = _check_layout(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check)
-    if torch.compiler.is_compiling():  # the operator has the same autograd, and traces without a graph break
-        return forward_op(q, k, v, scale, seqlens_q, seqlens_k, tree, max_seqlen_q, max_seqlen_k)[0]
-    return _Attention.apply(q, k, v, scale, seqlens_q, seqlens_k, tree, max_seqlen_q, max_seqlen_k)
+    return _Attention.apply(q, k, v, scale, seqlens_q, seqlens_k, tree, max_seqlen_q, max_seqlen_k)  # [Note] One autograd
 
 
 # [Note] Operators
-# The launches are also torch.library custom operators (fagen::<module>_fwd, _fwd_out, _bwd), with fake
-# implementations and, for bwd specs, registered autograd. Under torch.compile the public functions call the
-# operators, so a call traces with no graph break and no recompile per sequence length (the fake outputs follow
-# the input shapes); in eager mode they launch directly and skip the dispatcher (microseconds per call). The
-# operators take checked, launch-ready inputs: scale a float, the tree in its launch form.
+# The launches are also torch.library custom operators (fagen::<module>_fwd, _fwd_out, _bwd) with fake
+# implementations. Under torch.compile the public functions call the operators, so a call traces with no graph
+# break and no recompile per sequence length (the fake outputs follow the input shapes); in eager mode they launch
+# directly and skip the dispatcher (microseconds per call). The operators take checked, launch-ready inputs: scale
+# a float, the tree in its launch form. They carry no autograd: the one autograd of a bwd module is _Attention
+# ([Note] One autograd), which calls them when compiling.
 _OP = "fagen::" + __name__.rpartition(".")[2].replace("-", "_")
 
 
@@ -1172,21 +1216,3 @@ def backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 @backward_op.register_fake
 def _backward_fake(do, q, k, v, out, lse, scale, seqlens_q, seqlens_k, tree, max_seqlen_q, max_seqlen_k):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
-
-def _op_setup(ctx, inputs, output):
-    q, k, v, scale, seqlens_q, seqlens_k, tree, max_seqlen_q, max_seqlen_k = inputs
-    ctx.save_for_backward(q, k, v, output[0], output[1], seqlens_q, seqlens_k, tree)
-    ctx.scale = scale
-    ctx.max_seqlen_q, ctx.max_seqlen_k = max_seqlen_q, max_seqlen_k
-
-
-def _op_backward(ctx, dout, dlse):
-    # lse is an output for merging partial results (ring attention, split KV); it carries no gradient here.
-    q, k, v, out, lse, seqlens_q, seqlens_k, tree = ctx.saved_tensors
-    dq, dk, dv = backward_op(dout.to(q.dtype).contiguous(), q, k, v, out, lse, ctx.scale, seqlens_q, seqlens_k,
-                             tree, ctx.max_seqlen_q, ctx.max_seqlen_k)
-    return dq, dk, dv, None, None, None, None, None, None
-
-
-forward_op.register_autograd(_op_backward, setup_context=_op_setup)

@@ -181,8 +181,8 @@ def _check_mask_inputs(q, k, seqlens_q, seqlens_k, tree_mask, check=None):
 
 # [Note] Layout inputs (README "Layouts"). Shapes, dtypes and devices are host-only and always checked; the values of
 # cu_seqlens, seqlens_k and block_table are read only with check=True or FAGEN_CHECK=1 ([Note] Checks that read
-# device values), so that CUDA graphs capture. Unchecked, a cached length past the block table's pages is clamped to
-# them in the kernel; a page index outside the cache is the caller's to avoid.
+# device values), so that CUDA graphs capture. Unchecked, the kernels clamp lengths, cu_seqlens and page indices
+# ([Note] Memory safety in triton/masks.j2): a bad value changes only its own sequence's result.
 def _check_index(name, t, dims, device):
     """An index tensor of these dims on `device`, int32 or int64 ([Note] Index dtypes)."""
     if not isinstance(t, torch.Tensor):
@@ -261,7 +261,7 @@ def _kernel_views(q, k, v, out, lse, seqlens_q, block_table, max_seqlen_q):
     batch, rows_q = seqlens_q.shape[0] - 1, max_seqlen_q
     page_size = k.shape[1]
     k, v = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)  # [pages, kv heads, slots, D]: the page stride as batch stride
-    paging = (block_table, block_table.stride(0), page_size.bit_length() - 1)
+    paging = (block_table, block_table.stride(0), page_size.bit_length() - 1, k.shape[0])  # k.shape[0]: num_pages
     return q, k, v, out, lse, batch, rows_q, block_table.shape[1] * page_size, paging
 
 
@@ -470,8 +470,21 @@ def _load_rows(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.c
     return tile
 
 
+# [Note] Memory safety. Lengths, cu_seqlens and block tables are device values that only check=True reads on the
+# host, so the kernels trust none of them: whatever their values, every load and store stays inside the tensors the
+# launch was given. As FlashAttention does for its lengths, each program clamps its own scalars once, before any
+# loop: a padding length into [0, S] (S the tensor's rows), a cu_seqlens start into [0, total rows] and its end into
+# [start, total rows], a cached length into [0, the table's pages x page_size] (0 for an empty cache), and each
+# gathered page index into [0, num_pages - 1] (one min/max per key, beside the table load the gather already pays).
+# Every later bound (key ranges, masks, stores) derives from the clamped values, so a bad value can only change its
+# own sequence's result (unspecified for it, never a crash), never another sequence's rows. The backward's row
+# statistics have S_pad rows per head, so its dK/dV kernel also keeps len_q <= S_pad. Tree masks are read only at
+# nodes inside [0, Sq), parent pointers are clamped where the host expands them, and window extents are host ints,
+# checked and capped at UNBOUNDED. Tests: tests/test_fuzz_memory.py, scripts/gpu_memcheck_fuzz.py.
+
+
 @triton.jit
-def _fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, qk_scale, table, stride_kb, stride_vb, page_shift,
+def _fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, qk_scale, table, stride_kb, stride_vb, page_shift, num_pages,
                offs_m, offs_n, offs_d, lo, hi, len_q, len_k, seq_q, seq_k, off_b,
                SeqlensQ, SeqlensK, TreeMask, stride_tb, stride_tm,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -483,7 +496,8 @@ def _fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, qk_scale, t
             k = k_src.load([start_n, 0])
             v = v_src.load([start_n, 0])
         else:
-            page = tl.load(table + (cols >> page_shift), mask=cols < len_k, other=0).to(tl.int64)
+            page = tl.load(table + (cols >> page_shift), mask=cols < len_k, other=0)
+            page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)  # [Note] Memory safety
             slot = (cols & ((1 << page_shift) - 1)).to(tl.int64)
             k_rows = page * stride_kb + slot * stride_kn
             v_rows = page * stride_vb + slot * stride_vn
@@ -513,7 +527,7 @@ def _fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, qk_scale, t
 
 
 @triton.jit
-def _attn_fwd(Q, K, V, Out, Lse, SeqlensQ, SeqlensK, TreeMask, qk_scale, BlockTable, stride_btb, page_shift,
+def _attn_fwd(Q, K, V, Out, Lse, SeqlensQ, SeqlensK, TreeMask, qk_scale, BlockTable, stride_btb, page_shift, num_pages,
               stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
               stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
               stride_tb, stride_tm, num_heads, seq_q, seq_k,
@@ -527,8 +541,12 @@ def _attn_fwd(Q, K, V, Out, Lse, SeqlensQ, SeqlensK, TreeMask, qk_scale, BlockTa
     off_b = tl.program_id(2)
     off_hkv = off_h // GQA  # query head h reads KV head h // GQA
     q_row0 = tl.load(SeqlensQ + off_b)  # cu_seqlens_q ([Note] Layouts)
-    len_q = tl.load(SeqlensQ + off_b + 1) - q_row0
-    len_k = tl.minimum(tl.load(SeqlensK + off_b), seq_k)  # cached length, at most the table's pages
+    q_end = tl.load(SeqlensQ + off_b + 1)
+    q_row0 = tl.minimum(tl.maximum(q_row0, 0), seq_q)  # [Note] Memory safety: seq_q is the packed row count
+    len_q = tl.minimum(tl.maximum(q_end, q_row0), seq_q) - q_row0
+    len_k = tl.load(SeqlensK + off_b)  # the cached length
+    # [Note] Memory safety: at most the table's pages, and no key at all from an empty cache
+    len_k = tl.minimum(tl.maximum(len_k, 0), tl.where(num_pages > 0, seq_k, 0))
 
     m0 = start_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -563,11 +581,11 @@ def _attn_fwd(Q, K, V, Out, Lse, SeqlensQ, SeqlensK, TreeMask, qk_scale, BlockTa
     hi = tl.where(m0 < len_q, hi, 0)
     split = tl.minimum(split, hi)
 
-    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, qk_scale, table, stride_kb, stride_vb, page_shift,
+    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, qk_scale, table, stride_kb, stride_vb, page_shift, num_pages,
                                offs_m, offs_n, offs_d, 0, split, len_q, len_k, seq_q, seq_k, off_b,
                                SeqlensQ, SeqlensK, TreeMask, stride_tb, stride_tm,
                                HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, UPCAST, TMA)
-    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, qk_scale, table, stride_kb, stride_vb, page_shift,
+    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, qk_scale, table, stride_kb, stride_vb, page_shift, num_pages,
                                offs_m, offs_n, offs_d, split, hi, len_q, len_k, seq_q, seq_k, off_b,
                                SeqlensQ, SeqlensK, TreeMask, stride_tb, stride_tm,
                                HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, UPCAST, TMA)
@@ -609,14 +627,12 @@ def _launch_forward(q, k, v, scale, seqlens_q, seqlens_k, tree, block_table, max
         _ensure_allocator()
     tree_strides = (tree.stride(0), tree.stride(1)) if tree is not None else (0, 0)
     grid = (_cdiv(rows_q, BLOCK_M), hq, b)
-    ints = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2), *tree_strides, hq, sq, sk)
+    ints = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+            v.stride(2), out.stride(0), out.stride(1), out.stride(2), *tree_strides, hq, sq, sk)
     entry = _fast(_attn_fwd)[grid](
-        q, k, v, out, lse, seqlens_q, seqlens_k, tree, scale * 1.4426950408889634,  # 1/ln 2: exp2 domain
-        *paging,
-        *ints,
-        HEAD_DIM=HEAD_DIM, BLOCK_D=_pow2(HEAD_DIM), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        GQA=GQA, UPCAST=UPCAST, TMA=TMA, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        q, k, v, out, lse, seqlens_q, seqlens_k, tree, scale * 1.4426950408889634, *paging, *ints,
+        HEAD_DIM=HEAD_DIM, BLOCK_D=_pow2(HEAD_DIM), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, GQA=GQA, UPCAST=UPCAST, TMA=TMA,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     return result
 
@@ -669,29 +685,25 @@ def forward(q, k, v, *, scale=None, cu_seqlens_q, max_seqlen_q, block_table, seq
 # None for this spec is a constexpr None), the constexpr values the launcher passes (compiled kernels never
 # upcast, so UPCAST is False), warps and stages. "divisible" names arguments assumed to be multiples of 16
 # (pointers: 16-byte aligned), as Triton's JIT specializes them; a prebuilt launch checks every assumption.
-# The launcher above must pass exactly these; fagen/runtime/prebuilt.py refuses a launch that does not.
-_PTR = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}[DTYPE]
-_FWD_INTS = ("stride_qb stride_qh stride_qm stride_kb stride_kh stride_kn stride_vb stride_vh stride_vn "
-             "stride_ob stride_oh stride_om stride_tb stride_tm num_heads seq_q seq_k").split()
+# The entries are rendered from the kernels' argument lists (fagen/codegen/args.py), as are the launches above,
+# so the launcher passes exactly these; fagen/runtime/prebuilt.py refuses a launch that does not.
 AOT_KERNELS = [
     {
         "name": "_attn_fwd",
         "fn": _attn_fwd,
-        "signature": {"Q": _PTR, "K": _PTR, "V": _PTR, "Out": _PTR, "Lse": "*fp32",
-                      "SeqlensQ": "*i32",
-                      "SeqlensK": "*i32",
-                      "TreeMask": "constexpr",
-                      "qk_scale": "fp32", "BlockTable": "*i32", "stride_btb": "i32", "page_shift": "i32", **{name: "i32" for name in _FWD_INTS},
-                      **{name: "constexpr" for name in ("HEAD_DIM", "BLOCK_D", "BLOCK_M", "BLOCK_N", "GQA", "UPCAST", "TMA")}},
-        "constexprs": {
-            "TreeMask": None,
-            "HEAD_DIM": HEAD_DIM, "BLOCK_D": triton.next_power_of_2(HEAD_DIM), "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N,
-            "GQA": GQA, "UPCAST": False, "TMA": TMA,
-        },
-        # Contiguous row strides are multiples of 16 only when head_dim is.
-        "divisible": ["Q", "K", "V", "Out", "Lse"]
-        + ([name for name in _FWD_INTS if name.startswith(("stride_q", "stride_k", "stride_v", "stride_o"))]
-           if HEAD_DIM % 16 == 0 else []),
+        "signature": {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "Lse": "*fp32", "SeqlensQ": "*i32",
+                      "SeqlensK": "*i32", "TreeMask": "constexpr", "qk_scale": "fp32", "BlockTable": "*i32",
+                      "stride_btb": "i32", "page_shift": "i32", "num_pages": "i32", "stride_qb": "i32",
+                      "stride_qh": "i32", "stride_qm": "i32", "stride_kb": "i32", "stride_kh": "i32",
+                      "stride_kn": "i32", "stride_vb": "i32", "stride_vh": "i32", "stride_vn": "i32",
+                      "stride_ob": "i32", "stride_oh": "i32", "stride_om": "i32", "stride_tb": "i32",
+                      "stride_tm": "i32", "num_heads": "i32", "seq_q": "i32", "seq_k": "i32", "HEAD_DIM": "constexpr",
+                      "BLOCK_D": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "GQA": "constexpr",
+                      "UPCAST": "constexpr", "TMA": "constexpr"},
+        "constexprs": {"TreeMask": None, "HEAD_DIM": HEAD_DIM, "BLOCK_D": triton.next_power_of_2(HEAD_DIM),
+                       "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "GQA": GQA, "UPCAST": False, "TMA": TMA},
+        "divisible": ["Q", "K", "V", "Out", "Lse", "stride_qb", "stride_qh", "stride_qm", "stride_kb", "stride_kh",
+                      "stride_kn", "stride_vb", "stride_vh", "stride_vn", "stride_ob", "stride_oh", "stride_om"],
         "num_warps": NUM_WARPS,
         "num_stages": NUM_STAGES,
     },
@@ -699,11 +711,12 @@ AOT_KERNELS = [
 
 
 # [Note] Operators
-# The launches are also torch.library custom operators (fagen::<module>_fwd, _fwd_out, _bwd), with fake
-# implementations and, for bwd specs, registered autograd. Under torch.compile the public functions call the
-# operators, so a call traces with no graph break and no recompile per sequence length (the fake outputs follow
-# the input shapes); in eager mode they launch directly and skip the dispatcher (microseconds per call). The
-# operators take checked, launch-ready inputs: scale a float, the tree in its launch form.
+# The launches are also torch.library custom operators (fagen::<module>_fwd, _fwd_out, _bwd) with fake
+# implementations. Under torch.compile the public functions call the operators, so a call traces with no graph
+# break and no recompile per sequence length (the fake outputs follow the input shapes); in eager mode they launch
+# directly and skip the dispatcher (microseconds per call). The operators take checked, launch-ready inputs: scale
+# a float, the tree in its launch form. They carry no autograd: the one autograd of a bwd module is _Attention
+# ([Note] One autograd), which calls them when compiling.
 _OP = "fagen::" + __name__.rpartition(".")[2].replace("-", "_")
 
 

@@ -178,8 +178,8 @@ def _check_mask_inputs(q, k, seqlens_q, seqlens_k, tree_mask, check=None):
 
 # [Note] Layout inputs (README "Layouts"). Shapes, dtypes and devices are host-only and always checked; the values of
 # cu_seqlens, seqlens_k and block_table are read only with check=True or FAGEN_CHECK=1 ([Note] Checks that read
-# device values), so that CUDA graphs capture. Unchecked, a cached length past the block table's pages is clamped to
-# them in the kernel; a page index outside the cache is the caller's to avoid.
+# device values), so that CUDA graphs capture. Unchecked, the kernels clamp lengths, cu_seqlens and page indices
+# ([Note] Memory safety in triton/masks.j2): a bad value changes only its own sequence's result.
 def _check_index(name, t, dims, device):
     """An index tensor of these dims on `device`, int32 or int64 ([Note] Index dtypes)."""
     if not isinstance(t, torch.Tensor):
@@ -447,6 +447,19 @@ def _load_rows(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.c
     return tile
 
 
+# [Note] Memory safety. Lengths, cu_seqlens and block tables are device values that only check=True reads on the
+# host, so the kernels trust none of them: whatever their values, every load and store stays inside the tensors the
+# launch was given. As FlashAttention does for its lengths, each program clamps its own scalars once, before any
+# loop: a padding length into [0, S] (S the tensor's rows), a cu_seqlens start into [0, total rows] and its end into
+# [start, total rows], a cached length into [0, the table's pages x page_size] (0 for an empty cache), and each
+# gathered page index into [0, num_pages - 1] (one min/max per key, beside the table load the gather already pays).
+# Every later bound (key ranges, masks, stores) derives from the clamped values, so a bad value can only change its
+# own sequence's result (unspecified for it, never a crash), never another sequence's rows. The backward's row
+# statistics have S_pad rows per head, so its dK/dV kernel also keeps len_q <= S_pad. Tree masks are read only at
+# nodes inside [0, Sq), parent pointers are clamped where the host expands them, and window extents are host ints,
+# checked and capped at UNBOUNDED. Tests: tests/test_fuzz_memory.py, scripts/gpu_memcheck_fuzz.py.
+
+
 @triton.jit
 def _fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, qk_scale,
                offs_m, offs_n, offs_d, lo, hi, len_q, len_k, seq_q, seq_k, off_b,
@@ -500,9 +513,13 @@ def _attn_fwd(Q, K, V, Out, Lse, SeqlensQ, SeqlensK, TreeMask, qk_scale,
     off_b = tl.program_id(2)
     off_hkv = off_h // GQA  # query head h reads KV head h // GQA
     q_row0 = tl.load(SeqlensQ + off_b)  # cu_seqlens_q ([Note] Layouts)
-    len_q = tl.load(SeqlensQ + off_b + 1) - q_row0
+    q_end = tl.load(SeqlensQ + off_b + 1)
+    q_row0 = tl.minimum(tl.maximum(q_row0, 0), seq_q)  # [Note] Memory safety: seq_q is the packed row count
+    len_q = tl.minimum(tl.maximum(q_end, q_row0), seq_q) - q_row0
     k_row0 = tl.load(SeqlensK + off_b)  # cu_seqlens_k
-    len_k = tl.load(SeqlensK + off_b + 1) - k_row0
+    k_end = tl.load(SeqlensK + off_b + 1)
+    k_row0 = tl.minimum(tl.maximum(k_row0, 0), seq_k)  # [Note] Memory safety: seq_k is the packed row count
+    len_k = tl.minimum(tl.maximum(k_end, k_row0), seq_k) - k_row0
 
     m0 = start_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -572,6 +589,7 @@ def _launch_forward(q, k, v, scale, seqlens_q, seqlens_k, tree, max_seqlen_q, ma
     result = out, lse
     q, k, v, out, lse, b, rows_q, sk, paging = _kernel_views(q, k, v, out, lse, seqlens_q, max_seqlen_q, max_seqlen_k)
     hq, sq = q.shape[1], q.shape[2]
+    sk = k.shape[2]  # the kernel's seq_k: the packed key rows, into which it clamps cu_seqlens_k ([Note] Memory safety)
     if b == 0 or rows_q == 0:
         return result
     copied = q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1
@@ -582,13 +600,12 @@ def _launch_forward(q, k, v, scale, seqlens_q, seqlens_k, tree, max_seqlen_q, ma
         _ensure_allocator()
     tree_strides = (tree.stride(0), tree.stride(1)) if tree is not None else (0, 0)
     grid = (_cdiv(rows_q, BLOCK_M), hq, b)
-    ints = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2), *tree_strides, hq, sq, sk)
+    ints = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+            v.stride(2), out.stride(0), out.stride(1), out.stride(2), *tree_strides, hq, sq, sk)
     entry = _fast(_attn_fwd)[grid](
-        q, k, v, out, lse, seqlens_q, seqlens_k, tree, scale * 1.4426950408889634,  # 1/ln 2: exp2 domain
-        *ints,
-        HEAD_DIM=HEAD_DIM, BLOCK_D=_pow2(HEAD_DIM), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        GQA=GQA, UPCAST=UPCAST, TMA=TMA, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        q, k, v, out, lse, seqlens_q, seqlens_k, tree, scale * 1.4426950408889634, *ints,
+        HEAD_DIM=HEAD_DIM, BLOCK_D=_pow2(HEAD_DIM), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, GQA=GQA, UPCAST=UPCAST, TMA=TMA,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     return result
 
@@ -641,29 +658,24 @@ def forward(q, k, v, *, scale=None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 # None for this spec is a constexpr None), the constexpr values the launcher passes (compiled kernels never
 # upcast, so UPCAST is False), warps and stages. "divisible" names arguments assumed to be multiples of 16
 # (pointers: 16-byte aligned), as Triton's JIT specializes them; a prebuilt launch checks every assumption.
-# The launcher above must pass exactly these; fagen/runtime/prebuilt.py refuses a launch that does not.
-_PTR = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}[DTYPE]
-_FWD_INTS = ("stride_qb stride_qh stride_qm stride_kb stride_kh stride_kn stride_vb stride_vh stride_vn "
-             "stride_ob stride_oh stride_om stride_tb stride_tm num_heads seq_q seq_k").split()
+# The entries are rendered from the kernels' argument lists (fagen/codegen/args.py), as are the launches above,
+# so the launcher passes exactly these; fagen/runtime/prebuilt.py refuses a launch that does not.
 AOT_KERNELS = [
     {
         "name": "_attn_fwd",
         "fn": _attn_fwd,
-        "signature": {"Q": _PTR, "K": _PTR, "V": _PTR, "Out": _PTR, "Lse": "*fp32",
-                      "SeqlensQ": "*i32",
-                      "SeqlensK": "*i32",
-                      "TreeMask": "constexpr",
-                      "qk_scale": "fp32", **{name: "i32" for name in _FWD_INTS},
-                      **{name: "constexpr" for name in ("HEAD_DIM", "BLOCK_D", "BLOCK_M", "BLOCK_N", "GQA", "UPCAST", "TMA")}},
-        "constexprs": {
-            "TreeMask": None,
-            "HEAD_DIM": HEAD_DIM, "BLOCK_D": triton.next_power_of_2(HEAD_DIM), "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N,
-            "GQA": GQA, "UPCAST": False, "TMA": TMA,
-        },
-        # Contiguous row strides are multiples of 16 only when head_dim is.
-        "divisible": ["Q", "K", "V", "Out", "Lse"]
-        + ([name for name in _FWD_INTS if name.startswith(("stride_q", "stride_k", "stride_v", "stride_o"))]
-           if HEAD_DIM % 16 == 0 else []),
+        "signature": {"Q": "*fp16", "K": "*fp16", "V": "*fp16", "Out": "*fp16", "Lse": "*fp32", "SeqlensQ": "*i32",
+                      "SeqlensK": "*i32", "TreeMask": "constexpr", "qk_scale": "fp32", "stride_qb": "i32",
+                      "stride_qh": "i32", "stride_qm": "i32", "stride_kb": "i32", "stride_kh": "i32",
+                      "stride_kn": "i32", "stride_vb": "i32", "stride_vh": "i32", "stride_vn": "i32",
+                      "stride_ob": "i32", "stride_oh": "i32", "stride_om": "i32", "stride_tb": "i32",
+                      "stride_tm": "i32", "num_heads": "i32", "seq_q": "i32", "seq_k": "i32", "HEAD_DIM": "constexpr",
+                      "BLOCK_D": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "GQA": "constexpr",
+                      "UPCAST": "constexpr", "TMA": "constexpr"},
+        "constexprs": {"TreeMask": None, "HEAD_DIM": HEAD_DIM, "BLOCK_D": triton.next_power_of_2(HEAD_DIM),
+                       "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "GQA": GQA, "UPCAST": False, "TMA": TMA},
+        "divisible": ["Q", "K", "V", "Out", "Lse", "stride_qb", "stride_qh", "stride_qm", "stride_kb", "stride_kh",
+                      "stride_kn", "stride_vb", "stride_vh", "stride_vn", "stride_ob", "stride_oh", "stride_om"],
         "num_warps": NUM_WARPS,
         "num_stages": NUM_STAGES,
     },
@@ -671,11 +683,12 @@ AOT_KERNELS = [
 
 
 # [Note] Operators
-# The launches are also torch.library custom operators (fagen::<module>_fwd, _fwd_out, _bwd), with fake
-# implementations and, for bwd specs, registered autograd. Under torch.compile the public functions call the
-# operators, so a call traces with no graph break and no recompile per sequence length (the fake outputs follow
-# the input shapes); in eager mode they launch directly and skip the dispatcher (microseconds per call). The
-# operators take checked, launch-ready inputs: scale a float, the tree in its launch form.
+# The launches are also torch.library custom operators (fagen::<module>_fwd, _fwd_out, _bwd) with fake
+# implementations. Under torch.compile the public functions call the operators, so a call traces with no graph
+# break and no recompile per sequence length (the fake outputs follow the input shapes); in eager mode they launch
+# directly and skip the dispatcher (microseconds per call). The operators take checked, launch-ready inputs: scale
+# a float, the tree in its launch form. They carry no autograd: the one autograd of a bwd module is _Attention
+# ([Note] One autograd), which calls them when compiling.
 _OP = "fagen::" + __name__.rpartition(".")[2].replace("-", "_")
 
 

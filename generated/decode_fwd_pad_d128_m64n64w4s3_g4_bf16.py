@@ -395,6 +395,19 @@ BROADCAST_MAX_ROWS = 2
 #   UPCAST     interpreter-only fp32 upcast of bf16 dot operands (see [Note] Interpreter upcast)
 
 
+# [Note] Memory safety. Lengths, cu_seqlens and block tables are device values that only check=True reads on the
+# host, so the kernels trust none of them: whatever their values, every load and store stays inside the tensors the
+# launch was given. As FlashAttention does for its lengths, each program clamps its own scalars once, before any
+# loop: a padding length into [0, S] (S the tensor's rows), a cu_seqlens start into [0, total rows] and its end into
+# [start, total rows], a cached length into [0, the table's pages x page_size] (0 for an empty cache), and each
+# gathered page index into [0, num_pages - 1] (one min/max per key, beside the table load the gather already pays).
+# Every later bound (key ranges, masks, stores) derives from the clamped values, so a bad value can only change its
+# own sequence's result (unspecified for it, never a crash), never another sequence's rows. The backward's row
+# statistics have S_pad rows per head, so its dK/dV kernel also keeps len_q <= S_pad. Tree masks are read only at
+# nodes inside [0, Sq), parent pointers are clamped where the host expands them, and window extents are host ints,
+# checked and capped at UNBOUNDED. Tests: tests/test_fuzz_memory.py, scripts/gpu_memcheck_fuzz.py.
+
+
 @triton.jit
 def _key_bounds(len_q, len_k, seq_q, seq_k):
     """(full_hi, kv_hi): every valid query row sees each key < full_hi; no row sees a key >= kv_hi."""
@@ -473,7 +486,9 @@ def _decode_split(Q, K, V, Dst, DstLse, Out, Lse, Counter, SeqlensQ, SeqlensK, T
     tile = tl.program_id(1) % n_tiles
     off_b = tl.program_id(2)
     len_q = tl.load(SeqlensQ + off_b)
+    len_q = tl.minimum(tl.maximum(len_q, 0), seq_q)  # [Note] Memory safety
     len_k = tl.load(SeqlensK + off_b)
+    len_k = tl.minimum(tl.maximum(len_k, 0), seq_k)  # [Note] Memory safety
 
     full_hi, kv_hi = _key_bounds(len_q, len_k, seq_q, seq_k)
     s0 = split * chunk
@@ -755,12 +770,12 @@ def _launch_decode(q, k, v, scale, seqlens_q, seqlens_k, tree, num_splits, out=N
     tree_strides = (tree.stride(0), tree.stride(1)) if tree is not None else (0, 0)
     block_d = _pow2(HEAD_DIM)
     split_grid = (splits, hkv * n_tiles, b)
-    split_ints = (qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], *dst_strides,
-                  os_[0], os_[1], os_[2], ls[0], ls[1], *tree_strides, sq, sk, chunk, n_tiles)
+    split_ints = (qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], *dst_strides, os_[0], os_[1], os_[2],
+                  ls[0], ls[1], *tree_strides, sq, sk, chunk, n_tiles)
     split_entry = _fast(_decode_split)[split_grid](
-        q, k, v, dst, dst_lse, out, lse, tickets, seqlens_q, seqlens_k, tree, scale * 1.4426950408889634,  # 1/ln 2: exp2
-        *split_ints, HEAD_DIM=HEAD_DIM, BLOCK_D=block_d, ROWS=rows, BLOCK_N=BLOCK_N, GQA=GQA, DOT=rows >= 16,
-        DIRECT=direct, UPCAST=UPCAST, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        q, k, v, dst, dst_lse, out, lse, tickets, seqlens_q, seqlens_k, tree, scale * 1.4426950408889634, *split_ints,
+        HEAD_DIM=HEAD_DIM, BLOCK_D=block_d, ROWS=rows, BLOCK_N=BLOCK_N, GQA=GQA, DOT=rows >= 16, DIRECT=direct,
+        UPCAST=UPCAST, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     if workspace is None and not copied and _direct_entry(split_entry) \
             and ((q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr() | lse.data_ptr() | dst.data_ptr()
@@ -854,11 +869,12 @@ def forward(q, k, v, *, scale=None, seqlens_q=None, seqlens_k=None, tree_mask=No
 
 
 # [Note] Operators
-# The launches are also torch.library custom operators (fagen::<module>_fwd, _fwd_out, _bwd), with fake
-# implementations and, for bwd specs, registered autograd. Under torch.compile the public functions call the
-# operators, so a call traces with no graph break and no recompile per sequence length (the fake outputs follow
-# the input shapes); in eager mode they launch directly and skip the dispatcher (microseconds per call). The
-# operators take checked, launch-ready inputs: scale a float, the tree in its launch form.
+# The launches are also torch.library custom operators (fagen::<module>_fwd, _fwd_out, _bwd) with fake
+# implementations. Under torch.compile the public functions call the operators, so a call traces with no graph
+# break and no recompile per sequence length (the fake outputs follow the input shapes); in eager mode they launch
+# directly and skip the dispatcher (microseconds per call). The operators take checked, launch-ready inputs: scale
+# a float, the tree in its launch form. They carry no autograd: the one autograd of a bwd module is _Attention
+# ([Note] One autograd), which calls them when compiling.
 _OP = "fagen::" + __name__.rpartition(".")[2].replace("-", "_")
 
 

@@ -769,12 +769,12 @@ def _launch_decode(q, k, v, scale, seqlens_q, seqlens_k, tree, num_splits, out=N
     tree_strides = (tree.stride(0), tree.stride(1)) if tree is not None else (0, 0)
     block_d = _pow2(HEAD_DIM)
     split_grid = (splits, hkv * n_tiles, b)
-    split_ints = (qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], *dst_strides,
-                  os_[0], os_[1], os_[2], ls[0], ls[1], *tree_strides, sq, sk, chunk, n_tiles)
+    split_ints = (qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], *dst_strides, os_[0], os_[1], os_[2],
+                  ls[0], ls[1], *tree_strides, sq, sk, chunk, n_tiles)
     split_entry = _fast(_decode_split)[split_grid](
-        q, k, v, dst, dst_lse, out, lse, tickets, seqlens_q, seqlens_k, tree, scale * 1.4426950408889634,  # 1/ln 2: exp2
-        *split_ints, HEAD_DIM=HEAD_DIM, BLOCK_D=block_d, ROWS=rows, BLOCK_N=BLOCK_N, GQA=GQA, DOT=rows >= 16,
-        DIRECT=direct, UPCAST=UPCAST, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        q, k, v, dst, dst_lse, out, lse, tickets, seqlens_q, seqlens_k, tree, scale * 1.4426950408889634, *split_ints,
+        HEAD_DIM=HEAD_DIM, BLOCK_D=block_d, ROWS=rows, BLOCK_N=BLOCK_N, GQA=GQA, DOT=rows >= 16, DIRECT=direct,
+        UPCAST=UPCAST, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     if workspace is None and not copied and _direct_entry(split_entry) \
             and ((q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr() | lse.data_ptr() | dst.data_ptr()
@@ -868,11 +868,12 @@ def forward(q, k, v, *, scale=None, seqlens_q=None, seqlens_k=None, tree_mask=No
 
 
 # [Note] Operators
-# The launches are also torch.library custom operators (fagen::<module>_fwd, _fwd_out, _bwd), with fake
-# implementations and, for bwd specs, registered autograd. Under torch.compile the public functions call the
-# operators, so a call traces with no graph break and no recompile per sequence length (the fake outputs follow
-# the input shapes); in eager mode they launch directly and skip the dispatcher (microseconds per call). The
-# operators take checked, launch-ready inputs: scale a float, the tree in its launch form.
+# The launches are also torch.library custom operators (fagen::<module>_fwd, _fwd_out, _bwd) with fake
+# implementations. Under torch.compile the public functions call the operators, so a call traces with no graph
+# break and no recompile per sequence length (the fake outputs follow the input shapes); in eager mode they launch
+# directly and skip the dispatcher (microseconds per call). The operators take checked, launch-ready inputs: scale
+# a float, the tree in its launch form. They carry no autograd: the one autograd of a bwd module is _Attention
+# ([Note] One autograd), which calls them when compiling.
 _OP = "fagen::" + __name__.rpartition(".")[2].replace("-", "_")
 
 

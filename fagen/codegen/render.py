@@ -15,9 +15,10 @@ from pathlib import Path
 
 import jinja2
 
-from fagen import __version__
-from fagen.spec import defaults, tables, targets
-from fagen.spec.axes import DECODE_MAX_SEQ_Q, MAX_PAGE_SIZE, DType, Kind, Layout, Mask
+from fagen import __version__, backends
+from fagen.codegen import signatures
+from fagen.spec import tables
+from fagen.spec.axes import DECODE_MAX_SEQ_Q, MAX_PAGE_SIZE, DType, Layout
 from fagen.spec.kernel import KernelSpec, SpecError
 
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"  # fagen/templates, installed with the package
@@ -41,7 +42,7 @@ def _mmatype(dtype: DType) -> str:
 
 
 def _smem_bytes(spec: KernelSpec) -> int:
-    return targets.cuda_smem_bytes(spec.head_dim, spec.dtype, spec.block_m, spec.block_n, spec.num_stages)
+    return backends.get(spec.backend).smem_bytes(spec)
 
 
 def environment() -> jinja2.Environment:
@@ -63,62 +64,39 @@ def _environment(root: Path) -> jinja2.Environment:
     )
     env.filters.update(torchtype=_torchtype, cudatype=_cudatype,
                        mmatype=_mmatype, smem_bytes=_smem_bytes)
+    signatures.register(env)  # def_kernel, launch, args, ...: the argument lists of fagen/codegen/args.py
+    env.globals["verbatim"] = _verbatim
     return env
 
 
+VERBATIM_MARKER = "# -- fagen: included verbatim below this line --\n"
+
+
+@jinja2.pass_environment
+def _verbatim(env: jinja2.Environment, name: str) -> str:
+    """The static code of templates/<name> (a .py file linters read): the text below its marker line, without the
+    last newline (the including template's line supplies it)."""
+    source = env.loader.get_source(env, name)[0]
+    if VERBATIM_MARKER not in source:
+        raise ValueError(f"templates/{name} has no line {VERBATIM_MARKER.strip()!r} to include below")
+    return source.split(VERBATIM_MARKER, 1)[1].removesuffix("\n")
+
+
 def template_name(spec: KernelSpec) -> str:
-    return tables.TEMPLATE[(spec.backend, spec.kind)]
+    return backends.get(spec.backend).templates[spec.kind]
 
 
 def _context(spec: KernelSpec) -> dict:
-    """Everything a template sees: the spec (enums and integers only), and values the tables derive from it."""
-    return dict(spec=spec, spec_json=spec.to_json(), version=__version__, max_seq_q=DECODE_MAX_SEQ_Q,
-                dot_precision=tables.DOT_KWARGS[spec.dtype], tma=tables.tma_loads(spec), gluon=defaults.GLUON_VARIANT,
-                xargs=SCORE_ARGS if spec.switches else "", xsig=SCORE_SIG if spec.switches else "",
-                max_page_size=MAX_PAGE_SIZE, **_layout_context(spec))
-
-
-# [Note] Layout arguments. The varlen and paged layouts ([Note] Layouts in triton/masks.j2) pass host ints and the
-# block table beside the seqlens slots, which carry cu_seqlens (varlen q and k, paged-prefill q) or the cached
-# lengths (paged k). Like the score arguments they are appended to the launch, operator and autograd argument
-# lists ({{ largs }} / {{ lsig }}); a dense spec renders none of them.
-_LAYOUT_ARGS = {
-    (Layout.VARLEN, Kind.PREFILL): ("max_seqlen_q", "max_seqlen_k"),
-    (Layout.PAGED, Kind.PREFILL): ("block_table", "max_seqlen_q"),
-    (Layout.PAGED, Kind.DECODE): ("block_table",),
-}
-_LAYOUT_TYPES = {"max_seqlen_q": "int", "max_seqlen_k": "int", "block_table": "torch.Tensor"}
-# The public keyword arguments of each layout (README "Layouts"), in place of seqlens_q, seqlens_k and tree_mask.
-_LAYOUT_KEYWORDS = {
-    (Layout.VARLEN, Kind.PREFILL): ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"),
-    (Layout.PAGED, Kind.PREFILL): ("cu_seqlens_q", "max_seqlen_q", "block_table", "seqlens_k"),
-    (Layout.PAGED, Kind.DECODE): ("block_table", "seqlens_k"),
-}
-
-
-def _layout_context(spec: KernelSpec) -> dict:
-    names = _LAYOUT_ARGS.get((spec.layout, spec.kind), ())
+    """Everything a template sees: the spec (enums and integers only), values the tables derive from it, and the
+    argument-list helpers (fagen/codegen/signatures.py)."""
+    backend = backends.get(spec.backend)
     paged = spec.layout is Layout.PAGED
-    tree = spec.mask is Mask.TREE
-    return dict(packed_q=spec.packed_q, packed_k=spec.layout is Layout.VARLEN, paged=paged,
-                ragged=spec.mask.padded or spec.layout is not Layout.DENSE,
-                lkw=", ".join(_LAYOUT_KEYWORDS.get((spec.layout, spec.kind), ()) + (("tree_mask",) if tree else ())),
+    return dict(spec=spec, spec_json=spec.to_json(), version=__version__, max_seq_q=DECODE_MAX_SEQ_Q,
+                dot_precision=tables.DOT_KWARGS[spec.dtype], tma=backend.tma_loads(spec), gluon=backends.GLUON.variant,
+                max_page_size=MAX_PAGE_SIZE, packed_q=spec.packed_q, packed_k=spec.layout is Layout.VARLEN,
+                paged=paged, ragged=spec.mask.padded or spec.layout is not Layout.DENSE,
                 tree_keys="len_k" if paged else "seq_k",  # tree nodes are the last Sq of these keys
-                lse_shape="(q.shape[1], q.shape[0])" if spec.packed_q else "q.shape[:3]",
-                # the autograd's view of them: saved on ctx (varlen, the one layout with a backward), no gradient
-                layout_ctx="".join(", ctx." + n for n in names), layout_none=", None" * len(names),
-                largs="".join(", " + n for n in names), lsig="".join(f", {n}: {_LAYOUT_TYPES[n]}" for n in names),
-                # the kernels' page arguments: the top-level kernel's, and the inner loops' (this sequence's row)
-                xkpg=", BlockTable, stride_btb, page_shift" if paged else "",
-                xpg=", table, stride_kb, stride_vb, page_shift" if paged else "")
-
-
-# [Note] Score arguments. A spec with any score switch threads these launch-form values through its launch
-# function, operators and autograd (appended to every argument list as {{ xargs }} / {{ xsig }}); a spec without
-# switches renders neither, so its source is unchanged.
-SCORE_ARGS = ", window_left, window_right, softcap, alibi_slopes, sinks"
-SCORE_SIG = (", window_left: int, window_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor], "
-             "sinks: Optional[torch.Tensor]")
+                lse_shape="(q.shape[1], q.shape[0])" if spec.packed_q else "q.shape[:3]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,17 +110,18 @@ class Rendered:
     @property
     def source(self) -> str:
         """The kernel source (the .py module, or the .cu file of the cuda backend)."""
-        return self.files[tables.SOURCE_SUFFIX[self.spec.backend]]
+        return self.files[backends.get(self.spec.backend).suffix]
 
     @property
     def launcher(self) -> str | None:
-        return self.files[".py"] if self.spec.backend in tables.LAUNCHER else None
+        return self.files[".py"] if backends.get(self.spec.backend).launcher else None
 
 
 def _stamp(root: Path) -> tuple:
-    """(name, mtime, size) of every template file: an edited template changes it, so a memoised render is redone."""
+    """(name, mtime, size) of every template file (.j2, and the static .py included verbatim): an edited template
+    changes it, so a memoised render is redone."""
     return tuple(sorted((str(p.relative_to(root)), st.st_mtime_ns, st.st_size)
-                        for p in root.rglob("*.j2") for st in (p.stat(),)))
+                        for p in root.rglob("*") if p.suffix in (".j2", ".py") for st in (p.stat(),)))
 
 
 def render(spec: KernelSpec) -> Rendered:
@@ -165,12 +144,12 @@ render.cache_clear = lambda: _render.cache_clear()  # for tests that change the 
 
 @functools.lru_cache(maxsize=512)
 def _render(spec: KernelSpec, root: Path, stamp: tuple) -> Rendered:
-    env = _environment(root)
-    files = {tables.SOURCE_SUFFIX[spec.backend]: env.get_template(template_name(spec)).render(**_context(spec))}
-    if spec.backend in tables.LAUNCHER:
-        files[".py"] = env.get_template(tables.LAUNCHER[spec.backend]).render(**_context(spec))
-    h = hashlib.sha256(files[tables.SOURCE_SUFFIX[spec.backend]].encode())
-    if ".py" in files and tables.SOURCE_SUFFIX[spec.backend] != ".py":
+    env, backend = _environment(root), backends.get(spec.backend)
+    files = {backend.suffix: env.get_template(template_name(spec)).render(**_context(spec))}
+    if backend.launcher:
+        files[".py"] = env.get_template(backend.launcher).render(**_context(spec))
+    h = hashlib.sha256(files[backend.suffix].encode())
+    if ".py" in files and backend.suffix != ".py":
         h.update(b"\0" + files[".py"].encode())
     return Rendered(spec=spec, files=files, digest=h.hexdigest())
 
@@ -184,7 +163,7 @@ def generate(spec: KernelSpec) -> str:
 
 def generate_launcher(spec: KernelSpec) -> str:
     """The Python module that compiles, loads and launches a non-Python source (the cuda backend's .cu)."""
-    if spec.backend not in tables.LAUNCHER:
+    if not backends.get(spec.backend).launcher:
         raise ValueError(f"backend {spec.backend} emits Python directly; it has no launcher")
     return render(spec).launcher
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 
 class _Axis(str, enum.Enum):
@@ -36,10 +37,16 @@ class DType(_Axis):
     FP16 = "fp16"
     BF16 = "bf16"
     FP32 = "fp32"
+    FP8_E4M3 = "fp8_e4m3"  # q, k, v in float8 e4m3 with run-time descales; the sm_90 gluon forward only
 
     @property
     def itemsize(self) -> int:
-        return 4 if self is DType.FP32 else 2
+        return {DType.FP32: 4, DType.FP8_E4M3: 1}.get(self, 2)
+
+    @classmethod
+    def portable(cls) -> tuple[DType, ...]:
+        """The dtypes every backend and kind computes in: all but fp8 (README "fp8 forward")."""
+        return tuple(d for d in cls if d is not DType.FP8_E4M3)
 
 
 class Direction(_Axis):
@@ -79,3 +86,7 @@ DECODE_MAX_SEQ_Q = 16
 
 # Paged KV caches: pages hold a power of two of tokens, from 1 to this many.
 MAX_PAGE_SIZE = 256
+
+
+# The one SpecError (fagen/errors.py, which imports nothing), re-exported here with the axes it validates.
+from fagen.errors import SpecError  # noqa: E402,F401

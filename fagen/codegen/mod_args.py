@@ -79,6 +79,16 @@ class ModCode:
         self.mask_tree = parse(spec.mask_mod, "mask_mod", *decls) if spec.mask_mod is not None else None
         self.dscore_tree = d_score(self.score_tree) if self.score_tree is not None else None
         self.helpers = TRITON_HELPERS
+        # [Note] Captured-tensor gradients: one (tensor position, load, derivative) per distinct load of a float
+        # tensor in the score_mod; the dK/dV kernel writes each load's dS * derivative and its element's linear
+        # index into a workspace the host reduces in a fixed order (fagen/templates/triton/mods.j2).
+        from fagen.mods.grad import d_loads
+
+        self.grad_loads = []
+        if self.score_tree is not None:
+            for i, t in enumerate(self.args.tensors):
+                if t.dtype in ("fp32", "fp16", "bf16"):
+                    self.grad_loads += [(i, load, deriv) for load, deriv in d_loads(self.score_tree, t.name)]
 
     def _names(self, score, b, h, q_idx, kv_idx) -> dict:
         return {"score": score, "b": b, "h": h, "q_idx": q_idx, "kv_idx": kv_idx, **self.args.refs()}
@@ -95,3 +105,21 @@ class ModCode:
 
     def visible(self, b: str, h: str, q_idx: str, kv_idx: str) -> str:
         return to_triton(self.mask_tree, self._names("", b, h, q_idx, kv_idx))
+
+    def grad_stores(self, ds: str, p: str, score: str, h: str, q_idx: str, kv_idx: str, pad: str) -> str:
+        """The dK/dV loop's stores of each captured-tensor load's dS * derivative and linear element index into its
+        workspace pair (MG<k>, MGI<k>) at the element's (b, h, q, kv) position, where the host asked for them."""
+        lines = []
+        names = self._names(score, "off_b", h, q_idx, kv_idx)
+        for k, (i, load, deriv) in enumerate(self.grad_loads):
+            linear = "0"
+            for d, index in enumerate(load.index):
+                clamped = f"_mod_index({to_triton(index, names)}, mt{i}_n{d})"
+                linear = (f"({linear}) * mt{i}_n{d} + " if d else "") + clamped
+            value = f"tl.where({p} == 0.0, 0.0, {ds} * ({to_triton(deriv, names)}))"
+            lines += [f"if MG{k} is not None:",
+                      f"    gpos = ((off_b * num_heads + {h}).to(tl.int64) * seq_q + {q_idx}) * seq_k + {kv_idx}",
+                      f"    gin = ({q_idx} < seq_q) & ({kv_idx} < seq_k)",
+                      f"    tl.store(MG{k} + gpos, {value}, mask=gin)",
+                      f"    tl.store(MGI{k} + gpos, ({linear}).to(tl.int64) + gpos * 0, mask=gin)"]
+        return "".join(pad + line + "\n" for line in lines)

@@ -2,10 +2,18 @@
 re-read (same spec fields, new value), a factory's new function object of the same shape reuses the trace, and a
 changed kind traces again."""
 
+import pytest
 import torch
 
 import gym_mods as g
 from fagen.runtime import mods
+
+
+@pytest.fixture(autouse=True)
+def _cold_cache():
+    """Each test counts its own traces: start from an empty trace cache (other tests trace the same gym mods)."""
+    mods._BY_ID.clear()
+    mods._BY_SHAPE.clear()
 
 
 def test_the_same_functions_trace_once_and_changed_numbers_are_reread():

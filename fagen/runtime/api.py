@@ -104,6 +104,7 @@ _NO_SCORES: dict = {}
 _SCORE_ARGS = tuple(SWITCH_KEYWORD[name] for name in SCORE_SWITCHES)  # the public keyword of each switch
 
 
+@torch.compiler.disable  # tracing the user's functions is host work: eager, a graph break under torch.compile
 def _modded(q, k, v, *, window, softcap, alibi_slopes, sinks, varlen, **rest):
     """The path of calls with user mods (fagen/runtime/modded.py): dense layout, the bwd module of the mods' spec."""
     from fagen.runtime import modded

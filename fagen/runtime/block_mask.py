@@ -63,11 +63,10 @@ class BlockMask:
         fm, fn = block_m // self.block_m, block_n // self.block_n
         c = self.classes
         qb, kb = c.shape[-2], c.shape[-1]
-        pad = torch.nn.functional.pad  # padded blocks lie past the sequences: neutral (full for min, empty for max)
-        lo = -torch.nn.functional.max_pool2d(-pad(c.float(), (0, -kb % fn, 0, -qb % fm), value=2.0).flatten(0, 1)[:, None],
-                                              (fm, fn))
-        hi = torch.nn.functional.max_pool2d(pad(c.float(), (0, -kb % fn, 0, -qb % fm), value=0.0).flatten(0, 1)[:, None],
-                                            (fm, fn))
+        f = torch.nn.functional
+        edges = (0, -kb % fn, 0, -qb % fm)  # padded blocks lie past the sequences: neutral (full for min, empty for max)
+        lo = -f.max_pool2d(-f.pad(c.float(), edges, value=2.0).flatten(0, 1)[:, None], (fm, fn))
+        hi = f.max_pool2d(f.pad(c.float(), edges, value=0.0).flatten(0, 1)[:, None], (fm, fn))
         coarse = torch.where(hi == 0, 0, torch.where(lo == 2, 2, 1)).to(torch.int8)
         return dataclasses.replace(self, block_m=block_m, block_n=block_n,
                                    classes=coarse[:, 0].view(*c.shape[:2], *coarse.shape[-2:]))
@@ -95,11 +94,21 @@ def create_block_mask(mask_mod, B: int | None, H: int | None, Sq: int, Sk: int, 
     """The block classes of mask_mod(b, h, q_idx, kv_idx) over B batches, H query heads, Sq queries and Sk keys
     ([Note] Block classes). B or H None: the mask must not read b or h, and the result broadcasts over them.
     Pass the result to fagen.attention(..., mask_mod=mask_mod, block_mask=...) for every layer of that shape."""
-    from fagen.codegen.block_mask import block_mask_source, reads
-    from fagen.runtime.loader import load_source
-
     mods = prepare(mask_mod=mask_mod)
     _, text, tensors, scalars = mods.fields
+    return from_text(text, tensors, scalars, mods.values, B, H, Sq, Sk, device=device, block_size=block_size)
+
+
+def from_text(text: str, tensors: tuple, scalars: tuple, values: dict, B: int | None, H: int | None, Sq: int,
+              Sk: int, *, device=None, block_size: int | tuple[int, int] = DEFAULT_BLOCK) -> BlockMask:
+    """create_block_mask for a mask_mod given as a spec's text, declarations and captured values (fagen verify)."""
+    from fagen.codegen.block_mask import block_mask_source, reads
+    from fagen.mods.text import ModScalar, ModTensor
+    from fagen.runtime.loader import load_source
+
+    tensors = tuple(ModTensor(*t) for t in tensors)
+    scalars = tuple(ModScalar(*s) for s in scalars)
+
     bm, bn = (block_size, block_size) if isinstance(block_size, int) else block_size
     for name, value in (("Sq", Sq), ("Sk", Sk), ("block_size", bm), ("block_size", bn)):
         if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name[0] == "b" else 0):
@@ -115,7 +124,7 @@ def create_block_mask(mask_mod, B: int | None, H: int | None, Sq: int, Sk: int, 
     nb = B if "b" in used else 1
     nh = H if "h" in used else 1
     if device is None:
-        device = next((v.device for v in mods.values.values() if isinstance(v, torch.Tensor)), None) or \
+        device = next((v.device for v in values.values() if isinstance(v, torch.Tensor)), None) or \
             ("cuda" if torch.cuda.is_available() else "cpu")
     qb, kb = -(-Sq // bm), -(-Sk // bn)
     classes = torch.empty((nb, nh, qb, kb), dtype=torch.int8, device=device)
@@ -124,7 +133,29 @@ def create_block_mask(mask_mod, B: int | None, H: int | None, Sq: int, Sk: int, 
         module = load_source(source, "block_mask")
         from fagen.codegen.mod_args import ModArgs, host_values
 
-        extra = host_values(ModArgs(tensors, scalars), mods.values)
+        extra = host_values(ModArgs(tensors, scalars), values)
         module._block_classes[(qb, nh, nb)](classes, *classes.stride()[:3], Sq, Sk, kb, *extra,
                                            BLOCK_M=bm, BLOCK_N=bn)
     return BlockMask(text, Sq, Sk, bm, bn, classes)
+
+
+def _kernel_form(self: BlockMask, device, min_m: int = 16, min_n: int = 16) -> tuple:
+    """(classes, lists, transposed lists, block_m, block_n) as the generated kernels take them ([Note] Block classes), at blocks of at
+    least min_m x min_n (the largest tiles of the kernels that read it: coarsened here when needed), memoised."""
+    bm = self
+    while bm.block_m < min_m or bm.block_n < min_n:
+        bm = bm.at(max(bm.block_m, min_m), max(bm.block_n, min_n))
+    key = (bm.block_m, bm.block_n, str(device))
+    memo = self.__dict__.setdefault("_forms", {})
+    if key not in memo:
+        def lists(classes):  # the non-empty blocks ascending, then the running count of non-empty blocks
+            _, idx = _lists(classes)
+            cum = torch.nn.functional.pad(torch.cumsum((classes != 0).to(torch.int32), -1, dtype=torch.int32), (1, 0))
+            return torch.cat([idx, cum], -1).to(device).contiguous()
+
+        memo[key] = (bm.classes.to(device).contiguous(), lists(bm.classes), lists(bm.classes.transpose(-1, -2)),
+                     bm.block_m, bm.block_n)
+    return memo[key]
+
+
+BlockMask.kernel_form = _kernel_form

@@ -13,7 +13,7 @@ from types import ModuleType
 
 import torch
 
-from fagen.codegen.mod_args import ModArgs, host_values
+from fagen.codegen.mod_args import ModArgs
 from fagen.mods.text import ModScalar, ModTensor
 from fagen.runtime.loader import load
 from fagen.runtime.mods import Mods, prepare
@@ -21,6 +21,12 @@ from fagen.runtime.resolve import AttentionError, fast_key, spec_for
 from fagen.spec.kernel import KernelSpec, SpecError
 
 _MODULES: dict[tuple, tuple[ModuleType, ModArgs]] = {}
+
+# [Note] Modded tiles. A mod's loads of captured tensors are [BLOCK_M, BLOCK_N] gathers inside the key loop, and
+# Triton's software pipeliner stages them in shared memory like K and V. With the plain d128 bf16 tiles
+# (m128n128, 3 stages) the forward needs 353 KB on sm_90 (227 KB allowed) for a relative bias plus a document
+# mask; m128n64 with 2 stages needs 129 KB with no spills in the forward (fagen compile --arch sm_90 on this
+# mod, no GPU run yet). So for head_dim > 64 a modded spec takes block_n <= 64 and num_stages <= 2.
 
 
 def module_for(q, k, v, mask, switches: tuple[str, ...], mods: Mods) -> tuple[ModuleType, ModArgs]:
@@ -31,8 +37,11 @@ def module_for(q, k, v, mask, switches: tuple[str, ...], mods: Mods) -> tuple[Mo
         return hit
     base = spec_for(q, k, v, mask=mask, switches=switches)
     score, text, tensors, scalars = mods.fields
+    tiles = {}
+    if base.head_dim > 64:  # [Note] Modded tiles
+        tiles = {"block_n": min(64, base.block_n), "num_stages": min(2, base.num_stages)}
     try:
-        spec = KernelSpec.from_dict({**base.to_dict(), "score_mod": score, "mask_mod": text,
+        spec = KernelSpec.from_dict({**base.to_dict(), **tiles, "score_mod": score, "mask_mod": text,
                                      "mod_tensors": [list(t) for t in tensors],
                                      "mod_scalars": [list(s) for s in scalars]})
     except SpecError as e:
@@ -65,15 +74,16 @@ def attention(q, k, v, *, mask, scale, seqlens_q, seqlens_k, tree_mask, scores: 
     mods = prepare(score_mod=score_mod, mask_mod=mask_mod)
     module, args = module_for(q, k, v, mask, switches, mods)
     check_values(q, args, mods.values)
-    values = tuple(host_values(args, mods.values))
     if block_mask is not None:
         _check_block_mask(block_mask, mods, q, k)
-    grads = [t.name for t in args.tensors if mods.values[t.name].requires_grad and t.dtype in ("fp32", "fp16", "bf16")]
-    if grads and torch.is_grad_enabled():
-        raise AttentionError(f"captured tensor {grads[0]} requires grad: the kernels do not compute gradients of "
-                             "captured tensors yet (docs/mods.md); detach it, or compute the bias outside the mod")
-    return module.attention(q, k, v, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k, tree_mask=tree_mask,
-                            check=check, mod_values=values, block_mask=block_mask, **scores)
+    if mask_mod is not None:
+        scores = {**scores, "block_mask": block_mask}
+    kw = dict(scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k, tree_mask=tree_mask, check=check,
+              mods=mods.values, **scores)
+    if not torch.is_grad_enabled() or not any(
+            t.requires_grad for t in (q, k, v, *(mods.values[a.name] for a in args.tensors))):
+        return module.forward(q, k, v, **kw)[0]  # no autograd node to build
+    return module.attention(q, k, v, **kw)
 
 
 def _check_block_mask(bm, mods: Mods, q, k) -> None:

@@ -26,7 +26,9 @@ _MODULES: dict[tuple, tuple[ModuleType, ModArgs]] = {}
 # Triton's software pipeliner stages them in shared memory like K and V. With the plain d128 bf16 tiles
 # (m128n128, 3 stages) the forward needs 353 KB on sm_90 (227 KB allowed) for a relative bias plus a document
 # mask; m128n64 with 2 stages needs 129 KB with no spills in the forward (fagen compile --arch sm_90 on this
-# mod, no GPU run yet). So for head_dim > 64 a modded spec takes block_n <= 64 and num_stages <= 2.
+# mod, no GPU run yet). So for head_dim > 64 a spec whose mods read captured tensors takes block_n <= 64 and
+# num_stages <= 2. Mods without loads (a softcap, a causal or window mask_mod) keep the plain tiles: the softcap
+# score_mod compiles at m128n128, 3 stages, in 225 KB, as the switch kernel does.
 
 
 def module_for(q, k, v, mask, switches: tuple[str, ...], mods: Mods) -> tuple[ModuleType, ModArgs]:
@@ -38,7 +40,7 @@ def module_for(q, k, v, mask, switches: tuple[str, ...], mods: Mods) -> tuple[Mo
     base = spec_for(q, k, v, mask=mask, switches=switches)
     score, text, tensors, scalars = mods.fields
     tiles = {}
-    if base.head_dim > 64:  # [Note] Modded tiles
+    if base.head_dim > 64 and tensors:  # [Note] Modded tiles
         tiles = {"block_n": min(64, base.block_n), "num_stages": min(2, base.num_stages)}
     try:
         spec = KernelSpec.from_dict({**base.to_dict(), **tiles, "score_mod": score, "mask_mod": text,

@@ -32,6 +32,8 @@ _EXPORTS = {
     "load": "fagen.runtime.loader",
     "attention": "fagen.runtime.api",
     "AttentionError": "fagen.runtime.api",
+    "create_block_mask": "fagen.runtime.block_mask",
+    "BlockMask": "fagen.runtime.block_mask",
 }
 
 __all__ = ["__version__", *_EXPORTS]

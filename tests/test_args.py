@@ -24,6 +24,13 @@ def _specs():
                              layout=layout, **switches)
         except SpecError:
             continue
+    # User mods (docs/mods.md): captured tensors, scalars and a block mask add arguments per spec.
+    for direction, mask, bits in itertools.product(("fwd", "bwd"), ("none", "causal", "padding", "tree"), (0, 15)):
+        switches = {name: bool(bits >> i & 1) for i, name in enumerate(SCORE_SWITCHES)}
+        yield KernelSpec(head_dim=64, mask=mask, dtype="bf16", direction=direction, **switches,
+                         score_mod="score * cap + bias[h, q_idx - kv_idx + 63] * w[h]",
+                         mask_mod="doc[q_idx] == doc[kv_idx]", mod_scalars=[["cap", "float"]],
+                         mod_tensors=[["bias", "fp32", 2], ["doc", "i32", 1], ["w", "bf16", 1]])
 
 
 SPECS = list(_specs())
@@ -41,7 +48,7 @@ def test_names_are_unique_in_every_spec(name):
     """A list may hold one name twice only under predicates no spec meets together (seqlens_k: dense or paged)."""
     items = A.LISTS[name] if name in A.LISTS else A.KERNELS[name].args
     for spec in SPECS:
-        names = [a.name for a in items if a.when(spec)]
+        names = [a.name for a in A.expand(items, spec)]
         assert len(names) == len(set(names)), (spec.name, names)
 
 

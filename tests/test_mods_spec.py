@@ -48,8 +48,12 @@ def test_invalid_mods_name_the_field(fields, field):
     assert e.value.field == field, str(e.value)
 
 
-def test_render_refuses_mods_until_the_templates_take_them():
+def test_render_refuses_mods_where_the_templates_do_not_take_them():
+    """Mods render into the Triton prefill kernels on the dense layout; decode and the other layouts name the field."""
     from fagen.codegen.render import render
 
-    with pytest.raises(SpecError, match="not rendered into kernels yet"):
-        render(KernelSpec(head_dim=64, score_mod="score * 2.0"))
+    assert "_fwd_mod" in render(KernelSpec(head_dim=64, score_mod="score * 2.0")).source
+    with pytest.raises(SpecError, match="^kind: .*prefill kernels only"):
+        render(KernelSpec(head_dim=64, score_mod="score * 2.0", kind="decode"))
+    with pytest.raises(SpecError, match="^layout: .*dense layout only"):
+        render(KernelSpec(head_dim=64, mask_mod="q_idx >= kv_idx", layout="varlen", mask="causal"))

@@ -11,12 +11,13 @@ from fagen.cli.common import cases_from_options, console, pick_device, shape_opt
 @click.command()
 @spec_options
 @shape_options
-@click.option("--suite", type=click.Choice(["standard", "scores", "latency", "cp", "layouts"]),
+@click.option("--suite", type=click.Choice(["standard", "scores", "latency", "cp", "layouts", "mods"]),
               help="A named table of cases instead of one spec. scores: the score-switch rows of the standard suite "
                    "with fagen-only baselines; latency: host time per call against SDPA; cp: ring "
                    "attention on 1 and N GPUs (torchrun; --seq-q, --batch, --heads, --head-dim, --dtype, --mask shape it, "
                    "--device and --quick pass on); layouts: "
-                   "paged decode and varlen prefill against fagen's dense kernels and the peers.")
+                   "paged decode and varlen prefill against fagen's dense kernels and the peers; mods: attention-gym's "
+                   "score_mod/mask_mod against FlexAttention, builtin-as-mod, cold first call, changed closure scalar.")
 @click.option("--case", "case_names", multiple=True, metavar="NAME", help="Only these rows of the suite (repeatable).")
 @click.option("--quick", is_flag=True, help="Shrink every shape for a smoke run.")
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True)
@@ -96,6 +97,8 @@ def bench(spec_file, batch, heads, seq_q, seq_k, suite, case_names, quick, devic
         return _latency(pick_device(device), json_path, out, quick)
     if suite == "layouts":
         return _layouts(pick_device(device), json_path, out, quick)
+    if suite == "mods":
+        return _mods(pick_device(device), json_path, out, quick)
     cases = cases_from_options(suite, case_names, quick, spec_file, batch, heads, seq_q, seq_k, seed, flags)
     if cases is None:
         raise click.UsageError("give spec flags (--head-dim ...), --suite standard, or --report FILE")
@@ -152,6 +155,20 @@ def _layouts(device, json_path, out, quick):
         out.file.flush()
 
     records = layouts.run(device, log=log, quick=quick)
+    if json_path is not None:
+        runner.write_json(json_path, runner.environment_meta(device), records)
+        log(f"wrote {json_path}")
+
+
+def _mods(device, json_path, out, quick):
+    """The mods suite ([Note] Mods rows in fagen/bench/mods.py)."""
+    from fagen.bench import mods, runner
+
+    def log(line: str) -> None:
+        out.print(line, markup=False, highlight=False)
+        out.file.flush()
+
+    records = mods.run(device, log=log, quick=quick)
     if json_path is not None:
         runner.write_json(json_path, runner.environment_meta(device), records)
         log(f"wrote {json_path}")

@@ -87,6 +87,15 @@ def lengths_k(spec: KernelSpec) -> bool:
     return spec.mask.padded or spec.layout is not Layout.DENSE
 
 
+def modded(spec: KernelSpec) -> bool:
+    return spec.modded
+
+
+def mask_modded(spec: KernelSpec) -> bool:
+    """A mask_mod: the kernels take a block mask's classes and lists (None without one)."""
+    return spec.mask_mod is not None
+
+
 def rows_16(spec: KernelSpec) -> bool:
     """Contiguous row strides are multiples of 16 only when head_dim is (what the AOT build assumes of them)."""
     return spec.head_dim % 16 == 0
@@ -129,7 +138,26 @@ class Kernel:
     constexpr_type: str = "tl.constexpr"
 
     def of(self, spec: KernelSpec) -> list[Arg]:
-        return [a for a in self.args if a.when(spec)]
+        return expand(self.args, spec)
+
+
+@dataclasses.dataclass(frozen=True)
+class Each:
+    """Args that depend on a spec's values, not only on whether it has a feature: one per captured tensor (and
+    its strides and sizes) and per runtime scalar of a user mod ([Note] Mod argument names in mod_args.py)."""
+
+    fn: Callable[[KernelSpec], list]
+
+
+def expand(items, spec: KernelSpec) -> list:
+    """The entries of a list that `spec` has, with each Each expanded in place."""
+    out = []
+    for a in items:
+        if isinstance(a, Each):
+            out += a.fn(spec)
+        elif a.when(spec):
+            out.append(a)
+    return out
 
 
 def T(name, dtype=IO, **kw) -> Arg:  # noqa: N802 - the kinds read as types in the tables below
@@ -181,6 +209,52 @@ _HEAD_D = [_HEAD[0], dataclasses.replace(_HEAD[1], host="block_d")]  # launchers
 _UPCAST = C("UPCAST", aot="False")  # compiled kernels never upcast ([Note] Interpreter upcast)
 
 
+_MOD_PTR = {"bool": "i1"}  # a captured tensor's Triton pointer type where it differs from its dtype's spelling
+
+
+def _mod_args(spec: KernelSpec) -> list[Arg]:
+    """A user mod's kernel arguments: per captured tensor its pointer, strides and sizes, then each scalar."""
+    out = []
+    for i, (_, dtype, rank) in enumerate(spec.mod_tensors):
+        out.append(T(f"mt{i}", _MOD_PTR.get(dtype, dtype), host=f"mt{i}", br=i == 0))
+        out += [I(f"mt{i}_s{d}", host=f"mt{i}.stride({d})") for d in range(rank)]
+        out += [I(f"mt{i}_n{d}", host=f"mt{i}.shape[{d}]") for d in range(rank)]
+    for j, (_, kind) in enumerate(spec.mod_scalars):
+        out.append((I if kind == "int" else F)(f"ms{j}", host=f"ms{j}", br=not spec.mod_tensors and j == 0))
+    return out
+
+
+MOD_ARGS = Each(_mod_args)
+
+
+def _grad_loads(spec: KernelSpec) -> int:
+    """How many loads of captured float tensors the score_mod makes (fagen.codegen.mod_args.ModCode.grad_loads)."""
+    if spec.score_mod is None:
+        return 0
+    from fagen.codegen.mod_args import ModCode
+
+    return len(ModCode(spec).grad_loads)
+
+
+# Each such load's gradient workspace pair, None when its tensor needs no gradient ([Note] Captured-tensor
+# gradients in fagen/codegen/mod_args.py): the dK/dV kernel's and its loop's.
+MOD_GRAD_ARGS = Each(lambda spec: [T(f"{n}{k}", dt, pack="mod_ws", br=k == 0 and n == "MG")
+                                   for k in range(_grad_loads(spec)) for n, dt in (("MG", "fp32"), ("MGI", "i64"))])
+# A block mask's kernel form ([Note] Block classes in fagen/runtime/block_mask.py): classes int8 [B', H', QB, KB],
+# lists int32 [B', H', QB, 2 KB + 1] (the non-empty key blocks ascending, then the running count of non-empty
+# blocks) and their transpose [B', H', KB, 2 QB + 1] (the dK/dV loop's), the strides of each (0 on a broadcast b or
+# h), and the granularity; None and zeros without a block mask.
+_BLOCK_INTS = ("blk_cb", "blk_ch", "blk_cq", "blk_lb", "blk_lh", "blk_lq", "blk_tb", "blk_th", "blk_tk", "blk_m",
+               "blk_n")
+BLOCK_ARGS = [T("BlkCls", "i8", when=mask_modded, host="blk_cls", br=True),
+              T("BlkList", "i32", when=mask_modded, host="blk_list"),
+              T("BlkListT", "i32", when=mask_modded, host="blk_list_t"),
+              *(I(n, when=mask_modded, pack="blocks") for n in _BLOCK_INTS)]
+_BLOCK_PACK = "_block_ints(blk_cls, blk_list, blk_list_t, blk_m, blk_n)"
+_THREADED_BLOCKS = (T("BlkCls", "i8", when=mask_modded), T("BlkList", "i32", when=mask_modded),
+                    T("BlkListT", "i32", when=mask_modded), *(I(n, when=mask_modded) for n in _BLOCK_INTS))
+
+
 def _in_pack(args: list[Arg], pack: str) -> list[Arg]:
     return [dataclasses.replace(a, pack=pack) for a in args]
 
@@ -189,13 +263,13 @@ ATTN_FWD = Kernel("_attn_fwd", (
     T("Q", host="q", fast="pq", divisible=always), T("K", host="k", fast="pk", divisible=always),
     T("V", host="v", fast="pv", divisible=always), T("Out", host="out", fast="po", divisible=always),
     T("Lse", "fp32", host="lse", fast="pl", divisible=always), *_LENGTHS, F("qk_scale", host=SCALE_LOG2),
-    *_SCORES, _SINKS, *_PAGING,
+    *_SCORES, _SINKS, *_PAGING, MOD_ARGS, *BLOCK_ARGS,
     *_strides("q", "bhm", "q", "ints", br="b"), *_strides("k", "bhn", "k", "ints"),
     *_strides("v", "bhn", "v", "ints", br="b"), *_strides("o", "bhm", "out", "ints"),
     *_in_pack([dataclasses.replace(_TREE_STRIDES[0], br=True), _TREE_STRIDES[1]], "ints"),
     I("num_heads", host="hq", pack="ints"), I("seq_q", host="sq", pack="ints"), I("seq_k", host="sk", pack="ints"),
     *_HEAD, C("BLOCK_M"), C("BLOCK_N"), C("GQA", br=True), _UPCAST, C("TMA"),
-), packs={"scores": SCORE_LAUNCH})
+), packs={"scores": SCORE_LAUNCH, "blocks": _BLOCK_PACK})
 
 # The backward ([Note] Backward tiles in triton/backward.py.j2): no sinks (their gradient is a host reduction).
 _BWD_QKV_STRIDES = [*_strides("q", "bhm", "q", "qkv_strides", br="b"), *_strides("k", "bhn", "k", "qkv_strides"),
@@ -203,7 +277,7 @@ _BWD_QKV_STRIDES = [*_strides("q", "bhm", "q", "qkv_strides", br="b"), *_strides
 _ROW_STATS = [T("Lse2", "fp32", host="lse2", divisible=always), T("Delta", "fp32", host="delta", divisible=always)]
 _BWD_TAIL = [I("stride_sh", host="sq_pad", divisible=always), I("num_heads", host="hq"), I("seq_q", host="sq"),
              I("seq_k", host="sk")]
-_BWD_SCALES = [F("qk_scale", host="qk_scale"), F("scale", host="scale"), *_SCORES]
+_BWD_SCALES = [F("qk_scale", host="qk_scale"), F("scale", host="scale"), *_SCORES, MOD_ARGS, *BLOCK_ARGS]
 
 ATTN_BWD_PREPROCESS = Kernel("_attn_bwd_preprocess", (
     T("Out", host="out", divisible=always), T("DO", host="do", divisible=always),
@@ -219,9 +293,10 @@ ATTN_BWD_DKDV = Kernel("_attn_bwd_dkdv", (
     T("DO", host="do", divisible=always), T("DK", host="dk", divisible=always), T("DV", host="dv", divisible=always),
     *_ROW_STATS, *_LENGTHS, *_BWD_SCALES, *_BWD_QKV_STRIDES,
     *_strides("dk", "bhn", "dk", br="b"), *_strides("dv", "bhn", "dv"),
-    dataclasses.replace(_TREE_STRIDES[0], br=True), _TREE_STRIDES[1], *_BWD_TAIL,
+    dataclasses.replace(_TREE_STRIDES[0], br=True), _TREE_STRIDES[1], *_BWD_TAIL, MOD_GRAD_ARGS,
     *_HEAD_D, C("BLOCK_M", "DKDV_BLOCK_M"), C("BLOCK_N", "DKDV_BLOCK_N"), C("GQA", br=True), _UPCAST,
-), packs={"scores": "scores"}, warps="DKDV_NUM_WARPS", stages="DKDV_NUM_STAGES")
+), packs={"scores": "scores", "blocks": _BLOCK_PACK, "mod_ws": "mod_ws"}, warps="DKDV_NUM_WARPS",
+    stages="DKDV_NUM_STAGES")
 
 ATTN_BWD_DQ = Kernel("_attn_bwd_dq", (
     T("Q", host="q", divisible=always), T("K", host="k", divisible=always), T("V", host="v", divisible=always),
@@ -229,7 +304,7 @@ ATTN_BWD_DQ = Kernel("_attn_bwd_dq", (
     *_ROW_STATS, *_LENGTHS, *_BWD_SCALES, *_BWD_QKV_STRIDES,
     *_strides("dq", "bhm", "dq", br="b"), *_TREE_STRIDES, *_BWD_TAIL,
     *_HEAD_D, C("BLOCK_M", "DQ_BLOCK_M"), C("BLOCK_N", "DQ_BLOCK_N"), C("GQA", br=True), _UPCAST,
-), packs={"scores": "scores"}, warps="DQ_NUM_WARPS", stages="DQ_NUM_STAGES")
+), packs={"scores": "scores", "blocks": _BLOCK_PACK}, warps="DQ_NUM_WARPS", stages="DQ_NUM_STAGES")
 
 # Split-KV decode ([Note] Last split merges in triton/decode.py.j2): one kernel, whose last split merges.
 DECODE_SPLIT = Kernel("_decode_split", (
@@ -305,6 +380,9 @@ THREADED = {
                   I("num_pages", when=paged)),
     "dq_inner": (*_INNER_SCORES, F("slope2", when=switched)),
     "dkdv_inner": (*_INNER_SCORES, T("slope_base", "fp32", when=switched)),
+    # a user mod's captured values and block mask, threaded into the modded loops (_fwd_mod, _dq_mod, _dkdv_mod)
+    "mods_inner": (MOD_ARGS, *_THREADED_BLOCKS),
+    "mod_grads_inner": (MOD_GRAD_ARGS,),
     "merge": (T("Sinks", "fp32", when=sinks),),  # decode's _merge_splits
     "gluon_scores": (*_INNER_SCORES[:3],),
     "gluon_window": (I("win_left", when=window), I("win_right", when=window)),
@@ -321,9 +399,15 @@ OP_SCORES = (I("window_left", when=switched), I("window_right", when=switched), 
              T("alibi_slopes", "fp32", when=switched, real=alibi, optional=True),
              T("sinks", "fp32", when=switched, real=sinks, optional=True, grad="dsinks"))
 OP_LAYOUT = (T("block_table", "i32", when=paged), I("max_seqlen_q", when=packed_q), I("max_seqlen_k", when=varlen))
-OP = OP_BASE + OP_SCORES + OP_LAYOUT
+OP_MODS = (Each(lambda spec: [dataclasses.replace(a, host="", br=False, grad=f"mod_grads[{a.name[2:]}]" if
+                                                  a.kind == TENSOR else "") for a in _mod_args(spec)
+                              if not (a.kind == INT and "_" in a.name)]),
+           T("blk_cls", "i8", when=mask_modded, optional=True), T("blk_list", "i32", when=mask_modded, optional=True),
+           T("blk_list_t", "i32", when=mask_modded, optional=True),
+           I("blk_m", when=mask_modded), I("blk_n", when=mask_modded))
+OP = OP_BASE + OP_SCORES + OP_LAYOUT + OP_MODS
 # The backward's: dO first, the forward's out and lse after v.
-OP_BWD = (T("do"),) + OP_BASE[:3] + (T("out"), T("lse")) + OP_BASE[3:] + OP_SCORES + OP_LAYOUT
+OP_BWD = (T("do"),) + OP_BASE[:3] + (T("out"), T("lse")) + OP_BASE[3:] + OP_SCORES + OP_LAYOUT + OP_MODS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -347,6 +431,9 @@ MASK_KEYWORDS = (
 SCORE_KEYWORDS = (Keyword("window", switched, switch="window"), Keyword("softcap", switched, switch="softcap"),
                   Keyword("alibi_slopes", switched, switch="alibi"), Keyword("sinks", switched, switch="sinks"))
 SWITCH_KEYWORD = {kw.switch: kw.name for kw in SCORE_KEYWORDS}  # "alibi" -> "alibi_slopes"
+# A modded spec's: the captured values by the user's names, and a block mask (README "User mods").
+MOD_KEYWORDS = (Keyword("mods", modded), Keyword("block_mask", mask_modded))
 
-LISTS = {"op": OP, "op_bwd": OP_BWD, "op_scores": OP_SCORES, "op_layout": OP_LAYOUT, "mask_keywords": MASK_KEYWORDS,
+LISTS = {"op": OP, "op_bwd": OP_BWD, "op_scores": OP_SCORES, "op_layout": OP_LAYOUT, "op_mods": OP_MODS,
+         "mod_keywords": MOD_KEYWORDS, "mask_keywords": MASK_KEYWORDS,
          "score_keywords": SCORE_KEYWORDS, **THREADED}

@@ -18,7 +18,7 @@ import jinja2
 from fagen import __version__, backends
 from fagen.codegen import signatures
 from fagen.spec import tables
-from fagen.spec.axes import DECODE_MAX_SEQ_Q, MAX_PAGE_SIZE, DType, Layout
+from fagen.spec.axes import DECODE_MAX_SEQ_Q, MAX_PAGE_SIZE, DType, Kind, Layout
 from fagen.spec.kernel import KernelSpec, SpecError
 
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"  # fagen/templates, installed with the package
@@ -96,7 +96,17 @@ def _context(spec: KernelSpec) -> dict:
                 max_page_size=MAX_PAGE_SIZE, packed_q=spec.packed_q, packed_k=spec.layout is Layout.VARLEN,
                 paged=paged, ragged=spec.mask.padded or spec.layout is not Layout.DENSE,
                 tree_keys="len_k" if paged else "seq_k",  # tree nodes are the last Sq of these keys
-                lse_shape="(q.shape[1], q.shape[0])" if spec.packed_q else "q.shape[:3]")
+                lse_shape="(q.shape[1], q.shape[0])" if spec.packed_q else "q.shape[:3]",
+                mod=_mod_code(spec))
+
+
+def _mod_code(spec: KernelSpec):
+    """The templates' view of a spec's user mods (fagen/codegen/mod_args.py), or None."""
+    if not spec.modded:
+        return None
+    from fagen.codegen.mod_args import ModCode
+
+    return ModCode(spec)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,11 +142,23 @@ def render(spec: KernelSpec) -> Rendered:
     """
     if not isinstance(spec, KernelSpec):
         raise TypeError(f"render() takes a KernelSpec, got {type(spec).__name__}")
-    if spec.modded:  # the spec and the fagen.mods front end exist; no template emits a mod yet
-        raise SpecError("score_mod" if spec.score_mod else "mask_mod", spec.score_mod or spec.mask_mod,
-                        "user mods are not rendered into kernels yet (docs/mods.md)")
+    if spec.modded:
+        _check_modded(spec)
     root = template_dir()
     return _render(spec, root, _stamp(root))
+
+
+def _check_modded(spec: KernelSpec) -> None:
+    """The modded variants the templates emit: the Triton prefill, dense layout (forward and backward). The others
+    are a SpecError naming the field that asks for them (docs/mods.md, "What is not supported yet")."""
+    field = "score_mod" if spec.score_mod is not None else "mask_mod"
+    if spec.kind is not Kind.PREFILL:
+        raise SpecError("kind", str(spec.kind), f"a {field} is rendered into prefill kernels only (no decode kernel "
+                        "with mods yet); use kind 'prefill'")
+    if spec.layout is not Layout.DENSE:
+        raise SpecError("layout", str(spec.layout), f"a {field} is rendered into the dense layout only (varlen and "
+                        "paged kernels with mods are not generated yet); use layout 'dense', with a document "
+                        "mask_mod for packed sequences")
 
 
 render.cache_clear = lambda: _render.cache_clear()  # for tests that change the tables under a render

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import jinja2
 
-from fagen.codegen.args import CONSTEXPR, FLOAT, INT, IO, KERNELS, LISTS, TENSOR, Arg, Kernel, Keyword
+from fagen.codegen.args import CONSTEXPR, FLOAT, INT, IO, KERNELS, LISTS, TENSOR, Arg, Kernel, Keyword, expand
 from fagen.spec.kernel import KernelSpec
 
 WIDTH = 120  # the house's line length: launches and AOT entries wrap there
@@ -74,7 +74,7 @@ class Helpers:
         self.spec = spec
 
     def _list(self, name: str) -> list:
-        return [a for a in LISTS[name] if a.when(self.spec)]
+        return expand(LISTS[name], self.spec)
 
     # -- kernels ------------------------------------------------------------------------------------------------
     def def_kernel(self, name: str) -> str:
@@ -101,6 +101,16 @@ class Helpers:
     def do_not_specialize(self, name: str) -> str:
         """The int arguments of `name`, quoted: one compiled kernel serves every length."""
         return ", ".join(f'"{a.name}"' for a in KERNELS[name].of(self.spec) if a.kind == INT)
+
+    def mod_jit(self, name: str) -> str:
+        """`@triton.jit` of kernel `name`; a modded spec's lists its mods' and block mask's ints in do_not_specialize
+        ([Note] Runtime scalars in fagen/runtime/modded.py): a changed closure int never compiles a new kernel."""
+        if not self.spec.modded:
+            return "@triton.jit"
+        from fagen.codegen.args import BLOCK_ARGS, MOD_ARGS
+
+        names = [a.name for a in expand((MOD_ARGS, *BLOCK_ARGS), self.spec) if a.kind == INT]
+        return "@triton.jit(do_not_specialize=[" + ", ".join(f'"{n}"' for n in names) + "])"
 
     def aot_entry(self, name: str, indent: int) -> str:
         """The AOT_KERNELS entry of `name` ([Note] AOT kernels): each argument's Triton type, the constexpr values
@@ -189,7 +199,7 @@ class Helpers:
 
 def register(env: jinja2.Environment) -> None:
     """Make every helper a global of `env`, reading the spec from the calling template's context."""
-    for attr in ("def_kernel", "launch", "pack", "do_not_specialize", "aot_entry", "c_params", "c_launch", "args",
+    for attr in ("def_kernel", "launch", "pack", "do_not_specialize", "mod_jit", "aot_entry", "c_params", "c_launch", "args",
                  "keywords", "saved", "ctx_values", "grads", "grad_index"):
         env.globals[attr] = _bound(attr)
 

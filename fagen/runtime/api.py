@@ -16,7 +16,7 @@ from fagen.spec.kernel import SCORE_SWITCHES
 def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None, seqlens_q=None, seqlens_k=None,
               tree_mask=None, window=None, softcap: float | None = None, alibi_slopes=None, sinks=None,
               cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
-              check: bool | None = None) -> torch.Tensor:
+              score_mod=None, mask_mod=None, block_mask=None, check: bool | None = None) -> torch.Tensor:
     """Attention over q [B, Hq, Sq, D], k and v [B, Hkv, Sk, D]; returns out like q, differentiable.
 
     The kernel is chosen from the inputs (dtype, head_dim D, gqa = Hq / Hkv) and `mask`, rendered and loaded once
@@ -34,6 +34,11 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
     (per sequence, bottom-right aligned); out is like q. Called eagerly; under torch.compile call the varlen
     module's attention() (fagen.load(spec)), which traces as its own operators.
 
+    User mods (README "User mods"): score_mod(score, b, h, q_idx, kv_idx) -> score and mask_mod(b, h, q_idx,
+    kv_idx) -> bool, FlexAttention's signatures, traced once into a kernel of their own; closure numbers are
+    runtime arguments and captured tensors typed kernel arguments. block_mask (fagen.create_block_mask of the
+    same mask_mod) lets the kernels skip hidden blocks and skip the mask on blocks it shows entirely.
+
     Without gradients, a few queries against a long KV cache (fagen.runtime.kinds.prefers_decode) run the split-KV
     decode kernel; both kinds give the same results. Under torch.compile the call is one custom operator
     (fagen::attention, with its backward), so it traces with no graph break.
@@ -41,6 +46,10 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
         spec_for(q, k, v, mask=mask, layout=Layout.VARLEN if varlen else Layout.DENSE)  # raises, naming the input
+    if score_mod is not None or mask_mod is not None or block_mask is not None:
+        return _modded(q, k, v, mask=mask, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
+                       tree_mask=tree_mask, window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                       score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask, check=check, varlen=varlen)
     if window is None and softcap is None and alibi_slopes is None and sinks is None:  # the common call
         switches, scores = (), _NO_SCORES
         needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
@@ -93,6 +102,21 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
 _eager = torch.compiler.disable(attention)  # a call Dynamo leaves alone
 _NO_SCORES: dict = {}
 _SCORE_ARGS = tuple(SWITCH_KEYWORD[name] for name in SCORE_SWITCHES)  # the public keyword of each switch
+
+
+@torch.compiler.disable  # tracing the user's functions is host work: eager, a graph break under torch.compile
+def _modded(q, k, v, *, window, softcap, alibi_slopes, sinks, varlen, **rest):
+    """The path of calls with user mods (fagen/runtime/modded.py): dense layout, the bwd module of the mods' spec."""
+    from fagen.runtime import modded
+
+    if varlen:
+        raise AttentionError("score_mod/mask_mod: packed sequences (cu_seqlens_q) take no user mods yet; use the "
+                             "dense layout, with a document mask_mod for packed documents")
+    spec_for(q, k, v, mask=rest["mask"])  # the inputs' own errors first, naming the input
+    scores = {name: value for name, value in zip(_SCORE_ARGS, (window, softcap, alibi_slopes, sinks))
+              if value is not None}
+    switches = tuple(name for name, arg in zip(SCORE_SWITCHES, _SCORE_ARGS) if arg in scores)
+    return modded.attention(q, k, v, scores=scores, switches=switches, **rest)
 
 
 def _varlen(q, k, v, mask, scale, scores, switches, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check):

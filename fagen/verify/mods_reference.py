@@ -39,6 +39,8 @@ def _indices(batch, heads, seq_q, seq_k, device):
 
 def score_mod_scores(score_mod, s: torch.Tensor) -> torch.Tensor:
     """score_mod(s, b, h, q_idx, kv_idx) at every element of s [B, H, Sq, Sk] (float64)."""
+    if s.numel() == 0:  # an empty problem: nothing to call the function on
+        return s.double()
     with _float64_default():
         out = _over_grid(lambda *a: torch.as_tensor(score_mod(*a), dtype=torch.float64), True)(
             s, *_indices(*s.shape, s.device))
@@ -47,6 +49,8 @@ def score_mod_scores(score_mod, s: torch.Tensor) -> torch.Tensor:
 
 def mask_mod_visible(mask_mod, batch: int, heads: int, seq_q: int, seq_k: int, device="cpu") -> torch.Tensor:
     """bool [B, H, Sq, Sk]: mask_mod(b, h, q_idx, kv_idx), True where visible."""
+    if batch * heads * seq_q * seq_k == 0:
+        return torch.zeros(batch, heads, seq_q, seq_k, dtype=torch.bool, device=device)
     with _float64_default():
         out = _over_grid(lambda *a: torch.as_tensor(mask_mod(*a)), False)(
             *_indices(batch, heads, seq_q, seq_k, device))

@@ -18,7 +18,7 @@ class Mutant:
     min_gqa: int = 1  # a head-mapping bug is invisible while every query head has its own KV head
     kinds: tuple[Kind, ...] = (Kind.PREFILL,)  # kernel kinds whose source it edits
     directions: tuple[Direction, ...] = tuple(Direction)  # bwd-only mutants edit code a fwd spec does not have
-    switches: tuple[str, ...] = ()  # score switches the spec must have (the edited code exists only with them)
+    switches: tuple[str, ...] = ()  # score switches (or "score_mod" / "mask_mod") the spec must have
     layouts: tuple[Layout, ...] = (Layout.DENSE,)  # layouts whose source has the edited code
 
     def applies(self, spec: KernelSpec) -> bool:
@@ -98,6 +98,21 @@ MUTANTS = (
     Mutant("bwd-softcap-no-chain", "backward: dS skips the softcap's factor 1 - tanh^2", tuple(Mask),
            "ds_t = ds_t * (1.0 - tanh_s * tanh_s)", "ds_t = ds_t", directions=(Direction.BWD,),
            switches=("softcap",)),
+)
+
+# User mods (docs/mods.md, [Note] Mods in the kernels in triton/mods.j2). In the kernels, every input a mod reads is
+# emitted in parentheses (`(cols[None, :])`), which the built-in masks' code never is: these edit the mods only.
+MOD_MUTANTS = (
+    Mutant("mod-dropped-from-backward", "dQ skips d score_mod / d score (the backward treats the mod as additive)",
+           tuple(Mask), "0.0, ds * (", "0.0, ds + 0.0 * (", directions=(Direction.BWD,), switches=("score_mod",)),
+    Mutant("mod-kv-idx-off-by-one", "the forward's mods read kv_idx + 1", tuple(Mask), "(cols[None, :])",
+           "(cols[None, :] + 1)", switches=("score_mod",)),
+    Mutant("mask-mod-before-alignment", "the forward's mods see q_idx bottom-right aligned (q_idx + Sk - Sq, the "
+           "built-in causal mask's alignment) instead of the row", tuple(Mask), "(offs_m[:, None])",
+           "(offs_m[:, None] + len_k - len_q)", switches=("mask_mod",)),
+    Mutant("block-mask-partial-as-full", "blocks the block mask cuts skip the mask_mod, as full ones do",
+           tuple(Mask), "if (cls == 1) | (start_n < u_lo)", "if (cls == 3) | (start_n < u_lo)",
+           switches=("mask_mod",)),
 )
 
 # Layouts (README "Layouts"): caught by the layouts' own search (fagen/verify/layouts.py against the gathered dense

@@ -401,7 +401,8 @@ def _has_backward(spec, module) -> bool:
 
 
 def _positional(spec) -> bool:
-    """Scores depend on key positions (window, ALiBi): permuting or slicing keys changes them."""
+    """Scores depend on key positions (window, ALiBi): permuting or slicing keys changes them. User mods see
+    positions and batch entries too: the properties that move keys or split a batch skip modded specs."""
     return spec.window or spec.alibi
 
 
@@ -411,20 +412,20 @@ PROPERTIES = (
     Property("gqa", "equals the MHA kernel on K/V repeated gqa times", check_gqa,
              lambda spec, m: spec.gqa > 1, "2·tol"),
     Property("tree-chain", "a chain-shaped tree equals causal attention", check_tree_chain,
-             lambda spec, m: spec.mask is Mask.TREE, "2·tol", _chain),
+             lambda spec, m: spec.mask is Mask.TREE and not spec.modded, "2·tol", _chain),
     Property("tree-star", "a star-shaped tree sees only the prefix and itself", check_tree_star,
-             lambda spec, m: spec.mask is Mask.TREE and not spec.switches, "tol", _star),
+             lambda spec, m: spec.mask is Mask.TREE and not spec.switches and not spec.modded, "tol", _star),
     Property("padding-split", "a padded batch equals each sequence run alone", check_padding_split,
-             lambda spec, m: spec.mask.padded, "2·tol"),
+             lambda spec, m: spec.mask.padded and not spec.modded, "2·tol"),
     Property("padding-garbage", "garbage (NaN) in padding never changes a valid output",
              check_padding_garbage, lambda spec, m: spec.mask.padded, "bitwise"),
     Property("nan-propagates", "NaN in a valid key reaches the rows that see it, and only those",
              check_nan_propagates, lambda spec, m: True, "tol"),
     Property("permutation", "permuting keys and values together changes nothing", check_permutation,
-             lambda spec, m: spec.mask is Mask.NONE and not _positional(spec), "2·tol"),
+             lambda spec, m: spec.mask is Mask.NONE and not _positional(spec) and not spec.modded, "2·tol"),
     # Sinks join each half's denominator, so halves do not merge; window and ALiBi move with the split.
     Property("lse-merge", "two halves of the keys merged by log-sum-exp give the whole", check_lse_merge,
-             lambda spec, m: not (_positional(spec) or spec.sinks), "2·tol"),
+             lambda spec, m: not (_positional(spec) or spec.sinks or spec.modded), "2·tol"),
     Property("bwd-deterministic", "two backward runs are bitwise equal", check_bwd_deterministic,
              _has_backward, "bitwise"),
     Property("bwd-masked-rows", "gradients finite; zero for rows and keys that see nothing",

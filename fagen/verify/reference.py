@@ -74,7 +74,7 @@ def _visible(mask, batch, seq_q, seq_k, *, seqlens_q, seqlens_k, tree_mask, devi
 
 def attention(q, k, v, *, mask: Mask | str = Mask.NONE, scale=None, seqlens_q=None, seqlens_k=None,
               tree_mask=None, window=None, softcap=None, alibi_slopes=None, sinks=None, score_mod=None,
-              mask_mod=None):
+              mask_mod=None, mods=None, block_mask=None):
     """(out, lse) in float64 for the fagen contract; differentiable (autograd gives the reference gradients,
     the sinks' included when `sinks` requires grad).
 
@@ -87,6 +87,9 @@ def attention(q, k, v, *, mask: Mask | str = Mask.NONE, scale=None, seqlens_q=No
     Rows that see no key (and have no sink), and padding rows, give out = 0 and lse = -inf. Keys that no query sees are zeroed first, so garbage
     (even NaN) in padding never reaches a valid output. No exp() ever sees -inf - -inf, so gradients stay finite.
     """
+    del block_mask  # a verify problem's block mask only steers which blocks the kernels skip
+    if mods is not None:  # a verify problem's captured values, with its spec's mods (fagen/verify/mods_eval.py)
+        score_mod, mask_mod = mods.score_mod, mods.mask_mod
     q, k, v = q.double(), k.double(), v.double()
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]

@@ -118,6 +118,20 @@ class Problem:
         if self.parents is not None:
             kwargs["tree_mask"] = torch.tensor(self.parents, dtype=torch.int32, device=device)
         kwargs.update(self.score_kwargs(hq, device))
+        if spec.modded:  # captured values from the seed; the reference reads the spec's mods off them
+            from fagen.verify.mods_eval import mod_values
+
+            kwargs["mods"] = mod_values(spec, self.seed, max(self.seq_q, self.seq_k), hq, self.batch, device)
+            if spec.mask_mod is not None and self.seed % 3:  # two problems in three skip blocks by a block mask
+                from fagen.mods.ir import names_in
+                from fagen.mods.text import parse
+                from fagen.runtime.block_mask import from_text
+
+                used_s, used_t = names_in(parse(spec.mask_mod, "mask_mod", spec.mod_tensors, spec.mod_scalars))
+                tensors = tuple(t for t in spec.mod_tensors if t[0] in used_t)
+                scalars = tuple(s for s in spec.mod_scalars if s[0] in used_s)
+                kwargs["block_mask"] = from_text(spec.mask_mod, tensors, scalars, kwargs["mods"], self.batch, hq,
+                                                 self.seq_q, self.seq_k, device=device, block_size=16)
         return tuple(t.to(dtype).to(device) for t in (q, k, v)), kwargs
 
 

@@ -1,0 +1,365 @@
+"""`fagen bench --suite mods`: attention-gym's mods through fagen.attention against FlexAttention with the same
+functions and the same block mask, forward and backward, plus the costs only mods have.
+
+[Note] Mods rows. Every row runs the same user functions (tests/gym_mods.py's, written as attention-gym writes
+them) through fagen.attention(score_mod=, mask_mod=, block_mask=) and through torch.compile'd flex_attention with
+flex's create_block_mask of the same mask_mod; both block masks are built once per row and their build time is
+reported beside the row (`mask_ms`: fagen's generated classifier against flex's create_block_mask). Outputs are
+compared with each other before timing. Rates are useful TF/s: 4 * D per visible (query, key) pair forward, 2.5x
+that backward, with the pairs counted from the block mask's elementwise evaluation (fagen's classes, partial
+blocks evaluated in torch). Extra rows:
+  builtin-as-mod   causal (mask_mod q_idx >= kv_idx) and softcap (a score_mod) against mask="causal" and
+                   softcap=: the same problem through the switch kernel (target: within 5%);
+  cold-first-call  a mod no cache has seen (a fresh FAGEN_CACHE_DIR and TRITON_CACHE_DIR, a new subprocess):
+                   seconds to the first result (target <= 3 s), then a warm call of a second new process on the
+                   filled caches (target <= 0.3 s);
+  changed-scalar   a sliding window whose closure number changes every call: kernels compiled during the loop
+                   (target: 0) and host time per call against an unchanged call (target <= 1.2x).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Callable
+
+import torch
+
+from fagen.bench.timing import measure
+
+TARGETS = {"fwd": 1.3, "bwd": 1.2, "builtin": 0.95, "cold_s": 3.0, "warm_s": 0.3, "host": 1.2}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModsShape:
+    batch: int = 1
+    heads: int = 16
+    seq: int = 8192
+    head_dim: int = 128
+    dtype: torch.dtype = torch.bfloat16
+
+
+def _gym():
+    """attention-gym's mods (tests/gym_mods.py is the one copy; the bench imports it by path)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "tests" / "gym_mods.py"
+    spec = importlib.util.spec_from_file_location("fagen_gym_mods", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def cases(shape: ModsShape, device) -> list[tuple[str, Callable | None, Callable | None, list]]:
+    """(name, score_mod, mask_mod, tensors that get a gradient) per row; tensors live on `device`."""
+    g, s, h = _gym(), shape.seq, shape.heads
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    rel = (torch.randn(h, 2 * s - 1, generator=gen) * 0.1).to(device)
+    lengths, left = [], s
+    while left > 0:  # packed documents of random lengths (64 .. s/4)
+        n = min(left, int(torch.randint(64, max(65, s // 4), (1,), generator=gen)))
+        lengths.append(n)
+        left -= n
+    offsets = g.length_to_offsets(lengths, device)
+    learned = (torch.randn(h, 2 * s - 1, generator=gen) * 0.1).to(device).requires_grad_()
+    return [
+        ("relative-bias", g.generate_relative_bias(rel, s), None, []),
+        ("alibi", g.generate_alibi_bias(h), None, []),
+        ("softcap", g.generate_tanh_softcap(30.0), None, []),
+        ("document+causal", None, g.generate_doc_mask_mod(g.causal_mask, offsets), []),
+        ("prefix-lm", None, g.generate_prefix_lm_mask(s // 4), []),
+        ("sliding-window+causal", None, g.generate_sliding_window(1024), []),
+        ("dilated", None, g.generate_dilated_sliding_window(1024, 4), []),
+        ("learned-bias+grad", g.generate_relative_bias(learned, s), g.causal_mask, [learned]),
+    ]
+
+
+def _inputs(shape: ModsShape, device, grad: bool):
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    q, k, v = (torch.randn(shape.batch, shape.heads, shape.seq, shape.head_dim, generator=gen)
+               .to(device, shape.dtype).requires_grad_(grad) for _ in range(3))
+    return q, k, v, torch.randn_like(q)
+
+
+def _visible_pairs(bm, mask_mod, shape) -> int:
+    """Visible (q, kv) pairs per (b, h) summed: full blocks count whole, partial blocks evaluated elementwise."""
+    if bm is None:
+        return shape.batch * shape.heads * shape.seq * shape.seq
+    from fagen.verify.mods_reference import mask_mod_visible
+
+    c = bm.classes
+    per = int((c == 2).sum()) * bm.block_m * bm.block_n  # rough at the tails; the partial blocks are exact
+    for b, hh, i, j in (c == 1).nonzero().tolist():
+        rows = slice(i * bm.block_m, min((i + 1) * bm.block_m, shape.seq))
+        cols = slice(j * bm.block_n, min((j + 1) * bm.block_n, shape.seq))
+        vis = _tile_visible(mask_mod, b, hh, rows, cols, c.device)
+        per += int(vis.sum())
+    scale = (shape.batch // c.shape[0]) * (shape.heads // c.shape[1])
+    return per * scale
+
+
+def _tile_visible(mask_mod, b, h, rows, cols, device):
+    qi = torch.arange(rows.start, rows.stop, device=device)[:, None]
+    ki = torch.arange(cols.start, cols.stop, device=device)[None, :]
+    bi = torch.tensor(b, device=device)
+    hi = torch.tensor(h, device=device)
+    return torch.vmap(torch.vmap(lambda x, y: mask_mod(bi, hi, x, y), in_dims=(None, 0)), in_dims=(0, None))(
+        qi[:, 0], ki[0])
+
+
+def _time(fn, device, rep_ms) -> float:
+    return measure(lambda i: fn(), 1, torch.device(device), 10.0, rep_ms)
+
+
+def _fwd_bwd_ms(attend, q, k, v, do, leaves, device, rep_ms):
+    with torch.no_grad():
+        fwd = _time(lambda: attend(q, k, v), device, rep_ms)
+    out = attend(q, k, v)
+    bwd = _time(lambda: torch.autograd.grad(out, (q, k, v, *leaves), do, retain_graph=True), device, rep_ms)
+    return fwd, bwd, out
+
+
+def mod_rows(device, shape: ModsShape, log=print, rep_ms=100.0, flex=True) -> list[dict]:
+    import fagen
+
+    records = []
+    for name, score_mod, mask_mod, leaves in cases(shape, device):
+        row = {"case": name, "kind": "mods", "shape": dataclasses.asdict(shape) | {"dtype": str(shape.dtype)}}
+        try:
+            q, k, v, do = _inputs(shape, device, True)
+            bm = None
+            if mask_mod is not None:
+                t0 = time.perf_counter()
+                bm = fagen.create_block_mask(mask_mod, None, None, shape.seq, shape.seq, device=device)
+                torch.cuda.synchronize() if device == "cuda" else None
+                row["fagen_first_mask_ms"] = (time.perf_counter() - t0) * 1e3
+                row["fagen_mask_ms"] = _time(lambda: fagen.create_block_mask(
+                    mask_mod, None, None, shape.seq, shape.seq, device=device), device, rep_ms)
+                row["sparsity"] = bm.sparsity()
+            pairs = _visible_pairs(bm, mask_mod, shape)
+            fl = 4.0 * shape.head_dim * pairs
+            ours = lambda q, k, v: fagen.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod,  # noqa: E731
+                                                   block_mask=bm)
+            fwd, bwd, out = _fwd_bwd_ms(ours, q, k, v, do, leaves, device, rep_ms)
+            row["fagen"] = {"fwd_ms": fwd, "bwd_ms": bwd, "fwd_TF/s": fl / fwd / 1e9, "bwd_TF/s": 2.5 * fl / bwd / 1e9}
+            if leaves:
+                g1 = torch.autograd.grad(ours(q, k, v), leaves, do)
+                g2 = torch.autograd.grad(ours(q, k, v), leaves, do)
+                row["bias_grad_bitwise_repeatable"] = all(torch.equal(a, b) for a, b in zip(g1, g2))
+            if flex and device == "cuda":
+                row["flex"], row["max_diff_vs_flex"], row["flex_mask_ms"] = _flex(
+                    q, k, v, do, leaves, score_mod, mask_mod, shape, out, fl, device, rep_ms)
+                row["fwd_x"] = row["flex"]["fwd_ms"] / fwd
+                row["bwd_x"] = row["flex"]["bwd_ms"] / bwd
+        except Exception as e:  # a row that cannot run is recorded, and the suite goes on
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        log(_line(row))
+        records.append(row)
+    return records
+
+
+def _flex(q, k, v, do, leaves, score_mod, mask_mod, shape, ours_out, fl, device, rep_ms):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from fagen.bench.peers import configure_dynamo
+
+    configure_dynamo()
+    compiled = torch.compile(flex_attention, dynamic=False)
+    bm = None
+    mask_ms = None
+    if mask_mod is not None:
+        bm = create_block_mask(mask_mod, None, None, shape.seq, shape.seq, device=device)
+        mask_ms = _time(lambda: create_block_mask(mask_mod, None, None, shape.seq, shape.seq, device=device),
+                        device, rep_ms)
+    attend = lambda q, k, v: compiled(q, k, v, score_mod=score_mod, block_mask=bm)  # noqa: E731
+    fwd, bwd, out = _fwd_bwd_ms(attend, q, k, v, do, leaves, device, rep_ms)
+    diff = (out.float() - ours_out.float()).abs().max().item()
+    return {"fwd_ms": fwd, "bwd_ms": bwd, "fwd_TF/s": fl / fwd / 1e9, "bwd_TF/s": 2.5 * fl / bwd / 1e9}, diff, mask_ms
+
+
+def builtin_rows(device, shape: ModsShape, log=print, rep_ms=100.0) -> list[dict]:
+    """A built-in switch written as a mod against the switch kernel, on the same inputs."""
+    import fagen
+
+    g = _gym()
+    q, k, v, do = _inputs(shape, device, True)
+    pairs = [("causal as mask_mod", dict(mask="causal"), dict(mask_mod=g.causal_mask, block_mask=None)),
+             ("softcap as score_mod", dict(softcap=30.0), dict(score_mod=g.generate_tanh_softcap(30.0)))]
+    records = []
+    for name, switch, mod in pairs:
+        row = {"case": name, "kind": "builtin-as-mod"}
+        try:
+            if "mask_mod" in mod:
+                mod["block_mask"] = fagen.create_block_mask(mod["mask_mod"], None, None, shape.seq, shape.seq,
+                                                            device=device)
+            a = lambda q, k, v: fagen.attention(q, k, v, **switch)  # noqa: E731
+            b = lambda q, k, v: fagen.attention(q, k, v, **mod)  # noqa: E731
+            fa, ba, oa = _fwd_bwd_ms(a, q, k, v, do, [], device, rep_ms)
+            fb, bb, ob = _fwd_bwd_ms(b, q, k, v, do, [], device, rep_ms)
+            row.update(switch_fwd_ms=fa, mod_fwd_ms=fb, switch_bwd_ms=ba, mod_bwd_ms=bb,
+                       fwd_ratio=fa / fb, bwd_ratio=ba / bb, max_diff=(oa.float() - ob.float()).abs().max().item())
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        log(_line(row))
+        records.append(row)
+    return records
+
+
+_COLD = r"""
+import sys, time, json, torch
+t0 = time.perf_counter()
+import fagen
+shift = float(sys.argv[1])
+def mod(score, b, h, q_idx, kv_idx):  # a mod no cache has seen: its constant differs per run
+    return score + torch.where(q_idx >= kv_idx, shift * 0.0 + %r, -0.5)
+q = torch.randn(1, 16, %d, 128, device=%r, dtype=torch.bfloat16)
+out = fagen.attention(q, q, q, score_mod=mod)
+torch.cuda.synchronize() if q.is_cuda else None
+print(json.dumps({"s": time.perf_counter() - t0}))
+"""
+
+
+def cold_rows(device, seq=4096, log=print) -> list[dict]:
+    """Time to the first result of a new mod with empty caches (a fresh process), then warm in a second process."""
+    stamp = time.time_ns() % 10**6 / 10**6  # a new constant: a new spec no cache holds
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, FAGEN_CACHE_DIR=os.path.join(tmp, "fagen"), TRITON_CACHE_DIR=os.path.join(tmp, "tr"))
+        code = _COLD % (stamp, seq, device)
+        row = {"case": "cold-first-call", "kind": "cold"}
+        try:
+            for key in ("cold_s", "warm_process_s"):
+                t0 = time.perf_counter()
+                res = subprocess.run([sys.executable, "-c", code, "1"], env=env, capture_output=True, text=True,
+                                     timeout=300)
+                if res.returncode:
+                    raise RuntimeError(res.stderr.strip().splitlines()[-1] if res.stderr.strip() else "failed")
+                row[key] = json.loads(res.stdout.strip().splitlines()[-1])["s"]
+                row[key + "_wall"] = time.perf_counter() - t0
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    log(_line(row))
+    return [row]
+
+
+def scalar_rows(device, shape: ModsShape, log=print, calls=200) -> list[dict]:
+    """A closure number that changes every call: compiles during the loop, and host time against no change."""
+    import fagen
+
+    g = _gym()
+    small = dataclasses.replace(shape, seq=1024) if shape.seq > 1024 else shape
+    q, k, v, _ = _inputs(small, device, False)
+    row = {"case": "changed-scalar", "kind": "scalar"}
+    try:
+        with torch.no_grad():
+            fagen.attention(q, k, v, mask_mod=g.generate_sliding_window(100))
+            before = _compiled_kernels()
+            fixed = g.generate_sliding_window(100)
+            times = {}
+            for label, make in (("unchanged", lambda i: fixed), ("changed", lambda i: g.generate_sliding_window(
+                    100 + i % 64))):
+                fns = [make(i) for i in range(calls)]
+                for fn in fns[:5]:
+                    fagen.attention(q, k, v, mask_mod=fn)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()  # host time: the launches queue up, no sync inside the loop
+                for fn in fns:
+                    fagen.attention(q, k, v, mask_mod=fn)
+                times[label] = (time.perf_counter() - t0) / calls * 1e6
+                if device == "cuda":
+                    torch.cuda.synchronize()
+            row.update(unchanged_us=times["unchanged"], changed_us=times["changed"],
+                       host_ratio=times["changed"] / times["unchanged"],
+                       new_compiles=_compiled_kernels() - before)
+    except Exception as e:
+        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+    log(_line(row))
+    return [row]
+
+
+def _compiled_kernels() -> int:
+    """Compiled kernel variants held by every loaded generated module's @triton.jit functions."""
+    import triton
+
+    n = 0
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("fagen_generated"):
+            continue
+        for obj in vars(module).values():
+            if isinstance(obj, triton.runtime.jit.JITFunction):
+                caches = getattr(obj, "device_caches", None) or {}
+                n += sum(len(c[0]) if isinstance(c, tuple) else len(c) for c in caches.values())
+    return n
+
+
+def _line(row: dict) -> str:
+    if "error" in row:
+        return f"{row['case']}: error {row['error']}"
+    if row["kind"] == "mods":
+        f = row["fagen"]
+        text = f"{row['case']}: fagen fwd {f['fwd_TF/s']:.0f} TF/s, bwd {f['bwd_TF/s']:.0f} TF/s"
+        if "flex" in row:
+            text += (f"; flex fwd {row['flex']['fwd_TF/s']:.0f}, bwd {row['flex']['bwd_TF/s']:.0f}; "
+                     f"fwd {row['fwd_x']:.2f}x (target {TARGETS['fwd']}), bwd {row['bwd_x']:.2f}x "
+                     f"(target {TARGETS['bwd']}); max diff {row['max_diff_vs_flex']:.1e}")
+        if "bias_grad_bitwise_repeatable" in row:
+            text += f"; bias grad bitwise repeatable: {row['bias_grad_bitwise_repeatable']}"
+        if "fagen_mask_ms" in row:
+            text += f"; block mask {row['fagen_mask_ms']:.2f} ms" + (
+                f" (flex {row['flex_mask_ms']:.2f} ms)" if row.get("flex_mask_ms") else "")
+        return text
+    if row["kind"] == "builtin-as-mod":
+        return (f"{row['case']}: mod/switch time fwd {1 / row['fwd_ratio']:.3f}x, bwd {1 / row['bwd_ratio']:.3f}x "
+                f"(target <= {1 / TARGETS['builtin']:.2f}x); max diff {row['max_diff']:.1e}")
+    if row["kind"] == "cold":
+        return (f"{row['case']}: first result {row['cold_s']:.2f} s (target {TARGETS['cold_s']} s), warm process "
+                f"{row['warm_process_s']:.2f} s (target {TARGETS['warm_s']} s, after imports)")
+    return (f"{row['case']}: {row['new_compiles']} new compiles (target 0); host {row['changed_us']:.0f} us against "
+            f"{row['unchanged_us']:.0f} us unchanged ({row['host_ratio']:.2f}x, target {TARGETS['host']}x)")
+
+
+def table(records: list[dict]) -> str:
+    """The suite's markdown table: fagen against Flex per mod, then the other rows against their targets."""
+    def f(x, spec=".0f"):
+        return "-" if x is None else format(x, spec)
+
+    lines = ["| mod | fagen fwd TF/s | flex fwd | fwd x (>= 1.3) | fagen bwd TF/s | flex bwd | bwd x (>= 1.2) | "
+             "block mask ms (fagen / flex) |", "|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        if r["kind"] != "mods":
+            continue
+        if "error" in r:
+            lines.append(f"| {r['case']} | error: {r['error'][:80]} |||||||")
+            continue
+        a, b = r["fagen"], r.get("flex", {})
+        lines.append(f"| {r['case']} | {f(a['fwd_TF/s'])} | {f(b.get('fwd_TF/s'))} | {f(r.get('fwd_x'), '.2f')} | "
+                     f"{f(a['bwd_TF/s'])} | {f(b.get('bwd_TF/s'))} | {f(r.get('bwd_x'), '.2f')} | "
+                     f"{f(r.get('fagen_mask_ms'), '.2f')} / {f(r.get('flex_mask_ms'), '.2f')} |")
+    lines += ["", "| row | result | target |", "|---|---|---|"]
+    for r in records:
+        if r["kind"] == "mods":
+            continue
+        result = f"error: {r['error'][:80]}" if "error" in r else _line(r).split(": ", 1)[1]
+        target = {"builtin-as-mod": "within 5%", "cold": "<= 3 s cold, <= 0.3 s warm",
+                  "scalar": "0 compiles, host <= 1.2x"}[r["kind"]]
+        lines.append(f"| {r['case']} | {result} | {target} |")
+    return "\n".join(lines) + "\n"
+
+
+def run(device, log=print, quick=False) -> list[dict]:
+    if quick:  # a CPU smoke run through the interpreter: tiny shapes, no peers
+        shape = ModsShape(batch=1, heads=2, seq=80, head_dim=32, dtype=torch.float32)
+        records = (mod_rows(device, shape, log=log, rep_ms=1.0, flex=False)
+                   + builtin_rows(device, shape, log=log, rep_ms=1.0) + scalar_rows(device, shape, log=log, calls=3))
+    else:
+        shape = ModsShape()
+        records = (mod_rows(device, shape, log=log) + builtin_rows(device, shape, log=log)
+                   + cold_rows(device, log=log) + scalar_rows(device, shape, log=log))
+    log(table(records))
+    return records

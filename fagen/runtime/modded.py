@@ -1,0 +1,108 @@
+"""fagen.attention with a user score_mod / mask_mod: trace (once, fagen/runtime/mods.py), pick the modded spec's
+module (memoised by the mods' canonical fields), pass the captured tensors and numbers as kernel arguments.
+
+[Note] Runtime scalars. A closure number reaches the kernels as a plain int or float argument; int arguments are
+listed in the kernels' do_not_specialize (fagen/codegen/mod_args.py), so a changed value, even from 64 to 65, is
+a new argument of the same compiled kernel: no trace, no render, no compile. The fast path of a warm call costs one
+dict lookup for the trace, a walk of the recorded closure paths (read_captures) and one dict lookup for the module.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from fagen.codegen.mod_args import ModArgs
+from fagen.mods.text import ModScalar, ModTensor
+from fagen.runtime.loader import load
+from fagen.runtime.mods import Mods, prepare
+from fagen.runtime.resolve import AttentionError, fast_key, spec_for
+from fagen.spec.kernel import KernelSpec, SpecError
+
+_MODULES: dict[tuple, tuple[ModuleType, ModArgs]] = {}
+
+# [Note] Modded tiles. A mod's loads of captured tensors are [BLOCK_M, BLOCK_N] gathers inside the key loop, and
+# Triton's software pipeliner stages them in shared memory like K and V. With the plain d128 bf16 tiles
+# (m128n128, 3 stages) the forward needs 353 KB on sm_90 (227 KB allowed) for a relative bias plus a document
+# mask; m128n64 with 2 stages needs 129 KB with no spills in the forward (fagen compile --arch sm_90 on this
+# mod, no GPU run yet). So for head_dim > 64 a spec whose mods read captured tensors takes block_n <= 64 and
+# num_stages <= 2. Mods without loads (a softcap, a causal or window mask_mod) keep the plain tiles: the softcap
+# score_mod compiles at m128n128, 3 stages, in 225 KB, as the switch kernel does.
+
+
+def module_for(q, k, v, mask, switches: tuple[str, ...], mods: Mods) -> tuple[ModuleType, ModArgs]:
+    """The bwd (differentiable) module of these inputs with these mods, and its mod argument list."""
+    key = (fast_key(q, k, mask, False, switches, False), mods.fields)
+    hit = _MODULES.get(key)
+    if hit is not None:
+        return hit
+    base = spec_for(q, k, v, mask=mask, switches=switches)
+    score, text, tensors, scalars = mods.fields
+    tiles = {}
+    if base.head_dim > 64 and tensors:  # [Note] Modded tiles
+        tiles = {"block_n": min(64, base.block_n), "num_stages": min(2, base.num_stages)}
+    try:
+        spec = KernelSpec.from_dict({**base.to_dict(), **tiles, "score_mod": score, "mask_mod": text,
+                                     "mod_tensors": [list(t) for t in tensors],
+                                     "mod_scalars": [list(s) for s in scalars]})
+    except SpecError as e:
+        raise AttentionError(f"no kernel for these mods: {e}") from None
+    module = load(spec)
+    hit = _MODULES[key] = (module, ModArgs(tuple(ModTensor(*t) for t in tensors),
+                                           tuple(ModScalar(*s) for s in scalars)))
+    return hit
+
+
+def check_values(q, args: ModArgs, values: dict) -> None:
+    """Captured tensors live on q's device; a number is finite where the kernel reads it as fp32/int32."""
+    for t in args.tensors:
+        x = values[t.name]
+        if x.device != q.device:
+            raise AttentionError(f"captured tensor {t.name}: on {x.device}, but q is on {q.device}; move it "
+                                 f"(the mod reads it inside the kernel)")
+    for s in args.scalars:
+        x = values[s.name]
+        if s.type == "int" and not -2**31 <= x < 2**31:
+            raise AttentionError(f"captured number {s.name} = {x}: kernels read int scalars as int32; keep it "
+                                 "within +-2**31")
+
+
+def attention(q, k, v, *, mask, scale, seqlens_q, seqlens_k, tree_mask, scores: dict, switches: tuple,
+              score_mod, mask_mod, block_mask, check):
+    """fagen.attention's path for calls with score_mod / mask_mod (README "User mods")."""
+    if block_mask is not None and mask_mod is None:
+        raise AttentionError("block_mask: describes a mask_mod's blocks; pass that mask_mod= as well")
+    mods = prepare(score_mod=score_mod, mask_mod=mask_mod)
+    module, args = module_for(q, k, v, mask, switches, mods)
+    check_values(q, args, mods.values)
+    if block_mask is not None:
+        _check_block_mask(block_mask, mods, q, k)
+    if mask_mod is not None:
+        scores = {**scores, "block_mask": block_mask}
+    kw = dict(scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k, tree_mask=tree_mask, check=check,
+              mods=mods.values, **scores)
+    if not torch.is_grad_enabled() or not any(
+            t.requires_grad for t in (q, k, v, *(mods.values[a.name] for a in args.tensors))):
+        return module.forward(q, k, v, **kw)[0]  # no autograd node to build
+    return module.attention(q, k, v, **kw)
+
+
+def _check_block_mask(bm, mods: Mods, q, k) -> None:
+    from fagen.runtime.block_mask import BlockMask
+
+    if not isinstance(bm, BlockMask):
+        raise AttentionError(f"block_mask: expected a fagen.create_block_mask result, got {type(bm).__name__}")
+    if bm.mask_mod != mods.fields[1]:
+        raise AttentionError(f"block_mask: built for mask_mod {bm.mask_mod!r}, but this call's mask_mod is "
+                             f"{mods.fields[1]!r}; build it from the same function")
+    sq, sk = q.shape[2], k.shape[2]
+    if (bm.seq_q, bm.seq_k) != (sq, sk):
+        raise AttentionError(f"block_mask: built for Sq={bm.seq_q}, Sk={bm.seq_k}, but q and k have Sq={sq}, "
+                             f"Sk={sk}; build one per shape")
+    nb, nh = bm.classes.shape[:2]
+    if nb not in (1, q.shape[0]) or nh not in (1, q.shape[1]):
+        raise AttentionError(f"block_mask: built for B={nb}, H={nh}, but q has B={q.shape[0]}, H={q.shape[1]} "
+                             "(query heads)")
+    if bm.classes.device != q.device:
+        raise AttentionError(f"block_mask: on {bm.classes.device}, but q is on {q.device}")

@@ -1,0 +1,165 @@
+"""User mods in the Triton kernels: fagen.attention(score_mod=, mask_mod=, block_mask=) forward and backward against
+the float64 reference running the same functions; built-in switches written as mods against the switch kernels;
+a changed closure number compiles nothing new."""
+
+import pytest
+import torch
+
+import fagen
+import gym_mods as g
+from _env import DEVICE
+from fagen.runtime import loader, mods as trace_cache
+from fagen.runtime.resolve import AttentionError
+from fagen.verify import reference
+
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3}  # fp32: kernel rounding over D <= 32; fp16: its inputs' rounding
+
+
+def _qkv(b, hq, hkv, sq, sk, d=32, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, sq, d, generator=gen).to(DEVICE, dtype).requires_grad_()
+    k, v = (torch.randn(b, hkv, sk, d, generator=gen).to(DEVICE, dtype).requires_grad_() for _ in range(2))
+    return q, k, v, torch.randn(b, hq, sq, d, generator=gen).to(DEVICE, dtype)
+
+
+def _check(q, k, v, do, dtype=torch.float32, **kw):
+    """fagen against the reference (float64, the same functions): out and dq, dk, dv."""
+    out = fagen.attention(q, k, v, **kw)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    ref_kw = {key: val for key, val in kw.items() if key != "block_mask"}
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    want = reference.attention(qd, kd, vd, **ref_kw)
+    want = want[0] if isinstance(want, tuple) else want
+    want_grads = torch.autograd.grad(want, (qd, kd, vd), do.double())
+    tol = TOL[dtype]
+    assert (out.double() - want).abs().max().item() < tol
+    for name, got, ref in zip("qkv", grads, want_grads):
+        err = (got.double() - ref).abs().max().item()
+        assert err < 4 * tol, f"d{name}: {err}"
+    return out
+
+
+def test_score_mod_with_a_captured_float_tensor_gqa_causal():
+    q, k, v, do = _qkv(2, 4, 2, 45, 70)
+    rel = torch.randn(4, 2 * 70 - 1, device=DEVICE)
+    _check(q, k, v, do, mask="causal", score_mod=g.generate_relative_bias(rel, 70))
+
+
+def test_mask_mod_with_a_captured_int_tensor_with_and_without_a_block_mask():
+    q, k, v, do = _qkv(1, 2, 2, 70, 70)
+    mask_mod = g.generate_doc_mask_mod(g.causal_mask, g.length_to_offsets([13, 30, 27], DEVICE))
+    _check(q, k, v, do, mask_mod=mask_mod)
+    block_mask = fagen.create_block_mask(mask_mod, None, None, 70, 70, device=DEVICE, block_size=16)
+    assert 0 < block_mask.sparsity() < 1
+    _check(q, k, v, do, mask_mod=mask_mod, block_mask=block_mask)
+
+
+def test_scalars_and_both_mods_with_padding_in_fp16():
+    q, k, v, do = _qkv(2, 2, 1, 37, 50, dtype=torch.float16)
+    lens_q = torch.tensor([37, 20], device=DEVICE)
+    lens_k = torch.tensor([50, 33], device=DEVICE)
+    _check(q, k, v, do, dtype=torch.float16, mask="causal+padding", seqlens_q=lens_q, seqlens_k=lens_k,
+           score_mod=g.generate_tanh_softcap(7.5), mask_mod=g.generate_dilated_sliding_window(9, 2))
+
+
+def test_a_mod_that_hides_a_whole_row_gives_zero_and_minus_inf():
+    q, k, v, do = _qkv(1, 2, 2, 20, 20)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (q_idx >= 5) & (kv_idx <= q_idx)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return torch.where(q_idx == 7, -float("inf"), score)
+
+    out = _check(q, k, v, do, mask_mod=mask_mod, score_mod=score_mod)
+    assert out[0, :, :5].abs().max() == 0 and out[0, :, 7].abs().max() == 0
+
+
+@pytest.mark.parametrize("switch", ["causal", "softcap", "window", "alibi"])
+def test_a_builtin_switch_written_as_a_mod_agrees_with_the_switch_kernel(switch):
+    q, k, v, do = _qkv(1, 4, 2, 40, 40)
+    slopes = torch.rand(4, device=DEVICE)
+    switch_kw, mod_kw = {
+        "causal": (dict(mask="causal"), dict(mask_mod=g.causal_mask)),
+        "softcap": (dict(softcap=6.0), dict(score_mod=g.generate_tanh_softcap(6.0))),
+        "window": (dict(mask="causal", window=(9, 0)), dict(mask_mod=g.generate_sliding_window(9))),
+        "alibi": (dict(alibi_slopes=slopes),
+                  dict(score_mod=lambda s, b, h, q_idx, kv_idx: s - slopes[h] * torch.abs(kv_idx - q_idx))),
+    }[switch]
+    a = fagen.attention(q, k, v, **switch_kw)
+    b = fagen.attention(q, k, v, **mod_kw)
+    ga, gb = torch.autograd.grad(a, (q, k, v), do), torch.autograd.grad(b, (q, k, v), do)
+    assert (a - b).abs().max().item() < 2e-6
+    assert max((x - y).abs().max().item() for x, y in zip(ga, gb)) < 1e-5
+
+
+def test_a_changed_closure_scalar_traces_renders_and_loads_nothing_new():
+    q, k, v, _ = _qkv(1, 2, 2, 33, 33)
+    with torch.no_grad():
+        fagen.attention(q, k, v, mask_mod=g.generate_sliding_window(4))
+        traces, modules = trace_cache.TRACES[0], len(loader._loaded)
+        outs = [fagen.attention(q, k, v, mask_mod=g.generate_sliding_window(w)) for w in (16, 17, 1)]
+    assert trace_cache.TRACES[0] == traces and len(loader._loaded) == modules
+    assert not torch.equal(outs[0], outs[2])
+    module = next(m for m in loader._loaded.values() if getattr(m, "_MOD_SCALARS", None) == (("window_size", int),))
+    source = module.__loader__.get_source(module.__name__)
+    assert '"ms0"' in source.split("def _attn_fwd(")[0].rsplit("@triton.jit", 1)[1]  # never specialised
+
+
+def test_captured_float_tensors_get_their_gradient_bitwise_repeatable():
+    q, k, v, do = _qkv(2, 4, 2, 33, 40)
+    bias = (torch.randn(4, 79, device=DEVICE) * 0.5).requires_grad_()
+    w = torch.randn(4, device=DEVICE).requires_grad_()
+
+    def score_mod(score, b, h, q_idx, kv_idx):  # two loads of two learned tensors, one a product
+        return score + bias[h, q_idx - kv_idx + 39] * w[h]
+
+    block_mask = fagen.create_block_mask(g.causal_mask, None, None, 33, 40, device=DEVICE, block_size=16)
+    kw = dict(mask="causal", score_mod=score_mod, mask_mod=g.causal_mask, block_mask=block_mask)
+    got = [torch.autograd.grad(fagen.attention(q, k, v, **kw), (q, k, v, bias, w), do) for _ in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(*got))  # deterministic: no atomics
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v, bias, w)]
+    want = reference.attention(*leaves[:3], mask="causal", mask_mod=g.causal_mask,
+                               score_mod=lambda s, b, h, qi, ki: s + leaves[3][h, qi - ki + 39] * leaves[4][h])
+    want = torch.autograd.grad(want[0] if isinstance(want, tuple) else want, leaves, do.double())
+    for name, a, b in zip(("q", "k", "v", "bias", "w"), got[0], want):
+        assert (a.double() - b).abs().max().item() < 1e-4, name
+
+
+def test_what_is_refused_is_one_clear_error():
+    q, k, v, _ = _qkv(1, 2, 2, 16, 16)
+    other = fagen.create_block_mask(g.causal_mask, None, None, 16, 16, device=DEVICE)
+    with pytest.raises(AttentionError, match="built for mask_mod"):
+        fagen.attention(q, k, v, mask_mod=g.generate_sliding_window(3), block_mask=other)
+    with pytest.raises(AttentionError, match="pass that mask_mod"):
+        fagen.attention(q, k, v, block_mask=other)
+
+
+@pytest.mark.parametrize("name", ["mod-dropped-from-backward", "mod-kv-idx-off-by-one", "mask-mod-before-alignment",
+                                  "block-mask-partial-as-full"])
+def test_each_mod_mutant_is_caught(name):
+    """Each mutant of fagen/verify/mutants.py's MOD_MUTANTS, rendered into a module, fails the reference check."""
+    from fagen.codegen.render import render
+    from fagen.runtime.modded import module_for
+    from fagen.runtime.mods import prepare
+    from fagen.verify.mutants import MOD_MUTANTS
+
+    mutant = next(m for m in MOD_MUTANTS if m.name == name)
+    q, k, v, do = _qkv(1, 2, 2, 40, 56)
+    mask_mod = g.generate_doc_mask_mod(g.causal_mask, g.length_to_offsets([20, 36], DEVICE))
+    kw = dict(score_mod=g.generate_tanh_softcap(3.0), mask_mod=mask_mod)
+    mods = prepare(**kw)
+    module, _ = module_for(q, k, v, "none", (), mods)
+    spec = fagen.KernelSpec.from_json(module.__loader__.get_source(module.__name__).splitlines()[1][len("# spec: "):])
+    assert mutant.applies(spec)
+    broken = loader.load_source(mutant.apply(render(spec).source), "mutant_" + name.replace("-", "_"))
+    block_mask = fagen.create_block_mask(mask_mod, None, None, 40, 56, device=DEVICE, block_size=16)
+    out = broken.attention(q, k, v, mods=mods.values, block_mask=block_mask)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    want = reference.attention(qd, kd, vd, **kw)
+    want = want[0] if isinstance(want, tuple) else want
+    want_grads = torch.autograd.grad(want, (qd, kd, vd), do.double())
+    worst = max([(out.double() - want).abs().max().item()]
+                + [(a.double() - b).abs().max().item() for a, b in zip(grads, want_grads)])
+    assert worst > 1e-3, f"{name} was not caught (worst error {worst:.1e})"

@@ -4,7 +4,7 @@ evaluation of the user's own mask_mod (the float64 reference's), its coarsening 
 import pytest
 import torch
 
-import gym_mods as g
+from fagen.bench import gym_mods as g
 from fagen.runtime.block_mask import create_block_mask
 from fagen.verify.mods_reference import mask_mod_visible
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fagen
-import gym_mods as g
+from fagen.bench import gym_mods as g
 from _env import DEVICE
 from fagen.runtime import loader, mods as trace_cache
 from fagen.runtime.resolve import AttentionError

@@ -5,7 +5,7 @@ changed kind traces again."""
 import pytest
 import torch
 
-import gym_mods as g
+from fagen.bench import gym_mods as g
 from fagen.runtime import mods
 
 

@@ -4,7 +4,7 @@ runtime scalars (a changed one keeps the text); anything outside the whitelist n
 import pytest
 import torch
 
-import gym_mods as gym
+from fagen.bench import gym_mods as gym
 from fagen.mods import grad, ir
 from fagen.mods.text import parse, to_text
 from fagen.mods.trace import read_captures, trace, trace_mask_mod, trace_score_mod

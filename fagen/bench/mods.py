@@ -1,7 +1,7 @@
 """`fagen bench --suite mods`: attention-gym's mods through fagen.attention against FlexAttention with the same
 functions and the same block mask, forward and backward, plus the costs only mods have.
 
-[Note] Mods rows. Every row runs the same user functions (tests/gym_mods.py's, written as attention-gym writes
+[Note] Mods rows. Every row runs the same user functions (fagen/bench/gym_mods.py's, written as attention-gym writes
 them) through fagen.attention(score_mod=, mask_mod=, block_mask=) and through torch.compile'd flex_attention with
 flex's create_block_mask of the same mask_mod; both block masks are built once per row and their build time is
 reported beside the row (`mask_ms`: fagen's generated classifier against flex's create_block_mask). Outputs are
@@ -45,15 +45,10 @@ class ModsShape:
 
 
 def _gym():
-    """attention-gym's mods (tests/gym_mods.py is the one copy; the bench imports it by path)."""
-    import importlib.util
-    from pathlib import Path
+    """attention-gym's example mods (fagen/bench/gym_mods.py, which the tests use too)."""
+    from fagen.bench import gym_mods
 
-    path = Path(__file__).resolve().parents[2] / "tests" / "gym_mods.py"
-    spec = importlib.util.spec_from_file_location("fagen_gym_mods", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return gym_mods
 
 
 def cases(shape: ModsShape, device) -> list[tuple[str, Callable | None, Callable | None, list]]:

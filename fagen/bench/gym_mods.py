@@ -1,5 +1,6 @@
-"""attention-gym's example mods, written out from attn_gym/mods and attn_gym/masks (pytorch-labs/attention-gym
-at 14fd5f4) so the tests need no install of it; the bodies are theirs, the comments say where each comes from."""
+"""attention-gym's example mods (attn_gym/mods and attn_gym/masks, pytorch-labs/attention-gym at 14fd5f4), written
+out with the same signatures and arithmetic so that the bench and the tests need no install of it; each comment
+names the file the mod comes from. Part of the package: `fagen bench --suite mods` runs them."""
 
 import torch
 from torch.nn.attention.flex_attention import and_masks, or_masks

@@ -15,7 +15,7 @@ from fagen.spec.axes import DType
 from fagen.spec.kernel import KernelSpec, SpecError
 
 E4M3 = torch.float8_e4m3fn
-from _env import ON_GPU
+from _env import DEVICE, ON_GPU
 
 ON_HOPPER = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
 
@@ -72,7 +72,7 @@ def test_fagen_verify_refuses_fp8_in_one_line():
     from click.testing import CliRunner
     from fagen.cli import main
     r = CliRunner().invoke(main, ["verify", "--head-dim", "128", "--dtype", "fp8_e4m3", "--backend", "gluon",
-                                  "--device", "cpu"])
+                                  "--device", DEVICE])
     assert r.exit_code == 2 and "dtype 'fp8_e4m3'" in r.output and "scripts/gpu_fp8.py" in r.output, r.output
 
 

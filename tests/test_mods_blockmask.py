@@ -3,6 +3,7 @@ evaluation of the user's own mask_mod (the float64 reference's), its coarsening 
 
 import pytest
 import torch
+from _env import DEVICE
 
 from fagen.bench import gym_mods as g
 from fagen.runtime.block_mask import create_block_mask
@@ -13,7 +14,7 @@ def _classes(visible: torch.Tensor, bm: int, bn: int) -> torch.Tensor:
     """0/1/2 per block from a bool [B, H, Sq, Sk]: elements past the sequences do not count."""
     b, h, sq, sk = visible.shape
     qb, kb = -(-sq // bm), -(-sk // bn)
-    out = torch.empty(b, h, qb, kb, dtype=torch.int8)
+    out = torch.empty(b, h, qb, kb, dtype=torch.int8, device=visible.device)
     for i in range(qb):
         for j in range(kb):
             tile = visible[:, :, i * bm:(i + 1) * bm, j * bn:(j + 1) * bn].flatten(2)
@@ -22,12 +23,12 @@ def _classes(visible: torch.Tensor, bm: int, bn: int) -> torch.Tensor:
 
 
 def _doc():
-    offsets = g.length_to_offsets([37, 60, 3, 97], "cpu")
+    offsets = g.length_to_offsets([37, 60, 3, 97], DEVICE)
     return g.generate_doc_mask_mod(g.causal_mask, offsets), 1, 1
 
 
 def _per_head():
-    starts = torch.randint(0, 90, (2, 3), dtype=torch.int64)  # a captured int tensor read at [b, h]
+    starts = torch.randint(0, 90, (2, 3), dtype=torch.int64, device=DEVICE)  # a captured int tensor read at [b, h]
 
     def mask(b, h, q_idx, kv_idx):
         return (kv_idx >= starts[b, h]) | (q_idx % 7 == kv_idx % 7)
@@ -49,12 +50,12 @@ def test_block_classes_match_the_elementwise_mask(case):
     torch.manual_seed(0)
     mask, nb, nh = CASES[case]()
     sq, sk = 197, 150  # not multiples of the block
-    bm = create_block_mask(mask, nb, nh, sq, sk, device="cpu", block_size=32)
-    want = _classes(mask_mod_visible(mask, nb, nh, sq, sk), 32, 32)
+    bm = create_block_mask(mask, nb, nh, sq, sk, device=DEVICE, block_size=32)
+    want = _classes(mask_mod_visible(mask, nb, nh, sq, sk, DEVICE), 32, 32)
     assert bm.classes.shape == want.shape
     assert torch.equal(bm.classes, want), case
     coarse = bm.at(64, 128)
-    assert torch.equal(coarse.classes, _classes(mask_mod_visible(mask, nb, nh, sq, sk), 64, 128))
+    assert torch.equal(coarse.classes, _classes(mask_mod_visible(mask, nb, nh, sq, sk, DEVICE), 64, 128))
     num, idx = bm.kv_lists()
     for i in range(want.shape[2]):
         nonempty = (want[0, 0, i] != 0).nonzero().flatten().to(torch.int32)
@@ -64,10 +65,10 @@ def test_block_classes_match_the_elementwise_mask(case):
 
 
 def test_a_mask_without_b_or_h_is_evaluated_once_and_none_broadcasts():
-    bm = create_block_mask(g.causal_mask, None, None, 64, 64, device="cpu", block_size=16)
+    bm = create_block_mask(g.causal_mask, None, None, 64, 64, device=DEVICE, block_size=16)
     assert bm.shape == (1, 1, 4, 4)
-    assert torch.equal(bm.classes[0, 0], torch.tensor([[1, 0, 0, 0], [2, 1, 0, 0], [2, 2, 1, 0], [2, 2, 2, 1]],
-                                                      dtype=torch.int8))
+    assert torch.equal(bm.classes[0, 0].cpu(), torch.tensor([[1, 0, 0, 0], [2, 1, 0, 0], [2, 2, 1, 0], [2, 2, 2, 1]],
+                                                            dtype=torch.int8))
     mask, _, _ = _per_head()
     with pytest.raises(ValueError, match="reads b; pass B"):
-        create_block_mask(mask, None, 3, 64, 64, device="cpu")
+        create_block_mask(mask, None, 3, 64, 64, device=DEVICE)

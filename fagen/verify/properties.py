@@ -300,7 +300,7 @@ class GradOutcome(Outcome):
 def grad_output(problem: Problem, spec: KernelSpec, device: str = "cpu") -> torch.Tensor:
     """dO for a problem: fresh normal data from its seed (not the inputs' stream); NaN in padded rows if poisoned."""
     gen = torch.Generator().manual_seed(problem.seed ^ 0x5EED)
-    do = torch.randn(problem.batch, problem.heads_kv * spec.gqa, problem.seq_q, spec.head_dim, generator=gen)
+    do = torch.randn(problem.batch, problem.heads_kv * spec.gqa, problem.seq_q, spec.head_dim_v, generator=gen)
     if problem.poison and problem.seqlens_q is not None:
         for b, lq in enumerate(problem.seqlens_q):
             do[b, :, lq:] = float("nan")

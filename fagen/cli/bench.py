@@ -11,9 +11,10 @@ from fagen.cli.common import cases_from_options, console, pick_device, shape_opt
 @click.command()
 @spec_options
 @shape_options
-@click.option("--suite", type=click.Choice(["standard", "scores", "latency", "cp", "layouts"]),
+@click.option("--suite", type=click.Choice(["standard", "scores", "serving", "latency", "cp", "layouts"]),
               help="A named table of cases instead of one spec. scores: the score-switch rows of the standard suite "
-                   "with fagen-only baselines; latency: host time per call against SDPA; cp: ring "
+                   "with fagen-only baselines; serving: MLA 192/128, the fp8 KV cache and the cost of batch-invariant "
+                   "decode (docs/serving.md); latency: host time per call against SDPA; cp: ring "
                    "attention on 1 and N GPUs (torchrun; --seq-q, --heads, --head-dim, --mask shape it); layouts: "
                    "paged decode and varlen prefill against fagen's dense kernels and the peers.")
 @click.option("--case", "case_names", multiple=True, metavar="NAME", help="Only these rows of the suite (repeatable).")

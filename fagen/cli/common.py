@@ -95,6 +95,7 @@ def shape_options(fn):
 
 
 def cases_from_options(suite, case_names, quick, spec_file, batch, heads, seq_q, seq_k, seed, flags):
+    from fagen.bench.serving import serving_suite
     from fagen.bench.workloads import SUITES, case_from_spec
 
     spec = spec_from_options(spec_file, **flags)
@@ -103,7 +104,7 @@ def cases_from_options(suite, case_names, quick, spec_file, batch, heads, seq_q,
     if suite:
         if any(x is not None for x in (batch, heads, seq_q, seq_k)):
             raise click.UsageError("--batch/--heads/--seq-q/--seq-k shape one spec's case; a --suite has its own")
-        cases = SUITES[suite](quick=quick)
+        cases = {**SUITES, "serving": serving_suite}[suite](quick=quick)
         if case_names:
             names = [c.name for c in cases]
             unknown = [n for n in case_names if n not in names]

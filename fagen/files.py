@@ -21,10 +21,16 @@ class CacheError(OSError):
 
 def cache_root() -> Path:
     """$FAGEN_CACHE_DIR, else $XDG_CACHE_HOME/fagen, else ~/.cache/fagen. "~" is expanded; an empty or relative
-    XDG_CACHE_HOME is ignored, as the XDG base-directory spec says."""
+    XDG_CACHE_HOME is ignored, as the XDG base-directory spec says. A relative FAGEN_CACHE_DIR is resolved once, at
+    first use, against the working directory of that moment, and written back to the environment as that absolute
+    path: a later chdir, and every child process (build workers, torchrun ranks), keep the same folder."""
     env = os.environ.get("FAGEN_CACHE_DIR")
     if env:
-        return Path(env).expanduser()
+        path = Path(env).expanduser()
+        if not path.is_absolute():
+            path = path.absolute()
+            os.environ["FAGEN_CACHE_DIR"] = str(path)
+        return path
     xdg = os.environ.get("XDG_CACHE_HOME", "")
     base = Path(xdg).expanduser() if xdg and Path(xdg).expanduser().is_absolute() else Path.home() / ".cache"
     return base / "fagen"

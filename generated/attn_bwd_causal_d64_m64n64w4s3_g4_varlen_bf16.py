@@ -53,7 +53,7 @@ def _check_qkv(q, k, v):
             raise InputError(f"{name}: head_dim {t.shape[-1]} but this kernel is built for head_dim {HEAD_DIM}")
         if t.device != q.device:
             raise InputError(f"{name}: on {t.device} but q is on {q.device}; put q, k and v on one device")
-    if q.device.type != "cuda" and not _INTERPRET:
+    if q.device.type != "cuda" and not (_INTERPRET and q.device.type == "cpu"):  # meta tensors hold no data
         raise InputError(f"inputs are on {q.device}; Triton kernels run on a CUDA device "
                          "(or on the CPU with TRITON_INTERPRET=1 set before import)")
     if k.shape != v.shape:
@@ -64,18 +64,32 @@ def _check_qkv(q, k, v):
                          f"(needs q heads = {GQA} x kv heads)")
 
 
+# [Note] Index dtypes. Every index input (seqlens, cu_seqlens, block_table, tree parent pointers) may be int32 or
+# int64. The kernels read int32: an int32 input reaches them as it is (no copy), an int64 one through one cast on its
+# device (no host sync, so CUDA graphs capture it). check=True reads the values before the cast, so an int64 value
+# past int32 is refused, never wrapped.
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _int32(t):
+    """t as the kernels read it: int32, last dim contiguous ([Note] Index dtypes)."""
+    t = t if t.dtype is torch.int32 else t.to(torch.int32)
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def _check_seqlens(name, lens, batch, limit, device, check):
     if lens is None:
-        raise InputError(f"{name}: mask {MASK!r} needs {name}, an int32 tensor [batch] of valid lengths")
-    if not isinstance(lens, torch.Tensor) or lens.dtype not in (torch.int32, torch.int64):
-        raise InputError(f"{name}: expected an int32 tensor, got {getattr(lens, 'dtype', type(lens).__name__)}")
+        raise InputError(f"{name}: mask {MASK!r} needs {name}, an int32 or int64 tensor [batch] of valid lengths")
+    if not isinstance(lens, torch.Tensor) or lens.dtype not in INDEX_DTYPES:
+        raise InputError(f"{name}: expected an int32 or int64 tensor, got "
+                         f"{getattr(lens, 'dtype', type(lens).__name__)}")
     if lens.shape != (batch,):
         raise InputError(f"{name}: expected shape ({batch},), got {tuple(lens.shape)}")
     if lens.device != device:
         raise InputError(f"{name}: on {lens.device} but q is on {device}")
     if check and batch and (int(lens.min()) < 0 or int(lens.max()) > limit):
         raise InputError(f"{name}: lengths must lie in [0, {limit}], got min {int(lens.min())} max {int(lens.max())}")
-    return lens.to(torch.int32).contiguous()
+    return _int32(lens)
 
 
 def tree_mask_from_parents(parents, check=True):
@@ -83,8 +97,8 @@ def tree_mask_from_parents(parents, check=True):
 
     Nodes come in tree order: every parent index is smaller than its child's (checked when `check`).
     """
-    if not isinstance(parents, torch.Tensor) or parents.dim() != 2 or parents.dtype not in (torch.int32, torch.int64):
-        raise InputError("tree parents: expected an int32 tensor [batch, nodes] with -1 for roots")
+    if not isinstance(parents, torch.Tensor) or parents.dim() != 2 or parents.dtype not in INDEX_DTYPES:
+        raise InputError("tree parents: expected an int32 or int64 tensor [batch, nodes] with -1 for roots")
     b, n = parents.shape
     idx = torch.arange(n, device=parents.device)
     if check and n and (bool((parents < -1).any()) or bool((parents >= idx).any())):
@@ -123,14 +137,14 @@ def _tree_input(tree_mask, batch, n_nodes, device, check):
     checked when `check` ([Note] Checks that read device values)."""
     if tree_mask is None:
         raise InputError("tree_mask: mask 'tree' needs tree_mask, bool [batch, n, n] (ancestor-or-self) "
-                         "or parent pointers int32 [batch, n]")
+                         "or parent pointers int32/int64 [batch, n]")
     if not isinstance(tree_mask, torch.Tensor):
         raise InputError(f"tree_mask: expected a tensor, got {type(tree_mask).__name__}")
     if tree_mask.device != device:
         raise InputError(f"tree_mask: on {tree_mask.device} but q is on {device}")
-    if tree_mask.dtype in (torch.int32, torch.int64):
+    if tree_mask.dtype in INDEX_DTYPES:
         if tree_mask.shape != (batch, n_nodes):
-            raise InputError(f"tree_mask: parent pointers must be int32 [{batch}, {n_nodes}], got "
+            raise InputError(f"tree_mask: parent pointers must be int32/int64 [{batch}, {n_nodes}], got "
                              f"{tuple(tree_mask.shape)}")
         return tree_mask_from_parents(tree_mask, check)
     if tree_mask.dtype != torch.bool or tree_mask.shape != (batch, n_nodes, n_nodes):
@@ -166,13 +180,14 @@ def _check_mask_inputs(q, k, seqlens_q, seqlens_k, tree_mask, check=None):
 # cu_seqlens, seqlens_k and block_table are read only with check=True or FAGEN_CHECK=1 ([Note] Checks that read
 # device values), so that CUDA graphs capture. Unchecked, a cached length past the block table's pages is clamped to
 # them in the kernel; a page index outside the cache is the caller's to avoid.
-def _check_tensor(name, t, dims, device, dtype=None):
+def _check_index(name, t, dims, device):
+    """An index tensor of these dims on `device`, int32 or int64 ([Note] Index dtypes)."""
     if not isinstance(t, torch.Tensor):
         raise InputError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dim() != len(dims):
         raise InputError(f"{name}: expected {len(dims)} dims [{', '.join(dims)}], got shape {tuple(t.shape)}")
-    if dtype is not None and t.dtype != dtype:
-        raise InputError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+    if t.dtype not in INDEX_DTYPES:
+        raise InputError(f"{name}: expected dtype torch.int32 or torch.int64, got {t.dtype}")
     if device is not None and t.device != device:
         raise InputError(f"{name}: on {t.device} but q is on {device}; put every input on one device")
 
@@ -184,8 +199,8 @@ def _check_max_seqlen(name, value):
 
 
 def _check_cu_seqlens(name, cu, batch, total, longest, device, check):
-    """cu_seqlens: int32 [B + 1] prefix sums; with check, 0 first, non-decreasing, `total` last, steps <= longest."""
-    _check_tensor(name, cu, ("batch + 1",), device, torch.int32)
+    """cu_seqlens: int [B + 1] prefix sums; with check, 0 first, non-decreasing, `total` last, steps <= longest."""
+    _check_index(name, cu, ("batch + 1",), device)
     if batch is not None and cu.shape[0] != batch + 1:
         raise InputError(f"{name}: expected shape ({batch + 1},) (one more than the batch), got {tuple(cu.shape)}")
     if cu.shape[0] < 1:
@@ -203,7 +218,7 @@ def _check_cu_seqlens(name, cu, batch, total, longest, device, check):
             raise InputError(f"{name}: the last entry ({int(c[-1])}) must equal the packed rows ({total})")
         if len(steps) and int(steps.max()) > longest:
             raise InputError(f"{name}: a sequence has {int(steps.max())} rows, more than max_seqlen ({longest})")
-    return cu if cu.is_contiguous() else cu.contiguous()
+    return _int32(cu)
 
 
 def _check_layout(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check=None):

@@ -27,7 +27,7 @@ def test_help(command):
     ("null", "must be a JSON object of spec fields"),
     ('"x"', "must be a JSON object of spec fields"),
     (b"\xff\xfe{", "is not UTF-8 text"),
-    ('{"head_dim": 64, "maks": 1, "dtyp": 2}', "unknown spec fields; known fields"),
+    ('{"head_dim": 64, "maks": 1, "dtyp": 2}', "unknown spec fields (did you mean mask, dtype?); known fields"),
 ])
 def test_a_spec_file_that_is_not_a_spec_object_is_one_line(tmp_path, text, message):
     """Issue 18: these gave a 26-33-line traceback from the CLI."""
@@ -98,8 +98,9 @@ def test_bad_spec_file_is_one_clear_line(tmp_path):
     result = run("generate", "--spec", str(spec_file))
     assert result.exit_code == 1
     assert result.output.strip().splitlines() == [
-        f"Error: {spec_file}: maks: got 'tree'; unknown spec field; known fields: alibi, backend, block_m, block_n, "
-        "direction, dtype, gqa, head_dim, kind, layout, mask, num_stages, num_warps, sinks, softcap, window"]
+        f"Error: {spec_file}: maks: got 'tree'; unknown spec field (did you mean mask?); known fields: alibi, backend, "
+        "block_m, block_n, direction, dtype, gqa, head_dim, kind, layout, mask, num_stages, num_warps, sinks, softcap, "
+        "window"]
 
 
 def test_generate_without_spec_renders_the_default_catalog(tmp_path):

@@ -294,13 +294,13 @@ def test_bench_rows_and_check(results):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the launcher takes one process per GPU")
 def test_bench_launcher_under_torchrun(tmp_path, monkeypatch):
-    """python -m fagen.distributed.bench through torch.distributed.run, 2 CPU processes on gloo."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    """python -m fagen.distributed.bench through torch.distributed.run, 2 CPU processes on gloo; --device cpu sets
+    the ranks' TRITON_INTERPRET (unset here) and --quick their sizes."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
     out = tmp_path / "cp.json"
-    rc = bench.launch_cp_bench(["--seq", "64", "--heads", "2", "--head-dim", "16", "--dtype", "fp32", "--mask",
-                                "none", "--layout", "contiguous", "--directions", "fwd", "--warmup", "0", "--iters",
-                                "1", "--json", str(out)], nproc=2)
+    rc = bench.launch_cp_bench(["--device", "cpu", "--quick", "--dtype", "fp32", "--mask", "none", "--layout",
+                                "contiguous", "--directions", "fwd", "--json", str(out)])
     assert rc == 0
     rows = json.loads(out.read_text())
     assert [(r["direction"], r["gpus"]) for r in rows] == [("fwd", 1), ("fwd", 2)]

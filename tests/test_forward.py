@@ -116,7 +116,8 @@ def test_bad_inputs_raise_clear_errors(mutate, kwargs, message):
 @pytest.mark.parametrize("mask, kwargs, message", [
     ("padding", {}, "needs seqlens_q"),
     ("padding", {"seqlens_q": torch.tensor([9]), "seqlens_k": torch.tensor([8])}, r"lie in \[0, 8\]"),
-    ("padding", {"seqlens_q": torch.tensor([1.0]), "seqlens_k": torch.tensor([8])}, "expected an int32 tensor"),
+    ("padding", {"seqlens_q": torch.tensor([1.0]), "seqlens_k": torch.tensor([8])},
+     "expected an int32 or int64 tensor"),
     ("padding", {"seqlens_q": torch.tensor([1, 2]), "seqlens_k": torch.tensor([8])}, r"expected shape \(1,\)"),
     ("tree", {}, "needs tree_mask"),
     ("tree", {"tree_mask": torch.ones(1, 4, 4, dtype=torch.bool)}, r"expected bool \[1, 8, 8\]"),

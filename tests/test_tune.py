@@ -110,6 +110,7 @@ def test_tune_smoke_run_on_the_cpu(tmp_path, tuned_table):
     assert res.exit_code == 2 and "--dry-run" in res.output  # never writes interpreter timings into the package
     res = CliRunner().invoke(main, [*args, "--table", str(table)], catch_exceptions=False)
     assert res.exit_code == 0, res.output
+    assert f"wrote 1 entry to {table}" in res.output
     (entry,) = tuned.read_table(table)
     assert entry["arch"] == "cpu" and entry["block_m"] == 16 and entry["block_n"] in (16, 32)
     assert entry["mask"] == "padding" and entry["ms"] > 0

@@ -241,3 +241,42 @@ def test_verify_reads_a_build_directory(tmp_path):
     assert "all 1 checks passed" in res.output
     bad = _cli(str(tmp_path / "nothing-here"), *RUN)
     assert bad.exit_code == 2 and "does not exist" in bad.output
+
+
+# -- --property: every name of both registries, and the layouts' results as a table -------------------------
+
+def test_property_help_names_every_property():
+    from fagen.verify.layouts import LAYOUT_PROPERTIES
+
+    text = " ".join(CliRunner().invoke(main, ["verify", "--help"]).output.split())
+    missing = [name for name in [*properties.BY_NAME, *LAYOUT_PROPERTIES] if name not in text]
+    assert not missing, f"--property's help lacks {missing}"
+
+
+def test_property_runs_one_dense_property_alone():
+    res = _cli("--head-dim", "16", "--mask", "causal", "--block-m", "16", "--block-n", "16", "--examples", "2",
+               "--property", "nan-propagates", *RUN)
+    assert res.exit_code == 0, res.output
+    assert "nan-propagates" in res.output and "all 1 checks passed" in res.output
+
+
+def test_layout_properties_can_be_chosen_and_print_a_table(tmp_path):
+    varlen = ["--head-dim", "16", "--mask", "causal", "--dtype", "fp32", "--layout", "varlen", "--block-m", "16",
+              "--block-n", "16", "--examples", "2", "--device", DEVICE]
+    report = tmp_path / "verify.json"
+    res = _cli(*varlen, "--direction", "bwd", "--property", "layout-bwd-reference", "--json", str(report))
+    assert res.exit_code == 0, res.output
+    assert "┃ variant" in res.output and "│ attn_bwd_causal_d16" in res.output  # a rich table, not a plain line
+    assert [v["property"] for v in json.loads(report.read_text())["layouts"]] == ["layout-bwd-reference"]
+    dense_only = _cli("--head-dim", "16", "--property", "layout-reference", *RUN)
+    assert dense_only.exit_code == 2 and "applies to none of the given specs" in dense_only.output
+
+
+def test_layout_failures_are_lines_a_person_can_act_on():
+    from fagen.verify.layouts import LayoutVerdict
+
+    spec = fagen.KernelSpec(head_dim=16, mask="causal", layout="varlen")
+    verdict = LayoutVerdict(spec, "layout-reference", 7, 1.5, "out (sequence 1): 0.5 against 0.25 (case: ...)")
+    lines = vreport.layout_failure_lines(verdict)
+    assert lines[0] == f"FAIL {spec.name} · layout-reference" and "out (sequence 1)" in lines[2]
+    assert spec.to_json() in lines[3]

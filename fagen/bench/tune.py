@@ -229,6 +229,7 @@ def unique_by_key(cases: list[BenchCase]) -> list[BenchCase]:
 
 
 def existing(table, arch: str, spec: KernelSpec) -> dict | None:
+    """The entry of `table` for this spec's key on `arch`; table None: the user's table over the shipped one."""
     return tuned.lookup(spec.head_dim, spec.mask, spec.dtype, spec.direction, spec.kind, arch=arch, path=table)
 
 

@@ -15,7 +15,8 @@ from fagen.cli.common import cases_from_options, console, pick_device, shape_opt
               help="A named table of cases instead of one spec. scores: the score-switch rows of the standard suite "
                    "with fagen-only baselines; serving: MLA 192/128, the fp8 KV cache and the cost of batch-invariant "
                    "decode (docs/serving.md); latency: host time per call against SDPA; cp: ring "
-                   "attention on 1 and N GPUs (torchrun; --seq-q, --heads, --head-dim, --mask shape it); layouts: "
+                   "attention on 1 and N GPUs (torchrun; --seq-q, --batch, --heads, --head-dim, --dtype, --mask shape it, "
+                   "--device and --quick pass on); layouts: "
                    "paged decode and varlen prefill against fagen's dense kernels and the peers.")
 @click.option("--case", "case_names", multiple=True, metavar="NAME", help="Only these rows of the suite (repeatable).")
 @click.option("--quick", is_flag=True, help="Shrink every shape for a smoke run.")
@@ -90,10 +91,8 @@ def bench(spec_file, batch, heads, seq_q, seq_k, suite, case_names, quick, devic
     if suite == "cp":
         from fagen.distributed.bench import launch_cp_bench
 
-        args = [*(["--seq", str(seq_q)] if seq_q else []), *(["--heads", str(heads)] if heads else []),
-                *(["--head-dim", str(flags["head_dim"])] if flags.get("head_dim") else []),
-                *(["--mask", flags["mask"]] if flags.get("mask") else []), *(["--json", str(json_path)] if json_path else [])]
-        raise click.exceptions.Exit(launch_cp_bench(args))
+        raise click.exceptions.Exit(launch_cp_bench(_cp_args(pick_device(device), quick, batch, heads, seq_q,
+                                                             json_path, flags)))
     if suite == "latency":
         return _latency(pick_device(device), json_path, out, quick)
     if suite == "layouts":
@@ -123,6 +122,15 @@ def bench(spec_file, batch, heads, seq_q, seq_k, suite, case_names, quick, devic
     where = f"{meta.get('gpu', device)}, torch {meta['torch']}, triton {meta['triton']}"
     report.print_table(records, out, title=f"fagen bench ({where}; {meta['total_s']:.1f} s)", meta=meta)
     out.file.flush()
+
+
+def _cp_args(device, quick, batch, heads, seq_q, json_path, flags) -> list[str]:
+    """The flags of python -m fagen.distributed.bench that `fagen bench --suite cp` passes on (its --help)."""
+    given = [("--device", device), ("--quick", quick), ("--batch", batch), ("--seq", seq_q), ("--heads", heads),
+             ("--head-dim", flags.get("head_dim")), ("--dtype", flags.get("dtype")), ("--mask", flags.get("mask")),
+             ("--json", json_path)]
+    return [item for flag, value in given if value not in (None, False)
+            for item in ((flag,) if value is True else (flag, str(value)))]
 
 
 def _plot(report, records, plot_path, json_path, err=False):

@@ -16,7 +16,8 @@ from fagen.cli.common import cases_from_options, console, pick_device, shape_opt
 @click.option("--quick", is_flag=True, help="Small shapes and a small search grid: a smoke run.")
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True)
 @click.option("--table", type=click.Path(dir_okay=False, path_type=Path),
-              help="Tuned table to update (default: the package's fagen/spec/tuned.json).")
+              help="Tuned table to update (default: your own, tuned.json in the cache root, which specs read over "
+                   "the shipped fagen/spec/tuned.json).")
 @click.option("--dry-run", is_flag=True, help="Search and report, write nothing.")
 @click.option("--force", is_flag=True, help="Tune keys that already have an entry too.")
 @click.option("--time-limit", type=click.FloatRange(min=1), metavar="SECONDS",
@@ -52,10 +53,12 @@ def tune(spec_file, batch, heads, seq_q, seq_k, suite, quick, device, table, dry
     if cases is None:
         raise click.UsageError("give spec flags (--head-dim ...) or --suite standard")
     device = pick_device(device)
-    table = table or tuned.TUNED_PATH
-    if device == "cpu" and not dry_run and table == tuned.TUNED_PATH:
-        raise click.UsageError("tuning on the CPU times the interpreter: add --dry-run, or --table FILE to write "
-                               "its results somewhere other than the shipped table")
+    own = table is None  # the user's table: existing entries are looked up through it and the shipped one
+    table = table or tuned.user_table_path()
+    if device == "cpu" and not dry_run and own:
+        raise click.UsageError(f"tuning on the CPU times the interpreter: add --dry-run, or --table FILE to write "
+                               f"its results somewhere other than your tuned table ({table}), which sets your specs' "
+                               "default tiles")
     try:
         tuned.read_table(table)
     except tuned.TunedTableError as e:
@@ -75,8 +78,9 @@ def tune(spec_file, batch, heads, seq_q, seq_k, suite, quick, device, table, dry
     winners = []
     for case in tuner.unique_by_key(cases):
         spec, _ = case.spec(hopper=False)
-        if not force and tuner.existing(table, arch, spec) is not None:
-            log(f"{case.name}: {arch} already has an entry in {table} (--force to tune again)")
+        if not force and tuner.existing(None if own else table, arch, spec) is not None:
+            where = f"{table} or the shipped {tuned.TUNED_PATH.name}" if own else table
+            log(f"{case.name}: {arch} already has an entry in {where} (--force to tune again)")
             continue
         if deadline is not None and _time.monotonic() > deadline:
             log(f"{case.name}: skipped (time limit)")
@@ -97,3 +101,6 @@ def tune(spec_file, batch, heads, seq_q, seq_k, suite, quick, device, table, dry
         log(f"winner {what}: {cfg}  {e['ms']:.4g} ms" + ("" if dry_run else f"  -> {table}"))
     if not winners:
         log("nothing tuned")
+    elif not dry_run:
+        log(f"wrote {len(winners)} entr{'y' if len(winners) == 1 else 'ies'} to {table}"
+            + (" (your tuned table: specs read it over the shipped one; --table FILE writes elsewhere)" if own else ""))

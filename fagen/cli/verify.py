@@ -61,7 +61,8 @@ def _verify_specs_from(spec_file, spec_files, manifest, flags) -> list[KernelSpe
               help="cpu runs kernels through Triton's interpreter [default: cuda when available].")
 @click.option("--property", "properties", multiple=True, metavar="NAME",
               help="Only this property (repeatable): reference, gqa, tree-chain, tree-star, padding-split, "
-                   "padding-garbage, permutation, lse-merge, bwd-deterministic, bwd-masked-rows, bwd-reference.")
+                   "padding-garbage, nan-propagates, permutation, lse-merge, bwd-deterministic, bwd-masked-rows, "
+                   "bwd-reference; for varlen and paged specs layout-reference, layout-bwd-reference.")
 @click.option("--shrink-runs", type=click.IntRange(min=0), default=150, show_default=True,
               help="Kernel runs allowed for shrinking each failure to a minimal example.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write a JSON report.")
@@ -99,9 +100,12 @@ def verify_command(ctx, spec_file, spec_files, manifest, examples, seed, time_bu
                                "them with --device cuda on an H100/H200; `python -m pytest tests/test_hopper_compile.py` "
                                "compiles them for sm_90 without a GPU")
 
-    unknown = [p for p in properties if p not in BY_NAME]
+    from fagen.verify.layouts import LAYOUT_PROPERTIES
+
+    unknown = [p for p in properties if p not in BY_NAME and p not in LAYOUT_PROPERTIES]
     if unknown:
-        raise click.BadParameter(f"got {unknown[0]!r}; known: {', '.join(BY_NAME)}", param_hint="--property")
+        raise click.BadParameter(f"got {unknown[0]!r}; known: {', '.join([*BY_NAME, *LAYOUT_PROPERTIES])}",
+                                 param_hint="--property")
     out = console()
     if blob is not None:
         try:
@@ -124,8 +128,14 @@ def verify_command(ctx, spec_file, spec_files, manifest, examples, seed, time_bu
     if mutants and layout_specs:
         raise click.UsageError("--mutants runs on dense specs; the layouts' mutants are caught by "
                                "`python -m pytest tests/test_layouts.py -k mutant`")
+    # --property names either kind: dense specs run the registry's, varlen and paged specs the layouts'.
+    dense_properties = [p for p in properties if p in BY_NAME] if properties else None
+    layout_properties = [p for p in properties if p in LAYOUT_PROPERTIES] if properties else None
+    if mutants and properties and not dense_properties:
+        raise click.UsageError("--mutants runs dense properties; the layouts' mutants are caught by "
+                               "`python -m pytest tests/test_layouts.py -k mutant`")
     options = dict(examples=examples, seed=seed, scale=scale, device=device, time_budget=time_budget,
-                   properties=properties or None, shrink_runs=shrink_runs)
+                   properties=dense_properties, shrink_runs=shrink_runs)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console(stderr=True), disable=quiet, transient=True) as bar:
         task = bar.add_task("verifying", total=None)
@@ -135,8 +145,8 @@ def verify_command(ctx, spec_file, spec_files, manifest, examples, seed, time_bu
             from fagen.verify.layouts import verify_layout_spec
 
             tick(f"{spec.name} (layout reference)", i, len(layout_specs))
-            layout_verdicts += verify_layout_spec(spec, examples=examples or (20 if scale == "cpu" else 50),
-                                                  seed=seed, device=device, scale=scale)
+            layout_verdicts += verify_layout_spec(spec, examples=examples or engine.DEFAULT_EXAMPLES[scale],
+                                                  seed=seed, device=device, scale=scale, properties=layout_properties)
         if mutants:
             report, pairs = engine.verify_mutants(specs or engine.default_mutant_specs(scale),
                                                     progress=tick, **options)
@@ -156,16 +166,21 @@ def verify_command(ctx, spec_file, spec_files, manifest, examples, seed, time_bu
         if not quiet and report.results:
             out.print(reports.summary_table(report))
             out.print(reports.dtype_table(report))
+        if not quiet and layout_verdicts:
+            out.print(reports.layout_table(layout_verdicts, report))
         for message in report.errors:
             click.echo(f"ERROR {message}")
         for r in report.results:
             if r.failure:
                 click.echo("\n".join(reports.failure_lines(r, device)))
         for v in layout_verdicts:
-            click.echo(f"{'pass' if v.passed else 'FAIL'} {v.spec.name} {v.property}: {v.examples} examples"
-                       + (f": {v.failure}" if v.failure else ""))
+            if v.failure:
+                click.echo("\n".join(reports.layout_failure_lines(v)))
         bad = sum(not r.passed for r in report.results) + len(report.errors) + sum(not v.passed for v in layout_verdicts)
         total = len(report.results) + len(report.errors) + len(layout_verdicts)
+        if total == 0 and properties:
+            raise click.UsageError(f"--property {', '.join(properties)}: applies to none of the given specs "
+                                   "(layout-* properties apply to varlen and paged specs, the others to dense ones)")
         verdict = f"{bad} of {total} checks FAILED" if bad else f"all {total} checks passed"
         failed = bad > 0
     if json_path is not None:

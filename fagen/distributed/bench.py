@@ -194,22 +194,38 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# Defaults of the flags that --quick shrinks: (full run, --quick). A flag given explicitly wins over both.
+_SIZES = {"seq": (131072, 64), "heads": (32, 2), "head_dim": (128, 16), "warmup": (2, 0), "iters": (5, 1)}
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m fagen.distributed.bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--seq", type=int, default=131072, help="full sequence length (all ranks together)")
+    p.add_argument("--seq", type=int, default=None, help="full sequence length (all ranks together; default 131072)")
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=32, help="query heads")
+    p.add_argument("--heads", type=int, default=None, help="query heads (default 32)")
     p.add_argument("--kv-heads", type=int, default=None, help="K/V heads (default: --heads, MHA)")
-    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--head-dim", type=int, default=None, help="default 128")
     p.add_argument("--dtype", default="bf16", choices=list(_TORCH_DTYPES))
     p.add_argument("--mask", default="causal", choices=["none", "causal"])
     p.add_argument("--layout", default="zigzag", choices=["contiguous", "zigzag"])
     p.add_argument("--directions", default="fwd,bwd", help="comma-separated: fwd, bwd")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=None, help="default 2")
+    p.add_argument("--iters", type=int, default=None, help="default 5")
     p.add_argument("--check-seq", type=int, default=0, help="first compare the ring with one GPU at this length")
     p.add_argument("--json", default=None, help="write the rows here (rank 0)")
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
+                   help="cuda (NCCL), or cpu: gloo, kernels through Triton's interpreter (default: cuda if present)")
+    p.add_argument("--quick", action="store_true", help="a smoke run: tiny shapes, one timed call (flags given win)")
     return p
+
+
+def _parse(argv) -> argparse.Namespace:
+    """The flags, with --quick's sizes or the full run's filled in where none was given."""
+    args = _parser().parse_args(argv)
+    for name, sizes in _SIZES.items():
+        if getattr(args, name) is None:
+            setattr(args, name, sizes[args.quick])
+    return args
 
 
 def _validate(args, world: int) -> None:
@@ -233,7 +249,7 @@ def _validate(args, world: int) -> None:
 
 
 def launch_cp_bench(args: list[str], nproc: int | None = None) -> int:
-    """Run this benchmark on `nproc` local processes (default: one per visible GPU, at least 2) through torchrun
+    """Run this benchmark on `nproc` local processes (cp_command's default) through torchrun
     (torch.distributed.run, standalone rendezvous on this host); returns its exit status. `args` are main()'s
     flags, e.g. ["--seq", "131072", "--json", "cp.json"]. Under torchrun already (RANK set), it runs main(args).
     Bad flags get one line on stderr and status 2 before any process starts."""
@@ -241,31 +257,57 @@ def launch_cp_bench(args: list[str], nproc: int | None = None) -> int:
 
     if "RANK" in os.environ:
         return main(args)
-    nproc = nproc or max(2, torch.cuda.device_count())
     try:
-        _validate(_parser().parse_args(args), nproc)
+        cmd, env = cp_command(args, nproc)
     except ContextParallelError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    return subprocess.call(cmd, env=env)
+
+
+def cp_command(args: list[str], nproc: int | None = None) -> tuple[list[str], dict[str, str]]:
+    """The torchrun command line and environment of launch_cp_bench: `nproc` ranks (default: one per visible GPU,
+    at least 2; 2 on the CPU), and on the CPU TRITON_INTERPRET=1 for every rank ([Note] in fagen/runtime/device.py:
+    the mode is read when a kernel is defined). Raises ContextParallelError for bad flags."""
+    parsed = _parse(args)
+    cpu = _device_type(parsed.device) == "cpu"
+    nproc = nproc or (2 if cpu else max(2, torch.cuda.device_count()))
+    _validate(parsed, nproc)
+    env = dict(os.environ)
+    if cpu:
+        env["TRITON_INTERPRET"] = "1"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "fagen.distributed.bench", *args]
-    return subprocess.call(cmd)
+    return cmd, env
+
+
+def _device_type(device: str) -> str:
+    """--device auto|cuda|cpu as "cuda" or "cpu"; cuda without a CUDA device is a ContextParallelError."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ContextParallelError(f"--device cuda: torch sees no CUDA device (torch {torch.__version__}); use "
+                                   "--device cpu (gloo, kernels through Triton's interpreter)")
+    return device
 
 
 def main(argv=None) -> int:
-    p = _parser()
-    args = p.parse_args(argv)
+    args = _parse(argv)
     directions = tuple(d for d in args.directions.split(",") if d)
     if "RANK" not in os.environ:
-        p.error("run it under torchrun (it reads RANK, WORLD_SIZE, LOCAL_RANK), e.g. "
-                "torchrun --nproc-per-node 2 -m fagen.distributed.bench")
+        _parser().error("run it under torchrun (it reads RANK, WORLD_SIZE, LOCAL_RANK), e.g. "
+                        "torchrun --nproc-per-node 2 -m fagen.distributed.bench")
     try:
         _validate(args, int(os.environ.get("WORLD_SIZE", 1)))
+        cuda = _device_type(args.device) == "cuda"
     except ContextParallelError as e:
         if os.environ.get("RANK") == "0":
             print(f"error: {e}", file=sys.stderr)
         return 2
-    cuda = torch.cuda.is_available()
+    if not cuda:
+        from fagen.runtime.device import prepare_device
+
+        prepare_device("cpu")  # TRITON_INTERPRET=1 before any kernel is defined, also under a plain torchrun
     if cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)

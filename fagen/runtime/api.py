@@ -20,15 +20,16 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
 
     The kernel is chosen from the inputs (dtype, head_dim D, gqa = Hq / Hkv) and `mask`, rendered and loaded once
     per process (then cached on disk). Masks and their inputs follow the generated kernels' contract:
-    "causal" is bottom-right aligned, "padding"/"causal+padding" take seqlens_q and seqlens_k (int32 [B]),
-    "tree" takes tree_mask (bool [B, Sq, Sq] ancestor-or-self, or int32 parent pointers [B, Sq]).
+    "causal" is bottom-right aligned, "padding"/"causal+padding" take seqlens_q and seqlens_k (int [B]),
+    "tree" takes tree_mask (bool [B, Sq, Sq] ancestor-or-self, or int parent pointers [B, Sq]). Index inputs are
+    int32 or int64 (README "Index dtypes").
     check=True also validates the values of those inputs (a host sync; see the README).
     Score modifiers (README "Score modifiers"), each picking a kernel with that switch: window=(left, right) (ints,
     None for an unbounded side; (w, 0) with "causal" is the usual sliding window), softcap (cap * tanh(s / cap)),
     alibi_slopes (float32 [Hq]) and sinks (float32 [Hq] logits; sinks.grad is filled when it requires grad).
 
     Packed sequences (README "Layouts", varlen): q [total_q, Hq, D], k and v [total_k, Hkv, D] with cu_seqlens_q and
-    cu_seqlens_k (int32 [B + 1] prefix sums) and max_seqlen_q / max_seqlen_k (host ints); mask "none" or "causal"
+    cu_seqlens_k (int [B + 1] prefix sums) and max_seqlen_q / max_seqlen_k (host ints); mask "none" or "causal"
     (per sequence, bottom-right aligned); out is like q. Called eagerly; under torch.compile call the varlen
     module's attention() (fagen.load(spec)), which traces as its own operators.
 
@@ -51,13 +52,22 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
         needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                                   or (isinstance(sinks, torch.Tensor) and sinks.requires_grad))
     if varlen:
+        if seqlens_q is not None or seqlens_k is not None or tree_mask is not None:
+            given = [n for n, t in (("seqlens_q", seqlens_q), ("seqlens_k", seqlens_k), ("tree_mask", tree_mask))
+                     if t is not None]
+            raise AttentionError(f"{', '.join(given)}: packed sequences (cu_seqlens_q/cu_seqlens_k) carry their own "
+                                 "lengths and take mask 'none' or 'causal'; drop " + " and ".join(given))
         return _varlen(q, k, v, mask, scale, scores, switches, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                        max_seqlen_k, check)
     qs, ks = q.shape, k.shape
     four = len(qs) == 4 and len(ks) == 4
     decode = not needs_grad and four and prefers_decode(qs[2], ks[2])
     if torch.compiler.is_compiling():
-        win = None if window is None else [-1 if w is None else w for w in window]
+        win = None if window is None else _op_window(window)
+        if window is not None and win is None:  # the operator cannot carry it: run eagerly into the module's check
+            return _eager(q, k, v, mask=mask, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
+                          tree_mask=tree_mask, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                          sinks=sinks, check=check)
         return ops.attention(q, k, v, str(mask), scale, seqlens_q, seqlens_k, tree_mask, decode, win, softcap,
                              alibi_slopes, sinks, bool(batch_invariant))[0]
     # [Note] Host time. A warm call costs one dict lookup on plain values before the module's own checks and launch:
@@ -84,6 +94,7 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
                             check=check, **scores)
 
 
+_eager = torch.compiler.disable(attention)  # a call Dynamo leaves alone
 _NO_SCORES: dict = {}
 _SCORE_ARGS = ("window", "softcap", "alibi_slopes", "sinks")  # in SCORE_SWITCHES' order
 
@@ -102,6 +113,19 @@ __all__ = ["attention", "spec_for", "AttentionError"]
 
 
 def _window_keys(sk, window) -> int:
-    """Keys a row can see at most under window (left, right): None for an unbounded side."""
-    left, right = window
-    return min(sk, (sk if left is None else left) + (sk if right is None else right) + 1)
+    """Keys a row can see at most under window (left, right): None for an unbounded side. A malformed window counts
+    sk: the module's own check (_check_scores, generated) then refuses it with its InputError, the one window check."""
+    try:
+        left, right = window
+        return min(sk, (sk if left is None else left) + (sk if right is None else right) + 1)
+    except (TypeError, ValueError):
+        return sk
+
+
+def _op_window(window) -> list[int] | None:
+    """The fagen::attention operator's form of a window, [left, right] with -1 for an unbounded side; None where the
+    operator cannot carry it: the call then runs eagerly, where the module's check names what is wrong."""
+    if isinstance(window, (tuple, list)) and len(window) == 2 \
+            and all(w is None or (type(w) is int and w >= 0) for w in window):
+        return [-1 if w is None else w for w in window]
+    return None

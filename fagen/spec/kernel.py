@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 import hashlib
 import json
@@ -79,6 +80,12 @@ class KernelSpec:
     head_dim_v: int | None = None
     kv_dtype: KVDType | None = None
 
+    def __new__(cls, *args: Any, **fields: Any) -> KernelSpec:
+        # A misspelt or missing field is a SpecError naming it (the dataclass __init__ would raise a TypeError).
+        # pickle and copy call __new__ with no arguments: those skip the head_dim check.
+        _check_names(fields, required=not args and bool(fields))
+        return super().__new__(cls)
+
     def __post_init__(self) -> None:
         put = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
         put("head_dim", _int_field("head_dim", self.head_dim, lambda d: d in HEAD_DIMS,
@@ -98,7 +105,8 @@ class KernelSpec:
         for name in SCORE_SWITCHES:
             value = getattr(self, name)
             if not isinstance(value, bool):
-                raise SpecError(name, value, "must be true or false")
+                raise SpecError(name, value, f"must be true or false: {name} is a switch, and "
+                                             f"{_switch_value_hint(name, value)}")
         if self.kind is Kind.DECODE and self.direction is not Direction.FWD:
             raise SpecError("direction", str(self.direction),
                             "decode kernels are forward-only: use direction 'fwd', or kind 'prefill' for a backward")
@@ -259,14 +267,7 @@ class KernelSpec:
     def from_dict(cls, data: dict[str, Any]) -> KernelSpec:
         if not isinstance(data, dict):
             raise SpecError("spec", data, "must be a table/object of spec fields")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = [key for key in data if key not in known]
-        if len(unknown) == 1:
-            raise SpecError(unknown[0], data[unknown[0]], "unknown spec field; known fields: " + ", ".join(sorted(known)))
-        if unknown:
-            raise SpecError("spec", ", ".join(unknown), "unknown spec fields; known fields: " + ", ".join(sorted(known)))
-        if "head_dim" not in data:
-            raise SpecError("head_dim", None, "is required")
+        _check_names(data, required=True)
         return cls(**data)
 
     @classmethod
@@ -281,6 +282,34 @@ class KernelSpec:
     def from_file(cls, path: str | Path) -> KernelSpec:
         """Read a spec from a .toml or .json file."""
         return cls.from_dict(read_fields(path))
+
+
+def _check_names(data: dict[str, Any], required: bool) -> None:
+    """SpecError unless every key of `data` is a spec field (naming a close match) and, if `required`, head_dim is
+    there."""
+    known = sorted(f.name for f in dataclasses.fields(KernelSpec))
+    unknown = [key for key in data if key not in known]
+    if unknown:
+        close = [m[0] for key in unknown if (m := difflib.get_close_matches(str(key), known, n=1))]
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        field, value = (unknown[0], data[unknown[0]]) if len(unknown) == 1 else ("spec", ", ".join(map(str, unknown)))
+        raise SpecError(field, value, f"unknown spec field{'s' if len(unknown) > 1 else ''}{hint}; known fields: "
+                                      + ", ".join(known))
+    if required and "head_dim" not in data:
+        raise SpecError("head_dim", None, "is required (a multiple of 8 from 16 to 256, for example 64 or 128)")
+
+
+def _switch_value_hint(name: str, value: Any) -> str:
+    """Which runtime argument carries the value given to a score switch, in the caller's own numbers."""
+    if name == "window":
+        pair = value if isinstance(value, (tuple, list)) and len(value) == 2 else (value, 0) \
+            if isinstance(value, int) else ("left", "right")
+        return f"its extents are runtime arguments: forward(..., window=({pair[0]}, {pair[1]}))"
+    if name == "softcap":
+        cap = value if isinstance(value, (int, float)) else "cap"
+        return f"its cap is a runtime argument: forward(..., softcap={cap})"
+    return {"alibi": "its slopes are a runtime argument: forward(..., alibi_slopes=<float32 [q heads]>)",
+            "sinks": "its logits are a runtime argument: forward(..., sinks=<float32 [q heads]>)"}[name]
 
 
 def parse_fields(text: str, fmt: str) -> dict[str, Any]:

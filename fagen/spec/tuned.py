@@ -1,4 +1,5 @@
-"""The shipped table of tuned launch configs (fagen/spec/tuned.json): load, validate, look up, update."""
+"""The tuned launch configs: the shipped table (fagen/spec/tuned.json) under the user's own; load, validate, look up,
+update."""
 
 from __future__ import annotations
 
@@ -75,12 +76,24 @@ def _index(path: str) -> dict[tuple, dict]:
     return {_key(*(e[f] for f in KEY_FIELDS)): {f: e[f] for f in CONFIG_FIELDS} for e in read_table(Path(path))}
 
 
+def user_table_path() -> Path:
+    """The user's tuned table, tuned.json in fagen's cache root ($FAGEN_CACHE_DIR, else ~/.cache/fagen): where
+    `fagen tune` writes without --table (never into the installed package), read by lookup() over the shipped
+    table."""
+    from fagen.files import cache_root
+
+    return cache_root() / "tuned.json"
+
+
 def lookup(head_dim: int, mask, dtype, direction, kind, arch: str = DEFAULT_ARCH,
            path: Path | None = None) -> dict | None:
-    """The tuned config {block_m, block_n, num_warps, num_stages} for this key, or None when there is none."""
+    """The tuned config {block_m, block_n, num_warps, num_stages} for this key, or None when there is none.
+    Without `path`: the user's table (user_table_path) where it has the key, else the shipped table."""
     if mask is None:
         return None
-    found = _index(str(path or TUNED_PATH)).get(_key(arch, head_dim, mask, dtype, direction, kind))
+    key = _key(arch, head_dim, mask, dtype, direction, kind)
+    found = _index(str(path)).get(key) if path else \
+        _index(str(user_table_path())).get(key) or _index(str(TUNED_PATH)).get(key)
     return dict(found) if found is not None else None
 
 

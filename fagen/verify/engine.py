@@ -187,7 +187,7 @@ def _finite(x: float) -> float:
 
 
 def properties_for(spec: KernelSpec, module, names: Iterable[str] | None = None) -> list[Property]:
-    chosen = [BY_NAME[n] for n in names] if names else PROPERTIES
+    chosen = PROPERTIES if names is None else [BY_NAME[n] for n in names]
     return [p for p in chosen if p.applies(spec, module)]
 
 

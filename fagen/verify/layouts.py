@@ -216,6 +216,12 @@ def check_backward(module, spec: KernelSpec, case: LayoutCase, device) -> None:
         compare_grad("dsinks", scores["sinks"].grad.cpu(), ref_scores["sinks"].grad, spec.dtype)
 
 
+# The properties of varlen and paged specs (`fagen verify --property` takes these names too).
+LAYOUT_PROPERTIES = {"layout-reference": "each sequence's out and lse match the float64 reference on its gathered "
+                                         "dense equivalent",
+                     "layout-bwd-reference": "each sequence's gradients (and dsinks) match float64 autograd"}
+
+
 @dataclasses.dataclass
 class LayoutVerdict:
     """`fagen verify` on one varlen or paged spec: the property run, and the failure if any."""
@@ -236,9 +242,10 @@ class LayoutVerdict:
 
 
 def verify_layout_spec(spec: KernelSpec, *, examples: int, seed: int, device, scale: str,
-                       mutant: str | None = None) -> list[LayoutVerdict]:
+                       mutant: str | None = None, properties=None) -> list[LayoutVerdict]:
     """Search `examples` drawn cases of a varlen or paged spec against the gathered dense reference (forward, and
-    for bwd specs the gradients); each failure is shrunk by Hypothesis to a small case and reported in words."""
+    for bwd specs the gradients); each failure is shrunk by Hypothesis to a small case and reported in words.
+    properties: the LAYOUT_PROPERTIES names to run (None: every one that applies)."""
     import time
 
     from fagen.runtime.loader import load
@@ -248,6 +255,8 @@ def verify_layout_spec(spec: KernelSpec, *, examples: int, seed: int, device, sc
     checks = [("layout-reference", check_forward)]
     if spec.direction.value == "bwd":
         checks.append(("layout-bwd-reference", check_backward))
+    if properties is not None:
+        checks = [(name, check) for name, check in checks if name in properties]
     verdicts = []
     for name, check in checks:
         seen: list[LayoutCase] = []

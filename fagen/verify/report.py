@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fagen.verify.engine import PropertyResult, Report, mutant_catch
+from fagen.verify.layouts import LAYOUT_PROPERTIES, LayoutVerdict
 from fagen.verify.properties import BY_NAME
 from fagen.verify.strategies import Problem
 from fagen.verify.tolerances import LSE_TOLERANCE, TOLERANCE
@@ -86,3 +87,28 @@ def mutant_table(report: Report, pairs):
             row = (spec.name, f"[green]{hit.property}[/] at example {hit.examples}", describe(hit.failure.problem))
         table.add_row(mutant.name, mutant.what, *row)
     return table
+
+
+def layout_table(verdicts: list[LayoutVerdict], report: Report):
+    """A rich table of the varlen and paged specs' results (fagen/verify/layouts.py): one row per variant and
+    property. Their failures are described in words by layout_failure_lines."""
+    from rich.table import Table
+
+    table = Table(title=f"varlen and paged specs: {report.device}, seed {report.seed}, each sequence against its "
+                        "dense float64 reference", title_justify="left")
+    for col, kw in (("variant", {}), ("property", {}), ("examples", dict(justify="right")), ("result", {}),
+                    ("time", dict(justify="right"))):
+        table.add_column(col, **kw)
+    for v in verdicts:
+        table.add_row(v.spec.name, v.property, str(v.examples), "[green]pass[/]" if v.passed else "[bold red]FAIL[/]",
+                      f"{v.seconds:.1f}s")
+    return table
+
+
+def layout_failure_lines(verdict: LayoutVerdict) -> list[str]:
+    """A layout failure as lines: what broke, on which spec, and the shrunk case (in the message)."""
+    return [f"FAIL {verdict.spec.name} · {verdict.property}",
+            f"  property: {verdict.property}: {LAYOUT_PROPERTIES[verdict.property]}",
+            f"  message:  {verdict.failure}",
+            f"  spec:     {verdict.spec.to_json()}",
+            f"            (after {verdict.examples} examples)"]

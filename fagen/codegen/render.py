@@ -75,7 +75,15 @@ def _context(spec: KernelSpec) -> dict:
     return dict(spec=spec, spec_json=spec.to_json(), version=__version__, max_seq_q=DECODE_MAX_SEQ_Q,
                 dot_precision=tables.DOT_KWARGS[spec.dtype], tma=tables.tma_loads(spec), gluon=defaults.GLUON_VARIANT,
                 xargs=SCORE_ARGS if spec.switches else "", xsig=SCORE_SIG if spec.switches else "",
-                max_page_size=MAX_PAGE_SIZE, **_layout_context(spec))
+                max_page_size=MAX_PAGE_SIZE, **_out_context(spec), **_layout_context(spec))
+
+
+def _out_context(spec: KernelSpec) -> dict:
+    """out's shape and allocation: q's, or with v's head dim where it differs (README "Serving")."""
+    if spec.head_dim_v == spec.head_dim:
+        return dict(out_shape="q.shape", new_out="_new_out(q)")
+    return dict(out_shape=f"(*q.shape[:-1], {spec.head_dim_v})",
+                new_out=f"q.new_empty((*q.shape[:-1], {spec.head_dim_v}))")
 
 
 # [Note] Layout arguments. The varlen and paged layouts ([Note] Layouts in triton/masks.j2) pass host ints and the

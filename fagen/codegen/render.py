@@ -75,7 +75,18 @@ def _context(spec: KernelSpec) -> dict:
     return dict(spec=spec, spec_json=spec.to_json(), version=__version__, max_seq_q=DECODE_MAX_SEQ_Q,
                 dot_precision=tables.DOT_KWARGS[spec.dtype], tma=tables.tma_loads(spec), gluon=defaults.GLUON_VARIANT,
                 xargs=SCORE_ARGS if spec.switches else "", xsig=SCORE_SIG if spec.switches else "",
-                max_page_size=MAX_PAGE_SIZE, **_out_context(spec), **_layout_context(spec))
+                max_page_size=MAX_PAGE_SIZE, **_out_context(spec), **_kv_context(spec), **_layout_context(spec))
+
+
+def _kv_context(spec: KernelSpec) -> dict:
+    """An fp8 cache's launch-form scale arguments ([Note] fp8 cache in triton/decode.py.j2): floats, and per-KV-head
+    tensors or None."""
+    if spec.kv_dtype is None:
+        return dict(kvargs="", kvsig="", kv_torch_dtype="")
+    return dict(kvargs=", k_scale, v_scale, k_scales, v_scales",
+                kvsig=", k_scale: float, v_scale: float, k_scales: Optional[torch.Tensor], "
+                      "v_scales: Optional[torch.Tensor]",
+                kv_torch_dtype=tables.TORCH_KV_DTYPE[spec.kv_dtype])
 
 
 def _out_context(spec: KernelSpec) -> dict:

@@ -411,6 +411,19 @@ def _load_rows(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.c
     return tile
 
 
+# [Note] Memory safety. Lengths, cu_seqlens and block tables are device values that only check=True reads on the
+# host, so the kernels trust none of them: whatever their values, every load and store stays inside the tensors the
+# launch was given. As FlashAttention does for its lengths, each program clamps its own scalars once, before any
+# loop: a padding length into [0, S] (S the tensor's rows), a cu_seqlens start into [0, total rows] and its end into
+# [start, total rows], a cached length into [0, the table's pages x page_size] (0 for an empty cache), and each
+# gathered page index into [0, num_pages - 1] (one min/max per key, beside the table load the gather already pays).
+# Every later bound (key ranges, masks, stores) derives from the clamped values, so a bad value can only change its
+# own sequence's result (unspecified for it, never a crash), never another sequence's rows. The backward's row
+# statistics have S_pad rows per head, so its dK/dV kernel also keeps len_q <= S_pad. Tree masks are read only at
+# nodes inside [0, Sq), parent pointers are clamped where the host expands them, and window extents are host ints,
+# checked and capped at UNBOUNDED. Tests: tests/test_fuzz_memory.py, scripts/gpu_memcheck_fuzz.py.
+
+
 @triton.jit
 def _fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, qk_scale,
                offs_m, offs_n, offs_d, lo, hi, len_q, len_k, seq_q, seq_k, off_b,
@@ -465,7 +478,9 @@ def _attn_fwd(Q, K, V, Out, Lse, SeqlensQ, SeqlensK, TreeMask, qk_scale,
     off_b = tl.program_id(2)
     off_hkv = off_h // GQA  # query head h reads KV head h // GQA
     len_q = tl.load(SeqlensQ + off_b)
+    len_q = tl.minimum(tl.maximum(len_q, 0), seq_q)  # [Note] Memory safety
     len_k = tl.load(SeqlensK + off_b)
+    len_k = tl.minimum(tl.maximum(len_k, 0), seq_k)  # [Note] Memory safety
     shift = len_k - len_q
 
     m0 = start_m * BLOCK_M
@@ -710,6 +725,7 @@ def _attn_bwd_preprocess(Out, DO, Lse, Delta, Lse2, SeqlensQ, stride_ob, stride_
     off_h = tl.program_id(1)
     off_b = tl.program_id(2)
     len_q = tl.load(SeqlensQ + off_b)
+    len_q = tl.minimum(tl.maximum(len_q, 0), seq_q)  # [Note] Memory safety
     rows = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     o = _load_rows(Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
@@ -799,7 +815,9 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, Lse2, Delta, SeqlensQ, SeqlensK, TreeMas
     off_hkv = tl.program_id(1)
     off_b = tl.program_id(2)
     len_q = tl.load(SeqlensQ + off_b)
+    len_q = tl.minimum(tl.maximum(len_q, 0), seq_q)  # [Note] Memory safety
     len_k = tl.load(SeqlensK + off_b)
+    len_k = tl.minimum(tl.maximum(len_k, 0), seq_k)  # [Note] Memory safety
     shift = len_k - len_q
 
     n0 = start_n * BLOCK_N
@@ -893,7 +911,9 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse2, Delta, SeqlensQ, SeqlensK, TreeMask, qk_
     off_b = tl.program_id(2)
     off_hkv = off_h // GQA  # query head h reads KV head h // GQA
     len_q = tl.load(SeqlensQ + off_b)
+    len_q = tl.minimum(tl.maximum(len_q, 0), seq_q)  # [Note] Memory safety
     len_k = tl.load(SeqlensK + off_b)
+    len_k = tl.minimum(tl.maximum(len_k, 0), seq_k)  # [Note] Memory safety
     shift = len_k - len_q
 
     m0 = start_m * BLOCK_M

@@ -178,8 +178,8 @@ def _check_mask_inputs(q, k, seqlens_q, seqlens_k, tree_mask, check=None):
 
 # [Note] Layout inputs (README "Layouts"). Shapes, dtypes and devices are host-only and always checked; the values of
 # cu_seqlens, seqlens_k and block_table are read only with check=True or FAGEN_CHECK=1 ([Note] Checks that read
-# device values), so that CUDA graphs capture. Unchecked, a cached length past the block table's pages is clamped to
-# them in the kernel; a page index outside the cache is the caller's to avoid.
+# device values), so that CUDA graphs capture. Unchecked, the kernels clamp lengths, cu_seqlens and page indices
+# ([Note] Memory safety in triton/masks.j2): a bad value changes only its own sequence's result.
 def _check_index(name, t, dims, device):
     """An index tensor of these dims on `device`, int32 or int64 ([Note] Index dtypes)."""
     if not isinstance(t, torch.Tensor):
@@ -462,6 +462,19 @@ def _load_rows(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.c
     return tile
 
 
+# [Note] Memory safety. Lengths, cu_seqlens and block tables are device values that only check=True reads on the
+# host, so the kernels trust none of them: whatever their values, every load and store stays inside the tensors the
+# launch was given. As FlashAttention does for its lengths, each program clamps its own scalars once, before any
+# loop: a padding length into [0, S] (S the tensor's rows), a cu_seqlens start into [0, total rows] and its end into
+# [start, total rows], a cached length into [0, the table's pages x page_size] (0 for an empty cache), and each
+# gathered page index into [0, num_pages - 1] (one min/max per key, beside the table load the gather already pays).
+# Every later bound (key ranges, masks, stores) derives from the clamped values, so a bad value can only change its
+# own sequence's result (unspecified for it, never a crash), never another sequence's rows. The backward's row
+# statistics have S_pad rows per head, so its dK/dV kernel also keeps len_q <= S_pad. Tree masks are read only at
+# nodes inside [0, Sq), parent pointers are clamped where the host expands them, and window extents are host ints,
+# checked and capped at UNBOUNDED. Tests: tests/test_fuzz_memory.py, scripts/gpu_memcheck_fuzz.py.
+
+
 @triton.jit
 def _fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, qk_scale,
                offs_m, offs_n, offs_d, lo, hi, len_q, len_k, seq_q, seq_k, off_b,
@@ -515,9 +528,13 @@ def _attn_fwd(Q, K, V, Out, Lse, SeqlensQ, SeqlensK, TreeMask, qk_scale,
     off_b = tl.program_id(2)
     off_hkv = off_h // GQA  # query head h reads KV head h // GQA
     q_row0 = tl.load(SeqlensQ + off_b)  # cu_seqlens_q ([Note] Layouts)
-    len_q = tl.load(SeqlensQ + off_b + 1) - q_row0
+    q_end = tl.load(SeqlensQ + off_b + 1)
+    q_row0 = tl.minimum(tl.maximum(q_row0, 0), seq_q)  # [Note] Memory safety: seq_q is the packed row count
+    len_q = tl.minimum(tl.maximum(q_end, q_row0), seq_q) - q_row0
     k_row0 = tl.load(SeqlensK + off_b)  # cu_seqlens_k
-    len_k = tl.load(SeqlensK + off_b + 1) - k_row0
+    k_end = tl.load(SeqlensK + off_b + 1)
+    k_row0 = tl.minimum(tl.maximum(k_row0, 0), seq_k)  # [Note] Memory safety: seq_k is the packed row count
+    len_k = tl.minimum(tl.maximum(k_end, k_row0), seq_k) - k_row0
 
     m0 = start_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -587,6 +604,7 @@ def _launch_forward(q, k, v, scale, seqlens_q, seqlens_k, tree, max_seqlen_q, ma
     result = out, lse
     q, k, v, out, lse, b, rows_q, sk, paging = _kernel_views(q, k, v, out, lse, seqlens_q, max_seqlen_q, max_seqlen_k)
     hq, sq = q.shape[1], q.shape[2]
+    sk = k.shape[2]  # the kernel's seq_k: the packed key rows, into which it clamps cu_seqlens_k ([Note] Memory safety)
     if b == 0 or rows_q == 0:
         return result
     copied = q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1
@@ -736,7 +754,9 @@ def _attn_bwd_preprocess(Out, DO, Lse, Delta, Lse2, SeqlensQ, stride_ob, stride_
     off_h = tl.program_id(1)
     off_b = tl.program_id(2)
     q_row0 = tl.load(SeqlensQ + off_b)  # cu_seqlens_q ([Note] Layouts)
-    len_q = tl.load(SeqlensQ + off_b + 1) - q_row0
+    q_end = tl.load(SeqlensQ + off_b + 1)
+    q_row0 = tl.minimum(tl.maximum(q_row0, 0), seq_q)  # [Note] Memory safety: seq_q is the packed row count
+    len_q = tl.minimum(tl.maximum(q_end, q_row0), seq_q) - q_row0
     rows = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     o = _load_rows(Out + q_row0.to(tl.int64) * stride_om + off_h.to(tl.int64) * stride_oh
@@ -825,10 +845,15 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, Lse2, Delta, SeqlensQ, SeqlensK, TreeMas
     off_hkv = tl.program_id(1)
     off_b = tl.program_id(2)
     q_row0 = tl.load(SeqlensQ + off_b)  # cu_seqlens_q ([Note] Layouts)
-    len_q = tl.load(SeqlensQ + off_b + 1) - q_row0
+    q_end = tl.load(SeqlensQ + off_b + 1)
+    q_row0 = tl.minimum(tl.maximum(q_row0, 0), seq_q)  # [Note] Memory safety: seq_q is the packed row count
+    len_q = tl.minimum(tl.maximum(q_end, q_row0), seq_q) - q_row0
     k_row0 = tl.load(SeqlensK + off_b)  # cu_seqlens_k
-    len_k = tl.load(SeqlensK + off_b + 1) - k_row0
+    k_end = tl.load(SeqlensK + off_b + 1)
+    k_row0 = tl.minimum(tl.maximum(k_row0, 0), seq_k)  # [Note] Memory safety: seq_k is the packed row count
+    len_k = tl.minimum(tl.maximum(k_end, k_row0), seq_k) - k_row0
 
+    len_q = tl.minimum(len_q, stride_sh)  # [Note] Memory safety: the row statistics hold S_pad rows per head
     n0 = start_n * BLOCK_N
     cols = n0 + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -916,9 +941,13 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse2, Delta, SeqlensQ, SeqlensK, TreeMask, qk_
     off_b = tl.program_id(2)
     off_hkv = off_h // GQA  # query head h reads KV head h // GQA
     q_row0 = tl.load(SeqlensQ + off_b)  # cu_seqlens_q ([Note] Layouts)
-    len_q = tl.load(SeqlensQ + off_b + 1) - q_row0
+    q_end = tl.load(SeqlensQ + off_b + 1)
+    q_row0 = tl.minimum(tl.maximum(q_row0, 0), seq_q)  # [Note] Memory safety: seq_q is the packed row count
+    len_q = tl.minimum(tl.maximum(q_end, q_row0), seq_q) - q_row0
     k_row0 = tl.load(SeqlensK + off_b)  # cu_seqlens_k
-    len_k = tl.load(SeqlensK + off_b + 1) - k_row0
+    k_end = tl.load(SeqlensK + off_b + 1)
+    k_row0 = tl.minimum(tl.maximum(k_row0, 0), seq_k)  # [Note] Memory safety: seq_k is the packed row count
+    len_k = tl.minimum(tl.maximum(k_end, k_row0), seq_k) - k_row0
 
     m0 = start_m * BLOCK_M
     rows = m0 + tl.arange(0, BLOCK_M)

@@ -181,8 +181,8 @@ def _check_mask_inputs(q, k, seqlens_q, seqlens_k, tree_mask, check=None):
 
 # [Note] Layout inputs (README "Layouts"). Shapes, dtypes and devices are host-only and always checked; the values of
 # cu_seqlens, seqlens_k and block_table are read only with check=True or FAGEN_CHECK=1 ([Note] Checks that read
-# device values), so that CUDA graphs capture. Unchecked, a cached length past the block table's pages is clamped to
-# them in the kernel; a page index outside the cache is the caller's to avoid.
+# device values), so that CUDA graphs capture. Unchecked, the kernels clamp lengths, cu_seqlens and page indices
+# ([Note] Memory safety in triton/masks.j2): a bad value changes only its own sequence's result.
 def _check_index(name, t, dims, device):
     """An index tensor of these dims on `device`, int32 or int64 ([Note] Index dtypes)."""
     if not isinstance(t, torch.Tensor):
@@ -261,7 +261,7 @@ def _kernel_views(q, k, v, out, lse, seqlens_q, block_table, max_seqlen_q):
     batch, rows_q = seqlens_q.shape[0] - 1, max_seqlen_q
     page_size = k.shape[1]
     k, v = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)  # [pages, kv heads, slots, D]: the page stride as batch stride
-    paging = (block_table, block_table.stride(0), page_size.bit_length() - 1)
+    paging = (block_table, block_table.stride(0), page_size.bit_length() - 1, k.shape[0])  # k.shape[0]: num_pages
     return q, k, v, out, lse, batch, rows_q, block_table.shape[1] * page_size, paging
 
 
@@ -470,8 +470,21 @@ def _load_rows(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.c
     return tile
 
 
+# [Note] Memory safety. Lengths, cu_seqlens and block tables are device values that only check=True reads on the
+# host, so the kernels trust none of them: whatever their values, every load and store stays inside the tensors the
+# launch was given. As FlashAttention does for its lengths, each program clamps its own scalars once, before any
+# loop: a padding length into [0, S] (S the tensor's rows), a cu_seqlens start into [0, total rows] and its end into
+# [start, total rows], a cached length into [0, the table's pages x page_size] (0 for an empty cache), and each
+# gathered page index into [0, num_pages - 1] (one min/max per key, beside the table load the gather already pays).
+# Every later bound (key ranges, masks, stores) derives from the clamped values, so a bad value can only change its
+# own sequence's result (unspecified for it, never a crash), never another sequence's rows. The backward's row
+# statistics have S_pad rows per head, so its dK/dV kernel also keeps len_q <= S_pad. Tree masks are read only at
+# nodes inside [0, Sq), parent pointers are clamped where the host expands them, and window extents are host ints,
+# checked and capped at UNBOUNDED. Tests: tests/test_fuzz_memory.py, scripts/gpu_memcheck_fuzz.py.
+
+
 @triton.jit
-def _fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, qk_scale, table, stride_kb, stride_vb, page_shift,
+def _fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, qk_scale, table, stride_kb, stride_vb, page_shift, num_pages,
                offs_m, offs_n, offs_d, lo, hi, len_q, len_k, seq_q, seq_k, off_b,
                SeqlensQ, SeqlensK, TreeMask, stride_tb, stride_tm,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -484,7 +497,8 @@ def _fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, qk_scale, t
             k = k_src.load([start_n, 0])
             v = v_src.load([start_n, 0])
         else:
-            page = tl.load(table + (cols >> page_shift), mask=cols < len_k, other=0).to(tl.int64)
+            page = tl.load(table + (cols >> page_shift), mask=cols < len_k, other=0)
+            page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)  # [Note] Memory safety
             slot = (cols & ((1 << page_shift) - 1)).to(tl.int64)
             k_rows = page * stride_kb + slot * stride_kn
             v_rows = page * stride_vb + slot * stride_vn
@@ -514,7 +528,7 @@ def _fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, qk_scale, t
 
 
 @triton.jit
-def _attn_fwd(Q, K, V, Out, Lse, SeqlensQ, SeqlensK, TreeMask, qk_scale, BlockTable, stride_btb, page_shift,
+def _attn_fwd(Q, K, V, Out, Lse, SeqlensQ, SeqlensK, TreeMask, qk_scale, BlockTable, stride_btb, page_shift, num_pages,
               stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
               stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
               stride_tb, stride_tm, num_heads, seq_q, seq_k,
@@ -532,8 +546,12 @@ def _attn_fwd(Q, K, V, Out, Lse, SeqlensQ, SeqlensK, TreeMask, qk_scale, BlockTa
     off_b = tl.program_id(2)
     off_hkv = off_h // GQA  # query head h reads KV head h // GQA
     q_row0 = tl.load(SeqlensQ + off_b)  # cu_seqlens_q ([Note] Layouts)
-    len_q = tl.load(SeqlensQ + off_b + 1) - q_row0
-    len_k = tl.minimum(tl.load(SeqlensK + off_b), seq_k)  # cached length, at most the table's pages
+    q_end = tl.load(SeqlensQ + off_b + 1)
+    q_row0 = tl.minimum(tl.maximum(q_row0, 0), seq_q)  # [Note] Memory safety: seq_q is the packed row count
+    len_q = tl.minimum(tl.maximum(q_end, q_row0), seq_q) - q_row0
+    len_k = tl.load(SeqlensK + off_b)  # the cached length
+    # [Note] Memory safety: at most the table's pages, and no key at all from an empty cache
+    len_k = tl.minimum(tl.maximum(len_k, 0), tl.where(num_pages > 0, seq_k, 0))
     shift = len_k - len_q
 
     m0 = start_m * BLOCK_M
@@ -570,11 +588,11 @@ def _attn_fwd(Q, K, V, Out, Lse, SeqlensQ, SeqlensK, TreeMask, qk_scale, BlockTa
     hi = tl.where(m0 < len_q, hi, 0)
     split = tl.minimum(split, hi)
 
-    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, qk_scale, table, stride_kb, stride_vb, page_shift,
+    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, qk_scale, table, stride_kb, stride_vb, page_shift, num_pages,
                                offs_m, offs_n, offs_d, 0, split, len_q, len_k, seq_q, seq_k, off_b,
                                SeqlensQ, SeqlensK, TreeMask, stride_tb, stride_tm,
                                HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, UPCAST, TMA)
-    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, qk_scale, table, stride_kb, stride_vb, page_shift,
+    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, qk_scale, table, stride_kb, stride_vb, page_shift, num_pages,
                                offs_m, offs_n, offs_d, split, hi, len_q, len_k, seq_q, seq_k, off_b,
                                SeqlensQ, SeqlensK, TreeMask, stride_tb, stride_tm,
                                HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, UPCAST, TMA)
@@ -688,7 +706,7 @@ AOT_KERNELS = [
                       "SeqlensQ": "*i32",
                       "SeqlensK": "*i32",
                       "TreeMask": "constexpr",
-                      "qk_scale": "fp32", "BlockTable": "*i32", "stride_btb": "i32", "page_shift": "i32", **{name: "i32" for name in _FWD_INTS},
+                      "qk_scale": "fp32", "BlockTable": "*i32", "stride_btb": "i32", "page_shift": "i32", "num_pages": "i32", **{name: "i32" for name in _FWD_INTS},
                       **{name: "constexpr" for name in ("HEAD_DIM", "BLOCK_D", "BLOCK_M", "BLOCK_N", "GQA", "UPCAST", "TMA")}},
         "constexprs": {
             "TreeMask": None,

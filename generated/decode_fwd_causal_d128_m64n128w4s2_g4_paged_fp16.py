@@ -183,8 +183,8 @@ def _check_mask_inputs(q, k, seqlens_q, seqlens_k, tree_mask, check=None):
 
 # [Note] Layout inputs (README "Layouts"). Shapes, dtypes and devices are host-only and always checked; the values of
 # cu_seqlens, seqlens_k and block_table are read only with check=True or FAGEN_CHECK=1 ([Note] Checks that read
-# device values), so that CUDA graphs capture. Unchecked, a cached length past the block table's pages is clamped to
-# them in the kernel; a page index outside the cache is the caller's to avoid.
+# device values), so that CUDA graphs capture. Unchecked, the kernels clamp lengths, cu_seqlens and page indices
+# ([Note] Memory safety in triton/masks.j2): a bad value changes only its own sequence's result.
 def _check_index(name, t, dims, device):
     """An index tensor of these dims on `device`, int32 or int64 ([Note] Index dtypes)."""
     if not isinstance(t, torch.Tensor):
@@ -260,7 +260,7 @@ def _kernel_views(q, k, v, out, lse, seqlens_q, block_table):
     batch, rows_q = q.shape[0], q.shape[2]
     page_size = k.shape[1]
     k, v = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)  # [pages, kv heads, slots, D]: the page stride as batch stride
-    paging = (block_table, block_table.stride(0), page_size.bit_length() - 1)
+    paging = (block_table, block_table.stride(0), page_size.bit_length() - 1, k.shape[0])  # k.shape[0]: num_pages
     return q, k, v, out, lse, batch, rows_q, block_table.shape[1] * page_size, paging
 
 
@@ -466,6 +466,19 @@ BROADCAST_MAX_ROWS = 2
 #   UPCAST     interpreter-only fp32 upcast of bf16 dot operands (see [Note] Interpreter upcast)
 
 
+# [Note] Memory safety. Lengths, cu_seqlens and block tables are device values that only check=True reads on the
+# host, so the kernels trust none of them: whatever their values, every load and store stays inside the tensors the
+# launch was given. As FlashAttention does for its lengths, each program clamps its own scalars once, before any
+# loop: a padding length into [0, S] (S the tensor's rows), a cu_seqlens start into [0, total rows] and its end into
+# [start, total rows], a cached length into [0, the table's pages x page_size] (0 for an empty cache), and each
+# gathered page index into [0, num_pages - 1] (one min/max per key, beside the table load the gather already pays).
+# Every later bound (key ranges, masks, stores) derives from the clamped values, so a bad value can only change its
+# own sequence's result (unspecified for it, never a crash), never another sequence's rows. The backward's row
+# statistics have S_pad rows per head, so its dK/dV kernel also keeps len_q <= S_pad. Tree masks are read only at
+# nodes inside [0, Sq), parent pointers are clamped where the host expands them, and window extents are host ints,
+# checked and capped at UNBOUNDED. Tests: tests/test_fuzz_memory.py, scripts/gpu_memcheck_fuzz.py.
+
+
 @triton.jit
 def _key_bounds(len_q, len_k, seq_q, seq_k):
     """(full_hi, kv_hi): every valid query row sees each key < full_hi; no row sees a key >= kv_hi."""
@@ -475,7 +488,7 @@ def _key_bounds(len_q, len_k, seq_q, seq_k):
 
 
 @triton.jit
-def _decode_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, qk_scale, table, stride_kb, stride_vb, page_shift, offs_i, offs_n, offs_d,
+def _decode_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, qk_scale, table, stride_kb, stride_vb, page_shift, num_pages, offs_i, offs_n, offs_d,
                   lo, hi, len_q, len_k, seq_q, seq_k, off_b, TreeMask, stride_tb, stride_tm,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                   MASKED: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr):
@@ -484,7 +497,8 @@ def _decode_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, qk_sca
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         # K/V rows are D contiguous elements: each [BLOCK_N, BLOCK_D] tile is one wide, coalesced load.
-        page = tl.load(table + (cols >> page_shift), mask=cols < len_k, other=0).to(tl.int64)
+        page = tl.load(table + (cols >> page_shift), mask=cols < len_k, other=0)
+        page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)  # [Note] Memory safety
         slot = (cols & ((1 << page_shift) - 1)).to(tl.int64)
         k_rows = page * stride_kb + slot * stride_kn
         v_rows = page * stride_vb + slot * stride_vn
@@ -531,7 +545,7 @@ def _decode_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, qk_sca
 
 
 @triton.jit
-def _decode_split(Q, K, V, Dst, DstLse, Out, Lse, Counter, SeqlensQ, SeqlensK, TreeMask, qk_scale, BlockTable, stride_btb, page_shift,
+def _decode_split(Q, K, V, Dst, DstLse, Out, Lse, Counter, SeqlensQ, SeqlensK, TreeMask, qk_scale, BlockTable, stride_btb, page_shift, num_pages,
                   stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                   stride_ds, stride_db, stride_dh, stride_dm, stride_ls, stride_lb, stride_lh,
                   stride_ob, stride_oh, stride_om, stride_eb, stride_eh,
@@ -551,7 +565,9 @@ def _decode_split(Q, K, V, Dst, DstLse, Out, Lse, Counter, SeqlensQ, SeqlensK, T
     tile = tl.program_id(1) % n_tiles
     off_b = tl.program_id(2)
     len_q = seq_q
-    len_k = tl.minimum(tl.load(SeqlensK + off_b), seq_k)  # cached length, at most the table's pages
+    len_k = tl.load(SeqlensK + off_b)  # the cached length
+    # [Note] Memory safety: at most the table's pages, and no key at all from an empty cache
+    len_k = tl.minimum(tl.maximum(len_k, 0), tl.where(num_pages > 0, seq_k, 0))
     shift = len_k - len_q
 
     full_hi, kv_hi = _key_bounds(len_q, len_k, seq_q, seq_k)
@@ -598,10 +614,10 @@ def _decode_split(Q, K, V, Dst, DstLse, Out, Lse, Counter, SeqlensQ, SeqlensK, T
     # Blocks wholly below full_hi are visible to every valid row and run unmasked; chunk is a multiple of
     # BLOCK_N, so every block starts inside this split and none reaches into the next one.
     mid = s0 + tl.maximum(tl.minimum(full_hi, hi) - s0, 0) // BLOCK_N * BLOCK_N
-    acc, m_i, l_i = _decode_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, qk_scale, table, stride_kb, stride_vb, page_shift, offs_i, offs_n,
+    acc, m_i, l_i = _decode_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, qk_scale, table, stride_kb, stride_vb, page_shift, num_pages, offs_i, offs_n,
                                   offs_d, s0, mid, len_q, len_k, seq_q, seq_k, off_b, TreeMask, stride_tb, stride_tm,
                                   HEAD_DIM, BLOCK_D, BLOCK_N, False, DOT, UPCAST)
-    acc, m_i, l_i = _decode_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, qk_scale, table, stride_kb, stride_vb, page_shift, offs_i, offs_n,
+    acc, m_i, l_i = _decode_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, qk_scale, table, stride_kb, stride_vb, page_shift, num_pages, offs_i, offs_n,
                                   offs_d, mid, hi, len_q, len_k, seq_q, seq_k, off_b, TreeMask, stride_tb, stride_tm,
                                   HEAD_DIM, BLOCK_D, BLOCK_N, True, DOT, UPCAST)
 

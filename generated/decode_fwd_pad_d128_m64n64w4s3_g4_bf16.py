@@ -395,6 +395,19 @@ BROADCAST_MAX_ROWS = 2
 #   UPCAST     interpreter-only fp32 upcast of bf16 dot operands (see [Note] Interpreter upcast)
 
 
+# [Note] Memory safety. Lengths, cu_seqlens and block tables are device values that only check=True reads on the
+# host, so the kernels trust none of them: whatever their values, every load and store stays inside the tensors the
+# launch was given. As FlashAttention does for its lengths, each program clamps its own scalars once, before any
+# loop: a padding length into [0, S] (S the tensor's rows), a cu_seqlens start into [0, total rows] and its end into
+# [start, total rows], a cached length into [0, the table's pages x page_size] (0 for an empty cache), and each
+# gathered page index into [0, num_pages - 1] (one min/max per key, beside the table load the gather already pays).
+# Every later bound (key ranges, masks, stores) derives from the clamped values, so a bad value can only change its
+# own sequence's result (unspecified for it, never a crash), never another sequence's rows. The backward's row
+# statistics have S_pad rows per head, so its dK/dV kernel also keeps len_q <= S_pad. Tree masks are read only at
+# nodes inside [0, Sq), parent pointers are clamped where the host expands them, and window extents are host ints,
+# checked and capped at UNBOUNDED. Tests: tests/test_fuzz_memory.py, scripts/gpu_memcheck_fuzz.py.
+
+
 @triton.jit
 def _key_bounds(len_q, len_k, seq_q, seq_k):
     """(full_hi, kv_hi): every valid query row sees each key < full_hi; no row sees a key >= kv_hi."""
@@ -473,7 +486,9 @@ def _decode_split(Q, K, V, Dst, DstLse, Out, Lse, Counter, SeqlensQ, SeqlensK, T
     tile = tl.program_id(1) % n_tiles
     off_b = tl.program_id(2)
     len_q = tl.load(SeqlensQ + off_b)
+    len_q = tl.minimum(tl.maximum(len_q, 0), seq_q)  # [Note] Memory safety
     len_k = tl.load(SeqlensK + off_b)
+    len_k = tl.minimum(tl.maximum(len_k, 0), seq_k)  # [Note] Memory safety
 
     full_hi, kv_hi = _key_bounds(len_q, len_k, seq_q, seq_k)
     s0 = split * chunk

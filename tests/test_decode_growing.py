@@ -10,6 +10,7 @@ import torch
 
 import fagen
 from test_launch import STEP_SPECS, FakeKernel, FakeTritonJIT, _raw_stream_of
+from _env import DEVICE
 
 
 class OneFunctionPerCompile(FakeTritonJIT):
@@ -80,13 +81,13 @@ def test_latency_suite_has_a_growing_row_and_one_summary_table():
     from fagen.bench import latency
 
     case = latency.LatencyCase("growing", 1, 4, 2, 1, 20, head_dim=16, mask="none", grow=True)
-    grow = latency.Growing(case, "cpu", torch.float32, 3)
+    grow = latency.Growing(case, DEVICE, torch.float32, 3)
     pairs = [next(grow) for _ in range(3)]
     assert [k.shape[2] for k, _ in pairs] == [20, 21, 22] and all(k.is_contiguous() for k, _ in pairs)
     assert pairs[1][0].stride(1) == 21 * 16  # strides follow the length, as after torch.cat
     lines = []
     fixed = latency.LatencyCase("fixed", 1, 4, 2, 1, 20, head_dim=16, mask="none")
-    records = latency.run("cpu", torch.float32, calls=2, rounds=1, log=lines.append, cases=(fixed, case))
+    records = latency.run(DEVICE, torch.float32, calls=2, rounds=1, log=lines.append, cases=(fixed, case))
     assert {r["impl"] for r in records if r["case"] == "growing"} == {"fagen.attention", "fagen module.forward", "sdpa"}
     table = lines[lines.index(next(x for x in lines if x.startswith("us per call"))):]
     assert [row.split()[0] for row in table[2:]] == ["fixed", "growing"] and table[1].split()[-1] == "attention/sdpa"

@@ -6,7 +6,7 @@ import torch
 import fagen
 from fagen.runtime.resolve import AttentionError
 
-from _env import DEVICE
+from _env import DEVICE, ON_GPU
 
 
 def _dense(sq=5, sk=7, d=16, requires_grad=False):
@@ -158,6 +158,7 @@ def test_int64_values_past_int32_are_refused_with_check_not_wrapped():
 
 
 # -- fagen bench --suite cp ----------------------------------------------------------------------------------------
+@pytest.mark.skipif(ON_GPU, reason="--device cpu in a process that already runs compiled kernels is refused there")
 def test_bench_cp_passes_device_quick_dtype_on(monkeypatch):
     """`fagen bench --suite cp` hands --device, --quick, --dtype (and the shape flags) to the ranks' command line."""
     from click.testing import CliRunner
@@ -214,6 +215,7 @@ def test_the_user_table_lives_in_the_cache_root_and_wins_over_the_shipped_one(ow
     assert tuned.lookup(64, "causal", "fp16", "fwd", "prefill", path=tuned.TUNED_PATH)["block_n"] == 32
 
 
+@pytest.mark.skipif(ON_GPU, reason="the CPU's refusal to tune is what this checks")
 def test_tune_defaults_to_the_user_table_and_says_so(own_tables, tmp_path):
     from click.testing import CliRunner
 

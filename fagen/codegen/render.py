@@ -18,7 +18,7 @@ import jinja2
 from fagen import __version__
 from fagen.spec import defaults, tables, targets
 from fagen.spec.axes import DECODE_MAX_SEQ_Q, MAX_PAGE_SIZE, DType, Kind, Layout, Mask
-from fagen.spec.kernel import KernelSpec
+from fagen.spec.kernel import KernelSpec, SpecError
 
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"  # fagen/templates, installed with the package
 
@@ -128,8 +128,8 @@ def _layout_context(spec: KernelSpec) -> dict:
                 layout_ctx="".join(", ctx." + n for n in names), layout_none=", None" * len(names),
                 largs="".join(", " + n for n in names), lsig="".join(f", {n}: {_LAYOUT_TYPES[n]}" for n in names),
                 # the kernels' page arguments: the top-level kernel's, and the inner loops' (this sequence's row)
-                xkpg=", BlockTable, stride_btb, page_shift" if paged else "",
-                xpg=", table, stride_kb, stride_vb, page_shift" if paged else "")
+                xkpg=", BlockTable, stride_btb, page_shift, num_pages" if paged else "",
+                xpg=", table, stride_kb, stride_vb, page_shift, num_pages" if paged else "")
 
 
 # [Note] Score arguments. A spec with any score switch threads these launch-form values through its launch
@@ -172,6 +172,9 @@ def render(spec: KernelSpec) -> Rendered:
     """
     if not isinstance(spec, KernelSpec):
         raise TypeError(f"render() takes a KernelSpec, got {type(spec).__name__}")
+    if spec.modded:  # the spec and the fagen.mods front end exist; no template emits a mod yet
+        raise SpecError("score_mod" if spec.score_mod else "mask_mod", spec.score_mod or spec.mask_mod,
+                        "user mods are not rendered into kernels yet (docs/mods.md)")
     root = template_dir()
     return _render(spec, root, _stamp(root))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from fagen.spec.axes import Mask
+from fagen.verify.mods_reference import mask_mod_visible, score_mod_scores
 
 
 def ancestors_from_parents(parents: torch.Tensor) -> torch.Tensor:
@@ -85,8 +86,8 @@ def dequantize(cache: torch.Tensor, scale, head_dim_axis: int = 1) -> torch.Tens
 
 
 def attention(q, k, v, *, mask: Mask | str = Mask.NONE, scale=None, seqlens_q=None, seqlens_k=None,
-              tree_mask=None, window=None, softcap=None, alibi_slopes=None, sinks=None, k_scale=None, v_scale=None,
-              batch_invariant=None):
+              tree_mask=None, window=None, softcap=None, alibi_slopes=None, sinks=None, score_mod=None,
+              mask_mod=None, k_scale=None, v_scale=None, batch_invariant=None):
     """(out, lse) in float64 for the fagen contract; differentiable (autograd gives the reference gradients,
     the sinks' included when `sinks` requires grad).
 
@@ -98,6 +99,9 @@ def attention(q, k, v, *, mask: Mask | str = Mask.NONE, scale=None, seqlens_q=No
     Scores, in FlashAttention-2's order: s = scale * q.k; softcap: s = cap * tanh(s / cap); ALiBi:
     s -= slope[h] * |j - i_aligned|; then the mask (and the window). A sink adds exp(sink[h]) to each valid row's
     softmax denominator: lse includes it, and a valid row that sees no key gets out = 0 and lse = sink[h].
+    User mods (FlexAttention's signatures, run as written on float64 scores and int64 index tensors) come after
+    the switches: s = score_mod(s, b, h, q_idx, kv_idx); mask_mod(b, h, q_idx, kv_idx) is ANDed with the mask, and
+    a score the mod sets to -inf is masked too.
     Rows that see no key (and have no sink), and padding rows, give out = 0 and lse = -inf. Keys that no query sees are zeroed first, so garbage
     (even NaN) in padding never reaches a valid output. No exp() ever sees -inf - -inf, so gradients stay finite.
     """
@@ -120,6 +124,11 @@ def attention(q, k, v, *, mask: Mask | str = Mask.NONE, scale=None, seqlens_q=No
                 - aligned_rows(b, sq, sk, seqlens_q, seqlens_k, q.device)).abs().unsqueeze(1)  # [B, 1, Sq, Sk]
         s = s - alibi_slopes.double().view(1, -1, 1, 1) * dist
     vis = vis.expand(b, hq, sq, sk)
+    if score_mod is not None:
+        s = score_mod_scores(score_mod, s)
+        vis = vis & ~torch.isneginf(s)
+    if mask_mod is not None:
+        vis = vis & mask_mod_visible(mask_mod, b, hq, sq, sk, q.device)
     if sinks is not None:  # one more column per row: the sink logit, seen by every valid (non-padding) row
         rows_ok = torch.arange(sq, device=q.device).view(1, 1, -1, 1)
         rows_ok = rows_ok < (seqlens_q.to(q.device).long().view(-1, 1, 1, 1) if seqlens_q is not None else sq)

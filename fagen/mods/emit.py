@@ -1,0 +1,144 @@
+"""Emit a mod's tree as Triton expression code. Only the tree is printed: names come from the kernel's own
+mapping, numbers are formatted here, and nothing of the user's text reaches the source.
+
+A kernel that uses mods pastes TRITON_HELPERS once at module level (after `import triton.language as tl`) and
+calls `to_triton(tree, names)` wherever it needs the value.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+from fagen.mods import ir
+
+# [Note] Index clamping.
+# A captured tensor's element is read at indices that user values computed (positions, document ids, lengths).
+# No value may make a kernel read outside the tensor, so every index goes through _mod_index: a negative index
+# counts from the end as in torch (i + size for -size <= i < 0), and what is still outside [0, size - 1] is
+# clamped into it. Wherever torch's own indexing is defined the kernel reads the same element; where torch
+# would raise IndexError (i >= size or i < -size) the kernel reads the nearest end's element. The offsets are
+# int64, so a tensor of more than 2**31 elements is addressed correctly.
+#
+# [Note] Floor division.
+# Python's and torch's `//` and `%` on ints round toward -inf; Triton's follow C on the GPU (toward zero). The
+# helpers correct the C result with the remainder r = a - (a // b) * b: when r is nonzero and its sign differs
+# from b's, the quotient was rounded up. The correction is a no-op where `//` already floors, so the same code is
+# right on both (the interpreter's numpy ops floor). Division by zero is outside the contract.
+TRITON_HELPERS = '''
+@triton.jit
+def _mod_floordiv(a, b):
+    """Python's a // b on ints (see [Note] Floor division in fagen/mods/emit.py)."""
+    q = a // b
+    r = a - q * b
+    return q - ((r != 0) & ((r < 0) != (b < 0))).to(q.dtype)
+
+
+@triton.jit
+def _mod_floormod(a, b):
+    """Python's a % b on ints: the sign of b."""
+    r = a - (a // b) * b
+    return r + tl.where((r != 0) & ((r < 0) != (b < 0)), b, 0)
+
+
+@triton.jit
+def _mod_tanh(x):
+    """tanh from exp2, exact to fp32 rounding at both tails."""
+    return 1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)  # 2 / ln 2
+
+
+@triton.jit
+def _mod_index(i, size):
+    """A captured tensor's index, as torch reads it, clamped into [0, size - 1] (see [Note] Index clamping)."""
+    i = tl.where(i < 0, i + size, i)
+    return tl.minimum(tl.maximum(i, 0), size - 1).to(tl.int64)
+'''
+
+
+class TensorRef(NamedTuple):
+    """How a kernel names one captured tensor: its pointer, one stride and one size per dimension."""
+    ptr: str
+    strides: tuple[str, ...]
+    sizes: tuple[str, ...]
+
+
+_TL = {ir.INT: "tl.int32", ir.FLOAT: "tl.float32"}
+_FN = {"exp": "tl.exp", "exp2": "tl.math.exp2", "log": "tl.log", "tanh": "_mod_tanh", "sigmoid": "tl.sigmoid",
+       "sqrt": "tl.sqrt", "abs": "tl.abs"}
+_NAN = "propagate_nan=tl.PropagateNan.ALL"  # torch.minimum/maximum propagate NaN; Triton's default would not
+
+
+def _const(value) -> str:
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, int):
+        return str(value)
+    if math.isinf(value):
+        return 'float("inf")' if value > 0 else '(-float("inf"))'
+    return repr(value)
+
+
+def to_triton(tree: ir.Node, names: dict) -> str:
+    """Triton source for the tree's value. names: each input ("score", "b", "h", "q_idx", "kv_idx") and scalar
+    the tree uses -> a Triton expression (already broadcast as the kernel needs); each tensor -> a TensorRef."""
+
+    def as_type(node: ir.Node, want: str) -> str:
+        code = emit(node)
+        if node.type == want or (isinstance(node, ir.Const) and node.type != ir.BOOL):
+            return code  # Python numbers take the tensor operand's type in Triton
+        return f"({code}).to({_TL[want]})"
+
+    def emit(n: ir.Node) -> str:
+        if isinstance(n, (ir.Input, ir.Scalar)):
+            if n.name not in names:
+                raise KeyError(f"to_triton: no kernel name given for {n.name!r}")
+            return f"({names[n.name]})"
+        if isinstance(n, ir.Const):
+            return _const(n.value)
+        if isinstance(n, ir.Load):
+            return load(n)
+        if isinstance(n, ir.Where):
+            return f"tl.where({emit(n.cond)}, {as_type(n.a, n.type)}, {as_type(n.b, n.type)})"
+        if isinstance(n, ir.Clamp):
+            x, lo, hi = (as_type(c, n.type) for c in (n.x, n.lo, n.hi))
+            return f"tl.minimum(tl.maximum({x}, {lo}, {_NAN}), {hi}, {_NAN})"
+        if isinstance(n, ir.Unary):
+            if n.op == "neg":
+                return f"(-{emit(n.x)})"
+            if n.op == "invert":
+                return f"({emit(n.x)} == 0)" if n.type == ir.BOOL else f"(~{emit(n.x)})"
+            return f"{_FN[n.op]}({as_type(n.x, n.type)})"
+        return binary(n)
+
+    def binary(n: ir.Binary) -> str:
+        if n.op in ir.COMPARE:
+            common = ir.FLOAT if ir.FLOAT in (n.a.type, n.b.type) else ir.INT
+            same = n.a.type == n.b.type
+            a, b = (emit(n.a), emit(n.b)) if same else (as_type(n.a, common), as_type(n.b, common))
+            return f"({a} {n.op} {b})"
+        want = ir.FLOAT if n.op == "/" else n.type
+        a, b = as_type(n.a, want), as_type(n.b, want)
+        if n.op in ir.MINMAX:
+            return f"tl.{n.op}({a}, {b}, {_NAN})"
+        if n.type == ir.FLOAT and n.op == "//":
+            return f"tl.floor({a} / {b})"
+        if n.type == ir.FLOAT and n.op == "%":  # torch.remainder: a - b * floor(a / b)
+            return f"({a} - {b} * tl.floor({a} / {b}))"
+        if n.op == "//":
+            return f"_mod_floordiv({a}, {b})"
+        if n.op == "%":
+            return f"_mod_floormod({a}, {b})"
+        return f"({a} {n.op} {b})"
+
+    def load(n: ir.Load) -> str:
+        ref = names.get(n.name)
+        if not isinstance(ref, TensorRef) or len(ref.strides) != len(n.index) or len(ref.sizes) != len(n.index):
+            raise KeyError(f"to_triton: tensor {n.name!r} needs a TensorRef with {len(n.index)} strides and sizes")
+        offset = " + ".join(f"_mod_index({emit(i)}, {size}) * {stride}"
+                            for i, size, stride in zip(n.index, ref.sizes, ref.strides))
+        value = f"tl.load({ref.ptr}{' + ' + offset if offset else ''})"
+        if n.type == ir.BOOL:
+            return f"({value} != 0)"
+        return f"{value}.to({_TL[n.type]})"
+
+    return emit(tree)

@@ -1,0 +1,355 @@
+"""Bad-value fuzz of every kernel kind ([Note] Memory safety in fagen/templates/triton/masks.j2).
+
+Lengths, cu_seqlens, page indices, tree parents and window extents that no check read (check=False), negative and
+huge, against every layout (dense padding, varlen, paged) x kind (prefill, decode) x direction (fwd, bwd). Each case
+is a call with one bad value, checked against one good call of its group: the bad call returns, nothing is NaN
+outside the bad sequence, and every other sequence's out/lse (and dq/dk/dv) is bitwise the good call's. After a
+group's bad calls a good call must still give the same bits (no state, such as decode's split counters, is left
+broken), and check=True must still raise InputError. Unchecked bad values may give their own sequence any result.
+
+    compute-sanitizer --tool memcheck --error-exitcode 1 python scripts/gpu_memcheck_fuzz.py      (an H100: 0 errors)
+    python scripts/gpu_memcheck_fuzz.py --device cpu --group varlen        (tests/test_fuzz_memory.py, interpreter)
+
+Covers the Triton backend (prefill fwd/bwd, decode, varlen, paged) and, on a GPU with nvcc, the CUDA backend's
+padding forward. Prints one line per case and a summary (also to $OUT/gpu_memcheck_fuzz.log when OUT is set);
+exits 1 if a case failed.
+"""
+import argparse
+import os
+import random
+import sys
+
+ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+ap.add_argument("--group", action="append", help="run only these groups (default: all)")
+ap.add_argument("--seed", type=int, default=0, help="seed of the random bad values drawn beside the fixed ones")
+args = ap.parse_args()
+if args.device == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+else:
+    # Every tensor its own cudaMalloc: inside the caching allocator's 2 MB segments an overrun past a small tensor
+    # reads memory that memcheck counts as allocated, and would go unreported.
+    os.environ.setdefault("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+
+import fagen  # noqa: E402
+
+DEV = args.device
+GPU = DEV == "cuda"
+DT = torch.float16 if GPU else torch.float32
+D = 64 if GPU else 16
+# Small tiles on the interpreter (several blocks per sequence); the default tiles (the ones users run) on a GPU.
+TILES = {} if GPU else dict(block_m=16, block_n=16, num_warps=1, num_stages=1)
+DTILES = {} if GPU else dict(block_n=16)
+# Sequence 1 holds the bad value; the CPU runs two sequences (so it is the last: an overrun leaves the tensor) and
+# two query heads, the GPU three and four.
+NB, HQ = (3, 4) if GPU else (2, 2)
+HKV = HQ // 2
+OTHER = torch.tensor([b for b in range(NB) if b != 1], device=DEV)  # the sequences that must not change
+I32_MAX, I32_MIN = 2**31 - 1, -2**31
+RNG = random.Random(args.seed)
+FAILED, RAN, LOG = [], [], []
+
+
+def say(line):
+    LOG.append(line)
+    print(line, flush=True)
+
+
+def spec(**kw):
+    tiles = DTILES if kw.get("kind") == "decode" else TILES
+    return fagen.KernelSpec(head_dim=D, gqa=2, dtype="fp16" if GPU else "fp32", **tiles, **kw)
+
+
+def i32(*values):
+    return torch.tensor(values, dtype=torch.int32, device=DEV)
+
+
+def randn(*shape):
+    return torch.randn(*shape, device=DEV, dtype=DT)
+
+
+def bad_ints(limit):
+    """Fixed bad values for something that must lie in [0, limit], and some drawn at random (fewer on the CPU,
+    where the interpreter runs each case in about a second)."""
+    fixed = [limit + 1, 100000, -1, I32_MAX, I32_MIN] + ([99, -5] if GPU else [])
+    return fixed + [RNG.randint(I32_MIN, I32_MAX) for _ in range(3 if GPU else 1)]
+
+
+def same(name, good, bad, where):
+    """good and bad tensors agree bitwise on the index `where` (the sequences the bad value does not belong to)."""
+    g, b = good[where], bad[where]
+    if torch.isnan(b).any():
+        return f"{name}: NaN outside the bad sequence"
+    if not torch.equal(g, b):
+        return f"{name}: another sequence changed (max diff {(g.float() - b.float()).abs().max().item():.3g})"
+    return None
+
+
+def report(name, problems):
+    RAN.append(name)
+    if problems:
+        FAILED.append(name)
+        say(f"FAIL {name}: {'; '.join(problems)}")
+    else:
+        say(f"ok   {name}")
+
+
+def case(name, run, compare, good):
+    """run() -> dict of tensors with the bad value; compare: [(key, index)] that must equal `good` (the same run
+    with good values) bitwise; [] checks only that the call returns."""
+    try:
+        bad = run()
+        if GPU:
+            torch.cuda.synchronize()
+        problems = [p for p in (same(key, good[key], bad[key], where) for key, where in compare) if p]
+    except Exception as e:  # noqa: BLE001 - a case that raises is a failed case, reported on its line
+        problems = [f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"]
+    report(name, problems)
+
+
+def still_good(name, run, good):
+    """After the bad calls, a good call gives the first good call's bits: no state (decode's split counters) broke."""
+    again = run()
+    report(f"{name}: a good call after the bad ones is unchanged",
+           [p for p in (same(key, good[key], again[key], (slice(None),)) for key in good) if p])
+
+
+def refused(name, call, what):
+    """check=True must raise the module's InputError naming `what`."""
+    try:
+        call()
+        problem = "no error"
+    except ValueError as e:
+        problem = None if type(e).__name__ == "InputError" and what in str(e) else f"{type(e).__name__}: {e}"
+    report(name, [f"not refused ({problem})"] if problem else [])
+
+
+def group_padding():
+    """Dense padding masks: bad seqlens_k / seqlens_q of sequence 1, prefill fwd + bwd and decode (split merge)."""
+    sq, sk = (37, 45) if GPU else (20, 23)
+    q, k, v = randn(NB, HQ, sq, D), randn(NB, HKV, sk, D), randn(NB, HKV, sk, D)
+    do = randn(NB, HQ, sq, D)
+    other = (OTHER,)
+    m = fagen.load(spec(mask="causal+padding", direction="bwd"))
+
+    def prefill(lq, lk):
+        lq, lk = i32(*lq), i32(*lk)
+        out, lse = m.forward(q, k, v, seqlens_q=lq, seqlens_k=lk, check=False)
+        dq, dk, dv = m.backward(do, q, k, v, out, lse, seqlens_q=lq, seqlens_k=lk, check=False)
+        return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+
+    lens_q, lens_k = [sq, 11, sq - 3][:NB], [sk, 13, sk - 1][:NB]
+    good = prefill(lens_q, lens_k)
+    for which, values in (("k", bad_ints(sk)), ("q", bad_ints(sq)[:4])):
+        for value in values:
+            lq, lk = list(lens_q), list(lens_k)
+            (lk if which == "k" else lq)[1] = value
+            case(f"padding prefill fwd+bwd seqlens_{which}[1]={value}", lambda: prefill(lq, lk),
+                 [(key, other) for key in ("out", "lse", "dq", "dk", "dv")], good)
+    still_good("padding prefill", lambda: prefill(lens_q, lens_k), good)
+    refused("padding check=True refuses seqlens_k past Sk",
+            lambda: m.forward(q, k, v, seqlens_q=i32(*lens_q), seqlens_k=i32(*[sk, sk + 1, 3][:NB]), check=True),
+            "seqlens_k")
+
+    dec = fagen.load(spec(mask="padding", kind="decode"))
+    qd = randn(NB, HQ, 3, D)
+    dq_lens = [3, 2, 3][:NB]
+
+    def decode(lq, lk):
+        lq, lk = i32(*lq), i32(*lk)
+        out, lse = dec.forward_split(qd, k, v, num_splits=3, seqlens_q=lq, seqlens_k=lk, check=False)
+        one, lse1 = dec.forward(qd, k, v, seqlens_q=lq, seqlens_k=lk, check=False)
+        return dict(out=out, lse=lse, out1=one, lse1=lse1)
+
+    good = decode(dq_lens, lens_k)
+    for which, values in (("k", bad_ints(sk)), ("q", [4, 100000, -1, I32_MIN])):
+        for value in values:
+            lq, lk = list(dq_lens), list(lens_k)
+            (lk if which == "k" else lq)[1] = value
+            case(f"padding decode (3 splits, and 1) seqlens_{which}[1]={value}", lambda: decode(lq, lk),
+                 [(key, other) for key in good], good)
+    still_good("padding decode", lambda: decode(dq_lens, lens_k), good)
+
+    if GPU:
+        try:
+            cu = fagen.load(fagen.KernelSpec(head_dim=D, mask="padding", backend="cuda", dtype="fp16"))
+        except Exception as e:  # noqa: BLE001 - no nvcc on this machine: say so and go on
+            say(f"skip the CUDA backend: {type(e).__name__}: {str(e).splitlines()[0]}")
+            return
+        qc, kc, vc = randn(NB, 2, sq, D), randn(NB, 2, sk, D), randn(NB, 2, sk, D)
+
+        def cuda(lk):
+            out, lse = cu.forward(qc, kc, vc, seqlens_q=i32(*lens_q), seqlens_k=i32(*lk), check=False)
+            return dict(out=out, lse=lse)
+
+        good = cuda(lens_k)
+        for value in bad_ints(sk):
+            case(f"padding cuda backend seqlens_k[1]={value}", lambda: cuda([sk, value, sk - 1]),
+                 [("out", other), ("lse", other)], good)
+
+
+def group_varlen():
+    """Packed sequences: cu_seqlens past the rows, decreasing, huge; fwd + bwd. Sequence 0 (rows 0..9 of q, 0..11
+    of k) must not change unless a decreasing cu_seqlens makes another sequence's rows cover it."""
+    tq, tk = 30, 34
+    q, k, v = randn(tq, HQ, D), randn(tk, HKV, D), randn(tk, HKV, D)
+    do = randn(tq, HQ, D)
+    good_q, good_k = [0, 10, 10, 30], [0, 12, 12, 34]
+    m = fagen.load(spec(mask="causal", direction="bwd", layout="varlen"))
+
+    def run(cq, ck):
+        kw = dict(cu_seqlens_q=i32(*cq), cu_seqlens_k=i32(*ck), max_seqlen_q=30, max_seqlen_k=34, check=False)
+        out, lse = m.forward(q, k, v, **kw)
+        dq, dk, dv = m.backward(do, q, k, v, out, lse, **kw)
+        return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+
+    good = run(good_q, good_k)
+    rows_q, rows_k = (slice(0, 10),), (slice(0, 12),)
+    seq0 = [("out", rows_q), ("lse", (slice(None), slice(0, 10))), ("dq", rows_q), ("dk", rows_k), ("dv", rows_k)]
+    cases = [([0, 10, 10, 40], None), ([0, 10, 10, I32_MAX], None), ([0, 10, 30, 10], None),
+             (None, [0, 12, 12, 100000]), (None, [0, 12, 40, 34]), ([0, 10, 10, 40], [0, 12, 12, 40]),
+             ([0, 10, RNG.randint(10, 2**20), RNG.randint(I32_MIN, I32_MAX)], None),
+             ([0, 10, 25, I32_MIN], [0, 12, 12, -3]),  # decreasing: the last sequence is empty
+             ([0, 10, -5, 30], [0, 12, 2, 34])]  # decreasing: sequence 2's clamped rows cover sequence 0's
+    for cq, ck in cases:
+        overlap = min((cq or good_q)[2:]) < 10 or min((ck or good_k)[2:]) < 12
+        name = f"varlen fwd+bwd cu_seqlens_q={cq or good_q} cu_seqlens_k={ck or good_k}"
+        case(name + (" (rows overlap sequence 0: returns)" if overlap else ""),
+             lambda: run(cq or good_q, ck or good_k), [] if overlap else seq0, good)
+    still_good("varlen", lambda: run(good_q, good_k), good)
+    refused("varlen check=True refuses cu_seqlens past the rows",
+            lambda: m.forward(q, k, v, cu_seqlens_q=i32(0, 10, 10, 40), cu_seqlens_k=i32(*good_k), max_seqlen_q=30,
+                              max_seqlen_k=34, check=True), "cu_seqlens_q")
+
+
+def group_paged():
+    """Paged KV caches: block_table entries outside the cache and cached lengths past the table, for decode (plain,
+    split, tree) and prefill; sequence 1 holds the bad value, sequences 0 and 2 must not change."""
+    pages, page, width = 16, 4, 5
+    kc, vc = randn(pages, page, HKV, D), randn(pages, page, HKV, D)
+    table = [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9], [10, 11, 12, 13, 14]][:NB]
+    lens = [20, 17, 13][:NB]
+    other = (OTHER,)
+    qd = randn(NB, HQ, 2, D)
+    dec = fagen.load(spec(mask="causal", kind="decode", layout="paged"))
+    tree = fagen.load(spec(mask="tree", kind="decode", layout="paged"))
+    parents = i32(*[-1, 0] * NB).view(NB, 2)
+    pre = fagen.load(spec(mask="causal", layout="paged"))
+    qp = randn(3 * NB, HQ, D)
+    cu_q = [0, 3, 6, 9][:NB + 1]
+    not_seq1 = torch.tensor([0, 1, 2, 6, 7, 8][:3 * NB - 3], device=DEV)
+
+    def inputs(what, value):
+        t, n = [list(r) for r in table], list(lens)
+        if what == "block_table[1][2]":
+            t[1][2] = value
+        elif what == "seqlens_k[1]":
+            n[1] = value
+        return torch.tensor(t, dtype=torch.int32, device=DEV), i32(*n)
+
+    def decode(what=None, value=None):
+        t, n = inputs(what, value)
+        out, lse = dec.forward(qd, kc, vc, block_table=t, seqlens_k=n, check=False)
+        out3, lse3 = dec.forward_split(qd, kc, vc, num_splits=3, block_table=t, seqlens_k=n, check=False)
+        outt, lset = tree.forward(qd, kc, vc, block_table=t, seqlens_k=n, tree_mask=parents, check=False)
+        return dict(out=out, lse=lse, out3=out3, lse3=lse3, outt=outt, lset=lset)
+
+    def prefill(what=None, value=None, cu=cu_q):
+        t, n = inputs(what, value)
+        out, lse = pre.forward(qp, kc, vc, cu_seqlens_q=i32(*cu), max_seqlen_q=3, block_table=t, seqlens_k=n,
+                               check=False)
+        return dict(out=out, lse=lse)
+
+    good_d, good_p = decode(), prefill()
+    bad_pages = [100000, -1, pages, I32_MIN] + ([-7, I32_MAX] if GPU else []) + [RNG.randint(pages, I32_MAX)]
+    variants = [("block_table[1][2]", p) for p in bad_pages] + [("seqlens_k[1]", n) for n in bad_ints(width * page)]
+    for what, value in variants:
+        case(f"paged decode (plain, 3 splits, tree) {what}={value}", lambda: decode(what, value),
+             [(key, other) for key in good_d], good_d)
+        case(f"paged prefill {what}={value}", lambda: prefill(what, value),
+             [("out", (not_seq1,)), ("lse", (slice(None), not_seq1))], good_p)
+    for cu in ([0, 3, 100000, 9], [0, 3, 6, I32_MAX], [0, 3, 9, 5], [0, 3, -1, 9]):
+        cu = cu[:NB + 1]
+        case(f"paged prefill cu_seqlens_q={cu}", lambda: prefill(cu=cu),
+             [("out", (slice(0, 3),)), ("lse", (slice(None), slice(0, 3)))], good_p)
+    still_good("paged decode", decode, good_d)
+    still_good("paged prefill", prefill, good_p)
+    empty = kc[:0]  # a cache of 0 pages (a view: a real, non-null address)
+    t = torch.tensor(table, dtype=torch.int32, device=DEV)
+    out, lse = dec.forward(qd, empty, empty, block_table=t, seqlens_k=i32(*lens), check=False)
+    report("paged decode from an empty cache (0 pages): every row sees nothing",
+           [] if not out.any() and bool((lse == -float("inf")).all()) else ["rows saw keys of an empty cache"])
+    bad_table = t.clone()
+    bad_table[1, 2] = 100000
+    refused("paged check=True refuses a page outside the cache",
+            lambda: dec.forward(qd, kc, vc, block_table=bad_table, seqlens_k=i32(*lens), check=True), "block_table")
+
+
+def group_tree():
+    """Tree masks: parent pointers out of range, pointing forward, huge; bool masks that are not trees."""
+    sq, sk = 20, 29
+    q, k, v = randn(NB, HQ, sq, D), randn(NB, HKV, sk, D), randn(NB, HKV, sk, D)
+    do = randn(NB, HQ, sq, D)
+    m = fagen.load(spec(mask="tree", direction="bwd"))
+    parents = torch.tensor([[-1] + [i // 2 for i in range(sq - 1)]] * NB, dtype=torch.int32, device=DEV)
+    other = (OTHER,)
+
+    def run(tree):
+        out, lse = m.forward(q, k, v, tree_mask=tree, check=False)
+        dq, dk, dv = m.backward(do, q, k, v, out, lse, tree_mask=tree, check=False)
+        return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+
+    good = run(parents)
+    for value in (100000, -7, 5, I32_MIN) + ((sq, I32_MAX) if GPU else ()):
+        bad = parents.clone()
+        bad[1, 5] = bad[1, 0] = value
+        case(f"tree prefill fwd+bwd parents[1][0, 5]={value}", lambda: run(bad),
+             [(key, other) for key in good], good)
+    noise = m.tree_mask_from_parents(parents, check=False)
+    noise[1] = torch.rand(sq, sq, device=DEV) < 0.5
+    case("tree prefill fwd+bwd with a bool mask of noise in sequence 1", lambda: run(noise),
+         [(key, other) for key in good], good)
+    bad = parents.clone()
+    bad[1, 3] = 100000
+    refused("tree check=True refuses a parent after its child",
+            lambda: m.forward(q, k, v, tree_mask=bad, check=True), "tree parents")
+
+
+def group_window():
+    """Window extents are host ints: negative ones are refused always; huge ones act as unbounded (no overflow).
+    With a bad padding length in sequence 1 and a sink of +inf on head 1."""
+    sq, sk = 20, 23
+    q, k, v = randn(2, HQ, sq, D), randn(2, HKV, sk, D), randn(2, HKV, sk, D)
+    lq, lk = i32(sq, 11), i32(sk, 100000)
+    m = fagen.load(spec(mask="causal+padding", window=True, sinks=True))
+    sinks = torch.tensor([0.5, float("inf"), -1.0, 2.0][:HQ], device=DEV)
+    dec = fagen.load(spec(mask="causal", kind="decode", window=True))
+    qd = randn(2, HQ, 3, D)
+
+    def run(window):
+        out, lse = m.forward(q, k, v, seqlens_q=lq, seqlens_k=lk, window=window, sinks=sinks, check=False)
+        outd, lsed = dec.forward_split(qd, k, v, num_splits=3, window=window, check=False)
+        return dict(out=out, lse=lse, outd=outd, lsed=lsed)
+
+    for window, same_as in (((2**40, 2**40), (None, None)), ((I32_MAX, 0), (None, 0)), ((2**62, None), (None, None))):
+        case(f"window={window} acts as {same_as}", lambda: run(window),
+             [("out", (slice(0, 1),)), ("lse", (slice(0, 1),)), ("outd", (slice(None),)), ("lsed", (slice(None),))],
+             run(same_as))
+    refused("window (-1, 0) is refused", lambda: m.forward(q, k, v, seqlens_q=lq, seqlens_k=lk, window=(-1, 0),
+                                                           sinks=sinks), "window")
+
+
+GROUPS = {"padding": group_padding, "varlen": group_varlen, "paged": group_paged, "tree": group_tree,
+          "window": group_window}
+
+torch.manual_seed(args.seed)
+for name in args.group or GROUPS:
+    GROUPS[name]()
+say(f"summary: {len(RAN)} cases, {len(FAILED)} failed on {DEV}" + (f": {FAILED}" if FAILED else ""))
+if os.environ.get("OUT"):
+    with open(os.path.join(os.environ["OUT"], "gpu_memcheck_fuzz.log"), "w") as f:
+        f.write("\n".join(LOG) + "\n")
+sys.exit(1 if FAILED else 0)

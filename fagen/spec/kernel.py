@@ -132,8 +132,8 @@ class KernelSpec:
         elif self.backend is Backend.GLUON:
             config = defaults.gluon_default_config(self.head_dim)
         else:
-            config = defaults.default_config(max(self.head_dim, self.head_dim_v), self.dtype, self.direction, self.kind, mask=self.mask,
-                                             layout=self.layout, window=self.window)
+            config = defaults.default_config(max(self.head_dim, self.head_dim_v), self.dtype, self.direction,
+                                             self.kind, mask=self.mask, layout=self.layout, window=self.window)
         for name, allowed, desc in (
             ("block_m", BLOCK_SIZES, "must be a power of two from 16 to 256"),
             ("block_n", BLOCK_SIZES, "must be a power of two from 16 to 256"),

@@ -213,6 +213,31 @@ def invariance():
         guarded("invariant", case, "fagen")(run)
 
 
+def invariant_chunks():
+    """The invariant rule's smallest chunk (module.INVARIANT_MIN_CHUNK, read at each call): GB/s per choice at b1 and
+    b32, beside the default split rule, to pick the constant ([Note] Batch-invariant splits)."""
+    spec = fagen.KernelSpec(head_dim=128, gqa=4, dtype="bf16", kind="decode")
+    m = fagen.load(spec)
+    default = m.INVARIANT_MIN_CHUNK
+    for b, sk in ((1, 4096), (1, 32768), (32, 4096), (32, 32768)):
+        case = f"d128 h32/8 b{b} kv{sk // 1024}k"
+
+        def run():
+            q, k, v, _ = decode_inputs(b, 32, 8, sk, 128, 128, None)
+            read = k.numel() * 2 * 2
+            base = bench(lambda: m.forward(q, k, v))
+            row("chunks", case, "split rule", read / base / 1e6, "GB/s", base)
+            for chunk in (128, 256, 512, 1024, 2048):
+                m.INVARIANT_MIN_CHUNK = chunk
+                ms = bench(lambda: m.forward(q, k, v, batch_invariant=True))
+                row("chunks", case, f"invariant min {chunk}", read / ms / 1e6, "GB/s", ms,
+                    f"cost {100 * (ms / base - 1):+.1f}%")
+        try:
+            guarded("chunks", case, "fagen")(run)
+        finally:
+            m.INVARIANT_MIN_CHUNK = default
+
+
 def table() -> str:
     lines = ["| section | case | impl | value | ms | note |", "|---|---|---|---|---|---|"]
     for r in ROWS:
@@ -226,7 +251,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("gpu_serving.py needs a CUDA GPU")
     log(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  fagen {fagen.__file__}")
-    for part in (mla_prefill, fp8_decode, invariance):
+    for part in (mla_prefill, fp8_decode, invariance, invariant_chunks):
         part()
     text = table()
     print("\n" + text)

@@ -3,6 +3,7 @@ backward against SDPA (cuDNN) and FlexAttention, fp8 against bf16 KV-cache decod
 and the cost of batch-invariant decode at b1 and b32 (with a bitwise alone-vs-batch check at realistic sizes).
 
     python scripts/gpu_serving.py            # about 3 minutes on an H100; prints a table, logs to $OUT if set
+    GPU_SERVING_DRY=1 python scripts/gpu_serving.py   # the same code on the CPU interpreter at tiny shapes
 
 Every timed kernel is first checked against the float64 reference on a slice (one batch entry, one KV group).
 """
@@ -15,16 +16,22 @@ import sys
 import time
 import traceback
 
-import torch
-import torch.nn.functional as F
-from triton.testing import do_bench
+DRY = os.environ.get("GPU_SERVING_DRY") == "1"  # a CPU rehearsal: tiny shapes, one timed call each
+if DRY:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import fagen
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+import fagen  # noqa: E402
 from fagen.verify import reference
 from fagen.verify.tolerances import TOLERANCE, compare
 from fagen.spec.axes import DType
 
-DEV = "cuda"
+DEV = "cpu" if DRY else "cuda"
+S = (lambda n: max(32, n // 128)) if DRY else (lambda n: n)  # sequence lengths
+B = (lambda n: min(n, 2)) if DRY else (lambda n: n)  # batch sizes
 ROWS: list[dict] = []
 T0 = time.time()
 
@@ -34,6 +41,10 @@ def log(msg: str) -> None:
 
 
 def bench(fn, rep=200) -> float:
+    if DRY:
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
     return do_bench(fn, warmup=25, rep=rep)  # ms, median
 
 
@@ -57,6 +68,7 @@ def guarded(section: str, case: str, impl: str):
 
 # -- MLA prefill -------------------------------------------------------------------------------------------------
 def mla_prefill(b=4, h=16, s=4096, d=192, dv=128):
+    b, h, s = B(b), min(h, 2) if DRY else h, S(s)
     flops_fwd = 2 * (d + dv) * h * b * s * s / 2  # causal, Sq == Sk: half the pairs
     gen = torch.Generator(device=DEV).manual_seed(0)
     q = torch.randn(b, h, s, d, device=DEV, generator=gen).mul(3).bfloat16()
@@ -150,7 +162,7 @@ def check_decode(m, q, k, v, kw):
 
 
 def copy_bandwidth() -> float:
-    x = torch.empty(1 << 30, dtype=torch.uint8, device=DEV)
+    x = torch.empty(1 << (20 if DRY else 30), dtype=torch.uint8, device=DEV)
     y = torch.empty_like(x)
     ms = bench(lambda: y.copy_(x))
     return 2 * x.numel() / ms / 1e6
@@ -160,8 +172,9 @@ def fp8_decode():
     peak = copy_bandwidth()
     row("fp8", "device copy (read + write)", "torch copy_", peak, "GB/s", None)
     for b, sk in ((32, 8192), (8, 32768), (128, 4096)):
+        b, sk = B(b), S(sk)
         for kv in (None, "fp8_e4m3", "fp8_e5m2"):
-            case = f"d128 h32/8 b{b} kv{sk // 1024}k"
+            case = f"d128 h32/8 b{b} kv{sk}"
             impl = f"fagen {kv or 'bf16'}"
 
             def run():
@@ -180,7 +193,8 @@ def fp8_decode():
 # -- batch-invariant decode -------------------------------------------------------------------------------------
 def invariance():
     for b, sk in ((1, 4096), (1, 32768), (32, 4096), (32, 32768), (128, 8192)):
-        case = f"d128 h32/8 b{b} kv{sk // 1024}k"
+        b, sk = B(b), S(sk)
+        case = f"d128 h32/8 b{b} kv{sk}"
 
         def run():
             spec = fagen.KernelSpec(head_dim=128, gqa=4, dtype="bf16", kind="decode", mask="padding")
@@ -220,7 +234,8 @@ def invariant_chunks():
     m = fagen.load(spec)
     default = m.INVARIANT_MIN_CHUNK
     for b, sk in ((1, 4096), (1, 32768), (32, 4096), (32, 32768)):
-        case = f"d128 h32/8 b{b} kv{sk // 1024}k"
+        b, sk = B(b), S(sk)
+        case = f"d128 h32/8 b{b} kv{sk}"
 
         def run():
             q, k, v, _ = decode_inputs(b, 32, 8, sk, 128, 128, None)
@@ -248,9 +263,9 @@ def table() -> str:
 
 
 def main() -> None:
-    if not torch.cuda.is_available():
-        sys.exit("gpu_serving.py needs a CUDA GPU")
-    log(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  fagen {fagen.__file__}")
+    if not torch.cuda.is_available() and not DRY:
+        sys.exit("gpu_serving.py needs a CUDA GPU (GPU_SERVING_DRY=1 rehearses it on the CPU)")
+    log(f"{'CPU rehearsal' if DRY else torch.cuda.get_device_name()}  torch {torch.__version__}  fagen {fagen.__file__}")
     for part in (mla_prefill, fp8_decode, invariance, invariant_chunks):
         part()
     text = table()

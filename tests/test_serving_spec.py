@@ -103,3 +103,19 @@ def test_problems_draw_fp8_caches_and_v_head_dims():
             assert isinstance(kw["k_scale"], float) and isinstance(kw["v_scale"], float)
         assert Problem.from_json(Problem(batch=1, heads_kv=1, seq_q=1, seq_k=1, kv_scales=scales).to_json()) \
             .kv_scales == scales
+
+
+def test_serving_bench_rows_build_their_specs_and_count_bytes_read():
+    from fagen.bench.serving import serving_rows
+    from fagen.bench.workloads import fwd_flops, kv_bytes
+
+    rows = {c.name: c for c in serving_rows()}
+    for case in rows.values():
+        spec, _ = case.spec("cpu")
+        assert spec.head_dim_v == case.head_dim_v and (spec.kv_dtype is not None) == (case.kv_dtype is not None)
+    bf16, fp8 = rows["decode-d128-kv8k-b32-splits" if "decode-d128-kv8k-b32-splits" in rows else
+                     "decode-d128-kv4k-b32-splits"], rows["decode-d128-kv8k-b32-fp8"]
+    per_key = lambda c: kv_bytes(c) / (c.batch * c.seq_k)  # noqa: E731
+    assert per_key(fp8) * 2 == per_key(bf16)  # one byte an element read, against two
+    mla = rows["fwd-mla-d192v128-causal-s4k"]
+    assert fwd_flops(mla) == 2 * (192 + 128) * 16 * 4 * 4096 * 4096 / 2

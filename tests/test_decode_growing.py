@@ -80,14 +80,19 @@ def test_latency_suite_has_a_growing_row_and_one_summary_table():
     """`fagen bench --suite latency`'s growing case: every call gets the next length; one table closes the run."""
     from fagen.bench import latency
 
-    case = latency.LatencyCase("growing", 1, 4, 2, 1, 20, head_dim=16, mask="none", grow=True)
+    case = latency.LatencyCase("fixed-growing", 1, 4, 2, 1, 20, head_dim=16, mask="none", grow=True)
     grow = latency.Growing(case, DEVICE, torch.float32, 3)
     pairs = [next(grow) for _ in range(3)]
     assert [k.shape[2] for k, _ in pairs] == [20, 21, 22] and all(k.is_contiguous() for k, _ in pairs)
     assert pairs[1][0].stride(1) == 21 * 16  # strides follow the length, as after torch.cat
     lines = []
-    fixed = latency.LatencyCase("fixed", 1, 4, 2, 1, 20, head_dim=16, mask="none")
+    fixed = latency.LatencyCase("fixed", 1, 4, 2, 1, 20, head_dim=16, mask="none")  # the twin of "fixed-growing"
     records = latency.run(DEVICE, torch.float32, calls=2, rounds=1, log=lines.append, cases=(fixed, case))
-    assert {r["impl"] for r in records if r["case"] == "growing"} == {"fagen.attention", "fagen module.forward", "sdpa"}
+    assert {r["impl"] for r in records if r["case"] == "fixed-growing"} == {"fagen.attention", "fagen module.forward",
+                                                                              "sdpa"}
     table = lines[lines.index(next(x for x in lines if x.startswith("us per call"))):]
-    assert [row.split()[0] for row in table[2:]] == ["fixed", "growing"] and table[1].split()[-1] == "attention/sdpa"
+    assert [row.split()[0] for row in table[2:]] == ["fixed", "fixed-growing"]
+    assert table[1].split()[-3:] == ["attention/sdpa", "attention/fixed-shape", "sdpa"]
+    us = {(r["case"], r["impl"]): r["us_per_call"] for r in records}
+    twin = us["fixed-growing", "fagen.attention"] / us["fixed", "sdpa"]  # the growing row against its fixed twin's SDPA
+    assert table[3].split()[-1] == f"{twin:.2f}x"

@@ -166,13 +166,18 @@ def summary(records: list[dict]) -> list[str]:
     cases = list(dict.fromkeys(r["case"] for r in rows))
     cell = {(r["case"], r["impl"]): r for r in rows}
     width = max(len(c) for c in cases) if cases else 4
-    lines = ["us per call (median of the rounds); the last column: fagen.attention / sdpa",
-             f"{'case':<{width}}  " + "  ".join(f"{i:>{max(10, len(i))}}" for i in impls) + "  attention/sdpa"]
+    lines = ["us per call (median of the rounds); the last columns: fagen.attention / sdpa on the same calls, and on "
+             "a growing row / sdpa's fixed-shape row (what a step costs SDPA when its shape repeats)",
+             f"{'case':<{width}}  " + "  ".join(f"{i:>{max(10, len(i))}}" for i in impls)
+             + "  attention/sdpa  attention/fixed-shape sdpa"]
     for case in cases:
         values = [f"{cell[case, i]['us_per_call']:>{max(10, len(i))}.2f}" if (case, i) in cell
                   else f"{'-':>{max(10, len(i))}}" for i in impls]
-        ratio = cell[case, "fagen.attention"]["vs_sdpa"] if (case, "fagen.attention") in cell else float("nan")
-        lines.append(f"{case:<{width}}  " + "  ".join(values) + f"  {ratio:13.2f}x")
+        mine = cell.get((case, "fagen.attention"))
+        ratio = mine["vs_sdpa"] if mine else float("nan")
+        fixed = cell.get((case.replace("-growing", "").replace("+", ""), "sdpa"))  # the growing case's fixed twin
+        vs_fixed = mine["us_per_call"] / fixed["us_per_call"] if mine and fixed else float("nan")
+        lines.append(f"{case:<{width}}  " + "  ".join(values) + f"  {ratio:13.2f}x  {vs_fixed:25.2f}x")
     return lines
 
 

@@ -95,6 +95,10 @@ def verify_command(ctx, spec_file, spec_files, manifest, examples, seed, time_bu
 
     device = pick_device(device)
     scale = scale or ("gpu" if device == "cuda" else "cpu")
+    if any(str(s.dtype) == "fp8_e4m3" for s in specs):
+        raise click.UsageError("dtype 'fp8_e4m3': fagen verify draws fp16/bf16/fp32 inputs and has no fp8 properties "
+                               "yet; check the fp8 forward with `python scripts/gpu_fp8.py` on an H100/H200 (README "
+                               "\"fp8 forward\")")
     if device == "cpu" and any(s.backend is Backend.GLUON for s in specs):
         raise click.UsageError("backend 'gluon' kernels run on an sm_90 GPU only (Gluon has no interpreter): verify "
                                "them with --device cuda on an H100/H200; `python -m pytest tests/test_hopper_compile.py` "

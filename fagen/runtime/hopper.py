@@ -16,6 +16,8 @@ inputs' device: by fagen.attention (fagen/runtime/resolve.py) when no gradient i
     measured +9% over the Triton one (window 4096 at s32k, d128 bf16, MHA: 540 vs 497 TF/s, same run;
     docs/hopper.md, "Score switches in the forward"). Not the softcap (470 vs 477 TF/s, a tie lost), not window
     with softcap (not measured), never ALiBi or sinks (the gluon forward has neither).
+fp8 (dtype fp8_e4m3) has no other kernel: an fp8 case within the gluon forward's limits (prefill forward, head_dim
+64/128, mask none/causal, no switch or the window alone) is always the gluon one on sm_90 (README "fp8 forward").
 Everywhere else the present kernels serve, unchanged. fagen.attention also asks for a problem of at least MIN_WORK
 (batch x query heads x Sq x Sk, with Sk bounded by a window's left + right + 1) pairs: the Gluon module's host path builds four TMA descriptors and goes through
 the JIT dispatch on every call (about 200 us on the H100, against about 70 us for the Triton forward with fast
@@ -42,6 +44,7 @@ SELECTED_HEAD_DIMS = (128,)
 SELECTED_DTYPES = (DType.BF16,)
 SELECTED_MASKS = (Mask.NONE, Mask.CAUSAL)
 SELECTED_SWITCHES = (("window",), Mask.CAUSAL)  # the one switch set selected, and its mask (any gqa)
+FP8_HEAD_DIMS = (64, 128)  # fp8: every case the gluon forward has (no other fp8 kernel)
 
 
 def enabled() -> bool:
@@ -84,6 +87,9 @@ def is_hopper(device) -> bool:
 
 def selected(spec: KernelSpec) -> bool:
     """Whether the measured rule picks the gluon forward for the case of `spec` (machine not considered)."""
+    if spec.dtype is DType.FP8_E4M3:  # the only fp8 kernel: selected wherever it exists
+        return (spec.kind is Kind.PREFILL and spec.direction is Direction.FWD and spec.head_dim in FP8_HEAD_DIMS
+                and spec.mask in SELECTED_MASKS and spec.switches in ((), ("window", )))
     if not (spec.kind is Kind.PREFILL and spec.direction is Direction.FWD and spec.head_dim in SELECTED_HEAD_DIMS
             and spec.dtype in SELECTED_DTYPES):
         return False
@@ -103,6 +109,9 @@ def forward_spec(spec: KernelSpec, device) -> KernelSpec | None:
 
     `spec` may be a bwd spec (fagen.attention's): only its case (head_dim, mask, dtype, gqa) is read.
     """
+    if spec.dtype is DType.FP8_E4M3:  # no Triton fp8 kernel to keep: $FAGEN_HOPPER does not apply
+        fp8 = gluon_twin(spec)
+        return fp8 if selected(fp8) and is_hopper(device) and gluon_missing() is None else None
     case = KernelSpec(head_dim=spec.head_dim, mask=spec.mask, gqa=spec.gqa, dtype=spec.dtype, kind=spec.kind,
                       **{name: True for name in spec.switches})
     if not (enabled() and selected(case) and is_hopper(device) and gluon_missing() is None):

@@ -36,10 +36,16 @@ class DType(_Axis):
     FP16 = "fp16"
     BF16 = "bf16"
     FP32 = "fp32"
+    FP8_E4M3 = "fp8_e4m3"  # q, k, v in float8 e4m3 with run-time descales; the sm_90 gluon forward only
 
     @property
     def itemsize(self) -> int:
-        return 4 if self is DType.FP32 else 2
+        return {DType.FP32: 4, DType.FP8_E4M3: 1}.get(self, 2)
+
+    @classmethod
+    def portable(cls) -> tuple[DType, ...]:
+        """The dtypes every backend and kind computes in: all but fp8 (README "fp8 forward")."""
+        return tuple(d for d in cls if d is not DType.FP8_E4M3)
 
 
 class Direction(_Axis):

@@ -106,8 +106,8 @@ GLUON_SUPPORTED = {
                             "wgmma N tile); use backend 'triton' for other head dims"),
     "mask": ((Mask.NONE, Mask.CAUSAL), "the gluon backend supports masks 'none' and 'causal'; use backend "
                                        "'triton' for padding and tree masks"),
-    "dtype": ((DType.FP16, DType.BF16), "the gluon backend computes fp16 and bf16 on tensor cores; use backend "
-                                        "'triton' for fp32"),
+    "dtype": ((DType.FP16, DType.BF16, DType.FP8_E4M3), "the gluon backend computes fp16, bf16 and fp8_e4m3 on "
+                                                        "tensor cores; use backend 'triton' for fp32"),
     "direction": ((Direction.FWD,), "the gluon backend has the forward only; use backend 'triton' for bwd"),
     "block_m": ((128,), "the gluon backend takes block_m 128: two consumer warpgroups of 64 rows"),
     "block_n": ((64, 128), "the gluon backend supports block_n 64 or 128 (a TMA box side is a power of two)"),
@@ -119,12 +119,15 @@ GLUON_SUPPORTED = {
 GLUON_SWITCHES = ("window", "softcap")
 
 
-def gluon_default_config(head_dim: int) -> dict:
+def gluon_default_config(head_dim: int, dtype: DType = DType.BF16) -> dict:
     """Blocks, warps and stages of a gluon spec that leaves them unset: the measured default (docs/hopper.md).
 
     d128: 2 K/V slots, all that fits beside Q (two buffers per warpgroup) and O (H100: 630 TF/s full, 568 causal
-    at s16k bf16); d64: 3 slots.
+    at s16k bf16); d64: 3 slots. fp8: half the bytes per slot, so 4 slots at either head dim (d128: 193 KB;
+    not yet measured against 2 or 3: docs/hopper.md, "fp8 forward").
     """
+    if dtype is DType.FP8_E4M3:
+        return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 4}
     return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2 if head_dim >= 128 else 3}
 
 # The gluon forward's register budgets (setmaxnreg): 240 per consumer thread, 24 for the producer (docs/hopper.md,

@@ -123,6 +123,8 @@ class KernelSpec:
             put("mod_tensors", tuple(tuple(t) for t in tensors)), put("mod_scalars", tuple(tuple(x) for x in scalars))
             if self.backend is not Backend.TRITON:
                 raise SpecError("backend", str(self.backend), "user mods are built on backend 'triton'")
+        if self.dtype is DType.FP8_E4M3:
+            self._check_fp8()
         if (self.backend, self.kind) not in tables.TEMPLATE:
             have = ", ".join(f"{b}/{k}" for b, k in tables.TEMPLATE)
             raise SpecError("backend", f"{self.backend}/{self.kind}",
@@ -130,7 +132,7 @@ class KernelSpec:
         if self.backend is Backend.CUDA:
             config = defaults.cuda_default_config(self.head_dim, self.dtype, self.direction, self.kind)
         elif self.backend is Backend.GLUON:
-            config = defaults.gluon_default_config(self.head_dim)
+            config = defaults.gluon_default_config(self.head_dim, self.dtype)
         else:
             config = defaults.default_config(max(self.head_dim, self.head_dim_v), self.dtype, self.direction,
                                              self.kind, mask=self.mask, layout=self.layout, window=self.window)
@@ -197,10 +199,30 @@ class KernelSpec:
         if self.kind is not Kind.DECODE:
             raise SpecError("kv_dtype", str(self.kv_dtype), "an fp8 KV cache is read by decode kernels: use kind "
                                                             "'decode', or leave kv_dtype out")
-        if self.dtype is DType.FP32:
+        if self.dtype not in (DType.FP16, DType.BF16):
             raise SpecError("dtype", str(self.dtype), f"kv_dtype {self.kv_dtype} serves fp16 and bf16 queries "
                                                       "(the cache converts to the query's type exactly); use "
                                                       "dtype 'bf16' or 'fp16'")
+
+    def _check_fp8(self) -> None:
+        """fp8 (e4m3) is the sm_90 gluon prefill forward's alone (README "fp8 forward"); the message names the field."""
+        fix = "or use dtype 'bf16'"
+        if self.backend is not Backend.GLUON:
+            raise SpecError("backend", str(self.backend), "dtype 'fp8_e4m3' runs on backend 'gluon' only (the sm_90 "
+                                                          f"forward): set backend 'gluon', {fix}")
+        if self.kind is not Kind.PREFILL:
+            raise SpecError("kind", str(self.kind), f"dtype 'fp8_e4m3' is a prefill forward: use kind 'prefill', {fix}")
+        if self.direction is not Direction.FWD:
+            raise SpecError("direction", str(self.direction),
+                            f"dtype 'fp8_e4m3' has a forward only: use direction 'fwd', {fix} for a backward")
+        if self.softcap:
+            raise SpecError("softcap", True, f"the fp8 forward takes the window switch only: drop softcap, {fix}")
+        if self.head_dim not in (64, 128):
+            raise SpecError("head_dim", self.head_dim, f"the fp8 forward supports head_dim 64 or 128, {fix} (backend "
+                                                       "'triton' takes any head dim)")
+        if self.mask not in (Mask.NONE, Mask.CAUSAL):
+            raise SpecError("mask", str(self.mask), f"the fp8 forward supports masks 'none' and 'causal', {fix} "
+                                                    "(backend 'triton' takes every mask)")
 
     @property
     def packed_q(self) -> bool:

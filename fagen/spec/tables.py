@@ -14,7 +14,7 @@ MASK_SHORT = {
 }
 
 # The torch dtype a generated module expects: getattr(torch, name); "torch." + name in source text.
-TORCH_DTYPE = {DType.FP16: "float16", DType.BF16: "bfloat16", DType.FP32: "float32"}
+TORCH_DTYPE = {DType.FP16: "float16", DType.BF16: "bfloat16", DType.FP32: "float32", DType.FP8_E4M3: "float8_e4m3fn"}
 
 # The torch dtype of an fp8 KV cache (kv_dtype), and its short name in variant names (``..._bf16_kve4m3``).
 TORCH_KV_DTYPE = {KVDType.FP8_E4M3: "float8_e4m3fn", KVDType.FP8_E5M2: "float8_e5m2"}
@@ -24,7 +24,7 @@ KV_SHORT = {KVDType.FP8_E4M3: "kve4m3", KVDType.FP8_E5M2: "kve5m2"}
 CUDA_DTYPE = {DType.FP16: "half", DType.BF16: "__nv_bfloat16", DType.FP32: "float"}
 
 # Extra tl.dot arguments: fp32 specs compute in full fp32 ("ieee"), never tf32.
-DOT_KWARGS = {DType.FP16: "", DType.BF16: "", DType.FP32: ', input_precision="ieee"'}
+DOT_KWARGS = {DType.FP16: "", DType.BF16: "", DType.FP32: ', input_precision="ieee"', DType.FP8_E4M3: ""}
 
 
 def tma_loads(spec) -> bool:

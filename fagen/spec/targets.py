@@ -73,14 +73,15 @@ def triton_smem_bytes(spec) -> int:
     return tiles * d * spec.dtype.itemsize
 
 
-def gluon_smem_bytes(head_dim: int, block_m: int, block_n: int, num_stages: int) -> int:
+def gluon_smem_bytes(head_dim: int, block_m: int, block_n: int, num_stages: int, itemsize: int = 2) -> int:
     """Shared memory of the Gluon (Hopper) forward (fagen/templates/gluon/attention.py.j2, [Note] Roles).
 
     A program owns block_m query rows, block_m / 2 per consumer warpgroup. Each warpgroup has two Q buffers and
     one O staging buffer; the K/V ring holds num_stages K and V tiles of block_n rows; 2 bytes an element, plus
-    1 KB for the mbarriers and triton's scratch. d128 m128 n128 s2: 230,400 bytes (compiled: 229,752)."""
+    1 KB for the mbarriers and triton's scratch. d128 m128 n128 s2: 230,400 bytes (compiled: 229,752). fp8
+    (itemsize 1): Q and K/V at 1 byte, O still 2 (bf16/fp16 out)."""
     half = block_m // 2
-    return 2 * (2 * 3 * half + 2 * num_stages * block_n) * head_dim + 1024
+    return (itemsize * (2 * 2 * half + 2 * num_stages * block_n) + 2 * 2 * half) * head_dim + 1024
 
 
 def smem_bytes(spec) -> int:
@@ -88,5 +89,5 @@ def smem_bytes(spec) -> int:
     if spec.backend is Backend.CUDA:
         return cuda_smem_bytes(spec.head_dim, spec.dtype, spec.block_m, spec.block_n, spec.num_stages)
     if spec.backend is Backend.GLUON:
-        return gluon_smem_bytes(spec.head_dim, spec.block_m, spec.block_n, spec.num_stages)
+        return gluon_smem_bytes(spec.head_dim, spec.block_m, spec.block_n, spec.num_stages, spec.dtype.itemsize)
     return triton_smem_bytes(spec)

@@ -139,7 +139,7 @@ class Problem:
         return tuple(t.to(dtype).to(device) for t in (q, k, v)), kwargs
 
 
-def specs(masks=tuple(Mask), dtypes=tuple(DType), directions=(Direction.FWD,), head_dims=CPU_HEAD_DIMS,
+def specs(masks=tuple(Mask), dtypes=DType.portable(), directions=(Direction.FWD,), head_dims=CPU_HEAD_DIMS,
           gqas=(1, 2, 4), blocks=(16, 32), kinds=(Kind.PREFILL,), window=(False,), softcap=(False,),
           alibi=(False,), sinks=(False,)) -> st.SearchStrategy[KernelSpec]:
     """Valid specs. On the CPU keep blocks small so short sequences still span several blocks.

@@ -1,0 +1,192 @@
+"""The fp8 (e4m3) Gluon forward on any machine: its spec limits, the module it renders, its host checks (descales,
+out_dtype, the V transpose). The sm_90 build is in test_fp8_compile.py; the kernel against float64 on an H100 in
+scripts/gpu_fp8.py and the GPU test at the end here."""
+
+import inspect
+
+import pytest
+import torch
+
+import fagen
+from fagen.runtime import hopper
+from fagen.spec import targets
+from fagen.spec.axes import DType
+from fagen.spec.kernel import KernelSpec, SpecError
+
+E4M3 = torch.float8_e4m3fn
+from _env import ON_GPU
+
+ON_HOPPER = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
+
+
+def fp8(**fields) -> KernelSpec:
+    return KernelSpec(**{"backend": "gluon", "head_dim": 128, "dtype": "fp8_e4m3", **fields})
+
+
+# -- the spec ------------------------------------------------------------------------------------------------
+def test_fp8_spec_defaults_name_and_round_trip():
+    s = fp8(mask="causal", gqa=4)
+    assert (s.block_m, s.block_n, s.num_warps, s.num_stages) == (128, 128, 8, 4)
+    assert s.name == "attn_fwd_causal_d128_m128n128w8s4_g4_fp8_e4m3_gluon"
+    assert KernelSpec.from_json(s.to_json()) == s and s.dtype is DType.FP8_E4M3
+    assert fp8(head_dim=64, window=True).switches == ("window", )
+    assert DType.FP8_E4M3 not in DType.portable() and DType.FP8_E4M3.itemsize == 1
+
+
+@pytest.mark.parametrize("fields,field,words", [
+    (dict(backend="triton"), "backend", "backend 'gluon'"),
+    (dict(backend="cuda"), "backend", "backend 'gluon'"),
+    (dict(kind="decode"), "kind", "kind 'prefill'"),
+    (dict(direction="bwd"), "direction", "direction 'fwd'"),
+    (dict(mask="causal", softcap=True), "softcap", "window switch only"),
+    (dict(head_dim=96), "head_dim", "64 or 128"),
+    (dict(mask="padding"), "mask", "'none' and 'causal'"),
+    (dict(layout="varlen"), "layout", "backend 'triton'"),
+    (dict(mask="causal", alibi=True), "alibi", "window and softcap switches only"),
+])
+def test_fp8_limits_are_spec_errors_naming_the_field(fields, field, words):
+    with pytest.raises(SpecError) as e:
+        fp8(**fields)
+    assert e.value.field == field and words in str(e.value), str(e.value)
+
+
+def test_fp8_shared_memory_formula_counts_one_byte_operands_and_a_two_byte_out():
+    """Q (two buffers per warpgroup) and the K/V ring at 1 byte, the O buffers at 2 (bf16/fp16 out); the compiled
+    size is checked against it in test_fp8_compile.py."""
+    assert targets.smem_bytes(fp8()) == (2 * 64 * 2 + 2 * 4 * 128) * 128 + 2 * 64 * 2 * 128 + 1024 == 197632
+    assert targets.smem_bytes(KernelSpec(backend="gluon", head_dim=128, dtype="bf16")) == 230400  # unchanged
+    for d in (64, 128):  # every ring the gluon limits allow fits at 1 byte an element
+        for bn in (64, 128):
+            assert targets.smem_bytes(fp8(head_dim=d, block_n=bn, num_stages=4)) <= targets.ARCH_SMEM_LIMIT["sm_90"]
+
+
+def test_fp8_is_the_gluon_forward_wherever_it_exists():
+    """No other fp8 kernel: selected for every case of its limits ($FAGEN_HOPPER and the bf16 wins do not apply)."""
+    for fields in (dict(), dict(mask="causal"), dict(head_dim=64, gqa=8), dict(mask="causal", window=True)):
+        assert hopper.selected(fp8(**fields)), fields
+    assert hopper.forward_spec(fp8(), torch.device("cpu")) is None  # not a Hopper device
+
+
+def test_fagen_verify_refuses_fp8_in_one_line():
+    from click.testing import CliRunner
+    from fagen.cli import main
+    r = CliRunner().invoke(main, ["verify", "--head-dim", "128", "--dtype", "fp8_e4m3", "--backend", "gluon",
+                                  "--device", "cpu"])
+    assert r.exit_code == 2 and "dtype 'fp8_e4m3'" in r.output and "scripts/gpu_fp8.py" in r.output, r.output
+
+
+# -- the module ----------------------------------------------------------------------------------------------
+def test_fp8_module_renders_the_e4m3_path_and_bf16_modules_do_not():
+    src = fagen.generate(fp8(mask="causal", gqa=2))
+    for word in ("torch.float8_e4m3fn", "gl.float8e4nv", "instr_shape=[16, n, 32]", "k_width=4", "def transpose_v(",
+                 "v_smem.index(sp).permute((1, 0))", "[off_b, off_hkv, 0, start_n]", "q_descale=None",
+                 "KDescale + off_hkv * kd_h", "v_scale / l_safe"):
+        assert word in src, word
+    assert "custom_op" not in src  # no torch.library operator for fp8 yet (README "fp8 forward")
+    compile(src, "rendered", "exec")
+    bf16 = fagen.generate(KernelSpec(backend="gluon", head_dim=128, mask="causal", gqa=2, dtype="bf16"))
+    for word in ("float8", "Descale", "transpose_v", "k_width=4", "permute((1, 0)), o_acc"):
+        assert word not in bf16, word
+
+
+def _inputs(b=1, hq=4, hkv=2, sq=40, sk=37, d=128):
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(b, hq, sq, d, generator=g).to(E4M3)
+    k, v = (torch.randn(b, hkv, sk, d, generator=g).to(E4M3) for _ in range(2))
+    return q, k, v
+
+
+def test_fp8_module_checks_inputs_before_the_device():
+    """Every input check fires on CPU tensors, each naming its argument; then the device check refuses the CPU."""
+    mod = fagen.load(fp8(mask="causal", gqa=2))
+    params = inspect.signature(mod.forward).parameters
+    assert list(params)[3:8] == ["scale", "q_descale", "k_descale", "v_descale", "out_dtype"]
+    q, k, v = _inputs()
+    one, per_q, per_kv = (torch.ones(n) for n in (1, 4, 2))
+    bad = [
+        (dict(q=q.to(torch.bfloat16)), "dtype"),
+        (dict(q_descale=torch.ones(1, dtype=torch.float64)), "q_descale: expected a float32"),
+        (dict(q_descale=per_kv), r"q_descale: .*\[4\]"),
+        (dict(k_descale=per_q), r"k_descale: .*\[2\]"),
+        (dict(v_descale=torch.ones(1, 2)), "v_descale"),
+        (dict(v_descale=1.0), "v_descale"),
+        (dict(out_dtype=torch.float32), "out_dtype"),
+        (dict(out_dtype=E4M3), "out_dtype"),
+        (dict(out=torch.empty(1, 4, 40, 128, dtype=torch.float16), out_dtype=torch.bfloat16), "out: expected"),
+        (dict(lse=torch.empty(1, 4, 40)[..., ::2]), "lse"),
+        (dict(scale=0.0), "scale"),
+    ]
+    for kw, words in bad:
+        args = dict(q=q, k=k, v=v)
+        args.update(kw)
+        with pytest.raises(mod.InputError, match=words):
+            mod.forward(args.pop("q"), args.pop("k"), args.pop("v"), **args)
+    if not torch.cuda.is_available():
+        for kw in (dict(), dict(q_descale=one, k_descale=per_kv, v_descale=per_kv, out_dtype=torch.float16),
+                   dict(out=torch.empty(1, 4, 40, 128, dtype=torch.float16))):
+            with pytest.raises(mod.InputError, match="CUDA device of compute capability 9.0"):
+                mod.forward(q, k, v, **kw)
+
+
+def test_descale_head_strides():
+    """One element: head stride 0 (every head reads it); one per head: its own stride, views included."""
+    mod = fagen.load(fp8(gqa=2))
+    dev = torch.device("cpu")
+    assert mod._check_descale("q_descale", None, 4, dev)[1] == 0
+    assert mod._check_descale("q_descale", torch.ones(1), 4, dev)[1] == 0
+    assert mod._check_descale("q_descale", torch.ones(4), 4, dev)[1] == 1
+    assert mod._check_descale("k_descale", torch.ones(2, 3)[:, 1], 2, dev)[1] == 3
+
+
+@pytest.mark.parametrize("sk", [1, 37, 130])
+def test_transpose_v_is_v_with_keys_contiguous_and_tma_strides(sk):
+    """Vt [B, Hkv, D, Sk]: equal to V transposed, unit key stride, every other stride a multiple of 16 bytes
+    (TMA), and a view of Sk columns so that the descriptor zero-fills past Sk."""
+    mod = fagen.load(fp8(gqa=2))
+    v = torch.randn(2, sk, 3, 128).to(E4M3).transpose(1, 2)  # [B, Hkv, Sk, D] with heads inside rows: any strides
+    vt = mod.transpose_v(v)
+    assert vt.shape == (2, 3, 128, sk) and vt.dtype is E4M3 and vt.stride(-1) == 1
+    assert all(s % 16 == 0 for s in vt.stride()[:3]) and mod._tma_ready(vt)
+    assert torch.equal(vt.view(torch.uint8), v.transpose(2, 3).view(torch.uint8))
+
+
+# -- the GPU script's checker -------------------------------------------------------------------------------
+def _gpu_script():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "scripts" / "gpu_fp8.py"
+    spec = importlib.util.spec_from_file_location("gpu_fp8", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("mask,gqa,sq,sk", [("none", 1, 100, 100), ("causal", 2, 100, 70)])
+def test_the_gpu_checker_passes_e4m3_numerics_and_fails_a_bf16_p(mask, gqa, sq, sk):
+    """scripts/gpu_fp8.py's check() with the kernel replaced by its emulation: P rounded to e4m3 passes; P kept in
+    bf16 (a kernel that silently computes P V in bf16) fails on the fingerprint, though it is more accurate."""
+    gpu_fp8 = _gpu_script()
+    rows = {}
+    for name, p_dtype in (("e4m3", E4M3), ("bf16", torch.bfloat16)):
+        rows[name] = gpu_fp8.check(64, mask, gqa, 1, 1, sq, sk, outliers=True, per_head=gqa > 1, device="cpu",
+                                   forward=gpu_fp8.emulated_forward(mask, p_dtype))
+    assert rows["e4m3"]["pass"] and rows["e4m3"]["fingerprint"] < 0.2, rows["e4m3"]
+    assert not rows["bf16"]["pass"] and rows["bf16"]["fingerprint"] > 2, rows["bf16"]
+    # the bf16 P is closer to the reference: RMSE alone cannot tell
+    assert rows["bf16"]["rmse"] < rows["e4m3"]["rmse"] / 3
+    assert rows["e4m3"]["empty_ok"] and rows["e4m3"]["empty_rows"] == gqa * max(sq - sk, 0)
+
+
+# -- on an H100/H200 -----------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="runs on an sm_90 GPU (H100/H200)")
+@pytest.mark.parametrize("mask", ["none", "causal"])
+@pytest.mark.parametrize("head_dim,gqa", [(128, 1), (128, 4), (64, 2)])
+def test_fp8_matches_the_float64_reference_on_the_dequantized_inputs(mask, head_dim, gqa):
+    """RMSE within the README bound, and far closer to the e4m3-P emulation than to a bf16-P one (the kernel does
+    not silently compute P V in bf16): scripts/gpu_fp8.py's checks at test sizes."""
+    gpu_fp8 = _gpu_script()
+    for sq, sk in [(97, 97), (200, 333), (333, 200), (1000, 1000)]:
+        row = gpu_fp8.check(head_dim=head_dim, mask=mask, gqa=gqa, batch=2, kv_heads=2, sq=sq, sk=sk, outliers=False,
+                            per_head=gqa > 1)
+        assert row["pass"], row

@@ -1,0 +1,112 @@
+"""The fp8 Gluon forward builds for sm_90 without a GPU (as test_hopper_compile.py does for bf16): shared memory
+against the spec's formula, no spills, the register budgets, and the matmuls really e4m3 (PTX and SASS), so the
+kernel cannot silently compute in bf16. scripts/gpu_fp8.py launches exactly these modules on the H100."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fagen.spec import defaults, targets
+from fagen.spec.kernel import KernelSpec
+from test_hopper_compile import _gluon_hopper_missing
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# The GPU script's modules (d128 and d64, full and causal), GQA with the window, and an fp16 out.
+MODULES = {
+    "full": dict(mask="none"),
+    "causal": dict(mask="causal"),
+    "d64": dict(head_dim=64, mask="causal"),
+    "d64_full": dict(head_dim=64, mask="none"),
+    "gqa_window": dict(mask="causal", gqa=4, window=True),
+    "fp16_out": dict(mask="causal", out_dtype="float16"),
+}
+
+_SCRIPT = r"""
+import json, os, re, subprocess, sys, tempfile
+sys.path.insert(0, sys.argv[1])
+import torch, triton
+import fagen
+from fagen.aot.nvcc import parse_resources
+from fagen.spec.kernel import KernelSpec
+
+bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+ptxas = os.environ.get("TRITON_PTXAS_PATH") or os.path.join(bin_dir, "ptxas")
+out = {}
+for key, fields in json.loads(sys.argv[2]).items():
+    fields = dict(fields)
+    out_dtype = getattr(torch, fields.pop("out_dtype", "bfloat16"))
+    mod = fagen.load(KernelSpec(backend="gluon", **{"head_dim": 128, "dtype": "fp8_e4m3", **fields}))
+    ck = mod.compile_for(out_dtype=out_dtype)
+    ptx = ck.asm["ptx"]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        open(path, "w").write(ptx)
+        r = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", path + ".cubin"], capture_output=True, text=True)
+        sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", path + ".cubin"], capture_output=True,
+                              text=True).stdout
+    res = parse_resources(r.stdout + r.stderr)["_attn_fwd_hopper"]
+    tk = mod.compile_transpose_for()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "t.ptx")
+        open(path, "w").write(tk.asm["ptx"])
+        rt = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", path + ".cubin"], capture_output=True, text=True)
+    tres = parse_resources(rt.stdout + rt.stderr)["_transpose_v_kernel"]
+    out[key] = dict(transpose_spills=tres.spill_stores + tres.spill_loads, transpose_cubin=len(tk.asm["cubin"]),
+                    shared=ck.metadata.shared, num_warps=ck.metadata.num_warps, regs=res.registers,
+                    spills=res.spill_stores + res.spill_loads, stack=res.stack,
+                    wgmma=sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\S+?)\s", ptx))),
+                    sass_mma=sorted(set(re.findall(r"\b([QH]GMMA\.\S+)", sass))),
+                    setmaxnreg=sorted({int(x) for x in
+                                       re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
+                    bf16_store=len(re.findall(r"cvt\.rn\.bf16x2\.f32", ptx)),
+                    f16_store=len(re.findall(r"cvt\.rn\.f16x2\.f32", ptx)),
+                    e4m3_cvt=len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx)))
+print("RESULT " + json.dumps(out))
+"""
+
+
+def spec_of(key) -> KernelSpec:
+    fields = {k: v for k, v in MODULES[key].items() if k != "out_dtype"}
+    return KernelSpec(**{"backend": "gluon", "head_dim": 128, "dtype": "fp8_e4m3", **fields})
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    reason = _gluon_hopper_missing()
+    if reason:
+        pytest.skip(reason)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["FAGEN_CACHE_DIR"] = str(tmp_path_factory.mktemp("fp8-sm90"))
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(ROOT), json.dumps(MODULES)], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.split("RESULT ", 1)[1])
+
+
+@pytest.mark.parametrize("key", list(MODULES))
+def test_fp8_builds_within_shared_memory_without_spills(built, key):
+    r = built[key]
+    formula = targets.smem_bytes(spec_of(key))
+    assert formula - 1024 <= r["shared"] <= formula <= targets.ARCH_SMEM_LIMIT["sm_90"], r
+    assert r["spills"] == 0 and r["stack"] == 0, r
+    assert r["transpose_spills"] == 0 and r["transpose_cubin"] > 0, r  # transpose_v's kernel, launched before it
+    assert r["num_warps"] == 12, r
+    assert {defaults.GLUON_VARIANT["loader_regs"], defaults.GLUON_VARIANT["consumer_regs"]} <= set(r["setmaxnreg"])
+
+
+@pytest.mark.parametrize("key", list(MODULES))
+def test_every_matmul_is_an_e4m3_wgmma(built, key):
+    """S = Q K^T and O += P V both e4m3 x e4m3 -> f32, k32 (PTX), QGMMA (SASS); no 16-bit wgmma anywhere, P rounded
+    to e4m3 (cvt ...e4m3x2), and out written in its own 16-bit type."""
+    r, spec = built[key], spec_of(key)
+    shapes = {f"m64n{spec.block_n}k32.f32.e4m3.e4m3", f"m64n{spec.head_dim}k32.f32.e4m3.e4m3"}
+    assert set(r["wgmma"]) == shapes, r
+    assert r["sass_mma"] and all(m.startswith("QGMMA.") and m.endswith(".F32.E4M3.E4M3") for m in r["sass_mma"]), r
+    assert r["e4m3_cvt"] > 0, r
+    fp16 = MODULES[key].get("out_dtype") == "float16"
+    assert (r["f16_store"] > 0, r["bf16_store"] > 0) == (fp16, not fp16), r

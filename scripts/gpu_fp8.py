@@ -233,7 +233,7 @@ def phase_time(results):
 
         bf16 = fagen.load(KernelSpec(backend="gluon", head_dim=d, mask=mask, dtype="bf16"))
         run("fagen bf16 gluon", lambda: bf16.forward(*x))
-        for stages in (4, 3, 2):  # 4 is the spec default (fagen.spec.defaults.gluon_default_config)
+        for stages in (4, 3, 2):  # 4 is the spec default (fagen.backends.gluon: GluonBackend.default_config)
             mod = fagen.load(KernelSpec(backend="gluon", head_dim=d, mask=mask, dtype="fp8_e4m3", num_stages=stages))
             run(f"fagen fp8 gluon s{stages}", lambda mod=mod: mod.forward(q8, k8, v8, q_descale=dq, k_descale=dk,
                                                                           v_descale=dv))
@@ -295,6 +295,7 @@ def dry_run():
     import triton
     import fagen
     from fagen.aot.nvcc import parse_resources
+    from fagen import backends
     from fagen.spec import targets
     bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     ok = True
@@ -308,10 +309,10 @@ def dry_run():
                                capture_output=True, text=True)
         res = parse_resources(r.stdout + r.stderr)["_attn_fwd_hopper"]
         kinds = sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\S+?)\s", ptx)))
-        fits = ck.metadata.shared <= targets.smem_bytes(spec) <= targets.ARCH_SMEM_LIMIT["sm_90"]
+        fits = ck.metadata.shared <= backends.smem_bytes(spec) <= targets.ARCH_SMEM_LIMIT["sm_90"]
         e4m3 = all("e4m3.e4m3" in k for k in kinds) == (str(spec.dtype) == "fp8_e4m3")
         ok &= fits and e4m3 and res.spill_stores + res.spill_loads == 0
-        log(f"{spec.name:<52} shared {ck.metadata.shared:>6} (formula {targets.smem_bytes(spec)}) regs "
+        log(f"{spec.name:<52} shared {ck.metadata.shared:>6} (formula {backends.smem_bytes(spec)}) regs "
             f"{res.registers} spills {res.spill_stores + res.spill_loads} wgmma {', '.join(kinds)}")
         if str(spec.dtype) == "fp8_e4m3":
             tk = fagen.load(spec).compile_transpose_for()

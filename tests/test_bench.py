@@ -13,7 +13,8 @@ from click.testing import CliRunner
 
 import fagen
 from fagen.bench import report, runner
-from fagen.spec import defaults, tables, tuned
+from fagen import backends
+from fagen.spec import tuned
 from fagen.verify.properties import reference
 from fagen.bench.cases import BenchOptions, CaseContext, Prepared
 from fagen.bench.check import check
@@ -25,7 +26,7 @@ from fagen.codegen.render import generate
 from fagen.runtime.loader import load_source
 from fagen.verify.strategies import Problem
 from fagen.bench.tune import candidates
-from fagen.spec.targets import triton_smem_bytes as smem_bytes
+from fagen.backends.triton import smem_bytes
 from fagen.verify.properties import check_forward
 from fagen.bench.workloads import (BWD_FACTOR, RELATIVE_TARGETS, TARGETS, BenchCase, flops, fwd_flops, kv_bytes,
                                    make_case, score_rows, scores_suite, standard_suite, visible_pairs, window_pairs)
@@ -120,7 +121,7 @@ def test_standard_suite_is_the_issue_table():
 
 def test_decode_rows_use_a_decode_kernel_only_when_there_is_one():
     spec, note = {c.name: c for c in standard_suite()}["decode-d128-kv8k-b32"].spec()
-    if (spec.backend, Kind.DECODE) in tables.TEMPLATE:
+    if Kind.DECODE in backends.get(spec.backend).templates:
         assert spec.kind is Kind.DECODE
     else:
         assert spec.kind is Kind.PREFILL and "prefill" in note

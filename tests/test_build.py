@@ -186,6 +186,53 @@ def test_compile_command_writes_variant_dir(built, tmp_path):
     assert not (tmp_path / "c" / "manifest.json").exists()
 
 
+def test_unset_tiles_resolve_per_arch_into_two_named_variants(tmp_path):
+    spec = fagen.KernelSpec(head_dim=16, mask="causal")  # tiles unset: sm_80 and sm_90 give different ones
+    sm80, sm90 = spec.for_arch("sm_80"), spec.for_arch("sm_90")
+    assert sm80.name != sm90.name == spec.name
+    result = run_cli("compile", "--head-dim", 16, "--mask", "causal", "--arch", "sm_80,sm_90", "-o", tmp_path,
+                     "--json")
+    assert result.exit_code == 0, result.output
+    assert [(v["name"], v["arch"]) for v in json.loads(result.stdout)["variants"]] == [
+        (sm80.name, "sm_80"), (sm90.name, "sm_90")]
+    for s, arch in ((sm80, "sm_80"), (sm90, "sm_90")):
+        variant = json.loads((tmp_path / s.name / "variant.json").read_text())
+        assert list(variant["archs"]) == [arch] and variant["hash"] == s.hash
+        assert (tmp_path / s.name / arch / "_attn_fwd.cubin").exists()
+
+
+def test_an_unwritable_cache_fails_before_compiling(tmp_path, monkeypatch):
+    import fagen.aot.build as aot_build
+
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("FAGEN_CACHE_DIR", str(tmp_path / "a-file" / "cache"))  # unwritable even for root
+    monkeypatch.setattr(aot_build, "_run_one", lambda *a: pytest.fail("compiled before checking the cache"))
+    monkeypatch.setattr(aot_build, "_run_pool", lambda *a: pytest.fail("compiled before checking the cache"))
+    result = run_cli("build", write_manifest(tmp_path / "k.toml", [CAUSAL]), "-o", tmp_path / "out", "-q")
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert result.output.strip().splitlines() == [
+        f"Error: the kernel cache {tmp_path / 'a-file' / 'cache' / 'aot'} is not writable (Not a directory); set "
+        "FAGEN_CACHE_DIR to a writable folder. Nothing was compiled"]
+    result = run_cli("build", write_manifest(tmp_path / "k.toml", [CAUSAL]), "-o", tmp_path / "a-file" / "out")
+    assert result.exit_code == 1 and "the output folder" in result.output and "choose a writable -o" in result.output
+
+
+def test_variants_a_build_leaves_out_are_counted_with_their_reasons(tmp_path):
+    tiny = {k: v for k, v in CAUSAL.to_dict().items() if k not in ("kind", "direction")}
+    manifest = tmp_path / "m.toml"
+    manifest.write_text(manifest_text([CAUSAL], ["sm_90"]) + "[[sweep]]\nkind = \"decode\"\n"
+                        'direction = ["fwd", "bwd"]\n' + "".join(f"{k} = {json.dumps(v)}\n" for k, v in tiny.items()))
+    result = run_cli("build", manifest, "-o", tmp_path / "out", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert [v["name"] for v in report["variants"]] == [CAUSAL.name]
+    assert report["skipped"] == 2 and report["not_started"] == 0
+    assert set(report["skip_reasons"].values()) == {1}
+    assert any("forward-only" in why for why in report["skip_reasons"])
+    assert any("decode kernels have no ahead-of-time build" in why for why in report["skip_reasons"])
+    assert sorted(line.split(":")[0] for line in result.stderr.splitlines()) == ["left out 1 variant"] * 2
+
+
 def _spec_file(tmp_path: Path, spec) -> Path:
     path = tmp_path / "spec.json"
     path.write_text(spec.to_json())
@@ -325,18 +372,19 @@ def test_a_killed_build_leaves_no_lock_held_and_no_process(tmp_path, monkeypatch
 
 # [Note] Template edits in a fresh process
 # Compiling needs a process whose triton is not the interpreter's, so this scenario runs as one script in a
-# fresh process (one torch import, builds in-process with -j 1). It registers a decode template (a copy of the
-# prefill one), as a future backend will, and sets the sm_80 shared-memory limit per build. Each build's exit
-# code, stdout (--json) and stderr are printed as JSON for the test to check.
+# fresh process (one torch import, builds in-process with -j 1). It replaces the decode template with a copy of
+# the prefill one (so it builds ahead of time), a template only one variant reads, and sets the sm_80
+# shared-memory limit per build. Each build's exit code, stdout (--json) and stderr are printed as JSON for the
+# test to check.
 TEMPLATE_SCENARIO = """
 import json, os, sys
 from pathlib import Path
 from click.testing import CliRunner
-from fagen.spec import axes, tables, targets
+from fagen.spec import targets
+from fagen.aot import artifacts
 from fagen.cli import main
-from fagen.spec.axes import Backend, Kind
 
-tables.TEMPLATE[(Backend.TRITON, Kind.DECODE)] = "triton/decode.py.j2"
+artifacts.aot_missing = lambda spec: None  # the copy has the prefill's AOT_KERNELS
 templates, manifest, tmp = map(Path, sys.argv[1:])
 results = []
 
@@ -393,7 +441,7 @@ def test_template_edit_rebuilds_exactly_its_users_and_limits_are_enforced(tmp_pa
     assert masks["cached"] == {"decode": False, "attn": False}, "both render masks.j2's lengths()"
 
     # Over the arch's shared memory (a 2 KB limit here): rejected by the shared-memory formula before any compile
-    # (fagen.spec.targets.triton_smem_bytes); the first failure stops the build with exit 1, and the message
+    # (fagen.backends.triton.smem_bytes); the first failure stops the build with exit 1, and the message
     # names the variant, what it needs, the limit and what to change.
     assert over["code"] == 1 and not over["cached"]
     assert "decode_fwd_full_d32_m32n16w1s1_g1_fp16 [sm_80]: needs 4 KB of shared memory per block but sm_80 " \

@@ -9,6 +9,7 @@ import torch
 
 import fagen
 from fagen.runtime import hopper
+from fagen import backends
 from fagen.spec import targets
 from fagen.spec.axes import DType
 from fagen.spec.kernel import KernelSpec, SpecError
@@ -53,11 +54,11 @@ def test_fp8_limits_are_spec_errors_naming_the_field(fields, field, words):
 def test_fp8_shared_memory_formula_counts_one_byte_operands_and_a_two_byte_out():
     """Q (two buffers per warpgroup) and the K/V ring at 1 byte, the O buffers at 2 (bf16/fp16 out); the compiled
     size is checked against it in test_fp8_compile.py."""
-    assert targets.smem_bytes(fp8()) == (2 * 64 * 2 + 2 * 4 * 128) * 128 + 2 * 64 * 2 * 128 + 1024 == 197632
-    assert targets.smem_bytes(KernelSpec(backend="gluon", head_dim=128, dtype="bf16")) == 230400  # unchanged
+    assert backends.smem_bytes(fp8()) == (2 * 64 * 2 + 2 * 4 * 128) * 128 + 2 * 64 * 2 * 128 + 1024 == 197632
+    assert backends.smem_bytes(KernelSpec(backend="gluon", head_dim=128, dtype="bf16")) == 230400  # unchanged
     for d in (64, 128):  # every ring the gluon limits allow fits at 1 byte an element
         for bn in (64, 128):
-            assert targets.smem_bytes(fp8(head_dim=d, block_n=bn, num_stages=4)) <= targets.ARCH_SMEM_LIMIT["sm_90"]
+            assert backends.smem_bytes(fp8(head_dim=d, block_n=bn, num_stages=4)) <= targets.ARCH_SMEM_LIMIT["sm_90"]
 
 
 def test_fp8_is_the_gluon_forward_wherever_it_exists():

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from fagen.spec import defaults, targets
+from fagen import backends
+from fagen.spec import targets
 from fagen.spec.kernel import KernelSpec
 from test_hopper_compile import _gluon_hopper_missing
 
@@ -91,12 +92,12 @@ def built(tmp_path_factory):
 @pytest.mark.parametrize("key", list(MODULES))
 def test_fp8_builds_within_shared_memory_without_spills(built, key):
     r = built[key]
-    formula = targets.smem_bytes(spec_of(key))
+    formula = backends.smem_bytes(spec_of(key))
     assert formula - 1024 <= r["shared"] <= formula <= targets.ARCH_SMEM_LIMIT["sm_90"], r
     assert r["spills"] == 0 and r["stack"] == 0, r
     assert r["transpose_spills"] == 0 and r["transpose_cubin"] > 0, r  # transpose_v's kernel, launched before it
     assert r["num_warps"] == 12, r
-    assert {defaults.GLUON_VARIANT["loader_regs"], defaults.GLUON_VARIANT["consumer_regs"]} <= set(r["setmaxnreg"])
+    assert {backends.GLUON.variant["loader_regs"], backends.GLUON.variant["consumer_regs"]} <= set(r["setmaxnreg"])
 
 
 @pytest.mark.parametrize("key", list(MODULES))

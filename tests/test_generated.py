@@ -4,7 +4,7 @@ from pathlib import Path
 
 from fagen.spec.manifest import DEFAULT_CATALOG, load_manifest
 from fagen.codegen.render import generate
-from fagen.spec.tables import SOURCE_SUFFIX
+from fagen import backends
 
 GENERATED = Path(__file__).resolve().parent.parent / "generated"
 FIX = "run `python cli.py generate` (or `fagen generate`) and commit generated/"
@@ -12,7 +12,8 @@ FIX = "run `python cli.py generate` (or `fagen generate`) and commit generated/"
 
 def test_generated_is_the_render_of_the_default_catalog():
     assert GENERATED.is_dir(), f"{GENERATED} is missing; {FIX}"
-    want = {f"{s.name}{SOURCE_SUFFIX[s.backend]}": generate(s).encode() for s in load_manifest(DEFAULT_CATALOG).specs}
+    want = {f"{s.name}{backends.get(s.backend).suffix}": generate(s).encode()
+            for s in load_manifest(DEFAULT_CATALOG).specs}
     have = {p.name: p.read_bytes() for p in GENERATED.iterdir() if p.is_file()}
     missing = sorted(set(want) - set(have))
     stale = sorted(set(have) - set(want))

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from fagen.runtime import hopper
-from fagen.spec import defaults, targets
+from fagen import backends
+from fagen.spec import targets
 from fagen.spec.kernel import KernelSpec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -108,12 +109,12 @@ def built(tmp_path_factory):
 @pytest.mark.parametrize("key", list(MODULES))
 def test_builds_within_shared_memory_without_spills(built, key):
     r = built[key]
-    formula = targets.smem_bytes(gluon(**MODULES[key]))
+    formula = backends.smem_bytes(gluon(**MODULES[key]))
     # The spec's formula bounds the build from above, within the 1 KB it adds for barriers and scratch.
     assert formula - 1024 <= r["shared"] <= formula <= targets.ARCH_SMEM_LIMIT["sm_90"], r
     assert r["spills"] == 0 and r["stack"] == 0, r
     assert r["num_warps"] == 12 and r["cubin"] > 0, r  # 4 + 4 + 1 warps, padded to whole warpgroups
-    assert {defaults.GLUON_VARIANT["loader_regs"], defaults.GLUON_VARIANT["consumer_regs"]} <= set(r["setmaxnreg"])
+    assert {backends.GLUON.variant["loader_regs"], backends.GLUON.variant["consumer_regs"]} <= set(r["setmaxnreg"])
     head_dim, block_n = gluon(**MODULES[key]).head_dim, gluon(**MODULES[key]).block_n
     # 2 consumer warpgroups x (S in the prologue, S and P V in each of two loops, P V in the epilogue), each a
     # warpgroup_mma of HEAD_DIM/16 or BLOCK_N/16 wgmma instructions.

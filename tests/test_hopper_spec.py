@@ -9,6 +9,8 @@ import pytest
 import torch
 
 import fagen
+from fagen import backends
+from fagen.backends import gluon as gluon_backend
 from fagen.spec import targets
 from fagen.spec.kernel import KernelSpec, SpecError
 
@@ -69,10 +71,10 @@ def test_gluon_has_no_backward(fields):
 def test_shared_memory_formula():
     """[Note] Roles: two Q buffers and one O buffer per warpgroup beside the K/V ring (the compiled size is checked
     against it in test_hopper_compile.py); the spec refuses a ring that does not fit sm_90."""
-    assert targets.gluon_smem_bytes(128, 128, 128, 2) == 2 * (2 * 3 * 64 + 2 * 2 * 128) * 128 + 1024 == 230400
-    assert targets.smem_bytes(gluon(head_dim=64)) == targets.gluon_smem_bytes(64, 128, 128, 3)
+    assert gluon_backend.smem_bytes(128, 128, 128, 2) == 2 * (2 * 3 * 64 + 2 * 2 * 128) * 128 + 1024 == 230400
+    assert backends.smem_bytes(gluon(head_dim=64)) == gluon_backend.smem_bytes(64, 128, 128, 3)
     for d, bn, st in ((128, 128, 2), (64, 128, 3), (128, 64, 4), (64, 64, 4)):
-        assert targets.smem_bytes(gluon(head_dim=d, block_n=bn, num_stages=st)) <= targets.ARCH_SMEM_LIMIT["sm_90"]
+        assert backends.smem_bytes(gluon(head_dim=d, block_n=bn, num_stages=st)) <= targets.ARCH_SMEM_LIMIT["sm_90"]
     with pytest.raises(SpecError, match="shared memory"):
         gluon(num_stages=3)
 

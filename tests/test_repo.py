@@ -193,7 +193,7 @@ def test_the_lab_finder_finds_an_import(tmp_path):
     assert sorted(lab_imports(probe)) == ["hopper_profile", "lab", "scripts"]
 
 
-BOTTOM = ("fagen.spec", "fagen.mods", "fagen.errors", "fagen.files")
+BOTTOM = ("fagen.spec", "fagen.backends", "fagen.mods", "fagen.errors", "fagen.files")
 
 
 def test_the_spec_layer_imports_only_itself_and_files():

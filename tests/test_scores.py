@@ -232,7 +232,7 @@ def test_spec_names_and_json():
 
 
 def test_windowed_d64_forwards_take_small_tiles():
-    """[Note] Windowed d64 tiles (fagen/spec/defaults.py): a windowed d64 prefill forward defaults to m64n32w4s3;
+    """[Note] Windowed d64 tiles (fagen/backends/triton.py): a windowed d64 prefill forward defaults to m64n32w4s3;
     every other spec keeps its tile, and explicit fields win."""
     tile = lambda s: (s.block_m, s.block_n, s.num_warps, s.num_stages)  # noqa: E731
     for layout in ("dense", "varlen"):

@@ -97,8 +97,8 @@ def test_source_digest_follows_the_tables(monkeypatch):
 
     spec = KernelSpec(head_dim=64)
     before = source_digest(spec)
-    assert codegen.tables.tma_loads(spec)
-    monkeypatch.setattr(codegen.tables, "tma_loads", lambda s: False)
+    assert codegen.backends.TRITON.tma_loads(spec)
+    monkeypatch.setattr(type(codegen.backends.TRITON), "tma_loads", lambda self, s: False)
     codegen.render.cache_clear()  # renders are memoised per process; the tables changed under them
     try:
         assert source_digest(spec) != before

@@ -11,9 +11,10 @@ import fagen
 from fagen.bench.tune import candidates
 from fagen.bench.workloads import make_case
 from fagen.cli import main
-from fagen.spec import defaults, tuned
+from fagen.backends import triton as triton_backend
+from fagen.spec import tuned
 from fagen.spec.axes import Direction, DType, Kind, Mask
-from fagen.spec.targets import triton_smem_bytes as smem_bytes
+from fagen.backends.triton import smem_bytes
 from fagen.verify.properties import check_forward
 from fagen.verify.strategies import Problem
 from _env import DEVICE, ON_GPU
@@ -36,7 +37,7 @@ def tuned_table(tmp_path, monkeypatch):
 
 
 def test_specs_read_the_tuned_table_for_sm90_only(tuned_table):
-    hand = defaults.default_config(64, DType.FP16, Direction.FWD, Kind.PREFILL)
+    hand = triton_backend.default_config(64, DType.FP16, Direction.FWD, Kind.PREFILL)
     assert fagen.KernelSpec(head_dim=64, mask="causal").block_m == hand["block_m"]  # no file: hand defaults
     tuned.upsert(tuned_table, ENTRY)
     tuned.upsert(tuned_table, {**ENTRY, "arch": "sm_80", "block_m": 16})
@@ -45,10 +46,12 @@ def test_specs_read_the_tuned_table_for_sm90_only(tuned_table):
     assert fagen.KernelSpec(head_dim=64, mask="causal", block_n=128).block_n == 128  # explicit fields win
     assert fagen.KernelSpec(head_dim=64, mask="none").block_m == hand["block_m"]  # other key: hand defaults
     assert fagen.KernelSpec(head_dim=64, mask="causal", dtype="bf16").block_m == hand["block_m"]
-    assert defaults.default_config(64, DType.FP16, Direction.FWD, Kind.PREFILL, mask=Mask.CAUSAL,
-                                 arch="sm_80")["block_m"] == 16
-    assert defaults.default_config(64, DType.FP16, Direction.FWD, Kind.PREFILL, mask=Mask.CAUSAL,
-                                 arch="sm_89") == hand
+    assert triton_backend.default_config(64, DType.FP16, Direction.FWD, Kind.PREFILL, mask=Mask.CAUSAL,
+                                         arch="sm_80")["block_m"] == 16
+    assert triton_backend.default_config(64, DType.FP16, Direction.FWD, Kind.PREFILL, mask=Mask.CAUSAL,
+                                         arch="sm_100") == hand  # sm_90's family, no entry of its own
+    assert fagen.KernelSpec(head_dim=64, mask="causal", arch="sm_80").block_m == 16  # a spec given an arch
+    assert spec.for_arch("sm_80").block_m == 16 and spec.for_arch("sm_90") == spec
     tuned.upsert(tuned_table, {**ENTRY, "block_m": 128, "ms": 1.0})  # same key: replaced, not duplicated
     assert len(tuned.read_table(tuned_table)) == 2
     assert fagen.KernelSpec(head_dim=64, mask="causal").block_m == 128

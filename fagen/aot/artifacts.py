@@ -18,7 +18,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Iterable
 
-from fagen import __version__
+from fagen import __version__, backends
 from fagen.aot import nvcc
 from fagen.codegen.render import Rendered, render
 from fagen.aot import keys
@@ -26,12 +26,11 @@ from fagen.files import digest, lock_for
 from fagen.runtime.loader import write_source
 from fagen.runtime.modules import import_module
 from fagen.spec import targets
-from fagen.spec.axes import Backend
 from fagen.spec.kernel import KernelSpec
 from fagen.spec.targets import ARCHS, ArchError, parse_archs  # noqa: F401 - re-exported for the CLI
 
 
-# [Note] Shared-memory precheck. The Triton formula (fagen.spec.targets.triton_smem_bytes) is an estimate within a
+# [Note] Shared-memory precheck. The Triton formula (fagen.backends.triton.smem_bytes) is an estimate within a
 # few KB of what the compiler allocates; a variant over the limit by more than this slack is rejected before any
 # compile (a 512 KB variant used to take minutes to fail), and one nearer the limit is left to the compiler.
 PRECHECK_SLACK = 1.1
@@ -87,21 +86,26 @@ def lookup(spec: KernelSpec, arch: str, key: str | None = None) -> ArchBuild | N
     return _from_entry(spec, arch, key, meta, cached=True)
 
 
+def aot_missing(spec: KernelSpec) -> str | None:
+    """Why `spec` has no ahead-of-time build (`fagen build` leaves such variants out and counts them), or None."""
+    return backends.get(spec.backend).aot_missing(spec)
+
+
 def compile_arch(spec: KernelSpec, arch: str) -> ArchBuild:
     """Build one spec for one arch, or take it from the cache. Safe to run from many processes at once.
 
     The spec is rendered once here (the key, the source to compile and nvcc's input are that one render), and a
     variant whose tiles cannot fit the arch's shared memory by the backend's formula is rejected before compiling.
     """
-    if spec.backend is Backend.GLUON:  # its launch takes host TMA descriptors: no prebuilt launcher yet
-        raise CompileError(spec.name, arch, "backend 'gluon' has no ahead-of-time build yet; the module compiles "
-                                            "itself on first use on sm_90 (compile_for() builds it without a GPU)")
+    missing = aot_missing(spec)
+    if missing:
+        raise CompileError(spec.name, arch, missing)
     rendered = render(spec)
     key = artifact_key(spec, arch, rendered)
     hit = lookup(spec, arch, key)
     if hit is not None:
         return hit
-    need = targets.smem_bytes(spec)
+    need = backends.get(spec.backend).smem_bytes(spec)
     if need > targets.ARCH_SMEM_LIMIT[arch] * PRECHECK_SLACK:
         raise CompileError(spec.name, arch, _too_big(spec, arch, need) + " (estimated before compiling)")
     # [Note] One builder per key: the lock is flock-based, so a killed builder releases it. A waiter then
@@ -111,7 +115,7 @@ def compile_arch(spec: KernelSpec, arch: str) -> ArchBuild:
         if hit is not None:
             return hit
         start = time.perf_counter()
-        if spec.backend is Backend.CUDA:
+        if backends.get(spec.backend).compiler == "nvcc":
             files, kernels = _compile_cuda(spec, arch, rendered)
         else:
             files, kernels = _compile_triton(spec, arch, rendered)
@@ -125,9 +129,7 @@ def _compile_triton(spec: KernelSpec, arch: str, rendered: Rendered) -> tuple[di
     """Each AOT kernel of the generated module through triton.compile for an explicit GPU target."""
     module = import_for_compile(spec, rendered)
     if not hasattr(module, "AOT_KERNELS"):
-        raise CompileError(spec.name, arch, f"{spec.kind} kernels have no ahead-of-time build: their tile rows and "
-                                            "split count follow each call's query and KV lengths, so they compile "
-                                            "at first use (fagen.load(spec)); build the prefill kind ahead of time")
+        raise CompileError(spec.name, arch, "the generated module has no AOT_KERNELS list (docs/build.md)")
     files, kernels = {}, []
     for entry in module.AOT_KERNELS:
         kernel_start = time.perf_counter()

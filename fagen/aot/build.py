@@ -8,6 +8,7 @@ import json
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Callable, Iterable
 
 from fagen import __version__
 from fagen.aot import keys
+from fagen import files as cache
 from fagen.files import write_if_different
 from fagen.aot.artifacts import ArchBuild, CompileError, compile_arch, lookup
 from fagen.aot.export import export
@@ -32,8 +34,9 @@ class Failure:
 class BuildReport:
     records: list[dict]  # one per built (variant, arch), in manifest order: the "variants" of manifest.json
     failures: list[Failure]
-    skipped: int  # pairs never started because an earlier one failed (without keep_going)
+    not_started: int  # pairs never started because an earlier one failed (without keep_going)
     seconds: float
+    pairs: int  # (variant, arch) pairs asked for, after each spec's unset tiles were resolved per arch
 
 
 # Called once per finished pair: (spec, arch, build or None, failure or None).
@@ -45,28 +48,32 @@ def build(specs: Iterable[KernelSpec], archs: Iterable[str], out_dir: Path, jobs
           manifest: bool = True) -> BuildReport:
     """Compile every spec for every arch into out_dir, and write out_dir/manifest.json if `manifest`.
 
-    Cache hits are served in this process; misses compile in up to `jobs` worker processes (Triton's compiler
-    is CPU-bound and holds the GIL). Without keep_going the first failure stops new work from starting.
+    A spec's unset launch fields are resolved for each arch (KernelSpec.for_arch), so one spec may build as two
+    variants, each named by its tiles. Cache hits are served in this process; misses compile in up to `jobs`
+    worker processes (Triton's compiler is CPU-bound and holds the GIL), after the cache and out_dir were found
+    writable (a CacheError otherwise: nothing is compiled). Without keep_going the first failure stops new work
+    from starting.
     """
     start = time.perf_counter()
-    specs, archs = tuple(specs), tuple(archs)
+    archs = tuple(archs)
+    pairs = build_pairs(specs, archs)
     progress = progress or (lambda *a: None)
     done: dict[tuple[KernelSpec, str], ArchBuild] = {}
     failures: list[Failure] = []
     misses = []
-    for spec in specs:
-        for arch in archs:
-            try:
-                hit = lookup(spec, arch)
-            except CompileError as e:  # cached, but over a limit
-                failures.append(Failure(spec.name, arch, e.message))
-                progress(spec, arch, None, failures[-1])
-                continue
-            if hit is None:
-                misses.append((spec, arch))
-            else:
-                done[spec, arch] = hit
-                progress(spec, arch, hit, None)
+    writable(out_dir, "the output folder", "choose a writable -o folder")
+    for spec, arch in pairs:
+        try:
+            hit = lookup(spec, arch)
+        except CompileError as e:  # cached, but over a limit
+            failures.append(Failure(spec.name, arch, e.message))
+            progress(spec, arch, None, failures[-1])
+            continue
+        if hit is None:
+            misses.append((spec, arch))
+        else:
+            done[spec, arch] = hit
+            progress(spec, arch, hit, None)
 
     def finish(spec, arch, result=None, error=None):
         if error is None:
@@ -77,6 +84,8 @@ def build(specs: Iterable[KernelSpec], archs: Iterable[str], out_dir: Path, jobs
         progress(spec, arch, None, failures[-1])
         return False
 
+    if misses:
+        writable(cache.cache_root() / "aot", "the kernel cache", "set FAGEN_CACHE_DIR to a writable folder")
     jobs = max(1, jobs or os.cpu_count() or 1)
     started = 0
     if misses and (min(jobs, len(misses)) == 1 and not _triton_interpreted()):
@@ -87,15 +96,31 @@ def build(specs: Iterable[KernelSpec], archs: Iterable[str], out_dir: Path, jobs
     elif misses:
         started = _run_pool(misses, min(jobs, len(misses)), keep_going, finish)
 
-    out_dir.mkdir(parents=True, exist_ok=True)
     records = []
-    for spec in specs:
+    for spec in dict.fromkeys(spec for spec, _ in pairs):
         builds = [done[spec, arch] for arch in archs if (spec, arch) in done]
         if builds:
             records.extend(export(spec, builds, out_dir))
     if manifest:
         write_manifest(out_dir, records, failures, archs, manifest_path)
-    return BuildReport(records, failures, len(misses) - started, time.perf_counter() - start)
+    return BuildReport(records, failures, len(misses) - started, time.perf_counter() - start, len(pairs))
+
+
+def writable(folder: Path, what: str, fix: str) -> None:
+    """Raise a one-line CacheError unless a file can be created in `folder` (made if missing): checked before a
+    build compiles anything, not after minutes of work at the first write."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise cache.CacheError(f"{what} {folder} is not writable ({e.strerror or e}); {fix}. Nothing was compiled")\
+            from None
+
+
+def build_pairs(specs: Iterable[KernelSpec], archs: Iterable[str]) -> tuple[tuple[KernelSpec, str], ...]:
+    """Every (spec resolved for arch, arch), in spec order, each once."""
+    return tuple(dict.fromkeys((spec.for_arch(arch), arch) for spec in specs for arch in archs))
 
 
 def _run_one(spec: KernelSpec, arch: str) -> tuple[ArchBuild | None, str | None]:

@@ -6,11 +6,10 @@ import hashlib
 import json
 from pathlib import Path
 
-from fagen import __version__
+from fagen import __version__, backends
 from fagen.aot.artifacts import ArchBuild
 from fagen.codegen.render import render
 from fagen.files import write_if_different
-from fagen.spec import tables
 from fagen.spec.kernel import KernelSpec
 
 
@@ -20,7 +19,7 @@ def export(spec: KernelSpec, builds: list[ArchBuild], out_dir: Path) -> list[dic
     Returns one record per arch for manifest.json, with paths relative to out_dir.
     """
     vdir = out_dir / spec.name
-    source = vdir / f"{spec.name}{tables.SOURCE_SUFFIX[spec.backend]}"
+    source = vdir / f"{spec.name}{backends.get(spec.backend).suffix}"
     write_if_different(source, render(spec).source)
     records, archs = [], {}
     for b in builds:

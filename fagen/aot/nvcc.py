@@ -12,9 +12,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from fagen import files
+from fagen import backends, files
 from fagen.spec import targets
-from fagen.spec.axes import Backend
 
 # -O3 and C++17; no fast-math: exp2f/log2f keep their documented accuracy. -Xptxas -v prints the resources.
 FLAGS = ("-O3", "-std=c++17", "-Xptxas", "-v")
@@ -163,7 +162,7 @@ def compile_cached(source: str, arch: str, *, name: str = "kernel", werror: bool
 
 def check_fits(spec, arch: str) -> int:
     """The dynamic shared memory a cuda spec needs; NvccError if `arch` cannot give a block that much."""
-    need = targets.cuda_smem_bytes(spec.head_dim, spec.dtype, spec.block_m, spec.block_n, spec.num_stages)
+    need = backends.CUDA.smem_bytes(spec)
     limit = targets.ARCH_SMEM_LIMIT.get(check_arch(arch).rstrip("a"))
     if limit is not None and need > limit:
         raise NvccError(f"{spec.name}: needs {need} bytes of shared memory but {arch} gives a block at most {limit}; "
@@ -180,7 +179,7 @@ def compile_spec(spec, arch: str, out_dir: str | Path | None = None, *, werror: 
     """
     from fagen.codegen.render import render
 
-    if spec.backend is not Backend.CUDA:
+    if backends.get(spec.backend).compiler != "nvcc":
         raise NvccError(f"{spec.name}: backend {spec.backend} is not compiled by nvcc")
     dynamic = check_fits(spec, arch)
     source = (rendered or render(spec)).source

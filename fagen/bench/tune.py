@@ -21,7 +21,9 @@ from fagen.bench.timing import time_prepared
 from fagen.bench.workloads import BenchCase, describe_case, flops, kv_bytes, make_case
 from fagen.spec import tuned
 from fagen.spec.kernel import KernelSpec
-from fagen.spec.targets import DEFAULT_SMEM_LIMIT, triton_smem_bytes
+from fagen.backends.triton import smem_bytes as triton_smem_bytes
+from fagen.spec.axes import Direction
+from fagen.spec.targets import DEFAULT_SMEM_LIMIT
 
 SEARCH = {"block_m": (64, 128), "block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3, 4)}
 QUICK_SEARCH = {"block_m": (16, 32), "block_n": (16, 32), "num_warps": (4,), "num_stages": (2,)}

@@ -18,19 +18,27 @@ def _parse_arch(ctx, param, value):
 
 
 def _run_build(specs, archs, out_dir, jobs, keep_going, quiet, as_json, manifest_path=None, manifest=True,
-               title="fagen build"):
-    """Build with a progress bar, then print the summary table (or JSON); exit 1 naming every failure."""
+               title="fagen build", skipped=()):
+    """Build with a progress bar, then print the summary table (or JSON); exit 1 naming every failure.
+
+    skipped: (variant, why) for each variant the manifest describes and this build leaves out; counted per
+    reason on stderr (one line each) and in the JSON."""
     import json
+    from collections import Counter
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from fagen.aot.build import build, summary_table
+    from fagen.aot.build import build, build_pairs, summary_table
 
     err = console(stderr=True)
+    reasons = Counter(why for _, why in skipped)
+    if not quiet:
+        for why, n in reasons.items():
+            click.echo(f"left out {n} variant{'s' if n > 1 else ''}: {why}", err=True)
     columns = (SpinnerColumn(), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("{task.description}"))
     with Progress(*columns, console=err, disable=quiet or as_json) as bar:
-        task = bar.add_task("checking the cache", total=len(specs) * len(archs))
+        task = bar.add_task("checking the cache", total=len(build_pairs(specs, archs)))
 
         def progress(spec, arch, result, failure):
             state = "[red]failed[/]" if failure else ("cached" if result.cached else "compiled")
@@ -40,7 +48,8 @@ def _run_build(specs, archs, out_dir, jobs, keep_going, quiet, as_json, manifest
                        manifest_path=manifest_path, manifest=manifest)
     if as_json:
         click.echo(json.dumps({"variants": report.records, "failures": [vars(f) for f in report.failures],
-                               "skipped": report.skipped, "seconds": round(report.seconds, 3)}, indent=1))
+                               "skipped": len(skipped), "skip_reasons": dict(reasons),
+                               "not_started": report.not_started, "seconds": round(report.seconds, 3)}, indent=1))
     elif not quiet:
         out = console()
         out.print(summary_table(report.records, report.failures, title))
@@ -51,14 +60,16 @@ def _run_build(specs, archs, out_dir, jobs, keep_going, quiet, as_json, manifest
                        + "; ".join(spilling) + ". Try fewer num_stages, a smaller block_m/block_n, or more "
                        "num_warps for those archs.", err=True)
         cached = sum(r["cached"] for r in report.records)
-        where = out_dir / "manifest.json" if manifest else out_dir / specs[0].name
-        click.echo(f"{len(report.records)} built ({cached} cached, {len(report.records) - cached} compiled) "
-                   f"in {report.seconds:.1f} s -> {where}")
+        where = out_dir / "manifest.json" if manifest else \
+            ", ".join(str(out_dir / name) for name in dict.fromkeys(r["name"] for r in report.records))
+        left_out = f", {len(skipped)} left out" if skipped else ""
+        click.echo(f"{len(report.records)} built ({cached} cached, {len(report.records) - cached} compiled"
+                   f"{left_out}) in {report.seconds:.1f} s -> {where}")
     if report.failures:
-        lines = [f"{len(report.failures)} of {len(specs) * len(archs)} variant builds failed:"]
+        lines = [f"{len(report.failures)} of {report.pairs} variant builds failed:"]
         lines += [f"  {f.name} [{f.arch}]: {f.message}" for f in report.failures]
-        if report.skipped:
-            lines.append(f"  ({report.skipped} not started; use --keep-going to build the rest)")
+        if report.not_started:
+            lines.append(f"  ({report.not_started} not started; use --keep-going to build the rest)")
         click.echo("\n".join(lines), err=True)
         raise SystemExit(1)
 
@@ -103,6 +114,7 @@ def build_(manifest_file, out_dir, jobs, keep_going, quiet, as_json, verify_afte
       fagen build kernels.toml -o build/ -j 8
       fagen build kernels.toml -o build/ --keep-going --json > build.json
     """
+    from fagen.aot.artifacts import aot_missing
     from fagen.spec.manifest import ManifestError, load_manifest
 
     try:
@@ -111,8 +123,14 @@ def build_(manifest_file, out_dir, jobs, keep_going, quiet, as_json, verify_afte
         raise click.ClickException(str(e)) from None
     if not manifest.specs:
         raise click.ClickException(f"{manifest_file}: describes no variants; add a [[kernel]] or [[sweep]]")
-    _run_build(list(manifest.specs), manifest.archs, out_dir, jobs, keep_going, quiet, as_json,
-               manifest_path=manifest_file)
+    skipped = [(fields, why) for fields, why in manifest.dropped]
+    skipped += [(spec.name, why) for spec in manifest.specs if (why := aot_missing(spec))]
+    specs = [spec for spec in manifest.specs if not aot_missing(spec)]
+    if not specs:
+        raise click.ClickException(f"{manifest_file}: none of its {len(manifest.specs)} variants has an "
+                                   f"ahead-of-time build: {skipped[-1][1]}")
+    _run_build(specs, manifest.archs, out_dir, jobs, keep_going, quiet, as_json, manifest_path=manifest_file,
+               skipped=skipped)
     if verify_after:
         # A fresh process: the build imported the kernels for compiling, and Triton's mode (compiled or
         # interpreted) is fixed per process when a kernel is defined.

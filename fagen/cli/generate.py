@@ -24,7 +24,7 @@ def generate(spec_file, out_dir, **flags):
     from fagen.codegen.render import generate as render
     from fagen.files import write_if_different
     from fagen.spec.manifest import DEFAULT_CATALOG, ManifestError, load_manifest
-    from fagen.spec.tables import SOURCE_SUFFIX
+    from fagen import backends
 
     spec = spec_from_options(spec_file, **flags)
     if spec is None:
@@ -35,7 +35,7 @@ def generate(spec_file, out_dir, **flags):
     else:
         specs = (spec,)
     # Render everything before writing anything: a failure leaves no half-written output.
-    rendered = [(out_dir / f"{s.name}{SOURCE_SUFFIX[s.backend]}", render(s)) for s in specs]
+    rendered = [(out_dir / f"{s.name}{backends.get(s.backend).suffix}", render(s)) for s in specs]
     changed = sum(write_if_different(path, text) for path, text in rendered)
     if len(rendered) == 1:
         click.echo(f"wrote {rendered[0][0]}" if changed else f"{rendered[0][0]} is up to date")

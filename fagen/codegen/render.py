@@ -15,8 +15,8 @@ from pathlib import Path
 
 import jinja2
 
-from fagen import __version__
-from fagen.spec import defaults, tables, targets
+from fagen import __version__, backends
+from fagen.spec import tables
 from fagen.spec.axes import DECODE_MAX_SEQ_Q, MAX_PAGE_SIZE, DType, Kind, Layout, Mask
 from fagen.spec.kernel import KernelSpec, SpecError
 
@@ -41,7 +41,7 @@ def _mmatype(dtype: DType) -> str:
 
 
 def _smem_bytes(spec: KernelSpec) -> int:
-    return targets.cuda_smem_bytes(spec.head_dim, spec.dtype, spec.block_m, spec.block_n, spec.num_stages)
+    return backends.get(spec.backend).smem_bytes(spec)
 
 
 def environment() -> jinja2.Environment:
@@ -67,13 +67,14 @@ def _environment(root: Path) -> jinja2.Environment:
 
 
 def template_name(spec: KernelSpec) -> str:
-    return tables.TEMPLATE[(spec.backend, spec.kind)]
+    return backends.get(spec.backend).templates[spec.kind]
 
 
 def _context(spec: KernelSpec) -> dict:
     """Everything a template sees: the spec (enums and integers only), and values the tables derive from it."""
+    backend = backends.get(spec.backend)
     return dict(spec=spec, spec_json=spec.to_json(), version=__version__, max_seq_q=DECODE_MAX_SEQ_Q,
-                dot_precision=tables.DOT_KWARGS[spec.dtype], tma=tables.tma_loads(spec), gluon=defaults.GLUON_VARIANT,
+                dot_precision=tables.DOT_KWARGS[spec.dtype], tma=backend.tma_loads(spec), gluon=backends.GLUON.variant,
                 xargs=SCORE_ARGS if spec.switches else "", xsig=SCORE_SIG if spec.switches else "",
                 max_page_size=MAX_PAGE_SIZE, **_out_context(spec), **_kv_context(spec), **_layout_context(spec))
 
@@ -151,11 +152,11 @@ class Rendered:
     @property
     def source(self) -> str:
         """The kernel source (the .py module, or the .cu file of the cuda backend)."""
-        return self.files[tables.SOURCE_SUFFIX[self.spec.backend]]
+        return self.files[backends.get(self.spec.backend).suffix]
 
     @property
     def launcher(self) -> str | None:
-        return self.files[".py"] if self.spec.backend in tables.LAUNCHER else None
+        return self.files[".py"] if backends.get(self.spec.backend).launcher else None
 
 
 def _stamp(root: Path) -> tuple:
@@ -184,12 +185,12 @@ render.cache_clear = lambda: _render.cache_clear()  # for tests that change the 
 
 @functools.lru_cache(maxsize=512)
 def _render(spec: KernelSpec, root: Path, stamp: tuple) -> Rendered:
-    env = _environment(root)
-    files = {tables.SOURCE_SUFFIX[spec.backend]: env.get_template(template_name(spec)).render(**_context(spec))}
-    if spec.backend in tables.LAUNCHER:
-        files[".py"] = env.get_template(tables.LAUNCHER[spec.backend]).render(**_context(spec))
-    h = hashlib.sha256(files[tables.SOURCE_SUFFIX[spec.backend]].encode())
-    if ".py" in files and tables.SOURCE_SUFFIX[spec.backend] != ".py":
+    env, backend = _environment(root), backends.get(spec.backend)
+    files = {backend.suffix: env.get_template(template_name(spec)).render(**_context(spec))}
+    if backend.launcher:
+        files[".py"] = env.get_template(backend.launcher).render(**_context(spec))
+    h = hashlib.sha256(files[backend.suffix].encode())
+    if ".py" in files and backend.suffix != ".py":
         h.update(b"\0" + files[".py"].encode())
     return Rendered(spec=spec, files=files, digest=h.hexdigest())
 
@@ -203,7 +204,7 @@ def generate(spec: KernelSpec) -> str:
 
 def generate_launcher(spec: KernelSpec) -> str:
     """The Python module that compiles, loads and launches a non-Python source (the cuda backend's .cu)."""
-    if spec.backend not in tables.LAUNCHER:
+    if not backends.get(spec.backend).launcher:
         raise ValueError(f"backend {spec.backend} emits Python directly; it has no launcher")
     return render(spec).launcher
 

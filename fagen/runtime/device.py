@@ -39,3 +39,25 @@ def prepare_device(device: str | None = None) -> str:
         raise DeviceError(f"--device cuda: torch sees no CUDA device (torch {torch.__version__}); "
                           "use --device cpu to run kernels through Triton's interpreter")
     return device
+
+
+_ARCHS: dict[int, str] = {}
+
+
+def gpu_arch() -> str | None:
+    """The arch whose tiles the current CUDA device takes (fagen.spec.targets.arch_of: 'sm_80' on an A100), or None
+    where kernels run in Triton's interpreter or no GPU is visible."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    index = torch.cuda.current_device()
+    if index not in _ARCHS:
+        from fagen.spec.targets import arch_of
+
+        _ARCHS[index] = arch_of(torch.cuda.get_device_capability(index))
+    return _ARCHS[index]

@@ -7,15 +7,8 @@ inputs' device: by fagen.attention (fagen/runtime/resolve.py) when no gradient i
 (BenchCase.spec) when no spec field is pinned on the command line. It applies when
   - $FAGEN_HOPPER is not "0" (read when a case is first resolved in a process; set it before the first call),
   - the device is CUDA of compute capability 9.0 (H100/H200) and triton has the Gluon Hopper API (>= 3.6),
-  - the case is one where the H100 measurements of docs/hopper.md show a win over the Triton forward: a prefill
-    forward, head_dim 128, bf16, mask none (any gqa: +5% full s16k) or causal with gqa > 1 (+13% gqa 32/8 causal
-    s4k). Not MHA causal: the Triton forward won it in the three latest runs (s16k Triton / Gluon TF/s: 558 / 550
-    in c68d572:benchmarks/hopper/6-integration, 559 / 543 and 562 / 543 in benchmarks/scores.md), so phase 1's +3% did
-    not hold. Not d64 (-7%), not fp16 (496 vs 493 TF/s, a tie), not padding/tree masks (no such kernel).
-    With score switches: causal with the window switch alone (any gqa), where the gluon forward's block skipping
-    measured +9% over the Triton one (window 4096 at s32k, d128 bf16, MHA: 540 vs 497 TF/s, same run;
-    docs/hopper.md, "Score switches in the forward"). Not the softcap (470 vs 477 TF/s, a tie lost), not window
-    with softcap (not measured), never ALiBi or sinks (the gluon forward has neither).
+  - the gluon backend's measured rule picks the case (GluonBackend.selected, [Note] Gluon selection rule in
+    fagen/backends/gluon.py: where the H100 measurements of docs/hopper.md show a win over the Triton forward).
 fp8 (dtype fp8_e4m3) has no other kernel: an fp8 case within the gluon forward's limits (prefill forward, head_dim
 64/128, mask none/causal, no switch or the window alone) is always the gluon one on sm_90 (README "fp8 forward").
 Everywhere else the present kernels serve, unchanged. fagen.attention also asks for a problem of at least MIN_WORK
@@ -34,17 +27,14 @@ from __future__ import annotations
 import functools
 import os
 
-from fagen.spec.axes import Backend, Direction, DType, Kind, Mask
+from fagen.backends import GLUON
+from fagen.spec.axes import Backend, DType
 from fagen.spec.kernel import KernelSpec
 
 ENV = "FAGEN_HOPPER"
 MIN_WORK = 1 << 29  # batch x query heads x Sq x Sk below which fagen.attention keeps the Triton forward
-# The cases the gluon forward is selected for (head_dim, dtype, masks): measured wins only, see the note above.
-SELECTED_HEAD_DIMS = (128,)
-SELECTED_DTYPES = (DType.BF16,)
-SELECTED_MASKS = (Mask.NONE, Mask.CAUSAL)
-SELECTED_SWITCHES = (("window",), Mask.CAUSAL)  # the one switch set selected, and its mask (any gqa)
-FP8_HEAD_DIMS = (64, 128)  # fp8: every case the gluon forward has (no other fp8 kernel)
+# The measured rule, as the gluon backend's descriptor states it (machine not considered).
+selected = GLUON.selected
 
 
 def enabled() -> bool:
@@ -83,19 +73,6 @@ def is_hopper(device) -> bool:
     if index not in _CAPABILITY:
         _CAPABILITY[index] = torch.cuda.get_device_capability(index)
     return _CAPABILITY[index] == (9, 0)
-
-
-def selected(spec: KernelSpec) -> bool:
-    """Whether the measured rule picks the gluon forward for the case of `spec` (machine not considered)."""
-    if spec.dtype is DType.FP8_E4M3:  # the only fp8 kernel: selected wherever it exists
-        return (spec.kind is Kind.PREFILL and spec.direction is Direction.FWD and spec.head_dim in FP8_HEAD_DIMS
-                and spec.mask in SELECTED_MASKS and spec.switches in ((), ("window", )))
-    if not (spec.kind is Kind.PREFILL and spec.direction is Direction.FWD and spec.head_dim in SELECTED_HEAD_DIMS
-            and spec.dtype in SELECTED_DTYPES):
-        return False
-    if spec.switches:
-        return (spec.switches, spec.mask) == SELECTED_SWITCHES
-    return spec.mask in SELECTED_MASKS and not (spec.mask is Mask.CAUSAL and spec.gqa == 1)
 
 
 def gluon_twin(spec: KernelSpec) -> KernelSpec:

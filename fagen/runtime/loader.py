@@ -6,11 +6,11 @@ import threading
 from pathlib import Path
 from types import ModuleType
 
-from fagen import __version__
+from fagen import __version__, backends
 from fagen.codegen.render import Rendered, render
 from fagen import files
+from fagen.runtime.device import gpu_arch
 from fagen.runtime.modules import import_module
-from fagen.spec import tables
 from fagen.spec.kernel import KernelSpec
 
 _loaded: dict[str, ModuleType] = {}
@@ -29,17 +29,19 @@ def write_source(spec: KernelSpec, rendered: Rendered | None = None) -> Path:
     stem = files.cache_root() / "src" / f"{spec.name}-{key}"
     for suffix, text in rendered.files.items():
         files.write_if_different(stem.with_name(stem.name + suffix), text)
-    return stem.with_name(stem.name + tables.SOURCE_SUFFIX[spec.backend])
+    return stem.with_name(stem.name + backends.get(spec.backend).suffix)
 
 
 def load(spec: KernelSpec, build_dir: str | Path | None = None) -> ModuleType:
     """The generated module for `spec`. Rendered into the cache on first use; later calls are cache hits.
 
     With build_dir (the output of `fagen build` or `fagen compile`), its kernels launch the prebuilt cubins
-    for the current GPU instead of compiling (see fagen/runtime/prebuilt.py).
+    for the current GPU instead of compiling (see fagen/runtime/prebuilt.py). On a GPU, the launch fields the
+    spec left unset take that GPU arch's defaults (KernelSpec.for_arch; the interpreter keeps the spec as it is).
     """
     if not isinstance(spec, KernelSpec):
         raise TypeError(f"load() takes a KernelSpec, got {type(spec).__name__}")
+    spec = spec.for_arch(gpu_arch())
     if build_dir is not None:
         from fagen.runtime import prebuilt
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 
 class _Axis(str, enum.Enum):
@@ -97,3 +98,7 @@ DECODE_MAX_SEQ_Q = 16
 
 # Paged KV caches: pages hold a power of two of tokens, from 1 to this many.
 MAX_PAGE_SIZE = 256
+
+
+# The one SpecError (fagen/errors.py, which imports nothing), re-exported here with the axes it validates.
+from fagen.errors import SpecError  # noqa: E402,F401

@@ -12,11 +12,12 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from fagen import backends
+from fagen.backends.base import LAUNCH_FIELDS, SCORE_SWITCHES
 from fagen.mods.text import canonical
-from fagen.spec import defaults, tables, targets
-from fagen.errors import SpecError  # defined apart so that fagen.mods can raise it without an import cycle
+from fagen.spec import tables, targets, tuned
 from fagen.spec.axes import (BLOCK_SIZES, HEAD_DIMS, MAX_GQA, NUM_STAGES, NUM_WARPS, Backend, Direction, DType, Kind,
-                             KVDType, Layout, Mask)
+                             KVDType, Layout, Mask, SpecError)
 
 
 def _int_field(name: str, value: Any, ok, allowed: str) -> int:
@@ -35,8 +36,9 @@ def _enum_field(name: str, value: Any, enum_cls) -> Any:
         raise SpecError(name, value, "must be one of " + ", ".join(repr(c) for c in enum_cls.choices())) from None
 
 
-# The score switches, and their short names in variant names (``..._g4_win_sink_bf16``).
-SCORE_SWITCHES = ("window", "softcap", "alibi", "sinks")
+_LAUNCH_ALLOWED = {"block_m": BLOCK_SIZES, "block_n": BLOCK_SIZES, "num_warps": NUM_WARPS, "num_stages": NUM_STAGES}
+
+# The score switches' short names in variant names (``..._g4_win_sink_bf16``).
 SWITCH_SHORT = {"window": "win", "softcap": "cap", "alibi": "alibi", "sinks": "sink"}
 _MOD_FIELDS = ("score_mod", "mask_mod", "mod_tensors", "mod_scalars")
 
@@ -81,14 +83,19 @@ class KernelSpec:
     # kernel (None: the cache has the spec's dtype), likewise left out while None.
     head_dim_v: int | None = None
     kv_dtype: KVDType | None = None
+    # The GPU arch whose defaults fill the launch fields left unset ([Note] Tiles per arch in fagen/backends/triton.py);
+    # None: sm_90's ([Note] Deterministic specs in fagen/spec/tuned.py). Not stored: the tiles it chose are, and
+    # the name shows them. for_arch() resolves the same spec for another arch.
+    arch: dataclasses.InitVar[str | None] = None
 
     def __new__(cls, *args: Any, **fields: Any) -> KernelSpec:
         # A misspelt or missing field is a SpecError naming it (the dataclass __init__ would raise a TypeError).
-        # pickle and copy call __new__ with no arguments: those skip the head_dim check.
-        _check_names(fields, required=not args and bool(fields))
+        # pickle and copy call __new__ with no arguments: those skip the head_dim check. `arch` is an init-only
+        # argument (dataclasses.replace passes it too).
+        _check_names({k: v for k, v in fields.items() if k != "arch"}, required=not args and bool(fields))
         return super().__new__(cls)
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, arch: str | None) -> None:
         put = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
         put("head_dim", _int_field("head_dim", self.head_dim, lambda d: d in HEAD_DIMS,
                                    "must be a multiple of 8 from 16 to 256 (for example 64, 80, 128)"))
@@ -125,17 +132,19 @@ class KernelSpec:
                 raise SpecError("backend", str(self.backend), "user mods are built on backend 'triton'")
         if self.dtype is DType.FP8_E4M3:
             self._check_fp8()
-        if (self.backend, self.kind) not in tables.TEMPLATE:
-            have = ", ".join(f"{b}/{k}" for b, k in tables.TEMPLATE)
+        backend = backends.get(self.backend)
+        if self.kind not in backend.templates:
+            have = ", ".join(f"{b.backend}/{kind}" for b in backends.BACKENDS.values() for kind in b.templates)
             raise SpecError("backend", f"{self.backend}/{self.kind}",
                             f"no templates for this backend and kind yet; available: {have}")
-        if self.backend is Backend.CUDA:
-            config = defaults.cuda_default_config(self.head_dim, self.dtype, self.direction, self.kind)
-        elif self.backend is Backend.GLUON:
-            config = defaults.gluon_default_config(self.head_dim, self.dtype)
-        else:
-            config = defaults.default_config(max(self.head_dim, self.head_dim_v), self.dtype, self.direction,
-                                             self.kind, mask=self.mask, layout=self.layout, window=self.window)
+        if arch is not None and arch not in targets.ARCH_SMEM_LIMIT:
+            raise SpecError("arch", arch, "must be one of " + ", ".join(targets.ARCH_SMEM_LIMIT))
+        # Which launch fields this spec fills itself, so that for_arch() can fill them again (not a field: two
+        # specs with the same tiles are equal however they got them).
+        put("defaulted", tuple(name for name in LAUNCH_FIELDS if getattr(self, name) is None))
+        given = {name: getattr(self, name) for name in LAUNCH_FIELDS if name not in self.defaulted}
+        given = {name: value for name, value in given.items() if value in _LAUNCH_ALLOWED[name]}  # checked below
+        config = backend.default_config(self, arch or tuned.DEFAULT_ARCH, given)
         for name, allowed, desc in (
             ("block_m", BLOCK_SIZES, "must be a power of two from 16 to 256"),
             ("block_n", BLOCK_SIZES, "must be a power of two from 16 to 256"),
@@ -148,10 +157,15 @@ class KernelSpec:
             raise SpecError("head_dim_v", self.head_dim_v, f"the {self.backend} backend takes one head dim for q, k "
                                                            f"and v (head_dim {self.head_dim}); use backend 'triton' "
                                                            "for a different V head dim")
-        if self.backend is Backend.CUDA:
-            self._check_cuda()
-        elif self.backend is Backend.GLUON:
-            self._check_gluon()
+        backend.check(self)
+
+    def for_arch(self, arch: str | None) -> KernelSpec:
+        """This spec with the launch fields it left unset resolved for `arch` (None: this spec); fields that were
+        given stay. `fagen build` and fagen.load use it, so a spec built for sm_80 and sm_90 may get two names."""
+        if arch is None or not self.defaulted:
+            return self
+        spec = dataclasses.replace(self, arch=arch, **{name: None for name in self.defaulted})
+        return self if spec == self else spec
 
     @property
     def switches(self) -> tuple[str, ...]:
@@ -176,7 +190,7 @@ class KernelSpec:
 
     def _check_layout(self) -> None:
         """What the varlen and paged layouts come with (README "Layouts"); the message names the field to change."""
-        if self.backend is not Backend.TRITON:
+        if self.layout not in backends.get(self.backend).layouts:
             raise SpecError("layout", str(self.layout), "the varlen and paged layouts are built on backend 'triton'")
         if self.mask.padded:
             raise SpecError("mask", str(self.mask),
@@ -229,53 +243,12 @@ class KernelSpec:
         """Whether q is packed [total_q, Hq, D] with cu_seqlens_q (varlen, and paged prefill)."""
         return self.layout is Layout.VARLEN or (self.layout is Layout.PAGED and self.kind is Kind.PREFILL)
 
-    def _check_cuda(self) -> None:
-        """The cuda backend's own limits (defaults.CUDA_SUPPORTED); the message names the field to change."""
-        for name, (allowed, why) in defaults.CUDA_SUPPORTED.items():
-            value = getattr(self, name)
-            if value not in allowed:
-                raise SpecError(name, value.value if isinstance(value, enum.Enum) else value, why)
-        for name in self.switches:
-            if name not in ("window", "softcap"):
-                raise SpecError(name, True, "the cuda backend has the window and softcap switches only; use "
-                                            "backend 'triton'")
-        rows = self.block_m // self.num_warps
-        if self.block_m % self.num_warps or rows not in defaults.CUDA_ROWS_PER_WARP:
-            ok = ", ".join(str(self.block_m // r) for r in defaults.CUDA_ROWS_PER_WARP)
-            raise SpecError("num_warps", self.num_warps,
-                            f"the cuda backend gives each warp 16 or 32 query rows: with block_m {self.block_m} "
-                            f"use num_warps {ok}")
-        smem = targets.cuda_smem_bytes(self.head_dim, self.dtype, self.block_m, self.block_n, self.num_stages)
-        limit = max(targets.ARCH_SMEM_LIMIT.values())
-        if smem > limit:
-            raise SpecError("num_stages", self.num_stages,
-                            f"needs {smem} bytes of shared memory with block_m {self.block_m}, block_n "
-                            f"{self.block_n}, head_dim {self.head_dim}; no GPU gives a block more than {limit}: "
-                            "use fewer stages or a smaller block_n/block_m")
-
-    def _check_gluon(self) -> None:
-        """The gluon backend's own limits (defaults.GLUON_SUPPORTED) and its shared memory on sm_90."""
-        for name, (allowed, why) in defaults.GLUON_SUPPORTED.items():
-            value = getattr(self, name)
-            if value not in allowed:
-                raise SpecError(name, value.value if isinstance(value, enum.Enum) else value, why)
-        for name in self.switches:
-            if name not in defaults.GLUON_SWITCHES:
-                raise SpecError(name, True, "the gluon backend has the window and softcap switches only; use "
-                                            "backend 'triton'")
-        smem = targets.smem_bytes(self)
-        limit = targets.ARCH_SMEM_LIMIT["sm_90"]
-        if smem > limit:
-            raise SpecError("num_stages", self.num_stages,
-                            f"needs {smem} bytes of shared memory with block_n {self.block_n}, head_dim "
-                            f"{self.head_dim}; sm_90 gives a block at most {limit}: use fewer stages or block_n 64")
-
     # -- names ---------------------------------------------------------------------------
     @cached_property
     def name(self) -> str:
         """Readable, unique per spec: ``attn_fwd_causal_d128_m128n64w8s3_g4_bf16``."""
         prefix = "attn" if self.kind is Kind.PREFILL else "decode"
-        suffix = "" if self.backend is Backend.TRITON else f"_{self.backend}"
+        suffix = backends.get(self.backend).name_suffix
         dv = "" if self.head_dim_v == self.head_dim else f"v{self.head_dim_v}"
         kv = "" if self.kv_dtype is None else "_" + tables.KV_SHORT[self.kv_dtype]
         return (f"{prefix}_{self.direction}_{tables.MASK_SHORT[self.mask]}_d{self.head_dim}{dv}"

@@ -1,11 +1,10 @@
-"""Targets: the GPU archs fagen compiles for, their shared-memory limits, and one shared-memory formula per
-backend (checked before any compile, so an oversized variant is rejected in milliseconds, not minutes)."""
+"""Targets: the GPU archs fagen compiles for, their shared-memory limits, and whose default tiles each takes. Each
+backend's shared-memory formula is its descriptor's (fagen/backends/)."""
 
 from __future__ import annotations
 
 from typing import Iterable
 
-from fagen.spec.axes import Backend, Direction, DType
 
 # GPU architectures fagen compiles Triton for, by compute capability.
 ARCH_CAPABILITY = {"sm_80": 80, "sm_90": 90}
@@ -16,6 +15,11 @@ ARCH_SMEM_LIMIT = {"sm_80": 166912, "sm_86": 101376, "sm_87": 166912, "sm_89": 1
 ARCHS = tuple(ARCH_CAPABILITY)
 # The arch whose limits apply where none is named (the interpreter, a spec's own check): the largest, Hopper's.
 DEFAULT_SMEM_LIMIT = ARCH_SMEM_LIMIT["sm_90"]
+# Whose hand-default tiles an arch takes (fagen/backends/triton.py, [Note] Tiles per arch): sm_80's fit its 163 KB
+# and do not spill with mma.sync; sm_90's are the H100's tuned winners. An arch with less shared memory than its
+# family's (sm_86, sm_89, sm_120: 99 KB) gets them shrunk until they fit.
+TILE_FAMILY = {"sm_80": "sm_80", "sm_86": "sm_80", "sm_87": "sm_80", "sm_89": "sm_80", "sm_90": "sm_90",
+               "sm_100": "sm_90", "sm_103": "sm_90", "sm_120": "sm_80"}
 
 
 class ArchError(ValueError):
@@ -38,56 +42,9 @@ def smem_limit(arch: str | None) -> int:
     return ARCH_SMEM_LIMIT.get(arch, DEFAULT_SMEM_LIMIT) if arch else DEFAULT_SMEM_LIMIT
 
 
-# -- shared memory, one formula per backend ------------------------------------------------------------------
-def cuda_head_dim_padded(head_dim: int) -> int:
-    """head_dim rounded up to the MMA k-step of 16; the extra columns are zeros in shared memory."""
-    return (head_dim + 15) // 16 * 16
-
-
-def cuda_smem_bytes(head_dim: int, dtype: DType, block_m: int, block_n: int, num_stages: int) -> int:
-    """Dynamic shared memory of the CUDA forward: a Q tile and num_stages K and V tiles, rows padded by 8."""
-    row = (cuda_head_dim_padded(head_dim) + 8) * DType(dtype).itemsize
-    return (block_m + 2 * num_stages * block_n) * row
-
-
-
-def triton_smem_bytes(spec) -> int:
-    """Shared memory a Triton config's tiles need, estimated from the tiles the kernel stages.
-
-    [Note] Shared-memory filter
-    Forward: the Q tile stays resident and each pipeline stage holds one K and one V tile:
-    (block_m + 2 * num_stages * block_n) * D * bytes. Backward (fagen/templates/triton/backward.py.j2, [Note] Backward
-    tiles): the dK/dV kernel keeps block_n rows of K and V resident and stages Q and dO tiles of min(block_m, 64)
-    rows; the dQ kernel keeps block_m rows of Q and dO and stages K and V tiles of min(block_n, 64) rows; a bwd
-    module's forward runs with the same config, so the largest of the three must fit. Triton's real use differs a
-    little (d128 bf16 m128n128s3: estimated 224/160/160 KB, compiled 225/162/161). Decode kernels stage the same
-    tiles as the forward. A config over the limit by this estimate is rejected before compiling; one that passes
-    it and still does not fit fails in the compiler.
-    """
-    d = 1 << (spec.head_dim - 1).bit_length()  # the kernel pads D to a power of two
-    tiles = spec.block_m + 2 * spec.num_stages * spec.block_n
-    if spec.direction is Direction.BWD:
-        dkdv = 2 * spec.block_n + 2 * spec.num_stages * min(spec.block_m, 64)
-        dq = 2 * spec.block_m + 2 * spec.num_stages * min(spec.block_n, 64)
-        tiles = max(tiles, dkdv, dq)
-    return tiles * d * spec.dtype.itemsize
-
-
-def gluon_smem_bytes(head_dim: int, block_m: int, block_n: int, num_stages: int, itemsize: int = 2) -> int:
-    """Shared memory of the Gluon (Hopper) forward (fagen/templates/gluon/attention.py.j2, [Note] Roles).
-
-    A program owns block_m query rows, block_m / 2 per consumer warpgroup. Each warpgroup has two Q buffers and
-    one O staging buffer; the K/V ring holds num_stages K and V tiles of block_n rows; 2 bytes an element, plus
-    1 KB for the mbarriers and triton's scratch. d128 m128 n128 s2: 230,400 bytes (compiled: 229,752). fp8
-    (itemsize 1): Q and K/V at 1 byte, O still 2 (bf16/fp16 out)."""
-    half = block_m // 2
-    return (itemsize * (2 * 2 * half + 2 * num_stages * block_n) + 2 * 2 * half) * head_dim + 1024
-
-
-def smem_bytes(spec) -> int:
-    """The shared memory a spec's kernels need, by its backend's formula."""
-    if spec.backend is Backend.CUDA:
-        return cuda_smem_bytes(spec.head_dim, spec.dtype, spec.block_m, spec.block_n, spec.num_stages)
-    if spec.backend is Backend.GLUON:
-        return gluon_smem_bytes(spec.head_dim, spec.block_m, spec.block_n, spec.num_stages, spec.dtype.itemsize)
-    return triton_smem_bytes(spec)
+def arch_of(capability: tuple[int, int]) -> str:
+    """The arch whose tiles a GPU of this compute capability takes: its own name where fagen knows it (9.0 ->
+    'sm_90'), else the nearest known arch below it, else sm_80 (a GPU older than any fagen targets)."""
+    number = 10 * capability[0] + capability[1]
+    known = sorted((int(a[3:]), a) for a in ARCH_SMEM_LIMIT)
+    return max(((n, a) for n, a in known if n <= number), default=known[0])[1]

@@ -13,8 +13,10 @@ from fagen.spec.axes import BLOCK_SIZES, HEAD_DIMS, NUM_STAGES, NUM_WARPS, Direc
 TUNED_PATH = Path(__file__).with_name("tuned.json")
 FORMAT = 1
 # [Note] Deterministic specs
-# A spec's resolved block sizes must not depend on the machine it is built on, so KernelSpec always reads
-# the entries of DEFAULT_ARCH. Only a caller that names an arch (the tuner, a build for another GPU) reads others.
+# A spec's resolved block sizes must not depend on the machine it is built on, so KernelSpec reads the entries of
+# DEFAULT_ARCH unless it is given an arch: KernelSpec(..., arch="sm_80"), spec.for_arch(arch). Those who name one
+# are the tuner, `fagen build`/`fagen compile` (each target arch) and fagen.load on a GPU (the GPU's arch); the
+# interpreter keeps DEFAULT_ARCH's.
 DEFAULT_ARCH = "sm_90"
 KEY_FIELDS = ("arch", "head_dim", "mask", "dtype", "direction", "kind")
 CONFIG_FIELDS = ("block_m", "block_n", "num_warps", "num_stages")

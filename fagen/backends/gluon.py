@@ -1,0 +1,98 @@
+"""The Gluon (Hopper) backend: a warp-specialised sm_90 forward (TMA, wgmma, mbarriers), bf16/fp16 and fp8 e4m3.
+
+[Note] Gluon tiles. fagen/templates/gluon/attention.py.j2 runs a persistent CTA of two consumer warpgroups
+(block_m / 2 = 64 query rows each: one wgmma M tile) and one producer warp; num_warps counts the consumer warps
+(the producer warp is added). K/V stream through a ring of num_stages slots of block_n keys, loaded by TMA. The
+limits are those of the variants docs/hopper.md measured.
+"""
+
+from __future__ import annotations
+
+from fagen.backends.base import KernelBackend
+from fagen.spec import targets
+from fagen.spec.axes import Backend, Direction, DType, Kind, Mask, SpecError
+
+
+def smem_bytes(head_dim: int, block_m: int, block_n: int, num_stages: int, itemsize: int = 2) -> int:
+    """Shared memory of the Gluon (Hopper) forward (fagen/templates/gluon/attention.py.j2, [Note] Roles).
+
+    A program owns block_m query rows, block_m / 2 per consumer warpgroup. Each warpgroup has two Q buffers and
+    one O staging buffer; the K/V ring holds num_stages K and V tiles of block_n rows; 2 bytes an element, plus
+    1 KB for the mbarriers and triton's scratch. d128 m128 n128 s2: 230,400 bytes (compiled: 229,752). fp8
+    (itemsize 1): Q and K/V at 1 byte, O still 2 (bf16/fp16 out)."""
+    half = block_m // 2
+    return (itemsize * (2 * 2 * half + 2 * num_stages * block_n) + 2 * 2 * half) * head_dim + 1024
+
+
+class GluonBackend(KernelBackend):
+    backend = Backend.GLUON
+    templates = {Kind.PREFILL: "gluon/attention.py.j2"}
+    name_suffix = "_gluon"
+    supported = {
+        "head_dim": ((64, 128), "the gluon backend supports head_dim 64 or 128 (a TMA box of whole 16-byte rows, "
+                                "one wgmma N tile); use backend 'triton' for other head dims"),
+        "mask": ((Mask.NONE, Mask.CAUSAL), "the gluon backend supports masks 'none' and 'causal'; use backend "
+                                           "'triton' for padding and tree masks"),
+        "dtype": ((DType.FP16, DType.BF16, DType.FP8_E4M3), "the gluon backend computes fp16, bf16 and fp8_e4m3 "
+                                                            "on tensor cores; use backend 'triton' for fp32"),
+        "direction": ((Direction.FWD,), "the gluon backend has the forward only; use backend 'triton' for bwd"),
+        "block_m": ((128,), "the gluon backend takes block_m 128: two consumer warpgroups of 64 rows"),
+        "block_n": ((64, 128), "the gluon backend supports block_n 64 or 128 (a TMA box side is a power of two)"),
+        "num_warps": ((8,), "the gluon backend runs 8 consumer warps (two warpgroups) plus its producer warp"),
+        "num_stages": ((2, 3, 4), "the gluon backend rings K/V through 2, 3 or 4 shared-memory slots"),
+    }
+    # Score switches of the gluon forward ([Note] Gluon score switches in fagen/templates/gluon/attention.py.j2);
+    # ALiBi and sinks are backend 'triton' only.
+    switches = ("window", "softcap")
+    switches_why = "the gluon backend has the window and softcap switches only (forward); use backend 'triton'"
+    smem_limit = targets.ARCH_SMEM_LIMIT["sm_90"]
+    smem_why = ("block_n {spec.block_n}, head_dim {spec.head_dim}; sm_90 gives a block at most {limit}: use fewer "
+                "stages or block_n 64")
+    # its launch takes host TMA descriptors: no prebuilt launcher yet
+    no_aot = ("backend 'gluon' has no ahead-of-time build yet; the module compiles itself on first use on sm_90 "
+              "(compile_for() builds it without a GPU)")
+    # The gluon forward's register budgets (setmaxnreg): 240 per consumer thread, 24 for the producer (docs/hopper.md,
+    # "Variants measured"). The variant switches measured beside them (ping-pong, late K/V releases, O via Q, joined
+    # releases, one Q buffer, a K/V ring deeper than the spec's) were slower or no faster and left the template
+    # (docs/hopper.md, "What left the product").
+    variant = {"consumer_regs": 240, "loader_regs": 24}
+
+    # [Note] Gluon selection rule. The cases where the H100 measurements of docs/hopper.md show the gluon forward
+    # beating the Triton one: a prefill forward, head_dim 128, bf16, mask none (any gqa: +5% full s16k) or causal
+    # with gqa > 1 (+13% gqa 32/8 causal s4k). Not MHA causal: the Triton forward won it in the three latest runs
+    # (s16k Triton / Gluon TF/s: 558 / 550 in benchmarks/hopper/6-integration, 559 / 543 and 562 / 543 in
+    # benchmarks/scores.md), so phase 1's +3% did not hold. Not d64 (-7%), not fp16 (496 vs 493 TF/s, a tie), not
+    # padding/tree masks (no such kernel). With score switches: causal with the window switch alone (any gqa),
+    # where the gluon forward's block skipping measured +9% over the Triton one (window 4096 at s32k, d128 bf16,
+    # MHA: 540 vs 497 TF/s, same run; docs/hopper.md, "Score switches in the forward"). Not the softcap (470 vs
+    # 477 TF/s, a tie lost), not window with softcap (not measured), never ALiBi or sinks (the gluon forward has
+    # neither). fp8 has no other kernel: an fp8 spec is always this backend's. Where and when the rule applies (the
+    # device, $FAGEN_HOPPER, the problem size): [Note] Hopper selection in fagen/runtime/hopper.py.
+    selected_head_dims = (128,)
+    selected_dtypes = (DType.BF16,)
+    selected_masks = (Mask.NONE, Mask.CAUSAL)
+    selected_switches = (("window",), Mask.CAUSAL)  # the one switch set selected, and its mask (any gqa)
+
+    def default_config(self, spec, arch: str, given: dict) -> dict:
+        """The measured default (docs/hopper.md), on sm_90 only. d128: 2 K/V slots, all that fits beside Q (two
+        buffers per warpgroup) and O (H100: 630 TF/s full, 568 causal at s16k bf16); d64: 3 slots. fp8: half the
+        bytes per slot, so 4 slots at either head dim (d128: 193 KB; not yet measured against 2 or 3: docs/hopper.md,
+        "fp8 forward")."""
+        if spec.dtype is DType.FP8_E4M3:
+            return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 4}
+        return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2 if spec.head_dim >= 128 else 3}
+
+    def smem_bytes(self, spec) -> int:
+        return smem_bytes(spec.head_dim, spec.block_m, spec.block_n, spec.num_stages, spec.dtype.itemsize)
+
+    def selected(self, spec) -> bool:
+        """Whether the measured rule ([Note] Gluon selection rule) picks the gluon forward for the case of `spec`."""
+        if spec.dtype is DType.FP8_E4M3:  # the only fp8 kernel: selected wherever it exists
+            return (spec.kind is Kind.PREFILL and spec.direction is Direction.FWD and spec.head_dim in (64, 128)
+                    and spec.mask in self.selected_masks and spec.switches in ((), ("window",)))
+        if not (spec.kind is Kind.PREFILL and spec.direction is Direction.FWD
+                and spec.head_dim in self.selected_head_dims and spec.dtype in self.selected_dtypes):
+            return False
+        if spec.switches:
+            return (spec.switches, spec.mask) == self.selected_switches
+        return spec.mask in self.selected_masks and not (spec.mask is Mask.CAUSAL and spec.gqa == 1)

@@ -1,0 +1,171 @@
+"""The Triton backend: the default one, for every head dim, dtype, mask, layout, kind and direction.
+
+Its tiles come per target arch ([Note] Tiles per arch); its shared memory is estimated from the tiles the kernels
+stage ([Note] Shared-memory filter); the build checks it per arch, the spec does not.
+"""
+
+from __future__ import annotations
+
+from fagen.backends.base import KernelBackend, fit
+from fagen.spec import targets, tuned
+from fagen.spec.axes import Backend, DType, Direction, Kind, Layout, Mask
+
+
+class TritonBackend(KernelBackend):
+    backend = Backend.TRITON
+    templates = {Kind.PREFILL: "triton/attention.py.j2", Kind.DECODE: "triton/decode.py.j2"}
+    layouts = (Layout.DENSE, Layout.VARLEN, Layout.PAGED)
+
+    def default_config(self, spec, arch: str, given: dict) -> dict:
+        return default_config(max(spec.head_dim, spec.head_dim_v), spec.dtype, spec.direction, spec.kind,
+                              mask=spec.mask, arch=arch, layout=spec.layout, window=spec.window, given=given)
+
+    def smem_bytes(self, spec) -> int:
+        return smem_bytes(spec)
+
+    def tma_loads(self, spec) -> bool:
+        return tma_loads(spec)
+
+    def aot_missing(self, spec) -> str | None:
+        if spec.kind is Kind.DECODE:
+            return ("decode kernels have no ahead-of-time build: their tile rows and split count follow each call's "
+                    "query and KV lengths, so they compile at first use (fagen.load(spec))")
+        return None
+
+
+def default_config(head_dim: int, dtype: DType, direction: Direction, kind: Kind, mask: Mask | None = None,
+                   arch: str = tuned.DEFAULT_ARCH, layout: Layout = Layout.DENSE, window: bool = False,
+                   given: dict | None = None) -> dict:
+    """Block sizes, warps and stages used on `arch` when a spec leaves them unset.
+
+    [Note] Tiles per arch
+    The tuned table (fagen/spec/tuned.json, written by `fagen tune`) wins for its (arch, head_dim, mask, dtype,
+    direction, kind); otherwise the hand defaults of the arch's family (targets.TILE_FAMILY) apply, shrunk by
+    `fit` until the shared-memory estimate fits the arch (stages to 2, then block_n to 32, then block_m to 64);
+    the fields in `given` (what the spec sets) stay as given.
+    sm_90's are the H100's tuned winners; sm_80's were chosen with ptxas so that no catalog kernel spills on
+    sm_80 and every one fits its 163 KB (tests/test_arch_defaults.py compiles them).
+    """
+    config = _tuned_or_hand(head_dim, dtype, direction, kind, mask, arch, layout, window)
+    return fit(config, lambda c: tile_bytes(head_dim, dtype, direction, c["block_m"], c["block_n"], c["num_stages"]),
+               targets.smem_limit(arch), given)
+
+
+def _tuned_or_hand(head_dim: int, dtype: DType, direction: Direction, kind: Kind, mask: Mask | None, arch: str,
+                   layout: Layout, window: bool) -> dict:
+    """The tuned entry of `arch`, else its family's hand default (sm_90's: the bf16 winners of the H100 table, so
+    fp16 and other head dims follow them: d128 m128n128w8s3, 547 TF/s full and 524 causal at s16k with TMA; d64
+    m128n128w4s3, 448 causal). Windowed d64 forwards take their own tile, before the table (whose keys have no
+    score switches): see [Note] Windowed d64 tiles.
+    """
+    wide = head_dim > 128 or dtype is DType.FP32
+    if window and head_dim <= 64 and not wide and direction is Direction.FWD and kind is Kind.PREFILL:
+        # [Note] Windowed d64 tiles. The window's width is a runtime argument, so the spec only knows that there
+        # is one. The d64 models with windowed layers use small windows (gpt-oss: 128 keys, alternate layers),
+        # where a 128 x 128 tile loads 2-3 key blocks (256-384 keys) per 128-key window, every one of them with
+        # mask arithmetic. H100, gpt-oss layer (d64, causal window 128, sinks, GQA 64/8, s8k, bf16;
+        # benchmarks/scores.md): m128n128w4s3 (the plain d64 tile) 68-69 TF/s, 0.88x FlexAttention (78);
+        # m64n32w4s3 104-105 TF/s (1.33-1.35x Flex, three runs); m64n16 98, m64n32s4 101, m64n64 90, m128n32 83,
+        # m32 blocks 48-67. A wide window pays for the small tile: d64 causal window 4096 at s16k runs 349 TF/s
+        # on it against 379 on m128n128w4s3 (0.92x); a caller who knows its window is wide sets the blocks.
+        return {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 3}
+    found = tuned.lookup(head_dim, mask, dtype, direction, kind, arch=arch)
+    if found is not None:
+        return found
+    if kind is not Kind.DECODE and not wide and targets.TILE_FAMILY.get(arch) == "sm_80":
+        return _sm80_config(head_dim, direction, mask, layout)
+    if kind is Kind.DECODE:
+        # block_m caps the query rows of one tile (gqa * Sq packed; the launcher shrinks it to fit), block_n is
+        # keys per step. Memory-bound: stages keep K/V loads in flight. At 4 warps the fp32 accumulator of a
+        # 64 x 128 tile is 64 registers a thread; 128 rows spill (sm_90 ptxas), so more rows take more tiles.
+        if wide:
+            return {"block_m": 32, "block_n": 32, "num_warps": 4, "num_stages": 2}
+        if layout is Layout.PAGED:
+            # [Note] Paged decode tiles. Each block's rows are gathered through the block table, a dependent load
+            # before K/V: wider blocks amortise it. H100, d128 bf16 32/8 heads, page 16 (scripts/paged_sweep.py,
+            # 2026-11-23): n128 w4 s2 2904 / 2868 GB/s (KV 8k x b32 / 32k x b8), n64 w4 s3 2799 / 2788,
+            # n32 2380 / 2374; dense decode (n64 w4 s3) 2952 / 2920 on the same problems.
+            return {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 2}
+        return {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3}
+    if direction is Direction.BWD:
+        # block_n = keys per dK/dV program, block_m = queries per dQ program; each steps over the other axis in
+        # tiles of at most 64 (fagen/templates/triton/backward.py.j2, [Note] Backward tiles). The forward of a bwd module
+        # runs with the same values, so d128 takes the forward's best tile. H100 sweep: docs/backward.md.
+        if wide:
+            return {"block_m": 64, "block_n": 32, "num_warps": 8, "num_stages": 2}
+        if head_dim <= 64:
+            return {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3}
+        if mask == Mask.TREE:  # measured only for correctness; m128n64w8s2 spilled 216 words (sm_90), this none
+            return {"block_m": 64, "block_n": 32, "num_warps": 8, "num_stages": 2}
+        return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3}
+    if wide:
+        return {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 2}
+    if head_dim <= 64 and mask == Mask.TREE:
+        # m128n128w4s3 spilled 2380 words on sm_80 and 1138 on sm_90 (ptxas, d64 fp16): the masked steps stage
+        # tree-mask tiles too. m128n64w8s2 spills none on either (fagen compile --arch sm_80,sm_90, 2026-11-23).
+        return {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2}
+    if head_dim <= 64:
+        return {"block_m": 128, "block_n": 128, "num_warps": 4, "num_stages": 3}
+    return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3}
+
+
+def _sm80_config(head_dim: int, direction: Direction, mask: Mask | None, layout: Layout) -> dict:
+    """sm_80's prefill tiles for head_dim <= 128 in fp16/bf16 (mma.sync; 163 KB of shared memory a block).
+
+    No A100 timing chose them: they are the largest tiles of the sm_90 rules' shape that fit and spill nothing
+    in any catalog variant (ptxas of triton 3.6, 2026-11-26; `fagen build fagen/spec/catalog.toml`). The sm_90
+    tiles spill on sm_80 (d64 causal m128n128w4s3: 78 words) or do not fit (d128 m128n128w8s3: 224 KB). Spills of
+    the candidates, bf16: forward d64 causal m128n64w4s3 2 words, m128n64w8s3 0; d128 m128n64w8s3 0, tree 222
+    (m64n64w8s2 2, m64n32w8s2 0), paged 6 (m128n64w8s2 0); backward d64 m64n64w4s3 16 (gqa 4, mask none),
+    m64n64w8s3 0; d128 m64n64w4s3 16, m64n64w8s3 0; tree d64 m128n64w8s2 140, m64n32w4s2 0; tree d128
+    m128n64w8s2 1404, m64n32w8s2 0. Decode kernels keep the sm_90 tiles (they fit: 112 KB dense, 144 KB paged).
+    """
+    tree = mask == Mask.TREE
+    if direction is Direction.BWD:
+        if tree:
+            return {"block_m": 64, "block_n": 32, "num_warps": 4 if head_dim <= 64 else 8, "num_stages": 2}
+        return {"block_m": 64, "block_n": 64, "num_warps": 8, "num_stages": 3}
+    if tree:
+        return ({"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2} if head_dim <= 64
+                else {"block_m": 64, "block_n": 32, "num_warps": 8, "num_stages": 2})
+    return {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2 if layout is Layout.PAGED else 3}
+
+
+def smem_bytes(spec) -> int:
+    """Shared memory a Triton spec's tiles need, estimated from the tiles the kernel stages (tile_bytes)."""
+    return tile_bytes(spec.head_dim, spec.dtype, spec.direction, spec.block_m, spec.block_n, spec.num_stages)
+
+
+def tile_bytes(head_dim: int, dtype: DType, direction: Direction, block_m: int, block_n: int,
+                      num_stages: int) -> int:
+    """Shared memory a Triton config's tiles need, estimated from the tiles the kernel stages.
+
+    [Note] Shared-memory filter
+    Forward: the Q tile stays resident and each pipeline stage holds one K and one V tile:
+    (block_m + 2 * num_stages * block_n) * D * bytes. Backward (fagen/templates/triton/backward.py.j2, [Note] Backward
+    tiles): the dK/dV kernel keeps block_n rows of K and V resident and stages Q and dO tiles of min(block_m, 64)
+    rows; the dQ kernel keeps block_m rows of Q and dO and stages K and V tiles of min(block_n, 64) rows; a bwd
+    module's forward runs with the same config, so the largest of the three must fit. Triton's real use differs a
+    little (d128 bf16 m128n128s3: estimated 224/160/160 KB, compiled 225/162/161). Decode kernels stage the same
+    tiles as the forward. A config over the limit by this estimate is rejected before compiling; one that passes
+    it and still does not fit fails in the compiler.
+    """
+    d = 1 << (head_dim - 1).bit_length()  # the kernel pads D to a power of two
+    tiles = block_m + 2 * num_stages * block_n
+    if direction is Direction.BWD:
+        dkdv = 2 * block_n + 2 * num_stages * min(block_m, 64)
+        dq = 2 * block_m + 2 * num_stages * min(block_n, 64)
+        tiles = max(tiles, dkdv, dq)
+    return tiles * d * DType(dtype).itemsize
+
+
+def tma_loads(spec) -> bool:
+    """Whether the Triton prefill forward reads K/V through tensor descriptors (TMA on sm_90).
+
+    [Note] TMA choice: `fagen tune` on the H100 (2026-11-22) with and without descriptors, best config each,
+    bf16 TF/s: d128 full 547 vs 520, d128 causal 524 vs 475, d64 causal 448 vs 431, tree p16k+128 0.279 vs
+    0.304 ms. ptxas (sm_90, d128 m128n128w8s3): 196 registers instead of 247, no spills either way. On sm_80 the
+    descriptors lower to ordinary loads. The decode and backward kernels keep pointer loads, and so do paged caches
+    (each key row is gathered through the block table).
+    """
+    return spec.kind is Kind.PREFILL and spec.layout is not Layout.PAGED

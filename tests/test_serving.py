@@ -273,11 +273,16 @@ def _take(kwargs, rows, trim=None):
     return out
 
 
-@pytest.mark.parametrize("kv", [None, "fp8_e4m3"])
+@pytest.mark.parametrize("kv, switches", [(None, {}), ("fp8_e4m3", {}), (None, dict(window=True, sinks=True))],
+                         ids=["bf16", "fp8", "window+sinks"])
 @pytest.mark.parametrize("mask", DECODE_MASKS)
-def test_dense_decode_is_batch_invariant(mask, kv, monkeypatch):
+def test_dense_decode_is_batch_invariant(mask, kv, switches, monkeypatch):
+    """Sinks join the merge (or the split, with one split): invariance holds only if one sequence's sum never
+    changes place; a window moves each sequence's first split."""
+    if switches and mask in ("none", "padding"):
+        pytest.skip("the switches' case runs with the causal masks and the tree")
     spec = fagen.KernelSpec(head_dim=32 if not ON_GPU else 128, mask=mask, kind="decode", dtype="bf16", gqa=4,
-                            kv_dtype=kv, block_n=16 if not ON_GPU else None)
+                            kv_dtype=kv, block_n=16 if not ON_GPU else None, **switches)
     module = load(spec)
     _small_chunks(module, monkeypatch)
     sk = 131 if not ON_GPU else 9000

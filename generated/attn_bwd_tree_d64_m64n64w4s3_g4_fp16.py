@@ -17,7 +17,6 @@ import triton.language as tl
 NAME = "attn_bwd_tree_d64_m64n64w4s3_g4_fp16"
 SPEC_HASH = "1c4341544045ee55"
 HEAD_DIM = 64
-HEAD_DIM_V = 64  # v's and out's head dim
 GQA = 4
 MASK = "tree"
 DTYPE = torch.float16
@@ -203,13 +202,12 @@ def _check_scale(scale):
 
 
 def _check_saved(do, out, lse, q):
-    """The backward's extra inputs: dO and out like forward()'s out (q's dtype, device and shape but the head dim,
-    which is v's), lse float32 as forward() returns it."""
+    """The backward's extra inputs: dO and out like q (shape, dtype, device), lse float32 as forward() returns it."""
     for name, t in (("do", do), ("out", out)):
         if not isinstance(t, torch.Tensor):
             raise InputError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
         if t.shape != q.shape or t.dtype != q.dtype or t.device != q.device:
-            raise InputError(f"{name}: expected {q.dtype} {tuple(q.shape)} on {q.device} like forward()'s out, "
+            raise InputError(f"{name}: expected {q.dtype} {tuple(q.shape)} on {q.device} like q, "
                              f"got {t.dtype} {tuple(t.shape)} on {t.device}")
     if not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32 or lse.shape != q.shape[:3] \
             or lse.device != q.device:
@@ -392,7 +390,6 @@ UPCAST = _INTERPRET and DTYPE == torch.bfloat16
 
 # Glossary of constexprs
 #   HEAD_DIM   D of the spec; BLOCK_D = next power of two >= D (columns past D are masked to zero)
-#   HEAD_DIM_V v's and out's head dim (MLA: 128 with D 192); BLOCK_DV its power of two, masked the same way
 #   BLOCK_M    query rows per program; BLOCK_N keys per inner step
 #   GQA        query heads per KV head
 #   UPCAST     interpreter-only fp32 upcast of bf16 dot operands (see [Note] Interpreter upcast)
@@ -427,11 +424,10 @@ def _tree_visible(mask, stride_tm, rows, nodes, n_nodes):
 
 @triton.jit
 def _fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, qk_scale,
-               offs_m, offs_n, offs_d, offs_dv, lo, hi, len_q, len_k, seq_q, seq_k, off_b,
+               offs_m, offs_n, offs_d, lo, hi, len_q, len_k, seq_q, seq_k, off_b,
                SeqlensQ, SeqlensK, TreeMask, stride_tb, stride_tm,
-               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr,
-               TMA: tl.constexpr):
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               MASKED: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr):
     """Online softmax over key blocks [lo, hi). m_i lives in the log2 domain (qk_scale = scale / ln 2)."""
     prefix = seq_k - seq_q
     # [Note] Unpipelined tree tail: the masked loop gathers tree-mask tiles; staging them through the software
@@ -444,8 +440,8 @@ def _fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, qk_scale,
         else:
             k = _load_rows(k_src + cols[:, None] * stride_kn + offs_d[None, :], cols, len_k, offs_d,
                            HEAD_DIM, BLOCK_D, MASKED)
-            v = _load_rows(v_src + cols[:, None] * stride_vn + offs_dv[None, :], cols, len_k, offs_dv,
-                           HEAD_DIM_V, BLOCK_DV, MASKED)
+            v = _load_rows(v_src + cols[:, None] * stride_vn + offs_d[None, :], cols, len_k, offs_d,
+                           HEAD_DIM, BLOCK_D, MASKED)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -472,11 +468,10 @@ def _attn_fwd(Q, K, V, Out, Lse, SeqlensQ, SeqlensK, TreeMask, qk_scale,
               stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
               stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
               stride_tb, stride_tm, num_heads, seq_q, seq_k,
-              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GQA: tl.constexpr, UPCAST: tl.constexpr,
-              TMA: tl.constexpr):
-    tl.static_assert(HEAD_DIM % 8 == 0 and HEAD_DIM_V % 8 == 0)
-    tl.static_assert(BLOCK_D >= HEAD_DIM and BLOCK_DV >= HEAD_DIM_V)
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              GQA: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr):
+    tl.static_assert(HEAD_DIM % 8 == 0)
+    tl.static_assert(BLOCK_D >= HEAD_DIM)
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)
     start_m = tl.program_id(0)
     off_h = tl.program_id(1)
@@ -490,7 +485,6 @@ def _attn_fwd(Q, K, V, Out, Lse, SeqlensQ, SeqlensK, TreeMask, qk_scale,
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
     q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
     k_base = K + off_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * stride_kh
     v_base = V + off_b.to(tl.int64) * stride_vb + off_hkv.to(tl.int64) * stride_vh
@@ -504,27 +498,27 @@ def _attn_fwd(Q, K, V, Out, Lse, SeqlensQ, SeqlensK, TreeMask, qk_scale,
         # guarantees 16-byte aligned bases and row strides, as TMA requires.
         k_src = tl.make_tensor_descriptor(k_base, shape=[tl.maximum(len_k, 1), HEAD_DIM], strides=[stride_kn, 1],
                                           block_shape=[BLOCK_N, BLOCK_D])
-        v_src = tl.make_tensor_descriptor(v_base, shape=[tl.maximum(len_k, 1), HEAD_DIM_V], strides=[stride_vn, 1],
-                                          block_shape=[BLOCK_N, BLOCK_DV])
+        v_src = tl.make_tensor_descriptor(v_base, shape=[tl.maximum(len_k, 1), HEAD_DIM], strides=[stride_vn, 1],
+                                          block_shape=[BLOCK_N, BLOCK_D])
     else:
         k_src = k_base
         v_src = v_base
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     # The dense prefix runs unmasked; the block that straddles it and the tree keys read the tree mask.
     hi = seq_k
     split = prefix // BLOCK_N * BLOCK_N
 
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, qk_scale,
-                               offs_m, offs_n, offs_d, offs_dv, 0, split, len_q, len_k, seq_q, seq_k,
-                               off_b, SeqlensQ, SeqlensK, TreeMask, stride_tb, stride_tm,
-                               HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, False, UPCAST, TMA)
+                               offs_m, offs_n, offs_d, 0, split, len_q, len_k, seq_q, seq_k, off_b,
+                               SeqlensQ, SeqlensK, TreeMask, stride_tb, stride_tm,
+                               HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, UPCAST, TMA)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, qk_scale,
-                               offs_m, offs_n, offs_d, offs_dv, split, hi, len_q, len_k, seq_q, seq_k,
-                               off_b, SeqlensQ, SeqlensK, TreeMask, stride_tb, stride_tm,
-                               HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, True, UPCAST, TMA)
+                               offs_m, offs_n, offs_d, split, hi, len_q, len_k, seq_q, seq_k, off_b,
+                               SeqlensQ, SeqlensK, TreeMask, stride_tb, stride_tm,
+                               HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, UPCAST, TMA)
 
     # [Note] Empty rows: a row that saw no key has l_i == 0 and acc == 0; it stores out = 0 and lse = -inf.
     # Every row that saw a key has l_i >= 1 (its maximum contributes exp2(0)), or l_i = NaN when a visible
@@ -533,10 +527,10 @@ def _attn_fwd(Q, K, V, Out, Lse, SeqlensQ, SeqlensK, TreeMask, qk_scale,
     out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))  # ln 2
     o_ptrs = Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh \
-        + offs_m[:, None] * stride_om + offs_dv[None, :]
+        + offs_m[:, None] * stride_om + offs_d[None, :]
     o_mask = offs_m[:, None] < seq_q
-    if BLOCK_DV != HEAD_DIM_V:
-        o_mask = o_mask & (offs_dv[None, :] < HEAD_DIM_V)
+    if BLOCK_D != HEAD_DIM:
+        o_mask = o_mask & (offs_d[None, :] < HEAD_DIM)
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=o_mask)
     tl.store(Lse + (off_b * num_heads + off_h).to(tl.int64) * seq_q + offs_m, lse, mask=offs_m < seq_q)
 
@@ -581,14 +575,12 @@ def _launch_forward(q, k, v, scale, seqlens_q, seqlens_k, tree, out=None, lse=No
         _ensure_allocator()
     tree_strides = (tree.stride(0), tree.stride(1)) if tree is not None else (0, 0)
     grid = (_cdiv(rows_q, BLOCK_M), hq, b)
-    ints = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2), *tree_strides, hq, sq, sk)
+    ints = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+            v.stride(2), out.stride(0), out.stride(1), out.stride(2), *tree_strides, hq, sq, sk)
     entry = _fast(_attn_fwd)[grid](
-        q, k, v, out, lse, seqlens_q, seqlens_k, tree, scale * 1.4426950408889634,  # 1/ln 2: exp2 domain
-        *ints,
-        HEAD_DIM=HEAD_DIM, BLOCK_D=_pow2(HEAD_DIM), HEAD_DIM_V=HEAD_DIM_V, BLOCK_DV=_pow2(HEAD_DIM_V),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        GQA=GQA, UPCAST=UPCAST, TMA=TMA, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        q, k, v, out, lse, seqlens_q, seqlens_k, tree, scale * 1.4426950408889634, *ints,
+        HEAD_DIM=HEAD_DIM, BLOCK_D=_pow2(HEAD_DIM), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, GQA=GQA, UPCAST=UPCAST, TMA=TMA,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     if _direct_entry(entry) and not copied \
             and ((q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr() | lse.data_ptr() | tree.data_ptr()) & 15) == 0:
@@ -646,32 +638,25 @@ def forward(q, k, v, *, scale=None, seqlens_q=None, seqlens_k=None, tree_mask=No
 # None for this spec is a constexpr None), the constexpr values the launcher passes (compiled kernels never
 # upcast, so UPCAST is False), warps and stages. "divisible" names arguments assumed to be multiples of 16
 # (pointers: 16-byte aligned), as Triton's JIT specializes them; a prebuilt launch checks every assumption.
-# The launcher above must pass exactly these; fagen/runtime/prebuilt.py refuses a launch that does not.
-_PTR = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}[DTYPE]
-_FWD_INTS = ("stride_qb stride_qh stride_qm stride_kb stride_kh stride_kn stride_vb stride_vh stride_vn "
-             "stride_ob stride_oh stride_om stride_tb stride_tm num_heads seq_q seq_k").split()
+# The entries are rendered from the kernels' argument lists (fagen/codegen/args.py), as are the launches above,
+# so the launcher passes exactly these; fagen/runtime/prebuilt.py refuses a launch that does not.
 AOT_KERNELS = [
     {
         "name": "_attn_fwd",
         "fn": _attn_fwd,
-        "signature": {"Q": _PTR, "K": _PTR, "V": _PTR, "Out": _PTR, "Lse": "*fp32",
-                      "SeqlensQ": "constexpr",
-                      "SeqlensK": "constexpr",
-                      "TreeMask": "*u8",
-                      "qk_scale": "fp32", **{name: "i32" for name in _FWD_INTS},
-                      **{name: "constexpr" for name in ("HEAD_DIM", "BLOCK_D", "HEAD_DIM_V", "BLOCK_DV", "BLOCK_M", "BLOCK_N",
-                                                        "GQA", "UPCAST", "TMA")}},
-        "constexprs": {
-            "SeqlensQ": None,
-            "SeqlensK": None,
-            "HEAD_DIM": HEAD_DIM, "BLOCK_D": triton.next_power_of_2(HEAD_DIM), "HEAD_DIM_V": HEAD_DIM_V,
-            "BLOCK_DV": triton.next_power_of_2(HEAD_DIM_V), "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N,
-            "GQA": GQA, "UPCAST": False, "TMA": TMA,
-        },
-        # Contiguous row strides are multiples of 16 only when the head dims are.
-        "divisible": ["Q", "K", "V", "Out", "Lse"]
-        + ([name for name in _FWD_INTS if name.startswith(("stride_q", "stride_k", "stride_v", "stride_o"))]
-           if HEAD_DIM % 16 == 0 and HEAD_DIM_V % 16 == 0 else []),
+        "signature": {"Q": "*fp16", "K": "*fp16", "V": "*fp16", "Out": "*fp16", "Lse": "*fp32", "SeqlensQ": "constexpr",
+                      "SeqlensK": "constexpr", "TreeMask": "*u8", "qk_scale": "fp32", "stride_qb": "i32",
+                      "stride_qh": "i32", "stride_qm": "i32", "stride_kb": "i32", "stride_kh": "i32",
+                      "stride_kn": "i32", "stride_vb": "i32", "stride_vh": "i32", "stride_vn": "i32",
+                      "stride_ob": "i32", "stride_oh": "i32", "stride_om": "i32", "stride_tb": "i32",
+                      "stride_tm": "i32", "num_heads": "i32", "seq_q": "i32", "seq_k": "i32", "HEAD_DIM": "constexpr",
+                      "BLOCK_D": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "GQA": "constexpr",
+                      "UPCAST": "constexpr", "TMA": "constexpr"},
+        "constexprs": {"SeqlensQ": None, "SeqlensK": None, "HEAD_DIM": HEAD_DIM,
+                       "BLOCK_D": triton.next_power_of_2(HEAD_DIM), "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "GQA": GQA,
+                       "UPCAST": False, "TMA": TMA},
+        "divisible": ["Q", "K", "V", "Out", "Lse", "stride_qb", "stride_qh", "stride_qm", "stride_kb", "stride_kh",
+                      "stride_kn", "stride_vb", "stride_vh", "stride_vn", "stride_ob", "stride_oh", "stride_om"],
         "num_warps": NUM_WARPS,
         "num_stages": NUM_STAGES,
     },
@@ -720,7 +705,7 @@ DQ_NUM_STAGES = NUM_STAGES
 @triton.jit
 def _attn_bwd_preprocess(Out, DO, Lse, Delta, Lse2, SeqlensQ, stride_ob, stride_oh, stride_om, stride_dob, stride_doh,
                          stride_dom, stride_sh, num_heads, seq_q,
-                         HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, UPCAST: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, UPCAST: tl.constexpr):
     """The row statistics of the gradient kernels, [B, Hq, S_pad] with a head stride of stride_sh = S_pad (Sq
     rounded up to whole blocks): delta = rowsum(dO * O) and lse2 = lse in the exp2 domain, +inf for a row that
     sees no key (see [Note] Empty rows). Every row at or past len_q, up to S_pad, gets delta = 0 and lse2 = +inf,
@@ -730,11 +715,11 @@ def _attn_bwd_preprocess(Out, DO, Lse, Delta, Lse2, SeqlensQ, stride_ob, stride_
     off_b = tl.program_id(2)
     len_q = seq_q
     rows = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_dv = tl.arange(0, BLOCK_DV)  # O and dO are v's width
+    offs_d = tl.arange(0, BLOCK_D)
     o = _load_rows(Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
-                   + rows[:, None] * stride_om + offs_dv[None, :], rows, len_q, offs_dv, HEAD_DIM_V, BLOCK_DV, True)
+                   + rows[:, None] * stride_om + offs_d[None, :], rows, len_q, offs_d, HEAD_DIM, BLOCK_D, True)
     do = _load_rows(DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
-                    + rows[:, None] * stride_dom + offs_dv[None, :], rows, len_q, offs_dv, HEAD_DIM_V, BLOCK_DV, True)
+                    + rows[:, None] * stride_dom + offs_d[None, :], rows, len_q, offs_d, HEAD_DIM, BLOCK_D, True)
     if UPCAST:  # the interpreter's bf16 dot is wrong: fp32 operands there (exact: bf16/fp16 widen exactly)
         o, do = o.to(tl.float32), do.to(tl.float32)
     # [Note] Exact delta: delta_i is the diagonal of O dO^T formed by the same tensor-core dot (same operands, same
@@ -760,11 +745,10 @@ def _load_row_stats(lse2_base, delta_base, rows):
 
 @triton.jit
 def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qh, stride_qm, stride_doh,
-                    stride_dom, stride_sh, qk_scale, cols, offs_m, offs_d, offs_dv, lo, hi, len_q, len_k, seq_q,
-                    seq_k, off_b, TreeMask, stride_tb, stride_tm,
-                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GQA: tl.constexpr, MASKED: tl.constexpr,
-                    UPCAST: tl.constexpr):
+                    stride_dom, stride_sh, qk_scale, cols, offs_m, offs_d, lo, hi, len_q, len_k, seq_q, seq_k, off_b,
+                    TreeMask, stride_tb, stride_tm,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    GQA: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr):
     """Accumulate dK, dV of one key block over query blocks [lo, hi) of each of the GQA query heads whose first
     head's rows start at q_base (do_base, ...), transposed: [keys, rows]. Unmasked blocks hold only rows < len_q
     and load without row checks. One flat loop over (head, block) pairs,
@@ -786,8 +770,8 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_
         rows = start_m + offs_m
         q = _load_rows(q_head + rows[:, None] * stride_qm + offs_d[None, :], rows, len_q, offs_d,
                        HEAD_DIM, BLOCK_D, MASKED)
-        do = _load_rows(do_head + rows[:, None] * stride_dom + offs_dv[None, :], rows, len_q, offs_dv,
-                        HEAD_DIM_V, BLOCK_DV, MASKED)
+        do = _load_rows(do_head + rows[:, None] * stride_dom + offs_d[None, :], rows, len_q, offs_d,
+                        HEAD_DIM, BLOCK_D, MASKED)
         if UPCAST:
             q = q.to(tl.float32)
             do = do.to(tl.float32)
@@ -810,10 +794,10 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, Lse2, Delta, SeqlensQ, SeqlensK, TreeMas
                    stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
                    stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                    stride_tb, stride_tm, stride_sh, num_heads, seq_q, seq_k,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GQA: tl.constexpr, UPCAST: tl.constexpr):
-    tl.static_assert(HEAD_DIM % 8 == 0 and HEAD_DIM_V % 8 == 0)
-    tl.static_assert(BLOCK_D >= HEAD_DIM and BLOCK_DV >= HEAD_DIM_V)
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   GQA: tl.constexpr, UPCAST: tl.constexpr):
+    tl.static_assert(HEAD_DIM % 8 == 0)
+    tl.static_assert(BLOCK_D >= HEAD_DIM)
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)
     start_n = tl.program_id(0)
     off_hkv = tl.program_id(1)
@@ -826,16 +810,15 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, Lse2, Delta, SeqlensQ, SeqlensK, TreeMas
     cols = n0 + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
     k = _load_rows(K + off_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * stride_kh
                    + cols[:, None] * stride_kn + offs_d[None, :], cols, len_k, offs_d, HEAD_DIM, BLOCK_D, True)
     v = _load_rows(V + off_b.to(tl.int64) * stride_vb + off_hkv.to(tl.int64) * stride_vh
-                   + cols[:, None] * stride_vn + offs_dv[None, :], cols, len_k, offs_dv, HEAD_DIM_V, BLOCK_DV, True)
+                   + cols[:, None] * stride_vn + offs_d[None, :], cols, len_k, offs_d, HEAD_DIM, BLOCK_D, True)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     # Prefix keys are seen by every query; tree key prefix + t only by node t's descendants, whose indices
     # are >= t (parents come before their children). A block that holds any tree key runs masked.
     hi = seq_q
@@ -852,42 +835,38 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, Lse2, Delta, SeqlensQ, SeqlensK, TreeMas
     lse_base = Lse2 + (off_b * num_heads + off_h).to(tl.int64) * stride_sh
     delta_base = Delta + (off_b * num_heads + off_h).to(tl.int64) * stride_sh
     dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qh, stride_qm, stride_doh,
-                             stride_dom, stride_sh, qk_scale, cols, offs_m, offs_d, offs_dv, lo, split, len_q, len_k, seq_q, seq_k, off_b,
-                             TreeMask, stride_tb, stride_tm, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, GQA, True, UPCAST)
+                             stride_dom, stride_sh, qk_scale, cols, offs_m, offs_d, lo, split, len_q, len_k, seq_q, seq_k, off_b,
+                             TreeMask, stride_tb, stride_tm, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, GQA, True, UPCAST)
     dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qh, stride_qm, stride_doh,
-                             stride_dom, stride_sh, qk_scale, cols, offs_m, offs_d, offs_dv, split, full, len_q, len_k, seq_q, seq_k,
-                             off_b, TreeMask, stride_tb, stride_tm, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, GQA, False,
+                             stride_dom, stride_sh, qk_scale, cols, offs_m, offs_d, split, full, len_q, len_k, seq_q, seq_k,
+                             off_b, TreeMask, stride_tb, stride_tm, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, GQA, False,
                              UPCAST)
     dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qh, stride_qm, stride_doh,
-                             stride_dom, stride_sh, qk_scale, cols, offs_m, offs_d, offs_dv, full, hi, len_q, len_k, seq_q, seq_k, off_b,
-                             TreeMask, stride_tb, stride_tm, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, GQA, True, UPCAST)
+                             stride_dom, stride_sh, qk_scale, cols, offs_m, offs_d, full, hi, len_q, len_k, seq_q, seq_k, off_b,
+                             TreeMask, stride_tb, stride_tm, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, GQA, True, UPCAST)
     dk *= scale  # dS was taken w.r.t. the scaled scores: dK = scale * dS^T Q
-    row_mask = cols[:, None] < seq_k  # packed rows past len_k: the next sequence's
-    out_mask = row_mask
+    out_mask = cols[:, None] < seq_k  # packed rows past len_k: the next sequence's
     if BLOCK_D != HEAD_DIM:
         out_mask = out_mask & (offs_d[None, :] < HEAD_DIM)
     tl.store(DK + off_b.to(tl.int64) * stride_dkb + off_hkv.to(tl.int64) * stride_dkh
              + cols[:, None] * stride_dkn + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=out_mask)
-    if BLOCK_DV != HEAD_DIM_V:
-        row_mask = row_mask & (offs_dv[None, :] < HEAD_DIM_V)
     tl.store(DV + off_b.to(tl.int64) * stride_dvb + off_hkv.to(tl.int64) * stride_dvh
-             + cols[:, None] * stride_dvn + offs_dv[None, :], dv.to(DV.dtype.element_ty), mask=row_mask)
+             + cols[:, None] * stride_dvn + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
 def _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, qk_scale,
-                  rows, offs_n, offs_d, offs_dv, lo, hi, len_q, len_k, seq_q, seq_k, off_b, TreeMask, stride_tb,
-                  stride_tm, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                  BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                  UPCAST: tl.constexpr):
+                  rows, offs_n, offs_d, lo, hi, len_q, len_k, seq_q, seq_k, off_b, TreeMask, stride_tb, stride_tm,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  MASKED: tl.constexpr, UPCAST: tl.constexpr):
     """Accumulate dQ of one query block over key blocks [lo, hi)."""
     prefix = seq_k - seq_q
     for start_n in range(lo, hi, BLOCK_N):
         keys = start_n + offs_n
         k = _load_rows(k_base + keys[:, None] * stride_kn + offs_d[None, :], keys, len_k, offs_d,
                        HEAD_DIM, BLOCK_D, MASKED)
-        v = _load_rows(v_base + keys[:, None] * stride_vn + offs_dv[None, :], keys, len_k, offs_dv,
-                       HEAD_DIM_V, BLOCK_DV, MASKED)
+        v = _load_rows(v_base + keys[:, None] * stride_vn + offs_d[None, :], keys, len_k, offs_d,
+                       HEAD_DIM, BLOCK_D, MASKED)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -906,10 +885,10 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse2, Delta, SeqlensQ, SeqlensK, TreeMask, qk_
                  stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                  stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
                  stride_dqb, stride_dqh, stride_dqm, stride_tb, stride_tm, stride_sh, num_heads, seq_q, seq_k,
-                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GQA: tl.constexpr, UPCAST: tl.constexpr):
-    tl.static_assert(HEAD_DIM % 8 == 0 and HEAD_DIM_V % 8 == 0)
-    tl.static_assert(BLOCK_D >= HEAD_DIM and BLOCK_DV >= HEAD_DIM_V)
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 GQA: tl.constexpr, UPCAST: tl.constexpr):
+    tl.static_assert(HEAD_DIM % 8 == 0)
+    tl.static_assert(BLOCK_D >= HEAD_DIM)
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)
     # Last query block first: under a causal mask it has the most keys, and the lightest blocks should close the grid.
     start_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -924,11 +903,10 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse2, Delta, SeqlensQ, SeqlensK, TreeMask, qk_
     rows = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
     q = _load_rows(Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
                    + rows[:, None] * stride_qm + offs_d[None, :], rows, len_q, offs_d, HEAD_DIM, BLOCK_D, True)
     do = _load_rows(DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
-                    + rows[:, None] * stride_dom + offs_dv[None, :], rows, len_q, offs_dv, HEAD_DIM_V, BLOCK_DV, True)
+                    + rows[:, None] * stride_dom + offs_d[None, :], rows, len_q, offs_d, HEAD_DIM, BLOCK_D, True)
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
@@ -942,13 +920,11 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse2, Delta, SeqlensQ, SeqlensK, TreeMask, qk_
     split = prefix // BLOCK_N * BLOCK_N
 
     dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, qk_scale,
-                       rows, offs_n, offs_d, offs_dv, 0, split, len_q, len_k, seq_q, seq_k, off_b, TreeMask,
-                       stride_tb, stride_tm, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, False,
-                       UPCAST)
+                       rows, offs_n, offs_d, 0, split, len_q, len_k, seq_q, seq_k, off_b, TreeMask, stride_tb,
+                       stride_tm, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, UPCAST)
     dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, qk_scale,
-                       rows, offs_n, offs_d, offs_dv, split, hi, len_q, len_k, seq_q, seq_k, off_b, TreeMask,
-                       stride_tb, stride_tm, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, True,
-                       UPCAST)
+                       rows, offs_n, offs_d, split, hi, len_q, len_k, seq_q, seq_k, off_b, TreeMask, stride_tb,
+                       stride_tm, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, UPCAST)
     dq *= scale  # dQ = scale * dS K
     out_mask = rows[:, None] < seq_q
     if BLOCK_D != HEAD_DIM:
@@ -957,57 +933,67 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse2, Delta, SeqlensQ, SeqlensK, TreeMask, qk_
              + rows[:, None] * stride_dqm + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=out_mask)
 
 
-# Ahead-of-time kernel list (see fagen's AOT convention): one entry per @triton.jit kernel with the argument
-# types of a compiled launch. Pointers that this mask never reads are constexpr None.
-AOT_KERNELS = globals().get("AOT_KERNELS", [])
-_AOT_T = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}[DTYPE]
-_AOT_SEQLENS = "constexpr"
-_AOT_TREE = "*u8" if MASK == "tree" else "constexpr"
-_AOT_CONST = {"HEAD_DIM": HEAD_DIM, "BLOCK_D": triton.next_power_of_2(HEAD_DIM), "HEAD_DIM_V": HEAD_DIM_V,
-              "BLOCK_DV": triton.next_power_of_2(HEAD_DIM_V)}
-_AOT_NONE = {name: None for name, t in (("SeqlensQ", _AOT_SEQLENS), ("SeqlensK", _AOT_SEQLENS),
-                                        ("TreeMask", _AOT_TREE)) if t == "constexpr"}
-
-
-def _aot_signature(fn, types):
-    """{arg: type} in fn's argument order: `types` where given, "constexpr" for compile-time args, else "i32"."""
-    const = set(_AOT_CONST) | set(_AOT_NONE) | {"BLOCK_M", "BLOCK_N", "GQA", "UPCAST"}
-    return {n: types.get(n, "constexpr" if n in const else "i32") for n in fn.arg_names}
-
-
-def _aot_divisible(fn):
-    """Pointers and strides: 16-aligned as Triton's JIT specializes them (q/k/v/o strides when D % 16 == 0; the
-    row statistics' head stride is a whole number of blocks)."""
-    return [n for n in fn.arg_names if n in ("Q", "K", "V", "DO", "DK", "DV", "DQ", "Out", "Lse", "Lse2", "Delta",
-                                              "stride_sh")
-            or (HEAD_DIM % 16 == 0 and HEAD_DIM_V % 16 == 0 and n.startswith("stride_") and not n.startswith("stride_t"))]
-
-
+# Ahead-of-time kernel list ([Note] AOT kernels): one entry per @triton.jit kernel, from its argument list.
 AOT_KERNELS += [
-    {"name": "_attn_bwd_preprocess", "fn": _attn_bwd_preprocess,
-     "signature": _aot_signature(_attn_bwd_preprocess, {"Out": _AOT_T, "DO": _AOT_T, "Lse": "*fp32",
-                                                         "Delta": "*fp32", "Lse2": "*fp32",
-                                                         "SeqlensQ": _AOT_SEQLENS}),
-     "constexprs": {"HEAD_DIM_V": HEAD_DIM_V, "BLOCK_DV": _AOT_CONST["BLOCK_DV"], "BLOCK_M": DQ_BLOCK_M,
-                    **{k: v for k, v in _AOT_NONE.items() if k == "SeqlensQ"},
-                    "UPCAST": False}, "divisible": _aot_divisible(_attn_bwd_preprocess),
-     "num_warps": DQ_NUM_WARPS, "num_stages": DQ_NUM_STAGES},
-    {"name": "_attn_bwd_dkdv", "fn": _attn_bwd_dkdv,
-     "signature": _aot_signature(_attn_bwd_dkdv, {
-         "Q": _AOT_T, "K": _AOT_T, "V": _AOT_T, "DO": _AOT_T, "DK": _AOT_T, "DV": _AOT_T, "Lse2": "*fp32",
-         "Delta": "*fp32", "SeqlensQ": _AOT_SEQLENS, "SeqlensK": _AOT_SEQLENS, "TreeMask": _AOT_TREE,
-         "qk_scale": "fp32", "scale": "fp32"}),
-     "constexprs": {**_AOT_CONST, "BLOCK_M": DKDV_BLOCK_M, "BLOCK_N": DKDV_BLOCK_N, **_AOT_NONE, "GQA": GQA,
-                    "UPCAST": False},
-     "divisible": _aot_divisible(_attn_bwd_dkdv), "num_warps": DKDV_NUM_WARPS, "num_stages": DKDV_NUM_STAGES},
-    {"name": "_attn_bwd_dq", "fn": _attn_bwd_dq,
-     "signature": _aot_signature(_attn_bwd_dq, {
-         "Q": _AOT_T, "K": _AOT_T, "V": _AOT_T, "DO": _AOT_T, "DQ": _AOT_T, "Lse2": "*fp32", "Delta": "*fp32",
-         "SeqlensQ": _AOT_SEQLENS, "SeqlensK": _AOT_SEQLENS, "TreeMask": _AOT_TREE,
-         "qk_scale": "fp32", "scale": "fp32"}),
-     "constexprs": {**_AOT_CONST, "BLOCK_M": DQ_BLOCK_M, "BLOCK_N": DQ_BLOCK_N, **_AOT_NONE, "GQA": GQA,
-                    "UPCAST": False},
-     "divisible": _aot_divisible(_attn_bwd_dq), "num_warps": DQ_NUM_WARPS, "num_stages": DQ_NUM_STAGES},
+    {
+        "name": "_attn_bwd_preprocess",
+        "fn": _attn_bwd_preprocess,
+        "signature": {"Out": "*fp16", "DO": "*fp16", "Lse": "*fp32", "Delta": "*fp32", "Lse2": "*fp32",
+                      "SeqlensQ": "constexpr", "stride_ob": "i32", "stride_oh": "i32", "stride_om": "i32",
+                      "stride_dob": "i32", "stride_doh": "i32", "stride_dom": "i32", "stride_sh": "i32",
+                      "num_heads": "i32", "seq_q": "i32", "HEAD_DIM": "constexpr", "BLOCK_D": "constexpr",
+                      "BLOCK_M": "constexpr", "UPCAST": "constexpr"},
+        "constexprs": {"SeqlensQ": None, "HEAD_DIM": HEAD_DIM, "BLOCK_D": triton.next_power_of_2(HEAD_DIM),
+                       "BLOCK_M": DQ_BLOCK_M, "UPCAST": False},
+        "divisible": ["Out", "DO", "Lse", "Delta", "Lse2", "stride_ob", "stride_oh", "stride_om", "stride_dob",
+                      "stride_doh", "stride_dom", "stride_sh"],
+        "num_warps": DQ_NUM_WARPS,
+        "num_stages": DQ_NUM_STAGES,
+    },
+    {
+        "name": "_attn_bwd_dkdv",
+        "fn": _attn_bwd_dkdv,
+        "signature": {"Q": "*fp16", "K": "*fp16", "V": "*fp16", "DO": "*fp16", "DK": "*fp16", "DV": "*fp16",
+                      "Lse2": "*fp32", "Delta": "*fp32", "SeqlensQ": "constexpr", "SeqlensK": "constexpr",
+                      "TreeMask": "*u8", "qk_scale": "fp32", "scale": "fp32", "stride_qb": "i32", "stride_qh": "i32",
+                      "stride_qm": "i32", "stride_kb": "i32", "stride_kh": "i32", "stride_kn": "i32",
+                      "stride_vb": "i32", "stride_vh": "i32", "stride_vn": "i32", "stride_dob": "i32",
+                      "stride_doh": "i32", "stride_dom": "i32", "stride_dkb": "i32", "stride_dkh": "i32",
+                      "stride_dkn": "i32", "stride_dvb": "i32", "stride_dvh": "i32", "stride_dvn": "i32",
+                      "stride_tb": "i32", "stride_tm": "i32", "stride_sh": "i32", "num_heads": "i32", "seq_q": "i32",
+                      "seq_k": "i32", "HEAD_DIM": "constexpr", "BLOCK_D": "constexpr", "BLOCK_M": "constexpr",
+                      "BLOCK_N": "constexpr", "GQA": "constexpr", "UPCAST": "constexpr"},
+        "constexprs": {"SeqlensQ": None, "SeqlensK": None, "HEAD_DIM": HEAD_DIM,
+                       "BLOCK_D": triton.next_power_of_2(HEAD_DIM), "BLOCK_M": DKDV_BLOCK_M, "BLOCK_N": DKDV_BLOCK_N,
+                       "GQA": GQA, "UPCAST": False},
+        "divisible": ["Q", "K", "V", "DO", "DK", "DV", "Lse2", "Delta", "stride_qb", "stride_qh", "stride_qm",
+                      "stride_kb", "stride_kh", "stride_kn", "stride_vb", "stride_vh", "stride_vn", "stride_dob",
+                      "stride_doh", "stride_dom", "stride_dkb", "stride_dkh", "stride_dkn", "stride_dvb", "stride_dvh",
+                      "stride_dvn", "stride_sh"],
+        "num_warps": DKDV_NUM_WARPS,
+        "num_stages": DKDV_NUM_STAGES,
+    },
+    {
+        "name": "_attn_bwd_dq",
+        "fn": _attn_bwd_dq,
+        "signature": {"Q": "*fp16", "K": "*fp16", "V": "*fp16", "DO": "*fp16", "DQ": "*fp16", "Lse2": "*fp32",
+                      "Delta": "*fp32", "SeqlensQ": "constexpr", "SeqlensK": "constexpr", "TreeMask": "*u8",
+                      "qk_scale": "fp32", "scale": "fp32", "stride_qb": "i32", "stride_qh": "i32", "stride_qm": "i32",
+                      "stride_kb": "i32", "stride_kh": "i32", "stride_kn": "i32", "stride_vb": "i32",
+                      "stride_vh": "i32", "stride_vn": "i32", "stride_dob": "i32", "stride_doh": "i32",
+                      "stride_dom": "i32", "stride_dqb": "i32", "stride_dqh": "i32", "stride_dqm": "i32",
+                      "stride_tb": "i32", "stride_tm": "i32", "stride_sh": "i32", "num_heads": "i32", "seq_q": "i32",
+                      "seq_k": "i32", "HEAD_DIM": "constexpr", "BLOCK_D": "constexpr", "BLOCK_M": "constexpr",
+                      "BLOCK_N": "constexpr", "GQA": "constexpr", "UPCAST": "constexpr"},
+        "constexprs": {"SeqlensQ": None, "SeqlensK": None, "HEAD_DIM": HEAD_DIM,
+                       "BLOCK_D": triton.next_power_of_2(HEAD_DIM), "BLOCK_M": DQ_BLOCK_M, "BLOCK_N": DQ_BLOCK_N,
+                       "GQA": GQA, "UPCAST": False},
+        "divisible": ["Q", "K", "V", "DO", "DQ", "Lse2", "Delta", "stride_qb", "stride_qh", "stride_qm", "stride_kb",
+                      "stride_kh", "stride_kn", "stride_vb", "stride_vh", "stride_vn", "stride_dob", "stride_doh",
+                      "stride_dom", "stride_dqb", "stride_dqh", "stride_dqm", "stride_sh"],
+        "num_warps": DQ_NUM_WARPS,
+        "num_stages": DQ_NUM_STAGES,
+    },
 ]
 
 
@@ -1023,36 +1009,35 @@ def _launch_backward(do, q, k, v, out, lse, scale, seqlens_q, seqlens_k, tree, n
         return tuple(t.zero_() if t is not None else None for t in (dq, dk, dv))
     q, k, v, do, out = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, do, out))
     lse = lse.contiguous()
-    block_d, block_dv = _pow2(HEAD_DIM), _pow2(HEAD_DIM_V)
+    block_d = _pow2(HEAD_DIM)
     # Row statistics padded to whole blocks of both kernels (powers of two: the larger is a multiple of the other).
     sq_pad = _cdiv(rows_q, max(DQ_BLOCK_M, DKDV_BLOCK_M)) * max(DQ_BLOCK_M, DKDV_BLOCK_M)
     delta = q.new_empty((b, hq, sq_pad), dtype=torch.float32)
     lse2 = torch.empty_like(delta)
     # Launches through _fast ([Note] Fast launches): a training step's backward is three kernels.
     _fast(_attn_bwd_preprocess)[(sq_pad // DQ_BLOCK_M, hq, b)](
-        out, do, lse, delta, lse2, seqlens_q, out.stride(0), out.stride(1), out.stride(2), do.stride(0),
-        do.stride(1), do.stride(2), sq_pad, hq, sq, HEAD_DIM_V=HEAD_DIM_V, BLOCK_DV=block_dv, BLOCK_M=DQ_BLOCK_M,
-        UPCAST=UPCAST,
-        num_warps=DQ_NUM_WARPS,
+        out, do, lse, delta, lse2, seqlens_q, out.stride(0), out.stride(1), out.stride(2), do.stride(0), do.stride(1),
+        do.stride(2), sq_pad, hq, sq,
+        HEAD_DIM=HEAD_DIM, BLOCK_D=block_d, BLOCK_M=DQ_BLOCK_M, UPCAST=UPCAST, num_warps=DQ_NUM_WARPS,
         num_stages=DQ_NUM_STAGES,
     )
     tree_strides = (tree.stride(0), tree.stride(1)) if tree is not None else (0, 0)
-    common = dict(HEAD_DIM=HEAD_DIM, BLOCK_D=block_d, HEAD_DIM_V=HEAD_DIM_V, BLOCK_DV=block_dv, GQA=GQA, UPCAST=UPCAST)
     qk_scale = scale * 1.4426950408889634  # 1/ln 2: exp2 domain, as in the forward
-    qkv_strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                   v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
+    qkv_strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0),
+                   v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
     if need_dkdv:
         _fast(_attn_bwd_dkdv)[(_cdiv(rows_k, DKDV_BLOCK_N), hkv, b)](
-            q, k, v, do, dk, dv, lse2, delta, seqlens_q, seqlens_k, tree, qk_scale, scale, *qkv_strides,
-            dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-            *tree_strides, sq_pad, hq, sq, sk, BLOCK_M=DKDV_BLOCK_M, BLOCK_N=DKDV_BLOCK_N, **common,
+            q, k, v, do, dk, dv, lse2, delta, seqlens_q, seqlens_k, tree, qk_scale, scale, *qkv_strides, dk.stride(0),
+            dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), *tree_strides, sq_pad, hq, sq, sk,
+            HEAD_DIM=HEAD_DIM, BLOCK_D=block_d, BLOCK_M=DKDV_BLOCK_M, BLOCK_N=DKDV_BLOCK_N, GQA=GQA, UPCAST=UPCAST,
             num_warps=DKDV_NUM_WARPS, num_stages=DKDV_NUM_STAGES,
         )
     if need_dq:
         _fast(_attn_bwd_dq)[(_cdiv(rows_q, DQ_BLOCK_M), hq, b)](
-            q, k, v, do, dq, lse2, delta, seqlens_q, seqlens_k, tree, qk_scale, scale, *qkv_strides,
-            dq.stride(0), dq.stride(1), dq.stride(2), *tree_strides, sq_pad, hq, sq, sk,
-            BLOCK_M=DQ_BLOCK_M, BLOCK_N=DQ_BLOCK_N, **common, num_warps=DQ_NUM_WARPS, num_stages=DQ_NUM_STAGES,
+            q, k, v, do, dq, lse2, delta, seqlens_q, seqlens_k, tree, qk_scale, scale, *qkv_strides, dq.stride(0),
+            dq.stride(1), dq.stride(2), *tree_strides, sq_pad, hq, sq, sk,
+            HEAD_DIM=HEAD_DIM, BLOCK_D=block_d, BLOCK_M=DQ_BLOCK_M, BLOCK_N=DQ_BLOCK_N, GQA=GQA, UPCAST=UPCAST,
+            num_warps=DQ_NUM_WARPS, num_stages=DQ_NUM_STAGES,
         )
     return dq, dk, dv
 
@@ -1073,11 +1058,18 @@ def backward(do, q, k, v, out, lse, *, scale=None, seqlens_q=None, seqlens_k=Non
 
 
 class _Attention(torch.autograd.Function):
-    """out = attention(q, k, v); backward runs the kernels above. Mask inputs and scale get no gradient."""
+    """out = attention(q, k, v); backward runs the kernels above. Mask inputs and scale get no gradient.
+
+    [Note] One autograd. This Function is the module's only autograd: eager calls launch directly (an
+    autograd.Function costs a few microseconds a call, a custom operator with registered autograd several times
+    that); under torch.compile Dynamo traces it, and it calls the operators forward_op and backward_op ([Note]
+    Operators), so the graph holds them with this backward and no graph break.
+    """
 
     @staticmethod
     def forward(ctx, q, k, v, scale, seqlens_q, seqlens_k, tree):
-        out, lse = _launch_forward(q, k, v, scale, seqlens_q, seqlens_k, tree)
+        launch = forward_op if torch.compiler.is_compiling() else _launch_forward
+        out, lse = launch(q, k, v, scale, seqlens_q, seqlens_k, tree)
         ctx.save_for_backward(q, k, v, out, lse, seqlens_q, seqlens_k, tree)
         ctx.scale = scale
         return out
@@ -1086,8 +1078,13 @@ class _Attention(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, out, lse, seqlens_q, seqlens_k, tree = ctx.saved_tensors
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
-        dq, dk, dv = _launch_backward(do.to(q.dtype), q, k, v, out, lse, ctx.scale, seqlens_q, seqlens_k, tree,
-                                      need_dq=need_q, need_dkdv=need_k or need_v)
+        do = do.to(q.dtype)
+        if torch.compiler.is_compiling():
+            grads = backward_op(do, q, k, v, out, lse, ctx.scale, seqlens_q, seqlens_k, tree)
+        else:
+            grads = _launch_backward(do, q, k, v, out, lse, ctx.scale, seqlens_q, seqlens_k, tree,
+                                     need_dq=need_q, need_dkdv=need_k or need_v)
+        dq, dk, dv = grads[:3]
         return dq, dk if need_k else None, dv if need_v else None, None, None, None, None
 
 
@@ -1096,17 +1093,16 @@ def attention(q, k, v, *, scale=None, seqlens_q=None, seqlens_k=None, tree_mask=
     _check_qkv(q, k, v)
     scale = _check_scale(scale)
     seqlens_q, seqlens_k, tree = _check_mask_inputs(q, k, seqlens_q, seqlens_k, tree_mask, check)
-    if torch.compiler.is_compiling():  # the operator has the same autograd, and traces without a graph break
-        return forward_op(q, k, v, scale, seqlens_q, seqlens_k, tree)[0]
-    return _Attention.apply(q, k, v, scale, seqlens_q, seqlens_k, tree)
+    return _Attention.apply(q, k, v, scale, seqlens_q, seqlens_k, tree)  # [Note] One autograd
 
 
 # [Note] Operators
-# The launches are also torch.library custom operators (fagen::<module>_fwd, _fwd_out, _bwd), with fake
-# implementations and, for bwd specs, registered autograd. Under torch.compile the public functions call the
-# operators, so a call traces with no graph break and no recompile per sequence length (the fake outputs follow
-# the input shapes); in eager mode they launch directly and skip the dispatcher (microseconds per call). The
-# operators take checked, launch-ready inputs: scale a float, the tree in its launch form.
+# The launches are also torch.library custom operators (fagen::<module>_fwd, _fwd_out, _bwd) with fake
+# implementations. Under torch.compile the public functions call the operators, so a call traces with no graph
+# break and no recompile per sequence length (the fake outputs follow the input shapes); in eager mode they launch
+# directly and skip the dispatcher (microseconds per call). The operators take checked, launch-ready inputs: scale
+# a float, the tree in its launch form. They carry no autograd: the one autograd of a bwd module is _Attention
+# ([Note] One autograd), which calls them when compiling.
 _OP = "fagen::" + __name__.rpartition(".")[2].replace("-", "_")
 
 
@@ -1151,8 +1147,8 @@ def _check_buffers(q, out, lse):
         if not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype \
                 or out.device != q.device or out.stride(-1) != 1:
             got = f"{out.dtype} {tuple(out.shape)} on {out.device}" if isinstance(out, torch.Tensor) else type(out)
-            raise InputError(f"out: expected {q.dtype} {tuple(q.shape)} on {q.device} with unit last stride, "
-                             f"like q; got {got}")
+            raise InputError(f"out: expected {q.dtype} {tuple(q.shape)} on {q.device} with unit last stride, like q; "
+                             f"got {got}")
     if lse is not None:
         if not isinstance(lse, torch.Tensor) or lse.shape != q.shape[:3] or lse.dtype != torch.float32 \
                 or lse.device != q.device or not lse.is_contiguous():
@@ -1170,20 +1166,3 @@ def backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 @backward_op.register_fake
 def _backward_fake(do, q, k, v, out, lse, scale, seqlens_q, seqlens_k, tree):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
-
-def _op_setup(ctx, inputs, output):
-    q, k, v, scale, seqlens_q, seqlens_k, tree = inputs
-    ctx.save_for_backward(q, k, v, output[0], output[1], seqlens_q, seqlens_k, tree)
-    ctx.scale = scale
-
-
-def _op_backward(ctx, dout, dlse):
-    # lse is an output for merging partial results (ring attention, split KV); it carries no gradient here.
-    q, k, v, out, lse, seqlens_q, seqlens_k, tree = ctx.saved_tensors
-    dq, dk, dv = backward_op(dout.to(q.dtype).contiguous(), q, k, v, out, lse, ctx.scale, seqlens_q, seqlens_k,
-                             tree)
-    return dq, dk, dv, None, None, None, None
-
-
-forward_op.register_autograd(_op_backward, setup_context=_op_setup)

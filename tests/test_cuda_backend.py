@@ -254,7 +254,7 @@ def test_launch_arguments_match_the_kernel_signature(mask):
     out, lse = torch.empty_like(q), torch.empty(2, 6, 9)
     lens = torch.tensor([9, 4], dtype=torch.int32)
     bits = torch.zeros(2, 9, 1, dtype=torch.int32)
-    got = mod._params(q, k, v, out, lse, lens, lens, bits, 0.5)
+    got = mod._params(q, k, v, 0.5, lens, lens, bits, out, lse)
     assert [type(p) for p in got] == want
     value = dict(zip(names, (p.value for p in got)))
     assert value["q"] == q.data_ptr() and value["lse"] == lse.data_ptr() and value["tree_bits"] == bits.data_ptr()

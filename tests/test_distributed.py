@@ -163,8 +163,9 @@ def spawned(tmp_path_factory, fn, nprocs):
     first worker to get here runs them and the others read its file (a lock in the session's shared temp dir)."""
     root = tmp_path_factory.getbasetemp()
     root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
-    done = root / f"{fn.__name__}.pt"
-    with open(root / f"{fn.__name__}.lock", "w") as lock:
+    key = f"{fn.__module__}.{fn.__name__}"  # two test files may both have a worker3
+    done = root / f"{key}.pt"
+    with open(root / f"{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not done.exists():
             with tempfile.TemporaryDirectory() as tmp:

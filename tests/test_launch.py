@@ -1,4 +1,4 @@
-"""The host path of a call (issue 13): fast launches ([Note] Fast launches in fagen/templates/host/launch.py.j2), the
+"""The host path of a call (issue 13): fast launches ([Note] Fast launches in fagen/templates/host/launch.py), the
 decode workspace cache ([Note] Decode workspace) and fagen.attention's warm path. The launcher and the kernels are
 fakes here, so these run on the CPU too; the real launches are exercised by every kernel test on a GPU."""
 

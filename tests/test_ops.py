@@ -37,9 +37,7 @@ def test_opcheck_every_mask_and_kind(mask, kind):
                             block_m=16, block_n=16)
     module = fagen.load(spec)
     problem = _problem(spec, sq=3 if kind == "decode" else 20, sk=27)
-    q, k, v, *rest = _launch_args(module, spec, problem)
-    if kind == "prefill":
-        q, k, v = (t.requires_grad_() for t in (q, k, v))
+    q, k, v, *rest = _launch_args(module, spec, problem)  # no grad: the operators carry none ([Note] One autograd)
     assert module.forward_op._qualname.startswith("fagen::" + spec.name)
     result = opcheck(module.forward_op, (q, k, v, *rest))
     assert set(result.values()) == {"SUCCESS"}, result
@@ -122,11 +120,38 @@ def test_opcheck_with_every_score_switch(kind):
     (q, k, v), _ = _problem(spec, sq=3 if kind == "decode" else 20, sk=27).inputs(spec, DEVICE)
     g = torch.Generator().manual_seed(3)
     slopes, sinks = torch.rand(4, generator=g).to(DEVICE), torch.randn(4, generator=g).to(DEVICE)
-    if kind == "prefill":
-        q, k, v, sinks = (t.requires_grad_() for t in (q, k, v, sinks))
     args = (q, k, v, 0.25, None, None, None, 5, 0, 3.0, slopes, sinks)
     result = opcheck(module.forward_op, args)
     assert set(result.values()) == {"SUCCESS"}, result
+    if kind == "prefill":
+        do = torch.randn_like(q)
+        out, lse = module.forward_op(*args)
+        result = opcheck(module.backward_op, (do, q, k, v, out, lse, *args[3:]))
+        assert set(result.values()) == {"SUCCESS"}, result
+
+
+def test_module_attention_compiles_fullgraph_with_its_one_autograd():
+    """A bwd module's attention() under torch.compile(fullgraph=True): _Attention traced around the operators, the
+    same gradients as eager (q, k, v and the sinks), no graph break."""
+    torch._dynamo.reset()
+    spec = fagen.KernelSpec(head_dim=16, mask="causal", gqa=2, dtype="fp32", direction="bwd", block_m=16, block_n=16,
+                            window=True, softcap=True, sinks=True)
+    module = fagen.load(spec)
+    (q, k, v), _ = _problem(spec).inputs(spec, DEVICE)
+    sinks = torch.randn(q.shape[1], generator=torch.Generator().manual_seed(6)).to(DEVICE)
+
+    def layer(q, k, v, sinks):
+        return module.attention(q, k, v, window=(5, 0), softcap=3.0, sinks=sinks).sum(-1)
+
+    explain = torch._dynamo.explain(layer)(q, k, v, sinks)
+    assert explain.graph_break_count == 0 and explain.graph_count == 1, explain.break_reasons
+    compiled = torch.compile(layer, fullgraph=True, backend=BACKEND)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, sinks)]
+    compiled(*leaves).sum().backward()
+    eager = [t.detach().clone().requires_grad_() for t in (q, k, v, sinks)]
+    layer(*eager).sum().backward()
+    for a, b in zip(leaves, eager):
+        compare("grad", a.grad, b.grad, atol=1e-5, rtol=1e-5, expected="eager")
 
 
 def test_fullgraph_compile_with_score_switches_and_sink_gradient():

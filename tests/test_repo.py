@@ -103,12 +103,47 @@ def test_python_m_fagen_cli_has_every_command():
     assert out.returncode == 0 and "--suite" in out.stdout, out.stdout + out.stderr
 
 
+def _template_texts() -> dict[str, str]:
+    return {str(p.relative_to(PACKAGE / "templates")): p.read_text() for p in (PACKAGE / "templates").rglob("*")
+            if p.suffix in (".j2", ".py")}
+
+
+def hand_written_signatures(texts: dict[str, str]) -> list[str]:
+    """Places where a template spells an argument list that fagen/codegen/args.py owns: a kernel's definition, the
+    cuda kernel's parameters, the host functions' launch form, the public score keywords."""
+    from fagen.codegen.args import KERNELS
+
+    found = []
+    for name, text in texts.items():
+        for m in re.finditer(r"^def (\w+)\(", text, re.M):
+            if m.group(1) in KERNELS:
+                found.append(f"{name}: def {m.group(1)}(...) written by hand; use def_kernel(\"{m.group(1)}\")")
+        if re.search(r"fagen_attn_fwd\(\s*(const |int |float |T\*)", text):
+            found.append(f"{name}: the cuda kernel's parameters written by hand; use c_params(...)")
+        for literal in ("q, k, v, scale, seqlens_q", "window=None, softcap=None", "window_left, window_right, softcap"):
+            if literal in text:
+                found.append(f"{name}: {literal!r} written by hand; use the args/keywords helpers")
+    return found
+
+
+def test_no_template_spells_a_kernel_signature():
+    """Kernel definitions, launches, operator schemas and public keywords come from the argument lists (fagen/codegen/
+    args.py); a template that writes one by hand would drift from its launch and AOT entry."""
+    assert hand_written_signatures(_template_texts()) == []
+
+
+def test_the_signature_finder_finds_hand_written_signatures():
+    texts = {"a.j2": "@triton.jit\ndef _attn_fwd(Q, K, V,\n    qk_scale):\n",
+             "b.j2": "def f(q, k, v, scale, seqlens_q):",
+             "c.cu.j2": "void fagen_attn_fwd(\n    const T* __restrict__ q)", "d.j2": "{{ def_kernel(\"_attn_fwd\") }}"}
+    assert [f.split(":")[0] for f in hand_written_signatures(texts)] == ["a.j2", "b.j2", "c.cu.j2"]
+
+
 # -- the product tree: real templates, no experiment switches, no lab ------------------------------------------------
 TEMPLATES = PACKAGE / "templates"
-# A template with no Jinja in it is code, and should be a .py file that the render includes verbatim.
-# host/launch.py.j2: the task that rewrites host launch generation (issue 25's argument list) converts it; remove
-# this exception when it lands.
-NO_JINJA_EXCEPTIONS = {"host/launch.py.j2"}
+# A template with no Jinja in it is code, and should be a .py file that the render includes verbatim (as
+# host/launch.py is). No exceptions left.
+NO_JINJA_EXCEPTIONS: set[str] = set()
 # Switches measured slower on the H100 and taken out of the kernels users get (docs/hopper.md, "What left the
 # product"); the commit there brings each back for a measurement, never the product.
 EXPERIMENT_SWITCHES = ("PINGPONG", "V_LATE", "K_LATE", "O_VIA_Q", "KV_JOIN", "Q_STAGES", "BWD_HEAD_MAJOR",

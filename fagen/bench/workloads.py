@@ -93,9 +93,7 @@ class BenchCase:
     @property
     def switches(self) -> tuple[str, ...]:
         """The score switches this case uses, in the spec's order."""
-        on = {"window": self.window is not None, "softcap": self.softcap is not None, "alibi": self.alibi,
-              "sinks": self.sinks}
-        return tuple(name for name in SCORE_SWITCHES if on[name])
+        return tuple(name for name in SCORE_SWITCHES if getattr(self, name) not in (None, False))  # fields by switch
 
     @property
     def decode(self) -> bool:

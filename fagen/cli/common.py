@@ -2,47 +2,86 @@
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import functools
+import typing
 from pathlib import Path
 
 import click
 
-from fagen.spec.axes import Backend, Direction, DType, Kind, Layout, Mask
+from fagen.spec.axes import Kind, Mask
 from fagen.spec.kernel import KernelSpec, SpecError, read_fields
 
-_SPEC_FLAGS = ("head_dim", "mask", "gqa", "dtype", "direction", "backend", "kind", "layout",
-               "block_m", "block_n", "num_warps", "num_stages", "window", "softcap", "alibi", "sinks")
+# One line of help per KernelSpec field; the flags themselves (name, type, choices) come from the field and its
+# validated enum, so a new spec field fails here, at import, until it has its help line.
+_SPEC_HELP = {
+    "head_dim": "Head dim: a multiple of 8 from 16 to 256.",
+    "mask": "Attention mask.",
+    "gqa": "Query heads per KV head (1 = MHA).",
+    "dtype": "Element type of q, k, v and out.",
+    "direction": "fwd, or bwd for training.",
+    "backend": "Emitted language.",
+    "kind": "prefill, or decode for short queries.",
+    "block_m": "Query rows per program (power of two, 16..256).",
+    "block_n": "Keys per inner step (power of two, 16..256).",
+    "num_warps": "Warps per program.",
+    "num_stages": "Software pipelining depth.",
+    "window": "Sliding window (left, right) as runtime arguments.",
+    "softcap": "Logit softcap cap * tanh(s / cap).",
+    "alibi": "ALiBi slopes, float32 [Hq].",
+    "sinks": "Attention sinks, float32 [Hq] (with their gradient).",
+    "layout": "dense, varlen (packed sequences) or paged (a paged KV cache).",
+    "score_mod": 'A score mod as expression text, e.g. "score + bias[h, q_idx - kv_idx + 4095]" (docs/mods.md).',
+    "mask_mod": 'A mask mod as expression text, e.g. "q_idx >= kv_idx" (True: visible).',
+    "mod_tensors": "A tensor the mods index, NAME=DTYPE:RANK, e.g. bias=fp32:2 (repeatable).",
+    "mod_scalars": "A runtime scalar the mods read, NAME=int|float, e.g. cap=float (repeatable).",
+}
+# The mods' repeatable declarations: flag (singular) and the parser of one NAME=... text (fagen/mods/text.py).
+_DECLS = {"mod_tensors": ("--mod-tensor", "parse_tensor_decl"), "mod_scalars": ("--mod-scalar", "parse_scalar_decl")}
+
+
+def _decls(field: str):
+    def parse(ctx, param, values):
+        from fagen.mods import text
+
+        try:
+            return tuple(tuple(getattr(text, _DECLS[field][1])(v)) for v in values)
+        except SpecError as e:
+            raise click.BadParameter(f"got {e.value!r}; {e.allowed}") from None
+    return parse
+_SPEC_FLAGS = tuple(f.name for f in dataclasses.fields(KernelSpec))
+
+
+def _spec_option(field: dataclasses.Field):
+    """The click option of one KernelSpec field: --x/--no-x for a switch, a choice of its enum, mod text, a
+    repeatable mod declaration, else an int."""
+    hint = typing.get_type_hints(KernelSpec)[field.name]
+    flag, text = "--" + field.name.replace("_", "-"), _SPEC_HELP[field.name]
+    if field.name in _DECLS:
+        return click.option(_DECLS[field.name][0], field.name, multiple=True, callback=_decls(field.name), help=text)
+    if hint == str | None:
+        return click.option(flag, type=str, help=text)
+    if hint is bool:
+        return click.option(f"{flag}/--no-{flag[2:]}", default=None, help=text)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return click.option(flag, type=click.Choice(hint.choices()), help=text)
+    return click.option(flag, type=int, help=text)
 
 
 def spec_options(fn):
-    """The flags that mirror KernelSpec, plus --spec FILE. Shared by every command that takes one spec."""
+    """The flags that mirror KernelSpec's fields, plus --spec FILE. Shared by every command that takes one spec."""
     options = [
         click.option("--spec", "spec_file", type=click.Path(dir_okay=False, path_type=Path),
                      help="Read the spec from a .toml or .json file (flags given too override its fields)."),
-        click.option("--head-dim", type=int, help="Head dim: a multiple of 8 from 16 to 256."),
-        click.option("--mask", type=click.Choice(Mask.choices()), help="Attention mask."),
-        click.option("--gqa", type=int, help="Query heads per KV head (1 = MHA)."),
-        click.option("--dtype", type=click.Choice(DType.choices()), help="Element type of q, k, v and out."),
-        click.option("--direction", type=click.Choice(Direction.choices()), help="fwd, or bwd for training."),
-        click.option("--backend", type=click.Choice(Backend.choices()), help="Emitted language."),
-        click.option("--kind", type=click.Choice(Kind.choices()), help="prefill, or decode for short queries."),
-        click.option("--layout", type=click.Choice(Layout.choices()),
-                     help="dense, varlen (packed sequences) or paged (a paged KV cache)."),
-        click.option("--block-m", type=int, help="Query rows per program (power of two, 16..256)."),
-        click.option("--block-n", type=int, help="Keys per inner step (power of two, 16..256)."),
-        click.option("--num-warps", type=int, help="Warps per program."),
-        click.option("--num-stages", type=int, help="Software pipelining depth."),
-        click.option("--window/--no-window", default=None, help="Sliding window (left, right) as runtime arguments."),
-        click.option("--softcap/--no-softcap", default=None, help="Logit softcap cap * tanh(s / cap)."),
-        click.option("--alibi/--no-alibi", default=None, help="ALiBi slopes, float32 [Hq]."),
-        click.option("--sinks/--no-sinks", default=None, help="Attention sinks, float32 [Hq] (with their gradient)."),
+        *(_spec_option(f) for f in dataclasses.fields(KernelSpec)),
     ]
     return functools.reduce(lambda f, opt: opt(f), reversed(options), fn)
 
 
 def spec_from_options(spec_file: Path | None, **flags) -> KernelSpec | None:
     """The spec the flags describe, or None when none was given. Errors name the flag or file."""
-    given = {k: v for k, v in flags.items() if k in _SPEC_FLAGS and v is not None}
+    given = {k: v for k, v in flags.items() if k in _SPEC_FLAGS and v is not None and v != ()}
     if spec_file is None and not given:
         return None
     fields = {}

@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from fagen.cli.common import spec_from_options, spec_options
+from fagen.spec.kernel import SpecError
 
 @click.command()
 @spec_options
@@ -35,7 +36,10 @@ def generate(spec_file, out_dir, **flags):
     else:
         specs = (spec,)
     # Render everything before writing anything: a failure leaves no half-written output.
-    rendered = [(out_dir / f"{s.name}{backends.get(s.backend).suffix}", render(s)) for s in specs]
+    try:  # every spec renders before anything is written: a refused one leaves no half-written folder
+        rendered = [(out_dir / f"{s.name}{backends.get(s.backend).suffix}", render(s)) for s in specs]
+    except SpecError as e:
+        raise click.ClickException(str(e)) from None
     changed = sum(write_if_different(path, text) for path, text in rendered)
     if len(rendered) == 1:
         click.echo(f"wrote {rendered[0][0]}" if changed else f"{rendered[0][0]} is up to date")

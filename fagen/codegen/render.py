@@ -16,8 +16,9 @@ from pathlib import Path
 import jinja2
 
 from fagen import __version__, backends
+from fagen.codegen import signatures
 from fagen.spec import tables
-from fagen.spec.axes import DECODE_MAX_SEQ_Q, MAX_PAGE_SIZE, DType, Kind, Layout, Mask
+from fagen.spec.axes import DECODE_MAX_SEQ_Q, MAX_PAGE_SIZE, DType, Layout
 from fagen.spec.kernel import KernelSpec, SpecError
 
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"  # fagen/templates, installed with the package
@@ -63,7 +64,22 @@ def _environment(root: Path) -> jinja2.Environment:
     )
     env.filters.update(torchtype=_torchtype, cudatype=_cudatype,
                        mmatype=_mmatype, smem_bytes=_smem_bytes)
+    signatures.register(env)  # def_kernel, launch, args, ...: the argument lists of fagen/codegen/args.py
+    env.globals["verbatim"] = _verbatim
     return env
+
+
+VERBATIM_MARKER = "# -- fagen: included verbatim below this line --\n"
+
+
+@jinja2.pass_environment
+def _verbatim(env: jinja2.Environment, name: str) -> str:
+    """The static code of templates/<name> (a .py file linters read): the text below its marker line, without the
+    last newline (the including template's line supplies it)."""
+    source = env.loader.get_source(env, name)[0]
+    if VERBATIM_MARKER not in source:
+        raise ValueError(f"templates/{name} has no line {VERBATIM_MARKER.strip()!r} to include below")
+    return source.split(VERBATIM_MARKER, 1)[1].removesuffix("\n")
 
 
 def template_name(spec: KernelSpec) -> str:
@@ -71,23 +87,17 @@ def template_name(spec: KernelSpec) -> str:
 
 
 def _context(spec: KernelSpec) -> dict:
-    """Everything a template sees: the spec (enums and integers only), and values the tables derive from it."""
+    """Everything a template sees: the spec (enums and integers only), values the tables derive from it, and the
+    argument-list helpers (fagen/codegen/signatures.py)."""
     backend = backends.get(spec.backend)
+    paged = spec.layout is Layout.PAGED
     return dict(spec=spec, spec_json=spec.to_json(), version=__version__, max_seq_q=DECODE_MAX_SEQ_Q,
                 dot_precision=tables.DOT_KWARGS[spec.dtype], tma=backend.tma_loads(spec), gluon=backends.GLUON.variant,
-                xargs=SCORE_ARGS if spec.switches else "", xsig=SCORE_SIG if spec.switches else "",
-                max_page_size=MAX_PAGE_SIZE, **_out_context(spec), **_kv_context(spec), **_layout_context(spec))
-
-
-def _kv_context(spec: KernelSpec) -> dict:
-    """An fp8 cache's launch-form scale arguments ([Note] fp8 cache in triton/decode.py.j2): floats, and per-KV-head
-    tensors or None."""
-    if spec.kv_dtype is None:
-        return dict(kvargs="", kvsig="", kv_torch_dtype="")
-    return dict(kvargs=", k_scale, v_scale, k_scales, v_scales",
-                kvsig=", k_scale: float, v_scale: float, k_scales: Optional[torch.Tensor], "
-                      "v_scales: Optional[torch.Tensor]",
-                kv_torch_dtype=tables.TORCH_KV_DTYPE[spec.kv_dtype])
+                max_page_size=MAX_PAGE_SIZE, packed_q=spec.packed_q, packed_k=spec.layout is Layout.VARLEN,
+                paged=paged, ragged=spec.mask.padded or spec.layout is not Layout.DENSE, **_out_context(spec),
+                kv_torch_dtype=tables.TORCH_KV_DTYPE[spec.kv_dtype] if spec.kv_dtype else "",
+                tree_keys="len_k" if paged else "seq_k",  # tree nodes are the last Sq of these keys
+                lse_shape="(q.shape[1], q.shape[0])" if spec.packed_q else "q.shape[:3]")
 
 
 def _out_context(spec: KernelSpec) -> dict:
@@ -96,49 +106,6 @@ def _out_context(spec: KernelSpec) -> dict:
         return dict(out_shape="q.shape", new_out="_new_out(q)")
     return dict(out_shape=f"(*q.shape[:-1], {spec.head_dim_v})",
                 new_out=f"q.new_empty((*q.shape[:-1], {spec.head_dim_v}))")
-
-
-# [Note] Layout arguments. The varlen and paged layouts ([Note] Layouts in triton/masks.j2) pass host ints and the
-# block table beside the seqlens slots, which carry cu_seqlens (varlen q and k, paged-prefill q) or the cached
-# lengths (paged k). Like the score arguments they are appended to the launch, operator and autograd argument
-# lists ({{ largs }} / {{ lsig }}); a dense spec renders none of them.
-_LAYOUT_ARGS = {
-    (Layout.VARLEN, Kind.PREFILL): ("max_seqlen_q", "max_seqlen_k"),
-    (Layout.PAGED, Kind.PREFILL): ("block_table", "max_seqlen_q"),
-    (Layout.PAGED, Kind.DECODE): ("block_table",),
-}
-_LAYOUT_TYPES = {"max_seqlen_q": "int", "max_seqlen_k": "int", "block_table": "torch.Tensor"}
-# The public keyword arguments of each layout (README "Layouts"), in place of seqlens_q, seqlens_k and tree_mask.
-_LAYOUT_KEYWORDS = {
-    (Layout.VARLEN, Kind.PREFILL): ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"),
-    (Layout.PAGED, Kind.PREFILL): ("cu_seqlens_q", "max_seqlen_q", "block_table", "seqlens_k"),
-    (Layout.PAGED, Kind.DECODE): ("block_table", "seqlens_k"),
-}
-
-
-def _layout_context(spec: KernelSpec) -> dict:
-    names = _LAYOUT_ARGS.get((spec.layout, spec.kind), ())
-    paged = spec.layout is Layout.PAGED
-    tree = spec.mask is Mask.TREE
-    return dict(packed_q=spec.packed_q, packed_k=spec.layout is Layout.VARLEN, paged=paged,
-                ragged=spec.mask.padded or spec.layout is not Layout.DENSE,
-                lkw=", ".join(_LAYOUT_KEYWORDS.get((spec.layout, spec.kind), ()) + (("tree_mask",) if tree else ())),
-                tree_keys="len_k" if paged else "seq_k",  # tree nodes are the last Sq of these keys
-                lse_shape="(q.shape[1], q.shape[0])" if spec.packed_q else "q.shape[:3]",
-                # the autograd's view of them: saved on ctx (varlen, the one layout with a backward), no gradient
-                layout_ctx="".join(", ctx." + n for n in names), layout_none=", None" * len(names),
-                largs="".join(", " + n for n in names), lsig="".join(f", {n}: {_LAYOUT_TYPES[n]}" for n in names),
-                # the kernels' page arguments: the top-level kernel's, and the inner loops' (this sequence's row)
-                xkpg=", BlockTable, stride_btb, page_shift, num_pages" if paged else "",
-                xpg=", table, stride_kb, stride_vb, page_shift, num_pages" if paged else "")
-
-
-# [Note] Score arguments. A spec with any score switch threads these launch-form values through its launch
-# function, operators and autograd (appended to every argument list as {{ xargs }} / {{ xsig }}); a spec without
-# switches renders neither, so its source is unchanged.
-SCORE_ARGS = ", window_left, window_right, softcap, alibi_slopes, sinks"
-SCORE_SIG = (", window_left: int, window_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor], "
-             "sinks: Optional[torch.Tensor]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,9 +127,10 @@ class Rendered:
 
 
 def _stamp(root: Path) -> tuple:
-    """(name, mtime, size) of every template file: an edited template changes it, so a memoised render is redone."""
+    """(name, mtime, size) of every template file (.j2, and the static .py included verbatim): an edited template
+    changes it, so a memoised render is redone."""
     return tuple(sorted((str(p.relative_to(root)), st.st_mtime_ns, st.st_size)
-                        for p in root.rglob("*.j2") for st in (p.stat(),)))
+                        for p in root.rglob("*") if p.suffix in (".j2", ".py") for st in (p.stat(),)))
 
 
 def render(spec: KernelSpec) -> Rendered:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from fagen.codegen.args import SWITCH_KEYWORD
 from fagen.runtime import ops
 from fagen.runtime.hopper import MIN_WORK
 from fagen.runtime.kinds import prefers_decode
@@ -96,7 +97,7 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
 
 _eager = torch.compiler.disable(attention)  # a call Dynamo leaves alone
 _NO_SCORES: dict = {}
-_SCORE_ARGS = ("window", "softcap", "alibi_slopes", "sinks")  # in SCORE_SWITCHES' order
+_SCORE_ARGS = tuple(SWITCH_KEYWORD[name] for name in SCORE_SWITCHES)  # the public keyword of each switch
 
 
 def _varlen(q, k, v, mask, scale, scores, switches, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check):

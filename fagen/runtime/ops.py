@@ -5,6 +5,12 @@ recompile when a sequence length changes. The operator's implementation runs eag
 (fagen.runtime.resolve.resolve) and launches it; the generated modules register their own per-spec operators too
 ([Note] Operators in fagen/templates/host/ops.py.j2). The score inputs travel as operator arguments: window as
 [left, right] with -1 for an unbounded side, softcap, alibi_slopes and sinks (whose gradient the backward returns).
+
+[Note] Runtime autograd. A generated bwd module has one autograd, its _Attention ([Note] One autograd in
+templates/triton/backward.py.j2). This operator needs its own because it resolves the module at run time (a render,
+a compile or a cache lookup that Dynamo cannot trace): its backward is the module's backward(), resolved the same
+way. Resolving at trace time instead (torch.compiler.assume_constant_result returning the module) fails inside
+Dynamo on torch 2.13 (an InternalTorchDynamoError from the constant's guard).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from typing import List, Optional
 
 import torch
 
+from fagen.codegen.args import SWITCH_KEYWORD
 from fagen.runtime.resolve import resolve
 
 
@@ -24,8 +31,10 @@ def _scores(window, softcap, alibi_slopes, sinks):
     for name, value in (("softcap", softcap), ("alibi_slopes", alibi_slopes), ("sinks", sinks)):
         if value is not None:
             kwargs[name] = value
-    names = {"window": "window", "softcap": "softcap", "alibi_slopes": "alibi", "sinks": "sinks"}
-    return tuple(names[key] for key in kwargs), kwargs
+    return tuple(_SWITCH[key] for key in kwargs), kwargs
+
+
+_SWITCH = {keyword: switch for switch, keyword in SWITCH_KEYWORD.items()}  # "alibi_slopes" -> "alibi"
 
 
 @torch.library.custom_op("fagen::attention", mutates_args=())

@@ -1,6 +1,16 @@
-{#
-  Fast launches of @triton.jit kernels, shared by the Triton templates. Namespace: `spec`.
-#}
+"""Fast launches of @triton.jit kernels, shared by the Triton templates.
+
+Static code: the render includes everything below the marker line verbatim (`verbatim` in
+fagen/codegen/render.py). The code there uses the including module's os, torch, triton and _INTERPRET; the lines
+above the marker define them only for linters and readers.
+"""
+import os
+
+import torch
+import triton
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# -- fagen: included verbatim below this line --
 
 
 # [Note] Fast launches

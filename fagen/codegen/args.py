@@ -1,0 +1,369 @@
+"""The typed argument lists of the generated code: one list per kernel and per host calling convention.
+
+Every signature, launch call, operator schema, fake, autograd tuple and AOT signature of a generated module is
+rendered from these lists by fagen/codegen/signatures.py; no template spells a kernel's parameters by hand.
+A new kernel argument (a captured tensor of a user mod, say) is one more `Arg` here, with the specs it belongs to.
+
+[Note] Argument lists
+An Arg names one parameter: its kind (tensor, int, float, constexpr), a tensor's element type, `when` (the specs
+that have the parameter at all) and, for tensors, `real` (the specs that pass a tensor: the others pass None, a
+constexpr None to an ahead-of-time build). `host` is the launcher's expression for it; a star expression there
+("*tree_strides") also covers the following args whose host is "". Args of one `pack` are passed as one star
+(`*ints`): the launcher binds the pack's tuple from their host expressions once, and may keep it for the next
+call ([Note] Forward steps). `br` starts a new line in a rendered definition, so the definitions read as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from fagen.spec.axes import DType, Layout, Mask
+from fagen.spec.kernel import KernelSpec
+
+TENSOR, INT, FLOAT, CONSTEXPR = "tensor", "int", "float", "constexpr"
+IO = "io"  # a tensor of the spec's own dtype (q, k, v, out and their gradients)
+
+Pred = Callable[[KernelSpec], bool]
+
+
+def always(spec: KernelSpec) -> bool:
+    return True
+
+
+def switched(spec: KernelSpec) -> bool:
+    """Any score switch: the spec then takes every score argument (None or 0 for the switches it lacks)."""
+    return bool(spec.switches)
+
+
+def alibi(spec: KernelSpec) -> bool:
+    return spec.alibi
+
+
+def sinks(spec: KernelSpec) -> bool:
+    return spec.sinks
+
+
+def window(spec: KernelSpec) -> bool:
+    return spec.window
+
+
+def fp8(spec: KernelSpec) -> bool:
+    """The fp8 (e4m3) gluon forward: descales, and V transposed (docs/hopper.md, "fp8 forward")."""
+    return spec.dtype is DType.FP8_E4M3
+
+
+def dense(spec: KernelSpec) -> bool:
+    return spec.layout is Layout.DENSE
+
+
+def varlen(spec: KernelSpec) -> bool:
+    return spec.layout is Layout.VARLEN
+
+
+def paged(spec: KernelSpec) -> bool:
+    return spec.layout is Layout.PAGED
+
+
+def packed_q(spec: KernelSpec) -> bool:
+    return spec.packed_q
+
+
+def tree(spec: KernelSpec) -> bool:
+    return spec.mask is Mask.TREE
+
+
+def paged_tree(spec: KernelSpec) -> bool:
+    return paged(spec) and tree(spec)
+
+
+def lengths_q(spec: KernelSpec) -> bool:
+    """The kernels read per-sequence query lengths (padding masks) or offsets (packed q)."""
+    return spec.mask.padded or spec.packed_q
+
+
+def lengths_k(spec: KernelSpec) -> bool:
+    """The kernels read per-sequence key lengths or offsets (padding masks, and every non-dense layout)."""
+    return spec.mask.padded or spec.layout is not Layout.DENSE
+
+
+def rows_16(spec: KernelSpec) -> bool:
+    """Contiguous row strides are multiples of 16 only when the head dims are (what the AOT build assumes of them)."""
+    return spec.head_dim % 16 == 0 and spec.head_dim_v % 16 == 0
+
+
+def fp8_cache(spec: KernelSpec) -> bool:
+    """A decode kernel reading an fp8 KV cache (README "Serving"): it takes the cache's scales."""
+    return spec.kv_dtype is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class Arg:
+    """One parameter of a kernel or host function ([Note] Argument lists)."""
+
+    name: str
+    kind: str
+    dtype: str = ""  # tensors: IO, "fp32", "i32", "u8"
+    when: Pred = always  # the specs that have this parameter
+    real: Pred = always  # tensors: the specs that pass a tensor rather than None
+    host: str | Callable[[KernelSpec], str] = ""  # the launcher's expression ("" when an earlier star covers it)
+    fast: str = ""  # the expression in a step's launch, where it differs ([Note] Forward steps)
+    pack: str = ""  # passed as part of `*pack`
+    aot: str = ""  # constexprs: the value an AOT build takes, where it differs from host
+    divisible: Pred | None = None  # AOT: specs where it is assumed a multiple of 16 (a pointer: 16-byte aligned)
+    br: bool = False  # starts a new line in a rendered definition
+    wide: bool = False  # cuda: int64_t rather than int
+    written: bool = False  # cuda: a pointer the kernel stores through (not const)
+    optional: bool = False  # host: the value may be None (Optional[...] in an operator schema)
+    grad: str = ""  # host: the autograd expression of this input's gradient where `real` ("" for none)
+
+    def __post_init__(self) -> None:
+        if self.kind not in (TENSOR, INT, FLOAT, CONSTEXPR):
+            raise ValueError(f"Arg {self.name}: unknown kind {self.kind!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """An entry point: its argument list and how it is built ahead of time."""
+
+    name: str
+    args: tuple[Arg, ...]
+    packs: dict = dataclasses.field(default_factory=dict)  # pack -> the star expression's value (default: its name)
+    warps: str = "NUM_WARPS"  # num_warps and num_stages of its launches and AOT entry ("": not passed)
+    stages: str = "NUM_STAGES"
+    constexpr_type: str = "tl.constexpr"
+
+    def of(self, spec: KernelSpec) -> list[Arg]:
+        return [a for a in self.args if a.when(spec)]
+
+
+def T(name, dtype=IO, **kw) -> Arg:  # noqa: N802 - the kinds read as types in the tables below
+    return Arg(name, TENSOR, dtype, **kw)
+
+
+def I(name, **kw) -> Arg:  # noqa: E743, N802
+    return Arg(name, INT, **kw)
+
+
+def F(name, **kw) -> Arg:  # noqa: N802
+    return Arg(name, FLOAT, **kw)
+
+
+def C(name, host=None, **kw) -> Arg:  # noqa: N802
+    return Arg(name, CONSTEXPR, host=name if host is None else host, **kw)
+
+
+def _strides(prefix: str, dims: str, source: str, pack: str = "", br: str = "", divisible: Pred | None = rows_16,
+             host: str = "{src}.stride({i})") -> list[Arg]:
+    """stride_<prefix><dim> for each dim; the launcher passes `host` of (source, i), or a star over all of them
+    ("*name" source)."""
+    def expr(i: int) -> str:
+        if not source:
+            return ""
+        if source.startswith("*"):
+            return source if i == 0 else ""
+        return host.format(src=source, i=i)
+
+    return [I(f"stride_{prefix}{d}", host=expr(i), pack=pack, br=d in br, divisible=divisible)
+            for i, d in enumerate(dims)]
+
+
+# -- the triton kernels' shared pieces -----------------------------------------------------------------------------
+SCALE_LOG2 = "scale * 1.4426950408889634"  # 1/ln 2: the kernels' exp2 domain
+SCORE_LAUNCH = "_score_launch(scale, window_left, window_right, softcap, alibi_slopes, sinks)"
+_LENGTHS = [T("SeqlensQ", "i32", real=lengths_q, host="seqlens_q"),
+            T("SeqlensK", "i32", real=lengths_k, host="seqlens_k"),
+            T("TreeMask", "u8", real=tree, host="tree")]
+_SCORES = [I("win_left", when=switched, pack="scores"), I("win_right", when=switched, pack="scores"),
+           F("cap_in", when=switched, pack="scores"), F("cap_out", when=switched, pack="scores"),
+           T("Slopes", "fp32", when=switched, real=alibi, pack="scores")]
+_SINKS = T("Sinks", "fp32", when=switched, real=sinks, pack="scores")
+_PAGING = [T("BlockTable", "i32", when=paged, pack="paging"), I("stride_btb", when=paged, pack="paging"),
+           I("page_shift", when=paged, pack="paging"), I("num_pages", when=paged, pack="paging")]
+_TREE_STRIDES = [I("stride_tb", host="*tree_strides"), I("stride_tm")]
+_HEAD = [C("HEAD_DIM", br=True), C("BLOCK_D", "_pow2(HEAD_DIM)", aot="triton.next_power_of_2(HEAD_DIM)")]
+_HEAD_D = [_HEAD[0], dataclasses.replace(_HEAD[1], host="block_d")]  # launchers that compute block_d once
+# v's and out's head dim (README "Serving": head_dim_v), padded like HEAD_DIM
+_HEAD_V = [C("HEAD_DIM_V"), C("BLOCK_DV", "_pow2(HEAD_DIM_V)", aot="triton.next_power_of_2(HEAD_DIM_V)")]
+_HEAD_DV = [_HEAD_V[0], dataclasses.replace(_HEAD_V[1], host="block_dv")]
+# an fp8 cache's scales ([Note] fp8 cache in triton/decode.py.j2): per-tensor floats, per-KV-head tensors or None
+_KV_SCALES = [F("k_scale", when=fp8_cache, host="k_scale"), F("v_scale", when=fp8_cache, host="v_scale"),
+              T("KScale", "fp32", when=fp8_cache, host="k_scales"), T("VScale", "fp32", when=fp8_cache, host="v_scales")]
+_UPCAST = C("UPCAST", aot="False")  # compiled kernels never upcast ([Note] Interpreter upcast)
+
+
+def _in_pack(args: list[Arg], pack: str) -> list[Arg]:
+    return [dataclasses.replace(a, pack=pack) for a in args]
+
+
+ATTN_FWD = Kernel("_attn_fwd", (
+    T("Q", host="q", fast="pq", divisible=always), T("K", host="k", fast="pk", divisible=always),
+    T("V", host="v", fast="pv", divisible=always), T("Out", host="out", fast="po", divisible=always),
+    T("Lse", "fp32", host="lse", fast="pl", divisible=always), *_LENGTHS, F("qk_scale", host=SCALE_LOG2),
+    *_SCORES, _SINKS, *_PAGING,
+    *_strides("q", "bhm", "q", "ints", br="b"), *_strides("k", "bhn", "k", "ints"),
+    *_strides("v", "bhn", "v", "ints", br="b"), *_strides("o", "bhm", "out", "ints"),
+    *_in_pack([dataclasses.replace(_TREE_STRIDES[0], br=True), _TREE_STRIDES[1]], "ints"),
+    I("num_heads", host="hq", pack="ints"), I("seq_q", host="sq", pack="ints"), I("seq_k", host="sk", pack="ints"),
+    *_HEAD, *_HEAD_V, C("BLOCK_M"), C("BLOCK_N"), C("GQA", br=True), _UPCAST, C("TMA"),
+), packs={"scores": SCORE_LAUNCH})
+
+# The backward ([Note] Backward tiles in triton/backward.py.j2): no sinks (their gradient is a host reduction).
+_BWD_QKV_STRIDES = [*_strides("q", "bhm", "q", "qkv_strides", br="b"), *_strides("k", "bhn", "k", "qkv_strides"),
+                    *_strides("v", "bhn", "v", "qkv_strides", br="b"), *_strides("do", "bhm", "do", "qkv_strides")]
+_ROW_STATS = [T("Lse2", "fp32", host="lse2", divisible=always), T("Delta", "fp32", host="delta", divisible=always)]
+_BWD_TAIL = [I("stride_sh", host="sq_pad", divisible=always), I("num_heads", host="hq"), I("seq_q", host="sq"),
+             I("seq_k", host="sk")]
+_BWD_SCALES = [F("qk_scale", host="qk_scale"), F("scale", host="scale"), *_SCORES]
+
+ATTN_BWD_PREPROCESS = Kernel("_attn_bwd_preprocess", (
+    T("Out", host="out", divisible=always), T("DO", host="do", divisible=always),
+    T("Lse", "fp32", host="lse", divisible=always), T("Delta", "fp32", host="delta", divisible=always),
+    T("Lse2", "fp32", host="lse2", divisible=always), _LENGTHS[0], *_strides("o", "bhm", "out"),
+    *_strides("do", "bhm", "do", br="m"), I("stride_sh", host="sq_pad", divisible=always),
+    I("num_heads", host="hq"), I("seq_q", host="sq"),
+    *_HEAD_DV, C("BLOCK_M", "DQ_BLOCK_M"), _UPCAST,
+), warps="DQ_NUM_WARPS", stages="DQ_NUM_STAGES")
+
+ATTN_BWD_DKDV = Kernel("_attn_bwd_dkdv", (
+    T("Q", host="q", divisible=always), T("K", host="k", divisible=always), T("V", host="v", divisible=always),
+    T("DO", host="do", divisible=always), T("DK", host="dk", divisible=always), T("DV", host="dv", divisible=always),
+    *_ROW_STATS, *_LENGTHS, *_BWD_SCALES, *_BWD_QKV_STRIDES,
+    *_strides("dk", "bhn", "dk", br="b"), *_strides("dv", "bhn", "dv"),
+    dataclasses.replace(_TREE_STRIDES[0], br=True), _TREE_STRIDES[1], *_BWD_TAIL,
+    *_HEAD_D, *_HEAD_DV, C("BLOCK_M", "DKDV_BLOCK_M"), C("BLOCK_N", "DKDV_BLOCK_N"), C("GQA", br=True), _UPCAST,
+), packs={"scores": "scores"}, warps="DKDV_NUM_WARPS", stages="DKDV_NUM_STAGES")
+
+ATTN_BWD_DQ = Kernel("_attn_bwd_dq", (
+    T("Q", host="q", divisible=always), T("K", host="k", divisible=always), T("V", host="v", divisible=always),
+    T("DO", host="do", divisible=always), T("DQ", host="dq", divisible=always),
+    *_ROW_STATS, *_LENGTHS, *_BWD_SCALES, *_BWD_QKV_STRIDES,
+    *_strides("dq", "bhm", "dq", br="b"), *_TREE_STRIDES, *_BWD_TAIL,
+    *_HEAD_D, *_HEAD_DV, C("BLOCK_M", "DQ_BLOCK_M"), C("BLOCK_N", "DQ_BLOCK_N"), C("GQA", br=True), _UPCAST,
+), packs={"scores": "scores"}, warps="DQ_NUM_WARPS", stages="DQ_NUM_STAGES")
+
+# Split-KV decode ([Note] Last split merges in triton/decode.py.j2): one kernel, whose last split merges.
+DECODE_SPLIT = Kernel("_decode_split", (
+    T("Q", host="q", fast="pq"), T("K", host="k", fast="pk"), T("V", host="v", fast="pv"),
+    T("Dst", "fp32", host="dst", fast="pd"), T("DstLse", "fp32", host="dst_lse", fast="pdl"),
+    T("Out", host="out", fast="po"), T("Lse", "fp32", host="lse", fast="pl"),
+    T("Counter", "i32", host="tickets", fast="pc"), *_LENGTHS, F("qk_scale", host=SCALE_LOG2), *_KV_SCALES,
+    *_SCORES, _SINKS, *_PAGING,
+    *_strides("q", "bhm", "qs", "split_ints", br="b", host="{src}[{i}]"),
+    *_strides("k", "bhn", "ks", "split_ints", host="{src}[{i}]"),
+    *_strides("v", "bhn", "vs", "split_ints", host="{src}[{i}]"),
+    *_strides("d", "sbhm", "*dst_strides", "split_ints", br="s"), *_strides("l", "sbh", "", "split_ints"),
+    *_strides("o", "bhm", "os_", "split_ints", br="b", host="{src}[{i}]"),
+    *_strides("e", "bh", "ls", "split_ints", host="{src}[{i}]"),
+    *_in_pack([dataclasses.replace(_TREE_STRIDES[0], br=True), _TREE_STRIDES[1]], "split_ints"),
+    I("seq_q", host="sq", pack="split_ints"), I("seq_k", host="sk", pack="split_ints"),
+    I("chunk", host="chunk", pack="split_ints"), I("n_tiles", host="n_tiles", pack="split_ints"),
+    *_HEAD_D, *_HEAD_DV, C("ROWS", "rows"), C("BLOCK_N"), C("GQA", br=True), C("DOT", "rows >= 16"),
+    C("DIRECT", "direct"), C("SPLITS_PER_SEQ", "num_splits[1] if invariant else 0"),
+    _UPCAST,
+), packs={"scores": SCORE_LAUNCH})
+
+# -- the cuda and gluon forwards ----------------------------------------------------------------------------------
+def _c_strides(prefix: str, dims: str, source: str) -> list[Arg]:
+    return [dataclasses.replace(a, pack="strides", wide=True, divisible=None)
+            for a in _strides(prefix, dims, source, br=dims[0])]
+
+
+CUDA_FWD = Kernel("fagen_attn_fwd", (
+    T("q", host="q"), T("k", host="k"), T("v", host="v"), T("out", host="out", written=True),
+    T("lse", "fp32", host="lse", written=True, br=True), T("seqlens_q", "i32", host="seqlens_q"),
+    T("seqlens_k", "i32", host="seqlens_k"), T("tree_bits", "i32", host="tree", br=True),
+    *_c_strides("q", "bhm", "q"), *_c_strides("k", "bhn", "k"), *_c_strides("v", "bhn", "v"),
+    *_c_strides("o", "bhm", "out"), *_c_strides("t", "bm", "*tree_strides"),
+    I("num_heads", host="q.shape[1]", br=True), I("seq_q", host="q.shape[2]"), I("seq_k", host="k.shape[2]"),
+    F("qk_scale_log2", host=SCALE_LOG2), *_SCORES[:4],
+), packs={"strides": "(ctypes.c_int64(s) for s in strides)",
+          "scores": "_score_params(scale, window_left, window_right, softcap, alibi_slopes, sinks)"})
+
+
+def _gluon_scale(spec: KernelSpec) -> str:
+    return "cap_out" if spec.softcap else SCALE_LOG2  # [Note] Gluon score switches
+
+
+def _gluon_v(spec: KernelSpec) -> str:
+    return "_descriptor(vt, HEAD_DIM, BLOCK_N)" if fp8(spec) else "_descriptor(v, BLOCK_N)"  # [Note] fp8 V
+
+
+_DESCALES = (T("QDescale", "fp32", when=fp8, host="qd"), T("KDescale", "fp32", when=fp8, host="kd"),
+             T("VDescale", "fp32", when=fp8, host="vd"), I("qd_h", when=fp8, host="qd_h"),
+             I("kd_h", when=fp8, host="kd_h"), I("vd_h", when=fp8, host="vd_h"))
+
+GLUON_FWD = Kernel("_attn_fwd_hopper", (
+    T("q_desc", host="_descriptor(q, BLOCK_M)"), T("k_desc", host="_descriptor(k, BLOCK_N)"),
+    T("v_desc", host=_gluon_v), T("o_desc", host="_descriptor(o, BLOCK_M)"),
+    T("Lse", "fp32", host="lse"), F("qk_scale", host=_gluon_scale), I("num_tiles", host="num_tiles"),
+    I("n_m", host="n_m"), I("num_heads", host="hq"), I("seq_q", host="sq"), I("seq_k", host="sk"),
+    I("win_left", when=switched, host="win_left"), I("win_right", when=switched, host="win_right"),
+    F("cap_in", when=switched, host=lambda spec: "0.0" if fp8(spec) else "cap_in"), *_DESCALES,
+    C("HEAD_DIM", br=True), C("BLOCK_M"), C("BLOCK_N"), C("STAGES"), C("GQA"), C("CAUSAL"), C("CONSUMER_REGS", br=True),
+    C("LOADER_REGS"),
+), warps="4", stages="", constexpr_type="gl.constexpr")
+
+KERNELS = {k.name: k for k in (ATTN_FWD, ATTN_BWD_PREPROCESS, ATTN_BWD_DKDV, ATTN_BWD_DQ, DECODE_SPLIT, CUDA_FWD,
+                               GLUON_FWD)}
+
+# -- what the kernels thread through their @triton.jit helpers ----------------------------------------------------
+_INNER_SCORES = (I("win_left", when=switched), I("win_right", when=switched), F("cap_in", when=switched),
+                 F("cap_out", when=switched))
+THREADED = {
+    # the key-block loops of the forward and decode (_fwd_inner, _decode_inner), and the backward's dQ loop
+    "fwd_inner": (*_INNER_SCORES, F("slope2", when=switched), T("table", "i32", when=paged),
+                  I("stride_kb", when=paged), I("stride_vb", when=paged), I("page_shift", when=paged),
+                  I("num_pages", when=paged)),
+    "dq_inner": (*_INNER_SCORES, F("slope2", when=switched)),
+    "dkdv_inner": (*_INNER_SCORES, T("slope_base", "fp32", when=switched)),
+    "merge": (T("Sinks", "fp32", when=sinks),),  # decode's _merge_splits
+    "gluon_scores": (*_INNER_SCORES[:3],),
+    "gluon_window": (I("win_left", when=window), I("win_right", when=window)),
+    "gluon_descales": _DESCALES,  # the fp8 consumers' descale pointers and head strides
+}
+
+# -- the host's calling conventions -------------------------------------------------------------------------------
+# [Note] Launch form. The checked inputs of one call, in the order every host function of a generated module takes
+# them (_launch_forward, _launch_backward, the operators and their fakes, _call, _Attention): the mask inputs in
+# the kernels' form, the score inputs in theirs (_check_scores), the layout's host ints and block table last.
+OP_BASE = (T("q", grad="dq"), T("k", grad="dk if need_k else None"), T("v", grad="dv if need_v else None"),
+           F("scale"), T("seqlens_q", optional=True), T("seqlens_k", optional=True), T("tree", optional=True))
+OP_SCORES = (I("window_left", when=switched), I("window_right", when=switched), F("softcap", when=switched),
+             T("alibi_slopes", "fp32", when=switched, real=alibi, optional=True),
+             T("sinks", "fp32", when=switched, real=sinks, optional=True, grad="dsinks"))
+OP_LAYOUT = (T("block_table", "i32", when=paged), I("max_seqlen_q", when=packed_q), I("max_seqlen_k", when=varlen))
+# an fp8 cache's scales in launch form (_check_kv_scales): floats, and per-KV-head tensors or None
+OP_KV = (F("k_scale", when=fp8_cache), F("v_scale", when=fp8_cache),
+         T("k_scales", "fp32", when=fp8_cache, optional=True), T("v_scales", "fp32", when=fp8_cache, optional=True))
+OP = OP_BASE + OP_SCORES + OP_LAYOUT + OP_KV
+# The backward's: dO first, the forward's out and lse after v.
+OP_BWD = (T("do"),) + OP_BASE[:3] + (T("out"), T("lse")) + OP_BASE[3:] + OP_SCORES + OP_LAYOUT
+
+
+@dataclasses.dataclass(frozen=True)
+class Keyword:
+    """A keyword argument of the public functions (forward, backward, attention, Plan.run)."""
+
+    name: str
+    when: Pred = always
+    default: str | None = "None"  # None: required
+    switch: str = ""  # the score switch that takes this keyword
+
+
+# The mask or layout keywords (README "Layouts"): dense specs take the mask inputs, the others their layout's.
+MASK_KEYWORDS = (
+    Keyword("seqlens_q", dense), Keyword("seqlens_k", dense), Keyword("tree_mask", dense),
+    Keyword("cu_seqlens_q", packed_q, None), Keyword("cu_seqlens_k", varlen, None),
+    Keyword("max_seqlen_q", packed_q, None), Keyword("max_seqlen_k", varlen, None),
+    Keyword("block_table", paged, None), Keyword("seqlens_k", paged, None), Keyword("tree_mask", paged_tree, None),
+)
+# The score keywords (README "Score modifiers"): a spec with any switch takes all four, None for those it lacks.
+SCORE_KEYWORDS = (Keyword("window", switched, switch="window"), Keyword("softcap", switched, switch="softcap"),
+                  Keyword("alibi_slopes", switched, switch="alibi"), Keyword("sinks", switched, switch="sinks"))
+SWITCH_KEYWORD = {kw.switch: kw.name for kw in SCORE_KEYWORDS}
+# An fp8 cache's scales (README "Serving"): a float or float32 [Hkv] each, 1.0 when left out.
+KV_KEYWORDS = (Keyword("k_scale", fp8_cache), Keyword("v_scale", fp8_cache))  # "alibi" -> "alibi_slopes"
+
+LISTS = {"op": OP, "op_bwd": OP_BWD, "op_scores": OP_SCORES, "op_layout": OP_LAYOUT, "mask_keywords": MASK_KEYWORDS,
+         "score_keywords": SCORE_KEYWORDS, "kv_keywords": KV_KEYWORDS, "op_kv": OP_KV, **THREADED}

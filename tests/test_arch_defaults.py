@@ -33,7 +33,9 @@ from fagen.spec.manifest import DEFAULT_CATALOG, load_manifest
 ARCHS = ("sm_80", "sm_90")
 CATALOG = load_manifest(DEFAULT_CATALOG).specs
 # (arch, backend, layout, direction, head_dim, tree, tiles) -> the most words a kernel of such a default spills in
-# the full catalog build (2026-11-26), with where the tile was measured.
+# the full catalog build (2026-11-26), with where the tile was measured. The spill-free alternative of the two d128
+# rows was timed on the H100 (scripts/gpu_arch_tiles.py, 2026-11-26) and lost by far: bwd causal s16k m64n32w8s2
+# 153.9 TF/s against 428.8 for the default; tree forward 151.2 against 364.8. So the spills stay.
 MEASURED_SPILLS = {
     # the dK/dV kernel; tuned.json's d128 causal bf16 bwd winner (433 TF/s at s16k), which the other masks follow
     ("sm_90", "triton", "dense", "bwd", 128, False, "m128n128w8s3"): 14,

@@ -17,6 +17,7 @@ import triton.language as tl
 NAME = "attn_fwd_tree_d64_m128n64w8s2_g1_fp16"
 SPEC_HASH = "c66b8caaf77c0641"
 HEAD_DIM = 64
+HEAD_DIM_V = 64  # v's and out's head dim
 GQA = 1
 MASK = "tree"
 DTYPE = torch.float16
@@ -375,6 +376,7 @@ UPCAST = _INTERPRET and DTYPE == torch.bfloat16
 
 # Glossary of constexprs
 #   HEAD_DIM   D of the spec; BLOCK_D = next power of two >= D (columns past D are masked to zero)
+#   HEAD_DIM_V v's and out's head dim (MLA: 128 with D 192); BLOCK_DV its power of two, masked the same way
 #   BLOCK_M    query rows per program; BLOCK_N keys per inner step
 #   GQA        query heads per KV head
 #   UPCAST     interpreter-only fp32 upcast of bf16 dot operands (see [Note] Interpreter upcast)
@@ -409,9 +411,10 @@ def _tree_visible(mask, stride_tm, rows, nodes, n_nodes):
 
 @triton.jit
 def _fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, qk_scale,
-               offs_m, offs_n, offs_d, lo, hi, len_q, len_k, seq_q, seq_k, off_b,
+               offs_m, offs_n, offs_d, offs_dv, lo, hi, len_q, len_k, seq_q, seq_k, off_b,
                SeqlensQ, SeqlensK, TreeMask, stride_tb, stride_tm,
-               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                MASKED: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr):
     """Online softmax over key blocks [lo, hi). m_i lives in the log2 domain (qk_scale = scale / ln 2)."""
     prefix = seq_k - seq_q
@@ -425,8 +428,8 @@ def _fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, qk_scale,
         else:
             k = _load_rows(k_src + cols[:, None] * stride_kn + offs_d[None, :], cols, len_k, offs_d,
                            HEAD_DIM, BLOCK_D, MASKED)
-            v = _load_rows(v_src + cols[:, None] * stride_vn + offs_d[None, :], cols, len_k, offs_d,
-                           HEAD_DIM, BLOCK_D, MASKED)
+            v = _load_rows(v_src + cols[:, None] * stride_vn + offs_dv[None, :], cols, len_k, offs_dv,
+                           HEAD_DIM_V, BLOCK_DV, MASKED)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -453,10 +456,10 @@ def _attn_fwd(Q, K, V, Out, Lse, SeqlensQ, SeqlensK, TreeMask, qk_scale,
               stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
               stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
               stride_tb, stride_tm, num_heads, seq_q, seq_k,
-              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               GQA: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr):
-    tl.static_assert(HEAD_DIM % 8 == 0)
-    tl.static_assert(BLOCK_D >= HEAD_DIM)
+    tl.static_assert(HEAD_DIM % 8 == 0 and HEAD_DIM_V % 8 == 0)
+    tl.static_assert(BLOCK_D >= HEAD_DIM and BLOCK_DV >= HEAD_DIM_V)
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)
     start_m = tl.program_id(0)
     off_h = tl.program_id(1)
@@ -470,6 +473,7 @@ def _attn_fwd(Q, K, V, Out, Lse, SeqlensQ, SeqlensK, TreeMask, qk_scale,
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
     k_base = K + off_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * stride_kh
     v_base = V + off_b.to(tl.int64) * stride_vb + off_hkv.to(tl.int64) * stride_vh
@@ -483,27 +487,27 @@ def _attn_fwd(Q, K, V, Out, Lse, SeqlensQ, SeqlensK, TreeMask, qk_scale,
         # guarantees 16-byte aligned bases and row strides, as TMA requires.
         k_src = tl.make_tensor_descriptor(k_base, shape=[tl.maximum(len_k, 1), HEAD_DIM], strides=[stride_kn, 1],
                                           block_shape=[BLOCK_N, BLOCK_D])
-        v_src = tl.make_tensor_descriptor(v_base, shape=[tl.maximum(len_k, 1), HEAD_DIM], strides=[stride_vn, 1],
-                                          block_shape=[BLOCK_N, BLOCK_D])
+        v_src = tl.make_tensor_descriptor(v_base, shape=[tl.maximum(len_k, 1), HEAD_DIM_V], strides=[stride_vn, 1],
+                                          block_shape=[BLOCK_N, BLOCK_DV])
     else:
         k_src = k_base
         v_src = v_base
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     # The dense prefix runs unmasked; the block that straddles it and the tree keys read the tree mask.
     hi = seq_k
     split = prefix // BLOCK_N * BLOCK_N
 
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, qk_scale,
-                               offs_m, offs_n, offs_d, 0, split, len_q, len_k, seq_q, seq_k, off_b,
+                               offs_m, offs_n, offs_d, offs_dv, 0, split, len_q, len_k, seq_q, seq_k, off_b,
                                SeqlensQ, SeqlensK, TreeMask, stride_tb, stride_tm,
-                               HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, UPCAST, TMA)
+                               HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, False, UPCAST, TMA)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, qk_scale,
-                               offs_m, offs_n, offs_d, split, hi, len_q, len_k, seq_q, seq_k, off_b,
+                               offs_m, offs_n, offs_d, offs_dv, split, hi, len_q, len_k, seq_q, seq_k, off_b,
                                SeqlensQ, SeqlensK, TreeMask, stride_tb, stride_tm,
-                               HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, UPCAST, TMA)
+                               HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, True, UPCAST, TMA)
 
     # [Note] Empty rows: a row that saw no key has l_i == 0 and acc == 0; it stores out = 0 and lse = -inf.
     # Every row that saw a key has l_i >= 1 (its maximum contributes exp2(0)), or l_i = NaN when a visible
@@ -512,10 +516,10 @@ def _attn_fwd(Q, K, V, Out, Lse, SeqlensQ, SeqlensK, TreeMask, qk_scale,
     out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))  # ln 2
     o_ptrs = Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh \
-        + offs_m[:, None] * stride_om + offs_d[None, :]
+        + offs_m[:, None] * stride_om + offs_dv[None, :]
     o_mask = offs_m[:, None] < seq_q
-    if BLOCK_D != HEAD_DIM:
-        o_mask = o_mask & (offs_d[None, :] < HEAD_DIM)
+    if BLOCK_DV != HEAD_DIM_V:
+        o_mask = o_mask & (offs_dv[None, :] < HEAD_DIM_V)
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=o_mask)
     tl.store(Lse + (off_b * num_heads + off_h).to(tl.int64) * seq_q + offs_m, lse, mask=offs_m < seq_q)
 
@@ -564,8 +568,8 @@ def _launch_forward(q, k, v, scale, seqlens_q, seqlens_k, tree, out=None, lse=No
             v.stride(2), out.stride(0), out.stride(1), out.stride(2), *tree_strides, hq, sq, sk)
     entry = _fast(_attn_fwd)[grid](
         q, k, v, out, lse, seqlens_q, seqlens_k, tree, scale * 1.4426950408889634, *ints,
-        HEAD_DIM=HEAD_DIM, BLOCK_D=_pow2(HEAD_DIM), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, GQA=GQA, UPCAST=UPCAST, TMA=TMA,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        HEAD_DIM=HEAD_DIM, BLOCK_D=_pow2(HEAD_DIM), HEAD_DIM_V=HEAD_DIM_V, BLOCK_DV=_pow2(HEAD_DIM_V), BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N, GQA=GQA, UPCAST=UPCAST, TMA=TMA, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     if _direct_entry(entry) and not copied \
             and ((q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr() | lse.data_ptr() | tree.data_ptr()) & 15) == 0:
@@ -635,11 +639,13 @@ AOT_KERNELS = [
                       "stride_kn": "i32", "stride_vb": "i32", "stride_vh": "i32", "stride_vn": "i32",
                       "stride_ob": "i32", "stride_oh": "i32", "stride_om": "i32", "stride_tb": "i32",
                       "stride_tm": "i32", "num_heads": "i32", "seq_q": "i32", "seq_k": "i32", "HEAD_DIM": "constexpr",
-                      "BLOCK_D": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "GQA": "constexpr",
-                      "UPCAST": "constexpr", "TMA": "constexpr"},
+                      "BLOCK_D": "constexpr", "HEAD_DIM_V": "constexpr", "BLOCK_DV": "constexpr",
+                      "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "GQA": "constexpr", "UPCAST": "constexpr",
+                      "TMA": "constexpr"},
         "constexprs": {"SeqlensQ": None, "SeqlensK": None, "HEAD_DIM": HEAD_DIM,
-                       "BLOCK_D": triton.next_power_of_2(HEAD_DIM), "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "GQA": GQA,
-                       "UPCAST": False, "TMA": TMA},
+                       "BLOCK_D": triton.next_power_of_2(HEAD_DIM), "HEAD_DIM_V": HEAD_DIM_V,
+                       "BLOCK_DV": triton.next_power_of_2(HEAD_DIM_V), "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N,
+                       "GQA": GQA, "UPCAST": False, "TMA": TMA},
         "divisible": ["Q", "K", "V", "Out", "Lse", "stride_qb", "stride_qh", "stride_qm", "stride_kb", "stride_kh",
                       "stride_kn", "stride_vb", "stride_vh", "stride_vn", "stride_ob", "stride_oh", "stride_om"],
         "num_warps": NUM_WARPS,
@@ -699,8 +705,8 @@ def _check_buffers(q, out, lse):
         if not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype \
                 or out.device != q.device or out.stride(-1) != 1:
             got = f"{out.dtype} {tuple(out.shape)} on {out.device}" if isinstance(out, torch.Tensor) else type(out)
-            raise InputError(f"out: expected {q.dtype} {tuple(q.shape)} on {q.device} with unit last stride, like q; "
-                             f"got {got}")
+            raise InputError(f"out: expected {q.dtype} {tuple(q.shape)} on {q.device} with unit last stride, "
+                             f"like q; got {got}")
     if lse is not None:
         if not isinstance(lse, torch.Tensor) or lse.shape != q.shape[:3] or lse.dtype != torch.float32 \
                 or lse.device != q.device or not lse.is_contiguous():

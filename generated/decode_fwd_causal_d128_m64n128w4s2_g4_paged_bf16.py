@@ -20,6 +20,7 @@ import triton.language as tl
 NAME = "decode_fwd_causal_d128_m64n128w4s2_g4_paged_bf16"
 SPEC_HASH = "b1b13f7ab23e77b7"
 HEAD_DIM = 128
+HEAD_DIM_V = 128  # v's and out's head dim
 GQA = 4
 MASK = "causal"
 DTYPE = torch.bfloat16
@@ -452,11 +453,23 @@ UPCAST = _INTERPRET and DTYPE == torch.bfloat16
 PROGRAMS_PER_SM = 2
 FALLBACK_SMS = 132
 MAX_SPLITS = 128
+# [Note] Batch-invariant splits. With batch_invariant=True a sequence's result must be the same bits alone and in
+# any batch (docs/serving.md). The split rule above follows the batch and the SM count, so the kernel then sizes
+# each sequence's chunks from its own key count n alone: max(INVARIANT_MIN_CHUNK, ceil(n / INVARIANT_SPLITS)) keys,
+# rounded up to whole BLOCK_N blocks, starting at its first key; the grid holds min(INVARIANT_SPLITS, ceil(span /
+# INVARIANT_MIN_CHUNK)) splits and a sequence's splits past its own count return at once. Every launch merges
+# through the workspace (never DIRECT), so even one split's result takes the same path in every batch.
+INVARIANT_SPLITS = 32
+INVARIANT_MIN_CHUNK = 256
+INVARIANT = 0  # the num_splits value that asks for the batch-invariant rule
 # Row tiles of at most this many rows skip tl.dot (whose tiles have at least 16 rows) and multiply-sum.
 BROADCAST_MAX_ROWS = 2
 
 # Glossary of constexprs
 #   HEAD_DIM   D of the spec; BLOCK_D = next power of two >= D (columns past D are masked to zero)
+#   HEAD_DIM_V v's and out's head dim; BLOCK_DV its power of two, masked the same way
+#   SPLITS_PER_SEQ  0: every split has `chunk` keys; n > 0: chunks follow each sequence's own key count, at most n
+#              splits ([Note] Batch-invariant splits)
 #   ROWS       query rows of one tile: the packed (head in group, query position) pairs, r = g * Sq + i;
 #              at most BLOCK_M (the spec's cap), at least 16 when DOT
 #   BLOCK_N    keys per inner step; a split's chunk of keys is a multiple of it
@@ -489,9 +502,9 @@ def _key_bounds(len_q, len_k, seq_q, seq_k):
 
 @triton.jit
 def _decode_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, qk_scale, table, stride_kb, stride_vb, page_shift, num_pages, offs_i, offs_n, offs_d,
-                  lo, hi, len_q, len_k, seq_q, seq_k, off_b, TreeMask, stride_tb, stride_tm,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                  MASKED: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr):
+                  offs_dv, lo, hi, len_q, len_k, seq_q, seq_k, off_b, TreeMask, stride_tb, stride_tm,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr):
     """Online softmax over the key blocks [lo, hi) of one split, in the log2 domain (qk_scale has 1/ln 2)."""
     shift = len_k - len_q
     for start_n in range(lo, hi, BLOCK_N):
@@ -503,19 +516,25 @@ def _decode_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, qk_sca
         k_rows = page * stride_kb + slot * stride_kn
         v_rows = page * stride_vb + slot * stride_vn
         k_ptrs = k_base + k_rows[:, None] + offs_d[None, :]
-        v_ptrs = v_base + v_rows[:, None] + offs_d[None, :]
+        v_ptrs = v_base + v_rows[:, None] + offs_dv[None, :]
         if MASKED:
-            kv_mask = cols[:, None] < len_k
+            k_mask = cols[:, None] < len_k
+            v_mask = k_mask
             if BLOCK_D != HEAD_DIM:
-                kv_mask = kv_mask & (offs_d[None, :] < HEAD_DIM)
-            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-        elif BLOCK_D != HEAD_DIM:
-            k = tl.load(k_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-            v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+                k_mask = k_mask & (offs_d[None, :] < HEAD_DIM)
+            if BLOCK_DV != HEAD_DIM_V:
+                v_mask = v_mask & (offs_dv[None, :] < HEAD_DIM_V)
+            k = tl.load(k_ptrs, mask=k_mask, other=0.0)
+            v = tl.load(v_ptrs, mask=v_mask, other=0.0)
         else:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
+            if BLOCK_D != HEAD_DIM:
+                k = tl.load(k_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+            else:
+                k = tl.load(k_ptrs)
+            if BLOCK_DV != HEAD_DIM_V:
+                v = tl.load(v_ptrs, mask=offs_dv[None, :] < HEAD_DIM_V, other=0.0)
+            else:
+                v = tl.load(v_ptrs)
         if DOT:
             if UPCAST:
                 k = k.to(tl.float32)
@@ -550,15 +569,15 @@ def _decode_split(Q, K, V, Dst, DstLse, Out, Lse, Counter, SeqlensQ, SeqlensK, T
                   stride_ds, stride_db, stride_dh, stride_dm, stride_ls, stride_lb, stride_lh,
                   stride_ob, stride_oh, stride_om, stride_eb, stride_eh,
                   stride_tb, stride_tm, seq_q, seq_k, chunk, n_tiles,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                  GQA: tl.constexpr, DOT: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr):
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                  GQA: tl.constexpr, DOT: tl.constexpr, DIRECT: tl.constexpr, SPLITS_PER_SEQ: tl.constexpr, UPCAST: tl.constexpr):
     """Keys [split * chunk, (split + 1) * chunk) against one tile of a KV group's packed query rows.
 
     Writes the tile's partial (out, lse) for this split (lse in log2) into Dst/DstLse; the tile's last split to
     finish merges them into Out/Lse ([Note] Last split merges). When DIRECT (one split) Dst/DstLse are Out/Lse.
     """
-    tl.static_assert(HEAD_DIM % 8 == 0)
-    tl.static_assert(BLOCK_D >= HEAD_DIM)
+    tl.static_assert(HEAD_DIM % 8 == 0 and HEAD_DIM_V % 8 == 0)
+    tl.static_assert(BLOCK_D >= HEAD_DIM and BLOCK_DV >= HEAD_DIM_V)
     tl.static_assert(not DOT or ROWS >= 16)
     split = tl.program_id(0)
     off_hkv = tl.program_id(1) // n_tiles
@@ -571,6 +590,8 @@ def _decode_split(Q, K, V, Dst, DstLse, Out, Lse, Counter, SeqlensQ, SeqlensK, T
     shift = len_k - len_q
 
     full_hi, kv_hi = _key_bounds(len_q, len_k, seq_q, seq_k)
+    if SPLITS_PER_SEQ > 0:  # [Note] Batch-invariant splits: chunks from this sequence's own key count
+        chunk = tl.maximum(chunk, tl.cdiv(tl.cdiv(kv_hi, SPLITS_PER_SEQ), BLOCK_N) * BLOCK_N)
     s0 = split * chunk
     hi = tl.minimum(tl.minimum(s0 + chunk, seq_k), kv_hi)
 
@@ -583,9 +604,10 @@ def _decode_split(Q, K, V, Dst, DstLse, Out, Lse, Counter, SeqlensQ, SeqlensK, T
     row_ok = row_real & (offs_i < len_q)  # padding queries load zeros and are zeroed at the end
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d[None, :] < HEAD_DIM
+    offs_dv = tl.arange(0, BLOCK_DV)  # out's columns: v's head dim
     o_mask = row_real[:, None]
-    if BLOCK_D != HEAD_DIM:
-        o_mask = o_mask & d_ok
+    if BLOCK_DV != HEAD_DIM_V:
+        o_mask = o_mask & (offs_dv[None, :] < HEAD_DIM_V)
     head0 = off_b.to(tl.int64) * stride_db + off_h.to(tl.int64) * stride_dh
     lse_head0 = off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh
     if not DIRECT:
@@ -594,9 +616,9 @@ def _decode_split(Q, K, V, Dst, DstLse, Out, Lse, Counter, SeqlensQ, SeqlensK, T
         n_used = (kv_hi + chunk - 1) // chunk
         if s0 >= hi:
             if split == 0:  # no split has a key for these rows: split 0 writes their (empty) result
-                _merge_splits(Dst, DstLse, Out, Lse, head0, lse_head0, off_b, off_h, offs_i, offs_d,
+                _merge_splits(Dst, DstLse, Out, Lse, head0, lse_head0, off_b, off_h, offs_i, offs_dv,
                               row_real, row_ok, o_mask, 0, stride_ds, stride_dm, stride_ls,
-                              stride_ob, stride_oh, stride_om, stride_eb, stride_eh, ROWS, BLOCK_D)
+                              stride_ob, stride_oh, stride_om, stride_eb, stride_eh, ROWS, BLOCK_DV)
             return
     offs_n = tl.arange(0, BLOCK_N)
     q_ptrs = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64)[:, None] * stride_qh \
@@ -610,16 +632,16 @@ def _decode_split(Q, K, V, Dst, DstLse, Out, Lse, Counter, SeqlensQ, SeqlensK, T
 
     m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
-    acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_DV], dtype=tl.float32)
     # Blocks wholly below full_hi are visible to every valid row and run unmasked; chunk is a multiple of
     # BLOCK_N, so every block starts inside this split and none reaches into the next one.
     mid = s0 + tl.maximum(tl.minimum(full_hi, hi) - s0, 0) // BLOCK_N * BLOCK_N
     acc, m_i, l_i = _decode_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, qk_scale, table, stride_kb, stride_vb, page_shift, num_pages, offs_i, offs_n,
-                                  offs_d, s0, mid, len_q, len_k, seq_q, seq_k, off_b, TreeMask, stride_tb, stride_tm,
-                                  HEAD_DIM, BLOCK_D, BLOCK_N, False, DOT, UPCAST)
+                                  offs_d, offs_dv, s0, mid, len_q, len_k, seq_q, seq_k, off_b, TreeMask, stride_tb,
+                                  stride_tm, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, False, DOT, UPCAST)
     acc, m_i, l_i = _decode_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, qk_scale, table, stride_kb, stride_vb, page_shift, num_pages, offs_i, offs_n,
-                                  offs_d, mid, hi, len_q, len_k, seq_q, seq_k, off_b, TreeMask, stride_tb, stride_tm,
-                                  HEAD_DIM, BLOCK_D, BLOCK_N, True, DOT, UPCAST)
+                                  offs_d, offs_dv, mid, hi, len_q, len_k, seq_q, seq_k, off_b, TreeMask, stride_tb,
+                                  stride_tm, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, True, DOT, UPCAST)
 
     # [Note] Empty rows: a row that saw no key has l_i == 0 and acc == 0; it stores out = 0 and lse = -inf.
     # Every row that saw a key has l_i >= 1 (its maximum contributes exp2(0)), or l_i = NaN when a visible
@@ -629,7 +651,7 @@ def _decode_split(Q, K, V, Dst, DstLse, Out, Lse, Counter, SeqlensQ, SeqlensK, T
     lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
     if DIRECT:
         lse = lse * 0.6931471805599453  # ln 2: the final lse is a natural log
-    tl.store(Dst + head0[:, None] + split.to(tl.int64) * stride_ds + offs_i[:, None] * stride_dm + offs_d[None, :],
+    tl.store(Dst + head0[:, None] + split.to(tl.int64) * stride_ds + offs_i[:, None] * stride_dm + offs_dv[None, :],
              out.to(Dst.dtype.element_ty), mask=o_mask)
     tl.store(DstLse + lse_head0 + split.to(tl.int64) * stride_ls + offs_i, lse, mask=row_real)
     if not DIRECT:
@@ -643,9 +665,9 @@ def _decode_split(Q, K, V, Dst, DstLse, Out, Lse, Counter, SeqlensQ, SeqlensK, T
         counter = Counter + off_b * tl.num_programs(1) + tl.program_id(1)
         if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == n_used - 1:
             tl.store(counter, 0)
-            _merge_splits(Dst, DstLse, Out, Lse, head0, lse_head0, off_b, off_h, offs_i, offs_d,
+            _merge_splits(Dst, DstLse, Out, Lse, head0, lse_head0, off_b, off_h, offs_i, offs_dv,
                           row_real, row_ok, o_mask, n_used, stride_ds, stride_dm, stride_ls,
-                          stride_ob, stride_oh, stride_om, stride_eb, stride_eh, ROWS, BLOCK_D)
+                          stride_ob, stride_oh, stride_om, stride_eb, stride_eh, ROWS, BLOCK_DV)
 
 
 @triton.jit
@@ -722,6 +744,9 @@ def _geometry(b, hkv, sq, span, num_splits, device_index):
     """
     rows = tile_rows(GQA * sq)
     n_tiles = _cdiv(GQA * sq, rows)
+    if isinstance(num_splits, tuple):  # (min chunk, most splits): [Note] Batch-invariant splits
+        chunk = _cdiv(num_splits[0], BLOCK_N) * BLOCK_N
+        return rows, n_tiles, chunk, max(1, min(num_splits[1], _cdiv(max(span, 1), chunk)))
     if num_splits is None:
         num_splits = num_splits_for(b * hkv * n_tiles, span, sm_count(device_index))
     chunk = _cdiv(_cdiv(max(span, 1), num_splits), BLOCK_N) * BLOCK_N
@@ -750,7 +775,7 @@ _WORKSPACES = threading.local()
 
 
 def _new_workspace(shape, device, counters):
-    return (torch.empty((*shape, HEAD_DIM), dtype=torch.float32, device=device),
+    return (torch.empty((*shape, HEAD_DIM_V), dtype=torch.float32, device=device),
             torch.empty(shape, dtype=torch.float32, device=device), torch.zeros(counters, dtype=torch.int32, device=device))
 
 
@@ -761,7 +786,7 @@ def _counters(b, hq, sq):
 
 def _workspace(shape, device, index):
     """The split workspace for shape (splits, B, Hq, Sq) on `device` (its index: `index`): partial outputs fp32
-    [*shape, HEAD_DIM], their lse fp32 [*shape] and the ticket counters."""
+    [*shape, HEAD_DIM_V], their lse fp32 [*shape] and the ticket counters."""
     if _INTERPRET:  # the CPU: no streams, but the same reuse (so the counters' reset is exercised there too)
         key = (index, None)
     elif torch.cuda.is_current_stream_capturing():
@@ -805,6 +830,9 @@ def _launch_decode(q, k, v, scale, seqlens_q, seqlens_k, tree, block_table, num_
     if out.numel() == 0:
         return out, lse
     device = q.get_device()
+    invariant = num_splits == INVARIANT
+    if invariant:  # read at each call ([Note] Batch-invariant splits)
+        num_splits = (INVARIANT_MIN_CHUNK, INVARIANT_SPLITS)
     # [pages, kv heads, slots, D] views; the key rows a sequence may have: its pages' slots
     q, k, v, _, _, _, _, sk, paging = _kernel_views(q, k, v, out, lse, seqlens_q, block_table)
     hkv = k.shape[1]
@@ -833,7 +861,7 @@ def _launch_decode(q, k, v, scale, seqlens_q, seqlens_k, tree, block_table, num_
     span = sk
     # The geometry depends on span's count of key blocks only: memoised per block count, not per length.
     rows, n_tiles, chunk, splits = _geometry(b, hkv, sq, _cdiv(span, BLOCK_N) * BLOCK_N, num_splits, max(device, 0))
-    direct = splits == 1
+    direct = splits == 1 and not invariant
     if direct:
         dst, dst_lse, tickets, ws_shape = out, lse, None, None
         dst_strides = (0, os_[0], os_[1], os_[2], 0, ls[0], ls[1])
@@ -846,15 +874,16 @@ def _launch_decode(q, k, v, scale, seqlens_q, seqlens_k, tree, block_table, num_
         ds, dls = dst.stride(), dst_lse.stride()
         dst_strides = (ds[0], ds[1], ds[2], ds[3], dls[0], dls[1], dls[2])
     tree_strides = (tree.stride(0), tree.stride(1)) if tree is not None else (0, 0)
-    block_d = _pow2(HEAD_DIM)
+    block_d, block_dv = _pow2(HEAD_DIM), _pow2(HEAD_DIM_V)
     split_grid = (splits, hkv * n_tiles, b)
     split_ints = (qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], *dst_strides, os_[0], os_[1], os_[2],
                   ls[0], ls[1], *tree_strides, sq, sk, chunk, n_tiles)
     split_entry = _fast(_decode_split)[split_grid](
         q, k, v, dst, dst_lse, out, lse, tickets, seqlens_q, seqlens_k, tree, scale * 1.4426950408889634, *paging,
         *split_ints,
-        HEAD_DIM=HEAD_DIM, BLOCK_D=block_d, ROWS=rows, BLOCK_N=BLOCK_N, GQA=GQA, DOT=rows >= 16, DIRECT=direct,
-        UPCAST=UPCAST, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        HEAD_DIM=HEAD_DIM, BLOCK_D=block_d, HEAD_DIM_V=HEAD_DIM_V, BLOCK_DV=block_dv, ROWS=rows, BLOCK_N=BLOCK_N,
+        GQA=GQA, DOT=rows >= 16, DIRECT=direct, SPLITS_PER_SEQ=num_splits[1] if invariant else 0, UPCAST=UPCAST,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     if workspace is None and not copied and _direct_entry(split_entry) \
             and ((q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr() | lse.data_ptr() | dst.data_ptr()
@@ -890,7 +919,7 @@ class Plan:
     outputs (or none, with out= and lse=), and launches. Nothing in run() reads a device value.
     """
 
-    def __init__(self, max_batch, heads_q, max_seq_q, max_seq_k, device, num_splits=None):
+    def __init__(self, max_batch, heads_q, max_seq_q, max_seq_k, device, num_splits=None, batch_invariant=False):
         for name, value in (("max_batch", max_batch), ("heads_q", heads_q), ("max_seq_q", max_seq_q),
                             ("max_seq_k", max_seq_k)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -899,15 +928,23 @@ class Plan:
             raise InputError(f"plan: max_seq_q must be at most {MAX_SEQ_Q} and heads_q a multiple of gqa={GQA}, got "
                              f"{max_seq_q} and {heads_q}")
         _check_decode_inputs(max_seq_q, num_splits)
+        if batch_invariant and num_splits is not None:
+            raise InputError("plan: batch_invariant=True chooses the splits from each sequence's length; "
+                             "pass num_splits=None")
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.limits = (max_batch, heads_q, max_seq_q, max_seq_k)
         rows = tile_rows(GQA * max_seq_q)
         n_tiles = _cdiv(GQA * max_seq_q, rows)
-        self.num_splits = num_splits or num_splits_for(max_batch * (heads_q // GQA) * n_tiles, max_seq_k,
-                                                       sm_count(self.device.index or 0))
-        self.workspace = _new_workspace((self.num_splits, max_batch, heads_q, max_seq_q), self.device,
+        if batch_invariant:  # [Note] Batch-invariant splits: the most splits any launch of this plan can have
+            self.num_splits = INVARIANT
+            splits = _geometry(max_batch, heads_q // GQA, max_seq_q, max_seq_k,
+                               (INVARIANT_MIN_CHUNK, INVARIANT_SPLITS), 0)[3]
+        else:
+            self.num_splits = splits = num_splits or num_splits_for(max_batch * (heads_q // GQA) * n_tiles,
+                                                                    max_seq_k, sm_count(self.device.index or 0))
+        self.workspace = _new_workspace((splits, max_batch, heads_q, max_seq_q), self.device,
                                         _counters(max_batch, heads_q, max_seq_q))
 
     def run(self, q, k, v, *, scale=None, block_table, seqlens_k,
@@ -928,22 +965,29 @@ class Plan:
                               self.workspace)
 
 
-def plan(max_batch, heads_q, max_seq_q, max_seq_k, *, device="cuda", num_splits=None):
-    """A Plan for decode steps up to these sizes (see Plan)."""
-    return Plan(max_batch, heads_q, max_seq_q, max_seq_k, device, num_splits)
+def plan(max_batch, heads_q, max_seq_q, max_seq_k, *, device="cuda", num_splits=None, batch_invariant=False):
+    """A Plan for decode steps up to these sizes (see Plan); batch_invariant: [Note] Batch-invariant splits."""
+    return Plan(max_batch, heads_q, max_seq_q, max_seq_k, device, num_splits, batch_invariant)
 
 
-def forward(q, k, v, *, scale=None, block_table, seqlens_k, out=None, lse=None,
-            check=None):
-    """Attention forward for 1..MAX_SEQ_Q queries. Returns (out, lse): out like q, lse float32 [B, Hq, Sq].
+def forward(q, k, v, *, scale=None, block_table, seqlens_k, batch_invariant=False,
+            out=None, lse=None, check=None):
+    """Attention forward for 1..MAX_SEQ_Q queries. Returns (out, lse): out like q (v's head dim), lse float32
+    [B, Hq, Sq].
 
     out / lse: caller-owned buffers to write into; check: see [Note] Checks that read device values.
+    batch_invariant: each sequence's result is the same bits alone and in any batch ([Note] Batch-invariant splits).
     """
     _check_qkv(q, k, v)
     _check_decode_inputs(q.shape[2], None)
     scale = _check_scale(scale)
     seqlens_q, seqlens_k, tree, block_table = _check_layout(q, k, v, block_table, seqlens_k, check)
     _check_buffers(q, out, lse)
+    if batch_invariant:
+        if torch.compiler.is_compiling():
+            raise InputError("batch_invariant=True: call forward() eagerly, or fagen.attention(..., batch_invariant="
+                             "True), which is one operator under torch.compile")
+        return _launch_decode(q, k, v, scale, seqlens_q, seqlens_k, tree, block_table, INVARIANT, out, lse)
     return _call(q, k, v, scale, seqlens_q, seqlens_k, tree, block_table, out, lse)
 
 
@@ -998,8 +1042,8 @@ def _check_buffers(q, out, lse):
         if not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype \
                 or out.device != q.device or out.stride(-1) != 1:
             got = f"{out.dtype} {tuple(out.shape)} on {out.device}" if isinstance(out, torch.Tensor) else type(out)
-            raise InputError(f"out: expected {q.dtype} {tuple(q.shape)} on {q.device} with unit last stride, like q; "
-                             f"got {got}")
+            raise InputError(f"out: expected {q.dtype} {tuple(q.shape)} on {q.device} with unit last stride, "
+                             f"like q; got {got}")
     if lse is not None:
         if not isinstance(lse, torch.Tensor) or lse.shape != q.shape[:3] or lse.dtype != torch.float32 \
                 or lse.device != q.device or not lse.is_contiguous():

@@ -283,7 +283,7 @@ def _qkv(dtype=torch.float16, hq=4, hkv=2, d=32):
     (_qkv(torch.float64), {}, "dtype torch.float64 is not supported"),
     (_qkv(d=12), {}, "head_dim: got 12"),
     (_qkv(hq=3, hkv=2), {}, "q's heads must be a multiple"),
-    (_qkv()[:2] + (_qkv(d=40)[2],), {}, "head_dim: q has 32, k 32, v 40"),
+    (_qkv()[:1] + (_qkv(d=40)[1],) + _qkv()[2:], {}, "head_dim: q has 32 and k 40"),  # v's may differ (MLA)
     (_qkv(), {"mask": "diagonal"}, "mask: got 'diagonal'"),
     ((torch.randn(8, 32),) + _qkv()[1:], {}, "q: expected 4 dims"),
 ])

@@ -17,8 +17,8 @@ class TritonBackend(KernelBackend):
     layouts = (Layout.DENSE, Layout.VARLEN, Layout.PAGED)
 
     def default_config(self, spec, arch: str, given: dict) -> dict:
-        return default_config(spec.head_dim, spec.dtype, spec.direction, spec.kind, mask=spec.mask, arch=arch,
-                              layout=spec.layout, window=spec.window, given=given)
+        return default_config(max(spec.head_dim, spec.head_dim_v), spec.dtype, spec.direction, spec.kind,
+                              mask=spec.mask, arch=arch, layout=spec.layout, window=spec.window, given=given)
 
     def smem_bytes(self, spec) -> int:
         return smem_bytes(spec)

@@ -99,9 +99,11 @@ class CaseContext:
                 s.v[b:b + 1, g:g + 1, :kend])
 
     def score_slice(self, s: InputSet, g: int) -> dict:
-        """The score arguments of KV group g's query heads (per-head slopes and sinks cut to the group)."""
+        """The score arguments of KV group g's query heads (per-head slopes and sinks cut to the group; an fp8
+        cache's per-KV-head scales cut to KV head g)."""
         G = self.case.gqa
-        return {name: (t[g * G:(g + 1) * G] if isinstance(t, torch.Tensor) else t) for name, t in s.scores.items()}
+        cut = lambda name, t: t[g:g + 1] if name in ("k_scale", "v_scale") else t[g * G:(g + 1) * G]  # noqa: E731
+        return {name: (cut(name, t) if isinstance(t, torch.Tensor) else t) for name, t in s.scores.items()}
 
     def references(self) -> dict:
         """{slice: (out, lse, grads or None)} in float64 for input set 0; computed once per case."""

@@ -10,7 +10,7 @@ import torch
 from fagen.runtime import hopper as hopper_rule
 from fagen.runtime.kinds import prefers_decode
 from fagen.spec import tables
-from fagen.spec.axes import Direction, DType, Kind, Mask
+from fagen.spec.axes import Direction, DType, Kind, KVDType, Mask
 from fagen.spec.kernel import SCORE_SWITCHES, KernelSpec
 from fagen.verify import reference
 
@@ -47,6 +47,11 @@ class BenchCase:
     sinks: bool = False
     hopper: bool = True  # False: keep the Triton forward on sm_90 (a baseline row for the switch rows)
     peers: bool = True  # False: only fagen runs (a baseline row of fagen itself)
+    # Serving (docs/serving.md): V's head dim (None: head_dim), an fp8 KV cache for decode rows (its scales are
+    # drawn per KV head in make_inputs), and decode's batch-invariant split rule.
+    head_dim_v: int | None = None
+    kv_dtype: str | None = None
+    batch_invariant: bool = False
 
     def __post_init__(self):
         put = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
@@ -59,6 +64,8 @@ class BenchCase:
         if self.parents is not None:
             put("parents", tuple(tuple(int(x) for x in p) for p in self.parents))
         put("overrides", tuple((str(k), v) for k, v in self.overrides))
+        if self.head_dim_v is None:
+            put("head_dim_v", self.head_dim)
         if self.window is not None:
             if len(self.window) != 2 or any(w is not None and (isinstance(w, bool) or int(w) != w or w < 0)
                                             for w in self.window):
@@ -106,6 +113,10 @@ class BenchCase:
             kind, note = Kind.DECODE, "decode kernel"
         fields = dict(head_dim=self.head_dim, mask=self.mask, gqa=self.gqa, dtype=self.dtype,
                       direction=self.direction, kind=kind, **{name: True for name in self.switches})
+        if self.head_dim_v != self.head_dim:
+            fields["head_dim_v"] = self.head_dim_v
+        if self.kv_dtype is not None:
+            fields["kv_dtype"] = self.kv_dtype
         fields.update(self.overrides)  # explicit flags win
         if fields["kind"] != kind:
             note = f"{fields['kind']} kernel (as asked)"
@@ -195,7 +206,8 @@ def _window_ancestors(parents: tuple[int, ...], left: int | None, right: int | N
 
 
 def fwd_flops(case: BenchCase) -> float:
-    """Forward FLOPs: 4 * D per visible pair and head (QK^T and PV, 2 FLOPs per multiply-add).
+    """Forward FLOPs: 4 * D per visible pair and head (QK^T and PV, 2 FLOPs per multiply-add); with a V head dim
+    Dv unlike D, 2 * (D + Dv).
 
     Unmasked and causal cases follow the peers' convention (4*B*H*Sq*Sk*D, halved for causal with Sq == Sk);
     padding, tree and windows count only the visible ("useful", visited) pairs.
@@ -204,7 +216,7 @@ def fwd_flops(case: BenchCase) -> float:
         pairs = case.batch * case.seq_q * case.seq_k / 2
     else:
         pairs = visible_pairs(case)
-    return 4.0 * case.head_dim * case.heads_q * pairs
+    return 2.0 * (case.head_dim + case.head_dim_v) * case.heads_q * pairs
 
 
 def flops(case: BenchCase) -> float:
@@ -213,9 +225,11 @@ def flops(case: BenchCase) -> float:
 
 
 def kv_bytes(case: BenchCase) -> int:
-    """Bytes of K and V a decode step must read: the valid keys of every KV head, once."""
+    """Bytes of K and V a decode step must read: the valid keys of every KV head, once, at the cache's element size
+    (1 for an fp8 cache: the bytes actually read)."""
     keys = sum(case.seqlens_k) if case.mask.padded else case.batch * case.seq_k
-    return 2 * keys * case.heads_kv * case.head_dim * case.dtype.itemsize
+    size = 1 if case.kv_dtype is not None else case.dtype.itemsize
+    return keys * case.heads_kv * (case.head_dim + case.head_dim_v) * size
 
 
 def random_lengths(count: int, limit: int, seed: int) -> tuple[int, ...]:
@@ -336,7 +350,7 @@ def scores_suite(quick: bool = False) -> list[BenchCase]:
     return score_rows(quick, baselines=True)
 
 
-SUITES = {"standard": standard_suite, "scores": scores_suite}
+SUITES = {"standard": standard_suite, "scores": scores_suite}  # and "serving": fagen/bench/serving.py
 
 
 @dataclasses.dataclass
@@ -387,21 +401,30 @@ def make_inputs(case: BenchCase, device: torch.device, seed: int) -> InputSet:
 
     q = normal(case.batch, case.heads_q, case.seq_q, case.head_dim, scale=Q_MAGNITUDE)
     k = normal(case.batch, case.heads_kv, case.seq_k, case.head_dim)
-    v = normal(case.batch, case.heads_kv, case.seq_k, case.head_dim)
+    v = normal(case.batch, case.heads_kv, case.seq_k, case.head_dim_v)
     kwargs: dict = {}
     if case.mask.padded:
         kwargs["seqlens_q"] = torch.tensor(case.seqlens_q, dtype=torch.int32, device=device)
         kwargs["seqlens_k"] = torch.tensor(case.seqlens_k, dtype=torch.int32, device=device)
     if case.mask is Mask.TREE:
         kwargs["tree_mask"] = reference.ancestors_from_parents(torch.tensor(case.parents)).to(device)
-    dout = normal(*q.shape) if case.direction is Direction.BWD else None
-    return InputSet(q, k, v, kwargs, dout, score_inputs(case, device, seed))
+    dout = normal(*q.shape[:3], case.head_dim_v) if case.direction is Direction.BWD else None
+    scores = score_inputs(case, device, seed)
+    if case.kv_dtype is not None:  # the cache in fp8 with per-KV-head scales (what k, v mean: their product)
+        kv_dtype = getattr(torch, tables.TORCH_KV_DTYPE[KVDType(case.kv_dtype)])
+        k, v = k.to(kv_dtype), v.to(kv_dtype)
+        scales = torch.Generator(device="cpu").manual_seed(seed + 8)
+        for name in ("k_scale", "v_scale"):
+            scores[name] = (0.5 + torch.rand(case.heads_kv, generator=scales)).to(device)
+    if case.batch_invariant:
+        scores["batch_invariant"] = True
+    return InputSet(q, k, v, kwargs, dout, scores)
 
 
 def set_bytes(case: BenchCase) -> int:
-    per_q = case.batch * case.heads_q * case.seq_q * case.head_dim
-    per_kv = case.batch * case.heads_kv * case.seq_k * case.head_dim
-    return (per_q * (3 if case.direction is Direction.BWD else 2) + 2 * per_kv) * case.dtype.itemsize
+    rows_q, rows_kv = case.batch * case.heads_q * case.seq_q, case.batch * case.heads_kv * case.seq_k
+    per_q = rows_q * (case.head_dim + case.head_dim_v * (2 if case.direction is Direction.BWD else 1))  # q, out, dO
+    return (per_q + rows_kv * (case.head_dim + case.head_dim_v)) * case.dtype.itemsize
 
 
 def describe_case(c: BenchCase) -> str:
@@ -410,8 +433,10 @@ def describe_case(c: BenchCase) -> str:
     side = lambda w: "inf" if w is None else str(w)  # noqa: E731
     extra = "".join([f" window {side(c.window[0])}/{side(c.window[1])}" if c.window else "",
                      f" softcap {c.softcap:g}" if c.softcap is not None else "", " alibi" * c.alibi,
-                     " sinks" * c.sinks, " triton" * (not c.hopper)])
-    return f"{c.direction} {c.mask} d{c.head_dim} b{c.batch} {heads} sq{c.seq_q} sk{c.seq_k} {c.dtype}{extra}"
+                     " sinks" * c.sinks, " triton" * (not c.hopper),
+                     f" kv {c.kv_dtype}" if c.kv_dtype else "", " batch-invariant" * c.batch_invariant])
+    dv = "" if c.head_dim_v == c.head_dim else f"v{c.head_dim_v}"
+    return f"{c.direction} {c.mask} d{c.head_dim}{dv} b{c.batch} {heads} sq{c.seq_q} sk{c.seq_k} {c.dtype}{extra}"
 
 
 HIDDEN = 2048  # heads x head_dim of the default shapes, as in the peers' table

@@ -11,9 +11,10 @@ from fagen.cli.common import cases_from_options, console, pick_device, shape_opt
 @click.command()
 @spec_options
 @shape_options
-@click.option("--suite", type=click.Choice(["standard", "scores", "latency", "cp", "layouts", "mods"]),
+@click.option("--suite", type=click.Choice(["standard", "scores", "serving", "latency", "cp", "layouts", "mods"]),
               help="A named table of cases instead of one spec. scores: the score-switch rows of the standard suite "
-                   "with fagen-only baselines; latency: host time per call against SDPA; cp: ring "
+                   "with fagen-only baselines; serving: MLA 192/128, the fp8 KV cache and the cost of batch-invariant "
+                   "decode (docs/serving.md); latency: host time per call against SDPA; cp: ring "
                    "attention on 1 and N GPUs (torchrun; --seq-q, --batch, --heads, --head-dim, --dtype, --mask shape it, "
                    "--device and --quick pass on); layouts: "
                    "paged decode and varlen prefill against fagen's dense kernels and the peers; mods: attention-gym's "

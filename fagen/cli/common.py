@@ -32,6 +32,8 @@ _SPEC_HELP = {
     "alibi": "ALiBi slopes, float32 [Hq].",
     "sinks": "Attention sinks, float32 [Hq] (with their gradient).",
     "layout": "dense, varlen (packed sequences) or paged (a paged KV cache).",
+    "head_dim_v": "V's and out's head dim (default: --head-dim), e.g. 128 with --head-dim 192 (MLA).",
+    "kv_dtype": "An fp8 KV cache read by a decode kernel (default: the cache has --dtype).",
     "score_mod": 'A score mod as expression text, e.g. "score + bias[h, q_idx - kv_idx + 4095]" (docs/mods.md).',
     "mask_mod": 'A mask mod as expression text, e.g. "q_idx >= kv_idx" (True: visible).',
     "mod_tensors": "A tensor the mods index, NAME=DTYPE:RANK, e.g. bias=fp32:2 (repeatable).",
@@ -64,8 +66,9 @@ def _spec_option(field: dataclasses.Field):
         return click.option(flag, type=str, help=text)
     if hint is bool:
         return click.option(f"{flag}/--no-{flag[2:]}", default=None, help=text)
-    if isinstance(hint, type) and issubclass(hint, enum.Enum):
-        return click.option(flag, type=click.Choice(hint.choices()), help=text)
+    enums = [t for t in typing.get_args(hint) if isinstance(t, type) and issubclass(t, enum.Enum)]  # X | None
+    if isinstance(hint, type) and issubclass(hint, enum.Enum) or enums:
+        return click.option(flag, type=click.Choice((enums[0] if enums else hint).choices()), help=text)
     return click.option(flag, type=int, help=text)
 
 
@@ -134,6 +137,7 @@ def shape_options(fn):
 
 
 def cases_from_options(suite, case_names, quick, spec_file, batch, heads, seq_q, seq_k, seed, flags):
+    from fagen.bench.serving import serving_suite
     from fagen.bench.workloads import SUITES, case_from_spec
 
     spec = spec_from_options(spec_file, **flags)
@@ -142,7 +146,7 @@ def cases_from_options(suite, case_names, quick, spec_file, batch, heads, seq_q,
     if suite:
         if any(x is not None for x in (batch, heads, seq_q, seq_k)):
             raise click.UsageError("--batch/--heads/--seq-q/--seq-k shape one spec's case; a --suite has its own")
-        cases = SUITES[suite](quick=quick)
+        cases = {**SUITES, "serving": serving_suite}[suite](quick=quick)
         if case_names:
             names = [c.name for c in cases]
             unknown = [n for n in case_names if n not in names]

@@ -97,8 +97,13 @@ def mask_modded(spec: KernelSpec) -> bool:
 
 
 def rows_16(spec: KernelSpec) -> bool:
-    """Contiguous row strides are multiples of 16 only when head_dim is (what the AOT build assumes of them)."""
-    return spec.head_dim % 16 == 0
+    """Contiguous row strides are multiples of 16 only when the head dims are (what the AOT build assumes of them)."""
+    return spec.head_dim % 16 == 0 and spec.head_dim_v % 16 == 0
+
+
+def fp8_cache(spec: KernelSpec) -> bool:
+    """A decode kernel reading an fp8 KV cache (README "Serving"): it takes the cache's scales."""
+    return spec.kv_dtype is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,6 +211,12 @@ _PAGING = [T("BlockTable", "i32", when=paged, pack="paging"), I("stride_btb", wh
 _TREE_STRIDES = [I("stride_tb", host="*tree_strides"), I("stride_tm")]
 _HEAD = [C("HEAD_DIM", br=True), C("BLOCK_D", "_pow2(HEAD_DIM)", aot="triton.next_power_of_2(HEAD_DIM)")]
 _HEAD_D = [_HEAD[0], dataclasses.replace(_HEAD[1], host="block_d")]  # launchers that compute block_d once
+# v's and out's head dim (README "Serving": head_dim_v), padded like HEAD_DIM
+_HEAD_V = [C("HEAD_DIM_V"), C("BLOCK_DV", "_pow2(HEAD_DIM_V)", aot="triton.next_power_of_2(HEAD_DIM_V)")]
+_HEAD_DV = [_HEAD_V[0], dataclasses.replace(_HEAD_V[1], host="block_dv")]
+# an fp8 cache's scales ([Note] fp8 cache in triton/decode.py.j2): per-tensor floats, per-KV-head tensors or None
+_KV_SCALES = [F("k_scale", when=fp8_cache, host="k_scale"), F("v_scale", when=fp8_cache, host="v_scale"),
+              T("KScale", "fp32", when=fp8_cache, host="k_scales"), T("VScale", "fp32", when=fp8_cache, host="v_scales")]
 _UPCAST = C("UPCAST", aot="False")  # compiled kernels never upcast ([Note] Interpreter upcast)
 
 
@@ -268,7 +279,7 @@ ATTN_FWD = Kernel("_attn_fwd", (
     *_strides("v", "bhn", "v", "ints", br="b"), *_strides("o", "bhm", "out", "ints"),
     *_in_pack([dataclasses.replace(_TREE_STRIDES[0], br=True), _TREE_STRIDES[1]], "ints"),
     I("num_heads", host="hq", pack="ints"), I("seq_q", host="sq", pack="ints"), I("seq_k", host="sk", pack="ints"),
-    *_HEAD, C("BLOCK_M"), C("BLOCK_N"), C("GQA", br=True), _UPCAST, C("TMA"),
+    *_HEAD, *_HEAD_V, C("BLOCK_M"), C("BLOCK_N"), C("GQA", br=True), _UPCAST, C("TMA"),
 ), packs={"scores": SCORE_LAUNCH, "blocks": _BLOCK_PACK})
 
 # The backward ([Note] Backward tiles in triton/backward.py.j2): no sinks (their gradient is a host reduction).
@@ -285,7 +296,7 @@ ATTN_BWD_PREPROCESS = Kernel("_attn_bwd_preprocess", (
     T("Lse2", "fp32", host="lse2", divisible=always), _LENGTHS[0], *_strides("o", "bhm", "out"),
     *_strides("do", "bhm", "do", br="m"), I("stride_sh", host="sq_pad", divisible=always),
     I("num_heads", host="hq"), I("seq_q", host="sq"),
-    *_HEAD_D, C("BLOCK_M", "DQ_BLOCK_M"), _UPCAST,
+    *_HEAD_DV, C("BLOCK_M", "DQ_BLOCK_M"), _UPCAST,
 ), warps="DQ_NUM_WARPS", stages="DQ_NUM_STAGES")
 
 ATTN_BWD_DKDV = Kernel("_attn_bwd_dkdv", (
@@ -294,7 +305,7 @@ ATTN_BWD_DKDV = Kernel("_attn_bwd_dkdv", (
     *_ROW_STATS, *_LENGTHS, *_BWD_SCALES, *_BWD_QKV_STRIDES,
     *_strides("dk", "bhn", "dk", br="b"), *_strides("dv", "bhn", "dv"),
     dataclasses.replace(_TREE_STRIDES[0], br=True), _TREE_STRIDES[1], *_BWD_TAIL, MOD_GRAD_ARGS,
-    *_HEAD_D, C("BLOCK_M", "DKDV_BLOCK_M"), C("BLOCK_N", "DKDV_BLOCK_N"), C("GQA", br=True), _UPCAST,
+    *_HEAD_D, *_HEAD_DV, C("BLOCK_M", "DKDV_BLOCK_M"), C("BLOCK_N", "DKDV_BLOCK_N"), C("GQA", br=True), _UPCAST,
 ), packs={"scores": "scores", "blocks": _BLOCK_PACK, "mod_ws": "mod_ws"}, warps="DKDV_NUM_WARPS",
     stages="DKDV_NUM_STAGES")
 
@@ -303,7 +314,7 @@ ATTN_BWD_DQ = Kernel("_attn_bwd_dq", (
     T("DO", host="do", divisible=always), T("DQ", host="dq", divisible=always),
     *_ROW_STATS, *_LENGTHS, *_BWD_SCALES, *_BWD_QKV_STRIDES,
     *_strides("dq", "bhm", "dq", br="b"), *_TREE_STRIDES, *_BWD_TAIL,
-    *_HEAD_D, C("BLOCK_M", "DQ_BLOCK_M"), C("BLOCK_N", "DQ_BLOCK_N"), C("GQA", br=True), _UPCAST,
+    *_HEAD_D, *_HEAD_DV, C("BLOCK_M", "DQ_BLOCK_M"), C("BLOCK_N", "DQ_BLOCK_N"), C("GQA", br=True), _UPCAST,
 ), packs={"scores": "scores", "blocks": _BLOCK_PACK}, warps="DQ_NUM_WARPS", stages="DQ_NUM_STAGES")
 
 # Split-KV decode ([Note] Last split merges in triton/decode.py.j2): one kernel, whose last split merges.
@@ -311,7 +322,7 @@ DECODE_SPLIT = Kernel("_decode_split", (
     T("Q", host="q", fast="pq"), T("K", host="k", fast="pk"), T("V", host="v", fast="pv"),
     T("Dst", "fp32", host="dst", fast="pd"), T("DstLse", "fp32", host="dst_lse", fast="pdl"),
     T("Out", host="out", fast="po"), T("Lse", "fp32", host="lse", fast="pl"),
-    T("Counter", "i32", host="tickets", fast="pc"), *_LENGTHS, F("qk_scale", host=SCALE_LOG2),
+    T("Counter", "i32", host="tickets", fast="pc"), *_LENGTHS, F("qk_scale", host=SCALE_LOG2), *_KV_SCALES,
     *_SCORES, _SINKS, *_PAGING,
     *_strides("q", "bhm", "qs", "split_ints", br="b", host="{src}[{i}]"),
     *_strides("k", "bhn", "ks", "split_ints", host="{src}[{i}]"),
@@ -322,7 +333,8 @@ DECODE_SPLIT = Kernel("_decode_split", (
     *_in_pack([dataclasses.replace(_TREE_STRIDES[0], br=True), _TREE_STRIDES[1]], "split_ints"),
     I("seq_q", host="sq", pack="split_ints"), I("seq_k", host="sk", pack="split_ints"),
     I("chunk", host="chunk", pack="split_ints"), I("n_tiles", host="n_tiles", pack="split_ints"),
-    *_HEAD_D, C("ROWS", "rows"), C("BLOCK_N"), C("GQA", br=True), C("DOT", "rows >= 16"), C("DIRECT", "direct"),
+    *_HEAD_D, *_HEAD_DV, C("ROWS", "rows"), C("BLOCK_N"), C("GQA", br=True), C("DOT", "rows >= 16"),
+    C("DIRECT", "direct"), C("SPLITS_PER_SEQ", "num_splits[1] if invariant else 0"),
     _UPCAST,
 ), packs={"scores": SCORE_LAUNCH})
 
@@ -405,7 +417,10 @@ OP_MODS = (Each(lambda spec: [dataclasses.replace(a, host="", br=False, grad=f"m
            T("blk_cls", "i8", when=mask_modded, optional=True), T("blk_list", "i32", when=mask_modded, optional=True),
            T("blk_list_t", "i32", when=mask_modded, optional=True),
            I("blk_m", when=mask_modded), I("blk_n", when=mask_modded))
-OP = OP_BASE + OP_SCORES + OP_LAYOUT + OP_MODS
+# an fp8 cache's scales in launch form (_check_kv_scales): floats, and per-KV-head tensors or None
+OP_KV = (F("k_scale", when=fp8_cache), F("v_scale", when=fp8_cache),
+         T("k_scales", "fp32", when=fp8_cache, optional=True), T("v_scales", "fp32", when=fp8_cache, optional=True))
+OP = OP_BASE + OP_SCORES + OP_LAYOUT + OP_KV + OP_MODS
 # The backward's: dO first, the forward's out and lse after v.
 OP_BWD = (T("do"),) + OP_BASE[:3] + (T("out"), T("lse")) + OP_BASE[3:] + OP_SCORES + OP_LAYOUT + OP_MODS
 
@@ -433,7 +448,9 @@ SCORE_KEYWORDS = (Keyword("window", switched, switch="window"), Keyword("softcap
 SWITCH_KEYWORD = {kw.switch: kw.name for kw in SCORE_KEYWORDS}  # "alibi" -> "alibi_slopes"
 # A modded spec's: the captured values by the user's names, and a block mask (README "User mods").
 MOD_KEYWORDS = (Keyword("mods", modded), Keyword("block_mask", mask_modded))
+# An fp8 cache's scales (README "Serving"): a float or float32 [Hkv] each, 1.0 when left out.
+KV_KEYWORDS = (Keyword("k_scale", fp8_cache), Keyword("v_scale", fp8_cache))
 
 LISTS = {"op": OP, "op_bwd": OP_BWD, "op_scores": OP_SCORES, "op_layout": OP_LAYOUT, "op_mods": OP_MODS,
-         "mod_keywords": MOD_KEYWORDS, "mask_keywords": MASK_KEYWORDS,
-         "score_keywords": SCORE_KEYWORDS, **THREADED}
+         "mod_keywords": MOD_KEYWORDS, "mask_keywords": MASK_KEYWORDS, "score_keywords": SCORE_KEYWORDS,
+         "kv_keywords": KV_KEYWORDS, "op_kv": OP_KV, **THREADED}

@@ -94,7 +94,8 @@ def _context(spec: KernelSpec) -> dict:
     return dict(spec=spec, spec_json=spec.to_json(), version=__version__, max_seq_q=DECODE_MAX_SEQ_Q,
                 dot_precision=tables.DOT_KWARGS[spec.dtype], tma=backend.tma_loads(spec), gluon=backends.GLUON.variant,
                 max_page_size=MAX_PAGE_SIZE, packed_q=spec.packed_q, packed_k=spec.layout is Layout.VARLEN,
-                paged=paged, ragged=spec.mask.padded or spec.layout is not Layout.DENSE,
+                paged=paged, ragged=spec.mask.padded or spec.layout is not Layout.DENSE, **_out_context(spec),
+                kv_torch_dtype=tables.TORCH_KV_DTYPE[spec.kv_dtype] if spec.kv_dtype else "",
                 tree_keys="len_k" if paged else "seq_k",  # tree nodes are the last Sq of these keys
                 lse_shape="(q.shape[1], q.shape[0])" if spec.packed_q else "q.shape[:3]",
                 mod=_mod_code(spec))
@@ -107,6 +108,14 @@ def _mod_code(spec: KernelSpec):
     from fagen.codegen.mod_args import ModCode
 
     return ModCode(spec)
+
+
+def _out_context(spec: KernelSpec) -> dict:
+    """out's shape and allocation: q's, or with v's head dim where it differs (README "Serving")."""
+    if spec.head_dim_v == spec.head_dim:
+        return dict(out_shape="q.shape", new_out="_new_out(q)")
+    return dict(out_shape=f"(*q.shape[:-1], {spec.head_dim_v})",
+                new_out=f"q.new_empty((*q.shape[:-1], {spec.head_dim_v}))")
 
 
 @dataclasses.dataclass(frozen=True)

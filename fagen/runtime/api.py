@@ -16,7 +16,8 @@ from fagen.spec.kernel import SCORE_SWITCHES
 def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None, seqlens_q=None, seqlens_k=None,
               tree_mask=None, window=None, softcap: float | None = None, alibi_slopes=None, sinks=None,
               cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
-              score_mod=None, mask_mod=None, block_mask=None, check: bool | None = None) -> torch.Tensor:
+              score_mod=None, mask_mod=None, block_mask=None, check: bool | None = None,
+              batch_invariant: bool = False) -> torch.Tensor:
     """Attention over q [B, Hq, Sq, D], k and v [B, Hkv, Sk, D]; returns out like q, differentiable.
 
     The kernel is chosen from the inputs (dtype, head_dim D, gqa = Hq / Hkv) and `mask`, rendered and loaded once
@@ -40,7 +41,9 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
     same mask_mod) lets the kernels skip hidden blocks and skip the mask on blocks it shows entirely.
 
     Without gradients, a few queries against a long KV cache (fagen.runtime.kinds.prefers_decode) run the split-KV
-    decode kernel; both kinds give the same results. Under torch.compile the call is one custom operator
+    decode kernel; both kinds give the same results. v's head dim may differ from q's (MLA's 192/128): out takes
+    v's. batch_invariant=True: each sequence's result is the same bits alone and in any batch (README "Serving");
+    it reaches the decode kernel only (prefill kernels are batch-invariant anyway). Under torch.compile the call is one custom operator
     (fagen::attention, with its backward), so it traces with no graph break.
     """
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
@@ -77,7 +80,7 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
                           tree_mask=tree_mask, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                           sinks=sinks, check=check)
         return ops.attention(q, k, v, str(mask), scale, seqlens_q, seqlens_k, tree_mask, decode, win, softcap,
-                             alibi_slopes, sinks)[0]
+                             alibi_slopes, sinks, bool(batch_invariant))[0]
     # [Note] Host time. A warm call costs one dict lookup on plain values before the module's own checks and launch:
     # no spec is built, hashed or validated per call (the key is fast_key's, inlined). Without gradients on an
     # H100/H200 the Gluon forward may serve ([Note] Hopper selection in fagen/runtime/hopper.py); it has forward()
@@ -85,11 +88,14 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
     # A window bounds the keys a row visits: its pairs count, not Sq x Sk.
     keys = ks[2] if four and window is None else _window_keys(ks[2], window) if four else 0
     forward_only = not needs_grad and not decode and four and qs[0] * qs[1] * qs[2] * keys >= MIN_WORK
-    module = _FAST.get((q.dtype, qs[3], qs[1], ks[1], mask, decode, switches, forward_only, q.device)) \
+    module = _FAST.get((q.dtype, qs[3], qs[1], ks[1], mask, decode, switches, forward_only, q.device, v.shape[-1])) \
         if four and isinstance(mask, str) else None
     if module is None:
         module = resolve(q, k, v, mask, decode, switches, forward_only)
     if not needs_grad:  # no autograd node to build: the forward alone (prefill, decode, or the Gluon forward)
+        if batch_invariant and decode:
+            return module.forward(q, k, v, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
+                                  tree_mask=tree_mask, check=check, batch_invariant=True, **scores)[0]
         if scores or scale is not None or seqlens_q is not None or seqlens_k is not None or tree_mask is not None \
                 or check is not None:
             return module.forward(q, k, v, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k,

@@ -33,7 +33,7 @@ _MODULES: dict[tuple, tuple[ModuleType, ModArgs]] = {}
 
 def module_for(q, k, v, mask, switches: tuple[str, ...], mods: Mods) -> tuple[ModuleType, ModArgs]:
     """The bwd (differentiable) module of these inputs with these mods, and its mod argument list."""
-    key = (fast_key(q, k, mask, False, switches, False), mods.fields)
+    key = (fast_key(q, k, v, mask, False, switches, False), mods.fields)
     hit = _MODULES.get(key)
     if hit is not None:
         return hit

@@ -42,17 +42,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: str, scal
               seqlens_q: Optional[torch.Tensor], seqlens_k: Optional[torch.Tensor], tree_mask: Optional[torch.Tensor],
               decode: bool, window: Optional[List[int]] = None, softcap: Optional[float] = None,
               alibi_slopes: Optional[torch.Tensor] = None,
-              sinks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+              sinks: Optional[torch.Tensor] = None, batch_invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     switches, scores = _scores(window, softcap, alibi_slopes, sinks)
     module = resolve(q, k, v, mask, decode, switches)
+    if decode and batch_invariant:
+        scores["batch_invariant"] = True
     return module.forward(q, k, v, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k, tree_mask=tree_mask,
                           **scores)
 
 
 @attention.register_fake
 def _attention_fake(q, k, v, mask, scale, seqlens_q, seqlens_k, tree_mask, decode, window=None, softcap=None,
-                    alibi_slopes=None, sinks=None):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+                    alibi_slopes=None, sinks=None, batch_invariant=False):
+    return q.new_empty((*q.shape[:3], v.shape[-1])), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("fagen::attention_backward", mutates_args=())
@@ -78,7 +80,7 @@ def _attention_backward_fake(do, q, k, v, out, lse, mask, scale, seqlens_q, seql
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, mask, scale, seqlens_q, seqlens_k, tree_mask, decode, window, softcap, alibi_slopes, sinks = inputs
+    q, k, v, mask, scale, seqlens_q, seqlens_k, tree_mask, decode, window, softcap, alibi_slopes, sinks = inputs[:13]
     ctx.save_for_backward(q, k, v, output[0], output[1], seqlens_q, seqlens_k, tree_mask, alibi_slopes, sinks)
     ctx.mask, ctx.scale, ctx.window, ctx.softcap = mask, scale, window, softcap
 
@@ -88,7 +90,7 @@ def _backward(ctx, dout, dlse):
     dq, dk, dv, dsinks = attention_backward(dout.to(q.dtype).contiguous(), q, k, v, out, lse, ctx.mask, ctx.scale,
                                             seqlens_q, seqlens_k, tree_mask, ctx.window, ctx.softcap, alibi_slopes,
                                             sinks)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, dsinks if sinks is not None else None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, dsinks if sinks is not None else None, None
 
 
 attention.register_autograd(_backward, setup_context=_setup)

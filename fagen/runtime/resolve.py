@@ -20,13 +20,13 @@ class AttentionError(ValueError):
     """The inputs of fagen.attention fit no kernel fagen can generate; the message says what and how to fix it."""
 
 
-# (dtype, head_dim, q heads, kv heads, mask, decode, switches, forward_only, device) -> module; fagen.attention
+# (dtype, head_dim, q heads, kv heads, mask, decode, switches, forward_only, device, v's head_dim) -> module; fagen.attention
 # builds the same key inline (fagen/runtime/api.py), tests/test_launch.py checks a warm call resolves nothing.
 _FAST: dict[tuple, ModuleType] = {}
 
 
-def fast_key(q, k, mask, decode: bool, switches: tuple[str, ...], forward_only: bool) -> tuple:
-    return (q.dtype, q.shape[-1], q.shape[1], k.shape[1], mask, decode, switches, forward_only, q.device)
+def fast_key(q, k, v, mask, decode: bool, switches: tuple[str, ...], forward_only: bool) -> tuple:
+    return (q.dtype, q.shape[-1], q.shape[1], k.shape[1], mask, decode, switches, forward_only, q.device, v.shape[-1])
 
 
 def resolve(q, k, v, mask, decode: bool, switches: tuple[str, ...] = (), forward_only: bool = False) -> ModuleType:
@@ -36,18 +36,18 @@ def resolve(q, k, v, mask, decode: bool, switches: tuple[str, ...] = (), forward
     switches: the score switches the call uses ("window", "softcap", "alibi", "sinks")."""
     spec = spec_for(q, k, v, mask=mask, switches=switches)
     if decode:
-        spec = KernelSpec(head_dim=spec.head_dim, mask=spec.mask, gqa=spec.gqa, dtype=spec.dtype, kind=Kind.DECODE,
-                          **{name: True for name in switches})
+        spec = KernelSpec(head_dim=spec.head_dim, head_dim_v=spec.head_dim_v, mask=spec.mask, gqa=spec.gqa,
+                          dtype=spec.dtype, kind=Kind.DECODE, **{name: True for name in switches})
     elif forward_only:
         spec = hopper.forward_spec(spec, q.device) or spec
     module = _module(spec)
-    _FAST[fast_key(q, k, mask, decode, switches, forward_only)] = module
+    _FAST[fast_key(q, k, v, mask, decode, switches, forward_only)] = module
     return module
 
 
 def resolve_varlen(q, k, v, mask, switches: tuple[str, ...] = ()) -> ModuleType:
     """The varlen bwd module for packed q [total_q, Hq, D], k/v [total_k, Hkv, D] (README "Layouts")."""
-    key = ("varlen", q.dtype, q.shape[-1], q.shape[1], k.shape[1], mask, switches) \
+    key = ("varlen", q.dtype, q.shape[-1], q.shape[1], k.shape[1], mask, switches, v.shape[-1]) \
         if all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in (q, k, v)) else None
     module = _FAST.get(key) if key is not None else None
     if module is None:
@@ -71,8 +71,9 @@ def spec_for(q, k, v, *, mask: Mask | str = "none", switches: tuple[str, ...] = 
                              "torch.float32")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise AttentionError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
-    if k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
-        raise AttentionError(f"head_dim: q has {q.shape[-1]}, k {k.shape[-1]}, v {v.shape[-1]}; they must agree")
+    if k.shape[-1] != q.shape[-1]:
+        raise AttentionError(f"head_dim: q has {q.shape[-1]} and k {k.shape[-1]}; they must agree (v's may differ: "
+                             "out takes v's head dim)")
     hq, hkv = q.shape[-3 if layout is Layout.DENSE else -2], k.shape[-3 if layout is Layout.DENSE else -2]
     if hkv == 0 or hq % hkv:
         raise AttentionError(f"heads: q has {hq} heads and k/v have {hkv}; q's heads must be a multiple of k/v's "
@@ -82,7 +83,7 @@ def spec_for(q, k, v, *, mask: Mask | str = "none", switches: tuple[str, ...] = 
     except ValueError:
         raise AttentionError(f"mask: got {mask!r}; must be one of " + ", ".join(map(repr, Mask.choices()))) from None
     try:
-        return KernelSpec(head_dim=q.shape[-1], mask=mask, gqa=hq // hkv, dtype=_DTYPES[q.dtype],
+        return KernelSpec(head_dim=q.shape[-1], head_dim_v=v.shape[-1], mask=mask, gqa=hq // hkv, dtype=_DTYPES[q.dtype],
                           direction=Direction.BWD, layout=layout, **{name: True for name in switches})
     except SpecError as e:
         raise AttentionError(f"no kernel for these inputs: {e}") from None

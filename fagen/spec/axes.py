@@ -73,6 +73,18 @@ class Layout(_Axis):
     PAGED = "paged"    # k/v in a page cache [num_pages, page_size, Hkv, D] read through a block table
 
 
+class KVDType(_Axis):
+    """A decode kernel's KV cache element type where it differs from the query's (README "An fp8 KV cache"): the
+    kernel dequantizes on load (cache value x its scale) and keeps the softmax and accumulation in fp32."""
+
+    FP8_E4M3 = "fp8_e4m3"  # torch.float8_e4m3fn: 3 mantissa bits, finite up to 448 (vLLM's "fp8")
+    FP8_E5M2 = "fp8_e5m2"  # torch.float8_e5m2: 2 mantissa bits, up to 57344
+
+    @property
+    def itemsize(self) -> int:
+        return 1
+
+
 # -- integer axes --------------------------------------------------------------------------------------------
 HEAD_DIMS = range(16, 257, 8)
 BLOCK_SIZES = (16, 32, 64, 128, 256)

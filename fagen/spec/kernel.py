@@ -17,7 +17,7 @@ from fagen.backends.base import LAUNCH_FIELDS, SCORE_SWITCHES
 from fagen.mods.text import canonical
 from fagen.spec import tables, targets, tuned
 from fagen.spec.axes import (BLOCK_SIZES, HEAD_DIMS, MAX_GQA, NUM_STAGES, NUM_WARPS, Backend, Direction, DType, Kind,
-                             Layout, Mask, SpecError)
+                             KVDType, Layout, Mask, SpecError)
 
 
 def _int_field(name: str, value: Any, ok, allowed: str) -> int:
@@ -78,6 +78,11 @@ class KernelSpec:
     mask_mod: str | None = None
     mod_tensors: tuple = ()
     mod_scalars: tuple = ()
+    # Serving fields (README "Serving"). head_dim_v: V's and out's head dim (MLA's 192/128); None means head_dim,
+    # and stays out of the name and the canonical JSON while equal. kv_dtype: an fp8 KV cache read by a decode
+    # kernel (None: the cache has the spec's dtype), likewise left out while None.
+    head_dim_v: int | None = None
+    kv_dtype: KVDType | None = None
     # The GPU arch whose defaults fill the launch fields left unset ([Note] Tiles per arch in fagen/backends/triton.py);
     # None: sm_90's ([Note] Deterministic specs in fagen/spec/tuned.py). Not stored: the tiles it chose are, and
     # the name shows them. for_arch() resolves the same spec for another arch.
@@ -94,6 +99,10 @@ class KernelSpec:
         put = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
         put("head_dim", _int_field("head_dim", self.head_dim, lambda d: d in HEAD_DIMS,
                                    "must be a multiple of 8 from 16 to 256 (for example 64, 80, 128)"))
+        put("head_dim_v", self.head_dim if self.head_dim_v is None else _int_field(
+            "head_dim_v", self.head_dim_v, lambda d: d in HEAD_DIMS,
+            "must be a multiple of 8 from 16 to 256 (V's and out's head dim, for example 128 with head_dim 192), "
+            "or left out for head_dim"))
         put("mask", _enum_field("mask", self.mask, Mask))
         put("dtype", _enum_field("dtype", self.dtype, DType))
         put("direction", _enum_field("direction", self.direction, Direction))
@@ -110,6 +119,9 @@ class KernelSpec:
         if self.kind is Kind.DECODE and self.direction is not Direction.FWD:
             raise SpecError("direction", str(self.direction),
                             "decode kernels are forward-only: use direction 'fwd', or kind 'prefill' for a backward")
+        if self.kv_dtype is not None:
+            put("kv_dtype", _enum_field("kv_dtype", self.kv_dtype, KVDType))
+            self._check_kv_dtype()
         if self.layout is not Layout.DENSE:
             self._check_layout()
         if self.modded or self.mod_tensors or self.mod_scalars:
@@ -118,6 +130,9 @@ class KernelSpec:
             put("mod_tensors", tuple(tuple(t) for t in tensors)), put("mod_scalars", tuple(tuple(x) for x in scalars))
             if self.backend is not Backend.TRITON:
                 raise SpecError("backend", str(self.backend), "user mods are built on backend 'triton'")
+            if self.head_dim_v != self.head_dim:  # the mods' loops load V at head_dim (fagen/templates/triton/mods.j2)
+                raise SpecError("head_dim_v", self.head_dim_v, "user mods take one head dim for q, k and v for now: "
+                                                               "drop head_dim_v, or the mods")
         if self.dtype is DType.FP8_E4M3:
             self._check_fp8()
         backend = backends.get(self.backend)
@@ -141,6 +156,10 @@ class KernelSpec:
         ):
             value = getattr(self, name)
             put(name, config[name] if value is None else _int_field(name, value, lambda v: v in allowed, desc))
+        if self.backend is not Backend.TRITON and self.head_dim_v != self.head_dim:
+            raise SpecError("head_dim_v", self.head_dim_v, f"the {self.backend} backend takes one head dim for q, k "
+                                                           f"and v (head_dim {self.head_dim}); use backend 'triton' "
+                                                           "for a different V head dim")
         backend.check(self)
 
     def for_arch(self, arch: str | None) -> KernelSpec:
@@ -192,6 +211,16 @@ class KernelSpec:
                             "layout 'paged' serves inference (decode and chunked prefill) and is forward-only; "
                             "use layout 'varlen' for a backward")
 
+    def _check_kv_dtype(self) -> None:
+        """What an fp8 KV cache comes with (README "An fp8 KV cache"); the message names the field to change."""
+        if self.kind is not Kind.DECODE:
+            raise SpecError("kv_dtype", str(self.kv_dtype), "an fp8 KV cache is read by decode kernels: use kind "
+                                                            "'decode', or leave kv_dtype out")
+        if self.dtype not in (DType.FP16, DType.BF16):
+            raise SpecError("dtype", str(self.dtype), f"kv_dtype {self.kv_dtype} serves fp16 and bf16 queries "
+                                                      "(the cache converts to the query's type exactly); use "
+                                                      "dtype 'bf16' or 'fp16'")
+
     def _check_fp8(self) -> None:
         """fp8 (e4m3) is the sm_90 gluon prefill forward's alone (README "fp8 forward"); the message names the field."""
         fix = "or use dtype 'bf16'"
@@ -223,11 +252,13 @@ class KernelSpec:
         """Readable, unique per spec: ``attn_fwd_causal_d128_m128n64w8s3_g4_bf16``."""
         prefix = "attn" if self.kind is Kind.PREFILL else "decode"
         suffix = backends.get(self.backend).name_suffix
-        return (f"{prefix}_{self.direction}_{tables.MASK_SHORT[self.mask]}_d{self.head_dim}"
+        dv = "" if self.head_dim_v == self.head_dim else f"v{self.head_dim_v}"
+        kv = "" if self.kv_dtype is None else "_" + tables.KV_SHORT[self.kv_dtype]
+        return (f"{prefix}_{self.direction}_{tables.MASK_SHORT[self.mask]}_d{self.head_dim}{dv}"
                 f"_m{self.block_m}n{self.block_n}w{self.num_warps}s{self.num_stages}"
                 f"_g{self.gqa}{''.join('_' + SWITCH_SHORT[s] for s in self.switches)}"
                 f"{'_mod' + self.mods_hash if self.modded else ''}"
-                f"{'' if self.layout is Layout.DENSE else '_' + str(self.layout)}_{self.dtype}{suffix}")
+                f"{'' if self.layout is Layout.DENSE else '_' + str(self.layout)}_{self.dtype}{kv}{suffix}")
 
     @cached_property
     def hash(self) -> str:
@@ -240,7 +271,9 @@ class KernelSpec:
                 for f in dataclasses.fields(self)
                 if not (f.name in SCORE_SWITCHES and getattr(self, f.name) is False)
                 and not (f.name == "layout" and self.layout is Layout.DENSE)
-                and not (f.name in _MOD_FIELDS and not getattr(self, f.name))}
+                and not (f.name in _MOD_FIELDS and not getattr(self, f.name))
+                and not (f.name == "head_dim_v" and self.head_dim_v == self.head_dim)
+                and not (f.name == "kv_dtype" and self.kv_dtype is None)}
 
     def to_json(self) -> str:
         """Canonical JSON: sorted keys, no whitespace. Equal specs give equal bytes."""

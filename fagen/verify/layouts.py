@@ -95,6 +95,12 @@ def _scores(spec: KernelSpec, hq: int, gen: torch.Generator, device) -> dict:
         scores["alibi_slopes"] = (0.5 * torch.rand(hq, generator=gen)).to(device)
     if spec.sinks:
         scores["sinks"] = (4.0 * torch.rand(hq, generator=gen) - 2.0).to(device)
+    if spec.kv_dtype is not None:  # fp8 cache scales, per tensor or per KV head, 1/8 .. 8 (log-uniform)
+        hkv = hq // spec.gqa
+        draw = lambda n: torch.exp2(torch.rand(n, generator=gen) * 6.0 - 3.0)  # noqa: E731
+        per_head = bool(torch.randint(0, 2, (1,), generator=gen))
+        for name in ("k_scale", "v_scale"):
+            scores[name] = draw(hkv).to(device) if per_head else float(draw(1))
     return scores
 
 
@@ -106,7 +112,12 @@ def make_inputs(spec: KernelSpec, case: LayoutCase, device) -> LayoutInputs:
     rnd = lambda *shape: torch.randn(*shape, generator=gen).to(dtype)  # noqa: E731
     qs = [rnd(n, hq, d) for n in case.lens_q]
     ks = [rnd(n, hkv, d) for n in case.lens_k]
-    vs = [rnd(n, hkv, d) for n in case.lens_k]
+    vs = [rnd(n, hkv, spec.head_dim_v) for n in case.lens_k]
+    if spec.kv_dtype is not None:  # an fp8 cache: the reference dequantizes it with the scales (in `scores`)
+        kv_dtype = getattr(torch, tables.TORCH_KV_DTYPE[spec.kv_dtype])
+        ks, vs = [t.float().to(kv_dtype) for t in ks], [t.float().to(kv_dtype) for t in vs]
+    else:
+        kv_dtype = dtype
     if spec.layout is Layout.VARLEN:
         kwargs = dict(cu_seqlens_q=cu_seqlens(case.lens_q, device), cu_seqlens_k=cu_seqlens(case.lens_k, device),
                       max_seqlen_q=max(case.lens_q), max_seqlen_k=max(case.lens_k))
@@ -120,8 +131,8 @@ def make_inputs(spec: KernelSpec, case: LayoutCase, device) -> LayoutInputs:
     total = sum(n_pages) - shared * (case.batch - 1) + 2  # two pages no sequence uses
     order = torch.randperm(total, generator=gen)
     table = torch.full((case.batch, width), -1, dtype=torch.int32)  # unused entries: -1, as engines leave them
-    k_cache = torch.full((total, page, hkv, d), float("nan"), dtype=dtype)
-    v_cache = torch.full((total, page, hkv, d), float("nan"), dtype=dtype)
+    k_cache = torch.full((total, page, hkv, d), float("nan"), dtype=kv_dtype)
+    v_cache = torch.full((total, page, hkv, spec.head_dim_v), float("nan"), dtype=kv_dtype)
     nxt = 0
     for b, n in enumerate(n_pages):
         for p in range(n):

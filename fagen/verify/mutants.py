@@ -50,7 +50,7 @@ MUTANTS = (
     Mutant("padding-keys-unmasked", "keys past seqlens_k are attended (the key padding mask is missing)",
            (Mask.PADDING, Mask.CAUSAL_PADDING), "len_k = tl.load(SeqlensK + off_b)\n", "len_k = seq_k\n"),
     Mutant("padding-loads-garbage", "K/V loads ignore seqlens_k: padding is read, then weighted by p = 0",
-           (Mask.PADDING, Mask.CAUSAL_PADDING), "shape=[tl.maximum(len_k, 1), HEAD_DIM]", "shape=[seq_k, HEAD_DIM]"),
+           (Mask.PADDING, Mask.CAUSAL_PADDING), "shape=[tl.maximum(len_k, 1), ", "shape=[seq_k, "),  # K's and V's descriptors
     Mutant("causal-padding-global-shift", "causal+padding aligned with the padded lengths, not each sequence's",
            (Mask.CAUSAL_PADDING,), "shift = len_k - len_q\n", "shift = seq_k - seq_q\n"),
     Mutant("lse-base-2", "lse stored in base 2 (the ln 2 factor is dropped)", tuple(Mask),

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from fagen.spec.axes import DType, Direction, Kind, Mask
 from fagen.spec import KernelSpec
 from fagen.spec.axes import DECODE_MAX_SEQ_Q
-from fagen.spec.tables import TORCH_DTYPE
+from fagen.spec.tables import TORCH_DTYPE, TORCH_KV_DTYPE
 
 # Shape scales: "cpu" keeps the interpreter fast; "gpu" is realistic (up to 4096 x 4096, D 128).
 SCALES = {
@@ -63,6 +63,9 @@ class Problem:
     softcap: float | None = None
     alibi: bool = False
     sinks: bool = False
+    # fp8 KV cache specs (kv_dtype): the scales' form, "tensor" (one float each for k and v) or "head" (float32
+    # [Hkv]); their values come from the seed. None for other specs.
+    kv_scales: str | None = None
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
@@ -94,6 +97,17 @@ class Problem:
             kwargs["sinks"] = (torch.randn(heads, generator=gen) * 3.0).to(device)
         return kwargs
 
+    def kv_scale_kwargs(self, device: str = "cpu") -> dict:
+        """k_scale / v_scale of an fp8 cache: from 1/8 to 8 (log-uniform), so that a kernel that drops a scale
+        or applies one to the wrong tensor or head is off by far more than any tolerance."""
+        if self.kv_scales is None:
+            return {}
+        gen = torch.Generator().manual_seed(self.seed ^ 0xF8)
+        draw = lambda n: torch.exp2(torch.rand(n, generator=gen) * 6.0 - 3.0)  # noqa: E731
+        if self.kv_scales == "tensor":
+            return {"k_scale": float(draw(1)), "v_scale": float(draw(1))}
+        return {"k_scale": draw(self.heads_kv).to(device), "v_scale": draw(self.heads_kv).to(device)}
+
     def inputs(self, spec: KernelSpec, device: str = "cpu") -> tuple[tuple[torch.Tensor, ...], dict]:
         """(q, k, v), kwargs: fresh normal data from this problem's seed, in the spec's dtype."""
         gen = torch.Generator().manual_seed(self.seed)
@@ -105,7 +119,7 @@ class Problem:
 
         q = normal(self.batch, hq, self.seq_q, d) * self.magnitude
         k = normal(self.batch, self.heads_kv, self.seq_k, d)
-        v = normal(self.batch, self.heads_kv, self.seq_k, d)
+        v = normal(self.batch, self.heads_kv, self.seq_k, spec.head_dim_v)
         kwargs: dict = {} if self.scale is None else {"scale": self.scale}
         if self.seqlens_q is not None:
             kwargs["seqlens_q"] = torch.tensor(self.seqlens_q, dtype=torch.int32, device=device)
@@ -132,6 +146,10 @@ class Problem:
                 scalars = tuple(s for s in spec.mod_scalars if s[0] in used_s)
                 kwargs["block_mask"] = from_text(spec.mask_mod, tensors, scalars, kwargs["mods"], self.batch, hq,
                                                  self.seq_q, self.seq_k, device=device, block_size=16)
+        if spec.kv_dtype is not None:  # the cache in fp8 (its values times the scales are what attention sees)
+            kv_dtype = getattr(torch, TORCH_KV_DTYPE[spec.kv_dtype])
+            kwargs.update(self.kv_scale_kwargs(device))
+            return (q.to(dtype).to(device), k.to(kv_dtype).to(device), v.to(kv_dtype).to(device)), kwargs
         return tuple(t.to(dtype).to(device) for t in (q, k, v)), kwargs
 
 
@@ -236,6 +254,8 @@ def decode_problems(draw, spec: KernelSpec, scale: str = "cpu") -> Problem:
         extra["seqlens_k"] = tuple(draw(st.one_of(edges, st.integers(0, seq_k))) for _ in range(batch))
         extra["poison"] = draw(st.booleans())
     extra.update(draw(score_switches(spec, seq_k)))
+    if spec.kv_dtype is not None:
+        extra["kv_scales"] = draw(st.sampled_from(("tensor", "head")))
     return Problem(batch=batch, heads_kv=draw(st.integers(1, cfg["heads_kv"])), seq_q=seq_q, seq_k=seq_k,
                    magnitude=draw(st.sampled_from((1.0, 1.0, 4.0, 16.0))),
                    seed=draw(st.integers(0, 2**31 - 1)), **extra)

@@ -1,0 +1,46 @@
+"""`fagen bench --suite serving`: the rows of issue 27 (MLA head dims, the fp8 KV cache, batch-invariant decode)."""
+
+from __future__ import annotations
+
+from fagen.bench.workloads import BenchCase, make_case
+
+
+# [Note] Serving rows (issue 27; docs/serving.md)
+# MLA prefill at DeepSeek's shape (d_qk 192, d_v 128, 128 heads would be one layer; 16 here, batch x seq = 16k as in
+# the standard table), forward and backward, against SDPA (cuDNN takes 192/128 on Hopper) and Flex. Decode at the
+# issue's memory-bound shapes (Hq 16 over one KV head, as MLA's absorbed form reads one latent cache; here as a
+# d192/128 GQA-16 decode until the 576/512 form exists) and the compute-bound Hq 128 Sq 2. The fp8 rows repeat
+# the bf16 decode rows with an fp8_e4m3 cache (GB/s counts the bytes read: 1 per element). The batch-invariant
+# rows pair each decode row at b1 and b32 with the same row under batch_invariant=True: the cost is their ratio.
+# Decode rows other than the bf16 baselines run fagen alone (no peer takes an fp8 cache or the flag).
+def serving_rows(quick: bool = False) -> list[BenchCase]:
+    s = (lambda n: max(1, n // 64)) if quick else (lambda n: n)
+    sk = (lambda n: max(256, n // 64)) if quick else (lambda n: n)  # decode rows stay decode-shaped (Sk >= 256)
+    b = (lambda n: min(n, 2)) if quick else (lambda n: n)
+    mla = dict(head_dim=192, head_dim_v=128)
+    rows = [
+        make_case("fwd-mla-d192v128-causal-s4k", **mla, mask="causal", batch=b(4), heads_q=16, heads_kv=16,
+                  seq_q=s(4096), seq_k=s(4096)),
+        make_case("bwd-mla-d192v128-causal-s4k", **mla, mask="causal", batch=b(4), heads_q=16, heads_kv=16,
+                  seq_q=s(4096), seq_k=s(4096), direction="bwd"),
+    ]
+    for kv, batch in ((4096, 128), (8192, 64), (32768, 32)):
+        rows.append(make_case(f"decode-mla-d192v128-h16-kv{kv // 1024}k-b{batch}", **mla, mask="none",
+                              batch=b(batch), heads_q=16, heads_kv=1, seq_q=1, seq_k=sk(kv)))
+    rows.append(make_case("decode-mla-d192v128-h128-sq2-kv8k-b32", **mla, mask="causal", batch=b(32), heads_q=128,
+                          heads_kv=1, seq_q=2, seq_k=sk(8192), metric="tflops", peers=False))
+    d128 = dict(head_dim=128, mask="none", heads_q=32, heads_kv=8, seq_q=1)
+    for name, batch, kv in (("kv8k-b32", 32, 8192), ("kv32k-b8", 8, 32768)):
+        rows.append(make_case(f"decode-d128-{name}-fp8", **d128, batch=b(batch), seq_k=sk(kv), kv_dtype="fp8_e4m3",
+                              peers=False))
+    for name, batch, kv in (("kv4k-b1", 1, 4096), ("kv32k-b1", 1, 32768), ("kv4k-b32", 32, 4096),
+                            ("kv32k-b32", 32, 32768)):
+        for inv in (False, True):
+            rows.append(make_case(f"decode-d128-{name}{'-invariant' if inv else '-splits'}", **d128, batch=b(batch),
+                                  seq_k=sk(kv), batch_invariant=inv, peers=False))
+    return rows
+
+
+def serving_suite(quick: bool = False) -> list[BenchCase]:
+    """`--suite serving`: the rows of issue 27 (MLA head dims, the fp8 cache, the cost of batch invariance)."""
+    return serving_rows(quick)

@@ -98,6 +98,11 @@ def _tuned_or_hand(head_dim: int, dtype: DType, direction: Direction, kind: Kind
         if mask == Mask.TREE:  # measured only for correctness; m128n64w8s2 spilled 216 words (sm_90), this none
             return {"block_m": 64, "block_n": 32, "num_warps": 8, "num_stages": 2}
         return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3}
+    if wide and dtype is not DType.FP32 and targets.TILE_FAMILY.get(arch) == "sm_90":
+        # [Note] Wide forward tiles on sm_90. H100, MLA 192/128 causal, b4 h16 s4k bf16 (scripts/gpu_serving.py,
+        # benchmarks/serving.md, 2026-11-26): m128n64w8s2 326 TF/s against 150 for m64n32w4s2. ptxas (sm_90): d192v128
+        # 155 registers, 161 KB; d192 and d256 236 registers, 193 KB; no spills. d256 itself was not timed.
+        return {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2}
     if wide:
         return {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 2}
     if head_dim <= 64 and mask == Mask.TREE:

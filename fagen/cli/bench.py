@@ -96,10 +96,12 @@ def bench(spec_file, batch, heads, seq_q, seq_k, suite, case_names, quick, devic
                                                              json_path, flags)))
     if suite == "latency":
         return _latency(pick_device(device), json_path, out, quick)
-    if suite == "layouts":
-        return _layouts(pick_device(device), json_path, out, quick)
-    if suite == "mods":
-        return _mods(pick_device(device), json_path, out, quick)
+    if suite in ("layouts", "mods"):  # [Note] Layout rows in fagen/bench/layouts.py, [Note] Mods rows in mods.py
+        import importlib
+
+        device, log = pick_device(device), _logger(out)
+        run = importlib.import_module(f"fagen.bench.{suite}").run
+        return _write(device, json_path, run(device, log=log, quick=quick), log)
     cases = cases_from_options(suite, case_names, quick, spec_file, batch, heads, seq_q, seq_k, seed, flags)
     if cases is None:
         raise click.UsageError("give spec flags (--head-dim ...), --suite standard, or --report FILE")
@@ -112,10 +114,7 @@ def bench(spec_file, batch, heads, seq_q, seq_k, suite, case_names, quick, devic
     if isolate is None:
         isolate = device == "cuda" and len(cases) > 1
 
-    def log(line: str) -> None:
-        out.print(line, markup=False, highlight=False)
-        out.file.flush()
-
+    log = _logger(out)
     meta, records = runner.run(cases, opts, json_path=json_path, isolate=isolate, time_limit=time_limit,
                                case_timeout=case_timeout, log=log, extra_meta={"quick": quick})
     if json_path is not None:
@@ -147,29 +146,18 @@ def _plot(report, records, plot_path, json_path, err=False):
     click.echo(f"wrote {plot_path}", err=err)
 
 
-def _layouts(device, json_path, out, quick):
-    """The layouts suite ([Note] Layout rows in fagen/bench/layouts.py): paged decode and varlen prefill."""
-    from fagen.bench import layouts, runner
-
+def _logger(out):
+    """One line to the console, flushed at once (the suites print progress as they go)."""
     def log(line: str) -> None:
         out.print(line, markup=False, highlight=False)
         out.file.flush()
-
-    records = layouts.run(device, log=log, quick=quick)
-    if json_path is not None:
-        runner.write_json(json_path, runner.environment_meta(device), records)
-        log(f"wrote {json_path}")
+    return log
 
 
-def _mods(device, json_path, out, quick):
-    """The mods suite ([Note] Mods rows in fagen/bench/mods.py)."""
-    from fagen.bench import mods, runner
+def _write(device, json_path, records, log) -> None:
+    """A suite's records into --json (with the machine's description), if given."""
+    from fagen.bench import runner
 
-    def log(line: str) -> None:
-        out.print(line, markup=False, highlight=False)
-        out.file.flush()
-
-    records = mods.run(device, log=log, quick=quick)
     if json_path is not None:
         runner.write_json(json_path, runner.environment_meta(device), records)
         log(f"wrote {json_path}")
@@ -179,18 +167,13 @@ def _latency(device, json_path, out, quick):
     """The latency suite ([Note] Host time in fagen/bench/latency.py), with a cProfile of fagen's loop."""
     import dataclasses
 
-    from fagen.bench import latency, runner
+    from fagen.bench import latency
 
-    def log(line: str) -> None:
-        out.print(line, markup=False, highlight=False)
-        out.file.flush()
-
+    log = _logger(out)
     if quick:  # a smoke run (the interpreter on the CPU): tiny shapes, few calls
         cases = [dataclasses.replace(c, heads_q=4, heads_kv=2, seq_k=min(c.seq_k, 64), seq_q=min(c.seq_q, 16),
                                      head_dim=32) for c in latency.CASES]
         records = latency.run(device, calls=3, rounds=1, log=log, profile=json_path is not None, cases=cases)
     else:
         records = latency.run(device, log=log, profile=json_path is not None)
-    if json_path is not None:
-        runner.write_json(json_path, runner.environment_meta(device), records)
-        log(f"wrote {json_path}")
+    _write(device, json_path, records, log)

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from test_distributed import TOL, spawned
+from test_distributed import TOL, expect_error, spawned
 
 import fagen.distributed as cp
 from fagen.distributed import ContextParallelError
@@ -61,14 +61,6 @@ def run_dense(fn, problem, shard, **kw):
     out = fn(qs, ks, vs, **kw)
     out.backward(shard(do))
     return [t.detach().clone() for t in (out, qs.grad, ks.grad, vs.grad)]
-
-
-def expect_error(fn):
-    try:
-        fn()
-    except ContextParallelError as e:
-        return str(e)
-    return None
 
 
 SLOPES = torch.rand(4, generator=torch.Generator().manual_seed(3))

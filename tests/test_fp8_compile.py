@@ -2,20 +2,14 @@
 against the spec's formula, no spills, the register budgets, and the matmuls really e4m3 (PTX and SASS), so the
 kernel cannot silently compute in bf16. scripts/gpu_fp8.py launches exactly these modules on the H100."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from fagen import backends
 from fagen.spec import targets
 from fagen.spec.kernel import KernelSpec
-from test_hopper_compile import _gluon_hopper_missing
+from test_hopper_compile import build_sm90
 
-ROOT = Path(__file__).resolve().parent.parent
 
 # The GPU script's modules (d128 and d64, full and causal), GQA with the window, and an fp16 out.
 MODULES = {
@@ -78,15 +72,7 @@ def spec_of(key) -> KernelSpec:
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    reason = _gluon_hopper_missing()
-    if reason:
-        pytest.skip(reason)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["FAGEN_CACHE_DIR"] = str(tmp_path_factory.mktemp("fp8-sm90"))
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(ROOT), json.dumps(MODULES)], env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.split("RESULT ", 1)[1])
+    return build_sm90(tmp_path_factory, _SCRIPT, MODULES, "fp8-sm90")
 
 
 @pytest.mark.parametrize("key", list(MODULES))

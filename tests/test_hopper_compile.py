@@ -93,17 +93,23 @@ print("RESULT " + json.dumps(out))
 """
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory):
+def build_sm90(tmp_path_factory, script: str, modules: dict, name: str) -> dict:
+    """Run a build script for sm_90 in a fresh process (compiled, not interpreted: no TRITON_INTERPRET) with its
+    own cache; its `RESULT {json}` line, or a skip where this triton has no Gluon Hopper API."""
     reason = _gluon_hopper_missing()
     if reason:
         pytest.skip(reason)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["FAGEN_CACHE_DIR"] = str(tmp_path_factory.mktemp("gluon-sm90"))
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(ROOT), json.dumps(MODULES)], env=env,
+    env["FAGEN_CACHE_DIR"] = str(tmp_path_factory.mktemp(name))
+    proc = subprocess.run([sys.executable, "-c", script, str(ROOT), json.dumps(modules)], env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.split("RESULT ", 1)[1])
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    return build_sm90(tmp_path_factory, _SCRIPT, MODULES, "gluon-sm90")
 
 
 @pytest.mark.parametrize("key", list(MODULES))

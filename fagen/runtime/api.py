@@ -8,7 +8,7 @@ from fagen.codegen.args import SWITCH_KEYWORD
 from fagen.runtime import ops
 from fagen.runtime.hopper import MIN_WORK
 from fagen.runtime.kinds import prefers_decode
-from fagen.runtime.resolve import _FAST, AttentionError, resolve, resolve_varlen, spec_for
+from fagen.runtime.resolve import _FAST, AttentionError, fast_key, resolve, resolve_varlen, spec_for
 from fagen.spec.axes import Layout, Mask
 from fagen.spec.kernel import SCORE_SWITCHES
 
@@ -82,13 +82,13 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
         return ops.attention(q, k, v, str(mask), scale, seqlens_q, seqlens_k, tree_mask, decode, win, softcap,
                              alibi_slopes, sinks, bool(batch_invariant))[0]
     # [Note] Host time. A warm call costs one dict lookup on plain values before the module's own checks and launch:
-    # no spec is built, hashed or validated per call (the key is fast_key's, inlined). Without gradients on an
+    # no spec is built, hashed or validated per call (the key is fast_key's, the one resolve() stores under). Without gradients on an
     # H100/H200 the Gluon forward may serve ([Note] Hopper selection in fagen/runtime/hopper.py); it has forward()
     # only, and its host path is slower, so only problems of at least hopper.MIN_WORK query-key pairs may take it.
     # A window bounds the keys a row visits: its pairs count, not Sq x Sk.
     keys = ks[2] if four and window is None else _window_keys(ks[2], window) if four else 0
     forward_only = not needs_grad and not decode and four and qs[0] * qs[1] * qs[2] * keys >= MIN_WORK
-    module = _FAST.get((q.dtype, qs[3], qs[1], ks[1], mask, decode, switches, forward_only, q.device, v.shape[-1])) \
+    module = _FAST.get(fast_key(q, k, v, mask, decode, switches, forward_only)) \
         if four and isinstance(mask, str) else None
     if module is None:
         module = resolve(q, k, v, mask, decode, switches, forward_only)

@@ -211,17 +211,6 @@ def test_the_launcher_includes_the_one_cuda_driver_verbatim():
     assert "cuda.bindings" not in launcher and "from cuda" not in launcher and "import fagen" not in launcher
 
 
-def test_no_cuda_driver_is_one_clear_error(monkeypatch):
-    from fagen.runtime import driver
-
-    def missing(name):
-        raise OSError(f"{name}: cannot open shared object file")
-
-    monkeypatch.setattr(driver.ctypes, "CDLL", missing)
-    with pytest.raises(driver.CudaError, match="cannot load the CUDA driver libcuda.so.1"):
-        driver.CudaDriver()
-
-
 def test_cpu_tensors_get_a_clear_device_error():
     spec = cuda_spec(mask="causal", gqa=2)
     with pytest.raises(fagen.load(spec).InputError, match="the CUDA backend needs a CUDA device"):

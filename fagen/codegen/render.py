@@ -22,6 +22,7 @@ from fagen.spec.axes import DECODE_MAX_SEQ_Q, MAX_PAGE_SIZE, DType, Kind, Layout
 from fagen.spec.kernel import KernelSpec, SpecError
 
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"  # fagen/templates, installed with the package
+_PACKAGE = jinja2.FileSystemLoader(TEMPLATE_DIR.parent)  # fagen/: static modules a launcher includes verbatim
 
 
 def template_dir() -> Path:
@@ -55,7 +56,8 @@ def _environment(root: Path) -> jinja2.Environment:
         raise FileNotFoundError(f"fagen's templates are missing: {root} has no triton/ folder "
                                 "(reinstall fagen, or unset FAGEN_TEMPLATE_DIR)")
     env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(root),  # auto_reload: an edited template is read again
+        # auto_reload: an edited template is read again; "fagen/..." names a package module, included verbatim
+        loader=jinja2.ChoiceLoader([jinja2.FileSystemLoader(root), jinja2.PrefixLoader({"fagen": _PACKAGE})]),
         undefined=jinja2.StrictUndefined,  # a missing variable fails here, not as a compiler error later
         trim_blocks=True,
         lstrip_blocks=True,
@@ -74,8 +76,8 @@ VERBATIM_MARKER = "# -- fagen: included verbatim below this line --\n"
 
 @jinja2.pass_environment
 def _verbatim(env: jinja2.Environment, name: str) -> str:
-    """The static code of templates/<name> (a .py file linters read): the text below its marker line, without the
-    last newline (the including template's line supplies it)."""
+    """The static code of templates/<name>, or of the package module fagen/<...> (a .py file linters read): the text
+    below its marker line, without the last newline (the including template's line supplies it)."""
     source = env.loader.get_source(env, name)[0]
     if VERBATIM_MARKER not in source:
         raise ValueError(f"templates/{name} has no line {VERBATIM_MARKER.strip()!r} to include below")

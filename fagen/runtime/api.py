@@ -43,8 +43,8 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
     Without gradients, a few queries against a long KV cache (fagen.runtime.kinds.prefers_decode) run the split-KV
     decode kernel; both kinds give the same results. v's head dim may differ from q's (MLA's 192/128): out takes
     v's. batch_invariant=True: each sequence's result is the same bits alone and in any batch (README "Serving");
-    it reaches the decode kernel only (prefill kernels are batch-invariant anyway). Under torch.compile the call is one custom operator
-    (fagen::attention, with its backward), so it traces with no graph break.
+    it reaches the decode kernel only (prefill kernels are batch-invariant anyway). Under torch.compile the call traces
+    into the module's own operators and autograd (fagen/runtime/ops.py), with no graph break.
     """
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
@@ -149,8 +149,8 @@ def _window_keys(sk, window) -> int:
 
 
 def _op_window(window) -> list[int] | None:
-    """The fagen::attention operator's form of a window, [left, right] with -1 for an unbounded side; None where the
-    operator cannot carry it: the call then runs eagerly, where the module's check names what is wrong."""
+    """The traced call's form of a window (fagen/runtime/ops.py), [left, right] with -1 for an unbounded side; None
+    where that form cannot carry it: the call then runs eagerly, where the module's check names what is wrong."""
     if isinstance(window, (tuple, list)) and len(window) == 2 \
             and all(w is None or (type(w) is int and w >= 0) for w in window):
         return [-1 if w is None else w for w in window]

@@ -49,11 +49,13 @@ def test_invalid_mods_name_the_field(fields, field):
 
 
 def test_render_refuses_mods_where_the_templates_do_not_take_them():
-    """Mods render into the Triton prefill kernels on the dense layout; decode and the other layouts name the field."""
+    """Mods render into the Triton prefill kernels on the dense and varlen layouts; the others name the field."""
     from fagen.codegen.render import render
 
     assert "_fwd_mod" in render(KernelSpec(head_dim=64, score_mod="score * 2.0")).source
     with pytest.raises(SpecError, match="^kind: .*prefill kernels only"):
         render(KernelSpec(head_dim=64, score_mod="score * 2.0", kind="decode"))
-    with pytest.raises(SpecError, match="^layout: .*dense layout only"):
-        render(KernelSpec(head_dim=64, mask_mod="q_idx >= kv_idx", layout="varlen", mask="causal"))
+    assert "_fwd_mod" in render(KernelSpec(head_dim=64, mask_mod="q_idx >= kv_idx", layout="varlen",
+                                           mask="causal")).source
+    with pytest.raises(SpecError, match="^layout: .*dense and varlen layouts only"):
+        render(KernelSpec(head_dim=64, mask_mod="q_idx >= kv_idx", layout="paged", mask="causal"))

@@ -249,8 +249,10 @@ def _grad_loads(spec: KernelSpec) -> int:
 
 # Each such load's gradient workspace pair, None when its tensor needs no gradient ([Note] Captured-tensor
 # gradients in fagen/codegen/mod_args.py): the dK/dV kernel's and its loop's.
+# Varlen adds mg_sk, the workspaces' key extent (max_seqlen_k; dense: seq_k).
 MOD_GRAD_ARGS = Each(lambda spec: [T(f"{n}{k}", dt, pack="mod_ws", br=k == 0 and n == "MG")
-                                   for k in range(_grad_loads(spec)) for n, dt in (("MG", "fp32"), ("MGI", "i64"))])
+                                   for k in range(_grad_loads(spec)) for n, dt in (("MG", "fp32"), ("MGI", "i64"))]
+                     + ([I("mg_sk", pack="mod_ws")] if varlen(spec) and _grad_loads(spec) else []))
 # A block mask's kernel form ([Note] Block classes in fagen/runtime/block_mask.py): classes int8 [B', H', QB, KB],
 # lists int32 [B', H', QB, 2 KB + 1] (the non-empty key blocks ascending, then the running count of non-empty
 # blocks) and their transpose [B', H', KB, 2 QB + 1] (the dK/dV loop's), the strides of each (0 on a broadcast b or

@@ -158,16 +158,15 @@ def render(spec: KernelSpec) -> Rendered:
 
 
 def _check_modded(spec: KernelSpec) -> None:
-    """The modded variants the templates emit: the Triton prefill, dense layout (forward and backward). The others
-    are a SpecError naming the field that asks for them (docs/mods.md, "What is not supported yet")."""
+    """The modded variants the templates emit: the Triton prefill, dense and varlen layouts (forward and backward).
+    The others are a SpecError naming the field that asks for them (docs/mods.md, "What is not supported yet")."""
     field = "score_mod" if spec.score_mod is not None else "mask_mod"
     if spec.kind is not Kind.PREFILL:
         raise SpecError("kind", str(spec.kind), f"a {field} is rendered into prefill kernels only (no decode kernel "
                         "with mods yet); use kind 'prefill'")
-    if spec.layout is not Layout.DENSE:
-        raise SpecError("layout", str(spec.layout), f"a {field} is rendered into the dense layout only (varlen and "
-                        "paged kernels with mods are not generated yet); use layout 'dense', with a document "
-                        "mask_mod for packed sequences")
+    if spec.layout is Layout.PAGED:
+        raise SpecError("layout", str(spec.layout), f"a {field} is rendered into the dense and varlen layouts only "
+                        "(paged kernels with mods are not generated yet); use layout 'dense' or 'varlen'")
 
 
 render.cache_clear = lambda: _render.cache_clear()  # for tests that change the tables under a render

@@ -93,3 +93,127 @@ def test_varlen_refusals_are_one_line():
         fagen.attention(q, k, v, mask_mod=lambda b, h, qi, ki: qi >= ki, block_mask=bm, **kw)
     with pytest.raises(AttentionError, match="^varlen: pass cu_seqlens_q, cu_seqlens_k, max_seqlen_q"):
         fagen.attention(q, k, v, mask_mod=mask_mod, cu_seqlens_q=kw["cu_seqlens_q"])
+
+
+# -- decode and paged: the mods see q_idx = i + lk - lq, the query's position among its sequence's keys ------------
+_SCORE = "((score * temp) + bias[h, ((q_idx - kv_idx) + 128)])"
+_MASK = "((doc[b, q_idx] == doc[b, kv_idx]) | ((q_idx - kv_idx) < reach))"
+_DECLS = dict(mod_tensors=[["bias", "fp32", 2], ["doc", "i32", 2]], mod_scalars=[["reach", "int"], ["temp", "float"]])
+
+
+def _spec(**kw):
+    return fagen.KernelSpec(head_dim=32, dtype="fp32", score_mod=_SCORE, mask_mod=_MASK, **_DECLS, **kw)
+
+
+def _values(hq, batch, seed=3, reach=9, temp=0.7):
+    """The captured values of _SCORE/_MASK (mods=), and the same functions in Python for the reference."""
+    gen = torch.Generator().manual_seed(seed)
+    bias = torch.randn(hq, 256, generator=gen).to(DEVICE)
+    doc = torch.randint(0, 3, (batch, 128), generator=gen).sort(dim=1).values.to(DEVICE, torch.int32)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score * temp + bias[h, q_idx - kv_idx + 128]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (doc[b, q_idx] == doc[b, kv_idx]) | (q_idx - kv_idx < reach)
+
+    return dict(bias=bias, doc=doc, reach=reach, temp=temp), dict(score_mod=score_mod, mask_mod=mask_mod)
+
+
+def _paged_cache(ks, vs, page, seed=5):
+    """Each sequence's keys on shuffled pages of a cache whose unused slots hold NaN; (k_cache, v_cache, table)."""
+    gen = torch.Generator().manual_seed(seed)
+    hkv, d = ks[0].shape[1:]
+    n_pages = [-(-k.shape[0] // page) for k in ks]
+    total = sum(n_pages) + 2
+    order = torch.randperm(total, generator=gen)
+    table = torch.full((len(ks), max(n_pages) + 1), -1, dtype=torch.int32)
+    k_cache, v_cache = (torch.full((total, page, hkv, d), float("nan")) for _ in range(2))
+    nxt = 0
+    for b, n in enumerate(n_pages):
+        table[b, :n] = order[nxt:nxt + n]
+        nxt += n
+        rows, slot = table[b, torch.arange(ks[b].shape[0]) // page].long(), torch.arange(ks[b].shape[0]) % page
+        k_cache[rows, slot], v_cache[rows, slot] = ks[b], vs[b]
+    return k_cache.to(DEVICE), v_cache.to(DEVICE), table.to(DEVICE)
+
+
+@pytest.mark.parametrize("gqa, sq", [(2, 1), (4, 5)])  # 2 rows a tile (multiply-sum) and 20 rows (tl.dot)
+def test_dense_decode_with_both_mods_every_split_count(gqa, sq):
+    b, hkv, sk = 2, 2, 77
+    gen = torch.Generator().manual_seed(gqa)
+    q = torch.randn(b, gqa * hkv, sq, 32, generator=gen).to(DEVICE)
+    k, v = (torch.randn(b, hkv, sk, 32, generator=gen).to(DEVICE) for _ in range(2))
+    module = fagen.load(_spec(kind="decode", mask="causal", gqa=gqa))
+    values, fns = _values(gqa * hkv, b)
+    want, want_lse = reference.attention(q.double(), k.double(), v.double(), mask="causal", mod_positions="absolute",
+                                         **fns)
+    for splits in (1, 3):
+        out, lse = module.forward_split(q, k, v, mods=values, num_splits=splits)
+        _close(f"out ({splits} splits)", out, want, TOL[torch.float32])
+        _close(f"lse ({splits} splits)", lse, want_lse, TOL[torch.float32])
+    out, _ = module.forward(q, k, v, mods=dict(values, reach=2, temp=1.3))  # changed closure numbers: same kernel
+    values, fns = _values(gqa * hkv, b, reach=2, temp=1.3)
+    want, _ = reference.attention(q.double(), k.double(), v.double(), mask="causal", mod_positions="absolute", **fns)
+    _close("out (new numbers)", out, want, TOL[torch.float32])
+
+
+def test_padded_decode_aligns_q_idx_per_sequence_and_empty_rows():
+    """causal+padding: q_idx = i + lk[b] - lq[b]; a mask_mod that hides every key of a row gives 0 and -inf."""
+    b, hq, sq, sk = 3, 2, 4, 40
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(b, hq, sq, 32, generator=gen).to(DEVICE)
+    k, v = (torch.randn(b, hq, sk, 32, generator=gen).to(DEVICE) for _ in range(2))
+    lens_q, lens_k = torch.tensor([4, 2, 3], device=DEVICE), torch.tensor([40, 17, 3], device=DEVICE)
+    spec = fagen.KernelSpec(head_dim=32, dtype="fp32", kind="decode", mask="causal+padding",
+                            mask_mod="((q_idx != 15) & (kv_idx >= (q_idx - 6)))")
+    out, lse = fagen.load(spec).forward(q, k, v, seqlens_q=lens_q, seqlens_k=lens_k, mods={})
+    want, want_lse = reference.attention(q.double(), k.double(), v.double(), mask="causal+padding",
+                                         seqlens_q=lens_q, seqlens_k=lens_k, mod_positions="absolute",
+                                         mask_mod=lambda b, h, qi, ki: (qi != 15) & (ki >= qi - 6))
+    _close("out", out, want, TOL[torch.float32])
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse.to(lse.device)))
+    assert out[1, :, 0].abs().max() == 0 and torch.isneginf(lse[1, :, 0]).all()  # sequence 1's row 0 is key 15
+
+
+def test_paged_decode_with_both_mods_gqa():
+    lens, sq, hkv, gqa, page = [37, 0, 70, 5], 2, 2, 2, 8
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(len(lens), gqa * hkv, sq, 32, generator=gen).to(DEVICE)
+    ks, vs = ([torch.randn(n, hkv, 32, generator=gen) for n in lens] for _ in range(2))
+    k_cache, v_cache, table = _paged_cache(ks, vs, page)
+    module = fagen.load(_spec(kind="decode", layout="paged", mask="causal", gqa=gqa))
+    values, fns = _values(gqa * hkv, len(lens))
+    out, lse = module.forward(q, k_cache, v_cache, block_table=table, seqlens_k=torch.tensor(lens, device=DEVICE),
+                              mods=values)
+    for b in range(len(lens)):
+        if lens[b] < sq:  # causal rows past an empty cache see nothing
+            assert out[b].abs().max() == 0 and torch.isneginf(lse[b]).all()
+            continue
+        score_mod = lambda s, bb, h, qi, ki, b=b: fns["score_mod"](s, bb + b, h, qi, ki)  # noqa: E731
+        mask_mod = lambda bb, h, qi, ki, b=b: fns["mask_mod"](bb + b, h, qi, ki)  # noqa: E731
+        want, want_lse = reference.attention(q[b:b + 1].double(), ks[b].transpose(0, 1)[None].double(),
+                                             vs[b].transpose(0, 1)[None].double(), mask="causal",
+                                             mod_positions="absolute", score_mod=score_mod, mask_mod=mask_mod)
+        _close(f"out (sequence {b})", out[b], want[0], TOL[torch.float32])
+        _close(f"lse (sequence {b})", lse[b], want_lse[0], TOL[torch.float32])
+
+
+def test_paged_prefill_with_both_mods_gqa():
+    """Chunked prefill on a paged cache: each sequence's lens_q new queries are its last lens_q cached keys."""
+    lens_q, lens_k, hkv, gqa, page = [11, 0, 40, 3], [37, 0, 40, 5], 2, 2, 8
+    gen = torch.Generator().manual_seed(13)
+    q = torch.randn(sum(lens_q), gqa * hkv, 32, generator=gen).to(DEVICE)
+    ks, vs = ([torch.randn(n, hkv, 32, generator=gen) for n in lens_k] for _ in range(2))
+    k_cache, v_cache, table = _paged_cache(ks, vs, page)
+    module = fagen.load(_spec(layout="paged", mask="causal", gqa=gqa, block_m=16, block_n=16))
+    values, fns = _values(gqa * hkv, len(lens_q))
+    cu_q = cu_seqlens(lens_q, DEVICE)
+    out, lse = module.forward(q, k_cache, v_cache, cu_seqlens_q=cu_q, max_seqlen_q=max(lens_q), block_table=table,
+                              seqlens_k=torch.tensor(lens_k, device=DEVICE), mods=values)
+    want, want_lse = reference.packed_attention(q.double(), torch.cat(ks).double(), torch.cat(vs).double(), cu_q.cpu(),
+                                                cu_seqlens(lens_k, "cpu"), mask="causal", mod_positions="absolute",
+                                                **fns)
+    _close("out", out, want, TOL[torch.float32])
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse.to(lse.device)))
+    _close("lse", lse.nan_to_num(neginf=0), want_lse.nan_to_num(neginf=0), TOL[torch.float32])

@@ -93,6 +93,9 @@ def test_varlen_refusals_are_one_line():
         fagen.attention(q, k, v, mask_mod=lambda b, h, qi, ki: qi >= ki, block_mask=bm, **kw)
     with pytest.raises(AttentionError, match="^varlen: pass cu_seqlens_q, cu_seqlens_k, max_seqlen_q"):
         fagen.attention(q, k, v, mask_mod=mask_mod, cu_seqlens_q=kw["cu_seqlens_q"])
+    module = fagen.load(fagen.KernelSpec(head_dim=32, dtype="fp32", layout="varlen", mask_mod="(q_idx >= kv_idx)"))
+    with pytest.raises(ValueError, match="^block_mask: not supported on the varlen layout yet; pass block_mask=None"):
+        module.forward(q, k, v, mods={}, block_mask=bm, **kw)
 
 
 # -- decode and paged: the mods see q_idx = i + lk - lq, the query's position among its sequence's keys ------------
@@ -152,6 +155,10 @@ def test_dense_decode_with_both_mods_every_split_count(gqa, sq):
         out, lse = module.forward_split(q, k, v, mods=values, num_splits=splits)
         _close(f"out ({splits} splits)", out, want, TOL[torch.float32])
         _close(f"lse ({splits} splits)", lse, want_lse, TOL[torch.float32])
+    out, lse = module.plan(b, gqa * hkv, sq, sk, device=DEVICE, num_splits=2).run(q, k, v, mods=values)
+    _close("out (plan)", out, want, TOL[torch.float32])
+    out, lse = module.forward(q, k, v, mods=values, batch_invariant=True)
+    _close("out (batch invariant)", out, want, TOL[torch.float32])
     out, _ = module.forward(q, k, v, mods=dict(values, reach=2, temp=1.3))  # changed closure numbers: same kernel
     values, fns = _values(gqa * hkv, b, reach=2, temp=1.3)
     want, _ = reference.attention(q.double(), k.double(), v.double(), mask="causal", mod_positions="absolute", **fns)
@@ -217,3 +224,66 @@ def test_paged_prefill_with_both_mods_gqa():
     _close("out", out, want, TOL[torch.float32])
     assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse.to(lse.device)))
     _close("lse", lse.nan_to_num(neginf=0), want_lse.nan_to_num(neginf=0), TOL[torch.float32])
+
+
+def test_varlen_mods_compose_with_the_score_switches():
+    """softcap and ALiBi (per-sequence alignment), then the score_mod; the window ANDed with the mask_mod."""
+    lens_q, lens_k = [9, 26], [30, 26]
+    q, k, v, do, kw = _packed(lens_q, lens_k, hq=2, hkv=1)
+    slopes = torch.tensor([0.3, 0.1], device=DEVICE)
+    switches = dict(softcap=6.0, alibi_slopes=slopes, window=(7, 2))
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score - 0.05 * (q_idx + kv_idx) + b
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx % 5) != (h + b)
+
+    out = fagen.attention(q, k, v, mask="causal", score_mod=score_mod, mask_mod=mask_mod, **switches, **kw)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want, _ = reference.packed_attention(*leaves, kw["cu_seqlens_q"].cpu(), kw["cu_seqlens_k"].cpu(), mask="causal",
+                                         score_mod=score_mod, mask_mod=mask_mod, **switches)
+    _close("out", out, want, TOL[torch.float32])
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, torch.autograd.grad(want, leaves, do.double())):
+        _close(name, got, ref, 4 * TOL[torch.float32])
+
+
+def test_decode_mods_compose_with_switches_and_sinks():
+    b, hq, sq, sk = 2, 2, 3, 50
+    gen = torch.Generator().manual_seed(17)
+    q = torch.randn(b, hq, sq, 32, generator=gen).to(DEVICE)
+    k, v = (torch.randn(b, hq, sk, 32, generator=gen).to(DEVICE) for _ in range(2))
+    sinks = torch.tensor([0.5, -1.0], device=DEVICE)
+    spec = fagen.KernelSpec(head_dim=32, dtype="fp32", kind="decode", mask="causal", softcap=True, window=True,
+                            sinks=True, score_mod="(score + (0.01 * (q_idx - kv_idx)))",
+                            mask_mod="((kv_idx % 4) != 1)")
+    out, lse = fagen.load(spec).forward_split(q, k, v, softcap=8.0, window=(20, 0), sinks=sinks, mods={},
+                                              num_splits=2)
+    want, want_lse = reference.attention(q.double(), k.double(), v.double(), mask="causal", softcap=8.0,
+                                         window=(20, 0), sinks=sinks, mod_positions="absolute",
+                                         score_mod=lambda s, b, h, qi, ki: s + 0.01 * (qi - ki),
+                                         mask_mod=lambda b, h, qi, ki: (ki % 4) != 1)
+    _close("out", out, want, TOL[torch.float32])
+    _close("lse", lse, want_lse, TOL[torch.float32])
+
+
+def test_paged_tree_decode_with_a_mask_mod():
+    """Tree verification on a paged cache: the Sq draft nodes are the last Sq keys; the mask_mod sees them there."""
+    lens, sq, page = [20, 9], 4, 4
+    gen = torch.Generator().manual_seed(19)
+    q = torch.randn(len(lens), 2, sq, 32, generator=gen).to(DEVICE)
+    ks, vs = ([torch.randn(n, 2, 32, generator=gen) for n in lens] for _ in range(2))
+    k_cache, v_cache, table = _paged_cache(ks, vs, page)
+    tree = reference.ancestors_from_parents(torch.tensor([[-1, 0, 0, 1], [-1, 0, 1, -1]]))
+    spec = fagen.KernelSpec(head_dim=32, dtype="fp32", kind="decode", layout="paged", mask="tree",
+                            mask_mod="((q_idx - kv_idx) != 2)")
+    out, lse = fagen.load(spec).forward(q, k_cache, v_cache, block_table=table, tree_mask=tree.to(DEVICE),
+                                        seqlens_k=torch.tensor(lens, device=DEVICE), mods={})
+    for b in range(len(lens)):
+        want, want_lse = reference.attention(q[b:b + 1].double(), ks[b].transpose(0, 1)[None].double(),
+                                             vs[b].transpose(0, 1)[None].double(), mask="tree",
+                                             tree_mask=tree[b:b + 1], mod_positions="absolute",
+                                             mask_mod=lambda bb, h, qi, ki: (qi - ki) != 2)
+        _close(f"out (sequence {b})", out[b], want[0], TOL[torch.float32])
+        _close(f"lse (sequence {b})", lse[b], want_lse[0], TOL[torch.float32])

@@ -287,3 +287,62 @@ def test_paged_tree_decode_with_a_mask_mod():
                                              mask_mod=lambda bb, h, qi, ki: (qi - ki) != 2)
         _close(f"out (sequence {b})", out[b], want[0], TOL[torch.float32])
         _close(f"lse (sequence {b})", lse[b], want_lse[0], TOL[torch.float32])
+
+
+# -- fagen verify: the layouts' search draws captured values for modded specs ----------------------------------------
+_VERIFY = dict(score_mod="((cap * tanh((score / cap))) + bias[h, ((q_idx - kv_idx) + 40)])",
+               mask_mod="((doc[b, q_idx] == doc[b, kv_idx]) | (kv_idx < n))",
+               mod_tensors=[["bias", "fp32", 2], ["doc", "i32", 2]], mod_scalars=[["cap", "float"], ["n", "int"]])
+
+
+@pytest.mark.parametrize("fields", [dict(layout="varlen", direction="bwd", mask="causal"),
+                                    dict(layout="paged", kind="decode", mask="causal"),
+                                    dict(layout="paged", mask="causal", block_m=16, block_n=16)],
+                         ids=["varlen-bwd", "paged-decode", "paged-prefill"])
+def test_verify_layout_spec_runs_the_mods(fields):
+    from fagen.verify.layouts import verify_layout_spec
+
+    spec = fagen.KernelSpec(head_dim=16, dtype="fp32", gqa=2, **_VERIFY, **fields)
+    verdicts = verify_layout_spec(spec, examples=2, seed=1, device=DEVICE, scale="cpu")
+    assert verdicts and all(v.passed for v in verdicts), [v.failure for v in verdicts]
+    if spec.layout is fagen.Layout.PAGED:  # a fixed case whose queries sit well past the row numbers (lk - lq > 0)
+        from fagen.verify import layouts
+
+        case = layouts.LayoutCase(lens_q=[3, 3] if spec.kind is fagen.Kind.DECODE else [5, 9], lens_k=[30, 17],
+                                  heads_kv=2, page_size=4, seed=5)
+        layouts.check_forward(fagen.load(spec), spec, case, DEVICE)
+
+
+@pytest.mark.parametrize("name, fields", [("decode-mod-row-position", dict(kind="decode", layout="paged")),
+                                          ("paged-prefill-mod-row-position", dict(layout="paged", block_m=16,
+                                                                                  block_n=16))])
+def test_layout_mod_mutants_are_caught(name, fields):
+    from hypothesis import Phase, given, settings
+
+    from fagen.verify import layouts
+    from fagen.verify.engine import mutant_module
+    from fagen.verify.tolerances import PropertyFailure
+
+    spec = fagen.KernelSpec(head_dim=16, dtype="fp32", gqa=2, mask="causal", **_VERIFY, **fields)
+    broken = mutant_module(spec, name)
+
+    @settings(max_examples=20, database=None, report_multiple_bugs=False, phases=[Phase.generate])
+    @given(layouts.cases(spec, max_len=24))
+    def run(case):
+        layouts.check_forward(broken, spec, case, DEVICE)
+
+    with pytest.raises(PropertyFailure):
+        run()
+
+
+def test_the_decode_row_position_mutant_is_caught_on_the_dense_layout():
+    from fagen.verify.engine import mutant_module
+
+    gen = torch.Generator().manual_seed(23)
+    q = torch.randn(2, 4, 3, 32, generator=gen).to(DEVICE)
+    k, v = (torch.randn(2, 2, 50, 32, generator=gen).to(DEVICE) for _ in range(2))
+    broken = mutant_module(_spec(kind="decode", mask="causal", gqa=2), "decode-mod-row-position")
+    values, fns = _values(4, 2)
+    out, _ = broken.forward(q, k, v, mods=values)
+    want, _ = reference.attention(q.double(), k.double(), v.double(), mask="causal", mod_positions="absolute", **fns)
+    assert (out.double() - want.to(out.device)).abs().max().item() > 1e-2

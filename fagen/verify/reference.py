@@ -161,8 +161,8 @@ def _absolute(score_mod, mask_mod, batch, seq_q, seq_k, seqlens_q, seqlens_k, de
     return score, mask
 
 
-def _sequence_mods(score_mod, mask_mod, b0: int):
-    """The mods of sequence b0 run alone as batch entry 0: they see b = b0."""
+def sequence_mods(score_mod, mask_mod, b0: int):
+    """The mods of sequence b0 run alone as batch entry 0: they see b = b0 (also fagen/verify/layouts.py's)."""
     score = None if score_mod is None else (lambda s, b, h, qi, ki: score_mod(s, b + b0, h, qi, ki))
     mask = None if mask_mod is None else (lambda b, h, qi, ki: mask_mod(b + b0, h, qi, ki))
     return score, mask
@@ -179,7 +179,7 @@ def packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, score_mod=None, mas
     for b in range(len(cq) - 1):
         qb, kb, vb = (t[lo:hi].transpose(0, 1)[None] for t, lo, hi in ((q, cq[b], cq[b + 1]), (k, ck[b], ck[b + 1]),
                                                                         (v, ck[b], ck[b + 1])))
-        smod, mmod = _sequence_mods(score_mod, mask_mod, b)
+        smod, mmod = sequence_mods(score_mod, mask_mod, b)
         o, lse = attention(qb, kb, vb, score_mod=smod, mask_mod=mmod, mod_positions=mod_positions, **kw)
         outs.append(o[0].transpose(0, 1))
         lses.append(lse[0])

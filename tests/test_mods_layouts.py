@@ -84,18 +84,51 @@ def test_varlen_module_lse_and_empty_rows_fp16():
     assert out[:3].abs().max() == 0 and out[19:20].abs().max() == 0  # sequence 1 hides rows 0..3
 
 
-def test_varlen_refusals_are_one_line():
+def test_varlen_with_a_block_mask_skips_blocks_and_matches():
+    """A block mask built for (B sequences, H, max_seqlen_q, max_seqlen_k): the same results with and without it,
+    forward and backward, blocks of 16 (so whole blocks are empty, full and cut), lengths off the blocks."""
+    lens_q, lens_k = [40, 0, 57, 9], [45, 6, 57, 30]
+    q, k, v, do, kw = _packed(lens_q, lens_k, hq=4, hkv=2)
+    gen = torch.Generator().manual_seed(29)
+    doc = (torch.rand(4, 64, generator=gen) < 0.08).cumsum(1).to(DEVICE, torch.int32)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return ((doc[b, q_idx] == doc[b, kv_idx]) & (q_idx - kv_idx < 20 + 4 * h)) | (kv_idx == 0)
+
+    bm = fagen.create_block_mask(mask_mod, 4, 4, max(lens_q), max(lens_k), device=DEVICE, block_size=16)
+    assert 0 < bm.sparsity() < 1 and (bm.classes == 2).any()
+    out = fagen.attention(q, k, v, mask="causal", mask_mod=mask_mod, block_mask=bm, **kw)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want, _ = reference.packed_attention(*leaves, kw["cu_seqlens_q"].cpu(), kw["cu_seqlens_k"].cpu(), mask="causal",
+                                         mask_mod=mask_mod)
+    _close("out", out, want, TOL[torch.float32])
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, torch.autograd.grad(want, leaves, do.double())):
+        _close(name, got, ref, 4 * TOL[torch.float32])
+
+
+def test_layout_refusals_are_one_line():
     lens = [5, 9]
     q, k, v, _, kw = _packed(lens, lens, hq=2, hkv=2)
     _, _, mask_mod = _mods(2, 2)
-    bm = fagen.create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, 16, 16, device=DEVICE)
-    with pytest.raises(AttentionError, match="^block_mask: not supported with packed sequences"):
-        fagen.attention(q, k, v, mask_mod=lambda b, h, qi, ki: qi >= ki, block_mask=bm, **kw)
+    causal = lambda b, h, qi, ki: qi >= ki  # noqa: E731
+    bm = fagen.create_block_mask(causal, None, None, 300, 300, device=DEVICE)
+    with pytest.raises(AttentionError, match="^block_mask: built for Sq=300, Sk=300, but q and k have Sq=9, Sk=9 "
+                                             r"\(varlen: max_seqlen_q, max_seqlen_k\)"):
+        fagen.attention(q, k, v, mask_mod=causal, block_mask=bm, **kw)
     with pytest.raises(AttentionError, match="^varlen: pass cu_seqlens_q, cu_seqlens_k, max_seqlen_q"):
         fagen.attention(q, k, v, mask_mod=mask_mod, cu_seqlens_q=kw["cu_seqlens_q"])
     module = fagen.load(fagen.KernelSpec(head_dim=32, dtype="fp32", layout="varlen", mask_mod="(q_idx >= kv_idx)"))
-    with pytest.raises(ValueError, match="^block_mask: not supported on the varlen layout yet; pass block_mask=None"):
+    with pytest.raises(ValueError, match="^block_mask: classes of shape .* do not fit 2 sequences of at most 9 "
+                                         "queries and 9 keys"):
         module.forward(q, k, v, mods={}, block_mask=bm, **kw)
+    spec = fagen.KernelSpec(head_dim=32, dtype="fp32", layout="paged", mask_mod="(q_idx >= kv_idx)")
+    k_cache, v_cache, table = _paged_cache([k[:5].detach().cpu(), k[5:].detach().cpu()],
+                                           [v[:5].detach().cpu(), v[5:].detach().cpu()], 4)
+    with pytest.raises(ValueError, match="^block_mask: not supported on the paged layout yet; pass block_mask=None"):
+        fagen.load(spec).forward(q.detach(), k_cache, v_cache, cu_seqlens_q=kw["cu_seqlens_q"], max_seqlen_q=9,
+                                 block_table=table, seqlens_k=torch.tensor(lens, device=DEVICE), mods={},
+                                 block_mask=bm)
 
 
 # -- decode and paged: the mods see q_idx = i + lk - lq, the query's position among its sequence's keys ------------

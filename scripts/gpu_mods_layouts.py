@@ -121,11 +121,15 @@ def varlen():
     case = f"causal lens {lens} hq{HQ} hkv{HKV} d{D}"
     qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
 
-    def run():
-        return fagen.attention(qg, kg, vg, mask="causal", score_mod=score_mod, mask_mod=mask_mod, **kw)
+    bm = fagen.create_block_mask(mask_mod, len(lens), None, longest, longest, device=DEV,
+                                 block_size=16 if DRY else 128)
 
-    def compare_all():
-        out = run()
+    def run(block_mask=None):
+        return fagen.attention(qg, kg, vg, mask="causal", score_mod=score_mod, mask_mod=mask_mod,
+                               block_mask=block_mask, **kw)
+
+    def compare_all(block_mask=None):
+        out = run(block_mask)
         grads = torch.autograd.grad(out, (qg, kg, vg, bias), do)
         leaves = [t.detach().double().requires_grad_() for t in (q, k, v, bias)]
         want, _ = reference.packed_attention(*leaves[:3], cu.cpu(), cu.cpu(), mask="causal",
@@ -136,21 +140,24 @@ def varlen():
             unit = max(1.0, ref.abs().max().item())
             errs.append(compare(name, got, ref, atol=GRAD_TOLERANCE[DType(DTYPE)]["atol"] * unit,
                                 rtol=GRAD_TOLERANCE[DType(DTYPE)]["rtol"]))
-        again = torch.autograd.grad(run(), (qg, kg, vg, bias), do)
+        again = torch.autograd.grad(run(block_mask), (qg, kg, vg, bias), do)
         if not all(torch.equal(a, b) for a, b in zip(grads, again)):
             raise AssertionError("gradients differ between two runs (not deterministic)")
         return "max errs " + " ".join(f"{e:.1e}" for e in errs) + "; bitwise repeatable"
 
     check(f"varlen fwd+bwd {case}", compare_all)
+    check(f"varlen fwd+bwd with a block mask (sparsity {bm.sparsity():.2f}) {case}", lambda: compare_all(bm))
 
     def plain():
         return fagen.attention(qg, kg, vg, mask="causal", **kw)
 
     with torch.no_grad():
-        fwd, fwd_plain = bench(run), bench(plain)
+        fwd, fwd_plain, fwd_bm = bench(run), bench(plain), bench(lambda: run(bm))
     timed("varlen fwd", case, fwd, fwd_plain)
+    timed("varlen fwd", case + " +block mask", fwd_bm, fwd_plain)
     step = lambda f: torch.autograd.grad(f(), (qg, kg, vg), do)  # noqa: E731
     timed("varlen fwd+bwd", case, bench(lambda: step(run)), bench(lambda: step(plain)))
+    timed("varlen fwd+bwd", case + " +block mask", bench(lambda: step(lambda: run(bm))), bench(lambda: step(plain)))
 
 
 # -- decode, dense and paged -------------------------------------------------------------------------------------

@@ -379,3 +379,20 @@ def test_the_decode_row_position_mutant_is_caught_on_the_dense_layout():
     out, _ = broken.forward(q, k, v, mods=values)
     want, _ = reference.attention(q.double(), k.double(), v.double(), mask="causal", mod_positions="absolute", **fns)
     assert (out.double() - want.to(out.device)).abs().max().item() > 1e-2
+
+
+def test_decode_mods_take_a_v_head_dim_of_their_own_and_prefill_refuses_it():
+    """MLA-shaped decode (v's head dim 16 against q/k's 32) with a score_mod; prefill mods name head_dim_v."""
+    gen = torch.Generator().manual_seed(31)
+    q = torch.randn(2, 4, 2, 32, generator=gen).to(DEVICE)
+    k = torch.randn(2, 2, 40, 32, generator=gen).to(DEVICE)
+    v = torch.randn(2, 2, 40, 16, generator=gen).to(DEVICE)
+    spec = fagen.KernelSpec(head_dim=32, head_dim_v=16, gqa=2, dtype="fp32", kind="decode", mask="causal",
+                            score_mod="(score - (0.1 * abs((q_idx - kv_idx))))")
+    out, lse = fagen.load(spec).forward_split(q, k, v, mods={}, num_splits=2)
+    want, want_lse = reference.attention(q.double(), k.double(), v.double(), mask="causal", mod_positions="absolute",
+                                         score_mod=lambda s, b, h, qi, ki: s - 0.1 * (qi - ki).abs())
+    _close("out", out, want, TOL[torch.float32])
+    _close("lse", lse, want_lse, TOL[torch.float32])
+    with pytest.raises(fagen.SpecError, match="^head_dim_v: .*prefill kernels take one head dim"):
+        fagen.KernelSpec(head_dim=32, head_dim_v=16, score_mod="(score * 2.0)")

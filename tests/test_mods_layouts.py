@@ -396,3 +396,24 @@ def test_decode_mods_take_a_v_head_dim_of_their_own_and_prefill_refuses_it():
     _close("lse", lse, want_lse, TOL[torch.float32])
     with pytest.raises(fagen.SpecError, match="^head_dim_v: .*prefill kernels take one head dim"):
         fagen.KernelSpec(head_dim=32, head_dim_v=16, score_mod="(score * 2.0)")
+
+
+@pytest.mark.parametrize("mask", ["none", "padding", "tree"])
+def test_dense_decode_mods_with_the_other_builtin_masks(mask):
+    b, hq, sq, sk = 2, 4, 4, 37
+    gen = torch.Generator().manual_seed(37)
+    q = torch.randn(b, hq, sq, 32, generator=gen).to(DEVICE)
+    k, v = (torch.randn(b, 2, sk, 32, generator=gen).to(DEVICE) for _ in range(2))
+    kw = {}
+    if mask == "padding":
+        kw = dict(seqlens_q=torch.tensor([4, 3], device=DEVICE), seqlens_k=torch.tensor([37, 20], device=DEVICE))
+    if mask == "tree":
+        kw = dict(tree_mask=reference.ancestors_from_parents(torch.tensor([[-1, 0, 1, 0], [-1, -1, 1, 2]])).to(DEVICE))
+    values, fns = _values(hq, b)
+    module = fagen.load(_spec(kind="decode", mask=mask, gqa=2))
+    out, lse = module.forward_split(q, k, v, mods=values, num_splits=2, **kw)
+    want, want_lse = reference.attention(q.double(), k.double(), v.double(), mask=mask, mod_positions="absolute",
+                                         **kw, **fns)
+    _close("out", out, want, TOL[torch.float32])
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse.to(lse.device)))
+    _close("lse", lse.nan_to_num(neginf=0), want_lse.nan_to_num(neginf=0), TOL[torch.float32])

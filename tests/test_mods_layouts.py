@@ -417,3 +417,16 @@ def test_dense_decode_mods_with_the_other_builtin_masks(mask):
     _close("out", out, want, TOL[torch.float32])
     assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse.to(lse.device)))
     _close("lse", lse.nan_to_num(neginf=0), want_lse.nan_to_num(neginf=0), TOL[torch.float32])
+
+
+def test_fagen_verify_on_a_modded_dense_decode_spec_passes_and_catches_the_row_position_mutant():
+    from fagen.verify import engine
+    from fagen.verify.mutants import LAYOUT_MOD_MUTANTS
+
+    spec = fagen.KernelSpec(head_dim=16, dtype="fp32", gqa=2, kind="decode", mask="causal", **_VERIFY)
+    report = engine.verify_specs([spec], examples=3, scale="cpu", device=DEVICE, properties=["reference"])
+    assert report.passed, [r for r in report.results if not r.passed]
+    mutant = next(m for m in LAYOUT_MOD_MUTANTS if m.name == "decode-mod-row-position")
+    report, pairs = engine.verify_mutants([spec], mutants=[mutant], examples=8, scale="cpu", device=DEVICE,
+                                          shrink_runs=0, properties=["reference"])
+    assert pairs[0][1] is not None and engine.mutant_catch(report, mutant, spec) is not None

@@ -110,6 +110,7 @@ def attention(q, k, v, *, mask: Mask | str = Mask.NONE, scale=None, seqlens_q=No
     del block_mask  # a verify problem's block mask only steers which blocks the kernels skip
     if mods is not None:  # a verify problem's captured values, with its spec's mods (fagen/verify/mods_eval.py)
         score_mod, mask_mod = mods.score_mod, mods.mask_mod
+        mod_positions = getattr(mods, "positions", mod_positions)
     q, k, v = q.double(), dequantize(k, k_scale), dequantize(v, v_scale)
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]

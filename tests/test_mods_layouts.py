@@ -430,3 +430,35 @@ def test_fagen_verify_on_a_modded_dense_decode_spec_passes_and_catches_the_row_p
     report, pairs = engine.verify_mutants([spec], mutants=[mutant], examples=8, scale="cpu", device=DEVICE,
                                           shrink_runs=0, properties=["reference"])
     assert pairs[0][1] is not None and engine.mutant_catch(report, mutant, spec) is not None
+
+
+@pytest.mark.parametrize("fields", [dict(layout="paged", kind="decode"), dict(layout="varlen", direction="bwd")],
+                         ids=["paged-decode", "varlen-bwd"])
+def test_modded_layout_modules_compile_fullgraph(fields):
+    """A module's own forward / attention with mods= traces as its operators: one graph, no break, eager's results
+    (and, varlen, eager's gradients)."""
+    from fagen.verify import layouts
+
+    torch._dynamo.reset()
+    spec = fagen.KernelSpec(head_dim=16, dtype="fp32", gqa=2, mask="causal", **_VERIFY, **fields)
+    module = fagen.load(spec)
+    lens_q = [2, 2, 2] if spec.kind is fagen.Kind.DECODE else [3, 0, 9]
+    inputs = layouts.make_inputs(spec, layouts.LayoutCase(lens_q, [5, 4, 9], heads_kv=2, page_size=4, seed=3),
+                                 DEVICE)
+    bwd = spec.direction is fagen.Direction.BWD
+
+    def layer(q, k, v):
+        out = module.attention(q, k, v, **inputs.kwargs) if bwd else module.forward(q, k, v, **inputs.kwargs)[0]
+        return out.sum(-1)
+
+    explain = torch._dynamo.explain(layer)(*inputs.args)
+    assert explain.graph_break_count == 0 and explain.graph_count == 1, explain.break_reasons
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    if not bwd:
+        assert torch.equal(compiled(*inputs.args), layer(*inputs.args))
+        return
+    leaves, eager = ([t.clone().requires_grad_() for t in inputs.args] for _ in range(2))
+    compiled(*leaves).sum().backward()
+    layer(*eager).sum().backward()
+    for a, b in zip(leaves, eager):
+        assert torch.allclose(a.grad, b.grad, atol=1e-5, rtol=1e-5)

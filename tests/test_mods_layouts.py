@@ -462,3 +462,18 @@ def test_modded_layout_modules_compile_fullgraph(fields):
     layer(*eager).sum().backward()
     for a, b in zip(leaves, eager):
         assert torch.allclose(a.grad, b.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_mods_on_an_fp8_cache_see_the_dequantized_score():
+    gen = torch.Generator().manual_seed(41)
+    q = torch.randn(2, 4, 2, 32, generator=gen).half().to(DEVICE)
+    k, v = (torch.randn(2, 2, 50, 32, generator=gen).to(torch.float8_e4m3fn).to(DEVICE) for _ in range(2))
+    spec = fagen.KernelSpec(head_dim=32, gqa=2, dtype="fp16", kind="decode", mask="causal", kv_dtype="fp8_e4m3",
+                            score_mod="(score - (0.1 * abs((q_idx - kv_idx))))", mask_mod="((kv_idx % 3) != 1)")
+    out, lse = fagen.load(spec).forward_split(q, k, v, k_scale=0.5, v_scale=2.0, mods={}, num_splits=2)
+    want, want_lse = reference.attention(q.double(), k, v, k_scale=0.5, v_scale=2.0, mask="causal",
+                                         mod_positions="absolute",
+                                         score_mod=lambda s, b, h, qi, ki: s - 0.1 * (qi - ki).abs(),
+                                         mask_mod=lambda b, h, qi, ki: (ki % 3) != 1)
+    _close("out", out, want, TOL[torch.float16])
+    _close("lse", lse, want_lse, 1e-4)

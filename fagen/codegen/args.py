@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from fagen.spec.axes import DType, Layout, Mask
+from fagen.spec.axes import DType, Kind, Layout, Mask
 from fagen.spec.kernel import KernelSpec
 
 TENSOR, INT, FLOAT, CONSTEXPR = "tensor", "int", "float", "constexpr"
@@ -92,8 +92,9 @@ def modded(spec: KernelSpec) -> bool:
 
 
 def mask_modded(spec: KernelSpec) -> bool:
-    """A mask_mod: the kernels take a block mask's classes and lists (None without one)."""
-    return spec.mask_mod is not None
+    """A mask_mod in a prefill kernel: the kernels take a block mask's classes and lists (None without one). Decode
+    kernels take none (they read memory; every key block runs the mask_mod)."""
+    return spec.mask_mod is not None and spec.kind is Kind.PREFILL
 
 
 def rows_16(spec: KernelSpec) -> bool:
@@ -249,8 +250,10 @@ def _grad_loads(spec: KernelSpec) -> int:
 
 # Each such load's gradient workspace pair, None when its tensor needs no gradient ([Note] Captured-tensor
 # gradients in fagen/codegen/mod_args.py): the dK/dV kernel's and its loop's.
+# Varlen adds mg_sk, the workspaces' key extent (max_seqlen_k; dense: seq_k).
 MOD_GRAD_ARGS = Each(lambda spec: [T(f"{n}{k}", dt, pack="mod_ws", br=k == 0 and n == "MG")
-                                   for k in range(_grad_loads(spec)) for n, dt in (("MG", "fp32"), ("MGI", "i64"))])
+                                   for k in range(_grad_loads(spec)) for n, dt in (("MG", "fp32"), ("MGI", "i64"))]
+                     + ([I("mg_sk", pack="mod_ws")] if varlen(spec) and _grad_loads(spec) else []))
 # A block mask's kernel form ([Note] Block classes in fagen/runtime/block_mask.py): classes int8 [B', H', QB, KB],
 # lists int32 [B', H', QB, 2 KB + 1] (the non-empty key blocks ascending, then the running count of non-empty
 # blocks) and their transpose [B', H', KB, 2 QB + 1] (the dK/dV loop's), the strides of each (0 on a broadcast b or
@@ -323,7 +326,7 @@ DECODE_SPLIT = Kernel("_decode_split", (
     T("Dst", "fp32", host="dst", fast="pd"), T("DstLse", "fp32", host="dst_lse", fast="pdl"),
     T("Out", host="out", fast="po"), T("Lse", "fp32", host="lse", fast="pl"),
     T("Counter", "i32", host="tickets", fast="pc"), *_LENGTHS, F("qk_scale", host=SCALE_LOG2), *_KV_SCALES,
-    *_SCORES, _SINKS, *_PAGING,
+    *_SCORES, _SINKS, *_PAGING, MOD_ARGS,
     *_strides("q", "bhm", "qs", "split_ints", br="b", host="{src}[{i}]"),
     *_strides("k", "bhn", "ks", "split_ints", host="{src}[{i}]"),
     *_strides("v", "bhn", "vs", "split_ints", host="{src}[{i}]"),
@@ -395,6 +398,7 @@ THREADED = {
     # a user mod's captured values and block mask, threaded into the modded loops (_fwd_mod, _dq_mod, _dkdv_mod)
     "mods_inner": (MOD_ARGS, *_THREADED_BLOCKS),
     "mod_grads_inner": (MOD_GRAD_ARGS,),
+    "decode_mods": (I("off_h", when=modded), MOD_ARGS),  # decode's _decode_inner: the rows' query heads, the mods
     "merge": (T("Sinks", "fp32", when=sinks),),  # decode's _merge_splits
     "gluon_scores": (*_INNER_SCORES[:3],),
     "gluon_window": (I("win_left", when=window), I("win_right", when=window)),

@@ -79,6 +79,7 @@ class ModCode:
         self.mask_tree = parse(spec.mask_mod, "mask_mod", *decls) if spec.mask_mod is not None else None
         self.dscore_tree = d_score(self.score_tree) if self.score_tree is not None else None
         self.helpers = TRITON_HELPERS
+        self.packed = str(spec.layout) == "varlen"  # the captured-tensor gradients' workspace layout
         # [Note] Captured-tensor gradients: one (tensor position, load, derivative) per distinct load of a float
         # tensor in the score_mod; the dK/dV kernel writes each load's dS * derivative and its element's linear
         # index into a workspace the host reduces in a fixed order (fagen/templates/triton/mods.j2).
@@ -111,6 +112,9 @@ class ModCode:
         workspace pair (MG<k>, MGI<k>) at the element's (b, h, q, kv) position, where the host asked for them."""
         lines = []
         names = self._names(score, "off_b", h, q_idx, kv_idx)
+        # dense: [B, Hq, Sq, Sk]; varlen: [B, Hq, S_pad, max_seqlen_k] per sequence (stride_sh is S_pad >= len_q)
+        rows, keys, q_in, kv_in = ("stride_sh", "mg_sk", "len_q", "tl.minimum(len_k, mg_sk)") if self.packed else \
+            ("seq_q", "seq_k", "seq_q", "seq_k")
         for k, (i, load, deriv) in enumerate(self.grad_loads):
             linear = "0"
             for d, index in enumerate(load.index):
@@ -118,8 +122,8 @@ class ModCode:
                 linear = (f"({linear}) * mt{i}_n{d} + " if d else "") + clamped
             value = f"tl.where({p} == 0.0, 0.0, {ds} * ({to_triton(deriv, names)}))"
             lines += [f"if MG{k} is not None:",
-                      f"    gpos = ((off_b * num_heads + {h}).to(tl.int64) * seq_q + {q_idx}) * seq_k + {kv_idx}",
-                      f"    gin = ({q_idx} < seq_q) & ({kv_idx} < seq_k)",
+                      f"    gpos = ((off_b * num_heads + {h}).to(tl.int64) * {rows} + {q_idx}) * {keys} + {kv_idx}",
+                      f"    gin = ({q_idx} < {q_in}) & ({kv_idx} < {kv_in})",
                       f"    tl.store(MG{k} + gpos, {value}, mask=gin)",
                       f"    tl.store(MGI{k} + gpos, ({linear}).to(tl.int64) + gpos * 0, mask=gin)"]
         return "".join(pad + line + "\n" for line in lines)

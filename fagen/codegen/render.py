@@ -18,8 +18,8 @@ import jinja2
 from fagen import __version__, backends
 from fagen.codegen import signatures
 from fagen.spec import tables
-from fagen.spec.axes import DECODE_MAX_SEQ_Q, MAX_PAGE_SIZE, DType, Kind, Layout
-from fagen.spec.kernel import KernelSpec, SpecError
+from fagen.spec.axes import DECODE_MAX_SEQ_Q, MAX_PAGE_SIZE, DType, Layout
+from fagen.spec.kernel import KernelSpec
 
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"  # fagen/templates, installed with the package
 _PACKAGE = jinja2.FileSystemLoader(TEMPLATE_DIR.parent)  # fagen/: static modules a launcher includes verbatim
@@ -153,23 +153,8 @@ def render(spec: KernelSpec) -> Rendered:
     """
     if not isinstance(spec, KernelSpec):
         raise TypeError(f"render() takes a KernelSpec, got {type(spec).__name__}")
-    if spec.modded:
-        _check_modded(spec)
     root = template_dir()
     return _render(spec, root, _stamp(root))
-
-
-def _check_modded(spec: KernelSpec) -> None:
-    """The modded variants the templates emit: the Triton prefill, dense layout (forward and backward). The others
-    are a SpecError naming the field that asks for them (docs/mods.md, "What is not supported yet")."""
-    field = "score_mod" if spec.score_mod is not None else "mask_mod"
-    if spec.kind is not Kind.PREFILL:
-        raise SpecError("kind", str(spec.kind), f"a {field} is rendered into prefill kernels only (no decode kernel "
-                        "with mods yet); use kind 'prefill'")
-    if spec.layout is not Layout.DENSE:
-        raise SpecError("layout", str(spec.layout), f"a {field} is rendered into the dense layout only (varlen and "
-                        "paged kernels with mods are not generated yet); use layout 'dense', with a document "
-                        "mask_mod for packed sequences")
 
 
 render.cache_clear = lambda: _render.cache_clear()  # for tests that change the tables under a render

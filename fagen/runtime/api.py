@@ -52,7 +52,9 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
     if score_mod is not None or mask_mod is not None or block_mask is not None:
         return _modded(q, k, v, mask=mask, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
                        tree_mask=tree_mask, window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-                       score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask, check=check, varlen=varlen)
+                       score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask, check=check,
+                       packed=dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                                   max_seqlen_k=max_seqlen_k) if varlen else None)
     if window is None and softcap is None and alibi_slopes is None and sinks is None:  # the common call
         switches, scores = (), _NO_SCORES
         needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
@@ -111,18 +113,24 @@ _SCORE_ARGS = tuple(SWITCH_KEYWORD[name] for name in SCORE_SWITCHES)  # the publ
 
 
 @torch.compiler.disable  # tracing the user's functions is host work: eager, a graph break under torch.compile
-def _modded(q, k, v, *, window, softcap, alibi_slopes, sinks, varlen, **rest):
-    """The path of calls with user mods (fagen/runtime/modded.py): dense layout, the bwd module of the mods' spec."""
+def _modded(q, k, v, *, window, softcap, alibi_slopes, sinks, packed, **rest):
+    """The path of calls with user mods (fagen/runtime/modded.py): the bwd module of the mods' spec, dense or varlen
+    (packed: the varlen keywords)."""
     from fagen.runtime import modded
 
-    if varlen:
-        raise AttentionError("score_mod/mask_mod: packed sequences (cu_seqlens_q) take no user mods yet; use the "
-                             "dense layout, with a document mask_mod for packed documents")
-    spec_for(q, k, v, mask=rest["mask"])  # the inputs' own errors first, naming the input
+    if packed is not None:
+        if None in packed.values():
+            raise AttentionError("varlen: pass cu_seqlens_q, cu_seqlens_k, max_seqlen_q and max_seqlen_k together "
+                                 "(README \"Layouts\")")
+        given = [n for n in ("seqlens_q", "seqlens_k", "tree_mask") if rest[n] is not None]
+        if given:
+            raise AttentionError(f"{', '.join(given)}: packed sequences (cu_seqlens_q/cu_seqlens_k) carry their own "
+                                 "lengths and take mask 'none' or 'causal'; drop " + " and ".join(given))
+    spec_for(q, k, v, mask=rest["mask"], layout=Layout.DENSE if packed is None else Layout.VARLEN)  # inputs' errors
     scores = {name: value for name, value in zip(_SCORE_ARGS, (window, softcap, alibi_slopes, sinks))
               if value is not None}
     switches = tuple(name for name, arg in zip(SCORE_SWITCHES, _SCORE_ARGS) if arg in scores)
-    return modded.attention(q, k, v, scores=scores, switches=switches, **rest)
+    return modded.attention(q, k, v, scores=scores, switches=switches, packed=packed, **rest)
 
 
 def _varlen(q, k, v, mask, scale, scores, switches, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check):

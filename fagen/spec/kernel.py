@@ -130,9 +130,11 @@ class KernelSpec:
             put("mod_tensors", tuple(tuple(t) for t in tensors)), put("mod_scalars", tuple(tuple(x) for x in scalars))
             if self.backend is not Backend.TRITON:
                 raise SpecError("backend", str(self.backend), "user mods are built on backend 'triton'")
-            if self.head_dim_v != self.head_dim:  # the mods' loops load V at head_dim (fagen/templates/triton/mods.j2)
-                raise SpecError("head_dim_v", self.head_dim_v, "user mods take one head dim for q, k and v for now: "
-                                                               "drop head_dim_v, or the mods")
+            if self.head_dim_v != self.head_dim and self.kind is not Kind.DECODE:  # the prefill mods' loops load V
+                # at head_dim (fagen/templates/triton/mods.j2); the decode kernel's mods touch the scores only
+                raise SpecError("head_dim_v", self.head_dim_v, "user mods in prefill kernels take one head dim for q, "
+                                                               "k and v for now: drop head_dim_v, or the mods (decode "
+                                                               "kernels take both)")
         if self.dtype is DType.FP8_E4M3:
             self._check_fp8()
         backend = backends.get(self.backend)

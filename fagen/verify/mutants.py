@@ -115,6 +115,17 @@ MOD_MUTANTS = (
            switches=("mask_mod",)),
 )
 
+# Mods on the decode and paged kernels, whose mods see q_idx = i + lk - lq (README "User mods"): caught by the layouts'
+# search with captured values (fagen/verify/layouts.py, tests/test_mods_layouts.py).
+LAYOUT_MOD_MUTANTS = (
+    Mutant("decode-mod-row-position", "the decode kernel's mods see the query's row i, not its position i + lk - lq",
+           tuple(Mask), "q_pos = (offs_i + (len_k - len_q))[:, None]", "q_pos = offs_i[:, None]",
+           kinds=(Kind.DECODE,), directions=(Direction.FWD,), layouts=(Layout.DENSE, Layout.PAGED)),
+    Mutant("paged-prefill-mod-row-position", "the paged prefill's mods see the query's row, not its position among "
+           "the cached keys", (Mask.NONE, Mask.CAUSAL), "(offs_m + (len_k - len_q))[:, None]", "offs_m[:, None]",
+           directions=(Direction.FWD,), layouts=(Layout.PAGED,)),
+)
+
 # Layouts (README "Layouts"): caught by the layouts' own search (fagen/verify/layouts.py against the gathered dense
 # reference, tests/test_layouts.py); `fagen verify` searches dense specs and runs MUTANTS only.
 LAYOUT_MUTANTS = (

@@ -42,7 +42,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: str, scal
               seqlens_q: Optional[torch.Tensor], seqlens_k: Optional[torch.Tensor], tree_mask: Optional[torch.Tensor],
               decode: bool, window: Optional[List[int]] = None, softcap: Optional[float] = None,
               alibi_slopes: Optional[torch.Tensor] = None,
-              sinks: Optional[torch.Tensor] = None, batch_invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+              sinks: Optional[torch.Tensor] = None, batch_invariant: bool = False,
+              deterministic: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     switches, scores = _scores(window, softcap, alibi_slopes, sinks)
     module = resolve(q, k, v, mask, decode, switches)
     if decode and batch_invariant:
@@ -53,7 +54,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: str, scal
 
 @attention.register_fake
 def _attention_fake(q, k, v, mask, scale, seqlens_q, seqlens_k, tree_mask, decode, window=None, softcap=None,
-                    alibi_slopes=None, sinks=None, batch_invariant=False):
+                    alibi_slopes=None, sinks=None, batch_invariant=False, deterministic=True):
     return q.new_empty((*q.shape[:3], v.shape[-1])), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -63,10 +64,10 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
                        seqlens_k: Optional[torch.Tensor], tree_mask: Optional[torch.Tensor],
                        window: Optional[List[int]] = None, softcap: Optional[float] = None,
                        alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None,
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv, dsinks); dsinks is empty without sinks."""
+                       deterministic: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dsinks); dsinks is empty without sinks. deterministic=False: dq added with atomics."""
     switches, scores = _scores(window, softcap, alibi_slopes, sinks)
-    module = resolve(q, k, v, mask, False, switches)
+    module = resolve(q, k, v, mask, False, switches, deterministic=deterministic)
     grads = module.backward(do, q, k, v, out, lse, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
                             tree_mask=tree_mask, **scores)
     return (*grads[:3], grads[3] if sinks is not None else q.new_empty(0, dtype=torch.float32))
@@ -74,7 +75,7 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
 
 @attention_backward.register_fake
 def _attention_backward_fake(do, q, k, v, out, lse, mask, scale, seqlens_q, seqlens_k, tree_mask, window=None,
-                             softcap=None, alibi_slopes=None, sinks=None):
+                             softcap=None, alibi_slopes=None, sinks=None, deterministic=True):
     dsinks = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty(0, dtype=torch.float32)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
@@ -83,14 +84,16 @@ def _setup(ctx, inputs, output):
     q, k, v, mask, scale, seqlens_q, seqlens_k, tree_mask, decode, window, softcap, alibi_slopes, sinks = inputs[:13]
     ctx.save_for_backward(q, k, v, output[0], output[1], seqlens_q, seqlens_k, tree_mask, alibi_slopes, sinks)
     ctx.mask, ctx.scale, ctx.window, ctx.softcap = mask, scale, window, softcap
+    ctx.deterministic = inputs[14] if len(inputs) > 14 else True
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, seqlens_q, seqlens_k, tree_mask, alibi_slopes, sinks = ctx.saved_tensors
     dq, dk, dv, dsinks = attention_backward(dout.to(q.dtype).contiguous(), q, k, v, out, lse, ctx.mask, ctx.scale,
                                             seqlens_q, seqlens_k, tree_mask, ctx.window, ctx.softcap, alibi_slopes,
-                                            sinks)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, dsinks if sinks is not None else None, None
+                                            sinks, ctx.deterministic)
+    return (dq, dk, dv, None, None, None, None, None, None, None, None, None, dsinks if sinks is not None else None,
+            None, None)
 
 
 attention.register_autograd(_backward, setup_context=_setup)

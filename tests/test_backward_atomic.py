@@ -181,3 +181,19 @@ def test_dk_dv_bitwise_and_dq_within_tolerance_across_runs_on_gpu():
 
 def test_direction_is_bwd_only():
     assert atomic_spec("causal").direction is Direction.BWD
+
+
+def test_the_standard_suite_has_both_backward_modes_and_their_targets():
+    """`fagen bench --suite standard`: the deterministic=False row runs the same case, fagen only, and is scored
+    against the deterministic row's cuDNN number (issue 28: >= 1.0x; the deterministic row >= 0.95x)."""
+    from fagen.bench.report import relative_target
+    from fagen.bench.workloads import standard_suite
+
+    by = {c.name: c for c in standard_suite()}
+    det, fast = by["bwd-d128-causal-s16k"], by["bwd-d128-causal-s16k-nondet"]
+    assert fast.spec("cpu")[0] == dataclasses.replace(det.spec("cpu")[0], deterministic=False)
+    assert not fast.peers and det.peers
+    records = {("bwd-d128-causal-s16k", "sdpa-cudnn"): {"tflops": 520.0, "metric": "tflops", "status": "ok"}}
+    assert relative_target("bwd-d128-causal-s16k-nondet", 546.0, records) == \
+        "1.05x bwd-d128-causal-s16k/sdpa-cudnn (>= 1 met)"
+    assert relative_target("bwd-d128-causal-s16k", 470.0, records) == "0.90x sdpa-cudnn (>= 0.95 MISSED)"

@@ -135,6 +135,23 @@ def test_fagen_attention_keyword_trains_and_matches_the_deterministic_path():
         fagen.attention(q, k, v, deterministic="no")
 
 
+def test_the_runtime_operator_carries_the_mode():
+    """fagen::attention_backward (what fagen.attention runs under torch.compile) picks the deterministic=False
+    module when told: its dq is the fused path's, and a deterministic=False call resolves its own module."""
+    from fagen.runtime import ops, resolve
+
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 21, 16, dtype=torch.float32, device=DEVICE) for _ in range(3))
+    do = torch.randn_like(q)
+    fused = resolve.resolve(q, k, v, "causal", False, deterministic=False)
+    plain = resolve.resolve(q, k, v, "causal", False)
+    assert hasattr(fused, "_attn_bwd_dq_post") and hasattr(plain, "_attn_bwd_dq") and fused is not plain
+    out, lse = plain.forward(q, k, v)
+    got = ops.attention_backward(do, q, k, v, out, lse, "causal", None, None, None, None, deterministic=False)
+    want = fused.backward(do, q, k, v, out, lse)
+    assert all(torch.equal(a, b) for a, b in zip(got[:3], want))
+
+
 @pytest.mark.parametrize("mutant", ATOMIC_MUTANTS, ids=lambda m: m.name)
 def test_check_backward_catches_the_atomic_mutants(mutant):
     spec = atomic_spec(mutant.masks[0], head_dim=24)

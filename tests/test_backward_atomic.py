@@ -59,6 +59,13 @@ def test_matches_reference_with_gqa_ragged_lengths_and_poison(mask):
     check_backward(fagen.load(spec), spec, ragged(mask), DEVICE)
 
 
+@pytest.mark.parametrize("dtype, head_dim_v", [("fp32", None), ("fp16", 24)])
+def test_fp32_and_a_narrower_v(dtype, head_dim_v):
+    """fp32 (full fp32 dots) and MLA-style head dims (v narrower than q and k: DQAccum takes q's)."""
+    spec = atomic_spec("causal+padding", dtype=dtype, head_dim=40, head_dim_v=head_dim_v)
+    check_backward(fagen.load(spec), spec, ragged(Mask.CAUSAL_PADDING), DEVICE)
+
+
 @pytest.mark.parametrize("mask", ["causal", "none"])
 def test_wide_blocks_and_gqa_4(mask):
     """block 128: each dK/dV program owns 128 keys and steps over 64 queries, adding [64, D] dQ partials."""
@@ -133,6 +140,8 @@ def test_fagen_attention_keyword_trains_and_matches_the_deterministic_path():
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     with pytest.raises(fagen.AttentionError, match="deterministic"):
         fagen.attention(q, k, v, deterministic="no")
+    with pytest.raises(fagen.AttentionError, match="user mods keep the deterministic backward"):
+        fagen.attention(q, k, v, score_mod=lambda score, b, h, q_idx, kv_idx: score * 2, deterministic=False)
 
 
 def test_the_runtime_operator_carries_the_mode():

@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 import torch
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fagen
 from _env import DEVICE, ON_GPU
@@ -17,7 +18,7 @@ from fagen.runtime import loader as runtime
 from fagen.spec.axes import Direction, Mask, SpecError
 from fagen.verify import layouts, mutants, reference
 from fagen.verify.properties import PropertyFailure, check_backward, grad_output
-from fagen.verify.strategies import Problem
+from fagen.verify.strategies import Problem, problems, specs
 
 ATOMIC_MUTANTS = [m for m in mutants.MUTANTS if m.deterministic is False]
 
@@ -51,6 +52,19 @@ def test_spec_switch_name_json_and_errors():
     source = generate(fused)
     assert "tl.atomic_add(" in source and "def _attn_bwd_dq_post(" in source and "def _attn_bwd_dq(" not in source
     assert "atomic_add" not in generate(plain) and "DQAccum" not in generate(plain)
+
+
+@pytest.mark.parametrize("mask", list(Mask))
+@settings(max_examples=3 if not ON_GPU else 2, deadline=None)
+@given(data=st.data())
+def test_drawn_specs_and_problems_match_the_reference(mask, data):
+    """Hypothesis over head dims, gqa, blocks, dtypes, score switches and problems, as tests/test_backward.py."""
+    on = (False, True)
+    spec = data.draw(specs(masks=[mask], directions=[Direction.BWD], head_dims=(16, 24, 40), blocks=(16, 32),
+                           window=on, softcap=on, alibi=on, sinks=on), label="spec")
+    spec = dataclasses.replace(spec, deterministic=False)
+    problem = data.draw(problems(spec, "cpu"), label="problem")
+    check_backward(fagen.load(spec), spec, problem, DEVICE)
 
 
 @pytest.mark.parametrize("mask", list(Mask))

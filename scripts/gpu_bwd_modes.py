@@ -208,8 +208,6 @@ def time_case(case, compiled):
     except Exception as e:  # noqa: BLE001 - one peer failing must not lose the table
         records.append({"phase": "time", "case": name, "impl": "cudnn", "tiles": "", "ms": None,
                         "error": str(e).splitlines()[0][:160]})
-    del q, k, v, do, out, lse
-    torch.cuda.empty_cache()
     return records
 
 
@@ -295,6 +293,7 @@ def main_gpu():
         t1 = time.time()
         try:
             timings += time_case(case, {r["spec"] for r in checks if "spec" in r})
+            torch.cuda.empty_cache()  # the case's tensors are gone: the next case starts from free memory
         except Exception as e:  # noqa: BLE001
             timings.append({"phase": "time", "case": case[0], "impl": "fagen", "tiles": "", "ms": None,
                             "error": str(e).splitlines()[0][:160]})

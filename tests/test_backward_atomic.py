@@ -237,3 +237,18 @@ def test_the_standard_suite_has_both_backward_modes_and_their_targets():
     assert relative_target("bwd-d128-causal-s16k-nondet", 546.0, records) == \
         "1.05x bwd-d128-causal-s16k/sdpa-cudnn (>= 1 met)"
     assert relative_target("bwd-d128-causal-s16k", 470.0, records) == "0.90x sdpa-cudnn (>= 0.95 MISSED)"
+
+
+def test_cli_flag_and_tune_refusal(tmp_path):
+    """--no-deterministic renders the fused module; `fagen tune` leaves such a spec alone (the tuned table's keys
+    have no mode, so its winner would become the deterministic spec's default)."""
+    from click.testing import CliRunner
+
+    from fagen.cli import main
+
+    res = CliRunner().invoke(main, ["generate", "--head-dim", "32", "--direction", "bwd", "--no-deterministic", "-o",
+                                    str(tmp_path)], catch_exceptions=False)
+    assert res.exit_code == 0 and (tmp_path / "attn_bwd_full_d32_m64n64w4s3_g1_fp16_nondet.py").exists()
+    res = CliRunner().invoke(main, ["tune", "--device", "cpu", "--quick", "--head-dim", "32", "--direction", "bwd",
+                                    "--no-deterministic", "--dry-run"], catch_exceptions=False)
+    assert "deterministic=False is not tuned" in res.output and "nothing tuned" in res.output

@@ -5,7 +5,6 @@ GPU (Gluon kernels cannot run under the interpreter; scripts/gpu_gluon_mods.py c
 import pytest
 
 from fagen import backends
-from fagen.backends.gluon import gathers
 from fagen.codegen.mod_args import ModCode
 from fagen.codegen.render import render
 from fagen.runtime import hopper
@@ -54,9 +53,9 @@ def test_the_render_holds_the_tree_s_gluon_code_and_not_the_user_s_text():
 
 
 def test_gathers_take_block_n_64_and_the_rest_the_plain_tiles():
-    assert gathers(gluon(**RELBIAS)) and (gluon(**RELBIAS).block_n, gluon(**RELBIAS).num_stages) == (64, 4)
+    assert gluon(**RELBIAS).mod_gathers and (gluon(**RELBIAS).block_n, gluon(**RELBIAS).num_stages) == (64, 4)
     for fields in (ALIBI, SOFTCAP):
-        assert not gathers(gluon(**fields))
+        assert not gluon(**fields).mod_gathers
         assert (gluon(**fields).block_n, gluon(**fields).num_stages) == (gluon().block_n, gluon().num_stages)
 
 

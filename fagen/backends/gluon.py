@@ -24,25 +24,12 @@ def smem_bytes(head_dim: int, block_m: int, block_n: int, num_stages: int, items
     return (itemsize * (2 * 2 * half + 2 * num_stages * block_n) + 2 * 2 * half) * head_dim + 1024
 
 
-def gathers(spec) -> bool:
-    """Whether the spec's score_mod reads a captured tensor at an index that varies over the tile (uses q_idx or
-    kv_idx): a [rows, keys] gather per step.
-
-    [Note] Gluon mod tiles. Such a gather holds one loaded value (and its address) per score in the consumer's
-    registers beside S, O and P: at d128 with block_n 128 a relative bias `bias[h, q_idx - kv_idx + c]` compiled
-    with 3436 spilled words (ptxas, sm_90), with block_n 64 and 4 K/V slots (the same 229 KB of shared memory)
-    with none. A load per row or per head (ALiBi's `slopes[h]`) keeps the measured default tiles, as do mods of
-    numbers only (softcap). Compile-only numbers: tests/test_gluon_mods.py."""
-    if spec.score_mod is None or not spec.mod_tensors:
-        return False
-    from fagen.mods import ir
-    from fagen.mods.text import ModScalar, ModTensor, parse
-
-    tree = parse(spec.score_mod, "score_mod", tuple(ModTensor(*t) for t in spec.mod_tensors),
-                 tuple(ModScalar(*x) for x in spec.mod_scalars))
-    return any(isinstance(n, ir.Load) and any(isinstance(m, ir.Input) and m.name in ("q_idx", "kv_idx")
-                                              for i in n.index for m in ir.walk(i))
-               for n in ir.walk(tree))
+# [Note] Gluon mod tiles. A score_mod that reads a captured tensor at an index using q_idx or kv_idx (KernelSpec.
+# mod_gathers: a relative bias `bias[h, q_idx - kv_idx + c]`) holds one loaded value (and its address) per score in
+# the consumer's registers beside S, O and P: at d128 with block_n 128 it compiled with 3436 spilled words (ptxas,
+# sm_90), with block_n 64 and 4 K/V slots (the same 229 KB of shared memory) with none. A load per row or per head
+# (ALiBi's `slopes[h]`) keeps the measured default tiles, as do mods of numbers only (softcap). Compile-only
+# numbers: tests/test_gluon_mods.py.
 
 
 class GluonBackend(KernelBackend):
@@ -104,7 +91,7 @@ class GluonBackend(KernelBackend):
         "fp8 forward")."""
         if spec.dtype is DType.FP8_E4M3:
             return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 4}
-        if gathers(spec):  # [Note] Gluon mod tiles
+        if spec.mod_gathers:  # [Note] Gluon mod tiles
             return {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 4}
         return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2 if spec.head_dim >= 128 else 3}
 

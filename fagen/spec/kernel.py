@@ -182,6 +182,20 @@ class KernelSpec:
         return self.score_mod is not None or self.mask_mod is not None
 
     @property
+    def mod_gathers(self) -> bool:
+        """Whether the score_mod reads a captured tensor at an index that uses q_idx or kv_idx: a [rows, keys]
+        gather per key block ([Note] Gluon mod tiles in fagen/backends/gluon.py)."""
+        if self.score_mod is None or not self.mod_tensors:
+            return False
+        from fagen.mods import ir
+        from fagen.mods.text import ModScalar, ModTensor, parse
+
+        tree = parse(self.score_mod, "score_mod", tuple(ModTensor(*t) for t in self.mod_tensors),
+                     tuple(ModScalar(*x) for x in self.mod_scalars))
+        return any(isinstance(n, ir.Load) and any(isinstance(m, ir.Input) and m.name in ("q_idx", "kv_idx")
+                                                  for i in n.index for m in ir.walk(i)) for n in ir.walk(tree))
+
+    @property
     def mods_hash(self) -> str:
         """6 hex digits of the mods' canonical JSON: the name's `_mod…` part (the text itself is in the spec)."""
         fields = [self.score_mod, self.mask_mod, self.mod_tensors, self.mod_scalars]

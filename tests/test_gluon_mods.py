@@ -41,6 +41,9 @@ def test_the_render_holds_the_tree_s_gluon_code_and_not_the_user_s_text():
     src = render(spec).source
     code = ModCode(spec).score("score", "off_b", "off_h", "rows[:, None]", "cols[None, :]")
     assert code in src and "gl.load(mt0 + _mod_index((off_h), mt0_n0) * mt0_s0" in code, code
+    # natural score in (qk_scale is the log2-domain factor), log2-domain score out; exp2 without qk_scale again
+    assert "score = s_acc * (qk_scale * 0.6931471805599453)" in src
+    assert f"s_acc = ({code}) * 1.4426950408889634" in src and "p = gl.exp2(s_acc - m_use[:, None])" in src
     assert "score+bias" not in src and "tl." not in code
     assert "@gluon.jit\ndef _mod_index" in src and "@triton.jit" not in src
     # the captured values come through the typed argument list: kernel, consumers, step, softmax
@@ -68,6 +71,35 @@ def test_the_selection_of_modded_specs_is_off_until_measured(monkeypatch):
     # mod_forward_spec: the Triton modded spec's gluon twin (none off sm_90: this machine has no GPU)
     triton_spec = KernelSpec(head_dim=128, dtype="bf16", mask="causal", **RELBIAS)
     assert hopper.mod_forward_spec(triton_spec, "cpu") is None
+
+
+def test_the_selection_when_on_serves_a_score_mod_with_its_gluon_twin(monkeypatch):
+    monkeypatch.setattr(type(backends.GLUON), "select_score_mods", True)
+    monkeypatch.setattr(hopper, "is_hopper", lambda device: True)
+    monkeypatch.setattr(hopper, "gluon_missing", lambda: None)
+    monkeypatch.setenv(hopper.ENV, "1")
+    triton_spec = KernelSpec(head_dim=128, dtype="bf16", mask="causal", block_n=64, num_stages=2, **RELBIAS)
+    twin = hopper.mod_forward_spec(triton_spec, "cuda")
+    assert twin == gluon(**RELBIAS) and twin.score_mod == triton_spec.score_mod, twin
+    assert hopper.mod_forward_spec(KernelSpec(head_dim=128, dtype="bf16", mask="causal", mask_mod="q_idx >= kv_idx"),
+                                   "cuda") is None  # a mask_mod stays on Triton
+    assert hopper.mod_forward_spec(KernelSpec(head_dim=64, dtype="bf16", **SOFTCAP), "cuda") is None  # not d64
+    monkeypatch.setenv(hopper.ENV, "0")
+    assert hopper.mod_forward_spec(triton_spec, "cuda") is None
+
+
+def test_the_module_checks_the_captured_values_before_the_device():
+    import torch
+
+    import fagen
+
+    module = fagen.load(gluon(**RELBIAS))
+    q = torch.randn(1, 2, 40, 128, dtype=torch.bfloat16)
+    bias = torch.randn(2, 8191)
+    with pytest.raises(ValueError, match=r"mods\['bias'\]: expected a torch.float32 tensor of rank 2"):
+        module.forward(q, q, q, mods={"bias": bias[0]})
+    with pytest.raises(ValueError, match="Gluon kernel"):  # the mods passed: only the CPU device is refused
+        module.forward(q, q, q, mods={"bias": bias})
 
 
 _SCRIPT = r"""

@@ -150,8 +150,8 @@ def run_timing() -> None:
         try:
             g = fagen.load(KernelSpec(backend="gluon", head_dim=D, dtype="bf16", mask=mask))
             t = fagen.load(KernelSpec(head_dim=D, dtype="bf16", mask=mask))
-            gms = do_bench(lambda: g.forward(q, k, v), warmup=10, rep=100)
-            tms = do_bench(lambda: t.forward(q, k, v), warmup=10, rep=100)
+            gms = do_bench(lambda: g.forward(q, k, v), warmup=5, rep=50)
+            tms = do_bench(lambda: t.forward(q, k, v), warmup=5, rep=50)
             ROWS.append(dict(mod="(none)", mask=mask, gluon=tflops(gms, S_TIME, mask), triton=tflops(tms, S_TIME, mask),
                              gluon_spec=g.NAME, triton_spec=t.NAME))
         except Exception as e:  # noqa: BLE001
@@ -159,10 +159,10 @@ def run_timing() -> None:
         for name, fn in fns.items():
             try:
                 module, values, _ = gluon_module(fn, mask)
-                gms = do_bench(lambda: module.forward(q, k, v, mods=values), warmup=10, rep=100)
+                gms = do_bench(lambda: module.forward(q, k, v, mods=values), warmup=5, rep=50)
                 with torch.no_grad():
                     fagen.attention(q, k, v, mask=mask, score_mod=fn)
-                    tms = do_bench(lambda: fagen.attention(q, k, v, mask=mask, score_mod=fn), warmup=10, rep=100)
+                    tms = do_bench(lambda: fagen.attention(q, k, v, mask=mask, score_mod=fn), warmup=5, rep=50)
                 from fagen.runtime import modded
 
                 fields = prepare(score_mod=fn).fields

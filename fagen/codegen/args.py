@@ -391,7 +391,7 @@ GLUON_FWD = Kernel("_attn_fwd_hopper", (
     T("Lse", "fp32", host="lse"), F("qk_scale", host=_gluon_scale), I("num_tiles", host="num_tiles"),
     I("n_m", host="n_m"), I("num_heads", host="hq"), I("seq_q", host="sq"), I("seq_k", host="sk"),
     I("win_left", when=switched, host="win_left"), I("win_right", when=switched, host="win_right"),
-    F("cap_in", when=switched, host=lambda spec: "0.0" if fp8(spec) else "cap_in"), *_DESCALES,
+    F("cap_in", when=switched, host=lambda spec: "0.0" if fp8(spec) else "cap_in"), *_DESCALES, MOD_ARGS,
     C("HEAD_DIM", br=True), C("BLOCK_M"), C("BLOCK_N"), C("STAGES"), C("GQA"), C("CAUSAL"), C("CONSUMER_REGS", br=True),
     C("LOADER_REGS"),
 ), warps="4", stages="", constexpr_type="gl.constexpr")
@@ -418,6 +418,10 @@ THREADED = {
     "gluon_scores": (*_INNER_SCORES[:3],),
     "gluon_window": (I("win_left", when=window), I("win_right", when=window)),
     "gluon_descales": _DESCALES,  # the fp8 consumers' descale pointers and head strides
+    # a score_mod's captured values ([Note] Gluon score_mod): to the consumers, and with the tile's batch and query
+    # head into _consumer_step and _softmax
+    "gluon_mods": (MOD_ARGS,),
+    "gluon_mod_step": (I("off_b", when=modded), I("off_h", when=modded), MOD_ARGS),
 }
 
 # -- the host's calling conventions -------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from fagen.mods import ir
-from fagen.mods.emit import TRITON_HELPERS, TensorRef, to_triton
+from fagen.mods.emit import GLUON_HELPERS, TRITON_HELPERS, TensorRef, to_gluon, to_triton
 from fagen.mods.text import ModScalar, ModTensor
 
 
@@ -66,7 +66,8 @@ def host_values(args: ModArgs, values: dict) -> list:
 
 class ModCode:
     """What a template emits for a spec's mods: Triton expressions of the score_mod, its d/d score and the mask_mod
-    at given kernel names, all printed from the parsed trees by fagen.mods.emit (never from the user's text)."""
+    at given kernel names, all printed from the parsed trees by fagen.mods.emit (never from the user's text). A
+    backend 'gluon' spec gets Gluon ones (to_gluon, GLUON_HELPERS; [Note] Gluon mods in fagen/mods/emit.py)."""
 
     def __init__(self, spec) -> None:
         from fagen.mods.grad import d_score
@@ -78,7 +79,9 @@ class ModCode:
         self.score_tree = parse(spec.score_mod, "score_mod", *decls) if spec.score_mod is not None else None
         self.mask_tree = parse(spec.mask_mod, "mask_mod", *decls) if spec.mask_mod is not None else None
         self.dscore_tree = d_score(self.score_tree) if self.score_tree is not None else None
-        self.helpers = TRITON_HELPERS
+        self.gluon = str(spec.backend) == "gluon"
+        self.helpers = GLUON_HELPERS if self.gluon else TRITON_HELPERS
+        self._to = to_gluon if self.gluon else to_triton
         self.packed = str(spec.layout) == "varlen"  # the captured-tensor gradients' workspace layout
         # [Note] Captured-tensor gradients: one (tensor position, load, derivative) per distinct load of a float
         # tensor in the score_mod; the dK/dV kernel writes each load's dS * derivative and its element's linear
@@ -95,7 +98,7 @@ class ModCode:
         return {"score": score, "b": b, "h": h, "q_idx": q_idx, "kv_idx": kv_idx, **self.args.refs()}
 
     def score(self, score: str, b: str, h: str, q_idx: str, kv_idx: str) -> str:
-        return to_triton(self.score_tree, self._names(score, b, h, q_idx, kv_idx))
+        return self._to(self.score_tree, self._names(score, b, h, q_idx, kv_idx))
 
     def dscore(self, score: str, b: str, h: str, q_idx: str, kv_idx: str) -> str | None:
         """d score_mod / d score, or None where it is the constant 1 (additive mods: dS passes through)."""
@@ -105,7 +108,7 @@ class ModCode:
         return to_triton(tree, self._names(score, b, h, q_idx, kv_idx))
 
     def visible(self, b: str, h: str, q_idx: str, kv_idx: str) -> str:
-        return to_triton(self.mask_tree, self._names("", b, h, q_idx, kv_idx))
+        return self._to(self.mask_tree, self._names("", b, h, q_idx, kv_idx))
 
     def grad_stores(self, ds: str, p: str, score: str, h: str, q_idx: str, kv_idx: str, pad: str) -> str:
         """The dK/dV loop's stores of each captured-tensor load's dS * derivative and linear element index into its

@@ -15,6 +15,7 @@ import torch
 
 from fagen.codegen.mod_args import ModArgs
 from fagen.mods.text import ModScalar, ModTensor
+from fagen.runtime import hopper
 from fagen.runtime.loader import load
 from fagen.runtime.mods import Mods, prepare
 from fagen.runtime.resolve import AttentionError, fast_key, spec_for
@@ -22,6 +23,7 @@ from fagen.spec.axes import Layout
 from fagen.spec.kernel import KernelSpec, SpecError
 
 _MODULES: dict[tuple, tuple[ModuleType, ModArgs]] = {}
+_SPECS: dict[int, KernelSpec] = {}  # id(module) -> its spec (the gluon forward's twin is made from it)
 
 # [Note] Modded tiles. A mod's loads of captured tensors are [BLOCK_M, BLOCK_N] gathers inside the key loop, and
 # Triton's software pipeliner stages them in shared memory like K and V. With the plain d128 bf16 tiles
@@ -51,6 +53,7 @@ def module_for(q, k, v, mask, switches: tuple[str, ...], mods: Mods,
     except SpecError as e:
         raise AttentionError(f"no kernel for these mods: {e}") from None
     module = load(spec)
+    _SPECS[id(module)] = spec
     hit = _MODULES[key] = (module, ModArgs(tuple(ModTensor(*t) for t in tensors),
                                            tuple(ModScalar(*s) for s in scalars)))
     return hit
@@ -91,8 +94,22 @@ def attention(q, k, v, *, mask, scale, seqlens_q, seqlens_k, tree_mask, scores: 
     kw = dict(scale=scale, check=check, mods=mods.values, **layout, **scores)
     if not torch.is_grad_enabled() or not any(
             t.requires_grad for t in (q, k, v, *(mods.values[a.name] for a in args.tensors))):
+        if packed is None and q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] >= hopper.MIN_WORK:
+            module = _gluon_forward(module, q.device)  # [Note] Hopper selection (a score_mod: select_score_mods)
         return module.forward(q, k, v, **kw)[0]  # no autograd node to build
     return module.attention(q, k, v, **kw)
+
+
+_GLUON: dict[tuple, ModuleType] = {}
+
+
+def _gluon_forward(module: ModuleType, device) -> ModuleType:
+    """The gluon modded forward that serves `module`'s spec on `device` where hopper.mod_forward_spec picks one."""
+    key = (id(module), device)
+    if key not in _GLUON:
+        twin = hopper.mod_forward_spec(_SPECS[id(module)], device)
+        _GLUON[key] = load(twin) if twin is not None else module
+    return _GLUON[key]
 
 
 def _check_block_mask(bm, mods: Mods, device, batch: int, heads: int, sq: int, sk: int) -> None:

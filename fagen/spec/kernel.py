@@ -132,8 +132,7 @@ class KernelSpec:
             score, mask, tensors, scalars = canonical(self.score_mod, self.mask_mod, self.mod_tensors, self.mod_scalars)
             put("score_mod", score), put("mask_mod", mask)
             put("mod_tensors", tuple(tuple(t) for t in tensors)), put("mod_scalars", tuple(tuple(x) for x in scalars))
-            if self.backend is not Backend.TRITON:
-                raise SpecError("backend", str(self.backend), "user mods are built on backend 'triton'")
+            self._check_mod_backend()
             if self.head_dim_v != self.head_dim and self.kind is not Kind.DECODE:  # the prefill mods' loops load V
                 # at head_dim (fagen/templates/triton/mods.j2); the decode kernel's mods touch the scores only
                 raise SpecError("head_dim_v", self.head_dim_v, "user mods in prefill kernels take one head dim for q, "
@@ -189,6 +188,20 @@ class KernelSpec:
         return self.score_mod is not None or self.mask_mod is not None
 
     @property
+    def mod_gathers(self) -> bool:
+        """Whether the score_mod reads a captured tensor at an index that uses q_idx or kv_idx: a [rows, keys]
+        gather per key block ([Note] Gluon mod tiles in fagen/backends/gluon.py)."""
+        if self.score_mod is None or not self.mod_tensors:
+            return False
+        from fagen.mods import ir
+        from fagen.mods.text import ModScalar, ModTensor, parse
+
+        tree = parse(self.score_mod, "score_mod", tuple(ModTensor(*t) for t in self.mod_tensors),
+                     tuple(ModScalar(*x) for x in self.mod_scalars))
+        return any(isinstance(n, ir.Load) and any(isinstance(m, ir.Input) and m.name in ("q_idx", "kv_idx")
+                                                  for i in n.index for m in ir.walk(i)) for n in ir.walk(tree))
+
+    @property
     def mods_hash(self) -> str:
         """6 hex digits of the mods' canonical JSON: the name's `_mod…` part (the text itself is in the spec)."""
         fields = [self.score_mod, self.mask_mod, self.mod_tensors, self.mod_scalars]
@@ -228,6 +241,20 @@ class KernelSpec:
             raise SpecError("dtype", str(self.dtype), f"kv_dtype {self.kv_dtype} serves fp16 and bf16 queries "
                                                       "(the cache converts to the query's type exactly); use "
                                                       "dtype 'bf16' or 'fp16'")
+
+    def _check_mod_backend(self) -> None:
+        """User mods: every Triton kernel; the gluon forward takes a score_mod only (docs/mods.md, "Gluon")."""
+        if self.backend is Backend.TRITON:
+            return
+        if self.backend is not Backend.GLUON:
+            raise SpecError("backend", str(self.backend), "user mods are built on backends 'triton' and 'gluon' "
+                                                          "(score_mod only): set backend 'triton'")
+        if self.mask_mod is not None:
+            raise SpecError("mask_mod", self.mask_mod, "the gluon forward takes a score_mod only (no block masks): "
+                                                       "set backend 'triton' for a mask_mod")
+        if self.dtype is DType.FP8_E4M3:
+            raise SpecError("score_mod", self.score_mod, "the fp8 gluon forward takes no user mods: use dtype 'bf16' "
+                                                         "or 'fp16'")
 
     def _check_fp8(self) -> None:
         """fp8 (e4m3) is the sm_90 gluon prefill forward's alone (README "fp8 forward"); the message names the field."""

@@ -102,12 +102,6 @@ def rows_16(spec: KernelSpec) -> bool:
     return spec.head_dim % 16 == 0 and spec.head_dim_v % 16 == 0
 
 
-def atomic_dq(spec: KernelSpec) -> bool:
-    """deterministic=False: the dK/dV kernel adds dQ's partials into an fp32 buffer ([Note] Atomic dQ in
-    triton/backward.py.j2), and _attn_bwd_dq_post converts it; the deterministic specs have neither."""
-    return not spec.deterministic
-
-
 def fp8_cache(spec: KernelSpec) -> bool:
     """A decode kernel reading an fp8 KV cache (README "Serving"): it takes the cache's scales."""
     return spec.kv_dtype is not None
@@ -311,7 +305,6 @@ ATTN_BWD_PREPROCESS = Kernel("_attn_bwd_preprocess", (
 ATTN_BWD_DKDV = Kernel("_attn_bwd_dkdv", (
     T("Q", host="q", divisible=always), T("K", host="k", divisible=always), T("V", host="v", divisible=always),
     T("DO", host="do", divisible=always), T("DK", host="dk", divisible=always), T("DV", host="dv", divisible=always),
-    T("DQAccum", "fp32", when=atomic_dq, host="dq_acc", divisible=always),
     *_ROW_STATS, *_LENGTHS, *_BWD_SCALES, *_BWD_QKV_STRIDES,
     *_strides("dk", "bhn", "dk", br="b"), *_strides("dv", "bhn", "dv"),
     dataclasses.replace(_TREE_STRIDES[0], br=True), _TREE_STRIDES[1], *_BWD_TAIL, MOD_GRAD_ARGS,
@@ -326,13 +319,6 @@ ATTN_BWD_DQ = Kernel("_attn_bwd_dq", (
     *_strides("dq", "bhm", "dq", br="b"), *_TREE_STRIDES, *_BWD_TAIL,
     *_HEAD_D, *_HEAD_DV, C("BLOCK_M", "DQ_BLOCK_M"), C("BLOCK_N", "DQ_BLOCK_N"), C("GQA", br=True), _UPCAST,
 ), packs={"scores": "scores", "blocks": _BLOCK_PACK}, warps="DQ_NUM_WARPS", stages="DQ_NUM_STAGES")
-
-# deterministic=False ([Note] Atomic dQ in triton/backward.py.j2): dQ = scale * DQAccum in dq's dtype and layout.
-ATTN_BWD_DQ_POST = Kernel("_attn_bwd_dq_post", (
-    T("DQAccum", "fp32", host="dq_acc", divisible=always), T("DQ", host="dq", divisible=always), _LENGTHS[0],
-    F("scale", host="scale"), *_strides("dq", "bhm", "dq", br="b"), I("stride_sh", host="sq_pad", divisible=always),
-    I("num_heads", host="hq"), I("seq_q", host="sq"), *_HEAD_D, C("BLOCK_M", "DQ_BLOCK_M"),
-), warps="4", stages="1")
 
 # Split-KV decode ([Note] Last split merges in triton/decode.py.j2): one kernel, whose last split merges.
 DECODE_SPLIT = Kernel("_decode_split", (
@@ -396,8 +382,8 @@ GLUON_FWD = Kernel("_attn_fwd_hopper", (
     C("LOADER_REGS"),
 ), warps="4", stages="", constexpr_type="gl.constexpr")
 
-KERNELS = {k.name: k for k in (ATTN_FWD, ATTN_BWD_PREPROCESS, ATTN_BWD_DKDV, ATTN_BWD_DQ, ATTN_BWD_DQ_POST,
-                               DECODE_SPLIT, CUDA_FWD, GLUON_FWD)}
+KERNELS = {k.name: k for k in (ATTN_FWD, ATTN_BWD_PREPROCESS, ATTN_BWD_DKDV, ATTN_BWD_DQ, DECODE_SPLIT, CUDA_FWD,
+                               GLUON_FWD)}
 
 # -- what the kernels thread through their @triton.jit helpers ----------------------------------------------------
 _INNER_SCORES = (I("win_left", when=switched), I("win_right", when=switched), F("cap_in", when=switched),
@@ -409,7 +395,6 @@ THREADED = {
                   I("num_pages", when=paged)),
     "dq_inner": (*_INNER_SCORES, F("slope2", when=switched)),
     "dkdv_inner": (*_INNER_SCORES, T("slope_base", "fp32", when=switched)),
-    "dkdv_atomic": (T("dqa_base", "fp32", when=atomic_dq),),  # the fused dK/dV loop's dQ accumulator (row 0)
     # a user mod's captured values and block mask, threaded into the modded loops (_fwd_mod, _dq_mod, _dkdv_mod)
     "mods_inner": (MOD_ARGS, *_THREADED_BLOCKS),
     "mod_grads_inner": (MOD_GRAD_ARGS,),

@@ -17,7 +17,7 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
               tree_mask=None, window=None, softcap: float | None = None, alibi_slopes=None, sinks=None,
               cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
               score_mod=None, mask_mod=None, block_mask=None, check: bool | None = None,
-              batch_invariant: bool = False, deterministic: bool = True) -> torch.Tensor:
+              batch_invariant: bool = False) -> torch.Tensor:
     """Attention over q [B, Hq, Sq, D], k and v [B, Hkv, Sk, D]; returns out like q, differentiable.
 
     The kernel is chosen from the inputs (dtype, head_dim D, gqa = Hq / Hkv) and `mask`, rendered and loaded once
@@ -45,19 +45,11 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
     v's. batch_invariant=True: each sequence's result is the same bits alone and in any batch (README "Serving");
     it reaches the decode kernel only (prefill kernels are batch-invariant anyway). Under torch.compile the call traces
     into the module's own operators and autograd (fagen/runtime/ops.py), with no graph break.
-    deterministic=False (README "Deterministic backward"): the backward adds dQ with fp32 atomics, faster and within
-    the same tolerance, but dq is not bitwise repeatable; the forward, dk and dv are unchanged.
     """
-    if deterministic is not True and deterministic is not False:
-        raise AttentionError(f"deterministic: got {deterministic!r}; must be True (the default: bitwise repeatable "
-                             "gradients) or False (dQ added with atomics)")
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
         spec_for(q, k, v, mask=mask, layout=Layout.VARLEN if varlen else Layout.DENSE)  # raises, naming the input
     if score_mod is not None or mask_mod is not None or block_mask is not None:
-        if not deterministic:
-            raise AttentionError("deterministic=False: user mods keep the deterministic backward for now; drop "
-                                 "deterministic=False, or the mods")
         return _modded(q, k, v, mask=mask, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
                        tree_mask=tree_mask, window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
                        score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask, check=check,
@@ -79,7 +71,7 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
             raise AttentionError(f"{', '.join(given)}: packed sequences (cu_seqlens_q/cu_seqlens_k) carry their own "
                                  "lengths and take mask 'none' or 'causal'; drop " + " and ".join(given))
         return _varlen(q, k, v, mask, scale, scores, switches, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                       max_seqlen_k, check, deterministic)
+                       max_seqlen_k, check)
     qs, ks = q.shape, k.shape
     four = len(qs) == 4 and len(ks) == 4
     decode = not needs_grad and four and prefers_decode(qs[2], ks[2])
@@ -88,9 +80,9 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
         if window is not None and win is None:  # the operator cannot carry it: run eagerly into the module's check
             return _eager(q, k, v, mask=mask, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
                           tree_mask=tree_mask, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                          sinks=sinks, check=check, deterministic=deterministic)
+                          sinks=sinks, check=check)
         return ops.attention(q, k, v, str(mask), scale, seqlens_q, seqlens_k, tree_mask, decode, win, softcap,
-                             alibi_slopes, sinks, bool(batch_invariant), deterministic)[0]
+                             alibi_slopes, sinks, bool(batch_invariant))[0]
     # [Note] Host time. A warm call costs one dict lookup on plain values before the module's own checks and launch:
     # no spec is built, hashed or validated per call (the key is fast_key's, the one resolve() stores under). Without gradients on an
     # H100/H200 the Gluon forward may serve ([Note] Hopper selection in fagen/runtime/hopper.py); it has forward()
@@ -98,11 +90,10 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
     # A window bounds the keys a row visits: its pairs count, not Sq x Sk.
     keys = ks[2] if four and window is None else _window_keys(ks[2], window) if four else 0
     forward_only = not needs_grad and not decode and four and qs[0] * qs[1] * qs[2] * keys >= MIN_WORK
-    deterministic = deterministic or not needs_grad  # the forward is the same kernel either way
-    module = _FAST.get(fast_key(q, k, v, mask, decode, switches, forward_only, deterministic)) \
+    module = _FAST.get(fast_key(q, k, v, mask, decode, switches, forward_only)) \
         if four and isinstance(mask, str) else None
     if module is None:
-        module = resolve(q, k, v, mask, decode, switches, forward_only, deterministic)
+        module = resolve(q, k, v, mask, decode, switches, forward_only)
     if not needs_grad:  # no autograd node to build: the forward alone (prefill, decode, or the Gluon forward)
         if batch_invariant and decode:
             return module.forward(q, k, v, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
@@ -142,13 +133,12 @@ def _modded(q, k, v, *, window, softcap, alibi_slopes, sinks, packed, **rest):
     return modded.attention(q, k, v, scores=scores, switches=switches, packed=packed, **rest)
 
 
-def _varlen(q, k, v, mask, scale, scores, switches, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check,
-            deterministic=True):
+def _varlen(q, k, v, mask, scale, scores, switches, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check):
     """fagen.attention on packed sequences: the varlen bwd module of these inputs (differentiable)."""
     if cu_seqlens_q is None or cu_seqlens_k is None or max_seqlen_q is None or max_seqlen_k is None:
         raise AttentionError("varlen: pass cu_seqlens_q, cu_seqlens_k, max_seqlen_q and max_seqlen_k together "
                              "(README \"Layouts\")")
-    module = resolve_varlen(q, k, v, mask, switches, deterministic)
+    module = resolve_varlen(q, k, v, mask, switches)
     return module.attention(q, k, v, scale=scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, check=check, **scores)
 

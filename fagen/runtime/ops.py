@@ -32,13 +32,13 @@ _MODULES: dict[str, ModuleType] = {}  # module name -> module, for traced calls 
 
 @torch.compiler.assume_constant_result
 def _module_name(dtype: torch.dtype, head_dim: int, head_dim_v: int, heads_q: int, heads_kv: int, mask: str,
-                 decode: bool, switches: tuple[str, ...], deterministic: bool = True) -> str:
+                 decode: bool, switches: tuple[str, ...]) -> str:
     """resolve() for inputs of these static properties (meta tensors stand in); the module's name, kept in _MODULES."""
     def meta(heads, dim):
         return torch.empty((1, heads, 1, dim), dtype=dtype, device="meta")
 
     module = resolve(meta(heads_q, head_dim), meta(heads_kv, head_dim), meta(heads_kv, head_dim_v), mask, decode,
-                     switches, deterministic=deterministic)
+                     switches)
     _MODULES[module.__name__] = module
     return module.__name__
 
@@ -51,8 +51,7 @@ def _static(n) -> int:
 
 
 def attention(q, k, v, mask: str, scale, seqlens_q, seqlens_k, tree_mask, decode: bool, window=None, softcap=None,
-              alibi_slopes=None, sinks=None, batch_invariant: bool = False,
-              deterministic: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+              alibi_slopes=None, sinks=None, batch_invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of fagen.attention while Dynamo traces it; window is [left, right] with -1 for an unbounded side."""
     scores = {name: value for name, value in (("softcap", softcap), ("alibi_slopes", alibi_slopes), ("sinks", sinks))
               if value is not None}
@@ -61,10 +60,10 @@ def attention(q, k, v, mask: str, scale, seqlens_q, seqlens_k, tree_mask, decode
     switches = tuple(name for name in SCORE_SWITCHES if SWITCH_KEYWORD[name] in scores)
     decode = True if decode else False  # a branch makes a symbolic bool (prefers_decode of dynamic lengths) a constant
     dims = (_static(n) for n in (q.shape[-1], v.shape[-1], q.shape[1], k.shape[1]))
-    deterministic = False if deterministic is False else True  # a constant for the trace, as decode
-    module = _MODULES[_module_name(q.dtype, *dims, mask, decode, switches, deterministic)]
+    module = _MODULES[_module_name(q.dtype, *dims, mask, decode, switches)]
     kw = dict(scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k, tree_mask=tree_mask, **scores)
     if decode:
         return module.forward(q, k, v, batch_invariant=batch_invariant, **kw)
     out = module.attention(q, k, v, **kw)
     return out, None  # fagen.attention returns out only; the bwd module's attention() keeps lse for its backward
+

@@ -83,10 +83,6 @@ class KernelSpec:
     # kernel (None: the cache has the spec's dtype), likewise left out while None.
     head_dim_v: int | None = None
     kv_dtype: KVDType | None = None
-    # The Triton prefill backward's dQ path (README "Deterministic backward"): True (the default) keeps the separate
-    # dQ kernel, bitwise repeatable; False fuses dQ into the dK/dV kernel, which adds its partials with fp32
-    # atomics (faster, not bitwise repeatable). Left out of the name and the canonical JSON while True.
-    deterministic: bool = True
     # The GPU arch whose defaults fill the launch fields left unset ([Note] Tiles per arch in fagen/backends/triton.py);
     # None: sm_90's ([Note] Deterministic specs in fagen/spec/tuned.py). Not stored: the tiles it chose are, and
     # the name shows them. for_arch() resolves the same spec for another arch.
@@ -140,8 +136,6 @@ class KernelSpec:
                                                                "kernels take both)")
         if self.dtype is DType.FP8_E4M3:
             self._check_fp8()
-        if self.deterministic is not True:
-            self._check_deterministic()
         backend = backends.get(self.backend)
         if self.kind not in backend.templates:
             have = ", ".join(f"{b.backend}/{kind}" for b in backends.BACKENDS.values() for kind in b.templates)
@@ -276,18 +270,6 @@ class KernelSpec:
             raise SpecError("mask", str(self.mask), f"the fp8 forward supports masks 'none' and 'causal', {fix} "
                                                     "(backend 'triton' takes every mask)")
 
-    def _check_deterministic(self) -> None:
-        """deterministic=False is the Triton prefill backward's fused dQ path (README "Deterministic backward")."""
-        if not isinstance(self.deterministic, bool):
-            raise SpecError("deterministic", self.deterministic, "must be true or false (false: the backward adds dQ "
-                                                                  "with atomics, faster but not bitwise repeatable)")
-        if self.direction is not Direction.BWD or self.kind is not Kind.PREFILL or self.backend is not Backend.TRITON:
-            raise SpecError("deterministic", False, "applies to the backward only (direction 'bwd', kind 'prefill', "
-                                                    "backend 'triton'): drop deterministic, or set those fields")
-        if self.modded:
-            raise SpecError("deterministic", False, "user mods keep the deterministic backward for now: drop "
-                                                    "deterministic=False, or the mods")
-
     @property
     def packed_q(self) -> bool:
         """Whether q is packed [total_q, Hq, D] with cu_seqlens_q (varlen, and paged prefill)."""
@@ -305,8 +287,7 @@ class KernelSpec:
                 f"_m{self.block_m}n{self.block_n}w{self.num_warps}s{self.num_stages}"
                 f"_g{self.gqa}{''.join('_' + SWITCH_SHORT[s] for s in self.switches)}"
                 f"{'_mod' + self.mods_hash if self.modded else ''}"
-                f"{'' if self.layout is Layout.DENSE else '_' + str(self.layout)}_{self.dtype}{kv}"
-                f"{'' if self.deterministic else '_nondet'}{suffix}")
+                f"{'' if self.layout is Layout.DENSE else '_' + str(self.layout)}_{self.dtype}{kv}{suffix}")
 
     @cached_property
     def hash(self) -> str:
@@ -321,8 +302,7 @@ class KernelSpec:
                 and not (f.name == "layout" and self.layout is Layout.DENSE)
                 and not (f.name in _MOD_FIELDS and not getattr(self, f.name))
                 and not (f.name == "head_dim_v" and self.head_dim_v == self.head_dim)
-                and not (f.name == "kv_dtype" and self.kv_dtype is None)
-                and not (f.name == "deterministic" and self.deterministic is True)}
+                and not (f.name == "kv_dtype" and self.kv_dtype is None)}
 
     def to_json(self) -> str:
         """Canonical JSON: sorted keys, no whitespace. Equal specs give equal bytes."""

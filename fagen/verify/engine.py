@@ -279,10 +279,7 @@ def default_mutant_specs(scale: str = "cpu") -> tuple[KernelSpec, ...]:
     # Every score switch on, for the mutants that edit their code (fp32: the switches' bugs, not rounding, show).
     scored = tuple(KernelSpec(head_dim=head_dim, mask="causal", gqa=2, dtype="fp32", window=True, softcap=True,
                               alibi=True, sinks=True, **fields) for fields in kinds)
-    # The backward's atomic dQ path (deterministic=False), for the mutants that edit it.
-    atomic = (KernelSpec(head_dim=head_dim, mask="causal", gqa=2, dtype="fp16", direction=Direction.BWD,
-                         deterministic=False, **blocks),)
-    return plain + scored + atomic
+    return plain + scored
 
 
 def mutant_module(spec: KernelSpec, name: str) -> ModuleType:

@@ -20,13 +20,11 @@ class Mutant:
     directions: tuple[Direction, ...] = tuple(Direction)  # bwd-only mutants edit code a fwd spec does not have
     switches: tuple[str, ...] = ()  # score switches (or "score_mod" / "mask_mod") the spec must have
     layouts: tuple[Layout, ...] = (Layout.DENSE,)  # layouts whose source has the edited code
-    deterministic: bool | None = None  # False: edits the atomic dQ path of deterministic=False specs only
 
     def applies(self, spec: KernelSpec) -> bool:
         return (spec.mask in self.masks and spec.gqa >= self.min_gqa and spec.kind in self.kinds
                 and spec.direction in self.directions and all(getattr(spec, s) for s in self.switches)
-                and spec.layout in self.layouts
-                and (self.deterministic is None or spec.deterministic == self.deterministic))
+                and spec.layout in self.layouts)
 
     def apply(self, source: str) -> str:
         if self.old not in source:
@@ -100,13 +98,6 @@ MUTANTS = (
     Mutant("bwd-softcap-no-chain", "backward: dS skips the softcap's factor 1 - tanh^2", tuple(Mask),
            "ds_t = ds_t * (1.0 - tanh_s * tanh_s)", "ds_t = ds_t", directions=(Direction.BWD,),
            switches=("softcap",)),
-    # deterministic=False's fused dQ ([Note] Atomic dQ in triton/backward.py.j2).
-    Mutant("bwd-atomic-dq-one-head", "atomic dQ: every GQA query head of a KV head adds into the first one's rows",
-           tuple(Mask), "dqa_head = dqa_base + g.to(tl.int64) * stride_sh * BLOCK_D", "dqa_head = dqa_base",
-           min_gqa=2, directions=(Direction.BWD,), deterministic=False),
-    Mutant("bwd-atomic-dq-unscaled", "atomic dQ: the postprocess stores DQAccum without the softmax scale",
-           tuple(Mask), "(dq * scale).to(DQ.dtype.element_ty)", "dq.to(DQ.dtype.element_ty)",
-           directions=(Direction.BWD,), deterministic=False),
 )
 
 # User mods (docs/mods.md, [Note] Mods in the kernels in triton/mods.j2). In the kernels, every input a mod reads is

@@ -15,10 +15,12 @@ import torch
 
 from fagen.codegen.mod_args import ModArgs
 from fagen.mods.text import ModScalar, ModTensor
+from fagen.runtime.device import gpu_arch
 from fagen.runtime.loader import load
 from fagen.runtime.mods import Mods, prepare
 from fagen.runtime.resolve import AttentionError, fast_key, spec_for
 from fagen.spec.kernel import KernelSpec, SpecError
+from fagen.spec.tuned import DEFAULT_ARCH
 
 _MODULES: dict[tuple, tuple[ModuleType, ModArgs]] = {}
 
@@ -31,6 +33,41 @@ _MODULES: dict[tuple, tuple[ModuleType, ModArgs]] = {}
 # score_mod compiles at m128n128, 3 stages, in 225 KB, as the switch kernel does.
 
 
+# The choice per arch, in one place: MODDED_TILES maps (arch, whether the mods read captured tensors) to the launch
+# fields a head_dim > 64 modded spec sets over its plain spec's ({} keeps the plain tiles). scripts/gpu_mods_tiles.py
+# times candidate tiles on the rows of `fagen bench --suite mods` (d128 bf16) and prints the winner of each key, to
+# copy here. An arch without an entry takes the compile-only rule above.
+MODDED_TILES: dict[tuple[str, bool], dict] = {
+    ("sm_90", True): {"block_n": 64, "num_stages": 2},
+    ("sm_90", False): {},
+}
+
+
+def modded_tiles(base: KernelSpec, loads: bool, arch: str) -> dict:
+    """The launch fields a modded spec sets over its plain spec's (`base`, resolved for `arch`) on `arch`
+    ([Note] Modded tiles); {} keeps the plain tiles."""
+    if base.head_dim <= 64:
+        return {}
+    found = MODDED_TILES.get((arch, loads))
+    if found is not None:
+        return dict(found)
+    return {"block_n": min(64, base.block_n), "num_stages": min(2, base.num_stages)} if loads else {}
+
+
+def modded_spec(base: KernelSpec, fields: tuple, tiles: dict | None = None, arch: str | None = None) -> KernelSpec:
+    """The modded spec of a plain spec and a Mods' fields on `arch` (None: this process's GPU, else sm_90): the
+    plain spec's given fields, the modded tiles ([Note] Modded tiles) or `tiles` (scripts/gpu_mods_tiles.py times
+    candidates through this); the launch fields neither sets stay unset, so fagen.load resolves them per arch."""
+    score, text, tensors, scalars = fields
+    if tiles is None:
+        arch = arch or gpu_arch() or DEFAULT_ARCH
+        tiles = modded_tiles(base.for_arch(arch), bool(tensors), arch)
+    given = {k: v for k, v in base.to_dict().items() if k not in base.defaulted}
+    return KernelSpec.from_dict({**given, **tiles, "score_mod": score, "mask_mod": text,
+                                 "mod_tensors": [list(t) for t in tensors],
+                                 "mod_scalars": [list(s) for s in scalars]})
+
+
 def module_for(q, k, v, mask, switches: tuple[str, ...], mods: Mods) -> tuple[ModuleType, ModArgs]:
     """The bwd (differentiable) module of these inputs with these mods, and its mod argument list."""
     key = (fast_key(q, k, v, mask, False, switches, False), mods.fields)
@@ -38,14 +75,9 @@ def module_for(q, k, v, mask, switches: tuple[str, ...], mods: Mods) -> tuple[Mo
     if hit is not None:
         return hit
     base = spec_for(q, k, v, mask=mask, switches=switches)
-    score, text, tensors, scalars = mods.fields
-    tiles = {}
-    if base.head_dim > 64 and tensors:  # [Note] Modded tiles
-        tiles = {"block_n": min(64, base.block_n), "num_stages": min(2, base.num_stages)}
+    _, _, tensors, scalars = mods.fields
     try:
-        spec = KernelSpec.from_dict({**base.to_dict(), **tiles, "score_mod": score, "mask_mod": text,
-                                     "mod_tensors": [list(t) for t in tensors],
-                                     "mod_scalars": [list(s) for s in scalars]})
+        spec = modded_spec(base, mods.fields)
     except SpecError as e:
         raise AttentionError(f"no kernel for these mods: {e}") from None
     module = load(spec)

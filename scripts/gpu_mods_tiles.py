@@ -1,0 +1,361 @@
+"""Tiles of the modded kernels on one GPU: each row of `fagen bench --suite mods` (attention-gym's mods,
+fagen/bench/mods.py) through fagen's modded kernels at the bench shape (bf16, d128, B1 H16 S8192), forward and
+backward, over a few candidate tiles. FlexAttention is not timed here (`fagen bench --suite mods` does that).
+
+    PYTHONPATH=$PWD python3 scripts/gpu_mods_tiles.py [--rows a,b] [--configs m128n64w8s2,...] [--rep-ms 40]
+
+Phases:
+  1. compile: worker processes (one per core, at most one per (row, config)) run each candidate once at the bench
+     shape, which fills the Triton and fagen caches with exactly the kernels the timing phase launches;
+  2. check: at the first config, each row's out, lse-free grads (dq, dk, dv of head 0 for 256 query rows spread over
+     the sequence) against an fp32 torch reference of the same user functions; every other config's out and
+     grads against the first config's (same inputs);
+  3. time: one process, one candidate at a time: median ms of the forward (no grad) and of the backward
+     (autograd.grad of out for q, k, v), CUDA events, L2 flushed (fagen.bench.timing.measure).
+
+Table columns:
+  mod     the bench row (fagen/bench/mods.py cases())
+  dir     fwd, or bwd (the backward alone: preprocess + dK/dV + dQ kernels)
+  config  mXnYwWsS: the spec's block_m, block_n, num_warps, num_stages. The forward runs BLOCK_M x BLOCK_N tiles;
+          the backward's dK/dV program owns block_n keys and steps min(block_m, 64) queries, its dQ program owns
+          block_m queries and steps min(block_n, 64) keys ([Note] Backward tiles)
+  ms      median milliseconds per call
+  TF/s    useful TF/s: 4 * D per visible (q, kv) pair forward, 2.5x that backward, pairs counted from the
+          block mask as the bench counts them (same numbers as `fagen bench --suite mods`)
+  regs/spill  registers and spilled 32-bit words per thread of the direction's kernels (fwd: _attn_fwd;
+          bwd: the dK/dV kernel, then the dQ kernel), from the compiled cubins
+  check   the check of phase 2 (max |diff| / max |ref|), "ok" under 2e-2 and 3e-2 (grads)
+  best    `*` on the fastest config of the row and direction; `=` within 3% of it
+Then a summary per mod class (the key of MODDED_TILES in fagen/runtime/modded.py: whether the mods read captured
+tensors): each config's geometric mean of (fwd + bwd ms) over the class's rows relative to the current default,
+and the winner, to copy into MODDED_TILES. $OUT/mods_tiles.json (if $OUT is set) holds every record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+# Candidates: the plain d128 tile, the modded default for mods that read captured tensors, Flex's H100 forward
+# tile (m128n64 w8 s3), smaller tiles for the register-heavy mods; all 0-2 spills in the forward on sm_90 (ptxas)
+# except where the table's regs/spill column says otherwise.
+CONFIGS = ["m128n128w8s3", "m128n64w8s2", "m128n64w8s3", "m128n128w8s2", "m64n128w8s2", "m64n64w4s3",
+           "m128n64w4s2", "m128n32w8s3"]
+SKIP_ROWS = ("learned-bias+grad",)  # its gradient workspaces (12.9 GB and a sort) would dominate the budget
+
+
+def parse_config(text: str) -> dict:
+    import re
+
+    m = re.fullmatch(r"m(\d+)n(\d+)w(\d+)s(\d+)", text)
+    if not m:
+        raise SystemExit(f"--configs: {text!r} is not mXnYwWsS")
+    return dict(zip(("block_m", "block_n", "num_warps", "num_stages"), map(int, m.groups())))
+
+
+def setup(rows):
+    """(shape, {row: (score_mod, mask_mod, mods, base spec)}) on cuda."""
+    import torch
+
+    from fagen.bench.mods import ModsShape, cases
+    from fagen.runtime.mods import prepare
+    from fagen.runtime.resolve import spec_for
+
+    shape = ModsShape()
+    q = torch.empty(1, shape.heads, 16, shape.head_dim, dtype=shape.dtype, device="cuda")
+    base = spec_for(q, q, q)
+    out = {}
+    for name, sm, mm, _ in cases(shape, "cuda"):
+        if name in rows:
+            out[name] = (sm, mm, prepare(score_mod=sm, mask_mod=mm), base)
+    return shape, out
+
+
+def module_of(base, mods, config: str):
+    from fagen.runtime.loader import load
+    from fagen.runtime.modded import modded_spec
+
+    return load(modded_spec(base, mods.fields, parse_config(config)))
+
+
+def runner(module, mods, bm, q, k, v):
+    kw = dict(mods=mods.values, **({"block_mask": bm} if mods.fields[1] is not None else {}))
+    return (lambda: module.forward(q, k, v, **kw)[0]), (lambda: module.attention(q, k, v, **kw))
+
+
+def inputs(shape, grad=True):
+    from fagen.bench.mods import _inputs
+
+    return _inputs(shape, "cuda", grad)
+
+
+def block_mask(shape, mm):
+    import fagen
+
+    return None if mm is None else fagen.create_block_mask(mm, None, None, shape.seq, shape.seq, device="cuda")
+
+
+def warm(items):
+    """Phase 1 (a worker): run each (row, config) once, forward and backward; errors come back as text."""
+    import torch
+
+    rows = sorted({r for r, _ in items})
+    shape, setups = setup(rows)
+    q, k, v, do = inputs(shape)
+    masks = {r: block_mask(shape, setups[r][1]) for r in rows}
+    done = []
+    for row, config in items:
+        sm, mm, mods, base = setups[row]
+        t0 = time.perf_counter()
+        try:
+            fwd, att = runner(module_of(base, mods, config), mods, masks[row], q, k, v)
+            with torch.no_grad():
+                fwd()
+            torch.autograd.grad(att(), (q, k, v), do)
+            torch.cuda.synchronize()
+            done.append((row, config, None, time.perf_counter() - t0))
+        except Exception as e:  # noqa: BLE001 - recorded in the table
+            done.append((row, config, f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:160] if str(e).strip() else ''}",
+                         time.perf_counter() - t0))
+    return done
+
+
+def reference(shape, sm, mm, q, k, v, do, rows):
+    """fp32 out and (dq rows, dk, dv) of head 0 for query rows `rows`, all keys, from the user's functions
+    evaluated on broadcast index tensors (element-wise mods: the same values as the vmapped float64 reference)."""
+    import torch
+
+    q0, k0, v0 = (t[0, 0].float().detach().requires_grad_() for t in (q, k, v))
+    qi = rows[:, None]
+    ki = torch.arange(shape.seq, device="cuda")[None, :]
+    b = torch.zeros((), dtype=torch.int64, device="cuda")
+    h = torch.zeros((), dtype=torch.int64, device="cuda")
+    s = (q0[rows] @ k0.T) / math.sqrt(shape.head_dim)
+    if sm is not None:
+        s = sm(s, b, h, qi, ki)
+    if mm is not None:
+        s = torch.where(mm(b, h, qi, ki).expand_as(s), s, float("-inf"))
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    out = p @ v0
+    dq, dk, dv = torch.autograd.grad(out, (q0, k0, v0), do[0, 0, rows].float())
+    return out.detach(), dq[rows], dk, dv
+
+
+def rel_err(a, b) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6))
+
+
+def kernel_resources(module) -> dict:
+    """{kernel name: (registers, spilled words)} of the module's compiled kernels (the largest variant each)."""
+    import triton
+
+    res = {}
+    for name in ("_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq"):
+        fn = getattr(module, name, None)
+        if not isinstance(fn, triton.runtime.jit.JITFunction):
+            continue
+        for cache in (getattr(fn, "device_caches", None) or {}).values():
+            kernels = cache[0] if isinstance(cache, tuple) else cache
+            for kern in kernels.values():
+                try:
+                    kern._init_handles()
+                    regs, spills = kern.n_regs, kern.n_spills
+                except Exception:  # noqa: BLE001 - an older triton: leave the column empty
+                    continue
+                old = res.get(name, (0, 0))
+                res[name] = (max(old[0], regs), max(old[1], spills // 4))  # bytes of local memory -> words
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", help="comma-separated bench rows (default: all but " + ", ".join(SKIP_ROWS) + ")")
+    ap.add_argument("--configs", help="comma-separated mXnYwWsS (default: " + ",".join(CONFIGS) + ")")
+    ap.add_argument("--rep-ms", type=float, default=40.0)
+    ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 4))
+    args = ap.parse_args()
+    t_start = time.perf_counter()
+    import torch
+
+    from fagen.bench.mods import ModsShape, _visible_pairs, cases
+    from fagen.bench.timing import measure
+
+    all_rows = [c[0] for c in cases(ModsShape(seq=256, heads=2), "cpu")]
+    rows = args.rows.split(",") if args.rows else [r for r in all_rows if r not in SKIP_ROWS]
+    configs = args.configs.split(",") if args.configs else CONFIGS
+    for c in configs:
+        parse_config(c)
+    defaults = cpu_defaults(rows)
+    configs += [c for c in dict.fromkeys(defaults.values()) if c not in configs]  # the summary's baseline
+    unknown = set(rows) - set(all_rows)
+    if unknown:
+        raise SystemExit(f"--rows: unknown {sorted(unknown)}; rows: {all_rows}")
+
+    # Phase 1: compile in workers (each (row, config) once, at the bench shape).
+    items = [(r, c) for r in rows for c in configs]
+    n = max(1, min(args.workers, len(items)))
+    chunks = [items[i::n] for i in range(n)]
+    errors = {}
+    with mp.get_context("spawn").Pool(n) as pool:
+        for done in pool.imap_unordered(warm, chunks):
+            for row, config, err, _ in done:
+                if err:
+                    errors[(row, config)] = err
+    t_compiled = time.perf_counter()
+    print(f"compiled {len(items)} (row, config) pairs in {t_compiled - t_start:.0f} s with {n} workers "
+          f"({len(errors)} failed)", flush=True)
+
+    # Phases 2 and 3, one process.
+    shape, setups = setup(rows)
+    q, k, v, do = inputs(shape)
+    dev = torch.device("cuda")
+    check_rows = torch.linspace(0, shape.seq - 1, 256, device="cuda").long()
+    do_check = torch.zeros_like(do)
+    do_check[0, 0, check_rows] = do[0, 0, check_rows]
+    records = []
+    for row in rows:
+        sm, mm, mods, base = setups[row]
+        bm = block_mask(shape, mm)
+        fl = 4.0 * shape.head_dim * _visible_pairs(bm, mm, shape)
+        default = defaults[row]
+        first = None
+        for config in configs:
+            rec = {"mod": row, "config": config, "default": config == default}
+            if (row, config) in errors:
+                rec["error"] = errors[(row, config)]
+                records.append(rec)
+                continue
+            try:
+                module = module_of(base, mods, config)
+                fwd, att = runner(module, mods, bm, q, k, v)
+                with torch.no_grad():
+                    out = fwd()
+                grads = torch.autograd.grad(att(), (q, k, v), do_check)
+                got = (out[0, 0, check_rows], grads[0][0, 0, check_rows], grads[1][0, 0], grads[2][0, 0])
+                if first is None:
+                    want = reference(shape, sm, mm, q, k, v, do_check, check_rows)
+                    rec["check_vs"] = "fp32 reference"
+                    first = got
+                else:
+                    want = first
+                    rec["check_vs"] = "first config"
+                errs = [rel_err(a, b) for a, b in zip(got, want)]
+                rec["check"] = errs
+                rec["check_ok"] = errs[0] < 2e-2 and max(errs[1:]) < 3e-2
+                with torch.no_grad():
+                    rec["fwd_ms"] = measure(lambda i: fwd(), 1, dev, 10.0, args.rep_ms)
+                out = att()
+                rec["bwd_ms"] = measure(lambda i: torch.autograd.grad(out, (q, k, v), do, retain_graph=True), 1, dev,
+                                        10.0, args.rep_ms)
+                rec["fwd_TF/s"] = fl / rec["fwd_ms"] / 1e9
+                rec["bwd_TF/s"] = 2.5 * fl / rec["bwd_ms"] / 1e9
+                rec["resources"] = kernel_resources(module)
+            except Exception as e:  # noqa: BLE001 - recorded in the table
+                rec["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:160] if str(e).strip() else ''}"
+            records.append(rec)
+            print(_progress(rec), flush=True)
+    print_table(records)
+    summary = print_summary(records, setups)
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        with open(os.path.join(out_dir, "mods_tiles.json"), "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "triton": __import__("triton").__version__, "shape": "bf16 d128 B1 H16 S8192",
+                       "records": records, "summary": summary}, f, indent=1, default=str)
+    print(f"total {time.perf_counter() - t_start:.0f} s (compile phase {t_compiled - t_start:.0f} s)")
+
+
+def cpu_defaults(rows) -> dict:
+    """{row: the config the runtime picks today on sm_90 (MODDED_TILES)}, traced on the CPU."""
+    import torch
+
+    from fagen.bench.mods import ModsShape, cases
+    from fagen.runtime.modded import modded_spec
+    from fagen.runtime.mods import prepare
+    from fagen.runtime.resolve import spec_for
+
+    shape = ModsShape()
+    q = torch.empty(1, shape.heads, 16, shape.head_dim, dtype=shape.dtype)
+    base = spec_for(q, q, q)
+    out = {}
+    for name, sm, mm, _ in cases(shape, "cpu"):
+        if name in rows:
+            spec = modded_spec(base, prepare(score_mod=sm, mask_mod=mm).fields, arch="sm_90").for_arch("sm_90")
+            out[name] = f"m{spec.block_m}n{spec.block_n}w{spec.num_warps}s{spec.num_stages}"
+    return out
+
+
+def _progress(rec) -> str:
+    if "error" in rec:
+        return f"  {rec['mod']} {rec['config']}: error {rec['error']}"
+    return (f"  {rec['mod']} {rec['config']}: fwd {rec['fwd_ms']:.3f} ms {rec['fwd_TF/s']:.0f} TF/s, "
+            f"bwd {rec['bwd_ms']:.3f} ms {rec['bwd_TF/s']:.0f} TF/s, check {max(rec['check']):.1e}")
+
+
+def print_table(records) -> None:
+    print("\n| mod | dir | config | ms | TF/s | regs/spill | check | best |")
+    print("|---|---|---|---:|---:|---|---|---|")
+    for row in dict.fromkeys(r["mod"] for r in records):
+        for d in ("fwd", "bwd"):
+            mine = [r for r in records if r["mod"] == row]
+            ok = [r for r in mine if "error" not in r]
+            best = min((r[f"{d}_ms"] for r in ok), default=None)
+            for r in mine:
+                cfg = r["config"] + (" (default)" if r["default"] else "")
+                if "error" in r:
+                    print(f"| {row} | {d} | {cfg} | - | - | - | error: {r['error'][:70]} | |")
+                    continue
+                res = r.get("resources", {})
+                names = ["_attn_fwd"] if d == "fwd" else ["_attn_bwd_dkdv", "_attn_bwd_dq"]
+                rs = " ".join(f"{res[n][0]}/{res[n][1]}" for n in names if n in res) or "-"
+                e = r["check"][0] if d == "fwd" else max(r["check"][1:])
+                mark = "*" if r[f"{d}_ms"] == best else ("=" if r[f"{d}_ms"] <= best * 1.03 else "")
+                check = f"{'ok' if r['check_ok'] else 'FAIL'} {e:.1e}"
+                print(f"| {row} | {d} | {cfg} | {r[f'{d}_ms']:.3f} | {r[f'{d}_TF/s']:.0f} | {rs} | {check} | {mark} |")
+
+
+def print_summary(records, setups) -> dict:
+    """Per class (reads captured tensors or not): each config's geometric mean of (fwd + bwd) ms over the class's
+    rows, relative to the row's current default; the winner goes into MODDED_TILES."""
+    summary = {}
+    print("\n| class (MODDED_TILES key) | config | fwd+bwd time vs default (geomean) | fwd | bwd | rows |")
+    print("|---|---|---:|---:|---:|---|")
+    for loads in (True, False):
+        rows = [r for r, s in setups.items() if bool(s[2].fields[2]) == loads]
+        if not rows:
+            continue
+        key = f'("sm_90", {loads})'
+        scores = {}
+        for config in dict.fromkeys(r["config"] for r in records):
+            rel = {"sum": [], "fwd": [], "bwd": []}
+            for row in rows:
+                mine = {r["config"]: r for r in records if r["mod"] == row and "error" not in r}
+                ref = next((r for r in mine.values() if r["default"]), None)
+                if config not in mine or ref is None:
+                    break
+                r = mine[config]
+                rel["sum"].append((r["fwd_ms"] + r["bwd_ms"]) / (ref["fwd_ms"] + ref["bwd_ms"]))
+                rel["fwd"].append(r["fwd_ms"] / ref["fwd_ms"])
+                rel["bwd"].append(r["bwd_ms"] / ref["bwd_ms"])
+            else:
+                g = {k: math.exp(sum(map(math.log, v)) / len(v)) for k, v in rel.items()}
+                scores[config] = g
+                print(f"| {key} | {config} | {g['sum']:.3f} | {g['fwd']:.3f} | {g['bwd']:.3f} | {', '.join(rows)} |")
+        if scores:
+            win = min(scores, key=lambda c: scores[c]["sum"])
+            summary[key] = {"winner": win, "tiles": parse_config(win), "scores": scores, "rows": rows}
+            print(f"| {key} | winner: {win} -> MODDED_TILES[{key}] = {parse_config(win)} | | | | |")
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -54,6 +54,19 @@ def test_mask_mod_with_a_captured_int_tensor_with_and_without_a_block_mask():
     _check(q, k, v, do, mask_mod=mask_mod, block_mask=block_mask)
 
 
+@pytest.mark.parametrize("block", [32, 128])
+def test_a_block_mask_with_a_builtin_mask_gqa_and_coarse_blocks(block):
+    """Partial blocks run the mask_mod and full ones do not, in two loops over the block mask's lists ([Note] Partial
+    and full lists), within the built-in causal mask's key range (bottom-right: Sk > Sq), under GQA; block 128 makes
+    each block-mask block several kernel tiles."""
+    q, k, v, do = _qkv(1, 4, 2, 150, 170)
+    mask_mod = g.generate_sliding_window(100)
+    block_mask = fagen.create_block_mask(mask_mod, None, None, 150, 170, device=DEVICE, block_size=block)
+    classes = set(block_mask.classes.unique().tolist())
+    assert classes == ({0, 1, 2} if block == 32 else {0, 1}), classes
+    _check(q, k, v, do, mask="causal", mask_mod=mask_mod, block_mask=block_mask)
+
+
 def test_scalars_and_both_mods_with_padding_in_fp16():
     q, k, v, do = _qkv(2, 2, 1, 37, 50, dtype=torch.float16)
     lens_q = torch.tensor([37, 20], device=DEVICE)

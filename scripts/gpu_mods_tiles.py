@@ -123,7 +123,8 @@ def warm(items):
             with torch.no_grad():
                 fwd()
             torch.autograd.grad(att(), (q, k, v), do)
-            torch.cuda.synchronize()
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
             done.append((row, config, None, time.perf_counter() - t0))
         except Exception as e:  # noqa: BLE001 - recorded in the table
             done.append((row, config, f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:160] if str(e).strip() else ''}",
@@ -203,9 +204,21 @@ def main() -> None:
     ap.add_argument("--rows", help="comma-separated bench rows (default: all but " + ", ".join(SKIP_ROWS) + ")")
     ap.add_argument("--configs", help="comma-separated mXnYwWsS (default: " + ",".join(CONFIGS) + ")")
     ap.add_argument("--rep-ms", type=float, default=40.0)
-    ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 4))
+    ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 4),
+                    help="compile-phase processes; 0: compile in this process")
+    ap.add_argument("--smoke", action="store_true", help="a CPU run through Triton's interpreter at a tiny shape "
+                    "(checks this script, times nothing meaningful)")
     args = ap.parse_args()
     t_start = time.perf_counter()
+    if args.smoke:
+        global DEVICE, SHAPE
+        os.environ["TRITON_INTERPRET"] = "1"
+        import torch
+
+        from fagen.bench.mods import ModsShape
+
+        DEVICE, SHAPE = "cpu", ModsShape(batch=1, heads=2, seq=160, head_dim=32, dtype=torch.float32)
+        args.workers, args.rep_ms = 0, 1.0
     import torch
 
     from fagen.bench.mods import ModsShape, _visible_pairs, cases
@@ -227,11 +240,17 @@ def main() -> None:
     n = max(1, min(args.workers, len(items)))
     chunks = [items[i::n] for i in range(n)]
     errors = {}
-    with mp.get_context("spawn").Pool(n) as pool:
-        for done in pool.imap_unordered(warm, chunks):
-            for row, config, err, _ in done:
-                if err:
-                    errors[(row, config)] = err
+    if args.workers == 0:
+        results = [warm(items)]
+    else:
+        pool = mp.get_context("spawn").Pool(n)
+        results = pool.imap_unordered(warm, chunks)
+    for done in results:
+        for row, config, err, _ in done:
+            if err:
+                errors[(row, config)] = err
+    if args.workers:
+        pool.close()
     t_compiled = time.perf_counter()
     print(f"compiled {len(items)} (row, config) pairs in {t_compiled - t_start:.0f} s with {n} workers "
           f"({len(errors)} failed)", flush=True)
@@ -239,7 +258,7 @@ def main() -> None:
     # Phases 2 and 3, one process.
     shape, setups = setup(rows)
     q, k, v, do = inputs(shape)
-    dev = torch.device("cuda")
+    dev = torch.device(DEVICE)
     check_rows, do_check = check_inputs(shape, do)
     records = []
     for row in rows:
@@ -285,8 +304,8 @@ def main() -> None:
     out_dir = os.environ.get("OUT")
     if out_dir:
         with open(os.path.join(out_dir, "mods_tiles.json"), "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "triton": __import__("triton").__version__, "shape": "bf16 d128 B1 H16 S8192",
+            json.dump({"gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__,
+                       "triton": __import__("triton").__version__, "shape": str(shape),
                        "records": records, "summary": summary}, f, indent=1, default=str)
     print(f"total {time.perf_counter() - t_start:.0f} s (compile phase {t_compiled - t_start:.0f} s)")
 

@@ -7,6 +7,13 @@ User names are identifiers of letters, digits and `_`, so prefixing them could c
 `a_s0` and a tensor named `a_s0`); positions cannot. Every int among them (strides, sizes, int scalars) is listed
 in `no_specialize`: Triton specialises an int argument equal to 1 or divisible by 16, so a captured length or a
 closure int changing from 64 to 65 would otherwise compile a new kernel ([Note] Runtime scalars in docs/mods.md).
+
+[Note] Captured strides. The attention kernels (fagen.codegen.signatures.mod_jit) list the strides in
+do_not_specialize_on_alignment instead: Triton then still specialises a stride equal to 1, so the innermost
+dimension of a contiguous captured tensor costs no multiply per element (a relative bias's gather is one per
+score), and never specialises on divisibility by 16. A stride is the tensor's layout, not a closure value: it
+changes (and compiles a second kernel) only when the caller passes a tensor laid out differently. The AOT build
+keeps every stride an i32, correct for any layout.
 """
 
 from __future__ import annotations

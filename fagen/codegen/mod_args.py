@@ -108,6 +108,10 @@ def hoist(tree: ir.Node, fixed: frozenset, prefix: str) -> tuple[ir.Node, tuple[
     return walk(tree), tuple(found)
 
 
+def _reads_score(n: ir.Node) -> bool:
+    return (isinstance(n, ir.Input) and n.name == "score") or any(_reads_score(c) for c in n.children())
+
+
 class ModCode:
     """What a template emits for a spec's mods: Triton expressions of the score_mod, its d/d score and the mask_mod
     at given kernel names, all printed from the parsed trees by fagen.mods.emit (never from the user's text)."""
@@ -169,6 +173,20 @@ class ModCode:
         if isinstance(tree, ir.Const) and tree.value == 1:
             return None
         return to_triton(tree, self._names(score, b, h, q_idx, kv_idx))
+
+    def additive(self, b: str, h: str, q_idx: str, kv_idx: str, hoisted: str | None = None) -> str | None:
+        """X where the score_mod is `score + X` (or `X + score`) and X does not read the score, else None: the
+        kernels then add X / ln 2 to the log2-domain score in one FMA, instead of leaving and re-entering that
+        domain around the mod (a relative bias, ALiBi, a learned bias)."""
+        names = self._names("", b, h, q_idx, kv_idx)
+        tree = self._tree("score", hoisted, names)
+        if not (isinstance(tree, ir.Binary) and tree.op == "+"):
+            return None
+        for this, other in ((tree.a, tree.b), (tree.b, tree.a)):
+            if this == ir.Input("score", ir.FLOAT) and not _reads_score(other):
+                code = to_triton(other, names)
+                return code if other.type == ir.FLOAT else f"({code}).to(tl.float32)"
+        return None
 
     def visible(self, b: str, h: str, q_idx: str, kv_idx: str, hoisted: str | None = None) -> str:
         names = self._names("", b, h, q_idx, kv_idx)

@@ -370,8 +370,8 @@ def run(device, log=print, quick=False, names=(), flex=True) -> list[dict]:
         records += mod_rows(device, shape, log=log, rep_ms=rep, flex=flex, only=want)
     if "builtin-as-mod" in want:
         records += builtin_rows(device, shape, log=log, rep_ms=rep)
-    if "cold-first-call" in want and not quick:
-        records += cold_rows(device, log=log)
+    if "cold-first-call" in want and (not quick or names):  # quick: only when named (two interpreter processes)
+        records += cold_rows(device, seq=64 if quick else 4096, log=log)
     if "changed-scalar" in want:
         records += scalar_rows(device, shape, log=log, calls=calls)
     log(table(records))

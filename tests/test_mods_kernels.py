@@ -67,6 +67,13 @@ def test_a_block_mask_with_a_builtin_mask_gqa_and_coarse_blocks(block):
     _check(q, k, v, do, mask="causal", mask_mod=mask_mod, block_mask=block_mask)
 
 
+def test_a_score_mod_runs_the_plain_phases_of_a_builtin_window():
+    """Without a mask_mod the loops are the plain kernels' phases: masked edges of the window, an unmasked middle."""
+    q, k, v, do = _qkv(1, 4, 2, 150, 170)
+    rel = torch.randn(4, 2 * 170 - 1, device=DEVICE)
+    _check(q, k, v, do, mask="causal", window=(70, 0), score_mod=g.generate_relative_bias(rel, 170))
+
+
 def test_scalars_and_both_mods_with_padding_in_fp16():
     q, k, v, do = _qkv(2, 2, 1, 37, 50, dtype=torch.float16)
     lens_q = torch.tensor([37, 20], device=DEVICE)

@@ -108,6 +108,10 @@ def hoist(tree: ir.Node, fixed: frozenset, prefix: str) -> tuple[ir.Node, tuple[
     return walk(tree), tuple(found)
 
 
+def _has_tanh(n: ir.Node) -> bool:
+    return (isinstance(n, ir.Unary) and n.op == "tanh") or any(_has_tanh(c) for c in n.children())
+
+
 def _reads_score(n: ir.Node) -> bool:
     return (isinstance(n, ir.Input) and n.name == "score") or any(_reads_score(c) for c in n.children())
 
@@ -127,6 +131,7 @@ class ModCode:
         self.mask_tree = parse(spec.mask_mod, "mask_mod", *decls) if spec.mask_mod is not None else None
         self.dscore_tree = d_score(self.score_tree) if self.score_tree is not None else None
         self.helpers = TRITON_HELPERS
+        self.uses_tanh = any(_has_tanh(t) for t in (self.score_tree, self.mask_tree) if t is not None)
         # [Note] Captured-tensor gradients: one (tensor position, load, derivative) per distinct load of a float
         # tensor in the score_mod; the dK/dV kernel writes each load's dS * derivative and its element's linear
         # index into a workspace the host reduces in a fixed order (fagen/templates/triton/mods.j2).

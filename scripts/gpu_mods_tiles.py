@@ -26,9 +26,9 @@ Table columns:
           bwd: the dK/dV kernel, then the dQ kernel), from the compiled cubins
   check   the check of phase 2 (max |diff| / max |ref|), "ok" under 2e-2 and 3e-2 (grads)
   best    `*` on the fastest config of the row and direction; `=` within 3% of it
-Then a summary per mod class (the key of MODDED_TILES in fagen/runtime/modded.py: whether the mods read captured
-tensors): each config's geometric mean of (fwd + bwd ms) over the class's rows relative to the current default,
-and the winner, to copy into MODDED_TILES. $OUT/mods_tiles.json (if $OUT is set) holds every record.
+Then a summary per mod class (the key of MODDED_TILES in fagen/runtime/modded.py: a mask_mod or a score_mod alone,
+reading captured tensors or not): each config's geometric mean of (fwd + bwd ms) over the class's rows relative to
+the current default, and the winner, to copy into MODDED_TILES. $OUT/mods_tiles.json (if $OUT is set) holds every record.
 """
 
 from __future__ import annotations
@@ -360,16 +360,19 @@ def print_table(records) -> None:
 
 
 def print_summary(records, setups) -> dict:
-    """Per class (reads captured tensors or not): each config's geometric mean of (fwd + bwd) ms over the class's
-    rows, relative to the row's current default; the winner goes into MODDED_TILES."""
+    """Per class (MODDED_TILES's key: a mask_mod or a score_mod alone, reading captured tensors or not): each
+    config's geometric mean of (fwd + bwd) ms over the class's rows, relative to the row's current default; the
+    winner goes into MODDED_TILES."""
+    from fagen.runtime.modded import mods_class
+
     summary = {}
-    print("\n| class (MODDED_TILES key) | config | fwd+bwd time vs default (geomean) | fwd | bwd | rows |")
+    print("\n| MODDED_TILES key | config | fwd+bwd time vs default (geomean) | fwd | bwd | rows |")
     print("|---|---|---:|---:|---:|---|")
-    for loads in (True, False):
-        rows = [r for r, s in setups.items() if bool(s[2].fields[2]) == loads]
-        if not rows:
-            continue
-        key = f'("sm_90", {loads})'
+    classes = {}
+    for row, s in setups.items():
+        classes.setdefault(mods_class(s[2].fields), []).append(row)
+    for (kind, loads), rows in classes.items():
+        key = f'("sm_90", "{kind}", {loads})'
         scores = {}
         for config in dict.fromkeys(r["config"] for r in records):
             rel = {"sum": [], "fwd": [], "bwd": []}

@@ -33,22 +33,31 @@ _MODULES: dict[tuple, tuple[ModuleType, ModArgs]] = {}
 # score_mod compiles at m128n128, 3 stages, in 225 KB, as the switch kernel does.
 
 
-# The choice per arch, in one place: MODDED_TILES maps (arch, whether the mods read captured tensors) to the launch
-# fields a head_dim > 64 modded spec sets over its plain spec's ({} keeps the plain tiles). scripts/gpu_mods_tiles.py
-# times candidate tiles on the rows of `fagen bench --suite mods` (d128 bf16) and prints the winner of each key, to
-# copy here. An arch without an entry takes the compile-only rule above.
-MODDED_TILES: dict[tuple[str, bool], dict] = {
-    ("sm_90", True): {"block_n": 64, "num_stages": 2},
-    ("sm_90", False): {},
+# The choice per arch, in one place: MODDED_TILES maps (arch, kind, loads) to the launch fields a head_dim > 64
+# modded spec sets over its plain spec's ({} keeps the plain tiles): kind "mask" for specs with a mask_mod (with or
+# without a score_mod), "score" for a score_mod alone; loads: whether the mods read captured tensors.
+# scripts/gpu_mods_tiles.py times candidate tiles on the rows of `fagen bench --suite mods` (d128 bf16) and prints
+# the winner of each key, to copy here. An arch without an entry takes the compile-only rule above.
+MODDED_TILES: dict[tuple[str, str, bool], dict] = {
+    ("sm_90", "score", True): {"block_n": 64, "num_stages": 2},  # relative bias, learned bias
+    ("sm_90", "mask", True): {"block_n": 64, "num_stages": 2},  # document mask
+    ("sm_90", "score", False): {},  # ALiBi, softcap
+    ("sm_90", "mask", False): {},  # prefix-LM, sliding window, dilated
 }
 
 
-def modded_tiles(base: KernelSpec, loads: bool, arch: str) -> dict:
+def mods_class(fields: tuple) -> tuple[str, bool]:
+    """(kind, loads) of a Mods' fields: MODDED_TILES's key after the arch."""
+    return ("mask" if fields[1] is not None else "score"), bool(fields[2])
+
+
+def modded_tiles(base: KernelSpec, fields: tuple, arch: str) -> dict:
     """The launch fields a modded spec sets over its plain spec's (`base`, resolved for `arch`) on `arch`
     ([Note] Modded tiles); {} keeps the plain tiles."""
     if base.head_dim <= 64:
         return {}
-    found = MODDED_TILES.get((arch, loads))
+    kind, loads = mods_class(fields)
+    found = MODDED_TILES.get((arch, kind, loads))
     if found is not None:
         return dict(found)
     return {"block_n": min(64, base.block_n), "num_stages": min(2, base.num_stages)} if loads else {}
@@ -61,7 +70,7 @@ def modded_spec(base: KernelSpec, fields: tuple, tiles: dict | None = None, arch
     score, text, tensors, scalars = fields
     if tiles is None:
         arch = arch or gpu_arch() or DEFAULT_ARCH
-        tiles = modded_tiles(base.for_arch(arch), bool(tensors), arch)
+        tiles = modded_tiles(base.for_arch(arch), fields, arch)
     given = {k: v for k, v in base.to_dict().items() if k not in base.defaulted}
     return KernelSpec.from_dict({**given, **tiles, "score_mod": score, "mask_mod": text,
                                  "mod_tensors": [list(t) for t in tensors],

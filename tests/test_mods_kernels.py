@@ -67,6 +67,24 @@ def test_a_block_mask_with_a_builtin_mask_gqa_and_coarse_blocks(block):
     _check(q, k, v, do, mask="causal", mask_mod=mask_mod, block_mask=block_mask)
 
 
+def test_a_module_refuses_a_block_mask_built_for_other_keys():
+    """The kernels read each list row up to its length from Sk: a block mask of another Sk (or a hand-made list
+    of the wrong dtype) is one clear error at the module's entry, never a read past the lists."""
+    from fagen.runtime.modded import module_for
+    from fagen.runtime.mods import prepare
+
+    q, k, v, _ = _qkv(1, 2, 2, 64, 64)
+    mask_mod = g.generate_sliding_window(10)
+    mods = prepare(mask_mod=mask_mod)
+    module, _ = module_for(q, k, v, "none", (), mods)
+    other = fagen.create_block_mask(mask_mod, None, None, 64, 200, device=DEVICE)
+    with pytest.raises(Exception, match=r"do not fit q \(1, 2, 64, 32\) and k \(1, 2, 64, 32\)"):
+        module.forward(q, k, v, mods=mods.values, block_mask=other)
+    good = fagen.create_block_mask(mask_mod, None, None, 64, 64, device=DEVICE).kernel_form(DEVICE, 64, 64)
+    with pytest.raises(Exception, match="expected int8 classes and int32 lists"):
+        module.forward(q, k, v, mods=mods.values, block_mask=(good[0], good[1].long(), *good[2:]))
+
+
 def test_a_score_mod_runs_the_plain_phases_of_a_builtin_window():
     """Without a mask_mod the loops are the plain kernels' phases: masked edges of the window, an unmasked middle."""
     q, k, v, do = _qkv(1, 4, 2, 150, 170)

@@ -210,6 +210,8 @@ def main() -> None:
     ap.add_argument("--rows", help="comma-separated bench rows (default: all but " + ", ".join(SKIP_ROWS) + ")")
     ap.add_argument("--configs", help="comma-separated mXnYwWsS (default: " + ",".join(CONFIGS) + ")")
     ap.add_argument("--rep-ms", type=float, default=40.0)
+    ap.add_argument("--time-limit", type=float, default=140.0,
+                    help="seconds from the start after which no more (row, config) is timed (recorded as skipped)")
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 4),
                     help="compile-phase processes; 0: compile in this process")
     ap.add_argument("--smoke", action="store_true", help="a CPU run through Triton's interpreter at a tiny shape "
@@ -224,11 +226,10 @@ def main() -> None:
         from fagen.bench.mods import ModsShape
 
         DEVICE, SHAPE = "cpu", ModsShape(batch=1, heads=2, seq=160, head_dim=32, dtype=torch.float32)
-        args.workers, args.rep_ms = 0, 1.0
+        args.workers, args.rep_ms, args.time_limit = 0, 1.0, 1e9
     import torch
 
     from fagen.bench.mods import ModsShape, _visible_pairs, cases
-    from fagen.bench.timing import measure
 
     all_rows = [c[0] for c in cases(ModsShape(seq=256, heads=2), "cpu")]
     rows = args.rows.split(",") if args.rows else [r for r in all_rows if r not in SKIP_ROWS]
@@ -267,43 +268,23 @@ def main() -> None:
     q, k, v, do = inputs(shape)
     dev = torch.device(DEVICE)
     check_rows, do_check = check_inputs(shape, do)
+    masks = {row: block_mask(shape, setups[row][1]) for row in rows}
+    flops = {row: 4.0 * shape.head_dim * _visible_pairs(masks[row], setups[row][1], shape) for row in rows}
+    first = {}
+    # The defaults first, then the candidates, each over every row: a run cut by --time-limit keeps whole configs.
+    order = [c for c in dict.fromkeys([*defaults.values(), *configs])]
     records = []
-    for row in rows:
-        sm, mm, mods, base = setups[row]
-        bm = block_mask(shape, mm)
-        fl = 4.0 * shape.head_dim * _visible_pairs(bm, mm, shape)
-        default = defaults[row]
-        first = None
-        for config in configs:
-            rec = {"mod": row, "config": config, "default": config == default}
-            if (row, config) in errors and _compile_error(errors[(row, config)]):  # else: retried here
+    for config in order:
+        for row in rows:
+            sm, mm, mods, base = setups[row]
+            rec = {"mod": row, "config": config, "default": config == defaults[row]}
+            if time.perf_counter() - t_start > args.time_limit:
+                rec["error"] = f"skipped: past --time-limit {args.time_limit:.0f} s"
+            elif (row, config) in errors and _compile_error(errors[(row, config)]):  # else: retried here
                 rec["error"] = errors[(row, config)]
-                records.append(rec)
-                continue
-            try:
-                module = module_of(base, mods, config)
-                fwd, att = runner(module, mods, bm, q, k, v)
-                got = check_values(fwd, att, q, k, v, do_check, check_rows)
-                if first is None:
-                    want = reference(shape, sm, mm, q, k, v, do_check, check_rows)
-                    rec["check_vs"] = "fp32 reference"
-                    first = got
-                else:
-                    want = first
-                    rec["check_vs"] = "first config"
-                errs = [rel_err(a, b) for a, b in zip(got, want)]
-                rec["check"] = errs
-                rec["check_ok"] = errs[0] < 2e-2 and max(errs[1:]) < 3e-2
-                with torch.no_grad():
-                    rec["fwd_ms"] = measure(lambda i: fwd(), 1, dev, 10.0, args.rep_ms)
-                out = att()
-                rec["bwd_ms"] = measure(lambda i: torch.autograd.grad(out, (q, k, v), do, retain_graph=True), 1, dev,
-                                        10.0, args.rep_ms)
-                rec["fwd_TF/s"] = fl / rec["fwd_ms"] / 1e9
-                rec["bwd_TF/s"] = 2.5 * fl / rec["bwd_ms"] / 1e9
-                rec["resources"] = kernel_resources(module)
-            except Exception as e:  # noqa: BLE001 - recorded in the table
-                rec["error"] = _error(e)
+            else:
+                time_one(rec, module_of, base, mods, masks[row], flops[row], first, row, sm, mm, shape,
+                         (q, k, v, do, do_check, check_rows), dev, args.rep_ms)
             records.append(rec)
             print(_progress(rec), flush=True)
     print_table(records)
@@ -315,6 +296,40 @@ def main() -> None:
                        "triton": __import__("triton").__version__, "shape": str(shape),
                        "records": records, "summary": summary}, f, indent=1, default=str)
     print(f"total {time.perf_counter() - t_start:.0f} s (compile phase {t_compiled - t_start:.0f} s)")
+
+
+def time_one(rec, module_of, base, mods, bm, fl, first, row, sm, mm, shape, tensors, dev, rep_ms) -> None:
+    """Check one (row, config) (against the fp32 reference at the row's first config, else against that config's
+    results), then time its forward and backward into rec."""
+    import torch
+
+    from fagen.bench.timing import measure
+
+    q, k, v, do, do_check, check_rows = tensors
+    try:
+        module = module_of(base, mods, rec["config"])
+        fwd, att = runner(module, mods, bm, q, k, v)
+        got = check_values(fwd, att, q, k, v, do_check, check_rows)
+        if row not in first:
+            want = reference(shape, sm, mm, q, k, v, do_check, check_rows)
+            rec["check_vs"] = "fp32 reference"
+            first[row] = got
+        else:
+            want = first[row]
+            rec["check_vs"] = "first config"
+        errs = [rel_err(a, b) for a, b in zip(got, want)]
+        rec["check"] = errs
+        rec["check_ok"] = errs[0] < 2e-2 and max(errs[1:]) < 3e-2
+        with torch.no_grad():
+            rec["fwd_ms"] = measure(lambda i: fwd(), 1, dev, 10.0, rep_ms)
+        out = att()
+        rec["bwd_ms"] = measure(lambda i: torch.autograd.grad(out, (q, k, v), do, retain_graph=True), 1, dev, 10.0,
+                                rep_ms)
+        rec["fwd_TF/s"] = fl / rec["fwd_ms"] / 1e9
+        rec["bwd_TF/s"] = 2.5 * fl / rec["bwd_ms"] / 1e9
+        rec["resources"] = kernel_resources(module)
+    except Exception as e:  # noqa: BLE001 - recorded in the table
+        rec["error"] = _error(e)
 
 
 def _error(e: Exception) -> str:

@@ -8,7 +8,7 @@ LOGS="${OUT:-cuda-gpu-logs}"
 mkdir -p "$LOGS"
 export FAGEN_CACHE_DIR="${FAGEN_CACHE_DIR:-$(mktemp -d -t fagen-cache-XXXX)}"  # one cache: each variant compiles once
 export HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-gpu}"
-python3 -c "import torch, triton; from cuda.bindings import driver; print('torch', torch.__version__, '| triton', triton.__version__, '| GPU', torch.cuda.get_device_name())" || exit 1
+python3 -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__, '| GPU', torch.cuda.get_device_name())" || exit 1
 nvcc --version | tail -2 | head -1
 
 status=0

@@ -31,6 +31,14 @@ def _specs():
                          score_mod="score * cap + bias[h, q_idx - kv_idx + 63] * w[h]",
                          mask_mod="doc[q_idx] == doc[kv_idx]", mod_scalars=[["cap", "float"]],
                          mod_tensors=[["bias", "fp32", 2], ["doc", "i32", 1], ["w", "bf16", 1]])
+    # deterministic=False's fused backward ([Note] Atomic dQ): its DQAccum arguments and the postprocess kernel.
+    for mask, layout, bits in itertools.product(("none", "causal", "padding", "tree"), ("dense", "varlen"), (0, 15)):
+        switches = {name: bool(bits >> i & 1) for i, name in enumerate(SCORE_SWITCHES)}
+        try:
+            yield KernelSpec(head_dim=64, mask=mask, dtype="bf16", direction="bwd", layout=layout,
+                             deterministic=False, **switches)
+        except SpecError:
+            continue
 
 
 SPECS = list(_specs())

@@ -2,6 +2,7 @@
 
 import shutil
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from fagen.aot import nvcc
 from fagen.backends import cuda as cuda_backend
 from fagen.spec.axes import Backend, DType, Mask
 from fagen.spec.manifest import DEFAULT_CATALOG, load_manifest
-from fagen.codegen.render import generate_launcher
+from fagen.codegen.render import VERBATIM_MARKER, generate_launcher
 from fagen.verify.strategies import Problem
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
@@ -186,6 +187,28 @@ def test_load_returns_a_launcher_beside_its_source():
     assert fagen.load(spec) is mod
     assert mod.SOURCE.read_text() == fagen.generate(spec) and mod.NAME == spec.name
     assert mod.SMEM_BYTES == nvcc.check_fits(spec, "sm_90")
+
+
+@needs_nvcc
+def test_the_launchers_jit_compile_and_the_aot_compile_make_the_same_cubin(tmp_path):
+    """One nvcc command line (fagen/runtime/driver.py:nvcc_command): the launcher's first-use compile and `fagen
+    build`'s give the same cubin; a flag added to one path only (say -use_fast_math) makes them differ."""
+    spec = cuda_spec(mask="causal", dtype="bf16")
+    mod = fagen.load(spec)
+    jit = mod._nvcc("sm_90")
+    assert jit[:4] == b"\x7fELF" and list(mod.SOURCE.parent.glob(f"{mod.SOURCE.stem}.*.sm_90.cubin"))
+    assert jit == nvcc.compile_spec(spec, "sm_90", tmp_path).cubin.read_bytes()
+
+
+def test_the_launcher_includes_the_one_cuda_driver_verbatim():
+    """The generated launcher carries fagen/runtime/driver.py's code (it must not import fagen) and no other driver
+    wrapper: no cuda-python."""
+    from fagen.runtime import driver
+
+    launcher = generate_launcher(cuda_spec(mask="causal"))
+    static = Path(driver.__file__).read_text().split(VERBATIM_MARKER, 1)[1].strip()
+    assert static in launcher
+    assert "cuda.bindings" not in launcher and "from cuda" not in launcher and "import fagen" not in launcher
 
 
 def test_cpu_tensors_get_a_clear_device_error():

@@ -48,12 +48,14 @@ def test_invalid_mods_name_the_field(fields, field):
     assert e.value.field == field, str(e.value)
 
 
-def test_render_refuses_mods_where_the_templates_do_not_take_them():
-    """Mods render into the Triton prefill kernels on the dense layout; decode and the other layouts name the field."""
+def test_mods_render_into_every_triton_kind_and_layout():
+    """Mods render into the Triton prefill (dense, varlen, paged) and decode (dense, paged) kernels
+    (tests/test_mods_layouts.py runs them); the cuda and gluon backends name the field."""
     from fagen.codegen.render import render
 
-    assert "_fwd_mod" in render(KernelSpec(head_dim=64, score_mod="score * 2.0")).source
-    with pytest.raises(SpecError, match="^kind: .*prefill kernels only"):
-        render(KernelSpec(head_dim=64, score_mod="score * 2.0", kind="decode"))
-    with pytest.raises(SpecError, match="^layout: .*dense layout only"):
-        render(KernelSpec(head_dim=64, mask_mod="q_idx >= kv_idx", layout="varlen", mask="causal"))
+    for fields in ({}, {"layout": "varlen"}, {"layout": "paged"}, {"kind": "decode"},
+                   {"kind": "decode", "layout": "paged"}):
+        source = render(KernelSpec(head_dim=64, mask="causal", score_mod="score * 2.0", **fields)).source
+        assert "# ln 2: the mod sees scale * q.k" in source, fields
+    with pytest.raises(SpecError, match="^backend: .*triton"):
+        KernelSpec(head_dim=64, score_mod="score * 2.0", backend="cuda")

@@ -6,17 +6,16 @@ import dataclasses
 import functools
 import json
 import re
-import shutil
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 from fagen import backends, files
+from fagen.runtime.driver import NVCC_FLAGS, find_nvcc, nvcc_command
 from fagen.spec import targets
 
-# -O3 and C++17; no fast-math: exp2f/log2f keep their documented accuracy. -Xptxas -v prints the resources.
-FLAGS = ("-O3", "-std=c++17", "-Xptxas", "-v")
+FLAGS = NVCC_FLAGS  # -O3, C++17, no fast-math, -Xptxas -v (the resource report): fagen/runtime/driver.py
 WERROR = ("-Werror", "all-warnings")  # the generated sources compile with zero warnings; tests hold them to it
 MIN_ARCH = 80  # mma.sync m16n8k16 with bf16, ldmatrix and cp.async need sm_80 or newer
 FORMAT = "1"  # bump when the artifact layout in the cache changes
@@ -64,9 +63,10 @@ def check_arch(arch: str) -> str:
 
 
 def nvcc_path() -> str:
-    path = shutil.which("nvcc")
+    path = find_nvcc()
     if path is None:
-        raise NvccError("nvcc not found on PATH; install the CUDA toolkit (12.x or 13.x) or add its bin/ to PATH")
+        raise NvccError("nvcc not found on PATH or in $CUDA_HOME/bin; install the CUDA toolkit (12.x or 13.x) or add "
+                        "its bin/ to PATH")
     return path
 
 
@@ -105,13 +105,12 @@ def compile(source: str, arch: str, out_dir: str | Path, *, name: str = "kernel"
     arch = check_arch(arch)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    flags = _flags(werror)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="fagen-nvcc-") as tmp:
         cu, cubin, ptx = (Path(tmp) / f"{name}.{ext}" for ext in ("cu", "cubin", "ptx"))
         cu.write_text(source)
         # One nvcc run: --keep leaves the PTX it compiled the cubin from beside the source.
-        cmd = [nvcc_path(), "-cubin", f"-arch={arch}", *flags, "--keep", "--keep-dir", tmp, "-o", str(cubin), str(cu)]
+        cmd = nvcc_command(nvcc_path(), arch, cu, cubin, (*(WERROR if werror else ()), "--keep", "--keep-dir", tmp))
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
         except subprocess.TimeoutExpired:

@@ -24,6 +24,14 @@ def smem_bytes(head_dim: int, block_m: int, block_n: int, num_stages: int, items
     return (itemsize * (2 * 2 * half + 2 * num_stages * block_n) + 2 * 2 * half) * head_dim + 1024
 
 
+# [Note] Gluon mod tiles. A score_mod that reads a captured tensor at an index using q_idx or kv_idx (KernelSpec.
+# mod_gathers: a relative bias `bias[h, q_idx - kv_idx + c]`) holds one loaded value (and its address) per score in
+# the consumer's registers beside S, O and P: at d128 with block_n 128 it compiled with 3436 spilled words (ptxas,
+# sm_90), with block_n 64 and 4 K/V slots (the same 229 KB of shared memory) with none. A load per row or per head
+# (ALiBi's `slopes[h]`) keeps the measured default tiles, as do mods of numbers only (softcap). Compile-only
+# numbers: tests/test_gluon_mods.py.
+
+
 class GluonBackend(KernelBackend):
     backend = Backend.GLUON
     templates = {Kind.PREFILL: "gluon/attention.py.j2"}
@@ -72,6 +80,9 @@ class GluonBackend(KernelBackend):
     selected_dtypes = (DType.BF16,)
     selected_masks = (Mask.NONE, Mask.CAUSAL)
     selected_switches = (("window",), Mask.CAUSAL)  # the one switch set selected, and its mask (any gqa)
+    # A score_mod (no mask_mod, no switch) at the selected head dims, dtypes and masks: off until an H100 run of
+    # scripts/gpu_gluon_mods.py shows the gluon modded forward beating the Triton one (docs/mods.md, "Gluon").
+    select_score_mods = False
 
     def default_config(self, spec, arch: str, given: dict) -> dict:
         """The measured default (docs/hopper.md), on sm_90 only. d128: 2 K/V slots, all that fits beside Q (two
@@ -80,6 +91,8 @@ class GluonBackend(KernelBackend):
         "fp8 forward")."""
         if spec.dtype is DType.FP8_E4M3:
             return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 4}
+        if spec.mod_gathers:  # [Note] Gluon mod tiles
+            return {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 4}
         return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2 if spec.head_dim >= 128 else 3}
 
     def smem_bytes(self, spec) -> int:
@@ -93,6 +106,9 @@ class GluonBackend(KernelBackend):
         if not (spec.kind is Kind.PREFILL and spec.direction is Direction.FWD
                 and spec.head_dim in self.selected_head_dims and spec.dtype in self.selected_dtypes):
             return False
+        if spec.modded:
+            return (self.select_score_mods and spec.mask_mod is None and not spec.switches
+                    and spec.mask in self.selected_masks)
         if spec.switches:
             return (spec.switches, spec.mask) == self.selected_switches
         return spec.mask in self.selected_masks and not (spec.mask is Mask.CAUSAL and spec.gqa == 1)

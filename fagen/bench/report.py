@@ -87,7 +87,8 @@ def relative_target(case: str, mine: float | None, by: dict) -> str:
     "1.52x flex (>= 1.3 met); 0.95x fwd-d128-causal-s32k (>= 0.9 met)"; "-" where a number is missing."""
     parts = []
     for ref, bound in RELATIVE_TARGETS[case]:
-        rec = by.get((case, ref)) if ref in IMPLS else by.get((ref, "fagen"))
+        rec = by.get((case, ref)) if ref in IMPLS else by.get(tuple(ref.split("/"))) if "/" in ref \
+            else by.get((ref, "fagen"))
         theirs = value(rec) if rec is not None and rec.get("check") != "fail" else None
         if mine is None or theirs is None:
             parts.append(f">= {bound:g}x {ref} -")

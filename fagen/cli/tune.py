@@ -78,6 +78,10 @@ def tune(spec_file, batch, heads, seq_q, seq_k, suite, quick, device, table, dry
     winners = []
     for case in tuner.unique_by_key(cases):
         spec, _ = case.spec(hopper=False)
+        if not spec.deterministic:  # its tiles would land on the deterministic spec's key (tuned.json has no mode)
+            log(f"{case.name}: deterministic=False is not tuned (the tuned table's keys have no mode); tune the "
+                "deterministic spec, or pin deterministic=False tiles with --block-m/--block-n/...")
+            continue
         if not force and tuner.existing(None if own else table, arch, spec) is not None:
             where = f"{table} or the shipped {tuned.TUNED_PATH.name}" if own else table
             log(f"{case.name}: {arch} already has an entry in {where} (--force to tune again)")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from fagen.spec.axes import DType, Layout, Mask
+from fagen.spec.axes import DType, Kind, Layout, Mask
 from fagen.spec.kernel import KernelSpec
 
 TENSOR, INT, FLOAT, CONSTEXPR = "tensor", "int", "float", "constexpr"
@@ -92,13 +92,20 @@ def modded(spec: KernelSpec) -> bool:
 
 
 def mask_modded(spec: KernelSpec) -> bool:
-    """A mask_mod: the kernels take a block mask's classes and lists (None without one)."""
-    return spec.mask_mod is not None
+    """A mask_mod in a prefill kernel: the kernels take a block mask's classes and lists (None without one). Decode
+    kernels take none (they read memory; every key block runs the mask_mod)."""
+    return spec.mask_mod is not None and spec.kind is Kind.PREFILL
 
 
 def rows_16(spec: KernelSpec) -> bool:
     """Contiguous row strides are multiples of 16 only when the head dims are (what the AOT build assumes of them)."""
     return spec.head_dim % 16 == 0 and spec.head_dim_v % 16 == 0
+
+
+def atomic_dq(spec: KernelSpec) -> bool:
+    """deterministic=False: the dK/dV kernel adds dQ's partials into an fp32 buffer ([Note] Atomic dQ in
+    triton/backward.py.j2), and _attn_bwd_dq_post converts it; the deterministic specs have neither."""
+    return not spec.deterministic
 
 
 def fp8_cache(spec: KernelSpec) -> bool:
@@ -249,8 +256,10 @@ def _grad_loads(spec: KernelSpec) -> int:
 
 # Each such load's gradient workspace pair, None when its tensor needs no gradient ([Note] Captured-tensor
 # gradients in fagen/codegen/mod_args.py): the dK/dV kernel's and its loop's.
+# Varlen adds mg_sk, the workspaces' key extent (max_seqlen_k; dense: seq_k).
 MOD_GRAD_ARGS = Each(lambda spec: [T(f"{n}{k}", dt, pack="mod_ws", br=k == 0 and n == "MG")
-                                   for k in range(_grad_loads(spec)) for n, dt in (("MG", "fp32"), ("MGI", "i64"))])
+                                   for k in range(_grad_loads(spec)) for n, dt in (("MG", "fp32"), ("MGI", "i64"))]
+                     + ([I("mg_sk", pack="mod_ws")] if varlen(spec) and _grad_loads(spec) else []))
 # A block mask's kernel form ([Note] Block classes in fagen/runtime/block_mask.py): classes int8 [B', H', QB, KB],
 # lists int32 [B', H', QB, 4 KB + 2] (the partial key blocks ascending, the full ones ascending, then the running
 # count of each: [Note] Partial and full lists) and their transpose [B', H', KB, 4 QB + 2] (the dK/dV loop's), the
@@ -302,6 +311,7 @@ ATTN_BWD_PREPROCESS = Kernel("_attn_bwd_preprocess", (
 ATTN_BWD_DKDV = Kernel("_attn_bwd_dkdv", (
     T("Q", host="q", divisible=always), T("K", host="k", divisible=always), T("V", host="v", divisible=always),
     T("DO", host="do", divisible=always), T("DK", host="dk", divisible=always), T("DV", host="dv", divisible=always),
+    T("DQAccum", "fp32", when=atomic_dq, host="dq_acc", divisible=always),
     *_ROW_STATS, *_LENGTHS, *_BWD_SCALES, *_BWD_QKV_STRIDES,
     *_strides("dk", "bhn", "dk", br="b"), *_strides("dv", "bhn", "dv"),
     dataclasses.replace(_TREE_STRIDES[0], br=True), _TREE_STRIDES[1], *_BWD_TAIL, MOD_GRAD_ARGS,
@@ -317,13 +327,20 @@ ATTN_BWD_DQ = Kernel("_attn_bwd_dq", (
     *_HEAD_D, *_HEAD_DV, C("BLOCK_M", "DQ_BLOCK_M"), C("BLOCK_N", "DQ_BLOCK_N"), C("GQA", br=True), _UPCAST,
 ), packs={"scores": "scores", "blocks": _BLOCK_PACK}, warps="DQ_NUM_WARPS", stages="DQ_NUM_STAGES")
 
+# deterministic=False ([Note] Atomic dQ in triton/backward.py.j2): dQ = scale * DQAccum in dq's dtype and layout.
+ATTN_BWD_DQ_POST = Kernel("_attn_bwd_dq_post", (
+    T("DQAccum", "fp32", host="dq_acc", divisible=always), T("DQ", host="dq", divisible=always), _LENGTHS[0],
+    F("scale", host="scale"), *_strides("dq", "bhm", "dq", br="b"), I("stride_sh", host="sq_pad", divisible=always),
+    I("num_heads", host="hq"), I("seq_q", host="sq"), *_HEAD_D, C("BLOCK_M", "DQ_BLOCK_M"),
+), warps="4", stages="1")
+
 # Split-KV decode ([Note] Last split merges in triton/decode.py.j2): one kernel, whose last split merges.
 DECODE_SPLIT = Kernel("_decode_split", (
     T("Q", host="q", fast="pq"), T("K", host="k", fast="pk"), T("V", host="v", fast="pv"),
     T("Dst", "fp32", host="dst", fast="pd"), T("DstLse", "fp32", host="dst_lse", fast="pdl"),
     T("Out", host="out", fast="po"), T("Lse", "fp32", host="lse", fast="pl"),
     T("Counter", "i32", host="tickets", fast="pc"), *_LENGTHS, F("qk_scale", host=SCALE_LOG2), *_KV_SCALES,
-    *_SCORES, _SINKS, *_PAGING,
+    *_SCORES, _SINKS, *_PAGING, MOD_ARGS,
     *_strides("q", "bhm", "qs", "split_ints", br="b", host="{src}[{i}]"),
     *_strides("k", "bhn", "ks", "split_ints", host="{src}[{i}]"),
     *_strides("v", "bhn", "vs", "split_ints", host="{src}[{i}]"),
@@ -374,13 +391,13 @@ GLUON_FWD = Kernel("_attn_fwd_hopper", (
     T("Lse", "fp32", host="lse"), F("qk_scale", host=_gluon_scale), I("num_tiles", host="num_tiles"),
     I("n_m", host="n_m"), I("num_heads", host="hq"), I("seq_q", host="sq"), I("seq_k", host="sk"),
     I("win_left", when=switched, host="win_left"), I("win_right", when=switched, host="win_right"),
-    F("cap_in", when=switched, host=lambda spec: "0.0" if fp8(spec) else "cap_in"), *_DESCALES,
+    F("cap_in", when=switched, host=lambda spec: "0.0" if fp8(spec) else "cap_in"), *_DESCALES, MOD_ARGS,
     C("HEAD_DIM", br=True), C("BLOCK_M"), C("BLOCK_N"), C("STAGES"), C("GQA"), C("CAUSAL"), C("CONSUMER_REGS", br=True),
     C("LOADER_REGS"),
 ), warps="4", stages="", constexpr_type="gl.constexpr")
 
-KERNELS = {k.name: k for k in (ATTN_FWD, ATTN_BWD_PREPROCESS, ATTN_BWD_DKDV, ATTN_BWD_DQ, DECODE_SPLIT, CUDA_FWD,
-                               GLUON_FWD)}
+KERNELS = {k.name: k for k in (ATTN_FWD, ATTN_BWD_PREPROCESS, ATTN_BWD_DKDV, ATTN_BWD_DQ, ATTN_BWD_DQ_POST,
+                               DECODE_SPLIT, CUDA_FWD, GLUON_FWD)}
 
 # -- what the kernels thread through their @triton.jit helpers ----------------------------------------------------
 _INNER_SCORES = (I("win_left", when=switched), I("win_right", when=switched), F("cap_in", when=switched),
@@ -392,13 +409,19 @@ THREADED = {
                   I("num_pages", when=paged)),
     "dq_inner": (*_INNER_SCORES, F("slope2", when=switched)),
     "dkdv_inner": (*_INNER_SCORES, T("slope_base", "fp32", when=switched)),
+    "dkdv_atomic": (T("dqa_base", "fp32", when=atomic_dq),),  # the fused dK/dV loop's dQ accumulator (row 0)
     # a user mod's captured values and block mask, threaded into the modded loops (_fwd_mod, _dq_mod, _dkdv_mod)
     "mods_inner": (MOD_ARGS, *_THREADED_BLOCKS),
     "mod_grads_inner": (MOD_GRAD_ARGS,),
+    "decode_mods": (I("off_h", when=modded), MOD_ARGS),  # decode's _decode_inner: the rows' query heads, the mods
     "merge": (T("Sinks", "fp32", when=sinks),),  # decode's _merge_splits
     "gluon_scores": (*_INNER_SCORES[:3],),
     "gluon_window": (I("win_left", when=window), I("win_right", when=window)),
     "gluon_descales": _DESCALES,  # the fp8 consumers' descale pointers and head strides
+    # a score_mod's captured values ([Note] Gluon score_mod): to the consumers, and with the tile's batch and query
+    # head into _consumer_step and _softmax
+    "gluon_mods": (MOD_ARGS,),
+    "gluon_mod_step": (I("off_b", when=modded), I("off_h", when=modded), MOD_ARGS),
 }
 
 # -- the host's calling conventions -------------------------------------------------------------------------------

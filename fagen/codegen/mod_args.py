@@ -22,7 +22,7 @@ import dataclasses
 import functools
 
 from fagen.mods import ir
-from fagen.mods.emit import TRITON_HELPERS, TensorRef, to_triton
+from fagen.mods.emit import GLUON_HELPERS, TRITON_HELPERS, TensorRef, to_gluon, to_triton
 from fagen.mods.text import ModScalar, ModTensor
 
 
@@ -118,7 +118,8 @@ def _reads_score(n: ir.Node) -> bool:
 
 class ModCode:
     """What a template emits for a spec's mods: Triton expressions of the score_mod, its d/d score and the mask_mod
-    at given kernel names, all printed from the parsed trees by fagen.mods.emit (never from the user's text)."""
+    at given kernel names, all printed from the parsed trees by fagen.mods.emit (never from the user's text). A
+    backend 'gluon' spec gets Gluon ones (to_gluon, GLUON_HELPERS; [Note] Gluon mods in fagen/mods/emit.py)."""
 
     def __init__(self, spec) -> None:
         from fagen.mods.grad import d_score
@@ -130,7 +131,10 @@ class ModCode:
         self.score_tree = parse(spec.score_mod, "score_mod", *decls) if spec.score_mod is not None else None
         self.mask_tree = parse(spec.mask_mod, "mask_mod", *decls) if spec.mask_mod is not None else None
         self.dscore_tree = d_score(self.score_tree) if self.score_tree is not None else None
-        self.helpers = TRITON_HELPERS
+        self.gluon = str(spec.backend) == "gluon"
+        self.helpers = GLUON_HELPERS if self.gluon else TRITON_HELPERS
+        self._to = to_gluon if self.gluon else to_triton
+        self.packed = str(spec.layout) == "varlen"  # the captured-tensor gradients' workspace layout
         self.uses_tanh = any(_has_tanh(t) for t in (self.score_tree, self.mask_tree) if t is not None)
         # [Note] Captured-tensor gradients: one (tensor position, load, derivative) per distinct load of a float
         # tensor in the score_mod; the dK/dV kernel writes each load's dS * derivative and its element's linear
@@ -165,12 +169,12 @@ class ModCode:
             return ""
         prefix, fixed = hoisted.split(" ", 1)
         names = self._names("", b, h, q_idx, kv_idx)
-        return "".join(f"{pad}{name[1:]} = {to_triton(sub, names)}\n"
+        return "".join(f"{pad}{name[1:]} = {self._to(sub, names)}\n"
                        for name, sub in self._hoisted(field, prefix, fixed)[1])
 
     def score(self, score: str, b: str, h: str, q_idx: str, kv_idx: str, hoisted: str | None = None) -> str:
         names = self._names(score, b, h, q_idx, kv_idx)
-        return to_triton(self._tree("score", hoisted, names), names)
+        return self._to(self._tree("score", hoisted, names), names)
 
     def dscore(self, score: str, b: str, h: str, q_idx: str, kv_idx: str) -> str | None:
         """d score_mod / d score, or None where it is the constant 1 (additive mods: dS passes through)."""
@@ -189,19 +193,22 @@ class ModCode:
             return None
         for this, other in ((tree.a, tree.b), (tree.b, tree.a)):
             if this == ir.Input("score", ir.FLOAT) and not _reads_score(other):
-                code = to_triton(other, names)
-                return code if other.type == ir.FLOAT else f"({code}).to(tl.float32)"
+                code = self._to(other, names)
+                return code if other.type == ir.FLOAT else f"({code}).to({'gl' if self.gluon else 'tl'}.float32)"
         return None
 
     def visible(self, b: str, h: str, q_idx: str, kv_idx: str, hoisted: str | None = None) -> str:
         names = self._names("", b, h, q_idx, kv_idx)
-        return to_triton(self._tree("mask", hoisted, names), names)
+        return self._to(self._tree("mask", hoisted, names), names)
 
     def grad_stores(self, ds: str, p: str, score: str, h: str, q_idx: str, kv_idx: str, pad: str) -> str:
         """The dK/dV loop's stores of each captured-tensor load's dS * derivative and linear element index into its
         workspace pair (MG<k>, MGI<k>) at the element's (b, h, q, kv) position, where the host asked for them."""
         lines = []
         names = self._names(score, "off_b", h, q_idx, kv_idx)
+        # dense: [B, Hq, Sq, Sk]; varlen: [B, Hq, S_pad, max_seqlen_k] per sequence (stride_sh is S_pad >= len_q)
+        rows, keys, q_in, kv_in = ("stride_sh", "mg_sk", "len_q", "tl.minimum(len_k, mg_sk)") if self.packed else \
+            ("seq_q", "seq_k", "seq_q", "seq_k")
         for k, (i, load, deriv) in enumerate(self.grad_loads):
             linear = "0"
             for d, index in enumerate(load.index):
@@ -209,8 +216,8 @@ class ModCode:
                 linear = (f"({linear}) * mt{i}_n{d} + " if d else "") + clamped
             value = f"tl.where({p} == 0.0, 0.0, {ds} * ({to_triton(deriv, names)}))"
             lines += [f"if MG{k} is not None:",
-                      f"    gpos = ((off_b * num_heads + {h}).to(tl.int64) * seq_q + {q_idx}) * seq_k + {kv_idx}",
-                      f"    gin = ({q_idx} < seq_q) & ({kv_idx} < seq_k)",
+                      f"    gpos = ((off_b * num_heads + {h}).to(tl.int64) * {rows} + {q_idx}) * {keys} + {kv_idx}",
+                      f"    gin = ({q_idx} < {q_in}) & ({kv_idx} < {kv_in})",
                       f"    tl.store(MG{k} + gpos, {value}, mask=gin)",
                       f"    tl.store(MGI{k} + gpos, ({linear}).to(tl.int64) + gpos * 0, mask=gin)"]
         return "".join(pad + line + "\n" for line in lines)

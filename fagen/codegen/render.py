@@ -18,10 +18,11 @@ import jinja2
 from fagen import __version__, backends
 from fagen.codegen import signatures
 from fagen.spec import tables
-from fagen.spec.axes import DECODE_MAX_SEQ_Q, MAX_PAGE_SIZE, DType, Kind, Layout
-from fagen.spec.kernel import KernelSpec, SpecError
+from fagen.spec.axes import DECODE_MAX_SEQ_Q, MAX_PAGE_SIZE, DType, Layout
+from fagen.spec.kernel import KernelSpec
 
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"  # fagen/templates, installed with the package
+_PACKAGE = jinja2.FileSystemLoader(TEMPLATE_DIR.parent)  # fagen/: static modules a launcher includes verbatim
 
 
 def template_dir() -> Path:
@@ -55,7 +56,8 @@ def _environment(root: Path) -> jinja2.Environment:
         raise FileNotFoundError(f"fagen's templates are missing: {root} has no triton/ folder "
                                 "(reinstall fagen, or unset FAGEN_TEMPLATE_DIR)")
     env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(root),  # auto_reload: an edited template is read again
+        # auto_reload: an edited template is read again; "fagen/..." names a package module, included verbatim
+        loader=jinja2.ChoiceLoader([jinja2.FileSystemLoader(root), jinja2.PrefixLoader({"fagen": _PACKAGE})]),
         undefined=jinja2.StrictUndefined,  # a missing variable fails here, not as a compiler error later
         trim_blocks=True,
         lstrip_blocks=True,
@@ -74,8 +76,8 @@ VERBATIM_MARKER = "# -- fagen: included verbatim below this line --\n"
 
 @jinja2.pass_environment
 def _verbatim(env: jinja2.Environment, name: str) -> str:
-    """The static code of templates/<name> (a .py file linters read): the text below its marker line, without the
-    last newline (the including template's line supplies it)."""
+    """The static code of templates/<name>, or of the package module fagen/<...> (a .py file linters read): the text
+    below its marker line, without the last newline (the including template's line supplies it)."""
     source = env.loader.get_source(env, name)[0]
     if VERBATIM_MARKER not in source:
         raise ValueError(f"templates/{name} has no line {VERBATIM_MARKER.strip()!r} to include below")
@@ -151,23 +153,8 @@ def render(spec: KernelSpec) -> Rendered:
     """
     if not isinstance(spec, KernelSpec):
         raise TypeError(f"render() takes a KernelSpec, got {type(spec).__name__}")
-    if spec.modded:
-        _check_modded(spec)
     root = template_dir()
     return _render(spec, root, _stamp(root))
-
-
-def _check_modded(spec: KernelSpec) -> None:
-    """The modded variants the templates emit: the Triton prefill, dense layout (forward and backward). The others
-    are a SpecError naming the field that asks for them (docs/mods.md, "What is not supported yet")."""
-    field = "score_mod" if spec.score_mod is not None else "mask_mod"
-    if spec.kind is not Kind.PREFILL:
-        raise SpecError("kind", str(spec.kind), f"a {field} is rendered into prefill kernels only (no decode kernel "
-                        "with mods yet); use kind 'prefill'")
-    if spec.layout is not Layout.DENSE:
-        raise SpecError("layout", str(spec.layout), f"a {field} is rendered into the dense layout only (varlen and "
-                        "paged kernels with mods are not generated yet); use layout 'dense', with a document "
-                        "mask_mod for packed sequences")
 
 
 render.cache_clear = lambda: _render.cache_clear()  # for tests that change the tables under a render

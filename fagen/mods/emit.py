@@ -1,8 +1,10 @@
-"""Emit a mod's tree as Triton expression code. Only the tree is printed: names come from the kernel's own
+"""Emit a mod's tree as Triton (or Gluon) expression code. Only the tree is printed: names come from the kernel's own
 mapping, numbers are formatted here, and nothing of the user's text reaches the source.
 
 A kernel that uses mods pastes TRITON_HELPERS once at module level (after `import triton.language as tl`) and
-calls `to_triton(tree, names)` wherever it needs the value.
+calls `to_triton(tree, names)` wherever it needs the value. A Gluon kernel (fagen/templates/gluon/attention.py.j2)
+pastes GLUON_HELPERS and calls `to_gluon`: the same tree walk over `gl` ops, whose operands carry the score tile's
+distributed layout (the inputs' expressions are slices of it, so every value and load takes that layout).
 """
 
 from __future__ import annotations
@@ -54,6 +56,50 @@ def _mod_index(i, size):
     return tl.minimum(tl.maximum(i, 0), size - 1).to(tl.int64)
 '''
 
+# [Note] Gluon mods. The same helpers as @gluon.jit functions over `gl` (a Gluon kernel cannot call a @triton.jit
+# one), plus _mod_sigmoid (gl has no sigmoid; tl.sigmoid's 1 / (1 + exp(-x))). tanh is tanh.approx.f32, the
+# softcap switch's ([Note] Gluon score switches): a Gluon kernel always runs compiled for sm_90 with fp16/bf16 out,
+# and the exact exp2 form costs a second MUFU op and a division per score in a loop the exponentials already bound.
+# NaN propagation of minimum/maximum is gl's PROPAGATE_NAN.ALL, named through a module constexpr.
+GLUON_HELPERS = '''
+from triton.language.core import PropagateNan as _PropagateNan
+
+_MOD_NAN = gl.constexpr(_PropagateNan.ALL)
+
+
+@gluon.jit
+def _mod_floordiv(a, b):
+    """Python's a // b on ints (see [Note] Floor division in fagen/mods/emit.py)."""
+    q = a // b
+    r = a - q * b
+    return q - ((r != 0) & ((r < 0) != (b < 0))).to(q.dtype)
+
+
+@gluon.jit
+def _mod_floormod(a, b):
+    """Python's a % b on ints: the sign of b."""
+    r = a - (a // b) * b
+    return r + gl.where((r != 0) & ((r < 0) != (b < 0)), b, 0)
+
+
+@gluon.jit
+def _mod_tanh(x):
+    """tanh.approx.f32 ([Note] Gluon mods in fagen/mods/emit.py)."""
+    return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _mod_sigmoid(x):
+    return 1.0 / (1.0 + gl.exp(-x))
+
+
+@gluon.jit
+def _mod_index(i, size):
+    """A captured tensor's index, as torch reads it, clamped into [0, size - 1] (see [Note] Index clamping)."""
+    i = gl.where(i < 0, i + size, i)
+    return gl.minimum(gl.maximum(i, 0), size - 1).to(gl.int64)
+'''
+
 
 # [Note] Cheaper forms. Two rewrites save work per score without changing what the mods mean:
 #   - `a / d` with d uniform over a tile (numbers, scalars, b and h, loads indexed by them: softcap's
@@ -83,10 +129,22 @@ class TensorRef(NamedTuple):
     sizes: tuple[str, ...]
 
 
-_TL = {ir.INT: "tl.int32", ir.FLOAT: "tl.float32"}
-_FN = {"exp": "tl.exp", "exp2": "tl.math.exp2", "log": "tl.log", "tanh": "_mod_tanh", "sigmoid": "tl.sigmoid",
-       "sqrt": "tl.sqrt", "abs": "tl.abs"}
-_NAN = "propagate_nan=tl.PropagateNan.ALL"  # torch.minimum/maximum propagate NaN; Triton's default would not
+class _Flavour(NamedTuple):
+    """The language a tree is printed in: its module prefix, type names, functions and NaN policy."""
+    ns: str
+    types: dict
+    fn: dict
+    nan: str
+
+
+_TRITON = _Flavour("tl", {ir.INT: "tl.int32", ir.FLOAT: "tl.float32"},
+                   {"exp": "tl.exp", "exp2": "tl.math.exp2", "log": "tl.log", "tanh": "_mod_tanh",
+                    "sigmoid": "tl.sigmoid", "sqrt": "tl.sqrt", "abs": "tl.abs"},
+                   "propagate_nan=tl.PropagateNan.ALL")  # torch.minimum/maximum propagate NaN; Triton's default not
+_GLUON = _Flavour("gl", {ir.INT: "gl.int32", ir.FLOAT: "gl.float32"},
+                  {"exp": "gl.exp", "exp2": "gl.exp2", "log": "gl.log", "tanh": "_mod_tanh",
+                   "sigmoid": "_mod_sigmoid", "sqrt": "gl.sqrt", "abs": "gl.abs"},
+                  "propagate_nan=_MOD_NAN")  # [Note] Gluon mods
 
 
 def _const(value) -> str:
@@ -102,33 +160,44 @@ def _const(value) -> str:
 def to_triton(tree: ir.Node, names: dict) -> str:
     """Triton source for the tree's value. names: each input ("score", "b", "h", "q_idx", "kv_idx") and scalar
     the tree uses -> a Triton expression (already broadcast as the kernel needs); each tensor -> a TensorRef."""
+    return _emit(tree, names, _TRITON)
+
+
+def to_gluon(tree: ir.Node, names: dict) -> str:
+    """Gluon source for the tree's value (GLUON_HELPERS' functions, `gl` ops; [Note] Gluon mods). names as for
+    to_triton, with the inputs' expressions in the kernel's distributed layouts."""
+    return _emit(tree, names, _GLUON)
+
+
+def _emit(tree: ir.Node, names: dict, fl: _Flavour) -> str:
+    ns = fl.ns
 
     def as_type(node: ir.Node, want: str) -> str:
         code = emit(node)
         if node.type == want or (isinstance(node, ir.Const) and node.type != ir.BOOL):
             return code  # Python numbers take the tensor operand's type in Triton
-        return f"({code}).to({_TL[want]})"
+        return f"({code}).to({fl.types[want]})"
 
     def emit(n: ir.Node) -> str:
         if isinstance(n, (ir.Input, ir.Scalar)):
             if n.name not in names:
-                raise KeyError(f"to_triton: no kernel name given for {n.name!r}")
+                raise KeyError(f"to_triton/to_gluon: no kernel name given for {n.name!r}")
             return f"({names[n.name]})"
         if isinstance(n, ir.Const):
             return _const(n.value)
         if isinstance(n, ir.Load):
             return load(n)
         if isinstance(n, ir.Where):
-            return f"tl.where({emit(n.cond)}, {as_type(n.a, n.type)}, {as_type(n.b, n.type)})"
+            return f"{ns}.where({emit(n.cond)}, {as_type(n.a, n.type)}, {as_type(n.b, n.type)})"
         if isinstance(n, ir.Clamp):
             x, lo, hi = (as_type(c, n.type) for c in (n.x, n.lo, n.hi))
-            return f"tl.minimum(tl.maximum({x}, {lo}, {_NAN}), {hi}, {_NAN})"
+            return f"{ns}.minimum({ns}.maximum({x}, {lo}, {fl.nan}), {hi}, {fl.nan})"
         if isinstance(n, ir.Unary):
             if n.op == "neg":
                 return f"(-{emit(n.x)})"
             if n.op == "invert":
                 return f"({emit(n.x)} == 0)" if n.type == ir.BOOL else f"(~{emit(n.x)})"
-            return f"{_FN[n.op]}({as_type(n.x, n.type)})"
+            return f"{fl.fn[n.op]}({as_type(n.x, n.type)})"
         return binary(n)
 
     def binary(n: ir.Binary) -> str:
@@ -143,13 +212,13 @@ def to_triton(tree: ir.Node, names: dict) -> str:
         want = ir.FLOAT if n.op == "/" else n.type
         a, b = as_type(n.a, want), as_type(n.b, want)
         if n.op in ir.MINMAX:
-            return f"tl.{n.op}({a}, {b}, {_NAN})"
+            return f"{ns}.{n.op}({a}, {b}, {fl.nan})"
         if n.op == "/" and _uniform(n.b):  # [Note] Cheaper forms
             return f"({a} * (1.0 / {b}))"
         if n.type == ir.FLOAT and n.op == "//":
-            return f"tl.floor({a} / {b})"
+            return f"{ns}.floor({a} / {b})"
         if n.type == ir.FLOAT and n.op == "%":  # torch.remainder: a - b * floor(a / b)
-            return f"({a} - {b} * tl.floor({a} / {b}))"
+            return f"({a} - {b} * {ns}.floor({a} / {b}))"
         if n.op == "//":
             return f"_mod_floordiv({a}, {b})"
         if n.op == "%":
@@ -159,12 +228,13 @@ def to_triton(tree: ir.Node, names: dict) -> str:
     def load(n: ir.Load) -> str:
         ref = names.get(n.name)
         if not isinstance(ref, TensorRef) or len(ref.strides) != len(n.index) or len(ref.sizes) != len(n.index):
-            raise KeyError(f"to_triton: tensor {n.name!r} needs a TensorRef with {len(n.index)} strides and sizes")
+            raise KeyError(f"to_triton/to_gluon: tensor {n.name!r} needs a TensorRef with {len(n.index)} strides and "
+                           "sizes")
         offset = " + ".join(f"_mod_index({emit(i)}, {size}) * {stride}"
                             for i, size, stride in zip(n.index, ref.sizes, ref.strides))
-        value = f"tl.load({ref.ptr}{' + ' + offset if offset else ''})"
+        value = f"{ns}.load({ref.ptr}{' + ' + offset if offset else ''})"
         if n.type == ir.BOOL:
             return f"({value} != 0)"
-        return f"{value}.to({_TL[n.type]})"
+        return f"{value}.to({fl.types[n.type]})"
 
     return emit(tree)

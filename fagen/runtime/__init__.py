@@ -1,1 +1,1 @@
-"""Runtime: the content-addressed cache, module import, load, prebuilt cubins, device choice, fagen.attention."""
+"""Runtime: module import, load, prebuilt cubins, the CUDA driver and nvcc command, device choice, fagen.attention."""

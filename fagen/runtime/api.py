@@ -17,7 +17,7 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
               tree_mask=None, window=None, softcap: float | None = None, alibi_slopes=None, sinks=None,
               cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
               score_mod=None, mask_mod=None, block_mask=None, check: bool | None = None,
-              batch_invariant: bool = False) -> torch.Tensor:
+              batch_invariant: bool = False, deterministic: bool = True) -> torch.Tensor:
     """Attention over q [B, Hq, Sq, D], k and v [B, Hkv, Sk, D]; returns out like q, differentiable.
 
     The kernel is chosen from the inputs (dtype, head_dim D, gqa = Hq / Hkv) and `mask`, rendered and loaded once
@@ -43,16 +43,26 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
     Without gradients, a few queries against a long KV cache (fagen.runtime.kinds.prefers_decode) run the split-KV
     decode kernel; both kinds give the same results. v's head dim may differ from q's (MLA's 192/128): out takes
     v's. batch_invariant=True: each sequence's result is the same bits alone and in any batch (README "Serving");
-    it reaches the decode kernel only (prefill kernels are batch-invariant anyway). Under torch.compile the call is one custom operator
-    (fagen::attention, with its backward), so it traces with no graph break.
+    it reaches the decode kernel only (prefill kernels are batch-invariant anyway). Under torch.compile the call traces
+    into the module's own operators and autograd (fagen/runtime/ops.py), with no graph break.
+    deterministic=False (README "Deterministic backward"): the backward adds dQ with fp32 atomics, faster and within
+    the same tolerance, but dq is not bitwise repeatable; the forward, dk and dv are unchanged.
     """
+    if deterministic is not True and deterministic is not False:
+        raise AttentionError(f"deterministic: got {deterministic!r}; must be True (the default: bitwise repeatable "
+                             "gradients) or False (dQ added with atomics)")
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
         spec_for(q, k, v, mask=mask, layout=Layout.VARLEN if varlen else Layout.DENSE)  # raises, naming the input
     if score_mod is not None or mask_mod is not None or block_mask is not None:
+        if not deterministic:
+            raise AttentionError("deterministic=False: user mods keep the deterministic backward for now; drop "
+                                 "deterministic=False, or the mods")
         return _modded(q, k, v, mask=mask, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
                        tree_mask=tree_mask, window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-                       score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask, check=check, varlen=varlen)
+                       score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask, check=check,
+                       packed=dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                                   max_seqlen_k=max_seqlen_k) if varlen else None)
     if window is None and softcap is None and alibi_slopes is None and sinks is None:  # the common call
         switches, scores = (), _NO_SCORES
         needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
@@ -69,7 +79,7 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
             raise AttentionError(f"{', '.join(given)}: packed sequences (cu_seqlens_q/cu_seqlens_k) carry their own "
                                  "lengths and take mask 'none' or 'causal'; drop " + " and ".join(given))
         return _varlen(q, k, v, mask, scale, scores, switches, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                       max_seqlen_k, check)
+                       max_seqlen_k, check, deterministic)
     qs, ks = q.shape, k.shape
     four = len(qs) == 4 and len(ks) == 4
     decode = not needs_grad and four and prefers_decode(qs[2], ks[2])
@@ -78,9 +88,9 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
         if window is not None and win is None:  # the operator cannot carry it: run eagerly into the module's check
             return _eager(q, k, v, mask=mask, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
                           tree_mask=tree_mask, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                          sinks=sinks, check=check)
+                          sinks=sinks, check=check, deterministic=deterministic)
         return ops.attention(q, k, v, str(mask), scale, seqlens_q, seqlens_k, tree_mask, decode, win, softcap,
-                             alibi_slopes, sinks, bool(batch_invariant))[0]
+                             alibi_slopes, sinks, bool(batch_invariant), deterministic)[0]
     # [Note] Host time. A warm call costs one dict lookup on plain values before the module's own checks and launch:
     # no spec is built, hashed or validated per call (the key is fast_key's, the one resolve() stores under). Without gradients on an
     # H100/H200 the Gluon forward may serve ([Note] Hopper selection in fagen/runtime/hopper.py); it has forward()
@@ -88,10 +98,11 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
     # A window bounds the keys a row visits: its pairs count, not Sq x Sk.
     keys = ks[2] if four and window is None else _window_keys(ks[2], window) if four else 0
     forward_only = not needs_grad and not decode and four and qs[0] * qs[1] * qs[2] * keys >= MIN_WORK
-    module = _FAST.get(fast_key(q, k, v, mask, decode, switches, forward_only)) \
+    deterministic = deterministic or not needs_grad  # the forward is the same kernel either way
+    module = _FAST.get(fast_key(q, k, v, mask, decode, switches, forward_only, deterministic)) \
         if four and isinstance(mask, str) else None
     if module is None:
-        module = resolve(q, k, v, mask, decode, switches, forward_only)
+        module = resolve(q, k, v, mask, decode, switches, forward_only, deterministic)
     if not needs_grad:  # no autograd node to build: the forward alone (prefill, decode, or the Gluon forward)
         if batch_invariant and decode:
             return module.forward(q, k, v, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
@@ -111,26 +122,33 @@ _SCORE_ARGS = tuple(SWITCH_KEYWORD[name] for name in SCORE_SWITCHES)  # the publ
 
 
 @torch.compiler.disable  # tracing the user's functions is host work: eager, a graph break under torch.compile
-def _modded(q, k, v, *, window, softcap, alibi_slopes, sinks, varlen, **rest):
-    """The path of calls with user mods (fagen/runtime/modded.py): dense layout, the bwd module of the mods' spec."""
+def _modded(q, k, v, *, window, softcap, alibi_slopes, sinks, packed, **rest):
+    """The path of calls with user mods (fagen/runtime/modded.py): the bwd module of the mods' spec, dense or varlen
+    (packed: the varlen keywords)."""
     from fagen.runtime import modded
 
-    if varlen:
-        raise AttentionError("score_mod/mask_mod: packed sequences (cu_seqlens_q) take no user mods yet; use the "
-                             "dense layout, with a document mask_mod for packed documents")
-    spec_for(q, k, v, mask=rest["mask"])  # the inputs' own errors first, naming the input
+    if packed is not None:
+        if None in packed.values():
+            raise AttentionError("varlen: pass cu_seqlens_q, cu_seqlens_k, max_seqlen_q and max_seqlen_k together "
+                                 "(README \"Layouts\")")
+        given = [n for n in ("seqlens_q", "seqlens_k", "tree_mask") if rest[n] is not None]
+        if given:
+            raise AttentionError(f"{', '.join(given)}: packed sequences (cu_seqlens_q/cu_seqlens_k) carry their own "
+                                 "lengths and take mask 'none' or 'causal'; drop " + " and ".join(given))
+    spec_for(q, k, v, mask=rest["mask"], layout=Layout.DENSE if packed is None else Layout.VARLEN)  # inputs' errors
     scores = {name: value for name, value in zip(_SCORE_ARGS, (window, softcap, alibi_slopes, sinks))
               if value is not None}
     switches = tuple(name for name, arg in zip(SCORE_SWITCHES, _SCORE_ARGS) if arg in scores)
-    return modded.attention(q, k, v, scores=scores, switches=switches, **rest)
+    return modded.attention(q, k, v, scores=scores, switches=switches, packed=packed, **rest)
 
 
-def _varlen(q, k, v, mask, scale, scores, switches, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check):
+def _varlen(q, k, v, mask, scale, scores, switches, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check,
+            deterministic=True):
     """fagen.attention on packed sequences: the varlen bwd module of these inputs (differentiable)."""
     if cu_seqlens_q is None or cu_seqlens_k is None or max_seqlen_q is None or max_seqlen_k is None:
         raise AttentionError("varlen: pass cu_seqlens_q, cu_seqlens_k, max_seqlen_q and max_seqlen_k together "
                              "(README \"Layouts\")")
-    module = resolve_varlen(q, k, v, mask, switches)
+    module = resolve_varlen(q, k, v, mask, switches, deterministic)
     return module.attention(q, k, v, scale=scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, check=check, **scores)
 
@@ -149,8 +167,8 @@ def _window_keys(sk, window) -> int:
 
 
 def _op_window(window) -> list[int] | None:
-    """The fagen::attention operator's form of a window, [left, right] with -1 for an unbounded side; None where the
-    operator cannot carry it: the call then runs eagerly, where the module's check names what is wrong."""
+    """The traced call's form of a window (fagen/runtime/ops.py), [left, right] with -1 for an unbounded side; None
+    where that form cannot carry it: the call then runs eagerly, where the module's check names what is wrong."""
     if isinstance(window, (tuple, list)) and len(window) == 2 \
             and all(w is None or (type(w) is int and w >= 0) for w in window):
         return [-1 if w is None else w for w in window]

@@ -17,6 +17,9 @@ the JIT dispatch on every call (about 200 us on the H100, against about 70 us fo
 launches; benchmarks/latency.md), so it wins only where the kernel outlasts that: 2^29 pairs at d128 are about
 0.5 ms of full attention (0.25 ms causal) at 550 TF/s, so a queue of such calls stays GPU-bound either way.
 
+A score_mod (no mask_mod) follows the same rule through mod_forward_spec, called by fagen.attention's modded path
+(fagen/runtime/modded.py) when no gradient is needed; GluonBackend.select_score_mods keeps it off until measured.
+
 With gradients, fagen.attention keeps the Triton bwd module: the gluon backend has no backward (a Gluon backward
 measured slower than the Triton one everywhere, 298 vs 433 TF/s at d128 causal s16k bf16, and left the product;
 docs/hopper.md, "What left the product").
@@ -95,3 +98,19 @@ def forward_spec(spec: KernelSpec, device) -> KernelSpec | None:
         return None
     return gluon_twin(case)
 
+
+
+def mod_forward_spec(spec: KernelSpec, device) -> KernelSpec | None:
+    """The gluon spec that should serve a modded (Triton) spec's forward on `device`, or None: keep `spec`. Only a
+    score_mod without a mask_mod, on the dense layout ([Note] Gluon selection rule: select_score_mods)."""
+    if not spec.modded or spec.mask_mod is not None or str(spec.layout) != "dense" or spec.switches:
+        return None
+    try:
+        twin = KernelSpec(head_dim=spec.head_dim, mask=spec.mask, gqa=spec.gqa, dtype=spec.dtype,
+                          backend=Backend.GLUON, score_mod=spec.score_mod, mod_tensors=spec.mod_tensors,
+                          mod_scalars=spec.mod_scalars)
+    except Exception:  # a case the gluon forward does not take (head_dim, mask, dtype): keep the Triton one
+        return None
+    if not (enabled() and selected(twin) and is_hopper(device) and gluon_missing() is None):
+        return None
+    return twin

@@ -15,14 +15,17 @@ import torch
 
 from fagen.codegen.mod_args import ModArgs
 from fagen.mods.text import ModScalar, ModTensor
+from fagen.runtime import hopper
 from fagen.runtime.device import gpu_arch
 from fagen.runtime.loader import load
 from fagen.runtime.mods import Mods, prepare
 from fagen.runtime.resolve import AttentionError, fast_key, spec_for
+from fagen.spec.axes import Layout
 from fagen.spec.kernel import KernelSpec, SpecError
 from fagen.spec.tuned import DEFAULT_ARCH
 
 _MODULES: dict[tuple, tuple[ModuleType, ModArgs]] = {}
+_SPECS: dict[int, KernelSpec] = {}  # id(module) -> its spec (the gluon forward's twin is made from it)
 
 # [Note] Modded tiles. A mod's loads of captured tensors are [BLOCK_M, BLOCK_N] gathers inside the key loop, and
 # Triton's software pipeliner stages them in shared memory like K and V. With the plain d128 bf16 tiles
@@ -77,19 +80,21 @@ def modded_spec(base: KernelSpec, fields: tuple, tiles: dict | None = None, arch
                                  "mod_scalars": [list(s) for s in scalars]})
 
 
-def module_for(q, k, v, mask, switches: tuple[str, ...], mods: Mods) -> tuple[ModuleType, ModArgs]:
+def module_for(q, k, v, mask, switches: tuple[str, ...], mods: Mods,
+               layout: Layout = Layout.DENSE) -> tuple[ModuleType, ModArgs]:
     """The bwd (differentiable) module of these inputs with these mods, and its mod argument list."""
-    key = (fast_key(q, k, v, mask, False, switches, False), mods.fields)
+    key = (fast_key(q, k, v, mask, False, switches, False), mods.fields, layout)
     hit = _MODULES.get(key)
     if hit is not None:
         return hit
-    base = spec_for(q, k, v, mask=mask, switches=switches)
+    base = spec_for(q, k, v, mask=mask, switches=switches, layout=layout)
     _, _, tensors, scalars = mods.fields
     try:
         spec = modded_spec(base, mods.fields)
     except SpecError as e:
         raise AttentionError(f"no kernel for these mods: {e}") from None
     module = load(spec)
+    _SPECS[id(module)] = spec
     hit = _MODULES[key] = (module, ModArgs(tuple(ModTensor(*t) for t in tensors),
                                            tuple(ModScalar(*s) for s in scalars)))
     return hit
@@ -110,26 +115,45 @@ def check_values(q, args: ModArgs, values: dict) -> None:
 
 
 def attention(q, k, v, *, mask, scale, seqlens_q, seqlens_k, tree_mask, scores: dict, switches: tuple,
-              score_mod, mask_mod, block_mask, check):
-    """fagen.attention's path for calls with score_mod / mask_mod (README "User mods")."""
+              score_mod, mask_mod, block_mask, check, packed=None):
+    """fagen.attention's path for calls with score_mod / mask_mod (README "User mods"); packed: the varlen
+    keywords (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), or None for the dense layout."""
     if block_mask is not None and mask_mod is None:
         raise AttentionError("block_mask: describes a mask_mod's blocks; pass that mask_mod= as well")
     mods = prepare(score_mod=score_mod, mask_mod=mask_mod)
-    module, args = module_for(q, k, v, mask, switches, mods)
+    module, args = module_for(q, k, v, mask, switches, mods, Layout.DENSE if packed is None else Layout.VARLEN)
     check_values(q, args, mods.values)
     if block_mask is not None:
-        _check_block_mask(block_mask, mods, q, k)
+        if packed is None:
+            _check_block_mask(block_mask, mods, q.device, q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        else:  # B sequences, positions within each: built for (B, H, max_seqlen_q, max_seqlen_k)
+            _check_block_mask(block_mask, mods, q.device, packed["cu_seqlens_q"].shape[0] - 1, q.shape[1],
+                              packed["max_seqlen_q"], packed["max_seqlen_k"])
     if mask_mod is not None:
         scores = {**scores, "block_mask": block_mask}
-    kw = dict(scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k, tree_mask=tree_mask, check=check,
-              mods=mods.values, **scores)
+    layout = dict(seqlens_q=seqlens_q, seqlens_k=seqlens_k, tree_mask=tree_mask) if packed is None else packed
+    kw = dict(scale=scale, check=check, mods=mods.values, **layout, **scores)
     if not torch.is_grad_enabled() or not any(
             t.requires_grad for t in (q, k, v, *(mods.values[a.name] for a in args.tensors))):
+        if packed is None and q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] >= hopper.MIN_WORK:
+            module = _gluon_forward(module, q.device)  # [Note] Hopper selection (a score_mod: select_score_mods)
         return module.forward(q, k, v, **kw)[0]  # no autograd node to build
     return module.attention(q, k, v, **kw)
 
 
-def _check_block_mask(bm, mods: Mods, q, k) -> None:
+_GLUON: dict[tuple, ModuleType] = {}
+
+
+def _gluon_forward(module: ModuleType, device) -> ModuleType:
+    """The gluon modded forward that serves `module`'s spec on `device` where hopper.mod_forward_spec picks one."""
+    key = (id(module), device)
+    if key not in _GLUON:
+        twin = hopper.mod_forward_spec(_SPECS[id(module)], device)
+        _GLUON[key] = load(twin) if twin is not None else module
+    return _GLUON[key]
+
+
+def _check_block_mask(bm, mods: Mods, device, batch: int, heads: int, sq: int, sk: int) -> None:
     from fagen.runtime.block_mask import BlockMask
 
     if not isinstance(bm, BlockMask):
@@ -137,13 +161,12 @@ def _check_block_mask(bm, mods: Mods, q, k) -> None:
     if bm.mask_mod != mods.fields[1]:
         raise AttentionError(f"block_mask: built for mask_mod {bm.mask_mod!r}, but this call's mask_mod is "
                              f"{mods.fields[1]!r}; build it from the same function")
-    sq, sk = q.shape[2], k.shape[2]
     if (bm.seq_q, bm.seq_k) != (sq, sk):
         raise AttentionError(f"block_mask: built for Sq={bm.seq_q}, Sk={bm.seq_k}, but q and k have Sq={sq}, "
-                             f"Sk={sk}; build one per shape")
+                             f"Sk={sk} (varlen: max_seqlen_q, max_seqlen_k); build one per shape")
     nb, nh = bm.classes.shape[:2]
-    if nb not in (1, q.shape[0]) or nh not in (1, q.shape[1]):
-        raise AttentionError(f"block_mask: built for B={nb}, H={nh}, but q has B={q.shape[0]}, H={q.shape[1]} "
-                             "(query heads)")
-    if bm.classes.device != q.device:
-        raise AttentionError(f"block_mask: on {bm.classes.device}, but q is on {q.device}")
+    if nb not in (1, batch) or nh not in (1, heads):
+        raise AttentionError(f"block_mask: built for B={nb}, H={nh}, but q has B={batch}, H={heads} "
+                             "(query heads; varlen: B is the number of sequences)")
+    if bm.classes.device != device:
+        raise AttentionError(f"block_mask: on {bm.classes.device}, but q is on {device}")

@@ -1,4 +1,5 @@
-"""Run prebuilt cubins from a build directory through the CUDA driver API (ctypes): no compile at run time."""
+"""Run prebuilt cubins from a build directory through the CUDA driver (fagen/runtime/driver.py): no compile at run
+time."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 from types import ModuleType
 
 from fagen import files
+from fagen.runtime.driver import cuda_driver
 from fagen.runtime.modules import import_module
 from fagen.spec.kernel import KernelSpec
 
@@ -83,7 +85,7 @@ class PrebuiltKernel:
         self.divisible = set(entry.get("divisible", ()))
         self.num_warps, self.num_stages = entry["num_warps"], entry["num_stages"]
         self.input_error = input_error
-        self._functions: dict[tuple[int, str], ctypes.c_void_p] = {}
+        self._functions: dict[tuple[int, str], tuple] = {}
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self.run(grid, args, kwargs)
@@ -170,82 +172,14 @@ class PrebuiltKernel:
                     params.append(("*", buf.data_ptr() + (-buf.data_ptr()) % align))
                 else:
                     params.append(("*", 0))
-            _driver().launch(function, (gx, gy, gz), 32 * launch["num_warps"], launch["dynamic_shared"], stream,
-                             params)
+            args = [(ctypes.c_uint64 if ty.startswith("*") else _CTYPE[ty])(value) for ty, value in params]
+            cuda_driver().launch(function, (gx, gy, gz), 32 * launch["num_warps"], launch["dynamic_shared"], stream,
+                                 args, self.name)
         return None
 
     def _function(self, index: int, arch: str, record: dict):
         key = (index, arch)
         if key not in self._functions:
-            self._functions[key] = _driver().load(record["cubin_bytes"], record["launch"]["symbol"],
-                                                  record["launch"]["dynamic_shared"], index)
+            self._functions[key] = cuda_driver().load(record["cubin_bytes"], record["launch"]["symbol"], index,
+                                                      record["launch"]["dynamic_shared"], self.name)
         return self._functions[key]
-
-
-class _Driver:
-    """The few CUDA driver calls a launch needs, from libcuda through ctypes (no compiler, no extension)."""
-
-    def __init__(self):
-        try:
-            lib = ctypes.CDLL("libcuda.so.1")
-        except OSError as e:
-            raise PrebuiltError(f"cannot load the CUDA driver libcuda.so.1 ({e})") from None
-        P, I, U = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint  # noqa: N806
-        ref = ctypes.POINTER
-        for fn, args in {
-            "cuInit": [U], "cuGetErrorString": [I, ref(ctypes.c_char_p)], "cuCtxGetCurrent": [ref(P)],
-            "cuDeviceGet": [ref(I), I], "cuDevicePrimaryCtxRetain": [ref(P), I], "cuCtxSetCurrent": [P],
-            "cuModuleLoadData": [ref(P), ctypes.c_char_p], "cuModuleGetFunction": [ref(P), P, ctypes.c_char_p],
-            "cuDeviceGetAttribute": [ref(I), I, I], "cuFuncGetAttribute": [ref(I), I, P],
-            "cuFuncSetAttribute": [P, I, I], "cuFuncSetCacheConfig": [P, I],
-            "cuLaunchKernel": [P, U, U, U, U, U, U, U, P, ref(P), ref(P)],
-        }.items():
-            getattr(lib, fn).argtypes, getattr(lib, fn).restype = args, I
-        self.lib = lib
-        self._check(lib.cuInit(0), "cuInit")
-
-    def _check(self, rc: int, what: str) -> None:
-        if rc != 0:
-            msg = ctypes.c_char_p()
-            self.lib.cuGetErrorString(rc, ctypes.byref(msg))
-            raise PrebuiltError(f"CUDA driver: {what} failed with {rc} ({(msg.value or b'?').decode()})")
-
-    def load(self, cubin: bytes, symbol: str, dynamic_shared: int, index: int) -> ctypes.c_void_p:
-        lib, byref = self.lib, ctypes.byref
-        dev, ctx = ctypes.c_int(), ctypes.c_void_p()
-        self._check(lib.cuDeviceGet(byref(dev), index), "cuDeviceGet")
-        self._check(lib.cuCtxGetCurrent(byref(ctx)), "cuCtxGetCurrent")
-        if not ctx.value:  # as Triton's loader does: use the device's primary context (torch's too)
-            self._check(lib.cuDevicePrimaryCtxRetain(byref(ctx), dev), "cuDevicePrimaryCtxRetain")
-            self._check(lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-        module, function = ctypes.c_void_p(), ctypes.c_void_p()
-        self._check(lib.cuModuleLoadData(byref(module), cubin), "cuModuleLoadData")
-        self._check(lib.cuModuleGetFunction(byref(function), module, symbol.encode()), "cuModuleGetFunction")
-        if dynamic_shared > 48 * 1024:  # above 48 KB a kernel must opt in to dynamic shared memory
-            optin, static = ctypes.c_int(), ctypes.c_int()
-            self._check(lib.cuDeviceGetAttribute(byref(optin), 97, dev), "cuDeviceGetAttribute")  # SHARED_OPTIN
-            self._check(lib.cuFuncGetAttribute(byref(static), 1, function), "cuFuncGetAttribute")  # SHARED_SIZE
-            if dynamic_shared > optin.value - static.value:
-                raise PrebuiltError(f"{symbol} needs {dynamic_shared} bytes of shared memory; this GPU allows "
-                                    f"{optin.value - static.value}")
-            self._check(lib.cuFuncSetCacheConfig(function, 1), "cuFuncSetCacheConfig")  # PREFER_SHARED
-            self._check(lib.cuFuncSetAttribute(function, 8, optin.value - static.value),  # MAX_DYNAMIC_SHARED
-                        "cuFuncSetAttribute")
-        return function
-
-    def launch(self, function, grid, threads: int, shared: int, stream: int, params: list) -> None:
-        storage = [(ctypes.c_uint64 if ty.startswith("*") else _CTYPE[ty])(value) for ty, value in params]
-        pointers = (ctypes.c_void_p * len(storage))(*(ctypes.addressof(s) for s in storage))
-        self._check(self.lib.cuLaunchKernel(function, *grid, threads, 1, 1, shared, ctypes.c_void_p(stream or None),
-                                            pointers, None), "cuLaunchKernel")
-
-
-_DRIVER: _Driver | None = None
-
-
-def _driver() -> _Driver:
-    global _DRIVER
-    with _lock:
-        if _DRIVER is None:
-            _DRIVER = _Driver()
-    return _DRIVER

@@ -20,44 +20,50 @@ class AttentionError(ValueError):
     """The inputs of fagen.attention fit no kernel fagen can generate; the message says what and how to fix it."""
 
 
-# (dtype, head_dim, q heads, kv heads, mask, decode, switches, forward_only, device, v's head_dim) -> module; fagen.attention
+# (dtype, head_dim, q heads, kv heads, mask, decode, switches, forward_only, device, v's head_dim, deterministic) ->
+# module; fagen.attention
 # builds the same key inline (fagen/runtime/api.py), tests/test_launch.py checks a warm call resolves nothing.
 _FAST: dict[tuple, ModuleType] = {}
 
 
-def fast_key(q, k, v, mask, decode: bool, switches: tuple[str, ...], forward_only: bool) -> tuple:
-    return (q.dtype, q.shape[-1], q.shape[1], k.shape[1], mask, decode, switches, forward_only, q.device, v.shape[-1])
+def fast_key(q, k, v, mask, decode: bool, switches: tuple[str, ...], forward_only: bool,
+             deterministic: bool = True) -> tuple:
+    return (q.dtype, q.shape[-1], q.shape[1], k.shape[1], mask, decode, switches, forward_only, q.device, v.shape[-1],
+            deterministic)
 
 
-def resolve(q, k, v, mask, decode: bool, switches: tuple[str, ...] = (), forward_only: bool = False) -> ModuleType:
+def resolve(q, k, v, mask, decode: bool, switches: tuple[str, ...] = (), forward_only: bool = False,
+            deterministic: bool = True) -> ModuleType:
     """The module that serves these inputs, memoised in _FAST: the decode kernel, the bwd (differentiable) kernel,
     or, with forward_only (no gradient, not decode) on sm_90, the Gluon forward where it wins
     ([Note] Hopper selection in fagen/runtime/hopper.py; that module has forward() only).
-    switches: the score switches the call uses ("window", "softcap", "alibi", "sinks")."""
-    spec = spec_for(q, k, v, mask=mask, switches=switches)
+    switches: the score switches the call uses ("window", "softcap", "alibi", "sinks"). deterministic=False: the bwd
+    module whose backward adds dQ with atomics (README "Deterministic backward"); decode and forward_only ignore it."""
+    spec = spec_for(q, k, v, mask=mask, switches=switches, deterministic=deterministic or decode or forward_only)
     if decode:
         spec = KernelSpec(head_dim=spec.head_dim, head_dim_v=spec.head_dim_v, mask=spec.mask, gqa=spec.gqa,
                           dtype=spec.dtype, kind=Kind.DECODE, **{name: True for name in switches})
     elif forward_only:
         spec = hopper.forward_spec(spec, q.device) or spec
     module = _module(spec)
-    _FAST[fast_key(q, k, v, mask, decode, switches, forward_only)] = module
+    _FAST[fast_key(q, k, v, mask, decode, switches, forward_only, deterministic)] = module
     return module
 
 
-def resolve_varlen(q, k, v, mask, switches: tuple[str, ...] = ()) -> ModuleType:
+def resolve_varlen(q, k, v, mask, switches: tuple[str, ...] = (), deterministic: bool = True) -> ModuleType:
     """The varlen bwd module for packed q [total_q, Hq, D], k/v [total_k, Hkv, D] (README "Layouts")."""
-    key = ("varlen", q.dtype, q.shape[-1], q.shape[1], k.shape[1], mask, switches, v.shape[-1]) \
+    key = ("varlen", q.dtype, q.shape[-1], q.shape[1], k.shape[1], mask, switches, v.shape[-1], deterministic) \
         if all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in (q, k, v)) else None
     module = _FAST.get(key) if key is not None else None
     if module is None:
-        module = _module(spec_for(q, k, v, mask=mask, switches=switches, layout=Layout.VARLEN))
+        module = _module(spec_for(q, k, v, mask=mask, switches=switches, layout=Layout.VARLEN,
+                                  deterministic=deterministic))
         _FAST[key] = module
     return module
 
 
 def spec_for(q, k, v, *, mask: Mask | str = "none", switches: tuple[str, ...] = (),
-             layout: Layout = Layout.DENSE) -> KernelSpec:
+             layout: Layout = Layout.DENSE, deterministic: bool = True) -> KernelSpec:
     """The bwd (differentiable) spec whose kernel runs attention on these inputs."""
     dims = ("4 dims [batch, heads, seq, head_dim]" if layout is Layout.DENSE
             else "3 dims [total, heads, head_dim] (packed sequences)")
@@ -84,7 +90,8 @@ def spec_for(q, k, v, *, mask: Mask | str = "none", switches: tuple[str, ...] = 
         raise AttentionError(f"mask: got {mask!r}; must be one of " + ", ".join(map(repr, Mask.choices()))) from None
     try:
         return KernelSpec(head_dim=q.shape[-1], head_dim_v=v.shape[-1], mask=mask, gqa=hq // hkv, dtype=_DTYPES[q.dtype],
-                          direction=Direction.BWD, layout=layout, **{name: True for name in switches})
+                          direction=Direction.BWD, layout=layout, **{name: True for name in switches},
+                          **({} if deterministic else {"deterministic": False}))
     except SpecError as e:
         raise AttentionError(f"no kernel for these inputs: {e}") from None
 

@@ -83,6 +83,10 @@ class KernelSpec:
     # kernel (None: the cache has the spec's dtype), likewise left out while None.
     head_dim_v: int | None = None
     kv_dtype: KVDType | None = None
+    # The Triton prefill backward's dQ path (README "Deterministic backward"): True (the default) keeps the separate
+    # dQ kernel, bitwise repeatable; False fuses dQ into the dK/dV kernel, which adds its partials with fp32
+    # atomics (faster, not bitwise repeatable). Left out of the name and the canonical JSON while True.
+    deterministic: bool = True
     # The GPU arch whose defaults fill the launch fields left unset ([Note] Tiles per arch in fagen/backends/triton.py);
     # None: sm_90's ([Note] Deterministic specs in fagen/spec/tuned.py). Not stored: the tiles it chose are, and
     # the name shows them. for_arch() resolves the same spec for another arch.
@@ -128,13 +132,16 @@ class KernelSpec:
             score, mask, tensors, scalars = canonical(self.score_mod, self.mask_mod, self.mod_tensors, self.mod_scalars)
             put("score_mod", score), put("mask_mod", mask)
             put("mod_tensors", tuple(tuple(t) for t in tensors)), put("mod_scalars", tuple(tuple(x) for x in scalars))
-            if self.backend is not Backend.TRITON:
-                raise SpecError("backend", str(self.backend), "user mods are built on backend 'triton'")
-            if self.head_dim_v != self.head_dim:  # the mods' loops load V at head_dim (fagen/templates/triton/mods.j2)
-                raise SpecError("head_dim_v", self.head_dim_v, "user mods take one head dim for q, k and v for now: "
-                                                               "drop head_dim_v, or the mods")
+            self._check_mod_backend()
+            if self.head_dim_v != self.head_dim and self.kind is not Kind.DECODE:  # the prefill mods' loops load V
+                # at head_dim (fagen/templates/triton/mods.j2); the decode kernel's mods touch the scores only
+                raise SpecError("head_dim_v", self.head_dim_v, "user mods in prefill kernels take one head dim for q, "
+                                                               "k and v for now: drop head_dim_v, or the mods (decode "
+                                                               "kernels take both)")
         if self.dtype is DType.FP8_E4M3:
             self._check_fp8()
+        if self.deterministic is not True:
+            self._check_deterministic()
         backend = backends.get(self.backend)
         if self.kind not in backend.templates:
             have = ", ".join(f"{b.backend}/{kind}" for b in backends.BACKENDS.values() for kind in b.templates)
@@ -181,6 +188,20 @@ class KernelSpec:
         return self.score_mod is not None or self.mask_mod is not None
 
     @property
+    def mod_gathers(self) -> bool:
+        """Whether the score_mod reads a captured tensor at an index that uses q_idx or kv_idx: a [rows, keys]
+        gather per key block ([Note] Gluon mod tiles in fagen/backends/gluon.py)."""
+        if self.score_mod is None or not self.mod_tensors:
+            return False
+        from fagen.mods import ir
+        from fagen.mods.text import ModScalar, ModTensor, parse
+
+        tree = parse(self.score_mod, "score_mod", tuple(ModTensor(*t) for t in self.mod_tensors),
+                     tuple(ModScalar(*x) for x in self.mod_scalars))
+        return any(isinstance(n, ir.Load) and any(isinstance(m, ir.Input) and m.name in ("q_idx", "kv_idx")
+                                                  for i in n.index for m in ir.walk(i)) for n in ir.walk(tree))
+
+    @property
     def mods_hash(self) -> str:
         """6 hex digits of the mods' canonical JSON: the name's `_mod…` part (the text itself is in the spec)."""
         fields = [self.score_mod, self.mask_mod, self.mod_tensors, self.mod_scalars]
@@ -221,6 +242,20 @@ class KernelSpec:
                                                       "(the cache converts to the query's type exactly); use "
                                                       "dtype 'bf16' or 'fp16'")
 
+    def _check_mod_backend(self) -> None:
+        """User mods: every Triton kernel; the gluon forward takes a score_mod only (docs/mods.md, "Gluon")."""
+        if self.backend is Backend.TRITON:
+            return
+        if self.backend is not Backend.GLUON:
+            raise SpecError("backend", str(self.backend), "user mods are built on backends 'triton' and 'gluon' "
+                                                          "(score_mod only): set backend 'triton'")
+        if self.mask_mod is not None:
+            raise SpecError("mask_mod", self.mask_mod, "the gluon forward takes a score_mod only (no block masks): "
+                                                       "set backend 'triton' for a mask_mod")
+        if self.dtype is DType.FP8_E4M3:
+            raise SpecError("score_mod", self.score_mod, "the fp8 gluon forward takes no user mods: use dtype 'bf16' "
+                                                         "or 'fp16'")
+
     def _check_fp8(self) -> None:
         """fp8 (e4m3) is the sm_90 gluon prefill forward's alone (README "fp8 forward"); the message names the field."""
         fix = "or use dtype 'bf16'"
@@ -241,6 +276,18 @@ class KernelSpec:
             raise SpecError("mask", str(self.mask), f"the fp8 forward supports masks 'none' and 'causal', {fix} "
                                                     "(backend 'triton' takes every mask)")
 
+    def _check_deterministic(self) -> None:
+        """deterministic=False is the Triton prefill backward's fused dQ path (README "Deterministic backward")."""
+        if not isinstance(self.deterministic, bool):
+            raise SpecError("deterministic", self.deterministic, "must be true or false (false: the backward adds dQ "
+                                                                  "with atomics, faster but not bitwise repeatable)")
+        if self.direction is not Direction.BWD or self.kind is not Kind.PREFILL or self.backend is not Backend.TRITON:
+            raise SpecError("deterministic", False, "applies to the backward only (direction 'bwd', kind 'prefill', "
+                                                    "backend 'triton'): drop deterministic, or set those fields")
+        if self.modded:
+            raise SpecError("deterministic", False, "user mods keep the deterministic backward for now: drop "
+                                                    "deterministic=False, or the mods")
+
     @property
     def packed_q(self) -> bool:
         """Whether q is packed [total_q, Hq, D] with cu_seqlens_q (varlen, and paged prefill)."""
@@ -258,7 +305,8 @@ class KernelSpec:
                 f"_m{self.block_m}n{self.block_n}w{self.num_warps}s{self.num_stages}"
                 f"_g{self.gqa}{''.join('_' + SWITCH_SHORT[s] for s in self.switches)}"
                 f"{'_mod' + self.mods_hash if self.modded else ''}"
-                f"{'' if self.layout is Layout.DENSE else '_' + str(self.layout)}_{self.dtype}{kv}{suffix}")
+                f"{'' if self.layout is Layout.DENSE else '_' + str(self.layout)}_{self.dtype}{kv}"
+                f"{'' if self.deterministic else '_nondet'}{suffix}")
 
     @cached_property
     def hash(self) -> str:
@@ -273,7 +321,8 @@ class KernelSpec:
                 and not (f.name == "layout" and self.layout is Layout.DENSE)
                 and not (f.name in _MOD_FIELDS and not getattr(self, f.name))
                 and not (f.name == "head_dim_v" and self.head_dim_v == self.head_dim)
-                and not (f.name == "kv_dtype" and self.kv_dtype is None)}
+                and not (f.name == "kv_dtype" and self.kv_dtype is None)
+                and not (f.name == "deterministic" and self.deterministic is True)}
 
     def to_json(self) -> str:
         """Canonical JSON: sorted keys, no whitespace. Equal specs give equal bytes."""

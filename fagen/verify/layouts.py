@@ -80,6 +80,7 @@ class LayoutInputs:
     kwargs: dict
     dense: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # per sequence: q [Sq, Hq, D], k/v [Sk, Hkv, D]
     scores: dict  # the score switches' inputs (README "Score modifiers"), for the module and the reference alike
+    mods: object = None  # a modded spec's captured values (fagen.verify.mods_eval.ModValues), in kwargs["mods"] too
 
 
 def _scores(spec: KernelSpec, hq: int, gen: torch.Generator, device) -> dict:
@@ -105,6 +106,17 @@ def _scores(spec: KernelSpec, hq: int, gen: torch.Generator, device) -> dict:
 
 
 def make_inputs(spec: KernelSpec, case: LayoutCase, device) -> LayoutInputs:
+    inputs = _make_inputs(spec, case, device)
+    if spec.modded:  # captured values from the case's seed; the reference reads the spec's mods off them
+        from fagen.verify.mods_eval import mod_values
+
+        hq = inputs.args[0].shape[1]
+        inputs.mods = mod_values(spec, case.seed, max(case.lens_q + case.lens_k + [1]), hq, case.batch, device)
+        inputs.kwargs["mods"] = inputs.mods
+    return inputs
+
+
+def _make_inputs(spec: KernelSpec, case: LayoutCase, device) -> LayoutInputs:
     gen = torch.Generator().manual_seed(case.seed)
     dtype = getattr(torch, tables.TORCH_DTYPE[spec.dtype])
     d, hkv = spec.head_dim, case.heads_kv
@@ -157,13 +169,18 @@ def make_inputs(spec: KernelSpec, case: LayoutCase, device) -> LayoutInputs:
     return LayoutInputs((q, k_cache.to(device), v_cache.to(device)), kwargs, dense, _scores(spec, hq, gen, device))
 
 
-def reference_sequence(spec: KernelSpec, q, k, v, scores: dict | None = None, tree=None):
+def reference_sequence(spec: KernelSpec, q, k, v, scores: dict | None = None, tree=None, mods=None, b: int = 0):
     """float64 (out [Sq, Hq, D], lse [Hq, Sq]) of one sequence: the dense reference with batch 1 (tree: its
-    bool [Sq, Sq] ancestor-or-self mask)."""
+    bool [Sq, Sq] ancestor-or-self mask). mods: a modded spec's values (ModValues), seen by sequence b: the mods get
+    b and, in decode and paged kernels, q_idx = i + lk - lq (README "User mods")."""
     mask = spec.mask if spec.mask in (Mask.CAUSAL, Mask.TREE) else Mask.NONE
     if tree is not None:
         scores = dict(scores or {}, tree_mask=tree.cpu()[None])
     scores = {name: value.cpu() if isinstance(value, torch.Tensor) else value for name, value in (scores or {}).items()}
+    if mods is not None:
+        fns = reference.sequence_mods(mods.score_mod, mods.mask_mod, b)
+        absolute = spec.kind is Kind.DECODE or spec.layout is Layout.PAGED
+        scores.update(score_mod=fns[0], mask_mod=fns[1], mod_positions="absolute" if absolute else "row")
     out, lse = reference.attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                    mask=mask, **scores)
     return out[0].transpose(0, 1), lse[0]
@@ -177,7 +194,7 @@ def check_forward(module, spec: KernelSpec, case: LayoutCase, device) -> None:
     tol = TOLERANCE[spec.dtype]
     for b, (q, k, v) in enumerate(inputs.dense):
         tree = inputs.kwargs["tree_mask"][b] if "tree_mask" in inputs.kwargs else None
-        want_out, want_lse = reference_sequence(spec, q, k, v, inputs.scores, tree)
+        want_out, want_lse = reference_sequence(spec, q, k, v, inputs.scores, tree, inputs.mods, b)
         n = case.lens_q[b]
         if spec.kind is Kind.DECODE:
             got_out, got_lse = out[b].transpose(0, 1), lse[b]
@@ -204,7 +221,7 @@ def check_backward(module, spec: KernelSpec, case: LayoutCase, device) -> None:
         ref_scores["sinks"] = sinks.detach().cpu().double().requires_grad_()
     for b, (qb, kb, vb) in enumerate(inputs.dense):
         qd, kd, vd = (t.double().requires_grad_() for t in (qb, kb, vb))
-        o, _ = reference_sequence(spec, qd, kd, vd, ref_scores)
+        o, _ = reference_sequence(spec, qd, kd, vd, ref_scores, mods=inputs.mods, b=b)
         wants.append((o, qd, kd, vd))
     cq, ck = inputs.kwargs["cu_seqlens_q"].cpu(), inputs.kwargs["cu_seqlens_k"].cpu()
     for b, (o, qd, kd, vd) in enumerate(wants):

@@ -29,6 +29,7 @@ class ModValues(dict):
 
     score_mod = None
     mask_mod = None
+    positions = "row"  # the reference's mod_positions: "absolute" for a decode spec's values
 
 
 def _function(tree: ir.Node, values: dict, score: bool):

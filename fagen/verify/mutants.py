@@ -20,11 +20,13 @@ class Mutant:
     directions: tuple[Direction, ...] = tuple(Direction)  # bwd-only mutants edit code a fwd spec does not have
     switches: tuple[str, ...] = ()  # score switches (or "score_mod" / "mask_mod") the spec must have
     layouts: tuple[Layout, ...] = (Layout.DENSE,)  # layouts whose source has the edited code
+    deterministic: bool | None = None  # False: edits the atomic dQ path of deterministic=False specs only
 
     def applies(self, spec: KernelSpec) -> bool:
         return (spec.mask in self.masks and spec.gqa >= self.min_gqa and spec.kind in self.kinds
                 and spec.direction in self.directions and all(getattr(spec, s) for s in self.switches)
-                and spec.layout in self.layouts)
+                and spec.layout in self.layouts
+                and (self.deterministic is None or spec.deterministic == self.deterministic))
 
     def apply(self, source: str) -> str:
         if self.old not in source:
@@ -98,6 +100,13 @@ MUTANTS = (
     Mutant("bwd-softcap-no-chain", "backward: dS skips the softcap's factor 1 - tanh^2", tuple(Mask),
            "ds_t = ds_t * (1.0 - tanh_s * tanh_s)", "ds_t = ds_t", directions=(Direction.BWD,),
            switches=("softcap",)),
+    # deterministic=False's fused dQ ([Note] Atomic dQ in triton/backward.py.j2).
+    Mutant("bwd-atomic-dq-one-head", "atomic dQ: every GQA query head of a KV head adds into the first one's rows",
+           tuple(Mask), "dqa_head = dqa_base + g.to(tl.int64) * stride_sh * BLOCK_D", "dqa_head = dqa_base",
+           min_gqa=2, directions=(Direction.BWD,), deterministic=False),
+    Mutant("bwd-atomic-dq-unscaled", "atomic dQ: the postprocess stores DQAccum without the softmax scale",
+           tuple(Mask), "(dq * scale).to(DQ.dtype.element_ty)", "dq.to(DQ.dtype.element_ty)",
+           directions=(Direction.BWD,), deterministic=False),
 )
 
 # User mods (docs/mods.md, [Note] Mods in the kernels in triton/mods.j2). In the kernels, every input a mod reads is
@@ -113,6 +122,17 @@ MOD_MUTANTS = (
     Mutant("block-mask-partial-as-full", "blocks the block mask cuts skip the mask_mod, as full ones do",
            tuple(Mask), "UPCAST, TMA, 2)  # the partial blocks", "UPCAST, TMA, 1)  # the partial blocks",
            switches=("mask_mod",)),
+)
+
+# Mods on the decode and paged kernels, whose mods see q_idx = i + lk - lq (README "User mods"): caught by the layouts'
+# search with captured values (fagen/verify/layouts.py, tests/test_mods_layouts.py).
+LAYOUT_MOD_MUTANTS = (
+    Mutant("decode-mod-row-position", "the decode kernel's mods see the query's row i, not its position i + lk - lq",
+           tuple(Mask), "q_pos = (offs_i + (len_k - len_q))[:, None]", "q_pos = offs_i[:, None]",
+           kinds=(Kind.DECODE,), directions=(Direction.FWD,), layouts=(Layout.DENSE, Layout.PAGED)),
+    Mutant("paged-prefill-mod-row-position", "the paged prefill's mods see the query's row, not its position among "
+           "the cached keys", (Mask.NONE, Mask.CAUSAL), "(offs_m + (len_k - len_q))[:, None]", "offs_m[:, None]",
+           directions=(Direction.FWD,), layouts=(Layout.PAGED,)),
 )
 
 # Layouts (README "Layouts"): caught by the layouts' own search (fagen/verify/layouts.py against the gathered dense

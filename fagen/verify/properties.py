@@ -264,10 +264,13 @@ def _gradients(module, spec: KernelSpec, problem: Problem, device: str):
 
 
 def check_bwd_deterministic(module, spec: KernelSpec, problem: Problem, device: str = "cpu") -> Outcome:
-    """Two backward runs on the same inputs give bitwise equal dq, dk, dv (no atomics-order drift)."""
+    """Two backward runs on the same inputs give bitwise equal dq, dk, dv (no atomics-order drift); with
+    deterministic=False dk and dv (dq adds with atomics: README "Deterministic backward")."""
     run, _ = _gradients(module, spec, problem, device)
     first, second = run(), run()
     for name, a, b in zip(("dq", "dk", "dv"), first, second):
+        if name == "dq" and not spec.deterministic:
+            continue
         differ = (a != b) & ~(torch.isnan(a) & torch.isnan(b))
         if differ.any():
             idx = tuple(differ.nonzero()[0].tolist())

@@ -87,7 +87,8 @@ def dequantize(cache: torch.Tensor, scale, head_dim_axis: int = 1) -> torch.Tens
 
 def attention(q, k, v, *, mask: Mask | str = Mask.NONE, scale=None, seqlens_q=None, seqlens_k=None,
               tree_mask=None, window=None, softcap=None, alibi_slopes=None, sinks=None, score_mod=None,
-              mask_mod=None, mods=None, block_mask=None, k_scale=None, v_scale=None, batch_invariant=None):
+              mask_mod=None, mods=None, block_mask=None, k_scale=None, v_scale=None, batch_invariant=None,
+              mod_positions="row"):
     """(out, lse) in float64 for the fagen contract; differentiable (autograd gives the reference gradients,
     the sinks' included when `sinks` requires grad).
 
@@ -101,18 +102,24 @@ def attention(q, k, v, *, mask: Mask | str = Mask.NONE, scale=None, seqlens_q=No
     softmax denominator: lse includes it, and a valid row that sees no key gets out = 0 and lse = sink[h].
     User mods (FlexAttention's signatures, run as written on float64 scores and int64 index tensors) come after
     the switches: s = score_mod(s, b, h, q_idx, kv_idx); mask_mod(b, h, q_idx, kv_idx) is ANDed with the mask, and
-    a score the mod sets to -inf is masked too.
+    a score the mod sets to -inf is masked too. mod_positions "row": the mods' q_idx is the query's row (the
+    prefill kernels, as Flex); "absolute": its position among the keys, i + lk - lq (the decode and paged kernels).
     Rows that see no key (and have no sink), and padding rows, give out = 0 and lse = -inf. Keys that no query sees are zeroed first, so garbage
     (even NaN) in padding never reaches a valid output. No exp() ever sees -inf - -inf, so gradients stay finite.
     """
     del block_mask  # a verify problem's block mask only steers which blocks the kernels skip
     if mods is not None:  # a verify problem's captured values, with its spec's mods (fagen/verify/mods_eval.py)
         score_mod, mask_mod = mods.score_mod, mods.mask_mod
+        mod_positions = getattr(mods, "positions", mod_positions)
     q, k, v = q.double(), dequantize(k, k_scale), dequantize(v, v_scale)
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     gqa = hq // hkv
     scale = d ** -0.5 if scale is None else scale
+    if mod_positions == "absolute":
+        score_mod, mask_mod = _absolute(score_mod, mask_mod, b, sq, sk, seqlens_q, seqlens_k, q.device)
+    elif mod_positions != "row":
+        raise ValueError(f"mod_positions: 'row' or 'absolute', got {mod_positions!r}")
     vis = visible(mask, b, sq, sk, seqlens_q=seqlens_q, seqlens_k=seqlens_k, tree_mask=tree_mask, window=window,
                   device=q.device).unsqueeze(1)  # [B, 1, Sq, Sk], broadcast over heads
     seen_key = vis.any(dim=2, keepdim=True).transpose(-1, -2)  # [B, 1, Sk, 1]
@@ -143,3 +150,38 @@ def attention(q, k, v, *, mask: Mask | str = Mask.NONE, scale=None, seqlens_q=No
     out = torch.matmul(p[..., :sk], v)
     lse = torch.where(row_any, lse_finite, float("-inf"))
     return out, lse
+
+
+def _absolute(score_mod, mask_mod, batch, seq_q, seq_k, seqlens_q, seqlens_k, device):
+    """The mods seeing q_idx + lk[b] - lq[b] (Sk - Sq without lengths) in place of the row q_idx."""
+    lq = seqlens_q.to(device).long() if seqlens_q is not None else torch.full((batch,), seq_q, device=device)
+    lk = seqlens_k.to(device).long() if seqlens_k is not None else torch.full((batch,), seq_k, device=device)
+    shift = lk - lq
+    score = None if score_mod is None else (lambda s, b, h, qi, ki: score_mod(s, b, h, qi + shift[b], ki))
+    mask = None if mask_mod is None else (lambda b, h, qi, ki: mask_mod(b, h, qi + shift[b], ki))
+    return score, mask
+
+
+def sequence_mods(score_mod, mask_mod, b0: int):
+    """The mods of sequence b0 run alone as batch entry 0: they see b = b0 (also fagen/verify/layouts.py's)."""
+    score = None if score_mod is None else (lambda s, b, h, qi, ki: score_mod(s, b + b0, h, qi, ki))
+    mask = None if mask_mod is None else (lambda b, h, qi, ki: mask_mod(b + b0, h, qi, ki))
+    return score, mask
+
+
+def packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, score_mod=None, mask_mod=None,
+                     mod_positions="row", **kw):
+    """float64 (out [total_q, Hq, Dv], lse [Hq, total_q]) of packed sequences (README "Layouts"), differentiable:
+    each sequence b (q rows cu_seqlens_q[b] .. cu_seqlens_q[b+1], k/v rows cu_seqlens_k[b] ..) runs alone through
+    attention() with its own lengths; the mods see b (the sequence's index) and positions within the sequence.
+    kw: attention()'s other keywords (mask "none" or "causal", scale, the score switches)."""
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    outs, lses = [], []
+    for b in range(len(cq) - 1):
+        qb, kb, vb = (t[lo:hi].transpose(0, 1)[None] for t, lo, hi in ((q, cq[b], cq[b + 1]), (k, ck[b], ck[b + 1]),
+                                                                        (v, ck[b], ck[b + 1])))
+        smod, mmod = sequence_mods(score_mod, mask_mod, b)
+        o, lse = attention(qb, kb, vb, score_mod=smod, mask_mod=mmod, mod_positions=mod_positions, **kw)
+        outs.append(o[0].transpose(0, 1))
+        lses.append(lse[0])
+    return torch.cat(outs), torch.cat(lses, dim=1)

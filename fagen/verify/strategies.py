@@ -136,7 +136,9 @@ class Problem:
             from fagen.verify.mods_eval import mod_values
 
             kwargs["mods"] = mod_values(spec, self.seed, max(self.seq_q, self.seq_k), hq, self.batch, device)
-            if spec.mask_mod is not None and self.seed % 3:  # two problems in three skip blocks by a block mask
+            if spec.kind is Kind.DECODE:  # decode mods see q_idx = i + lk - lq (README "User mods"); no block mask
+                kwargs["mods"].positions = "absolute"
+            elif spec.mask_mod is not None and self.seed % 3:  # two problems in three skip blocks by a block mask
                 from fagen.mods.ir import names_in
                 from fagen.mods.text import parse
                 from fagen.runtime.block_mask import from_text

@@ -676,3 +676,16 @@ def test_score_rows_smoke_run_on_the_gpu(tmp_path):
         assert r["status"] in ("ok", "unsupported"), r
         assert r["check"] in (None, "ok"), r
     assert all(r["status"] == "ok" for r in recs if r["impl"] in ("fagen", "flex"))
+
+
+def test_the_mods_suite_runs_the_named_rows_only(tmp_path):
+    """`fagen bench --suite mods --case NAME` runs only those rows (here the changed-scalar row, on the CPU), and an
+    unknown name is one usage line."""
+    path = tmp_path / "m.json"
+    res = CliRunner().invoke(main, ["bench", "--suite", "mods", "--quick", "--device", "cpu", "--case", "changed-scalar",
+                                    "--json", str(path)], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    records = json.loads(path.read_text())["records"]
+    assert [r["case"] for r in records] == ["changed-scalar"] and records[0]["new_compiles"] == 0, records
+    res = CliRunner().invoke(main, ["bench", "--suite", "mods", "--quick", "--device", "cpu", "--case", "nope"])
+    assert res.exit_code == 2 and "no mods row 'nope'" in res.output and "Traceback" not in res.output

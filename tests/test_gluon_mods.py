@@ -50,7 +50,7 @@ def test_the_render_holds_the_tree_s_gluon_code_and_not_the_user_s_text():
     assert src.count("mt0, mt0_s0, mt0_s1, mt0_n0, mt0_n1") >= 8
     assert '"mt0_s0", "mt0_s1", "mt0_n0", "mt0_n1"' in src  # not specialised: a changed size is no recompile
     scalar = render(gluon(**SOFTCAP)).source
-    assert "_mod_tanh(((score) / (ms0)))" in scalar and "ms0" in scalar.split("def _attn_fwd_hopper(")[1][:400]
+    assert "_mod_tanh(((score) * (1.0 / (ms0))))" in scalar and "ms0" in scalar.split("def _attn_fwd_hopper(")[1][:400]
     plain = render(gluon()).source
     assert "_mod_" not in plain and "score = s_acc" not in plain
 

@@ -175,3 +175,25 @@ def test_gym_mask_mods_emit_what_torch_computes(name):
     # document ids cover 33 positions and flamingo's boundaries 18, more than SK: torch reads them all in range.
     want = mask_mod_visible(fn, B, H, SQ, SK)  # the reference's own evaluation (vmapped, as Flex's)
     assert torch.equal(got.bool(), want)
+
+
+def test_hoist_takes_out_the_largest_loop_invariant_loads_once():
+    """[Note] Hoisted loads: document_id[q_idx] and q_idx - offsets[document_id[q_idx]] leave a loop over keys;
+    whatever reads kv_idx (or h in the dK/dV loop) stays, and equal subtrees share one placeholder."""
+    from fagen.codegen.mod_args import hoist
+    from fagen.mods.text import ModTensor, to_text
+
+    decls = (ModTensor("doc", "i32", 1), ModTensor("off", "i32", 1), ModTensor("hb", "fp32", 2))
+    tree = parse("(doc[q_idx] == doc[kv_idx]) & (q_idx - off[doc[q_idx]] >= kv_idx - off[doc[kv_idx]]) & "
+                 "(doc[q_idx] <= kv_idx)", "mask_mod", decls, ())
+    rest, found = hoist(tree, frozenset({"b", "h", "q_idx"}), "q")
+    assert [to_text(sub) for _, sub in found] == ["doc[q_idx]", "q_idx - off[doc[q_idx]]"]
+    assert "q_idx" not in to_text(rest).replace("_modq", "") and to_text(rest).count("_modq0") == 2
+    rest, found = hoist(tree, frozenset({"b", "kv_idx"}), "k")
+    assert [to_text(sub) for _, sub in found] == ["doc[kv_idx]", "kv_idx - off[doc[kv_idx]]"]
+    assert "doc[kv_idx]" not in to_text(rest) and "off[" not in to_text(rest).replace("off[doc[q_idx]]", "")
+    score = parse("score + hb[h, kv_idx] + hb[h, q_idx]", "score_mod", decls, ())
+    _, found = hoist(score, frozenset({"b", "kv_idx"}), "k")
+    assert found == ()  # h varies in the dK/dV loop
+    _, found = hoist(score, frozenset({"b", "h", "q_idx"}), "q")
+    assert [to_text(sub) for _, sub in found] == ["hb[h, q_idx]"]

@@ -54,6 +54,44 @@ def test_mask_mod_with_a_captured_int_tensor_with_and_without_a_block_mask():
     _check(q, k, v, do, mask_mod=mask_mod, block_mask=block_mask)
 
 
+@pytest.mark.parametrize("block", [32, 128])
+def test_a_block_mask_with_a_builtin_mask_gqa_and_coarse_blocks(block):
+    """Partial blocks run the mask_mod and full ones do not, in two loops over the block mask's lists ([Note] Partial
+    and full lists), within the built-in causal mask's key range (bottom-right: Sk > Sq), under GQA; block 128 makes
+    each block-mask block several kernel tiles."""
+    q, k, v, do = _qkv(1, 4, 2, 150, 170)
+    mask_mod = g.generate_sliding_window(100)
+    block_mask = fagen.create_block_mask(mask_mod, None, None, 150, 170, device=DEVICE, block_size=block)
+    classes = set(block_mask.classes.unique().tolist())
+    assert classes == ({0, 1, 2} if block == 32 else {0, 1}), classes
+    _check(q, k, v, do, mask="causal", mask_mod=mask_mod, block_mask=block_mask)
+
+
+def test_a_module_refuses_a_block_mask_built_for_other_keys():
+    """The kernels read each list row up to its length from Sk: a block mask of another Sk (or a hand-made list
+    of the wrong dtype) is one clear error at the module's entry, never a read past the lists."""
+    from fagen.runtime.modded import module_for
+    from fagen.runtime.mods import prepare
+
+    q, k, v, _ = _qkv(1, 2, 2, 64, 64)
+    mask_mod = g.generate_sliding_window(10)
+    mods = prepare(mask_mod=mask_mod)
+    module, _ = module_for(q, k, v, "none", (), mods)
+    other = fagen.create_block_mask(mask_mod, None, None, 64, 200, device=DEVICE)
+    with pytest.raises(Exception, match=r"do not fit q \(1, 2, 64, 32\) and k \(1, 2, 64, 32\)"):
+        module.forward(q, k, v, mods=mods.values, block_mask=other)
+    good = fagen.create_block_mask(mask_mod, None, None, 64, 64, device=DEVICE).kernel_form(DEVICE, 64, 64)
+    with pytest.raises(Exception, match="expected int8 classes and int32 lists"):
+        module.forward(q, k, v, mods=mods.values, block_mask=(good[0], good[1].long(), *good[2:]))
+
+
+def test_a_score_mod_runs_the_plain_phases_of_a_builtin_window():
+    """Without a mask_mod the loops are the plain kernels' phases: masked edges of the window, an unmasked middle."""
+    q, k, v, do = _qkv(1, 4, 2, 150, 170)
+    rel = torch.randn(4, 2 * 170 - 1, device=DEVICE)
+    _check(q, k, v, do, mask="causal", window=(70, 0), score_mod=g.generate_relative_bias(rel, 170))
+
+
 def test_scalars_and_both_mods_with_padding_in_fp16():
     q, k, v, do = _qkv(2, 2, 1, 37, 50, dtype=torch.float16)
     lens_q = torch.tensor([37, 20], device=DEVICE)

@@ -120,11 +120,13 @@ def _fwd_bwd_ms(attend, q, k, v, do, leaves, device, rep_ms):
     return fwd, bwd, out
 
 
-def mod_rows(device, shape: ModsShape, log=print, rep_ms=100.0, flex=True) -> list[dict]:
+def mod_rows(device, shape: ModsShape, log=print, rep_ms=100.0, flex=True, only=None) -> list[dict]:
     import fagen
 
     records = []
     for name, score_mod, mask_mod, leaves in cases(shape, device):
+        if only is not None and name not in only:
+            continue
         row = {"case": name, "kind": "mods", "shape": dataclasses.asdict(shape) | {"dtype": str(shape.dtype)}}
         try:
             q, k, v, do = _inputs(shape, device, True)
@@ -347,14 +349,36 @@ def table(records: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run(device, log=print, quick=False) -> list[dict]:
+ROWS = ("relative-bias", "alibi", "softcap", "document+causal", "prefix-lm", "sliding-window+causal", "dilated",
+        "learned-bias+grad", "builtin-as-mod", "cold-first-call", "changed-scalar")  # `--case` names
+
+
+def run(device, log=print, quick=False, names=(), flex=True) -> list[dict]:
+    """The suite's rows; `names`: only these names of ROWS (`fagen bench --suite mods --case NAME`); flex=False
+    leaves FlexAttention out (`--skip-flex`)."""
+    unknown = sorted(set(names) - set(ROWS))
+    if unknown:
+        raise click_error(f"--case: no mods row {unknown[0]!r}; rows: {', '.join(ROWS)}")
+    want = set(names or ROWS)
     if quick:  # a CPU smoke run through the interpreter: tiny shapes, no peers
         shape = ModsShape(batch=1, heads=2, seq=80, head_dim=32, dtype=torch.float32)
-        records = (mod_rows(device, shape, log=log, rep_ms=1.0, flex=False)
-                   + builtin_rows(device, shape, log=log, rep_ms=1.0) + scalar_rows(device, shape, log=log, calls=3))
+        rep, flex, calls = 1.0, False, 3
     else:
-        shape = ModsShape()
-        records = (mod_rows(device, shape, log=log) + builtin_rows(device, shape, log=log)
-                   + cold_rows(device, log=log) + scalar_rows(device, shape, log=log))
+        shape, rep, calls = ModsShape(), 100.0, 200
+    records = []
+    if want & set(ROWS[:8]):
+        records += mod_rows(device, shape, log=log, rep_ms=rep, flex=flex, only=want)
+    if "builtin-as-mod" in want:
+        records += builtin_rows(device, shape, log=log, rep_ms=rep)
+    if "cold-first-call" in want and (not quick or names):  # quick: only when named (two interpreter processes)
+        records += cold_rows(device, seq=64 if quick else 4096, log=log)
+    if "changed-scalar" in want:
+        records += scalar_rows(device, shape, log=log, calls=calls)
     log(table(records))
     return records
+
+
+def click_error(message: str) -> Exception:
+    import click
+
+    return click.UsageError(message)

@@ -101,7 +101,8 @@ def bench(spec_file, batch, heads, seq_q, seq_k, suite, case_names, quick, devic
 
         device, log = pick_device(device), _logger(out)
         run = importlib.import_module(f"fagen.bench.{suite}").run
-        return _write(device, json_path, run(device, log=log, quick=quick), log)
+        kw = {"names": case_names, "flex": not skip_flex} if suite == "mods" else {}
+        return _write(device, json_path, run(device, log=log, quick=quick, **kw), log)
     cases = cases_from_options(suite, case_names, quick, spec_file, batch, heads, seq_q, seq_k, seed, flags)
     if cases is None:
         raise click.UsageError("give spec flags (--head-dim ...), --suite standard, or --report FILE")

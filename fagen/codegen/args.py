@@ -255,9 +255,9 @@ MOD_GRAD_ARGS = Each(lambda spec: [T(f"{n}{k}", dt, pack="mod_ws", br=k == 0 and
                                    for k in range(_grad_loads(spec)) for n, dt in (("MG", "fp32"), ("MGI", "i64"))]
                      + ([I("mg_sk", pack="mod_ws")] if varlen(spec) and _grad_loads(spec) else []))
 # A block mask's kernel form ([Note] Block classes in fagen/runtime/block_mask.py): classes int8 [B', H', QB, KB],
-# lists int32 [B', H', QB, 2 KB + 1] (the non-empty key blocks ascending, then the running count of non-empty
-# blocks) and their transpose [B', H', KB, 2 QB + 1] (the dK/dV loop's), the strides of each (0 on a broadcast b or
-# h), and the granularity; None and zeros without a block mask.
+# lists int32 [B', H', QB, 4 KB + 2] (the partial key blocks ascending, the full ones ascending, then the running
+# count of each: [Note] Partial and full lists) and their transpose [B', H', KB, 4 QB + 2] (the dK/dV loop's), the
+# strides of each (0 on a broadcast b or h), and the granularity; None and zeros without a block mask.
 _BLOCK_INTS = ("blk_cb", "blk_ch", "blk_cq", "blk_lb", "blk_lh", "blk_lq", "blk_tb", "blk_th", "blk_tk", "blk_m",
                "blk_n")
 BLOCK_ARGS = [T("BlkCls", "i8", when=mask_modded, host="blk_cls", br=True),

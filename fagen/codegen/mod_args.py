@@ -7,11 +7,19 @@ User names are identifiers of letters, digits and `_`, so prefixing them could c
 `a_s0` and a tensor named `a_s0`); positions cannot. Every int among them (strides, sizes, int scalars) is listed
 in `no_specialize`: Triton specialises an int argument equal to 1 or divisible by 16, so a captured length or a
 closure int changing from 64 to 65 would otherwise compile a new kernel ([Note] Runtime scalars in docs/mods.md).
+
+[Note] Captured strides. The attention kernels (fagen.codegen.signatures.mod_jit) list the strides in
+do_not_specialize_on_alignment instead: Triton then still specialises a stride equal to 1, so the innermost
+dimension of a contiguous captured tensor costs no multiply per element (a relative bias's gather is one per
+score), and never specialises on divisibility by 16. A stride is the tensor's layout, not a closure value: it
+changes (and compiles a second kernel) only when the caller passes a tensor laid out differently. The AOT build
+keeps every stride an i32, correct for any layout.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from fagen.mods import ir
 from fagen.mods.emit import GLUON_HELPERS, TRITON_HELPERS, TensorRef, to_gluon, to_triton
@@ -64,6 +72,50 @@ def host_values(args: ModArgs, values: dict) -> list:
     return out + [values[s.name] for s in args.scalars]
 
 
+# [Note] Hoisted loads. A key loop's program has fixed b, h and query rows (the forward and dQ), or fixed b and key
+# columns (dK/dV, whose loop also walks the heads of a GQA group). A subtree of a mod that reads a captured tensor
+# and depends on nothing else that varies in the loop (document_id[q_idx], q_idx - offsets[document_id[q_idx]])
+# is the same on every step: `hoist` replaces each largest such subtree by a placeholder (a Scalar named `_mod<p><k>`,
+# a name no user name can take), and the kernel computes it once before the loop into `mod<p><k>` ([BLOCK_M, 1],
+# [BLOCK_N, 1] or a scalar), so the loop loads only what varies with its steps.
+def hoist(tree: ir.Node, fixed: frozenset, prefix: str) -> tuple[ir.Node, tuple[tuple[str, ir.Node], ...]]:
+    """(tree with its loop-invariant loads replaced by placeholders, ((placeholder name, subtree), ...))."""
+    found: list[tuple[str, ir.Node]] = []
+
+    def inputs(n: ir.Node) -> set:
+        own = {n.name} if isinstance(n, ir.Input) else set()
+        return own.union(*(inputs(c) for c in n.children()))
+
+    def loads(n: ir.Node) -> bool:
+        return isinstance(n, ir.Load) or any(loads(c) for c in n.children())
+
+    def walk(n: ir.Node) -> ir.Node:
+        if loads(n) and inputs(n) <= fixed:
+            for name, sub in found:
+                if sub == n:
+                    return ir.Scalar(name, n.type)
+            found.append((f"_mod{prefix}{len(found)}", n))
+            return ir.Scalar(found[-1][0], n.type)
+        changes = {}
+        for f in dataclasses.fields(n):
+            value = getattr(n, f.name)
+            if isinstance(value, ir.Node):
+                changes[f.name] = walk(value)
+            elif isinstance(value, tuple) and value and all(isinstance(v, ir.Node) for v in value):
+                changes[f.name] = tuple(walk(v) for v in value)
+        return dataclasses.replace(n, **changes) if changes else n
+
+    return walk(tree), tuple(found)
+
+
+def _has_tanh(n: ir.Node) -> bool:
+    return (isinstance(n, ir.Unary) and n.op == "tanh") or any(_has_tanh(c) for c in n.children())
+
+
+def _reads_score(n: ir.Node) -> bool:
+    return (isinstance(n, ir.Input) and n.name == "score") or any(_reads_score(c) for c in n.children())
+
+
 class ModCode:
     """What a template emits for a spec's mods: Triton expressions of the score_mod, its d/d score and the mask_mod
     at given kernel names, all printed from the parsed trees by fagen.mods.emit (never from the user's text). A
@@ -83,6 +135,7 @@ class ModCode:
         self.helpers = GLUON_HELPERS if self.gluon else TRITON_HELPERS
         self._to = to_gluon if self.gluon else to_triton
         self.packed = str(spec.layout) == "varlen"  # the captured-tensor gradients' workspace layout
+        self.uses_tanh = any(_has_tanh(t) for t in (self.score_tree, self.mask_tree) if t is not None)
         # [Note] Captured-tensor gradients: one (tensor position, load, derivative) per distinct load of a float
         # tensor in the score_mod; the dK/dV kernel writes each load's dS * derivative and its element's linear
         # index into a workspace the host reduces in a fixed order (fagen/templates/triton/mods.j2).
@@ -97,8 +150,31 @@ class ModCode:
     def _names(self, score, b, h, q_idx, kv_idx) -> dict:
         return {"score": score, "b": b, "h": h, "q_idx": q_idx, "kv_idx": kv_idx, **self.args.refs()}
 
-    def score(self, score: str, b: str, h: str, q_idx: str, kv_idx: str) -> str:
-        return self._to(self.score_tree, self._names(score, b, h, q_idx, kv_idx))
+    @functools.lru_cache(maxsize=None)
+    def _hoisted(self, field: str, prefix: str, fixed: str):
+        return hoist(self.score_tree if field == "score" else self.mask_tree, frozenset(fixed.split()), prefix)
+
+    def _tree(self, field: str, hoisted: str | None, names: dict):
+        """The field's tree, with its hoisted subtrees' placeholders named (hoisted: "prefix fixed inputs...")."""
+        if not hoisted:
+            return self.score_tree if field == "score" else self.mask_tree
+        prefix, fixed = hoisted.split(" ", 1)
+        tree, found = self._hoisted(field, prefix, fixed)
+        names.update({name: name[1:] for name, _ in found})
+        return tree
+
+    def prelude(self, field: str, hoisted: str, b: str, h: str, q_idx: str, kv_idx: str, pad: str) -> str:
+        """The assignments of a field's hoisted subtrees ([Note] Hoisted loads), one line each, before the loop."""
+        if (self.score_tree if field == "score" else self.mask_tree) is None:
+            return ""
+        prefix, fixed = hoisted.split(" ", 1)
+        names = self._names("", b, h, q_idx, kv_idx)
+        return "".join(f"{pad}{name[1:]} = {self._to(sub, names)}\n"
+                       for name, sub in self._hoisted(field, prefix, fixed)[1])
+
+    def score(self, score: str, b: str, h: str, q_idx: str, kv_idx: str, hoisted: str | None = None) -> str:
+        names = self._names(score, b, h, q_idx, kv_idx)
+        return self._to(self._tree("score", hoisted, names), names)
 
     def dscore(self, score: str, b: str, h: str, q_idx: str, kv_idx: str) -> str | None:
         """d score_mod / d score, or None where it is the constant 1 (additive mods: dS passes through)."""
@@ -107,8 +183,23 @@ class ModCode:
             return None
         return to_triton(tree, self._names(score, b, h, q_idx, kv_idx))
 
-    def visible(self, b: str, h: str, q_idx: str, kv_idx: str) -> str:
-        return self._to(self.mask_tree, self._names("", b, h, q_idx, kv_idx))
+    def additive(self, b: str, h: str, q_idx: str, kv_idx: str, hoisted: str | None = None) -> str | None:
+        """X where the score_mod is `score + X` (or `X + score`) and X does not read the score, else None: the
+        kernels then add X / ln 2 to the log2-domain score in one FMA, instead of leaving and re-entering that
+        domain around the mod (a relative bias, ALiBi, a learned bias)."""
+        names = self._names("", b, h, q_idx, kv_idx)
+        tree = self._tree("score", hoisted, names)
+        if not (isinstance(tree, ir.Binary) and tree.op == "+"):
+            return None
+        for this, other in ((tree.a, tree.b), (tree.b, tree.a)):
+            if this == ir.Input("score", ir.FLOAT) and not _reads_score(other):
+                code = self._to(other, names)
+                return code if other.type == ir.FLOAT else f"({code}).to({'gl' if self.gluon else 'tl'}.float32)"
+        return None
+
+    def visible(self, b: str, h: str, q_idx: str, kv_idx: str, hoisted: str | None = None) -> str:
+        names = self._names("", b, h, q_idx, kv_idx)
+        return self._to(self._tree("mask", hoisted, names), names)
 
     def grad_stores(self, ds: str, p: str, score: str, h: str, q_idx: str, kv_idx: str, pad: str) -> str:
         """The dK/dV loop's stores of each captured-tensor load's dS * derivative and linear element index into its

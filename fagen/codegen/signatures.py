@@ -6,6 +6,8 @@ signature, a launch, an operator schema or an AOT entry goes ([Note] Argument li
 
 from __future__ import annotations
 
+import re
+
 import jinja2
 
 from fagen.codegen.args import CONSTEXPR, FLOAT, INT, IO, KERNELS, LISTS, TENSOR, Arg, Kernel, Keyword, expand
@@ -13,6 +15,7 @@ from fagen.spec.kernel import KernelSpec
 
 WIDTH = 120  # the house's line length: launches and AOT entries wrap there
 _SCHEMA = {INT: "int", FLOAT: "float"}
+_STRIDE = re.compile(r"mt\d+_s\d+")  # a captured tensor's stride argument ([Note] Mod argument names)
 _C_TYPE = {IO: "T", "fp32": "float", "i32": "int"}
 
 
@@ -110,7 +113,10 @@ class Helpers:
         from fagen.codegen.args import BLOCK_ARGS, MOD_ARGS
 
         names = [a.name for a in expand((MOD_ARGS, *BLOCK_ARGS), self.spec) if a.kind == INT]
-        return "@triton.jit(do_not_specialize=[" + ", ".join(f'"{n}"' for n in names) + "])"
+        strides = [n for n in names if _STRIDE.fullmatch(n)]  # [Note] Captured strides in fagen/codegen/mod_args.py
+        return ("@triton.jit(do_not_specialize=[" + ", ".join(f'"{n}"' for n in names if n not in strides) + "]"
+                + (", do_not_specialize_on_alignment=[" + ", ".join(f'"{n}"' for n in strides) + "]" if strides else "")
+                + ")")
 
     def aot_entry(self, name: str, indent: int) -> str:
         """The AOT_KERNELS entry of `name` ([Note] AOT kernels): each argument's Triton type, the constexpr values

@@ -139,19 +139,32 @@ def from_text(text: str, tensors: tuple, scalars: tuple, values: dict, B: int | 
     return BlockMask(text, Sq, Sk, bm, bn, classes)
 
 
+# [Note] Partial and full lists. A kernel visits the partial blocks of a row (query block, or key block for dK/dV)
+# in one loop that evaluates the mask_mod, then its full blocks in a second loop that does not: each loop is
+# compiled for its case (a constexpr), as the plain kernels' masked and unmasked phases are, so a full block runs
+# the plain path's ops with no branch and no mask registers in its loop (FlexAttention's KV_IDX / FULL_KV_IDX).
+# A row of n blocks holds 4n + 2 int32: the partial blocks ascending (then padding), the full ones ascending (then
+# padding), the running count of partial blocks (n + 1 entries: before block j, for j = 0..n) and that of full
+# ones. A kernel whose built-in mask limits the row to blocks [a, b) takes entries count[a] .. count[b] of each.
 def _kernel_form(self: BlockMask, device, min_m: int = 16, min_n: int = 16) -> tuple:
-    """(classes, lists, transposed lists, block_m, block_n) as the generated kernels take them ([Note] Block classes), at blocks of at
-    least min_m x min_n (the largest tiles of the kernels that read it: coarsened here when needed), memoised."""
+    """(classes, lists, transposed lists, block_m, block_n) as the generated kernels take them ([Note] Block
+    classes, [Note] Partial and full lists), at blocks of at least min_m x min_n (the largest tiles of the kernels
+    that read it: coarsened here when needed), memoised."""
     bm = self
     while bm.block_m < min_m or bm.block_n < min_n:
         bm = bm.at(max(bm.block_m, min_m), max(bm.block_n, min_n))
     key = (bm.block_m, bm.block_n, str(device))
     memo = self.__dict__.setdefault("_forms", {})
     if key not in memo:
-        def lists(classes):  # the non-empty blocks ascending, then the running count of non-empty blocks
-            _, idx = _lists(classes)
-            cum = torch.nn.functional.pad(torch.cumsum((classes != 0).to(torch.int32), -1, dtype=torch.int32), (1, 0))
-            return torch.cat([idx, cum], -1).to(device).contiguous()
+        def lists(classes):  # [Note] Partial and full lists
+            parts = []
+            for cls in (1, 2):
+                _, idx = _lists(torch.where(classes == cls, cls, 0).to(torch.int8))
+                parts.append(idx)
+            for cls in (1, 2):
+                count = torch.cumsum((classes == cls).to(torch.int32), -1, dtype=torch.int32)
+                parts.append(torch.nn.functional.pad(count, (1, 0)))
+            return torch.cat(parts, -1).to(device).contiguous()
 
         memo[key] = (bm.classes.to(device).contiguous(), lists(bm.classes), lists(bm.classes.transpose(-1, -2)),
                      bm.block_m, bm.block_n)

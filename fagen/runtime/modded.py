@@ -16,11 +16,13 @@ import torch
 from fagen.codegen.mod_args import ModArgs
 from fagen.mods.text import ModScalar, ModTensor
 from fagen.runtime import hopper
+from fagen.runtime.device import gpu_arch
 from fagen.runtime.loader import load
 from fagen.runtime.mods import Mods, prepare
 from fagen.runtime.resolve import AttentionError, fast_key, spec_for
 from fagen.spec.axes import Layout
 from fagen.spec.kernel import KernelSpec, SpecError
+from fagen.spec.tuned import DEFAULT_ARCH
 
 _MODULES: dict[tuple, tuple[ModuleType, ModArgs]] = {}
 _SPECS: dict[int, KernelSpec] = {}  # id(module) -> its spec (the gluon forward's twin is made from it)
@@ -34,6 +36,50 @@ _SPECS: dict[int, KernelSpec] = {}  # id(module) -> its spec (the gluon forward'
 # score_mod compiles at m128n128, 3 stages, in 225 KB, as the switch kernel does.
 
 
+# The choice per arch, in one place: MODDED_TILES maps (arch, kind, loads) to the launch fields a head_dim > 64
+# modded spec sets over its plain spec's ({} keeps the plain tiles): kind "mask" for specs with a mask_mod (with or
+# without a score_mod), "score" for a score_mod alone; loads: whether the mods read captured tensors.
+# scripts/gpu_mods_tiles.py times candidate tiles on the rows of `fagen bench --suite mods` (d128 bf16) and prints
+# the winner of each key, to copy here. An arch without an entry takes the compile-only rule above.
+MODDED_TILES: dict[tuple[str, str, bool], dict] = {
+    ("sm_90", "score", True): {"block_n": 64, "num_stages": 2},  # relative bias, learned bias
+    ("sm_90", "mask", True): {"block_n": 64, "num_stages": 2},  # document mask
+    ("sm_90", "score", False): {},  # ALiBi, softcap
+    ("sm_90", "mask", False): {},  # prefix-LM, sliding window, dilated
+}
+
+
+def mods_class(fields: tuple) -> tuple[str, bool]:
+    """(kind, loads) of a Mods' fields: MODDED_TILES's key after the arch."""
+    return ("mask" if fields[1] is not None else "score"), bool(fields[2])
+
+
+def modded_tiles(base: KernelSpec, fields: tuple, arch: str) -> dict:
+    """The launch fields a modded spec sets over its plain spec's (`base`, resolved for `arch`) on `arch`
+    ([Note] Modded tiles); {} keeps the plain tiles."""
+    if base.head_dim <= 64:
+        return {}
+    kind, loads = mods_class(fields)
+    found = MODDED_TILES.get((arch, kind, loads))
+    if found is not None:
+        return dict(found)
+    return {"block_n": min(64, base.block_n), "num_stages": min(2, base.num_stages)} if loads else {}
+
+
+def modded_spec(base: KernelSpec, fields: tuple, tiles: dict | None = None, arch: str | None = None) -> KernelSpec:
+    """The modded spec of a plain spec and a Mods' fields on `arch` (None: this process's GPU, else sm_90): the
+    plain spec's given fields, the modded tiles ([Note] Modded tiles) or `tiles` (scripts/gpu_mods_tiles.py times
+    candidates through this); the launch fields neither sets stay unset, so fagen.load resolves them per arch."""
+    score, text, tensors, scalars = fields
+    if tiles is None:
+        arch = arch or gpu_arch() or DEFAULT_ARCH
+        tiles = modded_tiles(base.for_arch(arch), fields, arch)
+    given = {k: v for k, v in base.to_dict().items() if k not in base.defaulted}
+    return KernelSpec.from_dict({**given, **tiles, "score_mod": score, "mask_mod": text,
+                                 "mod_tensors": [list(t) for t in tensors],
+                                 "mod_scalars": [list(s) for s in scalars]})
+
+
 def module_for(q, k, v, mask, switches: tuple[str, ...], mods: Mods,
                layout: Layout = Layout.DENSE) -> tuple[ModuleType, ModArgs]:
     """The bwd (differentiable) module of these inputs with these mods, and its mod argument list."""
@@ -42,14 +88,9 @@ def module_for(q, k, v, mask, switches: tuple[str, ...], mods: Mods,
     if hit is not None:
         return hit
     base = spec_for(q, k, v, mask=mask, switches=switches, layout=layout)
-    score, text, tensors, scalars = mods.fields
-    tiles = {}
-    if base.head_dim > 64 and tensors:  # [Note] Modded tiles
-        tiles = {"block_n": min(64, base.block_n), "num_stages": min(2, base.num_stages)}
+    _, _, tensors, scalars = mods.fields
     try:
-        spec = KernelSpec.from_dict({**base.to_dict(), **tiles, "score_mod": score, "mask_mod": text,
-                                     "mod_tensors": [list(t) for t in tensors],
-                                     "mod_scalars": [list(s) for s in scalars]})
+        spec = modded_spec(base, mods.fields)
     except SpecError as e:
         raise AttentionError(f"no kernel for these mods: {e}") from None
     module = load(spec)

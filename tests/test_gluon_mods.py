@@ -62,8 +62,9 @@ def test_gathers_take_block_n_64_and_the_rest_the_plain_tiles():
         assert (gluon(**fields).block_n, gluon(**fields).num_stages) == (gluon().block_n, gluon().num_stages)
 
 
-def test_the_selection_of_modded_specs_is_off_until_measured(monkeypatch):
-    assert backends.GLUON.select_score_mods is False
+def test_the_selection_of_modded_specs_follows_the_switch(monkeypatch):
+    assert backends.GLUON.select_score_mods is True  # measured on the H100 (docs/mods.md, "Gluon")
+    monkeypatch.setattr(type(backends.GLUON), "select_score_mods", False)
     assert not hopper.selected(gluon(**RELBIAS)) and not hopper.selected(gluon(**SOFTCAP, mask="none"))
     monkeypatch.setattr(type(backends.GLUON), "select_score_mods", True)
     assert hopper.selected(gluon(**RELBIAS)) and hopper.selected(gluon(**SOFTCAP, mask="none"))

@@ -17,6 +17,11 @@ class TritonBackend(KernelBackend):
     layouts = (Layout.DENSE, Layout.VARLEN, Layout.PAGED)
 
     def default_config(self, spec, arch: str, given: dict) -> dict:
+        if spec.shared_kv:
+            # [Note] Latent decode tiles. MLA's absorbed decode (shared_kv, d576 v512): block_m caps the packed
+            # rows (Hq x Sq) of one tile, 64 as FlashMLA's; a 64 x 576 bf16 key tile is 72 KB a stage, so two
+            # stages of 64 keys fit sm_90 and sm_80. Not yet timed: scripts/gpu_mla.py times the alternatives.
+            return {"block_m": 64, "block_n": 64, "num_warps": 8, "num_stages": 2, **given}
         return default_config(max(spec.head_dim, spec.head_dim_v), spec.dtype, spec.direction, spec.kind,
                               mask=spec.mask, arch=arch, layout=spec.layout, window=spec.window, given=given)
 

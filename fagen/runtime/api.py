@@ -17,7 +17,7 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
               tree_mask=None, window=None, softcap: float | None = None, alibi_slopes=None, sinks=None,
               cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
               score_mod=None, mask_mod=None, block_mask=None, check: bool | None = None,
-              batch_invariant: bool = False, head_dim_v: int | None = None) -> torch.Tensor:
+              batch_invariant: bool = True, head_dim_v: int | None = None) -> torch.Tensor:
     """Attention over q [B, Hq, Sq, D], k and v [B, Hkv, Sk, D]; returns out like q, differentiable.
 
     The kernel is chosen from the inputs (dtype, head_dim D, gqa = Hq / Hkv) and `mask`, rendered and loaded once
@@ -42,7 +42,8 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
 
     Without gradients, a few queries against a long KV cache (fagen.runtime.kinds.prefers_decode) run the split-KV
     decode kernel; both kinds give the same results. v's head dim may differ from q's (MLA's 192/128): out takes
-    v's. batch_invariant=True: each sequence's result is the same bits alone and in any batch (README "Serving");
+    v's. batch_invariant=True (the default): each sequence's result is the same bits alone and in any batch
+    (README "Serving"; False opts out into the batch-dependent split rule);
     it reaches the decode kernel only (prefill kernels are batch-invariant anyway). Under torch.compile the call is one custom operator
     (fagen::attention, with its backward), so it traces with no graph break.
 
@@ -104,9 +105,9 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
     if module is None:
         module = resolve(q, k, v, mask, decode, switches, forward_only)
     if not needs_grad:  # no autograd node to build: the forward alone (prefill, decode, or the Gluon forward)
-        if batch_invariant and decode:
+        if decode and not batch_invariant:
             return module.forward(q, k, v, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
-                                  tree_mask=tree_mask, check=check, batch_invariant=True, **scores)[0]
+                                  tree_mask=tree_mask, check=check, batch_invariant=False, **scores)[0]
         if scores or scale is not None or seqlens_q is not None or seqlens_k is not None or tree_mask is not None \
                 or check is not None:
             return module.forward(q, k, v, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k,

@@ -42,18 +42,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: str, scal
               seqlens_q: Optional[torch.Tensor], seqlens_k: Optional[torch.Tensor], tree_mask: Optional[torch.Tensor],
               decode: bool, window: Optional[List[int]] = None, softcap: Optional[float] = None,
               alibi_slopes: Optional[torch.Tensor] = None,
-              sinks: Optional[torch.Tensor] = None, batch_invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+              sinks: Optional[torch.Tensor] = None, batch_invariant: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     switches, scores = _scores(window, softcap, alibi_slopes, sinks)
     module = resolve(q, k, v, mask, decode, switches)
-    if decode and batch_invariant:
-        scores["batch_invariant"] = True
+    if decode and not batch_invariant:
+        scores["batch_invariant"] = False
     return module.forward(q, k, v, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k, tree_mask=tree_mask,
                           **scores)
 
 
 @attention.register_fake
 def _attention_fake(q, k, v, mask, scale, seqlens_q, seqlens_k, tree_mask, decode, window=None, softcap=None,
-                    alibi_slopes=None, sinks=None, batch_invariant=False):
+                    alibi_slopes=None, sinks=None, batch_invariant=True):
     return q.new_empty((*q.shape[:3], v.shape[-1])), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 

@@ -5,12 +5,15 @@ import dataclasses
 
 import pytest
 import torch
+from hypothesis import given, settings
 
 import fagen
-from _env import DEVICE, ON_GPU
+from _env import DEVICE, ON_GPU, SCALE
 from fagen.errors import SpecError
 from fagen.runtime.loader import load
 from fagen.verify import reference
+from fagen.verify.properties import check_forward
+from fagen.verify.strategies import decode_problems
 from fagen.verify.tolerances import LSE_TOLERANCE, TOLERANCE, compare
 
 # (head_dim, head_dim_v) scaled down for the CPU: a power-of-two latent, one that is not (padded, masked columns) and
@@ -240,3 +243,20 @@ def test_fp8_latent_cache_matches_the_dequantized_reference(kv, layout):
     with pytest.raises(module.InputError, match="v_scale: a shared latent cache has one scale, k_scale"):
         module.forward(q, cache, None, **({} if layout == "dense" else dict(block_table=table, seqlens_k=lens)),
                        k_scale=1.0, v_scale=1.0)
+
+
+@pytest.mark.parametrize("kv", [None, "fp8_e4m3"])
+@pytest.mark.parametrize("mask", ["causal", "causal+padding", "tree"])
+def test_latent_decode_property(mask, kv):
+    """The verify property (fagen.verify.properties.check_forward, v=None for a shared cache) over Hypothesis's
+    decode problems: batch, lengths, Sq, scales and magnitudes drawn."""
+    d, dv = SMALL_DIMS[1]
+    spec = _spec(d, dv, gqa=4, mask=mask, kv_dtype=kv)
+    module = load(spec)
+
+    @settings(max_examples=3 if not ON_GPU else 12, deadline=None)
+    @given(decode_problems(spec, SCALE))
+    def run(problem):
+        check_forward(module, spec, problem, DEVICE)
+
+    run()

@@ -11,7 +11,7 @@ import fagen
 from _env import DEVICE, ON_GPU, SCALE
 from fagen.errors import SpecError
 from fagen.runtime.loader import load
-from fagen.verify import reference
+from fagen.verify import layouts, reference
 from fagen.verify.properties import check_forward
 from fagen.verify.strategies import decode_problems
 from fagen.verify.tolerances import LSE_TOLERANCE, TOLERANCE, compare
@@ -258,5 +258,22 @@ def test_latent_decode_property(mask, kv):
     @given(decode_problems(spec, SCALE))
     def run(problem):
         check_forward(module, spec, problem, DEVICE)
+
+    run()
+
+
+@pytest.mark.parametrize("kv", [None, "fp8_e5m2"])
+@pytest.mark.parametrize("mask", ["none", "causal", "tree"])
+def test_paged_latent_decode_property(mask, kv):
+    """The paged verify property (fagen.verify.layouts.check_forward, v=None for a shared cache) over Hypothesis's
+    layout cases: page sizes, lengths per sequence, Sq and trees drawn."""
+    d, dv = SMALL_DIMS[2]
+    spec = _spec(d, dv, gqa=2, mask=mask, layout="paged", kv_dtype=kv)
+    module = load(spec)
+
+    @settings(max_examples=3 if not ON_GPU else 12, deadline=None)
+    @given(layouts.cases(spec, max_len=40 if not ON_GPU else 700))
+    def run(case):
+        layouts.check_forward(module, spec, case, DEVICE)
 
     run()

@@ -391,7 +391,10 @@ MAX_SPLITS = 128
 # INVARIANT_MIN_CHUNK)) splits and a sequence's splits past its own count return at once. Every launch merges
 # through the workspace (never DIRECT), so even one split's result takes the same path in every batch.
 INVARIANT_SPLITS = 32
-INVARIANT_MIN_CHUNK = 256
+# Under the interpreter the smallest chunk is one key block, so that the CPU suites' small caches span several
+# splits and their properties and mutants exercise the merge, as the split rule's many splits did when it was the
+# default (with 256, a 100-key cache would take one split there).
+INVARIANT_MIN_CHUNK = BLOCK_N if _INTERPRET else 256
 INVARIANT = 0  # the num_splits value that asks for the batch-invariant rule
 # Row tiles of at most this many rows skip tl.dot (whose tiles have at least 16 rows) and multiply-sum.
 BROADCAST_MAX_ROWS = 2

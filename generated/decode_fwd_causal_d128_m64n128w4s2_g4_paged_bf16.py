@@ -453,14 +453,18 @@ UPCAST = _INTERPRET and DTYPE == torch.bfloat16
 PROGRAMS_PER_SM = 2
 FALLBACK_SMS = 132
 MAX_SPLITS = 128
-# [Note] Batch-invariant splits. With batch_invariant=True a sequence's result must be the same bits alone and in
-# any batch (docs/serving.md). The split rule above follows the batch and the SM count, so the kernel then sizes
+# [Note] Batch-invariant splits. With batch_invariant=True (the default; False opts out into the split rule above) a
+# sequence's result must be the same bits alone and in any batch (docs/serving.md; the H100 measured its cost at -22%
+# to +0.6% of the split rule's time). The split rule follows the batch and the SM count, so the kernel then sizes
 # each sequence's chunks from its own key count n alone: max(INVARIANT_MIN_CHUNK, ceil(n / INVARIANT_SPLITS)) keys,
 # rounded up to whole BLOCK_N blocks, starting at its first key; the grid holds min(INVARIANT_SPLITS, ceil(span /
 # INVARIANT_MIN_CHUNK)) splits and a sequence's splits past its own count return at once. Every launch merges
 # through the workspace (never DIRECT), so even one split's result takes the same path in every batch.
 INVARIANT_SPLITS = 32
-INVARIANT_MIN_CHUNK = 256
+# Under the interpreter the smallest chunk is one key block, so that the CPU suites' small caches span several
+# splits and their properties and mutants exercise the merge, as the split rule's many splits did when it was the
+# default (with 256, a 100-key cache would take one split there).
+INVARIANT_MIN_CHUNK = BLOCK_N if _INTERPRET else 256
 INVARIANT = 0  # the num_splits value that asks for the batch-invariant rule
 # Row tiles of at most this many rows skip tl.dot (whose tiles have at least 16 rows) and multiply-sum.
 BROADCAST_MAX_ROWS = 2
@@ -907,8 +911,10 @@ def forward_split(q, k, v, *, num_splits=None, scale=None, block_table, seqlens_
     return _launch_decode(q, k, v, scale, seqlens_q, seqlens_k, tree, block_table, num_splits)
 
 
-def _launch(q, k, v, scale, seqlens_q, seqlens_k, tree, block_table, out=None, lse=None):
-    return _launch_decode(q, k, v, scale, seqlens_q, seqlens_k, tree, block_table, None, out, lse)
+def _launch(q, k, v, scale, seqlens_q, seqlens_k, tree, block_table, out=None, lse=None, num_splits=INVARIANT):
+    """The operators' launch: by default batch-invariant splits ([Note] Batch-invariant splits); num_splits=None
+    takes the split rule."""
+    return _launch_decode(q, k, v, scale, seqlens_q, seqlens_k, tree, block_table, num_splits, out, lse)
 
 
 class Plan:
@@ -919,7 +925,7 @@ class Plan:
     outputs (or none, with out= and lse=), and launches. Nothing in run() reads a device value.
     """
 
-    def __init__(self, max_batch, heads_q, max_seq_q, max_seq_k, device, num_splits=None, batch_invariant=False):
+    def __init__(self, max_batch, heads_q, max_seq_q, max_seq_k, device, num_splits=None, batch_invariant=None):
         for name, value in (("max_batch", max_batch), ("heads_q", heads_q), ("max_seq_q", max_seq_q),
                             ("max_seq_k", max_seq_k)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -928,6 +934,8 @@ class Plan:
             raise InputError(f"plan: max_seq_q must be at most {MAX_SEQ_Q} and heads_q a multiple of gqa={GQA}, got "
                              f"{max_seq_q} and {heads_q}")
         _check_decode_inputs(max_seq_q, num_splits)
+        if batch_invariant is None:  # the default: invariant, unless the caller chose a split count
+            batch_invariant = num_splits is None
         if batch_invariant and num_splits is not None:
             raise InputError("plan: batch_invariant=True chooses the splits from each sequence's length; "
                              "pass num_splits=None")
@@ -965,29 +973,31 @@ class Plan:
                               self.workspace)
 
 
-def plan(max_batch, heads_q, max_seq_q, max_seq_k, *, device="cuda", num_splits=None, batch_invariant=False):
-    """A Plan for decode steps up to these sizes (see Plan); batch_invariant: [Note] Batch-invariant splits."""
+def plan(max_batch, heads_q, max_seq_q, max_seq_k, *, device="cuda", num_splits=None, batch_invariant=None):
+    """A Plan for decode steps up to these sizes (see Plan); batch_invariant ([Note] Batch-invariant splits): None
+    (the default) is True unless num_splits is given; False takes the split rule for the plan's largest problem."""
     return Plan(max_batch, heads_q, max_seq_q, max_seq_k, device, num_splits, batch_invariant)
 
 
-def forward(q, k, v, *, scale=None, block_table, seqlens_k, batch_invariant=False,
+def forward(q, k, v, *, scale=None, block_table, seqlens_k, batch_invariant=True,
             out=None, lse=None, check=None):
     """Attention forward for 1..MAX_SEQ_Q queries. Returns (out, lse): out like q (v's head dim), lse float32
     [B, Hq, Sq].
 
     out / lse: caller-owned buffers to write into; check: see [Note] Checks that read device values.
-    batch_invariant: each sequence's result is the same bits alone and in any batch ([Note] Batch-invariant splits).
+    batch_invariant: each sequence's result is the same bits alone and in any batch ([Note] Batch-invariant splits);
+    False opts out into the split rule ([Note] Split heuristic), for eager calls.
     """
     _check_qkv(q, k, v)
     _check_decode_inputs(q.shape[2], None)
     scale = _check_scale(scale)
     seqlens_q, seqlens_k, tree, block_table = _check_layout(q, k, v, block_table, seqlens_k, check)
     _check_buffers(q, out, lse)
-    if batch_invariant:
+    if not batch_invariant:
         if torch.compiler.is_compiling():
-            raise InputError("batch_invariant=True: call forward() eagerly, or fagen.attention(..., batch_invariant="
-                             "True), which is one operator under torch.compile")
-        return _launch_decode(q, k, v, scale, seqlens_q, seqlens_k, tree, block_table, INVARIANT, out, lse)
+            raise InputError("batch_invariant=False: the batch-dependent split rule runs eagerly only; call it "
+                             "outside torch.compile, or keep the default batch_invariant=True")
+        return _launch_decode(q, k, v, scale, seqlens_q, seqlens_k, tree, block_table, None, out, lse)
     return _call(q, k, v, scale, seqlens_q, seqlens_k, tree, block_table, out, lse)
 
 

@@ -100,7 +100,7 @@ def test_bad_spec_file_is_one_clear_line(tmp_path):
     assert result.output.strip().splitlines() == [
         f"Error: {spec_file}: maks: got 'tree'; unknown spec field (did you mean mask?); known fields: alibi, backend, "
         "block_m, block_n, direction, dtype, gqa, head_dim, head_dim_v, kind, kv_dtype, layout, mask, mask_mod, "
-        "mod_scalars, mod_tensors, num_stages, num_warps, score_mod, sinks, softcap, window"]
+        "mod_scalars, mod_tensors, num_stages, num_warps, score_mod, shared_kv, sinks, softcap, window"]
 
 
 def test_generate_without_spec_renders_the_default_catalog(tmp_path):

@@ -231,7 +231,7 @@ def test_decode_step_replays_the_general_path(monkeypatch, which, seq_k):
     scores = module._check_scores(q, (8, None), 30.0, torch.rand(4), torch.rand(4)) if which == "switches" else ()
 
     def launch(**buffers):
-        return module._launch(q, k, v, 0.25, *masks, *scores, **buffers)
+        return module._launch(q, k, v, 0.25, *masks, *scores, **buffers, num_splits=None)
 
     launch()
     assert len(split.compiles) == 1 and len(module._STEPS) == 1
@@ -412,7 +412,7 @@ def test_paged_decode_step_replays_the_general_path(monkeypatch, pages):
     sq, sk, tree, table = module._check_layout(q, k_cache, v_cache, table, lens, None)
 
     def launch(**buffers):
-        return module._launch(q, k_cache, v_cache, 0.25, sq, sk, tree, table, **buffers)
+        return module._launch(q, k_cache, v_cache, 0.25, sq, sk, tree, table, **buffers, num_splits=None)
 
     launch()
     assert len(split.compiles) == 1 and len(module._STEPS) == 1

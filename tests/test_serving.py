@@ -291,7 +291,7 @@ def test_dense_decode_is_batch_invariant(mask, kv, switches, monkeypatch):
         n, sq = rng.randint(2, 6 if not ON_GPU else 64), rng.choice([1, 3])
         lens = tuple(rng.randint(0, sk) for _ in range(n)) if spec.mask.padded else None
         (q, k, v), kw = _dense_batch(spec, n, sq, sk, seed=trial, lens=lens)
-        out, lse = module.forward(q, k, v, batch_invariant=True, **kw)
+        out, lse = module.forward(q, k, v, **kw)  # the default: batch-invariant
         for b in rng.sample(range(n), min(n, 3)):
             own = lens[b] if lens else sk + (sq if mask == "tree" else 0)  # alone: a cache cut to its own keys
             alone_kw = _take(kw, slice(b, b + 1))
@@ -322,8 +322,7 @@ def test_paged_decode_is_batch_invariant_through_forward_and_plan(mask, kv, monk
         q, k_cache, v_cache = inputs.args
         kw = dict(inputs.kwargs, **inputs.scores)
         out, lse = module.forward(q, k_cache, v_cache, batch_invariant=True, **kw)
-        plan = module.plan(n + 3, q.shape[1], sq, kw["block_table"].shape[1] * case.page_size, device=DEVICE,
-                           batch_invariant=True)
+        plan = module.plan(n + 3, q.shape[1], sq, kw["block_table"].shape[1] * case.page_size, device=DEVICE)
         p_out, p_lse = plan.run(q, k_cache, v_cache, **kw)
         _equal_bits("plan.run against forward", p_out, out)
         _equal_bits("plan.run lse against forward", p_lse, lse)
@@ -340,8 +339,27 @@ def test_fagen_attention_takes_batch_invariant(monkeypatch):
     q = torch.randn(5, 8, 1, 64, generator=gen).to(DEVICE)
     k, v = (torch.randn(5, 2, 300, 64, generator=gen).to(DEVICE) for _ in range(2))
     with torch.no_grad():
-        batch = fagen.attention(q, k, v, batch_invariant=True)
+        batch = fagen.attention(q, k, v)  # the default: batch-invariant
         for b in range(5):
             alone = fagen.attention(q[b:b + 1].clone(), k[b:b + 1].clone(), v[b:b + 1].clone(),
                                     batch_invariant=True)
             _equal_bits(f"fagen.attention sequence {b}", batch[b], alone[0])
+
+
+def test_batch_invariant_false_is_the_split_rule(monkeypatch):
+    """The opt-out: forward, plan and fagen.attention with batch_invariant=False take the batch-dependent split
+    rule, the same bits as forward_split with the rule's own count; plan(num_splits=...) opts out by itself."""
+    spec = fagen.KernelSpec(head_dim=32, kind="decode", dtype="fp32", gqa=4)  # the tiles fagen.attention takes
+    module = load(spec)
+    _small_chunks(module, monkeypatch)
+    (q, k, v), kw = _dense_batch(spec, 1, 1, 300 if not ON_GPU else 9000, seed=1)
+    rule, rule_lse = module.forward_split(q, k, v, **kw)
+    invariant, invariant_lse = module.forward(q, k, v, **kw)
+    assert not torch.equal(invariant, rule)  # the two rules differ here, so the comparisons below can fail
+    for out, lse in (module.forward(q, k, v, batch_invariant=False, **kw),
+                     module.plan(1, q.shape[1], 1, k.shape[2], device=DEVICE, batch_invariant=False).run(q, k, v),
+                     (fagen.attention(q, k, v, batch_invariant=False), rule_lse)):
+        _equal_bits("out against the split rule", out, rule)
+        _equal_bits("lse against the split rule", lse, rule_lse)
+    assert module.plan(1, q.shape[1], 1, k.shape[2], device=DEVICE, num_splits=2).num_splits == 2
+    assert module.plan(1, q.shape[1], 1, k.shape[2], device=DEVICE).num_splits == module.INVARIANT

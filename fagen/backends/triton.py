@@ -17,6 +17,15 @@ class TritonBackend(KernelBackend):
     layouts = (Layout.DENSE, Layout.VARLEN, Layout.PAGED)
 
     def default_config(self, spec, arch: str, given: dict) -> dict:
+        if spec.shared_kv:
+            # [Note] Latent decode tiles. MLA's absorbed decode (shared_kv, d576 v512): block_m caps the packed
+            # rows (Hq x Sq) of one tile. ptxas sm_90 (triton 3.6, compiled on the CPU, paged, 2026-11-26), in
+            # registers / spilled words / shared KB: the memory-bound 16-row tile (Hq 16, Sq 1) at n32 w8 225 / 0 /
+            # 67, n64 w8 255 / 56 / 115, n32 w4 255 / 30, n16 w4 s4 255 / 8; q's 16 x 512 tile alone is 128
+            # registers a thread as an mma operand. 64 rows (Hq 128, Sq 2) spill at every tile tried (m64 n32 w8
+            # 518 words, n64 w8 580, w16 814+); 32 rows n32 w8 84, n16 w8 82; 16 rows (block_m 16) none.
+            # Not yet timed: scripts/gpu_mla.py times these against each other.
+            return {"block_m": 64, "block_n": 32, "num_warps": 8, "num_stages": 2, **given}
         return default_config(max(spec.head_dim, spec.head_dim_v), spec.dtype, spec.direction, spec.kind,
                               mask=spec.mask, arch=arch, layout=spec.layout, window=spec.window, given=given)
 

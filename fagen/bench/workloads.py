@@ -48,10 +48,11 @@ class BenchCase:
     hopper: bool = True  # False: keep the Triton forward on sm_90 (a baseline row for the switch rows)
     peers: bool = True  # False: only fagen runs (a baseline row of fagen itself)
     # Serving (docs/serving.md): V's head dim (None: head_dim), an fp8 KV cache for decode rows (its scales are
-    # drawn per KV head in make_inputs), and decode's batch-invariant split rule.
+    # drawn per KV head in make_inputs), and decode's split rule: None the kernel's default (batch-invariant), True
+    # asks for it, False for the batch-dependent split rule.
     head_dim_v: int | None = None
     kv_dtype: str | None = None
-    batch_invariant: bool = False
+    batch_invariant: bool | None = None
 
     def __post_init__(self):
         put = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
@@ -416,8 +417,8 @@ def make_inputs(case: BenchCase, device: torch.device, seed: int) -> InputSet:
         scales = torch.Generator(device="cpu").manual_seed(seed + 8)
         for name in ("k_scale", "v_scale"):
             scores[name] = (0.5 + torch.rand(case.heads_kv, generator=scales)).to(device)
-    if case.batch_invariant:
-        scores["batch_invariant"] = True
+    if case.batch_invariant is not None:  # decode rows that ask: True, or False for the split rule
+        scores["batch_invariant"] = case.batch_invariant
     return InputSet(q, k, v, kwargs, dout, scores)
 
 
@@ -434,7 +435,8 @@ def describe_case(c: BenchCase) -> str:
     extra = "".join([f" window {side(c.window[0])}/{side(c.window[1])}" if c.window else "",
                      f" softcap {c.softcap:g}" if c.softcap is not None else "", " alibi" * c.alibi,
                      " sinks" * c.sinks, " triton" * (not c.hopper),
-                     f" kv {c.kv_dtype}" if c.kv_dtype else "", " batch-invariant" * c.batch_invariant])
+                     f" kv {c.kv_dtype}" if c.kv_dtype else "", " batch-invariant" * (c.batch_invariant is True),
+                     " split-rule" * (c.batch_invariant is False)])
     dv = "" if c.head_dim_v == c.head_dim else f"v{c.head_dim_v}"
     return f"{c.direction} {c.mask} d{c.head_dim}{dv} b{c.batch} {heads} sq{c.seq_q} sk{c.seq_k} {c.dtype}{extra}"
 

@@ -34,6 +34,7 @@ _SPEC_HELP = {
     "layout": "dense, varlen (packed sequences) or paged (a paged KV cache).",
     "head_dim_v": "V's and out's head dim (default: --head-dim), e.g. 128 with --head-dim 192 (MLA).",
     "kv_dtype": "An fp8 KV cache read by a decode kernel (default: the cache has --dtype).",
+    "shared_kv": "V is the first --head-dim-v columns of the K cache, read once (MLA's absorbed decode).",
     "score_mod": 'A score mod as expression text, e.g. "score + bias[h, q_idx - kv_idx + 4095]" (docs/mods.md).',
     "mask_mod": 'A mask mod as expression text, e.g. "q_idx >= kv_idx" (True: visible).',
     "mod_tensors": "A tensor the mods index, NAME=DTYPE:RANK, e.g. bias=fp32:2 (repeatable).",

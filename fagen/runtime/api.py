@@ -8,16 +8,16 @@ from fagen.codegen.args import SWITCH_KEYWORD
 from fagen.runtime import ops
 from fagen.runtime.hopper import MIN_WORK
 from fagen.runtime.kinds import prefers_decode
-from fagen.runtime.resolve import _FAST, AttentionError, fast_key, resolve, resolve_varlen, spec_for
-from fagen.spec.axes import Layout, Mask
-from fagen.spec.kernel import SCORE_SWITCHES
+from fagen.runtime.resolve import _DTYPES, _FAST, AttentionError, _module, fast_key, resolve, resolve_varlen, spec_for
+from fagen.spec.axes import DECODE_MAX_SEQ_Q, Kind, Layout, Mask
+from fagen.spec.kernel import SCORE_SWITCHES, KernelSpec, SpecError
 
 
 def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None, seqlens_q=None, seqlens_k=None,
               tree_mask=None, window=None, softcap: float | None = None, alibi_slopes=None, sinks=None,
               cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
               score_mod=None, mask_mod=None, block_mask=None, check: bool | None = None,
-              batch_invariant: bool = False) -> torch.Tensor:
+              batch_invariant: bool = True, head_dim_v: int | None = None) -> torch.Tensor:
     """Attention over q [B, Hq, Sq, D], k and v [B, Hkv, Sk, D]; returns out like q, differentiable.
 
     The kernel is chosen from the inputs (dtype, head_dim D, gqa = Hq / Hkv) and `mask`, rendered and loaded once
@@ -42,10 +42,22 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
 
     Without gradients, a few queries against a long KV cache (fagen.runtime.kinds.prefers_decode) run the split-KV
     decode kernel; both kinds give the same results. v's head dim may differ from q's (MLA's 192/128): out takes
-    v's. batch_invariant=True: each sequence's result is the same bits alone and in any batch (README "Serving");
+    v's. batch_invariant=True (the default): each sequence's result is the same bits alone and in any batch
+    (README "Serving"; False opts out into the batch-dependent split rule);
     it reaches the decode kernel only (prefill kernels are batch-invariant anyway). Under torch.compile the call traces
     into the module's own operators and autograd (fagen/runtime/ops.py), with no graph break.
+
+    v=None with head_dim_v (README "MLA absorbed decode"): k is one shared latent cache [B, Hkv, Sk, D] and V is its
+    first head_dim_v columns, read once (MLA's absorbed decode, d 576 / d_v 512); 1 to 16 queries, no gradient,
+    the shared_kv decode kernel, out [B, Hq, Sq, head_dim_v]. Called eagerly (a graph break under torch.compile).
     """
+    if v is None:
+        return _latent(q, k, mask=mask, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k, tree_mask=tree_mask,
+                       window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, check=check,
+                       batch_invariant=batch_invariant, head_dim_v=head_dim_v)
+    if head_dim_v is not None:
+        raise AttentionError("head_dim_v: it names V's columns of a shared latent cache, with v=None; with a v "
+                             "tensor, out takes v's head dim: drop head_dim_v")
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
         spec_for(q, k, v, mask=mask, layout=Layout.VARLEN if varlen else Layout.DENSE)  # raises, naming the input
@@ -95,9 +107,9 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
     if module is None:
         module = resolve(q, k, v, mask, decode, switches, forward_only)
     if not needs_grad:  # no autograd node to build: the forward alone (prefill, decode, or the Gluon forward)
-        if batch_invariant and decode:
+        if decode and not batch_invariant:
             return module.forward(q, k, v, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
-                                  tree_mask=tree_mask, check=check, batch_invariant=True, **scores)[0]
+                                  tree_mask=tree_mask, check=check, batch_invariant=False, **scores)[0]
         if scores or scale is not None or seqlens_q is not None or seqlens_k is not None or tree_mask is not None \
                 or check is not None:
             return module.forward(q, k, v, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
@@ -108,6 +120,40 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
 
 
 _eager = torch.compiler.disable(attention)  # a call Dynamo leaves alone
+
+
+@torch.compiler.disable  # the shared latent decode has no custom operator: eager, a graph break under torch.compile
+def _latent(q, k, *, mask, head_dim_v, window, softcap, alibi_slopes, sinks, **rest):
+    """fagen.attention(q, k, None, head_dim_v=...): the shared_kv decode module's forward (README "MLA absorbed
+    decode")."""
+    if head_dim_v is None:
+        raise AttentionError("v=None reads V from the k cache (a shared latent cache, MLA's absorbed decode): pass "
+                             "head_dim_v, V's columns (for example 512 with head_dim 576)")
+    if isinstance(head_dim_v, bool) or not isinstance(head_dim_v, int):
+        raise AttentionError(f"head_dim_v: expected an int, got {head_dim_v!r}")
+    for name, t in (("q", q), ("k", k)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise AttentionError(f"{name}: expected a 4-dim torch.Tensor [batch, heads, seq, head_dim], got "
+                                 f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if k.dtype != q.dtype or k.shape[-1] != q.shape[-1] or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise AttentionError(f"q {q.dtype} {tuple(q.shape)} and the latent cache k {k.dtype} {tuple(k.shape)} need "
+                             "one dtype, one head dim, and q heads a multiple of k's")
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+        raise AttentionError("v=None (a shared latent cache) runs the decode kernel, which has no backward: call it "
+                             "under torch.no_grad(), or pass v")
+    if not 1 <= q.shape[2] <= DECODE_MAX_SEQ_Q:
+        raise AttentionError(f"v=None (a shared latent cache) serves decode steps of 1 to {DECODE_MAX_SEQ_Q} "
+                             f"queries, got {q.shape[2]}")
+    scores = {name: value for name, value in zip(_SCORE_ARGS, (window, softcap, alibi_slopes, sinks))
+              if value is not None}
+    switches = tuple(name for name, arg in zip(SCORE_SWITCHES, _SCORE_ARGS) if arg in scores)
+    try:
+        spec = KernelSpec(head_dim=q.shape[-1], head_dim_v=head_dim_v, shared_kv=True, kind=Kind.DECODE,
+                          mask=mask, gqa=q.shape[1] // k.shape[1], dtype=_DTYPES.get(q.dtype, str(q.dtype)),
+                          **{name: True for name in switches})
+    except SpecError as e:
+        raise AttentionError(f"no kernel for these inputs: {e}") from None
+    return _module(spec).forward(q, k, None, **rest, **scores)[0]
 _NO_SCORES: dict = {}
 _SCORE_ARGS = tuple(SWITCH_KEYWORD[name] for name in SCORE_SWITCHES)  # the public keyword of each switch
 

@@ -51,7 +51,7 @@ def _static(n) -> int:
 
 
 def attention(q, k, v, mask: str, scale, seqlens_q, seqlens_k, tree_mask, decode: bool, window=None, softcap=None,
-              alibi_slopes=None, sinks=None, batch_invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+              alibi_slopes=None, sinks=None, batch_invariant: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of fagen.attention while Dynamo traces it; window is [left, right] with -1 for an unbounded side."""
     scores = {name: value for name, value in (("softcap", softcap), ("alibi_slopes", alibi_slopes), ("sinks", sinks))
               if value is not None}

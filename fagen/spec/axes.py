@@ -87,6 +87,9 @@ class KVDType(_Axis):
 
 # -- integer axes --------------------------------------------------------------------------------------------
 HEAD_DIMS = range(16, 257, 8)
+# A shared latent cache (spec field shared_kv, MLA's absorbed decode: d_qk 576, d_v 512) takes wider rows.
+LATENT_HEAD_DIMS = range(16, 577, 8)
+LATENT_HEAD_DIMS_V = range(16, 513, 8)
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 NUM_WARPS = (1, 2, 4, 8, 16)
 NUM_STAGES = range(1, 9)

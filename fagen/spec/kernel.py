@@ -16,7 +16,7 @@ from fagen import backends
 from fagen.backends.base import LAUNCH_FIELDS, SCORE_SWITCHES
 from fagen.mods.text import canonical
 from fagen.spec import tables, targets, tuned
-from fagen.spec.axes import (BLOCK_SIZES, HEAD_DIMS, MAX_GQA, NUM_STAGES, NUM_WARPS, Backend, Direction, DType, Kind,
+from fagen.spec.axes import (BLOCK_SIZES, HEAD_DIMS, LATENT_HEAD_DIMS, LATENT_HEAD_DIMS_V, MAX_GQA, NUM_STAGES, NUM_WARPS, Backend, Direction, DType, Kind,
                              KVDType, Layout, Mask, SpecError)
 
 
@@ -83,6 +83,10 @@ class KernelSpec:
     # kernel (None: the cache has the spec's dtype), likewise left out while None.
     head_dim_v: int | None = None
     kv_dtype: KVDType | None = None
+    # shared_kv: V is the first head_dim_v columns of the K cache, read once (MLA's absorbed decode: one latent
+    # cache of head_dim 576 = 512 latent + 64 rope columns; forward(q, kv_cache, None)). Decode only; left out of
+    # the name and the canonical JSON while False.
+    shared_kv: bool = False
     # The GPU arch whose defaults fill the launch fields left unset ([Note] Tiles per arch in fagen/backends/triton.py);
     # None: sm_90's ([Note] Deterministic specs in fagen/spec/tuned.py). Not stored: the tiles it chose are, and
     # the name shows them. for_arch() resolves the same spec for another arch.
@@ -97,12 +101,18 @@ class KernelSpec:
 
     def __post_init__(self, arch: str | None) -> None:
         put = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
-        put("head_dim", _int_field("head_dim", self.head_dim, lambda d: d in HEAD_DIMS,
-                                   "must be a multiple of 8 from 16 to 256 (for example 64, 80, 128)"))
+        if not isinstance(self.shared_kv, bool):
+            raise SpecError("shared_kv", self.shared_kv, "must be true or false: true reads V as the first "
+                                                         "head_dim_v columns of the K cache (MLA's absorbed decode)")
+        dims, dims_v = (LATENT_HEAD_DIMS, LATENT_HEAD_DIMS_V) if self.shared_kv else (HEAD_DIMS, HEAD_DIMS)
+        put("head_dim", _int_field("head_dim", self.head_dim, lambda d: d in dims,
+                                   "must be a multiple of 8 from 16 to 576 (with shared_kv)" if self.shared_kv else
+                                   "must be a multiple of 8 from 16 to 256 (for example 64, 80, 128; up to 576 "
+                                   "with shared_kv, MLA's absorbed decode)"))
         put("head_dim_v", self.head_dim if self.head_dim_v is None else _int_field(
-            "head_dim_v", self.head_dim_v, lambda d: d in HEAD_DIMS,
-            "must be a multiple of 8 from 16 to 256 (V's and out's head dim, for example 128 with head_dim 192), "
-            "or left out for head_dim"))
+            "head_dim_v", self.head_dim_v, lambda d: d in dims_v,
+            f"must be a multiple of 8 from 16 to {dims_v[-1]} (V's and out's head dim, for example 128 with "
+            "head_dim 192), or left out for head_dim"))
         put("mask", _enum_field("mask", self.mask, Mask))
         put("dtype", _enum_field("dtype", self.dtype, DType))
         put("direction", _enum_field("direction", self.direction, Direction))
@@ -124,6 +134,8 @@ class KernelSpec:
             self._check_kv_dtype()
         if self.layout is not Layout.DENSE:
             self._check_layout()
+        if self.shared_kv:
+            self._check_shared_kv()
         if self.modded or self.mod_tensors or self.mod_scalars:
             score, mask, tensors, scalars = canonical(self.score_mod, self.mask_mod, self.mod_tensors, self.mod_scalars)
             put("score_mod", score), put("mask_mod", mask)
@@ -250,6 +262,23 @@ class KernelSpec:
             raise SpecError("score_mod", self.score_mod, "the fp8 gluon forward takes no user mods: use dtype 'bf16' "
                                                          "or 'fp16'")
 
+    def _check_shared_kv(self) -> None:
+        """What a shared latent cache comes with (README "MLA absorbed decode"); the message names the field."""
+        if self.kind is not Kind.DECODE:
+            raise SpecError("shared_kv", True, "a shared latent cache is read by decode kernels: use kind 'decode', "
+                                               "or drop shared_kv (and pass v)")
+        if self.head_dim_v >= self.head_dim:
+            raise SpecError("head_dim_v", self.head_dim_v, f"with shared_kv, V is the first head_dim_v columns of "
+                                                           f"the K cache: head_dim_v must be below head_dim "
+                                                           f"({self.head_dim}), for example 512 with head_dim 576")
+        if self.head_dim - self.head_dim_v > 256:
+            raise SpecError("head_dim", self.head_dim, f"with shared_kv, the columns past head_dim_v (the rope "
+                                                       f"part, {self.head_dim - self.head_dim_v}) must be at most "
+                                                       "256; for example head_dim 576 with head_dim_v 512")
+        if self.modded or self.mod_tensors or self.mod_scalars:
+            raise SpecError("shared_kv", True, "user mods take no shared latent cache yet: drop the mods, or "
+                                               "shared_kv")
+
     def _check_fp8(self) -> None:
         """fp8 (e4m3) is the sm_90 gluon prefill forward's alone (README "fp8 forward"); the message names the field."""
         fix = "or use dtype 'bf16'"
@@ -287,6 +316,7 @@ class KernelSpec:
                 f"_m{self.block_m}n{self.block_n}w{self.num_warps}s{self.num_stages}"
                 f"_g{self.gqa}{''.join('_' + SWITCH_SHORT[s] for s in self.switches)}"
                 f"{'_mod' + self.mods_hash if self.modded else ''}"
+                f"{'_shared' if self.shared_kv else ''}"
                 f"{'' if self.layout is Layout.DENSE else '_' + str(self.layout)}_{self.dtype}{kv}{suffix}")
 
     @cached_property
@@ -302,7 +332,8 @@ class KernelSpec:
                 and not (f.name == "layout" and self.layout is Layout.DENSE)
                 and not (f.name in _MOD_FIELDS and not getattr(self, f.name))
                 and not (f.name == "head_dim_v" and self.head_dim_v == self.head_dim)
-                and not (f.name == "kv_dtype" and self.kv_dtype is None)}
+                and not (f.name == "kv_dtype" and self.kv_dtype is None)
+                and not (f.name == "shared_kv" and not self.shared_kv)}
 
     def to_json(self) -> str:
         """Canonical JSON: sorted keys, no whitespace. Equal specs give equal bytes."""

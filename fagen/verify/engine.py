@@ -188,6 +188,8 @@ def _finite(x: float) -> float:
 
 def properties_for(spec: KernelSpec, module, names: Iterable[str] | None = None) -> list[Property]:
     chosen = PROPERTIES if names is None else [BY_NAME[n] for n in names]
+    if spec.shared_kv:  # a shared latent cache takes v=None: only "reference" knows that form yet
+        chosen = [p for p in chosen if p.name == "reference"]
     return [p for p in chosen if p.applies(spec, module)]
 
 

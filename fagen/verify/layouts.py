@@ -189,11 +189,16 @@ def reference_sequence(spec: KernelSpec, q, k, v, scores: dict | None = None, tr
 def check_forward(module, spec: KernelSpec, case: LayoutCase, device) -> None:
     """Run forward() and compare every sequence's out and lse with the reference; raises PropertyFailure."""
     inputs = make_inputs(spec, case, device)
-    out, lse = module.forward(*inputs.args, **inputs.kwargs, **inputs.scores)
+    args, scores, ref_scores = inputs.args, inputs.scores, inputs.scores
+    if spec.shared_kv:  # one latent cache: v=None, V its first head_dim_v columns under k's scale
+        args, scores = (*args[:2], None), {n: t for n, t in scores.items() if n != "v_scale"}
+        ref_scores = dict(scores, **({"v_scale": scores["k_scale"]} if "k_scale" in scores else {}))
+    out, lse = module.forward(*args, **inputs.kwargs, **scores)
     row = 0
     tol = TOLERANCE[spec.dtype]
     for b, (q, k, v) in enumerate(inputs.dense):
         tree = inputs.kwargs["tree_mask"][b] if "tree_mask" in inputs.kwargs else None
+        v = k[..., :spec.head_dim_v] if spec.shared_kv else v
         want_out, want_lse = reference_sequence(spec, q, k, v, inputs.scores, tree, inputs.mods, b)
         n = case.lens_q[b]
         if spec.kind is Kind.DECODE:

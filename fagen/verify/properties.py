@@ -37,10 +37,14 @@ def _run(module, q, k, v, what="forward", **kwargs):
 def check_forward(module, spec: KernelSpec, problem: Problem, device: str = "cpu") -> Outcome:
     """forward() of a loaded module matches the float64 reference, with no NaN or inf, on one problem."""
     (q, k, v), kwargs = problem.inputs(spec, device)
+    ref_kwargs = kwargs
+    if spec.shared_kv:  # one latent cache: V is k's first head_dim_v columns, under k's scale (README "MLA ...")
+        v, kwargs = None, {name: value for name, value in kwargs.items() if name != "v_scale"}
+        ref_kwargs = dict(kwargs, head_dim_v=spec.head_dim_v)
     out, lse = _run(module, q, k, v, **kwargs)
     if out.dtype != q.dtype or lse.dtype != torch.float32:
         raise PropertyFailure(f"dtypes: out {out.dtype} (want {q.dtype}), lse {lse.dtype} (want float32)")
-    ref_out, ref_lse = reference.attention(q, k, v, mask=spec.mask, **kwargs)  # kwargs carry the scale too
+    ref_out, ref_lse = reference.attention(q, k, v, mask=spec.mask, **ref_kwargs)  # kwargs carry the scale too
     err = compare("out", out, ref_out, **TOLERANCE[spec.dtype])
     lse_err = compare("lse", lse, ref_lse, **LSE_TOLERANCE)
     return Outcome(max_err=err, max_lse_err=lse_err if math.isfinite(lse_err) else 0.0)

@@ -88,14 +88,15 @@ def dequantize(cache: torch.Tensor, scale, head_dim_axis: int = 1) -> torch.Tens
 def attention(q, k, v, *, mask: Mask | str = Mask.NONE, scale=None, seqlens_q=None, seqlens_k=None,
               tree_mask=None, window=None, softcap=None, alibi_slopes=None, sinks=None, score_mod=None,
               mask_mod=None, mods=None, block_mask=None, k_scale=None, v_scale=None, batch_invariant=None,
-              mod_positions="row"):
+              mod_positions="row", head_dim_v=None):
     """(out, lse) in float64 for the fagen contract; differentiable (autograd gives the reference gradients,
     the sinks' included when `sinks` requires grad).
 
     q and k are [B, H, S, D], v [B, Hkv, Sk, Dv]: out is [B, Hq, Sq, Dv] (Dv may differ from D, as MLA's 192/128),
     and the default scale is 1/sqrt(D). k_scale / v_scale (a float, or float32 [Hkv]): k and v are a quantized
     cache, dequantized first (dequantize()). batch_invariant is accepted and ignored: one sequence's result here
-    never depends on the others.
+    never depends on the others. v None: a shared latent cache (MLA's absorbed decode, spec shared_kv): V is k's
+    first head_dim_v columns, dequantized with k_scale.
 
     Scores, in FlashAttention-2's order: s = scale * q.k; softcap: s = cap * tanh(s / cap); ALiBi:
     s -= slope[h] * |j - i_aligned|; then the mask (and the window). A sink adds exp(sink[h]) to each valid row's
@@ -111,7 +112,13 @@ def attention(q, k, v, *, mask: Mask | str = Mask.NONE, scale=None, seqlens_q=No
     if mods is not None:  # a verify problem's captured values, with its spec's mods (fagen/verify/mods_eval.py)
         score_mod, mask_mod = mods.score_mod, mods.mask_mod
         mod_positions = getattr(mods, "positions", mod_positions)
-    q, k, v = q.double(), dequantize(k, k_scale), dequantize(v, v_scale)
+    if v is None:
+        if head_dim_v is None:
+            raise ValueError("reference.attention: v=None (a shared latent cache) needs head_dim_v")
+        q, k = q.double(), dequantize(k, k_scale)
+        v = k[..., :head_dim_v]
+    else:
+        q, k, v = q.double(), dequantize(k, k_scale), dequantize(v, v_scale)
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     gqa = hq // hkv

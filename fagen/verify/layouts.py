@@ -199,7 +199,7 @@ def check_forward(module, spec: KernelSpec, case: LayoutCase, device) -> None:
     for b, (q, k, v) in enumerate(inputs.dense):
         tree = inputs.kwargs["tree_mask"][b] if "tree_mask" in inputs.kwargs else None
         v = k[..., :spec.head_dim_v] if spec.shared_kv else v
-        want_out, want_lse = reference_sequence(spec, q, k, v, inputs.scores, tree, inputs.mods, b)
+        want_out, want_lse = reference_sequence(spec, q, k, v, ref_scores, tree, inputs.mods, b)
         n = case.lens_q[b]
         if spec.kind is Kind.DECODE:
             got_out, got_lse = out[b].transpose(0, 1), lse[b]

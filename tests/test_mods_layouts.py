@@ -42,7 +42,7 @@ def _mods(hq, batch, seed=1):
 
 
 def _close(name, got, want, tol):
-    err = (got.double() - want.double()).abs().max().item() if got.numel() else 0.0
+    err = (got.double().cpu() - want.double().cpu()).abs().max().item() if got.numel() else 0.0
     assert err < tol, f"{name}: {err:.2e}"
 
 
@@ -232,8 +232,8 @@ def test_paged_decode_with_both_mods_gqa():
             continue
         score_mod = lambda s, bb, h, qi, ki, b=b: fns["score_mod"](s, bb + b, h, qi, ki)  # noqa: E731
         mask_mod = lambda bb, h, qi, ki, b=b: fns["mask_mod"](bb + b, h, qi, ki)  # noqa: E731
-        want, want_lse = reference.attention(q[b:b + 1].double(), ks[b].transpose(0, 1)[None].double(),
-                                             vs[b].transpose(0, 1)[None].double(), mask="causal",
+        want, want_lse = reference.attention(q[b:b + 1].double(), ks[b].transpose(0, 1)[None].to(DEVICE).double(),
+                                             vs[b].transpose(0, 1)[None].to(DEVICE).double(), mask="causal",
                                              mod_positions="absolute", score_mod=score_mod, mask_mod=mask_mod)
         _close(f"out (sequence {b})", out[b], want[0], TOL[torch.float32])
         _close(f"lse (sequence {b})", lse[b], want_lse[0], TOL[torch.float32])
@@ -251,7 +251,8 @@ def test_paged_prefill_with_both_mods_gqa():
     cu_q = cu_seqlens(lens_q, DEVICE)
     out, lse = module.forward(q, k_cache, v_cache, cu_seqlens_q=cu_q, max_seqlen_q=max(lens_q), block_table=table,
                               seqlens_k=torch.tensor(lens_k, device=DEVICE), mods=values)
-    want, want_lse = reference.packed_attention(q.double(), torch.cat(ks).double(), torch.cat(vs).double(), cu_q.cpu(),
+    want, want_lse = reference.packed_attention(q.double(), torch.cat(ks).to(DEVICE).double(),
+                                                torch.cat(vs).to(DEVICE).double(), cu_q.cpu(),
                                                 cu_seqlens(lens_k, "cpu"), mask="causal", mod_positions="absolute",
                                                 **fns)
     _close("out", out, want, TOL[torch.float32])
@@ -314,9 +315,9 @@ def test_paged_tree_decode_with_a_mask_mod():
     out, lse = fagen.load(spec).forward(q, k_cache, v_cache, block_table=table, tree_mask=tree.to(DEVICE),
                                         seqlens_k=torch.tensor(lens, device=DEVICE), mods={})
     for b in range(len(lens)):
-        want, want_lse = reference.attention(q[b:b + 1].double(), ks[b].transpose(0, 1)[None].double(),
-                                             vs[b].transpose(0, 1)[None].double(), mask="tree",
-                                             tree_mask=tree[b:b + 1], mod_positions="absolute",
+        want, want_lse = reference.attention(q[b:b + 1].double(), ks[b].transpose(0, 1)[None].to(DEVICE).double(),
+                                             vs[b].transpose(0, 1)[None].to(DEVICE).double(), mask="tree",
+                                             tree_mask=tree[b:b + 1].to(DEVICE), mod_positions="absolute",
                                              mask_mod=lambda bb, h, qi, ki: (qi - ki) != 2)
         _close(f"out (sequence {b})", out[b], want[0], TOL[torch.float32])
         _close(f"lse (sequence {b})", lse[b], want_lse[0], TOL[torch.float32])

@@ -10,7 +10,8 @@ broken), and check=True must still raise InputError. Unchecked bad values may gi
     compute-sanitizer --tool memcheck --error-exitcode 1 python scripts/gpu_memcheck_fuzz.py      (an H100: 0 errors)
     python scripts/gpu_memcheck_fuzz.py --device cpu --group varlen        (tests/test_fuzz_memory.py, interpreter)
 
-Covers the Triton backend (prefill fwd/bwd, decode, varlen, paged) and, on a GPU with nvcc, the CUDA backend's
+Covers the Triton backend (prefill fwd/bwd, decode, varlen, paged; MLA's shared latent cache; user mods with
+captured tensors on the paged decode and the varlen fwd+bwd) and, on a GPU with nvcc, the CUDA backend's
 padding forward. Prints one line per case and a summary (also to $OUT/gpu_memcheck_fuzz.log when OUT is set);
 exits 1 if a case failed.
 """
@@ -342,8 +343,97 @@ def group_window():
                                                            sinks=sinks), "window")
 
 
+def group_mla():
+    """MLA's shared latent cache (shared_kv: V is the first head_dim_v columns of the one K cache, read once): bad
+    block_table entries and cached lengths in sequence 1 of a paged decode, also in fp8 (e4m3) where the GPU has it.
+    Small dims (96 / 64) on the interpreter-sized run, the real 576 / 512 on a GPU."""
+    dk, dv = (576, 512) if GPU else (48, 32)
+    pages, page, width = 16, 4, 5
+    kc = randn(pages, page, 1, dk)
+    table = [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9], [10, 11, 12, 13, 14]][:NB]
+    lens = [20, 17, 13][:NB]
+    qd = randn(NB, 2 * HQ, 2, dk)
+    tiles = {} if GPU else dict(block_n=16)
+    mla = fagen.load(fagen.KernelSpec(head_dim=dk, head_dim_v=dv, shared_kv=True, gqa=2 * HQ, kind="decode",
+                                      layout="paged", mask="causal", dtype="fp16" if GPU else "fp32", **tiles))
+
+    def run(what=None, value=None):
+        t, n = [list(r) for r in table], list(lens)
+        if what == "block_table[1][2]":
+            t[1][2] = value
+        elif what == "seqlens_k[1]":
+            n[1] = value
+        out, lse = mla.forward(qd, kc, None, block_table=torch.tensor(t, dtype=torch.int32, device=DEV),
+                               seqlens_k=i32(*n), check=False)
+        return dict(out=out, lse=lse)
+
+    good = run()
+    variants = [("block_table[1][2]", p) for p in (100000, -1, pages, I32_MIN, I32_MAX)]
+    variants += [("seqlens_k[1]", n) for n in bad_ints(width * page)]
+    for what, value in variants:
+        case(f"mla paged decode d{dk}/v{dv} {what}={value}", lambda: run(what, value),
+             [(key, (OTHER,)) for key in good], good)
+    still_good("mla paged decode", run, good)
+
+
+def group_mods():
+    """User mods with captured tensors on the layouts that take lengths from the caller: a modded paged decode
+    (bad block_table, seqlens_k) and a modded varlen fwd+bwd with a learned bias (bad cu_seqlens). The captured
+    tensors' own indices are clamped by the mods' emitter ([Note] Index clamping in fagen/mods/emit.py): here the
+    score_mod indexes far outside bias on purpose."""
+    mods = dict(score_mod="(score + bias[h, ((q_idx - kv_idx) * 1000003)])", mod_tensors=[["bias", "fp32", 2]])
+    bias = torch.randn(HQ, 64, device=DEV, dtype=torch.float32)
+    pages, page, width = 16, 4, 5
+    kc, vc = randn(pages, page, HKV, D), randn(pages, page, HKV, D)
+    table = [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9], [10, 11, 12, 13, 14]][:NB]
+    lens = [20, 17, 13][:NB]
+    qd = randn(NB, HQ, 2, D)
+    dec = fagen.load(spec(mask="causal", kind="decode", layout="paged", **mods))
+
+    def decode(what=None, value=None):
+        t, n = [list(r) for r in table], list(lens)
+        if what == "block_table[1][2]":
+            t[1][2] = value
+        elif what == "seqlens_k[1]":
+            n[1] = value
+        out, lse = dec.forward(qd, kc, vc, block_table=torch.tensor(t, dtype=torch.int32, device=DEV),
+                               seqlens_k=i32(*n), mods={"bias": bias}, check=False)
+        return dict(out=out, lse=lse)
+
+    good = decode()
+    variants = [("block_table[1][2]", p) for p in (100000, -1, I32_MIN)] + [("seqlens_k[1]", n) for n in
+                                                                             bad_ints(width * page)[:4]]
+    for what, value in variants:
+        case(f"modded paged decode {what}={value}", lambda: decode(what, value),
+             [(key, (OTHER,)) for key in good], good)
+    still_good("modded paged decode", decode, good)
+
+    tq, tk = 30, 34
+    q, k, v = randn(tq, HQ, D), randn(tk, HKV, D), randn(tk, HKV, D)
+    do = randn(tq, HQ, D)
+    lb = torch.randn(HQ, 64, device=DEV, dtype=torch.float32)
+    m = fagen.load(spec(mask="causal", direction="bwd", layout="varlen",
+                        score_mod="(score + bias[h, ((q_idx - kv_idx) + 32)])", mod_tensors=[["bias", "fp32", 2]]))
+
+    def varlen(cq, ck):
+        kw = dict(cu_seqlens_q=i32(*cq), cu_seqlens_k=i32(*ck), max_seqlen_q=30, max_seqlen_k=34, check=False)
+        qg, kg, vg, bg = (t.clone().requires_grad_() for t in (q, k, v, lb))
+        out = m.attention(qg, kg, vg, mods={"bias": bg}, **kw)
+        dq, dk_, dv_, db = torch.autograd.grad(out, (qg, kg, vg, bg), do)
+        return dict(out=out.detach(), dq=dq, dk=dk_, dv=dv_, dbias=db)
+
+    good_q, good_k = [0, 10, 10, 30], [0, 12, 12, 34]
+    goodv = varlen(good_q, good_k)
+    for cq, ck in (([0, 10, 10, 40], good_k), ([0, 10, 10, I32_MAX], good_k), (good_q, [0, 12, 12, 100000]),
+                   ([0, 10, 25, I32_MIN], [0, 12, 12, -3])):
+        case(f"modded varlen fwd+bwd (learned bias) cu_seqlens_q={cq} cu_seqlens_k={ck}", lambda: varlen(cq, ck),
+             [("out", (slice(0, 10),)), ("dq", (slice(0, 10),)), ("dk", (slice(0, 12),)), ("dv", (slice(0, 12),))],
+             goodv)
+    still_good("modded varlen", lambda: varlen(good_q, good_k), goodv)
+
+
 GROUPS = {"padding": group_padding, "varlen": group_varlen, "paged": group_paged, "tree": group_tree,
-          "window": group_window}
+          "window": group_window, "mla": group_mla, "mods": group_mods}
 
 torch.manual_seed(args.seed)
 for name in args.group or GROUPS:

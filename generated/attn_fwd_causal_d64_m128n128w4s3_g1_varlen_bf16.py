@@ -104,12 +104,14 @@ def tree_mask_from_parents(parents, check=True):
     idx = torch.arange(n, device=parents.device)
     if check and n and (bool((parents < -1).any()) or bool((parents >= idx).any())):
         raise InputError("tree parents: each parent must be -1 or the index of an earlier node (parents[b, i] < i)")
-    anc = torch.eye(n, dtype=torch.bool, device=parents.device).expand(b, n, n).clone()
+    # uint8, not bool, while building: Inductor cannot lower an in-place update of a bool slice (a dtype view of
+    # bool), and fagen.attention traces this under torch.compile.
+    anc = torch.eye(n, dtype=torch.uint8, device=parents.device).expand(b, n, n).clone()
     for i in range(n):  # no boolean indexing: nothing here reads a device value (CUDA-graph safe)
         p = parents[:, i].long().clamp(-1, i - 1)  # unchecked garbage cannot index out of bounds
         row = anc.gather(1, p.clamp(min=0).view(b, 1, 1).expand(b, 1, n)).squeeze(1)
-        anc[:, i] |= row & (p >= 0)[:, None]
-    return anc
+        anc[:, i] = anc[:, i] | (row * (p >= 0).to(torch.uint8)[:, None])
+    return anc.bool()
 
 
 def _check_tree(tree_mask):

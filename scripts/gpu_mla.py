@@ -11,7 +11,7 @@ latent cache read once; README "MLA absorbed decode", issue 27) at the issue's s
   Target: >= 450 (FlashMLA publishes 660 on the H800, same compute; it cannot travel to this machine, so its
   published figures are quoted, not run).
 - The cost of batch invariance (the default since issue 27's run): the default against batch_invariant=False.
-- An fp8 e4m3 latent cache (one scale per tensor) at two memory-bound shapes.
+- (The fp8 latent cache rows are gone with the feature: the spec refuses it, docs/serving.md.)
 - A few tiles beside the default (m64n32w8s2, [Note] Latent decode tiles), while the time budget lasts.
 Every timed kernel is first checked against the float64 reference (V sliced from K) on one sequence.
 """
@@ -184,31 +184,6 @@ def tile_sweep(compute_case, flops):
             guarded("tiles", case, tiles_name(tiles), run)
 
 
-def fp8_latent(peak):
-    """An fp8 e4m3 latent cache (one scale per tensor) at two memory-bound shapes: half the bytes a key."""
-    for b, kv in ((128, 4096), (32, 32768)):
-        b, kv, hq = B(b), KV(kv), H(16)
-        case = f"h{hq} sq1 b{b} kv{kv} page{PAGE}"
-        if time.time() - T0 > BUDGET_S:
-            row("mem", case, "fagen fp8_e4m3", None, "", None, "skipped: time budget")
-            continue
-
-        def run():
-            m = fagen.load(spec(hq, "none", kv_dtype="fp8_e4m3"))
-            q, cache, table, lens = paged_inputs(b, hq, 1, kv)
-            cache = cache.to(torch.float8_e4m3fn)
-            out, _ = m.forward(q, cache, None, block_table=table, seqlens_k=lens, scale=SCALE, k_scale=0.8)
-            keys = cache[table[-1].long()].reshape(-1, 1, D)[:int(lens[-1])].transpose(0, 1)[None]
-            want, _ = reference.attention(q[-1:], keys, None, head_dim_v=DV, scale=SCALE, k_scale=0.8)
-            err = compare("out", out[-1:], want, **TOLERANCE[DType.BF16])
-            read = b * kv * D + q.numel() * 2 * (1 + DV / D)
-            ms = bench(lambda: m.forward(q, cache, None, block_table=table, seqlens_k=lens, scale=SCALE,
-                                         k_scale=0.8))
-            row("mem", case, "fagen fp8_e4m3", read / ms / 1e6, "GB/s", ms,
-                f"{100 * read / ms / 1e6 / peak:.0f}% of copy; err {err:.1e}")
-        guarded("mem", case, "fagen fp8_e4m3", run)
-
-
 def dense_cache(peak):
     b, kv, hq = B(32), KV(4096), H(16)
     case = f"h{hq} sq1 b{b} kv{kv} dense"
@@ -242,7 +217,6 @@ def main() -> None:
     row("compute", "h128 sq2", "FlashMLA (published)", 660.0, "TF/s", None, "H800 figure, not run here")
     case, flops = compute_bound()
     dense_cache(peak)
-    fp8_latent(peak)
     tile_sweep(case, flops)
     lines = ["| section | case | impl | value | ms | note |", "|---|---|---|---|---|---|"]
     lines += ["| " + " | ".join(r) + " |" for r in ROWS]

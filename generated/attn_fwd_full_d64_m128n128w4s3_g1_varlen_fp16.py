@@ -104,14 +104,15 @@ def tree_mask_from_parents(parents, check=True):
     idx = torch.arange(n, device=parents.device)
     if check and n and (bool((parents < -1).any()) or bool((parents >= idx).any())):
         raise InputError("tree parents: each parent must be -1 or the index of an earlier node (parents[b, i] < i)")
-    # uint8, not bool, while building: Inductor cannot lower an in-place update of a bool slice (a dtype view of
-    # bool), and fagen.attention traces this under torch.compile.
-    anc = torch.eye(n, dtype=torch.uint8, device=parents.device).expand(b, n, n).clone()
-    for i in range(n):  # no boolean indexing: nothing here reads a device value (CUDA-graph safe)
-        p = parents[:, i].long().clamp(-1, i - 1)  # unchecked garbage cannot index out of bounds
-        row = anc.gather(1, p.clamp(min=0).view(b, 1, 1).expand(b, 1, n)).squeeze(1)
-        anc[:, i] = anc[:, i] | (row * (p >= 0).to(torch.uint8)[:, None])
-    return anc.bool()
+    # The closure of "is the parent of" by repeated squaring: no slice updates (which Inductor could not lower once
+    # fagen.attention traced into the module) and no device value read (CUDA-graph safe). Garbage parents cannot
+    # index anything: they are compared, never used as indices (unchecked ones point nowhere or at an earlier node).
+    p = torch.minimum(parents.long(), idx - 1).clamp(min=-1)  # p[b, i] < i, or -1
+    anc = (p.unsqueeze(-1) == idx.view(1, 1, n)) | torch.eye(n, dtype=torch.bool, device=parents.device)
+    for _ in range(max(n - 1, 1).bit_length()):  # paths of up to 2**steps edges: every ancestor
+        a = anc.to(torch.float32)
+        anc = torch.bmm(a, a) > 0
+    return anc
 
 
 def _check_tree(tree_mask):

@@ -46,6 +46,7 @@ def _function(tree: ir.Node, values: dict, score: bool):
             for idx in n.index:  # torch's indexing where defined, the nearest end outside it
                 size = t.shape[0]
                 i = value(idx, env).long()
+                t = t.to(i.device)  # the reference runs where q is (the kernels' device on a GPU); values kept on cpu
                 i = torch.where(i < 0, i + size, i).clamp(0, size - 1)
                 t = torch.index_select(t, 0, i.reshape(1)).squeeze(0)
             return t.double() if n.type == ir.FLOAT else t.long() if n.type == ir.INT else t.bool()

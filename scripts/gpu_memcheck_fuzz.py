@@ -226,6 +226,17 @@ def group_varlen():
                               max_seqlen_k=34, check=True), "cu_seqlens_q")
 
 
+def paged_inputs(table, lens, what=None, value=None):
+    """(block_table, seqlens_k) on the device, with one bad value put in sequence 1's: `what` is
+    "block_table[1][2]" or "seqlens_k[1]"."""
+    t, n = [list(r) for r in table], list(lens)
+    if what == "block_table[1][2]":
+        t[1][2] = value
+    elif what == "seqlens_k[1]":
+        n[1] = value
+    return torch.tensor(t, dtype=torch.int32, device=DEV), i32(*n)
+
+
 def group_paged():
     """Paged KV caches: block_table entries outside the cache and cached lengths past the table, for decode (plain,
     split, tree) and prefill; sequence 1 holds the bad value, sequences 0 and 2 must not change."""
@@ -243,23 +254,15 @@ def group_paged():
     cu_q = [0, 3, 6, 9][:NB + 1]
     not_seq1 = torch.tensor([0, 1, 2, 6, 7, 8][:3 * NB - 3], device=DEV)
 
-    def inputs(what, value):
-        t, n = [list(r) for r in table], list(lens)
-        if what == "block_table[1][2]":
-            t[1][2] = value
-        elif what == "seqlens_k[1]":
-            n[1] = value
-        return torch.tensor(t, dtype=torch.int32, device=DEV), i32(*n)
-
     def decode(what=None, value=None):
-        t, n = inputs(what, value)
+        t, n = paged_inputs(table, lens, what, value)
         out, lse = dec.forward(qd, kc, vc, block_table=t, seqlens_k=n, check=False)
         out3, lse3 = dec.forward_split(qd, kc, vc, num_splits=3, block_table=t, seqlens_k=n, check=False)
         outt, lset = tree.forward(qd, kc, vc, block_table=t, seqlens_k=n, tree_mask=parents, check=False)
         return dict(out=out, lse=lse, out3=out3, lse3=lse3, outt=outt, lset=lset)
 
     def prefill(what=None, value=None, cu=cu_q):
-        t, n = inputs(what, value)
+        t, n = paged_inputs(table, lens, what, value)
         out, lse = pre.forward(qp, kc, vc, cu_seqlens_q=i32(*cu), max_seqlen_q=3, block_table=t, seqlens_k=n,
                                check=False)
         return dict(out=out, lse=lse)
@@ -358,13 +361,8 @@ def group_mla():
                                       layout="paged", mask="causal", dtype="fp16" if GPU else "fp32", **tiles))
 
     def run(what=None, value=None):
-        t, n = [list(r) for r in table], list(lens)
-        if what == "block_table[1][2]":
-            t[1][2] = value
-        elif what == "seqlens_k[1]":
-            n[1] = value
-        out, lse = mla.forward(qd, kc, None, block_table=torch.tensor(t, dtype=torch.int32, device=DEV),
-                               seqlens_k=i32(*n), check=False)
+        t, n = paged_inputs(table, lens, what, value)
+        out, lse = mla.forward(qd, kc, None, block_table=t, seqlens_k=n, check=False)
         return dict(out=out, lse=lse)
 
     good = run()
@@ -391,13 +389,8 @@ def group_mods():
     dec = fagen.load(spec(mask="causal", kind="decode", layout="paged", **mods))
 
     def decode(what=None, value=None):
-        t, n = [list(r) for r in table], list(lens)
-        if what == "block_table[1][2]":
-            t[1][2] = value
-        elif what == "seqlens_k[1]":
-            n[1] = value
-        out, lse = dec.forward(qd, kc, vc, block_table=torch.tensor(t, dtype=torch.int32, device=DEV),
-                               seqlens_k=i32(*n), mods={"bias": bias}, check=False)
+        t, n = paged_inputs(table, lens, what, value)
+        out, lse = dec.forward(qd, kc, vc, block_table=t, seqlens_k=n, mods={"bias": bias}, check=False)
         return dict(out=out, lse=lse)
 
     good = decode()

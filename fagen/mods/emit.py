@@ -27,8 +27,9 @@ from fagen.mods import ir
 # helpers correct the C result with the remainder r = a - (a // b) * b: when r is nonzero and its sign differs
 # from b's, the quotient was rounded up. The correction is a no-op where `//` already floors, so the same code is
 # right on both (the interpreter's numpy ops floor). Division by zero is outside the contract.
-TRITON_HELPERS = '''
-@triton.jit
+# The helpers both languages share, written once: {jit} is the decorator and {ns} the module (tl or gl).
+_SHARED = '''
+@{jit}
 def _mod_floordiv(a, b):
     """Python's a // b on ints (see [Note] Floor division in fagen/mods/emit.py)."""
     q = a // b
@@ -36,25 +37,27 @@ def _mod_floordiv(a, b):
     return q - ((r != 0) & ((r < 0) != (b < 0))).to(q.dtype)
 
 
-@triton.jit
+@{jit}
 def _mod_floormod(a, b):
     """Python's a % b on ints: the sign of b."""
     r = a - (a // b) * b
-    return r + tl.where((r != 0) & ((r < 0) != (b < 0)), b, 0)
+    return r + {ns}.where((r != 0) & ((r < 0) != (b < 0)), b, 0)
+'''
+_INDEX = '''
 
+@{jit}
+def _mod_index(i, size):
+    """A captured tensor's index, as torch reads it, clamped into [0, size - 1] (see [Note] Index clamping)."""
+    i = {ns}.where(i < 0, i + size, i)
+    return {ns}.minimum({ns}.maximum(i, 0), size - 1).to({ns}.int64)
+'''
+TRITON_HELPERS = _SHARED.format(jit="triton.jit", ns="tl") + '''
 
 @triton.jit
 def _mod_tanh(x):
     """tanh from exp2, exact to fp32 rounding at both tails."""
     return 1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)  # 2 / ln 2
-
-
-@triton.jit
-def _mod_index(i, size):
-    """A captured tensor's index, as torch reads it, clamped into [0, size - 1] (see [Note] Index clamping)."""
-    i = tl.where(i < 0, i + size, i)
-    return tl.minimum(tl.maximum(i, 0), size - 1).to(tl.int64)
-'''
+''' + _INDEX.format(jit="triton.jit", ns="tl")
 
 # [Note] Gluon mods. The same helpers as @gluon.jit functions over `gl` (a Gluon kernel cannot call a @triton.jit
 # one), plus _mod_sigmoid (gl has no sigmoid; tl.sigmoid's 1 / (1 + exp(-x))). tanh is tanh.approx.f32, the
@@ -66,21 +69,7 @@ from triton.language.core import PropagateNan as _PropagateNan
 
 _MOD_NAN = gl.constexpr(_PropagateNan.ALL)
 
-
-@gluon.jit
-def _mod_floordiv(a, b):
-    """Python's a // b on ints (see [Note] Floor division in fagen/mods/emit.py)."""
-    q = a // b
-    r = a - q * b
-    return q - ((r != 0) & ((r < 0) != (b < 0))).to(q.dtype)
-
-
-@gluon.jit
-def _mod_floormod(a, b):
-    """Python's a % b on ints: the sign of b."""
-    r = a - (a // b) * b
-    return r + gl.where((r != 0) & ((r < 0) != (b < 0)), b, 0)
-
+''' + _SHARED.format(jit="gluon.jit", ns="gl") + '''
 
 @gluon.jit
 def _mod_tanh(x):
@@ -91,14 +80,7 @@ def _mod_tanh(x):
 @gluon.jit
 def _mod_sigmoid(x):
     return 1.0 / (1.0 + gl.exp(-x))
-
-
-@gluon.jit
-def _mod_index(i, size):
-    """A captured tensor's index, as torch reads it, clamped into [0, size - 1] (see [Note] Index clamping)."""
-    i = gl.where(i < 0, i + size, i)
-    return gl.minimum(gl.maximum(i, 0), size - 1).to(gl.int64)
-'''
+''' + _INDEX.format(jit="gluon.jit", ns="gl")
 
 
 # [Note] Cheaper forms. Two rewrites save work per score without changing what the mods mean:

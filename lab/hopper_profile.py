@@ -1,5 +1,5 @@
-"""A few launches of one kernel for Nsight Compute: `bash lab/ncu_bwd.sh` (or `ncu --nvtx --nvtx-include
-"fagen_profile/" ... python lab/hopper_profile.py --impl gluon`).
+"""A few launches of one kernel for Nsight Compute: `bash lab/ncu_bwd.sh` (or `ncu --profile-from-start off ...
+python lab/hopper_profile.py --impl gluon`).
 
 A lab script (not part of the product: nothing in fagen/ or tests/ imports lab/). Implementations, on the d128
 bf16 case given by --mask (s16k, B1 H16): gluon (fagen's Gluon forward), cudnn (SDPA's cuDNN forward),
@@ -46,11 +46,13 @@ def main():
                 return F.scaled_dot_product_attention(q, k, v, is_causal=args.mask == "causal")
     fn()  # warm-up: compiles and autotuning stay outside the profiled range
     torch.cuda.synchronize()
-    torch.cuda.nvtx.range_push("fagen_profile")  # ncu --nvtx --nvtx-include "fagen_profile/" profiles these only
+    # ncu --profile-from-start off profiles these only. Not an NVTX range: NVTX ranges are per thread, and autograd
+    # launches cuDNN's backward from its own device thread (the range saw none of its kernels: ncu exit 6).
+    torch.cuda.cudart().cudaProfilerStart()
     for _ in range(args.launches):
         fn()
     torch.cuda.synchronize()
-    torch.cuda.nvtx.range_pop()
+    torch.cuda.cudart().cudaProfilerStop()
 
 
 if __name__ == "__main__":

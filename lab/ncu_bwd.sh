@@ -31,7 +31,7 @@ M+="smsp__average_warps_issue_stalled_branch_resolving_per_issue_active.ratio,"
 M+="smsp__average_warps_issue_stalled_misc_per_issue_active.ratio,"
 M+="smsp__average_warps_issue_stalled_tex_throttle_per_issue_active.ratio"
 for impl in $impls; do
-  timeout ${NCU_TIMEOUT:-150} ncu --clock-control none --nvtx --nvtx-include "fagen_profile/" --metrics "$M" --csv --page raw \
+  timeout ${NCU_TIMEOUT:-150} ncu --clock-control none --profile-from-start off --metrics "$M" --csv --page raw \
     python3 lab/hopper_profile.py --impl "$impl" --mask "$mask" --launches 1 > "/tmp/ncu-$impl.csv" 2> "/tmp/ncu-$impl.err"
   echo "ncu $impl exit $?"; grep -i "error\|warn" "/tmp/ncu-$impl.err" | head -3
 done

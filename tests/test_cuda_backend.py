@@ -306,3 +306,13 @@ def test_window_and_softcap_compile(mask):
     for arch in ("sm_80", "sm_90"):
         res = nvcc.compile_spec(spec, arch).resources["fagen_attn_fwd"]
         assert 0 < res.registers <= 255
+
+
+def test_every_cuda_mutant_still_finds_its_pattern():
+    """The GPU file's mutants are text edits of the rendered .cu: if a template change moves a pattern, the mutant
+    test can only say so on a GPU. This says so on the CPU (the padding mutant went stale once, seen on the H100)."""
+    from test_cuda_gpu import CUDA_MUTANTS
+
+    for name, mask, old, _ in CUDA_MUTANTS:
+        source = fagen.generate(cuda_spec(head_dim=64, mask=mask, dtype="fp16", gqa=4))
+        assert source.count(old) >= 1, f"{name}: pattern {old!r} is gone from the rendered source"

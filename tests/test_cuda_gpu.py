@@ -202,7 +202,7 @@ CUDA_MUTANTS = [
     ("dropped-rescale", "none", "acc[mt][dt][0] *= alpha[mt][0];", "acc[mt][dt][0] *= 1.0f;"),
     ("wrong-gqa-head", "none", "const int h_kv = h / GQA;", "const int h_kv = h % (num_heads / GQA);"),
     ("tree-ignores-bits", "tree", "return (word >> (node % 32)) & 1u;", "return word == word;"),
-    ("padding-rows-kept", "causal+padding", "l > 0.0f && row < len_q;", "l > 0.0f;"),
+    ("padding-rows-kept", "causal+padding", "l != 0.0f && row < len_q;", "l != 0.0f;"),
     ("unmasked-tail", "padding", "const int lim = len_k -", "const int lim = len_k + BLOCK_N -"),
 ]
 

@@ -1,7 +1,9 @@
 """torch.library operators: opcheck on every mask x kind, and torch.compile(fullgraph=True) through fagen.attention
 with zero graph breaks, dynamic lengths without recompiles, caller-owned buffers. On the CPU the compiled graph
-runs with the aot_eager backend (the kernels through Triton's interpreter); on a GPU with Inductor."""
+runs with the aot_eager backend (the kernels through Triton's interpreter); on a GPU with Inductor
+(FAGEN_TEST_INDUCTOR=1 takes Inductor on the CPU too, for its C++ lowering of the host code)."""
 
+import os
 import pytest
 import torch
 from torch.library import opcheck
@@ -13,7 +15,7 @@ from fagen.verify.strategies import Problem
 from fagen.verify.tolerances import TOLERANCE, compare
 from _env import DEVICE, ON_GPU
 
-BACKEND = "inductor" if ON_GPU else "aot_eager"
+BACKEND = "inductor" if ON_GPU or os.environ.get("FAGEN_TEST_INDUCTOR") else "aot_eager"
 MASKS = ["none", "causal", "padding", "causal+padding", "tree"]
 
 

@@ -115,6 +115,14 @@ def tree_mask_from_parents(parents, check=True):
     return anc
 
 
+def _tree_bytes(tree):
+    """The kernels read a bool tree [B, N, N] as bytes, last dim contiguous. Eager: a view, no copy and no launch.
+    Under torch.compile: a cast, because Inductor's CUDA lowering refuses a bool -> uint8 view ("torch.bool is not
+    supported by torch.iinfo", seen on the H100 and the H200; its CPU lowering takes it)."""
+    tree = tree if tree.stride(-1) == 1 else tree.contiguous()
+    return tree.to(torch.uint8) if torch.compiler.is_compiling() else tree.view(torch.uint8)
+
+
 def _check_tree(tree_mask):
     """InputError unless bool [B, N, N] is a tree's ancestor-or-self matrix: every node sees itself, no node sees a
     later one, and each node sees exactly its parent's set plus itself (its parent: the latest earlier node it sees).

@@ -120,6 +120,14 @@ def tree_mask_from_parents(parents, check=True):
     return anc
 
 
+def _tree_bytes(tree):
+    """The kernels read a bool tree [B, N, N] as bytes, last dim contiguous. Eager: a view, no copy and no launch.
+    Under torch.compile: a cast, because Inductor's CUDA lowering refuses a bool -> uint8 view ("torch.bool is not
+    supported by torch.iinfo", seen on the H100 and the H200; its CPU lowering takes it)."""
+    tree = tree if tree.stride(-1) == 1 else tree.contiguous()
+    return tree.to(torch.uint8) if torch.compiler.is_compiling() else tree.view(torch.uint8)
+
+
 def _check_tree(tree_mask):
     """InputError unless bool [B, N, N] is a tree's ancestor-or-self matrix: every node sees itself, no node sees a
     later one, and each node sees exactly its parent's set plus itself (its parent: the latest earlier node it sees).
@@ -182,7 +190,7 @@ def _check_mask_inputs(q, k, seqlens_q, seqlens_k, tree_mask, check=None):
     if sk < sq:
         raise InputError(f"tree: the {sq} queries are the last {sq} keys, so k needs at least {sq} keys, got {sk}")
     tree = _tree_input(tree_mask, b, sq, q.device, check)
-    tree = (tree if tree.stride(-1) == 1 else tree.contiguous()).view(torch.uint8)
+    tree = _tree_bytes(tree)
     return seqlens_q, seqlens_k, tree
 
 
@@ -260,7 +268,7 @@ def _check_layout(q, k, v, block_table, seqlens_k, tree_mask, check=None):
         raise InputError(f"seqlens_k: tree decode reads the {q.shape[2]} queries as the last {q.shape[2]} cached "
                          f"keys, so every length must be at least {q.shape[2]}, got {int(seqlens_k.min())}")
     tree = _tree_input(tree_mask, batch, q.shape[2], q.device, check)
-    tree = (tree if tree.stride(-1) == 1 else tree.contiguous()).view(torch.uint8)
+    tree = _tree_bytes(tree)
     return None, seqlens_k, tree, block_table
 
 

@@ -10,7 +10,8 @@ fp8 conversion ([Note] fp8 conversion in the decode template) and MLA's fp8 late
    conversion), and the same fp8 modules with the conversion of before (.to() on the tile: `_FP8_ASM` off) in the
    same run; GB/s of the bytes actually read (k and v, 1 byte an element for fp8) and % of copy. Each is checked
    against the float64 reference on the dequantized cache (one batch entry, one KV group). While the first minute
-   lasts, at b32 kv8192: fp16 queries, and e4m3 tiles beside the default m64n64w4s3.
+   lasts, at b32 kv8192: fp16 queries, e4m3 tiles beside the default m64n64w4s3, and a paged e4m3 cache (page
+   16) beside a paged bf16 one.
 3. MLA's fp8 latent cache (576/512, V = the cache's first 512 columns, one scale): k_scale 0.7, then a per-head
    tensor, then 0.7 again on one shape (e4m3 dense, e5m2 paged), a tree mask on an e5m2 paged cache with
    both scale forms; each call against the reference. Then the same with the decode steps' key of before (which
@@ -188,6 +189,37 @@ def fp8_decode(peak):
             guarded("fp8", case, impl, run)
 
 
+def paged_decode(peak):
+    """Optional: a paged fp8 cache (page 16, the paged default tile n128w4s2) beside a paged bf16 one."""
+    b, sk, page = B(32), S(8192), 16
+    case = f"d128 h32/8 b{b} kv{sk} page{page}"
+    for kv in (None, "fp8_e4m3"):
+        impl = f"fagen paged {kv or 'bf16'}"
+        if time.time() - T0 > BUDGET_S:
+            row("fp8", case, impl, None, "", None, "skipped: time budget")
+            continue
+
+        def run():
+            spec = fagen.KernelSpec(head_dim=128, gqa=4, dtype="bf16", kind="decode", kv_dtype=kv, layout="paged")
+            m = fagen.load(spec)
+            q, k, v, kw = decode_inputs(b, 32, 8, sk, 128, kv)
+            pages = sk // page
+            perm = torch.randperm(b * pages, device=DEV).to(torch.int32)
+            kc, vc = (t.view(b, 8, pages, page, 128).permute(0, 2, 3, 1, 4).reshape(b * pages, page, 8, 128)
+                      [perm.argsort().long()] for t in (k, v))
+            table = perm.view(b, pages)
+            lens = torch.full((b,), sk, dtype=torch.int32, device=DEV)
+            out, _ = m.forward(q, kc, vc, block_table=table, seqlens_k=lens, **kw)
+            ref, _ = reference.attention(q[-1:, :4], k[-1:, :1], v[-1:, :1],
+                                         **{n: (t[:1] if isinstance(t, torch.Tensor) else t) for n, t in kw.items()})
+            err = compare("out", out[-1:, :4], ref, **TOLERANCE[spec.dtype])
+            ms = bench(lambda: m.forward(q, kc, vc, block_table=table, seqlens_k=lens, **kw))
+            read = kc.numel() * kc.element_size() * 2
+            row("fp8", case, impl, read / ms / 1e6, "GB/s", ms,
+                f"{100 * read / ms / 1e6 / peak:.0f}% of copy; err {err:.1e}")
+        guarded("fp8", case, impl, run)
+
+
 # -- 3. MLA's fp8 latent cache ---------------------------------------------------------------------------------------
 def mla_spec(kv, mask="causal", layout="paged", gqa=16):
     return fagen.KernelSpec(head_dim=D, head_dim_v=DV, shared_kv=True, kind="decode", gqa=gqa, dtype="bf16",
@@ -291,6 +323,7 @@ def main() -> None:
         conversion()
     fp8_decode(peak)
     mla_checks()
+    paged_decode(peak)
     mla_timing(peak)
     lines = ["| section | case | impl | value | ms | note |", "|---|---|---|---|---|---|"]
     lines += ["| " + " | ".join(r) + " |" for r in ROWS]

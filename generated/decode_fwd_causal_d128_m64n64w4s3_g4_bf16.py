@@ -736,7 +736,10 @@ def _workspace(shape, device, index):
 # and a hit launches with this call's Sk and strides. So a step takes the general path once per BLOCK_N keys and
 # class, not every step (62 against 17.7 us a step on the H200 before). A paged cache keeps its shape while
 # sequences grow (their lengths are device values), so paged steps repeat: the key adds the block table's width
-# and row stride and the page size (all ints the kernel specialises on). _STEPS is cleared past 1024 entries.
+# and row stride and the page size (all ints the kernel specialises on). An fp8 cache's key holds which scales are
+# tensors: the kernel was compiled for None (a constexpr) or a pointer, and a step replayed with the other form read
+# per-head scales as 1.0 or loaded a scale through a null pointer (the wrong values and the illegal memory access
+# of the fp8 latent cache on the H100, whose tests mix both forms at one shape). _STEPS is cleared past 1024 entries.
 _STEPS = {}
 
 

@@ -354,8 +354,8 @@ def group_window():
 
 def group_mla():
     """MLA's shared latent cache (shared_kv: V is the first head_dim_v columns of the one K cache, read once): bad
-    block_table entries and cached lengths in sequence 1 of a paged decode, also in fp8 (e4m3) where the GPU has it.
-    Small dims (96 / 64) on the interpreter-sized run, the real 576 / 512 on a GPU."""
+    block_table entries and cached lengths in sequence 1 of a paged decode (fp8: group mla_fp8). Small dims
+    (48 / 32) on the interpreter-sized run, the real 576 / 512 on a GPU."""
     dk, dv = (576, 512) if GPU else (48, 32)
     pages, page, width = 16, 4, 5
     kc = randn(pages, page, 1, dk)
@@ -378,6 +378,42 @@ def group_mla():
         case(f"mla paged decode d{dk}/v{dv} {what}={value}", lambda: run(what, value),
              [(key, (OTHER,)) for key in good], good)
     still_good("mla paged decode", run, good)
+
+
+def group_mla_fp8():
+    """MLA's latent cache in fp8 (kv_dtype with shared_kv): e4m3 causal and e5m2 tree paged decodes, with k_scale a
+    float and a per-head tensor called in turn at one shape (a decode step replayed for the other form once loaded a
+    scale through a null pointer, [Note] Decode steps), and bad block_table entries and lengths in sequence 1."""
+    dk, dv = (576, 512) if GPU else (48, 32)
+    pages, page, width = 16, 4, 5
+    table = [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9], [10, 11, 12, 13, 14]][:NB]
+    lens = [20, 17, 13][:NB]
+    qd = torch.randn(NB, 2 * HQ, 2, dk, device=DEV, dtype=torch.float16)
+    parents = i32(*[-1, 0] * NB).view(NB, 2)
+    tiles = {} if GPU else dict(block_n=16)
+    forms = (0.7, torch.tensor([1.3], device=DEV))
+    for kv, mask in (("fp8_e4m3", "causal"), ("fp8_e5m2", "tree")):
+        kc = torch.randn(pages, page, 1, dk, device=DEV).to(getattr(torch, {"fp8_e4m3": "float8_e4m3fn",
+                                                                            "fp8_e5m2": "float8_e5m2"}[kv]))
+        mla = fagen.load(fagen.KernelSpec(head_dim=dk, head_dim_v=dv, shared_kv=True, gqa=2 * HQ, kind="decode",
+                                          layout="paged", mask=mask, dtype="fp16", kv_dtype=kv, **tiles))
+        tree = dict(tree_mask=parents) if mask == "tree" else {}
+
+        def run(what=None, value=None, scale=0.7):
+            t, n = paged_inputs(table, lens, what, value)
+            out, lse = mla.forward(qd, kc, None, block_table=t, seqlens_k=n, k_scale=scale, check=False, **tree)
+            return dict(out=out, lse=lse)
+
+        goods = [run(scale=s) for s in forms]
+        variants = [("block_table[1][2]", p) for p in (100000, -1, pages, I32_MIN)]
+        variants += [("seqlens_k[1]", n) for n in bad_ints(width * page)]
+        for what, value in variants:
+            for form, (scale, good) in enumerate(zip(forms, goods)):
+                case(f"mla {kv} {mask} paged decode d{dk}/v{dv} k_scale {('float', 'per head')[form]} "
+                     f"{what}={value}", lambda: run(what, value, scale), [(key, (OTHER,)) for key in good], good)
+        for form, (scale, good) in enumerate(zip(forms, goods)):
+            still_good(f"mla {kv} {mask} paged decode k_scale {('float', 'per head')[form]}",
+                       lambda: run(scale=scale), good)
 
 
 def group_mods():
@@ -432,7 +468,7 @@ def group_mods():
 
 
 GROUPS = {"padding": group_padding, "varlen": group_varlen, "paged": group_paged, "tree": group_tree,
-          "window": group_window, "mla": group_mla, "mods": group_mods}
+          "window": group_window, "mla": group_mla, "mla_fp8": group_mla_fp8, "mods": group_mods}
 
 torch.manual_seed(args.seed)
 for name in args.group or GROUPS:

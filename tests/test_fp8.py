@@ -1,6 +1,7 @@
 """The fp8 (e4m3) Gluon forward on any machine: its spec limits, the module it renders, its host checks (descales,
 out_dtype, the V transpose). The sm_90 build is in test_fp8_compile.py; the kernel against float64 on an H100 in
-scripts/gpu_fp8.py and the GPU test at the end here."""
+scripts/gpu_fp8.py and the GPU test at the end here. Also the fp8 KV cache's conversion in the decode kernels (its
+asm emulated over all 256 bytes) and its decode steps (scripts/gpu_fp8kv.py runs both on a GPU)."""
 
 import inspect
 
@@ -191,3 +192,119 @@ def test_fp8_matches_the_float64_reference_on_the_dequantized_inputs(mask, head_
         row = gpu_fp8.check(head_dim=head_dim, mask=mask, gqa=gqa, batch=2, kv_heads=2, sq=sq, sk=sk, outliers=False,
                             per_head=gqa > 1)
         assert row["pass"], row
+
+
+# -- the fp8 KV cache's conversion (decode kind) ----------------------------------------------------------------------
+KV_TORCH = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def _lanes(words, qtype):
+    """uint32 words as pairs of 16-bit lanes (low lane first) read as qtype, in float64."""
+    halves = torch.stack([words & 0xFFFF, words >> 16], -1).to(torch.int32).to(torch.int16)
+    return halves.view(qtype).double().view(-1)
+
+
+def _from_lanes(values, qtype):
+    """float64 pairs (low lane first) rounded to qtype and packed into uint32 words."""
+    halves = values.view(-1, 2).to(qtype).view(torch.int16).to(torch.int64) & 0xFFFF
+    return halves[:, 0] | halves[:, 1] << 16
+
+
+def _run_asm(asm, words, qtype):
+    """Emulate the conversion's PTX (the few instructions it uses) on uint32 words of 4 packed bytes ($2); returns
+    ($0, $1). prmt: result byte i = byte (selector nibble i) of {b, a}; fma.rn.{bf16,f16}x2 per lane in float64,
+    rounded once to the lane type."""
+    regs = {"$2": words}
+    val = lambda x: regs[x] if x in regs else torch.full_like(words, int(x, 0))  # noqa: E731
+    for line in asm.splitlines():
+        line = line.split("//")[0].strip().rstrip(";")
+        if not line or line in "{}" or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        dst, *src = [x.strip() for x in rest.split(",")]
+        if op == "prmt.b32":
+            a, b, sel = val(src[0]), val(src[1]), int(src[2], 0)
+            both = [(a >> 8 * i) & 0xFF for i in range(4)] + [(b >> 8 * i) & 0xFF for i in range(4)]
+            out = torch.zeros_like(words)
+            for i in range(4):
+                assert (sel >> 4 * i) & 8 == 0, "sign-replicating prmt modes are not emulated"
+                out |= both[(sel >> 4 * i) & 7] << 8 * i
+        elif op == "and.b32":
+            out = val(src[0]) & val(src[1])
+        elif op == "or.b32":
+            out = val(src[0]) | val(src[1])
+        elif op == "shr.b32":
+            out = val(src[0]) >> int(src[1], 0)
+        elif op == "mov.b32":
+            out = val(src[0])
+        elif op in ("fma.rn.bf16x2", "fma.rn.f16x2"):
+            lane = torch.bfloat16 if op == "fma.rn.bf16x2" else torch.float16
+            a, b, c = (_lanes(val(x), lane) for x in src)
+            out = _from_lanes(a * b + c, lane)
+        else:
+            raise AssertionError(f"the emulator does not know {op!r}: teach it, then trust this test again")
+        regs[dst] = out & 0xFFFFFFFF
+    return regs["$0"], regs["$1"]
+
+
+def test_fp8_cache_conversion_is_exact_over_all_256_bytes():
+    """e4m3 into bf16, the decode module's one conversion asm ([Note] fp8 conversion), emulated over every byte:
+    bitwise torch's .to() for each finite value (subnormals and both zeros included), NaN as +-480."""
+    src = fagen.generate(KernelSpec(head_dim=64, kind="decode", dtype="bf16", kv_dtype="fp8_e4m3"))
+    asm = src.split('asm="""', 1)[1].split('"""', 1)[0]
+    data = torch.arange(256, dtype=torch.int64)
+    words = data[0::4] | data[1::4] << 8 | data[2::4] << 16 | data[3::4] << 24  # element i in byte i (pack=4)
+    lo, hi = _run_asm(asm, words, torch.bfloat16)
+    halves = torch.stack([lo & 0xFFFF, lo >> 16, hi & 0xFFFF, hi >> 16], -1).view(-1)
+    got = halves.to(torch.int32).to(torch.int16).view(torch.bfloat16)
+    want = data.to(torch.uint8).view(torch.float8_e4m3fn).to(torch.bfloat16)
+    finite = torch.isfinite(want)
+    assert int(finite.sum()) == 254
+    assert torch.equal(got[finite].view(torch.int16), want[finite].view(torch.int16)), \
+        [(int(b), float(g), float(w)) for b, g, w in zip(data[finite], got[finite], want[finite]) if g != w][:4]
+    assert {int(b): float(g) for b, g in zip(data[~finite], got[~finite])} == {0x7F: 480.0, 0xFF: -480.0}
+
+
+@pytest.mark.parametrize("q_dtype,kv", [("fp16", "fp8_e4m3"), ("bf16", "fp8_e5m2"), ("fp16", "fp8_e5m2")])
+def test_other_fp8_caches_convert_with_tritons_cast(q_dtype, kv):
+    """Only e4m3 into bf16 takes the asm ([Note] fp8 conversion: Triton's own casts are as lean elsewhere)."""
+    src = fagen.generate(KernelSpec(head_dim=64, kind="decode", dtype=q_dtype, kv_dtype=kv))
+    assert "inline_asm_elementwise" not in src
+    assert f"return x.to({'tl.bfloat16' if q_dtype == 'bf16' else 'tl.float16'})" in src
+
+
+def test_decode_steps_never_replay_a_kernel_built_for_the_other_scale_form(monkeypatch):
+    """[Note] Decode steps on the CPU: the GPU's fast launches replaced by fakes that record which form (a float,
+    KScale None; or a per-head tensor) each launched kernel was built for. A step replayed across forms read per-head
+    scales as 1.0 or a scale through a null pointer on the H100 (the fp8 latent cache's wrong values and fault)."""
+    spec = KernelSpec(head_dim=32, kind="decode", dtype="fp16", gqa=2, kv_dtype="fp8_e4m3", block_n=16)
+    m = fagen.load(spec)
+    at = m._decode_split.arg_names.index("KScale")
+    launches = []  # (built for a float, called with a float, replayed)
+
+    class Built:
+        def __init__(self, fn):
+            pass
+
+        def __getitem__(self, grid):
+            return self
+
+        def __call__(self, *args, **consts):
+            launches.append((args[at] is None, args[at] is None, False))
+            return (None, (0, 0), None, None, (), 0, args[at] is None)  # a direct entry ([Note] Fast launches)
+
+    def replay(entry, grid, device, args):
+        launches.append((entry[-1], args[at] is None, True))
+
+    monkeypatch.setattr(m, "_fast", Built)
+    monkeypatch.setattr(m, "_launch_entry", replay)
+    monkeypatch.setattr(m, "_STEPS", {})
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 1, 32, generator=g).half()
+    k, v = (torch.randn(2, 2, 40, 32, generator=g).to(E4M3) for _ in range(2))
+    per_head = torch.tensor([0.5, 2.0])
+    for scales in (dict(k_scale=0.5, v_scale=2.0), dict(k_scale=per_head, v_scale=per_head),
+                   dict(k_scale=0.5, v_scale=2.0), dict(k_scale=per_head, v_scale=per_head)):
+        m.forward(q, k, v, **scales)
+    assert [r for _, _, r in launches] == [False, False, True, True], launches  # each form built once, then replayed
+    assert all(built == called for built, called, _ in launches), launches

@@ -213,14 +213,41 @@ def test_fagen_attention_takes_v_none():
 
 
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
-def test_fp8_latent_cache_is_refused_for_now(kv):
-    """An fp8 latent cache gave wrong values and a fault on the H100 (docs/serving.md): the spec refuses it."""
+@pytest.mark.parametrize("layout", ["dense", "paged"])
+def test_fp8_latent_cache_matches_the_dequantized_reference(kv, layout):
+    """An fp8 latent cache (kv_dtype with shared_kv): one scale, k_scale, for K and for V (the cache's first
+    head_dim_v columns), against the reference on the dequantized cache; per tensor, per head, and per tensor
+    again at one shape (a GPU's decode steps must not replay one form's kernel for the other, [Note] Decode
+    steps); a v_scale is refused."""
     d, dv = SMALL_DIMS[1]
-    with pytest.raises(fagen.SpecError, match="fp8 latent cache"):
-        _spec(d, dv, gqa=4, kv_dtype=kv)
+    spec = _spec(d, dv, gqa=4, layout=layout, kv_dtype=kv)
+    module = load(spec)
+    fp8 = getattr(torch, {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}[kv])
+    gen = torch.Generator().manual_seed(13)
+    q = _randn(gen, 2, 4, 2, d)
+    k_seqs = [_randn(gen, n, d).to(fp8) for n in (50, 23)]
+    for scale in (0.7, torch.tensor([1.3], device=DEVICE), 0.7):
+        if layout == "dense":
+            cache = torch.stack([k_seqs[0][:23], k_seqs[1]])[:, None]  # [2, 1, 23, D]
+            out, lse = module.forward(q, cache, None, k_scale=scale)
+            keys = [cache[0, 0], cache[1, 0]]
+        else:
+            cache, table, lens = _paged(gen, [k.to(torch.bfloat16) for k in k_seqs], 16)
+            cache = cache.nan_to_num(0.0).to(fp8)
+            out, lse = module.forward(q, cache, None, block_table=table, seqlens_k=lens, k_scale=scale)
+            keys = k_seqs
+        for b, k in enumerate(keys):
+            want, want_lse = reference.attention(q[b:b + 1].cpu(), k.cpu()[None, None], None, head_dim_v=dv,
+                                                 mask="causal", k_scale=scale.cpu() if isinstance(scale, torch.Tensor)
+                                                 else scale)
+            compare(f"out (sequence {b})", out[b:b + 1].cpu(), want, **TOLERANCE[spec.dtype])
+            compare(f"lse (sequence {b})", lse[b:b + 1].cpu(), want_lse, **LSE_TOLERANCE)
+    with pytest.raises(module.InputError, match="v_scale: a shared latent cache has one scale, k_scale"):
+        module.forward(q, cache, None, **({} if layout == "dense" else dict(block_table=table, seqlens_k=lens)),
+                       k_scale=1.0, v_scale=1.0)
 
 
-@pytest.mark.parametrize("kv", [None])
+@pytest.mark.parametrize("kv", [None, "fp8_e4m3"])
 @pytest.mark.parametrize("mask", ["causal", "causal+padding", "tree"])
 def test_latent_decode_property(mask, kv):
     """The verify property (fagen.verify.properties.check_forward, v=None for a shared cache) over Hypothesis's
@@ -237,7 +264,7 @@ def test_latent_decode_property(mask, kv):
     run()
 
 
-@pytest.mark.parametrize("kv", [None])
+@pytest.mark.parametrize("kv", [None, "fp8_e5m2"])
 @pytest.mark.parametrize("mask", ["none", "causal", "tree"])
 def test_paged_latent_decode_property(mask, kv):
     """The paged verify property (fagen.verify.layouts.check_forward, v=None for a shared cache) over Hypothesis's

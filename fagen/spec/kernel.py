@@ -278,9 +278,6 @@ class KernelSpec:
         if self.modded or self.mod_tensors or self.mod_scalars:
             raise SpecError("shared_kv", True, "user mods take no shared latent cache yet: drop the mods, or "
                                                "shared_kv")
-        if self.kv_dtype is not None:  # docs/serving.md, "fp8 latent cache": wrong values and a fault on the H100
-            raise SpecError("kv_dtype", str(self.kv_dtype), "an fp8 latent cache (shared_kv) is not supported yet: "
-                                                            "use a bf16 or fp16 cache (leave kv_dtype out)")
 
     def _check_fp8(self) -> None:
         """fp8 (e4m3) is the sm_90 gluon prefill forward's alone (README "fp8 forward"); the message names the field."""

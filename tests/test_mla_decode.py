@@ -157,6 +157,24 @@ def test_latent_decode_is_batch_invariant():
     assert torch.equal(out[1:2], alone) and torch.equal(lse[1:2], alone_lse)
 
 
+def test_latent_merge_of_one_split_is_the_direct_result():
+    """[Note] Latent merge: a merged launch whose tiles have one split each (the batch-invariant rule over a cache
+    shorter than its minimum chunk) gives the bits of the direct launch (one split, no merge): the one weight is
+    exactly 1. Several splits, merged in 128-column slices, match the reference (the paged tests above)."""
+    d, dv = 576, 512  # the merge's column slices (128) need a latent wider than one slice
+    spec = _spec(d, dv, gqa=2, layout="paged")
+    module = load(spec)
+    gen = torch.Generator().manual_seed(9)
+    k_seqs = [_randn(gen, n, d) for n in (11, 5)]  # one key block each under the interpreter
+    cache, table, lens = _paged(gen, k_seqs, 16)
+    q = _randn(gen, 2, 2, 2, d)
+    kw = dict(block_table=table, seqlens_k=lens)
+    merged, merged_lse = module.forward(q, cache, None, **kw)
+    direct, direct_lse = module.forward_split(q, cache, None, num_splits=1, **kw)
+    assert torch.equal(merged, direct) and torch.equal(merged_lse, direct_lse)
+    _check_sequences(spec, merged, merged_lse, q, [k[:, None] for k in k_seqs], "causal")
+
+
 def test_latent_input_errors():
     d, dv = SMALL_DIMS[0]
     module = load(_spec(d, dv, gqa=2))

@@ -188,6 +188,20 @@ def test_latent_input_errors():
         module.forward(q, k, None, out=torch.empty_like(q))
 
 
+def test_latent_decode_default_tiles():
+    """[Note] Latent decode tiles: 16-row tiles below gqa 64 (no spills at any Sq), 64-row tiles with 64-key blocks
+    at gqa 64 and up on sm_90, 32-key blocks where 217 KB of shared memory does not fit; given fields win."""
+    def tiles(gqa, **kw):
+        s = fagen.KernelSpec(head_dim=576, head_dim_v=512, shared_kv=True, kind="decode", gqa=gqa, dtype="bf16",
+                             layout="paged", **kw)
+        return s.block_m, s.block_n, s.num_warps, s.num_stages
+
+    assert tiles(16) == tiles(1) == (16, 32, 4, 3)
+    assert tiles(128) == tiles(64) == (64, 64, 8, 2)
+    assert tiles(128, arch="sm_80") == (64, 32, 8, 2)
+    assert tiles(16, num_stages=2) == (16, 32, 4, 2)
+
+
 def test_shared_kv_spec_errors():
     base = dict(head_dim=576, head_dim_v=512, shared_kv=True, kind="decode", gqa=16, dtype="bf16")
     spec = fagen.KernelSpec(**base)

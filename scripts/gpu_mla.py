@@ -12,7 +12,8 @@ latent cache read once; README "MLA absorbed decode", issue 27) at the issue's s
   published figures are quoted, not run).
 - The cost of batch invariance (the default since issue 27's run): the default against batch_invariant=False.
 - (The fp8 latent cache rows are gone with the feature: the spec refuses it, docs/serving.md.)
-- A few tiles beside the default (m64n32w8s2, [Note] Latent decode tiles), while the time budget lasts.
+- A few tiles beside the defaults (Hq 16: m16n32w4s3, Hq 128: m64n64w8s2 on sm_90; [Note] Latent decode tiles),
+  while the time budget lasts.
 Every timed kernel is first checked against the float64 reference (V sliced from K) on one sequence.
 """
 
@@ -158,13 +159,12 @@ def tile_sweep(compute_case, flops):
     """Tiles beside the default, on one memory-bound and the compute-bound shape, while the budget lasts."""
     mem = (B(32), KV(32768), H(16), 1, "none")
     comp = (B(64), KV(4096), H(128), 2, "causal")
-    # ([Note] Latent decode tiles: sm_90 ptxas spills per tile) the compute shape's rows 16 / 32 / 64, the memory
-    # shape's wider and narrower key blocks
-    for tiles, shapes in ((dict(block_m=16, block_n=32, num_warps=8, num_stages=2), (comp,)),
-                          (dict(block_m=32, block_n=32, num_warps=8, num_stages=2), (comp,)),
-                          (dict(block_m=64, block_n=64, num_warps=8, num_stages=2), (mem, comp)),
-                          (dict(block_m=64, block_n=16, num_warps=4, num_stages=4), (mem,)),
-                          (dict(block_m=32, block_n=16, num_warps=8, num_stages=2), (comp,))):
+    # ([Note] Latent decode tiles; scripts/gpu_mla_sweep.py times many more) the defaults before (m64n32w8s2) and
+    # the runners-up of the H100 sweep
+    for tiles, shapes in ((dict(block_m=64, block_n=32, num_warps=8, num_stages=2), (mem, comp)),
+                          (dict(block_m=16, block_n=64, num_warps=8, num_stages=2), (mem,)),
+                          (dict(block_m=16, block_n=32, num_warps=8, num_stages=3), (mem,)),
+                          (dict(block_m=64, block_n=32, num_warps=8, num_stages=3), (comp,))):
         for b, kv, hq, sq, mask in shapes:
             if time.time() - T0 > BUDGET_S:
                 row("tiles", "-", tiles_name(tiles), None, "", None, "skipped: time budget")

@@ -157,6 +157,24 @@ def test_latent_decode_is_batch_invariant():
     assert torch.equal(out[1:2], alone) and torch.equal(lse[1:2], alone_lse)
 
 
+def test_latent_merge_of_one_split_is_the_direct_result():
+    """[Note] Latent merge: a merged launch whose tiles have one split each (the batch-invariant rule over a cache
+    shorter than its minimum chunk) gives the bits of the direct launch (one split, no merge): the one weight is
+    exactly 1. Several splits, merged in 128-column slices, match the reference (the paged tests above)."""
+    d, dv = 576, 512  # the merge's column slices (128) need a latent wider than one slice
+    spec = _spec(d, dv, gqa=2, layout="paged")
+    module = load(spec)
+    gen = torch.Generator().manual_seed(9)
+    k_seqs = [_randn(gen, n, d) for n in (11, 5)]  # one key block each under the interpreter
+    cache, table, lens = _paged(gen, k_seqs, 16)
+    q = _randn(gen, 2, 2, 2, d)
+    kw = dict(block_table=table, seqlens_k=lens)
+    merged, merged_lse = module.forward(q, cache, None, **kw)
+    direct, direct_lse = module.forward_split(q, cache, None, num_splits=1, **kw)
+    assert torch.equal(merged, direct) and torch.equal(merged_lse, direct_lse)
+    _check_sequences(spec, merged, merged_lse, q, [k[:, None] for k in k_seqs], "causal")
+
+
 def test_latent_input_errors():
     d, dv = SMALL_DIMS[0]
     module = load(_spec(d, dv, gqa=2))
@@ -168,6 +186,20 @@ def test_latent_input_errors():
         module.forward(q, k[..., :dv], None)
     with pytest.raises(module.InputError, match="out"):
         module.forward(q, k, None, out=torch.empty_like(q))
+
+
+def test_latent_decode_default_tiles():
+    """[Note] Latent decode tiles: 16-row tiles below gqa 64 (no spills at any Sq), 64-row tiles with 64-key blocks
+    at gqa 64 and up on sm_90, 32-key blocks where 217 KB of shared memory does not fit; given fields win."""
+    def tiles(gqa, **kw):
+        s = fagen.KernelSpec(head_dim=576, head_dim_v=512, shared_kv=True, kind="decode", gqa=gqa, dtype="bf16",
+                             layout="paged", **kw)
+        return s.block_m, s.block_n, s.num_warps, s.num_stages
+
+    assert tiles(16) == tiles(1) == (16, 32, 4, 3)
+    assert tiles(128) == tiles(64) == (64, 64, 8, 2)
+    assert tiles(128, arch="sm_80") == (64, 32, 8, 2)
+    assert tiles(16, num_stages=2) == (16, 32, 4, 2)
 
 
 def test_shared_kv_spec_errors():

@@ -18,14 +18,22 @@ class TritonBackend(KernelBackend):
 
     def default_config(self, spec, arch: str, given: dict) -> dict:
         if spec.shared_kv:
-            # [Note] Latent decode tiles. MLA's absorbed decode (shared_kv, d576 v512): block_m caps the packed
-            # rows (Hq x Sq) of one tile. ptxas sm_90 (triton 3.6, compiled on the CPU, paged, 2026-11-26), in
-            # registers / spilled words / shared KB: the memory-bound 16-row tile (Hq 16, Sq 1) at n32 w8 225 / 0 /
-            # 67, n64 w8 255 / 56 / 115, n32 w4 255 / 30, n16 w4 s4 255 / 8; q's 16 x 512 tile alone is 128
-            # registers a thread as an mma operand. 64 rows (Hq 128, Sq 2) spill at every tile tried (m64 n32 w8
-            # 518 words, n64 w8 580, w16 814+); 32 rows n32 w8 84, n16 w8 82; 16 rows (block_m 16) none.
-            # Not yet timed: scripts/gpu_mla.py times these against each other.
-            return {"block_m": 64, "block_n": 32, "num_warps": 8, "num_stages": 2, **given}
+            # [Note] Latent decode tiles. MLA's absorbed decode (shared_kv, d576 v512); block_m caps the packed rows
+            # (gqa x Sq) of one tile. Timed on the H100 by scripts/gpu_mla_sweep.py (2026-11-26, paged 64, every
+            # tile checked against float64; % of copy bandwidth at h16 sq1 b128 kv32k / b128 kv4k / b32 kv32k /
+            # b32 kv4k, batch-invariant splits of 256+ keys; docs/serving.md): m64n32w8s2 (the default before)
+            # 73/58/68/46, n32w4s3 89/66/76/46, n64w8s2 88/65/77/43, n32w8s3 86/61/77/48; with 1024-key chunks
+            # n32w4s3 88/75/76/63, the best mean in every split form. A 16-row tile at n32 w4 s3 spills nothing
+            # (sm_90 ptxas: 188-220 registers, 92 KB); 64 rows at w4 spill 372 words, so block_m 16: Hq 16 with
+            # Sq > 1 runs 16-row tiles, each reading the cache (from L2 after the first).
+            # Hq 128 (gqa >= 64), Sq 2, b64 kv4k causal, TF/s with one split / 4096-key chunks: n64w8s2 223 / 212,
+            # n32w8s3 192 / 202, n32w8s2 (before) 165 / 169, 32-row tiles (mma.sync) 97. n64w8s2's 217 KB of shared
+            # memory fits sm_90 only; its spills (118 words) sit outside the unmasked key loop (SASS).
+            if spec.gqa >= 64 and arch == "sm_90":
+                return {"block_m": 64, "block_n": 64, "num_warps": 8, "num_stages": 2, **given}
+            if spec.gqa >= 64:
+                return {"block_m": 64, "block_n": 32, "num_warps": 8, "num_stages": 2, **given}
+            return {"block_m": 16, "block_n": 32, "num_warps": 4, "num_stages": 3, **given}
         return default_config(max(spec.head_dim, spec.head_dim_v), spec.dtype, spec.direction, spec.kind,
                               mask=spec.mask, arch=arch, layout=spec.layout, window=spec.window, given=given)
 

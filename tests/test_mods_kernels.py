@@ -91,6 +91,21 @@ def test_a_score_mod_runs_the_plain_phases_of_a_builtin_window():
     _check(q, k, v, do, mask="causal", window=(70, 0), score_mod=g.generate_relative_bias(rel, 170))
 
 
+@pytest.mark.parametrize("case", ["alibi-causal-gqa", "softcap-padding"])
+def test_a_score_mod_without_tensors_runs_the_plain_dkdv_phases(case):
+    """A score_mod that reads no captured tensor runs the dK/dV loop as the plain kernel's three phases ([Note]
+    Modded dK/dV phases): the built-in mask and row checks at the edges [lo, split) and [full, hi), neither in
+    between; several query and key blocks each, lengths off the blocks, GQA, bottom-right causal, padding."""
+    if case == "alibi-causal-gqa":
+        q, k, v, do = _qkv(1, 4, 2, 150, 170)
+        _check(q, k, v, do, mask="causal", score_mod=g.generate_alibi_bias(4))
+    else:
+        q, k, v, do = _qkv(2, 2, 2, 100, 90)
+        lens_q, lens_k = torch.tensor([100, 61], device=DEVICE), torch.tensor([90, 37], device=DEVICE)
+        _check(q, k, v, do, mask="causal+padding", seqlens_q=lens_q, seqlens_k=lens_k,
+               score_mod=g.generate_tanh_softcap(5.0))
+
+
 def test_scalars_and_both_mods_with_padding_in_fp16():
     q, k, v, do = _qkv(2, 2, 1, 37, 50, dtype=torch.float16)
     lens_q = torch.tensor([37, 20], device=DEVICE)

@@ -7,7 +7,7 @@ FlexAttention is not run here (its compiles are slow; `fagen bench --suite mods`
 Phases:
   1. compile: worker processes (one per core) run each (row, config) once at the bench shape, filling the Triton
      and fagen caches with the kernels the later phases launch (the check's shape specialises the same way);
-  2. check: each (row, config) at a small shape (B1 H2 S1024) against float64 (the user's own functions over
+  2. check: each (row, config) at a small shape (B1 H2 S2048) against float64 (the user's own functions over
      broadcast index tensors, autograd for dq, dk, dv): max |diff| / max |ref| of out, dq, dk, dv;
   3. time: the backward alone (autograd.grad of out for q, k, v: preprocess + dK/dV + dQ) and the forward, median
      ms over CUDA events with L2 flushed (fagen.bench.timing.measure), at the bench shape.
@@ -41,7 +41,7 @@ ROWS = ["relative-bias", "alibi", "softcap", "document+causal", "prefix-lm", "sl
 PLAIN = {"plain-causal": "causal", "plain-full": "none"}
 CAUSAL_ROWS = ("document+causal", "sliding-window+causal", "plain-causal")
 CONFIGS = ["m128n128w8s3", "m128n128w8s2", "m128n64w8s2"]
-CHECK_SHAPE = dict(batch=1, heads=2, seq=1024)
+CHECK_SHAPE = dict(batch=1, heads=2, seq=2048)  # the bench shape's specialisations (block-mask rows of 16 blocks)
 
 
 def _plain_run(mask, q, k, v):

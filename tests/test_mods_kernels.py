@@ -106,6 +106,20 @@ def test_a_score_mod_without_tensors_runs_the_plain_dkdv_phases(case):
                score_mod=g.generate_tanh_softcap(5.0))
 
 
+@pytest.mark.parametrize("block", [None, 16, 64])
+def test_a_mask_mod_showing_keys_the_builtin_mask_hides(block):
+    """Partial blocks run the mask_mod per element and the built-in mask only outside its unmasked range: a mask_mod
+    that shows future keys (every even distance) under the built-in bottom-right causal mask and padding, GQA,
+    lengths off the blocks; without a block mask, with one of kernel-sized and of coarse blocks."""
+    q, k, v, do = _qkv(2, 4, 2, 70, 90)
+    lens_q, lens_k = torch.tensor([70, 41], device=DEVICE), torch.tensor([90, 57], device=DEVICE)
+    mask_mod = g.generate_dilated_sliding_window(200, 2)
+    kw = dict(mask="causal+padding", seqlens_q=lens_q, seqlens_k=lens_k, mask_mod=mask_mod)
+    if block is not None:
+        kw["block_mask"] = fagen.create_block_mask(mask_mod, None, None, 70, 90, device=DEVICE, block_size=block)
+    _check(q, k, v, do, **kw)
+
+
 def test_scalars_and_both_mods_with_padding_in_fp16():
     q, k, v, do = _qkv(2, 2, 1, 37, 50, dtype=torch.float16)
     lens_q = torch.tensor([37, 20], device=DEVICE)

@@ -275,7 +275,7 @@ print("RESULT " + json.dumps(out))
 
 def test_the_score_mods_dkdv_loops_build_for_sm_90_without_serialised_wgmma(tmp_path_factory):
     """[Note] Modded dK/dV phases: ALiBi (no captured tensor) runs the plain kernel's three dK/dV loops, the relative
-    bias (a gather) one; ptxas serialises neither loop's wgmma (three loops with a gather did, at every tile)."""
+    bias (a gather) one; ptxas serialises neither's wgmma (three loops with a gather did, at every tile tried)."""
     from test_hopper_compile import build_sm90
 
     built = build_sm90(tmp_path_factory, _BWD_SM90, ["alibi", "relbias"], "mods-bwd-sm90")

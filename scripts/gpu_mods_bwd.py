@@ -39,7 +39,7 @@ import gpu_mods_tiles as tiles  # noqa: E402  (the tile sweep's setup, runner, b
 
 ROWS = ["relative-bias", "alibi", "softcap", "document+causal", "prefix-lm", "sliding-window+causal", "dilated"]
 PLAIN = {"plain-causal": "causal", "plain-full": "none"}
-CAUSAL_ROWS = ("document+causal", "sliding-window+causal", "plain-causal")
+CAUSAL_ROWS = ("document+causal", "prefix-lm", "sliding-window+causal", "plain-causal")
 # Candidates besides each row's default. The H100 run of 2026-11-26 (docs/mods.md, "The backward") timed these three
 # on every row it reached and kept each MODDED_TILES default (m128n128w8s3 fails to fit the gathers' rows).
 CONFIGS: list[str] = []

@@ -91,6 +91,35 @@ def test_a_score_mod_runs_the_plain_phases_of_a_builtin_window():
     _check(q, k, v, do, mask="causal", window=(70, 0), score_mod=g.generate_relative_bias(rel, 170))
 
 
+@pytest.mark.parametrize("case", ["alibi-causal-gqa", "softcap-padding"])
+def test_a_score_mod_without_tensors_runs_the_plain_dkdv_phases(case):
+    """A score_mod that reads no captured tensor runs the dK/dV loop as the plain kernel's three phases ([Note]
+    Modded dK/dV phases): the built-in mask and row checks at the edges [lo, split) and [full, hi), neither in
+    between; several query and key blocks each, lengths off the blocks, GQA, bottom-right causal, padding."""
+    if case == "alibi-causal-gqa":
+        q, k, v, do = _qkv(1, 4, 2, 150, 170)
+        _check(q, k, v, do, mask="causal", score_mod=g.generate_alibi_bias(4))
+    else:
+        q, k, v, do = _qkv(2, 2, 2, 100, 90)
+        lens_q, lens_k = torch.tensor([100, 61], device=DEVICE), torch.tensor([90, 37], device=DEVICE)
+        _check(q, k, v, do, mask="causal+padding", seqlens_q=lens_q, seqlens_k=lens_k,
+               score_mod=g.generate_tanh_softcap(5.0))
+
+
+@pytest.mark.parametrize("block", [None, 16, 64])
+def test_a_mask_mod_showing_keys_the_builtin_mask_hides(block):
+    """Partial blocks run the mask_mod per element and the built-in mask only outside its unmasked range: a mask_mod
+    that shows future keys (every even distance) under the built-in bottom-right causal mask and padding, GQA,
+    lengths off the blocks; without a block mask, with one of kernel-sized and of coarse blocks."""
+    q, k, v, do = _qkv(2, 4, 2, 70, 90)
+    lens_q, lens_k = torch.tensor([70, 41], device=DEVICE), torch.tensor([90, 57], device=DEVICE)
+    mask_mod = g.generate_dilated_sliding_window(200, 2)
+    kw = dict(mask="causal+padding", seqlens_q=lens_q, seqlens_k=lens_k, mask_mod=mask_mod)
+    if block is not None:
+        kw["block_mask"] = fagen.create_block_mask(mask_mod, None, None, 70, 90, device=DEVICE, block_size=block)
+    _check(q, k, v, do, **kw)
+
+
 def test_scalars_and_both_mods_with_padding_in_fp16():
     q, k, v, do = _qkv(2, 2, 1, 37, 50, dtype=torch.float16)
     lens_q = torch.tensor([37, 20], device=DEVICE)
@@ -200,3 +229,56 @@ def test_each_mod_mutant_is_caught(name):
     worst = max([(out.double() - want).abs().max().item()]
                 + [(a.double() - b).abs().max().item() for a, b in zip(grads, want_grads)])
     assert worst > 1e-3, f"{name} was not caught (worst error {worst:.1e})"
+
+
+_BWD_SM90 = r"""
+import json, os, re, subprocess, sys, tempfile
+sys.path.insert(0, sys.argv[1])
+import torch
+import triton
+from fagen.aot.artifacts import _compile_kernel, _compiled_mode, import_for_compile
+from fagen.bench import gym_mods as g
+from fagen.runtime.modded import modded_spec
+from fagen.runtime.mods import prepare
+from fagen.spec.kernel import KernelSpec
+
+ptxas = os.environ.get("TRITON_PTXAS_PATH") or os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
+                                                             "bin", "ptxas")
+mods = {"alibi": g.generate_alibi_bias(16), "relbias": g.generate_relative_bias(torch.zeros(16, 511), 256)}
+base = KernelSpec(head_dim=128, dtype="bf16", direction="bwd", mask="none")
+out = {}
+for key in json.loads(sys.argv[2]):
+    spec = modded_spec(base, prepare(score_mod=mods[key]).fields, arch="sm_90")
+    entry = next(e for e in import_for_compile(spec).AOT_KERNELS if e["name"] == "_attn_bwd_dkdv")
+    entry = dict(entry, signature=dict(entry["signature"]), constexprs=dict(entry["constexprs"]))
+    for name in [n for n in entry["signature"] if n.startswith("MG")]:  # no gradient asked: as fagen.attention
+        entry["signature"][name], entry["constexprs"][name] = "constexpr", None
+    with _compiled_mode():
+        ptx, _, record = _compile_kernel(spec, "sm_90", entry)
+    ptx = ptx.decode()
+    lines = ptx.splitlines()
+    labels = {m.group(1): i for i, l in enumerate(lines) if (m := re.match(r"^(\$L__BB\d+_\d+):", l))}
+    loops = 0
+    for j, l in enumerate(lines):
+        m = re.search(r"\bbra(?:\.uni)?\s+(\$L__BB\d+_\d+);", l)
+        if m and m.group(1) in labels and labels[m.group(1)] < j:
+            loops += "wgmma.mma_async" in "\n".join(lines[labels[m.group(1)]:j])
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        open(path, "w").write(ptx)
+        r = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", path + ".cubin"], capture_output=True, text=True)
+    out[key] = dict(loops=loops, serialized="wgmma.mma_async instructions are serialized" in r.stdout + r.stderr,
+                    spills=record["spills"])
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_the_score_mods_dkdv_loops_build_for_sm_90_without_serialised_wgmma(tmp_path_factory):
+    """[Note] Modded dK/dV phases: ALiBi (no captured tensor) runs the plain kernel's three dK/dV loops, the relative
+    bias (a gather) one; ptxas serialises neither's wgmma (three loops with a gather did, at every tile tried)."""
+    from test_hopper_compile import build_sm90
+
+    built = build_sm90(tmp_path_factory, _BWD_SM90, ["alibi", "relbias"], "mods-bwd-sm90")
+    assert built["alibi"]["loops"] == 3 and built["relbias"]["loops"] == 1, built
+    assert not built["alibi"]["serialized"] and not built["relbias"]["serialized"], built
+    assert built["alibi"]["spills"] <= 64 and built["relbias"]["spills"] <= 64, built

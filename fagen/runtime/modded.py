@@ -43,7 +43,9 @@ _SPECS: dict[int, KernelSpec] = {}  # id(module) -> its spec (the gluon forward'
 # the winner of each key, to copy here. An arch without an entry takes the compile-only rule above. The H100 run of
 # 2026-11-26 (benchmarks/mods.md, "Tiles") kept three keys and moved relative bias to 2 stages of m128n128, whose
 # backward took 0.68x the time of m128n64w8s2 (forward 1.11x; the forward of a score_mod alone runs on the Gluon
-# kernel anyway when no gradient is needed).
+# kernel anyway when no gradient is needed). The backward sweep of the same day (scripts/gpu_mods_bwd.py, after the
+# backward's loop changes of [Note] Modded dK/dV phases in triton/mods.j2) kept every entry: each default was the
+# fastest backward of its rows against m128n128w8s2 and m128n64w8s2 (docs/mods.md, "The backward").
 MODDED_TILES: dict[tuple[str, str, bool], dict] = {
     ("sm_90", "score", True): {"num_stages": 2},  # relative bias, learned bias: m128n128w8s2 (H100: fwd+bwd 0.78x)
     ("sm_90", "mask", True): {"block_n": 64, "num_stages": 2},  # document mask

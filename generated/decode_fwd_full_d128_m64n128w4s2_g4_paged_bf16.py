@@ -456,18 +456,23 @@ UPCAST = _INTERPRET and DTYPE == torch.bfloat16
 PROGRAMS_PER_SM = 2
 FALLBACK_SMS = 132
 MAX_SPLITS = 128
-# [Note] Batch-invariant splits. With batch_invariant=True (the default; False opts out into the split rule above) a
-# sequence's result must be the same bits alone and in any batch (docs/serving.md; the H100 measured its cost at -22%
-# to +0.6% of the split rule's time). The split rule follows the batch and the SM count, so the kernel then sizes
-# each sequence's chunks from its own key count n alone: max(INVARIANT_MIN_CHUNK, ceil(n / INVARIANT_SPLITS)) keys,
-# rounded up to whole BLOCK_N blocks, starting at its first key; the grid holds min(INVARIANT_SPLITS, ceil(span /
-# INVARIANT_MIN_CHUNK)) splits and a sequence's splits past its own count return at once. Every launch merges
-# through the workspace (never DIRECT), so even one split's result takes the same path in every batch.
-INVARIANT_SPLITS = 32
+# [Note] Batch-invariant splits. With batch_invariant=True a sequence's result must be the same bits alone and in
+# any batch (docs/serving.md has what it costs). The split rule above follows the batch and the SM count, so the
+# kernel then sizes each sequence's chunks from its own key count n alone:
+#     chunk(n) = max(INVARIANT_MIN_CHUNK, ceil(n / INVARIANT_SPLITS)) keys, rounded up to whole BLOCK_N blocks,
+# starting at its first key; the grid holds min(INVARIANT_SPLITS, ceil(span / INVARIANT_MIN_CHUNK)) splits and a
+# sequence's splits past its own count return at once. Every launch merges through the workspace (never DIRECT), so
+# even one split's result takes the same path in every batch. Both constants follow the spec only (never the batch,
+# the cache's width or the SM count), so chunk(n) is a pure function of the sequence's own length. Their cost: a
+# split writes a partial of (gqa x Sq) rows x HEAD_DIM_V fp32 and the merge reads it back, against the chunk's keys
+# read; so the wider V is, the larger and fewer the chunks (MLA's 512-wide V: twice d128's smallest chunk, half its
+# most splits). The split rule, which knows the batch, splits only where the batch leaves the GPU idle and pays this
+# merge only there; the invariant rule pays it at every batch size (measured by scripts/gpu_invariant.py).
+INVARIANT_SPLITS = 32 if HEAD_DIM_V <= 256 else 16
 # Under the interpreter the smallest chunk is one key block, so that the CPU suites' small caches span several
-# splits and their properties and mutants exercise the merge, as the split rule's many splits did when it was the
-# default (with 256, a 100-key cache would take one split there).
-INVARIANT_MIN_CHUNK = BLOCK_N if _INTERPRET else 256
+# splits and their properties and mutants exercise the merge, as the split rule's many splits do (with 512, a
+# 100-key cache would take one split there).
+INVARIANT_MIN_CHUNK = BLOCK_N if _INTERPRET else 512 * ((HEAD_DIM_V + 255) // 256)
 INVARIANT = 0  # the num_splits value that asks for the batch-invariant rule
 # Row tiles of at most this many rows skip tl.dot (whose tiles have at least 16 rows) and multiply-sum.
 BROADCAST_MAX_ROWS = 2

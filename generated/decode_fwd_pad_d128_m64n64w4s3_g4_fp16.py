@@ -403,6 +403,8 @@ INVARIANT_SPLITS = 32 if HEAD_DIM_V <= 256 else 16
 # 100-key cache would take one split there).
 INVARIANT_MIN_CHUNK = BLOCK_N if _INTERPRET else 512 * ((HEAD_DIM_V + 255) // 256)
 INVARIANT = 0  # the num_splits value that asks for the batch-invariant rule
+BATCH_INVARIANT = False  # fagen.spec.axes.DECODE_BATCH_INVARIANT: forward's and plan's default
+DEFAULT_SPLITS = INVARIANT if BATCH_INVARIANT else None  # the operators' split choice when none is passed
 # Row tiles of at most this many rows skip tl.dot (whose tiles have at least 16 rows) and multiply-sum.
 BROADCAST_MAX_ROWS = 2
 
@@ -837,13 +839,19 @@ def forward_split(q, k, v, *, num_splits=None, scale=None, seqlens_q=None, seqle
     _check_decode_inputs(q.shape[2], num_splits)
     scale = _check_scale(scale)
     seqlens_q, seqlens_k, tree = _check_mask_inputs(q, k, seqlens_q, seqlens_k, tree_mask, check)
-    return _launch_decode(q, k, v, scale, seqlens_q, seqlens_k, tree, num_splits)
+    return _call(q, k, v, scale, seqlens_q, seqlens_k, tree, None, None, num_splits)
 
 
-def _launch(q, k, v, scale, seqlens_q, seqlens_k, tree, out=None, lse=None, num_splits=INVARIANT):
-    """The operators' launch: by default batch-invariant splits ([Note] Batch-invariant splits); num_splits=None
-    takes the split rule."""
+def _launch(q, k, v, scale, seqlens_q, seqlens_k, tree, out=None, lse=None, num_splits=DEFAULT_SPLITS):
+    """The operators' launch. num_splits is the call's split choice and travels as an operator argument, so a traced
+    or graphed call keeps its mode: INVARIANT the batch-invariant rule ([Note] Batch-invariant splits), None the
+    split rule ([Note] Split heuristic), n > 0 that many splits (forward_split, a plan's fixed count)."""
     return _launch_decode(q, k, v, scale, seqlens_q, seqlens_k, tree, num_splits, out, lse)
+
+
+def _check_mode(batch_invariant):
+    if not isinstance(batch_invariant, bool):
+        raise InputError(f"batch_invariant: expected True or False, got {batch_invariant!r}")
 
 
 class Plan:
@@ -863,8 +871,9 @@ class Plan:
             raise InputError(f"plan: max_seq_q must be at most {MAX_SEQ_Q} and heads_q a multiple of gqa={GQA}, got "
                              f"{max_seq_q} and {heads_q}")
         _check_decode_inputs(max_seq_q, num_splits)
-        if batch_invariant is None:  # the default: invariant, unless the caller chose a split count
-            batch_invariant = num_splits is None
+        if batch_invariant is None:  # the default (BATCH_INVARIANT), unless the caller chose a split count
+            batch_invariant = BATCH_INVARIANT and num_splits is None
+        _check_mode(batch_invariant)
         if batch_invariant and num_splits is not None:
             raise InputError("plan: batch_invariant=True chooses the splits from each sequence's length; "
                              "pass num_splits=None")
@@ -898,36 +907,36 @@ class Plan:
         scale = _check_scale(scale)
         seqlens_q, seqlens_k, tree = _check_mask_inputs(q, k, seqlens_q, seqlens_k, tree_mask, check)
         _check_buffers(q, out, lse)
+        if torch.compiler.is_compiling():  # the operators, with the plan's split choice (their own workspace)
+            return _call(q, k, v, scale, seqlens_q, seqlens_k, tree, out, lse, self.num_splits)
         return _launch_decode(q, k, v, scale, seqlens_q, seqlens_k, tree, self.num_splits, out, lse,
                               self.workspace)
 
 
 def plan(max_batch, heads_q, max_seq_q, max_seq_k, *, device="cuda", num_splits=None, batch_invariant=None):
     """A Plan for decode steps up to these sizes (see Plan); batch_invariant ([Note] Batch-invariant splits): None
-    (the default) is True unless num_splits is given; False takes the split rule for the plan's largest problem."""
+    (the default) is BATCH_INVARIANT unless num_splits is given (then False); False takes the split rule for the
+    plan's largest problem."""
     return Plan(max_batch, heads_q, max_seq_q, max_seq_k, device, num_splits, batch_invariant)
 
 
-def forward(q, k, v, *, scale=None, seqlens_q=None, seqlens_k=None, tree_mask=None, batch_invariant=True,
+def forward(q, k, v, *, scale=None, seqlens_q=None, seqlens_k=None, tree_mask=None, batch_invariant=BATCH_INVARIANT,
             out=None, lse=None, check=None):
     """Attention forward for 1..MAX_SEQ_Q queries. Returns (out, lse): out like q (v's head dim), lse float32
     [B, Hq, Sq].
 
     out / lse: caller-owned buffers to write into; check: see [Note] Checks that read device values.
-    batch_invariant: each sequence's result is the same bits alone and in any batch ([Note] Batch-invariant splits);
-    False opts out into the split rule ([Note] Split heuristic), for eager calls.
+    batch_invariant: True, each sequence's result is the same bits alone and in any batch ([Note] Batch-invariant
+    splits); False, the batch-dependent split rule ([Note] Split heuristic); the default is BATCH_INVARIANT. Either
+    travels with the operator under torch.compile and in CUDA graphs.
     """
     _check_qkv(q, k, v)
     _check_decode_inputs(q.shape[2], None)
     scale = _check_scale(scale)
     seqlens_q, seqlens_k, tree = _check_mask_inputs(q, k, seqlens_q, seqlens_k, tree_mask, check)
     _check_buffers(q, out, lse)
-    if not batch_invariant:
-        if torch.compiler.is_compiling():
-            raise InputError("batch_invariant=False: the batch-dependent split rule runs eagerly only; call it "
-                             "outside torch.compile, or keep the default batch_invariant=True")
-        return _launch_decode(q, k, v, scale, seqlens_q, seqlens_k, tree, None, out, lse)
-    return _call(q, k, v, scale, seqlens_q, seqlens_k, tree, out, lse)
+    _check_mode(batch_invariant)
+    return _call(q, k, v, scale, seqlens_q, seqlens_k, tree, out, lse, INVARIANT if batch_invariant else None)
 
 
 # [Note] Operators
@@ -942,36 +951,37 @@ _OP = "fagen::" + __name__.rpartition(".")[2].replace("-", "_")
 
 @torch.library.custom_op(_OP + "_fwd", mutates_args=())
 def forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, seqlens_q: Optional[torch.Tensor],
-               seqlens_k: Optional[torch.Tensor], tree: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
-    return _launch(q, k, v, scale, seqlens_q, seqlens_k, tree)
+               seqlens_k: Optional[torch.Tensor], tree: Optional[torch.Tensor],
+               num_splits: Optional[int] = DEFAULT_SPLITS) -> Tuple[torch.Tensor, torch.Tensor]:
+    return _launch(q, k, v, scale, seqlens_q, seqlens_k, tree, num_splits=num_splits)
 
 
 @forward_op.register_fake
-def _forward_fake(q, k, v, scale, seqlens_q, seqlens_k, tree):
+def _forward_fake(q, k, v, scale, seqlens_q, seqlens_k, tree, num_splits=DEFAULT_SPLITS):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op(_OP + "_fwd_out", mutates_args=("out", "lse"))
 def forward_out_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                    seqlens_q: Optional[torch.Tensor], seqlens_k: Optional[torch.Tensor], tree: Optional[torch.Tensor],
-                   out: torch.Tensor, lse: torch.Tensor) -> None:
-    _launch(q, k, v, scale, seqlens_q, seqlens_k, tree, out=out, lse=lse)
+                   out: torch.Tensor, lse: torch.Tensor, num_splits: Optional[int] = DEFAULT_SPLITS) -> None:
+    _launch(q, k, v, scale, seqlens_q, seqlens_k, tree, out=out, lse=lse, num_splits=num_splits)
 
 
 @forward_out_op.register_fake
-def _forward_out_fake(q, k, v, scale, seqlens_q, seqlens_k, tree, out, lse):
+def _forward_out_fake(q, k, v, scale, seqlens_q, seqlens_k, tree, out, lse, num_splits=DEFAULT_SPLITS):
     return None
 
 
-def _call(q, k, v, scale, seqlens_q, seqlens_k, tree, out, lse):
+def _call(q, k, v, scale, seqlens_q, seqlens_k, tree, out, lse, num_splits=DEFAULT_SPLITS):
     """Eager: launch directly. Under torch.compile: through the operators ([Note] Operators)."""
     if not torch.compiler.is_compiling():
-        return _launch(q, k, v, scale, seqlens_q, seqlens_k, tree, out=out, lse=lse)
+        return _launch(q, k, v, scale, seqlens_q, seqlens_k, tree, out=out, lse=lse, num_splits=num_splits)
     if out is None and lse is None:
-        return forward_op(q, k, v, scale, seqlens_q, seqlens_k, tree)
+        return forward_op(q, k, v, scale, seqlens_q, seqlens_k, tree, num_splits)
     out = q.new_empty(q.shape) if out is None else out
     lse = q.new_empty(q.shape[:3], dtype=torch.float32) if lse is None else lse
-    forward_out_op(q, k, v, scale, seqlens_q, seqlens_k, tree, out, lse)
+    forward_out_op(q, k, v, scale, seqlens_q, seqlens_k, tree, out, lse, num_splits)
     return out, lse
 
 

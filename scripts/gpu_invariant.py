@@ -45,7 +45,7 @@ ROUNDS = 1 if DRY else 5
 PAGE_D128, PAGE_MLA = 16, (16 if DRY else 64)
 # candidate (smallest chunk, most splits) per V width, beside the module's own rule; the CPU takes tiny chunks
 CANDIDATES = {128: [(256, 32), (512, 32), (1024, 32), (1024, 16)],
-              512: [(256, 32), (1024, 16), (2048, 16), (2048, 8)]}
+              512: [(256, 32), (512, 32), (1024, 16), (2048, 16), (2048, 8)]}
 if DRY:
     CANDIDATES = {32: [(16, 2)]}
 ROWS: list[tuple] = []

@@ -199,12 +199,13 @@ def main() -> None:
     lines = ["| shape | mode (min chunk/most splits) | ms | cost | alone vs batch | note |", "|---|---|---|---|---|---|"]
     lines += ["| " + " | ".join(r) + " |" for r in ROWS]
     # the verdict of issue 27's rule: a rule may be the default only if it costs under 3% at every shape
-    costs: dict[str, list[float]] = {}
+    costs: dict[tuple[str, str], list[float]] = {}
     for r in ROWS:
         if r[1].startswith("True") and r[3]:
-            key = r[1].replace("own ", "")
+            key = (r[0].split()[0], r[1].replace("own ", ""))  # (d128 or mla, the rule)
             costs.setdefault(key, []).append(float(r[3].rstrip("%")))
-    verdict = [f"{k}: worst {max(v):+.1f}% over {len(v)} shapes" for k, v in sorted(costs.items())]
+    verdict = [f"{k[0]} {k[1]}: worst {max(v):+.1f}%, mean {statistics.mean(v):+.1f}% over {len(v)} shapes"
+               for k, v in sorted(costs.items())]
     own = [float(r[3].rstrip("%")) for r in ROWS if r[1].startswith("True (own") and r[3]]
     bad_bits = [r for r in ROWS if r[4] == "DIFFERENT"]
     text = "\n".join(lines) + "\n\n" + "\n".join(verdict) + \

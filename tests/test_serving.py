@@ -389,6 +389,9 @@ def test_both_modes_on_every_entry_point(mode, monkeypatch):
     out, lse = torch.empty_like(q), q.new_empty(q.shape[:3])
     module.forward_out_op(q, k, v, SCALE_32, None, None, None, out, lse, module.INVARIANT if mode else None)
     _same("forward_out_op", (out, lse), want[mode])
+    result = torch.library.opcheck(module.forward_op, (q, k, v, SCALE_32, None, None, None,
+                                                       module.INVARIANT if mode else None))
+    assert set(result.values()) == {"SUCCESS"}, result
     default = module.BATCH_INVARIANT
     assert default is DECODE_BATCH_INVARIANT
     _same("forward's default", module.forward(q, k, v), want[default])

@@ -396,14 +396,19 @@ MAX_SPLITS = 128
 # even one split's result takes the same path in every batch. Both constants follow the spec only (never the batch,
 # the cache's width or the SM count), so chunk(n) is a pure function of the sequence's own length. Their cost: a
 # split writes a partial of (gqa x Sq) rows x HEAD_DIM_V fp32 and the merge reads it back, against the chunk's keys
-# read; so the wider V is, the larger and fewer the chunks (MLA's 512-wide V: twice d128's smallest chunk, half its
-# most splits). The split rule, which knows the batch, splits only where the batch leaves the GPU idle and pays this
-# merge only there; the invariant rule pays it at every batch size (measured by scripts/gpu_invariant.py).
-INVARIANT_SPLITS = 32 if HEAD_DIM_V <= 256 else 16
+# read, and the split rule, which knows the batch, splits only where the batch leaves the GPU idle, where the
+# invariant rule splits at every batch size. The H100 (scripts/gpu_invariant.py, 2026-11-26, against the split
+# rule) picked them: 512 keys is the smallest chunk for every V width (256: +5.9% to +7.3% at d128 b32 kv4k; 1024:
+# +24% at d128 paged b1 kv4k, +9% and 2048 +88% at MLA h16 b32 kv4k, which has one KV head and needs the splits),
+# and long caches take at most 16 splits at d128 (2048-key chunks at kv32k: +1.6% b32, -8.3% to -0.5% b1; 32 splits
+# +2.5%) and 8 where V is wider (MLA's 512: 4096-key chunks at kv32k, -10.8%; 16 splits -8.0%, 32 -2.7%): fewer,
+# larger chunks for wide V, whose partials cost the most. Its worst cost, +4.3% (d128 paged b32 kv4k, where the
+# split rule takes one split and no merge), is why batch_invariant is not the default.
+INVARIANT_SPLITS = 16 if HEAD_DIM_V <= 256 else 8
 # Under the interpreter the smallest chunk is one key block, so that the CPU suites' small caches span several
 # splits and their properties and mutants exercise the merge, as the split rule's many splits do (with 512, a
 # 100-key cache would take one split there).
-INVARIANT_MIN_CHUNK = BLOCK_N if _INTERPRET else 512 * ((HEAD_DIM_V + 255) // 256)
+INVARIANT_MIN_CHUNK = BLOCK_N if _INTERPRET else 512
 INVARIANT = 0  # the num_splits value that asks for the batch-invariant rule
 BATCH_INVARIANT = False  # fagen.spec.axes.DECODE_BATCH_INVARIANT: forward's and plan's default
 DEFAULT_SPLITS = INVARIANT if BATCH_INVARIANT else None  # the operators' split choice when none is passed

@@ -44,8 +44,8 @@ B = (lambda n: min(n, 3)) if DRY else (lambda n: n)
 ROUNDS = 1 if DRY else 5
 PAGE_D128, PAGE_MLA = 16, (16 if DRY else 64)
 # candidate (smallest chunk, most splits) per V width, beside the module's own rule; the CPU takes tiny chunks
-CANDIDATES = {128: [(256, 32), (512, 32), (1024, 32), (1024, 16)],
-              512: [(256, 32), (512, 32), (1024, 16), (2048, 16), (2048, 8)]}
+CANDIDATES = {128: [(512, 32), (1024, 16), (512, 8)],
+              512: [(512, 32), (512, 16), (1024, 16)]}
 if DRY:
     CANDIDATES = {32: [(16, 2)]}
 ROWS: list[tuple] = []

@@ -393,19 +393,31 @@ UPCAST = _INTERPRET and DTYPE == torch.bfloat16
 PROGRAMS_PER_SM = 2
 FALLBACK_SMS = 132
 MAX_SPLITS = 128
-# [Note] Batch-invariant splits. With batch_invariant=True (the default; False opts out into the split rule above) a
-# sequence's result must be the same bits alone and in any batch (docs/serving.md; the H100 measured its cost at -22%
-# to +0.6% of the split rule's time). The split rule follows the batch and the SM count, so the kernel then sizes
-# each sequence's chunks from its own key count n alone: max(INVARIANT_MIN_CHUNK, ceil(n / INVARIANT_SPLITS)) keys,
-# rounded up to whole BLOCK_N blocks, starting at its first key; the grid holds min(INVARIANT_SPLITS, ceil(span /
-# INVARIANT_MIN_CHUNK)) splits and a sequence's splits past its own count return at once. Every launch merges
-# through the workspace (never DIRECT), so even one split's result takes the same path in every batch.
-INVARIANT_SPLITS = 32
+# [Note] Batch-invariant splits. With batch_invariant=True a sequence's result must be the same bits alone and in
+# any batch (docs/serving.md has what it costs). The split rule above follows the batch and the SM count, so the
+# kernel then sizes each sequence's chunks from its own key count n alone:
+#     chunk(n) = max(INVARIANT_MIN_CHUNK, ceil(n / INVARIANT_SPLITS)) keys, rounded up to whole BLOCK_N blocks,
+# starting at its first key; the grid holds min(INVARIANT_SPLITS, ceil(span / INVARIANT_MIN_CHUNK)) splits and a
+# sequence's splits past its own count return at once. Every launch merges through the workspace (never DIRECT), so
+# even one split's result takes the same path in every batch. Both constants follow the spec only (never the batch,
+# the cache's width or the SM count), so chunk(n) is a pure function of the sequence's own length. Their cost: a
+# split writes a partial of (gqa x Sq) rows x HEAD_DIM_V fp32 and the merge reads it back, against the chunk's keys
+# read, and the split rule, which knows the batch, splits only where the batch leaves the GPU idle, where the
+# invariant rule splits at every batch size. The H100 (scripts/gpu_invariant.py, 2026-11-26, against the split
+# rule) picked them: 512 keys is the smallest chunk for every V width (256: +5.9% to +7.3% at d128 b32 kv4k; 1024:
+# +24% at d128 paged b1 kv4k, +9% and 2048 +88% at MLA h16 b32 kv4k, which has one KV head and needs the splits),
+# and long caches take at most 16 splits at d128 (2048-key chunks at kv32k: +1.6% b32, -8.3% to -0.5% b1; 32 splits
+# +2.5%) and 8 where V is wider (MLA's 512: 4096-key chunks at kv32k, -10.8%; 16 splits -8.0%, 32 -2.7%): fewer,
+# larger chunks for wide V, whose partials cost the most. Its worst cost, +4.3% (d128 paged b32 kv4k, where the
+# split rule takes one split and no merge), is why batch_invariant is not the default.
+INVARIANT_SPLITS = 16 if HEAD_DIM_V <= 256 else 8
 # Under the interpreter the smallest chunk is one key block, so that the CPU suites' small caches span several
-# splits and their properties and mutants exercise the merge, as the split rule's many splits did when it was the
-# default (with 256, a 100-key cache would take one split there).
-INVARIANT_MIN_CHUNK = BLOCK_N if _INTERPRET else 256
+# splits and their properties and mutants exercise the merge, as the split rule's many splits do (with 512, a
+# 100-key cache would take one split there).
+INVARIANT_MIN_CHUNK = BLOCK_N if _INTERPRET else 512
 INVARIANT = 0  # the num_splits value that asks for the batch-invariant rule
+BATCH_INVARIANT = False  # fagen.spec.axes.DECODE_BATCH_INVARIANT: forward's and plan's default
+DEFAULT_SPLITS = INVARIANT if BATCH_INVARIANT else None  # the operators' split choice when none is passed
 # Row tiles of at most this many rows skip tl.dot (whose tiles have at least 16 rows) and multiply-sum.
 BROADCAST_MAX_ROWS = 2
 
@@ -847,13 +859,19 @@ def forward_split(q, k, v, *, num_splits=None, scale=None, seqlens_q=None, seqle
     _check_decode_inputs(q.shape[2], num_splits)
     scale = _check_scale(scale)
     seqlens_q, seqlens_k, tree = _check_mask_inputs(q, k, seqlens_q, seqlens_k, tree_mask, check)
-    return _launch_decode(q, k, v, scale, seqlens_q, seqlens_k, tree, num_splits)
+    return _call(q, k, v, scale, seqlens_q, seqlens_k, tree, None, None, num_splits)
 
 
-def _launch(q, k, v, scale, seqlens_q, seqlens_k, tree, out=None, lse=None, num_splits=INVARIANT):
-    """The operators' launch: by default batch-invariant splits ([Note] Batch-invariant splits); num_splits=None
-    takes the split rule."""
+def _launch(q, k, v, scale, seqlens_q, seqlens_k, tree, out=None, lse=None, num_splits=DEFAULT_SPLITS):
+    """The operators' launch. num_splits is the call's split choice and travels as an operator argument, so a traced
+    or graphed call keeps its mode: INVARIANT the batch-invariant rule ([Note] Batch-invariant splits), None the
+    split rule ([Note] Split heuristic), n > 0 that many splits (forward_split, a plan's fixed count)."""
     return _launch_decode(q, k, v, scale, seqlens_q, seqlens_k, tree, num_splits, out, lse)
+
+
+def _check_mode(batch_invariant):
+    if not isinstance(batch_invariant, bool):
+        raise InputError(f"batch_invariant: expected True or False, got {batch_invariant!r}")
 
 
 class Plan:
@@ -873,8 +891,9 @@ class Plan:
             raise InputError(f"plan: max_seq_q must be at most {MAX_SEQ_Q} and heads_q a multiple of gqa={GQA}, got "
                              f"{max_seq_q} and {heads_q}")
         _check_decode_inputs(max_seq_q, num_splits)
-        if batch_invariant is None:  # the default: invariant, unless the caller chose a split count
-            batch_invariant = num_splits is None
+        if batch_invariant is None:  # the default (BATCH_INVARIANT), unless the caller chose a split count
+            batch_invariant = BATCH_INVARIANT and num_splits is None
+        _check_mode(batch_invariant)
         if batch_invariant and num_splits is not None:
             raise InputError("plan: batch_invariant=True chooses the splits from each sequence's length; "
                              "pass num_splits=None")
@@ -908,36 +927,36 @@ class Plan:
         scale = _check_scale(scale)
         seqlens_q, seqlens_k, tree = _check_mask_inputs(q, k, seqlens_q, seqlens_k, tree_mask, check)
         _check_buffers(q, out, lse)
+        if torch.compiler.is_compiling():  # the operators, with the plan's split choice (their own workspace)
+            return _call(q, k, v, scale, seqlens_q, seqlens_k, tree, out, lse, self.num_splits)
         return _launch_decode(q, k, v, scale, seqlens_q, seqlens_k, tree, self.num_splits, out, lse,
                               self.workspace)
 
 
 def plan(max_batch, heads_q, max_seq_q, max_seq_k, *, device="cuda", num_splits=None, batch_invariant=None):
     """A Plan for decode steps up to these sizes (see Plan); batch_invariant ([Note] Batch-invariant splits): None
-    (the default) is True unless num_splits is given; False takes the split rule for the plan's largest problem."""
+    (the default) is BATCH_INVARIANT unless num_splits is given (then False); False takes the split rule for the
+    plan's largest problem."""
     return Plan(max_batch, heads_q, max_seq_q, max_seq_k, device, num_splits, batch_invariant)
 
 
-def forward(q, k, v, *, scale=None, seqlens_q=None, seqlens_k=None, tree_mask=None, batch_invariant=True,
+def forward(q, k, v, *, scale=None, seqlens_q=None, seqlens_k=None, tree_mask=None, batch_invariant=BATCH_INVARIANT,
             out=None, lse=None, check=None):
     """Attention forward for 1..MAX_SEQ_Q queries. Returns (out, lse): out like q (v's head dim), lse float32
     [B, Hq, Sq].
 
     out / lse: caller-owned buffers to write into; check: see [Note] Checks that read device values.
-    batch_invariant: each sequence's result is the same bits alone and in any batch ([Note] Batch-invariant splits);
-    False opts out into the split rule ([Note] Split heuristic), for eager calls.
+    batch_invariant: True, each sequence's result is the same bits alone and in any batch ([Note] Batch-invariant
+    splits); False, the batch-dependent split rule ([Note] Split heuristic); the default is BATCH_INVARIANT. Either
+    travels with the operator under torch.compile and in CUDA graphs.
     """
     _check_qkv(q, k, v)
     _check_decode_inputs(q.shape[2], None)
     scale = _check_scale(scale)
     seqlens_q, seqlens_k, tree = _check_mask_inputs(q, k, seqlens_q, seqlens_k, tree_mask, check)
     _check_buffers(q, out, lse)
-    if not batch_invariant:
-        if torch.compiler.is_compiling():
-            raise InputError("batch_invariant=False: the batch-dependent split rule runs eagerly only; call it "
-                             "outside torch.compile, or keep the default batch_invariant=True")
-        return _launch_decode(q, k, v, scale, seqlens_q, seqlens_k, tree, None, out, lse)
-    return _call(q, k, v, scale, seqlens_q, seqlens_k, tree, out, lse)
+    _check_mode(batch_invariant)
+    return _call(q, k, v, scale, seqlens_q, seqlens_k, tree, out, lse, INVARIANT if batch_invariant else None)
 
 
 # [Note] Operators
@@ -952,36 +971,37 @@ _OP = "fagen::" + __name__.rpartition(".")[2].replace("-", "_")
 
 @torch.library.custom_op(_OP + "_fwd", mutates_args=())
 def forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, seqlens_q: Optional[torch.Tensor],
-               seqlens_k: Optional[torch.Tensor], tree: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
-    return _launch(q, k, v, scale, seqlens_q, seqlens_k, tree)
+               seqlens_k: Optional[torch.Tensor], tree: Optional[torch.Tensor],
+               num_splits: Optional[int] = DEFAULT_SPLITS) -> Tuple[torch.Tensor, torch.Tensor]:
+    return _launch(q, k, v, scale, seqlens_q, seqlens_k, tree, num_splits=num_splits)
 
 
 @forward_op.register_fake
-def _forward_fake(q, k, v, scale, seqlens_q, seqlens_k, tree):
+def _forward_fake(q, k, v, scale, seqlens_q, seqlens_k, tree, num_splits=DEFAULT_SPLITS):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op(_OP + "_fwd_out", mutates_args=("out", "lse"))
 def forward_out_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                    seqlens_q: Optional[torch.Tensor], seqlens_k: Optional[torch.Tensor], tree: Optional[torch.Tensor],
-                   out: torch.Tensor, lse: torch.Tensor) -> None:
-    _launch(q, k, v, scale, seqlens_q, seqlens_k, tree, out=out, lse=lse)
+                   out: torch.Tensor, lse: torch.Tensor, num_splits: Optional[int] = DEFAULT_SPLITS) -> None:
+    _launch(q, k, v, scale, seqlens_q, seqlens_k, tree, out=out, lse=lse, num_splits=num_splits)
 
 
 @forward_out_op.register_fake
-def _forward_out_fake(q, k, v, scale, seqlens_q, seqlens_k, tree, out, lse):
+def _forward_out_fake(q, k, v, scale, seqlens_q, seqlens_k, tree, out, lse, num_splits=DEFAULT_SPLITS):
     return None
 
 
-def _call(q, k, v, scale, seqlens_q, seqlens_k, tree, out, lse):
+def _call(q, k, v, scale, seqlens_q, seqlens_k, tree, out, lse, num_splits=DEFAULT_SPLITS):
     """Eager: launch directly. Under torch.compile: through the operators ([Note] Operators)."""
     if not torch.compiler.is_compiling():
-        return _launch(q, k, v, scale, seqlens_q, seqlens_k, tree, out=out, lse=lse)
+        return _launch(q, k, v, scale, seqlens_q, seqlens_k, tree, out=out, lse=lse, num_splits=num_splits)
     if out is None and lse is None:
-        return forward_op(q, k, v, scale, seqlens_q, seqlens_k, tree)
+        return forward_op(q, k, v, scale, seqlens_q, seqlens_k, tree, num_splits)
     out = q.new_empty(q.shape) if out is None else out
     lse = q.new_empty(q.shape[:3], dtype=torch.float32) if lse is None else lse
-    forward_out_op(q, k, v, scale, seqlens_q, seqlens_k, tree, out, lse)
+    forward_out_op(q, k, v, scale, seqlens_q, seqlens_k, tree, out, lse, num_splits)
     return out, lse
 
 

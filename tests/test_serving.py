@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 import fagen
 from _env import DEVICE, ON_GPU, SCALE
 from fagen.runtime.loader import load
+from fagen.spec.axes import DECODE_BATCH_INVARIANT
 from fagen.verify import layouts, reference
 from fagen.verify.properties import check_backward, check_forward
 from fagen.verify.strategies import Problem, decode_problems, problems
@@ -291,7 +292,7 @@ def test_dense_decode_is_batch_invariant(mask, kv, switches, monkeypatch):
         n, sq = rng.randint(2, 6 if not ON_GPU else 64), rng.choice([1, 3])
         lens = tuple(rng.randint(0, sk) for _ in range(n)) if spec.mask.padded else None
         (q, k, v), kw = _dense_batch(spec, n, sq, sk, seed=trial, lens=lens)
-        out, lse = module.forward(q, k, v, **kw)  # the default: batch-invariant
+        out, lse = module.forward(q, k, v, batch_invariant=True, **kw)
         for b in rng.sample(range(n), min(n, 3)):
             own = lens[b] if lens else sk + (sq if mask == "tree" else 0)  # alone: a cache cut to its own keys
             alone_kw = _take(kw, slice(b, b + 1))
@@ -322,7 +323,8 @@ def test_paged_decode_is_batch_invariant_through_forward_and_plan(mask, kv, monk
         q, k_cache, v_cache = inputs.args
         kw = dict(inputs.kwargs, **inputs.scores)
         out, lse = module.forward(q, k_cache, v_cache, batch_invariant=True, **kw)
-        plan = module.plan(n + 3, q.shape[1], sq, kw["block_table"].shape[1] * case.page_size, device=DEVICE)
+        plan = module.plan(n + 3, q.shape[1], sq, kw["block_table"].shape[1] * case.page_size, device=DEVICE,
+                           batch_invariant=True)
         p_out, p_lse = plan.run(q, k_cache, v_cache, **kw)
         _equal_bits("plan.run against forward", p_out, out)
         _equal_bits("plan.run lse against forward", p_lse, lse)
@@ -339,27 +341,119 @@ def test_fagen_attention_takes_batch_invariant(monkeypatch):
     q = torch.randn(5, 8, 1, 64, generator=gen).to(DEVICE)
     k, v = (torch.randn(5, 2, 300, 64, generator=gen).to(DEVICE) for _ in range(2))
     with torch.no_grad():
-        batch = fagen.attention(q, k, v)  # the default: batch-invariant
+        batch = fagen.attention(q, k, v, batch_invariant=True)
         for b in range(5):
             alone = fagen.attention(q[b:b + 1].clone(), k[b:b + 1].clone(), v[b:b + 1].clone(),
                                     batch_invariant=True)
             _equal_bits(f"fagen.attention sequence {b}", batch[b], alone[0])
 
 
-def test_batch_invariant_false_is_the_split_rule(monkeypatch):
-    """The opt-out: forward, plan and fagen.attention with batch_invariant=False take the batch-dependent split
-    rule, the same bits as forward_split with the rule's own count; plan(num_splits=...) opts out by itself."""
-    spec = fagen.KernelSpec(head_dim=32, kind="decode", dtype="fp32", gqa=4)  # the tiles fagen.attention takes
+def _modes_module(monkeypatch):
+    """A decode module of the tiles fagen.attention takes, its chunks small, and one batch where the two rules give
+    different bits (so a mode that is lost on the way shows)."""
+    spec = fagen.KernelSpec(head_dim=32, kind="decode", dtype="fp32", gqa=4)
     module = load(spec)
     _small_chunks(module, monkeypatch)
     (q, k, v), kw = _dense_batch(spec, 1, 1, 300 if not ON_GPU else 9000, seed=1)
-    rule, rule_lse = module.forward_split(q, k, v, **kw)
-    invariant, invariant_lse = module.forward(q, k, v, **kw)
-    assert not torch.equal(invariant, rule)  # the two rules differ here, so the comparisons below can fail
-    for out, lse in (module.forward(q, k, v, batch_invariant=False, **kw),
-                     module.plan(1, q.shape[1], 1, k.shape[2], device=DEVICE, batch_invariant=False).run(q, k, v),
-                     (fagen.attention(q, k, v, batch_invariant=False), rule_lse)):
-        _equal_bits("out against the split rule", out, rule)
-        _equal_bits("lse against the split rule", lse, rule_lse)
-    assert module.plan(1, q.shape[1], 1, k.shape[2], device=DEVICE, num_splits=2).num_splits == 2
-    assert module.plan(1, q.shape[1], 1, k.shape[2], device=DEVICE).num_splits == module.INVARIANT
+    assert not kw  # mask "none": the launch below takes no mask inputs
+    want = {False: module.forward_split(q, k, v),  # the split rule's own count
+            True: module._launch_decode(q, k, v, SCALE_32, None, None, None, module.INVARIANT)}
+    assert not torch.equal(want[True][0], want[False][0])
+    return module, (q, k, v), want
+
+
+SCALE_32 = 32 ** -0.5  # the default scale of head_dim 32
+
+
+def _same(name, got, want):
+    """got's (out, lse) are the bits of the mode's own call (lse None: not returned)."""
+    for what, g, w in (("out", got[0], want[0]), ("lse", got[1], want[1])):
+        if g is not None and not torch.equal(g, w):
+            raise AssertionError(f"{name}: {what} is not the bits of the mode asked for (max |diff| "
+                                 f"{(g.double() - w.double()).abs().nan_to_num(0.0).max().item():.3g})")
+
+
+@pytest.mark.parametrize("mode", [True, False])
+def test_both_modes_on_every_entry_point(mode, monkeypatch):
+    """batch_invariant=True takes the invariant rule and False the split rule (forward_split's count), through
+    forward, plan/run and fagen.attention, whatever the default; the defaults follow BATCH_INVARIANT (fagen.spec.axes.
+    DECODE_BATCH_INVARIANT) and plan(num_splits=n) opts out; the operators carry the mode (num_splits)."""
+    module, (q, k, v), want = _modes_module(monkeypatch)
+    h, sk = q.shape[1], k.shape[2]
+    _same("forward", module.forward(q, k, v, batch_invariant=mode), want[mode])
+    _same("plan.run", module.plan(1, h, 1, sk, device=DEVICE, batch_invariant=mode).run(q, k, v), want[mode])
+    with torch.no_grad():
+        _same("fagen.attention", (fagen.attention(q, k, v, batch_invariant=mode), None), want[mode])
+    _same("forward_op", module.forward_op(q, k, v, SCALE_32, None, None, None,
+                                          module.INVARIANT if mode else None), want[mode])
+    out, lse = torch.empty_like(q), q.new_empty(q.shape[:3])
+    module.forward_out_op(q, k, v, SCALE_32, None, None, None, out, lse, module.INVARIANT if mode else None)
+    _same("forward_out_op", (out, lse), want[mode])
+    result = torch.library.opcheck(module.forward_op, (q, k, v, SCALE_32, None, None, None,
+                                                       module.INVARIANT if mode else None))
+    assert set(result.values()) == {"SUCCESS"}, result
+    default = module.BATCH_INVARIANT
+    assert default is DECODE_BATCH_INVARIANT
+    _same("forward's default", module.forward(q, k, v), want[default])
+    _same("plan's default", module.plan(1, h, 1, sk, device=DEVICE).run(q, k, v), want[default])
+    with torch.no_grad():
+        _same("fagen.attention's default", (fagen.attention(q, k, v), None), want[default])
+    assert module.plan(1, h, 1, sk, device=DEVICE, num_splits=2).num_splits == 2
+    with pytest.raises(module.InputError, match="batch_invariant: expected True or False"):
+        module.forward(q, k, v, batch_invariant=1)
+    with pytest.raises(module.InputError, match="batch_invariant=True chooses the splits"):
+        module.plan(1, h, 1, sk, device=DEVICE, num_splits=2, batch_invariant=True)
+
+
+@pytest.mark.parametrize("mode", [True, False])
+def test_both_modes_compile_fullgraph(mode, monkeypatch):
+    """Under torch.compile(fullgraph=True) forward, plan/run and fagen.attention keep the mode asked for: one graph,
+    the module's operator with num_splits INVARIANT (True) or None (False; a plan: its count), and the eager bits."""
+    torch._dynamo.reset()
+    module, (q, k, v), want = _modes_module(monkeypatch)
+    plan = module.plan(1, q.shape[1], 1, k.shape[2], device=DEVICE, batch_invariant=mode)
+    calls = {"forward": lambda q, k, v: module.forward(q, k, v, batch_invariant=mode),
+             "plan.run": lambda q, k, v: plan.run(q, k, v),
+             "fagen.attention": lambda q, k, v: (fagen.attention(q, k, v, batch_invariant=mode), None)}
+    for name, call in calls.items():
+        nodes = []
+
+        def backend(gm, example_inputs):
+            nodes.extend(n for n in gm.graph.nodes if n.op == "call_function" and "fagen" in str(n.target))
+            return gm.forward
+
+        with torch.no_grad():
+            got = torch.compile(call, fullgraph=True, backend=backend)(q, k, v)
+        _same(f"compiled {name}", got, want[mode])
+        assert [str(n.target) for n in nodes] == [f"fagen.{module.forward_op._qualname.split('::')[1]}.default"], nodes
+        carried = nodes[0].args[-1] if len(nodes[0].args) == 8 else nodes[0].kwargs.get("num_splits")
+        # a plan carries its own choice: INVARIANT, or the split rule's count for its largest problem
+        expected = plan.num_splits if name == "plan.run" else module.INVARIANT if mode else None
+        assert carried == expected, (name, nodes[0].args, nodes[0].kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("mode", [True, False])
+def test_both_modes_replay_in_a_cuda_graph(mode):
+    """A plan's run and forward(batch_invariant=mode), captured in a CUDA graph, replay the eager bits of that mode."""
+    spec = fagen.KernelSpec(head_dim=128, kind="decode", dtype="bf16", gqa=4, mask="padding")
+    module = load(spec)
+    lens = tuple(random.Random(3).randint(1, 9000) for _ in range(8))
+    (q, k, v), kw = _dense_batch(spec, 8, 1, 9000, seed=4, lens=lens)
+    plan = module.plan(8, q.shape[1], 1, k.shape[2], device=DEVICE, batch_invariant=mode)
+    for name, call in (("plan.run", lambda: plan.run(q, k, v, **kw)),
+                       ("forward", lambda: module.forward(q, k, v, batch_invariant=mode, **kw))):
+        eager = module.forward(q, k, v, batch_invariant=mode, **kw)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            call()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static = call()
+        static[0].zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        _same(f"graphed {name}", static, eager)

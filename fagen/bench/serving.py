@@ -12,7 +12,7 @@ from fagen.bench.workloads import BenchCase, make_case
 # d192/128 GQA-16 decode until the 576/512 form exists) and the compute-bound Hq 128 Sq 2. The fp8 rows repeat
 # the bf16 decode rows with an fp8_e4m3 cache (GB/s counts the bytes read: 1 per element). The batch-invariant
 # rows pair each decode row at b1 and b32 under batch_invariant=False (the split rule) with the same row under
-# batch_invariant=True (the default): the cost is their ratio.
+# batch_invariant=True: the cost is their ratio.
 # Decode rows other than the bf16 baselines run fagen alone (no peer takes an fp8 cache or the flag).
 def serving_rows(quick: bool = False) -> list[BenchCase]:
     s = (lambda n: max(1, n // 64)) if quick else (lambda n: n)

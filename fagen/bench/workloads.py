@@ -48,7 +48,7 @@ class BenchCase:
     hopper: bool = True  # False: keep the Triton forward on sm_90 (a baseline row for the switch rows)
     peers: bool = True  # False: only fagen runs (a baseline row of fagen itself)
     # Serving (docs/serving.md): V's head dim (None: head_dim), an fp8 KV cache for decode rows (its scales are
-    # drawn per KV head in make_inputs), and decode's split rule: None the kernel's default (batch-invariant), True
+    # drawn per KV head in make_inputs), and decode's split rule: None the kernel's default (DECODE_BATCH_INVARIANT), True
     # asks for it, False for the batch-dependent split rule.
     head_dim_v: int | None = None
     kv_dtype: str | None = None

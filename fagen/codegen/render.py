@@ -18,7 +18,7 @@ import jinja2
 from fagen import __version__, backends
 from fagen.codegen import signatures
 from fagen.spec import tables
-from fagen.spec.axes import DECODE_MAX_SEQ_Q, MAX_PAGE_SIZE, DType, Layout
+from fagen.spec.axes import DECODE_BATCH_INVARIANT, DECODE_MAX_SEQ_Q, MAX_PAGE_SIZE, DType, Layout
 from fagen.spec.kernel import KernelSpec
 
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"  # fagen/templates, installed with the package
@@ -94,6 +94,7 @@ def _context(spec: KernelSpec) -> dict:
     backend = backends.get(spec.backend)
     paged = spec.layout is Layout.PAGED
     return dict(spec=spec, spec_json=spec.to_json(), version=__version__, max_seq_q=DECODE_MAX_SEQ_Q,
+                batch_invariant=DECODE_BATCH_INVARIANT,
                 dot_precision=tables.DOT_KWARGS[spec.dtype], tma=backend.tma_loads(spec), gluon=backends.GLUON.variant,
                 max_page_size=MAX_PAGE_SIZE, packed_q=spec.packed_q, packed_k=spec.layout is Layout.VARLEN,
                 paged=paged, ragged=spec.mask.padded or spec.layout is not Layout.DENSE, **_out_context(spec),

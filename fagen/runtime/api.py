@@ -9,7 +9,7 @@ from fagen.runtime import ops
 from fagen.runtime.hopper import MIN_WORK
 from fagen.runtime.kinds import prefers_decode
 from fagen.runtime.resolve import _DTYPES, _FAST, AttentionError, _module, fast_key, resolve, resolve_varlen, spec_for
-from fagen.spec.axes import DECODE_MAX_SEQ_Q, Kind, Layout, Mask
+from fagen.spec.axes import DECODE_BATCH_INVARIANT, DECODE_MAX_SEQ_Q, Kind, Layout, Mask
 from fagen.spec.kernel import SCORE_SWITCHES, KernelSpec, SpecError
 
 
@@ -17,7 +17,7 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
               tree_mask=None, window=None, softcap: float | None = None, alibi_slopes=None, sinks=None,
               cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
               score_mod=None, mask_mod=None, block_mask=None, check: bool | None = None,
-              batch_invariant: bool = True, head_dim_v: int | None = None) -> torch.Tensor:
+              batch_invariant: bool = DECODE_BATCH_INVARIANT, head_dim_v: int | None = None) -> torch.Tensor:
     """Attention over q [B, Hq, Sq, D], k and v [B, Hkv, Sk, D]; returns out like q, differentiable.
 
     The kernel is chosen from the inputs (dtype, head_dim D, gqa = Hq / Hkv) and `mask`, rendered and loaded once
@@ -42,10 +42,11 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
 
     Without gradients, a few queries against a long KV cache (fagen.runtime.kinds.prefers_decode) run the split-KV
     decode kernel; both kinds give the same results. v's head dim may differ from q's (MLA's 192/128): out takes
-    v's. batch_invariant=True (the default): each sequence's result is the same bits alone and in any batch
-    (README "Serving"; False opts out into the batch-dependent split rule);
-    it reaches the decode kernel only (prefill kernels are batch-invariant anyway). Under torch.compile the call traces
-    into the module's own operators and autograd (fagen/runtime/ops.py), with no graph break.
+    v's. batch_invariant=True: each sequence's result is the same bits alone and in any batch (README "Serving");
+    False (the default, fagen.spec.axes.DECODE_BATCH_INVARIANT): the batch-dependent split rule, faster at some
+    shapes. It reaches the decode kernel only (prefill kernels are batch-invariant anyway). Under torch.compile the
+    call traces into the module's own operators and autograd (fagen/runtime/ops.py), with no graph break; the
+    decode operators carry the mode.
 
     v=None with head_dim_v (README "MLA absorbed decode"): k is one shared latent cache [B, Hkv, Sk, D] and V is its
     first head_dim_v columns, read once (MLA's absorbed decode, d 576 / d_v 512); 1 to 16 queries, no gradient,
@@ -94,7 +95,7 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
                           tree_mask=tree_mask, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                           sinks=sinks, check=check)
         return ops.attention(q, k, v, str(mask), scale, seqlens_q, seqlens_k, tree_mask, decode, win, softcap,
-                             alibi_slopes, sinks, bool(batch_invariant))[0]
+                             alibi_slopes, sinks, batch_invariant)[0]
     # [Note] Host time. A warm call costs one dict lookup on plain values before the module's own checks and launch:
     # no spec is built, hashed or validated per call (the key is fast_key's, the one resolve() stores under). Without gradients on an
     # H100/H200 the Gluon forward may serve ([Note] Hopper selection in fagen/runtime/hopper.py); it has forward()
@@ -107,9 +108,9 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
     if module is None:
         module = resolve(q, k, v, mask, decode, switches, forward_only)
     if not needs_grad:  # no autograd node to build: the forward alone (prefill, decode, or the Gluon forward)
-        if decode and not batch_invariant:
+        if decode and batch_invariant is not DECODE_BATCH_INVARIANT:  # the module's forward checks the value
             return module.forward(q, k, v, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
-                                  tree_mask=tree_mask, check=check, batch_invariant=False, **scores)[0]
+                                  tree_mask=tree_mask, check=check, batch_invariant=batch_invariant, **scores)[0]
         if scores or scale is not None or seqlens_q is not None or seqlens_k is not None or tree_mask is not None \
                 or check is not None:
             return module.forward(q, k, v, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k,

@@ -25,6 +25,7 @@ import torch
 
 from fagen.codegen.args import SWITCH_KEYWORD
 from fagen.runtime.resolve import resolve
+from fagen.spec.axes import DECODE_BATCH_INVARIANT
 from fagen.spec.kernel import SCORE_SWITCHES
 
 _MODULES: dict[str, ModuleType] = {}  # module name -> module, for traced calls ([Note] One autograd, ...)
@@ -51,7 +52,7 @@ def _static(n) -> int:
 
 
 def attention(q, k, v, mask: str, scale, seqlens_q, seqlens_k, tree_mask, decode: bool, window=None, softcap=None,
-              alibi_slopes=None, sinks=None, batch_invariant: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+              alibi_slopes=None, sinks=None, batch_invariant: bool = DECODE_BATCH_INVARIANT) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of fagen.attention while Dynamo traces it; window is [left, right] with -1 for an unbounded side."""
     scores = {name: value for name, value in (("softcap", softcap), ("alibi_slopes", alibi_slopes), ("sinks", sinks))
               if value is not None}
@@ -62,7 +63,7 @@ def attention(q, k, v, mask: str, scale, seqlens_q, seqlens_k, tree_mask, decode
     dims = (_static(n) for n in (q.shape[-1], v.shape[-1], q.shape[1], k.shape[1]))
     module = _MODULES[_module_name(q.dtype, *dims, mask, decode, switches)]
     kw = dict(scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k, tree_mask=tree_mask, **scores)
-    if decode:
+    if decode:  # the module's operator carries the mode (num_splits: [Note] Batch-invariant splits in decode.py.j2)
         return module.forward(q, k, v, batch_invariant=batch_invariant, **kw)
     out = module.attention(q, k, v, **kw)
     return out, None  # fagen.attention returns out only; the bwd module's attention() keeps lse for its backward

@@ -98,6 +98,10 @@ MAX_GQA = 256
 # Decode kernels serve at most this many query tokens per sequence (one step, or a small speculative tree);
 # longer queries belong to the prefill kind. The decode template renders it as MAX_SEQ_Q.
 DECODE_MAX_SEQ_Q = 16
+# batch_invariant's default on decode (a module's forward and plan, fagen.attention); the decode template renders it
+# as BATCH_INVARIANT. False: the H100 measured the invariant rule above issue 27's 3% bar at some shapes
+# (docs/serving.md "Batch-invariant decode", scripts/gpu_invariant.py).
+DECODE_BATCH_INVARIANT = False
 
 # Paged KV caches: pages hold a power of two of tokens, from 1 to this many.
 MAX_PAGE_SIZE = 256

@@ -16,7 +16,8 @@ Phases:
      directly (the same block mask), and fagen.create_block_mask's build time.
 
 Table columns:
-  mod     the bench row; kernel: "attention" (fagen.attention's choice) or a candidate tile mXnYwWsS
+  mod     the bench row; kernel: "attention" (fagen.attention's choice), "unsorted" (the same kernel without the
+          work order: query blocks in reverse, heads interleaved) or a candidate tile mXnYwWsS
   ms      median milliseconds of one forward
   TF/s    useful TF/s: 4 * D per visible (q, kv) pair (counted from the elementwise mask, as the bench counts them)
   +mask   TF/s when the block mask is built on every call (its build time added), the attention row only
@@ -83,6 +84,23 @@ def tile_module(shape, sm, mm, config):
     base = spec_for(q, q, q)
     mods = prepare(score_mod=sm, mask_mod=mm)
     return load(modded_spec(base, mods.fields, parse_config(config))), mods
+
+
+def unsorted(q, k, v, mm, bm):
+    """fagen.attention's module for this mask_mod and its block mask's kernel form with the work order ([Note] Work
+    order in fagen/runtime/block_mask.py) replaced by query blocks in reverse (the launch order without a block
+    mask, the heads interleaved): the control of that order."""
+    from fagen.runtime.modded import module_for
+    from fagen.runtime.mods import prepare
+
+    mods = prepare(mask_mod=mm)
+    module, _ = module_for(q, k, v, "none", (), mods)
+    tile_m, tile_n = (max(getattr(module, f"{p}BLOCK_{x}", 0) for p in ("", "DQ_", "DKDV_")) for x in "MN")
+    cls, lists, lists_t, gm, gn = bm.kernel_form(q.device, tile_m, tile_n)
+    lists = lists.clone()
+    b, h, qb, kb = cls.shape
+    lists[..., 4 * kb + 2] = (h * qb - 1 - torch.arange(h * qb, device=q.device, dtype=torch.int32)).view(h, qb)
+    return module, mods, (cls, lists, lists_t, gm, gn)
 
 
 def inputs(shape, seed=1):
@@ -192,6 +210,13 @@ def main() -> int:
                 rec["kernels"]["attention"] = {"ms": ms, "TF/s": flops / ms / 1e9}
                 if mm is not None:
                     rec["kernels"]["attention"]["+mask TF/s"] = flops / (ms + rec["mask_ms"]) / 1e9
+                    try:  # the control: the same kernel walking query blocks in reverse, heads interleaved
+                        module, mods, form = unsorted(q, k, v, mm, bm)
+                        run = lambda: module.forward(q, k, v, mods=mods.values, block_mask=form)  # noqa: E731
+                        ms = time_ms(run, a.rep_ms)
+                        rec["kernels"]["unsorted"] = {"ms": ms, "TF/s": flops / ms / 1e9}
+                    except Exception as e:  # noqa: BLE001
+                        rec["kernels"]["unsorted"] = {"error": f"{type(e).__name__}: {str(e)[:120]}"}
                     for config in configs:
                         try:
                             module, mods = tile_module(shape, sm, mm, config)

@@ -70,12 +70,13 @@ def test_a_block_mask_with_a_builtin_mask_gqa_and_coarse_blocks(block):
 def test_a_block_mask_that_reads_b_and_h_walks_its_work_order_under_gqa(block):
     """[Note] Work order: the forward's programs take (head, query block) items from the block mask's list, heaviest
     first; a mask that reads b and h has one list per b over every (head, query block), and block 128 makes each
-    block-mask row several kernel tiles (the grid covers the rows' tiles, the last past Sq)."""
+    block-mask row several kernel tiles (the grid covers the rows' tiles, the last past Sq). The mask shows keys
+    past Sk: the partial blocks' loop hides them with the built-in mask's range check (MASKED != 0 in _fwd_mod)."""
     q, k, v, do = _qkv(2, 4, 2, 70, 90)
     starts = torch.tensor([[0, 30, 50, 10], [60, 5, 20, 40]], device=DEVICE)
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return ((kv_idx >= starts[b, h]) & (kv_idx <= q_idx + 20)) | (kv_idx == h)
+        return ((kv_idx >= starts[b, h]) & (q_idx - kv_idx <= 20)) | (kv_idx == h)  # true past Sk too
 
     block_mask = fagen.create_block_mask(mask_mod, 2, 4, 70, 90, device=DEVICE, block_size=block)
     assert block_mask.shape[:2] == (2, 4)

@@ -83,6 +83,29 @@ def test_a_block_mask_that_reads_b_and_h_walks_its_work_order_under_gqa(block):
     _check(q, k, v, do, mask_mod=mask_mod, block_mask=block_mask)
 
 
+def test_the_forward_alone_takes_its_own_tiles_where_an_arch_lists_them(monkeypatch):
+    """[Note] Forward tiles: a MODDED_FWD_TILES entry gives the forward without gradient a forward-only twin at its
+    tiles (here a CPU stand-in for sm_90's), which matches the reference with a block mask and a captured tensor."""
+    from fagen.runtime import modded
+    from fagen.runtime.mods import prepare
+
+    q, k, v, _ = _qkv(1, 2, 2, 70, 70, d=128)  # the table's keys are for head_dim > 64
+    mask_mod = g.generate_doc_mask_mod(g.causal_mask, g.length_to_offsets([13, 30, 27], DEVICE))
+    mods = prepare(mask_mod=mask_mod)
+    module, _ = modded.module_for(q, k, v, "none", (), mods)
+    assert modded._forward_twin(module, mods.fields) is module  # no arch (the interpreter): the spec's own forward
+    monkeypatch.setattr(modded, "gpu_arch", lambda: "sm_90")
+    monkeypatch.setitem(modded.MODDED_FWD_TILES, ("sm_90", "mask", True), {"block_m": 32, "block_n": 16})
+    monkeypatch.setattr(modded, "_FORWARD", {})
+    twin = modded._forward_twin(module, mods.fields)
+    assert (twin.BLOCK_M, twin.BLOCK_N) == (32, 16) and twin.NAME.startswith("attn_fwd_")
+    block_mask = fagen.create_block_mask(mask_mod, None, None, 70, 70, device=DEVICE, block_size=16)
+    out, lse = twin.forward(q.detach(), k.detach(), v.detach(), mods=mods.values, block_mask=block_mask)
+    want, want_lse = reference.attention(*(t.detach().double() for t in (q, k, v)), mask_mod=mask_mod)
+    assert (out.double() - want).abs().max().item() < TOL[torch.float32]
+    assert (lse.double() - want_lse).abs().max().item() < TOL[torch.float32]
+
+
 def test_a_module_refuses_a_block_mask_built_for_other_keys():
     """The kernels read each list row up to its length from Sk: a block mask of another Sk (or a hand-made list
     of the wrong dtype) is one clear error at the module's entry, never a read past the lists."""

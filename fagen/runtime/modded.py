@@ -52,6 +52,14 @@ MODDED_TILES: dict[tuple[str, str, bool], dict] = {
 }
 
 
+# [Note] Forward tiles. Without a gradient fagen.attention runs the forward alone, and a spec's tiles above are chosen
+# for forward and backward together (the backward's spills decided most keys). MODDED_FWD_TILES maps the same keys
+# to the launch fields of a forward-only twin of the modded spec (direction fwd), for a mask_mod (a score_mod alone
+# takes the gluon forward there, [Note] Hopper selection); a key without an entry keeps the spec's own forward.
+# scripts/gpu_mods_fwd.py times the forward of candidate tiles on the mask rows of `fagen bench --suite mods`.
+MODDED_FWD_TILES: dict[tuple[str, str, bool], dict] = {}
+
+
 def mods_class(fields: tuple) -> tuple[str, bool]:
     """(kind, loads) of a Mods' fields: MODDED_TILES's key after the arch."""
     return ("mask" if fields[1] is not None else "score"), bool(fields[2])
@@ -140,6 +148,8 @@ def attention(q, k, v, *, mask, scale, seqlens_q, seqlens_k, tree_mask, scores: 
             t.requires_grad for t in (q, k, v, *(mods.values[a.name] for a in args.tensors))):
         if packed is None and q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] >= hopper.MIN_WORK:
             module = _gluon_forward(module, q.device)  # [Note] Hopper selection (a score_mod: select_score_mods)
+        if mask_mod is not None:
+            module = _forward_twin(module, mods.fields)  # [Note] Forward tiles
         return module.forward(q, k, v, **kw)[0]  # no autograd node to build
     return module.attention(q, k, v, **kw)
 
@@ -154,6 +164,24 @@ def _gluon_forward(module: ModuleType, device) -> ModuleType:
         twin = hopper.mod_forward_spec(_SPECS[id(module)], device)
         _GLUON[key] = load(twin) if twin is not None else module
     return _GLUON[key]
+
+
+_FORWARD: dict[int, ModuleType] = {}
+
+
+def _forward_twin(module: ModuleType, fields: tuple) -> ModuleType:
+    """The forward-only module of `module`'s spec at MODDED_FWD_TILES' tiles ([Note] Forward tiles), or `module`."""
+    hit = _FORWARD.get(id(module))
+    if hit is None:
+        spec = _SPECS[id(module)]
+        arch = gpu_arch()
+        tiles = MODDED_FWD_TILES.get((arch, *mods_class(fields))) if arch and spec.head_dim > 64 else None
+        hit = module
+        if tiles is not None:
+            given = {k: v for k, v in spec.to_dict().items() if k not in spec.defaulted}
+            hit = load(KernelSpec.from_dict({**given, **tiles, "direction": "fwd"}))
+        _FORWARD[id(module)] = hit
+    return hit
 
 
 def _check_block_mask(bm, mods: Mods, device, batch: int, heads: int, sq: int, sk: int) -> None:

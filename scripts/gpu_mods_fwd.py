@@ -7,8 +7,8 @@ benchmarks/mods.md.
                                                     # H100; about 1-2 minutes; $OUT/mods_fwd.json if $OUT is set
 
 Phases:
-  1. check: each row at a small shape (B1 H2 S1008: off the blocks, a multiple of 16
-     so that the timed shape's kernels are the ones checked) against fagen.verify's float64 reference
+  1. check: each row at a small shape (B1 H16 S1008: off the blocks, a multiple of 16
+     like the heads, so that the timed shape's kernels are the ones checked) against fagen.verify's float64 reference
      of the same user functions: fagen.attention's forward without gradient (what the bench times), and for the
      mask rows every candidate tile's module (out and lse);
   2. time (CUDA events, L2 flushed, median): fagen.attention(q, k, v, score_mod=, mask_mod=, block_mask=) without
@@ -47,9 +47,10 @@ FLEX_FWD = {"relative-bias": 218, "alibi": 440, "softcap": 207, "document+causal
             "sliding-window+causal": 283, "dilated": 69}  # TF/s, benchmarks/mods.md (H100, second run)
 ROWS = tuple(FLEX_FWD)
 # Forward tiles of the mask rows (ptxas sm_90, forward kernel, spilled words over document / prefix-LM / sliding window /
-# dilated): m128n128w8s3 0/0/6/26 (the plain tile), m128n64w8s2 0 (document's default), m128n64w8s3 (Flex's H100
-# forward tile) 0-6, m64n64w4s2 0 and m64n64w4s3 0-4 (two CTAs per SM: 128 threads, 84/117 KB), m64n128w4s2 0-34.
-CONFIGS = ["m128n128w8s3", "m128n128w8s2", "m128n64w8s2", "m128n64w8s3", "m64n64w4s2", "m64n64w4s3", "m64n128w4s2"]
+# dilated): m128n128w8s3 -/0/0/0 (the plain tile; document's needs 228 KB of shared memory), m128n64w8s2 0 (document's
+# default), m128n64w8s3 (Flex's H100 forward tile) 12/0/0/0, m64n64w4s2 0 and m64n64w4s3 10/0/0/0 (two CTAs per SM:
+# 128 threads, 84/117 KB). m128n128w8s2 (document 46) and m64n128w4s2 spill more and are left out.
+CONFIGS = ["m128n128w8s3", "m128n64w8s2", "m128n64w8s3", "m64n64w4s2", "m64n64w4s3"]
 T0 = time.time()
 DEVICE = "cuda"  # --cpu-smoke (tests of the script, never timed): "cpu" under TRITON_INTERPRET=1, tiny shapes
 
@@ -141,8 +142,12 @@ def check_row(name, sm, mm, configs, small, tol) -> dict:
     res["attention"] = rel(out, want)
     if mm is not None:
         for config in configs:
-            module, mods = tile_module(small, sm, mm, config)
-            out, lse = module.forward(q, k, v, mods=mods.values, block_mask=bm)
+            try:
+                module, mods = tile_module(small, sm, mm, config)
+                out, lse = module.forward(q, k, v, mods=mods.values, block_mask=bm)
+            except Exception as e:  # noqa: BLE001 - a tile that does not build (shared memory) is reported, not failed
+                res[config] = f"no build: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:80]}"
+                continue
             err = rel(out, want)
             fin = torch.isfinite(want_lse)
             lse_err = float((lse[fin] - want_lse[fin]).abs().max()) if fin.any() else 0.0
@@ -150,7 +155,7 @@ def check_row(name, sm, mm, configs, small, tol) -> dict:
                 lse_err = math.inf
             res[config] = err if lse_err < 1e-3 else math.inf
     for label, err in res.items():
-        assert err <= tol, f"{name} {label}: out error {err:.2e} > {tol}"
+        assert isinstance(err, str) or err <= tol, f"{name} {label}: out error {err:.2e} > {tol}"
     return res
 
 
@@ -176,7 +181,7 @@ def main() -> int:
     import fagen
     from fagen.bench.mods import ModsShape
 
-    shape, small = ModsShape(), ModsShape(heads=2, seq=1008)
+    shape, small = ModsShape(), ModsShape(heads=16, seq=1008)
     if a.cpu_smoke:
         shape, small = ModsShape(heads=1, seq=256, head_dim=32), ModsShape(heads=1, seq=200, head_dim=32)
     device_name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (interpreter)"
@@ -185,7 +190,8 @@ def main() -> int:
     for name, sm, mm in row_cases(small, rows):
         try:
             checks[name] = check_row(name, sm, mm, configs, small, 2e-2)
-            log(f"PASS check {name}: " + ", ".join(f"{k} {v:.1e}" for k, v in checks[name].items()))
+            log(f"PASS check {name}: " + ", ".join(f"{k} {v:.1e}" if isinstance(v, float) else f"{k} {v}"
+                                                   for k, v in checks[name].items()))
         except Exception as e:  # noqa: BLE001 - a failed check is reported and its row still timed
             checks[name] = {"error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"}
             log(f"FAIL check {name}: {checks[name]['error']}")

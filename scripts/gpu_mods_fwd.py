@@ -18,7 +18,9 @@ Phases:
 Table columns:
   mod     the bench row; kernel: "attention" (fagen.attention's choice), "one loop" (its module with partial and
           full blocks in one loop: [Note] One forward loop), "unsorted" (its kernel without the work order: query
-          blocks in reverse, heads interleaved) or a candidate tile mXnYwWsS
+          blocks in reverse, heads interleaved), "launch order" (its kernel walking the plain kernels' launch order:
+          each head's query blocks in reverse, head after head), "LPT 8 heads" (heaviest first within groups of 8
+          heads) or a candidate tile mXnYwWsS
   ms      median milliseconds of one forward
   TF/s    useful TF/s: 4 * D per visible (q, kv) pair (counted from the elementwise mask, as the bench counts them)
   +mask   TF/s when the block mask is built on every call (its build time added), the attention row only
@@ -86,6 +88,35 @@ def tile_module(shape, sm, mm, config):
     base = spec_for(q, q, q)
     mods = prepare(score_mod=sm, mask_mod=mm)
     return load(modded_spec(base, mods.fields, parse_config(config))), mods
+
+
+def per_head_order(q, k, v, mm, bm, chunk):
+    """The module and a kernel form of this block mask expanded to every query head (H' = H), whose work order
+    ([Note] Work order) is any order of (head, query block) pairs: chunk 0, the launch order without a block mask
+    (each head's query blocks in reverse, head after head); chunk G, heaviest first within each group of G heads
+    (heads interleaved by rank), the groups in turn."""
+    from fagen.runtime.modded import module_for
+    from fagen.runtime.mods import prepare
+
+    mods = prepare(mask_mod=mm)
+    module, _ = module_for(q, k, v, "none", (), mods)
+    tile_m, tile_n = (max(getattr(module, f"{p}BLOCK_{x}", 0) for p in ("", "DQ_", "DKDV_")) for x in "MN")
+    cls, lists, lists_t, gm, gn = bm.kernel_form(q.device, tile_m, tile_n)
+    heads = q.shape[1]
+    b, _, qb, kb = cls.shape
+    cls, lists, lists_t = (t.expand(b, heads, *t.shape[2:]).contiguous() for t in (cls, lists, lists_t))
+    work = (3 * (cls[0] == 1).sum(-1) + 2 * (cls[0] == 2).sum(-1) + 2).tolist()  # [H][QB]
+    if chunk == 0:
+        order = [h * qb + i for h in range(heads) for i in reversed(range(qb))]
+    else:
+        order = []
+        for h0 in range(0, heads, chunk):
+            hs = range(h0, min(heads, h0 + chunk))
+            ranks = sorted(range(qb), key=lambda i: (-work[h0][i], i))
+            order += [h * qb + i for i in ranks for h in hs]
+    assert sorted(order) == list(range(heads * qb)), "not a permutation of the (head, query block) pairs"
+    lists[..., 4 * kb + 2] = torch.tensor(order, dtype=torch.int32, device=q.device).view(heads, qb)
+    return module, mods, (cls, lists, lists_t, gm, gn)
 
 
 def unsorted(q, k, v, mm, bm):
@@ -238,6 +269,7 @@ def main() -> int:
                 rec["kernels"]["attention"] = {"ms": ms, "TF/s": flops / ms / 1e9}
                 if mm is not None:
                     rec["kernels"]["attention"]["+mask TF/s"] = flops / (ms + rec["mask_ms"]) / 1e9
+                    base_out = fagen.attention(q, k, v, mask_mod=mm, block_mask=bm)
                     try:  # [Note] One forward loop: the same module rendered with _FWD_FUSED True
                         module, mods = fused(q, k, v, mm)
                         run = lambda: module.forward(q, k, v, mods=mods.values, block_mask=bm)  # noqa: E731
@@ -246,6 +278,16 @@ def main() -> int:
                         rec["kernels"]["one loop"] = {"ms": ms, "TF/s": flops / ms / 1e9}
                     except Exception as e:  # noqa: BLE001
                         rec["kernels"]["one loop"] = {"error": f"{type(e).__name__}: {str(e)[:120]}"}
+                    for label, chunk in (("launch order", 0), ("LPT 8 heads", 8)):
+                        try:  # controls of the work order through a per-head block mask (no recompile)
+                            module, mods, form = per_head_order(q, k, v, mm, bm, chunk)
+                            run = lambda: module.forward(q, k, v, mods=mods.values, block_mask=form)  # noqa: E731
+                            same = rel(run()[0], base_out)  # the same kernel in another order: the same values
+                            ms = time_ms(run, a.rep_ms)
+                            rec["kernels"][label] = {"ms": ms, "TF/s": flops / ms / 1e9}
+                            rec["check"][label] = f"={same:.0e}" if same < 1e-2 else f"DIFFERS {same:.1e}"
+                        except Exception as e:  # noqa: BLE001
+                            rec["kernels"][label] = {"error": f"{type(e).__name__}: {str(e)[:120]}"}
                     try:  # the control: the same kernel walking query blocks in reverse, heads interleaved
                         module, mods, form = unsorted(q, k, v, mm, bm)
                         run = lambda: module.forward(q, k, v, mods=mods.values, block_mask=form)  # noqa: E731

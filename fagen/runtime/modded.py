@@ -56,8 +56,14 @@ MODDED_TILES: dict[tuple[str, str, bool], dict] = {
 # for forward and backward together (the backward's spills decided most keys). MODDED_FWD_TILES maps the same keys
 # to the launch fields of a forward-only twin of the modded spec (direction fwd), for a mask_mod (a score_mod alone
 # takes the gluon forward there, [Note] Hopper selection); a key without an entry keeps the spec's own forward.
-# scripts/gpu_mods_fwd.py times the forward of candidate tiles on the mask rows of `fagen bench --suite mods`.
-MODDED_FWD_TILES: dict[tuple[str, str, bool], dict] = {}
+# scripts/gpu_mods_fwd.py times the forward of candidate tiles on the mask rows of `fagen bench --suite mods`. H100,
+# 2026-11-26 (docs/mods.md, "Forward"): the document mask (a mask reading tensors) ran 200 TF/s at m64n64w4s2 (two
+# CTAs per SM) against 173 at its m128n64w8s2; among the masks without loads m64n64w4s3 won the sliding window (311
+# against 286) and the dilated window (75 against 73) but lost prefix-LM (446 against 497), a tie over the key, so
+# that key keeps the plain tiles.
+MODDED_FWD_TILES: dict[tuple[str, str, bool], dict] = {
+    ("sm_90", "mask", True): {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2},  # document mask
+}
 
 
 def mods_class(fields: tuple) -> tuple[str, bool]:

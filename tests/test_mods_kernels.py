@@ -119,13 +119,17 @@ def test_the_forward_alone_takes_its_own_tiles_where_an_arch_lists_them(monkeypa
     mask_mod = g.generate_doc_mask_mod(g.causal_mask, g.length_to_offsets([13, 30, 27], DEVICE))
     mods = prepare(mask_mod=mask_mod)
     module, _ = modded.module_for(q, k, v, "none", (), mods)
-    assert modded._forward_twin(module, mods.fields) is module  # no arch (the interpreter): the spec's own forward
+    assert modded._forward_twin(module, mods.fields, True) is module  # no arch (the interpreter): its own forward
     monkeypatch.setattr(modded, "gpu_arch", lambda: "sm_90")
-    monkeypatch.setitem(modded.MODDED_FWD_TILES, ("sm_90", "mask", True), {"block_m": 32, "block_n": 16})
+    monkeypatch.setitem(modded.MODDED_FWD_TILES, ("sm_90", "mask", True, True), {"block_m": 32, "block_n": 16})
+    monkeypatch.setitem(modded.MODDED_FWD_TILES, ("sm_90", "mask", True, False), {})
     monkeypatch.setattr(modded, "_FORWARD", {})
-    twin = modded._forward_twin(module, mods.fields)
+    assert modded._forward_twin(module, mods.fields, False).BLOCK_M == 64  # {}: the spec's tiles, direction fwd
+    twin = modded._forward_twin(module, mods.fields, True)
     assert (twin.BLOCK_M, twin.BLOCK_N) == (32, 16) and twin.NAME.startswith("attn_fwd_")
     block_mask = fagen.create_block_mask(mask_mod, None, None, 70, 70, device=DEVICE, block_size=16)
+    visible = (block_mask.classes != 0).float().mean().item()
+    assert block_mask.density == visible and 0 < visible < 1  # short rows: density * Sk keys per row
     out, lse = twin.forward(q.detach(), k.detach(), v.detach(), mods=mods.values, block_mask=block_mask)
     want, want_lse = reference.attention(*(t.detach().double() for t in (q, k, v)), mask_mod=mask_mod)
     assert (out.double() - want).abs().max().item() < TOL[torch.float32]

@@ -34,6 +34,7 @@ class BlockMask:
     block_m: int
     block_n: int
     classes: torch.Tensor  # int8 [B', H', cdiv(Sq, block_m), cdiv(Sk, block_n)]: 0 empty, 1 partial, 2 full
+    density: float = 1.0  # the fraction of blocks that are not empty, at the build's blocks (read once, at the build)
 
     @property
     def shape(self) -> tuple:
@@ -136,7 +137,9 @@ def from_text(text: str, tensors: tuple, scalars: tuple, values: dict, B: int | 
         extra = host_values(ModArgs(tensors, scalars), values)
         module._block_classes[(qb, nh, nb)](classes, *classes.stride()[:3], Sq, Sk, kb, *extra,
                                            BLOCK_M=bm, BLOCK_N=bn)
-    return BlockMask(text, Sq, Sk, bm, bn, classes)
+    # one read of the device at the build (never in an attention call): [Note] Forward tiles in runtime/modded.py
+    density = float((classes != 0).float().mean()) if classes.numel() else 0.0
+    return BlockMask(text, Sq, Sk, bm, bn, classes, density)
 
 
 # [Note] Partial and full lists. A kernel visits the partial blocks of a row (query block, or key block for dK/dV)

@@ -72,3 +72,21 @@ def test_a_mask_without_b_or_h_is_evaluated_once_and_none_broadcasts():
     mask, _, _ = _per_head()
     with pytest.raises(ValueError, match="reads b; pass B"):
         create_block_mask(mask, None, 3, 64, 64, device=DEVICE)
+
+
+@pytest.mark.parametrize("case", ["document+causal", "per_head_tensor"])
+def test_the_forward_lists_end_with_each_b_rows_heaviest_first(case):
+    """[Note] Work order: entry 4n + 2 of the forward lists' flat rows (h' * QB + query block) of each b' is a
+    permutation of them, by descending work (3 per partial block, 2 per full one, 2 per row), ties ascending."""
+    torch.manual_seed(0)
+    mask, nb, nh = CASES[case]()
+    bm = create_block_mask(mask, nb, nh, 197, 150, device=DEVICE, block_size=32)
+    cls, lists, lists_t, gm, gn = bm.kernel_form(DEVICE, 32, 32)
+    b, h, qb, kb = cls.shape
+    assert lists.shape == (b, h, qb, 4 * kb + 3) and lists_t.shape == (b, h, kb, 4 * qb + 2)
+    work = (3 * (cls == 1).sum(-1) + 2 * (cls == 2).sum(-1) + 2).flatten(1).tolist()
+    for i in range(b):
+        order = lists[i, ..., 4 * kb + 2].flatten().tolist()
+        assert sorted(order) == list(range(h * qb))
+        assert order == sorted(range(h * qb), key=lambda r: (-work[i][r], r))
+    assert len(set(work[0])) > 2  # the rows differ: the order is not the identity by accident

@@ -38,6 +38,32 @@ def test_int_floor_division_and_remainder_follow_python_for_negative_operands():
     _check(mod)
 
 
+@pytest.mark.parametrize("den", [1, 2, 3, 4, 6, 7, 12, 64, 96, -1, -3, -8, 1000003, 2**31 - 1])
+def test_divisibility_by_a_uniform_int_is_python_s(den):
+    """`a % d == 0` / `!= 0` with d uniform over the tile (a closure int, h): _mod_divisible's inverse of d's odd part
+    ([Note] Cheaper forms), for dividends of both signs, int32's extremes and 0."""
+    g = torch.Generator().manual_seed(3)
+    vals = torch.randint(-2**31, 2**31, (SK,), dtype=torch.int64, generator=g)
+    vals[:8] = torch.tensor([-2**31, 2**31 - 1, 0, den, -den, 2 * den if abs(den) < 2**30 else 1, -1, 96 * 7 * 5])
+    vals = vals.to(torch.int32)
+
+    step = den if abs(den) < 2**20 else 5  # a stays inside int32 (the kernels' index arithmetic wraps there)
+
+    def mod(score, b, h, q_idx, kv_idx):
+        a = vals[kv_idx] // 4 + (q_idx - 3) * step
+        return score + (a % den == 0) * 1.0 + (vals[kv_idx] % den != 0) * 10.0 + ((q_idx - kv_idx) % (h + 2) == 0) * 100.0
+
+    traced = _check(mod)
+    assert "_mod_divisible" in emit.to_triton(traced.score_mod, _names(traced))
+
+
+def _names(traced):
+    names = {"score": "score", "b": "b", "h": "h", "q_idx": "q_idx", "kv_idx": "kv_idx"}
+    for name, v in traced.values.items():
+        names[name] = emit.TensorRef("t", ("s",), ("n",)) if torch.is_tensor(v) else "x"
+    return names
+
+
 def test_float_ops_where_clamp_minmax_match_torch():
     cap = 7.5
 

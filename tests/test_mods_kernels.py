@@ -66,6 +66,76 @@ def test_a_block_mask_with_a_builtin_mask_gqa_and_coarse_blocks(block):
     _check(q, k, v, do, mask="causal", mask_mod=mask_mod, block_mask=block_mask)
 
 
+@pytest.mark.parametrize("block", [16, 128])
+def test_a_block_mask_that_reads_b_and_h_walks_its_work_order_under_gqa(block):
+    """[Note] Work order: the forward's programs take (head, query block) items from the block mask's list, heaviest
+    first; a mask that reads b and h has one list per b over every (head, query block), and block 128 makes each
+    block-mask row several kernel tiles (the grid covers the rows' tiles, the last past Sq). The mask shows keys
+    past Sk: the partial blocks' loop hides them with the built-in mask's range check (MASKED != 0 in _fwd_mod)."""
+    q, k, v, do = _qkv(2, 4, 2, 70, 90)
+    starts = torch.tensor([[0, 30, 50, 10], [60, 5, 20, 40]], device=DEVICE)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return ((kv_idx >= starts[b, h]) & (q_idx - kv_idx <= 20)) | (kv_idx == h)  # true past Sk too
+
+    block_mask = fagen.create_block_mask(mask_mod, 2, 4, 70, 90, device=DEVICE, block_size=block)
+    assert block_mask.shape[:2] == (2, 4)
+    _check(q, k, v, do, mask_mod=mask_mod, block_mask=block_mask)
+    if block == 16:  # without a block mask: every block partial, the key bound only past the last whole tile
+        _check(q, k, v, do, mask_mod=mask_mod)
+
+
+def test_the_one_loop_forward_matches_the_reference():
+    """[Note] One forward loop: the module rendered with _FWD_FUSED True (partial then full blocks in one loop)
+    against the reference, with a built-in causal mask (bottom-right), GQA, partial and full blocks and lengths off
+    the blocks, with and without a block mask."""
+    from fagen.runtime.modded import module_for
+    from fagen.runtime.mods import prepare
+
+    q, k, v, _ = _qkv(1, 4, 2, 150, 170)
+    mask_mod = g.generate_doc_mask_mod(g.causal_mask, g.length_to_offsets([64, 3, 103], DEVICE))
+    mods = prepare(mask_mod=mask_mod)
+    module, _ = module_for(q, k, v, "causal", (), mods)
+    source = module.__loader__.get_source(module.__name__)
+    assert source.count("_FWD_FUSED = tl.constexpr(False)") == 1
+    fused = loader.load_source(source.replace("_FWD_FUSED = tl.constexpr(False)", "_FWD_FUSED = tl.constexpr(True)"),
+                               "fused_forward")
+    want, want_lse = reference.attention(*(t.detach().double() for t in (q, k, v)), mask="causal", mask_mod=mask_mod)
+    block_mask = fagen.create_block_mask(mask_mod, None, None, 150, 170, device=DEVICE, block_size=16)
+    assert set(block_mask.classes.unique().tolist()) == {0, 1, 2}
+    for bm in (block_mask, None):
+        out, lse = fused.forward(q.detach(), k.detach(), v.detach(), mods=mods.values, block_mask=bm)
+        assert (out.double() - want).abs().max().item() < TOL[torch.float32]
+        assert (lse.double() - want_lse).abs().max().item() < TOL[torch.float32]
+
+
+def test_the_forward_alone_takes_its_own_tiles_where_an_arch_lists_them(monkeypatch):
+    """[Note] Forward tiles: a MODDED_FWD_TILES entry gives the forward without gradient a forward-only twin at its
+    tiles (here a CPU stand-in for sm_90's), which matches the reference with a block mask and a captured tensor."""
+    from fagen.runtime import modded
+    from fagen.runtime.mods import prepare
+
+    q, k, v, _ = _qkv(1, 2, 2, 70, 70, d=128)  # the table's keys are for head_dim > 64
+    mask_mod = g.generate_doc_mask_mod(g.causal_mask, g.length_to_offsets([13, 30, 27], DEVICE))
+    mods = prepare(mask_mod=mask_mod)
+    module, _ = modded.module_for(q, k, v, "none", (), mods)
+    assert modded._forward_twin(module, mods.fields, True) is module  # no arch (the interpreter): its own forward
+    monkeypatch.setattr(modded, "gpu_arch", lambda: "sm_90")
+    monkeypatch.setitem(modded.MODDED_FWD_TILES, ("sm_90", "mask", True, True), {"block_m": 32, "block_n": 16})
+    monkeypatch.setitem(modded.MODDED_FWD_TILES, ("sm_90", "mask", True, False), {})
+    monkeypatch.setattr(modded, "_FORWARD", {})
+    assert modded._forward_twin(module, mods.fields, False).BLOCK_M == 64  # {}: the spec's tiles, direction fwd
+    twin = modded._forward_twin(module, mods.fields, True)
+    assert (twin.BLOCK_M, twin.BLOCK_N) == (32, 16) and twin.NAME.startswith("attn_fwd_")
+    block_mask = fagen.create_block_mask(mask_mod, None, None, 70, 70, device=DEVICE, block_size=16)
+    visible = (block_mask.classes != 0).float().mean().item()
+    assert block_mask.density == visible and 0 < visible < 1  # short rows: density * Sk keys per row
+    out, lse = twin.forward(q.detach(), k.detach(), v.detach(), mods=mods.values, block_mask=block_mask)
+    want, want_lse = reference.attention(*(t.detach().double() for t in (q, k, v)), mask_mod=mask_mod)
+    assert (out.double() - want).abs().max().item() < TOL[torch.float32]
+    assert (lse.double() - want_lse).abs().max().item() < TOL[torch.float32]
+
+
 def test_a_module_refuses_a_block_mask_built_for_other_keys():
     """The kernels read each list row up to its length from Sk: a block mask of another Sk (or a hand-made list
     of the wrong dtype) is one clear error at the module's entry, never a read past the lists."""

@@ -54,6 +54,21 @@ def _mod_index(i, size):
 TRITON_HELPERS = _SHARED.format(jit="triton.jit", ns="tl") + '''
 
 @triton.jit
+def _mod_divisible(a, d):
+    """a % d == 0 on ints, for d uniform over the tile and nonzero ([Note] Cheaper forms): the lowest set bit of |d|
+    and the inverse of its odd part mod 2**32 once, then per element a multiply and two compares, in uint32."""
+    du = tl.abs(d).to(tl.uint32, bitcast=True)
+    low = du & (0 - du)  # 2**k, the lowest set bit (uint32 wraps)
+    odd = du // low
+    inv = odd  # odd * odd = 1 mod 8: Newton's steps double the bits of the inverse, 3 -> 48
+    inv = inv * (2 - odd * inv)
+    inv = inv * (2 - odd * inv)
+    inv = inv * (2 - odd * inv)
+    inv = inv * (2 - odd * inv)
+    x = tl.abs(a).to(tl.uint32, bitcast=True)
+    return ((x & (low - 1)) == 0) & (x * inv <= (du * 0 - 1) // odd)  # x * inv wraps mod 2**32
+
+@triton.jit
 def _mod_tanh(x):
     """tanh from exp2, exact to fp32 rounding at both tails."""
     return 1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)  # 2 / ln 2
@@ -90,6 +105,12 @@ def _mod_sigmoid(x):
 #     subnormal d, whose reciprocal overflows, is outside the contract.
 #   - `a % d == 0` (and `!= 0`) on ints compares C's truncated remainder with 0: it is zero exactly when Python's
 #     floored one is, so the sign correction of _mod_floormod is not needed (a dilated window's `diff % dilation`).
+#     With d uniform over a tile (a closure int: no constant for the compiler to strength-reduce) Triton's form is
+#     _mod_divisible: |d| = 2**k * m with m odd, and |a| is a multiple of it when its low k bits are 0 and
+#     |a| * inv(m) mod 2**32 <= (2**32 - 1) // m (the multiples of m are exactly the |a| that the inverse maps below
+#     that bound). The inverse and bound are per tile; per element it is a multiply and two compares in place of
+#     an int division: sm_90 ptxas, the dilated window's partial loop at m64n64, 1021 -> 810 instructions. Gluon
+#     keeps C's remainder.
 def _uniform(n: ir.Node) -> bool:
     if isinstance(n, ir.Input):
         return n.name in ("b", "h")
@@ -185,6 +206,9 @@ def _emit(tree: ir.Node, names: dict, fl: _Flavour) -> str:
     def binary(n: ir.Binary) -> str:
         if n.op in ("==", "!=") and _int_mod_of_zero(n):  # [Note] Cheaper forms
             mod = n.a if isinstance(n.a, ir.Binary) else n.b
+            if fl is _TRITON and _uniform(mod.b):
+                test = f"_mod_divisible({as_type(mod.a, ir.INT)}, {as_type(mod.b, ir.INT)})"
+                return test if n.op == "==" else f"({test} == 0)"
             return f"(({as_type(mod.a, ir.INT)} % {as_type(mod.b, ir.INT)}) {n.op} 0)"
         if n.op in ir.COMPARE:
             common = ir.FLOAT if ir.FLOAT in (n.a.type, n.b.type) else ir.INT

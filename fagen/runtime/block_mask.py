@@ -34,6 +34,7 @@ class BlockMask:
     block_m: int
     block_n: int
     classes: torch.Tensor  # int8 [B', H', cdiv(Sq, block_m), cdiv(Sk, block_n)]: 0 empty, 1 partial, 2 full
+    density: float = 1.0  # the fraction of blocks that are not empty, at the build's blocks (read once, at the build)
 
     @property
     def shape(self) -> tuple:
@@ -136,7 +137,9 @@ def from_text(text: str, tensors: tuple, scalars: tuple, values: dict, B: int | 
         extra = host_values(ModArgs(tensors, scalars), values)
         module._block_classes[(qb, nh, nb)](classes, *classes.stride()[:3], Sq, Sk, kb, *extra,
                                            BLOCK_M=bm, BLOCK_N=bn)
-    return BlockMask(text, Sq, Sk, bm, bn, classes)
+    # one read of the device at the build (never in an attention call): [Note] Forward tiles in runtime/modded.py
+    density = float((classes != 0).float().mean()) if classes.numel() else 0.0
+    return BlockMask(text, Sq, Sk, bm, bn, classes, density)
 
 
 # [Note] Partial and full lists. A kernel visits the partial blocks of a row (query block, or key block for dK/dV)
@@ -146,6 +149,17 @@ def from_text(text: str, tensors: tuple, scalars: tuple, values: dict, B: int | 
 # A row of n blocks holds 4n + 2 int32: the partial blocks ascending (then padding), the full ones ascending (then
 # padding), the running count of partial blocks (n + 1 entries: before block j, for j = 0..n) and that of full
 # ones. A kernel whose built-in mask limits the row to blocks [a, b) takes entries count[a] .. count[b] of each.
+# The forward lists (query rows) hold one int32 more, 4n + 3: entry 4n + 2 of flat row r (r = h' * QB + query block,
+# for each b') is the r-th work item of [Note] Work order.
+#
+# [Note] Work order. A mask_mod's query blocks carry very different work (a document mask: 0 to 27 key blocks at
+# 128 x 64 tiles, 7 on average), and the plain kernels' launch order (each head's query blocks in reverse, head after
+# head) leaves a heavy block of the last heads for the tail of the grid. So the dense forward walks the (head,
+# query block) pairs heaviest first, across heads: the flat rows of each b' sorted by descending work (3 per partial
+# block, 2 per full block, 2 for the program itself; ties in ascending order), a list the kernel reads at its start
+# (_work_item in templates/triton/mods.j2). A block mask broadcast over h (H' = 1) lists query blocks and the heads
+# interleave (program p takes item p // H, head p % H). A greedy schedule of the bench's rows on 132 SMs (costs from
+# the block counts) puts the reverse launch order's makespan at 1.05-1.21x the ideal and this order's at 1.01-1.04x.
 def _kernel_form(self: BlockMask, device, min_m: int = 16, min_n: int = 16) -> tuple:
     """(classes, lists, transposed lists, block_m, block_n) as the generated kernels take them ([Note] Block
     classes, [Note] Partial and full lists), at blocks of at least min_m x min_n (the largest tiles of the kernels
@@ -156,7 +170,7 @@ def _kernel_form(self: BlockMask, device, min_m: int = 16, min_n: int = 16) -> t
     key = (bm.block_m, bm.block_n, str(device))
     memo = self.__dict__.setdefault("_forms", {})
     if key not in memo:
-        def lists(classes):  # [Note] Partial and full lists
+        def lists(classes, order=False):  # [Note] Partial and full lists
             parts = []
             for cls in (1, 2):
                 _, idx = _lists(torch.where(classes == cls, cls, 0).to(torch.int8))
@@ -164,11 +178,21 @@ def _kernel_form(self: BlockMask, device, min_m: int = 16, min_n: int = 16) -> t
             for cls in (1, 2):
                 count = torch.cumsum((classes == cls).to(torch.int32), -1, dtype=torch.int32)
                 parts.append(torch.nn.functional.pad(count, (1, 0)))
+            if order:
+                parts.append(work_order(classes))
             return torch.cat(parts, -1).to(device).contiguous()
 
-        memo[key] = (bm.classes.to(device).contiguous(), lists(bm.classes), lists(bm.classes.transpose(-1, -2)),
-                     bm.block_m, bm.block_n)
+        memo[key] = (bm.classes.to(device).contiguous(), lists(bm.classes, order=True),
+                     lists(bm.classes.transpose(-1, -2)), bm.block_m, bm.block_n)
     return memo[key]
+
+
+def work_order(classes: torch.Tensor) -> torch.Tensor:
+    """int32 [B', H', QB, 1]: flat row r (h' * QB + query block) holds the r-th heaviest flat row of its b'
+    ([Note] Work order)."""
+    work = (3 * (classes == 1).sum(-1) + 2 * (classes == 2).sum(-1) + 2).flatten(1)  # [B', H' * QB]
+    order = torch.argsort(work, dim=-1, descending=True, stable=True).to(torch.int32)
+    return order.view(*classes.shape[:3], 1)
 
 
 BlockMask.kernel_form = _kernel_form

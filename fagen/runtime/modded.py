@@ -54,6 +54,24 @@ MODDED_TILES: dict[tuple[str, str, bool], dict] = {
 }
 
 
+# [Note] Forward tiles. Without a gradient fagen.attention runs the forward alone, and a spec's tiles above are chosen
+# for forward and backward together (the backward's spills decided most keys). MODDED_FWD_TILES maps (arch, kind,
+# loads, short) to the launch fields of a forward-only twin of the modded spec (direction fwd), for a mask_mod (a
+# score_mod alone takes the gluon forward there, [Note] Hopper selection); a key without an entry keeps the spec's
+# own forward. short: the block mask leaves at most SHORT_ROW_KEYS keys per query row on average (its density, read
+# at its build, times Sk): such rows run a few key blocks per program, where two CTAs per SM hide each program's
+# start. scripts/gpu_mods_fwd.py times the forward of candidate tiles on the mask rows of `fagen bench --suite mods`.
+# H100, 2026-11-26 (docs/mods.md, "Forward on the H100"), rows at 7-16 key blocks of 128 per query block: the
+# document mask (reads tensors) 200 TF/s at m64n64w4s2 against 173 at its m128n64w8s2 (m64n64w4s3 spilled: 131);
+# the sliding window 311 at m64n64w4s3 against 286 at the plain m128n128w8s3, the dilated window 75 against 73;
+# prefix-LM, 34 blocks per row, 497 at the plain tiles against 446.
+SHORT_ROW_KEYS = 2560
+MODDED_FWD_TILES: dict[tuple[str, str, bool, bool], dict] = {
+    ("sm_90", "mask", True, True): {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2},  # document mask
+    ("sm_90", "mask", False, True): {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3},  # windows
+}
+
+
 def mods_class(fields: tuple) -> tuple[str, bool]:
     """(kind, loads) of a Mods' fields: MODDED_TILES's key after the arch."""
     return ("mask" if fields[1] is not None else "score"), bool(fields[2])
@@ -142,6 +160,9 @@ def attention(q, k, v, *, mask, scale, seqlens_q, seqlens_k, tree_mask, scores: 
             t.requires_grad for t in (q, k, v, *(mods.values[a.name] for a in args.tensors))):
         if packed is None and q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] >= hopper.MIN_WORK:
             module = _gluon_forward(module, q.device)  # [Note] Hopper selection (a score_mod: select_score_mods)
+        if mask_mod is not None:  # [Note] Forward tiles
+            short = block_mask is not None and block_mask.density * block_mask.seq_k <= SHORT_ROW_KEYS
+            module = _forward_twin(module, mods.fields, short)
         return module.forward(q, k, v, **kw)[0]  # no autograd node to build
     return module.attention(q, k, v, **kw)
 
@@ -156,6 +177,25 @@ def _gluon_forward(module: ModuleType, device) -> ModuleType:
         twin = hopper.mod_forward_spec(_SPECS[id(module)], device)
         _GLUON[key] = load(twin) if twin is not None else module
     return _GLUON[key]
+
+
+_FORWARD: dict[tuple[int, bool], ModuleType] = {}
+
+
+def _forward_twin(module: ModuleType, fields: tuple, short: bool) -> ModuleType:
+    """The forward-only module of `module`'s spec at MODDED_FWD_TILES' tiles for rows short or not ([Note] Forward
+    tiles), or `module`."""
+    hit = _FORWARD.get((id(module), short))
+    if hit is None:
+        spec = _SPECS[id(module)]
+        arch = gpu_arch()
+        tiles = MODDED_FWD_TILES.get((arch, *mods_class(fields), short)) if arch and spec.head_dim > 64 else None
+        hit = module
+        if tiles is not None:
+            given = {k: v for k, v in spec.to_dict().items() if k not in spec.defaulted}
+            hit = load(KernelSpec.from_dict({**given, **tiles, "direction": "fwd"}))
+        _FORWARD[(id(module), short)] = hit
+    return hit
 
 
 def _check_block_mask(bm, mods: Mods, device, batch: int, heads: int, sq: int, sk: int) -> None:

@@ -1047,28 +1047,28 @@ _OP = "fagen::" + __name__.rpartition(".")[2].replace("-", "_")
 @torch.library.custom_op(_OP + "_fwd", mutates_args=())
 def forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, seqlens_q: Optional[torch.Tensor],
                seqlens_k: Optional[torch.Tensor], tree: Optional[torch.Tensor], block_table: torch.Tensor,
-               num_splits: Optional[int] = DEFAULT_SPLITS) -> Tuple[torch.Tensor, torch.Tensor]:
+               num_splits: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     return _launch(q, k, v, scale, seqlens_q, seqlens_k, tree, block_table, num_splits=num_splits)
 
 
 @forward_op.register_fake
-def _forward_fake(q, k, v, scale, seqlens_q, seqlens_k, tree, block_table, num_splits=DEFAULT_SPLITS):
+def _forward_fake(q, k, v, scale, seqlens_q, seqlens_k, tree, block_table, num_splits=None):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op(_OP + "_fwd_out", mutates_args=("out", "lse"))
 def forward_out_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                    seqlens_q: Optional[torch.Tensor], seqlens_k: Optional[torch.Tensor], tree: Optional[torch.Tensor], block_table: torch.Tensor,
-                   out: torch.Tensor, lse: torch.Tensor, num_splits: Optional[int] = DEFAULT_SPLITS) -> None:
+                   out: torch.Tensor, lse: torch.Tensor, num_splits: Optional[int] = None) -> None:
     _launch(q, k, v, scale, seqlens_q, seqlens_k, tree, block_table, out=out, lse=lse, num_splits=num_splits)
 
 
 @forward_out_op.register_fake
-def _forward_out_fake(q, k, v, scale, seqlens_q, seqlens_k, tree, block_table, out, lse, num_splits=DEFAULT_SPLITS):
+def _forward_out_fake(q, k, v, scale, seqlens_q, seqlens_k, tree, block_table, out, lse, num_splits=None):
     return None
 
 
-def _call(q, k, v, scale, seqlens_q, seqlens_k, tree, block_table, out, lse, num_splits=DEFAULT_SPLITS):
+def _call(q, k, v, scale, seqlens_q, seqlens_k, tree, block_table, out, lse, num_splits=None):
     """Eager: launch directly. Under torch.compile: through the operators ([Note] Operators)."""
     if not torch.compiler.is_compiling():
         return _launch(q, k, v, scale, seqlens_q, seqlens_k, tree, block_table, out=out, lse=lse, num_splits=num_splits)

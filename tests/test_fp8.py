@@ -145,7 +145,7 @@ def test_transpose_v_is_v_with_keys_contiguous_and_tma_strides(sk):
     """Vt [B, Hkv, D, Sk]: equal to V transposed, unit key stride, every other stride a multiple of 16 bytes
     (TMA), and a view of Sk columns so that the descriptor zero-fills past Sk."""
     mod = fagen.load(fp8(gqa=2))
-    v = torch.randn(2, sk, 3, 128).to(E4M3).transpose(1, 2)  # [B, Hkv, Sk, D] with heads inside rows: any strides
+    v = torch.randn(2, sk, 3, 128).to(E4M3).to(DEVICE).transpose(1, 2)  # [B, Hkv, Sk, D], heads inside rows
     vt = mod.transpose_v(v)
     assert vt.shape == (2, 3, 128, sk) and vt.dtype is E4M3 and vt.stride(-1) == 1
     assert all(s % 16 == 0 for s in vt.stride()[:3]) and mod._tma_ready(vt)
@@ -300,9 +300,9 @@ def test_decode_steps_never_replay_a_kernel_built_for_the_other_scale_form(monke
     monkeypatch.setattr(m, "_launch_entry", replay)
     monkeypatch.setattr(m, "_STEPS", {})
     g = torch.Generator().manual_seed(5)
-    q = torch.randn(2, 4, 1, 32, generator=g).half()
-    k, v = (torch.randn(2, 2, 40, 32, generator=g).to(E4M3) for _ in range(2))
-    per_head = torch.tensor([0.5, 2.0])
+    q = torch.randn(2, 4, 1, 32, generator=g).half().to(DEVICE)
+    k, v = (torch.randn(2, 2, 40, 32, generator=g).to(E4M3).to(DEVICE) for _ in range(2))
+    per_head = torch.tensor([0.5, 2.0], device=DEVICE)
     for scales in (dict(k_scale=0.5, v_scale=2.0), dict(k_scale=per_head, v_scale=per_head),
                    dict(k_scale=0.5, v_scale=2.0), dict(k_scale=per_head, v_scale=per_head)):
         m.forward(q, k, v, **scales)

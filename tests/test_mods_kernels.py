@@ -119,6 +119,7 @@ def test_the_forward_alone_takes_its_own_tiles_where_an_arch_lists_them(monkeypa
     mask_mod = g.generate_doc_mask_mod(g.causal_mask, g.length_to_offsets([13, 30, 27], DEVICE))
     mods = prepare(mask_mod=mask_mod)
     module, _ = modded.module_for(q, k, v, "none", (), mods)
+    monkeypatch.setattr(modded, "gpu_arch", lambda: None)  # as the interpreter, also on a GPU machine
     assert modded._forward_twin(module, mods.fields, True) is module  # no arch (the interpreter): its own forward
     monkeypatch.setattr(modded, "gpu_arch", lambda: "sm_90")
     monkeypatch.setitem(modded.MODDED_FWD_TILES, ("sm_90", "mask", True, True), {"block_m": 32, "block_n": 16})

@@ -111,7 +111,7 @@ MOD_MUTANTS = (
            "built-in causal mask's alignment) instead of the row", tuple(Mask), "(offs_m[:, None])",
            "(offs_m[:, None] + len_k - len_q)", switches=("mask_mod",)),
     Mutant("block-mask-partial-as-full", "blocks the block mask cuts skip the mask_mod, as full ones do",
-           tuple(Mask), "UPCAST, TMA, 4)  # the partial blocks", "UPCAST, TMA, 0)  # the partial blocks",
+           tuple(Mask), "UPCAST, TMA, 2)  # the partial blocks", "UPCAST, TMA, 1)  # the partial blocks",
            switches=("mask_mod",)),
 )
 

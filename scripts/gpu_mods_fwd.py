@@ -16,11 +16,10 @@ Phases:
      directly (the same block mask), and fagen.create_block_mask's build time.
 
 Table columns:
-  mod     the bench row; kernel: "attention" (fagen.attention's choice), "one loop" (its module with partial and
-          full blocks in one loop: [Note] One forward loop), "unsorted" (its kernel without the work order: query
-          blocks in reverse, heads interleaved), "launch order" (its kernel walking the plain kernels' launch order:
-          each head's query blocks in reverse, head after head), "LPT 8 heads" (heaviest first within groups of 8
-          heads) or a candidate tile mXnYwWsS
+  mod     the bench row; kernel: "attention" (fagen.attention's choice), "unsorted" (its kernel without the work
+          order: query blocks in reverse, heads interleaved), "launch order" (its kernel walking the plain kernels'
+          launch order: each head's query blocks in reverse, head after head), "LPT 8 heads" (heaviest first within
+          groups of 8 heads) or a candidate tile mXnYwWsS
   ms      median milliseconds of one forward
   TF/s    useful TF/s: 4 * D per visible (q, kv) pair (counted from the elementwise mask, as the bench counts them)
   +mask   TF/s when the block mask is built on every call (its build time added), the attention row only
@@ -136,21 +135,6 @@ def unsorted(q, k, v, mm, bm):
     return module, mods, (cls, lists, lists_t, gm, gn)
 
 
-def fused(q, k, v, mm):
-    """fagen.attention's module for this mask_mod rendered with _FWD_FUSED True ([Note] One forward loop in
-    templates/triton/mods.j2): partial and full blocks in one loop."""
-    from fagen.runtime import loader
-    from fagen.runtime.modded import module_for
-    from fagen.runtime.mods import prepare
-
-    mods = prepare(mask_mod=mm)
-    module, _ = module_for(q, k, v, "none", (), mods)
-    source = module.__loader__.get_source(module.__name__)
-    flag = "_FWD_FUSED = tl.constexpr(False)"
-    assert source.count(flag) == 1, "no _FWD_FUSED switch in the module"
-    return loader.load_source(source.replace(flag, "_FWD_FUSED = tl.constexpr(True)"), "fused_" + module.NAME), mods
-
-
 def inputs(shape, seed=1):
     gen = torch.Generator(device="cpu").manual_seed(seed)
     return [torch.randn(shape.batch, shape.heads, shape.seq, shape.head_dim, generator=gen).to(DEVICE, shape.dtype)
@@ -188,12 +172,6 @@ def check_row(name, sm, mm, configs, small, tol) -> dict:
         out = fagen.attention(q, k, v, score_mod=sm, mask_mod=mm, block_mask=bm)
     res["attention"] = rel(out, want)
     if mm is not None:
-        try:
-            module, mods = fused(q, k, v, mm)
-            out, _ = module.forward(q, k, v, mods=mods.values, block_mask=bm)
-            res["one loop"] = rel(out, want)
-        except Exception as e:  # noqa: BLE001
-            res["one loop"] = f"no build: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:80]}"
         for config in configs:
             try:
                 module, mods = tile_module(small, sm, mm, config)
@@ -270,14 +248,6 @@ def main() -> int:
                 if mm is not None:
                     rec["kernels"]["attention"]["+mask TF/s"] = flops / (ms + rec["mask_ms"]) / 1e9
                     base_out = fagen.attention(q, k, v, mask_mod=mm, block_mask=bm)
-                    try:  # [Note] One forward loop: the same module rendered with _FWD_FUSED True
-                        module, mods = fused(q, k, v, mm)
-                        run = lambda: module.forward(q, k, v, mods=mods.values, block_mask=bm)  # noqa: E731
-                        run()
-                        ms = time_ms(run, a.rep_ms)
-                        rec["kernels"]["one loop"] = {"ms": ms, "TF/s": flops / ms / 1e9}
-                    except Exception as e:  # noqa: BLE001
-                        rec["kernels"]["one loop"] = {"error": f"{type(e).__name__}: {str(e)[:120]}"}
                     for label, chunk in (("launch order", 0), ("LPT 8 heads", 8)):
                         try:  # controls of the work order through a per-head block mask (no recompile)
                             module, mods, form = per_head_order(q, k, v, mm, bm, chunk)

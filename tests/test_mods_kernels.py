@@ -83,30 +83,6 @@ def test_a_block_mask_that_reads_b_and_h_walks_its_work_order_under_gqa(block):
     _check(q, k, v, do, mask_mod=mask_mod, block_mask=block_mask)
 
 
-def test_the_one_loop_forward_matches_the_reference():
-    """[Note] One forward loop: the module rendered with _FWD_FUSED True (partial then full blocks in one loop)
-    against the reference, with a built-in causal mask (bottom-right), GQA, partial and full blocks and lengths off
-    the blocks, with and without a block mask."""
-    from fagen.runtime.modded import module_for
-    from fagen.runtime.mods import prepare
-
-    q, k, v, _ = _qkv(1, 4, 2, 150, 170)
-    mask_mod = g.generate_doc_mask_mod(g.causal_mask, g.length_to_offsets([64, 3, 103], DEVICE))
-    mods = prepare(mask_mod=mask_mod)
-    module, _ = module_for(q, k, v, "causal", (), mods)
-    source = module.__loader__.get_source(module.__name__)
-    assert source.count("_FWD_FUSED = tl.constexpr(False)") == 1
-    fused = loader.load_source(source.replace("_FWD_FUSED = tl.constexpr(False)", "_FWD_FUSED = tl.constexpr(True)"),
-                               "fused_forward")
-    want, want_lse = reference.attention(*(t.detach().double() for t in (q, k, v)), mask="causal", mask_mod=mask_mod)
-    block_mask = fagen.create_block_mask(mask_mod, None, None, 150, 170, device=DEVICE, block_size=16)
-    assert set(block_mask.classes.unique().tolist()) == {0, 1, 2}
-    for bm in (block_mask, None):
-        out, lse = fused.forward(q.detach(), k.detach(), v.detach(), mods=mods.values, block_mask=bm)
-        assert (out.double() - want).abs().max().item() < TOL[torch.float32]
-        assert (lse.double() - want_lse).abs().max().item() < TOL[torch.float32]
-
-
 def test_the_forward_alone_takes_its_own_tiles_where_an_arch_lists_them(monkeypatch):
     """[Note] Forward tiles: a MODDED_FWD_TILES entry gives the forward without gradient a forward-only twin at its
     tiles (here a CPU stand-in for sm_90's), which matches the reference with a block mask and a captured tensor."""

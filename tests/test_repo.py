@@ -147,7 +147,7 @@ NO_JINJA_EXCEPTIONS: set[str] = set()
 # Switches measured slower on the H100 and taken out of the kernels users get (docs/hopper.md, "What left the
 # product"); the commit there brings each back for a measurement, never the product.
 EXPERIMENT_SWITCHES = ("PINGPONG", "V_LATE", "K_LATE", "O_VIA_Q", "KV_JOIN", "Q_STAGES", "BWD_HEAD_MAJOR",
-                       "BWD_DQ_PENDING", "BWD_DQ_SWIZZLE", "BWD_STAGES")
+                       "BWD_DQ_PENDING", "BWD_DQ_SWIZZLE", "BWD_STAGES", "_FWD_FUSED")
 LAB = ("scripts", "lab", "benchmarks")  # top-level folders of probes, run scripts and measurements
 
 

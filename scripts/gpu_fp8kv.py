@@ -26,7 +26,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-import traceback
 
 DRY = os.environ.get("GPU_FP8KV_DRY") == "1"
 if DRY:
@@ -35,7 +34,9 @@ if DRY:
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
+
+from gpu_rows import ROWS, T0, guarded, log, row  # noqa: E402
+from gpu_rows import bench as _bench  # noqa: E402
 
 import fagen  # noqa: E402
 from fagen.runtime.loader import load_source  # noqa: E402
@@ -50,35 +51,10 @@ D, DV = (48, 32) if DRY else (576, 512)  # MLA
 PAGE = 16 if DRY else 64
 FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 BUDGET_S = 60  # the optional rows (fp16 queries, tiles) start only before this
-ROWS: list[tuple] = []
-T0 = time.time()
-
-
-def log(msg: str) -> None:
-    print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
 
 
 def bench(fn) -> float:
-    if DRY:
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-    return do_bench(fn, warmup=25, rep=100)  # ms, median
-
-
-def row(section, case, impl, value, unit, ms, note=""):
-    ROWS.append((section, case, impl, "-" if value is None else f"{value:.1f} {unit}",
-                 "" if ms is None else f"{ms:.4f}", note))
-    log(" | ".join(ROWS[-1]))
-
-
-def guarded(section, case, impl, fn):
-    try:
-        return fn()
-    except Exception as e:  # noqa: BLE001 - a failure is a row, never the end of the run
-        row(section, case, impl, None, "", None, f"ERROR {type(e).__name__}: {str(e).splitlines()[0][:150]}")
-        traceback.print_exc(file=sys.stderr)
-        return None
+    return _bench(fn, DRY, warmup=25, rep=100)  # ms, median
 
 
 def patched(spec, old, new, tag):

@@ -31,7 +31,9 @@ if DRY:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
+
+from gpu_rows import T0, log  # noqa: E402
+from gpu_rows import bench as _bench  # noqa: E402
 
 import fagen  # noqa: E402
 from fagen.spec.axes import DType  # noqa: E402
@@ -48,20 +50,11 @@ CANDIDATES = {128: [(512, 32), (1024, 16), (512, 8)],
               512: [(512, 32), (512, 16), (1024, 16)]}
 if DRY:
     CANDIDATES = {32: [(16, 2)]}
-ROWS: list[tuple] = []
-T0 = time.time()
-
-
-def log(msg: str) -> None:
-    print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
+ROWS: list[tuple] = []  # (shape, mode, ms, cost, bits, note)
 
 
 def bench(fn) -> float:
-    if DRY:
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-    return do_bench(fn, warmup=5, rep=25, return_mode="median")  # ms
+    return _bench(fn, DRY, warmup=5, rep=25, return_mode="median")  # ms, median
 
 
 class Rule:

@@ -22,14 +22,15 @@ from __future__ import annotations
 import os
 import sys
 import time
-import traceback
 
 DRY = os.environ.get("GPU_MLA_DRY") == "1"
 if DRY:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
+
+from gpu_rows import ROWS, T0, guarded, log, row  # noqa: E402
+from gpu_rows import bench as _bench  # noqa: E402
 
 import fagen  # noqa: E402
 from fagen.spec.axes import DType  # noqa: E402
@@ -44,35 +45,10 @@ B = (lambda n: min(n, 2)) if DRY else (lambda n: n)
 H = (lambda n: min(n, 4)) if DRY else (lambda n: n)
 BUDGET_S = 120  # the optional rows (tiles, the dense cache) start only before this
 SCALE = 192 ** -0.5  # DeepSeek's softmax scale (qk_nope + qk_rope head dims)
-ROWS: list[tuple] = []
-T0 = time.time()
-
-
-def log(msg: str) -> None:
-    print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
 
 
 def bench(fn) -> float:
-    if DRY:
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-    return do_bench(fn, warmup=10, rep=60)  # ms, median
-
-
-def row(section, case, impl, value, unit, ms, note=""):
-    ROWS.append((section, case, impl, "-" if value is None else f"{value:.1f} {unit}",
-                 "" if ms is None else f"{ms:.4f}", note))
-    log(" | ".join(ROWS[-1]))
-
-
-def guarded(section, case, impl, fn):
-    try:
-        return fn()
-    except Exception as e:  # noqa: BLE001 - a failure is a row, never the end of the run
-        row(section, case, impl, None, "", None, f"ERROR {type(e).__name__}: {str(e).splitlines()[0][:150]}")
-        traceback.print_exc(file=sys.stderr)
-        return None
+    return _bench(fn, DRY, warmup=10, rep=60)  # ms, median
 
 
 def tiles_name(tiles):

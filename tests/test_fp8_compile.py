@@ -22,15 +22,14 @@ MODULES = {
 }
 
 _SCRIPT = r"""
-import json, os, re, subprocess, sys, tempfile
+import json, os, re, sys
 sys.path.insert(0, sys.argv[1])
-import torch, triton
+sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
+import torch
 import fagen
-from fagen.aot.nvcc import parse_resources
 from fagen.spec.kernel import KernelSpec
+from sm90 import ptxas
 
-bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-ptxas = os.environ.get("TRITON_PTXAS_PATH") or os.path.join(bin_dir, "ptxas")
 out = {}
 for key, fields in json.loads(sys.argv[2]).items():
     fields = dict(fields)
@@ -38,19 +37,10 @@ for key, fields in json.loads(sys.argv[2]).items():
     mod = fagen.load(KernelSpec(backend="gluon", **{"head_dim": 128, "dtype": "fp8_e4m3", **fields}))
     ck = mod.compile_for(out_dtype=out_dtype)
     ptx = ck.asm["ptx"]
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.ptx")
-        open(path, "w").write(ptx)
-        r = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", path + ".cubin"], capture_output=True, text=True)
-        sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", path + ".cubin"], capture_output=True,
-                              text=True).stdout
-    res = parse_resources(r.stdout + r.stderr)["_attn_fwd_hopper"]
+    resources, _, sass = ptxas(ptx, sass=True)
+    res = resources["_attn_fwd_hopper"]
     tk = mod.compile_transpose_for()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "t.ptx")
-        open(path, "w").write(tk.asm["ptx"])
-        rt = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", path + ".cubin"], capture_output=True, text=True)
-    tres = parse_resources(rt.stdout + rt.stderr)["_transpose_v_kernel"]
+    tres = ptxas(tk.asm["ptx"])[0]["_transpose_v_kernel"]
     out[key] = dict(transpose_spills=tres.spill_stores + tres.spill_loads, transpose_cubin=len(tk.asm["cubin"]),
                     shared=ck.metadata.shared, num_warps=ck.metadata.num_warps, regs=res.registers,
                     spills=res.spill_stores + res.spill_loads, stack=res.stack,

@@ -104,25 +104,19 @@ def test_the_module_checks_the_captured_values_before_the_device():
 
 
 _SCRIPT = r"""
-import json, os, subprocess, sys, tempfile
+import json, os, sys
 sys.path.insert(0, sys.argv[1])
-import triton
+sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
 import fagen
-from fagen.aot.nvcc import parse_resources
 from fagen.spec.kernel import KernelSpec
+from sm90 import ptxas
 
-ptxas = os.environ.get("TRITON_PTXAS_PATH") or os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
-                                                             "bin", "ptxas")
 out = {}
 for key, fields in json.loads(sys.argv[2]).items():
     mod = fagen.load(KernelSpec(backend="gluon", **{"head_dim": 128, "dtype": "bf16", **fields}))
     ck = mod.compile_for()
     ptx = ck.asm["ptx"]
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.ptx")
-        open(path, "w").write(ptx)
-        r = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", path + ".cubin"], capture_output=True, text=True)
-    res = parse_resources(r.stdout + r.stderr)["_attn_fwd_hopper"]
+    res = ptxas(ptx)[0]["_attn_fwd_hopper"]
     out[key] = dict(spills=res.spill_stores + res.spill_loads, stack=res.stack, shared=ck.metadata.shared,
                     tanh=ptx.count("tanh.approx.f32"), ldg=ptx.count("ld.global"), wgmma=ptx.count("wgmma.mma_async"))
 print("RESULT " + json.dumps(out))

@@ -48,47 +48,29 @@ def _gluon_hopper_missing():
 
 
 _SCRIPT = r"""
-import json, os, re, subprocess, sys, tempfile
+import json, os, re, sys
 sys.path.insert(0, sys.argv[1])
-import triton
+sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
 import fagen
-from fagen.aot.nvcc import parse_resources
 from fagen.spec.kernel import KernelSpec
+from sm90 import loops, ptxas
 
-def steps(ptx, per_step):
-    # Innermost PTX loops (label .. backward branch) that hold a whole consumer step (S and P V: per_step wgmma);
-    # the producer's loop is laid out in pieces (its back edge branches forward), so it is not counted.
-    lines = ptx.splitlines()
-    labels = {m.group(1): i for i, l in enumerate(lines) if (m := re.match(r"^(\$L__BB\d+_\d+):", l))}
-    regions = []
-    for j, l in enumerate(lines):
-        m = re.search(r"\bbra(?:\.uni)?\s+(\$L__BB\d+_\d+);", l)
-        if m and m.group(1) in labels and labels[m.group(1)] < j:
-            regions.append((labels[m.group(1)], j))
-    body = lambda r: "\n".join(lines[r[0]:r[1] + 1])
-    loops = [r for r in regions if body(r).count("wgmma.mma_async") >= per_step]
-    return [body(r) for r in loops if not any(o != r and r[0] <= o[0] and o[1] <= r[1] for o in loops)]
-
-ptxas = os.environ.get("TRITON_PTXAS_PATH") or os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
-                                                             "bin", "ptxas")
 out = {}
 for key, fields in json.loads(sys.argv[2]).items():
     mod = fagen.load(KernelSpec(backend="gluon", **{"head_dim": 128, "dtype": "bf16", **fields}))
     ck = mod.compile_for()
     ptx = ck.asm["ptx"]
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.ptx")
-        open(path, "w").write(ptx)
-        r = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", path + ".cubin"], capture_output=True, text=True)
-    res = parse_resources(r.stdout + r.stderr)["_attn_fwd_hopper"]
-    loops = steps(ptx, (mod.HEAD_DIM + mod.BLOCK_N) // 16)
+    res = ptxas(ptx)[0]["_attn_fwd_hopper"]
+    # innermost loops that hold a whole consumer step (S and P V: (D + N) / 16 wgmma); the producer's loop is laid
+    # out in pieces (its back edge branches forward), so it is not counted
+    steps = loops(ptx, (mod.HEAD_DIM + mod.BLOCK_N) // 16, innermost=True)
     out[key] = dict(shared=ck.metadata.shared, num_warps=ck.metadata.num_warps, cubin=len(ck.asm["cubin"]),
                     wgmma=ptx.count("wgmma.mma_async"), tma=ptx.count("cp.async.bulk.tensor"),
                     tanh=ptx.count("tanh.approx.f32"),
                     setmaxnreg=sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
-                    spills=res.spill_stores + res.spill_loads, stack=res.stack, step_loops=len(loops),
+                    spills=res.spill_stores + res.spill_loads, stack=res.stack, step_loops=len(steps),
                     step=[dict(bar_sync=len(re.findall(r"\b(?:bar|barrier)\.sync\b", s)),
-                               arrive=s.count("mbarrier.arrive"), wait=s.count("mbarrier.try_wait")) for s in loops])
+                               arrive=s.count("mbarrier.arrive"), wait=s.count("mbarrier.try_wait")) for s in steps])
 print("RESULT " + json.dumps(out))
 """
 

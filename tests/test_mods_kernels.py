@@ -277,18 +277,17 @@ def test_each_mod_mutant_is_caught(name):
 
 
 _BWD_SM90 = r"""
-import json, os, re, subprocess, sys, tempfile
+import json, os, sys
 sys.path.insert(0, sys.argv[1])
+sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
 import torch
-import triton
 from fagen.aot.artifacts import _compile_kernel, _compiled_mode, import_for_compile
 from fagen.bench import gym_mods as g
 from fagen.runtime.modded import modded_spec
 from fagen.runtime.mods import prepare
 from fagen.spec.kernel import KernelSpec
+from sm90 import loops, ptxas
 
-ptxas = os.environ.get("TRITON_PTXAS_PATH") or os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
-                                                             "bin", "ptxas")
 mods = {"alibi": g.generate_alibi_bias(16), "relbias": g.generate_relative_bias(torch.zeros(16, 511), 256)}
 base = KernelSpec(head_dim=128, dtype="bf16", direction="bwd", mask="none")
 out = {}
@@ -301,18 +300,8 @@ for key in json.loads(sys.argv[2]):
     with _compiled_mode():
         ptx, _, record = _compile_kernel(spec, "sm_90", entry)
     ptx = ptx.decode()
-    lines = ptx.splitlines()
-    labels = {m.group(1): i for i, l in enumerate(lines) if (m := re.match(r"^(\$L__BB\d+_\d+):", l))}
-    loops = 0
-    for j, l in enumerate(lines):
-        m = re.search(r"\bbra(?:\.uni)?\s+(\$L__BB\d+_\d+);", l)
-        if m and m.group(1) in labels and labels[m.group(1)] < j:
-            loops += "wgmma.mma_async" in "\n".join(lines[labels[m.group(1)]:j])
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.ptx")
-        open(path, "w").write(ptx)
-        r = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", path + ".cubin"], capture_output=True, text=True)
-    out[key] = dict(loops=loops, serialized="wgmma.mma_async instructions are serialized" in r.stdout + r.stderr,
+    log = ptxas(ptx)[1]
+    out[key] = dict(loops=len(loops(ptx)), serialized="wgmma.mma_async instructions are serialized" in log,
                     spills=record["spills"])
 print("RESULT " + json.dumps(out))
 """

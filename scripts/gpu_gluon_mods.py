@@ -21,6 +21,8 @@ import traceback
 
 import torch
 
+from gpu_rows import CHECKS, T0, check, log
+
 import fagen
 from fagen.runtime.mods import prepare
 from fagen.spec.axes import DType
@@ -32,24 +34,7 @@ os.environ.setdefault("FAGEN_HOPPER", "1")
 B, H, D, S_CHECK, S_TIME = 1, 16, 128, 4096, 8192
 DT = torch.bfloat16
 TOL = TOLERANCE[DType.BF16]
-T0 = time.time()
-CHECKS: list[tuple[str, bool, str]] = []
 ROWS: list[dict] = []
-
-
-def log(msg: str) -> None:
-    print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
-
-
-def check(name: str, fn) -> None:
-    try:
-        note = fn()
-        CHECKS.append((name, True, note or ""))
-        print(f"PASS {name} {note or ''}", flush=True)
-    except Exception as e:  # noqa: BLE001
-        CHECKS.append((name, False, str(e).splitlines()[0][:200] if str(e) else type(e).__name__))
-        print(f"FAIL {name}: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}", flush=True)
-        traceback.print_exc(file=sys.stderr)
 
 
 def mods_of(seq: int, gen) -> dict:

@@ -26,6 +26,9 @@ if DRY:
 
 import torch  # noqa: E402
 
+from gpu_rows import CHECKS, T0, check, log  # noqa: E402
+from gpu_rows import bench as _bench  # noqa: E402
+
 import fagen  # noqa: E402
 from fagen.spec.axes import DType  # noqa: E402
 from fagen.verify import reference  # noqa: E402
@@ -41,35 +44,10 @@ HKV, GQA = (1, 2) if DRY else (4, 4)
 HQ = HKV * GQA
 L = (lambda n: max(1, n // 64)) if DRY else (lambda n: n)  # sequence lengths
 ROWS: list[dict] = []
-CHECKS: list[tuple[str, bool, str]] = []
-T0 = time.time()
-
-
-def log(msg: str) -> None:
-    print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
 
 
 def bench(fn) -> float:
-    """Milliseconds per call (median); one untimed call on the interpreter."""
-    if DRY:
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-    from triton.testing import do_bench
-
-    return do_bench(fn, warmup=10, rep=100)
-
-
-def check(name: str, fn) -> None:
-    """Run one comparison against the reference; a failure is a FAIL line with its first line, never a stop."""
-    try:
-        note = fn()
-        CHECKS.append((name, True, note or ""))
-        print(f"PASS {name} {note or ''}", flush=True)
-    except Exception as e:  # noqa: BLE001
-        CHECKS.append((name, False, str(e).splitlines()[0][:200]))
-        print(f"FAIL {name}: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
-        traceback.print_exc(file=sys.stderr)
+    return _bench(fn, DRY, warmup=10, rep=100)  # ms, median; one untimed call on the interpreter
 
 
 def timed(path: str, case: str, mods_ms, plain_ms) -> None:

@@ -1,6 +1,7 @@
-"""The frame the GPU check scripts share (gpu_fp8kv.py, gpu_mla.py, gpu_invariant.py): a clock since import, log
-lines that carry it, one timing call (triton's do_bench on a GPU; one untimed call on the CPU interpreter of a dry
-run), and the six-column rows of gpu_fp8kv.py and gpu_mla.py, where a failure is a row, never the end of the run."""
+"""The frame the GPU check scripts share (gpu_fp8kv, gpu_mla, gpu_invariant, gpu_gluon_mods, gpu_mods_layouts): a
+clock since import, log lines that carry it, one timing call (triton's do_bench on a GPU; one untimed call on the
+CPU interpreter of a dry run), the six-column rows of gpu_fp8kv and gpu_mla, and the PASS/FAIL checks of
+gpu_gluon_mods and gpu_mods_layouts; a failure is a row or a FAIL line, never the end of the run."""
 from __future__ import annotations
 
 import sys
@@ -39,3 +40,20 @@ def guarded(section, case, impl, fn):
         row(section, case, impl, None, "", None, f"ERROR {type(e).__name__}: {str(e).splitlines()[0][:150]}")
         traceback.print_exc(file=sys.stderr)
         return None
+
+
+CHECKS: list[tuple[str, bool, str]] = []  # (name, passed, note) of check()
+
+
+def check(name: str, fn) -> None:
+    """Run one comparison against the reference: a PASS line with fn's note, or a FAIL line with the error's first
+    line (and its traceback on stderr), never the end of the run."""
+    try:
+        note = fn()
+        CHECKS.append((name, True, note or ""))
+        print(f"PASS {name} {note or ''}", flush=True)
+    except Exception as e:  # noqa: BLE001
+        first = (str(e).splitlines() or [""])[0][:200]
+        CHECKS.append((name, False, first or type(e).__name__))
+        print(f"FAIL {name}: {type(e).__name__}: {first}", flush=True)
+        traceback.print_exc(file=sys.stderr)

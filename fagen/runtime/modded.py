@@ -25,7 +25,7 @@ from fagen.spec.kernel import KernelSpec, SpecError
 from fagen.spec.tuned import DEFAULT_ARCH
 
 _MODULES: dict[tuple, tuple[ModuleType, ModArgs]] = {}
-_SPECS: dict[int, KernelSpec] = {}  # id(module) -> its spec (the gluon forward's twin is made from it)
+_SPECS: dict[ModuleType, KernelSpec] = {}  # module -> its spec (the forward twins are made from it)
 
 # [Note] Modded tiles. A mod's loads of captured tensors are [BLOCK_M, BLOCK_N] gathers inside the key loop, and
 # Triton's software pipeliner stages them in shared memory like K and V. With the plain d128 bf16 tiles
@@ -117,7 +117,7 @@ def module_for(q, k, v, mask, switches: tuple[str, ...], mods: Mods,
     except SpecError as e:
         raise AttentionError(f"no kernel for these mods: {e}") from None
     module = load(spec)
-    _SPECS[id(module)] = spec
+    _SPECS[module] = spec
     hit = _MODULES[key] = (module, ModArgs(tuple(ModTensor(*t) for t in tensors),
                                            tuple(ModScalar(*s) for s in scalars)))
     return hit
@@ -172,29 +172,29 @@ _GLUON: dict[tuple, ModuleType] = {}
 
 def _gluon_forward(module: ModuleType, device) -> ModuleType:
     """The gluon modded forward that serves `module`'s spec on `device` where hopper.mod_forward_spec picks one."""
-    key = (id(module), device)
+    key = (module, device)
     if key not in _GLUON:
-        twin = hopper.mod_forward_spec(_SPECS[id(module)], device)
+        twin = hopper.mod_forward_spec(_SPECS[module], device)
         _GLUON[key] = load(twin) if twin is not None else module
     return _GLUON[key]
 
 
-_FORWARD: dict[tuple[int, bool], ModuleType] = {}
+_FORWARD: dict[tuple[ModuleType, bool], ModuleType] = {}
 
 
 def _forward_twin(module: ModuleType, fields: tuple, short: bool) -> ModuleType:
     """The forward-only module of `module`'s spec at MODDED_FWD_TILES' tiles for rows short or not ([Note] Forward
     tiles), or `module`."""
-    hit = _FORWARD.get((id(module), short))
+    hit = _FORWARD.get((module, short))
     if hit is None:
-        spec = _SPECS[id(module)]
+        spec = _SPECS[module]
         arch = gpu_arch()
         tiles = MODDED_FWD_TILES.get((arch, *mods_class(fields), short)) if arch and spec.head_dim > 64 else None
         hit = module
         if tiles is not None:
             given = {k: v for k, v in spec.to_dict().items() if k not in spec.defaulted}
             hit = load(KernelSpec.from_dict({**given, **tiles, "direction": "fwd"}))
-        _FORWARD[(id(module), short)] = hit
+        _FORWARD[(module, short)] = hit
     return hit
 
 

@@ -31,7 +31,7 @@ import functools
 import os
 
 from fagen.backends import GLUON
-from fagen.spec.axes import Backend, DType
+from fagen.spec.axes import Backend, DType, SpecError
 from fagen.spec.kernel import KernelSpec
 
 ENV = "FAGEN_HOPPER"
@@ -99,7 +99,6 @@ def forward_spec(spec: KernelSpec, device) -> KernelSpec | None:
     return gluon_twin(case)
 
 
-
 def mod_forward_spec(spec: KernelSpec, device) -> KernelSpec | None:
     """The gluon spec that should serve a modded (Triton) spec's forward on `device`, or None: keep `spec`. Only a
     score_mod without a mask_mod, on the dense layout ([Note] Gluon selection rule: select_score_mods)."""
@@ -109,7 +108,7 @@ def mod_forward_spec(spec: KernelSpec, device) -> KernelSpec | None:
         twin = KernelSpec(head_dim=spec.head_dim, mask=spec.mask, gqa=spec.gqa, dtype=spec.dtype,
                           backend=Backend.GLUON, score_mod=spec.score_mod, mod_tensors=spec.mod_tensors,
                           mod_scalars=spec.mod_scalars)
-    except Exception:  # a case the gluon forward does not take (head_dim, mask, dtype): keep the Triton one
+    except SpecError:  # a case the gluon forward does not take (head_dim, mask, dtype): keep the Triton one
         return None
     if not (enabled() and selected(twin) and is_hopper(device) and gluon_missing() is None):
         return None

@@ -83,10 +83,18 @@ def spec_for(q, k, v, *, mask: Mask | str = "none", switches: tuple[str, ...] = 
     except ValueError:
         raise AttentionError(f"mask: got {mask!r}; must be one of " + ", ".join(map(repr, Mask.choices()))) from None
     try:
-        return KernelSpec(head_dim=q.shape[-1], head_dim_v=v.shape[-1], mask=mask, gqa=hq // hkv, dtype=_DTYPES[q.dtype],
-                          direction=Direction.BWD, layout=layout, **{name: True for name in switches})
+        return _bwd_spec(q.shape[-1], v.shape[-1], mask, hq // hkv, _DTYPES[q.dtype], layout, tuple(switches))
     except SpecError as e:
         raise AttentionError(f"no kernel for these inputs: {e}") from None
+
+
+@functools.lru_cache(maxsize=1024)
+def _bwd_spec(head_dim: int, head_dim_v: int, mask: Mask, gqa: int, dtype, layout: Layout,
+              switches: tuple[str, ...]) -> KernelSpec:
+    """spec_for's spec, built (validated, tiles resolved) once per input kind: the modded path calls spec_for on
+    every call to check its inputs, and a KernelSpec's validation is most of a warm call's host time."""
+    return KernelSpec(head_dim=head_dim, head_dim_v=head_dim_v, mask=mask, gqa=gqa, dtype=dtype,
+                      direction=Direction.BWD, layout=layout, **{name: True for name in switches})
 
 
 @functools.lru_cache(maxsize=None)

@@ -123,13 +123,16 @@ class ModCode:
 
     def __init__(self, spec) -> None:
         from fagen.mods.grad import d_score
+        from fagen.mods.simplify import simplify
         from fagen.mods.text import parse
 
         self.args = ModArgs(tuple(ModTensor(*t) for t in spec.mod_tensors),
                             tuple(ModScalar(*s) for s in spec.mod_scalars))
         decls = (self.args.tensors, self.args.scalars)
-        self.score_tree = parse(spec.score_mod, "score_mod", *decls) if spec.score_mod is not None else None
-        self.mask_tree = parse(spec.mask_mod, "mask_mod", *decls) if spec.mask_mod is not None else None
+        # the kernels compute the trees as [Note] Mask algebra rewrites them (fagen/mods/simplify.py): the same
+        # values with fewer loads; rewritten here, before the loops' invariant parts are hoisted out of them
+        self.score_tree = simplify(parse(spec.score_mod, "score_mod", *decls)) if spec.score_mod is not None else None
+        self.mask_tree = simplify(parse(spec.mask_mod, "mask_mod", *decls)) if spec.mask_mod is not None else None
         self.dscore_tree = d_score(self.score_tree) if self.score_tree is not None else None
         self.gluon = str(spec.backend) == "gluon"
         self.helpers = GLUON_HELPERS if self.gluon else TRITON_HELPERS

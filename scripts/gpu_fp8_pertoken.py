@@ -1,0 +1,259 @@
+"""GPU checks and timings of per-token fp8 scales for the KV cache (README "fp8 KV cache", docs/serving.md
+"Per-token scales", issue 27: MLA's latent cache in fp8 with one scale per token, as FlashMLA's fp8 variant and
+vLLM's fp8_ds_mla take it).
+
+    PYTHONPATH=$PWD python3 scripts/gpu_fp8_pertoken.py                # about 1.5 minutes on an H100; one table
+    GPU_FP8_PERTOKEN_DRY=1 PYTHONPATH=$PWD python3 scripts/gpu_fp8_pertoken.py   # the CPU interpreter, tiny shapes
+
+Writes one file, $OUT/gpu_fp8_pertoken.md (when OUT is set).
+
+1. Checks against the float64 reference on the dequantized cache (x.double() * scale of its token): MLA 576/512
+   e4m3 and e5m2, paged (page 64) and dense, Sq 1 and 2, scales log-uniform in [1/8, 8]; then one shape called with
+   per-tensor, per-token, per-head and per-token scales in turn (the decode steps must not replay one form's kernel
+   for another: [Note] Decode steps); a CUDA graph of plan(...).run with per-token scales, replayed after the
+   scales change in place; a d128 h32/8 cache with separate k and v per-token scales. A wrong-token check: the
+   reference with the scales shifted by one token must be far from the kernel's result.
+2. Timing, MLA decode Hq 16 Sq 1 page 64 (causal, the split rule) at b32/b128 x kv 4k/32k: the bf16 cache, fp8
+   e4m3 per tensor, fp8 e4m3 per token. GB/s of the bytes actually read (cache 2 or 1 bytes an element, per-token
+   scales 4 bytes a token, q and out) and % of copy bandwidth; each row checked (the last sequence) first.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+DRY = os.environ.get("GPU_FP8_PERTOKEN_DRY") == "1"
+if DRY:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from gpu_rows import ROWS, T0, guarded, log, row  # noqa: E402
+from gpu_rows import bench as _bench  # noqa: E402
+
+import fagen  # noqa: E402
+from fagen.verify import reference  # noqa: E402
+from fagen.verify.tolerances import LSE_TOLERANCE, TOLERANCE, compare  # noqa: E402
+
+DEV = "cpu" if DRY else "cuda"
+S = (lambda n: max(40, n // 512)) if DRY else (lambda n: n)
+B = (lambda n: min(n, 2)) if DRY else (lambda n: n)
+D, DV = (48, 32) if DRY else (576, 512)  # MLA
+PAGE = 16 if DRY else 64
+FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+TILE = dict(block_n=16) if DRY else {}
+
+
+def bench(fn) -> float:
+    return _bench(fn, DRY, warmup=25, rep=100)  # ms, median
+
+
+def copy_bandwidth() -> float:
+    x = torch.empty(1 << (20 if DRY else 30), dtype=torch.uint8, device=DEV)
+    y = torch.empty_like(x)
+    ms = bench(lambda: y.copy_(x))
+    return 2 * x.numel() / ms / 1e6
+
+
+def mla_spec(kv, layout="paged", mask="causal", gqa=16):
+    return fagen.KernelSpec(head_dim=D, head_dim_v=DV, shared_kv=True, kind="decode", gqa=gqa, dtype="bf16",
+                            mask=mask, layout=layout, kv_dtype=kv, **TILE)
+
+
+def log_uniform(shape, gen):
+    """Scales from 1/8 to 8, log-uniform: never all ones, far from 1 on most tokens."""
+    return torch.exp2(torch.rand(shape, device=DEV, generator=gen) * 6 - 3)
+
+
+def mla_inputs(kv, b, hq, sq, n, layout, seed=0):
+    """q, an fp8 (or bf16) latent cache with its per-token scales, the layout's keywords, and a function giving
+    sequence i's float64 keys [1, 1, n, D] dequantized with given scales (the cache's own by default)."""
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    q = torch.randn(b, hq, sq, D, device=DEV, generator=gen).bfloat16()
+    dtype = FP8[kv] if kv else torch.bfloat16
+    if layout == "dense":
+        cache = torch.randn(b, 1, n, D, device=DEV, generator=gen).to(dtype)
+        scales = log_uniform((b, 1, n), gen)
+        lkw = {}
+
+        def keys(i, s=None):
+            s = scales if s is None else s
+            return cache[i:i + 1].double() * s[i:i + 1].double()[..., None]
+        return q, cache, scales, lkw, keys
+    pages = -(-n // PAGE)
+    cache = torch.randn(b * pages, PAGE, 1, D, device=DEV, generator=gen).to(dtype)
+    scales = log_uniform((b * pages, PAGE, 1), gen)
+    table = torch.randperm(b * pages, device=DEV, generator=gen).to(torch.int32).view(b, pages)
+    lens = torch.full((b,), n, dtype=torch.int32, device=DEV)
+
+    def keys(i, s=None):
+        s = scales if s is None else s
+        rows = cache[table[i].long()].double() * s[table[i].long()].double()[..., None]  # [pages, PAGE, 1, D]
+        return rows.reshape(-1, 1, D)[:n].transpose(0, 1)[None]
+    return q, cache, scales, dict(block_table=table, seqlens_k=lens), keys
+
+
+def check_rows(out, lse, q, keys, mask, which, scales=None):
+    """Sequences `which` against the reference on their dequantized keys; the largest out error."""
+    worst = 0.0
+    for i in which:
+        want, want_lse = reference.attention(q[i:i + 1].double(), keys(i, scales), None, head_dim_v=DV, mask=mask)
+        worst = max(worst, compare(f"out {i}", out[i:i + 1], want, **TOLERANCE["bf16"]))
+        compare(f"lse {i}", lse[i:i + 1], want_lse, **LSE_TOLERANCE)
+    return worst
+
+
+def mla_checks():
+    for kv, layout, sq in (("fp8_e4m3", "paged", 1), ("fp8_e4m3", "paged", 2), ("fp8_e5m2", "paged", 2),
+                           ("fp8_e4m3", "dense", 2), ("fp8_e5m2", "dense", 1)):
+        n = S(1000) + 37  # not a multiple of the key block or the page
+        case = f"{kv} {layout} b3 h16 sq{sq} kv{n}"
+
+        def run():
+            m = fagen.load(mla_spec(kv, layout))
+            q, cache, scales, lkw, keys = mla_inputs(kv, 3, 16, sq, n, layout)
+            out, lse = m.forward(q, cache, None, k_scale=scales, **lkw)
+            err = check_rows(out, lse, q, keys, "causal", range(3))
+            shifted = torch.roll(scales, 1, dims=2 if layout == "dense" else 1)  # each token takes its neighbour's
+            try:
+                check_rows(out, lse, q, keys, "causal", range(1), shifted)
+                note = "NOT DISCRIMINATING: the shifted scales pass too"
+            except AssertionError:
+                note = "the shifted scales fail, as they must"
+            row("check", case, "per-token k_scale", None, "", None, f"ok, err {err:.1e}; {note}")
+        guarded("check", case, "per-token k_scale", run)
+    case = f"fp8_e4m3 paged b3 h16 sq2 kv{S(700)}"
+
+    def forms():  # one shape, the scale forms in turn: each step key holds its form ([Note] Decode steps)
+        m = fagen.load(mla_spec("fp8_e4m3"))
+        q, cache, scales, lkw, keys = mla_inputs("fp8_e4m3", 3, 16, 2, S(700), "paged", seed=1)
+        errs = []
+        for form in (0.7, scales, torch.tensor([1.3], device=DEV), scales, 0.7):
+            out, lse = m.forward(q, cache, None, k_scale=form, **lkw)
+            if isinstance(form, torch.Tensor) and form.dim() == 3:
+                errs.append(check_rows(out, lse, q, keys, "causal", range(3)))
+            else:
+                full = form if isinstance(form, float) else float(form)
+                errs.append(check_rows(out, lse, q, keys, "causal", range(3), torch.full_like(scales, full)))
+        row("check", case, "forms 0.7, token, [1.3], token, 0.7", None, "", None,
+            "ok; errs " + ", ".join(f"{e:.1e}" for e in errs))
+    guarded("check", case, "scale forms", forms)
+    case = f"fp8_e4m3 paged b4 h16 sq1 kv{S(900)} CUDA graph"
+
+    def graph():
+        m = fagen.load(mla_spec("fp8_e4m3"))
+        q, cache, scales, lkw, keys = mla_inputs("fp8_e4m3", 4, 16, 1, S(900), "paged", seed=2)
+        p = m.plan(4, 16, 1, lkw["block_table"].shape[1] * PAGE, device=DEV)
+        out, lse = m.forward(q, cache, None, k_scale=scales, **lkw)
+        if DRY:
+            o, l_ = p.run(q, cache, None, k_scale=scales, **lkw)
+            err = max(check_rows(out, lse, q, keys, "causal", range(4)), check_rows(o, l_, q, keys, "causal", range(4)))
+            row("check", case, "forward, plan.run (no graph on the CPU)", None, "", None, f"ok, err {err:.1e}")
+            return
+        o, l_ = torch.empty_like(out), torch.empty_like(lse)
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            p.run(q, cache, None, k_scale=scales, out=o, lse=l_, **lkw)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            p.run(q, cache, None, k_scale=scales, out=o, lse=l_, **lkw)
+        scales.mul_(0.5).add_(0.1)  # new scales in place: the graph must read them
+        g.replay()
+        torch.cuda.synchronize()
+        err = check_rows(o, l_, q, keys, "causal", range(4))
+        row("check", case, "graph of plan.run, scales changed in place", None, "", None, f"ok, err {err:.1e}")
+    guarded("check", case, "CUDA graph", graph)
+    case = f"d128 h32/8 fp8_e4m3 b3 kv{S(1000) + 37} dense and paged"
+
+    def separate():  # a cache with its own v: k and v per-token scales apart, and k per token with v per head
+        n, errs = S(1000) + 37, []
+        for layout in ("dense", "paged"):
+            spec = fagen.KernelSpec(head_dim=128, gqa=4, dtype="bf16", kind="decode", kv_dtype="fp8_e4m3",
+                                    mask="causal", layout=layout, **TILE)
+            m = fagen.load(spec)
+            gen = torch.Generator(device=DEV).manual_seed(4)
+            q = torch.randn(3, 32, 1, 128, device=DEV, generator=gen).bfloat16()
+            k, v = (torch.randn(3, 8, n, 128, device=DEV, generator=gen).to(FP8["fp8_e4m3"]) for _ in range(2))
+            ks, vs = log_uniform((3, 8, n), gen), log_uniform((3, 8, n), gen)
+            head = log_uniform((8,), gen)
+            for v_form in (vs, head):
+                want, want_lse = reference.attention(q.double(), k.double() * ks.double()[..., None],
+                                                     v.double() * (vs.double()[..., None] if v_form is vs
+                                                                   else head.double()[None, :, None, None]),
+                                                     mask="causal")
+                if layout == "dense":
+                    out, lse = m.forward(q, k, v, k_scale=ks, v_scale=v_form)
+                else:  # pages of PAGE keys in order, one sequence after another; scales as [pages, PAGE, Hkv]
+                    pages = -(-n // PAGE)
+                    pad = pages * PAGE - n
+
+                    def paged(t):
+                        t = torch.nn.functional.pad(t, (0, 0, 0, pad)) if t.dim() == 4 else \
+                            torch.nn.functional.pad(t, (0, pad))
+                        return t.view(3, 8, pages, PAGE, *t.shape[3:]).transpose(1, 2).transpose(2, 3) \
+                            .reshape(3 * pages, PAGE, 8, *t.shape[3:])
+                    kc, vc = paged(k.view(torch.uint8)).view(k.dtype), paged(v.view(torch.uint8)).view(v.dtype)
+                    table = torch.arange(3 * pages, device=DEV, dtype=torch.int32).view(3, pages)
+                    lens = torch.full((3,), n, dtype=torch.int32, device=DEV)
+                    out, lse = m.forward(q, kc, vc, block_table=table, seqlens_k=lens, k_scale=paged(ks),
+                                         v_scale=paged(vs) if v_form is vs else head)
+                errs.append(compare("out", out, want, **TOLERANCE["bf16"]))
+                compare("lse", lse, want_lse, **LSE_TOLERANCE)
+        row("check", case, "k per token; v per token, per head", None, "", None,
+            "ok; errs " + ", ".join(f"{e:.1e}" for e in errs))
+    guarded("check", case, "separate k/v", separate)
+
+
+def mla_timing(peak):
+    for b, n in ((32, 4096), (32, 32768), (128, 4096), (128, 32768)):
+        b, n = B(b), S(n)
+        case = f"h16 sq1 b{b} kv{n} page{PAGE}"
+        for kv, form in ((None, "-"), ("fp8_e4m3", "tensor"), ("fp8_e4m3", "token")):
+            impl = f"fagen {kv or 'bf16'}" + ("" if kv is None else f" per {form}")
+
+            def run():
+                m = fagen.load(mla_spec(kv, mask="causal"))
+                q, cache, scales, lkw, keys = mla_inputs(kv, b, 16, 1, n, "paged", seed=5)
+                kw = {} if kv is None else dict(k_scale=scales if form == "token" else 0.8)
+                out, lse = m.forward(q, cache, None, **lkw, **kw)
+                s = scales if form == "token" else torch.full_like(scales, 0.8 if kv else 1.0)
+                err = check_rows(out, lse, q, keys, "causal", (b - 1,), s)
+                ms = bench(lambda: m.forward(q, cache, None, **lkw, **kw))
+                read = b * n * D * cache.element_size() + q.numel() * 2 + b * 16 * DV * 2
+                if form == "token":
+                    read += b * n * 4  # one float32 scale a token
+                row("mla", case, impl, read / ms / 1e6, "GB/s", ms,
+                    f"{100 * read / ms / 1e6 / peak:.0f}% of copy; {b / (ms * 1e-3):.0f} seq-steps/s; err {err:.1e}")
+                del q, cache, scales
+            guarded("mla", case, impl, run)
+        if not DRY:
+            torch.cuda.empty_cache()
+
+
+def main() -> None:
+    if not torch.cuda.is_available() and not DRY:
+        sys.exit("gpu_fp8_pertoken.py needs a CUDA GPU (GPU_FP8_PERTOKEN_DRY=1 rehearses it on the CPU)")
+    name = "CPU rehearsal" if DRY else torch.cuda.get_device_name()
+    log(f"{name}  torch {torch.__version__}  triton {triton.__version__}  fagen {fagen.__file__}")
+    peak = copy_bandwidth()
+    row("mla", "device copy (read + write)", "torch copy_", peak, "GB/s", None)
+    mla_checks()
+    mla_timing(peak)
+    lines = ["| section | case | impl | value | ms | note |", "|---|---|---|---|---|---|"]
+    lines += ["| " + " | ".join(r) + " |" for r in ROWS]
+    text = "\n".join(lines)
+    print("\n" + text)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "gpu_fp8_pertoken.md"), "w") as f:
+            f.write(text + "\n")
+    failed = [r for r in ROWS if "ERROR" in r[5] or "NOT DISCRIMINATING" in r[5]]
+    log(f"done in {time.time() - T0:.0f} s; {len(failed)} failures")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

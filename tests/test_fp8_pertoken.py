@@ -236,12 +236,12 @@ def test_decode_steps_never_replay_a_kernel_built_for_another_scale_form(monkeyp
     spec = fagen.KernelSpec(head_dim=32, kind="decode", dtype="fp16", gqa=2, kv_dtype="fp8_e4m3", block_n=16)
     m = fagen.load(spec)
     names = m._decode_split.arg_names
-    at_head, at_tok, at_zb = names.index("KScale"), names.index("KTok"), names.index("stride_zb")
+    at = [names.index(n) for n in ("KScale", "VScale", "KTok", "VTok")]
+    at_zb = names.index("stride_zb")
     launches = []  # (built for form, called with form, replayed)
 
-    def form(args):
-        return ("head" if args[at_head] is not None else "token" if args[at_tok] is not None else "float",
-                args[at_zb])
+    def form(args):  # which of k's and v's scales are per head, per token, or neither (floats)
+        return tuple(args[i] is None for i in at), args[at_zb]
 
     class Built:
         def __init__(self, fn):
@@ -268,12 +268,13 @@ def test_decode_steps_never_replay_a_kernel_built_for_another_scale_form(monkeyp
     per_head = torch.tensor([0.5, 2.0], device=DEVICE)
     tok = _scales(g, 2, 2, 41).to(DEVICE)
     for scales in (dict(k_scale=0.5), dict(k_scale=tok, v_scale=tok), dict(k_scale=per_head, v_scale=per_head),
-                   dict(k_scale=tok, v_scale=tok), dict(k_scale=0.5)):
+                   dict(k_scale=tok, v_scale=tok), dict(k_scale=0.5), dict(k_scale=tok, v_scale=per_head),
+                   dict(k_scale=tok, v_scale=2.0), dict(k_scale=tok, v_scale=2.0)):
         m.forward(q, k, v, **scales)
-    assert [r for _, _, r in launches] == [False, False, False, True, True], launches
+    assert [r for _, _, r in launches] == [False, False, False, True, True, False, False, True], launches
     assert all(built == called for built, called, _ in launches), launches
     for n in (40, 39):  # 40: stride_zb 80, a multiple of 16 where 82 was not: a kernel of its own; 39: replays 41's
         m.forward(q, k[:, :, :n].contiguous(), v[:, :, :n].contiguous(), k_scale=tok[:, :, :n].contiguous(),
                   v_scale=tok[:, :, :n].contiguous())
-    assert [r for _, _, r in launches[5:]] == [False, True], launches
+    assert [r for _, _, r in launches[8:]] == [False, True], launches
     assert strides[-1] == 2 * 39, strides  # the replay passes this call's strides, not the first call's

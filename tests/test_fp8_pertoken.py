@@ -83,7 +83,8 @@ def _check(out, lse, q, keys, mask="causal", scales=None):
     ("fp8_e5m2", "paged", 16, 2), ("fp8_e4m3", "paged", 1, 2)], ids=str)
 def test_latent_cache_with_per_token_scales_matches_the_dequantized_reference(kv, layout, page_size, sq):
     """MLA's latent cache, one scale a row for K and V: forward, forward_split over 3 splits, plan/run and the
-    batch-invariant forward against the reference on x.double() * scale of each token. Pages of 64 (FlashMLA's and
+    batch-invariant forward against the reference on x.double() * scale of each token (paged: each sequence alone
+    gives the batch-invariant forward's bits). Pages of 64 (FlashMLA's and
     vLLM's), 16 and 1; dense with ragged lengths (the padding past a sequence's length is never read)."""
     gen = torch.Generator().manual_seed(hash((kv, layout, page_size, sq)) % 1000)
     mask = "causal+padding" if layout == "dense" else "causal"
@@ -103,6 +104,12 @@ def test_latent_cache_with_per_token_scales_matches_the_dequantized_reference(kv
             "batch_invariant": module.forward(q, cache, None, k_scale=scales, batch_invariant=True, **kw)}.items():
         assert out.shape == (len(LENS), 4, sq, DV), name
         _check(out, lse, q, keys, "causal")  # each sequence's keys cut to its length: causal is the padding's
+    if layout == "paged":  # batch invariance: each sequence alone (its own block table row) gives the same bits
+        out, lse = module.forward(q, cache, None, k_scale=scales, batch_invariant=True, **kw)
+        for b in range(len(LENS)):
+            alone = module.forward(q[b:b + 1], cache, None, k_scale=scales, batch_invariant=True,
+                                   block_table=kw["block_table"][b:b + 1], seqlens_k=kw["seqlens_k"][b:b + 1])
+            assert torch.equal(alone[0], out[b:b + 1]) and torch.equal(alone[1], lse[b:b + 1]), b
 
 
 @pytest.mark.parametrize("layout", ["dense", "paged"])

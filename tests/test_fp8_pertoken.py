@@ -285,3 +285,29 @@ def test_decode_steps_never_replay_a_kernel_built_for_another_scale_form(monkeyp
                   v_scale=tok[:, :, :n].contiguous())
     assert [r for _, _, r in launches[8:]] == [False, True], launches
     assert strides[-1] == 2 * 39, strides  # the replay passes this call's strides, not the first call's
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a CUDA device")
+def test_per_token_scales_in_a_cuda_graph():
+    """A plan's run with per-token scales, captured in a CUDA graph, reads the scales' current values at each replay
+    (changed in place after the capture) and matches the reference on them."""
+    gen = torch.Generator().manual_seed(9)
+    module = _mla("fp8_e4m3", "paged")
+    cache, scales, kw, keys = _latent(gen, "fp8_e4m3", "paged", 64)
+    q = torch.randn(len(LENS), 4, 1, D, generator=gen).bfloat16()
+    q, cache, scales = _on(DEVICE, q, cache, scales)
+    kw = {k: v.to(DEVICE) for k, v in kw.items()}
+    plan = module.plan(len(LENS), 4, 1, kw["block_table"].shape[1] * 64, device=DEVICE)
+    out, lse = torch.empty(len(LENS), 4, 1, DV, dtype=q.dtype, device=DEVICE), q.new_empty(len(LENS), 4, 1).float()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        plan.run(q, cache, None, k_scale=scales, out=out, lse=lse, **kw)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan.run(q, cache, None, k_scale=scales, out=out, lse=lse, **kw)
+    scales.mul_(0.5)
+    graph.replay()
+    torch.cuda.synchronize()
+    _check(out, lse, q, lambda b, s=None: keys(b, scales.cpu() if s is None else s), "causal")

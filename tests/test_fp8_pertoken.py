@@ -71,10 +71,22 @@ def _on(device, *items):
     return [x.to(device) if isinstance(x, torch.Tensor) else x for x in items]
 
 
+def _compare_terms(name, got, want, terms, dtype):
+    """|got - want| <= atol * max(1, terms) + rtol * |want|, elementwise: `terms` is the reference on |V|, the
+    softmax-weighted mean of the values' magnitudes. P @ V rounds P to q's type, an error relative to the terms and
+    not to a result they cancel to, and per-token scales 64x apart make such cancellations (the H100 run: 1 of
+    16384 outputs over bf16's absolute atol, where the bf16 kernel on the same values rounded to bf16 has 3x the
+    error; docs/serving.md, "Per-token scales")."""
+    unit = terms.clamp(min=1.0)
+    compare(f"{name} (over max(1, terms))", got.double().cpu() / unit, want / unit, **TOLERANCE[dtype])
+
+
 def _check(out, lse, q, keys, mask="causal", scales=None):
     for b in range(q.shape[0]):
-        want, want_lse = reference.attention(q[b:b + 1].cpu(), keys(b, scales), None, head_dim_v=DV, mask=mask)
-        compare(f"out (sequence {b})", out[b:b + 1].cpu(), want, **TOLERANCE["bf16"])
+        k = keys(b, scales)
+        want, want_lse = reference.attention(q[b:b + 1].cpu(), k, None, head_dim_v=DV, mask=mask)
+        terms, _ = reference.attention(q[b:b + 1].cpu(), k, k[..., :DV].abs(), mask=mask)
+        _compare_terms(f"out (sequence {b})", out[b:b + 1], want, terms, "bf16")
         compare(f"lse (sequence {b})", lse[b:b + 1].cpu(), want_lse, **LSE_TOLERANCE)
 
 
@@ -160,6 +172,7 @@ def test_separate_k_and_v_per_token_scales(layout, gqa, sq):
                 return x.double() * s
             return x.double() * (s.double()[..., None] if s.dim() == 3 else s.double()[None, :, None, None])
         want, want_lse = reference.attention(q, deq(k, k_form), deq(v, v_form), mask="causal")
+        terms, _ = reference.attention(q, deq(k, k_form), deq(v, v_form).abs(), mask="causal")
         if layout == "dense":
             args, kw = (q, k, v), {}
             k_s, v_s = k_form, v_form
@@ -170,7 +183,7 @@ def test_separate_k_and_v_per_token_scales(layout, gqa, sq):
             k_s, v_s = (paged(s) if isinstance(s, torch.Tensor) and s.dim() == 3 else s for s in (k_form, v_form))
         out, lse = module.forward(*_on(DEVICE, *args), k_scale=_on(DEVICE, k_s)[0], v_scale=_on(DEVICE, v_s)[0],
                                   **{a: b.to(DEVICE) for a, b in kw.items()})
-        compare("out", out.cpu(), want, **TOLERANCE["fp16"])
+        _compare_terms("out", out, want, terms, "fp16")
         compare("lse", lse.cpu(), want_lse, **LSE_TOLERANCE)
 
 

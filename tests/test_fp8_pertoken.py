@@ -324,3 +324,34 @@ def test_per_token_scales_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     _check(out, lse, q, lambda b, s=None: keys(b, scales.cpu() if s is None else s), "causal")
+
+
+@pytest.mark.parametrize("extra", ["switches", "mods"])
+def test_score_switches_and_mods_see_the_dequantized_score(extra):
+    """The per-token k scale multiplies the score before the softcap, ALiBi, the window and a score_mod see it, and
+    the sinks join the dequantized softmax: against the reference on the dequantized cache."""
+    gen = torch.Generator().manual_seed(41)
+    q = torch.randn(2, 4, 2, 32, generator=gen).half()
+    k, v = (torch.randn(2, 2, 50, 32, generator=gen).to(torch.float8_e4m3fn) for _ in range(2))
+    ks, vs = _scales(gen, 2, 2, 50), _scales(gen, 2, 2, 50)
+    kd, vd = k.double() * ks.double()[..., None], v.double() * vs.double()[..., None]
+    if extra == "switches":
+        spec = fagen.KernelSpec(head_dim=32, gqa=2, dtype="fp16", kind="decode", mask="causal", kv_dtype="fp8_e4m3",
+                                window=True, softcap=True, alibi=True, sinks=True, block_n=16)
+        slopes, sinks = torch.rand(4, generator=gen), torch.randn(4, generator=gen)
+        kw = dict(window=(30, 0), softcap=20.0, alibi_slopes=slopes, sinks=sinks)
+        ref_kw = dict(kw)
+    else:
+        spec = fagen.KernelSpec(head_dim=32, gqa=2, dtype="fp16", kind="decode", mask="causal", kv_dtype="fp8_e4m3",
+                                score_mod="(score - (0.1 * abs((q_idx - kv_idx))))", mask_mod="((kv_idx % 3) != 1)",
+                                block_n=16)
+        kw = dict(mods={})
+        ref_kw = dict(mod_positions="absolute", score_mod=lambda s, b, h, qi, ki: s - 0.1 * (qi - ki).abs(),
+                      mask_mod=lambda b, h, qi, ki: (ki % 3) != 1)
+    module = fagen.load(spec)
+    out, lse = module.forward_split(*_on(DEVICE, q, k, v), num_splits=2, k_scale=ks.to(DEVICE), v_scale=vs.to(DEVICE),
+                                    **{a: _on(DEVICE, b)[0] for a, b in kw.items()})
+    want, want_lse = reference.attention(q.double(), kd, vd, mask="causal", **ref_kw)
+    terms, _ = reference.attention(q.double(), kd, vd.abs(), mask="causal", **ref_kw)
+    _compare_terms("out", out, want, terms, "fp16")
+    compare("lse", lse.cpu(), want_lse, **LSE_TOLERANCE)

@@ -72,7 +72,7 @@ def without_asm(spec):
 
 def old_step_key(spec):
     """The module whose decode steps' key does not hold the scales' form ([Note] Decode steps), as before."""
-    return patched(spec, ", k_scales is None, v_scales is None)", ")", "oldkey")
+    return patched(spec, ", k_scales is None, v_scales is None, k_tokens", ", k_tokens", "oldkey")
 
 
 def copy_bandwidth() -> float:

@@ -382,8 +382,9 @@ def group_mla():
 
 def group_mla_fp8():
     """MLA's latent cache in fp8 (kv_dtype with shared_kv): e4m3 causal and e5m2 tree paged decodes, with k_scale a
-    float and a per-head tensor called in turn at one shape (a decode step replayed for the other form once loaded a
-    scale through a null pointer, [Note] Decode steps), and bad block_table entries and lengths in sequence 1."""
+    float, a per-head tensor and per-token scales called in turn at one shape (a decode step replayed for another
+    form once loaded a scale through a null pointer, [Note] Decode steps), and bad block_table entries and lengths in
+    sequence 1."""
     dk, dv = (576, 512) if GPU else (48, 32)
     pages, page, width = 16, 4, 5
     table = [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9], [10, 11, 12, 13, 14]][:NB]
@@ -391,7 +392,8 @@ def group_mla_fp8():
     qd = torch.randn(NB, 2 * HQ, 2, dk, device=DEV, dtype=torch.float16)
     parents = i32(*[-1, 0] * NB).view(NB, 2)
     tiles = {} if GPU else dict(block_n=16)
-    forms = (0.7, torch.tensor([1.3], device=DEV))
+    forms = (0.7, torch.tensor([1.3], device=DEV), token_scales(pages, page, table, lens))
+    names = ("float", "per head", "per token")
     for kv, mask in (("fp8_e4m3", "causal"), ("fp8_e5m2", "tree")):
         kc = torch.randn(pages, page, 1, dk, device=DEV).to(getattr(torch, {"fp8_e4m3": "float8_e4m3fn",
                                                                             "fp8_e5m2": "float8_e5m2"}[kv]))
@@ -409,11 +411,57 @@ def group_mla_fp8():
         variants += [("seqlens_k[1]", n) for n in bad_ints(width * page)]
         for what, value in variants:
             for form, (scale, good) in enumerate(zip(forms, goods)):
-                case(f"mla {kv} {mask} paged decode d{dk}/v{dv} k_scale {('float', 'per head')[form]} "
+                case(f"mla {kv} {mask} paged decode d{dk}/v{dv} k_scale {names[form]} "
                      f"{what}={value}", lambda: run(what, value, scale), [(key, (OTHER,)) for key in good], good)
         for form, (scale, good) in enumerate(zip(forms, goods)):
-            still_good(f"mla {kv} {mask} paged decode k_scale {('float', 'per head')[form]}",
+            still_good(f"mla {kv} {mask} paged decode k_scale {names[form]}",
                        lambda: run(scale=scale), good)
+
+
+def token_scales(pages, page, table, lens):
+    """Per-token scales [pages, page, 1] from 1/2 to 2 in the slots the sequences own, NaN in every other (no valid
+    output may read one)."""
+    scales = torch.full((pages, page, 1), float("nan"), device=DEV)
+    for row, n in zip(table, lens):
+        for p in range(-(-n // page)):
+            used = min(page, n - p * page)
+            scales[row[p], :used] = torch.rand(used, 1, device=DEV) * 1.5 + 0.5
+    return scales
+
+
+def group_fp8_token():
+    """Per-token fp8 scales (README "fp8 KV cache"): an e4m3 latent cache (MLA, paged) with scales [pages, page, 1],
+    NaN in every slot no sequence owns; bad block_table entries and lengths in sequence 1 leave the other sequences'
+    bits, and a scale tensor of the wrong shape, dtype or device is refused before any launch, check=False too."""
+    dk, dv = (576, 512) if GPU else (48, 32)
+    pages, page, width = 16, 4, 5
+    table = [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9], [10, 11, 12, 13, 14]][:NB]
+    lens = [20, 17, 13][:NB]
+    qd = torch.randn(NB, 2 * HQ, 1, dk, device=DEV, dtype=torch.float16)
+    kc = torch.randn(pages, page, 1, dk, device=DEV).to(torch.float8_e4m3fn)
+    scales = token_scales(pages, page, table, lens)
+    mla = fagen.load(fagen.KernelSpec(head_dim=dk, head_dim_v=dv, shared_kv=True, gqa=2 * HQ, kind="decode",
+                                      layout="paged", mask="causal", dtype="fp16", kv_dtype="fp8_e4m3", **DTILES))
+
+    def run(what=None, value=None, scale=scales):
+        t, n = paged_inputs(table, lens, what, value)
+        out, lse = mla.forward(qd, kc, None, block_table=t, seqlens_k=n, k_scale=scale, check=False)
+        return dict(out=out, lse=lse)
+
+    good = run()
+    report("fp8 per-token paged decode: no NaN scale reaches a valid output",
+           ["NaN in out"] if torch.isnan(good["out"]).any() else [])
+    variants = [("block_table[1][2]", p) for p in (100000, -1, pages)]
+    variants += [("seqlens_k[1]", n) for n in (width * page + 1, -1, I32_MAX)]
+    for what, value in variants:
+        case(f"fp8 per-token paged decode d{dk}/v{dv} {what}={value}", lambda: run(what, value),
+             [(key, (OTHER,)) for key in good], good)
+    still_good("fp8 per-token paged decode", run, good)
+    for name, bad, what in (("shape [pages, page]", scales[..., 0], "per KV head) or a float32 tensor"),
+                            ("shape [pages, page - 1, 1]", scales[:, 1:], "must have the cache's shape"),
+                            ("dtype float16", scales.half(), "must be float32"),
+                            ("device meta", torch.ones(pages, page, 1, device="meta"), "must be on q's device")):
+        refused(f"fp8 per-token scales of {name} refused before launch", lambda: run(scale=bad), what)
 
 
 def group_mods():
@@ -468,7 +516,8 @@ def group_mods():
 
 
 GROUPS = {"padding": group_padding, "varlen": group_varlen, "paged": group_paged, "tree": group_tree,
-          "window": group_window, "mla": group_mla, "mla_fp8": group_mla_fp8, "mods": group_mods}
+          "window": group_window, "mla": group_mla, "mla_fp8": group_mla_fp8, "fp8_token": group_fp8_token,
+          "mods": group_mods}
 
 torch.manual_seed(args.seed)
 for name in args.group or GROUPS:

@@ -216,7 +216,8 @@ def test_fp8_input_errors():
         module.forward(q, k.half(), k.half())
     with pytest.raises(module.InputError, match="q: dtype"):
         module.forward(q.float(), k, k)
-    with pytest.raises(module.InputError, match="k_scale: expected a positive finite float or a float32 tensor"):
+    with pytest.raises(module.InputError,
+                       match=r"k_scale: expected a positive finite float, a float32 tensor \[1\] \(per KV head\)"):
         module.forward(q, k, k, k_scale=torch.ones(3))
     with pytest.raises(module.InputError, match="v_scale"):
         module.forward(q, k, k, v_scale=-1.0)

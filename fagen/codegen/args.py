@@ -215,9 +215,13 @@ _HEAD_D = [_HEAD[0], dataclasses.replace(_HEAD[1], host="block_d")]  # launchers
 # v's and out's head dim (README "Serving": head_dim_v), padded like HEAD_DIM
 _HEAD_V = [C("HEAD_DIM_V"), C("BLOCK_DV", "_pow2(HEAD_DIM_V)", aot="triton.next_power_of_2(HEAD_DIM_V)")]
 _HEAD_DV = [_HEAD_V[0], dataclasses.replace(_HEAD_V[1], host="block_dv")]
-# an fp8 cache's scales ([Note] fp8 cache in triton/decode.py.j2): per-tensor floats, per-KV-head tensors or None
+# an fp8 cache's scales ([Note] fp8 cache in triton/decode.py.j2): per-tensor floats, per-KV-head tensors or None,
+# per-token tensors or None and their strides as the kernel's [B', Hkv, slots] ([Note] Per-token scales)
 _KV_SCALES = [F("k_scale", when=fp8_cache, host="k_scale"), F("v_scale", when=fp8_cache, host="v_scale"),
-              T("KScale", "fp32", when=fp8_cache, host="k_scales"), T("VScale", "fp32", when=fp8_cache, host="v_scales")]
+              T("KScale", "fp32", when=fp8_cache, host="k_scales"),
+              T("VScale", "fp32", when=fp8_cache, host="v_scales"),
+              T("KTok", "fp32", when=fp8_cache, host="k_tokens"), T("VTok", "fp32", when=fp8_cache, host="v_tokens"),
+              *(dataclasses.replace(a, when=fp8_cache) for a in _strides("z", "bhn", "*tok_strides", divisible=None))]
 _UPCAST = C("UPCAST", aot="False")  # compiled kernels never upcast ([Note] Interpreter upcast)
 
 
@@ -425,9 +429,10 @@ OP_MODS = (Each(lambda spec: [dataclasses.replace(a, host="", br=False, grad=f"m
            T("blk_cls", "i8", when=mask_modded, optional=True), T("blk_list", "i32", when=mask_modded, optional=True),
            T("blk_list_t", "i32", when=mask_modded, optional=True),
            I("blk_m", when=mask_modded), I("blk_n", when=mask_modded))
-# an fp8 cache's scales in launch form (_check_kv_scales): floats, and per-KV-head tensors or None
+# an fp8 cache's scales in launch form (_check_kv_scales): floats, per-KV-head and per-token tensors or None
 OP_KV = (F("k_scale", when=fp8_cache), F("v_scale", when=fp8_cache),
-         T("k_scales", "fp32", when=fp8_cache, optional=True), T("v_scales", "fp32", when=fp8_cache, optional=True))
+         T("k_scales", "fp32", when=fp8_cache, optional=True), T("v_scales", "fp32", when=fp8_cache, optional=True),
+         T("k_tokens", "fp32", when=fp8_cache, optional=True), T("v_tokens", "fp32", when=fp8_cache, optional=True))
 OP = OP_BASE + OP_SCORES + OP_LAYOUT + OP_KV + OP_MODS
 # The backward's: dO first, the forward's out and lse after v.
 OP_BWD = (T("do"),) + OP_BASE[:3] + (T("out"), T("lse")) + OP_BASE[3:] + OP_SCORES + OP_LAYOUT + OP_MODS
@@ -456,7 +461,7 @@ SCORE_KEYWORDS = (Keyword("window", switched, switch="window"), Keyword("softcap
 SWITCH_KEYWORD = {kw.switch: kw.name for kw in SCORE_KEYWORDS}  # "alibi" -> "alibi_slopes"
 # A modded spec's: the captured values by the user's names, and a block mask (README "User mods").
 MOD_KEYWORDS = (Keyword("mods", modded), Keyword("block_mask", mask_modded))
-# An fp8 cache's scales (README "Serving"): a float or float32 [Hkv] each, 1.0 when left out.
+# An fp8 cache's scales (README "Serving"): a float, float32 [Hkv] or float32 per token each, 1.0 when left out.
 KV_KEYWORDS = (Keyword("k_scale", fp8_cache), Keyword("v_scale", fp8_cache))
 
 LISTS = {"op": OP, "op_bwd": OP_BWD, "op_scores": OP_SCORES, "op_layout": OP_LAYOUT, "op_mods": OP_MODS,

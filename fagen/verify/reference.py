@@ -74,10 +74,13 @@ def _visible(mask, batch, seq_q, seq_k, *, seqlens_q, seqlens_k, tree_mask, devi
 
 def dequantize(cache: torch.Tensor, scale, head_dim_axis: int = 1) -> torch.Tensor:
     """float64 values of a quantized KV cache (README "An fp8 KV cache"): each element times its scale, a float
-    (per tensor) or a tensor [Hkv] (per KV head; `head_dim_axis` is the cache's head axis)."""
+    (per tensor), a tensor [Hkv] (per KV head; `head_dim_axis` is the cache's head axis) or a tensor shaped like the
+    cache without its last dim (per token: one scale a row)."""
     values = cache.double()
     if scale is None:
         return values
+    if isinstance(scale, torch.Tensor) and scale.dim() == values.dim() - 1 > 0:
+        return values * scale.double().to(values.device)[..., None]
     if isinstance(scale, torch.Tensor):
         shape = [1] * values.dim()
         shape[head_dim_axis] = -1

@@ -35,7 +35,8 @@ class TritonBackend(KernelBackend):
                 return {"block_m": 64, "block_n": 32, "num_warps": 8, "num_stages": 2, **given}
             return {"block_m": 16, "block_n": 32, "num_warps": 4, "num_stages": 3, **given}
         return default_config(max(spec.head_dim, spec.head_dim_v), spec.dtype, spec.direction, spec.kind,
-                              mask=spec.mask, arch=arch, layout=spec.layout, window=spec.window, given=given)
+                              mask=spec.mask, arch=arch, layout=spec.layout, window=spec.window, given=given,
+                              head_dim_v=spec.head_dim_v)
 
     def smem_bytes(self, spec) -> int:
         return smem_bytes(spec)
@@ -52,7 +53,7 @@ class TritonBackend(KernelBackend):
 
 def default_config(head_dim: int, dtype: DType, direction: Direction, kind: Kind, mask: Mask | None = None,
                    arch: str = tuned.DEFAULT_ARCH, layout: Layout = Layout.DENSE, window: bool = False,
-                   given: dict | None = None) -> dict:
+                   given: dict | None = None, head_dim_v: int | None = None) -> dict:
     """Block sizes, warps and stages used on `arch` when a spec leaves them unset.
 
     [Note] Tiles per arch
@@ -64,8 +65,8 @@ def default_config(head_dim: int, dtype: DType, direction: Direction, kind: Kind
     sm_80 and every one fits its 163 KB (tests/test_arch_defaults.py compiles them).
     """
     config = _tuned_or_hand(head_dim, dtype, direction, kind, mask, arch, layout, window)
-    return fit(config, lambda c: tile_bytes(head_dim, dtype, direction, c["block_m"], c["block_n"], c["num_stages"]),
-               targets.smem_limit(arch), given)
+    return fit(config, lambda c: tile_bytes(head_dim, dtype, direction, c["block_m"], c["block_n"], c["num_stages"],
+                                            head_dim_v), targets.smem_limit(arch), given)
 
 
 def _tuned_or_hand(head_dim: int, dtype: DType, direction: Direction, kind: Kind, mask: Mask | None, arch: str,
@@ -155,11 +156,12 @@ def _sm80_config(head_dim: int, direction: Direction, mask: Mask | None, layout:
 
 def smem_bytes(spec) -> int:
     """Shared memory a Triton spec's tiles need, estimated from the tiles the kernel stages (tile_bytes)."""
-    return tile_bytes(spec.head_dim, spec.dtype, spec.direction, spec.block_m, spec.block_n, spec.num_stages)
+    return tile_bytes(spec.head_dim, spec.dtype, spec.direction, spec.block_m, spec.block_n, spec.num_stages,
+                      spec.head_dim_v)
 
 
 def tile_bytes(head_dim: int, dtype: DType, direction: Direction, block_m: int, block_n: int,
-                      num_stages: int) -> int:
+               num_stages: int, head_dim_v: int | None = None) -> int:
     """Shared memory a Triton config's tiles need, estimated from the tiles the kernel stages.
 
     [Note] Shared-memory filter
@@ -170,15 +172,17 @@ def tile_bytes(head_dim: int, dtype: DType, direction: Direction, block_m: int, 
     module's forward runs with the same config, so the largest of the three must fit. Triton's real use differs a
     little (d128 bf16 m128n128s3: estimated 224/160/160 KB, compiled 225/162/161). Decode kernels stage the same
     tiles as the forward. A config over the limit by this estimate is rejected before compiling; one that passes
-    it and still does not fit fails in the compiler.
+    it and still does not fit fails in the compiler. With a V head dim of its own (head_dim_v), the V and dO tiles
+    are that wide (padded the same way) and the Q and K tiles head_dim wide.
     """
     d = 1 << (head_dim - 1).bit_length()  # the kernel pads D to a power of two
-    tiles = block_m + 2 * num_stages * block_n
+    dv = d if head_dim_v is None else 1 << (head_dim_v - 1).bit_length()
+    elements = block_m * d + num_stages * block_n * (d + dv)
     if direction is Direction.BWD:
-        dkdv = 2 * block_n + 2 * num_stages * min(block_m, 64)
-        dq = 2 * block_m + 2 * num_stages * min(block_n, 64)
-        tiles = max(tiles, dkdv, dq)
-    return tiles * d * DType(dtype).itemsize
+        dkdv = block_n * (d + dv) + num_stages * min(block_m, 64) * (d + dv)
+        dq = block_m * (d + dv) + num_stages * min(block_n, 64) * (d + dv)
+        elements = max(elements, dkdv, dq)
+    return elements * DType(dtype).itemsize
 
 
 def tma_loads(spec) -> bool:

@@ -1,0 +1,180 @@
+"""GPU check and timings of MLA prefill (head_dim 192, head_dim_v 128; issue 27: causal forward >= 1.0x and backward
+>= 0.9x the best peer in the same run, cuDNN through SDPA) at the bench's row shape: causal, b4 h16 s4096, bf16.
+
+    PYTHONPATH=$PWD python3 scripts/gpu_mla_prefill.py         # under ~120 s on an H100; one table; $OUT/gpu_mla_prefill.md
+    GPU_MLA_PREFILL_DRY=1 PYTHONPATH=$PWD python3 scripts/gpu_mla_prefill.py   # CPU interpreter, tiny shapes
+
+Rows: SDPA (cuDNN) forward and backward, the peer; fagen's default Triton forward and backward; a few Triton tiles
+beside them, forward and backward apart (each compiles for sm_90 on the CPU without spills or with the few words
+noted, within 227 KB: docs/serving.md, "MLA prefill"); the Gluon (sm_90) forward ([Note] Gluon MLA widths). Every
+fagen kernel is checked once against the float64 reference on one (batch, head) slice before it is timed: out for
+a forward, dq/dk/dv for a backward (given the default forward's out and lse). TF/s counts the causal flops as
+fagen's bench does: 2 * B * H * S * S * (192 + 128) / 2 for the forward, 2.5x that for the backward. The last rows
+name the fastest forward and backward and their ratio to cuDNN.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+DRY = os.environ.get("GPU_MLA_PREFILL_DRY") == "1"
+if DRY:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from gpu_rows import ROWS, T0, guarded, log, row  # noqa: E402
+from gpu_rows import bench as _bench  # noqa: E402
+
+import fagen  # noqa: E402
+from fagen.spec.axes import DType  # noqa: E402
+from fagen.verify import reference  # noqa: E402
+from fagen.verify.tolerances import TOLERANCE, compare  # noqa: E402
+
+DEV = "cpu" if DRY else "cuda"
+D, DV = 192, 128
+B, H, S = (1, 2, 80) if DRY else (4, 16, 4096)  # 80: not a multiple of any block
+BUDGET_S = 105  # candidate rows start only before this many seconds
+# Candidates beyond the defaults: sm_90 ptxas on the CPU (fagen's build, triton 3.6, 2026-11-26), registers and
+# spilled words of the forward kernel, or of the dK/dV and dQ kernels; shared memory in KB.
+FWD_TILES = (
+    dict(block_m=128, block_n=64, num_warps=8, num_stages=2),  # 155 regs, 0 spills, 161 KB (the wide default)
+    dict(block_m=128, block_n=64, num_warps=8, num_stages=3),  # 153, 0, 210 KB
+    dict(block_m=64, block_n=128, num_warps=4, num_stages=2),  # 205, 0, 226 KB
+    dict(block_m=64, block_n=64, num_warps=4, num_stages=3),  # 152, 0, 178 KB
+    dict(block_m=128, block_n=32, num_warps=8, num_stages=3),  # 162, 0, 137 KB
+)
+BWD_TILES = (
+    dict(block_m=64, block_n=64, num_warps=8, num_stages=2),  # dK/dV 255 regs 24 spilled, dQ 2; 146/145 KB (163 TF/s)
+    dict(block_m=64, block_n=32, num_warps=8, num_stages=2),  # 182 / 189 regs, 0 spills (the old default, 107)
+    dict(block_m=128, block_n=32, num_warps=8, num_stages=2),  # 182 / 242, 0 spills (142)
+    dict(block_m=128, block_n=32, num_warps=8, num_stages=3),  # 184 / 243, 0 spills, 126/169 KB
+    dict(block_m=128, block_n=64, num_warps=8, num_stages=2),  # 24 / 2 spilled, 146/193 KB
+    dict(block_m=64, block_n=64, num_warps=8, num_stages=3),  # 24 / 2 spilled, 194/193 KB
+)
+
+
+def bench(fn) -> float:
+    return _bench(fn, DRY, warmup=10, rep=50)  # ms, median
+
+
+def tiles_name(spec) -> str:
+    return f"m{spec.block_m}n{spec.block_n}w{spec.num_warps}s{spec.num_stages}"
+
+
+def spec(direction="fwd", backend="triton", **tiles):
+    return fagen.KernelSpec(head_dim=D, head_dim_v=DV, mask="causal", dtype="bf16", direction=direction,
+                            backend=backend, **tiles)
+
+
+def main() -> None:
+    if not torch.cuda.is_available() and not DRY:
+        sys.exit("gpu_mla_prefill.py needs a CUDA GPU (GPU_MLA_PREFILL_DRY=1 rehearses it on the CPU)")
+    log(f"{'CPU rehearsal' if DRY else torch.cuda.get_device_name()}  torch {torch.__version__}  "
+        f"fagen {fagen.__file__}")
+    case = f"causal b{B} h{H} s{S} d{D}v{DV}"
+    flops = 2 * B * H * S * S * (D + DV) / 2
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    q = torch.randn(B, H, S, D, device=DEV, generator=gen).mul(2).bfloat16()
+    k = torch.randn(B, H, S, D, device=DEV, generator=gen).bfloat16()
+    v = torch.randn(B, H, S, DV, device=DEV, generator=gen).bfloat16()
+    do = torch.randn(B, H, S, DV, device=DEV, generator=gen).bfloat16()
+    sl = (slice(0, 1), slice(H - 1, H))  # one (batch, head) slice for the checks
+    q1, k1, v1, do1 = (t[sl].contiguous() for t in (q, k, v, do))
+    ref_in = [t.double().requires_grad_() for t in (q1, k1, v1)]
+    ref_out, _ = reference.attention(*ref_in, mask="causal")
+    ref_out.backward(do1.double())
+    ref_grads = [t.grad for t in ref_in]
+    fwd_best: dict[str, float] = {}
+    bwd_best: dict[str, float] = {}
+
+    def run_fwd(s, label):
+        m = fagen.load(s)
+        err = compare("out", m.forward(q1, k1, v1)[0], ref_out.detach(), **TOLERANCE[DType.BF16])
+        t = bench(lambda: m.forward(q, k, v))
+        row("fwd", case, f"{label} {tiles_name(s)}", flops / t / 1e9, "TF/s", t, f"err {err:.1e}")
+        fwd_best[f"{label} {tiles_name(s)}"] = flops / t / 1e9
+        return m
+
+    default_fwd = guarded("fwd", case, "fagen default", lambda: run_fwd(spec(), "fagen default"))
+    if DRY:
+        row("fwd", case, "gluon", None, "", None, "not run: Gluon kernels need sm_90 (no interpreter)")
+    else:
+        guarded("fwd", case, "gluon", lambda: run_fwd(spec(backend="gluon"), "gluon"))
+    out, lse = default_fwd.forward(q, k, v) if default_fwd else (None, None)
+    out1, lse1 = default_fwd.forward(q1, k1, v1) if default_fwd else (None, None)
+
+    def run_bwd(s, label):
+        m = fagen.load(s)
+        errs = []
+        for name, got, want in zip(("dq", "dk", "dv"), m.backward(do1, q1, k1, v1, out1, lse1), ref_grads):
+            unit = max(1.0, want.abs().max().item())
+            errs.append(compare(name, got, want, atol=2e-2 * unit, rtol=2e-2) / unit)
+        t = bench(lambda: m.backward(do, q, k, v, out, lse))
+        row("bwd", case, f"{label} {tiles_name(s)}", 2.5 * flops / t / 1e9, "TF/s", t,
+            f"err (dq, dk, dv, / max) {max(errs):.1e}")
+        bwd_best[f"{label} {tiles_name(s)}"] = 2.5 * flops / t / 1e9
+
+    if out is not None:
+        guarded("bwd", case, "fagen default", lambda: run_bwd(spec("bwd"), "fagen default"))
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+
+    def sdpa(a, b, c):
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION if not DRY else SDPBackend.MATH):
+            return F.scaled_dot_product_attention(a, b, c, is_causal=True)
+
+    peer = {}
+
+    def run_sdpa():
+        with torch.no_grad():
+            err = compare("sdpa out", sdpa(q1, k1, v1), ref_out.detach(), **TOLERANCE[DType.BF16])
+            t_f = bench(lambda: sdpa(q, k, v))
+        name = "sdpa-cudnn" if not DRY else "sdpa-math"
+        row("fwd", case, name, flops / t_f / 1e9, "TF/s", t_f, f"err {err:.1e}")
+        o = sdpa(qg, kg, vg)
+        t_b = bench(lambda: torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True))
+        row("bwd", case, name, 2.5 * flops / t_b / 1e9, "TF/s", t_b)
+        peer.update(fwd=flops / t_f / 1e9, bwd=2.5 * flops / t_b / 1e9)
+    guarded("peer", case, "sdpa-cudnn", run_sdpa)
+
+    default_fwd_tiles = tiles_name(spec())
+    for tiles in FWD_TILES:
+        s = spec(**tiles)
+        if tiles_name(s) == default_fwd_tiles:
+            continue
+        if time.time() - T0 > BUDGET_S:
+            row("fwd", case, f"fagen {tiles_name(s)}", None, "", None, "skipped: time budget")
+            continue
+        guarded("fwd", case, f"fagen {tiles_name(s)}", lambda s=s: run_fwd(s, "fagen"))
+    default_bwd_tiles = tiles_name(spec("bwd"))
+    for tiles in BWD_TILES:
+        s = spec("bwd", **tiles)
+        if tiles_name(s) == default_bwd_tiles or out is None:
+            continue
+        if time.time() - T0 > BUDGET_S:
+            row("bwd", case, f"fagen {tiles_name(s)}", None, "", None, "skipped: time budget")
+            continue
+        guarded("bwd", case, f"fagen {tiles_name(s)}", lambda s=s: run_bwd(s, "fagen"))
+
+    for direction, best in (("fwd", fwd_best), ("bwd", bwd_best)):
+        if best:
+            name, tf = max(best.items(), key=lambda kv: kv[1])
+            ratio = f"{tf / peer[direction]:.2f}x cuDNN" if direction in peer else "no peer"
+            row("winner", case, f"{direction}: {name}", tf, "TF/s", None, ratio)
+
+    lines = ["| section | case | impl | value | ms | note |", "|---|---|---|---|---|---|"]
+    lines += [f"| {' | '.join(r)} |" for r in ROWS]
+    text = "\n".join(lines)
+    print("\n" + text, flush=True)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "gpu_mla_prefill.md"), "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -38,22 +38,23 @@ DEV = "cpu" if DRY else "cuda"
 D, DV = 192, 128
 B, H, S = (1, 2, 80) if DRY else (4, 16, 4096)  # 80: not a multiple of any block
 BUDGET_S = 105  # candidate rows start only before this many seconds
-# Candidates beyond the defaults: sm_90 ptxas on the CPU (fagen's build, triton 3.6, 2026-11-26), registers and
-# spilled words of the forward kernel, or of the dK/dV and dQ kernels; shared memory in KB.
+# Candidates beyond the defaults (a default among them is not run twice): sm_90 ptxas on the CPU (fagen's build,
+# triton 3.6, 2026-11-26, with [Note] Split head dim), registers and spilled words of the forward kernel, or of the
+# dK/dV and dQ kernels; shared memory in KB. Pruned: those that spill more or do not fit 227 KB (fwd m128n64w4s2
+# 52 words, m128n128w4s2 172; bwd m64n64w4s2 132, m64n128w8s2 64; m128n128 bwd over 227 KB).
 FWD_TILES = (
-    dict(block_m=128, block_n=64, num_warps=8, num_stages=2),  # 155 regs, 0 spills, 161 KB (the wide default)
-    dict(block_m=128, block_n=64, num_warps=8, num_stages=3),  # 153, 0, 210 KB
-    dict(block_m=64, block_n=128, num_warps=4, num_stages=2),  # 205, 0, 226 KB
-    dict(block_m=64, block_n=64, num_warps=4, num_stages=3),  # 152, 0, 178 KB
-    dict(block_m=128, block_n=32, num_warps=8, num_stages=3),  # 162, 0, 137 KB
+    dict(block_m=128, block_n=64, num_warps=8, num_stages=2),  # 162 regs, 0 spills, 130 KB (326 TF/s padded)
+    dict(block_m=128, block_n=128, num_warps=8, num_stages=2),  # 198, 0, 210 KB (d128's shape)
+    dict(block_m=128, block_n=64, num_warps=8, num_stages=3),  # 162, 0, 170 KB
+    dict(block_m=64, block_n=128, num_warps=4, num_stages=2),  # 197, 0, 186 KB
+    dict(block_m=64, block_n=128, num_warps=8, num_stages=2),  # 171, 0, 186 KB
 )
 BWD_TILES = (
-    dict(block_m=64, block_n=64, num_warps=8, num_stages=2),  # dK/dV 255 regs 24 spilled, dQ 2; 146/145 KB (163 TF/s)
-    dict(block_m=64, block_n=32, num_warps=8, num_stages=2),  # 182 / 189 regs, 0 spills (the old default, 107)
-    dict(block_m=128, block_n=32, num_warps=8, num_stages=2),  # 182 / 242, 0 spills (142)
-    dict(block_m=128, block_n=32, num_warps=8, num_stages=3),  # 184 / 243, 0 spills, 126/169 KB
-    dict(block_m=128, block_n=64, num_warps=8, num_stages=2),  # 24 / 2 spilled, 146/193 KB
-    dict(block_m=64, block_n=64, num_warps=8, num_stages=3),  # 24 / 2 spilled, 194/193 KB
+    dict(block_m=64, block_n=64, num_warps=8, num_stages=2),  # dK/dV 255 regs 10 spilled, dQ 188 / 0; 122/121 KB
+    dict(block_m=128, block_n=64, num_warps=8, num_stages=2),  # 255 / 10, 237 / 0; 122/161 KB
+    dict(block_m=64, block_n=32, num_warps=8, num_stages=2),  # 178 / 0, 140 / 0 (107 TF/s padded)
+    dict(block_m=128, block_n=32, num_warps=8, num_stages=2),  # 178 / 0, 199 / 0 (142 padded)
+    dict(block_m=64, block_n=64, num_warps=8, num_stages=3),  # 255 / 10, 185 / 0; 162/161 KB
 )
 
 

@@ -34,6 +34,18 @@ class TritonBackend(KernelBackend):
             if spec.gqa >= 64:
                 return {"block_m": 64, "block_n": 32, "num_warps": 8, "num_stages": 2, **given}
             return {"block_m": 16, "block_n": 32, "num_warps": 4, "num_stages": 3, **given}
+        if (spec.head_dim, spec.head_dim_v) == (192, 128) and spec.kind is Kind.PREFILL and spec.mask != Mask.TREE \
+                and spec.dtype is not DType.FP32 and targets.TILE_FAMILY.get(arch) == "sm_90":
+            # [Note] MLA prefill tiles (192/128, sm_90). H100, causal b4 h16 s4k bf16, TF/s, one run each
+            # (benchmarks/serving.md; 2026-11-26 with one padded 256-wide Q/K tile): fwd m128n64w8s2 326 (m64n32w4s2
+            # 150); bwd m64n64w8s2 163, m128n32w8s2 142, m64n32w8s2 107. With [Note] Split head dim (sm_90 ptxas):
+            # fwd m128n64w8s2 162 registers, 0 spills, 130 KB; bwd m64n64w8s2 dK/dV 255 registers, 10 spilled
+            # words, dQ 188, 0; scripts/gpu_mla_prefill.py times the candidates.
+            tiles = dict(block_m=128, block_n=64, num_warps=8, num_stages=2) if spec.direction is Direction.FWD \
+                else dict(block_m=64, block_n=64, num_warps=8, num_stages=2)
+            return fit(tiles, lambda c: tile_bytes(spec.head_dim, spec.dtype, spec.direction, c["block_m"],
+                                                   c["block_n"], c["num_stages"], spec.head_dim_v),
+                       targets.smem_limit(arch), given)
         return default_config(max(spec.head_dim, spec.head_dim_v), spec.dtype, spec.direction, spec.kind,
                               mask=spec.mask, arch=arch, layout=spec.layout, window=spec.window, given=given,
                               head_dim_v=spec.head_dim_v)
@@ -173,10 +185,14 @@ def tile_bytes(head_dim: int, dtype: DType, direction: Direction, block_m: int, 
     little (d128 bf16 m128n128s3: estimated 224/160/160 KB, compiled 225/162/161). Decode kernels stage the same
     tiles as the forward. A config over the limit by this estimate is rejected before compiling; one that passes
     it and still does not fit fails in the compiler. With a V head dim of its own (head_dim_v), the V and dO tiles
-    are that wide (padded the same way) and the Q and K tiles head_dim wide.
+    are that wide (padded the same way) and the Q and K tiles head_dim wide, in two parts where it is not a power of
+    two ([Note] Split head dim in triton/attention.py.j2: 192 as 128 + 64). d192v128 bf16, estimated / compiled
+    (sm_90): fwd m128n64s3 170 / 170 KB, bwd m64n64s2 dK/dV and dQ 120 / 122 and 121 KB.
     """
     d = 1 << (head_dim - 1).bit_length()  # the kernel pads D to a power of two
     dv = d if head_dim_v is None else 1 << (head_dim_v - 1).bit_length()
+    if head_dim_v is not None and head_dim_v != head_dim and d != head_dim:  # [Note] Split head dim (templates)
+        d = d // 2 + max(16, 1 << (head_dim - d // 2 - 1).bit_length())
     elements = block_m * d + num_stages * block_n * (d + dv)
     if direction is Direction.BWD:
         dkdv = block_n * (d + dv) + num_stages * min(block_m, 64) * (d + dv)

@@ -120,9 +120,6 @@ class GluonBackend(KernelBackend):
             raise SpecError("head_dim_v", spec.head_dim_v, f"the gluon backend takes head_dim {spec.head_dim} with "
                                                            f"head_dim_v {self.mla_dims[1]} only (MLA prefill); use "
                                                            "backend 'triton' for other V widths")
-        if mla and spec.dtype is DType.FP8_E4M3:
-            raise SpecError("dtype", spec.dtype.value, "the gluon MLA forward (head_dim 192, head_dim_v 128) is "
-                                                       "fp16/bf16 only; use bf16, or backend 'triton'")
 
     def selected(self, spec) -> bool:
         """Whether the measured rule ([Note] Gluon selection rule) picks the gluon forward for the case of `spec`."""

@@ -151,3 +151,20 @@ def test_triton_mla_defaults_build_for_sm90_with_the_spills_claimed(tmp_path):
     for (variant, name), k in kernels.items():
         assert k["shared"] <= 227 * 1024, (variant, name, k)
         assert k["spills"] <= (10 if name == "_attn_bwd_dkdv" else 0), (variant, name, k)
+
+
+def test_hopper_selection_keeps_head_dim_v_and_follows_select_mla(monkeypatch):
+    from fagen.runtime import hopper
+
+    monkeypatch.setattr(hopper, "is_hopper", lambda device: True)
+    monkeypatch.setattr(hopper, "gluon_missing", lambda: None)
+    monkeypatch.delenv(hopper.ENV, raising=False)
+    spec = KernelSpec(head_dim=192, head_dim_v=128, mask="causal", dtype="bf16", gqa=2, direction="bwd")
+    monkeypatch.setattr(backends.GLUON, "select_mla", False)
+    assert hopper.forward_spec(spec, "cuda") is None
+    monkeypatch.setattr(backends.GLUON, "select_mla", True)
+    twin = hopper.forward_spec(spec, "cuda")
+    assert twin.backend.value == "gluon" and (twin.head_dim, twin.head_dim_v, twin.gqa) == (192, 128, 2)
+    # other V widths and the plain d128 rule are unchanged
+    assert hopper.forward_spec(KernelSpec(head_dim=128, head_dim_v=64, mask="causal", dtype="bf16"), "cuda") is None
+    assert hopper.forward_spec(KernelSpec(head_dim=128, mask="none", dtype="bf16"), "cuda").head_dim_v == 128

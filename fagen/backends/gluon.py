@@ -92,6 +92,9 @@ class GluonBackend(KernelBackend):
     # scripts/gpu_gluon_mods.py measured the gluon modded forward at 1.27-1.78x the Triton one (softcap, ALiBi,
     # relative bias, a head bias; causal and full, S8192; docs/mods.md, "Gluon").
     select_score_mods = True
+    # MLA prefill (head_dim 192, head_dim_v 128; [Note] Gluon MLA widths): bf16, masks none/causal, no switch, no
+    # mod, any gqa, once the H100 run of scripts/gpu_mla_prefill.py shows it beating the Triton forward.
+    select_mla = False
 
     def default_config(self, spec, arch: str, given: dict) -> dict:
         """The measured default (docs/hopper.md), on sm_90 only. d128: 2 K/V slots, all that fits beside Q (two
@@ -126,7 +129,11 @@ class GluonBackend(KernelBackend):
         if spec.dtype is DType.FP8_E4M3:  # the only fp8 kernel: selected wherever it exists
             return (spec.kind is Kind.PREFILL and spec.direction is Direction.FWD and spec.head_dim in (64, 128)
                     and spec.mask in self.selected_masks and spec.switches in ((), ("window",)))
-        if not (spec.kind is Kind.PREFILL and spec.direction is Direction.FWD
+        if (spec.head_dim, spec.head_dim_v) == self.mla_dims:
+            return (self.select_mla and spec.kind is Kind.PREFILL and spec.direction is Direction.FWD
+                    and spec.dtype in self.selected_dtypes and spec.mask in self.selected_masks
+                    and not spec.switches and not spec.modded)
+        if not (spec.kind is Kind.PREFILL and spec.direction is Direction.FWD and spec.head_dim_v == spec.head_dim
                 and spec.head_dim in self.selected_head_dims and spec.dtype in self.selected_dtypes):
             return False
         if spec.modded:

@@ -101,10 +101,26 @@ def main() -> None:
         return m
 
     default_fwd = guarded("fwd", case, "fagen default", lambda: run_fwd(spec(), "fagen default"))
+    def edges(backend):  # what the selection rule would cover beyond the timed case: Sq != Sk, no mask, gqa 2
+        errs = []
+        for mask, gqa, sq, sk in (("causal", 1, S // 4 + 7, S // 2), ("none", 2, S // 2, S // 2),
+                                  ("causal", 2, S // 2, S // 2)):
+            m = fagen.load(fagen.KernelSpec(head_dim=D, head_dim_v=DV, mask=mask, dtype="bf16", gqa=gqa,
+                                            backend=backend))
+            qe, ke, ve = q[:1, :gqa, :sq], k[:1, :1, :sk], v[:1, :1, :sk]
+            got, got_lse = m.forward(qe, ke, ve)
+            want, want_lse = reference.attention(qe.double(), ke.double(), ve.double(), mask=mask)
+            errs.append(compare(f"out {mask} gqa{gqa}", got, want, **TOLERANCE[DType.BF16]))
+            compare(f"lse {mask} gqa{gqa}", got_lse, want_lse, **TOLERANCE[DType.BF16])
+        row("check", case, f"{backend} edges", None, "", None,
+            f"PASS causal sq{S // 4 + 7} sk{S // 2}, none gqa2, causal gqa2 s{S // 2} (max err {max(errs):.1e})")
+
     if DRY:
         row("fwd", case, "gluon", None, "", None, "not run: Gluon kernels need sm_90 (no interpreter)")
+        guarded("check", case, "triton edges", lambda: edges("triton"))  # the check's own code, rehearsed
     else:
         guarded("fwd", case, "gluon", lambda: run_fwd(spec(backend="gluon"), "gluon"))
+        guarded("check", case, "gluon edges", lambda: edges("gluon"))
     out, lse = default_fwd.forward(q, k, v) if default_fwd else (None, None)
     out1, lse1 = default_fwd.forward(q1, k1, v1) if default_fwd else (None, None)
 

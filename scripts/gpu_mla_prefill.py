@@ -4,9 +4,10 @@
     PYTHONPATH=$PWD python3 scripts/gpu_mla_prefill.py         # under ~120 s on an H100; one table; $OUT/gpu_mla_prefill.md
     GPU_MLA_PREFILL_DRY=1 PYTHONPATH=$PWD python3 scripts/gpu_mla_prefill.py   # CPU interpreter, tiny shapes
 
-Rows: SDPA (cuDNN) forward and backward, the peer; fagen's default Triton forward and backward; a few Triton tiles
-beside them, forward and backward apart (each compiles for sm_90 on the CPU without spills or with the few words
-noted, within 227 KB: docs/serving.md, "MLA prefill"); the Gluon (sm_90) forward ([Note] Gluon MLA widths). Every
+Rows: SDPA (cuDNN) forward and backward, the peer; fagen's default Triton forward and backward; the Gluon (sm_90)
+forward at four tiles ([Note] Gluon MLA widths), its fastest also checked at Sq != Sk, mask none and gqa 2; a few
+Triton tiles beside the defaults, backward first, then forward (each compiles for sm_90 on the CPU without spills
+or with the few words noted, within 227 KB: docs/serving.md, "MLA prefill"; past BUDGET_S the rest are skipped). Every
 fagen kernel is checked once against the float64 reference on one (batch, head) slice before it is timed: out for
 a forward, dq/dk/dv for a backward (given the default forward's out and lse). TF/s counts the causal flops as
 fagen's bench does: 2 * B * H * S * S * (192 + 128) / 2 for the forward, 2.5x that for the backward. The last rows
@@ -47,7 +48,15 @@ FWD_TILES = (
     dict(block_m=128, block_n=128, num_warps=8, num_stages=2),  # 198, 0, 210 KB (d128's shape)
     dict(block_m=128, block_n=64, num_warps=8, num_stages=3),  # 162, 0, 170 KB
     dict(block_m=64, block_n=128, num_warps=4, num_stages=2),  # 197, 0, 186 KB
-    dict(block_m=64, block_n=128, num_warps=8, num_stages=2),  # 171, 0, 186 KB
+)
+# The gluon forward's tiles ([Note] Gluon MLA widths; sm_90 ptxas: 168 registers, spills in bytes): n64 s2 (the
+# default: two Q buffers per warpgroup and an O buffer, 209 KB, 0) and the lean ones (one Q buffer, O staged in
+# it): n128 s2 (209 KB, 4), n64 s3 (169 KB, 0), n64 s4 (209 KB, 0).
+GLUON_TILES = (
+    dict(block_m=128, block_n=64, num_warps=8, num_stages=2),
+    dict(block_m=128, block_n=128, num_warps=8, num_stages=2),
+    dict(block_m=128, block_n=64, num_warps=8, num_stages=3),
+    dict(block_m=128, block_n=64, num_warps=8, num_stages=4),
 )
 BWD_TILES = (
     dict(block_m=64, block_n=64, num_warps=8, num_stages=2),  # dK/dV 255 regs 10 spilled, dQ 188 / 0; 122/121 KB
@@ -101,26 +110,32 @@ def main() -> None:
         return m
 
     default_fwd = guarded("fwd", case, "fagen default", lambda: run_fwd(spec(), "fagen default"))
-    def edges(backend):  # what the selection rule would cover beyond the timed case: Sq != Sk, no mask, gqa 2
+    def edges(backend, **tiles):  # what the selection rule would cover beyond the timed case: Sq != Sk, none, gqa 2
         errs = []
         for mask, gqa, sq, sk in (("causal", 1, S // 4 + 7, S // 2), ("none", 2, S // 2, S // 2),
                                   ("causal", 2, S // 2, S // 2)):
             m = fagen.load(fagen.KernelSpec(head_dim=D, head_dim_v=DV, mask=mask, dtype="bf16", gqa=gqa,
-                                            backend=backend))
+                                            backend=backend, **tiles))
             qe, ke, ve = q[:1, :gqa, :sq], k[:1, :1, :sk], v[:1, :1, :sk]
             got, got_lse = m.forward(qe, ke, ve)
             want, want_lse = reference.attention(qe.double(), ke.double(), ve.double(), mask=mask)
             errs.append(compare(f"out {mask} gqa{gqa}", got, want, **TOLERANCE[DType.BF16]))
             compare(f"lse {mask} gqa{gqa}", got_lse, want_lse, **TOLERANCE[DType.BF16])
-        row("check", case, f"{backend} edges", None, "", None,
+        row("check", case, f"{backend} {tiles_name(spec(backend=backend, **tiles))} edges", None, "", None,
             f"PASS causal sq{S // 4 + 7} sk{S // 2}, none gqa2, causal gqa2 s{S // 2} (max err {max(errs):.1e})")
 
     if DRY:
         row("fwd", case, "gluon", None, "", None, "not run: Gluon kernels need sm_90 (no interpreter)")
         guarded("check", case, "triton edges", lambda: edges("triton"))  # the check's own code, rehearsed
     else:
-        guarded("fwd", case, "gluon", lambda: run_fwd(spec(backend="gluon"), "gluon"))
-        guarded("check", case, "gluon edges", lambda: edges("gluon"))
+        for tiles in GLUON_TILES:
+            s = spec(backend="gluon", **tiles)
+            guarded("fwd", case, f"gluon {tiles_name(s)}", lambda s=s: run_fwd(s, "gluon"))
+        gluon_rows = {name: tf for name, tf in fwd_best.items() if name.startswith("gluon")}
+        if gluon_rows:  # the fastest gluon tile, checked at the cases the selection would cover
+            best = max(gluon_rows, key=gluon_rows.get).split()[1]
+            tiles = next(t for t in GLUON_TILES if tiles_name(spec(backend="gluon", **t)) == best)
+            guarded("check", case, "gluon edges", lambda: edges("gluon", **tiles))
     out, lse = default_fwd.forward(q, k, v) if default_fwd else (None, None)
     out1, lse1 = default_fwd.forward(q1, k1, v1) if default_fwd else (None, None)
 
@@ -159,15 +174,6 @@ def main() -> None:
         peer.update(fwd=flops / t_f / 1e9, bwd=2.5 * flops / t_b / 1e9)
     guarded("peer", case, "sdpa-cudnn", run_sdpa)
 
-    default_fwd_tiles = tiles_name(spec())
-    for tiles in FWD_TILES:
-        s = spec(**tiles)
-        if tiles_name(s) == default_fwd_tiles:
-            continue
-        if time.time() - T0 > BUDGET_S:
-            row("fwd", case, f"fagen {tiles_name(s)}", None, "", None, "skipped: time budget")
-            continue
-        guarded("fwd", case, f"fagen {tiles_name(s)}", lambda s=s: run_fwd(s, "fagen"))
     default_bwd_tiles = tiles_name(spec("bwd"))
     for tiles in BWD_TILES:
         s = spec("bwd", **tiles)
@@ -178,6 +184,15 @@ def main() -> None:
             continue
         guarded("bwd", case, f"fagen {tiles_name(s)}", lambda s=s: run_bwd(s, "fagen"))
 
+    default_fwd_tiles = tiles_name(spec())
+    for tiles in FWD_TILES:
+        s = spec(**tiles)
+        if tiles_name(s) == default_fwd_tiles:
+            continue
+        if time.time() - T0 > BUDGET_S:
+            row("fwd", case, f"fagen {tiles_name(s)}", None, "", None, "skipped: time budget")
+            continue
+        guarded("fwd", case, f"fagen {tiles_name(s)}", lambda s=s: run_fwd(s, "fagen"))
     for direction, best in (("fwd", fwd_best), ("bwd", bwd_best)):
         if best:
             name, tf = max(best.items(), key=lambda kv: kv[1])

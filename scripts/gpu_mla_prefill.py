@@ -1,7 +1,7 @@
 """GPU check and timings of MLA prefill (head_dim 192, head_dim_v 128; issue 27: causal forward >= 1.0x and backward
 >= 0.9x the best peer in the same run, cuDNN through SDPA) at the bench's row shape: causal, b4 h16 s4096, bf16.
 
-    PYTHONPATH=$PWD python3 scripts/gpu_mla_prefill.py         # under ~120 s on an H100; one table; $OUT/gpu_mla_prefill.md
+    PYTHONPATH=$PWD python3 scripts/gpu_mla_prefill.py   # under ~120 s on an H100; one table; $OUT/gpu_mla_prefill.md
     GPU_MLA_PREFILL_DRY=1 PYTHONPATH=$PWD python3 scripts/gpu_mla_prefill.py   # CPU interpreter, tiny shapes
 
 Rows: SDPA (cuDNN) forward and backward, the peer; fagen's default Triton forward and backward; the Gluon (sm_90)

@@ -35,7 +35,8 @@ def test_split_head_dim_renders_only_for_a_q_dim_that_is_no_power_of_two_beside_
     lo = 1 << (d.bit_length() - 1)
     hi = max(16, 1 << (d - lo - 1).bit_length())
     for direction in ("fwd", "bwd"):
-        src = render(KernelSpec(head_dim=d, head_dim_v=dv, mask="causal", dtype="bf16", direction=direction)).files[".py"]
+        spec = KernelSpec(head_dim=d, head_dim_v=dv, mask="causal", dtype="bf16", direction=direction)
+        src = render(spec).files[".py"]
         assert f"D_LO = tl.constexpr({lo})" in src and f"D_HI = tl.constexpr({hi})" in src
         for other in (dict(head_dim=d), dict(head_dim=128, head_dim_v=64), dict(head_dim=64, head_dim_v=128)):
             plain = render(KernelSpec(mask="causal", dtype="bf16", direction=direction, **other)).files[".py"]

@@ -5,9 +5,10 @@
     GPU_MLA_PREFILL_DRY=1 PYTHONPATH=$PWD python3 scripts/gpu_mla_prefill.py   # CPU interpreter, tiny shapes
 
 Rows: SDPA (cuDNN) forward and backward, the peer; fagen's default Triton forward and backward; the Gluon (sm_90)
-forward at four tiles ([Note] Gluon MLA widths), its fastest also checked at Sq != Sk, mask none and gqa 2; a few
-Triton tiles beside the defaults, backward first, then forward (each compiles for sm_90 on the CPU without spills
-or with the few words noted, within 227 KB: docs/serving.md, "MLA prefill"; past BUDGET_S the rest are skipped). Every
+forward at four tiles ([Note] Gluon MLA widths; fagen.attention selects it for causal bf16), its fastest also
+checked at Sq != Sk, mask none and gqa 2; a few Triton tiles beside the defaults, backward first, then forward
+(each compiles for sm_90 on the CPU without spills or with the few words noted, within 227 KB: docs/serving.md,
+"MLA prefill"; past BUDGET_S the rest are skipped). Every
 fagen kernel is checked once against the float64 reference on one (batch, head) slice before it is timed: out for
 a forward, dq/dk/dv for a backward (given the default forward's out and lse). TF/s counts the causal flops as
 fagen's bench does: 2 * B * H * S * S * (192 + 128) / 2 for the forward, 2.5x that for the backward. The last rows
@@ -50,11 +51,12 @@ _FINISH, _DONE = threading.Lock(), []
 # triton 3.6, 2026-11-26, with [Note] Split head dim), registers and spilled words of the forward kernel, or of the
 # dK/dV and dQ kernels; shared memory in KB. Pruned: those that spill more or do not fit 227 KB (fwd m128n64w4s2
 # 52 words, m128n128w4s2 172; bwd m64n64w4s2 132, m64n128w8s2 64; m128n128 bwd over 227 KB).
-FWD_TILES = (
-    dict(block_m=128, block_n=64, num_warps=8, num_stages=2),  # 162 regs, 0 spills, 130 KB (326 TF/s padded)
-    dict(block_m=128, block_n=128, num_warps=8, num_stages=2),  # 198, 0, 210 KB (d128's shape)
-    dict(block_m=128, block_n=64, num_warps=8, num_stages=3),  # 162, 0, 170 KB
-    dict(block_m=64, block_n=128, num_warps=4, num_stages=2),  # 197, 0, 186 KB
+FWD_TILES = (  # H100 TF/s of the 14:23 UTC run (cuDNN 580 fwd, 417 bwd)
+    dict(block_m=128, block_n=64, num_warps=8, num_stages=3),  # 162 regs, 0 spills, 170 KB (456: the default)
+    dict(block_m=128, block_n=128, num_warps=8, num_stages=2),  # 198, 0, 210 KB (411)
+    dict(block_m=128, block_n=64, num_warps=8, num_stages=4),  # 162, 0, 210 KB
+    dict(block_m=128, block_n=32, num_warps=8, num_stages=4),  # 126, 0, 130 KB
+    dict(block_m=128, block_n=64, num_warps=8, num_stages=2),  # 162, 0, 130 KB (338: the default before)
 )
 # The gluon forward's tiles ([Note] Gluon MLA widths; sm_90 ptxas: 168 registers, spills in bytes): n64 s2 (the
 # default: two Q buffers per warpgroup and an O buffer, 209 KB, 0) and the lean ones (one Q buffer, O staged in
@@ -66,11 +68,10 @@ GLUON_TILES = (
     dict(block_m=128, block_n=64, num_warps=8, num_stages=4),
 )
 BWD_TILES = (
-    dict(block_m=64, block_n=64, num_warps=8, num_stages=2),  # dK/dV 255 regs 10 spilled, dQ 188 / 0; 122/121 KB
-    dict(block_m=128, block_n=64, num_warps=8, num_stages=2),  # 255 / 10, 237 / 0; 122/161 KB
-    dict(block_m=64, block_n=32, num_warps=8, num_stages=2),  # 178 / 0, 140 / 0 (107 TF/s padded)
-    dict(block_m=128, block_n=32, num_warps=8, num_stages=2),  # 178 / 0, 199 / 0 (142 padded)
-    dict(block_m=64, block_n=64, num_warps=8, num_stages=3),  # 255 / 10, 185 / 0; 162/161 KB
+    dict(block_m=128, block_n=64, num_warps=8, num_stages=2),  # dK/dV 255 regs 10 spilled, dQ 237 / 0 (243: default)
+    dict(block_m=128, block_n=64, num_warps=8, num_stages=3),  # 255 / 10, 241 / 0; 162/201 KB
+    dict(block_m=64, block_n=64, num_warps=8, num_stages=3),  # 255 / 10, 185 / 0; 162/161 KB (199)
+    dict(block_m=64, block_n=64, num_warps=8, num_stages=2),  # 255 / 10, 188 / 0; 122/121 KB (184: before)
 )
 
 

@@ -74,8 +74,8 @@ def test_split_backward_matches_float64(d, dv, mask, sq, sk):
 def test_mla_defaults_on_sm90_and_elsewhere():
     fwd = KernelSpec(head_dim=192, head_dim_v=128, mask="causal", dtype="bf16")
     bwd = KernelSpec(head_dim=192, head_dim_v=128, mask="causal", dtype="bf16", direction="bwd")
-    assert fwd.name == "attn_fwd_causal_d192v128_m128n64w8s2_g1_bf16"
-    assert bwd.name == "attn_bwd_causal_d192v128_m64n64w8s2_g1_bf16"
+    assert fwd.name == "attn_fwd_causal_d192v128_m128n64w8s3_g1_bf16"  # [Note] MLA prefill tiles: the H100's best
+    assert bwd.name == "attn_bwd_causal_d192v128_m128n64w8s2_g1_bf16"
     assert "m64n32w4s2" in fwd.for_arch("sm_80").name  # sm_80 keeps its fitted wide tile
     # 128/64 and 64/128 take d128's tiles, which fit sm_90 by fagen's estimate
     for d, dv in ((128, 64), (64, 128)):
@@ -90,7 +90,12 @@ def test_gluon_takes_mla_192_128_with_its_own_default_tile():
     assert spec.name == "attn_fwd_causal_d192v128_m128n64w8s2_g1_bf16_gluon"
     # Q 2 x 2 x 64 x 192, K 2 x 64 x 192, V 2 x 64 x 128, O 2 x 64 x 128, bf16, + 1 KB
     assert backends.smem_bytes(spec) == 2 * (4 * 64 * 192 + 2 * 64 * 192 + 2 * 64 * 128 + 2 * 64 * 128) + 1024
-    assert not backends.GLUON.selected(spec)  # not selected before an H100 run shows it faster
+    # selected where the H100 run timed it faster than the Triton forward: causal bf16 ([Note] Gluon selection rule)
+    assert backends.GLUON.selected(spec)
+    assert not backends.GLUON.selected(KernelSpec(backend="gluon", head_dim=192, head_dim_v=128, mask="none",
+                                                  dtype="bf16"))
+    assert not backends.GLUON.selected(KernelSpec(backend="gluon", head_dim=192, head_dim_v=128, mask="causal",
+                                                  dtype="fp16"))
     # lean (a deeper K/V ring): one Q buffer per warpgroup and no O buffer
     lean = KernelSpec(backend="gluon", head_dim=192, head_dim_v=128, mask="causal", dtype="bf16", block_n=128)
     assert backends.smem_bytes(lean) == 2 * (2 * 64 * 192 + 2 * 128 * 192 + 2 * 128 * 128) + 1024
@@ -173,6 +178,8 @@ def test_hopper_selection_keeps_head_dim_v_and_follows_select_mla(monkeypatch):
     monkeypatch.setattr(backends.GLUON, "select_mla", True)
     twin = hopper.forward_spec(spec, "cuda")
     assert twin.backend.value == "gluon" and (twin.head_dim, twin.head_dim_v, twin.gqa) == (192, 128, 2)
+    none = KernelSpec(head_dim=192, head_dim_v=128, mask="none", dtype="bf16")
+    assert hopper.forward_spec(none, "cuda") is None  # not timed: the Triton forward keeps it
     # other V widths and the plain d128 rule are unchanged
     assert hopper.forward_spec(KernelSpec(head_dim=128, head_dim_v=64, mask="causal", dtype="bf16"), "cuda") is None
     assert hopper.forward_spec(KernelSpec(head_dim=128, mask="none", dtype="bf16"), "cuda").head_dim_v == 128

@@ -92,7 +92,8 @@ class GluonBackend(KernelBackend):
     # MHA: 540 vs 497 TF/s, same run; docs/hopper.md, "Score switches in the forward"). Not the softcap (470 vs
     # 477 TF/s, a tie lost), not window with softcap (not measured), never ALiBi or sinks (the gluon forward has
     # neither). fp8 has no other kernel: an fp8 spec is always this backend's. Where and when the rule applies (the
-    # device, $FAGEN_HOPPER, the problem size): [Note] Hopper selection in fagen/runtime/hopper.py.
+    # device, $FAGEN_HOPPER, the problem size): [Note] Hopper selection in fagen/runtime/hopper.py. MLA prefill
+    # (192/128): causal bf16, any gqa (select_mla below: 504 against 456 TF/s on the H100).
     selected_head_dims = (128,)
     selected_dtypes = (DType.BF16,)
     selected_masks = (Mask.NONE, Mask.CAUSAL)
@@ -101,9 +102,12 @@ class GluonBackend(KernelBackend):
     # scripts/gpu_gluon_mods.py measured the gluon modded forward at 1.27-1.78x the Triton one (softcap, ALiBi,
     # relative bias, a head bias; causal and full, S8192; docs/mods.md, "Gluon").
     select_score_mods = True
-    # MLA prefill (head_dim 192, head_dim_v 128; [Note] Gluon MLA widths): bf16, masks none/causal, no switch, no
-    # mod, any gqa, once the H100 run of scripts/gpu_mla_prefill.py shows it beating the Triton forward.
-    select_mla = False
+    # MLA prefill (head_dim 192, head_dim_v 128; [Note] Gluon MLA widths): bf16, causal, no switch, no mod, any gqa.
+    # H100, causal b4 h16 s4096 (scripts/gpu_mla_prefill.py, 2026-11-26 14:23 UTC): the gluon forward (n64, 2 slots)
+    # 504 TF/s against the best Triton tile's 456 (m128n64w8s3, the default) and cuDNN's 580, same run, checked
+    # against float64. Mask none was not timed: the Triton forward keeps it.
+    select_mla = True
+    selected_mla_masks = (Mask.CAUSAL,)
 
     def default_config(self, spec, arch: str, given: dict) -> dict:
         """The measured default (docs/hopper.md), on sm_90 only. d128: 2 K/V slots, all that fits beside Q (two
@@ -140,7 +144,7 @@ class GluonBackend(KernelBackend):
                     and spec.mask in self.selected_masks and spec.switches in ((), ("window",)))
         if (spec.head_dim, spec.head_dim_v) == self.mla_dims:
             return (self.select_mla and spec.kind is Kind.PREFILL and spec.direction is Direction.FWD
-                    and spec.dtype in self.selected_dtypes and spec.mask in self.selected_masks
+                    and spec.dtype in self.selected_dtypes and spec.mask in self.selected_mla_masks
                     and not spec.switches and not spec.modded)
         if not (spec.kind is Kind.PREFILL and spec.direction is Direction.FWD and spec.head_dim_v == spec.head_dim
                 and spec.head_dim in self.selected_head_dims and spec.dtype in self.selected_dtypes):

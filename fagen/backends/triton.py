@@ -36,13 +36,14 @@ class TritonBackend(KernelBackend):
             return {"block_m": 16, "block_n": 32, "num_warps": 4, "num_stages": 3, **given}
         if (spec.head_dim, spec.head_dim_v) == (192, 128) and spec.kind is Kind.PREFILL and spec.mask != Mask.TREE \
                 and spec.dtype is not DType.FP32 and targets.TILE_FAMILY.get(arch) == "sm_90":
-            # [Note] MLA prefill tiles (192/128, sm_90). H100, causal b4 h16 s4k bf16, TF/s, one run each
-            # (benchmarks/serving.md; 2026-11-26 with one padded 256-wide Q/K tile): fwd m128n64w8s2 326 (m64n32w4s2
-            # 150); bwd m64n64w8s2 163, m128n32w8s2 142, m64n32w8s2 107. With [Note] Split head dim (sm_90 ptxas):
-            # fwd m128n64w8s2 162 registers, 0 spills, 130 KB; bwd m64n64w8s2 dK/dV 255 registers, 10 spilled
-            # words, dQ 188, 0; scripts/gpu_mla_prefill.py times the candidates.
-            tiles = dict(block_m=128, block_n=64, num_warps=8, num_stages=2) if spec.direction is Direction.FWD \
-                else dict(block_m=64, block_n=64, num_warps=8, num_stages=2)
+            # [Note] MLA prefill tiles (192/128, sm_90). H100, causal b4 h16 s4096 bf16, TF/s, with [Note] Split head
+            # dim (scripts/gpu_mla_prefill.py, 2026-11-26 14:23 UTC; cuDNN through SDPA in the same run: fwd 580,
+            # bwd 417): fwd m128n64w8s3 456, m128n128w8s2 411, m128n64w8s2 (the default before) 338, m64n128w4s2
+            # 305, m64n128w8s2 233; bwd m128n64w8s2 243, m64n64w8s3 199, m64n64w8s2 (the default before) 184,
+            # m128n32w8s2 156, m64n32w8s2 117. sm_90 ptxas: fwd m128n64w8s3 162 registers, 0 spills, 170 KB;
+            # bwd m128n64w8s2 dK/dV 255 registers and 10 spilled words, dQ 237 and 0, 122/161 KB. Before the
+            # split (one 256-wide tile, benchmarks/serving.md): fwd m128n64w8s2 326, bwd m64n64w8s2 163.
+            tiles = dict(block_m=128, block_n=64, num_warps=8, num_stages=3 if spec.direction is Direction.FWD else 2)
             return fit(tiles, lambda c: tile_bytes(spec.head_dim, spec.dtype, spec.direction, c["block_m"],
                                                    c["block_n"], c["num_stages"], spec.head_dim_v),
                        targets.smem_limit(arch), given)

@@ -183,3 +183,21 @@ def test_hopper_selection_keeps_head_dim_v_and_follows_select_mla(monkeypatch):
     # other V widths and the plain d128 rule are unchanged
     assert hopper.forward_spec(KernelSpec(head_dim=128, head_dim_v=64, mask="causal", dtype="bf16"), "cuda") is None
     assert hopper.forward_spec(KernelSpec(head_dim=128, mask="none", dtype="bf16"), "cuda").head_dim_v == 128
+
+
+def test_fagen_attention_routes_forward_only_mla_causal_to_gluon(monkeypatch):
+    """resolve() gives the gluon module for a forward-only causal 192/128 call on sm_90 (pretended), the Triton bwd
+    module with gradients, and the Triton one for mask none."""
+    from fagen.runtime import api, hopper, resolve
+
+    monkeypatch.setattr(hopper, "is_hopper", lambda device: True)
+    monkeypatch.setattr(hopper, "gluon_missing", lambda: None)
+    monkeypatch.delenv(hopper.ENV, raising=False)
+    monkeypatch.setattr(resolve, "_FAST", {})
+    monkeypatch.setattr(api, "_FAST", resolve._FAST)
+    q = torch.zeros(1, 2, 8, 192, dtype=torch.bfloat16)
+    k, v = torch.zeros(1, 2, 8, 192, dtype=torch.bfloat16), torch.zeros(1, 2, 8, 128, dtype=torch.bfloat16)
+    fwd = resolve.resolve(q, k, v, "causal", False, forward_only=True)
+    assert fwd.NAME == "attn_fwd_causal_d192v128_m128n64w8s2_g1_bf16_gluon"
+    assert resolve.resolve(q, k, v, "causal", False).NAME == "attn_bwd_causal_d192v128_m128n64w8s2_g1_bf16"
+    assert not resolve.resolve(q, k, v, "none", False, forward_only=True).NAME.endswith("_gluon")

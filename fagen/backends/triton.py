@@ -188,7 +188,7 @@ def tile_bytes(head_dim: int, dtype: DType, direction: Direction, block_m: int, 
     it and still does not fit fails in the compiler. With a V head dim of its own (head_dim_v), the V and dO tiles
     are that wide (padded the same way) and the Q and K tiles head_dim wide, in two parts where it is not a power of
     two ([Note] Split head dim in triton/attention.py.j2: 192 as 128 + 64). d192v128 bf16, estimated / compiled
-    (sm_90): fwd m128n64s3 170 / 170 KB, bwd m64n64s2 dK/dV and dQ 120 / 122 and 121 KB.
+    (sm_90): fwd m128n64s3 168 / 170 KB, bwd m64n64s2 dK/dV and dQ 120 / 122 and 121 KB.
     """
     d = 1 << (head_dim - 1).bit_length()  # the kernel pads D to a power of two
     dv = d if head_dim_v is None else 1 << (head_dim_v - 1).bit_length()

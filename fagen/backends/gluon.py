@@ -13,15 +13,23 @@ from fagen.spec import targets
 from fagen.spec.axes import Backend, Direction, DType, Kind, Mask, SpecError
 
 
-def smem_bytes(head_dim: int, block_m: int, block_n: int, num_stages: int, itemsize: int = 2) -> int:
+def smem_bytes(head_dim: int, block_m: int, block_n: int, num_stages: int, itemsize: int = 2,
+               head_dim_v: int | None = None) -> int:
     """Shared memory of the Gluon (Hopper) forward (fagen/templates/gluon/attention.py.j2, [Note] Roles).
 
     A program owns block_m query rows, block_m / 2 per consumer warpgroup. Each warpgroup has two Q buffers and
     one O staging buffer; the K/V ring holds num_stages K and V tiles of block_n rows; 2 bytes an element, plus
     1 KB for the mbarriers and triton's scratch. d128 m128 n128 s2: 230,400 bytes (compiled: 229,752). fp8
-    (itemsize 1): Q and K/V at 1 byte, O still 2 (bf16/fp16 out)."""
+    (itemsize 1): Q and K/V at 1 byte, O still 2 (bf16/fp16 out). MLA (head_dim_v < head_dim): V and O are
+    head_dim_v wide; d192 v128 m128 n64 s2: 214,016 bytes; a deeper ring ("lean") keeps one Q buffer per
+    warpgroup and stages O in it (block_n x num_stages over 64 x 2): n128 s2 214,016 bytes too."""
     half = block_m // 2
-    return (itemsize * (2 * 2 * half + 2 * num_stages * block_n) + 2 * 2 * half) * head_dim + 1024
+    dv = head_dim if head_dim_v is None else head_dim_v
+    lean = dv != head_dim and block_n * num_stages > 128  # the template's `lean` ([Note] Gluon MLA widths)
+    q_buffers, o_bytes = (1, 0) if lean else (2, 2 * 2 * half * dv)
+    return (itemsize * (2 * q_buffers * half + num_stages * block_n) * head_dim
+            + itemsize * num_stages * block_n * dv + o_bytes + 1024)
+
 
 
 # [Note] Gluon mod tiles. A score_mod that reads a captured tensor at an index using q_idx or kv_idx (KernelSpec.
@@ -37,8 +45,9 @@ class GluonBackend(KernelBackend):
     templates = {Kind.PREFILL: "gluon/attention.py.j2"}
     name_suffix = "_gluon"
     supported = {
-        "head_dim": ((64, 128), "the gluon backend supports head_dim 64 or 128 (a TMA box of whole 16-byte rows, "
-                                "one wgmma N tile); use backend 'triton' for other head dims"),
+        "head_dim": ((64, 128, 192), "the gluon backend supports head_dim 64 or 128 (a TMA box of whole 16-byte "
+                                     "rows, one wgmma N tile), and 192 with head_dim_v 128 (MLA prefill); use "
+                                     "backend 'triton' for other head dims"),
         "mask": ((Mask.NONE, Mask.CAUSAL), "the gluon backend supports masks 'none' and 'causal'; use backend "
                                            "'triton' for padding and tree masks"),
         "dtype": ((DType.FP16, DType.BF16, DType.FP8_E4M3), "the gluon backend computes fp16, bf16 and fp8_e4m3 "
@@ -49,6 +58,9 @@ class GluonBackend(KernelBackend):
         "num_warps": ((8,), "the gluon backend runs 8 consumer warps (two warpgroups) plus its producer warp"),
         "num_stages": ((2, 3, 4), "the gluon backend rings K/V through 2, 3 or 4 shared-memory slots"),
     }
+    # [Note] Gluon MLA widths (fagen/templates/gluon/attention.py.j2): the one pair of head dims that may differ,
+    # (head_dim, head_dim_v); head_dim 192 only with it.
+    mla_dims = (192, 128)
     # Score switches of the gluon forward ([Note] Gluon score switches in fagen/templates/gluon/attention.py.j2);
     # ALiBi and sinks are backend 'triton' only.
     switches = ("window", "softcap")
@@ -75,7 +87,8 @@ class GluonBackend(KernelBackend):
     # MHA: 540 vs 497 TF/s, same run; docs/hopper.md, "Score switches in the forward"). Not the softcap (470 vs
     # 477 TF/s, a tie lost), not window with softcap (not measured), never ALiBi or sinks (the gluon forward has
     # neither). fp8 has no other kernel: an fp8 spec is always this backend's. Where and when the rule applies (the
-    # device, $FAGEN_HOPPER, the problem size): [Note] Hopper selection in fagen/runtime/hopper.py.
+    # device, $FAGEN_HOPPER, the problem size): [Note] Hopper selection in fagen/runtime/hopper.py. MLA prefill
+    # (192/128): causal bf16, any gqa (select_mla below: 504 against 456 TF/s on the H100).
     selected_head_dims = (128,)
     selected_dtypes = (DType.BF16,)
     selected_masks = (Mask.NONE, Mask.CAUSAL)
@@ -84,6 +97,12 @@ class GluonBackend(KernelBackend):
     # scripts/gpu_gluon_mods.py measured the gluon modded forward at 1.27-1.78x the Triton one (softcap, ALiBi,
     # relative bias, a head bias; causal and full, S8192; docs/mods.md, "Gluon").
     select_score_mods = True
+    # MLA prefill (head_dim 192, head_dim_v 128; [Note] Gluon MLA widths): bf16, causal, no switch, no mod, any gqa.
+    # H100, causal b4 h16 s4096 (scripts/gpu_mla_prefill.py, 2026-11-26 14:23 UTC): the gluon forward (n64, 2 slots)
+    # 504 TF/s against the best Triton tile's 456 (m128n64w8s3, the default) and cuDNN's 580, same run, checked
+    # against float64. Mask none was not timed: the Triton forward keeps it.
+    select_mla = True
+    selected_mla_masks = (Mask.CAUSAL,)
 
     def default_config(self, spec, arch: str, given: dict) -> dict:
         """The measured default (docs/hopper.md), on sm_90 only. d128: 2 K/V slots, all that fits beside Q (two
@@ -92,19 +111,37 @@ class GluonBackend(KernelBackend):
         "fp8 forward")."""
         if spec.dtype is DType.FP8_E4M3:
             return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 4}
+        if (spec.head_dim, spec.head_dim_v) == self.mla_dims:  # [Note] Gluon MLA widths: 209 KB, 504 TF/s (H100)
+            return {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2}
         if spec.mod_gathers:  # [Note] Gluon mod tiles
             return {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 4}
         return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2 if spec.head_dim >= 128 else 3}
 
     def smem_bytes(self, spec) -> int:
-        return smem_bytes(spec.head_dim, spec.block_m, spec.block_n, spec.num_stages, spec.dtype.itemsize)
+        return smem_bytes(spec.head_dim, spec.block_m, spec.block_n, spec.num_stages, spec.dtype.itemsize,
+                          spec.head_dim_v)
+
+    def check_more(self, spec) -> None:
+        mla = (spec.head_dim, spec.head_dim_v) == self.mla_dims
+        if spec.head_dim_v != spec.head_dim and not mla:
+            raise SpecError("head_dim_v", spec.head_dim_v, f"the gluon backend takes head_dim_v = head_dim, or "
+                                                           f"{self.mla_dims[1]} with head_dim {self.mla_dims[0]} "
+                                                           "(MLA prefill); use backend 'triton' for other pairs")
+        if spec.head_dim == self.mla_dims[0] and not mla:
+            raise SpecError("head_dim_v", spec.head_dim_v, f"the gluon backend takes head_dim {spec.head_dim} with "
+                                                           f"head_dim_v {self.mla_dims[1]} only (MLA prefill); use "
+                                                           "backend 'triton' for other V widths")
 
     def selected(self, spec) -> bool:
         """Whether the measured rule ([Note] Gluon selection rule) picks the gluon forward for the case of `spec`."""
         if spec.dtype is DType.FP8_E4M3:  # the only fp8 kernel: selected wherever it exists
             return (spec.kind is Kind.PREFILL and spec.direction is Direction.FWD and spec.head_dim in (64, 128)
                     and spec.mask in self.selected_masks and spec.switches in ((), ("window",)))
-        if not (spec.kind is Kind.PREFILL and spec.direction is Direction.FWD
+        if (spec.head_dim, spec.head_dim_v) == self.mla_dims:
+            return (self.select_mla and spec.kind is Kind.PREFILL and spec.direction is Direction.FWD
+                    and spec.dtype in self.selected_dtypes and spec.mask in self.selected_mla_masks
+                    and not spec.switches and not spec.modded)
+        if not (spec.kind is Kind.PREFILL and spec.direction is Direction.FWD and spec.head_dim_v == spec.head_dim
                 and spec.head_dim in self.selected_head_dims and spec.dtype in self.selected_dtypes):
             return False
         if spec.modded:

@@ -34,8 +34,22 @@ class TritonBackend(KernelBackend):
             if spec.gqa >= 64:
                 return {"block_m": 64, "block_n": 32, "num_warps": 8, "num_stages": 2, **given}
             return {"block_m": 16, "block_n": 32, "num_warps": 4, "num_stages": 3, **given}
+        if (spec.head_dim, spec.head_dim_v) == (192, 128) and spec.kind is Kind.PREFILL and spec.mask != Mask.TREE \
+                and spec.dtype is not DType.FP32 and targets.TILE_FAMILY.get(arch) == "sm_90":
+            # [Note] MLA prefill tiles (192/128, sm_90). H100, causal b4 h16 s4096 bf16, TF/s, with [Note] Split head
+            # dim (scripts/gpu_mla_prefill.py, 2026-11-26 14:23 UTC; cuDNN through SDPA in the same run: fwd 580,
+            # bwd 417): fwd m128n64w8s3 456, m128n128w8s2 411, m128n64w8s2 (the default before) 338, m64n128w4s2
+            # 305, m64n128w8s2 233; bwd m128n64w8s2 243, m64n64w8s3 199, m64n64w8s2 (the default before) 184,
+            # m128n32w8s2 156, m64n32w8s2 117. sm_90 ptxas: fwd m128n64w8s3 162 registers, 0 spills, 170 KB;
+            # bwd m128n64w8s2 dK/dV 255 registers and 10 spilled words, dQ 237 and 0, 122/161 KB. Before the
+            # split (one 256-wide tile, benchmarks/serving.md): fwd m128n64w8s2 326, bwd m64n64w8s2 163.
+            tiles = dict(block_m=128, block_n=64, num_warps=8, num_stages=3 if spec.direction is Direction.FWD else 2)
+            return fit(tiles, lambda c: tile_bytes(spec.head_dim, spec.dtype, spec.direction, c["block_m"],
+                                                   c["block_n"], c["num_stages"], spec.head_dim_v),
+                       targets.smem_limit(arch), given)
         return default_config(max(spec.head_dim, spec.head_dim_v), spec.dtype, spec.direction, spec.kind,
-                              mask=spec.mask, arch=arch, layout=spec.layout, window=spec.window, given=given)
+                              mask=spec.mask, arch=arch, layout=spec.layout, window=spec.window, given=given,
+                              head_dim_v=spec.head_dim_v)
 
     def smem_bytes(self, spec) -> int:
         return smem_bytes(spec)
@@ -52,7 +66,7 @@ class TritonBackend(KernelBackend):
 
 def default_config(head_dim: int, dtype: DType, direction: Direction, kind: Kind, mask: Mask | None = None,
                    arch: str = tuned.DEFAULT_ARCH, layout: Layout = Layout.DENSE, window: bool = False,
-                   given: dict | None = None) -> dict:
+                   given: dict | None = None, head_dim_v: int | None = None) -> dict:
     """Block sizes, warps and stages used on `arch` when a spec leaves them unset.
 
     [Note] Tiles per arch
@@ -64,8 +78,8 @@ def default_config(head_dim: int, dtype: DType, direction: Direction, kind: Kind
     sm_80 and every one fits its 163 KB (tests/test_arch_defaults.py compiles them).
     """
     config = _tuned_or_hand(head_dim, dtype, direction, kind, mask, arch, layout, window)
-    return fit(config, lambda c: tile_bytes(head_dim, dtype, direction, c["block_m"], c["block_n"], c["num_stages"]),
-               targets.smem_limit(arch), given)
+    return fit(config, lambda c: tile_bytes(head_dim, dtype, direction, c["block_m"], c["block_n"], c["num_stages"],
+                                            head_dim_v), targets.smem_limit(arch), given)
 
 
 def _tuned_or_hand(head_dim: int, dtype: DType, direction: Direction, kind: Kind, mask: Mask | None, arch: str,
@@ -155,11 +169,12 @@ def _sm80_config(head_dim: int, direction: Direction, mask: Mask | None, layout:
 
 def smem_bytes(spec) -> int:
     """Shared memory a Triton spec's tiles need, estimated from the tiles the kernel stages (tile_bytes)."""
-    return tile_bytes(spec.head_dim, spec.dtype, spec.direction, spec.block_m, spec.block_n, spec.num_stages)
+    return tile_bytes(spec.head_dim, spec.dtype, spec.direction, spec.block_m, spec.block_n, spec.num_stages,
+                      spec.head_dim_v)
 
 
 def tile_bytes(head_dim: int, dtype: DType, direction: Direction, block_m: int, block_n: int,
-                      num_stages: int) -> int:
+               num_stages: int, head_dim_v: int | None = None) -> int:
     """Shared memory a Triton config's tiles need, estimated from the tiles the kernel stages.
 
     [Note] Shared-memory filter
@@ -170,15 +185,21 @@ def tile_bytes(head_dim: int, dtype: DType, direction: Direction, block_m: int, 
     module's forward runs with the same config, so the largest of the three must fit. Triton's real use differs a
     little (d128 bf16 m128n128s3: estimated 224/160/160 KB, compiled 225/162/161). Decode kernels stage the same
     tiles as the forward. A config over the limit by this estimate is rejected before compiling; one that passes
-    it and still does not fit fails in the compiler.
+    it and still does not fit fails in the compiler. With a V head dim of its own (head_dim_v), the V and dO tiles
+    are that wide (padded the same way) and the Q and K tiles head_dim wide, in two parts where it is not a power of
+    two ([Note] Split head dim in triton/attention.py.j2: 192 as 128 + 64). d192v128 bf16, estimated / compiled
+    (sm_90): fwd m128n64s3 168 / 170 KB, bwd m64n64s2 dK/dV and dQ 120 / 122 and 121 KB.
     """
     d = 1 << (head_dim - 1).bit_length()  # the kernel pads D to a power of two
-    tiles = block_m + 2 * num_stages * block_n
+    dv = d if head_dim_v is None else 1 << (head_dim_v - 1).bit_length()
+    if head_dim_v is not None and head_dim_v != head_dim and d != head_dim:  # [Note] Split head dim (templates)
+        d = d // 2 + max(16, 1 << (head_dim - d // 2 - 1).bit_length())
+    elements = block_m * d + num_stages * block_n * (d + dv)
     if direction is Direction.BWD:
-        dkdv = 2 * block_n + 2 * num_stages * min(block_m, 64)
-        dq = 2 * block_m + 2 * num_stages * min(block_n, 64)
-        tiles = max(tiles, dkdv, dq)
-    return tiles * d * DType(dtype).itemsize
+        dkdv = block_n * (d + dv) + num_stages * min(block_m, 64) * (d + dv)
+        dq = block_m * (d + dv) + num_stages * min(block_n, 64) * (d + dv)
+        elements = max(elements, dkdv, dq)
+    return elements * DType(dtype).itemsize
 
 
 def tma_loads(spec) -> bool:

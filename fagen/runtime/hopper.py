@@ -80,8 +80,8 @@ def is_hopper(device) -> bool:
 
 def gluon_twin(spec: KernelSpec) -> KernelSpec:
     """The gluon spec of the same case (its own default blocks)."""
-    return KernelSpec(head_dim=spec.head_dim, mask=spec.mask, gqa=spec.gqa, dtype=spec.dtype,
-                      backend=Backend.GLUON, **{name: True for name in spec.switches})
+    return KernelSpec(head_dim=spec.head_dim, head_dim_v=spec.head_dim_v, mask=spec.mask, gqa=spec.gqa,
+                      dtype=spec.dtype, backend=Backend.GLUON, **{name: True for name in spec.switches})
 
 
 def forward_spec(spec: KernelSpec, device) -> KernelSpec | None:
@@ -92,8 +92,8 @@ def forward_spec(spec: KernelSpec, device) -> KernelSpec | None:
     if spec.dtype is DType.FP8_E4M3:  # no Triton fp8 kernel to keep: $FAGEN_HOPPER does not apply
         fp8 = gluon_twin(spec)
         return fp8 if selected(fp8) and is_hopper(device) and gluon_missing() is None else None
-    case = KernelSpec(head_dim=spec.head_dim, mask=spec.mask, gqa=spec.gqa, dtype=spec.dtype, kind=spec.kind,
-                      **{name: True for name in spec.switches})
+    case = KernelSpec(head_dim=spec.head_dim, head_dim_v=spec.head_dim_v, mask=spec.mask, gqa=spec.gqa,
+                      dtype=spec.dtype, kind=spec.kind, **{name: True for name in spec.switches})
     if not (enabled() and selected(case) and is_hopper(device) and gluon_missing() is None):
         return None
     return gluon_twin(case)

@@ -169,7 +169,7 @@ class KernelSpec:
         ):
             value = getattr(self, name)
             put(name, config[name] if value is None else _int_field(name, value, lambda v: v in allowed, desc))
-        if self.backend is not Backend.TRITON and self.head_dim_v != self.head_dim:
+        if self.backend is Backend.CUDA and self.head_dim_v != self.head_dim:  # gluon: its check_more (MLA 192/128)
             raise SpecError("head_dim_v", self.head_dim_v, f"the {self.backend} backend takes one head dim for q, k "
                                                            f"and v (head_dim {self.head_dim}); use backend 'triton' "
                                                            "for a different V head dim")

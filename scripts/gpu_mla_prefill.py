@@ -1,0 +1,244 @@
+"""GPU check and timings of MLA prefill (head_dim 192, head_dim_v 128; issue 27: causal forward >= 1.0x and backward
+>= 0.9x the best peer in the same run, cuDNN through SDPA) at the bench's row shape: causal, b4 h16 s4096, bf16.
+
+    PYTHONPATH=$PWD python3 scripts/gpu_mla_prefill.py   # under ~120 s on an H100; one table; $OUT/gpu_mla_prefill.md
+    GPU_MLA_PREFILL_DRY=1 PYTHONPATH=$PWD python3 scripts/gpu_mla_prefill.py   # CPU interpreter, tiny shapes
+
+Rows: SDPA (cuDNN) forward and backward, the peer; fagen's default Triton forward and backward; the Gluon (sm_90)
+forward at four tiles ([Note] Gluon MLA widths; fagen.attention selects it for causal bf16), its fastest also
+checked at Sq != Sk, mask none and gqa 2; a few Triton tiles beside the defaults, backward first, then forward
+(each compiles for sm_90 on the CPU without spills or with the few words noted, within 227 KB: docs/serving.md,
+"MLA prefill"; past BUDGET_S the rest are skipped). Every
+fagen kernel is checked once against the float64 reference on one (batch, head) slice before it is timed: out for
+a forward, dq/dk/dv for a backward (given the default forward's out and lse). TF/s counts the causal flops as
+fagen's bench does: 2 * B * H * S * S * (192 + 128) / 2 for the forward, 2.5x that for the backward. The last rows
+name the fastest forward and backward and their ratio to cuDNN.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+DRY = os.environ.get("GPU_MLA_PREFILL_DRY") == "1"
+if DRY:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from gpu_rows import ROWS, T0, guarded, log, row  # noqa: E402
+from gpu_rows import bench as _bench  # noqa: E402
+
+import fagen  # noqa: E402
+from fagen.spec.axes import DType  # noqa: E402
+from fagen.verify import reference  # noqa: E402
+from fagen.verify.tolerances import TOLERANCE, compare  # noqa: E402
+
+DEV = "cpu" if DRY else "cuda"
+D, DV = 192, 128
+B, H, S = (1, 2, 80) if DRY else (4, 16, 4096)  # 80: not a multiple of any block
+BUDGET_S = 100  # candidate rows start only before this many seconds
+# After WATCHDOG_S seconds the table is printed and the run ends, whatever runs then (a hung kernel included).
+WATCHDOG_S = float(os.environ.get("GPU_MLA_PREFILL_WATCHDOG_S", 150))
+FWD_BEST: dict[str, float] = {}  # impl -> TF/s of the checked, timed rows
+BWD_BEST: dict[str, float] = {}
+PEER: dict[str, float] = {}  # "fwd"/"bwd" -> cuDNN's TF/s
+_FINISH, _DONE = threading.Lock(), []
+# Candidates beyond the defaults (a default among them is not run twice): sm_90 ptxas on the CPU (fagen's build,
+# triton 3.6, 2026-11-26, with [Note] Split head dim), registers and spilled words of the forward kernel, or of the
+# dK/dV and dQ kernels; shared memory in KB. Pruned: those that spill more or do not fit 227 KB (fwd m128n64w4s2
+# 52 words, m128n128w4s2 172; bwd m64n64w4s2 132, m64n128w8s2 64; m128n128 bwd over 227 KB).
+FWD_TILES = (  # H100 TF/s of the 14:23 UTC run (cuDNN 580 fwd, 417 bwd)
+    dict(block_m=128, block_n=64, num_warps=8, num_stages=3),  # 162 regs, 0 spills, 170 KB (456: the default)
+    dict(block_m=128, block_n=128, num_warps=8, num_stages=2),  # 198, 0, 210 KB (411)
+    dict(block_m=128, block_n=64, num_warps=8, num_stages=4),  # 162, 0, 210 KB
+    dict(block_m=128, block_n=32, num_warps=8, num_stages=4),  # 126, 0, 130 KB
+    dict(block_m=128, block_n=64, num_warps=8, num_stages=2),  # 162, 0, 130 KB (338: the default before)
+)
+# The gluon forward's tiles ([Note] Gluon MLA widths; sm_90 ptxas: 168 registers, spills in bytes): n64 s2 (the
+# default: two Q buffers per warpgroup and an O buffer, 209 KB, 0) and the lean ones (one Q buffer, O staged in
+# it): n128 s2 (209 KB, 4), n64 s3 (169 KB, 0), n64 s4 (209 KB, 0).
+GLUON_TILES = (
+    dict(block_m=128, block_n=64, num_warps=8, num_stages=2),
+    dict(block_m=128, block_n=128, num_warps=8, num_stages=2),
+    dict(block_m=128, block_n=64, num_warps=8, num_stages=3),
+    dict(block_m=128, block_n=64, num_warps=8, num_stages=4),
+)
+BWD_TILES = (
+    dict(block_m=128, block_n=64, num_warps=8, num_stages=2),  # dK/dV 255 regs 10 spilled, dQ 237 / 0 (243: default)
+    dict(block_m=128, block_n=64, num_warps=8, num_stages=3),  # 255 / 10, 241 / 0; 162/201 KB
+    dict(block_m=64, block_n=64, num_warps=8, num_stages=3),  # 255 / 10, 185 / 0; 162/161 KB (199)
+    dict(block_m=64, block_n=64, num_warps=8, num_stages=2),  # 255 / 10, 188 / 0; 122/121 KB (184: before)
+)
+
+
+def bench(fn) -> float:
+    return _bench(fn, DRY, warmup=10, rep=50)  # ms, median
+
+
+def tiles_name(spec) -> str:
+    return f"m{spec.block_m}n{spec.block_n}w{spec.num_warps}s{spec.num_stages}"
+
+
+def spec(direction="fwd", backend="triton", **tiles):
+    return fagen.KernelSpec(head_dim=D, head_dim_v=DV, mask="causal", dtype="bf16", direction=direction,
+                            backend=backend, **tiles)
+
+
+def main() -> None:
+    if not torch.cuda.is_available() and not DRY:
+        sys.exit("gpu_mla_prefill.py needs a CUDA GPU (GPU_MLA_PREFILL_DRY=1 rehearses it on the CPU)")
+    log(f"{'CPU rehearsal' if DRY else torch.cuda.get_device_name()}  torch {torch.__version__}  "
+        f"fagen {fagen.__file__}")
+    case = f"causal b{B} h{H} s{S} d{D}v{DV}"
+    watchdog(case, WATCHDOG_S)
+    flops = 2 * B * H * S * S * (D + DV) / 2
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    q = torch.randn(B, H, S, D, device=DEV, generator=gen).mul(2).bfloat16()
+    k = torch.randn(B, H, S, D, device=DEV, generator=gen).bfloat16()
+    v = torch.randn(B, H, S, DV, device=DEV, generator=gen).bfloat16()
+    do = torch.randn(B, H, S, DV, device=DEV, generator=gen).bfloat16()
+    sl = (slice(0, 1), slice(H - 1, H))  # one (batch, head) slice for the checks
+    q1, k1, v1, do1 = (t[sl].contiguous() for t in (q, k, v, do))
+    ref_in = [t.double().requires_grad_() for t in (q1, k1, v1)]
+    ref_out, _ = reference.attention(*ref_in, mask="causal")
+    ref_out.backward(do1.double())
+    ref_grads = [t.grad for t in ref_in]
+    fwd_best, bwd_best, peer = FWD_BEST, BWD_BEST, PEER
+
+    def run_fwd(s, label):
+        m = fagen.load(s)
+        err = compare("out", m.forward(q1, k1, v1)[0], ref_out.detach(), **TOLERANCE[DType.BF16])
+        t = bench(lambda: m.forward(q, k, v))
+        row("fwd", case, f"{label} {tiles_name(s)}", flops / t / 1e9, "TF/s", t, f"err {err:.1e}")
+        fwd_best[f"{label} {tiles_name(s)}"] = flops / t / 1e9
+        return m
+
+    default_fwd = guarded("fwd", case, "fagen default", lambda: run_fwd(spec(), "fagen default"))
+    def edges(backend, **tiles):  # what the selection rule would cover beyond the timed case: Sq != Sk, none, gqa 2
+        errs = []
+        for mask, gqa, sq, sk in (("causal", 1, S // 4 + 7, S // 2), ("none", 2, S // 2, S // 2),
+                                  ("causal", 2, S // 2, S // 2)):
+            m = fagen.load(fagen.KernelSpec(head_dim=D, head_dim_v=DV, mask=mask, dtype="bf16", gqa=gqa,
+                                            backend=backend, **tiles))
+            qe, ke, ve = q[:1, :gqa, :sq], k[:1, :1, :sk], v[:1, :1, :sk]
+            got, got_lse = m.forward(qe, ke, ve)
+            want, want_lse = reference.attention(qe.double(), ke.double(), ve.double(), mask=mask)
+            errs.append(compare(f"out {mask} gqa{gqa}", got, want, **TOLERANCE[DType.BF16]))
+            compare(f"lse {mask} gqa{gqa}", got_lse, want_lse, **TOLERANCE[DType.BF16])
+        row("check", case, f"{backend} {tiles_name(spec(backend=backend, **tiles))} edges", None, "", None,
+            f"PASS causal sq{S // 4 + 7} sk{S // 2}, none gqa2, causal gqa2 s{S // 2} (max err {max(errs):.1e})")
+
+    if DRY:
+        row("fwd", case, "gluon", None, "", None, "not run: Gluon kernels need sm_90 (no interpreter)")
+    else:  # the default tile (the d128 kernel's buffers) first; the lean tiles after the backward candidates
+        s0 = spec(backend="gluon", **GLUON_TILES[0])
+        guarded("fwd", case, f"gluon {tiles_name(s0)}", lambda: run_fwd(s0, "gluon"))
+    out, lse = default_fwd.forward(q, k, v) if default_fwd else (None, None)
+    out1, lse1 = default_fwd.forward(q1, k1, v1) if default_fwd else (None, None)
+
+    def run_bwd(s, label):
+        m = fagen.load(s)
+        errs = []
+        for name, got, want in zip(("dq", "dk", "dv"), m.backward(do1, q1, k1, v1, out1, lse1), ref_grads):
+            unit = max(1.0, want.abs().max().item())
+            errs.append(compare(name, got, want, atol=2e-2 * unit, rtol=2e-2) / unit)
+        t = bench(lambda: m.backward(do, q, k, v, out, lse))
+        row("bwd", case, f"{label} {tiles_name(s)}", 2.5 * flops / t / 1e9, "TF/s", t,
+            f"err (dq, dk, dv, / max) {max(errs):.1e}")
+        bwd_best[f"{label} {tiles_name(s)}"] = 2.5 * flops / t / 1e9
+
+    if out is not None:
+        guarded("bwd", case, "fagen default", lambda: run_bwd(spec("bwd"), "fagen default"))
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+
+    def sdpa(a, b, c):
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION if not DRY else SDPBackend.MATH):
+            return F.scaled_dot_product_attention(a, b, c, is_causal=True)
+
+    def run_sdpa():
+        with torch.no_grad():
+            err = compare("sdpa out", sdpa(q1, k1, v1), ref_out.detach(), **TOLERANCE[DType.BF16])
+            t_f = bench(lambda: sdpa(q, k, v))
+        name = "sdpa-cudnn" if not DRY else "sdpa-math"
+        row("fwd", case, name, flops / t_f / 1e9, "TF/s", t_f, f"err {err:.1e}")
+        o = sdpa(qg, kg, vg)
+        t_b = bench(lambda: torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True))
+        row("bwd", case, name, 2.5 * flops / t_b / 1e9, "TF/s", t_b)
+        peer.update(fwd=flops / t_f / 1e9, bwd=2.5 * flops / t_b / 1e9)
+    guarded("peer", case, "sdpa-cudnn", run_sdpa)
+
+    default_bwd_tiles = tiles_name(spec("bwd"))
+    for tiles in BWD_TILES:
+        s = spec("bwd", **tiles)
+        if tiles_name(s) == default_bwd_tiles or out is None:
+            continue
+        if time.time() - T0 > BUDGET_S:
+            row("bwd", case, f"fagen {tiles_name(s)}", None, "", None, "skipped: time budget")
+            continue
+        guarded("bwd", case, f"fagen {tiles_name(s)}", lambda s=s: run_bwd(s, "fagen"))
+
+    if DRY:
+        guarded("check", case, "triton edges", lambda: edges("triton"))  # the check's own code, rehearsed
+    else:
+        for tiles in GLUON_TILES[1:]:
+            s = spec(backend="gluon", **tiles)
+            if time.time() - T0 > BUDGET_S:
+                row("fwd", case, f"gluon {tiles_name(s)}", None, "", None, "skipped: time budget")
+                continue
+            guarded("fwd", case, f"gluon {tiles_name(s)}", lambda s=s: run_fwd(s, "gluon"))
+        gluon_rows = {name: tf for name, tf in fwd_best.items() if name.startswith("gluon")}
+        if gluon_rows:  # the fastest gluon tile, checked at the cases the selection would cover
+            best = max(gluon_rows, key=gluon_rows.get).split()[1]
+            tiles = next(t for t in GLUON_TILES if tiles_name(spec(backend="gluon", **t)) == best)
+            guarded("check", case, "gluon edges", lambda: edges("gluon", **tiles))
+
+    default_fwd_tiles = tiles_name(spec())
+    for tiles in FWD_TILES:
+        s = spec(**tiles)
+        if tiles_name(s) == default_fwd_tiles:
+            continue
+        if time.time() - T0 > BUDGET_S:
+            row("fwd", case, f"fagen {tiles_name(s)}", None, "", None, "skipped: time budget")
+            continue
+        guarded("fwd", case, f"fagen {tiles_name(s)}", lambda s=s: run_fwd(s, "fagen"))
+    finish(case)
+
+
+def finish(case, note="") -> None:
+    """The winner rows and the table, printed and written to $OUT once (by the run's end or by the watchdog)."""
+    with _FINISH:
+        if _DONE:
+            return
+        _DONE.append(True)
+        for direction, best in (("fwd", FWD_BEST), ("bwd", BWD_BEST)):
+            if best:
+                name, tf = max(best.items(), key=lambda kv: kv[1])
+                ratio = f"{tf / PEER[direction]:.2f}x cuDNN" if direction in PEER else "no peer"
+                row("winner", case, f"{direction}: {name}", tf, "TF/s", None, ratio)
+        lines = ["| section | case | impl | value | ms | note |", "|---|---|---|---|---|---|"]
+        lines += [f"| {' | '.join(r)} |" for r in ROWS]
+        text = "\n".join(lines) + (f"\n\n{note}" if note else "")
+        print("\n" + text, flush=True)
+        if os.environ.get("OUT"):
+            with open(os.path.join(os.environ["OUT"], "gpu_mla_prefill.md"), "w") as f:
+                f.write(text + "\n")
+
+
+def watchdog(case, after_s: float) -> None:
+    """A kernel that never returns (a barrier protocol gone wrong) would take the table with it: after `after_s`
+    seconds the rows so far are printed and the process ends."""
+    def run():
+        time.sleep(max(0.0, after_s - (time.time() - T0)))
+        finish(case, f"WATCHDOG: stopped at {time.time() - T0:.0f} s; the rows above are all that finished")
+        os._exit(3)
+    threading.Thread(target=run, daemon=True).start()
+
+
+if __name__ == "__main__":
+    main()

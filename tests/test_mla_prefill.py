@@ -1,0 +1,203 @@
+"""MLA prefill (head_dim 192, head_dim_v 128; docs/serving.md, "MLA prefill"): the Triton kernels' split head dim
+([Note] Split head dim in fagen/templates/triton/attention.py.j2) against the float64 reference on the CPU
+interpreter, the sm_90 tiles ([Note] MLA prefill tiles in fagen/backends/triton.py) compiled without more spills
+than claimed, and the Gluon forward's spec rules and sm_90 build ([Note] Gluon MLA widths)."""
+
+import pytest
+import torch
+
+import fagen
+from _env import DEVICE
+from fagen import backends
+from fagen.codegen.render import render
+from fagen.runtime.loader import load
+from fagen.spec.axes import DType, SpecError
+from fagen.spec.kernel import KernelSpec
+from fagen.verify import reference
+from fagen.verify.tolerances import GRAD_TOLERANCE, TOLERANCE, compare
+
+SMALL = dict(block_m=16, block_n=16)
+# (head_dim, head_dim_v): MLA's, and a split whose high part (8 columns) is padded to 16 and masked
+PAIRS = [(192, 128), (136, 64)]
+
+
+def _inputs(d, dv, sq, sk, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, 2, sq, d, generator=gen).to(dtype)
+    k = torch.randn(1, 1, sk, d, generator=gen).to(dtype)
+    v = torch.randn(1, 1, sk, dv, generator=gen).to(dtype)
+    do = torch.randn(1, 2, sq, dv, generator=gen).to(dtype)
+    return q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), do.to(DEVICE)
+
+
+@pytest.mark.parametrize("d, dv", [(192, 128), (136, 64), (40, 24)])
+def test_split_head_dim_renders_only_for_a_q_dim_that_is_no_power_of_two_beside_its_own_v_dim(d, dv):
+    lo = 1 << (d.bit_length() - 1)
+    hi = max(16, 1 << (d - lo - 1).bit_length())
+    for direction in ("fwd", "bwd"):
+        spec = KernelSpec(head_dim=d, head_dim_v=dv, mask="causal", dtype="bf16", direction=direction)
+        src = render(spec).files[".py"]
+        assert f"D_LO = tl.constexpr({lo})" in src and f"D_HI = tl.constexpr({hi})" in src
+        for other in (dict(head_dim=d), dict(head_dim=128, head_dim_v=64), dict(head_dim=64, head_dim_v=128)):
+            plain = render(KernelSpec(mask="causal", dtype="bf16", direction=direction, **other)).files[".py"]
+            assert "D_LO" not in plain
+
+
+@pytest.mark.parametrize("d, dv", PAIRS, ids=lambda p: str(p))
+@pytest.mark.parametrize("mask, sq, sk", [("causal", 40, 40), ("causal", 24, 40), ("none", 40, 24)])
+def test_split_forward_matches_float64(d, dv, mask, sq, sk):
+    spec = KernelSpec(head_dim=d, head_dim_v=dv, mask=mask, dtype="bf16", gqa=2, **SMALL)
+    q, k, v, _ = _inputs(d, dv, sq, sk, torch.bfloat16)
+    out, lse = load(spec).forward(q, k, v)
+    ref_out, ref_lse = reference.attention(q.double(), k.double(), v.double(), mask=mask)
+    compare("out", out, ref_out, **TOLERANCE[DType.BF16])
+    compare("lse", lse, ref_lse, **TOLERANCE[DType.BF16])
+
+
+@pytest.mark.parametrize("d, dv", PAIRS, ids=lambda p: str(p))
+@pytest.mark.parametrize("mask, sq, sk", [("causal", 40, 40), ("none", 24, 40)])
+def test_split_backward_matches_float64(d, dv, mask, sq, sk):
+    spec = KernelSpec(head_dim=d, head_dim_v=dv, mask=mask, dtype="fp32", gqa=2, direction="bwd", **SMALL)
+    q, k, v, do = _inputs(d, dv, sq, sk, torch.float32, seed=1)
+    module = load(spec)
+    out, lse = module.forward(q, k, v)
+    grads = module.backward(do, q, k, v, out, lse)
+    ref_in = [t.double().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = reference.attention(*ref_in, mask=mask)
+    ref_out.backward(do.double())
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_in):
+        unit = max(1.0, want.grad.abs().max().item())
+        tol = GRAD_TOLERANCE[DType.FP32]
+        compare(name, got, want.grad, atol=tol["atol"] * unit, rtol=tol["rtol"])
+
+
+def test_mla_defaults_on_sm90_and_elsewhere():
+    fwd = KernelSpec(head_dim=192, head_dim_v=128, mask="causal", dtype="bf16")
+    bwd = KernelSpec(head_dim=192, head_dim_v=128, mask="causal", dtype="bf16", direction="bwd")
+    assert fwd.name == "attn_fwd_causal_d192v128_m128n64w8s3_g1_bf16"  # [Note] MLA prefill tiles: the H100's best
+    assert bwd.name == "attn_bwd_causal_d192v128_m128n64w8s2_g1_bf16"
+    assert "m64n32w4s2" in fwd.for_arch("sm_80").name  # sm_80 keeps its fitted wide tile
+    # 128/64 and 64/128 take d128's tiles, which fit sm_90 by fagen's estimate
+    for d, dv in ((128, 64), (64, 128)):
+        for direction in ("fwd", "bwd"):
+            spec = KernelSpec(head_dim=d, head_dim_v=dv, mask="causal", dtype="bf16", direction=direction)
+            assert "m128n128w8s3" in spec.name and backends.smem_bytes(spec) <= 227 * 1024
+
+
+# -- the Gluon forward ---------------------------------------------------------------------------------------------
+def test_gluon_takes_mla_192_128_with_its_own_default_tile():
+    spec = KernelSpec(backend="gluon", head_dim=192, head_dim_v=128, mask="causal", dtype="bf16")
+    assert spec.name == "attn_fwd_causal_d192v128_m128n64w8s2_g1_bf16_gluon"
+    # Q 2 x 2 x 64 x 192, K 2 x 64 x 192, V 2 x 64 x 128, O 2 x 64 x 128, bf16, + 1 KB
+    assert backends.smem_bytes(spec) == 2 * (4 * 64 * 192 + 2 * 64 * 192 + 2 * 64 * 128 + 2 * 64 * 128) + 1024
+    # selected where the H100 run timed it faster than the Triton forward: causal bf16 ([Note] Gluon selection rule)
+    assert backends.GLUON.selected(spec)
+    assert not backends.GLUON.selected(KernelSpec(backend="gluon", head_dim=192, head_dim_v=128, mask="none",
+                                                  dtype="bf16"))
+    assert not backends.GLUON.selected(KernelSpec(backend="gluon", head_dim=192, head_dim_v=128, mask="causal",
+                                                  dtype="fp16"))
+    # lean (a deeper K/V ring): one Q buffer per warpgroup and no O buffer
+    lean = KernelSpec(backend="gluon", head_dim=192, head_dim_v=128, mask="causal", dtype="bf16", block_n=128)
+    assert backends.smem_bytes(lean) == 2 * (2 * 64 * 192 + 2 * 128 * 192 + 2 * 128 * 128) + 1024
+
+
+@pytest.mark.parametrize("fields, field, fragment", [
+    (dict(head_dim=192), "head_dim_v", "head_dim_v 128 only"),
+    (dict(head_dim=128, head_dim_v=64), "head_dim_v", "use backend 'triton'"),
+    (dict(head_dim=192, head_dim_v=64), "head_dim_v", "use backend 'triton'"),
+    (dict(head_dim=192, head_dim_v=128, dtype="fp8_e4m3"), "head_dim", "fp8 forward supports head_dim 64 or 128"),
+    (dict(head_dim=192, head_dim_v=128, block_n=128, num_stages=3), "num_stages", "shared memory"),
+    (dict(head_dim=192, head_dim_v=128, direction="bwd"), "direction", "forward only"),
+])
+def test_gluon_mla_limits_name_the_field(fields, field, fragment):
+    with pytest.raises(SpecError) as info:
+        KernelSpec(**{"backend": "gluon", "mask": "causal", "dtype": "bf16", **fields})
+    assert info.value.field == field and fragment in str(info.value), str(info.value)
+
+
+_GLUON_SCRIPT = r"""
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
+import fagen
+from fagen.spec.kernel import KernelSpec
+from sm90 import ptxas
+
+out = {}
+for key, fields in json.loads(sys.argv[2]).items():
+    mod = fagen.load(KernelSpec(backend="gluon", **fields))
+    ck = mod.compile_for()
+    res = ptxas(ck.asm["ptx"])[0]["_attn_fwd_hopper"]
+    out[key] = dict(shared=ck.metadata.shared, spills=res.spill_stores + res.spill_loads, stack=res.stack,
+                    wgmma=ck.asm["ptx"].count("wgmma.mma_async"), tma=ck.asm["ptx"].count("cp.async.bulk.tensor"))
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_gluon_mla_builds_for_sm90_within_its_formula_without_spills(tmp_path_factory):
+    from test_hopper_compile import build_sm90
+
+    fields = dict(head_dim=192, head_dim_v=128, mask="causal", dtype="bf16")
+    modules = {"mla": fields, "lean_n128": dict(fields, block_n=128), "lean_s3": dict(fields, num_stages=3)}
+    built = build_sm90(tmp_path_factory, _GLUON_SCRIPT, modules, "gluon-mla")
+    for key, r in built.items():
+        formula = backends.smem_bytes(KernelSpec(backend="gluon", **modules[key]))
+        assert formula - 1024 <= r["shared"] <= formula <= 227 * 1024, (key, r)
+        # ptxas counts bytes: lean n128 stores and reloads 4 (8 of stack); the H100 run times it beside the others
+        assert r["spills"] <= (8 if key == "lean_n128" else 0) and r["stack"] <= (8 if key == "lean_n128" else 0), r
+    r = built["mla"]
+    # S in 3 chained K = 64 parts (4 wgmma each) and P V (4 at block_n 64), in the prologue, two step loops and
+    # the epilogue of 2 warpgroups: the same count as one K = 192 S
+    assert r["wgmma"] >= 2 * (12 + 2 * (12 + 4) + 4), r
+    assert r["tma"] >= 3 + 3 + 1 + 1, r  # Q and K in 3 chunks each, V, the O store
+
+
+def test_triton_mla_defaults_build_for_sm90_with_the_spills_claimed(tmp_path):
+    from fagen.aot.build import build
+
+    specs = [KernelSpec(head_dim=192, head_dim_v=128, mask="causal", dtype="bf16", direction=d) for d in ("fwd", "bwd")]
+    report = build(specs, ["sm_90"], tmp_path, jobs=1, keep_going=True, manifest=False)
+    assert not report.failures, report.failures
+    kernels = {(r["name"], k["name"]): k for r in report.records for k in r["kernels"]}
+    assert len(kernels) == 1 + 4, kernels  # the forward's kernel; the bwd module's forward, preprocess, dK/dV, dQ
+    # [Note] MLA prefill tiles: no spills but the dK/dV kernel's 10 words (24 before the split head dim)
+    for (variant, name), k in kernels.items():
+        assert k["shared"] <= 227 * 1024, (variant, name, k)
+        assert k["spills"] <= (10 if name == "_attn_bwd_dkdv" else 0), (variant, name, k)
+
+
+def test_hopper_selection_keeps_head_dim_v_and_follows_select_mla(monkeypatch):
+    from fagen.runtime import hopper
+
+    monkeypatch.setattr(hopper, "is_hopper", lambda device: True)
+    monkeypatch.setattr(hopper, "gluon_missing", lambda: None)
+    monkeypatch.delenv(hopper.ENV, raising=False)
+    spec = KernelSpec(head_dim=192, head_dim_v=128, mask="causal", dtype="bf16", gqa=2, direction="bwd")
+    monkeypatch.setattr(backends.GLUON, "select_mla", False)
+    assert hopper.forward_spec(spec, "cuda") is None
+    monkeypatch.setattr(backends.GLUON, "select_mla", True)
+    twin = hopper.forward_spec(spec, "cuda")
+    assert twin.backend.value == "gluon" and (twin.head_dim, twin.head_dim_v, twin.gqa) == (192, 128, 2)
+    none = KernelSpec(head_dim=192, head_dim_v=128, mask="none", dtype="bf16")
+    assert hopper.forward_spec(none, "cuda") is None  # not timed: the Triton forward keeps it
+    # other V widths and the plain d128 rule are unchanged
+    assert hopper.forward_spec(KernelSpec(head_dim=128, head_dim_v=64, mask="causal", dtype="bf16"), "cuda") is None
+    assert hopper.forward_spec(KernelSpec(head_dim=128, mask="none", dtype="bf16"), "cuda").head_dim_v == 128
+
+
+def test_fagen_attention_routes_forward_only_mla_causal_to_gluon(monkeypatch):
+    """resolve() gives the gluon module for a forward-only causal 192/128 call on sm_90 (pretended), the Triton bwd
+    module with gradients, and the Triton one for mask none."""
+    from fagen.runtime import api, hopper, resolve
+
+    monkeypatch.setattr(hopper, "is_hopper", lambda device: True)
+    monkeypatch.setattr(hopper, "gluon_missing", lambda: None)
+    monkeypatch.delenv(hopper.ENV, raising=False)
+    monkeypatch.setattr(resolve, "_FAST", {})
+    monkeypatch.setattr(api, "_FAST", resolve._FAST)
+    q = torch.zeros(1, 2, 8, 192, dtype=torch.bfloat16)
+    k, v = torch.zeros(1, 2, 8, 192, dtype=torch.bfloat16), torch.zeros(1, 2, 8, 128, dtype=torch.bfloat16)
+    fwd = resolve.resolve(q, k, v, "causal", False, forward_only=True)
+    assert fwd.NAME == "attn_fwd_causal_d192v128_m128n64w8s2_g1_bf16_gluon"
+    assert resolve.resolve(q, k, v, "causal", False).NAME == "attn_bwd_causal_d192v128_m128n64w8s2_g1_bf16"
+    assert not resolve.resolve(q, k, v, "none", False, forward_only=True).NAME.endswith("_gluon")

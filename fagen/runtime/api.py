@@ -177,7 +177,10 @@ def _modded(q, k, v, *, window, softcap, alibi_slopes, sinks, packed, **rest):
     scores = {name: value for name, value in zip(_SCORE_ARGS, (window, softcap, alibi_slopes, sinks))
               if value is not None}
     switches = tuple(name for name, arg in zip(SCORE_SWITCHES, _SCORE_ARGS) if arg in scores)
-    return modded.attention(q, k, v, scores=scores, switches=switches, packed=packed, **rest)
+    out = modded.attention(q, k, v, scores=scores, switches=switches, packed=packed, **rest)
+    if type(out) is modded.Plain:  # the mods were exactly built-in switches (fagen/mods/lower.py): run those
+        return attention(q, k, v, **out.kwargs)
+    return out
 
 
 def _varlen(q, k, v, mask, scale, scores, switches, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check):

@@ -9,11 +9,14 @@ dict lookup for the trace, a walk of the recorded closure paths (read_captures) 
 
 from __future__ import annotations
 
+import dataclasses
 from types import ModuleType
 
 import torch
 
+from fagen.codegen.args import SWITCH_KEYWORD
 from fagen.codegen.mod_args import ModArgs
+from fagen.mods import lower as lowering
 from fagen.mods.text import ModScalar, ModTensor
 from fagen.runtime import hopper
 from fagen.runtime.device import gpu_arch
@@ -21,7 +24,7 @@ from fagen.runtime.loader import load
 from fagen.runtime.mods import Mods, prepare
 from fagen.runtime.resolve import AttentionError, fast_key, spec_for
 from fagen.spec.axes import Layout
-from fagen.spec.kernel import KernelSpec, SpecError
+from fagen.spec.kernel import SCORE_SWITCHES, KernelSpec, SpecError
 from fagen.spec.tuned import DEFAULT_ARCH
 
 _MODULES: dict[tuple, tuple[ModuleType, ModArgs]] = {}
@@ -144,14 +147,23 @@ def attention(q, k, v, *, mask, scale, seqlens_q, seqlens_k, tree_mask, scores: 
     if block_mask is not None and mask_mod is None:
         raise AttentionError("block_mask: describes a mask_mod's blocks; pass that mask_mod= as well")
     mods = prepare(score_mod=score_mod, mask_mod=mask_mod)
+    low = _lower(mods, q, k, mask, scores, seqlens_q, seqlens_k, block_mask, packed) if lowering.ENABLED else None
+    LOWERED[0] = None if low is None else low.label
+    if low is not None:  # [Note] Mod lowering (fagen/mods/lower.py): the built-in switches' kernels serve
+        if block_mask is not None and low.mask_lowered:
+            _check_call_block_mask(block_mask, mods, q, k, packed)  # validated, then unused
+            block_mask = None
+        scores = {**scores, **low.scores}
+        switches = tuple(name for name in SCORE_SWITCHES if SWITCH_KEYWORD[name] in scores)
+        if low.fields is None:  # nothing left: fagen.attention's plain path, with its own kernel choice
+            return Plain(dict(mask=low.mask, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
+                              tree_mask=tree_mask, check=check, **scores, **(packed or {})))
+        mask, mods = low.mask, Mods(mods.traced, low.fields, {n: mods.values[n] for n in low.names})
+        score_mod, mask_mod = (score_mod if low.fields[0] else None), (mask_mod if low.fields[1] else None)
     module, args = module_for(q, k, v, mask, switches, mods, Layout.DENSE if packed is None else Layout.VARLEN)
     check_values(q, args, mods.values)
     if block_mask is not None:
-        if packed is None:
-            _check_block_mask(block_mask, mods, q.device, q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-        else:  # B sequences, positions within each: built for (B, H, max_seqlen_q, max_seqlen_k)
-            _check_block_mask(block_mask, mods, q.device, packed["cu_seqlens_q"].shape[0] - 1, q.shape[1],
-                              packed["max_seqlen_q"], packed["max_seqlen_k"])
+        _check_call_block_mask(block_mask, mods, q, k, packed)
     if mask_mod is not None:
         scores = {**scores, "block_mask": block_mask}
     layout = dict(seqlens_q=seqlens_q, seqlens_k=seqlens_k, tree_mask=tree_mask) if packed is None else packed
@@ -165,6 +177,40 @@ def attention(q, k, v, *, mask, scale, seqlens_q, seqlens_k, tree_mask, scores: 
             module = _forward_twin(module, mods.fields, short)
         return module.forward(q, k, v, **kw)[0]  # no autograd node to build
     return module.attention(q, k, v, **kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plain:
+    """attention's answer when the mods were exactly built-in switches: fagen.attention's keywords for its plain
+    path (fagen/runtime/api.py runs them)."""
+    kwargs: dict
+
+
+LOWERED: list = [None]  # what the last call's mods became ("causal+window(1024,0)"), None: not lowered (bench, tests)
+
+
+def _lower(mods: Mods, q, k, mask, scores: dict, seqlens_q, seqlens_k, block_mask, packed):
+    """This call's lowering of its mods ([Note] Mod lowering in fagen/mods/lower.py), or None."""
+    traced = mods.traced
+    p = lowering.plan(mods.fields, traced.score_mod, traced.mask_mod)
+    if p is None:
+        return None
+    mask = str(mask.value if hasattr(mask, "value") else mask)
+    if packed is None:
+        offset = lowering.alignment(mask, q.shape[2], k.shape[2], seqlens_q, seqlens_k, False)
+    else:
+        offset = lowering.alignment(mask, packed["max_seqlen_q"], packed["max_seqlen_k"], packed["cu_seqlens_q"],
+                                    packed["cu_seqlens_k"], True)
+    return lowering.lower(p, mods.fields, (traced.score_mod, traced.mask_mod), mods.values, mask=mask,
+                          offset=offset, scores=scores, block_mask=block_mask is not None)
+
+
+def _check_call_block_mask(block_mask, mods: Mods, q, k, packed) -> None:
+    if packed is None:
+        _check_block_mask(block_mask, mods, q.device, q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    else:  # B sequences, positions within each: built for (B, H, max_seqlen_q, max_seqlen_k)
+        _check_block_mask(block_mask, mods, q.device, packed["cu_seqlens_q"].shape[0] - 1, q.shape[1],
+                          packed["max_seqlen_q"], packed["max_seqlen_k"])
 
 
 _GLUON: dict[tuple, ModuleType] = {}

@@ -59,7 +59,12 @@ def _window(w):
     (lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx <= W + 2) & (q_idx - kv_idx <= 4 + W),
      "none", 40, 40, ("causal", {"window": (W + 2, 0)}, None)),
     (lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (h == 1), "none", 40, 40, ("causal", {}, (None, "h == 1"))),
-    (lambda b, h, q_idx, kv_idx: torch.abs(q_idx - kv_idx) <= W, "none", 40, 40, None),
+    (lambda b, h, q_idx, kv_idx: torch.abs(q_idx - kv_idx) <= W, "none", 40, 40, ("none", {"window": (W, W)}, None)),
+    (lambda b, h, q_idx, kv_idx: W > torch.abs(kv_idx - q_idx + 2), "none", 40, 40,
+     ("none", {"window": (W + 1, W - 3)}, None)),  # -W < kv - q + 2 < W
+    (lambda b, h, q_idx, kv_idx: torch.abs(q_idx - kv_idx) >= W, "none", 40, 40, None),  # outside a band
+    (g.generate_dilated_sliding_window(6, 2), "none", 40, 40,
+     ("none", {"window": (6, 6)}, (None, "abs(q_idx - kv_idx) % dilation == 0"))),
     (lambda b, h, q_idx, kv_idx: q_idx - kv_idx <= -1, "none", 40, 40, None),  # a negative extent
     (lambda b, h, q_idx, kv_idx: q_idx >= kv_idx + 0 * h, "none", 40, 40, None),  # reads h: not an interval atom
 ])
@@ -170,6 +175,8 @@ def test_a_changed_closure_number_compiles_nothing_and_still_lowers(monkeypatch)
     (47, 40, dict(mask_mod=lambda b, h, q_idx, kv_idx: (kv_idx - q_idx <= 2) & (q_idx - kv_idx <= 9)),
      "window(2,9)"),
     (40, 40, dict(mask_mod=lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (h % 2 == 0)), "causal"),
+    (40, 40, dict(mask_mod=g.generate_dilated_sliding_window(6, 3)), "window(6,6)"),  # the % stays a mask_mod
+    (42, 40, dict(mask_mod=lambda b, h, q_idx, kv_idx: torch.abs(q_idx - kv_idx) < W), "window(2,6)"),
 ])
 def test_near_misses_and_other_shapes_match_the_reference(sq, sk, kw, label):
     q, k, v, do = _qkv(1, 2, 2, sq, sk)

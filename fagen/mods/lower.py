@@ -211,6 +211,12 @@ def _bounds(atom: ir.Node):
         op, a, b = atom.op, atom.a, atom.b
     else:
         return None
+    if op in ("<", "<=") and isinstance(a, ir.Unary) and a.op == "abs" \
+            or op in (">", ">=") and isinstance(b, ir.Unary) and b.op == "abs":
+        band, u = (a.x, b) if op in ("<", "<=") else (b.x, a)  # |x| <= u: -u <= x <= u (a symmetric window)
+        strict = "<" if op in ("<", ">") else "<="
+        low, high = _bounds(ir.binary(strict, band, u)), _bounds(ir.binary(strict, ir.unary("neg", u), band))
+        return None if low is None or high is None else (low[0] + high[0], low[1] + high[1])
     la, lb = _linear(a), _linear(b)
     if la is None or lb is None or la[1] + lb[1] > MAX_LEAVES:
         return None

@@ -242,3 +242,17 @@ def test_a_partly_lowered_mask_mod_keeps_the_rest_and_its_tensors():
     ref = (ref, *torch.autograd.grad(ref, leaves, do.double()))
     for a, b in zip(got, ref):
         assert (a.double() - b).abs().max().item() < 4 * TOL[torch.float32]
+
+
+def test_sinks_and_rows_that_see_no_key_agree_lowered_and_not(monkeypatch):
+    q, k, v, do = _qkv(1, 2, 2, 47, 40)  # mask="causal" at Sq > Sk: rows 0..6 see no key
+    sinks = torch.randn(2, device=DEVICE).requires_grad_()
+    kw = dict(mask="causal", sinks=sinks, mask_mod=g.generate_sliding_window(9))
+    got = fagen.attention(q, k, v, **kw)
+    assert modded.LOWERED[0] == "causal+window(2,0)"  # i_aligned = q_idx - 7
+    got = (got, *torch.autograd.grad(got, (q, k, v, sinks), do))
+    monkeypatch.setattr(lowering, "ENABLED", False)
+    want = fagen.attention(q, k, v, **kw)
+    want = (want, *torch.autograd.grad(want, (q, k, v, sinks), do))
+    assert got[0][:, :, :7].abs().max() == 0
+    assert max((a - b).abs().max().item() for a, b in zip(got, want)) < 2e-5

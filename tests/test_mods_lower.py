@@ -256,3 +256,17 @@ def test_sinks_and_rows_that_see_no_key_agree_lowered_and_not(monkeypatch):
     want = (want, *torch.autograd.grad(want, (q, k, v, sinks), do))
     assert got[0][:, :, :7].abs().max() == 0
     assert max((a - b).abs().max().item() for a, b in zip(got, want)) < 2e-5
+
+
+def test_a_softcap_lowers_beside_a_mask_mod_and_its_block_mask():
+    q, k, v, do = _qkv(1, 2, 2, 45, 45)
+    mask_mod = g.generate_doc_mask_mod(g.causal_mask, g.length_to_offsets([13, 32], DEVICE))
+    block_mask = fagen.create_block_mask(mask_mod, None, None, 45, 45, device=DEVICE, block_size=16)
+    kw = dict(score_mod=g.generate_tanh_softcap(5.0), mask_mod=mask_mod)
+    got = _run(q, k, v, do, block_mask=block_mask, **kw)
+    assert modded.LOWERED[0] == "softcap"  # the block mask still serves the document mask
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = reference.attention(*leaves, **kw)[0]
+    ref = (ref, *torch.autograd.grad(ref, leaves, do.double()))
+    for a, b in zip(got, ref):
+        assert (a.double() - b).abs().max().item() < 4 * TOL[torch.float32]

@@ -270,3 +270,15 @@ def test_a_softcap_lowers_beside_a_mask_mod_and_its_block_mask():
     ref = (ref, *torch.autograd.grad(ref, leaves, do.double()))
     for a, b in zip(got, ref):
         assert (a.double() - b).abs().max().item() < 4 * TOL[torch.float32]
+
+
+@pytest.mark.parametrize("value, enabled", [("0", False), ("off", False), ("1", True), ("", True)])
+def test_the_environment_turns_lowering_off(value, enabled):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, FAGEN_MOD_LOWERING=value)
+    res = subprocess.run([sys.executable, "-c", "from fagen.mods import lower; print(lower.ENABLED)"], env=env,
+                         capture_output=True, text=True, check=True)
+    assert res.stdout.strip() == str(enabled)

@@ -5,9 +5,9 @@ kernel. The traced trees are matched once per mods (memoised by their spec field
 closure's current numbers and the call's shapes and decides:
   - a mask_mod that is a conjunction (`&`) of comparisons between `q_idx - kv_idx` and an int expression of
     constants and int closure numbers (`q_idx >= kv_idx`, `kv_idx <= q_idx`, attention-gym's
-    `generate_sliding_window(w)`: `(q_idx - kv_idx <= w) & (q_idx >= kv_idx)`, `kv_idx - q_idx < w`, ...) bounds
-    each row's keys to `q_idx - L <= kv_idx <= q_idx + R`. Where the built-in masks' bottom-right alignment is a
-    host-known offset d (`i_aligned = q_idx + d`: dense mask none/causal d = Sk - Sq; padding, causal+padding and
+    `generate_sliding_window(w)`: `(q_idx - kv_idx <= w) & (q_idx >= kv_idx)`, `kv_idx - q_idx < w`, ...;
+    `abs(q_idx - kv_idx) <= w` is two of them) bounds each row's keys to `q_idx - L <= kv_idx <= q_idx + R`.
+    Where the built-in masks' bottom-right alignment is a host-known offset d (`i_aligned = q_idx + d`: dense mask none/causal d = Sk - Sq; padding, causal+padding and
     varlen d = 0 when the q and k lengths are one tensor object), that is the window (L + d, R - d); a right bound
     of 0 (or a built-in causal mask, which ANDs with it) is the causal mask, so `q_idx >= kv_idx` with Sq = Sk is
     mask="causal", and the sliding window is mask="causal", window=(w, 0). The other comparisons of the
@@ -23,9 +23,9 @@ closure's current numbers and the call's shapes and decides:
     mod and has no |.|, so it equals the switch's `-slope[h] * |j - i_aligned|` only under a causal mask with
     Sq = Sk, and the switch would need a slopes tensor made per call.
 Both paths give the same attention to rounding (the tests compare them and the float64 reference); the switch
-kernels skip key blocks by interval reasoning and take the Gluon forward on sm_90. `FAGEN_MOD_LOWERING=0` (read
-at import) or `ENABLED = False` turns lowering off; the differential tests of mods against switches run with it
-off.
+kernels skip key blocks by interval reasoning and take the Gluon forward on sm_90. `FAGEN_MOD_LOWERING=0` (or
+off, false, no; read at import) or `ENABLED = False` turns lowering off; the differential tests of mods against
+the switch kernels run with it off.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import os
 from fagen.mods import ir
 from fagen.mods.text import to_text
 
-ENABLED = os.environ.get("FAGEN_MOD_LOWERING", "1") != "0"
+ENABLED = os.environ.get("FAGEN_MOD_LOWERING", "1").strip().lower() not in ("0", "off", "false", "no")
 LIMIT = 1 << 24  # |numbers|, Sq and Sk within which the mod's int32 arithmetic cannot wrap (64 leaves at most)
 MAX_LEAVES = 64
 

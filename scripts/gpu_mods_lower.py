@@ -14,6 +14,8 @@ generate_sliding_window(1024) with its block mask, and FlexAttention with flex's
 Checks: a lowered call is served by the switch kernel (its out and dq, dk, dv are the switch call's bits, and it
 says what it became); an unlowered one agrees with the switch kernel within bf16's tolerance. The table gives ms,
 useful TF/s (4 * D per visible pair forward, 3.5x that forward+backward) and the time against the switch kernel.
+Then the sliding window's closure number changed on every call (no gradient), lowered and unlowered: kernel
+variants compiled in the loop and host time per call against an unchanged number.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ DT = torch.float32 if DRY else torch.bfloat16  # the interpreter's bf16 dots are
 DTYPE = "fp32" if DRY else "bf16"
 B, H, S, D = (1, 2, 80, 32) if DRY else (1, 16, 8192, 128)
 WIN = 9 if DRY else 1024
+S_HOST = S if DRY else 1024  # the changed-number loop's sequence, short enough that the host bounds a call
 CAP = 30.0
 FLEX = not DRY and os.environ.get("GPU_MODS_LOWER_FLEX", "1") != "0"
 ROWS: list[dict] = []
@@ -114,8 +117,8 @@ def case_rows(case, switch_kw, mod_kw, flex_mods):
             scales = [max(1.0, b.float().abs().max().item()) for _, b in pairs_]  # the grads' own size
 
             def verdict(label=label, diffs=diffs, scales=scales, on=on):
-                note = f"{'lowered to ' + label if label else 'not lowered'}; max diff out {diffs[0]:.1e} (grad {diffs[1]:.1e}), dq dk dv " \
-                       f"{max(diffs[2:]):.1e}"
+                note = f"{'lowered to ' + label if label else 'not lowered'}; max diff out {diffs[0]:.1e} " \
+                       f"(grad {diffs[1]:.1e}), dq dk dv {max(diffs[2:]):.1e}"
                 if on:
                     assert label is not None, "not lowered"
                     assert max(diffs) == 0, f"not the switch kernel's bits: {note}"
@@ -148,6 +151,48 @@ def case_rows(case, switch_kw, mod_kw, flex_mods):
         timed(case, "flex", "-", q, k, v, do, attend_flex, switch_ms)
 
 
+def changed_window():
+    """A closure window number changed on every call (the bench's changed-scalar row: S 1024, no gradient):
+    kernel variants compiled during the loop and host time per call against an unchanged number, lowered (the
+    switch kernels, whose window ints Triton specialises by value class: 1, a multiple of 16, other) and unlowered
+    (the modded kernels, which list their ints in do_not_specialize)."""
+    from fagen.bench.mods import _compiled_kernels
+
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(B, H, S_HOST, D, generator=gen).to(DEV, DT) for _ in range(3))  # host-bound calls
+    widths = [WIN + 3, WIN + 5, WIN + 16 - WIN % 16, WIN + 7, 1, 2, WIN + 32 - WIN % 16, WIN + 9] * (1 if DRY else 25)
+    for on in (True, False):
+        lowering.ENABLED = on
+        try:
+            with torch.no_grad():
+                fixed = g.generate_sliding_window(WIN + 3)
+                fagen.attention(q, k, v, mask_mod=fixed)
+                before = _compiled_kernels() if not DRY else 0
+                times = {}
+                for label, fns in (("unchanged", [fixed] * len(widths)),
+                                   ("changed", [g.generate_sliding_window(w) for w in widths])):
+                    if DEV == "cuda":
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    for fn in fns:
+                        fagen.attention(q, k, v, mask_mod=fn)
+                    times[label] = (time.perf_counter() - t0) / len(fns) * 1e6
+                    if DEV == "cuda":
+                        torch.cuda.synchronize()
+                compiled = (_compiled_kernels() if not DRY else 0) - before
+                label = modded.LOWERED[0]
+            log(f"changed window, lowering {'on' if on else 'off'} (last: {label}): {compiled} kernel variants "
+                f"compiled in the loop; host {times['changed']:.0f} us/call changed, {times['unchanged']:.0f} "
+                f"unchanged ({times['changed'] / times['unchanged']:.2f}x)")
+            SCALARS.append(dict(lowering=on, compiled=compiled, changed_us=times["changed"],
+                                unchanged_us=times["unchanged"]))
+        finally:
+            lowering.ENABLED = True
+
+
+SCALARS: list[dict] = []
+
+
 def block_mask(mask_mod):
     return fagen.create_block_mask(mask_mod, None, None, S, S, device=DEV, block_size=16 if DRY else 128)
 
@@ -172,16 +217,26 @@ def main() -> int:
             import traceback
 
             traceback.print_exc(file=sys.stderr)
+    try:
+        changed_window()
+    except Exception as e:  # noqa: BLE001
+        print(f"FAIL changed window: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}",
+              flush=True)
     print("\n| case | impl | lowered to | fwd ms | fwd TF/s | fwd x switch | fwd+bwd ms | fwd+bwd TF/s | "
           "fwd+bwd x switch |\n|---|---|---|---|---|---|---|---|---|")
     for r in ROWS:
         print(f"| {r['case']} | {r['impl']} | {r['lowered_to']} | {r['fwd_ms']:.3f} | {r['fwd_tfs']:.0f} | "
               f"{r['fwd_x']:.3f} | {r['fwd_bwd_ms']:.3f} | {r['fwd_bwd_tfs']:.0f} | {r['fwd_bwd_x']:.3f} |")
+    print("\n| changed window number | kernel variants compiled | host us/call changed | unchanged | ratio |\n"
+          "|---|---|---|---|---|")
+    for r in SCALARS:
+        print(f"| lowering {'on' if r['lowering'] else 'off'} | {r['compiled']} | {r['changed_us']:.0f} | "
+              f"{r['unchanged_us']:.0f} | {r['changed_us'] / r['unchanged_us']:.2f}x |")
     failed = [c for c in CHECKS if not c[1]]
     print(f"\n{len(CHECKS) - len(failed)} PASS, {len(failed)} FAIL, {time.time() - T0:.0f} s")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "gpu_mods_lower.json"), "w") as f:
-            json.dump(dict(checks=CHECKS, rows=ROWS, dry=DRY), f, indent=1)
+            json.dump(dict(checks=CHECKS, rows=ROWS, changed_window=SCALARS, dry=DRY), f, indent=1)
     return 1 if failed else 0
 
 

@@ -1,6 +1,6 @@
 """Mod lowering (fagen/mods/lower.py): a mask_mod or score_mod that is exactly a built-in mask, window or softcap
 runs on that switch's kernel (the same bits as calling the switch), agrees with the unlowered mods and the float64
-reference, keeps closure numbers runtime values (a changed one compiles nothing), and near-misses are not lowered
+reference, keeps closure numbers runtime values (a changed one traces and loads nothing), and near-misses are not lowered
 or are lowered to what they mean."""
 
 import pytest
@@ -151,7 +151,7 @@ def test_a_lowered_mod_runs_the_switch_kernel_and_agrees_with_the_mods(name, mon
         assert (a.double() - b).abs().max().item() < 4 * TOL[torch.float32]
 
 
-def test_a_changed_closure_number_compiles_nothing_and_still_lowers(monkeypatch):
+def test_a_changed_closure_number_traces_and_loads_nothing_and_still_lowers(monkeypatch):
     q, k, v, _ = _qkv(1, 2, 2, 33, 33)
     with torch.no_grad():
         fagen.attention(q, k, v, mask_mod=g.generate_sliding_window(4))

@@ -262,39 +262,51 @@ def cold_rows(device, seq=4096, log=print) -> list[dict]:
 
 
 def scalar_rows(device, shape: ModsShape, log=print, calls=200) -> list[dict]:
-    """A closure number that changes every call: compiles during the loop, and host time against no change."""
-    import fagen
+    """A closure number that changes every call: compiles during the loop, and host time against no change; as
+    fagen.attention runs it (lowered to the window switch) and, under `lowering_off`, on the modded kernels."""
+    from fagen.mods import lower
 
-    g = _gym()
     small = dataclasses.replace(shape, seq=1024) if shape.seq > 1024 else shape
     q, k, v, _ = _inputs(small, device, False)
     row = {"case": "changed-scalar", "kind": "scalar"}
     try:
-        with torch.no_grad():
-            fagen.attention(q, k, v, mask_mod=g.generate_sliding_window(100))
-            before = _compiled_kernels()
-            fixed = g.generate_sliding_window(100)
-            times = {}
-            for label, make in (("unchanged", lambda i: fixed), ("changed", lambda i: g.generate_sliding_window(
-                    100 + i % 64))):
-                fns = [make(i) for i in range(calls)]
-                for fn in fns[:5]:
-                    fagen.attention(q, k, v, mask_mod=fn)
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()  # host time: the launches queue up, no sync inside the loop
-                for fn in fns:
-                    fagen.attention(q, k, v, mask_mod=fn)
-                times[label] = (time.perf_counter() - t0) / calls * 1e6
-                if device == "cuda":
-                    torch.cuda.synchronize()
-            row.update(unchanged_us=times["unchanged"], changed_us=times["changed"], lowered_to=_lowered(),
-                       host_ratio=times["changed"] / times["unchanged"],
-                       new_compiles=_compiled_kernels() - before)
+        for lowering in (True, False):
+            lower.ENABLED = lowering
+            try:
+                got = _changed_scalar(q, k, v, device, calls)
+            finally:
+                lower.ENABLED = True
+            row.update(got) if lowering else row.update(lowering_off=got)
     except Exception as e:
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
     log(_line(row))
     return [row]
+
+
+def _changed_scalar(q, k, v, device, calls) -> dict:
+    import fagen
+
+    g = _gym()
+    with torch.no_grad():
+        fagen.attention(q, k, v, mask_mod=g.generate_sliding_window(100))
+        before = _compiled_kernels()
+        fixed = g.generate_sliding_window(100)
+        times = {}
+        for label, make in (("unchanged", lambda i: fixed), ("changed", lambda i: g.generate_sliding_window(
+                100 + i % 64))):
+            fns = [make(i) for i in range(calls)]
+            for fn in fns[:5]:
+                fagen.attention(q, k, v, mask_mod=fn)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()  # host time: the launches queue up, no sync inside the loop
+            for fn in fns:
+                fagen.attention(q, k, v, mask_mod=fn)
+            times[label] = (time.perf_counter() - t0) / calls * 1e6
+            if device == "cuda":
+                torch.cuda.synchronize()
+        return dict(unchanged_us=times["unchanged"], changed_us=times["changed"], lowered_to=_lowered(),
+                    host_ratio=times["changed"] / times["unchanged"], new_compiles=_compiled_kernels() - before)
 
 
 def _compiled_kernels() -> int:
@@ -336,9 +348,14 @@ def _line(row: dict) -> str:
     if row["kind"] == "cold":
         return (f"{row['case']}: first result {row['cold_s']:.2f} s (target {TARGETS['cold_s']} s), warm process "
                 f"{row['warm_process_s']:.2f} s (target {TARGETS['warm_s']} s, after imports)")
-    return (f"{row['case']}: {row['new_compiles']} new compiles (target 0); host {row['changed_us']:.0f} us against "
+    text = (f"{row['case']}: {row['new_compiles']} new compiles (target 0); host {row['changed_us']:.0f} us against "
             f"{row['unchanged_us']:.0f} us unchanged ({row['host_ratio']:.2f}x, target {TARGETS['host']}x); lowered "
             f"to {row.get('lowered_to') or 'nothing'}")
+    off = row.get("lowering_off")
+    if off:
+        text += (f"; lowering off: {off['new_compiles']} new compiles, host {off['changed_us']:.0f} us against "
+                 f"{off['unchanged_us']:.0f} us ({off['host_ratio']:.2f}x)")
+    return text
 
 
 def table(records: list[dict]) -> str:

@@ -1,7 +1,7 @@
 """Mod lowering (fagen/mods/lower.py): a mask_mod or score_mod that is exactly a built-in mask, window or softcap
 runs on that switch's kernel (the same bits as calling the switch), agrees with the unlowered mods and the float64
-reference, keeps closure numbers runtime values (a changed one traces and loads nothing), and near-misses are not lowered
-or are lowered to what they mean."""
+reference, keeps closure numbers runtime values (a changed one traces and loads nothing), and near-misses are not
+lowered or are lowered to what they mean."""
 
 import pytest
 import torch

@@ -20,7 +20,7 @@ from fagen.verify.layouts import cu_seqlens
 W = 5  # a module global: a runtime scalar in the mods below
 
 
-def _decide(mask="none", sq=40, sk=40, scores=(), block_mask=False, same_lengths=True, **mods):
+def _decide(mask="none", sq=40, sk=40, scores=(), block_mask=False, same_lengths=True, slopes_ok=True, **mods):
     t = trace(**mods)
     fields = (t.score_text, t.mask_text, t.tensors, t.scalars)
     p = lowering.plan(fields, t.score_mod, t.mask_mod)
@@ -29,8 +29,11 @@ def _decide(mask="none", sq=40, sk=40, scores=(), block_mask=False, same_lengths
     lengths = object()
     offset = lowering.alignment(mask, sq, sk, lengths, lengths if same_lengths else object(), False)
     low = lowering.lower(p, fields, (t.score_mod, t.mask_mod), t.values, mask=mask, offset=offset,
-                         scores=dict.fromkeys(scores), block_mask=block_mask)
-    return None if low is None else (low.mask, low.scores, low.fields and low.fields[:2])
+                         scores=dict.fromkeys(scores), block_mask=block_mask, slopes_ok=lambda t: slopes_ok)
+    if low is None:
+        return None
+    named = {k: "slopes" if k == "alibi_slopes" and v is t.values["slopes"] else v for k, v in low.scores.items()}
+    return low.mask, named, low.fields and low.fields[:2]
 
 
 def _window(w):
@@ -104,6 +107,36 @@ def test_score_mods_lower_to_the_softcap_switch_only_when_exact(score_mod, score
     assert got == (None if want is None else ("none", {"softcap": want}, None))
 
 
+slopes = torch.rand(4, device=DEVICE)
+
+
+@pytest.mark.parametrize("score_mod, mask, sq, sk, scores, ok, want", [
+    (lambda s, b, h, q_idx, kv_idx: s - slopes[h] * torch.abs(q_idx - kv_idx), "none", 40, 40, (), True,
+     ("none", {"alibi_slopes": "slopes"}, None)),
+    (lambda s, b, h, q_idx, kv_idx: s - torch.abs(kv_idx - q_idx) * slopes[h], "padding", 40, 47, ("softcap",), True,
+     ("padding", {"alibi_slopes": "slopes"}, None)),  # the mod sees the capped score: the switches' order
+    (lambda s, b, h, q_idx, kv_idx: s - slopes[h] * torch.abs(q_idx - kv_idx), "none", 40, 47, (), True, None),
+    (lambda s, b, h, q_idx, kv_idx: s - slopes[h] * torch.abs(q_idx - kv_idx), "none", 40, 40, (), False, None),
+    (lambda s, b, h, q_idx, kv_idx: s - slopes[h] * torch.abs(q_idx - kv_idx), "none", 40, 40, ("alibi_slopes",),
+     True, None),
+    (lambda s, b, h, q_idx, kv_idx: s + slopes[h] * (kv_idx - q_idx), "none", 40, 40, (), True, None),  # no |.|
+    (lambda s, b, h, q_idx, kv_idx: s + slopes[h] * (kv_idx - q_idx), "causal", 40, 40, (), True,
+     ("causal", {"alibi_slopes": "slopes"}, None)),
+    (lambda s, b, h, q_idx, kv_idx: s - (q_idx - kv_idx) * slopes[h], "causal", 47, 40, (), True, None),
+    (lambda s, b, h, q_idx, kv_idx: s + slopes[h] * (q_idx - kv_idx), "causal", 40, 40, (), True, None),  # sign
+    (lambda s, b, h, q_idx, kv_idx: s - slopes[h] * torch.abs(q_idx - kv_idx - 1), "none", 40, 40, (), True, None),
+    (lambda s, b, h, q_idx, kv_idx: s - slopes[b] * torch.abs(q_idx - kv_idx), "none", 40, 40, (), True, None),
+    (g.generate_alibi_bias(4), "causal", 40, 40, (), True, None),  # the slopes are made in the mod
+])
+def test_score_mods_lower_to_the_alibi_switch_only_when_exact(score_mod, mask, sq, sk, scores, ok, want):
+    assert _decide(mask, sq, sk, scores=scores, slopes_ok=ok, score_mod=score_mod) == want
+
+
+def test_a_causal_mask_mod_lets_the_alibi_without_abs_lower():
+    got = _decide(score_mod=lambda s, b, h, q_idx, kv_idx: s + slopes[h] * (kv_idx - q_idx), mask_mod=g.causal_mask)
+    assert got == ("causal", {"alibi_slopes": "slopes"}, None)
+
+
 def _qkv(b, hq, hkv, sq, sk, d=32, seed=0):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(b, hq, sq, d, generator=gen).to(DEVICE).requires_grad_()
@@ -122,7 +155,7 @@ def _no_modded_module(monkeypatch):
     monkeypatch.setattr(modded, "module_for", refuse)
 
 
-@pytest.mark.parametrize("name", ["causal", "window", "softcap", "causal+softcap"])
+@pytest.mark.parametrize("name", ["causal", "window", "softcap", "causal+softcap", "alibi", "causal+alibi"])
 def test_a_lowered_mod_runs_the_switch_kernel_and_agrees_with_the_mods(name, monkeypatch):
     q, k, v, do = _qkv(1, 4, 2, 45, 45)
     switch_kw, mod_kw, label = {
@@ -132,6 +165,12 @@ def test_a_lowered_mod_runs_the_switch_kernel_and_agrees_with_the_mods(name, mon
         "softcap": (dict(softcap=6.0), dict(score_mod=g.generate_tanh_softcap(6.0)), "softcap"),
         "causal+softcap": (dict(mask="causal", softcap=6.0),
                            dict(mask_mod=g.causal_mask, score_mod=g.generate_tanh_softcap(6)), "causal+softcap"),
+        "alibi": (dict(alibi_slopes=slopes),
+                  dict(score_mod=lambda s, b, h, q_idx, kv_idx: s - slopes[h] * torch.abs(kv_idx - q_idx)), "alibi"),
+        "causal+alibi": (dict(mask="causal", alibi_slopes=slopes),
+                         dict(mask_mod=g.causal_mask,
+                              score_mod=lambda s, b, h, q_idx, kv_idx: s + slopes[h] * (kv_idx - q_idx)),
+                         "causal+alibi"),
     }[name]
     want = _run(q, k, v, do, **switch_kw)
     monkeypatch.setattr(lowering, "ENABLED", False)
@@ -282,3 +321,15 @@ def test_the_environment_turns_lowering_off(value, enabled):
     res = subprocess.run([sys.executable, "-c", "from fagen.mods import lower; print(lower.ENABLED)"], env=env,
                          capture_output=True, text=True, check=True)
     assert res.stdout.strip() == str(enabled)
+
+
+def test_slopes_that_want_a_gradient_keep_the_mod():
+    q, k, v, do = _qkv(1, 4, 2, 40, 40)
+    learned = slopes.clone().requires_grad_()
+    out = fagen.attention(q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s - learned[h] * torch.abs(q_idx - kv_idx))
+    assert modded.LOWERED[0] is None
+    (grad,) = torch.autograd.grad(out, (learned,), do)
+    assert grad.abs().max() > 0
+    with torch.no_grad():
+        fagen.attention(q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s - learned[h] * torch.abs(q_idx - kv_idx))
+    assert modded.LOWERED[0] == "alibi"  # no gradient asked: the switch

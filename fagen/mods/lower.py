@@ -7,8 +7,9 @@ closure's current numbers and the call's shapes and decides:
     constants and int closure numbers (`q_idx >= kv_idx`, `kv_idx <= q_idx`, attention-gym's
     `generate_sliding_window(w)`: `(q_idx - kv_idx <= w) & (q_idx >= kv_idx)`, `kv_idx - q_idx < w`, ...;
     `abs(q_idx - kv_idx) <= w` is two of them) bounds each row's keys to `q_idx - L <= kv_idx <= q_idx + R`.
-    Where the built-in masks' bottom-right alignment is a host-known offset d (`i_aligned = q_idx + d`: dense mask none/causal d = Sk - Sq; padding, causal+padding and
-    varlen d = 0 when the q and k lengths are one tensor object), that is the window (L + d, R - d); a right bound
+    Where the built-in masks' bottom-right alignment is a host-known offset d (`i_aligned = q_idx + d`: dense
+    mask none/causal d = Sk - Sq; padding, causal+padding and varlen d = 0 when the q and k lengths are one tensor
+    object), that is the window (L + d, R - d); a right bound
     of 0 (or a built-in causal mask, which ANDs with it) is the causal mask, so `q_idx >= kv_idx` with Sq = Sk is
     mask="causal", and the sliding window is mask="causal", window=(w, 0). The other comparisons of the
     conjunction stay a (smaller) mask_mod. Not lowered: a bound that needs a negative window extent, a window
@@ -19,9 +20,13 @@ closure's current numbers and the call's shapes and decides:
     constant or one closure number, int or float) is softcap=cap when cap is a positive finite number and the
     call has no softcap or ALiBi switch (the score_mod sees the score after both, so the order would change).
     The softcap switch's tanh is the mods' (tanh.approx.f32 in fp16/bf16 kernels on CUDA).
-  - ALiBi is not lowered: attention-gym's `(kv_idx - q_idx) * exp2(-(h + 1) * 8 / H)` computes its slopes in the
-    mod and has no |.|, so it equals the switch's `-slope[h] * |j - i_aligned|` only under a causal mask with
-    Sq = Sk, and the switch would need a slopes tensor made per call.
+  - a score_mod that is exactly ALiBi with a captured fp32 slope per query head, `score - slopes[h] *
+    abs(q_idx - kv_idx)`, is alibi_slopes=slopes (the switch's `-slope[h] * |j - i_aligned|`) where the offset d
+    is 0; `score + slopes[h] * (kv_idx - q_idx)` (no |.|) is the same only where every visible key has
+    kv_idx <= q_idx, so it lowers under a causal mask (built-in or lowered) only. The tensor must be the switch's
+    input: float32 [Hq] on q's device, and no gradient asked of it (the switch gives slopes none; the mods do).
+    The call must have no ALiBi switch of its own (a softcap switch is fine: both orders are softcap, then ALiBi).
+    attention-gym's `(kv_idx - q_idx) * exp2(-(h + 1) * 8 / H)` makes its slopes in the mod: not lowered.
 Both paths give the same attention to rounding (the tests compare them and the float64 reference); the switch
 kernels skip key blocks by interval reasoning and take the Gluon forward on sm_90. `FAGEN_MOD_LOWERING=0` (or
 off, false, no; read at import) or `ENABLED = False` turns lowering off; the differential tests of mods against
@@ -71,6 +76,7 @@ class Plan:
     rights: tuple[Affine, ...]  # kv_idx <= q_idx + R for each R
     mask_rest: ir.Node | None  # the mask_mod's other comparisons (None: the interval is all of it)
     cap: ir.Node | None  # the softcap's Const or Scalar when the score_mod is exactly a softcap
+    alibi: tuple[str, bool] | None = None  # (slopes tensor, needs a causal mask) when the score_mod is exactly ALiBi
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,14 +106,15 @@ def plan(fields: tuple, score_tree: ir.Node | None, mask_tree: ir.Node | None) -
             else:
                 lefts += bounds[0]
                 rights += bounds[1]
+    alibi = None
     if score_tree is not None:
-        cap = _softcap(score_tree)
+        cap, alibi = _softcap(score_tree), _alibi(score_tree)
     found = None
-    if lefts or rights or cap is not None:
+    if lefts or rights or cap is not None or alibi is not None:
         mask_rest = None
         for atom in rest:
             mask_rest = atom if mask_rest is None else ir.binary("&", mask_rest, atom)
-        found = Plan(tuple(lefts), tuple(rights), mask_rest if lefts or rights else mask_tree, cap)
+        found = Plan(tuple(lefts), tuple(rights), mask_rest if lefts or rights else mask_tree, cap, alibi)
     if len(_PLANS) >= 512:
         _PLANS.clear()
     _PLANS[fields] = found
@@ -115,11 +122,12 @@ def plan(fields: tuple, score_tree: ir.Node | None, mask_tree: ir.Node | None) -
 
 
 def lower(p: Plan, fields: tuple, trees: tuple, values: dict, *, mask: str, offset: int | None, scores: dict,
-          block_mask: bool) -> Lowering | None:
+          block_mask: bool, slopes_ok=lambda t: False) -> Lowering | None:
     """This call's lowering of plan `p` (None: run the mods as they are). trees: the traced (score_mod, mask_mod);
     mask: the call's built-in mask (a string); offset: i_aligned - q_idx of the built-in mask for every row
     (`alignment`, None: not known on the host); scores: the call's switch keywords; block_mask: whether the call
-    passes one."""
+    passes one; slopes_ok(tensor): whether a captured tensor can be the call's alibi_slopes (float32 [Hq] on q's
+    device, no gradient asked of it)."""
     new_mask, add, labels = mask, {}, []
     mask_lowered = score_lowered = False
     if (p.lefts or p.rights) and offset is not None and not (block_mask and p.mask_rest is not None):
@@ -136,6 +144,11 @@ def lower(p: Plan, fields: tuple, trees: tuple, values: dict, *, mask: str, offs
             add["softcap"] = float(cap)
             labels.append("softcap")
             score_lowered = True
+    if p.alibi is not None and "alibi_slopes" not in scores and offset == 0 \
+            and (not p.alibi[1] or new_mask in ("causal", "causal+padding")) and slopes_ok(values[p.alibi[0]]):
+        add["alibi_slopes"] = values[p.alibi[0]]
+        labels.append("alibi")
+        score_lowered = True
     if not (mask_lowered or score_lowered):
         return None
     score_left = None if score_lowered else trees[0]
@@ -303,3 +316,33 @@ def _is_cap(node: ir.Node) -> bool:
 
 def _is_score(node: ir.Node) -> bool:
     return isinstance(node, ir.Input) and node.name == "score"
+
+
+def _alibi(tree: ir.Node) -> tuple[str, bool] | None:
+    """(slopes, causal only) when `tree` is exactly ALiBi with a captured fp32 slope per query head: `score -
+    slopes[h] * abs(q_idx - kv_idx)` (any mask), or `score + slopes[h] * (kv_idx - q_idx)` / `score - slopes[h] *
+    (q_idx - kv_idx)` (equal to it only where every visible key has kv_idx <= q_idx: under a causal mask)."""
+    if not isinstance(tree, ir.Binary) or tree.op not in ("+", "-"):
+        return None
+    pairs = [(tree.a, tree.b)] + ([(tree.b, tree.a)] if tree.op == "+" else [])
+    for score, product in pairs:
+        if not (_is_score(score) and isinstance(product, ir.Binary) and product.op == "*"):
+            continue
+        for slope, x in ((product.a, product.b), (product.b, product.a)):
+            if not (isinstance(slope, ir.Load) and slope.dtype == "fp32" and len(slope.index) == 1
+                    and isinstance(slope.index[0], ir.Input) and slope.index[0].name == "h"):
+                continue
+            if tree.op == "-" and isinstance(x, ir.Unary) and x.op == "abs" and _distance(x.x) in (1, -1):
+                return slope.name, False
+            if _distance(x) == (1 if tree.op == "-" else -1):  # -(q - kv) = kv - q: -|kv - q| where kv <= q
+                return slope.name, True
+    return None
+
+
+def _distance(node: ir.Node) -> int | None:
+    """1 for q_idx - kv_idx, -1 for kv_idx - q_idx (in any spelling + and - give), else None."""
+    lin = _linear(node)
+    if lin is None:
+        return None
+    terms = {k: c for k, c in lin[0].items() if c}
+    return terms.get("q_idx") if terms in ({"q_idx": 1, "kv_idx": -1}, {"q_idx": -1, "kv_idx": 1}) else None

@@ -201,8 +201,11 @@ def _lower(mods: Mods, q, k, mask, scores: dict, seqlens_q, seqlens_k, block_mas
     else:
         offset = lowering.alignment(mask, packed["max_seqlen_q"], packed["max_seqlen_k"], packed["cu_seqlens_q"],
                                     packed["cu_seqlens_k"], True)
+    grad = torch.is_grad_enabled()
     return lowering.lower(p, mods.fields, (traced.score_mod, traced.mask_mod), mods.values, mask=mask,
-                          offset=offset, scores=scores, block_mask=block_mask is not None)
+                          offset=offset, scores=scores, block_mask=block_mask is not None,
+                          slopes_ok=lambda t: tuple(t.shape) == (q.shape[1],) and t.device == q.device
+                          and not (grad and t.requires_grad))
 
 
 def _check_call_block_mask(block_mask, mods: Mods, q, k, packed) -> None:

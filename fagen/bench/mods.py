@@ -276,7 +276,10 @@ def scalar_rows(device, shape: ModsShape, log=print, calls=200) -> list[dict]:
                 got = _changed_scalar(q, k, v, device, calls)
             finally:
                 lower.ENABLED = True
-            row.update(got) if lowering else row.update(lowering_off=got)
+            if lowering:
+                row.update(got)
+            else:
+                row["lowering_off"] = got
     except Exception as e:
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
     log(_line(row))

@@ -14,8 +14,9 @@ generate_sliding_window(1024) with its block mask, and FlexAttention with flex's
 Checks: a lowered call is served by the switch kernel (its out and dq, dk, dv are the switch call's bits, and it
 says what it became); an unlowered one agrees with the switch kernel within bf16's tolerance. The table gives ms,
 useful TF/s (4 * D per visible pair forward, 3.5x that forward+backward) and the time against the switch kernel.
-Then the sliding window's closure number changed on every call (no gradient), lowered and unlowered: kernel
-variants compiled in the loop and host time per call against an unchanged number.
+Then the host time per call of the switch call and of the lowered mods (S256, no gradient), and the sliding
+window's closure number changed on every call (no gradient), lowered and unlowered: kernel variants compiled in
+the loop and host time per call against an unchanged number.
 """
 
 from __future__ import annotations
@@ -191,6 +192,47 @@ def changed_window():
 
 
 SCALARS: list[dict] = []
+HOST: list[dict] = []
+
+
+def host_times():
+    """Host time per call (no gradient, S 256 so that the host bounds a call; dry: the interpreter's launch stubbed
+    out) of the switch call and of the same mods lowered: medians of 200 interleaved batches of 20 calls."""
+    import statistics
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(B, H, 256 if not DRY else S, D, generator=gen).to(DEV, DT) for _ in range(3))
+    window, cap = g.generate_sliding_window(WIN), g.generate_tanh_softcap(CAP)
+    pairs = [("causal", dict(mask="causal"), dict(mask_mod=g.causal_mask)),
+             ("sliding-window+causal", dict(mask="causal", window=(WIN, 0)), dict(mask_mod=window)),
+             ("softcap", dict(softcap=CAP), dict(score_mod=cap))]
+    stub = None
+    if DRY:
+        import triton.runtime.interpreter as interpreter
+
+        stub = interpreter.InterpretedFunction.run
+        interpreter.InterpretedFunction.run = lambda *a, **kw: None
+    try:
+        with torch.no_grad():
+            for case, switch_kw, mod_kw in pairs:
+                calls = [lambda: fagen.attention(q, k, v, **switch_kw), lambda: fagen.attention(q, k, v, **mod_kw)]
+                for fn in calls * 20:
+                    fn()
+                got = ([], [])
+                for _ in range(200):
+                    for fn, out in zip(calls, got):
+                        t0 = time.perf_counter()
+                        for _ in range(20):
+                            fn()
+                        out.append((time.perf_counter() - t0) / 20 * 1e6)
+                if DEV == "cuda":
+                    torch.cuda.synchronize()
+                a, b = statistics.median(got[0]), statistics.median(got[1])
+                HOST.append(dict(case=case, switch_us=a, lowered_us=b, lowered_to=modded.LOWERED[0]))
+                log(f"host {case}: switch {a:.1f} us/call, lowered mod {b:.1f} us/call (+{b - a:.1f} us)")
+    finally:
+        if stub is not None:
+            interpreter.InterpretedFunction.run = stub
 
 
 def block_mask(mask_mod):
@@ -217,11 +259,16 @@ def main() -> int:
             import traceback
 
             traceback.print_exc(file=sys.stderr)
-    try:
-        changed_window()
-    except Exception as e:  # noqa: BLE001
-        print(f"FAIL changed window: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}",
-              flush=True)
+    for part in (host_times, changed_window):
+        try:
+            part()
+        except Exception as e:  # noqa: BLE001
+            print(f"FAIL {part.__name__}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}",
+                  flush=True)
+    print("\n| host time per call | switch us | lowered mod us | extra us | lowered to |\n|---|---|---|---|---|")
+    for r in HOST:
+        extra = r["lowered_us"] - r["switch_us"]
+        print(f"| {r['case']} | {r['switch_us']:.1f} | {r['lowered_us']:.1f} | {extra:.1f} | {r['lowered_to']} |")
     print("\n| case | impl | lowered to | fwd ms | fwd TF/s | fwd x switch | fwd+bwd ms | fwd+bwd TF/s | "
           "fwd+bwd x switch |\n|---|---|---|---|---|---|---|---|---|")
     for r in ROWS:
@@ -236,7 +283,7 @@ def main() -> int:
     print(f"\n{len(CHECKS) - len(failed)} PASS, {len(failed)} FAIL, {time.time() - T0:.0f} s")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "gpu_mods_lower.json"), "w") as f:
-            json.dump(dict(checks=CHECKS, rows=ROWS, changed_window=SCALARS, dry=DRY), f, indent=1)
+            json.dump(dict(checks=CHECKS, rows=ROWS, changed_window=SCALARS, host=HOST, dry=DRY), f, indent=1)
     return 1 if failed else 0
 
 

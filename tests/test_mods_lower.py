@@ -333,3 +333,14 @@ def test_slopes_that_want_a_gradient_keep_the_mod():
     with torch.no_grad():
         fagen.attention(q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s - learned[h] * torch.abs(q_idx - kv_idx))
     assert modded.LOWERED[0] == "alibi"  # no gradient asked: the switch
+
+
+def test_the_modded_path_lowers_too_where_the_fast_check_is_skipped(monkeypatch):
+    """Under torch.compile fagen.attention skips its eager lowering check and calls the modded path (a graph break),
+    which lowers the same mods and hands them back to the plain path."""
+    q, k, v, _ = _qkv(1, 2, 2, 40, 40)
+    with torch.no_grad():
+        want = fagen.attention(q, k, v, mask="causal", window=(6, 0))
+        monkeypatch.setattr(fagen.runtime.api, "_as_switches", lambda *a: None)
+        got = fagen.attention(q, k, v, mask_mod=g.generate_sliding_window(6))
+    assert modded.LOWERED[0] == "causal+window(6,0)" and torch.equal(got, want)

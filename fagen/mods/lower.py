@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from typing import NamedTuple
 
 from fagen.mods import ir
 from fagen.mods.text import to_text
@@ -79,8 +80,7 @@ class Plan:
     alibi: tuple[str, bool] | None = None  # (slopes tensor, needs a causal mask) when the score_mod is exactly ALiBi
 
 
-@dataclasses.dataclass(frozen=True)
-class Lowering:
+class Lowering(NamedTuple):  # a tuple: built on every lowered call, where a frozen dataclass costs a microsecond
     """One call's lowering: run `mask` with `scores` added, and the mods left (fields None: nothing left)."""
     mask: str
     scores: dict
@@ -95,8 +95,9 @@ _PLANS: dict[tuple, Plan | None] = {}
 
 def plan(fields: tuple, score_tree: ir.Node | None, mask_tree: ir.Node | None) -> Plan | None:
     """The Plan of these mods (None: nothing lowers), memoised by their spec fields."""
-    if fields in _PLANS:
-        return _PLANS[fields]
+    found = _PLANS.get(fields, _PLANS)  # one hash of the fields: the warm path's only work here
+    if found is not _PLANS:
+        return found
     lefts, rights, rest, cap = [], [], [], None
     if mask_tree is not None:
         for atom in _conjuncts(mask_tree):
@@ -122,7 +123,7 @@ def plan(fields: tuple, score_tree: ir.Node | None, mask_tree: ir.Node | None) -
 
 
 def lower(p: Plan, fields: tuple, trees: tuple, values: dict, *, mask: str, offset: int | None, scores: dict,
-          block_mask: bool, slopes_ok=lambda t: False) -> Lowering | None:
+          block_mask: bool, slopes_ok=None) -> Lowering | None:
     """This call's lowering of plan `p` (None: run the mods as they are). trees: the traced (score_mod, mask_mod);
     mask: the call's built-in mask (a string); offset: i_aligned - q_idx of the built-in mask for every row
     (`alignment`, None: not known on the host); scores: the call's switch keywords; block_mask: whether the call
@@ -145,7 +146,7 @@ def lower(p: Plan, fields: tuple, trees: tuple, values: dict, *, mask: str, offs
             labels.append("softcap")
             score_lowered = True
     if p.alibi is not None and "alibi_slopes" not in scores and offset == 0 \
-            and (not p.alibi[1] or new_mask in ("causal", "causal+padding")) and slopes_ok(values[p.alibi[0]]):
+            and (not p.alibi[1] or new_mask in ("causal", "causal+padding")) and slopes_ok is not None and slopes_ok(values[p.alibi[0]]):
         add["alibi_slopes"] = values[p.alibi[0]]
         labels.append("alibi")
         score_lowered = True

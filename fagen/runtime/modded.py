@@ -189,23 +189,45 @@ class Plain:
 LOWERED: list = [None]  # what the last call's mods became ("causal+window(1024,0)"), None: not lowered (bench, tests)
 
 
+def as_switches(q, k, mask, score_mod, mask_mod, block_mask, scores: dict, seqlens_q, seqlens_k, packed):
+    """(mask, scores) of a call whose mods are all built-in switches ([Note] Mod lowering in fagen/mods/lower.py),
+    for fagen.attention's plain path; None where any mod stays (attention() then runs the rest). The warm cost: the
+    trace cache's lookup, the closure's numbers and the memoised plan, a few microseconds, and none of the modded
+    path's spec checks (the plain path checks the inputs as for the switch call)."""
+    if not lowering.ENABLED or mask_mod is None and block_mask is not None:
+        return None
+    if packed is None and q.dim() != 4 or packed is not None and None in packed.values():
+        return None  # malformed: the modded path names what is wrong
+    mods = prepare(score_mod=score_mod, mask_mod=mask_mod)
+    low = _lower(mods, q, k, mask, scores, seqlens_q, seqlens_k, block_mask, packed)
+    if low is None or low.fields is not None:
+        return None
+    LOWERED[0] = low.label
+    if block_mask is not None:
+        _check_call_block_mask(block_mask, mods, q, k, packed)  # validated, then unused
+    return low.mask, {**scores, **low.scores}
+
+
 def _lower(mods: Mods, q, k, mask, scores: dict, seqlens_q, seqlens_k, block_mask, packed):
     """This call's lowering of its mods ([Note] Mod lowering in fagen/mods/lower.py), or None."""
     traced = mods.traced
     p = lowering.plan(mods.fields, traced.score_mod, traced.mask_mod)
     if p is None:
         return None
-    mask = str(mask.value if hasattr(mask, "value") else mask)
+    mask = mask if type(mask) is str else str(mask)  # a Mask's str is its value
     if packed is None:
         offset = lowering.alignment(mask, q.shape[2], k.shape[2], seqlens_q, seqlens_k, False)
     else:
         offset = lowering.alignment(mask, packed["max_seqlen_q"], packed["max_seqlen_k"], packed["cu_seqlens_q"],
                                     packed["cu_seqlens_k"], True)
-    grad = torch.is_grad_enabled()
+    slopes_ok = None
+    if p.alibi is not None:
+        grad = torch.is_grad_enabled()
+
+        def slopes_ok(t):  # the switch's alibi_slopes: float32 (the declaration) [Hq] on q's device, no gradient
+            return tuple(t.shape) == (q.shape[1],) and t.device == q.device and not (grad and t.requires_grad)
     return lowering.lower(p, mods.fields, (traced.score_mod, traced.mask_mod), mods.values, mask=mask,
-                          offset=offset, scores=scores, block_mask=block_mask is not None,
-                          slopes_ok=lambda t: tuple(t.shape) == (q.shape[1],) and t.device == q.device
-                          and not (grad and t.requires_grad))
+                          offset=offset, scores=scores, block_mask=block_mask is not None, slopes_ok=slopes_ok)
 
 
 def _check_call_block_mask(block_mask, mods: Mods, q, k, packed) -> None:

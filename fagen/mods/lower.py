@@ -146,7 +146,8 @@ def lower(p: Plan, fields: tuple, trees: tuple, values: dict, *, mask: str, offs
             labels.append("softcap")
             score_lowered = True
     if p.alibi is not None and "alibi_slopes" not in scores and offset == 0 \
-            and (not p.alibi[1] or new_mask in ("causal", "causal+padding")) and slopes_ok is not None and slopes_ok(values[p.alibi[0]]):
+            and (not p.alibi[1] or new_mask in ("causal", "causal+padding")) \
+            and slopes_ok is not None and slopes_ok(values[p.alibi[0]]):
         add["alibi_slopes"] = values[p.alibi[0]]
         labels.append("alibi")
         score_lowered = True

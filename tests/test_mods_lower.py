@@ -344,3 +344,23 @@ def test_the_modded_path_lowers_too_where_the_fast_check_is_skipped(monkeypatch)
         monkeypatch.setattr(fagen.runtime.api, "_as_switches", lambda *a: None)
         got = fagen.attention(q, k, v, mask_mod=g.generate_sliding_window(6))
     assert modded.LOWERED[0] == "causal+window(6,0)" and torch.equal(got, want)
+
+
+def test_a_score_mod_the_gluon_forward_would_serve_stays_a_mod(monkeypatch):
+    """[Note] Score mods on the gluon forward: where that forward serves a score_mod alone (an H100, no gradient),
+    the softcap stays a mod; a causal mask_mod beside it still lowers, and the switch serves with a gradient."""
+    q, k, v, do = _qkv(1, 2, 2, 40, 40)
+    kept = []
+    monkeypatch.setattr(modded, "_gluon_serves", lambda mods, q, k, v, mask: kept.append(mask) or True)
+    with torch.no_grad():
+        got = fagen.attention(q, k, v, score_mod=g.generate_tanh_softcap(5.0))
+        assert modded.LOWERED[0] is None and set(kept) == {"none"}
+        got_causal = fagen.attention(q, k, v, score_mod=g.generate_tanh_softcap(5.0), mask_mod=g.causal_mask)
+        assert modded.LOWERED[0] == "causal" and set(kept) == {"none", "causal"}
+    want = reference.attention(q.double(), k.double(), v.double(), score_mod=g.generate_tanh_softcap(5.0))[0]
+    assert (got.double() - want).abs().max().item() < TOL[torch.float32]
+    want = reference.attention(q.double(), k.double(), v.double(), score_mod=g.generate_tanh_softcap(5.0),
+                               mask_mod=g.causal_mask)[0]
+    assert (got_causal.double() - want).abs().max().item() < TOL[torch.float32]
+    monkeypatch.undo()
+    assert not modded._gluon_serves(trace_cache.prepare(score_mod=g.generate_tanh_softcap(5.0)), q, k, v, "none")

@@ -123,12 +123,12 @@ def plan(fields: tuple, score_tree: ir.Node | None, mask_tree: ir.Node | None) -
 
 
 def lower(p: Plan, fields: tuple, trees: tuple, values: dict, *, mask: str, offset: int | None, scores: dict,
-          block_mask: bool, slopes_ok=None) -> Lowering | None:
+          block_mask: bool, slopes_ok=None, score: bool = True) -> Lowering | None:
     """This call's lowering of plan `p` (None: run the mods as they are). trees: the traced (score_mod, mask_mod);
     mask: the call's built-in mask (a string); offset: i_aligned - q_idx of the built-in mask for every row
     (`alignment`, None: not known on the host); scores: the call's switch keywords; block_mask: whether the call
     passes one; slopes_ok(tensor): whether a captured tensor can be the call's alibi_slopes (float32 [Hq] on q's
-    device, no gradient asked of it)."""
+    device, no gradient asked of it); score: whether the score_mod may lower (False: only the mask_mod)."""
     new_mask, add, labels = mask, {}, []
     mask_lowered = score_lowered = False
     if (p.lefts or p.rights) and offset is not None and not (block_mask and p.mask_rest is not None):
@@ -139,13 +139,13 @@ def lower(p: Plan, fields: tuple, trees: tuple, values: dict, *, mask: str, offs
                 add["window"] = window
             labels.append(label)
             mask_lowered = True
-    if p.cap is not None and "softcap" not in scores and "alibi_slopes" not in scores:
+    if score and p.cap is not None and "softcap" not in scores and "alibi_slopes" not in scores:
         cap = p.cap.value if isinstance(p.cap, ir.Const) else values[p.cap.name]
         if not isinstance(cap, bool) and isinstance(cap, (int, float)) and math.isfinite(cap) and cap > 0:
             add["softcap"] = float(cap)
             labels.append("softcap")
             score_lowered = True
-    if p.alibi is not None and "alibi_slopes" not in scores and offset == 0 \
+    if score and p.alibi is not None and "alibi_slopes" not in scores and offset == 0 \
             and (not p.alibi[1] or new_mask in ("causal", "causal+padding")) \
             and slopes_ok is not None and slopes_ok(values[p.alibi[0]]):
         add["alibi_slopes"] = values[p.alibi[0]]

@@ -66,8 +66,8 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
         packed = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                       max_seqlen_k=max_seqlen_k) if varlen else None
         plain = None if torch.compiler.is_compiling() else _as_switches(
-            q, k, mask, score_mod, mask_mod, block_mask, window, softcap, alibi_slopes, sinks, seqlens_q, seqlens_k,
-            packed)
+            q, k, v, mask, score_mod, mask_mod, block_mask, window, softcap, alibi_slopes, sinks, seqlens_q,
+            seqlens_k, packed)
         if plain is None:
             return _modded(q, k, v, mask=mask, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
                            tree_mask=tree_mask, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
@@ -189,7 +189,7 @@ def _modded(q, k, v, *, window, softcap, alibi_slopes, sinks, packed, **rest):
     return out
 
 
-def _as_switches(q, k, mask, score_mod, mask_mod, block_mask, window, softcap, alibi_slopes, sinks, seqlens_q,
+def _as_switches(q, k, v, mask, score_mod, mask_mod, block_mask, window, softcap, alibi_slopes, sinks, seqlens_q,
                  seqlens_k, packed):
     """(mask, window, softcap, alibi_slopes) when the mods are all built-in switches (fagen/mods/lower.py), else
     None."""
@@ -197,7 +197,7 @@ def _as_switches(q, k, mask, score_mod, mask_mod, block_mask, window, softcap, a
 
     scores = {name: value for name, value in zip(_SCORE_ARGS, (window, softcap, alibi_slopes, sinks))
               if value is not None}
-    got = modded.as_switches(q, k, mask, score_mod, mask_mod, block_mask, scores, seqlens_q, seqlens_k, packed)
+    got = modded.as_switches(q, k, v, mask, score_mod, mask_mod, block_mask, scores, seqlens_q, seqlens_k, packed)
     if got is None:
         return None
     new_mask, scores = got

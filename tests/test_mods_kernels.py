@@ -7,11 +7,19 @@ import torch
 
 import fagen
 from fagen.bench import gym_mods as g
+from fagen.mods import lower as lowering
 from _env import DEVICE
 from mods_kernel import TOL
 from fagen.runtime import loader, mods as trace_cache
 from fagen.runtime.resolve import AttentionError
 from fagen.verify import reference
+
+
+@pytest.fixture(autouse=True)
+def _run_the_mods(monkeypatch):
+    """These tests compare the modded kernels themselves (with the switch kernels too): lowering off
+    (tests/test_mods_lower.py runs it)."""
+    monkeypatch.setattr(lowering, "ENABLED", False)
 
 
 def _qkv(b, hq, hkv, sq, sk, d=32, dtype=torch.float32, seed=0):

@@ -9,7 +9,9 @@ compared with each other before timing. Rates are useful TF/s: 4 * D per visible
 that backward, with the pairs counted from the block mask's elementwise evaluation (fagen's classes, partial
 blocks evaluated in torch). Extra rows:
   builtin-as-mod   causal (mask_mod q_idx >= kv_idx) and softcap (a score_mod) against mask="causal" and
-                   softcap=: the same problem through the switch kernel (target: within 5%);
+                   softcap=: the same problem through the switch kernel (target: within 5%), once as fagen.attention
+                   runs them (lowered to the switch, fagen/mods/lower.py) and once with lowering off (the modded
+                   kernels); every row records what its mods were lowered to (`lowered_to`, None: not lowered);
   cold-first-call  a mod no cache has seen (a fresh FAGEN_CACHE_DIR and TRITON_CACHE_DIR, a new subprocess):
                    seconds to the first result (target <= 3 s), then a warm call of a second new process on the
                    filled caches (target <= 0.3 s);
@@ -144,6 +146,7 @@ def mod_rows(device, shape: ModsShape, log=print, rep_ms=100.0, flex=True, only=
             ours = lambda q, k, v: fagen.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod,  # noqa: E731
                                                    block_mask=bm)
             fwd, bwd, out = _fwd_bwd_ms(ours, q, k, v, do, leaves, device, rep_ms)
+            row["lowered_to"] = _lowered()
             row["fagen"] = {"fwd_ms": fwd, "bwd_ms": bwd, "fwd_TF/s": fl / fwd / 1e9, "bwd_TF/s": 2.5 * fl / bwd / 1e9}
             if leaves:
                 g1 = torch.autograd.grad(ours(q, k, v), leaves, do)
@@ -181,8 +184,10 @@ def _flex(q, k, v, do, leaves, score_mod, mask_mod, shape, ours_out, fl, device,
 
 
 def builtin_rows(device, shape: ModsShape, log=print, rep_ms=100.0) -> list[dict]:
-    """A built-in switch written as a mod against the switch kernel, on the same inputs."""
+    """A built-in switch written as a mod against the switch kernel, on the same inputs: as fagen.attention runs
+    the mod (lowered to the switch) and with lowering off (the modded kernels)."""
     import fagen
+    from fagen.mods import lower
 
     g = _gym()
     q, k, v, do = _inputs(shape, device, True)
@@ -190,22 +195,34 @@ def builtin_rows(device, shape: ModsShape, log=print, rep_ms=100.0) -> list[dict
              ("softcap as score_mod", dict(softcap=30.0), dict(score_mod=g.generate_tanh_softcap(30.0)))]
     records = []
     for name, switch, mod in pairs:
-        row = {"case": name, "kind": "builtin-as-mod"}
-        try:
-            if "mask_mod" in mod:
-                mod["block_mask"] = fagen.create_block_mask(mod["mask_mod"], None, None, shape.seq, shape.seq,
-                                                            device=device)
-            a = lambda q, k, v: fagen.attention(q, k, v, **switch)  # noqa: E731
-            b = lambda q, k, v: fagen.attention(q, k, v, **mod)  # noqa: E731
-            fa, ba, oa = _fwd_bwd_ms(a, q, k, v, do, [], device, rep_ms)
-            fb, bb, ob = _fwd_bwd_ms(b, q, k, v, do, [], device, rep_ms)
-            row.update(switch_fwd_ms=fa, mod_fwd_ms=fb, switch_bwd_ms=ba, mod_bwd_ms=bb,
-                       fwd_ratio=fa / fb, bwd_ratio=ba / bb, max_diff=(oa.float() - ob.float()).abs().max().item())
-        except Exception as e:
-            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-        log(_line(row))
-        records.append(row)
+        for lowering in (True, False):
+            row = {"case": name + ("" if lowering else " (lowering off)"), "kind": "builtin-as-mod"}
+            try:
+                lower.ENABLED = lowering
+                if "mask_mod" in mod:
+                    mod["block_mask"] = fagen.create_block_mask(mod["mask_mod"], None, None, shape.seq, shape.seq,
+                                                                device=device)
+                a = lambda q, k, v: fagen.attention(q, k, v, **switch)  # noqa: E731
+                b = lambda q, k, v: fagen.attention(q, k, v, **mod)  # noqa: E731
+                fa, ba, oa = _fwd_bwd_ms(a, q, k, v, do, [], device, rep_ms)
+                fb, bb, ob = _fwd_bwd_ms(b, q, k, v, do, [], device, rep_ms)
+                row.update(switch_fwd_ms=fa, mod_fwd_ms=fb, switch_bwd_ms=ba, mod_bwd_ms=bb, lowered_to=_lowered(),
+                           fwd_ratio=fa / fb, bwd_ratio=ba / bb,
+                           max_diff=(oa.float() - ob.float()).abs().max().item())
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            finally:
+                lower.ENABLED = True
+            log(_line(row))
+            records.append(row)
     return records
+
+
+def _lowered():
+    """What fagen.attention's last call with mods lowered them to ("causal+window(1024,0)"), None: not lowered."""
+    from fagen.runtime import modded
+
+    return modded.LOWERED[0]
 
 
 _COLD = r"""
@@ -245,39 +262,54 @@ def cold_rows(device, seq=4096, log=print) -> list[dict]:
 
 
 def scalar_rows(device, shape: ModsShape, log=print, calls=200) -> list[dict]:
-    """A closure number that changes every call: compiles during the loop, and host time against no change."""
-    import fagen
+    """A closure number that changes every call: compiles during the loop, and host time against no change; as
+    fagen.attention runs it (lowered to the window switch) and, under `lowering_off`, on the modded kernels."""
+    from fagen.mods import lower
 
-    g = _gym()
     small = dataclasses.replace(shape, seq=1024) if shape.seq > 1024 else shape
     q, k, v, _ = _inputs(small, device, False)
     row = {"case": "changed-scalar", "kind": "scalar"}
     try:
-        with torch.no_grad():
-            fagen.attention(q, k, v, mask_mod=g.generate_sliding_window(100))
-            before = _compiled_kernels()
-            fixed = g.generate_sliding_window(100)
-            times = {}
-            for label, make in (("unchanged", lambda i: fixed), ("changed", lambda i: g.generate_sliding_window(
-                    100 + i % 64))):
-                fns = [make(i) for i in range(calls)]
-                for fn in fns[:5]:
-                    fagen.attention(q, k, v, mask_mod=fn)
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()  # host time: the launches queue up, no sync inside the loop
-                for fn in fns:
-                    fagen.attention(q, k, v, mask_mod=fn)
-                times[label] = (time.perf_counter() - t0) / calls * 1e6
-                if device == "cuda":
-                    torch.cuda.synchronize()
-            row.update(unchanged_us=times["unchanged"], changed_us=times["changed"],
-                       host_ratio=times["changed"] / times["unchanged"],
-                       new_compiles=_compiled_kernels() - before)
+        for lowering in (True, False):
+            lower.ENABLED = lowering
+            try:
+                got = _changed_scalar(q, k, v, device, calls)
+            finally:
+                lower.ENABLED = True
+            if lowering:
+                row.update(got)
+            else:
+                row["lowering_off"] = got
     except Exception as e:
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
     log(_line(row))
     return [row]
+
+
+def _changed_scalar(q, k, v, device, calls) -> dict:
+    import fagen
+
+    g = _gym()
+    with torch.no_grad():
+        fagen.attention(q, k, v, mask_mod=g.generate_sliding_window(100))
+        before = _compiled_kernels()
+        fixed = g.generate_sliding_window(100)
+        times = {}
+        for label, make in (("unchanged", lambda i: fixed), ("changed", lambda i: g.generate_sliding_window(
+                100 + i % 64))):
+            fns = [make(i) for i in range(calls)]
+            for fn in fns[:5]:
+                fagen.attention(q, k, v, mask_mod=fn)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()  # host time: the launches queue up, no sync inside the loop
+            for fn in fns:
+                fagen.attention(q, k, v, mask_mod=fn)
+            times[label] = (time.perf_counter() - t0) / calls * 1e6
+            if device == "cuda":
+                torch.cuda.synchronize()
+        return dict(unchanged_us=times["unchanged"], changed_us=times["changed"], lowered_to=_lowered(),
+                    host_ratio=times["changed"] / times["unchanged"], new_compiles=_compiled_kernels() - before)
 
 
 def _compiled_kernels() -> int:
@@ -300,7 +332,8 @@ def _line(row: dict) -> str:
         return f"{row['case']}: error {row['error']}"
     if row["kind"] == "mods":
         f = row["fagen"]
-        text = f"{row['case']}: fagen fwd {f['fwd_TF/s']:.0f} TF/s, bwd {f['bwd_TF/s']:.0f} TF/s"
+        text = f"{row['case']}: fagen fwd {f['fwd_TF/s']:.0f} TF/s, bwd {f['bwd_TF/s']:.0f} TF/s" + (
+            f" (lowered to {row['lowered_to']})" if row.get("lowered_to") else "")
         if "flex" in row:
             text += (f"; flex fwd {row['flex']['fwd_TF/s']:.0f}, bwd {row['flex']['bwd_TF/s']:.0f}; "
                      f"fwd {row['fwd_x']:.2f}x (target {TARGETS['fwd']}), bwd {row['bwd_x']:.2f}x "
@@ -313,12 +346,19 @@ def _line(row: dict) -> str:
         return text
     if row["kind"] == "builtin-as-mod":
         return (f"{row['case']}: mod/switch time fwd {1 / row['fwd_ratio']:.3f}x, bwd {1 / row['bwd_ratio']:.3f}x "
-                f"(target <= {1 / TARGETS['builtin']:.2f}x); max diff {row['max_diff']:.1e}")
+                f"(target <= {1 / TARGETS['builtin']:.2f}x); max diff {row['max_diff']:.1e}; lowered to "
+                f"{row['lowered_to'] or 'nothing'}")
     if row["kind"] == "cold":
         return (f"{row['case']}: first result {row['cold_s']:.2f} s (target {TARGETS['cold_s']} s), warm process "
                 f"{row['warm_process_s']:.2f} s (target {TARGETS['warm_s']} s, after imports)")
-    return (f"{row['case']}: {row['new_compiles']} new compiles (target 0); host {row['changed_us']:.0f} us against "
-            f"{row['unchanged_us']:.0f} us unchanged ({row['host_ratio']:.2f}x, target {TARGETS['host']}x)")
+    text = (f"{row['case']}: {row['new_compiles']} new compiles (target 0); host {row['changed_us']:.0f} us against "
+            f"{row['unchanged_us']:.0f} us unchanged ({row['host_ratio']:.2f}x, target {TARGETS['host']}x); lowered "
+            f"to {row.get('lowered_to') or 'nothing'}")
+    off = row.get("lowering_off")
+    if off:
+        text += (f"; lowering off: {off['new_compiles']} new compiles, host {off['changed_us']:.0f} us against "
+                 f"{off['unchanged_us']:.0f} us ({off['host_ratio']:.2f}x)")
+    return text
 
 
 def table(records: list[dict]) -> str:
@@ -327,17 +367,18 @@ def table(records: list[dict]) -> str:
         return "-" if x is None else format(x, spec)
 
     lines = ["| mod | fagen fwd TF/s | flex fwd | fwd x (>= 1.3) | fagen bwd TF/s | flex bwd | bwd x (>= 1.2) | "
-             "block mask ms (fagen / flex) |", "|---|---|---|---|---|---|---|---|"]
+             "block mask ms (fagen / flex) | lowered to |", "|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         if r["kind"] != "mods":
             continue
         if "error" in r:
-            lines.append(f"| {r['case']} | error: {r['error'][:80]} |||||||")
+            lines.append(f"| {r['case']} | error: {r['error'][:80]} ||||||||")
             continue
         a, b = r["fagen"], r.get("flex", {})
         lines.append(f"| {r['case']} | {f(a['fwd_TF/s'])} | {f(b.get('fwd_TF/s'))} | {f(r.get('fwd_x'), '.2f')} | "
                      f"{f(a['bwd_TF/s'])} | {f(b.get('bwd_TF/s'))} | {f(r.get('bwd_x'), '.2f')} | "
-                     f"{f(r.get('fagen_mask_ms'), '.2f')} / {f(r.get('flex_mask_ms'), '.2f')} |")
+                     f"{f(r.get('fagen_mask_ms'), '.2f')} / {f(r.get('flex_mask_ms'), '.2f')} | "
+                     f"{r.get('lowered_to') or '-'} |")
     lines += ["", "| row | result | target |", "|---|---|---|"]
     for r in records:
         if r["kind"] == "mods":

@@ -63,11 +63,17 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
         spec_for(q, k, v, mask=mask, layout=Layout.VARLEN if varlen else Layout.DENSE)  # raises, naming the input
     if score_mod is not None or mask_mod is not None or block_mask is not None:
-        return _modded(q, k, v, mask=mask, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
-                       tree_mask=tree_mask, window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-                       score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask, check=check,
-                       packed=dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                                   max_seqlen_k=max_seqlen_k) if varlen else None)
+        packed = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                      max_seqlen_k=max_seqlen_k) if varlen else None
+        plain = None if torch.compiler.is_compiling() else _as_switches(
+            q, k, v, mask, score_mod, mask_mod, block_mask, window, softcap, alibi_slopes, sinks, seqlens_q,
+            seqlens_k, packed)
+        if plain is None:
+            return _modded(q, k, v, mask=mask, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
+                           tree_mask=tree_mask, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                           sinks=sinks, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask, check=check,
+                           packed=packed)
+        mask, window, softcap, alibi_slopes = plain  # the mods were built-in switches: the switch call's path
     if window is None and softcap is None and alibi_slopes is None and sinks is None:  # the common call
         switches, scores = (), _NO_SCORES
         needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
@@ -177,7 +183,25 @@ def _modded(q, k, v, *, window, softcap, alibi_slopes, sinks, packed, **rest):
     scores = {name: value for name, value in zip(_SCORE_ARGS, (window, softcap, alibi_slopes, sinks))
               if value is not None}
     switches = tuple(name for name, arg in zip(SCORE_SWITCHES, _SCORE_ARGS) if arg in scores)
-    return modded.attention(q, k, v, scores=scores, switches=switches, packed=packed, **rest)
+    out = modded.attention(q, k, v, scores=scores, switches=switches, packed=packed, **rest)
+    if type(out) is modded.Plain:  # the mods were exactly built-in switches (fagen/mods/lower.py): run those
+        return attention(q, k, v, **out.kwargs)
+    return out
+
+
+def _as_switches(q, k, v, mask, score_mod, mask_mod, block_mask, window, softcap, alibi_slopes, sinks, seqlens_q,
+                 seqlens_k, packed):
+    """(mask, window, softcap, alibi_slopes) when the mods are all built-in switches (fagen/mods/lower.py), else
+    None."""
+    from fagen.runtime import modded
+
+    scores = {name: value for name, value in zip(_SCORE_ARGS, (window, softcap, alibi_slopes, sinks))
+              if value is not None}
+    got = modded.as_switches(q, k, v, mask, score_mod, mask_mod, block_mask, scores, seqlens_q, seqlens_k, packed)
+    if got is None:
+        return None
+    new_mask, scores = got
+    return new_mask, scores.get("window"), scores.get("softcap"), scores.get("alibi_slopes")
 
 
 def _varlen(q, k, v, mask, scale, scores, switches, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check):

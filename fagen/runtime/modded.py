@@ -9,11 +9,15 @@ dict lookup for the trace, a walk of the recorded closure paths (read_captures) 
 
 from __future__ import annotations
 
+import dataclasses
 from types import ModuleType
 
 import torch
 
+from fagen.codegen.args import SWITCH_KEYWORD
 from fagen.codegen.mod_args import ModArgs
+from fagen.mods import ir
+from fagen.mods import lower as lowering
 from fagen.mods.text import ModScalar, ModTensor
 from fagen.runtime import hopper
 from fagen.runtime.device import gpu_arch
@@ -21,7 +25,7 @@ from fagen.runtime.loader import load
 from fagen.runtime.mods import Mods, prepare
 from fagen.runtime.resolve import AttentionError, fast_key, spec_for
 from fagen.spec.axes import Layout
-from fagen.spec.kernel import KernelSpec, SpecError
+from fagen.spec.kernel import SCORE_SWITCHES, KernelSpec, SpecError
 from fagen.spec.tuned import DEFAULT_ARCH
 
 _MODULES: dict[tuple, tuple[ModuleType, ModArgs]] = {}
@@ -144,14 +148,23 @@ def attention(q, k, v, *, mask, scale, seqlens_q, seqlens_k, tree_mask, scores: 
     if block_mask is not None and mask_mod is None:
         raise AttentionError("block_mask: describes a mask_mod's blocks; pass that mask_mod= as well")
     mods = prepare(score_mod=score_mod, mask_mod=mask_mod)
+    low = _lower(mods, q, k, v, mask, scores, seqlens_q, seqlens_k, block_mask, packed) if lowering.ENABLED else None
+    LOWERED[0] = None if low is None else low.label
+    if low is not None:  # [Note] Mod lowering (fagen/mods/lower.py): the built-in switches' kernels serve
+        if block_mask is not None and low.mask_lowered:
+            _check_call_block_mask(block_mask, mods, q, k, packed)  # validated, then unused
+            block_mask = None
+        scores = {**scores, **low.scores}
+        switches = tuple(name for name in SCORE_SWITCHES if SWITCH_KEYWORD[name] in scores)
+        if low.fields is None:  # nothing left: fagen.attention's plain path, with its own kernel choice
+            return Plain(dict(mask=low.mask, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
+                              tree_mask=tree_mask, check=check, **scores, **(packed or {})))
+        mask, mods = low.mask, Mods(mods.traced, low.fields, {n: mods.values[n] for n in low.names})
+        score_mod, mask_mod = (score_mod if low.fields[0] else None), (mask_mod if low.fields[1] else None)
     module, args = module_for(q, k, v, mask, switches, mods, Layout.DENSE if packed is None else Layout.VARLEN)
     check_values(q, args, mods.values)
     if block_mask is not None:
-        if packed is None:
-            _check_block_mask(block_mask, mods, q.device, q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-        else:  # B sequences, positions within each: built for (B, H, max_seqlen_q, max_seqlen_k)
-            _check_block_mask(block_mask, mods, q.device, packed["cu_seqlens_q"].shape[0] - 1, q.shape[1],
-                              packed["max_seqlen_q"], packed["max_seqlen_k"])
+        _check_call_block_mask(block_mask, mods, q, k, packed)
     if mask_mod is not None:
         scores = {**scores, "block_mask": block_mask}
     layout = dict(seqlens_q=seqlens_q, seqlens_k=seqlens_k, tree_mask=tree_mask) if packed is None else packed
@@ -165,6 +178,102 @@ def attention(q, k, v, *, mask, scale, seqlens_q, seqlens_k, tree_mask, scores: 
             module = _forward_twin(module, mods.fields, short)
         return module.forward(q, k, v, **kw)[0]  # no autograd node to build
     return module.attention(q, k, v, **kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plain:
+    """attention's answer when the mods were exactly built-in switches: fagen.attention's keywords for its plain
+    path (fagen/runtime/api.py runs them)."""
+    kwargs: dict
+
+
+LOWERED: list = [None]  # what the last call's mods became ("causal+window(1024,0)"), None: not lowered (bench, tests)
+
+
+def as_switches(q, k, v, mask, score_mod, mask_mod, block_mask, scores: dict, seqlens_q, seqlens_k, packed):
+    """(mask, scores) of a call whose mods are all built-in switches ([Note] Mod lowering in fagen/mods/lower.py),
+    for fagen.attention's plain path; None where any mod stays (attention() then runs the rest). The warm cost: the
+    trace cache's lookup, the closure's numbers and the memoised plan, a few microseconds, and none of the modded
+    path's spec checks (the plain path checks the inputs as for the switch call)."""
+    if not lowering.ENABLED or mask_mod is None and block_mask is not None:
+        return None
+    if packed is None and q.dim() != 4 or packed is not None and None in packed.values():
+        return None  # malformed: the modded path names what is wrong
+    mods = prepare(score_mod=score_mod, mask_mod=mask_mod)
+    low = _lower(mods, q, k, v, mask, scores, seqlens_q, seqlens_k, block_mask, packed)
+    if low is None or low.fields is not None:
+        return None
+    LOWERED[0] = low.label
+    if block_mask is not None:
+        _check_call_block_mask(block_mask, mods, q, k, packed)  # validated, then unused
+    return low.mask, {**scores, **low.scores}
+
+
+def _lower(mods: Mods, q, k, v, mask, scores: dict, seqlens_q, seqlens_k, block_mask, packed):
+    """This call's lowering of its mods ([Note] Mod lowering in fagen/mods/lower.py), or None."""
+    traced = mods.traced
+    p = lowering.plan(mods.fields, traced.score_mod, traced.mask_mod)
+    if p is None:
+        return None
+    mask = mask if type(mask) is str else str(mask)  # a Mask's str is its value
+    if packed is None:
+        offset = lowering.alignment(mask, q.shape[2], k.shape[2], seqlens_q, seqlens_k, False)
+    else:
+        offset = lowering.alignment(mask, packed["max_seqlen_q"], packed["max_seqlen_k"], packed["cu_seqlens_q"],
+                                    packed["cu_seqlens_k"], True)
+    slopes_ok = None
+    if p.alibi is not None:
+        grad = torch.is_grad_enabled()
+
+        def slopes_ok(t):  # the switch's alibi_slopes: float32 (the declaration) [Hq] on q's device, no gradient
+            return tuple(t.shape) == (q.shape[1],) and t.device == q.device and not (grad and t.requires_grad)
+    low = lowering.lower(p, mods.fields, (traced.score_mod, traced.mask_mod), mods.values, mask=mask,
+                         offset=offset, scores=scores, block_mask=block_mask is not None, slopes_ok=slopes_ok)
+    if low is not None and low.fields is None and traced.score_mod is not None and packed is None and not scores \
+            and low.mask in ("none", "causal") and set(low.scores) <= SCORE_KEYS \
+            and _gluon_serves(mods, q, k, v, low.mask):  # [Note] Score mods on the gluon forward
+        low = lowering.lower(p, mods.fields, (traced.score_mod, traced.mask_mod), mods.values, mask=mask,
+                             offset=offset, scores=scores, block_mask=block_mask is not None, score=False)
+    return low
+
+
+SCORE_KEYS = {"softcap", "alibi_slopes"}
+
+# [Note] Score mods on the gluon forward. Without a gradient on an H100, fagen.attention runs a score_mod alone
+# (mask none/causal, no switch) on the gluon modded forward ([Note] Hopper selection), which measured faster than
+# the softcap switch's forward (scripts/gpu_mods_lower.py, H100, S8192 full: the softcap mod 1.050 ms, the softcap
+# switch 1.142 ms; the switch's forward is Triton's, the gluon one with a softcap switch lost to it). So where that
+# forward would serve the mod, a score_mod that is a softcap or ALiBi stays a mod (a causal mask_mod beside it
+# still lowers); with a gradient the switch kernels win (fwd+bwd 4.797 against 5.417 ms) and the mod lowers.
+_GLUON_SCORE: dict[tuple, bool] = {}
+
+
+def _gluon_serves(mods: Mods, q, k, v, mask: str) -> bool:
+    """Whether this call's score_mod, kept as a mod with the built-in `mask`, runs on the gluon modded forward."""
+    if v is None or not q.is_cuda or q.dim() != 4 \
+            or q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] < hopper.MIN_WORK \
+            or torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return False
+    key = (mods.fields[0], fast_key(q, k, v, mask, False, (), True))
+    hit = _GLUON_SCORE.get(key)
+    if hit is None:
+        scalars, tensors = ir.names_in(mods.traced.score_mod)
+        fields = (mods.fields[0], None, tuple(t for t in mods.fields[2] if t[0] in tensors),
+                  tuple(s for s in mods.fields[3] if s[0] in scalars))
+        try:
+            hit = hopper.mod_forward_spec(modded_spec(spec_for(q, k, v, mask=mask), fields), q.device) is not None
+        except (SpecError, AttentionError):
+            hit = False
+        _GLUON_SCORE[key] = hit
+    return hit
+
+
+def _check_call_block_mask(block_mask, mods: Mods, q, k, packed) -> None:
+    if packed is None:
+        _check_block_mask(block_mask, mods, q.device, q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    else:  # B sequences, positions within each: built for (B, H, max_seqlen_q, max_seqlen_k)
+        _check_block_mask(block_mask, mods, q.device, packed["cu_seqlens_q"].shape[0] - 1, q.shape[1],
+                          packed["max_seqlen_q"], packed["max_seqlen_k"])
 
 
 _GLUON: dict[tuple, ModuleType] = {}

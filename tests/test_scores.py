@@ -246,3 +246,23 @@ def test_windowed_d64_forwards_take_small_tiles():
         fields = {"head_dim": 64, "mask": "causal", **other}
         assert tile(fagen.KernelSpec(window=True, **fields)) == tile(fagen.KernelSpec(**fields))
     assert tile(fagen.KernelSpec(head_dim=64, window=True, block_m=128, block_n=64)) == (128, 64, 4, 3)
+
+
+@pytest.mark.parametrize("kind, direction", [("prefill", "fwd"), ("prefill", "bwd"), ("decode", "fwd")])
+def test_window_extents_are_never_specialised(kind, direction):
+    """A window is a runtime argument (and a lowered mod's closure number): Triton must not compile a variant per
+    value class of win_left / win_right (1, a multiple of 16, other), so every launched kernel taking them lists
+    them in do_not_specialize."""
+    import re
+
+    from fagen.codegen.render import render
+
+    spec = fagen.KernelSpec(head_dim=64, dtype="bf16", mask="causal", window=True, kind=kind, direction=direction)
+    rendered = render(spec)
+    src = str(getattr(rendered, "source", rendered))
+    launched = set(re.findall(r"_fast\((\w+)\)", src)) | set(re.findall(r"\b(\w+)\[\(?grid", src))
+    kernels = re.findall(r"(@triton\.jit[^\n]*)\ndef (\w+)\(([^)]*)\)", src)
+    entries = [(jit, name) for jit, name, params in kernels if name in launched and re.search(r"\bwin_left\b", params)]
+    assert entries, "no launched kernel takes the window"
+    for jit, name in entries:
+        assert '"win_left"' in jit and '"win_right"' in jit, (name, jit)

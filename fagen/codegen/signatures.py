@@ -15,6 +15,7 @@ from fagen.spec.kernel import KernelSpec
 
 WIDTH = 120  # the house's line length: launches and AOT entries wrap there
 _SCHEMA = {INT: "int", FLOAT: "float"}
+_WINDOW_INTS = ("win_left", "win_right")  # the window switch's extents: never specialised (mod_jit)
 _STRIDE = re.compile(r"mt\d+_s\d+")  # a captured tensor's stride argument ([Note] Mod argument names)
 _C_TYPE = {IO: "T", "fp32": "float", "i32": "int"}
 
@@ -107,12 +108,17 @@ class Helpers:
 
     def mod_jit(self, name: str) -> str:
         """`@triton.jit` of kernel `name`; a modded spec's lists its mods' and block mask's ints in do_not_specialize
-        ([Note] Runtime scalars in fagen/runtime/modded.py): a changed closure int never compiles a new kernel."""
+        ([Note] Runtime scalars in fagen/runtime/modded.py): a changed closure int never compiles a new kernel. The
+        window switch's extents are listed too: Triton would otherwise compile a variant per value class (1, a
+        multiple of 16, other), and a window is a runtime argument (README "Score switches"), which a lowered
+        mod's closure number becomes (fagen/mods/lower.py)."""
+        names = [a.name for a in KERNELS[name].of(self.spec) if a.name in _WINDOW_INTS and a.kind == INT]
         if not self.spec.modded:
-            return "@triton.jit"
+            return "@triton.jit(do_not_specialize=[" + ", ".join(f'"{n}"' for n in names) + "])" if names \
+                else "@triton.jit"
         from fagen.codegen.args import BLOCK_ARGS, MOD_ARGS
 
-        names = [a.name for a in expand((MOD_ARGS, *BLOCK_ARGS), self.spec) if a.kind == INT]
+        names += [a.name for a in expand((MOD_ARGS, *BLOCK_ARGS), self.spec) if a.kind == INT]
         strides = [n for n in names if _STRIDE.fullmatch(n)]  # [Note] Captured strides in fagen/codegen/mod_args.py
         return ("@triton.jit(do_not_specialize=[" + ", ".join(f'"{n}"' for n in names if n not in strides) + "]"
                 + (", do_not_specialize_on_alignment=[" + ", ".join(f'"{n}"' for n in strides) + "]" if strides else "")

@@ -158,7 +158,18 @@ def render(spec: KernelSpec) -> Rendered:
     return _render(spec, root, _stamp(root))
 
 
-render.cache_clear = lambda: _render.cache_clear()  # for tests that change the tables under a render
+INDEX_TRUSTED = True  # whether fagen.runtime.loader may serve a load from its render index ([Note] Render index)
+
+
+def _cache_clear() -> None:
+    """Forget the memoised renders (tests that change the tables under a render); the loader's render index is then
+    not trusted for the rest of the process either."""
+    global INDEX_TRUSTED
+    _render.cache_clear()
+    INDEX_TRUSTED = False
+
+
+render.cache_clear = _cache_clear
 
 
 @functools.lru_cache(maxsize=512)

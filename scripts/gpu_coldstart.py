@@ -11,7 +11,7 @@ run of the same row filled):
              earlier process compiled (warm). Only that call is timed.
   flex       the same for FlexAttention: torch.compile(flex_attention) ran one plain call (setup), then the first
              call with the new score_mod; fresh TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR (cold), then reused.
-The mod is the bench's: score + where(q_idx >= kv_idx, c, -0.5) with a closure constant c new to every run; q = k = v
+The mod is the bench's: score + where(q_idx >= kv_idx, c, -0.5) with a literal c new to every run; q = k = v
 [1, 16, 4096, 128] bf16, no gradient (the Triton forward of the modded module: 2^28 pairs < hopper.MIN_WORK).
 
 Phases are exclusive wall times, from wrappers around: fagen.runtime.mods.trace (trace), fagen.codegen.render's
@@ -71,9 +71,10 @@ def sync():
 
 
 def mod_of(c):
-    def mod(score, b, h, q_idx, kv_idx):  # a mod no cache has seen: its constant is new per run
-        return score + torch.where(q_idx >= kv_idx, c, -0.5)
-    return mod
+    """A mod no cache has seen: c is a literal of its expression (a closure number would be a runtime scalar of a
+    kernel compiled before), as in fagen bench --suite mods' cold row."""
+    return eval(f"lambda score, b, h, q_idx, kv_idx: score + torch.where(q_idx >= kv_idx, {c!r}, -0.5)",
+                {"torch": torch})
 
 
 def patch_fagen():

@@ -162,3 +162,27 @@ def test_a_first_call_without_gradient_loads_only_the_module_it_runs(seen, monke
     assert (out.double() - want).abs().max().item() < 1e-4
     fagen.attention(q.requires_grad_(), k, v, mask_mod=mask_mod)
     assert len(seen["import"]) == 2 and seen["import"][1].startswith("attn_bwd_"), seen["import"]
+
+
+def test_a_new_process_reuses_the_compiled_templates(seen, monkeypatch):
+    """[Note] Template bytecode: a process whose cache holds Jinja's compiled templates compiles none (a new mod in
+    a warm process renders without compiling the templates)."""
+    import jinja2
+
+    from fagen.codegen import render as codegen
+
+    compiled, real = [], jinja2.Environment.compile
+
+    def compile(self, source, name=None, *rest, **kw):
+        compiled.append(name)
+        return real(self, source, name, *rest, **kw)
+
+    monkeypatch.setattr(jinja2.Environment, "compile", compile)
+    codegen._environment.cache_clear()  # a new process's environment: every template is compiled or read
+    codegen.render(fagen.KernelSpec(head_dim=16, block_m=16, block_n=16, score_mod="score * 0.419"))
+    assert compiled, "the first process compiles its templates"
+    seen["new_process"]()
+    codegen._environment.cache_clear()
+    compiled.clear()
+    codegen.render(fagen.KernelSpec(head_dim=16, block_m=16, block_n=16, score_mod="score * 0.421"))
+    assert compiled == []

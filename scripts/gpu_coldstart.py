@@ -7,8 +7,9 @@ run of the same row filled):
   start      process start to the first result, the clock started after `import torch` (what `fagen bench --suite
              mods` cold-first-call reports): import fagen, CUDA init, then fagen.attention(q, q, q, score_mod=mod).
   new mod    the issue's case: a process that already imported fagen, initialised CUDA and ran one plain
-             fagen.attention call (untimed setup), then the first call of a mod no cache has seen (cold) or one an
-             earlier process compiled (warm). Only that call is timed.
+             fagen.attention call (untimed setup), then the first call of a mod no cache has seen (cold), one an
+             earlier process compiled (warm), or a new mod in a process whose caches hold everything else (other
+             caches warm: the plain call is served from them, the mod compiles). Only that call is timed.
   flex       the same for FlexAttention: torch.compile(flex_attention) ran one plain call (setup), then the first
              call with the new score_mod; fresh TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR (cold), then reused.
 The mod is the bench's: score + where(q_idx >= kv_idx, c, -0.5) with a literal c new to every run; q = k = v
@@ -192,14 +193,18 @@ def main() -> None:
     stamp = time.time_ns() % 10**6 / 10**6
     records = {}
     with tempfile.TemporaryDirectory(prefix="fagen-coldstart-") as tmp:
-        for row, mode, const in (("start", "start", 0.25 + stamp), ("new mod", "newmod", 0.5 + stamp)):
+        runs = (("start", "start", 0.25 + stamp, ("cold", "warm")),
+                ("new mod", "newmod", 0.5 + stamp, ("cold", "warm")),
+                ("new mod", "newmod", 0.625 + stamp, ("other caches warm",)))
+        for row, mode, const, kinds in runs:
             env = dict(base, FAGEN_CACHE_DIR=os.path.join(tmp, row, "fagen"),
                        TRITON_CACHE_DIR=os.path.join(tmp, row, "triton"),
                        TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, row, "inductor"))
-            for caches in ("cold", "warm"):
-                log(f"{row} {caches} ...")
-                records[f"{row} {caches}"] = child(mode, const, env, shape)
-                log(f"{row} {caches}: {json.dumps(records[f'{row} {caches}'])[:400]}")
+            for caches in kinds:
+                name = f"{row} {caches}"
+                log(f"{name} ...")
+                records[name] = child(mode, const, env, shape)
+                log(f"{name}: {json.dumps(records[name])[:400]}")
         if not DRY:
             env = dict(base, TRITON_CACHE_DIR=os.path.join(tmp, "flex", "triton"),
                        TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, "flex", "inductor"))
@@ -221,7 +226,8 @@ PHASES = ("import fagen", "import triton", "cuda init", "plain call (setup)", "t
 
 
 def table(records: dict, tol: float) -> str:
-    cols = [c for c in ("start cold", "start warm", "new mod cold", "new mod warm") if c in records]
+    cols = [c for c in ("start cold", "start warm", "new mod cold", "new mod warm", "new mod other caches warm")
+            if c in records]
     lines = ["| phase (s) | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
 
     def cell(r, key):
@@ -261,7 +267,7 @@ def table(records: dict, tol: float) -> str:
             out.append(f"{c}: " + (f"error {r['error']}" if "error" in r else
                                    f"first call of the new mod {r['first call']:.2f} s (plain call setup "
                                    f"{r['plain call (setup)']:.2f} s)"))
-    targets = {"new mod cold": 3.0, "new mod warm": 0.3}
+    targets = {"new mod cold": 3.0, "new mod other caches warm": 3.0, "new mod warm": 0.3}
     for c, limit in targets.items():
         if c in records and "error" not in records[c]:
             got = records[c]["call"]

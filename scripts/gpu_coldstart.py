@@ -209,7 +209,7 @@ def main() -> None:
             env = dict(base, TRITON_CACHE_DIR=os.path.join(tmp, "flex", "triton"),
                        TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, "flex", "inductor"))
             for caches in ("cold", "warm"):
-                if time.time() - T0 > 75:
+                if time.time() - T0 > (60 if caches == "cold" else 80):  # the whole run stays under ~120 s
                     log(f"flex {caches}: skipped (time budget)")
                     continue
                 log(f"flex {caches} ...")

@@ -186,3 +186,33 @@ def test_a_new_process_reuses_the_compiled_templates(seen, monkeypatch):
     compiled.clear()
     codegen.render(fagen.KernelSpec(head_dim=16, block_m=16, block_n=16, score_mod="score * 0.421"))
     assert compiled == []
+
+
+def test_a_read_only_cache_without_index_or_template_code_still_loads(seen, monkeypatch, tmp_path):
+    """The render index and the template bytecode are written best effort: a warm cache that is read-only and lacks
+    them (shipped before they existed) renders in memory and loads what it holds."""
+    from pathlib import Path
+
+    from fagen import files
+    from fagen.codegen import render as codegen
+    from fagen.runtime import loader
+
+    spec = fagen.KernelSpec(head_dim=16, mask="causal", block_m=16, block_n=16, score_mod="score * 0.617")
+    path = loader.write_source(spec)  # a cache entry as an older fagen left it: the source only
+    seen["new_process"]()
+    codegen._environment.cache_clear()
+    for code in (tmp_path / "cache" / "jinja").rglob("*.bin"):
+        code.unlink()
+    cache = str(tmp_path / "cache")
+    real_mkdir, real_mkstemp = Path.mkdir, files.tempfile.mkstemp
+
+    def refuse(where):
+        if str(where).startswith(cache):
+            raise PermissionError(13, "Permission denied", str(where))
+
+    monkeypatch.setattr(Path, "mkdir", lambda p, *a, **kw: refuse(p) or real_mkdir(p, *a, **kw))
+    monkeypatch.setattr(files.tempfile, "mkstemp", lambda *a, dir=None, **kw: refuse(dir) or real_mkstemp(
+        *a, dir=dir, **kw))
+    module = fagen.load(spec)
+    assert module.__file__ == str(path) and seen["render"] == [spec.name]
+    assert not (tmp_path / "cache" / "src" / "index").exists()

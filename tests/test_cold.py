@@ -27,7 +27,7 @@ def test_fagen_attention_and_a_mods_call_import_no_dynamo():
     """torch._dynamo costs about 1 s of a process's start: neither fagen.attention's import nor a plain or a mods
     call may pull it in ([Note] Dynamo on demand in fagen/runtime/api.py)."""
     code = ("import sys, torch, fagen\n"
-            "q = torch.randn(1, 2, 20, 16)\n"
+            f"q = torch.randn(1, 2, 20, 16, device={str(DEVICE)!r})\n"
             "fagen.attention(q, q, q)\n"
             "c = 0.3\n"
             "fagen.attention(q, q, q, score_mod=lambda s, b, h, i, j: s + c * (i >= j))\n"

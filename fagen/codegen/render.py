@@ -58,6 +58,7 @@ def _environment(root: Path) -> jinja2.Environment:
     env = jinja2.Environment(
         # auto_reload: an edited template is read again; "fagen/..." names a package module, included verbatim
         loader=jinja2.ChoiceLoader([jinja2.FileSystemLoader(root), jinja2.PrefixLoader({"fagen": _PACKAGE})]),
+        bytecode_cache=_TemplateCode(),
         undefined=jinja2.StrictUndefined,  # a missing variable fails here, not as a compiler error later
         trim_blocks=True,
         lstrip_blocks=True,
@@ -69,6 +70,40 @@ def _environment(root: Path) -> jinja2.Environment:
     signatures.register(env)  # def_kernel, launch, args, ...: the argument lists of fagen/codegen/args.py
     env.globals["verbatim"] = _verbatim
     return env
+
+
+# [Note] Template bytecode. Jinja compiles each template to Python once per process: 0.12 s of the first render on
+# the dev machine's CPU, 0.5 s on the H100 host, as much as a warm first call is allowed in all. Jinja's own bytecode
+# cache keeps the compiled code under <cache>/jinja/<key>/: a file per template, named by Jinja from the template's
+# name and path and checked against the sha1 of its source and the Python version when read; <key> covers what
+# else shapes the code (the fagen and Jinja versions and this environment's options). Reads and writes are best
+# effort: a damaged file is compiled again, and a read-only cache compiles in memory as before.
+_ENV_OPTIONS = "StrictUndefined trim_blocks lstrip_blocks keep_trailing_newline no-autoescape"
+
+
+class _TemplateCode(jinja2.BytecodeCache):
+    """Jinja's compiled templates under the cache root ([Note] Template bytecode)."""
+
+    def _path(self, bucket) -> Path:
+        from fagen import files
+
+        key = files.digest(__version__, jinja2.__version__, _ENV_OPTIONS)[:16]
+        return files.cache_root() / "jinja" / key / f"{bucket.key}.bin"
+
+    def load_bytecode(self, bucket) -> None:
+        try:
+            with open(self._path(bucket), "rb") as f:
+                bucket.load_bytecode(f)
+        except Exception:  # noqa: BLE001 - missing, unreadable or damaged: compile the template instead
+            bucket.reset()
+
+    def dump_bytecode(self, bucket) -> None:
+        from fagen import files
+
+        try:
+            files.write_if_different(self._path(bucket), bucket.bytecode_to_string())
+        except OSError:
+            pass
 
 
 VERBATIM_MARKER = "# -- fagen: included verbatim below this line --\n"
@@ -158,7 +193,18 @@ def render(spec: KernelSpec) -> Rendered:
     return _render(spec, root, _stamp(root))
 
 
-render.cache_clear = lambda: _render.cache_clear()  # for tests that change the tables under a render
+INDEX_TRUSTED = True  # whether fagen.runtime.loader may serve a load from its render index ([Note] Render index)
+
+
+def _cache_clear() -> None:
+    """Forget the memoised renders (tests that change the tables under a render); the loader's render index is then
+    not trusted for the rest of the process either."""
+    global INDEX_TRUSTED
+    _render.cache_clear()
+    INDEX_TRUSTED = False
+
+
+render.cache_clear = _cache_clear
 
 
 @functools.lru_cache(maxsize=512)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from fagen.codegen.args import SWITCH_KEYWORD
-from fagen.runtime import ops
 from fagen.runtime.hopper import MIN_WORK
 from fagen.runtime.kinds import prefers_decode
 from fagen.runtime.resolve import _DTYPES, _FAST, AttentionError, _module, fast_key, resolve, resolve_varlen, spec_for
@@ -53,9 +54,9 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
     the shared_kv decode kernel, out [B, Hq, Sq, head_dim_v]. Called eagerly (a graph break under torch.compile).
     """
     if v is None:
-        return _latent(q, k, mask=mask, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k, tree_mask=tree_mask,
-                       window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, check=check,
-                       batch_invariant=batch_invariant, head_dim_v=head_dim_v)
+        return _eager_only(_latent)(q, k, mask=mask, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
+                                    tree_mask=tree_mask, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                                    sinks=sinks, check=check, batch_invariant=batch_invariant, head_dim_v=head_dim_v)
     if head_dim_v is not None:
         raise AttentionError("head_dim_v: it names V's columns of a shared latent cache, with v=None; with a v "
                              "tensor, out takes v's head dim: drop head_dim_v")
@@ -69,10 +70,10 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
             q, k, v, mask, score_mod, mask_mod, block_mask, window, softcap, alibi_slopes, sinks, seqlens_q,
             seqlens_k, packed)
         if plain is None:
-            return _modded(q, k, v, mask=mask, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
-                           tree_mask=tree_mask, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                           sinks=sinks, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask, check=check,
-                           packed=packed)
+            return _eager_only(_modded)(
+                q, k, v, mask=mask, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k, tree_mask=tree_mask,
+                window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, score_mod=score_mod,
+                mask_mod=mask_mod, block_mask=block_mask, check=check, packed=packed)
         mask, window, softcap, alibi_slopes = plain  # the mods were built-in switches: the switch call's path
     if window is None and softcap is None and alibi_slopes is None and sinks is None:  # the common call
         switches, scores = (), _NO_SCORES
@@ -95,11 +96,13 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
     four = len(qs) == 4 and len(ks) == 4
     decode = not needs_grad and four and prefers_decode(qs[2], ks[2])
     if torch.compiler.is_compiling():
+        from fagen.runtime import ops  # [Note] Dynamo on demand
+
         win = None if window is None else _op_window(window)
         if window is not None and win is None:  # the operator cannot carry it: run eagerly into the module's check
-            return _eager(q, k, v, mask=mask, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
-                          tree_mask=tree_mask, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                          sinks=sinks, check=check)
+            return _eager_only(attention)(q, k, v, mask=mask, scale=scale, seqlens_q=seqlens_q,
+                                          seqlens_k=seqlens_k, tree_mask=tree_mask, window=window, softcap=softcap,
+                                          alibi_slopes=alibi_slopes, sinks=sinks, check=check)
         return ops.attention(q, k, v, str(mask), scale, seqlens_q, seqlens_k, tree_mask, decode, win, softcap,
                              alibi_slopes, sinks, batch_invariant)[0]
     # [Note] Host time. A warm call costs one dict lookup on plain values before the module's own checks and launch:
@@ -126,10 +129,28 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
                             check=check, **scores)
 
 
-_eager = torch.compiler.disable(attention)  # a call Dynamo leaves alone
+# [Note] Dynamo on demand. torch.compiler.disable imports torch._dynamo (about 1 s of a process's start, more than a
+# warm call of a new mod costs), so nothing here applies it at import: _eager_only(fn) is fn itself while
+# torch._dynamo is not imported (no torch.compile can be tracing or running then), and fn's disable wrapper,
+# made once, as soon as it is. Dynamo traces _eager_only like any function (a dict lookup; the first time also the
+# disable call) and then breaks the graph at the wrapper, as a decorated function did. The operators of traced calls
+# (fagen/runtime/ops.py) are imported in the branch that only a trace takes. tests/test_cold.py checks that
+# fagen.attention imports no Dynamo, and that a traced mods call still runs eagerly behind one graph break.
+_DISABLED: dict = {}
 
 
-@torch.compiler.disable  # the shared latent decode has no custom operator: eager, a graph break under torch.compile
+def _eager_only(fn):
+    """fn, or its torch.compiler.disable wrapper once torch._dynamo is imported ([Note] Dynamo on demand)."""
+    if "torch._dynamo" not in sys.modules:
+        return fn
+    wrapper = _DISABLED.get(fn)
+    if wrapper is None:
+        wrapper = _DISABLED[fn] = torch.compiler.disable(fn)
+    return wrapper
+
+
+# _latent (the shared latent decode has no custom operator) and _modded (tracing the user's functions is host work)
+# run eagerly through _eager_only: a graph break under torch.compile.
 def _latent(q, k, *, mask, head_dim_v, window, softcap, alibi_slopes, sinks, **rest):
     """fagen.attention(q, k, None, head_dim_v=...): the shared_kv decode module's forward (README "MLA absorbed
     decode")."""
@@ -165,7 +186,6 @@ _NO_SCORES: dict = {}
 _SCORE_ARGS = tuple(SWITCH_KEYWORD[name] for name in SCORE_SWITCHES)  # the public keyword of each switch
 
 
-@torch.compiler.disable  # tracing the user's functions is host work: eager, a graph break under torch.compile
 def _modded(q, k, v, *, window, softcap, alibi_slopes, sinks, packed, **rest):
     """The path of calls with user mods (fagen/runtime/modded.py): the bwd module of the mods' spec, dense or varlen
     (packed: the varlen keywords)."""

@@ -110,8 +110,26 @@ def modded_spec(base: KernelSpec, fields: tuple, tiles: dict | None = None, arch
 def module_for(q, k, v, mask, switches: tuple[str, ...], mods: Mods,
                layout: Layout = Layout.DENSE) -> tuple[ModuleType, ModArgs]:
     """The bwd (differentiable) module of these inputs with these mods, and its mod argument list."""
-    key = (fast_key(q, k, v, mask, False, switches, False), mods.fields, layout)
+    return _bwd_module(*_mods_spec(q, k, v, mask, switches, mods, layout))
+
+
+def _bwd_module(key: tuple, spec: KernelSpec, args: ModArgs) -> tuple[ModuleType, ModArgs]:
     hit = _MODULES.get(key)
+    if hit is None:
+        module = load(spec)
+        _SPECS[module] = spec
+        hit = _MODULES[key] = (module, args)
+    return hit
+
+
+_MOD_SPECS: dict[tuple, tuple[tuple, KernelSpec, ModArgs]] = {}
+
+
+def _mods_spec(q, k, v, mask, switches: tuple[str, ...], mods: Mods,
+               layout: Layout) -> tuple[tuple, KernelSpec, ModArgs]:
+    """(key, the bwd spec, its mod argument list) of these inputs with these mods; nothing rendered or loaded."""
+    key = (fast_key(q, k, v, mask, False, switches, False), mods.fields, layout)
+    hit = _MOD_SPECS.get(key)
     if hit is not None:
         return hit
     base = spec_for(q, k, v, mask=mask, switches=switches, layout=layout)
@@ -120,10 +138,8 @@ def module_for(q, k, v, mask, switches: tuple[str, ...], mods: Mods,
         spec = modded_spec(base, mods.fields)
     except SpecError as e:
         raise AttentionError(f"no kernel for these mods: {e}") from None
-    module = load(spec)
-    _SPECS[module] = spec
-    hit = _MODULES[key] = (module, ModArgs(tuple(ModTensor(*t) for t in tensors),
-                                           tuple(ModScalar(*s) for s in scalars)))
+    hit = _MOD_SPECS[key] = (key, spec, ModArgs(tuple(ModTensor(*t) for t in tensors),
+                                                tuple(ModScalar(*s) for s in scalars)))
     return hit
 
 
@@ -161,7 +177,7 @@ def attention(q, k, v, *, mask, scale, seqlens_q, seqlens_k, tree_mask, scores: 
                               tree_mask=tree_mask, check=check, **scores, **(packed or {})))
         mask, mods = low.mask, Mods(mods.traced, low.fields, {n: mods.values[n] for n in low.names})
         score_mod, mask_mod = (score_mod if low.fields[0] else None), (mask_mod if low.fields[1] else None)
-    module, args = module_for(q, k, v, mask, switches, mods, Layout.DENSE if packed is None else Layout.VARLEN)
+    key, spec, args = _mods_spec(q, k, v, mask, switches, mods, Layout.DENSE if packed is None else Layout.VARLEN)
     check_values(q, args, mods.values)
     if block_mask is not None:
         _check_call_block_mask(block_mask, mods, q, k, packed)
@@ -171,13 +187,14 @@ def attention(q, k, v, *, mask, scale, seqlens_q, seqlens_k, tree_mask, scores: 
     kw = dict(scale=scale, check=check, mods=mods.values, **layout, **scores)
     if not torch.is_grad_enabled() or not any(
             t.requires_grad for t in (q, k, v, *(mods.values[a.name] for a in args.tensors))):
-        if packed is None and q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] >= hopper.MIN_WORK:
-            module = _gluon_forward(module, q.device)  # [Note] Hopper selection (a score_mod: select_score_mods)
-        if mask_mod is not None:  # [Note] Forward tiles
-            short = block_mask is not None and block_mask.density * block_mask.seq_k <= SHORT_ROW_KEYS
-            module = _forward_twin(module, mods.fields, short)
+        big = packed is None and q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] >= hopper.MIN_WORK
+        short = mask_mod is not None and block_mask is not None and \
+            block_mask.density * block_mask.seq_k <= SHORT_ROW_KEYS
+        module = _FORWARD_ONLY.get((key, big, short))
+        if module is None:
+            module = _FORWARD_ONLY[(key, big, short)] = _forward_module(key, spec, args, q.device, big, short)
         return module.forward(q, k, v, **kw)[0]  # no autograd node to build
-    return module.attention(q, k, v, **kw)
+    return _bwd_module(key, spec, args)[0].attention(q, k, v, **kw)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,16 +293,21 @@ def _check_call_block_mask(block_mask, mods: Mods, q, k, packed) -> None:
                           packed["max_seqlen_q"], packed["max_seqlen_k"])
 
 
-_GLUON: dict[tuple, ModuleType] = {}
+# [Note] Forward-only first calls. A call without gradient runs one forward kernel: the Gluon forward of a score_mod
+# on a large enough problem ([Note] Hopper selection; mod_forward_spec), a mask_mod's forward twin ([Note] Forward
+# tiles), or else the forward of the bwd module. Only that one module is rendered, imported and compiled: the bwd
+# module of a twin's spec is not loaded until a call needs gradients (Triton then compiles its forward and
+# backward kernels at their first launch, as always), so the first call of a new mod pays for one module and one
+# kernel. tests/test_cold.py counts the modules such a call loads.
+_FORWARD_ONLY: dict[tuple, ModuleType] = {}
 
 
-def _gluon_forward(module: ModuleType, device) -> ModuleType:
-    """The gluon modded forward that serves `module`'s spec on `device` where hopper.mod_forward_spec picks one."""
-    key = (module, device)
-    if key not in _GLUON:
-        twin = hopper.mod_forward_spec(_SPECS[module], device)
-        _GLUON[key] = load(twin) if twin is not None else module
-    return _GLUON[key]
+def _forward_module(key: tuple, spec: KernelSpec, args: ModArgs, device, big: bool, short: bool) -> ModuleType:
+    """The module whose forward serves a call without gradient ([Note] Forward-only first calls)."""
+    twin = hopper.mod_forward_spec(spec, device) if big else None  # [Note] Hopper selection (select_score_mods)
+    if twin is None and spec.mask_mod is not None:  # [Note] Forward tiles
+        twin = _forward_spec(spec, key[1], short)
+    return load(twin) if twin is not None else _bwd_module(key, spec, args)[0]
 
 
 _FORWARD: dict[tuple[ModuleType, bool], ModuleType] = {}
@@ -296,15 +318,20 @@ def _forward_twin(module: ModuleType, fields: tuple, short: bool) -> ModuleType:
     tiles), or `module`."""
     hit = _FORWARD.get((module, short))
     if hit is None:
-        spec = _SPECS[module]
-        arch = gpu_arch()
-        tiles = MODDED_FWD_TILES.get((arch, *mods_class(fields), short)) if arch and spec.head_dim > 64 else None
-        hit = module
-        if tiles is not None:
-            given = {k: v for k, v in spec.to_dict().items() if k not in spec.defaulted}
-            hit = load(KernelSpec.from_dict({**given, **tiles, "direction": "fwd"}))
-        _FORWARD[(module, short)] = hit
+        twin = _forward_spec(_SPECS[module], fields, short)
+        hit = _FORWARD[(module, short)] = module if twin is None else load(twin)
     return hit
+
+
+def _forward_spec(spec: KernelSpec, fields: tuple, short: bool) -> KernelSpec | None:
+    """The forward-only spec of a modded spec at MODDED_FWD_TILES' tiles for rows short or not ([Note] Forward
+    tiles), or None: the spec's own forward serves."""
+    arch = gpu_arch()
+    tiles = MODDED_FWD_TILES.get((arch, *mods_class(fields), short)) if arch and spec.head_dim > 64 else None
+    if tiles is None:
+        return None
+    given = {k: v for k, v in spec.to_dict().items() if k not in spec.defaulted}
+    return KernelSpec.from_dict({**given, **tiles, "direction": "fwd"})
 
 
 def _check_block_mask(bm, mods: Mods, device, batch: int, heads: int, sq: int, sk: int) -> None:

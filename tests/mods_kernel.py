@@ -57,7 +57,7 @@ def run(tree: ir.Node, tensors: dict, scalars: dict, score: torch.Tensor) -> tor
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     B, H, SQ, SK = score.shape
-    out = torch.empty(B, H, SQ, SK, dtype=torch.float32)
+    out = torch.empty(B, H, SQ, SK, dtype=torch.float32, device=score.device)
     module.mod_kernel[(B * H,)](out, score.float().contiguous(), *values, NH=H, SQ=SQ, SK=SK)
     return out
 

@@ -75,29 +75,46 @@ def _remember(level: dict, key, entry) -> None:
 
 
 def _shape(value, depth: int, seen: list):
-    """The trace-relevant shape of a captured value ([Note] Trace cache); `seen` keeps functions met on the way."""
-    if value is None or isinstance(value, bool):
+    """The trace-relevant shape of a captured value ([Note] Trace cache); `seen` keeps functions met on the way.
+    Written for speed: a factory's new function object (a changed closure number) is shaped on every call."""
+    if value is None or value is True or value is False:
         return value
-    if isinstance(value, (int, float)):
-        return type(value).__name__
-    if isinstance(value, types.FunctionType):
+    kind = type(value)
+    if kind is int or kind is float:
+        return _NUMBER[kind]
+    if kind is types.FunctionType:
         if depth >= 16 or any(value is f for f in seen):
             return ("fn", id(value))
         seen.append(value)
-        code, g = value.__code__, value.__globals__
-        cells = tuple(_cell(c, depth, seen) for c in value.__closure__ or ())
-        defaults = tuple(_shape(d, depth + 1, seen) for d in value.__defaults__ or ())
-        kw = tuple(sorted((k, _shape(v, depth + 1, seen)) for k, v in (value.__kwdefaults__ or {}).items()))
-        glob = tuple((n, _shape(g[n], depth + 1, seen)) for n in _names(code)
-                     if n in g and not isinstance(g[n], types.ModuleType))
+        code, closure, defaults, kwdefaults = value.__code__, value.__closure__, value.__defaults__, \
+            value.__kwdefaults__
+        d = depth + 1
+        cells = tuple([_cell(c, depth, seen) for c in closure]) if closure else ()
+        defaults = tuple([_shape(x, d, seen) for x in defaults]) if defaults else ()
+        kw = tuple(sorted((k, _shape(x, d, seen)) for k, x in kwdefaults.items())) if kwdefaults else ()
+        names = _names(code)
+        if names:
+            g = value.__globals__
+            glob = tuple([(n, _shape(g[n], d, seen)) for n in names
+                          if n in g and type(g[n]) is not types.ModuleType])
+        else:
+            glob = ()
         return ("fn", code, cells, defaults, kw, glob)
-    if isinstance(value, (tuple, list)) and len(value) <= 64 and depth < 16:
-        return (type(value).__name__, *(_shape(v, depth + 1, seen) for v in value))
+    if isinstance(value, bool):  # a bool subclass (numpy's is not one): its value
+        return bool(value)
+    if isinstance(value, (int, float)):  # a subclass of int or float: its own type's name
+        return kind.__name__
+    if (kind is tuple or kind is list or isinstance(value, (tuple, list))) and len(value) <= 64 and depth < 16:
+        return (kind.__name__ if kind in (tuple, list) else type(value).__name__,
+                *[_shape(v, depth + 1, seen) for v in value])
     dtype = getattr(value, "dtype", None)
-    if dtype is not None and hasattr(value, "dim") and type(value).__module__.startswith("torch"):
+    if dtype is not None and hasattr(value, "dim") and kind.__module__.startswith("torch"):
         return ("tensor", dtype, value.dim())
     seen.append(value)
     return ("id", id(value))  # any other object: itself
+
+
+_NUMBER = {int: "int", float: "float"}
 
 
 def _cell(cell, depth: int, seen: list):

@@ -75,7 +75,7 @@ def test_mla_defaults_on_sm90_and_elsewhere():
     fwd = KernelSpec(head_dim=192, head_dim_v=128, mask="causal", dtype="bf16")
     bwd = KernelSpec(head_dim=192, head_dim_v=128, mask="causal", dtype="bf16", direction="bwd")
     assert fwd.name == "attn_fwd_causal_d192v128_m128n64w8s3_g1_bf16"  # [Note] MLA prefill tiles: the H100's best
-    assert bwd.name == "attn_bwd_causal_d192v128_m128n64w8s2_g1_bf16"
+    assert bwd.name == "attn_bwd_causal_d192v128_m128n64w8s3_g1_bf16"
     assert "m64n32w4s2" in fwd.for_arch("sm_80").name  # sm_80 keeps its fitted wide tile
     # 128/64 and 64/128 take d128's tiles, which fit sm_90 by fagen's estimate
     for d, dv in ((128, 64), (64, 128)):
@@ -87,9 +87,10 @@ def test_mla_defaults_on_sm90_and_elsewhere():
 # -- the Gluon forward ---------------------------------------------------------------------------------------------
 def test_gluon_takes_mla_192_128_with_its_own_default_tile():
     spec = KernelSpec(backend="gluon", head_dim=192, head_dim_v=128, mask="causal", dtype="bf16")
-    assert spec.name == "attn_fwd_causal_d192v128_m128n64w8s2_g1_bf16_gluon"
+    assert spec.name == "attn_fwd_causal_d192v128_m128n128w8s2_g1_bf16_gluon"  # the lean n128 s2 (H100's best)
+    n64 = KernelSpec(backend="gluon", head_dim=192, head_dim_v=128, mask="causal", dtype="bf16", block_n=64)
     # Q 2 x 2 x 64 x 192, K 2 x 64 x 192, V 2 x 64 x 128, O 2 x 64 x 128, bf16, + 1 KB
-    assert backends.smem_bytes(spec) == 2 * (4 * 64 * 192 + 2 * 64 * 192 + 2 * 64 * 128 + 2 * 64 * 128) + 1024
+    assert backends.smem_bytes(n64) == 2 * (4 * 64 * 192 + 2 * 64 * 192 + 2 * 64 * 128 + 2 * 64 * 128) + 1024
     # selected where the H100 run timed it faster than the Triton forward: causal bf16 ([Note] Gluon selection rule)
     assert backends.GLUON.selected(spec)
     assert not backends.GLUON.selected(KernelSpec(backend="gluon", head_dim=192, head_dim_v=128, mask="none",
@@ -138,7 +139,8 @@ def test_gluon_mla_builds_for_sm90_within_its_formula_without_spills(tmp_path_fa
     from test_hopper_compile import build_sm90
 
     fields = dict(head_dim=192, head_dim_v=128, mask="causal", dtype="bf16")
-    modules = {"mla": fields, "lean_n128": dict(fields, block_n=128), "lean_s3": dict(fields, num_stages=3)}
+    modules = {"mla": dict(fields, block_n=64), "lean_n128": dict(fields, block_n=128),
+               "lean_s3": dict(fields, block_n=64, num_stages=3)}
     built = build_sm90(tmp_path_factory, _GLUON_SCRIPT, modules, "gluon-mla")
     for key, r in built.items():
         formula = backends.smem_bytes(KernelSpec(backend="gluon", **modules[key]))
@@ -198,6 +200,6 @@ def test_fagen_attention_routes_forward_only_mla_causal_to_gluon(monkeypatch):
     q = torch.zeros(1, 2, 8, 192, dtype=torch.bfloat16)
     k, v = torch.zeros(1, 2, 8, 192, dtype=torch.bfloat16), torch.zeros(1, 2, 8, 128, dtype=torch.bfloat16)
     fwd = resolve.resolve(q, k, v, "causal", False, forward_only=True)
-    assert fwd.NAME == "attn_fwd_causal_d192v128_m128n64w8s2_g1_bf16_gluon"
-    assert resolve.resolve(q, k, v, "causal", False).NAME == "attn_bwd_causal_d192v128_m128n64w8s2_g1_bf16"
+    assert fwd.NAME == "attn_fwd_causal_d192v128_m128n128w8s2_g1_bf16_gluon"
+    assert resolve.resolve(q, k, v, "causal", False).NAME == "attn_bwd_causal_d192v128_m128n64w8s3_g1_bf16"
     assert not resolve.resolve(q, k, v, "none", False, forward_only=True).NAME.endswith("_gluon")

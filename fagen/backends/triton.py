@@ -42,8 +42,9 @@ class TritonBackend(KernelBackend):
             # 305, m64n128w8s2 233; bwd m128n64w8s2 243, m64n64w8s3 199, m64n64w8s2 (the default before) 184,
             # m128n32w8s2 156, m64n32w8s2 117. sm_90 ptxas: fwd m128n64w8s3 162 registers, 0 spills, 170 KB;
             # bwd m128n64w8s2 dK/dV 255 registers and 10 spilled words, dQ 237 and 0, 122/161 KB. Before the
-            # split (one 256-wide tile, benchmarks/serving.md): fwd m128n64w8s2 326, bwd m64n64w8s2 163.
-            tiles = dict(block_m=128, block_n=64, num_warps=8, num_stages=3 if spec.direction is Direction.FWD else 2)
+            # split (one 256-wide tile, benchmarks/serving.md): fwd m128n64w8s2 326, bwd m64n64w8s2 163. Second run
+            # (15:12 UTC, cuDNN fwd 568, bwd 414): bwd m128n64w8s3 251 against m128n64w8s2 242, so 3 stages both ways.
+            tiles = dict(block_m=128, block_n=64, num_warps=8, num_stages=3)
             return fit(tiles, lambda c: tile_bytes(spec.head_dim, spec.dtype, spec.direction, c["block_m"],
                                                    c["block_n"], c["num_stages"], spec.head_dim_v),
                        targets.smem_limit(arch), given)

@@ -88,7 +88,7 @@ class GluonBackend(KernelBackend):
     # 477 TF/s, a tie lost), not window with softcap (not measured), never ALiBi or sinks (the gluon forward has
     # neither). fp8 has no other kernel: an fp8 spec is always this backend's. Where and when the rule applies (the
     # device, $FAGEN_HOPPER, the problem size): [Note] Hopper selection in fagen/runtime/hopper.py. MLA prefill
-    # (192/128): causal bf16, any gqa (select_mla below: 504 against 456 TF/s on the H100).
+    # (192/128): causal bf16, any gqa (select_mla below: 543 against 453 TF/s on the H100, lean n128 s2).
     selected_head_dims = (128,)
     selected_dtypes = (DType.BF16,)
     selected_masks = (Mask.NONE, Mask.CAUSAL)

@@ -152,19 +152,32 @@ def attention(q, k, v, *, mask, scale, seqlens_q, seqlens_k, tree_mask, scores: 
         else:  # B sequences, positions within each: built for (B, H, max_seqlen_q, max_seqlen_k)
             _check_block_mask(block_mask, mods, q.device, packed["cu_seqlens_q"].shape[0] - 1, q.shape[1],
                               packed["max_seqlen_q"], packed["max_seqlen_k"])
+    if packed is None:  # one dict of keywords per call
+        kw = dict(scale=scale, check=check, mods=mods.values, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
+                  tree_mask=tree_mask, **scores)
+    else:
+        kw = dict(scale=scale, check=check, mods=mods.values, **packed, **scores)
     if mask_mod is not None:
-        scores = {**scores, "block_mask": block_mask}
-    layout = dict(seqlens_q=seqlens_q, seqlens_k=seqlens_k, tree_mask=tree_mask) if packed is None else packed
-    kw = dict(scale=scale, check=check, mods=mods.values, **layout, **scores)
-    if not torch.is_grad_enabled() or not any(
-            t.requires_grad for t in (q, k, v, *(mods.values[a.name] for a in args.tensors))):
-        if packed is None and q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] >= hopper.MIN_WORK:
-            module = _gluon_forward(module, q.device)  # [Note] Hopper selection (a score_mod: select_score_mods)
-        if mask_mod is not None:  # [Note] Forward tiles
-            short = block_mask is not None and block_mask.density * block_mask.seq_k <= SHORT_ROW_KEYS
-            module = _forward_twin(module, mods.fields, short)
-        return module.forward(q, k, v, **kw)[0]  # no autograd node to build
+        kw["block_mask"] = block_mask
+    if not torch.is_grad_enabled() or not (q.requires_grad or k.requires_grad or v.requires_grad or any(
+            mods.values[a.name].requires_grad for a in args.tensors)):
+        qs = q.shape
+        big = packed is None and qs[0] * qs[1] * qs[2] * k.shape[2] >= hopper.MIN_WORK
+        short = block_mask is not None and block_mask.density * block_mask.seq_k <= SHORT_ROW_KEYS
+        key = (module, q.device, big, short)
+        forward = _FORWARD_ONLY.get(key)
+        if forward is None:  # [Note] Hopper selection (a score_mod: select_score_mods), [Note] Forward tiles
+            forward = _gluon_forward(module, q.device) if big else module
+            if mask_mod is not None:
+                forward = _forward_twin(forward, mods.fields, short)
+            _FORWARD_ONLY[key] = forward
+        return forward.forward(q, k, v, **kw)[0]  # no autograd node to build
     return module.attention(q, k, v, **kw)
+
+
+# (module, device, big, short) -> the module whose forward serves a call without gradient: one lookup for what
+# _gluon_forward and _forward_twin pick (each memoised as well); the module fixes the mods' fields
+_FORWARD_ONLY: dict[tuple, ModuleType] = {}
 
 
 _GLUON: dict[tuple, ModuleType] = {}

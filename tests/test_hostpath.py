@@ -134,3 +134,25 @@ def test_modded_forward_step_replays_the_general_path(monkeypatch, tma, with_mas
     compiles = len(fwd.compiles)
     launch(values={**values, name: off}, out=first_out, lse=first_lse)
     assert len(fwd.compiles) == compiles + 1
+
+
+def test_a_kept_modded_step_reads_this_calls_closure_number(monkeypatch):
+    """A closure int is a runtime argument ([Note] Runtime scalars): a kept step passes the call's value, 64 or 65,
+    to the same compiled kernel."""
+    mask_mod = g.generate_sliding_window(64)
+    module = fagen.load(_modded_spec(mask_mod))
+    for name, value in (("_FAST_LAUNCH", True), ("_KERNELS", {}), ("_INTERPRET", False), ("_STEPS", {}),
+                        ("_SCRATCH", {}), ("_raw_stream", _raw_stream_of([77]))):
+        monkeypatch.setattr(module, name, value)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    fwd = FakeTritonJIT(module._attn_fwd)
+    monkeypatch.setattr(module, "_attn_fwd", fwd)
+    q, k, v = (_aligned_like(t) for t in _qkv())
+    masks = module._check_mask_inputs(q, k, None, None, None)
+    (name,) = prepare(mask_mod=mask_mod).values
+    for window in (64, 64, 65, 1):
+        module._launch(q, k, v, 0.25, *masks, *module._check_mods(q, {name: window}, None, k=k))
+        assert len(module._STEPS) == 1
+    assert len(fwd.compiles) == 1 and len(fwd.launcher.calls) == 3
+    where = fwd.arg_names.index("ms0")
+    assert [call[13 + where] for call in fwd.launcher.calls] == [64, 65, 1]

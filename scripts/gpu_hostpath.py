@@ -14,6 +14,9 @@ Columns:
   host us    host time per call: 50 calls back to back (no sync inside), the min over 5 runs of the mean (the
              GPU runs behind; the queue stays short of its limit). Dry run: the interpreter's launch stubbed out
              after a first real call, so only the host path is timed.
+  no steps   the same with every loaded module's _STEPS keeping nothing ([Note] Forward steps): the general path
+             of _launch_forward on every call, as the modded forward ran before it kept steps (the Gluon forward
+             has no steps: its two columns agree)
   bench ms   triton.testing.do_bench of the call (L2 flushed before each call, as `fagen bench --suite mods`); GPU only
   check      max |out - ref| / max |ref| against SDPA on the mask's dense boolean form in float32 (causal: SDPA's
              is_causal; softcap: the float64 score_mod reference), at the timed shape's first 1024 queries (dry: all)
@@ -65,6 +68,13 @@ def rows():
         ("sliding", dict(mask_mod=sliding), sliding),
         ("softcap", dict(score_mod=softcap), None),
     ]
+
+
+class _NoSteps(dict):
+    """A module's _STEPS that keeps nothing: every call takes the general path of _launch_forward."""
+
+    def __setitem__(self, key, value):
+        pass
 
 
 def host_us(call) -> float:
@@ -123,22 +133,30 @@ def main() -> None:
     for name, call, check in calls:  # phase 2: warm calls, timed
         call()
         host = host_us(call)
+        kept = [m for n, m in list(sys.modules.items()) if n.startswith("fagen_generated.") and hasattr(m, "_STEPS")]
+        saved = [m._STEPS for m in kept]
+        for m in kept:  # the general path on every call, as before the modded forward kept steps
+            m._STEPS = _NoSteps()
+        general = host_us(call)
+        for m, steps in zip(kept, saved):
+            m._STEPS = steps
         bench = "-"
         if not DRY:
             import triton
 
             bench = f"{triton.testing.do_bench(call, warmup=25, rep=100):.3f}"
-        table.append((name, host, bench, check))
-        print(f"{name:9s} host {host:7.1f} us  bench {bench} ms  check {check}", flush=True)
+        table.append((name, host, general, bench, check))
+        print(f"{name:9s} host {host:7.1f} us  no steps {general:7.1f} us  bench {bench} ms  check {check}", flush=True)
     print()
     print(f"fagen.attention host time per call, no grad, {tuple(q.shape)} {str(DTYPE)[6:]} on "
           f"{torch.cuda.get_device_name() if not DRY else 'CPU (dry run, launches stubbed)'}")
-    print(f"{'row':9s} {'host us':>8s} {'bench ms':>9s}  check")
-    for name, host, bench, check in table:
-        print(f"{name:9s} {host:8.1f} {bench:>9s}  {check}")
+    print(f"{'row':9s} {'host us':>8s} {'no steps':>9s} {'bench ms':>9s}  check")
+    for name, host, general, bench, check in table:
+        print(f"{name:9s} {host:8.1f} {general:9.1f} {bench:>9s}  {check}")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "hostpath.json"), "w") as f:
-            json.dump([dict(row=r, host_us=h, bench_ms=b, check=c) for r, h, b, c in table], f, indent=1)
+            json.dump([dict(row=r, host_us=h, no_steps_us=n, bench_ms=b, check=c) for r, h, n, b, c in table], f,
+                      indent=1)
 
 
 if __name__ == "__main__":

@@ -125,10 +125,11 @@ def module_for(q, k, v, mask, switches: tuple[str, ...], mods: Mods,
 
 def check_values(q, args: ModArgs, values: dict) -> None:
     """Captured tensors live on q's device; a number is finite where the kernel reads it as fp32/int32."""
+    device = q.device if args.tensors else None
     for t in args.tensors:
         x = values[t.name]
-        if x.device != q.device:
-            raise AttentionError(f"captured tensor {t.name}: on {x.device}, but q is on {q.device}; move it "
+        if x.device != device:
+            raise AttentionError(f"captured tensor {t.name}: on {x.device}, but q is on {device}; move it "
                                  f"(the mod reads it inside the kernel)")
     for s in args.scalars:
         x = values[s.name]

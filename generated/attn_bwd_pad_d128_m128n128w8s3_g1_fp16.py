@@ -587,10 +587,13 @@ def _launch_forward(q, k, v, scale, seqlens_q, seqlens_k, tree, out=None, lse=No
             return out, lse
     rows_q = sq
     copied = q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    if copied:
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     if TMA:
-        copied = copied or not (_tma_ready(k) and _tma_ready(v))
-        k, v = (t if _tma_ready(t) else t.contiguous() for t in (k, v))
+        k_ready, v_ready = _tma_ready(k), _tma_ready(v)  # once per tensor
+        if not (k_ready and v_ready):
+            copied = True
+            k, v = k if k_ready else k.contiguous(), v if v_ready else v.contiguous()
         _ensure_allocator()
     tree_strides = (tree.stride(0), tree.stride(1)) if tree is not None else (0, 0)
     grid = (_cdiv(rows_q, BLOCK_M), hq, b)

@@ -145,10 +145,11 @@ def _mods_spec(q, k, v, mask, switches: tuple[str, ...], mods: Mods,
 
 def check_values(q, args: ModArgs, values: dict) -> None:
     """Captured tensors live on q's device; a number is finite where the kernel reads it as fp32/int32."""
+    device = q.device if args.tensors else None
     for t in args.tensors:
         x = values[t.name]
-        if x.device != q.device:
-            raise AttentionError(f"captured tensor {t.name}: on {x.device}, but q is on {q.device}; move it "
+        if x.device != device:
+            raise AttentionError(f"captured tensor {t.name}: on {x.device}, but q is on {device}; move it "
                                  f"(the mod reads it inside the kernel)")
     for s in args.scalars:
         x = values[s.name]
@@ -181,16 +182,19 @@ def attention(q, k, v, *, mask, scale, seqlens_q, seqlens_k, tree_mask, scores: 
     check_values(q, args, mods.values)
     if block_mask is not None:
         _check_call_block_mask(block_mask, mods, q, k, packed)
+    if packed is None:  # one dict of keywords per call
+        kw = dict(scale=scale, check=check, mods=mods.values, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
+                  tree_mask=tree_mask, **scores)
+    else:
+        kw = dict(scale=scale, check=check, mods=mods.values, **packed, **scores)
     if mask_mod is not None:
-        scores = {**scores, "block_mask": block_mask}
-    layout = dict(seqlens_q=seqlens_q, seqlens_k=seqlens_k, tree_mask=tree_mask) if packed is None else packed
-    kw = dict(scale=scale, check=check, mods=mods.values, **layout, **scores)
-    if not torch.is_grad_enabled() or not any(
-            t.requires_grad for t in (q, k, v, *(mods.values[a.name] for a in args.tensors))):
-        big = packed is None and q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] >= hopper.MIN_WORK
-        short = mask_mod is not None and block_mask is not None and \
-            block_mask.density * block_mask.seq_k <= SHORT_ROW_KEYS
-        module = _FORWARD_ONLY.get((key, big, short))
+        kw["block_mask"] = block_mask
+    if not torch.is_grad_enabled() or not (q.requires_grad or k.requires_grad or v.requires_grad or any(
+            mods.values[a.name].requires_grad for a in args.tensors)):
+        qs = q.shape
+        big = packed is None and qs[0] * qs[1] * qs[2] * k.shape[2] >= hopper.MIN_WORK
+        short = block_mask is not None and block_mask.density * block_mask.seq_k <= SHORT_ROW_KEYS
+        module = _FORWARD_ONLY.get((key, big, short))  # key holds q's device (fast_key)
         if module is None:
             module = _FORWARD_ONLY[(key, big, short)] = _forward_module(key, spec, args, q.device, big, short)
         return module.forward(q, k, v, **kw)[0]  # no autograd node to build

@@ -547,9 +547,11 @@ def _attn_fwd(Q, K, V, Out, Lse, SeqlensQ, SeqlensK, TreeMask, qk_scale,
 # ([Note] Fast launches), no input was copied and every pointer is 16-byte aligned, keeps its grid, int arguments
 # and launch entry in _STEPS under a key of the device, the shapes and the strides. A later call with that key
 # checks the pointers' alignment in one expression and calls the launcher with device addresses as ints (a
-# tensor costs the launcher a data_ptr() call and a driver query of the pointer). With a window the key also holds
-# its two extents (ints, which Triton specialises by value class); the other score inputs are floats (never
-# specialised) and tensors (checked for alignment with the rest). _STEPS is cleared past 1024 entries.
+# tensor costs the launcher a data_ptr() call and a driver query of the pointer). The score inputs are not in the
+# key: the window's two extents are ints below 2**30 that no kernel specialises (do_not_specialize, mod_jit in
+# fagen/codegen/signatures.py), the cap a float, the slopes and sinks tensors (checked for alignment with the
+# rest), and a step reads them from each call, so a changed window (a lowered mod's closure number) replays the
+# step. _STEPS is cleared past 1024 entries.
 _STEPS = {}
 
 

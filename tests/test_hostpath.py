@@ -156,3 +156,25 @@ def test_a_kept_modded_step_reads_this_calls_closure_number(monkeypatch):
     assert len(fwd.compiles) == 1 and len(fwd.launcher.calls) == 3
     where = fwd.arg_names.index("ms0")
     assert [call[13 + where] for call in fwd.launcher.calls] == [64, 65, 1]
+
+
+def test_a_kept_window_step_reads_this_calls_window(monkeypatch):
+    """The window switch's extents are never specialised (mod_jit) and not in the step key ([Note] Forward steps): a
+    changed window, as a lowered sliding-window mod's closure number gives, replays the kept step with its own
+    extents, on the one compiled kernel."""
+    module = fagen.load(fagen.KernelSpec(head_dim=16, mask="causal", window=True, dtype="fp32", block_m=16,
+                                         block_n=16, direction="fwd"))
+    for name, value in (("_FAST_LAUNCH", True), ("_KERNELS", {}), ("_INTERPRET", False), ("_STEPS", {}),
+                        ("_SCRATCH", {}), ("_raw_stream", _raw_stream_of([77]))):
+        monkeypatch.setattr(module, name, value)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    fwd = FakeTritonJIT(module._attn_fwd)
+    monkeypatch.setattr(module, "_attn_fwd", fwd)
+    q, k, v = (_aligned_like(t) for t in _qkv())
+    masks = module._check_mask_inputs(q, k, None, None, None)
+    for window in ((64, 0), (64, 0), (65, 0), (1, 3)):
+        module._launch(q, k, v, 0.25, *masks, *module._check_scores(q, window, None, None, None))
+        assert len(module._STEPS) == 1
+    assert len(fwd.compiles) == 1 and len(fwd.launcher.calls) == 3
+    left, right = fwd.arg_names.index("win_left"), fwd.arg_names.index("win_right")
+    assert [(call[13 + left], call[13 + right]) for call in fwd.launcher.calls] == [(64, 0), (65, 0), (1, 3)]

@@ -315,9 +315,10 @@ def test_forward_step_replays_the_general_path(monkeypatch, which, tma):
                if not _same(a, b) and name not in ("Slopes", "Sinks")]  # fresh tensors per call
         assert not bad, bad
     if which == "switches":
-        window[0] = 16  # another window extent: another int class for Triton, so another step and kernel
+        window[0] = 16  # another window extent, another int class: never specialised, so the kept step replays it
         launch()
-        assert len(fwd.compiles) == 2 and len(module._STEPS) == 2
+        assert len(fwd.compiles) == 1 and len(module._STEPS) == 1
+        assert fwd.launcher.calls[-1][13 + fwd.arg_names.index("win_left")] == 16
     q = torch.randn(2, 4, sq, 16 + 1)[..., 1:]  # a 4-byte offset: Triton specialises it differently
     compiles, steps = len(fwd.compiles), len(module._STEPS)
     launch()

@@ -136,11 +136,9 @@ def test_modded_forward_step_replays_the_general_path(monkeypatch, tma, with_mas
     assert len(fwd.compiles) == compiles + 1
 
 
-def test_a_kept_modded_step_reads_this_calls_closure_number(monkeypatch):
-    """A closure int is a runtime argument ([Note] Runtime scalars): a kept step passes the call's value, 64 or 65,
-    to the same compiled kernel."""
-    mask_mod = g.generate_sliding_window(64)
-    module = fagen.load(_modded_spec(mask_mod))
+def _fast_launches(module, monkeypatch):
+    """`module` launching as on a GPU through a fake compiled forward ([Note] Fast launches): (the fake, aligned
+    q/k/v, their mask inputs)."""
     for name, value in (("_FAST_LAUNCH", True), ("_KERNELS", {}), ("_INTERPRET", False), ("_STEPS", {}),
                         ("_SCRATCH", {}), ("_raw_stream", _raw_stream_of([77]))):
         monkeypatch.setattr(module, name, value)
@@ -148,7 +146,15 @@ def test_a_kept_modded_step_reads_this_calls_closure_number(monkeypatch):
     fwd = FakeTritonJIT(module._attn_fwd)
     monkeypatch.setattr(module, "_attn_fwd", fwd)
     q, k, v = (_aligned_like(t) for t in _qkv())
-    masks = module._check_mask_inputs(q, k, None, None, None)
+    return fwd, (q, k, v), module._check_mask_inputs(q, k, None, None, None)
+
+
+def test_a_kept_modded_step_reads_this_calls_closure_number(monkeypatch):
+    """A closure int is a runtime argument ([Note] Runtime scalars): a kept step passes the call's value, 64 or 65,
+    to the same compiled kernel."""
+    mask_mod = g.generate_sliding_window(64)
+    module = fagen.load(_modded_spec(mask_mod))
+    fwd, (q, k, v), masks = _fast_launches(module, monkeypatch)
     (name,) = prepare(mask_mod=mask_mod).values
     for window in (64, 64, 65, 1):
         module._launch(q, k, v, 0.25, *masks, *module._check_mods(q, {name: window}, None, k=k))
@@ -164,14 +170,7 @@ def test_a_kept_window_step_reads_this_calls_window(monkeypatch):
     extents, on the one compiled kernel."""
     module = fagen.load(fagen.KernelSpec(head_dim=16, mask="causal", window=True, dtype="fp32", block_m=16,
                                          block_n=16, direction="fwd"))
-    for name, value in (("_FAST_LAUNCH", True), ("_KERNELS", {}), ("_INTERPRET", False), ("_STEPS", {}),
-                        ("_SCRATCH", {}), ("_raw_stream", _raw_stream_of([77]))):
-        monkeypatch.setattr(module, name, value)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    fwd = FakeTritonJIT(module._attn_fwd)
-    monkeypatch.setattr(module, "_attn_fwd", fwd)
-    q, k, v = (_aligned_like(t) for t in _qkv())
-    masks = module._check_mask_inputs(q, k, None, None, None)
+    fwd, (q, k, v), masks = _fast_launches(module, monkeypatch)
     for window in ((64, 0), (64, 0), (65, 0), (1, 3)):
         module._launch(q, k, v, 0.25, *masks, *module._check_scores(q, window, None, None, None))
         assert len(module._STEPS) == 1

@@ -86,8 +86,8 @@ def seen(monkeypatch, tmp_path):
         """What a new process starts without: imported modules, memoised modules and renders."""
         for name in [n for n in sys.modules if n.startswith("fagen_generated.")]:
             monkeypatch.delitem(sys.modules, name)
-        for memo in ("_MODULES", "_MOD_SPECS", "_FORWARD_ONLY", "_FORWARD", "_SPECS"):
-            monkeypatch.setattr(modded, memo, {}, raising=False)
+        for memo in ("_MODULES", "_MOD_SPECS", "_FORWARD_ONLY"):
+            monkeypatch.setattr(modded, memo, {})
         monkeypatch.setattr(loader, "_loaded", {})
         real_render.cache_clear()
         log["render"].clear()

@@ -96,19 +96,19 @@ def test_the_forward_alone_takes_its_own_tiles_where_an_arch_lists_them(monkeypa
     tiles (here a CPU stand-in for sm_90's), which matches the reference with a block mask and a captured tensor."""
     from fagen.runtime import modded
     from fagen.runtime.mods import prepare
+    from fagen.spec.axes import Layout
 
     q, k, v, _ = _qkv(1, 2, 2, 70, 70, d=128)  # the table's keys are for head_dim > 64
     mask_mod = g.generate_doc_mask_mod(g.causal_mask, g.length_to_offsets([13, 30, 27], DEVICE))
     mods = prepare(mask_mod=mask_mod)
-    module, _ = modded.module_for(q, k, v, "none", (), mods)
+    _, spec, _ = modded._mods_spec(q, k, v, "none", (), mods, Layout.DENSE)
     monkeypatch.setattr(modded, "gpu_arch", lambda: None)  # as the interpreter, also on a GPU machine
-    assert modded._forward_twin(module, mods.fields, True) is module  # no arch (the interpreter): its own forward
+    assert modded._forward_spec(spec, mods.fields, True) is None  # no arch (the interpreter): its own forward
     monkeypatch.setattr(modded, "gpu_arch", lambda: "sm_90")
     monkeypatch.setitem(modded.MODDED_FWD_TILES, ("sm_90", "mask", True, True), {"block_m": 32, "block_n": 16})
     monkeypatch.setitem(modded.MODDED_FWD_TILES, ("sm_90", "mask", True, False), {})
-    monkeypatch.setattr(modded, "_FORWARD", {})
-    assert modded._forward_twin(module, mods.fields, False).BLOCK_M == 64  # {}: the spec's tiles, direction fwd
-    twin = modded._forward_twin(module, mods.fields, True)
+    assert fagen.load(modded._forward_spec(spec, mods.fields, False)).BLOCK_M == 64  # {}: the spec's tiles, fwd
+    twin = fagen.load(modded._forward_spec(spec, mods.fields, True))
     assert (twin.BLOCK_M, twin.BLOCK_N) == (32, 16) and twin.NAME.startswith("attn_fwd_")
     block_mask = fagen.create_block_mask(mask_mod, None, None, 70, 70, device=DEVICE, block_size=16)
     visible = (block_mask.classes != 0).float().mean().item()

@@ -29,7 +29,6 @@ from fagen.spec.kernel import SCORE_SWITCHES, KernelSpec, SpecError
 from fagen.spec.tuned import DEFAULT_ARCH
 
 _MODULES: dict[tuple, tuple[ModuleType, ModArgs]] = {}
-_SPECS: dict[ModuleType, KernelSpec] = {}  # module -> its spec (the forward twins are made from it)
 
 # [Note] Modded tiles. A mod's loads of captured tensors are [BLOCK_M, BLOCK_N] gathers inside the key loop, and
 # Triton's software pipeliner stages them in shared memory like K and V. With the plain d128 bf16 tiles
@@ -117,7 +116,6 @@ def _bwd_module(key: tuple, spec: KernelSpec, args: ModArgs) -> tuple[ModuleType
     hit = _MODULES.get(key)
     if hit is None:
         module = load(spec)
-        _SPECS[module] = spec
         hit = _MODULES[key] = (module, args)
     return hit
 
@@ -312,19 +310,6 @@ def _forward_module(key: tuple, spec: KernelSpec, args: ModArgs, device, big: bo
     if twin is None and spec.mask_mod is not None:  # [Note] Forward tiles
         twin = _forward_spec(spec, key[1], short)
     return load(twin) if twin is not None else _bwd_module(key, spec, args)[0]
-
-
-_FORWARD: dict[tuple[ModuleType, bool], ModuleType] = {}
-
-
-def _forward_twin(module: ModuleType, fields: tuple, short: bool) -> ModuleType:
-    """The forward-only module of `module`'s spec at MODDED_FWD_TILES' tiles for rows short or not ([Note] Forward
-    tiles), or `module`."""
-    hit = _FORWARD.get((module, short))
-    if hit is None:
-        twin = _forward_spec(_SPECS[module], fields, short)
-        hit = _FORWARD[(module, short)] = module if twin is None else load(twin)
-    return hit
 
 
 def _forward_spec(spec: KernelSpec, fields: tuple, short: bool) -> KernelSpec | None:

@@ -6,9 +6,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import fagen
 import mods_kernel
 from _env import DEVICE
 from fagen.bench import gym_mods as g
+from fagen.codegen.mod_args import ModCode
 from fagen.mods import emit, ir
 from fagen.mods.simplify import simplify
 from fagen.mods.text import ModTensor, parse, to_text
@@ -25,8 +27,11 @@ def test_the_document_mask_reads_one_tensor_per_side():
     tree = parse(DOC, "mask_mod", TENSORS, ())
     assert to_text(simplify(tree)) == "(document_id[q_idx] == document_id[kv_idx]) & (q_idx >= kv_idx)"
     refs = {n: emit.TensorRef(f"p_{n}", (f"s_{n}",), (f"n_{n}",)) for n in ("document_id", "offsets")}
-    code = emit.to_triton(tree, {"b": "b", "h": "h", "q_idx": "q", "kv_idx": "kv", **refs})
+    code = emit.to_triton(simplify(tree), {"b": "b", "h": "h", "q_idx": "q", "kv_idx": "kv", **refs})
     assert "p_offsets" not in code and code.count("p_document_id") == 2
+    # the kernels' code is printed from ModCode's trees: rewritten there, once, before hoisting
+    spec = fagen.KernelSpec(head_dim=16, dtype="fp32", mask_mod=DOC, mod_tensors=[list(t) for t in TENSORS])
+    assert ModCode(spec).mask_tree == simplify(tree)
 
 
 def test_what_is_not_exact_stays():
@@ -76,7 +81,7 @@ def test_the_emitted_document_mask_is_the_gym_function():
     assert "offsets" not in emit.to_triton(simplify(traced.mask_mod), _refs(traced))
     score = torch.zeros(1, 1, 16, 16, device=DEVICE)  # compiled on a GPU machine, the interpreter elsewhere
     tensors = {n: v.to(DEVICE, torch.int32) for n, v in traced.values.items() if torch.is_tensor(v)}
-    got = (mods_kernel.run(traced.mask_mod, tensors, {}, score) != 0).cpu()
+    got = (mods_kernel.run(simplify(traced.mask_mod), tensors, {}, score) != 0).cpu()
     want = mask_mod_visible(mask_mod, 1, 1, 16, 16)
     assert torch.equal(got, want.expand_as(got))
 

@@ -13,7 +13,6 @@ import math
 from typing import NamedTuple
 
 from fagen.mods import ir
-from fagen.mods.simplify import simplify
 
 # [Note] Index clamping.
 # A captured tensor's element is read at indices that user values computed (positions, document ids, lengths).
@@ -174,7 +173,6 @@ def to_gluon(tree: ir.Node, names: dict) -> str:
 
 
 def _emit(tree: ir.Node, names: dict, fl: _Flavour) -> str:
-    tree = simplify(tree)  # [Note] Mask algebra (fagen/mods/simplify.py): the same values, fewer loads
     ns = fl.ns
 
     def as_type(node: ir.Node, want: str) -> str:

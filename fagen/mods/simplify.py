@@ -20,7 +20,7 @@ row: long-scoreboard stalls lead, 1.44 warps per issue). Two rewrites, each exac
 
 The document mask becomes `(doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)`: one load per key tile. The spec's text
 (its name, its hash, what `fagen verify` and the float64 reference read) stays the user's; only emitted kernel code
-sees the rewritten tree (fagen/mods/emit.py), so a rewrite cannot change what a spec means, and the property tests
+sees the rewritten tree (ModCode in fagen/codegen/mod_args.py, before the loops' invariant parts are hoisted), so a rewrite cannot change what a spec means, and the property tests
 compare the kernels against the tree as written.
 """
 

@@ -20,6 +20,20 @@ Columns:
   bench ms   triton.testing.do_bench of the call (L2 flushed before each call, as `fagen bench --suite mods`); GPU only
   check      max |out - ref| / max |ref| against SDPA on the mask's dense boolean form in float32 (causal: SDPA's
              is_causal; softcap: the float64 score_mod reference), at the timed shape's first 1024 queries (dry: all)
+
+A second table, "changed closure scalar" (issue 26's target: host time within 1.2x of an unchanged call), at the
+mods bench's changed-scalar shape bf16 [1, 16, 1024, 128] (dry: [1, 2, 80, 16] fp32), rows: attention-gym's
+sliding window + causal (a closure int, 100 + i % 64) and tanh softcap (a closure float, 30 + i % 64), each with
+mod lowering on (they become the window / softcap switch) and off (the modded kernels). Columns, host us per call:
+  unchanged  one function object, its closure cell set to the same number before each call
+  same obj   the same function object, its closure cell set to a new number before each call
+  new obj    a new function object from attention-gym's factory per call (made before the loop), the mods bench's
+             pattern
+  ratios     same obj / unchanged and new obj / unchanged (target <= 1.2)
+  prep new   fagen.runtime.mods.prepare alone on the new objects (the trace cache's lookup and closure read)
+  gc off     new obj again with Python's garbage collector disabled around the loop (a diagnostic)
+  check      max |out - ref| / max |ref| of two calls with two different numbers, each against its own float64
+             reference (the mask's dense form / the score_mod reference), first 256 queries
 """
 
 from __future__ import annotations
@@ -43,6 +57,7 @@ from fagen.bench import gym_mods as g  # noqa: E402
 
 DEVICE = "cpu" if DRY else "cuda"
 B, H, S, D = (1, 2, 272, 64) if DRY else (1, 16, 8192, 128)
+SCALAR_SHAPE = (1, 2, 80, 16) if DRY else (1, 16, 1024, 128)  # the mods bench's changed-scalar row (seq 1024)
 DTYPE = torch.float32 if DRY else torch.bfloat16
 CALLS, RUNS = 50, 5
 
@@ -125,6 +140,7 @@ def main() -> None:
         err = float((out[:, :, :n].to(ref.dtype) - ref).abs().max() / ref.abs().max())
         check = f"{err:.1e}" + (" ok" if err < (2e-2 if DTYPE == torch.bfloat16 else 1e-4) else " BAD")
         calls.append((name, call, check))
+    scalar_checked = scalar_first_calls()
     if DRY:  # from here on the interpreter launches nothing: the host path alone is timed
         from triton.runtime.interpreter import InterpretedFunction
 
@@ -153,10 +169,152 @@ def main() -> None:
     print(f"{'row':9s} {'host us':>8s} {'no steps':>9s} {'bench ms':>9s}  check")
     for name, host, general, bench, check in table:
         print(f"{name:9s} {host:8.1f} {general:9.1f} {bench:>9s}  {check}")
+    scalar = scalar_table(scalar_checked)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "hostpath.json"), "w") as f:
-            json.dump([dict(row=r, host_us=h, no_steps_us=n, bench_ms=b, check=c) for r, h, n, b, c in table], f,
-                      indent=1)
+            json.dump({"rows": [dict(row=r, host_us=h, no_steps_us=n, bench_ms=b, check=c)
+                                for r, h, n, b, c in table], "changed_scalar": scalar}, f, indent=1)
+
+
+# -- a changed closure scalar ---------------------------------------------------------------------------------------
+SCALAR_ROWS = (  # (row, the factory, keyword, the first number)
+    ("sliding", lambda x: g.generate_sliding_window(int(x)), "mask_mod", 100),
+    ("softcap", lambda x: g.generate_tanh_softcap(float(x)), "score_mod", 30.0),
+)
+
+
+def _number_cell(fn):
+    """The closure cell holding fn's number (through and_masks' tuple of functions)."""
+    for cell in fn.__closure__ or ():
+        x = cell.cell_contents
+        if type(x) in (int, float):
+            return cell
+        for inner in (x if isinstance(x, tuple) else (x,)):
+            if callable(inner) and getattr(inner, "__closure__", None):
+                found = _number_cell(inner)
+                if found is not None:
+                    return found
+    return None
+
+
+def _scalar_inputs():
+    torch.manual_seed(1)
+    return [torch.randn(*SCALAR_SHAPE, device=DEVICE, dtype=DTYPE) for _ in range(3)]
+
+
+def scalar_first_calls() -> dict:
+    """Each row's first calls (compiles; dry: interpreted), lowering on and off, checked at two numbers."""
+    from fagen.mods import lower
+    from fagen.verify.mods_reference import mask_mod_visible, score_mod_scores
+
+    q, k, v = _scalar_inputs()
+    n = min(256, q.shape[2])
+    checks = {}
+    for name, make, kw, base in SCALAR_ROWS:
+        for low in (True, False):
+            lower.ENABLED = low
+            worst = 0.0
+            try:
+                for x in (base, base + 37):
+                    fn = make(x)
+                    out = fagen.attention(q, k, v, **{kw: fn})
+                    qr, kr, vr = q[:, :, :n].double(), k.double(), v.double()
+                    s = (qr @ kr.transpose(-1, -2)) / q.shape[-1] ** 0.5
+                    if kw == "score_mod":
+                        s = score_mod_scores(fn, s)
+                    else:
+                        s = s.masked_fill(~mask_mod_visible(fn, 1, 1, q.shape[2], k.shape[2], DEVICE)[:, :, :n],
+                                          float("-inf"))
+                    ref = torch.softmax(s, -1) @ vr
+                    worst = max(worst, float((out[:, :, :n].double() - ref).abs().max() / ref.abs().max()))
+            finally:
+                lower.ENABLED = True
+            checks[name, low] = f"{worst:.1e}" + (" ok" if worst < (2e-2 if DTYPE == torch.bfloat16 else 1e-4)
+                                                  else " BAD")
+    return checks
+
+
+def scalar_table(checks: dict) -> list[dict]:
+    import gc
+
+    from fagen.mods import lower
+    from fagen.runtime import modded
+    from fagen.runtime.mods import prepare
+
+    q, k, v = _scalar_inputs()
+    calls = 200
+    rows = []
+    for name, make, kw, base in SCALAR_ROWS:
+        numbers = [type(base)(base + i % 64) for i in range(calls)]
+        for low in (True, False):
+            lower.ENABLED = low
+            try:
+                one = make(base)
+                cell = _number_cell(one)
+
+                def unchanged(one=one, cell=cell):
+                    cell.cell_contents = base
+                    fagen.attention(q, k, v, **{kw: one})
+
+                def same(one=one, cell=cell, it=iter(range(1 << 30))):
+                    cell.cell_contents = numbers[next(it) % calls]
+                    fagen.attention(q, k, v, **{kw: one})
+                batches = []  # never-seen function objects: one list per timed run (and one for the warm-up)
+
+                def fresh():
+                    batches.append([make(x) for x in numbers])
+
+                def timed(call, gc_off=False, new=False):
+                    best = float("inf")
+                    for _ in range(RUNS):
+                        if new:
+                            fresh()
+                        if not DRY:
+                            torch.cuda.synchronize()
+                        if gc_off:
+                            gc.disable()
+                        t0 = time.perf_counter()
+                        call()
+                        best = min(best, time.perf_counter() - t0)
+                        gc.enable()
+                    if not DRY:
+                        torch.cuda.synchronize()
+                    return best / calls * 1e6
+
+                def loop(fn):
+                    return lambda: [fn() for _ in range(calls)]
+
+                def new_objects():
+                    for fn in batches.pop():
+                        fagen.attention(q, k, v, **{kw: fn})
+
+                def prepare_new():
+                    for fn in batches.pop():
+                        prepare(**{kw: fn})
+                for call in (unchanged, same):
+                    call()
+                fresh()
+                new_objects()
+                row = dict(row=name, lowering=low, unchanged_us=timed(loop(unchanged)),
+                           same_obj_us=timed(loop(same)), new_obj_us=timed(new_objects, new=True),
+                           prepare_new_us=timed(prepare_new, new=True),
+                           new_obj_gc_off_us=timed(new_objects, True, new=True),
+                           lowered_to=modded.LOWERED[0], check=checks[name, low])
+            finally:
+                lower.ENABLED = True
+            row["same_ratio"] = row["same_obj_us"] / row["unchanged_us"]
+            row["new_ratio"] = row["new_obj_us"] / row["unchanged_us"]
+            rows.append(row)
+    print()
+    print(f"changed closure scalar: host us per call, no grad, {SCALAR_SHAPE} {str(DTYPE)[6:]} on "
+          f"{torch.cuda.get_device_name() if not DRY else 'CPU (dry run, launches stubbed)'} (target ratio <= 1.2)")
+    print(f"{'row':8s} {'lowering':8s} {'unchanged':>9s} {'same obj':>9s} {'new obj':>8s} {'same/unch':>9s} "
+          f"{'new/unch':>8s} {'prep new':>8s} {'gc off':>7s}  lowered to / check")
+    for r in rows:
+        print(f"{r['row']:8s} {'on' if r['lowering'] else 'off':8s} {r['unchanged_us']:9.1f} {r['same_obj_us']:9.1f} "
+              f"{r['new_obj_us']:8.1f} {r['same_ratio']:9.2f} {r['new_ratio']:8.2f} {r['prepare_new_us']:8.1f} "
+              f"{r['new_obj_gc_off_us']:7.1f}  {r['lowered_to']} / {r['check']}")
+    return rows
 
 
 if __name__ == "__main__":

@@ -12,8 +12,7 @@ from fagen.runtime import mods
 @pytest.fixture(autouse=True)
 def _cold_cache():
     """Each test counts its own traces: start from an empty trace cache (other tests trace the same gym mods)."""
-    mods._BY_ID.clear()
-    mods._BY_SHAPE.clear()
+    mods.clear()
 
 
 def test_the_same_functions_trace_once_and_changed_numbers_are_reread():

@@ -1,19 +1,28 @@
-"""User mods at call time: trace a score_mod / mask_mod once, then find the trace again in a dict and re-read the
-closure's current numbers and tensors, so a changed closure scalar is a new argument, never a new trace or kernel.
+"""User mods at call time: trace a score_mod / mask_mod once, then find the trace again by its code and the kinds of
+what it closes over, and read the closure's current numbers and tensors, so a changed closure scalar is a new
+argument, never a new trace or kernel.
 
-[Note] Trace cache. A call looks its functions up twice at most:
-  1. by identity: the same function objects as an earlier call (a model that builds its mods once) cost one dict
-     lookup, then `read_captures` walks the recorded paths to the current values (a cell whose number changed is
-     read again, not traced again);
-  2. by shape: a new function object of the same code, closing over values of the same kinds (the factory
-     pattern, `generate_sliding_window(w)` called per step), matches an earlier trace whose paths then read the
-     new function's values. The shape is the code objects, recursively through the closure cells, defaults,
-     globals, tuples and lists the tracer follows, with each number replaced by its type, each bool by its value
-     (it may steer the function), each tensor by (dtype, rank) and anything else by its identity.
-A trace is redone only when a value changes kind (read_captures returns None: int to float, a tensor's dtype or
-rank): the new kinds give a new declaration, so a new spec and kernel, as they must. Not seen: a bool or a number
-reached through an attribute that changes after the first call on the same function object (they are constants of
-the trace); build a new function for those.
+[Note] Trace cache. Traces are kept per pair of code objects (score_mod's, mask_mod's), a few per pair, each with a
+guard: a flat list of steps, made once from the traced functions, that walks what the tracer followed (closure
+cells, defaults, kwdefaults, the globals the code reads, tuples and lists of functions) in the tracer's order and
+checks each value it reaches:
+  - a function: the same code object, the same globals dict, as many defaults and the same kwdefault names (then
+    its own cells, defaults, kwdefaults and globals are walked in turn); one reached again (shared, recursive):
+    the same object as before;
+  - an int or float: the same type (its value is free: a runtime scalar); a bool, None, a module, or any other
+    object (whose attributes the trace read as constants): the same object;
+  - a tensor: a tensor of the same dtype and rank (a tensor the trace reached twice: the same object again, as the
+    trace made it one argument); a tuple or list: the same type and length (then its items);
+  - a closure cell that two functions share at the trace (one scalar there): shared again.
+Every call runs the guard, whether its functions are the traced objects themselves (a model that builds its mods
+once, a `nonlocal` or global number changed between calls) or new objects of the same code (attention-gym's
+factories, `generate_sliding_window(w)` called per step), so the two cost the same; the values the trace declared
+(runtime scalars, captured tensors) are read out of the walk by position. A step that fails (a number changed
+type, a bool changed, a function or global replaced, another tensor dtype or rank) tries the next trace of the pair,
+then traces again: a new trace gives new declarations or a new tree, so a new spec and kernel, as it must.
+Not seen: a number or bool reached through an object's attribute or a dict (a constant of the trace; the object
+itself is checked by identity), a global shadowing a builtin defined after the trace. Build a new function for
+those. tests/test_mods_trace_cache.py breaks each check and counts the traces.
 """
 
 from __future__ import annotations
@@ -22,9 +31,11 @@ import dataclasses
 import types
 from typing import Any
 
-from fagen.mods.trace import Traced, read_captures, trace
+from fagen.mods.trace import Traced, trace
 
-_MAX = 512  # entries per level; past it the level is cleared (mods are few per model)
+_MAX_KEYS = 512  # pairs of code objects; past it the cache is cleared (mods are few per model)
+_PER_KEY = 8  # traces kept per pair (kinds or bools that differ), the most recent first
+_FN = types.FunctionType
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,88 +51,217 @@ class Mods:
         return self.fields
 
 
-_BY_ID: dict[tuple, tuple] = {}  # (score_mod, mask_mod) -> (traced, fields); keeps the functions alive
-_BY_SHAPE: dict[tuple, tuple] = {}
+class _Entry:
+    __slots__ = ("steps", "reads", "traced", "fields", "keep")
+
+    def __init__(self, steps, reads, traced, fields, keep):
+        self.steps, self.reads, self.traced, self.fields, self.keep = steps, reads, traced, fields, keep
+
+
+_CACHE: dict[tuple, list[_Entry]] = {}
 TRACES = [0]  # how many traces this process ran (tests read it: a warm call traces nothing)
+GUARDS = [0]  # how many guards were built (one per trace whose paths the guard found)
+
+
+def clear() -> None:
+    _CACHE.clear()
+
+
+def _root(fn):
+    return fn.__code__ if type(fn) is _FN else id(fn)  # another callable: checked by identity (kept alive)
 
 
 def prepare(score_mod=None, mask_mod=None) -> Mods:
-    """The Mods of these functions: traced on first sight, then from the cache ([Note] Trace cache)."""
-    hit = _BY_ID.get((score_mod, mask_mod))
-    if hit is not None:
-        values = read_captures(hit[0], score_mod=score_mod, mask_mod=mask_mod)
-        if values is not None:
-            return Mods(hit[0], hit[1], values)
-    keep: list = []  # what the shape names by identity, kept alive with the entry so that no id is reused
-    shape = (_shape(score_mod, 0, keep), _shape(mask_mod, 0, keep))
-    hit = _BY_SHAPE.get(shape)
-    if hit is not None:
-        values = read_captures(hit[0], score_mod=score_mod, mask_mod=mask_mod)
-        if values is not None:
-            _remember(_BY_ID, (score_mod, mask_mod), hit[:2])
-            return Mods(hit[0], hit[1], values)
+    """The Mods of these functions: from the trace cache, or traced ([Note] Trace cache)."""
+    key = (_root(score_mod), _root(mask_mod))
+    entries = _CACHE.get(key)
+    if entries:
+        for e in entries:
+            got = _run(e.steps, score_mod, mask_mod)
+            if got is not None:
+                return Mods(e.traced, e.fields, {name: got[slot] for name, slot in e.reads})
     traced = trace(score_mod=score_mod, mask_mod=mask_mod)
     TRACES[0] += 1
-    entry = (traced, (traced.score_text, traced.mask_text, traced.tensors, traced.scalars))
-    _remember(_BY_ID, (score_mod, mask_mod), entry)
-    _remember(_BY_SHAPE, shape, (*entry, keep))
-    return Mods(traced, entry[1], dict(traced.values))
+    fields = (traced.score_text, traced.mask_text, traced.tensors, traced.scalars)
+    built = _build(score_mod, mask_mod, traced)
+    if built is not None:  # else (a path the guard did not walk): not cached, traced on every call
+        if entries is None:
+            if len(_CACHE) >= _MAX_KEYS:
+                _CACHE.clear()
+            entries = _CACHE[key] = []
+        steps, reads, keep = built
+        entries.insert(0, _Entry(steps, reads, traced, fields, keep))
+        del entries[_PER_KEY:]
+    return Mods(traced, fields, dict(traced.values))
 
 
-def _remember(level: dict, key, entry) -> None:
-    if len(level) >= _MAX:
-        level.clear()
-    level[key] = entry
+# -- guards ----------------------------------------------------------------------------------------------------------
+# A step is (source slot, op, key, check, want): it reads a value from the source slot's value by op and key, checks
+# it, and appends it to the slots (slot 0: score_mod, 1: mask_mod).
+_SELF, _CELL, _CELLOBJ, _GLOBAL, _DEFAULT, _KWDEFAULT, _ITEM = range(7)
+_TYPE, _IS, _FUNC, _TENSOR, _SEQ, _SAME, _EMPTY, _ANY = range(8)
+_ABSENT = object()  # a global name the code reads that its module does not define (a builtin, an attribute name)
 
 
-def _shape(value, depth: int, seen: list):
-    """The trace-relevant shape of a captured value ([Note] Trace cache); `seen` keeps functions met on the way.
-    Written for speed: a factory's new function object (a changed closure number) is shaped on every call."""
-    if value is None or value is True or value is False:
-        return value
-    kind = type(value)
-    if kind is int or kind is float:
-        return _NUMBER[kind]
-    if kind is types.FunctionType:
-        if depth >= 16 or any(value is f for f in seen):
-            return ("fn", id(value))
-        seen.append(value)
-        code, closure, defaults, kwdefaults = value.__code__, value.__closure__, value.__defaults__, \
-            value.__kwdefaults__
-        d = depth + 1
-        cells = tuple([_cell(c, depth, seen) for c in closure]) if closure else ()
-        defaults = tuple([_shape(x, d, seen) for x in defaults]) if defaults else ()
-        kw = tuple(sorted((k, _shape(x, d, seen)) for k, x in kwdefaults.items())) if kwdefaults else ()
-        names = _names(code)
-        if names:
-            g = value.__globals__
-            glob = tuple([(n, _shape(g[n], d, seen)) for n in names
-                          if n in g and type(g[n]) is not types.ModuleType])
-        else:
-            glob = ()
-        return ("fn", code, cells, defaults, kw, glob)
-    if isinstance(value, bool):  # a bool subclass (numpy's is not one): its value
-        return bool(value)
-    if isinstance(value, (int, float)):  # a subclass of int or float: its own type's name
-        return kind.__name__
-    if (kind is tuple or kind is list or isinstance(value, (tuple, list))) and len(value) <= 64 and depth < 16:
-        return (kind.__name__ if kind in (tuple, list) else type(value).__name__,
-                *[_shape(v, depth + 1, seen) for v in value])
-    dtype = getattr(value, "dtype", None)
-    if dtype is not None and hasattr(value, "dim") and kind.__module__.startswith("torch"):
-        return ("tensor", dtype, value.dim())
-    seen.append(value)
-    return ("id", id(value))  # any other object: itself
+def _run(steps, score_mod, mask_mod) -> list | None:
+    """The slots of a guard's walk over these functions, None where a check fails ([Note] Trace cache)."""
+    slots = [score_mod, mask_mod]
+    add = slots.append
+    for src, op, key, check, want in steps:
+        obj = slots[src]
+        try:
+            if op == _CELL:
+                x = obj.__closure__[key].cell_contents
+            elif op == _GLOBAL:
+                x = key[0].get(key[1], _ABSENT)
+            elif op == _ITEM:
+                x = obj[key]
+            elif op == _SELF:
+                x = obj
+            elif op == _DEFAULT:
+                x = obj.__defaults__[key]
+            elif op == _KWDEFAULT:
+                x = obj.__kwdefaults__[key]
+            else:  # _CELLOBJ
+                x = obj.__closure__[key]
+        except (IndexError, KeyError, TypeError, ValueError):  # ValueError: an empty cell
+            return None
+        if check == _TYPE:
+            if type(x) is not want:
+                return None
+        elif check == _FUNC:
+            if type(x) is not _FN or x.__code__ is not want[0] or x.__globals__ is not want[1]:
+                return None
+            d, kw = x.__defaults__, x.__kwdefaults__
+            if (len(d) if d else 0) != want[2] or (kw.keys() != want[3] if kw else want[3]):
+                return None
+        elif check == _IS:
+            if x is not want:
+                return None
+        elif check == _TENSOR:
+            if not isinstance(x, want[0]) or x.dtype != want[1] or x.dim() != want[2]:
+                return None
+        elif check == _SEQ:
+            if type(x) is not want[0] or len(x) != want[1]:
+                return None
+        elif check == _SAME:
+            if x is not slots[want]:
+                return None
+        elif check == _EMPTY:
+            try:
+                x.cell_contents
+            except ValueError:
+                pass
+            else:
+                return None
+        add(x)
+    return slots
 
 
-_NUMBER = {int: "int", float: "float"}
+def _build(score_mod, mask_mod, traced: Traced):
+    """(steps, reads, keep) of a guard for these traced functions, or None where a traced path is not one of the
+    walk's (then the trace is not cached)."""
+    counts: dict[int, int] = {}
+    _Walk(counts, frozenset()).roots(score_mod, mask_mod)  # first pass: the cells that functions share
+    walk = _Walk(None, frozenset(c for c, n in counts.items() if n > 1))
+    walk.roots(score_mod, mask_mod)
+    reads = []
+    for name, path in traced.paths.items():
+        slot = walk.where.get(path)
+        if slot is None:  # pragma: no cover - the walk follows the tracer's order ([Note] Trace cache)
+            return None
+        reads.append((name, slot))
+    GUARDS[0] += 1
+    return tuple(walk.steps), tuple(reads), walk.keep
 
 
-def _cell(cell, depth: int, seen: list):
-    try:
-        return _shape(cell.cell_contents, depth + 1, seen)
-    except ValueError:  # an empty cell
-        return ("empty",)
+class _Walk:
+    """What the tracer follows (fagen/mods/trace.py, _Tracer.capture / rebind), in its order and to its depth."""
+
+    def __init__(self, counts: dict | None, shared: frozenset):
+        self.counts, self.shared = counts, shared
+        self.steps: list[tuple] = []
+        self.n = 2  # slots 0 and 1: the roots
+        self.where: dict[tuple, int] = {}  # a traced path -> its slot
+        self.seen: dict[int, int] = {}  # id of a function or tensor met -> its slot
+        self.cells: dict[int, int] = {}  # id of a shared cell -> the slot of the cell object
+        self.globs: set = set()  # (id of a globals dict, name) read
+        self.keep: list = []  # what the checks name by identity, kept alive with the entry
+
+    def step(self, src: int, op: int, key, check: int, want, path: tuple | None) -> int:
+        self.steps.append((src, op, key, check, want))
+        slot = self.n
+        self.n += 1
+        if path is not None:
+            self.where.setdefault(path, slot)
+        return slot
+
+    def roots(self, score_mod, mask_mod) -> None:
+        for slot, field, fn in ((0, "score_mod", score_mod), (1, "mask_mod", mask_mod)):
+            if fn is not None:
+                self.value(slot, _SELF, None, fn, (field,), 0)
+
+    def value(self, src: int, op: int, key, value, path: tuple, depth: int) -> None:
+        """The steps that read `value` (src's op/key) and check it, then what the tracer follows inside it."""
+        import torch
+
+        if value is None or value is True or value is False or type(value) is types.ModuleType \
+                or value is _ABSENT:
+            self.step(src, op, key, _IS, value, path)
+            return
+        kind = type(value)
+        if kind is _FN or isinstance(value, torch.Tensor):
+            first = self.seen.get(id(value))
+            if first is not None:  # reached again: the same object (one argument, one rebinding)
+                self.step(src, op, key, _SAME, first, path)
+                return
+        if isinstance(value, (int, float)):  # a runtime scalar: its type
+            self.step(src, op, key, _TYPE, kind, path)
+        elif isinstance(value, torch.Tensor):
+            self.keep.append(value)
+            self.seen[id(value)] = self.step(src, op, key, _TENSOR, (torch.Tensor, value.dtype, value.dim()), path)
+        elif kind is _FN and depth < 16:
+            self.function(src, op, key, value, path, depth + 1)
+        elif isinstance(value, (tuple, list)) and len(value) <= 64 and depth < 16:
+            slot = self.step(src, op, key, _SEQ, (kind, len(value)), path)
+            for i, item in enumerate(value):
+                self.value(slot, _ITEM, i, item, path + (("item", i),), depth + 1)
+        else:  # anything else (a function past the depth, a callable object): itself
+            self.keep.append(value)
+            self.step(src, op, key, _IS, value, path)
+
+    def function(self, src: int, op: int, key, fn, path: tuple, depth: int) -> None:
+        self.keep.append(fn)
+        code, g = fn.__code__, fn.__globals__
+        kw = fn.__kwdefaults__
+        slot = self.step(src, op, key, _FUNC, (code, g, len(fn.__defaults__ or ()), frozenset(kw) if kw else None),
+                         path)
+        self.seen[id(fn)] = slot
+        for name in _names(code):  # the tracer's order: globals (sorted), cells, defaults, kwdefaults
+            if (id(g), name) in self.globs:
+                continue
+            self.globs.add((id(g), name))
+            self.value(slot, _GLOBAL, (g, name), g.get(name, _ABSENT), path + (("global", name),), depth)
+        for i, cell in enumerate(fn.__closure__ or ()):
+            if self.counts is not None:
+                self.counts[id(cell)] = self.counts.get(id(cell), 0) + 1
+            if id(cell) in self.shared:
+                first = self.cells.get(id(cell))
+                if first is not None:  # a cell the trace met before: the same cell (one scalar)
+                    self.step(slot, _CELLOBJ, i, _SAME, first, None)
+                    continue
+                self.keep.append(cell)
+                self.cells[id(cell)] = self.step(slot, _CELLOBJ, i, _ANY, None, None)
+            try:
+                content = cell.cell_contents
+            except ValueError:  # an empty cell (a variable not yet assigned): stays empty
+                self.step(slot, _CELLOBJ, i, _EMPTY, None, None)
+                continue
+            self.value(slot, _CELL, i, content, path + (("cell", i),), depth)
+        for i, d in enumerate(fn.__defaults__ or ()):
+            self.value(slot, _DEFAULT, i, d, path + (("default", i),), depth)
+        for name, d in (kw or {}).items():
+            self.value(slot, _KWDEFAULT, name, d, path + (("kwdefault", name),), depth)
 
 
 _NAMES: dict = {}

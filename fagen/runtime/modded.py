@@ -4,7 +4,8 @@ module (memoised by the mods' canonical fields), pass the captured tensors and n
 [Note] Runtime scalars. A closure number reaches the kernels as a plain int or float argument; int arguments are
 listed in the kernels' do_not_specialize (fagen/codegen/mod_args.py), so a changed value, even from 64 to 65, is
 a new argument of the same compiled kernel: no trace, no render, no compile. The fast path of a warm call costs one
-dict lookup for the trace, a walk of the recorded closure paths (read_captures) and one dict lookup for the module.
+dict lookup for the trace and a run of its guard, which reads the closure's values ([Note] Trace cache in
+fagen/runtime/mods.py), and one dict lookup for the module.
 """
 
 from __future__ import annotations

@@ -121,6 +121,11 @@ def test_modded_forward_step_replays_the_general_path(monkeypatch, tma, with_mas
         assert call[:7] == (*grid, 77, 1234, False, True) and len(call) == 13 + len(args) + len(tail)
         bad = [name for name, a, b in zip(fwd.arg_names, call[13:], args + tail) if not _same(a, b)]
         assert not bad, bad
+        # the captured tensors and the block mask's go as device addresses (fast= in fagen/codegen/args.py)
+        tensors = [n for n in fwd.arg_names if n in ("mt0", "mt1", "BlkCls", "BlkList", "BlkListT")]
+        assert len(tensors) == 5
+        kinds = {n: type(call[13 + fwd.arg_names.index(n)]) for n in tensors}
+        assert kinds == {n: int if with_mask or n.startswith("mt") else type(None) for n in tensors}, kinds
     if with_mask:  # a coarser block mask: another granularity, another grid: the general path keeps a step
         steps = len(module._STEPS)
         launch(bm=bm.at(32, 32), out=first_out, lse=first_lse)

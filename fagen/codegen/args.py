@@ -228,11 +228,16 @@ _UPCAST = C("UPCAST", aot="False")  # compiled kernels never upcast ([Note] Inte
 _MOD_PTR = {"bool": "i1"}  # a captured tensor's Triton pointer type where it differs from its dtype's spelling
 
 
+def _fast_ptr(name: str) -> str:
+    """A step's launch expression of a tensor that may be None: its device address, or None (a None constexpr)."""
+    return f"{name} if {name} is None else {name}.data_ptr()"
+
+
 def _mod_args(spec: KernelSpec) -> list[Arg]:
     """A user mod's kernel arguments: per captured tensor its pointer, strides and sizes, then each scalar."""
     out = []
     for i, (_, dtype, rank) in enumerate(spec.mod_tensors):
-        out.append(T(f"mt{i}", _MOD_PTR.get(dtype, dtype), host=f"mt{i}", br=i == 0))
+        out.append(T(f"mt{i}", _MOD_PTR.get(dtype, dtype), host=f"mt{i}", fast=f"mt{i}.data_ptr()", br=i == 0))
         out += [I(f"mt{i}_s{d}", host=f"mt{i}.stride({d})") for d in range(rank)]
         out += [I(f"mt{i}_n{d}", host=f"mt{i}.shape[{d}]") for d in range(rank)]
     for j, (_, kind) in enumerate(spec.mod_scalars):
@@ -264,9 +269,9 @@ MOD_GRAD_ARGS = Each(lambda spec: [T(f"{n}{k}", dt, pack="mod_ws", br=k == 0 and
 # strides of each (0 on a broadcast b or h), and the granularity; None and zeros without a block mask.
 _BLOCK_INTS = ("blk_cb", "blk_ch", "blk_cq", "blk_lb", "blk_lh", "blk_lq", "blk_tb", "blk_th", "blk_tk", "blk_m",
                "blk_n")
-BLOCK_ARGS = [T("BlkCls", "i8", when=mask_modded, host="blk_cls", br=True),
-              T("BlkList", "i32", when=mask_modded, host="blk_list"),
-              T("BlkListT", "i32", when=mask_modded, host="blk_list_t"),
+BLOCK_ARGS = [T("BlkCls", "i8", when=mask_modded, host="blk_cls", fast=_fast_ptr("blk_cls"), br=True),
+              T("BlkList", "i32", when=mask_modded, host="blk_list", fast=_fast_ptr("blk_list")),
+              T("BlkListT", "i32", when=mask_modded, host="blk_list_t", fast=_fast_ptr("blk_list_t")),
               *(I(n, when=mask_modded, pack="blocks") for n in _BLOCK_INTS)]
 _BLOCK_PACK = "_block_ints(blk_cls, blk_list, blk_list_t, blk_m, blk_n)"
 _THREADED_BLOCKS = (T("BlkCls", "i8", when=mask_modded), T("BlkList", "i32", when=mask_modded),

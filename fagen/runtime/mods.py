@@ -27,9 +27,8 @@ those. tests/test_mods_trace_cache.py breaks each check and counts the traces.
 
 from __future__ import annotations
 
-import dataclasses
 import types
-from typing import Any
+from typing import Any, NamedTuple
 
 from fagen.mods.trace import Traced, trace
 
@@ -38,8 +37,7 @@ _PER_KEY = 8  # traces kept per pair (kinds or bools that differ), the most rece
 _FN = types.FunctionType
 
 
-@dataclasses.dataclass(frozen=True)
-class Mods:
+class Mods(NamedTuple):  # a tuple: built on every call, where a frozen dataclass costs about half a microsecond
     """One call's mods: the trace (its trees and declarations), the spec fields and the current captured values."""
 
     traced: Traced
@@ -73,7 +71,8 @@ def _root(fn):
 
 def prepare(score_mod=None, mask_mod=None) -> Mods:
     """The Mods of these functions: from the trace cache, or traced ([Note] Trace cache)."""
-    key = (_root(score_mod), _root(mask_mod))
+    key = (score_mod.__code__ if type(score_mod) is _FN else id(score_mod),  # _root, inline: every call runs it
+           mask_mod.__code__ if type(mask_mod) is _FN else id(mask_mod))
     entries = _CACHE.get(key)
     if entries:
         for e in entries:

@@ -142,6 +142,40 @@ def test_a_nested_function_replaced_traces_again():
     assert n == 0
 
 
+_HELPER = _cap
+
+
+def _global_helper(score, b, h, q_idx, kv_idx):
+    return _HELPER(score) - kv_idx
+
+
+def test_a_global_function_replaced_traces_again():
+    global _HELPER
+    first, n = _prepare(score_mod=_global_helper)
+    assert n == 1
+    try:
+        _HELPER = _tanh
+        m, n = _prepare(score_mod=_global_helper)
+        assert n == 1 and m.fields != first.fields
+    finally:
+        _HELPER = _cap
+    m, n = _prepare(score_mod=_global_helper)
+    assert n == 0 and m.fields is first.fields
+
+
+def test_a_default_number_is_read_again_and_its_type_traces_again():
+    def mod(score, b, h, q_idx, kv_idx, bias=0.5):
+        return score + bias * q_idx
+    first, n = _prepare(score_mod=mod)
+    assert n == 1 and first.values == {"bias": 0.5}
+    mod.__defaults__ = (-2.0,)
+    m, n = _prepare(score_mod=mod)
+    assert n == 0 and m.values == {"bias": -2.0}
+    mod.__defaults__ = (3,)
+    m, n = _prepare(score_mod=mod)
+    assert n == 1 and m.fields != first.fields
+
+
 def test_a_kwdefault_number_is_read_again_and_its_type_traces_again():
     def mod(score, b, h, q_idx, kv_idx, *, cap=30.0):
         return cap * torch.tanh(score / cap)

@@ -123,7 +123,7 @@ def _run(steps, score_mod, mask_mod) -> list | None:
                 x = obj.__kwdefaults__[key]
             else:  # _CELLOBJ
                 x = obj.__closure__[key]
-        except (IndexError, KeyError, TypeError, ValueError):  # ValueError: an empty cell
+        except (AttributeError, IndexError, KeyError, TypeError, ValueError):  # ValueError: an empty cell
             return None
         if check == _TYPE:
             if type(x) is not want:

@@ -345,3 +345,20 @@ def test_changed_numbers_reach_the_kernel_on_the_same_object_and_on_new_ones(mon
     assert mods.TRACES[0] == traces and len(loader._loaded) == modules
     a, b = outs.values()
     assert (a - b).abs().max().item() > 1e-3  # the two numbers gave two answers
+
+
+def test_a_call_that_keeps_its_mods_looks_them_up_once(monkeypatch):
+    """fagen.attention asks the lowering first (as_switches); a mod that stays reaches the modded path with the
+    Mods already prepared: one trace-cache lookup per call."""
+    from fagen.runtime import modded
+
+    mask_mod = g.generate_doc_mask_mod(g.causal_mask, g.length_to_offsets([5, 9, 6], DEVICE))
+    torch.manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 20, 16, device=DEVICE) for _ in range(3))
+    with torch.no_grad():
+        first = fagen.attention(q, k, v, mask_mod=mask_mod)
+        calls = []
+        real = mods.prepare
+        monkeypatch.setattr(modded, "prepare", lambda **kw: calls.append(kw) or real(**kw))
+        assert torch.equal(fagen.attention(q, k, v, mask_mod=mask_mod), first)
+    assert len(calls) == 1 and modded.LOWERED[0] is None

@@ -69,11 +69,11 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
         plain = None if torch.compiler.is_compiling() else _as_switches(
             q, k, v, mask, score_mod, mask_mod, block_mask, window, softcap, alibi_slopes, sinks, seqlens_q,
             seqlens_k, packed)
-        if plain is None:
+        if type(plain) is not tuple:  # None, or the Mods it prepared (a NamedTuple), which the modded path reuses
             return _eager_only(_modded)(
                 q, k, v, mask=mask, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k, tree_mask=tree_mask,
                 window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, score_mod=score_mod,
-                mask_mod=mask_mod, block_mask=block_mask, check=check, packed=packed)
+                mask_mod=mask_mod, block_mask=block_mask, check=check, packed=packed, prepared=plain)
         mask, window, softcap, alibi_slopes = plain  # the mods were built-in switches: the switch call's path
     if window is None and softcap is None and alibi_slopes is None and sinks is None:  # the common call
         switches, scores = (), _NO_SCORES
@@ -212,14 +212,14 @@ def _modded(q, k, v, *, window, softcap, alibi_slopes, sinks, packed, **rest):
 def _as_switches(q, k, v, mask, score_mod, mask_mod, block_mask, window, softcap, alibi_slopes, sinks, seqlens_q,
                  seqlens_k, packed):
     """(mask, window, softcap, alibi_slopes) when the mods are all built-in switches (fagen/mods/lower.py), else
-    None."""
+    the call's Mods where it prepared them (the modded path takes them: one trace-cache lookup per call), or None."""
     from fagen.runtime import modded
 
     scores = {name: value for name, value in zip(_SCORE_ARGS, (window, softcap, alibi_slopes, sinks))
               if value is not None}
     got = modded.as_switches(q, k, v, mask, score_mod, mask_mod, block_mask, scores, seqlens_q, seqlens_k, packed)
-    if got is None:
-        return None
+    if got is None or type(got) is modded.Mods:
+        return got
     new_mask, scores = got
     return new_mask, scores.get("window"), scores.get("softcap"), scores.get("alibi_slopes")
 

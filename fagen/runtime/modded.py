@@ -158,12 +158,13 @@ def check_values(q, args: ModArgs, values: dict) -> None:
 
 
 def attention(q, k, v, *, mask, scale, seqlens_q, seqlens_k, tree_mask, scores: dict, switches: tuple,
-              score_mod, mask_mod, block_mask, check, packed=None):
+              score_mod, mask_mod, block_mask, check, packed=None, prepared: Mods | None = None):
     """fagen.attention's path for calls with score_mod / mask_mod (README "User mods"); packed: the varlen
-    keywords (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), or None for the dense layout."""
+    keywords (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), or None for the dense layout; prepared:
+    this call's Mods of these functions where as_switches made them."""
     if block_mask is not None and mask_mod is None:
         raise AttentionError("block_mask: describes a mask_mod's blocks; pass that mask_mod= as well")
-    mods = prepare(score_mod=score_mod, mask_mod=mask_mod)
+    mods = prepared if prepared is not None else prepare(score_mod=score_mod, mask_mod=mask_mod)
     low = _lower(mods, q, k, v, mask, scores, seqlens_q, seqlens_k, block_mask, packed) if lowering.ENABLED else None
     LOWERED[0] = None if low is None else low.label
     if low is not None:  # [Note] Mod lowering (fagen/mods/lower.py): the built-in switches' kernels serve
@@ -212,9 +213,10 @@ LOWERED: list = [None]  # what the last call's mods became ("causal+window(1024,
 
 def as_switches(q, k, v, mask, score_mod, mask_mod, block_mask, scores: dict, seqlens_q, seqlens_k, packed):
     """(mask, scores) of a call whose mods are all built-in switches ([Note] Mod lowering in fagen/mods/lower.py),
-    for fagen.attention's plain path; None where any mod stays (attention() then runs the rest). The warm cost: the
-    trace cache's lookup, the closure's numbers and the memoised plan, a few microseconds, and none of the modded
-    path's spec checks (the plain path checks the inputs as for the switch call)."""
+    for fagen.attention's plain path; where any mod stays, the Mods it prepared (attention() then runs the rest
+    with them, prepared=), or None before preparing any. The warm cost: the trace cache's lookup, the closure's
+    numbers and the memoised plan, a few microseconds, and none of the modded path's spec checks (the plain path
+    checks the inputs as for the switch call)."""
     if not lowering.ENABLED or mask_mod is None and block_mask is not None:
         return None
     if packed is None and q.dim() != 4 or packed is not None and None in packed.values():
@@ -222,7 +224,7 @@ def as_switches(q, k, v, mask, score_mod, mask_mod, block_mask, scores: dict, se
     mods = prepare(score_mod=score_mod, mask_mod=mask_mod)
     low = _lower(mods, q, k, v, mask, scores, seqlens_q, seqlens_k, block_mask, packed)
     if low is None or low.fields is not None:
-        return None
+        return mods
     LOWERED[0] = low.label
     if block_mask is not None:
         _check_call_block_mask(block_mask, mods, q, k, packed)  # validated, then unused

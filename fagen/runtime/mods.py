@@ -20,9 +20,9 @@ factories, `generate_sliding_window(w)` called per step), so the two cost the sa
 (runtime scalars, captured tensors) are read out of the walk by position. A step that fails (a number changed
 type, a bool changed, a function or global replaced, another tensor dtype or rank) tries the next trace of the pair,
 then traces again: a new trace gives new declarations or a new tree, so a new spec and kernel, as it must.
-Not seen: a number or bool reached through an object's attribute or a dict (a constant of the trace; the object
-itself is checked by identity), a global shadowing a builtin defined after the trace. Build a new function for
-those. tests/test_mods_trace_cache.py breaks each check and counts the traces.
+Not seen, as the tracer does not follow them either: a number or bool reached through an object's attribute or a
+dict (a constant of the trace; the object itself is checked by identity), a module global (`torch`) replaced, a
+global that shadows a builtin defined after the trace. Build a new function for those. tests/test_mods_trace_cache.py breaks each check and counts the traces.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def prepare(score_mod=None, mask_mod=None) -> Mods:
 # it, and appends it to the slots (slot 0: score_mod, 1: mask_mod).
 _SELF, _CELL, _CELLOBJ, _GLOBAL, _DEFAULT, _KWDEFAULT, _ITEM = range(7)
 _TYPE, _IS, _FUNC, _TENSOR, _SEQ, _SAME, _EMPTY, _ANY = range(8)
-_ABSENT = object()  # a global name the code reads that its module does not define (a builtin, an attribute name)
+_ABSENT = object()  # a global the guard reads that is gone from its module (a miss)
 
 
 def _run(steps, score_mod, mask_mod) -> list | None:
@@ -204,8 +204,7 @@ class _Walk:
         """The steps that read `value` (src's op/key) and check it, then what the tracer follows inside it."""
         import torch
 
-        if value is None or value is True or value is False or type(value) is types.ModuleType \
-                or value is _ABSENT:
+        if value is None or value is True or value is False:
             self.step(src, op, key, _IS, value, path)
             return
         kind = type(value)
@@ -237,10 +236,10 @@ class _Walk:
                          path)
         self.seen[id(fn)] = slot
         for name in _names(code):  # the tracer's order: globals (sorted), cells, defaults, kwdefaults
-            if (id(g), name) in self.globs:
-                continue
+            if (id(g), name) in self.globs or name not in g or type(g[name]) is types.ModuleType:
+                continue  # as the tracer: a name the module lacks (a builtin, an attribute's name), a module
             self.globs.add((id(g), name))
-            self.value(slot, _GLOBAL, (g, name), g.get(name, _ABSENT), path + (("global", name),), depth)
+            self.value(slot, _GLOBAL, (g, name), g[name], path + (("global", name),), depth)
         for i, cell in enumerate(fn.__closure__ or ()):
             if self.counts is not None:
                 self.counts[id(cell)] = self.counts.get(id(cell), 0) + 1

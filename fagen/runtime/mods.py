@@ -50,10 +50,11 @@ class Mods(NamedTuple):  # a tuple: built on every call, where a frozen dataclas
 
 
 class _Entry:
-    __slots__ = ("steps", "reads", "traced", "fields", "keep")
+    __slots__ = ("guard", "names", "steps", "traced", "fields", "keep")
 
-    def __init__(self, steps, reads, traced, fields, keep):
-        self.steps, self.reads, self.traced, self.fields, self.keep = steps, reads, traced, fields, keep
+    def __init__(self, guard, names, steps, traced, fields, keep):
+        self.guard, self.names, self.steps, self.traced, self.fields, self.keep = guard, names, steps, traced, \
+            fields, keep
 
 
 _CACHE: dict[tuple, list[_Entry]] = {}
@@ -76,9 +77,9 @@ def prepare(score_mod=None, mask_mod=None) -> Mods:
     entries = _CACHE.get(key)
     if entries:
         for e in entries:
-            got = _run(e.steps, score_mod, mask_mod)
+            got = e.guard(score_mod, mask_mod)
             if got is not None:
-                return Mods(e.traced, e.fields, {name: got[slot] for name, slot in e.reads})
+                return Mods(e.traced, e.fields, dict(zip(e.names, got)))
     traced = trace(score_mod=score_mod, mask_mod=mask_mod)
     TRACES[0] += 1
     fields = (traced.score_text, traced.mask_text, traced.tensors, traced.scalars)
@@ -89,72 +90,77 @@ def prepare(score_mod=None, mask_mod=None) -> Mods:
                 _CACHE.clear()
             entries = _CACHE[key] = []
         steps, reads, keep = built
-        entries.insert(0, _Entry(steps, reads, traced, fields, keep))
+        guard = _compile(steps, tuple(slot for _, slot in reads))
+        entries.insert(0, _Entry(guard, tuple(name for name, _ in reads), steps, traced, fields, keep))
         del entries[_PER_KEY:]
     return Mods(traced, fields, dict(traced.values))
 
 
 # -- guards ----------------------------------------------------------------------------------------------------------
 # A step is (source slot, op, key, check, want): it reads a value from the source slot's value by op and key, checks
-# it, and appends it to the slots (slot 0: score_mod, 1: mask_mod).
+# it, and is the next slot (slot 0: score_mod, 1: mask_mod; step i: slot i + 2). _compile makes them a function.
 _SELF, _CELL, _CELLOBJ, _GLOBAL, _DEFAULT, _KWDEFAULT, _ITEM = range(7)
 _TYPE, _IS, _FUNC, _TENSOR, _SEQ, _SAME, _EMPTY, _ANY = range(8)
 _ABSENT = object()  # a global the guard reads that is gone from its module (a miss)
 
 
-def _run(steps, score_mod, mask_mod) -> list | None:
-    """The slots of a guard's walk over these functions, None where a check fails ([Note] Trace cache)."""
-    slots = [score_mod, mask_mod]
-    add = slots.append
-    for src, op, key, check, want in steps:
-        obj = slots[src]
-        try:
-            if op == _CELL:
-                x = obj.__closure__[key].cell_contents
-            elif op == _GLOBAL:
-                x = key[0].get(key[1], _ABSENT)
-            elif op == _ITEM:
-                x = obj[key]
-            elif op == _SELF:
-                x = obj
-            elif op == _DEFAULT:
-                x = obj.__defaults__[key]
-            elif op == _KWDEFAULT:
-                x = obj.__kwdefaults__[key]
-            else:  # _CELLOBJ
-                x = obj.__closure__[key]
-        except (AttributeError, IndexError, KeyError, TypeError, ValueError):  # ValueError: an empty cell
-            return None
-        if check == _TYPE:
-            if type(x) is not want:
-                return None
+def _compile(steps: tuple, read: tuple):
+    """A guard's steps as one Python function (score_mod, mask_mod) -> the values at the slots `read`, or None where
+    a check fails ([Note] Trace cache): a few times faster than a loop over the steps. Its source holds only our
+    own names and integers; every value (code objects, dicts, types, names) is a constant of its namespace."""
+    import torch
+
+    ns = {"FN": _FN, "ABSENT": _ABSENT, "TENSOR": torch.Tensor}
+    lines = []
+    for i, (src, op, key, check, want) in enumerate(steps):
+        s, x = f"s{int(src)}", f"s{i + 2}"
+        if op == _CELL:
+            read_x = f"{s}.__closure__[{int(key)}].cell_contents"
+        elif op == _GLOBAL:
+            ns[f"GD{i}"], ns[f"GN{i}"] = key
+            read_x = f"GD{i}.get(GN{i}, ABSENT)"
+        elif op == _ITEM:
+            read_x = f"{s}[{int(key)}]"
+        elif op == _SELF:
+            read_x = s
+        elif op == _DEFAULT:
+            read_x = f"{s}.__defaults__[{int(key)}]"
+        elif op == _KWDEFAULT:
+            ns[f"KN{i}"] = key
+            read_x = f"{s}.__kwdefaults__[KN{i}]"
+        else:  # _CELLOBJ
+            read_x = f"{s}.__closure__[{int(key)}]"
+        lines.append(f"{x} = {read_x}")
+        if check in (_TYPE, _IS):
+            ns[f"W{i}"] = want
+            lines.append(f"if {'type(' + x + ')' if check == _TYPE else x} is not W{i}: return None")
         elif check == _FUNC:
-            if type(x) is not _FN or x.__code__ is not want[0] or x.__globals__ is not want[1]:
-                return None
-            d, kw = x.__defaults__, x.__kwdefaults__
-            if (len(d) if d else 0) != want[2] or (kw.keys() != want[3] if kw else want[3]):
-                return None
-        elif check == _IS:
-            if x is not want:
-                return None
-        elif check == _TENSOR:
-            if not isinstance(x, want[0]) or x.dtype != want[1] or x.dim() != want[2]:
-                return None
-        elif check == _SEQ:
-            if type(x) is not want[0] or len(x) != want[1]:
-                return None
-        elif check == _SAME:
-            if x is not slots[want]:
-                return None
-        elif check == _EMPTY:
-            try:
-                x.cell_contents
-            except ValueError:
-                pass
+            ns[f"FC{i}"], ns[f"FG{i}"] = want[0], want[1]
+            lines.append(f"if type({x}) is not FN or {x}.__code__ is not FC{i} or {x}.__globals__ is not FG{i}: "
+                         "return None")
+            lines.append(f"if len({x}.__defaults__ or ()) != {int(want[2])}: return None")
+            if want[3] is None:
+                lines.append(f"if {x}.__kwdefaults__: return None")
             else:
-                return None
-        add(x)
-    return slots
+                ns[f"FK{i}"] = want[3]
+                lines.append(f"if ({x}.__kwdefaults__ or {{}}).keys() != FK{i}: return None")
+        elif check == _TENSOR:
+            ns[f"TD{i}"] = want[1]
+            lines.append(f"if not isinstance({x}, TENSOR) or {x}.dtype != TD{i} or {x}.dim() != {int(want[2])}: "
+                         "return None")
+        elif check == _SEQ:
+            ns[f"ST{i}"] = want[0]
+            lines.append(f"if type({x}) is not ST{i} or len({x}) != {int(want[1])}: return None")
+        elif check == _SAME:
+            lines.append(f"if {x} is not s{int(want)}: return None")
+        elif check == _EMPTY:
+            lines += ["try:", f"    {x}.cell_contents", "except ValueError:", "    pass", "else:", "    return None"]
+    body = "".join(f"\n        {line}" for line in lines) or "\n        pass"
+    source = (f"def guard(s0, s1):\n    try:{body}\n"
+              "    except (AttributeError, IndexError, KeyError, TypeError, ValueError):\n        return None\n"
+              f"    return ({''.join(f's{int(slot)}, ' for slot in read)})\n")
+    exec(compile(source, "<fagen trace guard>", "exec"), ns)  # noqa: S102 - our own source ([Note] Trace cache)
+    return ns["guard"]
 
 
 def _build(score_mod, mask_mod, traced: Traced):

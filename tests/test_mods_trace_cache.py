@@ -187,6 +187,9 @@ def test_a_kwdefault_number_is_read_again_and_its_type_traces_again():
     mod.__kwdefaults__["cap"] = 4
     m, n = _prepare(score_mod=mod)
     assert n == 1 and m.fields != first.fields
+    mod.__kwdefaults__ = {"cap": 4.0, "unused": 1}  # another set of names: traced again (then the float trace)
+    m, n = _prepare(score_mod=mod)
+    assert n == 1 and m.fields == first.fields
 
 
 def _steered(flag, w):

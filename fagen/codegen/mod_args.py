@@ -254,18 +254,18 @@ class ModCode:
                           f"    tl.store(MGI{k} + g_bh * (g_nk * BLOCK_N) + cols, ({linear('start_m', 'cols')})"
                           f".to(tl.int64), mask=g_in & (cols < {kv_in}))"]
             else:  # DIAGONAL: r = i - j + BLOCK_N - 1 of query i, key j; chunks of BLOCK_M diagonals
-                lines += ["    g_nc = (BLOCK_M + BLOCK_N - 2) // BLOCK_M + 1  # chunks of diagonals (a constexpr)",
-                          "    g_len = (g_nq + g_nc - 1) * BLOCK_M + (g_nk - 1) * BLOCK_N  # diagonals per (b, h)",
+                chunks = "((BLOCK_M + BLOCK_N - 2) // BLOCK_M + 1)"  # of BLOCK_M diagonals (a constexpr)
+                lines += [f"    g_len = (g_nq + {chunks} - 1) * BLOCK_M + (g_nk - 1) * BLOCK_N  # diagonals per (b, h)",
                           "    g_kb = g_nk - 1 - n0 // BLOCK_N",
                           "    g_j = tl.arange(0, BLOCK_N)[:, None]",
-                          "    for g_c in tl.static_range(0, g_nc):",
+                          f"    for g_c in tl.static_range(0, {chunks}):",
                           "        g_r = g_c * BLOCK_M + tl.arange(0, BLOCK_M)",
                           "        g_i = g_r[None, :] - (BLOCK_N - 1) + g_j  # the query of key j on diagonal r",
                           "        g_ok = (g_i >= 0) & (g_i < BLOCK_M)",
                           "        g_sum = tl.sum(tl.where(g_ok, tl.gather(gval, tl.where(g_ok, g_i, 0), 1), 0.0), 0)",
                           "        g_p = start_m + g_r + g_kb * BLOCK_N  # the diagonal's place in its (b, h) line",
                           "        g_keep = g_in & (g_r < BLOCK_M + BLOCK_N - 1)",
-                          f"        tl.store(MG{k} + ((g_bh * g_nk + g_kb) * g_nc + g_c) * g_len + g_p, g_sum, mask=g_keep)",
+                          f"        tl.store(MG{k} + ((g_bh * g_nk + g_kb) * {chunks} + g_c) * g_len + g_p, g_sum, mask=g_keep)",
                           f"        tl.store(MGI{k} + g_bh * g_len + g_p, ({linear('start_m + g_r', 'n0 + BLOCK_N - 1')})"
                           ".to(tl.int64), mask=g_keep)"]
         return "".join(pad + line + "\n" for line in lines)

@@ -57,7 +57,8 @@ def _tensors(hq, sq, sk, batch, gen):
 def _score_mod(w, r, c, t, dense):
     def score_mod(score, b, h, q_idx, kv_idx):
         diag = torch.clamp(q_idx - kv_idx, -7, 9) // 2 + 4
-        return (score * w[h] + r[h, q_idx] + c[h, kv_idx] * torch.tanh(score) + t[h, diag]
+        # r is not added alone: a bias constant along a row leaves the softmax as it is (its gradient is 0)
+        return (score * w[h] + r[h, q_idx] * torch.sigmoid(score) + c[h, kv_idx] * torch.tanh(score) + t[h, diag]
                 + dense[b, h, q_idx, kv_idx])
 
     return score_mod
@@ -141,3 +142,7 @@ def test_reduced_workspaces_scale_with_tiles_not_scores():
     # per tile its diagonals, in chunks of BLOCK_M, each key block's rows spanning Sq + Sk diagonals
     assert ws[2].numel() <= 2 * tiles * chunks * module.DKDV_BLOCK_M * 1.05
     assert ws[3].numel() < 2 * 2 * 2 * s  # one index per (h, diagonal)
+    # the slots no tile writes (half of them under a causal mask) spread over the elements: index_put_'s sort
+    # makes no long run of one index, which its kernel would walk serially
+    for index, numel in ((ws[1], dense.numel()), (ws[3], t.numel())):
+        assert torch.bincount(index.reshape(-1)).max().item() <= -(-index.numel() // numel)

@@ -117,6 +117,13 @@ def _reads_score(n: ir.Node) -> bool:
     return (isinstance(n, ir.Input) and n.name == "score") or any(_reads_score(c) for c in n.children())
 
 
+# The diagonal class's diagonals per gather ([Note] Deterministic captured-tensor gradients in triton/mods.j2): a
+# [DIAGONALS, BLOCK_M] gather of each diagonal's key per query. ptxas sm_90, the bench's learned bias (m128n64w8s2):
+# 90 spilled words in the dK/dV kernel at 64 or 128 diagonals, 106 at 32; gathering each diagonal's query per key
+# ([BLOCK_N, r] along the queries) spilled 122-192.
+DIAGONALS = 64
+
+
 class ModCode:
     """What a template emits for a spec's mods: Triton expressions of the score_mod, its d/d score and the mask_mod
     at given kernel names, all printed from the parsed trees by fagen.mods.emit (never from the user's text). A
@@ -253,19 +260,20 @@ class ModCode:
                           f"    tl.store(MG{k} + gpos, tl.sum(gval, 1), mask=g_in)",
                           f"    tl.store(MGI{k} + g_bh * (g_nk * BLOCK_N) + cols, ({linear('start_m', 'cols')})"
                           f".to(tl.int64), mask=g_in & (cols < {kv_in}))"]
-            else:  # DIAGONAL: r = i - j + BLOCK_N - 1 of query i, key j; chunks of BLOCK_M diagonals
+            else:  # DIAGONAL: r = i - j + BLOCK_N - 1 of query i, key j, gathered DIAGONALS diagonals at a time
                 chunks = "((BLOCK_M + BLOCK_N - 2) // BLOCK_M + 1)"  # of BLOCK_M diagonals (a constexpr)
                 lines += [f"    g_len = (g_nq + {chunks} - 1) * BLOCK_M + (g_nk - 1) * BLOCK_N  # diagonals per (b, h)",
                           "    g_kb = g_nk - 1 - n0 // BLOCK_N",
-                          "    g_j = tl.arange(0, BLOCK_N)[:, None]",
-                          f"    for g_c in tl.static_range(0, {chunks}):",
-                          "        g_r = g_c * BLOCK_M + tl.arange(0, BLOCK_M)",
-                          "        g_i = g_r[None, :] - (BLOCK_N - 1) + g_j  # the query of key j on diagonal r",
-                          "        g_ok = (g_i >= 0) & (g_i < BLOCK_M)",
-                          "        g_sum = tl.sum(tl.where(g_ok, tl.gather(gval, tl.where(g_ok, g_i, 0), 1), 0.0), 0)",
+                          "    g_q = tl.arange(0, BLOCK_M)[None, :]",
+                          f"    for g_c in tl.static_range(0, (BLOCK_M + BLOCK_N - 2) // {DIAGONALS} + 1):",
+                          f"        g_r = g_c * {DIAGONALS} + tl.arange(0, {DIAGONALS})",
+                          "        g_j = g_q - g_r[:, None] + (BLOCK_N - 1)  # the key of query i on diagonal r",
+                          "        g_ok = (g_j >= 0) & (g_j < BLOCK_N)",
+                          "        g_sum = tl.sum(tl.where(g_ok, tl.gather(gval, tl.where(g_ok, g_j, 0), 0), 0.0), 1)",
                           "        g_p = start_m + g_r + g_kb * BLOCK_N  # the diagonal's place in its (b, h) line",
                           "        g_keep = g_in & (g_r < BLOCK_M + BLOCK_N - 1)",
-                          f"        tl.store(MG{k} + ((g_bh * g_nk + g_kb) * {chunks} + g_c) * g_len + g_p, g_sum, mask=g_keep)",
+                          f"        g_row = (g_bh * g_nk + g_kb) * {chunks} + g_r // BLOCK_M",
+                          f"        tl.store(MG{k} + g_row * g_len + g_p, g_sum, mask=g_keep)",
                           f"        tl.store(MGI{k} + g_bh * g_len + g_p, ({linear('start_m + g_r', 'n0 + BLOCK_N - 1')})"
                           ".to(tl.int64), mask=g_keep)"]
         return "".join(pad + line + "\n" for line in lines)

@@ -14,7 +14,8 @@ Per S:
   3. time: forward alone and backward alone (autograd.grad of out for q, k, v, bias), median ms, L2 flushed
      (fagen.bench.timing.measure), as `fagen bench --suite mods` times them; the same mod with a bias that needs no
      gradient (the reductions' cost is the difference); peak memory of one fwd+bwd. Rates are useful TF/s: 4 * D per
-     visible pair forward, 2.5x that backward (causal: S (S + 1) / 2 pairs per head).
+     visible pair forward, 2.5x that backward (causal: S (S + 1) / 2 pairs per head); at the largest S, the CUDA
+     kernels of one fwd+bwd under torch's profiler (the dK/dV kernel against the host's sums and index_put_).
 $OUT/learned_bias.json (if $OUT is set) holds the records.
 """
 
@@ -101,6 +102,20 @@ def _check_dense(s):
     return rec
 
 
+def _profile(fn):
+    """The top CUDA kernels of one fwd+bwd, [name (60 chars), ms]: the dK/dV kernel against the host's reduction."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    _sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        _sync()
+    rows = sorted(((e.key, (getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)) / 1e3)
+                   for e in prof.key_averages()), key=lambda r: -r[1])
+    return [[name[:60], round(ms, 3)] for name, ms in rows if not name.startswith(("aten::", "autograd"))][:8]
+
+
 def _time(fn):
     return measure(lambda i: fn(), 1, torch.device(DEVICE), 10.0, REP_MS)
 
@@ -139,6 +154,11 @@ def main() -> int:
             torch.autograd.grad(attend(mod), (q, k, v, bias), do)
             _sync()
             rec["peak_extra_GiB"] = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
+        if DEVICE == "cuda" and s == SEQS[-1]:
+            try:
+                rec["profile"] = _profile(lambda: torch.autograd.grad(attend(mod), (q, k, v, bias), do))
+            except Exception as e:  # noqa: BLE001 - the table matters more
+                rec["profile"] = [[f"profiler failed: {type(e).__name__}", 0]]
         fl = 4.0 * D * B * H * s * (s + 1) / 2
         rec["fwd_TF/s"] = fl / rec["fwd_ms"] / 1e9
         rec["bwd_TF/s"] = 2.5 * fl / rec["bwd_ms"] / 1e9
@@ -161,6 +181,9 @@ def main() -> int:
     d = records[-1]["dense"]
     print(f"dense learned bias [1,H,S,S] S{DENSE_S} (per-score path): " + ", ".join(
         f"{k} {v:.1e}" if isinstance(v, float) and k != "fwd_bwd_ms" else f"{k} {v}" for k, v in d.items()))
+    for r in records[:-1]:
+        if "profile" in r:
+            print(f"S{r['S']} fwd+bwd CUDA kernels (ms): " + "; ".join(f"{n} {ms}" for n, ms in r["profile"]))
     ok = all(r["bitwise"] for r in records[:-1]) and d["bitwise"] and max(c.values()) < 3e-2 and d["dbias"] < 3e-2
     print("PASS" if ok else "FAIL")
     if os.environ.get("OUT"):

@@ -147,7 +147,7 @@ def main() -> int:
         rec["bwd_ms"] = _time(lambda: torch.autograd.grad(out, (q, k, v, bias), do, retain_graph=True))
         out_f = attend(frozen)
         rec["bwd_nograd_ms"] = _time(lambda: torch.autograd.grad(out_f, (q, k, v), do, retain_graph=True))
-        del out, out_f
+        out = out_f = None  # free them before the next S
         if DEVICE == "cuda":
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()

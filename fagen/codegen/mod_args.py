@@ -148,8 +148,9 @@ class ModCode:
         self.packed = str(spec.layout) == "varlen"  # the captured-tensor gradients' workspace layout
         self.uses_tanh = any(_has_tanh(t) for t in (self.score_tree, self.mask_tree) if t is not None)
         # [Note] Captured-tensor gradients: one (tensor position, load, derivative) per distinct load of a float
-        # tensor in the score_mod; the dK/dV kernel writes each load's dS * derivative and its element's linear
-        # index into a workspace the host reduces in a fixed order (fagen/templates/triton/mods.j2).
+        # tensor in the score_mod, and its index class (grad_classes); the dK/dV kernel sums each load's dS *
+        # derivative over its tile along that class and writes the sums with their elements' linear indices into
+        # workspaces the host reduces in a fixed order (grad_stores; grad_host in fagen/templates/triton/mods.j2).
         from fagen.mods.grad import d_loads, index_class
 
         self.grad_loads = []

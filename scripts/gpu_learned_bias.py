@@ -10,6 +10,8 @@ Per S:
   1. check (S 2048 only, and the dry run): out, dq, dk, dv and d(bias) against float64 (the same functions over
      broadcast index tensors, autograd), as max |diff| / max |ref|; a dense learned bias [1, H, S, S] (the per-score
      path, S 1024) likewise;
+  4. a clamped relative bias at the largest S (its end elements take ~S diagonals each): bwd ms with and without
+     the gradient, bitwise repeatability;
   2. repeatability: two backward passes give bitwise equal dq, dk, dv and d(bias);
   3. time: forward alone and backward alone (autograd.grad of out for q, k, v, bias), median ms, L2 flushed
      (fagen.bench.timing.measure), as `fagen bench --suite mods` times them; the same mod with a bias that needs no
@@ -116,6 +118,27 @@ def _profile(fn):
     return [[name[:60], round(ms, 3)] for name, ms in rows if not name.startswith(("aten::", "autograd"))][:8]
 
 
+def _bucketed(s):
+    """A clamped relative bias t[h, clamp(q_idx - kv_idx, -128, 128) + 128] (a diagonal class whose end elements
+    each take ~S diagonals: long runs in index_put_'s sort), causal: bwd ms against the same mod without gradient,
+    bitwise repeatability."""
+    q, k, v, do, _ = _inputs(s, seed=3)
+    table = (torch.randn(H, 257, generator=torch.Generator().manual_seed(4)) * 0.5).to(DEVICE)
+    bias = table.clone().requires_grad_()
+
+    def mod_of(t):
+        return lambda score, b, h, q_idx, kv_idx: score + t[h, torch.clamp(q_idx - kv_idx, -128, 128) + 128]
+
+    bm = fagen.create_block_mask(g.causal_mask, None, None, s, s, device=DEVICE)
+    attend = lambda m: fagen.attention(q, k, v, score_mod=m, mask_mod=g.causal_mask, block_mask=bm)  # noqa: E731
+    runs = [torch.autograd.grad(attend(mod_of(bias)), (q, k, v, bias), do) for _ in range(2)]
+    rec = {"S": s, "bucketed": True, "bitwise": all(torch.equal(a, b) for a, b in zip(*runs))}
+    out, out_f = attend(mod_of(bias)), attend(mod_of(table))
+    rec["bwd_ms"] = _time(lambda: torch.autograd.grad(out, (q, k, v, bias), do, retain_graph=True))
+    rec["bwd_nograd_ms"] = _time(lambda: torch.autograd.grad(out_f, (q, k, v), do, retain_graph=True))
+    return rec
+
+
 def _time(fn):
     return measure(lambda i: fn(), 1, torch.device(DEVICE), 10.0, REP_MS)
 
@@ -165,26 +188,33 @@ def main() -> int:
         rec["bwd_nograd_TF/s"] = 2.5 * fl / rec["bwd_nograd_ms"] / 1e9
         print(json.dumps(rec), flush=True)
         records.append(rec)
+    bucket = _bucketed(SEQS[-1])
+    print(json.dumps(bucket), flush=True)
     dense = {"S": DENSE_S, "dense": _check_dense(DENSE_S)}
     print(json.dumps(dense), flush=True)
-    records.append(dense)
+    records += [bucket, dense]
 
-    print(f"\nlearned relative bias + grad, B{B} H{H} d{D} {str(DTYPE)[6:]} causal, {torch.cuda.get_device_name() if DEVICE == 'cuda' else 'cpu (dry)'}")
+    name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (dry)"
+    print(f"\nlearned relative bias + grad, B{B} H{H} d{D} {str(DTYPE)[6:]} causal, {name}")
     print("| S | first call s | fwd ms | bwd ms | fwd+bwd ms | bwd TF/s | bwd no-grad ms | grad cost | peak GiB | bitwise |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in records[:-1]:
+    for r in records[:-2]:
         print(f"| {r['S']} | {r['first_call_s']:.1f} | {r['fwd_ms']:.2f} | {r['bwd_ms']:.2f} | "
               f"{r['fwd_ms'] + r['bwd_ms']:.2f} | {r['bwd_TF/s']:.0f} | {r['bwd_nograd_ms']:.2f} | "
               f"{r['bwd_ms'] / r['bwd_nograd_ms']:.2f}x | {r.get('peak_extra_GiB', 0):.2f} | {r['bitwise']} |")
+    print(f"bucketed t[h, clamp(q - kv, -128, 128) + 128] S{bucket['S']}: bwd {bucket['bwd_ms']:.2f} ms, no grad "
+          f"{bucket['bwd_nograd_ms']:.2f} ms ({bucket['bwd_ms'] / bucket['bwd_nograd_ms']:.2f}x), bitwise "
+          f"{bucket['bitwise']}")
     c = records[0]["check"]
     print(f"check S{CHECK_S} vs float64 (max|diff|/max|ref|): " + ", ".join(f"{k} {v:.1e}" for k, v in c.items()))
     d = records[-1]["dense"]
     print(f"dense learned bias [1,H,S,S] S{DENSE_S} (per-score path): " + ", ".join(
         f"{k} {v:.1e}" if isinstance(v, float) and k != "fwd_bwd_ms" else f"{k} {v}" for k, v in d.items()))
-    for r in records[:-1]:
+    for r in records[:-2]:
         if "profile" in r:
             print(f"S{r['S']} fwd+bwd CUDA kernels (ms): " + "; ".join(f"{n} {ms}" for n, ms in r["profile"]))
-    ok = all(r["bitwise"] for r in records[:-1]) and d["bitwise"] and max(c.values()) < 3e-2 and d["dbias"] < 3e-2
+    ok = (all(r["bitwise"] for r in records[:-2]) and d["bitwise"] and bucket["bitwise"] and max(c.values()) < 3e-2
+          and d["dbias"] < 3e-2)
     print("PASS" if ok else "FAIL")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "learned_bias.json"), "w") as f:

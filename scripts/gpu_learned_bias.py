@@ -196,7 +196,8 @@ def main() -> int:
 
     name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (dry)"
     print(f"\nlearned relative bias + grad, B{B} H{H} d{D} {str(DTYPE)[6:]} causal, {name}")
-    print("| S | first call s | fwd ms | bwd ms | fwd+bwd ms | bwd TF/s | bwd no-grad ms | grad cost | peak GiB | bitwise |")
+    print("| S | first call s | fwd ms | bwd ms | fwd+bwd ms | bwd TF/s | bwd no-grad ms | grad cost | peak GiB | "
+          "bitwise |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in records[:-2]:
         print(f"| {r['S']} | {r['first_call_s']:.1f} | {r['fwd_ms']:.2f} | {r['bwd_ms']:.2f} | "

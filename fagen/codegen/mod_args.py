@@ -275,6 +275,6 @@ class ModCode:
                           "        g_keep = g_in & (g_r < BLOCK_M + BLOCK_N - 1)",
                           f"        g_row = (g_bh * g_nk + g_kb) * {chunks} + g_r // BLOCK_M",
                           f"        tl.store(MG{k} + g_row * g_len + g_p, g_sum, mask=g_keep)",
-                          f"        tl.store(MGI{k} + g_bh * g_len + g_p, ({linear('start_m + g_r', 'n0 + BLOCK_N - 1')})"
-                          ".to(tl.int64), mask=g_keep)"]
+                          f"        g_idx = {linear('start_m + g_r', 'n0 + BLOCK_N - 1')}  # at one (q, kv) of each",
+                          f"        tl.store(MGI{k} + g_bh * g_len + g_p, g_idx.to(tl.int64), mask=g_keep)"]
         return "".join(pad + line + "\n" for line in lines)

@@ -22,6 +22,7 @@ import dataclasses
 import functools
 
 from fagen.mods import ir
+from fagen.mods.grad import COLUMN, ROW, SCORE, TILE
 from fagen.mods.emit import GLUON_HELPERS, TRITON_HELPERS, TensorRef, to_gluon, to_triton
 from fagen.mods.text import ModScalar, ModTensor
 
@@ -116,6 +117,13 @@ def _reads_score(n: ir.Node) -> bool:
     return (isinstance(n, ir.Input) and n.name == "score") or any(_reads_score(c) for c in n.children())
 
 
+# The diagonal class's diagonals per gather ([Note] Deterministic captured-tensor gradients in triton/mods.j2): a
+# [DIAGONALS, BLOCK_M] gather of each diagonal's key per query. ptxas sm_90, the bench's learned bias (m128n64w8s2):
+# 90 spilled words in the dK/dV kernel at 64 or 128 diagonals, 106 at 32; gathering each diagonal's query per key
+# ([BLOCK_N, r] along the queries) spilled 122-192.
+DIAGONALS = 64
+
+
 class ModCode:
     """What a template emits for a spec's mods: Triton expressions of the score_mod, its d/d score and the mask_mod
     at given kernel names, all printed from the parsed trees by fagen.mods.emit (never from the user's text). A
@@ -140,15 +148,17 @@ class ModCode:
         self.packed = str(spec.layout) == "varlen"  # the captured-tensor gradients' workspace layout
         self.uses_tanh = any(_has_tanh(t) for t in (self.score_tree, self.mask_tree) if t is not None)
         # [Note] Captured-tensor gradients: one (tensor position, load, derivative) per distinct load of a float
-        # tensor in the score_mod; the dK/dV kernel writes each load's dS * derivative and its element's linear
-        # index into a workspace the host reduces in a fixed order (fagen/templates/triton/mods.j2).
-        from fagen.mods.grad import d_loads
+        # tensor in the score_mod, and its index class (grad_classes); the dK/dV kernel sums each load's dS *
+        # derivative over its tile along that class and writes the sums with their elements' linear indices into
+        # workspaces the host reduces in a fixed order (grad_stores; grad_host in fagen/templates/triton/mods.j2).
+        from fagen.mods.grad import d_loads, index_class
 
         self.grad_loads = []
         if self.score_tree is not None:
             for i, t in enumerate(self.args.tensors):
                 if t.dtype in ("fp32", "fp16", "bf16"):
                     self.grad_loads += [(i, load, deriv) for load, deriv in d_loads(self.score_tree, t.name)]
+        self.grad_classes = [index_class(load) for _, load, _ in self.grad_loads]
 
     def _names(self, score, b, h, q_idx, kv_idx) -> dict:
         return {"score": score, "b": b, "h": h, "q_idx": q_idx, "kv_idx": kv_idx, **self.args.refs()}
@@ -205,22 +215,66 @@ class ModCode:
         return self._to(self._tree("mask", hoisted, names), names)
 
     def grad_stores(self, ds: str, p: str, score: str, h: str, q_idx: str, kv_idx: str, pad: str) -> str:
-        """The dK/dV loop's stores of each captured-tensor load's dS * derivative and linear element index into its
-        workspace pair (MG<k>, MGI<k>) at the element's (b, h, q, kv) position, where the host asked for them."""
+        """The dK/dV loop's stores of each captured-tensor load's dS * derivative into its workspace pair (MG<k>,
+        MGI<k>), where the host asked for them: summed over the tile along its [Note] Gradient index classes
+        (fagen/mods/grad.py) with one linear element index per sum, or one pair per score (SCORE). The tile is
+        [BLOCK_N keys `cols`, BLOCK_M queries `rows`] of key block n0 and query block start_m; the layouts are
+        grad_host's ([Note] Deterministic captured-tensor gradients in fagen/templates/triton/mods.j2)."""
         lines = []
-        names = self._names(score, "off_b", h, q_idx, kv_idx)
         # dense: [B, Hq, Sq, Sk]; varlen: [B, Hq, S_pad, max_seqlen_k] per sequence (stride_sh is S_pad >= len_q)
         rows, keys, q_in, kv_in = ("stride_sh", "mg_sk", "len_q", "tl.minimum(len_k, mg_sk)") if self.packed else \
             ("seq_q", "seq_k", "seq_q", "seq_k")
-        for k, (i, load, deriv) in enumerate(self.grad_loads):
-            linear = "0"
-            for d, index in enumerate(load.index):
-                clamped = f"_mod_index({to_triton(index, names)}, mt{i}_n{d})"
-                linear = (f"({linear}) * mt{i}_n{d} + " if d else "") + clamped
-            value = f"tl.where({p} == 0.0, 0.0, {ds} * ({to_triton(deriv, names)}))"
-            lines += [f"if MG{k} is not None:",
-                      f"    gpos = ((off_b * num_heads + {h}).to(tl.int64) * {rows} + {q_idx}) * {keys} + {kv_idx}",
-                      f"    gin = ({q_idx} < {q_in}) & ({kv_idx} < {kv_in})",
-                      f"    tl.store(MG{k} + gpos, {value}, mask=gin)",
-                      f"    tl.store(MGI{k} + gpos, ({linear}).to(tl.int64) + gpos * 0, mask=gin)"]
+        for k, ((i, load, deriv), cls) in enumerate(zip(self.grad_loads, self.grad_classes)):
+            def linear(q: str, kv: str, i=i, load=load) -> str:
+                names = self._names(score, "off_b", h, q, kv)
+                out = "0"
+                for d, index in enumerate(load.index):
+                    clamped = f"_mod_index({to_triton(index, names)}, mt{i}_n{d})"
+                    out = (f"({out}) * mt{i}_n{d} + " if d else "") + clamped
+                return out
+
+            value = f"{ds} * ({to_triton(deriv, self._names(score, 'off_b', h, q_idx, kv_idx))})"
+            gin = f"({q_idx} < {q_in}) & ({kv_idx} < {kv_in})"
+            lines.append(f"if MG{k} is not None:  # {cls}")
+            if cls == SCORE:
+                lines += [f"    gpos = ((off_b * num_heads + {h}).to(tl.int64) * {rows} + {q_idx}) * {keys} + {kv_idx}",
+                          f"    tl.store(MG{k} + gpos, tl.where({p} == 0.0, 0.0, {value}), mask={gin})",
+                          f"    tl.store(MGI{k} + gpos, ({linear(q_idx, kv_idx)}).to(tl.int64) + gpos * 0, mask={gin})"]
+                continue
+            # the tile's values (0 outside the sequence and where P = 0), then its sums along the class
+            lines += [f"    gval = tl.where(({p} != 0.0) & {gin}, {value}, 0.0)",
+                      "    g_nk = (" + keys + " + BLOCK_N - 1) // BLOCK_N  # key blocks",
+                      "    g_nq = stride_sh // BLOCK_M  # query blocks (S_pad: a multiple of BLOCK_M)",
+                      f"    g_bh = (off_b * num_heads + {h}).to(tl.int64)",
+                      "    g_in = start_m < stride_sh  # a block-mask block's steps may reach past S_pad"]
+            if cls == TILE:
+                lines += ["    gpos = (g_bh * g_nk + n0 // BLOCK_N) * g_nq + start_m // BLOCK_M",
+                          f"    tl.store(MG{k} + gpos, tl.sum(tl.sum(gval, 1), 0), mask=g_in)",
+                          f"    tl.store(MGI{k} + g_bh, ({linear('start_m', 'n0')}).to(tl.int64), mask=g_in)"]
+            elif cls == ROW:
+                lines += ["    gpos = (g_bh * g_nk + n0 // BLOCK_N) * stride_sh + rows",
+                          f"    tl.store(MG{k} + gpos, tl.sum(gval, 0), mask=rows < stride_sh)",
+                          f"    tl.store(MGI{k} + g_bh * stride_sh + rows, ({linear('rows', 'n0')}).to(tl.int64), "
+                          f"mask=rows < {q_in})"]
+            elif cls == COLUMN:
+                lines += ["    gpos = (g_bh * g_nq + start_m // BLOCK_M) * (g_nk * BLOCK_N) + cols",
+                          f"    tl.store(MG{k} + gpos, tl.sum(gval, 1), mask=g_in)",
+                          f"    tl.store(MGI{k} + g_bh * (g_nk * BLOCK_N) + cols, ({linear('start_m', 'cols')})"
+                          f".to(tl.int64), mask=g_in & (cols < {kv_in}))"]
+            else:  # DIAGONAL: r = i - j + BLOCK_N - 1 of query i, key j, gathered DIAGONALS diagonals at a time
+                chunks = "((BLOCK_M + BLOCK_N - 2) // BLOCK_M + 1)"  # of BLOCK_M diagonals (a constexpr)
+                lines += [f"    g_len = (g_nq + {chunks} - 1) * BLOCK_M + (g_nk - 1) * BLOCK_N  # diagonals per (b, h)",
+                          "    g_kb = g_nk - 1 - n0 // BLOCK_N",
+                          "    g_q = tl.arange(0, BLOCK_M)[None, :]",
+                          f"    for g_c in tl.static_range(0, (BLOCK_M + BLOCK_N - 2) // {DIAGONALS} + 1):",
+                          f"        g_r = g_c * {DIAGONALS} + tl.arange(0, {DIAGONALS})",
+                          "        g_j = g_q - g_r[:, None] + (BLOCK_N - 1)  # the key of query i on diagonal r",
+                          "        g_ok = (g_j >= 0) & (g_j < BLOCK_N)",
+                          "        g_sum = tl.sum(tl.where(g_ok, tl.gather(gval, tl.where(g_ok, g_j, 0), 0), 0.0), 1)",
+                          "        g_p = start_m + g_r + g_kb * BLOCK_N  # the diagonal's place in its (b, h) line",
+                          "        g_keep = g_in & (g_r < BLOCK_M + BLOCK_N - 1)",
+                          f"        g_row = (g_bh * g_nk + g_kb) * {chunks} + g_r // BLOCK_M",
+                          f"        tl.store(MG{k} + g_row * g_len + g_p, g_sum, mask=g_keep)",
+                          f"        g_idx = {linear('start_m + g_r', 'n0 + BLOCK_N - 1')}  # at one (q, kv) of each",
+                          f"        tl.store(MGI{k} + g_bh * g_len + g_p, g_idx.to(tl.int64), mask=g_keep)"]
         return "".join(pad + line + "\n" for line in lines)

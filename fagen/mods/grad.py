@@ -131,3 +131,73 @@ def d_loads(tree: ir.Node, tensor: str) -> list[tuple[ir.Load, ir.Node]]:
         if isinstance(n, ir.Load) and n.name == tensor and n.type == ir.FLOAT and n not in loads:
             loads.append(n)
     return [(load, derivative(tree, lambda n, load=load: n == load)) for load in loads]
+
+
+# [Note] Gradient index classes. The gradient of a captured tensor read at `t[idx(b, h, q_idx, kv_idx)]` sums dS *
+# derivative over every score that reads one element. Where idx depends on q_idx and kv_idx only through q_idx,
+# only through kv_idx, only through q_idx - kv_idx, or through neither, the scores of one (b, h) that read one
+# element lie on rows, columns, diagonals, or anywhere: the dK/dV kernel sums its tile along them first and writes
+# one (value, index) per row, column, diagonal or tile (fagen/templates/triton/mods.j2, grad_host). The class is
+# proven on the tree, never sampled: every subtree that reads q_idx or kv_idx must be an exact int affine form
+# c * q_idx - c * kv_idx + (a term of neither), or a function (any node: a load, `//`, a clamp, a where) of
+# subtrees that are all of one class. Int arithmetic is exact in two's complement (a ring, overflow included), so
+# q_idx - kv_idx + 7 and 3 * q_idx - 3 * kv_idx are functions of q_idx - kv_idx bitwise; float arithmetic is not, so
+# affine forms are tracked through int nodes only. Anything else (q_idx + kv_idx, 2 * q_idx - kv_idx, the score in a
+# condition) is SCORE: one pair per score, as before.
+TILE, ROW, COLUMN, DIAGONAL, SCORE = "tile", "row", "column", "diagonal", "score"
+_CLASS = {frozenset(): TILE, frozenset({"q"}): ROW, frozenset({"kv"}): COLUMN, frozenset({"d"}): DIAGONAL}
+
+
+def _lin_vars(lin: tuple[int, int]) -> frozenset | None:
+    cq, ckv = lin
+    if cq == 0 and ckv == 0:
+        return frozenset()
+    if ckv == 0:
+        return frozenset({"q"})
+    if cq == 0:
+        return frozenset({"kv"})
+    return frozenset({"d"}) if cq == -ckv else None
+
+
+def _union(parts) -> frozenset | None:
+    out: frozenset = frozenset()
+    for p in parts:
+        if p is None:
+            return None
+        out = out | p
+    return out if len(out) <= 1 else None
+
+
+def _form(n: ir.Node, memo: dict) -> tuple[frozenset | None, tuple[int, int] | None]:
+    """(the set of {"q", "kv", "d"} that n is a function of, None if of more than one or of the score; n's exact int
+    affine coefficients (on q_idx, on kv_idx) or None)."""
+    if n in memo:
+        return memo[n]
+    lin = None
+    if isinstance(n, ir.Input):
+        lin = {"q_idx": (1, 0), "kv_idx": (0, 1), "b": (0, 0), "h": (0, 0)}.get(n.name)
+        out = (_lin_vars(lin) if lin is not None else None, lin)
+    else:
+        kids = [_form(c, memo) for c in n.children()]
+        if n.type == ir.INT and isinstance(n, ir.Binary) and n.op in ("+", "-") and all(k[1] for k in kids):
+            (a, b), sign = (kids[0][1], kids[1][1]), 1 if n.op == "+" else -1
+            lin = (a[0] + sign * b[0], a[1] + sign * b[1])
+        elif n.type == ir.INT and isinstance(n, ir.Unary) and n.op == "neg" and kids[0][1]:
+            lin = (-kids[0][1][0], -kids[0][1][1])
+        elif n.type == ir.INT and isinstance(n, ir.Binary) and n.op == "*":
+            for this, other in ((n.a, kids[1][1]), (n.b, kids[0][1])):
+                if isinstance(this, ir.Const) and this.type == ir.INT and other:
+                    lin = (this.value * other[0], this.value * other[1])
+                    break
+        deps = _lin_vars(lin) if lin is not None else _union(k[0] for k in kids)
+        if lin is None and deps == frozenset() and n.type == ir.INT:
+            lin = (0, 0)  # a term of neither index (b, h, a scalar, a load at such an index) is an offset
+        out = (deps, lin)
+    memo[n] = out
+    return out
+
+
+def index_class(load: ir.Load) -> str:
+    """The load's [Note] Gradient index classes: TILE, ROW, COLUMN, DIAGONAL or SCORE."""
+    memo: dict = {}
+    return _CLASS.get(_union(_form(i, memo)[0] for i in load.index), SCORE)

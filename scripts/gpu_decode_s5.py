@@ -5,7 +5,8 @@ conversion of before, and fp8 latent tiles, beside the bf16 cache, in one table.
     PYTHONPATH=$PWD python3 scripts/gpu_decode_s5.py               # under ~100 s on an H100; $OUT/gpu_decode_s5.md
     GPU_DECODE_S5_DRY=1 PYTHONPATH=$PWD python3 scripts/gpu_decode_s5.py   # the CPU interpreter, tiny shapes
 
-Each variant is checked against the float64 reference on the dequantized cache (the last sequence) before it is
+Every variant is built first, in parallel worker processes (its launches at the timed shapes), then each is
+checked against the float64 reference on the dequantized cache (the last sequence) before it is
 timed; a variant that fails its check is a row with ERROR and is not timed. Variants are the module's render with
 one text replaced (`V_ONCE` on or off; K converted once too).
 1. MLA 576/512, Hq 16, Sq 1, page 64, causal, the split rule: b32 kv4k, b128 kv32k (then, after 2., b32 kv32k,
@@ -13,7 +14,7 @@ one text replaced (`V_ONCE` on or off; K converted once too).
    per-token scales: the pure conversion (before), V once (m16n32w4s3, the default tile) and V once at other
    latent tiles; e5m2 per token, V once.
 2. d128 h32/8 (gqa 4), dense, b32 kv8192 and b128 kv4096: bf16, e4m3 and e5m2 per-head scales, pure and V once,
-   e4m3 with K converted once too.
+   e4m3 with K converted once too, e4m3 V once at other tiles (n64w8s3, n32w4s4, n64w4s4).
 GB/s of the bytes actually read (cache 2 or 1 bytes an element, per-token scales 4 bytes a token, q and out) and
 % of a device copy (read + write) timed here. No new variant starts after BUDGET_S seconds.
 """
@@ -183,22 +184,30 @@ def d128_inputs(b, sk, kv, seed=0):
 
 
 D128_SHAPES = ((32, 8192), (128, 4096))
-D128_IMPLS = [(None, "default"), ("fp8_e4m3", "pure"), ("fp8_e4m3", "once"), ("fp8_e4m3", "kv once"),
-              ("fp8_e5m2", "pure"), ("fp8_e5m2", "once")]
+# (cache, form, tile): the default tile m64n64w4s3, then V once at other tiles (sm_90 ptxas, e4m3 V once: n64w8s3
+# 80 registers, 55 KB; n32w4s4 93, 38 KB; n64w4s4 126, 71 KB; the default 126, 55 KB)
+D128_IMPLS = [(None, "default", None), ("fp8_e4m3", "pure", None), ("fp8_e4m3", "once", None),
+              ("fp8_e4m3", "kv once", None), ("fp8_e5m2", "pure", None), ("fp8_e5m2", "once", None)]
+D128_IMPLS += [("fp8_e4m3", "once", dict(block_m=64, block_n=bn, num_warps=w, num_stages=s))
+               for bn, w, s in ((64, 8, 3), (32, 4, 4), (64, 4, 4))]
+
+
+def d128_spec(kv, tiles):
+    return fagen.KernelSpec(head_dim=128, gqa=4, dtype="bf16", kind="decode", kv_dtype=kv, **(tiles or {}))
 
 
 def d128(peak):
     for b, sk in D128_SHAPES:
         b, sk = B(b), S(sk)
         case = f"d128 h32/8 b{b} kv{sk}"
-        for kv, form in D128_IMPLS:
+        for kv, form, tiles in D128_IMPLS:
             impl = f"{kv or 'bf16'}" + ("" if kv is None else f" per head, {form}")
+            impl += " n{block_n}w{num_warps}s{num_stages}".format(**tiles) if tiles else ""
             if over_budget("d128", case, impl):
                 continue
 
             def run():
-                spec = fagen.KernelSpec(head_dim=128, gqa=4, dtype="bf16", kind="decode", kv_dtype=kv)
-                m = variant(spec, form)
+                m = variant(d128_spec(kv, tiles), form)
                 q, k, v, kw = d128_inputs(b, sk, kv)
                 ref, ref_lse = reference.attention(
                     q[-1:, :4], k[-1:, :1], v[-1:, :1],
@@ -206,6 +215,7 @@ def d128(peak):
                 out, lse = m.forward(q, k, v, **kw)
                 compare("lse", lse[-1:, :4], ref_lse, **LSE_TOLERANCE)
                 err = compare("out", out[-1:, :4], ref, **TOLERANCE["bf16"])
+                del ref, ref_lse
                 ms = bench(lambda: m.forward(q, k, v, **kw))
                 read = k.numel() * k.element_size() + v.numel() * v.element_size() + 2 * q.numel() * 2
                 row("d128", case, impl, read / ms / 1e6, "GB/s", ms,
@@ -232,7 +242,7 @@ def _warm(job):
                 m.forward(q, cache, None, **lkw, **kw)
                 del q, cache
         else:
-            m = variant(fagen.KernelSpec(head_dim=128, gqa=4, dtype="bf16", kind="decode", kv_dtype=kv), form)
+            m = variant(d128_spec(kv, tiles), form)
             for b, sk in D128_SHAPES:
                 b, sk = B(b), S(sk)
                 q, k, v, kw = d128_inputs(b, sk, kv)
@@ -250,8 +260,8 @@ def warm():
     import concurrent.futures
     import multiprocessing
     jobs = [("mla", kv, form, tiles) for kv, form, tiles in MLA_IMPLS]
-    jobs += [("d128", kv, form, None) for kv, form in D128_IMPLS]
-    with concurrent.futures.ProcessPoolExecutor(max_workers=2 if DRY else min(len(jobs), 12),
+    jobs += [("d128", kv, form, tiles) for kv, form, tiles in D128_IMPLS]
+    with concurrent.futures.ProcessPoolExecutor(max_workers=2 if DRY else min(len(jobs), 16),
                                                 mp_context=multiprocessing.get_context("spawn")) as pool:
         for job, err in zip(jobs, pool.map(_warm, jobs)):
             if err:

@@ -235,7 +235,8 @@ def _warm(job):
                 b, n = B(b), S(n)
                 pages = -(-n // PAGE)
                 q = torch.zeros(b, 16, 1, D, device=DEV, dtype=torch.bfloat16)
-                cache = torch.zeros(b * pages, PAGE, 1, D, device=DEV, dtype=FP8[kv] if kv else torch.bfloat16)
+                cache = torch.zeros(b * pages, PAGE, 1, D, device=DEV, dtype=torch.uint8 if kv else torch.bfloat16)
+                cache = cache.view(FP8[kv]) if kv else cache
                 lkw = dict(block_table=torch.arange(b * pages, device=DEV, dtype=torch.int32).view(b, pages),
                            seqlens_k=torch.full((b,), n, dtype=torch.int32, device=DEV))
                 kw = dict(k_scale=torch.ones(b * pages, PAGE, 1, device=DEV)) if kv else {}

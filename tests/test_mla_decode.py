@@ -311,3 +311,75 @@ def test_paged_latent_decode_property(mask, kv):
         layouts.check_forward(module, spec, case, DEVICE)
 
     run()
+
+
+# The split kernel of an MLA 576/512 fp8 spec (one split, 16 rows, no per-token scales) lowered to sm_90 TTGIR on the
+# CPU: the IR after Triton's layouts and software pipeliner, before LLVM (a few seconds, no ptxas). In a fresh
+# process: this one has run the interpreter, whose patched builtins break a compile in the same process.
+_TTGIR_SCRIPT = r"""
+import dataclasses, sys
+sys.path.insert(0, sys.argv[1])
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+from triton._C.libtriton import ir
+import fagen
+from fagen.aot.artifacts import import_for_compile
+
+kv, layout = sys.argv[2], sys.argv[3]
+spec = fagen.KernelSpec(head_dim=576, head_dim_v=512, shared_kv=True, kind="decode", gqa=16, dtype="bf16",
+                        mask="causal", layout=layout, kv_dtype=kv, block_m=16, block_n=32, num_warps=4, num_stages=3)
+fn = import_for_compile(spec)._decode_split
+cval = dict(HEAD_DIM=576, BLOCK_D=64, HEAD_DIM_V=512, BLOCK_DV=512, ROWS=16, GQA=16, BLOCK_N=32, DOT=True,
+            DIRECT=True, SPLITS_PER_SEQ=0, UPCAST=False, stride_tb=0, stride_tm=0, SeqlensQ=None, TreeMask=None,
+            KScale=None, VScale=None, KTok=None, VTok=None)
+elem = {"fp8_e4m3": "*fp8e4nv", "fp8_e5m2": "*fp8e5"}[kv]
+ptrs = {"Q": "*bf16", "K": elem, "V": elem, "Dst": "*fp32", "DstLse": "*fp32", "Out": "*bf16", "Lse": "*fp32",
+        "Counter": "*i32", "SeqlensK": "*i32", "BlockTable": "*i32"}
+floats = {"qk_scale", "k_scale", "v_scale"}
+sig, consts, attrs = {}, {}, {}
+for i, name in enumerate(fn.arg_names):
+    if fn.params[i].is_constexpr or name in cval:
+        sig[name], consts[name] = "constexpr", cval[name]
+    else:
+        sig[name] = ptrs.get(name, "fp32" if name in floats else "i32")
+        if name not in floats | {"seq_q", "seq_k", "chunk", "n_tiles", "page_shift", "num_pages"}:
+            attrs[(i,)] = [["tt.divisibility", 16]]  # pointers and strides as torch allocates them
+target = GPUTarget("cuda", 90, 32)
+backend = make_backend(target)
+opts = backend.parse_options({"num_warps": 4, "num_stages": 3})
+src = ASTSource(fn, sig, consts, attrs)
+ctx = ir.context()
+ir.load_dialects(ctx)
+backend.load_dialects(ctx)
+mod = src.make_ir(target, opts, backend.get_codegen_implementation(opts), backend.get_module_map(), ctx)
+stages, metadata = {}, {}
+backend.add_stages(stages, opts, src.language)
+print(stages["ttgir"](stages["ttir"](mod, metadata), metadata))
+"""
+
+
+@pytest.mark.parametrize("kv,layout", [("fp8_e4m3", "paged"), ("fp8_e5m2", "dense")])
+def test_fp8_latent_tile_streams_and_converts_once_on_sm90(kv, layout, tmp_path):
+    """[Note] V converted once: at MLA's 576/512 on sm_90 the fp8 latent tile [BLOCK_N, 512] streams into shared
+    memory through cp.async in both key loops (the masked and the unmasked one), is never a plain load waited for
+    in the loop, and each loop converts it once (one asm or cast to bf16 of a BLOCK_N x 512 tile, in the load's
+    layout, not in a dot operand's). With a pure conversion Triton converted it in both dot operands' layouts and
+    gave it no pipeline stages (docs/serving.md, "An fp8 latent cache")."""
+    import os
+    import re
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["FAGEN_CACHE_DIR"] = str(tmp_path)
+    proc = subprocess.run([sys.executable, "-c", _TTGIR_SCRIPT, root, kv, layout], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ttgir = proc.stdout
+    fp8 = {"fp8_e4m3": "f8E4M3FN", "fp8_e5m2": "f8E5M2"}[kv]
+    streamed = re.findall(rf"async_copy_global_to_local .*tensor<32x512x!tt\.ptr<{fp8}>", ttgir)
+    waited = re.findall(rf"= tt\.load .*: tensor<32x512x!tt\.ptr<{fp8}>", ttgir)
+    # the conversions: an op taking the 8-bit tile (bytes to the asm, fp8 to a cast) and giving bf16, in a layout
+    converted = re.findall(r"tensor<32x512x(?:i8|f8E\w+), ([^\n]*?)> -> tensor<32x512xbf16, [^\n]*?> loc", ttgir)
+    assert len(streamed) >= 2 and not waited, (len(streamed), len(waited))
+    assert len(converted) == 2 and not any("dot_op" in layout for layout in converted), converted

@@ -156,12 +156,12 @@ def test_gluon_mla_builds_for_sm90_within_its_formula_without_spills(tmp_path_fa
     assert r["tma"] >= 3 + 3 + 1 + 1, r  # Q and K in 3 chunks each, V, the O store
 
 
-def _tile_order(mod, progs):
-    """The rendered _paired_tile as plain Python over ints, with `progs` programs ([Note] Tile schedule)."""
+def _tile_order(mod, progs, name="_paired_tile"):
+    """A rendered tile-order function as plain Python over ints, with `progs` programs ([Note] Tile schedule)."""
     import types
 
-    fn = mod._paired_tile.fn
-    fake_gl = types.SimpleNamespace(num_programs=lambda axis: progs, maximum=max)
+    fn = getattr(mod, name).fn
+    fake_gl = types.SimpleNamespace(num_programs=lambda axis: progs, maximum=max, minimum=min)
     return types.FunctionType(fn.__code__, {**fn.__globals__, "gl": fake_gl})
 
 
@@ -180,6 +180,21 @@ def test_gluon_mla_paired_tile_order_deals_every_tile_once_in_balanced_pairs():
     order, progs, n_bh, n_m = _tile_order(mod, 132), 132, 64, 32  # b4 h16 s4096 on an H100's 132 SMs
     work = [sum(order(t, n_bh * n_m, n_m)[1] + 1 for t in range(p, n_bh * n_m, progs)) for p in range(progs)]
     assert max(work) <= 1.04 * sum(work) / progs, max(work) / (sum(work) / progs)
+
+
+@pytest.mark.parametrize("gqa", [1, 2])
+def test_gluon_mla_section_tile_order_deals_every_tile_once_heavy_first_within_l2_sections(gqa):
+    """_SCHED 3's order (the tile counter hands out t = 0, 1, ...): every tile once, heavy first within a section of
+    heads whose K and V fit 32 MB (8 KV heads at Sk 4096: 8 x 4096 x 320 x 2 bytes = 21 MB), times gqa."""
+    mod = load(KernelSpec(backend="gluon", head_dim=192, head_dim_v=128, mask="causal", dtype="bf16", gqa=gqa))
+    order = _tile_order(mod, 132, "_section_tile")
+    for seq_k in (1, 4096, 1 << 20):
+        for n_bh in (1, 3, 16, 64 + 6):
+            for n_m in (1, 2, 5, 32):
+                got = [order(t, n_bh * n_m, n_m, seq_k) for t in range(n_bh * n_m)]
+                assert sorted(got) == [(bh, m) for bh in range(n_bh) for m in range(n_m)], (seq_k, n_bh, n_m)
+    got = [order(t, 64 * 32, 32, 4096) for t in range(64 * 32)]
+    assert got[:8 * gqa] == [(bh, 31) for bh in range(8 * gqa)] and got[8 * gqa] == (0, 30), got[:8 * gqa + 1]
 
 
 def test_triton_mla_defaults_build_for_sm90_with_the_spills_claimed(tmp_path):

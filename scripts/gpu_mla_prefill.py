@@ -59,19 +59,23 @@ FWD_TILES = ()  # Triton forward tiles: m128n128w8s2 411, m128n64w8s4 456 (14:23
 # The gluon forward's variants (label, tiles, source patch): [Note] Gluon MLA widths, [Note] Tile schedule. sm_90
 # ptxas on the CPU (168 registers, spills in bytes stored / loaded): lean n128 s2 with _SCHED 1 (paired, the
 # default) 28 / 84, _SCHED 0 (heavy first by batch, the order before) 4 / 4, _SCHED 2 (a tile counter, by batch)
-# 12 / 36, _SCHED 3 (the counter over L2 sections of heads) 20 / 60; n64 s2: _SCHED 1 0, _SCHED 3 4 / 8. The
+# 12 / 36, _SCHED 3 (the counter over L2 sections of heads) 20 / 60; n64 s2: _SCHED 1 0, _SCHED 3 4 / 8; O_IN_V
+# ([Note] O through V: O leaves through the last V slot, Q goes back early) with _SCHED 1 48 / 108, 3 36 / 76. The
 # counter variants run after the peer's rows (a barrier protocol gone wrong would hang: the watchdog ends it).
 SCHED0 = (("_SCHED = 1", "_SCHED = 0"),)
 SCHED2 = (("_SCHED = 1", "_SCHED = 2"),)
 SCHED3 = (("_SCHED = 1", "_SCHED = 3"),)
+OV = (("O_IN_V = gl.constexpr(0)", "O_IN_V = gl.constexpr(1)"),)  # [Note] O through V
 GLUON_TILES = (
     ("gluon paired", dict(block_m=128, block_n=128, num_warps=8, num_stages=2), ()),
     ("gluon heavy-first", dict(block_m=128, block_n=128, num_warps=8, num_stages=2), SCHED0),
     ("gluon paired", dict(block_m=128, block_n=64, num_warps=8, num_stages=2), ()),
 )
 GLUON_LATE = (
-    ("gluon counter", dict(block_m=128, block_n=128, num_warps=8, num_stages=2), SCHED2),
     ("gluon sections", dict(block_m=128, block_n=128, num_warps=8, num_stages=2), SCHED3),
+    ("gluon counter", dict(block_m=128, block_n=128, num_warps=8, num_stages=2), SCHED2),
+    ("gluon paired+ov", dict(block_m=128, block_n=128, num_warps=8, num_stages=2), OV),
+    ("gluon sections+ov", dict(block_m=128, block_n=128, num_warps=8, num_stages=2), SCHED3 + OV),
     ("gluon sections", dict(block_m=128, block_n=64, num_warps=8, num_stages=2), SCHED3),
 )
 GLUON_PATCHES = {label: patches for label, _, patches in GLUON_TILES + GLUON_LATE}
@@ -158,7 +162,8 @@ def main() -> None:
         for mask, gqa, sq, sk, nb in (("causal", 1, S // 4 + 7, S // 2, 1), ("none", 2, S // 2, S // 2, 1),
                                       ("causal", 2, S // 2, S // 2, 1), ("causal", 1, S // 2 + 7, S // 2 + 7, B)):
             es = fagen.KernelSpec(head_dim=D, head_dim_v=DV, mask=mask, dtype="bf16", gqa=gqa, backend=backend, **tiles)
-            m = patched(es, patches if "_SCHED = 1" in fagen.generate(es) else (), "edges")
+            src = fagen.generate(es)
+            m = patched(es, tuple(p for p in patches if p[0] in src), "edges")
             hq = gqa if nb == 1 else H
             qe, ke, ve = q[:nb, :hq, :sq], k[:nb, :hq // gqa, :sk], v[:nb, :hq // gqa, :sk]
             got, got_lse = m.forward(qe, ke, ve)

@@ -21,6 +21,7 @@ fastest forward and backward and their ratio to cuDNN.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 import time
@@ -145,7 +146,7 @@ def main() -> None:
         q[i:i + 1].float(), k[i:i + 1].float(), v[i:i + 1].float(), is_causal=True) for i in range(B)])
 
     def run_fwd(s, label, patches=()):
-        m = patched(s, patches, label.split()[-1].replace("-", "_"))  # a tag per label: one patch per label
+        m = patched(s, patches, re.sub(r"\W", "_", label.split()[-1]))  # a tag per label: one patch set per label
         name = f"{label} {tiles_name(s)}"
         err = compare("out", m.forward(q1, k1, v1)[0], ref_out.detach(), **TOLERANCE[DType.BF16])
         if ref32 is not None:  # every tile written once (the tile order): the whole out against fp32
@@ -156,7 +157,7 @@ def main() -> None:
         return m
 
     default_fwd = guarded("fwd", case, "fagen default", lambda: run_fwd(spec(), "fagen default"))
-    def edges(backend, patches=(), **tiles):  # what the selection would cover beyond the timed case: Sq != Sk, none, gqa 2
+    def edges(backend, patches=(), **tiles):  # beyond the timed case: Sq != Sk, none, gqa 2
         errs = []
         # the last: every batch and head at an odd count of query blocks, past one round of paired tiles
         for mask, gqa, sq, sk, nb in (("causal", 1, S // 4 + 7, S // 2, 1), ("none", 2, S // 2, S // 2, 1),
@@ -170,8 +171,8 @@ def main() -> None:
             want, want_lse = reference.attention(qe.double(), ke.double(), ve.double(), mask=mask)
             errs.append(compare(f"out {mask} gqa{gqa}", got, want, **TOLERANCE[DType.BF16]))
             compare(f"lse {mask} gqa{gqa}", got_lse, want_lse, **TOLERANCE[DType.BF16])
-        row("check", case, f"{backend} {tag_of(patches)} {tiles_name(spec(backend=backend, **tiles))} edges", None, "", None,
-            f"PASS causal sq{S // 4 + 7} sk{S // 2}, none gqa2, causal gqa2 s{S // 2}, causal b{B} h{H} "
+        row("check", case, f"{backend} {tag_of(patches)} {tiles_name(spec(backend=backend, **tiles))} edges", None, "",
+            None, f"PASS causal sq{S // 4 + 7} sk{S // 2}, none gqa2, causal gqa2 s{S // 2}, causal b{B} h{H} "
             f"s{S // 2 + 7} (max err {max(errs):.1e})")
 
     if DRY:

@@ -9,7 +9,9 @@ forward's variants ([Note] Gluon MLA widths, [Note] Tile schedule: the tile orde
 against heavy-first by batch, the order before); fagen's default backward; SDPA (cuDNN) forward and backward, the
 peer; the Gluon variants with the tile counter (after the peer: a barrier protocol gone wrong would hang, and the
 watchdog then prints what finished); the fastest new Gluon variant checked at Sq != Sk, mask none, gqa 2 and at every
-batch and head of an odd count of query blocks; backward variants (the rendered module's per-kernel constants
+batch and head of an odd count of query blocks; the d128 causal gluon forward at fwd-d128-causal-s16k's shape as the
+product renders it and with the tile schedule (GluonBackend.variant["tile_schedule_all"], measurement only); backward
+variants (the rendered module's per-kernel constants
 patched: stages, dK/dV query step). Past BUDGET_S the rest are skipped. Every fagen kernel is checked once
 against the float64 reference on one (batch, head) slice before it is timed: out for a forward (a forward also
 over every batch and head against an fp32 reference: a tile order that missed or repeated a tile fails there),
@@ -37,6 +39,8 @@ from gpu_rows import ROWS, T0, guarded, log, row  # noqa: E402
 from gpu_rows import bench as _bench  # noqa: E402
 
 import fagen  # noqa: E402
+from fagen import backends  # noqa: E402
+from fagen.codegen import render as _render  # noqa: E402
 from fagen.runtime.loader import load_source  # noqa: E402
 from fagen.spec.axes import DType  # noqa: E402
 from fagen.verify import reference  # noqa: E402
@@ -79,6 +83,11 @@ GLUON_LATE = (
     ("gluon sections+ov", dict(block_m=128, block_n=128, num_warps=8, num_stages=2), SCHED3 + OV),
     ("gluon sections", dict(block_m=128, block_n=64, num_warps=8, num_stages=2), SCHED3),
 )
+# d128 causal (the bench row fwd-d128-causal-s16k: b1 h16 s16384): the gluon forward as the product renders it, and
+# with the tile schedule rendered (GluonBackend.variant["tile_schedule_all"]) at _SCHED 3 and 2 (sm_90 ptxas: 0
+# spills, 229,856 bytes of shared memory against 229,752).
+D128 = (1, 16, 1024) if DRY else (1, 16, 16384)
+D128_SCHED = (("d128 sections", 3), ("d128 counter", 2))
 GLUON_PATCHES = {label: patches for label, _, patches in GLUON_TILES + GLUON_LATE}
 # Backward variants (label, tiles, patches of the rendered module's constants: [Note] Backward tiles); sm_90 ptxas
 # of the default m128n64w8s3: dK/dV 255 registers 10 spilled words, dQ 241 / 0; 162/201 KB.
@@ -106,6 +115,53 @@ def patched(s, patches, tag):
 
 def tag_of(patches) -> str:
     return "+".join(new.replace(" ", "").replace("gl.constexpr", "") for _, new in patches)
+
+
+def d128_module(sched):
+    """The d128 causal gluon module: the product's (sched None), or rendered with the tile schedule at _SCHED sched."""
+    s = fagen.KernelSpec(backend="gluon", head_dim=128, mask="causal", dtype="bf16")
+    if sched is None:
+        return fagen.load(s)
+    backends.GLUON.variant["tile_schedule_all"] = True
+    _render.render.cache_clear()
+    try:
+        source = fagen.generate(s)
+    finally:
+        backends.GLUON.variant["tile_schedule_all"] = False
+        _render.render.cache_clear()
+    if "_SCHED = 1" not in source:
+        raise RuntimeError("no _SCHED in the d128 render")
+    return load_source(source.replace("_SCHED = 1", f"_SCHED = {sched}"), f"{s.name}_sched{sched}")
+
+
+def run_d128() -> None:
+    """fwd-d128-causal-s16k's shape: the product's gluon forward and the tile schedules, each checked (one head
+    against float64, every head against fp32) and timed."""
+    b, h, s = D128
+    case = f"causal b{b} h{h} s{s} d128"
+    flops = 2 * b * h * s * s * 256 / 2
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    q, k, v = (torch.randn(b, h, s, 128, device=DEV, generator=gen).bfloat16() for _ in range(3))
+    if DRY:
+        for label, sched in D128_SCHED:
+            d128_module(sched)
+            row("fwd", case, f"gluon {label}", None, "", None, "rendered; not run: Gluon kernels need sm_90")
+        return
+    q1, k1, v1 = (t[:, -1:].contiguous() for t in (q, k, v))
+    want1, _ = reference.attention(q1.double(), k1.double(), v1.double(), mask="causal")
+    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    for label, sched in (("d128 product", None),) + D128_SCHED:
+        if time.time() - T0 > BUDGET_S:
+            row("fwd", case, f"gluon {label}", None, "", None, "skipped: time budget")
+            continue
+
+        def one(label=label, sched=sched):
+            m = d128_module(sched)
+            err = compare("out", m.forward(q1, k1, v1)[0], want1, **TOLERANCE[DType.BF16])
+            err = max(err, compare("out (all heads)", m.forward(q, k, v)[0], want, **TOLERANCE[DType.BF16]))
+            t = bench(lambda: m.forward(q, k, v))
+            row("fwd", case, f"gluon {label}", flops / t / 1e9, "TF/s", t, f"err {err:.1e}")
+        guarded("fwd", case, f"gluon {label}", one)
 
 
 def bench(fn) -> float:
@@ -234,6 +290,7 @@ def main() -> None:
                          if lb == label and tiles_name(spec(backend="gluon", **t)) == best)
             guarded("check", case, "gluon edges", lambda: edges("gluon", GLUON_PATCHES[label], **tiles))
 
+    run_d128()
     for label, tiles, patches in BWD_TILES:
         s = spec("bwd", **tiles)
         if out is None:

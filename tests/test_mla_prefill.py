@@ -197,6 +197,31 @@ def test_gluon_mla_section_tile_order_deals_every_tile_once_heavy_first_within_l
     assert got[:8 * gqa] == [(bh, 31) for bh in range(8 * gqa)] and got[8 * gqa] == (0, 30), got[:8 * gqa + 1]
 
 
+def test_gluon_tile_schedule_renders_with_its_counter_where_the_backend_rule_says(monkeypatch):
+    """The template's `paired` and GluonBackend.tile_schedule (which gives the kernel its TileCounter) agree: MLA
+    causal always; d128 causal only under the measurement variant; never mask none, fp8 or the window."""
+    from fagen.codegen import render as render_mod
+
+    def rendered(**fields):
+        src = render(KernelSpec(backend="gluon", dtype=fields.pop("dtype", "bf16"), **fields)).files[".py"]
+        signature = src[src.index("def _attn_fwd_hopper("):].split("):", 1)[0]
+        return "_SCHED = " in src, "TileCounter" in signature
+
+    cases = [(dict(head_dim=192, head_dim_v=128, mask="causal"), True, True),
+             (dict(head_dim=192, head_dim_v=128, mask="none"), False, False),
+             (dict(head_dim=128, mask="causal"), False, True),
+             (dict(head_dim=128, mask="causal", dtype="fp8_e4m3"), False, False),
+             (dict(head_dim=128, mask="none"), False, False)]
+    for flag in (False, True):
+        monkeypatch.setitem(backends.GLUON.variant, "tile_schedule_all", flag)
+        render_mod.render.cache_clear()
+        for fields, plain, with_flag in cases:
+            want = with_flag if flag else plain
+            assert backends.GLUON.tile_schedule(KernelSpec(backend="gluon", **{"dtype": "bf16", **fields})) == want
+            assert rendered(**fields) == (want, want), (flag, fields)
+    render_mod.render.cache_clear()
+
+
 def test_triton_mla_defaults_build_for_sm90_with_the_spills_claimed(tmp_path):
     from fagen.aot.build import build
 

@@ -372,8 +372,10 @@ def _gluon_v(spec: KernelSpec) -> str:
 
 
 def gluon_sched(spec: KernelSpec) -> bool:
-    """The gluon MLA causal forward's tile counter ([Note] Tile schedule in fagen/templates/gluon/attention.py.j2)."""
-    return spec.head_dim_v != spec.head_dim and spec.mask is Mask.CAUSAL and not spec.window
+    """The gluon forward's tile counter ([Note] Tile schedule in fagen/templates/gluon/attention.py.j2)."""
+    from fagen import backends
+
+    return backends.GLUON.tile_schedule(spec)
 
 
 _DESCALES = (T("QDescale", "fp32", when=fp8, host="qd"), T("KDescale", "fp32", when=fp8, host="kd"),

@@ -66,7 +66,8 @@ FWD_TILES = ()  # Triton forward tiles: m128n128w8s2 411, m128n64w8s4 456 (14:23
 # 28 / 84, _SCHED 0 (heavy first by batch, the order before and the render's default) 4 / 4, _SCHED 2 (a tile
 # counter, by batch) 12 / 36, _SCHED 3 (the counter over L2 sections of heads) 20 / 60; n64 s2: _SCHED 1 0,
 # _SCHED 3 4 / 8; O_IN_V ([Note] O through V: O leaves through the last V slot, Q goes back early) with
-# _SCHED 1 48 / 108, 3 36 / 76. The# counter variants run after the peer's rows (a barrier protocol gone wrong would hang: the watchdog ends it).
+# _SCHED 1 48 / 108, 3 36 / 76. The counter variants run after the peer's rows (a barrier protocol gone wrong
+# would hang: the watchdog ends it).
 SCHED1 = (("_SCHED = 0", "_SCHED = 1"),)  # the render's default is 0, heavy first by batch
 SCHED2 = (("_SCHED = 0", "_SCHED = 2"),)
 SCHED3 = (("_SCHED = 0", "_SCHED = 3"),)

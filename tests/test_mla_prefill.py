@@ -145,13 +145,81 @@ def test_gluon_mla_builds_for_sm90_within_its_formula_without_spills(tmp_path_fa
     for key, r in built.items():
         formula = backends.smem_bytes(KernelSpec(backend="gluon", **modules[key]))
         assert formula - 1024 <= r["shared"] <= formula <= 227 * 1024, (key, r)
-        # ptxas counts bytes: lean n128 stores and reloads 4 (8 of stack); the H100 run times it beside the others
-        assert r["spills"] <= (8 if key == "lean_n128" else 0) and r["stack"] <= (8 if key == "lean_n128" else 0), r
+        # ptxas counts bytes: the paired tile order's index arithmetic ([Note] Tile schedule) spills a few words of
+        # the lean tiles (n128 s2: 28 stored, 84 loaded, 24 of stack; n64 s3: 24 / 48 / 24); n64 s2 none
+        allowed = {"mla": (0, 0), "lean_n128": (112, 24), "lean_s3": (72, 24)}[key]
+        assert r["spills"] <= allowed[0] and r["stack"] <= allowed[1], (key, r)
     r = built["mla"]
     # S in 3 chained K = 64 parts (4 wgmma each) and P V (4 at block_n 64), in the prologue, two step loops and
     # the epilogue of 2 warpgroups: the same count as one K = 192 S
     assert r["wgmma"] >= 2 * (12 + 2 * (12 + 4) + 4), r
     assert r["tma"] >= 3 + 3 + 1 + 1, r  # Q and K in 3 chunks each, V, the O store
+
+
+def _tile_order(mod, progs, name="_paired_tile"):
+    """A rendered tile-order function as plain Python over ints, with `progs` programs ([Note] Tile schedule)."""
+    import types
+
+    fn = getattr(mod, name).fn
+    fake_gl = types.SimpleNamespace(num_programs=lambda axis: progs, maximum=max, minimum=min)
+    return types.FunctionType(fn.__code__, {**fn.__globals__, "gl": fake_gl})
+
+
+def test_gluon_mla_paired_tile_order_deals_every_tile_once_in_balanced_pairs():
+    """The persistent loop's tile t of program p is t = p + i * progs; _paired_tile maps it to (batch * heads + head,
+    query block). Every tile exactly once, at any grid and count, and (the point of it) at the bench's shape each
+    program's work, in key blocks, within 4% of the mean where heavy-first by batch (the order before) was 15% over."""
+    mod = load(KernelSpec(backend="gluon", head_dim=192, head_dim_v=128, mask="causal", dtype="bf16"))
+    assert "_SCHED = 0" in open(mod.__file__).read()  # heavy first by batch: the default until timed
+    for progs in (1, 3, 7, 132):
+        order = _tile_order(mod, progs)
+        for n_bh in (1, 2, 5, 64):
+            for n_m in (1, 2, 3, 5, 32, 33):
+                got = sorted(order(t, n_bh * n_m, n_m) for t in range(n_bh * n_m))
+                assert got == [(bh, m) for bh in range(n_bh) for m in range(n_m)], (progs, n_bh, n_m)
+    order, progs, n_bh, n_m = _tile_order(mod, 132), 132, 64, 32  # b4 h16 s4096 on an H100's 132 SMs
+    work = [sum(order(t, n_bh * n_m, n_m)[1] + 1 for t in range(p, n_bh * n_m, progs)) for p in range(progs)]
+    assert max(work) <= 1.04 * sum(work) / progs, max(work) / (sum(work) / progs)
+
+
+@pytest.mark.parametrize("gqa", [1, 2])
+def test_gluon_mla_section_tile_order_deals_every_tile_once_heavy_first_within_l2_sections(gqa):
+    """_SCHED 3's order (the tile counter hands out t = 0, 1, ...): every tile once, heavy first within a section of
+    heads whose K and V fit 32 MB (8 KV heads at Sk 4096: 8 x 4096 x 320 x 2 bytes = 21 MB), times gqa."""
+    mod = load(KernelSpec(backend="gluon", head_dim=192, head_dim_v=128, mask="causal", dtype="bf16", gqa=gqa))
+    order = _tile_order(mod, 132, "_section_tile")
+    for seq_k in (1, 4096, 1 << 20):
+        for n_bh in (1, 3, 16, 64 + 6):
+            for n_m in (1, 2, 5, 32):
+                got = [order(t, n_bh * n_m, n_m, seq_k) for t in range(n_bh * n_m)]
+                assert sorted(got) == [(bh, m) for bh in range(n_bh) for m in range(n_m)], (seq_k, n_bh, n_m)
+    got = [order(t, 64 * 32, 32, 4096) for t in range(64 * 32)]
+    assert got[:8 * gqa] == [(bh, 31) for bh in range(8 * gqa)] and got[8 * gqa] == (0, 30), got[:8 * gqa + 1]
+
+
+def test_gluon_tile_schedule_renders_with_its_counter_where_the_backend_rule_says(monkeypatch):
+    """The template's `paired` and GluonBackend.tile_schedule (which gives the kernel its TileCounter) agree: MLA
+    causal always; d128 causal only under the measurement variant; never mask none, fp8 or the window."""
+    from fagen.codegen import render as render_mod
+
+    def rendered(**fields):
+        src = render(KernelSpec(backend="gluon", dtype=fields.pop("dtype", "bf16"), **fields)).files[".py"]
+        signature = src[src.index("def _attn_fwd_hopper("):].split("):", 1)[0]
+        return "_SCHED = " in src, "TileCounter" in signature
+
+    cases = [(dict(head_dim=192, head_dim_v=128, mask="causal"), True, True),
+             (dict(head_dim=192, head_dim_v=128, mask="none"), False, False),
+             (dict(head_dim=128, mask="causal"), False, True),
+             (dict(head_dim=128, mask="causal", dtype="fp8_e4m3"), False, False),
+             (dict(head_dim=128, mask="none"), False, False)]
+    for flag in (False, True):
+        monkeypatch.setitem(backends.GLUON.variant, "tile_schedule_all", flag)
+        render_mod.render.cache_clear()
+        for fields, plain, with_flag in cases:
+            want = with_flag if flag else plain
+            assert backends.GLUON.tile_schedule(KernelSpec(backend="gluon", **{"dtype": "bf16", **fields})) == want
+            assert rendered(**fields) == (want, want), (flag, fields)
+    render_mod.render.cache_clear()
 
 
 def test_triton_mla_defaults_build_for_sm90_with_the_spills_claimed(tmp_path):

@@ -75,7 +75,10 @@ class GluonBackend(KernelBackend):
     # "Variants measured"). The variant switches measured beside them (ping-pong, late K/V releases, O via Q, joined
     # releases, one Q buffer, a K/V ring deeper than the spec's) were slower or no faster and left the template
     # (docs/hopper.md, "What left the product").
-    variant = {"consumer_regs": 240, "loader_regs": 24}
+    # tile_schedule_all: render the tile schedule ([Note] Tile schedule in the template, _SCHED) for every causal
+    # bf16/fp16 forward without mods or the window, not only MLA's; off in the product (d128 keeps its loop and order),
+    # on only where scripts/gpu_mla_prefill.py renders d128 variants to time them.
+    variant = {"consumer_regs": 240, "loader_regs": 24, "tile_schedule_all": False}
 
     # [Note] Gluon selection rule. The cases where the H100 measurements of docs/hopper.md show the gluon forward
     # beating the Triton one: a prefill forward, head_dim 128, bf16, mask none (any gqa: +5% full s16k) or causal
@@ -117,6 +120,16 @@ class GluonBackend(KernelBackend):
         if spec.mod_gathers:  # [Note] Gluon mod tiles
             return {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 4}
         return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2 if spec.head_dim >= 128 else 3}
+
+    def tile_schedule(self, spec) -> bool:
+        """Whether the forward of `spec` renders the tile schedule (_SCHED, the tile counter argument; [Note] Tile
+        schedule in fagen/templates/gluon/attention.py.j2, which tests the same rule): MLA causal, or with the
+        variant's tile_schedule_all any causal bf16/fp16 spec without mods or the window."""
+        if spec.mask is not Mask.CAUSAL or spec.window:
+            return False
+        if (spec.head_dim, spec.head_dim_v) == self.mla_dims:
+            return True
+        return bool(self.variant["tile_schedule_all"]) and spec.dtype is not DType.FP8_E4M3 and not spec.modded
 
     def smem_bytes(self, spec) -> int:
         return smem_bytes(spec.head_dim, spec.block_m, spec.block_n, spec.num_stages, spec.dtype.itemsize,

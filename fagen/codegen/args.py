@@ -376,6 +376,13 @@ def _gluon_v(spec: KernelSpec) -> str:
     return "_descriptor(vt, HEAD_DIM, BLOCK_N)" if fp8(spec) else "_descriptor(v, BLOCK_N)"  # [Note] fp8 V
 
 
+def gluon_sched(spec: KernelSpec) -> bool:
+    """The gluon forward's tile counter ([Note] Tile schedule in fagen/templates/gluon/attention.py.j2)."""
+    from fagen import backends
+
+    return backends.GLUON.tile_schedule(spec)
+
+
 _DESCALES = (T("QDescale", "fp32", when=fp8, host="qd"), T("KDescale", "fp32", when=fp8, host="kd"),
              T("VDescale", "fp32", when=fp8, host="vd"), I("qd_h", when=fp8, host="qd_h"),
              I("kd_h", when=fp8, host="kd_h"), I("vd_h", when=fp8, host="vd_h"))
@@ -385,6 +392,7 @@ GLUON_FWD = Kernel("_attn_fwd_hopper", (
     T("v_desc", host=_gluon_v), T("o_desc", host="_descriptor(o, BLOCK_M)"),
     T("Lse", "fp32", host="lse"), F("qk_scale", host=_gluon_scale), I("num_tiles", host="num_tiles"),
     I("n_m", host="n_m"), I("num_heads", host="hq"), I("seq_q", host="sq"), I("seq_k", host="sk"),
+    T("TileCounter", "i32", when=gluon_sched, host="tile_counter"),
     I("win_left", when=switched, host="win_left"), I("win_right", when=switched, host="win_right"),
     F("cap_in", when=switched, host=lambda spec: "0.0" if fp8(spec) else "cap_in"), *_DESCALES, MOD_ARGS,
     C("HEAD_DIM", br=True), C("BLOCK_M"), C("BLOCK_N"), C("STAGES"), C("GQA"), C("CAUSAL"), C("CONSUMER_REGS", br=True),
@@ -411,6 +419,7 @@ THREADED = {
     "merge": (T("Sinks", "fp32", when=sinks),),  # decode's _merge_splits
     "gluon_scores": (*_INNER_SCORES[:3],),
     "gluon_window": (I("win_left", when=window), I("win_right", when=window)),
+    "gluon_sched": (T("TileCounter", "i32", when=gluon_sched),),  # [Note] Tile schedule
     "gluon_descales": _DESCALES,  # the fp8 consumers' descale pointers and head strides
     # a score_mod's captured values ([Note] Gluon score_mod): to the consumers, and with the tile's batch and query
     # head into _consumer_step and _softmax

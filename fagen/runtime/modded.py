@@ -219,17 +219,18 @@ def as_switches(q, k, v, mask, score_mod, mask_mod, block_mask, scores: dict, se
     if packed is None and q.dim() != 4 or packed is not None and None in packed.values():
         return None  # malformed: the modded path names what is wrong
     mods = prepare(score_mod=score_mod, mask_mod=mask_mod)
-    low = _lower(mods, q, k, v, mask, scores, seqlens_q, seqlens_k, block_mask, packed)
+    low = _lower(mods, q, k, v, mask, scores, seqlens_q, seqlens_k, block_mask, packed, dilate=packed is None)
     if low is None or low.fields is not None:
         return None
     LOWERED[0] = low.label
     if block_mask is not None:
         _check_call_block_mask(block_mask, mods, q, k, packed)  # validated, then unused
-    return low.mask, {**scores, **low.scores}
+    return low.mask, {**scores, **low.scores}, low.dilation  # [Note] Dilated windows in fagen/mods/lower.py
 
 
-def _lower(mods: Mods, q, k, v, mask, scores: dict, seqlens_q, seqlens_k, block_mask, packed):
-    """This call's lowering of its mods ([Note] Mod lowering in fagen/mods/lower.py), or None."""
+def _lower(mods: Mods, q, k, v, mask, scores: dict, seqlens_q, seqlens_k, block_mask, packed, dilate=False):
+    """This call's lowering of its mods ([Note] Mod lowering in fagen/mods/lower.py), or None; dilate: the caller
+    can run strided views ([Note] Dilated windows)."""
     traced = mods.traced
     p = lowering.plan(mods.fields, traced.score_mod, traced.mask_mod)
     if p is None:
@@ -247,7 +248,8 @@ def _lower(mods: Mods, q, k, v, mask, scores: dict, seqlens_q, seqlens_k, block_
         def slopes_ok(t):  # the switch's alibi_slopes: float32 (the declaration) [Hq] on q's device, no gradient
             return tuple(t.shape) == (q.shape[1],) and t.device == q.device and not (grad and t.requires_grad)
     low = lowering.lower(p, mods.fields, (traced.score_mod, traced.mask_mod), mods.values, mask=mask,
-                         offset=offset, scores=scores, block_mask=block_mask is not None, slopes_ok=slopes_ok)
+                         offset=offset, scores=scores, block_mask=block_mask is not None, slopes_ok=slopes_ok,
+                         dilatable=(lambda d: lowering.dilatable(q, k, v, d)) if dilate else None)
     if low is not None and low.fields is None and traced.score_mod is not None and packed is None and not scores \
             and low.mask in ("none", "causal") and set(low.scores) <= SCORE_KEYS \
             and _gluon_serves(mods, q, k, v, low.mask):  # [Note] Score mods on the gluon forward

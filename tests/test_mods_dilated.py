@@ -1,0 +1,107 @@
+"""Dilated windows (fagen/mods/lower.py, [Note] Dilated windows): a mask_mod that bounds q_idx - kv_idx and asks
+`(q_idx - kv_idx) % d == 0` runs as one window switch call over d strided subsequences; the result agrees with the
+float64 reference and with the unlowered mod kernel (out and gradients), and calls the views cannot serve keep the
+mod."""
+
+import pytest
+import torch
+
+import fagen
+from fagen.bench import gym_mods as g
+from fagen.mods import lower as lowering
+from fagen.mods.trace import trace
+from _env import DEVICE
+from mods_kernel import TOL
+from fagen.runtime import modded
+from fagen.verify import reference
+
+DIL = 3  # module globals: runtime scalars of the mods below
+WIN = 7
+
+
+def _decide(mask_mod, mask="none", sq=48, sk=48, scores=(), ok=True, score_mod=None):
+    t = trace(score_mod=score_mod, mask_mod=mask_mod)
+    fields = (t.score_text, t.mask_text, t.tensors, t.scalars)
+    p = lowering.plan(fields, t.score_mod, t.mask_mod)
+    if p is None:
+        return None
+    offset = lowering.alignment(mask, sq, sk, None, None, False)
+    low = lowering.lower(p, fields, (t.score_mod, t.mask_mod), t.values, mask=mask, offset=offset,
+                         scores=dict.fromkeys(scores), block_mask=True, dilatable=lambda d: ok)
+    return None if low is None else (low.mask, low.scores, low.fields and low.fields[:2], low.dilation)
+
+
+@pytest.mark.parametrize("mask_mod, kw, want", [
+    (g.generate_dilated_sliding_window(6, 2), {}, ("none", {"window": (3, 3)}, None, 2)),
+    (g.generate_dilated_sliding_window(7, 4), {}, ("none", {"window": (1, 1)}, None, 4)),  # 7 // 4
+    (lambda b, h, q_idx, kv_idx: (q_idx - kv_idx <= WIN) & (q_idx >= kv_idx) & ((kv_idx - q_idx) % DIL == 0), {},
+     ("causal", {"window": (WIN // DIL, 0)}, None, DIL)),
+    (lambda b, h, q_idx, kv_idx: (q_idx - kv_idx) % 4 == 0, {}, ("none", {}, None, 4)),  # no bounds: d full problems
+    (lambda b, h, q_idx, kv_idx: (q_idx - kv_idx) % 4 == 0, dict(mask="causal"), ("causal", {}, None, 4)),
+    (g.generate_dilated_sliding_window(6, 2), dict(ok=False), None),  # the views cannot serve (block mask given)
+    (g.generate_dilated_sliding_window(6, 2), dict(sq=40), None),  # Sq != Sk: the residues do not line up
+    (g.generate_dilated_sliding_window(6, 2), dict(scores=("window",)), None),  # the call's own window
+    (g.generate_dilated_sliding_window(6, 2), dict(scores=("sinks",)), None),  # sinks are per head
+    (g.generate_dilated_sliding_window(6, 2), dict(score_mod=lambda s, b, h, q_idx, kv_idx: s + q_idx), None),
+    (g.generate_dilated_sliding_window(6, 2), dict(score_mod=g.generate_tanh_softcap(5.0)),
+     ("none", {"window": (3, 3), "softcap": 5.0}, None, 2)),
+    (lambda b, h, q_idx, kv_idx: (torch.abs(q_idx - kv_idx) <= 6) & ((q_idx - kv_idx) % 2 == 1), {}, None),
+    (lambda b, h, q_idx, kv_idx: (torch.abs(q_idx - kv_idx) <= 6) & ((q_idx + kv_idx) % 2 == 0), {}, None),
+    (lambda b, h, q_idx, kv_idx: (torch.abs(q_idx - kv_idx) <= 6) & ((q_idx - kv_idx) % 2 == 0) & (h == 0), {},
+     None),
+])
+def test_the_dilation_lowers_only_when_exact(mask_mod, kw, want):
+    assert _decide(mask_mod, **kw) == want
+
+
+def _qkv(b, hq, hkv, s, d=16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, s, d, generator=gen).to(DEVICE).requires_grad_()
+    k, v = (torch.randn(b, hkv, s, d, generator=gen).to(DEVICE).requires_grad_() for _ in range(2))
+    return q, k, v, torch.randn(b, hq, s, d, generator=gen).to(DEVICE)
+
+
+def _run(q, k, v, do, **kw):
+    out = fagen.attention(q, k, v, **kw)
+    return (out, *torch.autograd.grad(out, (q, k, v), do))
+
+
+@pytest.mark.parametrize("mask_mod, label", [
+    (g.generate_dilated_sliding_window(10, 4), "dilated(4)+none+window(2,2)"),
+    (lambda b, h, q_idx, kv_idx: (q_idx - kv_idx <= WIN) & (q_idx >= kv_idx) & ((q_idx - kv_idx) % DIL == 0),
+     "dilated(3)+causal+window(2,0)"),
+])
+def test_a_dilated_window_runs_on_strided_views_and_agrees_with_the_mod(mask_mod, label, monkeypatch):
+    s = 84  # divisible by 3 and 4, not by the blocks
+    q, k, v, do = _qkv(2, 2, 2, s)
+    bm = fagen.create_block_mask(mask_mod, None, None, s, s, device=DEVICE, block_size=16)
+    monkeypatch.setattr(lowering, "ENABLED", False)
+    unlowered = _run(q, k, v, do, mask_mod=mask_mod, block_mask=bm)
+    monkeypatch.setattr(lowering, "ENABLED", True)
+    got = _run(q, k, v, do, mask_mod=mask_mod, block_mask=bm)
+    assert modded.LOWERED[0] == label
+    assert max((a - b).abs().max().item() for a, b in zip(got, unlowered)) < 2e-5
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = reference.attention(*leaves, mask_mod=mask_mod)[0]
+    ref = (ref, *torch.autograd.grad(ref, leaves, do.double()))
+    for a, b in zip(got, ref):
+        assert (a.double() - b).abs().max().item() < 4 * TOL[torch.float32]
+    with torch.no_grad():  # the forward alone takes the same path
+        out = fagen.attention(q, k, v, mask_mod=mask_mod, block_mask=bm)
+    assert modded.LOWERED[0] == label and torch.equal(out, got[0])
+
+
+@pytest.mark.parametrize("case", ["gqa", "indivisible", "unmergeable"])
+def test_calls_the_views_cannot_serve_keep_the_mod(case):
+    mm = g.generate_dilated_sliding_window(10, 4)
+    if case == "gqa":
+        q, k, v, _ = _qkv(1, 4, 2, 84)
+    elif case == "indivisible":
+        q, k, v, _ = _qkv(1, 2, 2, 86)
+    else:  # B and H in no one stride: [B, H] as a transpose of [H, B]
+        q, k, v = (x.detach().transpose(0, 1).contiguous().transpose(0, 1) for x in _qkv(2, 2, 2, 84)[:3])
+    with torch.no_grad():
+        out = fagen.attention(q, k, v, mask_mod=mm)
+    assert modded.LOWERED[0] == "window(10,10)"  # the window alone, the dilation left a mask_mod
+    ref = reference.attention(q.detach().double(), k.detach().double(), v.detach().double(), mask_mod=mm)[0]
+    assert (out.double() - ref).abs().max().item() < 4 * TOL[torch.float32]

@@ -24,7 +24,9 @@ Variants (the label in the table):
   prefix-lm: split rows < P: mask none over keys < P; rows >= P: causal (bottom-right) over all keys; two calls
              and a torch.cat; split+gluon: the same with hopper.MIN_WORK lifted (both calls on the Gluon forward)
              tXXX  the modded forward at tile XXX
-  document+causal: tXXX the modded forward at tile XXX
+  document+causal: varlen  the packed documents as fagen's varlen layout (cu_seqlens = the gym's offsets), causal
+                   tXXX the modded forward at tile XXX
+  dilated: modded  the modded kernel (lowering off)
 """
 
 from __future__ import annotations
@@ -128,6 +130,24 @@ def dilated_strided(window, dilation):
     return run
 
 
+def doc_varlen(mm):
+    """The document mask + causal as fagen's varlen layout (mask causal per document): q[0] as [S, H, D] views,
+    cu_seqlens = the gym's offsets (B = 1)."""
+    import inspect
+
+    import fagen
+
+    offsets = inspect.getclosurevars(mm).nonlocals["offsets"].to(torch.int32)
+    longest = int((offsets[1:] - offsets[:-1]).max())
+
+    def run(q, k, v):
+        out = fagen.attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), mask="causal",
+                              cu_seqlens_q=offsets, cu_seqlens_k=offsets, max_seqlen_q=longest,
+                              max_seqlen_k=longest)
+        return out.transpose(0, 1)[None]
+    return run
+
+
 def prefix_split(prefix):
     import fagen
 
@@ -178,6 +198,7 @@ def variants(name, sm, mm, bm, shape, q):
         out.append(("modded", no_lowering(attend), True))
     elif name == "dilated":
         w, d = (1024, 4) if not small else (64, 4)
+        out.append(("modded", no_lowering(attend), True))
         out.append(("strided", dilated_strided(w, d), True))
         out.append(("strided+copy", lambda q, k, v: dilated_strided(w, d)(q.contiguous(), k.contiguous(),
                                                                             v.contiguous()), True))
@@ -187,6 +208,7 @@ def variants(name, sm, mm, bm, shape, q):
         for c in ("m128n64w8s3", "m128n128w8s2"):
             out.append(("t" + c, modded_tile_fn(q, sm, mm, bm, c), True))
     elif name == "document+causal":
+        out.append(("varlen", doc_varlen(mm), True))
         for c in ("m128n64w8s2", "m64n128w4s2", "m64n64w4s3"):
             out.append(("t" + c, modded_tile_fn(q, sm, mm, bm, c), True))
     return out

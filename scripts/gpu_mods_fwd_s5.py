@@ -22,7 +22,7 @@ Variants (the label in the table):
                    [B*H, d, S/d, D] as a view; one fagen.attention call), then back to [B, H, S, D]
            strided+copy  the same on contiguous copies of q, k, v (what the strides cost)
   prefix-lm: split rows < P: mask none over keys < P; rows >= P: causal (bottom-right) over all keys; two calls
-             and a torch.cat; split+gluon: the same with hopper.MIN_WORK lifted (both calls on the Gluon forward)
+             and a torch.cat
              tXXX  the modded forward at tile XXX
   document+causal: varlen  the packed documents as fagen's varlen layout (cu_seqlens = the gym's offsets), causal
                    tXXX the modded forward at tile XXX
@@ -193,7 +193,7 @@ def variants(name, sm, mm, bm, shape, q):
         w = 1024 if not small else 64
         out.append(("gluon", gluon_forced(lambda q, k, v: fagen.attention(q, k, v, mask="causal", window=(w, 0))),
                     True))
-        for c in ("m128n128w8s3", "m64n64w4s3", "m128n64w8s3"):
+        for c in ("m64n64w4s3", "m128n64w8s3", "m128n128w8s2"):  # the switch's own tile: m128n128w8s3
             out.append(("t" + c, window_tile_fn(q, c, (w, 0), "causal"), True))
         out.append(("modded", no_lowering(attend), True))
     elif name == "dilated":
@@ -204,12 +204,11 @@ def variants(name, sm, mm, bm, shape, q):
                                                                             v.contiguous()), True))
     elif name == "prefix-lm":
         out.append(("split", prefix_split(shape.seq // 4), True))
-        out.append(("split+gluon", gluon_forced(prefix_split(shape.seq // 4)), True))
         for c in ("m128n64w8s3", "m128n128w8s2"):
             out.append(("t" + c, modded_tile_fn(q, sm, mm, bm, c), True))
     elif name == "document+causal":
         out.append(("varlen", doc_varlen(mm), True))
-        for c in ("m128n64w8s2", "m64n128w4s2", "m64n64w4s3"):
+        for c in ("m128n64w8s2", "m64n128w4s2"):
             out.append(("t" + c, modded_tile_fn(q, sm, mm, bm, c), True))
     return out
 

@@ -13,6 +13,8 @@ Variants (the label in the table):
                    [H] tensor: `score + (kv_idx - q_idx) * slopes[h]` (the Gluon modded forward)
          split     `score + kv_idx * s - q_idx * s` (s = the gym's factor): the int -> float conversions on the
                    row and column vectors, not per element
+         fsplit    `score + ((kv_idx + 0.0) - q_idx) * s`: the same value as the gym's (positions < 2**24), the
+                   conversions on the vectors
          colonly   `score + kv_idx * s` (the row term dropped: the same softmax, another lse; a bound only)
          plain     no mod at all (the ceiling)
   window: gluon    the causal + window(1024, 0) switch on the Gluon forward (hopper.MIN_WORK lifted)
@@ -171,11 +173,15 @@ def alibi_variants(h):
         s = torch.exp2(-((h + 1) * 8.0 / hh))
         return score + kv_idx * s - q_idx * s
 
+    def fsplit_mod(score, b, h, q_idx, kv_idx):
+        s = torch.exp2(-((h + 1) * 8.0 / hh))
+        return score + ((kv_idx + 0.0) - q_idx) * s
+
     def colonly_mod(score, b, h, q_idx, kv_idx):
         s = torch.exp2(-((h + 1) * 8.0 / hh))
         return score + kv_idx * s
 
-    return [("slopes", slopes_mod), ("split", split_mod), ("colonly", colonly_mod)]
+    return [("slopes", slopes_mod), ("split", split_mod), ("fsplit", fsplit_mod), ("colonly", colonly_mod)]
 
 
 def variants(name, sm, mm, bm, shape, q):

@@ -23,12 +23,13 @@ Variants (the label in the table):
   dilated: strided the dilated window as window(W/d, W/d) over d strided subsequences (q[:, :, r::d] is
                    [B*H, d, S/d, D] as a view; one fagen.attention call), then back to [B, H, S, D]
            strided+copy  the same on contiguous copies of q, k, v (what the strides cost)
-  prefix-lm: split rows < P: mask none over keys < P; rows >= P: causal (bottom-right) over all keys; two calls
+  prefix-lm: modded the modded kernel (lowering off; `attention` lowers to the split since [Note] Prefix rows)
+             split rows < P: mask none over keys < P; rows >= P: causal (bottom-right) over all keys; two calls
              and a torch.cat
              tXXX  the modded forward at tile XXX
   document+causal: varlen  the packed documents as fagen's varlen layout (cu_seqlens = the gym's offsets), causal
                    tXXX the modded forward at tile XXX
-  dilated: modded  the modded kernel (lowering off)
+  dilated: modded  the modded kernel (lowering off; `attention` lowers to `strided` since [Note] Dilated windows)
 """
 
 from __future__ import annotations
@@ -209,6 +210,7 @@ def variants(name, sm, mm, bm, shape, q):
         out.append(("strided+copy", lambda q, k, v: dilated_strided(w, d)(q.contiguous(), k.contiguous(),
                                                                             v.contiguous()), True))
     elif name == "prefix-lm":
+        out.append(("modded", no_lowering(attend), True))
         out.append(("split", prefix_split(shape.seq // 4), True))
         for c in ("m128n64w8s3", "m128n128w8s2"):
             out.append(("t" + c, modded_tile_fn(q, sm, mm, bm, c), True))

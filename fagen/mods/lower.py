@@ -27,6 +27,10 @@ closure's current numbers and the call's shapes and decides:
     input: float32 [Hq] on q's device, and no gradient asked of it (the switch gives slopes none; the mods do).
     The call must have no ALiBi switch of its own (a softcap switch is fine: both orders are softcap, then ALiBi).
     attention-gym's `(kv_idx - q_idx) * exp2(-(h + 1) * 8 / H)` makes its slopes in the mod: not lowered.
+  - two mask_mods become switch calls on views of q, k, v (fagen/mods/split.py's `run_split`, which
+    fagen.attention's eager check runs, never the modded path): a window with `(q_idx - kv_idx) % d == 0` beside
+    it, one window call over d strided subsequences ([Note] Dilated windows); attention-gym's prefix-LM mask, two
+    calls on row slices without a gradient ([Note] Prefix rows).
 Both paths give the same attention to rounding (the tests compare them and the float64 reference); the switch
 kernels skip key blocks by interval reasoning and take the Gluon forward on sm_90. `FAGEN_MOD_LOWERING=0` (or
 off, false, no; read at import) or `ENABLED = False` turns lowering off; the differential tests of mods against
@@ -78,7 +82,8 @@ class Plan:
     mask_rest: ir.Node | None  # the mask_mod's other comparisons (None: the interval is all of it)
     cap: ir.Node | None  # the softcap's Const or Scalar when the score_mod is exactly a softcap
     alibi: tuple[str, bool] | None = None  # (slopes tensor, needs a causal mask) when the score_mod is exactly ALiBi
-    dilation: Affine | None = None  # d when mask_rest is exactly `(q_idx - kv_idx) % d == 0` ([Note] Dilated windows)
+    dilation: Affine | None = None  # d where mask_rest is `(q_idx - kv_idx) % d == 0` (split.py: Dilated windows)
+    prefix: Affine | None = None  # P where the mask_mod is `(kv_idx < P) | (q_idx >= kv_idx)` (split.py: Prefix rows)
 
 
 class Lowering(NamedTuple):  # a tuple: built on every lowered call, where a frozen dataclass costs a microsecond
@@ -89,7 +94,7 @@ class Lowering(NamedTuple):  # a tuple: built on every lowered call, where a fro
     names: tuple[str, ...]  # the captured values the mods left read
     mask_lowered: bool
     label: str  # what it became, e.g. "causal+window(1024,0)" or "softcap"
-    dilation: int = 1  # > 1: the switch call runs on the d strided subsequences ([Note] Dilated windows)
+    split: tuple | None = None  # ("dilated", d) or ("prefix", P): the switch call runs as split.run_split says
 
 
 _PLANS: dict[tuple, Plan | None] = {}
@@ -118,9 +123,6 @@ def plan(fields: tuple, score_tree: ir.Node | None, mask_tree: ir.Node | None) -
         for atom in rest:
             mask_rest = atom if mask_rest is None else ir.binary("&", mask_rest, atom)
         found = Plan(tuple(lefts), tuple(rights), mask_rest if lefts or rights else mask_tree, cap, alibi)
-    if mask_tree is not None and len(rest) == 1 and _dilation(rest[0]) is not None:
-        found = Plan(tuple(lefts), tuple(rights), mask_rest if lefts or rights else mask_tree,
-                     cap, alibi, _dilation(rest[0]))
     if len(_PLANS) >= 512:
         _PLANS.clear()
     _PLANS[fields] = found
@@ -128,21 +130,27 @@ def plan(fields: tuple, score_tree: ir.Node | None, mask_tree: ir.Node | None) -
 
 
 def lower(p: Plan, fields: tuple, trees: tuple, values: dict, *, mask: str, offset: int | None, scores: dict,
-          block_mask: bool, slopes_ok=None, score: bool = True, dilatable=None) -> Lowering | None:
+          block_mask: bool, slopes_ok=None, score: bool = True, splits=None) -> Lowering | None:
     """This call's lowering of plan `p` (None: run the mods as they are). trees: the traced (score_mod, mask_mod);
     mask: the call's built-in mask (a string); offset: i_aligned - q_idx of the built-in mask for every row
     (`alignment`, None: not known on the host); scores: the call's switch keywords; block_mask: whether the call
     passes one; slopes_ok(tensor): whether a captured tensor can be the call's alibi_slopes (float32 [Hq] on q's
     device, no gradient asked of it); score: whether the score_mod may lower (False: only the mask_mod);
-    dilatable(d): whether the caller can run the switch call on d strided subsequences ([Note] Dilated windows;
-    None: it cannot)."""
+    splits(kind, n): whether the caller can run split.run_split((kind, n), ...) for this call ([Note] Dilated
+    windows, [Note] Prefix rows in fagen/mods/split.py; None: it cannot)."""
     new_mask, add, labels = mask, {}, []
     mask_lowered = score_lowered = False
-    dilation, mask_rest = 1, p.mask_rest
-    if p.dilation is not None and dilatable is not None and offset == 0 and mask in ("none", "causal") \
-            and p.alibi is None and not {"window", "alibi_slopes", "sinks"} & set(scores):
+    split, mask_rest = None, p.mask_rest
+    plain = splits is not None and offset == 0 and p.alibi is None \
+        and not {"window", "alibi_slopes", "sinks"} & set(scores)
+    if plain and p.prefix is not None and mask == "none":
+        n = p.prefix.value(values)
+        if n is not None and splits("prefix", n):
+            split, mask_rest, mask_lowered = ("prefix", n), None, True
+            labels.append(f"prefix({n})")
+    if plain and p.dilation is not None and mask in ("none", "causal"):
         d = p.dilation.value(values)
-        if d is not None and d >= 1 and dilatable(d):
+        if d is not None and d >= 1 and splits("dilated", d):
             got = _window(p, values, mask, 0, False) if p.lefts or p.rights else (mask, None, mask)
             if got is not None:
                 new_mask, window, label = got
@@ -151,7 +159,7 @@ def lower(p: Plan, fields: tuple, trees: tuple, values: dict, *, mask: str, offs
                     add["window"] = window
                 labels.append(f"dilated({d})+{new_mask}"
                               + ("" if window is None else f"+window({window[0]},{window[1]})"))
-                dilation, mask_rest, mask_lowered = d, None, True
+                split, mask_rest, mask_lowered = ("dilated", d), None, True
     if not mask_lowered and (p.lefts or p.rights) and offset is not None \
             and not (block_mask and p.mask_rest is not None):
         got = _window(p, values, mask, offset, "window" in scores)
@@ -178,8 +186,8 @@ def lower(p: Plan, fields: tuple, trees: tuple, values: dict, *, mask: str, offs
     score_left = None if score_lowered else trees[0]
     mask_left = mask_rest if mask_lowered else trees[1]
     if score_left is None and mask_left is None:
-        return Lowering(new_mask, add, None, (), mask_lowered, "+".join(labels), dilation)
-    if dilation > 1:  # a score_mod left sees the positions the views would change
+        return Lowering(new_mask, add, None, (), mask_lowered, "+".join(labels), split)
+    if split is not None:  # a score_mod left would see the positions the split changes
         return None
     scalars, tensors = set(), set()
     for tree in (score_left, mask_left):
@@ -372,57 +380,3 @@ def _distance(node: ir.Node) -> int | None:
         return None
     terms = {k: c for k, c in lin[0].items() if c}
     return terms.get("q_idx") if terms in ({"q_idx": 1, "kv_idx": -1}, {"q_idx": -1, "kv_idx": 1}) else None
-
-
-def _dilation(atom: ir.Node) -> Affine | None:
-    """d when `atom` is `x % d == 0` (or `0 == x % d`) with x = ±(q_idx - kv_idx) or its abs, d an int constant or
-    one int scalar: q_idx and kv_idx in the same residue class mod d ([Note] Dilated windows)."""
-    if not (isinstance(atom, ir.Binary) and atom.op == "=="):
-        return None
-    for rem, zero in ((atom.a, atom.b), (atom.b, atom.a)):
-        if not (isinstance(zero, ir.Const) and zero.type == ir.INT and zero.value == 0
-                and isinstance(rem, ir.Binary) and rem.op == "%"):
-            continue
-        x, d = rem.a, rem.b
-        if isinstance(x, ir.Unary) and x.op == "abs":
-            x = x.x
-        if _distance(x) is None:
-            continue
-        if isinstance(d, ir.Const) and d.type == ir.INT and 1 <= d.value <= LIMIT:
-            return Affine(d.value, ())
-        if isinstance(d, ir.Scalar) and d.type == ir.INT:
-            return Affine(0, ((d.name, 1),))
-    return None
-
-
-# [Note] Dilated windows. A mask_mod that bounds q_idx - kv_idx (a window, causal or not) and asks
-# `(q_idx - kv_idx) % d == 0` (attention-gym's dilated sliding window: `abs(q_idx - kv_idx) % dilation == 0`) lets
-# a query see only keys of its own residue class mod d. With Sq = Sk = S, d dividing S, q = d * i + r and kv =
-# d * j + r, the bounds `q - L <= kv <= q + R` are `i - L // d <= j <= i + R // d`: the d subsequences x[:, :, r::d]
-# are d independent problems of S / d rows with the window (L // d, R // d) (causal stays causal). One switch call
-# runs them all on strided views, no copy: x [B, H, S, D] as [B * H, d, S / d, D] (batch b * H + h, head r, row
-# i), which needs Hq = Hkv (the kernel's GQA maps head r to kv head r // gqa) and B and H mergeable in one stride
-# (`dilatable`). The kernel then visits the visible pairs only, where the mod's kernel computes d pairs for each
-# visible one inside its window's blocks. fagen.attention takes this path eagerly (modded.as_switches); out comes
-# back through the inverse view, and autograd sees views and one switch call, so the backward is the switch's too.
-# Not with ALiBi or sinks (positions and heads change), a window of the call's own, or anything left of the mods.
-
-
-def dilatable(q, k, v, d: int) -> bool:
-    """Whether the dense [B, H, S, D] tensors q, k, v can run as d strided subsequences ([Note] Dilated windows)."""
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.shape[1] != k.shape[1] or q.shape[2] != k.shape[2]:
-        return False
-    if q.shape[2] % d or k.shape[:3] != v.shape[:3]:
-        return False
-    return all(x.shape[0] == 1 or x.stride(0) == x.shape[1] * x.stride(1) for x in (q, k, v))
-
-
-def strided(x, d: int):
-    """[B, H, S, D] as [B * H, d, S / d, D]: element (b * H + h, r, i) is x[b, h, d * i + r] (a view)."""
-    b, h, s, e = x.shape
-    return x.view(b * h, s // d, d, e).transpose(1, 2)
-
-
-def unstrided(out, b: int, h: int, d: int):
-    """The inverse of `strided` for an out [B * H, d, S / d, Dv]: [B, H, S, Dv] (a view where out's layout allows)."""
-    return out.transpose(1, 2).reshape(b, h, -1, out.shape[-1])

@@ -1,7 +1,7 @@
-"""Dilated windows (fagen/mods/lower.py, [Note] Dilated windows): a mask_mod that bounds q_idx - kv_idx and asks
-`(q_idx - kv_idx) % d == 0` runs as one window switch call over d strided subsequences; the result agrees with the
-float64 reference and with the unlowered mod kernel (out and gradients), and calls the views cannot serve keep the
-mod."""
+"""Mods lowered to switch calls on views (fagen/mods/lower.py, `run_split`): a dilated window ([Note] Dilated
+windows: one window switch call over d strided subsequences) and the prefix-LM mask ([Note] Prefix rows: two
+switch calls on row slices). Each agrees with the float64 reference and with the unlowered mod kernel (out, and
+the gradients where it lowers with them), and calls the views cannot serve keep the mod."""
 
 import pytest
 import torch
@@ -9,6 +9,7 @@ import torch
 import fagen
 from fagen.bench import gym_mods as g
 from fagen.mods import lower as lowering
+from fagen.mods import split
 from fagen.mods.trace import trace
 from _env import DEVICE
 from mods_kernel import TOL
@@ -22,29 +23,29 @@ WIN = 7
 def _decide(mask_mod, mask="none", sq=48, sk=48, scores=(), ok=True, score_mod=None):
     t = trace(score_mod=score_mod, mask_mod=mask_mod)
     fields = (t.score_text, t.mask_text, t.tensors, t.scalars)
-    p = lowering.plan(fields, t.score_mod, t.mask_mod)
+    p = split.plan(fields, t.score_mod, t.mask_mod)
     if p is None:
         return None
     offset = lowering.alignment(mask, sq, sk, None, None, False)
     low = lowering.lower(p, fields, (t.score_mod, t.mask_mod), t.values, mask=mask, offset=offset,
-                         scores=dict.fromkeys(scores), block_mask=True, dilatable=lambda d: ok)
-    return None if low is None else (low.mask, low.scores, low.fields and low.fields[:2], low.dilation)
+                         scores=dict.fromkeys(scores), block_mask=True, splits=lambda kind, n: ok)
+    return None if low is None else (low.mask, low.scores, low.fields and low.fields[:2], low.split)
 
 
 @pytest.mark.parametrize("mask_mod, kw, want", [
-    (g.generate_dilated_sliding_window(6, 2), {}, ("none", {"window": (3, 3)}, None, 2)),
-    (g.generate_dilated_sliding_window(7, 4), {}, ("none", {"window": (1, 1)}, None, 4)),  # 7 // 4
+    (g.generate_dilated_sliding_window(6, 2), {}, ("none", {"window": (3, 3)}, None, ("dilated", 2))),
+    (g.generate_dilated_sliding_window(7, 4), {}, ("none", {"window": (1, 1)}, None, ("dilated", 4))),  # 7 // 4
     (lambda b, h, q_idx, kv_idx: (q_idx - kv_idx <= WIN) & (q_idx >= kv_idx) & ((kv_idx - q_idx) % DIL == 0), {},
-     ("causal", {"window": (WIN // DIL, 0)}, None, DIL)),
-    (lambda b, h, q_idx, kv_idx: (q_idx - kv_idx) % 4 == 0, {}, ("none", {}, None, 4)),  # no bounds: d full problems
-    (lambda b, h, q_idx, kv_idx: (q_idx - kv_idx) % 4 == 0, dict(mask="causal"), ("causal", {}, None, 4)),
+     ("causal", {"window": (WIN // DIL, 0)}, None, ("dilated", DIL))),
+    (lambda b, h, q_idx, kv_idx: (q_idx - kv_idx) % 4 == 0, {}, ("none", {}, None, ("dilated", 4))),  # d problems
+    (lambda b, h, q_idx, kv_idx: (q_idx - kv_idx) % 4 == 0, dict(mask="causal"), ("causal", {}, None, ("dilated", 4))),
     (g.generate_dilated_sliding_window(6, 2), dict(ok=False), None),  # the views cannot serve (block mask given)
     (g.generate_dilated_sliding_window(6, 2), dict(sq=40), None),  # Sq != Sk: the residues do not line up
     (g.generate_dilated_sliding_window(6, 2), dict(scores=("window",)), None),  # the call's own window
     (g.generate_dilated_sliding_window(6, 2), dict(scores=("sinks",)), None),  # sinks are per head
     (g.generate_dilated_sliding_window(6, 2), dict(score_mod=lambda s, b, h, q_idx, kv_idx: s + q_idx), None),
     (g.generate_dilated_sliding_window(6, 2), dict(score_mod=g.generate_tanh_softcap(5.0)),
-     ("none", {"window": (3, 3), "softcap": 5.0}, None, 2)),
+     ("none", {"window": (3, 3), "softcap": 5.0}, None, ("dilated", 2))),
     (lambda b, h, q_idx, kv_idx: (torch.abs(q_idx - kv_idx) <= 6) & ((q_idx - kv_idx) % 2 == 1), {}, None),
     (lambda b, h, q_idx, kv_idx: (torch.abs(q_idx - kv_idx) <= 6) & ((q_idx + kv_idx) % 2 == 0), {}, None),
     (lambda b, h, q_idx, kv_idx: (torch.abs(q_idx - kv_idx) <= 6) & ((q_idx - kv_idx) % 2 == 0) & (h == 0), {},
@@ -105,3 +106,51 @@ def test_calls_the_views_cannot_serve_keep_the_mod(case):
     assert modded.LOWERED[0] == "window(10,10)"  # the window alone, the dilation left a mask_mod
     ref = reference.attention(q.detach().double(), k.detach().double(), v.detach().double(), mask_mod=mm)[0]
     assert (out.double() - ref).abs().max().item() < 4 * TOL[torch.float32]
+
+
+P = 9
+
+
+@pytest.mark.parametrize("mask_mod, kw, want", [
+    (g.generate_prefix_lm_mask(P), {}, ("none", {}, None, ("prefix", P))),
+    (lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) | (kv_idx <= P - 1), {}, ("none", {}, None, ("prefix", P))),
+    (lambda b, h, q_idx, kv_idx: (P + 2 > kv_idx) | (kv_idx <= q_idx), {}, ("none", {}, None, ("prefix", P + 2))),
+    (lambda b, h, q_idx, kv_idx: ~(kv_idx >= 5) | (q_idx >= kv_idx), {}, ("none", {}, None, ("prefix", 5))),
+    (g.generate_prefix_lm_mask(P), dict(mask="causal"), None),  # the built-in causal mask hides the prefix
+    (g.generate_prefix_lm_mask(P), dict(sq=40), None),
+    (g.generate_prefix_lm_mask(P), dict(ok=False), None),  # a gradient asked (splittable says no)
+    (lambda b, h, q_idx, kv_idx: (kv_idx < q_idx) | (q_idx >= kv_idx), {}, None),  # not a key limit
+    (lambda b, h, q_idx, kv_idx: (kv_idx < P) | (q_idx > kv_idx), {}, None),  # the diagonal hidden
+    (lambda b, h, q_idx, kv_idx: (kv_idx > P) | (q_idx >= kv_idx), {}, None),  # a suffix, not a prefix
+])
+def test_the_prefix_lm_mask_splits_only_when_exact(mask_mod, kw, want):
+    assert _decide(mask_mod, **kw) == want
+
+
+@pytest.mark.parametrize("prefix", [0, 1, 7, 30, 45, 60])
+def test_prefix_lm_rows_run_as_two_switch_calls_and_agree_with_the_mod(prefix, monkeypatch):
+    s = 45
+    q, k, v, _ = _qkv(2, 2, 1, s)  # GQA: the slices keep the heads
+    mm = g.generate_prefix_lm_mask(prefix)
+    bm = fagen.create_block_mask(mm, None, None, s, s, device=DEVICE, block_size=16)
+    with torch.no_grad():
+        monkeypatch.setattr(lowering, "ENABLED", False)
+        unlowered = fagen.attention(q, k, v, mask_mod=mm, block_mask=bm)
+        monkeypatch.setattr(lowering, "ENABLED", True)
+        got = fagen.attention(q, k, v, mask_mod=mm, block_mask=bm)
+    assert modded.LOWERED[0] == f"prefix({prefix})"
+    assert (got - unlowered).abs().max().item() < 2e-5
+    ref = reference.attention(q.detach().double(), k.detach().double(), v.detach().double(), mask_mod=mm)[0]
+    assert (got.double() - ref).abs().max().item() < TOL[torch.float32]
+
+
+def test_prefix_lm_with_a_gradient_keeps_the_mod():
+    q, k, v, do = _qkv(1, 2, 2, 45)
+    mm = g.generate_prefix_lm_mask(P)
+    got = _run(q, k, v, do, mask_mod=mm)
+    assert modded.LOWERED[0] is None
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = reference.attention(*leaves, mask_mod=mm)[0]
+    ref = (ref, *torch.autograd.grad(ref, leaves, do.double()))
+    for a, b in zip(got, ref):
+        assert (a.double() - b).abs().max().item() < 4 * TOL[torch.float32]

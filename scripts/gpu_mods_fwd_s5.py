@@ -27,7 +27,8 @@ Variants (the label in the table):
              split rows < P: mask none over keys < P; rows >= P: causal (bottom-right) over all keys; two calls
              and a torch.cat
              tXXX  the modded forward at tile XXX
-  document+causal: varlen  the packed documents as fagen's varlen layout (cu_seqlens = the gym's offsets), causal
+  document+causal: modded  the modded kernel (lowering off; `attention` lowers to varlen since [Note] Documents)
+                   varlen  the packed documents as fagen's varlen layout (cu_seqlens = the gym's offsets), causal
                    tXXX the modded forward at tile XXX
   dilated: modded  the modded kernel (lowering off; `attention` lowers to `strided` since [Note] Dilated windows)
 """
@@ -215,6 +216,7 @@ def variants(name, sm, mm, bm, shape, q):
         for c in ("m128n64w8s3", "m128n128w8s2"):
             out.append(("t" + c, modded_tile_fn(q, sm, mm, bm, c), True))
     elif name == "document+causal":
+        out.append(("modded", no_lowering(attend), True))
         out.append(("varlen", doc_varlen(mm), True))
         for c in ("m128n64w8s2", "m64n128w4s2"):
             out.append(("t" + c, modded_tile_fn(q, sm, mm, bm, c), True))

@@ -154,3 +154,65 @@ def test_prefix_lm_with_a_gradient_keeps_the_mod():
     ref = (ref, *torch.autograd.grad(ref, leaves, do.double()))
     for a, b in zip(got, ref):
         assert (a.double() - b).abs().max().item() < 4 * TOL[torch.float32]
+
+
+def _docs(lengths):
+    return g.length_to_offsets(lengths, DEVICE)
+
+
+@pytest.mark.parametrize("mask_mod, kw, want", [
+    (lambda: g.generate_doc_mask_mod(g.causal_mask, _docs([10, 20, 18])), {}, "document"),
+    (lambda: (lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (DOC[kv_idx] == DOC[q_idx])), {}, "document"),
+    (lambda: (lambda b, h, q_idx, kv_idx: (DOC[q_idx] == DOC[kv_idx]) & (q_idx > kv_idx)), {}, None),
+    (lambda: (lambda b, h, q_idx, kv_idx: (DOC[q_idx] == DOC[kv_idx])), {}, None),  # not causal: not this split
+    (lambda: (lambda b, h, q_idx, kv_idx: (DOC[q_idx] == DOC[kv_idx + 1]) & (q_idx >= kv_idx)), {}, None),
+    (lambda: g.generate_doc_mask_mod(g.causal_mask, _docs([10, 20, 18])), dict(mask="causal"), None),
+    (lambda: g.generate_doc_mask_mod(g.causal_mask, _docs([10, 20, 18])), dict(ok=False), None),
+])
+def test_the_document_mask_splits_only_when_exact(mask_mod, kw, want):
+    got = _decide(mask_mod(), **kw)
+    assert (got[3][0] if got and got[3] else None) == want
+
+
+DOC = torch.tensor([0] * 10 + [1] * 20 + [2] * 18, device=DEVICE)
+
+
+@pytest.mark.parametrize("lengths, split", [([10, 20, 15], True), ([45], True), ([1] * 45, True),
+                                            ([7, 30, 8], True)])
+def test_packed_documents_run_as_one_varlen_call_and_agree_with_the_mod(lengths, split, monkeypatch):
+    s = sum(lengths)
+    q, k, v, _ = _qkv(1, 4, 2, s)  # GQA
+    mm = g.generate_doc_mask_mod(g.causal_mask, _docs(lengths))
+    bm = fagen.create_block_mask(mm, None, None, s, s, device=DEVICE, block_size=16)
+    with torch.no_grad():
+        monkeypatch.setattr(lowering, "ENABLED", False)
+        unlowered = fagen.attention(q, k, v, mask_mod=mm, block_mask=bm)
+        monkeypatch.setattr(lowering, "ENABLED", True)
+        got = fagen.attention(q, k, v, mask_mod=mm, block_mask=bm)
+    assert modded.LOWERED[0] == "documents+causal"
+    assert (got - unlowered).abs().max().item() < 2e-5
+    ref = reference.attention(q.detach().double(), k.detach().double(), v.detach().double(), mask_mod=mm)[0]
+    assert (got.double() - ref).abs().max().item() < TOL[torch.float32]
+
+
+def test_document_ids_that_repeat_or_change_in_place_are_read_again():
+    s = 40
+    q, k, v, _ = _qkv(1, 2, 2, s)
+    ids = torch.tensor([0] * 12 + [1] * 16 + [2] * 12, device=DEVICE)
+
+    def mm(b, h, q_idx, kv_idx):
+        return (ids[q_idx] == ids[kv_idx]) & (q_idx >= kv_idx)
+
+    def check(label):
+        with torch.no_grad():
+            got = fagen.attention(q, k, v, mask_mod=mm)
+        assert modded.LOWERED[0] == label
+        ref = reference.attention(q.detach().double(), k.detach().double(), v.detach().double(), mask_mod=mm)[0]
+        assert (got.double() - ref).abs().max().item() < TOL[torch.float32]
+    check("documents+causal")
+    ids[20:] = 5  # in place: new runs, read again
+    check("documents+causal")
+    ids[30:] = 0  # the value 0 fills two runs: not documents (the causal part alone lowers)
+    check("causal")
+    ids[30:] = 7
+    check("documents+causal")

@@ -84,6 +84,7 @@ class Plan:
     alibi: tuple[str, bool] | None = None  # (slopes tensor, needs a causal mask) when the score_mod is exactly ALiBi
     dilation: Affine | None = None  # d where mask_rest is `(q_idx - kv_idx) % d == 0` (split.py: Dilated windows)
     prefix: Affine | None = None  # P where the mask_mod is `(kv_idx < P) | (q_idx >= kv_idx)` (split.py: Prefix rows)
+    document: str | None = None  # T where it is `(T[q_idx] == T[kv_idx]) & (q_idx >= kv_idx)` (split.py: Documents)
 
 
 class Lowering(NamedTuple):  # a tuple: built on every lowered call, where a frozen dataclass costs a microsecond
@@ -136,13 +137,19 @@ def lower(p: Plan, fields: tuple, trees: tuple, values: dict, *, mask: str, offs
     (`alignment`, None: not known on the host); scores: the call's switch keywords; block_mask: whether the call
     passes one; slopes_ok(tensor): whether a captured tensor can be the call's alibi_slopes (float32 [Hq] on q's
     device, no gradient asked of it); score: whether the score_mod may lower (False: only the mask_mod);
-    splits(kind, n): whether the caller can run split.run_split((kind, n), ...) for this call ([Note] Dilated
-    windows, [Note] Prefix rows in fagen/mods/split.py; None: it cannot)."""
+    splits(kind, arg): what split.run_split((kind, what), ...) takes for this call, or None (falsy) where the
+    caller cannot run it ([Note] Dilated windows, [Note] Prefix rows, [Note] Documents in fagen/mods/split.py;
+    splits None: no split at all)."""
     new_mask, add, labels = mask, {}, []
     mask_lowered = score_lowered = False
     split, mask_rest = None, p.mask_rest
     plain = splits is not None and offset == 0 and p.alibi is None \
         and not {"window", "alibi_slopes", "sinks"} & set(scores)
+    if plain and p.document is not None and mask == "none":
+        got = splits("document", values[p.document])
+        if got:
+            split, mask_rest, mask_lowered = ("document", got), None, True
+            labels.append("documents+causal")
     if plain and p.prefix is not None and mask == "none":
         n = p.prefix.value(values)
         if n is not None and splits("prefix", n):

@@ -4,6 +4,7 @@ reads the plans; fagen.attention runs `run_split`): dilated windows and the pref
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 from fagen.mods import ir
 from fagen.mods import lower as lowering
@@ -24,9 +25,10 @@ def plan(fields: tuple, score_tree: ir.Node | None, mask_tree: ir.Node | None) -
         rest = [a for a in atoms if _bounds(a) is None]
         d = dilation(rest[0]) if len(rest) == 1 else None
         p = prefix(mask_tree) if len(atoms) == 1 else None
-        if d is not None or p is not None:
-            found = dataclasses.replace(found, dilation=d, prefix=p) if found is not None else Plan(
-                (), (), mask_tree, None, None, d, p)
+        doc = document(mask_tree)
+        if d is not None or p is not None or doc is not None:
+            found = dataclasses.replace(found, dilation=d, prefix=p, document=doc) if found is not None else Plan(
+                (), (), mask_tree, None, None, d, p, doc)
     if len(_PLANS) >= 512:
         _PLANS.clear()
     _PLANS[fields] = found
@@ -116,25 +118,87 @@ def dilation(atom: ir.Node) -> Affine | None:
 # Not with ALiBi or sinks (positions and heads change), a window of the call's own, or anything left of the mods.
 
 
-def splittable(kind: str, n: int, q, k, v, grad: bool) -> bool:
-    """Whether fagen.attention's dense call on q, k, v [B, H, S, D] can run as `run_split((kind, n), ...)`."""
+def document(tree: ir.Node) -> str | None:
+    """T where `tree`, as the kernels compute it ([Note] Mask algebra in simplify.py: attention-gym's
+    generate_doc_mask_mod(causal_mask, offsets) becomes this), is `(T[q_idx] == T[kv_idx]) & (q_idx >= kv_idx)`
+    with T a captured int tensor of rank 1 ([Note] Documents)."""
+    from fagen.mods.simplify import simplify
+
+    tree = simplify(tree)
+    if not (isinstance(tree, ir.Binary) and tree.op == "&" and tree.type == ir.BOOL):
+        return None
+    for eq, causal in ((tree.a, tree.b), (tree.b, tree.a)):
+        if _bounds(causal) != ([], [Affine(0, ())]) or not (isinstance(eq, ir.Binary) and eq.op == "=="):
+            continue
+        a, b = eq.a, eq.b
+        if isinstance(a, ir.Load) and isinstance(b, ir.Load) and a.name == b.name and a.type == ir.INT \
+                and len(a.index) == 1 and {a.index[0], b.index[0]} == {ir.Input("q_idx", ir.INT),
+                                                                       ir.Input("kv_idx", ir.INT)}:
+            return a.name
+    return None
+
+
+# [Note] Documents. A mask `(T[q_idx] == T[kv_idx]) & (q_idx >= kv_idx)` over Sq = Sk = S, where each value of
+# T[:S] fills one contiguous run of positions (packed documents: attention-gym's document ids), is the varlen
+# layout's causal mask with one sequence per run: cu_seqlens = the runs' bounds. Built on q's device once per
+# tensor object and version (`_runs`: one host sync for the check and the longest run, then kept beside a weak
+# reference to T, so an in-place change of T or a new tensor is read again), and run as one varlen call on
+# views: q [1, H, S, D] as q[0].transpose(0, 1), [S, H, D] (fagen's varlen takes any row and head strides).
+# The varlen kernel tiles each document on its own (causal, bottom-right = top-left since each has as many
+# queries as keys), where the modded kernel runs 64 x 64 tiles across document bounds with the mask per element.
+# B = 1 (a batch of such views is no one tensor), no gradient (the varlen backward is not measured against the
+# mod's), T at least S long (past its end the kernel clamps where torch raises); runs that repeat a value (T =
+# [0, 0, 1, 0]) are not documents and keep the mod.
+_RUNS: dict[int, tuple] = {}
+
+
+def _runs(t, s: int):
+    """(cu_seqlens int32 [n + 1], longest run) of t[:s]'s runs, or None where a value fills two runs."""
+    hit = _RUNS.get(id(t))
+    if hit is not None and hit[0]() is t and hit[1] == (t._version, s):
+        return hit[2]
+    import torch
+
+    x = t[:s]
+    starts = torch.nonzero(x[1:] != x[:-1]).flatten() + 1
+    cu = torch.cat([starts.new_zeros(1), starts, starts.new_full((1,), s)]).to(torch.int32)
+    found = (cu, int((cu[1:] - cu[:-1]).max())) if torch.unique(x).numel() == cu.numel() - 1 else None
+    if len(_RUNS) >= 64:
+        _RUNS.clear()
+    _RUNS[id(t)] = (weakref.ref(t), (t._version, s), found)
+    return found
+
+
+def splittable(kind: str, arg, q, k, v, grad: bool):
+    """What `run_split((kind, what), ...)` takes for fagen.attention's dense call on q, k, v [B, H, S, D] (arg: the
+    dilation, the prefix length, the document tensor): True (the dilation and prefix take arg itself) or the
+    document runs; None where it cannot serve the call."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.shape[2] != k.shape[2] or k.shape[:3] != v.shape[:3]:
-        return False
+        return None
+    if kind == "document":
+        if grad or q.shape[0] != 1 or arg.dim() != 1 or arg.shape[0] < q.shape[2] or arg.device != q.device:
+            return None
+        return _runs(arg, q.shape[2])
     if kind == "prefix":  # the forward alone: two switch calls' backward is not measured against the mod's
-        return not grad
-    if q.shape[1] != k.shape[1] or q.shape[2] % n:
-        return False
-    return all(x.shape[0] == 1 or x.stride(0) == x.shape[1] * x.stride(1) for x in (q, k, v))
+        return None if grad else True
+    if q.shape[1] != k.shape[1] or q.shape[2] % arg:
+        return None
+    return True if all(x.shape[0] == 1 or x.stride(0) == x.shape[1] * x.stride(1) for x in (q, k, v)) else None
 
 
 def run_split(split: tuple, attention, q, k, v, *, mask: str, **kw):
-    """out of the mods lowered to `split` ([Note] Dilated windows, [Note] Prefix rows): `attention` (fagen.attention)
-    called on views of q, k, v with the lowered `mask` and the switch keywords `kw`."""
+    """out of the mods lowered to `split` ([Note] Dilated windows, [Note] Prefix rows, [Note] Documents):
+    `attention` (fagen.attention) called on views of q, k, v with the lowered `mask` and the switch keywords `kw`."""
     kind, n = split
     b, h, s, _ = q.shape
     if kind == "dilated":
         out = attention(_strided(q, n), _strided(k, n), _strided(v, n), mask=mask, **kw)
         return out.transpose(1, 2).reshape(b, h, s, out.shape[-1])  # a view where out's layout allows
+    if kind == "document":
+        cu, longest = n
+        out = attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), mask="causal",
+                        cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest, **kw)
+        return out.transpose(0, 1)[None]
     p = min(max(n, 0), s)
     if p <= 1 or p == s:  # kv_idx < 1 adds nothing to the causal mask; P >= S: every row a prefix row
         return attention(q, k, v, mask="causal" if p <= 1 else "none", **kw)

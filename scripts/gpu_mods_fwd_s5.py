@@ -289,11 +289,18 @@ def main() -> int:
                     try:
                         got = fn(q, k, v)
                         err = float((got.float() - want.float()).abs().max() / want.float().abs().max())
+                        if label == "attention":
+                            from fagen.runtime import modded
+
+                            compare_note = f" (lowered to {modded.LOWERED[0]})"
+                        else:
+                            compare_note = ""
                         if compare and not err <= TOL:
                             table.append((name, label, None, flops, flex_ms, f"FAIL {err:.1e}"))
                             continue
                         ms = None if DRY else time_ms(lambda: fn(q, k, v), a.rep_ms)
-                        table.append((name, label, ms, flops, flex_ms, f"{err:.1e}" + ("" if compare else " (n/c)")))
+                        table.append((name, label, ms, flops, flex_ms, f"{err:.1e}" + ("" if compare else " (n/c)")
+                                      + compare_note))
                         log(f"{name} {label}: {ms} ms (flex {flex_ms}), err {err:.1e}")
                     except Exception as e:  # noqa: BLE001 - a variant that cannot run is reported
                         table.append((name, label, None, flops, flex_ms, f"ERROR {type(e).__name__}: "

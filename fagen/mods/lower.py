@@ -27,10 +27,11 @@ closure's current numbers and the call's shapes and decides:
     input: float32 [Hq] on q's device, and no gradient asked of it (the switch gives slopes none; the mods do).
     The call must have no ALiBi switch of its own (a softcap switch is fine: both orders are softcap, then ALiBi).
     attention-gym's `(kv_idx - q_idx) * exp2(-(h + 1) * 8 / H)` makes its slopes in the mod: not lowered.
-  - two mask_mods become switch calls on views of q, k, v (fagen/mods/split.py's `run_split`, which
+  - three mask_mods become switch calls on views of q, k, v (fagen/mods/split.py's `run_split`, which
     fagen.attention's eager check runs, never the modded path): a window with `(q_idx - kv_idx) % d == 0` beside
     it, one window call over d strided subsequences ([Note] Dilated windows); attention-gym's prefix-LM mask, two
-    calls on row slices without a gradient ([Note] Prefix rows).
+    calls on row slices without a gradient ([Note] Prefix rows); a document mask, one varlen causal call over the
+    documents' runs without a gradient ([Note] Documents).
 Both paths give the same attention to rounding (the tests compare them and the float64 reference); the switch
 kernels skip key blocks by interval reasoning and take the Gluon forward on sm_90. `FAGEN_MOD_LOWERING=0` (or
 off, false, no; read at import) or `ENABLED = False` turns lowering off; the differential tests of mods against
@@ -95,7 +96,7 @@ class Lowering(NamedTuple):  # a tuple: built on every lowered call, where a fro
     names: tuple[str, ...]  # the captured values the mods left read
     mask_lowered: bool
     label: str  # what it became, e.g. "causal+window(1024,0)" or "softcap"
-    split: tuple | None = None  # ("dilated", d) or ("prefix", P): the switch call runs as split.run_split says
+    split: tuple | None = None  # ("dilated", d), ("prefix", P), ("document", runs): run by split.run_split
 
 
 _PLANS: dict[tuple, Plan | None] = {}

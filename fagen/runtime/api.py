@@ -75,7 +75,7 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
                 window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, score_mod=score_mod,
                 mask_mod=mask_mod, block_mask=block_mask, check=check, packed=packed)
         mask, window, softcap, alibi_slopes, split = plain  # the mods were built-in switches: their call's path
-        if split is not None:  # switch calls on views ([Note] Dilated windows, [Note] Prefix rows in mods/split.py)
+        if split is not None:  # switch calls on views (fagen/mods/split.py: dilated windows, prefix rows, documents)
             from fagen.mods.split import run_split
 
             return run_split(split, attention, q, k, v, mask=mask, scale=scale, window=window, softcap=softcap,

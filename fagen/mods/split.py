@@ -1,5 +1,5 @@
 """Mods that lower to built-in switch calls on views of q, k, v rather than to one switch call (fagen/mods/lower.py
-reads the plans; fagen.attention runs `run_split`): dilated windows and the prefix-LM mask."""
+reads the plans; fagen.attention runs `run_split`): dilated windows, the prefix-LM mask and packed documents."""
 
 from __future__ import annotations
 

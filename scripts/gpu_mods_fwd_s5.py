@@ -21,6 +21,9 @@ their functions below kept as the prototypes the lowerings were written from):
   window: gluon    the causal + window(1024, 0) switch on the Gluon forward (hopper.MIN_WORK lifted)
           tXXX     the Triton window switch kernel at tile XXX (fagen.load of a fwd spec)
           modded   the modded kernel (lowering off) at its forward tile
+          1loop    the switch kernel with one masked key loop over [lo, hi) (a template variant: one software
+                   pipeline instead of three, the mask on every block)
+          edges-s1 the switch kernel with its masked edge loops unpipelined (num_stages=1, as the tree tail)
   dilated: strided the dilated window as window(W/d, W/d) over d strided subsequences (q[:, :, r::d] is
                    [B*H, d, S/d, D] as a view; one fagen.attention call), then back to [B, H, S, D]
            strided+copy  the same on contiguous copies of q, k, v (what the strides cost)
@@ -90,6 +93,46 @@ def window_tile_fn(q, config, window, mask):
                                                               torch.float16: "fp16"}[q.dtype],
                       window=True, direction="fwd", **tile(config))
     module = load(spec)
+    return lambda q, k, v: module.forward(q, k, v, window=window)[0]
+
+
+# Template variants ([Note] in the module docstring: window 1loop / edges-s1): the window switch's forward rendered
+# from an edited copy of fagen/templates ($FAGEN_TEMPLATE_DIR, which the render and its index key read), loaded
+# beside the product's module, not in place of it.
+WINDOW_VARIANTS = {
+    "1loop": [("triton/attention.py.j2",
+               '{% set loops = [("lo", "w_lo", "True"), ("w_lo", "w_hi", "False"), ("w_hi", "hi", "True")] %}',
+               '{% set loops = [("lo", "hi", "True")] %}')],
+    "edges-s1": [("triton/attention.py.j2",
+                  '{% if spec.mask == "tree" %}\n    # [Note] Unpipelined tree tail',
+                  '{% if spec.mask == "tree" or spec.window %}\n    # [Note] Unpipelined tree tail')],
+}
+
+
+def template_variant_fn(q, variant, window, mask):
+    import shutil
+    import tempfile
+
+    from fagen.codegen import render as R
+    from fagen.runtime import loader
+    from fagen.runtime.device import gpu_arch
+    from fagen.spec.kernel import KernelSpec
+
+    root = os.path.join(tempfile.mkdtemp(prefix="fagen-tpl-"), "templates")
+    shutil.copytree(R.TEMPLATE_DIR, root)
+    for rel, old, new in WINDOW_VARIANTS[variant]:
+        path = os.path.join(root, rel)
+        text = open(path).read()
+        assert old in text, f"{variant}: the template no longer has {old[:60]!r}"
+        open(path, "w").write(text.replace(old, new))
+    spec = KernelSpec(head_dim=q.shape[-1], mask=mask, dtype={torch.bfloat16: "bf16", torch.float32: "fp32",
+                                                              torch.float16: "fp16"}[q.dtype],
+                      window=True, direction="fwd").for_arch(gpu_arch())
+    os.environ["FAGEN_TEMPLATE_DIR"] = root
+    try:
+        module = loader.import_module(loader.source_path(spec).with_suffix(".py"))
+    finally:
+        del os.environ["FAGEN_TEMPLATE_DIR"]
     return lambda q, k, v: module.forward(q, k, v, window=window)[0]
 
 
@@ -204,6 +247,8 @@ def variants(name, sm, mm, bm, shape, q):
                     True))
         for c in ("m64n64w4s3", "m128n64w8s3", "m128n128w8s2"):  # the switch's own tile: m128n128w8s3
             out.append(("t" + c, window_tile_fn(q, c, (w, 0), "causal"), True))
+        for variant in WINDOW_VARIANTS:
+            out.append((variant, template_variant_fn(q, variant, (w, 0), "causal"), True))
         out.append(("modded", no_lowering(attend), True))
     elif name == "dilated":
         w, d = (1024, 4) if not small else (64, 4)

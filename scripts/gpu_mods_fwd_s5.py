@@ -227,7 +227,9 @@ def alibi_variants(h):
         s = torch.exp2(-((h + 1) * 8.0 / hh))
         return score + kv_idx * s
 
-    return [("slopes", slopes_mod), ("split", split_mod), ("fsplit", fsplit_mod), ("colonly", colonly_mod)]
+    # split and fsplit compile (sm_90 ptxas, this CPU) to no fewer conversions or FP32 instructions than the gym's
+    # form (I2FP 235-241 against 271, FADD+FMUL+FFMA 2890 against 2573): not timed
+    return [("slopes", slopes_mod), ("colonly", colonly_mod)]
 
 
 def variants(name, sm, mm, bm, shape, q):
@@ -245,7 +247,7 @@ def variants(name, sm, mm, bm, shape, q):
         w = 1024 if not small else 64
         out.append(("gluon", gluon_forced(lambda q, k, v: fagen.attention(q, k, v, mask="causal", window=(w, 0))),
                     True))
-        for c in ("m64n64w4s3", "m128n64w8s3", "m128n128w8s2"):  # the switch's own tile: m128n128w8s3
+        for c in ("m64n64w4s3", "m128n64w8s3"):  # the switch's own tile: m128n128w8s3
             out.append(("t" + c, window_tile_fn(q, c, (w, 0), "causal"), True))
         for variant in WINDOW_VARIANTS:
             out.append((variant, template_variant_fn(q, variant, (w, 0), "causal"), True))

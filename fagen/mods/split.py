@@ -148,7 +148,8 @@ def document(tree: ir.Node) -> str | None:
 # queries as keys), where the modded kernel runs 64 x 64 tiles across document bounds with the mask per element.
 # B = 1 (a batch of such views is no one tensor), no gradient (the varlen backward is not measured against the
 # mod's), T at least S long (past its end the kernel clamps where torch raises); runs that repeat a value (T =
-# [0, 0, 1, 0]) are not documents and keep the mod.
+# [0, 0, 1, 0]) are not documents and keep the mod. Not while a CUDA graph captures: the check syncs, and a replay
+# would keep the captured runs where the mod's kernel reads T again.
 _RUNS: dict[int, tuple] = {}
 
 
@@ -178,6 +179,11 @@ def splittable(kind: str, arg, q, k, v, grad: bool):
     if kind == "document":
         if grad or q.shape[0] != 1 or arg.dim() != 1 or arg.shape[0] < q.shape[2] or arg.device != q.device:
             return None
+        if arg.is_cuda:
+            import torch
+
+            if torch.cuda.is_current_stream_capturing():  # a graph would replay these runs: keep the mod
+                return None
         return _runs(arg, q.shape[2])
     if kind == "prefix":  # the forward alone: two switch calls' backward is not measured against the mod's
         return None if grad else True

@@ -266,6 +266,28 @@ def variants(name, sm, mm, bm, shape, q):
     return out
 
 
+def fwd_bwd_rows(name, mm, bm, q, k, v, flops, rep_ms, table):
+    """fagen's backward (autograd.grad of q, k, v) as the bench times it, lowered (the strided window) and not
+    (the modded kernels); the bwd rate counts 2.5x the forward's flops, as the bench does. Flex's backward on this
+    row: 72 TF/s (benchmarks/mods.md, fourth run)."""
+    import fagen
+    from fagen.mods import lower
+
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    do = torch.randn_like(q)
+    for label, on in (("bwd lowered", True), ("bwd modded", False)):
+        lower.ENABLED = on
+        try:
+            out = fagen.attention(*leaves, mask_mod=mm, block_mask=bm)
+            ms = time_ms(lambda: torch.autograd.grad(out, leaves, do, retain_graph=True), rep_ms)
+            table.append((name, label, ms, 2.5 * flops, None, "bwd"))
+            log(f"{name} {label}: {ms} ms")
+        except Exception as e:  # noqa: BLE001
+            table.append((name, label, None, flops, None, f"ERROR {type(e).__name__}: {str(e)[:90]}"))
+        finally:
+            lower.ENABLED = True
+
+
 def rows_of(shape, wanted):
     from fagen.bench import gym_mods as g
     from fagen.bench.mods import cases
@@ -349,6 +371,8 @@ def main() -> int:
                         table.append((name, label, None, flops, flex_ms, f"ERROR {type(e).__name__}: "
                                                                         f"{(str(e).splitlines() or [''])[0][:90]}"))
                         traceback.print_exc(file=sys.stderr)
+            if name == "dilated" and not DRY:  # the split serves with gradients too: the bench's bwd column
+                fwd_bwd_rows(name, mm, bm, q, k, v, flops, a.rep_ms, table)
             log(f"done {name}")
         except Exception as e:  # noqa: BLE001
             table.append((name, "row", None, 0, None, f"ERROR {type(e).__name__}: {str(e)[:120]}"))

@@ -117,6 +117,7 @@ def _time(fn, device, rep_ms) -> float:
 def _fwd_bwd_ms(attend, q, k, v, do, leaves, device, rep_ms):
     with torch.no_grad():
         fwd = _time(lambda: attend(q, k, v), device, rep_ms)
+    FWD_LOWERED[0] = _lowered()  # without a gradient some mods lower further (fagen/mods/split.py)
     out = attend(q, k, v)
     bwd = _time(lambda: torch.autograd.grad(out, (q, k, v, *leaves), do, retain_graph=True), device, rep_ms)
     return fwd, bwd, out
@@ -146,7 +147,9 @@ def mod_rows(device, shape: ModsShape, log=print, rep_ms=100.0, flex=True, only=
             ours = lambda q, k, v: fagen.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod,  # noqa: E731
                                                    block_mask=bm)
             fwd, bwd, out = _fwd_bwd_ms(ours, q, k, v, do, leaves, device, rep_ms)
-            row["lowered_to"] = _lowered()
+            row["lowered_to"] = FWD_LOWERED[0]
+            if _lowered() != FWD_LOWERED[0]:
+                row["bwd_lowered_to"] = _lowered()  # with a gradient
             row["fagen"] = {"fwd_ms": fwd, "bwd_ms": bwd, "fwd_TF/s": fl / fwd / 1e9, "bwd_TF/s": 2.5 * fl / bwd / 1e9}
             if leaves:
                 g1 = torch.autograd.grad(ours(q, k, v), leaves, do)
@@ -216,6 +219,9 @@ def builtin_rows(device, shape: ModsShape, log=print, rep_ms=100.0) -> list[dict
             log(_line(row))
             records.append(row)
     return records
+
+
+FWD_LOWERED: list = [None]  # what the last _fwd_bwd_ms's forward (no gradient) lowered its mods to
 
 
 def _lowered():

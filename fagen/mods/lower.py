@@ -27,6 +27,11 @@ closure's current numbers and the call's shapes and decides:
     input: float32 [Hq] on q's device, and no gradient asked of it (the switch gives slopes none; the mods do).
     The call must have no ALiBi switch of its own (a softcap switch is fine: both orders are softcap, then ALiBi).
     attention-gym's `(kv_idx - q_idx) * exp2(-(h + 1) * 8 / H)` makes its slopes in the mod: not lowered.
+  - three mask_mods become switch calls on views of q, k, v (fagen/mods/split.py's `run_split`, which
+    fagen.attention's eager check runs, never the modded path): a window with `(q_idx - kv_idx) % d == 0` beside
+    it, one window call over d strided subsequences ([Note] Dilated windows); attention-gym's prefix-LM mask, two
+    calls on row slices without a gradient ([Note] Prefix rows); a document mask, one varlen causal call over the
+    documents' runs without a gradient ([Note] Documents).
 Both paths give the same attention to rounding (the tests compare them and the float64 reference); the switch
 kernels skip key blocks by interval reasoning and take the Gluon forward on sm_90. `FAGEN_MOD_LOWERING=0` (or
 off, false, no; read at import) or `ENABLED = False` turns lowering off; the differential tests of mods against
@@ -78,6 +83,9 @@ class Plan:
     mask_rest: ir.Node | None  # the mask_mod's other comparisons (None: the interval is all of it)
     cap: ir.Node | None  # the softcap's Const or Scalar when the score_mod is exactly a softcap
     alibi: tuple[str, bool] | None = None  # (slopes tensor, needs a causal mask) when the score_mod is exactly ALiBi
+    dilation: Affine | None = None  # d where mask_rest is `(q_idx - kv_idx) % d == 0` (split.py: Dilated windows)
+    prefix: Affine | None = None  # P where the mask_mod is `(kv_idx < P) | (q_idx >= kv_idx)` (split.py: Prefix rows)
+    document: str | None = None  # T where it is `(T[q_idx] == T[kv_idx]) & (q_idx >= kv_idx)` (split.py: Documents)
 
 
 class Lowering(NamedTuple):  # a tuple: built on every lowered call, where a frozen dataclass costs a microsecond
@@ -88,6 +96,7 @@ class Lowering(NamedTuple):  # a tuple: built on every lowered call, where a fro
     names: tuple[str, ...]  # the captured values the mods left read
     mask_lowered: bool
     label: str  # what it became, e.g. "causal+window(1024,0)" or "softcap"
+    split: tuple | None = None  # ("dilated", d), ("prefix", P), ("document", runs): run by split.run_split
 
 
 _PLANS: dict[tuple, Plan | None] = {}
@@ -123,15 +132,44 @@ def plan(fields: tuple, score_tree: ir.Node | None, mask_tree: ir.Node | None) -
 
 
 def lower(p: Plan, fields: tuple, trees: tuple, values: dict, *, mask: str, offset: int | None, scores: dict,
-          block_mask: bool, slopes_ok=None, score: bool = True) -> Lowering | None:
+          block_mask: bool, slopes_ok=None, score: bool = True, splits=None) -> Lowering | None:
     """This call's lowering of plan `p` (None: run the mods as they are). trees: the traced (score_mod, mask_mod);
     mask: the call's built-in mask (a string); offset: i_aligned - q_idx of the built-in mask for every row
     (`alignment`, None: not known on the host); scores: the call's switch keywords; block_mask: whether the call
     passes one; slopes_ok(tensor): whether a captured tensor can be the call's alibi_slopes (float32 [Hq] on q's
-    device, no gradient asked of it); score: whether the score_mod may lower (False: only the mask_mod)."""
+    device, no gradient asked of it); score: whether the score_mod may lower (False: only the mask_mod);
+    splits(kind, arg): what split.run_split((kind, what), ...) takes for this call, or None (falsy) where the
+    caller cannot run it ([Note] Dilated windows, [Note] Prefix rows, [Note] Documents in fagen/mods/split.py;
+    splits None: no split at all)."""
     new_mask, add, labels = mask, {}, []
     mask_lowered = score_lowered = False
-    if (p.lefts or p.rights) and offset is not None and not (block_mask and p.mask_rest is not None):
+    split, mask_rest = None, p.mask_rest
+    plain = splits is not None and offset == 0 and p.alibi is None \
+        and not {"window", "alibi_slopes", "sinks"} & set(scores)
+    if plain and p.document is not None and mask == "none":
+        got = splits("document", values[p.document])
+        if got:
+            split, mask_rest, mask_lowered = ("document", got), None, True
+            labels.append("documents+causal")
+    if plain and p.prefix is not None and mask == "none":
+        n = p.prefix.value(values)
+        if n is not None and splits("prefix", n):
+            split, mask_rest, mask_lowered = ("prefix", n), None, True
+            labels.append(f"prefix({n})")
+    if plain and p.dilation is not None and mask in ("none", "causal"):
+        d = p.dilation.value(values)
+        if d is not None and d >= 1 and splits("dilated", d):
+            got = _window(p, values, mask, 0, False) if p.lefts or p.rights else (mask, None, mask)
+            if got is not None:
+                new_mask, window, label = got
+                if window is not None:
+                    window = tuple(None if x is None else x // d for x in window)  # d * |i - j| <= x
+                    add["window"] = window
+                labels.append(f"dilated({d})+{new_mask}"
+                              + ("" if window is None else f"+window({window[0]},{window[1]})"))
+                split, mask_rest, mask_lowered = ("dilated", d), None, True
+    if not mask_lowered and (p.lefts or p.rights) and offset is not None \
+            and not (block_mask and p.mask_rest is not None):
         got = _window(p, values, mask, offset, "window" in scores)
         if got is not None:
             new_mask, window, label = got
@@ -154,9 +192,11 @@ def lower(p: Plan, fields: tuple, trees: tuple, values: dict, *, mask: str, offs
     if not (mask_lowered or score_lowered):
         return None
     score_left = None if score_lowered else trees[0]
-    mask_left = p.mask_rest if mask_lowered else trees[1]
+    mask_left = mask_rest if mask_lowered else trees[1]
     if score_left is None and mask_left is None:
-        return Lowering(new_mask, add, None, (), mask_lowered, "+".join(labels))
+        return Lowering(new_mask, add, None, (), mask_lowered, "+".join(labels), split)
+    if split is not None:  # a score_mod left would see the positions the split changes
+        return None
     scalars, tensors = set(), set()
     for tree in (score_left, mask_left):
         if tree is not None:

@@ -74,7 +74,12 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
                 q, k, v, mask=mask, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k, tree_mask=tree_mask,
                 window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, score_mod=score_mod,
                 mask_mod=mask_mod, block_mask=block_mask, check=check, packed=packed, prepared=plain)
-        mask, window, softcap, alibi_slopes = plain  # the mods were built-in switches: the switch call's path
+        mask, window, softcap, alibi_slopes, split = plain  # the mods were built-in switches: their call's path
+        if split is not None:  # switch calls on views (fagen/mods/split.py: dilated windows, prefix rows, documents)
+            from fagen.mods.split import run_split
+
+            return run_split(split, attention, q, k, v, mask=mask, scale=scale, window=window, softcap=softcap,
+                             check=check)
     if window is None and softcap is None and alibi_slopes is None and sinks is None:  # the common call
         switches, scores = (), _NO_SCORES
         needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
@@ -220,8 +225,8 @@ def _as_switches(q, k, v, mask, score_mod, mask_mod, block_mask, window, softcap
     got = modded.as_switches(q, k, v, mask, score_mod, mask_mod, block_mask, scores, seqlens_q, seqlens_k, packed)
     if got is None or type(got) is modded.Mods:
         return got
-    new_mask, scores = got
-    return new_mask, scores.get("window"), scores.get("softcap"), scores.get("alibi_slopes")
+    new_mask, scores, split = got
+    return new_mask, scores.get("window"), scores.get("softcap"), scores.get("alibi_slopes"), split
 
 
 def _varlen(q, k, v, mask, scale, scores, switches, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check):

@@ -19,6 +19,7 @@ from fagen.codegen.args import SWITCH_KEYWORD
 from fagen.codegen.mod_args import ModArgs
 from fagen.mods import ir
 from fagen.mods import lower as lowering
+from fagen.mods import split
 from fagen.mods.text import ModScalar, ModTensor
 from fagen.runtime import hopper
 from fagen.runtime.device import gpu_arch
@@ -222,19 +223,20 @@ def as_switches(q, k, v, mask, score_mod, mask_mod, block_mask, scores: dict, se
     if packed is None and q.dim() != 4 or packed is not None and None in packed.values():
         return None  # malformed: the modded path names what is wrong
     mods = prepare(score_mod=score_mod, mask_mod=mask_mod)
-    low = _lower(mods, q, k, v, mask, scores, seqlens_q, seqlens_k, block_mask, packed)
+    low = _lower(mods, q, k, v, mask, scores, seqlens_q, seqlens_k, block_mask, packed, views=packed is None)
     if low is None or low.fields is not None:
         return mods
     LOWERED[0] = low.label
     if block_mask is not None:
         _check_call_block_mask(block_mask, mods, q, k, packed)  # validated, then unused
-    return low.mask, {**scores, **low.scores}
+    return low.mask, {**scores, **low.scores}, low.split  # split: mods/split.run_split runs it (api.py)
 
 
-def _lower(mods: Mods, q, k, v, mask, scores: dict, seqlens_q, seqlens_k, block_mask, packed):
-    """This call's lowering of its mods ([Note] Mod lowering in fagen/mods/lower.py), or None."""
+def _lower(mods: Mods, q, k, v, mask, scores: dict, seqlens_q, seqlens_k, block_mask, packed, views=False):
+    """This call's lowering of its mods ([Note] Mod lowering in fagen/mods/lower.py), or None; views: the caller
+    can run split.run_split ([Note] Dilated windows, [Note] Prefix rows in fagen/mods/split.py)."""
     traced = mods.traced
-    p = lowering.plan(mods.fields, traced.score_mod, traced.mask_mod)
+    p = split.plan(mods.fields, traced.score_mod, traced.mask_mod)  # lower.plan's, with the splits
     if p is None:
         return None
     mask = mask if type(mask) is str else str(mask)  # a Mask's str is its value
@@ -250,7 +252,9 @@ def _lower(mods: Mods, q, k, v, mask, scores: dict, seqlens_q, seqlens_k, block_
         def slopes_ok(t):  # the switch's alibi_slopes: float32 (the declaration) [Hq] on q's device, no gradient
             return tuple(t.shape) == (q.shape[1],) and t.device == q.device and not (grad and t.requires_grad)
     low = lowering.lower(p, mods.fields, (traced.score_mod, traced.mask_mod), mods.values, mask=mask,
-                         offset=offset, scores=scores, block_mask=block_mask is not None, slopes_ok=slopes_ok)
+                         offset=offset, scores=scores, block_mask=block_mask is not None, slopes_ok=slopes_ok,
+                         splits=(lambda kind, n: split.splittable(kind, n, q, k, v, _grad(q, k, v, mods)))
+                         if views else None)
     if low is not None and low.fields is None and traced.score_mod is not None and packed is None and not scores \
             and low.mask in ("none", "causal") and set(low.scores) <= SCORE_KEYS \
             and _gluon_serves(mods, q, k, v, low.mask):  # [Note] Score mods on the gluon forward
@@ -260,6 +264,11 @@ def _lower(mods: Mods, q, k, v, mask, scores: dict, seqlens_q, seqlens_k, block_
 
 
 SCORE_KEYS = {"softcap", "alibi_slopes"}
+
+
+def _grad(q, k, v, mods: Mods) -> bool:
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or any(
+        isinstance(x, torch.Tensor) and x.requires_grad for x in mods.values.values()))
 
 # [Note] Score mods on the gluon forward. Without a gradient on an H100, fagen.attention runs a score_mod alone
 # (mask none/causal, no switch) on the gluon modded forward ([Note] Hopper selection), which measured faster than

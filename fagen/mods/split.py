@@ -1,0 +1,220 @@
+"""Mods that lower to built-in switch calls on views of q, k, v rather than to one switch call (fagen/mods/lower.py
+reads the plans; fagen.attention runs `run_split`): dilated windows, the prefix-LM mask and packed documents."""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+
+from fagen.mods import ir
+from fagen.mods import lower as lowering
+from fagen.mods.lower import _FLIP, LIMIT, MAX_LEAVES, Affine, Plan, _bounds, _conjuncts, _distance, _linear
+
+_PLANS: dict[tuple, Plan | None] = {}
+
+
+def plan(fields: tuple, score_tree: ir.Node | None, mask_tree: ir.Node | None) -> Plan | None:
+    """lower.plan's Plan of these mods with the splits this module matches (Plan.dilation, Plan.prefix), memoised
+    by the fields; what fagen.attention's lowering reads (fagen/runtime/modded.py)."""
+    found = _PLANS.get(fields, _PLANS)
+    if found is not _PLANS:
+        return found
+    found = lowering.plan(fields, score_tree, mask_tree)
+    if mask_tree is not None:
+        atoms = _conjuncts(mask_tree)
+        rest = [a for a in atoms if _bounds(a) is None]
+        d = dilation(rest[0]) if len(rest) == 1 else None
+        p = prefix(mask_tree) if len(atoms) == 1 else None
+        doc = document(mask_tree)
+        if d is not None or p is not None or doc is not None:
+            found = dataclasses.replace(found, dilation=d, prefix=p, document=doc) if found is not None else Plan(
+                (), (), mask_tree, None, None, d, p, doc)
+    if len(_PLANS) >= 512:
+        _PLANS.clear()
+    _PLANS[fields] = found
+    return found
+
+
+def prefix(tree: ir.Node) -> Affine | None:
+    """P when `tree` is `(kv_idx < P) | (q_idx >= kv_idx)` (either order; any spelling of the two comparisons that
+    _bounds and _key_limit read), P an int expression of constants and int scalars ([Note] Prefix rows)."""
+    if not (isinstance(tree, ir.Binary) and tree.op == "|" and tree.type == ir.BOOL):
+        return None
+    for causal, limit in ((tree.a, tree.b), (tree.b, tree.a)):
+        if _bounds(causal) == ([], [Affine(0, ())]):
+            found = _key_limit(limit)
+            if found is not None:
+                return found
+    return None
+
+
+def _key_limit(atom: ir.Node) -> Affine | None:
+    """P when `atom` is kv_idx < P in any spelling (`kv_idx <= P - 1`, `P > kv_idx`, `~(kv_idx >= P)`), else None."""
+    if isinstance(atom, ir.Unary) and atom.op == "invert" and isinstance(atom.x, ir.Binary) and atom.x.op in _FLIP:
+        op, a, b = _FLIP[atom.x.op], atom.x.a, atom.x.b
+    elif isinstance(atom, ir.Binary) and atom.op in _FLIP:
+        op, a, b = atom.op, atom.a, atom.b
+    else:
+        return None
+    la, lb = _linear(a), _linear(b)
+    if la is None or lb is None or la[1] + lb[1] > MAX_LEAVES:
+        return None
+    diff = dict(la[0])
+    for key, c in lb[0].items():
+        diff[key] = diff.get(key, 0) - c
+    sign = diff.pop("kv_idx", 0)
+    if sign not in (1, -1) or diff.pop("q_idx", 0):
+        return None
+    const = diff.pop(None, 0)
+    if abs(const) > LIMIT:
+        return None
+    t = Affine(const, tuple(sorted((name, c) for name, c in diff.items() if c)))  # sign * kv_idx + t OP 0
+    if sign == 1:
+        return {"<": t.shifted(-1, 0), "<=": t.shifted(-1, 1)}.get(op)  # kv < -t, kv <= -t
+    return {">": t, ">=": t.shifted(1, 1)}.get(op)  # kv < t, kv <= t
+
+
+# [Note] Prefix rows. attention-gym's prefix-LM mask `(kv_idx < P) | (q_idx >= kv_idx)` with Sq = Sk = S and no
+# built-in mask: a row q < P sees exactly the keys kv < P (kv <= q < P adds none), a row q >= P exactly kv <= q
+# (kv < P <= q adds none). So the rows [0, P) are mask "none" over the keys [0, P), and the rows [P, S) are the
+# built-in causal mask over all S keys (bottom-right aligned: row i of that call is q = P + i = i + Sk - Sq). Two
+# switch calls on slices of q, k, v and a concatenation of their outs (`run_split`), each on the plain kernels'
+# full tiles, where the modded kernel runs the prefix blocks through its block mask's lists. P is read per call
+# (a closure number); P <= 1 is the causal mask alone, P >= S the full one. For the forward alone (no gradient):
+# the backward of two calls, whose dK and dV autograd adds, is not measured against the modded backward.
+
+
+def dilation(atom: ir.Node) -> Affine | None:
+    """d when `atom` is `x % d == 0` (or `0 == x % d`) with x = ±(q_idx - kv_idx) or its abs, d an int constant or
+    one int scalar: q_idx and kv_idx in the same residue class mod d ([Note] Dilated windows)."""
+    if not (isinstance(atom, ir.Binary) and atom.op == "=="):
+        return None
+    for rem, zero in ((atom.a, atom.b), (atom.b, atom.a)):
+        if not (isinstance(zero, ir.Const) and zero.type == ir.INT and zero.value == 0
+                and isinstance(rem, ir.Binary) and rem.op == "%"):
+            continue
+        x, d = rem.a, rem.b
+        if isinstance(x, ir.Unary) and x.op == "abs":
+            x = x.x
+        if _distance(x) is None:
+            continue
+        if isinstance(d, ir.Const) and d.type == ir.INT and 1 <= d.value <= LIMIT:
+            return Affine(d.value, ())
+        if isinstance(d, ir.Scalar) and d.type == ir.INT:
+            return Affine(0, ((d.name, 1),))
+    return None
+
+
+# [Note] Dilated windows. A mask_mod that bounds q_idx - kv_idx (a window, causal or not) and asks
+# `(q_idx - kv_idx) % d == 0` (attention-gym's dilated sliding window: `abs(q_idx - kv_idx) % dilation == 0`) lets
+# a query see only keys of its own residue class mod d. With Sq = Sk = S, d dividing S, q = d * i + r and kv =
+# d * j + r, the bounds `q - L <= kv <= q + R` are `i - L // d <= j <= i + R // d`: the d subsequences x[:, :, r::d]
+# are d independent problems of S / d rows with the window (L // d, R // d) (causal stays causal). One switch call
+# runs them all on strided views, no copy: x [B, H, S, D] as [B * H, d, S / d, D] (batch b * H + h, head r, row
+# i), which needs Hq = Hkv (the kernel's GQA maps head r to kv head r // gqa) and B and H mergeable in one stride
+# (`splittable`). The kernel then visits the visible pairs only, where the mod's kernel computes d pairs for each
+# visible one inside its window's blocks. fagen.attention takes this path eagerly (modded.as_switches); out comes
+# back through the inverse view, and autograd sees views and one switch call, so the backward is the switch's too.
+# Not with ALiBi or sinks (positions and heads change), a window of the call's own, or anything left of the mods.
+
+
+def document(tree: ir.Node) -> str | None:
+    """T where `tree`, as the kernels compute it ([Note] Mask algebra in simplify.py: attention-gym's
+    generate_doc_mask_mod(causal_mask, offsets) becomes this), is `(T[q_idx] == T[kv_idx]) & (q_idx >= kv_idx)`
+    with T a captured int tensor of rank 1 ([Note] Documents)."""
+    from fagen.mods.simplify import simplify
+
+    tree = simplify(tree)
+    if not (isinstance(tree, ir.Binary) and tree.op == "&" and tree.type == ir.BOOL):
+        return None
+    for eq, causal in ((tree.a, tree.b), (tree.b, tree.a)):
+        if _bounds(causal) != ([], [Affine(0, ())]) or not (isinstance(eq, ir.Binary) and eq.op == "=="):
+            continue
+        a, b = eq.a, eq.b
+        if isinstance(a, ir.Load) and isinstance(b, ir.Load) and a.name == b.name and a.type == ir.INT \
+                and len(a.index) == 1 and {a.index[0], b.index[0]} == {ir.Input("q_idx", ir.INT),
+                                                                       ir.Input("kv_idx", ir.INT)}:
+            return a.name
+    return None
+
+
+# [Note] Documents. A mask `(T[q_idx] == T[kv_idx]) & (q_idx >= kv_idx)` over Sq = Sk = S, where each value of
+# T[:S] fills one contiguous run of positions (packed documents: attention-gym's document ids), is the varlen
+# layout's causal mask with one sequence per run: cu_seqlens = the runs' bounds. Built on q's device once per
+# tensor object and version (`_runs`: one host sync for the check and the longest run, then kept beside a weak
+# reference to T, so an in-place change of T or a new tensor is read again), and run as one varlen call on
+# views: q [1, H, S, D] as q[0].transpose(0, 1), [S, H, D] (fagen's varlen takes any row and head strides).
+# The varlen kernel tiles each document on its own (causal, bottom-right = top-left since each has as many
+# queries as keys), where the modded kernel runs 64 x 64 tiles across document bounds with the mask per element.
+# B = 1 (a batch of such views is no one tensor), no gradient (the varlen backward is not measured against the
+# mod's), T at least S long (past its end the kernel clamps where torch raises); runs that repeat a value (T =
+# [0, 0, 1, 0]) are not documents and keep the mod. Not while a CUDA graph captures: the check syncs, and a replay
+# would keep the captured runs where the mod's kernel reads T again.
+_RUNS: dict[int, tuple] = {}
+
+
+def _runs(t, s: int):
+    """(cu_seqlens int32 [n + 1], longest run) of t[:s]'s runs, or None where a value fills two runs."""
+    hit = _RUNS.get(id(t))
+    if hit is not None and hit[0]() is t and hit[1] == (t._version, s):
+        return hit[2]
+    import torch
+
+    x = t[:s]
+    starts = torch.nonzero(x[1:] != x[:-1]).flatten() + 1
+    cu = torch.cat([starts.new_zeros(1), starts, starts.new_full((1,), s)]).to(torch.int32)
+    found = (cu, int((cu[1:] - cu[:-1]).max())) if torch.unique(x).numel() == cu.numel() - 1 else None
+    if len(_RUNS) >= 64:
+        _RUNS.clear()
+    _RUNS[id(t)] = (weakref.ref(t), (t._version, s), found)
+    return found
+
+
+def splittable(kind: str, arg, q, k, v, grad: bool):
+    """What `run_split((kind, what), ...)` takes for fagen.attention's dense call on q, k, v [B, H, S, D] (arg: the
+    dilation, the prefix length, the document tensor): True (the dilation and prefix take arg itself) or the
+    document runs; None where it cannot serve the call."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.shape[2] != k.shape[2] or k.shape[:3] != v.shape[:3]:
+        return None
+    if kind == "document":
+        if grad or q.shape[0] != 1 or arg.dim() != 1 or arg.shape[0] < q.shape[2] or arg.device != q.device:
+            return None
+        if arg.is_cuda:
+            import torch
+
+            if torch.cuda.is_current_stream_capturing():  # a graph would replay these runs: keep the mod
+                return None
+        return _runs(arg, q.shape[2])
+    if kind == "prefix":  # the forward alone: two switch calls' backward is not measured against the mod's
+        return None if grad else True
+    if q.shape[1] != k.shape[1] or q.shape[2] % arg:
+        return None
+    return True if all(x.shape[0] == 1 or x.stride(0) == x.shape[1] * x.stride(1) for x in (q, k, v)) else None
+
+
+def run_split(split: tuple, attention, q, k, v, *, mask: str, **kw):
+    """out of the mods lowered to `split` ([Note] Dilated windows, [Note] Prefix rows, [Note] Documents):
+    `attention` (fagen.attention) called on views of q, k, v with the lowered `mask` and the switch keywords `kw`."""
+    kind, n = split
+    b, h, s, _ = q.shape
+    if kind == "dilated":
+        out = attention(_strided(q, n), _strided(k, n), _strided(v, n), mask=mask, **kw)
+        return out.transpose(1, 2).reshape(b, h, s, out.shape[-1])  # a view where out's layout allows
+    if kind == "document":
+        cu, longest = n
+        out = attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), mask="causal",
+                        cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest, **kw)
+        return out.transpose(0, 1)[None]
+    p = min(max(n, 0), s)
+    if p <= 1 or p == s:  # kv_idx < 1 adds nothing to the causal mask; P >= S: every row a prefix row
+        return attention(q, k, v, mask="causal" if p <= 1 else "none", **kw)
+    import torch
+
+    top = attention(q[:, :, :p], k[:, :, :p], v[:, :, :p], mask="none", **kw)
+    return torch.cat([top, attention(q[:, :, p:], k, v, mask="causal", **kw)], dim=2)
+
+
+def _strided(x, d: int):
+    """[B, H, S, D] as [B * H, d, S / d, D]: element (b * H + h, r, i) is x[b, h, d * i + r] (a view)."""
+    b, h, s, e = x.shape
+    return x.view(b * h, s // d, d, e).transpose(1, 2)

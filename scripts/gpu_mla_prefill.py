@@ -68,13 +68,14 @@ FWD_TILES = ()  # Triton forward tiles: m128n128w8s2 411, m128n64w8s4 456 (14:23
 # _SCHED 3 4 / 8; O_IN_V ([Note] O through V: O leaves through the last V slot, Q goes back early) with
 # _SCHED 1 48 / 108, 3 36 / 76. The counter variants run after the peer's rows (a barrier protocol gone wrong
 # would hang: the watchdog ends it).
-SCHED1 = (("_SCHED = 0", "_SCHED = 1"),)  # the render's default is 0, heavy first by batch
-SCHED2 = (("_SCHED = 0", "_SCHED = 2"),)
-SCHED3 = (("_SCHED = 0", "_SCHED = 3"),)
+SCHED1 = (("_SCHED = 1", "_SCHED = 1"),)  # the render's default is 1, paired (0: heavy first by batch)
+SCHED0 = (("_SCHED = 1", "_SCHED = 0"),)
+SCHED2 = (("_SCHED = 1", "_SCHED = 2"),)
+SCHED3 = (("_SCHED = 1", "_SCHED = 3"),)
 OV = (("O_IN_V = gl.constexpr(0)", "O_IN_V = gl.constexpr(1)"),)  # [Note] O through V
 GLUON_TILES = (
     ("gluon paired", dict(block_m=128, block_n=128, num_warps=8, num_stages=2), SCHED1),
-    ("gluon heavy-first", dict(block_m=128, block_n=128, num_warps=8, num_stages=2), ()),
+    ("gluon heavy-first", dict(block_m=128, block_n=128, num_warps=8, num_stages=2), SCHED0),
     ("gluon paired", dict(block_m=128, block_n=64, num_warps=8, num_stages=2), SCHED1),
 )
 GLUON_LATE = (
@@ -130,9 +131,9 @@ def d128_module(sched):
     finally:
         backends.GLUON.variant["tile_schedule_all"] = False
         _render.render.cache_clear()
-    if "_SCHED = 0" not in source:
+    if "_SCHED = 1" not in source:
         raise RuntimeError("no _SCHED in the d128 render")
-    return load_source(source.replace("_SCHED = 0", f"_SCHED = {sched}"), f"{s.name}_sched{sched}")
+    return load_source(source.replace("_SCHED = 1", f"_SCHED = {sched}"), f"{s.name}_sched{sched}")
 
 
 def run_d128() -> None:

@@ -352,8 +352,12 @@ def test_changed_numbers_reach_the_kernel_on_the_same_object_and_on_new_ones(mon
 
 def test_a_call_that_keeps_its_mods_looks_them_up_once(monkeypatch):
     """fagen.attention asks the lowering first (as_switches); a mod that stays reaches the modded path with the
-    Mods already prepared: one trace-cache lookup per call."""
+    Mods already prepared: one trace-cache lookup per call. Lowering off: the document mask would otherwise become
+    varlen switch calls (fagen/mods/split.py), and the point here is a mod that stays."""
+    from fagen.mods import lower as lowering
     from fagen.runtime import modded
+
+    monkeypatch.setattr(lowering, "ENABLED", False)
 
     mask_mod = g.generate_doc_mask_mod(g.causal_mask, g.length_to_offsets([5, 9, 6], DEVICE))
     torch.manual_seed(4)

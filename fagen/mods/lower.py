@@ -272,12 +272,9 @@ def _bounds(atom: ir.Node):
         strict = "<" if op in ("<", ">") else "<="
         low, high = _bounds(ir.binary(strict, band, u)), _bounds(ir.binary(strict, ir.unary("neg", u), band))
         return None if low is None or high is None else (low[0] + high[0], low[1] + high[1])
-    la, lb = _linear(a), _linear(b)
-    if la is None or lb is None or la[1] + lb[1] > MAX_LEAVES:
+    diff = _difference(a, b)
+    if diff is None:
         return None
-    diff = dict(la[0])
-    for key, c in lb[0].items():
-        diff[key] = diff.get(key, 0) - c
     sign = diff.pop("q_idx", 0)
     if sign not in (1, -1) or diff.pop("kv_idx", 0) != -sign:
         return None
@@ -306,6 +303,18 @@ def _bounds(atom: ir.Node):
         if op == ">":
             lower_.append(u.shifted(-1, -1))
     return lower_, upper
+
+
+def _difference(a: ir.Node, b: ir.Node) -> dict | None:
+    """a - b as {leaf: coefficient} where both sides are linear (_linear) within MAX_LEAVES leaves together; else
+    None."""
+    la, lb = _linear(a), _linear(b)
+    if la is None or lb is None or la[1] + lb[1] > MAX_LEAVES:
+        return None
+    diff = dict(la[0])
+    for key, c in lb[0].items():
+        diff[key] = diff.get(key, 0) - c
+    return diff
 
 
 def _linear(node: ir.Node):

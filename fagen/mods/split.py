@@ -8,7 +8,7 @@ import weakref
 
 from fagen.mods import ir
 from fagen.mods import lower as lowering
-from fagen.mods.lower import _FLIP, LIMIT, MAX_LEAVES, Affine, Plan, _bounds, _conjuncts, _distance, _linear
+from fagen.mods.lower import _FLIP, LIMIT, Affine, Plan, _bounds, _conjuncts, _difference, _distance
 
 _PLANS: dict[tuple, Plan | None] = {}
 
@@ -56,12 +56,9 @@ def _key_limit(atom: ir.Node) -> Affine | None:
         op, a, b = atom.op, atom.a, atom.b
     else:
         return None
-    la, lb = _linear(a), _linear(b)
-    if la is None or lb is None or la[1] + lb[1] > MAX_LEAVES:
+    diff = _difference(a, b)
+    if diff is None:
         return None
-    diff = dict(la[0])
-    for key, c in lb[0].items():
-        diff[key] = diff.get(key, 0) - c
     sign = diff.pop("kv_idx", 0)
     if sign not in (1, -1) or diff.pop("q_idx", 0):
         return None

@@ -249,8 +249,9 @@ class ModCode:
                       "    g_in = start_m < stride_sh  # a block-mask block's steps may reach past S_pad"]
             if cls == TILE:
                 lines += ["    gpos = (g_bh * g_nk + n0 // BLOCK_N) * g_nq + start_m // BLOCK_M",
-                          f"    tl.store(MG{k} + gpos, tl.sum(tl.sum(gval, 1), 0), mask=g_in)",
-                          f"    tl.store(MGI{k} + g_bh, ({linear('start_m', 'n0')}).to(tl.int64), mask=g_in)"]
+                          "    if g_in:  # a branch, not a scalar mask (triton 3.9's interpreter refuses those)",
+                          f"        tl.store(MG{k} + gpos, tl.sum(tl.sum(gval, 1), 0))",
+                          f"        tl.store(MGI{k} + g_bh, ({linear('start_m', 'n0')}).to(tl.int64))"]
             elif cls == ROW:
                 lines += ["    gpos = (g_bh * g_nk + n0 // BLOCK_N) * stride_sh + rows",
                           f"    tl.store(MG{k} + gpos, tl.sum(gval, 0), mask=rows < stride_sh)",
@@ -258,9 +259,10 @@ class ModCode:
                           f"mask=rows < {q_in})"]
             elif cls == COLUMN:
                 lines += ["    gpos = (g_bh * g_nq + start_m // BLOCK_M) * (g_nk * BLOCK_N) + cols",
-                          f"    tl.store(MG{k} + gpos, tl.sum(gval, 1), mask=g_in)",
-                          f"    tl.store(MGI{k} + g_bh * (g_nk * BLOCK_N) + cols, ({linear('start_m', 'cols')})"
-                          f".to(tl.int64), mask=g_in & (cols < {kv_in}))"]
+                          "    if g_in:  # a branch, not a scalar in the mask (triton 3.9's interpreter refuses those)",
+                          f"        tl.store(MG{k} + gpos, tl.sum(gval, 1))",
+                          f"        tl.store(MGI{k} + g_bh * (g_nk * BLOCK_N) + cols, ({linear('start_m', 'cols')})"
+                          f".to(tl.int64), mask=cols < {kv_in})"]
             else:  # DIAGONAL: r = i - j + BLOCK_N - 1 of query i, key j, gathered DIAGONALS diagonals at a time
                 chunks = "((BLOCK_M + BLOCK_N - 2) // BLOCK_M + 1)"  # of BLOCK_M diagonals (a constexpr)
                 lines += [f"    g_len = (g_nq + {chunks} - 1) * BLOCK_M + (g_nk - 1) * BLOCK_N  # diagonals per (b, h)",
@@ -272,9 +274,10 @@ class ModCode:
                           "        g_ok = (g_j >= 0) & (g_j < BLOCK_N)",
                           "        g_sum = tl.sum(tl.where(g_ok, tl.gather(gval, tl.where(g_ok, g_j, 0), 0), 0.0), 1)",
                           "        g_p = start_m + g_r + g_kb * BLOCK_N  # the diagonal's place in its (b, h) line",
-                          "        g_keep = g_in & (g_r < BLOCK_M + BLOCK_N - 1)",
+                          "        g_keep = g_r < BLOCK_M + BLOCK_N - 1",
                           f"        g_row = (g_bh * g_nk + g_kb) * {chunks} + g_r // BLOCK_M",
-                          f"        tl.store(MG{k} + g_row * g_len + g_p, g_sum, mask=g_keep)",
                           f"        g_idx = {linear('start_m + g_r', 'n0 + BLOCK_N - 1')}  # at one (q, kv) of each",
-                          f"        tl.store(MGI{k} + g_bh * g_len + g_p, g_idx.to(tl.int64), mask=g_keep)"]
+                          "        if g_in:  # a branch, not a scalar in the mask (triton 3.9's interpreter refuses those)",
+                          f"            tl.store(MG{k} + g_row * g_len + g_p, g_sum, mask=g_keep)",
+                          f"            tl.store(MGI{k} + g_bh * g_len + g_p, g_idx.to(tl.int64), mask=g_keep)"]
         return "".join(pad + line + "\n" for line in lines)

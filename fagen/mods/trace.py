@@ -68,8 +68,8 @@ def _tb_site(tb) -> str:
 class Traced:
     """A traced pair of mods: the trees, their declarations and the captured values for this call.
 
-    `paths` says where each captured value lives in the user's functions (("score_mod", ("cell", 0), ...)), so a
-    runtime can re-read changed numbers with `read_captures` instead of tracing again."""
+    `paths` says where each captured value lives in the user's functions (("score_mod", ("cell", 0), ...)), so the
+    runtime's trace-cache guards (fagen/runtime/mods.py) re-read changed numbers instead of tracing again."""
     score_mod: ir.Node | None
     mask_mod: ir.Node | None
     tensors: tuple[ModTensor, ...]
@@ -114,33 +114,6 @@ def trace(score_mod=None, mask_mod=None) -> Traced:
         if tree is not None and parse(to_text(tree), field, tensors, scalars) != tree:  # pragma: no cover
             raise AssertionError(f"{field}: the text {to_text(tree)!r} does not parse back to its tree")
     return Traced(trees[0], trees[1], tensors, scalars, tracer.values, tracer.paths)
-
-
-def read_captures(traced: Traced, score_mod=None, mask_mod=None) -> dict[str, Any] | None:
-    """The current value of every captured name, read along `traced.paths` without tracing; None when a value
-    changed kind (an int became a float, a tensor its dtype or rank), which needs a new trace."""
-    import torch
-
-    roots, out = {"score_mod": score_mod, "mask_mod": mask_mod}, {}
-    kinds = {s.name: s.type for s in traced.scalars}
-    decls = {t.name: t for t in traced.tensors}
-    for name, path in traced.paths.items():
-        obj = roots[path[0]]
-        try:
-            for step, key in path[1:]:
-                obj = (obj.__closure__[key].cell_contents if step == "cell" else obj.__globals__[key] if
-                       step == "global" else obj.__defaults__[key] if step == "default" else
-                       obj.__kwdefaults__[key] if step == "kwdefault" else obj[key])
-        except (AttributeError, IndexError, KeyError, TypeError, ValueError):
-            return None
-        if name in kinds:
-            if isinstance(obj, bool) or not isinstance(obj, (int, float)) or _num_type(obj) != kinds[name]:
-                return None
-        elif not (isinstance(obj, torch.Tensor) and obj.dim() == decls[name].rank
-                  and tensor_dtype(obj) == decls[name].dtype):
-            return None
-        out[name] = obj
-    return out
 
 
 def _num_type(v) -> str:

@@ -69,13 +69,9 @@ def clear() -> None:
     _CACHE.clear()
 
 
-def _root(fn):
-    return fn.__code__ if type(fn) is _FN else id(fn)  # another callable: checked by identity (kept alive)
-
-
 def prepare(score_mod=None, mask_mod=None) -> Mods:
     """The Mods of these functions: from the trace cache, or traced ([Note] Trace cache)."""
-    key = (score_mod.__code__ if type(score_mod) is _FN else id(score_mod),  # _root, inline: every call runs it
+    key = (score_mod.__code__ if type(score_mod) is _FN else id(score_mod),  # another callable: by identity (kept alive)
            mask_mod.__code__ if type(mask_mod) is _FN else id(mask_mod))
     entries = _CACHE.get(key)
     if entries:

@@ -91,17 +91,23 @@ def test_decode_bytes():
 
 SCORE_ROWS = ["fwd-d128-causal-s32k", "fwd-d128-win4k-s32k", "fwd-d128-softcap-causal-s16k",
               "fwd-gptoss-d64-win128-sink-s8k"]
+BWD_ROWS = ["bwd-d128-full-s16k", "bwd-gqa-d128-causal-s4k", "bwd-d64-causal-s16k"]
 
 
 def test_standard_suite_is_the_issue_table():
     cases = standard_suite()
-    assert [c.name for c in cases] == list(TARGETS) + SCORE_ROWS
+    assert [c.name for c in cases] == list(TARGETS) + SCORE_ROWS + BWD_ROWS
     assert all(c.dtype is DType.BF16 for c in cases)
     by = {c.name: c for c in cases}
     for name in ("fwd-d128-full-s16k", "fwd-d128-causal-s16k", "fwd-d64-causal-s16k", "bwd-d128-causal-s16k"):
         c = by[name]
         assert c.heads_q * c.head_dim == 2048 and c.batch * c.seq_q == 16384 and c.seq_q == c.seq_k
     assert by["bwd-d128-causal-s16k"].direction is Direction.BWD
+    for name in BWD_ROWS:
+        c = by[name]
+        assert c.direction is Direction.BWD and RELATIVE_TARGETS[name] == (("sdpa-cudnn", 0.95),)
+        assert (c.heads_q * c.head_dim, c.batch * c.seq_q) == (2048, 16384) or c.heads_kv < c.heads_q
+    assert (by["bwd-gqa-d128-causal-s4k"].heads_q, by["bwd-gqa-d128-causal-s4k"].heads_kv) == (32, 8)
     g = by["fwd-gqa-d128-causal-s4k"]
     assert (g.batch, g.heads_q, g.heads_kv, g.seq_q, g.mask) == (4, 32, 8, 4096, Mask.CAUSAL)
     p = by["fwd-causalpad-d128-s8k"]
@@ -113,7 +119,7 @@ def test_standard_suite_is_the_issue_table():
         d = by[name]
         assert (d.batch, d.heads_q, d.heads_kv, d.seq_q, d.seq_k, d.metric) == (b, 32, 8, 1, sk, "gbs")
     quick = standard_suite(quick=True)
-    assert [c.name for c in quick] == list(TARGETS) + SCORE_ROWS
+    assert [c.name for c in quick] == list(TARGETS) + SCORE_ROWS + BWD_ROWS
     assert all(q.seq_k < c.seq_k and q.heads_q < c.heads_q for q, c in zip(quick, cases))
     for c in cases + quick:  # cases travel to worker processes as JSON
         assert BenchCase.from_dict(json.loads(json.dumps(c.to_dict()))) == c

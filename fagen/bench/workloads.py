@@ -300,6 +300,23 @@ def standard_suite(quick: bool = False) -> list[BenchCase]:
         make_case("decode-d128-kv32k-b8", head_dim=128, mask="none", batch=b(8), heads_q=h(32), heads_kv=h(8),
                   seq_q=1, seq_k=s(32768)),
         *score_rows(quick),
+        *backward_rows(quick),
+    ]
+
+
+def backward_rows(quick: bool = False) -> list[BenchCase]:
+    """Issue 28's backward rows beside bwd-d128-causal-s16k: non-causal, GQA 32/8 and d64, each against cuDNN
+    (RELATIVE_TARGETS: >= 0.95x in the deterministic mode, the one fagen ships)."""
+    s = (lambda n: max(1, n // 64)) if quick else (lambda n: n)
+    h = (lambda n: max(1, n // 4)) if quick else (lambda n: n)
+    b = (lambda n: min(n, 2)) if quick else (lambda n: n)
+    return [
+        make_case("bwd-d128-full-s16k", head_dim=128, mask="none", batch=1, heads_q=h(16), heads_kv=h(16),
+                  seq_q=s(16384), seq_k=s(16384), direction="bwd"),
+        make_case("bwd-gqa-d128-causal-s4k", head_dim=128, mask="causal", batch=b(4), heads_q=h(32),
+                  heads_kv=h(8), seq_q=s(4096), seq_k=s(4096), direction="bwd"),
+        make_case("bwd-d64-causal-s16k", head_dim=64, mask="causal", batch=1, heads_q=h(32), heads_kv=h(32),
+                  seq_q=s(16384), seq_k=s(16384), direction="bwd"),
     ]
 
 
@@ -313,6 +330,9 @@ def standard_suite(quick: bool = False) -> list[BenchCase]:
 RELATIVE_TARGETS = {
     "fwd-d128-win4k-s32k": (("flex", 1.3), ("fwd-d128-causal-s32k", 0.9)),
     "fwd-d128-softcap-causal-s16k": (("fwd-d128-causal-s16k", 0.9),),
+    # Issue 28: the backward against cuDNN, >= 0.95x in the deterministic mode (the one fagen ships).
+    **{case: (("sdpa-cudnn", 0.95),) for case in ("bwd-d128-causal-s16k", "bwd-d128-full-s16k",
+                                                   "bwd-gqa-d128-causal-s4k", "bwd-d64-causal-s16k")},
 }
 WINDOW = 4096  # the usual "window 4096": a query sees itself and the 4095 keys before it
 SOFTCAP = 50.0  # Gemma 2's attention logit cap

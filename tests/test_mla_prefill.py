@@ -199,7 +199,7 @@ def test_gluon_mla_section_tile_order_deals_every_tile_once_heavy_first_within_l
 
 def test_gluon_tile_schedule_renders_with_its_counter_where_the_backend_rule_says(monkeypatch):
     """The template's `paired` and GluonBackend.tile_schedule (which gives the kernel its TileCounter) agree: MLA
-    causal always; d128 causal only under the measurement variant; never mask none, fp8 or the window."""
+    causal always; every other spec without mods (mask none, fp8, the window) only under the measurement variant."""
     from fagen.codegen import render as render_mod
 
     def rendered(**fields):
@@ -208,10 +208,11 @@ def test_gluon_tile_schedule_renders_with_its_counter_where_the_backend_rule_say
         return "_SCHED = " in src, "TileCounter" in signature
 
     cases = [(dict(head_dim=192, head_dim_v=128, mask="causal"), True, True),
-             (dict(head_dim=192, head_dim_v=128, mask="none"), False, False),
+             (dict(head_dim=192, head_dim_v=128, mask="none"), False, True),
              (dict(head_dim=128, mask="causal"), False, True),
-             (dict(head_dim=128, mask="causal", dtype="fp8_e4m3"), False, False),
-             (dict(head_dim=128, mask="none"), False, False)]
+             (dict(head_dim=128, mask="causal", dtype="fp8_e4m3"), False, True),
+             (dict(head_dim=128, mask="none"), False, True),
+             (dict(head_dim=64, mask="causal", window=True, softcap=True), False, True)]
     for flag in (False, True):
         monkeypatch.setitem(backends.GLUON.variant, "tile_schedule_all", flag)
         render_mod.render.cache_clear()

@@ -125,11 +125,11 @@ class GluonBackend(KernelBackend):
         """Whether the forward of `spec` renders the tile schedule (_SCHED, the tile counter argument; [Note] Tile
         schedule in fagen/templates/gluon/attention.py.j2, which tests the same rule): MLA causal, or with the
         variant's tile_schedule_all any causal bf16/fp16 spec without mods or the window."""
-        if spec.mask is not Mask.CAUSAL or spec.window:
+        if spec.modded:
             return False
-        if (spec.head_dim, spec.head_dim_v) == self.mla_dims:
+        if (spec.head_dim, spec.head_dim_v) == self.mla_dims and spec.mask is Mask.CAUSAL and not spec.window:
             return True
-        return bool(self.variant["tile_schedule_all"]) and spec.dtype is not DType.FP8_E4M3 and not spec.modded
+        return bool(self.variant["tile_schedule_all"])
 
     def smem_bytes(self, spec) -> int:
         return smem_bytes(spec.head_dim, spec.block_m, spec.block_n, spec.num_stages, spec.dtype.itemsize,

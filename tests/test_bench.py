@@ -92,12 +92,13 @@ def test_decode_bytes():
 SCORE_ROWS = ["fwd-d128-causal-s32k", "fwd-d128-win4k-s32k", "fwd-d128-softcap-causal-s16k",
               "fwd-gptoss-d64-win128-sink-s8k"]
 BWD_ROWS = ["bwd-d128-full-s16k", "bwd-gqa-d128-causal-s4k", "bwd-d64-causal-s16k"]
+FP8_ROWS = ["fwd-fp8-d128-causal-s16k", "fwd-fp8-d128-full-s16k"]
 
 
 def test_standard_suite_is_the_issue_table():
     cases = standard_suite()
-    assert [c.name for c in cases] == list(TARGETS) + SCORE_ROWS + BWD_ROWS
-    assert all(c.dtype is DType.BF16 for c in cases)
+    assert [c.name for c in cases] == list(TARGETS) + SCORE_ROWS + BWD_ROWS + FP8_ROWS
+    assert all(c.dtype is (DType.FP8_E4M3 if c.name in FP8_ROWS else DType.BF16) for c in cases)
     by = {c.name: c for c in cases}
     for name in ("fwd-d128-full-s16k", "fwd-d128-causal-s16k", "fwd-d64-causal-s16k", "bwd-d128-causal-s16k"):
         c = by[name]
@@ -119,7 +120,7 @@ def test_standard_suite_is_the_issue_table():
         d = by[name]
         assert (d.batch, d.heads_q, d.heads_kv, d.seq_q, d.seq_k, d.metric) == (b, 32, 8, 1, sk, "gbs")
     quick = standard_suite(quick=True)
-    assert [c.name for c in quick] == list(TARGETS) + SCORE_ROWS + BWD_ROWS
+    assert [c.name for c in quick] == list(TARGETS) + SCORE_ROWS + BWD_ROWS + FP8_ROWS
     assert all(q.seq_k < c.seq_k and q.heads_q < c.heads_q for q, c in zip(quick, cases))
     for c in cases + quick:  # cases travel to worker processes as JSON
         assert BenchCase.from_dict(json.loads(json.dumps(c.to_dict()))) == c
@@ -498,9 +499,10 @@ def test_score_rows_specs_and_baselines():
     suite = scores_suite()
     names = [c.name for c in suite]
     assert names[:4] == SCORE_ROWS and len(set(names)) == len(names)
-    for case, refs in RELATIVE_TARGETS.items():  # every relative target names a peer or a row of both suites
-        for ref, bound in refs:
-            assert ref in IMPLS_ or (ref in names and ref in [c.name for c in standard_suite()]), ref
+    standard = [c.name for c in standard_suite()]
+    for case, refs in RELATIVE_TARGETS.items():  # every relative target names a peer or a row of the standard
+        for ref, bound in refs:                   # suite (of the scores suite too, for a score row)
+            assert ref in IMPLS_ or (ref in standard and (case not in names or ref in names)), ref
     by = {c.name: c for c in suite}
     for name in SCORE_ROWS[1:]:
         spec, _ = by[name].spec("cpu")
@@ -511,6 +513,42 @@ def test_score_rows_specs_and_baselines():
         assert BenchCase.from_dict(json.loads(json.dumps(c.to_dict()))) == c
     with pytest.raises(ValueError, match="window must be"):
         make_case("w", head_dim=16, mask="causal", batch=1, heads_q=1, heads_kv=1, seq_q=4, seq_k=4, window=(-1, 0))
+
+
+def test_fp8_rows_run_the_gluon_fp8_forward_with_descales_against_the_bf16_rows(monkeypatch):
+    """fwd-fp8-d128-{causal,full}-s16k: fagen alone, the gluon fp8 spec, RELATIVE_TARGETS 1.5x fagen's bf16 row of
+    the same shape; k and v are e4m3 with per-KV-head scales that prepare_fagen passes as k_descale / v_descale, and
+    the float64 reference dequantizes them (a forward that ignores the descales fails the check)."""
+    from fagen.bench import impls
+    from fagen.runtime import loader
+
+    by = {c.name: c for c in standard_suite()}
+    for name in FP8_ROWS:
+        c = by[name]
+        bf16 = by[RELATIVE_TARGETS[name][0][0]]
+        assert RELATIVE_TARGETS[name] == ((bf16.name, 1.5),) and not c.peers
+        assert (c.head_dim, c.mask, c.batch, c.heads_q, c.heads_kv, c.seq_q) == \
+            (bf16.head_dim, bf16.mask, bf16.batch, bf16.heads_q, bf16.heads_kv, bf16.seq_q) and bf16.dtype is DType.BF16
+        spec, _ = c.spec("cpu")
+        assert (spec.backend.value, spec.dtype) == ("gluon", DType.FP8_E4M3)
+    case = dataclasses.replace(by[FP8_ROWS[0]], heads_q=2, heads_kv=2, seq_q=70, seq_k=90)
+    cc = CaseContext(case, torch.device("cpu"), 1)
+    s = cc.sets[0]
+    assert s.q.dtype == s.k.dtype == s.v.dtype == torch.float8_e4m3fn and s.scores["k_scale"].shape == (2,)
+
+    def emulated(q, k, v, k_descale=None, v_descale=None, **kw):  # the kernel's math in float64: descales used
+        assert not kw, kw
+        out, lse = reference.attention(q, k, v, mask=case.mask, k_scale=k_descale, v_scale=v_descale)
+        return out.to(torch.bfloat16), lse.float()
+
+    def ignores(q, k, v, **kw):
+        return emulated(q, k, v)
+
+    for fwd, want in ((emulated, "ok"), (ignores, "fail")):
+        module = type("M", (), {"forward": staticmethod(fwd)})
+        monkeypatch.setattr(loader, "load", lambda spec, module=module: module)
+        prepared = impls.prepare_fagen(case, cc)
+        assert check("fagen", prepared, cc)[0] == want, fwd
 
 
 IMPLS_ = ("fagen", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")

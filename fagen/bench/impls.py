@@ -13,7 +13,7 @@ from fagen.bench.cases import (IMPLS, RESTART_EXIT, STATUSES, BenchOptions, Case
 from fagen.bench.check import check
 from fagen.bench.timing import time_prepared
 from fagen.bench.workloads import BWD_FACTOR, BenchCase, flops, fwd_flops, kv_bytes
-from fagen.spec.axes import Direction
+from fagen.spec.axes import Direction, DType
 
 __all__ = ["IMPLS", "STATUSES", "RESTART_EXIT", "BenchOptions", "run_case", "make_record", "describe", "preparers",
            "prepare_fagen"]
@@ -32,6 +32,12 @@ def prepare_fagen(case: BenchCase, cc: CaseContext) -> Prepared:
             raise Unsupported(f"{spec.name} has no backward yet (module.attention missing)")
         return Prepared(lambda s: module.attention(s.q, s.k, s.v, **s.kwargs, **s.scores), note=note,
                         spec=spec.name)
+    if case.dtype is DType.FP8_E4M3:  # k_scale / v_scale (make_inputs) are the fp8 forward's descales; q's is 1
+        def fp8(s):
+            scores = {name: t for name, t in s.scores.items() if name not in ("k_scale", "v_scale")}
+            return module.forward(s.q, s.k, s.v, k_descale=s.scores["k_scale"], v_descale=s.scores["v_scale"],
+                                  **s.kwargs, **scores)
+        return Prepared(fp8, note=note, spec=spec.name)
     return Prepared(lambda s: module.forward(s.q, s.k, s.v, **s.kwargs, **s.scores), note=note, spec=spec.name)
 
 

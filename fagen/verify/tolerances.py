@@ -21,6 +21,11 @@ TOLERANCE = {
     DType.FP32: dict(atol=1e-4, rtol=1e-4),
     DType.FP16: dict(atol=3e-3, rtol=3e-3),
     DType.BF16: dict(atol=2e-2, rtol=2e-2),
+    # fp8 e4m3 forward: P is rounded to e4m3 (2^-4 relative) before P @ V. A CPU emulation of the kernel's numerics
+    # (scripts/gpu_fp8.py emulate) on the bench's inputs (q ~ 3 N(0, 1), k and v with per-head scales 0.5..1.5,
+    # S 1024 / 2048, d128, full and causal) needs atol = rtol = 0.045: 0.1 leaves about 2x. Coarse by nature: the
+    # fp8 checks with teeth (RMSE against the emulation, the bf16 fingerprint) are scripts/gpu_fp8.py's.
+    DType.FP8_E4M3: dict(atol=1e-1, rtol=1e-1),
 }
 # lse is float32 from fp32 scores in every dtype; only its summation order differs from the reference.
 LSE_TOLERANCE = dict(atol=1e-4, rtol=1e-4)

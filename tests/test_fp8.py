@@ -140,15 +140,34 @@ def test_descale_head_strides():
     assert mod._check_descale("k_descale", torch.ones(2, 3)[:, 1], 2, dev)[1] == 3
 
 
+def p_permuted(p):
+    """P's columns as the kernel's _p_operand reorders them ([Note] fp8 P permutation), in torch."""
+    return p.reshape(p.shape[0], p.shape[1] // 32, 2, 2, 2, 2, 2).permute(0, 1, 2, 4, 5, 3, 6).reshape(p.shape)
+
+
 @pytest.mark.parametrize("sk", [1, 37, 130])
 def test_transpose_v_is_v_with_keys_contiguous_and_tma_strides(sk):
-    """Vt [B, Hkv, D, Sk]: equal to V transposed, unit key stride, every other stride a multiple of 16 bytes
-    (TMA), and a view of Sk columns so that the descriptor zero-fills past Sk."""
+    """Vt [B, Hkv, D, Sk rounded up to 32]: V transposed with its keys in P's order within each 32 ([Note] fp8 P
+    permutation), zeros past Sk, unit key stride, every other stride a multiple of 16 bytes (TMA). The kernel's P
+    times it is P V: checked with P reordered as _p_operand does. _P_PERM = 0: V transposed, a view of Sk columns."""
     mod = fagen.load(fp8(gqa=2))
     v = torch.randn(2, sk, 3, 128).to(E4M3).to(DEVICE).transpose(1, 2)  # [B, Hkv, Sk, D], heads inside rows
+    width = (sk + 31) // 32 * 32
     vt = mod.transpose_v(v)
-    assert vt.shape == (2, 3, 128, sk) and vt.dtype is E4M3 and vt.stride(-1) == 1
+    assert vt.shape == (2, 3, 128, width) and vt.dtype is E4M3 and vt.stride(-1) == 1
     assert all(s % 16 == 0 for s in vt.stride()[:3]) and mod._tma_ready(vt)
+    p = torch.rand(64, width, dtype=torch.float64)
+    p[:, sk:] = 0  # keys past Sk: the kernel's P is 0 there
+    want = p[:, :sk] @ v.double().cpu()
+    close = lambda a: torch.allclose(a, want, rtol=1e-12, atol=1e-12)  # noqa: E731 - the same products, reordered
+    assert close(p_permuted(p) @ vt.double().cpu().transpose(-1, -2))
+    assert not close(p @ vt.double().cpu().transpose(-1, -2)) or sk == 1  # the order matters
+    mod._P_PERM = 0
+    try:
+        vt = mod.transpose_v(v)
+    finally:
+        mod._P_PERM = 1
+    assert vt.shape == (2, 3, 128, sk) and mod._tma_ready(vt)
     assert torch.equal(vt.view(torch.uint8), v.transpose(2, 3).view(torch.uint8))
 
 

@@ -44,7 +44,7 @@ DRY = os.environ.get("GPU_FWD_SCHED_DRY") == "1"
 MOCK = os.environ.get("GPU_FWD_SCHED_MOCK") == "1"
 DEV = "cpu" if MOCK else "cuda"
 SCHEDS = (0, 1, 2, 3)
-PHASE_TIMEOUT = {"build": 75, "check": 100, "time": 110}
+PHASE_TIMEOUT = {"build": 75, "check": 100, "time": 110, "bench": 60}
 T0 = time.time()
 
 # Timed cases: (label, spec fields, B, Hq, Hkv, S)
@@ -73,6 +73,9 @@ EDGE_CASES = (
 # scores can (the fp8 wgmma's fast accumulation). Each row: the render, and S with max_num_imprecise_acc in FP8_ACC.
 FP8_OUTLIERS = ((128, "none", 1, 1, 4, 4096, 4096, False, None), (128, "causal", 1, 1, 4, 4096, 4096, False, None))
 FP8_ACC = (32, 64)
+FP8_STAGES = (3, 2)  # the fp8 K/V ring beside the default 4 slots
+# The standard suite's rows through fagen's bench (check against the float64 slices, then time), fagen and cuDNN.
+BENCH_ROWS = ("fwd-fp8-d128-causal-s16k", "fwd-fp8-d128-full-s16k")  # the bf16 rows: the time phase
 FP8_EDGES = ((128, "causal", 1, 2, 8, 1100, 1100, False, None), (128, "none", 4, 2, 2, 1000, 1537, True, None))
 if MOCK:
     TIME_CASES = tuple((lb, f, 1, hq // b, hkv // b, 256) for lb, f, b, hq, hkv, _ in TIME_CASES)
@@ -176,6 +179,7 @@ def all_modules():
     for _, fields, *_ in TIME_CASES:
         if fields.get("dtype") == "fp8_e4m3":
             out += [(fields, None, acc) for acc in FP8_ACC + ("inorder",)]
+            out += [({**fields, "num_stages": st}, n) for st in FP8_STAGES for n in (None, 2)]
     seen, uniq = set(), []
     for f, n, *acc in out:
         f = {"dtype": "bf16", **f}
@@ -417,6 +421,11 @@ def phase_time():
             for acc in FP8_ACC:
                 run(f"gluon plain, S acc {acc}", lambda acc=acc: gluon(None, acc))
             run("gluon plain, P keys in order (_P_PERM 0)", lambda: gluon(None, "inorder"))
+            for stages in FP8_STAGES:
+                run(f"gluon plain s{stages}", lambda stages=stages: (
+                    lambda m=variant({**fields, "num_stages": stages}, None): lambda: m.forward(*args, **kw))())
+                run(f"gluon _SCHED 2 s{stages}", lambda stages=stages: (
+                    lambda m=variant({**fields, "num_stages": stages}, 2): lambda: m.forward(*args, **kw))())
         q = k = v = args = kv_sdpa = ref = None
         if not MOCK:
             torch.cuda.empty_cache()
@@ -434,6 +443,29 @@ def phase_time():
         sync()
         us = (time.perf_counter() - t) / calls * 1e6
         emit(section="host", case="b1 h1 s256 d128 causal", impl=impl, value=f"{us:.1f} us/call")
+
+
+def phase_bench():
+    """BENCH_ROWS as `fagen bench --suite standard --impl fagen --impl sdpa-cudnn --case ...` runs them (one input
+    set): the fp8 rows' check (descales, the fp8 tolerance) and their ratio to the bf16 rows."""
+    from fagen.bench.cases import BenchOptions
+    from fagen.bench.impls import run_case
+    from fagen.bench.workloads import RELATIVE_TARGETS, standard_suite
+    by = {c.name: c for c in standard_suite(quick=MOCK)}
+    opts = BenchOptions(device=DEV, impls=("fagen", "sdpa-cudnn"), sets=1, rep_ms=100.0)
+    got = {}
+    for name in BENCH_ROWS:
+        for rec in run_case(by[name], opts, log=lambda line: print(line, flush=True)):
+            got[(name, rec["impl"])] = rec.get("tflops")
+            emit(section="bench", case=name, impl=rec["impl"], value=f"{rec['tflops']:.1f}" if rec.get("tflops")
+                 else rec["status"], note=f"check {rec.get('check')} {rec.get('note', '')}"[:160])
+    for name, refs in RELATIVE_TARGETS.items():
+        if name in BENCH_ROWS:
+            for ref, bound in refs:
+                mine, theirs = got.get((name, "fagen")), got.get((ref, "fagen"))
+                if mine and theirs:
+                    emit(section="bench", case=name, impl=f"/ {ref}", value=f"{mine / theirs:.2f}x",
+                         note=f"target >= {bound}x: {'met' if mine / theirs >= bound else 'MISSED'}")
 
 
 # -- dry run ---------------------------------------------------------------------------------------------------
@@ -467,7 +499,7 @@ def table(rows):
 
 def main():
     if len(sys.argv) > 2 and sys.argv[1] == "--phase":
-        {"build": phase_build, "check": phase_check, "time": phase_time}[sys.argv[2]]()
+        {"build": phase_build, "check": phase_check, "time": phase_time, "bench": phase_bench}[sys.argv[2]]()
         return
     if DRY:
         sys.exit(0 if dry_run() else 1)

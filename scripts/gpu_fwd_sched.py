@@ -17,8 +17,11 @@ Phases, each in a child process with a timeout (a kernel that faults or hangs co
          checks of scripts/gpu_fp8.py), each called twice (the counter must be back at 0), and _SCHED 2 under CUDA
          graph replay;
   time   TF/s (do_bench median) of each order for bf16 d128 / d64 causal / full B1 H16 s16k, GQA 32/8 B4 s4k d128,
-         fp8 d128 causal / full s16k, SDPA cuDNN bf16 in the same process; each out compared with cuDNN's; then the
-         host cost of one small call (B1 H1 s256) for plain and the counter.
+         fp8 d128 causal / full s16k, SDPA cuDNN bf16 in the same process; each out compared with cuDNN's; fp8 also
+         with S's fp32 promotion every 32 / 64 products, with P's keys in order (_P_PERM 0, [Note] fp8 P
+         permutation), and with 3 / 2 K/V slots; then the host cost of one small call (B1 H1 s256);
+  bench  the standard suite's fp8 rows through fagen's bench (the check against the float64 slices, then TF/s).
+fp8 checks also run with 0.1% outliers x10 (the lse failure of the first run), for the render and the S variants.
 """
 
 from __future__ import annotations

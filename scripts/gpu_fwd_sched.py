@@ -424,6 +424,14 @@ def phase_time():
             for acc in FP8_ACC:
                 run(f"gluon plain, S acc {acc}", lambda acc=acc: gluon(None, acc))
             run("gluon plain, P keys in order (_P_PERM 0)", lambda: gluon(None, "inorder"))
+            for tag in (None, "inorder"):  # the V transpose alone (in the rows above): keys permuted / in order
+                try:
+                    m = variant(fields, None, tag)
+                    ms = bench(lambda m=m: m.transpose_v(args[2]))
+                    emit(section="time", case=label, impl=f"transpose_v alone{', keys in order' if tag else ''}",
+                         value=f"{ms * 1e3:.1f} us", ms=ms)
+                except Exception as e:  # noqa: BLE001
+                    emit(section="time", case=label, impl="transpose_v alone", value="ERROR", note=str(e)[:120])
             for stages in FP8_STAGES:
                 run(f"gluon plain s{stages}", lambda stages=stages: (
                     lambda m=variant({**fields, "num_stages": stages}, None): lambda: m.forward(*args, **kw))())

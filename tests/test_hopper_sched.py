@@ -32,6 +32,32 @@ def scheduled(sched: int, **fields):
     return load_source(source, f"{spec.name}_test_sched{sched}")
 
 
+@pytest.mark.parametrize("causal_order", [None, 2])
+def test_the_rendered_order_is_the_backend_rule_s(monkeypatch, causal_order):
+    """The template's _SCHED and whether it renders a schedule follow GluonBackend.tile_order / tile_schedule ([Note]
+    Gluon tile order): MLA causal 1; causal without the window or a mod the variant's causal_order; else none."""
+    monkeypatch.setitem(backends.GLUON.variant, "causal_order", causal_order)
+    render_mod.render.cache_clear()
+    cases = [dict(head_dim=192, head_dim_v=128, mask="causal"), dict(head_dim=192, head_dim_v=128, mask="none"),
+             dict(mask="causal"), dict(mask="causal", gqa=4, dtype="fp16"), dict(head_dim=64, mask="causal"),
+             dict(mask="causal", dtype="fp8_e4m3"), dict(mask="causal", softcap=True), dict(mask="none"),
+             dict(mask="causal", window=True), dict(mask="none", dtype="fp8_e4m3")]
+    try:
+        for fields in cases:
+            spec = KernelSpec(backend="gluon", **{"head_dim": 128, "dtype": "bf16", **fields})
+            src = fagen.generate(spec)
+            order = backends.GLUON.tile_order(spec)
+            got = re.search(r"^_SCHED = (\d)", src, flags=re.M)
+            assert (int(got.group(1)) if got else None) == order, (fields, order)
+            assert ("TileCounter" in src) == backends.GLUON.tile_schedule(spec) == (order is not None), fields
+            if spec.head_dim == 192 and str(spec.mask) == "causal":
+                assert order == 1
+            elif str(spec.mask) == "causal" and not spec.window:
+                assert order == causal_order, fields
+    finally:
+        render_mod.render.cache_clear()
+
+
 class _Streams:
     """torch.cuda's stream hooks, faked: the current stream's handle and whether it is capturing."""
 

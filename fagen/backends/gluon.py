@@ -78,7 +78,9 @@ class GluonBackend(KernelBackend):
     # tile_schedule_all: render the tile schedule ([Note] Tile schedule in the template, _SCHED) for every causal
     # bf16/fp16 forward without mods or the window, not only MLA's; off in the product (d128 keeps its loop and order),
     # on only where scripts/gpu_mla_prefill.py renders d128 variants to time them.
-    variant = {"consumer_regs": 240, "loader_regs": 24, "tile_schedule_all": False}
+    # causal_order: the _SCHED the product renders for a causal spec without the window or a mod (bf16, fp16 and
+    # fp8, d64 and d128; MLA keeps 1, paired), or None for the plain loop ([Note] Gluon tile order).
+    variant = {"consumer_regs": 240, "loader_regs": 24, "tile_schedule_all": False, "causal_order": None}
 
     # [Note] Gluon selection rule. The cases where the H100 measurements of docs/hopper.md show the gluon forward
     # beating the Triton one: a prefill forward, head_dim 128, bf16, mask none (any gqa: +5% full s16k) or causal
@@ -121,15 +123,23 @@ class GluonBackend(KernelBackend):
             return {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 4}
         return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2 if spec.head_dim >= 128 else 3}
 
+    def tile_order(self, spec) -> int | None:
+        """The tile order (_SCHED) the product renders for `spec`, or None for the plain persistent loop ([Note] Gluon
+        tile order): MLA causal 1 (paired); other causal specs without the window or a mod the variant's
+        causal_order; the template computes the same ({% set order %} in fagen/templates/gluon/attention.py.j2)."""
+        if spec.modded or spec.mask is not Mask.CAUSAL or spec.window:
+            return None
+        if (spec.head_dim, spec.head_dim_v) == self.mla_dims:
+            return 1
+        return self.variant["causal_order"]
+
     def tile_schedule(self, spec) -> bool:
         """Whether the forward of `spec` renders the tile schedule (_SCHED, the tile counter argument; [Note] Tile
-        schedule in fagen/templates/gluon/attention.py.j2, which tests the same rule): MLA causal, or with the
-        variant's tile_schedule_all any causal bf16/fp16 spec without mods or the window."""
+        schedule in fagen/templates/gluon/attention.py.j2, which tests the same rule): where the product has a tile
+        order, or with the variant's tile_schedule_all any spec without a mod (a measurement variant)."""
         if spec.modded:
             return False
-        if (spec.head_dim, spec.head_dim_v) == self.mla_dims and spec.mask is Mask.CAUSAL and not spec.window:
-            return True
-        return bool(self.variant["tile_schedule_all"])
+        return self.tile_order(spec) is not None or bool(self.variant["tile_schedule_all"])
 
     def smem_bytes(self, spec) -> int:
         return smem_bytes(spec.head_dim, spec.block_m, spec.block_n, spec.num_stages, spec.dtype.itemsize,

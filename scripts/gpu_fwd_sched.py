@@ -243,7 +243,7 @@ def phase_build():
     jobs = [("attention", f, b, hq, hkv) for _, f, b, hq, hkv, _ in TIME_CASES if f.get("dtype") != "fp8_e4m3"]
     jobs += all_modules()
     log(f"== build: {len(jobs)} modules")
-    with mp.get_context("spawn").Pool(min(12, os.cpu_count() or 4)) as pool:
+    with mp.get_context("spawn").Pool(max(2, min(15, (os.cpu_count() or 4) - 1))) as pool:
         for msg in pool.imap_unordered(_job, jobs):
             log(msg)
 

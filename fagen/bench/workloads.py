@@ -303,7 +303,9 @@ def standard_suite(quick: bool = False) -> list[BenchCase]:
                   seq_q=1, seq_k=s(32768)),
         *score_rows(quick),
         *backward_rows(quick),
-        *fp8_rows(quick),
+        *(make_case(f"fwd-fp8-d128-{name}-s16k", head_dim=128, mask=mask, batch=1, heads_q=h(16), heads_kv=h(16),
+                    seq_q=s(16384), seq_k=s(16384), dtype="fp8_e4m3", peers=False)  # issue 28's fp8 forward: fagen
+          for name, mask in (("causal", "causal"), ("full", "none"))),              # alone (no SDPA peer takes fp8)
     ]
 
 
@@ -323,16 +325,6 @@ def backward_rows(quick: bool = False) -> list[BenchCase]:
     ]
 
 
-def fp8_rows(quick: bool = False) -> list[BenchCase]:
-    """Issue 28's fp8 forward (README "fp8 forward") at the shapes of fwd-d128-causal-s16k and fwd-d128-full-s16k,
-    fagen alone (no peer takes fp8 inputs through SDPA), against fagen's own bf16 row: RELATIVE_TARGETS 1.5x."""
-    s = (lambda n: max(1, n // 64)) if quick else (lambda n: n)
-    h = (lambda n: max(1, n // 4)) if quick else (lambda n: n)
-    return [make_case(f"fwd-fp8-d128-{name}-s16k", head_dim=128, mask=mask, batch=1, heads_q=h(16), heads_kv=h(16),
-                      seq_q=s(16384), seq_k=s(16384), dtype="fp8_e4m3", peers=False)
-            for name, mask in (("causal", "causal"), ("full", "none"))]
-
-
 # [Note] Score-switch rows (issue 15)
 # A sliding window is scored on the keys it visits (fwd_flops counts visible pairs), so its TF/s is comparable
 # with fagen's own dense causal at the same length: the baseline row fwd-d128-causal-s32k (fagen only). The
@@ -346,9 +338,8 @@ RELATIVE_TARGETS = {
     # Issue 28: the backward against cuDNN, >= 0.95x in the deterministic mode (the one fagen ships).
     **{case: (("sdpa-cudnn", 0.95),) for case in ("bwd-d128-causal-s16k", "bwd-d128-full-s16k",
                                                    "bwd-gqa-d128-causal-s4k", "bwd-d64-causal-s16k")},
-    # Issue 28: the fp8 forward against fagen's own bf16 forward of the same shape (fp8_rows).
-    "fwd-fp8-d128-causal-s16k": (("fwd-d128-causal-s16k", 1.5),),
-    "fwd-fp8-d128-full-s16k": (("fwd-d128-full-s16k", 1.5),),
+    # Issue 28: the fp8 forward rows against fagen's own bf16 forward of the same shape.
+    **{f"fwd-fp8-d128-{m}-s16k": ((f"fwd-d128-{m}-s16k", 1.5),) for m in ("causal", "full")},
 }
 WINDOW = 4096  # the usual "window 4096": a query sees itself and the 4095 keys before it
 SOFTCAP = 50.0  # Gemma 2's attention logit cap
@@ -447,11 +438,9 @@ def make_inputs(case: BenchCase, device: torch.device, seed: int) -> InputSet:
         kwargs["tree_mask"] = reference.ancestors_from_parents(torch.tensor(case.parents)).to(device)
     dout = normal(*q.shape[:3], case.head_dim_v) if case.direction is Direction.BWD else None
     scores = score_inputs(case, device, seed)
-    if case.kv_dtype is not None or case.dtype is DType.FP8_E4M3:  # fp8 k, v with per-KV-head scales: what k, v
-        # mean is their product (an fp8 forward takes them as k_descale / v_descale; q's descale is 1)
-        if case.kv_dtype is not None:
-            kv_dtype = getattr(torch, tables.TORCH_KV_DTYPE[KVDType(case.kv_dtype)])
-            k, v = k.to(kv_dtype), v.to(kv_dtype)
+    if case.kv_dtype is not None or case.dtype is DType.FP8_E4M3:  # fp8 k, v (a cache, or the fp8 forward's
+        kv_dtype = getattr(torch, tables.TORCH_KV_DTYPE[KVDType(case.kv_dtype or "fp8_e4m3")])  # k_descale, v_descale)
+        k, v = k.to(kv_dtype), v.to(kv_dtype)  # with per-KV-head scales: what k, v mean is their product
         scales = torch.Generator(device="cpu").manual_seed(seed + 8)
         for name in ("k_scale", "v_scale"):
             scores[name] = (0.5 + torch.rand(case.heads_kv, generator=scales)).to(device)

@@ -32,7 +32,7 @@ def test_a_spec_never_picks_gluon_by_itself():
 
 @pytest.mark.parametrize("fields,picked", [
     (dict(mask="none"), True), (dict(mask="causal", gqa=4), True),
-    (dict(mask="causal"), False),  # MHA causal: the Triton forward won the three latest H100 runs
+    (dict(mask="causal"), True),  # MHA causal: with the tile counter order ([Note] Gluon tile order)
     (dict(mask="causal", head_dim=64), False),  # d64: the Triton forward is faster (docs/hopper.md)
     (dict(mask="causal", dtype="fp16"), False),  # fp16: a tie
     (dict(mask="padding"), False), (dict(mask="causal", direction="bwd"), False),
@@ -44,6 +44,15 @@ def test_the_rule_picks_measured_wins_only(as_if_hopper, fields, picked):
     if spec.direction.value == "fwd":
         got = hopper.forward_spec(spec, torch.device("cuda"))
         assert got == (gluon(mask=spec.mask, gqa=spec.gqa) if picked else None)
+
+
+def test_mha_causal_is_picked_only_with_a_tile_order(as_if_hopper, monkeypatch):
+    """[Note] Gluon tile order: the gluon forward beat the Triton one at MHA causal only with the tile counter; without
+    an order the Triton forward keeps it (GQA causal is the gluon forward's either way)."""
+    from fagen import backends
+    monkeypatch.setitem(backends.GLUON.variant, "causal_order", None)
+    assert not hopper.selected(KernelSpec(head_dim=128, mask="causal", dtype="bf16"))
+    assert hopper.selected(KernelSpec(head_dim=128, mask="causal", dtype="bf16", gqa=4))
 
 
 @pytest.mark.parametrize("fields,picked", [

@@ -69,5 +69,8 @@ def test_the_gluon_selection_rule_is_the_descriptors():
     assert hopper.selected == backends.GLUON.selected
     case = dict(head_dim=128, dtype="bf16", gqa=4)
     assert backends.GLUON.selected(fagen.KernelSpec(mask="causal", **case))
-    assert not backends.GLUON.selected(fagen.KernelSpec(mask="causal", **{**case, "gqa": 1}))  # MHA causal: Triton
+    # MHA causal: the gluon forward with a tile order ([Note] Gluon tile order), the Triton one without
+    assert backends.GLUON.selected(fagen.KernelSpec(mask="causal", **{**case, "gqa": 1})) == \
+        (backends.GLUON.variant["causal_order"] is not None)
+    assert not backends.GLUON.selected(fagen.KernelSpec(mask="causal", **{**case, "head_dim": 64}))  # d64: Triton
     assert not backends.TRITON.selected(fagen.KernelSpec(mask="causal", **case))

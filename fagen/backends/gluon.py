@@ -80,22 +80,25 @@ class GluonBackend(KernelBackend):
     # on only where scripts/gpu_mla_prefill.py renders d128 variants to time them.
     # causal_order: the _SCHED the product renders for a causal spec without the window or a mod (bf16, fp16 and
     # fp8, d64 and d128; MLA keeps 1, paired), or None for the plain loop ([Note] Gluon tile order).
-    variant = {"consumer_regs": 240, "loader_regs": 24, "tile_schedule_all": False, "causal_order": 2}
+    variant = {"consumer_regs": 240, "loader_regs": 24, "tile_schedule_all": False, "causal_order": 3}
 
     # [Note] Gluon tile order. The persistent forward deals its tiles in an order ([Note] Tile schedule in the
     # template): causal query blocks differ in work, so the order decides how evenly the programs finish. H100,
     # d128 bf16 causal B1 H16 s16k (fifth session, scripts/gpu_mla_prefill.py): the tile counter (2, FA3's dynamic
     # scheduler) 685 TF/s, L2 sections (3) 673, the plain loop 598; MLA 192/128 causal b4 h16 s4k: paired (1) 664,
-    # sections 655, counter 631, the loop 541. So causal specs take the counter and MLA keeps paired; mask none and
-    # the window keep the plain loop. docs/hopper.md, "Tile order", has the sixth session's edge checks and times.
+    # sections 655, counter 631, the loop 541. Sixth session (scripts/gpu_fwd_sched.py, H100, one run): d128 causal
+    # s16k sections 691 TF/s, paired 648, the loop 615, the counter 594 / 607 (two rows of the same kernel: the
+    # noise is a few %); GQA 32/8 causal b4 s4k all orders 581..608; d64 causal 431..449. So causal specs take
+    # sections (3, best or second in both runs) and MLA keeps paired; mask none and the window keep the plain loop
+    # (docs/hopper.md, "Tile order").
 
     # [Note] Gluon selection rule. The cases where the H100 measurements of docs/hopper.md show the gluon forward
     # beating the Triton one: a prefill forward, head_dim 128, bf16, mask none (any gqa: +5% full s16k) or causal
     # with gqa > 1 (+13% gqa 32/8 causal s4k). MHA causal only with a tile order (variant causal_order, [Note] Gluon
     # tile order): without one the Triton forward won it in the three latest runs (s16k Triton / Gluon TF/s: 558 /
     # 550 in benchmarks/hopper/6-integration, 559 / 543 and 562 / 543 in benchmarks/scores.md); with the tile
-    # counter the gluon forward read 685 against 598 without (H100, fifth session), the Triton one 582 the sixth
-    # session. Not d64 (-7%), not fp16 (496 vs 493 TF/s, a tie), not
+    # counter the gluon forward read 685 against 598 without (H100, fifth session), with sections 691 against 615 (sixth
+    # session), the Triton one 582. Not d64 (-7%), not fp16 (496 vs 493 TF/s, a tie), not
     # padding/tree masks (no such kernel). With score switches: causal with the window switch alone (any gqa),
     # where the gluon forward's block skipping measured +9% over the Triton one (window 4096 at s32k, d128 bf16,
     # MHA: 540 vs 497 TF/s, same run; docs/hopper.md, "Score switches in the forward"). Not the softcap (470 vs

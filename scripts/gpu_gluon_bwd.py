@@ -1,0 +1,278 @@
+"""Gluon backwards with a dedicated dQ warp (lab/gluon_bwd.py, issue 28) on an H100/H200: checks, then one table.
+
+    PYTHONPATH=$PWD python3 scripts/gpu_gluon_bwd.py          # every phase, each in a child with a timeout
+    python scripts/gpu_gluon_bwd.py --phase check             # one phase here (no child, no timeout)
+    GPU_GLUON_BWD_DRY=1 python scripts/gpu_gluon_bwd.py       # any machine: sm_90 builds, ptxas numbers only
+
+Checks (bf16): each variant against a float64 autograd reference at small shapes (S not a multiple of the block,
+causal and none, GQA), relative Frobenius error beside fagen's Triton backward's on the same inputs; exact zeros
+(a row that sees one key: dQ = dK = 0 bitwise, README "gradients"); bitwise repeatability of the deterministic
+mode over 3 runs. Timing (triton.testing.do_bench median, backward only, TF/s = 2.5 x forward FLOPs / time): the
+variants, fagen's shipped Triton backward and SDPA's cuDNN backward in the same process, one table at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+# (name, variant, dq_mode); dq_mode 2/3 are diagnostics (wrong dQ): timed, not checked.
+VARIANTS = [("v0-det", "v0", 0), ("v0-nondet", "v0", 1), ("v0-nohandoff*", "v0", 3),
+            ("v1-det", "v1", 0), ("v1-nondet", "v1", 1), ("v1-noreduce*", "v1", 2)]
+CHECKED = [v for v in VARIANTS if v[2] in (0, 1)]
+# (case, B, Hq, Hkv, S, D, causal, variants timed)
+CASES = [("d128 causal B1 H16 s16k", 1, 16, 16, 16384, 128, True, None),
+         ("d128 full B1 H16 s16k", 1, 16, 16, 16384, 128, False, ("v0-det", "v0-nondet", "v1-det", "v1-nondet")),
+         ("gqa 32/8 causal B4 s4k", 4, 32, 8, 4096, 128, True, ("v0-det", "v0-nondet", "v1-det", "v1-nondet")),
+         ("d64 causal B1 H32 s16k", 1, 32, 32, 16384, 64, True, ("v1-det", "v1-nondet"))]
+PHASE_TIMEOUT = {"check": 60, "time0": 45, "time1": 35, "time2": 30, "time3": 30}
+
+
+def log(*parts):
+    print(*parts, flush=True)
+
+
+def triton_module(d, causal, gqa):
+    import fagen
+    from fagen.spec.kernel import KernelSpec
+    return fagen.load(KernelSpec(head_dim=d, mask="causal" if causal else "none", gqa=gqa, dtype="bf16",
+                                 direction="bwd"))
+
+
+def inputs(b, hq, hkv, sq, sk, d, seed=0):
+    import torch
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn((b, hq, sq, d), generator=g, device="cuda").bfloat16()
+    k = torch.randn((b, hkv, sk, d), generator=g, device="cuda").bfloat16()
+    v = torch.randn((b, hkv, sk, d), generator=g, device="cuda").bfloat16()
+    do = torch.randn((b, hq, sq, d), generator=g, device="cuda").bfloat16()
+    return q, k, v, do
+
+
+def reference(q, k, v, do, causal, scale):
+    """float64 autograd gradients; bottom-right causal (query i sees key j iff j <= i + Sk - Sq)."""
+    import torch
+    gqa = q.shape[1] // k.shape[1]
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    kk, vv = (t.repeat_interleave(gqa, dim=1) for t in (k64, v64))
+    s = (q64 @ kk.transpose(-1, -2)) * scale
+    if causal:
+        sq, sk = q.shape[2], k.shape[2]
+        i = torch.arange(sq, device=q.device)[:, None]
+        j = torch.arange(sk, device=q.device)[None, :]
+        s = s.masked_fill(j > i + (sk - sq), float("-inf"))
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    out = p @ vv
+    return torch.autograd.grad(out, (q64, k64, v64), do.double())
+
+
+def rel(a, b):
+    return ((a.double() - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+# -- phases --------------------------------------------------------------------------------------------------
+def phase_check(results):
+    import torch
+    from lab import gluon_bwd as gb
+    shapes = [(1, 2, 1, 300, 300, 128, True), (1, 2, 2, 200, 333, 128, False), (2, 4, 2, 257, 190, 128, True),
+              (1, 2, 1, 130, 260, 64, True)]
+    for (b, hq, hkv, sq, sk, d, causal) in shapes:
+        scale = d ** -0.5
+        q, k, v, do = inputs(b, hq, hkv, sq, sk, d)
+        mod = triton_module(d, causal, hq // hkv)
+        out, lse = mod.forward(q, k, v, scale=scale)
+        ref = reference(q, k, v, do, causal, scale)
+        tri = mod.backward(do, q, k, v, out, lse, scale=scale)
+        bound = [max(2 * rel(t, r), 5e-3) for t, r in zip(tri, ref)]
+        shape = f"B{b} H{hq}/{hkv} {sq}x{sk} d{d} {'causal' if causal else 'none'}"
+        log(f"{shape:<34} triton   rel dq {rel(tri[0], ref[0]):.2e} dk {rel(tri[1], ref[1]):.2e} "
+            f"dv {rel(tri[2], ref[2]):.2e}")
+        for name, variant, mode in CHECKED:
+            try:
+                got = gb.backward(do, q, k, v, out, lse, scale, causal, variant, mode)
+                torch.cuda.synchronize()
+                errs = [rel(x, r) for x, r in zip(got, ref)]
+                ok = all(e <= bd for e, bd in zip(errs, bound)) and all(torch.isfinite(x).all() for x in got)
+                log(f"{shape:<34} {name:<8} rel dq {errs[0]:.2e} dk {errs[1]:.2e} dv {errs[2]:.2e} "
+                    f"-> {'PASS' if ok else 'FAIL'}")
+                results.append(dict(check="reference", shape=shape, variant=name, errs=errs, ok=bool(ok)))
+            except Exception as e:
+                log(f"{shape:<34} {name:<8} ERROR {type(e).__name__}: {str(e)[:200]}")
+                results.append(dict(check="reference", shape=shape, variant=name, ok=False))
+    # exact zeros: full mask with Sk = 1 (every row sees one key), and causal Sq = Sk (row 0 sees key 0 only)
+    for (sq, sk, causal) in ((100, 1, False), (200, 200, True)):
+        q, k, v, do = inputs(1, 2, 1, sq, sk, 128, seed=1)
+        mod = triton_module(128, causal, 2)
+        out, lse = mod.forward(q, k, v, scale=0.1)
+        for name, variant, mode in CHECKED:
+            try:
+                dq, dk, dv = gb.backward(do, q, k, v, out, lse, 0.1, causal, variant, mode)
+                torch.cuda.synchronize()
+                if causal:
+                    ok = bool((dq[:, :, 0] == 0).all())
+                    what = "dq[row 0]"
+                else:
+                    ok = bool((dq == 0).all() and (dk == 0).all())
+                    what = "dq, dk (Sk = 1)"
+                log(f"exact zeros {what:<16} {name:<10} -> {'PASS' if ok else 'FAIL'} "
+                    f"(max |dq| {dq.float().abs().max().item():.1e})")
+                results.append(dict(check="zeros", what=what, variant=name, ok=ok))
+            except Exception as e:
+                log(f"exact zeros {name} ERROR {type(e).__name__}: {str(e)[:200]}")
+    # bitwise repeatability (deterministic mode)
+    q, k, v, do = inputs(1, 8, 2, 2000, 2000, 128, seed=2)
+    mod = triton_module(128, True, 4)
+    out, lse = mod.forward(q, k, v, scale=0.09)
+    for name, variant, mode in [v for v in CHECKED if v[2] == 0] + [v for v in CHECKED if v[2] == 1]:
+        try:
+            runs = [gb.backward(do, q, k, v, out, lse, 0.09, True, variant, mode) for _ in range(3)]
+            torch.cuda.synchronize()
+            same = all(torch.equal(a, b) for r in runs[1:] for a, b in zip(r, runs[0]))
+            log(f"bitwise over 3 runs (B1 H8/2 s2000 causal) {name:<10} -> {'equal' if same else 'DIFFER'}"
+                f"{'' if same or mode else ' FAIL'}")
+            results.append(dict(check="bitwise", variant=name, same=same, ok=same or mode == 1))
+        except Exception as e:
+            log(f"bitwise {name} ERROR {type(e).__name__}: {str(e)[:200]}")
+
+
+def phase_time(results, which):
+    import torch
+    import triton
+    from lab import gluon_bwd as gb
+    name_c, b, hq, hkv, s, d, causal, timed = CASES[which]
+    scale = d ** -0.5
+    flops = 2.5 * 4 * b * hq * s * s * d * (0.5 if causal else 1.0)
+    q, k, v, do = inputs(b, hq, hkv, s, s, d)
+    mod = triton_module(d, causal, hq // hkv)
+    out, lse = mod.forward(q, k, v, scale=scale)
+    row = dict(case=name_c)
+
+    def run(label, fn):
+        try:
+            fn()
+            torch.cuda.synchronize()
+            ms = triton.testing.do_bench(fn, warmup=10, rep=60)
+            row[label] = flops / ms / 1e9
+            log(f"{name_c:<26} {label:<14} {ms:8.3f} ms {row[label]:6.1f} TF/s")
+        except Exception as e:
+            log(f"{name_c:<26} {label:<14} ERROR {type(e).__name__}: {str(e)[:200]}")
+
+    run("triton", lambda: mod.backward(do, q, k, v, out, lse, scale=scale))
+    qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        o = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=causal, scale=scale,
+                                                             enable_gqa=hq != hkv)
+        run("cudnn", lambda: torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True))
+    for label, variant, mode in VARIANTS:
+        if timed is None or label in timed:
+            run(label, lambda: gb.backward(do, q, k, v, out, lse, scale, causal, variant, mode))
+    results.append(row)
+
+
+def dry_run():
+    """Any machine: build each variant's main kernel for sm_90 and print ptxas/PTX numbers."""
+    from lab import gluon_bwd as gb
+    ok = True
+    for label, variant, mode in VARIANTS:
+        for d in (128, 64):
+            try:
+                r = gb.resources(gb.compile_for(variant, head_dim=d, gqa=2, causal=True, dq_mode=mode))
+                log(f"{label:<14} d{d}: " + " ".join(f"{k} {v}" for k, v in r.items()))
+            except Exception as e:
+                ok = False
+                log(f"{label:<14} d{d}: BUILD ERROR {type(e).__name__}: {str(e)[:300]}")
+    log(f"dry run: {'OK' if ok else 'FAILED'}")
+    return ok
+
+
+# -- driver --------------------------------------------------------------------------------------------------
+def run_phase(name):
+    import torch
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        log(f"{name}: needs an sm_90 GPU")
+        return []
+    results = []
+    try:
+        if name == "check":
+            phase_check(results)
+        else:
+            phase_time(results, int(name[-1]))
+    except Exception as e:
+        log(f"{name}: ERROR {type(e).__name__}: {e}")
+        traceback.print_exc()
+    print("RESULTS " + json.dumps(results), flush=True)
+    return results
+
+
+def table(rows):
+    labels = ["triton", "cudnn"] + [v[0] for v in VARIANTS]
+    log("\n| case | " + " | ".join(labels) + " | best gluon / triton | best gluon / cudnn |")
+    log("|---|" + "---:|" * (len(labels) + 2))
+    for r in rows:
+        cells = [f"{r[x]:.0f}" if x in r else "-" for x in labels]
+        gl = [r[v[0]] for v in VARIANTS if v[0] in r and not v[0].endswith("*")]
+        best = max(gl) if gl else None
+        ratio_t = f"{best / r['triton']:.2f}x" if best and "triton" in r else "-"
+        ratio_c = f"{best / r['cudnn']:.2f}x" if best and "cudnn" in r else "-"
+        log(f"| {r['case']} | " + " | ".join(cells) + f" | {ratio_t} | {ratio_c} |")
+    log("(TF/s, bf16, backward only; * = diagnostic, wrong dQ by construction)")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--phase", help="run one phase here (no child process): check, time0..time3")
+    args = ap.parse_args()
+    if os.environ.get("GPU_GLUON_BWD_DRY"):
+        sys.exit(0 if dry_run() else 1)
+    if args.phase:
+        run_phase(args.phase)
+        return
+    t0 = time.time()
+    out = os.environ.get("OUT")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("FAGEN_CACHE_DIR", "/tmp/fagen-cache-gpu-gluon-bwd")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    rows, logs = [], []
+    for name, limit in PHASE_TIMEOUT.items():
+        log(f"#### phase {name} (timeout {limit}s)")
+        lines = []
+        proc = subprocess.Popen([sys.executable, __file__, "--phase", name], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, bufsize=1)
+
+        def pump(stream=proc.stdout, lines=lines):
+            for line in stream:
+                lines.append(line)
+                if not line.startswith("RESULTS "):
+                    print(line, end="", flush=True)
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        try:
+            rc = proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = f"killed after {limit}s (a hung kernel?)"
+        reader.join(timeout=5)
+        for line in lines:
+            if line.startswith("RESULTS ") and name.startswith("time"):
+                rows += json.loads(line[8:])
+        logs += lines
+        log(f"#### phase {name}: rc={rc}, {time.time() - t0:.0f}s so far")
+    table(rows)
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "gpu_gluon_bwd.log").write_text("".join(logs))
+
+
+if __name__ == "__main__":
+    main()

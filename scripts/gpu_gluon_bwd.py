@@ -28,14 +28,15 @@ sys.path.insert(0, str(ROOT))
 
 # (name, variant, dq_mode); dq_mode 2/3 are diagnostics (wrong dQ): timed, not checked.
 VARIANTS = [("v0-det", "v0", 0), ("v0-nondet", "v0", 1), ("v0-nohandoff*", "v0", 3),
-            ("v1-det", "v1", 0), ("v1-nondet", "v1", 1), ("v1-noreduce*", "v1", 2)]
-CHECKED = [v for v in VARIANTS if v[2] in (0, 1)]
+            ("v1-det", "v1", 0), ("v1-nondet", "v1", 1), ("v1-noreduce*", "v1", 2), ("v1-nohandoff*", "v1", 3)]
+CHECKED = [v for v in VARIANTS if v[0] in ("v1-det", "v1-nondet")]  # v0 was checked at c68d572
 # (case, B, Hq, Hkv, S, D, causal, variants timed)
-CASES = [("d128 causal B1 H16 s16k", 1, 16, 16, 16384, 128, True, None),
-         ("d128 full B1 H16 s16k", 1, 16, 16, 16384, 128, False, ("v0-det", "v0-nondet", "v1-det", "v1-nondet")),
-         ("gqa 32/8 causal B4 s4k", 4, 32, 8, 4096, 128, True, ("v0-det", "v0-nondet", "v1-det", "v1-nondet")),
+CASES = [("d128 causal B1 H16 s16k", 1, 16, 16, 16384, 128, True,
+          ("v0-det", "v0-nohandoff*", "v1-det", "v1-nondet", "v1-noreduce*", "v1-nohandoff*")),
+         ("d128 full B1 H16 s16k", 1, 16, 16, 16384, 128, False, ("v0-det", "v1-det", "v1-nondet")),
+         ("gqa 32/8 causal B4 s4k", 4, 32, 8, 4096, 128, True, ("v1-det", "v1-nondet")),
          ("d64 causal B1 H32 s16k", 1, 32, 32, 16384, 64, True, ("v1-det", "v1-nondet"))]
-PHASE_TIMEOUT = {"check": 60, "time0": 45, "time1": 35, "time2": 30, "time3": 30}
+PHASE_TIMEOUT = {"check": 100, "time0": 60, "time1": 40, "time2": 40, "time3": 40}
 
 
 def log(*parts):
@@ -84,7 +85,7 @@ def rel(a, b):
 def phase_check(results):
     import torch
     from lab import gluon_bwd as gb
-    shapes = [(1, 2, 1, 300, 300, 128, True), (1, 2, 2, 200, 333, 128, False), (2, 4, 2, 257, 190, 128, True),
+    shapes = [(1, 2, 1, 300, 300, 128, True), (1, 2, 1, 200, 333, 128, False), (2, 4, 2, 257, 190, 128, True),
               (1, 2, 1, 130, 260, 64, True)]
     for (b, hq, hkv, sq, sk, d, causal) in shapes:
         scale = d ** -0.5
@@ -130,15 +131,15 @@ def phase_check(results):
             except Exception as e:
                 log(f"exact zeros {name} ERROR {type(e).__name__}: {str(e)[:200]}")
     # bitwise repeatability (deterministic mode)
-    q, k, v, do = inputs(1, 8, 2, 2000, 2000, 128, seed=2)
-    mod = triton_module(128, True, 4)
+    q, k, v, do = inputs(1, 4, 2, 2000, 2000, 128, seed=2)
+    mod = triton_module(128, True, 2)
     out, lse = mod.forward(q, k, v, scale=0.09)
     for name, variant, mode in [v for v in CHECKED if v[2] == 0] + [v for v in CHECKED if v[2] == 1]:
         try:
             runs = [gb.backward(do, q, k, v, out, lse, 0.09, True, variant, mode) for _ in range(3)]
             torch.cuda.synchronize()
             same = all(torch.equal(a, b) for r in runs[1:] for a, b in zip(r, runs[0]))
-            log(f"bitwise over 3 runs (B1 H8/2 s2000 causal) {name:<10} -> {'equal' if same else 'DIFFER'}"
+            log(f"bitwise over 3 runs (B1 H4/2 s2000 causal) {name:<10} -> {'equal' if same else 'DIFFER'}"
                 f"{'' if same or mode else ' FAIL'}")
             results.append(dict(check="bitwise", variant=name, same=same, ok=same or mode == 1))
         except Exception as e:

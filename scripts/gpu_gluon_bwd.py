@@ -29,6 +29,8 @@ sys.path.insert(0, str(ROOT))
 # (name, variant, dq_mode); dq_mode 2/3 are diagnostics (wrong dQ): timed, not checked.
 VARIANTS = [("v0-det", "v0", 0), ("v0-nondet", "v0", 1), ("v0-nohandoff*", "v0", 3),
             ("v1-det", "v1", 0), ("v1-nondet", "v1", 1), ("v1-noreduce*", "v1", 2), ("v1-nohandoff*", "v1", 3)]
+if os.environ.get("GBWD_SKIP_V1"):  # the smoke phase hung or faulted in v1: time v0 only
+    VARIANTS = [v for v in VARIANTS if v[1] != "v1"]
 CHECKED = [v for v in VARIANTS if v[0] in ("v1-det", "v1-nondet")]  # v0 was checked at c68d572
 # (case, B, Hq, Hkv, S, D, causal, variants timed)
 CASES = [("d128 causal B1 H16 s16k", 1, 16, 16, 16384, 128, True,
@@ -36,7 +38,7 @@ CASES = [("d128 causal B1 H16 s16k", 1, 16, 16, 16384, 128, True,
          ("d128 full B1 H16 s16k", 1, 16, 16, 16384, 128, False, ("v0-det", "v1-det", "v1-nondet")),
          ("gqa 32/8 causal B4 s4k", 4, 32, 8, 4096, 128, True, ("v1-det", "v1-nondet")),
          ("d64 causal B1 H32 s16k", 1, 32, 32, 16384, 64, True, ("v1-det", "v1-nondet"))]
-PHASE_TIMEOUT = {"check": 100, "time0": 60, "time1": 40, "time2": 40, "time3": 40}
+PHASE_TIMEOUT = {"smoke": 40, "check": 100, "time0": 60, "time1": 40, "time2": 40, "time3": 40}
 
 
 def log(*parts):
@@ -81,6 +83,30 @@ def rel(a, b):
     return ((a.double() - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def where_wrong(name, got, ref):
+    """For a failed check: which [B, H, S] rows are off (a debugging aid for the next round)."""
+    err = (got.double() - ref).abs().amax(-1)
+    tol = 0.05 * ref.abs().amax().item()
+    bad = (err > tol).nonzero()
+    log(f"    {name}: {bad.shape[0]} of {err.numel()} rows off by > {tol:.2e}; first {bad[:4].tolist()}; "
+        f"rows 0..3 err {err.flatten()[:4].tolist()}")
+
+
+def phase_smoke(results):
+    """One small launch of each v1 mode: a hang or fault here skips v1 in the later phases."""
+    import torch
+    from lab import gluon_bwd as gb
+    q, k, v, do = inputs(1, 2, 1, 300, 300, 128)
+    mod = triton_module(128, True, 2)
+    out, lse = mod.forward(q, k, v, scale=0.1)
+    ref = mod.backward(do, q, k, v, out, lse, scale=0.1)
+    for mode in (0, 1):
+        got = gb.backward(do, q, k, v, out, lse, 0.1, True, "v1", mode)
+        torch.cuda.synchronize()
+        log(f"smoke v1 mode {mode}: ran; rel to the Triton backward dq {rel(got[0], ref[0].double()):.2e} "
+            f"dk {rel(got[1], ref[1].double()):.2e} dv {rel(got[2], ref[2].double()):.2e}")
+
+
 # -- phases --------------------------------------------------------------------------------------------------
 def phase_check(results):
     import torch
@@ -106,6 +132,9 @@ def phase_check(results):
                 ok = all(e <= bd for e, bd in zip(errs, bound)) and all(torch.isfinite(x).all() for x in got)
                 log(f"{shape:<34} {name:<8} rel dq {errs[0]:.2e} dk {errs[1]:.2e} dv {errs[2]:.2e} "
                     f"-> {'PASS' if ok else 'FAIL'}")
+                if not ok:
+                    for t, x, r in zip(("dq", "dk", "dv"), got, ref):
+                        where_wrong(t, x, r)
                 results.append(dict(check="reference", shape=shape, variant=name, errs=errs, ok=bool(ok)))
             except Exception as e:
                 log(f"{shape:<34} {name:<8} ERROR {type(e).__name__}: {str(e)[:200]}")
@@ -205,13 +234,17 @@ def run_phase(name):
         return []
     results = []
     try:
-        if name == "check":
+        if name == "smoke":
+            phase_smoke(results)
+        elif name == "check":
             phase_check(results)
         else:
             phase_time(results, int(name[-1]))
     except Exception as e:
         log(f"{name}: ERROR {type(e).__name__}: {e}")
         traceback.print_exc()
+        if name == "smoke":
+            sys.exit(3)
     print("RESULTS " + json.dumps(results), flush=True)
     return results
 
@@ -232,7 +265,7 @@ def table(rows):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--phase", help="run one phase here (no child process): check, time0..time3")
+    ap.add_argument("--phase", help="run one phase here (no child process): smoke, check, time0..time3")
     args = ap.parse_args()
     if os.environ.get("GPU_GLUON_BWD_DRY"):
         sys.exit(0 if dry_run() else 1)
@@ -269,6 +302,9 @@ def main():
                 rows += json.loads(line[8:])
         logs += lines
         log(f"#### phase {name}: rc={rc}, {time.time() - t0:.0f}s so far")
+        if name == "smoke" and rc != 0:
+            env["GBWD_SKIP_V1"] = "1"
+            log("#### v1 skipped in the later phases (smoke failed)")
     table(rows)
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)

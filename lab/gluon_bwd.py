@@ -404,6 +404,7 @@ def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, dq_desc, D
 V1_PRODUCER_REGS = 24  # ptxas: 240/24/24 spills less than 240/40/24 (660 vs 832 B stores)
 V1_WRITER_REGS = 24
 V1_COMPUTE_REGS = 240
+V1_PUB_LAG = 1  # DQ_MODE 0: publish each add one step late (_v1_dq_writer)
 
 
 @gluon.jit
@@ -439,7 +440,10 @@ def _v1_producer(q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, q_smem, do_sme
 @gluon.jit
 def _v1_dq_writer(dq_desc, dq_smem, dq_full, dq_empty, Sem, num_tiles, num_bh, num_heads_kv, seq_q, seq_k, sq_pad,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GQA: gl.constexpr, CAUSAL: gl.constexpr,
-                  DQ_MODE: gl.constexpr):
+                  DQ_MODE: gl.constexpr, PUB_LAG: gl.constexpr):
+    """DQ_MODE 0: PUB_LAG 0 publishes a step's add once complete, before the next step; PUB_LAG 1 publishes it
+    after the next step's reduces are issued (cp.async.bulk.wait_group 2: two bulk groups, one per half, per
+    step), and drains at the tile's end, as c68d572's [Note] Pipelined dQ writer."""
     num_heads = num_heads_kv * GQA
     n_mblk = sq_pad // BLOCK_M
     half: gl.constexpr = dq_desc.block_type.shape[3]
@@ -451,6 +455,7 @@ def _v1_dq_writer(dq_desc, dq_smem, dq_full, dq_empty, Sem, num_tiles, num_bh, n
                                                              BLOCK_M, BLOCK_N, GQA, CAUSAL, 0)
         steps = (hi - lo) // BLOCK_M
         n_steps = GQA * steps
+        prev = Sem + 1  # the counter of the add published late (PUB_LAG 1); a placeholder until step 1
         for i in range(n_steps):
             g = i // steps
             m0 = lo + (i - g * steps) * BLOCK_M
@@ -470,8 +475,17 @@ def _v1_dq_writer(dq_desc, dq_smem, dq_full, dq_empty, Sem, num_tiles, num_bh, n
             mbarrier.arrive(dq_empty.index(0))
             mbarrier.arrive(dq_empty.index(1))
             if DQ_MODE == 0:
-                _bwd_publish(sem, m0, 0)  # complete: the next key block may add now
+                if PUB_LAG == 0:
+                    _bwd_publish(sem, m0, 0)  # complete: the next key block may add now
+                else:
+                    if i > 0:
+                        _bwd_publish(prev, m0, 2)  # the previous step's two adds are complete
+                    prev = sem
             j += 1
+        if DQ_MODE == 0:
+            if PUB_LAG == 1:
+                if n_steps > 0:
+                    _bwd_publish(prev, lo, 0)  # drain: a later tile of this program may wait on it
 
 
 @gluon.jit
@@ -567,7 +581,7 @@ def _attn_bwd_v1(q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, dq_desc, DK, D
                  num_tiles, num_bh, num_heads_kv, seq_q, seq_k, sq_pad,
                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                  GQA: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr, COMPUTE_REGS: gl.constexpr,
-                 PRODUCER_REGS: gl.constexpr, WRITER_REGS: gl.constexpr):
+                 PRODUCER_REGS: gl.constexpr, WRITER_REGS: gl.constexpr, PUB_LAG: gl.constexpr):
     gl.static_assert(BLOCK_N == 128)  # two warpgroups of 64 keys
     gl.static_assert(BLOCK_M == 64)
     dtype: gl.constexpr = q_desc.dtype
@@ -611,7 +625,7 @@ def _attn_bwd_v1(q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, dq_desc, DK, D
                         d_smem, ready, empty, kv_ready, kv_empty, num_tiles, num_bh, num_heads_kv, seq_q, seq_k,
                         HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GQA, CAUSAL)),
         (_v1_dq_writer, (dq_desc, dq_smem, dq_full, dq_empty, Sem, num_tiles, num_bh, num_heads_kv, seq_q, seq_k,
-                         sq_pad, BLOCK_M, BLOCK_N, GQA, CAUSAL, DQ_MODE)),
+                         sq_pad, BLOCK_M, BLOCK_N, GQA, CAUSAL, DQ_MODE, PUB_LAG)),
     ], [4, 1, 1], [COMPUTE_REGS, PRODUCER_REGS, WRITER_REGS])
 
 
@@ -625,7 +639,7 @@ def _v1_args(q, do, k, v, lse2, delta, dq_acc, dk, dv, sem, scale, num_tiles, nu
             num_tiles, num_bh, hkv, sq, sk, sq_pad)
     kw = dict(HEAD_DIM=d, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, STAGES=BWD_STAGES, GQA=gqa, CAUSAL=causal,
               DQ_MODE=dq_mode, COMPUTE_REGS=V1_COMPUTE_REGS, PRODUCER_REGS=V1_PRODUCER_REGS,
-              WRITER_REGS=V1_WRITER_REGS, num_warps=4)
+              WRITER_REGS=V1_WRITER_REGS, PUB_LAG=V1_PUB_LAG, num_warps=4)
     return args, kw
 
 
@@ -662,7 +676,7 @@ def _v0_args(q, do, k, v, lse2, delta, dq_acc, dk, dv, sem, scale, num_tiles, nu
     return args, kw
 
 
-def backward(do, q, k, v, out, lse, scale, causal, variant="v0", dq_mode=0):
+def backward(do, q, k, v, out, lse, scale, causal, variant="v0", dq_mode=0, **constexprs):
     """(dq, dk, dv) for contiguous bf16/fp16 [B, H, S, D] inputs; lse [B, Hq, Sq] natural log from the forward.
     variant "v0" (c68d572) or "v1" (FA3 synchronisation); dq_mode as the module docstring says."""
     b, hq, sq, d = q.shape
@@ -688,14 +702,14 @@ def backward(do, q, k, v, out, lse, scale, causal, variant="v0", dq_mode=0):
     else:
         args, kw = _v1_args(q, do, k, v, lse2, delta, dq_acc, dk, dv, sem, scale, num_tiles, num_bh, hkv, sq, sk,
                             sq_pad, causal, dq_mode)
-        _attn_bwd_v1[grid](*args, **kw)
+        _attn_bwd_v1[grid](*args, **{**kw, **constexprs})
     _dq_convert[(sq_pad // BWD_BLOCK_M, b * hq)](dq_acc, dq, scale, sq, sq_pad, HEAD_DIM=d, BLOCK_M=BWD_BLOCK_M,
                                                  num_warps=4)
     return dq, dk, dv
 
 
 def compile_for(variant="v0", head_dim=128, gqa=1, causal=True, dq_mode=0, dtype=torch.bfloat16, seq_q=1000,
-                seq_k=1000):
+                seq_k=1000, **constexprs):
     """Build the main kernel for sm_90 without a GPU (triton's bundled ptxas); returns the CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -710,6 +724,7 @@ def compile_for(variant="v0", head_dim=128, gqa=1, causal=True, dq_mode=0, dtype
     fn, argf = (_attn_bwd_hopper, _v0_args) if variant == "v0" else (_attn_bwd_v1, _v1_args)
     args, kw = argf(q, q, k, k, rows, rows, acc, k, k, sem, 0.5, 2, 2, 2, seq_q, seq_k, sq_pad, causal, dq_mode)
     names = [n for n in fn.arg_names][:len(args)]
+    kw.update(constexprs)
     num_warps = kw.pop("num_warps")
     signature = {n: mangle_type(a) for n, a in zip(names, args)}
     signature.update({n: "constexpr" for n in kw})

@@ -26,15 +26,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-# (name, variant, dq_mode); dq_mode 2/3 are diagnostics (wrong dQ): timed, not checked.
-VARIANTS = [("v0-det", "v0", 0), ("v0-nondet", "v0", 1), ("v0-nohandoff*", "v0", 3),
-            ("v1-det", "v1", 0), ("v1-nondet", "v1", 1), ("v1-noreduce*", "v1", 2), ("v1-nohandoff*", "v1", 3)]
+# (name, variant, dq_mode, constexpr overrides); dq_mode 2/3 are diagnostics (wrong dQ): timed, not checked.
+VARIANTS = [("v0-det", "v0", 0, {}), ("v0-nondet", "v0", 1, {}), ("v0-nohandoff*", "v0", 3, {}),
+            ("v1-det", "v1", 0, {}), ("v1-det-lag0", "v1", 0, {"PUB_LAG": 0}), ("v1-nondet", "v1", 1, {}),
+            ("v1-noreduce*", "v1", 2, {}), ("v1-nohandoff*", "v1", 3, {})]
 if os.environ.get("GBWD_SKIP_V1"):  # the smoke phase hung or faulted in v1: time v0 only
     VARIANTS = [v for v in VARIANTS if v[1] != "v1"]
-CHECKED = [v for v in VARIANTS if v[0] in ("v1-det", "v1-nondet")]  # v0 was checked at c68d572
+CHECKED = [v for v in VARIANTS if v[0] in ("v1-det", "v1-nondet")]
+MUTANT = [v for v in VARIANTS if v[0] == "v1-noreduce*"]  # the dQ adds left out: the reference check must FAIL  # v0 was checked at c68d572
 # (case, B, Hq, Hkv, S, D, causal, variants timed)
 CASES = [("d128 causal B1 H16 s16k", 1, 16, 16, 16384, 128, True,
-          ("v0-det", "v0-nohandoff*", "v1-det", "v1-nondet", "v1-noreduce*", "v1-nohandoff*")),
+          ("v0-det", "v0-nohandoff*", "v1-det", "v1-det-lag0", "v1-nondet", "v1-noreduce*",
+                                                    "v1-nohandoff*")),
          ("d128 full B1 H16 s16k", 1, 16, 16, 16384, 128, False, ("v0-det", "v1-det", "v1-nondet")),
          ("gqa 32/8 causal B4 s4k", 4, 32, 8, 4096, 128, True, ("v1-det", "v1-nondet")),
          ("d64 causal B1 H32 s16k", 1, 32, 32, 16384, 64, True, ("v1-det", "v1-nondet"))]
@@ -124,12 +127,16 @@ def phase_check(results):
         shape = f"B{b} H{hq}/{hkv} {sq}x{sk} d{d} {'causal' if causal else 'none'}"
         log(f"{shape:<34} triton   rel dq {rel(tri[0], ref[0]):.2e} dk {rel(tri[1], ref[1]):.2e} "
             f"dv {rel(tri[2], ref[2]):.2e}")
-        for name, variant, mode in CHECKED:
+        for name, variant, mode, kw in CHECKED + (MUTANT if (sq, sk, d) == (300, 300, 128) else []):
             try:
-                got = gb.backward(do, q, k, v, out, lse, scale, causal, variant, mode)
+                got = gb.backward(do, q, k, v, out, lse, scale, causal, variant, mode, **kw)
                 torch.cuda.synchronize()
                 errs = [rel(x, r) for x, r in zip(got, ref)]
                 ok = all(e <= bd for e, bd in zip(errs, bound)) and all(torch.isfinite(x).all() for x in got)
+                if name.endswith("*"):  # the mutant: caught if it fails
+                    log(f"{shape:<34} mutant {name} rel dq {errs[0]:.2e} -> {'caught' if not ok else 'NOT CAUGHT'}")
+                    results.append(dict(check="mutant", variant=name, ok=not ok))
+                    continue
                 log(f"{shape:<34} {name:<8} rel dq {errs[0]:.2e} dk {errs[1]:.2e} dv {errs[2]:.2e} "
                     f"-> {'PASS' if ok else 'FAIL'}")
                 if not ok:
@@ -144,9 +151,9 @@ def phase_check(results):
         q, k, v, do = inputs(1, 2, 1, sq, sk, 128, seed=1)
         mod = triton_module(128, causal, 2)
         out, lse = mod.forward(q, k, v, scale=0.1)
-        for name, variant, mode in CHECKED:
+        for name, variant, mode, kw in CHECKED:
             try:
-                dq, dk, dv = gb.backward(do, q, k, v, out, lse, 0.1, causal, variant, mode)
+                dq, dk, dv = gb.backward(do, q, k, v, out, lse, 0.1, causal, variant, mode, **kw)
                 torch.cuda.synchronize()
                 if causal:
                     ok = bool((dq[:, :, 0] == 0).all())
@@ -163,9 +170,9 @@ def phase_check(results):
     q, k, v, do = inputs(1, 4, 2, 2000, 2000, 128, seed=2)
     mod = triton_module(128, True, 2)
     out, lse = mod.forward(q, k, v, scale=0.09)
-    for name, variant, mode in [v for v in CHECKED if v[2] == 0] + [v for v in CHECKED if v[2] == 1]:
+    for name, variant, mode, kw in CHECKED:
         try:
-            runs = [gb.backward(do, q, k, v, out, lse, 0.09, True, variant, mode) for _ in range(3)]
+            runs = [gb.backward(do, q, k, v, out, lse, 0.09, True, variant, mode, **kw) for _ in range(3)]
             torch.cuda.synchronize()
             same = all(torch.equal(a, b) for r in runs[1:] for a, b in zip(r, runs[0]))
             log(f"bitwise over 3 runs (B1 H4/2 s2000 causal) {name:<10} -> {'equal' if same else 'DIFFER'}"
@@ -204,9 +211,9 @@ def phase_time(results, which):
         o = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=causal, scale=scale,
                                                              enable_gqa=hq != hkv)
         run("cudnn", lambda: torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True))
-    for label, variant, mode in VARIANTS:
+    for label, variant, mode, kw in VARIANTS:
         if timed is None or label in timed:
-            run(label, lambda: gb.backward(do, q, k, v, out, lse, scale, causal, variant, mode))
+            run(label, lambda: gb.backward(do, q, k, v, out, lse, scale, causal, variant, mode, **kw))
     results.append(row)
 
 
@@ -214,10 +221,10 @@ def dry_run():
     """Any machine: build each variant's main kernel for sm_90 and print ptxas/PTX numbers."""
     from lab import gluon_bwd as gb
     ok = True
-    for label, variant, mode in VARIANTS:
+    for label, variant, mode, kw in VARIANTS:
         for d in (128, 64):
             try:
-                r = gb.resources(gb.compile_for(variant, head_dim=d, gqa=2, causal=True, dq_mode=mode))
+                r = gb.resources(gb.compile_for(variant, head_dim=d, gqa=2, causal=True, dq_mode=mode, **kw))
                 log(f"{label:<14} d{d}: " + " ".join(f"{k} {v}" for k, v in r.items()))
             except Exception as e:
                 ok = False

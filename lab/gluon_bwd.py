@@ -583,7 +583,7 @@ def _attn_bwd_v1(q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, dq_desc, DK, D
                  GQA: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr, COMPUTE_REGS: gl.constexpr,
                  PRODUCER_REGS: gl.constexpr, WRITER_REGS: gl.constexpr, PUB_LAG: gl.constexpr):
     gl.static_assert(BLOCK_N == 128)  # two warpgroups of 64 keys
-    gl.static_assert(BLOCK_M == 64)
+    gl.static_assert((BLOCK_M == 64) | (BLOCK_M == 128))
     dtype: gl.constexpr = q_desc.dtype
     q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
     kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
@@ -630,14 +630,14 @@ def _attn_bwd_v1(q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, dq_desc, DK, D
 
 
 def _v1_args(q, do, k, v, lse2, delta, dq_acc, dk, dv, sem, scale, num_tiles, num_bh, hkv, sq, sk, sq_pad, causal,
-             dq_mode):
+             dq_mode, block_m=BWD_BLOCK_M):
     gqa = q.shape[1] // k.shape[1]
     d = q.shape[-1]
-    args = (_descriptor(q, BWD_BLOCK_M), _descriptor(do, BWD_BLOCK_M), _descriptor(k, BWD_BLOCK_N),
-            _descriptor(v, BWD_BLOCK_N), _bwd_row_descriptor(lse2), _bwd_row_descriptor(delta),
-            _bwd_acc_descriptor(dq_acc, cols=d // 2, swizzle=128), dk, dv, sem, scale * 1.4426950408889634, scale,
-            num_tiles, num_bh, hkv, sq, sk, sq_pad)
-    kw = dict(HEAD_DIM=d, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, STAGES=BWD_STAGES, GQA=gqa, CAUSAL=causal,
+    args = (_descriptor(q, block_m), _descriptor(do, block_m), _descriptor(k, BWD_BLOCK_N),
+            _descriptor(v, BWD_BLOCK_N), _bwd_row_descriptor(lse2, block_m), _bwd_row_descriptor(delta, block_m),
+            _bwd_acc_descriptor(dq_acc, block_m, cols=d // 2, swizzle=128), dk, dv, sem, scale * 1.4426950408889634,
+            scale, num_tiles, num_bh, hkv, sq, sk, sq_pad)
+    kw = dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=BWD_BLOCK_N, STAGES=BWD_STAGES, GQA=gqa, CAUSAL=causal,
               DQ_MODE=dq_mode, COMPUTE_REGS=V1_COMPUTE_REGS, PRODUCER_REGS=V1_PRODUCER_REGS,
               WRITER_REGS=V1_WRITER_REGS, PUB_LAG=V1_PUB_LAG, num_warps=4)
     return args, kw
@@ -676,7 +676,7 @@ def _v0_args(q, do, k, v, lse2, delta, dq_acc, dk, dv, sem, scale, num_tiles, nu
     return args, kw
 
 
-def backward(do, q, k, v, out, lse, scale, causal, variant="v0", dq_mode=0, **constexprs):
+def backward(do, q, k, v, out, lse, scale, causal, variant="v0", dq_mode=0, block_m=BWD_BLOCK_M, **constexprs):
     """(dq, dk, dv) for contiguous bf16/fp16 [B, H, S, D] inputs; lse [B, Hq, Sq] natural log from the forward.
     variant "v0" (c68d572) or "v1" (FA3 synchronisation); dq_mode as the module docstring says."""
     b, hq, sq, d = q.shape
@@ -685,13 +685,13 @@ def backward(do, q, k, v, out, lse, scale, causal, variant="v0", dq_mode=0, **co
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
-    sq_pad = triton.cdiv(sq, BWD_BLOCK_M) * BWD_BLOCK_M
+    sq_pad = triton.cdiv(sq, block_m) * block_m  # block_m: 64 or 128 (v1 only), a multiple of the pre/post 64
     delta = torch.empty((b, hq, sq_pad), dtype=torch.float32, device=q.device)
     lse2 = torch.empty_like(delta)
     _bwd_preprocess[(sq_pad // BWD_BLOCK_M, b * hq)](out, do, lse.contiguous(), delta, lse2, sq, sq_pad,
                                                      HEAD_DIM=d, BLOCK_M=BWD_BLOCK_M, num_warps=4)
     dq_acc = torch.zeros((b, hq, sq_pad, d), dtype=torch.float32, device=q.device)
-    sem = torch.zeros((b, hq, sq_pad // BWD_BLOCK_M), dtype=torch.int32, device=q.device)
+    sem = torch.zeros((b, hq, sq_pad // block_m), dtype=torch.int32, device=q.device)
     num_bh = b * hkv
     num_tiles = triton.cdiv(sk, BWD_BLOCK_N) * num_bh
     grid = (min(num_tiles, _sms(q.device)), )  # every program resident: the fixed-order dQ needs it
@@ -701,7 +701,7 @@ def backward(do, q, k, v, out, lse, scale, causal, variant="v0", dq_mode=0, **co
         _attn_bwd_hopper[grid](*args, **kw)
     else:
         args, kw = _v1_args(q, do, k, v, lse2, delta, dq_acc, dk, dv, sem, scale, num_tiles, num_bh, hkv, sq, sk,
-                            sq_pad, causal, dq_mode)
+                            sq_pad, causal, dq_mode, block_m)
         _attn_bwd_v1[grid](*args, **{**kw, **constexprs})
     _dq_convert[(sq_pad // BWD_BLOCK_M, b * hq)](dq_acc, dq, scale, sq, sq_pad, HEAD_DIM=d, BLOCK_M=BWD_BLOCK_M,
                                                  num_warps=4)
@@ -709,20 +709,21 @@ def backward(do, q, k, v, out, lse, scale, causal, variant="v0", dq_mode=0, **co
 
 
 def compile_for(variant="v0", head_dim=128, gqa=1, causal=True, dq_mode=0, dtype=torch.bfloat16, seq_q=1000,
-                seq_k=1000, **constexprs):
+                seq_k=1000, block_m=BWD_BLOCK_M, **constexprs):
     """Build the main kernel for sm_90 without a GPU (triton's bundled ptxas); returns the CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    sq_pad = triton.cdiv(seq_q, BWD_BLOCK_M) * BWD_BLOCK_M
+    sq_pad = triton.cdiv(seq_q, block_m) * block_m
     q = torch.empty((1, gqa, seq_q, head_dim), dtype=dtype)
     k = torch.empty((1, 1, seq_k, head_dim), dtype=dtype)
     rows = torch.empty((1, gqa, sq_pad), dtype=torch.float32)
     acc = torch.empty((1, gqa, sq_pad, head_dim), dtype=torch.float32)
     sem = torch.empty(4, dtype=torch.int32)
     fn, argf = (_attn_bwd_hopper, _v0_args) if variant == "v0" else (_attn_bwd_v1, _v1_args)
-    args, kw = argf(q, q, k, k, rows, rows, acc, k, k, sem, 0.5, 2, 2, 2, seq_q, seq_k, sq_pad, causal, dq_mode)
+    args, kw = argf(q, q, k, k, rows, rows, acc, k, k, sem, 0.5, 2, 2, 2, seq_q, seq_k, sq_pad, causal, dq_mode,
+                    *([block_m] if variant == "v1" else []))
     names = [n for n in fn.arg_names][:len(args)]
     kw.update(constexprs)
     num_warps = kw.pop("num_warps")

@@ -29,10 +29,12 @@ sys.path.insert(0, str(ROOT))
 # (name, variant, dq_mode, constexpr overrides); dq_mode 2/3 are diagnostics (wrong dQ): timed, not checked.
 VARIANTS = [("v0-det", "v0", 0, {}), ("v0-nondet", "v0", 1, {}), ("v0-nohandoff*", "v0", 3, {}),
             ("v1-det", "v1", 0, {}), ("v1-det-lag0", "v1", 0, {"PUB_LAG": 0}), ("v1-nondet", "v1", 1, {}),
-            ("v1-noreduce*", "v1", 2, {}), ("v1-nohandoff*", "v1", 3, {})]
+            ("v1-noreduce*", "v1", 2, {}), ("v1-nohandoff*", "v1", 3, {}),
+            ("v1-det-m128", "v1", 0, {"block_m": 128}), ("v1-nondet-m128", "v1", 1, {"block_m": 128})]
 if os.environ.get("GBWD_SKIP_V1"):  # the smoke phase hung or faulted in v1: time v0 only
     VARIANTS = [v for v in VARIANTS if v[1] != "v1"]
 CHECKED = [v for v in VARIANTS if v[0] in ("v1-det", "v1-nondet")]
+M128 = [v for v in VARIANTS if v[0].endswith("-m128")]  # checked at d64 only (d128: 330 KB of shared memory)
 MUTANT = [v for v in VARIANTS if v[0] == "v1-noreduce*"]  # the dQ adds left out: the reference check must FAIL  # v0 was checked at c68d572
 # (case, B, Hq, Hkv, S, D, causal, variants timed)
 CASES = [("d128 causal B1 H16 s16k", 1, 16, 16, 16384, 128, True,
@@ -40,7 +42,8 @@ CASES = [("d128 causal B1 H16 s16k", 1, 16, 16, 16384, 128, True,
                                                     "v1-nohandoff*")),
          ("d128 full B1 H16 s16k", 1, 16, 16, 16384, 128, False, ("v0-det", "v1-det", "v1-nondet")),
          ("gqa 32/8 causal B4 s4k", 4, 32, 8, 4096, 128, True, ("v1-det", "v1-nondet")),
-         ("d64 causal B1 H32 s16k", 1, 32, 32, 16384, 64, True, ("v1-det", "v1-nondet"))]
+         ("d64 causal B1 H32 s16k", 1, 32, 32, 16384, 64, True, ("v1-det", "v1-nondet", "v1-det-m128",
+                                                                  "v1-nondet-m128"))]
 PHASE_TIMEOUT = {"smoke": 40, "check": 100, "time0": 60, "time1": 40, "time2": 40, "time3": 40}
 
 
@@ -127,7 +130,8 @@ def phase_check(results):
         shape = f"B{b} H{hq}/{hkv} {sq}x{sk} d{d} {'causal' if causal else 'none'}"
         log(f"{shape:<34} triton   rel dq {rel(tri[0], ref[0]):.2e} dk {rel(tri[1], ref[1]):.2e} "
             f"dv {rel(tri[2], ref[2]):.2e}")
-        for name, variant, mode, kw in CHECKED + (MUTANT if (sq, sk, d) == (300, 300, 128) else []):
+        for name, variant, mode, kw in CHECKED + (MUTANT if (sq, sk, d) == (300, 300, 128) else []) + \
+                (M128 if d == 64 else []):
             try:
                 got = gb.backward(do, q, k, v, out, lse, scale, causal, variant, mode, **kw)
                 torch.cuda.synchronize()
@@ -222,7 +226,7 @@ def dry_run():
     from lab import gluon_bwd as gb
     ok = True
     for label, variant, mode, kw in VARIANTS:
-        for d in (128, 64):
+        for d in ((64, ) if "block_m" in kw else (128, 64)):
             try:
                 r = gb.resources(gb.compile_for(variant, head_dim=d, gqa=2, causal=True, dq_mode=mode, **kw))
                 log(f"{label:<14} d{d}: " + " ".join(f"{k} {v}" for k, v in r.items()))

@@ -757,3 +757,29 @@ def resources(ck):
         ("setmaxnreg", r"setmaxnreg"))}
     return dict(registers=res.registers, spill_stores=res.spill_stores, spill_loads=res.spill_loads, stack=res.stack,
                 shared=ck.metadata.shared, **count)
+
+
+def step_sass(ck, min_hgmma=24):
+    """Per innermost SASS loop with at least min_hgmma HGMMA (a compute step): instructions, HGMMA, LDL, STL."""
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.cubin"
+        path.write_bytes(ck.asm["cubin"])
+        sass = subprocess.run([str(cuobjdump), "-sass", str(path)], capture_output=True, text=True).stdout
+    ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    loops = []
+    for a, t in ins:
+        m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", t)
+        if m and int(m.group(1), 16) < a:
+            loops.append((int(m.group(1), 16), a))
+    body = {r: [t for a, t in ins if r[0] <= a <= r[1]] for r in loops}
+    found = [r for r in loops if sum("HGMMA" in t for t in body[r]) >= min_hgmma]
+    inner = [r for r in found if not any(o != r and r[0] <= o[0] and o[1] <= r[1] for o in found)]
+    return [dict(instructions=len(body[r]), hgmma=sum("HGMMA" in t for t in body[r]),
+                 ldl=sum(bool(re.search(r"\bLDL\b", t)) for t in body[r]),
+                 stl=sum(bool(re.search(r"\bSTL\b", t)) for t in body[r])) for r in sorted(inner)]

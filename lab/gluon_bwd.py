@@ -447,6 +447,7 @@ def _v1_dq_writer(dq_desc, dq_smem, dq_full, dq_empty, Sem, num_tiles, num_bh, n
     num_heads = num_heads_kv * GQA
     n_mblk = sq_pad // BLOCK_M
     half: gl.constexpr = dq_desc.block_type.shape[3]
+    NS: gl.constexpr = dq_smem.shape[0] // 2  # dQ slots per warpgroup (DQ_SLOTS)
     if DQ_MODE == 3:
         num_tiles = 0  # diagnostic: no handoff, the dQ warp idles
     j = 0
@@ -464,16 +465,18 @@ def _v1_dq_writer(dq_desc, dq_smem, dq_full, dq_empty, Sem, num_tiles, num_bh, n
                 seen = gl.atomic_add(sem, 0, sem="acquire", scope="gpu")
                 while seen != n_blk:
                     seen = gl.atomic_add(sem, 0, sem="acquire", scope="gpu")
+            base = (j % NS) * 2
             for w in gl.static_range(2):
-                mbarrier.wait(dq_full.index(w), j & 1)
+                mbarrier.wait(dq_full.index(base + w), (j // NS) & 1)
                 if DQ_MODE != 2:
                     _tma_reduce_add(dq_desc, [off_b, h0 + g, m0, w * half],
-                                    dq_smem.index(w)._reinterpret(gl.float32, [1, 1, BLOCK_M, half], dq_desc.layout))
+                                    dq_smem.index(base + w)._reinterpret(gl.float32, [1, 1, BLOCK_M, half],
+                                                                         dq_desc.layout))
             if DQ_MODE != 2:
                 tma.store_wait(0)  # the TMA unit has read both halves
             gl.thread_barrier()
-            mbarrier.arrive(dq_empty.index(0))
-            mbarrier.arrive(dq_empty.index(1))
+            mbarrier.arrive(dq_empty.index(base))
+            mbarrier.arrive(dq_empty.index(base + 1))
             if DQ_MODE == 0:
                 if PUB_LAG == 0:
                     _bwd_publish(sem, m0, 0)  # complete: the next key block may add now
@@ -508,7 +511,7 @@ def _v1_compute(q_smem, do_smem, k_smem, v_smem, ds_smem, l_smem, d_smem, dq_sme
     k_w = k_smem.slice(WG * WN, WN, dim=0)
     v_w = v_smem.slice(WG * WN, WN, dim=0)
     k_h = k_smem.slice(WG * DH, DH, dim=1)
-    dq_w = dq_smem.index(WG)
+    NS: gl.constexpr = dq_smem.shape[0] // 2  # dQ slots per warpgroup (DQ_SLOTS)
     j = 0
     t = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
@@ -557,12 +560,13 @@ def _v1_compute(q_smem, do_smem, k_smem, v_smem, ds_smem, l_smem, d_smem, dq_sme
             dv, dq, pt_op = warpgroup_mma_wait(1, deps=(dv_tok, dq_tok, pt_op))
             if DQ_MODE == 3:  # diagnostic: no handoff; the store never runs but keeps the dQ MMA alive
                 if qk_scale < 0:
-                    dq_w.store(dq)
+                    dq_smem.index(WG).store(dq)
             else:
-                mbarrier.wait(dq_empty.index(WG), (j & 1) ^ 1)  # the dQ warp has added what the slot held
-                dq_w.store(dq)
+                dqs = (j % NS) * 2 + WG
+                mbarrier.wait(dq_empty.index(dqs), ((j // NS) & 1) ^ 1)  # the dQ warp has added what it held
+                dq_smem.index(dqs).store(dq)
                 fence_async_shared()
-                mbarrier.arrive(dq_full.index(WG))
+                mbarrier.arrive(dq_full.index(dqs))
             dk, dst_op = warpgroup_mma_wait(0, deps=(dk_tok, dst_op))
             mbarrier.arrive(empty.index(s))  # this warpgroup is done with Q, dO, lse2, delta of slot s
             j += 1
@@ -581,7 +585,8 @@ def _attn_bwd_v1(q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, dq_desc, DK, D
                  num_tiles, num_bh, num_heads_kv, seq_q, seq_k, sq_pad,
                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                  GQA: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr, COMPUTE_REGS: gl.constexpr,
-                 PRODUCER_REGS: gl.constexpr, WRITER_REGS: gl.constexpr, PUB_LAG: gl.constexpr):
+                 PRODUCER_REGS: gl.constexpr, WRITER_REGS: gl.constexpr, PUB_LAG: gl.constexpr,
+                 DQ_SLOTS: gl.constexpr):
     gl.static_assert(BLOCK_N == 128)  # two warpgroups of 64 keys
     gl.static_assert((BLOCK_M == 64) | (BLOCK_M == 128))
     dtype: gl.constexpr = q_desc.dtype
@@ -595,24 +600,25 @@ def _attn_bwd_v1(q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, dq_desc, DK, D
     ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_sl)
     l_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], l_desc.layout)
     d_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], d_desc.layout)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM // 2], gl.NVMMASharedLayout(
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2 * DQ_SLOTS, BLOCK_M, HEAD_DIM // 2], gl.NVMMASharedLayout(
         swizzle_byte_width=128, element_bitwidth=32, rank=2))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_full = gl.allocate_shared_memory(gl.int64, [2 * DQ_SLOTS, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [2 * DQ_SLOTS, 1], mbarrier.MBarrierLayout())
     for r in gl.static_range(STAGES):
         mbarrier.init(ready.index(r), count=1)
         mbarrier.init(empty.index(r), count=2)
+    for r in gl.static_range(2 * DQ_SLOTS):
+        mbarrier.init(dq_full.index(r), count=1)
+        mbarrier.init(dq_empty.index(r), count=1)
     mbarrier.init(kv_ready.index(0), count=1)
     mbarrier.init(kv_empty.index(0), count=2)
     for r in gl.static_range(2):
         mbarrier.init(ds_ready.index(r), count=2)
-        mbarrier.init(dq_full.index(r), count=1)
-        mbarrier.init(dq_empty.index(r), count=1)
     fence_async_shared()
     gl.warp_specialize([
         (_v1_compute, (q_smem, do_smem, k_smem, v_smem, ds_smem, l_smem, d_smem, dq_smem, ready, empty, kv_ready, kv_empty,
@@ -639,7 +645,7 @@ def _v1_args(q, do, k, v, lse2, delta, dq_acc, dk, dv, sem, scale, num_tiles, nu
             scale, num_tiles, num_bh, hkv, sq, sk, sq_pad)
     kw = dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=BWD_BLOCK_N, STAGES=BWD_STAGES, GQA=gqa, CAUSAL=causal,
               DQ_MODE=dq_mode, COMPUTE_REGS=V1_COMPUTE_REGS, PRODUCER_REGS=V1_PRODUCER_REGS,
-              WRITER_REGS=V1_WRITER_REGS, PUB_LAG=V1_PUB_LAG, num_warps=4)
+              WRITER_REGS=V1_WRITER_REGS, PUB_LAG=V1_PUB_LAG, DQ_SLOTS=1, num_warps=4)
     return args, kw
 
 

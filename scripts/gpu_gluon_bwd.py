@@ -31,6 +31,7 @@ VARIANTS = [("v0-det", "v0", 0, {}), ("v0-nondet", "v0", 1, {}), ("v0-nohandoff*
             ("v1-det", "v1", 0, {}), ("v1-det-lag0", "v1", 0, {"PUB_LAG": 0}), ("v1-nondet", "v1", 1, {}),
             ("v1-noreduce*", "v1", 2, {}), ("v1-nohandoff*", "v1", 3, {}),
             ("v1-det-s3", "v1", 0, {"STAGES": 3}), ("v1-nondet-s3", "v1", 1, {"STAGES": 3}),
+            ("v1-det-dq2", "v1", 0, {"DQ_SLOTS": 2}), ("v1-nondet-dq2", "v1", 1, {"DQ_SLOTS": 2}),
             ("v1-det-m128", "v1", 0, {"block_m": 128}), ("v1-nondet-m128", "v1", 1, {"block_m": 128})]
 if os.environ.get("GBWD_SKIP_V1"):  # the smoke phase hung or faulted in v1: time v0 only
     VARIANTS = [v for v in VARIANTS if v[1] != "v1"]
@@ -40,12 +41,13 @@ MUTANT = [v for v in VARIANTS if v[0] == "v1-noreduce*"]  # the dQ adds left out
 # (case, B, Hq, Hkv, S, D, causal, variants timed)
 CASES = [("d128 causal B1 H16 s16k", 1, 16, 16, 16384, 128, True,
           ("v0-det", "v0-nohandoff*", "v1-det", "v1-det-lag0", "v1-nondet", "v1-noreduce*",
-                                                    "v1-nohandoff*", "v1-det-s3", "v1-nondet-s3")),
+                                                    "v1-nohandoff*", "v1-det-s3", "v1-nondet-s3", "v1-det-dq2",
+                                                    "v1-nondet-dq2")),
          ("d128 full B1 H16 s16k", 1, 16, 16, 16384, 128, False, ("v0-det", "v1-det", "v1-nondet", "v1-det-s3",
-                                                                  "v1-nondet-s3")),
+                                                                  "v1-nondet-s3", "v1-det-dq2", "v1-nondet-dq2")),
          ("gqa 32/8 causal B4 s4k", 4, 32, 8, 4096, 128, True, ("v1-det", "v1-nondet")),
          ("d64 causal B1 H32 s16k", 1, 32, 32, 16384, 64, True, ("v1-det", "v1-nondet", "v1-det-m128",
-                                                                  "v1-nondet-m128"))]
+                                                                  "v1-nondet-m128", "v1-det-dq2", "v1-nondet-dq2"))]
 PHASE_TIMEOUT = {"smoke": 40, "check": 100, "time0": 60, "time1": 40, "time2": 40, "time3": 40}
 
 

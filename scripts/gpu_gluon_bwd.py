@@ -37,7 +37,8 @@ if os.environ.get("GBWD_SKIP_V1"):  # the smoke phase hung or faulted in v1: tim
     VARIANTS = [v for v in VARIANTS if v[1] != "v1"]
 CHECKED = [v for v in VARIANTS if v[0] in ("v1-det", "v1-nondet")]
 M128 = [v for v in VARIANTS if v[0].endswith("-m128")]  # checked at d64 only (d128: 330 KB of shared memory)
-MUTANT = [v for v in VARIANTS if v[0] == "v1-noreduce*"]  # the dQ adds left out: the reference check must FAIL  # v0 was checked at c68d572
+MUTANT = [v for v in VARIANTS if v[0] == "v1-noreduce*"]
+KNOBS = [v for v in VARIANTS if v[0].endswith(("-s3", "-dq2"))]  # checked at the first shape only  # the dQ adds left out: the reference check must FAIL  # v0 was checked at c68d572
 # (case, B, Hq, Hkv, S, D, causal, variants timed)
 CASES = [("d128 causal B1 H16 s16k", 1, 16, 16, 16384, 128, True,
           ("v0-det", "v0-nohandoff*", "v1-det", "v1-det-lag0", "v1-nondet", "v1-noreduce*",
@@ -134,7 +135,7 @@ def phase_check(results):
         shape = f"B{b} H{hq}/{hkv} {sq}x{sk} d{d} {'causal' if causal else 'none'}"
         log(f"{shape:<34} triton   rel dq {rel(tri[0], ref[0]):.2e} dk {rel(tri[1], ref[1]):.2e} "
             f"dv {rel(tri[2], ref[2]):.2e}")
-        for name, variant, mode, kw in CHECKED + (MUTANT if (sq, sk, d) == (300, 300, 128) else []) + \
+        for name, variant, mode, kw in CHECKED + (MUTANT + KNOBS if (sq, sk, d) == (300, 300, 128) else []) + \
                 (M128 if d == 64 else []):
             try:
                 got = gb.backward(do, q, k, v, out, lse, scale, causal, variant, mode, **kw)

@@ -36,7 +36,7 @@ VARIANTS = [("v0-det", "v0", 0, {}), ("v0-nondet", "v0", 1, {}), ("v0-nohandoff*
 if os.environ.get("GBWD_SKIP_V1"):  # the smoke phase hung or faulted in v1: time v0 only
     VARIANTS = [v for v in VARIANTS if v[1] != "v1"]
 CHECKED = [v for v in VARIANTS if v[0] == "v1-det"]  # round A: v1-nondet passed every check too
-M128 = [v for v in VARIANTS if v[0].endswith("-m128")]  # checked at d64 only (d128: 330 KB of shared memory)
+M128 = [v for v in VARIANTS if v[0] == "v1-det-m128"]  # checked at d64 only (d128: 330 KB of shared memory)
 MUTANT = [v for v in VARIANTS if v[0] == "v1-noreduce*"]
 KNOBS = []  # round A checked -s3 and -dq2 at the first shape (PASS); slower or equal, no longer timed  # the dQ adds left out: the reference check must FAIL  # v0 was checked at c68d572
 # (case, B, Hq, Hkv, S, D, causal, variants timed)
@@ -44,11 +44,10 @@ KNOBS = []  # round A checked -s3 and -dq2 at the first shape (PASS); slower or 
 CASES = [("d128 causal B1 H16 s16k", 1, 16, 16, 16384, 128, True, ("v1-det", "v1-nondet", "v1-nohandoff*")),
          ("d128 full B1 H16 s16k", 1, 16, 16, 16384, 128, False, ("v1-det", "v1-nondet")),
          ("gqa 32/8 causal B4 s4k", 4, 32, 8, 4096, 128, True, ("v1-det", )),
-         ("d64 causal B1 H32 s16k", 1, 32, 32, 16384, 64, True, ("v1-det", "v1-nondet", "v1-det-m128",
-                                                                  "v1-nondet-m128"))]
+         ("d64 causal B1 H32 s16k", 1, 32, 32, 16384, 64, True, ("v1-det", "v1-nondet", "v1-det-m128"))]
 # Under ~90 s in all (round A: 150 s with every knob): d64 first (round A never reached it), the checks last (round A
 # passed them all on this code); `--phase smoke` stays for a changed kernel.
-PHASE_TIMEOUT = {"time3": 30, "time0": 25, "time1": 20, "time2": 15, "check": 40}
+PHASE_TIMEOUT = {"time3": 40, "time0": 30, "time1": 25, "time2": 20, "check": 25}
 
 
 def log(*parts):

@@ -1,0 +1,791 @@
+"""Lab (not the product): Gluon backwards for sm_90 whose dQ leaves the CTA through a dedicated warp (issue 28).
+
+Two kernels, one module, both key-block-stationary (a CTA owns 128 keys, loops over 64-query steps):
+  v0  c68d572's fused backward, revived as it was (8 compute warps in one partition that also issue the TMA loads;
+      a dQ writer warp; three CTA-wide barriers per step), with DQ_MODE switches for the diagnostics phase 4 left
+      unmeasured.
+  v1  FA3's synchronisation (hopper/mainloop_bwd_sm90_tma_gmma_ws.hpp, read, not copied): each compute warpgroup
+      is its own partition; a producer warp streams K/V and the Q/dO ring (full/empty mbarriers, no CTA barrier);
+      the two warpgroups meet once per step (dS^T halves in a 2-slot shared buffer); each warpgroup computes its
+      half of dQ_j's head dim and hands it to the dQ warp through its own slot, which the dQ warp reduce-adds with
+      one TMA reduce per half; dK/dV and dQ MMAs overlap the handoff.
+DQ_MODE: 0 deterministic (per-(batch, head, query block) counter orders the adds), 1 unordered adds
+(deterministic=False), 2 diagnostic: handoff kept, no reduce (wrong dQ), 3 diagnostic: no handoff (wrong dQ).
+Preprocess: delta = diag(O dO^T) by the MMA ([Note] Exact delta), lse2; postprocess dq = scale * dQacc.
+"""
+# ruff: noqa: E402
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
+    warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+_GL_DTYPE = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+_NUM_SMS = {}
+
+
+def _descriptor(t, rows):
+    d = t.shape[-1]
+    layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, d], _GL_DTYPE[t.dtype])
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, d], layout)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+BWD_BLOCK_M = 64  # queries per step (one wgmma N for S^T, dP^T; the M of dQ_j)
+BWD_BLOCK_N = 128  # keys per tile: two warpgroups of 64
+BWD_STAGES = 2  # Q/dO ring slots (3 measured equal)
+BWD_WRITER_REGS = 24  # setmaxnreg of the dQ writer warp; the compute warps get the rest
+BWD_DQ_PENDING = 1  # dQ adds whose completion the writer has not awaited yet ([Note] Pipelined dQ writer): 0, 1, 2
+BWD_HEAD_MAJOR = 0  # tile order: 0 key block major, 1 head major (_bwd_tile; measured 164 vs 298 TF/s causal s16k)
+BWD_DQ_SWIZZLE = 128  # swizzle (bytes) of the float32 dQ staging tile: 128 avoids bank conflicts; 0 = unswizzled
+
+from triton._C.libtriton import ir as _ir  # noqa: E402
+from triton.experimental.gluon.language._core import builtin as _builtin  # noqa: E402
+
+
+@_builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """global[box at coord] += shared `src` through the TMA unit (cp.reduce.async.bulk.tensor .add). Triton 3.6 has
+    the op (ttng.async_tma_reduce, behind tl's descriptor atomic_add) and Gluon's builder creates it, but
+    gluon.language exposes no wrapper."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+@gluon.jit
+def _bulk_wait(x, PENDING: gl.constexpr):
+    """cp.async.bulk.wait_group PENDING (not .read): all but this thread's PENDING most recent bulk groups have
+    completed, their writes performed. `x` is any scalar (the inline asm needs an operand)."""
+    if PENDING == 0:
+        r = gl.inline_asm_elementwise("cp.async.bulk.wait_group 0; mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+    elif PENDING == 1:
+        r = gl.inline_asm_elementwise("cp.async.bulk.wait_group 1; mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+    elif PENDING == 2:
+        r = gl.inline_asm_elementwise("cp.async.bulk.wait_group 2; mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+    else:
+        gl.static_assert(False, "PENDING: 0, 1 or 2 bulk groups")
+        r = x
+    return r
+
+
+@gluon.constexpr_function
+def _bwd_mma(warps_m, warps_n, n):
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps_m, warps_n], instr_shape=[16, n, 16])
+
+
+@gluon.jit(do_not_specialize=["seq_q", "sq_pad"])
+def _bwd_preprocess(O, DO, Lse, Delta, Lse2, seq_q, sq_pad, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+    """delta = diag(O dO^T) ([Note] Exact delta) and lse2 = lse * log2(e) (+inf where lse = -inf), [B * H, sq_pad];
+    rows past seq_q get delta = 0, lse2 = +inf. O and dO contiguous [B, H, Sq, D]."""
+    m0 = gl.program_id(0) * BLOCK_M
+    head = gl.program_id(1)
+    dtype: gl.constexpr = O.dtype.element_ty
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
+    offs = head.to(gl.int64) * seq_q * HEAD_DIM + rows[:, None] * HEAD_DIM + cols[None, :]
+    inside = rows[:, None] < seq_q
+    o = gl.load(O + offs, mask=inside, other=0.0)
+    do = gl.load(DO + offs, mask=inside, other=0.0)
+    sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+    o_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], sl, o)
+    do_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], sl, do)
+    fence_async_shared()
+    acc_l: gl.constexpr = _bwd_mma(4, 1, BLOCK_M)
+    prod = warpgroup_mma(o_s, do_s.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_M], gl.float32, acc_l), use_acc=False)
+    r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_l))
+    c = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_l))
+    delta = gl.sum(gl.where(r[:, None] == c[None, :], prod, 0.0), 1)  # x + 0 == x: the diagonal, exactly
+    rs = m0 + r
+    lse = gl.load(Lse + head.to(gl.int64) * seq_q + rs, mask=rs < seq_q, other=float("-inf"))
+    lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    gl.store(Delta + head.to(gl.int64) * sq_pad + rs, delta)
+    gl.store(Lse2 + head.to(gl.int64) * sq_pad + rs, lse2)
+
+
+@gluon.jit(do_not_specialize=["seq_q", "sq_pad"])
+def _dq_convert(DQacc, DQ, scale, seq_q, sq_pad, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+    """dQ = scale * dQacc in dQ's dtype (dQacc float32 [B, H, sq_pad, D], dQ contiguous [B, H, Sq, D])."""
+    m0 = gl.program_id(0) * BLOCK_M
+    head = gl.program_id(1)
+    ld: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
+    rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
+    acc = gl.load(DQacc + head.to(gl.int64) * sq_pad * HEAD_DIM + rows[:, None] * HEAD_DIM + cols[None, :])
+    gl.store(DQ + head.to(gl.int64) * seq_q * HEAD_DIM + rows[:, None] * HEAD_DIM + cols[None, :],
+             (acc * scale).to(DQ.dtype.element_ty), mask=rows[:, None] < seq_q)
+
+
+@gluon.jit
+def _bwd_query_range(n0, seq_q, seq_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """Query blocks [lo, hi) that see keys [n0, n0 + BLOCK_N); the steps before `split` apply the mask."""
+    hi = (seq_q + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    if CAUSAL:  # query i sees key j iff j <= i + shift
+        shift = seq_k - seq_q
+        lo = gl.minimum(gl.maximum(n0 - shift, 0) // BLOCK_M * BLOCK_M, hi)
+        split = gl.minimum((gl.maximum(n0 + BLOCK_N - 1 - shift, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M, hi)
+        split = gl.maximum(split, lo)
+    else:
+        lo = 0
+        split = 0
+    if n0 + BLOCK_N > seq_k:  # the key tail: every step masks
+        split = hi
+    return lo, split, hi
+
+
+@gluon.jit
+def _bwd_issue(q_desc, do_desc, l_desc, d_desc, q_smem, do_smem, l_smem, d_smem, ready, j, i, steps, lo, off_b, h0,
+               num_heads, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    """TMA loads of step i of a tile (the program's step j): Q, dO and the rows' lse2, delta into slot j % STAGES."""
+    g = i // steps
+    m0 = lo + (i - g * steps) * BLOCK_M
+    s = j % STAGES
+    mbarrier.expect(ready.index(s), 2 * q_desc.block_type.nbytes + 2 * l_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [off_b, h0 + g, m0, 0], ready.index(s),
+                                    q_smem.index(s)._reinterpret(q_desc.dtype, [1, 1, BLOCK_M, HEAD_DIM], q_desc.layout))
+    tma.async_copy_global_to_shared(do_desc, [off_b, h0 + g, m0, 0], ready.index(s),
+                                    do_smem.index(s)._reinterpret(do_desc.dtype, [1, 1, BLOCK_M, HEAD_DIM],
+                                                                  do_desc.layout))
+    tma.async_copy_global_to_shared(l_desc, [off_b * num_heads + h0 + g, m0], ready.index(s), l_smem.index(s))
+    tma.async_copy_global_to_shared(d_desc, [off_b * num_heads + h0 + g, m0], ready.index(s), d_smem.index(s))
+
+
+@gluon.jit
+def _bwd_tile(tile, num_tiles, num_bh, num_heads_kv, seq_q, seq_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              GQA: gl.constexpr, CAUSAL: gl.constexpr, HEAD_MAJOR: gl.constexpr):
+    """Tile index -> (key block, batch, KV head, first query head, query range). Key block major, or with HEAD_MAJOR
+    head major (the key blocks of one head run together: its dQ accumulator stays in L2); either way the tile this
+    one waits on ([Note] Fixed-order dQ: key block n - 1, same head) has a smaller index."""
+    if HEAD_MAJOR:
+        n_kblk = num_tiles // num_bh
+        bh = tile // n_kblk
+        n_blk = tile % n_kblk
+    else:
+        n_blk = tile // num_bh
+        bh = tile % num_bh
+    off_b = bh // num_heads_kv
+    off_hkv = bh % num_heads_kv
+    lo, split, hi = _bwd_query_range(n_blk * BLOCK_N, seq_q, seq_k, BLOCK_M, BLOCK_N, CAUSAL)
+    return n_blk, off_b, off_hkv, off_hkv * GQA, lo, split, hi
+
+
+@gluon.jit
+def _bwd_publish(sem, x, PENDING_GROUPS: gl.constexpr):
+    """Wait until all but the PENDING_GROUPS most recent bulk groups have completed, then let the next key block
+    add to the query block of `sem` ([Note] Fixed-order dQ). `x`: any scalar."""
+    _bulk_wait(x, PENDING_GROUPS)
+    gl.thread_barrier()
+    gl.atomic_add(sem, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def _bwd_dq_writer(dq_desc, dq_smem, dq_full, dq_empty, Sem, num_tiles, num_bh, num_heads_kv, seq_q, seq_k, sq_pad,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GQA: gl.constexpr, CAUSAL: gl.constexpr,
+                   PENDING: gl.constexpr, HEAD_MAJOR: gl.constexpr, DQ_MODE: gl.constexpr):
+    """The dQ writer warp ([Note] Fixed-order dQ, [Note] Pipelined dQ writer): for each step of the compute warps,
+    in their order, wait for its turn on the query block and for its dQ_j in a shared-memory slot, add it through
+    the TMA unit, free the slot once the TMA unit has read it, and publish the add PENDING steps later, once it has
+    completed (every add of a tile is published before the next tile's first). One bulk group per add: triton
+    commits the TMA messages of one reduce op as one group (one cp.async.bulk.commit_group in the PTX)."""
+    gl.static_assert(PENDING <= 2)
+    num_heads = num_heads_kv * GQA
+    if DQ_MODE == 3:
+        num_tiles = 0  # diagnostic: no handoff, the writer idles
+    n_mblk = sq_pad // BLOCK_M
+    j = 0
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        n_blk, off_b, off_hkv, h0, lo, split, hi = _bwd_tile(tile, num_tiles, num_bh, num_heads_kv, seq_q,
+                                                             seq_k, BLOCK_M, BLOCK_N, GQA, CAUSAL, HEAD_MAJOR)
+        steps = (hi - lo) // BLOCK_M
+        n_steps = GQA * steps
+        # The counters of the adds issued one and two steps ago, not yet published. Placeholders until then, and
+        # distinct values: the frontend finds loop-carried names by comparing values, so `prev2 = prev1` with equal
+        # initial values would not be carried (measured: prev2 stayed the placeholder and the kernel hung).
+        prev1 = Sem + 1
+        prev2 = Sem + 2
+        for i in range(n_steps):
+            g = i // steps
+            m0 = lo + (i - g * steps) * BLOCK_M
+            sem = Sem + (off_b * num_heads + h0 + g).to(gl.int64) * n_mblk + m0 // BLOCK_M
+            slot = j % 2
+            if DQ_MODE == 0:
+                seen = gl.atomic_add(sem, 0, sem="acquire", scope="gpu")
+                while seen != n_blk:
+                    seen = gl.atomic_add(sem, 0, sem="acquire", scope="gpu")
+            mbarrier.wait(dq_full.index(slot), (j // 2) & 1)
+            if DQ_MODE != 2:
+                _tma_reduce_add(dq_desc, [off_b, h0 + g, m0, 0],
+                                dq_smem.index(slot)._reinterpret(gl.float32,
+                                                                 [1, 1, BLOCK_M, dq_desc.block_type.shape[3]],
+                                                                 dq_desc.layout))
+                tma.store_wait(0)  # the TMA unit has read the slot (cp.async.bulk.wait_group.read 0)
+            gl.thread_barrier()
+            mbarrier.arrive(dq_empty.index(slot))
+            if DQ_MODE != 0:
+                pass
+            elif PENDING == 0:
+                _bwd_publish(sem, m0, 0)  # complete, not just read: the next key block may add now
+            elif PENDING == 1:
+                if i > 0:
+                    _bwd_publish(prev1, m0, 1)  # the add of step i - 1 has completed
+                prev1 = sem
+            else:
+                if i > 1:
+                    _bwd_publish(prev2, m0, 2)  # the add of step i - 2 has completed
+                prev2 = prev1
+                prev1 = sem
+            j += 1
+        # drain: a later tile of this program may wait on these adds (the same head's query blocks)
+        if DQ_MODE != 0:
+            pass
+        elif PENDING == 2:
+            if n_steps > 1:
+                _bwd_publish(prev2, lo, 1)
+        elif PENDING >= 1:
+            if n_steps > 0:
+                _bwd_publish(prev1, lo, 0)
+
+
+@gluon.jit
+def _bwd_compute(q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, l_smem,
+                 d_smem, dq_smem, ready, kv_ready, dq_full, dq_empty, DK, DV, qk_scale, scale,
+                 num_tiles, num_bh, num_heads_kv, seq_q, seq_k,
+                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                 GQA: gl.constexpr, CAUSAL: gl.constexpr, HEAD_MAJOR: gl.constexpr, DQ_MODE: gl.constexpr):
+    """The compute warps (two warpgroups, 64 keys each): TMA loads, the five matmuls, dK/dV stores; dQ_j goes to the
+    writer warp through a 2-slot shared-memory buffer."""
+    dtype: gl.constexpr = q_desc.dtype
+    s_l: gl.constexpr = _bwd_mma(8, 1, BLOCK_M)  # S^T, dP^T: [BLOCK_N keys, BLOCK_M queries]
+    kv_l: gl.constexpr = _bwd_mma(8, 1, HEAD_DIM)  # dK, dV: [BLOCK_N, D]
+    dq_l: gl.constexpr = _bwd_mma(4, 2, HEAD_DIM // 2)  # dQ_j: [BLOCK_M, D], the two warpgroups split D
+    op_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_l, k_width=2)
+    num_heads = num_heads_kv * GQA
+    keys0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_l))
+    qrow0 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_l))
+    kv_r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_l))
+    kv_c = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_l))
+    j = 0  # steps of this program so far (ring phases)
+    t = 0  # tiles of this program so far
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        n_blk, off_b, off_hkv, h0, lo, split, hi = _bwd_tile(tile, num_tiles, num_bh, num_heads_kv, seq_q,
+                                                             seq_k, BLOCK_M, BLOCK_N, GQA, CAUSAL, HEAD_MAJOR)
+        n0 = n_blk * BLOCK_N
+        steps = (hi - lo) // BLOCK_M
+        n_steps = GQA * steps
+        gl.thread_barrier()  # every warp is done with the previous tile's K, V (all its wgmma waited)
+        mbarrier.expect(kv_ready.index(0), 2 * k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [off_b, off_hkv, n0, 0], kv_ready.index(0),
+                                        k_smem._reinterpret(dtype, [1, 1, BLOCK_N, HEAD_DIM], k_desc.layout))
+        tma.async_copy_global_to_shared(v_desc, [off_b, off_hkv, n0, 0], kv_ready.index(0),
+                                        v_smem._reinterpret(dtype, [1, 1, BLOCK_N, HEAD_DIM], v_desc.layout))
+        if n_steps > 0:
+            _bwd_issue(q_desc, do_desc, l_desc, d_desc, q_smem, do_smem, l_smem, d_smem, ready, j, 0, steps, lo, off_b,
+                       h0, num_heads, BLOCK_M, HEAD_DIM, STAGES)
+        dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_l)
+        dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_l)
+        keys = n0 + keys0
+        mbarrier.wait(kv_ready.index(0), t & 1)
+        for i in range(n_steps):
+            m0 = lo + (i - (i // steps) * steps) * BLOCK_M
+            gl.thread_barrier()  # every warp is done with the slot that step i + 1 fills, and with ds_smem
+            if i + 1 < n_steps:
+                _bwd_issue(q_desc, do_desc, l_desc, d_desc, q_smem, do_smem, l_smem, d_smem, ready, j + 1, i + 1,
+                           steps, lo, off_b, h0, num_heads, BLOCK_M, HEAD_DIM, STAGES)
+            s = j % STAGES
+            mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+            q_s = q_smem.index(s)
+            do_s = do_smem.index(s)
+            st_tok = warpgroup_mma(k_smem, q_s.permute((1, 0)), gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_l),
+                                   use_acc=False, is_async=True)
+            dpt_tok = warpgroup_mma(v_smem, do_s.permute((1, 0)), gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_l),
+                                    use_acc=False, is_async=True)
+            qrows = m0 + qrow0
+            lse2 = l_smem.index(s).reshape([BLOCK_M]).load(gl.SliceLayout(0, s_l))
+            st = warpgroup_mma_wait(1, deps=(st_tok, ))
+            if m0 < split:
+                visible = keys[:, None] < seq_k
+                if CAUSAL:
+                    visible = visible & (keys[:, None] <= qrows[None, :] + (seq_k - seq_q))
+                st = gl.where(visible, st, float("-inf"))  # -inf before exp2: P = 0 exactly
+            pt = gl.exp2(st * qk_scale - lse2[None, :])
+            pt_op = gl.convert_layout(pt.to(dtype), op_l)
+            dv_tok = warpgroup_mma(pt_op, do_s, dv, is_async=True)
+            dpt, pt_op = warpgroup_mma_wait(1, deps=(dpt_tok, pt_op))
+            delta = d_smem.index(s).reshape([BLOCK_M]).load(gl.SliceLayout(0, s_l))
+            dst = (pt * (dpt - delta[None, :])).to(dtype)  # dS = P (dP - delta), softmax backward
+            dst_op = gl.convert_layout(dst, op_l)
+            dk_tok = warpgroup_mma(dst_op, q_s, dk, is_async=True)
+            ds_smem.store(dst)
+            fence_async_shared()
+            gl.thread_barrier()  # both warpgroups' halves of dS^T are in shared memory
+            dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_l),
+                                   use_acc=False, is_async=True)
+            dv, dk, dq, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok, pt_op, dst_op))
+            slot = j % 2
+            if DQ_MODE == 3:  # diagnostic: no handoff; the store never runs but keeps the dQ MMA alive
+                if qk_scale < 0:
+                    dq_smem.index(slot).store(dq)
+            else:
+                mbarrier.wait(dq_empty.index(slot), ((j // 2) & 1) ^ 1)  # the writer has added what the slot held
+                dq_smem.index(slot).store(dq)
+                fence_async_shared()
+                mbarrier.arrive(dq_full.index(slot))  # (triton puts a barrier of these warps before the arrive)
+            j += 1
+        dk = dk * scale  # dS was taken w.r.t. the scaled scores: dK = scale * dS^T Q
+        kv_base = ((off_b * num_heads_kv + off_hkv).to(gl.int64) * seq_k + n0) * HEAD_DIM
+        kv_offs = kv_r[:, None] * HEAD_DIM + kv_c[None, :]
+        inside = (n0 + kv_r[:, None]) < seq_k
+        gl.store(DK + kv_base + kv_offs, dk.to(dtype), mask=inside)
+        gl.store(DV + kv_base + kv_offs, dv.to(dtype), mask=inside)
+        t += 1
+
+
+# Lengths and counts are not specialized on divisibility: one compiled kernel serves every shape.
+@gluon.jit(do_not_specialize=["num_tiles", "num_bh", "num_heads_kv", "seq_q", "seq_k", "sq_pad"])
+def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, dq_desc, DK, DV, Sem, qk_scale, scale,
+                     num_tiles, num_bh, num_heads_kv, seq_q, seq_k, sq_pad,
+                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                     GQA: gl.constexpr, CAUSAL: gl.constexpr, WRITER_REGS: gl.constexpr, DQ_PENDING: gl.constexpr,
+                     DQ_SWIZZLE: gl.constexpr, HEAD_MAJOR: gl.constexpr, DQ_MODE: gl.constexpr):
+    """[Note] Backward roles: the default partition is the 8 compute warps (launch num_warps=8); worker 0 is the dQ
+    writer warp, with WRITER_REGS registers (setmaxnreg), the compute warps get the rest."""
+    gl.static_assert(BLOCK_N == 128)  # two warpgroups of 64 keys
+    gl.static_assert(BLOCK_M == 64)
+    dtype: gl.constexpr = q_desc.dtype
+    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+    kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    ds_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_sl)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_sl)
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_sl)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_sl)
+    ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_sl)
+    l_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], l_desc.layout)
+    d_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], d_desc.layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM], gl.NVMMASharedLayout(
+        swizzle_byte_width=DQ_SWIZZLE, element_bitwidth=32, rank=2))
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for r in gl.static_range(STAGES):
+        mbarrier.init(ready.index(r), count=1)
+    mbarrier.init(kv_ready.index(0), count=1)
+    for r in gl.static_range(2):
+        mbarrier.init(dq_full.index(r), count=1)
+        mbarrier.init(dq_empty.index(r), count=1)
+    fence_async_shared()
+    gl.warp_specialize([
+        (_bwd_compute, (q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, q_smem, do_smem, k_smem, v_smem, ds_smem,
+                        l_smem, d_smem, dq_smem, ready, kv_ready, dq_full, dq_empty, DK, DV, qk_scale, scale,
+                        num_tiles, num_bh, num_heads_kv, seq_q, seq_k, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GQA,
+                        CAUSAL, HEAD_MAJOR, DQ_MODE)),
+        (_bwd_dq_writer, (dq_desc, dq_smem, dq_full, dq_empty, Sem, num_tiles, num_bh, num_heads_kv, seq_q, seq_k,
+                          sq_pad, BLOCK_M, BLOCK_N, GQA, CAUSAL, DQ_PENDING, HEAD_MAJOR, DQ_MODE)),
+    ], [1], [WRITER_REGS])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# v1: FA3's synchronisation. Partitions: default = compute warpgroup 0 (launch num_warps=4), worker 0 = compute
+# warpgroup 1, worker 1 = producer warp (TMA loads), worker 2 = dQ warp (reduce-adds). Per step j (slot s = j % STAGES):
+#   compute WG w (keys n0 + 64w ..): wait ready[s]; S^T_w = K_w Q^T, dP^T_w = V_w dO^T; P^T, dS^T in registers;
+#     dS^T_w -> ds_smem[j % 2] rows 64w..; dV_w += P^T dO (RS); arrive + wait ds_ready[j % 2] (both halves in);
+#     dQ_j[:, half w of D] = dS K[:, half w] (SS); dK_w += dS^T Q (RS); wait for dQ only; wait dq_empty[w], store
+#     the fp32 half into dq_smem[w], fence, arrive dq_full[w]; wait dK; arrive empty[s].
+#   producer: wait empty[s] (both WGs), load Q, dO, lse2, delta into slot s; per tile K, V (kv_empty / kv_ready).
+#   dQ warp: (DQ_MODE 0: wait its turn on the query block's counter); per half: wait dq_full[w], TMA reduce-add
+#     into dQacc; wait until read; arrive dq_empty[w]; (DQ_MODE 0: wait complete, release the counter).
+# ---------------------------------------------------------------------------------------------------------------
+V1_PRODUCER_REGS = 24  # ptxas: 240/24/24 spills less than 240/40/24 (660 vs 832 B stores)
+V1_WRITER_REGS = 24
+V1_COMPUTE_REGS = 240
+V1_PUB_LAG = 1  # DQ_MODE 0: publish each add one step late (_v1_dq_writer)
+
+
+@gluon.jit
+def _v1_producer(q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, q_smem, do_smem, k_smem, v_smem, l_smem, d_smem,
+                 ready, empty, kv_ready, kv_empty, num_tiles, num_bh, num_heads_kv, seq_q, seq_k,
+                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                 GQA: gl.constexpr, CAUSAL: gl.constexpr):
+    num_heads = num_heads_kv * GQA
+    dtype: gl.constexpr = q_desc.dtype
+    j = 0
+    t = 0
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        n_blk, off_b, off_hkv, h0, lo, split, hi = _bwd_tile(tile, num_tiles, num_bh, num_heads_kv, seq_q, seq_k,
+                                                             BLOCK_M, BLOCK_N, GQA, CAUSAL, 0)
+        n0 = n_blk * BLOCK_N
+        steps = (hi - lo) // BLOCK_M
+        n_steps = GQA * steps
+        mbarrier.wait(kv_empty.index(0), (t & 1) ^ 1)  # both warpgroups are done with the previous tile's K, V
+        mbarrier.expect(kv_ready.index(0), 2 * k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [off_b, off_hkv, n0, 0], kv_ready.index(0),
+                                        k_smem._reinterpret(dtype, [1, 1, BLOCK_N, HEAD_DIM], k_desc.layout))
+        tma.async_copy_global_to_shared(v_desc, [off_b, off_hkv, n0, 0], kv_ready.index(0),
+                                        v_smem._reinterpret(dtype, [1, 1, BLOCK_N, HEAD_DIM], v_desc.layout))
+        for i in range(n_steps):
+            s = j % STAGES
+            mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
+            _bwd_issue(q_desc, do_desc, l_desc, d_desc, q_smem, do_smem, l_smem, d_smem, ready, j, i, steps, lo,
+                       off_b, h0, num_heads, BLOCK_M, HEAD_DIM, STAGES)
+            j += 1
+        t += 1
+
+
+@gluon.jit
+def _v1_dq_writer(dq_desc, dq_smem, dq_full, dq_empty, Sem, num_tiles, num_bh, num_heads_kv, seq_q, seq_k, sq_pad,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GQA: gl.constexpr, CAUSAL: gl.constexpr,
+                  DQ_MODE: gl.constexpr, PUB_LAG: gl.constexpr):
+    """DQ_MODE 0: PUB_LAG 0 publishes a step's add once complete, before the next step; PUB_LAG 1 publishes it
+    after the next step's reduces are issued (cp.async.bulk.wait_group 2: two bulk groups, one per half, per
+    step), and drains at the tile's end, as c68d572's [Note] Pipelined dQ writer."""
+    num_heads = num_heads_kv * GQA
+    n_mblk = sq_pad // BLOCK_M
+    half: gl.constexpr = dq_desc.block_type.shape[3]
+    NS: gl.constexpr = dq_smem.shape[0] // 2  # dQ slots per warpgroup (DQ_SLOTS)
+    if DQ_MODE == 3:
+        num_tiles = 0  # diagnostic: no handoff, the dQ warp idles
+    j = 0
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        n_blk, off_b, off_hkv, h0, lo, split, hi = _bwd_tile(tile, num_tiles, num_bh, num_heads_kv, seq_q, seq_k,
+                                                             BLOCK_M, BLOCK_N, GQA, CAUSAL, 0)
+        steps = (hi - lo) // BLOCK_M
+        n_steps = GQA * steps
+        prev = Sem + 1  # the counter of the add published late (PUB_LAG 1); a placeholder until step 1
+        for i in range(n_steps):
+            g = i // steps
+            m0 = lo + (i - g * steps) * BLOCK_M
+            sem = Sem + (off_b * num_heads + h0 + g).to(gl.int64) * n_mblk + m0 // BLOCK_M
+            if DQ_MODE == 0:
+                seen = gl.atomic_add(sem, 0, sem="acquire", scope="gpu")
+                while seen != n_blk:
+                    seen = gl.atomic_add(sem, 0, sem="acquire", scope="gpu")
+            base = (j % NS) * 2
+            for w in gl.static_range(2):
+                mbarrier.wait(dq_full.index(base + w), (j // NS) & 1)
+                if DQ_MODE != 2:
+                    _tma_reduce_add(dq_desc, [off_b, h0 + g, m0, w * half],
+                                    dq_smem.index(base + w)._reinterpret(gl.float32, [1, 1, BLOCK_M, half],
+                                                                         dq_desc.layout))
+            if DQ_MODE != 2:
+                tma.store_wait(0)  # the TMA unit has read both halves
+            gl.thread_barrier()
+            mbarrier.arrive(dq_empty.index(base))
+            mbarrier.arrive(dq_empty.index(base + 1))
+            if DQ_MODE == 0:
+                if PUB_LAG == 0:
+                    _bwd_publish(sem, m0, 0)  # complete: the next key block may add now
+                else:
+                    if i > 0:
+                        _bwd_publish(prev, m0, 2)  # the previous step's two adds are complete
+                    prev = sem
+            j += 1
+        if DQ_MODE == 0:
+            if PUB_LAG == 1:
+                if n_steps > 0:
+                    _bwd_publish(prev, lo, 0)  # drain: a later tile of this program may wait on it
+
+
+@gluon.jit
+def _v1_compute(q_smem, do_smem, k_smem, v_smem, ds_smem, l_smem, d_smem, dq_smem, ready, empty, kv_ready, kv_empty,
+                ds_ready, dq_full, dq_empty, DK, DV, qk_scale, scale, num_tiles, num_bh, num_heads_kv, seq_q, seq_k,
+                WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                STAGES: gl.constexpr, GQA: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr):
+    """One compute warpgroup: keys n0 + 64 WG .. + 64 of each tile, half WG of dQ_j's head dim."""
+    dtype: gl.constexpr = k_smem.dtype
+    WN: gl.constexpr = BLOCK_N // 2  # keys of this warpgroup
+    DH: gl.constexpr = HEAD_DIM // 2  # dQ columns of this warpgroup
+    s_l: gl.constexpr = _bwd_mma(4, 1, BLOCK_M)  # S^T, dP^T: [WN keys, BLOCK_M queries]
+    kv_l: gl.constexpr = _bwd_mma(4, 1, HEAD_DIM)  # dK, dV: [WN, D]
+    dq_l: gl.constexpr = _bwd_mma(4, 1, DH)  # dQ_j half: [BLOCK_M, DH]
+    op_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_l, k_width=2)
+    keys0 = gl.arange(0, WN, layout=gl.SliceLayout(1, s_l)) + WG * WN
+    qrow0 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_l))
+    kv_r = gl.arange(0, WN, layout=gl.SliceLayout(1, kv_l)) + WG * WN
+    kv_c = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_l))
+    k_w = k_smem.slice(WG * WN, WN, dim=0)
+    v_w = v_smem.slice(WG * WN, WN, dim=0)
+    k_h = k_smem.slice(WG * DH, DH, dim=1)
+    NS: gl.constexpr = dq_smem.shape[0] // 2  # dQ slots per warpgroup (DQ_SLOTS)
+    j = 0
+    t = 0
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        n_blk, off_b, off_hkv, h0, lo, split, hi = _bwd_tile(tile, num_tiles, num_bh, num_heads_kv, seq_q, seq_k,
+                                                             BLOCK_M, BLOCK_N, GQA, CAUSAL, 0)
+        n0 = n_blk * BLOCK_N
+        steps = (hi - lo) // BLOCK_M
+        n_steps = GQA * steps
+        dk = gl.zeros([WN, HEAD_DIM], gl.float32, kv_l)
+        dv = gl.zeros([WN, HEAD_DIM], gl.float32, kv_l)
+        keys = n0 + keys0
+        mbarrier.wait(kv_ready.index(0), t & 1)
+        for i in range(n_steps):
+            m0 = lo + (i - (i // steps) * steps) * BLOCK_M
+            s = j % STAGES
+            mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+            q_s = q_smem.index(s)
+            do_s = do_smem.index(s)
+            st_tok = warpgroup_mma(k_w, q_s.permute((1, 0)), gl.zeros([WN, BLOCK_M], gl.float32, s_l),
+                                   use_acc=False, is_async=True)
+            dpt_tok = warpgroup_mma(v_w, do_s.permute((1, 0)), gl.zeros([WN, BLOCK_M], gl.float32, s_l),
+                                    use_acc=False, is_async=True)
+            qrows = m0 + qrow0
+            lse2 = l_smem.index(s).reshape([BLOCK_M]).load(gl.SliceLayout(0, s_l))
+            st = warpgroup_mma_wait(1, deps=(st_tok, ))
+            if m0 < split:
+                visible = keys[:, None] < seq_k
+                if CAUSAL:
+                    visible = visible & (keys[:, None] <= qrows[None, :] + (seq_k - seq_q))
+                st = gl.where(visible, st, float("-inf"))  # -inf before exp2: P = 0 exactly
+            pt = gl.exp2(st * qk_scale - lse2[None, :])
+            dpt = warpgroup_mma_wait(0, deps=(dpt_tok, ))
+            delta = d_smem.index(s).reshape([BLOCK_M]).load(gl.SliceLayout(0, s_l))
+            dst = (pt * (dpt - delta[None, :])).to(dtype)  # dS = P (dP - delta), softmax backward
+            dsb = j % 2
+            ds_smem.index(dsb).slice(WG * WN, WN, dim=0).store(dst)
+            pt_op = gl.convert_layout(pt.to(dtype), op_l)
+            dv_tok = warpgroup_mma(pt_op, do_s, dv, is_async=True)
+            fence_async_shared()
+            mbarrier.arrive(ds_ready.index(dsb))
+            mbarrier.wait(ds_ready.index(dsb), (j // 2) & 1)  # both warpgroups' halves of dS^T are in
+            dq_tok = warpgroup_mma(ds_smem.index(dsb).permute((1, 0)), k_h, gl.zeros([BLOCK_M, DH], gl.float32, dq_l),
+                                   use_acc=False, is_async=True)
+            dst_op = gl.convert_layout(dst, op_l)
+            dk_tok = warpgroup_mma(dst_op, q_s, dk, is_async=True)
+            dv, dq, pt_op = warpgroup_mma_wait(1, deps=(dv_tok, dq_tok, pt_op))
+            if DQ_MODE == 3:  # diagnostic: no handoff; the store never runs but keeps the dQ MMA alive
+                if qk_scale < 0:
+                    dq_smem.index(WG).store(dq)
+            else:
+                dqs = (j % NS) * 2 + WG
+                mbarrier.wait(dq_empty.index(dqs), ((j // NS) & 1) ^ 1)  # the dQ warp has added what it held
+                dq_smem.index(dqs).store(dq)
+                fence_async_shared()
+                mbarrier.arrive(dq_full.index(dqs))
+            dk, dst_op = warpgroup_mma_wait(0, deps=(dk_tok, dst_op))
+            mbarrier.arrive(empty.index(s))  # this warpgroup is done with Q, dO, lse2, delta of slot s
+            j += 1
+        mbarrier.arrive(kv_empty.index(0))
+        dk = dk * scale  # dS was taken w.r.t. the scaled scores: dK = scale * dS^T Q
+        kv_base = ((off_b * num_heads_kv + off_hkv).to(gl.int64) * seq_k + n0) * HEAD_DIM
+        kv_offs = kv_r[:, None] * HEAD_DIM + kv_c[None, :]
+        inside = (n0 + kv_r[:, None]) < seq_k
+        gl.store(DK + kv_base + kv_offs, dk.to(dtype), mask=inside)
+        gl.store(DV + kv_base + kv_offs, dv.to(dtype), mask=inside)
+        t += 1
+
+
+@gluon.jit(do_not_specialize=["num_tiles", "num_bh", "num_heads_kv", "seq_q", "seq_k", "sq_pad"])
+def _attn_bwd_v1(q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, dq_desc, DK, DV, Sem, qk_scale, scale,
+                 num_tiles, num_bh, num_heads_kv, seq_q, seq_k, sq_pad,
+                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                 GQA: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr, COMPUTE_REGS: gl.constexpr,
+                 PRODUCER_REGS: gl.constexpr, WRITER_REGS: gl.constexpr, PUB_LAG: gl.constexpr,
+                 DQ_SLOTS: gl.constexpr):
+    gl.static_assert(BLOCK_N == 128)  # two warpgroups of 64 keys
+    gl.static_assert((BLOCK_M == 64) | (BLOCK_M == 128))
+    dtype: gl.constexpr = q_desc.dtype
+    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+    kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    ds_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_sl)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_sl)
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_sl)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_sl)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_sl)
+    l_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], l_desc.layout)
+    d_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], d_desc.layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2 * DQ_SLOTS, BLOCK_M, HEAD_DIM // 2], gl.NVMMASharedLayout(
+        swizzle_byte_width=128, element_bitwidth=32, rank=2))
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_full = gl.allocate_shared_memory(gl.int64, [2 * DQ_SLOTS, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [2 * DQ_SLOTS, 1], mbarrier.MBarrierLayout())
+    for r in gl.static_range(STAGES):
+        mbarrier.init(ready.index(r), count=1)
+        mbarrier.init(empty.index(r), count=2)
+    for r in gl.static_range(2 * DQ_SLOTS):
+        mbarrier.init(dq_full.index(r), count=1)
+        mbarrier.init(dq_empty.index(r), count=1)
+    mbarrier.init(kv_ready.index(0), count=1)
+    mbarrier.init(kv_empty.index(0), count=2)
+    for r in gl.static_range(2):
+        mbarrier.init(ds_ready.index(r), count=2)
+    fence_async_shared()
+    gl.warp_specialize([
+        (_v1_compute, (q_smem, do_smem, k_smem, v_smem, ds_smem, l_smem, d_smem, dq_smem, ready, empty, kv_ready, kv_empty,
+                      ds_ready, dq_full, dq_empty, DK, DV, qk_scale, scale, num_tiles, num_bh, num_heads_kv, seq_q,
+                      seq_k, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GQA, CAUSAL, DQ_MODE)),
+        (_v1_compute, (q_smem, do_smem, k_smem, v_smem, ds_smem, l_smem, d_smem, dq_smem, ready, empty, kv_ready, kv_empty,
+                      ds_ready, dq_full, dq_empty, DK, DV, qk_scale, scale, num_tiles, num_bh, num_heads_kv, seq_q,
+                      seq_k, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GQA, CAUSAL, DQ_MODE)),
+        (_v1_producer, (q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, q_smem, do_smem, k_smem, v_smem, l_smem,
+                        d_smem, ready, empty, kv_ready, kv_empty, num_tiles, num_bh, num_heads_kv, seq_q, seq_k,
+                        HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GQA, CAUSAL)),
+        (_v1_dq_writer, (dq_desc, dq_smem, dq_full, dq_empty, Sem, num_tiles, num_bh, num_heads_kv, seq_q, seq_k,
+                         sq_pad, BLOCK_M, BLOCK_N, GQA, CAUSAL, DQ_MODE, PUB_LAG)),
+    ], [4, 1, 1], [COMPUTE_REGS, PRODUCER_REGS, WRITER_REGS])
+
+
+def _v1_args(q, do, k, v, lse2, delta, dq_acc, dk, dv, sem, scale, num_tiles, num_bh, hkv, sq, sk, sq_pad, causal,
+             dq_mode, block_m=BWD_BLOCK_M):
+    gqa = q.shape[1] // k.shape[1]
+    d = q.shape[-1]
+    args = (_descriptor(q, block_m), _descriptor(do, block_m), _descriptor(k, BWD_BLOCK_N),
+            _descriptor(v, BWD_BLOCK_N), _bwd_row_descriptor(lse2, block_m), _bwd_row_descriptor(delta, block_m),
+            _bwd_acc_descriptor(dq_acc, block_m, cols=d // 2, swizzle=128), dk, dv, sem, scale * 1.4426950408889634,
+            scale, num_tiles, num_bh, hkv, sq, sk, sq_pad)
+    kw = dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=BWD_BLOCK_N, STAGES=BWD_STAGES, GQA=gqa, CAUSAL=causal,
+              DQ_MODE=dq_mode, COMPUTE_REGS=V1_COMPUTE_REGS, PRODUCER_REGS=V1_PRODUCER_REGS,
+              WRITER_REGS=V1_WRITER_REGS, PUB_LAG=V1_PUB_LAG, DQ_SLOTS=1, num_warps=4)
+    return args, kw
+
+
+def _bwd_acc_descriptor(t, block_m=BWD_BLOCK_M, cols=None, swizzle=BWD_DQ_SWIZZLE):
+    """The float32 dQ accumulator [B, H, sq_pad, D] in boxes of [block_m, cols] (default D)."""
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=32, rank=4)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block_m, cols or t.shape[-1]], layout)
+
+
+def _bwd_row_descriptor(t, block_m=BWD_BLOCK_M):
+    """lse2 / delta [B, H, sq_pad] float32, as [B * H, sq_pad] in boxes of one row of block_m."""
+    t2 = t.view(-1, t.shape[-1])
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    return TensorDescriptor(t2, list(t2.shape), list(t2.stride()), [1, block_m], layout)
+
+
+def _sms(device):
+    dev = device.index if device.index is not None else torch.cuda.current_device()
+    if dev not in _NUM_SMS:
+        _NUM_SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+    return _NUM_SMS[dev]
+
+
+def _v0_args(q, do, k, v, lse2, delta, dq_acc, dk, dv, sem, scale, num_tiles, num_bh, hkv, sq, sk, sq_pad, causal,
+             dq_mode):
+    gqa = q.shape[1] // k.shape[1]
+    args = (_descriptor(q, BWD_BLOCK_M), _descriptor(do, BWD_BLOCK_M), _descriptor(k, BWD_BLOCK_N),
+            _descriptor(v, BWD_BLOCK_N), _bwd_row_descriptor(lse2), _bwd_row_descriptor(delta),
+            _bwd_acc_descriptor(dq_acc), dk, dv, sem, scale * 1.4426950408889634, scale,
+            num_tiles, num_bh, hkv, sq, sk, sq_pad)
+    kw = dict(HEAD_DIM=q.shape[-1], BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, STAGES=BWD_STAGES, GQA=gqa,
+              CAUSAL=causal, WRITER_REGS=BWD_WRITER_REGS, DQ_PENDING=BWD_DQ_PENDING, DQ_SWIZZLE=BWD_DQ_SWIZZLE,
+              HEAD_MAJOR=BWD_HEAD_MAJOR, DQ_MODE=dq_mode, num_warps=8)
+    return args, kw
+
+
+def backward(do, q, k, v, out, lse, scale, causal, variant="v0", dq_mode=0, block_m=BWD_BLOCK_M, **constexprs):
+    """(dq, dk, dv) for contiguous bf16/fp16 [B, H, S, D] inputs; lse [B, Hq, Sq] natural log from the forward.
+    variant "v0" (c68d572) or "v1" (FA3 synchronisation); dq_mode as the module docstring says."""
+    b, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    q, k, v, do, out = (t.contiguous() for t in (q, k, v, do, out))
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    sq_pad = triton.cdiv(sq, block_m) * block_m  # block_m: 64 or 128 (v1 only), a multiple of the pre/post 64
+    delta = torch.empty((b, hq, sq_pad), dtype=torch.float32, device=q.device)
+    lse2 = torch.empty_like(delta)
+    _bwd_preprocess[(sq_pad // BWD_BLOCK_M, b * hq)](out, do, lse.contiguous(), delta, lse2, sq, sq_pad,
+                                                     HEAD_DIM=d, BLOCK_M=BWD_BLOCK_M, num_warps=4)
+    dq_acc = torch.zeros((b, hq, sq_pad, d), dtype=torch.float32, device=q.device)
+    sem = torch.zeros((b, hq, sq_pad // block_m), dtype=torch.int32, device=q.device)
+    num_bh = b * hkv
+    num_tiles = triton.cdiv(sk, BWD_BLOCK_N) * num_bh
+    grid = (min(num_tiles, _sms(q.device)), )  # every program resident: the fixed-order dQ needs it
+    if variant == "v0":
+        args, kw = _v0_args(q, do, k, v, lse2, delta, dq_acc, dk, dv, sem, scale, num_tiles, num_bh, hkv, sq, sk,
+                            sq_pad, causal, dq_mode)
+        _attn_bwd_hopper[grid](*args, **kw)
+    else:
+        args, kw = _v1_args(q, do, k, v, lse2, delta, dq_acc, dk, dv, sem, scale, num_tiles, num_bh, hkv, sq, sk,
+                            sq_pad, causal, dq_mode, block_m)
+        _attn_bwd_v1[grid](*args, **{**kw, **constexprs})
+    _dq_convert[(sq_pad // BWD_BLOCK_M, b * hq)](dq_acc, dq, scale, sq, sq_pad, HEAD_DIM=d, BLOCK_M=BWD_BLOCK_M,
+                                                 num_warps=4)
+    return dq, dk, dv
+
+
+def compile_for(variant="v0", head_dim=128, gqa=1, causal=True, dq_mode=0, dtype=torch.bfloat16, seq_q=1000,
+                seq_k=1000, block_m=BWD_BLOCK_M, **constexprs):
+    """Build the main kernel for sm_90 without a GPU (triton's bundled ptxas); returns the CompiledKernel."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    sq_pad = triton.cdiv(seq_q, block_m) * block_m
+    q = torch.empty((1, gqa, seq_q, head_dim), dtype=dtype)
+    k = torch.empty((1, 1, seq_k, head_dim), dtype=dtype)
+    rows = torch.empty((1, gqa, sq_pad), dtype=torch.float32)
+    acc = torch.empty((1, gqa, sq_pad, head_dim), dtype=torch.float32)
+    sem = torch.empty(4, dtype=torch.int32)
+    fn, argf = (_attn_bwd_hopper, _v0_args) if variant == "v0" else (_attn_bwd_v1, _v1_args)
+    args, kw = argf(q, q, k, k, rows, rows, acc, k, k, sem, 0.5, 2, 2, 2, seq_q, seq_k, sq_pad, causal, dq_mode,
+                    *([block_m] if variant == "v1" else []))
+    names = [n for n in fn.arg_names][:len(args)]
+    kw.update(constexprs)
+    num_warps = kw.pop("num_warps")
+    signature = {n: mangle_type(a) for n, a in zip(names, args)}
+    signature.update({n: "constexpr" for n in kw})
+    src = GluonASTSource(fn=fn, signature=signature, constexprs=kw)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+
+
+def resources(ck):
+    """ptxas -v and PTX counts of an sm_90 build: registers, spill bytes, stack, shared memory, and per-kernel
+    counts of bar.sync/bar.arrive, mbarrier waits/arrives, wgmma, TMA reduces, fences."""
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from fagen.aot.nvcc import parse_resources
+    ptx = ck.asm["ptx"]
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.ptx"
+        path.write_text(ptx)
+        r = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(path), "-o", f"{path}.cubin"], capture_output=True,
+                           text=True)
+    res = next(iter(parse_resources(r.stdout + r.stderr).values()))
+    count = {k: len(re.findall(p, ptx)) for k, p in (
+        ("bar.sync", r"\bbar\.sync\b|\bbarrier\.sync\b"), ("bar.arrive", r"\bbar\.arrive\b|\bbarrier\.arrive\b"),
+        ("mbar.wait", r"mbarrier\.try_wait"), ("mbar.arrive", r"mbarrier\.arrive"),
+        ("wgmma", r"wgmma\.mma_async"), ("reduce", r"cp\.reduce\.async\.bulk"), ("fence.proxy", r"fence\.proxy"),
+        ("setmaxnreg", r"setmaxnreg"))}
+    return dict(registers=res.registers, spill_stores=res.spill_stores, spill_loads=res.spill_loads, stack=res.stack,
+                shared=ck.metadata.shared, **count)
+
+
+def step_sass(ck, min_hgmma=24):
+    """Per innermost SASS loop with at least min_hgmma HGMMA (a compute step): instructions, HGMMA, LDL, STL."""
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.cubin"
+        path.write_bytes(ck.asm["cubin"])
+        sass = subprocess.run([str(cuobjdump), "-sass", str(path)], capture_output=True, text=True).stdout
+    ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    loops = []
+    for a, t in ins:
+        m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", t)
+        if m and int(m.group(1), 16) < a:
+            loops.append((int(m.group(1), 16), a))
+    body = {r: [t for a, t in ins if r[0] <= a <= r[1]] for r in loops}
+    found = [r for r in loops if sum("HGMMA" in t for t in body[r]) >= min_hgmma]
+    inner = [r for r in found if not any(o != r and r[0] <= o[0] and o[1] <= r[1] for o in found)]
+    return [dict(instructions=len(body[r]), hgmma=sum("HGMMA" in t for t in body[r]),
+                 ldl=sum(bool(re.search(r"\bLDL\b", t)) for t in body[r]),
+                 stl=sum(bool(re.search(r"\bSTL\b", t)) for t in body[r])) for r in sorted(inner)]

@@ -11,10 +11,12 @@ against the reference (Flex's output on the GPU, the float64 reference in the dr
 Rows / variants:
   alibi          attention   fagen.attention(score_mod=gym ALiBi) (what the bench times)
                  slopes      `score + (kv_idx - q_idx) * slopes[h]`, slopes evaluated on the host (a captured tensor)
+                 kv-slopes   `score + kv_idx * slopes[h]`: the row term dropped (the same out, another lse)
                  switch-none fagen.attention(alibi_slopes=slopes), mask none: -s|i - j|, another function (n/c)
                  plain       no mod, mask none (the ceiling)
   alibi+causal   attention   gym ALiBi with mask_mod = causal (flex: the same with its block mask)
                  switch      fagen.attention(mask="causal", alibi_slopes=slopes): the ALiBi switch kernel
+                 switch-fcols the switch kernel with |j - i| from float row / column vectors (a template variant)
                  plain       mask="causal" alone (the ceiling: what the switch costs over it)
   sliding-window+causal attention (lowered: causal + window(1024, 0), Triton below MIN_WORK), gluon (MIN_WORK lifted)
   relative-bias  attention
@@ -64,6 +66,44 @@ def gluon_forced(fn):
     return run
 
 
+# The ALiBi switch's per-element distance as float vectors (one conversion per row and per column, not per score):
+# a template variant rendered from an edited copy of fagen/templates ($FAGEN_TEMPLATE_DIR), loaded beside the product.
+FCOLS = ("triton/masks.j2",
+         "{{ qk }} = {{ qk }} - {{ slope }} * tl.abs({{ cols }}[None, :] - {{ rows }}[:, None] - wshift).to(tl.float32)",
+         "{{ qk }} = {{ qk }} - {{ slope }} * tl.abs({{ cols }}.to(tl.float32)[None, :] - ({{ rows }} + wshift)"
+         ".to(tl.float32)[:, None])")
+
+
+def switch_variant_fn(q, edits, mask, **kw):
+    import shutil
+    import tempfile
+
+    import torch
+
+    from fagen.codegen import render as R
+    from fagen.runtime import loader
+    from fagen.runtime.device import gpu_arch
+    from fagen.spec.kernel import KernelSpec
+
+    root = os.path.join(tempfile.mkdtemp(prefix="fagen-tpl-"), "templates")
+    shutil.copytree(R.TEMPLATE_DIR, root)
+    for rel, old, new in edits:
+        path = os.path.join(root, rel)
+        text = open(path).read()
+        assert old in text, f"the template no longer has {old[:60]!r}"
+        open(path, "w").write(text.replace(old, new))
+    spec = KernelSpec(head_dim=q.shape[-1], mask=mask, dtype={torch.bfloat16: "bf16", torch.float32: "fp32"}[q.dtype],
+                      alibi=True, direction="fwd")
+    if not DRY:
+        spec = spec.for_arch(gpu_arch())
+    os.environ["FAGEN_TEMPLATE_DIR"] = root
+    try:
+        module = loader.import_module(loader.source_path(spec).with_suffix(".py"))
+    finally:
+        del os.environ["FAGEN_TEMPLATE_DIR"]
+    return lambda q, k, v: module.forward(q, k, v, **kw)[0]
+
+
 def time_ms(fn, dev, rep_ms=25.0):
     from fagen.bench.timing import measure
 
@@ -110,6 +150,9 @@ def phase(name):
     def slopes_mod(score, b, hh, q_idx, kv_idx):
         return score + (kv_idx - q_idx) * slopes[hh]
 
+    def kv_mod(score, b, hh, q_idx, kv_idx):  # the row term -q_idx * s dropped: the same out, another lse
+        return score + kv_idx * slopes[hh]
+
     if name == "host":
         for seq in ((s, 96) if DRY else (s, 2048)):
             x = [t[:, :, :seq].contiguous() for t in (q, k, v)]
@@ -129,6 +172,7 @@ def phase(name):
         sm, mm, pairs = g.generate_alibi_bias(h), None, full
         vs = [("attention", lambda: fagen.attention(q, k, v, score_mod=sm), True),
               ("slopes", lambda: fagen.attention(q, k, v, score_mod=slopes_mod), True),
+              ("kv-slopes", lambda: fagen.attention(q, k, v, score_mod=kv_mod), True),
               ("switch-none", lambda: fagen.attention(q, k, v, alibi_slopes=slopes), False),
               ("plain", lambda: fagen.attention(q, k, v), False)]
     elif name == "alibi+causal":
@@ -136,6 +180,11 @@ def phase(name):
         vs = [("attention", lambda: fagen.attention(q, k, v, score_mod=sm, mask_mod=mm), True),
               ("switch", lambda: fagen.attention(q, k, v, mask="causal", alibi_slopes=slopes), True),
               ("plain", lambda: fagen.attention(q, k, v, mask="causal"), False)]
+        try:
+            fc = switch_variant_fn(q, [FCOLS], "causal", alibi_slopes=slopes)
+            vs.insert(2, ("switch-fcols", lambda: fc(q, k, v), True))
+        except Exception as e:  # noqa: BLE001
+            emit(row=name, variant="switch-fcols", ms=None, flops=0, flex_ms=None, check=f"ERROR {e}"[:100])
     elif name == "sliding-window+causal":
         sm, mm, pairs = None, g.generate_sliding_window(w), window_pairs()
         bm = fagen.create_block_mask(mm, None, None, s, s, device=dev)
@@ -175,7 +224,7 @@ def phase(name):
                     emit(row=name, variant=label, ms=None, flops=flops, flex_ms=flex_ms, check=f"FAIL {err:.1e}")
                     continue
                 ms = None if DRY else time_ms(fn, dev)
-                us = host_us(fn) if label in ("attention", "gluon", "switch", "slopes") else None
+                us = host_us(fn) if label in ("attention", "gluon", "slopes") else None
                 emit(row=name, variant=label, ms=ms, flops=flops, flex_ms=flex_ms,
                      check=f"{err:.1e}" + ("" if compare else " (n/c)") + note
                      + ("" if us is None else f" host {us:.0f} us"))

@@ -69,7 +69,7 @@ def test_slopes_the_host_cannot_match_keep_the_mod(score_mod):
     q, k, v, do = _qkv(hq=3, hkv=3, sq=20, sk=20)
     with torch.no_grad():
         fagen.attention(q, k, v, score_mod=score_mod, mask_mod=g.causal_mask)
-    assert modded.LOWERED[0] == "causal"  # the mask lowered, the score_mod stayed a mod
+    assert modded.LOWERED[0] == "causal"  # the mask lowered, the score_mod stayed a mod as written
 
 
 @pytest.mark.parametrize("score_mod", [
@@ -104,13 +104,27 @@ def test_gym_alibi_under_a_causal_mask_runs_the_switch_and_agrees_with_the_mod(m
         assert (a.double() - b).abs().max().item() < 4 * TOL[torch.float32]
 
 
-def test_gym_alibi_without_a_causal_mask_stays_a_mod():
-    q, k, v, _ = _qkv(sq=30, sk=30)
-    with torch.no_grad():
-        out = fagen.attention(q, k, v, score_mod=g.generate_alibi_bias(4))  # kv_idx > q_idx: not -|kv - q|
-    assert modded.LOWERED[0] is None
-    ref = reference.attention(q.double(), k.double(), v.double(), score_mod=g.generate_alibi_bias(4))[0]
-    assert (out.double() - ref).abs().max().item() < TOL[torch.float32]
+@pytest.mark.parametrize("hq, hkv, sq, sk", [(4, 2, 45, 45), (2, 2, 37, 50)])
+def test_gym_alibi_without_a_causal_mask_drops_its_row_term(hq, hkv, sq, sk, monkeypatch):
+    """[Note] ALiBi without its row term: kv_idx - q_idx is not -|kv_idx - q_idx| here (no switch); the mod left is
+    `score + kv_idx * S`, with the same out and gradients as the mod as written and the float64 reference."""
+    q, k, v, do = _qkv(hq, hkv, sq, sk)
+    mods = dict(score_mod=g.generate_alibi_bias(hq))
+    monkeypatch.setattr(lowering, "ENABLED", False)
+    unlowered = _run(q, k, v, do, **mods)
+    monkeypatch.setattr(lowering, "ENABLED", True)
+    specs = []
+    real = modded._bwd_module
+    monkeypatch.setattr(modded, "_bwd_module", lambda key, spec, args: specs.append(spec) or real(key, spec, args))
+    got = _run(q, k, v, do, **mods)
+    assert modded.LOWERED[0] == "alibi-rowfree"
+    assert {s.score_mod for s in specs} == {"score + kv_idx * exp2(-((h + 1) * 8.0 / H))"}
+    assert max((a - b).abs().max().item() for a, b in zip(got, unlowered)) < 2e-5
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = reference.attention(*leaves, **mods)[0]
+    ref = (ref, *torch.autograd.grad(ref, leaves, do.double()))
+    for a, b in zip(got, ref):
+        assert (a.double() - b).abs().max().item() < 4 * TOL[torch.float32]
 
 
 def _alibi(m):
@@ -130,4 +144,17 @@ def test_a_changed_closure_number_gives_new_slopes_and_compiles_nothing(monkeypa
             assert modded.LOWERED[0] == "causal+alibi"
             slopes = torch.tensor([2.0 ** (-(h + 1) * m) for h in range(4)], dtype=torch.float32, device=DEVICE)
             assert torch.equal(got, fagen.attention(q, k, v, mask="causal", alibi_slopes=slopes))
+    assert trace_cache.TRACES[0] == traces and len(loader._loaded) == modules
+
+
+def test_a_changed_closure_number_in_the_row_free_mod_compiles_nothing():
+    q, k, v, _ = _qkv(sq=33, sk=33)
+    with torch.no_grad():
+        fagen.attention(q, k, v, score_mod=_alibi(1.0))
+        traces, modules = trace_cache.TRACES[0], len(loader._loaded)
+        for m in (0.5, 0.125):
+            got = fagen.attention(q, k, v, score_mod=_alibi(m))
+            assert modded.LOWERED[0] == "alibi-rowfree"
+            ref = reference.attention(q.double(), k.double(), v.double(), score_mod=_alibi(m))[0]
+            assert (got.double() - ref).abs().max().item() < TOL[torch.float32]
     assert trace_cache.TRACES[0] == traces and len(loader._loaded) == modules

@@ -88,6 +88,7 @@ class Plan:
     dilation: Affine | None = None  # d where mask_rest is `(q_idx - kv_idx) % d == 0` (split.py: Dilated windows)
     prefix: Affine | None = None  # P where the mask_mod is `(kv_idx < P) | (q_idx >= kv_idx)` (split.py: Prefix rows)
     document: str | None = None  # T where it is `(T[q_idx] == T[kv_idx]) & (q_idx >= kv_idx)` (split.py: Documents)
+    row_free: ir.Node | None = None  # `score + kv_idx * S` of an ALiBi `score + S * (kv_idx - q_idx)`, S of h only
 
 
 class Lowering(NamedTuple):  # a tuple: built on every lowered call, where a frozen dataclass costs a microsecond
@@ -126,7 +127,11 @@ def plan(fields: tuple, score_tree: ir.Node | None, mask_tree: ir.Node | None) -
         mask_rest = None
         for atom in rest:
             mask_rest = atom if mask_rest is None else ir.binary("&", mask_rest, atom)
-        found = Plan(tuple(lefts), tuple(rights), mask_rest if lefts or rights else mask_tree, cap, alibi)
+        row_free = None
+        if alibi is not None and alibi[1] and not isinstance(alibi[0], str):  # [Note] ALiBi without its row term
+            row_free = ir.binary("+", ir.Input("score", ir.FLOAT), ir.binary("*", ir.Input("kv_idx", ir.INT), alibi[0]))
+        found = Plan(tuple(lefts), tuple(rights), mask_rest if lefts or rights else mask_tree, cap, alibi,
+                     row_free=row_free)
     if len(_PLANS) >= 512:
         _PLANS.clear()
     _PLANS[fields] = found
@@ -198,9 +203,13 @@ def lower(p: Plan, fields: tuple, trees: tuple, values: dict, *, mask: str, offs
             add["alibi_slopes"] = slopes
             labels.append("alibi")
             score_lowered = True
-    if not (mask_lowered or score_lowered):
-        return None
     score_left = None if score_lowered else trees[0]
+    if score_left is not None and p.row_free is not None and host_slopes is not None \
+            and host_slopes(p.alibi[0], p.alibi[2], values) is not None:  # [Note] ALiBi without its row term
+        score_left = p.row_free
+        labels.append("alibi-rowfree")
+    if not (mask_lowered or score_lowered or score_left is p.row_free is not None):
+        return None
     mask_left = mask_rest if mask_lowered else trees[1]
     if score_left is None and mask_left is None:
         return Lowering(new_mask, add, None, (), mask_lowered, "+".join(labels), split)
@@ -212,7 +221,7 @@ def lower(p: Plan, fields: tuple, trees: tuple, values: dict, *, mask: str, offs
             s, t = ir.names_in(tree)
             scalars |= s
             tensors |= t
-    left = (fields[0] if score_left is not None else None,
+    left = (None if score_left is None else fields[0] if score_left is trees[0] else to_text(score_left),
             None if mask_left is None else fields[1] if mask_left is trees[1] else to_text(mask_left),
             tuple(t for t in fields[2] if t[0] in tensors), tuple(s for s in fields[3] if s[0] in scalars))
     return Lowering(new_mask, add, left, tuple(sorted(scalars | tensors)), mask_lowered, "+".join(labels))
@@ -420,13 +429,24 @@ def _of_heads(node: ir.Node) -> bool:
     return False
 
 
+# [Note] ALiBi without its row term. `score + S * (kv_idx - q_idx)` is `score + S * kv_idx` plus `-S * q_idx`,
+# which is the same for every key of a row: softmax(x + c) = softmax(x), so out is the same, and so are dq, dk and
+# dv (they depend on out and the probabilities only; the backward reads the lse its own forward wrote, which is
+# shifted by the same c), where c is finite: S is checked on the host (`head_slopes`, |S| <= 2**100, so S * q_idx
+# stays within fp32). fagen.attention returns out only, so where such an ALiBi (S an expression of h,
+# constants and closure numbers: no tensor, so no gradient of S) does not become the switch, the mod left is
+# `score + kv_idx * S`: one multiply-add per score instead of an int subtraction, an int-to-float conversion (a
+# quarter-rate instruction on sm_90, next to the softmax's exp2) and a multiply-add. Rounding: the scores the
+# kernel sees are `S * kv_idx` in size instead of `S * (kv_idx - q_idx)`, which is what the mod as written gives
+# its first rows anyway (S * Sk at most), so the error bound is the mod's own worst row's.
 # [Note] Host slopes. A slope written as an expression of h (attention-gym's `exp2(-((h + 1) * 8.0 / H))`) is the
 # same number for every score of a head, so the ALiBi switch can take it as its float32 [Hq] alibi_slopes,
 # evaluated here once per head: ints as Python ints (the kernel's int32, so refused past 2**24, where wrapping
 # could start, and on a division by zero), floats in float64, rounded once to float32 by the caller. The kernel
 # evaluates the same tree in fp32, so the two slopes agree to a few fp32 ulps: the same attention to rounding.
 # Any value past fp32's range or NaN on the way (exp overflow, a division by zero, log of a negative) is refused,
-# since the kernel's inf or NaN would not be the host's number: the mod then runs as written. fagen/runtime/modded.py caches the tensor by (tree, Hq, the numbers it reads, device), so
+# since the kernel's inf or NaN would not be the host's number, and so is a slope past 2**100 in size (see [Note]
+# ALiBi without its row term): the mod then runs as written. fagen/runtime/modded.py caches the tensor by (tree, Hq, the numbers it reads, device), so
 # a changed closure number costs one evaluation and one small copy to the device, and no compile.
 _HOST_BINARY = {"+": lambda x, y: x + y, "-": lambda x, y: x - y, "*": lambda x, y: x * y,
                 "minimum": min, "maximum": max}
@@ -441,7 +461,7 @@ def head_slopes(tree: ir.Node, heads: int, values: dict) -> tuple[float, ...] | 
         out = tuple(float(_host(tree, h, values)) for h in range(heads))
     except (ArithmeticError, ValueError, _Refused):
         return None
-    return out if all(math.isfinite(x) for x in out) else None
+    return out if all(abs(x) <= 2.0 ** 100 for x in out) else None
 
 
 class _Refused(Exception):

@@ -9,12 +9,15 @@ process with a timeout (a faulting kernel loses its phase, not the table). Every
 against the reference (Flex's output on the GPU, the float64 reference in the dry run; max |diff| / max |ref| <=
 2e-2) before it is timed; (n/c): not compared (another function). TF/s counts visible pairs (4 * D per pair).
 Rows / variants:
-  alibi          attention   fagen.attention(score_mod=gym ALiBi) (what the bench times)
+  alibi          attention   fagen.attention(score_mod=gym ALiBi) (what the bench times; on this branch the mod
+                             left is `score + kv_idx * S`, [Note] ALiBi without its row term)
+                 as-written  the same with mod lowering off: the gym mod as written (the Gluon modded forward)
                  slopes      `score + (kv_idx - q_idx) * slopes[h]`, slopes evaluated on the host (a captured tensor)
                  kv-slopes   `score + kv_idx * slopes[h]`: the row term dropped (the same out, another lse)
                  switch-none fagen.attention(alibi_slopes=slopes), mask none: -s|i - j|, another function (n/c)
                  plain       no mod, mask none (the ceiling)
   alibi+causal   attention   gym ALiBi with mask_mod = causal (flex: the same with its block mask)
+                 as-written  mask="causal" and the gym mod with lowering off (the Gluon modded forward)
                  switch      fagen.attention(mask="causal", alibi_slopes=slopes): the ALiBi switch kernel
                  switch-fcols the switch kernel with |j - i| from float row / column vectors (a template variant)
                  plain       mask="causal" alone (the ceiling: what the switch costs over it)
@@ -104,6 +107,19 @@ def switch_variant_fn(q, edits, mask, **kw):
     return lambda q, k, v: module.forward(q, k, v, **kw)[0]
 
 
+def as_written(fn):
+    """fn with mod lowering off: the mods run as written (the modded kernels)."""
+    from fagen.mods import lower
+
+    def run(*a):
+        lower.ENABLED = False
+        try:
+            return fn(*a)
+        finally:
+            lower.ENABLED = True
+    return run
+
+
 def time_ms(fn, dev, rep_ms=25.0):
     from fagen.bench.timing import measure
 
@@ -171,6 +187,7 @@ def phase(name):
     if name == "alibi":
         sm, mm, pairs = g.generate_alibi_bias(h), None, full
         vs = [("attention", lambda: fagen.attention(q, k, v, score_mod=sm), True),
+              ("as-written", as_written(lambda: fagen.attention(q, k, v, score_mod=sm)), True),
               ("slopes", lambda: fagen.attention(q, k, v, score_mod=slopes_mod), True),
               ("kv-slopes", lambda: fagen.attention(q, k, v, score_mod=kv_mod), True),
               ("switch-none", lambda: fagen.attention(q, k, v, alibi_slopes=slopes), False),
@@ -178,6 +195,7 @@ def phase(name):
     elif name == "alibi+causal":
         sm, mm, pairs = g.generate_alibi_bias(h), g.causal_mask, causal_pairs()
         vs = [("attention", lambda: fagen.attention(q, k, v, score_mod=sm, mask_mod=mm), True),
+              ("as-written", as_written(lambda: fagen.attention(q, k, v, mask="causal", score_mod=sm)), True),
               ("switch", lambda: fagen.attention(q, k, v, mask="causal", alibi_slopes=slopes), True),
               ("plain", lambda: fagen.attention(q, k, v, mask="causal"), False)]
         try:
@@ -224,7 +242,7 @@ def phase(name):
                     emit(row=name, variant=label, ms=None, flops=flops, flex_ms=flex_ms, check=f"FAIL {err:.1e}")
                     continue
                 ms = None if DRY else time_ms(fn, dev)
-                us = host_us(fn) if label in ("attention", "gluon", "slopes") else None
+                us = host_us(fn) if label in ("attention", "gluon", "slopes", "as-written") else None
                 emit(row=name, variant=label, ms=ms, flops=flops, flex_ms=flex_ms,
                      check=f"{err:.1e}" + ("" if compare else " (n/c)") + note
                      + ("" if us is None else f" host {us:.0f} us"))

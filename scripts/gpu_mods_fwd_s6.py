@@ -21,10 +21,12 @@ Rows / variants:
                  switch      fagen.attention(mask="causal", alibi_slopes=slopes): the ALiBi switch kernel
                  switch-fcols the switch kernel with |j - i| from float row / column vectors (a template variant)
                  plain       mask="causal" alone (the ceiling: what the switch costs over it)
-  sliding-window+causal attention (lowered: causal + window(1024, 0), Triton below MIN_WORK), gluon (MIN_WORK lifted)
+  sliding-window+causal attention (lowered: causal + window(1024, 0); this branch's WINDOW_MIN_WORK picks the
+                 forward), triton / gluon (the thresholds set to force each)
   relative-bias  attention
-  host           host us/call (50 calls back to back, min of 5 passes; gpu_hostpath.py's method) and ms per call
-                 of the window switch on Triton and Gluon at the bench shape and at B1 H16 S2048
+  host           host us/call (50 calls back to back, min of 5 passes; gpu_hostpath.py's method) and do_bench ms
+                 of the window switch call (attention's own pick, Triton forced, Gluon forced) at B1 H16 S8192, S4096
+                 and S2048, window (1024, 0)
 """
 
 from __future__ import annotations
@@ -56,16 +58,22 @@ def emit(**row):
     print("ROW " + json.dumps(row), flush=True)
 
 
-def gluon_forced(fn):
+def gluon_forced(fn, work=0):
+    """fn with fagen.attention's Gluon thresholds (MIN_WORK, and WINDOW_MIN_WORK where this branch has it) set to
+    `work` pairs: 0 forces the Gluon forward, 1 << 62 the Triton one."""
     from fagen.runtime import api
 
     def run(*a):
-        old = api.MIN_WORK
-        api.MIN_WORK = 0
+        old = api.MIN_WORK, getattr(api, "WINDOW_MIN_WORK", None)
+        api.MIN_WORK = work
+        if old[1] is not None:
+            api.WINDOW_MIN_WORK = work
         try:
             return fn(*a)
         finally:
-            api.MIN_WORK = old
+            api.MIN_WORK = old[0]
+            if old[1] is not None:
+                api.WINDOW_MIN_WORK = old[1]
     return run
 
 
@@ -170,11 +178,12 @@ def phase(name):
         return score + kv_idx * slopes[hh]
 
     if name == "host":
-        for seq in ((s, 96) if DRY else (s, 2048)):
+        for seq in ((s, 96) if DRY else (s, 4096, 2048)):  # 16 x S x 1025 pairs: about 2**27, 2**26, 2**25
             x = [t[:, :, :seq].contiguous() for t in (q, k, v)]
             pairs = h * sum(min(i, w) + 1 for i in range(seq))
-            for label, fn in (("triton", lambda: fagen.attention(*x, mask="causal", window=(w, 0))),
-                              ("gluon", gluon_forced(lambda: fagen.attention(*x, mask="causal", window=(w, 0))))):
+            call = lambda: fagen.attention(*x, mask="causal", window=(w, 0))  # noqa: E731
+            for label, fn in (("attention", call), ("triton", gluon_forced(call, 1 << 62)),
+                              ("gluon", gluon_forced(call))):
                 with torch.no_grad():
                     fn()
                     us = host_us(fn)
@@ -206,8 +215,9 @@ def phase(name):
     elif name == "sliding-window+causal":
         sm, mm, pairs = None, g.generate_sliding_window(w), window_pairs()
         bm = fagen.create_block_mask(mm, None, None, s, s, device=dev)
-        vs = [("attention", lambda: fagen.attention(q, k, v, mask_mod=mm, block_mask=bm), True),
-              ("gluon", gluon_forced(lambda: fagen.attention(q, k, v, mask_mod=mm, block_mask=bm)), True)]
+        call = lambda: fagen.attention(q, k, v, mask_mod=mm, block_mask=bm)  # noqa: E731
+        vs = [("attention", call, True), ("triton", gluon_forced(call, 1 << 62), True),
+              ("gluon", gluon_forced(call), True)]
     elif name == "relative-bias":
         _, sm, mm, _ = next(c for c in cases(shape, dev) if c[0] == "relative-bias")
         pairs = full
@@ -242,7 +252,7 @@ def phase(name):
                     emit(row=name, variant=label, ms=None, flops=flops, flex_ms=flex_ms, check=f"FAIL {err:.1e}")
                     continue
                 ms = None if DRY else time_ms(fn, dev)
-                us = host_us(fn) if label in ("attention", "gluon", "slopes", "as-written") else None
+                us = host_us(fn) if label in ("attention", "gluon", "triton", "slopes", "as-written") else None
                 emit(row=name, variant=label, ms=ms, flops=flops, flex_ms=flex_ms,
                      check=f"{err:.1e}" + ("" if compare else " (n/c)") + note
                      + ("" if us is None else f" host {us:.0f} us"))

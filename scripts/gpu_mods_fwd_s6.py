@@ -17,6 +17,7 @@ Rows / variants:
   alibi+causal   attention   gym ALiBi with mask_mod = causal (flex: the same with its block mask)
                  switch      fagen.attention(mask="causal", alibi_slopes=slopes): the ALiBi switch kernel
                  switch-fcols the switch kernel with |j - i| from float row / column vectors (a template variant)
+                 switch-fstart the same with the columns as float(start_n) + a float arange (a template variant)
                  plain       mask="causal" alone (the ceiling: what the switch costs over it)
   sliding-window+causal attention (lowered: causal + window(1024, 0); this branch's WINDOW_MIN_WORK picks the
                  forward), triton / gluon (the thresholds set to force each)
@@ -81,6 +82,9 @@ FCOLS = ("triton/masks.j2",
          "{{ qk }} = {{ qk }} - {{ slope }} * tl.abs({{ cols }}[None, :] - {{ rows }}[:, None] - wshift).to(tl.float32)",
          "{{ qk }} = {{ qk }} - {{ slope }} * tl.abs({{ cols }}.to(tl.float32)[None, :] - ({{ rows }} + wshift)"
          ".to(tl.float32)[:, None])")
+FSTART = (FCOLS[0], FCOLS[1],  # the columns as start_n + a hoisted float arange: one conversion per block
+          "{{ qk }} = {{ qk }} - {{ slope }} * tl.abs((offs_n.to(tl.float32) + (start_n + 0.0))[None, :] - "
+          "({{ rows }} + wshift).to(tl.float32)[:, None])")
 
 
 def switch_variant_fn(q, edits, mask, **kw):
@@ -197,6 +201,8 @@ def phase(name):
         try:
             fc = switch_variant_fn(q, [FCOLS], "causal", alibi_slopes=slopes)
             vs.insert(1, ("switch-fcols", lambda: fc(q, k, v), True))
+            fs = switch_variant_fn(q, [FSTART], "causal", alibi_slopes=slopes)
+            vs.insert(2, ("switch-fstart", lambda: fs(q, k, v), True))
         except Exception as e:  # noqa: BLE001
             emit(row=name, variant="switch-fcols", ms=None, flops=0, flex_ms=None, check=f"ERROR {e}"[:100])
     elif name == "sliding-window+causal":

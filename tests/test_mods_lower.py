@@ -126,7 +126,7 @@ slopes = torch.rand(4, device=DEVICE)
     (lambda s, b, h, q_idx, kv_idx: s + slopes[h] * (q_idx - kv_idx), "causal", 40, 40, (), True, None),  # sign
     (lambda s, b, h, q_idx, kv_idx: s - slopes[h] * torch.abs(q_idx - kv_idx - 1), "none", 40, 40, (), True, None),
     (lambda s, b, h, q_idx, kv_idx: s - slopes[b] * torch.abs(q_idx - kv_idx), "none", 40, 40, (), True, None),
-    (g.generate_alibi_bias(4), "causal", 40, 40, (), True, None),  # the slopes are made in the mod
+    (g.generate_alibi_bias(4), "causal", 40, 40, (), True, None),  # slopes made in the mod: host_slopes (none here)
 ])
 def test_score_mods_lower_to_the_alibi_switch_only_when_exact(score_mod, mask, sq, sk, scores, ok, want):
     assert _decide(mask, sq, sk, scores=scores, slopes_ok=ok, score_mod=score_mod) == want

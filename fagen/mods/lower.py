@@ -26,7 +26,9 @@ closure's current numbers and the call's shapes and decides:
     kv_idx <= q_idx, so it lowers under a causal mask (built-in or lowered) only. The tensor must be the switch's
     input: float32 [Hq] on q's device, and no gradient asked of it (the switch gives slopes none; the mods do).
     The call must have no ALiBi switch of its own (a softcap switch is fine: both orders are softcap, then ALiBi).
-    attention-gym's `(kv_idx - q_idx) * exp2(-(h + 1) * 8 / H)` makes its slopes in the mod: not lowered.
+    The slope may also be an expression of h, constants and closure numbers (attention-gym's `(kv_idx - q_idx) *
+    exp2(-((h + 1) * 8.0 / H))`): it is evaluated on the host per query head into the float32 [Hq] alibi_slopes
+    ([Note] Host slopes), under the same conditions (so gym's form, without |.|, under a causal mask only).
   - three mask_mods become switch calls on views of q, k, v (fagen/mods/split.py's `run_split`, which
     fagen.attention's eager check runs, never the modded path): a window with `(q_idx - kv_idx) % d == 0` beside
     it, one window call over d strided subsequences ([Note] Dilated windows); attention-gym's prefix-LM mask, two
@@ -82,10 +84,11 @@ class Plan:
     rights: tuple[Affine, ...]  # kv_idx <= q_idx + R for each R
     mask_rest: ir.Node | None  # the mask_mod's other comparisons (None: the interval is all of it)
     cap: ir.Node | None  # the softcap's Const or Scalar when the score_mod is exactly a softcap
-    alibi: tuple[str, bool] | None = None  # (slopes tensor, needs a causal mask) when the score_mod is exactly ALiBi
+    alibi: tuple | None = None  # (slopes tensor name or h-tree, needs a causal mask, its numbers): exactly ALiBi
     dilation: Affine | None = None  # d where mask_rest is `(q_idx - kv_idx) % d == 0` (split.py: Dilated windows)
     prefix: Affine | None = None  # P where the mask_mod is `(kv_idx < P) | (q_idx >= kv_idx)` (split.py: Prefix rows)
     document: str | None = None  # T where it is `(T[q_idx] == T[kv_idx]) & (q_idx >= kv_idx)` (split.py: Documents)
+    row_free: ir.Node | None = None  # `score + kv_idx * S` of an ALiBi `score + S * (kv_idx - q_idx)`, S of h only
 
 
 class Lowering(NamedTuple):  # a tuple: built on every lowered call, where a frozen dataclass costs a microsecond
@@ -124,7 +127,11 @@ def plan(fields: tuple, score_tree: ir.Node | None, mask_tree: ir.Node | None) -
         mask_rest = None
         for atom in rest:
             mask_rest = atom if mask_rest is None else ir.binary("&", mask_rest, atom)
-        found = Plan(tuple(lefts), tuple(rights), mask_rest if lefts or rights else mask_tree, cap, alibi)
+        row_free = None
+        if alibi is not None and alibi[1] and not isinstance(alibi[0], str):  # [Note] ALiBi without its row term
+            row_free = ir.binary("+", ir.Input("score", ir.FLOAT), ir.binary("*", ir.Input("kv_idx", ir.INT), alibi[0]))
+        found = Plan(tuple(lefts), tuple(rights), mask_rest if lefts or rights else mask_tree, cap, alibi,
+                     row_free=row_free)
     if len(_PLANS) >= 512:
         _PLANS.clear()
     _PLANS[fields] = found
@@ -132,12 +139,14 @@ def plan(fields: tuple, score_tree: ir.Node | None, mask_tree: ir.Node | None) -
 
 
 def lower(p: Plan, fields: tuple, trees: tuple, values: dict, *, mask: str, offset: int | None, scores: dict,
-          block_mask: bool, slopes_ok=None, score: bool = True, splits=None) -> Lowering | None:
+          block_mask: bool, slopes_ok=None, host_slopes=None, score: bool = True, splits=None) -> Lowering | None:
     """This call's lowering of plan `p` (None: run the mods as they are). trees: the traced (score_mod, mask_mod);
     mask: the call's built-in mask (a string); offset: i_aligned - q_idx of the built-in mask for every row
     (`alignment`, None: not known on the host); scores: the call's switch keywords; block_mask: whether the call
     passes one; slopes_ok(tensor): whether a captured tensor can be the call's alibi_slopes (float32 [Hq] on q's
-    device, no gradient asked of it); score: whether the score_mod may lower (False: only the mask_mod);
+    device, no gradient asked of it); host_slopes(tree, names, values): the alibi_slopes tensor of a slope that is
+    an expression of h ([Note] Host slopes; `head_slopes` evaluates it), or None where it cannot be one; score:
+    whether the score_mod may lower (False: only the mask_mod);
     splits(kind, arg): what split.run_split((kind, what), ...) takes for this call, or None (falsy) where the
     caller cannot run it ([Note] Dilated windows, [Note] Prefix rows, [Note] Documents in fagen/mods/split.py;
     splits None: no split at all)."""
@@ -184,14 +193,23 @@ def lower(p: Plan, fields: tuple, trees: tuple, values: dict, *, mask: str, offs
             labels.append("softcap")
             score_lowered = True
     if score and p.alibi is not None and "alibi_slopes" not in scores and offset == 0 \
-            and (not p.alibi[1] or new_mask in ("causal", "causal+padding")) \
-            and slopes_ok is not None and slopes_ok(values[p.alibi[0]]):
-        add["alibi_slopes"] = values[p.alibi[0]]
-        labels.append("alibi")
-        score_lowered = True
-    if not (mask_lowered or score_lowered):
-        return None
+            and (not p.alibi[1] or new_mask in ("causal", "causal+padding")):
+        slope, slopes = p.alibi[0], None
+        if isinstance(slope, str):
+            slopes = values[slope] if slopes_ok is not None and slopes_ok(values[slope]) else None
+        elif host_slopes is not None:  # [Note] Host slopes
+            slopes = host_slopes(slope, p.alibi[2], values)
+        if slopes is not None:
+            add["alibi_slopes"] = slopes
+            labels.append("alibi")
+            score_lowered = True
     score_left = None if score_lowered else trees[0]
+    if score_left is not None and p.row_free is not None and host_slopes is not None \
+            and host_slopes(p.alibi[0], p.alibi[2], values) is not None:  # [Note] ALiBi without its row term
+        score_left = p.row_free
+        labels.append("alibi-rowfree")
+    if not (mask_lowered or score_lowered or score_left is p.row_free is not None):
+        return None
     mask_left = mask_rest if mask_lowered else trees[1]
     if score_left is None and mask_left is None:
         return Lowering(new_mask, add, None, (), mask_lowered, "+".join(labels), split)
@@ -203,7 +221,7 @@ def lower(p: Plan, fields: tuple, trees: tuple, values: dict, *, mask: str, offs
             s, t = ir.names_in(tree)
             scalars |= s
             tensors |= t
-    left = (fields[0] if score_left is not None else None,
+    left = (None if score_left is None else fields[0] if score_left is trees[0] else to_text(score_left),
             None if mask_left is None else fields[1] if mask_left is trees[1] else to_text(mask_left),
             tuple(t for t in fields[2] if t[0] in tensors), tuple(s for s in fields[3] if s[0] in scalars))
     return Lowering(new_mask, add, left, tuple(sorted(scalars | tensors)), mask_lowered, "+".join(labels))
@@ -369,10 +387,12 @@ def _is_score(node: ir.Node) -> bool:
     return isinstance(node, ir.Input) and node.name == "score"
 
 
-def _alibi(tree: ir.Node) -> tuple[str, bool] | None:
-    """(slopes, causal only) when `tree` is exactly ALiBi with a captured fp32 slope per query head: `score -
-    slopes[h] * abs(q_idx - kv_idx)` (any mask), or `score + slopes[h] * (kv_idx - q_idx)` / `score - slopes[h] *
-    (q_idx - kv_idx)` (equal to it only where every visible key has kv_idx <= q_idx: under a causal mask)."""
+def _alibi(tree: ir.Node) -> tuple[str | ir.Node, bool, tuple[str, ...]] | None:
+    """(slopes, causal only, scalar names) when `tree` is exactly ALiBi with a slope per query head: `score - S *
+    abs(q_idx - kv_idx)` (any mask), or `score + S * (kv_idx - q_idx)` / `score - S * (q_idx - kv_idx)` (equal to
+    it only where every visible key has kv_idx <= q_idx: under a causal mask). S is a captured fp32 tensor read at
+    [h] (slopes: its name), or an expression of h, constants and closure numbers only (slopes: that tree, which
+    `head_slopes` evaluates on the host; scalar names: the numbers it reads)."""
     if not isinstance(tree, ir.Binary) or tree.op not in ("+", "-"):
         return None
     pairs = [(tree.a, tree.b)] + ([(tree.b, tree.a)] if tree.op == "+" else [])
@@ -380,14 +400,103 @@ def _alibi(tree: ir.Node) -> tuple[str, bool] | None:
         if not (_is_score(score) and isinstance(product, ir.Binary) and product.op == "*"):
             continue
         for slope, x in ((product.a, product.b), (product.b, product.a)):
-            if not (isinstance(slope, ir.Load) and slope.dtype == "fp32" and len(slope.index) == 1
-                    and isinstance(slope.index[0], ir.Input) and slope.index[0].name == "h"):
+            if isinstance(slope, ir.Load) and slope.dtype == "fp32" and len(slope.index) == 1 \
+                    and isinstance(slope.index[0], ir.Input) and slope.index[0].name == "h":
+                found, names = slope.name, ()
+            elif _of_heads(slope):
+                found, names = slope, tuple(sorted(ir.names_in(slope)[0]))
+            else:
                 continue
             if tree.op == "-" and isinstance(x, ir.Unary) and x.op == "abs" and _distance(x.x) in (1, -1):
-                return slope.name, False
+                return found, False, names
             if _distance(x) == (1 if tree.op == "-" else -1):  # -(q - kv) = kv - q: -|kv - q| where kv <= q
-                return slope.name, True
+                return found, True, names
     return None
+
+
+_HEAD_OPS = {"+", "-", "*", "/", "//", "%", "minimum", "maximum", "neg", "abs"} | set(ir.FLOAT_FNS)
+
+
+def _of_heads(node: ir.Node) -> bool:
+    """Whether `node` is an int or float expression of h, constants and closure numbers with arithmetic,
+    minimum/maximum and the float functions only (the ops `head_slopes` evaluates)."""
+    if isinstance(node, ir.Input):
+        return node.name == "h"
+    if isinstance(node, (ir.Const, ir.Scalar)):
+        return node.type != ir.BOOL
+    if isinstance(node, (ir.Unary, ir.Binary)) and node.op in _HEAD_OPS and node.type != ir.BOOL:
+        return all(_of_heads(c) for c in node.children())
+    return False
+
+
+# [Note] ALiBi without its row term. `score + S * (kv_idx - q_idx)` is `score + S * kv_idx` plus `-S * q_idx`,
+# which is the same for every key of a row: softmax(x + c) = softmax(x), so out is the same, and so are dq, dk and
+# dv (they depend on out and the probabilities only; the backward reads the lse its own forward wrote, which is
+# shifted by the same c), where c is finite: S is checked on the host (`head_slopes`, |S| <= 2**100, so S * q_idx
+# stays within fp32). fagen.attention returns out only, so where such an ALiBi (S an expression of h,
+# constants and closure numbers: no tensor, so no gradient of S) does not become the switch, the mod left is
+# `score + kv_idx * S`: one multiply-add per score instead of an int subtraction, an int-to-float conversion (a
+# quarter-rate instruction on sm_90, next to the softmax's exp2) and a multiply-add. Rounding: the scores the
+# kernel sees are `S * kv_idx` in size instead of `S * (kv_idx - q_idx)`, which is what the mod as written gives
+# its first rows anyway (S * Sk at most), so the error bound is the mod's own worst row's.
+# [Note] Host slopes. A slope written as an expression of h (attention-gym's `exp2(-((h + 1) * 8.0 / H))`) is the
+# same number for every score of a head, so the ALiBi switch can take it as its float32 [Hq] alibi_slopes,
+# evaluated here once per head: ints as Python ints (the kernel's int32, so refused past 2**24, where wrapping
+# could start, and on a division by zero), floats in float64, rounded once to float32 by the caller. The kernel
+# evaluates the same tree in fp32, so the two slopes agree to a few fp32 ulps: the same attention to rounding.
+# Any value past fp32's range or NaN on the way (exp overflow, a division by zero, log of a negative) is refused,
+# since the kernel's inf or NaN would not be the host's number, and so is a slope past 2**100 in size (see [Note]
+# ALiBi without its row term): the mod then runs as written. fagen/runtime/modded.py caches the tensor by (tree, Hq, the numbers it reads, device), so
+# a changed closure number costs one evaluation and one small copy to the device, and no compile.
+_HOST_BINARY = {"+": lambda x, y: x + y, "-": lambda x, y: x - y, "*": lambda x, y: x * y,
+                "minimum": min, "maximum": max}
+_HOST_UNARY = {"neg": lambda x: -x, "abs": abs, "exp": math.exp, "exp2": lambda x: 2.0 ** x, "log": math.log,
+               "tanh": math.tanh, "sigmoid": lambda x: 1.0 / (1.0 + math.exp(-x)), "sqrt": math.sqrt}
+
+
+def head_slopes(tree: ir.Node, heads: int, values: dict) -> tuple[float, ...] | None:
+    """The values of an expression of h (`_of_heads`) for h = 0 .. heads - 1 with the closure's current numbers,
+    as Python floats, or None where the host cannot match the kernel's value ([Note] Host slopes)."""
+    try:
+        out = tuple(float(_host(tree, h, values)) for h in range(heads))
+    except (ArithmeticError, ValueError, _Refused):
+        return None
+    return out if all(abs(x) <= 2.0 ** 100 for x in out) else None
+
+
+class _Refused(Exception):
+    pass
+
+
+def _host(node: ir.Node, h: int, values: dict):
+    if isinstance(node, ir.Input):
+        x = h
+    elif isinstance(node, ir.Const):
+        x = node.value
+    elif isinstance(node, ir.Scalar):
+        x = values[node.name]
+        if isinstance(x, bool) or not isinstance(x, (int, float)):
+            raise _Refused
+    elif isinstance(node, ir.Unary):
+        x = _HOST_UNARY[node.op](_host(node.x, h, values) if node.op in ("neg", "abs")
+                                 else float(_host(node.x, h, values)))
+    else:
+        a, b = _host(node.a, h, values), _host(node.b, h, values)
+        if node.op == "/":
+            x = float(a) / float(b)
+        elif node.op in ("//", "%"):
+            if node.type != ir.INT:
+                raise _Refused  # floor division of floats: torch's and Python's roundings differ
+            x = a // b if node.op == "//" else a % b
+        else:
+            x = _HOST_BINARY[node.op](a, b)
+    if node.type == ir.INT:
+        if isinstance(x, float) or abs(x) > LIMIT:
+            raise _Refused
+        return x
+    if not abs(x) <= ir.FLOAT_MAX:  # past fp32 (or NaN): the kernel's value would be inf or NaN from here on
+        raise _Refused
+    return float(x)
 
 
 def _distance(node: ir.Node) -> int | None:

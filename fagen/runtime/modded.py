@@ -253,6 +253,7 @@ def _lower(mods: Mods, q, k, v, mask, scores: dict, seqlens_q, seqlens_k, block_
             return tuple(t.shape) == (q.shape[1],) and t.device == q.device and not (grad and t.requires_grad)
     low = lowering.lower(p, mods.fields, (traced.score_mod, traced.mask_mod), mods.values, mask=mask,
                          offset=offset, scores=scores, block_mask=block_mask is not None, slopes_ok=slopes_ok,
+                         host_slopes=lambda tree, names, values: _host_slopes(tree, names, values, q),
                          splits=(lambda kind, n: split.splittable(kind, n, q, k, v, _grad(q, k, v, mods)))
                          if views else None)
     if low is not None and low.fields is None and traced.score_mod is not None and packed is None and not scores \
@@ -264,6 +265,25 @@ def _lower(mods: Mods, q, k, v, mask, scores: dict, seqlens_q, seqlens_k, block_
 
 
 SCORE_KEYS = {"softcap", "alibi_slopes"}
+_SLOPES: dict[tuple, torch.Tensor | None] = {}
+
+
+def _host_slopes(tree: ir.Node, names: tuple, values: dict, q) -> torch.Tensor | None:
+    """The float32 [Hq] alibi_slopes on q's device of a slope that is an expression of h ([Note] Host slopes in
+    fagen/mods/lower.py), cached by (tree, Hq, the closure numbers it reads, device); None where the host cannot
+    evaluate it. A miss evaluates Hq values and copies them to the device (not while a CUDA graph captures: the
+    mod then runs as written)."""
+    key = (tree, q.shape[1], q.device, *(values[n] for n in names))
+    if key in _SLOPES:
+        return _SLOPES[key]
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    got = lowering.head_slopes(tree, q.shape[1], values)
+    found = None if got is None else torch.tensor(got, dtype=torch.float32, device=q.device)
+    if len(_SLOPES) >= 256:
+        _SLOPES.clear()
+    _SLOPES[key] = found
+    return found
 
 
 def _grad(q, k, v, mods: Mods) -> bool:

@@ -174,7 +174,7 @@ def splittable(kind: str, arg, q, k, v, grad: bool):
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.shape[2] != k.shape[2] or k.shape[:3] != v.shape[:3]:
         return None
     if kind == "document":
-        if grad or q.shape[0] != 1 or arg.dim() != 1 or arg.shape[0] < q.shape[2] or arg.device != q.device:
+        if q.shape[0] != 1 or arg.dim() != 1 or arg.shape[0] < q.shape[2] or arg.device != q.device:
             return None
         if arg.is_cuda:
             import torch
@@ -182,8 +182,8 @@ def splittable(kind: str, arg, q, k, v, grad: bool):
             if torch.cuda.is_current_stream_capturing():  # a graph would replay these runs: keep the mod
                 return None
         return _runs(arg, q.shape[2])
-    if kind == "prefix":  # the forward alone: two switch calls' backward is not measured against the mod's
-        return None if grad else True
+    if kind == "prefix":  # with a gradient too: the two calls' backwards, dK and dV summed ([Note] Prefix rows)
+        return True
     if q.shape[1] != k.shape[1] or q.shape[2] % arg:
         return None
     return True if all(x.shape[0] == 1 or x.stride(0) == x.shape[1] * x.stride(1) for x in (q, k, v)) else None

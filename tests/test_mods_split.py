@@ -247,3 +247,16 @@ def test_packed_documents_in_a_batch_keep_the_mod_with_gradients():
     ref = (ref, *torch.autograd.grad(ref, leaves, do.double()))
     for a, b in zip(got, ref):
         assert (a.double() - b).abs().max().item() < 4 * TOL[torch.float32]
+
+
+def test_packed_documents_with_a_softcap_split_with_gradients(monkeypatch):
+    q, k, v, do = _qkv(1, 2, 2, 45)
+    mm = g.generate_doc_mask_mod(g.causal_mask, _docs([13, 32]))
+    sm = g.generate_tanh_softcap(5.0)
+    got = _run(q, k, v, do, score_mod=sm, mask_mod=mm)
+    assert modded.LOWERED[0] == "documents+causal+softcap"
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = reference.attention(*leaves, score_mod=sm, mask_mod=mm)[0]
+    ref = (ref, *torch.autograd.grad(ref, leaves, do.double()))
+    for a, b in zip(got, ref):
+        assert (a.double() - b).abs().max().item() < 4 * TOL[torch.float32]

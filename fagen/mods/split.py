@@ -77,8 +77,9 @@ def _key_limit(atom: ir.Node) -> Affine | None:
 # built-in causal mask over all S keys (bottom-right aligned: row i of that call is q = P + i = i + Sk - Sq). Two
 # switch calls on slices of q, k, v and a concatenation of their outs (`run_split`), each on the plain kernels'
 # full tiles, where the modded kernel runs the prefix blocks through its block mask's lists. P is read per call
-# (a closure number); P <= 1 is the causal mask alone, P >= S the full one. For the forward alone (no gradient):
-# the backward of two calls, whose dK and dV autograd adds, is not measured against the modded backward.
+# (a closure number); P <= 1 is the causal mask alone, P >= S the full one. With gradients too: autograd runs the
+# two calls' backwards (the switch kernels' dK/dV and dQ) and adds the first's dK, dV (keys [0, P)) into the
+# second's (all keys), one elementwise add of [B, Hkv, P, D] beside two backwards on full tiles.
 
 
 def dilation(atom: ir.Node) -> Affine | None:
@@ -143,9 +144,10 @@ def document(tree: ir.Node) -> str | None:
 # views: q [1, H, S, D] as q[0].transpose(0, 1), [S, H, D] (fagen's varlen takes any row and head strides).
 # The varlen kernel tiles each document on its own (causal, bottom-right = top-left since each has as many
 # queries as keys), where the modded kernel runs 64 x 64 tiles across document bounds with the mask per element.
-# B = 1 (a batch of such views is no one tensor), no gradient (the varlen backward is not measured against the
-# mod's), T at least S long (past its end the kernel clamps where torch raises); runs that repeat a value (T =
-# [0, 0, 1, 0]) are not documents and keep the mod. Not while a CUDA graph captures: the check syncs, and a replay
+# With gradients too: the varlen causal backward on the same views (autograd takes dq, dk, dv back through them;
+# T, an int tensor, gets none), which tiles each document on its own as the forward does. B = 1 (a batch of such
+# views is no one tensor), T at least S long (past its end the kernel clamps where torch raises); runs that repeat
+# a value (T = [0, 0, 1, 0]) are not documents and keep the mod. Not while a CUDA graph captures: the check syncs, and a replay
 # would keep the captured runs where the mod's kernel reads T again.
 _RUNS: dict[int, tuple] = {}
 
@@ -170,7 +172,8 @@ def _runs(t, s: int):
 def splittable(kind: str, arg, q, k, v, grad: bool):
     """What `run_split((kind, what), ...)` takes for fagen.attention's dense call on q, k, v [B, H, S, D] (arg: the
     dilation, the prefix length, the document tensor): True (the dilation and prefix take arg itself) or the
-    document runs; None where it cannot serve the call."""
+    document runs; None where it cannot serve the call. Every split serves gradients too (grad: whether the call
+    asks for them, which no split refuses now)."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.shape[2] != k.shape[2] or k.shape[:3] != v.shape[:3]:
         return None
     if kind == "document":

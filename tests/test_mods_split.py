@@ -168,6 +168,19 @@ def test_prefix_lm_gradients_are_the_two_calls_backwards(prefix, monkeypatch):
     _grads_agree(q, k, v, do, g.generate_prefix_lm_mask(prefix), f"prefix({prefix})", monkeypatch)
 
 
+def test_prefix_lm_with_a_softcap_is_one_autograd_node_with_gradients():
+    q, k, v, do = _qkv(2, 2, 2, 45)
+    mm, sm = g.generate_prefix_lm_mask(P), g.generate_tanh_softcap(4.0)
+    out = fagen.attention(q, k, v, score_mod=sm, mask_mod=mm)
+    assert modded.LOWERED[0] == f"prefix({P})+softcap" and type(out.grad_fn).__name__ == "PrefixBackward"
+    got = (out, *torch.autograd.grad(out, (q, k, v), do))
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = reference.attention(*leaves, score_mod=sm, mask_mod=mm)[0]
+    ref = (ref, *torch.autograd.grad(ref, leaves, do.double()))
+    for a, b in zip(got, ref):
+        assert (a.double() - b).abs().max().item() < 4 * TOL[torch.float32]
+
+
 def _docs(lengths):
     return g.length_to_offsets(lengths, DEVICE)
 

@@ -200,18 +200,77 @@ def run_split(split: tuple, attention, q, k, v, *, mask: str, **kw):
     if kind == "dilated":
         out = attention(_strided(q, n), _strided(k, n), _strided(v, n), mask=mask, **kw)
         return out.transpose(1, 2).reshape(b, h, s, out.shape[-1])  # a view where out's layout allows
-    if kind == "document":
+    if kind == "document":  # squeeze, not [0]: its backward is a view too ([Note] Split gradients)
         cu, longest = n
-        out = attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), mask="causal",
-                        cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest, **kw)
-        return out.transpose(0, 1)[None]
+        out = attention(q.squeeze(0).transpose(0, 1), k.squeeze(0).transpose(0, 1), v.squeeze(0).transpose(0, 1),
+                        mask="causal", cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
+                        max_seqlen_k=longest, **kw)
+        return out.transpose(0, 1).unsqueeze(0)
     p = min(max(n, 0), s)
     if p <= 1 or p == s:  # kv_idx < 1 adds nothing to the causal mask; P >= S: every row a prefix row
         return attention(q, k, v, mask="causal" if p <= 1 else "none", **kw)
     import torch
 
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad) \
+            and kw.get("window") is None:
+        from fagen.runtime.resolve import resolve
+
+        switches = ("softcap",) if kw.get("softcap") is not None else ()
+        mods = (resolve(q[:, :, :p], k[:, :, :p], v[:, :, :p], "none", False, switches),
+                resolve(q[:, :, p:], k, v, "causal", False, switches))
+        return _Prefix.apply(q, k, v, p, mods, {name: x for name, x in kw.items() if x is not None})
     top = attention(q[:, :, :p], k[:, :, :p], v[:, :, :p], mask="none", **kw)
     return torch.cat([top, attention(q[:, :, p:], k, v, mask="causal", **kw)], dim=2)
+
+
+# [Note] Split gradients. Autograd through slices and selects of a leaf is not free: the backward of x[:, :, :p]
+# (and of x[0]) allocates a zero tensor of x's whole shape, copies the slice's gradient in and adds it to the
+# others', several passes over [B, H, S, D] per input beside a backward that reads each once or twice. So the
+# document split views q, k, v through squeeze and transpose (their backwards are views), and the prefix split with
+# gradients is one autograd.Function (_Prefix) over the two switch modules' forward and backward: dq is the two
+# calls' dq concatenated, dk and dv the causal call's with the prefix call's added into rows [0, P) in place.
+def _prefix_class():
+    import torch
+
+    class Prefix(torch.autograd.Function):
+        """out of the prefix rows ([Note] Prefix rows) as one autograd node ([Note] Split gradients): mods = the
+        bwd modules of the "none" call (rows and keys [0, P)) and of the "causal" call (rows [P, S), all keys)."""
+
+        @staticmethod
+        def forward(ctx, q, k, v, p, mods, kw):
+            top, low = mods
+            out_t, lse_t = top.forward(q[:, :, :p], k[:, :, :p], v[:, :, :p], **kw)
+            out_b, lse_b = low.forward(q[:, :, p:], k, v, **kw)
+            ctx.save_for_backward(q, k, v, out_t, lse_t, out_b, lse_b)
+            ctx.p, ctx.mods, ctx.kw = p, mods, kw
+            return torch.cat([out_t, out_b], dim=2)
+
+        @staticmethod
+        def backward(ctx, do):
+            q, k, v, out_t, lse_t, out_b, lse_b = ctx.saved_tensors
+            p, (top, low), kw = ctx.p, ctx.mods, ctx.kw
+            do = do.to(q.dtype)
+            dq_t, dk_t, dv_t = top.backward(do[:, :, :p], q[:, :, :p], k[:, :, :p], v[:, :, :p], out_t, lse_t,
+                                            **kw)[:3]
+            dq_b, dk, dv = low.backward(do[:, :, p:], q[:, :, p:], k, v, out_b, lse_b, **kw)[:3]
+            dk[:, :, :p] += dk_t
+            dv[:, :, :p] += dv_t
+            return torch.cat([dq_t, dq_b], dim=2), dk, dv, None, None, None
+
+    return Prefix
+
+
+class _Lazy:
+    """_Prefix: the autograd.Function made on first use (`import fagen` must not import torch)."""
+    cls = None
+
+    def apply(self, *args):
+        if _Lazy.cls is None:
+            _Lazy.cls = _prefix_class()
+        return _Lazy.cls.apply(*args)
+
+
+_Prefix = _Lazy()
 
 
 def _strided(x, d: int):

@@ -192,9 +192,11 @@ def splittable(kind: str, arg, q, k, v, grad: bool):
     return True if all(x.shape[0] == 1 or x.stride(0) == x.shape[1] * x.stride(1) for x in (q, k, v)) else None
 
 
-def run_split(split: tuple, attention, q, k, v, *, mask: str, **kw):
+def run_split(split: tuple, attention, q, k, v, *, mask: str, resolve=None, **kw):
     """out of the mods lowered to `split` ([Note] Dilated windows, [Note] Prefix rows, [Note] Documents):
-    `attention` (fagen.attention) called on views of q, k, v with the lowered `mask` and the switch keywords `kw`."""
+    `attention` (fagen.attention) called on views of q, k, v with the lowered `mask` and the switch keywords `kw`;
+    resolve (fagen.runtime.resolve's, which this layer may not import): the prefix split's modules with gradients
+    ([Note] Split gradients; None: two fagen.attention calls)."""
     kind, n = split
     b, h, s, _ = q.shape
     if kind == "dilated":
@@ -211,10 +213,8 @@ def run_split(split: tuple, attention, q, k, v, *, mask: str, **kw):
         return attention(q, k, v, mask="causal" if p <= 1 else "none", **kw)
     import torch
 
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad) \
+    if resolve is not None and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad) \
             and kw.get("window") is None:
-        from fagen.runtime.resolve import resolve
-
         switches = ("softcap",) if kw.get("softcap") is not None else ()
         mods = (resolve(q[:, :, :p], k[:, :, :p], v[:, :, :p], "none", False, switches),
                 resolve(q[:, :, p:], k, v, "causal", False, switches))

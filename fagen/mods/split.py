@@ -147,8 +147,8 @@ def document(tree: ir.Node) -> str | None:
 # With gradients too: the varlen causal backward on the same views (autograd takes dq, dk, dv back through them;
 # T, an int tensor, gets none), which tiles each document on its own as the forward does. B = 1 (a batch of such
 # views is no one tensor), T at least S long (past its end the kernel clamps where torch raises); runs that repeat
-# a value (T = [0, 0, 1, 0]) are not documents and keep the mod. Not while a CUDA graph captures: the check syncs, and a replay
-# would keep the captured runs where the mod's kernel reads T again.
+# a value (T = [0, 0, 1, 0]) are not documents and keep the mod. Not while a CUDA graph captures: the check syncs,
+# and a replay would keep the captured runs where the mod's kernel reads T again.
 _RUNS: dict[int, tuple] = {}
 
 

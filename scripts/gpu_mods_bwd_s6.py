@@ -7,8 +7,10 @@ H16 S8192): issue 26's backward target (>= 1.2x Flex on every row), with variant
 Variants:
   api           fagen.attention(q, k, v, score_mod=, mask_mod=, block_mask=) as a user calls it, with gradients:
                 whatever it lowers to (the document and prefix-LM splits with their backward, the window switch)
-  split         the split lowering's calls written out here (document: one varlen causal call over the runs;
-                prefix-LM: "none" over [0, P) and causal rows [P, S) over all keys), whatever fagen.attention does
+  split         the split lowering's calls written out here as fagen.attention calls on slices, autograd through
+                them (document: one varlen causal call over the runs of q[0]; prefix-LM: "none" over [0, P) and
+                causal rows [P, S) over all keys, concatenated): against api, the cost of the slices' backward
+                ([Note] Split gradients in fagen/mods/split.py)
   default       the row's rendered bwd module (the modded spec; the plain causal+window module for the sliding-window
                 row), unedited; the others are text edits of it:
   dkdv=NxMwWsS  the dK/dV kernel's tiles: N keys per program, M queries per step, warps, stages

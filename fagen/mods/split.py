@@ -77,9 +77,10 @@ def _key_limit(atom: ir.Node) -> Affine | None:
 # built-in causal mask over all S keys (bottom-right aligned: row i of that call is q = P + i = i + Sk - Sq). Two
 # switch calls on slices of q, k, v and a concatenation of their outs (`run_split`), each on the plain kernels'
 # full tiles, where the modded kernel runs the prefix blocks through its block mask's lists. P is read per call
-# (a closure number); P <= 1 is the causal mask alone, P >= S the full one. With gradients too: autograd runs the
-# two calls' backwards (the switch kernels' dK/dV and dQ) and adds the first's dK, dV (keys [0, P)) into the
-# second's (all keys), one elementwise add of [B, Hkv, P, D] beside two backwards on full tiles.
+# (a closure number); P <= 1 is the causal mask alone, P >= S the full one. With gradients too: the two calls'
+# backwards (the switch kernels' dK/dV and dQ) in one autograd node that adds the first's dK, dV (keys [0, P)) into
+# the second's (all keys), one in-place add of [B, Hkv, P, D] beside two backwards on full tiles ([Note] Split
+# gradients).
 
 
 def dilation(atom: ir.Node) -> Affine | None:
@@ -141,7 +142,7 @@ def document(tree: ir.Node) -> str | None:
 # layout's causal mask with one sequence per run: cu_seqlens = the runs' bounds. Built on q's device once per
 # tensor object and version (`_runs`: one host sync for the check and the longest run, then kept beside a weak
 # reference to T, so an in-place change of T or a new tensor is read again), and run as one varlen call on
-# views: q [1, H, S, D] as q[0].transpose(0, 1), [S, H, D] (fagen's varlen takes any row and head strides).
+# views: q [1, H, S, D] as q.squeeze(0).transpose(0, 1), [S, H, D] (fagen's varlen takes any row and head strides).
 # The varlen kernel tiles each document on its own (causal, bottom-right = top-left since each has as many
 # queries as keys), where the modded kernel runs 64 x 64 tiles across document bounds with the mask per element.
 # With gradients too: the varlen causal backward on the same views (autograd takes dq, dk, dv back through them;

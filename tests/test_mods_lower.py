@@ -298,7 +298,7 @@ def test_sinks_and_rows_that_see_no_key_agree_lowered_and_not(monkeypatch):
 
 
 def test_a_softcap_lowers_beside_a_mask_mod_and_its_block_mask():
-    q, k, v, do = _qkv(1, 2, 2, 45, 45)
+    q, k, v, do = _qkv(2, 2, 2, 45, 45)  # B = 2: the document mask stays a mod (no varlen split)
     mask_mod = g.generate_doc_mask_mod(g.causal_mask, g.length_to_offsets([13, 32], DEVICE))
     block_mask = fagen.create_block_mask(mask_mod, None, None, 45, 45, device=DEVICE, block_size=16)
     kw = dict(score_mod=g.generate_tanh_softcap(5.0), mask_mod=mask_mod)

@@ -118,7 +118,7 @@ P = 9
     (lambda b, h, q_idx, kv_idx: ~(kv_idx >= 5) | (q_idx >= kv_idx), {}, ("none", {}, None, ("prefix", 5))),
     (g.generate_prefix_lm_mask(P), dict(mask="causal"), None),  # the built-in causal mask hides the prefix
     (g.generate_prefix_lm_mask(P), dict(sq=40), None),
-    (g.generate_prefix_lm_mask(P), dict(ok=False), None),  # a gradient asked (splittable says no)
+    (g.generate_prefix_lm_mask(P), dict(ok=False), None),  # the views cannot serve (splittable says no)
     (lambda b, h, q_idx, kv_idx: (kv_idx < q_idx) | (q_idx >= kv_idx), {}, None),  # not a key limit
     (lambda b, h, q_idx, kv_idx: (kv_idx < P) | (q_idx > kv_idx), {}, None),  # the diagonal hidden
     (lambda b, h, q_idx, kv_idx: (kv_idx > P) | (q_idx >= kv_idx), {}, None),  # a suffix, not a prefix
@@ -144,13 +144,38 @@ def test_prefix_lm_rows_run_as_two_switch_calls_and_agree_with_the_mod(prefix, m
     assert (got.double() - ref).abs().max().item() < TOL[torch.float32]
 
 
-def test_prefix_lm_with_a_gradient_keeps_the_mod():
-    q, k, v, do = _qkv(1, 2, 2, 45)
-    mm = g.generate_prefix_lm_mask(P)
-    got = _run(q, k, v, do, mask_mod=mm)
+def _grads_agree(q, k, v, do, mm, label, monkeypatch, tol=4 * TOL[torch.float32]):
+    """fagen.attention's out, dq, dk, dv lowered to `label` against the unlowered mod's and float64's."""
+    s = q.shape[2]
+    bm = fagen.create_block_mask(mm, None, None, s, s, device=DEVICE, block_size=16)
+    monkeypatch.setattr(lowering, "ENABLED", False)
+    unlowered = _run(q, k, v, do, mask_mod=mm, block_mask=bm)
     assert modded.LOWERED[0] is None
+    monkeypatch.setattr(lowering, "ENABLED", True)
+    got = _run(q, k, v, do, mask_mod=mm, block_mask=bm)
+    assert modded.LOWERED[0] == label
+    assert max((a - b).abs().max().item() for a, b in zip(got, unlowered)) < 2e-5
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
     ref = reference.attention(*leaves, mask_mod=mm)[0]
+    ref = (ref, *torch.autograd.grad(ref, leaves, do.double()))
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
+        assert (a.double() - b).abs().max().item() < tol, name
+
+
+@pytest.mark.parametrize("prefix", [0, 7, 30, 45])
+def test_prefix_lm_gradients_are_the_two_calls_backwards(prefix, monkeypatch):
+    q, k, v, do = _qkv(1, 4, 2, 45)  # GQA; 45 rows: no whole block
+    _grads_agree(q, k, v, do, g.generate_prefix_lm_mask(prefix), f"prefix({prefix})", monkeypatch)
+
+
+def test_prefix_lm_with_a_softcap_is_one_autograd_node_with_gradients():
+    q, k, v, do = _qkv(2, 2, 2, 45)
+    mm, sm = g.generate_prefix_lm_mask(P), g.generate_tanh_softcap(4.0)
+    out = fagen.attention(q, k, v, score_mod=sm, mask_mod=mm)
+    assert modded.LOWERED[0] == f"prefix({P})+softcap" and type(out.grad_fn).__name__ == "PrefixBackward"
+    got = (out, *torch.autograd.grad(out, (q, k, v), do))
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = reference.attention(*leaves, score_mod=sm, mask_mod=mm)[0]
     ref = (ref, *torch.autograd.grad(ref, leaves, do.double()))
     for a, b in zip(got, ref):
         assert (a.double() - b).abs().max().item() < 4 * TOL[torch.float32]
@@ -216,3 +241,35 @@ def test_document_ids_that_repeat_or_change_in_place_are_read_again():
     check("causal")
     ids[30:] = 7
     check("documents+causal")
+
+
+@pytest.mark.parametrize("lengths", [[10, 20, 15], [7, 30, 1, 13], [45]])
+def test_packed_documents_gradients_are_the_varlen_backward(lengths, monkeypatch):
+    q, k, v, do = _qkv(1, 4, 2, sum(lengths))  # GQA; runs and total not multiples of the blocks
+    _grads_agree(q, k, v, do, g.generate_doc_mask_mod(g.causal_mask, _docs(lengths)), "documents+causal",
+                 monkeypatch)
+
+
+def test_packed_documents_in_a_batch_keep_the_mod_with_gradients():
+    q, k, v, do = _qkv(2, 2, 2, 45)  # B = 2: no one varlen view
+    mm = g.generate_doc_mask_mod(g.causal_mask, _docs([10, 20, 15]))
+    got = _run(q, k, v, do, mask_mod=mm)
+    assert modded.LOWERED[0] in (None, "causal")
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = reference.attention(*leaves, mask_mod=mm)[0]
+    ref = (ref, *torch.autograd.grad(ref, leaves, do.double()))
+    for a, b in zip(got, ref):
+        assert (a.double() - b).abs().max().item() < 4 * TOL[torch.float32]
+
+
+def test_packed_documents_with_a_softcap_split_with_gradients(monkeypatch):
+    q, k, v, do = _qkv(1, 2, 2, 45)
+    mm = g.generate_doc_mask_mod(g.causal_mask, _docs([13, 32]))
+    sm = g.generate_tanh_softcap(5.0)
+    got = _run(q, k, v, do, score_mod=sm, mask_mod=mm)
+    assert modded.LOWERED[0] == "documents+causal+softcap"
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = reference.attention(*leaves, score_mod=sm, mask_mod=mm)[0]
+    ref = (ref, *torch.autograd.grad(ref, leaves, do.double()))
+    for a, b in zip(got, ref):
+        assert (a.double() - b).abs().max().item() < 4 * TOL[torch.float32]

@@ -32,8 +32,8 @@ closure's current numbers and the call's shapes and decides:
   - three mask_mods become switch calls on views of q, k, v (fagen/mods/split.py's `run_split`, which
     fagen.attention's eager check runs, never the modded path): a window with `(q_idx - kv_idx) % d == 0` beside
     it, one window call over d strided subsequences ([Note] Dilated windows); attention-gym's prefix-LM mask, two
-    calls on row slices without a gradient ([Note] Prefix rows); a document mask, one varlen causal call over the
-    documents' runs without a gradient ([Note] Documents).
+    calls on row slices ([Note] Prefix rows); a document mask, one varlen causal call over the documents' runs
+    ([Note] Documents); each with gradients too (the switch calls' backwards).
 Both paths give the same attention to rounding (the tests compare them and the float64 reference); the switch
 kernels skip key blocks by interval reasoning and take the Gluon forward on sm_90. `FAGEN_MOD_LOWERING=0` (or
 off, false, no; read at import) or `ENABLED = False` turns lowering off; the differential tests of mods against

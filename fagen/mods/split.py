@@ -77,8 +77,10 @@ def _key_limit(atom: ir.Node) -> Affine | None:
 # built-in causal mask over all S keys (bottom-right aligned: row i of that call is q = P + i = i + Sk - Sq). Two
 # switch calls on slices of q, k, v and a concatenation of their outs (`run_split`), each on the plain kernels'
 # full tiles, where the modded kernel runs the prefix blocks through its block mask's lists. P is read per call
-# (a closure number); P <= 1 is the causal mask alone, P >= S the full one. For the forward alone (no gradient):
-# the backward of two calls, whose dK and dV autograd adds, is not measured against the modded backward.
+# (a closure number); P <= 1 is the causal mask alone, P >= S the full one. With gradients too: the two calls'
+# backwards (the switch kernels' dK/dV and dQ) in one autograd node that adds the first's dK, dV (keys [0, P)) into
+# the second's (all keys), one in-place add of [B, Hkv, P, D] beside two backwards on full tiles ([Note] Split
+# gradients).
 
 
 def dilation(atom: ir.Node) -> Affine | None:
@@ -140,13 +142,14 @@ def document(tree: ir.Node) -> str | None:
 # layout's causal mask with one sequence per run: cu_seqlens = the runs' bounds. Built on q's device once per
 # tensor object and version (`_runs`: one host sync for the check and the longest run, then kept beside a weak
 # reference to T, so an in-place change of T or a new tensor is read again), and run as one varlen call on
-# views: q [1, H, S, D] as q[0].transpose(0, 1), [S, H, D] (fagen's varlen takes any row and head strides).
+# views: q [1, H, S, D] as q.squeeze(0).transpose(0, 1), [S, H, D] (fagen's varlen takes any row and head strides).
 # The varlen kernel tiles each document on its own (causal, bottom-right = top-left since each has as many
 # queries as keys), where the modded kernel runs 64 x 64 tiles across document bounds with the mask per element.
-# B = 1 (a batch of such views is no one tensor), no gradient (the varlen backward is not measured against the
-# mod's), T at least S long (past its end the kernel clamps where torch raises); runs that repeat a value (T =
-# [0, 0, 1, 0]) are not documents and keep the mod. Not while a CUDA graph captures: the check syncs, and a replay
-# would keep the captured runs where the mod's kernel reads T again.
+# With gradients too: the varlen causal backward on the same views (autograd takes dq, dk, dv back through them;
+# T, an int tensor, gets none), which tiles each document on its own as the forward does. B = 1 (a batch of such
+# views is no one tensor), T at least S long (past its end the kernel clamps where torch raises); runs that repeat
+# a value (T = [0, 0, 1, 0]) are not documents and keep the mod. Not while a CUDA graph captures: the check syncs,
+# and a replay would keep the captured runs where the mod's kernel reads T again.
 _RUNS: dict[int, tuple] = {}
 
 
@@ -170,11 +173,12 @@ def _runs(t, s: int):
 def splittable(kind: str, arg, q, k, v, grad: bool):
     """What `run_split((kind, what), ...)` takes for fagen.attention's dense call on q, k, v [B, H, S, D] (arg: the
     dilation, the prefix length, the document tensor): True (the dilation and prefix take arg itself) or the
-    document runs; None where it cannot serve the call."""
+    document runs; None where it cannot serve the call. Every split serves gradients too (grad: whether the call
+    asks for them, which no split refuses now)."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.shape[2] != k.shape[2] or k.shape[:3] != v.shape[:3]:
         return None
     if kind == "document":
-        if grad or q.shape[0] != 1 or arg.dim() != 1 or arg.shape[0] < q.shape[2] or arg.device != q.device:
+        if q.shape[0] != 1 or arg.dim() != 1 or arg.shape[0] < q.shape[2] or arg.device != q.device:
             return None
         if arg.is_cuda:
             import torch
@@ -182,33 +186,92 @@ def splittable(kind: str, arg, q, k, v, grad: bool):
             if torch.cuda.is_current_stream_capturing():  # a graph would replay these runs: keep the mod
                 return None
         return _runs(arg, q.shape[2])
-    if kind == "prefix":  # the forward alone: two switch calls' backward is not measured against the mod's
-        return None if grad else True
+    if kind == "prefix":  # with a gradient too: the two calls' backwards, dK and dV summed ([Note] Prefix rows)
+        return True
     if q.shape[1] != k.shape[1] or q.shape[2] % arg:
         return None
     return True if all(x.shape[0] == 1 or x.stride(0) == x.shape[1] * x.stride(1) for x in (q, k, v)) else None
 
 
-def run_split(split: tuple, attention, q, k, v, *, mask: str, **kw):
+def run_split(split: tuple, attention, q, k, v, *, mask: str, resolve=None, **kw):
     """out of the mods lowered to `split` ([Note] Dilated windows, [Note] Prefix rows, [Note] Documents):
-    `attention` (fagen.attention) called on views of q, k, v with the lowered `mask` and the switch keywords `kw`."""
+    `attention` (fagen.attention) called on views of q, k, v with the lowered `mask` and the switch keywords `kw`;
+    resolve (fagen.runtime.resolve's, which this layer may not import): the prefix split's modules with gradients
+    ([Note] Split gradients; None: two fagen.attention calls)."""
     kind, n = split
     b, h, s, _ = q.shape
     if kind == "dilated":
         out = attention(_strided(q, n), _strided(k, n), _strided(v, n), mask=mask, **kw)
         return out.transpose(1, 2).reshape(b, h, s, out.shape[-1])  # a view where out's layout allows
-    if kind == "document":
+    if kind == "document":  # squeeze, not [0]: its backward is a view too ([Note] Split gradients)
         cu, longest = n
-        out = attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), mask="causal",
-                        cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest, **kw)
-        return out.transpose(0, 1)[None]
+        out = attention(q.squeeze(0).transpose(0, 1), k.squeeze(0).transpose(0, 1), v.squeeze(0).transpose(0, 1),
+                        mask="causal", cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
+                        max_seqlen_k=longest, **kw)
+        return out.transpose(0, 1).unsqueeze(0)
     p = min(max(n, 0), s)
     if p <= 1 or p == s:  # kv_idx < 1 adds nothing to the causal mask; P >= S: every row a prefix row
         return attention(q, k, v, mask="causal" if p <= 1 else "none", **kw)
     import torch
 
+    if resolve is not None and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad) \
+            and kw.get("window") is None:
+        switches = ("softcap",) if kw.get("softcap") is not None else ()
+        mods = (resolve(q[:, :, :p], k[:, :, :p], v[:, :, :p], "none", False, switches),
+                resolve(q[:, :, p:], k, v, "causal", False, switches))
+        return _Prefix.apply(q, k, v, p, mods, {name: x for name, x in kw.items() if x is not None})
     top = attention(q[:, :, :p], k[:, :, :p], v[:, :, :p], mask="none", **kw)
     return torch.cat([top, attention(q[:, :, p:], k, v, mask="causal", **kw)], dim=2)
+
+
+# [Note] Split gradients. Autograd through slices and selects of a leaf is not free: the backward of x[:, :, :p]
+# (and of x[0]) allocates a zero tensor of x's whole shape, copies the slice's gradient in and adds it to the
+# others', several passes over [B, H, S, D] per input beside a backward that reads each once or twice. So the
+# document split views q, k, v through squeeze and transpose (their backwards are views), and the prefix split with
+# gradients is one autograd.Function (_Prefix) over the two switch modules' forward and backward: dq is the two
+# calls' dq concatenated, dk and dv the causal call's with the prefix call's added into rows [0, P) in place.
+def _prefix_class():
+    import torch
+
+    class Prefix(torch.autograd.Function):
+        """out of the prefix rows ([Note] Prefix rows) as one autograd node ([Note] Split gradients): mods = the
+        bwd modules of the "none" call (rows and keys [0, P)) and of the "causal" call (rows [P, S), all keys)."""
+
+        @staticmethod
+        def forward(ctx, q, k, v, p, mods, kw):
+            top, low = mods
+            out_t, lse_t = top.forward(q[:, :, :p], k[:, :, :p], v[:, :, :p], **kw)
+            out_b, lse_b = low.forward(q[:, :, p:], k, v, **kw)
+            ctx.save_for_backward(q, k, v, out_t, lse_t, out_b, lse_b)
+            ctx.p, ctx.mods, ctx.kw = p, mods, kw
+            return torch.cat([out_t, out_b], dim=2)
+
+        @staticmethod
+        def backward(ctx, do):
+            q, k, v, out_t, lse_t, out_b, lse_b = ctx.saved_tensors
+            p, (top, low), kw = ctx.p, ctx.mods, ctx.kw
+            do = do.to(q.dtype)
+            dq_t, dk_t, dv_t = top.backward(do[:, :, :p], q[:, :, :p], k[:, :, :p], v[:, :, :p], out_t, lse_t,
+                                            **kw)[:3]
+            dq_b, dk, dv = low.backward(do[:, :, p:], q[:, :, p:], k, v, out_b, lse_b, **kw)[:3]
+            dk[:, :, :p] += dk_t
+            dv[:, :, :p] += dv_t
+            return torch.cat([dq_t, dq_b], dim=2), dk, dv, None, None, None
+
+    return Prefix
+
+
+class _Lazy:
+    """_Prefix: the autograd.Function made on first use (`import fagen` must not import torch)."""
+    cls = None
+
+    def apply(self, *args):
+        if _Lazy.cls is None:
+            _Lazy.cls = _prefix_class()
+        return _Lazy.cls.apply(*args)
+
+
+_Prefix = _Lazy()
 
 
 def _strided(x, d: int):

@@ -79,7 +79,7 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
             from fagen.mods.split import run_split
 
             return run_split(split, attention, q, k, v, mask=mask, scale=scale, window=window, softcap=softcap,
-                             check=check)
+                             check=check, resolve=resolve)
     if window is None and softcap is None and alibi_slopes is None and sinks is None:  # the common call
         switches, scores = (), _NO_SCORES
         needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)

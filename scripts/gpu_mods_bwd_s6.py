@@ -1,0 +1,396 @@
+"""The mods backward against FlexAttention's, per attention-gym row of `fagen bench --suite mods` (bf16, d128, B1
+H16 S8192): issue 26's backward target (>= 1.2x Flex on every row), with variants side by side in one process.
+
+    PYTHONPATH=$PWD python3 scripts/gpu_mods_bwd_s6.py [--rows a,b] [--rep-ms 30] [--time-limit 45]
+    GPU_MODS_BWD_S6_DRY=1 PYTHONPATH=$PWD python3 scripts/gpu_mods_bwd_s6.py   # CPU: interpreter, tiny shape
+
+Variants:
+  api           fagen.attention(q, k, v, score_mod=, mask_mod=, block_mask=) as a user calls it, with gradients:
+                whatever it lowers to (the document and prefix-LM splits with their backward, the window switch)
+  split         the split lowering's calls written out here as fagen.attention calls on slices, autograd through
+                them (document: one varlen causal call over the runs of q[0]; prefix-LM: "none" over [0, P) and
+                causal rows [P, S) over all keys, concatenated): against api, the cost of the slices' backward
+                ([Note] Split gradients in fagen/mods/split.py)
+  default       the row's rendered bwd module (the modded spec; the plain causal+window module for the sliding-window
+                row), unedited; the others are text edits of it:
+  dkdv=NxMwWsS  the dK/dV kernel's tiles: N keys per program, M queries per step, warps, stages
+  dq=MxNwWsS    the dQ kernel's tiles: M queries per program, N keys per step, warps, stages
+  noclamp       _mod_index returns its index unclamped, in int32 (valid where every index is in range, as the
+                relative bias's is)
+  i32           _mod_index clamps as it does but returns int32 (valid where the tensor has < 2**31 elements)
+  nowrap        _mod_index without the negative wrap (i + size for i < 0), the clamp kept
+  umin          _mod_index's wrap, then one unsigned min for the clamp (i < -size reads the last element)
+Phases: 1. worker processes (spawned, one per slice of the (row, variant) list) run every variant and Flex once at
+the bench shape, filling the Triton and Inductor caches (a variant that faults there is an error row, not a lost
+table); 2. this process, per row: Flex's gradients and backward time (create_block_mask, torch.compile'd
+flex_attention, as fagen/bench/mods.py runs it), then each variant's gradients checked against Flex's (max |diff| /
+max |Flex|, ok under 3e-2; float64 in the dry run) and its backward timed (autograd.grad of a kept output for q, k,
+v; fagen.bench.timing.measure). TF/s as `fagen bench` counts them: 2.5 * 4 * D per visible pair. One table at the
+end; $OUT/mods_bwd_s6.json (if $OUT is set) holds every record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import re
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+DRY = bool(os.environ.get("GPU_MODS_BWD_S6_DRY"))
+if DRY:
+    os.environ["TRITON_INTERPRET"] = "1"
+else:  # phase 1 runs up to 16 workers: one Inductor compile thread each
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+# Per row: variants in priority order (the first is the module fagen.attention runs, unedited).
+VARIANTS = {
+    "document+causal": ["api", "split", "default", "dkdv=128x64w8s3 dq=128x64w8s3"],
+    "prefix-lm": ["api", "split", "default", "dkdv=128x64w8s3 dq=128x64w8s3"],
+    "sliding-window+causal": ["api", "default"],
+    "relative-bias": ["api", "default", "noclamp", "nowrap", "umin"],
+    "alibi": ["api", "default", "dkdv=128x64w8s3 dq=128x64w8s3"],
+}
+ROWS = list(VARIANTS)
+# Rows fagen.attention lowers to a built-in switch: (mask, switches, window)
+LOWERED = {"sliding-window+causal": ("causal", ("window",), (1024, 0))}
+
+
+def shape_of():
+    import torch
+
+    from fagen.bench.mods import ModsShape
+
+    if DRY:
+        return ModsShape(batch=1, heads=2, seq=200, head_dim=32, dtype=torch.float32)  # 200: no whole blocks
+    return ModsShape()
+
+
+def device():
+    return "cpu" if DRY or os.environ.get("GPU_MODS_BWD_S6_SM90") else "cuda"  # SM90: scripts/sm90_mods_bwd_s5.py
+
+
+def edit(src: str, variant: str) -> str:
+    """The module source with a variant's edits (module docstring); raises if an edit finds nothing to change."""
+    for part in variant.split():
+        if part in ("default", "api", "split"):
+            continue
+        m = re.fullmatch(r"(dkdv|dq)=(\d+)x(\d+)w(\d+)s(\d+)", part)
+        if m:
+            kern, a, b, w, s = m.group(1), *map(int, m.groups()[1:])
+            names = (("DKDV_BLOCK_N", a), ("DKDV_BLOCK_M", b), ("DKDV_NUM_WARPS", w), ("DKDV_NUM_STAGES", s)) \
+                if kern == "dkdv" else (("DQ_BLOCK_M", a), ("DQ_BLOCK_N", b), ("DQ_NUM_WARPS", w),
+                                        ("DQ_NUM_STAGES", s))
+            for name, value in names:
+                src, n = re.subn(rf"^{name} = .*$", f"{name} = {value}", src, flags=re.M)
+                assert n == 1, name
+            continue
+        old = "    return tl.minimum(tl.maximum(i, 0), size - 1).to(tl.int64)\n"
+        if part == "i32":
+            assert old in src, part
+            src = src.replace(old, "    return tl.minimum(tl.maximum(i, 0), size - 1)\n")
+        elif part == "nowrap":  # the clamp without torch's negative wrap
+            full = "    i = tl.where(i < 0, i + size, i)\n"
+            assert full in src, part
+            src = src.replace(full, "")
+        elif part == "umin":  # the wrap, then one unsigned min (i < -size reads the last element, not the first)
+            assert old in src, part
+            src = src.replace(old, "    return tl.minimum(i.to(tl.uint32), size - 1).to(tl.int64)\n")
+        elif part == "noclamp":
+            full = "    i = tl.where(i < 0, i + size, i)\n" + old
+            assert full in src, part
+            src = src.replace(full, "    return i\n")
+        else:
+            raise SystemExit(f"unknown variant part {part!r}")
+    return src
+
+
+def row_setup(row, shape):
+    """(score_mod, mask_mod, mods or None, base spec, lowered (mask, switches, window) or None)."""
+    import torch
+
+    from fagen.bench.mods import cases
+    from fagen.runtime.mods import prepare
+    from fagen.runtime.resolve import spec_for
+
+    sm, mm = next((c[1], c[2]) for c in cases(shape, device()) if c[0] == row)
+    q = torch.empty(1, shape.heads, 16, shape.head_dim, dtype=shape.dtype, device=device())
+    low = LOWERED.get(row)
+    if low is not None:
+        return sm, mm, None, spec_for(q, q, q, mask=low[0], switches=low[1]), low
+    return sm, mm, prepare(score_mod=sm, mask_mod=mm), spec_for(q, q, q), None
+
+
+def module_of(row, variant, shape):
+    from fagen.codegen.render import render
+    from fagen.runtime.device import gpu_arch
+    from fagen.runtime.loader import load_source
+    from fagen.runtime.modded import modded_spec
+
+    sm, mm, mods, base, low = row_setup(row, shape)
+    spec = base if mods is None else modded_spec(base, mods.fields)
+    spec = spec.for_arch(gpu_arch())
+    src = edit(render(spec).files[".py"], variant)
+    return load_source(src, spec.name + "_v" + re.sub(r"[^a-z0-9]+", "_", variant)), spec
+
+
+def attend(row, variant, shape, bm):
+    """The (q, k, v) -> out callable of a fagen variant."""
+    import fagen
+
+    sm, mm = row_setup(row, shape)[:2]
+    if variant == "api":
+        return lambda q, k, v: fagen.attention(q, k, v, score_mod=sm, mask_mod=mm, block_mask=bm)
+    if variant == "split":
+        return split_call(row, shape, mm)
+    return fagen_call(row, module_of(row, variant, shape)[0], shape, bm)
+
+
+def split_call(row, shape, mm):
+    """The split lowering's switch calls, written out (fagen/mods/split.py's run_split, with gradients)."""
+    import torch
+
+    import fagen
+    from fagen.runtime.mods import prepare
+
+    s = shape.seq
+    if row == "prefix-lm":
+        p = s // 4  # fagen/bench/mods.py's prefix length
+
+        def run(q, k, v):
+            top = fagen.attention(q[:, :, :p], k[:, :, :p], v[:, :, :p], mask="none")
+            return torch.cat([top, fagen.attention(q[:, :, p:], k, v, mask="causal")], dim=2)
+        return run
+    ids = next(x for x in prepare(mask_mod=mm).values.values() if isinstance(x, torch.Tensor))[:s]
+    starts = torch.nonzero(ids[1:] != ids[:-1]).flatten() + 1
+    cu = torch.cat([starts.new_zeros(1), starts, starts.new_full((1,), s)]).to(torch.int32)
+    longest = int((cu[1:] - cu[:-1]).max())
+
+    def run(q, k, v):
+        out = fagen.attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), mask="causal",
+                              cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest)
+        return out.transpose(0, 1)[None]
+    return run
+
+
+def fagen_call(row, module, shape, bm):
+    sm, mm, mods, base, low = row_setup(row, shape)
+    if low is not None:
+        kw = {} if low[2] is None else {"window": low[2]}
+        return lambda q, k, v: module.attention(q, k, v, **kw)
+    kw = dict(mods=mods.values, **({"block_mask": bm} if mm is not None else {}))
+    return lambda q, k, v: module.attention(q, k, v, **kw)
+
+
+def fagen_mask(mm, shape):
+    import fagen
+
+    return None if mm is None else fagen.create_block_mask(mm, None, None, shape.seq, shape.seq, device=device())
+
+
+def flex_call(sm, mm, shape):
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from fagen.bench.peers import configure_dynamo
+
+    configure_dynamo()
+    compiled = torch.compile(flex_attention, dynamic=False)
+    bm = None if mm is None else create_block_mask(mm, None, None, shape.seq, shape.seq, device=device())
+    return lambda q, k, v: compiled(q, k, v, score_mod=sm, block_mask=bm)
+
+
+def warm(items):
+    """Phase 1 (a worker): run each (row, variant) once at the bench shape, forward and backward ("flex": Flex)."""
+    import torch
+
+    from fagen.bench.mods import _inputs
+
+    shape = shape_of()
+    q, k, v, do = _inputs(shape, device(), True)
+    done = []
+    for row, variant in items:
+        t0 = time.perf_counter()
+        try:
+            sm, mm = row_setup(row, shape)[:2]
+            if variant == "flex":
+                att = flex_call(sm, mm, shape)
+            else:
+                att = attend(row, variant, shape, fagen_mask(mm, shape))
+            torch.autograd.grad(att(q, k, v), (q, k, v), do)
+            if device() == "cuda":
+                torch.cuda.synchronize()
+            done.append((row, variant, None, time.perf_counter() - t0))
+        except Exception as e:  # noqa: BLE001 - recorded in the table
+            done.append((row, variant, f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}",
+                         time.perf_counter() - t0))
+    return done
+
+
+def reference64(sm, mm, q, k, v, do):
+    """float64 dq, dk, dv from the user's functions over broadcast index tensors (the dry run's reference)."""
+    import math
+
+    import torch
+
+    B, H, S, D = q.shape
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    b = torch.arange(B)[:, None, None, None]
+    h = torch.arange(H)[None, :, None, None]
+    qi = torch.arange(S)[None, None, :, None]
+    ki = torch.arange(S)[None, None, None, :]
+    s = (q64 @ k64.transpose(-1, -2)) / math.sqrt(D)
+    if sm is not None:
+        s = sm(s, b, h, qi, ki)
+    if mm is not None:
+        s = torch.where(mm(b, h, qi, ki).expand_as(s), s, float("-inf"))
+    out = torch.softmax(s, -1).nan_to_num(0.0) @ v64
+    return torch.autograd.grad(out, (q64, k64, v64), do.double())
+
+
+def resources(module) -> dict:
+    """{kernel: (registers, spilled words)} of the module's compiled dK/dV and dQ kernels."""
+    import triton
+
+    res = {}
+    for name in ("_attn_bwd_dkdv", "_attn_bwd_dq"):
+        fn = getattr(module, name, None)
+        if not isinstance(fn, triton.runtime.jit.JITFunction):
+            continue
+        for cache in (getattr(fn, "device_caches", None) or {}).values():
+            kernels = cache[0] if isinstance(cache, tuple) else cache
+            for kern in kernels.values():
+                try:
+                    kern._init_handles()
+                    res[name] = (kern.n_regs, kern.n_spills // 4)
+                except Exception:  # noqa: BLE001
+                    pass
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", help="comma-separated rows (default: " + ",".join(ROWS) + ")")
+    ap.add_argument("--rep-ms", type=float, default=30.0)
+    ap.add_argument("--time-limit", type=float, default=45.0,
+                    help="seconds of phase 2 after which no more variant is timed")
+    ap.add_argument("--workers", type=int, default=0 if DRY else min(16, os.cpu_count() or 4))
+    args = ap.parse_args()
+    t_start = time.perf_counter()
+    rows = args.rows.split(",") if args.rows else ROWS
+    items = [(r, v) for r in rows for v in (([] if DRY else ["flex"]) + VARIANTS[r])]
+
+    import torch
+
+    errors = {}
+    if args.workers:
+        n = max(1, min(args.workers, len(items)))
+        with mp.get_context("spawn").Pool(n) as pool:
+            results = list(pool.imap_unordered(warm, [items[i::n] for i in range(n)]))
+        for done in results:
+            for row, variant, err, _ in done:
+                if err:
+                    errors[(row, variant)] = err
+    t_compiled = time.perf_counter()
+    print(f"phase 1: {len(items)} (row, variant) runs in {t_compiled - t_start:.0f} s ({len(errors)} failed)",
+          flush=True)
+
+    from fagen.bench.mods import _inputs, _visible_pairs
+    from fagen.bench.timing import measure
+
+    shape = shape_of()
+    dev = torch.device(device())
+    q, k, v, do = _inputs(shape, device(), True)
+    records = []
+
+    def timed(fn):
+        return measure(lambda i: fn(), 1, dev, 10.0, args.rep_ms)
+
+    for row in rows:
+        sm, mm = row_setup(row, shape)[:2]
+        bm = fagen_mask(mm, shape)
+        fl = 4.0 * shape.head_dim * _visible_pairs(bm, mm, shape)
+        ref, flex_ms = None, None
+        try:
+            if DRY:
+                ref = reference64(sm, mm, q, k, v, do)
+            elif (row, "flex") not in errors:
+                att = flex_call(sm, mm, shape)
+                out = att(q, k, v)
+                ref = torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+                flex_ms = timed(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True))
+                del out
+        except Exception as e:  # noqa: BLE001
+            errors[(row, "flex")] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        rec = {"row": row, "variant": "flex", "bwd_ms": flex_ms,
+               "bwd_TF/s": 2.5 * fl / flex_ms / 1e9 if flex_ms else None, "error": errors.get((row, "flex"))}
+        records.append(rec)
+        print("  " + json.dumps(rec), flush=True)
+        for variant in VARIANTS[row]:
+            rec = {"row": row, "variant": variant}
+            records.append(rec)
+            if time.perf_counter() - t_compiled > args.time_limit:
+                rec["error"] = f"skipped: past --time-limit {args.time_limit:.0f} s"
+                continue
+            if (row, variant) in errors:
+                rec["error"] = errors[(row, variant)]
+                continue
+            try:
+                module = None
+                if variant not in ("api", "split"):
+                    module, spec = module_of(row, variant, shape)
+                    rec["spec"] = spec.name
+                att = attend(row, variant, shape, bm)
+                out = att(q, k, v)
+                got = torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+                if ref is not None:
+                    rec["err"] = [float((a.double() - b.double()).abs().max() / b.double().abs().max())
+                                  for a, b in zip(got, ref)]
+                    rec["ok"] = all(e < 3e-2 for e in rec["err"])  # NaN fails
+                rec["bwd_ms"] = timed(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True))
+                rec["bwd_TF/s"] = 2.5 * fl / rec["bwd_ms"] / 1e9
+                if flex_ms:
+                    rec["x_flex"] = flex_ms / rec["bwd_ms"]
+                rec["res"] = resources(module) if module is not None else {}
+                if variant == "api":
+                    from fagen.runtime import modded
+
+                    rec["lowered_to"] = modded.LOWERED[0]
+                del out, got
+            except Exception as e:  # noqa: BLE001 - recorded in the table
+                rec["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            print("  " + json.dumps(rec, default=str), flush=True)
+
+    gpu = torch.cuda.get_device_name() if device() == "cuda" else "cpu (dry run)"
+    print(f"\n{gpu}, torch {torch.__version__}, triton {__import__('triton').__version__}; "
+          f"{str(shape.dtype).split('.')[-1]} d{shape.head_dim} B{shape.batch} H{shape.heads} S{shape.seq}")
+    print("| row | variant | bwd ms | bwd TF/s | x Flex | dK/dV regs/spill | dQ regs/spill | check dq dk dv vs "
+          + ("float64" if DRY else "Flex") + " |")
+    print("|---|---|---:|---:|---:|---|---|---|")
+    for r in records:
+        if r.get("error"):
+            print(f"| {r['row']} | {r['variant']} | - | - | - | - | - | error: {r['error'][:100]} |")
+            continue
+        ms = f"{r['bwd_ms']:.3f}" if r.get("bwd_ms") else "-"
+        tf = f"{r['bwd_TF/s']:.0f}" if r.get("bwd_TF/s") else "-"
+        x = f"{r['x_flex']:.2f}x" if r.get("x_flex") else "-"
+        res = r.get("res", {})
+        rs = [("%d/%d" % res[n]) if n in res else "-" for n in ("_attn_bwd_dkdv", "_attn_bwd_dq")]
+        chk = (("ok " if r["ok"] else "FAIL ") + " ".join(f"{e:.1e}" for e in r["err"])) if "err" in r else "-"
+        name = r["variant"] + (f" -> {r['lowered_to']}" if r.get("lowered_to") else "")
+        print(f"| {r['row']} | {name} | {ms} | {tf} | {x} | {rs[0]} | {rs[1]} | {chk} |")
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        with open(os.path.join(out_dir, "mods_bwd_s6.json"), "w") as f:
+            json.dump({"gpu": gpu, "records": records}, f, indent=1, default=str)
+    print(f"total {time.perf_counter() - t_start:.0f} s (phase 1 {t_compiled - t_start:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -44,7 +44,12 @@ class TritonBackend(KernelBackend):
             # bwd m128n64w8s2 dK/dV 255 registers and 10 spilled words, dQ 237 and 0, 122/161 KB. Before the
             # split (one 256-wide tile, benchmarks/serving.md): fwd m128n64w8s2 326, bwd m64n64w8s2 163. Second run
             # (15:12 UTC, cuDNN fwd 568, bwd 414): bwd m128n64w8s3 251 against m128n64w8s2 242, so 3 stages both ways.
+            # Sixth session ([Note] MLA backward steps; docs/serving.md): bwd m128n128w8s2 with 32-wide steps, 128
+            # keys per dK/dV program: sm_90 ptxas dK/dV 255 registers, dQ 199, no spills (the m128n64w8s3 before:
+            # dK/dV 10 spilled words), 121/121 KB; its forward m128n128w8s2 198 registers, 210 KB.
             tiles = dict(block_m=128, block_n=64, num_warps=8, num_stages=3)
+            if spec.direction is Direction.BWD:
+                tiles = dict(block_m=128, block_n=128, num_warps=8, num_stages=2)
             return fit(tiles, lambda c: tile_bytes(spec.head_dim, spec.dtype, spec.direction, c["block_m"],
                                                    c["block_n"], c["num_stages"], spec.head_dim_v),
                        targets.smem_limit(arch), given)

@@ -71,6 +71,30 @@ def test_split_backward_matches_float64(d, dv, mask, sq, sk):
         compare(name, got, want.grad, atol=tol["atol"] * unit, rtol=tol["rtol"])
 
 
+@pytest.mark.parametrize("mask, gqa, sq, sk", [("causal", 1, 150, 150), ("causal", 2, 70, 150), ("none", 2, 150, 97)])
+def test_mla_backward_at_its_own_tiles_matches_float64(mask, gqa, sq, sk):
+    # [Note] MLA backward steps: the product's tiles (128 keys per dK/dV program, 128 queries per dQ program, steps
+    # of 32), not SMALL's; lengths that are not multiples of 32 or 128, Sq != Sk, GQA
+    spec = KernelSpec(head_dim=192, head_dim_v=128, mask=mask, dtype="bf16", gqa=gqa, direction="bwd")
+    src = render(spec).files[".py"]
+    assert "DKDV_BLOCK_N = 128 " in src and "DKDV_BLOCK_M = 32 " in src and "DQ_BLOCK_N = 32 " in src
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(1, gqa, sq, 192, generator=gen).bfloat16().to(DEVICE)
+    k = torch.randn(1, 1, sk, 192, generator=gen).bfloat16().to(DEVICE)
+    v = torch.randn(1, 1, sk, 128, generator=gen).bfloat16().to(DEVICE)
+    do = torch.randn(1, gqa, sq, 128, generator=gen).bfloat16().to(DEVICE)
+    module = load(spec)
+    out, lse = module.forward(q, k, v)
+    grads = module.backward(do, q, k, v, out, lse)
+    ref_in = [t.double().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = reference.attention(*ref_in, mask=mask)
+    ref_out.backward(do.double())
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_in):
+        unit = max(1.0, want.grad.abs().max().item())
+        tol = GRAD_TOLERANCE[DType.BF16]
+        compare(name, got, want.grad, atol=tol["atol"] * unit, rtol=tol["rtol"])
+
+
 def test_mla_defaults_on_sm90_and_elsewhere():
     fwd = KernelSpec(head_dim=192, head_dim_v=128, mask="causal", dtype="bf16")
     bwd = KernelSpec(head_dim=192, head_dim_v=128, mask="causal", dtype="bf16", direction="bwd")

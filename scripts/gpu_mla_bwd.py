@@ -41,7 +41,8 @@ BUDGET_S = 70  # no timing child starts after this; a running one is stopped at 
 DEFAULT = dict(DKDV_BLOCK_N=128, DKDV_BLOCK_M=32, DKDV_NUM_WARPS=8, DKDV_NUM_STAGES=2,
                DQ_BLOCK_M=128, DQ_BLOCK_N=32, DQ_NUM_WARPS=8, DQ_NUM_STAGES=2)
 BEFORE = dict(DKDV_BLOCK_N=64, DKDV_BLOCK_M=64, DKDV_NUM_WARPS=8, DKDV_NUM_STAGES=3,  # spec m128n64w8s3, 64 steps
-              DQ_BLOCK_M=128, DQ_BLOCK_N=64, DQ_NUM_WARPS=8, DQ_NUM_STAGES=3)
+              DQ_BLOCK_M=128, DQ_BLOCK_N=64, DQ_NUM_WARPS=8, DQ_NUM_STAGES=3,
+              _tiles=dict(block_m=128, block_n=64, num_warps=8, num_stages=3))  # its spec (the forward's tile)
 
 
 def cand(label, **kw):
@@ -85,7 +86,8 @@ def source(consts: dict) -> tuple[object, str]:
     """(spec, the default bwd render with `consts` for the per-kernel constants)."""
     import fagen
 
-    spec = fagen.KernelSpec(head_dim=D, head_dim_v=DV, mask="causal", dtype="bf16", direction="bwd")
+    spec = fagen.KernelSpec(head_dim=D, head_dim_v=DV, mask="causal", dtype="bf16", direction="bwd",
+                            **consts.get("_tiles", {}))
     src = fagen.generate(spec)
     for name, value in consts.items():
         if name.startswith("_"):  # a timing switch (_streams), not a constant
@@ -100,7 +102,8 @@ def module(label: str, consts: dict, mask="causal", gqa=1):
     import fagen
     from fagen.runtime.loader import load_source
 
-    spec = fagen.KernelSpec(head_dim=D, head_dim_v=DV, mask=mask, gqa=gqa, dtype="bf16", direction="bwd")
+    spec = fagen.KernelSpec(head_dim=D, head_dim_v=DV, mask=mask, gqa=gqa, dtype="bf16", direction="bwd",
+                            **consts.get("_tiles", {}))
     _, base = source(consts)  # the causal render's constants, patched into this spec's render
     src = fagen.generate(spec)
     for line in base.splitlines():
@@ -207,8 +210,11 @@ def child_time(labels: list[str]) -> None:
             t = timed(both)
         t_kv = timed(lambda: m._launch_backward(do, q, k, v, out, lse, scale, None, None, None, need_dq=False))
         t_q = timed(lambda: m._launch_backward(do, q, k, v, out, lse, scale, None, None, None, need_dkdv=False))
-        print("ROW " + json.dumps({"label": label, "ms": t, "tf": flops / t / 1e9, "ms_kv": t_kv, "ms_q": t_q}),
-              flush=True)
+        extra = {}
+        if label in ("product", "before"):  # the module's forward: a training step runs it (bwd-module tiles)
+            extra["ms_fwd"] = timed(lambda: m.forward(q, k, v))
+        print("ROW " + json.dumps({"label": label, "ms": t, "tf": flops / t / 1e9, "ms_kv": t_kv, "ms_q": t_q,
+                                   **extra}), flush=True)
 
 
 # ---- parent ----------------------------------------------------------------------------------------------------
@@ -334,6 +340,7 @@ def main() -> None:
     ok = [label for label, _ in CANDIDATES if "err" in checks.get(label, {})]
     rows = phase_time(["sdpa-cudnn", *ok], timeout_s=600 if DRY else 60)
     peer = rows.get("sdpa-cudnn", {}).get("tf")
+    flops = 2.5 * 2 * B * H * S * S * (D + DV) / 2
     case = f"causal b{B} h{H} s{S} d{D}v{DV} bf16"
     lines = [f"MLA backward tiles, {case} ({'CPU rehearsal' if DRY else torch.cuda.get_device_name()})", "",
              "| candidate | constants (dK/dV n m w s; dQ m n w s) | check | TF/s | vs cuDNN | ms | dK/dV ms | dQ ms |",
@@ -351,6 +358,12 @@ def main() -> None:
                          f"{r.get('ms_kv', float('nan')):.3f} | {r.get('ms_q', float('nan')):.3f} |")
         else:
             lines.append(f"| {label} | {const} | {check} | - | - | - | - | {r.get('fail', '')[:80]} |")
+    for label in ("product", "before"):
+        r = rows.get(label, {})
+        if "ms_fwd" in r:
+            spec_tiles = "m128n128w8s2" if label == "product" else "m128n64w8s3"
+            lines.append(f"\n{label}: the bwd module's forward ({spec_tiles}) {flops / 2.5 / r['ms_fwd'] / 1e9:.1f} "
+                         f"TF/s, {r['ms_fwd']:.3f} ms; forward + backward {r['ms_fwd'] + r['ms']:.3f} ms")
     best = max((r for lb, r in rows.items() if lb != "sdpa-cudnn" and "tf" in r), key=lambda r: r["tf"], default=None)
     if best:
         lines.append(f"\nbest: {best['label']} {best['tf']:.1f} TF/s" + (f" ({best['tf'] / peer:.2f}x cuDNN)" if peer else ""))

@@ -73,11 +73,12 @@ def test_split_backward_matches_float64(d, dv, mask, sq, sk):
 
 @pytest.mark.parametrize("mask, gqa, sq, sk", [("causal", 1, 150, 150), ("causal", 2, 70, 150), ("none", 2, 150, 97)])
 def test_mla_backward_at_its_own_tiles_matches_float64(mask, gqa, sq, sk):
-    # [Note] MLA backward steps: the product's tiles (128 keys per dK/dV program, 128 queries per dQ program, steps
-    # of 32), not SMALL's; lengths that are not multiples of 32 or 128, Sq != Sk, GQA
+    # [Note] MLA backward steps: the product's tiles (128 keys per dK/dV program stepping 32 queries, 128 queries per
+    # dQ program stepping 64 keys), not SMALL's; lengths that are not multiples of 32, 64 or 128, Sq != Sk, GQA
     spec = KernelSpec(head_dim=192, head_dim_v=128, mask=mask, dtype="bf16", gqa=gqa, direction="bwd")
     src = render(spec).files[".py"]
-    assert "DKDV_BLOCK_N = 128 " in src and "DKDV_BLOCK_M = 32 " in src and "DQ_BLOCK_N = 32 " in src
+    assert "DKDV_BLOCK_N = 128 " in src and "DKDV_BLOCK_M = 32 " in src and "DQ_BLOCK_N = 64 " in src
+    assert src.count("_NUM_STAGES = 3\n") == 2  # one stage deeper than the spec's 2
     gen = torch.Generator().manual_seed(2)
     q = torch.randn(1, gqa, sq, 192, generator=gen).bfloat16().to(DEVICE)
     k = torch.randn(1, 1, sk, 192, generator=gen).bfloat16().to(DEVICE)

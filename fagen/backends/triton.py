@@ -44,7 +44,15 @@ class TritonBackend(KernelBackend):
             # bwd m128n64w8s2 dK/dV 255 registers and 10 spilled words, dQ 237 and 0, 122/161 KB. Before the
             # split (one 256-wide tile, benchmarks/serving.md): fwd m128n64w8s2 326, bwd m64n64w8s2 163. Second run
             # (15:12 UTC, cuDNN fwd 568, bwd 414): bwd m128n64w8s3 251 against m128n64w8s2 242, so 3 stages both ways.
+            # Sixth session ([Note] MLA backward steps; docs/serving.md): bwd m128n128w8s2, 128 keys per dK/dV program
+            # stepping 32 queries, both gradient kernels at 3 stages: H100 (scripts/gpu_mla_bwd.py, 21:22 UTC,
+            # cuDNN 400 TF/s) with dQ 32-key steps 327 TF/s against m128n64w8s3's 246; dK/dV 1.53 ms (2 stages
+            # 1.67, 64-key programs 3.2-3.4), dQ with 64-key steps at 3 stages 1.03 ms (32-key 1.16). sm_90 ptxas: no
+            # spills (dK/dV 255 registers, 142 KB; dQ 241, 201 KB); the module's forward m128n128w8s2 at 2 stages
+            # (3 need 288 KB) ran 409 TF/s against m128n64w8s3's 413.
             tiles = dict(block_m=128, block_n=64, num_warps=8, num_stages=3)
+            if spec.direction is Direction.BWD:
+                tiles = dict(block_m=128, block_n=128, num_warps=8, num_stages=2)
             return fit(tiles, lambda c: tile_bytes(spec.head_dim, spec.dtype, spec.direction, c["block_m"],
                                                    c["block_n"], c["num_stages"], spec.head_dim_v),
                        targets.smem_limit(arch), given)

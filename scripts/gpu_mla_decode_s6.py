@@ -36,6 +36,8 @@ HC, HM = (8, 4) if DRY else (128, 16)  # query heads: compute-bound, memory-boun
 SCALE = 192 ** -0.5
 FP8 = "fp8_e4m3"
 OFF = "SPLIT_SCORES = tl.constexpr(False)"
+# Text edits of the render a variant's last word names ([Note] Wide merge)
+EDITS = {"wide": (("MERGE_WIDE_ROWS = tl.constexpr(0)", "MERGE_WIDE_ROWS = tl.constexpr(16)"),)}
 
 # (name, regime, kv dtype, split scores, (block_m, block_n, num_warps, num_stages)); sm_90 ptxas (triton 3.6, direct):
 # m64n64w8s2 255 registers, 102 spilled words, 217 KB; with split scores m64n32w8s3 255 / 4 / 197 KB; m64n64w8s2
@@ -51,6 +53,8 @@ VARIANTS = [
     ("bf16 m16n32w4s3 split", "mem", None, True, (16, 32, 4, 3)),
     ("e4m3 tok m16n32w4s3 (default)", "mem", FP8, False, (16, 32, 4, 3)),
     ("e4m3 tok m16n32w4s3 split", "mem", FP8, True, (16, 32, 4, 3)),
+    ("bf16 m16n32w4s3 wide", "mem", None, False, (16, 32, 4, 3)),
+    ("e4m3 tok m16n32w4s3 wide", "mem", FP8, False, (16, 32, 4, 3)),
 ]
 COMP_SHAPES = [(64, 4096), (32, 4096), (128, 4096), (64, 8192)]  # (batch, kv)
 MEM_SHAPES = [(32, 4096), (128, 4096), (32, 32768), (128, 32768)]
@@ -58,7 +62,7 @@ CHECK_LENS = [1000, 77, 1024, 513]
 if DRY:
     VARIANTS = [(n, r, kv, s, (16, 16, 4, 2)) for n, r, kv, s, _ in VARIANTS]
     COMP_SHAPES, MEM_SHAPES, CHECK_LENS = [(2, 64)], [(2, 96)], [37, 100, 64]
-TIMEOUTS = dict(check=75, comp=40, mem=40) if not DRY else dict(check=900, comp=600, mem=600)
+TIMEOUTS = dict(check=80, comp=35, mem=40) if not DRY else dict(check=900, comp=600, mem=600)
 
 
 def log(msg):
@@ -82,11 +86,12 @@ def module(v):
                             dtype="bf16", mask="causal", layout="paged", kv_dtype=kv, block_m=bm, block_n=bn,
                             num_warps=w, num_stages=s)
     source = fagen.generate(spec)
-    if OFF not in source:
-        raise RuntimeError("SPLIT_SCORES not in the render")
-    if split:
-        source = source.replace(OFF, "SPLIT_SCORES = tl.constexpr(True)")
-    return load_source(source, f"{spec.name}_split{int(split)}")
+    edits = ((OFF, "SPLIT_SCORES = tl.constexpr(True)"),) if split else ()
+    for old, new in edits + EDITS.get(name.split(" ")[-1], ()):
+        if old not in source:
+            raise RuntimeError(f"{old!r} not in the render")
+        source = source.replace(old, new)
+    return load_source(source, f"{spec.name}_{abs(hash(name)) % 10 ** 8}")
 
 
 def inputs(regime, kv, lens, seed, nan=True):
@@ -142,7 +147,7 @@ def check_one(v):
                 compare(f"lse s{splits} seq {b}", lse[b:b + 1].cpu(), want_lse, **LSE_TOLERANCE)
                 worst = max(worst, (got - want).abs().max().item())
         for b, n in (COMP_SHAPES if v[1] == "comp" else MEM_SHAPES):  # warm: the timed launches' kernels
-            q, cache, kw = timed_inputs(v[1], v[2], b, n)
+            q, cache, kw = timed_inputs(v[1], v[2], b, n, empty=True)
             m.forward(q, cache, None, **kw)
             del q, cache, kw
         if not DRY:
@@ -154,14 +159,20 @@ def check_one(v):
         return f"ERROR {type(e).__name__}: {str(e).strip().splitlines()[0][:150]}"
 
 
-def timed_inputs(regime, kv, b, n, seed=5):
+def timed_inputs(regime, kv, b, n, seed=5, empty=False):
+    """The timed inputs, made on the device (empty: a cache of uninitialised values, for the warm launches, whose
+    values do not change what compiles)."""
     import torch
     hq, sq = (HC, 2) if regime == "comp" else (HM, 1)
     gen = torch.Generator(device=dev()).manual_seed(seed)
     pages = b * (n // PAGE)
     q = torch.randn(b, hq, sq, D, device=dev(), generator=gen).bfloat16()
-    cache = torch.randn(pages, PAGE, 1, D, device=dev(), generator=gen)
-    cache = cache.to(torch.float8_e4m3fn) if kv else cache.bfloat16()
+    if empty:
+        cache = torch.empty(pages, PAGE, 1, D, device=dev(), dtype=torch.uint8 if kv else torch.bfloat16)
+        cache = cache.view(torch.float8_e4m3fn) if kv else cache
+    else:
+        cache = torch.randn(pages, PAGE, 1, D, device=dev(), generator=gen)
+        cache = cache.to(torch.float8_e4m3fn) if kv else cache.bfloat16()
     table = torch.randperm(pages, device=dev(), generator=gen).to(torch.int32).view(b, n // PAGE)
     kw = dict(block_table=table, seqlens_k=torch.full((b,), n, dtype=torch.int32, device=dev()), scale=SCALE)
     if kv:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -35,7 +36,6 @@ PAGE = 16 if DRY else 64
 HC, HM = (8, 4) if DRY else (128, 16)  # query heads: compute-bound, memory-bound
 SCALE = 192 ** -0.5
 FP8 = "fp8_e4m3"
-OFF = "SPLIT_SCORES = tl.constexpr(False)"
 # Text edits of the render a variant's last word names ([Note] Wide merge)
 EDITS = {"wide": (("MERGE_WIDE_ROWS = tl.constexpr(0)", "MERGE_WIDE_ROWS = tl.constexpr(16)"),)}
 
@@ -50,9 +50,7 @@ VARIANTS = [
     ("m64n64w8s1 split", "comp", None, True, (64, 64, 8, 1)),
     ("m64n16w8s4 split", "comp", None, True, (64, 16, 8, 4)),
     ("bf16 m16n32w4s3 (default)", "mem", None, False, (16, 32, 4, 3)),
-    ("bf16 m16n32w4s3 split", "mem", None, True, (16, 32, 4, 3)),
     ("e4m3 tok m16n32w4s3 (default)", "mem", FP8, False, (16, 32, 4, 3)),
-    ("e4m3 tok m16n32w4s3 split", "mem", FP8, True, (16, 32, 4, 3)),
     ("bf16 m16n32w4s3 wide", "mem", None, False, (16, 32, 4, 3)),
     ("e4m3 tok m16n32w4s3 wide", "mem", FP8, False, (16, 32, 4, 3)),
 ]
@@ -85,9 +83,11 @@ def module(v):
     spec = fagen.KernelSpec(head_dim=D, head_dim_v=DV, shared_kv=True, kind="decode", gqa=HC if regime == "comp" else HM,
                             dtype="bf16", mask="causal", layout="paged", kv_dtype=kv, block_m=bm, block_n=bn,
                             num_warps=w, num_stages=s)
-    source = fagen.generate(spec)
-    edits = ((OFF, "SPLIT_SCORES = tl.constexpr(True)"),) if split else ()
-    for old, new in edits + EDITS.get(name.split(" ")[-1], ()):
+    source, n = re.subn(r"SPLIT_SCORES = tl\.constexpr\((True|False)\)", f"SPLIT_SCORES = tl.constexpr({split})",
+                        fagen.generate(spec))
+    if n != 1:
+        raise RuntimeError("SPLIT_SCORES not in the render")
+    for old, new in EDITS.get(name.split(" ")[-1], ()):
         if old not in source:
             raise RuntimeError(f"{old!r} not in the render")
         source = source.replace(old, new)

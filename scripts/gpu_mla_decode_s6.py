@@ -14,7 +14,8 @@ Phases, each a child process with a timeout (a kernel that faults or hangs costs
    split rule (forward's default): TF/s of 2 x (576 + 512) flops per (query row, key seen). Target >= 450.
 3. memory: Hq 16, Sq 1, KV 4k / 32k, batch 32 / 128: GB/s of the bytes read (the cache once, per-token scales, q,
    out) as % of a device copy (read + write) timed in the same phase. Target >= 90%.
-Variants are the module's render with SPLIT_SCORES set (text replaced) at a given tile.
+Variants are the module's render with SPLIT_SCORES set (text replaced) at a given tile; "narrow" turns the wide merge
+off; a name ending in " sN" launches N fixed splits (forward_split) instead of the split rule.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 
 DRY = os.environ.get("GPU_MLA_DECODE_S6_DRY") == "1"
 if DRY:
@@ -37,22 +39,21 @@ HC, HM = (8, 4) if DRY else (128, 16)  # query heads: compute-bound, memory-boun
 SCALE = 192 ** -0.5
 FP8 = "fp8_e4m3"
 # Text edits of the render a variant's last word names ([Note] Wide merge)
-EDITS = {"wide": (("MERGE_WIDE_ROWS = tl.constexpr(0)", "MERGE_WIDE_ROWS = tl.constexpr(16)"),)}
+EDITS = {"narrow": (("MERGE_WIDE_ROWS = tl.constexpr(16)", "MERGE_WIDE_ROWS = tl.constexpr(0)"),)}
 
 # (name, regime, kv dtype, split scores, (block_m, block_n, num_warps, num_stages)); sm_90 ptxas (triton 3.6, direct):
 # m64n64w8s2 255 registers, 102 spilled words, 217 KB; with split scores m64n64w8s2 255 / 32 / 217 KB (merged launch
 # 98 words), m64n32w8s3 255 / 2 / 181 KB, m64n16w8s4 255 / 0 / 145 KB.
 VARIANTS = [
-    ("m64n64w8s2 (default)", "comp", None, False, (64, 64, 8, 2)),
-    ("m64n32w8s3", "comp", None, False, (64, 32, 8, 3)),
+    ("m64n64w8s2 (default: split scores)", "comp", None, True, (64, 64, 8, 2)),
+    ("m64n64w8s2 joint (before)", "comp", None, False, (64, 64, 8, 2)),
     ("m64n32w8s3 split", "comp", None, True, (64, 32, 8, 3)),
-    ("m64n32w8s2 split", "comp", None, True, (64, 32, 8, 2)),
-    ("m64n64w8s2 split", "comp", None, True, (64, 64, 8, 2)),
-    ("m64n16w8s4 split", "comp", None, True, (64, 16, 8, 4)),
-    ("bf16 m16n32w4s3 (default)", "mem", None, False, (16, 32, 4, 3)),
-    ("e4m3 tok m16n32w4s3 (default)", "mem", FP8, False, (16, 32, 4, 3)),
-    ("bf16 m16n32w4s3 wide", "mem", None, False, (16, 32, 4, 3)),
-    ("e4m3 tok m16n32w4s3 wide", "mem", FP8, False, (16, 32, 4, 3)),
+    ("m64n64w8s2 split, 1 split s1", "comp", None, True, (64, 64, 8, 2)),
+    ("m64n64w8s2 split, 2 splits s2", "comp", None, True, (64, 64, 8, 2)),
+    ("bf16 m16n32w4s3 (default: wide merge)", "mem", None, True, (16, 32, 4, 3)),
+    ("e4m3 tok m16n32w4s3 (default: wide merge)", "mem", FP8, True, (16, 32, 4, 3)),
+    ("bf16 m16n32w4s3 narrow", "mem", None, True, (16, 32, 4, 3)),
+    ("e4m3 tok m16n32w4s3 narrow", "mem", FP8, True, (16, 32, 4, 3)),
 ]
 COMP_SHAPES = [(64, 4096), (32, 4096), (128, 4096), (64, 8192)]  # (batch, kv)
 MEM_SHAPES = [(32, 4096), (128, 4096), (32, 32768), (128, 32768)]
@@ -91,7 +92,7 @@ def module(v):
         if old not in source:
             raise RuntimeError(f"{old!r} not in the render")
         source = source.replace(old, new)
-    return load_source(source, f"{spec.name}_{abs(hash(name)) % 10 ** 8}")
+    return load_source(source, f"{spec.name}_{zlib.crc32(name.encode())}")
 
 
 def inputs(regime, kv, lens, seed, nan=True):
@@ -228,7 +229,11 @@ def phase_comp(state):
             try:
                 m = module(v)
                 q, cache, kw = timed_inputs("comp", None, b, n)
-                ms = bench(lambda: m.forward(q, cache, None, **kw))
+                fixed = re.search(r" s(\d+)$", v[0])  # a fixed split count, else the split rule
+                if fixed:
+                    ms = bench(lambda: m.forward_split(q, cache, None, num_splits=int(fixed.group(1)), **kw))
+                else:
+                    ms = bench(lambda: m.forward(q, cache, None, **kw))
                 emit("comp", case, v[0], f"{flops / ms / 1e9:.1f} TF/s", ms, "")
                 del q, cache, kw
             except Exception as e:  # noqa: BLE001

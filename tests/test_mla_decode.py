@@ -115,6 +115,30 @@ def test_latent_decode_64_row_tiles(mask, split, monkeypatch):
         _check_sequences(spec, out, lse, q, [k[:, None] for k in k_seqs], mask)
 
 
+def test_latent_wide_merge_gives_the_same_bits():
+    """[Note] Wide merge: a 16-row tile merges each split's whole partial row at once (the default), with the same
+    sums in the same order as the 128-column slices, so the same bits, and both match float64; several splits of
+    ragged chunks (v 160 pads to 256 columns: two 128-column slices)."""
+    d, dv = 176, 160
+    spec = _spec(d, dv, gqa=8, mask="none", layout="paged")
+    module = load(spec)
+    assert module.MERGE_WIDE_ROWS >= 16 and module.SPLIT_SCORES
+    gen = torch.Generator().manual_seed(5)
+    k_seqs = [_randn(gen, n, d) for n in (77, 50)]
+    cache, table, lens = _paged(gen, k_seqs, 16)
+    q = _randn(gen, 2, 8, 2, d)
+    got = {}
+    for wide in (16, 0):
+        old = module.MERGE_WIDE_ROWS
+        module.MERGE_WIDE_ROWS = type(old)(wide)
+        try:
+            got[wide] = module.forward_split(q, cache, None, block_table=table, seqlens_k=lens, num_splits=4)
+        finally:
+            module.MERGE_WIDE_ROWS = old
+    _check_sequences(spec, *got[16], q, [k[:, None] for k in k_seqs], "none")
+    assert torch.equal(got[16][0], got[0][0]) and torch.equal(got[16][1], got[0][1])
+
+
 @pytest.mark.parametrize("sq", [1, 2])
 def test_mla_576_512_with_few_keys(sq):
     """MLA's own shape: d_qk 576 (512 latent + 64 rope), d_v 512, 16 query heads on one latent cache of 64-key

@@ -15,7 +15,8 @@ Phases, each a child process with a timeout (a kernel that faults or hangs costs
 3. memory: Hq 16, Sq 1, KV 4k / 32k, batch 32 / 128: GB/s of the bytes read (the cache once, per-token scales, q,
    out) as % of a device copy (read + write) timed in the same phase. Target >= 90%.
 Variants are the module's render with SPLIT_SCORES set (text replaced) at a given tile; "narrow" turns the wide merge
-off; a name ending in " sN" launches N fixed splits (forward_split) instead of the split rule.
+off; a name ending in " sN" launches N fixed splits (forward_split) instead of the split rule, one ending in " inv"
+the batch-invariant rule.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ VARIANTS = [
     ("m64n32w8s3 split", "comp", None, True, (64, 32, 8, 3)),
     ("m64n64w8s2 split, 1 split s1", "comp", None, True, (64, 64, 8, 2)),
     ("m64n64w8s2 split, 2 splits s2", "comp", None, True, (64, 64, 8, 2)),
+    ("m64n64w8s2 split, batch-invariant inv", "comp", None, True, (64, 64, 8, 2)),
     ("bf16 m16n32w4s3 (default: wide merge)", "mem", None, True, (16, 32, 4, 3)),
     ("e4m3 tok m16n32w4s3 (default: wide merge)", "mem", FP8, True, (16, 32, 4, 3)),
     ("bf16 m16n32w4s3 narrow", "mem", None, True, (16, 32, 4, 3)),
@@ -149,7 +151,7 @@ def check_one(v):
                 worst = max(worst, (got - want).abs().max().item())
         for b, n in (COMP_SHAPES if v[1] == "comp" else MEM_SHAPES):  # warm: the timed launches' kernels
             q, cache, kw = timed_inputs(v[1], v[2], b, n, empty=True)
-            m.forward(q, cache, None, **kw)
+            launch(m, v, q, cache, kw)
             del q, cache, kw
         if not DRY:
             torch.cuda.synchronize()
@@ -158,6 +160,17 @@ def check_one(v):
         import traceback
         traceback.print_exc(file=sys.stderr)
         return f"ERROR {type(e).__name__}: {str(e).strip().splitlines()[0][:150]}"
+
+
+def launch(m, v, q, cache, kw):
+    """The variant's timed launch: a fixed split count (a name ending in " sN"), the batch-invariant rule (" inv")
+    or the split rule."""
+    fixed = re.search(r" s(\d+)$", v[0])
+    if fixed:
+        return m.forward_split(q, cache, None, num_splits=int(fixed.group(1)), **kw)
+    if v[0].endswith(" inv"):  # [Note] Batch-invariant splits
+        return m.forward(q, cache, None, batch_invariant=True, **kw)
+    return m.forward(q, cache, None, **kw)
 
 
 def timed_inputs(regime, kv, b, n, seed=5, empty=False):
@@ -229,11 +242,7 @@ def phase_comp(state):
             try:
                 m = module(v)
                 q, cache, kw = timed_inputs("comp", None, b, n)
-                fixed = re.search(r" s(\d+)$", v[0])  # a fixed split count, else the split rule
-                if fixed:
-                    ms = bench(lambda: m.forward_split(q, cache, None, num_splits=int(fixed.group(1)), **kw))
-                else:
-                    ms = bench(lambda: m.forward(q, cache, None, **kw))
+                ms = bench(lambda: launch(m, v, q, cache, kw))
                 emit("comp", case, v[0], f"{flops / ms / 1e9:.1f} TF/s", ms, "")
                 del q, cache, kw
             except Exception as e:  # noqa: BLE001

@@ -96,6 +96,49 @@ def test_paged_latent_decode_matches_the_reference(page_size, sq):
     _check_sequences(spec, out2, lse2, q, [k[:, None] for k in k_seqs], "causal")
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["joint", "split"])
+@pytest.mark.parametrize("mask", ["causal", "none"])
+def test_latent_decode_64_row_tiles(mask, split, monkeypatch):
+    """Hq x Sq of 64 rows and more on one latent cache in 64-row tiles on 8 warps (the compute-bound shape's tile:
+    [Note] Split scores, whose always-true `if`s and loop over no keys run here too): two row tiles, ragged
+    lengths across key blocks and pages, an empty sequence, one split and several."""
+    d, dv = SMALL_DIMS[1]
+    spec = _spec(d, dv, gqa=48, mask=mask, layout="paged", block_m=64, num_warps=8)
+    module = load(spec)
+    monkeypatch.setattr(module, "SPLIT_SCORES", type(module.SPLIT_SCORES)(split))
+    gen = torch.Generator().manual_seed(11)
+    k_seqs = [_randn(gen, n, d) for n in (45, 0, 19)]
+    cache, table, lens = _paged(gen, k_seqs, 16)
+    q = _randn(gen, 3, 48, 2, d)
+    for splits in (1, 3):
+        out, lse = module.forward_split(q, cache, None, block_table=table, seqlens_k=lens, num_splits=splits)
+        _check_sequences(spec, out, lse, q, [k[:, None] for k in k_seqs], mask)
+
+
+def test_latent_wide_merge_gives_the_same_bits():
+    """[Note] Wide merge: a 16-row tile merges each split's whole partial row at once (the default), with the same
+    sums in the same order as the 128-column slices, so the same bits, and both match float64; several splits of
+    ragged chunks (v 160 pads to 256 columns: two 128-column slices)."""
+    d, dv = 176, 160
+    spec = _spec(d, dv, gqa=8, mask="none", layout="paged")
+    module = load(spec)
+    assert module.MERGE_WIDE_ROWS >= 16 and module.SPLIT_SCORES
+    gen = torch.Generator().manual_seed(5)
+    k_seqs = [_randn(gen, n, d) for n in (77, 50)]
+    cache, table, lens = _paged(gen, k_seqs, 16)
+    q = _randn(gen, 2, 8, 2, d)
+    got = {}
+    for wide in (16, 0):
+        old = module.MERGE_WIDE_ROWS
+        module.MERGE_WIDE_ROWS = type(old)(wide)
+        try:
+            got[wide] = module.forward_split(q, cache, None, block_table=table, seqlens_k=lens, num_splits=4)
+        finally:
+            module.MERGE_WIDE_ROWS = old
+    _check_sequences(spec, *got[16], q, [k[:, None] for k in k_seqs], "none")
+    assert torch.equal(got[16][0], got[0][0]) and torch.equal(got[16][1], got[0][1])
+
+
 @pytest.mark.parametrize("sq", [1, 2])
 def test_mla_576_512_with_few_keys(sq):
     """MLA's own shape: d_qk 576 (512 latent + 64 rope), d_v 512, 16 query heads on one latent cache of 64-key
@@ -383,3 +426,79 @@ def test_fp8_latent_tile_streams_and_converts_once_on_sm90(kv, layout, tmp_path)
     converted = re.findall(r"tensor<32x512x(?:i8|f8E\w+), ([^\n]*?)> -> tensor<32x512xbf16, [^\n]*?> loc", ttgir)
     assert len(streamed) >= 2 and not waited, (len(streamed), len(waited))
     assert len(converted) == 2 and not any("dot_op" in layout for layout in converted), converted
+
+
+# The split kernel of MLA 576/512 at Hq 128, Sq 2 (64-row tiles, 32-key blocks, 8 warps: the spec's tile) lowered to
+# sm_90 TTGIR in a fresh process, as above.
+_SCORES_SCRIPT = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+from triton._C.libtriton import ir
+import fagen
+from fagen.aot.artifacts import import_for_compile
+
+spec = fagen.KernelSpec(head_dim=576, head_dim_v=512, shared_kv=True, kind="decode", gqa=128, dtype="bf16",
+                        mask="causal", layout="paged", block_m=64, block_n=32, num_warps=8, num_stages=3)
+module = import_for_compile(spec)
+module.SPLIT_SCORES = type(module.SPLIT_SCORES)(sys.argv[2] == "split")
+fn = module._decode_split
+cval = dict(HEAD_DIM=576, BLOCK_D=64, HEAD_DIM_V=512, BLOCK_DV=512, ROWS=64, GQA=128, BLOCK_N=32, DOT=True,
+            DIRECT=True, SPLITS_PER_SEQ=0, UPCAST=False, stride_tb=0, stride_tm=0, SeqlensQ=None, TreeMask=None)
+ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Dst": "*fp32", "DstLse": "*fp32", "Out": "*bf16", "Lse": "*fp32",
+        "Counter": "*i32", "SeqlensK": "*i32", "BlockTable": "*i32"}
+sig, consts, attrs = {}, {}, {}
+for i, name in enumerate(fn.arg_names):
+    if fn.params[i].is_constexpr or name in cval:
+        sig[name], consts[name] = "constexpr", cval[name]
+    else:
+        sig[name] = ptrs.get(name, "fp32" if name == "qk_scale" else "i32")
+        if name not in {"qk_scale", "seq_q", "seq_k", "chunk", "n_tiles", "page_shift", "num_pages"}:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+target = GPUTarget("cuda", 90, 32)
+backend = make_backend(target)
+opts = backend.parse_options({"num_warps": 8, "num_stages": 3})
+src = ASTSource(fn, sig, consts, attrs)
+ctx = ir.context()
+ir.load_dialects(ctx)
+backend.load_dialects(ctx)
+mod = src.make_ir(target, opts, backend.get_codegen_implementation(opts), backend.get_module_map(), ctx)
+stages, metadata = {}, {}
+backend.add_stages(stages, opts, src.language)
+print(stages["ttgir"](stages["ttir"](mod, metadata), metadata))
+"""
+
+
+@pytest.mark.parametrize("split", ["joint", "split"])
+def test_latent_scores_split_over_the_warpgroups_on_sm90(split, tmp_path):
+    """[Note] Split scores: at Hq 128, Sq 2 on sm_90 (64-row tiles, two warpgroups) with SPLIT_SCORES every wgmma
+    layout has warps [4, 2], so each warpgroup computes half of a key block's scores (32-key blocks: wgmma n16),
+    none [8, 1]; and in the loops that read keys the softmax stays in the scores' layout: each of their score `if`s
+    gives one fp32 tile, and P reaches P @ V as a bf16 tile through shared memory, once a loop. Without it (joint)
+    the score dots take warps [8, 1]: both warpgroups compute all 64 x 32 scores."""
+    import os
+    import re
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["FAGEN_CACHE_DIR"] = str(tmp_path)
+    proc = subprocess.run([sys.executable, "-c", _SCORES_SCRIPT, root, split], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ttgir = proc.stdout
+    mmas = re.findall(r"#ttg\.nvidia_mma<\{versionMajor = 3, [^}]*warpsPerCTA = \[(\d+), (\d+)\], "
+                      r"instrShape = \[16, (\d+), 16\]", ttgir)
+    if split == "joint":
+        assert any((a, b) == ("8", "1") for a, b, _ in mmas), mmas
+        return
+    assert mmas and all((a, b) == ("4", "2") for a, b, _ in mmas), mmas
+    assert ("4", "2", "16") in mmas, mmas
+    loops = ttgir.split("scf.for")[1:]
+    work = [body for body in loops if "async_copy_global_to_local" in body or "warp_group_dot" in body]
+    ifs = [re.findall(r"= scf\.if [^\n]*-> \(([^\n]*?)\) \{", body) for body in work[-2:]]
+    assert len(work) >= 2 and all(len(found) == 2 and all(r.count("tensor<") == 1 for r in found)
+                                  for found in ifs), ifs
+    handed = [re.findall(r"local_alloc %\S+ : \(tensor<64x32xbf16", body) for body in work[-2:]]
+    assert all(len(h) == 1 for h in handed), handed

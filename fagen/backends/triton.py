@@ -28,7 +28,9 @@ class TritonBackend(KernelBackend):
             # Sq > 1 runs 16-row tiles, each reading the cache (from L2 after the first).
             # Hq 128 (gqa >= 64), Sq 2, b64 kv4k causal, TF/s with one split / 4096-key chunks: n64w8s2 223 / 212,
             # n32w8s3 192 / 202, n32w8s2 (before) 165 / 169, 32-row tiles (mma.sync) 97. n64w8s2's 217 KB of shared
-            # memory fits sm_90 only; its spills (118 words) sit outside the unmasked key loop (SASS).
+            # memory fits sm_90 only; its spills (118 words) sit outside the unmasked key loop (SASS). With split scores
+            # (sixth session, [Note] Split scores in the decode template) n64w8s2 runs 258-270 TF/s at b64-b128
+            # (n32w8s3 232-239, n32w8s2 187-193, n16w8s4 159-162), still 217 KB.
             if spec.gqa >= 64 and arch == "sm_90":
                 return {"block_m": 64, "block_n": 64, "num_warps": 8, "num_stages": 2, **given}
             if spec.gqa >= 64:

@@ -114,11 +114,9 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
     # no spec is built, hashed or validated per call (the key is fast_key's, the one resolve() stores under). Without gradients on an
     # H100/H200 the Gluon forward may serve ([Note] Hopper selection in fagen/runtime/hopper.py); it has forward()
     # only, and its host path is slower, so only problems of at least hopper.MIN_WORK query-key pairs may take it.
-    # A window bounds the keys a row visits: its pairs count, not Sq x Sk, against WINDOW_MIN_WORK ([Note] Windows
-    # on the Gluon forward).
+    # A window bounds the keys a row visits: its pairs count, not Sq x Sk.
     keys = ks[2] if four and window is None else _window_keys(ks[2], window) if four else 0
-    forward_only = not needs_grad and not decode and four \
-        and qs[0] * qs[1] * qs[2] * keys >= (MIN_WORK if window is None else min(MIN_WORK, WINDOW_MIN_WORK))
+    forward_only = not needs_grad and not decode and four and qs[0] * qs[1] * qs[2] * keys >= MIN_WORK
     module = _FAST.get(fast_key(q, k, v, mask, decode, switches, forward_only)) \
         if four and isinstance(mask, str) else None
     if module is None:
@@ -242,16 +240,6 @@ def _varlen(q, k, v, mask, scale, scores, switches, cu_seqlens_q, cu_seqlens_k, 
 
 
 __all__ = ["attention", "spec_for", "AttentionError"]
-
-
-# [Note] Windows on the Gluon forward. The Gluon window forward does a visited pair in about 0.77x the Triton
-# one's time (H100, bf16 d128 B1 H16 S8192, causal + window(1024, 0), the mods bench's sliding window: 0.164 against
-# 0.213 ms, scripts/gpu_mods_fwd_s5.py), more than hopper.MIN_WORK's full and causal cases gain, so a window takes
-# it from fewer pairs: from 2**26 (the bench's window visits 16 x 8192 x 1025, about 2**27). Provisional, set
-# before a measurement of the host paths: the Gluon module's is about 150 us a call (benchmarks/latency.md), about
-# a 2**26-pair window kernel's time; scripts/gpu_mods_fwd_s6.py times both forwards and both host paths at about
-# 2**25, 2**26 and 2**27 pairs.
-WINDOW_MIN_WORK = 1 << 26
 
 
 def _window_keys(sk, window) -> int:

@@ -356,11 +356,11 @@ def test_paged_latent_decode_property(mask, kv):
     run()
 
 
-# The split kernel of an MLA 576/512 fp8 spec (one split, 16 rows, no per-token scales) lowered to sm_90 TTGIR on the
-# CPU: the IR after Triton's layouts and software pipeliner, before LLVM (a few seconds, no ptxas). In a fresh
+# The split kernel of an MLA 576/512 spec (one split; the tests below pick the tile, the cache dtype, SPLIT_SCORES)
+# lowered to sm_90 TTGIR on the CPU: the IR after Triton's layouts and software pipeliner, before LLVM (a few seconds, no ptxas). In a fresh
 # process: this one has run the interpreter, whose patched builtins break a compile in the same process.
 _TTGIR_SCRIPT = r"""
-import dataclasses, sys
+import json, sys
 sys.path.insert(0, sys.argv[1])
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
@@ -368,17 +368,18 @@ from triton._C.libtriton import ir
 import fagen
 from fagen.aot.artifacts import import_for_compile
 
-kv, layout = sys.argv[2], sys.argv[3]
-spec = fagen.KernelSpec(head_dim=576, head_dim_v=512, shared_kv=True, kind="decode", gqa=16, dtype="bf16",
-                        mask="causal", layout=layout, kv_dtype=kv, block_m=16, block_n=32, num_warps=4, num_stages=3)
-fn = import_for_compile(spec)._decode_split
-cval = dict(HEAD_DIM=576, BLOCK_D=64, HEAD_DIM_V=512, BLOCK_DV=512, ROWS=16, GQA=16, BLOCK_N=32, DOT=True,
-            DIRECT=True, SPLITS_PER_SEQ=0, UPCAST=False, stride_tb=0, stride_tm=0, SeqlensQ=None, TreeMask=None,
-            KScale=None, VScale=None, KTok=None, VTok=None)
-elem = {"fp8_e4m3": "*fp8e4nv", "fp8_e5m2": "*fp8e5"}[kv]
+cfg = json.loads(sys.argv[2])  # spec: KernelSpec fields; cval: constexprs beside the shared ones; split: SPLIT_SCORES
+spec = fagen.KernelSpec(**cfg["spec"])
+module = import_for_compile(spec)
+if cfg.get("split") is not None:
+    module.SPLIT_SCORES = type(module.SPLIT_SCORES)(cfg["split"])
+fn = module._decode_split
+cval = dict(HEAD_DIM=576, BLOCK_D=64, HEAD_DIM_V=512, BLOCK_DV=512, BLOCK_N=spec.block_n, DOT=True, DIRECT=True,
+            SPLITS_PER_SEQ=0, UPCAST=False, stride_tb=0, stride_tm=0, SeqlensQ=None, TreeMask=None, **cfg["cval"])
+elem = {"fp8_e4m3": "*fp8e4nv", "fp8_e5m2": "*fp8e5"}.get(cfg["spec"].get("kv_dtype"), "*bf16")
 ptrs = {"Q": "*bf16", "K": elem, "V": elem, "Dst": "*fp32", "DstLse": "*fp32", "Out": "*bf16", "Lse": "*fp32",
         "Counter": "*i32", "SeqlensK": "*i32", "BlockTable": "*i32"}
-floats = {"qk_scale", "k_scale", "v_scale"}
+floats = set(cfg["floats"])
 sig, consts, attrs = {}, {}, {}
 for i, name in enumerate(fn.arg_names):
     if fn.params[i].is_constexpr or name in cval:
@@ -389,7 +390,7 @@ for i, name in enumerate(fn.arg_names):
             attrs[(i,)] = [["tt.divisibility", 16]]  # pointers and strides as torch allocates them
 target = GPUTarget("cuda", 90, 32)
 backend = make_backend(target)
-opts = backend.parse_options({"num_warps": 4, "num_stages": 3})
+opts = backend.parse_options({"num_warps": spec.num_warps, "num_stages": spec.num_stages})
 src = ASTSource(fn, sig, consts, attrs)
 ctx = ir.context()
 ir.load_dialects(ctx)
@@ -399,6 +400,22 @@ stages, metadata = {}, {}
 backend.add_stages(stages, opts, src.language)
 print(stages["ttgir"](stages["ttir"](mod, metadata), metadata))
 """
+
+
+def _ttgir(tmp_path, spec: dict, cval: dict, floats=("qk_scale",), split=None) -> str:
+    """_decode_split of this MLA spec lowered to sm_90 TTGIR in a fresh process (the script above)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["FAGEN_CACHE_DIR"] = str(tmp_path)
+    cfg = json.dumps(dict(spec=spec, cval=cval, floats=list(floats), split=split))
+    proc = subprocess.run([sys.executable, "-c", _TTGIR_SCRIPT, root, cfg], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout
 
 
 @pytest.mark.parametrize("kv,layout", [("fp8_e4m3", "paged"), ("fp8_e5m2", "dense")])
@@ -408,17 +425,11 @@ def test_fp8_latent_tile_streams_and_converts_once_on_sm90(kv, layout, tmp_path)
     in the loop, and each loop converts it once (one asm or cast to bf16 of a BLOCK_N x 512 tile, in the load's
     layout, not in a dot operand's). With a pure conversion Triton converted it in both dot operands' layouts and
     gave it no pipeline stages (docs/serving.md, "An fp8 latent cache")."""
-    import os
     import re
-    import subprocess
-    import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["FAGEN_CACHE_DIR"] = str(tmp_path)
-    proc = subprocess.run([sys.executable, "-c", _TTGIR_SCRIPT, root, kv, layout], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    ttgir = proc.stdout
+    spec = dict(head_dim=576, head_dim_v=512, shared_kv=True, kind="decode", gqa=16, dtype="bf16", mask="causal",
+                layout=layout, kv_dtype=kv, block_m=16, block_n=32, num_warps=4, num_stages=3)
+    ttgir = _ttgir(tmp_path, spec, dict(ROWS=16, GQA=16, KScale=None, VScale=None, KTok=None, VTok=None),
+                   floats=("qk_scale", "k_scale", "v_scale"))
     fp8 = {"fp8_e4m3": "f8E4M3FN", "fp8_e5m2": "f8E5M2"}[kv]
     streamed = re.findall(rf"async_copy_global_to_local .*tensor<32x512x!tt\.ptr<{fp8}>", ttgir)
     waited = re.findall(rf"= tt\.load .*: tensor<32x512x!tt\.ptr<{fp8}>", ttgir)
@@ -428,48 +439,6 @@ def test_fp8_latent_tile_streams_and_converts_once_on_sm90(kv, layout, tmp_path)
     assert len(converted) == 2 and not any("dot_op" in layout for layout in converted), converted
 
 
-# The split kernel of MLA 576/512 at Hq 128, Sq 2 (64-row tiles, 32-key blocks, 8 warps: the spec's tile) lowered to
-# sm_90 TTGIR in a fresh process, as above.
-_SCORES_SCRIPT = r"""
-import sys
-sys.path.insert(0, sys.argv[1])
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource, make_backend
-from triton._C.libtriton import ir
-import fagen
-from fagen.aot.artifacts import import_for_compile
-
-spec = fagen.KernelSpec(head_dim=576, head_dim_v=512, shared_kv=True, kind="decode", gqa=128, dtype="bf16",
-                        mask="causal", layout="paged", block_m=64, block_n=32, num_warps=8, num_stages=3)
-module = import_for_compile(spec)
-module.SPLIT_SCORES = type(module.SPLIT_SCORES)(sys.argv[2] == "split")
-fn = module._decode_split
-cval = dict(HEAD_DIM=576, BLOCK_D=64, HEAD_DIM_V=512, BLOCK_DV=512, ROWS=64, GQA=128, BLOCK_N=32, DOT=True,
-            DIRECT=True, SPLITS_PER_SEQ=0, UPCAST=False, stride_tb=0, stride_tm=0, SeqlensQ=None, TreeMask=None)
-ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Dst": "*fp32", "DstLse": "*fp32", "Out": "*bf16", "Lse": "*fp32",
-        "Counter": "*i32", "SeqlensK": "*i32", "BlockTable": "*i32"}
-sig, consts, attrs = {}, {}, {}
-for i, name in enumerate(fn.arg_names):
-    if fn.params[i].is_constexpr or name in cval:
-        sig[name], consts[name] = "constexpr", cval[name]
-    else:
-        sig[name] = ptrs.get(name, "fp32" if name == "qk_scale" else "i32")
-        if name not in {"qk_scale", "seq_q", "seq_k", "chunk", "n_tiles", "page_shift", "num_pages"}:
-            attrs[(i,)] = [["tt.divisibility", 16]]
-target = GPUTarget("cuda", 90, 32)
-backend = make_backend(target)
-opts = backend.parse_options({"num_warps": 8, "num_stages": 3})
-src = ASTSource(fn, sig, consts, attrs)
-ctx = ir.context()
-ir.load_dialects(ctx)
-backend.load_dialects(ctx)
-mod = src.make_ir(target, opts, backend.get_codegen_implementation(opts), backend.get_module_map(), ctx)
-stages, metadata = {}, {}
-backend.add_stages(stages, opts, src.language)
-print(stages["ttgir"](stages["ttir"](mod, metadata), metadata))
-"""
-
-
 @pytest.mark.parametrize("split", ["joint", "split"])
 def test_latent_scores_split_over_the_warpgroups_on_sm90(split, tmp_path):
     """[Note] Split scores: at Hq 128, Sq 2 on sm_90 (64-row tiles, two warpgroups) with SPLIT_SCORES every wgmma
@@ -477,17 +446,10 @@ def test_latent_scores_split_over_the_warpgroups_on_sm90(split, tmp_path):
     none [8, 1]; and in the loops that read keys the softmax stays in the scores' layout: each of their score `if`s
     gives one fp32 tile, and P reaches P @ V as a bf16 tile through shared memory, once a loop. Without it (joint)
     the score dots take warps [8, 1]: both warpgroups compute all 64 x 32 scores."""
-    import os
     import re
-    import subprocess
-    import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["FAGEN_CACHE_DIR"] = str(tmp_path)
-    proc = subprocess.run([sys.executable, "-c", _SCORES_SCRIPT, root, split], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    ttgir = proc.stdout
+    spec = dict(head_dim=576, head_dim_v=512, shared_kv=True, kind="decode", gqa=128, dtype="bf16", mask="causal",
+                layout="paged", block_m=64, block_n=32, num_warps=8, num_stages=3)
+    ttgir = _ttgir(tmp_path, spec, dict(ROWS=64, GQA=128), split=split == "split")
     mmas = re.findall(r"#ttg\.nvidia_mma<\{versionMajor = 3, [^}]*warpsPerCTA = \[(\d+), (\d+)\], "
                       r"instrShape = \[16, (\d+), 16\]", ttgir)
     if split == "joint":

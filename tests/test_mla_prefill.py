@@ -54,11 +54,8 @@ def test_split_forward_matches_float64(d, dv, mask, sq, sk):
     compare("lse", lse, ref_lse, **TOLERANCE[DType.BF16])
 
 
-@pytest.mark.parametrize("d, dv", PAIRS, ids=lambda p: str(p))
-@pytest.mark.parametrize("mask, sq, sk", [("causal", 40, 40), ("none", 24, 40)])
-def test_split_backward_matches_float64(d, dv, mask, sq, sk):
-    spec = KernelSpec(head_dim=d, head_dim_v=dv, mask=mask, dtype="fp32", gqa=2, direction="bwd", **SMALL)
-    q, k, v, do = _inputs(d, dv, sq, sk, torch.float32, seed=1)
+def _check_grads(spec, q, k, v, do, mask, dtype):
+    """The spec's module's dq, dk, dv against the float64 reference's, at dtype's gradient tolerance."""
     module = load(spec)
     out, lse = module.forward(q, k, v)
     grads = module.backward(do, q, k, v, out, lse)
@@ -67,8 +64,16 @@ def test_split_backward_matches_float64(d, dv, mask, sq, sk):
     ref_out.backward(do.double())
     for name, got, want in zip(("dq", "dk", "dv"), grads, ref_in):
         unit = max(1.0, want.grad.abs().max().item())
-        tol = GRAD_TOLERANCE[DType.FP32]
+        tol = GRAD_TOLERANCE[dtype]
         compare(name, got, want.grad, atol=tol["atol"] * unit, rtol=tol["rtol"])
+
+
+@pytest.mark.parametrize("d, dv", PAIRS, ids=lambda p: str(p))
+@pytest.mark.parametrize("mask, sq, sk", [("causal", 40, 40), ("none", 24, 40)])
+def test_split_backward_matches_float64(d, dv, mask, sq, sk):
+    spec = KernelSpec(head_dim=d, head_dim_v=dv, mask=mask, dtype="fp32", gqa=2, direction="bwd", **SMALL)
+    q, k, v, do = _inputs(d, dv, sq, sk, torch.float32, seed=1)
+    _check_grads(spec, q, k, v, do, mask, DType.FP32)
 
 
 @pytest.mark.parametrize("mask, gqa, sq, sk", [("causal", 1, 150, 150), ("causal", 2, 70, 150), ("none", 2, 150, 97)])
@@ -84,16 +89,7 @@ def test_mla_backward_at_its_own_tiles_matches_float64(mask, gqa, sq, sk):
     k = torch.randn(1, 1, sk, 192, generator=gen).bfloat16().to(DEVICE)
     v = torch.randn(1, 1, sk, 128, generator=gen).bfloat16().to(DEVICE)
     do = torch.randn(1, gqa, sq, 128, generator=gen).bfloat16().to(DEVICE)
-    module = load(spec)
-    out, lse = module.forward(q, k, v)
-    grads = module.backward(do, q, k, v, out, lse)
-    ref_in = [t.double().requires_grad_() for t in (q, k, v)]
-    ref_out, _ = reference.attention(*ref_in, mask=mask)
-    ref_out.backward(do.double())
-    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_in):
-        unit = max(1.0, want.grad.abs().max().item())
-        tol = GRAD_TOLERANCE[DType.BF16]
-        compare(name, got, want.grad, atol=tol["atol"] * unit, rtol=tol["rtol"])
+    _check_grads(spec, q, k, v, do, mask, DType.BF16)
 
 
 def test_mla_defaults_on_sm90_and_elsewhere():

@@ -90,6 +90,7 @@ class Plan:
     prefix: Affine | None = None  # P where the mask_mod is `(kv_idx < P) | (q_idx >= kv_idx)` (split.py: Prefix rows)
     document: str | None = None  # T where it is `(T[q_idx] == T[kv_idx]) & (q_idx >= kv_idx)` (split.py: Documents)
     row_free: ir.Node | None = None  # `score + kv_idx * S` of an ALiBi `score + S * (kv_idx - q_idx)`, S of h only
+    row_free_text: str | None = None  # to_text(row_free), made once: lower() runs on every call
 
 
 class Lowering(NamedTuple):  # a tuple: built on every lowered call, where a frozen dataclass costs a microsecond
@@ -132,7 +133,7 @@ def plan(fields: tuple, score_tree: ir.Node | None, mask_tree: ir.Node | None) -
         if alibi is not None and alibi[1] and not isinstance(alibi[0], str):  # [Note] ALiBi without its row term
             row_free = ir.binary("+", ir.Input("score", ir.FLOAT), ir.binary("*", ir.Input("kv_idx", ir.INT), alibi[0]))
         found = Plan(tuple(lefts), tuple(rights), mask_rest if lefts or rights else mask_tree, cap, alibi,
-                     row_free=row_free)
+                     row_free=row_free, row_free_text=None if row_free is None else to_text(row_free))
     if len(_PLANS) >= 512:
         _PLANS.clear()
     _PLANS[fields] = found
@@ -222,7 +223,8 @@ def lower(p: Plan, fields: tuple, trees: tuple, values: dict, *, mask: str, offs
             s, t = ir.names_in(tree)
             scalars |= s
             tensors |= t
-    left = (None if score_left is None else fields[0] if score_left is trees[0] else to_text(score_left),
+    left = (None if score_left is None else fields[0] if score_left is trees[0]
+            else p.row_free_text if score_left is p.row_free else to_text(score_left),
             None if mask_left is None else fields[1] if mask_left is trees[1] else to_text(mask_left),
             tuple(t for t in fields[2] if t[0] in tensors), tuple(s for s in fields[3] if s[0] in scalars))
     return Lowering(new_mask, add, left, tuple(sorted(scalars | tensors)), mask_lowered, "+".join(labels))

@@ -7,6 +7,9 @@ import threading
 
 import pytest
 import torch
+import triton
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 import fagen
 from _env import DEVICE
@@ -185,3 +188,151 @@ def test_a_kept_window_step_reads_this_calls_window(monkeypatch):
     assert len(fwd.compiles) == 1 and len(fwd.launcher.calls) == 3
     left, right = fwd.arg_names.index("win_left"), fwd.arg_names.index("win_right")
     assert [(call[13 + left], call[13 + right]) for call in fwd.launcher.calls] == [(64, 0), (65, 0), (1, 3)]
+
+
+# -- the Gluon forward's fast launches ([Note] Gluon fast launches in fagen/templates/host/gluon_launch.py) ------
+# The compiled kernel is faked around triton's own descriptor wrapper (wrap_handle_tensordesc), and the TMA encoder
+# (fill_tma_descriptor) by a stand-in that returns its arguments: the fast path must hand the launcher's C entry
+# point exactly what triton's wrapper makes of the TensorDescriptors the plain path passes.
+GLUON_META = [{"swizzle": 3, "elem_size": 2, "elem_type": 10, "block_size": [1, 1, rows, 64], "fp4_padded": False}
+              for rows in (64, 128, 128, 64)]  # the bf16 d128 forward's, as compile_for() reports them
+
+
+class _Fill:
+    """triton.runtime.driver.active with utils.fill_tma_descriptor recording its calls."""
+
+    def __init__(self):
+        self.calls = []
+        self.utils = self
+
+    def fill_tma_descriptor(self, ptr, swizzle, elem_size, elem_type, block, shape, strides, padding):
+        self.calls.append(ptr)
+        return ("map", ptr, swizzle, elem_size, elem_type, tuple(block), tuple(shape), tuple(strides), padding)
+
+
+class _GluonLauncher:
+    """triton 3.6's CudaLauncher of a kernel with TMA descriptors: launch is wrap_handle_tensordesc's wrapper."""
+
+    def __init__(self, arg_names, n_descs):
+        from triton.backends.nvidia.driver import wrap_handle_tensordesc
+        self.raw = []
+        signature = {n: "tensordesc<bf16[1, 1, 64, 128]>" if i < n_descs else "i32" for i, n in enumerate(arg_names)}
+        self.launch = wrap_handle_tensordesc(lambda *args: self.raw.append(args), signature, GLUON_META)
+        self.global_scratch_size = self.profile_scratch_size = 0
+        self.num_ctas, self.launch_cooperative_grid, self.launch_pdl = 1, False, False
+
+    def __call__(self, gx, gy, gz, stream, function, *args):  # the JIT's launch of a compiled kernel
+        self.launch(gx, gy, gz, stream, function, False, False, None, None, *args)
+
+
+class _GluonJIT:
+    """A @gluon.jit function as _gluon_run uses it: fn[grid](...) compiles (counted), launches, returns the kernel."""
+
+    def __init__(self, arg_names):
+        self.arg_names, self.compiles = arg_names, []
+        self.launcher = _GluonLauncher(arg_names, 4)
+
+    def __getitem__(self, grid):
+        def compile_and_launch(*args, **consts):
+            self.compiles.append((grid, args, consts))
+            kernel = type("K", (), {})()
+            kernel.run, kernel.function, kernel.packed_metadata = self.launcher, 1234, (4, 1, 0)
+            kernel.metadata = type("M", (), {"tensordesc_meta": GLUON_META})()
+            tail = [consts[n] for n in self.arg_names[len(args):]]
+            self.launcher(*grid, 1, 1, 77, 1234, (4, 1, 0), None, None, None, *args, *tail)
+            return kernel
+        return compile_and_launch
+
+
+@pytest.fixture
+def gluon_fwd(monkeypatch):
+    """The bf16 causal d128 Gluon module with fast launches on, its kernel faked (no GPU runs it here)."""
+    mod = fagen.load(fagen.KernelSpec(backend="gluon", head_dim=128, mask="causal", dtype="bf16"))
+    monkeypatch.setattr(mod, "_FAST_LAUNCH", True)
+    monkeypatch.setattr(mod, "_KERNELS", {})
+    monkeypatch.setattr(mod, "_raw_stream", lambda device: 77)
+    fill = _Fill()
+    monkeypatch.setattr(triton.runtime.driver, "_active", fill)
+    return mod, _GluonJIT(mod._attn_fwd_hopper.arg_names), fill
+
+
+def _gluon_args(mod, sq=300, sk=333, seed=0):
+    """A forward launch's positional arguments as _launch_forward passes them (CPU tensors, TMA-ready)."""
+    torch.manual_seed(seed)
+    q, o = (torch.randn(2, 4, sq, 128).bfloat16() for _ in range(2))
+    k, v = (torch.randn(2, 4, sk, 128).bfloat16() for _ in range(2))
+    lse = torch.empty(2, 4, sq)
+    return [mod._descriptor(q, mod.BLOCK_M), mod._descriptor(k, mod.BLOCK_N), mod._descriptor(v, mod.BLOCK_N),
+            mod._descriptor(o, mod.BLOCK_M), lse, 0.125, 24, 3, 4, sq, sk, torch.zeros(1, dtype=torch.int32)]
+
+
+def _consts(mod):
+    return dict(HEAD_DIM=128, BLOCK_M=mod.BLOCK_M, BLOCK_N=mod.BLOCK_N, STAGES=mod.STAGES, GQA=1, CAUSAL=1,
+                CONSUMER_REGS=mod.CONSUMER_REGS, LOADER_REGS=mod.LOADER_REGS, num_warps=4)
+
+
+def test_gluon_fast_launch_passes_what_triton_s_descriptor_wrapper_passes(gluon_fwd):
+    mod, fn, fill = gluon_fwd
+    args = _gluon_args(mod)
+    for _ in range(3):
+        mod._gluon_run(fn, (24,), args, _consts(mod))
+    assert len(fn.compiles) == 1  # compiled (through fn[grid]) once, then the C entry point
+    (grid, plain, consts), = fn.compiles
+    for got, (t, box) in zip(plain[:4], args[:4]):  # the plain path: TensorDescriptors as the module built them
+        layout = gl.NVMMASharedLayout.get_default_for(list(box), gl.bfloat16)
+        assert isinstance(got, TensorDescriptor) and got.base is t and got.block_shape == list(box)
+        assert got.layout == layout and got.shape == list(t.shape) and got.strides == list(t.stride())
+    wrapped, fast, again = fn.launcher.raw
+    assert fast == wrapped and again == wrapped  # bitwise the same launch as triton's wrapper
+    assert len(fill.calls) == 4 + 4  # the wrapper's four encodes, then the fast path's four, kept after that
+
+
+def test_gluon_fast_launch_keeps_maps_per_address_shape_and_strides(gluon_fwd):
+    mod, fn, fill = gluon_fwd
+    args = _gluon_args(mod)
+    mod._gluon_run(fn, (24,), args, _consts(mod))
+    mod._gluon_run(fn, (24,), args, _consts(mod))
+    n = len(fill.calls)
+    q2 = torch.randn_like(args[0][0])  # a new q (another address): only its map is encoded
+    mod._gluon_run(fn, (24,), [(q2, args[0][1])] + args[1:], _consts(mod))
+    assert fill.calls[n:] == [q2.data_ptr()]
+    k_view = args[1][0][:, :, :200]  # the same address, another shape: a new map, and it says so
+    mod._gluon_run(fn, (24,), [args[0], (k_view, args[1][1])] + args[2:9] + [300, 200, args[11]], _consts(mod))
+    assert fill.calls[n + 1:] == [k_view.data_ptr()] and fn.launcher.raw[-1][14 + 9 + 2] == 200  # k's Sk
+    assert len(fn.compiles) == 1
+
+
+def test_gluon_fast_launch_specialises_like_triton(gluon_fwd):
+    """A new compile for another descriptor dtype or box, an int that becomes 1 or leaves the multiples of 16,
+    another constexpr; not for another length of the same class."""
+    mod, fn, _ = gluon_fwd
+    args, consts = _gluon_args(mod), _consts(mod)
+    runs = [args, args[:9] + [320, 336, args[11]], args[:9] + [301, 333, args[11]],
+            args[:8] + [1] + args[9:], [(args[0][0], (1, 1, 32, 128))] + args[1:],
+            [(args[0][0].half(), args[0][1])] + args[1:]]
+    for a in runs:
+        mod._gluon_run(fn, (24,), a, consts)
+    mod._gluon_run(fn, (24,), args, dict(consts, STAGES=3))
+    assert len(fn.compiles) == 6  # 320/336 like 300/333 (not multiples of 16: 301 is too); the rest each compile
+
+
+def test_gluon_plain_path_when_off(gluon_fwd, monkeypatch):
+    mod, fn, fill = gluon_fwd
+    monkeypatch.setattr(mod, "_GLUON_FAST", False)
+    args = _gluon_args(mod)
+    for _ in range(3):
+        mod._gluon_run(fn, (24,), args, _consts(mod))
+    assert len(fn.compiles) == 3 and not mod._KERNELS
+    assert all(isinstance(d, TensorDescriptor) for _, a, _ in fn.compiles for d in a[:4])
+
+
+def test_gluon_modules_launch_through_the_fast_path():
+    """Every Gluon forward launches its kernel through _gluon with descriptor requests, never fn[grid] directly."""
+    for extra in (dict(dtype="bf16"), dict(dtype="fp8_e4m3"), dict(dtype="bf16", window=True),
+                  dict(dtype="bf16", head_dim=192, head_dim_v=128)):
+        spec = fagen.KernelSpec(backend="gluon", **{"head_dim": 128, "mask": "causal", **extra})
+        src = fagen.generate(spec)
+        host = src[src.index("def _launch_forward("):src.index("def forward(")]
+        assert "_fast_attn_fwd_hopper[grid](" in host
+        assert "_attn_fwd_hopper[grid](" not in host.replace("_fast_attn", "")  # no plain fn[grid] launch
+        assert "TensorDescriptor(" not in host and "get_default_for" not in host

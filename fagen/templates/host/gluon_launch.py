@@ -68,7 +68,7 @@ def _gluon_entry(kernel, fn, args, consts):
         if entry is None or entry[1] is None:
             return None
         launch = entry[0]
-        if launch.__closure__ is not None:  # wrap_handle_tensordesc's inner(*args) around the C entry point
+        if getattr(launch, "__closure__", None):  # wrap_handle_tensordesc's inner(*args) around the C entry point
             launch = dict(zip(launch.__code__.co_freevars, launch.__closure__))["launcher"].cell_contents
         from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
         fill = triton.runtime.driver.active.utils.fill_tma_descriptor

@@ -180,6 +180,33 @@ def phase_host(results):
             f"triton fwd {row['triton']:6.1f} us  | kernel B1 H16 S8192: plain {row['ms plain']:.3f} ms  fast {row['ms fast']:.3f} ms  "
             f"(fast entries {fast_entries(mod)})")
         results.append(dict(phase="host", case=name, **row))
+    launch_only(results)
+
+
+def launch_only(results):
+    """The bf16 kernel's launch alone (arguments built once, as _launch_forward passes them): fn[grid] with four
+    TensorDescriptors (the JIT dispatch), _gluon_run's plain path (descriptors built per call, then fn[grid]) and
+    its fast path."""
+    import torch
+    mod = gluon_module("bf16")
+    q, k, v = inputs("bf16", 1, 8, 128, 128)
+    o, lse = torch.empty_like(q), torch.empty(q.shape[:3], device="cuda")
+    n_m = -(-128 // (2 * mod.BLOCK_M))
+    args = [mod._descriptor(q, mod.BLOCK_M), mod._descriptor(k, mod.BLOCK_N), mod._descriptor(v, mod.BLOCK_N),
+            mod._descriptor(o, mod.BLOCK_M), lse, 0.125, n_m * 8, n_m, 8, 128, 128]
+    if "TileCounter" in mod._attn_fwd_hopper.arg_names:
+        args.append(torch.zeros(1, dtype=torch.int32, device="cuda"))
+    consts = dict(HEAD_DIM=128, BLOCK_M=mod.BLOCK_M, BLOCK_N=mod.BLOCK_N, STAGES=mod.STAGES, GQA=mod.GQA,
+                  CAUSAL=mod.CAUSAL, CONSUMER_REGS=mod.CONSUMER_REGS, LOADER_REGS=mod.LOADER_REGS, num_warps=4)
+    grid = (n_m * 8, )
+    descs = mod._plain_args(args)
+    row = {"jit": host_us(lambda: mod._attn_fwd_hopper[grid](*descs, **consts))}
+    for fast in (False, True):
+        mod._GLUON_FAST = fast
+        row["fast" if fast else "plain"] = host_us(lambda: mod._gluon_run(mod._attn_fwd_hopper, grid, args, consts))
+    log(f"launch bf16 alone: fn[grid] with built descriptors {row['jit']:6.1f} us  plain path {row['plain']:6.1f} us"
+        f"  fast path {row['fast']:6.1f} us")
+    results.append(dict(phase="launch", case="bf16", **row))
 
 
 def wall_ms(fn, calls=30, runs=3):

@@ -13,9 +13,12 @@ Phases (one table row per line, printed as it comes; $OUT/gluon_host.json if $OU
          B1 H8 S128 D128 (the GPU idle-fast shape), fast and plain, beside the Triton forward fagen.attention takes
          below MIN_WORK (the bwd module's forward, fast launches); kernel ms (triton.testing.do_bench) at B1 H16
          S8192 (fp8: the same), fast and plain
+         (interleaved, second pass); then the bf16 launch alone (fn[grid] with built descriptors, plain, fast)
   cross  per-call wall time (30 calls then a sync, min of 3, so max(host, GPU) per call in a queue): the Gluon
-         forward (fast path) against the Triton one, causal d128 bf16 at 2**22 .. 2**29 pairs (B x Hq x Sq x Sk),
-         and causal + window (256, 0) / (1024, 0) at S4096 / S8192 H16 (pairs: B x Hq x Sq x (left + 1))
+         forward (fast path) against the Triton one, d128 bf16, causal and none around MIN_WORK (B x Hq x Sq x Sk
+         pairs), causal + window (left, 0) around WINDOW_MIN_WORK (pairs: B x Hq x Sq x (left + 1)); CROSS
+  route  fagen.attention without gradient on either side of hopper.MIN_WORK / WINDOW_MIN_WORK: the module it took,
+         its per-call wall time, and the other forward's (ok: within 5% of it or faster)
 """
 
 from __future__ import annotations
@@ -35,35 +38,41 @@ sys.path.insert(0, str(ROOT))
 DRY = os.environ.get("GPU_GLUON_HOST_DRY") == "1"
 if DRY:
     os.environ["TRITON_INTERPRET"] = "1"
-PHASE_TIMEOUT = {"host": 50, "cross": 30, "check": 50}  # host first: it compiles (a cold cache)
+PHASE_TIMEOUT = {"host": 30, "cross": 25, "route": 20, "check": 30}  # round A: 44 s in all
 CASES = {"bf16": dict(mask="causal", dtype="bf16"), "fp8": dict(mask="causal", dtype="fp8_e4m3"),
          "window": dict(mask="causal", dtype="bf16", window=True)}
-# (label, B, H, S, window left or None); pairs = B * H * S * (S or left + 1)
-CROSS = [("2^22", 1, 16, 512, None), ("2^23", 1, 32, 512, None), ("2^24", 1, 16, 1024, None),
-         ("2^25", 1, 32, 1024, None), ("2^26", 1, 16, 2048, None), ("2^27", 1, 32, 2048, None),
-         ("2^28", 1, 16, 4096, None), ("2^29", 1, 32, 4096, None),
-         ("w256 s4096", 1, 16, 4096, 256), ("w1024 s4096", 1, 16, 4096, 1024),
-         ("w256 s8192", 1, 16, 8192, 256), ("w1024 s8192", 1, 16, 8192, 1024)]
-
+# (label, B, H, S, window left or None, mask); pairs = B * H * S * (S or left + 1). Round A (8d1d0e1) crossed
+# between 2^24 (1.56x) and 2^25 (0.83x) causal, windows won from 2^24 (0.75x); round B times around both rules.
+CROSS = [("warm-up", 1, 16, 512, None, "causal"), ("2^24", 1, 16, 1024, None, "causal"),
+         ("2^24.6", 1, 24, 1024, None, "causal"), ("2^25", 1, 32, 1024, None, "causal"),
+         ("2^25 s2048", 1, 8, 2048, None, "causal"), ("2^26", 1, 16, 2048, None, "causal"),
+         ("2^28", 1, 16, 4096, None, "causal"), ("none 2^24", 1, 16, 1024, None, "none"),
+         ("none 2^25", 1, 32, 1024, None, "none"),
+         ("w128 s2048", 1, 16, 2048, 128, "causal"), ("w256 s2048", 1, 16, 2048, 256, "causal"),
+         ("w256 s4096 h8", 1, 8, 4096, 256, "causal"), ("w256 s4096", 1, 16, 4096, 256, "causal"),
+         ("w512 s4096", 1, 16, 4096, 512, "causal"), ("w1024 s8192", 1, 16, 8192, 1024, "causal")]
+# fagen.attention (no gradient) on either side of hopper.MIN_WORK / WINDOW_MIN_WORK: (label, H, S, window)
+ROUTE = [("causal 2^24", 4, 2048, None), ("causal 2^25", 8, 2048, None),
+         ("w(256,0) 2^23", 8, 4096, (256, 0)), ("w(256,0) 2^24", 16, 4096, (256, 0))]
 
 def log(*parts):
     print(*parts, flush=True)
 
 
-def gluon_module(name):
+def gluon_module(name, mask="causal"):
     import fagen
     from fagen.spec.kernel import KernelSpec
-    return fagen.load(KernelSpec(backend="gluon", head_dim=128, **CASES[name]))
+    return fagen.load(KernelSpec(backend="gluon", head_dim=128, **dict(CASES[name], mask=mask)))
 
 
-def triton_module(window=False):
+def triton_module(window=False, mask="causal"):
     """The module fagen.attention runs below MIN_WORK without gradients: the bwd spec's forward."""
     import torch
 
     import fagen
     from fagen.runtime import resolve
     q = torch.empty((1, 1, 16, 128), dtype=torch.bfloat16)
-    return fagen.load(resolve.spec_for(q, q, q, mask="causal", switches=("window",) if window else ()))
+    return fagen.load(resolve.spec_for(q, q, q, mask=mask, switches=("window",) if window else ()))
 
 
 def inputs(name, b, h, sq, sk, seed=0):
@@ -173,12 +182,12 @@ def phase_host(results):
         tq, tk, tv = inputs("bf16", 1, 8, 128, 128)
         row["triton"] = host_us(lambda: call(t, name, tq, tk, tv))
         bq, bk, bv = inputs(name, 1, 16, 8192, 8192)
-        for fast in (False, True):
+        for fast in (False, True, False, True):  # interleaved: the second pass of each counts
             mod._GLUON_FAST = fast
             row["ms fast" if fast else "ms plain"] = do_bench(lambda: call(mod, name, bq, bk, bv), rep=100)
         log(f"host  {name:7s} plain {row['plain']:7.1f} us  fast {row['fast']:7.1f} us  "
-            f"triton fwd {row['triton']:6.1f} us  | kernel B1 H16 S8192: plain {row['ms plain']:.3f} ms  fast {row['ms fast']:.3f} ms  "
-            f"(fast entries {fast_entries(mod)})")
+            f"triton fwd {row['triton']:6.1f} us  | kernel B1 H16 S8192: plain {row['ms plain']:.3f} ms  "
+            f"fast {row['ms fast']:.3f} ms  (fast entries {fast_entries(mod)})")
         results.append(dict(phase="host", case=name, **row))
     launch_only(results)
 
@@ -225,17 +234,46 @@ def wall_ms(fn, calls=30, runs=3):
 
 
 def phase_cross(results):
-    mods = {False: (gluon_module("bf16"), triton_module()), True: (gluon_module("window"), triton_module(True))}
-    for label, b, h, s, left in CROSS:
+    mods = {}
+    for label, b, h, s, left, mask in CROSS:
         name = "bf16" if left is None else "window"
-        glu, tri = mods[left is not None]
+        if (name, mask) not in mods:
+            mods[(name, mask)] = (gluon_module(name, mask), triton_module(left is not None, mask))
+        glu, tri = mods[(name, mask)]
         q, k, v = inputs("bf16", b, h, s, s)
         pairs = b * h * s * (s if left is None else min(s, left + 1))
         g = wall_ms(lambda: call(glu, name, q, k, v, left=left))
         t = wall_ms(lambda: call(tri, name, q, k, v, left=left))
-        log(f"cross {label:12s} pairs 2^{math.log2(pairs):5.2f}  gluon {g:7.3f} ms  triton {t:7.3f} ms  "
+        log(f"cross {label:14s} {mask:6s} pairs 2^{math.log2(pairs):5.2f}  gluon {g:7.3f} ms  triton {t:7.3f} ms  "
             f"gluon/triton {g / t:5.2f}")
-        results.append(dict(phase="cross", case=label, pairs=pairs, gluon=g, triton=t))
+        results.append(dict(phase="cross", case=label, mask=mask, pairs=pairs, gluon=g, triton=t))
+
+
+def phase_route(results):
+    """fagen.attention without gradient on either side of the size rules: which module served, and its per-call
+    wall time beside the other module's (called directly)."""
+    import torch
+
+    import fagen
+    from fagen.runtime import hopper, resolve
+    log(f"route MIN_WORK 2^{math.log2(hopper.MIN_WORK):.0f}, WINDOW_MIN_WORK "
+        f"2^{math.log2(getattr(hopper, 'WINDOW_MIN_WORK', hopper.MIN_WORK)):.0f}")
+    for label, h, s, window in ROUTE:
+        name = "bf16" if window is None else "window"
+        q, k, v = inputs("bf16", 1, h, s, s)
+        kw = {} if window is None else {"window": window}
+        with torch.no_grad():
+            fagen.attention(q, k, v, mask="causal", **kw)
+            served = [m for key, m in resolve._FAST.items() if key[0] == q.dtype and key[2] == h
+                      and key[6] == (() if window is None else ("window", ))]
+            gluon = any(m.NAME.endswith("_gluon") for m in served)
+            a = wall_ms(lambda: fagen.attention(q, k, v, mask="causal", **kw))
+        other = triton_module(window is not None) if gluon else gluon_module(name)
+        left = None if window is None else window[0]
+        o = wall_ms(lambda: call(other, name, q, k, v, left=left))
+        log(f"route {label:14s} fagen.attention took {'Gluon ' if gluon else 'Triton'} {a:7.3f} ms; the "
+            f"{'Triton' if gluon else 'Gluon '} forward {o:7.3f} ms  {'ok' if a <= o * 1.05 else 'WORSE'}")
+        results.append(dict(phase="route", case=label, gluon=gluon, attention=a, other=o))
 
 
 def phase_dry(results):
@@ -255,7 +293,8 @@ def phase_dry(results):
     results.append(dict(phase="dry", ok=True))
 
 
-PHASES = {"check": phase_check, "host": phase_host, "cross": phase_cross, "dry": phase_dry}
+PHASES = {"check": phase_check, "host": phase_host, "cross": phase_cross, "route": phase_route,
+          "dry": phase_dry}
 
 
 def run_phase(name):
@@ -273,7 +312,7 @@ def main():
     args = parser.parse_args()
     if args.phase:
         return run_phase(args.phase)
-    phases = ["dry"] if DRY else ["host", "cross", "check"]
+    phases = ["dry"] if DRY else ["host", "cross", "route", "check"]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     everything, start = [], time.time()
     for name in phases:

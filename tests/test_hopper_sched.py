@@ -77,6 +77,7 @@ def test_the_counter_is_cached_per_stream_and_fresh_under_graph_capture(monkeypa
     monkeypatch.setattr(torch.cuda, "current_stream", fake.current_stream)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", fake.is_current_stream_capturing)
     monkeypatch.setattr(mod, "_COUNTERS", {})
+    monkeypatch.setattr(mod, "_raw_stream", lambda index: fake.current_stream(index).cuda_stream)
     dev = torch.device("cpu")
     first = mod._tile_counter(dev)
     assert first.dtype == torch.int32 and first.shape == (1,) and int(first) == 0

@@ -336,3 +336,29 @@ def test_gluon_modules_launch_through_the_fast_path():
         assert "_fast_attn_fwd_hopper[grid](" in host
         assert "_attn_fwd_hopper[grid](" not in host.replace("_fast_attn", "")  # no plain fn[grid] launch
         assert "TensorDescriptor(" not in host and "get_default_for" not in host
+
+
+def test_a_window_takes_the_gluon_forward_from_window_min_work(monkeypatch):
+    """fagen.attention's size rule ([Note] Gluon size rule in fagen/runtime/hopper.py): a window's own pairs against
+    WINDOW_MIN_WORK, the same call without the window against MIN_WORK. The device is faked as an sm_90 GPU: the
+    Gluon module's forward refuses CPU tensors with its InputError, which shows it was picked."""
+    from fagen.runtime import api, hopper, resolve
+    if torch.cuda.is_available():
+        pytest.skip("the CPU run shows the choice through the Gluon module's device check")
+    monkeypatch.setattr(hopper, "is_hopper", lambda device: True)
+    monkeypatch.setattr(hopper, "gluon_missing", lambda: None)
+    monkeypatch.delenv(hopper.ENV, raising=False)
+    monkeypatch.setattr(resolve, "_FAST", {})
+    monkeypatch.setattr(api, "_FAST", resolve._FAST)
+    monkeypatch.setattr(api, "WINDOW_MIN_WORK", 64 * 40)  # a window (39, 0) at Sq = Sk = 64 visits 64 x 40 pairs
+    monkeypatch.setattr(api, "MIN_WORK", 64 * 64 + 1)
+    q = torch.randn(1, 1, 64, 128, dtype=torch.bfloat16)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="Gluon kernel"):
+            fagen.attention(q, q, q, mask="causal", window=(39, 0))
+        assert fagen.attention(q, q, q, mask="causal", window=(38, 0)).shape == q.shape  # 64 x 39: Triton
+        assert fagen.attention(q, q, q, mask="causal").shape == q.shape  # 64 x 64 < MIN_WORK: Triton
+        monkeypatch.setattr(api, "MIN_WORK", 64 * 64)
+        resolve._FAST.clear()
+        with pytest.raises(ValueError, match="Gluon kernel"):
+            fagen.attention(q, q, q, mask="causal")

@@ -7,7 +7,7 @@ import sys
 import torch
 
 from fagen.codegen.args import SWITCH_KEYWORD
-from fagen.runtime.hopper import MIN_WORK
+from fagen.runtime.hopper import MIN_WORK, WINDOW_MIN_WORK
 from fagen.runtime.kinds import prefers_decode
 from fagen.runtime.resolve import _DTYPES, _FAST, AttentionError, _module, fast_key, resolve, resolve_varlen, spec_for
 from fagen.spec.axes import DECODE_BATCH_INVARIANT, DECODE_MAX_SEQ_Q, Kind, Layout, Mask
@@ -114,9 +114,10 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
     # no spec is built, hashed or validated per call (the key is fast_key's, the one resolve() stores under). Without gradients on an
     # H100/H200 the Gluon forward may serve ([Note] Hopper selection in fagen/runtime/hopper.py); it has forward()
     # only, and its host path is slower, so only problems of at least hopper.MIN_WORK query-key pairs may take it.
-    # A window bounds the keys a row visits: its pairs count, not Sq x Sk.
+    # A window bounds the keys a row visits: its pairs count, not Sq x Sk, against hopper.WINDOW_MIN_WORK.
     keys = ks[2] if four and window is None else _window_keys(ks[2], window) if four else 0
-    forward_only = not needs_grad and not decode and four and qs[0] * qs[1] * qs[2] * keys >= MIN_WORK
+    forward_only = not needs_grad and not decode and four \
+        and qs[0] * qs[1] * qs[2] * keys >= (MIN_WORK if window is None else min(MIN_WORK, WINDOW_MIN_WORK))
     module = _FAST.get(fast_key(q, k, v, mask, decode, switches, forward_only)) \
         if four and isinstance(mask, str) else None
     if module is None:

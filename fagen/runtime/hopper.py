@@ -12,10 +12,8 @@ inputs' device: by fagen.attention (fagen/runtime/resolve.py) when no gradient i
 fp8 (dtype fp8_e4m3) has no other kernel: an fp8 case within the gluon forward's limits (prefill forward, head_dim
 64/128, mask none/causal, no switch or the window alone) is always the gluon one on sm_90 (README "fp8 forward").
 Everywhere else the present kernels serve, unchanged. fagen.attention also asks for a problem of at least MIN_WORK
-(batch x query heads x Sq x Sk, with Sk bounded by a window's left + right + 1) pairs: the Gluon module's host path builds four TMA descriptors and goes through
-the JIT dispatch on every call (about 200 us on the H100, against about 70 us for the Triton forward with fast
-launches; benchmarks/latency.md), so it wins only where the kernel outlasts that: 2^29 pairs at d128 are about
-0.5 ms of full attention (0.25 ms causal) at 550 TF/s, so a queue of such calls stays GPU-bound either way.
+(batch x query heads x Sq x Sk, with Sk bounded by a window's left + right + 1) pairs, WINDOW_MIN_WORK with a
+window: below that the Gluon module's host time per call outlasts what its kernel saves ([Note] Gluon size rule).
 
 A score_mod (no mask_mod) follows the same rule through mod_forward_spec, called by fagen.attention's modded path
 (fagen/runtime/modded.py) when no gradient is needed; GluonBackend.select_score_mods keeps it off until measured.
@@ -35,7 +33,19 @@ from fagen.spec.axes import Backend, DType, SpecError
 from fagen.spec.kernel import KernelSpec
 
 ENV = "FAGEN_HOPPER"
-MIN_WORK = 1 << 29  # batch x query heads x Sq x Sk below which fagen.attention keeps the Triton forward
+MIN_WORK = 1 << 25  # batch x query heads x Sq x Sk below which fagen.attention keeps the Triton forward
+WINDOW_MIN_WORK = 1 << 24  # the same with a window: B x Hq x Sq x (left + right + 1) ([Note] Gluon size rule)
+
+# [Note] Gluon size rule. The Gluon forward's kernel is faster than the Triton one (0.70-0.75x the time per call
+# at 2^27 .. 2^29 causal d128 bf16 pairs on the H100), but its host path used to cost about 200 us a call
+# (four TensorDescriptors and the JIT dispatch; benchmarks/latency.md), so MIN_WORK was 2^29. With fast launches
+# ([Note] Gluon fast launches in fagen/templates/host/gluon_launch.py) a call costs about 46 us of host time
+# (Triton's forward 16 us), and per-call wall time in a queue (scripts/gpu_gluon_host.py, round A of the seventh
+# session, H100) crosses over between 2^24 and 2^25 pairs: causal d128 bf16 Gluon / Triton 1.56x at 2^24, 0.83x
+# at 2^25, 0.61x at 2^26. The causal case is the one with the least kernel work per pair among the selected ones
+# (full attention does twice the work per pair; MLA's d192 more), so 2^25 holds for them too. A causal window
+# visits fewer pairs per program (its kernel wins by more): 0.75x at 2^24 (window (256, 0), S4096 H16), 0.66x at
+# 2^25 (S8192), so windows take it from 2^24.
 # The measured rule, as the gluon backend's descriptor states it (machine not considered).
 selected = GLUON.selected
 

@@ -41,7 +41,7 @@ if DRY:
 PHASE_TIMEOUT = {"host": 30, "cross": 25, "route": 20, "check": 30}  # round A: 44 s in all
 CASES = {"bf16": dict(mask="causal", dtype="bf16"), "fp8": dict(mask="causal", dtype="fp8_e4m3"),
          "window": dict(mask="causal", dtype="bf16", window=True)}
-# (label, B, H, S, window left or None, mask); pairs = B * H * S * (S or left + 1). Round A (8d1d0e1) crossed
+# (label, B, H, S, window left or None, mask); pairs = B * H * S * (S or left + 1). Round A (0c6c5a6) crossed
 # between 2^24 (1.56x) and 2^25 (0.83x) causal, windows won from 2^24 (0.75x); round B times around both rules.
 CROSS = [("warm-up", 1, 16, 512, None, "causal"), ("2^24", 1, 16, 1024, None, "causal"),
          ("2^24.6", 1, 24, 1024, None, "causal"), ("2^25", 1, 32, 1024, None, "causal"),
@@ -216,6 +216,17 @@ def launch_only(results):
     log(f"launch bf16 alone: fn[grid] with built descriptors {row['jit']:6.1f} us  plain path {row['plain']:6.1f} us"
         f"  fast path {row['fast']:6.1f} us")
     results.append(dict(phase="launch", case="bf16", **row))
+    # where the rest of a fast call goes (bf16, the same shape): the whole call, _launch_forward (no checks), pieces
+    split = {"forward": lambda: mod.forward(q, k, v),
+             "_launch_forward": lambda: mod._launch_forward(q, k, v, 0.0883, None, None, None),
+             "checks": lambda: (mod._check_qkv(q, k, v), mod._check_device(q)),
+             "allocs": lambda: (mod._new_out(q), mod._new_lse(q)),
+             "_tma_ready x4": lambda: [mod._tma_ready(t) for t in (q, k, v, o)]}
+    if hasattr(mod, "_tile_counter"):
+        split["_tile_counter"] = lambda: mod._tile_counter(q.device)
+    times = {name: host_us(fn, runs=3) for name, fn in split.items()}
+    log("split bf16 fast: " + "  ".join(f"{name} {t:.1f} us" for name, t in times.items()))
+    results.append(dict(phase="split", case="bf16", **times))
 
 
 def wall_ms(fn, calls=30, runs=3):

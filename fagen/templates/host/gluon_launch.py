@@ -17,21 +17,24 @@ from fagen.templates.host.launch import _FAST_LAUNCH, _INT_CLASS, _KERNELS, _Ten
 # A Gluon kernel takes its TMA descriptors from the host. fn[grid](...) with four TensorDescriptors costs, per
 # call: four NVMMASharedLayout.get_default_for (a constexpr_function each), four TensorDescriptor dataclasses and
 # their checks, the JIT's binding and specialisation of every argument (a descriptor's key is a string of its
-# dtype, box and layout), and in triton's launcher wrapper one cuTensorMapEncodeTiled per descriptor (about
-# 200 us a call on the H100 in all, benchmarks/latency.md). Here a launch names a descriptor as a request
-# (tensor, box): a tuple argument, the box a tuple of ints, the layout NVMMASharedLayout.get_default_for(box,
-# the tensor's dtype). The first call of a specialisation builds real TensorDescriptors (layouts cached per box
-# and dtype) and goes through fn[grid]; its compiled kernel is kept under launch.py's key ([Note] Fast launches),
-# a request counting as its dtype and box (all that Triton specialises a descriptor on). Later calls go to the
-# launcher's C entry point with each request expanded as triton's wrapper does (wrap_handle_tensordesc):
-# (CUtensorMap, *shape, *strides), the map from triton's own fill_tma_descriptor with the compiled kernel's
-# tensordesc_meta (swizzle, element type, block), kept per (address, shape, strides): a CUtensorMap is only
-# those values, encoded, and goes to the kernel by value (a __grid_constant__ parameter), so a kept one is
-# exactly the one a fresh encode gives, and a CUDA graph captures its bytes like any argument. Requests must be
-# TMA-ready (the module checks: 16-byte aligned base and strides, unit last stride, no empty dimension); the
-# fast path skips TensorDescriptor's own assertions. Off under the interpreter, on a triton other than 3.6.0
-# (launch.py's _FAST_LAUNCH: the plain path then builds the descriptors and calls fn[grid]), with
-# $FAGEN_FAST_LAUNCH=0, or with _GLUON_FAST = False (scripts/gpu_gluon_host.py times both paths).
+# dtype, box and layout), and in triton's launcher wrapper one cuTensorMapEncodeTiled per descriptor: 200-219 us
+# a call of the bf16 module on the H100 before this (benchmarks/latency.md). Here a launch names a descriptor as
+# a request (tensor, box): a tuple argument, the box a tuple of ints, the layout
+# NVMMASharedLayout.get_default_for(box, the tensor's dtype). The first call of a specialisation builds real
+# TensorDescriptors (layouts cached per box and dtype) and goes through fn[grid]; its compiled kernel is kept
+# under launch.py's key ([Note] Fast launches), a request counting as its dtype and box (all that Triton
+# specialises a descriptor on). Later calls go to the launcher's C entry point with each request expanded as
+# triton's wrapper does (wrap_handle_tensordesc): (CUtensorMap, *shape, *strides), the map from triton's own
+# fill_tma_descriptor with the compiled kernel's tensordesc_meta (swizzle, element type, block), kept per
+# (address, shape, strides): a CUtensorMap is only those values, encoded, and goes to the kernel by value (a
+# __grid_constant__ parameter), so a kept one is exactly the one a fresh encode gives, and a CUDA graph captures
+# its bytes like any argument. Other tensors go as their addresses (as launch.py's steps pass them). Requests
+# must be TMA-ready (the module checks: 16-byte aligned base and strides, unit last stride, no empty dimension):
+# the fast path skips TensorDescriptor's own assertions. Off under the interpreter, on a triton other than 3.6.0
+# (launch.py's _FAST_LAUNCH; the plain path then builds the descriptors and calls fn[grid], as before), with
+# $FAGEN_FAST_LAUNCH=0, or with _GLUON_FAST = False (scripts/gpu_gluon_host.py times both paths). Use: include
+# host/launch.py and this file verbatim, pass each descriptor as (tensor, box) and launch with
+# _gluon(kernel)[grid](*args, **constexprs).
 _GLUON_FAST = True
 _GL_DTYPES = {}  # torch dtype -> gl dtype, filled on first use
 _LAYOUTS = {}  # (box, torch dtype) -> NVMMASharedLayout
@@ -90,11 +93,13 @@ def _gluon_entry(kernel, fn, args, consts):
 
 
 def _expand(args, plans):
-    """The launcher's flat argument list: each request as triton's wrapper expands a TensorDescriptor."""
+    """The launcher's flat argument list: each request as triton's wrapper expands a TensorDescriptor (its map,
+    shape and strides kept together per (address, shape, strides)), a tensor as its address (as the Triton steps
+    pass them: the launcher then skips its pointer query)."""
     flat = []
     for a, plan in zip(args, plans):
         if plan is None:
-            flat.append(a)
+            flat.append(a.data_ptr() if type(a) is _Tensor else a)
             continue
         t = a[0]
         shape, strides = t.shape, t.stride()
@@ -102,12 +107,13 @@ def _expand(args, plans):
             flat += (t, *shape, *strides, False, *shape, *strides)
             continue
         maps, key = plan[5], (t.data_ptr(), shape, strides)
-        tma = maps.get(key)
-        if tma is None:
+        part = maps.get(key)
+        if part is None:
             if len(maps) >= _TMA_MAPS:
                 maps.clear()
-            tma = maps[key] = plan[0](key[0], plan[1], plan[2], plan[3], plan[4], shape, strides, 0)
-        flat += (tma, *shape, *strides)
+            part = maps[key] = (plan[0](key[0], plan[1], plan[2], plan[3], plan[4], shape, strides, 0), *shape,
+                                *strides)
+        flat += part
     return flat
 
 

@@ -113,8 +113,9 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
     # [Note] Host time. A warm call costs one dict lookup on plain values before the module's own checks and launch:
     # no spec is built, hashed or validated per call (the key is fast_key's, the one resolve() stores under). Without gradients on an
     # H100/H200 the Gluon forward may serve ([Note] Hopper selection in fagen/runtime/hopper.py); it has forward()
-    # only, and its host path is slower, so only problems of at least hopper.MIN_WORK query-key pairs may take it.
-    # A window bounds the keys a row visits: its pairs count, not Sq x Sk, against hopper.WINDOW_MIN_WORK.
+    # only, and its host path costs more, so only problems of at least hopper.MIN_WORK query-key pairs may take it
+    # ([Note] Gluon size rule). A window bounds the keys a row visits: its pairs count, not Sq x Sk, against
+    # hopper.WINDOW_MIN_WORK.
     keys = ks[2] if four and window is None else _window_keys(ks[2], window) if four else 0
     forward_only = not needs_grad and not decode and four \
         and qs[0] * qs[1] * qs[2] * keys >= (MIN_WORK if window is None else min(MIN_WORK, WINDOW_MIN_WORK))

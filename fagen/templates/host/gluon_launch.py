@@ -2,14 +2,16 @@
 
 Static code: the render includes everything below the marker line verbatim (`verbatim` in
 fagen/codegen/render.py), after host/launch.py, whose _FAST_LAUNCH, _KERNELS, _INT_CLASS, _Tensor, _entry and
-_launch_entry it uses. The lines above the marker define the names it uses for linters and readers.
+_launch_entry it uses, and the including module's _GL_DTYPE (torch dtype -> gl dtype of its descriptors). The lines
+above the marker define those names for linters and readers.
 """
-import torch
 import triton
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from fagen.templates.host.launch import _FAST_LAUNCH, _INT_CLASS, _KERNELS, _Tensor, _entry, _launch_entry
+
+_GL_DTYPE = {}
 # -- fagen: included verbatim below this line --
 
 
@@ -36,23 +38,16 @@ from fagen.templates.host.launch import _FAST_LAUNCH, _INT_CLASS, _KERNELS, _Ten
 # host/launch.py and this file verbatim, pass each descriptor as (tensor, box) and launch with
 # _gluon(kernel)[grid](*args, **constexprs).
 _GLUON_FAST = True
-_GL_DTYPES = {}  # torch dtype -> gl dtype, filled on first use
 _LAYOUTS = {}  # (box, torch dtype) -> NVMMASharedLayout
 _TMA_MAPS = 4096  # kept CUtensorMaps per descriptor argument of a compiled kernel, then cleared
 
 
-def _gl_dtype(dtype):
-    if not _GL_DTYPES:
-        _GL_DTYPES.update({torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32,
-                           torch.float8_e4m3fn: gl.float8e4nv})
-    return _GL_DTYPES[dtype]
-
-
 def _tensor_descriptor(t, box):
-    """The TensorDescriptor of a request: t's shape and strides, block `box`, the default NVMMA layout."""
+    """The TensorDescriptor of a request: t's shape and strides, block `box`, the default NVMMA layout for t's dtype
+    (the including module's _GL_DTYPE maps torch dtypes to gl ones)."""
     layout = _LAYOUTS.get((box, t.dtype))
     if layout is None:
-        layout = _LAYOUTS[(box, t.dtype)] = gl.NVMMASharedLayout.get_default_for(list(box), _gl_dtype(t.dtype))
+        layout = _LAYOUTS[(box, t.dtype)] = gl.NVMMASharedLayout.get_default_for(list(box), _GL_DTYPE[t.dtype])
     return TensorDescriptor(t, list(t.shape), list(t.stride()), list(box), layout)
 
 

@@ -52,7 +52,7 @@ class GluonBackend(KernelBackend):
                                            "'triton' for padding and tree masks"),
         "dtype": ((DType.FP16, DType.BF16, DType.FP8_E4M3), "the gluon backend computes fp16, bf16 and fp8_e4m3 "
                                                             "on tensor cores; use backend 'triton' for fp32"),
-        "direction": ((Direction.FWD,), "the gluon backend has the forward only; use backend 'triton' for bwd"),
+        "direction": ((Direction.FWD, Direction.BWD), "the gluon backend has a forward and a backward"),
         "block_m": ((128,), "the gluon backend takes block_m 128: two consumer warpgroups of 64 rows"),
         "block_n": ((64, 128), "the gluon backend supports block_n 64 or 128 (a TMA box side is a power of two)"),
         "num_warps": ((8,), "the gluon backend runs 8 consumer warps (two warpgroups) plus its producer warp"),
@@ -121,6 +121,16 @@ class GluonBackend(KernelBackend):
     select_mla = True
     selected_mla_masks = (Mask.CAUSAL,)
 
+    # [Note] Gluon backward rule. The gluon backward (fagen/templates/gluon/backward.py.j2: FA3's schedule, a dQ warp
+    # with TMA reduce-adds) exists for head_dim 128, bf16/fp16, masks none/causal, any gqa, dense, no switch or mod.
+    # H100, bf16, TF/s against the Triton backward (docs/hopper.md, "A Gluon backward with FA3's synchronisation",
+    # two runs): d128 causal B1 H16 s16k 464-468 (deterministic) / 472-483 (unordered) vs 423-440; full 473 / 544-562
+    # vs 417-427; GQA 32/8 causal B4 s4k 368 / 292 vs 355; cuDNN 524-541, 559-569, 459. So with gradients the
+    # deterministic mode serves d128 bf16 none/causal, any gqa (bwd_selected); deterministic=False takes the unordered
+    # adds where they won, everywhere but GQA causal (unordered_selected: there the deterministic mode serves, as
+    # asked or not). Not d64 (no kernel: the lab's d64 build lost to Triton, 316 vs 398), not fp16 (not measured).
+    bwd_head_dims = (128,)
+
     def default_config(self, spec, arch: str, given: dict) -> dict:
         """The measured default (docs/hopper.md), on sm_90 only. d128: 2 K/V slots, all that fits beside Q (two
         buffers per warpgroup) and O (H100: 630 TF/s full, 568 causal at s16k bf16); d64: 3 slots. fp8: half the
@@ -158,6 +168,8 @@ class GluonBackend(KernelBackend):
                           spec.head_dim_v)
 
     def check_more(self, spec) -> None:
+        if spec.direction is Direction.BWD:
+            self._check_bwd(spec)
         mla = (spec.head_dim, spec.head_dim_v) == self.mla_dims
         if spec.head_dim_v != spec.head_dim and not mla:
             raise SpecError("head_dim_v", spec.head_dim_v, f"the gluon backend takes head_dim_v = head_dim, or "
@@ -167,6 +179,33 @@ class GluonBackend(KernelBackend):
             raise SpecError("head_dim_v", spec.head_dim_v, f"the gluon backend takes head_dim {spec.head_dim} with "
                                                            f"head_dim_v {self.mla_dims[1]} only (MLA prefill); use "
                                                            "backend 'triton' for other V widths")
+
+    def _check_bwd(self, spec) -> None:
+        """The gluon backward's limits ([Note] Gluon backward rule): head_dim 128, bf16/fp16, no switch, no mod."""
+        if spec.head_dim not in self.bwd_head_dims or spec.head_dim_v != spec.head_dim:
+            raise SpecError("head_dim", spec.head_dim, "the gluon backward supports head_dim 128 (head_dim_v equal); "
+                                                       "use backend 'triton' for other head dims")
+        if spec.dtype not in (DType.BF16, DType.FP16):
+            raise SpecError("dtype", str(spec.dtype), "the gluon backward computes bf16 and fp16; use direction "
+                                                      "'fwd' for fp8, backend 'triton' for fp32")
+        if spec.switches:
+            raise SpecError(spec.switches[0], True, "the gluon backward has no score switches; use backend "
+                                                    "'triton', or direction 'fwd' for the gluon forward")
+        if spec.modded:
+            raise SpecError("score_mod", spec.score_mod, "the gluon backward takes no user mods; use backend "
+                                                         "'triton', or direction 'fwd' for the gluon forward")
+
+    def bwd_selected(self, spec) -> bool:
+        """Whether the measured rule ([Note] Gluon backward rule) picks the gluon backward (its deterministic mode)
+        for the case of `spec` with gradients (machine not considered)."""
+        return (spec.kind is Kind.PREFILL and spec.head_dim in self.bwd_head_dims and spec.head_dim_v == spec.head_dim
+                and spec.dtype in self.selected_dtypes and spec.mask in self.selected_masks and not spec.switches
+                and not spec.modded)
+
+    def unordered_selected(self, mask, gqa: int) -> bool:
+        """Whether deterministic=False takes the gluon backward's unordered dQ adds for a selected case of this mask
+        and gqa ([Note] Gluon backward rule): not GQA causal, where they lost."""
+        return not (Mask(mask) is Mask.CAUSAL and gqa > 1)
 
     def selected(self, spec) -> bool:
         """Whether the measured rule ([Note] Gluon selection rule) picks the gluon forward for the case of `spec`."""

@@ -133,6 +133,13 @@ class BenchCase:
             gluon = hopper_rule.forward_spec(spec, torch.device(device))
             if gluon is not None:
                 return gluon, f"gluon Hopper forward ({hopper_rule.ENV}=0 for the Triton one)"
+        if (hopper and self.hopper and not self.overrides and spec.direction is Direction.BWD
+                and spec.kind is Kind.PREFILL):  # the gluon backward where it wins ([Note] Gluon backward rule)
+            if device is None:
+                device = "cuda" if torch.cuda.is_available() else "cpu"
+            gluon = hopper_rule.backward_spec(spec, torch.device(device))
+            if gluon is not None:
+                return gluon, f"gluon Hopper backward, deterministic ({hopper_rule.ENV}=0 for the Triton one)"
         return spec, note
 
     def to_dict(self) -> dict[str, Any]:

@@ -142,7 +142,8 @@ def phase_check(results):
                                                      deterministic=det), q, k, v, do) for _ in range(3)]
             same = all(torch.equal(a, b) for r in runs[1:] for a, b in zip(r, runs[0]))
             label = f"H{hq}/{hkv} s2000 {'causal' if causal else 'none'} {'det' if det else 'unordered'}"
-            log(f"bitwise over 3 runs {label:<30} -> {'equal' if same else 'differ'}{'' if same or not det else ' FAIL'}")
+            verdict = ("equal" if same else "differ") + ("" if same or not det else " FAIL")
+            log(f"bitwise over 3 runs {label:<30} -> {verdict}")
             results.append(dict(check="bitwise", what=label, same=same, ok=same or not det))
     log(f"checks: {'ALL PASS' if all(r['ok'] for r in results) else 'SOME FAILED'}")
 

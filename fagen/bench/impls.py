@@ -59,7 +59,8 @@ def prepare_fagen_nondet(case: BenchCase, cc: CaseContext) -> Prepared:
 def preparers() -> dict[str, Callable[[BenchCase, CaseContext], Prepared]]:
     from fagen.bench import peers
 
-    return {"fagen": prepare_fagen, "fagen-nondet": prepare_fagen_nondet, **{name: peers.sdpa_preparer(name) for name in peers.SDPA_BACKENDS},
+    return {"fagen": prepare_fagen, "fagen-nondet": prepare_fagen_nondet,
+            **{name: peers.sdpa_preparer(name) for name in peers.SDPA_BACKENDS},
             "flex": peers.prepare_flex}
 
 

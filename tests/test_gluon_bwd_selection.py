@@ -107,3 +107,20 @@ def test_the_dq_mutant_edits_the_gluon_backward_only():
     assert mutant.applies(gluon_bwd) and mutant.old in generate(gluon_bwd)
     assert mutant.old not in generate(case(mask="causal")) and mutant.old not in generate(
         KernelSpec(backend="gluon", head_dim=128, dtype="bf16", mask="causal"))
+
+
+def test_deterministic_traces_under_torch_compile_fullgraph():
+    """The keyword is checked and carried under torch.compile(fullgraph=True) as in eager mode: one graph, the same
+    gradients (the traced call takes the bwd module resolve finds while tracing)."""
+    q, k, v = (torch.randn(1, 2, 21, 16, requires_grad=True) for _ in range(3))
+    do = torch.randn(1, 2, 21, 16)
+
+    def layer(q, k, v):
+        return fagen.attention(q, k, v, mask="causal", deterministic=False)
+
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    got = torch.autograd.grad(compiled(q, k, v), (q, k, v), do)
+    want = torch.autograd.grad(layer(q, k, v), (q, k, v), do)
+    assert all(torch.allclose(a, b) for a, b in zip(got, want))
+    with pytest.raises(Exception, match="deterministic: expected True or False"):
+        torch.compile(lambda q: fagen.attention(q, q, q, deterministic="no"), fullgraph=True, backend="eager")(q)

@@ -27,6 +27,7 @@ for key, fields in json.loads(sys.argv[2]).items():
                     reduce=ptx.count("cp.reduce.async.bulk.tensor"), commit=ptx.count("cp.async.bulk.commit_group"),
                     acquire=len(re.findall(r"ld\.global\.gpu\.acquire", ptx)),
                     release=len(re.findall(r"atom\.global\.gpu\.release\.add", ptx)),
+                    complete=sorted(set(re.findall(r"cp\.async\.bulk\.wait_group (\d);", ptx))),
                     setmaxnreg=sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
                     steps=[dict(wgmma=s.count("wgmma.mma_async"), bars=re.findall(r"\bbar\.sync\s+\d+,\s*(\d+);", s),
                                 wait=s.count("mbarrier.try_wait"), arrive=s.count("mbarrier.arrive")) for s in steps])
@@ -53,7 +54,9 @@ def test_the_dq_modes_order_or_skip_the_adds(built):
     # two halves of [64, 64] float32, each two TMA messages (128-byte swizzle), one bulk group per half
     assert det["reduce"] == unordered["reduce"] == 4 and det["commit"] == unordered["commit"] == 2, (det, unordered)
     assert det["acquire"] >= 1 and det["release"] >= 1, det  # waits for its turn, publishes its add
-    assert unordered["acquire"] == unordered["release"] == 0, unordered
+    # publishes once complete (not .read): one step late (2 groups in flight) and at the tile's end (0)
+    assert det["complete"] == ["0", "2"], det
+    assert unordered["acquire"] == unordered["release"] == 0 and unordered["complete"] == [], unordered
 
 
 def test_a_compute_step_synchronises_within_its_warpgroup(built):

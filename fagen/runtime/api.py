@@ -123,7 +123,7 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
     # A window bounds the keys a row visits: its pairs count, not Sq x Sk.
     keys = ks[2] if four and window is None else _window_keys(ks[2], window) if four else 0
     # With gradients the same holds for the gluon bwd module, from hopper.BWD_MIN_WORK pairs (big_bwd).
-    pairs = qs[0] * qs[1] * qs[2] * keys
+    pairs = qs[0] * qs[1] * qs[2] * keys if four else 0
     forward_only = not needs_grad and not decode and four and pairs >= MIN_WORK
     big_bwd = needs_grad and four and pairs >= BWD_MIN_WORK
     module = _FAST.get(fast_key(q, k, v, mask, decode, switches, forward_only, big_bwd)) \

@@ -124,3 +124,13 @@ def test_deterministic_traces_under_torch_compile_fullgraph():
     assert all(torch.allclose(a, b) for a, b in zip(got, want))
     with pytest.raises(Exception, match="deterministic: expected True or False"):
         torch.compile(lambda q: fagen.attention(q, q, q, deterministic="no"), fullgraph=True, backend="eager")(q)
+
+
+def test_the_transformers_backend_passes_deterministic_on():
+    from fagen.integrations.transformers import attention_forward
+    layer = torch.nn.Module()
+    q = torch.randn(1, 2, 9, 16)
+    out, _ = attention_forward(layer, q, q, q, None, is_causal=True, deterministic=False)
+    assert torch.equal(out, attention_forward(layer, q, q, q, None, is_causal=True)[0])
+    with pytest.raises(AttentionError, match="deterministic"):
+        attention_forward(layer, q, q, q, None, deterministic="off")

@@ -145,6 +145,13 @@ def phase_check(results):
             verdict = ("equal" if same else "differ") + ("" if same or not det else " FAIL")
             log(f"bitwise over 3 runs {label:<30} -> {verdict}")
             results.append(dict(check="bitwise", what=label, same=same, ok=same or not det))
+    # what `fagen bench --suite standard` runs on its bwd rows (BenchCase.spec), and its fagen-nondet column
+    from fagen.bench.impls import case_impls
+    from fagen.bench.workloads import standard_suite
+    for c in standard_suite():
+        if c.direction.value == "bwd":
+            sp, note = c.spec("cuda")
+            log(f"bench {c.name:<24} {sp.name} ({note}); impls {case_impls(c, ('fagen', 'fagen-nondet'))}")
     log(f"checks: {'ALL PASS' if all(r['ok'] for r in results) else 'SOME FAILED'}")
 
 

@@ -80,7 +80,9 @@ class GluonBackend(KernelBackend):
     # on only where scripts/gpu_mla_prefill.py renders d128 variants to time them.
     # causal_order: the _SCHED the product renders for a causal spec without the window or a mod (bf16, fp16 and
     # fp8, d64 and d128; MLA keeps 1, paired), or None for the plain loop ([Note] Gluon tile order).
-    variant = {"consumer_regs": 240, "loader_regs": 24, "tile_schedule_all": False, "causal_order": 3}
+    # bwd_*: the gluon backward's levers ([Note] Gluon backward levers).
+    variant = {"consumer_regs": 240, "loader_regs": 24, "tile_schedule_all": False, "causal_order": 3,
+               "bwd_order": 0, "bwd_snake": 0, "bwd_named": 0, "bwd_epi_tma": 0}
 
     # [Note] Gluon tile order. The persistent forward deals its tiles in an order ([Note] Tile schedule in the
     # template): causal query blocks differ in work, so the order decides how evenly the programs finish. H100,
@@ -130,6 +132,11 @@ class GluonBackend(KernelBackend):
     # adds where they won, everywhere but GQA causal (unordered_selected: there the deterministic mode serves, as
     # asked or not). Not d64 (no kernel: the lab's d64 build lost to Triton, 316 vs 398), not fp16 (not measured).
     bwd_head_dims = (128,)
+
+    # [Note] Gluon backward levers (variant bwd_*, rendered by fagen/templates/gluon/backward.py.j2 only where on; the
+    # designs in lab/gluon_bwd.py): bwd_order 1, the dQ turns by arrival within a wave ([Note] Wave order); bwd_snake
+    # 1, odd waves of tiles in reverse; bwd_named 1, the dQ handoff through named barriers (2: also the dS^T exchange);
+    # bwd_epi_tma 1, dK/dV stored by TMA through the dQ slot. Off until measured on the product (pending).
 
     def default_config(self, spec, arch: str, given: dict) -> dict:
         """The measured default (docs/hopper.md), on sm_90 only. d128: 2 K/V slots, all that fits beside Q (two

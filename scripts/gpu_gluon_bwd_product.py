@@ -12,7 +12,8 @@ repeatability of the deterministic mode over 3 runs; the mutant gluon-bwd-dq-one
 Timing (triton.testing.do_bench median of torch.autograd.grad through fagen.attention's autograd, backward only,
 TF/s = 2.5 x forward FLOPs / time): the product default (Gluon, deterministic), deterministic=False, the Triton
 backward (its module, as FAGEN_HOPPER=0 gives) and cuDNN (SDPA), one table at the end; then the host time per
-call of a small backward (B1 H8 s256 causal), Gluon vs Triton.
+call of a small backward (B1 H8 s256 causal), Gluon vs Triton; last, gbwdlev's levers in the product's render
+(GluonBackend.variant bwd_*): checked, then timed beside the default render.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 # (case, B, Hq, Hkv, S, causal)
 CASES = [("d128 causal B1 H16 s16k", 1, 16, 16, 16384, True), ("d128 full B1 H16 s16k", 1, 16, 16, 16384, False),
          ("gqa 32/8 causal B4 s4k", 4, 32, 8, 4096, True)]
-PHASE_TIMEOUT = {"check": 50, "time0": 20, "time1": 20, "time2": 20, "host": 15}
+PHASE_TIMEOUT = {"check": 50, "time0": 20, "time1": 20, "time2": 20, "host": 15, "levers": 40}
 MUTANT = "gluon-bwd-dq-one-half"
 IMPL = ["gluon det (default)", "gluon unordered", "triton", "cudnn"]
 
@@ -191,6 +192,72 @@ def phase_time(results, which):
     results.append(row)
 
 
+LEVERS = {"order": {"bwd_order": 1}, "all": {"bwd_order": 1, "bwd_snake": 1, "bwd_named": 2, "bwd_epi_tma": 1}}
+# (case index, lever sets timed beside the default render, in one process)
+LEVER_CASES = [(1, ("order", "all")), (0, ("all", )), (2, ("all", ))]
+
+
+def lever_module(causal, gqa, name):
+    """The gluon bwd module rendered with the levers LEVERS[name] on (GluonBackend.variant, [Note] Gluon backward
+    levers), loaded under its own name."""
+    import fagen
+    from fagen import backends
+    from fagen.codegen import render as _render
+    from fagen.runtime.loader import load_source
+    s = spec(causal, gqa, "gluon")
+    saved = dict(backends.GLUON.variant)
+    backends.GLUON.variant.update(LEVERS[name])
+    _render.render.cache_clear()
+    try:
+        source = fagen.generate(s)
+    finally:
+        backends.GLUON.variant.clear()
+        backends.GLUON.variant.update(saved)
+        _render.render.cache_clear()
+    return load_source(source, f"{s.name}_lev_{name}")
+
+
+def phase_levers(results):
+    """gbwdlev's levers in the product's render: checked against float64 (small shapes, both modes, repeatable),
+    then timed (deterministic) beside the default render in one process."""
+    import torch
+    import triton
+    import fagen
+    for (b, hq, hkv, sq, sk, causal) in ((1, 2, 2, 300, 300, True), (2, 8, 2, 257, 190, True),
+                                         (1, 4, 4, 200, 333, False)):
+        q, k, v, do = inputs(b, hq, hkv, sq, sk)
+        ref = reference(q, k, v, do, causal, 128 ** -0.5)
+        tri = grads(lambda *t: fagen.load(spec(causal, hq // hkv)).attention(*t), q, k, v, do)
+        bound = [max(2 * rel(t, r), 5e-3) for t, r in zip(tri, ref)]
+        mod = lever_module(causal, hq // hkv, "all")
+        for det in (True, False):
+            runs = [grads(lambda *t: mod.attention(*t, deterministic=det), q, k, v, do) for _ in range(2)]
+            errs = [rel(x, r) for x, r in zip(runs[0], ref)]
+            ok = all(e <= bd for e, bd in zip(errs, bound))
+            same = all(torch.equal(a, c) for a, c in zip(*runs))
+            log(f"levers all B{b} H{hq}/{hkv} {sq}x{sk} {'causal' if causal else 'none'} "
+                f"{'det' if det else 'unordered'}: rel dq {errs[0]:.2e} dk {errs[1]:.2e} dv {errs[2]:.2e} -> "
+                f"{'PASS' if ok else 'FAIL'}, 2 runs {'equal' if same else 'differ'}")
+            results.append(dict(check="levers", ok=bool(ok and (same or not det))))
+    for which, names in LEVER_CASES:
+        name_c, b, hq, hkv, s, causal = CASES[which]
+        flops = 2.5 * 4 * b * hq * s * s * 128 * (0.5 if causal else 1.0)
+        q, k, v, do = inputs(b, hq, hkv, s, s)
+        for label in ("default", ) + names:
+            mod = fagen.load(spec(causal, hq // hkv, "gluon")) if label == "default" else \
+                lever_module(causal, hq // hkv, label)
+            qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+            try:
+                out = mod.attention(qg, kg, vg, scale=128 ** -0.5)
+                step = lambda: torch.autograd.grad(out, (qg, kg, vg), do, retain_graph=True)  # noqa: E731
+                step()
+                torch.cuda.synchronize()
+                ms = triton.testing.do_bench(step, warmup=10, rep=60)
+                log(f"levers {name_c:<26} det {label:<8} {ms:8.3f} ms {flops / ms / 1e9:6.1f} TF/s")
+            except Exception as e:
+                log(f"levers {name_c:<26} det {label:<8} ERROR {type(e).__name__}: {str(e)[:200]}")
+
+
 def phase_host(results):
     """Host time per call of a small backward (B1 H8 s256 d128 causal): the median wall time of one
     torch.autograd.grad, synchronised, over 200 calls, Gluon vs Triton module."""
@@ -232,6 +299,15 @@ def dry_run():
             except Exception as e:
                 ok = False
                 log(f"causal {causal} gqa {gqa} det {det}: BUILD ERROR {type(e).__name__}: {str(e)[:300]}")
+    for causal, gqa, name in ((False, 1, "order"), (True, 4, "all")):
+        try:
+            ck = lever_module(causal, gqa, name).compile_backward_for()
+            res = next(iter(ptxas(ck.asm["ptx"])[0].values()))
+            log(f"levers {name:<5} {'causal' if causal else 'none':<6} gqa {gqa}: shared {ck.metadata.shared} B, "
+                f"spills {res.spill_stores}/{res.spill_loads} B")
+        except Exception as e:
+            ok = False
+            log(f"levers {name}: BUILD ERROR {type(e).__name__}: {str(e)[:300]}")
     log(f"dry run: {'OK' if ok else 'FAILED'}")
     return ok
 
@@ -248,6 +324,8 @@ def run_phase(name):
             phase_check(results)
         elif name == "host":
             phase_host(results)
+        elif name == "levers":
+            phase_levers(results)
         else:
             phase_time(results, int(name[-1]))
     except Exception as e:
@@ -272,7 +350,7 @@ def table(rows):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--phase", help="run one phase here (no child process): check, time0..time2, host")
+    ap.add_argument("--phase", help="run one phase here (no child process): check, time0..time2, host, levers")
     args = ap.parse_args()
     if os.environ.get("GPU_GLUON_BWD_PRODUCT_DRY"):
         sys.exit(0 if dry_run() else 1)

@@ -12,13 +12,19 @@ import json, os, re, sys
 sys.path.insert(0, sys.argv[1])
 sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
 import fagen
+from fagen import backends
+from fagen.codegen import render
+from fagen.runtime.loader import load_source
 from fagen.spec.kernel import KernelSpec
 from sm90 import loops, ptxas
 
 out = {}
 for key, fields in json.loads(sys.argv[2]).items():
     det = fields.pop("deterministic")
-    mod = fagen.load(KernelSpec(backend="gluon", direction="bwd", head_dim=128, **fields))
+    backends.GLUON.variant.update(fields.pop("variant", {}))  # a render variant: [Note] Gluon backward levers
+    render.render.cache_clear()
+    spec = KernelSpec(backend="gluon", direction="bwd", head_dim=128, **fields)
+    mod = load_source(fagen.generate(spec), f"{spec.name}_{key}")
     ck = mod.compile_backward_for(deterministic=det)
     ptx = ck.asm["ptx"]
     res = next(iter(ptxas(ptx)[0].values()))
@@ -28,14 +34,18 @@ for key, fields in json.loads(sys.argv[2]).items():
                     acquire=len(re.findall(r"ld\.global\.gpu\.acquire", ptx)),
                     release=len(re.findall(r"atom\.global\.gpu\.release\.add", ptx)),
                     complete=sorted(set(re.findall(r"cp\.async\.bulk\.wait_group (\d);", ptx))),
+                    named=sorted(set(re.findall(r"\bbar\.(?:sync|arrive) (\d+), (?:160|256);", ptx))),
+                    tma_store=ptx.count("cp.async.bulk.tensor.4d.global.shared"),
                     setmaxnreg=sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
                     steps=[dict(wgmma=s.count("wgmma.mma_async"), bars=re.findall(r"\bbar\.sync\s+\d+,\s*(\d+);", s),
                                 wait=s.count("mbarrier.try_wait"), arrive=s.count("mbarrier.arrive")) for s in steps])
 print("RESULT " + json.dumps(out))
 """
 
+LEVERS = {"bwd_order": 1, "bwd_snake": 1, "bwd_named": 2, "bwd_epi_tma": 1}
 BUILDS = {"det": dict(mask="causal", gqa=2, dtype="bf16", deterministic=True),
-          "unordered": dict(mask="none", dtype="bf16", deterministic=False)}
+          "unordered": dict(mask="none", dtype="bf16", deterministic=False),
+          "levers": dict(mask="causal", gqa=2, dtype="bf16", deterministic=True, variant=LEVERS)}
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +57,15 @@ def test_fits_and_gives_the_compute_warpgroups_240_registers(built):
     for r in built.values():
         assert r["shared"] <= 227 * 1024, r  # sm_90's opt-in shared memory per block
         assert {240, 24} <= set(r["setmaxnreg"]), r
+
+
+def test_the_levers_render_their_code_only_when_on(built):
+    """[Note] Gluon backward levers: with bwd_named 2, named barriers of 160 threads (dQ full 8, 9, empty 10, 11)
+    and 256 (the dS^T exchange, 12); with bwd_epi_tma, dK and dV leave by TMA stores. The default render has
+    neither (its one 4-d TMA store count is 0: dK/dV by pointer stores)."""
+    assert built["levers"]["named"] == ["10", "11", "12", "8", "9"], built["levers"]
+    assert built["levers"]["tma_store"] >= 2 and built["det"]["tma_store"] == 0, built
+    assert built["det"]["named"] == [] and built["unordered"]["named"] == []
 
 
 def test_the_dq_modes_order_or_skip_the_adds(built):
@@ -63,8 +82,11 @@ def test_a_compute_step_synchronises_within_its_warpgroup(built):
     """Each compute warpgroup has one step loop of 32 wgmma (S 8, dP 8, dV 4, dQ half 8, dK 4); its bar.syncs span
     128 threads (its own warpgroup), never the CTA; 3 mbarrier waits (Q/dO ready, dS^T ready, dQ slot empty) and 3
     arrives (dS^T ready, dQ slot full, Q/dO slot empty)."""
-    for r in built.values():
+    for r in (built["det"], built["unordered"]):
         assert len(r["steps"]) == 2, r["steps"]
         for s in r["steps"]:
             assert s["wgmma"] == 32 and set(s["bars"]) == {"128"}, s
             assert s["wait"] == 3 and s["arrive"] == 3, s
+    for s in built["levers"]["steps"]:  # named barriers: the dS^T exchange spans both warpgroups (256 threads)
+        assert s["wgmma"] == 32 and set(s["bars"]) == {"128", "256"}, s
+        assert s["wait"] == 1 and s["arrive"] == 1, s  # the ring's ready wait and empty arrive only

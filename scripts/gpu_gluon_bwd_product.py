@@ -182,7 +182,8 @@ def phase_check(results):
 # Round A (gbwdlev's lab run): no lever won in the deterministic mode; with unordered adds at d128 causal s16k all of
 # them together ran 520 against 469 TF/s. Which one: the product's render, both modes, one process.
 # (snake alone lost 8% deterministic there; it is timed inside nes)
-LEVERS = {"epi": {"bwd_epi_tma": 1}, "named": {"bwd_named": 2}, "nes": {"bwd_named": 2, "bwd_epi_tma": 1, "bwd_snake": 1}}
+LEVERS = {"epi": {"bwd_epi_tma": 1}, "named": {"bwd_named": 2},
+          "nes": {"bwd_named": 2, "bwd_epi_tma": 1, "bwd_snake": 1}}
 
 
 def lever_module(causal, gqa, name):

@@ -125,9 +125,9 @@ class GluonBackend(KernelBackend):
 
     # [Note] Gluon backward rule. The gluon backward (fagen/templates/gluon/backward.py.j2: FA3's schedule, a dQ warp
     # with TMA reduce-adds) exists for head_dim 128, bf16/fp16, masks none/causal, any gqa, dense, no switch or mod.
-    # H100, bf16, TF/s against the Triton backward (docs/hopper.md, "A Gluon backward with FA3's synchronisation",
-    # two runs): d128 causal B1 H16 s16k 464-468 (deterministic) / 472-483 (unordered) vs 423-440; full 473 / 544-562
-    # vs 417-427; GQA 32/8 causal B4 s4k 368 / 292 vs 355; cuDNN 524-541, 559-569, 459. So with gradients the
+    # H100, bf16, TF/s through fagen.attention, Triton backward / deterministic / unordered (docs/hopper.md, "The
+    # Gluon backward in the product", round A): d128 causal B1 H16 s16k 423 / 461 / 466; full 420 / 469 / 532; GQA
+    # 32/8 causal B4 s4k 360 / 373 (the lab kernel's unordered adds: 292 against 368). So with gradients the
     # deterministic mode serves d128 bf16 none/causal, any gqa (bwd_selected); deterministic=False takes the unordered
     # adds where they won, everywhere but GQA causal (unordered_selected: there the deterministic mode serves, as
     # asked or not). Not d64 (no kernel: the lab's d64 build lost to Triton, 316 vs 398), not fp16 (not measured).
@@ -136,7 +136,8 @@ class GluonBackend(KernelBackend):
     # [Note] Gluon backward levers (variant bwd_*, rendered by fagen/templates/gluon/backward.py.j2 only where on; the
     # designs in lab/gluon_bwd.py): bwd_order 1, the dQ turns by arrival within a wave ([Note] Wave order); bwd_snake
     # 1, odd waves of tiles in reverse; bwd_named 1, the dQ handoff through named barriers (2: also the dS^T exchange);
-    # bwd_epi_tma 1, dK/dV stored by TMA through the dQ slot. Off until measured on the product (pending).
+    # bwd_epi_tma 1, dK/dV stored by TMA through the dQ slot. All off: on the lab kernel (H100, docs/hopper.md) none
+    # won in the deterministic mode at all three cases; their sum won only unordered at d128 causal (520 vs 469).
 
     def default_config(self, spec, arch: str, given: dict) -> dict:
         """The measured default (docs/hopper.md), on sm_90 only. d128: 2 K/V slots, all that fits beside Q (two

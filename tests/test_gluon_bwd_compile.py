@@ -19,9 +19,11 @@ from fagen.spec.kernel import KernelSpec
 from sm90 import loops, ptxas
 
 out = {}
+default = dict(backends.GLUON.variant)
 for key, fields in json.loads(sys.argv[2]).items():
     det = fields.pop("deterministic")
-    backends.GLUON.variant.update(fields.pop("variant", {}))  # a render variant: [Note] Gluon backward levers
+    backends.GLUON.variant.clear()
+    backends.GLUON.variant.update(default, **fields.pop("variant", {}))  # [Note] Gluon backward levers
     render.render.cache_clear()
     spec = KernelSpec(backend="gluon", direction="bwd", head_dim=128, **fields)
     mod = load_source(fagen.generate(spec), f"{spec.name}_{key}")
@@ -45,7 +47,9 @@ print("RESULT " + json.dumps(out))
 LEVERS = {"bwd_order": 1, "bwd_snake": 1, "bwd_named": 2, "bwd_epi_tma": 1}
 BUILDS = {"det": dict(mask="causal", gqa=2, dtype="bf16", deterministic=True),
           "unordered": dict(mask="none", dtype="bf16", deterministic=False),
-          "levers": dict(mask="causal", gqa=2, dtype="bf16", deterministic=True, variant=LEVERS)}
+          "levers": dict(mask="causal", gqa=2, dtype="bf16", deterministic=True, variant=LEVERS),
+          "ulevers": dict(mask="causal", dtype="bf16", deterministic=False,
+                          variant={"bwd_unordered_levers": {"bwd_named": 2, "bwd_epi_tma": 1}})}
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +70,8 @@ def test_the_levers_render_their_code_only_when_on(built):
     assert built["levers"]["named"] == ["10", "11", "12", "8", "9"], built["levers"]
     assert built["levers"]["tma_store"] >= 2 and built["det"]["tma_store"] == 0, built
     assert built["det"]["named"] == [] and built["unordered"]["named"] == []
+    # bwd_unordered_levers: the unordered mode's own kernel has them (the deterministic one is the default's)
+    assert built["ulevers"]["named"] == built["levers"]["named"] and built["ulevers"]["tma_store"] >= 2
 
 
 def test_the_dq_modes_order_or_skip_the_adds(built):

@@ -82,7 +82,7 @@ class GluonBackend(KernelBackend):
     # fp8, d64 and d128; MLA keeps 1, paired), or None for the plain loop ([Note] Gluon tile order).
     # bwd_*: the gluon backward's levers ([Note] Gluon backward levers).
     variant = {"consumer_regs": 240, "loader_regs": 24, "tile_schedule_all": False, "causal_order": 3,
-               "bwd_order": 0, "bwd_snake": 0, "bwd_named": 0, "bwd_epi_tma": 0}
+               "bwd_order": 0, "bwd_snake": 0, "bwd_named": 0, "bwd_epi_tma": 0, "bwd_unordered_levers": {}}
 
     # [Note] Gluon tile order. The persistent forward deals its tiles in an order ([Note] Tile schedule in the
     # template): causal query blocks differ in work, so the order decides how evenly the programs finish. H100,
@@ -136,7 +136,8 @@ class GluonBackend(KernelBackend):
     # [Note] Gluon backward levers (variant bwd_*, rendered by fagen/templates/gluon/backward.py.j2 only where on; the
     # designs in lab/gluon_bwd.py): bwd_order 1, the dQ turns by arrival within a wave ([Note] Wave order); bwd_snake
     # 1, odd waves of tiles in reverse; bwd_named 1, the dQ handoff through named barriers (2: also the dS^T exchange);
-    # bwd_epi_tma 1, dK/dV stored by TMA through the dQ slot. All off: on the lab kernel (H100, docs/hopper.md) none
+    # bwd_epi_tma 1, dK/dV stored by TMA through the dQ slot; bwd_unordered_levers, the levers of the unordered mode's
+    # own kernel in causal specs (a dict of those keys; {}: the deterministic mode's kernel serves both). All off: on the lab kernel (H100, docs/hopper.md) none
     # won in the deterministic mode at all three cases; their sum won only unordered at d128 causal (520 vs 469).
 
     def default_config(self, spec, arch: str, given: dict) -> dict:

@@ -110,15 +110,15 @@ def test_bench_case_spec_picks_gluon_with_a_note(as_if_hopper):
     assert case.spec("cuda", hopper=False)[0].backend.value == "triton"  # the tuner tunes Triton kernels
     pinned = BenchCase("fwd-d128-causal", 128, "causal", 1, 16, 16, 1024, 1024, overrides=(("block_n", 64),))
     assert pinned.spec("cuda")[0].backend.value == "triton"  # a pinned field keeps the Triton kernel
-    bwd = BenchCase("bwd-d128-causal", 128, "causal", 1, 16, 16, 1024, 1024, direction="bwd")
-    assert bwd.spec("cuda")[0].backend.value == "triton"
+    bwd = BenchCase("bwd-d128-causal-fp16", 128, "causal", 1, 16, 16, 1024, 1024, direction="bwd", dtype="fp16")
+    assert bwd.spec("cuda")[0].backend.value == "triton"  # the gluon backward: tests/test_gluon_bwd_selection.py
     fp16 = BenchCase("fwd-d128-causal-fp16", 128, "causal", 1, 16, 16, 1024, 1024, dtype="fp16")
     assert fp16.spec("cuda")[0].backend.value == "triton"
 
 
 def test_fagen_attention_routes_forward_only_calls_to_gluon(as_if_hopper, monkeypatch):
-    """No gradient: the gluon module (its forward refuses CPU tensors, which shows it was called); with a gradient:
-    the Triton bwd module (the gluon backend has no backward)."""
+    """No gradient: the gluon module (its forward refuses CPU tensors, which shows it was called); with a gradient
+    below hopper.BWD_MIN_WORK: the Triton bwd module (the gluon backward's routing: test_gluon_bwd_selection.py)."""
     q = torch.zeros(1, 4, 8, 128, dtype=torch.bfloat16)
     k = torch.zeros(1, 1, 8, 128, dtype=torch.bfloat16)
     fwd = resolve.resolve(q, k, k, "causal", False, forward_only=True)

@@ -30,7 +30,7 @@ def test_default_gluon_spec():
 
 @pytest.mark.parametrize("fields,field", [
     (dict(head_dim=96), "head_dim"), (dict(mask="padding"), "mask"), (dict(mask="tree"), "mask"),
-    (dict(dtype="fp32"), "dtype"), (dict(direction="bwd"), "direction"), (dict(block_n=32), "block_n"),
+    (dict(dtype="fp32"), "dtype"), (dict(direction="bwd", head_dim=64), "head_dim"), (dict(block_n=32), "block_n"),
     (dict(block_m=64), "block_m"), (dict(num_warps=4), "num_warps"), (dict(num_stages=3), "num_stages"),
     (dict(kind="decode"), "backend"),
 ])
@@ -59,13 +59,17 @@ def test_gluon_refuses_other_switches_naming_the_field(fields, field, words):
     assert e.value.field == field and words in str(e.value) and "backend 'triton'" in str(e.value)
 
 
-@pytest.mark.parametrize("fields", [dict(), dict(head_dim=64), dict(softcap=True), dict(mask="causal", gqa=4)])
-def test_gluon_has_no_backward(fields):
-    """The Gluon backward measured slower than the Triton one everywhere and left the product (docs/hopper.md):
-    a bwd gluon spec names `direction` and says to use backend 'triton'."""
+@pytest.mark.parametrize("fields,field", [(dict(head_dim=64), "head_dim"), (dict(softcap=True), "softcap"),
+                                          (dict(mask="causal", window=True), "window"),
+                                          (dict(dtype="fp8_e4m3"), "direction")])
+def test_the_gluon_backward_limits_name_the_field(fields, field):
+    """The gluon backward ([Note] Gluon backward rule): head_dim 128, bf16/fp16, no switch; anything else names the
+    field and the way out."""
     with pytest.raises(SpecError) as e:
         gluon(direction="bwd", **fields)
-    assert e.value.field == "direction" and "backend 'triton'" in str(e.value)
+    assert e.value.field == field and ("backend 'triton'" in str(e.value) or "direction 'fwd'" in str(e.value))
+    s = gluon(direction="bwd", mask="causal", gqa=4)
+    assert s.name == "attn_bwd_causal_d128_m128n128w8s2_g4_bf16_gluon" and KernelSpec.from_json(s.to_json()) == s
 
 
 def test_shared_memory_formula():

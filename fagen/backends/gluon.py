@@ -52,7 +52,7 @@ class GluonBackend(KernelBackend):
                                            "'triton' for padding and tree masks"),
         "dtype": ((DType.FP16, DType.BF16, DType.FP8_E4M3), "the gluon backend computes fp16, bf16 and fp8_e4m3 "
                                                             "on tensor cores; use backend 'triton' for fp32"),
-        "direction": ((Direction.FWD,), "the gluon backend has the forward only; use backend 'triton' for bwd"),
+        "direction": ((Direction.FWD, Direction.BWD), "the gluon backend has a forward and a backward"),
         "block_m": ((128,), "the gluon backend takes block_m 128: two consumer warpgroups of 64 rows"),
         "block_n": ((64, 128), "the gluon backend supports block_n 64 or 128 (a TMA box side is a power of two)"),
         "num_warps": ((8,), "the gluon backend runs 8 consumer warps (two warpgroups) plus its producer warp"),
@@ -80,7 +80,9 @@ class GluonBackend(KernelBackend):
     # on only where scripts/gpu_mla_prefill.py renders d128 variants to time them.
     # causal_order: the _SCHED the product renders for a causal spec without the window or a mod (bf16, fp16 and
     # fp8, d64 and d128; MLA keeps 1, paired), or None for the plain loop ([Note] Gluon tile order).
-    variant = {"consumer_regs": 240, "loader_regs": 24, "tile_schedule_all": False, "causal_order": 3}
+    # bwd_*: the gluon backward's levers ([Note] Gluon backward levers).
+    variant = {"consumer_regs": 240, "loader_regs": 24, "tile_schedule_all": False, "causal_order": 3,
+               "bwd_order": 0, "bwd_snake": 0, "bwd_named": 0, "bwd_epi_tma": 0, "bwd_unordered_levers": {}}
 
     # [Note] Gluon tile order. The persistent forward deals its tiles in an order ([Note] Tile schedule in the
     # template): causal query blocks differ in work, so the order decides how evenly the programs finish. H100,
@@ -121,6 +123,23 @@ class GluonBackend(KernelBackend):
     select_mla = True
     selected_mla_masks = (Mask.CAUSAL,)
 
+    # [Note] Gluon backward rule. The gluon backward (fagen/templates/gluon/backward.py.j2: FA3's schedule, a dQ warp
+    # with TMA reduce-adds) exists for head_dim 128, bf16/fp16, masks none/causal, any gqa, dense, no switch or mod.
+    # H100, bf16, TF/s through fagen.attention, Triton backward / deterministic / unordered (docs/hopper.md, "The
+    # Gluon backward in the product", round A): d128 causal B1 H16 s16k 423 / 461 / 466; full 420 / 469 / 532; GQA
+    # 32/8 causal B4 s4k 360 / 373 (the lab kernel's unordered adds: 292 against 368). So with gradients the
+    # deterministic mode serves d128 bf16 none/causal, any gqa (bwd_selected); deterministic=False takes the unordered
+    # adds where they won, everywhere but GQA causal (unordered_selected: there the deterministic mode serves, as
+    # asked or not). Not d64 (no kernel: the lab's d64 build lost to Triton, 316 vs 398), not fp16 (not measured).
+    bwd_head_dims = (128,)
+
+    # [Note] Gluon backward levers (variant bwd_*, rendered by fagen/templates/gluon/backward.py.j2 only where on; the
+    # designs in lab/gluon_bwd.py): bwd_order 1, the dQ turns by arrival within a wave ([Note] Wave order); bwd_snake
+    # 1, odd waves of tiles in reverse; bwd_named 1, the dQ handoff through named barriers (2: also the dS^T exchange);
+    # bwd_epi_tma 1, dK/dV stored by TMA through the dQ slot; bwd_unordered_levers, the levers of the unordered mode's
+    # own kernel in causal specs (a dict of those keys; {}: the deterministic mode's kernel serves both). All off: on the lab kernel (H100, docs/hopper.md) none
+    # won in the deterministic mode at all three cases; their sum won only unordered at d128 causal (520 vs 469).
+
     def default_config(self, spec, arch: str, given: dict) -> dict:
         """The measured default (docs/hopper.md), on sm_90 only. d128: 2 K/V slots, all that fits beside Q (two
         buffers per warpgroup) and O (H100: 630 TF/s full, 568 causal at s16k bf16); d64: 3 slots. fp8: half the
@@ -158,6 +177,8 @@ class GluonBackend(KernelBackend):
                           spec.head_dim_v)
 
     def check_more(self, spec) -> None:
+        if spec.direction is Direction.BWD:
+            self._check_bwd(spec)
         mla = (spec.head_dim, spec.head_dim_v) == self.mla_dims
         if spec.head_dim_v != spec.head_dim and not mla:
             raise SpecError("head_dim_v", spec.head_dim_v, f"the gluon backend takes head_dim_v = head_dim, or "
@@ -167,6 +188,33 @@ class GluonBackend(KernelBackend):
             raise SpecError("head_dim_v", spec.head_dim_v, f"the gluon backend takes head_dim {spec.head_dim} with "
                                                            f"head_dim_v {self.mla_dims[1]} only (MLA prefill); use "
                                                            "backend 'triton' for other V widths")
+
+    def _check_bwd(self, spec) -> None:
+        """The gluon backward's limits ([Note] Gluon backward rule): head_dim 128, bf16/fp16, no switch, no mod."""
+        if spec.head_dim not in self.bwd_head_dims or spec.head_dim_v != spec.head_dim:
+            raise SpecError("head_dim", spec.head_dim, "the gluon backward supports head_dim 128 (head_dim_v equal); "
+                                                       "use backend 'triton' for other head dims")
+        if spec.dtype not in (DType.BF16, DType.FP16):
+            raise SpecError("dtype", str(spec.dtype), "the gluon backward computes bf16 and fp16; use direction "
+                                                      "'fwd' for fp8, backend 'triton' for fp32")
+        if spec.switches:
+            raise SpecError(spec.switches[0], True, "the gluon backward has no score switches; use backend "
+                                                    "'triton', or direction 'fwd' for the gluon forward")
+        if spec.modded:
+            raise SpecError("score_mod", spec.score_mod, "the gluon backward takes no user mods; use backend "
+                                                         "'triton', or direction 'fwd' for the gluon forward")
+
+    def bwd_selected(self, spec) -> bool:
+        """Whether the measured rule ([Note] Gluon backward rule) picks the gluon backward (its deterministic mode)
+        for the case of `spec` with gradients (machine not considered)."""
+        return (spec.kind is Kind.PREFILL and spec.head_dim in self.bwd_head_dims and spec.head_dim_v == spec.head_dim
+                and spec.dtype in self.selected_dtypes and spec.mask in self.selected_masks and not spec.switches
+                and not spec.modded)
+
+    def unordered_selected(self, mask, gqa: int) -> bool:
+        """Whether deterministic=False takes the gluon backward's unordered dQ adds for a selected case of this mask
+        and gqa ([Note] Gluon backward rule): not GQA causal, where they lost."""
+        return not (Mask(mask) is Mask.CAUSAL and gqa > 1)
 
     def selected(self, spec) -> bool:
         """Whether the measured rule ([Note] Gluon selection rule) picks the gluon forward for the case of `spec`."""

@@ -42,16 +42,32 @@ def prepare_fagen(case: BenchCase, cc: CaseContext) -> Prepared:
     return Prepared(lambda s: module.forward(s.q, s.k, s.v, **s.kwargs, **s.scores), note=note, spec=spec.name)
 
 
+def prepare_fagen_nondet(case: BenchCase, cc: CaseContext) -> Prepared:
+    """fagen.attention(deterministic=False)'s backward: the gluon backward's unordered dQ adds where the rule gives
+    them (fagen.runtime.hopper.unordered); n/a elsewhere, where the default kernel serves both modes."""
+    from fagen.runtime import hopper
+    from fagen.runtime.loader import load
+
+    spec, note = case.spec(cc.device)
+    module = load(spec) if case.direction is Direction.BWD else None
+    if module is None or not hopper.unordered(module):
+        raise Unsupported(f"deterministic=False runs {spec.name}, the kernel of column fagen")
+    return Prepared(lambda s: module.attention(s.q, s.k, s.v, deterministic=False, **s.kwargs, **s.scores),
+                    note="gluon Hopper backward, unordered dQ adds", spec=spec.name)
+
+
 def preparers() -> dict[str, Callable[[BenchCase, CaseContext], Prepared]]:
     from fagen.bench import peers
 
-    return {"fagen": prepare_fagen, **{name: peers.sdpa_preparer(name) for name in peers.SDPA_BACKENDS},
+    return {"fagen": prepare_fagen, "fagen-nondet": prepare_fagen_nondet,
+            **{name: peers.sdpa_preparer(name) for name in peers.SDPA_BACKENDS},
             "flex": peers.prepare_flex}
 
 
 def case_impls(case: BenchCase, impls) -> tuple[str, ...]:
     """The implementations that run a case: all asked for, or fagen alone on a baseline row (case.peers False)."""
-    return tuple(i for i in impls if case.peers or i == "fagen")
+    return tuple(i for i in impls if (case.peers or i == "fagen")
+                 and (i != "fagen-nondet" or case.direction is Direction.BWD))
 
 
 def make_record(case: BenchCase, impl: str, status: str, ms: float | None = None, **extra) -> dict:

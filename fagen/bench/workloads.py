@@ -104,10 +104,9 @@ class BenchCase:
     def spec(self, device: str | torch.device | None = None, hopper: bool = True) -> tuple[KernelSpec, str]:
         """fagen's spec for this case, and a note on which kernel serves it.
 
-        With no spec field pinned (no overrides) and `hopper`, a forward case on an sm_90 device (`device`, default:
-        the current CUDA device when there is one) takes the Gluon forward where it wins ([Note] Hopper selection
-        in fagen/runtime/hopper.py; FAGEN_HOPPER=0 turns it off). The tuner passes hopper=False: it tunes the
-        Triton kernels.
+        With no spec field pinned (no overrides) and `hopper`, a prefill case on an sm_90 device (`device`, default:
+        the current CUDA device when there is one) takes the Gluon forward or backward where it wins ([Note] Hopper
+        selection in fagen/runtime/hopper.py; FAGEN_HOPPER=0 turns it off). The tuner passes hopper=False.
         """
         kind, note = Kind.PREFILL, ""
         if self.decode and self.direction is Direction.FWD:
@@ -126,13 +125,14 @@ class BenchCase:
         spec = KernelSpec(**fields)
         if not self.hopper and not note:
             note = "Triton forward (no Hopper selection)"
-        if (hopper and self.hopper and not self.overrides and spec.direction is Direction.FWD
-                and spec.kind is Kind.PREFILL):  # hopper_rule.selected decides, score switches included
-            if device is None:
+        if hopper and self.hopper and not self.overrides and spec.kind is Kind.PREFILL:  # hopper_rule decides
+            if device is None:  # (score switches included); with gradients the gluon backward's rule
                 device = "cuda" if torch.cuda.is_available() else "cpu"
-            gluon = hopper_rule.forward_spec(spec, torch.device(device))
+            bwd = spec.direction is Direction.BWD
+            gluon = (hopper_rule.backward_spec if bwd else hopper_rule.forward_spec)(spec, torch.device(device))
             if gluon is not None:
-                return gluon, f"gluon Hopper forward ({hopper_rule.ENV}=0 for the Triton one)"
+                return gluon, (f"gluon Hopper {'backward, deterministic' if bwd else 'forward'} ({hopper_rule.ENV}=0 "
+                               "for the Triton one)")
         return spec, note
 
     def to_dict(self) -> dict[str, Any]:

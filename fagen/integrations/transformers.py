@@ -9,8 +9,8 @@ runs GQA natively) and the 2D padding mask that transformers builds for un-padde
 None when nothing is padded). Right padding maps onto fagen's `padding` / `causal+padding` masks; the model's
 own causal flag and scaling are passed through, and so are the model's score modifiers: `sliding_window` (keys
 within sliding_window - 1 before the query, and as many after it for a bidirectional layer), `softcap` (Gemma 2)
-and `s_aux`, the per-head attention sinks (gpt-oss; cast to float32, with their gradient). Needs
-`pip install "fagen[hf]"`.
+and `s_aux`, the per-head attention sinks (gpt-oss; cast to float32, with their gradient). A `deterministic`
+keyword (transformers' flash-attention kwarg) reaches fagen.attention's (None: True). Needs `pip install "fagen[hf]"`.
 """
 
 from __future__ import annotations
@@ -82,5 +82,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         seqlens = _lengths(attention_mask, query.shape[2])
         lens = {"seqlens_q": seqlens, "seqlens_k": seqlens}
     mask = ("causal" if causal else "none") if not lens else ("causal+padding" if causal else "padding")
-    out = fagen.attention(query, key, value, mask=mask, scale=scaling, **lens, **_scores(kwargs, causal))
+    det = kwargs.get("deterministic")
+    out = fagen.attention(query, key, value, mask=mask, scale=scaling, deterministic=True if det is None else det,
+                          **lens, **_scores(kwargs, causal))
     return out.transpose(1, 2).contiguous(), None

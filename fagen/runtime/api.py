@@ -7,7 +7,7 @@ import sys
 import torch
 
 from fagen.codegen.args import SWITCH_KEYWORD
-from fagen.runtime.hopper import MIN_WORK, WINDOW_MIN_WORK
+from fagen.runtime.hopper import BWD_MIN_WORK, MIN_WORK, WINDOW_MIN_WORK, unordered
 from fagen.runtime.kinds import prefers_decode
 from fagen.runtime.resolve import _DTYPES, _FAST, AttentionError, _module, fast_key, resolve, resolve_varlen, spec_for
 from fagen.spec.axes import DECODE_BATCH_INVARIANT, DECODE_MAX_SEQ_Q, Kind, Layout, Mask
@@ -18,7 +18,8 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
               tree_mask=None, window=None, softcap: float | None = None, alibi_slopes=None, sinks=None,
               cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
               score_mod=None, mask_mod=None, block_mask=None, check: bool | None = None,
-              batch_invariant: bool = DECODE_BATCH_INVARIANT, head_dim_v: int | None = None) -> torch.Tensor:
+              batch_invariant: bool = DECODE_BATCH_INVARIANT, head_dim_v: int | None = None,
+              deterministic: bool = True) -> torch.Tensor:
     """Attention over q [B, Hq, Sq, D], k and v [B, Hkv, Sk, D]; returns out like q, differentiable.
 
     The kernel is chosen from the inputs (dtype, head_dim D, gqa = Hq / Hkv) and `mask`, rendered and loaded once
@@ -49,10 +50,15 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
     call traces into the module's own operators and autograd (fagen/runtime/ops.py), with no graph break; the
     decode operators carry the mode.
 
+    deterministic=True (the default): gradients are bitwise repeatable. False allows the Hopper backward's unordered
+    dQ adds where they are faster (README "Deterministic gradients"); every other backward is deterministic anyway.
+
     v=None with head_dim_v (README "MLA absorbed decode"): k is one shared latent cache [B, Hkv, Sk, D] and V is its
     first head_dim_v columns, read once (MLA's absorbed decode, d 576 / d_v 512); 1 to 16 queries, no gradient,
     the shared_kv decode kernel, out [B, Hq, Sq, head_dim_v]. Called eagerly (a graph break under torch.compile).
     """
+    if deterministic is not True and deterministic is not False:
+        raise AttentionError(f"deterministic: expected True or False, got {deterministic!r}")
     if v is None:
         return _eager_only(_latent)(q, k, mask=mask, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
                                     tree_mask=tree_mask, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
@@ -117,12 +123,15 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
     # ([Note] Gluon size rule). A window bounds the keys a row visits: its pairs count, not Sq x Sk, against
     # hopper.WINDOW_MIN_WORK.
     keys = ks[2] if four and window is None else _window_keys(ks[2], window) if four else 0
+    # With gradients the same holds for the gluon bwd module, from hopper.BWD_MIN_WORK pairs (big_bwd).
+    pairs = qs[0] * qs[1] * qs[2] * keys if four else 0
     forward_only = not needs_grad and not decode and four \
-        and qs[0] * qs[1] * qs[2] * keys >= (MIN_WORK if window is None else min(MIN_WORK, WINDOW_MIN_WORK))
-    module = _FAST.get(fast_key(q, k, v, mask, decode, switches, forward_only)) \
+        and pairs >= (MIN_WORK if window is None else min(MIN_WORK, WINDOW_MIN_WORK))
+    big_bwd = needs_grad and four and pairs >= BWD_MIN_WORK
+    module = _FAST.get(fast_key(q, k, v, mask, decode, switches, forward_only, big_bwd)) \
         if four and isinstance(mask, str) else None
     if module is None:
-        module = resolve(q, k, v, mask, decode, switches, forward_only)
+        module = resolve(q, k, v, mask, decode, switches, forward_only, big_bwd)
     if not needs_grad:  # no autograd node to build: the forward alone (prefill, decode, or the Gluon forward)
         if decode and batch_invariant is not DECODE_BATCH_INVARIANT:  # the module's forward checks the value
             return module.forward(q, k, v, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
@@ -132,6 +141,9 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
             return module.forward(q, k, v, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
                                   tree_mask=tree_mask, check=check, **scores)[0]
         return module.forward(q, k, v)[0]  # the plainest call: no keyword to pass
+    if deterministic is False and unordered(module):  # the gluon backward's unordered dQ adds, where they won
+        return module.attention(q, k, v, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
+                                tree_mask=tree_mask, check=check, deterministic=False)
     return module.attention(q, k, v, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k, tree_mask=tree_mask,
                             check=check, **scores)
 

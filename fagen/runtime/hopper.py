@@ -18,9 +18,13 @@ window: below that the Gluon module's host time per call outlasts what its kerne
 A score_mod (no mask_mod) follows the same rule through mod_forward_spec, called by fagen.attention's modded path
 (fagen/runtime/modded.py) when no gradient is needed; GluonBackend.select_score_mods keeps it off until measured.
 
-With gradients, fagen.attention keeps the Triton bwd module: the gluon backend has no backward (a Gluon backward
-measured slower than the Triton one everywhere, 298 vs 433 TF/s at d128 causal s16k bf16, and left the product;
-docs/hopper.md, "What left the product").
+With gradients, fagen.attention takes the gluon bwd module (its Gluon forward and the Gluon backward of
+fagen/templates/gluon/backward.py.j2) where GluonBackend.bwd_selected picks the case ([Note] Gluon backward rule in
+fagen/backends/gluon.py: d128 bf16, none/causal, any gqa, no switch), under the same conditions ($FAGEN_HOPPER, sm_90,
+the Gluon API) and from BWD_MIN_WORK pairs: its host path (descriptors, four JIT dispatches, two workspaces) costs
+about 200 us a call against the Triton backward's fast launches, so small problems keep the Triton bwd module.
+deterministic=False (fagen.attention's keyword) gives that module's unordered dQ adds where unordered_selected
+says they won; elsewhere the deterministic mode serves. Every Triton backward is deterministic anyway.
 """
 
 from __future__ import annotations
@@ -29,11 +33,12 @@ import functools
 import os
 
 from fagen.backends import GLUON
-from fagen.spec.axes import Backend, DType, SpecError
+from fagen.spec.axes import Backend, Direction, DType, SpecError
 from fagen.spec.kernel import KernelSpec
 
 ENV = "FAGEN_HOPPER"
 MIN_WORK = 1 << 25  # batch x query heads x Sq x Sk below which fagen.attention keeps the Triton forward
+BWD_MIN_WORK = 1 << 29  # the floor for the gluon backward (host path not yet on fast launches: 449 vs 247 us a small call)
 WINDOW_MIN_WORK = 1 << 24  # the same with a window: B x Hq x Sq x (left + right + 1) ([Note] Gluon size rule)
 
 # [Note] Gluon size rule. The Gluon forward's kernel is faster than the Triton one (0.70-0.75x the time per call
@@ -123,3 +128,19 @@ def mod_forward_spec(spec: KernelSpec, device) -> KernelSpec | None:
     if not (enabled() and selected(twin) and is_hopper(device) and gluon_missing() is None):
         return None
     return twin
+
+
+def backward_spec(spec: KernelSpec, device) -> KernelSpec | None:
+    """The gluon bwd spec that should serve `spec`'s case with gradients on `device`, or None: keep `spec` (the
+    caller checks the problem size against BWD_MIN_WORK)."""
+    if spec.switches or spec.modded or not (enabled() and GLUON.bwd_selected(spec) and is_hopper(device)
+                                            and gluon_missing() is None):
+        return None
+    return KernelSpec(head_dim=spec.head_dim, mask=spec.mask, gqa=spec.gqa, dtype=spec.dtype,
+                      direction=Direction.BWD, backend=Backend.GLUON)
+
+
+def unordered(module) -> bool:
+    """Whether fagen.attention(deterministic=False) passes the mode on to `module`: a gluon bwd module whose case
+    the rule gives unordered dQ adds (GluonBackend.unordered_selected). Others serve deterministically."""
+    return hasattr(module, "backward_unordered_op") and GLUON.unordered_selected(module.MASK, module.GQA)

@@ -20,19 +20,23 @@ class AttentionError(ValueError):
     """The inputs of fagen.attention fit no kernel fagen can generate; the message says what and how to fix it."""
 
 
-# (dtype, head_dim, q heads, kv heads, mask, decode, switches, forward_only, device, v's head_dim) -> module; fagen.attention
+# (dtype, head_dim, q heads, kv heads, mask, decode, switches, forward_only, device, v's head_dim, big_bwd) -> module; fagen.attention
 # builds the same key inline (fagen/runtime/api.py), tests/test_launch.py checks a warm call resolves nothing.
 _FAST: dict[tuple, ModuleType] = {}
 
 
-def fast_key(q, k, v, mask, decode: bool, switches: tuple[str, ...], forward_only: bool) -> tuple:
-    return (q.dtype, q.shape[-1], q.shape[1], k.shape[1], mask, decode, switches, forward_only, q.device, v.shape[-1])
+def fast_key(q, k, v, mask, decode: bool, switches: tuple[str, ...], forward_only: bool,
+             big_bwd: bool = False) -> tuple:
+    return (q.dtype, q.shape[-1], q.shape[1], k.shape[1], mask, decode, switches, forward_only, q.device, v.shape[-1],
+            big_bwd)
 
 
-def resolve(q, k, v, mask, decode: bool, switches: tuple[str, ...] = (), forward_only: bool = False) -> ModuleType:
+def resolve(q, k, v, mask, decode: bool, switches: tuple[str, ...] = (), forward_only: bool = False,
+            big_bwd: bool = False) -> ModuleType:
     """The module that serves these inputs, memoised in _FAST: the decode kernel, the bwd (differentiable) kernel,
     or, with forward_only (no gradient, not decode) on sm_90, the Gluon forward where it wins
-    ([Note] Hopper selection in fagen/runtime/hopper.py; that module has forward() only).
+    ([Note] Hopper selection in fagen/runtime/hopper.py; that module has forward() only); with big_bwd (gradients,
+    at least hopper.BWD_MIN_WORK pairs) on sm_90, the gluon bwd module where its backward wins.
     switches: the score switches the call uses ("window", "softcap", "alibi", "sinks")."""
     spec = spec_for(q, k, v, mask=mask, switches=switches)
     if decode:
@@ -40,8 +44,10 @@ def resolve(q, k, v, mask, decode: bool, switches: tuple[str, ...] = (), forward
                           dtype=spec.dtype, kind=Kind.DECODE, **{name: True for name in switches})
     elif forward_only:
         spec = hopper.forward_spec(spec, q.device) or spec
+    elif big_bwd:
+        spec = hopper.backward_spec(spec, q.device) or spec
     module = _module(spec)
-    _FAST[fast_key(q, k, v, mask, decode, switches, forward_only)] = module
+    _FAST[fast_key(q, k, v, mask, decode, switches, forward_only, big_bwd)] = module
     return module
 
 

@@ -21,7 +21,7 @@ from fagen.runtime.loader import load, load_source
 from fagen.spec.axes import Direction, DType, Kind, Mask
 from fagen.spec.kernel import KernelSpec
 from fagen.verify.counterexamples import Counterexample
-from fagen.verify.mutants import LAYOUT_MOD_MUTANTS, LAYOUT_MUTANTS, MOD_MUTANTS, MUTANTS, Mutant
+from fagen.verify.mutants import GLUON_MUTANTS, LAYOUT_MOD_MUTANTS, LAYOUT_MUTANTS, MOD_MUTANTS, MUTANTS, Mutant
 from fagen.verify.properties import BY_NAME, PROPERTIES, Property
 from fagen.verify.tolerances import TOLERANCE, PropertyFailure
 
@@ -286,7 +286,8 @@ def default_mutant_specs(scale: str = "cpu") -> tuple[KernelSpec, ...]:
 
 def mutant_module(spec: KernelSpec, name: str) -> ModuleType:
     """The rendered source of `spec` with mutant `name` applied, loaded as a module."""
-    mutant = next(m for m in MUTANTS + LAYOUT_MUTANTS + MOD_MUTANTS + LAYOUT_MOD_MUTANTS if m.name == name)
+    mutant = next(m for m in MUTANTS + LAYOUT_MUTANTS + MOD_MUTANTS + LAYOUT_MOD_MUTANTS + GLUON_MUTANTS
+                  if m.name == name)
     return load_source(mutant.apply(generate(spec)), f"{spec.name}__{mutant.name.replace('-', '_')}")
 
 

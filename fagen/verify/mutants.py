@@ -150,3 +150,11 @@ LAYOUT_MUTANTS = (
            "sequence's last cached keys", (Mask.TREE,), "prefix = len_k - seq_q\n", "prefix = seq_k - seq_q\n",
            kinds=(Kind.DECODE,), directions=(Direction.FWD,), layouts=(Layout.PAGED,)),
 )
+
+# The gluon backward (fagen/templates/gluon/backward.py.j2; sm_90 only, no interpreter): caught on an H100/H200 by
+# the float64 comparison of tests/test_gluon_bwd_gpu.py and scripts/gpu_gluon_bwd_product.py.
+GLUON_MUTANTS = (
+    Mutant("gluon-bwd-dq-one-half", "the dQ warp adds both compute warpgroups' dQ halves into the first half's "
+           "columns", (Mask.NONE, Mask.CAUSAL), "_tma_reduce_add(dq_desc, [off_b, h0 + g, m0, w * half],",
+           "_tma_reduce_add(dq_desc, [off_b, h0 + g, m0, 0 * half],", directions=(Direction.BWD,)),
+)

@@ -1,0 +1,98 @@
+"""The product's Gluon backward (fagen/templates/gluon/backward.py.j2) builds for sm_90 without a GPU, and its dQ modes
+do what they say in the PTX: the deterministic mode waits for its turn (acquire loads) and publishes (release adds),
+the unordered mode does neither; the step synchronises within a compute warpgroup only. On an H100:
+tests/test_gluon_bwd_gpu.py and scripts/gpu_gluon_bwd_product.py."""
+
+import pytest
+
+from test_hopper_compile import build_sm90
+
+_SCRIPT = r"""
+import json, os, re, sys
+sys.path.insert(0, sys.argv[1])
+sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
+import fagen
+from fagen import backends
+from fagen.codegen import render
+from fagen.runtime.loader import load_source
+from fagen.spec.kernel import KernelSpec
+from sm90 import loops, ptxas
+
+out = {}
+default = dict(backends.GLUON.variant)
+for key, fields in json.loads(sys.argv[2]).items():
+    det = fields.pop("deterministic")
+    backends.GLUON.variant.clear()
+    backends.GLUON.variant.update(default, **fields.pop("variant", {}))  # [Note] Gluon backward levers
+    render.render.cache_clear()
+    spec = KernelSpec(backend="gluon", direction="bwd", head_dim=128, **fields)
+    mod = load_source(fagen.generate(spec), f"{spec.name}_{key}")
+    ck = mod.compile_backward_for(deterministic=det)
+    ptx = ck.asm["ptx"]
+    res = next(iter(ptxas(ptx)[0].values()))
+    steps = loops(ptx, 32, innermost=True)
+    out[key] = dict(shared=ck.metadata.shared, spills=res.spill_stores + res.spill_loads,
+                    reduce=ptx.count("cp.reduce.async.bulk.tensor"), commit=ptx.count("cp.async.bulk.commit_group"),
+                    acquire=len(re.findall(r"ld\.global\.gpu\.acquire", ptx)),
+                    release=len(re.findall(r"atom\.global\.gpu\.release\.add", ptx)),
+                    complete=sorted(set(re.findall(r"cp\.async\.bulk\.wait_group (\d);", ptx))),
+                    named=sorted(set(re.findall(r"\bbar\.(?:sync|arrive) (\d+), (?:160|256);", ptx))),
+                    tma_store=ptx.count("cp.async.bulk.tensor.4d.global.shared"),
+                    setmaxnreg=sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
+                    steps=[dict(wgmma=s.count("wgmma.mma_async"), bars=re.findall(r"\bbar\.sync\s+\d+,\s*(\d+);", s),
+                                wait=s.count("mbarrier.try_wait"), arrive=s.count("mbarrier.arrive")) for s in steps])
+print("RESULT " + json.dumps(out))
+"""
+
+LEVERS = {"bwd_order": 1, "bwd_snake": 1, "bwd_named": 2, "bwd_epi_tma": 1}
+BUILDS = {"det": dict(mask="causal", gqa=2, dtype="bf16", deterministic=True),
+          "unordered": dict(mask="none", dtype="bf16", deterministic=False),
+          "levers": dict(mask="causal", gqa=2, dtype="bf16", deterministic=True, variant=LEVERS),
+          "ulevers": dict(mask="causal", dtype="bf16", deterministic=False,
+                          variant={"bwd_unordered_levers": {"bwd_named": 2, "bwd_epi_tma": 1}})}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    return build_sm90(tmp_path_factory, _SCRIPT, BUILDS, "gluon-bwd-product")
+
+
+def test_fits_and_gives_the_compute_warpgroups_240_registers(built):
+    for r in built.values():
+        assert r["shared"] <= 227 * 1024, r  # sm_90's opt-in shared memory per block
+        assert {240, 24} <= set(r["setmaxnreg"]), r
+
+
+def test_the_levers_render_their_code_only_when_on(built):
+    """[Note] Gluon backward levers: with bwd_named 2, named barriers of 160 threads (dQ full 8, 9, empty 10, 11)
+    and 256 (the dS^T exchange, 12); with bwd_epi_tma, dK and dV leave by TMA stores. The default render has
+    neither (its one 4-d TMA store count is 0: dK/dV by pointer stores)."""
+    assert built["levers"]["named"] == ["10", "11", "12", "8", "9"], built["levers"]
+    assert built["levers"]["tma_store"] >= 2 and built["det"]["tma_store"] == 0, built
+    assert built["det"]["named"] == [] and built["unordered"]["named"] == []
+    # bwd_unordered_levers: the unordered mode's own kernel has them (the deterministic one is the default's)
+    assert built["ulevers"]["named"] == built["levers"]["named"] and built["ulevers"]["tma_store"] >= 2
+
+
+def test_the_dq_modes_order_or_skip_the_adds(built):
+    det, unordered = built["det"], built["unordered"]
+    # two halves of [64, 64] float32, each two TMA messages (128-byte swizzle), one bulk group per half
+    assert det["reduce"] == unordered["reduce"] == 4 and det["commit"] == unordered["commit"] == 2, (det, unordered)
+    assert det["acquire"] >= 1 and det["release"] >= 1, det  # waits for its turn, publishes its add
+    # publishes once complete (not .read): one step late (2 groups in flight) and at the tile's end (0)
+    assert det["complete"] == ["0", "2"], det
+    assert unordered["acquire"] == unordered["release"] == 0 and unordered["complete"] == [], unordered
+
+
+def test_a_compute_step_synchronises_within_its_warpgroup(built):
+    """Each compute warpgroup has one step loop of 32 wgmma (S 8, dP 8, dV 4, dQ half 8, dK 4); its bar.syncs span
+    128 threads (its own warpgroup), never the CTA; 3 mbarrier waits (Q/dO ready, dS^T ready, dQ slot empty) and 3
+    arrives (dS^T ready, dQ slot full, Q/dO slot empty)."""
+    for r in (built["det"], built["unordered"]):
+        assert len(r["steps"]) == 2, r["steps"]
+        for s in r["steps"]:
+            assert s["wgmma"] == 32 and set(s["bars"]) == {"128"}, s
+            assert s["wait"] == 3 and s["arrive"] == 3, s
+    for s in built["levers"]["steps"]:  # named barriers: the dS^T exchange spans both warpgroups (256 threads)
+        assert s["wgmma"] == 32 and set(s["bars"]) == {"128", "256"}, s
+        assert s["wait"] == 1 and s["arrive"] == 1, s  # the ring's ready wait and empty arrive only

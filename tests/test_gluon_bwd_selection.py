@@ -1,0 +1,136 @@
+"""Where the Gluon backward serves ([Note] Gluon backward rule in fagen/backends/gluon.py, [Note] Hopper selection in
+fagen/runtime/hopper.py), the deterministic keyword, the bench's rows and the dQ mutant. The device is faked
+(as_if_hopper, test_hopper_selection.py), so these run on any machine; the kernels run in test_gluon_bwd_gpu.py."""
+
+import pytest
+import torch
+
+import fagen
+from fagen import backends
+from fagen.bench.impls import case_impls
+from fagen.bench.workloads import BenchCase
+from fagen.codegen.render import generate
+from fagen.runtime import hopper, resolve
+from fagen.runtime.resolve import AttentionError
+from fagen.spec.kernel import KernelSpec
+from fagen.verify.mutants import GLUON_MUTANTS, MUTANTS
+from test_hopper_selection import as_if_hopper  # noqa: F401 (a fixture)
+
+
+def case(**fields) -> KernelSpec:
+    return KernelSpec(**{"head_dim": 128, "dtype": "bf16", "direction": "bwd", **fields})
+
+
+@pytest.mark.parametrize("fields,picked", [
+    (dict(mask="causal"), True), (dict(mask="none"), True), (dict(mask="causal", gqa=4), True),
+    (dict(mask="none", gqa=8), True),
+    (dict(mask="causal", head_dim=64), False),  # no d64 kernel: the lab's lost to Triton (316 vs 398 TF/s)
+    (dict(mask="causal", dtype="fp16"), False),  # not measured
+    (dict(mask="padding"), False), (dict(mask="causal", softcap=True), False),
+    (dict(mask="causal", window=True), False),
+])
+def test_the_backward_rule_picks_measured_wins_only(as_if_hopper, fields, picked):  # noqa: F811
+    spec = case(**fields)
+    assert backends.GLUON.bwd_selected(spec) == picked
+    got = hopper.backward_spec(spec, torch.device("cuda"))
+    assert got == (KernelSpec(backend="gluon", direction="bwd", head_dim=128, dtype="bf16", mask=spec.mask,
+                              gqa=spec.gqa) if picked else None)
+
+
+def test_unordered_adds_only_where_they_won():
+    """GQA causal: the unordered adds lost (292 vs 368 TF/s deterministic, H100): deterministic=False keeps the
+    deterministic mode there."""
+    rule = backends.GLUON.unordered_selected
+    assert rule("causal", 1) and rule("none", 1) and rule("none", 8)
+    assert not rule("causal", 4)
+
+
+def test_no_backward_selection_off_hopper_or_when_turned_off(as_if_hopper, monkeypatch):  # noqa: F811
+    monkeypatch.setenv(hopper.ENV, "0")
+    assert hopper.backward_spec(case(mask="causal"), torch.device("cuda")) is None
+    monkeypatch.undo()
+    assert hopper.backward_spec(case(mask="causal"), torch.device("cpu")) is None
+
+
+def test_fagen_attention_routes_big_gradient_calls_to_the_gluon_backward(as_if_hopper):  # noqa: F811
+    q = torch.zeros(1, 4, 8, 128, dtype=torch.bfloat16)
+    k = torch.zeros(1, 1, 8, 128, dtype=torch.bfloat16)
+    big = resolve.resolve(q, k, k, "causal", False, big_bwd=True)
+    assert big.NAME == "attn_bwd_causal_d128_m128n128w8s2_g4_bf16_gluon" and hasattr(big, "attention")
+    assert not hopper.unordered(big)  # GQA causal
+    full = resolve.resolve(k, k, k, "none", False, big_bwd=True)
+    assert full.NAME.endswith("_gluon") and hopper.unordered(full)
+    small = resolve.resolve(q, k, k, "causal", False)
+    assert not small.NAME.endswith("_gluon") and not hopper.unordered(small)
+    assert hopper.BWD_MIN_WORK >= hopper.MIN_WORK  # the floor: the gluon host path is ~200 us a call
+    if not torch.cuda.is_available():
+        big_q = torch.zeros(1, 32, 4096, 128, dtype=torch.bfloat16, requires_grad=True)
+        big_k = torch.zeros(1, 8, 4096, 128, dtype=torch.bfloat16, requires_grad=True)
+        assert 32 * 4096 * 4096 >= hopper.BWD_MIN_WORK
+        with pytest.raises(ValueError, match="Gluon kernel"):  # the gluon module's InputError: it was called
+            fagen.attention(big_q, big_k, big_k, mask="causal")
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, 0, None, torch.tensor(True)])
+def test_deterministic_must_be_a_bool(bad):
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(AttentionError, match="deterministic: expected True or False") as e:
+        fagen.attention(q, q, q, deterministic=bad)
+    assert "\n" not in str(e.value)
+
+
+def test_deterministic_false_elsewhere_is_the_deterministic_kernel():
+    """Off Hopper (here: the CPU interpreter) every backward is the Triton one, deterministic: the keyword changes
+    nothing."""
+    q, k, v = (torch.randn(1, 2, 37, 16, requires_grad=True) for _ in range(3))
+    do = torch.randn(1, 2, 37, 16)
+    one = torch.autograd.grad(fagen.attention(q, k, v, mask="causal", deterministic=False), (q, k, v), do)
+    two = torch.autograd.grad(fagen.attention(q, k, v, mask="causal"), (q, k, v), do)
+    assert all(torch.equal(a, b) for a, b in zip(one, two))
+
+
+def test_the_bench_times_the_gluon_backward_and_its_unordered_mode(as_if_hopper):  # noqa: F811
+    bwd = BenchCase("bwd-d128-causal", 128, "causal", 1, 16, 16, 1024, 1024, direction="bwd")
+    spec, note = bwd.spec("cuda")
+    assert spec.backend.value == "gluon" and spec.direction.value == "bwd" and hopper.ENV in note
+    assert bwd.spec("cuda", hopper=False)[0].backend.value == "triton"
+    impls = ("fagen", "fagen-nondet", "sdpa-cudnn")
+    assert case_impls(bwd, impls) == impls
+    fwd = BenchCase("fwd-d128-causal", 128, "causal", 1, 16, 16, 1024, 1024)
+    assert case_impls(fwd, impls) == ("fagen", "sdpa-cudnn")
+
+
+def test_the_dq_mutant_edits_the_gluon_backward_only():
+    (mutant,) = GLUON_MUTANTS
+    assert mutant not in MUTANTS  # the CPU search (test_backward.py) cannot run a Gluon kernel
+    gluon_bwd = KernelSpec(backend="gluon", direction="bwd", head_dim=128, dtype="bf16", mask="causal")
+    assert mutant.applies(gluon_bwd) and mutant.old in generate(gluon_bwd)
+    assert mutant.old not in generate(case(mask="causal")) and mutant.old not in generate(
+        KernelSpec(backend="gluon", head_dim=128, dtype="bf16", mask="causal"))
+
+
+def test_deterministic_traces_under_torch_compile_fullgraph():
+    """The keyword is checked and carried under torch.compile(fullgraph=True) as in eager mode: one graph, the same
+    gradients (the traced call takes the bwd module resolve finds while tracing)."""
+    q, k, v = (torch.randn(1, 2, 21, 16, requires_grad=True) for _ in range(3))
+    do = torch.randn(1, 2, 21, 16)
+
+    def layer(q, k, v):
+        return fagen.attention(q, k, v, mask="causal", deterministic=False)
+
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    got = torch.autograd.grad(compiled(q, k, v), (q, k, v), do)
+    want = torch.autograd.grad(layer(q, k, v), (q, k, v), do)
+    assert all(torch.allclose(a, b) for a, b in zip(got, want))
+    with pytest.raises(Exception, match="deterministic: expected True or False"):
+        torch.compile(lambda q: fagen.attention(q, q, q, deterministic="no"), fullgraph=True, backend="eager")(q)
+
+
+def test_the_transformers_backend_passes_deterministic_on():
+    from fagen.integrations.transformers import attention_forward
+    layer = torch.nn.Module()
+    q = torch.randn(1, 2, 9, 16)
+    out, _ = attention_forward(layer, q, q, q, None, is_causal=True, deterministic=False)
+    assert torch.equal(out, attention_forward(layer, q, q, q, None, is_causal=True)[0])
+    with pytest.raises(AttentionError, match="deterministic"):
+        attention_forward(layer, q, q, q, None, deterministic="off")

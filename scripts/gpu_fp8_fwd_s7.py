@@ -1,0 +1,282 @@
+"""The fp8 (e4m3) Gluon forward's speed levers on an H100/H200 (issue 28, seventh session): each variant checked
+against float64, then one table of TF/s at d128 B1 H16 s16k, causal and full, beside fagen's bf16 forward.
+
+    PYTHONPATH=$PWD python3 scripts/gpu_fp8_fwd_s7.py          # < 90 s on an H100; one table; $OUT/gpu_fp8_fwd_s7.md
+    GPU_FP8_FWD_DRY=1 PYTHONPATH=$PWD python3 scripts/gpu_fp8_fwd_s7.py   # any machine: sm_90 builds of every variant
+
+Variants (VARIANTS: name -> (turns, num_stages)): the product's fp8 module (fagen.load, the default config) and the
+same spec rendered with `_TURNS` patched ([Note] fp8 turns in fagen/templates/gluon/attention.py.j2: 0 the two
+consumer warpgroups issue their matmuls freely, 1 they take turns through an mbarrier token, 2 through a pair of
+named barriers, FlashAttention-3's warp scheduler barrier) and the K/V ring depth.
+
+Phases, each in a child process with a timeout (a kernel that faults or hangs costs its phase, not the table):
+  build  warm launches of every module in a pool of processes (fills triton's cache for the other phases);
+  check  every variant at small shapes whose lengths are not multiples of the blocks (causal Sq != Sk both ways,
+         GQA with per-head descales, mask none) against float64 on the dequantized inputs, with scripts/gpu_fp8.py's
+         check: RMSE within 1.5x the e4m3 emulation's, lse, the fingerprint (fails if P V ran in bf16), empty rows;
+         each module called twice;
+  time   TF/s (do_bench median, the whole forward() call: the V transpose included) at d128 B1 H16 s16k for causal
+         and full: fagen bf16 (the product), the fp8 product, each variant; ratios against bf16 (target 1.5x).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "tests"))  # sm90 (the dry run's ptxas)
+
+DRY = os.environ.get("GPU_FP8_FWD_DRY") == "1"
+# MOCK (a test of this script, not of the kernels): check and time on the CPU at tiny shapes, gpu_fp8's e4m3
+# emulation standing in for every fp8 module and the float64 reference for bf16.
+MOCK = os.environ.get("GPU_FP8_FWD_MOCK") == "1"
+DEV = "cpu" if MOCK else "cuda"
+PHASE_TIMEOUT = {"build": 35, "check": 25, "time": 30}
+T0 = time.time()
+MASKS = ("causal", "none")
+# name -> (_TURNS, num_stages); "product" is fagen.load's module (the backend's default config and variant)
+VARIANTS = {
+    "product": None,
+    "turns1 s4": (1, 4),
+    "turns2 s4": (2, 4),
+    "turns2 s3": (2, 3),
+    "turns2 s2": (2, 2),
+}
+# checks: (mask, gqa, batch, kv_heads, sq, sk, per_head)
+CHECKS = (
+    ("causal", 1, 1, 3, 1100, 1537, False),
+    ("causal", 4, 2, 2, 1537, 1000, True),  # 537 rows per head see no key
+    ("none", 2, 1, 2, 700, 1300, True),
+)
+TIME_SHAPE = (1, 2, 256, 128) if MOCK else (1, 16, 16384, 128)  # B, H, S, D
+
+
+def log(msg):
+    print(msg, flush=True)
+
+
+def emit(**row):
+    log("ROW " + json.dumps(row))
+
+
+def spec_of(mask, dtype="fp8_e4m3", **fields):
+    import fagen
+    return fagen.KernelSpec(backend="gluon", head_dim=128, mask=mask, dtype=dtype, **fields)
+
+
+def module(mask, name):
+    """The fp8 module of variant `name` for `mask`."""
+    import fagen
+    from fagen.runtime.loader import load_source
+    if MOCK:
+        import types
+        import gpu_fp8
+        import torch
+        return types.SimpleNamespace(forward=gpu_fp8.emulated_forward(mask, torch.float8_e4m3fn),
+                                     transpose_v=lambda v: v.transpose(-1, -2).contiguous())
+    if VARIANTS[name] is None:
+        return fagen.load(spec_of(mask))
+    turns, stages = VARIANTS[name]
+    s = spec_of(mask, num_stages=stages)
+    source = fagen.generate(s)
+    if not re.search(r"^_TURNS = \d", source, flags=re.M):
+        raise RuntimeError(f"{s.name}: no _TURNS in the render")
+    source = re.sub(r"^_TURNS = \d", f"_TURNS = {turns}", source, count=1, flags=re.M)
+    return load_source(source, f"{s.name}_turns{turns}")
+
+
+def jobs():
+    return [(mask, name) for name in VARIANTS for mask in MASKS]
+
+
+# -- build -----------------------------------------------------------------------------------------------------
+def _warm(job):
+    mask, name = job
+    t = time.time()
+    try:
+        import torch
+        m = module(mask, name)
+        if DRY:
+            import sm90
+            ck = m.compile_for()
+            res = sm90.ptxas(ck.asm["ptx"])[0]["_attn_fwd_hopper"]
+            return (f"built {name:<10} {mask:>6}: shared {ck.metadata.shared} regs {res.registers} spills "
+                    f"{res.spill_stores + res.spill_loads} named bar.sync {sorted(set(re.findall(r'bar.sync (1[45])', ck.asm['ptx'])))} "
+                    f"({time.time() - t:.1f}s)")
+        q, k, v = (torch.randn(1, 1, 200, 128, device="cuda").to(torch.float8_e4m3fn) for _ in range(3))
+        m.forward(q, k, v)
+        torch.cuda.synchronize()
+        return f"built {name:<10} {mask:>6} in {time.time() - t:.1f}s"
+    except Exception as e:  # noqa: BLE001
+        return f"build ERROR {name} {mask}: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+
+
+def _warm_bf16(mask):
+    t = time.time()
+    try:
+        import torch
+        import fagen
+        m = fagen.load(spec_of(mask, "bf16"))
+        q, k, v = (torch.randn(1, 1, 200, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        m.forward(q, k, v)
+        torch.cuda.synchronize()
+        return f"built bf16 {mask} in {time.time() - t:.1f}s"
+    except Exception as e:  # noqa: BLE001
+        return f"build ERROR bf16 {mask}: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+
+
+def _job(job):
+    return _warm_bf16(job[1]) if job[0] == "bf16" else _warm(job)
+
+
+def phase_build():
+    work = jobs() + ([] if DRY else [("bf16", m) for m in MASKS])
+    log(f"== build: {len(work)} modules")
+    procs = max(2, min(12, (os.cpu_count() or 4) - 1)) if not DRY else 2
+    with mp.get_context("spawn").Pool(procs) as pool:
+        for msg in pool.imap_unordered(_job, work):
+            log(msg)
+
+
+# -- check -----------------------------------------------------------------------------------------------------
+def phase_check():
+    import gpu_fp8
+    log("== check: float64 on dequantized inputs (scripts/gpu_fp8.py's check: rmse <= 1.5 x the e4m3 emulation's, "
+        "lse, fingerprint < 0.5 (P V in bf16 fails), empty rows), each module called twice")
+    for name in VARIANTS:
+        for mask, gqa, b, hkv, sq, sk, per_head in CHECKS:
+            label = f"{mask} gqa{gqa} b{b} h{gqa * hkv}/{hkv} sq{sq} sk{sk}{' per-head' if per_head else ''}"
+            try:
+                m = module(mask, name)
+                rows = [gpu_fp8.check(128, mask, gqa, b, hkv, sq, sk, False, per_head, seed=call, device=DEV,
+                                      forward=m.forward)
+                        for call in range(2)]
+                ok = all(r["pass"] for r in rows)
+                r = max(rows, key=lambda r: r["rmse"] / r["emu_rmse"])
+                emit(section="check", variant=name, case=label, value="PASS" if ok else "FAIL",
+                     note=f"rmse {r['rmse']:.2e} (emu {r['emu_rmse']:.2e}) lse {r['lse_err']:.1e} "
+                          f"finger {r['fingerprint']:.3f} empty {r['empty_rows']}")
+            except Exception as e:  # noqa: BLE001
+                emit(section="check", variant=name, case=label, value="FAIL",
+                     note=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
+                traceback.print_exc(limit=3)
+
+
+# -- time ------------------------------------------------------------------------------------------------------
+def phase_time():
+    import torch
+    import triton
+    import fagen
+    import gpu_fp8
+    b, h, s, d = TIME_SHAPE
+    g = torch.Generator(device=DEV).manual_seed(1)
+    x = [torch.randn((b, h, s, d), generator=g, device=DEV, dtype=torch.bfloat16) for _ in range(3)]
+    (q8, dq), (k8, dk), (v8, dv) = (gpu_fp8.quantize(t.float(), False) for t in x)
+    bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=150, return_mode="median")  # noqa: E731
+    if MOCK:
+        def bench(fn):
+            t = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t) * 1e3
+    log(f"== time: B{b} H{h} S{s} d{d}, TF/s from the do_bench median (4*B*H*S*S*D, halved causal); "
+        f"{'cpu (mock)' if MOCK else torch.cuda.get_device_name()}")
+    try:
+        ms = bench(lambda: fagen.load(spec_of("none")).transpose_v(v8))
+        emit(section="time", variant="transpose_v alone", mask="-", value=round(ms * 1e3, 1), note="us")
+    except Exception as e:  # noqa: BLE001
+        emit(section="time", variant="transpose_v alone", mask="-", value="ERROR", note=repr(e)[:200])
+    for mask in MASKS:
+        flops = 4 * b * h * s * s * d / (2 if mask == "causal" else 1)
+        base = None
+
+        def run(name, fn):
+            try:
+                fn()
+                if not MOCK:
+                    torch.cuda.synchronize()
+                ms = bench(fn)
+                tf = flops / ms / 1e9
+                emit(section="time", variant=name, mask=mask, value=round(tf, 1), ms=round(ms, 4),
+                     note="" if base is None else f"{tf / base:.2f}x bf16")
+                return tf
+            except Exception as e:  # noqa: BLE001
+                emit(section="time", variant=name, mask=mask, value="ERROR",
+                     note=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
+                return None
+        if MOCK:
+            from fagen.verify import reference
+            bf16_fwd = lambda *t: reference.attention(*(y.double() for y in t), mask=mask)  # noqa: E731
+        else:
+            bf16_fwd = fagen.load(spec_of(mask, "bf16")).forward
+        base = run("fagen bf16 (product)", lambda: bf16_fwd(*x))
+        for name in VARIANTS:
+            m = module(mask, name)
+            run(f"fp8 {name}", lambda m=m: m.forward(q8, k8, v8, q_descale=dq, k_descale=dk, v_descale=dv))
+
+
+# -- driver ----------------------------------------------------------------------------------------------------
+def table(rows):
+    out = ["| fp8 variant | causal TF/s | full TF/s |", "|---|---:|---:|"]
+    times = [r for r in rows if r.get("section") == "time"]
+    for name in dict.fromkeys(r["variant"] for r in times):
+        cells = []
+        for mask in MASKS:
+            r = next((r for r in times if r["variant"] == name and r["mask"] in (mask, "-" if mask == MASKS[0] else mask)),
+                     None)
+            cells.append("" if r is None else f"{r['value']}{' (' + r['note'] + ')' if r.get('note') else ''}")
+        out.append(f"| {name} | {cells[0]} | {cells[1]} |")
+    checks = [r for r in rows if r.get("section") == "check"]
+    for name in VARIANTS:
+        mine = [r for r in checks if r["variant"] == name]
+        out.append(f"check {name}: {sum(r['value'] == 'PASS' for r in mine)}/{len(mine)} PASS")
+    return "\n".join(out)
+
+
+def main():
+    if len(sys.argv) > 2 and sys.argv[1] == "--phase":
+        {"build": phase_build, "check": phase_check, "time": phase_time}[sys.argv[2]]()
+        return
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("FAGEN_CACHE_DIR", "/tmp/fagen-cache-gpu-fp8-fwd-s7")
+    rows = []
+    for name in (("build", ) if DRY else ("check", "time") if MOCK else PHASE_TIMEOUT):
+        limit = PHASE_TIMEOUT[name] * (10 if DRY else 1)
+        log(f"#### phase {name} (timeout {limit}s, {time.time() - T0:.0f}s so far)")
+        proc = subprocess.Popen([sys.executable, __file__, "--phase", name], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, bufsize=1)
+
+        def pump(stream=proc.stdout):
+            for line in stream:
+                print(line, end="", flush=True)
+                if line.startswith("ROW "):
+                    rows.append(json.loads(line[4:]))
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        try:
+            rc = proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = f"killed after {limit}s"
+        reader.join(timeout=5)
+        log(f"#### phase {name}: rc={rc}")
+    text = table(rows)
+    log(text)
+    log(f"total {time.time() - T0:.0f}s")
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
+        (Path(os.environ["OUT"]) / "gpu_fp8_fwd_s7.md").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

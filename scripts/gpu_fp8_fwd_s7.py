@@ -50,7 +50,6 @@ VARIANTS = {
     "product": None,
     "turns1 s4": (1, 4),
     "turns2 s4": (2, 4),
-    "turns2 s3": (2, 3),
     "turns2 s2": (2, 2),
 }
 # checks: (mask, gqa, batch, kv_heads, sq, sk, per_head)

@@ -4,10 +4,12 @@ against float64, then one table of TF/s at d128 B1 H16 s16k, causal and full, be
     PYTHONPATH=$PWD python3 scripts/gpu_fp8_fwd_s7.py          # < 90 s on an H100; one table; $OUT/gpu_fp8_fwd_s7.md
     GPU_FP8_FWD_DRY=1 PYTHONPATH=$PWD python3 scripts/gpu_fp8_fwd_s7.py   # any machine: sm_90 builds of every variant
 
-Variants (VARIANTS: name -> (turns, num_stages)): the product's fp8 module (fagen.load, the default config) and the
-same spec rendered with `_TURNS` patched ([Note] fp8 turns in fagen/templates/gluon/attention.py.j2: 0 the two
-consumer warpgroups issue their matmuls freely, 1 they take turns through an mbarrier token, 2 through a pair of
-named barriers, FlashAttention-3's warp scheduler barrier) and the K/V ring depth.
+Variants (VARIANTS: name -> (turns, p_cvt, num_stages)): the product's fp8 module (fagen.load, the default config)
+and the same spec rendered with `_TURNS` and `_P_CVT` patched (fagen/templates/gluon/attention.py.j2: [Note] fp8
+turns: 0 the two consumer warpgroups issue their matmuls freely, 1 they take turns through an mbarrier token, 2
+through a pair of named barriers, FlashAttention-3's warp scheduler barrier; [Note] fp8 P rounding: 0 P rounded to
+e4m3 by triton's cast and carried to the next step as e4m3, 2 carried in fp32 and rounded right before its matmul,
+four keys to a register) and the K/V ring depth.
 
 Phases, each in a child process with a timeout (a kernel that faults or hangs costs its phase, not the table):
   build  warm launches of every module in a pool of processes (fills triton's cache for the other phases);
@@ -45,12 +47,13 @@ DEV = "cpu" if MOCK else "cuda"
 PHASE_TIMEOUT = {"build": 35, "check": 25, "time": 30}
 T0 = time.time()
 MASKS = ("causal", "none")
-# name -> (_TURNS, num_stages); "product" is fagen.load's module (the backend's default config and variant)
+# name -> (_TURNS, _P_CVT, num_stages); "product" is fagen.load's module (the backend's default config and variant)
 VARIANTS = {
     "product": None,
-    "turns1 s4": (1, 4),
-    "turns2 s4": (2, 4),
-    "turns2 s2": (2, 2),
+    "turns1": (1, 0, 4),
+    "turns2": (2, 0, 4),
+    "pcvt2": (0, 2, 4),
+    "turns2 pcvt2": (2, 2, 4),
 }
 # checks: (mask, gqa, batch, kv_heads, sq, sk, per_head)
 CHECKS = (
@@ -86,13 +89,14 @@ def module(mask, name):
                                      transpose_v=lambda v: v.transpose(-1, -2).contiguous())
     if VARIANTS[name] is None:
         return fagen.load(spec_of(mask))
-    turns, stages = VARIANTS[name]
+    turns, p_cvt, stages = VARIANTS[name]
     s = spec_of(mask, num_stages=stages)
     source = fagen.generate(s)
-    if not re.search(r"^_TURNS = \d", source, flags=re.M):
-        raise RuntimeError(f"{s.name}: no _TURNS in the render")
-    source = re.sub(r"^_TURNS = \d", f"_TURNS = {turns}", source, count=1, flags=re.M)
-    return load_source(source, f"{s.name}_turns{turns}")
+    for knob, value in (("_TURNS", turns), ("_P_CVT", p_cvt)):
+        if not re.search(rf"^{knob} = \d", source, flags=re.M):
+            raise RuntimeError(f"{s.name}: no {knob} in the render")
+        source = re.sub(rf"^{knob} = \d", f"{knob} = {value}", source, count=1, flags=re.M)
+    return load_source(source, f"{s.name}_turns{turns}_pcvt{p_cvt}")
 
 
 def jobs():

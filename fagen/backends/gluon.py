@@ -83,7 +83,7 @@ class GluonBackend(KernelBackend):
     # fp8_turns: the fp8 consumers take turns issuing their matmuls ([Note] fp8 turns in the template): 0 not, 1 an
     # mbarrier token, 2 named barriers (bf16/fp16 renders have no turns).
     variant = {"consumer_regs": 240, "loader_regs": 24, "tile_schedule_all": False, "causal_order": 3,
-               "fp8_turns": 0}
+               "fp8_turns": 0, "fp8_p_cvt": 0}
 
     # [Note] Gluon tile order. The persistent forward deals its tiles in an order ([Note] Tile schedule in the
     # template): causal query blocks differ in work, so the order decides how evenly the programs finish. H100,

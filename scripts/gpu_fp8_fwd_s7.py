@@ -5,7 +5,9 @@ against float64, then one table of TF/s at d128 B1 H16 s16k, causal and full, be
     GPU_FP8_FWD_DRY=1 PYTHONPATH=$PWD python3 scripts/gpu_fp8_fwd_s7.py   # any machine: sm_90 builds of every variant
 
 Variants (VARIANTS: name -> (turns, p_cvt, num_stages)): the product's fp8 module (fagen.load, the default config)
-and the same spec rendered with `_TURNS` and `_P_CVT` patched (fagen/templates/gluon/attention.py.j2). [Note] fp8
+and the same spec rendered with `_TURNS` and `_P_CVT` patched (fagen/templates/gluon/attention.py.j2); "before" is
+the product before this session (0, 0, 4). Round A (H100) timed turns 2, P rounding 2, both, turns 3 with P rounding
+2; round B the product (P rounding 2, no turns) against "before", at d128 and d64, beside turns 3 and 2 K/V slots. [Note] fp8
 turns: 0 the two consumer warpgroups issue their matmuls freely, 1 they take turns through an mbarrier token, 2
 through a pair of named barriers (FlashAttention-3's warp scheduler barrier), 3 as 2 with warpgroup 1 skipping the
 K/V ready waits. [Note] fp8 P rounding: 0 P rounded by triton's cast and carried to the next step in e4m3, 2 carried
@@ -49,17 +51,24 @@ T0 = time.time()
 MASKS = ("causal", "none")
 # name -> (_TURNS, _P_CVT, num_stages); "product" is fagen.load's module (the backend's default config and variant)
 VARIANTS = {
-    "product": None,
-    "turns2": (2, 0, 4),
-    "pcvt2": (0, 2, 4),
-    "turns2 pcvt2": (2, 2, 4),
-    "turns3 pcvt2": (3, 2, 4),
+    "before": (0, 0, 4),  # the product before this session: no turns, P carried in e4m3
+    "product": None,  # round B: P rounding 2, no turns (round A, H100: 824 / 825 TF/s against 733 / 733)
+    "turns3 pcvt2": (3, 2, 4),  # round A's other best: 838 / 819
+    "pcvt2 s2": (0, 2, 2),  # two K/V slots (FA3's) with P rounding 2
 }
-# checks: (mask, gqa, batch, kv_heads, sq, sk, per_head)
+# d64 and the window: the product's fp8 module against the one before this session ("before" in VARIANTS)
+D64_VARIANTS = ("before", "product")
+# checks: (mask, gqa, batch, kv_heads, sq, sk, per_head); CHECKS for every d128 variant (and D64_VARIANTS at d64),
+# PRODUCT_CHECKS (GQA, the window: (..., window)) for the product's modules only
 CHECKS = (
     ("causal", 1, 1, 3, 1100, 1537, False),
-    ("causal", 4, 2, 2, 1537, 1000, True),  # 537 rows per head see no key
-    ("none", 2, 1, 2, 700, 1300, True),
+    ("causal", 1, 2, 5, 1537, 1000, True),  # 537 rows per head see no key; 130 tiles
+    ("none", 1, 1, 2, 700, 1300, True),
+)
+PRODUCT_CHECKS = (
+    ("causal", 4, 2, 2, 1537, 1000, True, None),
+    ("none", 2, 1, 2, 700, 1300, True, None),
+    ("causal", 2, 1, 4, 2000, 2000, False, (256, 0)),
 )
 TIME_SHAPE = (1, 2, 256, 128) if MOCK else (1, 16, 16384, 128)  # B, H, S, D
 
@@ -74,23 +83,29 @@ def emit(**row):
 
 def spec_of(mask, dtype="fp8_e4m3", **fields):
     import fagen
-    return fagen.KernelSpec(backend="gluon", head_dim=128, mask=mask, dtype=dtype, **fields)
+    return fagen.KernelSpec(backend="gluon", **{"head_dim": 128, "mask": mask, "dtype": dtype, **fields})
 
 
-def module(mask, name):
-    """The fp8 module of variant `name` for `mask`."""
+def module(mask, name, head_dim=128, window=False, gqa=1):
+    """The fp8 module of variant `name` for `mask` (head_dim, the window switch, gqa)."""
     import fagen
     from fagen.runtime.loader import load_source
     if MOCK:
         import types
         import gpu_fp8
         import torch
-        return types.SimpleNamespace(forward=gpu_fp8.emulated_forward(mask, torch.float8_e4m3fn),
-                                     transpose_v=lambda v: v.transpose(-1, -2).contiguous())
+        emulated = gpu_fp8.emulated_forward(mask, torch.float8_e4m3fn)
+
+        def forward(q, k, v, **kw):  # the module's own checks that the emulation lacks: head dim, gqa, window
+            if q.shape[-1] != head_dim or q.shape[1] != gqa * k.shape[1] or ("window" in kw) != window:
+                raise ValueError(f"mock: the module is d{head_dim} gqa{gqa} window {window}; got q {tuple(q.shape)}, "
+                                 f"k {tuple(k.shape)}, {sorted(kw)}")
+            return emulated(q, k, v, **kw)
+        return types.SimpleNamespace(forward=forward, transpose_v=lambda v: v.transpose(-1, -2).contiguous())
     if VARIANTS[name] is None:
-        return fagen.load(spec_of(mask))
+        return fagen.load(spec_of(mask, head_dim=head_dim, window=window, gqa=gqa))
     turns, p_cvt, stages = VARIANTS[name]
-    s = spec_of(mask, num_stages=stages)
+    s = spec_of(mask, num_stages=stages, head_dim=head_dim, window=window, gqa=gqa)
     source = fagen.generate(s)
     for knob, value in (("_TURNS", turns), ("_P_CVT", p_cvt)):
         if not re.search(rf"^{knob} = \d", source, flags=re.M):
@@ -100,16 +115,27 @@ def module(mask, name):
 
 
 def jobs():
-    return [(mask, name) for name in VARIANTS for mask in MASKS]
+    out = [(mask, name, 128, False, 1) for name in VARIANTS for mask in MASKS]
+    out += [(mask, name, d, w is not None, gqa) for name, d, (mask, gqa, *_), w in check_cases() if gqa > 1 or w]
+    out += [(mask, name, 64, False, 1) for name in D64_VARIANTS for mask in MASKS]
+    return list(dict.fromkeys(out))
+
+
+def check_cases():
+    """(variant, head_dim, CHECKS row, window) of every check."""
+    cases = [(name, 128, c, None) for name in VARIANTS for c in CHECKS]
+    cases += [(name, 64, c, None) for name in D64_VARIANTS for c in CHECKS[:2]]
+    return cases + [("product", 128, c[:-1], c[-1]) for c in PRODUCT_CHECKS]
 
 
 # -- build -----------------------------------------------------------------------------------------------------
 def _warm(job):
-    mask, name = job
+    mask, name, d, window, gqa = job
+    name = f"{name}{' d64' if d == 64 else ''}{' window' if window else ''}{f' gqa{gqa}' if gqa > 1 else ''}"
     t = time.time()
     try:
         import torch
-        m = module(mask, name)
+        m = module(mask, *job[1:])
         if DRY:
             import sm90
             ck = m.compile_for()
@@ -117,8 +143,8 @@ def _warm(job):
             return (f"built {name:<10} {mask:>6}: shared {ck.metadata.shared} regs {res.registers} spills "
                     f"{res.spill_stores + res.spill_loads} named bar.sync {sorted(set(re.findall(r'bar.sync (1[45])', ck.asm['ptx'])))} "
                     f"({time.time() - t:.1f}s)")
-        q, k, v = (torch.randn(1, 1, 200, 128, device="cuda").to(torch.float8_e4m3fn) for _ in range(3))
-        m.forward(q, k, v)
+        q, k, v = (torch.randn(1, h, 200, d, device="cuda").to(torch.float8_e4m3fn) for h in (gqa, 1, 1))
+        m.forward(q, k, v, **({"window": (64, 0)} if window else {}))
         torch.cuda.synchronize()
         return f"built {name:<10} {mask:>6} in {time.time() - t:.1f}s"
     except Exception as e:  # noqa: BLE001
@@ -157,23 +183,24 @@ def phase_check():
     import gpu_fp8
     log("== check: float64 on dequantized inputs (scripts/gpu_fp8.py's check: rmse <= 1.5 x the e4m3 emulation's, "
         "lse, fingerprint < 0.5 (P V in bf16 fails), empty rows), each module called twice")
-    for name in VARIANTS:
-        for mask, gqa, b, hkv, sq, sk, per_head in CHECKS:
-            label = f"{mask} gqa{gqa} b{b} h{gqa * hkv}/{hkv} sq{sq} sk{sk}{' per-head' if per_head else ''}"
-            try:
-                m = module(mask, name)
-                rows = [gpu_fp8.check(128, mask, gqa, b, hkv, sq, sk, False, per_head, seed=call, device=DEV,
-                                      forward=m.forward)
-                        for call in range(2)]
-                ok = all(r["pass"] for r in rows)
-                r = max(rows, key=lambda r: r["rmse"] / r["emu_rmse"])
-                emit(section="check", variant=name, case=label, value="PASS" if ok else "FAIL",
-                     note=f"rmse {r['rmse']:.2e} (emu {r['emu_rmse']:.2e}) lse {r['lse_err']:.1e} "
-                          f"finger {r['fingerprint']:.3f} empty {r['empty_rows']}")
-            except Exception as e:  # noqa: BLE001
-                emit(section="check", variant=name, case=label, value="FAIL",
-                     note=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
-                traceback.print_exc(limit=3)
+    for name, d, (mask, gqa, b, hkv, sq, sk, per_head), window in check_cases():
+        label = (f"{mask} gqa{gqa} b{b} h{gqa * hkv}/{hkv} sq{sq} sk{sk}{' per-head' if per_head else ''}"
+                 f"{f' window{window}' if window else ''}")
+        shown = f"{name}{' d64' if d == 64 else ''}{' window' if window else ''}"
+        try:
+            m = module(mask, name, d, window is not None, gqa)
+            rows = [gpu_fp8.check(d, mask, gqa, b, hkv, sq, sk, False, per_head, window=window, seed=call,
+                                  device=DEV, forward=m.forward)
+                    for call in range(2)]
+            ok = all(r["pass"] for r in rows)
+            r = max(rows, key=lambda r: r["rmse"] / r["emu_rmse"])
+            emit(section="check", variant=shown, case=label, value="PASS" if ok else "FAIL",
+                 note=f"rmse {r['rmse']:.2e} (emu {r['emu_rmse']:.2e}) lse {r['lse_err']:.1e} "
+                      f"finger {r['fingerprint']:.3f} empty {r['empty_rows']}")
+        except Exception as e:  # noqa: BLE001
+            emit(section="check", variant=shown, case=label, value="FAIL",
+                 note=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
+            traceback.print_exc(limit=3)
 
 
 # -- time ------------------------------------------------------------------------------------------------------
@@ -194,38 +221,66 @@ def phase_time():
             return (time.perf_counter() - t) * 1e3
     log(f"== time: B{b} H{h} S{s} d{d}, TF/s from the do_bench median (4*B*H*S*S*D, halved causal); "
         f"{'cpu (mock)' if MOCK else torch.cuda.get_device_name()}")
-    try:
-        ms = bench(lambda: fagen.load(spec_of("none")).transpose_v(v8))
+    try:  # (round A timed fagen.load inside the lambda too: 263 us, mostly the host)
+        transpose = module("none", "product").transpose_v
+        ms = bench(lambda: transpose(v8))
         emit(section="time", variant="transpose_v alone", mask="-", value=round(ms * 1e3, 1), note="us")
     except Exception as e:  # noqa: BLE001
         emit(section="time", variant="transpose_v alone", mask="-", value="ERROR", note=repr(e)[:200])
+    state = {}
+
+    def run(name, mask, flops, fn):
+        """Time fn; the row's note is its ratio to state["base"] (named state["ref"]) when set."""
+        try:
+            fn()
+            if not MOCK:
+                torch.cuda.synchronize()
+            ms = bench(fn)
+            tf = flops / ms / 1e9
+            base = state.get("base")
+            emit(section="time", variant=name, mask=mask, value=round(tf, 1), ms=round(ms, 4),
+                 note="" if not base else f"{tf / base:.2f}x {state['ref']}")
+            return tf
+        except Exception as e:  # noqa: BLE001
+            emit(section="time", variant=name, mask=mask, value="ERROR",
+                 note=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
+            return None
+
     for mask in MASKS:
         flops = 4 * b * h * s * s * d / (2 if mask == "causal" else 1)
-        base = None
-
-        def run(name, fn):
-            try:
-                fn()
-                if not MOCK:
-                    torch.cuda.synchronize()
-                ms = bench(fn)
-                tf = flops / ms / 1e9
-                emit(section="time", variant=name, mask=mask, value=round(tf, 1), ms=round(ms, 4),
-                     note="" if base is None else f"{tf / base:.2f}x bf16")
-                return tf
-            except Exception as e:  # noqa: BLE001
-                emit(section="time", variant=name, mask=mask, value="ERROR",
-                     note=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
-                return None
         if MOCK:
             from fagen.verify import reference
             bf16_fwd = lambda *t: reference.attention(*(y.double() for y in t), mask=mask)  # noqa: E731
         else:
             bf16_fwd = fagen.load(spec_of(mask, "bf16")).forward
-        base = run("fagen bf16 (product)", lambda: bf16_fwd(*x))
+        state.clear()
+        state.update(base=run("fagen bf16 (product)", mask, flops, lambda: bf16_fwd(*x)), ref="bf16")
         for name in VARIANTS:
             m = module(mask, name)
-            run(f"fp8 {name}", lambda m=m: m.forward(q8, k8, v8, q_descale=dq, k_descale=dk, v_descale=dv))
+            run(f"fp8 {name}", mask, flops, lambda m=m: m.forward(q8, k8, v8, q_descale=dq, k_descale=dk,
+                                                                   v_descale=dv))
+        if not MOCK:  # the product's kernel without the V transpose (Vt made once): what an in-kernel one could gain
+            m = module(mask, "product")
+            vt = m.transpose_v(v8)
+            saved = m.transpose_v
+            m.transpose_v = lambda v: vt
+            try:
+                run("fp8 product, kernel alone", mask, flops, lambda: m.forward(q8, k8, v8, q_descale=dq,
+                                                                                 k_descale=dk, v_descale=dv))
+            finally:
+                m.transpose_v = saved
+    # d64: the product against the module before this session (fp8 only; same B, H, S)
+    x = [torch.randn((b, h, s, 64), generator=g, device=DEV, dtype=torch.bfloat16) for _ in range(3)]
+    (q8, dq), (k8, dk), (v8, dv) = (gpu_fp8.quantize(t.float(), False) for t in x)
+    for mask in MASKS:
+        flops = 4 * b * h * s * s * 64 / (2 if mask == "causal" else 1)
+        state.clear()
+        for name in D64_VARIANTS:
+            m = module(mask, name, 64)
+            tf = run(f"d64 fp8 {name}", mask, flops, lambda m=m: m.forward(q8, k8, v8, q_descale=dq, k_descale=dk,
+                                                                            v_descale=dv))
+            if "base" not in state:
+                state.update(base=tf, ref=D64_VARIANTS[0])
 
 
 # -- driver ----------------------------------------------------------------------------------------------------
@@ -240,7 +295,7 @@ def table(rows):
             cells.append("" if r is None else f"{r['value']}{' (' + r['note'] + ')' if r.get('note') else ''}")
         out.append(f"| {name} | {cells[0]} | {cells[1]} |")
     checks = [r for r in rows if r.get("section") == "check"]
-    for name in VARIANTS:
+    for name in dict.fromkeys(r["variant"] for r in checks):
         mine = [r for r in checks if r["variant"] == name]
         out.append(f"check {name}: {sum(r['value'] == 'PASS' for r in mine)}/{len(mine)} PASS")
     return "\n".join(out)

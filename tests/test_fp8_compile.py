@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
 import torch
 import fagen
 from fagen.spec.kernel import KernelSpec
-from sm90 import ptxas
+from sm90 import loops, ptxas
 
 out = {}
 for key, fields in json.loads(sys.argv[2]).items():
@@ -51,7 +51,11 @@ for key, fields in json.loads(sys.argv[2]).items():
                     bf16_store=len(re.findall(r"cvt\.rn\.bf16x2\.f32", ptx)),
                     f16_store=len(re.findall(r"cvt\.rn\.f16x2\.f32", ptx)),
                     e4m3_cvt=len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx)),
-                    shfl=ptx.count("shfl.sync"))
+                    shfl=ptx.count("shfl.sync"),
+                    bars={f"{op}{i}": len(re.findall(rf"\bbar\.{op} {i}, 256;", ptx)) for op in ("sync", "arrive")
+                          for i in (14, 15)},
+                    repack=[len(re.findall(r"^\s*(?:prmt\.b32|cvt\.u32\.u16)\s", body, flags=re.M))
+                            for body in loops(ptx, min_wgmma=2, innermost=True)])
 print("RESULT " + json.dumps(out))
 """
 
@@ -71,7 +75,10 @@ def test_fp8_builds_within_shared_memory_without_spills(built, key):
     r = built[key]
     formula = backends.smem_bytes(spec_of(key))
     assert formula - 1024 <= r["shared"] <= formula <= targets.ARCH_SMEM_LIMIT["sm_90"], r
-    assert r["spills"] == 0 and r["stack"] == 0, r
+    # [Note] fp8 P rounding: P carried in fp32 across the loop costs ptxas a few spilled words (148 bytes causal, 28
+    # full: 2 LDL a step); none otherwise
+    spills, stack = (256, 64) if backends.GLUON.variant["fp8_p_cvt"] == 2 else (0, 0)
+    assert r["spills"] <= spills and r["stack"] <= stack, {k: r[k] for k in ("spills", "stack", "regs")}
     assert r["transpose_spills"] == 0 and r["transpose_cubin"] > 0, r  # transpose_v's kernel, launched before it
     assert r["num_warps"] == 12, r
     assert {backends.GLUON.variant["loader_regs"], backends.GLUON.variant["consumer_regs"]} <= set(r["setmaxnreg"])
@@ -96,3 +103,27 @@ def test_p_reaches_the_pv_operand_without_shuffles(built, key):
     conversion a cast in registers. The d128 kernel had 147 shfl.sync with the keys in order, 51 with the
     permutation (the bf16 kernel's count: the row reductions); no module may come back near the first."""
     assert built[key]["shfl"] <= 72, built[key]
+
+
+@pytest.mark.parametrize("key", list(MODULES))
+def test_the_warpgroups_take_turns_as_the_variant_says(built, key):
+    """[Note] fp8 turns: with fp8_turns 2 or 3 each warpgroup syncs on its own named barrier (14, 15: 256 threads)
+    once per loop and arrives on the other's once per loop, and warpgroup 0 arrives on its own once more first (else
+    its first turn never comes: a hang); with 0 or 1 no named barrier at all."""
+    b = built[key]["bars"]
+    if backends.GLUON.variant["fp8_turns"] >= 2:
+        assert b["sync14"] == b["sync15"] == b["arrive15"] >= 2 and b["arrive14"] == b["sync14"] + 1, b
+    else:
+        assert not any(b.values()), b
+
+
+@pytest.mark.parametrize("key", list(MODULES))
+def test_p_is_not_repacked_in_the_loop_as_the_variant_says(built, key):
+    """[Note] fp8 P rounding: with fp8_p_cvt 2 no loop that issues wgmma repacks P's bytes (prmt.b32, cvt.u32.u16 in
+    the PTX: at most 1 a loop, against 112 when P crosses the back edge in e4m3, fp8_p_cvt 0)."""
+    r = built[key]["repack"]
+    assert r, built[key]
+    if backends.GLUON.variant["fp8_p_cvt"] == 2:
+        assert max(r) <= 4, r
+    else:
+        assert min(r) >= 48, r

@@ -54,9 +54,10 @@ def test_split_forward_matches_float64(d, dv, mask, sq, sk):
     compare("lse", lse, ref_lse, **TOLERANCE[DType.BF16])
 
 
-def _check_grads(spec, q, k, v, do, mask, dtype):
-    """The spec's module's dq, dk, dv against the float64 reference's, at dtype's gradient tolerance."""
-    module = load(spec)
+def _check_grads(spec, q, k, v, do, mask, dtype, module=None):
+    """The spec's module's (or `module`'s) dq, dk, dv against the float64 reference's, at dtype's gradient
+    tolerance."""
+    module = load(spec) if module is None else module
     out, lse = module.forward(q, k, v)
     grads = module.backward(do, q, k, v, out, lse)
     ref_in = [t.double().requires_grad_() for t in (q, k, v)]
@@ -90,6 +91,25 @@ def test_mla_backward_at_its_own_tiles_matches_float64(mask, gqa, sq, sk):
     v = torch.randn(1, 1, sk, 128, generator=gen).bfloat16().to(DEVICE)
     do = torch.randn(1, gqa, sq, 128, generator=gen).bfloat16().to(DEVICE)
     _check_grads(spec, q, k, v, do, mask, DType.BF16)
+
+
+@pytest.mark.parametrize("group", [1, 2, 8])
+def test_mla_backward_work_order_runs_every_program_once(group, monkeypatch):
+    # [Note] MLA work order: programs taken in groups of HEAD_GROUP (head, batch) pairs, block-major. 3 batches x 3
+    # KV heads = 9 pairs, so groups of 2 leave a last group of 1 and groups of 8 one of 1; outputs start as NaN, so
+    # a program that never runs (or runs another's block) leaves NaN or a wrong sum in some gradient
+    from fagen.runtime.loader import load_source
+
+    spec = KernelSpec(head_dim=40, head_dim_v=24, mask="causal", dtype="fp32", gqa=2, direction="bwd", **SMALL)
+    src = render(spec).files[".py"]
+    assert src.count("HEAD_GROUP = tl.constexpr(8)\n") == 1 and src.count("# [Note] MLA work order") == 2
+    module = load_source(src.replace("HEAD_GROUP = tl.constexpr(8)", f"HEAD_GROUP = tl.constexpr({group})"),
+                         f"mla_work_order_{group}")
+    monkeypatch.setattr(module, "_new_out", lambda t: torch.full_like(t, float("nan")))
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, do = (torch.randn(3, h, s, d, generator=gen).to(DEVICE) for h, s, d in
+                   ((6, 37, 40), (3, 45, 40), (3, 45, 24), (6, 37, 24)))
+    _check_grads(spec, q, k, v, do, "causal", DType.FP32, module)
 
 
 def test_mla_defaults_on_sm90_and_elsewhere():

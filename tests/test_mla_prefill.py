@@ -273,11 +273,14 @@ def test_triton_mla_defaults_build_for_sm90_with_the_spills_claimed(tmp_path):
     assert not report.failures, report.failures
     kernels = {(r["name"], k["name"]): k for r in report.records for k in r["kernels"]}
     assert len(kernels) == 1 + 4, kernels  # the forward's kernel; the bwd module's forward, preprocess, dK/dV, dQ
-    # [Note] MLA backward steps: no spills anywhere (the dK/dV kernel spilled 10 words at m128n64w8s3 with 64-wide
-    # steps, 24 before the split head dim)
+    # [Note] MLA backward steps: no spills in any loop (the dK/dV kernel spilled 10 words at m128n64w8s3 with 64-wide
+    # steps, 24 before the split head dim). [Note] MLA work order: the dK/dV kernel's work item (block, head, batch)
+    # is computed, not read from the block index registers, and ptxas keeps 4 words of it in local memory, stored
+    # before the query loops and reloaded between them (sm_90 SASS: 4 STL, 5 LDL, the loop bodies as before)
+    claimed = {"_attn_bwd_dkdv": 4}
     for (variant, name), k in kernels.items():
         assert k["shared"] <= 227 * 1024, (variant, name, k)
-        assert k["spills"] == 0, (variant, name, k)
+        assert k["spills"] <= claimed.get(name, 0), (variant, name, k)
 
 
 def test_hopper_selection_keeps_head_dim_v_and_follows_select_mla(monkeypatch):

@@ -112,6 +112,36 @@ def test_mla_backward_work_order_runs_every_program_once(group, monkeypatch):
     _check_grads(spec, q, k, v, do, "causal", DType.FP32, module)
 
 
+@pytest.mark.parametrize("stats", ["dq kernel", "preprocess"])
+@pytest.mark.parametrize("mask", ["causal", "causal+padding"])
+def test_mla_row_statistics_in_the_dq_kernel_or_the_preprocess(stats, mask):
+    # [Note] MLA row statistics: with DQ_STATS the dQ kernel forms delta and lse2 and runs before dK/dV (two
+    # kernels); without it (or when dq is not needed) the preprocess does. Each way, all three gradients and dK/dV
+    # alone match float64; padded rows (lengths 29 of 37 and 37) get delta 0 and lse2 +inf either way
+    from fagen.runtime.loader import load_source
+
+    spec = KernelSpec(head_dim=40, head_dim_v=24, mask=mask, dtype="fp32", gqa=2, direction="bwd", **SMALL)
+    src = render(spec).files[".py"]
+    assert src.count("DQ_STATS = tl.constexpr(True)\n") == 1
+    module = load_source(src.replace("DQ_STATS = tl.constexpr(True)", f"DQ_STATS = tl.constexpr({stats == 'dq kernel'})"),
+                         f"mla_stats_{stats.replace(' ', '_')}")
+    gen = torch.Generator().manual_seed(4)
+    q, k, v, do = (torch.randn(2, h, 37, d, generator=gen).to(DEVICE) for h, d in ((4, 40), (2, 40), (2, 24), (4, 24)))
+    lens = {} if mask == "causal" else dict(seqlens_q=torch.tensor([29, 37], device=DEVICE),
+                                            seqlens_k=torch.tensor([37, 30], device=DEVICE))
+    out, lse = module.forward(q, k, v, **lens)
+    grads = module.backward(do, q, k, v, out, lse, **lens)
+    ref_in = [t.double().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = reference.attention(*ref_in, mask=mask, **lens)
+    ref_out.backward(do.double())
+    sq, sk = (lens["seqlens_q"], lens["seqlens_k"]) if lens else (None, None)
+    _, dk, dv = module._launch_backward(do, q, k, v, out, lse, 40 ** -0.5, sq, sk, None, need_dq=False)
+    tol = GRAD_TOLERANCE[DType.FP32]
+    for name, got, want in zip(("dq", "dk", "dv", "dk alone", "dv alone"), (*grads, dk, dv), ref_in + ref_in[1:]):
+        unit = max(1.0, want.grad.abs().max().item())
+        compare(name, got, want.grad, atol=tol["atol"] * unit, rtol=tol["rtol"])
+
+
 def test_mla_defaults_on_sm90_and_elsewhere():
     fwd = KernelSpec(head_dim=192, head_dim_v=128, mask="causal", dtype="bf16")
     bwd = KernelSpec(head_dim=192, head_dim_v=128, mask="causal", dtype="bf16", direction="bwd")

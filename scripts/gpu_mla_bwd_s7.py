@@ -16,7 +16,8 @@ never the table):
 2. time (one child; restarted past a crash with the rest): SDPA cuDNN's backward, fagen.attention's backward (the
    product path: whatever module it resolves), then each checked candidate: the whole backward, the preprocess
    alone (need_dq=need_dkdv=False) and its dK/dV and dQ launches (need_dq / need_dkdv, each less the preprocess).
-   A "2 streams" row times the dK/dV launch and the dQ launch (each with its own preprocess) on two streams at once.
+   A candidate with `_streams` times the dK/dV launch and the dQ launch (each with its own preprocess) on two
+   streams at once (round A's "2 streams": 351.5 TF/s against 359.8 on one stream; none in round B).
 TF/s counts as fagen's bench does: 2.5 * 2 * B * H * S * S * (192 + 128) / 2 for the causal backward.
 """
 
@@ -39,13 +40,12 @@ T0 = time.time()
 CHECK_BUDGET_S = 50  # no check starts after this
 BUDGET_S = 70  # no timing child starts after this; a running one is stopped at BUDGET_S + 25
 # The product's constants ([Note] MLA backward steps: spec m128n128w8s2, dK/dV 32-query steps, dQ 64-key steps, both
-# kernels at 3 stages; [Note] MLA work order: groups of 8 pairs; [Note] MLA row statistics: formed in the dQ kernel,
-# which runs first); candidates change some.
+# kernels at 3 stages; [Note] MLA work order: groups of 4 pairs); candidates change some.
 DEFAULT = dict(DKDV_BLOCK_N=128, DKDV_BLOCK_M=32, DKDV_NUM_WARPS=8, DKDV_NUM_STAGES=3,
-               DQ_BLOCK_M=128, DQ_BLOCK_N=64, DQ_NUM_WARPS=8, DQ_NUM_STAGES=3, HEAD_GROUP=8, DQ_STATS=True)
+               DQ_BLOCK_M=128, DQ_BLOCK_N=64, DQ_NUM_WARPS=8, DQ_NUM_STAGES=3, HEAD_GROUP=4)
 # the module constants a candidate may change
 PATCHED = ("DKDV_BLOCK_N", "DKDV_BLOCK_M", "DKDV_NUM_WARPS", "DKDV_NUM_STAGES", "DQ_BLOCK_M", "DQ_BLOCK_N",
-           "DQ_NUM_WARPS", "DQ_NUM_STAGES", "HEAD_GROUP", "DQ_STATS")
+           "DQ_NUM_WARPS", "DQ_NUM_STAGES", "HEAD_GROUP")
 
 
 def cand(label, **kw):
@@ -56,14 +56,12 @@ def cand(label, **kw):
 # grid has 64 (head, batch) pairs of 32 blocks: group 64 is one group (every head's heaviest block first), group 1
 # the sixth session's order (head after head).
 CANDIDATES = (
-    ("product", {}),  # the render as it ships, unpatched (group 8, row statistics in the dQ kernel)
-    cand("s6 product", HEAD_GROUP=1, DQ_STATS=False),  # the sixth session's: 341-347 TF/s there
-    cand("preprocess", DQ_STATS=False),  # group 8, the row statistics by the preprocess (three launches)
-    cand("group 4", HEAD_GROUP=4),
+    ("product", {}),  # the render as it ships, unpatched (group 4)
+    cand("s6 product", HEAD_GROUP=1),  # the sixth session's: 341-347 TF/s there, 342.5 in round A
+    cand("group 2", HEAD_GROUP=2),
+    cand("group 8", HEAD_GROUP=8),  # round A's product (with the statistics in dQ 359.8, by the preprocess 360.0)
     cand("group 16", HEAD_GROUP=16),
-    cand("group 64", HEAD_GROUP=64),
-    cand("kv s4", DKDV_NUM_STAGES=4),
-    cand("2 streams", _streams=True),  # preprocess + dK/dV beside the dQ kernel (with its own statistics)
+    ("product again", {}),  # the product timed once more, last: the run's noise
 )
 if DRY:  # the interpreter is slow at d192: the rehearsal runs the default and two variants
     CANDIDATES = CANDIDATES[:2] + CANDIDATES[-1:]
@@ -83,7 +81,7 @@ def source(consts: dict) -> tuple[object, str]:
     for name, value in consts.items():
         if name.startswith("_"):  # a timing switch (_streams), not a constant
             continue
-        text = f"tl.constexpr({value})" if name in ("HEAD_GROUP", "DQ_STATS") else f"{value}"
+        text = f"tl.constexpr({value})" if name == "HEAD_GROUP" else f"{value}"
         src, n = re.subn(rf"^{name} = .*$", f"{name} = {text}", src, count=1, flags=re.M)
         if n != 1:
             raise RuntimeError(f"{name} not in the render")
@@ -137,11 +135,18 @@ def child_check(label: str, consts: dict) -> dict:
             if not err < 2e-2:  # NaN fails too
                 raise AssertionError(f"{name} {mask} gqa{gqa} sq{sq} sk{sk}: max err {err:.2e} / {unit:.1f}")
             worst = max(worst, err)
-    # one untimed call at the bench shape: Triton's cache for the timing child
+    # one untimed call at the bench shape: Triton's cache for the timing child (and at the other shapes' masks)
     m = module(label, consts)
     q, k, v, do = bench_inputs()
     out, lse = m.forward(q, k, v)
     m.backward(do, q, k, v, out, lse)
+    if label in ("product", "s6 product"):
+        for mask, gqa, nb, hq, s in {(x[0], x[1]): x for x in SHAPES}.values():  # one call per module
+            m = module(label, consts, mask, gqa)
+            q, k, v, do = (torch.randn(nb, h, s, d, device=dev, generator=gen).bfloat16()
+                           for h, d in ((hq, D), (hq // gqa, D), (hq // gqa, DV), (hq, DV)))
+            out, lse = m.forward(q, k, v)
+            m.backward(do, q, k, v, out, lse)
     if not DRY:
         torch.cuda.synchronize()
     return {"err": worst}
@@ -169,6 +174,37 @@ def timed(fn) -> float:
     return do_bench(fn, warmup=50, rep=200)
 
 
+# Other shapes, product against the sixth session's order and cuDNN (the modules of the checks: no new compile):
+# (mask, gqa, batch, query heads, seq). cuDNN gets K/V repeated to the query heads under GQA (the same FLOPs).
+SHAPES = (("causal", 1, 8, 16, 2048), ("causal", 1, 1, 16, 8192), ("none", 2, 4, 16, 4096))
+if DRY:
+    SHAPES = (("causal", 1, 2, 2, 64), ("none", 2, 1, 4, 48))
+
+
+def child_shape(i: int) -> None:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    mask, gqa, nb, hq, s = SHAPES[i]
+    dev = "cpu" if DRY else "cuda"
+    gen = torch.Generator(device=dev).manual_seed(5)
+    q, k, v, do = (torch.randn(nb, h, s, d, device=dev, generator=gen).bfloat16()
+                   for h, d in ((hq, D), (hq // gqa, D), (hq // gqa, DV), (hq, DV)))
+    flops = 2.5 * 2 * nb * hq * s * s * (D + DV) / (2 if mask == "causal" else 1)
+    row = {"label": f"shape {i}", "shape": f"{mask} gqa{gqa} b{nb} h{hq} s{s}"}
+    qg, kg, vg = (t.detach().clone().requires_grad_() for t in
+                  (q, k.repeat_interleave(gqa, 1), v.repeat_interleave(gqa, 1)))
+    with sdpa_kernel(SDPBackend.MATH if DRY else SDPBackend.CUDNN_ATTENTION):
+        o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=mask == "causal")
+    row["cudnn"] = flops / timed(lambda: torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True)) / 1e9
+    for label in ("product", "s6 product"):
+        m = module(label, dict(CANDIDATES)[label], mask, gqa)
+        out, lse = m.forward(q, k, v)
+        row[label] = flops / timed(lambda: m.backward(do, q, k, v, out, lse)) / 1e9
+    print("ROW " + json.dumps(row), flush=True)
+
+
 # ---- child: time -----------------------------------------------------------------------------------------------
 def child_time(labels: list[str]) -> None:
     """One JSON line per row, flushed: the parent keeps the rows of a child that dies."""
@@ -187,6 +223,9 @@ def child_time(labels: list[str]) -> None:
                 o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True)
             t = timed(lambda: torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True))
             print("ROW " + json.dumps({"label": label, "ms": t, "tf": flops / t / 1e9}), flush=True)
+            continue
+        if label.startswith("shape "):  # "shape <i>": the product and the sixth session's order at SHAPES[i]
+            child_shape(int(label.split()[1]))
             continue
         if label == "fagen.attention":  # the product path: resolve() picks the module, autograd runs its backward
             import fagen
@@ -217,7 +256,7 @@ def child_time(labels: list[str]) -> None:
         t_q = timed(lambda: m._launch_backward(do, q, k, v, out, lse, scale, None, None, None, need_dkdv=False))
         t_pre = timed(lambda: m._launch_backward(do, q, k, v, out, lse, scale, None, None, None, need_dq=False,
                                                  need_dkdv=False))
-        extra = {"ms_pre": t_pre, "stats_in_dq": bool(m.DQ_STATS)}  # then the dQ launch has no preprocess
+        extra = {"ms_pre": t_pre}
         if label == "product":  # the module's forward: a training step runs it (bwd-module tiles)
             extra["ms_fwd"] = timed(lambda: m.forward(q, k, v))
         print("ROW " + json.dumps({"label": label, "ms": t, "tf": flops / t / 1e9, "ms_kv": t_kv, "ms_q": t_q,
@@ -271,7 +310,7 @@ def phase_time(labels: list[str], timeout_s: float) -> dict:
                 if line.startswith("ROW "):
                     r = json.loads(line[4:])
                     rows[r["label"]] = r
-                    log(f"time {r['label']}: {r['tf']:.1f} TF/s")
+                    log(f"time {r['label']}: " + (f"{r['tf']:.1f} TF/s" if "tf" in r else json.dumps(r)))
         th = threading.Thread(target=read, daemon=True)
         th.start()
         while p.poll() is None and time.time() - t0 < timeout_s and (DRY or time.time() - T0 < BUDGET_S + 25):
@@ -346,13 +385,13 @@ def main() -> None:
     checks = phase_check(timeout_s=600 if DRY else 45, parallel=2 if DRY else 8)
     ok = [label for label, _ in CANDIDATES if "err" in checks.get(label, {})]
     # fagen.attention last: its module may compile in the timing child (Triton's cache usually has it from phase 1)
-    rows = phase_time(["sdpa-cudnn", *ok, "fagen.attention"], timeout_s=600 if DRY else 60)
+    shapes = [f"shape {i}" for i in range(len(SHAPES))] if {"product", "s6 product"} <= set(ok) else []
+    rows = phase_time(["sdpa-cudnn", *ok, "fagen.attention", *shapes], timeout_s=600 if DRY else 60)
     peer = rows.get("sdpa-cudnn", {}).get("tf")
     flops = 2.5 * 2 * B * H * S * S * (D + DV) / 2
     case = f"causal b{B} h{H} s{S} d{D}v{DV} bf16"
     lines = [f"MLA backward (seventh session), {case} ({'CPU rehearsal' if DRY else torch.cuda.get_device_name()})",
-             "", "dK/dV and dQ ms: each kernel alone, less the preprocess (pre ms, timed alone) where it ran; with "
-             "the statistics in dQ the dQ kernel's time includes them",
+             "", "dK/dV and dQ ms: each kernel alone, less the preprocess (pre ms, timed alone)",
              "", "| candidate | constants (dK/dV n m w s; dQ m n w s; group) | check | TF/s | vs cuDNN | ms | pre ms "
              "| dK/dV ms | dQ ms |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     nan = float("nan")
@@ -360,21 +399,27 @@ def main() -> None:
         r, chk = rows.get(label, {}), checks.get(label, {})
         const = r.get("module", "") if c is None else "(the render)" if not c else (
             f"n{c['DKDV_BLOCK_N']} m{c['DKDV_BLOCK_M']} w{c['DKDV_NUM_WARPS']} s{c['DKDV_NUM_STAGES']}; "
-            f"m{c['DQ_BLOCK_M']} n{c['DQ_BLOCK_N']} w{c['DQ_NUM_WARPS']} s{c['DQ_NUM_STAGES']}; g{c['HEAD_GROUP']}; "
-            + ("stats in dQ" if c["DQ_STATS"] else "preprocess")
+            f"m{c['DQ_BLOCK_M']} n{c['DQ_BLOCK_N']} w{c['DQ_NUM_WARPS']} s{c['DQ_NUM_STAGES']}; g{c['HEAD_GROUP']}"
             + (" (dQ on a side stream)" if c.get("_streams") else ""))
         check = "" if c is None else (f"PASS {chk['err']:.1e}" if "err" in chk else f"FAIL {chk.get('fail', '?')}")
         if "tf" in r:
             ratio = f"{r['tf'] / peer:.2f}x" if peer else "-"
             pre = r.get("ms_pre", nan)
             lines.append(f"| {label} | {const} | {check} | {r['tf']:.1f} | {ratio} | {r['ms']:.3f} | {pre:.3f} | "
-                         f"{r.get('ms_kv', nan) - pre:.3f} | {r.get('ms_q', nan) - (0 if r.get('stats_in_dq') else pre):.3f} |")
+                         f"{r.get('ms_kv', nan) - pre:.3f} | {r.get('ms_q', nan) - pre:.3f} |")
         else:
             lines.append(f"| {label} | {const} | {check} | - | - | - | - | - | {r.get('fail', '')[:80]} |")
     r = rows.get("product", {})
     if "ms_fwd" in r:
         lines.append(f"\nproduct: the bwd module's forward (m128n128w8s2) {flops / 2.5 / r['ms_fwd'] / 1e9:.1f} "
                      f"TF/s, {r['ms_fwd']:.3f} ms; forward + backward {r['ms_fwd'] + r['ms']:.3f} ms")
+    shape_rows = [rows[x] for x in shapes if "cudnn" in rows.get(x, {})]
+    if shape_rows:
+        lines += ["", "Other shapes (TF/s; cuDNN with K/V repeated under GQA):", "",
+                  "| shape | cuDNN | product | vs cuDNN | s6 product | vs cuDNN |", "|---|---:|---:|---:|---:|---:|"]
+        for r in shape_rows:
+            lines.append(f"| {r['shape']} | {r['cudnn']:.1f} | {r['product']:.1f} | {r['product'] / r['cudnn']:.2f}x | "
+                         f"{r['s6 product']:.1f} | {r['s6 product'] / r['cudnn']:.2f}x |")
     best = max((r for lb, r in rows.items() if lb not in ("sdpa-cudnn", "fagen.attention") and "tf" in r), key=lambda r: r["tf"], default=None)
     if best:
         lines.append(f"\nbest: {best['label']} {best['tf']:.1f} TF/s" + (f" ({best['tf'] / peer:.2f}x cuDNN)" if peer else ""))

@@ -102,14 +102,6 @@ def rows_16(spec: KernelSpec) -> bool:
     return spec.head_dim % 16 == 0 and spec.head_dim_v % 16 == 0
 
 
-def split_head(spec: KernelSpec) -> bool:
-    """[Note] Split head dim in triton/attention.py.j2 (MLA prefill): a q/k width that is no power of two beside a
-    v width of its own; the template's `split`. Their dQ kernel also forms the backward's row statistics ([Note] MLA
-    row statistics in triton/backward.py.j2), so it takes out, lse and out's strides."""
-    return (spec.head_dim_v != spec.head_dim and 2 ** (spec.head_dim.bit_length() - 1) != spec.head_dim
-            and not spec.modded)
-
-
 def fp8_cache(spec: KernelSpec) -> bool:
     """A decode kernel reading an fp8 KV cache (README "Serving"): it takes the cache's scales."""
     return spec.kv_dtype is not None
@@ -334,9 +326,6 @@ ATTN_BWD_DQ = Kernel("_attn_bwd_dq", (
     T("DO", host="do", divisible=always), T("DQ", host="dq", divisible=always),
     *_ROW_STATS, *_LENGTHS, *_BWD_SCALES, *_BWD_QKV_STRIDES,
     *_strides("dq", "bhm", "dq", br="b"), *_TREE_STRIDES, *_BWD_TAIL,
-    T("Out", host="out", when=split_head, divisible=always, br=True),
-    T("Lse", "fp32", host="lse", when=split_head, divisible=always),
-    *(dataclasses.replace(a, when=split_head) for a in _strides("o", "bhm", "out")),
     *_HEAD_D, *_HEAD_DV, C("BLOCK_M", "DQ_BLOCK_M"), C("BLOCK_N", "DQ_BLOCK_N"), C("GQA", br=True), _UPCAST,
 ), packs={"scores": "scores", "blocks": _BLOCK_PACK}, warps="DQ_NUM_WARPS", stages="DQ_NUM_STAGES")
 

@@ -1,21 +1,23 @@
 """Seventh session: the MLA prefill backward (head_dim 192, head_dim_v 128; issue 27: >= 0.9x cuDNN's backward in the
 same run) at the bench row bwd-mla-d192v128-causal-s4k (causal, b4 h16 s4096, bf16): the work order of the gradient
-kernels ([Note] MLA work order, HEAD_GROUP) and the per-kernel split (preprocess, dK/dV, dQ).
+kernels ([Note] MLA work order, GROUP_PROGRAMS) and the per-kernel split (preprocess, dK/dV, dQ).
 
     PYTHONPATH=$PWD python3 scripts/gpu_mla_bwd_s7.py            # H100, under ~90 s; one table; $OUT/gpu_mla_bwd_s7.md
     GPU_MLA_BWD_DRY=1 PYTHONPATH=$PWD python3 scripts/gpu_mla_bwd_s7.py   # the same code on the CPU interpreter, tiny
     PYTHONPATH=$PWD python3 scripts/gpu_mla_bwd_s7.py --ptxas    # no GPU: sm_90 registers / spills / shared per kernel
 
 A candidate is the default spec's render with some module constants replaced (DKDV_BLOCK_N/M, DQ_BLOCK_M/N, each
-kernel's warps and stages, HEAD_GROUP: the (head, batch) pairs per group of the work order; 1 is the grid order of
-the sixth session). Phases, each in child processes with timeouts (a kernel that faults or hangs loses its row,
-never the table):
+kernel's warps and stages, GROUP_PROGRAMS: a group of the work order is the fewest (head, batch) pairs, a power of
+two, with that many blocks; 1 is the grid order of the sixth session). Phases, each in child processes with
+timeouts (a kernel that faults or hangs loses its row, never the table):
 1. check (in parallel, 8 at a time; none starts after CHECK_BUDGET_S): each candidate's dq/dk/dv against the
-   float64 reference at shapes whose lengths are not multiples of any block (causal b3 Sq 200 / Sk 333: 3 pairs,
-   a partial group; none gqa 2 S 257), then one untimed call at the bench shape (fills Triton's cache);
-2. time (one child; restarted past a crash with the rest): SDPA cuDNN's backward, fagen.attention's backward (the
-   product path: whatever module it resolves), then each checked candidate: the whole backward, the preprocess
-   alone (need_dq=need_dkdv=False) and its dK/dV and dQ launches (need_dq / need_dkdv, each less the preprocess).
+   float64 reference, outputs NaN-filled, at shapes whose lengths are not multiples of any block (causal b3 h2
+   Sq 200 / Sk 333: 6 pairs, a partial group; none gqa 2 S 257), then one untimed call at the bench shape (and,
+   for the shapes table's candidates, at each of its masks: fills Triton's cache);
+2. time (one child; restarted past a crash with the rest): SDPA cuDNN's backward, then each checked candidate:
+   the whole backward, the preprocess alone (need_dq=need_dkdv=False) and its dK/dV and dQ launches (need_dq /
+   need_dkdv, each less the preprocess); fagen.attention's backward (the product path: whatever module it
+   resolves); then SHAPES: cuDNN and SHAPE_LABELS at other shapes.
    A candidate with `_streams` times the dK/dV launch and the dQ launch (each with its own preprocess) on two
    streams at once (round A's "2 streams": 351.5 TF/s against 359.8 on one stream; none in round B).
 TF/s counts as fagen's bench does: 2.5 * 2 * B * H * S * S * (192 + 128) / 2 for the causal backward.
@@ -40,12 +42,12 @@ T0 = time.time()
 CHECK_BUDGET_S = 50  # no check starts after this
 BUDGET_S = 70  # no timing child starts after this; a running one is stopped at BUDGET_S + 25
 # The product's constants ([Note] MLA backward steps: spec m128n128w8s2, dK/dV 32-query steps, dQ 64-key steps, both
-# kernels at 3 stages; [Note] MLA work order: groups of 4 pairs); candidates change some.
+# kernels at 3 stages; [Note] MLA work order: groups of 128 programs or more); candidates change some.
 DEFAULT = dict(DKDV_BLOCK_N=128, DKDV_BLOCK_M=32, DKDV_NUM_WARPS=8, DKDV_NUM_STAGES=3,
-               DQ_BLOCK_M=128, DQ_BLOCK_N=64, DQ_NUM_WARPS=8, DQ_NUM_STAGES=3, HEAD_GROUP=4)
+               DQ_BLOCK_M=128, DQ_BLOCK_N=64, DQ_NUM_WARPS=8, DQ_NUM_STAGES=3, GROUP_PROGRAMS=128)
 # the module constants a candidate may change
 PATCHED = ("DKDV_BLOCK_N", "DKDV_BLOCK_M", "DKDV_NUM_WARPS", "DKDV_NUM_STAGES", "DQ_BLOCK_M", "DQ_BLOCK_N",
-           "DQ_NUM_WARPS", "DQ_NUM_STAGES", "HEAD_GROUP")
+           "DQ_NUM_WARPS", "DQ_NUM_STAGES", "GROUP_PROGRAMS")
 
 
 def cand(label, **kw):
@@ -56,15 +58,15 @@ def cand(label, **kw):
 # grid has 64 (head, batch) pairs of 32 blocks: group 64 is one group (every head's heaviest block first), group 1
 # the sixth session's order (head after head).
 CANDIDATES = (
-    ("product", {}),  # the render as it ships, unpatched (group 4)
-    cand("s6 product", HEAD_GROUP=1),  # the sixth session's: 341-347 TF/s there, 342.5 in round A
-    cand("group 2", HEAD_GROUP=2),
-    cand("group 8", HEAD_GROUP=8),  # round A's product (with the statistics in dQ 359.8, by the preprocess 360.0)
-    cand("group 16", HEAD_GROUP=16),
+    ("product", {}),  # the render as it ships, unpatched (128 programs: groups of 4 pairs at the bench shape)
+    cand("s6 product", GROUP_PROGRAMS=1),  # the sixth session's: 341-347 TF/s there, 342.5 in round A
+    cand("programs 64", GROUP_PROGRAMS=64),  # groups of 2 at the bench shape
+    cand("programs 256", GROUP_PROGRAMS=256),  # of 8: round A's product (359.8; by the preprocess 360.0)
+    cand("programs 512", GROUP_PROGRAMS=512),  # of 16 (round A 351.7)
     ("product again", {}),  # the product timed once more, last: the run's noise
 )
 if DRY:  # the interpreter is slow at d192: the rehearsal runs the default and two variants
-    CANDIDATES = CANDIDATES[:2] + CANDIDATES[-1:]
+    CANDIDATES = tuple(c for c in CANDIDATES if c[0] in ("product", "s6 product", "programs 256"))
 
 
 def log(msg):
@@ -81,7 +83,7 @@ def source(consts: dict) -> tuple[object, str]:
     for name, value in consts.items():
         if name.startswith("_"):  # a timing switch (_streams), not a constant
             continue
-        text = f"tl.constexpr({value})" if name == "HEAD_GROUP" else f"{value}"
+        text = f"tl.constexpr({value})" if name == "GROUP_PROGRAMS" else f"{value}"
         src, n = re.subn(rf"^{name} = .*$", f"{name} = {text}", src, count=1, flags=re.M)
         if n != 1:
             raise RuntimeError(f"{name} not in the render")
@@ -112,7 +114,8 @@ def child_check(label: str, consts: dict) -> dict:
     dev = "cpu" if DRY else "cuda"
     gen = torch.Generator(device=dev).manual_seed(1)
     worst = 0.0
-    # (mask, gqa, batch, sq, sk): causal at 3 batches of 2 heads (6 pairs: a partial group at groups of 4 or 16)
+    # (mask, gqa, batch, sq, sk): causal at 3 batches of 2 heads (6 pairs of 2 or 3 blocks: one group, partial, of
+    # the 64 pairs that GROUP_PROGRAMS 128 asks for; tests/test_mla_prefill.py checks several partial groups)
     shapes = ((("causal", 1, 3, 40, 61), ("none", 2, 1, 33, 33)) if DRY else
               (("causal", 1, 3, 200, 333), ("none", 2, 1, 257, 257)))
     for mask, gqa, nb, sq, sk in shapes:
@@ -140,7 +143,7 @@ def child_check(label: str, consts: dict) -> dict:
     q, k, v, do = bench_inputs()
     out, lse = m.forward(q, k, v)
     m.backward(do, q, k, v, out, lse)
-    if label in ("product", "s6 product"):
+    if label in SHAPE_LABELS:
         for mask, gqa, nb, hq, s in {(x[0], x[1]): x for x in SHAPES}.values():  # one call per module
             m = module(label, consts, mask, gqa)
             q, k, v, do = (torch.randn(nb, h, s, d, device=dev, generator=gen).bfloat16()
@@ -177,6 +180,7 @@ def timed(fn) -> float:
 # Other shapes, product against the sixth session's order and cuDNN (the modules of the checks: no new compile):
 # (mask, gqa, batch, query heads, seq). cuDNN gets K/V repeated to the query heads under GQA (the same FLOPs).
 SHAPES = (("causal", 1, 8, 16, 2048), ("causal", 1, 1, 16, 8192), ("none", 2, 4, 16, 4096))
+SHAPE_LABELS = ("product", "programs 256", "s6 product")
 if DRY:
     SHAPES = (("causal", 1, 2, 2, 64), ("none", 2, 1, 4, 48))
 
@@ -198,7 +202,7 @@ def child_shape(i: int) -> None:
     with sdpa_kernel(SDPBackend.MATH if DRY else SDPBackend.CUDNN_ATTENTION):
         o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=mask == "causal")
     row["cudnn"] = flops / timed(lambda: torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True)) / 1e9
-    for label in ("product", "s6 product"):
+    for label in SHAPE_LABELS:
         m = module(label, dict(CANDIDATES)[label], mask, gqa)
         out, lse = m.forward(q, k, v)
         row[label] = flops / timed(lambda: m.backward(do, q, k, v, out, lse)) / 1e9
@@ -385,7 +389,7 @@ def main() -> None:
     checks = phase_check(timeout_s=600 if DRY else 45, parallel=2 if DRY else 8)
     ok = [label for label, _ in CANDIDATES if "err" in checks.get(label, {})]
     # fagen.attention last: its module may compile in the timing child (Triton's cache usually has it from phase 1)
-    shapes = [f"shape {i}" for i in range(len(SHAPES))] if {"product", "s6 product"} <= set(ok) else []
+    shapes = [f"shape {i}" for i in range(len(SHAPES))] if set(SHAPE_LABELS) <= set(ok) else []
     rows = phase_time(["sdpa-cudnn", *ok, "fagen.attention", *shapes], timeout_s=600 if DRY else 60)
     peer = rows.get("sdpa-cudnn", {}).get("tf")
     flops = 2.5 * 2 * B * H * S * S * (D + DV) / 2
@@ -399,7 +403,8 @@ def main() -> None:
         r, chk = rows.get(label, {}), checks.get(label, {})
         const = r.get("module", "") if c is None else "(the render)" if not c else (
             f"n{c['DKDV_BLOCK_N']} m{c['DKDV_BLOCK_M']} w{c['DKDV_NUM_WARPS']} s{c['DKDV_NUM_STAGES']}; "
-            f"m{c['DQ_BLOCK_M']} n{c['DQ_BLOCK_N']} w{c['DQ_NUM_WARPS']} s{c['DQ_NUM_STAGES']}; g{c['HEAD_GROUP']}"
+            f"m{c['DQ_BLOCK_M']} n{c['DQ_BLOCK_N']} w{c['DQ_NUM_WARPS']} s{c['DQ_NUM_STAGES']}; "
+            f"p{c['GROUP_PROGRAMS']}"
             + (" (dQ on a side stream)" if c.get("_streams") else ""))
         check = "" if c is None else (f"PASS {chk['err']:.1e}" if "err" in chk else f"FAIL {chk.get('fail', '?')}")
         if "tf" in r:
@@ -415,14 +420,16 @@ def main() -> None:
                      f"TF/s, {r['ms_fwd']:.3f} ms; forward + backward {r['ms_fwd'] + r['ms']:.3f} ms")
     shape_rows = [rows[x] for x in shapes if "cudnn" in rows.get(x, {})]
     if shape_rows:
-        lines += ["", "Other shapes (TF/s; cuDNN with K/V repeated under GQA):", "",
-                  "| shape | cuDNN | product | vs cuDNN | s6 product | vs cuDNN |", "|---|---:|---:|---:|---:|---:|"]
+        lines += ["", "Other shapes (TF/s and the ratio to cuDNN; cuDNN with K/V repeated under GQA):", "",
+                  "| shape | cuDNN | " + " | ".join(SHAPE_LABELS) + " |", "|---|---:|" + "---:|" * len(SHAPE_LABELS)]
         for r in shape_rows:
-            lines.append(f"| {r['shape']} | {r['cudnn']:.1f} | {r['product']:.1f} | {r['product'] / r['cudnn']:.2f}x | "
-                         f"{r['s6 product']:.1f} | {r['s6 product'] / r['cudnn']:.2f}x |")
-    best = max((r for lb, r in rows.items() if lb not in ("sdpa-cudnn", "fagen.attention") and "tf" in r), key=lambda r: r["tf"], default=None)
+            lines.append(f"| {r['shape']} | {r['cudnn']:.1f} | "
+                         + " | ".join(f"{r[x]:.1f} ({r[x] / r['cudnn']:.2f}x)" for x in SHAPE_LABELS) + " |")
+    best = max((r for lb, r in rows.items() if lb not in ("sdpa-cudnn", "fagen.attention") and "tf" in r),
+               key=lambda r: r["tf"], default=None)
     if best:
-        lines.append(f"\nbest: {best['label']} {best['tf']:.1f} TF/s" + (f" ({best['tf'] / peer:.2f}x cuDNN)" if peer else ""))
+        lines.append(f"\nbest: {best['label']} {best['tf']:.1f} TF/s"
+                     + (f" ({best['tf'] / peer:.2f}x cuDNN)" if peer else ""))
     text = "\n".join(lines)
     print("\n" + text, flush=True)
     if os.environ.get("OUT"):

@@ -93,18 +93,20 @@ def test_mla_backward_at_its_own_tiles_matches_float64(mask, gqa, sq, sk):
     _check_grads(spec, q, k, v, do, mask, DType.BF16)
 
 
-@pytest.mark.parametrize("group", [1, 4, 8])
-def test_mla_backward_work_order_runs_every_program_once(group, monkeypatch):
-    # [Note] MLA work order: programs taken in groups of HEAD_GROUP (head, batch) pairs, block-major. 5 batches of
-    # 1 KV head (dK/dV: 5 pairs) and 2 query heads (dQ: 10 pairs), so groups of 4 and 8 end in a partial group;
-    # outputs start as NaN, so a program that never runs (or runs another's block) leaves NaN or a wrong sum
+@pytest.mark.parametrize("programs", [1, 6, 8, 32])
+def test_mla_backward_work_order_runs_every_program_once(programs, monkeypatch):
+    # [Note] MLA work order: programs taken in groups of (head, batch) pairs, block-major, a group the fewest pairs
+    # (a power of two) with GROUP_PROGRAMS blocks or more. 5 batches of 1 KV head (dK/dV: 5 pairs of 3 key blocks)
+    # and 2 query heads (dQ: 10 pairs of 2 query blocks): 6 gives groups of 2 and 4, 8 of 4 (partial last groups),
+    # 32 one group of every pair. Outputs start as NaN, so a program that never runs (or runs another's block)
+    # leaves NaN or a wrong sum
     from fagen.runtime.loader import load_source
 
     spec = KernelSpec(head_dim=40, head_dim_v=24, mask="causal", dtype="fp32", gqa=2, direction="bwd", **SMALL)
     src = render(spec).files[".py"]
-    assert src.count("HEAD_GROUP = tl.constexpr(4)\n") == 1 and src.count("# [Note] MLA work order") == 2
-    module = load_source(src.replace("HEAD_GROUP = tl.constexpr(4)", f"HEAD_GROUP = tl.constexpr({group})"),
-                         f"mla_work_order_{group}")
+    assert src.count("GROUP_PROGRAMS = tl.constexpr(128)\n") == 1 and src.count("# [Note] MLA work order") == 2
+    patched = src.replace("GROUP_PROGRAMS = tl.constexpr(128)", f"GROUP_PROGRAMS = tl.constexpr({programs})")
+    module = load_source(patched, f"mla_work_order_{programs}")
     monkeypatch.setattr(module, "_new_out", lambda t: torch.full_like(t, float("nan")))
     gen = torch.Generator().manual_seed(3)
     q, k, v, do = (torch.randn(5, h, s, d, generator=gen).to(DEVICE) for h, s, d in

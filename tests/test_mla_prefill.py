@@ -54,9 +54,10 @@ def test_split_forward_matches_float64(d, dv, mask, sq, sk):
     compare("lse", lse, ref_lse, **TOLERANCE[DType.BF16])
 
 
-def _check_grads(spec, q, k, v, do, mask, dtype):
-    """The spec's module's dq, dk, dv against the float64 reference's, at dtype's gradient tolerance."""
-    module = load(spec)
+def _check_grads(spec, q, k, v, do, mask, dtype, module=None):
+    """The spec's module's (or `module`'s) dq, dk, dv against the float64 reference's, at dtype's gradient
+    tolerance."""
+    module = load(spec) if module is None else module
     out, lse = module.forward(q, k, v)
     grads = module.backward(do, q, k, v, out, lse)
     ref_in = [t.double().requires_grad_() for t in (q, k, v)]
@@ -90,6 +91,27 @@ def test_mla_backward_at_its_own_tiles_matches_float64(mask, gqa, sq, sk):
     v = torch.randn(1, 1, sk, 128, generator=gen).bfloat16().to(DEVICE)
     do = torch.randn(1, gqa, sq, 128, generator=gen).bfloat16().to(DEVICE)
     _check_grads(spec, q, k, v, do, mask, DType.BF16)
+
+
+@pytest.mark.parametrize("programs", [1, 6, 8, 32])
+def test_mla_backward_work_order_runs_every_program_once(programs, monkeypatch):
+    # [Note] MLA work order: programs taken in groups of (head, batch) pairs, block-major, a group the fewest pairs
+    # (a power of two) with GROUP_PROGRAMS blocks or more. 5 batches of 1 KV head (dK/dV: 5 pairs of 3 key blocks)
+    # and 2 query heads (dQ: 10 pairs of 2 query blocks): 6 gives groups of 2 and 4, 8 of 4 (partial last groups),
+    # 32 one group of every pair. Outputs start as NaN, so a program that never runs (or runs another's block)
+    # leaves NaN or a wrong sum
+    from fagen.runtime.loader import load_source
+
+    spec = KernelSpec(head_dim=40, head_dim_v=24, mask="causal", dtype="fp32", gqa=2, direction="bwd", **SMALL)
+    src = render(spec).files[".py"]
+    assert src.count("GROUP_PROGRAMS = tl.constexpr(128)\n") == 1 and src.count("# [Note] MLA work order") == 2
+    patched = src.replace("GROUP_PROGRAMS = tl.constexpr(128)", f"GROUP_PROGRAMS = tl.constexpr({programs})")
+    module = load_source(patched, f"mla_work_order_{programs}")
+    monkeypatch.setattr(module, "_new_out", lambda t: torch.full_like(t, float("nan")))
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, do = (torch.randn(5, h, s, d, generator=gen).to(DEVICE) for h, s, d in
+                   ((2, 20, 40), (1, 33, 40), (1, 33, 24), (2, 20, 24)))
+    _check_grads(spec, q, k, v, do, "causal", DType.FP32, module)
 
 
 def test_mla_defaults_on_sm90_and_elsewhere():
@@ -253,11 +275,14 @@ def test_triton_mla_defaults_build_for_sm90_with_the_spills_claimed(tmp_path):
     assert not report.failures, report.failures
     kernels = {(r["name"], k["name"]): k for r in report.records for k in r["kernels"]}
     assert len(kernels) == 1 + 4, kernels  # the forward's kernel; the bwd module's forward, preprocess, dK/dV, dQ
-    # [Note] MLA backward steps: no spills anywhere (the dK/dV kernel spilled 10 words at m128n64w8s3 with 64-wide
-    # steps, 24 before the split head dim)
+    # [Note] MLA backward steps: no spills in any loop (the dK/dV kernel spilled 10 words at m128n64w8s3 with 64-wide
+    # steps, 24 before the split head dim). [Note] MLA work order: the dK/dV kernel's work item (block, head, batch)
+    # is computed, not read from the block index registers, and ptxas keeps 4 words of it in local memory, stored
+    # before the query loops and reloaded between them (sm_90 SASS: 4 STL, 5 LDL, the loop bodies as before)
+    claimed = {"_attn_bwd_dkdv": 4}
     for (variant, name), k in kernels.items():
         assert k["shared"] <= 227 * 1024, (variant, name, k)
-        assert k["spills"] == 0, (variant, name, k)
+        assert k["spills"] <= claimed.get(name, 0), (variant, name, k)
 
 
 def test_hopper_selection_keeps_head_dim_v_and_follows_select_mla(monkeypatch):

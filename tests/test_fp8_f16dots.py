@@ -43,8 +43,9 @@ def _log_uniform(gen, lo, hi, *shape):
 
 
 def _problem(gen, kv, shared, layout, q_log2, tok_log2):
-    """q (its values times 2^q_log2), the cache(s) with per-token scales log-uniform over 2^tok_log2 (None: one scale
-    a tensor; "blocks": log-uniform 2^-1 .. 2 times 2^-12 .. 2^12 a key block, v's only where k has its own), the call's keywords and each sequence's float64 dequantized (k, v)."""
+    """q (its values times 2^q_log2), the cache(s) with per-token scales log-uniform over 2^tok_log2 (None: one
+    scale a tensor; "blocks": log-uniform 2^-1 .. 2 times 2^-12 .. 2^12 a key block, v's only where k has its
+    own), the call's keywords and each sequence's float64 dequantized (k, v)."""
     d = D if shared else HD
     b, n_max, page = len(LENS), max(LENS), 16
     q = (torch.randn(b, 4, 1, d, generator=gen) * 2.0 ** q_log2).bfloat16()

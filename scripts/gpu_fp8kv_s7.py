@@ -6,7 +6,8 @@ scaled by powers of two into fp16's range) and a few tiles, each checked against
     GPU_FP8KV_S7_DRY=1 PYTHONPATH=$PWD python3 scripts/gpu_fp8kv_s7.py   # the CPU interpreter, tiny shapes
 
 Candidates (text replacements on the render): default (the product), f16 (F16_DOTS on), f16v (F16_DOTS and V_ONCE on:
-V converted once in its load layout, as MLA's latent tile is; d128 only), and f16 at MLA tiles n64w8s3 and n32w4s4.
+V converted once in its load layout, as MLA's latent tile is; d128 only), f16l / f16vl (and LAZY_RESCALE on: [Note]
+Lazy rescale), and f16 at MLA tiles n64w8s3 and n32w4s4.
 Phases, each in a child process with a timeout (a kernel that faults or hangs loses its phase, not the table):
 1. d128: h32/8 at b32 kv8192 and b128 kv4096: bf16, e4m3, e5m2 (per-head scales): GB/s of the bytes read and % of a
    device copy measured in the same phase; every row checked (the last sequence) before it is timed.
@@ -72,6 +73,9 @@ def phase(name):  # noqa: C901 - one phase in this process
     f16 = [("_F16_DOTS = False", "_F16_DOTS = True")]
     cands = {"default": ([], {}), "f16": (f16, {}),  # f16v: and V converted once in its load layout (d128)
              "f16v": (f16 + [("V_ONCE = tl.constexpr(False and", "V_ONCE = tl.constexpr(True and")], {})}
+    lazy = [("LAZY_RESCALE = tl.constexpr(False)", "LAZY_RESCALE = tl.constexpr(True)")]
+    cands["f16l"] = (f16 + lazy, {})  # and the accumulator rescaled only where alpha != 1 ([Note] Lazy rescale)
+    cands["f16vl"] = (cands["f16v"][0] + lazy, {})
     mods = {}
 
     def module(spec_kw, cand):
@@ -176,10 +180,11 @@ def phase(name):  # noqa: C901 - one phase in this process
         return 2 * x.numel() / bench(lambda: y.copy_(x)) / 1e6
 
     if name == "check":
-        for cand in ("f16", "f16v"):  # the default: checked in earlier runs, and in each timing row
+        for cand in ("f16", "f16l", "f16v", "f16vl"):  # the default: checked in earlier runs and each timing row
             for kv in fp8:
                 for layout, form in (("dense", "head"), ("dense", "token"), ("paged", "tensor"), ("paged", "token")):
-                    if cand == "default" or cand == "f16v" and (kv == "fp8_e5m2" or form in ("head", "tensor")) \
+                    vonce = cand in ("f16v", "f16vl")
+                    if cand == "f16l" or vonce and (kv == "fp8_e5m2" or form in ("head", "tensor")) \
                             or kv == "fp8_e5m2" and form == "token" and layout == "dense":
                         continue
                     case = f"d128 h8/2 {layout} {kv} {form} scales"
@@ -190,7 +195,7 @@ def phase(name):  # noqa: C901 - one phase in this process
                     guarded("check", case, cand, run)
             for form in ("token", "tensor"):
                 for sq in (2, 1):
-                    if cand == "f16v":  # the latent tile is converted once already
+                    if cand in ("f16v", "f16vl") or cand == "f16l" and form == "tensor":  # V_ONCE: on for MLA
                         continue
                     case = f"MLA h16 sq{sq} page{PAGE} e4m3 {form} lens 1000/77/513"
 
@@ -212,7 +217,8 @@ def phase(name):  # noqa: C901 - one phase in this process
             b, sk = (min(b, 2), max(64, sk // 128)) if DRY else (b, sk)
             case = f"d128 h32/8 b{b} kv{sk}"
             for kv, cand in ((None, "default"), ("fp8_e4m3", "default"), ("fp8_e4m3", "f16"), ("fp8_e4m3", "f16v"),
-                             ("fp8_e5m2", "default"), ("fp8_e5m2", "f16"), ("fp8_e5m2", "f16v")):
+                             ("fp8_e4m3", "f16vl"), ("fp8_e5m2", "default"), ("fp8_e5m2", "f16"),
+                             ("fp8_e5m2", "f16v")):
                 impl = f"{kv or 'bf16'} {cand}"
 
                 def run():
@@ -239,7 +245,8 @@ def phase(name):  # noqa: C901 - one phase in this process
                          f"{100 * read / ms / 1e6 / peak:.0f}% of copy; err {err:.1e}")
                 guarded("d128", case, impl, run)
     if name == "mla":
-        impls = [(None, "default", {}), ("fp8_e4m3", "default", {}), ("fp8_e4m3", "f16", {})]
+        impls = [(None, "default", {}), ("fp8_e4m3", "default", {}), ("fp8_e4m3", "f16", {}),
+                 ("fp8_e4m3", "f16l", {})]
         if not DRY:
             impls += [("fp8_e4m3", "f16", dict(block_m=16, block_n=bn, num_warps=w, num_stages=st))
                       for bn, w, st in ((64, 8, 3), (32, 4, 4))]  # n64w4s2 spills (sm_90 ptxas: 224 B stack)

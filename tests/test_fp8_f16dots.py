@@ -18,15 +18,16 @@ D, DV = 40, 24  # MLA's 576 / 512 scaled down (tests/test_fp8_pertoken.py)
 HD = 32  # a cache with its own v
 LENS = (50, 23)  # not multiples of the key block (16)
 ON = ("_F16_DOTS = False", "_F16_DOTS = True")
+LAZY = ("LAZY_RESCALE = tl.constexpr(False)", "LAZY_RESCALE = tl.constexpr(True)")
 
 
-def _f16(spec: fagen.KernelSpec):
-    """The spec's module with fp16 dots, whether or not they are the default."""
+def _f16(spec: fagen.KernelSpec, lazy: bool):
+    """The spec's module with fp16 dots (and the lazy rescale on or off), whatever the defaults."""
     source = fagen.generate(spec)
-    assert ON[0] in source or ON[1] in source, "the fp8 decode render has no F16_DOTS switch"
-    if ON[1] in source:
-        return fagen.load(spec)
-    return load_source(source.replace(*ON), f"{spec.name}_f16test")
+    for switch, on in ((ON, True), (LAZY, lazy)):
+        assert switch[0] in source or switch[1] in source, f"the fp8 decode render has no {switch[0]!r}"
+        source = source.replace(*switch) if on else source.replace(*reversed(switch))
+    return load_source(source, f"{spec.name}_f16test{int(lazy)}")
 
 
 def _spec(kv, shared, layout):
@@ -98,14 +99,17 @@ CASES = [  # (kv, shared, layout, q's log2 magnitude, per-token scales' log2 ran
 ]
 
 
+@pytest.mark.parametrize("lazy", [False, True], ids=["rescale", "lazy"])
 @pytest.mark.parametrize("kv,shared,layout,q_log2,tok_log2,scale", CASES, ids=str)
-def test_fp16_dots_match_the_dequantized_reference_across_fp16s_range(kv, shared, layout, q_log2, tok_log2, scale):
+def test_fp16_dots_match_the_dequantized_reference_across_fp16s_range(kv, shared, layout, q_log2, tok_log2, scale,
+                                                                       lazy):
     """out within atol * max(1, T) + rtol * |o| of the reference (T: the reference on |V|, as in
     test_fp8_pertoken.py) and lse within its tolerance, for MLA's latent cache and a cache with its own v, dense
     (ragged lengths) and paged, with q and per-token scales where an unscaled fp16 q or P would overflow or
-    underflow; one-scale caches too."""
+    underflow; one-scale caches too; with the accumulator rescaled every block and only where alpha != 1 ([Note]
+    Lazy rescale)."""
     gen = torch.Generator().manual_seed(sum(map(ord, f"{kv}{shared}{layout}{q_log2}{tok_log2}")))
-    module = _f16(_spec(kv, shared, layout))
+    module = _f16(_spec(kv, shared, layout), lazy)
     q, caches, scales, kw, keys = _problem(gen, kv, shared, layout, q_log2, tok_log2)
     dev = [c.to(DEVICE) for c in caches]
     sc = [s.to(DEVICE) if isinstance(s, torch.Tensor) else s for s in scales]

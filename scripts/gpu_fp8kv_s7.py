@@ -5,9 +5,11 @@ scaled by powers of two into fp16's range) and a few tiles, each checked against
     PYTHONPATH=$PWD python3 scripts/gpu_fp8kv_s7.py      # at most 105 s on an H100; one table; $OUT/gpu_fp8kv_s7.md
     GPU_FP8KV_S7_DRY=1 PYTHONPATH=$PWD python3 scripts/gpu_fp8kv_s7.py   # the CPU interpreter, tiny shapes
 
-Candidates (text replacements on the render): default (the product), f16 (F16_DOTS on), f16v (F16_DOTS and V_ONCE on:
-V converted once in its load layout, as MLA's latent tile is; d128 only), f16l / f16vl (and LAZY_RESCALE on: [Note]
-Lazy rescale), and f16 at MLA tiles n64w8s3, n32w8s3 and n32w4s4 while the phase's first 30 s last.
+Candidates (text replacements on the render). Round A (00:50 UTC): default (then bf16 dots), f16 (F16_DOTS on), f16v
+(F16_DOTS and V_ONCE on: V converted once in its load layout, as MLA's latent tile is; d128 only), f16l / f16vl (and
+LAZY_RESCALE on: [Note] Lazy rescale), f16 at MLA tiles n64w8s3, n32w8s3, n32w4s4. Round B: default (the product,
+fp16 dots now), asm (F16_DOTS off: the default of before), v (V_ONCE on, d128), l (LAZY_RESCALE on, MLA), and at
+d128 b32 kv8192 the default and v with 2 and 4 splits (forward_split); MLA n32w4s4.
 Phases, each in a child process with a timeout (a kernel that faults or hangs loses its phase, not the table):
 1. d128: h32/8 at b32 kv8192 and b128 kv4096: bf16, e4m3, e5m2 (per-head scales): GB/s of the bytes read and % of a
    device copy measured in the same phase; every row checked (the last sequence) before it is timed.
@@ -70,12 +72,11 @@ def phase(name):  # noqa: C901 - one phase in this process
         return _bench(fn, DRY, warmup=10, rep=40)
 
     # candidates: name -> (text replacements on the render, spec fields)
-    f16 = [("_F16_DOTS = False", "_F16_DOTS = True")]
-    cands = {"default": ([], {}), "f16": (f16, {}),  # f16v: and V converted once in its load layout (d128)
-             "f16v": (f16 + [("V_ONCE = tl.constexpr(False and", "V_ONCE = tl.constexpr(True and")], {})}
-    lazy = [("LAZY_RESCALE = tl.constexpr(False)", "LAZY_RESCALE = tl.constexpr(True)")]
-    cands["f16l"] = (f16 + lazy, {})  # and the accumulator rescaled only where alpha != 1 ([Note] Lazy rescale)
-    cands["f16vl"] = (cands["f16v"][0] + lazy, {})
+    # round B: the product default has fp16 dots ([Note] fp16 dots); "asm" is the default before (bf16 dots, e4m3
+    # through the integer asm); "v" adds V converted once in its load layout (V_ONCE, d128); "l" the lazy rescale
+    cands = {"default": ([], {}), "asm": ([("_F16_DOTS = True", "_F16_DOTS = False")], {}),
+             "v": ([("V_ONCE = tl.constexpr(False and", "V_ONCE = tl.constexpr(True and")], {}),
+             "l": ([("LAZY_RESCALE = tl.constexpr(False)", "LAZY_RESCALE = tl.constexpr(True)")], {})}
     mods = {}
 
     def module(spec_kw, cand):
@@ -180,10 +181,10 @@ def phase(name):  # noqa: C901 - one phase in this process
         return 2 * x.numel() / bench(lambda: y.copy_(x)) / 1e6
 
     if name == "check":
-        for cand in ("f16", "f16l", "f16v", "f16vl"):  # the default: checked in earlier runs and each timing row
+        for cand in ("default", "v"):
             for form in ("token", "tensor"):
                 for sq in (2, 1):
-                    if cand in ("f16v", "f16vl") or cand == "f16l" and form == "tensor":  # V_ONCE: on for MLA
+                    if cand == "v":  # V_ONCE: on for MLA already
                         continue
                     case = f"MLA h16 sq{sq} page{PAGE} e4m3 {form} lens 1000/77/513"
 
@@ -197,8 +198,7 @@ def phase(name):  # noqa: C901 - one phase in this process
                     guarded("check", case, cand, run)
             for kv in fp8:
                 for layout, form in (("dense", "head"), ("dense", "token"), ("paged", "tensor"), ("paged", "token")):
-                    vonce = cand in ("f16v", "f16vl")
-                    if cand == "f16l" or vonce and (kv == "fp8_e5m2" or form in ("head", "tensor")) \
+                    if cand == "v" and (kv == "fp8_e5m2" or form in ("head", "tensor")) \
                             or kv == "fp8_e5m2" and form == "token" and layout == "dense":
                         continue
                     case = f"d128 h8/2 {layout} {kv} {form} scales"
@@ -216,10 +216,12 @@ def phase(name):  # noqa: C901 - one phase in this process
         for b, sk in ((32, 8192), (128, 4096)):
             b, sk = (min(b, 2), max(64, sk // 128)) if DRY else (b, sk)
             case = f"d128 h32/8 b{b} kv{sk}"
-            for kv, cand in ((None, "default"), ("fp8_e4m3", "default"), ("fp8_e4m3", "f16"), ("fp8_e4m3", "f16v"),
-                             ("fp8_e4m3", "f16vl"), ("fp8_e5m2", "default"), ("fp8_e5m2", "f16"),
-                             ("fp8_e5m2", "f16v")):
-                impl = f"{kv or 'bf16'} {cand}"
+            rows = [(None, "default", None), ("fp8_e4m3", "default", None), ("fp8_e4m3", "asm", None),
+                    ("fp8_e4m3", "v", None), ("fp8_e5m2", "default", None), ("fp8_e5m2", "asm", None)]
+            if b == 32 or DRY:  # one wave of 2 programs an SM at most: more splits, more programs an SM
+                rows += [("fp8_e4m3", c, n) for c in ("default", "v") for n in (2, 4)]
+            for kv, cand, splits in rows:
+                impl = f"{kv or 'bf16'} {cand}" + (f" {splits} splits" if splits else "")
 
                 def run():
                     gen = torch.Generator(device=dev).manual_seed(0)
@@ -234,22 +236,22 @@ def phase(name):  # noqa: C901 - one phase in this process
                     else:
                         k, v = k.bfloat16(), v.bfloat16()
                     m = module(d128_spec(kv), cand)
-                    out, _ = m.forward(q, k, v, **kw)
+                    out, _ = m.forward_split(q, k, v, num_splits=splits, **kw)
                     ref, _ = reference.attention(q[-1:, :4].double(),
                                                  reference.dequantize(k[-1:, :1], kw["k_scale"][:1] if kv else None),
                                                  reference.dequantize(v[-1:, :1], kw["v_scale"][:1] if kv else None))
                     err = compare("out", out[-1:, :4], ref, **TOLERANCE["bf16"])
-                    ms = bench(lambda: m.forward(q, k, v, **kw))
+                    ms = bench(lambda: m.forward_split(q, k, v, num_splits=splits, **kw) if splits else
+                               m.forward(q, k, v, **kw))
                     read = k.numel() * k.element_size() + v.numel() * v.element_size()
                     emit("d128", case, impl, read / ms / 1e6, "GB/s", ms,
                          f"{100 * read / ms / 1e6 / peak:.0f}% of copy; err {err:.1e}")
                 guarded("d128", case, impl, run)
     if name == "mla":
-        impls = [(None, "default", {}), ("fp8_e4m3", "default", {}), ("fp8_e4m3", "f16", {}),
-                 ("fp8_e4m3", "f16l", {})]
-        if not DRY:
-            impls += [("fp8_e4m3", "f16", dict(block_m=16, block_n=bn, num_warps=w, num_stages=st))
-                      for bn, w, st in ((64, 8, 3), (32, 8, 3), (32, 4, 4))]  # n64w4s2 spills (ptxas: 224 B)
+        impls = [(None, "default", {}), ("fp8_e4m3", "default", {}), ("fp8_e4m3", "asm", {}),
+                 ("fp8_e4m3", "l", {})]
+        if not DRY:  # round A: n32w4s4 39 / 45% against the default's 39 / 44 (n64w8s3 36 / 40, n32w8s3 26 / 30)
+            impls += [("fp8_e4m3", "default", dict(block_m=16, block_n=32, num_warps=4, num_stages=4))]
         for b, n in ((32, 32768), (128, 4096)):
             b, n = (min(b, 2), max(64, n // 256)) if DRY else (b, n)
             case = f"MLA h16 sq1 page{PAGE} b{b} kv{n}"

@@ -1,0 +1,78 @@
+"""The Gluon lab MLA absorbed decode (lab/gluon_mla_decode.py, issue 27): it builds for sm_90 without a GPU within
+shared memory and without spills, its key loop is the [Note] Lab schedule (S and P V wgmma, S awaited with P V
+still in flight), and its split merge (plain Triton, interpreted here) is the log-sum-exp rule against float64. On
+an H100: scripts/gpu_mla_decode_s7.py (docs/serving.md, "A Gluon lab kernel for the compute-bound shape")."""
+
+import re
+
+import pytest
+import torch
+
+from test_hopper_compile import build_sm90
+
+_SCRIPT = r"""
+import json, os, re, sys
+sys.path.insert(0, sys.argv[1])
+sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
+from lab import gluon_mla_decode as g
+from sm90 import loops, ptxas
+
+out = {}
+for key, kw in json.loads(sys.argv[2]).items():
+    ck = g.compile_for(**kw)
+    ptx = ck.asm["ptx"]
+    res = next(iter(ptxas(ptx)[0].values()))
+    steps = loops(ptx, 30, innermost=True)
+    out[key] = dict(shared=ck.metadata.shared, spills=res.spill_stores + res.spill_loads, stack=res.stack,
+                    steps=[dict(wgmma=s.count("wgmma.mma_async"),
+                                waits=re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", s)) for s in steps])
+print("RESULT " + json.dumps(out))
+"""
+
+BUILDS = {"direct": dict(variant="n32s4", num_splits=1), "split": dict(variant="n32s4", num_splits=2),
+          "sq1": dict(variant="n16s8", sq=1, num_splits=1)}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    return build_sm90(tmp_path_factory, _SCRIPT, BUILDS, "gluon-mla-decode-lab")
+
+
+@pytest.mark.parametrize("key", list(BUILDS))
+def test_builds_within_shared_memory_without_spills(built, key):
+    r = built[key]
+    assert r["shared"] <= 227 * 1024 and r["spills"] == 0 and r["stack"] == 0, r
+
+
+@pytest.mark.parametrize("key", list(BUILDS))
+def test_the_key_loop_overlaps_s_with_p_v(built, key):
+    """One key loop: S (576 / 16 = 36 wgmma k-steps) and P V (block_n / 16 k-steps of n256 per warpgroup); S_j is
+    awaited with one group (P_{j-1} V_{j-1}) still in flight, then P V with none ([Note] Lab schedule)."""
+    from lab.gluon_mla_decode import VARIANTS
+    steps = built[key]["steps"]
+    assert len(steps) == 1, steps
+    assert steps[0]["wgmma"] == 36 + VARIANTS[BUILDS[key]["variant"]][0] // 16, steps
+    assert steps[0]["waits"] == ["1", "0"], steps
+
+
+def test_merge_is_the_log_sum_exp_rule():
+    """Splits' partial rows (log2 lse; one split empty: lse -inf, out 0) against float64."""
+    from lab.gluon_mla_decode import _merge
+    b, ns, rows, dv = 2, 3, 32, 32
+    gen = torch.Generator().manual_seed(3)
+    part_o = torch.randn(b * ns * rows, dv, generator=gen)
+    part_lse = torch.randn(b * ns * rows, generator=gen) * 4
+    part_lse.view(b, ns, rows)[1, 2] = float("-inf")
+    part_o.view(b, ns, rows, dv)[1, 2] = 0.0
+    part_lse.view(b, ns, rows)[0, :, 5] = float("-inf")  # a row no split saw: out 0, lse -inf
+    part_o.view(b, ns, rows, dv)[0, :, 5] = 0.0
+    out = torch.empty(b, rows, dv, dtype=torch.bfloat16)
+    lse = torch.empty(b, rows)
+    _merge[(rows // 16, b)](part_o, part_lse, out, lse, ROWS=rows, NUM_SPLITS=ns, BLOCK_R=16, DV_=dv)
+    lse2 = part_lse.double().view(b, ns, rows)
+    w = torch.softmax(lse2 * torch.log(torch.tensor(2.0, dtype=torch.float64)), dim=1).nan_to_num()
+    want = (w[..., None] * part_o.double().view(b, ns, rows, dv)).sum(1)
+    want_lse = torch.logsumexp(lse2 * torch.log(torch.tensor(2.0, dtype=torch.float64)), dim=1)
+    torch.testing.assert_close(out.double(), want, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
+    assert lse[0, 5] == float("-inf") and (out[0, 5] == 0).all()

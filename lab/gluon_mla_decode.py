@@ -84,9 +84,12 @@ def _zero_tail(kc_s, st, valid, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _softmax(s_acc, m_i, l_i, k0, lim, qk_scale, BLOCK_N: gl.constexpr):
+def _softmax(s_acc, m_i, l_acc, k0, lim, qk_scale, BLOCK_N: gl.constexpr):
     """Online softmax of the scores of keys [k0, k0 + BLOCK_N) in the log2 domain; row r sees keys <= lim[r]
-    (masked scores are -inf before the exp2; a row with no key yet keeps a finite stand-in for its max)."""
+    (masked scores are -inf before the exp2; a row with no key yet keeps a finite stand-in for its max).
+    [Note] Lab row sums: l is kept as a [64, BLOCK_N] tile of per-column running sums (l_acc = l_acc * alpha + p,
+    elementwise) and summed over its columns once after the loop: a row sum each step would be a reduction across
+    the two warpgroups (3 CTA barriers a step in the sm_90 PTX), the max's is the only one left."""
     s_layout: gl.constexpr = _mma(BLOCK_N // 2)
     cols = k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     s = gl.where(cols[None, :] <= lim[:, None], s_acc * qk_scale, float("-inf"))
@@ -94,8 +97,8 @@ def _softmax(s_acc, m_i, l_i, k0, lim, qk_scale, BLOCK_N: gl.constexpr):
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     p = gl.exp2(s - m_use[:, None])
     alpha = gl.exp2(m_i - m_use)
-    l_i = l_i * alpha + gl.sum(p, 1)
-    return p, alpha, m_new, l_i
+    l_acc = l_acc * alpha[:, None] + p
+    return p, alpha, m_new, l_acc
 
 
 @gluon.jit
@@ -170,7 +173,7 @@ def _mla_decode(qc_desc, qr_desc, kc_desc, kr_desc, BlockTable, Seqlens, Out, Ls
     else:
         lim = gl.full([64], 0, gl.int32, srow) + (seq_len - 1)
     m_i = gl.full([64], float("-inf"), gl.float32, srow)
-    l_i = gl.zeros([64], gl.float32, srow)
+    l_acc = gl.zeros([64, BLOCK_N], gl.float32, s_layout)  # [Note] Lab row sums
     o_acc = gl.zeros([64, DV], gl.float32, o_layout)
     mbarrier.wait(q_bar.index(0), 0)
     if n_blocks > 0:
@@ -178,7 +181,7 @@ def _mla_decode(qc_desc, qr_desc, kc_desc, kr_desc, BlockTable, Seqlens, Out, Ls
         s_tok = _scores(qc_s, qr_s, kc_s, kr_s, 0, BLOCK_N)
         # Block 0, peeled: no P V before it (the loop below carries O as an asynchronous wgmma result)
         s_acc = warpgroup_mma_wait(0, deps=(s_tok, ))
-        p, alpha, m_i, l_i = _softmax(s_acc, m_i, l_i, k_lo, lim, qk_scale, BLOCK_N)
+        p, alpha, m_i, l_acc = _softmax(s_acc, m_i, l_acc, k_lo, lim, qk_scale, BLOCK_N)
         s_tok = _next_scores(qc_s, qr_s, kc_s, kr_s, k_bar, 0, n_blocks, BLOCK_N, STAGES)
         _stage_p(kc_s, p_s, p, 0, k_lo, seq_len, BLOCK_N, STAGES)
         o_acc = warpgroup_mma(p_s.index(0), kc_s.index(0), o_acc, use_acc=False, is_async=True)
@@ -186,7 +189,7 @@ def _mla_decode(qc_desc, qr_desc, kc_desc, kr_desc, BlockTable, Seqlens, Out, Ls
             refill = j - 1 + STAGES  # the block whose TMA load this step issues, into the slot of block j - 1
             page = gl.load(BlockTable + bt_row + (k_lo + gl.minimum(refill, n_blocks - 1) * BLOCK_N) // PAGE)
             s_acc = warpgroup_mma_wait(1, deps=(s_tok, ))  # S_j; P_{j-1} V_{j-1} may still run
-            p, alpha, m_i, l_i = _softmax(s_acc, m_i, l_i, k_lo + j * BLOCK_N, lim, qk_scale, BLOCK_N)
+            p, alpha, m_i, l_acc = _softmax(s_acc, m_i, l_acc, k_lo + j * BLOCK_N, lim, qk_scale, BLOCK_N)
             o_acc = warpgroup_mma_wait(0, deps=(o_acc, ))  # this warpgroup's P_{j-1} V_{j-1} done
             s_tok = _next_scores(qc_s, qr_s, kc_s, kr_s, k_bar, j, n_blocks, BLOCK_N, STAGES)
             o_acc = o_acc * gl.convert_layout(alpha, orow)[:, None]
@@ -196,6 +199,7 @@ def _mla_decode(qc_desc, qr_desc, kc_desc, kr_desc, BlockTable, Seqlens, Out, Ls
             o_acc = warpgroup_mma(p_s.index(j % 2), kc_s.index(j % STAGES), o_acc, is_async=True)
         o_acc, s_tok = warpgroup_mma_wait(0, deps=(o_acc, s_tok))
 
+    l_i = gl.sum(l_acc, 1)
     l_safe = gl.where(l_i == 0.0, 1.0, l_i)
     out = o_acc / gl.convert_layout(l_safe, orow)[:, None]
     m_fin = gl.where(m_i == float("-inf"), 0.0, m_i)  # a row that saw no key: l = 0, lse = -inf, out = 0
@@ -231,7 +235,8 @@ def _merge(PartO, PartLse, Out, Lse, ROWS: tl.constexpr, NUM_SPLITS: tl.constexp
         den += w
         acc += w[:, None] * tl.load(PartO + (prow + r).to(tl.int64)[:, None] * DV_ + c[None, :])
     den_safe = tl.where(den == 0.0, 1.0, den)
-    tl.store(Out + (b * ROWS + r).to(tl.int64)[:, None] * DV_ + c[None, :], (acc / den_safe[:, None]).to(Out.dtype.element_ty))
+    out = acc / den_safe[:, None]
+    tl.store(Out + (b * ROWS + r).to(tl.int64)[:, None] * DV_ + c[None, :], out.to(Out.dtype.element_ty))
     tl.store(Lse + b * ROWS + r, tl.where(den == 0.0, float("-inf"), (m_use + tl.log2(den_safe)) * 0.6931471805599453))
 
 

@@ -18,8 +18,13 @@ One CTA = 64 packed query rows (r = h * Sq + i, contiguous in q and out) of one 
     CTA barrier (both warpgroups are past P_{j-1} V_{j-1}: the slot of block j - 1 is free): TMA block
     j - 1 + STAGES into it; issue P_j V_j
 so the tensor core has S_{j+1} while the warps rescale O and store P, and P_j V_j while they run the next softmax.
-Block j + 1's load is issued STAGES - 2 steps before its S (so STAGES >= 3). The last block issues a dummy S on its
-own slot (its result is dropped) so that the loop body has no branch around a wgmma.
+Block j + 1's load is issued STAGES - 2 steps before its S. The last block issues a dummy S on its own slot (its
+result is dropped) so that the loop body has no branch around a wgmma.
+[Note] Lab two slots. With STAGES 2 (64-key blocks: Q 72 KB + 2 x 72 KB) block j + 1 goes into block j - 1's slot,
+free only once both warpgroups have retired P_{j-1} V_{j-1}: a CTA barrier there, the TMA load, and S_{j+1} waits
+for it (the load's latency is not hidden); one P buffer (a second does not fit), free behind the same barrier.
+Worth it only if the scores' wgmma n32 per warpgroup (against n16 at 32-key blocks, where each warpgroup's
+k-steps read Q's 2 KB from shared memory for 8 cycles of math) beats the exposed load.
 [Note] Lab tail. Keys past a sequence's length in its last page hold anything (the GPU check fills them with NaN):
 S masks them to -inf before the exp2, but P V would compute 0 * NaN, so the block that holds the sequence end
 zeroes those latent rows in shared memory before its P V (once per sequence).
@@ -39,6 +44,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 D, DV, DR = 576, gl.constexpr(512), gl.constexpr(64)  # q/k width, latent (V) width, rope width
 ROWS_PER_CTA = 64
 VARIANTS = {  # name -> (BLOCK_N, STAGES); shared memory: Q 72 KB + STAGES x BLOCK_N x 1152 B + P
+    "n64s2": (64, 2),  # 224 KB ([Note] Lab two slots: one P buffer)
     "n32s4": (32, 4),  # 224 KB
     "n32s3": (32, 3),  # 188 KB
     "n16s8": (16, 8),  # 220 KB
@@ -88,7 +94,7 @@ def _softmax(s_acc, m_i, l_acc, k0, lim, qk_scale, BLOCK_N: gl.constexpr):
     """Online softmax of the scores of keys [k0, k0 + BLOCK_N) in the log2 domain; row r sees keys <= lim[r]
     (masked scores are -inf before the exp2; a row with no key yet keeps a finite stand-in for its max).
     [Note] Lab row sums: l is kept as a [64, BLOCK_N] tile of per-column running sums (l_acc = l_acc * alpha + p,
-    elementwise) and summed over its columns once after the loop: a row sum each step would be a reduction across
+    elementwise; blocks of up to 32 keys) and summed over its columns once after the loop: a row sum each step would be a reduction across
     the two warpgroups (3 CTA barriers a step in the sm_90 PTX), the max's is the only one left."""
     s_layout: gl.constexpr = _mma(BLOCK_N // 2)
     cols = k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -97,7 +103,10 @@ def _softmax(s_acc, m_i, l_acc, k0, lim, qk_scale, BLOCK_N: gl.constexpr):
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     p = gl.exp2(s - m_use[:, None])
     alpha = gl.exp2(m_i - m_use)
-    l_acc = l_acc * alpha[:, None] + p
+    if BLOCK_N <= 32:
+        l_acc = l_acc * alpha[:, None] + p
+    else:  # the tile would cost registers (sm_90 ptxas at 64-key blocks: 140 spilled words)
+        l_acc = l_acc * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_acc
 
 
@@ -110,14 +119,15 @@ def _next_scores(qc_s, qr_s, kc_s, kr_s, k_bar, j, n_blocks, BLOCK_N: gl.constex
 
 
 @gluon.jit
-def _stage_p(kc_s, p_s, p, j, k_lo, seq_len, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """P_j (bf16) into P buffer j % 2 (P_{j-2} V_{j-2}, its last reader, is done), the tail rows of block j's
+def _stage_p(kc_s, p_s, p, j, k_lo, seq_len, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, P_BUFS: gl.constexpr):
+    """P_j (bf16) into P buffer j % P_BUFS (its last reader, P_{j-2} V_{j-2} or with one buffer P_{j-1} V_{j-1}
+    behind the barrier of [Note] Lab two slots, is done), the tail rows of block j's
     latent slot zeroed ([Note] Lab tail), a fence for the async proxy, then a CTA barrier: after it both warpgroups
     have stored P_j and retired P_{j-1} V_{j-1}."""
     end = k_lo + (j + 1) * BLOCK_N
     if end > seq_len:
         _zero_tail(kc_s, j % STAGES, seq_len - (end - BLOCK_N), BLOCK_N)
-    p_s.index(j % 2).store(p.to(p_s.dtype))
+    p_s.index(j % P_BUFS).store(p.to(p_s.dtype))
     fence_async_shared()
     gl.thread_barrier()
 
@@ -125,9 +135,11 @@ def _stage_p(kc_s, p_s, p, j, k_lo, seq_len, BLOCK_N: gl.constexpr, STAGES: gl.c
 @gluon.jit(do_not_specialize=["stride_bt", "num_splits"])
 def _mla_decode(qc_desc, qr_desc, kc_desc, kr_desc, BlockTable, Seqlens, Out, Lse, PartO, PartLse, stride_bt,
                 qk_scale, num_splits, ROWS: gl.constexpr, SQ: gl.constexpr, BLOCK_N: gl.constexpr,
-                STAGES: gl.constexpr, PAGE: gl.constexpr, CAUSAL: gl.constexpr, DIRECT: gl.constexpr):
+                STAGES: gl.constexpr, PAGE: gl.constexpr, CAUSAL: gl.constexpr, DIRECT: gl.constexpr,
+                P_BUFS: gl.constexpr):
     gl.static_assert(PAGE % BLOCK_N == 0)
-    gl.static_assert(STAGES >= 3)  # [Note] Lab schedule
+    gl.static_assert(STAGES >= 2)  # [Note] Lab schedule, [Note] Lab two slots
+    gl.static_assert(P_BUFS == 1 or P_BUFS == 2)
     gl.static_assert(ROWS % 64 == 0)
     tile = gl.program_id(0)
     split = gl.program_id(1)
@@ -142,7 +154,7 @@ def _mla_decode(qc_desc, qr_desc, kc_desc, kr_desc, BlockTable, Seqlens, Out, Ls
     qr_s = gl.allocate_shared_memory(dtype, [64, DR], qr_desc.layout)
     kc_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DV], kc_desc.layout)
     kr_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DR], kr_desc.layout)
-    p_s = gl.allocate_shared_memory(dtype, [2, 64, BLOCK_N], gl.NVMMASharedLayout.get_default_for([64, BLOCK_N], dtype))
+    p_s = gl.allocate_shared_memory(dtype, [P_BUFS, 64, BLOCK_N], gl.NVMMASharedLayout.get_default_for([64, BLOCK_N], dtype))
     q_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     k_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar.index(0), count=1)
@@ -173,7 +185,10 @@ def _mla_decode(qc_desc, qr_desc, kc_desc, kr_desc, BlockTable, Seqlens, Out, Ls
     else:
         lim = gl.full([64], 0, gl.int32, srow) + (seq_len - 1)
     m_i = gl.full([64], float("-inf"), gl.float32, srow)
-    l_acc = gl.zeros([64, BLOCK_N], gl.float32, s_layout)  # [Note] Lab row sums
+    if BLOCK_N <= 32:
+        l_acc = gl.zeros([64, BLOCK_N], gl.float32, s_layout)  # [Note] Lab row sums
+    else:
+        l_acc = gl.zeros([64], gl.float32, srow)
     o_acc = gl.zeros([64, DV], gl.float32, o_layout)
     mbarrier.wait(q_bar.index(0), 0)
     if n_blocks > 0:
@@ -183,7 +198,7 @@ def _mla_decode(qc_desc, qr_desc, kc_desc, kr_desc, BlockTable, Seqlens, Out, Ls
         s_acc = warpgroup_mma_wait(0, deps=(s_tok, ))
         p, alpha, m_i, l_acc = _softmax(s_acc, m_i, l_acc, k_lo, lim, qk_scale, BLOCK_N)
         s_tok = _next_scores(qc_s, qr_s, kc_s, kr_s, k_bar, 0, n_blocks, BLOCK_N, STAGES)
-        _stage_p(kc_s, p_s, p, 0, k_lo, seq_len, BLOCK_N, STAGES)
+        _stage_p(kc_s, p_s, p, 0, k_lo, seq_len, BLOCK_N, STAGES, P_BUFS)
         o_acc = warpgroup_mma(p_s.index(0), kc_s.index(0), o_acc, use_acc=False, is_async=True)
         for j in range(1, n_blocks):
             refill = j - 1 + STAGES  # the block whose TMA load this step issues, into the slot of block j - 1
@@ -191,15 +206,23 @@ def _mla_decode(qc_desc, qr_desc, kc_desc, kr_desc, BlockTable, Seqlens, Out, Ls
             s_acc = warpgroup_mma_wait(1, deps=(s_tok, ))  # S_j; P_{j-1} V_{j-1} may still run
             p, alpha, m_i, l_acc = _softmax(s_acc, m_i, l_acc, k_lo + j * BLOCK_N, lim, qk_scale, BLOCK_N)
             o_acc = warpgroup_mma_wait(0, deps=(o_acc, ))  # this warpgroup's P_{j-1} V_{j-1} done
+            if STAGES == 2:  # [Note] Lab two slots: block j + 1 goes into block j - 1's slot now, S_{j+1} waits
+                gl.thread_barrier()
+                if refill < n_blocks:
+                    _issue(kc_desc, kr_desc, kc_s, kr_s, k_bar, page, refill, k_lo, BLOCK_N, PAGE, STAGES)
             s_tok = _next_scores(qc_s, qr_s, kc_s, kr_s, k_bar, j, n_blocks, BLOCK_N, STAGES)
             o_acc = o_acc * gl.convert_layout(alpha, orow)[:, None]
-            _stage_p(kc_s, p_s, p, j, k_lo, seq_len, BLOCK_N, STAGES)  # ends with a CTA barrier
-            if refill < n_blocks:  # both warpgroups are past P_{j-1} V_{j-1}: the slot of block j - 1 is free
-                _issue(kc_desc, kr_desc, kc_s, kr_s, k_bar, page, refill, k_lo, BLOCK_N, PAGE, STAGES)
-            o_acc = warpgroup_mma(p_s.index(j % 2), kc_s.index(j % STAGES), o_acc, is_async=True)
+            _stage_p(kc_s, p_s, p, j, k_lo, seq_len, BLOCK_N, STAGES, P_BUFS)  # ends with a CTA barrier
+            if STAGES >= 3:
+                if refill < n_blocks:  # both warpgroups are past P_{j-1} V_{j-1}: block j - 1's slot is free
+                    _issue(kc_desc, kr_desc, kc_s, kr_s, k_bar, page, refill, k_lo, BLOCK_N, PAGE, STAGES)
+            o_acc = warpgroup_mma(p_s.index(j % P_BUFS), kc_s.index(j % STAGES), o_acc, is_async=True)
         o_acc, s_tok = warpgroup_mma_wait(0, deps=(o_acc, s_tok))
 
-    l_i = gl.sum(l_acc, 1)
+    if BLOCK_N <= 32:
+        l_i = gl.sum(l_acc, 1)
+    else:
+        l_i = l_acc
     l_safe = gl.where(l_i == 0.0, 1.0, l_i)
     out = o_acc / gl.convert_layout(l_safe, orow)[:, None]
     m_fin = gl.where(m_i == float("-inf"), 0.0, m_i)  # a row that saw no key: l = 0, lse = -inf, out = 0
@@ -268,7 +291,8 @@ def _args(q, cache, block_table, seqlens_k, scale, variant, num_splits, causal):
         part_lse = torch.empty((bsz * num_splits * rows, ), dtype=torch.float32, device=q.device)
     args = (*_descs(q, cache, block_n), block_table, seqlens_k, out, lse, part_o, part_lse, block_table.stride(0),
             scale * 1.4426950408889634, num_splits)
-    kw = dict(ROWS=rows, SQ=sq, BLOCK_N=block_n, STAGES=stages, PAGE=page, CAUSAL=causal, DIRECT=direct)
+    kw = dict(ROWS=rows, SQ=sq, BLOCK_N=block_n, STAGES=stages, PAGE=page, CAUSAL=causal, DIRECT=direct,
+              P_BUFS=2 if stages >= 3 else 1)
     return args, kw, out, lse, part_o, part_lse
 
 

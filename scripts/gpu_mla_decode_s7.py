@@ -33,8 +33,8 @@ IMPLS = [
     ("fagen triton (split rule)", None, 0),
     ("lab n32s4 s1", "n32s4", 1),
     ("lab n32s4 s2", "n32s4", 2),
+    ("lab n64s2 s1", "n64s2", 1),
     ("lab n16s8 s1", "n16s8", 1),
-    ("lab n32s3 s1", "n32s3", 1),
 ]
 SHAPES = [(64, 8192), (128, 4096)]  # (batch, kv)
 CHECK_LENS = [1000, 77, 1024, 513]

@@ -12,14 +12,19 @@ One CTA = 64 packed query rows (r = h * Sq + i, contiguous in q and out) of one 
     score work); the row max and sum reduce across the two warpgroups through shared memory.
   - P (bf16) goes to shared memory; O += P V_c: warps [4, 2] again, each warpgroup 256 of the 512 output columns
     (wgmma n256), V_c being the latent slot S just read.
-[Note] Lab schedule. Per key block j (the tensor core runs a warpgroup's wgmma in issue order):
-    wait S_j (P_{j-1} V_{j-1} may still run)   -> softmax_j under P_{j-1} V_{j-1}
+[Note] Lab schedule. Per key block j (the tensor core runs a warpgroup's wgmma in issue order; P_j and alpha_j,
+the softmax of S_j, come from the step before):
     wait P_{j-1} V_{j-1}, issue S_{j+1}        -> O *= alpha_j, P_j to shared memory (2 buffers) under S_{j+1}
     CTA barrier (both warpgroups are past P_{j-1} V_{j-1}: the slot of block j - 1 is free): TMA block
     j - 1 + STAGES into it; issue P_j V_j
+    wait S_{j+1} (P_j V_j still runs)          -> softmax_{j+1} under P_j V_j
 so the tensor core has S_{j+1} while the warps rescale O and store P, and P_j V_j while they run the next softmax.
-Block j + 1's load is issued STAGES - 2 steps before its S. The last block issues a dummy S on its own slot (its
-result is dropped) so that the loop body has no branch around a wgmma.
+A step issues S_{j+1} and waits for it itself, and the only wgmma in flight across the loop's back edge is P_j V_j,
+which the next step waits for first: with S_{j+1} issued in one step and awaited (wait_group 1) in the next,
+ptxas could not tell that the softmax reads retired registers and serialised every wgmma of the kernel (C7514
+"wgmma.mma_async instructions are serialized", a WARPGROUP.DEPBAR after each of the 112 HGMMA; sm_90 ptxas of
+triton 3.6). Block j + 1's load is issued STAGES - 2 steps before its S. The last block issues a dummy S on its
+own slot whose softmax masks every key (no change to m, l) so that the loop body has no branch around a wgmma.
 [Note] Lab two slots. With STAGES 2 (64-key blocks: Q 72 KB + 2 x 72 KB) block j + 1 goes into block j - 1's slot,
 free only once both warpgroups have retired P_{j-1} V_{j-1}: a CTA barrier there, the TMA load, and S_{j+1} waits
 for it (the load's latency is not hidden); one P buffer (a second does not fit), free behind the same barrier.
@@ -38,7 +43,7 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
-    warpgroup_mma_wait
+    warpgroup_mma_init, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 D, DV, DR = 576, gl.constexpr(512), gl.constexpr(64)  # q/k width, latent (V) width, rope width
@@ -194,30 +199,30 @@ def _mla_decode(qc_desc, qr_desc, kc_desc, kr_desc, BlockTable, Seqlens, Out, Ls
     if n_blocks > 0:
         mbarrier.wait(k_bar.index(0), 0)
         s_tok = _scores(qc_s, qr_s, kc_s, kr_s, 0, BLOCK_N)
-        # Block 0, peeled: no P V before it (the loop below carries O as an asynchronous wgmma result)
         s_acc = warpgroup_mma_wait(0, deps=(s_tok, ))
         p, alpha, m_i, l_acc = _softmax(s_acc, m_i, l_acc, k_lo, lim, qk_scale, BLOCK_N)
-        s_tok = _next_scores(qc_s, qr_s, kc_s, kr_s, k_bar, 0, n_blocks, BLOCK_N, STAGES)
-        _stage_p(kc_s, p_s, p, 0, k_lo, seq_len, BLOCK_N, STAGES, P_BUFS)
-        o_acc = warpgroup_mma(p_s.index(0), kc_s.index(0), o_acc, use_acc=False, is_async=True)
-        for j in range(1, n_blocks):
+        o_tok = warpgroup_mma_init(o_acc)  # [Note] Lab schedule: the loop carries P_j V_j in flight
+        for j in range(n_blocks):
             refill = j - 1 + STAGES  # the block whose TMA load this step issues, into the slot of block j - 1
             page = gl.load(BlockTable + bt_row + (k_lo + gl.minimum(refill, n_blocks - 1) * BLOCK_N) // PAGE)
-            s_acc = warpgroup_mma_wait(1, deps=(s_tok, ))  # S_j; P_{j-1} V_{j-1} may still run
-            p, alpha, m_i, l_acc = _softmax(s_acc, m_i, l_acc, k_lo + j * BLOCK_N, lim, qk_scale, BLOCK_N)
-            o_acc = warpgroup_mma_wait(0, deps=(o_acc, ))  # this warpgroup's P_{j-1} V_{j-1} done
+            o_acc = warpgroup_mma_wait(0, deps=(o_tok, ))  # this warpgroup's P_{j-1} V_{j-1} done
             if STAGES == 2:  # [Note] Lab two slots: block j + 1 goes into block j - 1's slot now, S_{j+1} waits
                 gl.thread_barrier()
-                if refill < n_blocks:
-                    _issue(kc_desc, kr_desc, kc_s, kr_s, k_bar, page, refill, k_lo, BLOCK_N, PAGE, STAGES)
+                if j >= 1:
+                    if refill < n_blocks:
+                        _issue(kc_desc, kr_desc, kc_s, kr_s, k_bar, page, refill, k_lo, BLOCK_N, PAGE, STAGES)
             s_tok = _next_scores(qc_s, qr_s, kc_s, kr_s, k_bar, j, n_blocks, BLOCK_N, STAGES)
             o_acc = o_acc * gl.convert_layout(alpha, orow)[:, None]
             _stage_p(kc_s, p_s, p, j, k_lo, seq_len, BLOCK_N, STAGES, P_BUFS)  # ends with a CTA barrier
             if STAGES >= 3:
-                if refill < n_blocks:  # both warpgroups are past P_{j-1} V_{j-1}: block j - 1's slot is free
-                    _issue(kc_desc, kr_desc, kc_s, kr_s, k_bar, page, refill, k_lo, BLOCK_N, PAGE, STAGES)
-            o_acc = warpgroup_mma(p_s.index(j % P_BUFS), kc_s.index(j % STAGES), o_acc, is_async=True)
-        o_acc, s_tok = warpgroup_mma_wait(0, deps=(o_acc, s_tok))
+                if j >= 1:
+                    if refill < n_blocks:  # both warpgroups are past P_{j-1} V_{j-1}: block j - 1's slot is free
+                        _issue(kc_desc, kr_desc, kc_s, kr_s, k_bar, page, refill, k_lo, BLOCK_N, PAGE, STAGES)
+            o_tok = warpgroup_mma(p_s.index(j % P_BUFS), kc_s.index(j % STAGES), o_acc, is_async=True)
+            s_acc = warpgroup_mma_wait(1, deps=(s_tok, ))  # S_{j+1} done; P_j V_j runs under the softmax
+            k_next = gl.where(j + 1 < n_blocks, k_lo + (j + 1) * BLOCK_N, 1 << 30)  # the dummy: every key masked
+            p, alpha, m_i, l_acc = _softmax(s_acc, m_i, l_acc, k_next, lim, qk_scale, BLOCK_N)
+        o_acc = warpgroup_mma_wait(0, deps=(o_tok, ))
 
     if BLOCK_N <= 32:
         l_i = gl.sum(l_acc, 1)

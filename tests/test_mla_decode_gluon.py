@@ -26,13 +26,16 @@ for key, kw in json.loads(sys.argv[2]).items():
     steps = loops(ptx, 30, innermost=True)
     out[key] = dict(shared=ck.metadata.shared, spills=res.spill_stores + res.spill_loads, stack=res.stack,
                     serialized="C7514" in log,
+                    setmaxnreg=sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
                     steps=[dict(wgmma=s.count("wgmma.mma_async"),
                                 waits=re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", s)) for s in steps])
 print("RESULT " + json.dumps(out))
 """
 
 BUILDS = {"direct": dict(variant="n32s4", num_splits=1), "split": dict(variant="n32s4", num_splits=2),
-          "sq1": dict(variant="n16s8", sq=1, num_splits=1)}
+          "sq1": dict(variant="n16s8", sq=1, num_splits=1), "ss": dict(variant="ss", num_splits=1),
+          "ss_split": dict(variant="ss", num_splits=2)}
+ONE_PARTITION = [k for k in BUILDS if BUILDS[k]["variant"] != "ss"]
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +49,7 @@ def test_builds_within_shared_memory_without_spills(built, key):
     assert r["shared"] <= 227 * 1024 and r["spills"] == 0 and r["stack"] == 0, r
 
 
-@pytest.mark.parametrize("key", list(BUILDS))
+@pytest.mark.parametrize("key", ONE_PARTITION)
 def test_the_key_loop_overlaps_s_with_p_v(built, key):
     """One key loop: S (576 / 16 = 36 wgmma k-steps) and P V (block_n / 16 k-steps of n256 per warpgroup); P_{j-1}
     V_{j-1} is awaited first (wait_group 0), S_{j+1} with P_j V_j still in flight (wait_group 1), and ptxas keeps
@@ -80,3 +83,14 @@ def test_merge_is_the_log_sum_exp_rule():
     torch.testing.assert_close(out.double(), want, atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
     assert lse[0, 5] == float("-inf") and (out[0, 5] == 0).all()
+
+
+@pytest.mark.parametrize("key", ["ss", "ss_split"])
+def test_the_seesaw_keeps_each_warpgroup_on_its_own_loop(built, key):
+    """Two pair loops (one a warpgroup: [Note] Seesaw pair), each S of its own 64-key block (36 k-steps) and two
+    P V of its 256 columns (4 k-steps each): 44 wgmma; asynchronous (no C7514), no spills (the wgmma descriptors are
+    computed in the loop: [Note] Seesaw descriptors), the two warpgroups at 256 and 240 registers, the loader 24."""
+    r = built[key]
+    assert [s["wgmma"] for s in r["steps"]] == [44, 44], r
+    assert not r["serialized"] and r["spills"] == 0, r
+    assert {240, 256, 24} <= set(r["setmaxnreg"]), r

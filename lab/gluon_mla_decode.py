@@ -80,9 +80,10 @@ def _issue(kc_desc, kr_desc, kc_s, kr_s, k_bar, page, j, k_lo, BLOCK_N: gl.const
 def _scores(qc_s, qr_s, kc_s, kr_s, st, BLOCK_N: gl.constexpr):
     """Issue S = Q_c K_c^T + Q_r K_r^T on slot st (asynchronous; the token of the second)."""
     s_layout: gl.constexpr = _mma(BLOCK_N // 2)
-    tok = warpgroup_mma(qc_s, kc_s.index(st).permute((1, 0)), gl.zeros([64, BLOCK_N], gl.float32, s_layout),
-                        use_acc=False, is_async=True)
-    return warpgroup_mma(qr_s, kr_s.index(st).permute((1, 0)), tok, is_async=True)
+    z = st >> 30  # [Note] Seesaw descriptors: Q's indexed by a value the compiler cannot fold
+    tok = warpgroup_mma(qc_s.index(z), kc_s.index(st).permute((1, 0)),
+                        gl.zeros([64, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+    return warpgroup_mma(qr_s.index(z), kr_s.index(st).permute((1, 0)), tok, is_async=True)
 
 
 @gluon.jit
@@ -155,8 +156,8 @@ def _mla_decode(qc_desc, qr_desc, kc_desc, kr_desc, BlockTable, Seqlens, Out, Ls
     srow: gl.constexpr = gl.SliceLayout(1, s_layout)
     orow: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-    qc_s = gl.allocate_shared_memory(dtype, [64, DV], qc_desc.layout)
-    qr_s = gl.allocate_shared_memory(dtype, [64, DR], qr_desc.layout)
+    qc_s = gl.allocate_shared_memory(dtype, [1, 64, DV], qc_desc.layout)
+    qr_s = gl.allocate_shared_memory(dtype, [1, 64, DR], qr_desc.layout)
     kc_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DV], kc_desc.layout)
     kr_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DR], kr_desc.layout)
     p_s = gl.allocate_shared_memory(dtype, [P_BUFS, 64, BLOCK_N], gl.NVMMASharedLayout.get_default_for([64, BLOCK_N], dtype))
@@ -177,8 +178,8 @@ def _mla_decode(qc_desc, qr_desc, kc_desc, kr_desc, BlockTable, Seqlens, Out, Ls
     q_row = b * ROWS + tile * 64
 
     mbarrier.expect(q_bar.index(0), qc_desc.block_type.nbytes + qr_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(qc_desc, [q_row, 0], q_bar.index(0), qc_s)
-    tma.async_copy_global_to_shared(qr_desc, [q_row, DV], q_bar.index(0), qr_s)
+    tma.async_copy_global_to_shared(qc_desc, [q_row, 0], q_bar.index(0), qc_s.index(0))
+    tma.async_copy_global_to_shared(qr_desc, [q_row, DV], q_bar.index(0), qr_s.index(0))
     for i in gl.static_range(STAGES):
         if i < n_blocks:
             page0 = gl.load(BlockTable + bt_row + (k_lo + i * BLOCK_N) // PAGE)

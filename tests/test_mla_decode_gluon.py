@@ -3,12 +3,17 @@ shared memory and without spills, its key loop is the [Note] Lab schedule (S and
 still in flight), and its split merge (plain Triton, interpreted here) is the log-sum-exp rule against float64. On
 an H100: scripts/gpu_mla_decode_s7.py (docs/serving.md, "A Gluon lab kernel for the compute-bound shape")."""
 
-import re
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from test_hopper_compile import build_sm90
+
+ROOT = Path(__file__).resolve().parent.parent
 
 _SCRIPT = r"""
 import json, os, re, sys
@@ -25,6 +30,7 @@ for key, kw in json.loads(sys.argv[2]).items():
     res = next(iter(res.values()))
     steps = loops(ptx, 30, innermost=True)
     out[key] = dict(shared=ck.metadata.shared, spills=res.spill_stores + res.spill_loads, stack=res.stack,
+                    block_n=g.VARIANTS.get(kw["variant"], (64, 0))[0],
                     serialized="C7514" in log,
                     setmaxnreg=sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
                     steps=[dict(wgmma=s.count("wgmma.mma_async"),
@@ -54,35 +60,51 @@ def test_the_key_loop_overlaps_s_with_p_v(built, key):
     """One key loop: S (576 / 16 = 36 wgmma k-steps) and P V (block_n / 16 k-steps of n256 per warpgroup); P_{j-1}
     V_{j-1} is awaited first (wait_group 0), S_{j+1} with P_j V_j still in flight (wait_group 1), and ptxas keeps
     the wgmma asynchronous (no C7514 serialisation: [Note] Lab schedule)."""
-    from lab.gluon_mla_decode import VARIANTS
     steps = built[key]["steps"]
     assert len(steps) == 1, steps
-    assert steps[0]["wgmma"] == 36 + VARIANTS[BUILDS[key]["variant"]][0] // 16, steps
+    assert steps[0]["wgmma"] == 36 + built[key]["block_n"] // 16, steps
     assert sorted(steps[0]["waits"]) == ["0", "1"], steps  # the PTX lays the loop out rotated: any order
     assert not built[key]["serialized"], built[key]
 
 
-def test_merge_is_the_log_sum_exp_rule():
-    """Splits' partial rows (log2 lse; one split empty: lse -inf, out 0) against float64."""
-    from lab.gluon_mla_decode import _merge
-    b, ns, rows, dv = 2, 3, 32, 32
-    gen = torch.Generator().manual_seed(3)
-    part_o = torch.randn(b * ns * rows, dv, generator=gen)
-    part_lse = torch.randn(b * ns * rows, generator=gen) * 4
-    part_lse.view(b, ns, rows)[1, 2] = float("-inf")
-    part_o.view(b, ns, rows, dv)[1, 2] = 0.0
-    part_lse.view(b, ns, rows)[0, :, 5] = float("-inf")  # a row no split saw: out 0, lse -inf
-    part_o.view(b, ns, rows, dv)[0, :, 5] = 0.0
-    out = torch.empty(b, rows, dv, dtype=torch.bfloat16)
-    lse = torch.empty(b, rows)
-    _merge[(rows // 16, b)](part_o, part_lse, out, lse, ROWS=rows, NUM_SPLITS=ns, BLOCK_R=16, DV_=dv)
-    lse2 = part_lse.double().view(b, ns, rows)
-    w = torch.softmax(lse2 * torch.log(torch.tensor(2.0, dtype=torch.float64)), dim=1).nan_to_num()
-    want = (w[..., None] * part_o.double().view(b, ns, rows, dv)).sum(1)
-    want_lse = torch.logsumexp(lse2 * torch.log(torch.tensor(2.0, dtype=torch.float64)), dim=1)
-    torch.testing.assert_close(out.double(), want, atol=1e-2, rtol=1e-2)
-    torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
-    assert lse[0, 5] == float("-inf") and (out[0, 5] == 0).all()
+_MERGE = r"""
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+import torch
+from lab.gluon_mla_decode import _merge
+
+b, ns, rows, dv = 2, 3, 32, 32
+gen = torch.Generator().manual_seed(3)
+part_o = torch.randn(b * ns * rows, dv, generator=gen)
+part_lse = torch.randn(b * ns * rows, generator=gen) * 4
+part_lse.view(b, ns, rows)[1, 2] = float("-inf")  # an empty split: lse -inf, out 0
+part_o.view(b, ns, rows, dv)[1, 2] = 0.0
+part_lse.view(b, ns, rows)[0, :, 5] = float("-inf")  # a row no split saw
+part_o.view(b, ns, rows, dv)[0, :, 5] = 0.0
+out = torch.empty(b, rows, dv, dtype=torch.bfloat16)
+lse = torch.empty(b, rows)
+_merge[(rows // 16, b)](part_o, part_lse, out, lse, ROWS=rows, NUM_SPLITS=ns, BLOCK_R=16, DV_=dv)
+torch.save(dict(part_o=part_o, part_lse=part_lse, out=out, lse=lse), sys.argv[2])
+"""
+
+
+def test_merge_is_the_log_sum_exp_rule(tmp_path):
+    """Splits' partial rows (log2 lse; one split empty: lse -inf, out 0) against float64 (the lab's Triton merge,
+    interpreted, in a child process: tests import nothing from lab/)."""
+    path = tmp_path / "merge.pt"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", _MERGE, str(ROOT), str(path)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = torch.load(path)
+    b, rows, dv = r["out"].shape
+    ln2 = torch.log(torch.tensor(2.0, dtype=torch.float64))
+    lse2 = r["part_lse"].double().view(b, -1, rows)
+    w = torch.softmax(lse2 * ln2, dim=1).nan_to_num()
+    want = (w[..., None] * r["part_o"].double().view(b, -1, rows, dv)).sum(1)
+    torch.testing.assert_close(r["out"].double(), want, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(r["lse"].double(), torch.logsumexp(lse2 * ln2, dim=1), atol=1e-5, rtol=1e-5)
+    assert r["lse"][0, 5] == float("-inf") and (r["out"][0, 5] == 0).all()
 
 
 @pytest.mark.parametrize("key", ["ss", "ss_split"])

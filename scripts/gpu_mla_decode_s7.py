@@ -105,6 +105,13 @@ def check_one(impl):
     name, variant, _ = impl
     worst = 0.0
     try:
+        # probes first, one sequence each, so that a hang's last progress line says which case: one pair of blocks,
+        # a pair ending inside its second block, one block alone (an odd block count)
+        for probe in ([128], [100], [64]):
+            q, cache, table, lens, _ = inputs(probe, 2, 3)
+            g.mla_decode(q, cache, table, lens, SCALE, variant=variant, num_splits=1)
+            torch.cuda.synchronize()
+            log(f"{name}: probe lens {probe} done")
         for sq, splits in ((2, 1), (2, 3), (1, 1)):  # the timed form first; Sq 1 with one split (compiles: 3)
             q, cache, table, lens, refs = reference_of(sq)
             t = time.time()

@@ -409,6 +409,7 @@ V1_PUB_LAG = 1  # DQ_MODE 0: publish each add one step late (_v1_dq_writer)
 V1_ORDER = 0  # 1: [Note] Wave order (full mask: rotated starts; causal: arrival order within a wave)
 V1_NAMED = 0  # 1: the dQ handoff through named barriers (bar.arrive / bar.sync); 2: also the dS^T exchange
 V1_EPI_TMA = 0  # 1: dK, dV leave through the warpgroup's dQ slot and a TMA store (no pointer tensors)
+V1_SNAKE = 0  # 1: odd waves of tiles taken in reverse (_v1_snake: balances the causal tiles' lengths per program)
 # Named barrier ids (triton's partitions use 0 and 2 here: lab.gluon_bwd.resources' PTX): dQ full 8 + w,
 # dQ empty 10 + w, dS^T exchange 12, the epilogue's meeting 13 (unused for now).
 _BAR_DQ_FULL = gl.constexpr(8)
@@ -460,6 +461,19 @@ def _v1_order(tile, n_blk, bh, num_bh, n_kblk, T, CAUSAL: gl.constexpr, ORDER: g
 
 
 @gluon.jit
+def _v1_snake(tile, num_tiles, SNAKE: gl.constexpr):
+    """SNAKE 1: in every odd full wave the programs take its tiles in reverse (program p the wave's tile P - 1 - p),
+    so a program that drew a long tile (a low key block: causal tiles shrink with the key block) in one wave draws
+    a short one in the next. Waves and each program's increasing tile order are kept ([Note] Wave order)."""
+    if SNAKE:
+        P = gl.num_programs(0)
+        w = tile // P
+        if ((w % 2) == 1) & ((w + 1) * P <= num_tiles):
+            tile = w * P + (P - 1 - gl.program_id(0))
+    return tile
+
+
+@gluon.jit
 def _v1_visit(i, off, T):
     """The flat (query head, query block) index of step i: the walk starts at off and wraps at T."""
     f = i + off
@@ -488,13 +502,14 @@ def _v1_turn(n_blk, i, m0, off, D, n_lo, n_hi, T, n_kblk, shift, BLOCK_M: gl.con
 def _v1_producer(q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, q_smem, do_smem, k_smem, v_smem, l_smem, d_smem,
                  ready, empty, kv_ready, kv_empty, num_tiles, num_bh, num_heads_kv, seq_q, seq_k,
                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 GQA: gl.constexpr, CAUSAL: gl.constexpr, ORDER: gl.constexpr):
+                 GQA: gl.constexpr, CAUSAL: gl.constexpr, ORDER: gl.constexpr, SNAKE: gl.constexpr):
     num_heads = num_heads_kv * GQA
     dtype: gl.constexpr = q_desc.dtype
     n_kblk = num_tiles // num_bh
     j = 0
     t = 0
-    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+    for tile0 in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        tile = _v1_snake(tile0, num_tiles, SNAKE)
         n_blk, off_b, off_hkv, h0, lo, split, hi = _bwd_tile(tile, num_tiles, num_bh, num_heads_kv, seq_q, seq_k,
                                                              BLOCK_M, BLOCK_N, GQA, CAUSAL, 0)
         n0 = n_blk * BLOCK_N
@@ -520,7 +535,8 @@ def _v1_producer(q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, q_smem, do_sme
 @gluon.jit
 def _v1_dq_writer(dq_desc, dq_smem, dq_full, dq_empty, Sem, num_tiles, num_bh, num_heads_kv, seq_q, seq_k, sq_pad,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GQA: gl.constexpr, CAUSAL: gl.constexpr,
-                  DQ_MODE: gl.constexpr, PUB_LAG: gl.constexpr, ORDER: gl.constexpr, NAMED: gl.constexpr):
+                  DQ_MODE: gl.constexpr, PUB_LAG: gl.constexpr, ORDER: gl.constexpr, NAMED: gl.constexpr,
+                  SNAKE: gl.constexpr):
     """DQ_MODE 0: PUB_LAG 0 publishes a step's add once complete, before the next step; PUB_LAG 1 publishes it
     after the next step's reduces are issued (cp.async.bulk.wait_group 2: two bulk groups, one per half, per
     step), and drains at the tile's end, as c68d572's [Note] Pipelined dQ writer."""
@@ -534,7 +550,8 @@ def _v1_dq_writer(dq_desc, dq_smem, dq_full, dq_empty, Sem, num_tiles, num_bh, n
     n_kblk = num_tiles // num_bh
     shift = seq_k - seq_q
     j = 0
-    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+    for tile0 in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        tile = _v1_snake(tile0, num_tiles, SNAKE)
         n_blk, off_b, off_hkv, h0, lo, split, hi = _bwd_tile(tile, num_tiles, num_bh, num_heads_kv, seq_q, seq_k,
                                                              BLOCK_M, BLOCK_N, GQA, CAUSAL, 0)
         steps = (hi - lo) // BLOCK_M
@@ -591,7 +608,7 @@ def _v1_compute(q_smem, do_smem, k_smem, v_smem, ds_smem, l_smem, d_smem, dq_sme
                 ds_ready, dq_full, dq_empty, DK, DV, qk_scale, scale, num_tiles, num_bh, num_heads_kv, seq_q, seq_k,
                 WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 STAGES: gl.constexpr, GQA: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr,
-                ORDER: gl.constexpr, NAMED: gl.constexpr, EPI_TMA: gl.constexpr):
+                ORDER: gl.constexpr, NAMED: gl.constexpr, EPI_TMA: gl.constexpr, SNAKE: gl.constexpr):
     """One compute warpgroup: keys n0 + 64 WG .. + 64 of each tile, half WG of dQ_j's head dim."""
     dtype: gl.constexpr = k_smem.dtype
     WN: gl.constexpr = BLOCK_N // 2  # keys of this warpgroup
@@ -613,7 +630,8 @@ def _v1_compute(q_smem, do_smem, k_smem, v_smem, ds_smem, l_smem, d_smem, dq_sme
     owed = 0  # NAMED: a dQ-empty sync owed for the last handoff (the dQ warp arrives once per step)
     j = 0
     t = 0
-    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+    for tile0 in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        tile = _v1_snake(tile0, num_tiles, SNAKE)
         n_blk, off_b, off_hkv, h0, lo, split, hi = _bwd_tile(tile, num_tiles, num_bh, num_heads_kv, seq_q, seq_k,
                                                              BLOCK_M, BLOCK_N, GQA, CAUSAL, 0)
         n0 = n_blk * BLOCK_N
@@ -726,7 +744,7 @@ def _attn_bwd_v1(q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, dq_desc, DK, D
                  GQA: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr, COMPUTE_REGS: gl.constexpr,
                  PRODUCER_REGS: gl.constexpr, WRITER_REGS: gl.constexpr, PUB_LAG: gl.constexpr,
                  DQ_SLOTS: gl.constexpr, ORDER: gl.constexpr = 0, NAMED: gl.constexpr = 0,
-                 EPI_TMA: gl.constexpr = 0):
+                 EPI_TMA: gl.constexpr = 0, SNAKE: gl.constexpr = 0):
     gl.static_assert(BLOCK_N == 128)  # two warpgroups of 64 keys
     gl.static_assert((BLOCK_M == 64) | (BLOCK_M == 128))
     dtype: gl.constexpr = q_desc.dtype
@@ -763,15 +781,17 @@ def _attn_bwd_v1(q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, dq_desc, DK, D
     gl.warp_specialize([
         (_v1_compute, (q_smem, do_smem, k_smem, v_smem, ds_smem, l_smem, d_smem, dq_smem, ready, empty, kv_ready, kv_empty,
                       ds_ready, dq_full, dq_empty, DK, DV, qk_scale, scale, num_tiles, num_bh, num_heads_kv, seq_q,
-                      seq_k, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GQA, CAUSAL, DQ_MODE, ORDER, NAMED, EPI_TMA)),
+                      seq_k, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GQA, CAUSAL, DQ_MODE, ORDER, NAMED, EPI_TMA,
+                      SNAKE)),
         (_v1_compute, (q_smem, do_smem, k_smem, v_smem, ds_smem, l_smem, d_smem, dq_smem, ready, empty, kv_ready, kv_empty,
                       ds_ready, dq_full, dq_empty, DK, DV, qk_scale, scale, num_tiles, num_bh, num_heads_kv, seq_q,
-                      seq_k, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GQA, CAUSAL, DQ_MODE, ORDER, NAMED, EPI_TMA)),
+                      seq_k, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GQA, CAUSAL, DQ_MODE, ORDER, NAMED, EPI_TMA,
+                      SNAKE)),
         (_v1_producer, (q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, q_smem, do_smem, k_smem, v_smem, l_smem,
                         d_smem, ready, empty, kv_ready, kv_empty, num_tiles, num_bh, num_heads_kv, seq_q, seq_k,
-                        HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GQA, CAUSAL, ORDER)),
+                        HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GQA, CAUSAL, ORDER, SNAKE)),
         (_v1_dq_writer, (dq_desc, dq_smem, dq_full, dq_empty, Sem, num_tiles, num_bh, num_heads_kv, seq_q, seq_k,
-                         sq_pad, BLOCK_M, BLOCK_N, GQA, CAUSAL, DQ_MODE, PUB_LAG, ORDER, NAMED)),
+                         sq_pad, BLOCK_M, BLOCK_N, GQA, CAUSAL, DQ_MODE, PUB_LAG, ORDER, NAMED, SNAKE)),
     ], [4, 1, 1], [COMPUTE_REGS, PRODUCER_REGS, WRITER_REGS])
 
 
@@ -784,7 +804,7 @@ def _v1_args(q, do, k, v, lse2, delta, dq_acc, dk, dv, sem, scale, num_tiles, nu
     kw = dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=BWD_BLOCK_N, STAGES=BWD_STAGES, GQA=gqa, CAUSAL=causal,
               DQ_MODE=dq_mode, COMPUTE_REGS=V1_COMPUTE_REGS, PRODUCER_REGS=V1_PRODUCER_REGS,
               WRITER_REGS=V1_WRITER_REGS, PUB_LAG=V1_PUB_LAG, DQ_SLOTS=1, ORDER=V1_ORDER, NAMED=V1_NAMED,
-              EPI_TMA=V1_EPI_TMA, num_warps=4)
+              EPI_TMA=V1_EPI_TMA, SNAKE=V1_SNAKE, num_warps=4)
     kw.update(constexprs)
     if kw["EPI_TMA"]:
         dk, dv = _descriptor(dk, BWD_BLOCK_N // 2), _descriptor(dv, BWD_BLOCK_N // 2)

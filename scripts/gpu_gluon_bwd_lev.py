@@ -5,7 +5,8 @@
     GPU_GLUON_BWD_LEV_DRY=1 python scripts/gpu_gluon_bwd_lev.py   # any machine: sm_90 builds, ptxas numbers only
 
 Levers (constexpr knobs of v1, docs/hopper.md "Levers on v1"): ORDER 1 ([Note] Wave order), NAMED 1 (the dQ
-handoff through named barriers) / 2 (and the dS^T exchange), EPI_TMA 1 (dK, dV through shared memory and TMA).
+handoff through named barriers) / 2 (and the dS^T exchange), EPI_TMA 1 (dK, dV through shared memory and TMA),
+SNAKE 1 (odd waves of tiles in reverse: the causal tiles' lengths balanced over the programs).
 Phases: `warm` builds every (variant, case) kernel in parallel children by tiny launches (each child with its own
 timeout: a variant whose launch hangs or faults is dropped from the later phases); `check` compares each lever
 variant with a float64 autograd reference (several waves of tiles, lengths not multiples of the blocks, causal and
@@ -32,17 +33,18 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import gpu_gluon_bwd as base  # noqa: E402  (inputs, reference, rel, triton_module)
 
 log = base.log
-ALL = {"ORDER": 1, "NAMED": 2, "EPI_TMA": 1}
+ALL = {"ORDER": 1, "NAMED": 2, "EPI_TMA": 1, "SNAKE": 1}
 # (label, dq_mode, constexprs); dq_mode 1 = deterministic=False; a * marks a mutant (wrong dQ by construction)
-VARIANTS = [("det", 0, {}), ("nondet", 1, {}), ("det+order", 0, {"ORDER": 1}), ("det+named", 0, {"NAMED": 1}),
-            ("det+epi", 0, {"EPI_TMA": 1}), ("det+all", 0, ALL), ("nondet+all", 1, ALL)]
+VARIANTS = [("det", 0, {}), ("nondet", 1, {}), ("det+order", 0, {"ORDER": 1}), ("det+named", 0, {"NAMED": 2}),
+            ("det+epi", 0, {"EPI_TMA": 1}), ("det+snake", 0, {"SNAKE": 1}), ("det+all", 0, ALL),
+            ("nondet+all", 1, ALL)]
 MUTANT = ("noreduce+all*", 2, ALL)
 # (case, B, Hq, Hkv, S, D, causal)
 CASES = [("d128 causal B1 H16 s16k", 1, 16, 16, 16384, 128, True),
          ("d128 full B1 H16 s16k", 1, 16, 16, 16384, 128, False),
          ("gqa 32/8 causal B4 s4k", 4, 32, 8, 4096, 128, True)]
-WARM_WORKERS = 8
-PHASE_TIMEOUT = {"warm": 50, "check": 30, "time0": 20, "time1": 20, "time2": 15}
+WARM_WORKERS = 12
+PHASE_TIMEOUT = {"warm": 60, "check": 30, "time0": 20, "time1": 20, "time2": 15}
 
 
 def live_variants():
@@ -88,7 +90,7 @@ def phase_warm(results, part):
         t0 = time.time()
         log(f"WARM start {label} causal={causal} gqa={gqa}")
         q, k, v, do = base.inputs(1, gqa, 1, 300, 300, 128)
-        out, lse = torch_forward(q, k, v, causal, 0.1)  # no fagen build in 8 processes at once
+        out, lse = torch_forward(q, k, v, causal, 0.1)  # no fagen build in every worker at once
         run_v1(do, q, k, v, out, lse, 0.1, causal, mode, kw)
         torch.cuda.synchronize()
         log(f"WARM ok {label} causal={causal} gqa={gqa} ({time.time() - t0:.1f}s)")
@@ -276,7 +278,7 @@ def table(rows):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--phase", help="run one phase here (no child): warm0..warm7, check, time0..time2")
+    ap.add_argument("--phase", help="run one phase here (no child): warm0..warm11, check, time0..time2")
     args = ap.parse_args()
     if os.environ.get("GPU_GLUON_BWD_LEV_DRY"):
         sys.exit(0 if dry_run() else 1)

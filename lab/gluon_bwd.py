@@ -406,7 +406,8 @@ V1_WRITER_REGS = 24
 V1_COMPUTE_REGS = 240
 V1_PUB_LAG = 1  # DQ_MODE 0: publish each add one step late (_v1_dq_writer)
 # Levers (seventh session; each off by default until measured, docs/hopper.md "Levers on v1"):
-V1_ORDER = 0  # 1: [Note] Wave order (full mask: rotated starts; causal: arrival order within a wave)
+V1_ORDER = 0  # >= 1: [Note] Wave order (full mask: rotated starts, 1 spread, d > 1 d steps apart; causal: arrival
+#   order within a wave)
 V1_NAMED = 0  # 1: the dQ handoff through named barriers (bar.arrive / bar.sync); 2: also the dS^T exchange
 V1_EPI_TMA = 0  # 1: dK, dV leave through the warpgroup's dQ slot and a TMA store (no pointer tensors)
 V1_SNAKE = 0  # 1: odd waves of tiles taken in reverse (_v1_snake: balances the causal tiles' lengths per program)
@@ -437,9 +438,11 @@ def _named_bar(x, OP: gl.constexpr, ID: gl.constexpr, COUNT: gl.constexpr):
 # waits for n - 1 anyway (and with GQA 2 more steps per query head). ORDER 1 keeps waves in key-block order and,
 # inside a wave, orders the adds by arrival:
 #   full mask: key block n_lo + k starts its walk over the T = GQA x steps (query head, query block) pairs at
-#     k * D (D = T // W, W key blocks in the wave) and wraps; at any pair the earlier waves come first, then the
-#     wave's key blocks in the order they reach it (each D steps after the one before): turn = n_lo + #{k' whose
-#     start lies in (k D, k D + i] cyclically}, i the step. Neighbours in a wave are D steps apart, not one.
+#     k * D and wraps (ORDER 1: D = T // W, W key blocks in the wave, the starts spread over the walk; ORDER d > 1:
+#     D = min(d, T // W), the wave's key blocks a few steps apart, as the causal mask has them, so that a block's
+#     dQ tile and Q, dO are still in L2 when the next key block comes); at any pair the earlier waves come first,
+#     then the wave's key blocks in the order they reach it (each D steps after the one before): turn = n_lo +
+#     #{k' whose start lies in (k D, k D + i] cyclically}, i the step. Neighbours in a wave are D steps apart.
 #   causal: the wave's key blocks in descending order (the higher one starts nearer the diagonal and arrives
 #     first, for every query head); the earlier waves' key blocks that see the block come first.
 # Every wait goes to an earlier wave or, in the same wave, to a key block that reached the pair at an earlier or
@@ -453,8 +456,10 @@ def _v1_order(tile, n_blk, bh, num_bh, n_kblk, T, CAUSAL: gl.constexpr, ORDER: g
     n_lo = (gl.maximum(w0 - bh, 0) + num_bh - 1) // num_bh
     n_hi = gl.minimum((gl.maximum(w0 + P - bh, 0) + num_bh - 1) // num_bh, n_kblk)
     D = T // gl.maximum(n_hi - n_lo, 1)
+    if ORDER > 1:
+        D = gl.minimum(D, ORDER)
     off = 0
-    if ORDER == 1:
+    if ORDER >= 1:
         if not CAUSAL:
             off = (n_blk - n_lo) * D
     return off, D, n_lo, n_hi
@@ -485,7 +490,7 @@ def _v1_turn(n_blk, i, m0, off, D, n_lo, n_hi, T, n_kblk, shift, BLOCK_M: gl.con
              CAUSAL: gl.constexpr, ORDER: gl.constexpr):
     """How many key blocks add to this step's (query head, query block) before this one ([Note] Wave order)."""
     turn = n_blk
-    if ORDER == 1:
+    if ORDER >= 1:
         if CAUSAL:  # key blocks [0, cnt) see query block m0 (lo is monotone in the key block)
             cnt = gl.minimum(gl.maximum(m0 + BLOCK_M + shift + BLOCK_N - 1, 0) // BLOCK_N, n_kblk)
             turn = gl.minimum(n_lo, cnt) + gl.minimum(n_hi, cnt) - n_blk - 1

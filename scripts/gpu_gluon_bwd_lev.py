@@ -36,17 +36,19 @@ log = base.log
 ALL = {"ORDER": 2, "NAMED": 2, "EPI_TMA": 1, "SNAKE": 1}
 # (label, dq_mode, constexprs, the CASES it is timed in: None = all); dq_mode 1 = deterministic=False; a * marks
 # a mutant (wrong dQ by construction). ORDER 2: full mask, the wave's key blocks 2 steps apart; ORDER 1: spread.
-VARIANTS = [("det", 0, {}, None), ("nondet", 1, {}, None), ("det+order", 0, {"ORDER": 2}, None),
-            ("det+order1", 0, {"ORDER": 1}, (1, )), ("det+named", 0, {"NAMED": 2}, None),
-            ("det+epi", 0, {"EPI_TMA": 1}, None), ("det+snake", 0, {"SNAKE": 1}, (0, 2)), ("det+all", 0, ALL, None),
+D128 = (0, 1, 2)
+VARIANTS = [("det", 0, {}, None), ("nondet", 1, {}, None), ("det+order", 0, {"ORDER": 2}, D128),
+            ("det+order1", 0, {"ORDER": 1}, (1, )), ("det+named", 0, {"NAMED": 2}, D128),
+            ("det+epi", 0, {"EPI_TMA": 1}, D128), ("det+snake", 0, {"SNAKE": 1}, (0, 2)), ("det+all", 0, ALL, None),
             ("nondet+all", 1, ALL, None)]
 MUTANT = ("noreduce+all*", 2, ALL, (0, ))
 # (case, B, Hq, Hkv, S, D, causal)
 CASES = [("d128 causal B1 H16 s16k", 1, 16, 16, 16384, 128, True),
          ("d128 full B1 H16 s16k", 1, 16, 16, 16384, 128, False),
-         ("gqa 32/8 causal B4 s4k", 4, 32, 8, 4096, 128, True)]
+         ("gqa 32/8 causal B4 s4k", 4, 32, 8, 4096, 128, True),
+         ("d64 causal B1 H32 s16k", 1, 32, 32, 16384, 64, True)]
 WARM_WORKERS = 12
-PHASE_TIMEOUT = {"warm": 60, "check": 30, "time0": 20, "time1": 20, "time2": 15}
+PHASE_TIMEOUT = {"warm": 60, "check": 30, "time0": 20, "time1": 20, "time2": 15, "time3": 15}
 
 
 def live_variants():
@@ -63,8 +65,8 @@ def run_v1(do, q, k, v, out, lse, scale, causal, mode, kw):
 def warm_jobs():
     """Every kernel the later phases launch: (label, mode, kw, causal, gqa); one list, split among the workers
     (each worker takes every WARM_WORKERS-th)."""
-    return [(label, mode, kw, causal, hq // hkv) for (label, mode, kw, cases) in VARIANTS + [MUTANT]
-            for c, (_, _, hq, hkv, _, _, causal) in enumerate(CASES) if cases is None or c in cases]
+    return [(label, mode, kw, causal, hq // hkv, d) for (label, mode, kw, cases) in VARIANTS + [MUTANT]
+            for c, (_, _, hq, hkv, _, d, causal) in enumerate(CASES) if cases is None or c in cases]
 
 
 def torch_forward(q, k, v, causal, scale):
@@ -83,17 +85,17 @@ def phase_warm(results, part):
     """Worker `part` of WARM_WORKERS: a tiny launch of its share of the kernels (fills the triton cache)."""
     import torch
     jobs = warm_jobs()[part::WARM_WORKERS]
-    if part < 3:  # the Triton backward of each case too
+    if part < len(CASES):  # the Triton backward of each case too
         _, b, hq, hkv, s, d, causal = CASES[part]
         base.triton_module(d, causal, hq // hkv)
-    for (label, mode, kw, causal, gqa) in jobs:
+    for (label, mode, kw, causal, gqa, d) in jobs:
         t0 = time.time()
-        log(f"WARM start {label} causal={causal} gqa={gqa}")
-        q, k, v, do = base.inputs(1, gqa, 1, 300, 300, 128)
+        log(f"WARM start {label} causal={causal} gqa={gqa} d={d}")
+        q, k, v, do = base.inputs(1, gqa, 1, 300, 300, d)
         out, lse = torch_forward(q, k, v, causal, 0.1)  # no fagen build in every worker at once
         run_v1(do, q, k, v, out, lse, 0.1, causal, mode, kw)
         torch.cuda.synchronize()
-        log(f"WARM ok {label} causal={causal} gqa={gqa} ({time.time() - t0:.1f}s)")
+        log(f"WARM ok {label} causal={causal} gqa={gqa} d={d} ({time.time() - t0:.1f}s)")
 
 
 def guarded(label, fn):
@@ -131,7 +133,8 @@ def phase_check(results):
 
     # several waves of tiles on 132 SMs (the wave order's turns cross waves), S not multiples of 64 / 128
     # (full: 11 key blocks x 48 heads = 528 tiles, 2-3 key blocks of a head per wave: the rotated starts)
-    shapes = [(1, 2, 2, 300, 300, 128, True), (2, 24, 24, 317, 1333, 128, False), (4, 64, 16, 257, 390, 128, True)]
+    shapes = [(1, 2, 2, 300, 300, 128, True), (2, 24, 24, 317, 1333, 128, False), (4, 64, 16, 257, 390, 128, True),
+              (1, 2, 2, 130, 260, 64, True)]
     for i, (b, hq, hkv, sq, sk, d, causal) in enumerate(shapes):  # shape i: the mask and GQA of CASES[i]
         scale = d ** -0.5
         q, k, v, do = base.inputs(b, hq, hkv, sq, sk, d)
@@ -312,13 +315,13 @@ def main():
     logs.append(warm_lines)
     # dropped: a variant whose launch started and did not finish (a hang, a fault, an error); one never reached
     # (a slow worker) stays and builds in its phase
-    seen = {kind: {tuple(line.split()[2:5]) for line in warm_lines.splitlines() if line.startswith(f"WARM {kind} ")}
+    seen = {kind: {tuple(line.split()[2:6]) for line in warm_lines.splitlines() if line.startswith(f"WARM {kind} ")}
             for kind in ("start", "ok")}
     bad = sorted({key[0] for key in seen["start"] - seen["ok"] if not key[0].endswith("*")})
     log(f"#### warm: rc {rcs}, {time.time() - t0:.0f}s; dropped: {bad or 'none'}")
     env["GBWD_LEV_SKIP"] = ",".join(bad)
     rows = []
-    for name in ("check", "time0", "time1", "time2"):
+    for name in ("check", "time0", "time1", "time2", "time3"):
         log(f"#### phase {name} ({PHASE_TIMEOUT[name]}s)")
         proc = spawn(name, env)
         lines = []

@@ -410,6 +410,7 @@ V1_ORDER = 0  # >= 1: [Note] Wave order (full mask: rotated starts, 1 spread, d 
 #   order within a wave)
 V1_NAMED = 0  # 1: the dQ handoff through named barriers (bar.arrive / bar.sync); 2: also the dS^T exchange
 V1_EPI_TMA = 0  # 1: dK, dV leave through the warpgroup's dQ slot and a TMA store (no pointer tensors)
+V1_HEADROT = 0  # 1 (unordered adds only): key block n starts at query head n % GQA (_v1_order)
 V1_SNAKE = 0  # 1: odd waves of tiles taken in reverse (_v1_snake: balances the causal tiles' lengths per program)
 # Named barrier ids (triton's partitions use 0 and 2 here: lab.gluon_bwd.resources' PTX): dQ full 8 + w,
 # dQ empty 10 + w, dS^T exchange 12, the epilogue's meeting 13 (unused for now).
@@ -449,8 +450,11 @@ def _named_bar(x, OP: gl.constexpr, ID: gl.constexpr, COUNT: gl.constexpr):
 # equal step (ties broken by index, one way): no cycle, and each program's earlier tiles never wait on its later
 # ones, so the persistent grid cannot deadlock. The adds' order per query block is fixed: bitwise repeatable.
 @gluon.jit
-def _v1_order(tile, n_blk, bh, num_bh, n_kblk, T, CAUSAL: gl.constexpr, ORDER: gl.constexpr):
-    """(start offset of the walk, stride D, n_lo, n_hi) of this tile ([Note] Wave order)."""
+def _v1_order(tile, n_blk, bh, num_bh, n_kblk, T, CAUSAL: gl.constexpr, ORDER: gl.constexpr,
+              GQA: gl.constexpr = 1, HEADROT: gl.constexpr = 0):
+    """(start offset of the walk, stride D, n_lo, n_hi) of this tile ([Note] Wave order). HEADROT (unordered adds
+    only): key block n starts its walk at query head n % GQA, so that the key blocks of a KV head that run side by
+    side add to different query heads' dQ tiles (where the full mask's ORDER does not rotate already)."""
     P = gl.num_programs(0)
     w0 = (tile // P) * P
     n_lo = (gl.maximum(w0 - bh, 0) + num_bh - 1) // num_bh
@@ -459,6 +463,8 @@ def _v1_order(tile, n_blk, bh, num_bh, n_kblk, T, CAUSAL: gl.constexpr, ORDER: g
     if ORDER > 1:
         D = gl.minimum(D, ORDER)
     off = 0
+    if HEADROT:
+        off = (n_blk % GQA) * (T // GQA)
     if ORDER >= 1:
         if not CAUSAL:
             off = (n_blk - n_lo) * D
@@ -507,7 +513,8 @@ def _v1_turn(n_blk, i, m0, off, D, n_lo, n_hi, T, n_kblk, shift, BLOCK_M: gl.con
 def _v1_producer(q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, q_smem, do_smem, k_smem, v_smem, l_smem, d_smem,
                  ready, empty, kv_ready, kv_empty, num_tiles, num_bh, num_heads_kv, seq_q, seq_k,
                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 GQA: gl.constexpr, CAUSAL: gl.constexpr, ORDER: gl.constexpr, SNAKE: gl.constexpr):
+                 GQA: gl.constexpr, CAUSAL: gl.constexpr, ORDER: gl.constexpr, SNAKE: gl.constexpr,
+                 HEADROT: gl.constexpr):
     num_heads = num_heads_kv * GQA
     dtype: gl.constexpr = q_desc.dtype
     n_kblk = num_tiles // num_bh
@@ -521,7 +528,7 @@ def _v1_producer(q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, q_smem, do_sme
         steps = (hi - lo) // BLOCK_M
         n_steps = GQA * steps
         off, D, n_lo, n_hi = _v1_order(tile, n_blk, off_b * num_heads_kv + off_hkv, num_bh, n_kblk, n_steps, CAUSAL,
-                                       ORDER)
+                                       ORDER, GQA, HEADROT)
         mbarrier.wait(kv_empty.index(0), (t & 1) ^ 1)  # both warpgroups are done with the previous tile's K, V
         mbarrier.expect(kv_ready.index(0), 2 * k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [off_b, off_hkv, n0, 0], kv_ready.index(0),
@@ -541,7 +548,7 @@ def _v1_producer(q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, q_smem, do_sme
 def _v1_dq_writer(dq_desc, dq_smem, dq_full, dq_empty, Sem, num_tiles, num_bh, num_heads_kv, seq_q, seq_k, sq_pad,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GQA: gl.constexpr, CAUSAL: gl.constexpr,
                   DQ_MODE: gl.constexpr, PUB_LAG: gl.constexpr, ORDER: gl.constexpr, NAMED: gl.constexpr,
-                  SNAKE: gl.constexpr):
+                  SNAKE: gl.constexpr, HEADROT: gl.constexpr):
     """DQ_MODE 0: PUB_LAG 0 publishes a step's add once complete, before the next step; PUB_LAG 1 publishes it
     after the next step's reduces are issued (cp.async.bulk.wait_group 2: two bulk groups, one per half, per
     step), and drains at the tile's end, as c68d572's [Note] Pipelined dQ writer."""
@@ -562,7 +569,7 @@ def _v1_dq_writer(dq_desc, dq_smem, dq_full, dq_empty, Sem, num_tiles, num_bh, n
         steps = (hi - lo) // BLOCK_M
         n_steps = GQA * steps
         off, D, n_lo, n_hi = _v1_order(tile, n_blk, off_b * num_heads_kv + off_hkv, num_bh, n_kblk, n_steps, CAUSAL,
-                                       ORDER)
+                                       ORDER, GQA, HEADROT)
         prev = Sem + 1  # the counter of the add published late (PUB_LAG 1); a placeholder until step 1
         for i in range(n_steps):
             f = _v1_visit(i, off, n_steps)
@@ -613,7 +620,8 @@ def _v1_compute(q_smem, do_smem, k_smem, v_smem, ds_smem, l_smem, d_smem, dq_sme
                 ds_ready, dq_full, dq_empty, DK, DV, qk_scale, scale, num_tiles, num_bh, num_heads_kv, seq_q, seq_k,
                 WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 STAGES: gl.constexpr, GQA: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr,
-                ORDER: gl.constexpr, NAMED: gl.constexpr, EPI_TMA: gl.constexpr, SNAKE: gl.constexpr):
+                ORDER: gl.constexpr, NAMED: gl.constexpr, EPI_TMA: gl.constexpr, SNAKE: gl.constexpr,
+                HEADROT: gl.constexpr):
     """One compute warpgroup: keys n0 + 64 WG .. + 64 of each tile, half WG of dQ_j's head dim."""
     dtype: gl.constexpr = k_smem.dtype
     WN: gl.constexpr = BLOCK_N // 2  # keys of this warpgroup
@@ -643,7 +651,7 @@ def _v1_compute(q_smem, do_smem, k_smem, v_smem, ds_smem, l_smem, d_smem, dq_sme
         steps = (hi - lo) // BLOCK_M
         n_steps = GQA * steps
         off, D, n_lo, n_hi = _v1_order(tile, n_blk, off_b * num_heads_kv + off_hkv, num_bh, n_kblk, n_steps, CAUSAL,
-                                       ORDER)
+                                       ORDER, GQA, HEADROT)
         dk = gl.zeros([WN, HEAD_DIM], gl.float32, kv_l)
         dv = gl.zeros([WN, HEAD_DIM], gl.float32, kv_l)
         keys = n0 + keys0
@@ -749,9 +757,10 @@ def _attn_bwd_v1(q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, dq_desc, DK, D
                  GQA: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr, COMPUTE_REGS: gl.constexpr,
                  PRODUCER_REGS: gl.constexpr, WRITER_REGS: gl.constexpr, PUB_LAG: gl.constexpr,
                  DQ_SLOTS: gl.constexpr, ORDER: gl.constexpr = 0, NAMED: gl.constexpr = 0,
-                 EPI_TMA: gl.constexpr = 0, SNAKE: gl.constexpr = 0):
+                 EPI_TMA: gl.constexpr = 0, SNAKE: gl.constexpr = 0, HEADROT: gl.constexpr = 0):
     gl.static_assert(BLOCK_N == 128)  # two warpgroups of 64 keys
     gl.static_assert((BLOCK_M == 64) | (BLOCK_M == 128))
+    gl.static_assert((HEADROT == 0) | (DQ_MODE != 0))  # the turns assume each head's walk in key-block order
     dtype: gl.constexpr = q_desc.dtype
     q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
     kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
@@ -787,16 +796,18 @@ def _attn_bwd_v1(q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, dq_desc, DK, D
         (_v1_compute, (q_smem, do_smem, k_smem, v_smem, ds_smem, l_smem, d_smem, dq_smem, ready, empty, kv_ready, kv_empty,
                       ds_ready, dq_full, dq_empty, DK, DV, qk_scale, scale, num_tiles, num_bh, num_heads_kv, seq_q,
                       seq_k, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GQA, CAUSAL, DQ_MODE, ORDER, NAMED, EPI_TMA,
-                      SNAKE)),
+                      SNAKE, HEADROT)),
         (_v1_compute, (q_smem, do_smem, k_smem, v_smem, ds_smem, l_smem, d_smem, dq_smem, ready, empty, kv_ready, kv_empty,
                       ds_ready, dq_full, dq_empty, DK, DV, qk_scale, scale, num_tiles, num_bh, num_heads_kv, seq_q,
                       seq_k, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GQA, CAUSAL, DQ_MODE, ORDER, NAMED, EPI_TMA,
-                      SNAKE)),
+                      SNAKE, HEADROT)),
         (_v1_producer, (q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, q_smem, do_smem, k_smem, v_smem, l_smem,
                         d_smem, ready, empty, kv_ready, kv_empty, num_tiles, num_bh, num_heads_kv, seq_q, seq_k,
-                        HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GQA, CAUSAL, ORDER, SNAKE)),
+                        HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GQA, CAUSAL, ORDER, SNAKE,
+                        HEADROT)),
         (_v1_dq_writer, (dq_desc, dq_smem, dq_full, dq_empty, Sem, num_tiles, num_bh, num_heads_kv, seq_q, seq_k,
-                         sq_pad, BLOCK_M, BLOCK_N, GQA, CAUSAL, DQ_MODE, PUB_LAG, ORDER, NAMED, SNAKE)),
+                         sq_pad, BLOCK_M, BLOCK_N, GQA, CAUSAL, DQ_MODE, PUB_LAG, ORDER, NAMED, SNAKE,
+                         HEADROT)),
     ], [4, 1, 1], [COMPUTE_REGS, PRODUCER_REGS, WRITER_REGS])
 
 
@@ -809,7 +820,7 @@ def _v1_args(q, do, k, v, lse2, delta, dq_acc, dk, dv, sem, scale, num_tiles, nu
     kw = dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=BWD_BLOCK_N, STAGES=BWD_STAGES, GQA=gqa, CAUSAL=causal,
               DQ_MODE=dq_mode, COMPUTE_REGS=V1_COMPUTE_REGS, PRODUCER_REGS=V1_PRODUCER_REGS,
               WRITER_REGS=V1_WRITER_REGS, PUB_LAG=V1_PUB_LAG, DQ_SLOTS=1, ORDER=V1_ORDER, NAMED=V1_NAMED,
-              EPI_TMA=V1_EPI_TMA, SNAKE=V1_SNAKE, num_warps=4)
+              EPI_TMA=V1_EPI_TMA, SNAKE=V1_SNAKE, HEADROT=V1_HEADROT, num_warps=4)
     kw.update(constexprs)
     if kw["EPI_TMA"]:
         dk, dv = _descriptor(dk, BWD_BLOCK_N // 2), _descriptor(dv, BWD_BLOCK_N // 2)

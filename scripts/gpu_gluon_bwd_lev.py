@@ -6,7 +6,8 @@
 
 Levers (constexpr knobs of v1, docs/hopper.md "Levers on v1"): ORDER 1 ([Note] Wave order), NAMED 1 (the dQ
 handoff through named barriers) / 2 (and the dS^T exchange), EPI_TMA 1 (dK, dV through shared memory and TMA),
-SNAKE 1 (odd waves of tiles in reverse: the causal tiles' lengths balanced over the programs).
+SNAKE 1 (odd waves of tiles in reverse: the causal tiles' lengths balanced over the programs), HEADROT 1
+(unordered only: key block n walks the query heads from n % GQA).
 Phases: `warm` builds every (variant, case) kernel in parallel children by tiny launches (each child with its own
 timeout: a variant whose launch hangs or faults is dropped from the later phases); `check` compares each lever
 variant with a float64 autograd reference (several waves of tiles, lengths not multiples of the blocks, causal and
@@ -34,13 +35,14 @@ import gpu_gluon_bwd as base  # noqa: E402  (inputs, reference, rel, triton_modu
 
 log = base.log
 ALL = {"ORDER": 2, "NAMED": 2, "EPI_TMA": 1, "SNAKE": 1}
+NDALL = {**ALL, "HEADROT": 1}  # unordered: also each key block's walk from query head n % GQA
 # (label, dq_mode, constexprs, the CASES it is timed in: None = all); dq_mode 1 = deterministic=False; a * marks
 # a mutant (wrong dQ by construction). ORDER 2: full mask, the wave's key blocks 2 steps apart; ORDER 1: spread.
 D128 = (0, 1, 2)
 VARIANTS = [("det", 0, {}, None), ("nondet", 1, {}, None), ("det+order", 0, {"ORDER": 2}, D128),
             ("det+order1", 0, {"ORDER": 1}, (1, )), ("det+named", 0, {"NAMED": 2}, D128),
             ("det+epi", 0, {"EPI_TMA": 1}, D128), ("det+snake", 0, {"SNAKE": 1}, (0, 2)), ("det+all", 0, ALL, None),
-            ("nondet+all", 1, ALL, None)]
+            ("nondet+hrot", 1, {"HEADROT": 1}, (2, )), ("nondet+all", 1, NDALL, None)]
 MUTANT = ("noreduce+all*", 2, ALL, (0, ))
 # (case, B, Hq, Hkv, S, D, causal)
 CASES = [("d128 causal B1 H16 s16k", 1, 16, 16, 16384, 128, True),

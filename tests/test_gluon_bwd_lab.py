@@ -116,7 +116,7 @@ def _scalar_helpers(programs):
             setattr(gb, n, f)
 
 
-def _schedule(b, hkv, gqa, sq, sk, causal, order, programs=132, bm=64, bn=128, snake=0):
+def _schedule(b, hkv, gqa, sq, sk, causal, order, programs=132, bm=64, bn=128, snake=0, headrot=0):
     """Per program of the persistent grid, its steps in order: (the counter's key, the turn it waits for)."""
     n_kblk, num_bh = -(-sk // bn), b * hkv
     num_tiles = n_kblk * num_bh
@@ -133,7 +133,7 @@ def _schedule(b, hkv, gqa, sq, sk, causal, order, programs=132, bm=64, bn=128, s
                 steps = (hi - lo) // bm
                 T = gqa * steps
                 off, D, n_lo, n_hi = k._v1_order(tile, n_blk, off_b * hkv + off_hkv, num_bh, n_kblk, T, causal,
-                                                 order)
+                                                 order, gqa, headrot)
                 for i in range(T):
                     f = k._v1_visit(i, off, T)
                     m0 = lo + (f % steps) * bm
@@ -171,10 +171,11 @@ SCHEDULES = [(1, 16, 1, 4096, 4096, False), (2, 8, 1, 1000, 1333, False), (3, 5,
              (1, 4, 2, 1000, 600, True), (2, 4, 1, 600, 1000, True)]
 
 
-@pytest.mark.parametrize("order,snake", [(0, 0), (1, 0), (2, 0), (3, 1)])
+@pytest.mark.parametrize("order,snake,headrot", [(0, 0, 0), (1, 0, 0), (2, 0, 0), (3, 1, 0), (0, 1, 1)])
 @pytest.mark.parametrize("shape", SCHEDULES, ids=lambda s: "B{}H{}g{}_{}x{}_{}".format(*s[:5], "c" if s[5] else "f"))
-def test_each_block_gets_every_add_once_in_a_fixed_order_without_deadlock(shape, order, snake):
-    progs = _schedule(*shape, order, snake=snake)
+def test_each_block_gets_every_add_once_in_a_fixed_order_without_deadlock(shape, order, snake, headrot):
+    """(HEADROT is for unordered adds, which wait for no turn: the turns here only show each pair visited once.)"""
+    progs = _schedule(*shape, order, snake=snake, headrot=headrot)
     tiles = -(-shape[4] // 128) * shape[0] * shape[1]
     assert sum(len(p) for p in progs) == sum(len(p) for p in _schedule(*shape, 0)), tiles  # every tile once
     turns = defaultdict(list)

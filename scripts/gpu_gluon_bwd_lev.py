@@ -49,7 +49,7 @@ CASES = [("d128 causal B1 H16 s16k", 1, 16, 16, 16384, 128, True),
          ("d128 full B1 H16 s16k", 1, 16, 16, 16384, 128, False),
          ("gqa 32/8 causal B4 s4k", 4, 32, 8, 4096, 128, True),
          ("d64 causal B1 H32 s16k", 1, 32, 32, 16384, 64, True)]
-WARM_WORKERS = 12
+WARM_WORKERS = 15
 PHASE_TIMEOUT = {"warm": 60, "check": 30, "time0": 20, "time1": 20, "time2": 15, "time3": 15}
 
 
@@ -293,7 +293,7 @@ def table(rows):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--phase", help="run one phase here (no child): warm0..warm11, check, time0..time2")
+    ap.add_argument("--phase", help="run one phase here (no child): warm0..warm14, check, time0..time2")
     args = ap.parse_args()
     if os.environ.get("GPU_GLUON_BWD_LEV_DRY"):
         sys.exit(0 if dry_run() else 1)

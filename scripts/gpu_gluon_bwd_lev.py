@@ -42,7 +42,8 @@ D128 = (0, 1, 2)
 VARIANTS = [("det", 0, {}, None), ("nondet", 1, {}, None), ("det+order", 0, {"ORDER": 2}, D128),
             ("det+order1", 0, {"ORDER": 1}, (1, )), ("det+named", 0, {"NAMED": 2}, D128),
             ("det+epi", 0, {"EPI_TMA": 1}, D128), ("det+snake", 0, {"SNAKE": 1}, (0, 2)), ("det+all", 0, ALL, None),
-            ("nondet+hrot", 1, {"HEADROT": 1}, (2, )), ("nondet+all", 1, NDALL, None)]
+            ("det+all-named", 0, {**ALL, "NAMED": 0}, D128), ("nondet+hrot", 1, {"HEADROT": 1}, (2, )),
+            ("nondet+all", 1, NDALL, None)]
 MUTANT = ("noreduce+all*", 2, ALL, (0, ))
 # (case, B, Hq, Hkv, S, D, causal)
 CASES = [("d128 causal B1 H16 s16k", 1, 16, 16, 16384, 128, True),

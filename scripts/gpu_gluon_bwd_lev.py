@@ -37,10 +37,11 @@ log = base.log
 ALL = {"ORDER": 2, "NAMED": 2, "EPI_TMA": 1, "SNAKE": 1}
 NDALL = {**ALL, "HEADROT": 1}  # unordered: also each key block's walk from query head n % GQA
 # (label, dq_mode, constexprs, the CASES it is timed in: None = all); dq_mode 1 = deterministic=False; a * marks
-# a mutant (wrong dQ by construction). ORDER 2: full mask, the wave's key blocks 2 steps apart; ORDER 1: spread.
+# a mutant (wrong dQ by construction). ORDER 2 (4): full mask, the wave's key blocks 2 (4) steps apart; ORDER 1:
+# spread over the walk.
 D128 = (0, 1, 2)
 VARIANTS = [("det", 0, {}, None), ("nondet", 1, {}, None), ("det+order", 0, {"ORDER": 2}, D128),
-            ("det+order1", 0, {"ORDER": 1}, (1, )), ("det+named", 0, {"NAMED": 2}, D128),
+            ("det+order1", 0, {"ORDER": 1}, (1, )), ("det+order4", 0, {"ORDER": 4}, (1, )), ("det+named", 0, {"NAMED": 2}, D128),
             ("det+epi", 0, {"EPI_TMA": 1}, D128), ("det+snake", 0, {"SNAKE": 1}, (0, 2)), ("det+all", 0, ALL, None),
             ("det+all-named", 0, {**ALL, "NAMED": 0}, D128), ("nondet+hrot", 1, {"HEADROT": 1}, (2, )),
             ("nondet+all", 1, NDALL, None)]

@@ -109,14 +109,19 @@ def _bwd_preprocess(O, DO, Lse, Delta, Lse2, seq_q, sq_pad, HEAD_DIM: gl.constex
 
 
 @gluon.jit(do_not_specialize=["seq_q", "sq_pad"])
-def _dq_convert(DQacc, DQ, scale, seq_q, sq_pad, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
-    """dQ = scale * dQacc in dQ's dtype (dQacc float32 [B, H, sq_pad, D], dQ contiguous [B, H, Sq, D])."""
+def _dq_convert(DQacc, DQ, scale, seq_q, sq_pad, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                NSPLIT: gl.constexpr = 1):
+    """dQ = scale * dQacc in dQ's dtype (dQacc float32 [NSPLIT x B, H, sq_pad, D], summed over the NSPLIT
+    accumulators in order; dQ contiguous [B, H, Sq, D])."""
     m0 = gl.program_id(0) * BLOCK_M
     head = gl.program_id(1)
     ld: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
     rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
-    acc = gl.load(DQacc + head.to(gl.int64) * sq_pad * HEAD_DIM + rows[:, None] * HEAD_DIM + cols[None, :])
+    offs = head.to(gl.int64) * sq_pad * HEAD_DIM + rows[:, None] * HEAD_DIM + cols[None, :]
+    acc = gl.load(DQacc + offs)
+    for sp in gl.static_range(1, NSPLIT):
+        acc += gl.load(DQacc + sp * gl.num_programs(1).to(gl.int64) * sq_pad * HEAD_DIM + offs)
     gl.store(DQ + head.to(gl.int64) * seq_q * HEAD_DIM + rows[:, None] * HEAD_DIM + cols[None, :],
              (acc * scale).to(DQ.dtype.element_ty), mask=rows[:, None] < seq_q)
 
@@ -410,6 +415,8 @@ V1_ORDER = 0  # >= 1: [Note] Wave order (full mask: rotated starts, 1 spread, d 
 #   order within a wave)
 V1_NAMED = 0  # 1: the dQ handoff through named barriers (bar.arrive / bar.sync); 2: also the dS^T exchange
 V1_EPI_TMA = 0  # 1: dK, dV leave through the warpgroup's dQ slot and a TMA store (no pointer tensors)
+V1_DQ_SPLIT = 1  # k > 1 (deterministic): key block n adds into accumulator n % k, after key block n - k only;
+#   the postprocess sums the k accumulators in order (chains k times shorter, k x the float32 dQ memory)
 V1_HEADROT = 0  # 1 (unordered adds only): key block n starts at query head n % GQA (_v1_order)
 V1_SNAKE = 0  # 1: odd waves of tiles taken in reverse (_v1_snake: balances the causal tiles' lengths per program)
 # Named barrier ids (triton's partitions use 0 and 2 here: lab.gluon_bwd.resources' PTX): dQ full 8 + w,
@@ -493,9 +500,12 @@ def _v1_visit(i, off, T):
 
 @gluon.jit
 def _v1_turn(n_blk, i, m0, off, D, n_lo, n_hi, T, n_kblk, shift, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-             CAUSAL: gl.constexpr, ORDER: gl.constexpr):
-    """How many key blocks add to this step's (query head, query block) before this one ([Note] Wave order)."""
+             CAUSAL: gl.constexpr, ORDER: gl.constexpr, DQ_SPLIT: gl.constexpr = 1):
+    """How many key blocks add to this step's (query head, query block) before this one ([Note] Wave order); with
+    DQ_SPLIT k, in its accumulator n % k: the key blocks n - k, n - 2k, ... (all see the block if this one does)."""
     turn = n_blk
+    if DQ_SPLIT > 1:
+        turn = n_blk // DQ_SPLIT
     if ORDER >= 1:
         if CAUSAL:  # key blocks [0, cnt) see query block m0 (lo is monotone in the key block)
             cnt = gl.minimum(gl.maximum(m0 + BLOCK_M + shift + BLOCK_N - 1, 0) // BLOCK_N, n_kblk)
@@ -548,7 +558,7 @@ def _v1_producer(q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, q_smem, do_sme
 def _v1_dq_writer(dq_desc, dq_smem, dq_full, dq_empty, Sem, num_tiles, num_bh, num_heads_kv, seq_q, seq_k, sq_pad,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GQA: gl.constexpr, CAUSAL: gl.constexpr,
                   DQ_MODE: gl.constexpr, PUB_LAG: gl.constexpr, ORDER: gl.constexpr, NAMED: gl.constexpr,
-                  SNAKE: gl.constexpr, HEADROT: gl.constexpr):
+                  SNAKE: gl.constexpr, HEADROT: gl.constexpr, DQ_SPLIT: gl.constexpr):
     """DQ_MODE 0: PUB_LAG 0 publishes a step's add once complete, before the next step; PUB_LAG 1 publishes it
     after the next step's reduces are issued (cp.async.bulk.wait_group 2: two bulk groups, one per half, per
     step), and drains at the tile's end, as c68d572's [Note] Pipelined dQ writer."""
@@ -570,15 +580,16 @@ def _v1_dq_writer(dq_desc, dq_smem, dq_full, dq_empty, Sem, num_tiles, num_bh, n
         n_steps = GQA * steps
         off, D, n_lo, n_hi = _v1_order(tile, n_blk, off_b * num_heads_kv + off_hkv, num_bh, n_kblk, n_steps, CAUSAL,
                                        ORDER, GQA, HEADROT)
+        ob = (n_blk % DQ_SPLIT) * (num_bh // num_heads_kv) + off_b  # the batch index in the split accumulators
         prev = Sem + 1  # the counter of the add published late (PUB_LAG 1); a placeholder until step 1
         for i in range(n_steps):
             f = _v1_visit(i, off, n_steps)
             g = f // steps
             m0 = lo + (f - g * steps) * BLOCK_M
-            sem = Sem + (off_b * num_heads + h0 + g).to(gl.int64) * n_mblk + m0 // BLOCK_M
+            sem = Sem + (ob * num_heads + h0 + g).to(gl.int64) * n_mblk + m0 // BLOCK_M
             if DQ_MODE == 0:
                 turn = _v1_turn(n_blk, i, m0, off, D, n_lo, n_hi, n_steps, n_kblk, shift, BLOCK_M, BLOCK_N, CAUSAL,
-                                ORDER)
+                                ORDER, DQ_SPLIT)
                 seen = gl.atomic_add(sem, 0, sem="acquire", scope="gpu")
                 while seen != turn:
                     seen = gl.atomic_add(sem, 0, sem="acquire", scope="gpu")
@@ -589,7 +600,7 @@ def _v1_dq_writer(dq_desc, dq_smem, dq_full, dq_empty, Sem, num_tiles, num_bh, n
                 else:
                     mbarrier.wait(dq_full.index(base + w), (j // NS) & 1)
                 if DQ_MODE != 2:
-                    _tma_reduce_add(dq_desc, [off_b, h0 + g, m0, w * half],
+                    _tma_reduce_add(dq_desc, [ob, h0 + g, m0, w * half],
                                     dq_smem.index(base + w)._reinterpret(gl.float32, [1, 1, BLOCK_M, half],
                                                                          dq_desc.layout))
             if DQ_MODE != 2:
@@ -757,10 +768,12 @@ def _attn_bwd_v1(q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, dq_desc, DK, D
                  GQA: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr, COMPUTE_REGS: gl.constexpr,
                  PRODUCER_REGS: gl.constexpr, WRITER_REGS: gl.constexpr, PUB_LAG: gl.constexpr,
                  DQ_SLOTS: gl.constexpr, ORDER: gl.constexpr = 0, NAMED: gl.constexpr = 0,
-                 EPI_TMA: gl.constexpr = 0, SNAKE: gl.constexpr = 0, HEADROT: gl.constexpr = 0):
+                 EPI_TMA: gl.constexpr = 0, SNAKE: gl.constexpr = 0, HEADROT: gl.constexpr = 0,
+                 DQ_SPLIT: gl.constexpr = 1):
     gl.static_assert(BLOCK_N == 128)  # two warpgroups of 64 keys
     gl.static_assert((BLOCK_M == 64) | (BLOCK_M == 128))
     gl.static_assert((HEADROT == 0) | (DQ_MODE != 0))  # the turns assume each head's walk in key-block order
+    gl.static_assert((DQ_SPLIT == 1) | (ORDER == 0))  # a split accumulator's turn: n // DQ_SPLIT
     dtype: gl.constexpr = q_desc.dtype
     q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
     kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
@@ -807,7 +820,7 @@ def _attn_bwd_v1(q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, dq_desc, DK, D
                         HEADROT)),
         (_v1_dq_writer, (dq_desc, dq_smem, dq_full, dq_empty, Sem, num_tiles, num_bh, num_heads_kv, seq_q, seq_k,
                          sq_pad, BLOCK_M, BLOCK_N, GQA, CAUSAL, DQ_MODE, PUB_LAG, ORDER, NAMED, SNAKE,
-                         HEADROT)),
+                         HEADROT, DQ_SPLIT)),
     ], [4, 1, 1], [COMPUTE_REGS, PRODUCER_REGS, WRITER_REGS])
 
 
@@ -820,7 +833,7 @@ def _v1_args(q, do, k, v, lse2, delta, dq_acc, dk, dv, sem, scale, num_tiles, nu
     kw = dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=BWD_BLOCK_N, STAGES=BWD_STAGES, GQA=gqa, CAUSAL=causal,
               DQ_MODE=dq_mode, COMPUTE_REGS=V1_COMPUTE_REGS, PRODUCER_REGS=V1_PRODUCER_REGS,
               WRITER_REGS=V1_WRITER_REGS, PUB_LAG=V1_PUB_LAG, DQ_SLOTS=1, ORDER=V1_ORDER, NAMED=V1_NAMED,
-              EPI_TMA=V1_EPI_TMA, SNAKE=V1_SNAKE, HEADROT=V1_HEADROT, num_warps=4)
+              EPI_TMA=V1_EPI_TMA, SNAKE=V1_SNAKE, HEADROT=V1_HEADROT, DQ_SPLIT=V1_DQ_SPLIT, num_warps=4)
     kw.update(constexprs)
     if kw["EPI_TMA"]:
         dk, dv = _descriptor(dk, BWD_BLOCK_N // 2), _descriptor(dv, BWD_BLOCK_N // 2)
@@ -878,8 +891,9 @@ def backward(do, q, k, v, out, lse, scale, causal, variant="v0", dq_mode=0, bloc
     lse2 = torch.empty_like(delta)
     _bwd_preprocess[(sq_pad // BWD_BLOCK_M, b * hq)](out, do, lse.contiguous(), delta, lse2, sq, sq_pad,
                                                      HEAD_DIM=d, BLOCK_M=BWD_BLOCK_M, num_warps=4)
-    dq_acc = torch.zeros((b, hq, sq_pad, d), dtype=torch.float32, device=q.device)
-    sem = torch.zeros((b, hq, sq_pad // block_m), dtype=torch.int32, device=q.device)
+    nsplit = constexprs.get("DQ_SPLIT", V1_DQ_SPLIT) if variant == "v1" else 1
+    dq_acc = torch.zeros((nsplit * b, hq, sq_pad, d), dtype=torch.float32, device=q.device)
+    sem = torch.zeros((nsplit * b, hq, sq_pad // block_m), dtype=torch.int32, device=q.device)
     num_bh = b * hkv
     num_tiles = triton.cdiv(sk, BWD_BLOCK_N) * num_bh
     grid = (min(num_tiles, _sms(q.device)), )  # every program resident: the fixed-order dQ needs it
@@ -892,7 +906,7 @@ def backward(do, q, k, v, out, lse, scale, causal, variant="v0", dq_mode=0, bloc
                             sq_pad, causal, dq_mode, block_m, **constexprs)
         _attn_bwd_v1[grid](*args, **kw)
     _dq_convert[(sq_pad // BWD_BLOCK_M, b * hq)](dq_acc, dq, scale, sq, sq_pad, HEAD_DIM=d, BLOCK_M=BWD_BLOCK_M,
-                                                 num_warps=4)
+                                                 NSPLIT=nsplit, num_warps=4)
     return dq, dk, dv
 
 

@@ -7,7 +7,8 @@
 Levers (constexpr knobs of v1, docs/hopper.md "Levers on v1"): ORDER 1 ([Note] Wave order), NAMED 1 (the dQ
 handoff through named barriers) / 2 (and the dS^T exchange), EPI_TMA 1 (dK, dV through shared memory and TMA),
 SNAKE 1 (odd waves of tiles in reverse: the causal tiles' lengths balanced over the programs), HEADROT 1
-(unordered only: key block n walks the query heads from n % GQA).
+(unordered only: key block n walks the query heads from n % GQA), DQ_SPLIT k (deterministic: k float32 dQ
+accumulators, key block n adds into n % k after n - k; the postprocess sums them in order).
 Phases: `warm` builds every (variant, case) kernel in parallel children by tiny launches (each child with its own
 timeout: a variant whose launch hangs or faults is dropped from the later phases); `check` compares each lever
 variant with a float64 autograd reference (several waves of tiles, lengths not multiples of the blocks, causal and
@@ -34,18 +35,21 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import gpu_gluon_bwd as base  # noqa: E402  (inputs, reference, rel, triton_module)
 
 log = base.log
-ALL = {"ORDER": 2, "NAMED": 2, "EPI_TMA": 1, "SNAKE": 1}
-NDALL = {**ALL, "HEADROT": 1}  # unordered: also each key block's walk from query head n % GQA
-# (label, dq_mode, constexprs, the CASES it is timed in: None = all); dq_mode 1 = deterministic=False; a * marks
-# a mutant (wrong dQ by construction). ORDER 2 (4): full mask, the wave's key blocks 2 (4) steps apart; ORDER 1:
-# spread over the walk.
+NES = {"NAMED": 2, "EPI_TMA": 1, "SNAKE": 1}
 D128 = (0, 1, 2)
-VARIANTS = [("det", 0, {}, None), ("nondet", 1, {}, None), ("det+order", 0, {"ORDER": 2}, D128),
-            ("det+order1", 0, {"ORDER": 1}, (1, )), ("det+order4", 0, {"ORDER": 4}, (1, )), ("det+named", 0, {"NAMED": 2}, D128),
-            ("det+epi", 0, {"EPI_TMA": 1}, D128), ("det+snake", 0, {"SNAKE": 1}, (0, 2)), ("det+all", 0, ALL, None),
-            ("det+all-named", 0, {**ALL, "NAMED": 0}, D128), ("nondet+hrot", 1, {"HEADROT": 1}, (2, )),
-            ("nondet+all", 1, NDALL, None)]
-MUTANT = ("noreduce+all*", 2, ALL, (0, ))
+# (label, dq_mode, constexprs, the CASES it is timed in: None = all); dq_mode 1 = deterministic=False; a * marks
+# a mutant (wrong dQ by construction).
+# Round A (H100, 9dd6988^^; docs/hopper.md "Levers on v1") timed every lever alone and all of them: ORDER (2 and 1),
+# SNAKE and HEADROT lost everywhere, NAMED and EPI_TMA about even in the deterministic mode, and the unordered mode
+# with all levers gained 11% at causal (469 -> 520) and 7% at d64 (399 -> 426). Round B: which of NAMED, EPI_TMA,
+# SNAKE makes the unordered gain, and DQ_SPLIT (shorter deterministic chains).
+VARIANTS = [("det", 0, {}, None), ("nondet", 1, {}, None),
+            ("nondet+named", 1, {"NAMED": 2}, None), ("nondet+epi", 1, {"EPI_TMA": 1}, (0, 1)),
+            ("nondet+snake", 1, {"SNAKE": 1}, (0, 3)), ("nondet+nes", 1, NES, None),
+            ("det+epi", 0, {"EPI_TMA": 1}, D128), ("det+split2", 0, {"DQ_SPLIT": 2}, None),
+            ("det+split4", 0, {"DQ_SPLIT": 4}, None), ("det+split4ne", 0, {"DQ_SPLIT": 4, "NAMED": 2, "EPI_TMA": 1},
+                                                        None)]
+MUTANT = ("noreduce+nes*", 2, NES, (0, ))
 # (case, B, Hq, Hkv, S, D, causal)
 CASES = [("d128 causal B1 H16 s16k", 1, 16, 16, 16384, 128, True),
          ("d128 full B1 H16 s16k", 1, 16, 16, 16384, 128, False),

@@ -116,7 +116,7 @@ def _scalar_helpers(programs):
             setattr(gb, n, f)
 
 
-def _schedule(b, hkv, gqa, sq, sk, causal, order, programs=132, bm=64, bn=128, snake=0, headrot=0):
+def _schedule(b, hkv, gqa, sq, sk, causal, order, programs=132, bm=64, bn=128, snake=0, headrot=0, dq_split=1):
     """Per program of the persistent grid, its steps in order: (the counter's key, the turn it waits for)."""
     n_kblk, num_bh = -(-sk // bn), b * hkv
     num_tiles = n_kblk * num_bh
@@ -137,8 +137,9 @@ def _schedule(b, hkv, gqa, sq, sk, causal, order, programs=132, bm=64, bn=128, s
                 for i in range(T):
                     f = k._v1_visit(i, off, T)
                     m0 = lo + (f % steps) * bm
-                    turn = k._v1_turn(n_blk, i, m0, off, D, n_lo, n_hi, T, n_kblk, sk - sq, bm, bn, causal, order)
-                    prog.append(((off_b, h0 + f // steps, m0), turn))
+                    turn = k._v1_turn(n_blk, i, m0, off, D, n_lo, n_hi, T, n_kblk, sk - sq, bm, bn, causal, order,
+                                      dq_split)
+                    prog.append((((n_blk % dq_split) * b + off_b, h0 + f // steps, m0), turn))  # the writer's `ob`
             progs.append(prog)
     return progs
 
@@ -171,11 +172,13 @@ SCHEDULES = [(1, 16, 1, 4096, 4096, False), (2, 8, 1, 1000, 1333, False), (3, 5,
              (1, 4, 2, 1000, 600, True), (2, 4, 1, 600, 1000, True)]
 
 
-@pytest.mark.parametrize("order,snake,headrot", [(0, 0, 0), (1, 0, 0), (2, 0, 0), (3, 1, 0), (0, 1, 1)])
+@pytest.mark.parametrize("order,snake,headrot,split", [(0, 0, 0, 1), (1, 0, 0, 1), (2, 0, 0, 1), (3, 1, 0, 1),
+                                                       (0, 1, 1, 1), (0, 0, 0, 2), (0, 1, 0, 4)])
 @pytest.mark.parametrize("shape", SCHEDULES, ids=lambda s: "B{}H{}g{}_{}x{}_{}".format(*s[:5], "c" if s[5] else "f"))
-def test_each_block_gets_every_add_once_in_a_fixed_order_without_deadlock(shape, order, snake, headrot):
-    """(HEADROT is for unordered adds, which wait for no turn: the turns here only show each pair visited once.)"""
-    progs = _schedule(*shape, order, snake=snake, headrot=headrot)
+def test_each_block_gets_every_add_once_in_a_fixed_order_without_deadlock(shape, order, snake, headrot, split):
+    """(HEADROT is for unordered adds, which wait for no turn: the turns here only show each pair visited once.)
+    With DQ_SPLIT the counters are per accumulator: key (split x B + batch, head, block)."""
+    progs = _schedule(*shape, order, snake=snake, headrot=headrot, dq_split=split)
     tiles = -(-shape[4] // 128) * shape[0] * shape[1]
     assert sum(len(p) for p in progs) == sum(len(p) for p in _schedule(*shape, 0)), tiles  # every tile once
     turns = defaultdict(list)

@@ -46,9 +46,10 @@ D128 = (0, 1, 2)
 VARIANTS = [("det", 0, {}, None), ("nondet", 1, {}, None),
             ("nondet+named", 1, {"NAMED": 2}, None), ("nondet+epi", 1, {"EPI_TMA": 1}, (0, 1)),
             ("nondet+snake", 1, {"SNAKE": 1}, (0, 3)), ("nondet+nes", 1, NES, None),
-            ("det+epi", 0, {"EPI_TMA": 1}, D128), ("det+split2", 0, {"DQ_SPLIT": 2}, None),
+            ("det+epi", 0, {"EPI_TMA": 1}, D128), ("det+split2", 0, {"DQ_SPLIT": 2}, (0, 1)),
             ("det+split4", 0, {"DQ_SPLIT": 4}, None), ("det+split4ne", 0, {"DQ_SPLIT": 4, "NAMED": 2, "EPI_TMA": 1},
-                                                        None)]
+                                                        None),
+            ("det+split4nes", 0, {"DQ_SPLIT": 4, **NES}, (0, 2, 3))]
 MUTANT = ("noreduce+nes*", 2, NES, (0, ))
 # (case, B, Hq, Hkv, S, D, causal)
 CASES = [("d128 causal B1 H16 s16k", 1, 16, 16, 16384, 128, True),

@@ -49,7 +49,7 @@ VARIANTS = [("det", 0, {}, None), ("nondet", 1, {}, None),
             ("det+epi", 0, {"EPI_TMA": 1}, D128), ("det+split2", 0, {"DQ_SPLIT": 2}, (0, 1)),
             ("det+split4", 0, {"DQ_SPLIT": 4}, None), ("det+split4ne", 0, {"DQ_SPLIT": 4, "NAMED": 2, "EPI_TMA": 1},
                                                         None),
-            ("det+split4nes", 0, {"DQ_SPLIT": 4, **NES}, (0, 2, 3))]
+            ("det+split4nes", 0, {"DQ_SPLIT": 4, **NES}, (0, 2, 3)), ("det+lag0", 0, {"PUB_LAG": 0}, (1, ))]
 MUTANT = ("noreduce+nes*", 2, NES, (0, ))
 # (case, B, Hq, Hkv, S, D, causal)
 CASES = [("d128 causal B1 H16 s16k", 1, 16, 16, 16384, 128, True),

@@ -415,6 +415,7 @@ V1_ORDER = 0  # >= 1: [Note] Wave order (full mask: rotated starts, 1 spread, d 
 #   order within a wave)
 V1_NAMED = 0  # 1: the dQ handoff through named barriers (bar.arrive / bar.sync); 2: also the dS^T exchange
 V1_EPI_TMA = 0  # 1: dK, dV leave through the warpgroup's dQ slot and a TMA store (no pointer tensors)
+V1_UNORDERED = {}  # the levers the unordered mode (DQ_MODE 1) takes by default, over the defaults above
 V1_DQ_SPLIT = 1  # k > 1 (deterministic): key block n adds into accumulator n % k, after key block n - k only;
 #   the postprocess sums the k accumulators in order (chains k times shorter, k x the float32 dQ memory)
 V1_HEADROT = 0  # 1 (unordered adds only): key block n starts at query head n % GQA (_v1_order)
@@ -834,6 +835,8 @@ def _v1_args(q, do, k, v, lse2, delta, dq_acc, dk, dv, sem, scale, num_tiles, nu
               DQ_MODE=dq_mode, COMPUTE_REGS=V1_COMPUTE_REGS, PRODUCER_REGS=V1_PRODUCER_REGS,
               WRITER_REGS=V1_WRITER_REGS, PUB_LAG=V1_PUB_LAG, DQ_SLOTS=1, ORDER=V1_ORDER, NAMED=V1_NAMED,
               EPI_TMA=V1_EPI_TMA, SNAKE=V1_SNAKE, HEADROT=V1_HEADROT, DQ_SPLIT=V1_DQ_SPLIT, num_warps=4)
+    if dq_mode == 1:
+        kw.update(V1_UNORDERED)
     kw.update(constexprs)
     if kw["EPI_TMA"]:
         dk, dv = _descriptor(dk, BWD_BLOCK_N // 2), _descriptor(dv, BWD_BLOCK_N // 2)

@@ -109,14 +109,19 @@ def _bwd_preprocess(O, DO, Lse, Delta, Lse2, seq_q, sq_pad, HEAD_DIM: gl.constex
 
 
 @gluon.jit(do_not_specialize=["seq_q", "sq_pad"])
-def _dq_convert(DQacc, DQ, scale, seq_q, sq_pad, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
-    """dQ = scale * dQacc in dQ's dtype (dQacc float32 [B, H, sq_pad, D], dQ contiguous [B, H, Sq, D])."""
+def _dq_convert(DQacc, DQ, scale, seq_q, sq_pad, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                NSPLIT: gl.constexpr = 1):
+    """dQ = scale * dQacc in dQ's dtype (dQacc float32 [NSPLIT x B, H, sq_pad, D], summed over the NSPLIT
+    accumulators in order; dQ contiguous [B, H, Sq, D])."""
     m0 = gl.program_id(0) * BLOCK_M
     head = gl.program_id(1)
     ld: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
     rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
-    acc = gl.load(DQacc + head.to(gl.int64) * sq_pad * HEAD_DIM + rows[:, None] * HEAD_DIM + cols[None, :])
+    offs = head.to(gl.int64) * sq_pad * HEAD_DIM + rows[:, None] * HEAD_DIM + cols[None, :]
+    acc = gl.load(DQacc + offs)
+    for sp in gl.static_range(1, NSPLIT):
+        acc += gl.load(DQacc + sp * gl.num_programs(1).to(gl.int64) * sq_pad * HEAD_DIM + offs)
     gl.store(DQ + head.to(gl.int64) * seq_q * HEAD_DIM + rows[:, None] * HEAD_DIM + cols[None, :],
              (acc * scale).to(DQ.dtype.element_ty), mask=rows[:, None] < seq_q)
 
@@ -405,23 +410,136 @@ V1_PRODUCER_REGS = 24  # ptxas: 240/24/24 spills less than 240/40/24 (660 vs 832
 V1_WRITER_REGS = 24
 V1_COMPUTE_REGS = 240
 V1_PUB_LAG = 1  # DQ_MODE 0: publish each add one step late (_v1_dq_writer)
+# Levers (seventh session; each off by default until measured, docs/hopper.md "Levers on v1"):
+V1_ORDER = 0  # >= 1: [Note] Wave order (full mask: rotated starts, 1 spread, d > 1 d steps apart; causal: arrival
+#   order within a wave)
+V1_NAMED = 0  # 1: the dQ handoff through named barriers (bar.arrive / bar.sync); 2: also the dS^T exchange
+V1_EPI_TMA = 0  # 1: dK, dV leave through the warpgroup's dQ slot and a TMA store (no pointer tensors)
+V1_UNORDERED = {}  # the levers the unordered mode (DQ_MODE 1) takes by default, over the defaults above
+V1_DQ_SPLIT = 1  # k > 1 (deterministic): key block n adds into accumulator n % k, after key block n - k only;
+#   the postprocess sums the k accumulators in order (chains k times shorter, k x the float32 dQ memory)
+V1_HEADROT = 0  # 1 (unordered adds only): key block n starts at query head n % GQA (_v1_order)
+V1_SNAKE = 0  # 1: odd waves of tiles taken in reverse (_v1_snake: balances the causal tiles' lengths per program)
+# Named barrier ids (triton's partitions use 0 and 2 here: lab.gluon_bwd.resources' PTX): dQ full 8 + w,
+# dQ empty 10 + w, dS^T exchange 12, the epilogue's meeting 13 (unused for now).
+_BAR_DQ_FULL = gl.constexpr(8)
+_BAR_DQ_EMPTY = gl.constexpr(10)
+_BAR_DS = gl.constexpr(12)
+
+
+@gluon.constexpr_function
+def _bar_asm(op, bar_id, count):
+    return f"bar.{op} {bar_id}, {count}; mov.b32 $0, $1;"
+
+
+@gluon.jit
+def _named_bar(x, OP: gl.constexpr, ID: gl.constexpr, COUNT: gl.constexpr):
+    """bar.sync / bar.arrive ID, COUNT (a named barrier; arrive does not wait). `x`: any scalar (the inline asm
+    needs an operand); every thread of the calling warps executes it."""
+    return gl.inline_asm_elementwise(_bar_asm(OP, ID, COUNT), "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
+
+
+# [Note] Wave order (ORDER 1). The persistent grid runs tile t in wave t // programs: each program has one tile
+# per wave, so the key blocks of one KV head in a wave, [n_lo, n_hi), run at about the same time. v1's deterministic
+# turn on a (query head, query block) is the key block index: with the full mask every key block of a wave walks
+# the query blocks in the same order, so each one queues behind the previous one's add at every step (16% lost);
+# with the causal mask key block n starts 2 query blocks after n - 1 (lo = n0), so n reaches each block first and
+# waits for n - 1 anyway (and with GQA 2 more steps per query head). ORDER 1 keeps waves in key-block order and,
+# inside a wave, orders the adds by arrival:
+#   full mask: key block n_lo + k starts its walk over the T = GQA x steps (query head, query block) pairs at
+#     k * D and wraps (ORDER 1: D = T // W, W key blocks in the wave, the starts spread over the walk; ORDER d > 1:
+#     D = min(d, T // W), the wave's key blocks a few steps apart, as the causal mask has them, so that a block's
+#     dQ tile and Q, dO are still in L2 when the next key block comes); at any pair the earlier waves come first,
+#     then the wave's key blocks in the order they reach it (each D steps after the one before): turn = n_lo +
+#     #{k' whose start lies in (k D, k D + i] cyclically}, i the step. Neighbours in a wave are D steps apart.
+#   causal: the wave's key blocks in descending order (the higher one starts nearer the diagonal and arrives
+#     first, for every query head); the earlier waves' key blocks that see the block come first.
+# Every wait goes to an earlier wave or, in the same wave, to a key block that reached the pair at an earlier or
+# equal step (ties broken by index, one way): no cycle, and each program's earlier tiles never wait on its later
+# ones, so the persistent grid cannot deadlock. The adds' order per query block is fixed: bitwise repeatable.
+@gluon.jit
+def _v1_order(tile, n_blk, bh, num_bh, n_kblk, T, CAUSAL: gl.constexpr, ORDER: gl.constexpr,
+              GQA: gl.constexpr = 1, HEADROT: gl.constexpr = 0):
+    """(start offset of the walk, stride D, n_lo, n_hi) of this tile ([Note] Wave order). HEADROT (unordered adds
+    only): key block n starts its walk at query head n % GQA, so that the key blocks of a KV head that run side by
+    side add to different query heads' dQ tiles (where the full mask's ORDER does not rotate already)."""
+    P = gl.num_programs(0)
+    w0 = (tile // P) * P
+    n_lo = (gl.maximum(w0 - bh, 0) + num_bh - 1) // num_bh
+    n_hi = gl.minimum((gl.maximum(w0 + P - bh, 0) + num_bh - 1) // num_bh, n_kblk)
+    D = T // gl.maximum(n_hi - n_lo, 1)
+    if ORDER > 1:
+        D = gl.minimum(D, ORDER)
+    off = 0
+    if HEADROT:
+        off = (n_blk % GQA) * (T // GQA)
+    if ORDER >= 1:
+        if not CAUSAL:
+            off = (n_blk - n_lo) * D
+    return off, D, n_lo, n_hi
+
+
+@gluon.jit
+def _v1_snake(tile, num_tiles, SNAKE: gl.constexpr):
+    """SNAKE 1: in every odd full wave the programs take its tiles in reverse (program p the wave's tile P - 1 - p),
+    so a program that drew a long tile (a low key block: causal tiles shrink with the key block) in one wave draws
+    a short one in the next. Waves and each program's increasing tile order are kept ([Note] Wave order)."""
+    if SNAKE:
+        P = gl.num_programs(0)
+        w = tile // P
+        if ((w % 2) == 1) & ((w + 1) * P <= num_tiles):
+            tile = w * P + (P - 1 - gl.program_id(0))
+    return tile
+
+
+@gluon.jit
+def _v1_visit(i, off, T):
+    """The flat (query head, query block) index of step i: the walk starts at off and wraps at T."""
+    f = i + off
+    return gl.where(f >= T, f - T, f)
+
+
+@gluon.jit
+def _v1_turn(n_blk, i, m0, off, D, n_lo, n_hi, T, n_kblk, shift, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             CAUSAL: gl.constexpr, ORDER: gl.constexpr, DQ_SPLIT: gl.constexpr = 1):
+    """How many key blocks add to this step's (query head, query block) before this one ([Note] Wave order); with
+    DQ_SPLIT k, in its accumulator n % k: the key blocks n - k, n - 2k, ... (all see the block if this one does)."""
+    turn = n_blk
+    if DQ_SPLIT > 1:
+        turn = n_blk // DQ_SPLIT
+    if ORDER >= 1:
+        if CAUSAL:  # key blocks [0, cnt) see query block m0 (lo is monotone in the key block)
+            cnt = gl.minimum(gl.maximum(m0 + BLOCK_M + shift + BLOCK_N - 1, 0) // BLOCK_N, n_kblk)
+            turn = gl.minimum(n_lo, cnt) + gl.minimum(n_hi, cnt) - n_blk - 1
+        else:
+            if D > 0:
+                k = n_blk - n_lo
+                c1 = gl.minimum(i // D, n_hi - n_lo - k - 1)  # starts k D + D, k D + 2 D, ... before the wrap
+                c2 = gl.maximum(k - (T - i + D - 1) // D + 1, 0)  # starts (k - u) D, u = 1..k, after it
+                turn = n_lo + c1 + c2
+    return turn
 
 
 @gluon.jit
 def _v1_producer(q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, q_smem, do_smem, k_smem, v_smem, l_smem, d_smem,
                  ready, empty, kv_ready, kv_empty, num_tiles, num_bh, num_heads_kv, seq_q, seq_k,
                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 GQA: gl.constexpr, CAUSAL: gl.constexpr):
+                 GQA: gl.constexpr, CAUSAL: gl.constexpr, ORDER: gl.constexpr, SNAKE: gl.constexpr,
+                 HEADROT: gl.constexpr):
     num_heads = num_heads_kv * GQA
     dtype: gl.constexpr = q_desc.dtype
+    n_kblk = num_tiles // num_bh
     j = 0
     t = 0
-    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+    for tile0 in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        tile = _v1_snake(tile0, num_tiles, SNAKE)
         n_blk, off_b, off_hkv, h0, lo, split, hi = _bwd_tile(tile, num_tiles, num_bh, num_heads_kv, seq_q, seq_k,
                                                              BLOCK_M, BLOCK_N, GQA, CAUSAL, 0)
         n0 = n_blk * BLOCK_N
         steps = (hi - lo) // BLOCK_M
         n_steps = GQA * steps
+        off, D, n_lo, n_hi = _v1_order(tile, n_blk, off_b * num_heads_kv + off_hkv, num_bh, n_kblk, n_steps, CAUSAL,
+                                       ORDER, GQA, HEADROT)
         mbarrier.wait(kv_empty.index(0), (t & 1) ^ 1)  # both warpgroups are done with the previous tile's K, V
         mbarrier.expect(kv_ready.index(0), 2 * k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [off_b, off_hkv, n0, 0], kv_ready.index(0),
@@ -431,8 +549,8 @@ def _v1_producer(q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, q_smem, do_sme
         for i in range(n_steps):
             s = j % STAGES
             mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
-            _bwd_issue(q_desc, do_desc, l_desc, d_desc, q_smem, do_smem, l_smem, d_smem, ready, j, i, steps, lo,
-                       off_b, h0, num_heads, BLOCK_M, HEAD_DIM, STAGES)
+            _bwd_issue(q_desc, do_desc, l_desc, d_desc, q_smem, do_smem, l_smem, d_smem, ready, j,
+                       _v1_visit(i, off, n_steps), steps, lo, off_b, h0, num_heads, BLOCK_M, HEAD_DIM, STAGES)
             j += 1
         t += 1
 
@@ -440,7 +558,8 @@ def _v1_producer(q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, q_smem, do_sme
 @gluon.jit
 def _v1_dq_writer(dq_desc, dq_smem, dq_full, dq_empty, Sem, num_tiles, num_bh, num_heads_kv, seq_q, seq_k, sq_pad,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GQA: gl.constexpr, CAUSAL: gl.constexpr,
-                  DQ_MODE: gl.constexpr, PUB_LAG: gl.constexpr):
+                  DQ_MODE: gl.constexpr, PUB_LAG: gl.constexpr, ORDER: gl.constexpr, NAMED: gl.constexpr,
+                  SNAKE: gl.constexpr, HEADROT: gl.constexpr, DQ_SPLIT: gl.constexpr):
     """DQ_MODE 0: PUB_LAG 0 publishes a step's add once complete, before the next step; PUB_LAG 1 publishes it
     after the next step's reduces are issued (cp.async.bulk.wait_group 2: two bulk groups, one per half, per
     step), and drains at the tile's end, as c68d572's [Note] Pipelined dQ writer."""
@@ -450,33 +569,50 @@ def _v1_dq_writer(dq_desc, dq_smem, dq_full, dq_empty, Sem, num_tiles, num_bh, n
     NS: gl.constexpr = dq_smem.shape[0] // 2  # dQ slots per warpgroup (DQ_SLOTS)
     if DQ_MODE == 3:
         num_tiles = 0  # diagnostic: no handoff, the dQ warp idles
+    gl.static_assert((NAMED == 0) | (NS == 1))
+    n_kblk = num_tiles // num_bh
+    shift = seq_k - seq_q
     j = 0
-    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+    for tile0 in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        tile = _v1_snake(tile0, num_tiles, SNAKE)
         n_blk, off_b, off_hkv, h0, lo, split, hi = _bwd_tile(tile, num_tiles, num_bh, num_heads_kv, seq_q, seq_k,
                                                              BLOCK_M, BLOCK_N, GQA, CAUSAL, 0)
         steps = (hi - lo) // BLOCK_M
         n_steps = GQA * steps
+        off, D, n_lo, n_hi = _v1_order(tile, n_blk, off_b * num_heads_kv + off_hkv, num_bh, n_kblk, n_steps, CAUSAL,
+                                       ORDER, GQA, HEADROT)
+        ob = (n_blk % DQ_SPLIT) * (num_bh // num_heads_kv) + off_b  # the batch index in the split accumulators
         prev = Sem + 1  # the counter of the add published late (PUB_LAG 1); a placeholder until step 1
         for i in range(n_steps):
-            g = i // steps
-            m0 = lo + (i - g * steps) * BLOCK_M
-            sem = Sem + (off_b * num_heads + h0 + g).to(gl.int64) * n_mblk + m0 // BLOCK_M
+            f = _v1_visit(i, off, n_steps)
+            g = f // steps
+            m0 = lo + (f - g * steps) * BLOCK_M
+            sem = Sem + (ob * num_heads + h0 + g).to(gl.int64) * n_mblk + m0 // BLOCK_M
             if DQ_MODE == 0:
+                turn = _v1_turn(n_blk, i, m0, off, D, n_lo, n_hi, n_steps, n_kblk, shift, BLOCK_M, BLOCK_N, CAUSAL,
+                                ORDER, DQ_SPLIT)
                 seen = gl.atomic_add(sem, 0, sem="acquire", scope="gpu")
-                while seen != n_blk:
+                while seen != turn:
                     seen = gl.atomic_add(sem, 0, sem="acquire", scope="gpu")
             base = (j % NS) * 2
             for w in gl.static_range(2):
-                mbarrier.wait(dq_full.index(base + w), (j // NS) & 1)
+                if NAMED >= 1:
+                    _named_bar(j, "sync", _BAR_DQ_FULL + w, 160)  # warpgroup w's threads stored and fenced
+                else:
+                    mbarrier.wait(dq_full.index(base + w), (j // NS) & 1)
                 if DQ_MODE != 2:
-                    _tma_reduce_add(dq_desc, [off_b, h0 + g, m0, w * half],
+                    _tma_reduce_add(dq_desc, [ob, h0 + g, m0, w * half],
                                     dq_smem.index(base + w)._reinterpret(gl.float32, [1, 1, BLOCK_M, half],
                                                                          dq_desc.layout))
             if DQ_MODE != 2:
-                tma.store_wait(0)  # the TMA unit has read both halves
-            gl.thread_barrier()
-            mbarrier.arrive(dq_empty.index(base))
-            mbarrier.arrive(dq_empty.index(base + 1))
+                tma.store_wait(0)  # the TMA unit has read both halves (the issuing thread waits)
+            if NAMED >= 1:  # every thread arrives; the issuing thread only after its wait: the slot is free then
+                _named_bar(j, "arrive", _BAR_DQ_EMPTY, 160)
+                _named_bar(j, "arrive", _BAR_DQ_EMPTY + 1, 160)
+            else:
+                gl.thread_barrier()
+                mbarrier.arrive(dq_empty.index(base))
+                mbarrier.arrive(dq_empty.index(base + 1))
             if DQ_MODE == 0:
                 if PUB_LAG == 0:
                     _bwd_publish(sem, m0, 0)  # complete: the next key block may add now
@@ -495,7 +631,9 @@ def _v1_dq_writer(dq_desc, dq_smem, dq_full, dq_empty, Sem, num_tiles, num_bh, n
 def _v1_compute(q_smem, do_smem, k_smem, v_smem, ds_smem, l_smem, d_smem, dq_smem, ready, empty, kv_ready, kv_empty,
                 ds_ready, dq_full, dq_empty, DK, DV, qk_scale, scale, num_tiles, num_bh, num_heads_kv, seq_q, seq_k,
                 WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                STAGES: gl.constexpr, GQA: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr):
+                STAGES: gl.constexpr, GQA: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr,
+                ORDER: gl.constexpr, NAMED: gl.constexpr, EPI_TMA: gl.constexpr, SNAKE: gl.constexpr,
+                HEADROT: gl.constexpr):
     """One compute warpgroup: keys n0 + 64 WG .. + 64 of each tile, half WG of dQ_j's head dim."""
     dtype: gl.constexpr = k_smem.dtype
     WN: gl.constexpr = BLOCK_N // 2  # keys of this warpgroup
@@ -512,20 +650,27 @@ def _v1_compute(q_smem, do_smem, k_smem, v_smem, ds_smem, l_smem, d_smem, dq_sme
     v_w = v_smem.slice(WG * WN, WN, dim=0)
     k_h = k_smem.slice(WG * DH, DH, dim=1)
     NS: gl.constexpr = dq_smem.shape[0] // 2  # dQ slots per warpgroup (DQ_SLOTS)
+    gl.static_assert(((NAMED == 0) & (EPI_TMA == 0)) | (NS == 1))
+    n_kblk = num_tiles // num_bh
+    owed = 0  # NAMED: a dQ-empty sync owed for the last handoff (the dQ warp arrives once per step)
     j = 0
     t = 0
-    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+    for tile0 in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        tile = _v1_snake(tile0, num_tiles, SNAKE)
         n_blk, off_b, off_hkv, h0, lo, split, hi = _bwd_tile(tile, num_tiles, num_bh, num_heads_kv, seq_q, seq_k,
                                                              BLOCK_M, BLOCK_N, GQA, CAUSAL, 0)
         n0 = n_blk * BLOCK_N
         steps = (hi - lo) // BLOCK_M
         n_steps = GQA * steps
+        off, D, n_lo, n_hi = _v1_order(tile, n_blk, off_b * num_heads_kv + off_hkv, num_bh, n_kblk, n_steps, CAUSAL,
+                                       ORDER, GQA, HEADROT)
         dk = gl.zeros([WN, HEAD_DIM], gl.float32, kv_l)
         dv = gl.zeros([WN, HEAD_DIM], gl.float32, kv_l)
         keys = n0 + keys0
         mbarrier.wait(kv_ready.index(0), t & 1)
         for i in range(n_steps):
-            m0 = lo + (i - (i // steps) * steps) * BLOCK_M
+            f = _v1_visit(i, off, n_steps)
+            m0 = lo + (f - (f // steps) * steps) * BLOCK_M
             s = j % STAGES
             mbarrier.wait(ready.index(s), (j // STAGES) & 1)
             q_s = q_smem.index(s)
@@ -551,8 +696,11 @@ def _v1_compute(q_smem, do_smem, k_smem, v_smem, ds_smem, l_smem, d_smem, dq_sme
             pt_op = gl.convert_layout(pt.to(dtype), op_l)
             dv_tok = warpgroup_mma(pt_op, do_s, dv, is_async=True)
             fence_async_shared()
-            mbarrier.arrive(ds_ready.index(dsb))
-            mbarrier.wait(ds_ready.index(dsb), (j // 2) & 1)  # both warpgroups' halves of dS^T are in
+            if NAMED >= 2:
+                _named_bar(j, "sync", _BAR_DS, 256)  # both warpgroups' halves of dS^T are in
+            else:
+                mbarrier.arrive(ds_ready.index(dsb))
+                mbarrier.wait(ds_ready.index(dsb), (j // 2) & 1)  # both warpgroups' halves of dS^T are in
             dq_tok = warpgroup_mma(ds_smem.index(dsb).permute((1, 0)), k_h, gl.zeros([BLOCK_M, DH], gl.float32, dq_l),
                                    use_acc=False, is_async=True)
             dst_op = gl.convert_layout(dst, op_l)
@@ -561,6 +709,13 @@ def _v1_compute(q_smem, do_smem, k_smem, v_smem, ds_smem, l_smem, d_smem, dq_sme
             if DQ_MODE == 3:  # diagnostic: no handoff; the store never runs but keeps the dQ MMA alive
                 if qk_scale < 0:
                     dq_smem.index(WG).store(dq)
+            elif NAMED >= 1:  # FA3's handoff: wait for the slot (bar.sync), store, fence, bar.arrive (no wait)
+                if owed:
+                    _named_bar(j, "sync", _BAR_DQ_EMPTY + WG, 160)
+                dq_smem.index(WG).store(dq)
+                fence_async_shared()
+                _named_bar(j, "arrive", _BAR_DQ_FULL + WG, 160)
+                owed = 1
             else:
                 dqs = (j % NS) * 2 + WG
                 mbarrier.wait(dq_empty.index(dqs), ((j // NS) & 1) ^ 1)  # the dQ warp has added what it held
@@ -572,12 +727,39 @@ def _v1_compute(q_smem, do_smem, k_smem, v_smem, ds_smem, l_smem, d_smem, dq_sme
             j += 1
         mbarrier.arrive(kv_empty.index(0))
         dk = dk * scale  # dS was taken w.r.t. the scaled scores: dK = scale * dS^T Q
-        kv_base = ((off_b * num_heads_kv + off_hkv).to(gl.int64) * seq_k + n0) * HEAD_DIM
-        kv_offs = kv_r[:, None] * HEAD_DIM + kv_c[None, :]
-        inside = (n0 + kv_r[:, None]) < seq_k
-        gl.store(DK + kv_base + kv_offs, dk.to(dtype), mask=inside)
-        gl.store(DV + kv_base + kv_offs, dv.to(dtype), mask=inside)
+        if EPI_TMA:  # through this warpgroup's dQ slot ([64, 64] float32 = [64, 128] bf16) and the TMA unit
+            if DQ_MODE != 3:
+                if NAMED >= 1:
+                    if owed:
+                        _named_bar(j, "sync", _BAR_DQ_EMPTY + WG, 160)
+                    owed = 0
+                else:
+                    mbarrier.wait(dq_empty.index(WG), (j & 1) ^ 1)  # the dQ warp has read the last half
+            stage = dq_smem.index(WG)._reinterpret(dtype, [WN, HEAD_DIM],
+                                                   gl.NVMMASharedLayout.get_default_for([WN, HEAD_DIM], dtype))
+            stage4 = dq_smem.index(WG)._reinterpret(dtype, [1, 1, WN, HEAD_DIM], DK.layout)
+            stage.store(dv.to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            tma.async_copy_shared_to_global(DV, [off_b, off_hkv, n0 + WG * WN, 0], stage4)  # rows past Sk: clipped
+            tma.store_wait(0)
+            gl.thread_barrier()
+            stage.store(dk.to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            tma.async_copy_shared_to_global(DK, [off_b, off_hkv, n0 + WG * WN, 0], stage4)
+            tma.store_wait(0)
+            gl.thread_barrier()  # the slot is free again for the next step's dQ half
+        else:
+            kv_base = ((off_b * num_heads_kv + off_hkv).to(gl.int64) * seq_k + n0) * HEAD_DIM
+            kv_offs = kv_r[:, None] * HEAD_DIM + kv_c[None, :]
+            inside = (n0 + kv_r[:, None]) < seq_k
+            gl.store(DK + kv_base + kv_offs, dk.to(dtype), mask=inside)
+            gl.store(DV + kv_base + kv_offs, dv.to(dtype), mask=inside)
         t += 1
+    if NAMED >= 1:
+        if owed:  # the dQ warp's arrive for the last handoff: consume it, leave the barrier idle at exit
+            _named_bar(j, "sync", _BAR_DQ_EMPTY + WG, 160)
 
 
 @gluon.jit(do_not_specialize=["num_tiles", "num_bh", "num_heads_kv", "seq_q", "seq_k", "sq_pad"])
@@ -586,9 +768,13 @@ def _attn_bwd_v1(q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, dq_desc, DK, D
                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                  GQA: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr, COMPUTE_REGS: gl.constexpr,
                  PRODUCER_REGS: gl.constexpr, WRITER_REGS: gl.constexpr, PUB_LAG: gl.constexpr,
-                 DQ_SLOTS: gl.constexpr):
+                 DQ_SLOTS: gl.constexpr, ORDER: gl.constexpr = 0, NAMED: gl.constexpr = 0,
+                 EPI_TMA: gl.constexpr = 0, SNAKE: gl.constexpr = 0, HEADROT: gl.constexpr = 0,
+                 DQ_SPLIT: gl.constexpr = 1):
     gl.static_assert(BLOCK_N == 128)  # two warpgroups of 64 keys
     gl.static_assert((BLOCK_M == 64) | (BLOCK_M == 128))
+    gl.static_assert((HEADROT == 0) | (DQ_MODE != 0))  # the turns assume each head's walk in key-block order
+    gl.static_assert((DQ_SPLIT == 1) | (ORDER == 0))  # a split accumulator's turn: n // DQ_SPLIT
     dtype: gl.constexpr = q_desc.dtype
     q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
     kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
@@ -623,29 +809,41 @@ def _attn_bwd_v1(q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, dq_desc, DK, D
     gl.warp_specialize([
         (_v1_compute, (q_smem, do_smem, k_smem, v_smem, ds_smem, l_smem, d_smem, dq_smem, ready, empty, kv_ready, kv_empty,
                       ds_ready, dq_full, dq_empty, DK, DV, qk_scale, scale, num_tiles, num_bh, num_heads_kv, seq_q,
-                      seq_k, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GQA, CAUSAL, DQ_MODE)),
+                      seq_k, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GQA, CAUSAL, DQ_MODE, ORDER, NAMED, EPI_TMA,
+                      SNAKE, HEADROT)),
         (_v1_compute, (q_smem, do_smem, k_smem, v_smem, ds_smem, l_smem, d_smem, dq_smem, ready, empty, kv_ready, kv_empty,
                       ds_ready, dq_full, dq_empty, DK, DV, qk_scale, scale, num_tiles, num_bh, num_heads_kv, seq_q,
-                      seq_k, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GQA, CAUSAL, DQ_MODE)),
+                      seq_k, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GQA, CAUSAL, DQ_MODE, ORDER, NAMED, EPI_TMA,
+                      SNAKE, HEADROT)),
         (_v1_producer, (q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, q_smem, do_smem, k_smem, v_smem, l_smem,
                         d_smem, ready, empty, kv_ready, kv_empty, num_tiles, num_bh, num_heads_kv, seq_q, seq_k,
-                        HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GQA, CAUSAL)),
+                        HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GQA, CAUSAL, ORDER, SNAKE,
+                        HEADROT)),
         (_v1_dq_writer, (dq_desc, dq_smem, dq_full, dq_empty, Sem, num_tiles, num_bh, num_heads_kv, seq_q, seq_k,
-                         sq_pad, BLOCK_M, BLOCK_N, GQA, CAUSAL, DQ_MODE, PUB_LAG)),
+                         sq_pad, BLOCK_M, BLOCK_N, GQA, CAUSAL, DQ_MODE, PUB_LAG, ORDER, NAMED, SNAKE,
+                         HEADROT, DQ_SPLIT)),
     ], [4, 1, 1], [COMPUTE_REGS, PRODUCER_REGS, WRITER_REGS])
 
 
 def _v1_args(q, do, k, v, lse2, delta, dq_acc, dk, dv, sem, scale, num_tiles, num_bh, hkv, sq, sk, sq_pad, causal,
-             dq_mode, block_m=BWD_BLOCK_M):
+             dq_mode, block_m=BWD_BLOCK_M, **constexprs):
+    """(args, constexprs) of _attn_bwd_v1; `constexprs` override the module defaults. With EPI_TMA, DK and DV are
+    TMA descriptors in boxes of one warpgroup's [64, D] rows, else pointers."""
     gqa = q.shape[1] // k.shape[1]
     d = q.shape[-1]
+    kw = dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=BWD_BLOCK_N, STAGES=BWD_STAGES, GQA=gqa, CAUSAL=causal,
+              DQ_MODE=dq_mode, COMPUTE_REGS=V1_COMPUTE_REGS, PRODUCER_REGS=V1_PRODUCER_REGS,
+              WRITER_REGS=V1_WRITER_REGS, PUB_LAG=V1_PUB_LAG, DQ_SLOTS=1, ORDER=V1_ORDER, NAMED=V1_NAMED,
+              EPI_TMA=V1_EPI_TMA, SNAKE=V1_SNAKE, HEADROT=V1_HEADROT, DQ_SPLIT=V1_DQ_SPLIT, num_warps=4)
+    if dq_mode == 1:
+        kw.update(V1_UNORDERED)
+    kw.update(constexprs)
+    if kw["EPI_TMA"]:
+        dk, dv = _descriptor(dk, BWD_BLOCK_N // 2), _descriptor(dv, BWD_BLOCK_N // 2)
     args = (_descriptor(q, block_m), _descriptor(do, block_m), _descriptor(k, BWD_BLOCK_N),
             _descriptor(v, BWD_BLOCK_N), _bwd_row_descriptor(lse2, block_m), _bwd_row_descriptor(delta, block_m),
             _bwd_acc_descriptor(dq_acc, block_m, cols=d // 2, swizzle=128), dk, dv, sem, scale * 1.4426950408889634,
             scale, num_tiles, num_bh, hkv, sq, sk, sq_pad)
-    kw = dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=BWD_BLOCK_N, STAGES=BWD_STAGES, GQA=gqa, CAUSAL=causal,
-              DQ_MODE=dq_mode, COMPUTE_REGS=V1_COMPUTE_REGS, PRODUCER_REGS=V1_PRODUCER_REGS,
-              WRITER_REGS=V1_WRITER_REGS, PUB_LAG=V1_PUB_LAG, DQ_SLOTS=1, num_warps=4)
     return args, kw
 
 
@@ -696,8 +894,9 @@ def backward(do, q, k, v, out, lse, scale, causal, variant="v0", dq_mode=0, bloc
     lse2 = torch.empty_like(delta)
     _bwd_preprocess[(sq_pad // BWD_BLOCK_M, b * hq)](out, do, lse.contiguous(), delta, lse2, sq, sq_pad,
                                                      HEAD_DIM=d, BLOCK_M=BWD_BLOCK_M, num_warps=4)
-    dq_acc = torch.zeros((b, hq, sq_pad, d), dtype=torch.float32, device=q.device)
-    sem = torch.zeros((b, hq, sq_pad // block_m), dtype=torch.int32, device=q.device)
+    nsplit = constexprs.get("DQ_SPLIT", V1_DQ_SPLIT) if variant == "v1" else 1
+    dq_acc = torch.zeros((nsplit * b, hq, sq_pad, d), dtype=torch.float32, device=q.device)
+    sem = torch.zeros((nsplit * b, hq, sq_pad // block_m), dtype=torch.int32, device=q.device)
     num_bh = b * hkv
     num_tiles = triton.cdiv(sk, BWD_BLOCK_N) * num_bh
     grid = (min(num_tiles, _sms(q.device)), )  # every program resident: the fixed-order dQ needs it
@@ -707,10 +906,10 @@ def backward(do, q, k, v, out, lse, scale, causal, variant="v0", dq_mode=0, bloc
         _attn_bwd_hopper[grid](*args, **kw)
     else:
         args, kw = _v1_args(q, do, k, v, lse2, delta, dq_acc, dk, dv, sem, scale, num_tiles, num_bh, hkv, sq, sk,
-                            sq_pad, causal, dq_mode, block_m)
-        _attn_bwd_v1[grid](*args, **{**kw, **constexprs})
+                            sq_pad, causal, dq_mode, block_m, **constexprs)
+        _attn_bwd_v1[grid](*args, **kw)
     _dq_convert[(sq_pad // BWD_BLOCK_M, b * hq)](dq_acc, dq, scale, sq, sq_pad, HEAD_DIM=d, BLOCK_M=BWD_BLOCK_M,
-                                                 num_warps=4)
+                                                 NSPLIT=nsplit, num_warps=4)
     return dq, dk, dv
 
 
@@ -728,10 +927,13 @@ def compile_for(variant="v0", head_dim=128, gqa=1, causal=True, dq_mode=0, dtype
     acc = torch.empty((1, gqa, sq_pad, head_dim), dtype=torch.float32)
     sem = torch.empty(4, dtype=torch.int32)
     fn, argf = (_attn_bwd_hopper, _v0_args) if variant == "v0" else (_attn_bwd_v1, _v1_args)
-    args, kw = argf(q, q, k, k, rows, rows, acc, k, k, sem, 0.5, 2, 2, 2, seq_q, seq_k, sq_pad, causal, dq_mode,
-                    *([block_m] if variant == "v1" else []))
+    if variant == "v1":
+        args, kw = argf(q, q, k, k, rows, rows, acc, k, k, sem, 0.5, 2, 2, 2, seq_q, seq_k, sq_pad, causal, dq_mode,
+                        block_m, **constexprs)
+    else:
+        args, kw = argf(q, q, k, k, rows, rows, acc, k, k, sem, 0.5, 2, 2, 2, seq_q, seq_k, sq_pad, causal, dq_mode)
+        kw.update(constexprs)
     names = [n for n in fn.arg_names][:len(args)]
-    kw.update(constexprs)
     num_warps = kw.pop("num_warps")
     signature = {n: mangle_type(a) for n, a in zip(names, args)}
     signature.update({n: "constexpr" for n in kw})

@@ -392,7 +392,7 @@ class _Fast:
 
 
 def _fast(fn):
-    """A fast launcher for a @triton.jit kernel; anything else (a prebuilt launcher) is returned as it is."""
+    """A fast launcher for a triton.jit kernel; anything else (a prebuilt launcher) is returned as it is."""
     return _Fast(fn) if isinstance(fn, triton.runtime.JITFunction) else fn
 
 

@@ -89,7 +89,8 @@ class GluonBackend(KernelBackend):
     # bwd_*: the gluon backward's levers ([Note] Gluon backward levers).
     variant = {"consumer_regs": 240, "loader_regs": 24, "tile_schedule_all": False, "causal_order": 3,
                "fp8_turns": 0, "fp8_p_cvt": 2,
-               "bwd_order": 0, "bwd_snake": 0, "bwd_named": 0, "bwd_epi_tma": 0, "bwd_unordered_levers": {}}
+               "bwd_order": 0, "bwd_snake": 0, "bwd_named": 0, "bwd_epi_tma": 0,
+               "bwd_unordered_levers": {"bwd_named": 2, "bwd_epi_tma": 1, "bwd_snake": 1}}
 
     # [Note] Gluon tile order. The persistent forward deals its tiles in an order ([Note] Tile schedule in the
     # template): causal query blocks differ in work, so the order decides how evenly the programs finish. H100,
@@ -145,7 +146,10 @@ class GluonBackend(KernelBackend):
     # 1, odd waves of tiles in reverse; bwd_named 1, the dQ handoff through named barriers (2: also the dS^T exchange);
     # bwd_epi_tma 1, dK/dV stored by TMA through the dQ slot; bwd_unordered_levers, the levers of the unordered mode's
     # own kernel in causal specs (a dict of those keys; {}: the deterministic mode's kernel serves both). All off: on the lab kernel (H100, docs/hopper.md) none
-    # won in the deterministic mode at all three cases; their sum won only unordered at d128 causal (520 vs 469).
+    # won in the deterministic mode at all three cases; their sum won only unordered at d128 causal (520 vs 469). The
+    # product's unordered causal kernel takes named 2 + TMA epilogue + snake ("u-nes"): round B of the seventh session
+    # (scripts/gpu_gluon_bwd_product.py, H100, d128 causal B1 H16 s16k, one process) 540 TF/s against 458-460 for
+    # the unordered kernel without levers (and 467 deterministic), checked against float64 (300x300 causal).
 
     def default_config(self, spec, arch: str, given: dict) -> dict:
         """The measured default (docs/hopper.md), on sm_90 only. d128: 2 K/V slots, all that fits beside Q (two

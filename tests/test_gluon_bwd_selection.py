@@ -14,6 +14,7 @@ from fagen.runtime import hopper, resolve
 from fagen.runtime.resolve import AttentionError
 from fagen.spec.kernel import KernelSpec
 from fagen.verify.mutants import GLUON_MUTANTS, MUTANTS
+from _env import DEVICE
 from test_hopper_selection import as_if_hopper  # noqa: F401 (a fixture)
 
 
@@ -82,8 +83,8 @@ def test_deterministic_must_be_a_bool(bad):
 def test_deterministic_false_elsewhere_is_the_deterministic_kernel():
     """Off Hopper (here: the CPU interpreter) every backward is the Triton one, deterministic: the keyword changes
     nothing."""
-    q, k, v = (torch.randn(1, 2, 37, 16, requires_grad=True) for _ in range(3))
-    do = torch.randn(1, 2, 37, 16)
+    q, k, v = (torch.randn(1, 2, 37, 16, device=DEVICE, requires_grad=True) for _ in range(3))
+    do = torch.randn(1, 2, 37, 16, device=DEVICE)
     one = torch.autograd.grad(fagen.attention(q, k, v, mask="causal", deterministic=False), (q, k, v), do)
     two = torch.autograd.grad(fagen.attention(q, k, v, mask="causal"), (q, k, v), do)
     assert all(torch.equal(a, b) for a, b in zip(one, two))
@@ -112,8 +113,8 @@ def test_the_dq_mutant_edits_the_gluon_backward_only():
 def test_deterministic_traces_under_torch_compile_fullgraph():
     """The keyword is checked and carried under torch.compile(fullgraph=True) as in eager mode: one graph, the same
     gradients (the traced call takes the bwd module resolve finds while tracing)."""
-    q, k, v = (torch.randn(1, 2, 21, 16, requires_grad=True) for _ in range(3))
-    do = torch.randn(1, 2, 21, 16)
+    q, k, v = (torch.randn(1, 2, 21, 16, device=DEVICE, requires_grad=True) for _ in range(3))
+    do = torch.randn(1, 2, 21, 16, device=DEVICE)
 
     def layer(q, k, v):
         return fagen.attention(q, k, v, mask="causal", deterministic=False)
@@ -129,7 +130,7 @@ def test_deterministic_traces_under_torch_compile_fullgraph():
 def test_the_transformers_backend_passes_deterministic_on():
     from fagen.integrations.transformers import attention_forward
     layer = torch.nn.Module()
-    q = torch.randn(1, 2, 9, 16)
+    q = torch.randn(1, 2, 9, 16, device=DEVICE)
     out, _ = attention_forward(layer, q, q, q, None, is_causal=True, deterministic=False)
     assert torch.equal(out, attention_forward(layer, q, q, q, None, is_causal=True)[0])
     with pytest.raises(AttentionError, match="deterministic"):

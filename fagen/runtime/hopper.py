@@ -38,7 +38,8 @@ from fagen.spec.kernel import KernelSpec
 
 ENV = "FAGEN_HOPPER"
 MIN_WORK = 1 << 25  # batch x query heads x Sq x Sk below which fagen.attention keeps the Triton forward
-BWD_MIN_WORK = 1 << 29  # the floor for the gluon backward (host path not yet on fast launches: 449 vs 247 us a small call)
+# the floor for the gluon backward (its host path is not on fast launches yet: 449 vs 247 us a small call, H100)
+BWD_MIN_WORK = 1 << 29
 WINDOW_MIN_WORK = 1 << 24  # the same with a window: B x Hq x Sq x (left + right + 1) ([Note] Gluon size rule)
 
 # [Note] Gluon size rule. The Gluon forward's kernel is faster than the Triton one (0.70-0.75x the time per call

@@ -37,7 +37,7 @@ from fagen.spec.axes import Backend, Direction, DType, SpecError
 from fagen.spec.kernel import KernelSpec
 
 ENV = "FAGEN_HOPPER"
-MIN_WORK = 1 << 25  # batch x query heads x Sq x Sk below which fagen.attention keeps the Triton forward
+MIN_WORK = 1 << 26  # batch x query heads x Sq x Sk below which fagen.attention keeps the Triton forward
 # the floor for the gluon backward (its host path is not on fast launches yet: 449 vs 247 us a small call, H100)
 BWD_MIN_WORK = 1 << 29
 WINDOW_MIN_WORK = 1 << 24  # the same with a window: B x Hq x Sq x (left + right + 1) ([Note] Gluon size rule)
@@ -49,7 +49,9 @@ WINDOW_MIN_WORK = 1 << 24  # the same with a window: B x Hq x Sq x (left + right
 # (Triton's forward 16 us), and per-call wall time in a queue (scripts/gpu_gluon_host.py, round A of the seventh
 # session, H100) crosses over between 2^24 and 2^25 pairs: causal d128 bf16 Gluon / Triton 1.56x at 2^24, 0.83x
 # at 2^25, 0.61x at 2^26. The causal case is the one with the least kernel work per pair among the selected ones
-# (full attention does twice the work per pair; MLA's d192 more), so 2^25 holds for them too. A causal window
+# (full attention does twice the work per pair; MLA's d192 more), so 2^25 would hold for them too. Round B of the
+# same script (same session, after the merges' host changes) put causal d128 at 1.26x at 2^25 and 0.83x at 2^26
+# (mask none 0.80x at 2^25), so MIN_WORK is 2^26: the later, more conservative crossover. A causal window
 # visits fewer pairs per program (its kernel wins by more): 0.75x at 2^24 (window (256, 0), S4096 H16), 0.66x at
 # 2^25 (S8192), so windows take it from 2^24.
 # The measured rule, as the gluon backend's descriptor states it (machine not considered).

@@ -415,7 +415,7 @@ V1_ORDER = 0  # >= 1: [Note] Wave order (full mask: rotated starts, 1 spread, d 
 #   order within a wave)
 V1_NAMED = 0  # 1: the dQ handoff through named barriers (bar.arrive / bar.sync); 2: also the dS^T exchange
 V1_EPI_TMA = 0  # 1: dK, dV leave through the warpgroup's dQ slot and a TMA store (no pointer tensors)
-V1_UNORDERED = {}  # the levers the unordered mode (DQ_MODE 1) takes by default, over the defaults above
+V1_UNORDERED = {"SNAKE": 1}  # levers the unordered mode (DQ_MODE 1) takes by default (round B: causal 478 -> 537)
 V1_DQ_SPLIT = 1  # k > 1 (deterministic): key block n adds into accumulator n % k, after key block n - k only;
 #   the postprocess sums the k accumulators in order (chains k times shorter, k x the float32 dQ memory)
 V1_HEADROT = 0  # 1 (unordered adds only): key block n starts at query head n % GQA (_v1_order)

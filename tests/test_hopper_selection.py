@@ -130,7 +130,7 @@ def test_fagen_attention_routes_forward_only_calls_to_gluon(as_if_hopper, monkey
     if not torch.cuda.is_available():
         # fagen.attention takes the gluon forward from hopper.MIN_WORK query-key pairs on (its host path is slower)
         big_q = torch.zeros(1, 16, 2048, 128, dtype=torch.bfloat16)
-        big_k = torch.zeros(1, 2, 2048, 128, dtype=torch.bfloat16)
+        big_k = torch.zeros(1, 4, 2048, 128, dtype=torch.bfloat16)
         assert big_q.shape[1] * 2048 * 2048 == hopper.MIN_WORK
         with pytest.raises(ValueError, match="Gluon kernel"):  # the gluon module's InputError
             fagen.attention(big_q, big_k, big_k, mask="causal")

@@ -45,15 +45,12 @@ WINDOW_MIN_WORK = 1 << 24  # the same with a window: B x Hq x Sq x (left + right
 # [Note] Gluon size rule. The Gluon forward's kernel is faster than the Triton one (0.70-0.75x the time per call
 # at 2^27 .. 2^29 causal d128 bf16 pairs on the H100), but its host path used to cost about 200 us a call
 # (four TensorDescriptors and the JIT dispatch; benchmarks/latency.md), so MIN_WORK was 2^29. With fast launches
-# ([Note] Gluon fast launches in fagen/templates/host/gluon_launch.py) a call costs about 46 us of host time
-# (Triton's forward 16 us), and per-call wall time in a queue (scripts/gpu_gluon_host.py, round A of the seventh
-# session, H100) crosses over between 2^24 and 2^25 pairs: causal d128 bf16 Gluon / Triton 1.56x at 2^24, 0.83x
-# at 2^25, 0.61x at 2^26. The causal case is the one with the least kernel work per pair among the selected ones
-# (full attention does twice the work per pair; MLA's d192 more), so 2^25 would hold for them too. Round B of the
-# same script (same session, after the merges' host changes) put causal d128 at 1.26x at 2^25 and 0.83x at 2^26
-# (mask none 0.80x at 2^25), so MIN_WORK is 2^26: the later, more conservative crossover. A causal window
-# visits fewer pairs per program (its kernel wins by more): 0.75x at 2^24 (window (256, 0), S4096 H16), 0.66x at
-# 2^25 (S8192), so windows take it from 2^24.
+# ([Note] Gluon fast launches in fagen/templates/host/gluon_launch.py) a call costs 46 us of host time (the Triton
+# forward 16-28 us). Per-call wall time in a queue (scripts/gpu_gluon_host.py, seventh session, H100), causal d128
+# bf16 Gluon / Triton: round A 1.56x at 2^24, 0.83x at 2^25, 0.61x at 2^26; round B (a busier host) 1.26-1.47x at
+# 2^25, 0.83x at 2^26, 0.71x at 2^28; full attention 0.80x at 2^25. So MIN_WORK is 2^26, where both rounds win.
+# A causal window's kernel wins by more at equal pairs: 0.75x / 0.76x at 2^24 (window (256, 0), S4096 H16) in
+# both rounds, a tie at 2^23 (0.98-0.99x), so windows take it from 2^24.
 # The measured rule, as the gluon backend's descriptor states it (machine not considered).
 selected = GLUON.selected
 

@@ -1,1 +1,5 @@
 """Benchmarks: workloads, the peers, checking, timing, the isolating runner, reports and the tuner."""
+
+# The implementations a bench run can time, in table order (fagen-nondet: fagen.attention(deterministic=False)).
+# Here, not in cases.py, so that the CLI can offer them without importing torch.
+IMPLS = ("fagen", "fagen-nondet", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")

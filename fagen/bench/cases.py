@@ -11,10 +11,9 @@ import torch
 
 from fagen.bench.workloads import BenchCase, InputSet, make_inputs, set_bytes
 from fagen.spec.axes import Direction, Mask
+from fagen.bench import IMPLS  # noqa: F401 (re-exported for impls.py and report.py)
 from fagen.verify import reference
 
-# fagen-nondet: fagen.attention(deterministic=False)'s backward, on bwd rows only (fagen/bench/impls.py)
-IMPLS = ("fagen", "fagen-nondet", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")
 STATUSES = ("ok", "unsupported", "unavailable", "error", "skipped")
 SET_BUDGET = 4 << 30  # bytes of rotating input sets on a GPU
 RESTART_EXIT = 3  # a worker's exit status after a CUDA error poisoned its context (fagen.bench.runner starts another)

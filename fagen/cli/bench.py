@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from fagen.bench import IMPLS
 from fagen.cli.common import cases_from_options, console, pick_device, shape_options, spec_options
 
 @click.command()
@@ -22,8 +23,7 @@ from fagen.cli.common import cases_from_options, console, pick_device, shape_opt
 @click.option("--case", "case_names", multiple=True, metavar="NAME", help="Only these rows of the suite (repeatable).")
 @click.option("--quick", is_flag=True, help="Shrink every shape for a smoke run.")
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True)
-@click.option("--impl", "impls", multiple=True, type=click.Choice(["fagen", "fagen-nondet",
-              "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex"]),
+@click.option("--impl", "impls", multiple=True, type=click.Choice(IMPLS),
               help="Only these implementations (repeatable; default all; fagen-nondet: deterministic=False).")
 @click.option("--skip-flex", is_flag=True, help="Leave FlexAttention out (saves its torch.compile time).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),

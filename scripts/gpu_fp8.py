@@ -27,10 +27,12 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 import traceback
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for _phases
+from _phases import child_env, run_phase as run_child  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -362,26 +364,10 @@ def main():
         return
     t0 = time.time()
     out = os.environ.get("OUT")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("FAGEN_CACHE_DIR", "/tmp/fagen-cache-gpu-fp8")
+    env = child_env("/tmp/fagen-cache-gpu-fp8")
     for name, limit in PHASE_TIMEOUT.items():
         log(f"#### phase {name} (timeout {limit}s)")
-        lines = []
-        proc = subprocess.Popen([sys.executable, __file__, "--phase", name], env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, bufsize=1)
-
-        def pump(stream=proc.stdout, lines=lines):  # print the child's lines as they come
-            for line in stream:
-                lines.append(line)
-                print(line, end="", flush=True)
-        reader = threading.Thread(target=pump, daemon=True)
-        reader.start()
-        try:
-            rc = proc.wait(timeout=limit)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rc = f"killed after {limit}s (a hung kernel?)"
-        reader.join(timeout=5)
+        rc, lines = run_child(__file__, name, limit, env)
         log(f"#### phase {name}: rc={rc}, {time.time() - t0:.0f}s so far")
         if out:
             Path(out).mkdir(parents=True, exist_ok=True)

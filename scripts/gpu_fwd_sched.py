@@ -29,12 +29,13 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import subprocess
 import sys
-import threading
 import time
 import traceback
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for _phases
+from _phases import child_env, run_phase as run_child  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -532,33 +533,20 @@ def main():
     import torch
     if not MOCK and (not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)):
         sys.exit("gpu_fwd_sched.py needs an sm_90 GPU (GPU_FWD_SCHED_DRY=1 rehearses it on the CPU)")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("FAGEN_CACHE_DIR", "/tmp/fagen-cache-gpu-fwd-sched")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "scripts"), env.get("PYTHONPATH", "")])
+    env = child_env("/tmp/fagen-cache-gpu-fwd-sched", os.pathsep.join([str(ROOT), str(ROOT / "scripts")]))
     rows = []
     for name, limit in PHASE_TIMEOUT.items():
         if MOCK and name == "build":
             continue
         log(f"#### phase {name} (timeout {limit}s)")
-        proc = subprocess.Popen([sys.executable, __file__, "--phase", name], env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, bufsize=1)
-
-        def pump(stream=proc.stdout):
-            for line in stream:
-                if line.startswith("ROW\t"):
-                    rows.append(json.loads(line[4:]))
-                    r = rows[-1]
-                    log(f"{r['section']} | {r['case']} | {r['impl']} | {r['value']} | {r.get('note', '')}")
-                elif not line.startswith("  File ") and "Traceback" not in line:
-                    print(line, end="", flush=True)
-        reader = threading.Thread(target=pump, daemon=True)
-        reader.start()
-        try:
-            rc = proc.wait(timeout=limit)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rc = f"killed after {limit}s (a hung kernel?)"
-        reader.join(timeout=5)
+        def on_line(line):
+            if line.startswith("ROW\t"):
+                rows.append(json.loads(line[4:]))
+                r = rows[-1]
+                log(f"{r['section']} | {r['case']} | {r['impl']} | {r['value']} | {r.get('note', '')}")
+            elif not line.startswith("  File ") and "Traceback" not in line:
+                print(line, end="", flush=True)
+        rc, _ = run_child(__file__, name, limit, env, on_line)
         log(f"#### phase {name}: rc={rc}")
         if rc != 0:
             rows.append(dict(section=name, case="phase", impl="-", value=f"rc {rc}", note="see the log above"))

@@ -149,6 +149,25 @@ def test_fast_path_descriptors_are_the_plain_path_s(gluon_bwd, monkeypatch):
                 else type(x) is type(y) and x == y
 
 
+def test_the_three_launches_share_their_workspaces_as_the_plain_path_does(gluon_bwd):
+    """delta and lse2 written by the preprocess are the rows the main kernel reads (d_desc, l_desc), the dQ
+    accumulator it adds into is the one the conversion reads, and dQ goes to the caller's buffer."""
+    mod, mode, fakes = gluon_bwd
+    args, grads = _bwd_args()
+    mod._run_backward_fast(*args, *grads, mode)
+    (_, pre, _), = fakes["pre"].compiles
+    (_, main, _), = fakes["main"].compiles
+    (_, conv, _), = fakes["conv"].compiles
+    names = fakes["main"].arg_names
+    ptr = {name: (a.base if isinstance(a, TensorDescriptor) else a).data_ptr() for name, a in zip(names, main)
+           if isinstance(a, (TensorDescriptor, torch.Tensor))}
+    assert (pre[3].data_ptr(), pre[4].data_ptr()) == (ptr["d_desc"], ptr["l_desc"])  # Delta, Lse2
+    assert pre[0] is args[4] and pre[1] is args[0] and pre[2] is args[5]  # O, dO, Lse
+    assert conv[0].data_ptr() == ptr["dq_desc"] and conv[1] is grads[0]
+    assert [ptr[n] for n in ("q_desc", "do_desc", "k_desc", "v_desc")] == [args[i].data_ptr() for i in (1, 0, 2, 3)]
+    assert (ptr["DK"], ptr["DV"]) == (grads[1].data_ptr(), grads[2].data_ptr())
+
+
 def test_the_template_s_workspace_layouts_are_the_default_ones():
     """The fast path names the accumulator's and the rows' descriptors by box alone (get_default_for), the plain
     path by an explicit layout: they must agree, or the fast path would compile another kernel."""
@@ -178,7 +197,7 @@ def test_workspaces_are_kept_per_stream_zeroed_per_call_and_fresh_under_capture(
     assert {k: v[0].data_ptr() for k, v in mod._BWD_WS.items()} == before  # nothing kept from a capture
     captured = fakes["main"].launcher.raw[-1]
     pointers = [a for a in captured if type(a) is int] + [a[1] for a in captured if type(a) is tuple]
-    assert pointers and buf.data_ptr() not in pointers
+    assert pointers and not set(before.values()) & set(pointers)  # no kept buffer in the captured launch
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(mod, "_BWD_WS_KEEP", 1 << 10)  # a call above the kept size allocates its own
     mod._run_backward_fast(*args, *grads, mode)

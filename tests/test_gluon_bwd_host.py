@@ -4,10 +4,11 @@ TensorDescriptors, its descriptors are the plain path's (_run_backward), its wor
 per call, and fresh under CUDA graph capture. The kernels and the TMA encoder are fakes (as in test_hostpath.py), so
 this runs on the CPU; scripts/gpu_gluon_bwd_host.py runs the real ones."""
 
+import threading
+
 import pytest
 import torch
 import triton
-from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 import fagen
@@ -73,7 +74,8 @@ def gluon_bwd(request, monkeypatch):
     real, epi_tma = mod._BWD_KERNELS[mode]
     fakes = {"pre": _JIT(mod._bwd_preprocess, 7), "conv": _JIT(mod._dq_convert, 5),
              "main": _JIT(real, 18, MAIN_META + (EPI_META if epi_tma else []))}
-    for name, value in (("_FAST_LAUNCH", True), ("_KERNELS", {}), ("_BWD_WS", {}), ("_GLUON_FAST", True),
+    for name, value in (("_FAST_LAUNCH", True), ("_KERNELS", {}), ("_BWD_WS", type(mod._BWD_WS)()),
+                        ("_GLUON_FAST", True),
                         ("_raw_stream", lambda device: 77), ("_bwd_preprocess", fakes["pre"]),
                         ("_dq_convert", fakes["conv"]), ("_BWD_KERNELS", {mode: (fakes["main"], epi_tma)}),
                         ("_fast_bwd_preprocess", mod._gluon(fakes["pre"])),
@@ -186,22 +188,38 @@ def test_workspaces_are_kept_per_stream_zeroed_per_call_and_fresh_under_capture(
     acc.fill_(3.0)  # what a kernel leaves in it
     mod._run_backward_fast(*args, *grads, mode)
     assert not acc.any()  # zeroed again by the next call, in place
-    ((_, (buf, views)), ) = mod._BWD_WS.items()
+    ((_, (buf, views)), ) = mod._BWD_WS.__dict__.items()
     assert acc.data_ptr() == buf.data_ptr() and len(views) == 1
     monkeypatch.setattr(mod, "_raw_stream", lambda device: 78)  # another stream: its own buffer
     mod._run_backward_fast(*args, *grads, mode)
-    assert len(mod._BWD_WS) == 2
+    assert len(mod._BWD_WS.__dict__) == 2
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    before = {k: v[0].data_ptr() for k, v in mod._BWD_WS.items()}
+    before = {k: v[0].data_ptr() for k, v in mod._BWD_WS.__dict__.items()}
     mod._run_backward_fast(*args, *grads, mode)
-    assert {k: v[0].data_ptr() for k, v in mod._BWD_WS.items()} == before  # nothing kept from a capture
+    assert {k: v[0].data_ptr() for k, v in mod._BWD_WS.__dict__.items()} == before  # nothing kept from a capture
     captured = fakes["main"].launcher.raw[-1]
     pointers = [a for a in captured if type(a) is int] + [a[1] for a in captured if type(a) is tuple]
     assert pointers and not set(before.values()) & set(pointers)  # no kept buffer in the captured launch
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(mod, "_BWD_WS_KEEP", 1 << 10)  # a call above the kept size allocates its own
     mod._run_backward_fast(*args, *grads, mode)
-    assert {k: v[0].data_ptr() for k, v in mod._BWD_WS.items()} == before
+    assert {k: v[0].data_ptr() for k, v in mod._BWD_WS.__dict__.items()} == before
+
+
+def test_another_thread_gets_its_own_workspace(gluon_bwd):
+    """Two threads may launch on one stream; their calls' fills and kernels could interleave there, so each thread
+    keeps its own buffer."""
+    mod, mode, fakes = gluon_bwd
+    args, grads = _bwd_args()
+    mod._run_backward_fast(*args, *grads, mode)
+    seen = []
+    thread = threading.Thread(target=lambda: (mod._run_backward_fast(*args, *grads, mode),
+                                              seen.append(fakes["main"].launcher.raw[-1])))
+    thread.start()
+    thread.join()
+    ((_, (buf, _)), ) = mod._BWD_WS.__dict__.items()
+    pointers = [a for a in seen[0] if type(a) is int] + [a[1] for a in seen[0] if type(a) is tuple]
+    assert buf.data_ptr() not in pointers and fakes["main"].launcher.raw[-2] != seen[0]
 
 
 def test_workspace_parts_are_disjoint_and_aligned():

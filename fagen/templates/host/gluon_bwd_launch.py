@@ -30,9 +30,10 @@ _bwd_preprocess = _dq_convert = _run_backward = _descriptor = None
 #   - every launch goes through _gluon ([Note] Gluon fast launches): descriptor requests (tensor, box), whose
 #     default NVMMA layouts are the template's (the accumulator's 128-byte swizzle, the rows' none: a test checks);
 #   - the workspaces are one float32 buffer per (device, stream), laid out [dQ accumulator | counters | delta |
-#     lse2], the first two zeroed by one fill launch per call. Launches on one stream run in order, so a call's
-#     fill waits for the previous call's dQ conversion (the last reader of the accumulator); another stream has
-#     its own buffer. The buffer grows to the largest call seen up to _BWD_WS_KEEP bytes; a larger call allocates
+#     lse2], the first two zeroed by one fill launch per call, kept per thread as the decode workspace is ([Note]
+#     Decode workspace). Launches on one stream run in order, so a call's fill waits for the previous call's dQ
+#     conversion (the last reader of the accumulator); another stream has its own buffer, and so has another
+#     thread (whose launches could interleave with this one's on a shared stream). The buffer grows to the largest call seen up to _BWD_WS_KEEP bytes; a larger call allocates
 #     its own (its host time is small beside its kernel's). The views of a (shape, mode) are kept with the buffer
 #     (a view costs a microsecond or two), so a warm call makes no tensor but the outputs;
 #   - while a CUDA graph is being captured the buffer is fresh from the caching allocator (the graph's pool owns
@@ -41,9 +42,11 @@ _bwd_preprocess = _dq_convert = _run_backward = _descriptor = None
 # The kernels, their arguments and the order of every float32 add are the plain path's: the deterministic mode
 # stays bitwise repeatable, and the fast path's gradients are bitwise the plain path's (scripts/gpu_gluon_bwd_host.py
 # checks both). _BWD_FAST = False takes the plain path (the script times both).
+from threading import local as _thread_local  # noqa: E402
+
 _BWD_FAST = True
 _BWD_WS_KEEP = 1 << 25  # bytes: the largest workspace kept per stream (B x Hq x sq_pad <= 16384 rows of D 128)
-_BWD_WS = {}  # (device, stream) -> [buffer, {(b, hq, sq_pad, dq_mode): views}]
+_BWD_WS = _thread_local()  # per thread: (device, stream) -> [buffer, {(b, hq, sq_pad, dq_mode): views}]
 _GL_DTYPE[torch.float32] = gl.float32  # the workspaces' descriptors (requests like the inputs')
 _fast_bwd_preprocess = _gluon(_bwd_preprocess)
 _fast_dq_convert = _gluon(_dq_convert)
@@ -69,10 +72,10 @@ def _bwd_workspace(b, hq, sq_pad, dq_mode, q):
         views = _bwd_views(q.new_empty(n, dtype=torch.float32), b, hq, sq_pad, dq_mode)
     else:
         device = q.get_device()
-        key = (device, _raw_stream(device))
-        kept = _BWD_WS.get(key)
+        key, cache = (device, _raw_stream(device)), _BWD_WS.__dict__
+        kept = cache.get(key)
         if kept is None or kept[0].numel() < n:
-            kept = _BWD_WS[key] = [q.new_empty(max(n, 1 << 16), dtype=torch.float32), {}]
+            kept = cache[key] = [q.new_empty(max(n, 1 << 16), dtype=torch.float32), {}]
         shape = (b, hq, sq_pad, dq_mode)
         views = kept[1].get(shape)
         if views is None:

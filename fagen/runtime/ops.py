@@ -15,6 +15,15 @@ its own (its backward resolved the module again at run time), because returning 
 assume_constant_result fails inside Dynamo on torch 2.13 (InternalTorchDynamoError: NotImplementedError, from the
 constant's guard); a str constant has a guard Dynamo can build. The arguments must be Python constants too: see
 _static for the symbolic ints of torch.compile(dynamic=True).
+
+[Note] Gluon backward under torch.compile. An eager call with gradients takes the gluon bwd module on an H100/H200
+from hopper.BWD_MIN_WORK pairs ([Note] Hopper selection). The traced call makes the same choice: fagen.attention
+computes big_bwd from the traced sizes (a Python bool: with symbolic sizes a guard on B x Hq x Sq x Sk, so a
+length that crosses the floor retraces), and _module_name resolves with it on the inputs' device (meta tensors
+carry none). The gluon module's operators (fagen::<module>_fwd, _bwd, _bwd_unordered) then trace like the Triton
+module's; deterministic=False reaches module.attention only where hopper.unordered says the unordered adds won, as
+in eager mode. _module_name also runs the module's device check once, outside the trace, so the traced check reads
+its kept capability instead of querying the device.
 """
 
 from __future__ import annotations

@@ -243,3 +243,53 @@ def test_the_backward_launches_through_the_fast_host_path():
     assert "_bwd_host(" in launch and "_run_backward(" not in launch
     fast = src[src.index("def _run_backward_fast("):src.index("def _bwd_host(")]
     assert "TensorDescriptor(" not in fast and "torch.zeros" not in fast and "torch.empty" not in fast
+
+
+# -- the fp8 forward's operator ([Note] fp8 operator in fagen/templates/gluon/fp8_host.py.j2) --------------------
+@pytest.mark.parametrize("window", [None, (5, 0)])
+def test_the_fp8_forward_compiles_fullgraph_through_its_operator(monkeypatch, window):
+    """forward() under torch.compile(fullgraph=True): one graph holding fagen::<module>_fwd, the launch reached with
+    what an eager call passes (descales None -> ones, per-head strides, out_dtype, the window), outputs equal."""
+    torch._dynamo.reset()
+    mod = fagen.load(fagen.KernelSpec(backend="gluon", head_dim=128, mask="causal", dtype="fp8_e4m3", gqa=2,
+                                      window=window is not None))
+    seen = []
+
+    def launch(q, k, v, scale, descales, out_dtype, *rest, out=None, lse=None):
+        seen.append((round(scale, 12), [(d.tolist(), s) for d, s in descales], out_dtype,
+                     rest[3:5] if window else ()))  # the scale: Dynamo's float may differ in the last bit
+        (qd, _), (kd, _), (vd, _) = descales
+        hq, hkv = q.shape[1], k.shape[1]
+        s = (q.float() * qd.view(-1, 1, 1)) @ (k.float() * kd.view(-1, 1, 1)).repeat_interleave(hq // hkv, 1) \
+            .transpose(-1, -2) * scale
+        s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), -torch.inf)
+        o = s.softmax(-1) @ (v.float() * vd.view(-1, 1, 1)).repeat_interleave(hq // hkv, 1)
+        return o.to(out_dtype), s.logsumexp(-1)
+
+    monkeypatch.setattr(mod, "_launch_forward", launch)
+    monkeypatch.setattr(mod, "_check_device", lambda q: None)
+    torch.manual_seed(0)
+    q = torch.randn(1, 4, 19, 128).to(torch.float8_e4m3fn)
+    k, v = (torch.randn(1, 2, 19, 128).to(torch.float8_e4m3fn) for _ in range(2))
+    kd = torch.tensor([0.5, 2.0])
+    kw = dict(k_descale=kd, out_dtype=torch.float16, **({} if window is None else {"window": window}))
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function" and "fagen" in str(n.target)})
+        return gm.forward
+
+    got = torch.compile(lambda q, k, v: mod.forward(q, k, v, **kw), fullgraph=True, backend=backend)(q, k, v)
+    want = mod.forward(q, k, v, **kw)
+    assert graphs == [{f"fagen.{mod.forward_op._qualname.split('::')[1]}.default"}]
+    assert seen[0] == seen[1] == (round(128 ** -0.5, 12), [([1.0], 0), ([0.5, 2.0], 1), ([1.0], 0)], torch.float16,
+                                  () if window is None else window)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and got[0].dtype == torch.float16
+    out, lse = torch.empty(1, 4, 19, 128, dtype=torch.float16), torch.empty(1, 4, 19)
+    compiled = torch.compile(lambda q, k, v, out, lse: mod.forward(q, k, v, out=out, lse=lse, **kw), fullgraph=True,
+                             backend="eager")
+    res = compiled(q, k, v, out, lse)
+    assert res[0] is out and torch.equal(out, want[0]) and torch.equal(lse, want[1])
+    descales = (torch.ones(1), torch.ones(1), kd, torch.ones(1))
+    torch.library.opcheck(mod.forward_op, (q, k, v, 0.088, *descales[:2], descales[3], 0, 1, 0, torch.float16,
+                                           *(window or (0, 0))), test_utils=("test_faketensor", ))

@@ -284,6 +284,22 @@ def phase_compile(results):
         comp_ok = False
         log(f"check compile FAIL: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
     results.append(dict(phase="check", case="compile", ok=comp_ok))
+    # the fp8 forward's operator ([Note] fp8 operator): forward() under torch.compile(fullgraph=True) == eager
+    from fagen.spec.kernel import KernelSpec
+    fp8 = fagen.load(KernelSpec(backend="gluon", head_dim=128, mask="causal", dtype="fp8_e4m3"))
+    q8, k8, v8 = (t.detach().to(torch.float8_e4m3fn) for t in (q, k, v))
+    kd = torch.tensor([0.5, 2.0], device="cuda")
+    try:
+        got = torch.compile(lambda a, b, c: fp8.forward(a, b, c, k_descale=kd), fullgraph=True,
+                            backend="aot_eager")(q8, k8, v8)
+        want = fp8.forward(q8, k8, v8, k_descale=kd)
+        torch.cuda.synchronize()
+        ok = torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        log(f"check fp8 op torch.compile(fullgraph=True) fp8 forward == eager: {ok}  {'PASS' if ok else 'FAIL'}")
+    except Exception as e:  # noqa: BLE001 - a graph break or a failure is the result
+        ok = False
+        log(f"check fp8 op FAIL: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+    results.append(dict(phase="check", case="fp8 op", ok=ok))
 
 
 def phase_dry(results):

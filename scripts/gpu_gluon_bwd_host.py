@@ -4,7 +4,9 @@
     python scripts/gpu_gluon_bwd_host.py --phase host                # one phase here (no child, no timeout)
     GPU_GLUON_BWD_HOST_DRY=1 PYTHONPATH=$PWD python3 scripts/gpu_gluon_bwd_host.py   # CPU: sm_90 builds only
 
-Phases (one line per row, printed as it comes; $OUT/gluon_bwd_host.json if $OUT is set):
+Stage 1 runs warm-causal, warm-none, warm-gqa (one fwd+bwd per timed shape: every kernel built, or found in
+triton's disk cache) and check (+ compile) in parallel; stage 2 runs host, cross, cross2 one at a time on the warm
+caches. Each phase's lines are printed when it ends ($OUT/gluon_bwd_host.json if $OUT is set):
   host   host us per fwd+bwd call (module.attention + torch.autograd.grad; 100 calls back to back, no sync inside,
          min over 4 runs of the mean) at B1 H8 S256 causal d128 bf16: the Triton bwd module, the Gluon bwd module
          on the plain host path (_BWD_FAST = False) and the fast one, both modes; the backward alone
@@ -13,11 +15,11 @@ Phases (one line per row, printed as it comes; $OUT/gluon_bwd_host.json if $OUT 
          Triton against Gluon (fast path) in both modes, d128 bf16, causal / none / GQA 32/8 causal, 2^22 .. 2^31
          pairs (B x Hq x Sq x Sk), and which one hopper's rule (bwd_wins) picks
   cross2 the same for none and GQA 32/8 causal
-  check  B1 H2 300x300 causal: the fast path's gradients bitwise the plain path's, relative error
+  check  (with compile) B1 H2 300x300 causal: the fast path's gradients bitwise the plain path's, relative error
          against float64 autograd (Triton's beside it), two deterministic runs bitwise equal; the fwd+bwd CUDA
          graph replayed on new inputs == eager
-  compile fagen.attention under torch.compile(fullgraph=True) with gradients runs the Gluon backward (counted
-         launches) and matches eager
+         fagen.attention under torch.compile(fullgraph=True) with gradients runs the Gluon backward (counted
+         launches) and matches eager; the fp8 forward under torch.compile(fullgraph=True) == eager
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 DRY = os.environ.get("GPU_GLUON_BWD_HOST_DRY") == "1"
-PHASE_TIMEOUT = {"host": 16, "cross": 24, "cross2": 20, "check": 14, "compile": 16}  # 90 s at most
+# round A (every phase a child, one after another, 14-24 s each) timed out in every phase: cold builds
+PHASE_TIMEOUT = {"stage1": 48, "host": 14, "cross": 14, "cross2": 10}  # 86 s at most
 # (label, B, Hq, Hkv, S, mask)
 CROSS = [("warm-up", 1, 16, 16, 512, "causal"),
          ("c 2^22", 1, 16, 16, 512, "causal"), ("c 2^24", 1, 16, 16, 1024, "causal"),
@@ -302,6 +305,26 @@ def phase_compile(results):
     results.append(dict(phase="check", case="fp8 op", ok=ok))
 
 
+def phase_warm(results, group):
+    """Build (first call: compile, or find in triton's disk cache) every kernel specialisation the timed phases
+    launch: one fwd+bwd per shape of the group, Triton and Gluon, both modes."""
+    import torch
+    cases = {"causal": [("host", 1, 8, 8, 256, "causal")] + CROSS[1:],
+             "none": CROSS2[1:5], "gqa": CROSS2[6:]}[group]
+    mods = {}
+    for label, b, hq, hkv, s, mask in cases:
+        t = time.time()
+        key = (mask, hq // hkv)
+        if key not in mods:
+            mods[key] = modules(mask, hq // hkv)
+        tri, glu = mods[key]
+        q, k, v, do = inputs(b, hq, hkv, s, s)
+        step(tri, q, k, v, do), step(glu, q, k, v, do), step(glu, q, k, v, do, det=False)
+        torch.cuda.synchronize()
+        log(f"warm  {group:6s} {label:10s} built ({time.time() - t:4.1f} s)")
+    results.append(dict(phase="warm", case=group, ok=True))
+
+
 def phase_dry(results):
     """CPU: render each Gluon bwd module of the script and build its kernels for sm_90 (no launch)."""
     for mask, gqa in (("causal", 1), ("none", 1), ("causal", 4)):
@@ -315,7 +338,10 @@ def phase_dry(results):
 
 
 PHASES = {"host": phase_host, "cross": phase_cross, "cross2": lambda results: phase_cross(results, CROSS2),
-          "check": phase_check, "compile": phase_compile, "dry": phase_dry}
+          "check": lambda results: (phase_check(results), phase_compile(results)), "dry": phase_dry,
+          "warm-causal": lambda results: phase_warm(results, "causal"),
+          "warm-none": lambda results: phase_warm(results, "none"),
+          "warm-gqa": lambda results: phase_warm(results, "gqa")}
 
 
 def run_phase(name):
@@ -327,31 +353,51 @@ def run_phase(name):
     log("RESULTS " + json.dumps(results))
 
 
+def start_phase(name, env):
+    """A child running one phase, its stdout in a temporary file (kept whole if the child is killed)."""
+    import tempfile
+    out = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen([sys.executable, __file__, "--phase", name], env=env, stdout=out,
+                            stderr=subprocess.STDOUT, text=True)
+    return name, proc, out
+
+
+def finish_phase(child, deadline, everything):
+    """Wait for a child until `deadline` (time.time()), kill it past that; print its lines, keep its results."""
+    name, proc, out = child
+    try:
+        proc.wait(timeout=max(1.0, deadline - time.time()))
+        status = f"rc={proc.returncode}"
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        status = "TIMED OUT"
+    out.seek(0)
+    log(f"== phase {name}: {status}")
+    for line in out.read().splitlines():
+        if line.startswith("RESULTS "):
+            everything += json.loads(line[8:])
+        else:
+            log(line)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--phase", choices=sorted(PHASES))
     args = parser.parse_args()
     if args.phase:
         return run_phase(args.phase)
-    phases = ["dry"] if DRY else ["host", "cross", "cross2", "check", "compile"]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     everything, start = [], time.time()
-    for name in phases:
-        log(f"== phase {name} (timeout {PHASE_TIMEOUT.get(name, 120)} s)")
-        try:
-            proc = subprocess.run([sys.executable, __file__, "--phase", name], env=env, capture_output=True,
-                                  text=True, timeout=PHASE_TIMEOUT.get(name, 120))
-            out = proc.stdout
-            if proc.returncode:
-                log(f"phase {name} exited {proc.returncode}: {proc.stderr[-2000:]}")
-        except subprocess.TimeoutExpired as e:
-            out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-            log(f"phase {name} TIMED OUT")
-        for line in out.splitlines():
-            if line.startswith("RESULTS "):
-                everything += json.loads(line[8:])
-            else:
-                log(line)
+    # Stage 1, in parallel: the builds of every timed shape (cold on a fresh machine: ~10 s a Gluon module) and
+    # the checks (their own shapes; torch.compile). Stage 2, one at a time on warm caches: the timings.
+    stage1 = ["dry"] if DRY else ["warm-causal", "warm-none", "warm-gqa", "check"]
+    children = [start_phase(name, env) for name in stage1]
+    for child in children:
+        finish_phase(child, start + PHASE_TIMEOUT["stage1"], everything)
+    log(f"== stage 1 done at {time.time() - start:.0f} s")
+    for name in ([] if DRY else ["host", "cross", "cross2"]):
+        finish_phase(start_phase(name, env), time.time() + PHASE_TIMEOUT[name], everything)
     log(f"== done in {time.time() - start:.0f} s")
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "gluon_bwd_host.json").write_text(json.dumps(everything, indent=1))

@@ -293,3 +293,21 @@ def test_the_fp8_forward_compiles_fullgraph_through_its_operator(monkeypatch, wi
     descales = (torch.ones(1), torch.ones(1), kd, torch.ones(1))
     torch.library.opcheck(mod.forward_op, (q, k, v, 0.088, *descales[:2], descales[3], 0, 1, 0, torch.float16,
                                            *(window or (0, 0))), test_utils=("test_faketensor", ))
+
+
+def test_other_modes_and_arguments_take_the_plain_path(gluon_bwd, monkeypatch):
+    """_bwd_host runs the fast path for dq_mode 0/1 with the plain argument list only: a mode or an argument it does
+    not know (another render's) goes to _run_backward, which takes them."""
+    mod, mode, _ = gluon_bwd
+    taken = []
+    monkeypatch.setattr(mod, "_run_backward_fast", lambda *a: taken.append(("fast", a[10:])))
+    monkeypatch.setattr(mod, "_run_backward", lambda *a, **kw: taken.append(("plain", a[10:], kw)))
+    args, grads = _bwd_args()
+    mod._bwd_host(*args, *grads, mode)
+    mod._bwd_host(*args, *grads, 2)
+    mod._bwd_host(*args, *grads, mode, 0.5)
+    mod._bwd_host(*args, *grads, mode, extra=(1, ))
+    monkeypatch.setattr(mod, "_BWD_FAST", False)
+    mod._bwd_host(*args, *grads, mode)
+    assert taken == [("fast", (mode, )), ("plain", (2, ), {}), ("plain", (mode, 0.5), {}),
+                     ("plain", (mode, ), {"extra": (1, )}), ("plain", (mode, ), {})]

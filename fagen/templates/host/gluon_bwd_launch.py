@@ -117,6 +117,9 @@ def _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode):
                                                       BLOCK_M=BWD_BLOCK_M, num_warps=4)
 
 
-def _bwd_host(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode):
-    """The backward's host path: the fast one, or the plain _run_backward with _BWD_FAST = False."""
-    (_run_backward_fast if _BWD_FAST else _run_backward)(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode)
+def _bwd_host(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, *more, **options):
+    """The backward's host path: the fast one for the modes it knows (0, 1) and the plain arguments; else, or with
+    _BWD_FAST = False, the plain _run_backward (which takes whatever else a render passes it)."""
+    if _BWD_FAST and (dq_mode == 0 or dq_mode == 1) and not more and not options:
+        return _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode)
+    return _run_backward(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, *more, **options)

@@ -63,7 +63,7 @@ def test_fagen_attention_routes_big_gradient_calls_to_the_gluon_backward(as_if_h
     assert full.NAME.endswith("_gluon") and hopper.unordered(full)
     small = resolve.resolve(q, k, k, "causal", False)
     assert not small.NAME.endswith("_gluon") and not hopper.unordered(small)
-    assert hopper.BWD_MIN_WORK >= hopper.MIN_WORK  # the floor: the gluon host path is ~200 us a call
+    assert hopper.BWD_MIN_WORK >= hopper.MIN_WORK  # the floor ([Note] Gluon backward size rule)
     if not torch.cuda.is_available():
         big_q = torch.zeros(1, 32, 4096, 128, dtype=torch.bfloat16, requires_grad=True)
         big_k = torch.zeros(1, 8, 4096, 128, dtype=torch.bfloat16, requires_grad=True)
@@ -135,3 +135,71 @@ def test_the_transformers_backend_passes_deterministic_on():
     assert torch.equal(out, attention_forward(layer, q, q, q, None, is_causal=True)[0])
     with pytest.raises(AttentionError, match="deterministic"):
         attention_forward(layer, q, q, q, None, deterministic="off")
+
+
+def _reference_launches(mod, monkeypatch, calls):
+    """Stand-ins for the gluon bwd module's launches (float64 math on CPU tensors, counted in `calls`), so that its
+    torch.compile path runs here: forward_op and backward_op call them as they call the kernels."""
+    def probs(q, k, scale):
+        s = (q.double() @ k.double().transpose(-1, -2)) * scale  # MHA (gqa 1) only
+        if mod.CAUSAL:
+            s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(s.shape[-1] - s.shape[-2] + 1), -torch.inf)
+        return s.softmax(-1), s.logsumexp(-1)
+
+    def forward(q, k, v, scale, *rest, out=None, lse=None):
+        calls.append("fwd")
+        p, lse_ = probs(q, k, scale)
+        return (p @ v.double()).to(q.dtype), lse_.float()
+
+    def backward(do, q, k, v, out, lse, scale, *rest, deterministic=True, **kw):
+        calls.append("bwd" if deterministic else "bwd-unordered")
+        p, _ = probs(q, k, scale)
+        do, q, k, v = (t.double() for t in (do, q, k, v))
+        dp = do @ v.transpose(-1, -2)
+        ds = p * (dp - (dp * p).sum(-1, keepdim=True))
+        return tuple(g.to(q.dtype) for g in (scale * ds @ k, scale * ds.transpose(-1, -2) @ q,
+                                              p.transpose(-1, -2) @ do))
+
+    monkeypatch.setattr(mod, "_launch", forward)
+    monkeypatch.setattr(mod, "_launch_forward", forward)
+    monkeypatch.setattr(mod, "_launch_backward", backward)
+    monkeypatch.setattr(mod, "_check_device", lambda q: None)
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_torch_compile_fullgraph_takes_the_gluon_backward(as_if_hopper, monkeypatch, deterministic):  # noqa: F811
+    """[Note] Gluon backward under torch.compile: fagen.attention with gradients, traced with fullgraph=True, runs
+    the gluon bwd module's operators where an eager call would (the size rule as a guard), in the mode asked for
+    where it won (none: unordered; GQA causal: deterministic)."""
+    from fagen.runtime import api, ops
+    torch._dynamo.reset()
+    monkeypatch.setattr(api, "BWD_MIN_WORK", 300)
+    monkeypatch.setattr(ops, "_MODULES", {})
+    mod = fagen.load(KernelSpec(backend="gluon", direction="bwd", head_dim=128, dtype="bf16", mask="none"))
+    calls = []
+    _reference_launches(mod, monkeypatch, calls)
+    torch.manual_seed(0)
+    q, k, v, do = (torch.randn(1, 2, 13, 128, dtype=torch.bfloat16) for _ in range(4))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+
+    def layer(q, k, v):
+        return fagen.attention(q, k, v, deterministic=deterministic)
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append({str(n.target) for m in gm.modules() if isinstance(m, torch.fx.GraphModule)
+                       for n in m.graph.nodes if n.op == "call_function" and "fagen" in str(n.target)})
+        return gm.forward
+
+    got = torch.autograd.grad(torch.compile(layer, fullgraph=True, backend=backend)(q, k, v), (q, k, v), do)
+    name = mod.forward_op._qualname.split("::")[1][:-len("_fwd")]
+    assert graphs == [{f"fagen.{name}_fwd.default", f"fagen.{name}_bwd{'' if deterministic else '_unordered'}.default"}]
+    assert calls == ["fwd", "bwd" if deterministic else "bwd-unordered"]
+    want = torch.autograd.grad(layer(q, k, v), (q, k, v), do)  # eager: the same module, the same stand-ins
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and calls[2:] == calls[:2]
+    calls.clear()
+    small = [t.detach()[:, :, :8].clone().requires_grad_() for t in (q, k, v)]  # 2 x 8 x 8 < 300 pairs: Triton
+    torch.autograd.grad(torch.compile(layer, fullgraph=True, backend="aot_eager")(*small), small,
+                        do[:, :, :8])
+    assert calls == []

@@ -114,8 +114,11 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
             return _eager_only(attention)(q, k, v, mask=mask, scale=scale, seqlens_q=seqlens_q,
                                           seqlens_k=seqlens_k, tree_mask=tree_mask, window=window, softcap=softcap,
                                           alibi_slopes=alibi_slopes, sinks=sinks, check=check)
+        # [Note] Gluon backward under torch.compile: the size rule below, as a guard on the traced shapes
+        big_bwd = True if needs_grad and four and window is None and qs[0] * qs[1] * qs[2] * ks[2] >= BWD_MIN_WORK \
+            else False  # a branch: a constant, under a guard on the (maybe symbolic) sizes
         return ops.attention(q, k, v, str(mask), scale, seqlens_q, seqlens_k, tree_mask, decode, win, softcap,
-                             alibi_slopes, sinks, batch_invariant)[0]
+                             alibi_slopes, sinks, batch_invariant, big_bwd, deterministic)[0]
     # [Note] Host time. A warm call costs one dict lookup on plain values before the module's own checks and launch:
     # no spec is built, hashed or validated per call (the key is fast_key's, the one resolve() stores under). Without gradients on an
     # H100/H200 the Gluon forward may serve ([Note] Hopper selection in fagen/runtime/hopper.py); it has forward()

@@ -21,8 +21,8 @@ A score_mod (no mask_mod) follows the same rule through mod_forward_spec, called
 With gradients, fagen.attention takes the gluon bwd module (its Gluon forward and the Gluon backward of
 fagen/templates/gluon/backward.py.j2) where GluonBackend.bwd_selected picks the case ([Note] Gluon backward rule in
 fagen/backends/gluon.py: d128 bf16, none/causal, any gqa, no switch), under the same conditions ($FAGEN_HOPPER, sm_90,
-the Gluon API) and from BWD_MIN_WORK pairs: its host path (descriptors, four JIT dispatches, two workspaces) costs
-about 200 us a call against the Triton backward's fast launches, so small problems keep the Triton bwd module.
+the Gluon API) and from BWD_MIN_WORK pairs ([Note] Gluon backward size rule): below that the Triton bwd module's
+per-call time is lower or equal.
 deterministic=False (fagen.attention's keyword) gives that module's unordered dQ adds where unordered_selected
 says they won; elsewhere the deterministic mode serves. Every Triton backward is deterministic anyway.
 """
@@ -38,8 +38,7 @@ from fagen.spec.kernel import KernelSpec
 
 ENV = "FAGEN_HOPPER"
 MIN_WORK = 1 << 26  # batch x query heads x Sq x Sk below which fagen.attention keeps the Triton forward
-# the floor for the gluon backward (its host path is not on fast launches yet: 449 vs 247 us a small call, H100)
-BWD_MIN_WORK = 1 << 29
+BWD_MIN_WORK = 1 << 29  # the same floor for the gluon backward (with gradients): [Note] Gluon backward size rule
 WINDOW_MIN_WORK = 1 << 24  # the same with a window: B x Hq x Sq x (left + right + 1) ([Note] Gluon size rule)
 
 # [Note] Gluon size rule. The Gluon forward's kernel is faster than the Triton one (0.70-0.75x the time per call
@@ -51,6 +50,14 @@ WINDOW_MIN_WORK = 1 << 24  # the same with a window: B x Hq x Sq x (left + right
 # 2^25, 0.83x at 2^26, 0.71x at 2^28; full attention 0.80x at 2^25. So MIN_WORK is 2^26, where both rounds win.
 # A causal window's kernel wins by more at equal pairs: 0.75x / 0.76x at 2^24 (window (256, 0), S4096 H16) in
 # both rounds, a tie at 2^23 (0.98-0.99x), so windows take it from 2^24.
+# [Note] Gluon backward size rule. The backward's host path is on fast launches since the eighth session
+# ([Note] Gluon backward host path in fagen/templates/host/gluon_bwd_launch.py): the backward alone costs 160 us of
+# host time at B1 H8 S256 causal against the plain path's 453 and the Triton backward's 136 (H100, round B of
+# scripts/gpu_gluon_bwd_host.py). Per-call wall time of fwd+bwd in a queue, causal d128 bf16, Gluon deterministic /
+# Triton: 1.11-1.44x from 2^22 to 2^27 pairs (both host-bound, 0.44-0.67 ms a call), 0.93x at 2^28 with S4096 but
+# 1.28x at 2^28 with B8 H32 S1024 (short sequences), 1.00x at 2^29 (B2 H16 S4096), 0.97x at 2^31 (S8192); the
+# unordered mode 0.93x, 0.79x, 0.80x at the last three. So the floor stays 2^29 pairs (none and GQA not measured
+# in that run: its time limit killed the phase).
 # The measured rule, as the gluon backend's descriptor states it (machine not considered).
 selected = GLUON.selected
 

@@ -32,20 +32,21 @@ def fast_key(q, k, v, mask, decode: bool, switches: tuple[str, ...], forward_onl
 
 
 def resolve(q, k, v, mask, decode: bool, switches: tuple[str, ...] = (), forward_only: bool = False,
-            big_bwd: bool = False) -> ModuleType:
+            big_bwd: bool = False, device: torch.device | None = None) -> ModuleType:
     """The module that serves these inputs, memoised in _FAST: the decode kernel, the bwd (differentiable) kernel,
     or, with forward_only (no gradient, not decode) on sm_90, the Gluon forward where it wins
     ([Note] Hopper selection in fagen/runtime/hopper.py; that module has forward() only); with big_bwd (gradients,
     at least hopper.BWD_MIN_WORK pairs) on sm_90, the gluon bwd module where its backward wins.
-    switches: the score switches the call uses ("window", "softcap", "alibi", "sinks")."""
+    switches: the score switches the call uses ("window", "softcap", "alibi", "sinks"); device: the device these
+    choices read in place of q's (fagen/runtime/ops.py resolves for meta tensors while Dynamo traces)."""
     spec = spec_for(q, k, v, mask=mask, switches=switches)
     if decode:
         spec = KernelSpec(head_dim=spec.head_dim, head_dim_v=spec.head_dim_v, mask=spec.mask, gqa=spec.gqa,
                           dtype=spec.dtype, kind=Kind.DECODE, **{name: True for name in switches})
     elif forward_only:
-        spec = hopper.forward_spec(spec, q.device) or spec
+        spec = hopper.forward_spec(spec, device or q.device) or spec
     elif big_bwd:
-        spec = hopper.backward_spec(spec, q.device) or spec
+        spec = hopper.backward_spec(spec, device or q.device) or spec
     module = _module(spec)
     _FAST[fast_key(q, k, v, mask, decode, switches, forward_only, big_bwd)] = module
     return module

@@ -1,0 +1,125 @@
+"""The Gluon backward's fast host path: workspaces kept per stream, every launch through _gluon ([Note] Gluon fast
+launches).
+
+Static code: gluon/backward.py.j2 includes everything below the marker line verbatim, after its _run_backward (the
+plain host path, kept as the reference and for scripts/gpu_gluon_bwd_host.py) and before _launch_backward, which
+calls _bwd_host. The names above the marker are defined by the including module (gluon/attention.py.j2 with
+host/launch.py and host/gluon_launch.py, gluon/backward.py.j2); the lines below define them only for linters and
+readers.
+"""
+import torch
+from triton.experimental.gluon import language as gl
+
+from fagen.templates.host.gluon_launch import _GL_DTYPE, _gluon
+from fagen.templates.host.launch import _raw_stream
+
+BWD_BLOCK_M = BWD_BLOCK_N = HEAD_DIM = GQA = CAUSAL = BWD_RING_SLOTS = BWD_WARPS = 0
+BWD_COMPUTE_REGS = BWD_PRODUCER_REGS = BWD_WRITER_REGS = 0
+_NUM_SMS, _BWD_KERNELS = {}, {}
+_bwd_preprocess = _dq_convert = _run_backward = _descriptor = None
+# -- fagen: included verbatim below this line --
+
+
+# [Note] Gluon backward host path
+# A backward is three launches (preprocess, the main kernel, the dQ conversion) and four workspaces: delta and lse2
+# (float32 [B * Hq, sq_pad]), the float32 dQ accumulator [B, Hq, sq_pad, D] and the int32 turn counters of the
+# fixed-order dQ ([Note] Fixed-order dQ), both of which must be zero when the main kernel starts. The plain path
+# (_run_backward) allocates the four per call (two of them torch.zeros: an allocation and a fill launch each), builds
+# seven to nine TensorDescriptors and dispatches every kernel through fn[grid]: about 200 us of host time per call
+# on the H100 beyond the Triton backward's. Here:
+#   - every launch goes through _gluon ([Note] Gluon fast launches): descriptor requests (tensor, box), whose
+#     default NVMMA layouts are the template's (the accumulator's 128-byte swizzle, the rows' none: a test checks);
+#   - the workspaces are one float32 buffer per (device, stream), laid out [dQ accumulator | counters | delta |
+#     lse2], the first two zeroed by one fill launch per call, kept per thread as the decode workspace is ([Note]
+#     Decode workspace). Launches on one stream run in order, so a call's fill waits for the previous call's dQ
+#     conversion (the last reader of the accumulator); another stream has its own buffer, and so has another
+#     thread (whose launches could interleave with this one's on a shared stream). The buffer grows to the largest call seen up to _BWD_WS_KEEP bytes; a larger call allocates
+#     its own (its host time is small beside its kernel's). The views of a (shape, mode) are kept with the buffer
+#     (a view costs a microsecond or two), so a warm call makes no tensor but the outputs;
+#   - while a CUDA graph is being captured the buffer is fresh from the caching allocator (the graph's pool owns
+#     it) and zeroed by a captured fill, as the forward's tile counter is ([Note] Tile counter): no graph holds the
+#     address of a buffer that a later eager call would reuse or replace.
+# The kernels, their arguments and the order of every float32 add are the plain path's: the deterministic mode
+# stays bitwise repeatable, and the fast path's gradients are bitwise the plain path's (scripts/gpu_gluon_bwd_host.py
+# checks both). _BWD_FAST = False takes the plain path (the script times both).
+from threading import local as _thread_local  # noqa: E402
+
+_BWD_FAST = True
+_BWD_WS_KEEP = 1 << 25  # bytes: the largest workspace kept per stream (B x Hq x sq_pad <= 16384 rows of D 128)
+_BWD_WS = _thread_local()  # per thread: (device, stream) -> [buffer, {(b, hq, sq_pad, dq_mode): views}]
+_GL_DTYPE[torch.float32] = gl.float32  # the workspaces' descriptors (requests like the inputs')
+_fast_bwd_preprocess = _gluon(_bwd_preprocess)
+_fast_dq_convert = _gluon(_dq_convert)
+_fast_bwd_kernels = {mode: (_gluon(kernel), epi_tma) for mode, (kernel, epi_tma) in _BWD_KERNELS.items()}
+
+
+def _bwd_views(buf, b, hq, sq_pad, dq_mode):
+    """(zeroed part, delta 2-D, lse2 2-D, dQ accumulator, counters) over buf's float32 elements ([Note] Gluon
+    backward host path): each part starts on a 16-byte boundary (TMA)."""
+    rows = b * hq * sq_pad
+    acc, sems = rows * HEAD_DIM, (-(-(b * hq * sq_pad // BWD_BLOCK_M) // 4) * 4 if dq_mode == 0 else 4)
+    zero = buf[:acc + sems]
+    delta = buf[acc + sems:acc + sems + rows].view(b * hq, sq_pad)
+    lse2 = buf[acc + sems + rows:acc + sems + 2 * rows].view(b * hq, sq_pad)
+    return (zero, delta, lse2, buf[:acc].view(b, hq, sq_pad, HEAD_DIM),
+            buf[acc:acc + sems].view(torch.int32))
+
+
+def _bwd_workspace(b, hq, sq_pad, dq_mode, q):
+    """The workspace views of one backward on q's device, the zeroed part zeroed on the current stream."""
+    n = b * hq * sq_pad * (HEAD_DIM + 2) + b * hq * sq_pad // BWD_BLOCK_M + 8
+    if torch.cuda.is_current_stream_capturing() or 4 * n > _BWD_WS_KEEP:
+        views = _bwd_views(q.new_empty(n, dtype=torch.float32), b, hq, sq_pad, dq_mode)
+    else:
+        device = q.get_device()
+        key, cache = (device, _raw_stream(device)), _BWD_WS.__dict__
+        kept = cache.get(key)
+        if kept is None or kept[0].numel() < n:
+            kept = cache[key] = [q.new_empty(max(n, 1 << 16), dtype=torch.float32), {}]
+        shape = (b, hq, sq_pad, dq_mode)
+        views = kept[1].get(shape)
+        if views is None:
+            if len(kept[1]) >= 256:
+                kept[1].clear()
+            views = kept[1][shape] = _bwd_views(kept[0], b, hq, sq_pad, dq_mode)
+    views[0].zero_()
+    return views
+
+
+def _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode):
+    """_run_backward's launches through the fast path ([Note] Gluon backward host path), on dense, aligned,
+    non-empty inputs."""
+    b, hq, sq, _ = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    sq_pad = -(-sq // BWD_BLOCK_M) * BWD_BLOCK_M
+    dev = q.get_device()
+    _, delta, lse2, dq_acc, sem = _bwd_workspace(b, hq, sq_pad, dq_mode, q)
+    _fast_bwd_preprocess[(sq_pad // BWD_BLOCK_M, b * hq)](out, do, lse, delta, lse2, sq, sq_pad, HEAD_DIM=HEAD_DIM,
+                                                          BLOCK_M=BWD_BLOCK_M, num_warps=4)
+    num_bh = b * hkv
+    num_tiles = -(-sk // BWD_BLOCK_N) * num_bh
+    if dev not in _NUM_SMS:
+        _NUM_SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+    kernel, epi_tma = _fast_bwd_kernels[dq_mode]
+    if epi_tma:  # dK, dV leave by TMA stores of one warpgroup's 64 rows
+        dk, dv = _descriptor(dk, BWD_BLOCK_N // 2), _descriptor(dv, BWD_BLOCK_N // 2)
+    # One program per SM at most: every program is resident, which the fixed-order dQ needs.
+    kernel[(min(num_tiles, _NUM_SMS[dev]), )](
+        _descriptor(q, BWD_BLOCK_M), _descriptor(do, BWD_BLOCK_M), _descriptor(k, BWD_BLOCK_N),
+        _descriptor(v, BWD_BLOCK_N), (lse2, (1, BWD_BLOCK_M)), (delta, (1, BWD_BLOCK_M)),
+        (dq_acc, (1, 1, BWD_BLOCK_M, HEAD_DIM // 2)), dk, dv, sem, scale * 1.4426950408889634, scale,
+        num_tiles, num_bh, hkv, sq, sk, sq_pad,
+        HEAD_DIM=HEAD_DIM, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, STAGES=BWD_RING_SLOTS, GQA=GQA, CAUSAL=CAUSAL,
+        DQ_MODE=dq_mode, COMPUTE_REGS=BWD_COMPUTE_REGS, PRODUCER_REGS=BWD_PRODUCER_REGS,
+        WRITER_REGS=BWD_WRITER_REGS, num_warps=BWD_WARPS,
+    )
+    _fast_dq_convert[(sq_pad // BWD_BLOCK_M, b * hq)](dq_acc, dq, scale, sq, sq_pad, HEAD_DIM=HEAD_DIM,
+                                                      BLOCK_M=BWD_BLOCK_M, num_warps=4)
+
+
+def _bwd_host(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, *more, **options):
+    """The backward's host path: the fast one for the modes it knows (0, 1) and the plain arguments; else, or with
+    _BWD_FAST = False, the plain _run_backward (which takes whatever else a render passes it)."""
+    if _BWD_FAST and (dq_mode == 0 or dq_mode == 1) and not more and not options:
+        return _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode)
+    return _run_backward(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, *more, **options)

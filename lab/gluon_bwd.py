@@ -420,6 +420,13 @@ V1_DQ_SPLIT = 1  # k > 1 (deterministic): key block n adds into accumulator n % 
 #   the postprocess sums the k accumulators in order (chains k times shorter, k x the float32 dQ memory)
 V1_HEADROT = 0  # 1 (unordered adds only): key block n starts at query head n % GQA (_v1_order)
 V1_SNAKE = 0  # 1: odd waves of tiles taken in reverse (_v1_snake: balances the causal tiles' lengths per program)
+# Schedule levers (eighth session, [Note] Launch order): GRID 1 one CTA per tile (the hardware hands out tiles in
+# index order as SMs free up: FA3's backward grid); SPT 1 (causal) the shortest tiles first (key blocks in
+# descending order) with the adds of a query block in descending key-block order (FA3's deterministic causal);
+# HGROUP g > 0: tiles in sections of g (batch, KV head) pairs, key-block major inside a section (FA3's L2 sections).
+V1_GRID = 0
+V1_SPT = 0
+V1_HGROUP = 0
 # Named barrier ids (triton's partitions use 0 and 2 here: lab.gluon_bwd.resources' PTX): dQ full 8 + w,
 # dQ empty 10 + w, dS^T exchange 12, the epilogue's meeting 13 (unused for now).
 _BAR_DQ_FULL = gl.constexpr(8)
@@ -492,6 +499,39 @@ def _v1_snake(tile, num_tiles, SNAKE: gl.constexpr):
     return tile
 
 
+# [Note] Launch order. A tile index maps to (key block, (batch, KV head)) key-block major: the 132 tiles that run
+# at once hold about 8 key blocks of every head. With the persistent grid each program takes every 132nd tile, so
+# a program whose tile ran late (it waited for its turns) starts its next tile late, and with the full mask every
+# wave's key blocks of a head start together at query block 0 and queue at each block's counter: the lags add up
+# wave after wave. GRID 1 launches one CTA per tile (FA3's backward): an SM that finishes takes the next tile, so
+# a tile starts after every smaller one has started, and the key block a tile waits for has a head start (with
+# the full mask about 16 tiles of launches) instead of starting with it. Causal, SPT 1 (FA3's SingleTileBwdLPT
+# scheduler with SPT and its descending dQ semaphore): tile order descending in the key block (shortest tiles
+# first: causal tiles shrink with the key block) and the adds of query block m in descending key-block order:
+# turn = cnt - 1 - n, cnt the key blocks that see m. The higher key block starts earlier and nearer the diagonal,
+# so it reaches m first: the order of the turns is the order of arrival. HGROUP g: the tiles in sections of g
+# (batch, KV head) pairs, key-block major inside a section, so that fewer heads' Q, dO and float32 dQ tiles are in
+# flight (L2). Either way a tile waits only for tiles of smaller index: with the persistent grid they are a
+# program's earlier tiles or another program's, never a later tile of its own; with GRID 1 they were launched
+# before it (CUDA hands out the blocks of a 1-D grid in index order, as FA3 relies on). No cycle, no deadlock.
+@gluon.jit
+def _v1_sched(tile, num_tiles, num_bh, SPT: gl.constexpr, HGROUP: gl.constexpr):
+    """The tile index _bwd_tile reads (key block major) for launch position `tile` ([Note] Launch order)."""
+    n_kblk = num_tiles // num_bh
+    if HGROUP > 0:
+        sec = tile // (HGROUP * n_kblk)
+        r = tile - sec * (HGROUP * n_kblk)
+        gs = gl.minimum(num_bh - sec * HGROUP, HGROUP)
+        n = r // gs
+        bh = sec * HGROUP + (r - n * gs)
+    else:
+        n = tile // num_bh
+        bh = tile - n * num_bh
+    if SPT:
+        n = n_kblk - 1 - n
+    return n * num_bh + bh
+
+
 @gluon.jit
 def _v1_visit(i, off, T):
     """The flat (query head, query block) index of step i: the walk starts at off and wraps at T."""
@@ -501,12 +541,18 @@ def _v1_visit(i, off, T):
 
 @gluon.jit
 def _v1_turn(n_blk, i, m0, off, D, n_lo, n_hi, T, n_kblk, shift, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-             CAUSAL: gl.constexpr, ORDER: gl.constexpr, DQ_SPLIT: gl.constexpr = 1):
+             CAUSAL: gl.constexpr, ORDER: gl.constexpr, DQ_SPLIT: gl.constexpr = 1, SPT: gl.constexpr = 0):
     """How many key blocks add to this step's (query head, query block) before this one ([Note] Wave order); with
     DQ_SPLIT k, in its accumulator n % k: the key blocks n - k, n - 2k, ... (all see the block if this one does)."""
     turn = n_blk
     if DQ_SPLIT > 1:
         turn = n_blk // DQ_SPLIT
+    if SPT:  # [Note] Launch order: the key blocks that see the block, in descending order
+        if CAUSAL:
+            cnt = gl.minimum(gl.maximum(m0 + BLOCK_M + shift + BLOCK_N - 1, 0) // BLOCK_N, n_kblk)
+            turn = cnt - 1 - n_blk
+        else:
+            turn = n_kblk - 1 - n_blk
     if ORDER >= 1:
         if CAUSAL:  # key blocks [0, cnt) see query block m0 (lo is monotone in the key block)
             cnt = gl.minimum(gl.maximum(m0 + BLOCK_M + shift + BLOCK_N - 1, 0) // BLOCK_N, n_kblk)
@@ -525,14 +571,14 @@ def _v1_producer(q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, q_smem, do_sme
                  ready, empty, kv_ready, kv_empty, num_tiles, num_bh, num_heads_kv, seq_q, seq_k,
                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                  GQA: gl.constexpr, CAUSAL: gl.constexpr, ORDER: gl.constexpr, SNAKE: gl.constexpr,
-                 HEADROT: gl.constexpr):
+                 HEADROT: gl.constexpr, SPT: gl.constexpr, HGROUP: gl.constexpr):
     num_heads = num_heads_kv * GQA
     dtype: gl.constexpr = q_desc.dtype
     n_kblk = num_tiles // num_bh
     j = 0
     t = 0
     for tile0 in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        tile = _v1_snake(tile0, num_tiles, SNAKE)
+        tile = _v1_sched(_v1_snake(tile0, num_tiles, SNAKE), num_tiles, num_bh, SPT, HGROUP)
         n_blk, off_b, off_hkv, h0, lo, split, hi = _bwd_tile(tile, num_tiles, num_bh, num_heads_kv, seq_q, seq_k,
                                                              BLOCK_M, BLOCK_N, GQA, CAUSAL, 0)
         n0 = n_blk * BLOCK_N
@@ -559,7 +605,8 @@ def _v1_producer(q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, q_smem, do_sme
 def _v1_dq_writer(dq_desc, dq_smem, dq_full, dq_empty, Sem, num_tiles, num_bh, num_heads_kv, seq_q, seq_k, sq_pad,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GQA: gl.constexpr, CAUSAL: gl.constexpr,
                   DQ_MODE: gl.constexpr, PUB_LAG: gl.constexpr, ORDER: gl.constexpr, NAMED: gl.constexpr,
-                  SNAKE: gl.constexpr, HEADROT: gl.constexpr, DQ_SPLIT: gl.constexpr):
+                  SNAKE: gl.constexpr, HEADROT: gl.constexpr, DQ_SPLIT: gl.constexpr, SPT: gl.constexpr,
+                  HGROUP: gl.constexpr):
     """DQ_MODE 0: PUB_LAG 0 publishes a step's add once complete, before the next step; PUB_LAG 1 publishes it
     after the next step's reduces are issued (cp.async.bulk.wait_group 2: two bulk groups, one per half, per
     step), and drains at the tile's end, as c68d572's [Note] Pipelined dQ writer."""
@@ -574,7 +621,7 @@ def _v1_dq_writer(dq_desc, dq_smem, dq_full, dq_empty, Sem, num_tiles, num_bh, n
     shift = seq_k - seq_q
     j = 0
     for tile0 in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        tile = _v1_snake(tile0, num_tiles, SNAKE)
+        tile = _v1_sched(_v1_snake(tile0, num_tiles, SNAKE), num_tiles, num_bh, SPT, HGROUP)
         n_blk, off_b, off_hkv, h0, lo, split, hi = _bwd_tile(tile, num_tiles, num_bh, num_heads_kv, seq_q, seq_k,
                                                              BLOCK_M, BLOCK_N, GQA, CAUSAL, 0)
         steps = (hi - lo) // BLOCK_M
@@ -590,7 +637,7 @@ def _v1_dq_writer(dq_desc, dq_smem, dq_full, dq_empty, Sem, num_tiles, num_bh, n
             sem = Sem + (ob * num_heads + h0 + g).to(gl.int64) * n_mblk + m0 // BLOCK_M
             if DQ_MODE == 0:
                 turn = _v1_turn(n_blk, i, m0, off, D, n_lo, n_hi, n_steps, n_kblk, shift, BLOCK_M, BLOCK_N, CAUSAL,
-                                ORDER, DQ_SPLIT)
+                                ORDER, DQ_SPLIT, SPT)
                 seen = gl.atomic_add(sem, 0, sem="acquire", scope="gpu")
                 while seen != turn:
                     seen = gl.atomic_add(sem, 0, sem="acquire", scope="gpu")
@@ -633,7 +680,7 @@ def _v1_compute(q_smem, do_smem, k_smem, v_smem, ds_smem, l_smem, d_smem, dq_sme
                 WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 STAGES: gl.constexpr, GQA: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr,
                 ORDER: gl.constexpr, NAMED: gl.constexpr, EPI_TMA: gl.constexpr, SNAKE: gl.constexpr,
-                HEADROT: gl.constexpr):
+                HEADROT: gl.constexpr, SPT: gl.constexpr, HGROUP: gl.constexpr):
     """One compute warpgroup: keys n0 + 64 WG .. + 64 of each tile, half WG of dQ_j's head dim."""
     dtype: gl.constexpr = k_smem.dtype
     WN: gl.constexpr = BLOCK_N // 2  # keys of this warpgroup
@@ -656,7 +703,7 @@ def _v1_compute(q_smem, do_smem, k_smem, v_smem, ds_smem, l_smem, d_smem, dq_sme
     j = 0
     t = 0
     for tile0 in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        tile = _v1_snake(tile0, num_tiles, SNAKE)
+        tile = _v1_sched(_v1_snake(tile0, num_tiles, SNAKE), num_tiles, num_bh, SPT, HGROUP)
         n_blk, off_b, off_hkv, h0, lo, split, hi = _bwd_tile(tile, num_tiles, num_bh, num_heads_kv, seq_q, seq_k,
                                                              BLOCK_M, BLOCK_N, GQA, CAUSAL, 0)
         n0 = n_blk * BLOCK_N
@@ -770,8 +817,10 @@ def _attn_bwd_v1(q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, dq_desc, DK, D
                  PRODUCER_REGS: gl.constexpr, WRITER_REGS: gl.constexpr, PUB_LAG: gl.constexpr,
                  DQ_SLOTS: gl.constexpr, ORDER: gl.constexpr = 0, NAMED: gl.constexpr = 0,
                  EPI_TMA: gl.constexpr = 0, SNAKE: gl.constexpr = 0, HEADROT: gl.constexpr = 0,
-                 DQ_SPLIT: gl.constexpr = 1):
-    gl.static_assert(BLOCK_N == 128)  # two warpgroups of 64 keys
+                 DQ_SPLIT: gl.constexpr = 1, GRID: gl.constexpr = 0, SPT: gl.constexpr = 0,
+                 HGROUP: gl.constexpr = 0):
+    gl.static_assert(BLOCK_N == 128)
+    gl.static_assert(((SPT == 0) & (HGROUP == 0)) | ((ORDER == 0) & (DQ_SPLIT == 1)))  # [Note] Launch order  # two warpgroups of 64 keys
     gl.static_assert((BLOCK_M == 64) | (BLOCK_M == 128))
     gl.static_assert((HEADROT == 0) | (DQ_MODE != 0))  # the turns assume each head's walk in key-block order
     gl.static_assert((DQ_SPLIT == 1) | (ORDER == 0))  # a split accumulator's turn: n // DQ_SPLIT
@@ -810,18 +859,18 @@ def _attn_bwd_v1(q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, dq_desc, DK, D
         (_v1_compute, (q_smem, do_smem, k_smem, v_smem, ds_smem, l_smem, d_smem, dq_smem, ready, empty, kv_ready, kv_empty,
                       ds_ready, dq_full, dq_empty, DK, DV, qk_scale, scale, num_tiles, num_bh, num_heads_kv, seq_q,
                       seq_k, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GQA, CAUSAL, DQ_MODE, ORDER, NAMED, EPI_TMA,
-                      SNAKE, HEADROT)),
+                      SNAKE, HEADROT, SPT, HGROUP)),
         (_v1_compute, (q_smem, do_smem, k_smem, v_smem, ds_smem, l_smem, d_smem, dq_smem, ready, empty, kv_ready, kv_empty,
                       ds_ready, dq_full, dq_empty, DK, DV, qk_scale, scale, num_tiles, num_bh, num_heads_kv, seq_q,
                       seq_k, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GQA, CAUSAL, DQ_MODE, ORDER, NAMED, EPI_TMA,
-                      SNAKE, HEADROT)),
+                      SNAKE, HEADROT, SPT, HGROUP)),
         (_v1_producer, (q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, q_smem, do_smem, k_smem, v_smem, l_smem,
                         d_smem, ready, empty, kv_ready, kv_empty, num_tiles, num_bh, num_heads_kv, seq_q, seq_k,
                         HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GQA, CAUSAL, ORDER, SNAKE,
-                        HEADROT)),
+                        HEADROT, SPT, HGROUP)),
         (_v1_dq_writer, (dq_desc, dq_smem, dq_full, dq_empty, Sem, num_tiles, num_bh, num_heads_kv, seq_q, seq_k,
                          sq_pad, BLOCK_M, BLOCK_N, GQA, CAUSAL, DQ_MODE, PUB_LAG, ORDER, NAMED, SNAKE,
-                         HEADROT, DQ_SPLIT)),
+                         HEADROT, DQ_SPLIT, SPT, HGROUP)),
     ], [4, 1, 1], [COMPUTE_REGS, PRODUCER_REGS, WRITER_REGS])
 
 
@@ -834,7 +883,8 @@ def _v1_args(q, do, k, v, lse2, delta, dq_acc, dk, dv, sem, scale, num_tiles, nu
     kw = dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=BWD_BLOCK_N, STAGES=BWD_STAGES, GQA=gqa, CAUSAL=causal,
               DQ_MODE=dq_mode, COMPUTE_REGS=V1_COMPUTE_REGS, PRODUCER_REGS=V1_PRODUCER_REGS,
               WRITER_REGS=V1_WRITER_REGS, PUB_LAG=V1_PUB_LAG, DQ_SLOTS=1, ORDER=V1_ORDER, NAMED=V1_NAMED,
-              EPI_TMA=V1_EPI_TMA, SNAKE=V1_SNAKE, HEADROT=V1_HEADROT, DQ_SPLIT=V1_DQ_SPLIT, num_warps=4)
+              EPI_TMA=V1_EPI_TMA, SNAKE=V1_SNAKE, HEADROT=V1_HEADROT, DQ_SPLIT=V1_DQ_SPLIT, GRID=V1_GRID, SPT=V1_SPT,
+              HGROUP=V1_HGROUP, num_warps=4)
     if dq_mode == 1:
         kw.update(V1_UNORDERED)
     kw.update(constexprs)
@@ -900,6 +950,8 @@ def backward(do, q, k, v, out, lse, scale, causal, variant="v0", dq_mode=0, bloc
     num_bh = b * hkv
     num_tiles = triton.cdiv(sk, BWD_BLOCK_N) * num_bh
     grid = (min(num_tiles, _sms(q.device)), )  # every program resident: the fixed-order dQ needs it
+    if variant == "v1" and constexprs.get("GRID", V1_GRID):
+        grid = (num_tiles, )  # [Note] Launch order
     if variant == "v0":
         args, kw = _v0_args(q, do, k, v, lse2, delta, dq_acc, dk, dv, sem, scale, num_tiles, num_bh, hkv, sq, sk,
                             sq_pad, causal, dq_mode)

@@ -42,13 +42,15 @@ D128 = (0, 1, 2)
 # Seventh session (docs/hopper.md "Levers on v1"): ORDER, SNAKE, HEADROT, DQ_SPLIT lost in the deterministic mode,
 # NAMED and EPI_TMA about even; the unordered mode took SNAKE (causal 478 -> 537). Eighth session, round A: the
 # launch order ([Note] Launch order in lab/gluon_bwd.py): GRID 1 (one CTA per tile, FA3's backward grid), SPT 1
-# (causal: shortest tiles first, descending turns: FA3's deterministic causal), both; the unordered mode on GRID 1.
+# (causal: shortest tiles first, descending turns: FA3's deterministic causal), both; the unordered mode on GRID 1;
+# the full mask's wave order with neighbours 4 and 8 steps apart (slack in the chain; ORDER 2 lost 5%, 1 lost 45%).
 GRID = {"GRID": 1}
 GRID_SPT = {"GRID": 1, "SPT": 1}
 CAUSALS = (0, 2)
 VARIANTS = [("det", 0, {}, None), ("nondet", 1, {}, None),
             ("det+grid", 0, GRID, None), ("det+spt", 0, {"SPT": 1}, CAUSALS), ("det+gridspt", 0, GRID_SPT, CAUSALS),
-            ("nondet+grid", 1, GRID, None), ("det+gridlag0", 0, {"GRID": 1, "PUB_LAG": 0}, (0, 1))]
+            ("nondet+grid", 1, GRID, None), ("det+gridlag0", 0, {"GRID": 1, "PUB_LAG": 0}, (0, 1)),
+            ("det+order4", 0, {"ORDER": 4}, (1, )), ("det+order8", 0, {"ORDER": 8}, (1, ))]
 MUTANT = ("noreduce+gridspt*", 2, GRID_SPT, (0, ))
 # (case, B, Hq, Hkv, S, D, causal)
 CASES = [("d128 causal B1 H16 s16k", 1, 16, 16, 16384, 128, True),

@@ -14,6 +14,11 @@ TF/s = 2.5 x forward FLOPs / time): the product default (Gluon, deterministic), 
 backward (its module, as FAGEN_HOPPER=0 gives) and cuDNN (SDPA), one table at the end; then the host time per
 call of a small backward (B1 H8 s256 causal), Gluon vs Triton; last, gbwdlev's levers in the product's render
 (GluonBackend.variant bwd_*): checked, then timed beside the default render.
+Eighth session (GPU_GLUON_BWD_PRODUCT_PHASES=fwarm,fcheck,ftime0,ftime1,ftime2, the default): the deterministic
+mode's fixed-point dQ (variant bwd_fixed, [Note] Fixed-point dQ) in the product's render: `fwarm` builds every module
+the later phases run, in parallel children; `fcheck` checks the fixed render's deterministic mode against float64
+(causal Sq > Sk, full, GQA 4 causal), exact zeros, bitwise over 3 runs, and its mutant (the row scale left out) must
+fail; `ftimeN` times the default render's two modes, the fixed render's deterministic mode and cuDNN, one case each.
 """
 
 from __future__ import annotations
@@ -36,11 +41,12 @@ CASES = [("d128 causal B1 H16 s16k", 1, 16, 16, 16384, True), ("d128 full B1 H16
          ("gqa 32/8 causal B4 s4k", 4, 32, 8, 4096, True)]
 # Round B: the checks round A ran out of time on, split in two, and the levers; round A's table (time0..2, host) is
 # in docs/hopper.md and runs with GPU_GLUON_BWD_PRODUCT_PHASES=time0,time1,time2,host.
-ALL_PHASES = {"check_gqa": 40, "check": 50, "levers": 40, "time0": 20, "time1": 20, "time2": 20, "host": 15}
+ALL_PHASES = {"check_gqa": 40, "check": 50, "levers": 40, "time0": 20, "time1": 20, "time2": 20, "host": 15,
+              "fwarm": 40, "fcheck": 20, "ftime0": 10, "ftime1": 10, "ftime2": 8}
 PHASE_TIMEOUT = {name: ALL_PHASES[name] for name in
-                 os.environ.get("GPU_GLUON_BWD_PRODUCT_PHASES", "check_gqa,check,levers").split(",")}
+                 os.environ.get("GPU_GLUON_BWD_PRODUCT_PHASES", "fwarm,fcheck,ftime0,ftime1,ftime2").split(",")}
 MUTANT = "gluon-bwd-dq-one-half"
-IMPL = ["gluon det (default)", "gluon unordered", "triton", "cudnn"]
+IMPL = ["gluon det (default)", "gluon unordered", "triton", "cudnn", "gluon fixed (det)"]
 
 
 def log(*parts):
@@ -245,6 +251,144 @@ def phase_levers(results):
             log(f"levers {name_c:<24} {label:<8} {mode:<9} ERROR {type(e).__name__}: {str(e)[:200]}")
 
 
+# -- eighth session: the fixed-point dQ (variant bwd_fixed) -------------------------------------------------------
+FIXED = {"bwd_fixed": 1}
+FIXED_MUTANT = ("dq = _cvt_rni(dq * qm[:, None])", "dq = _cvt_rni(dq)")  # the row scale left out
+FWARM_JOBS = [(c, r) for c in range(len(CASES)) for r in ("default", "fixed")] + [(0, "mutant")]
+
+
+def variant_module(causal, gqa, overrides, mutant=None):
+    """The gluon bwd module rendered with GluonBackend.variant updated by `overrides` ([Note] Gluon backward
+    levers), `mutant` (old, new) applied to its source, loaded under its own name."""
+    import fagen
+    from fagen import backends
+    from fagen.codegen import render as _render
+    from fagen.runtime.loader import load_source
+    s = spec(causal, gqa, "gluon")
+    saved = dict(backends.GLUON.variant)
+    backends.GLUON.variant.update(overrides)
+    _render.render.cache_clear()
+    try:
+        source = fagen.generate(s)
+    finally:
+        backends.GLUON.variant.clear()
+        backends.GLUON.variant.update(saved)
+        _render.render.cache_clear()
+    tag = "_".join(f"{k}{v}" for k, v in overrides.items())
+    if mutant:
+        assert mutant[0] in source, "the mutant's text is not in the render"
+        source, tag = source.replace(mutant[0], mutant[1]), tag + "_mut"
+    return load_source(source, f"{s.name}_{tag}")
+
+
+def case_module(which, render):
+    name_c, b, hq, hkv, s, causal = CASES[which]
+    if render == "default":
+        import fagen
+        return fagen.load(spec(causal, hq // hkv, "gluon"))
+    return variant_module(causal, hq // hkv, FIXED, FIXED_MUTANT if render == "mutant" else None)
+
+
+def phase_fwarm(results, part):
+    """Child `part`: build FWARM_JOBS[part] by a tiny forward and backward in each mode it runs later."""
+    which, render = FWARM_JOBS[part]
+    _, b, hq, hkv, s, causal = CASES[which]
+    t0 = time.time()
+    mod = case_module(which, render)
+    q, k, v, do = inputs(1, hq // hkv, 1, 200, 200)
+    for det in ((True, False) if render == "default" else (True, )):
+        grads(lambda *t: mod.attention(*t, deterministic=det), q, k, v, do)
+    if render == "default":
+        fagen_triton = __import__("fagen").load(spec(causal, hq // hkv))
+        grads(lambda *t: fagen_triton.attention(*t), q, k, v, do)
+    import torch
+    torch.cuda.synchronize()
+    log(f"fwarm {CASES[which][0]} {render}: built ({time.time() - t0:.1f}s)")
+
+
+def phase_fcheck(results):
+    """The fixed render's deterministic mode against float64 beside the Triton backward's error; exact zeros;
+    bitwise over 3 runs; the mutant must fail."""
+    import torch
+    import fagen
+    scale = 128 ** -0.5
+    for (b, hq, hkv, sq, sk, causal), which in (((1, 2, 2, 300, 190, True), 0), ((1, 2, 2, 200, 333, False), 1),
+                                                 ((2, 8, 2, 257, 190, True), 2)):
+        mod = case_module(which, "fixed")
+        q, k, v, do = inputs(b, hq, hkv, sq, sk)
+        ref = reference(q, k, v, do, causal, scale)
+        tri = grads(lambda *t: fagen.load(spec(causal, hq // hkv)).attention(*t, scale=scale), q, k, v, do)
+        bound = [max(2 * rel(t, r), 5e-3) for t, r in zip(tri, ref)]
+        shape = f"B{b} H{hq}/{hkv} {sq}x{sk} {'causal' if causal else 'none'}"
+        runs = [("fixed", mod)] + ([("fixed mutant*", case_module(0, "mutant"))] if which == 0 else [])
+        for label, m in runs:
+            got = grads(lambda *t: m.attention(*t, scale=scale, deterministic=True), q, k, v, do)
+            errs = [rel(x, r) for x, r in zip(got, ref)]
+            ok = all(e <= bd for e, bd in zip(errs, bound)) and all(torch.isfinite(x).all() for x in got)
+            if label.endswith("*"):
+                log(f"{shape:<26} {label:<14} rel dq {errs[0]:.2e} -> {'caught' if not ok else 'NOT CAUGHT'}")
+                results.append(dict(check="mutant", ok=not ok))
+            else:
+                log(f"{shape:<26} {label:<14} rel dq {errs[0]:.2e} dk {errs[1]:.2e} dv {errs[2]:.2e} (triton dq "
+                    f"{rel(tri[0], ref[0]):.2e}) -> {'PASS' if ok else 'FAIL'}")
+                results.append(dict(check="reference", shape=shape, ok=bool(ok)))
+    for (sq, sk, causal), which in (((100, 1, False), 1), ((200, 200, True), 0)):
+        q, k, v, do = inputs(1, 2, 2, sq, sk, seed=1)
+        mod = case_module(which, "fixed")
+        dq, dk, dv = grads(lambda *t: mod.attention(*t, scale=0.1), q, k, v, do)
+        ok = bool((dq[:, :, 0] == 0).all()) if causal else bool((dq == 0).all() and (dk == 0).all())
+        what = "dq[row 0], causal" if causal else "dq, dk (Sk = 1)"
+        log(f"fixed exact zeros {what:<18} -> {'PASS' if ok else 'FAIL'}")
+        results.append(dict(check="zeros", ok=ok))
+    for (b, hq, hkv, s, causal), which in (((2, 16, 16, 4000, False), 1), ((4, 8, 2, 3000, True), 2)):
+        q, k, v, do = inputs(b, hq, hkv, s, s, seed=2)
+        mod = case_module(which, "fixed")
+        runs = [grads(lambda *t: mod.attention(*t, scale=0.09), q, k, v, do) for _ in range(3)]
+        same = all(torch.equal(a, c) for r in runs[1:] for a, c in zip(r, runs[0]))
+        det = grads(lambda *t: case_module(which, "default").attention(*t, scale=0.09), q, k, v, do)
+        eq = (runs[0][0] == det[0]).float().mean().item()
+        log(f"fixed bitwise x3 B{b} H{hq}/{hkv} s{s} {'causal' if causal else 'none'} -> "
+            f"{'equal' if same else 'DIFFER FAIL'}; dq equal to the float32-ordered det's in {eq:.4f} of elements")
+        results.append(dict(check="bitwise", ok=same))
+    log(f"fixed checks: {'ALL PASS' if all(r['ok'] for r in results) else 'SOME FAILED'}")
+
+
+def phase_ftime(results, which):
+    """TF/s of the default render (deterministic, unordered), the fixed render's deterministic mode, the Triton
+    backward and cuDNN, one process, backward only through autograd."""
+    import torch
+    import triton
+    import fagen
+    name_c, b, hq, hkv, s, causal = CASES[which]
+    flops = 2.5 * 4 * b * hq * s * s * 128 * (0.5 if causal else 1.0)
+    q, k, v, do = inputs(b, hq, hkv, s, s)
+    row = dict(case=name_c)
+    runs = [("gluon det (default)", case_module(which, "default"), True),
+            ("gluon fixed (det)", case_module(which, "fixed"), True),
+            ("gluon unordered", case_module(which, "default"), False),
+            ("triton", fagen.load(spec(causal, hq // hkv)), True), ("cudnn", None, True)]
+    for label, mod, det in runs:
+        qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        try:
+            if mod is None:
+                from torch.nn.attention import SDPBackend, sdpa_kernel
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    out = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=causal,
+                                                                           enable_gqa=hq != hkv)
+            else:
+                out = mod.attention(qg, kg, vg, scale=128 ** -0.5, **({} if label == "triton" else
+                                                                        {"deterministic": det}))
+            step = lambda: torch.autograd.grad(out, (qg, kg, vg), do, retain_graph=True)  # noqa: E731
+            step()
+            torch.cuda.synchronize()
+            ms = triton.testing.do_bench(step, warmup=5, rep=40)
+            row[label] = flops / ms / 1e9
+            log(f"{name_c:<24} {label:<20} {ms:8.3f} ms {row[label]:6.1f} TF/s")
+        except Exception as e:
+            log(f"{name_c:<24} {label:<20} ERROR {type(e).__name__}: {str(e)[:200]}")
+    results.append(row)
+
+
 def phase_host(results):
     """Host time per call of a small backward (B1 H8 s256 d128 causal): the median wall time of one
     torch.autograd.grad, synchronised, over 200 calls, Gluon vs Triton module."""
@@ -286,6 +430,16 @@ def dry_run():
             except Exception as e:
                 ok = False
                 log(f"causal {causal} gqa {gqa} det {det}: BUILD ERROR {type(e).__name__}: {str(e)[:300]}")
+    for causal, gqa in ((True, 1), (False, 1), (True, 4)):  # the fixed-point dQ's render, deterministic mode
+        try:
+            ck = variant_module(causal, gqa, FIXED).compile_backward_for(deterministic=True)
+            res = next(iter(ptxas(ck.asm["ptx"])[0].values()))
+            log(f"fixed {'causal' if causal else 'none':<6} gqa {gqa} det: shared {ck.metadata.shared} B, spills "
+                f"{res.spill_stores}/{res.spill_loads} B, cvt.rni {ck.asm['ptx'].count('cvt.rni.s32.f32')}")
+            variant_module(causal, gqa, FIXED, FIXED_MUTANT)  # the mutant's text is in the render
+        except Exception as e:
+            ok = False
+            log(f"fixed causal {causal} gqa {gqa}: BUILD ERROR {type(e).__name__}: {str(e)[:300]}")
     for causal, gqa, name in ((True, 1, "u-nes"), ):
         try:
             ck = lever_module(causal, gqa, name).compile_backward_for(deterministic=False)
@@ -315,6 +469,12 @@ def run_phase(name):
             phase_host(results)
         elif name == "levers":
             phase_levers(results)
+        elif name.startswith("fwarm") and name != "fwarm":
+            phase_fwarm(results, int(name[5:]))
+        elif name == "fcheck":
+            phase_fcheck(results)
+        elif name.startswith("ftime"):
+            phase_ftime(results, int(name[-1]))
         else:
             phase_time(results, int(name[-1]))
     except Exception as e:
@@ -354,6 +514,22 @@ def main():
     rows, logs = [], []
     for name, limit in PHASE_TIMEOUT.items():
         log(f"#### phase {name} (timeout {limit}s)")
+        if name == "fwarm":  # one child per FWARM_JOBS entry, all at once
+            procs = [subprocess.Popen([sys.executable, __file__, "--phase", f"fwarm{i}"], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                     for i in range(len(FWARM_JOBS))]
+            deadline = time.time() + limit
+            for p in procs:
+                try:
+                    outs = p.communicate(timeout=max(deadline - time.time(), 0.1))[0]
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    outs = p.communicate()[0] + "killed (timeout)\n"
+                logs.append(outs)
+                print("".join(x + "\n" for x in outs.splitlines() if not x.startswith("RESULTS ")), end="",
+                      flush=True)
+            log(f"#### phase fwarm: {time.time() - t0:.0f}s so far")
+            continue
         lines = []
         proc = subprocess.Popen([sys.executable, __file__, "--phase", name], env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, bufsize=1)
@@ -372,7 +548,7 @@ def main():
             rc = f"killed after {limit}s (a hung kernel?)"
         reader.join(timeout=5)
         for line in lines:
-            if line.startswith("RESULTS ") and name.startswith("time"):
+            if line.startswith("RESULTS ") and name.startswith(("time", "ftime")):
                 rows += json.loads(line[8:])
         logs += lines
         log(f"#### phase {name}: rc={rc}, {time.time() - t0:.0f}s so far")

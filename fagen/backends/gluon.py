@@ -140,6 +140,10 @@ class GluonBackend(KernelBackend):
     # adds where they won, everywhere but GQA causal (unordered_selected: there the deterministic mode serves, as
     # asked or not). Not d64 (no kernel: the lab's d64 build lost to Triton, 316 vs 398), not fp16 (not measured).
     bwd_head_dims = (128,)
+    # The head dims the gluon backward renders and builds (_check_bwd): d64 too (the template's tiles do not depend
+    # on D: [64, D / 2] dQ halves, [128, D] K/V; the lab's v1 at d64 built without spills and ran, docs/hopper.md),
+    # selected only where measured to win (bwd_head_dims).
+    bwd_built_head_dims = (64, 128)
 
     # [Note] Gluon backward levers (variant bwd_*, rendered by fagen/templates/gluon/backward.py.j2 only where on; the
     # designs in lab/gluon_bwd.py): bwd_order 1, the dQ turns by arrival within a wave ([Note] Wave order); bwd_snake
@@ -201,10 +205,11 @@ class GluonBackend(KernelBackend):
                                                            "backend 'triton' for other V widths")
 
     def _check_bwd(self, spec) -> None:
-        """The gluon backward's limits ([Note] Gluon backward rule): head_dim 128, bf16/fp16, no switch, no mod."""
-        if spec.head_dim not in self.bwd_head_dims or spec.head_dim_v != spec.head_dim:
-            raise SpecError("head_dim", spec.head_dim, "the gluon backward supports head_dim 128 (head_dim_v equal); "
-                                                       "use backend 'triton' for other head dims")
+        """The gluon backward's limits ([Note] Gluon backward rule): head_dim 64 or 128, bf16/fp16, no switch, no
+        mod."""
+        if spec.head_dim not in self.bwd_built_head_dims or spec.head_dim_v != spec.head_dim:
+            raise SpecError("head_dim", spec.head_dim, "the gluon backward supports head_dim 64 and 128 (head_dim_v "
+                                                       "equal); use backend 'triton' for other head dims")
         if spec.dtype not in (DType.BF16, DType.FP16):
             raise SpecError("dtype", str(spec.dtype), "the gluon backward computes bf16 and fp16; use direction "
                                                       "'fwd' for fp8, backend 'triton' for fp32")

@@ -42,9 +42,9 @@ CASES = [("d128 causal B1 H16 s16k", 1, 16, 16, 16384, True), ("d128 full B1 H16
 # Round B: the checks round A ran out of time on, split in two, and the levers; round A's table (time0..2, host) is
 # in docs/hopper.md and runs with GPU_GLUON_BWD_PRODUCT_PHASES=time0,time1,time2,host.
 ALL_PHASES = {"check_gqa": 40, "check": 50, "levers": 40, "time0": 20, "time1": 20, "time2": 20, "host": 15,
-              "fwarm": 40, "fcheck": 20, "ftime0": 10, "ftime1": 10, "ftime2": 8}
+              "fwarm": 40, "fcheck": 20, "ftime0": 9, "ftime1": 9, "ftime2": 7, "ftime3": 7}
 PHASE_TIMEOUT = {name: ALL_PHASES[name] for name in
-                 os.environ.get("GPU_GLUON_BWD_PRODUCT_PHASES", "fwarm,fcheck,ftime0,ftime1,ftime2").split(",")}
+                 os.environ.get("GPU_GLUON_BWD_PRODUCT_PHASES", "fwarm,fcheck,ftime0,ftime1,ftime2,ftime3").split(",")}
 MUTANT = "gluon-bwd-dq-one-half"
 IMPL = ["gluon det (default)", "gluon unordered", "triton", "cudnn", "gluon fixed (det)"]
 
@@ -53,17 +53,17 @@ def log(*parts):
     print(*parts, flush=True)
 
 
-def spec(causal, gqa, backend="triton"):
+def spec(causal, gqa, backend="triton", d=128):
     from fagen.spec.kernel import KernelSpec
-    return KernelSpec(head_dim=128, mask="causal" if causal else "none", gqa=gqa, dtype="bf16", direction="bwd",
+    return KernelSpec(head_dim=d, mask="causal" if causal else "none", gqa=gqa, dtype="bf16", direction="bwd",
                       backend=backend)
 
 
-def inputs(b, hq, hkv, sq, sk, seed=0):
+def inputs(b, hq, hkv, sq, sk, seed=0, d=128):
     import torch
     g = torch.Generator(device="cuda").manual_seed(seed)
     return [torch.randn(shape, generator=g, device="cuda").bfloat16()
-            for shape in ((b, hq, sq, 128), (b, hkv, sk, 128), (b, hkv, sk, 128), (b, hq, sq, 128))]
+            for shape in ((b, hq, sq, d), (b, hkv, sk, d), (b, hkv, sk, d), (b, hq, sq, d))]
 
 
 def reference(q, k, v, do, causal, scale):
@@ -254,17 +254,19 @@ def phase_levers(results):
 # -- eighth session: the fixed-point dQ (variant bwd_fixed) -------------------------------------------------------
 FIXED = {"bwd_fixed": 1}
 FIXED_MUTANT = ("dq = _cvt_rni(dq * qm[:, None])", "dq = _cvt_rni(dq)")  # the row scale left out
-FWARM_JOBS = [(c, r) for c in range(len(CASES)) for r in ("default", "fixed")] + [(0, "mutant")]
+# CASES and d64 (the gluon backward builds d64; selected only at d128): (case, B, Hq, Hkv, S, causal, D)
+FCASES = [c + (128, ) for c in CASES] + [("d64 causal B1 H32 s16k", 1, 32, 32, 16384, True, 64)]
+FWARM_JOBS = [(c, r) for c in range(len(FCASES)) for r in ("default", "fixed")] + [(0, "mutant")]
 
 
-def variant_module(causal, gqa, overrides, mutant=None):
+def variant_module(causal, gqa, overrides, mutant=None, d=128):
     """The gluon bwd module rendered with GluonBackend.variant updated by `overrides` ([Note] Gluon backward
     levers), `mutant` (old, new) applied to its source, loaded under its own name."""
     import fagen
     from fagen import backends
     from fagen.codegen import render as _render
     from fagen.runtime.loader import load_source
-    s = spec(causal, gqa, "gluon")
+    s = spec(causal, gqa, "gluon", d)
     saved = dict(backends.GLUON.variant)
     backends.GLUON.variant.update(overrides)
     _render.render.cache_clear()
@@ -282,28 +284,28 @@ def variant_module(causal, gqa, overrides, mutant=None):
 
 
 def case_module(which, render):
-    name_c, b, hq, hkv, s, causal = CASES[which]
+    name_c, b, hq, hkv, s, causal, d = FCASES[which]
     if render == "default":
         import fagen
-        return fagen.load(spec(causal, hq // hkv, "gluon"))
-    return variant_module(causal, hq // hkv, FIXED, FIXED_MUTANT if render == "mutant" else None)
+        return fagen.load(spec(causal, hq // hkv, "gluon", d))
+    return variant_module(causal, hq // hkv, FIXED, FIXED_MUTANT if render == "mutant" else None, d)
 
 
 def phase_fwarm(results, part):
     """Child `part`: build FWARM_JOBS[part] by a tiny forward and backward in each mode it runs later."""
     which, render = FWARM_JOBS[part]
-    _, b, hq, hkv, s, causal = CASES[which]
+    _, b, hq, hkv, s, causal, d = FCASES[which]
     t0 = time.time()
     mod = case_module(which, render)
-    q, k, v, do = inputs(1, hq // hkv, 1, 200, 200)
+    q, k, v, do = inputs(1, hq // hkv, 1, 200, 200, d=d)
     for det in ((True, False) if render == "default" else (True, )):
         grads(lambda *t: mod.attention(*t, deterministic=det), q, k, v, do)
     if render == "default":
-        fagen_triton = __import__("fagen").load(spec(causal, hq // hkv))
+        fagen_triton = __import__("fagen").load(spec(causal, hq // hkv, d=d))
         grads(lambda *t: fagen_triton.attention(*t), q, k, v, do)
     import torch
     torch.cuda.synchronize()
-    log(f"fwarm {CASES[which][0]} {render}: built ({time.time() - t0:.1f}s)")
+    log(f"fwarm {FCASES[which][0]} {render}: built ({time.time() - t0:.1f}s)")
 
 
 def phase_fcheck(results):
@@ -313,13 +315,15 @@ def phase_fcheck(results):
     import fagen
     scale = 128 ** -0.5
     for (b, hq, hkv, sq, sk, causal), which in (((1, 2, 2, 300, 190, True), 0), ((1, 2, 2, 200, 333, False), 1),
-                                                 ((2, 8, 2, 257, 190, True), 2)):
+                                                 ((2, 8, 2, 257, 190, True), 2), ((1, 2, 2, 130, 260, True), 3)):
         mod = case_module(which, "fixed")
-        q, k, v, do = inputs(b, hq, hkv, sq, sk)
+        d = FCASES[which][-1]
+        scale = d ** -0.5
+        q, k, v, do = inputs(b, hq, hkv, sq, sk, d=d)
         ref = reference(q, k, v, do, causal, scale)
-        tri = grads(lambda *t: fagen.load(spec(causal, hq // hkv)).attention(*t, scale=scale), q, k, v, do)
+        tri = grads(lambda *t: fagen.load(spec(causal, hq // hkv, d=d)).attention(*t, scale=scale), q, k, v, do)
         bound = [max(2 * rel(t, r), 5e-3) for t, r in zip(tri, ref)]
-        shape = f"B{b} H{hq}/{hkv} {sq}x{sk} {'causal' if causal else 'none'}"
+        shape = f"d{d} B{b} H{hq}/{hkv} {sq}x{sk} {'causal' if causal else 'none'}"
         runs = [("fixed", mod)] + ([("fixed mutant*", case_module(0, "mutant"))] if which == 0 else [])
         for label, m in runs:
             got = grads(lambda *t: m.attention(*t, scale=scale, deterministic=True), q, k, v, do)
@@ -359,14 +363,14 @@ def phase_ftime(results, which):
     import torch
     import triton
     import fagen
-    name_c, b, hq, hkv, s, causal = CASES[which]
-    flops = 2.5 * 4 * b * hq * s * s * 128 * (0.5 if causal else 1.0)
-    q, k, v, do = inputs(b, hq, hkv, s, s)
+    name_c, b, hq, hkv, s, causal, d = FCASES[which]
+    flops = 2.5 * 4 * b * hq * s * s * d * (0.5 if causal else 1.0)
+    q, k, v, do = inputs(b, hq, hkv, s, s, d=d)
     row = dict(case=name_c)
     runs = [("gluon det (default)", case_module(which, "default"), True),
             ("gluon fixed (det)", case_module(which, "fixed"), True),
             ("gluon unordered", case_module(which, "default"), False),
-            ("triton", fagen.load(spec(causal, hq // hkv)), True), ("cudnn", None, True)]
+            ("triton", fagen.load(spec(causal, hq // hkv, d=d)), True), ("cudnn", None, True)]
     for label, mod, det in runs:
         qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
         try:
@@ -376,7 +380,7 @@ def phase_ftime(results, which):
                     out = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=causal,
                                                                            enable_gqa=hq != hkv)
             else:
-                out = mod.attention(qg, kg, vg, scale=128 ** -0.5, **({} if label == "triton" else
+                out = mod.attention(qg, kg, vg, scale=d ** -0.5, **({} if label == "triton" else
                                                                         {"deterministic": det}))
             step = lambda: torch.autograd.grad(out, (qg, kg, vg), do, retain_graph=True)  # noqa: E731
             step()
@@ -430,13 +434,13 @@ def dry_run():
             except Exception as e:
                 ok = False
                 log(f"causal {causal} gqa {gqa} det {det}: BUILD ERROR {type(e).__name__}: {str(e)[:300]}")
-    for causal, gqa in ((True, 1), (False, 1), (True, 4)):  # the fixed-point dQ's render, deterministic mode
+    for causal, gqa, d in ((True, 1, 128), (False, 1, 128), (True, 4, 128), (True, 1, 64)):  # the fixed render
         try:
-            ck = variant_module(causal, gqa, FIXED).compile_backward_for(deterministic=True)
+            ck = variant_module(causal, gqa, FIXED, d=d).compile_backward_for(deterministic=True)
             res = next(iter(ptxas(ck.asm["ptx"])[0].values()))
-            log(f"fixed {'causal' if causal else 'none':<6} gqa {gqa} det: shared {ck.metadata.shared} B, spills "
+            log(f"fixed d{d} {'causal' if causal else 'none':<6} gqa {gqa} det: shared {ck.metadata.shared} B, spills "
                 f"{res.spill_stores}/{res.spill_loads} B, cvt.rni {ck.asm['ptx'].count('cvt.rni.s32.f32')}")
-            variant_module(causal, gqa, FIXED, FIXED_MUTANT)  # the mutant's text is in the render
+            variant_module(causal, gqa, FIXED, FIXED_MUTANT, d)  # the mutant's text is in the render
         except Exception as e:
             ok = False
             log(f"fixed causal {causal} gqa {gqa}: BUILD ERROR {type(e).__name__}: {str(e)[:300]}")

@@ -300,20 +300,15 @@ def phase_fwarm(results, part):
     q, k, v, do = inputs(1, hq // hkv, 1, 200, 200, d=d)
     for det in ((True, False) if render == "default" else (True, )):
         grads(lambda *t: mod.attention(*t, deterministic=det), q, k, v, do)
-    if render == "default":
-        fagen_triton = __import__("fagen").load(spec(causal, hq // hkv, d=d))
-        grads(lambda *t: fagen_triton.attention(*t), q, k, v, do)
     import torch
     torch.cuda.synchronize()
     log(f"fwarm {FCASES[which][0]} {render}: built ({time.time() - t0:.1f}s)")
 
 
 def phase_fcheck(results):
-    """The fixed render's deterministic mode against float64 beside the Triton backward's error; exact zeros;
+    """The fixed render's deterministic mode against float64 beside the default render's error; exact zeros;
     bitwise over 3 runs; the mutant must fail."""
     import torch
-    import fagen
-    scale = 128 ** -0.5
     for (b, hq, hkv, sq, sk, causal), which in (((1, 2, 2, 300, 190, True), 0), ((1, 2, 2, 200, 333, False), 1),
                                                  ((2, 8, 2, 257, 190, True), 2), ((1, 2, 2, 130, 260, True), 3)):
         mod = case_module(which, "fixed")
@@ -321,7 +316,8 @@ def phase_fcheck(results):
         scale = d ** -0.5
         q, k, v, do = inputs(b, hq, hkv, sq, sk, d=d)
         ref = reference(q, k, v, do, causal, scale)
-        tri = grads(lambda *t: fagen.load(spec(causal, hq // hkv, d=d)).attention(*t, scale=scale), q, k, v, do)
+        # the bound: twice the default render's (float32-ordered) error, as the other checks take the Triton one's
+        tri = grads(lambda *t: case_module(which, "default").attention(*t, scale=scale), q, k, v, do)
         bound = [max(2 * rel(t, r), 5e-3) for t, r in zip(tri, ref)]
         shape = f"d{d} B{b} H{hq}/{hkv} {sq}x{sk} {'causal' if causal else 'none'}"
         runs = [("fixed", mod)] + ([("fixed mutant*", case_module(0, "mutant"))] if which == 0 else [])
@@ -333,7 +329,7 @@ def phase_fcheck(results):
                 log(f"{shape:<26} {label:<14} rel dq {errs[0]:.2e} -> {'caught' if not ok else 'NOT CAUGHT'}")
                 results.append(dict(check="mutant", ok=not ok))
             else:
-                log(f"{shape:<26} {label:<14} rel dq {errs[0]:.2e} dk {errs[1]:.2e} dv {errs[2]:.2e} (triton dq "
+                log(f"{shape:<26} {label:<14} rel dq {errs[0]:.2e} dk {errs[1]:.2e} dv {errs[2]:.2e} (default dq "
                     f"{rel(tri[0], ref[0]):.2e}) -> {'PASS' if ok else 'FAIL'}")
                 results.append(dict(check="reference", shape=shape, ok=bool(ok)))
     for (sq, sk, causal), which in (((100, 1, False), 1), ((200, 200, True), 0)):
@@ -358,11 +354,10 @@ def phase_fcheck(results):
 
 
 def phase_ftime(results, which):
-    """TF/s of the default render (deterministic, unordered), the fixed render's deterministic mode, the Triton
-    backward and cuDNN, one process, backward only through autograd."""
+    """TF/s of the default render (deterministic, unordered), the fixed render's deterministic mode and cuDNN, one
+    process, backward only through autograd (the Triton backward: docs/hopper.md's earlier runs)."""
     import torch
     import triton
-    import fagen
     name_c, b, hq, hkv, s, causal, d = FCASES[which]
     flops = 2.5 * 4 * b * hq * s * s * d * (0.5 if causal else 1.0)
     q, k, v, do = inputs(b, hq, hkv, s, s, d=d)
@@ -370,7 +365,7 @@ def phase_ftime(results, which):
     runs = [("gluon det (default)", case_module(which, "default"), True),
             ("gluon fixed (det)", case_module(which, "fixed"), True),
             ("gluon unordered", case_module(which, "default"), False),
-            ("triton", fagen.load(spec(causal, hq // hkv, d=d)), True), ("cudnn", None, True)]
+            ("cudnn", None, True)]
     for label, mod, det in runs:
         qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
         try:
@@ -380,8 +375,7 @@ def phase_ftime(results, which):
                     out = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=causal,
                                                                            enable_gqa=hq != hkv)
             else:
-                out = mod.attention(qg, kg, vg, scale=d ** -0.5, **({} if label == "triton" else
-                                                                        {"deterministic": det}))
+                out = mod.attention(qg, kg, vg, scale=d ** -0.5, deterministic=det)
             step = lambda: torch.autograd.grad(out, (qg, kg, vg), do, retain_graph=True)  # noqa: E731
             step()
             torch.cuda.synchronize()
@@ -480,7 +474,7 @@ def run_phase(name):
         elif name.startswith("ftime"):
             phase_ftime(results, int(name[-1]))
         else:
-            phase_time(results, int(name[-1]))
+            phase_ftime(results, int(name[-1]))  # time0..2: the same table (the fixed render beside)
     except Exception as e:
         log(f"{name}: ERROR {type(e).__name__}: {e}")
         traceback.print_exc()
@@ -490,14 +484,14 @@ def run_phase(name):
 
 def table(rows):
     """One row per case: TF/s of each implementation and the ratios of the two Gluon modes to Triton and cuDNN."""
-    log("\n| case | " + " | ".join(IMPL) + " | det / triton | det / cudnn | unordered / cudnn |")
-    log("|---|" + "---:|" * (len(IMPL) + 3))
+    log("\n| case | " + " | ".join(IMPL) + " | det / triton | det / cudnn | unordered / cudnn | fixed / cudnn |")
+    log("|---|" + "---:|" * (len(IMPL) + 4))
     for r in rows:
         cells = [f"{r[i]:.0f}" if i in r else "-" for i in IMPL]
         ratio = lambda a, b: f"{r[a] / r[b]:.2f}x" if a in r and b in r else "-"  # noqa: E731
         log(f"| {r['case']} | " + " | ".join(cells) + f" | {ratio(IMPL[0], 'triton')} | {ratio(IMPL[0], 'cudnn')} | "
-            f"{ratio(IMPL[1], 'cudnn')} |")
-    log("(bf16 d128, backward only through autograd, TF/s = 2.5 x forward FLOPs / median time; GQA causal: "
+            f"{ratio(IMPL[1], 'cudnn')} | {ratio(IMPL[4], 'cudnn')} |")
+    log("(bf16, backward only through autograd, TF/s = 2.5 x forward FLOPs / median time; GQA causal: "
         "deterministic=False serves the deterministic kernel by the rule)")
 
 

@@ -51,6 +51,15 @@ CAUSALS = (0, 2)
 VARIANTS = [("det", 0, {}, None), ("nondet", 1, {}, None), ("fixed", 4, {}, None), ("fixed+grid", 4, GRID, None),
             ("det+grid", 0, GRID, None), ("det+gridspt", 0, GRID_SPT, CAUSALS), ("nondet+grid", 1, GRID, None),
             ("det+order4", 0, {"ORDER": 4}, (1, )), ("det+order8", 0, {"ORDER": 8}, (1, ))]
+# GBWD_LEV_SET=gqa: GQA 32/8 causal only (the case where the unordered adds, hence fixed-point ones, lost in the
+# seventh session: 289 against 372): the chain on GRID 1 (ascending, SPT), fixed-point on GRID 1 and in L2 sections
+# of 1 and 2 (batch, KV head) pairs.
+if os.environ.get("GBWD_LEV_SET") == "gqa":
+    G = (2, )
+    VARIANTS = [("det", 0, {}, G), ("nondet", 1, {}, G), ("fixed", 4, {}, G), ("fixed+grid", 4, GRID, G),
+                ("det+grid", 0, GRID, G), ("det+gridspt", 0, GRID_SPT, G), ("nondet+grid", 1, GRID, G),
+                ("fixed+gridhg1", 4, {"GRID": 1, "HGROUP": 1}, G), ("fixed+gridhg2", 4, {"GRID": 1, "HGROUP": 2}, G),
+                ("det+gridspthg2", 0, {"GRID": 1, "SPT": 1, "HGROUP": 2}, G)]
 MUTANT = ("noreduce+gridspt*", 2, GRID_SPT, (0, ))
 MUTANTS = [MUTANT, ("fixed-noscale*", 4, {"FIXED_MUT": 1}, (0, ))]
 # (case, B, Hq, Hkv, S, D, causal)
@@ -145,6 +154,8 @@ def phase_check(results):
     # (full: 11 key blocks x 48 heads = 528 tiles, 2-3 key blocks of a head per wave: the rotated starts)
     shapes = [(1, 2, 2, 300, 300, 128, True), (2, 24, 24, 317, 1333, 128, False), (4, 64, 16, 257, 390, 128, True)]
     for i, (b, hq, hkv, sq, sk, d, causal) in enumerate(shapes):  # shape i: the mask and GQA of CASES[i]
+        if not checked(i) and i != 0:
+            continue  # no variant built for this case (GBWD_LEV_SET)
         scale = d ** -0.5
         q, k, v, do = base.inputs(b, hq, hkv, sq, sk, d)
         mod = base.triton_module(d, causal, hq // hkv)
@@ -165,6 +176,8 @@ def phase_check(results):
         del ref
     # exact zeros: full mask with Sk = 1 (every row sees one key); causal Sq = Sk (row 0 sees key 0 only)
     for (sq, sk, causal, case) in ((100, 1, False, 1), (200, 200, True, 0)):
+        if not checked(case):
+            continue
         q, k, v, do = base.inputs(1, 2, 2, sq, sk, 128, seed=1)
         mod = base.triton_module(128, causal, 1)
         out, lse = mod.forward(q, k, v, scale=0.1)
@@ -177,6 +190,8 @@ def phase_check(results):
     # bitwise repeatability over 3 runs (deterministic variants), shapes of 8 and 2 waves; and the same result as
     # v1's (another order of the float32 adds: equal to rounding)
     for (b, hq, hkv, s, causal, case) in ((2, 16, 16, 4000, False, 1), (4, 8, 2, 3000, True, 2)):
+        if not any(mode in (0, 4) for _, mode, _ in checked(case)):
+            continue
         q, k, v, do = base.inputs(b, hq, hkv, s, s, 128, seed=2)
         mod = base.triton_module(128, causal, hq // hkv)
         out, lse = mod.forward(q, k, v, scale=0.09)
@@ -341,7 +356,8 @@ def main():
     log(f"#### warm: rc {rcs}, {time.time() - t0:.0f}s; dropped: {bad or 'none'}")
     env["GBWD_LEV_SKIP"] = ",".join(bad)
     rows = []
-    for name in ["check"] + [f"time{i}" for i in range(len(CASES))]:
+    timed = sorted({c for v in live_variants() for c in (v[3] if v[3] is not None else range(len(CASES)))})
+    for name in ["check"] + [f"time{i}" for i in timed]:
         log(f"#### phase {name} ({PHASE_TIMEOUT[name]}s)")
         proc = spawn(name, env)
         lines = []

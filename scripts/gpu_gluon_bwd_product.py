@@ -42,9 +42,11 @@ CASES = [("d128 causal B1 H16 s16k", 1, 16, 16, 16384, True), ("d128 full B1 H16
 # Round B: the checks round A ran out of time on, split in two, and the levers; round A's table (time0..2, host) is
 # in docs/hopper.md and runs with GPU_GLUON_BWD_PRODUCT_PHASES=time0,time1,time2,host.
 ALL_PHASES = {"check_gqa": 40, "check": 50, "levers": 40, "time0": 20, "time1": 20, "time2": 20, "host": 15,
-              "fwarm": 40, "fcheck": 20, "ftime0": 9, "ftime1": 9, "ftime2": 7, "ftime3": 7}
+              "fwarm": 40, "fcheck": 20, "ftime0": 9, "ftime1": 9, "ftime2": 7, "ftime3": 7, "bwarm": 28, "btime": 30}
+# Round A (03:30 UTC) ran fwarm,fcheck (all passed) and lost every ftime phase to first-launch compiles at the
+# s16k shapes; round B (65 s): bwarm builds at the real shapes in parallel children, btime times every case in one.
 PHASE_TIMEOUT = {name: ALL_PHASES[name] for name in
-                 os.environ.get("GPU_GLUON_BWD_PRODUCT_PHASES", "fwarm,fcheck,ftime0,ftime1,ftime2,ftime3").split(",")}
+                 os.environ.get("GPU_GLUON_BWD_PRODUCT_PHASES", "bwarm,btime").split(",")}
 MUTANT = "gluon-bwd-dq-one-half"
 IMPL = ["gluon det (default)", "gluon unordered", "triton", "cudnn", "gluon fixed (det)"]
 
@@ -353,6 +355,29 @@ def phase_fcheck(results):
     log(f"fixed checks: {'ALL PASS' if all(r['ok'] for r in results) else 'SOME FAILED'}")
 
 
+def phase_bwarm(results, part):
+    """Child `part`: FWARM_JOBS[part]'s module run once at its case's real shape in each mode btime times (the
+    first launch at a shape compiles its specializations)."""
+    import torch
+    which, render = FWARM_JOBS[part]
+    name_c, b, hq, hkv, s, causal, d = FCASES[which]
+    t0 = time.time()
+    mod = case_module(which, render)
+    q, k, v, do = inputs(b, hq, hkv, s, s, d=d)
+    for det in ((True, False) if render == "default" else (True, )):
+        grads(lambda *t: mod.attention(*t, scale=d ** -0.5, deterministic=det), q, k, v, do)
+    torch.cuda.synchronize()
+    log(f"bwarm {name_c} {render}: built and ran ({time.time() - t0:.1f}s)")
+
+
+def phase_btime(results):
+    """Every FCASES case in turn, one process: phase_ftime's rows."""
+    import torch
+    for which in range(len(FCASES)):
+        phase_ftime(results, which)
+        torch.cuda.empty_cache()
+
+
 def phase_ftime(results, which):
     """TF/s of the default render (deterministic, unordered), the fixed render's deterministic mode and cuDNN, one
     process, backward only through autograd (the Triton backward: docs/hopper.md's earlier runs)."""
@@ -379,7 +404,7 @@ def phase_ftime(results, which):
             step = lambda: torch.autograd.grad(out, (qg, kg, vg), do, retain_graph=True)  # noqa: E731
             step()
             torch.cuda.synchronize()
-            ms = triton.testing.do_bench(step, warmup=5, rep=40)
+            ms = triton.testing.do_bench(step, warmup=3, rep=25)
             row[label] = flops / ms / 1e9
             log(f"{name_c:<24} {label:<20} {ms:8.3f} ms {row[label]:6.1f} TF/s")
         except Exception as e:
@@ -469,6 +494,10 @@ def run_phase(name):
             phase_levers(results)
         elif name.startswith("fwarm") and name != "fwarm":
             phase_fwarm(results, int(name[5:]))
+        elif name.startswith("bwarm") and name != "bwarm":
+            phase_bwarm(results, int(name[5:]))
+        elif name == "btime":
+            phase_btime(results)
         elif name == "fcheck":
             phase_fcheck(results)
         elif name.startswith("ftime"):
@@ -512,10 +541,10 @@ def main():
     rows, logs = [], []
     for name, limit in PHASE_TIMEOUT.items():
         log(f"#### phase {name} (timeout {limit}s)")
-        if name == "fwarm":  # one child per FWARM_JOBS entry, all at once
-            procs = [subprocess.Popen([sys.executable, __file__, "--phase", f"fwarm{i}"], env=env,
+        if name in ("fwarm", "bwarm"):  # one child per FWARM_JOBS entry, all at once
+            procs = [subprocess.Popen([sys.executable, __file__, "--phase", f"{name}{i}"], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                     for i in range(len(FWARM_JOBS))]
+                     for i in range(len(FWARM_JOBS) - (name == "bwarm"))]  # bwarm: not the mutant (last)
             deadline = time.time() + limit
             for p in procs:
                 try:
@@ -526,7 +555,7 @@ def main():
                 logs.append(outs)
                 print("".join(x + "\n" for x in outs.splitlines() if not x.startswith("RESULTS ")), end="",
                       flush=True)
-            log(f"#### phase fwarm: {time.time() - t0:.0f}s so far")
+            log(f"#### phase {name}: {time.time() - t0:.0f}s so far")
             continue
         lines = []
         proc = subprocess.Popen([sys.executable, __file__, "--phase", name], env=env, stdout=subprocess.PIPE,
@@ -546,7 +575,7 @@ def main():
             rc = f"killed after {limit}s (a hung kernel?)"
         reader.join(timeout=5)
         for line in lines:
-            if line.startswith("RESULTS ") and name.startswith(("time", "ftime")):
+            if line.startswith("RESULTS ") and name.startswith(("time", "ftime", "btime")):
                 rows += json.loads(line[8:])
         logs += lines
         log(f"#### phase {name}: rc={rc}, {time.time() - t0:.0f}s so far")

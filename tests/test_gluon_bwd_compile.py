@@ -45,9 +45,10 @@ print("RESULT " + json.dumps(out))
 """
 
 LEVERS = {"bwd_order": 1, "bwd_snake": 1, "bwd_named": 2, "bwd_epi_tma": 1}
-BUILDS = {"det": dict(mask="causal", gqa=2, dtype="bf16", deterministic=True),
+# det and levers: the fixed-order dQ ([Note] Fixed-order dQ) whatever the default of bwd_fixed
+BUILDS = {"det": dict(mask="causal", gqa=2, dtype="bf16", deterministic=True, variant={"bwd_fixed": 0}),
           "unordered": dict(mask="none", dtype="bf16", deterministic=False),
-          "levers": dict(mask="causal", gqa=2, dtype="bf16", deterministic=True, variant=LEVERS),
+          "levers": dict(mask="causal", gqa=2, dtype="bf16", deterministic=True, variant={**LEVERS, "bwd_fixed": 0}),
           "ulevers": dict(mask="causal", dtype="bf16", deterministic=False,
                           variant={"bwd_unordered_levers": {"bwd_named": 2, "bwd_epi_tma": 1}}),
           "fixed": dict(mask="causal", gqa=2, dtype="bf16", deterministic=True, variant={"bwd_fixed": 1}),

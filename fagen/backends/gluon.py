@@ -154,6 +154,12 @@ class GluonBackend(KernelBackend):
     # product's unordered causal kernel takes named 2 + TMA epilogue + snake ("u-nes"): round B of the seventh session
     # (scripts/gpu_gluon_bwd_product.py, H100, d128 causal B1 H16 s16k, one process) 540 TF/s against 458-460 for
     # the unordered kernel without levers (and 467 deterministic), checked against float64 (300x300 causal).
+    # bwd_fixed ([Note] Fixed-point dQ in the template; eighth session): the deterministic mode's dQ as fixed-point
+    # int32 adds in any order (the unordered mode's kernel and levers, no turns), 1 for every spec, 2 for every spec
+    # but GQA causal (where the unordered adds lost), 0 the fixed-order float32 adds. Round A (H100, 03:30 UTC,
+    # scripts/gpu_gluon_bwd_product.py): the fixed render passed float64 at d128 causal Sq > Sk, full, GQA 4 causal
+    # and d64 causal (dq errors equal to the default render's to 3 digits), the exact zeros, bitwise over 3 runs, and
+    # its mutant (the row scale left out) was caught; its timing ran out of time (first-launch compiles).
 
     def default_config(self, spec, arch: str, given: dict) -> dict:
         """The measured default (docs/hopper.md), on sm_90 only. d128: 2 K/V slots, all that fits beside Q (two

@@ -258,7 +258,8 @@ FIXED = {"bwd_fixed": 1}
 FIXED_MUTANT = ("dq = _cvt_rni(dq * qm[:, None])", "dq = _cvt_rni(dq)")  # the row scale left out
 # CASES and d64 (the gluon backward builds d64; selected only at d128): (case, B, Hq, Hkv, S, causal, D)
 FCASES = [c + (128, ) for c in CASES] + [("d64 causal B1 H32 s16k", 1, 32, 32, 16384, True, 64)]
-FWARM_JOBS = [(c, r) for c in range(len(FCASES)) for r in ("default", "fixed")] + [(0, "mutant")]
+# (the Triton backward at d64 only: whether the gluon one should serve d64 is the question there)
+FWARM_JOBS = [(c, r) for c in range(len(FCASES)) for r in ("default", "fixed")] + [(3, "triton"), (0, "mutant")]
 
 
 def variant_module(causal, gqa, overrides, mutant=None, d=128):
@@ -287,9 +288,9 @@ def variant_module(causal, gqa, overrides, mutant=None, d=128):
 
 def case_module(which, render):
     name_c, b, hq, hkv, s, causal, d = FCASES[which]
-    if render == "default":
+    if render in ("default", "triton"):
         import fagen
-        return fagen.load(spec(causal, hq // hkv, "gluon", d))
+        return fagen.load(spec(causal, hq // hkv, "gluon" if render == "default" else "triton", d))
     return variant_module(causal, hq // hkv, FIXED, FIXED_MUTANT if render == "mutant" else None, d)
 
 
@@ -301,7 +302,7 @@ def phase_fwarm(results, part):
     mod = case_module(which, render)
     q, k, v, do = inputs(1, hq // hkv, 1, 200, 200, d=d)
     for det in ((True, False) if render == "default" else (True, )):
-        grads(lambda *t: mod.attention(*t, deterministic=det), q, k, v, do)
+        grads(lambda *t: mod.attention(*t, **({} if render == "triton" else {"deterministic": det})), q, k, v, do)
     import torch
     torch.cuda.synchronize()
     log(f"fwarm {FCASES[which][0]} {render}: built ({time.time() - t0:.1f}s)")
@@ -365,7 +366,8 @@ def phase_bwarm(results, part):
     mod = case_module(which, render)
     q, k, v, do = inputs(b, hq, hkv, s, s, d=d)
     for det in ((True, False) if render == "default" else (True, )):
-        grads(lambda *t: mod.attention(*t, scale=d ** -0.5, deterministic=det), q, k, v, do)
+        kw = {} if render == "triton" else {"deterministic": det}
+        grads(lambda *t: mod.attention(*t, scale=d ** -0.5, **kw), q, k, v, do)
     torch.cuda.synchronize()
     log(f"bwarm {name_c} {render}: built and ran ({time.time() - t0:.1f}s)")
 
@@ -390,7 +392,7 @@ def phase_ftime(results, which):
     runs = [("gluon det (default)", case_module(which, "default"), True),
             ("gluon fixed (det)", case_module(which, "fixed"), True),
             ("gluon unordered", case_module(which, "default"), False),
-            ("cudnn", None, True)]
+            ("cudnn", None, True)] + ([("triton", case_module(which, "triton"), True)] if d == 64 else [])
     for label, mod, det in runs:
         qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
         try:
@@ -400,7 +402,8 @@ def phase_ftime(results, which):
                     out = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=causal,
                                                                            enable_gqa=hq != hkv)
             else:
-                out = mod.attention(qg, kg, vg, scale=d ** -0.5, deterministic=det)
+                kw = {} if label == "triton" else {"deterministic": det}
+                out = mod.attention(qg, kg, vg, scale=d ** -0.5, **kw)
             step = lambda: torch.autograd.grad(out, (qg, kg, vg), do, retain_graph=True)  # noqa: E731
             step()
             torch.cuda.synchronize()

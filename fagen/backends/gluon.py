@@ -159,7 +159,11 @@ class GluonBackend(KernelBackend):
     # but GQA causal (where the unordered adds lost), 0 the fixed-order float32 adds. Round A (H100, 03:30 UTC,
     # scripts/gpu_gluon_bwd_product.py): the fixed render passed float64 at d128 causal Sq > Sk, full, GQA 4 causal
     # and d64 causal (dq errors equal to the default render's to 3 digits), the exact zeros, bitwise over 3 runs, and
-    # its mutant (the row scale left out) was caught; its timing ran out of time (first-launch compiles).
+    # its mutant (the row scale left out) was caught. Round B (same script, one process; TF/s chain / fixed /
+    # unordered / cuDNN): d128 causal B1 H16 s16k 473 / 475 / 546 / 553, full 471 / 453 / 551 / 558, GQA 32/8 causal
+    # B4 s4k 372 / 274 / 362 / 461, d64 causal B1 H32 s16k 317 / 390 / 430 / 438 (Triton 359). So 0: a tie at d128
+    # causal, a loss at full and GQA; d64, where it wins, is not selected (docs/hopper.md, "The deterministic
+    # backward without a chain").
 
     def default_config(self, spec, arch: str, given: dict) -> dict:
         """The measured default (docs/hopper.md), on sm_90 only. d128: 2 K/V slots, all that fits beside Q (two

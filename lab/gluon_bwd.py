@@ -10,7 +10,8 @@ Two kernels, one module, both key-block-stationary (a CTA owns 128 keys, loops o
       half of dQ_j's head dim and hands it to the dQ warp through its own slot, which the dQ warp reduce-adds with
       one TMA reduce per half; dK/dV and dQ MMAs overlap the handoff.
 DQ_MODE: 0 deterministic (per-(batch, head, query block) counter orders the adds), 1 unordered adds
-(deterministic=False), 2 diagnostic: handoff kept, no reduce (wrong dQ), 3 diagnostic: no handoff (wrong dQ).
+(deterministic=False), 2 diagnostic: handoff kept, no reduce (wrong dQ), 3 diagnostic: no handoff (wrong dQ),
+4 (v1) deterministic in any order: fixed-point int32 adds ([Note] Fixed-point dQ).
 Preprocess: delta = diag(O dO^T) by the MMA ([Note] Exact delta), lse2; postprocess dq = scale * dQacc.
 """
 # ruff: noqa: E402
@@ -73,15 +74,24 @@ def _bulk_wait(x, PENDING: gl.constexpr):
     return r
 
 
+@gluon.jit
+def _cvt_rni(x):
+    """float32 -> int32, rounded to nearest even (cvt.rni.s32.f32)."""
+    return gl.inline_asm_elementwise("cvt.rni.s32.f32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=True, pack=1)
+
+
 @gluon.constexpr_function
 def _bwd_mma(warps_m, warps_n, n):
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps_m, warps_n], instr_shape=[16, n, 16])
 
 
 @gluon.jit(do_not_specialize=["seq_q", "sq_pad"])
-def _bwd_preprocess(O, DO, Lse, Delta, Lse2, seq_q, sq_pad, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+def _bwd_preprocess(O, DO, Lse, Delta, Lse2, seq_q, sq_pad, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                    QMul=None, KVB=None, GQA: gl.constexpr = 1):
     """delta = diag(O dO^T) ([Note] Exact delta) and lse2 = lse * log2(e) (+inf where lse = -inf), [B * H, sq_pad];
-    rows past seq_q get delta = 0, lse2 = +inf. O and dO contiguous [B, H, Sq, D]."""
+    rows past seq_q get delta = 0, lse2 = +inf. O and dO contiguous [B, H, Sq, D]. With QMul (DQ_MODE 4, [Note]
+    Fixed-point dQ): QMul[row] = 2^(30 - e), 2^e >= 2 max|K| (|dO_row| max_j |V_j| + |delta|), KVB [B * Hkv, 2] =
+    (max|K|, max_j |V_j|_2) of the row's KV head."""
     m0 = gl.program_id(0) * BLOCK_M
     head = gl.program_id(1)
     dtype: gl.constexpr = O.dtype.element_ty
@@ -106,11 +116,20 @@ def _bwd_preprocess(O, DO, Lse, Delta, Lse2, seq_q, sq_pad, HEAD_DIM: gl.constex
     lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     gl.store(Delta + head.to(gl.int64) * sq_pad + rs, delta)
     gl.store(Lse2 + head.to(gl.int64) * sq_pad + rs, lse2)
+    if QMul is not None:
+        dof = do.to(gl.float32)
+        dn = gl.convert_layout(gl.sqrt(gl.sum(dof * dof, 1)), gl.SliceLayout(1, acc_l))
+        kb = gl.load(KVB + (head // GQA) * 2)
+        vb = gl.load(KVB + (head // GQA) * 2 + 1)
+        bound = gl.maximum(2.0 * kb * (dn * vb + gl.abs(delta)), 1e-30)
+        e = gl.minimum(gl.maximum(gl.ceil(gl.log2(bound)), -96.0), 96.0).to(gl.int32)
+        qm = ((157 - e) << 23).to(gl.float32, bitcast=True)  # 2^(30 - e), exactly
+        gl.store(QMul + head.to(gl.int64) * sq_pad + rs, qm)
 
 
 @gluon.jit(do_not_specialize=["seq_q", "sq_pad"])
 def _dq_convert(DQacc, DQ, scale, seq_q, sq_pad, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                NSPLIT: gl.constexpr = 1):
+                NSPLIT: gl.constexpr = 1, QMul=None):
     """dQ = scale * dQacc in dQ's dtype (dQacc float32 [NSPLIT x B, H, sq_pad, D], summed over the NSPLIT
     accumulators in order; dQ contiguous [B, H, Sq, D])."""
     m0 = gl.program_id(0) * BLOCK_M
@@ -122,8 +141,13 @@ def _dq_convert(DQacc, DQ, scale, seq_q, sq_pad, HEAD_DIM: gl.constexpr, BLOCK_M
     acc = gl.load(DQacc + offs)
     for sp in gl.static_range(1, NSPLIT):
         acc += gl.load(DQacc + sp * gl.num_programs(1).to(gl.int64) * sq_pad * HEAD_DIM + offs)
+    if QMul is not None:  # [Note] Fixed-point dQ: int32 units of 2^(e - 30), 2^e in [2, 4) x the row's bound
+        qm = gl.load(QMul + head.to(gl.int64) * sq_pad + rows)
+        dq = acc.to(gl.float32) * (scale / qm)[:, None]
+    else:
+        dq = acc * scale
     gl.store(DQ + head.to(gl.int64) * seq_q * HEAD_DIM + rows[:, None] * HEAD_DIM + cols[None, :],
-             (acc * scale).to(DQ.dtype.element_ty), mask=rows[:, None] < seq_q)
+             dq.to(DQ.dtype.element_ty), mask=rows[:, None] < seq_q)
 
 
 @gluon.jit
@@ -145,12 +169,17 @@ def _bwd_query_range(n0, seq_q, seq_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.conste
 
 @gluon.jit
 def _bwd_issue(q_desc, do_desc, l_desc, d_desc, q_smem, do_smem, l_smem, d_smem, ready, j, i, steps, lo, off_b, h0,
-               num_heads, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+               num_heads, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, m_desc=None,
+               m_smem=None):
     """TMA loads of step i of a tile (the program's step j): Q, dO and the rows' lse2, delta into slot j % STAGES."""
     g = i // steps
     m0 = lo + (i - g * steps) * BLOCK_M
     s = j % STAGES
-    mbarrier.expect(ready.index(s), 2 * q_desc.block_type.nbytes + 2 * l_desc.block_type.nbytes)
+    if m_desc is not None:
+        mbarrier.expect(ready.index(s), 2 * q_desc.block_type.nbytes + 3 * l_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(m_desc, [off_b * num_heads + h0 + g, m0], ready.index(s), m_smem.index(s))
+    else:
+        mbarrier.expect(ready.index(s), 2 * q_desc.block_type.nbytes + 2 * l_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [off_b, h0 + g, m0, 0], ready.index(s),
                                     q_smem.index(s)._reinterpret(q_desc.dtype, [1, 1, BLOCK_M, HEAD_DIM], q_desc.layout))
     tma.async_copy_global_to_shared(do_desc, [off_b, h0 + g, m0, 0], ready.index(s),
@@ -420,6 +449,27 @@ V1_DQ_SPLIT = 1  # k > 1 (deterministic): key block n adds into accumulator n % 
 #   the postprocess sums the k accumulators in order (chains k times shorter, k x the float32 dQ memory)
 V1_HEADROT = 0  # 1 (unordered adds only): key block n starts at query head n % GQA (_v1_order)
 V1_SNAKE = 0  # 1: odd waves of tiles taken in reverse (_v1_snake: balances the causal tiles' lengths per program)
+# Schedule levers (eighth session, [Note] Launch order): GRID 1 one CTA per tile (the hardware hands out tiles in
+# index order as SMs free up: FA3's backward grid); SPT 1 (causal) the shortest tiles first (key blocks in
+# descending order) with the adds of a query block in descending key-block order (FA3's deterministic causal);
+# HGROUP g > 0: tiles in sections of g (batch, KV head) pairs, key-block major inside a section (FA3's L2 sections).
+V1_GRID = 0
+V1_SPT = 0
+V1_HGROUP = 0
+# [Note] Fixed-point dQ (DQ_MODE 4). The ordered adds of DQ_MODE 0 make a float32 sum repeatable by fixing its order,
+# and pay for it in waits (the chain of key blocks per query block). Integer addition is associative: if every
+# partial dQ_j is rounded to an integer multiple of a unit fixed per row before it is added, the sum is the same
+# bits in any order, so the adds need no order (DQ_MODE 1's schedule: no counters, no waits, no publishes).
+# The unit must come before any partial: the preprocess bounds every partial sum of row i by
+#   |sum_{j in J} dS_ij K_jd| <= max|K| sum_j P_ij |dP_ij - delta_i| <= max|K| (|dO_i|_2 max_j |V_j|_2 + |delta_i|)
+# (sum_j P_ij = 1, Cauchy-Schwarz on dP_ij = dO_i . V_j), takes e = ceil(log2(2 x bound)) and the multiplier
+# 2^(30 - e): a partial times it is below 2^29 in magnitude, and so is the sum over key blocks, with room to spare
+# for int32 (the 2 covers P and dS rounded to bf16 and P's sum above 1 by rounding). The compute warpgroups round
+# dQ_j x 2^(30 - e) to int32 (cvt.rni) into the dQ slot; the dQ warp reduce-adds int32 (the TMA unit's .add on an
+# INT32 tensor map); the postprocess takes acc x scale / 2^(30 - e). The error is at most half a unit, below 2^-29
+# of the row's bound, per partial. On random inputs the bound is about 2^10 above the row's largest |dQ| (float64 check,
+# S 2048: 3.6e-6 of max|dQ| against float32 adds' 1.5e-7 and the bf16 output's own 2.5e-3). Exact zeros hold: a
+# row that sees one key has dS = 0, hence partials 0. KVB (max|K|, max_j |V_j|_2 per KV head) comes from the host.
 # Named barrier ids (triton's partitions use 0 and 2 here: lab.gluon_bwd.resources' PTX): dQ full 8 + w,
 # dQ empty 10 + w, dS^T exchange 12, the epilogue's meeting 13 (unused for now).
 _BAR_DQ_FULL = gl.constexpr(8)
@@ -492,6 +542,39 @@ def _v1_snake(tile, num_tiles, SNAKE: gl.constexpr):
     return tile
 
 
+# [Note] Launch order. A tile index maps to (key block, (batch, KV head)) key-block major: the 132 tiles that run
+# at once hold about 8 key blocks of every head. With the persistent grid each program takes every 132nd tile, so
+# a program whose tile ran late (it waited for its turns) starts its next tile late, and with the full mask every
+# wave's key blocks of a head start together at query block 0 and queue at each block's counter: the lags add up
+# wave after wave. GRID 1 launches one CTA per tile (FA3's backward): an SM that finishes takes the next tile, so
+# a tile starts after every smaller one has started, and the key block a tile waits for has a head start (with
+# the full mask about 16 tiles of launches) instead of starting with it. Causal, SPT 1 (FA3's SingleTileBwdLPT
+# scheduler with SPT and its descending dQ semaphore): tile order descending in the key block (shortest tiles
+# first: causal tiles shrink with the key block) and the adds of query block m in descending key-block order:
+# turn = cnt - 1 - n, cnt the key blocks that see m. The higher key block starts earlier and nearer the diagonal,
+# so it reaches m first: the order of the turns is the order of arrival. HGROUP g: the tiles in sections of g
+# (batch, KV head) pairs, key-block major inside a section, so that fewer heads' Q, dO and float32 dQ tiles are in
+# flight (L2). Either way a tile waits only for tiles of smaller index: with the persistent grid they are a
+# program's earlier tiles or another program's, never a later tile of its own; with GRID 1 they were launched
+# before it (CUDA hands out the blocks of a 1-D grid in index order, as FA3 relies on). No cycle, no deadlock.
+@gluon.jit
+def _v1_sched(tile, num_tiles, num_bh, SPT: gl.constexpr, HGROUP: gl.constexpr):
+    """The tile index _bwd_tile reads (key block major) for launch position `tile` ([Note] Launch order)."""
+    n_kblk = num_tiles // num_bh
+    if HGROUP > 0:
+        sec = tile // (HGROUP * n_kblk)
+        r = tile - sec * (HGROUP * n_kblk)
+        gs = gl.minimum(num_bh - sec * HGROUP, HGROUP)
+        n = r // gs
+        bh = sec * HGROUP + (r - n * gs)
+    else:
+        n = tile // num_bh
+        bh = tile - n * num_bh
+    if SPT:
+        n = n_kblk - 1 - n
+    return n * num_bh + bh
+
+
 @gluon.jit
 def _v1_visit(i, off, T):
     """The flat (query head, query block) index of step i: the walk starts at off and wraps at T."""
@@ -501,12 +584,18 @@ def _v1_visit(i, off, T):
 
 @gluon.jit
 def _v1_turn(n_blk, i, m0, off, D, n_lo, n_hi, T, n_kblk, shift, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-             CAUSAL: gl.constexpr, ORDER: gl.constexpr, DQ_SPLIT: gl.constexpr = 1):
+             CAUSAL: gl.constexpr, ORDER: gl.constexpr, DQ_SPLIT: gl.constexpr = 1, SPT: gl.constexpr = 0):
     """How many key blocks add to this step's (query head, query block) before this one ([Note] Wave order); with
     DQ_SPLIT k, in its accumulator n % k: the key blocks n - k, n - 2k, ... (all see the block if this one does)."""
     turn = n_blk
     if DQ_SPLIT > 1:
         turn = n_blk // DQ_SPLIT
+    if SPT:  # [Note] Launch order: the key blocks that see the block, in descending order
+        if CAUSAL:
+            cnt = gl.minimum(gl.maximum(m0 + BLOCK_M + shift + BLOCK_N - 1, 0) // BLOCK_N, n_kblk)
+            turn = cnt - 1 - n_blk
+        else:
+            turn = n_kblk - 1 - n_blk
     if ORDER >= 1:
         if CAUSAL:  # key blocks [0, cnt) see query block m0 (lo is monotone in the key block)
             cnt = gl.minimum(gl.maximum(m0 + BLOCK_M + shift + BLOCK_N - 1, 0) // BLOCK_N, n_kblk)
@@ -525,14 +614,14 @@ def _v1_producer(q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, q_smem, do_sme
                  ready, empty, kv_ready, kv_empty, num_tiles, num_bh, num_heads_kv, seq_q, seq_k,
                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                  GQA: gl.constexpr, CAUSAL: gl.constexpr, ORDER: gl.constexpr, SNAKE: gl.constexpr,
-                 HEADROT: gl.constexpr):
+                 HEADROT: gl.constexpr, SPT: gl.constexpr, HGROUP: gl.constexpr, m_desc, m_smem):
     num_heads = num_heads_kv * GQA
     dtype: gl.constexpr = q_desc.dtype
     n_kblk = num_tiles // num_bh
     j = 0
     t = 0
     for tile0 in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        tile = _v1_snake(tile0, num_tiles, SNAKE)
+        tile = _v1_sched(_v1_snake(tile0, num_tiles, SNAKE), num_tiles, num_bh, SPT, HGROUP)
         n_blk, off_b, off_hkv, h0, lo, split, hi = _bwd_tile(tile, num_tiles, num_bh, num_heads_kv, seq_q, seq_k,
                                                              BLOCK_M, BLOCK_N, GQA, CAUSAL, 0)
         n0 = n_blk * BLOCK_N
@@ -550,7 +639,8 @@ def _v1_producer(q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, q_smem, do_sme
             s = j % STAGES
             mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
             _bwd_issue(q_desc, do_desc, l_desc, d_desc, q_smem, do_smem, l_smem, d_smem, ready, j,
-                       _v1_visit(i, off, n_steps), steps, lo, off_b, h0, num_heads, BLOCK_M, HEAD_DIM, STAGES)
+                       _v1_visit(i, off, n_steps), steps, lo, off_b, h0, num_heads, BLOCK_M, HEAD_DIM, STAGES, m_desc,
+                       m_smem)
             j += 1
         t += 1
 
@@ -559,7 +649,8 @@ def _v1_producer(q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, q_smem, do_sme
 def _v1_dq_writer(dq_desc, dq_smem, dq_full, dq_empty, Sem, num_tiles, num_bh, num_heads_kv, seq_q, seq_k, sq_pad,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GQA: gl.constexpr, CAUSAL: gl.constexpr,
                   DQ_MODE: gl.constexpr, PUB_LAG: gl.constexpr, ORDER: gl.constexpr, NAMED: gl.constexpr,
-                  SNAKE: gl.constexpr, HEADROT: gl.constexpr, DQ_SPLIT: gl.constexpr):
+                  SNAKE: gl.constexpr, HEADROT: gl.constexpr, DQ_SPLIT: gl.constexpr, SPT: gl.constexpr,
+                  HGROUP: gl.constexpr):
     """DQ_MODE 0: PUB_LAG 0 publishes a step's add once complete, before the next step; PUB_LAG 1 publishes it
     after the next step's reduces are issued (cp.async.bulk.wait_group 2: two bulk groups, one per half, per
     step), and drains at the tile's end, as c68d572's [Note] Pipelined dQ writer."""
@@ -574,7 +665,7 @@ def _v1_dq_writer(dq_desc, dq_smem, dq_full, dq_empty, Sem, num_tiles, num_bh, n
     shift = seq_k - seq_q
     j = 0
     for tile0 in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        tile = _v1_snake(tile0, num_tiles, SNAKE)
+        tile = _v1_sched(_v1_snake(tile0, num_tiles, SNAKE), num_tiles, num_bh, SPT, HGROUP)
         n_blk, off_b, off_hkv, h0, lo, split, hi = _bwd_tile(tile, num_tiles, num_bh, num_heads_kv, seq_q, seq_k,
                                                              BLOCK_M, BLOCK_N, GQA, CAUSAL, 0)
         steps = (hi - lo) // BLOCK_M
@@ -590,7 +681,7 @@ def _v1_dq_writer(dq_desc, dq_smem, dq_full, dq_empty, Sem, num_tiles, num_bh, n
             sem = Sem + (ob * num_heads + h0 + g).to(gl.int64) * n_mblk + m0 // BLOCK_M
             if DQ_MODE == 0:
                 turn = _v1_turn(n_blk, i, m0, off, D, n_lo, n_hi, n_steps, n_kblk, shift, BLOCK_M, BLOCK_N, CAUSAL,
-                                ORDER, DQ_SPLIT)
+                                ORDER, DQ_SPLIT, SPT)
                 seen = gl.atomic_add(sem, 0, sem="acquire", scope="gpu")
                 while seen != turn:
                     seen = gl.atomic_add(sem, 0, sem="acquire", scope="gpu")
@@ -602,7 +693,7 @@ def _v1_dq_writer(dq_desc, dq_smem, dq_full, dq_empty, Sem, num_tiles, num_bh, n
                     mbarrier.wait(dq_full.index(base + w), (j // NS) & 1)
                 if DQ_MODE != 2:
                     _tma_reduce_add(dq_desc, [ob, h0 + g, m0, w * half],
-                                    dq_smem.index(base + w)._reinterpret(gl.float32, [1, 1, BLOCK_M, half],
+                                    dq_smem.index(base + w)._reinterpret(dq_desc.dtype, [1, 1, BLOCK_M, half],
                                                                          dq_desc.layout))
             if DQ_MODE != 2:
                 tma.store_wait(0)  # the TMA unit has read both halves (the issuing thread waits)
@@ -633,7 +724,7 @@ def _v1_compute(q_smem, do_smem, k_smem, v_smem, ds_smem, l_smem, d_smem, dq_sme
                 WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 STAGES: gl.constexpr, GQA: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr,
                 ORDER: gl.constexpr, NAMED: gl.constexpr, EPI_TMA: gl.constexpr, SNAKE: gl.constexpr,
-                HEADROT: gl.constexpr):
+                HEADROT: gl.constexpr, SPT: gl.constexpr, HGROUP: gl.constexpr, m_smem, FIXED_MUT: gl.constexpr):
     """One compute warpgroup: keys n0 + 64 WG .. + 64 of each tile, half WG of dQ_j's head dim."""
     dtype: gl.constexpr = k_smem.dtype
     WN: gl.constexpr = BLOCK_N // 2  # keys of this warpgroup
@@ -656,7 +747,7 @@ def _v1_compute(q_smem, do_smem, k_smem, v_smem, ds_smem, l_smem, d_smem, dq_sme
     j = 0
     t = 0
     for tile0 in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        tile = _v1_snake(tile0, num_tiles, SNAKE)
+        tile = _v1_sched(_v1_snake(tile0, num_tiles, SNAKE), num_tiles, num_bh, SPT, HGROUP)
         n_blk, off_b, off_hkv, h0, lo, split, hi = _bwd_tile(tile, num_tiles, num_bh, num_heads_kv, seq_q, seq_k,
                                                              BLOCK_M, BLOCK_N, GQA, CAUSAL, 0)
         n0 = n_blk * BLOCK_N
@@ -706,6 +797,11 @@ def _v1_compute(q_smem, do_smem, k_smem, v_smem, ds_smem, l_smem, d_smem, dq_sme
             dst_op = gl.convert_layout(dst, op_l)
             dk_tok = warpgroup_mma(dst_op, q_s, dk, is_async=True)
             dv, dq, pt_op = warpgroup_mma_wait(1, deps=(dv_tok, dq_tok, pt_op))
+            if DQ_MODE == 4:  # [Note] Fixed-point dQ: int32 units of 2^(e - 30), 2^e in [2, 4) x the row's bound
+                qm = m_smem.index(s).reshape([BLOCK_M]).load(gl.SliceLayout(1, dq_l))
+                if FIXED_MUT:  # mutant: the row scale left out (the units lost)
+                    qm = gl.full_like(qm, 1.0)
+                dq = _cvt_rni(dq * qm[:, None])
             if DQ_MODE == 3:  # diagnostic: no handoff; the store never runs but keeps the dQ MMA alive
                 if qk_scale < 0:
                     dq_smem.index(WG).store(dq)
@@ -770,8 +866,11 @@ def _attn_bwd_v1(q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, dq_desc, DK, D
                  PRODUCER_REGS: gl.constexpr, WRITER_REGS: gl.constexpr, PUB_LAG: gl.constexpr,
                  DQ_SLOTS: gl.constexpr, ORDER: gl.constexpr = 0, NAMED: gl.constexpr = 0,
                  EPI_TMA: gl.constexpr = 0, SNAKE: gl.constexpr = 0, HEADROT: gl.constexpr = 0,
-                 DQ_SPLIT: gl.constexpr = 1):
+                 DQ_SPLIT: gl.constexpr = 1, GRID: gl.constexpr = 0, SPT: gl.constexpr = 0,
+                 HGROUP: gl.constexpr = 0, m_desc=None, FIXED_MUT: gl.constexpr = 0):
     gl.static_assert(BLOCK_N == 128)  # two warpgroups of 64 keys
+    gl.static_assert((DQ_MODE == 4) == (m_desc is not None))
+    gl.static_assert(((SPT == 0) & (HGROUP == 0)) | ((ORDER == 0) & (DQ_SPLIT == 1)))  # [Note] Launch order
     gl.static_assert((BLOCK_M == 64) | (BLOCK_M == 128))
     gl.static_assert((HEADROT == 0) | (DQ_MODE != 0))  # the turns assume each head's walk in key-block order
     gl.static_assert((DQ_SPLIT == 1) | (ORDER == 0))  # a split accumulator's turn: n // DQ_SPLIT
@@ -786,8 +885,9 @@ def _attn_bwd_v1(q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, dq_desc, DK, D
     ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_sl)
     l_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], l_desc.layout)
     d_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], d_desc.layout)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [2 * DQ_SLOTS, BLOCK_M, HEAD_DIM // 2], gl.NVMMASharedLayout(
+    dq_smem = gl.allocate_shared_memory(dq_desc.dtype, [2 * DQ_SLOTS, BLOCK_M, HEAD_DIM // 2], gl.NVMMASharedLayout(
         swizzle_byte_width=128, element_bitwidth=32, rank=2))
+    m_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], l_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
@@ -810,18 +910,18 @@ def _attn_bwd_v1(q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, dq_desc, DK, D
         (_v1_compute, (q_smem, do_smem, k_smem, v_smem, ds_smem, l_smem, d_smem, dq_smem, ready, empty, kv_ready, kv_empty,
                       ds_ready, dq_full, dq_empty, DK, DV, qk_scale, scale, num_tiles, num_bh, num_heads_kv, seq_q,
                       seq_k, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GQA, CAUSAL, DQ_MODE, ORDER, NAMED, EPI_TMA,
-                      SNAKE, HEADROT)),
+                      SNAKE, HEADROT, SPT, HGROUP, m_smem, FIXED_MUT)),
         (_v1_compute, (q_smem, do_smem, k_smem, v_smem, ds_smem, l_smem, d_smem, dq_smem, ready, empty, kv_ready, kv_empty,
                       ds_ready, dq_full, dq_empty, DK, DV, qk_scale, scale, num_tiles, num_bh, num_heads_kv, seq_q,
                       seq_k, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GQA, CAUSAL, DQ_MODE, ORDER, NAMED, EPI_TMA,
-                      SNAKE, HEADROT)),
+                      SNAKE, HEADROT, SPT, HGROUP, m_smem, FIXED_MUT)),
         (_v1_producer, (q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, q_smem, do_smem, k_smem, v_smem, l_smem,
                         d_smem, ready, empty, kv_ready, kv_empty, num_tiles, num_bh, num_heads_kv, seq_q, seq_k,
                         HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GQA, CAUSAL, ORDER, SNAKE,
-                        HEADROT)),
+                        HEADROT, SPT, HGROUP, m_desc, m_smem)),
         (_v1_dq_writer, (dq_desc, dq_smem, dq_full, dq_empty, Sem, num_tiles, num_bh, num_heads_kv, seq_q, seq_k,
                          sq_pad, BLOCK_M, BLOCK_N, GQA, CAUSAL, DQ_MODE, PUB_LAG, ORDER, NAMED, SNAKE,
-                         HEADROT, DQ_SPLIT)),
+                         HEADROT, DQ_SPLIT, SPT, HGROUP)),
     ], [4, 1, 1], [COMPUTE_REGS, PRODUCER_REGS, WRITER_REGS])
 
 
@@ -834,8 +934,9 @@ def _v1_args(q, do, k, v, lse2, delta, dq_acc, dk, dv, sem, scale, num_tiles, nu
     kw = dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=BWD_BLOCK_N, STAGES=BWD_STAGES, GQA=gqa, CAUSAL=causal,
               DQ_MODE=dq_mode, COMPUTE_REGS=V1_COMPUTE_REGS, PRODUCER_REGS=V1_PRODUCER_REGS,
               WRITER_REGS=V1_WRITER_REGS, PUB_LAG=V1_PUB_LAG, DQ_SLOTS=1, ORDER=V1_ORDER, NAMED=V1_NAMED,
-              EPI_TMA=V1_EPI_TMA, SNAKE=V1_SNAKE, HEADROT=V1_HEADROT, DQ_SPLIT=V1_DQ_SPLIT, num_warps=4)
-    if dq_mode == 1:
+              EPI_TMA=V1_EPI_TMA, SNAKE=V1_SNAKE, HEADROT=V1_HEADROT, DQ_SPLIT=V1_DQ_SPLIT, GRID=V1_GRID, SPT=V1_SPT,
+              HGROUP=V1_HGROUP, num_warps=4)
+    if dq_mode in (1, 4):
         kw.update(V1_UNORDERED)
     kw.update(constexprs)
     if kw["EPI_TMA"]:
@@ -892,14 +993,23 @@ def backward(do, q, k, v, out, lse, scale, causal, variant="v0", dq_mode=0, bloc
     sq_pad = triton.cdiv(sq, block_m) * block_m  # block_m: 64 or 128 (v1 only), a multiple of the pre/post 64
     delta = torch.empty((b, hq, sq_pad), dtype=torch.float32, device=q.device)
     lse2 = torch.empty_like(delta)
+    fixed = variant == "v1" and dq_mode == 4
+    qmul = kvb = None
+    if fixed:  # [Note] Fixed-point dQ
+        qmul = torch.empty_like(delta)
+        kvb = torch.stack([k.abs().amax(dim=(2, 3)).float(), torch.linalg.vector_norm(v, dim=-1).amax(-1).float()],
+                          -1).contiguous()
     _bwd_preprocess[(sq_pad // BWD_BLOCK_M, b * hq)](out, do, lse.contiguous(), delta, lse2, sq, sq_pad,
-                                                     HEAD_DIM=d, BLOCK_M=BWD_BLOCK_M, num_warps=4)
+                                                     HEAD_DIM=d, BLOCK_M=BWD_BLOCK_M, QMul=qmul, KVB=kvb,
+                                                     GQA=hq // hkv, num_warps=4)
     nsplit = constexprs.get("DQ_SPLIT", V1_DQ_SPLIT) if variant == "v1" else 1
-    dq_acc = torch.zeros((nsplit * b, hq, sq_pad, d), dtype=torch.float32, device=q.device)
+    dq_acc = torch.zeros((nsplit * b, hq, sq_pad, d), dtype=torch.int32 if fixed else torch.float32, device=q.device)
     sem = torch.zeros((nsplit * b, hq, sq_pad // block_m), dtype=torch.int32, device=q.device)
     num_bh = b * hkv
     num_tiles = triton.cdiv(sk, BWD_BLOCK_N) * num_bh
     grid = (min(num_tiles, _sms(q.device)), )  # every program resident: the fixed-order dQ needs it
+    if variant == "v1" and constexprs.get("GRID", V1_GRID):
+        grid = (num_tiles, )  # [Note] Launch order
     if variant == "v0":
         args, kw = _v0_args(q, do, k, v, lse2, delta, dq_acc, dk, dv, sem, scale, num_tiles, num_bh, hkv, sq, sk,
                             sq_pad, causal, dq_mode)
@@ -907,9 +1017,11 @@ def backward(do, q, k, v, out, lse, scale, causal, variant="v0", dq_mode=0, bloc
     else:
         args, kw = _v1_args(q, do, k, v, lse2, delta, dq_acc, dk, dv, sem, scale, num_tiles, num_bh, hkv, sq, sk,
                             sq_pad, causal, dq_mode, block_m, **constexprs)
+        if fixed:
+            kw["m_desc"] = _bwd_row_descriptor(qmul, block_m)
         _attn_bwd_v1[grid](*args, **kw)
     _dq_convert[(sq_pad // BWD_BLOCK_M, b * hq)](dq_acc, dq, scale, sq, sq_pad, HEAD_DIM=d, BLOCK_M=BWD_BLOCK_M,
-                                                 NSPLIT=nsplit, num_warps=4)
+                                                 NSPLIT=nsplit, QMul=qmul, num_warps=4)
     return dq, dk, dv
 
 
@@ -924,7 +1036,7 @@ def compile_for(variant="v0", head_dim=128, gqa=1, causal=True, dq_mode=0, dtype
     q = torch.empty((1, gqa, seq_q, head_dim), dtype=dtype)
     k = torch.empty((1, 1, seq_k, head_dim), dtype=dtype)
     rows = torch.empty((1, gqa, sq_pad), dtype=torch.float32)
-    acc = torch.empty((1, gqa, sq_pad, head_dim), dtype=torch.float32)
+    acc = torch.empty((1, gqa, sq_pad, head_dim), dtype=torch.int32 if dq_mode == 4 else torch.float32)
     sem = torch.empty(4, dtype=torch.int32)
     fn, argf = (_attn_bwd_hopper, _v0_args) if variant == "v0" else (_attn_bwd_v1, _v1_args)
     if variant == "v1":
@@ -933,9 +1045,14 @@ def compile_for(variant="v0", head_dim=128, gqa=1, causal=True, dq_mode=0, dtype
     else:
         args, kw = argf(q, q, k, k, rows, rows, acc, k, k, sem, 0.5, 2, 2, 2, seq_q, seq_k, sq_pad, causal, dq_mode)
         kw.update(constexprs)
+    if variant == "v1" and dq_mode == 4:
+        kw["m_desc"] = _bwd_row_descriptor(rows, block_m)
     names = [n for n in fn.arg_names][:len(args)]
     num_warps = kw.pop("num_warps")
     signature = {n: mangle_type(a) for n, a in zip(names, args)}
+    if "m_desc" in kw:
+        signature["m_desc"] = mangle_type(kw.pop("m_desc"))
+        names.append("m_desc")
     signature.update({n: "constexpr" for n in kw})
     src = GluonASTSource(fn=fn, signature=signature, constexprs=kw)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})

@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # -- [Note] Wave order, on scalars ----------------------------------------------------------------------------
-_JIT = ("_bwd_query_range", "_bwd_tile", "_v1_order", "_v1_visit", "_v1_turn", "_v1_snake")
+_JIT = ("_bwd_query_range", "_bwd_tile", "_v1_order", "_v1_visit", "_v1_turn", "_v1_snake", "_v1_sched")
 
 
 @contextlib.contextmanager
@@ -36,18 +36,20 @@ def _scalar_helpers(programs):
             setattr(gb, n, f)
 
 
-def _schedule(b, hkv, gqa, sq, sk, causal, order, programs=132, bm=64, bn=128, snake=0, headrot=0, dq_split=1):
-    """Per program of the persistent grid, its steps in order: (the counter's key, the turn it waits for)."""
+def _schedule(b, hkv, gqa, sq, sk, causal, order, programs=132, bm=64, bn=128, snake=0, headrot=0, dq_split=1,
+              spt=0, hgroup=0):
+    """Per program of the persistent grid, its steps in order: (the counter's key, the turn it waits for).
+    programs=None: one program per tile (GRID 1), in launch order."""
     n_kblk, num_bh = -(-sk // bn), b * hkv
     num_tiles = n_kblk * num_bh
-    P = min(programs, num_tiles)
+    P = min(programs or num_tiles, num_tiles)
     progs = []
     with _scalar_helpers(P) as k:
         for p in range(P):
             prog = []
             k.gl.pid = p
             for tile0 in range(p, num_tiles, P):
-                tile = k._v1_snake(tile0, num_tiles, snake)
+                tile = k._v1_sched(k._v1_snake(tile0, num_tiles, snake), num_tiles, num_bh, spt, hgroup)
                 n_blk, off_b, off_hkv, h0, lo, split, hi = k._bwd_tile(tile, num_tiles, num_bh, hkv, sq, sk, bm, bn,
                                                                      gqa, causal, 0)
                 steps = (hi - lo) // bm
@@ -58,7 +60,7 @@ def _schedule(b, hkv, gqa, sq, sk, causal, order, programs=132, bm=64, bn=128, s
                     f = k._v1_visit(i, off, T)
                     m0 = lo + (f % steps) * bm
                     turn = k._v1_turn(n_blk, i, m0, off, D, n_lo, n_hi, T, n_kblk, sk - sq, bm, bn, causal, order,
-                                      dq_split)
+                                      dq_split, spt)
                     prog.append((((n_blk % dq_split) * b + off_b, h0 + f // steps, m0), turn))  # the writer's `ob`
             progs.append(prog)
     return progs
@@ -85,6 +87,32 @@ def _simulate(progs, lag=2, stall=None):
     return t
 
 
+def _simulate_grid(tiles, slots=132, lag=2):
+    """GRID 1: `tiles` in launch order (each a list of steps); a free slot (SM) takes the next tile; a step runs
+    once its counter equals its turn; an add counts `lag` ticks later. The ticks until all are done, or None on a
+    deadlock."""
+    sem, pending, t, idle = defaultdict(int), defaultdict(list), 0, 0
+    nxt, run = 0, []  # run: [tile index, position]
+    while nxt < len(tiles) or run:
+        for key in pending.pop(t, []):
+            sem[key] += 1
+        run = [r for r in run if r[1] < len(tiles[r[0]])]
+        while len(run) < slots and nxt < len(tiles):
+            run.append([nxt, 0])
+            nxt += 1
+        moved = False
+        for r in run:
+            if r[1] < len(tiles[r[0]]) and sem[tiles[r[0]][r[1]][0]] == tiles[r[0]][r[1]][1]:
+                pending[t + lag].append(tiles[r[0]][r[1]][0])
+                r[1] += 1
+                moved = True
+        idle = 0 if moved else idle + 1
+        if idle > lag + 1 and not any(pending.values()):
+            return None
+        t += 1
+    return t
+
+
 # (B, Hkv, GQA, Sq, Sk, causal): one and several waves of tiles on 132 programs, lengths not multiples of the
 # blocks, Sq < Sk and Sq > Sk (rows that see no key), GQA 1 and 4
 SCHEDULES = [(1, 16, 1, 4096, 4096, False), (2, 8, 1, 1000, 1333, False), (3, 5, 4, 700, 700, False),
@@ -92,13 +120,16 @@ SCHEDULES = [(1, 16, 1, 4096, 4096, False), (2, 8, 1, 1000, 1333, False), (3, 5,
              (1, 4, 2, 1000, 600, True), (2, 4, 1, 600, 1000, True)]
 
 
-@pytest.mark.parametrize("order,snake,headrot,split", [(0, 0, 0, 1), (1, 0, 0, 1), (2, 0, 0, 1), (3, 1, 0, 1),
-                                                       (0, 1, 1, 1), (0, 0, 0, 2), (0, 1, 0, 4)])
+@pytest.mark.parametrize("order,snake,headrot,split,spt,hgroup", [
+    (0, 0, 0, 1, 0, 0), (1, 0, 0, 1, 0, 0), (2, 0, 0, 1, 0, 0), (3, 1, 0, 1, 0, 0), (0, 1, 1, 1, 0, 0),
+    (0, 0, 0, 2, 0, 0), (0, 1, 0, 4, 0, 0), (0, 0, 0, 1, 1, 0), (0, 0, 0, 1, 0, 3), (0, 0, 0, 1, 1, 2)])
 @pytest.mark.parametrize("shape", SCHEDULES, ids=lambda s: "B{}H{}g{}_{}x{}_{}".format(*s[:5], "c" if s[5] else "f"))
-def test_each_block_gets_every_add_once_in_a_fixed_order_without_deadlock(shape, order, snake, headrot, split):
+def test_each_block_gets_every_add_once_in_a_fixed_order_without_deadlock(shape, order, snake, headrot, split, spt,
+                                                                          hgroup):
     """(HEADROT is for unordered adds, which wait for no turn: the turns here only show each pair visited once.)
-    With DQ_SPLIT the counters are per accumulator: key (split x B + batch, head, block)."""
-    progs = _schedule(*shape, order, snake=snake, headrot=headrot, dq_split=split)
+    With DQ_SPLIT the counters are per accumulator: key (split x B + batch, head, block). SPT and HGROUP
+    ([Note] Launch order) also on GRID 1's model: one tile per CTA, handed out in index order."""
+    progs = _schedule(*shape, order, snake=snake, headrot=headrot, dq_split=split, spt=spt, hgroup=hgroup)
     tiles = -(-shape[4] // 128) * shape[0] * shape[1]
     assert sum(len(p) for p in progs) == sum(len(p) for p in _schedule(*shape, 0)), tiles  # every tile once
     turns = defaultdict(list)
@@ -109,6 +140,10 @@ def test_each_block_gets_every_add_once_in_a_fixed_order_without_deadlock(shape,
     assert not bad, list(bad.items())[:3]  # the turns of a block are 0 .. (its adds - 1), each once
     assert _simulate(progs) is not None
     assert _simulate(progs, lag=3, stall={p: range(5 * p, 5 * p + 7) for p in range(0, len(progs), 7)}) is not None
+    if order == 0 and split == 1:
+        tiles = _schedule(*shape, 0, programs=None, spt=spt, hgroup=hgroup)
+        assert _simulate_grid(tiles, slots=132) is not None
+        assert _simulate_grid(tiles, slots=5, lag=3) is not None
 
 
 def test_the_wave_order_spaces_the_full_masks_neighbours_apart():

@@ -14,6 +14,11 @@ TF/s = 2.5 x forward FLOPs / time): the product default (Gluon, deterministic), 
 backward (its module, as FAGEN_HOPPER=0 gives) and cuDNN (SDPA), one table at the end; then the host time per
 call of a small backward (B1 H8 s256 causal), Gluon vs Triton; last, gbwdlev's levers in the product's render
 (GluonBackend.variant bwd_*): checked, then timed beside the default render.
+Eighth session (GPU_GLUON_BWD_PRODUCT_PHASES=fwarm,fcheck,ftime0,ftime1,ftime2, the default): the deterministic
+mode's fixed-point dQ (variant bwd_fixed, [Note] Fixed-point dQ) in the product's render: `fwarm` builds every module
+the later phases run, in parallel children; `fcheck` checks the fixed render's deterministic mode against float64
+(causal Sq > Sk, full, GQA 4 causal), exact zeros, bitwise over 3 runs, and its mutant (the row scale left out) must
+fail; `ftimeN` times the default render's two modes, the fixed render's deterministic mode and cuDNN, one case each.
 """
 
 from __future__ import annotations
@@ -36,28 +41,31 @@ CASES = [("d128 causal B1 H16 s16k", 1, 16, 16, 16384, True), ("d128 full B1 H16
          ("gqa 32/8 causal B4 s4k", 4, 32, 8, 4096, True)]
 # Round B: the checks round A ran out of time on, split in two, and the levers; round A's table (time0..2, host) is
 # in docs/hopper.md and runs with GPU_GLUON_BWD_PRODUCT_PHASES=time0,time1,time2,host.
-ALL_PHASES = {"check_gqa": 40, "check": 50, "levers": 40, "time0": 20, "time1": 20, "time2": 20, "host": 15}
+ALL_PHASES = {"check_gqa": 40, "check": 50, "levers": 40, "time0": 20, "time1": 20, "time2": 20, "host": 15,
+              "fwarm": 40, "fcheck": 20, "ftime0": 9, "ftime1": 9, "ftime2": 7, "ftime3": 7, "bwarm": 28, "btime": 30}
+# Round A (03:30 UTC) ran fwarm,fcheck (all passed) and lost every ftime phase to first-launch compiles at the
+# s16k shapes; round B (65 s): bwarm builds at the real shapes in parallel children, btime times every case in one.
 PHASE_TIMEOUT = {name: ALL_PHASES[name] for name in
-                 os.environ.get("GPU_GLUON_BWD_PRODUCT_PHASES", "check_gqa,check,levers").split(",")}
+                 os.environ.get("GPU_GLUON_BWD_PRODUCT_PHASES", "bwarm,btime").split(",")}
 MUTANT = "gluon-bwd-dq-one-half"
-IMPL = ["gluon det (default)", "gluon unordered", "triton", "cudnn"]
+IMPL = ["gluon det (default)", "gluon unordered", "triton", "cudnn", "gluon fixed (det)"]
 
 
 def log(*parts):
     print(*parts, flush=True)
 
 
-def spec(causal, gqa, backend="triton"):
+def spec(causal, gqa, backend="triton", d=128):
     from fagen.spec.kernel import KernelSpec
-    return KernelSpec(head_dim=128, mask="causal" if causal else "none", gqa=gqa, dtype="bf16", direction="bwd",
+    return KernelSpec(head_dim=d, mask="causal" if causal else "none", gqa=gqa, dtype="bf16", direction="bwd",
                       backend=backend)
 
 
-def inputs(b, hq, hkv, sq, sk, seed=0):
+def inputs(b, hq, hkv, sq, sk, seed=0, d=128):
     import torch
     g = torch.Generator(device="cuda").manual_seed(seed)
     return [torch.randn(shape, generator=g, device="cuda").bfloat16()
-            for shape in ((b, hq, sq, 128), (b, hkv, sk, 128), (b, hkv, sk, 128), (b, hq, sq, 128))]
+            for shape in ((b, hq, sq, d), (b, hkv, sk, d), (b, hkv, sk, d), (b, hq, sq, d))]
 
 
 def reference(q, k, v, do, causal, scale):
@@ -245,6 +253,168 @@ def phase_levers(results):
             log(f"levers {name_c:<24} {label:<8} {mode:<9} ERROR {type(e).__name__}: {str(e)[:200]}")
 
 
+# -- eighth session: the fixed-point dQ (variant bwd_fixed) -------------------------------------------------------
+FIXED = {"bwd_fixed": 1}
+FIXED_MUTANT = ("dq = _cvt_rni(dq * qm[:, None])", "dq = _cvt_rni(dq)")  # the row scale left out
+# CASES and d64 (the gluon backward builds d64; selected only at d128): (case, B, Hq, Hkv, S, causal, D)
+FCASES = [c + (128, ) for c in CASES] + [("d64 causal B1 H32 s16k", 1, 32, 32, 16384, True, 64)]
+# (the Triton backward at d64 only: whether the gluon one should serve d64 is the question there)
+FWARM_JOBS = [(c, r) for c in range(len(FCASES)) for r in ("default", "fixed")] + [(3, "triton"), (0, "mutant")]
+
+
+def variant_module(causal, gqa, overrides, mutant=None, d=128):
+    """The gluon bwd module rendered with GluonBackend.variant updated by `overrides` ([Note] Gluon backward
+    levers), `mutant` (old, new) applied to its source, loaded under its own name."""
+    import fagen
+    from fagen import backends
+    from fagen.codegen import render as _render
+    from fagen.runtime.loader import load_source
+    s = spec(causal, gqa, "gluon", d)
+    saved = dict(backends.GLUON.variant)
+    backends.GLUON.variant.update(overrides)
+    _render.render.cache_clear()
+    try:
+        source = fagen.generate(s)
+    finally:
+        backends.GLUON.variant.clear()
+        backends.GLUON.variant.update(saved)
+        _render.render.cache_clear()
+    tag = "_".join(f"{k}{v}" for k, v in overrides.items())
+    if mutant:
+        assert mutant[0] in source, "the mutant's text is not in the render"
+        source, tag = source.replace(mutant[0], mutant[1]), tag + "_mut"
+    return load_source(source, f"{s.name}_{tag}")
+
+
+def case_module(which, render):
+    name_c, b, hq, hkv, s, causal, d = FCASES[which]
+    if render in ("default", "triton"):
+        import fagen
+        return fagen.load(spec(causal, hq // hkv, "gluon" if render == "default" else "triton", d))
+    return variant_module(causal, hq // hkv, FIXED, FIXED_MUTANT if render == "mutant" else None, d)
+
+
+def phase_fwarm(results, part):
+    """Child `part`: build FWARM_JOBS[part] by a tiny forward and backward in each mode it runs later."""
+    which, render = FWARM_JOBS[part]
+    _, b, hq, hkv, s, causal, d = FCASES[which]
+    t0 = time.time()
+    mod = case_module(which, render)
+    q, k, v, do = inputs(1, hq // hkv, 1, 200, 200, d=d)
+    for det in ((True, False) if render == "default" else (True, )):
+        grads(lambda *t: mod.attention(*t, **({} if render == "triton" else {"deterministic": det})), q, k, v, do)
+    import torch
+    torch.cuda.synchronize()
+    log(f"fwarm {FCASES[which][0]} {render}: built ({time.time() - t0:.1f}s)")
+
+
+def phase_fcheck(results):
+    """The fixed render's deterministic mode against float64 beside the default render's error; exact zeros;
+    bitwise over 3 runs; the mutant must fail."""
+    import torch
+    for (b, hq, hkv, sq, sk, causal), which in (((1, 2, 2, 300, 190, True), 0), ((1, 2, 2, 200, 333, False), 1),
+                                                 ((2, 8, 2, 257, 190, True), 2), ((1, 2, 2, 130, 260, True), 3)):
+        mod = case_module(which, "fixed")
+        d = FCASES[which][-1]
+        scale = d ** -0.5
+        q, k, v, do = inputs(b, hq, hkv, sq, sk, d=d)
+        ref = reference(q, k, v, do, causal, scale)
+        # the bound: twice the default render's (float32-ordered) error, as the other checks take the Triton one's
+        tri = grads(lambda *t: case_module(which, "default").attention(*t, scale=scale), q, k, v, do)
+        bound = [max(2 * rel(t, r), 5e-3) for t, r in zip(tri, ref)]
+        shape = f"d{d} B{b} H{hq}/{hkv} {sq}x{sk} {'causal' if causal else 'none'}"
+        runs = [("fixed", mod)] + ([("fixed mutant*", case_module(0, "mutant"))] if which == 0 else [])
+        for label, m in runs:
+            got = grads(lambda *t: m.attention(*t, scale=scale, deterministic=True), q, k, v, do)
+            errs = [rel(x, r) for x, r in zip(got, ref)]
+            ok = all(e <= bd for e, bd in zip(errs, bound)) and all(torch.isfinite(x).all() for x in got)
+            if label.endswith("*"):
+                log(f"{shape:<26} {label:<14} rel dq {errs[0]:.2e} -> {'caught' if not ok else 'NOT CAUGHT'}")
+                results.append(dict(check="mutant", ok=not ok))
+            else:
+                log(f"{shape:<26} {label:<14} rel dq {errs[0]:.2e} dk {errs[1]:.2e} dv {errs[2]:.2e} (default dq "
+                    f"{rel(tri[0], ref[0]):.2e}) -> {'PASS' if ok else 'FAIL'}")
+                results.append(dict(check="reference", shape=shape, ok=bool(ok)))
+    for (sq, sk, causal), which in (((100, 1, False), 1), ((200, 200, True), 0)):
+        q, k, v, do = inputs(1, 2, 2, sq, sk, seed=1)
+        mod = case_module(which, "fixed")
+        dq, dk, dv = grads(lambda *t: mod.attention(*t, scale=0.1), q, k, v, do)
+        ok = bool((dq[:, :, 0] == 0).all()) if causal else bool((dq == 0).all() and (dk == 0).all())
+        what = "dq[row 0], causal" if causal else "dq, dk (Sk = 1)"
+        log(f"fixed exact zeros {what:<18} -> {'PASS' if ok else 'FAIL'}")
+        results.append(dict(check="zeros", ok=ok))
+    for (b, hq, hkv, s, causal), which in (((2, 16, 16, 4000, False), 1), ((4, 8, 2, 3000, True), 2)):
+        q, k, v, do = inputs(b, hq, hkv, s, s, seed=2)
+        mod = case_module(which, "fixed")
+        runs = [grads(lambda *t: mod.attention(*t, scale=0.09), q, k, v, do) for _ in range(3)]
+        same = all(torch.equal(a, c) for r in runs[1:] for a, c in zip(r, runs[0]))
+        det = grads(lambda *t: case_module(which, "default").attention(*t, scale=0.09), q, k, v, do)
+        eq = (runs[0][0] == det[0]).float().mean().item()
+        log(f"fixed bitwise x3 B{b} H{hq}/{hkv} s{s} {'causal' if causal else 'none'} -> "
+            f"{'equal' if same else 'DIFFER FAIL'}; dq equal to the float32-ordered det's in {eq:.4f} of elements")
+        results.append(dict(check="bitwise", ok=same))
+    log(f"fixed checks: {'ALL PASS' if all(r['ok'] for r in results) else 'SOME FAILED'}")
+
+
+def phase_bwarm(results, part):
+    """Child `part`: FWARM_JOBS[part]'s module run once at its case's real shape in each mode btime times (the
+    first launch at a shape compiles its specializations)."""
+    import torch
+    which, render = FWARM_JOBS[part]
+    name_c, b, hq, hkv, s, causal, d = FCASES[which]
+    t0 = time.time()
+    mod = case_module(which, render)
+    q, k, v, do = inputs(b, hq, hkv, s, s, d=d)
+    for det in ((True, False) if render == "default" else (True, )):
+        kw = {} if render == "triton" else {"deterministic": det}
+        grads(lambda *t: mod.attention(*t, scale=d ** -0.5, **kw), q, k, v, do)
+    torch.cuda.synchronize()
+    log(f"bwarm {name_c} {render}: built and ran ({time.time() - t0:.1f}s)")
+
+
+def phase_btime(results):
+    """Every FCASES case in turn, one process: phase_ftime's rows."""
+    import torch
+    for which in range(len(FCASES)):
+        phase_ftime(results, which)
+        torch.cuda.empty_cache()
+
+
+def phase_ftime(results, which):
+    """TF/s of the default render (deterministic, unordered), the fixed render's deterministic mode and cuDNN, one
+    process, backward only through autograd (the Triton backward: docs/hopper.md's earlier runs)."""
+    import torch
+    import triton
+    name_c, b, hq, hkv, s, causal, d = FCASES[which]
+    flops = 2.5 * 4 * b * hq * s * s * d * (0.5 if causal else 1.0)
+    q, k, v, do = inputs(b, hq, hkv, s, s, d=d)
+    row = dict(case=name_c)
+    runs = [("gluon det (default)", case_module(which, "default"), True),
+            ("gluon fixed (det)", case_module(which, "fixed"), True),
+            ("gluon unordered", case_module(which, "default"), False),
+            ("cudnn", None, True)] + ([("triton", case_module(which, "triton"), True)] if d == 64 else [])
+    for label, mod, det in runs:
+        qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        try:
+            if mod is None:
+                from torch.nn.attention import SDPBackend, sdpa_kernel
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    out = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=causal,
+                                                                           enable_gqa=hq != hkv)
+            else:
+                kw = {} if label == "triton" else {"deterministic": det}
+                out = mod.attention(qg, kg, vg, scale=d ** -0.5, **kw)
+            step = lambda: torch.autograd.grad(out, (qg, kg, vg), do, retain_graph=True)  # noqa: E731
+            step()
+            torch.cuda.synchronize()
+            ms = triton.testing.do_bench(step, warmup=3, rep=25)
+            row[label] = flops / ms / 1e9
+            log(f"{name_c:<24} {label:<20} {ms:8.3f} ms {row[label]:6.1f} TF/s")
+        except Exception as e:
+            log(f"{name_c:<24} {label:<20} ERROR {type(e).__name__}: {str(e)[:200]}")
+    results.append(row)
+
+
 def phase_host(results):
     """Host time per call of a small backward (B1 H8 s256 d128 causal): the median wall time of one
     torch.autograd.grad, synchronised, over 200 calls, Gluon vs Triton module."""
@@ -286,6 +456,16 @@ def dry_run():
             except Exception as e:
                 ok = False
                 log(f"causal {causal} gqa {gqa} det {det}: BUILD ERROR {type(e).__name__}: {str(e)[:300]}")
+    for causal, gqa, d in ((True, 1, 128), (False, 1, 128), (True, 4, 128), (True, 1, 64)):  # the fixed render
+        try:
+            ck = variant_module(causal, gqa, FIXED, d=d).compile_backward_for(deterministic=True)
+            res = next(iter(ptxas(ck.asm["ptx"])[0].values()))
+            log(f"fixed d{d} {'causal' if causal else 'none':<6} gqa {gqa} det: shared {ck.metadata.shared} B, spills "
+                f"{res.spill_stores}/{res.spill_loads} B, cvt.rni {ck.asm['ptx'].count('cvt.rni.s32.f32')}")
+            variant_module(causal, gqa, FIXED, FIXED_MUTANT, d)  # the mutant's text is in the render
+        except Exception as e:
+            ok = False
+            log(f"fixed causal {causal} gqa {gqa}: BUILD ERROR {type(e).__name__}: {str(e)[:300]}")
     for causal, gqa, name in ((True, 1, "u-nes"), ):
         try:
             ck = lever_module(causal, gqa, name).compile_backward_for(deterministic=False)
@@ -315,8 +495,18 @@ def run_phase(name):
             phase_host(results)
         elif name == "levers":
             phase_levers(results)
+        elif name.startswith("fwarm") and name != "fwarm":
+            phase_fwarm(results, int(name[5:]))
+        elif name.startswith("bwarm") and name != "bwarm":
+            phase_bwarm(results, int(name[5:]))
+        elif name == "btime":
+            phase_btime(results)
+        elif name == "fcheck":
+            phase_fcheck(results)
+        elif name.startswith("ftime"):
+            phase_ftime(results, int(name[-1]))
         else:
-            phase_time(results, int(name[-1]))
+            phase_ftime(results, int(name[-1]))  # time0..2: the same table (the fixed render beside)
     except Exception as e:
         log(f"{name}: ERROR {type(e).__name__}: {e}")
         traceback.print_exc()
@@ -326,14 +516,14 @@ def run_phase(name):
 
 def table(rows):
     """One row per case: TF/s of each implementation and the ratios of the two Gluon modes to Triton and cuDNN."""
-    log("\n| case | " + " | ".join(IMPL) + " | det / triton | det / cudnn | unordered / cudnn |")
-    log("|---|" + "---:|" * (len(IMPL) + 3))
+    log("\n| case | " + " | ".join(IMPL) + " | det / triton | det / cudnn | unordered / cudnn | fixed / cudnn |")
+    log("|---|" + "---:|" * (len(IMPL) + 4))
     for r in rows:
         cells = [f"{r[i]:.0f}" if i in r else "-" for i in IMPL]
         ratio = lambda a, b: f"{r[a] / r[b]:.2f}x" if a in r and b in r else "-"  # noqa: E731
         log(f"| {r['case']} | " + " | ".join(cells) + f" | {ratio(IMPL[0], 'triton')} | {ratio(IMPL[0], 'cudnn')} | "
-            f"{ratio(IMPL[1], 'cudnn')} |")
-    log("(bf16 d128, backward only through autograd, TF/s = 2.5 x forward FLOPs / median time; GQA causal: "
+            f"{ratio(IMPL[1], 'cudnn')} | {ratio(IMPL[4], 'cudnn')} |")
+    log("(bf16, backward only through autograd, TF/s = 2.5 x forward FLOPs / median time; GQA causal: "
         "deterministic=False serves the deterministic kernel by the rule)")
 
 
@@ -354,6 +544,22 @@ def main():
     rows, logs = [], []
     for name, limit in PHASE_TIMEOUT.items():
         log(f"#### phase {name} (timeout {limit}s)")
+        if name in ("fwarm", "bwarm"):  # one child per FWARM_JOBS entry, all at once
+            procs = [subprocess.Popen([sys.executable, __file__, "--phase", f"{name}{i}"], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                     for i in range(len(FWARM_JOBS) - (name == "bwarm"))]  # bwarm: not the mutant (last)
+            deadline = time.time() + limit
+            for p in procs:
+                try:
+                    outs = p.communicate(timeout=max(deadline - time.time(), 0.1))[0]
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    outs = p.communicate()[0] + "killed (timeout)\n"
+                logs.append(outs)
+                print("".join(x + "\n" for x in outs.splitlines() if not x.startswith("RESULTS ")), end="",
+                      flush=True)
+            log(f"#### phase {name}: {time.time() - t0:.0f}s so far")
+            continue
         lines = []
         proc = subprocess.Popen([sys.executable, __file__, "--phase", name], env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, bufsize=1)
@@ -372,7 +578,7 @@ def main():
             rc = f"killed after {limit}s (a hung kernel?)"
         reader.join(timeout=5)
         for line in lines:
-            if line.startswith("RESULTS ") and name.startswith("time"):
+            if line.startswith("RESULTS ") and name.startswith(("time", "ftime", "btime")):
                 rows += json.loads(line[8:])
         logs += lines
         log(f"#### phase {name}: rc={rc}, {time.time() - t0:.0f}s so far")

@@ -37,7 +37,7 @@ for key, fields in json.loads(sys.argv[2]).items():
                     release=len(re.findall(r"atom\.global\.gpu\.release\.add", ptx)),
                     complete=sorted(set(re.findall(r"cp\.async\.bulk\.wait_group (\d);", ptx))),
                     named=sorted(set(re.findall(r"\bbar\.(?:sync|arrive) (\d+), (?:160|256);", ptx))),
-                    tma_store=ptx.count("cp.async.bulk.tensor.4d.global.shared"),
+                    tma_store=ptx.count("cp.async.bulk.tensor.4d.global.shared"), cvt=ptx.count("cvt.rni.s32.f32"),
                     setmaxnreg=sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
                     steps=[dict(wgmma=s.count("wgmma.mma_async"), bars=re.findall(r"\bbar\.sync\s+\d+,\s*(\d+);", s),
                                 wait=s.count("mbarrier.try_wait"), arrive=s.count("mbarrier.arrive")) for s in steps])
@@ -45,11 +45,14 @@ print("RESULT " + json.dumps(out))
 """
 
 LEVERS = {"bwd_order": 1, "bwd_snake": 1, "bwd_named": 2, "bwd_epi_tma": 1}
-BUILDS = {"det": dict(mask="causal", gqa=2, dtype="bf16", deterministic=True),
+# det and levers: the fixed-order dQ ([Note] Fixed-order dQ) whatever the default of bwd_fixed
+BUILDS = {"det": dict(mask="causal", gqa=2, dtype="bf16", deterministic=True, variant={"bwd_fixed": 0}),
           "unordered": dict(mask="none", dtype="bf16", deterministic=False),
-          "levers": dict(mask="causal", gqa=2, dtype="bf16", deterministic=True, variant=LEVERS),
+          "levers": dict(mask="causal", gqa=2, dtype="bf16", deterministic=True, variant={**LEVERS, "bwd_fixed": 0}),
           "ulevers": dict(mask="causal", dtype="bf16", deterministic=False,
-                          variant={"bwd_unordered_levers": {"bwd_named": 2, "bwd_epi_tma": 1}})}
+                          variant={"bwd_unordered_levers": {"bwd_named": 2, "bwd_epi_tma": 1}}),
+          "fixed": dict(mask="causal", gqa=2, dtype="bf16", deterministic=True, variant={"bwd_fixed": 1}),
+          "fixed_full": dict(mask="none", dtype="bf16", deterministic=True, variant={"bwd_fixed": 1})}
 
 
 @pytest.fixture(scope="module")
@@ -96,3 +99,17 @@ def test_a_compute_step_synchronises_within_its_warpgroup(built):
     for s in built["levers"]["steps"]:  # named barriers: the dS^T exchange spans both warpgroups (256 threads)
         assert s["wgmma"] == 32 and set(s["bars"]) == {"128", "256"}, s
         assert s["wait"] == 1 and s["arrive"] == 1, s  # the ring's ready wait and empty arrive only
+
+
+def test_the_fixed_point_dq_rounds_to_int32_and_waits_for_no_turn(built):
+    """[Note] Fixed-point dQ (variant bwd_fixed): the deterministic mode rounds each dQ half to int32 (cvt.rni, 32
+    a thread per step) and reduce-adds it without turns (no acquire loads, no release adds, no completion waits);
+    its step keeps the 32 wgmma of the float32 modes (causal: on the unordered mode's kernel and levers, named
+    barriers). The default render has no cvt.rni."""
+    for key in ("fixed", "fixed_full"):
+        r = built[key]
+        assert r["reduce"] == 4 and r["cvt"] >= 64, r
+        assert r["acquire"] == r["release"] == 0 and r["complete"] == [], r
+        assert len(r["steps"]) == 2 and all(s["wgmma"] == 32 for s in r["steps"]), r["steps"]
+    assert built["fixed"]["named"] == built["ulevers"]["named"] and built["fixed_full"]["named"] == []
+    assert built["det"]["cvt"] == built["unordered"]["cvt"] == 0

@@ -69,9 +69,15 @@ def test_the_deterministic_mode_is_bitwise_repeatable(any_size, mask, hq, hkv):
     assert all(torch.equal(a, b) for r in runs[1:] for a, b in zip(r, runs[0]))
 
 
-def test_the_dq_mutant_is_caught():
+@pytest.mark.parametrize("mutant,fixed", [("gluon-bwd-dq-one-half", 0), ("gluon-bwd-fixed-no-scale", 1)])
+def test_the_dq_mutant_is_caught(mutant, fixed, monkeypatch):
+    from fagen import backends
+    from fagen.codegen import render
+    monkeypatch.setitem(backends.GLUON.variant, "bwd_fixed", fixed)  # [Note] Fixed-point dQ
+    render.render.cache_clear()
     spec = KernelSpec(backend="gluon", direction="bwd", head_dim=128, dtype="bf16", mask="causal")
-    broken = engine.mutant_module(spec, "gluon-bwd-dq-one-half")
+    broken = engine.mutant_module(spec, mutant)
+    render.render.cache_clear()
     q, k, v, do = inputs(1, 2, 2, 300, 300)
     got = grads(lambda *t: broken.attention(*t), q, k, v, do)
     with pytest.raises(AssertionError):

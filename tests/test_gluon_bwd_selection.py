@@ -25,7 +25,7 @@ def case(**fields) -> KernelSpec:
 @pytest.mark.parametrize("fields,picked", [
     (dict(mask="causal"), True), (dict(mask="none"), True), (dict(mask="causal", gqa=4), True),
     (dict(mask="none", gqa=8), True),
-    (dict(mask="causal", head_dim=64), False),  # no d64 kernel: the lab's lost to Triton (316 vs 398 TF/s)
+    (dict(mask="causal", head_dim=64), False),  # built, not selected: the lab's lost to Triton (316 vs 398 TF/s)
     (dict(mask="causal", dtype="fp16"), False),  # not measured
     (dict(mask="padding"), False), (dict(mask="causal", softcap=True), False),
     (dict(mask="causal", window=True), False),
@@ -101,13 +101,23 @@ def test_the_bench_times_the_gluon_backward_and_its_unordered_mode(as_if_hopper)
     assert case_impls(fwd, impls) == ("fagen", "sdpa-cudnn")
 
 
-def test_the_dq_mutant_edits_the_gluon_backward_only():
-    (mutant,) = GLUON_MUTANTS
-    assert mutant not in MUTANTS  # the CPU search (test_backward.py) cannot run a Gluon kernel
+def test_the_dq_mutants_edit_the_gluon_backward_only(monkeypatch):
+    """gluon-bwd-dq-one-half edits every render; gluon-bwd-fixed-no-scale the renders with the fixed-point dQ
+    (variant bwd_fixed 1; with 2 not GQA causal)."""
+    from fagen.codegen import render
     gluon_bwd = KernelSpec(backend="gluon", direction="bwd", head_dim=128, dtype="bf16", mask="causal")
-    assert mutant.applies(gluon_bwd) and mutant.old in generate(gluon_bwd)
-    assert mutant.old not in generate(case(mask="causal")) and mutant.old not in generate(
-        KernelSpec(backend="gluon", head_dim=128, dtype="bf16", mask="causal"))
+    for fixed in (0, 1, 2):
+        monkeypatch.setitem(backends.GLUON.variant, "bwd_fixed", fixed)
+        render.render.cache_clear()
+        for mutant in GLUON_MUTANTS:
+            assert mutant not in MUTANTS  # the CPU search (test_backward.py) cannot run a Gluon kernel
+            every = mutant.name != "gluon-bwd-fixed-no-scale"
+            assert mutant.applies(gluon_bwd) and (mutant.old in generate(gluon_bwd)) == (every or fixed > 0)
+            gqa4 = KernelSpec(backend="gluon", direction="bwd", head_dim=128, dtype="bf16", mask="causal", gqa=4)
+            assert (mutant.old in generate(gqa4)) == (every or fixed == 1)
+            assert mutant.old not in generate(case(mask="causal")) and mutant.old not in generate(
+                KernelSpec(backend="gluon", head_dim=128, dtype="bf16", mask="causal"))
+    render.render.cache_clear()
 
 
 def test_deterministic_traces_under_torch_compile_fullgraph():

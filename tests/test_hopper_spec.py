@@ -30,7 +30,8 @@ def test_default_gluon_spec():
 
 @pytest.mark.parametrize("fields,field", [
     (dict(head_dim=96), "head_dim"), (dict(mask="padding"), "mask"), (dict(mask="tree"), "mask"),
-    (dict(dtype="fp32"), "dtype"), (dict(direction="bwd", head_dim=64), "head_dim"), (dict(block_n=32), "block_n"),
+    (dict(dtype="fp32"), "dtype"), (dict(direction="bwd", head_dim=192, head_dim_v=128), "head_dim"),
+    (dict(block_n=32), "block_n"),
     (dict(block_m=64), "block_m"), (dict(num_warps=4), "num_warps"), (dict(num_stages=3), "num_stages"),
     (dict(kind="decode"), "backend"),
 ])
@@ -59,12 +60,13 @@ def test_gluon_refuses_other_switches_naming_the_field(fields, field, words):
     assert e.value.field == field and words in str(e.value) and "backend 'triton'" in str(e.value)
 
 
-@pytest.mark.parametrize("fields,field", [(dict(head_dim=64), "head_dim"), (dict(softcap=True), "softcap"),
+@pytest.mark.parametrize("fields,field", [(dict(head_dim=192, head_dim_v=128), "head_dim"),
+                                          (dict(softcap=True), "softcap"),
                                           (dict(mask="causal", window=True), "window"),
                                           (dict(dtype="fp8_e4m3"), "direction")])
 def test_the_gluon_backward_limits_name_the_field(fields, field):
-    """The gluon backward ([Note] Gluon backward rule): head_dim 128, bf16/fp16, no switch; anything else names the
-    field and the way out."""
+    """The gluon backward ([Note] Gluon backward rule): head_dim 64 or 128, bf16/fp16, no switch; anything else names
+    the field and the way out."""
     with pytest.raises(SpecError) as e:
         gluon(direction="bwd", **fields)
     assert e.value.field == field and ("backend 'triton'" in str(e.value) or "direction 'fwd'" in str(e.value))

@@ -151,7 +151,7 @@ def test_gluon_takes_mla_192_128_with_its_own_default_tile():
     (dict(head_dim=192, head_dim_v=64), "head_dim_v", "use backend 'triton'"),
     (dict(head_dim=192, head_dim_v=128, dtype="fp8_e4m3"), "head_dim", "fp8 forward supports head_dim 64 or 128"),
     (dict(head_dim=192, head_dim_v=128, block_n=128, num_stages=3), "num_stages", "shared memory"),
-    (dict(head_dim=192, head_dim_v=128, direction="bwd"), "head_dim", "the gluon backward supports head_dim 128"),
+    (dict(head_dim=192, head_dim_v=128, direction="bwd"), "head_dim", "the gluon backward supports head_dim 64 and 128"),
 ])
 def test_gluon_mla_limits_name_the_field(fields, field, fragment):
     with pytest.raises(SpecError) as info:

@@ -89,7 +89,7 @@ class GluonBackend(KernelBackend):
     # bwd_*: the gluon backward's levers ([Note] Gluon backward levers).
     variant = {"consumer_regs": 240, "loader_regs": 24, "tile_schedule_all": False, "causal_order": 3,
                "fp8_turns": 0, "fp8_p_cvt": 2,
-               "bwd_order": 0, "bwd_snake": 0, "bwd_named": 0, "bwd_epi_tma": 0,
+               "bwd_order": 0, "bwd_snake": 0, "bwd_named": 0, "bwd_epi_tma": 0, "bwd_fixed": 0,
                "bwd_unordered_levers": {"bwd_named": 2, "bwd_epi_tma": 1, "bwd_snake": 1}}
 
     # [Note] Gluon tile order. The persistent forward deals its tiles in an order ([Note] Tile schedule in the
@@ -140,6 +140,10 @@ class GluonBackend(KernelBackend):
     # adds where they won, everywhere but GQA causal (unordered_selected: there the deterministic mode serves, as
     # asked or not). Not d64 (no kernel: the lab's d64 build lost to Triton, 316 vs 398), not fp16 (not measured).
     bwd_head_dims = (128,)
+    # The head dims the gluon backward renders and builds (_check_bwd): d64 too (the template's tiles do not depend
+    # on D: [64, D / 2] dQ halves, [128, D] K/V; the lab's v1 at d64 built without spills and ran, docs/hopper.md),
+    # selected only where measured to win (bwd_head_dims).
+    bwd_built_head_dims = (64, 128)
 
     # [Note] Gluon backward levers (variant bwd_*, rendered by fagen/templates/gluon/backward.py.j2 only where on; the
     # designs in lab/gluon_bwd.py): bwd_order 1, the dQ turns by arrival within a wave ([Note] Wave order); bwd_snake
@@ -150,6 +154,16 @@ class GluonBackend(KernelBackend):
     # product's unordered causal kernel takes named 2 + TMA epilogue + snake ("u-nes"): round B of the seventh session
     # (scripts/gpu_gluon_bwd_product.py, H100, d128 causal B1 H16 s16k, one process) 540 TF/s against 458-460 for
     # the unordered kernel without levers (and 467 deterministic), checked against float64 (300x300 causal).
+    # bwd_fixed ([Note] Fixed-point dQ in the template; eighth session): the deterministic mode's dQ as fixed-point
+    # int32 adds in any order (the unordered mode's kernel and levers, no turns), 1 for every spec, 2 for every spec
+    # but GQA causal (where the unordered adds lost), 0 the fixed-order float32 adds. Round A (H100, 03:30 UTC,
+    # scripts/gpu_gluon_bwd_product.py): the fixed render passed float64 at d128 causal Sq > Sk, full, GQA 4 causal
+    # and d64 causal (dq errors equal to the default render's to 3 digits), the exact zeros, bitwise over 3 runs, and
+    # its mutant (the row scale left out) was caught. Round B (same script, one process; TF/s chain / fixed /
+    # unordered / cuDNN): d128 causal B1 H16 s16k 473 / 475 / 546 / 553, full 471 / 453 / 551 / 558, GQA 32/8 causal
+    # B4 s4k 372 / 274 / 362 / 461, d64 causal B1 H32 s16k 317 / 390 / 430 / 438 (Triton 359). So 0: a tie at d128
+    # causal, a loss at full and GQA; d64, where it wins, is not selected (docs/hopper.md, "The deterministic
+    # backward without a chain").
 
     def default_config(self, spec, arch: str, given: dict) -> dict:
         """The measured default (docs/hopper.md), on sm_90 only. d128: 2 K/V slots, all that fits beside Q (two
@@ -201,10 +215,11 @@ class GluonBackend(KernelBackend):
                                                            "backend 'triton' for other V widths")
 
     def _check_bwd(self, spec) -> None:
-        """The gluon backward's limits ([Note] Gluon backward rule): head_dim 128, bf16/fp16, no switch, no mod."""
-        if spec.head_dim not in self.bwd_head_dims or spec.head_dim_v != spec.head_dim:
-            raise SpecError("head_dim", spec.head_dim, "the gluon backward supports head_dim 128 (head_dim_v equal); "
-                                                       "use backend 'triton' for other head dims")
+        """The gluon backward's limits ([Note] Gluon backward rule): head_dim 64 or 128, bf16/fp16, no switch, no
+        mod."""
+        if spec.head_dim not in self.bwd_built_head_dims or spec.head_dim_v != spec.head_dim:
+            raise SpecError("head_dim", spec.head_dim, "the gluon backward supports head_dim 64 and 128 (head_dim_v "
+                                                       "equal); use backend 'triton' for other head dims")
         if spec.dtype not in (DType.BF16, DType.FP16):
             raise SpecError("dtype", str(spec.dtype), "the gluon backward computes bf16 and fp16; use direction "
                                                       "'fwd' for fp8, backend 'triton' for fp32")

@@ -157,4 +157,8 @@ GLUON_MUTANTS = (
     Mutant("gluon-bwd-dq-one-half", "the dQ warp adds both compute warpgroups' dQ halves into the first half's "
            "columns", (Mask.NONE, Mask.CAUSAL), "_tma_reduce_add(dq_desc, [off_b, h0 + g, m0, w * half],",
            "_tma_reduce_add(dq_desc, [off_b, h0 + g, m0, 0 * half],", directions=(Direction.BWD,)),
+    # [Note] Fixed-point dQ (variant bwd_fixed): in renders with it only
+    Mutant("gluon-bwd-fixed-no-scale", "the compute warpgroups round dQ to int32 without the row's scale (qmul)",
+           (Mask.NONE, Mask.CAUSAL), "dq = _cvt_rni(dq * qm[:, None])", "dq = _cvt_rni(dq)",
+           directions=(Direction.BWD,)),
 )

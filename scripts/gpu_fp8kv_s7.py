@@ -53,8 +53,10 @@ REGS = lambda n, p: [("num_warps=NUM_WARPS, num_stages=NUM_STAGES,",  # noqa: E7
 # [Note] Column-split scores: 4 slices of 128 on 4 warps (n32s3: 244 registers, 119 KB; n16s3 under maxnreg 168:
 # 48 bytes of spills, 69 KB, 3 programs an SM) or 8 of 64 on 8 warps under maxnreg 128 (n16s3: 69 KB; n32s2: 40
 # bytes of spills, 101 KB; 2 programs, 16 warps an SM against 8): sm_90 ptxas, compiled on the CPU
-MLA_CANDS = {"default": ([], {}), "cols4": (COLS(4), {}), "cols4 n16s3 r168": (COLS(4) + REGS(168, 3), T(16, 4, 3, 16)),
+MLA_CANDS = {"default": ([], {}), "cols4": (COLS(4), {}),
              "cols8 w8 n16s3 r128": (COLS(8) + REGS(128, 2), T(16, 8, 3, 16)),
+             "dense": ([], dict(layout="dense")),  # the same keys in a dense cache: what the pages cost
+             "cols4 n16s3 r168": (COLS(4) + REGS(168, 3), T(16, 4, 3, 16)),
              "cols8 w8 n32s2 r128": (COLS(8) + REGS(128, 2), T(32, 8, 2, 16))}
 MLA_ROWS = [(None, "default")] + [("fp8_e4m3", c) for c in MLA_CANDS]
 MLA_SHAPES = ((32, 32768), (128, 4096))
@@ -121,8 +123,9 @@ def phase(name):  # noqa: C901 - one phase in this process
                     **({"block_n": 16} if DRY else tiles))
 
     def mla_spec(kv, mask="causal", **tiles):
+        layout = tiles.pop("layout", "paged")
         return dict(head_dim=D, head_dim_v=DV, shared_kv=True, kind="decode", gqa=16, dtype="bf16", mask=mask,
-                    layout="paged", kv_dtype=kv, **({"block_n": 16} if DRY else tiles))
+                    layout=layout, kv_dtype=kv, **({"block_n": 16} if DRY else tiles))
 
     def paged(k, page):
         """[B, H, S, D] -> shuffled pages [B*S/page, page, H, D] and the table."""
@@ -278,13 +281,19 @@ def phase(name):  # noqa: C901 - one phase in this process
                     text, tiles = MLA_CANDS[cand] if kv else ([], {})
                     m = module(mla_spec(kv, mask="none", **tiles), text)
                     kw = {} if ks is None else dict(k_scale=ks)
-                    out, _ = m.forward(q, cache, None, block_table=table, seqlens_k=lens, **kw)
+                    if tiles.get("layout") == "dense":  # the same keys as [B, 1, n, D], their scales [B, 1, n]
+                        dense = cache[table.long()].reshape(b, -1, 1, D)[:, :n].transpose(1, 2).contiguous()
+                        kw = dict(k_scale=ks[table.long()].reshape(b, -1, 1)[:, :n].transpose(1, 2).contiguous())
+                        call = lambda: m.forward(q, dense, None, **kw)  # noqa: E731
+                    else:
+                        call = lambda: m.forward(q, cache, None, block_table=table, seqlens_k=lens, **kw)  # noqa: E731
+                    out, _ = call()
                     keys = reference.dequantize(cache, ks)[table[-1].long()].reshape(-1, 1, D)[:n].transpose(0, 1)[None]
                     want, _ = reference.attention(q[-1:].double(), keys, None, head_dim_v=DV)
                     terms, _ = reference.attention(q[-1:].double(), keys, keys[..., :DV].abs())
                     unit = terms.clamp(min=1.0)
                     err = compare("out", out[-1:].double() / unit, want / unit, **TOLERANCE["bf16"])
-                    ms = bench(lambda: m.forward(q, cache, None, block_table=table, seqlens_k=lens, **kw))
+                    ms = bench(call)
                     read = b * n * D * cache.element_size() + (b * n * 4 if kv else 0) + q.numel() * 2 * (1 + DV / D)
                     emit("mla", case, impl, read / ms / 1e6, "GB/s", ms,
                          f"{100 * read / ms / 1e6 / peak:.0f}% of copy; err {err:.1e}")

@@ -7,7 +7,8 @@ the product default against candidates (text replacements on the render, tiles),
 Eighth session, round A: d128 (D128_CANDS) V converted once ([Note] V converted once), 128-key blocks (an fp8 key
 has half a bf16 key's bytes) at 2 and 3 stages, 64-key blocks at 4 stages, 4 programs an SM in the split rule; MLA
 (MLA_CANDS) the latent score as a batched dot over column slices ([Note] Column-split scores: SPLIT_COLS), 4 slices
-on 4 warps (n32s3; n16s3 under maxnreg 168, 3 programs an SM) and 8 on 8 warps under maxnreg 128 (n16s3, n32s2).
+on 4 warps (n32s3; n16s3 under maxnreg 168, 3 programs an SM) and 8 on 8 warps under maxnreg 128 (n16s3, n32s2),
+and the default on a dense latent cache holding the same keys (what the pages cost).
 Seventh session's rounds: docs/serving.md.
 Phases, each in a child process with a timeout (a kernel that faults or hangs loses its phase, not the table):
 1. d128: h32/8 at b32 kv8192, b128 kv8192, b32 kv32768: bf16, e4m3, e5m2 (per-head scales): GB/s of the bytes read

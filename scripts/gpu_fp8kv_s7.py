@@ -36,7 +36,7 @@ DRY = os.environ.get("GPU_FP8KV_S7_DRY") == "1"
 if DRY:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # timings first (each row is checked before it is timed), then the checks while time is left
-PHASES = {"d128": 28, "paged": 16, "mla": 32, "check": 12} if not DRY else \
+PHASES = {"d128": 28, "paged": 18, "mla": 32, "check": 10} if not DRY else \
     {p: 600 for p in ("d128", "paged", "mla", "check")}
 # Candidates: name -> (text replacements on the render, spec tile fields). Eighth session, round B: the product
 # default is now m64n128w4s3 with V converted once for a dense fp8 cache ([Note] fp8 decode tiles in

@@ -48,6 +48,7 @@ V_OFF = [("V_ONCE = tl.constexpr(True and", "V_ONCE = tl.constexpr(False and")]
 T = lambda n, w, s, m=64: dict(block_m=m, block_n=n, num_warps=w, num_stages=s)  # noqa: E731
 D128_CANDS = {"default": ([], {}), "before": (V_OFF, T(64, 4, 3)), "n64 v": ([], T(64, 4, 3)),
               "n128": (V_OFF, T(128, 4, 3))}
+D128_CANDS["default, batch_invariant"] = D128_CANDS["default"]  # the same kernel under the invariant split rule
 D128_ROWS = [(None, "default")] + [("fp8_e4m3", c) for c in D128_CANDS] + [("fp8_e5m2", "default"),
                                                                             ("fp8_e5m2", "before")]
 D128_SHAPES = ((32, 8192), (128, 8192), (32, 32768))
@@ -283,13 +284,15 @@ def phase(name):  # noqa: C901 - one phase in this process
                     k, v, kw = caches[kv]
                     spec = d128_spec(kv, "dense" if name == "d128" else "paged", **(cands[cand][1] if kv else {}))
                     m = module(spec, cands[cand][0] if kv else [])
-                    out, _ = m.forward(*calls[kv][0][0], **calls[kv][0][1])
+                    inv = dict(batch_invariant=True) if "batch_invariant" in cand else {}
+                    out, _ = m.forward(*calls[kv][0][0], **calls[kv][0][1], **inv)
                     ref, _ = reference.attention(q[-1:, :4].double(),
                                                  reference.dequantize(k[-1:, :1], kw["k_scale"][:1] if kv else None),
                                                  reference.dequantize(v[-1:, :1], kw["v_scale"][:1] if kv else None))
                     err = compare("out", out[-1:, :4], ref, **TOLERANCE["bf16"])
                     read = k.numel() * k.element_size() + v.numel() * v.element_size()
-                    timed(name, case, impl, read, [lambda a=a, w=w: m.forward(*a, **w) for a, w in calls[kv]], err)
+                    timed(name, case, impl, read, [lambda a=a, w=w: m.forward(*a, **w, **inv) for a, w in calls[kv]],
+                          err)
                 guarded(name, case, impl, run)
             del caches, calls, kb, vb
     if name == "mla":

@@ -1,24 +1,27 @@
-"""fp8 KV-cache decode bandwidth, seventh session (issue 27 part 2; docs/serving.md "An fp8 KV cache"): the product
-default against fp16 dots ([Note] fp16 dots in the decode template: tiles converted to fp16 by the hardware, q and P
-scaled by powers of two into fp16's range) and a few tiles, each checked against float64 first.
+"""fp8 KV-cache decode bandwidth (issue 27 part 2; docs/serving.md "An fp8 KV cache"), seventh and eighth sessions:
+the product default against candidates (text replacements on the render, tiles), each checked against float64.
 
-    PYTHONPATH=$PWD python3 scripts/gpu_fp8kv_s7.py      # at most 105 s on an H100; one table; $OUT/gpu_fp8kv_s7.md
+    PYTHONPATH=$PWD python3 scripts/gpu_fp8kv_s7.py      # at most ~90 s on an H100; one table; $OUT/gpu_fp8kv_s7.md
     GPU_FP8KV_S7_DRY=1 PYTHONPATH=$PWD python3 scripts/gpu_fp8kv_s7.py   # the CPU interpreter, tiny shapes
 
-Candidates (text replacements on the render). Round A (00:50 UTC): default (then bf16 dots), f16 (F16_DOTS on), f16v
-(F16_DOTS and V_ONCE on: V converted once in its load layout, as MLA's latent tile is; d128 only), f16l / f16vl (and
-LAZY_RESCALE on: [Note] Lazy rescale), f16 at MLA tiles n64w8s3, n32w8s3, n32w4s4. Round B: default (the product,
-fp16 dots now), asm (F16_DOTS off: the default of before), v (V_ONCE on, d128), l (LAZY_RESCALE on, MLA), and at
-d128 b32 kv8192 the default and v with 2 and 4 splits (forward_split); MLA n32w4s4 and n64w4s2.
+Eighth session. Round A (03:25 UTC): V converted once and 128-key blocks at d128 (m64n128w4s3 with V converted once
+won at b128 and stayed within a point of the best elsewhere: now the dense default, [Note] fp8 decode tiles); MLA's
+latent score as a batched dot over 4 or 8 column slices lost (15-28% of copy against 39-44%: dropped), a dense
+latent cache ran 42 / 47% against paged 39 / 44%. Round B (65 s in all: the d128 phases only; `--phase mla` and
+`--phase check` still run by hand): each row timed two ways, do_bench (which writes 256 MB to flush the L2 before
+each call: the call then writes back the dirty lines, ~17 us, a fixed cost that round A showed at every variant,
+bf16 too) and back to back on two copies of the inputs (no flush: a decode loop); the product default against the
+seventh session's and the 128-key tile without V converted once, dense, and paged (page 16) with V converted once.
 Phases, each in a child process with a timeout (a kernel that faults or hangs loses its phase, not the table):
-1. d128: h32/8 at b32 kv8192 and b128 kv4096: bf16, e4m3, e5m2 (per-head scales): GB/s of the bytes read and % of a
-   device copy measured in the same phase; every row checked (the last sequence) before it is timed.
-2. mla: h16 sq1 page 64 at b32 kv32768 and b128 kv4096: bf16, e4m3 per token (the scales' 4 bytes a token counted).
-3. check (the candidates, MLA first; the default is checked in each timing row), while time is left: against the float64
-   reference on the dequantized cache (reference.dequantize), out within atol * max(1, T) + rtol * |o| (T: the
-   reference on |V|, as gpu_fp8_pertoken.py), lengths not multiples of the key block: d128 h8/2 dense (Sk 1000;
-   per-head, per-token scales) and paged page 16 (seqlens 1000/77/513; per-tensor, per-token), e4m3 and e5m2; MLA
-   576/512 h16 page 64 (seqlens 1000/77/513, Sq 2 and 1), e4m3 per token and per tensor.
+1. d128: h32/8 at b32 kv8192, b128 kv8192, b32 kv32768: bf16, e4m3, e5m2 (per-head scales): GB/s of the bytes read
+   and % of a device copy measured the same way in the same phase; every row checked (the last sequence) first.
+   paged: the same at page 16, b32 and b128 kv8192, e4m3.
+2. mla (by hand: --phase mla): h16 sq1 page 64 at b32 kv32768 and b128 kv4096: bf16, e4m3 per token (the scales'
+   4 bytes a token counted).
+3. check (by hand: --phase check): against the float64 reference on the dequantized cache (reference.dequantize), out
+   within atol * max(1, T) + rtol * |o| (T: the reference on |V|, as gpu_fp8_pertoken.py), lengths not multiples of
+   the key block: d128 h8/2 dense (Sk 1000; per-head and per-token scales; e4m3 and e5m2) and paged page 16
+   (seqlens 1000/77/513; per-token and per-tensor scales), the product default and the paged candidate.
 """
 
 from __future__ import annotations
@@ -34,7 +37,29 @@ DRY = os.environ.get("GPU_FP8KV_S7_DRY") == "1"
 if DRY:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # timings first (each row is checked before it is timed), then the checks while time is left
-PHASES = {"d128": 35, "mla": 45, "check": 25} if not DRY else {"d128": 600, "mla": 600, "check": 600}
+PHASES = {"d128": 30, "paged": 22} if not DRY else {p: 600 for p in ("d128", "paged")}  # round B: 65 s in all
+# Candidates: name -> (text replacements on the render, spec tile fields). Eighth session, round B: the product
+# default is now m64n128w4s3 with V converted once for a dense fp8 cache ([Note] fp8 decode tiles in
+# fagen/backends/triton.py); "before" is the seventh session's (m64n64w4s3, V converted in the operand), "n64 v" and
+# "n128" the two halves of the change. Paged (page 16): its default m64n128w4s2 (pure conversion) against n128s3 and
+# n128s2 with V converted once. MLA: the default against maxnreg 168 with 3 programs an SM in the split rule.
+V_ON = [("V_ONCE = tl.constexpr(False and", "V_ONCE = tl.constexpr(True and")]
+V_OFF = [("V_ONCE = tl.constexpr(True and", "V_ONCE = tl.constexpr(False and")]
+T = lambda n, w, s, m=64: dict(block_m=m, block_n=n, num_warps=w, num_stages=s)  # noqa: E731
+D128_CANDS = {"default": ([], {}), "before": (V_OFF, T(64, 4, 3)), "n128": (V_OFF, T(128, 4, 3))}
+D128_CANDS["default, batch_invariant"] = D128_CANDS["default"]  # the same kernel under the invariant split rule
+D128_ROWS = [(None, "default")] + [("fp8_e4m3", c) for c in D128_CANDS] + [("fp8_e5m2", "default")]
+D128_SHAPES = ((32, 8192), (128, 8192), (32, 32768))
+PAGED_CANDS = {"default": ([], {}), "n128s3 v": (V_ON, T(128, 4, 3))}
+PAGED_SHAPES = ((32, 8192), (128, 8192))
+REGS = lambda n, p: [("num_warps=NUM_WARPS, num_stages=NUM_STAGES,",  # noqa: E731
+                      f"num_warps=NUM_WARPS, num_stages=NUM_STAGES, maxnreg={n},"),
+                     ("PROGRAMS_PER_SM = 2", f"PROGRAMS_PER_SM = {p}")]
+# sm_90 ptxas at maxnreg 168: n32s2 312 bytes of spills, 70 KB; n16s3 328 bytes, 53 KB (3 programs an SM fit)
+MLA_CANDS = {"default": ([], {}), "n32s2 r168 p3": (REGS(168, 3), T(32, 4, 2, 16)),
+             "n16s3 r168 p3": (REGS(168, 3), T(16, 4, 3, 16))}
+MLA_ROWS = [(None, "default")] + [("fp8_e4m3", c) for c in MLA_CANDS]
+MLA_SHAPES = ((32, 32768), (128, 4096))
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -71,36 +96,58 @@ def phase(name):  # noqa: C901 - one phase in this process
     def bench(fn):
         return _bench(fn, DRY, warmup=10, rep=40)
 
-    # candidates: name -> (text replacements on the render, spec fields)
-    # round B: the product default has fp16 dots ([Note] fp16 dots); "asm" is the default before (bf16 dots, e4m3
-    # through the integer asm); "v" adds V converted once in its load layout (V_ONCE, d128); "l" the lazy rescale
-    cands = {"default": ([], {}), "asm": ([("_F16_DOTS = True", "_F16_DOTS = False")], {}),
-             "v": ([("V_ONCE = tl.constexpr(False and", "V_ONCE = tl.constexpr(True and")], {}),
-             "l": ([("LAZY_RESCALE = tl.constexpr(False)", "LAZY_RESCALE = tl.constexpr(True)")], {})}
+    def loop(fns, total_ms=25.0):
+        """ms a call, calls back to back with no L2 flush, alternating between the fns (each on its own copy of
+        the inputs, which are larger than the L2): what a decode loop sees. do_bench's flush writes 256 MB before
+        each call, and its dirty L2 lines are written back during the timed call (~17 us at 3 TB/s)."""
+        if DRY:
+            return bench(fns[0])
+        for f in fns:
+            f()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fns[0]()
+        torch.cuda.synchronize()
+        n = max(8, min(400, int(total_ms / max((time.perf_counter() - t) * 1e3, 1e-3))))
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(n):
+            fns[i % len(fns)]()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / n
+
+    def timed(section, case, impl, read, fns, err):
+        """One row: GB/s of the bytes read, back to back (the value) and under do_bench (the note)."""
+        ms_loop, ms = loop(fns), bench(fns[0])
+        emit(section, case, impl, read / ms_loop / 1e6, "GB/s", ms_loop,
+             f"{100 * read / ms_loop / 1e6 / peak[1]:.0f}% of copy back to back; do_bench {ms:.4f} ms, "
+             f"{100 * read / ms / 1e6 / peak[0]:.0f}%; err {err:.1e}")
+
     mods = {}
 
-    def module(spec_kw, cand):
-        fields = dict(spec_kw, **cands[cand][1])
-        key = (json.dumps(fields, sort_keys=True), cand)
+    def module(spec_kw, text):
+        """The module of this spec with `text` ((old, new) replacements on the render) applied."""
+        key = (json.dumps(spec_kw, sort_keys=True), tuple(text))
         if key not in mods:
-            spec = fagen.KernelSpec(**fields)
-            if not cands[cand][0] or not spec.kv_dtype:
+            spec = fagen.KernelSpec(**spec_kw)
+            if not text:
                 mods[key] = fagen.load(spec)
             else:
                 src = fagen.generate(spec)
-                for old, new in cands[cand][0]:
+                for old, new in text:
                     if old not in src:
-                        raise RuntimeError(f"{cand}: {old!r} not in the render")
+                        raise RuntimeError(f"{old!r} not in the render")
                     src = src.replace(old, new)
-                mods[key] = load_source(src, f"{spec.name}_{cand}")
+                mods[key] = load_source(src, f"{spec.name}_{abs(hash(tuple(text))) % 10**8}")
         return mods[key]
 
     def scales(shape, gen):
         return torch.exp2(torch.rand(shape, device=dev, generator=gen) * 6 - 3)  # log-uniform 1/8 .. 8
 
-    def d128_spec(kv, layout="dense", gqa=4):
+    def d128_spec(kv, layout="dense", gqa=4, **tiles):
         return dict(head_dim=128 if not DRY else 32, gqa=gqa, dtype="bf16", kind="decode", kv_dtype=kv, layout=layout,
-                    **({"block_n": 16} if DRY else {}))
+                    **({"block_n": 16} if DRY else tiles))
 
     def mla_spec(kv, mask="causal", **tiles):
         return dict(head_dim=D, head_dim_v=DV, shared_kv=True, kind="decode", gqa=16, dtype="bf16", mask=mask,
@@ -114,7 +161,7 @@ def phase(name):  # noqa: C901 - one phase in this process
         cache = k.view(b, h, n, page, d).permute(0, 2, 3, 1, 4).reshape(b * n, page, h, d)[perm.argsort().long()]
         return cache, perm.view(b, n)
 
-    def check_d128(kv, cand, layout, form):
+    def check_d128(kv, cand, layout, form):  # cand: (text, tiles)
         hd = 128 if not DRY else 32
         b, hkv, g, sk, page = 3, 2, 4, (1000 if not DRY else 100), 16
         gen = torch.Generator(device=dev).manual_seed(1)
@@ -122,7 +169,7 @@ def phase(name):  # noqa: C901 - one phase in this process
         k = torch.randn(b, hkv, sk if layout == "dense" else 1024 if not DRY else 112, hd, device=dev, generator=gen)
         v = torch.randn_like(k)
         kq, vq = k.to(fp8[kv]), v.to(fp8[kv])
-        m = module(d128_spec(kv, layout), cand)
+        m = module(d128_spec(kv, layout, **cand[1]), cand[0])
         if layout == "dense":
             ks = scales((hkv,), gen) if form == "head" else scales(kq.shape[:-1], gen)
             vs = scales((hkv,), gen) if form == "head" else scales(vq.shape[:-1], gen)
@@ -176,109 +223,103 @@ def phase(name):  # noqa: C901 - one phase in this process
         return worst
 
     def copy_bw():
+        """(do_bench, back to back) GB/s of a 1 GB device copy, read + write."""
         x = torch.empty(1 << (20 if DRY else 30), dtype=torch.uint8, device=dev)
         y = torch.empty_like(x)
-        return 2 * x.numel() / bench(lambda: y.copy_(x)) / 1e6
+        return 2 * x.numel() / bench(lambda: y.copy_(x)) / 1e6, 2 * x.numel() / loop([lambda: y.copy_(x)]) / 1e6
 
-    if name == "check":
-        for cand in ("default", "v"):
-            for form in ("token", "tensor"):
-                for sq in (2, 1):
-                    if cand == "v":  # V_ONCE: on for MLA already
-                        continue
-                    case = f"MLA h16 sq{sq} page{PAGE} e4m3 {form} lens 1000/77/513"
+    if name == "check":  # the product default and the paged candidate at odd shapes (lengths not multiples of a block)
+        for layout, kv, form, cand in (("dense", "fp8_e4m3", "head", "default"),
+                                       ("dense", "fp8_e4m3", "token", "default"),
+                                       ("dense", "fp8_e5m2", "head", "default"),
+                                       ("paged", "fp8_e4m3", "token", "default"),
+                                       ("paged", "fp8_e4m3", "token", "n128s3 v"),
+                                       ("paged", "fp8_e5m2", "tensor", "n128s3 v")):
+            case = f"d128 h8/2 {layout} {kv} {form} scales"
 
-                    def run():
-                        gen = torch.Generator(device=dev).manual_seed(sq)
-                        lens = [1000, 77, 513] if not DRY else [100, 7, 53]
-                        q, cache, table, ln, ks = mla_inputs("fp8_e4m3", 3, sq, max(lens), lens, gen, form == "token")
-                        m = module(mla_spec("fp8_e4m3"), cand)
-                        err = mla_check_rows(m, q, cache, table, ln, ks, range(3))
-                        emit("check", case, cand, None, "", None, f"ok, err {err:.1e}")
-                    guarded("check", case, cand, run)
-            for kv in fp8:
-                for layout, form in (("dense", "head"), ("dense", "token"), ("paged", "tensor"), ("paged", "token")):
-                    if cand == "v" and (kv == "fp8_e5m2" or form in ("head", "tensor")) \
-                            or kv == "fp8_e5m2" and form == "token" and layout == "dense":
-                        continue
-                    case = f"d128 h8/2 {layout} {kv} {form} scales"
-
-                    def run():
-                        err = check_d128(kv, cand, layout, form)
-                        emit("check", case, cand, None, "", None, f"ok, err {err:.1e}")
-                    guarded("check", case, cand, run)
+            def run():
+                err = check_d128(kv, (D128_CANDS if layout == "dense" else PAGED_CANDS)[cand], layout, form)
+                emit("check", case, cand, None, "", None, f"ok, err {err:.1e}")
+            guarded("check", case, cand, run)
         return
 
     peak = copy_bw()
-    emit(name, "device copy (read + write)", "torch copy_", peak, "GB/s", None)
-    if name == "d128":
+    emit(name, "device copy (read + write)", "torch copy_", peak[1], "GB/s", None,
+         f"back to back; do_bench {peak[0]:.1f} GB/s")
+    if name in ("d128", "paged"):
         hd = 128 if not DRY else 32
-        for b, sk in ((32, 8192), (128, 4096)):
+        cands, rows = (D128_CANDS, D128_ROWS) if name == "d128" else \
+            (PAGED_CANDS, [("fp8_e4m3", c) for c in PAGED_CANDS])
+        for b, sk in D128_SHAPES if name == "d128" else PAGED_SHAPES:
             b, sk = (min(b, 2), max(64, sk // 128)) if DRY else (b, sk)
-            case = f"d128 h32/8 b{b} kv{sk}"
-            rows = [(None, "default", None), ("fp8_e4m3", "default", None), ("fp8_e4m3", "asm", None),
-                    ("fp8_e4m3", "v", None), ("fp8_e5m2", "default", None), ("fp8_e5m2", "asm", None)]
-            if b == 32 or DRY:  # one wave of 2 programs an SM at most: more splits, more programs an SM
-                rows += [("fp8_e4m3", c, n) for c in ("default", "v") for n in (2, 4)]
-            for kv, cand, splits in rows:
-                impl = f"{kv or 'bf16'} {cand}" + (f" {splits} splits" if splits else "")
+            case = f"d128 h32/8 b{b} kv{sk}" + (" page16" if name == "paged" else "")
+            gen = torch.Generator(device=dev).manual_seed(0)
+            q = torch.randn(b, 32, 1, hd, device=dev, generator=gen).mul(3).bfloat16()
+            kb = torch.randn(b, 8, sk, hd, device=dev, generator=gen, dtype=torch.bfloat16)
+            vb = torch.randn(b, 8, sk, hd, device=dev, generator=gen, dtype=torch.bfloat16)
+            caches = {None: (kb, vb, {})}
+            for kv in fp8 if name == "d128" else ("fp8_e4m3",):
+                caches[kv] = (kb.to(fp8[kv]), vb.to(fp8[kv]),
+                              dict(k_scale=0.5 + torch.rand(8, device=dev, generator=gen),
+                                   v_scale=0.5 + torch.rand(8, device=dev, generator=gen)))
+            calls = {}  # kv -> (args, keywords) of the two copies of the inputs (back to back: alternating)
+            for kv, (k, v, kw) in caches.items():
+                if name == "paged":
+                    kc, table = paged(k, 16)
+                    vc = v.view(b, 8, -1, 16, hd).permute(0, 2, 3, 1, 4).reshape(-1, 16, 8, hd)[
+                        table.flatten().argsort().long()]
+                    pk = dict(kw, block_table=table, seqlens_k=torch.full((b,), sk, dtype=torch.int32, device=dev))
+                    calls[kv] = [((q, kc, vc), pk), ((q, kc.clone(), vc.clone()), pk)]
+                else:
+                    calls[kv] = [((q, k, v), kw), ((q, k.clone(), v.clone()), kw)]
+            for kv, cand in rows:
+                impl = f"{kv or 'bf16'} {cand}"
+                if time.time() - T0 > PHASES.get(name, 40) - 4:
+                    emit(name, case, impl, None, "", None, "skipped: time budget")
+                    continue
 
                 def run():
-                    gen = torch.Generator(device=dev).manual_seed(0)
-                    q = torch.randn(b, 32, 1, hd, device=dev, generator=gen).mul(3).bfloat16()
-                    k = torch.randn(b, 8, sk, hd, device=dev, generator=gen)
-                    v = torch.randn(b, 8, sk, hd, device=dev, generator=gen)
-                    kw = {}
-                    if kv:
-                        k, v = k.to(fp8[kv]), v.to(fp8[kv])
-                        kw = dict(k_scale=0.5 + torch.rand(8, device=dev, generator=gen),
-                                  v_scale=0.5 + torch.rand(8, device=dev, generator=gen))
-                    else:
-                        k, v = k.bfloat16(), v.bfloat16()
-                    m = module(d128_spec(kv), cand)
-                    out, _ = m.forward_split(q, k, v, num_splits=splits, **kw)
+                    k, v, kw = caches[kv]
+                    spec = d128_spec(kv, "dense" if name == "d128" else "paged", **(cands[cand][1] if kv else {}))
+                    m = module(spec, cands[cand][0] if kv else [])
+                    inv = dict(batch_invariant=True) if "batch_invariant" in cand else {}
+                    out, _ = m.forward(*calls[kv][0][0], **calls[kv][0][1], **inv)
                     ref, _ = reference.attention(q[-1:, :4].double(),
                                                  reference.dequantize(k[-1:, :1], kw["k_scale"][:1] if kv else None),
                                                  reference.dequantize(v[-1:, :1], kw["v_scale"][:1] if kv else None))
                     err = compare("out", out[-1:, :4], ref, **TOLERANCE["bf16"])
-                    ms = bench(lambda: m.forward_split(q, k, v, num_splits=splits, **kw) if splits else
-                               m.forward(q, k, v, **kw))
                     read = k.numel() * k.element_size() + v.numel() * v.element_size()
-                    emit("d128", case, impl, read / ms / 1e6, "GB/s", ms,
-                         f"{100 * read / ms / 1e6 / peak:.0f}% of copy; err {err:.1e}")
-                guarded("d128", case, impl, run)
+                    timed(name, case, impl, read, [lambda a=a, w=w: m.forward(*a, **w, **inv) for a, w in calls[kv]],
+                          err)
+                guarded(name, case, impl, run)
+            del caches, calls, kb, vb
     if name == "mla":
-        impls = [(None, "default", {}), ("fp8_e4m3", "default", {}), ("fp8_e4m3", "asm", {}),
-                 ("fp8_e4m3", "l", {})]
-        if not DRY:  # round A: n32w4s4 39 / 45% against the default's 39 / 44 (n64w8s3 36 / 40, n32w8s3 26 / 30)
-            # n64w4s2: q's fragments re-read from shared memory once per 64 keys instead of 32 (spills 224 B)
-            impls += [("fp8_e4m3", "default", dict(block_m=16, block_n=bn, num_warps=4, num_stages=st))
-                      for bn, st in ((32, 4), (64, 2))]
-        for b, n in ((32, 32768), (128, 4096)):
+        for b, n in MLA_SHAPES:
             b, n = (min(b, 2), max(64, n // 256)) if DRY else (b, n)
             case = f"MLA h16 sq1 page{PAGE} b{b} kv{n}"
-            for kv, cand, tiles in impls:
+            for kv, cand in MLA_ROWS:
                 impl = f"{kv or 'bf16'}{' per token' if kv else ''} {cand}"
-                impl += " m{block_m}n{block_n}w{num_warps}s{num_stages}".format(**tiles) if tiles else ""
-                if tiles and time.time() - T0 > 30:
+                if time.time() - T0 > PHASES.get("mla", 40) - 4:
                     emit("mla", case, impl, None, "", None, "skipped: time budget")
                     continue
 
                 def run():
                     gen = torch.Generator(device=dev).manual_seed(5)
                     q, cache, table, lens, ks = mla_inputs(kv, b, 1, n, [n] * b, gen, True)
-                    m = module(mla_spec(kv, mask="none", **tiles), cand)
+                    text, tiles = MLA_CANDS[cand] if kv else ([], {})
+                    m = module(mla_spec(kv, mask="none", **tiles), text)
                     kw = {} if ks is None else dict(k_scale=ks)
-                    out, _ = m.forward(q, cache, None, block_table=table, seqlens_k=lens, **kw)
+                    cache2 = cache.clone()  # a second copy: back to back, the calls alternate
+                    call = lambda: m.forward(q, cache, None, block_table=table, seqlens_k=lens, **kw)  # noqa: E731
+                    call2 = lambda: m.forward(q, cache2, None, block_table=table, seqlens_k=lens, **kw)  # noqa: E731
+                    out, _ = call()
                     keys = reference.dequantize(cache, ks)[table[-1].long()].reshape(-1, 1, D)[:n].transpose(0, 1)[None]
                     want, _ = reference.attention(q[-1:].double(), keys, None, head_dim_v=DV)
                     terms, _ = reference.attention(q[-1:].double(), keys, keys[..., :DV].abs())
                     unit = terms.clamp(min=1.0)
                     err = compare("out", out[-1:].double() / unit, want / unit, **TOLERANCE["bf16"])
-                    ms = bench(lambda: m.forward(q, cache, None, block_table=table, seqlens_k=lens, **kw))
                     read = b * n * D * cache.element_size() + (b * n * 4 if kv else 0) + q.numel() * 2 * (1 + DV / D)
-                    emit("mla", case, impl, read / ms / 1e6, "GB/s", ms,
-                         f"{100 * read / ms / 1e6 / peak:.0f}% of copy; err {err:.1e}")
+                    timed("mla", case, impl, read, [call, call2], err)
                 guarded("mla", case, impl, run)
 
 

@@ -58,6 +58,17 @@ class TritonBackend(KernelBackend):
             return fit(tiles, lambda c: tile_bytes(spec.head_dim, spec.dtype, spec.direction, c["block_m"],
                                                    c["block_n"], c["num_stages"], spec.head_dim_v),
                        targets.smem_limit(arch), given)
+        if spec.kv_dtype is not None and spec.layout is Layout.DENSE and max(spec.head_dim, spec.head_dim_v) <= 128 \
+                and targets.TILE_FAMILY.get(arch) == "sm_90":
+            # [Note] fp8 decode tiles. An fp8 key is half a bf16 key's bytes, so 128-key blocks keep as many bytes in
+            # flight a stage as the bf16 cache's 64-key ones; with V converted once ([Note] V converted once in the
+            # decode template) sm_90 ptxas gives 168 registers and 105 KB (two programs an SM). H100 (eighth
+            # session, scripts/gpu_fp8kv_s7.py round A, d128 h32/8 e4m3, % of copy at b32 kv8k / b128 kv8k / b32
+            # kv32k): m64n128w4s3 90 / 100 / 98 against m64n64w4s3 (before) 91 / 94 / 99; n128s2 85 / 93 / 92,
+            # n64s4 89 / 89 / 97 (both converted once); e5m2 n128s3 90 / 99 / 98 (92 / 94 / 99 before). Those are
+            # do_bench's, whose L2 flush costs ~17 us a call; round B back to back: 96 / 100 / 100 against 96 / 95 /
+            # 100 before (docs/serving.md, "128-key tiles"). Paged caches keep theirs (V converted once lost there).
+            return {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 3, **given}
         return default_config(max(spec.head_dim, spec.head_dim_v), spec.dtype, spec.direction, spec.kind,
                               mask=spec.mask, arch=arch, layout=spec.layout, window=spec.window, given=given,
                               head_dim_v=spec.head_dim_v)

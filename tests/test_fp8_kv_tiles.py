@@ -1,0 +1,41 @@
+"""The tiles and the V conversion an fp8 KV cache's decode kernel gets by default ([Note] fp8 decode tiles in
+fagen/backends/triton.py, [Note] V converted once in the decode template): on sm_90 a dense cache with its own V
+takes 128-key blocks and converts V once; a paged cache, another arch, wide head dims and the bf16 cache keep
+their tiles; MLA's latent cache keeps its own (and converts its tile once, as before)."""
+
+import pytest
+
+import fagen
+
+
+def _decode(**fields):
+    return fagen.KernelSpec(kind="decode", dtype="bf16", gqa=4, **fields)
+
+
+def _v_once(spec) -> bool:
+    line = next(x for x in fagen.generate(spec).splitlines() if x.startswith("V_ONCE = "))
+    return line.startswith("V_ONCE = tl.constexpr(True")
+
+
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_dense_fp8_cache_takes_128_key_blocks_and_converts_v_once_on_sm90(kv, head_dim):
+    spec = _decode(head_dim=head_dim, kv_dtype=kv)
+    assert (spec.block_m, spec.block_n, spec.num_warps, spec.num_stages) == (64, 128, 4, 3), spec.name
+    assert _v_once(spec)
+
+
+def test_other_fp8_caches_and_the_bf16_cache_keep_their_tiles():
+    bf16 = _decode(head_dim=128)
+    assert (bf16.block_n, bf16.num_stages) == (64, 3)
+    paged = _decode(head_dim=128, kv_dtype="fp8_e4m3", layout="paged")
+    assert (paged.block_n, paged.num_stages) == (128, 2) and not _v_once(paged)
+    sm80 = _decode(head_dim=128, kv_dtype="fp8_e4m3", arch="sm_80")
+    assert (sm80.block_n, sm80.num_stages) == (64, 3)  # Ada's 99 KB would not hold the 105 KB of n128s3
+    wide = _decode(head_dim=256, kv_dtype="fp8_e4m3")
+    assert wide.block_n != 128 or wide.num_stages != 3
+    given = _decode(head_dim=128, kv_dtype="fp8_e4m3", block_n=32)
+    assert (given.block_n, given.num_stages) == (32, 3)  # a field the spec sets stays
+    mla = fagen.KernelSpec(head_dim=576, head_dim_v=512, shared_kv=True, kind="decode", gqa=16, dtype="bf16",
+                           layout="paged", kv_dtype="fp8_e4m3")
+    assert (mla.block_m, mla.block_n, mla.num_warps, mla.num_stages) == (16, 32, 4, 3) and _v_once(mla)

@@ -3,6 +3,15 @@ H16 S8192): issue 26's backward target (>= 1.2x Flex on every row), with variant
 
     PYTHONPATH=$PWD python3 scripts/gpu_mods_bwd_s6.py [--rows a,b] [--rep-ms 30] [--time-limit 45]
     GPU_MODS_BWD_S6_DRY=1 PYTHONPATH=$PWD python3 scripts/gpu_mods_bwd_s6.py   # CPU: interpreter, tiny shape
+    PYTHONPATH=$PWD python3 scripts/gpu_mods_bwd_s6.py --gluon     # the Gluon backward's mods (eighth session)
+
+--gluon (docs/mods.md, "The Gluon backward"): phase 0, in a child process with a timeout, checks the Gluon
+backward (fagen/templates/gluon/backward.py.j2) with each mod feature against the float64 reference of the user's
+own functions at small odd shapes (d128 bf16, B1 H2, S 333 / Sq 200 Sk 333): the causal window and a two-sided window
+on mask none (both dQ modes), the softcap switch, ALiBi, a relative bias (a captured tensor) and a softcap score_mod
+(its derivative in dS); then one mutant (the softcap's tanh chain dropped from dS), which must fail. Rows and variants
+become the four rows below the target with "api" and "gluon" (the row's Gluon bwd module: the window switch, the
+score_mod as the API lowers it, prefix-LM's two split calls each on the Gluon backward).
 
 Variants:
   api           fagen.attention(q, k, v, score_mod=, mask_mod=, block_mask=) as a user calls it, with gradients:
@@ -58,6 +67,11 @@ VARIANTS = {
     "alibi": ["api", "default", "dkdv=128x64w8s3 dq=128x64w8s3"],
 }
 ROWS = list(VARIANTS)
+GLUON = "--gluon" in sys.argv
+if GLUON:
+    VARIANTS = {"relative-bias": ["api", "gluon"], "alibi": ["api", "gluon"], "sliding-window+causal": ["api", "gluon"],
+                "prefix-lm": ["api", "gluon"]}
+    ROWS = list(VARIANTS)
 # Rows fagen.attention lowers to a built-in switch: (mask, switches, window)
 LOWERED = {"sliding-window+causal": ("causal", ("window",), (1024, 0))}
 
@@ -140,6 +154,33 @@ def module_of(row, variant, shape):
     return load_source(src, spec.name + "_v" + re.sub(r"[^a-z0-9]+", "_", variant)), spec
 
 
+def gluon_module(row, shape, mask=None):
+    """(module, its attention keywords) of the row's Gluon backward: the lowered window switch, or the score_mod as
+    fagen.attention leaves it after lowering (ALiBi: `alibi-rowfree`); `mask`: a plain Gluon bwd module."""
+    import torch
+
+    import fagen
+    from fagen.runtime import modded
+    from fagen.spec.kernel import KernelSpec
+
+    dt = "bf16" if shape.dtype == torch.bfloat16 else "fp16"
+    plain = dict(backend="gluon", direction="bwd", head_dim=shape.head_dim, dtype=dt)
+    if mask is not None:
+        return fagen.load(KernelSpec(mask=mask, **plain)), {}
+    sm, mm, mods, base, low = row_setup(row, shape)
+    if low is not None:
+        return fagen.load(KernelSpec(mask=low[0], window=True, **plain)), {"window": low[2]}
+    q = torch.empty(1, shape.heads, shape.seq, shape.head_dim, dtype=shape.dtype, device=device(),
+                    requires_grad=True)
+    got = modded._lower(mods, q, q, q, "none", {}, None, None, None, None)
+    fields, values = mods.fields, mods.values
+    if got is not None and got.fields is not None:
+        fields, values = got.fields, {n: mods.values[n] for n in got.names}
+    spec = KernelSpec(mask="none", score_mod=fields[0], mod_tensors=[list(t) for t in fields[2]],
+                      mod_scalars=[list(x) for x in fields[3]], **plain)
+    return fagen.load(spec), {"mods": values}
+
+
 def attend(row, variant, shape, bm):
     """The (q, k, v) -> out callable of a fagen variant."""
     import fagen
@@ -149,11 +190,17 @@ def attend(row, variant, shape, bm):
         return lambda q, k, v: fagen.attention(q, k, v, score_mod=sm, mask_mod=mm, block_mask=bm)
     if variant == "split":
         return split_call(row, shape, mm)
+    if variant == "gluon" and row == "prefix-lm":
+        return split_call(row, shape, mm, gluon=True)
+    if variant == "gluon":
+        module, kw = gluon_module(row, shape)
+        return lambda q, k, v: module.attention(q, k, v, **kw)
     return fagen_call(row, module_of(row, variant, shape)[0], shape, bm)
 
 
-def split_call(row, shape, mm):
-    """The split lowering's switch calls, written out (fagen/mods/split.py's run_split, with gradients)."""
+def split_call(row, shape, mm, gluon=False):
+    """The split lowering's switch calls, written out (fagen/mods/split.py's run_split, with gradients); gluon: each
+    call on the Gluon backward's module (prefix-LM)."""
     import torch
 
     import fagen
@@ -162,6 +209,13 @@ def split_call(row, shape, mm):
     s = shape.seq
     if row == "prefix-lm":
         p = s // 4  # fagen/bench/mods.py's prefix length
+        if gluon:
+            full, causal = gluon_module(row, shape, "none")[0], gluon_module(row, shape, "causal")[0]
+
+            def run(q, k, v):
+                top = full.attention(q[:, :, :p], k[:, :, :p], v[:, :, :p])
+                return torch.cat([top, causal.attention(q[:, :, p:], k, v)], dim=2)
+            return run
 
         def run(q, k, v):
             top = fagen.attention(q[:, :, :p], k[:, :, :p], v[:, :, :p], mask="none")
@@ -274,6 +328,132 @@ def resources(module) -> dict:
     return res
 
 
+# Phase 0 of --gluon: (name, mask, spec fields, call keywords, score_mod, mask_mod, Sq, Sk, deterministic, mutant)
+def _gluon_cases():
+    import torch
+
+    H, S = 2, 333
+    g = torch.Generator(device="cpu").manual_seed(5)
+    bias = (torch.randn(H, 2 * S - 1, generator=g) * 0.5).to(device())
+    cap = 20.0
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return cap * torch.tanh(score / cap)
+
+    def alibi(score, b, h, q_idx, kv_idx):  # attention-gym's, slopes from h
+        return score + (kv_idx - q_idx) * torch.exp2(-((h + 1) * 8.0 / H))
+
+    def rel_bias(score, b, h, q_idx, kv_idx):
+        return score + bias[h, q_idx - kv_idx + S - 1]
+
+    def causal_window(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx <= 37)
+
+    def two_sided(b, h, q_idx, kv_idx):  # Sq 200, Sk 333: i_aligned = q_idx + 133, window (50, 20)
+        return (kv_idx >= q_idx + 133 - 50) & (kv_idx <= q_idx + 133 + 20)
+
+    win = dict(window=True)
+    return [("window causal", "causal", win, {"window": (37, 0)}, None, causal_window, S, S, True, None),
+            ("window causal unordered", "causal", win, {"window": (37, 0)}, None, causal_window, S, S, False, None),
+            ("window none (50,20) Sq<Sk", "none", win, {"window": (50, 20)}, None, two_sided, 200, S, True, None),
+            ("window none unordered", "none", win, {"window": (50, 20)}, None, two_sided, 200, S, False, None),
+            ("softcap switch", "none", dict(softcap=True), {"softcap": cap}, softcap, None, S, S, True, None),
+            ("alibi (h slopes)", "none", {}, None, alibi, None, S, S, True, None),
+            ("relative bias", "causal", {}, None, rel_bias, None, S, S, True, None),
+            ("softcap score_mod", "causal", {}, None, softcap, None, S, S, True, None),
+            ("MUTANT softcap chain dropped", "none", dict(softcap=True), {"softcap": cap}, softcap, None, S, S, True,
+             "through the softcap: d(cap tanh")]
+
+
+def _gluon_check_all(_=None) -> list[str]:
+    """Phase 0 (a child process): each case's dq, dk, dv against float64; one line each."""
+    import math
+
+    import torch
+
+    from fagen.codegen.render import render
+    from fagen.runtime.loader import load_source
+    from fagen.runtime.mods import prepare
+    from fagen.spec.axes import DType
+    from fagen.spec.kernel import KernelSpec
+    from fagen.verify.tolerances import compare_grad
+
+    dev, lines, D = device(), [], 128
+    if DRY:
+        os.environ.pop("TRITON_INTERPRET", None)  # sm_90 builds, not the interpreter
+    for name, mask, fields, kw, sm, mm, sq, sk, det, mutant in _gluon_cases():
+        t0 = time.perf_counter()
+        try:
+            spec_fields = dict(backend="gluon", direction="bwd", head_dim=D, dtype="bf16", mask=mask, **fields)
+            if kw is None:  # a score_mod: the spec carries it, the call its captured values
+                m = prepare(score_mod=sm)
+                spec_fields.update(score_mod=m.fields[0], mod_tensors=[list(t) for t in m.fields[2]],
+                                   mod_scalars=[list(x) for x in m.fields[3]])
+                kw = {"mods": m.values}
+            spec = KernelSpec(**spec_fields)
+            src = render(spec).files[".py"]
+            if mutant:
+                kept = [ln for ln in src.splitlines(keepends=True) if mutant not in ln]
+                assert len(kept) == len(src.splitlines()) - 1, "the mutant's line is not in the source"
+                src = "".join(kept)
+            module = load_source(src, spec.name + ("_mutant" if mutant else "_check"))
+            if DRY:  # no Gluon on the interpreter: the sm_90 build of its backward only
+                ck = module.compile_backward_for(deterministic=det)
+                lines.append(f"BUILT gluon bwd {name}: sm_90, {ck.metadata.shared} B shared ({spec.name}, "
+                             f"{time.perf_counter() - t0:.1f} s)")
+                print("  phase 0: " + lines[-1], flush=True)
+                continue
+            g = torch.Generator(device="cpu").manual_seed(7)
+            q, k, v = (torch.randn(1, 2, n, D, generator=g).to(dev, torch.bfloat16) for n in (sq, sk, sk))
+            do = torch.randn(1, 2, sq, D, generator=g).to(dev, torch.bfloat16)
+            qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+            got = torch.autograd.grad(module.attention(qg, kg, vg, deterministic=det, **kw), (qg, kg, vg), do)
+            q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+            qi = torch.arange(sq, device=dev)[None, None, :, None]
+            ki = torch.arange(sk, device=dev)[None, None, None, :]
+            h = torch.arange(2, device=dev)[None, :, None, None]
+            b = torch.zeros(1, device=dev, dtype=torch.long)[:, None, None, None]
+            s = (q64 @ k64.transpose(-1, -2)) / math.sqrt(D)
+            if sm is not None:
+                s = sm(s, b, h, qi, ki)
+            vis = ki <= qi + (sk - sq) if mask == "causal" else torch.ones_like(ki, dtype=torch.bool)
+            if mm is not None:
+                vis = vis & mm(b, h, qi, ki)
+            s = torch.where(vis.expand_as(s), s, float("-inf"))
+            out = torch.softmax(s, -1).nan_to_num(0.0) @ v64
+            ref = torch.autograd.grad(out, (q64, k64, v64), do.double())
+            errs = []
+            for gname, a, r in zip(("dq", "dk", "dv"), got, ref):
+                compare_grad(gname, a, r, DType.BF16)
+                errs.append(float((a.double() - r).abs().max()))
+            ok = not mutant
+            lines.append(f"{'PASS' if ok else 'FAIL'} gluon bwd {name}: max |err| dq {errs[0]:.1e} dk {errs[1]:.1e} "
+                         f"dv {errs[2]:.1e} ({spec.name}, {time.perf_counter() - t0:.1f} s)"
+                         + ("  <- the mutant passed: the check cannot see it" if mutant else ""))
+        except Exception as e:  # noqa: BLE001 - a line, never the end of the run
+            ok = bool(mutant) and isinstance(e, AssertionError)
+            lines.append(f"{'PASS' if ok else 'FAIL'} gluon bwd {name}: "
+                         f"{'caught: ' if ok else ''}{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+                         f" ({time.perf_counter() - t0:.1f} s)")
+        print("  phase 0: " + lines[-1], flush=True)
+    return lines
+
+
+def gluon_checks():
+    """Start phase 0 in a child process; returns a callable that collects its lines (a timeout is a FAIL line)."""
+    pool = mp.get_context("spawn").Pool(1)
+    job = pool.apply_async(_gluon_check_all)
+
+    def collect(timeout=60.0):
+        try:
+            return job.get(timeout)
+        except Exception as e:  # noqa: BLE001 - a hang or a fault in the child
+            return [f"FAIL gluon bwd checks: {type(e).__name__}: {str(e)[:160]} (the child was stopped)"]
+        finally:
+            pool.terminate()
+    return collect
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", help="comma-separated rows (default: " + ",".join(ROWS) + ")")
@@ -281,8 +461,11 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=45.0,
                     help="seconds of phase 2 after which no more variant is timed")
     ap.add_argument("--workers", type=int, default=0 if DRY else min(16, os.cpu_count() or 4))
+    ap.add_argument("--phase1-limit", type=float, default=50.0, help="seconds phase 1 may take")
+    ap.add_argument("--gluon", action="store_true", help="the Gluon backward's mods (module docstring)")
     args = ap.parse_args()
     t_start = time.perf_counter()
+    collect = gluon_checks() if GLUON else None  # phase 0, beside phase 1
     rows = args.rows.split(",") if args.rows else ROWS
     items = [(r, v) for r in rows for v in (([] if DRY else ["flex"]) + VARIANTS[r])]
 
@@ -291,12 +474,23 @@ def main() -> None:
     errors = {}
     if args.workers:
         n = max(1, min(args.workers, len(items)))
-        with mp.get_context("spawn").Pool(n) as pool:
-            results = list(pool.imap_unordered(warm, [items[i::n] for i in range(n)]))
+        results, deadline = [], time.perf_counter() + args.phase1_limit
+        with mp.get_context("spawn").Pool(n) as pool:  # a worker that hangs (a kernel's deadlock) is cut off
+            it = pool.imap_unordered(warm, [items[i::n] for i in range(n)])
+            for _ in range(n):
+                try:
+                    results.append(it.next(timeout=max(1.0, deadline - time.perf_counter())))
+                except mp.TimeoutError:
+                    break
+        seen = {(row, variant) for done in results for row, variant, _, _ in done}
+        for item in items:
+            if item not in seen:
+                errors[item] = f"phase 1 past {args.phase1_limit:.0f} s (a hang?)"
         for done in results:
             for row, variant, err, _ in done:
                 if err:
                     errors[(row, variant)] = err
+    checks = collect() if collect else []
     t_compiled = time.perf_counter()
     print(f"phase 1: {len(items)} (row, variant) runs in {t_compiled - t_start:.0f} s ({len(errors)} failed)",
           flush=True)
@@ -343,7 +537,7 @@ def main() -> None:
                 continue
             try:
                 module = None
-                if variant not in ("api", "split"):
+                if variant not in ("api", "split", "gluon"):
                     module, spec = module_of(row, variant, shape)
                     rec["spec"] = spec.name
                 att = attend(row, variant, shape, bm)
@@ -389,6 +583,8 @@ def main() -> None:
     if out_dir:
         with open(os.path.join(out_dir, "mods_bwd_s6.json"), "w") as f:
             json.dump({"gpu": gpu, "records": records}, f, indent=1, default=str)
+    for line in checks:
+        print(line)
     print(f"total {time.perf_counter() - t_start:.0f} s (phase 1 {t_compiled - t_start:.0f} s)")
 
 

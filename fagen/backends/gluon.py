@@ -201,19 +201,25 @@ class GluonBackend(KernelBackend):
                                                            "backend 'triton' for other V widths")
 
     def _check_bwd(self, spec) -> None:
-        """The gluon backward's limits ([Note] Gluon backward rule): head_dim 128, bf16/fp16, no switch, no mod."""
+        """The gluon backward's limits ([Note] Gluon backward rule): head_dim 128, bf16/fp16; the window and softcap
+        switches and a score_mod ([Note] Gluon backward mods); the mask_mod is refused for every gluon spec."""
         if spec.head_dim not in self.bwd_head_dims or spec.head_dim_v != spec.head_dim:
             raise SpecError("head_dim", spec.head_dim, "the gluon backward supports head_dim 128 (head_dim_v equal); "
                                                        "use backend 'triton' for other head dims")
         if spec.dtype not in (DType.BF16, DType.FP16):
             raise SpecError("dtype", str(spec.dtype), "the gluon backward computes bf16 and fp16; use direction "
                                                       "'fwd' for fp8, backend 'triton' for fp32")
-        if spec.switches:
-            raise SpecError(spec.switches[0], True, "the gluon backward has no score switches; use backend "
-                                                    "'triton', or direction 'fwd' for the gluon forward")
-        if spec.modded:
-            raise SpecError("score_mod", spec.score_mod, "the gluon backward takes no user mods; use backend "
-                                                         "'triton', or direction 'fwd' for the gluon forward")
+        # [Note] Gluon backward mods: the window and softcap switches and a score_mod (its captured tensors get no
+        # gradient there: fagen.attention keeps a learned bias on the Triton backward); the wave order
+        # ([Note] Wave order) counts a causal or full frontier only, so a window renders without it.
+        for name in spec.switches:
+            if name not in self.switches:
+                raise SpecError(name, True, f"the gluon backward has the window and softcap switches only; use "
+                                            f"backend 'triton' for {name}")
+        levers = (self.variant["bwd_order"], self.variant["bwd_unordered_levers"].get("bwd_order", 0))
+        if spec.window and any(levers):
+            raise SpecError("window", True, "the gluon backward's wave order (variant bwd_order) has no window; "
+                                            "set bwd_order 0, or use backend 'triton'")
 
     def bwd_selected(self, spec) -> bool:
         """Whether the measured rule ([Note] Gluon backward rule) picks the gluon backward (its deterministic mode)

@@ -9,7 +9,8 @@ H16 S8192): issue 26's backward target (>= 1.2x Flex on every row), with variant
 backward (fagen/templates/gluon/backward.py.j2) with each mod feature against the float64 reference of the user's
 own functions at small odd shapes (d128 bf16, B1 H2, S 333 / Sq 200 Sk 333): the causal window and a two-sided window
 on mask none (both dQ modes), the softcap switch, ALiBi, a relative bias (a captured tensor) and a softcap score_mod
-(its derivative in dS); then one mutant (the softcap's tanh chain dropped from dS), which must fail. Rows and variants
+(its derivative in dS); then two mutants (the softcap's tanh chain dropped from dS; the window's left edge dropped from the per-element
+mask), which must fail. Rows and variants
 become the four rows below the target with "api" and "gluon" (the row's Gluon bwd module: the window switch, the
 score_mod as the API lowers it, prefix-LM's two split calls each on the Gluon backward).
 
@@ -362,11 +363,13 @@ def _gluon_cases():
             ("relative bias", "causal", {}, None, rel_bias, None, S, S, True, None),
             ("softcap score_mod", "causal", {}, None, softcap, None, S, S, True, None),
             ("MUTANT softcap chain dropped", "none", dict(softcap=True), {"softcap": cap}, softcap, None, S, S, True,
-             "through the softcap: d(cap tanh")]
+             ("            dst = dst * (1.0 - tcap * tcap)", "            dst = dst")),
+            ("MUTANT window left edge dropped", "causal", win, {"window": (37, 0)}, None, causal_window, S, S, True,
+             ("(keys[:, None] >= i_al - win_left) & ", ""))]
 
 
-def _gluon_check_all(_=None) -> list[str]:
-    """Phase 0 (a child process): each case's dq, dk, dv against float64; one line each."""
+def _gluon_check_all(part=(0, 1)) -> list[str]:
+    """Phase 0 (a child process): the dq, dk, dv of cases part[0]::part[1] against float64; one line each."""
     import math
 
     import torch
@@ -381,7 +384,7 @@ def _gluon_check_all(_=None) -> list[str]:
     dev, lines, D = device(), [], 128
     if DRY:
         os.environ.pop("TRITON_INTERPRET", None)  # sm_90 builds, not the interpreter
-    for name, mask, fields, kw, sm, mm, sq, sk, det, mutant in _gluon_cases():
+    for name, mask, fields, kw, sm, mm, sq, sk, det, mutant in _gluon_cases()[part[0]::part[1]]:
         t0 = time.perf_counter()
         try:
             spec_fields = dict(backend="gluon", direction="bwd", head_dim=D, dtype="bf16", mask=mask, **fields)
@@ -392,10 +395,10 @@ def _gluon_check_all(_=None) -> list[str]:
                 kw = {"mods": m.values}
             spec = KernelSpec(**spec_fields)
             src = render(spec).files[".py"]
-            if mutant:
-                kept = [ln for ln in src.splitlines(keepends=True) if mutant not in ln]
-                assert len(kept) == len(src.splitlines()) - 1, "the mutant's line is not in the source"
-                src = "".join(kept)
+            if mutant:  # (text, replacement) in every kernel that has it
+                if mutant[0] not in src:
+                    raise RuntimeError("the mutant's text is not in the source")
+                src = src.replace(*mutant)
             module = load_source(src, spec.name + ("_mutant" if mutant else "_check"))
             if DRY:  # no Gluon on the interpreter: the sm_90 build of its backward only
                 ck = module.compile_backward_for(deterministic=det)
@@ -439,18 +442,21 @@ def _gluon_check_all(_=None) -> list[str]:
     return lines
 
 
-def gluon_checks():
-    """Start phase 0 in a child process; returns a callable that collects its lines (a timeout is a FAIL line)."""
-    pool = mp.get_context("spawn").Pool(1)
-    job = pool.apply_async(_gluon_check_all)
+def gluon_checks(n=4):
+    """Start phase 0 in n child processes; returns a callable that collects their lines (a timeout or a fault is a
+    FAIL line: that child's cases are lost, not the run)."""
+    pool = mp.get_context("spawn").Pool(n)
+    jobs = [pool.apply_async(_gluon_check_all, ((i, n),)) for i in range(n)]
 
     def collect(timeout=60.0):
-        try:
-            return job.get(timeout)
-        except Exception as e:  # noqa: BLE001 - a hang or a fault in the child
-            return [f"FAIL gluon bwd checks: {type(e).__name__}: {str(e)[:160]} (the child was stopped)"]
-        finally:
-            pool.terminate()
+        deadline, lines = time.perf_counter() + timeout, []
+        for i, job in enumerate(jobs):
+            try:
+                lines += job.get(max(1.0, deadline - time.perf_counter()))
+            except Exception as e:  # noqa: BLE001 - a hang or a fault in the child
+                lines.append(f"FAIL gluon bwd checks {i}::{n}: {type(e).__name__}: {str(e)[:160]} (stopped)")
+        pool.terminate()
+        return lines
     return collect
 
 

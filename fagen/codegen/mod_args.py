@@ -190,11 +190,12 @@ class ModCode:
         return self._to(self._tree("score", hoisted, names), names)
 
     def dscore(self, score: str, b: str, h: str, q_idx: str, kv_idx: str) -> str | None:
-        """d score_mod / d score, or None where it is the constant 1 (additive mods: dS passes through)."""
+        """d score_mod / d score, or None where it is the constant 1 (additive mods: dS passes through); Gluon code
+        for a backend 'gluon' spec (the Gluon backward's dS)."""
         tree = self.dscore_tree
         if isinstance(tree, ir.Const) and tree.value == 1:
             return None
-        return to_triton(tree, self._names(score, b, h, q_idx, kv_idx))
+        return self._to(tree, self._names(score, b, h, q_idx, kv_idx))
 
     def additive(self, b: str, h: str, q_idx: str, kv_idx: str, hoisted: str | None = None) -> str | None:
         """X where the score_mod is `score + X` (or `X + score`) and X does not read the score, else None: the

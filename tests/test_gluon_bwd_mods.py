@@ -1,0 +1,126 @@
+"""The Gluon backward (fagen/templates/gluon/backward.py.j2) with the window and softcap switches and a score_mod
+([Note] Gluon backward mods in fagen/backends/gluon.py; docs/mods.md, "The Gluon backward"): the spec rules, the
+rendered code (the mod printed from the parsed tree, its derivative in dS, the captured values threaded as typed
+kernel arguments, never the user's text), and sm_90 builds without a GPU. Gluon kernels cannot run under the
+interpreter: `scripts/gpu_mods_bwd_s6.py --gluon` checks each feature against float64 on an H100."""
+
+import pytest
+
+from fagen import backends
+from fagen.codegen.mod_args import ModCode
+from fagen.codegen.render import render
+from fagen.spec.axes import SpecError
+from fagen.spec.kernel import KernelSpec
+
+from test_hopper_compile import build_sm90
+
+RELBIAS = dict(score_mod="score + bias[h, q_idx - kv_idx + 4095]", mod_tensors=[["bias", "fp32", 2]])
+ALIBI = dict(score_mod="score + kv_idx * s", mod_scalars=[["s", "float"]])  # the API's alibi-rowfree form
+SWISH = dict(score_mod="where(score > 0.0, score, score * sigmoid(score))")  # its derivative enters dS
+NAMES = ("off_b", "h0 + g", "qrows[None, :]", "keys[:, None]")  # the compute step's b, h, q_idx, kv_idx
+
+
+def bwd(**fields) -> KernelSpec:
+    return KernelSpec(backend="gluon", direction="bwd", **{"head_dim": 128, "dtype": "bf16", "mask": "causal",
+                                                            **fields})
+
+
+def backward_part(spec) -> str:
+    """The rendered backward (the module's forward precedes it)."""
+    return render(spec).source.split("# Backward: three kernels.", 1)[1]
+
+
+def test_the_gluon_backward_takes_the_window_softcap_and_a_score_mod_and_refuses_the_rest_in_one_line(monkeypatch):
+    for fields in (dict(window=True), dict(mask="none", window=True), dict(softcap=True), RELBIAS, ALIBI, SWISH,
+                   dict(window=True, softcap=True, **ALIBI)):
+        assert bwd(**fields).direction == "bwd"
+    refusals = {"alibi": dict(alibi=True), "sinks": dict(sinks=True), "mask_mod": dict(mask_mod="q_idx >= kv_idx")}
+    for field, fields in refusals.items():
+        with pytest.raises(SpecError) as e:
+            bwd(**fields)
+        assert "\n" not in str(e.value) and str(e.value).startswith(field + ":"), e.value
+    # the wave order counts a causal or full frontier only ([Note] Wave order)
+    monkeypatch.setitem(backends.GLUON.variant, "bwd_order", 1)
+    with pytest.raises(SpecError, match="^window: .*bwd_order 0"):
+        bwd(window=True)
+    assert bwd(softcap=True).softcap
+
+
+def test_the_render_holds_the_tree_s_gluon_code_and_not_the_user_s_text():
+    spec = bwd(score_mod="score+bias[h,q_idx-kv_idx+4095]", mod_tensors=[["bias", "fp32", 2]])  # user spelling
+    src, part = render(spec).source, backward_part(spec)
+    add = ModCode(spec).additive(*NAMES)
+    assert add and "gl.load(mt0 + _mod_index(" in add and "tl." not in add, add
+    assert f"st = st + ({add}) * 1.4426950408889634" in part  # score + X: X / ln 2 onto the log2-domain score
+    assert "score+bias" not in src and "@triton.jit" not in part
+    # the captured values: typed kernel arguments through the main kernel, both compute warpgroups, not specialised
+    assert part.count("seq_k, mt0, mt0_s0, mt0_s1, mt0_n0, mt0_n1") >= 4
+    assert '"sq_pad", "mt0_s0", "mt0_s1", "mt0_n0", "mt0_n1"])' in part
+    assert "torch.is_grad_enabled() and any(t.requires_grad for t in (mt0, ))" in part  # no bias gradient here
+    # additive mods leave dS alone; the rest multiply it by d score_mod / d score at the natural score
+    assert "through the score_mod" not in part
+    swish = bwd(mask="none", **SWISH)
+    d = ModCode(swish).dscore("score", *NAMES)
+    part = backward_part(swish)
+    assert d and "gl." in d and "tl." not in d, d
+    assert f"dst = gl.where(pt == 0.0, 0.0, dst * ({d}))" in part
+    assert f"st = ({ModCode(swish).score('score', *NAMES)}) * 1.4426950408889634" in part
+    assert "score = st * 0.6931471805599453" in part and "pt = gl.exp2(st - lse2[None, :])" in part
+
+
+def test_the_switches_render_their_code_only_where_on():
+    plain = backward_part(bwd())
+    for word in ("tcap", "_bwd_first", "top", "win_left", "mt0", "score ="):
+        assert word not in plain, word
+    assert "pt = gl.exp2(st * qk_scale - lse2[None, :])" in plain
+    cap = backward_part(bwd(mask="none", softcap=True))
+    assert "tcap = _tanh(st * cap_in)" in cap and "dst = dst * (1.0 - tcap * tcap)" in cap
+    assert "cap_out, (win_left, win_right, cap_in, ))" in cap  # qk_scale = cap / ln 2 ([Note] Gluon score switches)
+    win = backward_part(bwd(window=True))
+    assert win.count("if (m0 < split) | (m0 >= top):") == 2  # the deterministic and unordered kernels
+    assert "turn = n_blk - _bwd_first(m0, seq_q, seq_k, win_left, BLOCK_N)" in win
+    assert "(keys[:, None] >= i_al - win_left) & (keys[:, None] <= i_al + win_right)" in win
+    assert '"sq_pad", "win_left", "win_right"])' in win
+
+
+BUILDS = {"plain-causal": dict(mask="causal"), "plain-none": dict(mask="none"),
+          "window": dict(mask="causal", window=True), "softcap": dict(mask="none", softcap=True),
+          "alibi": dict(mask="none", **ALIBI), "relbias": dict(mask="none", **RELBIAS)}
+
+_SCRIPT = r"""
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
+import re
+import fagen
+from fagen.runtime.loader import load_source
+from fagen.spec.kernel import KernelSpec
+from sm90 import ptxas
+
+out = {}
+for key, fields in json.loads(sys.argv[2]).items():
+    spec = KernelSpec(backend="gluon", direction="bwd", head_dim=128, dtype="bf16", **fields)
+    ck = load_source(fagen.generate(spec), f"{spec.name}_{key}").compile_backward_for(deterministic=True)
+    res = next(iter(ptxas(ck.asm["ptx"])[0].values()))
+    out[key] = dict(shared=ck.metadata.shared, spills=res.spill_stores,
+                    setmaxnreg=sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
+                                                                   ck.asm["ptx"])}))
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    return build_sm90(tmp_path_factory, _SCRIPT, BUILDS, "gluon-bwd-mods")
+
+
+def test_the_mod_builds_fit_and_spill_about_as_the_plain_ones(built):
+    """ptxas sm_90, deterministic mode, bytes of spill stores (the plain kernels spill too: 240 registers per
+    compute thread, docs/hopper.md): plain causal 660, window 680; plain none 112, softcap 148, ALiBi 128. A
+    relative bias (a [64, 64] gather per warpgroup and step, int64 addresses: [Note] Index clamping) 1104."""
+    for r in built.values():
+        assert r["shared"] <= 227 * 1024 and {240, 24} <= set(r["setmaxnreg"]), r
+    assert built["window"]["spills"] <= built["plain-causal"]["spills"] * 1.1 + 64, built
+    for key in ("softcap", "alibi"):
+        assert built[key]["spills"] <= built["plain-none"]["spills"] * 1.5 + 64, built
+    assert built["relbias"]["spills"] <= 1400, built

@@ -209,13 +209,10 @@ class GluonBackend(KernelBackend):
         if spec.dtype not in (DType.BF16, DType.FP16):
             raise SpecError("dtype", str(spec.dtype), "the gluon backward computes bf16 and fp16; use direction "
                                                       "'fwd' for fp8, backend 'triton' for fp32")
-        # [Note] Gluon backward mods: the window and softcap switches and a score_mod (its captured tensors get no
-        # gradient there: fagen.attention keeps a learned bias on the Triton backward); the wave order
-        # ([Note] Wave order) counts a causal or full frontier only, so a window renders without it.
-        for name in spec.switches:
-            if name not in self.switches:
-                raise SpecError(name, True, f"the gluon backward has the window and softcap switches only; use "
-                                            f"backend 'triton' for {name}")
+        # [Note] Gluon backward mods: the window and softcap switches (ALiBi and sinks are refused for every gluon
+        # spec, fagen/spec/kernel.py) and a score_mod (its captured tensors get no gradient there: fagen.attention
+        # keeps a learned bias on the Triton backward); the wave order ([Note] Wave order) counts a causal or full
+        # frontier only, so a window renders without it.
         levers = (self.variant["bwd_order"], self.variant["bwd_unordered_levers"].get("bwd_order", 0))
         if spec.window and any(levers):
             raise SpecError("window", True, "the gluon backward's wave order (variant bwd_order) has no window; "

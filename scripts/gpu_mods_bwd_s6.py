@@ -12,7 +12,8 @@ on mask none (both dQ modes), the softcap switch, ALiBi, a relative bias (a capt
 (its derivative in dS); then two mutants (the softcap's tanh chain dropped from dS; the window's left edge dropped from the per-element
 mask), which must fail. Rows and variants
 become the four rows below the target with "api" and "gluon" (the row's Gluon bwd module: the window switch, the
-score_mod as the API lowers it, prefix-LM's two split calls each on the Gluon backward).
+score_mod as the API lowers it; "gluon-late" its additive term computed after the S MMA's wait; prefix-LM's two split calls each on the Gluon backward; "gluon-low" prefix-LM's
+causal call alone on it, the "none" call over [0, P) on the Triton one, as a per-call BWD_MIN_WORK would choose).
 
 Variants:
   api           fagen.attention(q, k, v, score_mod=, mask_mod=, block_mask=) as a user calls it, with gradients:
@@ -70,8 +71,8 @@ VARIANTS = {
 ROWS = list(VARIANTS)
 GLUON = "--gluon" in sys.argv
 if GLUON:
-    VARIANTS = {"relative-bias": ["api", "gluon"], "alibi": ["api", "gluon"], "sliding-window+causal": ["api", "gluon"],
-                "prefix-lm": ["api", "gluon"]}
+    VARIANTS = {"relative-bias": ["api", "gluon", "gluon-late"], "alibi": ["api", "gluon"], "sliding-window+causal": ["api", "gluon"],
+                "prefix-lm": ["api", "gluon", "gluon-low"]}
     ROWS = list(VARIANTS)
 # Rows fagen.attention lowers to a built-in switch: (mask, switches, window)
 LOWERED = {"sliding-window+causal": ("causal", ("window",), (1024, 0))}
@@ -155,9 +156,18 @@ def module_of(row, variant, shape):
     return load_source(src, spec.name + "_v" + re.sub(r"[^a-z0-9]+", "_", variant)), spec
 
 
-def gluon_module(row, shape, mask=None):
+def _late(src: str) -> str:
+    """An additive score_mod's term computed after the S MMA's wait instead of before it (variant gluon-late)."""
+    m = re.search(r"^( +)xadd = (.*)  # score \+ X.*\n", src, flags=re.M)
+    assert m, "no xadd line"
+    src = src.replace(m.group(0), "")
+    return src.replace("st = st + xadd  # onto the log2-domain score", f"st = st + {m.group(2)}")
+
+
+def gluon_module(row, shape, mask=None, late=False):
     """(module, its attention keywords) of the row's Gluon backward: the lowered window switch, or the score_mod as
-    fagen.attention leaves it after lowering (ALiBi: `alibi-rowfree`); `mask`: a plain Gluon bwd module."""
+    fagen.attention leaves it after lowering (ALiBi: `alibi-rowfree`); `mask`: a plain Gluon bwd module; late: the
+    gluon-late edit."""
     import torch
 
     import fagen
@@ -179,6 +189,11 @@ def gluon_module(row, shape, mask=None):
         fields, values = got.fields, {n: mods.values[n] for n in got.names}
     spec = KernelSpec(mask="none", score_mod=fields[0], mod_tensors=[list(t) for t in fields[2]],
                       mod_scalars=[list(x) for x in fields[3]], **plain)
+    if late:
+        from fagen.codegen.render import render
+        from fagen.runtime.loader import load_source
+
+        return load_source(_late(render(spec).files[".py"]), spec.name + "_late"), {"mods": values}
     return fagen.load(spec), {"mods": values}
 
 
@@ -191,10 +206,10 @@ def attend(row, variant, shape, bm):
         return lambda q, k, v: fagen.attention(q, k, v, score_mod=sm, mask_mod=mm, block_mask=bm)
     if variant == "split":
         return split_call(row, shape, mm)
-    if variant == "gluon" and row == "prefix-lm":
-        return split_call(row, shape, mm, gluon=True)
-    if variant == "gluon":
-        module, kw = gluon_module(row, shape)
+    if variant in ("gluon", "gluon-low") and row == "prefix-lm":
+        return split_call(row, shape, mm, gluon=variant)
+    if variant in ("gluon", "gluon-late"):
+        module, kw = gluon_module(row, shape, late=variant == "gluon-late")
         return lambda q, k, v: module.attention(q, k, v, **kw)
     return fagen_call(row, module_of(row, variant, shape)[0], shape, bm)
 
@@ -210,12 +225,16 @@ def split_call(row, shape, mm, gluon=False):
     s = shape.seq
     if row == "prefix-lm":
         p = s // 4  # fagen/bench/mods.py's prefix length
-        if gluon:
-            full, causal = gluon_module(row, shape, "none")[0], gluon_module(row, shape, "causal")[0]
+        if gluon:  # the API's one autograd node over the two calls (_Prefix), their modules chosen here
+            from fagen.mods.split import _Prefix
+            from fagen.runtime.resolve import resolve
+
+            low = gluon_module(row, shape, "causal")[0]
 
             def run(q, k, v):
-                top = full.attention(q[:, :, :p], k[:, :, :p], v[:, :, :p])
-                return torch.cat([top, causal.attention(q[:, :, p:], k, v)], dim=2)
+                top = gluon_module(row, shape, "none")[0] if gluon == "gluon" else \
+                    resolve(q[:, :, :p], k[:, :, :p], v[:, :, :p], "none", False, ())
+                return _Prefix.apply(q, k, v, p, (top, low), {})
             return run
 
         def run(q, k, v):

@@ -51,7 +51,7 @@ def test_the_render_holds_the_tree_s_gluon_code_and_not_the_user_s_text():
     src, part = render(spec).source, backward_part(spec)
     add = ModCode(spec).additive(*NAMES)
     assert add and "gl.load(mt0 + _mod_index(" in add and "tl." not in add, add
-    assert f"st = st + ({add}) * 1.4426950408889634" in part  # score + X: X / ln 2 onto the log2-domain score
+    assert f"xadd = ({add}) * 1.4426950408889634" in part and "st = st + xadd" in part  # score + X: X / ln 2
     assert "score+bias" not in src and "@triton.jit" not in part
     # the captured values: typed kernel arguments through the main kernel, both compute warpgroups, not specialised
     assert part.count("seq_k, mt0, mt0_s0, mt0_s1, mt0_n0, mt0_n1") >= 4

@@ -124,3 +124,55 @@ def test_the_mod_builds_fit_and_spill_about_as_the_plain_ones(built):
     assert built["relbias"]["spills"] <= 1400, built
     for r in built.values():
         assert r["shared"] <= 227 * 1024 and {240, 24} <= set(r["setmaxnreg"]), r
+
+
+def _tile_functions(spec):
+    """_bwd_tile and _bwd_first of the rendered backward as plain Python: their bodies use only ints, //, and
+    gl.minimum / gl.maximum, and every // there divides a value >= 0 (so Python's floor is the GPU's truncation)."""
+    import types
+
+    part = backward_part(spec)
+    gl = types.SimpleNamespace(minimum=min, maximum=max, constexpr=None)
+    ns = {"gl": gl}
+    for name in ("_bwd_tile", "_bwd_first"):
+        body = part.split(f"def {name}(", 1)[1].split("\n\n\n", 1)[0]
+        exec(f"def {name}(" + body, ns)  # noqa: S102 - our own rendered text
+    return ns["_bwd_tile"], ns["_bwd_first"]
+
+
+@pytest.mark.parametrize("mask", ["causal", "none"])
+def test_the_window_tiles_visit_every_visible_pair_and_skip_the_mask_only_inside(mask):
+    """[Note] Window in the backward, against brute force over small shapes: a tile (key block) visits every query
+    block one of whose rows sees one of its keys; a step it runs unmasked has every row seeing every key; the key
+    blocks that visit a query block are an interval that starts at _bwd_first (the fixed-order dQ's turn 0)."""
+    import random
+
+    import numpy as np
+
+    tile, first = _tile_functions(bwd(mask=mask, window=True))
+    rnd, BM, BN, UNB = random.Random(0), 64, 128, 1 << 30
+    sizes = (1, 63, 64, 65, 127, 128, 129, 200, 255, 256, 257, 383, 384, 385, 640)  # around the block edges
+    for _ in range(300):
+        sq, sk = rnd.choice(sizes), rnd.choice(sizes)
+        left = rnd.choice((0, 1, 36, 37, 63, 64, 65, 127, 128, 129, 200, UNB))
+        right = rnd.choice((0, 1, 5, 63, 64, 65, 130, UNB))
+        if left == right == UNB:
+            left = 64
+        n_kblk, sq_pad = (sk + BN - 1) // BN, (sq + BM - 1) // BM * BM
+        a = np.arange(sq_pad)[:, None] + (sk - sq)  # i_aligned of every row, the padding rows too
+        j = np.arange(n_kblk * BN)[None, :]
+        vis = (j >= a - left) & (j <= a + right) & (j < sk) & ((j <= a) if mask == "causal" else True)
+        real = vis & (np.arange(sq_pad)[:, None] < sq)
+        visits = {}
+        for n in range(n_kblk):
+            _, _, _, _, lo, split, hi, top = tile(n, 1, 1, sq, sk, left, right, BM, BN, 1, mask == "causal")
+            for m0 in range(0, sq_pad, BM):
+                block = (slice(m0, m0 + BM), slice(n * BN, n * BN + BN))
+                if real[block].any():
+                    assert lo <= m0 < hi, (sq, sk, left, right, n, m0, lo, hi)
+                if lo <= m0 < hi:
+                    visits.setdefault(m0, []).append(n)
+                    if split <= m0 < top:  # unmasked: every row sees every key (none past Sk)
+                        assert vis[block].all(), (sq, sk, left, right, n, m0, split, top)
+        for m0, ns in visits.items():
+            assert ns == list(range(first(m0, sq, sk, left, BN), ns[-1] + 1)), (sq, sk, left, right, m0, ns)

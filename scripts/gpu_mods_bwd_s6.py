@@ -7,7 +7,8 @@ H16 S8192): issue 26's backward target (>= 1.2x Flex on every row), with variant
 
 --gluon (docs/mods.md, "The Gluon backward"): phase 0, in a child process with a timeout, checks the Gluon
 backward (fagen/templates/gluon/backward.py.j2) with each mod feature against the float64 reference of the user's
-own functions at small odd shapes (d128 bf16, B1 H2, S 333 / Sq 200 Sk 333): the causal window and a two-sided window
+own functions at small odd shapes (d128 bf16, B1 H2, S 333 / Sq 200 Sk 333; one
+relative bias at gqa 2): the causal window and a two-sided window
 on mask none (both dQ modes), the softcap switch, ALiBi, a relative bias (a captured tensor) and a softcap score_mod
 (its derivative in dS); then two mutants (the softcap's tanh chain dropped from dS; the window's left edge dropped from the per-element
 mask), which must fail. Rows and variants
@@ -380,6 +381,7 @@ def _gluon_cases():
             ("softcap switch", "none", dict(softcap=True), {"softcap": cap}, softcap, None, S, S, True, None),
             ("alibi (h slopes)", "none", {}, None, alibi, None, S, S, True, None),
             ("relative bias", "causal", {}, None, rel_bias, None, S, S, True, None),
+            ("relative bias, gqa 2 (KV heads 1)", "causal", {"gqa": 2}, None, rel_bias, None, S, S, True, None),
             ("softcap score_mod", "causal", {}, None, softcap, None, S, S, True, None),
             ("MUTANT softcap chain dropped", "none", dict(softcap=True), {"softcap": cap}, softcap, None, S, S, True,
              ("            dst = dst * (1.0 - tcap * tcap)", "            dst = dst")),
@@ -426,23 +428,26 @@ def _gluon_check_all(part=(0, 1)) -> list[str]:
                 print("  phase 0: " + lines[-1], flush=True)
                 continue
             g = torch.Generator(device="cpu").manual_seed(7)
-            q, k, v = (torch.randn(1, 2, n, D, generator=g).to(dev, torch.bfloat16) for n in (sq, sk, sk))
+            hkv = 2 // fields.get("gqa", 1)
+            q, k, v = (torch.randn(1, hh, n, D, generator=g).to(dev, torch.bfloat16)
+                       for hh, n in ((2, sq), (hkv, sk), (hkv, sk)))
             do = torch.randn(1, 2, sq, D, generator=g).to(dev, torch.bfloat16)
             qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
             got = torch.autograd.grad(module.attention(qg, kg, vg, deterministic=det, **kw), (qg, kg, vg), do)
             q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+            k64r, v64r = (t.repeat_interleave(2 // hkv, dim=1) for t in (k64, v64))  # query head h reads h // gqa
             qi = torch.arange(sq, device=dev)[None, None, :, None]
             ki = torch.arange(sk, device=dev)[None, None, None, :]
             h = torch.arange(2, device=dev)[None, :, None, None]
             b = torch.zeros(1, device=dev, dtype=torch.long)[:, None, None, None]
-            s = (q64 @ k64.transpose(-1, -2)) / math.sqrt(D)
+            s = (q64 @ k64r.transpose(-1, -2)) / math.sqrt(D)
             if sm is not None:
                 s = sm(s, b, h, qi, ki)
             vis = ki <= qi + (sk - sq) if mask == "causal" else torch.ones_like(ki, dtype=torch.bool)
             if mm is not None:
                 vis = vis & mm(b, h, qi, ki)
             s = torch.where(vis.expand_as(s), s, float("-inf"))
-            out = torch.softmax(s, -1).nan_to_num(0.0) @ v64
+            out = torch.softmax(s, -1).nan_to_num(0.0) @ v64r
             ref = torch.autograd.grad(out, (q64, k64, v64), do.double())
             errs = []
             for gname, a, r in zip(("dq", "dk", "dv"), got, ref):

@@ -13,7 +13,7 @@ on mask none (both dQ modes), the softcap switch, ALiBi, a relative bias (a capt
 (its derivative in dS); then two mutants (the softcap's tanh chain dropped from dS; the window's left edge dropped from the per-element
 mask), which must fail. Rows and variants
 become the four rows below the target with "api" and "gluon" (the row's Gluon bwd module: the window switch, the
-score_mod as the API lowers it; "gluon-late" its additive term computed after the S MMA's wait; prefix-LM's two split calls each on the Gluon backward; "gluon-low" prefix-LM's
+score_mod as the API lowers it; "gluon-late" its additive term computed after the S MMA's wait, "gluon-noclamp" its index unclamped; prefix-LM's two split calls each on the Gluon backward; "gluon-low" prefix-LM's
 causal call alone on it, the "none" call over [0, P) on the Triton one, as a per-call BWD_MIN_WORK would choose).
 
 Variants:
@@ -72,7 +72,7 @@ VARIANTS = {
 ROWS = list(VARIANTS)
 GLUON = "--gluon" in sys.argv
 if GLUON:
-    VARIANTS = {"relative-bias": ["api", "gluon", "gluon-late"], "alibi": ["api", "gluon"], "sliding-window+causal": ["api", "gluon"],
+    VARIANTS = {"relative-bias": ["api", "gluon", "gluon-late", "gluon-noclamp"], "alibi": ["api", "gluon"], "sliding-window+causal": ["api", "gluon"],
                 "prefix-lm": ["api", "gluon", "gluon-low"]}
     ROWS = list(VARIANTS)
 # Rows fagen.attention lowers to a built-in switch: (mask, switches, window)
@@ -165,6 +165,15 @@ def _late(src: str) -> str:
     return src.replace("st = st + xadd  # onto the log2-domain score", f"st = st + {m.group(2)}")
 
 
+def _noclamp(src: str) -> str:
+    """_mod_index without its wrap and clamp (variant gluon-noclamp: valid where every index is in range, as the
+    relative bias's is; the upper bound of a clamp-free fast path)."""
+    old = ("    i = gl.where(i < 0, i + size, i)\n"
+           "    return gl.minimum(gl.maximum(i, 0), size - 1).to(gl.int64)\n")
+    assert old in src, "no _mod_index"
+    return src.replace(old, "    return i\n")
+
+
 def gluon_module(row, shape, mask=None, late=False):
     """(module, its attention keywords) of the row's Gluon backward: the lowered window switch, or the score_mod as
     fagen.attention leaves it after lowering (ALiBi: `alibi-rowfree`); `mask`: a plain Gluon bwd module; late: the
@@ -190,11 +199,13 @@ def gluon_module(row, shape, mask=None, late=False):
         fields, values = got.fields, {n: mods.values[n] for n in got.names}
     spec = KernelSpec(mask="none", score_mod=fields[0], mod_tensors=[list(t) for t in fields[2]],
                       mod_scalars=[list(x) for x in fields[3]], **plain)
-    if late:
+    if late:  # "late" or "noclamp": a text edit of the module
         from fagen.codegen.render import render
         from fagen.runtime.loader import load_source
 
-        return load_source(_late(render(spec).files[".py"]), spec.name + "_late"), {"mods": values}
+        src = render(spec).files[".py"]
+        src = _late(src) if late == "late" else _noclamp(src)
+        return load_source(src, spec.name + "_" + late), {"mods": values}
     return fagen.load(spec), {"mods": values}
 
 
@@ -209,8 +220,8 @@ def attend(row, variant, shape, bm):
         return split_call(row, shape, mm)
     if variant in ("gluon", "gluon-low") and row == "prefix-lm":
         return split_call(row, shape, mm, gluon=variant)
-    if variant in ("gluon", "gluon-late"):
-        module, kw = gluon_module(row, shape, late=variant == "gluon-late")
+    if variant in ("gluon", "gluon-late", "gluon-noclamp"):
+        module, kw = gluon_module(row, shape, late=variant[6:])
         return lambda q, k, v: module.attention(q, k, v, **kw)
     return fagen_call(row, module_of(row, variant, shape)[0], shape, bm)
 

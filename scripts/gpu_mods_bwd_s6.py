@@ -13,7 +13,7 @@ on mask none (both dQ modes), the softcap switch, ALiBi, a relative bias (a capt
 (its derivative in dS); then two mutants (the softcap's tanh chain dropped from dS; the window's left edge dropped from the per-element
 mask), which must fail. Rows and variants
 become the four rows below the target with "api" and "gluon" (the row's Gluon bwd module: the window switch, the
-score_mod as the API lowers it; "gluon-late" its additive term computed after the S MMA's wait, "gluon-noclamp" its index unclamped; prefix-LM's two split calls each on the Gluon backward; "gluon-low" prefix-LM's
+score_mod as the API lowers it; "gluon-clamped" without the clamp-free tiles, "gluon-noclamp" its index never clamped; prefix-LM's two split calls each on the Gluon backward; "gluon-low" prefix-LM's
 causal call alone on it, the "none" call over [0, P) on the Triton one, as a per-call BWD_MIN_WORK would choose).
 
 Variants:
@@ -72,7 +72,7 @@ VARIANTS = {
 ROWS = list(VARIANTS)
 GLUON = "--gluon" in sys.argv
 if GLUON:
-    VARIANTS = {"relative-bias": ["api", "gluon", "gluon-late", "gluon-noclamp"], "alibi": ["api", "gluon"], "sliding-window+causal": ["api", "gluon"],
+    VARIANTS = {"relative-bias": ["api", "gluon", "gluon-clamped", "gluon-noclamp"], "alibi": ["api", "gluon"], "sliding-window+causal": ["api", "gluon"],
                 "prefix-lm": ["api", "gluon", "gluon-low"]}
     ROWS = list(VARIANTS)
 # Rows fagen.attention lowers to a built-in switch: (mask, switches, window)
@@ -157,12 +157,12 @@ def module_of(row, variant, shape):
     return load_source(src, spec.name + "_v" + re.sub(r"[^a-z0-9]+", "_", variant)), spec
 
 
-def _late(src: str) -> str:
-    """An additive score_mod's term computed after the S MMA's wait instead of before it (variant gluon-late)."""
-    m = re.search(r"^( +)xadd = (.*)  # score \+ X.*\n", src, flags=re.M)
-    assert m, "no xadd line"
-    src = src.replace(m.group(0), "")
-    return src.replace("st = st + xadd  # onto the log2-domain score", f"st = st + {m.group(2)}")
+def _clamped(src: str) -> str:
+    """The clamped read on every tile (variant gluon-clamped: [Note] Clamp-free tiles in fagen/mods/emit.py off)."""
+    src, n = re.subn(r"^( +)if .*# \[Note\] Clamp-free tiles.*\n +xadd = .*\n +else:\n +(xadd = .*)\n",
+                     lambda m: m.group(1) + m.group(2) + "\n", src, flags=re.M)
+    assert n >= 1, "no clamp-free branch"
+    return src
 
 
 def _noclamp(src: str) -> str:
@@ -174,10 +174,10 @@ def _noclamp(src: str) -> str:
     return src.replace(old, "    return i\n")
 
 
-def gluon_module(row, shape, mask=None, late=False):
+def gluon_module(row, shape, mask=None, edit=""):
     """(module, its attention keywords) of the row's Gluon backward: the lowered window switch, or the score_mod as
-    fagen.attention leaves it after lowering (ALiBi: `alibi-rowfree`); `mask`: a plain Gluon bwd module; late: the
-    gluon-late edit."""
+    fagen.attention leaves it after lowering (ALiBi: `alibi-rowfree`); `mask`: a plain Gluon bwd module; edit:
+    "clamped" or "noclamp", the variants' edits."""
     import torch
 
     import fagen
@@ -199,13 +199,13 @@ def gluon_module(row, shape, mask=None, late=False):
         fields, values = got.fields, {n: mods.values[n] for n in got.names}
     spec = KernelSpec(mask="none", score_mod=fields[0], mod_tensors=[list(t) for t in fields[2]],
                       mod_scalars=[list(x) for x in fields[3]], **plain)
-    if late:  # "late" or "noclamp": a text edit of the module
+    if edit:  # a text edit of the module
         from fagen.codegen.render import render
         from fagen.runtime.loader import load_source
 
         src = render(spec).files[".py"]
-        src = _late(src) if late == "late" else _noclamp(src)
-        return load_source(src, spec.name + "_" + late), {"mods": values}
+        src = _clamped(src) if edit == "clamped" else _noclamp(src)
+        return load_source(src, spec.name + "_" + edit), {"mods": values}
     return fagen.load(spec), {"mods": values}
 
 
@@ -220,8 +220,8 @@ def attend(row, variant, shape, bm):
         return split_call(row, shape, mm)
     if variant in ("gluon", "gluon-low") and row == "prefix-lm":
         return split_call(row, shape, mm, gluon=variant)
-    if variant in ("gluon", "gluon-late", "gluon-noclamp"):
-        module, kw = gluon_module(row, shape, late=variant[6:])
+    if variant in ("gluon", "gluon-clamped", "gluon-noclamp"):
+        module, kw = gluon_module(row, shape, edit=variant[6:])
         return lambda q, k, v: module.attention(q, k, v, **kw)
     return fagen_call(row, module_of(row, variant, shape)[0], shape, bm)
 

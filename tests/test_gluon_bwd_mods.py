@@ -176,3 +176,45 @@ def test_the_window_tiles_visit_every_visible_pair_and_skip_the_mask_only_inside
                         assert vis[block].all(), (sq, sk, left, right, n, m0, split, top)
         for m0, ns in visits.items():
             assert ns == list(range(first(m0, sq, sk, left, BN), ns[-1] + 1)), (sq, sk, left, right, m0, ns)
+
+
+def test_the_clamp_free_condition_holds_exactly_where_every_index_of_the_tile_is_inside():
+    """[Note] Clamp-free tiles (fagen/mods/emit.py): the emitted tile condition, run as Python over random tiles,
+    is true exactly where brute force finds every index of an affine load inside its tensor (the strides small);
+    loads indexed otherwise give no condition, and the unclamped read drops _mod_index only."""
+    import random
+    import types
+
+    import numpy as np
+
+    def spec(text, scalars=()):
+        return bwd(mask="none", score_mod=text, mod_tensors=[["bias", "fp32", 2]],
+                   mod_scalars=[[s, "int"] for s in scalars])
+    names = ("off_b", "hh", "q_idx", "kv_idx")
+    ranges = (("qlo", "qhi"), ("klo", "khi"))
+    gl = types.SimpleNamespace(minimum=min, maximum=max)
+    cases = {"score + bias[h, q_idx - kv_idx + 4095]": lambda q, k, h, c: (h, q - k + 4095),
+             "score + bias[h, kv_idx - q_idx + c]": lambda q, k, h, c: (h, k - q + c),
+             "score + bias[h + 1, c * q_idx - 2 * kv_idx]": lambda q, k, h, c: (h + 1, c * q - 2 * k)}
+    rnd = random.Random(1)
+    for text, index in cases.items():
+        code = ModCode(spec(text, ("c",) if "c" in text.replace("score", "") else ()))
+        cond = code.in_range("off_b", "hh", *ranges)
+        fast = code.additive(*names, unclamped=True)
+        assert "_mod_index" not in fast and "_mod_index" in code.additive(*names), (fast, text)
+        hits = 0
+        for _ in range(400):
+            qlo, klo = rnd.randint(-50, 9000), rnd.randint(-50, 9000)
+            env = dict(gl=gl, qlo=qlo, qhi=qlo + rnd.choice((0, 63)), klo=klo, khi=klo + rnd.choice((0, 63)),
+                       hh=rnd.randint(-2, 17), ms0=rnd.randint(-3, 3), mt0_n0=16, mt0_n1=8191, mt0_s0=8191,
+                       mt0_s1=1)
+            got = eval(cond.replace(".to(gl.int64)", ""), env)  # noqa: S307 - our own rendered text
+            q = np.arange(env["qlo"], env["qhi"] + 1)[:, None]
+            k = np.arange(env["klo"], env["khi"] + 1)[None, :]
+            i0, i1 = index(q, k, env["hh"], env["ms0"])
+            inside = bool(np.all((i0 >= 0) & (i0 < 16)) and np.all((i1 >= 0) & (i1 < 8191)))
+            assert bool(got) == inside, (text, env)
+            hits += inside
+        assert 0 < hits < 400, (text, hits)  # both kinds of tile were drawn
+    for text in ("score + bias[h, q_idx // 2]", "score + bias[h, q_idx * kv_idx]", "score + bias[h, abs(q_idx)]"):
+        assert ModCode(spec(text)).in_range("off_b", "hh", *ranges) is None, text

@@ -218,3 +218,27 @@ def test_the_clamp_free_condition_holds_exactly_where_every_index_of_the_tile_is
         assert 0 < hits < 400, (text, hits)  # both kinds of tile were drawn
     for text in ("score + bias[h, q_idx // 2]", "score + bias[h, q_idx * kv_idx]", "score + bias[h, abs(q_idx)]"):
         assert ModCode(spec(text)).in_range("off_b", "hh", *ranges) is None, text
+
+
+def test_the_prefix_split_asks_for_the_big_backward_per_call_from_its_own_pairs():
+    """[Note] Split calls' backward (fagen/mods/split.py): with gradients the prefix split resolves each call with
+    big_bwd from that call's pairs (B x H x rows x keys) against bwd_min_work; without it, never."""
+    import torch
+
+    from fagen.mods import split
+    from fagen.runtime.resolve import resolve
+
+    asked = []
+
+    def recording(*args):
+        asked.append(args[3:])  # (mask, decode, switches, forward_only, big_bwd)
+        return resolve(*args[:6])  # this machine's Triton bwd modules serve either way
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 45, 16, generator=g).requires_grad_() for _ in range(3))
+    p = 15  # "none" over 15 x 15 keys: 1 x 2 x 225 = 450 pairs; causal rows [15, 45) over 45 keys: 2700
+    for min_work, big in ((1000, [False, True]), (100, [True, True]), (5000, [False, False]), (None, [False, False])):
+        asked.clear()
+        out = split.run_split(("prefix", p), None, q, k, v, mask="none", resolve=recording, bwd_min_work=min_work)
+        assert [a[0] for a in asked] == ["none", "causal"] and [a[-1] for a in asked] == big, (min_work, asked)
+        assert out.shape == q.shape

@@ -242,3 +242,17 @@ def test_the_prefix_split_asks_for_the_big_backward_per_call_from_its_own_pairs(
         out = split.run_split(("prefix", p), None, q, k, v, mask="none", resolve=recording, bwd_min_work=min_work)
         assert [a[0] for a in asked] == ["none", "causal"] and [a[-1] for a in asked] == big, (min_work, asked)
         assert out.shape == q.shape
+
+
+def test_the_rule_picks_switches_and_score_mods_only_where_listed(monkeypatch):
+    """GluonBackend.bwd_selected_switches / bwd_select_score_mods ([Note] Gluon backward mods): off, the rule is the
+    plain one's; on, it picks the listed switch sets and a score_mod, never a mask_mod."""
+    gluon = backends.GLUON
+    win, rel = KernelSpec(head_dim=128, dtype="bf16", direction="bwd", mask="causal", window=True), \
+        KernelSpec(head_dim=128, dtype="bf16", direction="bwd", mask="none", **RELBIAS)
+    assert not gluon.bwd_selected(win) and not gluon.bwd_selected(rel)
+    monkeypatch.setattr(type(gluon), "bwd_selected_switches", ((), ("window",)))
+    monkeypatch.setattr(type(gluon), "bwd_select_score_mods", True)
+    assert gluon.bwd_selected(win) and gluon.bwd_selected(rel)
+    assert not gluon.bwd_selected(KernelSpec(head_dim=128, dtype="bf16", direction="bwd", softcap=True))
+    assert not gluon.bwd_selected(KernelSpec(head_dim=128, dtype="bf16", direction="bwd", mask_mod="q_idx >= kv_idx"))

@@ -140,6 +140,13 @@ class GluonBackend(KernelBackend):
     # adds where they won, everywhere but GQA causal (unordered_selected: there the deterministic mode serves, as
     # asked or not). Not d64 (no kernel: the lab's d64 build lost to Triton, 316 vs 398), not fp16 (not measured).
     bwd_head_dims = (128,)
+    # [Note] Gluon backward mods: the switch sets and score_mods the gluon backward can take (check_more) that the rule
+    # also picks, as measured (scripts/gpu_mods_bwd_s6.py --gluon against the Triton backward, docs/mods.md, "The
+    # Gluon backward"): bwd_selected_switches, the switch tuples picked ((), always); bwd_select_score_mods, a
+    # score_mod without a mask_mod (its captured tensors without gradient: the caller's condition). Off until the
+    # H100 rows are in; fagen/runtime/hopper.py's backward_spec builds the twin with these fields.
+    bwd_selected_switches: tuple = ((), )
+    bwd_select_score_mods = False
 
     # [Note] Gluon backward levers (variant bwd_*, rendered by fagen/templates/gluon/backward.py.j2 only where on; the
     # designs in lab/gluon_bwd.py): bwd_order 1, the dQ turns by arrival within a wave ([Note] Wave order); bwd_snake
@@ -222,8 +229,9 @@ class GluonBackend(KernelBackend):
         """Whether the measured rule ([Note] Gluon backward rule) picks the gluon backward (its deterministic mode)
         for the case of `spec` with gradients (machine not considered)."""
         return (spec.kind is Kind.PREFILL and spec.head_dim in self.bwd_head_dims and spec.head_dim_v == spec.head_dim
-                and spec.dtype in self.selected_dtypes and spec.mask in self.selected_masks and not spec.switches
-                and not spec.modded)
+                and spec.dtype in self.selected_dtypes and spec.mask in self.selected_masks
+                and spec.switches in self.bwd_selected_switches and spec.mask_mod is None
+                and (spec.score_mod is None or self.bwd_select_score_mods))
 
     def unordered_selected(self, mask, gqa: int) -> bool:
         """Whether deterministic=False takes the gluon backward's unordered dQ adds for a selected case of this mask

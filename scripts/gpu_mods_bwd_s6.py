@@ -13,7 +13,7 @@ on mask none (both dQ modes), the softcap switch, ALiBi, a relative bias (a capt
 (its derivative in dS); then two mutants (the softcap's tanh chain dropped from dS; the window's left edge dropped from the per-element
 mask), which must fail. Rows and variants
 become the four rows below the target with "api" and "gluon" (the row's Gluon bwd module: the window switch, the
-score_mod as the API lowers it; "gluon-clamped" without the clamp-free tiles, "gluon-noclamp" its index never clamped; prefix-LM's two split calls each on the Gluon backward; "gluon-low" prefix-LM's
+score_mod as the API lowers it; "gluon-nondet" with deterministic=False, "gluon-clamped" without the clamp-free tiles, "gluon-noclamp" its index never clamped; prefix-LM's two split calls each on the Gluon backward; "gluon-low" prefix-LM's
 causal call alone on it, the "none" call over [0, P) on the Triton one, as a per-call BWD_MIN_WORK would choose).
 
 Variants:
@@ -72,8 +72,8 @@ VARIANTS = {
 ROWS = list(VARIANTS)
 GLUON = "--gluon" in sys.argv
 if GLUON:
-    VARIANTS = {"relative-bias": ["api", "gluon", "gluon-clamped", "gluon-noclamp"], "alibi": ["api", "gluon"], "sliding-window+causal": ["api", "gluon"],
-                "prefix-lm": ["api", "gluon", "gluon-low"]}
+    VARIANTS = {"sliding-window+causal": ["api", "gluon", "gluon-nondet"], "alibi": ["api", "gluon", "gluon-nondet"],
+                "prefix-lm": ["api", "gluon", "gluon-low"], "relative-bias": ["api", "gluon", "gluon-clamped"]}
     ROWS = list(VARIANTS)
 # Rows fagen.attention lowers to a built-in switch: (mask, switches, window)
 LOWERED = {"sliding-window+causal": ("causal", ("window",), (1024, 0))}
@@ -220,6 +220,9 @@ def attend(row, variant, shape, bm):
         return split_call(row, shape, mm)
     if variant in ("gluon", "gluon-low") and row == "prefix-lm":
         return split_call(row, shape, mm, gluon=variant)
+    if variant == "gluon-nondet":  # deterministic=False: the unordered dQ adds
+        module, kw = gluon_module(row, shape)
+        return lambda q, k, v: module.attention(q, k, v, deterministic=False, **kw)
     if variant in ("gluon", "gluon-clamped", "gluon-noclamp"):
         module, kw = gluon_module(row, shape, edit=variant[6:])
         return lambda q, k, v: module.attention(q, k, v, **kw)
@@ -400,7 +403,10 @@ def _gluon_cases():
              ("(keys[:, None] >= i_al - win_left) & ", ""))]
 
 
-def _gluon_check_all(part=(0, 1)) -> list[str]:
+QUICK_CHECKS = ("window causal", "relative bias")  # --quick-checks: one window, the clamp-free tiles' both paths
+
+
+def _gluon_check_all(part=(0, 1), quick=False) -> list[str]:
     """Phase 0 (a child process): the dq, dk, dv of cases part[0]::part[1] against float64; one line each."""
     import math
 
@@ -416,7 +422,8 @@ def _gluon_check_all(part=(0, 1)) -> list[str]:
     dev, lines, D = device(), [], 128
     if DRY:
         os.environ.pop("TRITON_INTERPRET", None)  # sm_90 builds, not the interpreter
-    for name, mask, fields, kw, sm, mm, sq, sk, det, mutant in _gluon_cases()[part[0]::part[1]]:
+    cases = [c for c in _gluon_cases() if not quick or c[0] in QUICK_CHECKS]
+    for name, mask, fields, kw, sm, mm, sq, sk, det, mutant in cases[part[0]::part[1]]:
         t0 = time.perf_counter()
         try:
             spec_fields = dict(backend="gluon", direction="bwd", head_dim=D, dtype="bf16", mask=mask, **fields)
@@ -477,11 +484,11 @@ def _gluon_check_all(part=(0, 1)) -> list[str]:
     return lines
 
 
-def gluon_checks(n=4):
+def gluon_checks(n=4, quick=False):
     """Start phase 0 in n child processes; returns a callable that collects their lines (a timeout or a fault is a
     FAIL line: that child's cases are lost, not the run)."""
     pool = mp.get_context("spawn").Pool(n)
-    jobs = [pool.apply_async(_gluon_check_all, ((i, n),)) for i in range(n)]
+    jobs = [pool.apply_async(_gluon_check_all, ((i, n), quick)) for i in range(n)]
 
     def collect(timeout=60.0):
         deadline, lines = time.perf_counter() + timeout, []
@@ -503,10 +510,11 @@ def main() -> None:
                     help="seconds of phase 2 after which no more variant is timed")
     ap.add_argument("--workers", type=int, default=0 if DRY else min(16, os.cpu_count() or 4))
     ap.add_argument("--phase1-limit", type=float, default=50.0, help="seconds phase 1 may take")
+    ap.add_argument("--quick-checks", action="store_true", help="phase 0: " + ", ".join(QUICK_CHECKS) + " only")
     ap.add_argument("--gluon", action="store_true", help="the Gluon backward's mods (module docstring)")
     args = ap.parse_args()
     t_start = time.perf_counter()
-    collect = gluon_checks() if GLUON else None  # phase 0, beside phase 1
+    collect = (gluon_checks(2, True) if args.quick_checks else gluon_checks()) if GLUON else None  # phase 0
     rows = args.rows.split(",") if args.rows else ROWS
     items = [(r, v) for r in rows for v in (([] if DRY else ["flex"]) + VARIANTS[r])]
 
@@ -578,7 +586,7 @@ def main() -> None:
                 continue
             try:
                 module = None
-                if variant not in ("api", "split", "gluon"):
+                if not variant.startswith(("api", "split", "gluon")):
                     module, spec = module_of(row, variant, shape)
                     rec["spec"] = spec.name
                 att = attend(row, variant, shape, bm)

@@ -524,13 +524,15 @@ def main() -> None:
                     help="seconds of phase 2 after which no more variant is timed")
     ap.add_argument("--workers", type=int, default=0 if DRY else min(16, os.cpu_count() or 4))
     ap.add_argument("--phase1-limit", type=float, default=50.0, help="seconds phase 1 may take")
+    ap.add_argument("--flex-rows", help="comma-separated rows that time Flex too (default: every row)")
     ap.add_argument("--quick-checks", action="store_true", help="phase 0: " + ", ".join(QUICK_CHECKS) + " only")
     ap.add_argument("--gluon", action="store_true", help="the Gluon backward's mods (module docstring)")
     args = ap.parse_args()
     t_start = time.perf_counter()
     collect = (gluon_checks(2, True) if args.quick_checks else gluon_checks()) if GLUON else None  # phase 0
     rows = args.rows.split(",") if args.rows else ROWS
-    items = [(r, v) for r in rows for v in (([] if DRY else ["flex"]) + VARIANTS[r])]
+    flex_rows = args.flex_rows.split(",") if args.flex_rows else rows
+    items = [(r, v) for r in rows for v in (([] if DRY or r not in flex_rows else ["flex"]) + VARIANTS[r])]
 
     import torch
 
@@ -577,6 +579,8 @@ def main() -> None:
         try:
             if DRY:
                 ref = reference64(sm, mm, q, k, v, do)
+            elif row not in flex_rows:
+                errors[(row, "flex")] = "not timed (--flex-rows)"
             elif (row, "flex") not in errors:
                 att = flex_call(sm, mm, shape)
                 out = att(q, k, v)

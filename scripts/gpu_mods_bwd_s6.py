@@ -571,62 +571,65 @@ def main() -> None:
     def timed(fn):
         return measure(lambda i: fn(), 1, dev, 10.0, args.rep_ms)
 
-    for row in rows:
-        sm, mm = row_setup(row, shape)[:2]
-        bm = fagen_mask(mm, shape)
-        fl = 4.0 * shape.head_dim * _visible_pairs(bm, mm, shape)
-        ref, flex_ms = None, None
-        try:
-            if DRY:
-                ref = reference64(sm, mm, q, k, v, do)
-            elif row not in flex_rows:
-                errors[(row, "flex")] = "not timed (--flex-rows)"
-            elif (row, "flex") not in errors:
-                att = flex_call(sm, mm, shape)
-                out = att(q, k, v)
-                ref = torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
-                flex_ms = timed(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True))
-                del out
-        except Exception as e:  # noqa: BLE001
-            errors[(row, "flex")] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-        rec = {"row": row, "variant": "flex", "bwd_ms": flex_ms,
-               "bwd_TF/s": 2.5 * fl / flex_ms / 1e9 if flex_ms else None, "error": errors.get((row, "flex"))}
-        records.append(rec)
-        print("  " + json.dumps(rec), flush=True)
-        for variant in VARIANTS[row]:
-            rec = {"row": row, "variant": variant}
-            records.append(rec)
-            if time.perf_counter() - t_compiled > args.time_limit:
-                rec["error"] = f"skipped: past --time-limit {args.time_limit:.0f} s"
-                continue
-            if (row, variant) in errors:
-                rec["error"] = errors[(row, variant)]
-                continue
+    try:  # the runner's SIGINT (its wall limit) still prints the table of what was timed
+        for row in rows:
+            sm, mm = row_setup(row, shape)[:2]
+            bm = fagen_mask(mm, shape)
+            fl = 4.0 * shape.head_dim * _visible_pairs(bm, mm, shape)
+            ref, flex_ms = None, None
             try:
-                module = None
-                if not variant.startswith(("api", "split", "gluon")):
-                    module, spec = module_of(row, variant, shape)
-                    rec["spec"] = spec.name
-                att = attend(row, variant, shape, bm)
-                out = att(q, k, v)
-                got = torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
-                if ref is not None:
-                    rec["err"] = [float((a.double() - b.double()).abs().max() / b.double().abs().max())
-                                  for a, b in zip(got, ref)]
-                    rec["ok"] = all(e < 3e-2 for e in rec["err"])  # NaN fails
-                rec["bwd_ms"] = timed(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True))
-                rec["bwd_TF/s"] = 2.5 * fl / rec["bwd_ms"] / 1e9
-                if flex_ms:
-                    rec["x_flex"] = flex_ms / rec["bwd_ms"]
-                rec["res"] = resources(module) if module is not None else {}
-                if variant == "api":
-                    from fagen.runtime import modded
+                if DRY:
+                    ref = reference64(sm, mm, q, k, v, do)
+                elif row not in flex_rows:
+                    errors[(row, "flex")] = "not timed (--flex-rows)"
+                elif (row, "flex") not in errors:
+                    att = flex_call(sm, mm, shape)
+                    out = att(q, k, v)
+                    ref = torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+                    flex_ms = timed(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True))
+                    del out
+            except Exception as e:  # noqa: BLE001
+                errors[(row, "flex")] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            rec = {"row": row, "variant": "flex", "bwd_ms": flex_ms,
+                   "bwd_TF/s": 2.5 * fl / flex_ms / 1e9 if flex_ms else None, "error": errors.get((row, "flex"))}
+            records.append(rec)
+            print("  " + json.dumps(rec), flush=True)
+            for variant in VARIANTS[row]:
+                rec = {"row": row, "variant": variant}
+                records.append(rec)
+                if time.perf_counter() - t_compiled > args.time_limit:
+                    rec["error"] = f"skipped: past --time-limit {args.time_limit:.0f} s"
+                    continue
+                if (row, variant) in errors:
+                    rec["error"] = errors[(row, variant)]
+                    continue
+                try:
+                    module = None
+                    if not variant.startswith(("api", "split", "gluon")):
+                        module, spec = module_of(row, variant, shape)
+                        rec["spec"] = spec.name
+                    att = attend(row, variant, shape, bm)
+                    out = att(q, k, v)
+                    got = torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+                    if ref is not None:
+                        rec["err"] = [float((a.double() - b.double()).abs().max() / b.double().abs().max())
+                                      for a, b in zip(got, ref)]
+                        rec["ok"] = all(e < 3e-2 for e in rec["err"])  # NaN fails
+                    rec["bwd_ms"] = timed(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True))
+                    rec["bwd_TF/s"] = 2.5 * fl / rec["bwd_ms"] / 1e9
+                    if flex_ms:
+                        rec["x_flex"] = flex_ms / rec["bwd_ms"]
+                    rec["res"] = resources(module) if module is not None else {}
+                    if variant == "api":
+                        from fagen.runtime import modded
 
-                    rec["lowered_to"] = modded.LOWERED[0]
-                del out, got
-            except Exception as e:  # noqa: BLE001 - recorded in the table
-                rec["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-            print("  " + json.dumps(rec, default=str), flush=True)
+                        rec["lowered_to"] = modded.LOWERED[0]
+                    del out, got
+                except Exception as e:  # noqa: BLE001 - recorded in the table
+                    rec["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                print("  " + json.dumps(rec, default=str), flush=True)
+    except KeyboardInterrupt:
+        print("interrupted: the table holds the rows timed so far", flush=True)
 
     gpu = torch.cuda.get_device_name() if device() == "cuda" else "cpu (dry run)"
     print(f"\n{gpu}, torch {torch.__version__}, triton {__import__('triton').__version__}; "

@@ -13,7 +13,8 @@ on mask none (both dQ modes), the softcap switch, ALiBi, a relative bias (a capt
 (its derivative in dS); then two mutants (the softcap's tanh chain dropped from dS; the window's left edge dropped from the per-element
 mask), which must fail. Rows and variants
 become the four rows below the target with "api" and "gluon" (the row's Gluon bwd module: the window switch, the
-score_mod as the API lowers it; "gluon-nondet" with deterministic=False, "gluon-clamped" without the clamp-free tiles, "gluon-late" its
+score_mod as the API lowers it; "gluon-nondet" with deterministic=False, "gluon-desc"
+the window's steps in descending query blocks (variant bwd_window_desc), "gluon-clamped" without the clamp-free tiles, "gluon-late" its
 term computed after the S MMA's wait, "gluon-noclamp" its index never clamped; prefix-LM's two split calls each on the Gluon backward; "gluon-low" prefix-LM's
 causal call alone on it, the "none" call over [0, P) on the Triton one, as a per-call BWD_MIN_WORK would choose).
 
@@ -73,7 +74,7 @@ VARIANTS = {
 ROWS = list(VARIANTS)
 GLUON = "--gluon" in sys.argv
 if GLUON:
-    VARIANTS = {"sliding-window+causal": ["api", "gluon", "gluon-nondet"], "alibi": ["api", "gluon", "gluon-nondet"],
+    VARIANTS = {"sliding-window+causal": ["api", "gluon", "gluon-desc", "gluon-nondet"], "alibi": ["api", "gluon", "gluon-nondet"],
                 "prefix-lm": ["api", "gluon", "gluon-low"],
                 "relative-bias": ["api", "gluon", "gluon-clamped", "gluon-noclamp", "gluon-late"]}
     ROWS = list(VARIANTS)
@@ -203,6 +204,21 @@ def gluon_module(row, shape, mask=None, edit=""):
     if mask is not None:
         return fagen.load(KernelSpec(mask=mask, **plain)), {}
     sm, mm, mods, base, low = row_setup(row, shape)
+    if low is not None and edit == "desc":  # variant bwd_window_desc ([Note] Window in the backward)
+        from fagen import backends
+        from fagen.codegen.render import render
+        from fagen.runtime.loader import load_source
+
+        spec = KernelSpec(mask=low[0], window=True, **plain)
+        backends.GLUON.variant["bwd_window_desc"] = 1
+        render.cache_clear()
+        try:
+            src = render(spec).files[".py"]
+        finally:
+            backends.GLUON.variant["bwd_window_desc"] = 0
+            render.cache_clear()
+        assert "GQA * steps - 1 - i" in src
+        return load_source(src, spec.name + "_desc"), {"window": low[2]}
     if low is not None:
         return fagen.load(KernelSpec(mask=low[0], window=True, **plain)), {"window": low[2]}
     q = torch.empty(1, shape.heads, shape.seq, shape.head_dim, dtype=shape.dtype, device=device(),
@@ -237,7 +253,7 @@ def attend(row, variant, shape, bm):
     if variant == "gluon-nondet":  # deterministic=False: the unordered dQ adds
         module, kw = gluon_module(row, shape)
         return lambda q, k, v: module.attention(q, k, v, deterministic=False, **kw)
-    if variant in ("gluon", "gluon-clamped", "gluon-noclamp", "gluon-late"):
+    if variant in ("gluon", "gluon-clamped", "gluon-noclamp", "gluon-late", "gluon-desc"):
         module, kw = gluon_module(row, shape, edit=variant[6:])
         return lambda q, k, v: module.attention(q, k, v, **kw)
     return fagen_call(row, module_of(row, variant, shape)[0], shape, bm)
@@ -402,7 +418,9 @@ def _gluon_cases():
         return (kv_idx >= q_idx + 133 - 50) & (kv_idx <= q_idx + 133 + 20)
 
     win = dict(window=True)
+    desc = dict(window=True, variant={"bwd_window_desc": 1})
     return [("window causal", "causal", win, {"window": (37, 0)}, None, causal_window, S, S, True, None),
+            ("window causal desc", "causal", desc, {"window": (37, 0)}, None, causal_window, S, S, True, None),
             ("window causal unordered", "causal", win, {"window": (37, 0)}, None, causal_window, S, S, False, None),
             ("window none (50,20) Sq<Sk", "none", win, {"window": (50, 20)}, None, two_sided, 200, S, True, None),
             ("window none unordered", "none", win, {"window": (50, 20)}, None, two_sided, 200, S, False, None),
@@ -417,7 +435,7 @@ def _gluon_cases():
              ("(keys[:, None] >= i_al - win_left) & ", ""))]
 
 
-QUICK_CHECKS = ("window causal", "relative bias")  # --quick-checks: one window, the clamp-free tiles' both paths
+QUICK_CHECKS = ("window causal", "window causal desc", "relative bias")  # --quick-checks: one window, the clamp-free tiles' both paths
 
 
 def _gluon_check_all(part=(0, 1), quick=False) -> list[str]:
@@ -440,6 +458,8 @@ def _gluon_check_all(part=(0, 1), quick=False) -> list[str]:
     for name, mask, fields, kw, sm, mm, sq, sk, det, mutant in cases[part[0]::part[1]]:
         t0 = time.perf_counter()
         try:
+            fields = dict(fields)
+            lever = fields.pop("variant", {})  # GluonBackend.variant keys rendered for this case only
             spec_fields = dict(backend="gluon", direction="bwd", head_dim=D, dtype="bf16", mask=mask, **fields)
             if kw is None:  # a score_mod: the spec carries it, the call its captured values
                 m = prepare(score_mod=sm)
@@ -447,12 +467,24 @@ def _gluon_check_all(part=(0, 1), quick=False) -> list[str]:
                                    mod_scalars=[list(x) for x in m.fields[3]])
                 kw = {"mods": m.values}
             spec = KernelSpec(**spec_fields)
-            src = render(spec).files[".py"]
+            from fagen import backends
+
+            saved = dict(backends.GLUON.variant)
+            backends.GLUON.variant.update(lever)
+            render.cache_clear()
+            try:
+                src = render(spec).files[".py"]
+            finally:
+                backends.GLUON.variant.clear()
+                backends.GLUON.variant.update(saved)
+                render.cache_clear()
+            if lever.get("bwd_window_desc") and "f = GQA * steps - 1 - i" not in src:
+                raise RuntimeError("bwd_window_desc did not render")
             if mutant:  # (text, replacement) in every kernel that has it
                 if mutant[0] not in src:
                     raise RuntimeError("the mutant's text is not in the source")
                 src = src.replace(*mutant)
-            module = load_source(src, spec.name + ("_mutant" if mutant else "_check"))
+            module = load_source(src, spec.name + ("_mutant" if mutant else "_desc" if lever else "_check"))
             if DRY:  # no Gluon on the interpreter: the sm_90 build of its backward only
                 ck = module.compile_backward_for(deterministic=det)
                 lines.append(f"BUILT gluon bwd {name}: sm_90, {ck.metadata.shared} B shared ({spec.name}, "

@@ -81,6 +81,17 @@ def test_the_switches_render_their_code_only_where_on():
     assert "turn = n_blk - _bwd_first(m0, seq_q, seq_k, win_left, BLOCK_N)" in win
     assert "(keys[:, None] >= i_al - win_left) & (keys[:, None] <= i_al + win_right)" in win
     assert '"sq_pad", "win_left", "win_right"])' in win
+    assert "f = GQA * steps - 1 - i" not in win  # bwd_window_desc off: ascending query blocks
+
+
+def test_the_window_desc_lever_reverses_every_partition_s_steps(monkeypatch):
+    monkeypatch.setitem(backends.GLUON.variant, "bwd_window_desc", 1)
+    render.cache_clear()
+    try:
+        assert backward_part(bwd(window=True)).count("f = GQA * steps - 1 - i") == 6  # 3 partitions x 2 kernels
+        assert "GQA * steps - 1 - i" not in backward_part(bwd())  # a window's lever only
+    finally:
+        render.cache_clear()
 
 
 BUILDS = {"plain-causal": dict(mask="causal"), "plain-none": dict(mask="none"),

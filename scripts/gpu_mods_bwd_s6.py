@@ -14,8 +14,7 @@ on mask none (both dQ modes), the softcap switch, ALiBi, a relative bias (a capt
 mask), which must fail. Rows and variants
 become the four rows below the target with "api" and "gluon" (the row's Gluon bwd module: the window switch, the
 score_mod as the API lowers it; "gluon-nondet" with deterministic=False, "gluon-desc"
-the window's steps in descending query blocks (variant bwd_window_desc), "gluon-clamped" without the clamp-free tiles, "gluon-late" its
-term computed after the S MMA's wait, "gluon-noclamp" its index never clamped; prefix-LM's two split calls each on the Gluon backward; "gluon-low" prefix-LM's
+the window's steps in descending query blocks (variant bwd_window_desc), "gluon-clamped" without the clamp-free tiles, "gluon-noclamp" its index never clamped; prefix-LM's two split calls each on the Gluon backward; "gluon-low" prefix-LM's
 causal call alone on it, the "none" call over [0, P) on the Triton one, as a per-call BWD_MIN_WORK would choose).
 
 Variants:
@@ -76,7 +75,7 @@ GLUON = "--gluon" in sys.argv
 if GLUON:
     VARIANTS = {"sliding-window+causal": ["api", "gluon", "gluon-desc", "gluon-nondet"], "alibi": ["api", "gluon", "gluon-nondet"],
                 "prefix-lm": ["api", "gluon", "gluon-low"],
-                "relative-bias": ["api", "gluon", "gluon-clamped", "gluon-noclamp", "gluon-late"]}
+                "relative-bias": ["api", "gluon", "gluon-clamped", "gluon-noclamp"]}
     ROWS = list(VARIANTS)
 # Rows fagen.attention lowers to a built-in switch: (mask, switches, window)
 LOWERED = {"sliding-window+causal": ("causal", ("window",), (1024, 0))}
@@ -168,18 +167,6 @@ def _clamped(src: str) -> str:
     return src
 
 
-def _late(src: str) -> str:
-    """The additive term computed after the S MMA's wait, not before it (variant gluon-late)."""
-    block = re.compile(r"^ +if .*# \[Note\] Clamp-free tiles.*\n +xadd = .*\n +else:\n +xadd = .*\n", re.M)
-    blocks = block.findall(src)
-    assert blocks, "no clamp-free block"
-    for b in blocks:
-        src = src.replace(b, "", 1)
-    parts = src.split("            st = st * qk_scale\n")
-    assert len(parts) == len(blocks) + 1, "st = st * qk_scale not once per block"
-    return "".join(p + "            st = st * qk_scale\n" + b for p, b in zip(parts, blocks)) + parts[-1]
-
-
 def _noclamp(src: str) -> str:
     """_mod_index without its wrap and clamp (variant gluon-noclamp: valid where every index is in range, as the
     relative bias's is; the upper bound of a clamp-free fast path)."""
@@ -234,7 +221,7 @@ def gluon_module(row, shape, mask=None, edit=""):
         from fagen.runtime.loader import load_source
 
         src = render(spec).files[".py"]
-        src = {"clamped": _clamped, "late": _late, "noclamp": _noclamp}[edit](src)
+        src = {"clamped": _clamped, "noclamp": _noclamp}[edit](src)
         return load_source(src, spec.name + "_" + edit), {"mods": values}
     return fagen.load(spec), {"mods": values}
 
@@ -253,7 +240,7 @@ def attend(row, variant, shape, bm):
     if variant == "gluon-nondet":  # deterministic=False: the unordered dQ adds
         module, kw = gluon_module(row, shape)
         return lambda q, k, v: module.attention(q, k, v, deterministic=False, **kw)
-    if variant in ("gluon", "gluon-clamped", "gluon-noclamp", "gluon-late", "gluon-desc"):
+    if variant in ("gluon", "gluon-clamped", "gluon-noclamp", "gluon-desc"):
         module, kw = gluon_module(row, shape, edit=variant[6:])
         return lambda q, k, v: module.attention(q, k, v, **kw)
     return fagen_call(row, module_of(row, variant, shape)[0], shape, bm)

@@ -89,7 +89,7 @@ class GluonBackend(KernelBackend):
     # bwd_*: the gluon backward's levers ([Note] Gluon backward levers).
     variant = {"consumer_regs": 240, "loader_regs": 24, "tile_schedule_all": False, "causal_order": 3,
                "fp8_turns": 0, "fp8_p_cvt": 2,
-               "bwd_order": 0, "bwd_snake": 0, "bwd_named": 0, "bwd_epi_tma": 0, "bwd_fixed": 0,
+               "bwd_order": 0, "bwd_snake": 0, "bwd_named": 0, "bwd_epi_tma": 0, "bwd_fixed": 0, "bwd_window_desc": 0,
                "bwd_unordered_levers": {"bwd_named": 2, "bwd_epi_tma": 1, "bwd_snake": 1}}
 
     # [Note] Gluon tile order. The persistent forward deals its tiles in an order ([Note] Tile schedule in the
@@ -144,6 +144,13 @@ class GluonBackend(KernelBackend):
     # on D: [64, D / 2] dQ halves, [128, D] K/V; the lab's v1 at d64 built without spills and ran, docs/hopper.md),
     # selected only where measured to win (bwd_head_dims).
     bwd_built_head_dims = (64, 128)
+    # [Note] Gluon backward mods: the switch sets and score_mods the gluon backward can take (check_more) that the rule
+    # also picks, as measured (scripts/gpu_mods_bwd_s6.py --gluon against the Triton backward, docs/mods.md, "The
+    # Gluon backward"): bwd_selected_switches, the switch tuples picked ((), always); bwd_select_score_mods, a
+    # score_mod without a mask_mod (its captured tensors without gradient: the caller's condition). Off until the
+    # H100 rows are in; fagen/runtime/hopper.py's backward_spec builds the twin with these fields.
+    bwd_selected_switches: tuple = ((), )
+    bwd_select_score_mods = False
 
     # [Note] Gluon backward levers (variant bwd_*, rendered by fagen/templates/gluon/backward.py.j2 only where on; the
     # designs in lab/gluon_bwd.py): bwd_order 1, the dQ turns by arrival within a wave ([Note] Wave order); bwd_snake
@@ -215,27 +222,30 @@ class GluonBackend(KernelBackend):
                                                            "backend 'triton' for other V widths")
 
     def _check_bwd(self, spec) -> None:
-        """The gluon backward's limits ([Note] Gluon backward rule): head_dim 64 or 128, bf16/fp16, no switch, no
-        mod."""
+        """The gluon backward's limits ([Note] Gluon backward rule): head_dim 64 or 128, bf16/fp16; the window and
+        softcap switches and a score_mod ([Note] Gluon backward mods); the mask_mod is refused for every gluon spec."""
         if spec.head_dim not in self.bwd_built_head_dims or spec.head_dim_v != spec.head_dim:
             raise SpecError("head_dim", spec.head_dim, "the gluon backward supports head_dim 64 and 128 (head_dim_v "
                                                        "equal); use backend 'triton' for other head dims")
         if spec.dtype not in (DType.BF16, DType.FP16):
             raise SpecError("dtype", str(spec.dtype), "the gluon backward computes bf16 and fp16; use direction "
                                                       "'fwd' for fp8, backend 'triton' for fp32")
-        if spec.switches:
-            raise SpecError(spec.switches[0], True, "the gluon backward has no score switches; use backend "
-                                                    "'triton', or direction 'fwd' for the gluon forward")
-        if spec.modded:
-            raise SpecError("score_mod", spec.score_mod, "the gluon backward takes no user mods; use backend "
-                                                         "'triton', or direction 'fwd' for the gluon forward")
+        # [Note] Gluon backward mods: the window and softcap switches (ALiBi and sinks are refused for every gluon
+        # spec, fagen/spec/kernel.py) and a score_mod (its captured tensors get no gradient there: fagen.attention
+        # keeps a learned bias on the Triton backward); the wave order ([Note] Wave order) counts a causal or full
+        # frontier only, so a window renders without it.
+        levers = (self.variant["bwd_order"], self.variant["bwd_unordered_levers"].get("bwd_order", 0))
+        if spec.window and any(levers):
+            raise SpecError("window", True, "the gluon backward's wave order (variant bwd_order) has no window; "
+                                            "set bwd_order 0, or use backend 'triton'")
 
     def bwd_selected(self, spec) -> bool:
         """Whether the measured rule ([Note] Gluon backward rule) picks the gluon backward (its deterministic mode)
         for the case of `spec` with gradients (machine not considered)."""
         return (spec.kind is Kind.PREFILL and spec.head_dim in self.bwd_head_dims and spec.head_dim_v == spec.head_dim
-                and spec.dtype in self.selected_dtypes and spec.mask in self.selected_masks and not spec.switches
-                and not spec.modded)
+                and spec.dtype in self.selected_dtypes and spec.mask in self.selected_masks
+                and spec.switches in self.bwd_selected_switches and spec.mask_mod is None
+                and (spec.score_mod is None or self.bwd_select_score_mods))
 
     def unordered_selected(self, mask, gqa: int) -> bool:
         """Whether deterministic=False takes the gluon backward's unordered dQ adds for a selected case of this mask

@@ -23,7 +23,7 @@ import functools
 
 from fagen.mods import ir
 from fagen.mods.grad import COLUMN, ROW, SCORE, TILE
-from fagen.mods.emit import GLUON_HELPERS, TRITON_HELPERS, TensorRef, to_gluon, to_triton
+from fagen.mods.emit import GLUON_HELPERS, TRITON_HELPERS, TensorRef, in_range, to_gluon, to_triton
 from fagen.mods.text import ModScalar, ModTensor
 
 
@@ -190,25 +190,35 @@ class ModCode:
         return self._to(self._tree("score", hoisted, names), names)
 
     def dscore(self, score: str, b: str, h: str, q_idx: str, kv_idx: str) -> str | None:
-        """d score_mod / d score, or None where it is the constant 1 (additive mods: dS passes through)."""
+        """d score_mod / d score, or None where it is the constant 1 (additive mods: dS passes through); Gluon code
+        for a backend 'gluon' spec (the Gluon backward's dS)."""
         tree = self.dscore_tree
         if isinstance(tree, ir.Const) and tree.value == 1:
             return None
-        return to_triton(tree, self._names(score, b, h, q_idx, kv_idx))
+        return self._to(tree, self._names(score, b, h, q_idx, kv_idx))
 
-    def additive(self, b: str, h: str, q_idx: str, kv_idx: str, hoisted: str | None = None) -> str | None:
+    def additive(self, b: str, h: str, q_idx: str, kv_idx: str, hoisted: str | None = None,
+                 unclamped: bool = False) -> str | None:
         """X where the score_mod is `score + X` (or `X + score`) and X does not read the score, else None: the
         kernels then add X / ln 2 to the log2-domain score in one FMA, instead of leaving and re-entering that
-        domain around the mod (a relative bias, ALiBi, a learned bias)."""
+        domain around the mod (a relative bias, ALiBi, a learned bias). unclamped (Gluon): its loads without
+        _mod_index, for the tiles where `in_range` holds ([Note] Clamp-free tiles in fagen/mods/emit.py)."""
         names = self._names("", b, h, q_idx, kv_idx)
         tree = self._tree("score", hoisted, names)
         if not (isinstance(tree, ir.Binary) and tree.op == "+"):
             return None
         for this, other in ((tree.a, tree.b), (tree.b, tree.a)):
             if this == ir.Input("score", ir.FLOAT) and not _reads_score(other):
-                code = self._to(other, names)
+                code = to_gluon(other, names, unclamped=True) if unclamped and self.gluon else self._to(other, names)
                 return code if other.type == ir.FLOAT else f"({code}).to({'gl' if self.gluon else 'tl'}.float32)"
         return None
+
+    def in_range(self, b: str, h: str, q_range: tuple[str, str], kv_range: tuple[str, str]) -> str | None:
+        """The tile-uniform condition under which the score_mod's loads may skip _mod_index ([Note] Clamp-free tiles
+        in fagen/mods/emit.py), for a Gluon spec; q_range, kv_range: the tile's least and greatest row and key."""
+        if not self.gluon or self.score_tree is None:
+            return None
+        return in_range(self.score_tree, self._names("", b, h, "", ""), {"q_idx": q_range, "kv_idx": kv_range})
 
     def visible(self, b: str, h: str, q_idx: str, kv_idx: str, hoisted: str | None = None) -> str:
         names = self._names("", b, h, q_idx, kv_idx)

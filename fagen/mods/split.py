@@ -193,11 +193,12 @@ def splittable(kind: str, arg, q, k, v, grad: bool):
     return True if all(x.shape[0] == 1 or x.stride(0) == x.shape[1] * x.stride(1) for x in (q, k, v)) else None
 
 
-def run_split(split: tuple, attention, q, k, v, *, mask: str, resolve=None, **kw):
+def run_split(split: tuple, attention, q, k, v, *, mask: str, resolve=None, bwd_min_work=None, **kw):
     """out of the mods lowered to `split` ([Note] Dilated windows, [Note] Prefix rows, [Note] Documents):
     `attention` (fagen.attention) called on views of q, k, v with the lowered `mask` and the switch keywords `kw`;
     resolve (fagen.runtime.resolve's, which this layer may not import): the prefix split's modules with gradients
-    ([Note] Split gradients; None: two fagen.attention calls)."""
+    ([Note] Split gradients; None: two fagen.attention calls); bwd_min_work (hopper.BWD_MIN_WORK, None: never):
+    the pairs from which one of those calls asks resolve for its big_bwd module ([Note] Split calls' backward)."""
     kind, n = split
     b, h, s, _ = q.shape
     if kind == "dilated":
@@ -217,13 +218,20 @@ def run_split(split: tuple, attention, q, k, v, *, mask: str, resolve=None, **kw
     if resolve is not None and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad) \
             and kw.get("window") is None:
         switches = ("softcap",) if kw.get("softcap") is not None else ()
-        mods = (resolve(q[:, :, :p], k[:, :, :p], v[:, :, :p], "none", False, switches),
-                resolve(q[:, :, p:], k, v, "causal", False, switches))
+        big = [bwd_min_work is not None and b * h * rows * keys >= bwd_min_work for rows, keys in ((p, p), (s - p, s))]
+        mods = (resolve(q[:, :, :p], k[:, :, :p], v[:, :, :p], "none", False, switches, False, big[0]),
+                resolve(q[:, :, p:], k, v, "causal", False, switches, False, big[1]))
         return _Prefix.apply(q, k, v, p, mods, {name: x for name, x in kw.items() if x is not None})
     top = attention(q[:, :, :p], k[:, :, :p], v[:, :, :p], mask="none", **kw)
     return torch.cat([top, attention(q[:, :, p:], k, v, mask="causal", **kw)], dim=2)
 
 
+# [Note] Split calls' backward. fagen.attention takes the Gluon backward (sm_90) for a call of at least
+# hopper.BWD_MIN_WORK query-key pairs (its host path costs more than the Triton one's); the prefix split asks per
+# call the same way, with the call's own pairs: at B1 H16 S8192 and P = S / 4 (the bench's prefix-LM row) the causal
+# rows [P, S) over all keys are 1.5 x 2^29 pairs and take it, the "none" call over [0, P) (2^26) keeps the Triton
+# backward. Without bwd_min_work (the caller's choice) both keep the Triton modules, as before.
+#
 # [Note] Split gradients. Autograd through slices and selects of a leaf is not free: the backward of x[:, :, :p]
 # (and of x[0]) allocates a zero tensor of x's whole shape, copies the slice's gradient in and adds it to the
 # others', several passes over [B, H, S, D] per input beside a backward that reads each once or twice. So the

@@ -61,17 +61,18 @@ def test_gluon_refuses_other_switches_naming_the_field(fields, field, words):
 
 
 @pytest.mark.parametrize("fields,field", [(dict(head_dim=192, head_dim_v=128), "head_dim"),
-                                          (dict(softcap=True), "softcap"),
-                                          (dict(mask="causal", window=True), "window"),
+                                          (dict(alibi=True), "alibi"),
+                                          (dict(mask="causal", sinks=True), "sinks"),
                                           (dict(dtype="fp8_e4m3"), "direction")])
 def test_the_gluon_backward_limits_name_the_field(fields, field):
-    """The gluon backward ([Note] Gluon backward rule): head_dim 64 or 128, bf16/fp16, no switch; anything else names
-    the field and the way out."""
+    """The gluon backward ([Note] Gluon backward rule): head_dim 64 or 128, bf16/fp16, the window and softcap switches
+    ([Note] Gluon backward mods); anything else names the field and the way out."""
     with pytest.raises(SpecError) as e:
         gluon(direction="bwd", **fields)
     assert e.value.field == field and ("backend 'triton'" in str(e.value) or "direction 'fwd'" in str(e.value))
     s = gluon(direction="bwd", mask="causal", gqa=4)
     assert s.name == "attn_bwd_causal_d128_m128n128w8s2_g4_bf16_gluon" and KernelSpec.from_json(s.to_json()) == s
+    assert gluon(direction="bwd", softcap=True).softcap and gluon(direction="bwd", mask="causal", window=True).window
 
 
 def test_shared_memory_formula():

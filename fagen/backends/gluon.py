@@ -64,7 +64,7 @@ class GluonBackend(KernelBackend):
     # Score switches of the gluon forward ([Note] Gluon score switches in fagen/templates/gluon/attention.py.j2);
     # ALiBi and sinks are backend 'triton' only.
     switches = ("window", "softcap")
-    switches_why = "the gluon backend has the window and softcap switches only (forward); use backend 'triton'"
+    switches_why = "the gluon backend has the window and softcap switches only; use backend 'triton'"
     smem_limit = targets.ARCH_SMEM_LIMIT["sm_90"]
     smem_why = ("block_n {spec.block_n}, head_dim {spec.head_dim}; sm_90 gives a block at most {limit}: use fewer "
                 "stages or block_n 64")

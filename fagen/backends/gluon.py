@@ -178,10 +178,10 @@ class GluonBackend(KernelBackend):
         """The gluon decode's limits ([Note] Gluon MLA decode): each refusal names the field and says that backend
         'triton' serves the case."""
         if not spec.shared_kv or (spec.head_dim, spec.head_dim_v) != self.decode_dims:
-            raise SpecError("shared_kv" if not spec.shared_kv else "head_dim", spec.shared_kv if not spec.shared_kv
-                            else spec.head_dim, "the gluon decode is MLA's absorbed decode: shared_kv with head_dim "
-                                                f"{self.decode_dims[0]} and head_dim_v {self.decode_dims[1]}; use "
-                                                "backend 'triton' for other decode kernels")
+            raise SpecError("backend", str(spec.backend), "the gluon decode is MLA's absorbed decode only (shared_kv, "
+                                                          f"head_dim {self.decode_dims[0]}, head_dim_v "
+                                                          f"{self.decode_dims[1]}); set backend 'triton' for other "
+                                                          "decode kernels")
         if spec.dtype not in (DType.BF16, DType.FP16):
             raise SpecError("dtype", str(spec.dtype), "the gluon decode computes bf16 and fp16; use backend 'triton'")
         if spec.kv_dtype is not None:

@@ -241,7 +241,7 @@ class GluonBackend(KernelBackend):
 
     def smem_bytes(self, spec) -> int:
         if spec.kind is Kind.DECODE:  # Q 72 KB, two slots of 72 KB, P 8 KB, the row stats and barriers
-            return 2 * (64 * 576 + 2 * 64 * 576 + 64 * 64) + 8 * 64 * 4 + 256
+            return 2 * (64 * 576 + 2 * 64 * 576 + 64 * 64) + 8 * 64 * 4 + 1024
         return smem_bytes(spec.head_dim, spec.block_m, spec.block_n, spec.num_stages, spec.dtype.itemsize,
                           spec.head_dim_v)
 

@@ -107,7 +107,9 @@ def test_the_split_rule_follows_the_batch_only_without_batch_invariance():
 def test_the_kernel_clamps_page_indexes_and_lengths():
     """[Note] Gluon decode memory safety, as rendered: a page index is clamped to the cache and a length to the
     block table's capacity before either picks a row (the GPU test feeds bad values)."""
-    src = fagen.codegen.render.render(spec()).source
+    from fagen.codegen.render import render
+
+    src = render(spec()).source
     assert "page = gl.minimum(gl.maximum(page, 0), num_pages - 1)" in src
     assert "seq_len = gl.minimum(gl.maximum(gl.load(Seqlens + b), 0), bt_width * PAGE)" in src
 

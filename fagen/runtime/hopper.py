@@ -124,6 +124,12 @@ def latent_decode_spec(spec: KernelSpec, device) -> KernelSpec | None:
     if not (spec.shared_kv and GLUON.decode_selected(spec) and enabled() and is_hopper(device)
             and gluon_missing() is None):
         return None
+    return _latent_twin(spec)
+
+
+@functools.lru_cache(maxsize=256)
+def _latent_twin(spec: KernelSpec) -> KernelSpec:
+    """The gluon decode spec of a shared latent decode's case (built once: a spec's validation is host time)."""
     return KernelSpec(head_dim=spec.head_dim, head_dim_v=spec.head_dim_v, shared_kv=True, kind=spec.kind,
                       mask=spec.mask, gqa=spec.gqa, dtype=spec.dtype, layout=spec.layout, backend=Backend.GLUON)
 

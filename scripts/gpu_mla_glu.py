@@ -238,6 +238,27 @@ def phase_time():
             finally:
                 if regs is not None:
                     mod.WG_REGS = saved
+    phase_host()
+
+
+def phase_host():
+    """Per-call wall time of a small step (b1 Hq 128 Sq 2 kv1024, page 64): 200 calls back to back, host bound."""
+    import torch
+    q, cache, table, lens = timed(1, 128, 2, 1024)
+    for label, mod in (("triton", module(128, "triton")), ("gluon", module(128, "gluon"))):
+        try:
+            fn = lambda: mod.forward(q, cache, None, block_table=table, seqlens_k=lens, scale=SCALE)  # noqa
+            for _ in range(5):
+                fn()
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(200):
+                fn()
+            torch.cuda.synchronize()
+            us = (time.perf_counter() - t) / 200 * 1e6
+            emit("time", "h128 sq2 b1 kv1024 page64 (per call, 200 back to back)", label, f"{us:.1f} us", None, "")
+        except Exception as e:  # noqa: BLE001
+            emit("time", "host", label, "-", None, f"ERROR {type(e).__name__}: {str(e).splitlines()[0][:120]}")
 
 
 def dry():

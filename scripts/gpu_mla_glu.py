@@ -13,7 +13,8 @@ Two phases at once, each a child process with a timeout (a kernel that faults or
 2. time: Hq 128 Sq 2 kv8192 b32 and b64 (TF/s, causal: 2 x (576 + 512) flops a query row and key seen) and the
    memory-bound Hq 16 Sq 1 kv8192 b64 (GB/s of the cache read, against a device copy's), plus Hq 64 Sq 1 (the
    smallest rows the Gluon kernel takes) and Hq 128 Sq 1 (DeepSeek's plain decode step): the product's Gluon
-   forward and the Triton decode, same process.
+   forward and the Triton decode, same process; and the per-call wall time of back-to-back steps at Hq 128 Sq 2
+   from b1 kv1024 to b16 kv8192 (where the gluon module's host time stops mattering: hopper.LATENT_MIN_WORK).
 """
 
 from __future__ import annotations
@@ -191,9 +192,13 @@ def timed(b, hq, sq, n, seed=5):
 def phase_time():
     import torch
     from triton.testing import do_bench
-    cases = [(32, 128, 2, 8192), (64, 128, 2, 8192), (64, 128, 1, 8192), (64, 16, 1, 8192), (64, 64, 1, 8192)]
+    cases = [(32, 128, 2, 8192), (64, 128, 2, 8192), "host", (64, 128, 1, 8192), (64, 64, 1, 8192), (64, 16, 1, 8192)]
     copy_gbs = None
-    for b, hq, sq, n in cases:
+    for c in cases:
+        if c == "host":
+            phase_host()
+            continue
+        b, hq, sq, n = c
         q, cache, table, lens = timed(b, hq, sq, n)
         name = f"h{hq} sq{sq} b{b} kv{n} page{PAGE}"
         flops = 2 * (D + DV) * hq * b * (sq * n - sq * (sq - 1) // 2)
@@ -208,8 +213,6 @@ def phase_time():
         impls = [("triton", module(hq, "triton"), {}), ("gluon", module(hq, "gluon"), {}),
                  ("gluon batch_invariant", module(hq, "gluon"), {"batch_invariant": True}),
                  ("triton batch_invariant", module(hq, "triton"), {"batch_invariant": True})]
-        if (b, hq) == (32, 128):  # the lab's register split (240 for warpgroup 1; the product's 232: no spill)
-            impls.insert(2, ("gluon wg_regs 240", module(hq, "gluon"), {"_wg_regs": 240}))
         for label, mod, extra in impls:
             why = mod.fits(q, cache) if hasattr(mod, "fits") else None
             if why is not None:
@@ -238,27 +241,28 @@ def phase_time():
             finally:
                 if regs is not None:
                     mod.WG_REGS = saved
-    phase_host()
 
 
 def phase_host():
-    """Per-call wall time of a small step (b1 Hq 128 Sq 2 kv1024, page 64): 200 calls back to back, host bound."""
+    """Per-call wall time of decode steps (Hq 128 Sq 2, page 64) from small to large: calls back to back, so a small
+    step is host time (hopper.LATENT_MIN_WORK, B x Hq x Sq x Sk, is where the gluon module starts to win)."""
     import torch
-    q, cache, table, lens = timed(1, 128, 2, 1024)
-    for label, mod in (("triton", module(128, "triton")), ("gluon", module(128, "gluon"))):
-        try:
-            fn = lambda: mod.forward(q, cache, None, block_table=table, seqlens_k=lens, scale=SCALE)  # noqa
-            for _ in range(5):
-                fn()
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            for _ in range(200):
-                fn()
-            torch.cuda.synchronize()
-            us = (time.perf_counter() - t) / 200 * 1e6
-            emit("time", "h128 sq2 b1 kv1024 page64 (per call, 200 back to back)", label, f"{us:.1f} us", None, "")
-        except Exception as e:  # noqa: BLE001
-            emit("time", "host", label, "-", None, f"ERROR {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+    for b, n in ((1, 1024), (4, 4096), (8, 8192), (16, 8192)):
+        q, cache, table, lens = timed(b, 128, 2, n)
+        case = f"h128 sq2 b{b} kv{n} (2^{(b * 256 * n).bit_length() - 1} pairs) per call"
+        for label, mod in (("triton", module(128, "triton")), ("gluon", module(128, "gluon"))):
+            try:
+                fn = lambda: mod.forward(q, cache, None, block_table=table, seqlens_k=lens, scale=SCALE)  # noqa
+                for _ in range(5):
+                    fn()
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                for _ in range(100):
+                    fn()
+                torch.cuda.synchronize()
+                emit("time", case, label, f"{(time.perf_counter() - t) / 100 * 1e6:.1f} us", None, "100 back to back")
+            except Exception as e:  # noqa: BLE001
+                emit("time", case, label, "-", None, f"ERROR {type(e).__name__}: {str(e).splitlines()[0][:120]}")
 
 
 def dry():

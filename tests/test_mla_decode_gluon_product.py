@@ -80,13 +80,18 @@ def test_fits_takes_rows_in_tiles_of_64_one_head_and_pages_of_64(hq, sq, hkv, pa
 
 def test_fagen_attention_takes_the_gluon_decode_where_it_fits(monkeypatch):
     """With sm_90 faked, fagen.attention(q, k, None) reaches the gluon module (whose device check then refuses CPU
-    tensors: the proof it was picked) where Hq x Sq is a multiple of 64, and the Triton decode elsewhere."""
+    tensors: the proof it was picked) where Hq x Sq is a multiple of 64 from LATENT_MIN_WORK pairs, and the Triton
+    decode elsewhere."""
     monkeypatch.setattr(hopper, "is_hopper", lambda device: True)
     monkeypatch.setattr(hopper, "gluon_missing", lambda: None)
     gen = torch.Generator().manual_seed(0)
     k = torch.randn(1, 1, 40, D, generator=gen).bfloat16()
+    q64 = torch.randn(1, 64, 1, D, generator=gen).bfloat16()
+    with torch.no_grad():  # below LATENT_MIN_WORK pairs the Triton decode (interpreted) serves: it runs here
+        assert torch.isfinite(fagen.attention(q64, k, None, head_dim_v=DV, mask="causal")).all()
+    monkeypatch.setattr(hopper, "LATENT_MIN_WORK", 1)
     with torch.no_grad(), pytest.raises(ValueError, match="this Gluon kernel .* runs on a CUDA device"):
-        fagen.attention(torch.randn(1, 64, 1, D, generator=gen).bfloat16(), k, None, head_dim_v=DV, mask="causal")
+        fagen.attention(q64, k, None, head_dim_v=DV, mask="causal")
     q = torch.randn(1, 2, 1, D, generator=gen).bfloat16()  # 2 rows: the Triton decode (interpreted) serves
     with torch.no_grad():
         out = fagen.attention(q, k, None, head_dim_v=DV, mask="causal")

@@ -44,6 +44,10 @@ MIN_WORK = 1 << 26  # batch x query heads x Sq x Sk below which fagen.attention 
 BWD_MIN_WORK = 1 << 29
 WINDOW_MIN_WORK = 1 << 24  # the same with a window: B x Hq x Sq x (left + right + 1) ([Note] Gluon size rule)
 
+# B x Hq x Sq x Sk below which fagen.attention's shared latent decode keeps the Triton one ([Note] Gluon MLA decode
+# size): a small step is host time, 146 us a call for the gluon module against 58 for the Triton one at b1 Hq 128
+# Sq 2 kv1024 (2^18; H100, scripts/gpu_mla_glu.py, round A), while its kernel is 2.1x faster from b32 kv8192 (2^26).
+LATENT_MIN_WORK = 1 << 24
 # [Note] Gluon size rule. The Gluon forward's kernel is faster than the Triton one (0.70-0.75x the time per call
 # at 2^27 .. 2^29 causal d128 bf16 pairs on the H100), but its host path used to cost about 200 us a call
 # (four TensorDescriptors and the JIT dispatch; benchmarks/latency.md), so MIN_WORK was 2^29. With fast launches

@@ -158,9 +158,10 @@ class GluonBackend(KernelBackend):
     # fp8 cache, dense or paged; its launch fields are fixed (decode_launch: a program's 64 rows, 64-key blocks,
     # 4 warps a warpgroup partition, 2 slots). Its inputs also need Hq x Sq a multiple of 64, one KV head and
     # pages of a multiple of 64 keys (the module's fits(q, k)). The rule (decode_selected): bf16, causal or none,
-    # where Hq x Sq is a multiple of 64 (fagen/runtime/hopper.py, latent_decode_spec). H100, Hq 128, Sq 2, page
-    # 64 (docs/serving.md, "A Gluon lab kernel for the compute-bound MLA decode"): the lab kernel 542 / 510 TF/s at
-    # b64 kv8192 / b128 kv4096 against the Triton decode's 266 / 265.
+    # where Hq x Sq is a multiple of 64 (fagen/runtime/hopper.py, latent_decode_spec). H100, page 64, the product
+    # modules (scripts/gpu_mla_glu.py, round A; docs/serving.md, "The Gluon MLA decode in the product"): Hq 128
+    # Sq 2 kv8192 b32 / b64 527 / 546 TF/s against the Triton decode's 251 / 266; Hq 128 Sq 1 b64 493 against 256;
+    # Hq 64 Sq 1 b64 262-306 against 213.
     decode_dims = (576, 512)
     decode_launch = {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2}
     select_mla_decode = True

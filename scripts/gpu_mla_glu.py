@@ -197,6 +197,7 @@ def phase_time():
     for c in cases:
         if c == "host":
             phase_host()
+            phase_attention()
             continue
         b, hq, sq, n = c
         q, cache, table, lens = timed(b, hq, sq, n)
@@ -241,6 +242,31 @@ def phase_time():
             finally:
                 if regs is not None:
                     mod.WG_REGS = saved
+
+
+def phase_attention():
+    """fagen.attention(q, k, None, head_dim_v=512) on a dense latent cache at Hq 128 Sq 2 b32 kv8192: the product's
+    choice (the gluon module) against FAGEN_HOPPER=0 (the Triton decode), same process."""
+    import torch
+    from triton.testing import do_bench
+    import fagen
+    b, n = 32, 8192
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    q = torch.randn(b, 128, 2, D, device="cuda", generator=gen).bfloat16()
+    k = torch.randn(b, 1, n, D, device="cuda", generator=gen).bfloat16()
+    flops = 2 * (D + DV) * 128 * b * (2 * n - 1)
+    for label, env in (("fagen.attention (gluon)", "1"), ("fagen.attention, FAGEN_HOPPER=0 (triton)", "0")):
+        os.environ["FAGEN_HOPPER"] = env
+        try:
+            with torch.no_grad():
+                fn = lambda: fagen.attention(q, k, None, head_dim_v=DV, mask="causal", scale=SCALE)  # noqa
+                fn()
+                torch.cuda.synchronize()
+                ms = do_bench(fn, warmup=10, rep=40)
+            emit("time", f"dense h128 sq2 b{b} kv{n}", label, f"{flops / ms / 1e9:.1f} TF/s", ms, "")
+        except Exception as e:  # noqa: BLE001
+            emit("time", "dense", label, "-", None, f"ERROR {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+    os.environ["FAGEN_HOPPER"] = "1"
 
 
 def phase_host():

@@ -32,7 +32,7 @@ T0 = time.time()
 D, DV, PAGE = 576, 512, 64
 SCALE = 192 ** -0.5
 CHECK_LENS = [1000, 77, 0, 513, 64]
-TIMEOUTS = dict(check=80, time=80, dry=300)
+TIMEOUTS = dict(check=75, time=75, dry=300)  # round B: the runner stopped the script at 100 s
 
 
 def log(msg):
@@ -156,9 +156,9 @@ def phase_check():
         f"max err {compare('sq1', q1, keys1, CHECK_LENS, *glu.forward(q1, cache1, None, block_table=table1, seqlens_k=lens1, scale=SCALE)):.1e}", ""))
 
     def attention():
-        lens_d = [777, 777]
+        lens_d = [8201, 8201]  # 2 x 256 x 8201 pairs: past hopper.LATENT_MIN_WORK (2^22)
         qd, cached, tabled, _, keysd = inputs(lens_d, 128, 2, 9, "cuda")
-        k = torch.stack([keysd(b)[0].bfloat16() for b in range(2)])  # [2, 1, 777, 576] dense, from the pages
+        k = torch.stack([keysd(b)[0].bfloat16() for b in range(2)])  # [2, 1, 8201, 576] dense, from the pages
         with torch.no_grad():
             out = fagen.attention(qd, k, None, head_dim_v=DV, mask="causal", scale=SCALE)
         twin = hopper.latent_decode_spec(spec(128, "triton", "dense"), qd.device)
@@ -175,7 +175,7 @@ def phase_check():
         assert err < 0.05, err
         return f"max err {err:.1e}", f"served by {served}"
     import fagen.verify.reference  # noqa: F401
-    row("check", "fagen.attention dense h128 sq2 sk777", "fagen.attention", attention)
+    row("check", "fagen.attention dense h128 sq2 sk8201", "fagen.attention", attention)
 
 
 def timed(b, hq, sq, n, seed=5):
@@ -213,7 +213,7 @@ def phase_time():
         ref = None
         impls = [("triton", module(hq, "triton"), {}), ("gluon", module(hq, "gluon"), {}),
                  ("gluon batch_invariant", module(hq, "gluon"), {"batch_invariant": True}),
-                 ("triton batch_invariant", module(hq, "triton"), {"batch_invariant": True})]
+                 ("triton batch_invariant", module(hq, "triton"), {"batch_invariant": True})][:4 if sq == 2 else 3]
         for label, mod, extra in impls:
             why = mod.fits(q, cache) if hasattr(mod, "fits") else None
             if why is not None:

@@ -45,9 +45,10 @@ BWD_MIN_WORK = 1 << 29
 WINDOW_MIN_WORK = 1 << 24  # the same with a window: B x Hq x Sq x (left + right + 1) ([Note] Gluon size rule)
 
 # B x Hq x Sq x Sk below which fagen.attention's shared latent decode keeps the Triton one ([Note] Gluon MLA decode
-# size): a small step is host time, 146 us a call for the gluon module against 58 for the Triton one at b1 Hq 128
-# Sq 2 kv1024 (2^18; H100, scripts/gpu_mla_glu.py, round A), while its kernel is 2.1x faster from b32 kv8192 (2^26).
-LATENT_MIN_WORK = 1 << 24
+# size): a small step is host time. Per call, back to back, Hq 128 Sq 2, Triton / gluon module (H100,
+# scripts/gpu_mla_glu.py, round B, the merge on fast launches): b1 kv1024 (2^18) 73.9 / 89.3 us, b4 kv4096 (2^22)
+# 119.5 / 105.9, b8 kv8192 (2^24) 212 / 98, b16 kv8192 (2^25) 324 / 149. So the gluon module serves from 2^22.
+LATENT_MIN_WORK = 1 << 22
 # [Note] Gluon size rule. The Gluon forward's kernel is faster than the Triton one (0.70-0.75x the time per call
 # at 2^27 .. 2^29 causal d128 bf16 pairs on the H100), but its host path used to cost about 200 us a call
 # (four TensorDescriptors and the JIT dispatch; benchmarks/latency.md), so MIN_WORK was 2^29. With fast launches

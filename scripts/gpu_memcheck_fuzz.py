@@ -11,8 +11,8 @@ broken), and check=True must still raise InputError. Unchecked bad values may gi
     python scripts/gpu_memcheck_fuzz.py --device cpu --group varlen        (tests/test_fuzz_memory.py, interpreter)
 
 Covers the Triton backend (prefill fwd/bwd, decode, varlen, paged; MLA's shared latent cache; user mods with
-captured tensors on the paged decode and the varlen fwd+bwd) and, on a GPU with nvcc, the CUDA backend's
-padding forward. Prints one line per case and a summary (also to $OUT/gpu_memcheck_fuzz.log when OUT is set);
+captured tensors on the paged decode and the varlen fwd+bwd), on an sm_90 GPU the Gluon MLA decode, and, on a GPU
+with nvcc, the CUDA backend's padding forward. Prints one line per case and a summary (also to $OUT/gpu_memcheck_fuzz.log when OUT is set);
 exits 1 if a case failed.
 """
 import argparse
@@ -515,9 +515,39 @@ def group_mods():
     still_good("modded varlen", lambda: varlen(good_q, good_k), goodv)
 
 
+def group_mla_gluon():
+    """The Gluon MLA decode (sm_90 only; [Note] Gluon decode memory safety in fagen/templates/gluon/mla_decode.py.j2):
+    bad block_table entries and lengths in sequence 1 of a paged 576/512 decode, pages of 64, one split and the
+    batch-invariant merge."""
+    from fagen.runtime import hopper
+    if not GPU or torch.cuda.get_device_capability() != (9, 0) or hopper.gluon_missing():
+        say("skip mla_gluon: needs an sm_90 GPU and triton's Gluon API")
+        return
+    pages, page, width = 16, 64, 4
+    kc = randn(pages, page, 1, 576)
+    table = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]][:NB]
+    lens = [200, 170, 130][:NB]
+    qd = randn(NB, 64, 2, 576)
+    mla = fagen.load(fagen.KernelSpec(head_dim=576, head_dim_v=512, shared_kv=True, gqa=64, kind="decode",
+                                      layout="paged", mask="causal", dtype="fp16", backend="gluon"))
+    for invariant in (False, True):
+        def run(what=None, value=None):
+            t, n = paged_inputs(table, lens, what, value)
+            out, lse = mla.forward(qd, kc, None, block_table=t, seqlens_k=n, check=False, batch_invariant=invariant)
+            return dict(out=out, lse=lse)
+
+        good = run()
+        variants = [("block_table[1][2]", p) for p in (100000, -1, pages, I32_MIN, I32_MAX)]
+        variants += [("seqlens_k[1]", n) for n in bad_ints(width * page)]
+        for what, value in variants:
+            case(f"mla gluon paged decode invariant={invariant} {what}={value}", lambda: run(what, value),
+                 [(key, (OTHER,)) for key in good], good)
+        still_good(f"mla gluon paged decode invariant={invariant}", run, good)
+
+
 GROUPS = {"padding": group_padding, "varlen": group_varlen, "paged": group_paged, "tree": group_tree,
           "window": group_window, "mla": group_mla, "mla_fp8": group_mla_fp8, "fp8_token": group_fp8_token,
-          "mods": group_mods}
+          "mods": group_mods, "mla_gluon": group_mla_gluon}
 
 torch.manual_seed(args.seed)
 for name in args.group or GROUPS:

@@ -59,6 +59,7 @@ def test_a_backend_is_changed_in_one_place(monkeypatch):
         fagen.KernelSpec(head_dim=64, backend="cuda", block_n=64)
     monkeypatch.setattr(Narrow, "templates", {Kind.PREFILL: "cuda/attention.cu.j2", Kind.DECODE: "cuda/attention.cu.j2"})
     assert fagen.KernelSpec(head_dim=64, backend="cuda", kind="decode").kind is Kind.DECODE
+    monkeypatch.setattr(backends.GLUON, "templates", {Kind.PREFILL: "gluon/attention.py.j2"})
     with pytest.raises(fagen.SpecError, match="no templates for this backend and kind yet"):
         fagen.KernelSpec(head_dim=64, backend="gluon", kind="decode")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from fagen.backends.base import KernelBackend
 from fagen.spec import targets
-from fagen.spec.axes import Backend, Direction, DType, Kind, Mask, SpecError
+from fagen.spec.axes import Backend, Direction, DType, Kind, Layout, Mask, SpecError
 
 
 def smem_bytes(head_dim: int, block_m: int, block_n: int, num_stages: int, itemsize: int = 2,
@@ -42,7 +42,8 @@ def smem_bytes(head_dim: int, block_m: int, block_n: int, num_stages: int, items
 
 class GluonBackend(KernelBackend):
     backend = Backend.GLUON
-    templates = {Kind.PREFILL: "gluon/attention.py.j2"}
+    templates = {Kind.PREFILL: "gluon/attention.py.j2", Kind.DECODE: "gluon/mla_decode.py.j2"}
+    layouts = (Layout.DENSE, Layout.PAGED)  # paged: the MLA decode only ([Note] Gluon MLA decode)
     name_suffix = "_gluon"
     supported = {
         "head_dim": ((64, 128, 192), "the gluon backend supports head_dim 64 or 128 (a TMA box of whole 16-byte "
@@ -172,11 +173,67 @@ class GluonBackend(KernelBackend):
     # causal, a loss at full and GQA; d64, where it wins, is not selected (docs/hopper.md, "The deterministic
     # backward without a chain").
 
+    # [Note] Gluon MLA decode. fagen/templates/gluon/mla_decode.py.j2: MLA's absorbed decode (shared_kv, head_dim
+    # 576 with head_dim_v 512) as FlashMLA's seesaw (two warpgroups of 64 packed query rows, a loader warp, 64-key
+    # blocks in pairs; the lab's lab/gluon_mla_decode_ss.py). The spec: bf16/fp16, mask none/causal, no switch, no
+    # fp8 cache, dense or paged; its launch fields are fixed (decode_launch: a program's 64 rows, 64-key blocks,
+    # 4 warps a warpgroup partition, 2 slots). Its inputs also need Hq x Sq a multiple of 64, one KV head and
+    # pages of a multiple of 64 keys (the module's fits(q, k)). The rule (decode_selected): bf16, causal or none,
+    # where Hq x Sq is a multiple of 64 (fagen/runtime/hopper.py, latent_decode_spec). H100, page 64, the product
+    # modules (scripts/gpu_mla_glu.py, round A; docs/serving.md, "The Gluon MLA decode in the product"): Hq 128
+    # Sq 2 kv8192 b32 / b64 527 / 546 TF/s against the Triton decode's 251 / 266; Hq 128 Sq 1 b64 493 against 256;
+    # Hq 64 Sq 1 b64 262-306 against 213.
+    decode_dims = (576, 512)
+    decode_launch = {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2}
+    select_mla_decode = True
+
+    def check(self, spec) -> None:
+        if spec.kind is Kind.DECODE:
+            return self._check_decode(spec)
+        if spec.layout is not Layout.DENSE:
+            raise SpecError("layout", str(spec.layout), "the gluon prefill forward and backward read dense q/k/v (the "
+                                                        "paged layout is the MLA decode's, kind 'decode'); use "
+                                                        "backend 'triton' for varlen and paged layouts")
+        return super().check(spec)
+
+    def _check_decode(self, spec) -> None:
+        """The gluon decode's limits ([Note] Gluon MLA decode): each refusal names the field and says that backend
+        'triton' serves the case."""
+        if not spec.shared_kv or (spec.head_dim, spec.head_dim_v) != self.decode_dims:
+            raise SpecError("backend", str(spec.backend), "the gluon decode is MLA's absorbed decode only (shared_kv, "
+                                                          f"head_dim {self.decode_dims[0]}, head_dim_v "
+                                                          f"{self.decode_dims[1]}); set backend 'triton' for other "
+                                                          "decode kernels")
+        if spec.dtype not in (DType.BF16, DType.FP16):
+            raise SpecError("dtype", str(spec.dtype), "the gluon decode computes bf16 and fp16; use backend 'triton'")
+        if spec.kv_dtype is not None:
+            raise SpecError("kv_dtype", str(spec.kv_dtype), "the gluon decode reads a cache of the query's dtype; use "
+                                                            "backend 'triton' for an fp8 cache")
+        if spec.mask not in (Mask.NONE, Mask.CAUSAL):
+            raise SpecError("mask", str(spec.mask), "the gluon decode supports masks 'none' and 'causal'; use "
+                                                    "backend 'triton' for padding and tree masks")
+        if spec.switches:
+            raise SpecError(spec.switches[0], True, "the gluon decode has no score switches; use backend 'triton'")
+        for name, value in self.decode_launch.items():
+            if getattr(spec, name) != value:
+                raise SpecError(name, getattr(spec, name), f"the gluon decode's tiles are fixed ({name} {value}: "
+                                                           "[Note] Gluon MLA decode); leave it unset")
+
+    def decode_selected(self, spec) -> bool:
+        """Whether the measured rule ([Note] Gluon MLA decode) picks the gluon decode for the case of `spec` (machine
+        and query rows not considered)."""
+        return (self.select_mla_decode and spec.kind is Kind.DECODE and spec.shared_kv
+                and (spec.head_dim, spec.head_dim_v) == self.decode_dims and spec.dtype is DType.BF16
+                and spec.kv_dtype is None and spec.mask in (Mask.NONE, Mask.CAUSAL) and not spec.switches
+                and not spec.modded)
+
     def default_config(self, spec, arch: str, given: dict) -> dict:
         """The measured default (docs/hopper.md), on sm_90 only. d128: 2 K/V slots, all that fits beside Q (two
         buffers per warpgroup) and O (H100: 630 TF/s full, 568 causal at s16k bf16); d64: 3 slots. fp8: half the
         bytes per slot, so 4 slots at either head dim (d128: 193 KB; not yet measured against 2 or 3: docs/hopper.md,
         "fp8 forward")."""
+        if spec.kind is Kind.DECODE:  # [Note] Gluon MLA decode
+            return dict(self.decode_launch)
         if spec.dtype is DType.FP8_E4M3:
             return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 4}
         if (spec.head_dim, spec.head_dim_v) == self.mla_dims:  # [Note] Gluon MLA widths; H100, 15:12 UTC, causal
@@ -205,6 +262,8 @@ class GluonBackend(KernelBackend):
         return self.tile_order(spec) is not None or bool(self.variant["tile_schedule_all"])
 
     def smem_bytes(self, spec) -> int:
+        if spec.kind is Kind.DECODE:  # Q 72 KB, two slots of 72 KB, P 8 KB, the row stats and barriers
+            return 2 * (64 * 576 + 2 * 64 * 576 + 64 * 64) + 8 * 64 * 4 + 1024
         return smem_bytes(spec.head_dim, spec.block_m, spec.block_n, spec.num_stages, spec.dtype.itemsize,
                           spec.head_dim_v)
 

@@ -7,6 +7,7 @@ import sys
 import torch
 
 from fagen.codegen.args import SWITCH_KEYWORD
+from fagen.runtime import hopper
 from fagen.runtime.hopper import BWD_MIN_WORK, MIN_WORK, WINDOW_MIN_WORK, unordered
 from fagen.runtime.kinds import prefers_decode
 from fagen.runtime.resolve import _DTYPES, _FAST, AttentionError, _module, fast_key, resolve, resolve_varlen, spec_for
@@ -203,7 +204,12 @@ def _latent(q, k, *, mask, head_dim_v, window, softcap, alibi_slopes, sinks, **r
                           **{name: True for name in switches})
     except SpecError as e:
         raise AttentionError(f"no kernel for these inputs: {e}") from None
-    return _module(spec).forward(q, k, None, **rest, **scores)[0]
+    module = _module(spec)
+    twin = hopper.latent_decode_spec(spec, q.device) \
+        if q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] >= hopper.LATENT_MIN_WORK else None
+    if twin is not None and (gluon := _module(twin)).fits(q, k) is None:  # [Note] Hopper selection: MLA decode
+        module = gluon
+    return module.forward(q, k, None, **rest, **scores)[0]
 _NO_SCORES: dict = {}
 _SCORE_ARGS = tuple(SWITCH_KEYWORD[name] for name in SCORE_SWITCHES)  # the public keyword of each switch
 

@@ -11,6 +11,8 @@ inputs' device: by fagen.attention (fagen/runtime/resolve.py) when no gradient i
     fagen/backends/gluon.py: where the H100 measurements of docs/hopper.md show a win over the Triton forward).
 fp8 (dtype fp8_e4m3) has no other kernel: an fp8 case within the gluon forward's limits (prefill forward, head_dim
 64/128, mask none/causal, no switch or the window alone) is always the gluon one on sm_90 (README "fp8 forward").
+MLA's absorbed decode (fagen.attention with v=None: shared_kv, 576/512, bf16, causal or none) takes the gluon decode
+where its module fits the inputs (latent_decode_spec: Hq x Sq a multiple of 64, one KV head).
 Everywhere else the present kernels serve, unchanged. fagen.attention also asks for a problem of at least MIN_WORK
 (batch x query heads x Sq x Sk, with Sk bounded by a window's left + right + 1) pairs, WINDOW_MIN_WORK with a
 window: below that the Gluon module's host time per call outlasts what its kernel saves ([Note] Gluon size rule).
@@ -41,6 +43,11 @@ MIN_WORK = 1 << 26  # batch x query heads x Sq x Sk below which fagen.attention 
 BWD_MIN_WORK = 1 << 29  # the same floor for the gluon backward (with gradients): [Note] Gluon backward size rule
 WINDOW_MIN_WORK = 1 << 24  # the same with a window: B x Hq x Sq x (left + right + 1) ([Note] Gluon size rule)
 
+# B x Hq x Sq x Sk below which fagen.attention's shared latent decode keeps the Triton one ([Note] Gluon MLA decode
+# size): a small step is host time. Per call, back to back, Hq 128 Sq 2, Triton / gluon module (H100,
+# scripts/gpu_mla_glu.py, round B, the merge on fast launches): b1 kv1024 (2^18) 73.9 / 89.3 us, b4 kv4096 (2^22)
+# 119.5 / 105.9, b8 kv8192 (2^24) 212 / 98, b16 kv8192 (2^25) 324 / 149. So the gluon module serves from 2^22.
+LATENT_MIN_WORK = 1 << 22
 # [Note] Gluon size rule. The Gluon forward's kernel is faster than the Triton one (0.70-0.75x the time per call
 # at 2^27 .. 2^29 causal d128 bf16 pairs on the H100), but its host path used to cost about 200 us a call
 # (four TensorDescriptors and the JIT dispatch; benchmarks/latency.md), so MIN_WORK was 2^29. With fast launches
@@ -119,6 +126,24 @@ def forward_spec(spec: KernelSpec, device) -> KernelSpec | None:
     if not (enabled() and selected(case) and is_hopper(device) and gluon_missing() is None):
         return None
     return gluon_twin(case)
+
+
+def latent_decode_spec(spec: KernelSpec, device) -> KernelSpec | None:
+    """The gluon spec that should serve a shared latent decode (MLA's absorbed decode, a Triton decode spec) on
+    `device`, or None: keep `spec`. The caller also asks the module whether it takes the inputs (its fits(q, k): Hq x
+    Sq a multiple of 64, one KV head, pages of a multiple of 64 keys; [Note] Gluon MLA decode in
+    fagen/backends/gluon.py); the Triton decode keeps every other case."""
+    if not (spec.shared_kv and GLUON.decode_selected(spec) and enabled() and is_hopper(device)
+            and gluon_missing() is None):
+        return None
+    return _latent_twin(spec)
+
+
+@functools.lru_cache(maxsize=256)
+def _latent_twin(spec: KernelSpec) -> KernelSpec:
+    """The gluon decode spec of a shared latent decode's case (built once: a spec's validation is host time)."""
+    return KernelSpec(head_dim=spec.head_dim, head_dim_v=spec.head_dim_v, shared_kv=True, kind=spec.kind,
+                      mask=spec.mask, gqa=spec.gqa, dtype=spec.dtype, layout=spec.layout, backend=Backend.GLUON)
 
 
 def mod_forward_spec(spec: KernelSpec, device) -> KernelSpec | None:

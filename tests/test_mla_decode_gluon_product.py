@@ -1,0 +1,248 @@
+"""The Gluon MLA absorbed decode in the product (fagen/templates/gluon/mla_decode.py.j2, [Note] Gluon MLA decode in
+fagen/backends/gluon.py): its spec limits, the use-time rule (fagen/runtime/hopper.py: latent_decode_spec, and the
+module's fits), the sm_90 builds (ptxas: shared memory, no spills, asynchronous wgmma), the split rule and the
+merge (plain Triton, interpreted here) against float64; on an H100/H200, the kernel against float64."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import fagen
+from fagen import backends
+from fagen.runtime import hopper
+from fagen.spec.kernel import KernelSpec, SpecError
+
+from test_hopper_compile import build_sm90
+
+ROOT = Path(__file__).resolve().parent.parent
+D, DV = 576, 512
+
+
+def spec(backend="gluon", **kw):
+    fields = dict(head_dim=D, head_dim_v=DV, shared_kv=True, kind="decode", gqa=128, dtype="bf16", mask="causal",
+                  layout="paged", backend=backend)
+    return KernelSpec(**{**fields, **kw})
+
+
+@pytest.mark.parametrize("fields, field", [
+    (dict(head_dim=128, head_dim_v=None, shared_kv=False), "backend"),
+    (dict(mask="tree"), "mask"),
+    (dict(kv_dtype="fp8_e4m3"), "kv_dtype"),
+    (dict(softcap=True), "softcap"),
+    (dict(block_n=128), "block_n"),
+    (dict(kind="prefill", shared_kv=False, head_dim=128, head_dim_v=None), "layout"),
+])
+def test_the_gluon_decode_refuses_what_it_lacks_naming_the_field(fields, field):
+    with pytest.raises(SpecError) as e:
+        spec(**fields)
+    assert e.value.field == field and ("triton" in str(e.value) or "leave it unset" in str(e.value))
+
+
+def test_the_rule_picks_bf16_causal_or_none_only():
+    assert backends.GLUON.decode_selected(spec()) and backends.GLUON.decode_selected(spec(mask="none"))
+    assert backends.GLUON.decode_selected(spec(layout="dense"))
+    assert not backends.GLUON.decode_selected(spec(dtype="fp16"))  # not measured
+    assert not backends.GLUON.decode_selected(spec("triton", kv_dtype="fp8_e4m3"))  # kvfp8's Triton path
+    assert not backends.GLUON.decode_selected(spec("triton", softcap=True))
+
+
+def test_latent_decode_spec_needs_sm90_the_api_and_the_switch(monkeypatch):
+    triton_spec = spec("triton")
+    cuda = torch.device("cuda", 0)
+    assert hopper.latent_decode_spec(triton_spec, torch.device("cpu")) is None
+    monkeypatch.setattr(hopper, "is_hopper", lambda device: True)
+    monkeypatch.setattr(hopper, "gluon_missing", lambda: None)
+    twin = hopper.latent_decode_spec(triton_spec, cuda)
+    assert twin == spec() and twin.layout is triton_spec.layout
+    assert hopper.latent_decode_spec(spec("triton", layout="dense"), cuda) == spec(layout="dense")
+    assert hopper.latent_decode_spec(spec("triton", kv_dtype="fp8_e4m3"), cuda) is None  # falls back to Triton
+    monkeypatch.setenv(hopper.ENV, "0")
+    assert hopper.latent_decode_spec(triton_spec, cuda) is None
+    monkeypatch.delenv(hopper.ENV)
+    monkeypatch.setattr(hopper, "gluon_missing", lambda: "triton 3.9")
+    assert hopper.latent_decode_spec(triton_spec, cuda) is None
+
+
+@pytest.mark.parametrize("hq, sq, hkv, page, ok", [
+    (128, 2, 1, 64, True), (64, 1, 1, 128, True), (32, 2, 1, 64, True), (16, 1, 1, 64, False),
+    (128, 3, 1, 64, True), (96, 1, 1, 64, False), (128, 2, 2, 64, False), (128, 2, 1, 32, False)])
+def test_fits_takes_rows_in_tiles_of_64_one_head_and_pages_of_64(hq, sq, hkv, page, ok):
+    mod = fagen.load(spec(gqa=hq // hkv))
+    q = torch.empty(1, hq, sq, D, dtype=torch.bfloat16)
+    k = torch.empty(2, page, hkv, D, dtype=torch.bfloat16)
+    why = mod.fits(q, k)
+    assert (why is None) == ok, why
+
+
+def test_fagen_attention_takes_the_gluon_decode_where_it_fits(monkeypatch):
+    """With sm_90 faked, fagen.attention(q, k, None) reaches the gluon module (whose device check then refuses CPU
+    tensors: the proof it was picked) where Hq x Sq is a multiple of 64 from LATENT_MIN_WORK pairs, and the Triton
+    decode elsewhere."""
+    monkeypatch.setattr(hopper, "is_hopper", lambda device: True)
+    monkeypatch.setattr(hopper, "gluon_missing", lambda: None)
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(1, 1, 40, D, generator=gen).bfloat16()
+    q64 = torch.randn(1, 64, 1, D, generator=gen).bfloat16()
+    with torch.no_grad():  # below LATENT_MIN_WORK pairs the Triton decode (interpreted) serves: it runs here
+        assert torch.isfinite(fagen.attention(q64, k, None, head_dim_v=DV, mask="causal")).all()
+    monkeypatch.setattr(hopper, "LATENT_MIN_WORK", 1)
+    with torch.no_grad(), pytest.raises(ValueError, match="this Gluon kernel .* runs on a CUDA device"):
+        fagen.attention(q64, k, None, head_dim_v=DV, mask="causal")
+    q = torch.randn(1, 2, 1, D, generator=gen).bfloat16()  # 2 rows: the Triton decode (interpreted) serves
+    with torch.no_grad():
+        out = fagen.attention(q, k, None, head_dim_v=DV, mask="causal")
+    assert out.shape == (1, 2, 1, DV) and torch.isfinite(out).all()
+
+
+def test_the_split_rule_follows_the_batch_only_without_batch_invariance():
+    mod = fagen.load(spec())
+    assert mod.splits_for(32, 256, 8192, sms=132) == (128, 1)  # 128 programs fill 132 SMs: one split
+    assert mod.splits_for(1, 256, 8192, sms=132)[1] > 1
+    inv = {mod.splits_for(b, 256, 8192, invariant=True, sms=132)[0] for b in (1, 7, 32, 128)}
+    assert inv == {mod.INVARIANT_CHUNK // 64}  # the chunk never follows the batch
+    for b in (1, 5, 64):
+        per, splits = mod.splits_for(b, 128, 1000, sms=132)
+        assert per % 2 == 0 and (splits - 1) * per < 16 <= splits * per  # whole pairs that cover the 16 blocks
+
+
+def test_the_kernel_clamps_page_indexes_and_lengths():
+    """[Note] Gluon decode memory safety, as rendered: a page index is clamped to the cache and a length to the
+    block table's capacity before either picks a row (the GPU test feeds bad values)."""
+    from fagen.codegen.render import render
+
+    src = render(spec()).source
+    assert "page = gl.minimum(gl.maximum(page, 0), num_pages - 1)" in src
+    assert "seq_len = gl.minimum(gl.maximum(gl.load(Seqlens + b), 0), bt_width * PAGE)" in src
+
+
+_SCRIPT = r"""
+import json, os, re, sys
+sys.path.insert(0, sys.argv[1])
+sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
+import fagen
+from sm90 import loops, ptxas
+
+out = {}
+for key, (layout, kw) in json.loads(sys.argv[2]).items():
+    mod = fagen.load(fagen.KernelSpec(head_dim=576, head_dim_v=512, shared_kv=True, kind="decode", gqa=128,
+                                      dtype="bf16", mask="causal", layout=layout, backend="gluon"))
+    ck = mod.compile_for(**kw)
+    ptx = ck.asm["ptx"]
+    res, log, _ = ptxas(ptx)
+    res = next(iter(res.values()))
+    out[key] = dict(shared=ck.metadata.shared, spills=res.spill_stores + res.spill_loads, stack=res.stack,
+                    serialized="C7514" in log,
+                    setmaxnreg=sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
+                    wgmma=[s.count("wgmma.mma_async") for s in loops(ptx, 30, innermost=True)])
+print("RESULT " + json.dumps(out))
+"""
+BUILDS = {"paged_sq2": ("paged", dict(seq_q=2)), "paged_sq2_split": ("paged", dict(seq_q=2, num_splits=2)),
+          "paged_sq1": ("paged", dict(seq_q=1)), "dense_sq2": ("dense", dict(seq_q=2))}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    return build_sm90(tmp_path_factory, _SCRIPT, BUILDS, "gluon-mla-decode-product")
+
+
+@pytest.mark.parametrize("key", list(BUILDS))
+def test_builds_within_shared_memory_without_spills(built, key):
+    """The spec's formula bounds the build, no spill, the wgmma asynchronous (no C7514), each warpgroup's pair loop
+    44 wgmma ([Note] Seesaw pair: S of its 64-key block, 36 k-steps, and two P V of 4), the register split."""
+    r = built[key]
+    assert r["shared"] <= backends.smem_bytes(spec()) <= 232448, r
+    assert r["spills"] == 0 and r["stack"] == 0 and not r["serialized"], r
+    assert r["wgmma"] == [44, 44], r
+    regs = 240 if key == "paged_sq1" else 232
+    assert {regs, 24} <= set(r["setmaxnreg"]), r
+
+
+_MERGE = r"""
+import os, sys
+sys.path.insert(0, sys.argv[1])
+import torch
+import fagen
+
+mod = fagen.load(fagen.KernelSpec(head_dim=576, head_dim_v=512, shared_kv=True, kind="decode", gqa=128,
+                                  dtype="bf16", mask="causal", layout="paged", backend="gluon"))
+b, ns, rows, dv = 2, 3, 32, 512
+gen = torch.Generator().manual_seed(3)
+part_o = torch.randn(b * ns * rows, dv, generator=gen)
+part_lse = torch.randn(b * ns * rows, generator=gen) * 4
+part_lse.view(b, ns, rows)[1, 2] = float("-inf")  # an empty split: lse -inf, out 0
+part_o.view(b, ns, rows, dv)[1, 2] = 0.0
+part_lse.view(b, ns, rows)[0, :, 5] = float("-inf")  # a row no split saw
+part_o.view(b, ns, rows, dv)[0, :, 5] = 0.0
+out = torch.empty(b, rows, dv, dtype=torch.bfloat16)
+lse = torch.empty(b, rows)
+mod._merge[(rows // 16, b)](part_o, part_lse, out, lse, ROWS=rows, NUM_SPLITS=ns, BLOCK_R=16, DV_=dv)
+torch.save(dict(part_o=part_o, part_lse=part_lse, out=out, lse=lse), sys.argv[2])
+"""
+
+
+def test_merge_is_the_log_sum_exp_rule(tmp_path):
+    """Splits' partial rows (log2 lse; one split empty: lse -inf, out 0; one row empty in every split) against
+    float64: the product module's Triton merge, interpreted in a child process (the module imports Gluon)."""
+    path = tmp_path / "merge.pt"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "FAGEN_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-c", _MERGE, str(ROOT), str(path)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = torch.load(path)
+    b, rows, dv = r["out"].shape
+    ln2 = torch.log(torch.tensor(2.0, dtype=torch.float64))
+    lse2 = r["part_lse"].double().view(b, -1, rows)
+    w = torch.softmax(lse2 * ln2, dim=1).nan_to_num()
+    want = (w[..., None] * r["part_o"].double().view(b, -1, rows, dv)).sum(1)
+    torch.testing.assert_close(r["out"].double(), want, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(r["lse"].double(), torch.logsumexp(lse2 * ln2, dim=1), atol=1e-5, rtol=1e-5)
+    assert r["lse"][0, 5] == float("-inf") and (r["out"][0, 5] == 0).all()
+
+
+def _sm90():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and hopper.gluon_missing() is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU and triton's Gluon Hopper API")
+@pytest.mark.parametrize("sq, invariant, splits", [(2, False, None), (2, False, 1), (2, True, None), (1, False, 3)])
+def test_gpu_against_float64(sq, invariant, splits):
+    """Ragged lengths (odd, one empty, NaN past each end in shuffled pages) against float64; bad page indexes and
+    lengths change only their own sequences."""
+    from fagen.verify import reference
+    lens, page, hq = [1000, 77, 0, 513, 64], 64, 128
+    gen = torch.Generator().manual_seed(sq)
+    width = -(-max(lens) // page)
+    pages = len(lens) * width + 3
+    q = torch.randn(len(lens), hq, sq, D, generator=gen).bfloat16().cuda()
+    cache = torch.randn(pages, page, 1, D, generator=gen).bfloat16()
+    table = torch.randperm(pages, generator=gen)[:len(lens) * width].int().view(len(lens), width)
+    for i, n in enumerate(lens):
+        for p in range(width):
+            if n - p * page < page:
+                cache[table[i, p], max(0, n - p * page):] = float("nan")
+    cache, table, seqlens = cache.cuda(), table.cuda(), torch.tensor(lens, dtype=torch.int32).cuda()
+    mod = fagen.load(spec())
+    kw = dict(block_table=table, seqlens_k=seqlens, scale=0.07)
+    out, lse = (mod.forward_split(q, cache, None, num_splits=splits, **kw) if splits
+                else mod.forward(q, cache, None, batch_invariant=invariant, **kw))
+    for i, n in enumerate(lens):
+        if n == 0:
+            assert (out[i] == 0).all() and torch.isneginf(lse[i]).all()
+            continue
+        k = cache[table[i].long()].double().reshape(-1, 1, D)[:n].transpose(0, 1)[None]
+        want, want_lse = reference.attention(q[i:i + 1].double(), k, None, head_dim_v=DV, mask="causal", scale=0.07)
+        torch.testing.assert_close(out[i:i + 1].double(), want, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(lse[i:i + 1].double(), want_lse, atol=1e-3, rtol=1e-3)
+    bad_t, bad_l = table.clone(), seqlens.clone()
+    bad_t[1, 0], bad_t[3] = -7, 10 ** 9
+    bad_l[2], bad_l[4] = 10 ** 6, -5
+    out2, lse2 = mod.forward(q, cache, None, block_table=bad_t, seqlens_k=bad_l, scale=0.07,
+                             batch_invariant=invariant)
+    torch.cuda.synchronize()
+    base = mod.forward(q, cache, None, batch_invariant=invariant, **kw)
+    assert torch.equal(out2[0], base[0][0]) and (out2[4] == 0).all()

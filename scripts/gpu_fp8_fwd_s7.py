@@ -53,6 +53,12 @@ VARIANTS = {
     # how much of a step the exponentials cost: P = the exp2's argument itself (no MUFU.EX2 in the step)
     "diag: no exp2": {"patch": ((r"p = gl\.exp2\((s_acc \* qk_scale - \(m_use - 8\.0\)\[:, None\])\)", r"p = \1"), ),
                       "diag": True},
+    # the step without its softmax (no row max, exp2 or row sum; P = S): the matmuls, the barriers, P's rounding and
+    # O's rescale, the ceiling of any softmax schedule
+    "diag: no softmax": {"patch": ((r"m_new = gl\.maximum\(m_i, gl\.max\(s_acc, 1\) \* qk_scale\)", "m_new = m_i"),
+                                   (r"p = gl\.exp2\(s_acc \* qk_scale - \(m_use - 8\.0\)\[:, None\]\)", "p = s_acc"),
+                                   (r"l_i = l_i \* alpha \+ gl\.sum\(p, 1\)", "l_i = l_i * alpha")),
+                         "diag": True},
 }
 # d64: the product's fp8 module (and any variant named here), ratios to the first
 D64_VARIANTS = ("product", )

@@ -45,10 +45,13 @@ DEV = "cpu" if MOCK else "cuda"
 PHASE_TIMEOUT = {"build": 40, "check": 25, "time": 30}
 T0 = time.time()
 MASKS = ("causal", "none")
-# name -> None (the product: fagen.load's module) or {"fields": spec fields, "patch": ((regex, replacement), ...) on
-# the product's render, "diag": True for a timing-only diagnostic (wrong numerics: built and timed, not checked)}
+# name -> None (the product: fagen.load's module) or {"fields": spec fields, "variant": GluonBackend.variant keys,
+# "patch": ((regex, replacement), ...) on the render, "diag": True for a timing-only diagnostic (wrong numerics:
+# built and timed, not checked)}
 VARIANTS = {
     "product": None,
+    # [Note] fp8 S ahead: S_{n+1} issued before the softmax of S_n (ptxas serializes the wgmma: C7514)
+    "S ahead": {"variant": {"fp8_s_ahead": 1}},
     "block_n 64": {"fields": {"block_n": 64}},
     # how much of a step the exponentials cost: P = the exp2's argument itself (no MUFU.EX2 in the step)
     "diag: no exp2": {"patch": ((r"p = gl\.exp2\((s_acc \* qk_scale - \(m_use - 8\.0\)\[:, None\])\)", r"p = \1"), ),
@@ -110,13 +113,29 @@ def module(mask, name, head_dim=128, window=False, gqa=1):
     if v is None:
         return fagen.load(spec_of(mask, head_dim=head_dim, window=window, gqa=gqa))
     sp = spec_of(mask, head_dim=head_dim, window=window, gqa=gqa, **v.get("fields", {}))
-    source = fagen.generate(sp)
+    source = render_with(sp, v.get("variant", {}))
     for pattern, repl in v.get("patch", ()):
         source, hits = re.subn(pattern, repl, source, flags=re.M)
         if not hits:
             raise RuntimeError(f"{sp.name}: variant {name!r}: no {pattern!r} in the render")
     tag = re.sub(r"\W+", "_", name).strip("_")
     return load_source(source, f"{sp.name}_{tag}")
+
+
+def render_with(sp, changes):
+    """The render of spec sp with GluonBackend.variant changed by `changes` for this render only."""
+    import fagen
+    from fagen import backends
+    from fagen.codegen import render
+    saved = dict(backends.GLUON.variant)
+    backends.GLUON.variant.update(changes)
+    render.render.cache_clear()
+    try:
+        return fagen.generate(sp)
+    finally:
+        backends.GLUON.variant.clear()
+        backends.GLUON.variant.update(saved)
+        render.render.cache_clear()
 
 
 def jobs():

@@ -50,8 +50,8 @@ MASKS = ("causal", "none")
 # built and timed, not checked)}
 VARIANTS = {
     "product": None,
-    # [Note] fp8 S ahead: S_{n+1} issued before the softmax of S_n (ptxas serializes the wgmma: C7514)
-    "S ahead": {"variant": {"fp8_s_ahead": 1}},
+    # [Note] fp8 row sums: l summed per thread, reduced across the quad once a tile (4 SHFL and FADD fewer a step)
+    "l partial": {"patch": ((r"^_L_PART = 0", "_L_PART = 1"), )},
     "block_n 64": {"fields": {"block_n": 64}},
     # how much of a step the exponentials cost: P = the exp2's argument itself (no MUFU.EX2 in the step)
     "diag: no exp2": {"patch": ((r"p = gl\.exp2\((s_acc \* qk_scale - \(m_use - 8\.0\)\[:, None\])\)", r"p = \1"), ),

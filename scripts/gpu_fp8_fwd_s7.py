@@ -53,6 +53,8 @@ VARIANTS = {
     # [Note] fp8 row sums: l summed per thread, reduced across the quad once a tile (4 SHFL and FADD fewer a step)
     "l partial": {"patch": ((r"^_L_PART = 0", "_L_PART = 1"), )},
     "block_n 64": {"fields": {"block_n": 64}},
+    # [Note] fp8 exp2 on the FMA pipe: an eighth of P's exp2 by a polynomial (MUFU 58 a step instead of 66)
+    "exp2 1/8 on FMA": {"patch": ((r"^_EX2_EMU = 0", "_EX2_EMU = 3"), )},
     # how much of a step the exponentials cost: P = the exp2's argument itself (no MUFU.EX2 in the step)
     "diag: no exp2": {"patch": ((r"p = gl\.exp2\((s_acc \* qk_scale - \(m_use - 8\.0\)\[:, None\])\)", r"p = \1"), ),
                       "diag": True},

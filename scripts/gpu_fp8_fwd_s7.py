@@ -62,7 +62,7 @@ VARIANTS = {
                                               (r"^_EX2_EMU = 0", "_EX2_EMU = 3"))},
 }
 # d64: the product's fp8 module (and any variant named here), ratios to the first
-D64_VARIANTS = ("product", )
+D64_VARIANTS = ("product", "tree + l partial")
 # checks: (mask, gqa, batch, kv_heads, sq, sk, per_head); CHECKS for every d128 variant (and D64_VARIANTS at d64),
 # PRODUCT_CHECKS (GQA, the window: (..., window)) for the product's modules only
 CHECKS = (

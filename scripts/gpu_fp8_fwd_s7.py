@@ -50,19 +50,18 @@ MASKS = ("causal", "none")
 # built and timed, not checked)}
 VARIANTS = {
     "product": None,
-    # [Note] fp8 row reductions: the row max and sum of a step as trees of pairs (depth 7 instead of 33 in the PTX).
-    # Round A (H100) measured the other candidates: the diagnostics without exp2 965 / 954 TF/s and without the
-    # softmax 2211 / 1942 against the product's 842 / 848, so the softmax's chains, not its MUFU work, hold the step
-    "tree": {"patch": ((r"^_TREE = 0", "_TREE = 1"), )},
-    "tree + l partial": {"patch": ((r"^_TREE = 0", "_TREE = 1"), (r"^_L_PART = 0", "_L_PART = 1"))},
-    # [Note] fp8 row sums: l summed per thread, reduced across the quad once a tile (round A: 857 / 808)
-    "l partial": {"patch": ((r"^_L_PART = 0", "_L_PART = 1"), )},
-    # [Note] fp8 exp2 on the FMA pipe, an eighth of P's exp2 (round A alone: 807 / 824), beside the trees
-    "tree + l partial + exp2 1/8": {"patch": ((r"^_TREE = 0", "_TREE = 1"), (r"^_L_PART = 0", "_L_PART = 1"),
-                                              (r"^_EX2_EMU = 0", "_EX2_EMU = 3"))},
+    # how much of a step the exponentials cost: P = the exp2's argument itself (no MUFU.EX2 in the step)
+    "diag: no exp2": {"patch": ((r"p = gl\.exp2\((s_acc \* qk_scale - \(m_use - 8\.0\)\[:, None\])\)", r"p = \1"), ),
+                      "diag": True},
+    # the step without its softmax (no row max, exp2 or row sum; P = S): the matmuls, the barriers, P's rounding and
+    # O's rescale, the ceiling of any softmax schedule
+    "diag: no softmax": {"patch": ((r"m_new = gl\.maximum\(m_i, gl\.max\(s_acc, 1\) \* qk_scale\)", "m_new = m_i"),
+                                   (r"p = gl\.exp2\(s_acc \* qk_scale - \(m_use - 8\.0\)\[:, None\]\)", "p = s_acc"),
+                                   (r"l_i = l_i \* alpha \+ gl\.sum\(p, 1\)", "l_i = l_i * alpha")),
+                         "diag": True},
 }
 # d64: the product's fp8 module (and any variant named here), ratios to the first
-D64_VARIANTS = ("product", "tree + l partial")
+D64_VARIANTS = ("product", )
 # checks: (mask, gqa, batch, kv_heads, sq, sk, per_head); CHECKS for every d128 variant (and D64_VARIANTS at d64),
 # PRODUCT_CHECKS (GQA, the window: (..., window)) for the product's modules only
 CHECKS = (

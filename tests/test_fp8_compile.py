@@ -32,15 +32,6 @@ from sm90 import loops, ptxas
 
 
 
-def chain_depth(body, op):  # the longest chain of op (max.f32, add.f32) in a PTX loop body, each fed by the last
-    depth = {}
-    for line in body.splitlines():
-        if line.strip().startswith(op):
-            regs = re.findall(r"%r\d+", line)
-            depth[regs[0]] = 1 + max([depth.get(r, 0) for r in regs[1:]] or [0])
-    return max(depth.values(), default=0)
-
-
 out = {}
 for key, fields in json.loads(sys.argv[2]).items():
     fields = dict(fields)
@@ -65,10 +56,7 @@ for key, fields in json.loads(sys.argv[2]).items():
                     shfl=ptx.count("shfl.sync"),
                     repack=[len(re.findall(r"^\s*(?:prmt\.b32|cvt\.u32\.u16)\s", body, flags=re.M))
                             for body in loops(ptx, min_wgmma=2, innermost=True)],
-                    switches={name: getattr(mod, name) for name in ("_TREE", "_L_PART")},
-                    depth={op: [chain_depth(body, op) for body in loops(ptx, min_wgmma=2, innermost=True)]
-                           for op in ("max.f32", "add.f32")},
-                    loop_shfl=[body.count("shfl.sync") for body in loops(ptx, min_wgmma=2, innermost=True)])
+                    )
 print("RESULT " + json.dumps(out))
 """
 
@@ -128,21 +116,3 @@ def test_p_is_not_repacked_in_the_loop_as_the_variant_says(built, key):
         assert max(r) <= 4, r
     else:
         assert min(r) >= 48, r
-
-
-@pytest.mark.parametrize("key", list(MODULES))
-def test_row_reductions_are_trees_as_the_module_says(built, key):
-    """[Note] fp8 row reductions: with _TREE a step's row max and row sum are trees of pairs (PTX depth 7: 5 levels
-    in the thread, 2 across the quad), else chains through every column a thread holds (33 at block_n 128)."""
-    r = built[key]
-    assert r["depth"]["max.f32"], r
-    deepest = max(r["depth"]["max.f32"] + r["depth"]["add.f32"])
-    assert (deepest <= 8) if r["switches"]["_TREE"] else (deepest >= 17), r["depth"]
-
-
-@pytest.mark.parametrize("key", list(MODULES))
-def test_row_sums_stay_in_the_thread_as_the_module_says(built, key):
-    """[Note] fp8 row sums: with _L_PART a step shuffles only for the row max (4 shfl.sync: 2 rows, 2 levels), the
-    sum across the quad waits for the tile's end; else 8 (the sum's too)."""
-    r = built[key]
-    assert set(r["loop_shfl"]) == ({4} if r["switches"]["_L_PART"] else {8}), r["loop_shfl"]

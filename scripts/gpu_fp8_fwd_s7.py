@@ -1,26 +1,22 @@
-"""The fp8 (e4m3) Gluon forward's speed levers on an H100/H200 (issue 28, seventh session): each variant checked
-against float64, then one table of TF/s at d128 B1 H16 s16k, causal and full, beside fagen's bf16 forward.
+"""The fp8 (e4m3) Gluon forward's speed levers on an H100/H200 (issue 28, seventh and eighth sessions): each variant
+checked against float64, then one table of TF/s at d128 B1 H16 s16k, causal and full, beside fagen's bf16 forward.
 
     PYTHONPATH=$PWD python3 scripts/gpu_fp8_fwd_s7.py          # < 90 s on an H100; one table; $OUT/gpu_fp8_fwd_s7.md
     GPU_FP8_FWD_DRY=1 PYTHONPATH=$PWD python3 scripts/gpu_fp8_fwd_s7.py   # any machine: sm_90 builds of every variant
 
-Variants (VARIANTS: name -> (turns, p_cvt, num_stages)): the product's fp8 module (fagen.load, the default config)
-and the same spec rendered with `_TURNS` and `_P_CVT` patched (fagen/templates/gluon/attention.py.j2); "before" is
-the product before this session (0, 0, 4). Round A (H100) timed turns 2, P rounding 2, both, turns 3 with P rounding
-2; round B the product (P rounding 2, no turns) against "before", at d128 and d64, beside turns 3 and 2 K/V slots. [Note] fp8
-turns: 0 the two consumer warpgroups issue their matmuls freely, 1 they take turns through an mbarrier token, 2
-through a pair of named barriers (FlashAttention-3's warp scheduler barrier), 3 as 2 with warpgroup 1 skipping the
-K/V ready waits. [Note] fp8 P rounding: 0 P rounded by triton's cast and carried to the next step in e4m3, 2 carried
-in fp32 and rounded right before its matmul, four keys to a register.
+Variants (VARIANTS: name -> None for the product's module, fagen.load of the default config, or a dict: `fields` of
+the spec changed, `patch` (regex, replacement) pairs applied to the product's render, `diag` for a timing-only
+diagnostic whose numerics are knowingly wrong: it is built and timed, never checked). Seventh session: warpgroup
+turns (left the template) and the P rounding (the product's fp8_p_cvt 2); docs/hopper.md has the tables.
 
 Phases, each in a child process with a timeout (a kernel that faults or hangs costs its phase, not the table):
   build  warm launches of every module in a pool of processes (fills triton's cache for the other phases);
-  check  every variant at small shapes whose lengths are not multiples of the blocks (causal Sq != Sk both ways,
-         GQA with per-head descales, mask none) against float64 on the dequantized inputs, with scripts/gpu_fp8.py's
-         check: RMSE within 1.5x the e4m3 emulation's, lse, the fingerprint (fails if P V ran in bf16), empty rows;
-         each module called twice;
+  check  every variant but the diagnostics at small shapes whose lengths are not multiples of the blocks (causal
+         Sq != Sk both ways, GQA with per-head descales, mask none) against float64 on the dequantized inputs, with
+         scripts/gpu_fp8.py's check: RMSE within 1.5x the e4m3 emulation's, lse, the fingerprint (fails if P V ran
+         in bf16), empty rows; each module called twice;
   time   TF/s (do_bench median, the whole forward() call: the V transpose included) at d128 B1 H16 s16k for causal
-         and full: fagen bf16 (the product), the fp8 product, each variant; ratios against bf16 (target 1.5x).
+         and full: fagen's bf16 forward first, then each variant with its ratio to it.
 """
 
 from __future__ import annotations
@@ -49,15 +45,23 @@ DEV = "cpu" if MOCK else "cuda"
 PHASE_TIMEOUT = {"build": 40, "check": 25, "time": 30}
 T0 = time.time()
 MASKS = ("causal", "none")
-# name -> (_TURNS, _P_CVT, num_stages); "product" is fagen.load's module (the backend's default config and variant)
+# name -> None (the product: fagen.load's module) or {"fields": spec fields, "variant": GluonBackend.variant keys,
+# "patch": ((regex, replacement), ...) on the render, "diag": True for a timing-only diagnostic (wrong numerics:
+# built and timed, not checked)}
 VARIANTS = {
-    "before": (0, 0, 4),  # the product before this session: no turns, P carried in e4m3
-    "product": None,  # round B: P rounding 2, no turns (round A, H100: 824 / 825 TF/s against 733 / 733)
-    "turns3 pcvt2": (3, 2, 4),  # round A's other best: 838 / 819
-    "pcvt2 s2": (0, 2, 2),  # two K/V slots (FA3's) with P rounding 2
+    "product": None,
+    # how much of a step the exponentials cost: P = the exp2's argument itself (no MUFU.EX2 in the step)
+    "diag: no exp2": {"patch": ((r"p = gl\.exp2\((s_acc \* qk_scale - \(m_use - 8\.0\)\[:, None\])\)", r"p = \1"), ),
+                      "diag": True},
+    # the step without its softmax (no row max, exp2 or row sum; P = S): the matmuls, the barriers, P's rounding and
+    # O's rescale, the ceiling of any softmax schedule
+    "diag: no softmax": {"patch": ((r"m_new = gl\.maximum\(m_i, gl\.max\(s_acc, 1\) \* qk_scale\)", "m_new = m_i"),
+                                   (r"p = gl\.exp2\(s_acc \* qk_scale - \(m_use - 8\.0\)\[:, None\]\)", "p = s_acc"),
+                                   (r"l_i = l_i \* alpha \+ gl\.sum\(p, 1\)", "l_i = l_i * alpha")),
+                         "diag": True},
 }
-# d64 and the window: the product's fp8 module against the one before this session ("before" in VARIANTS)
-D64_VARIANTS = ("before", "product")
+# d64: the product's fp8 module (and any variant named here), ratios to the first
+D64_VARIANTS = ("product", )
 # checks: (mask, gqa, batch, kv_heads, sq, sk, per_head); CHECKS for every d128 variant (and D64_VARIANTS at d64),
 # PRODUCT_CHECKS (GQA, the window: (..., window)) for the product's modules only
 CHECKS = (
@@ -102,16 +106,33 @@ def module(mask, name, head_dim=128, window=False, gqa=1):
                                  f"k {tuple(k.shape)}, {sorted(kw)}")
             return emulated(q, k, v, **kw)
         return types.SimpleNamespace(forward=forward, transpose_v=lambda v: v.transpose(-1, -2).contiguous())
-    if VARIANTS[name] is None:
+    v = VARIANTS[name]
+    if v is None:
         return fagen.load(spec_of(mask, head_dim=head_dim, window=window, gqa=gqa))
-    turns, p_cvt, stages = VARIANTS[name]
-    s = spec_of(mask, num_stages=stages, head_dim=head_dim, window=window, gqa=gqa)
-    source = fagen.generate(s)
-    for knob, value in (("_TURNS", turns), ("_P_CVT", p_cvt)):
-        if not re.search(rf"^{knob} = \d", source, flags=re.M):
-            raise RuntimeError(f"{s.name}: no {knob} in the render")
-        source = re.sub(rf"^{knob} = \d", f"{knob} = {value}", source, count=1, flags=re.M)
-    return load_source(source, f"{s.name}_turns{turns}_pcvt{p_cvt}")
+    sp = spec_of(mask, head_dim=head_dim, window=window, gqa=gqa, **v.get("fields", {}))
+    source = render_with(sp, v.get("variant", {}))
+    for pattern, repl in v.get("patch", ()):
+        source, hits = re.subn(pattern, repl, source, flags=re.M)
+        if not hits:
+            raise RuntimeError(f"{sp.name}: variant {name!r}: no {pattern!r} in the render")
+    tag = re.sub(r"\W+", "_", name).strip("_")
+    return load_source(source, f"{sp.name}_{tag}")
+
+
+def render_with(sp, changes):
+    """The render of spec sp with GluonBackend.variant changed by `changes` for this render only."""
+    import fagen
+    from fagen import backends
+    from fagen.codegen import render
+    saved = dict(backends.GLUON.variant)
+    backends.GLUON.variant.update(changes)
+    render.render.cache_clear()
+    try:
+        return fagen.generate(sp)
+    finally:
+        backends.GLUON.variant.clear()
+        backends.GLUON.variant.update(saved)
+        render.render.cache_clear()
 
 
 def jobs():
@@ -123,7 +144,7 @@ def jobs():
 
 def check_cases():
     """(variant, head_dim, CHECKS row, window) of every check."""
-    cases = [(name, 128, c, None) for name in VARIANTS for c in CHECKS]
+    cases = [(name, 128, c, None) for name in VARIANTS if not (VARIANTS[name] or {}).get("diag") for c in CHECKS]
     cases += [(name, 64, c, None) for name in D64_VARIANTS for c in CHECKS[:2]]
     return cases + [("product", 128, c[:-1], c[-1]) for c in PRODUCT_CHECKS]
 
@@ -141,7 +162,7 @@ def _warm(job):
             ck = m.compile_for()
             res = sm90.ptxas(ck.asm["ptx"])[0]["_attn_fwd_hopper"]
             return (f"built {name:<10} {mask:>6}: shared {ck.metadata.shared} regs {res.registers} spills "
-                    f"{res.spill_stores + res.spill_loads} named bar.sync {sorted(set(re.findall(r'bar.sync (1[45])', ck.asm['ptx'])))} "
+                    f"{res.spill_stores + res.spill_loads} ex2 {ck.asm['ptx'].count('ex2.approx')} "
                     f"({time.time() - t:.1f}s)")
         q, k, v = (torch.randn(1, h, 200, d, device="cuda").to(torch.float8_e4m3fn) for h in (gqa, 1, 1))
         m.forward(q, k, v, **({"window": (64, 0)} if window else {}))
@@ -269,7 +290,7 @@ def phase_time():
                                                                                  k_descale=dk, v_descale=dv))
             finally:
                 m.transpose_v = saved
-    # d64: the product against the module before this session (fp8 only; same B, H, S)
+    # d64: D64_VARIANTS (fp8 only; same B, H, S), ratios to the first
     x = [torch.randn((b, h, s, 64), generator=g, device=DEV, dtype=torch.bfloat16) for _ in range(3)]
     (q8, dq), (k8, dk), (v8, dv) = (gpu_fp8.quantize(t.float(), False) for t in x)
     for mask in MASKS:

@@ -81,15 +81,14 @@ class GluonBackend(KernelBackend):
     # on only where scripts/gpu_mla_prefill.py renders d128 variants to time them.
     # causal_order: the _SCHED the product renders for a causal spec without the window or a mod (bf16, fp16 and
     # fp8, d64 and d128; MLA keeps 1, paired), or None for the plain loop ([Note] Gluon tile order).
-    # fp8_turns: the fp8 consumers take turns issuing their matmuls ([Note] fp8 turns in the template): 0 not, 1 an
-    # mbarrier token, 2 named barriers, 3 and warpgroup 1 skips the ready waits. fp8_p_cvt: 2 P carried in fp32 and
-    # rounded to e4m3 right before its P V, 0 rounded by triton's cast and carried in e4m3 ([Note] fp8 P rounding).
-    # H100, d128 B1 H16 s16k causal / full TF/s (scripts/gpu_fp8_fwd_s7.py, seventh session, round A): before (0, 0)
-    # 733 / 733, turns 2 732 / 715, P rounding 2 824 / 825, turns 2 + P rounding 2 817 / 791, turns 3 + P rounding
-    # 2 838 / 819; so the product rounds P late and takes no turns. bf16/fp16 renders read neither.
+    # fp8_p_cvt: 2 P carried in fp32 and rounded to e4m3 right before its P V, 0 rounded by triton's cast and carried
+    # in e4m3 ([Note] fp8 P rounding in the template). H100, d128 B1 H16 s16k causal / full TF/s
+    # (scripts/gpu_fp8_fwd_s7.py, seventh session): 0 733 / 733, 2 824 / 825. bf16/fp16 renders do not read it. The
+    # seventh session's warpgroup turns (FA3's scheduler barrier) measured no faster and left the template
+    # (docs/hopper.md, "fp8 forward, seventh session").
     # bwd_*: the gluon backward's levers ([Note] Gluon backward levers).
     variant = {"consumer_regs": 240, "loader_regs": 24, "tile_schedule_all": False, "causal_order": 3,
-               "fp8_turns": 0, "fp8_p_cvt": 2,
+               "fp8_p_cvt": 2,
                "bwd_order": 0, "bwd_snake": 0, "bwd_named": 0, "bwd_epi_tma": 0, "bwd_fixed": 0, "bwd_window_desc": 0,
                "bwd_unordered_levers": {"bwd_named": 2, "bwd_epi_tma": 1, "bwd_snake": 1}}
 

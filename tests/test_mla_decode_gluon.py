@@ -88,15 +88,9 @@ torch.save(dict(part_o=part_o, part_lse=part_lse, out=out, lse=lse), sys.argv[2]
 """
 
 
-def test_merge_is_the_log_sum_exp_rule(tmp_path):
-    """Splits' partial rows (log2 lse; one split empty: lse -inf, out 0) against float64 (the lab's Triton merge,
-    interpreted, in a child process: tests import nothing from lab/)."""
-    path = tmp_path / "merge.pt"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", _MERGE, str(ROOT), str(path)], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    r = torch.load(path)
+def merge_matches_float64(r):
+    """A split merge's result r (partial rows part_o / part_lse in log2, merged out / lse) against the log-sum-exp
+    rule in float64; row 5 of batch 0 sees no key in any split (lse -inf, out 0)."""
     b, rows, dv = r["out"].shape
     ln2 = torch.log(torch.tensor(2.0, dtype=torch.float64))
     lse2 = r["part_lse"].double().view(b, -1, rows)
@@ -105,6 +99,17 @@ def test_merge_is_the_log_sum_exp_rule(tmp_path):
     torch.testing.assert_close(r["out"].double(), want, atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(r["lse"].double(), torch.logsumexp(lse2 * ln2, dim=1), atol=1e-5, rtol=1e-5)
     assert r["lse"][0, 5] == float("-inf") and (r["out"][0, 5] == 0).all()
+
+
+def test_merge_is_the_log_sum_exp_rule(tmp_path):
+    """Splits' partial rows (log2 lse; one split empty: lse -inf, out 0) against float64 (the lab's Triton merge,
+    interpreted, in a child process: tests import nothing from lab/)."""
+    path = tmp_path / "merge.pt"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", _MERGE, str(ROOT), str(path)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    merge_matches_float64(torch.load(path))
 
 
 @pytest.mark.parametrize("key", ["ss", "ss_split"])

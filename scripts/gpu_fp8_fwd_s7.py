@@ -25,12 +25,13 @@ import json
 import multiprocessing as mp
 import os
 import re
-import subprocess
 import sys
-import threading
 import time
 import traceback
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for _phases
+from _phases import child_env, run_phase as run_child  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -326,28 +327,16 @@ def main():
     if len(sys.argv) > 2 and sys.argv[1] == "--phase":
         {"build": phase_build, "check": phase_check, "time": phase_time}[sys.argv[2]]()
         return
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("FAGEN_CACHE_DIR", "/tmp/fagen-cache-gpu-fp8-fwd-s7")
+    env = child_env("/tmp/fagen-cache-gpu-fp8-fwd-s7")
     rows = []
     for name in (("build", ) if DRY else ("check", "time") if MOCK else PHASE_TIMEOUT):
         limit = PHASE_TIMEOUT[name] * (10 if DRY or MOCK else 1)
         log(f"#### phase {name} (timeout {limit}s, {time.time() - T0:.0f}s so far)")
-        proc = subprocess.Popen([sys.executable, __file__, "--phase", name], env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, bufsize=1)
-
-        def pump(stream=proc.stdout):
-            for line in stream:
-                print(line, end="", flush=True)
-                if line.startswith("ROW "):
-                    rows.append(json.loads(line[4:]))
-        reader = threading.Thread(target=pump, daemon=True)
-        reader.start()
-        try:
-            rc = proc.wait(timeout=limit)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rc = f"killed after {limit}s"
-        reader.join(timeout=5)
+        def on_line(line):
+            print(line, end="", flush=True)
+            if line.startswith("ROW "):
+                rows.append(json.loads(line[4:]))
+        rc, _ = run_child(__file__, name, limit, env, on_line)
         log(f"#### phase {name}: rc={rc}")
     text = table(rows)
     log(text)

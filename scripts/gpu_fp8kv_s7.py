@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import threading
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/, for _phases
+from _phases import child_env, run_phase as run_child  # noqa: E402
 
 DRY = os.environ.get("GPU_FP8KV_S7_DRY") == "1"
 if DRY:
@@ -328,29 +329,14 @@ def main():
         phase(sys.argv[2])
         return
     t0 = time.time()
-    env = dict(os.environ)
-    env.setdefault("FAGEN_CACHE_DIR", "/tmp/fagen-cache-gpu-fp8kv-s7")
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env = child_env("/tmp/fagen-cache-gpu-fp8kv-s7", ROOT)
+    if "TRITON_INTERPRET" in os.environ:  # a dry run keeps its interpreter
+        env["TRITON_INTERPRET"] = os.environ["TRITON_INTERPRET"]
     rows, logs = [], []
     for name, limit in PHASES.items():
         print(f"[{time.time() - t0:6.1f}s] #### phase {name} (timeout {limit}s)", flush=True)
-        lines = []
-        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--phase", name], env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-
-        def pump(stream=proc.stdout, lines=lines):
-            for line in stream:
-                lines.append(line)
-                if not line.startswith("ROW "):
-                    print(line, end="", flush=True)
-        reader = threading.Thread(target=pump, daemon=True)
-        reader.start()
-        try:
-            rc = proc.wait(timeout=limit)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rc = f"killed after {limit}s"
-        reader.join(timeout=5)
+        rc, lines = run_child(os.path.abspath(__file__), name, limit, env,
+                              lambda line: line.startswith("ROW ") or print(line, end="", flush=True))
         rows += [json.loads(line[4:]) for line in lines if line.startswith("ROW ")]
         logs += lines
         print(f"[{time.time() - t0:6.1f}s] #### phase {name}: rc={rc}", flush=True)

@@ -28,10 +28,12 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 import traceback
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for _phases
+from _phases import child_env, run_phase as run_child  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -538,9 +540,7 @@ def main():
         return
     t0 = time.time()
     out = os.environ.get("OUT")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("FAGEN_CACHE_DIR", "/tmp/fagen-cache-gpu-gluon-bwd-product")
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env = child_env("/tmp/fagen-cache-gpu-gluon-bwd-product", ROOT)
     rows, logs = [], []
     for name, limit in PHASE_TIMEOUT.items():
         log(f"#### phase {name} (timeout {limit}s)")
@@ -560,23 +560,8 @@ def main():
                       flush=True)
             log(f"#### phase {name}: {time.time() - t0:.0f}s so far")
             continue
-        lines = []
-        proc = subprocess.Popen([sys.executable, __file__, "--phase", name], env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, bufsize=1)
-
-        def pump(stream=proc.stdout, lines=lines):
-            for line in stream:
-                lines.append(line)
-                if not line.startswith("RESULTS "):
-                    print(line, end="", flush=True)
-        reader = threading.Thread(target=pump, daemon=True)
-        reader.start()
-        try:
-            rc = proc.wait(timeout=limit)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rc = f"killed after {limit}s (a hung kernel?)"
-        reader.join(timeout=5)
+        rc, lines = run_child(__file__, name, limit, env,
+                              lambda line: line.startswith("RESULTS ") or print(line, end="", flush=True))
         for line in lines:
             if line.startswith("RESULTS ") and name.startswith(("time", "ftime", "btime")):
                 rows += json.loads(line[8:])

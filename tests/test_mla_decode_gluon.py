@@ -67,25 +67,31 @@ def test_the_key_loop_overlaps_s_with_p_v(built, key):
     assert not built[key]["serialized"], built[key]
 
 
-_MERGE = r"""
-import json, os, sys
+# A split merge's inputs in a child process (b, ns, rows, dv set before): partial rows with an empty split (lse
+# -inf, out 0) and a row no split saw; the merge then writes out / lse and the child saves all four.
+MERGE_CASE = """
+gen = torch.Generator().manual_seed(3)
+part_o = torch.randn(b * ns * rows, dv, generator=gen)
+part_lse = torch.randn(b * ns * rows, generator=gen) * 4
+part_lse.view(b, ns, rows)[1, 2] = float("-inf")
+part_o.view(b, ns, rows, dv)[1, 2] = 0.0
+part_lse.view(b, ns, rows)[0, :, 5] = float("-inf")
+part_o.view(b, ns, rows, dv)[0, :, 5] = 0.0
+out = torch.empty(b, rows, dv, dtype=torch.bfloat16)
+lse = torch.empty(b, rows)
+"""
+MERGE_SAVE = "torch.save(dict(part_o=part_o, part_lse=part_lse, out=out, lse=lse), sys.argv[2])\n"
+
+_MERGE = """
+import sys
 sys.path.insert(0, sys.argv[1])
 import torch
 from lab.gluon_mla_decode import _merge
 
 b, ns, rows, dv = 2, 3, 32, 32
-gen = torch.Generator().manual_seed(3)
-part_o = torch.randn(b * ns * rows, dv, generator=gen)
-part_lse = torch.randn(b * ns * rows, generator=gen) * 4
-part_lse.view(b, ns, rows)[1, 2] = float("-inf")  # an empty split: lse -inf, out 0
-part_o.view(b, ns, rows, dv)[1, 2] = 0.0
-part_lse.view(b, ns, rows)[0, :, 5] = float("-inf")  # a row no split saw
-part_o.view(b, ns, rows, dv)[0, :, 5] = 0.0
-out = torch.empty(b, rows, dv, dtype=torch.bfloat16)
-lse = torch.empty(b, rows)
+""" + MERGE_CASE + """
 _merge[(rows // 16, b)](part_o, part_lse, out, lse, ROWS=rows, NUM_SPLITS=ns, BLOCK_R=16, DV_=dv)
-torch.save(dict(part_o=part_o, part_lse=part_lse, out=out, lse=lse), sys.argv[2])
-"""
+""" + MERGE_SAVE
 
 
 def merge_matches_float64(r):

@@ -18,7 +18,7 @@ from fagen.spec.kernel import KernelSpec, SpecError
 
 from _env import ON_GPU
 from test_hopper_compile import build_sm90
-from test_mla_decode_gluon import merge_matches_float64
+from test_mla_decode_gluon import MERGE_CASE, MERGE_SAVE, merge_matches_float64
 
 ROOT = Path(__file__).resolve().parent.parent
 D, DV = 576, 512
@@ -164,8 +164,8 @@ def test_builds_within_shared_memory_without_spills(built, key):
     assert {regs, 24} <= set(r["setmaxnreg"]), r
 
 
-_MERGE = r"""
-import os, sys
+_MERGE = """
+import sys
 sys.path.insert(0, sys.argv[1])
 import torch
 import fagen
@@ -173,18 +173,9 @@ import fagen
 mod = fagen.load(fagen.KernelSpec(head_dim=576, head_dim_v=512, shared_kv=True, kind="decode", gqa=128,
                                   dtype="bf16", mask="causal", layout="paged", backend="gluon"))
 b, ns, rows, dv = 2, 3, 32, 512
-gen = torch.Generator().manual_seed(3)
-part_o = torch.randn(b * ns * rows, dv, generator=gen)
-part_lse = torch.randn(b * ns * rows, generator=gen) * 4
-part_lse.view(b, ns, rows)[1, 2] = float("-inf")  # an empty split: lse -inf, out 0
-part_o.view(b, ns, rows, dv)[1, 2] = 0.0
-part_lse.view(b, ns, rows)[0, :, 5] = float("-inf")  # a row no split saw
-part_o.view(b, ns, rows, dv)[0, :, 5] = 0.0
-out = torch.empty(b, rows, dv, dtype=torch.bfloat16)
-lse = torch.empty(b, rows)
+""" + MERGE_CASE + """
 mod._merge[(rows // 16, b)](part_o, part_lse, out, lse, ROWS=rows, NUM_SPLITS=ns, BLOCK_R=16, DV_=dv)
-torch.save(dict(part_o=part_o, part_lse=part_lse, out=out, lse=lse), sys.argv[2])
-"""
+""" + MERGE_SAVE
 
 
 def test_merge_is_the_log_sum_exp_rule(tmp_path):

@@ -85,7 +85,7 @@ _REF = {}
 
 def reference_of(sq):
     """The inputs at Sq and each sequence's float64 (out, lse, unit): unit is the reference of |V| clamped to >= 1,
-    the scale compare divides by (as scripts/gpu_mla_decode_s6.py)."""
+    the scale compare divides by (as f6210e6:scripts/gpu_mla_decode_s6.py did)."""
     if sq not in _REF:
         from fagen.verify import reference
         q, cache, table, lens, keys = inputs(CHECK_LENS, sq, 7 + sq)

@@ -47,7 +47,7 @@ class TritonBackend(KernelBackend):
             # split (one 256-wide tile, benchmarks/serving.md): fwd m128n64w8s2 326, bwd m64n64w8s2 163. Second run
             # (15:12 UTC, cuDNN fwd 568, bwd 414): bwd m128n64w8s3 251 against m128n64w8s2 242, so 3 stages both ways.
             # Sixth session ([Note] MLA backward steps; docs/serving.md): bwd m128n128w8s2, 128 keys per dK/dV program
-            # stepping 32 queries, both gradient kernels at 3 stages: H100 (scripts/gpu_mla_bwd.py, 21:22 UTC,
+            # stepping 32 queries, both gradient kernels at 3 stages: H100 (6cce75b:scripts/gpu_mla_bwd.py, 21:22 UTC,
             # cuDNN 400 TF/s) with dQ 32-key steps 327 TF/s against m128n64w8s3's 246; dK/dV 1.53 ms (2 stages
             # 1.67, 64-key programs 3.2-3.4), dQ with 64-key steps at 3 stages 1.03 ms (32-key 1.16). sm_90 ptxas: no
             # spills (dK/dV 255 registers, 142 KB; dQ 241, 201 KB); the module's forward m128n128w8s2 at 2 stages

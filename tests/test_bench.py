@@ -516,7 +516,7 @@ def test_score_rows_specs_and_baselines():
 
 
 def test_fp8_rows_run_the_gluon_fp8_forward_with_descales_against_the_bf16_rows(monkeypatch):
-    """fwd-fp8-d128-{causal,full}-s16k: fagen alone, the gluon fp8 spec, RELATIVE_TARGETS 1.5x fagen's bf16 row of
+    """fwd-fp8-d128-{causal,full}-s16k: fagen and cudnn-fp8, the gluon fp8 spec, 1.5x fagen's bf16 row of
     the same shape; k and v are e4m3 with per-KV-head scales that prepare_fagen passes as k_descale / v_descale, and
     the float64 reference dequantizes them (a forward that ignores the descales fails the check)."""
     from fagen.bench import impls
@@ -526,7 +526,7 @@ def test_fp8_rows_run_the_gluon_fp8_forward_with_descales_against_the_bf16_rows(
     for name in FP8_ROWS:
         c = by[name]
         bf16 = by[RELATIVE_TARGETS[name][0][0]]
-        assert RELATIVE_TARGETS[name] == ((bf16.name, 1.5),) and not c.peers
+        assert RELATIVE_TARGETS[name] == ((bf16.name, 1.5), ("cudnn-fp8", 1.0)) and not c.peers
         assert (c.head_dim, c.mask, c.batch, c.heads_q, c.heads_kv, c.seq_q) == \
             (bf16.head_dim, bf16.mask, bf16.batch, bf16.heads_q, bf16.heads_kv, bf16.seq_q) and bf16.dtype is DType.BF16
         spec, _ = c.spec("cpu")
@@ -551,7 +551,7 @@ def test_fp8_rows_run_the_gluon_fp8_forward_with_descales_against_the_bf16_rows(
         assert check("fagen", prepared, cc)[0] == want, fwd
 
 
-IMPLS_ = ("fagen", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")
+IMPLS_ = ("fagen", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "cudnn-fp8", "flex")
 SWITCH_CASES = [
     make_case("win", head_dim=16, mask="causal", batch=2, heads_q=4, heads_kv=2, seq_q=21, seq_k=37, dtype="fp32",
               window=(5, 0)),

@@ -1,5 +1,6 @@
 """Benchmarks: workloads, the peers, checking, timing, the isolating runner, reports and the tuner."""
 
-# The implementations a bench run can time, in table order (fagen-nondet: fagen.attention(deterministic=False)).
+# The implementations a bench run can time, in table order (fagen-nondet: fagen.attention(deterministic=False);
+# cudnn-fp8: cuDNN's fp8 SDPA through nvidia-cudnn-frontend, on the fp8 forward rows only).
 # Here, not in cases.py, so that the CLI can offer them without importing torch.
-IMPLS = ("fagen", "fagen-nondet", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")
+IMPLS = ("fagen", "fagen-nondet", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "cudnn-fp8", "flex")

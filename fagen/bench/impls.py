@@ -57,17 +57,19 @@ def prepare_fagen_nondet(case: BenchCase, cc: CaseContext) -> Prepared:
 
 
 def preparers() -> dict[str, Callable[[BenchCase, CaseContext], Prepared]]:
-    from fagen.bench import peers
+    from fagen.bench import peer_cudnn_fp8, peers
 
     return {"fagen": prepare_fagen, "fagen-nondet": prepare_fagen_nondet,
             **{name: peers.sdpa_preparer(name) for name in peers.SDPA_BACKENDS},
-            "flex": peers.prepare_flex}
+            peer_cudnn_fp8.NAME: peer_cudnn_fp8.prepare_cudnn_fp8, "flex": peers.prepare_flex}
 
 
 def case_impls(case: BenchCase, impls) -> tuple[str, ...]:
-    """The implementations that run a case: all asked for, or fagen alone on a baseline row (case.peers False)."""
-    return tuple(i for i in impls if (case.peers or i == "fagen")
-                 and (i != "fagen-nondet" or case.direction is Direction.BWD))
+    """The implementations that run a case: all asked for, or fagen alone on a baseline row (case.peers False);
+    cudnn-fp8 runs the fp8 forward rows and nothing else."""
+    fp8_fwd = case.dtype is DType.FP8_E4M3 and case.direction is Direction.FWD
+    return tuple(i for i in impls if (case.peers or i == "fagen" or (fp8_fwd and i == "cudnn-fp8"))
+                 and (i != "fagen-nondet" or case.direction is Direction.BWD) and (i != "cudnn-fp8" or fp8_fwd))
 
 
 def make_record(case: BenchCase, impl: str, status: str, ms: float | None = None, **extra) -> dict:

@@ -155,7 +155,7 @@ def plot(records: list[dict], path: Path, title: str = "fagen vs peers") -> None
                              gridspec_kw={"width_ratios": [sum(1 for c in cases if by_metric(records, c) == m)
                                                            for m in metrics]})
     colours = {"fagen": "#d62728", "sdpa-flash": "#9ecae1", "sdpa-cudnn": "#3182bd", "sdpa-efficient": "#c6dbef",
-               "flex": "#74c476"}
+               "cudnn-fp8": "#08519c", "flex": "#74c476"}
     width = 0.8 / max(1, len(impls))
     for ax, metric in zip(axes[0], metrics):
         mine = [c for c in cases if by_metric(records, c) == metric]

@@ -1,0 +1,97 @@
+"""cuDNN's fp8 attention forward, through nvidia-cudnn-frontend's graph API, as the peer of the fp8 forward rows.
+
+torch's SDPA takes no fp8 tensors, so the rows `fwd-fp8-d128-*` had no peer. cuDNN ships an fp8 SDPA forward
+(`graph.sdpa_fp8`); the frontend's wheel (`pip install nvidia-cudnn-frontend`, about 12 MB) drives it with the cuDNN
+library torch already loaded. Without the wheel the peer is "unavailable", never an error.
+
+[Note] What the cuDNN fp8 peer computes
+- Per-tensor descales only (1x1x1x1 float32 tensors). The bench's fp8 rows carry per-KV-head scales (k_scale,
+  v_scale [Hkv], what fagen's forward takes as k_descale / v_descale), so the peer re-quantizes K and V once, outside
+  the timing, to one scale each: K' = e4m3(K * s_h / max s), descale max s. That is what a user of a per-tensor API
+  would hold; the second rounding is within the rows' fp8 tolerance.
+- On Hopper cuDNN writes O in e4m3 (scale_o = 1: |O| <= max |V| fits e4m3's range); the check reads it as is.
+  fagen's fp8 forward writes bf16. Converting cuDNN's O to bf16 would be an extra kernel, so it is not timed.
+- The same attention scale as the case (1 / sqrt(d) unless the case sets one), causal top-left (Sq == Sk here).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fagen.bench.cases import CaseContext, Prepared, Unavailable, Unsupported, first_line
+from fagen.bench.workloads import BenchCase
+from fagen.spec.axes import Direction, DType, Mask
+
+NAME = "cudnn-fp8"
+
+
+def applies(case: BenchCase) -> bool:
+    """Whether the peer runs on a row at all (others do not even list it): the fp8 forward rows."""
+    return case.dtype is DType.FP8_E4M3 and case.direction is Direction.FWD
+
+
+def _per_tensor(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (e4m3 [B, H, S, D]) with per-head scales -> (e4m3 x', float32 [1, 1, 1, 1] descale) with x' * d ~ x * s_h."""
+    top = scale.float().max()
+    ratio = (scale.float() / top).view(1, -1, 1, 1)
+    return (x.float() * ratio).to(x.dtype), top.reshape(1, 1, 1, 1).contiguous()
+
+
+def prepare_cudnn_fp8(case: BenchCase, cc: CaseContext) -> Prepared:
+    if not applies(case):
+        raise Unsupported("cudnn-fp8 runs the fp8 forward rows only")
+    if case.mask not in (Mask.NONE, Mask.CAUSAL) or case.seq_q != case.seq_k or case.gqa != 1:
+        raise Unsupported("cudnn-fp8 is timed on dense MHA rows with mask none or causal only")
+    if any(case_value is not None for case_value in (case.window, case.softcap)) or case.alibi or case.sinks:
+        raise Unsupported("cuDNN's fp8 SDPA takes no score switches")
+    try:
+        import cudnn
+    except ImportError:
+        raise Unavailable("nvidia-cudnn-frontend is not installed (pip install nvidia-cudnn-frontend)") from None
+    s0 = cc.sets[0]
+    B, H, S, D = s0.q.shape
+    scale = s0.kwargs.get("scale") or 1.0 / math.sqrt(D)
+    f32, e4m3 = cudnn.data_type.FLOAT, cudnn.data_type.FP8_E4M3
+    try:
+        torch.nn.functional.scaled_dot_product_attention(*(s0.q[:1, :1, :16].to(torch.bfloat16),) * 3)  # cuDNN loaded
+        handle = cudnn.create_handle()
+        cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(s0.q.device).cuda_stream)
+        graph = cudnn.pygraph(io_data_type=e4m3, intermediate_data_type=f32, compute_data_type=f32, handle=handle)
+        dims, strides = [B, H, S, D], list(s0.q.stride())
+        tq, tk, tv = (graph.tensor(name=n, dim=dims, stride=strides, data_type=e4m3) for n in "qkv")
+        one = dict(dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=f32)
+        sc = {n: graph.tensor(name=n, **one) for n in ("dq", "dk", "dv", "ds", "ss", "so")}
+        o, _, amax_s, amax_o = graph.sdpa_fp8(
+            q=tq, k=tk, v=tv, descale_q=sc["dq"], descale_k=sc["dk"], descale_v=sc["dv"], descale_s=sc["ds"],
+            scale_s=sc["ss"], scale_o=sc["so"], is_inference=True, attn_scale=scale,
+            use_causal_mask=case.mask is Mask.CAUSAL, name="sdpa_fp8")
+        o.set_output(True).set_dim(dims).set_stride(strides).set_data_type(e4m3)
+        for amax in (amax_s, amax_o):
+            amax.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(f32)
+        graph.validate()
+        graph.build_operation_graph()
+        graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        graph.check_support()
+        graph.build_plans()
+    except Exception as e:  # noqa: BLE001 - a cuDNN without the fp8 engine for this shape is a refusal
+        raise Unavailable(f"cuDNN refused the fp8 graph: {first_line(e)}") from None
+    dev = s0.q.device
+    workspace = torch.empty(graph.get_workspace_size(), device=dev, dtype=torch.uint8)
+    ones = torch.ones(1, 1, 1, 1, device=dev, dtype=torch.float32)
+    amaxes = torch.empty(2, 1, 1, 1, device=dev, dtype=torch.float32)
+    packs = {}  # id(input set) -> (variant pack, out): K and V re-quantized once per set, outside the timing
+
+    def fn(s):
+        if id(s) not in packs:
+            k, dk = _per_tensor(s.k, s.scores["k_scale"])
+            v, dv = _per_tensor(s.v, s.scores["v_scale"])
+            out = torch.empty_like(s.q)
+            packs[id(s)] = ({tq: s.q, tk: k, tv: v, sc["dq"]: ones, sc["dk"]: dk, sc["dv"]: dv, sc["ds"]: ones,
+                             sc["ss"]: ones, sc["so"]: ones, o: out, amax_s: amaxes[0:1], amax_o: amaxes[1:2]}, out)
+        pack, out = packs[id(s)]
+        graph.execute(pack, workspace, handle=handle)
+        return out
+
+    return Prepared(fn, note="cuDNN fp8 SDPA (nvidia-cudnn-frontend), per-tensor descales, O in e4m3")

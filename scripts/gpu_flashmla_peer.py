@@ -143,7 +143,7 @@ def main():
         if line.startswith("ROW\t"):
             rows.append(line.rstrip("\n").split("\t")[1:])
     env = child_env("/tmp/fc-flashmla", ROOT)
-    for name, limit in (("load", 40), ("time", 100)):
+    for name, limit in (("load", 30), ("time", 70)):
         rc, _ = run_phase(os.path.abspath(__file__), name, limit, env, on_line)
         print(f"[{time.time() - T0:5.1f}s] phase {name}: {rc}", flush=True)
     print("\n| phase | case | impl | value | note |\n|---|---|---|---|---|")

@@ -1,16 +1,16 @@
 """FlashMLA beside fagen's MLA absorbed decode (issue 27: "if FlashMLA can travel to the GPU machine, time it in the
 same run"), one table.
 
-FlashMLA ships compiled inside the `sglang-kernel` wheel (about 380 MB, past the GPU machine's 64 MiB carry). Its
-FlashMLA extension alone is 9 MB: `sgl_kernel/flashmla_ops.abi3.so` and its wrapper `sgl_kernel/flash_mla.py`
-from sglang-kernel 0.4.6.post1 (the release built for CUDA 13; torch 2.13's ABI, which the machine's torch 2.11
-may or may not load: the script says which). Put them in a folder `sgl_kernel/` (with an empty `__init__.py`)
-under $FLASHMLA_DIR:
+FlashMLA ships compiled inside the `sglang-kernel` wheel (about 400 MB, past the GPU machine's 64 MiB carry). Its
+FlashMLA extension alone is 15 MB (1.1 MB as .tar.xz): `sgl_kernel/flashmla_ops.abi3.so` and its wrapper
+`sgl_kernel/flash_mla.py` from sglang-kernel 0.4.5, the last release built for torch 2.11 and CUDA 13 (the GPU
+machine's; 0.4.6.post1 is built for torch 2.13 and does not load there: an undefined torch::Library::_def).
+Put them in a folder `sgl_kernel/` (with an empty `__init__.py`) under $FLASHMLA_DIR:
 
-    pip download --no-deps -d /tmp/w sglang-kernel==0.4.6.post1      # on a machine with the package index
-    mkdir -p .peer/sgl_kernel && touch .peer/sgl_kernel/__init__.py
-    unzip -j /tmp/w/sglang_kernel-*.whl 'sgl_kernel/flash_mla.py' 'sgl_kernel/flashmla_ops.abi3.so' -d .peer/sgl_kernel
-    FLASHMLA_DIR=$PWD/.peer PYTHONPATH=$PWD python3 scripts/gpu_flashmla_peer.py     # H100, under ~60 s
+    pip download --no-deps -d /tmp/w sglang-kernel==0.4.5      # on a machine with the package index
+    mkdir -p /tmp/fm/sgl_kernel && touch /tmp/fm/sgl_kernel/__init__.py
+    unzip -j /tmp/w/sglang_kernel-*.whl 'sgl_kernel/flash_mla.py' 'sgl_kernel/flashmla_ops.abi3.so' -d /tmp/fm/sgl_kernel
+    FLASHMLA_DIR=/tmp/fm PYTHONPATH=$PWD python3 scripts/gpu_flashmla_peer.py     # H100, under ~100 s
 
 Phases, each a child process with a timeout (scripts/_phases.py):
 1. load: import FlashMLA; on failure print why (an ABI mismatch is a row, not a crash).
@@ -129,7 +129,7 @@ def phase_time():
             o2 = theirs()[0].transpose(1, 2)
             diff = "-" if out is None else f"{(o2.float() - out.float()).abs().max().item():.1e}"
             ms = do_bench(theirs, warmup=10, rep=40)
-            emit("time", name, "FlashMLA (sglang-kernel 0.4.6.post1)", value(ms), f"{ms * 1e3:.1f} us; max |diff| vs fagen {diff}")
+            emit("time", name, "FlashMLA (sglang-kernel 0.4.5)", value(ms), f"{ms * 1e3:.1f} us; max |diff| vs fagen {diff}")
         except Exception as e:  # noqa: BLE001
             emit("time", name, "FlashMLA", "-", f"ERROR {type(e).__name__}: {str(e).splitlines()[0][:150]}")
 

@@ -122,13 +122,20 @@ def phase(name):  # noqa: C901 - one phase in this process
     def scales(shape, gen):
         return torch.exp2(torch.rand(shape, device=dev, generator=gen) * 6 - 3)  # log-uniform 1/8 .. 8
 
-    def to_pages(x, page, gen=None):
-        """[B, H, S, D] (S a multiple of page) -> shuffled pages [B*S/page, page, H, D] and the table [B, S/page]."""
+    def to_pages(x, page, order="shuffled", gen=None):
+        """[B, H, S, D] (S a multiple of page) -> pages [B*S/page, page, H, D] and the table [B, S/page]. order:
+        "shuffled" (a random permutation of the pages), "in order" (page j of sequence i is page i*S/page + j), or
+        "hnd" (shuffled, each page stored [H, page, D] and viewed [page, H, D]: a head's rows contiguous)."""
         b, h, s, d = x.shape
         n = s // page
-        perm = torch.randperm(b * n, device=dev, generator=gen).to(torch.int32)
-        cache = x.view(b, h, n, page, d).permute(0, 2, 3, 1, 4).reshape(b * n, page, h, d)[perm.argsort().long()]
-        return cache, perm.view(b, n)
+        perm = torch.arange(b * n, device=dev) if order == "in order" else torch.randperm(b * n, device=dev,
+                                                                                          generator=gen)
+        inv = perm.argsort()
+        if order == "hnd":
+            cache = x.view(b, h, n, page, d).permute(0, 2, 1, 3, 4).reshape(b * n, h, page, d)[inv].transpose(1, 2)
+        else:
+            cache = x.view(b, h, n, page, d).permute(0, 2, 3, 1, 4).reshape(b * n, page, h, d)[inv]
+        return cache, perm.to(torch.int32).view(b, n)
 
     def gathered(cache, table, i, n):
         """Sequence i's first n keys of a paged cache as [1, H, n, D] (float64 when cache is)."""
@@ -195,7 +202,11 @@ def phase(name):  # noqa: C901 - one phase in this process
     del x, y
     emit(name, "device copy (read + write)", "torch copy_", peak[1], "GB/s", None,
          f"back to back; do_bench {peak[0]:.1f} GB/s")
-    rows = [("bf16", "paged", "default"), ("fp8_e4m3", "dense", "default")] + [("fp8_e4m3", "paged", c) for c in CANDS]
+    # layouts: dense, "paged" (shuffled pages [page, H, D]), "paged hnd" (a head's rows contiguous in a page),
+    # "paged in order" (the pages of a sequence consecutive): what the page table and the cache's layout cost
+    rows = [("bf16", "paged", "default"), ("bf16", "paged hnd", "default"), ("fp8_e4m3", "dense", "default")] \
+        + [("fp8_e4m3", "paged", c) for c in CANDS] \
+        + [("fp8_e4m3", "paged hnd", "default"), ("fp8_e4m3", "paged in order", "default")]
     for b, sk, page in SHAPES:
         b, sk = (2, 128) if DRY else (b, sk)
         case = f"d128 h32/8 b{b} kv{sk} page{page}"
@@ -213,11 +224,14 @@ def phase(name):  # noqa: C901 - one phase in this process
             if layout == "dense":
                 calls[kv, layout] = [((q, k, v), kw), ((q, k.clone(), v.clone()), kw)]
             elif (kv, layout) not in calls:
-                kc, table = to_pages(k, page)
-                vc = v.view(b, HKV, -1, page, HD).permute(0, 2, 3, 1, 4).reshape(-1, page, HKV, HD)[
-                    table.flatten().argsort().long()]
-                pk = dict(kw, block_table=table, seqlens_k=lens)
-                calls[kv, layout] = [((q, kc, vc), pk), ((q, kc.clone(), vc.clone()), pk)]
+                order = layout[len("paged "):] or "shuffled"
+                pk = []
+                for seed in (1, 2):  # two copies, each its own page order
+                    g = torch.Generator(device=dev).manual_seed(seed)
+                    kc, table = to_pages(k, page, order, g)
+                    vc, _ = to_pages(v, page, order, g.manual_seed(seed))
+                    pk.append(((q, kc, vc), dict(kw, block_table=table, seqlens_k=lens)))
+                calls[kv, layout] = pk
         for kv, layout, cand in rows:
             impl = f"{'fp8 ' if kv != 'bf16' else 'bf16 '}{layout} {cand}"
             if time.time() - T0 > PHASES[name] - 3:
@@ -226,8 +240,8 @@ def phase(name):  # noqa: C901 - one phase in this process
 
             def run():
                 k, v, kw = caches[kv]
-                tx, tiles = CANDS[cand] if kv != "bf16" and layout == "paged" else ([], {})
-                m = module(spec_kw(None if kv == "bf16" else kv, layout, **tiles), tx)
+                tx, tiles = CANDS[cand] if kv != "bf16" and layout.startswith("paged") else ([], {})
+                m = module(spec_kw(None if kv == "bf16" else kv, layout.split()[0], **tiles), tx)
                 (a, w), _ = calls[kv, layout]
                 out, _ = m.forward(*a, **w)
                 ref, _ = reference.attention(q[-1:, :G].double(),

@@ -124,16 +124,23 @@ def phase(name):  # noqa: C901 - one phase in this process
     def scales(shape, gen):
         return torch.exp2(torch.rand(shape, device=dev, generator=gen) * 6 - 3)  # log-uniform 1/8 .. 8
 
-    def to_pages(x, page, order="shuffled", gen=None):
-        """[B, H, S, D] (S a multiple of page) -> pages [B*S/page, page, H, D] and the table [B, S/page]. order:
-        "shuffled" (a random permutation of the pages), "in order" (page j of sequence i is page i*S/page + j), or
-        "hnd" (shuffled, each page stored [H, page, D] and viewed [page, H, D]: a head's rows contiguous)."""
+    def to_pages(x, page, order="", gen=None):
+        """[B, H, S, D] (S a multiple of page) -> pages [B*S/page, page, H, D] and the table [B, S/page]: the pages
+        in a random order, unless `order` has "in order" (page j of sequence i is page i*S/page + j); with "hnd" in
+        `order` each page is stored [H, page, D] and viewed [page, H, D] (a head's rows contiguous in a page); "dense
+        bytes": the dense cache viewed as pages."""
         b, h, s, d = x.shape
         n = s // page
-        perm = torch.arange(b * n, device=dev) if order == "in order" else torch.randperm(b * n, device=dev,
+        if order == "dense bytes":  # the dense cache itself as pages: page i*h*n + j is keys [j*page, (j+1)*page) of
+            # sequence i, head 0; the head stride s*d reaches the other heads' rows (the same bytes, the same order)
+            x = x.clone()  # each copy its own bytes
+            cache = x.as_strided((b * h * n - (h - 1) * n, page, h, d), (page * d, d, s * d, 1))
+            table = (torch.arange(b, device=dev)[:, None] * h * n + torch.arange(n, device=dev)).to(torch.int32)
+            return cache, table
+        perm = torch.arange(b * n, device=dev) if "in order" in order else torch.randperm(b * n, device=dev,
                                                                                           generator=gen)
         inv = perm.argsort()
-        if order == "hnd":
+        if "hnd" in order:
             cache = x.view(b, h, n, page, d).permute(0, 2, 1, 3, 4).reshape(b * n, h, page, d)[inv].transpose(1, 2)
         else:
             cache = x.view(b, h, n, page, d).permute(0, 2, 3, 1, 4).reshape(b * n, page, h, d)[inv]
@@ -204,11 +211,13 @@ def phase(name):  # noqa: C901 - one phase in this process
     del x, y
     emit(name, "device copy (read + write)", "torch copy_", peak[1], "GB/s", None,
          f"back to back; do_bench {peak[0]:.1f} GB/s")
-    # layouts: dense, "paged" (shuffled pages [page, H, D]), "paged hnd" (a head's rows contiguous in a page),
-    # "paged in order" (the pages of a sequence consecutive): what the page table and the cache's layout cost
+    # layouts: dense, "paged" (shuffled pages [page, H, D]), "hnd" (a head's rows contiguous in a page), "in order"
+    # (the pages of a sequence consecutive), "dense bytes" (the dense cache viewed as pages: the paged kernel on the
+    # dense kernel's bytes, in its order): what the page table, the order of the pages and their layout cost
     rows = [("bf16", "paged", "default"), ("bf16", "paged hnd", "default"), ("fp8_e4m3", "dense", "default")] \
         + [("fp8_e4m3", "paged", c) for c in CANDS] \
-        + [("fp8_e4m3", "paged hnd", "default"), ("fp8_e4m3", "paged in order", "default")]
+        + [("fp8_e4m3", "paged hnd", "default"), ("fp8_e4m3", "paged in order", "default"),
+           ("fp8_e4m3", "paged dense bytes", "default")]
     for b, sk, page in SHAPES:
         b, sk = (2, 128) if DRY else (b, sk)
         case = f"d128 h32/8 b{b} kv{sk} page{page}"
@@ -226,7 +235,7 @@ def phase(name):  # noqa: C901 - one phase in this process
             if layout == "dense":
                 calls[kv, layout] = [((q, k, v), kw), ((q, k.clone(), v.clone()), kw)]
             elif (kv, layout) not in calls:
-                order = layout[len("paged "):] or "shuffled"
+                order = layout[len("paged "):]
                 pk = []
                 for seed in (1, 2):  # two copies, each its own page order
                     g = torch.Generator(device=dev).manual_seed(seed)

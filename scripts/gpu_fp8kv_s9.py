@@ -12,7 +12,9 @@ Phases, each in a child process with a timeout (a kernel that faults or hangs lo
    every candidate, a per-tensor pair for the default; the kernel's result must FAIL against the reference on the
    cache's bytes read as bf16 and on the reference without the scales (so the check can fail).
 2. paged: d128 h32/8 sq1, page 16 at b32 / b128 kv8192 and page 64 at b32 kv8192 / b128 kv4096: the paged bf16
-   cache, the dense fp8 cache, the paged fp8 candidates (per-head scales); GB/s of the bytes read (K and V, 1 byte an
+   cache (vLLM's layout, and each page [H, page, D]), the dense fp8 cache, the paged fp8 candidates (per-head
+   scales), and the default on three other arrangements of the same keys: pages [H, page, D] (a head's rows
+   contiguous in a page), pages in order, and the dense cache viewed as pages (the dense kernel's bytes); GB/s of the bytes read (K and V, 1 byte an
    element for fp8) and % of a device copy (torch copy_ of 1 GB in the same process), timed back to back on two
    copies of the inputs (a decode loop: no L2 flush; the value) and under do_bench (the note; its flush costs
    ~17-21 us a call). Each row checks its last sequence against float64 first.

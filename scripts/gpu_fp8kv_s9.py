@@ -58,10 +58,18 @@ U32 = [("""            page = tl.minimum(tl.maximum(page_next, 0), num_pages - 1
             page = page.to(tl.int64, bitcast=True)
             slot = slot.to(tl.int64, bitcast=True)
 """)]
-CANDS = {"before": (PF_OFF, T(128, 4, 2)), "default": ([], {}), "pf n128s3 v": (V_ON, T(128, 4, 3)),
-         "pf n128s2 v": (V_ON, T(128, 4, 2)), "pf n64s4 v": (V_ON, T(64, 4, 4)),
-         "pf n128s3 v u32": (V_ON + U32, T(128, 4, 3))}
-SHAPES = ((32, 8192, 16), (128, 8192, 16), (32, 8192, 64), (128, 4096, 64))  # (batch, keys, page)
+# Round A (H100, 06:22 UTC; % of copy back to back at p16 b32 kv8k / p16 b128 kv8k / p64 b32 kv8k / p64 b128 kv4k):
+# before 82 / 87 / 85 / 87, pf n128s2 (default) 84 / 88 / 86 / 88, pf n128s3 v 81 / 85 / 89 / 90, pf n128s2 v 80 /
+# 85 / 83 / 85, pf n64s4 v 89 / 85 / 91 / 84 (3 programs an SM: 1024 programs at b128 are 2.6 waves), pf n128s3 v
+# u32 81 / 85 / 89 / 91; dense fp8 96 / 101 / 96 / 99, bf16 paged 99 / 100 / 99 / 99; the default on the dense
+# cache's bytes 90 / 93 / 90 / 91. Round B: 64-key blocks at 2 programs an SM (s5: 86 KB, s6: 102 KB; 128 registers).
+CANDS = {"before": (PF_OFF, T(128, 4, 2)), "default": ([], {}), "pf n64s4 v": (V_ON, T(64, 4, 4)),
+         "pf n64s5 v": (V_ON, T(64, 4, 5)), "pf n64s6 v": (V_ON, T(64, 4, 6)),
+         "pf n64s5 v u32": (V_ON + U32, T(64, 4, 5)), "pf n128s3 v u32": (V_ON + U32, T(128, 4, 3))}
+SHAPES = ((32, 8192, 16), (128, 8192, 16), (32, 32768, 16), (32, 8192, 64), (128, 4096, 64))  # (batch, keys, page)
+# Round A's layout rows (the default on pages [H, page, D], on pages in order, on the dense cache's bytes; the bf16
+# cache on pages [H, page, D]) are out of round B: LAYOUT_ROWS = [("fp8_e4m3", "paged hnd", "default"), ...].
+LAYOUT_ROWS = []
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -233,10 +241,8 @@ def phase(name):  # noqa: C901 - one phase in this process
     # layouts: dense, "paged" (shuffled pages [page, H, D]), "hnd" (a head's rows contiguous in a page), "in order"
     # (the pages of a sequence consecutive), "dense bytes" (the dense cache viewed as pages: the paged kernel on the
     # dense kernel's bytes, in its order): what the page table, the order of the pages and their layout cost
-    rows = [("bf16", "paged", "default"), ("bf16", "paged hnd", "default"), ("fp8_e4m3", "dense", "default")] \
-        + [("fp8_e4m3", "paged", c) for c in CANDS] \
-        + [("fp8_e4m3", "paged hnd", "default"), ("fp8_e4m3", "paged in order", "default"),
-           ("fp8_e4m3", "paged dense bytes", "default")]
+    rows = [("bf16", "paged", "default"), ("fp8_e4m3", "dense", "default")] \
+        + [("fp8_e4m3", "paged", c) for c in CANDS] + [(kv, lay, c) for kv, lay, c in LAYOUT_ROWS]
     for b, sk, page in SHAPES:
         b, sk = (2, 128) if DRY else (b, sk)
         case = f"d128 h32/8 b{b} kv{sk} page{page}"

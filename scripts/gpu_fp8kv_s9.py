@@ -36,7 +36,7 @@ from _phases import child_env, run_phase as run_child  # noqa: E402
 DRY = os.environ.get("GPU_FP8KV_S9_DRY") == "1"
 if DRY:
     os.environ.setdefault("TRITON_INTERPRET", "1")
-PHASES = {"check": 30, "paged": 38} if not DRY else {"check": 600, "paged": 600}
+PHASES = {"check": 30, "paged": 40} if not DRY else {"check": 600, "paged": 600}
 PF_OFF = [("PAGE_PREFETCH = tl.constexpr(True)", "PAGE_PREFETCH = tl.constexpr(False)")]
 V_ON = [("V_ONCE = tl.constexpr(False and", "V_ONCE = tl.constexpr(True and")]
 T = lambda n, w, s, m=64: dict(block_m=m, block_n=n, num_warps=w, num_stages=s)  # noqa: E731
@@ -62,10 +62,11 @@ U32 = [("""            page = tl.minimum(tl.maximum(page_next, 0), num_pages - 1
 # before 82 / 87 / 85 / 87, pf n128s2 (default) 84 / 88 / 86 / 88, pf n128s3 v 81 / 85 / 89 / 90, pf n128s2 v 80 /
 # 85 / 83 / 85, pf n64s4 v 89 / 85 / 91 / 84 (3 programs an SM: 1024 programs at b128 are 2.6 waves), pf n128s3 v
 # u32 81 / 85 / 89 / 91; dense fp8 96 / 101 / 96 / 99, bf16 paged 99 / 100 / 99 / 99; the default on the dense
-# cache's bytes 90 / 93 / 90 / 91. Round B: 64-key blocks at 2 programs an SM (s5: 86 KB, s6: 102 KB; 128 registers).
-CANDS = {"before": (PF_OFF, T(128, 4, 2)), "default": ([], {}), "pf n64s4 v": (V_ON, T(64, 4, 4)),
-         "pf n64s5 v": (V_ON, T(64, 4, 5)), "pf n64s6 v": (V_ON, T(64, 4, 6)),
-         "pf n64s5 v u32": (V_ON + U32, T(64, 4, 5)), "pf n128s3 v u32": (V_ON + U32, T(128, 4, 3))}
+# cache's bytes 90 / 93 / 90 / 91. Round B: 64-key blocks at 2 programs an SM (s5: 86 KB, s6: 102 KB; 128 registers)
+# and 8 warps (sm_90 ptxas: n64s5 w8 101 registers, 86 KB; n128s3 w8 100, 104 KB: 16 warps an SM).
+CANDS = {"before": (PF_OFF, T(128, 4, 2)), "default": ([], {}), "pf n64s5 v": (V_ON, T(64, 4, 5)),
+         "pf n64s6 v": (V_ON, T(64, 4, 6)), "pf n64s5 w8 v": (V_ON, T(64, 8, 5)),
+         "pf n128s3 w8 v": (V_ON, T(128, 8, 3)), "pf n128s3 v u32": (V_ON + U32, T(128, 4, 3))}
 SHAPES = ((32, 8192, 16), (128, 8192, 16), (32, 32768, 16), (32, 8192, 64), (128, 4096, 64))  # (batch, keys, page)
 # Round A's layout rows (the default on pages [H, page, D], on pages in order, on the dense cache's bytes; the bf16
 # cache on pages [H, page, D]) are out of round B: LAYOUT_ROWS = [("fp8_e4m3", "paged hnd", "default"), ...].

@@ -464,6 +464,45 @@ def group_fp8_token():
         refused(f"fp8 per-token scales of {name} refused before launch", lambda: run(scale=bad), what)
 
 
+def group_paged_fp8():
+    """An fp8 cache with its own V, paged ([Note] Paged prefetch (fp8, own V) in the decode template: each key step
+    loads the next step's page numbers): e4m3 causal and e5m2 none, k/v scales per head and per tensor, through the
+    split rule and 3 splits, with pages of 4 keys (a key block spans several pages); bad block_table entries and
+    lengths in sequence 1, and NaN in every page no sequence owns."""
+    pages, page, width = 16, 4, 5
+    table = [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9], [10, 11, 12, 13, 14]][:NB]
+    lens = [20, 17, 13][:NB]
+    qd = torch.randn(NB, HQ, 1, D, device=DEV, dtype=torch.float16)
+    for kv, mask, scales in (("fp8_e4m3", "causal", (torch.tensor([1.3] * HKV, device=DEV), 0.6)),
+                             ("fp8_e5m2", "none", (0.7, torch.tensor([0.9] * HKV, device=DEV)))):
+        dt = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kv]
+        kc, vc = (torch.randn(pages, page, HKV, D, device=DEV).to(dt) for _ in range(2))
+        owned = [p for row, n in zip(table, lens) for p in row[:-(-n // page)]]
+        for c in (kc, vc):  # NaN (e4m3: 0x7f; e5m2: 0x7f is NaN too) in the pages no sequence owns
+            spare = torch.ones(pages, dtype=torch.bool, device=DEV)
+            spare[owned] = False
+            c.view(torch.uint8)[spare] = 0x7F
+        dec = fagen.load(fagen.KernelSpec(head_dim=D, gqa=2, kind="decode", layout="paged", mask=mask,
+                                          dtype="fp16", kv_dtype=kv, **DTILES))
+
+        def run(what=None, value=None):
+            t, n = paged_inputs(table, lens, what, value)
+            kw = dict(block_table=t, seqlens_k=n, k_scale=scales[0], v_scale=scales[1], check=False)
+            out, lse = dec.forward(qd, kc, vc, **kw)
+            out3, lse3 = dec.forward_split(qd, kc, vc, num_splits=3, **kw)
+            return dict(out=out, lse=lse, out3=out3, lse3=lse3)
+
+        good = run()
+        report(f"fp8 {kv} paged decode: no NaN page reaches a valid output",
+               ["NaN in out"] if any(torch.isnan(good[key]).any() for key in ("out", "out3")) else [])
+        variants = [("block_table[1][2]", p) for p in (100000, -1, pages, I32_MIN, I32_MAX)]
+        variants += [("seqlens_k[1]", n) for n in bad_ints(width * page)]
+        for what, value in variants:
+            case(f"fp8 {kv} {mask} paged decode d{D} (plain, 3 splits) {what}={value}", lambda: run(what, value),
+                 [(key, (OTHER,)) for key in good], good)
+        still_good(f"fp8 {kv} {mask} paged decode", run, good)
+
+
 def group_mods():
     """User mods with captured tensors on the layouts that take lengths from the caller: a modded paged decode
     (bad block_table, seqlens_k) and a modded varlen fwd+bwd with a learned bias (bad cu_seqlens). The captured
@@ -547,7 +586,7 @@ def group_mla_gluon():
 
 GROUPS = {"padding": group_padding, "varlen": group_varlen, "paged": group_paged, "tree": group_tree,
           "window": group_window, "mla": group_mla, "mla_fp8": group_mla_fp8, "fp8_token": group_fp8_token,
-          "mods": group_mods, "mla_gluon": group_mla_gluon}
+          "paged_fp8": group_paged_fp8, "mods": group_mods, "mla_gluon": group_mla_gluon}
 
 torch.manual_seed(args.seed)
 for name in args.group or GROUPS:

@@ -69,6 +69,14 @@ class TritonBackend(KernelBackend):
             # do_bench's, whose L2 flush costs ~17 us a call; round B back to back: 96 / 100 / 100 against 96 / 95 /
             # 100 before (docs/serving.md, "128-key tiles"). Paged caches keep theirs (V converted once lost there).
             return {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 3, **given}
+        if spec.kv_dtype is not None and spec.layout is Layout.PAGED and not spec.shared_kv \
+                and max(spec.head_dim, spec.head_dim_v) <= 128 and targets.TILE_FAMILY.get(arch) == "sm_90":
+            # [Note] Paged fp8 decode tiles (ninth session; docs/serving.md, "Paged fp8 KV, ninth session"): 128-key
+            # blocks on 8 warps (100 registers, 104 KB: 16 warps an SM) with V converted once (the decode template
+            # converts V once for paged blocks of at most 64 keys or on 8 warps). H100 round B (scripts/gpu_fp8kv_s9.py,
+            # % of copy back to back, page 16 b32 kv8k / b128 kv8k / b32 kv32k, page 64 b32 kv8k / b128 kv4k): 87 / 90 /
+            # 92 / 89 / 89 against m64n128w4s2 (the default before) 83 / 87 / 87 / 86 / 87; n64s5 w4 72-82.
+            return {"block_m": 64, "block_n": 128, "num_warps": 8, "num_stages": 3, **given}
         return default_config(max(spec.head_dim, spec.head_dim_v), spec.dtype, spec.direction, spec.kind,
                               mask=spec.mask, arch=arch, layout=spec.layout, window=spec.window, given=given,
                               head_dim_v=spec.head_dim_v)

@@ -1,0 +1,93 @@
+"""A paged fp8 KV cache with its own V ([Note] Paged prefetch (fp8, own V) in the decode template): each key step
+loads the next step's page numbers and carries them. The result must be the float64 reference's on the dequantized
+cache at the query dtype's tolerance, with pages smaller than, equal to and larger than the key block (4, 16, 64
+keys against 16-key blocks), lengths that are multiples of neither, table entries past each sequence's pages that
+point outside the cache, NaN in every page no sequence owns, through the split rule (one key block a split under
+the interpreter) and one split (the carried page numbers across every block); and the prefetch must not change a
+bit against the page numbers loaded in the step that uses them (PAGE_PREFETCH off)."""
+
+import pytest
+import torch
+
+import fagen
+from _env import DEVICE, ON_GPU
+from fagen.runtime.loader import load_source
+from fagen.verify import reference
+from fagen.verify.tolerances import LSE_TOLERANCE, TOLERANCE, compare
+
+FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+HD, HKV, G = (128, 8, 4) if ON_GPU else (32, 2, 4)
+LENS = (70, 23, 1, 129)  # 16-key blocks: none a multiple of a block or of a page of 4, 16 or 64
+PREFETCH = ("PAGE_PREFETCH = tl.constexpr(True)", "PAGE_PREFETCH = tl.constexpr(False)")
+
+
+def _module(kv: str, prefetch: bool):
+    spec = fagen.KernelSpec(head_dim=HD, gqa=G, kind="decode", layout="paged", dtype="bf16", kv_dtype=kv,
+                            **({} if ON_GPU else dict(block_n=16)))
+    source = fagen.generate(spec)
+    assert PREFETCH[0] in source, "the paged fp8 decode render has no PAGE_PREFETCH switch"
+    if not prefetch:
+        source = source.replace(*PREFETCH)
+    return load_source(source, f"{spec.name}_prefetch{int(prefetch)}")
+
+
+def _problem(kv: str, page: int, form: str, seed: int):
+    """q, the paged caches, the call's keywords and each sequence's float64 dequantized (k, v) [1, Hkv, n, D]."""
+    gen = torch.Generator().manual_seed(seed)
+    b = len(LENS)
+    width = -(-max(LENS) // page) + 1  # one column past the longest sequence's pages
+    n_pages = b * width + 2
+    q = torch.randn(b, HKV * G, 1, HD, generator=gen).mul(2).bfloat16()
+    kc, vc = (torch.randn(n_pages, page, HKV, HD, generator=gen).to(FP8[kv]) for _ in range(2))
+    table = torch.randperm(n_pages, generator=gen)[:b * width].to(torch.int32).view(b, width)
+    owned = torch.zeros(n_pages, dtype=torch.bool)
+    for i, n in enumerate(LENS):
+        used = -(-n // page)
+        owned[table[i, :used].long()] = True
+        table[i, used:] = torch.tensor([10**6, -3, n_pages] * width, dtype=torch.int32)[:width - used]
+    for c in (kc, vc):  # NaN in the pages no sequence owns (e4m3fn and e5m2: 0x7f)
+        c.view(torch.uint8)[~owned] = 0x7F
+
+    def draw(shape):
+        return torch.exp2(torch.rand(shape, generator=gen) * 6 - 3)  # log-uniform 1/8 .. 8
+
+    ks, vs = {"tensor": (0.7, 1.6), "head": (draw((HKV,)), draw((HKV,))),
+              "token": (draw(kc.shape[:-1]), draw(vc.shape[:-1]))}[form]
+    kw = dict(block_table=table, seqlens_k=torch.tensor(LENS, dtype=torch.int32), k_scale=ks, v_scale=vs)
+    kd, vd = reference.dequantize(kc, ks, head_dim_axis=2), reference.dequantize(vc, vs, head_dim_axis=2)
+    seqs = []
+    for i, n in enumerate(LENS):
+        rows = table[i, :-(-n // page)].long()
+        seqs.append(tuple(x[rows].reshape(-1, HKV, HD)[:n].transpose(0, 1)[None] for x in (kd, vd)))
+    to = lambda t: t.to(DEVICE) if isinstance(t, torch.Tensor) else t  # noqa: E731
+    return q.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), {k: to(v) for k, v in kw.items()}, seqs
+
+
+def _check(out, lse, q, seqs):
+    for i, (k, v) in enumerate(seqs):
+        want, wlse = reference.attention(q[i:i + 1].double().cpu(), k, v)
+        terms, _ = reference.attention(q[i:i + 1].double().cpu(), k, v.abs())  # the softmax-weighted |v|
+        unit = terms.clamp(min=1.0)
+        compare(f"out {i}", out[i:i + 1].double().cpu() / unit, want / unit, **TOLERANCE["bf16"])
+        compare(f"lse {i}", lse[i:i + 1].cpu(), wlse, **LSE_TOLERANCE)
+
+
+@pytest.mark.parametrize("kv,page,form", [("fp8_e4m3", 4, "head"), ("fp8_e4m3", 16, "token"),
+                                          ("fp8_e5m2", 64, "tensor"), ("fp8_e4m3", 64, "head")])
+def test_paged_fp8_decode_matches_the_dequantized_reference(kv, page, form):
+    """Through the split rule and through one split, against float64 on the dequantized cache."""
+    m = _module(kv, prefetch=True)
+    q, kc, vc, kw, seqs = _problem(kv, page, form, seed=page)
+    for out, lse in (m.forward(q, kc, vc, **kw), m.forward_split(q, kc, vc, num_splits=1, **kw)):
+        _check(out, lse, q, seqs)
+
+
+@pytest.mark.parametrize("page", [4, 64])
+def test_page_prefetch_does_not_change_a_bit(page):
+    """The page numbers loaded a step ahead address the same rows: the same bits as loading them in the step."""
+    q, kc, vc, kw, _ = _problem("fp8_e4m3", page, "head", seed=3)
+    on, off = _module("fp8_e4m3", True), _module("fp8_e4m3", False)
+    for call in ("forward", "forward_split"):
+        extra = dict(num_splits=1) if call == "forward_split" else {}
+        a, b = getattr(on, call)(q, kc, vc, **kw, **extra), getattr(off, call)(q, kc, vc, **kw, **extra)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), call

@@ -1,0 +1,220 @@
+"""The deterministic Gluon backward's launch order and fixed-point dQ on an H100 (issue 28, ninth session).
+
+    PYTHONPATH=$PWD python3 scripts/gpu_gluon_bwd_order.py        # every phase in a child with a timeout (< 70 s)
+    python scripts/gpu_gluon_bwd_order.py --phase causal           # one phase here (no child, no timeout)
+    GPU_GLUON_BWD_ORDER_DRY=1 python scripts/gpu_gluon_bwd_order.py   # any machine: sm_90 builds, ptxas numbers
+
+At d128 bf16 B1 H16 s16k, causal and full: cuDNN (torch SDPA, cuDNN backend) and the lab's v1 (lab/gluon_bwd.py,
+the product default's arithmetic and schedule) in a few variants: `chain` (deterministic, fixed-order dQ, the
+product default), `unord` (deterministic=False), `grid` (GRID 1: one CTA per tile, FA3's grid), `gridspt` (causal:
+GRID 1 + SPT, shortest tiles first with descending turns), `order4` / `order8` (full: neighbours 4 / 8 steps apart),
+`fixed` (fixed-point dQ, cvt.rni) and `fixedfma` (fixed-point dQ rounded on the FMA pipe). Before its timing each
+variant is checked against a float64 autograd reference (B1 H16 1360 x 1360: 176 tiles, two waves), for exact zeros
+(causal: query row 0 sees key 0 only, dq = 0) and, deterministic ones, bitwise over 2 runs at B1 H16 s4000 (512
+tiles, 4 waves). Phases: `warm0..` (parallel children, one kernel each, a tiny launch with the timed shapes'
+specialization: lengths multiples of 16, B1 H16), then `causal` and `full` (checks, then TF/s, one row a line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import _phases  # noqa: E402
+
+DRY = bool(os.environ.get("GPU_GLUON_BWD_ORDER_DRY"))
+C, F = (True, ), (False, )
+# (label, dq_mode, constexprs, masks: causal True / False); dq_mode 0 ordered adds (deterministic), 1 unordered,
+# 4 fixed-point (deterministic in any order). Round A: the candidates as the eighth session left them.
+VARIANTS = [("chain", 0, {}, C + F), ("unord", 1, {}, C + F), ("grid", 0, {"GRID": 1}, C + F),
+            ("gridspt", 0, {"GRID": 1, "SPT": 1}, C), ("order4", 0, {"ORDER": 4}, F), ("order8", 0, {"ORDER": 8}, F),
+            ("fixed", 4, {}, C + F), ("fixedfma", 4, {"FIXED_FMA": 1}, C + F)]
+B, H, S, D = 1, 16, 16384, 128
+CHECK_S, BIT_S, WARM_S = 1360, 4000, 400  # all multiples of 16: one specialization of the kernels' integers
+LIMIT = {"warm": 32, "causal": 17, "full": 17}
+WARM_WORKERS = 12
+
+
+def log(*parts):
+    print(*parts, flush=True)
+
+
+def jobs():
+    return [(label, mode, kw, causal) for label, mode, kw, masks in VARIANTS for causal in masks]
+
+
+def inputs(sq, seed=0):
+    import torch
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.randn((B, H, sq, D), generator=g, device="cuda").bfloat16() for _ in range(4)]  # q, k, v, do
+
+
+def forward(q, k, v, causal, scale):
+    """(out, lse) from torch's flash forward (lse natural log, [B, H, S] float32)."""
+    import torch
+    r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+    return r[0].contiguous(), r[1][..., :q.shape[2]].contiguous()
+
+
+def run_v1(do, q, k, v, out, lse, scale, causal, mode, kw):
+    from lab import gluon_bwd as gb
+    return gb.backward(do, q, k, v, out, lse, scale, causal, "v1", mode, **kw)
+
+
+def reference(q, k, v, do, causal, scale):
+    import torch
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    s = (q64 @ k64.transpose(-1, -2)) * scale
+    if causal:
+        s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
+    out = torch.softmax(s, -1) @ v64
+    return torch.autograd.grad(out, (q64, k64, v64), do.double())
+
+
+def rel(a, b):
+    return ((a.double() - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+# -- phases --------------------------------------------------------------------------------------------------
+def phase_warm(part):
+    import torch
+    for label, mode, kw, causal in jobs()[part::WARM_WORKERS]:
+        t0 = time.time()
+        q, k, v, do = inputs(WARM_S)
+        out, lse = forward(q, k, v, causal, 0.1)
+        run_v1(do, q, k, v, out, lse, 0.1, causal, mode, kw)
+        torch.cuda.synchronize()
+        log(f"warm {label:<9} {'causal' if causal else 'full':<6} built and ran ({time.time() - t0:.1f}s)")
+
+
+def phase_mask(causal):
+    """Checks, then timings, of every variant of one mask; each timed row printed at once (ROW lines)."""
+    import torch
+    import triton
+    mask = "causal" if causal else "full"
+    scale = D ** -0.5
+    cq, ck_, cv, cdo = inputs(CHECK_S, seed=1)
+    cout, clse = forward(cq, ck_, cv, causal, scale)
+    ref = reference(cq, ck_, cv, cdo, causal, scale)
+    bq, bk, bv, bdo = inputs(BIT_S, seed=2)
+    bout, blse = forward(bq, bk, bv, causal, scale)
+    q, k, v, do = inputs(S)
+    out, lse = forward(q, k, v, causal, scale)
+    flops = 2.5 * 4 * B * H * S * S * D * (0.5 if causal else 1.0)
+    row = dict(case=f"d128 {mask} B1 H16 s16k")
+
+    def timed(label, fn):
+        ms = triton.testing.do_bench(fn, warmup=5, rep=40)
+        row[label] = flops / ms / 1e9
+        log(f"TIME {mask:<6} {label:<9} {ms:7.3f} ms {row[label]:6.1f} TF/s")
+        print("ROW " + json.dumps(row), flush=True)
+
+    qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        o = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=causal, scale=scale)
+    timed("cudnn", lambda: torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True))
+    for label, mode, kw, masks in VARIANTS:
+        if causal not in masks:
+            continue
+        try:
+            got = run_v1(cdo, cq, ck_, cv, cout, clse, scale, causal, mode, kw)
+            errs = [rel(x, r) for x, r in zip(got, ref)]
+            ok = all(e < 5e-3 for e in errs) and all(bool(torch.isfinite(x).all()) for x in got)
+            zeros = bool((got[0][:, :, 0] == 0).all()) if causal else True
+            same = True
+            if mode != 1:  # deterministic: bitwise over 2 runs on a 4-wave shape
+                runs = [run_v1(bdo, bq, bk, bv, bout, blse, scale, causal, mode, kw) for _ in range(2)]
+                same = all(torch.equal(a, b) for a, b in zip(*runs))
+            verdict = "PASS" if ok and zeros and same else "FAIL"
+            log(f"CHECK {mask:<6} {label:<9} rel dq {errs[0]:.2e} dk {errs[1]:.2e} dv {errs[2]:.2e}; "
+                f"{'zeros ok' if zeros else 'ZEROS WRONG'}; {'bitwise x2' if mode != 1 else 'unordered'}"
+                f"{'' if same else ' DIFFER'} -> {verdict}")
+            if verdict == "PASS":
+                timed(label, lambda: run_v1(do, q, k, v, out, lse, scale, causal, mode, kw))
+        except Exception as e:
+            log(f"ERROR {mask:<6} {label:<9} {type(e).__name__}: {str(e)[:200]}")
+
+
+def dry_run():
+    """Any machine: each (variant, mask) main kernel built for sm_90; ptxas's numbers."""
+    from lab import gluon_bwd as gb
+    ok = True
+    for label, mode, kw, causal in jobs():
+        try:
+            r = gb.resources(gb.compile_for("v1", head_dim=D, gqa=1, causal=causal, dq_mode=mode, **kw))
+            log(f"{label:<9} {'causal' if causal else 'full':<6} " + " ".join(f"{k} {v}" for k, v in r.items()))
+        except Exception as e:
+            ok = False
+            log(f"{label:<9} causal={causal}: BUILD ERROR {type(e).__name__}: {str(e)[:300]}")
+    log(f"dry run: {'OK' if ok else 'FAILED'}")
+    return ok
+
+
+# -- driver --------------------------------------------------------------------------------------------------
+def table(rows):
+    labels = ["cudnn"] + [v[0] for v in VARIANTS]
+    log("\n| case | " + " | ".join(labels) + " |")
+    log("|---|" + "---:|" * len(labels))
+    for r in rows:
+        cells = [f"{r[x]:.0f}" + (f" ({r[x] / r['cudnn']:.2f}x)" if x != "cudnn" and "cudnn" in r else "")
+                 if x in r else "" for x in labels]
+        log(f"| {r['case']} | " + " | ".join(cells) + " |")
+    log("(H100 bf16 d128, backward only, TF/s = 2.5 x forward FLOPs / median time; (x) = / cuDNN; chain = the "
+        "product's deterministic default; all deterministic but unord)")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--phase", help="warm0..warm11, causal, full")
+    args = ap.parse_args()
+    if DRY:
+        sys.exit(0 if dry_run() else 1)
+    if args.phase:
+        import torch
+        if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+            log(f"{args.phase}: needs an sm_90 GPU")
+        elif args.phase.startswith("warm"):
+            phase_warm(int(args.phase[4:]))
+        else:
+            phase_mask(args.phase == "causal")
+        return
+    t0 = time.time()
+    env = _phases.child_env("/tmp/fagen-cache-gpu-gluon-bwd-order", ROOT)
+    logs, rows = [], []
+    n = min(WARM_WORKERS, len(jobs()))
+    log(f"#### warm: {len(jobs())} kernels in {n} children ({LIMIT['warm']}s)")
+    res = [None] * n
+
+    def warm(i):
+        res[i] = _phases.run_phase(__file__, f"warm{i}", LIMIT["warm"], env, on_line=lambda s: print(s, end=""))
+    threads = [threading.Thread(target=warm, args=(i, )) for i in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    logs += [line for r in res if r for line in r[1]]
+    log(f"#### warm done: rc {[r[0] if r else None for r in res]}, {time.time() - t0:.0f}s")
+    for name in ("causal", "full"):
+        rc, lines = _phases.run_phase(__file__, name, LIMIT[name], env,
+                                      on_line=lambda s: None if s.startswith("ROW ") else print(s, end="", flush=True))
+        logs += lines
+        rows += [json.loads(s[4:]) for s in lines if s.startswith("ROW ")][-1:]
+        log(f"#### {name}: rc {rc}, {time.time() - t0:.0f}s")
+    table(rows)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
+        (Path(os.environ["OUT"]) / "gpu_gluon_bwd_order.log").write_text("".join(logs))
+
+
+if __name__ == "__main__":
+    main()

@@ -8,7 +8,9 @@ At d128 bf16 B1 H16 s16k, causal and full: cuDNN (torch SDPA, cuDNN backend) and
 the product default's arithmetic and schedule) in a few variants: `chain` (deterministic, fixed-order dQ, the
 product default), `unord` (deterministic=False), `grid` (GRID 1: one CTA per tile, FA3's grid), `gridspt` (causal:
 GRID 1 + SPT, shortest tiles first with descending turns), `order4` / `order8` (full: neighbours 4 / 8 steps apart),
-`fixed` (fixed-point dQ, cvt.rni) and `fixedfma` (fixed-point dQ rounded on the FMA pipe). Before its timing each
+`fixed` (fixed-point dQ, cvt.rni) and `fixedfma` (fixed-point dQ rounded on the FMA pipe); and the product's render
+(`p-chain` its default, `p-fixedfma` variant bwd_fixed + bwd_fixed_fma, `p-gridspt` bwd_grid + bwd_spt, `p-grid`
+bwd_grid), called through the module's backward() (deterministic=True). Before its timing each
 variant is checked against a float64 autograd reference (B1 H16 1360 x 1360: 176 tiles, two waves), for exact zeros
 (causal: query row 0 sees key 0 only, dq = 0) and, deterministic ones, bitwise over 2 runs at B1 H16 s4000 (512
 tiles, 4 waves). Phases: `warm0..` (parallel children, one kernel each, a tiny launch with the timed shapes'
@@ -33,15 +35,21 @@ import _phases  # noqa: E402
 
 DRY = bool(os.environ.get("GPU_GLUON_BWD_ORDER_DRY"))
 C, F = (True, ), (False, )
-# (label, dq_mode, constexprs, masks: causal True / False); dq_mode 0 ordered adds (deterministic), 1 unordered,
-# 4 fixed-point (deterministic in any order). Round A: the candidates as the eighth session left them.
-VARIANTS = [("chain", 0, {}, C + F), ("unord", 1, {}, C + F), ("grid", 0, {"GRID": 1}, C + F),
+# (label, dq_mode, constexprs, masks: causal True / False). The lab's v1: dq_mode 0 ordered adds (deterministic),
+# 1 unordered, 4 fixed-point (deterministic in any order), constexprs its knobs. A label "p-..." is the product's
+# render (fagen/templates/gluon/backward.py.j2) with GluonBackend.variant updated by the dict, dq_mode 0 its
+# deterministic mode (deterministic=True), 1 deterministic=False. Round A: the lab's candidates as the eighth
+# session left them, the FMA rounding, and the product's ports (bwd_fixed_fma, bwd_grid, bwd_spt).
+PFMA = {"bwd_fixed": 1, "bwd_fixed_fma": 1}
+VARIANTS = [("chain", 0, {}, C + F), ("unord", 1, {}, C + F), ("fixed", 4, {}, C + F),
+            ("fixedfma", 4, {"FIXED_FMA": 1}, C + F), ("grid", 0, {"GRID": 1}, C + F),
             ("gridspt", 0, {"GRID": 1, "SPT": 1}, C), ("order4", 0, {"ORDER": 4}, F), ("order8", 0, {"ORDER": 8}, F),
-            ("fixed", 4, {}, C + F), ("fixedfma", 4, {"FIXED_FMA": 1}, C + F)]
+            ("p-chain", 0, {}, C + F), ("p-fixedfma", 0, PFMA, C + F), ("p-gridspt", 0, {"bwd_grid": 1, "bwd_spt": 1}, C),
+            ("p-grid", 0, {"bwd_grid": 1}, F)]
 B, H, S, D = 1, 16, 16384, 128
 CHECK_S, BIT_S, WARM_S = 1360, 4000, 400  # all multiples of 16: one specialization of the kernels' integers
-LIMIT = {"warm": 32, "causal": 17, "full": 17}
-WARM_WORKERS = 12
+LIMIT = {"warm": 28, "causal": 20, "full": 20}
+WARM_WORKERS = 16
 
 
 def log(*parts):
@@ -65,7 +73,38 @@ def forward(q, k, v, causal, scale):
     return r[0].contiguous(), r[1][..., :q.shape[2]].contiguous()
 
 
-def run_v1(do, q, k, v, out, lse, scale, causal, mode, kw):
+_PRODUCT = {}
+
+
+def product_module(causal, overrides):
+    """The product's gluon bwd module (d128 bf16 MHA) rendered with GluonBackend.variant updated by `overrides`."""
+    key = (causal, tuple(sorted(overrides.items())))
+    if key not in _PRODUCT:
+        import fagen
+        from fagen import backends
+        from fagen.codegen import render
+        from fagen.runtime.loader import load_source
+        from fagen.spec.kernel import KernelSpec
+        spec = KernelSpec(backend="gluon", direction="bwd", head_dim=D, mask="causal" if causal else "none",
+                          dtype="bf16")
+        saved = dict(backends.GLUON.variant)
+        backends.GLUON.variant.update(overrides)
+        render.render.cache_clear()
+        try:
+            source = fagen.generate(spec)
+        finally:
+            backends.GLUON.variant.clear()
+            backends.GLUON.variant.update(saved)
+            render.render.cache_clear()
+        tag = "_".join(f"{k}{v}" for k, v in overrides.items()) or "default"
+        _PRODUCT[key] = load_source(source, f"{spec.name}_{tag}")
+    return _PRODUCT[key]
+
+
+def run_v1(do, q, k, v, out, lse, scale, causal, mode, kw, label=""):
+    """The lab's v1 (dq_mode, constexprs kw), or for a "p-" label the product's render (variant kw)."""
+    if label.startswith("p-"):
+        return product_module(causal, kw).backward(do, q, k, v, out, lse, scale=scale, deterministic=mode == 0)
     from lab import gluon_bwd as gb
     return gb.backward(do, q, k, v, out, lse, scale, causal, "v1", mode, **kw)
 
@@ -91,7 +130,7 @@ def phase_warm(part):
         t0 = time.time()
         q, k, v, do = inputs(WARM_S)
         out, lse = forward(q, k, v, causal, 0.1)
-        run_v1(do, q, k, v, out, lse, 0.1, causal, mode, kw)
+        run_v1(do, q, k, v, out, lse, 0.1, causal, mode, kw, label)
         torch.cuda.synchronize()
         log(f"warm {label:<9} {'causal' if causal else 'full':<6} built and ran ({time.time() - t0:.1f}s)")
 
@@ -127,20 +166,20 @@ def phase_mask(causal):
         if causal not in masks:
             continue
         try:
-            got = run_v1(cdo, cq, ck_, cv, cout, clse, scale, causal, mode, kw)
+            got = run_v1(cdo, cq, ck_, cv, cout, clse, scale, causal, mode, kw, label)
             errs = [rel(x, r) for x, r in zip(got, ref)]
             ok = all(e < 5e-3 for e in errs) and all(bool(torch.isfinite(x).all()) for x in got)
             zeros = bool((got[0][:, :, 0] == 0).all()) if causal else True
             same = True
             if mode != 1:  # deterministic: bitwise over 2 runs on a 4-wave shape
-                runs = [run_v1(bdo, bq, bk, bv, bout, blse, scale, causal, mode, kw) for _ in range(2)]
+                runs = [run_v1(bdo, bq, bk, bv, bout, blse, scale, causal, mode, kw, label) for _ in range(2)]
                 same = all(torch.equal(a, b) for a, b in zip(*runs))
             verdict = "PASS" if ok and zeros and same else "FAIL"
             log(f"CHECK {mask:<6} {label:<9} rel dq {errs[0]:.2e} dk {errs[1]:.2e} dv {errs[2]:.2e}; "
                 f"{'zeros ok' if zeros else 'ZEROS WRONG'}; {'bitwise x2' if mode != 1 else 'unordered'}"
                 f"{'' if same else ' DIFFER'} -> {verdict}")
             if verdict == "PASS":
-                timed(label, lambda: run_v1(do, q, k, v, out, lse, scale, causal, mode, kw))
+                timed(label, lambda: run_v1(do, q, k, v, out, lse, scale, causal, mode, kw, label))
         except Exception as e:
             log(f"ERROR {mask:<6} {label:<9} {type(e).__name__}: {str(e)[:200]}")
 
@@ -151,7 +190,11 @@ def dry_run():
     ok = True
     for label, mode, kw, causal in jobs():
         try:
-            r = gb.resources(gb.compile_for("v1", head_dim=D, gqa=1, causal=causal, dq_mode=mode, **kw))
+            if label.startswith("p-"):
+                ck = product_module(causal, kw).compile_backward_for(deterministic=mode == 0)
+            else:
+                ck = gb.compile_for("v1", head_dim=D, gqa=1, causal=causal, dq_mode=mode, **kw)
+            r = gb.resources(ck)
             log(f"{label:<9} {'causal' if causal else 'full':<6} " + " ".join(f"{k} {v}" for k, v in r.items()))
         except Exception as e:
             ok = False

@@ -162,6 +162,7 @@ def phase_mask(causal):
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         o = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=causal, scale=scale)
     timed("cudnn", lambda: torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True))
+    dq_chain = None
     for label, mode, kw, masks in VARIANTS:
         if causal not in masks:
             continue
@@ -180,6 +181,15 @@ def phase_mask(causal):
                 f"{'' if same else ' DIFFER'} -> {verdict}")
             if verdict == "PASS":
                 timed(label, lambda: run_v1(do, q, k, v, out, lse, scale, causal, mode, kw, label))
+                if "fixed" in label or label == "chain":  # fixed-point dQ against the float32 chain's, at s16k
+                    dq = run_v1(do, q, k, v, out, lse, scale, causal, mode, kw, label)[0].float()
+                    if label == "chain":
+                        dq_chain = dq
+                    else:
+                        diff = (dq - dq_chain).abs()
+                        log(f"S16K  {mask:<6} {label:<9} dq vs chain: {(diff == 0).float().mean().item():.4f} of "
+                            f"bf16 elements equal, max diff {diff.max().item() / dq_chain.abs().max().item():.1e} "
+                            f"of max|dq|, rel {rel(dq, dq_chain.double()):.1e}")
         except Exception as e:
             log(f"ERROR {mask:<6} {label:<9} {type(e).__name__}: {str(e)[:200]}")
 

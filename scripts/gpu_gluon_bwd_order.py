@@ -9,12 +9,13 @@ the product default's arithmetic and schedule) in a few variants: `chain` (deter
 product default), `unord` (deterministic=False), `grid` (GRID 1: one CTA per tile, FA3's grid), `gridspt` (causal:
 GRID 1 + SPT, shortest tiles first with descending turns), `order4` / `order8` (full: neighbours 4 / 8 steps apart),
 `fixed` (fixed-point dQ, cvt.rni) and `fixedfma` (fixed-point dQ rounded on the FMA pipe); and the product's render
-(`p-chain` its default, `p-fixedfma` variant bwd_fixed + bwd_fixed_fma, `p-gridspt` bwd_grid + bwd_spt, `p-grid`
-bwd_grid), called through the module's backward() (deterministic=True). Before its timing each
-variant is checked against a float64 autograd reference (B1 H16 1360 x 1360: 176 tiles, two waves), for exact zeros
-(causal: query row 0 sees key 0 only, dq = 0) and, deterministic ones, bitwise over 2 runs at B1 H16 s4000 (512
-tiles, 4 waves). Phases: `warm0..` (parallel children, one kernel each, a tiny launch with the timed shapes'
-specialization: lengths multiples of 16, B1 H16), then `causal` and `full` (checks, then TF/s, one row a line).
+called through the module's backward() (deterministic=True): `p-chain` its default, `p-fixedfma` the variants
+bwd_fixed + bwd_fixed_fma, `p-gridspt` bwd_grid + bwd_spt, `p-grid` bwd_grid, `p-fixfmagrid` bwd_fixed +
+bwd_fixed_fma on one CTA per tile. Before its timing each variant is checked against a float64 autograd reference
+(B1 H16 1360 x 1360: 176 tiles, two waves), for exact zeros (causal: query row 0 sees key 0 only, dq = 0) and,
+deterministic ones, bitwise over 2 runs at B1 H16 s4000 (512 tiles, 4 waves); the fixed-point ones' dq at s16k is
+compared with the chain's. Phases: `warm0..` (parallel children, a tiny launch of each kernel with the timed
+shapes' specialization: lengths multiples of 16, B1 H16), then `causal` and `full` (checks, then TF/s, a line each).
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ PFMA = {"bwd_fixed": 1, "bwd_fixed_fma": 1}
 VARIANTS = [("chain", 0, {}, C + F), ("unord", 1, {}, C + F), ("fixed", 4, {}, C + F),
             ("fixedfma", 4, {"FIXED_FMA": 1}, C + F), ("grid", 0, {"GRID": 1}, C + F),
             ("gridspt", 0, {"GRID": 1, "SPT": 1}, C), ("order4", 0, {"ORDER": 4}, F), ("order8", 0, {"ORDER": 8}, F),
-            ("p-chain", 0, {}, C + F), ("p-fixedfma", 0, PFMA, C + F), ("p-gridspt", 0, {"bwd_grid": 1, "bwd_spt": 1}, C),
-            ("p-grid", 0, {"bwd_grid": 1}, F)]
+            ("p-chain", 0, {}, C + F), ("p-fixedfma", 0, PFMA, C + F),
+            ("p-gridspt", 0, {"bwd_grid": 1, "bwd_spt": 1}, C),
+            ("p-grid", 0, {"bwd_grid": 1}, F), ("p-fixfmagrid", 0, {**PFMA, "bwd_grid": 1}, C + F)]
 B, H, S, D = 1, 16, 16384, 128
 CHECK_S, BIT_S, WARM_S = 1360, 4000, 400  # all multiples of 16: one specialization of the kernels' integers
 LIMIT = {"warm": 28, "causal": 20, "full": 20}
@@ -132,7 +134,7 @@ def phase_warm(part):
         out, lse = forward(q, k, v, causal, 0.1)
         run_v1(do, q, k, v, out, lse, 0.1, causal, mode, kw, label)
         torch.cuda.synchronize()
-        log(f"warm {label:<9} {'causal' if causal else 'full':<6} built and ran ({time.time() - t0:.1f}s)")
+        log(f"warm {label:<12} {'causal' if causal else 'full':<6} built and ran ({time.time() - t0:.1f}s)")
 
 
 def phase_mask(causal):
@@ -154,7 +156,7 @@ def phase_mask(causal):
     def timed(label, fn):
         ms = triton.testing.do_bench(fn, warmup=5, rep=40)
         row[label] = flops / ms / 1e9
-        log(f"TIME {mask:<6} {label:<9} {ms:7.3f} ms {row[label]:6.1f} TF/s")
+        log(f"TIME {mask:<6} {label:<12} {ms:7.3f} ms {row[label]:6.1f} TF/s")
         print("ROW " + json.dumps(row), flush=True)
 
     qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
@@ -176,7 +178,7 @@ def phase_mask(causal):
                 runs = [run_v1(bdo, bq, bk, bv, bout, blse, scale, causal, mode, kw, label) for _ in range(2)]
                 same = all(torch.equal(a, b) for a, b in zip(*runs))
             verdict = "PASS" if ok and zeros and same else "FAIL"
-            log(f"CHECK {mask:<6} {label:<9} rel dq {errs[0]:.2e} dk {errs[1]:.2e} dv {errs[2]:.2e}; "
+            log(f"CHECK {mask:<6} {label:<12} rel dq {errs[0]:.2e} dk {errs[1]:.2e} dv {errs[2]:.2e}; "
                 f"{'zeros ok' if zeros else 'ZEROS WRONG'}; {'bitwise x2' if mode != 1 else 'unordered'}"
                 f"{'' if same else ' DIFFER'} -> {verdict}")
             if verdict == "PASS":
@@ -187,11 +189,11 @@ def phase_mask(causal):
                         dq_chain = dq
                     else:
                         diff = (dq - dq_chain).abs()
-                        log(f"S16K  {mask:<6} {label:<9} dq vs chain: {(diff == 0).float().mean().item():.4f} of "
+                        log(f"S16K  {mask:<6} {label:<12} dq vs chain: {(diff == 0).float().mean().item():.4f} of "
                             f"bf16 elements equal, max diff {diff.max().item() / dq_chain.abs().max().item():.1e} "
                             f"of max|dq|, rel {rel(dq, dq_chain.double()):.1e}")
         except Exception as e:
-            log(f"ERROR {mask:<6} {label:<9} {type(e).__name__}: {str(e)[:200]}")
+            log(f"ERROR {mask:<6} {label:<12} {type(e).__name__}: {str(e)[:200]}")
 
 
 def dry_run():
@@ -205,25 +207,26 @@ def dry_run():
             else:
                 ck = gb.compile_for("v1", head_dim=D, gqa=1, causal=causal, dq_mode=mode, **kw)
             r = gb.resources(ck)
-            log(f"{label:<9} {'causal' if causal else 'full':<6} " + " ".join(f"{k} {v}" for k, v in r.items()))
+            log(f"{label:<12} {'causal' if causal else 'full':<6} " + " ".join(f"{k} {v}" for k, v in r.items()))
         except Exception as e:
             ok = False
-            log(f"{label:<9} causal={causal}: BUILD ERROR {type(e).__name__}: {str(e)[:300]}")
+            log(f"{label:<12} causal={causal}: BUILD ERROR {type(e).__name__}: {str(e)[:300]}")
     log(f"dry run: {'OK' if ok else 'FAILED'}")
     return ok
 
 
 # -- driver --------------------------------------------------------------------------------------------------
 def table(rows):
-    labels = ["cudnn"] + [v[0] for v in VARIANTS]
-    log("\n| case | " + " | ".join(labels) + " |")
-    log("|---|" + "---:|" * len(labels))
-    for r in rows:
-        cells = [f"{r[x]:.0f}" + (f" ({r[x] / r['cudnn']:.2f}x)" if x != "cudnn" and "cudnn" in r else "")
-                 if x in r else "" for x in labels]
-        log(f"| {r['case']} | " + " | ".join(cells) + " |")
-    log("(H100 bf16 d128, backward only, TF/s = 2.5 x forward FLOPs / median time; (x) = / cuDNN; chain = the "
-        "product's deterministic default; all deterministic but unord)")
+    """One line per variant: TF/s and the ratio to cuDNN in each case (a blank where it did not run)."""
+    cases = [r["case"] for r in rows]
+    log("\n| variant | " + " | ".join(cases) + " |")
+    log("|---|" + "---:|" * len(cases))
+    for x in ["cudnn"] + [v[0] for v in VARIANTS]:
+        cells = [(f"{r[x]:.0f}" + (f" ({r[x] / r['cudnn']:.2f}x)" if x != "cudnn" and "cudnn" in r else ""))
+                 if x in r else "" for r in rows]
+        log(f"| {x} | " + " | ".join(cells) + " |")
+    log("(H100 bf16 d128 B1 H16 s16k, backward only, TF/s = 2.5 x forward FLOPs / mean time; (x) = / cuDNN; chain = "
+        "the product's deterministic default in the lab; every variant deterministic but unord)")
 
 
 def main():

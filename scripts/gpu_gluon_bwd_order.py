@@ -42,15 +42,14 @@ C, F = (True, ), (False, )
 # deterministic mode (deterministic=True), 1 deterministic=False. Round A: the lab's candidates as the eighth
 # session left them, the FMA rounding, and the product's ports (bwd_fixed_fma, bwd_grid, bwd_spt).
 PFMA = {"bwd_fixed": 1, "bwd_fixed_fma": 1}
-VARIANTS = [("chain", 0, {}, C + F), ("unord", 1, {}, C + F), ("fixed", 4, {}, C + F),
-            ("fixedfma", 4, {"FIXED_FMA": 1}, C + F), ("grid", 0, {"GRID": 1}, C + F),
-            ("gridspt", 0, {"GRID": 1, "SPT": 1}, C), ("order4", 0, {"ORDER": 4}, F), ("order8", 0, {"ORDER": 8}, F),
-            ("p-chain", 0, {}, C + F), ("p-fixedfma", 0, PFMA, C + F),
-            ("p-gridspt", 0, {"bwd_grid": 1, "bwd_spt": 1}, C),
-            ("p-grid", 0, {"bwd_grid": 1}, F), ("p-fixfmagrid", 0, {**PFMA, "bwd_grid": 1}, C + F)]
+VARIANTS = [("chain", 0, {}, C + F), ("unord", 1, {}, C + F), ("fixedfma", 4, {"FIXED_FMA": 1}, C + F),
+            ("p-fixedfma", 0, PFMA, C + F), ("p-fixfmagrid", 0, {**PFMA, "bwd_grid": 1}, C + F),
+            ("fixed", 4, {}, C + F), ("grid", 0, {"GRID": 1}, C + F), ("gridspt", 0, {"GRID": 1, "SPT": 1}, C),
+            ("order4", 0, {"ORDER": 4}, F), ("order8", 0, {"ORDER": 8}, F), ("p-chain", 0, {}, C + F),
+            ("p-gridspt", 0, {"bwd_grid": 1, "bwd_spt": 1}, C), ("p-grid", 0, {"bwd_grid": 1}, F)]
 B, H, S, D = 1, 16, 16384, 128
 CHECK_S, BIT_S, WARM_S = 1360, 4000, 400  # all multiples of 16: one specialization of the kernels' integers
-LIMIT = {"warm": 28, "causal": 20, "full": 20}
+LIMIT = {"warm": 25, "causal": 21, "full": 22}  # 68 s: the runner stops the call at 75 s
 WARM_WORKERS = 16
 
 

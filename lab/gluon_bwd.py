@@ -87,14 +87,21 @@ def _cvt_rni(x):
 # - bits(1.5 x 2^23) is round(x qm) as an int32 (qm a power of two: x qm is exact, one rounding either way). The
 # preprocess takes qm = 2^(22 - e) instead of 2^(30 - e) (QBITS 22): every partial is below 2^21, 8 bits coarser
 # units (the error bound per partial 2^-22 of the row's bound instead of 2^-30), the same postprocess.
+# FIXED_FMA 2 also leaves out the IADD: the dQ warp adds the raw bits, round(x qm) + 0x4B400000, and int32 adds wrap
+# (two's complement: associative mod 2^32), so the accumulator holds the sum + cnt x 0x4B400000 mod 2^32, cnt the
+# number of adds into the row's query block (the key blocks that visit it: all with the full mask, a prefix of
+# them causal); the postprocess subtracts that (MAGIC_CNT) and has the exact sum, which fits int32.
 _MAGIC = gl.constexpr(12582912.0)  # 1.5 x 2^23 = bits 0x4B400000
 _MAGIC_BITS = gl.constexpr(0x4B400000)
 
 
 @gluon.jit
-def _fma_rni(x, qm):
-    """round(x * qm) as int32 for |x qm| < 2^22 on the FMA pipe ([Note] FMA rounding)."""
-    return gl.fma(x, qm, _MAGIC).to(gl.int32, bitcast=True) - _MAGIC_BITS
+def _fma_rni(x, qm, SUB: gl.constexpr = 1):
+    """round(x * qm) as int32 for |x qm| < 2^22 on the FMA pipe ([Note] FMA rounding); SUB 0: + 0x4B400000."""
+    r = gl.fma(x, qm, _MAGIC).to(gl.int32, bitcast=True)
+    if SUB:
+        r = r - _MAGIC_BITS
+    return r
 
 
 @gluon.constexpr_function
@@ -144,9 +151,20 @@ def _bwd_preprocess(O, DO, Lse, Delta, Lse2, seq_q, sq_pad, HEAD_DIM: gl.constex
         gl.store(QMul + head.to(gl.int64) * sq_pad + rs, qm)
 
 
+@gluon.jit
+def _dq_adds(m0, seq_q, seq_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """The number of dQ adds into query block m0 (of BLOCK_M rows): the key blocks that visit it, all of them with
+    the full mask, causal the prefix whose query range starts at or before m0 ([Note] FMA rounding)."""
+    cnt = (seq_k + BLOCK_N - 1) // BLOCK_N
+    if CAUSAL:
+        cnt = gl.minimum(gl.maximum(m0 + BLOCK_M + seq_k - seq_q + BLOCK_N - 1, 0) // BLOCK_N, cnt)
+    return cnt
+
+
 @gluon.jit(do_not_specialize=["seq_q", "sq_pad"])
 def _dq_convert(DQacc, DQ, scale, seq_q, sq_pad, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                NSPLIT: gl.constexpr = 1, QMul=None):
+                NSPLIT: gl.constexpr = 1, QMul=None, seq_k=0, MAGIC_CNT: gl.constexpr = 0, CAUSAL: gl.constexpr = 0,
+                MAIN_M: gl.constexpr = 64, MAIN_N: gl.constexpr = 128):
     """dQ = scale * dQacc in dQ's dtype (dQacc float32 [NSPLIT x B, H, sq_pad, D], summed over the NSPLIT
     accumulators in order; dQ contiguous [B, H, Sq, D])."""
     m0 = gl.program_id(0) * BLOCK_M
@@ -158,6 +176,8 @@ def _dq_convert(DQacc, DQ, scale, seq_q, sq_pad, HEAD_DIM: gl.constexpr, BLOCK_M
     acc = gl.load(DQacc + offs)
     for sp in gl.static_range(1, NSPLIT):
         acc += gl.load(DQacc + sp * gl.num_programs(1).to(gl.int64) * sq_pad * HEAD_DIM + offs)
+    if MAGIC_CNT:  # [Note] FMA rounding, FIXED_FMA 2: the adds' offsets out, mod 2^32 (rows: one main query block)
+        acc = acc - _dq_adds(m0 // MAIN_M * MAIN_M, seq_q, seq_k, MAIN_M, MAIN_N, CAUSAL) * _MAGIC_BITS
     if QMul is not None:  # [Note] Fixed-point dQ: int32 units of 2^(e - 30), 2^e in [2, 4) x the row's bound
         qm = gl.load(QMul + head.to(gl.int64) * sq_pad + rows)
         dq = acc.to(gl.float32) * (scale / qm)[:, None]
@@ -820,7 +840,7 @@ def _v1_compute(q_smem, do_smem, k_smem, v_smem, ds_smem, l_smem, d_smem, dq_sme
                 if FIXED_MUT:  # mutant: the row scale left out (the units lost)
                     qm = gl.full_like(qm, 1.0)
                 if FIXED_FMA:  # [Note] FMA rounding: units of 2^(e - 22), one FFMA and one IADD
-                    dq = _fma_rni(dq, qm[:, None])
+                    dq = _fma_rni(dq, qm[:, None], FIXED_FMA == 1)
                 else:
                     dq = _cvt_rni(dq * qm[:, None])
             if DQ_MODE == 3:  # diagnostic: no handoff; the store never runs but keeps the dQ MMA alive
@@ -1043,8 +1063,10 @@ def backward(do, q, k, v, out, lse, scale, causal, variant="v0", dq_mode=0, bloc
         if fixed:
             kw["m_desc"] = _bwd_row_descriptor(qmul, block_m)
         _attn_bwd_v1[grid](*args, **kw)
+    magic = fixed and constexprs.get("FIXED_FMA") == 2  # [Note] FMA rounding: the adds' offsets out
     _dq_convert[(sq_pad // BWD_BLOCK_M, b * hq)](dq_acc, dq, scale, sq, sq_pad, HEAD_DIM=d, BLOCK_M=BWD_BLOCK_M,
-                                                 NSPLIT=nsplit, QMul=qmul, num_warps=4)
+                                                 NSPLIT=nsplit, QMul=qmul, seq_k=sk, MAGIC_CNT=int(magic),
+                                                 CAUSAL=int(causal), MAIN_M=block_m, MAIN_N=BWD_BLOCK_N, num_warps=4)
     return dq, dk, dv
 
 

@@ -8,7 +8,8 @@ At d128 bf16 B1 H16 s16k, causal and full: cuDNN (torch SDPA, cuDNN backend) and
 the product default's arithmetic and schedule) in a few variants: `chain` (deterministic, fixed-order dQ, the
 product default), `unord` (deterministic=False), `grid` (GRID 1: one CTA per tile, FA3's grid), `gridspt` (causal:
 GRID 1 + SPT, shortest tiles first with descending turns), `order4` / `order8` (full: neighbours 4 / 8 steps apart),
-`fixed` (fixed-point dQ, cvt.rni) and `fixedfma` (fixed-point dQ rounded on the FMA pipe); and the product's render
+`fixed` (fixed-point dQ, cvt.rni), `fixedfma` (fixed-point dQ rounded on the FMA pipe) and `fixedfma2` (the same
+without the IADD: the postprocess takes the offsets out); and the product's render
 called through the module's backward() (deterministic=True): `p-chain` its default, `p-fixedfma` the variants
 bwd_fixed + bwd_fixed_fma, `p-gridspt` bwd_grid + bwd_spt, `p-grid` bwd_grid, `p-fixfmagrid` bwd_fixed +
 bwd_fixed_fma on one CTA per tile. Before its timing each variant is checked against a float64 autograd reference
@@ -43,6 +44,7 @@ C, F = (True, ), (False, )
 # session left them, the FMA rounding, and the product's ports (bwd_fixed_fma, bwd_grid, bwd_spt).
 PFMA = {"bwd_fixed": 1, "bwd_fixed_fma": 1}
 VARIANTS = [("chain", 0, {}, C + F), ("unord", 1, {}, C + F), ("fixedfma", 4, {"FIXED_FMA": 1}, C + F),
+            ("fixedfma2", 4, {"FIXED_FMA": 2}, C + F),
             ("p-fixedfma", 0, PFMA, C + F), ("p-fixfmagrid", 0, {**PFMA, "bwd_grid": 1}, C + F),
             ("fixed", 4, {}, C + F), ("grid", 0, {"GRID": 1}, C + F), ("gridspt", 0, {"GRID": 1, "SPT": 1}, C),
             ("order4", 0, {"ORDER": 4}, F), ("order8", 0, {"ORDER": 8}, F), ("p-chain", 0, {}, C + F),

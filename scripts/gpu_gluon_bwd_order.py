@@ -9,14 +9,15 @@ the product default's arithmetic and schedule) in a few variants: `chain` (deter
 product default), `unord` (deterministic=False), `grid` (GRID 1: one CTA per tile, FA3's grid), `gridspt` (causal:
 GRID 1 + SPT, shortest tiles first with descending turns), `order4` / `order8` (full: neighbours 4 / 8 steps apart),
 `fixed` (fixed-point dQ, cvt.rni), `fixedfma` (fixed-point dQ rounded on the FMA pipe) and `fixedfma2` (the same
-without the IADD: the postprocess takes the offsets out); and the product's render
-called through the module's backward() (deterministic=True): `p-chain` its default, `p-fixedfma` the variants
-bwd_fixed + bwd_fixed_fma, `p-gridspt` bwd_grid + bwd_spt, `p-grid` bwd_grid, `p-fixfmagrid` bwd_fixed +
-bwd_fixed_fma on one CTA per tile. Before its timing each variant is checked against a float64 autograd reference
-(B1 H16 1360 x 1360: 176 tiles, two waves), for exact zeros (causal: query row 0 sees key 0 only, dq = 0) and,
-deterministic ones, bitwise over 2 runs at B1 H16 s4000 (512 tiles, 4 waves); the fixed-point ones' dq at s16k is
-compared with the chain's. Phases: `warm0..` (parallel children, a tiny launch of each kernel with the timed
-shapes' specialization: lengths multiples of 16, B1 H16), then `causal` and `full` (checks, then TF/s, a line each).
+without the IADD: the postprocess takes the offsets out); and the product's render called through the module's
+backward() (deterministic=True): `p-chain` its default, `p-fixedfma` the variants bwd_fixed + bwd_fixed_fma
+(`p-fixedfma2`: bwd_fixed_fma 2, no IADD), `p-gridspt` bwd_grid + bwd_spt, `p-grid` bwd_grid, `p-fixfmagrid`
+bwd_fixed + bwd_fixed_fma on one CTA per tile. Before its timing each variant is checked against a float64
+autograd reference (B1 H16 1360 x 1360: 176 tiles, two waves), for exact zeros (causal: query row 0 sees key 0
+only, dq = 0) and, deterministic ones, bitwise over 2 runs at B1 H16 s4000 (512 tiles, 4 waves); the fixed-point
+ones' dq at s16k is compared with the chain's. Phases: `warm0..` (parallel children, a tiny launch of each kernel
+with the timed shapes' specialization: lengths multiples of 16, B1 H16), then `causal` and `full` (checks, then
+TF/s, a line each).
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ C, F = (True, ), (False, )
 PFMA = {"bwd_fixed": 1, "bwd_fixed_fma": 1}
 VARIANTS = [("chain", 0, {}, C + F), ("unord", 1, {}, C + F), ("fixedfma", 4, {"FIXED_FMA": 1}, C + F),
             ("fixedfma2", 4, {"FIXED_FMA": 2}, C + F),
-            ("p-fixedfma", 0, PFMA, C + F), ("p-fixfmagrid", 0, {**PFMA, "bwd_grid": 1}, C + F),
+            ("p-fixedfma", 0, PFMA, C + F), ("p-fixedfma2", 0, {**PFMA, "bwd_fixed_fma": 2}, C + F),
+            ("p-fixfmagrid", 0, {**PFMA, "bwd_grid": 1}, C + F),
             ("fixed", 4, {}, C + F), ("grid", 0, {"GRID": 1}, C + F), ("gridspt", 0, {"GRID": 1, "SPT": 1}, C),
             ("order4", 0, {"ORDER": 4}, F), ("order8", 0, {"ORDER": 8}, F), ("p-chain", 0, {}, C + F),
             ("p-gridspt", 0, {"bwd_grid": 1, "bwd_spt": 1}, C), ("p-grid", 0, {"bwd_grid": 1}, F)]

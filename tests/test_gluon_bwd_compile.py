@@ -39,6 +39,7 @@ for key, fields in json.loads(sys.argv[2]).items():
                     named=sorted(set(re.findall(r"\bbar\.(?:sync|arrive) (\d+), (?:160|256);", ptx))),
                     tma_store=ptx.count("cp.async.bulk.tensor.4d.global.shared"), cvt=ptx.count("cvt.rni.s32.f32"),
                     magic=ptx.count("0f4B400000"), spill_bytes=[res.spill_stores, res.spill_loads],
+                    unmagic=len(re.findall(r"-1262485504\b", ptx)),
                     setmaxnreg=sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
                     steps=[dict(wgmma=s.count("wgmma.mma_async"), bars=re.findall(r"\bbar\.sync\s+\d+,\s*(\d+);", s),
                                 wait=s.count("mbarrier.try_wait"), arrive=s.count("mbarrier.arrive")) for s in steps])
@@ -57,6 +58,8 @@ BUILDS = {"det": dict(mask="causal", gqa=2, dtype="bf16", deterministic=True, va
           # ninth session: [Note] FMA rounding; [Note] Launch order (the deterministic kernel's tiles and turns)
           "fixed_fma": dict(mask="causal", gqa=2, dtype="bf16", deterministic=True,
                             variant={"bwd_fixed": 1, "bwd_fixed_fma": 1}),
+          "fixed_fma2": dict(mask="none", dtype="bf16", deterministic=True,
+                             variant={"bwd_fixed": 1, "bwd_fixed_fma": 2}),
           "spt": dict(mask="causal", gqa=2, dtype="bf16", deterministic=True,
                       variant={"bwd_fixed": 0, "bwd_spt": 1, "bwd_grid": 1})}
 
@@ -128,6 +131,8 @@ def test_the_fma_rounding_replaces_cvt_and_keeps_the_fixed_point_schedule(built)
     r = built["fixed_fma"]
     assert r["cvt"] == 0 and r["magic"] >= 64, r
     assert built["fixed"]["magic"] == 0, built["fixed"]
+    # bwd_fixed_fma 2: the raw bits, no IADD of -0x4B400000 in the main kernel (the postprocess has it)
+    assert r["unmagic"] >= 64 and built["fixed_fma2"]["unmagic"] == 0 and built["fixed_fma2"]["magic"] >= 64, built
     assert r["reduce"] == 4 and r["acquire"] == r["release"] == 0 and r["complete"] == [], r
     assert len(r["steps"]) == 2 and all(s["wgmma"] == 32 for s in r["steps"]), r["steps"]
 

@@ -21,11 +21,11 @@ SHAPES = [(1, 3, 1, 700, 700), (2, 2, 4, 257, 390), (1, 2, 2, 1000, 600), (2, 1,
 
 @pytest.fixture(scope="module")
 def helpers():
-    """The causal render with bwd_spt on: its _bwd_spt, _bwd_spt_turn and _bwd_tile as plain functions, their gl
-    calls through a scalar shim (every integer division in them has non-negative operands, where Python's // and
-    the GPU's agree)."""
+    """The causal render with bwd_spt and bwd_fixed_fma 2 on: its _bwd_spt, _bwd_spt_turn, _bwd_tile and _bwd_adds
+    ([Note] FMA rounding) as plain functions, their gl calls through a scalar shim (every integer division in them
+    has non-negative operands, where Python's // and the GPU's agree)."""
     saved = dict(backends.GLUON.variant)
-    backends.GLUON.variant.update(bwd_spt=1, bwd_grid=1)
+    backends.GLUON.variant.update(bwd_spt=1, bwd_grid=1, bwd_fixed=1, bwd_fixed_fma=2)
     render.render.cache_clear()
     try:
         spec = KernelSpec(backend="gluon", direction="bwd", head_dim=128, mask="causal", dtype="bf16")
@@ -37,7 +37,7 @@ def helpers():
     assert mod.BWD_DET_GRID == 1
     mod.gl = types.SimpleNamespace(maximum=max, minimum=min)
     return types.SimpleNamespace(spt=mod._bwd_spt.fn, turn=mod._bwd_spt_turn.fn, tile=mod._bwd_tile.fn,
-                                 bm=mod.BWD_BLOCK_M, bn=mod.BWD_BLOCK_N)
+                                 adds=mod._bwd_adds.fn, bm=mod.BWD_BLOCK_M, bn=mod.BWD_BLOCK_N)
 
 
 def adds(h, b, hkv, gqa, sq, sk, spt=True):
@@ -69,6 +69,20 @@ def test_turns_count_down_once_and_wait_only_on_earlier_launches(helpers, shape)
         assert sorted(turns) == list(range(len(turns))), (key, sorted(turns))  # 0 .. n - 1, each once
         # the add before this one comes from a tile launched earlier (a higher key block: shortest tiles first)
         assert all(turns[t - 1] < turns[t] for t in range(1, len(turns))), (key, turns)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}H{}g{}_{}x{}".format(*s))
+def test_the_postprocess_counts_each_query_blocks_adds(helpers, shape):
+    """bwd_fixed_fma 2 ([Note] FMA rounding): the postprocess takes _bwd_adds(m0) x 0x4B400000 out of every row of
+    query block m0, so it must be the number of adds the schedule makes there (0 for blocks that see no key)."""
+    b, hkv, gqa, sq, sk = shape
+    made = defaultdict(int)
+    for _, key, _ in adds(helpers, *shape):
+        made[key] += 1
+    for off_b in range(b):
+        for h in range(hkv * gqa):
+            for m0 in range(0, -(-sq // helpers.bm) * helpers.bm, helpers.bm):
+                assert made[(off_b, h, m0)] == helpers.adds(m0, sq, sk, helpers.bm, helpers.bn), (off_b, h, m0)
 
 
 def test_the_fma_mutant_edits_the_fma_render_only(monkeypatch):

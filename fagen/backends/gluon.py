@@ -173,7 +173,7 @@ class GluonBackend(KernelBackend):
     # causal, a loss at full and GQA; d64, where it wins, is not selected (docs/hopper.md, "The deterministic
     # backward without a chain").
     # bwd_fixed_fma 1 (ninth session, [Note] FMA rounding): the fixed-point dQ rounded by an FFMA and an IADD instead
-    # of cvt.rni (units 2^8 coarser); bwd_grid 1: one CTA per tile in the deterministic mode (FA3's grid); bwd_spt 1
+    # of cvt.rni (units 2^8 coarser), 2 by the FFMA alone (the postprocess takes the offsets out); bwd_grid 1: one CTA per tile in the deterministic mode (FA3's grid); bwd_spt 1
     # (causal): tiles shortest first, dQ turns descending (FA3's deterministic causal; [Note] Launch order).
     # Measured in docs/hopper.md, "The deterministic backward's launch order (ninth session)".
 

@@ -839,7 +839,9 @@ def _v1_compute(q_smem, do_smem, k_smem, v_smem, ds_smem, l_smem, d_smem, dq_sme
                 qm = m_smem.index(s).reshape([BLOCK_M]).load(gl.SliceLayout(1, dq_l))
                 if FIXED_MUT:  # mutant: the row scale left out (the units lost)
                     qm = gl.full_like(qm, 1.0)
-                if FIXED_FMA:  # [Note] FMA rounding: units of 2^(e - 22), one FFMA and one IADD
+                if FIXED_FMA == 3:  # diagnostic (wrong dQ): the int32 adds without any rounding (a bitcast)
+                    dq = dq.to(gl.int32, bitcast=True)
+                elif FIXED_FMA:  # [Note] FMA rounding: units of 2^(e - 22), one FFMA (and one IADD: FIXED_FMA 1)
                     dq = _fma_rni(dq, qm[:, None], FIXED_FMA == 1)
                 else:
                     dq = _cvt_rni(dq * qm[:, None])

@@ -13,12 +13,12 @@ without the IADD: the postprocess takes the offsets out), `fixraw*` (a diagnosti
 bitcast, no rounding; timed only); and the product's render called through the module's
 backward() (deterministic=True): `p-chain` its default, `p-fixedfma` the variants bwd_fixed + bwd_fixed_fma
 (`p-fixedfma2`: bwd_fixed_fma 2, no IADD), `p-gridspt` bwd_grid + bwd_spt, `p-grid` bwd_grid, `p-fixfmagrid`
-bwd_fixed + bwd_fixed_fma on one CTA per tile. Before its timing each variant is checked against a float64
-autograd reference (B1 H16 1360 x 1360: 176 tiles, two waves), for exact zeros (causal: query row 0 sees key 0
-only, dq = 0) and, deterministic ones, bitwise over 2 runs at B1 H16 s4000 (512 tiles, 4 waves); the fixed-point
-ones' dq at s16k is compared with the chain's. Phases: `warm0..` (parallel children, a tiny launch of each kernel
-with the timed shapes' specialization: lengths multiples of 16, B1 H16), then `causal` and `full` (checks, then
-TF/s, a line each).
+bwd_fixed + bwd_fixed_fma on one CTA per tile, `p-order4` bwd_order 4 (full). Before its timing each variant is
+checked against a float64 autograd reference (B1 H16 1360 x 1360: 176 tiles, two waves), for exact zeros (causal:
+query row 0 sees key 0 only, dq = 0) and, deterministic ones, bitwise over 2 runs at B1 H16 s4000 (512 tiles, 4
+waves); the fixed-point ones' dq at s16k is compared with the chain's. Phases: `warm0..` (parallel children, a
+tiny launch of each kernel with the timed shapes' specialization: lengths multiples of 16, B1 H16), then `causal`
+and `full` (checks, then TF/s, a line each).
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ VARIANTS = [("chain", 0, {}, C + F), ("unord", 1, {}, C + F), ("fixedfma", 4, {"
             ("p-fixfmagrid", 0, {**PFMA, "bwd_grid": 1}, C + F),
             ("fixed", 4, {}, C + F), ("grid", 0, {"GRID": 1}, C + F), ("gridspt", 0, {"GRID": 1, "SPT": 1}, C),
             ("order4", 0, {"ORDER": 4}, F), ("order8", 0, {"ORDER": 8}, F), ("p-chain", 0, {}, C + F),
-            ("p-gridspt", 0, {"bwd_grid": 1, "bwd_spt": 1}, C), ("p-grid", 0, {"bwd_grid": 1}, F)]
+            ("p-gridspt", 0, {"bwd_grid": 1, "bwd_spt": 1}, C), ("p-grid", 0, {"bwd_grid": 1}, F),
+            ("p-order4", 0, {"bwd_order": 4}, F)]
 B, H, S, D = 1, 16, 16384, 128
 CHECK_S, BIT_S, WARM_S = 1360, 4000, 400  # all multiples of 16: one specialization of the kernels' integers
 LIMIT = {"warm": 25, "causal": 21, "full": 22}  # 68 s: the runner stops the call at 75 s

@@ -100,3 +100,70 @@ def test_the_fma_mutant_edits_the_fma_render_only(monkeypatch):
         assert fma.applies(spec) and (fma.old in source) == bool(fixed and on)
         assert (cvt.old in source) == bool(fixed and not on)
     render.render.cache_clear()
+
+
+def _simulate(progs, lag=2):
+    """Each program of the persistent grid takes one step a tick once its counter equals its turn; an add counts
+    `lag` ticks later. The ticks until all are done, or None on a deadlock."""
+    sem, pending, pos, t, idle = defaultdict(int), defaultdict(list), [0] * len(progs), 0, 0
+    while any(p < len(prog) for p, prog in zip(pos, progs)):
+        for key in pending.pop(t, []):
+            sem[key] += 1
+        moved = False
+        for p, prog in enumerate(progs):
+            if pos[p] < len(prog) and sem[prog[pos[p]][0]] == prog[pos[p]][1]:
+                pending[t + lag].append(prog[pos[p]][0])
+                pos[p] += 1
+                moved = True
+        idle = 0 if moved else idle + 1
+        if idle > lag + 1 and not any(pending.values()):
+            return None
+        t += 1
+    return t
+
+
+@pytest.mark.parametrize("order", [1, 4])
+@pytest.mark.parametrize("shape", [(1, 16, 1, 4000, 1333), (2, 3, 4, 700, 700), (2, 8, 1, 600, 2000)],
+                         ids=lambda s: "B{}H{}g{}_{}x{}".format(*s))
+def test_the_full_masks_wave_order_d_steps_apart_is_a_fixed_order_without_deadlock(order, shape):
+    """bwd_order d ([Note] Wave order, full mask): on the persistent grid (132 programs, several waves), the render's
+    _bwd_order / _bwd_visit / _bwd_turn give every block its turns 0 .. n - 1 once and the grid finishes."""
+    b, hkv, gqa, sq, sk = shape
+    saved = dict(backends.GLUON.variant)
+    backends.GLUON.variant.update(bwd_order=order)
+    render.render.cache_clear()
+    try:
+        spec = KernelSpec(backend="gluon", direction="bwd", head_dim=128, mask="none", dtype="bf16")
+        mod = load_source(fagen.generate(spec), f"{spec.name}_order{order}")
+    finally:
+        backends.GLUON.variant.clear()
+        backends.GLUON.variant.update(saved)
+        render.render.cache_clear()
+    shim = types.SimpleNamespace(maximum=max, minimum=min, where=lambda c, x, y: x if c else y)
+    mod.gl = shim
+    order_fn, visit, turn_fn, tile_fn = (getattr(mod, n).fn for n in ("_bwd_order", "_bwd_visit", "_bwd_turn",
+                                                                       "_bwd_tile"))
+    bm, bn = mod.BWD_BLOCK_M, mod.BWD_BLOCK_N
+    n_kblk, num_bh = -(-sk // bn), b * hkv
+    num_tiles = n_kblk * num_bh
+    P = min(132, num_tiles)
+    shim.num_programs = lambda axis: P
+    progs, turns = [], defaultdict(list)
+    for p in range(P):
+        prog = []
+        for tile in range(p, num_tiles, P):
+            n_blk, off_b, off_hkv, h0, lo, _, hi = tile_fn(tile, num_bh, hkv, sq, sk, bm, bn, gqa, False)
+            steps = (hi - lo) // bm
+            T = gqa * steps
+            off, D, n_lo, n_hi = order_fn(tile, n_blk, off_b * hkv + off_hkv, num_bh, n_kblk, T, False, order)
+            for i in range(T):
+                f = visit(i, off, T)
+                m0 = lo + (f % steps) * bm
+                key = (off_b, h0 + f // steps, m0)
+                turn = turn_fn(n_blk, i, m0, off, D, n_lo, n_hi, T, n_kblk, sk - sq, bm, bn, False)
+                prog.append((key, turn))
+                turns[key].append(turn)
+        progs.append(prog)
+    assert all(sorted(v) == list(range(len(v))) for v in turns.values())
+    assert len(turns) == b * hkv * gqa * -(-sq // bm)
+    assert _simulate(progs) is not None and _simulate(progs, lag=3) is not None

@@ -174,7 +174,8 @@ class GluonBackend(KernelBackend):
     # backward without a chain").
     # bwd_fixed_fma 1 (ninth session, [Note] FMA rounding): the fixed-point dQ rounded by an FFMA and an IADD instead
     # of cvt.rni (units 2^8 coarser), 2 by the FFMA alone (the postprocess takes the offsets out); bwd_grid 1: one CTA per tile in the deterministic mode (FA3's grid); bwd_spt 1
-    # (causal): tiles shortest first, dQ turns descending (FA3's deterministic causal; [Note] Launch order).
+    # (causal): tiles shortest first, dQ turns descending (FA3's deterministic causal; [Note] Launch order); bwd_order
+    # d > 1 (full mask): the wave order with neighbours at most d steps apart (lab ORDER d).
     # Measured in docs/hopper.md, "The deterministic backward's launch order (ninth session)".
 
     # [Note] Gluon MLA decode. fagen/templates/gluon/mla_decode.py.j2: MLA's absorbed decode (shared_kv, head_dim

@@ -1,6 +1,7 @@
 """The deterministic Gluon backward's launch order and fixed-point dQ on an H100 (issue 28, ninth session).
 
     PYTHONPATH=$PWD python3 scripts/gpu_gluon_bwd_order.py        # every phase in a child with a timeout (< 70 s)
+    GBWD_ORDER_ROUND=A PYTHONPATH=$PWD python3 scripts/gpu_gluon_bwd_order.py   # round A's variant list
     python scripts/gpu_gluon_bwd_order.py --phase causal           # one phase here (no child, no timeout)
     GPU_GLUON_BWD_ORDER_DRY=1 python scripts/gpu_gluon_bwd_order.py   # any machine: sm_90 builds, ptxas numbers
 
@@ -53,6 +54,19 @@ VARIANTS = [("chain", 0, {}, C + F), ("unord", 1, {}, C + F), ("fixedfma", 4, {"
             ("order4", 0, {"ORDER": 4}, F), ("order8", 0, {"ORDER": 8}, F), ("p-chain", 0, {}, C + F),
             ("p-gridspt", 0, {"bwd_grid": 1, "bwd_spt": 1}, C), ("p-grid", 0, {"bwd_grid": 1}, F),
             ("p-order4", 0, {"bwd_order": 4}, F)]
+# Round B (the default; GBWD_ORDER_ROUND=A: round A's list above). Round A (docs/hopper.md, "The deterministic
+# backward's launch order"): GRID 1 even, SPT -46%, ORDER 4 / 8 -5% / -19%; the lab's fixed-point dQ far ahead of
+# the product's render (FMA 2: 522 / 540 against 498 / 500), and the FMA units too coarse at s16k (dq 1.1e-2 from
+# the chain's at full). Here: the fixed-point renders with cvt and FMA 2 in the lab and the product, the FMA mutant
+# (must fail its check: `!`), dq of head 0 at s16k against float64, and a second pass of four (run-to-run spread).
+MUT = ("dq = _fma_rni(dq, qm[:, None])", "dq = _fma_rni(dq, 1.0)")  # gluon-bwd-fixed-fma-no-scale
+VARIANTS_B = [("chain", 0, {}, C + F), ("unord", 1, {}, C + F), ("fixed", 4, {}, C + F),
+              ("fixedfma2", 4, {"FIXED_FMA": 2}, C + F), ("p-chain", 0, {}, C + F),
+              ("p-fixed", 0, {"bwd_fixed": 1}, C + F), ("p-fixedfma2", 0, {**PFMA, "bwd_fixed_fma": 2}, C + F),
+              ("p-fmamut!", 0, PFMA, C), ("chain#2", 0, {}, C + F), ("unord#2", 1, {}, C + F),
+              ("fixed#2", 4, {}, C + F), ("fixedfma2#2", 4, {"FIXED_FMA": 2}, C + F)]
+if os.environ.get("GBWD_ORDER_ROUND", "B") == "B":
+    VARIANTS = VARIANTS_B
 B, H, S, D = 1, 16, 16384, 128
 CHECK_S, BIT_S, WARM_S = 1360, 4000, 400  # all multiples of 16: one specialization of the kernels' integers
 LIMIT = {"warm": 25, "causal": 21, "full": 22}  # 68 s: the runner stops the call at 75 s
@@ -64,7 +78,8 @@ def log(*parts):
 
 
 def jobs():
-    return [(label, mode, kw, causal) for label, mode, kw, masks in VARIANTS for causal in masks]
+    """Each kernel once: (label, mode, kw, causal) of the variants, repeats (`#2`) left out."""
+    return [(label, mode, kw, causal) for label, mode, kw, masks in VARIANTS for causal in masks if "#" not in label]
 
 
 def inputs(sq, seed=0):
@@ -83,9 +98,10 @@ def forward(q, k, v, causal, scale):
 _PRODUCT = {}
 
 
-def product_module(causal, overrides):
-    """The product's gluon bwd module (d128 bf16 MHA) rendered with GluonBackend.variant updated by `overrides`."""
-    key = (causal, tuple(sorted(overrides.items())))
+def product_module(causal, overrides, mutant=None):
+    """The product's gluon bwd module (d128 bf16 MHA) rendered with GluonBackend.variant updated by `overrides`,
+    `mutant` (old, new) applied to its source."""
+    key = (causal, tuple(sorted(overrides.items())), mutant)
     if key not in _PRODUCT:
         import fagen
         from fagen import backends
@@ -104,6 +120,9 @@ def product_module(causal, overrides):
             backends.GLUON.variant.update(saved)
             render.render.cache_clear()
         tag = "_".join(f"{k}{v}" for k, v in overrides.items()) or "default"
+        if mutant:
+            assert mutant[0] in source, "the mutant's text is not in the render"
+            source, tag = source.replace(mutant[0], mutant[1]), tag + "_mut"
         _PRODUCT[key] = load_source(source, f"{spec.name}_{tag}")
     return _PRODUCT[key]
 
@@ -111,7 +130,8 @@ def product_module(causal, overrides):
 def run_v1(do, q, k, v, out, lse, scale, causal, mode, kw, label=""):
     """The lab's v1 (dq_mode, constexprs kw), or for a "p-" label the product's render (variant kw)."""
     if label.startswith("p-"):
-        return product_module(causal, kw).backward(do, q, k, v, out, lse, scale=scale, deterministic=mode == 0)
+        mod = product_module(causal, kw, MUT if label.endswith("!") else None)
+        return mod.backward(do, q, k, v, out, lse, scale=scale, deterministic=mode == 0)
     from lab import gluon_bwd as gb
     return gb.backward(do, q, k, v, out, lse, scale, causal, "v1", mode, **kw)
 
@@ -169,7 +189,7 @@ def phase_mask(causal):
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         o = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=causal, scale=scale)
     timed("cudnn", lambda: torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True))
-    dq_chain = None
+    dq_chain = ref0 = None
     for label, mode, kw, masks in VARIANTS:
         if causal not in masks:
             continue
@@ -186,13 +206,20 @@ def phase_mask(causal):
                 runs = [run_v1(bdo, bq, bk, bv, bout, blse, scale, causal, mode, kw, label) for _ in range(2)]
                 same = all(torch.equal(a, b) for a, b in zip(*runs))
             verdict = "PASS" if ok and zeros and same else "FAIL"
+            if label.endswith("!"):  # a mutant: its check must fail
+                caught = "caught" if verdict == "FAIL" else "NOT CAUGHT"
+                log(f"MUTANT {mask:<6} {label:<12} rel dq {errs[0]:.2e} -> {caught}")
+                continue
             log(f"CHECK {mask:<6} {label:<12} rel dq {errs[0]:.2e} dk {errs[1]:.2e} dv {errs[2]:.2e}; "
                 f"{'zeros ok' if zeros else 'ZEROS WRONG'}; {'bitwise x2' if mode != 1 else 'unordered'}"
                 f"{'' if same else ' DIFFER'} -> {verdict}")
             if verdict == "PASS":
                 timed(label, lambda: run_v1(do, q, k, v, out, lse, scale, causal, mode, kw, label))
-                if "fixed" in label or label == "chain":  # fixed-point dQ against the float32 chain's, at s16k
+                if ("fixed" in label or label == "chain") and "#" not in label:  # dq at s16k: float64, the chain
                     dq = run_v1(do, q, k, v, out, lse, scale, causal, mode, kw, label)[0].float()
+                    if ref0 is None:  # head 0 at s16k in float64 (about 10 GB)
+                        ref0 = reference(q[:, :1], k[:, :1], v[:, :1], do[:, :1], causal, scale)[0]
+                    log(f"S16K  {mask:<6} {label:<12} dq of head 0 against float64: rel {rel(dq[:, :1], ref0):.2e}")
                     if label == "chain":
                         dq_chain = dq
                     else:
@@ -211,7 +238,8 @@ def dry_run():
     for label, mode, kw, causal in jobs():
         try:
             if label.startswith("p-"):
-                ck = product_module(causal, kw).compile_backward_for(deterministic=mode == 0)
+                ck = product_module(causal, kw, MUT if label.endswith("!") else None).compile_backward_for(
+                    deterministic=mode == 0)
             else:
                 ck = gb.compile_for("v1", head_dim=D, gqa=1, causal=causal, dq_mode=mode, **kw)
             r = gb.resources(ck)

@@ -173,9 +173,10 @@ class GluonBackend(KernelBackend):
     # causal, a loss at full and GQA; d64, where it wins, is not selected (docs/hopper.md, "The deterministic
     # backward without a chain").
     # bwd_fixed_fma 1 (ninth session, [Note] FMA rounding): the fixed-point dQ rounded by an FFMA and an IADD instead
-    # of cvt.rni (units 2^8 coarser), 2 by the FFMA alone (the postprocess takes the offsets out); bwd_grid 1: one CTA per tile in the deterministic mode (FA3's grid); bwd_spt 1
-    # (causal): tiles shortest first, dQ turns descending (FA3's deterministic causal; [Note] Launch order); bwd_order
-    # d > 1 (full mask): the wave order with neighbours at most d steps apart (lab ORDER d). All 0: round A (H100,
+    # of cvt.rni (units 2^8 coarser), 2 by the FFMA alone (the postprocess takes the offsets out); bwd_grid 1: one CTA
+    # per tile in the deterministic mode (FA3's grid); bwd_spt 1 (causal): tiles shortest first, dQ turns descending
+    # (FA3's deterministic causal; [Note] Launch order); bwd_order d > 1 (full mask): the wave order with neighbours at
+    # most d steps apart (lab ORDER d). All 0: round A (H100,
     # scripts/gpu_gluon_bwd_order.py, d128 B1 H16 s16k causal / full, TF/s): the chain 452 / 456, bwd_grid 453 (full),
     # bwd_grid + bwd_spt 251 (causal), bwd_order 4 431 (full), bwd_fixed + bwd_fixed_fma 2 498 / 500 (cuDNN 582 / 533),
     # and the FMA units too coarse at s16k (dq 1.1e-2 from the chain's at full).

@@ -80,6 +80,30 @@ def _cvt_rni(x):
     return gl.inline_asm_elementwise("cvt.rni.s32.f32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=True, pack=1)
 
 
+# [Note] FMA rounding (FIXED_FMA 1, DQ_MODE 4). cvt.rni.s32.f32 issues at a fraction of the FMA rate and sits on the
+# step's critical path (eighth session: 8,192 a step per SM, the step 543 -> 611 SASS instructions). For |y| < 2^22,
+# y + 1.5 x 2^23 lies in [2^23, 2^24), where a float32's unit in the last place is 1: the add rounds y to the
+# nearest integer (ties to even, as cvt.rni) and leaves it in the low mantissa bits, so bits(fma(x, qm, 1.5 x 2^23))
+# - bits(1.5 x 2^23) is round(x qm) as an int32 (qm a power of two: x qm is exact, one rounding either way). The
+# preprocess takes qm = 2^(22 - e) instead of 2^(30 - e) (QBITS 22): every partial is below 2^21, 8 bits coarser
+# units (the error bound per partial 2^-22 of the row's bound instead of 2^-30), the same postprocess.
+# FIXED_FMA 2 also leaves out the IADD: the dQ warp adds the raw bits, round(x qm) + 0x4B400000, and int32 adds wrap
+# (two's complement: associative mod 2^32), so the accumulator holds the sum + cnt x 0x4B400000 mod 2^32, cnt the
+# number of adds into the row's query block (the key blocks that visit it: all with the full mask, a prefix of
+# them causal); the postprocess subtracts that (MAGIC_CNT) and has the exact sum, which fits int32.
+_MAGIC = gl.constexpr(12582912.0)  # 1.5 x 2^23 = bits 0x4B400000
+_MAGIC_BITS = gl.constexpr(0x4B400000)
+
+
+@gluon.jit
+def _fma_rni(x, qm, SUB: gl.constexpr = 1):
+    """round(x * qm) as int32 for |x qm| < 2^22 on the FMA pipe ([Note] FMA rounding); SUB 0: + 0x4B400000."""
+    r = gl.fma(x, qm, _MAGIC).to(gl.int32, bitcast=True)
+    if SUB:
+        r = r - _MAGIC_BITS
+    return r
+
+
 @gluon.constexpr_function
 def _bwd_mma(warps_m, warps_n, n):
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps_m, warps_n], instr_shape=[16, n, 16])
@@ -87,7 +111,7 @@ def _bwd_mma(warps_m, warps_n, n):
 
 @gluon.jit(do_not_specialize=["seq_q", "sq_pad"])
 def _bwd_preprocess(O, DO, Lse, Delta, Lse2, seq_q, sq_pad, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                    QMul=None, KVB=None, GQA: gl.constexpr = 1):
+                    QMul=None, KVB=None, GQA: gl.constexpr = 1, QBITS: gl.constexpr = 30):
     """delta = diag(O dO^T) ([Note] Exact delta) and lse2 = lse * log2(e) (+inf where lse = -inf), [B * H, sq_pad];
     rows past seq_q get delta = 0, lse2 = +inf. O and dO contiguous [B, H, Sq, D]. With QMul (DQ_MODE 4, [Note]
     Fixed-point dQ): QMul[row] = 2^(30 - e), 2^e >= 2 max|K| (|dO_row| max_j |V_j| + |delta|), KVB [B * Hkv, 2] =
@@ -123,13 +147,24 @@ def _bwd_preprocess(O, DO, Lse, Delta, Lse2, seq_q, sq_pad, HEAD_DIM: gl.constex
         vb = gl.load(KVB + (head // GQA) * 2 + 1)
         bound = gl.maximum(2.0 * kb * (dn * vb + gl.abs(delta)), 1e-30)
         e = gl.minimum(gl.maximum(gl.ceil(gl.log2(bound)), -96.0), 96.0).to(gl.int32)
-        qm = ((157 - e) << 23).to(gl.float32, bitcast=True)  # 2^(30 - e), exactly
+        qm = ((127 + QBITS - e) << 23).to(gl.float32, bitcast=True)  # 2^(QBITS - e), exactly
         gl.store(QMul + head.to(gl.int64) * sq_pad + rs, qm)
+
+
+@gluon.jit
+def _dq_adds(m0, seq_q, seq_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """The number of dQ adds into query block m0 (of BLOCK_M rows): the key blocks that visit it, all of them with
+    the full mask, causal the prefix whose query range starts at or before m0 ([Note] FMA rounding)."""
+    cnt = (seq_k + BLOCK_N - 1) // BLOCK_N
+    if CAUSAL:
+        cnt = gl.minimum(gl.maximum(m0 + BLOCK_M + seq_k - seq_q + BLOCK_N - 1, 0) // BLOCK_N, cnt)
+    return cnt
 
 
 @gluon.jit(do_not_specialize=["seq_q", "sq_pad"])
 def _dq_convert(DQacc, DQ, scale, seq_q, sq_pad, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                NSPLIT: gl.constexpr = 1, QMul=None):
+                NSPLIT: gl.constexpr = 1, QMul=None, seq_k=0, MAGIC_CNT: gl.constexpr = 0, CAUSAL: gl.constexpr = 0,
+                MAIN_M: gl.constexpr = 64, MAIN_N: gl.constexpr = 128):
     """dQ = scale * dQacc in dQ's dtype (dQacc float32 [NSPLIT x B, H, sq_pad, D], summed over the NSPLIT
     accumulators in order; dQ contiguous [B, H, Sq, D])."""
     m0 = gl.program_id(0) * BLOCK_M
@@ -141,6 +176,8 @@ def _dq_convert(DQacc, DQ, scale, seq_q, sq_pad, HEAD_DIM: gl.constexpr, BLOCK_M
     acc = gl.load(DQacc + offs)
     for sp in gl.static_range(1, NSPLIT):
         acc += gl.load(DQacc + sp * gl.num_programs(1).to(gl.int64) * sq_pad * HEAD_DIM + offs)
+    if MAGIC_CNT:  # [Note] FMA rounding, FIXED_FMA 2: the adds' offsets out, mod 2^32 (rows: one main query block)
+        acc = acc - _dq_adds(m0 // MAIN_M * MAIN_M, seq_q, seq_k, MAIN_M, MAIN_N, CAUSAL) * _MAGIC_BITS
     if QMul is not None:  # [Note] Fixed-point dQ: int32 units of 2^(e - 30), 2^e in [2, 4) x the row's bound
         qm = gl.load(QMul + head.to(gl.int64) * sq_pad + rows)
         dq = acc.to(gl.float32) * (scale / qm)[:, None]
@@ -724,7 +761,8 @@ def _v1_compute(q_smem, do_smem, k_smem, v_smem, ds_smem, l_smem, d_smem, dq_sme
                 WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 STAGES: gl.constexpr, GQA: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr,
                 ORDER: gl.constexpr, NAMED: gl.constexpr, EPI_TMA: gl.constexpr, SNAKE: gl.constexpr,
-                HEADROT: gl.constexpr, SPT: gl.constexpr, HGROUP: gl.constexpr, m_smem, FIXED_MUT: gl.constexpr):
+                HEADROT: gl.constexpr, SPT: gl.constexpr, HGROUP: gl.constexpr, m_smem, FIXED_MUT: gl.constexpr,
+                FIXED_FMA: gl.constexpr = 0):
     """One compute warpgroup: keys n0 + 64 WG .. + 64 of each tile, half WG of dQ_j's head dim."""
     dtype: gl.constexpr = k_smem.dtype
     WN: gl.constexpr = BLOCK_N // 2  # keys of this warpgroup
@@ -801,7 +839,12 @@ def _v1_compute(q_smem, do_smem, k_smem, v_smem, ds_smem, l_smem, d_smem, dq_sme
                 qm = m_smem.index(s).reshape([BLOCK_M]).load(gl.SliceLayout(1, dq_l))
                 if FIXED_MUT:  # mutant: the row scale left out (the units lost)
                     qm = gl.full_like(qm, 1.0)
-                dq = _cvt_rni(dq * qm[:, None])
+                if FIXED_FMA == 3:  # diagnostic (wrong dQ): the int32 adds without any rounding (a bitcast)
+                    dq = dq.to(gl.int32, bitcast=True)
+                elif FIXED_FMA:  # [Note] FMA rounding: units of 2^(e - 22), one FFMA (and one IADD: FIXED_FMA 1)
+                    dq = _fma_rni(dq, qm[:, None], FIXED_FMA == 1)
+                else:
+                    dq = _cvt_rni(dq * qm[:, None])
             if DQ_MODE == 3:  # diagnostic: no handoff; the store never runs but keeps the dQ MMA alive
                 if qk_scale < 0:
                     dq_smem.index(WG).store(dq)
@@ -867,7 +910,8 @@ def _attn_bwd_v1(q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, dq_desc, DK, D
                  DQ_SLOTS: gl.constexpr, ORDER: gl.constexpr = 0, NAMED: gl.constexpr = 0,
                  EPI_TMA: gl.constexpr = 0, SNAKE: gl.constexpr = 0, HEADROT: gl.constexpr = 0,
                  DQ_SPLIT: gl.constexpr = 1, GRID: gl.constexpr = 0, SPT: gl.constexpr = 0,
-                 HGROUP: gl.constexpr = 0, m_desc=None, FIXED_MUT: gl.constexpr = 0):
+                 HGROUP: gl.constexpr = 0, m_desc=None, FIXED_MUT: gl.constexpr = 0,
+                 FIXED_FMA: gl.constexpr = 0):
     gl.static_assert(BLOCK_N == 128)  # two warpgroups of 64 keys
     gl.static_assert((DQ_MODE == 4) == (m_desc is not None))
     gl.static_assert(((SPT == 0) & (HGROUP == 0)) | ((ORDER == 0) & (DQ_SPLIT == 1)))  # [Note] Launch order
@@ -910,11 +954,11 @@ def _attn_bwd_v1(q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, dq_desc, DK, D
         (_v1_compute, (q_smem, do_smem, k_smem, v_smem, ds_smem, l_smem, d_smem, dq_smem, ready, empty, kv_ready, kv_empty,
                       ds_ready, dq_full, dq_empty, DK, DV, qk_scale, scale, num_tiles, num_bh, num_heads_kv, seq_q,
                       seq_k, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GQA, CAUSAL, DQ_MODE, ORDER, NAMED, EPI_TMA,
-                      SNAKE, HEADROT, SPT, HGROUP, m_smem, FIXED_MUT)),
+                      SNAKE, HEADROT, SPT, HGROUP, m_smem, FIXED_MUT, FIXED_FMA)),
         (_v1_compute, (q_smem, do_smem, k_smem, v_smem, ds_smem, l_smem, d_smem, dq_smem, ready, empty, kv_ready, kv_empty,
                       ds_ready, dq_full, dq_empty, DK, DV, qk_scale, scale, num_tiles, num_bh, num_heads_kv, seq_q,
                       seq_k, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GQA, CAUSAL, DQ_MODE, ORDER, NAMED, EPI_TMA,
-                      SNAKE, HEADROT, SPT, HGROUP, m_smem, FIXED_MUT)),
+                      SNAKE, HEADROT, SPT, HGROUP, m_smem, FIXED_MUT, FIXED_FMA)),
         (_v1_producer, (q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, q_smem, do_smem, k_smem, v_smem, l_smem,
                         d_smem, ready, empty, kv_ready, kv_empty, num_tiles, num_bh, num_heads_kv, seq_q, seq_k,
                         HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GQA, CAUSAL, ORDER, SNAKE,
@@ -1001,7 +1045,8 @@ def backward(do, q, k, v, out, lse, scale, causal, variant="v0", dq_mode=0, bloc
                           -1).contiguous()
     _bwd_preprocess[(sq_pad // BWD_BLOCK_M, b * hq)](out, do, lse.contiguous(), delta, lse2, sq, sq_pad,
                                                      HEAD_DIM=d, BLOCK_M=BWD_BLOCK_M, QMul=qmul, KVB=kvb,
-                                                     GQA=hq // hkv, num_warps=4)
+                                                     GQA=hq // hkv, QBITS=22 if constexprs.get("FIXED_FMA") else 30,
+                                                     num_warps=4)
     nsplit = constexprs.get("DQ_SPLIT", V1_DQ_SPLIT) if variant == "v1" else 1
     dq_acc = torch.zeros((nsplit * b, hq, sq_pad, d), dtype=torch.int32 if fixed else torch.float32, device=q.device)
     sem = torch.zeros((nsplit * b, hq, sq_pad // block_m), dtype=torch.int32, device=q.device)
@@ -1020,8 +1065,10 @@ def backward(do, q, k, v, out, lse, scale, causal, variant="v0", dq_mode=0, bloc
         if fixed:
             kw["m_desc"] = _bwd_row_descriptor(qmul, block_m)
         _attn_bwd_v1[grid](*args, **kw)
+    magic = fixed and constexprs.get("FIXED_FMA") == 2  # [Note] FMA rounding: the adds' offsets out
     _dq_convert[(sq_pad // BWD_BLOCK_M, b * hq)](dq_acc, dq, scale, sq, sq_pad, HEAD_DIM=d, BLOCK_M=BWD_BLOCK_M,
-                                                 NSPLIT=nsplit, QMul=qmul, num_warps=4)
+                                                 NSPLIT=nsplit, QMul=qmul, seq_k=sk, MAGIC_CNT=int(magic),
+                                                 CAUSAL=int(causal), MAIN_M=block_m, MAIN_N=BWD_BLOCK_N, num_warps=4)
     return dq, dk, dv
 
 

@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # -- [Note] Wave order, on scalars ----------------------------------------------------------------------------
-_JIT = ("_bwd_query_range", "_bwd_tile", "_v1_order", "_v1_visit", "_v1_turn", "_v1_snake", "_v1_sched")
+_JIT = ("_bwd_query_range", "_bwd_tile", "_v1_order", "_v1_visit", "_v1_turn", "_v1_snake", "_v1_sched", "_dq_adds")
 
 
 @contextlib.contextmanager
@@ -164,3 +164,21 @@ def test_the_snake_balances_the_causal_tiles_over_the_programs():
     mean = sum(len(p) for p in _schedule(*shape, 0)) / 132
     busiest = [max(len(p) for p in _schedule(*shape, 0, snake=s)) / mean for s in (0, 1)]
     assert busiest[0] > 1.1 and busiest[1] < 1.04, busiest
+
+
+@pytest.mark.parametrize("shape", SCHEDULES, ids=lambda s: "B{}H{}g{}_{}x{}_{}".format(*s[:5], "c" if s[5] else "f"))
+@pytest.mark.parametrize("bm", [64, 128])
+def test_the_postprocess_counts_each_query_blocks_adds(shape, bm):
+    """[Note] FMA rounding, FIXED_FMA 2: the postprocess takes _dq_adds(m0) x 0x4B400000 out of each row, so it must
+    be the number of adds the schedule makes into query block m0 of every (batch, query head), rows that see no
+    key (Sq > Sk causal: 0) included."""
+    b, hkv, gqa, sq, sk, causal = shape
+    made = defaultdict(int)
+    for prog in _schedule(*shape, 0, bm=bm):
+        for key, _ in prog:
+            made[key] += 1
+    with _scalar_helpers(132) as k:
+        for off_b in range(b):
+            for h in range(hkv * gqa):
+                for m0 in range(0, -(-sq // bm) * bm, bm):
+                    assert made[(off_b, h, m0)] == k._dq_adds(m0, sq, sk, bm, 128, causal), (off_b, h, m0)

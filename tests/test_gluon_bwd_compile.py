@@ -38,6 +38,8 @@ for key, fields in json.loads(sys.argv[2]).items():
                     complete=sorted(set(re.findall(r"cp\.async\.bulk\.wait_group (\d);", ptx))),
                     named=sorted(set(re.findall(r"\bbar\.(?:sync|arrive) (\d+), (?:160|256);", ptx))),
                     tma_store=ptx.count("cp.async.bulk.tensor.4d.global.shared"), cvt=ptx.count("cvt.rni.s32.f32"),
+                    magic=ptx.count("0f4B400000"), spill_bytes=[res.spill_stores, res.spill_loads],
+                    unmagic=len(re.findall(r"-1262485504\b", ptx)),
                     setmaxnreg=sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
                     steps=[dict(wgmma=s.count("wgmma.mma_async"), bars=re.findall(r"\bbar\.sync\s+\d+,\s*(\d+);", s),
                                 wait=s.count("mbarrier.try_wait"), arrive=s.count("mbarrier.arrive")) for s in steps])
@@ -52,7 +54,14 @@ BUILDS = {"det": dict(mask="causal", gqa=2, dtype="bf16", deterministic=True, va
           "ulevers": dict(mask="causal", dtype="bf16", deterministic=False,
                           variant={"bwd_unordered_levers": {"bwd_named": 2, "bwd_epi_tma": 1}}),
           "fixed": dict(mask="causal", gqa=2, dtype="bf16", deterministic=True, variant={"bwd_fixed": 1}),
-          "fixed_full": dict(mask="none", dtype="bf16", deterministic=True, variant={"bwd_fixed": 1})}
+          "fixed_full": dict(mask="none", dtype="bf16", deterministic=True, variant={"bwd_fixed": 1}),
+          # ninth session: [Note] FMA rounding; [Note] Launch order (the deterministic kernel's tiles and turns)
+          "fixed_fma": dict(mask="causal", gqa=2, dtype="bf16", deterministic=True,
+                            variant={"bwd_fixed": 1, "bwd_fixed_fma": 1}),
+          "fixed_fma2": dict(mask="none", dtype="bf16", deterministic=True,
+                             variant={"bwd_fixed": 1, "bwd_fixed_fma": 2}),
+          "spt": dict(mask="causal", gqa=2, dtype="bf16", deterministic=True,
+                      variant={"bwd_fixed": 0, "bwd_spt": 1, "bwd_grid": 1})}
 
 
 @pytest.fixture(scope="module")
@@ -113,3 +122,24 @@ def test_the_fixed_point_dq_rounds_to_int32_and_waits_for_no_turn(built):
         assert len(r["steps"]) == 2 and all(s["wgmma"] == 32 for s in r["steps"]), r["steps"]
     assert built["fixed"]["named"] == built["ulevers"]["named"] and built["fixed_full"]["named"] == []
     assert built["det"]["cvt"] == built["unordered"]["cvt"] == 0
+
+
+def test_the_fma_rounding_replaces_cvt_and_keeps_the_fixed_point_schedule(built):
+    """[Note] FMA rounding (variant bwd_fixed_fma): each dQ element is rounded by fma(x, qmul, 1.5 x 2^23) (the
+    constant 0f4B400000 in the PTX, 32 a thread per step in each compute warpgroup) and no cvt.rni; the adds still
+    wait for no turn; the step keeps its 32 wgmma."""
+    r = built["fixed_fma"]
+    assert r["cvt"] == 0 and r["magic"] >= 64, r
+    assert built["fixed"]["magic"] == 0, built["fixed"]
+    # bwd_fixed_fma 2: the raw bits, no IADD of -0x4B400000 in the main kernel (the postprocess has it)
+    assert r["unmagic"] >= 64 and built["fixed_fma2"]["unmagic"] == 0 and built["fixed_fma2"]["magic"] >= 64, built
+    assert r["reduce"] == 4 and r["acquire"] == r["release"] == 0 and r["complete"] == [], r
+    assert len(r["steps"]) == 2 and all(s["wgmma"] == 32 for s in r["steps"]), r["steps"]
+
+
+def test_the_launch_order_keeps_the_fixed_order_dq(built):
+    """[Note] Launch order (bwd_spt, bwd_grid): the deterministic mode still waits for its turn and publishes once
+    complete; only the tiles' order and the turns' direction change (tests/test_gluon_bwd_order.py)."""
+    r, det = built["spt"], built["det"]
+    assert r["acquire"] >= 1 and r["release"] >= 1 and r["complete"] == ["0", "2"], r
+    assert r["reduce"] == det["reduce"] and len(r["steps"]) == 2, r

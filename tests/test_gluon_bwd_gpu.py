@@ -69,11 +69,13 @@ def test_the_deterministic_mode_is_bitwise_repeatable(any_size, mask, hq, hkv):
     assert all(torch.equal(a, b) for r in runs[1:] for a, b in zip(r, runs[0]))
 
 
-@pytest.mark.parametrize("mutant,fixed", [("gluon-bwd-dq-one-half", 0), ("gluon-bwd-fixed-no-scale", 1)])
+@pytest.mark.parametrize("mutant,fixed", [("gluon-bwd-dq-one-half", 0), ("gluon-bwd-fixed-no-scale", 1),
+                                          ("gluon-bwd-fixed-fma-no-scale", 1)])
 def test_the_dq_mutant_is_caught(mutant, fixed, monkeypatch):
     from fagen import backends
     from fagen.codegen import render
     monkeypatch.setitem(backends.GLUON.variant, "bwd_fixed", fixed)  # [Note] Fixed-point dQ
+    monkeypatch.setitem(backends.GLUON.variant, "bwd_fixed_fma", int("fma" in mutant))  # [Note] FMA rounding
     render.render.cache_clear()
     spec = KernelSpec(backend="gluon", direction="bwd", head_dim=128, dtype="bf16", mask="causal")
     broken = engine.mutant_module(spec, mutant)

@@ -90,7 +90,8 @@ class GluonBackend(KernelBackend):
     variant = {"consumer_regs": 240, "loader_regs": 24, "tile_schedule_all": False, "causal_order": 3,
                "fp8_p_cvt": 2,
                "bwd_order": 0, "bwd_snake": 0, "bwd_named": 0, "bwd_epi_tma": 0, "bwd_fixed": 0, "bwd_window_desc": 0,
-               "bwd_unordered_levers": {"bwd_named": 2, "bwd_epi_tma": 1, "bwd_snake": 1}}
+               "bwd_unordered_levers": {"bwd_named": 2, "bwd_epi_tma": 1, "bwd_snake": 1},
+               "bwd_fixed_fma": 0, "bwd_grid": 0, "bwd_spt": 0}
 
     # [Note] Gluon tile order. The persistent forward deals its tiles in an order ([Note] Tile schedule in the
     # template): causal query blocks differ in work, so the order decides how evenly the programs finish. H100,
@@ -171,6 +172,15 @@ class GluonBackend(KernelBackend):
     # B4 s4k 372 / 274 / 362 / 461, d64 causal B1 H32 s16k 317 / 390 / 430 / 438 (Triton 359). So 0: a tie at d128
     # causal, a loss at full and GQA; d64, where it wins, is not selected (docs/hopper.md, "The deterministic
     # backward without a chain").
+    # bwd_fixed_fma 1 (ninth session, [Note] FMA rounding): the fixed-point dQ rounded by an FFMA and an IADD instead
+    # of cvt.rni (units 2^8 coarser), 2 by the FFMA alone (the postprocess takes the offsets out); bwd_grid 1: one CTA
+    # per tile in the deterministic mode (FA3's grid); bwd_spt 1 (causal): tiles shortest first, dQ turns descending
+    # (FA3's deterministic causal; [Note] Launch order); bwd_order d > 1 (full mask): the wave order with neighbours at
+    # most d steps apart (lab ORDER d). All 0: round A (H100,
+    # scripts/gpu_gluon_bwd_order.py, d128 B1 H16 s16k causal / full, TF/s): the chain 452 / 456, bwd_grid 453 (full),
+    # bwd_grid + bwd_spt 251 (causal), bwd_order 4 431 (full), bwd_fixed + bwd_fixed_fma 2 498 / 500 (cuDNN 582 / 533),
+    # and the FMA units too coarse at s16k (dq 1.1e-2 from the chain's at full).
+    # Measured in docs/hopper.md, "The deterministic backward's launch order (ninth session)".
 
     # [Note] Gluon MLA decode. fagen/templates/gluon/mla_decode.py.j2: MLA's absorbed decode (shared_kv, head_dim
     # 576 with head_dim_v 512) as FlashMLA's seesaw (two warpgroups of 64 packed query rows, a loader warp, 64-key
@@ -296,6 +306,9 @@ class GluonBackend(KernelBackend):
         if spec.window and any(levers):
             raise SpecError("window", True, "the gluon backward's wave order (variant bwd_order) has no window; "
                                             "set bwd_order 0, or use backend 'triton'")
+        if self.variant["bwd_spt"] and self.variant["bwd_order"] and spec.mask is Mask.CAUSAL and not spec.window:
+            raise SpecError("mask", "causal", "the gluon backward's launch order (variant bwd_spt) and wave order "
+                                              "(bwd_order) both set the dQ turns; set one of them to 0")
 
     def bwd_selected(self, spec) -> bool:
         """Whether the measured rule ([Note] Gluon backward rule) picks the gluon backward (its deterministic mode)

@@ -161,4 +161,8 @@ GLUON_MUTANTS = (
     Mutant("gluon-bwd-fixed-no-scale", "the compute warpgroups round dQ to int32 without the row's scale (qmul)",
            (Mask.NONE, Mask.CAUSAL), "dq = _cvt_rni(dq * qm[:, None])", "dq = _cvt_rni(dq)",
            directions=(Direction.BWD,)),
+    # [Note] FMA rounding (variant bwd_fixed_fma, ninth session): in renders with it only
+    Mutant("gluon-bwd-fixed-fma-no-scale", "the FMA rounding of the fixed-point dQ leaves out the row's scale (qmul)",
+           (Mask.NONE, Mask.CAUSAL), "dq = _fma_rni(dq, qm[:, None])", "dq = _fma_rni(dq, 1.0)",
+           directions=(Direction.BWD,)),
 )

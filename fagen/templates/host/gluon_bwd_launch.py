@@ -14,7 +14,7 @@ from fagen.templates.host.gluon_launch import _GL_DTYPE, _gluon
 from fagen.templates.host.launch import _raw_stream
 
 BWD_BLOCK_M = BWD_BLOCK_N = HEAD_DIM = GQA = CAUSAL = BWD_RING_SLOTS = BWD_WARPS = 0
-BWD_COMPUTE_REGS = BWD_PRODUCER_REGS = BWD_WRITER_REGS = 0
+BWD_COMPUTE_REGS = BWD_PRODUCER_REGS = BWD_WRITER_REGS = BWD_DET_GRID = 0
 _NUM_SMS, _BWD_KERNELS = {}, {}
 _bwd_preprocess = _dq_convert = _run_backward = _descriptor = None
 # -- fagen: included verbatim below this line --
@@ -103,8 +103,9 @@ def _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode):
     kernel, epi_tma = _fast_bwd_kernels[dq_mode]
     if epi_tma:  # dK, dV leave by TMA stores of one warpgroup's 64 rows
         dk, dv = _descriptor(dk, BWD_BLOCK_N // 2), _descriptor(dv, BWD_BLOCK_N // 2)
-    # One program per SM at most: every program is resident, which the fixed-order dQ needs.
-    kernel[(min(num_tiles, _NUM_SMS[dev]), )](
+    # One program per SM at most: every program is resident, which the fixed-order dQ needs (BWD_DET_GRID: one per
+    # tile, [Note] Launch order in gluon/backward.py.j2).
+    kernel[(num_tiles if BWD_DET_GRID and dq_mode == 0 else min(num_tiles, _NUM_SMS[dev]), )](
         _descriptor(q, BWD_BLOCK_M), _descriptor(do, BWD_BLOCK_M), _descriptor(k, BWD_BLOCK_N),
         _descriptor(v, BWD_BLOCK_N), (lse2, (1, BWD_BLOCK_M)), (delta, (1, BWD_BLOCK_M)),
         (dq_acc, (1, 1, BWD_BLOCK_M, HEAD_DIM // 2)), dk, dv, sem, scale * 1.4426950408889634, scale,

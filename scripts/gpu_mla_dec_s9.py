@@ -1,0 +1,266 @@
+"""MLA absorbed decode at the memory-bound shapes (issue 27: Hq 16, Sq 1, page 64, KV 4k-32k, batch 32-128; >= 90%
+of copy bandwidth for the bf16 latent cache, >= 95% counted in the bytes read for the fp8 one), ninth session.
+
+    PYTHONPATH=$PWD python3 scripts/gpu_mla_dec_s9.py        # under ~70 s on an H100; one table; $OUT/gpu_mla_dec_s9.md
+    GPU_MLA_DEC_S9_DRY=1 PYTHONPATH=$PWD python3 scripts/gpu_mla_dec_s9.py   # CPU: interpreter, tiny shapes
+
+Variants (VARIANTS): the product's Triton decode (m16n32w4s3, the split rule), Triton tiles and split counts, and
+the Gluon decode with its 64-row tile padded from Hq 16's 16 rows ([Note] Padded row tiles in
+fagen/templates/gluon/mla_decode.py.j2); bf16 and fp8 e4m3 latent caches (one scale a token, or one a tensor).
+Phases, each a child process with a timeout (scripts/_phases.py); the check phases run at once (they compile):
+1. check-*: each variant against float64 (on the dequantized cache for fp8) at Hq 16 Sq 1, page 64, lengths
+   1000/77/513 (not multiples of 64), pages shuffled, the split rule and one split and three.
+2. time: a device copy (read + write), then each variant at b32/b128 x kv4096/kv32768: GB/s of the bytes read (the
+   cache once, its per-token scales, q and out) as % of the copy, back to back on two copies of the inputs (the
+   value: a decode loop, no L2 flush) and under do_bench (the note: its 256 MB L2 flush costs ~17 us a call,
+   docs/serving.md "128-key tiles, V converted once, and what do_bench costs").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/, for _phases
+from _phases import child_env, run_phase as run_child  # noqa: E402
+
+DRY = os.environ.get("GPU_MLA_DEC_S9_DRY") == "1"
+if DRY:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+D, DV, PAGE = (48, 32, 16) if DRY else (576, 512, 64)
+T = lambda n, w, s, m=16: dict(block_m=m, block_n=n, num_warps=w, num_stages=s)  # noqa: E731
+PPS = lambda p: [("PROGRAMS_PER_SM = 2", f"PROGRAMS_PER_SM = {p}")]  # noqa: E731 - the split rule's slots
+# name -> (kv_dtype, scale form, backend, spec tiles, text replacements on the render)
+VARIANTS = {
+    "bf16 triton": (None, None, "triton", {}, []),
+    "bf16 triton pps4": (None, None, "triton", {}, PPS(4)),
+    "bf16 triton n64w8s3": (None, None, "triton", T(64, 8, 3), []),
+    "bf16 gluon pad64": (None, None, "gluon", {}, []),
+    "e4m3/token triton": ("fp8_e4m3", "token", "triton", {}, []),
+    "e4m3/tensor triton": ("fp8_e4m3", "tensor", "triton", {}, []),
+    "e4m3/token triton pps4": ("fp8_e4m3", "token", "triton", {}, PPS(4)),
+    "e4m3/token triton n64w8s2": ("fp8_e4m3", "token", "triton", T(64, 8, 2), []),
+    "e4m3/token triton n32w8s3": ("fp8_e4m3", "token", "triton", T(32, 8, 3), []),
+}
+CHECK_GROUPS = {"check-bf16a": ["bf16 triton", "bf16 triton pps4"], "check-bf16b": ["bf16 triton n64w8s3"],
+                "check-glu": ["bf16 gluon pad64"], "check-fp8a": ["e4m3/token triton", "e4m3/token triton pps4"],
+                "check-fp8b": ["e4m3/tensor triton"], "check-fp8c": ["e4m3/token triton n64w8s2"],
+                "check-fp8d": ["e4m3/token triton n32w8s3"]}  # one child each, at once (the builds)
+SHAPES = ((32, 4096), (128, 4096), (32, 32768), (128, 32768)) if not DRY else ((2, 96), (3, 64))
+CHECK_LENS = [1000, 77, 513] if not DRY else [200, 7, 53]  # within 16 pages: the timed shapes' integer classes
+LIMITS = dict(check=30, time=38) if not DRY else dict(check=900, time=900)
+if DRY:  # the interpreter: tiny tiles; the gluon kernel has no interpreter (its sm_90 build is in the tests)
+    VARIANTS = {k: (kv, f, be, {"block_n": 16}, tx) for k, (kv, f, be, _, tx) in VARIANTS.items() if be == "triton"}
+    CHECK_GROUPS = {g: [v for v in vs if v in VARIANTS] for g, vs in CHECK_GROUPS.items()}
+SCALE = 192 ** -0.5
+T0 = time.time()
+
+
+def emit(section, case, impl, value, ms, note):
+    print("ROW " + json.dumps([section, case, impl, value, "" if ms is None else f"{ms:.4f}", note]), flush=True)
+
+
+def phase(name):  # noqa: C901 - one phase in this process
+    import torch
+
+    import fagen
+    from fagen.runtime.loader import load_source
+    from fagen.verify import reference
+    from fagen.verify.tolerances import LSE_TOLERANCE, TOLERANCE, compare
+
+    dev = "cpu" if DRY else "cuda"
+    mods = {}
+
+    def module(variant, mask):
+        kv, _, backend, tiles, text = VARIANTS[variant]
+        key = (variant, mask)
+        if key not in mods:
+            spec = fagen.KernelSpec(head_dim=D, head_dim_v=DV, shared_kv=True, kind="decode", gqa=16, dtype="bf16",
+                                    mask=mask, layout="paged", backend=backend, **({"kv_dtype": kv} if kv else {}),
+                                    **tiles)
+            if not text:
+                mods[key] = fagen.load(spec)
+            else:
+                src = fagen.generate(spec)
+                for old, new in text:
+                    if old not in src:
+                        raise RuntimeError(f"{old!r} not in the render")
+                    src = src.replace(old, new)
+                mods[key] = load_source(src, f"{spec.name}_{abs(hash(tuple(text))) % 10**8}")
+        return mods[key]
+
+    def inputs(variant, b, n_max, lens, seed, shuffle=True):
+        kv, form = VARIANTS[variant][:2]
+        gen = torch.Generator(device=dev).manual_seed(seed)
+        pages = b * -(-n_max // PAGE)
+        q = torch.randn(b, 16, 1, D, device=dev, generator=gen).bfloat16()
+        cache = torch.randn(pages, PAGE, 1, D, device=dev, generator=gen)
+        cache = cache.to(torch.float8_e4m3fn) if kv else cache.bfloat16()
+        perm = torch.randperm(pages, device=dev, generator=gen) if shuffle else torch.arange(pages, device=dev)
+        table = perm.to(torch.int32).view(b, -1)
+        kw = {}
+        if form == "token":
+            kw["k_scale"] = torch.exp2(torch.rand(cache.shape[:-1], device=dev, generator=gen) * 6 - 3)
+        elif form == "tensor":
+            kw["k_scale"] = 0.7
+        return q, cache, table, torch.tensor(lens, dtype=torch.int32, device=dev), kw
+
+    if name.startswith("check"):
+        for variant in CHECK_GROUPS[name]:
+            for form in ("rule", "s1", "s3"):
+                case = "h16 sq1 page%d lens %s %s" % (PAGE, "/".join(map(str, CHECK_LENS)), form)
+                try:
+                    t = time.time()
+                    m = module(variant, "causal")
+                    q, cache, table, lens, kw = inputs(variant, len(CHECK_LENS), 16 * PAGE,
+                                                       CHECK_LENS, 3)
+                    call = dict(block_table=table, seqlens_k=lens, scale=SCALE, **kw)
+                    if form == "rule":
+                        out, lse = m.forward(q, cache, None, **call)
+                    else:
+                        out, lse = m.forward_split(q, cache, None, num_splits=int(form[1:]), **call)
+                    keys_all = reference.dequantize(cache, kw.get("k_scale"))
+                    worst = 0.0
+                    for i, n in enumerate(CHECK_LENS):
+                        keys = keys_all[table[i].long()].reshape(-1, 1, D)[:n].transpose(0, 1)[None]
+                        qi = q[i:i + 1].double()
+                        want, wlse = reference.attention(qi, keys, None, head_dim_v=DV, mask="causal", scale=SCALE)
+                        terms, _ = reference.attention(qi, keys, keys[..., :DV].abs(), mask="causal", scale=SCALE)
+                        unit = terms.clamp(min=1.0)
+                        worst = max(worst, compare(f"out {i}", out[i:i + 1].double() / unit, want / unit,
+                                                   **TOLERANCE["bf16"]))
+                        compare(f"lse {i}", lse[i:i + 1].double(), wlse, **LSE_TOLERANCE)
+                    emit("check", case, variant, "ok", None, f"err {worst:.1e}; {time.time() - t:.1f} s")
+                except Exception as e:  # noqa: BLE001 - a failure is a row
+                    import traceback
+                    traceback.print_exc(file=sys.stdout)
+                    emit("check", case, variant, "FAIL", None, f"ERROR {type(e).__name__}: "
+                         f"{(str(e).splitlines() or [''])[0][:150]}")
+        return
+
+    from triton.testing import do_bench
+
+    def bench(fn):
+        if DRY:
+            t = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t) * 1e3
+        return do_bench(fn, warmup=5, rep=20)
+
+    def loop(fns, total_ms=20.0):
+        """ms a call, back to back with no L2 flush, alternating between fns on their own copies of the inputs."""
+        if DRY:
+            return bench(fns[0])
+        for f in fns:
+            f()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fns[0]()
+        torch.cuda.synchronize()
+        n = max(8, min(300, int(total_ms / max((time.perf_counter() - t) * 1e3, 1e-3))))
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(n):
+            fns[i % len(fns)]()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / n
+
+    x = torch.empty(1 << (20 if DRY else 30), dtype=torch.uint8, device=dev)
+    y = torch.empty_like(x)
+    peak = (2 * x.numel() / bench(lambda: y.copy_(x)) / 1e6, 2 * x.numel() / loop([lambda: y.copy_(x)]) / 1e6)
+    del x, y
+    emit("time", "device copy (read + write)", "torch copy_", f"{peak[1]:.0f} GB/s", None,
+         f"back to back; do_bench {peak[0]:.0f} GB/s")
+    skip = set(json.loads(os.environ.get("GPU_MLA_DEC_S9_FAILED", "[]")))
+    for b, n in SHAPES:
+        case = f"h16 sq1 page{PAGE} b{b} kv{n}"
+        ref_out = {}
+        for variant in VARIANTS:
+            if variant in skip:
+                emit("time", case, variant, "-", None, "not timed: its check failed")
+                continue
+            try:
+                kv, form = VARIANTS[variant][:2]
+                q, cache, table, lens, kw = inputs(variant, b, n, [n] * b, 5)
+                m = module(variant, "causal")  # Sq 1: the same keys as "none", and the kernels the checks built
+                cache2 = cache.clone()
+                c1 = lambda: m.forward(q, cache, None, block_table=table, seqlens_k=lens, scale=SCALE, **kw)  # noqa
+                c2 = lambda: m.forward(q, cache2, None, block_table=table, seqlens_k=lens, scale=SCALE, **kw)  # noqa
+                out = c1()[0]
+                dkey = (kv, form)
+                diff = "" if dkey not in ref_out else \
+                    f"; max |diff| to {ref_out[dkey][0]} {(out.float() - ref_out[dkey][1]).abs().max().item():.1e}"
+                ref_out.setdefault(dkey, (variant, out.float()))
+                read = b * n * D * cache.element_size() + (b * n * 4 if form == "token" else 0) \
+                    + q.numel() * 2 * (1 + DV / D)
+                ms_loop, ms = loop([c1, c2]), bench(c1)
+                emit("time", case, variant, f"{100 * read / ms_loop / 1e6 / peak[1]:.1f}%", ms_loop,
+                     f"{read / ms_loop / 1e6:.0f} GB/s back to back; do_bench {ms:.4f} ms "
+                     f"{100 * read / ms / 1e6 / peak[0]:.1f}%{diff}")
+                del q, cache, cache2, table, lens, kw, c1, c2
+            except Exception as e:  # noqa: BLE001
+                import traceback
+                traceback.print_exc(file=sys.stdout)
+                emit("time", case, variant, "-", None, f"ERROR {type(e).__name__}: "
+                     f"{(str(e).splitlines() or [''])[0][:150]}")
+        del ref_out
+        if not DRY:
+            torch.cuda.empty_cache()
+
+
+def main():
+    if len(sys.argv) > 2 and sys.argv[1] == "--phase":
+        phase(sys.argv[2])
+        return
+    env = child_env("/tmp/fagen-cache-gpu-mla-dec-s9", ROOT)
+    if "TRITON_INTERPRET" in os.environ:
+        env["TRITON_INTERPRET"] = os.environ["TRITON_INTERPRET"]
+    rows, logs, rcs = [], [], {}
+    lock = threading.Lock()
+
+    def on_line(line):
+        with lock:
+            logs.append(line)
+            if line.startswith("ROW "):
+                rows.append(json.loads(line[4:]))
+                print(" | ".join(rows[-1]), flush=True)
+            else:
+                print(line, end="", flush=True)
+
+    def run(name, limit):
+        print(f"[{time.time() - T0:6.1f}s] #### phase {name} (timeout {limit}s)", flush=True)
+        rc, _ = run_child(os.path.abspath(__file__), name, limit, env, on_line)
+        rcs[name] = rc
+        print(f"[{time.time() - T0:6.1f}s] #### phase {name}: rc={rc}", flush=True)
+
+    threads = [threading.Thread(target=run, args=(g, LIMITS["check"])) for g in CHECK_GROUPS if CHECK_GROUPS[g]]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    failed = sorted({r[2] for r in rows if r[0] == "check" and r[3] != "ok"}
+                    | {v for g, vs in CHECK_GROUPS.items() if rcs.get(g) not in (0, None) for v in vs
+                       if not any(r[0] == "check" and r[2] == v for r in rows)})
+    env["GPU_MLA_DEC_S9_FAILED"] = json.dumps(failed)
+    run("time", LIMITS["time"])
+    for n, rc in rcs.items():
+        if rc != 0:
+            rows.append([n, "(phase)", "-", "-", "", f"ERROR rc={rc}"])
+    text = "\n".join(["| section | case | impl | value | ms | note |", "|---|---|---|---|---|---|"]
+                     + ["| " + " | ".join(r) + " |" for r in rows])
+    print("\n" + text, flush=True)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "gpu_mla_dec_s9.md"), "w") as f:
+            f.write(text + "\n\n" + "".join(logs))
+    bad = [r for r in rows if "ERROR" in r[5] or r[3] == "FAIL"]
+    print(f"done in {time.time() - T0:.0f} s; {len(bad)} failures", flush=True)
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -6,10 +6,12 @@ of copy bandwidth for the bf16 latent cache, >= 95% counted in the bytes read fo
 
 Variants (VARIANTS): the product's Triton decode (m16n32w4s3, the split rule), Triton tiles and split counts, and
 the Gluon decode with its 64-row tile padded from Hq 16's 16 rows ([Note] Padded row tiles in
-fagen/templates/gluon/mla_decode.py.j2); bf16 and fp8 e4m3 latent caches (one scale a token, or one a tensor).
+fagen/templates/gluon/mla_decode.py.j2); bf16 and fp8 e4m3 latent caches (one scale a token, or one a tensor);
+the lab's fp8 kernel (lab/gluon_mla_decode_fp8.py, [Note] Lab fp8 swap-AB).
 Phases, each a child process with a timeout (scripts/_phases.py); the check phases run at once (they compile):
 1. check-*: each variant against float64 (on the dequantized cache for fp8) at Hq 16 Sq 1, page 64, lengths
-   1000/77/513 (not multiples of 64), pages shuffled, the split rule and one split and three.
+   1000/77/513 (not multiples of 64; NaN past them, in the keys and their per-token scales), pages shuffled, the
+   split rule and one split and three.
 2. time: a device copy (read + write), then each variant at b32/b128 x kv4096/kv32768: GB/s of the bytes read (the
    cache once, its per-token scales, q and out) as % of the copy, back to back on two copies of the inputs (the
    value: a decode loop, no L2 flush) and under do_bench (the note: its 256 MB L2 flush costs ~17 us a call,
@@ -45,16 +47,20 @@ VARIANTS = {
     "e4m3/token triton pps4": ("fp8_e4m3", "token", "triton", {}, PPS(4)),
     "e4m3/token triton n64w8s2": ("fp8_e4m3", "token", "triton", T(64, 8, 2), []),
     "e4m3/token triton n32w8s3": ("fp8_e4m3", "token", "triton", T(32, 8, 3), []),
+    "e4m3/token lab swap-AB": ("fp8_e4m3", "token", "lab", {}, []),  # lab/gluon_mla_decode_fp8.py
+    "e4m3/tensor lab swap-AB": ("fp8_e4m3", "tensor", "lab", {}, []),
 }
 CHECK_GROUPS = {"check-bf16a": ["bf16 triton", "bf16 triton pps4"], "check-bf16b": ["bf16 triton n64w8s3"],
                 "check-glu": ["bf16 gluon pad64"], "check-fp8a": ["e4m3/token triton", "e4m3/token triton pps4"],
                 "check-fp8b": ["e4m3/tensor triton"], "check-fp8c": ["e4m3/token triton n64w8s2"],
-                "check-fp8d": ["e4m3/token triton n32w8s3"]}  # one child each, at once (the builds)
+                "check-fp8d": ["e4m3/token triton n32w8s3"],
+                "check-lab": ["e4m3/token lab swap-AB", "e4m3/tensor lab swap-AB"]}  # one child each, at once
 SHAPES = ((32, 4096), (128, 4096), (32, 32768), (128, 32768)) if not DRY else ((2, 96), (3, 64))
 CHECK_LENS = [1000, 77, 513] if not DRY else [200, 7, 53]  # within 16 pages: the timed shapes' integer classes
 LIMITS = dict(check=30, time=38) if not DRY else dict(check=900, time=900)
 if DRY:  # the interpreter: tiny tiles; the gluon kernel has no interpreter (its sm_90 build is in the tests)
-    VARIANTS = {k: (kv, f, be, {"block_n": 16}, tx) for k, (kv, f, be, _, tx) in VARIANTS.items() if be == "triton"}
+    VARIANTS = {k: (kv, f, be, {"block_n": 16}, tx) for k, (kv, f, be, _, tx) in VARIANTS.items()
+                if be == "triton"}  # the gluon and lab kernels: sm_90 builds in the tests
     CHECK_GROUPS = {g: [v for v in vs if v in VARIANTS] for g, vs in CHECK_GROUPS.items()}
 SCALE = 192 ** -0.5
 T0 = time.time()
@@ -78,6 +84,10 @@ def phase(name):  # noqa: C901 - one phase in this process
     def module(variant, mask):
         kv, _, backend, tiles, text = VARIANTS[variant]
         key = (variant, mask)
+        if key not in mods and backend == "lab":
+            sys.path.insert(0, ROOT)
+            from lab.gluon_mla_decode_fp8 import Module
+            mods[key] = Module(causal=mask == "causal")
         if key not in mods:
             spec = fagen.KernelSpec(head_dim=D, head_dim_v=DV, shared_kv=True, kind="decode", gqa=16, dtype="bf16",
                                     mask=mask, layout="paged", backend=backend, **({"kv_dtype": kv} if kv else {}),
@@ -93,7 +103,7 @@ def phase(name):  # noqa: C901 - one phase in this process
                 mods[key] = load_source(src, f"{spec.name}_{abs(hash(tuple(text))) % 10**8}")
         return mods[key]
 
-    def inputs(variant, b, n_max, lens, seed, shuffle=True):
+    def inputs(variant, b, n_max, lens, seed, shuffle=True, tails=False):
         kv, form = VARIANTS[variant][:2]
         gen = torch.Generator(device=dev).manual_seed(seed)
         pages = b * -(-n_max // PAGE)
@@ -107,6 +117,17 @@ def phase(name):  # noqa: C901 - one phase in this process
             kw["k_scale"] = torch.exp2(torch.rand(cache.shape[:-1], device=dev, generator=gen) * 6 - 3)
         elif form == "tensor":
             kw["k_scale"] = 0.7
+        if tails:  # keys past each length hold NaN (fp8: the byte 0x7f), their per-token scales too
+            for i, n in enumerate(lens):
+                for p in range(table.shape[1]):
+                    if n - p * PAGE < PAGE:
+                        pg, lo = int(table[i, p]), max(0, n - p * PAGE)
+                        if kv:
+                            cache.view(torch.uint8)[pg, lo:] = 0x7F
+                        else:
+                            cache[pg, lo:] = float("nan")
+                        if form == "token":
+                            kw["k_scale"][pg, lo:] = float("nan")
         return q, cache, table, torch.tensor(lens, dtype=torch.int32, device=dev), kw
 
     if name.startswith("check"):
@@ -117,13 +138,13 @@ def phase(name):  # noqa: C901 - one phase in this process
                     t = time.time()
                     m = module(variant, "causal")
                     q, cache, table, lens, kw = inputs(variant, len(CHECK_LENS), 16 * PAGE,
-                                                       CHECK_LENS, 3)
+                                                       CHECK_LENS, 3, tails=True)
                     call = dict(block_table=table, seqlens_k=lens, scale=SCALE, **kw)
                     if form == "rule":
                         out, lse = m.forward(q, cache, None, **call)
                     else:
                         out, lse = m.forward_split(q, cache, None, num_splits=int(form[1:]), **call)
-                    keys_all = reference.dequantize(cache, kw.get("k_scale"))
+                    keys_all = reference.dequantize(cache, kw.get("k_scale"))  # NaN past the lengths: unread
                     worst = 0.0
                     for i, n in enumerate(CHECK_LENS):
                         keys = keys_all[table[i].long()].reshape(-1, 1, D)[:n].transpose(0, 1)[None]

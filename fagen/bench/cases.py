@@ -9,7 +9,8 @@ from typing import Any, Callable
 
 import torch
 
-from fagen.bench.workloads import BenchCase, InputSet, make_inputs, set_bytes
+from fagen.bench.inputs import InputSet, make_inputs, set_bytes
+from fagen.bench.workloads import BenchCase
 from fagen.spec.axes import Direction, Mask
 from fagen.bench import IMPLS  # noqa: F401 (re-exported for impls.py and report.py)
 from fagen.verify import reference

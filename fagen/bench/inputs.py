@@ -18,7 +18,7 @@ class InputSet:
 
     q: torch.Tensor
     k: torch.Tensor
-    v: torch.Tensor
+    v: torch.Tensor | None  # None: a shared latent cache (case.shared_kv), V the first head_dim_v columns of k
     kwargs: dict  # seqlens_q, seqlens_k, tree_mask (bool ancestor-or-self [B, Sq, Sq]) as the mask needs
     dout: torch.Tensor | None = None  # incoming gradient for backward cases
     scores: dict = dataclasses.field(default_factory=dict)  # window, softcap, alibi_slopes [Hq], sinks [Hq]
@@ -60,7 +60,7 @@ def make_inputs(case: BenchCase, device: torch.device, seed: int) -> InputSet:
 
     q = normal(case.batch, case.heads_q, case.seq_q, case.head_dim, scale=Q_MAGNITUDE)
     k = normal(case.batch, case.heads_kv, case.seq_k, case.head_dim)
-    v = normal(case.batch, case.heads_kv, case.seq_k, case.head_dim_v)
+    v = None if case.shared_kv else normal(case.batch, case.heads_kv, case.seq_k, case.head_dim_v)
     kwargs: dict = {}
     if case.mask.padded:
         kwargs["seqlens_q"] = torch.tensor(case.seqlens_q, dtype=torch.int32, device=device)
@@ -71,9 +71,9 @@ def make_inputs(case: BenchCase, device: torch.device, seed: int) -> InputSet:
     scores = score_inputs(case, device, seed)
     if case.kv_dtype is not None or case.dtype is DType.FP8_E4M3:  # fp8 k, v (a cache, or the fp8 forward's
         kv_dtype = getattr(torch, tables.TORCH_KV_DTYPE[KVDType(case.kv_dtype or "fp8_e4m3")])  # k_descale, v_descale)
-        k, v = k.to(kv_dtype), v.to(kv_dtype)  # with per-KV-head scales: what k, v mean is their product
-        scales = torch.Generator(device="cpu").manual_seed(seed + 8)
-        for name in ("k_scale", "v_scale"):
+        k, v = k.to(kv_dtype), None if v is None else v.to(kv_dtype)  # with per-KV-head scales: what k, v mean
+        scales = torch.Generator(device="cpu").manual_seed(seed + 8)  # is their product
+        for name in ("k_scale", ) if case.shared_kv else ("k_scale", "v_scale"):
             scores[name] = (0.5 + torch.rand(case.heads_kv, generator=scales)).to(device)
     if case.batch_invariant is not None:  # decode rows that ask: True, or False for the split rule
         scores["batch_invariant"] = case.batch_invariant
@@ -83,4 +83,4 @@ def make_inputs(case: BenchCase, device: torch.device, seed: int) -> InputSet:
 def set_bytes(case: BenchCase) -> int:
     rows_q, rows_kv = case.batch * case.heads_q * case.seq_q, case.batch * case.heads_kv * case.seq_k
     per_q = rows_q * (case.head_dim + case.head_dim_v * (2 if case.direction is Direction.BWD else 1))  # q, out, dO
-    return (per_q + rows_kv * (case.head_dim + case.head_dim_v)) * case.dtype.itemsize
+    return (per_q + rows_kv * (case.head_dim + case.head_dim_v * (not case.shared_kv))) * case.dtype.itemsize

@@ -53,6 +53,9 @@ class BenchCase:
     head_dim_v: int | None = None
     kv_dtype: str | None = None
     batch_invariant: bool | None = None
+    # MLA's absorbed decode (docs/serving.md, "MLA absorbed decode"): k is one latent cache head_dim wide, V its first
+    # head_dim_v columns (v=None in the call); an fp8 latent has one scale a KV head (k_scale only).
+    shared_kv: bool = False
 
     def __post_init__(self):
         put = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
@@ -86,6 +89,8 @@ class BenchCase:
             raise ValueError(f"case {self.name}: mask {self.mask} needs seqlens_q and seqlens_k")
         if self.mask is Mask.TREE and (self.parents is None or self.seq_k < self.seq_q):
             raise ValueError(f"case {self.name}: a tree case needs parents and seq_k >= seq_q")
+        if self.shared_kv and not (self.head_dim_v < self.head_dim and prefers_decode(self.seq_q, self.seq_k)):
+            raise ValueError(f"case {self.name}: shared_kv is a decode case with head_dim_v < head_dim")
 
     @property
     def gqa(self) -> int:
@@ -117,6 +122,8 @@ class BenchCase:
             fields["head_dim_v"] = self.head_dim_v
         if self.kv_dtype is not None:
             fields["kv_dtype"] = self.kv_dtype
+        if self.shared_kv:
+            fields["shared_kv"] = True
         if self.dtype is DType.FP8_E4M3:  # the fp8 forward is the gluon backend's alone (README "fp8 forward")
             fields["backend"] = "gluon"
         fields.update(self.overrides)  # explicit flags win
@@ -125,6 +132,13 @@ class BenchCase:
         spec = KernelSpec(**fields)
         if not self.hopper and not note:
             note = "Triton forward (no Hopper selection)"
+        if hopper and self.hopper and not self.overrides and spec.shared_kv and self.batch * self.heads_q * \
+                self.seq_q * self.seq_k >= hopper_rule.LATENT_MIN_WORK:  # as fagen.attention's latent decode
+            gluon = hopper_rule.latent_decode_spec(spec, torch.device(device or ("cuda" if torch.cuda.is_available()
+                                                                                 else "cpu")),
+                                                   self.heads_q * self.seq_q)
+            if gluon is not None and self.heads_kv == 1:
+                return gluon, f"gluon MLA decode ({hopper_rule.ENV}=0 for the Triton one)"
         if hopper and self.hopper and not self.overrides and spec.kind is Kind.PREFILL:  # hopper_rule decides
             if device is None:  # (score switches included); with gradients the gluon backward's rule
                 device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -232,6 +246,8 @@ def kv_bytes(case: BenchCase) -> int:
     (1 for an fp8 cache: the bytes actually read)."""
     keys = sum(case.seqlens_k) if case.mask.padded else case.batch * case.seq_k
     size = 1 if case.kv_dtype is not None else case.dtype.itemsize
+    if case.shared_kv:  # one latent row a key, read once for K and V
+        return keys * case.heads_kv * case.head_dim * size
     return keys * case.heads_kv * (case.head_dim + case.head_dim_v) * size
 
 
@@ -388,7 +404,7 @@ def describe_case(c: BenchCase) -> str:
     extra = "".join([f" window {side(c.window[0])}/{side(c.window[1])}" if c.window else "",
                      f" softcap {c.softcap:g}" if c.softcap is not None else "", " alibi" * c.alibi,
                      " sinks" * c.sinks, " triton" * (not c.hopper),
-                     f" kv {c.kv_dtype}" if c.kv_dtype else "", " batch-invariant" * (c.batch_invariant is True),
+                     f" kv {c.kv_dtype}" if c.kv_dtype else "", " latent" * c.shared_kv, " batch-invariant" * (c.batch_invariant is True),
                      " split-rule" * (c.batch_invariant is False)])
     dv = "" if c.head_dim_v == c.head_dim else f"v{c.head_dim_v}"
     return f"{c.direction} {c.mask} d{c.head_dim}{dv} b{c.batch} {heads} sq{c.seq_q} sk{c.seq_k} {c.dtype}{extra}"

@@ -7,7 +7,8 @@ of copy bandwidth for the bf16 latent cache, >= 95% counted in the bytes read fo
 Variants (VARIANTS): the product's Triton decode (m16n32w4s3, the split rule), Triton tiles and split counts, and
 the Gluon decode with its 64-row tile padded from Hq 16's 16 rows ([Note] Padded row tiles in
 fagen/templates/gluon/mla_decode.py.j2); bf16 and fp8 e4m3 latent caches (one scale a token, or one a tensor);
-the lab's fp8 kernel (lab/gluon_mla_decode_fp8.py, [Note] Lab fp8 swap-AB).
+the lab's swap-AB kernels (lab/gluon_mla_decode_fp8.py, [Note] Lab fp8 swap-AB; lab/gluon_mla_decode_sab.py for
+bf16).
 Phases, each a child process with a timeout (scripts/_phases.py); the check phases run at once (they compile):
 1. check-*: each variant against float64 (on the dequantized cache for fp8) at Hq 16 Sq 1, page 64, lengths
    1000/77/513 (not multiples of 64; NaN past them, in the keys and their per-token scales), pages shuffled, the
@@ -42,6 +43,7 @@ VARIANTS = {
     "bf16 triton pps4": (None, None, "triton", {}, PPS(4)),
     "bf16 triton n64w8s3": (None, None, "triton", T(64, 8, 3), []),
     "bf16 gluon pad64": (None, None, "gluon", {}, []),
+    "bf16 lab swap-AB": (None, None, "labsab", {}, []),  # lab/gluon_mla_decode_sab.py
     "e4m3/token triton": ("fp8_e4m3", "token", "triton", {}, []),
     "e4m3/tensor triton": ("fp8_e4m3", "tensor", "triton", {}, []),
     "e4m3/token triton pps4": ("fp8_e4m3", "token", "triton", {}, PPS(4)),
@@ -51,7 +53,7 @@ VARIANTS = {
     "e4m3/tensor lab swap-AB": ("fp8_e4m3", "tensor", "lab", {}, []),
 }
 CHECK_GROUPS = {"check-bf16a": ["bf16 triton", "bf16 triton pps4"], "check-bf16b": ["bf16 triton n64w8s3"],
-                "check-glu": ["bf16 gluon pad64"], "check-fp8a": ["e4m3/token triton", "e4m3/token triton pps4"],
+                "check-glu": ["bf16 gluon pad64"], "check-sab": ["bf16 lab swap-AB"], "check-fp8a": ["e4m3/token triton", "e4m3/token triton pps4"],
                 "check-fp8b": ["e4m3/tensor triton"], "check-fp8c": ["e4m3/token triton n64w8s2"],
                 "check-fp8d": ["e4m3/token triton n32w8s3"],
                 "check-lab": ["e4m3/token lab swap-AB", "e4m3/tensor lab swap-AB"]}  # one child each, at once
@@ -84,10 +86,11 @@ def phase(name):  # noqa: C901 - one phase in this process
     def module(variant, mask):
         kv, _, backend, tiles, text = VARIANTS[variant]
         key = (variant, mask)
-        if key not in mods and backend == "lab":
+        if key not in mods and backend in ("lab", "labsab"):
             sys.path.insert(0, ROOT)
-            from lab.gluon_mla_decode_fp8 import Module
-            mods[key] = Module(causal=mask == "causal")
+            from lab import gluon_mla_decode_fp8, gluon_mla_decode_sab
+            mods[key] = (gluon_mla_decode_fp8 if backend == "lab" else gluon_mla_decode_sab).Module(
+                causal=mask == "causal")
         if key not in mods:
             spec = fagen.KernelSpec(head_dim=D, head_dim_v=DV, shared_kv=True, kind="decode", gqa=16, dtype="bf16",
                                     mask=mask, layout="paged", backend=backend, **({"kv_dtype": kv} if kv else {}),
@@ -194,7 +197,7 @@ def phase(name):  # noqa: C901 - one phase in this process
     x = torch.empty(1 << (20 if DRY else 30), dtype=torch.uint8, device=dev)
     y = torch.empty_like(x)
     peak = (2 * x.numel() / bench(lambda: y.copy_(x)) / 1e6, 2 * x.numel() / loop([lambda: y.copy_(x)]) / 1e6)
-    del x, y
+    x = y = None  # free the copy buffers
     emit("time", "device copy (read + write)", "torch copy_", f"{peak[1]:.0f} GB/s", None,
          f"back to back; do_bench {peak[0]:.0f} GB/s")
     skip = set(json.loads(os.environ.get("GPU_MLA_DEC_S9_FAILED", "[]")))
@@ -223,7 +226,7 @@ def phase(name):  # noqa: C901 - one phase in this process
                 emit("time", case, variant, f"{100 * read / ms_loop / 1e6 / peak[1]:.1f}%", ms_loop,
                      f"{read / ms_loop / 1e6:.0f} GB/s back to back; do_bench {ms:.4f} ms "
                      f"{100 * read / ms / 1e6 / peak[0]:.1f}%{diff}")
-                del q, cache, cache2, table, lens, kw, c1, c2
+                q = cache = cache2 = table = lens = kw = c1 = c2 = None  # free the inputs before the next
             except Exception as e:  # noqa: BLE001
                 import traceback
                 traceback.print_exc(file=sys.stdout)

@@ -1,8 +1,9 @@
-"""The Gluon lab fp8 latent MLA decode (lab/gluon_mla_decode_fp8.py, [Note] Lab fp8 swap-AB; issue 27 part 2): it
-builds for sm_90 without a GPU, two CTAs an SM (shared memory and registers), without spills and with its wgmma
-asynchronous; its key loop is one block's S^T (36 k-steps) and V^T P^T (4 x 4 k-steps of 128 rows), the cache
-read in 16-byte loads and converted once. On an H100: scripts/gpu_mla_dec_s9.py (checks against float64 on the
-dequantized cache, NaN past the lengths, then % of copy bandwidth)."""
+"""The Gluon lab swap-AB MLA decodes, fp8 latent (lab/gluon_mla_decode_fp8.py, [Note] Lab fp8 swap-AB; issue 27
+part 2) and bf16 (lab/gluon_mla_decode_sab.py). The fp8 one builds for sm_90 without a GPU, two CTAs an SM (shared
+memory and registers), without spills and with its wgmma asynchronous; its key loop is one block's S^T (36
+k-steps) and V^T P^T (4 x 4 k-steps of 128 rows), the cache read in 16-byte loads and converted once. On an H100:
+scripts/gpu_mla_dec_s9.py (checks against float64 on the dequantized cache, NaN past the lengths, then % of copy
+bandwidth)."""
 
 import re
 from pathlib import Path
@@ -17,11 +18,12 @@ _SCRIPT = r"""
 import json, os, re, sys
 sys.path.insert(0, sys.argv[1])
 sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
-from lab import gluon_mla_decode_fp8 as g
+from lab import gluon_mla_decode_fp8, gluon_mla_decode_sab
 from sm90 import ptxas
 
 out = {}
 for key, kw in json.loads(sys.argv[2]).items():
+    g = gluon_mla_decode_sab if kw.pop("sab", False) else gluon_mla_decode_fp8
     ck = g.compile_for(**kw)
     ptx = ck.asm["ptx"]
     res, log, _ = ptxas(ptx)
@@ -35,11 +37,12 @@ print("RESULT " + json.dumps(out))
 # and ptxas spills 256 bytes: more rows want a second warpgroup (not done).
 BUILDS = {"token": dict(), "token_split": dict(num_splits=3), "tensor": dict(per_token=False),
           "h8_sq2_none": dict(hq=8, sq=2, causal=False)}
+SAB = {"sab": dict(sab=True), "sab_split": dict(sab=True, num_splits=3)}  # the bf16 swap-AB (gluon_mla_decode_sab)
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    return build_sm90(tmp_path_factory, _SCRIPT, BUILDS, "gluon-mla-decode-fp8-lab")
+    return build_sm90(tmp_path_factory, _SCRIPT, {**BUILDS, **SAB}, "gluon-mla-decode-fp8-lab")
 
 
 @pytest.mark.parametrize("key", list(BUILDS))
@@ -82,3 +85,12 @@ def test_the_kernel_clamps_page_indexes_and_lengths():
     assert "page = gl.minimum(gl.maximum(page, 0), num_pages - 1)" in src
     assert "seq_len = gl.minimum(gl.maximum(gl.load(Seqlens + b), 0), bt_width * PAGE)" in src
     assert "gl.load(BlockTable + bt_row + start // PAGE, mask=ok_block, other=0)" in src
+
+
+@pytest.mark.parametrize("key", list(SAB))
+def test_the_bf16_swap_ab_builds_one_cta_an_sm_without_spills(built, key):
+    """[Note] Lab swap-AB bf16: two 72 KB slots, Q and P (one CTA an SM), no spill, the wgmma asynchronous, and
+    one key loop of 36 + 32 wgmma."""
+    r = built[key]
+    assert r["shared"] <= 227 * 1024 and r["spills"] == 0 and r["stack"] == 0 and not r["serialized"], r["shared"]
+    assert _key_loop(r["ptx"]).count("wgmma.mma_async") == 36 + 32

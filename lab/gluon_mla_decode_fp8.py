@@ -245,22 +245,23 @@ def _mla_decode_fp8(Q, Cache, KTok, BlockTable, Seqlens, Out, Lse, PartO, PartLs
         gl.store(PartLse + prow + n, lse2, mask=n < ROWS)
 
 
-def splits_for(batch, span, sms=132, num_splits=None):
-    """(per, splits): key blocks per split and the split count; by default about one wave of CTAs at two an SM."""
+def splits_for(batch, span, sms=132, num_splits=None, per_sm=2):
+    """(per, splits): key blocks per split and the split count; by default about one wave of CTAs at per_sm an SM
+    (two fit: shared memory and registers)."""
     blocks = max(1, -(-span // BLOCK_N))
     if num_splits is None:
-        num_splits = max(1, min(MAX_SPLITS, (2 * sms) // max(batch, 1)))
+        num_splits = max(1, min(MAX_SPLITS, (per_sm * sms) // max(batch, 1)))
     per = -(-blocks // num_splits)
     return per, -(-blocks // per)
 
 
-def _args(q, cache, block_table, seqlens_k, scale, k_scale, num_splits, causal, sms=132):
+def _args(q, cache, block_table, seqlens_k, scale, k_scale, num_splits, causal, sms=132, per_sm=2):
     bsz, hq, sq, d = q.shape
     rows = hq * sq
     assert d == D and rows <= 64 and cache.shape[-1] == D and cache.shape[2] == 1 and cache.shape[1] % 64 == 0
     nq = max(16, -(-rows // 16) * 16)
     page = cache.shape[1]
-    per, splits = splits_for(bsz, block_table.shape[1] * page, sms, num_splits)
+    per, splits = splits_for(bsz, block_table.shape[1] * page, sms, num_splits, per_sm)
     direct = splits == 1
     out = torch.empty((bsz, hq, sq, DV), dtype=q.dtype, device=q.device)
     lse = torch.empty((bsz, hq, sq), dtype=torch.float32, device=q.device)
@@ -279,13 +280,13 @@ def _args(q, cache, block_table, seqlens_k, scale, k_scale, num_splits, causal, 
     return args, kw, out, lse, part_o, part_lse, splits
 
 
-def mla_decode_fp8(q, cache, block_table, seqlens_k, scale, k_scale, num_splits=None, causal=True):
+def mla_decode_fp8(q, cache, block_table, seqlens_k, scale, k_scale, num_splits=None, causal=True, per_sm=2):
     """out [B, Hq, Sq, 512], lse [B, Hq, Sq]; q contiguous bf16 (Hq x Sq <= 64), cache [num_pages, PAGE, 1, 576]
     float8_e4m3fn contiguous, k_scale a float or float32 [num_pages, PAGE, 1] contiguous."""
     assert q.is_contiguous() and cache.is_contiguous() and q.dtype == torch.bfloat16
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     args, kw, out, lse, part_o, part_lse, splits = _args(q, cache, block_table, seqlens_k, scale, k_scale,
-                                                         num_splits, causal, sms)
+                                                         num_splits, causal, sms, per_sm)
     bsz = q.shape[0]
     _mla_decode_fp8[(splits, bsz)](*args, **kw, num_warps=4)
     if splits > 1:
@@ -321,12 +322,12 @@ class Module:
     """The decode contract's two entries over mla_decode_fp8 (for scripts/gpu_mla_dec_s9.py): forward(q, cache,
     None, block_table=, seqlens_k=, scale=, k_scale=) with the split rule, forward_split(..., num_splits=n)."""
 
-    def __init__(self, causal=True):
-        self.causal = causal
+    def __init__(self, causal=True, per_sm=2):
+        self.causal, self.per_sm = causal, per_sm
 
     def forward(self, q, k, v, *, block_table, seqlens_k, scale, k_scale):
         assert v is None
-        return mla_decode_fp8(q, k, block_table, seqlens_k, scale, k_scale, None, self.causal)
+        return mla_decode_fp8(q, k, block_table, seqlens_k, scale, k_scale, None, self.causal, self.per_sm)
 
     def forward_split(self, q, k, v, *, num_splits, block_table, seqlens_k, scale, k_scale):
         assert v is None

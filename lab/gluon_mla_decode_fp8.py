@@ -70,11 +70,36 @@ def _cvt(x):
 
 
 @gluon.jit
-def _stage(dst, x, ROWS_: gl.constexpr, WORDS: gl.constexpr):
-    """Words of fp8 bytes [ROWS_, WORDS] as bf16 words [ROWS_, 2 WORDS] into an int32 view of a bf16 tile
-    ([Note] Lab fp8 words)."""
-    lo, hi = _cvt(x)
+def _cvt16(x):
+    """Four fp8 e4m3 bytes in an int32 word as two words of fp16 pairs, exactly: the hardware's cvt, two values an
+    instruction (as Triton's x.to(tl.float16) emits it)."""
+    return gl.inline_asm_elementwise(
+        asm="""{
+        .reg .b16 l, h;
+        mov.b32 {l, h}, $2;
+        cvt.rn.f16x2.e4m3x2 $0, l;
+        cvt.rn.f16x2.e4m3x2 $1, h;
+        }""",
+        constraints="=r,=r,r", args=[x], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+
+
+@gluon.jit
+def _stage(dst, x, ROWS_: gl.constexpr, WORDS: gl.constexpr, F16: gl.constexpr):
+    """Words of fp8 bytes [ROWS_, WORDS] as bf16 (fp16 under F16) words [ROWS_, 2 WORDS] into an int32 view of the
+    tile ([Note] Lab fp8 words)."""
+    if F16:
+        lo, hi = _cvt16(x)
+    else:
+        lo, hi = _cvt(x)
     dst.store(gl.reshape(gl.join(lo, hi), [ROWS_, 2 * WORDS]))
+
+
+@gluon.jit
+def _pow2_scale(m):
+    """The power of two c with m c in [2^14, 2^15) (fp16's range with room), 1 where m < 2^-102 or not finite
+    ([Note] fp16 dots in fagen/templates/triton/decode.py.j2)."""
+    e = (m.to(gl.int32, bitcast=True) & 0x7F800000) >> 23
+    return gl.where((e > 24) & (e < 255), ((268 - e) << 23).to(gl.float32, bitcast=True), 1.0)
 
 
 @gluon.jit
@@ -105,7 +130,8 @@ def _fetch(Cache, BlockTable, bt_row, start, seq_len, num_pages, ok_block, PAGE:
 @gluon.jit(do_not_specialize=["stride_bt", "bt_width", "num_pages", "num_splits", "per"])
 def _mla_decode_fp8(Q, Cache, KTok, BlockTable, Seqlens, Out, Lse, PartO, PartLse, stride_bt, bt_width, num_pages,
                     qk_scale, v_mul, num_splits, per, ROWS: gl.constexpr, NQ: gl.constexpr, SQ: gl.constexpr,
-                    PAGE: gl.constexpr, CAUSAL: gl.constexpr, DIRECT: gl.constexpr, PER_TOKEN: gl.constexpr):
+                    PAGE: gl.constexpr, CAUSAL: gl.constexpr, DIRECT: gl.constexpr, PER_TOKEN: gl.constexpr,
+                    F16: gl.constexpr):
     gl.static_assert(PAGE % 64 == 0)
     gl.static_assert(NQ % 16 == 0 and NQ >= ROWS)
     split = gl.program_id(0)
@@ -114,20 +140,26 @@ def _mla_decode_fp8(Q, Cache, KTok, BlockTable, Seqlens, Out, Lse, PartO, PartLs
     o_layout: gl.constexpr = _mma(NQ)
     kcol: gl.constexpr = gl.SliceLayout(1, s_layout)  # a key (a row of S^T)
     qcol: gl.constexpr = gl.SliceLayout(0, s_layout)  # a query row (a column of S^T)
-    k_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)
-    r_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
-    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NQ, 128], gl.bfloat16)
-    qr_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NQ, 64], gl.bfloat16)
-    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, NQ], gl.bfloat16)
-    kc_s = gl.allocate_shared_memory(gl.bfloat16, [4, 64, 128], k_sl)
-    kr_s = gl.allocate_shared_memory(gl.bfloat16, [1, 64, 64], r_sl)
+    # [Note] Lab fp16 dots (F16): the fp8 tiles convert to fp16 (one cvt for two values, against the bf16 asm's
+    # ~10 integer ops a word), q goes in as q c_q (c_q the power of two putting the CTA's largest |q| in [2^14,
+    # 2^15): exact for all but components 2^-28 below it) with 1/c_q in the score scale, and P as P ks c_j (c_j
+    # putting the block's largest per-token scale, or 1, at 2^14), the accumulators rescaled by c_j / c_{j-1}
+    # (powers of two) and divided by the last c at the end, as the Triton decode's [Note] fp16 dots.
+    dt: gl.constexpr = gl.float16 if F16 else gl.bfloat16
+    k_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 128], dt)
+    r_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], dt)
+    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NQ, 128], dt)
+    qr_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NQ, 64], dt)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, NQ], dt)
+    kc_s = gl.allocate_shared_memory(dt, [4, 64, 128], k_sl)
+    kr_s = gl.allocate_shared_memory(dt, [1, 64, 64], r_sl)
     # [Note] Lab fp8 words: the converted words are stored through int32 views of the bf16 tiles (the same bytes:
     # an NVMMA layout swizzles 16-byte pieces of 128-byte rows, whatever the element)
     kc_w = kc_s._reinterpret(gl.int32, [4, 64, 64], gl.NVMMASharedLayout(128, 32, rank=2))
     kr_w = kr_s._reinterpret(gl.int32, [1, 64, 32], gl.NVMMASharedLayout(128, 32, rank=2))
-    qc_s = gl.allocate_shared_memory(gl.bfloat16, [4, NQ, 128], q_sl)
-    qr_s = gl.allocate_shared_memory(gl.bfloat16, [1, NQ, 64], qr_sl)
-    p_s = gl.allocate_shared_memory(gl.bfloat16, [1, 64, NQ], p_sl)
+    qc_s = gl.allocate_shared_memory(dt, [4, NQ, 128], q_sl)
+    qr_s = gl.allocate_shared_memory(dt, [1, NQ, 64], qr_sl)
+    p_s = gl.allocate_shared_memory(dt, [1, 64, NQ], p_sl)
 
     # q rows b * ROWS + n, n < ROWS (the rest zero) into shared memory
     lq: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
@@ -135,13 +167,38 @@ def _mla_decode_fp8(Q, Cache, KTok, BlockTable, Seqlens, Out, Lse, PartO, PartLs
     qc = gl.arange(0, 128, layout=gl.SliceLayout(0, lq))
     qok = (qn < ROWS)[:, None]
     qbase = Q + (b * ROWS + qn).to(gl.int64)[:, None] * D_K + qc[None, :]
-    for c in gl.static_range(4):
-        qc_s.index(c).store(gl.load(qbase + c * 128, mask=qok, other=0.0))
+    q0 = gl.load(qbase, mask=qok, other=0.0)
+    q1 = gl.load(qbase + 128, mask=qok, other=0.0)
+    q2 = gl.load(qbase + 256, mask=qok, other=0.0)
+    q3 = gl.load(qbase + 384, mask=qok, other=0.0)
     lqr: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     qn2 = gl.arange(0, NQ, layout=gl.SliceLayout(1, lqr))
     qc2 = gl.arange(0, 64, layout=gl.SliceLayout(0, lqr))
-    qr_s.index(0).store(gl.load(Q + (b * ROWS + qn2).to(gl.int64)[:, None] * D_K + DV_K + qc2[None, :],
-                                mask=(qn2 < ROWS)[:, None], other=0.0))
+    qr = gl.load(Q + (b * ROWS + qn2).to(gl.int64)[:, None] * D_K + DV_K + qc2[None, :], mask=(qn2 < ROWS)[:, None],
+                 other=0.0)
+    if F16:  # [Note] Lab fp16 dots: q c_q in fp16, 1/c_q into the score scale
+        amax = gl.max(gl.max(gl.abs(qr.to(gl.float32)), 1), 0)
+        amax = gl.maximum(amax, gl.max(gl.max(gl.abs(q0.to(gl.float32)), 1), 0))
+        amax = gl.maximum(amax, gl.max(gl.max(gl.abs(q1.to(gl.float32)), 1), 0))
+        amax = gl.maximum(amax, gl.max(gl.max(gl.abs(q2.to(gl.float32)), 1), 0))
+        amax = gl.maximum(amax, gl.max(gl.max(gl.abs(q3.to(gl.float32)), 1), 0))
+        cq = _pow2_scale(amax)
+        qk_scale = qk_scale / cq
+        qc_s.index(0).store((q0.to(gl.float32) * cq).to(dt))
+        qc_s.index(1).store((q1.to(gl.float32) * cq).to(dt))
+        qc_s.index(2).store((q2.to(gl.float32) * cq).to(dt))
+        qc_s.index(3).store((q3.to(gl.float32) * cq).to(dt))
+        qr_s.index(0).store((qr.to(gl.float32) * cq).to(dt))
+    else:
+        qc_s.index(0).store(q0)
+        qc_s.index(1).store(q1)
+        qc_s.index(2).store(q2)
+        qc_s.index(3).store(q3)
+        qr_s.index(0).store(qr)
+    c_prev = gl.max(gl.full([NQ], 1.0, gl.float32, qcol), 0)  # P's scale ([Note] Lab fp16 dots); 1 in bf16
+    if F16:
+        if not PER_TOKEN:
+            c_prev = c_prev * 16384.0
 
     seq_len = gl.minimum(gl.maximum(gl.load(Seqlens + b), 0), bt_width * PAGE)  # memory safety, as the product
     n_all = (seq_len + 63) // 64
@@ -175,11 +232,11 @@ def _mla_decode_fp8(Q, Cache, KTok, BlockTable, Seqlens, Out, Lse, PartO, PartLs
         start = k_lo + j * 64
         # the previous block's P V read the tiles and P: wait before overwriting them
         o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(t0, t1, t2, t3))
-        _stage(kc_w.index(0), x0, 64, 32)
-        _stage(kc_w.index(1), x1, 64, 32)
-        _stage(kc_w.index(2), x2, 64, 32)
-        _stage(kc_w.index(3), x3, 64, 32)
-        _stage(kr_w.index(0), xr, 64, 16)
+        _stage(kc_w.index(0), x0, 64, 32, F16)
+        _stage(kc_w.index(1), x1, 64, 32, F16)
+        _stage(kc_w.index(2), x2, 64, 32, F16)
+        _stage(kc_w.index(3), x3, 64, 32, F16)
+        _stage(kr_w.index(0), xr, 64, 16, F16)
         if PER_TOKEN:
             ks_j = ks
         # the next block's bytes, in flight under this block's work
@@ -209,9 +266,17 @@ def _mla_decode_fp8(Q, Cache, KTok, BlockTable, Seqlens, Out, Lse, PartO, PartLs
         p = gl.exp2(s - m_use[None, :])
         l_i = l_i * alpha + gl.sum(p, 0)
         m_i = m_new
-        if PER_TOKEN:
+        if F16:
+            if PER_TOKEN:  # P ks c_j; the accumulators' old terms move from c_{j-1} to c_j
+                c_new = _pow2_scale(gl.max(ks_j, 0))
+                alpha = alpha * (c_new / c_prev)
+                p = p * (ks_j * c_new)[:, None]
+                c_prev = c_new
+            else:
+                p = p * 16384.0
+        elif PER_TOKEN:
             p = p * ks_j[:, None]  # V's per-token scale on P's rows (keys)
-        p_s.index(0).store(p.to(gl.bfloat16))
+        p_s.index(0).store(p.to(dt))
         fence_async_shared()
         gl.thread_barrier()
         a = gl.convert_layout(alpha, gl.SliceLayout(0, o_layout))[None, :]
@@ -222,7 +287,7 @@ def _mla_decode_fp8(Q, Cache, KTok, BlockTable, Seqlens, Out, Lse, PartO, PartLs
     o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(t0, t1, t2, t3))
 
     l_safe = gl.where(l_i == 0.0, 1.0, l_i)
-    inv = gl.convert_layout(v_mul / l_safe, gl.SliceLayout(0, o_layout))[None, :]
+    inv = gl.convert_layout(v_mul / (l_safe * c_prev), gl.SliceLayout(0, o_layout))[None, :]
     m_fin = gl.where(m_i == float("-inf"), 0.0, m_i)
     lse2 = gl.where(l_i == 0.0, float("-inf"), m_fin + gl.log2(l_safe))
     on = gl.arange(0, NQ, layout=gl.SliceLayout(0, o_layout))
@@ -255,7 +320,7 @@ def splits_for(batch, span, sms=132, num_splits=None, per_sm=2):
     return per, -(-blocks // per)
 
 
-def _args(q, cache, block_table, seqlens_k, scale, k_scale, num_splits, causal, sms=132, per_sm=2):
+def _args(q, cache, block_table, seqlens_k, scale, k_scale, num_splits, causal, sms=132, per_sm=2, f16=False):
     bsz, hq, sq, d = q.shape
     rows = hq * sq
     assert d == D and rows <= 64 and cache.shape[-1] == D and cache.shape[2] == 1 and cache.shape[1] % 64 == 0
@@ -276,17 +341,18 @@ def _args(q, cache, block_table, seqlens_k, scale, k_scale, num_splits, causal, 
     args = (q, cache.view(torch.int32), ktok, block_table, seqlens_k, out, lse, part_o, part_lse,
             block_table.stride(0), block_table.shape[1], cache.shape[0], scale * 1.4426950408889634 * mul, mul,
             splits, per)
-    kw = dict(ROWS=rows, NQ=nq, SQ=sq, PAGE=page, CAUSAL=causal, DIRECT=direct, PER_TOKEN=per_token)
+    kw = dict(ROWS=rows, NQ=nq, SQ=sq, PAGE=page, CAUSAL=causal, DIRECT=direct, PER_TOKEN=per_token, F16=f16)
     return args, kw, out, lse, part_o, part_lse, splits
 
 
-def mla_decode_fp8(q, cache, block_table, seqlens_k, scale, k_scale, num_splits=None, causal=True, per_sm=2):
+def mla_decode_fp8(q, cache, block_table, seqlens_k, scale, k_scale, num_splits=None, causal=True, per_sm=2,
+                   f16=False):
     """out [B, Hq, Sq, 512], lse [B, Hq, Sq]; q contiguous bf16 (Hq x Sq <= 64), cache [num_pages, PAGE, 1, 576]
     float8_e4m3fn contiguous, k_scale a float or float32 [num_pages, PAGE, 1] contiguous."""
     assert q.is_contiguous() and cache.is_contiguous() and q.dtype == torch.bfloat16
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     args, kw, out, lse, part_o, part_lse, splits = _args(q, cache, block_table, seqlens_k, scale, k_scale,
-                                                         num_splits, causal, sms, per_sm)
+                                                         num_splits, causal, sms, per_sm, f16)
     bsz = q.shape[0]
     _mla_decode_fp8[(splits, bsz)](*args, **kw, num_warps=4)
     if splits > 1:
@@ -297,7 +363,7 @@ def mla_decode_fp8(q, cache, block_table, seqlens_k, scale, k_scale, num_splits=
     return out, lse
 
 
-def compile_for(hq=16, sq=1, page=64, num_splits=1, causal=True, per_token=True):
+def compile_for(hq=16, sq=1, page=64, num_splits=1, causal=True, per_token=True, f16=False):
     """Build the kernel for sm_90 without a GPU (triton's bundled ptxas); returns the CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -308,7 +374,7 @@ def compile_for(hq=16, sq=1, page=64, num_splits=1, causal=True, per_token=True)
     table = torch.zeros((2, 4), dtype=torch.int32)
     lens = torch.zeros((2, ), dtype=torch.int32)
     ks = torch.ones((8, page, 1), dtype=torch.float32) if per_token else 0.5
-    args, kw, *_ = _args(q, cache, table, lens, 0.1, ks, num_splits, causal)
+    args, kw, *_ = _args(q, cache, table, lens, 0.1, ks, num_splits, causal, f16=f16)
     names = list(_mla_decode_fp8.arg_names)[:len(args)]
     signature = {n: mangle_type(a) for n, a in zip(names, args)}
     signature.update({n: "constexpr" for n in kw})
@@ -322,13 +388,13 @@ class Module:
     """The decode contract's two entries over mla_decode_fp8 (for scripts/gpu_mla_dec_s9.py): forward(q, cache,
     None, block_table=, seqlens_k=, scale=, k_scale=) with the split rule, forward_split(..., num_splits=n)."""
 
-    def __init__(self, causal=True, per_sm=2):
-        self.causal, self.per_sm = causal, per_sm
+    def __init__(self, causal=True, per_sm=2, f16=False):
+        self.causal, self.per_sm, self.f16 = causal, per_sm, f16
 
     def forward(self, q, k, v, *, block_table, seqlens_k, scale, k_scale):
         assert v is None
-        return mla_decode_fp8(q, k, block_table, seqlens_k, scale, k_scale, None, self.causal, self.per_sm)
+        return mla_decode_fp8(q, k, block_table, seqlens_k, scale, k_scale, None, self.causal, self.per_sm, self.f16)
 
     def forward_split(self, q, k, v, *, num_splits, block_table, seqlens_k, scale, k_scale):
         assert v is None
-        return mla_decode_fp8(q, k, block_table, seqlens_k, scale, k_scale, num_splits, self.causal)
+        return mla_decode_fp8(q, k, block_table, seqlens_k, scale, k_scale, num_splits, self.causal, f16=self.f16)

@@ -46,19 +46,19 @@ VARIANTS = {
     "bf16 lab swap-AB": (None, None, "labsab", {}, []),  # lab/gluon_mla_decode_sab.py
     "e4m3/token triton": ("fp8_e4m3", "token", "triton", {}, []),
     "e4m3/tensor triton": ("fp8_e4m3", "tensor", "triton", {}, []),
-    "e4m3/token triton pps4": ("fp8_e4m3", "token", "triton", {}, PPS(4)),
     "e4m3/token triton n64w8s2": ("fp8_e4m3", "token", "triton", T(64, 8, 2), []),
-    "e4m3/token triton n32w8s3": ("fp8_e4m3", "token", "triton", T(32, 8, 3), []),
     "e4m3/token lab swap-AB": ("fp8_e4m3", "token", "lab", {}, []),  # lab/gluon_mla_decode_fp8.py
     "e4m3/tensor lab swap-AB": ("fp8_e4m3", "tensor", "lab", {}, []),
     "e4m3/token lab swap-AB, 1 CTA/SM splits": ("fp8_e4m3", "token", "lab", {"per_sm": 1}, []),  # fewer partials
+    "e4m3/token lab swap-AB fp16": ("fp8_e4m3", "token", "lab", {"f16": True}, []),  # [Note] Lab fp16 dots
+    "e4m3/tensor lab swap-AB fp16": ("fp8_e4m3", "tensor", "lab", {"f16": True}, []),
 }
 CHECK_GROUPS = {"check-bf16a": ["bf16 triton", "bf16 triton pps4"], "check-bf16b": ["bf16 triton n64w8s3"],
-                "check-glu": ["bf16 gluon pad64"], "check-sab": ["bf16 lab swap-AB"], "check-fp8a": ["e4m3/token triton", "e4m3/token triton pps4"],
+                "check-glu": ["bf16 gluon pad64"], "check-sab": ["bf16 lab swap-AB"], "check-fp8a": ["e4m3/token triton"],
                 "check-fp8b": ["e4m3/tensor triton"], "check-fp8c": ["e4m3/token triton n64w8s2"],
-                "check-fp8d": ["e4m3/token triton n32w8s3"],
                 "check-lab": ["e4m3/token lab swap-AB", "e4m3/tensor lab swap-AB",
-                              "e4m3/token lab swap-AB, 1 CTA/SM splits"]}  # one child each, at once
+                              "e4m3/token lab swap-AB, 1 CTA/SM splits"],
+                "check-lab16": ["e4m3/token lab swap-AB fp16", "e4m3/tensor lab swap-AB fp16"]}  # at once
 SHAPES = ((32, 4096), (128, 4096), (32, 32768), (128, 32768)) if not DRY else ((2, 96), (3, 64))
 CHECK_LENS = [1000, 77, 513] if not DRY else [200, 7, 53]  # within 16 pages: the timed shapes' integer classes
 LIMITS = dict(check=28, time=42) if not DRY else dict(check=900, time=900)

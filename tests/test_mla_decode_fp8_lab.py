@@ -36,7 +36,8 @@ print("RESULT " + json.dumps(out))
 # 16 query rows (wgmma N 16). At 32 rows (Hq 16, Sq 2) the four [128, 32] accumulators take 128 registers a thread
 # and ptxas spills 256 bytes: more rows want a second warpgroup (not done).
 BUILDS = {"token": dict(), "token_split": dict(num_splits=3), "tensor": dict(per_token=False),
-          "h8_sq2_none": dict(hq=8, sq=2, causal=False)}
+          "h8_sq2_none": dict(hq=8, sq=2, causal=False), "token_f16": dict(f16=True),
+          "tensor_f16": dict(f16=True, per_token=False)}
 SAB = {"sab": dict(sab=True), "sab_split": dict(sab=True, num_splits=3)}  # the bf16 swap-AB (gluon_mla_decode_sab)
 
 
@@ -65,16 +66,20 @@ def _key_loop(ptx):
     return ""
 
 
-@pytest.mark.parametrize("key", ["token", "tensor"])
+@pytest.mark.parametrize("key", ["token", "tensor", "token_f16", "tensor_f16"])
 def test_the_key_loop_converts_once_and_reads_16_byte_rows(built, key):
     """Per 64-key block: 36 + 4 x 4 x 2 wgmma (S^T over 576 columns; V^T P^T, four 128-row accumulators of two
     m64 tiles, 4 k-steps each), 18 16-byte loads of the next block's bytes a thread (16 latent, 2 rope), and each
-    fp8 word converted once (72 a thread: the block's 36 KB over 128 threads), with no byte loads."""
+    fp8 word converted once (72 a thread: the block's 36 KB over 128 threads), with no byte loads: by the bf16
+    asm's two bf16x2 multiplies a word, or under F16 ([Note] Lab fp16 dots) by two hardware cvt a word."""
     loop = _key_loop(built[key]["ptx"])
     assert loop.count("wgmma.mma_async") == 36 + 32, loop.count("wgmma.mma_async")
     assert len(re.findall(r"ld\.global[.\w]*\.v4\.b32", loop)) == 18
     assert not re.findall(r"ld\.global[.\w]*\.(?:u8|b8|s8)\b", loop)
-    assert loop.count("fma.rn.bf16x2") == 2 * 72
+    f16 = key.endswith("f16")
+    assert loop.count("fma.rn.bf16x2") == (0 if f16 else 2 * 72)
+    assert loop.count("cvt.rn.f16x2.e4m3x2") == (2 * 72 if f16 else 0)
+    assert ("m64n16k16.f32.f16.f16" in loop) == f16
     assert loop.count("wgmma.wait_group") >= 2
 
 

@@ -213,12 +213,14 @@ def _sm90():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU and triton's Gluon Hopper API")
-@pytest.mark.parametrize("sq, invariant, splits", [(2, False, None), (2, False, 1), (2, True, None), (1, False, 3)])
-def test_gpu_against_float64(sq, invariant, splits):
+@pytest.mark.parametrize("sq, invariant, splits, hq", [(2, False, None, 128), (2, False, 1, 128), (2, True, None, 128),
+                                                      (1, False, 3, 128), (1, False, None, 16), (1, True, None, 16),
+                                                      (3, False, 1, 16)])
+def test_gpu_against_float64(sq, invariant, splits, hq):
     """Ragged lengths (odd, one empty, NaN past each end in shuffled pages) against float64; bad page indexes and
-    lengths change only their own sequences."""
+    lengths change only their own sequences. Hq 16: one padded tile ([Note] Padded row tiles)."""
     from fagen.verify import reference
-    lens, page, hq = [1000, 77, 0, 513, 64], 64, 128
+    lens, page = [1000, 77, 0, 513, 64], 64
     gen = torch.Generator().manual_seed(sq)
     width = -(-max(lens) // page)
     pages = len(lens) * width + 3
@@ -230,7 +232,7 @@ def test_gpu_against_float64(sq, invariant, splits):
             if n - p * page < page:
                 cache[table[i, p], max(0, n - p * page):] = float("nan")
     cache, table, seqlens = cache.cuda(), table.cuda(), torch.tensor(lens, dtype=torch.int32).cuda()
-    mod = fagen.load(spec())
+    mod = fagen.load(spec(gqa=hq))
     kw = dict(block_table=table, seqlens_k=seqlens, scale=0.07)
     out, lse = (mod.forward_split(q, cache, None, num_splits=splits, **kw) if splits
                 else mod.forward(q, cache, None, batch_invariant=invariant, **kw))

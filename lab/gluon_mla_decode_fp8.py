@@ -103,14 +103,21 @@ def _pow2_scale(m):
 
 
 @gluon.jit
-def _fetch(Cache, BlockTable, bt_row, start, seq_len, num_pages, ok_block, PAGE: gl.constexpr):
-    """The fp8 bytes of the 64 keys from `start` (one page's rows) as int32 words: four latent [64, 32] tiles (128
-    bytes a row each) and the rope [64, 16], zeros past seq_len or when not ok_block. The page index is clamped to
-    the cache ([Note] Gluon decode memory safety in the product template)."""
+def _page(BlockTable, bt_row, start, num_pages, ok_block, PAGE: gl.constexpr):
+    """The page holding key `start` (0 when not ok_block), clamped to the cache ([Note] Gluon decode memory safety
+    in the product template). [Note] Lab page prefetch: loaded a step before the block's bytes, so that the table
+    read and the bytes it addresses are not a chain of two loads in one step (round A, 2026-11-27: with the chain,
+    one CTA an SM streamed a 36 KB block in ~3.3 us, about two DRAM latencies)."""
+    page = gl.load(BlockTable + bt_row + start // PAGE, mask=ok_block, other=0)
+    return gl.minimum(gl.maximum(page, 0), num_pages - 1)
+
+
+@gluon.jit
+def _fetch(Cache, page, start, seq_len, ok_block, PAGE: gl.constexpr):
+    """The fp8 bytes of the 64 keys from `start` (one page's rows, on `page`) as int32 words: four latent [64, 32]
+    tiles (128 bytes a row each) and the rope [64, 16], zeros past seq_len or when not ok_block."""
     ld: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
     ldr: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
-    page = gl.load(BlockTable + bt_row + start // PAGE, mask=ok_block, other=0)
-    page = gl.minimum(gl.maximum(page, 0), num_pages - 1)
     row0 = page.to(gl.int64) * PAGE + start % PAGE
     r = gl.arange(0, 64, layout=gl.SliceLayout(1, ld))
     c = gl.arange(0, 32, layout=gl.SliceLayout(0, ld))
@@ -220,7 +227,9 @@ def _mla_decode_fp8(Q, Cache, KTok, BlockTable, Seqlens, Out, Lse, PartO, PartLs
     fence_async_shared()
     gl.thread_barrier()
 
-    x0, x1, x2, x3, xr, row0 = _fetch(Cache, BlockTable, bt_row, k_lo, seq_len, num_pages, n_blocks > 0, PAGE)
+    pg = _page(BlockTable, bt_row, k_lo, num_pages, n_blocks > 0, PAGE)
+    pg_next = _page(BlockTable, bt_row, k_lo + 64, num_pages, n_blocks > 1, PAGE)  # [Note] Lab page prefetch
+    x0, x1, x2, x3, xr, row0 = _fetch(Cache, pg, k_lo, seq_len, n_blocks > 0, PAGE)
     keys0 = gl.arange(0, 64, layout=kcol)
     if PER_TOKEN:
         ks = gl.load(KTok + row0 + keys0, mask=k_lo + keys0 < seq_len, other=0.0)
@@ -241,10 +250,10 @@ def _mla_decode_fp8(Q, Cache, KTok, BlockTable, Seqlens, Out, Lse, PartO, PartLs
             ks_j = ks
         # the next block's bytes, in flight under this block's work
         nxt = start + 64
-        x0, x1, x2, x3, xr, row_n = _fetch(Cache, BlockTable, bt_row, nxt, seq_len, num_pages, j + 1 < n_blocks,
-                                           PAGE)
+        x0, x1, x2, x3, xr, row_n = _fetch(Cache, pg_next, nxt, seq_len, j + 1 < n_blocks, PAGE)
         if PER_TOKEN:
             ks = gl.load(KTok + row_n + keys0, mask=(nxt + keys0 < seq_len) & (j + 1 < n_blocks), other=0.0)
+        pg_next = _page(BlockTable, bt_row, nxt + 64, num_pages, j + 2 < n_blocks, PAGE)
         fence_async_shared()
         gl.thread_barrier()
         z = j >> 30  # a 0 the compiler cannot fold ([Note] Seesaw descriptors)

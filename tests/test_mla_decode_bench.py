@@ -50,10 +50,11 @@ def test_shared_kv_needs_a_narrower_v_and_a_decode_shape():
 
 @pytest.mark.skipif(ON_GPU, reason="fakes sm_90 on the CPU")
 def test_the_spec_is_what_fagen_attention_picks(monkeypatch):
-    """[Note] Hopper selection: on sm_90 the Hq 128 Sq 2 bf16 row runs the gluon MLA decode; Hq 16 (a padded tile,
-    [Note] Latent padded tiles) and the fp8 rows keep the Triton decode."""
+    """[Note] Hopper selection: on sm_90 the Hq 128 Sq 2 bf16 row runs the gluon MLA decode; Hq 16 (a padded tile)
+    does where [Note] Latent padded tiles selects it; the fp8 rows keep the Triton decode."""
     monkeypatch.setattr(hopper, "is_hopper", lambda device: True)
     monkeypatch.setattr(hopper, "gluon_missing", lambda: None)
+    monkeypatch.setattr(hopper, "LATENT_PAD_SELECTED", False)
     rows = _rows()
     assert rows["decode-mla-absorbed-h128-sq2-kv8k-b32"].spec("cpu")[0].backend is Backend.GLUON
     for name in ("decode-mla-absorbed-h16-kv4k-b128", "decode-mla-absorbed-h128-sq2-kv8k-b32-fp8",

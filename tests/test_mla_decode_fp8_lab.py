@@ -87,7 +87,7 @@ def test_the_kernel_clamps_page_indexes_and_lengths():
     """As the product's [Note] Gluon decode memory safety: a page index clamped to the cache, a length to the block
     table's capacity, and the next block's page read only where it exists (masked)."""
     src = (ROOT / "lab" / "gluon_mla_decode_fp8.py").read_text()
-    assert "page = gl.minimum(gl.maximum(page, 0), num_pages - 1)" in src
+    assert "return gl.minimum(gl.maximum(page, 0), num_pages - 1)" in src
     assert "seq_len = gl.minimum(gl.maximum(gl.load(Seqlens + b), 0), bt_width * PAGE)" in src
     assert "gl.load(BlockTable + bt_row + start // PAGE, mask=ok_block, other=0)" in src
 

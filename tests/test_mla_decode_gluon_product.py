@@ -63,6 +63,7 @@ def test_latent_decode_spec_needs_sm90_the_api_and_the_switch(monkeypatch):
     assert hopper.latent_decode_spec(spec("triton", layout="dense"), cuda) == spec(layout="dense")
     assert hopper.latent_decode_spec(spec("triton", kv_dtype="fp8_e4m3"), cuda) is None  # falls back to Triton
     assert hopper.latent_decode_spec(triton_spec, cuda, 128) == spec()
+    monkeypatch.setattr(hopper, "LATENT_PAD_SELECTED", False)
     assert hopper.latent_decode_spec(triton_spec, cuda, 16) is None  # [Note] Latent padded tiles
     monkeypatch.setattr(hopper, "LATENT_PAD_SELECTED", True)
     assert hopper.latent_decode_spec(triton_spec, cuda, 16) == spec()
@@ -102,7 +103,8 @@ def test_fagen_attention_takes_the_gluon_decode_where_it_fits(monkeypatch):
     monkeypatch.setattr(hopper, "LATENT_MIN_WORK", 1)
     with torch.no_grad(), pytest.raises(ValueError, match="this Gluon kernel .* runs on a CUDA device"):
         fagen.attention(q64, k, None, head_dim_v=DV, mask="causal")
-    q16 = torch.randn(1, 16, 1, D, generator=gen).bfloat16()  # a padded tile: not selected ([Note] Latent padded tiles)
+    q16 = torch.randn(1, 16, 1, D, generator=gen).bfloat16()  # a padded tile: only if selected ([Note] Latent padded
+    monkeypatch.setattr(hopper, "LATENT_PAD_SELECTED", False)  # tiles)
     with torch.no_grad():
         assert torch.isfinite(fagen.attention(q16, k, None, head_dim_v=DV, mask="causal")).all()
     monkeypatch.setattr(hopper, "LATENT_PAD_SELECTED", True)

@@ -163,6 +163,33 @@ def phase(name):  # noqa: C901 - one phase in this process
                     traceback.print_exc(file=sys.stdout)
                     emit("check", case, variant, "FAIL", None, f"ERROR {type(e).__name__}: "
                          f"{(str(e).splitlines() or [''])[0][:150]}")
+        if name == "check-glu" and not DRY:  # fagen.attention on a dense cache at Hq 16 Sq 1 ([Note] Latent padded
+            try:  # tiles: the padded gluon tile where LATENT_PAD_SELECTED), against float64
+                from fagen.runtime import hopper
+                hopper.LATENT_PAD_SELECTED, hopper.LATENT_MIN_WORK = True, 1
+                gen = torch.Generator(device=dev).manual_seed(11)
+                qd = torch.randn(3, 16, 1, D, device=dev, generator=gen).bfloat16()
+                kd = torch.randn(3, 1, 777, D, device=dev, generator=gen).bfloat16()
+                with torch.no_grad():
+                    out = fagen.attention(qd, kd, None, head_dim_v=DV, scale=SCALE)
+                twin = hopper.latent_decode_spec(fagen.KernelSpec(head_dim=D, head_dim_v=DV, shared_kv=True,
+                                                                  kind="decode", gqa=16, dtype="bf16", mask="none"),
+                                                 qd.device, 16)
+                served = "triton"
+                if twin is not None and torch.equal(fagen.load(twin).forward(qd, kd, None, scale=SCALE)[0], out):
+                    served = "gluon (padded tile)"
+                worst = 0.0
+                for i in range(3):
+                    want, _ = reference.attention(qd[i:i + 1].double(), kd[i:i + 1].double(), None, head_dim_v=DV,
+                                                  scale=SCALE)
+                    worst = max(worst, compare(f"out {i}", out[i:i + 1].double(), want, **TOLERANCE["bf16"]))
+                emit("check", "fagen.attention dense h16 sq1 sk777", "fagen.attention", "ok", None,
+                     f"err {worst:.1e}; served by {served}")
+            except Exception as e:  # noqa: BLE001
+                import traceback
+                traceback.print_exc(file=sys.stdout)
+                emit("check", "fagen.attention dense h16 sq1 sk777", "fagen.attention", "FAIL", None,
+                     f"ERROR {type(e).__name__}: {(str(e).splitlines() or [''])[0][:150]}")
         return
 
     from triton.testing import do_bench

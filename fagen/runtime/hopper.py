@@ -50,8 +50,11 @@ WINDOW_MIN_WORK = 1 << 24  # the same with a window: B x Hq x Sq x (left + right
 LATENT_MIN_WORK = 1 << 22
 # [Note] Latent padded tiles. The gluon decode runs Hq x Sq of 16, 32 or 48 rows (MLA's memory-bound Hq 16, Sq 1)
 # as one 64-row tile padded ([Note] Padded row tiles in fagen/templates/gluon/mla_decode.py.j2); fagen.attention
-# hands those shapes to it only when this is True (ninth session: measured by scripts/gpu_mla_dec_s9.py).
-LATENT_PAD_SELECTED = False
+# hands those shapes to it when this is True (from LATENT_MIN_WORK pairs, as the 64-row tiles). H100, Hq 16 Sq 1
+# page 64, % of copy bandwidth, eager back to back (scripts/gpu_mla_dec_s9.py round A, 2026-11-27), gluon / Triton:
+# b128 kv4k 91.4 / 89.5, b32 kv32k 91.5 / 87.4, b128 kv32k 95.9 / 97.4; b32 kv4k (2^21 pairs: Triton) was host
+# time in both (34 / 65%, ~50 us of GPU work a call).
+LATENT_PAD_SELECTED = True
 # [Note] Gluon size rule. The Gluon forward's kernel is faster than the Triton one (0.70-0.75x the time per call
 # at 2^27 .. 2^29 causal d128 bf16 pairs on the H100), but its host path used to cost about 200 us a call
 # (four TensorDescriptors and the JIT dispatch; benchmarks/latency.md), so MIN_WORK was 2^29. With fast launches

@@ -17,7 +17,7 @@ from fagen.bench.workloads import BenchCase, make_case
 # The absorbed rows (ninth session) are MLA's real decode: d_qk 576, d_v 512, one latent cache (dense here) read
 # once for K and V (case.shared_kv: v=None), GB/s over the latent bytes (1 a value for fp8, with one scale a KV head),
 # at the memory-bound Hq 16 Sq 1 and the compute-bound Hq 128 Sq 2; on sm_90 the spec is what fagen.attention picks
-# (hopper.latent_decode_spec: the gluon MLA decode at Hq 128; the Triton decode elsewhere and for fp8).
+# (hopper.latent_decode_spec: the gluon MLA decode for bf16, Hq 16 as one padded tile; the Triton decode for fp8).
 def serving_rows(quick: bool = False) -> list[BenchCase]:
     s = (lambda n: max(1, n // 64)) if quick else (lambda n: n)
     sk = (lambda n: max(256, n // 64)) if quick else (lambda n: n)  # decode rows stay decode-shaped (Sk >= 256)

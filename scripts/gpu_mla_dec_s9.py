@@ -132,6 +132,19 @@ def phase(name):  # noqa: C901 - one phase in this process
                             kw["k_scale"][pg, lo:] = float("nan")
         return q, cache, table, torch.tensor(lens, dtype=torch.int32, device=dev), kw
 
+    if name == "bench":  # the serving bench's absorbed rows (fagen/bench/serving.py) through the bench's fagen column
+        from fagen.bench.cases import BenchOptions
+        from fagen.bench.impls import run_case
+        from fagen.bench.serving import serving_rows
+        rows = sorted((c for c in serving_rows(quick=DRY) if c.shared_kv), key=lambda c: (c.heads_q, c.kv_dtype or ""))
+        for c in rows:
+            t = time.time()
+            r = run_case(c, BenchOptions(device=dev, impls=("fagen", ), rep_ms=20, warmup_ms=5, sets=1),
+                         log=lambda *_: None)[0]
+            value = "-" if r["ms"] is None else (f"{r['gbs']:.0f} GB/s" if c.metric == "gbs" else f"{r['tflops']:.1f} TF/s")
+            emit("bench", c.name, "fagen (bench)", value, r["ms"], f"{r['status']}, check {r['check']}; "
+                 f"{r.get('note') or ''} {r.get('spec') or ''}; {time.time() - t:.1f} s (beside the check phases)")
+        return
     if name.startswith("check"):
         for variant in CHECK_GROUPS[name]:
             for form in ("rule", "s1", "s3"):
@@ -325,7 +338,8 @@ def main():
         rcs[name] = rc
         print(f"[{time.time() - T0:6.1f}s] #### phase {name}: rc={rc}", flush=True)
 
-    threads = [threading.Thread(target=run, args=(g, LIMITS["check"])) for g in CHECK_GROUPS if CHECK_GROUPS[g]]
+    threads = [threading.Thread(target=run, args=(g, LIMITS["check"])) for g in [*CHECK_GROUPS, "bench"]
+               if g == "bench" or CHECK_GROUPS[g]]
     for t in threads:
         t.start()
     for t in threads:
@@ -337,7 +351,7 @@ def main():
     run("time", LIMITS["time"])
     for n, rc in rcs.items():
         if rc != 0:
-            rows.append([n, "(phase)", "-", "-", "", f"ERROR rc={rc}"])
+            rows.append([n, "(phase)", "-", "-", "", f"{'stopped' if n == 'bench' else 'ERROR'} rc={rc}"])
     text = "\n".join(["| section | case | impl | value | ms | note |", "|---|---|---|---|---|---|"]
                      + ["| " + " | ".join(r) + " |" for r in rows])
     print("\n" + text, flush=True)

@@ -62,6 +62,12 @@ def test_latent_decode_spec_needs_sm90_the_api_and_the_switch(monkeypatch):
     assert twin == spec() and twin.layout is triton_spec.layout
     assert hopper.latent_decode_spec(spec("triton", layout="dense"), cuda) == spec(layout="dense")
     assert hopper.latent_decode_spec(spec("triton", kv_dtype="fp8_e4m3"), cuda) is None  # falls back to Triton
+    assert hopper.latent_decode_spec(triton_spec, cuda, 128) == spec()
+    monkeypatch.setattr(hopper, "LATENT_PAD_SELECTED", False)
+    assert hopper.latent_decode_spec(triton_spec, cuda, 16) is None  # [Note] Latent padded tiles
+    monkeypatch.setattr(hopper, "LATENT_PAD_SELECTED", True)
+    assert hopper.latent_decode_spec(triton_spec, cuda, 16) == spec()
+    monkeypatch.setattr(hopper, "LATENT_PAD_SELECTED", False)
     monkeypatch.setenv(hopper.ENV, "0")
     assert hopper.latent_decode_spec(triton_spec, cuda) is None
     monkeypatch.delenv(hopper.ENV)
@@ -70,9 +76,11 @@ def test_latent_decode_spec_needs_sm90_the_api_and_the_switch(monkeypatch):
 
 
 @pytest.mark.parametrize("hq, sq, hkv, page, ok", [
-    (128, 2, 1, 64, True), (64, 1, 1, 128, True), (32, 2, 1, 64, True), (16, 1, 1, 64, False),
-    (128, 3, 1, 64, True), (96, 1, 1, 64, False), (128, 2, 2, 64, False), (128, 2, 1, 32, False)])
+    (128, 2, 1, 64, True), (64, 1, 1, 128, True), (32, 2, 1, 64, True), (16, 1, 1, 64, True), (16, 3, 1, 64, True),
+    (16, 5, 1, 64, False), (8, 1, 1, 64, False), (128, 3, 1, 64, True), (96, 1, 1, 64, False),
+    (128, 2, 2, 64, False), (128, 2, 1, 32, False)])
 def test_fits_takes_rows_in_tiles_of_64_one_head_and_pages_of_64(hq, sq, hkv, page, ok):
+    """Tiles of 64 rows, or one padded tile of 16, 32 or 48 ([Note] Padded row tiles)."""
     mod = fagen.load(spec(gqa=hq // hkv))
     q = torch.empty(1, hq, sq, D, dtype=torch.bfloat16)
     k = torch.empty(2, page, hkv, D, dtype=torch.bfloat16)
@@ -95,6 +103,13 @@ def test_fagen_attention_takes_the_gluon_decode_where_it_fits(monkeypatch):
     monkeypatch.setattr(hopper, "LATENT_MIN_WORK", 1)
     with torch.no_grad(), pytest.raises(ValueError, match="this Gluon kernel .* runs on a CUDA device"):
         fagen.attention(q64, k, None, head_dim_v=DV, mask="causal")
+    q16 = torch.randn(1, 16, 1, D, generator=gen).bfloat16()  # a padded tile: only if selected ([Note] Latent padded
+    monkeypatch.setattr(hopper, "LATENT_PAD_SELECTED", False)  # tiles)
+    with torch.no_grad():
+        assert torch.isfinite(fagen.attention(q16, k, None, head_dim_v=DV, mask="causal")).all()
+    monkeypatch.setattr(hopper, "LATENT_PAD_SELECTED", True)
+    with torch.no_grad(), pytest.raises(ValueError, match="this Gluon kernel .* runs on a CUDA device"):
+        fagen.attention(q16, k, None, head_dim_v=DV, mask="causal")
     q = torch.randn(1, 2, 1, D, generator=gen).bfloat16()  # 2 rows: the Triton decode (interpreted) serves
     with torch.no_grad():
         out = fagen.attention(q, k, None, head_dim_v=DV, mask="causal")
@@ -120,6 +135,8 @@ def test_the_kernel_clamps_page_indexes_and_lengths():
     src = render(spec()).source
     assert "page = gl.minimum(gl.maximum(page, 0), num_pages - 1)" in src
     assert "seq_len = gl.minimum(gl.maximum(gl.load(Seqlens + b), 0), bt_width * PAGE)" in src
+    # [Note] Padded row tiles: a tile's rows past ROWS (the next sequence's q) are never stored
+    assert src.count("mask=oreal)") == 2 and src.count("mask=real)") == 2
 
 
 _SCRIPT = r"""
@@ -131,7 +148,8 @@ from sm90 import loops, ptxas
 
 out = {}
 for key, (layout, kw) in json.loads(sys.argv[2]).items():
-    mod = fagen.load(fagen.KernelSpec(head_dim=576, head_dim_v=512, shared_kv=True, kind="decode", gqa=128,
+    gqa = kw.pop("gqa", 128)
+    mod = fagen.load(fagen.KernelSpec(head_dim=576, head_dim_v=512, shared_kv=True, kind="decode", gqa=gqa,
                                       dtype="bf16", mask="causal", layout=layout, backend="gluon"))
     ck = mod.compile_for(**kw)
     ptx = ck.asm["ptx"]
@@ -144,7 +162,9 @@ for key, (layout, kw) in json.loads(sys.argv[2]).items():
 print("RESULT " + json.dumps(out))
 """
 BUILDS = {"paged_sq2": ("paged", dict(seq_q=2)), "paged_sq2_split": ("paged", dict(seq_q=2, num_splits=2)),
-          "paged_sq1": ("paged", dict(seq_q=1)), "dense_sq2": ("dense", dict(seq_q=2))}
+          "paged_sq1": ("paged", dict(seq_q=1)), "dense_sq2": ("dense", dict(seq_q=2)),
+          "paged_h16_sq1": ("paged", dict(seq_q=1, gqa=16)), "paged_h16_sq1_split": ("paged", dict(seq_q=1, gqa=16,
+                                                                                                 num_splits=3))}
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +180,7 @@ def test_builds_within_shared_memory_without_spills(built, key):
     assert r["shared"] <= backends.smem_bytes(spec()) <= 232448, r
     assert r["spills"] == 0 and r["stack"] == 0 and not r["serialized"], r
     assert r["wgmma"] == [44, 44], r
-    regs = 240 if key == "paged_sq1" else 232
+    regs = 240 if "sq1" in key else 232
     assert {regs, 24} <= set(r["setmaxnreg"]), r
 
 
@@ -195,12 +215,14 @@ def _sm90():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU and triton's Gluon Hopper API")
-@pytest.mark.parametrize("sq, invariant, splits", [(2, False, None), (2, False, 1), (2, True, None), (1, False, 3)])
-def test_gpu_against_float64(sq, invariant, splits):
+@pytest.mark.parametrize("sq, invariant, splits, hq", [(2, False, None, 128), (2, False, 1, 128), (2, True, None, 128),
+                                                      (1, False, 3, 128), (1, False, None, 16), (1, True, None, 16),
+                                                      (3, False, 1, 16)])
+def test_gpu_against_float64(sq, invariant, splits, hq):
     """Ragged lengths (odd, one empty, NaN past each end in shuffled pages) against float64; bad page indexes and
-    lengths change only their own sequences."""
+    lengths change only their own sequences. Hq 16: one padded tile ([Note] Padded row tiles)."""
     from fagen.verify import reference
-    lens, page, hq = [1000, 77, 0, 513, 64], 64, 128
+    lens, page = [1000, 77, 0, 513, 64], 64
     gen = torch.Generator().manual_seed(sq)
     width = -(-max(lens) // page)
     pages = len(lens) * width + 3
@@ -212,7 +234,7 @@ def test_gpu_against_float64(sq, invariant, splits):
             if n - p * page < page:
                 cache[table[i, p], max(0, n - p * page):] = float("nan")
     cache, table, seqlens = cache.cuda(), table.cuda(), torch.tensor(lens, dtype=torch.int32).cuda()
-    mod = fagen.load(spec())
+    mod = fagen.load(spec(gqa=hq))
     kw = dict(block_table=table, seqlens_k=seqlens, scale=0.07)
     out, lse = (mod.forward_split(q, cache, None, num_splits=splits, **kw) if splits
                 else mod.forward(q, cache, None, batch_invariant=invariant, **kw))

@@ -9,7 +9,8 @@ from typing import Any, Callable
 
 import torch
 
-from fagen.bench.workloads import BenchCase, InputSet, make_inputs, set_bytes
+from fagen.bench.inputs import InputSet, make_inputs, set_bytes
+from fagen.bench.workloads import BenchCase
 from fagen.spec.axes import Direction, Mask
 from fagen.bench import IMPLS  # noqa: F401 (re-exported for impls.py and report.py)
 from fagen.verify import reference
@@ -96,7 +97,7 @@ class CaseContext:
                  kend: int | None = None) -> tuple[torch.Tensor, ...]:
         G = self.case.gqa
         return (s.q[b:b + 1, g * G:(g + 1) * G, r0:r1], s.k[b:b + 1, g:g + 1, :kend],
-                s.v[b:b + 1, g:g + 1, :kend])
+                None if s.v is None else s.v[b:b + 1, g:g + 1, :kend])  # None: a shared latent cache
 
     def score_slice(self, s: InputSet, g: int) -> dict:
         """The score arguments of KV group g's query heads (per-head slopes and sinks cut to the group; an fp8
@@ -122,7 +123,8 @@ class CaseContext:
                     grads = torch.autograd.grad(out, (q, k, v), dout)
                     self._refs[sl] = (out.detach(), lse.detach(), grads)
                 else:
-                    out, lse = reference.attention(q, k, v, mask=c.mask, **kw)
+                    latent = {"head_dim_v": c.head_dim_v} if v is None else {}
+                    out, lse = reference.attention(q, k, v, mask=c.mask, **kw, **latent)
                     self._refs[sl] = (out, lse, None)
         return self._refs
 

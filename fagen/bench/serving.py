@@ -14,6 +14,10 @@ from fagen.bench.workloads import BenchCase, make_case
 # rows pair each decode row at b1 and b32 under batch_invariant=False (the split rule) with the same row under
 # batch_invariant=True: the cost is their ratio.
 # Decode rows other than the bf16 baselines run fagen alone (no peer takes an fp8 cache or the flag).
+# The absorbed rows (ninth session) are MLA's real decode: d_qk 576, d_v 512, one latent cache (dense here) read
+# once for K and V (case.shared_kv: v=None), GB/s over the latent bytes (1 a value for fp8, with one scale a KV head),
+# at the memory-bound Hq 16 Sq 1 and the compute-bound Hq 128 Sq 2; on sm_90 the spec is what fagen.attention picks
+# (hopper.latent_decode_spec: the gluon MLA decode for bf16, Hq 16 as one padded tile; the Triton decode for fp8).
 def serving_rows(quick: bool = False) -> list[BenchCase]:
     s = (lambda n: max(1, n // 64)) if quick else (lambda n: n)
     sk = (lambda n: max(256, n // 64)) if quick else (lambda n: n)  # decode rows stay decode-shaped (Sk >= 256)
@@ -30,6 +34,14 @@ def serving_rows(quick: bool = False) -> list[BenchCase]:
                               batch=b(batch), heads_q=16, heads_kv=1, seq_q=1, seq_k=sk(kv)))
     rows.append(make_case("decode-mla-d192v128-h128-sq2-kv8k-b32", **mla, mask="causal", batch=b(32), heads_q=128,
                           heads_kv=1, seq_q=2, seq_k=sk(8192), metric="tflops", peers=False))
+    latent = dict(head_dim=576, head_dim_v=512, shared_kv=True, heads_kv=1, peers=False)
+    for kv_dtype in (None, "fp8_e4m3"):
+        tag = "-fp8" if kv_dtype else ""
+        for kv, batch in ((4096, 128), (32768, 32)):
+            rows.append(make_case(f"decode-mla-absorbed-h16-kv{kv // 1024}k-b{batch}{tag}", **latent, mask="none",
+                                  batch=b(batch), heads_q=16, seq_q=1, seq_k=sk(kv), kv_dtype=kv_dtype))
+        rows.append(make_case(f"decode-mla-absorbed-h128-sq2-kv8k-b32{tag}", **latent, mask="causal", batch=b(32),
+                              heads_q=128, seq_q=2, seq_k=sk(8192), kv_dtype=kv_dtype, metric="tflops"))
     d128 = dict(head_dim=128, mask="none", heads_q=32, heads_kv=8, seq_q=1)
     for name, batch, kv in (("kv8k-b32", 32, 8192), ("kv32k-b8", 8, 32768)):
         rows.append(make_case(f"decode-d128-{name}-fp8", **d128, batch=b(batch), seq_k=sk(kv), kv_dtype="fp8_e4m3",

@@ -1,4 +1,5 @@
-"""Benchmark workloads: cases, the FLOP and byte counts they are scored by, the standard suite, inputs."""
+"""Benchmark workloads: cases, the FLOP and byte counts they are scored by, the standard suite (inputs:
+fagen/bench/inputs.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,8 @@ import torch
 from fagen.runtime import hopper as hopper_rule
 from fagen.runtime.kinds import prefers_decode
 from fagen.spec import tables
-from fagen.spec.axes import Direction, DType, Kind, KVDType, Mask
+from fagen.spec.axes import Direction, DType, Kind, Mask
 from fagen.spec.kernel import SCORE_SWITCHES, KernelSpec
-from fagen.verify import reference
 
 METRICS = ("tflops", "gbs", "ms")  # what a case's table cell shows; ms is "lower is better"
 BWD_FACTOR = 2.5  # backward FLOPs = 2.5 x forward (two matmuls forward, five backward: 5/2)
@@ -53,6 +53,9 @@ class BenchCase:
     head_dim_v: int | None = None
     kv_dtype: str | None = None
     batch_invariant: bool | None = None
+    # MLA's absorbed decode (docs/serving.md, "MLA absorbed decode"): k is one latent cache head_dim wide, V its first
+    # head_dim_v columns (v=None in the call); an fp8 latent has one scale a KV head (k_scale only).
+    shared_kv: bool = False
 
     def __post_init__(self):
         put = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
@@ -86,6 +89,8 @@ class BenchCase:
             raise ValueError(f"case {self.name}: mask {self.mask} needs seqlens_q and seqlens_k")
         if self.mask is Mask.TREE and (self.parents is None or self.seq_k < self.seq_q):
             raise ValueError(f"case {self.name}: a tree case needs parents and seq_k >= seq_q")
+        if self.shared_kv and not (self.head_dim_v < self.head_dim and prefers_decode(self.seq_q, self.seq_k)):
+            raise ValueError(f"case {self.name}: shared_kv is a decode case with head_dim_v < head_dim")
 
     @property
     def gqa(self) -> int:
@@ -117,6 +122,8 @@ class BenchCase:
             fields["head_dim_v"] = self.head_dim_v
         if self.kv_dtype is not None:
             fields["kv_dtype"] = self.kv_dtype
+        if self.shared_kv:
+            fields["shared_kv"] = True
         if self.dtype is DType.FP8_E4M3:  # the fp8 forward is the gluon backend's alone (README "fp8 forward")
             fields["backend"] = "gluon"
         fields.update(self.overrides)  # explicit flags win
@@ -125,6 +132,13 @@ class BenchCase:
         spec = KernelSpec(**fields)
         if not self.hopper and not note:
             note = "Triton forward (no Hopper selection)"
+        if hopper and self.hopper and not self.overrides and spec.shared_kv and self.batch * self.heads_q * \
+                self.seq_q * self.seq_k >= hopper_rule.LATENT_MIN_WORK:  # as fagen.attention's latent decode
+            gluon = hopper_rule.latent_decode_spec(spec, torch.device(device or ("cuda" if torch.cuda.is_available()
+                                                                                 else "cpu")),
+                                                   self.heads_q * self.seq_q)
+            if gluon is not None and self.heads_kv == 1:
+                return gluon, f"gluon MLA decode ({hopper_rule.ENV}=0 for the Triton one)"
         if hopper and self.hopper and not self.overrides and spec.kind is Kind.PREFILL:  # hopper_rule decides
             if device is None:  # (score switches included); with gradients the gluon backward's rule
                 device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -232,6 +246,8 @@ def kv_bytes(case: BenchCase) -> int:
     (1 for an fp8 cache: the bytes actually read)."""
     keys = sum(case.seqlens_k) if case.mask.padded else case.batch * case.seq_k
     size = 1 if case.kv_dtype is not None else case.dtype.itemsize
+    if case.shared_kv:  # one latent row a key, read once for K and V
+        return keys * case.heads_kv * case.head_dim * size
     return keys * case.heads_kv * (case.head_dim + case.head_dim_v) * size
 
 
@@ -381,80 +397,6 @@ def scores_suite(quick: bool = False) -> list[BenchCase]:
 SUITES = {"standard": standard_suite, "scores": scores_suite}  # and "serving": fagen/bench/serving.py
 
 
-@dataclasses.dataclass
-class InputSet:
-    """One set of inputs in the fagen contract's form; every implementation reads the same tensors."""
-
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    kwargs: dict  # seqlens_q, seqlens_k, tree_mask (bool ancestor-or-self [B, Sq, Sq]) as the mask needs
-    dout: torch.Tensor | None = None  # incoming gradient for backward cases
-    scores: dict = dataclasses.field(default_factory=dict)  # window, softcap, alibi_slopes [Hq], sinks [Hq]
-
-
-def alibi_slopes(heads: int) -> torch.Tensor:
-    """The ALiBi paper's geometric slopes 2^(-8 (h + 1) / H), float32 [H]."""
-    return torch.exp2(-8.0 * torch.arange(1, heads + 1, dtype=torch.float32) / heads)
-
-
-# Sinks near a row's logsumexp, so that the sink takes a sizeable share of each row (a peer that drops it fails
-# the check): with q ~ 3 N(0, 1) the scaled logits have std 3, so a row of n keys has lse ~ ln n + 4.5.
-SINK_CENTER, SINK_SPREAD = 9.0, 2.0
-
-
-def score_inputs(case: BenchCase, device: torch.device, seed: int) -> dict:
-    """The switch arguments of fagen.attention for the case (slopes and sinks drawn from `seed`, float32 [Hq])."""
-    out: dict = {}
-    if case.window is not None:
-        out["window"] = case.window
-    if case.softcap is not None:
-        out["softcap"] = case.softcap
-    if case.alibi:
-        out["alibi_slopes"] = alibi_slopes(case.heads_q).to(device)
-    if case.sinks:
-        gen = torch.Generator().manual_seed(seed + 7919)
-        sinks = SINK_CENTER + SINK_SPREAD * (2 * torch.rand(case.heads_q, generator=gen) - 1)
-        out["sinks"] = sinks.to(device)
-    return out
-
-
-def make_inputs(case: BenchCase, device: torch.device, seed: int) -> InputSet:
-    """Fresh normal inputs on the device (padding positions hold data too: masks, not zeros, hide them)."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    dtype = getattr(torch, tables.TORCH_DTYPE[case.dtype])
-
-    def normal(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=gen, device=device, dtype=torch.float32) * scale).to(dtype)
-
-    q = normal(case.batch, case.heads_q, case.seq_q, case.head_dim, scale=Q_MAGNITUDE)
-    k = normal(case.batch, case.heads_kv, case.seq_k, case.head_dim)
-    v = normal(case.batch, case.heads_kv, case.seq_k, case.head_dim_v)
-    kwargs: dict = {}
-    if case.mask.padded:
-        kwargs["seqlens_q"] = torch.tensor(case.seqlens_q, dtype=torch.int32, device=device)
-        kwargs["seqlens_k"] = torch.tensor(case.seqlens_k, dtype=torch.int32, device=device)
-    if case.mask is Mask.TREE:
-        kwargs["tree_mask"] = reference.ancestors_from_parents(torch.tensor(case.parents)).to(device)
-    dout = normal(*q.shape[:3], case.head_dim_v) if case.direction is Direction.BWD else None
-    scores = score_inputs(case, device, seed)
-    if case.kv_dtype is not None or case.dtype is DType.FP8_E4M3:  # fp8 k, v (a cache, or the fp8 forward's
-        kv_dtype = getattr(torch, tables.TORCH_KV_DTYPE[KVDType(case.kv_dtype or "fp8_e4m3")])  # k_descale, v_descale)
-        k, v = k.to(kv_dtype), v.to(kv_dtype)  # with per-KV-head scales: what k, v mean is their product
-        scales = torch.Generator(device="cpu").manual_seed(seed + 8)
-        for name in ("k_scale", "v_scale"):
-            scores[name] = (0.5 + torch.rand(case.heads_kv, generator=scales)).to(device)
-    if case.batch_invariant is not None:  # decode rows that ask: True, or False for the split rule
-        scores["batch_invariant"] = case.batch_invariant
-    return InputSet(q, k, v, kwargs, dout, scores)
-
-
-def set_bytes(case: BenchCase) -> int:
-    rows_q, rows_kv = case.batch * case.heads_q * case.seq_q, case.batch * case.heads_kv * case.seq_k
-    per_q = rows_q * (case.head_dim + case.head_dim_v * (2 if case.direction is Direction.BWD else 1))  # q, out, dO
-    return (per_q + rows_kv * (case.head_dim + case.head_dim_v)) * case.dtype.itemsize
-
-
 def describe_case(c: BenchCase) -> str:
     """Shapes in one short line: ``fwd causal d128 b1 h16 sq16384 sk16384 bf16``."""
     heads = f"h{c.heads_q}" if c.gqa == 1 else f"h{c.heads_q}/{c.heads_kv}"
@@ -462,7 +404,7 @@ def describe_case(c: BenchCase) -> str:
     extra = "".join([f" window {side(c.window[0])}/{side(c.window[1])}" if c.window else "",
                      f" softcap {c.softcap:g}" if c.softcap is not None else "", " alibi" * c.alibi,
                      " sinks" * c.sinks, " triton" * (not c.hopper),
-                     f" kv {c.kv_dtype}" if c.kv_dtype else "", " batch-invariant" * (c.batch_invariant is True),
+                     f" kv {c.kv_dtype}" if c.kv_dtype else "", " latent" * c.shared_kv, " batch-invariant" * (c.batch_invariant is True),
                      " split-rule" * (c.batch_invariant is False)])
     dv = "" if c.head_dim_v == c.head_dim else f"v{c.head_dim_v}"
     return f"{c.direction} {c.mask} d{c.head_dim}{dv} b{c.batch} {heads} sq{c.seq_q} sk{c.seq_k} {c.dtype}{extra}"

@@ -205,7 +205,7 @@ def _latent(q, k, *, mask, head_dim_v, window, softcap, alibi_slopes, sinks, **r
     except SpecError as e:
         raise AttentionError(f"no kernel for these inputs: {e}") from None
     module = _module(spec)
-    twin = hopper.latent_decode_spec(spec, q.device) \
+    twin = hopper.latent_decode_spec(spec, q.device, q.shape[1] * q.shape[2]) \
         if q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] >= hopper.LATENT_MIN_WORK else None
     if twin is not None and (gluon := _module(twin)).fits(q, k) is None:  # [Note] Hopper selection: MLA decode
         module = gluon

@@ -48,6 +48,13 @@ WINDOW_MIN_WORK = 1 << 24  # the same with a window: B x Hq x Sq x (left + right
 # scripts/gpu_mla_glu.py, round B, the merge on fast launches): b1 kv1024 (2^18) 73.9 / 89.3 us, b4 kv4096 (2^22)
 # 119.5 / 105.9, b8 kv8192 (2^24) 212 / 98, b16 kv8192 (2^25) 324 / 149. So the gluon module serves from 2^22.
 LATENT_MIN_WORK = 1 << 22
+# [Note] Latent padded tiles. The gluon decode runs Hq x Sq of 16, 32 or 48 rows (MLA's memory-bound Hq 16, Sq 1)
+# as one 64-row tile padded ([Note] Padded row tiles in fagen/templates/gluon/mla_decode.py.j2); fagen.attention
+# hands those shapes to it when this is True (from LATENT_MIN_WORK pairs, as the 64-row tiles). H100, Hq 16 Sq 1
+# page 64, % of copy bandwidth, eager back to back (scripts/gpu_mla_dec_s9.py round A, 2026-11-27), gluon / Triton:
+# b128 kv4k 91.4 / 89.5, b32 kv32k 91.5 / 87.4, b128 kv32k 95.9 / 97.4; b32 kv4k (2^21 pairs: Triton) was host
+# time in both (34 / 65%, ~50 us of GPU work a call).
+LATENT_PAD_SELECTED = True  # round B (CUDA graphs): 93.0 / 92.7 / 96.5% against 90.6 / 88.7 / 98.7
 # [Note] Gluon size rule. The Gluon forward's kernel is faster than the Triton one (0.70-0.75x the time per call
 # at 2^27 .. 2^29 causal d128 bf16 pairs on the H100), but its host path used to cost about 200 us a call
 # (four TensorDescriptors and the JIT dispatch; benchmarks/latency.md), so MIN_WORK was 2^29. With fast launches
@@ -128,13 +135,16 @@ def forward_spec(spec: KernelSpec, device) -> KernelSpec | None:
     return gluon_twin(case)
 
 
-def latent_decode_spec(spec: KernelSpec, device) -> KernelSpec | None:
+def latent_decode_spec(spec: KernelSpec, device, rows: int | None = None) -> KernelSpec | None:
     """The gluon spec that should serve a shared latent decode (MLA's absorbed decode, a Triton decode spec) on
     `device`, or None: keep `spec`. The caller also asks the module whether it takes the inputs (its fits(q, k): Hq x
-    Sq a multiple of 64, one KV head, pages of a multiple of 64 keys; [Note] Gluon MLA decode in
-    fagen/backends/gluon.py); the Triton decode keeps every other case."""
+    Sq a multiple of 64 or one padded tile of 16, 32 or 48 rows, one KV head, pages of a multiple of 64 keys;
+    [Note] Gluon MLA decode in fagen/backends/gluon.py); the Triton decode keeps every other case. `rows` (Hq x Sq,
+    when the caller knows it): a padded tile serves only under LATENT_PAD_SELECTED ([Note] Latent padded tiles)."""
     if not (spec.shared_kv and GLUON.decode_selected(spec) and enabled() and is_hopper(device)
             and gluon_missing() is None):
+        return None
+    if rows is not None and rows % 64 and not LATENT_PAD_SELECTED:
         return None
     return _latent_twin(spec)
 

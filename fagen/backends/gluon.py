@@ -148,9 +148,12 @@ class GluonBackend(KernelBackend):
     # also picks, as measured (scripts/gpu_mods_bwd_s6.py --gluon against the Triton backward, docs/mods.md, "The
     # Gluon backward"): bwd_selected_switches, the switch tuples picked ((), always); bwd_select_score_mods, a
     # score_mod without a mask_mod (its captured tensors without gradient: the caller's condition). Off until the
-    # H100 rows are in; fagen/runtime/hopper.py's backward_spec builds the twin with these fields.
+    # H100 rows are in; fagen/runtime/hopper.py's backward_spec builds the twin with these fields ([Note] Gluon
+    # backward selection there). Ninth session: a score_mod on (H100, round B of the eighth, backward TF/s at B1 H16
+    # S8192 deterministic, Gluon / Triton: ALiBi row-free 477 / 429, relative bias 254 / 204); the window and the
+    # softcap switch off until timed (scripts/gpu_mods_bwd_s9.py).
     bwd_selected_switches: tuple = ((), )
-    bwd_select_score_mods = False
+    bwd_select_score_mods = True
 
     # [Note] Gluon backward levers (variant bwd_*, rendered by fagen/templates/gluon/backward.py.j2 only where on; the
     # designs in lab/gluon_bwd.py): bwd_order 1, the dQ turns by arrival within a wave ([Note] Wave order); bwd_snake
@@ -301,7 +304,8 @@ class GluonBackend(KernelBackend):
         """Whether the measured rule ([Note] Gluon backward rule) picks the gluon backward (its deterministic mode)
         for the case of `spec` with gradients (machine not considered)."""
         return (spec.kind is Kind.PREFILL and spec.head_dim in self.bwd_head_dims and spec.head_dim_v == spec.head_dim
-                and spec.dtype in self.selected_dtypes and spec.mask in self.selected_masks
+                and spec.layout is Layout.DENSE and spec.dtype in self.selected_dtypes
+                and spec.mask in self.selected_masks
                 and spec.switches in self.bwd_selected_switches and spec.mask_mod is None
                 and (spec.score_mod is None or self.bwd_select_score_mods))
 

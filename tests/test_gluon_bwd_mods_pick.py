@@ -175,3 +175,23 @@ def test_the_clamp_free_kernel_is_a_constexpr_that_drops_the_clamped_read():
                    dict(score_mod="score + kv_idx * s", mod_scalars=[["s", "float"]]), {}):
         other = render(bwd(backend="gluon", **fields)).files[".py"]
         assert "MOD_FREE" not in other and "_mod_free" not in other
+
+
+def test_an_unordered_only_switch_set_serves_deterministic_false_alone(as_if_hopper, monkeypatch):  # noqa: F811
+    """bwd_unordered_switches: picked for deterministic=False only, and only where that mode is the unordered one
+    (not GQA causal); fagen.attention carries the mode to resolve as big_bwd 2."""
+    from fagen import backends
+    from fagen.runtime import api, resolve
+
+    monkeypatch.setattr(type(backends.GLUON), "bwd_unordered_switches", (("window",),))
+    win, cuda = bwd(mask="causal", window=True), torch.device("cuda")
+    assert hopper.backward_spec(win, cuda) is None and hopper.backward_spec(win, cuda, True).window
+    assert hopper.backward_spec(bwd(mask="causal", window=True, gqa=4), cuda, True) is None
+    q = torch.zeros(1, 2, 8, 128, dtype=torch.bfloat16)
+    assert resolve.resolve(q, q, q, "causal", False, ("window",), False, big_bwd=2).NAME.endswith("_gluon")
+    assert not resolve.resolve(q, q, q, "causal", False, ("window",), False, big_bwd=True).NAME.endswith("_gluon")
+    monkeypatch.setattr(api, "BWD_WINDOW_MIN_WORK", 100)
+    q, k, v = _inputs(s=24)
+    with pytest.raises(ValueError, match="Gluon kernel"):  # the gluon module's device check: it was called
+        fagen.attention(q, k, v, mask="causal", window=(5, 0), deterministic=False)
+    assert fagen.attention(q, k, v, mask="causal", window=(5, 0)).shape == q.shape  # Triton, deterministic

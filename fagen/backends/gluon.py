@@ -154,6 +154,9 @@ class GluonBackend(KernelBackend):
     # softcap switch off until timed (scripts/gpu_mods_bwd_s9.py).
     bwd_selected_switches: tuple = ((), )
     bwd_select_score_mods = True
+    # bwd_unordered_switches: switch sets picked only for deterministic=False (the unordered dQ adds won there, the
+    # deterministic mode did not), where unordered_selected gives that mode.
+    bwd_unordered_switches: tuple = ()
 
     # [Note] Gluon backward levers (variant bwd_*, rendered by fagen/templates/gluon/backward.py.j2 only where on; the
     # designs in lab/gluon_bwd.py): bwd_order 1, the dQ turns by arrival within a wave ([Note] Wave order); bwd_snake
@@ -300,13 +303,16 @@ class GluonBackend(KernelBackend):
             raise SpecError("window", True, "the gluon backward's wave order (variant bwd_order) has no window; "
                                             "set bwd_order 0, or use backend 'triton'")
 
-    def bwd_selected(self, spec) -> bool:
-        """Whether the measured rule ([Note] Gluon backward rule) picks the gluon backward (its deterministic mode)
-        for the case of `spec` with gradients (machine not considered)."""
+    def bwd_selected(self, spec, unordered: bool = False) -> bool:
+        """Whether the measured rule ([Note] Gluon backward rule) picks the gluon backward (its deterministic mode;
+        unordered: deterministic=False, which also takes bwd_unordered_switches) for the case of `spec` with
+        gradients (machine not considered)."""
+        switches = spec.switches in self.bwd_selected_switches or (
+            unordered and spec.switches in self.bwd_unordered_switches and self.unordered_selected(spec.mask, spec.gqa))
         return (spec.kind is Kind.PREFILL and spec.head_dim in self.bwd_head_dims and spec.head_dim_v == spec.head_dim
                 and spec.layout is Layout.DENSE and spec.dtype in self.selected_dtypes
                 and spec.mask in self.selected_masks
-                and spec.switches in self.bwd_selected_switches and spec.mask_mod is None
+                and switches and spec.mask_mod is None
                 and (spec.score_mod is None or self.bwd_select_score_mods))
 
     def unordered_selected(self, mask, gqa: int) -> bool:

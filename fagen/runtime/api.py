@@ -134,6 +134,8 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
     forward_only = not needs_grad and not decode and four \
         and pairs >= (MIN_WORK if window is None else min(MIN_WORK, WINDOW_MIN_WORK))
     big_bwd = needs_grad and four and pairs >= (BWD_MIN_WORK if window is None else BWD_WINDOW_MIN_WORK)
+    if big_bwd and deterministic is False:  # the rule's unordered-only switch sets ([Note] Gluon backward selection)
+        big_bwd = 2
     module = _FAST.get(fast_key(q, k, v, mask, decode, switches, forward_only, big_bwd)) \
         if four and isinstance(mask, str) else None
     if module is None:

@@ -165,11 +165,11 @@ def mod_forward_spec(spec: KernelSpec, device) -> KernelSpec | None:
     return twin
 
 
-def backward_spec(spec: KernelSpec, device) -> KernelSpec | None:
+def backward_spec(spec: KernelSpec, device, unordered: bool = False) -> KernelSpec | None:
     """The gluon bwd spec that should serve `spec`'s case with gradients on `device`, or None: keep `spec` (the
     caller checks the problem size against BWD_MIN_WORK, BWD_WINDOW_MIN_WORK with a window, and that no captured
-    tensor asks for a gradient: [Note] Gluon backward selection)."""
-    if not (enabled() and GLUON.bwd_selected(spec) and is_hopper(device) and gluon_missing() is None):
+    tensor asks for a gradient: [Note] Gluon backward selection); unordered: the call's deterministic=False."""
+    if not (enabled() and GLUON.bwd_selected(spec, unordered) and is_hopper(device) and gluon_missing() is None):
         return None
     return _bwd_twin(spec)
 

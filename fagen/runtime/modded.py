@@ -200,7 +200,7 @@ def attention(q, k, v, *, mask, scale, seqlens_q, seqlens_k, tree_mask, scores: 
         if module is None:
             module = _FORWARD_ONLY[(key, big, short)] = _forward_module(key, spec, args, q.device, big, short)
         return module.forward(q, k, v, **kw)[0]  # no autograd node to build
-    gluon = _gluon_bwd(key, spec, q, k, scores, args, mods) if packed is None else None
+    gluon = _gluon_bwd(key, spec, q, k, scores, args, mods, deterministic) if packed is None else None
     if gluon is not None:  # [Note] Gluon backward selection (fagen/runtime/hopper.py)
         if deterministic is False and hopper.unordered(gluon):
             kw["deterministic"] = False
@@ -211,7 +211,8 @@ def attention(q, k, v, *, mask, scale, seqlens_q, seqlens_k, tree_mask, scores: 
 _GLUON_BWD: dict[tuple, ModuleType | None] = {}
 
 
-def _gluon_bwd(key: tuple, spec: KernelSpec, q, k, scores: dict, args: ModArgs, mods: Mods) -> ModuleType | None:
+def _gluon_bwd(key: tuple, spec: KernelSpec, q, k, scores: dict, args: ModArgs, mods: Mods,
+               deterministic: bool = True) -> ModuleType | None:
     """The gluon bwd module that serves a dense modded call with gradients, or None: the Triton one ([Note] Gluon
     backward selection in fagen/runtime/hopper.py): at least BWD_MIN_WORK pairs (BWD_WINDOW_MIN_WORK with a window,
     its keys counted), no captured tensor requiring grad, a case the rule picks on q's device."""
@@ -220,10 +221,11 @@ def _gluon_bwd(key: tuple, spec: KernelSpec, q, k, scores: dict, args: ModArgs, 
     if qs[0] * qs[1] * qs[2] * keys < (hopper.BWD_MIN_WORK if window is None else hopper.BWD_WINDOW_MIN_WORK) \
             or any(mods.values[a.name].requires_grad for a in args.tensors):
         return None
-    if key not in _GLUON_BWD:
-        twin = hopper.backward_spec(spec, q.device)
-        _GLUON_BWD[key] = None if twin is None else load(twin)
-    return _GLUON_BWD[key]
+    mode = (key, deterministic is False)
+    if mode not in _GLUON_BWD:
+        twin = hopper.backward_spec(spec, q.device, deterministic is False)
+        _GLUON_BWD[mode] = None if twin is None else load(twin)
+    return _GLUON_BWD[mode]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,8 @@ Phases (scripts/_phases.py, each a child process under a time limit; "check" and
 Variants: triton = fagen.attention with $FAGEN_HOPPER=0 (the Triton backward: the sessions before this one);
 api = fagen.attention as the branch selects; api-clamped = api with the host's clamp-free test answering no;
 api-nondet = deterministic=False; asc / desc (-nondet) = the window switch's Gluon bwd module (causal, window
-(1024, 0)) with its steps in ascending / descending query blocks (variant bwd_window_desc). One table at the end;
+(1024, 0)) with its steps in ascending / descending query blocks (variant bwd_window_desc); fixed / desc-fixed: its
+deterministic dQ as fixed-point adds in any order (variant bwd_fixed 1). One table at the end;
 $OUT/mods_bwd_s9.json holds the records.
 """
 
@@ -37,7 +38,7 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 DRY = bool(os.environ.get("GPU_MODS_BWD_S9_DRY"))
 VARIANTS = {"relative-bias": ["triton", "api", "api-clamped"], "alibi": ["triton", "api", "api-nondet"],
             "prefix-lm": ["triton", "api"],
-            "sliding-window+causal": ["api", "asc", "desc", "asc-nondet", "desc-nondet"]}
+            "sliding-window+causal": ["api", "asc", "desc", "fixed", "desc-fixed", "asc-nondet", "desc-nondet"]}
 WINDOW = (1024, 0)  # the sliding-window row, lowered (docs/mods.md, "Lowering")
 BUDGET = 300.0 if DRY else 68.0  # seconds of the whole run (the runner stops it at 75)
 
@@ -63,8 +64,9 @@ def selection(on: bool) -> None:
     modded._GLUON_BWD.clear()
 
 
-def window_module(desc: bool):
-    """The Gluon bwd module of causal + window, its steps in descending query blocks where desc."""
+def window_module(desc: bool, fixed: bool = False):
+    """The Gluon bwd module of causal + window, its steps in descending query blocks where desc; fixed: its
+    deterministic dQ as fixed-point adds in any order (variant bwd_fixed 1, [Note] Fixed-point dQ)."""
     import fagen
     from fagen import backends
     from fagen.codegen.render import render
@@ -72,25 +74,27 @@ def window_module(desc: bool):
     from fagen.spec.kernel import KernelSpec
 
     spec = KernelSpec(backend="gluon", direction="bwd", head_dim=128, dtype="bf16", mask="causal", window=True)
-    if not desc:
+    if not desc and not fixed:
         return fagen.load(spec)
-    backends.GLUON.variant["bwd_window_desc"] = 1
+    lever = {"bwd_window_desc": int(desc), "bwd_fixed": int(fixed)}
+    saved = {name: backends.GLUON.variant[name] for name in lever}
+    backends.GLUON.variant.update(lever)
     render.cache_clear()
     try:
         src = render(spec).files[".py"]
     finally:
-        backends.GLUON.variant["bwd_window_desc"] = 0
+        backends.GLUON.variant.update(saved)
         render.cache_clear()
-    assert "GQA * steps - 1 - i" in src, "bwd_window_desc did not render"
-    return load_source(src, spec.name + "_desc")
+    assert ("GQA * steps - 1 - i" in src) == desc and ("BWD_DET_MODE = 2" in src) == fixed, "the levers did not render"
+    return load_source(src, spec.name + "_desc" * desc + "_fixed" * fixed)
 
 
 def caller(row: str, variant: str, sm, mm, bm):
     """The (q, k, v) -> out of a fagen variant."""
     import fagen
 
-    if variant in ("asc", "desc", "asc-nondet", "desc-nondet"):
-        module = window_module(variant.startswith("desc"))
+    if variant in ("asc", "desc", "fixed", "desc-fixed", "asc-nondet", "desc-nondet"):
+        module = window_module(variant.startswith("desc"), variant.endswith("fixed"))
         det = not variant.endswith("nondet")
         return lambda q, k, v: module.attention(q, k, v, window=WINDOW, deterministic=det)
     selection(variant != "triton")
@@ -184,7 +188,7 @@ def mod_fields(sm):
     return m.fields, m.values
 
 
-def phase_check() -> None:
+def phase_check(part: tuple[int, int]) -> None:
     import torch
 
     import fagen
@@ -248,8 +252,8 @@ def phase_check() -> None:
     def attention(sm=None, mm=None):
         return lambda q, k, v: fagen.attention(q, k, v, score_mod=sm, mask_mod=mm)
 
-    def window_call(desc, det):
-        module = window_module(desc)
+    def window_call(desc, det, fixed=False):
+        module = window_module(desc, fixed)
         return lambda q, k, v: module.attention(q, k, v, window=(37, 0), deterministic=det)
 
     def mutant_call():
@@ -281,15 +285,21 @@ def phase_check() -> None:
             ck = fagen.load(spec).compile_backward_for(mod_free=free)
             print(f"CHECK BUILT relative bias mod_free={free}: sm_90, {ck.metadata.shared} B shared", flush=True)
         return
-    run("relative bias, every index inside (clamp-free kernel)", attention(rel_free), rel_free, want_free=True)
-    run("relative bias, padded tiles outside (clamped kernel)", attention(rel_tight), rel_tight, want_free=False)
-    run("alibi (attention-gym, row-free)", attention(alibi), alibi)
-    run("prefix-lm P 83 (two split calls)", attention(mm=prefix), None, prefix)
-    for desc in (True, False):
-        for det in (True, False):
-            run(f"window causal (37, 0) {'desc' if desc else 'asc'} {'det' if det else 'unordered'}",
-                window_call(desc, det), None, window, direct=True)
-    run("MUTANT clamp-free bias halved", mutant_call(), rel_free, mutant=True, direct=True)
+    cases = [  # (name, call maker, score_mod, mask_mod, keywords): one slice per check phase (part i of n)
+        ("relative bias, every index inside (clamp-free kernel)", lambda: attention(rel_free), rel_free, None,
+         dict(want_free=True)),
+        ("MUTANT clamp-free bias halved", mutant_call, rel_free, None, dict(mutant=True, direct=True)),
+        ("window causal (37, 0) desc det", lambda: window_call(True, True), None, window, dict(direct=True)),
+        ("relative bias, padded tiles outside (clamped kernel)", lambda: attention(rel_tight), rel_tight, None,
+         dict(want_free=False)),
+        ("window causal (37, 0) asc fixed-point det", lambda: window_call(False, True, True), None, window,
+         dict(direct=True)),
+        ("window causal (37, 0) desc unordered", lambda: window_call(True, False), None, window, dict(direct=True)),
+        ("alibi (attention-gym, row-free)", lambda: attention(alibi), alibi, None, {}),
+        ("prefix-lm P 83 (two split calls)", lambda: attention(mm=prefix), None, prefix, {}),
+    ]
+    for name, make, sm, mm, kw in cases[part[0]::part[1]]:
+        run(name, make(), sm, mm, **kw)
 
 
 def phase_time() -> None:
@@ -341,11 +351,13 @@ def main() -> None:
 
     def go(name, limit, extra=()):
         rc, got = run_phase(script, name, limit, env, on_line=lambda s: print(s, end="", flush=True), extra=extra)
-        lines[name] = got
+        lines.setdefault(name, []).extend(got)  # the check parts share one name
         if rc != 0:
             print(f"phase {name}: {rc}", flush=True)
 
-    threads = [threading.Thread(target=go, args=("check", 40.0))]
+    parts = 1 if DRY else 3
+    threads = [threading.Thread(target=go, args=("check", 40.0, (json.dumps([i, parts]),)), name=f"check{i}")
+               for i in range(parts)]
     threads += [threading.Thread(target=go, args=(f"warm{i}", 40.0, (json.dumps(g),))) for i, g in enumerate(groups)]
     for t in threads:
         t.start()
@@ -379,7 +391,7 @@ if __name__ == "__main__":
         if DRY and name != "check":  # the dry check builds for sm_90: no interpreter
             os.environ.setdefault("TRITON_INTERPRET", "1")
         if name == "check":
-            phase_check()
+            phase_check(tuple(json.loads(sys.argv[-1])))
         elif name == "time":
             phase_time()
         else:

@@ -346,6 +346,7 @@ def main() -> None:
     lines: dict[str, list] = {}
     items = [(r, v) for r in VARIANTS for v in (["flex"] if not DRY else []) + VARIANTS[r]
              if not (DRY and v not in ("triton", "api"))]
+    items.sort(key=lambda item: item[1] != "flex")  # Flex's compiles (the longest) in groups of their own
     n = 1 if DRY else 8
     groups = [items[i::n] for i in range(n)]
 

@@ -17,6 +17,7 @@ Phases (scripts/_phases.py, each a child process under a time limit; "check" and
           each variant: backward ms (autograd.grad of a kept output) and TF/s (2.5 * 4 * D per visible pair).
 Variants: triton = fagen.attention with $FAGEN_HOPPER=0 (the Triton backward: the sessions before this one);
 api = fagen.attention as the branch selects; api-clamped = api with the host's clamp-free test answering no;
+api-early = the selected module rendered with the clamp-free read before the S MMA's wait (bwd_mod_early 1);
 api-nondet = deterministic=False; asc / desc (-nondet) = the window switch's Gluon bwd module (causal, window
 (1024, 0)) with its steps in ascending / descending query blocks (variant bwd_window_desc); fixed / desc-fixed: its
 deterministic dQ as fixed-point adds in any order (variant bwd_fixed 1). One table at the end;
@@ -36,7 +37,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 DRY = bool(os.environ.get("GPU_MODS_BWD_S9_DRY"))
-VARIANTS = {"relative-bias": ["triton", "api", "api-clamped"], "alibi": ["triton", "api", "api-nondet"],
+VARIANTS = {"relative-bias": ["triton", "api", "api-clamped", "api-early"], "alibi": ["triton", "api", "api-nondet"],
             "prefix-lm": ["triton", "api"],
             "sliding-window+causal": ["api", "asc", "desc", "fixed", "desc-fixed", "asc-nondet", "desc-nondet"]}
 WINDOW = (1024, 0)  # the sliding-window row, lowered (docs/mods.md, "Lowering")
@@ -68,25 +69,45 @@ def window_module(desc: bool, fixed: bool = False):
     """The Gluon bwd module of causal + window, its steps in descending query blocks where desc; fixed: its
     deterministic dQ as fixed-point adds in any order (variant bwd_fixed 1, [Note] Fixed-point dQ)."""
     import fagen
-    from fagen import backends
-    from fagen.codegen.render import render
     from fagen.runtime.loader import load_source
     from fagen.spec.kernel import KernelSpec
 
     spec = KernelSpec(backend="gluon", direction="bwd", head_dim=128, dtype="bf16", mask="causal", window=True)
     if not desc and not fixed:
         return fagen.load(spec)
-    lever = {"bwd_window_desc": int(desc), "bwd_fixed": int(fixed)}
+    src = lever_source(spec, {"bwd_window_desc": int(desc), "bwd_fixed": int(fixed)})
+    assert ("GQA * steps - 1 - i" in src) == desc and ("BWD_DET_MODE = 2" in src) == fixed, "the levers did not render"
+    return load_source(src, spec.name + "_desc" * desc + "_fixed" * fixed)
+
+
+def lever_source(spec, lever: dict) -> str:
+    """The module source of `spec` rendered with GluonBackend.variant keys set for this render only."""
+    from fagen import backends
+    from fagen.codegen.render import render
+
     saved = {name: backends.GLUON.variant[name] for name in lever}
     backends.GLUON.variant.update(lever)
     render.cache_clear()
     try:
-        src = render(spec).files[".py"]
+        return render(spec).files[".py"]
     finally:
         backends.GLUON.variant.update(saved)
         render.cache_clear()
-    assert ("GQA * steps - 1 - i" in src) == desc and ("BWD_DET_MODE = 2" in src) == fixed, "the levers did not render"
-    return load_source(src, spec.name + "_desc" * desc + "_fixed" * fixed)
+
+
+def early_module(sm):
+    """(module, its mods keywords) of a score_mod's Gluon bwd module with the clamp-free read issued before the S
+    MMA's wait (variant bwd_mod_early 1)."""
+    from fagen.runtime import modded
+    from fagen.runtime.loader import load_source
+    from fagen.spec.kernel import KernelSpec
+
+    m = modded.prepare(score_mod=sm)
+    spec = KernelSpec(backend="gluon", direction="bwd", head_dim=128, dtype="bf16", score_mod=m.fields[0],
+                      mod_tensors=[list(t) for t in m.fields[2]], mod_scalars=[list(x) for x in m.fields[3]])
+    src = lever_source(spec, {"bwd_mod_early": 1})
+    assert "xadd = xadd  # read above" in src, "bwd_mod_early did not render"
+    return load_source(src, spec.name + "_early"), m.values
 
 
 def caller(row: str, variant: str, sm, mm, bm):
@@ -97,6 +118,9 @@ def caller(row: str, variant: str, sm, mm, bm):
         module = window_module(variant.startswith("desc"), variant.endswith("fixed"))
         det = not variant.endswith("nondet")
         return lambda q, k, v: module.attention(q, k, v, window=WINDOW, deterministic=det)
+    if variant == "api-early":  # the module itself: fagen.attention would load the product's render
+        module, values = early_module(sm)
+        return lambda q, k, v: module.attention(q, k, v, mods=values)
     selection(variant != "triton")
     det = variant != "api-nondet"
     call = lambda q, k, v: fagen.attention(q, k, v, score_mod=sm, mask_mod=mm, block_mask=bm,  # noqa: E731
@@ -252,6 +276,10 @@ def phase_check(part: tuple[int, int]) -> None:
     def attention(sm=None, mm=None):
         return lambda q, k, v: fagen.attention(q, k, v, score_mod=sm, mask_mod=mm)
 
+    def early_call(sm):
+        module, values = early_module(sm)
+        return lambda q, k, v: module.attention(q, k, v, mods=values)
+
     def window_call(desc, det, fixed=False):
         module = window_module(desc, fixed)
         return lambda q, k, v: module.attention(q, k, v, window=(37, 0), deterministic=det)
@@ -296,6 +324,8 @@ def phase_check(part: tuple[int, int]) -> None:
          dict(direct=True)),
         ("window causal (37, 0) desc unordered", lambda: window_call(True, False), None, window, dict(direct=True)),
         ("alibi (attention-gym, row-free)", lambda: attention(alibi), alibi, None, {}),
+        ("relative bias inside, the read before the S wait (bwd_mod_early)", lambda: early_call(rel_free), rel_free,
+         None, dict(direct=True)),
         ("prefix-lm P 83 (two split calls)", lambda: attention(mm=prefix), None, prefix, {}),
     ]
     for name, make, sm, mm, kw in cases[part[0]::part[1]]:

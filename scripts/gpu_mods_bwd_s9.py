@@ -386,7 +386,7 @@ def main() -> None:
         if rc != 0:
             print(f"phase {name}: {rc}", flush=True)
 
-    parts = 1 if DRY else 3
+    parts = 1 if DRY else 4
     threads = [threading.Thread(target=go, args=("check", 40.0, (json.dumps([i, parts]),)), name=f"check{i}")
                for i in range(parts)]
     threads += [threading.Thread(target=go, args=(f"warm{i}", 40.0, (json.dumps(g),))) for i, g in enumerate(groups)]

@@ -20,7 +20,7 @@ api = fagen.attention as the branch selects; api-clamped = api with the host's c
 api-early = the selected module rendered with the clamp-free read before the S MMA's wait (bwd_mod_early 1);
 api-nondet = deterministic=False; asc / desc (-nondet) = the window switch's Gluon bwd module (causal, window
 (1024, 0)) with its steps in ascending / descending query blocks (variant bwd_window_desc); fixed / desc-fixed: its
-deterministic dQ as fixed-point adds in any order (variant bwd_fixed 1). One table at the end;
+deterministic dQ as fixed-point adds in any order (variant bwd_window_fixed 1). One table at the end;
 $OUT/mods_bwd_s9.json holds the records.
 """
 
@@ -67,7 +67,7 @@ def selection(on: bool) -> None:
 
 def window_module(desc: bool, fixed: bool = False):
     """The Gluon bwd module of causal + window, its steps in descending query blocks where desc; fixed: its
-    deterministic dQ as fixed-point adds in any order (variant bwd_fixed 1, [Note] Fixed-point dQ)."""
+    deterministic dQ as fixed-point adds in any order (variant bwd_window_fixed 1, [Note] Fixed-point dQ)."""
     import fagen
     from fagen.runtime.loader import load_source
     from fagen.spec.kernel import KernelSpec
@@ -75,7 +75,7 @@ def window_module(desc: bool, fixed: bool = False):
     spec = KernelSpec(backend="gluon", direction="bwd", head_dim=128, dtype="bf16", mask="causal", window=True)
     if not desc and not fixed:
         return fagen.load(spec)
-    src = lever_source(spec, {"bwd_window_desc": int(desc), "bwd_fixed": int(fixed)})
+    src = lever_source(spec, {"bwd_window_desc": int(desc), "bwd_window_fixed": int(fixed)})
     assert ("GQA * steps - 1 - i" in src) == desc and ("BWD_DET_MODE = 2" in src) == fixed, "the levers did not render"
     return load_source(src, spec.name + "_desc" * desc + "_fixed" * fixed)
 

@@ -195,3 +195,23 @@ def test_an_unordered_only_switch_set_serves_deterministic_false_alone(as_if_hop
     with pytest.raises(ValueError, match="Gluon kernel"):  # the gluon module's device check: it was called
         fagen.attention(q, k, v, mask="causal", window=(5, 0), deterministic=False)
     assert fagen.attention(q, k, v, mask="causal", window=(5, 0)).shape == q.shape  # Triton, deterministic
+
+
+def test_the_window_fixed_point_lever_renders_the_window_switch_s_deterministic_mode_only(monkeypatch):
+    """variant bwd_window_fixed: a window switch's deterministic dQ as fixed-point adds (BWD_DET_MODE 2); not a
+    plain spec's, not with a score_mod (its dS is outside the bound the unit comes from: [Note] Fixed-point dQ)."""
+    from fagen import backends
+
+    gluon = dict(backend="gluon", mask="causal")
+    monkeypatch.setitem(backends.GLUON.variant, "bwd_window_fixed", 1)
+    render.cache_clear()
+    try:
+        assert "BWD_DET_MODE = 2" in render(bwd(window=True, **gluon)).files[".py"]
+        assert "BWD_DET_MODE = 0" in render(bwd(**gluon)).files[".py"]
+        alibi = dict(score_mod="score + kv_idx * s", mod_scalars=[["s", "float"]])
+        assert "BWD_DET_MODE = 0" in render(bwd(window=True, **gluon, **alibi)).files[".py"]
+        monkeypatch.setitem(backends.GLUON.variant, "bwd_window_fixed", 0)
+        render.cache_clear()
+        assert "BWD_DET_MODE = 0" in render(bwd(window=True, **gluon)).files[".py"]
+    finally:
+        render.cache_clear()

@@ -90,7 +90,7 @@ class GluonBackend(KernelBackend):
     variant = {"consumer_regs": 240, "loader_regs": 24, "tile_schedule_all": False, "causal_order": 3,
                "fp8_p_cvt": 2,
                "bwd_order": 0, "bwd_snake": 0, "bwd_named": 0, "bwd_epi_tma": 0, "bwd_fixed": 0, "bwd_window_desc": 0,
-               "bwd_mod_early": 0,
+               "bwd_mod_early": 0, "bwd_window_fixed": 0,
                "bwd_unordered_levers": {"bwd_named": 2, "bwd_epi_tma": 1, "bwd_snake": 1}}
 
     # [Note] Gluon tile order. The persistent forward deals its tiles in an order ([Note] Tile schedule in the
@@ -161,6 +161,8 @@ class GluonBackend(KernelBackend):
 
     # bwd_mod_early 1: a score_mod's clamp-free read (MOD_FREE, [Note] Clamp-free problems in fagen/mods/emit.py)
     # issued before the S MMA's wait instead of after it (ninth session: scripts/gpu_mods_bwd_s9.py times both).
+    # bwd_window_fixed 1: a window switch's deterministic dQ as fixed-point adds ([Note] Fixed-point dQ), not a
+    # chain that queues each key block behind the one before ([Note] Window in the backward); no score_mod.
     # [Note] Gluon backward levers (variant bwd_*, rendered by fagen/templates/gluon/backward.py.j2 only where on; the
     # designs in lab/gluon_bwd.py): bwd_order 1, the dQ turns by arrival within a wave ([Note] Wave order); bwd_snake
     # 1, odd waves of tiles in reverse; bwd_named 1, the dQ handoff through named barriers (2: also the dS^T exchange);

@@ -268,6 +268,7 @@ def test_the_rule_picks_switches_and_score_mods_only_where_listed(monkeypatch):
     win, rel = KernelSpec(head_dim=128, dtype="bf16", direction="bwd", mask="causal", window=True), \
         KernelSpec(head_dim=128, dtype="bf16", direction="bwd", mask="none", **RELBIAS)
     monkeypatch.setattr(type(gluon), "bwd_select_score_mods", False)
+    monkeypatch.setattr(type(gluon), "bwd_selected_switches", ((),))
     assert not gluon.bwd_selected(win) and not gluon.bwd_selected(rel)
     monkeypatch.setattr(type(gluon), "bwd_selected_switches", ((), ("window",)))
     monkeypatch.setattr(type(gluon), "bwd_select_score_mods", True)

@@ -34,7 +34,9 @@ def bwd(**fields) -> KernelSpec:
     (dict(head_dim=96, **RELBIAS), False), (dict(dtype="fp16", **RELBIAS), False),
     (dict(mask_mod="q_idx >= kv_idx"), False), (dict(alibi=True, **RELBIAS), False), (dict(sinks=True), False),
     (dict(mask="padding", **RELBIAS), False), (dict(layout="varlen", **RELBIAS), False),
-    (dict(mask="causal", window=True), False), (dict(softcap=True), False),  # not selected until timed
+    (dict(mask="causal", window=True), True), (dict(mask="none", window=True), False),
+    (dict(mask="causal", window=True, gqa=4), False), (dict(mask="causal", window=True, **RELBIAS), False),
+    (dict(softcap=True), False),  # not selected until timed
 ])
 def test_the_twin_carries_the_score_mod_and_refuses_what_the_gluon_backward_must_not_take(
         as_if_hopper, fields, picked):  # noqa: F811
@@ -183,6 +185,7 @@ def test_an_unordered_only_switch_set_serves_deterministic_false_alone(as_if_hop
     from fagen import backends
     from fagen.runtime import api, resolve
 
+    monkeypatch.setattr(type(backends.GLUON), "bwd_selected_switches", ((),))
     monkeypatch.setattr(type(backends.GLUON), "bwd_unordered_switches", (("window",),))
     win, cuda = bwd(mask="causal", window=True), torch.device("cuda")
     assert hopper.backward_spec(win, cuda) is None and hopper.backward_spec(win, cuda, True).window

@@ -90,7 +90,7 @@ class GluonBackend(KernelBackend):
     variant = {"consumer_regs": 240, "loader_regs": 24, "tile_schedule_all": False, "causal_order": 3,
                "fp8_p_cvt": 2,
                "bwd_order": 0, "bwd_snake": 0, "bwd_named": 0, "bwd_epi_tma": 0, "bwd_fixed": 0, "bwd_window_desc": 0,
-               "bwd_mod_early": 0, "bwd_window_fixed": 0,
+               "bwd_mod_early": 0, "bwd_window_fixed": 1,
                "bwd_unordered_levers": {"bwd_named": 2, "bwd_epi_tma": 1, "bwd_snake": 1}}
 
     # [Note] Gluon tile order. The persistent forward deals its tiles in an order ([Note] Tile schedule in the
@@ -152,8 +152,11 @@ class GluonBackend(KernelBackend):
     # H100 rows are in; fagen/runtime/hopper.py's backward_spec builds the twin with these fields ([Note] Gluon
     # backward selection there). Ninth session: a score_mod on (H100, round B of the eighth, backward TF/s at B1 H16
     # S8192 deterministic, Gluon / Triton: ALiBi row-free 477 / 429, relative bias 254 / 204); the window and the
-    # softcap switch off until timed (scripts/gpu_mods_bwd_s9.py).
-    bwd_selected_switches: tuple = ((), )
+    # softcap switch off until timed (scripts/gpu_mods_bwd_s9.py). The window switch: only in bwd_window_cases (mask,
+    # gqa), without a score_mod, its deterministic dQ as fixed-point adds (variant bwd_window_fixed; the chain queues
+    # key blocks: 178 TF/s against the Triton backward's 261 at the bench's sliding window).
+    bwd_selected_switches: tuple = ((), ("window",))
+    bwd_window_cases = ((Mask.CAUSAL, 1),)
     bwd_select_score_mods = True
     # bwd_unordered_switches: switch sets picked only for deterministic=False (the unordered dQ adds won there, the
     # deterministic mode did not), where unordered_selected gives that mode.
@@ -318,6 +321,7 @@ class GluonBackend(KernelBackend):
                 and spec.layout is Layout.DENSE and spec.dtype in self.selected_dtypes
                 and spec.mask in self.selected_masks
                 and switches and spec.mask_mod is None
+                and (not spec.window or (spec.mask, spec.gqa) in self.bwd_window_cases and spec.score_mod is None)
                 and (spec.score_mod is None or self.bwd_select_score_mods))
 
     def unordered_selected(self, mask, gqa: int) -> bool:

@@ -34,7 +34,7 @@ def bwd(**fields) -> KernelSpec:
     (dict(head_dim=96, **RELBIAS), False), (dict(dtype="fp16", **RELBIAS), False),
     (dict(mask_mod="q_idx >= kv_idx"), False), (dict(alibi=True, **RELBIAS), False), (dict(sinks=True), False),
     (dict(mask="padding", **RELBIAS), False), (dict(layout="varlen", **RELBIAS), False),
-    (dict(mask="causal", window=True), True), (dict(mask="none", window=True), False),
+    (dict(mask="causal", window=True), False), (dict(mask="none", window=True), False),
     (dict(mask="causal", window=True, gqa=4), False), (dict(mask="causal", window=True, **RELBIAS), False),
     (dict(softcap=True), False),  # not selected until timed
 ])

@@ -90,7 +90,7 @@ class GluonBackend(KernelBackend):
     variant = {"consumer_regs": 240, "loader_regs": 24, "tile_schedule_all": False, "causal_order": 3,
                "fp8_p_cvt": 2,
                "bwd_order": 0, "bwd_snake": 0, "bwd_named": 0, "bwd_epi_tma": 0, "bwd_fixed": 0, "bwd_window_desc": 0,
-               "bwd_mod_early": 0, "bwd_window_fixed": 1,
+               "bwd_mod_early": 0, "bwd_window_fixed": 0,
                "bwd_unordered_levers": {"bwd_named": 2, "bwd_epi_tma": 1, "bwd_snake": 1}}
 
     # [Note] Gluon tile order. The persistent forward deals its tiles in an order ([Note] Tile schedule in the
@@ -152,10 +152,10 @@ class GluonBackend(KernelBackend):
     # H100 rows are in; fagen/runtime/hopper.py's backward_spec builds the twin with these fields ([Note] Gluon
     # backward selection there). Ninth session: a score_mod on (H100, round B of the eighth, backward TF/s at B1 H16
     # S8192 deterministic, Gluon / Triton: ALiBi row-free 477 / 429, relative bias 254 / 204); the window and the
-    # softcap switch off until timed (scripts/gpu_mods_bwd_s9.py). The window switch: only in bwd_window_cases (mask,
-    # gqa), without a score_mod, its deterministic dQ as fixed-point adds (variant bwd_window_fixed; the chain queues
-    # key blocks: 178 TF/s against the Triton backward's 261 at the bench's sliding window).
-    bwd_selected_switches: tuple = ((), ("window",))
+    # softcap switch off until timed (scripts/gpu_mods_bwd_s9.py). The window switch: not selected (H100, round B of
+    # the ninth session, the bench's sliding window, backward TF/s: Triton 266, Gluon chain descending 269, fixed-point
+    # 153, unordered 223, Flex 288); were it listed, only in bwd_window_cases (mask, gqa) and without a score_mod.
+    bwd_selected_switches: tuple = ((), )
     bwd_window_cases = ((Mask.CAUSAL, 1),)
     bwd_select_score_mods = True
     # bwd_unordered_switches: switch sets picked only for deterministic=False (the unordered dQ adds won there, the

@@ -28,7 +28,7 @@ def case(**fields) -> KernelSpec:
     (dict(mask="causal", head_dim=64), False),  # built, not selected: the lab's lost to Triton (316 vs 398 TF/s)
     (dict(mask="causal", dtype="fp16"), False),  # not measured
     (dict(mask="padding"), False), (dict(mask="causal", softcap=True), False),
-    (dict(mask="causal", window=True), False),
+    (dict(mask="causal", window=True), False),  # lost or tied (docs/mods.md, "Selection (ninth session)")
 ])
 def test_the_backward_rule_picks_measured_wins_only(as_if_hopper, fields, picked):  # noqa: F811
     spec = case(**fields)

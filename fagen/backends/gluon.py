@@ -90,6 +90,7 @@ class GluonBackend(KernelBackend):
     variant = {"consumer_regs": 240, "loader_regs": 24, "tile_schedule_all": False, "causal_order": 3,
                "fp8_p_cvt": 2,
                "bwd_order": 0, "bwd_snake": 0, "bwd_named": 0, "bwd_epi_tma": 0, "bwd_fixed": 0, "bwd_window_desc": 0,
+               "bwd_mod_early": 0, "bwd_window_fixed": 0,
                "bwd_unordered_levers": {"bwd_named": 2, "bwd_epi_tma": 1, "bwd_snake": 1},
                "bwd_fixed_fma": 0, "bwd_grid": 0, "bwd_spt": 0}
 
@@ -149,10 +150,23 @@ class GluonBackend(KernelBackend):
     # also picks, as measured (scripts/gpu_mods_bwd_s6.py --gluon against the Triton backward, docs/mods.md, "The
     # Gluon backward"): bwd_selected_switches, the switch tuples picked ((), always); bwd_select_score_mods, a
     # score_mod without a mask_mod (its captured tensors without gradient: the caller's condition). Off until the
-    # H100 rows are in; fagen/runtime/hopper.py's backward_spec builds the twin with these fields.
+    # H100 rows are in; fagen/runtime/hopper.py's backward_spec builds the twin with these fields ([Note] Gluon
+    # backward selection there). Ninth session: a score_mod on (H100, round B of the eighth, backward TF/s at B1 H16
+    # S8192 deterministic, Gluon / Triton: ALiBi row-free 477 / 429, relative bias 254 / 204); the window and the
+    # softcap switch off until timed (scripts/gpu_mods_bwd_s9.py). The window switch: not selected (H100, round B of
+    # the ninth session, the bench's sliding window, backward TF/s: Triton 266, Gluon chain descending 269, fixed-point
+    # 153, unordered 223, Flex 288); were it listed, only in bwd_window_cases (mask, gqa) and without a score_mod.
     bwd_selected_switches: tuple = ((), )
-    bwd_select_score_mods = False
+    bwd_window_cases = ((Mask.CAUSAL, 1),)
+    bwd_select_score_mods = True
+    # bwd_unordered_switches: switch sets picked only for deterministic=False (the unordered dQ adds won there, the
+    # deterministic mode did not), where unordered_selected gives that mode.
+    bwd_unordered_switches: tuple = ()
 
+    # bwd_mod_early 1: a score_mod's clamp-free read (MOD_FREE, [Note] Clamp-free problems in fagen/mods/emit.py)
+    # issued before the S MMA's wait instead of after it (ninth session: scripts/gpu_mods_bwd_s9.py times both).
+    # bwd_window_fixed 1: a window switch's deterministic dQ as fixed-point adds ([Note] Fixed-point dQ), not a
+    # chain that queues each key block behind the one before ([Note] Window in the backward); no score_mod.
     # [Note] Gluon backward levers (variant bwd_*, rendered by fagen/templates/gluon/backward.py.j2 only where on; the
     # designs in lab/gluon_bwd.py): bwd_order 1, the dQ turns by arrival within a wave ([Note] Wave order); bwd_snake
     # 1, odd waves of tiles in reverse; bwd_named 1, the dQ handoff through named barriers (2: also the dS^T exchange);
@@ -310,12 +324,17 @@ class GluonBackend(KernelBackend):
             raise SpecError("mask", "causal", "the gluon backward's launch order (variant bwd_spt) and wave order "
                                               "(bwd_order) both set the dQ turns; set one of them to 0")
 
-    def bwd_selected(self, spec) -> bool:
-        """Whether the measured rule ([Note] Gluon backward rule) picks the gluon backward (its deterministic mode)
-        for the case of `spec` with gradients (machine not considered)."""
+    def bwd_selected(self, spec, unordered: bool = False) -> bool:
+        """Whether the measured rule ([Note] Gluon backward rule) picks the gluon backward (its deterministic mode;
+        unordered: deterministic=False, which also takes bwd_unordered_switches) for the case of `spec` with
+        gradients (machine not considered)."""
+        switches = spec.switches in self.bwd_selected_switches or (
+            unordered and spec.switches in self.bwd_unordered_switches and self.unordered_selected(spec.mask, spec.gqa))
         return (spec.kind is Kind.PREFILL and spec.head_dim in self.bwd_head_dims and spec.head_dim_v == spec.head_dim
-                and spec.dtype in self.selected_dtypes and spec.mask in self.selected_masks
-                and spec.switches in self.bwd_selected_switches and spec.mask_mod is None
+                and spec.layout is Layout.DENSE and spec.dtype in self.selected_dtypes
+                and spec.mask in self.selected_masks
+                and switches and spec.mask_mod is None
+                and (not spec.window or (spec.mask, spec.gqa) in self.bwd_window_cases and spec.score_mod is None)
                 and (spec.score_mod is None or self.bwd_select_score_mods))
 
     def unordered_selected(self, mask, gqa: int) -> bool:

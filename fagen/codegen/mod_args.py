@@ -220,6 +220,20 @@ class ModCode:
             return None
         return in_range(self.score_tree, self._names("", b, h, "", ""), {"q_idx": q_range, "kv_idx": kv_range})
 
+    def host_in_range(self, b: tuple[str, str], h: tuple[str, str], q_range: tuple[str, str],
+                      kv_range: tuple[str, str]) -> str | None:
+        """Python source of the same condition over a whole problem, for the host ([Note] Clamp-free problems in
+        fagen/mods/emit.py): each position a (least, greatest) pair of host int expressions; the captured tensors'
+        sizes and strides and the scalars as the host's mt<i> and ms<j> names."""
+        if not self.gluon or self.score_tree is None:
+            return None
+        names: dict = {"score": ""}
+        for i, t in enumerate(self.args.tensors):
+            names[t.name] = TensorRef(f"mt{i}", tuple(f"mt{i}.stride({d})" for d in range(t.rank)),
+                                      tuple(f"mt{i}.shape[{d}]" for d in range(t.rank)))
+        names.update({s.name: f"ms{j}" for j, s in enumerate(self.args.scalars)})
+        return in_range(self.score_tree, names, {"b": b, "h": h, "q_idx": q_range, "kv_idx": kv_range}, host=True)
+
     def visible(self, b: str, h: str, q_idx: str, kv_idx: str, hoisted: str | None = None) -> str:
         names = self._names("", b, h, q_idx, kv_idx)
         return self._to(self._tree("mask", hoisted, names), names)

@@ -8,7 +8,8 @@ import torch
 
 from fagen.codegen.args import SWITCH_KEYWORD
 from fagen.runtime import hopper
-from fagen.runtime.hopper import BWD_MIN_WORK, MIN_WORK, WINDOW_MIN_WORK, unordered
+from fagen.runtime.hopper import BWD_MIN_WORK, BWD_WINDOW_MIN_WORK, MIN_WORK, WINDOW_MIN_WORK, unordered
+from fagen.runtime.hopper import window_keys as _window_keys
 from fagen.runtime.kinds import prefers_decode
 from fagen.runtime.resolve import _DTYPES, _FAST, AttentionError, _module, fast_key, resolve, resolve_varlen, spec_for
 from fagen.spec.axes import DECODE_BATCH_INVARIANT, DECODE_MAX_SEQ_Q, Kind, Layout, Mask
@@ -80,13 +81,14 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
             return _eager_only(_modded)(
                 q, k, v, mask=mask, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k, tree_mask=tree_mask,
                 window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, score_mod=score_mod,
-                mask_mod=mask_mod, block_mask=block_mask, check=check, packed=packed, prepared=plain)
+                mask_mod=mask_mod, block_mask=block_mask, check=check, packed=packed, prepared=plain,
+                deterministic=deterministic)
         mask, window, softcap, alibi_slopes, split = plain  # the mods were built-in switches: their call's path
         if split is not None:  # switch calls on views (fagen/mods/split.py: dilated windows, prefix rows, documents)
             from fagen.mods.split import run_split
 
             return run_split(split, attention, q, k, v, mask=mask, scale=scale, window=window, softcap=softcap,
-                             check=check, resolve=resolve)
+                             check=check, resolve=resolve, bwd_min_work=BWD_MIN_WORK)  # [Note] Split calls' backward
     if window is None and softcap is None and alibi_slopes is None and sinks is None:  # the common call
         switches, scores = (), _NO_SCORES
         needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
@@ -131,7 +133,9 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
     pairs = qs[0] * qs[1] * qs[2] * keys if four else 0
     forward_only = not needs_grad and not decode and four \
         and pairs >= (MIN_WORK if window is None else min(MIN_WORK, WINDOW_MIN_WORK))
-    big_bwd = needs_grad and four and pairs >= BWD_MIN_WORK
+    big_bwd = needs_grad and four and pairs >= (BWD_MIN_WORK if window is None else BWD_WINDOW_MIN_WORK)
+    if big_bwd and deterministic is False:  # the rule's unordered-only switch sets ([Note] Gluon backward selection)
+        big_bwd = 2
     module = _FAST.get(fast_key(q, k, v, mask, decode, switches, forward_only, big_bwd)) \
         if four and isinstance(mask, str) else None
     if module is None:
@@ -147,7 +151,7 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
         return module.forward(q, k, v)[0]  # the plainest call: no keyword to pass
     if deterministic is False and unordered(module):  # the gluon backward's unordered dQ adds, where they won
         return module.attention(q, k, v, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
-                                tree_mask=tree_mask, check=check, deterministic=False)
+                                tree_mask=tree_mask, check=check, deterministic=False, **scores)
     return module.attention(q, k, v, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k, tree_mask=tree_mask,
                             check=check, **scores)
 
@@ -214,7 +218,7 @@ _NO_SCORES: dict = {}
 _SCORE_ARGS = tuple(SWITCH_KEYWORD[name] for name in SCORE_SWITCHES)  # the public keyword of each switch
 
 
-def _modded(q, k, v, *, window, softcap, alibi_slopes, sinks, packed, **rest):
+def _modded(q, k, v, *, window, softcap, alibi_slopes, sinks, packed, deterministic=True, **rest):
     """The path of calls with user mods (fagen/runtime/modded.py): the bwd module of the mods' spec, dense or varlen
     (packed: the varlen keywords)."""
     from fagen.runtime import modded
@@ -231,9 +235,10 @@ def _modded(q, k, v, *, window, softcap, alibi_slopes, sinks, packed, **rest):
     scores = {name: value for name, value in zip(_SCORE_ARGS, (window, softcap, alibi_slopes, sinks))
               if value is not None}
     switches = tuple(name for name, arg in zip(SCORE_SWITCHES, _SCORE_ARGS) if arg in scores)
-    out = modded.attention(q, k, v, scores=scores, switches=switches, packed=packed, **rest)
+    out = modded.attention(q, k, v, scores=scores, switches=switches, packed=packed, deterministic=deterministic,
+                           **rest)
     if type(out) is modded.Plain:  # the mods were exactly built-in switches (fagen/mods/lower.py): run those
-        return attention(q, k, v, **out.kwargs)
+        return attention(q, k, v, deterministic=deterministic, **out.kwargs)
     return out
 
 
@@ -263,16 +268,6 @@ def _varlen(q, k, v, mask, scale, scores, switches, cu_seqlens_q, cu_seqlens_k, 
 
 
 __all__ = ["attention", "spec_for", "AttentionError"]
-
-
-def _window_keys(sk, window) -> int:
-    """Keys a row can see at most under window (left, right): None for an unbounded side. A malformed window counts
-    sk: the module's own check (_check_scores, generated) then refuses it with its InputError, the one window check."""
-    try:
-        left, right = window
-        return min(sk, (sk if left is None else left) + (sk if right is None else right) + 1)
-    except (TypeError, ValueError):
-        return sk
 
 
 def _op_window(window) -> list[int] | None:

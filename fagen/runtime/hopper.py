@@ -22,9 +22,9 @@ A score_mod (no mask_mod) follows the same rule through mod_forward_spec, called
 
 With gradients, fagen.attention takes the gluon bwd module (its Gluon forward and the Gluon backward of
 fagen/templates/gluon/backward.py.j2) where GluonBackend.bwd_selected picks the case ([Note] Gluon backward rule in
-fagen/backends/gluon.py: d128 bf16, none/causal, any gqa, no switch), under the same conditions ($FAGEN_HOPPER, sm_90,
-the Gluon API) and from BWD_MIN_WORK pairs ([Note] Gluon backward size rule): below that the Triton bwd module's
-per-call time is lower or equal.
+fagen/backends/gluon.py: d128 bf16, none/causal, any gqa; the switches and score_mods of [Note] Gluon backward
+selection), under the same conditions ($FAGEN_HOPPER, sm_90, the Gluon API) and from BWD_MIN_WORK pairs ([Note] Gluon
+backward size rule): below that the Triton bwd module's per-call time is lower or equal.
 deterministic=False (fagen.attention's keyword) gives that module's unordered dQ adds where unordered_selected
 says they won; elsewhere the deterministic mode serves. Every Triton backward is deterministic anyway.
 """
@@ -42,6 +42,9 @@ ENV = "FAGEN_HOPPER"
 MIN_WORK = 1 << 26  # batch x query heads x Sq x Sk below which fagen.attention keeps the Triton forward
 BWD_MIN_WORK = 1 << 29  # the same floor for the gluon backward (with gradients): [Note] Gluon backward size rule
 WINDOW_MIN_WORK = 1 << 24  # the same with a window: B x Hq x Sq x (left + right + 1) ([Note] Gluon size rule)
+# the gluon backward's floor with a window, in the same pairs ([Note] Gluon backward selection): the sliding-window
+# row of `fagen bench --suite mods` (B1 H16 S8192, window (1024, 0)) is 1.3e8 pairs
+BWD_WINDOW_MIN_WORK = 1 << 26
 
 # B x Hq x Sq x Sk below which fagen.attention's shared latent decode keeps the Triton one ([Note] Gluon MLA decode
 # size): a small step is host time. Per call, back to back, Hq 128 Sq 2, Triton / gluon module (H100,
@@ -172,14 +175,46 @@ def mod_forward_spec(spec: KernelSpec, device) -> KernelSpec | None:
     return twin
 
 
-def backward_spec(spec: KernelSpec, device) -> KernelSpec | None:
+def backward_spec(spec: KernelSpec, device, unordered: bool = False) -> KernelSpec | None:
     """The gluon bwd spec that should serve `spec`'s case with gradients on `device`, or None: keep `spec` (the
-    caller checks the problem size against BWD_MIN_WORK)."""
-    if spec.switches or spec.modded or not (enabled() and GLUON.bwd_selected(spec) and is_hopper(device)
-                                            and gluon_missing() is None):
+    caller checks the problem size against BWD_MIN_WORK, BWD_WINDOW_MIN_WORK with a window, and that no captured
+    tensor asks for a gradient: [Note] Gluon backward selection); unordered: the call's deterministic=False."""
+    if not (enabled() and GLUON.bwd_selected(spec, unordered) and is_hopper(device) and gluon_missing() is None):
         return None
-    return KernelSpec(head_dim=spec.head_dim, mask=spec.mask, gqa=spec.gqa, dtype=spec.dtype,
-                      direction=Direction.BWD, backend=Backend.GLUON)
+    return _bwd_twin(spec)
+
+
+@functools.lru_cache(maxsize=256)
+def _bwd_twin(spec: KernelSpec) -> KernelSpec | None:
+    """The gluon bwd spec of a case (the switches, the score_mod and its captured values' declarations), or None
+    where the gluon backward's check refuses it (built once: a spec's validation is host time)."""
+    try:
+        return KernelSpec(head_dim=spec.head_dim, mask=spec.mask, gqa=spec.gqa, dtype=spec.dtype,
+                          direction=Direction.BWD, backend=Backend.GLUON, **{name: True for name in spec.switches},
+                          score_mod=spec.score_mod, mod_tensors=spec.mod_tensors, mod_scalars=spec.mod_scalars)
+    except SpecError:
+        return None
+
+
+# [Note] Gluon backward selection. fagen.attention takes the gluon backward for a call with gradients where
+# GluonBackend.bwd_selected picks its case (d128 bf16, mask none/causal, the switch sets of bwd_selected_switches, a
+# score_mod where bwd_select_score_mods) and the problem has at least BWD_MIN_WORK pairs (BWD_WINDOW_MIN_WORK with
+# a window, whose pairs count the window's keys), on sm_90. Three callers: the plain path (fagen/runtime/api.py,
+# through resolve's big_bwd: the switches), the prefix-LM split (run_split's bwd_min_work: each of its two calls by
+# its own pairs) and the modded path (fagen/runtime/modded.py: a score_mod without a mask_mod, dense, where no
+# captured tensor requires grad; a learned bias keeps the Triton backward, whose per-tile sums give it its
+# deterministic gradient). Everything else keeps the Triton backward: sm_80, other head dims and dtypes, ALiBi and
+# sinks switches, a mask_mod, varlen.
+
+
+def window_keys(sk: int, window) -> int:
+    """Keys a row can see at most under window (left, right): None for an unbounded side. A malformed window counts
+    sk: the module's own check (_check_scores, generated) then refuses it with its InputError, the one window check."""
+    try:
+        left, right = window
+        return min(sk, (sk if left is None else left) + (sk if right is None else right) + 1)
+    except (TypeError, ValueError):
+        return sk
 
 
 def unordered(module) -> bool:

@@ -159,10 +159,11 @@ def check_values(q, args: ModArgs, values: dict) -> None:
 
 
 def attention(q, k, v, *, mask, scale, seqlens_q, seqlens_k, tree_mask, scores: dict, switches: tuple,
-              score_mod, mask_mod, block_mask, check, packed=None, prepared: Mods | None = None):
+              score_mod, mask_mod, block_mask, check, packed=None, prepared: Mods | None = None, deterministic=True):
     """fagen.attention's path for calls with score_mod / mask_mod (README "User mods"); packed: the varlen
     keywords (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), or None for the dense layout; prepared:
-    this call's Mods of these functions where as_switches made them."""
+    this call's Mods of these functions where as_switches made them; deterministic: fagen.attention's (the gluon
+    backward's mode where it serves, [Note] Gluon backward selection in fagen/runtime/hopper.py)."""
     if block_mask is not None and mask_mod is None:
         raise AttentionError("block_mask: describes a mask_mod's blocks; pass that mask_mod= as well")
     mods = prepared if prepared is not None else prepare(score_mod=score_mod, mask_mod=mask_mod)
@@ -199,7 +200,32 @@ def attention(q, k, v, *, mask, scale, seqlens_q, seqlens_k, tree_mask, scores: 
         if module is None:
             module = _FORWARD_ONLY[(key, big, short)] = _forward_module(key, spec, args, q.device, big, short)
         return module.forward(q, k, v, **kw)[0]  # no autograd node to build
+    gluon = _gluon_bwd(key, spec, q, k, scores, args, mods, deterministic) if packed is None else None
+    if gluon is not None:  # [Note] Gluon backward selection (fagen/runtime/hopper.py)
+        if deterministic is False and hopper.unordered(gluon):
+            kw["deterministic"] = False
+        return gluon.attention(q, k, v, **kw)
     return _bwd_module(key, spec, args)[0].attention(q, k, v, **kw)
+
+
+_GLUON_BWD: dict[tuple, ModuleType | None] = {}
+
+
+def _gluon_bwd(key: tuple, spec: KernelSpec, q, k, scores: dict, args: ModArgs, mods: Mods,
+               deterministic: bool = True) -> ModuleType | None:
+    """The gluon bwd module that serves a dense modded call with gradients, or None: the Triton one ([Note] Gluon
+    backward selection in fagen/runtime/hopper.py): at least BWD_MIN_WORK pairs (BWD_WINDOW_MIN_WORK with a window,
+    its keys counted), no captured tensor requiring grad, a case the rule picks on q's device."""
+    qs, window = q.shape, scores.get("window")
+    keys = k.shape[2] if window is None else hopper.window_keys(k.shape[2], window)
+    if qs[0] * qs[1] * qs[2] * keys < (hopper.BWD_MIN_WORK if window is None else hopper.BWD_WINDOW_MIN_WORK) \
+            or any(mods.values[a.name].requires_grad for a in args.tensors):
+        return None
+    mode = (key, deterministic is False)
+    if mode not in _GLUON_BWD:
+        twin = hopper.backward_spec(spec, q.device, deterministic is False)
+        _GLUON_BWD[mode] = None if twin is None else load(twin)
+    return _GLUON_BWD[mode]
 
 
 @dataclasses.dataclass(frozen=True)

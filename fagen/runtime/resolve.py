@@ -46,7 +46,7 @@ def resolve(q, k, v, mask, decode: bool, switches: tuple[str, ...] = (), forward
     elif forward_only:
         spec = hopper.forward_spec(spec, device or q.device) or spec
     elif big_bwd:
-        spec = hopper.backward_spec(spec, device or q.device) or spec
+        spec = hopper.backward_spec(spec, device or q.device, big_bwd == 2) or spec  # 2: deterministic=False
     module = _module(spec)
     _FAST[fast_key(q, k, v, mask, decode, switches, forward_only, big_bwd)] = module
     return module

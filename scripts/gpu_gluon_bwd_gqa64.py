@@ -12,7 +12,9 @@ Questions (docs/hopper.md, "GQA and d64 in the Gluon backward (ninth session)"):
   hardware hands them out in index order: heavy tiles first, no static round robin; the module's _NUM_SMS set past
   the tile count between forward and backward: the same kernels), the unordered kernel without its levers, and the
   query heads of a KV head split over 2 or 4 CTAs (emulated: the gqa 2 / MHA module on K, V repeated per split,
-  dK, dV partials summed in float32 in a fixed order: the split's cost with its reduction).
+  dK, dV partials summed in float32 in a fixed order: the split's cost with its reduction), and the steps of a GQA
+  tile query block major (variant bwd_gqa_order 1, [Note] GQA step order in the backward: key block n - 1 stays
+  ahead of n in the dQ chain at every head change).
 Phases: `warm` (one child per job, all at once: build, check against float64 at a small shape whose integer
 arguments fall in the real shape's specialisation classes, exact zeros of row 0 in causal cases, then the real shape
 once per mode, bitwise equal twice in deterministic modes and equal under GRID 1), `time` (one child: TF/s of each
@@ -27,6 +29,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -53,23 +56,28 @@ C_C64, C_F64, C_GQA, C_G64 = CASES
 JOBS = {
     "gqa": (C_GQA, "gluon", {}, None, 1, ("chain", "unord")),
     "gqa-u0": (C_GQA, "gluon", {"bwd_unordered_levers": {}}, None, 1, ("unord", )),
+    "gqa-mm": (C_GQA, "gluon", {"bwd_gqa_order": 1}, None, 1, ("chain", "unord")),
     "gqa-s2": (C_GQA, "gluon", {}, None, 2, ("chain", )),
     "gqa-s4": (C_GQA, "gluon", {}, None, 4, ("chain", )),
     "gqa-tri": (C_GQA, "triton", {}, None, 1, ("triton", )),
     "c64": (C_C64, "gluon", {}, None, 1, ("chain", "unord")),
     "c64-fix": (C_C64, "gluon", {"bwd_fixed": 1}, None, 1, ("fixed", )),
-    "c64-m128": (C_C64, "gluon", {"bwd_fixed": 1}, 128, 1, ("fixed", "unord")),
+    "c64-m128": (C_C64, "gluon", {"bwd_fixed": 1}, 128, 1, ("fixed", )),
+    "c64-m128c": (C_C64, "gluon", {}, 128, 1, ("chain", )),
     "c64-tri": (C_C64, "triton", {}, None, 1, ("triton", )),
     "f64": (C_F64, "gluon", {}, None, 1, ("chain", "unord")),
     "f64-fix": (C_F64, "gluon", {"bwd_fixed": 1}, None, 1, ("fixed", )),
-    "f64-m128": (C_F64, "gluon", {"bwd_fixed": 1}, 128, 1, ("fixed", "unord")),
+    "f64-m128": (C_F64, "gluon", {"bwd_fixed": 1}, 128, 1, ("fixed", )),
+    "f64-m128c": (C_F64, "gluon", {}, 128, 1, ("chain", )),
     "f64-tri": (C_F64, "triton", {}, None, 1, ("triton", )),
     "g64": (C_G64, "gluon", {}, None, 1, ("chain", "unord")),
     "g64-fix": (C_G64, "gluon", {"bwd_fixed": 1}, None, 1, ("fixed", )),
+    "g64-mm": (C_G64, "gluon", {"bwd_gqa_order": 1}, None, 1, ("chain", )),
     "g64-tri": (C_G64, "triton", {}, None, 1, ("triton", )),
 }
 # GRID 1 is timed for these (job, mode) pairs (a flag on the same kernels)
-GRID1 = {("gqa", "chain"), ("gqa", "unord"), ("gqa-u0", "unord"), ("gqa-s2", "chain"), ("gqa-s4", "chain"),
+GRID1 = {("gqa", "chain"), ("gqa", "unord"), ("gqa-u0", "unord"), ("gqa-mm", "chain"), ("gqa-s2", "chain"),
+         ("gqa-s4", "chain"),
          ("c64", "chain"), ("c64-fix", "fixed"), ("f64-fix", "fixed"), ("g64", "chain"), ("g64-fix", "fixed")}
 WARM_LIMIT, TIME_LIMIT = 36, 27
 BOUND = 6e-3  # relative L2 error of each gradient against float64 (bf16: the Gluon / Triton backwards give ~2.4e-3)
@@ -281,7 +289,6 @@ def phase_time(results, ready):
             except Exception as e:
                 log(f"{case:<28} {label:<18} ERROR {type(e).__name__}: {str(e)[:200]}")
         print("ROW " + json.dumps(row), flush=True)  # the parent's table (kept if the phase is killed later)
-        del q, k, v, do
         torch.cuda.empty_cache()
 
 
@@ -295,7 +302,7 @@ def dry_run():
         try:
             mod = module(job)
             line = f"dry {job:<9} {mod.__name__}"
-            if bm is not None or job == "gqa-u0":
+            if bm is not None or job in ("gqa-u0", "gqa-mm"):
                 for mode in modes:
                     ck = mod.compile_backward_for(deterministic=mode != "unord")
                     res = next(iter(ptxas(ck.asm["ptx"])[0].values()))
@@ -357,16 +364,22 @@ def main():
     t0 = time.time()
     env = child_env("/tmp/fagen-cache-gpu-gqa64", ROOT)
     log(f"#### phase warm: {len(JOBS)} children at once (timeout {WARM_LIMIT}s)")
+    tmp = tempfile.mkdtemp(prefix="gqa64-")
+    files = {job: open(os.path.join(tmp, f"{job}.log"), "w+") for job in JOBS}  # no pipe to fill up
     procs = {job: subprocess.Popen([sys.executable, __file__, "--phase", f"warm:{job}"], env=env,
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for job in JOBS}
+                                   stdout=files[job], stderr=subprocess.STDOUT, text=True) for job in JOBS}
     deadline = time.time() + WARM_LIMIT
     ready, checks, logs = {}, [], []
     for job, p in procs.items():
         try:
-            outs = p.communicate(timeout=max(deadline - time.time(), 0.1))[0]
+            p.wait(timeout=max(deadline - time.time(), 0.1))
+            killed = ""
         except subprocess.TimeoutExpired:
             p.kill()
-            outs = p.communicate()[0] + f"warm:{job} killed (timeout)\n"
+            p.wait()
+            killed = f"warm:{job} killed (timeout)\n"
+        files[job].seek(0)
+        outs = files[job].read() + killed
         logs.append(outs)
         for line in outs.splitlines():
             if line.startswith("RESULTS "):

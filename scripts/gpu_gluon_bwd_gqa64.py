@@ -11,8 +11,9 @@ Questions (docs/hopper.md, "GQA and d64 in the Gluon backward (ninth session)"):
 - GQA 32/8 causal (B4 s4k, d128): why 372 against cuDNN's 461. Levers timed here: GRID 1 (one CTA per tile, the
   hardware hands them out in index order: heavy tiles first, no static round robin; the module's _NUM_SMS set past
   the tile count between forward and backward: the same kernels), the unordered kernel without its levers, and the
-  query heads of a KV head split over 2 or 4 CTAs (emulated: the gqa 2 / MHA module on K, V repeated per split,
-  dK, dV partials summed in float32 in a fixed order: the split's cost with its reduction), and the steps of a GQA
+  query heads of a KV head split over 2 or 4 CTAs (variant bwd_gqa_split, [Note] GQA split in the backward: float32
+  dK, dV partials summed in a fixed order afterwards; s4 emulates the split of 4 with the MHA module on K, V repeated
+  per query head, a control for the product's S4), and the steps of a GQA
   tile query block major (variant bwd_gqa_order 1, [Note] GQA step order in the backward: key block n - 1 stays
   ahead of n in the dQ chain at every head change).
 Phases: `warm` (one child per job, all at once: build, check against float64 at a small shape whose integer
@@ -57,7 +58,8 @@ JOBS = {
     "gqa": (C_GQA, "gluon", {}, None, 1, ("chain", "unord")),
     "gqa-u0": (C_GQA, "gluon", {"bwd_unordered_levers": {}}, None, 1, ("unord", )),
     "gqa-mm": (C_GQA, "gluon", {"bwd_gqa_order": 1}, None, 1, ("chain", "unord")),
-    "gqa-s2": (C_GQA, "gluon", {}, None, 2, ("chain", )),
+    "gqa-S2": (C_GQA, "gluon", {"bwd_gqa_split": 2}, None, 1, ("chain", )),
+    "gqa-S4": (C_GQA, "gluon", {"bwd_gqa_split": 4}, None, 1, ("chain", "unord")),
     "gqa-s4": (C_GQA, "gluon", {}, None, 4, ("chain", )),
     "gqa-tri": (C_GQA, "triton", {}, None, 1, ("triton", )),
     "c64": (C_C64, "gluon", {}, None, 1, ("chain", "unord")),
@@ -76,8 +78,8 @@ JOBS = {
     "g64-tri": (C_G64, "triton", {}, None, 1, ("triton", )),
 }
 # GRID 1 is timed for these (job, mode) pairs (a flag on the same kernels)
-GRID1 = {("gqa", "chain"), ("gqa", "unord"), ("gqa-u0", "unord"), ("gqa-mm", "chain"), ("gqa-s2", "chain"),
-         ("gqa-s4", "chain"),
+GRID1 = {("gqa", "chain"), ("gqa", "unord"), ("gqa-u0", "unord"), ("gqa-mm", "chain"), ("gqa-S2", "chain"),
+         ("gqa-S4", "chain"), ("gqa-s4", "chain"),
          ("c64", "chain"), ("c64-fix", "fixed"), ("f64-fix", "fixed"), ("g64", "chain"), ("g64-fix", "fixed")}
 WARM_LIMIT, TIME_LIMIT = 36, 27
 BOUND = 6e-3  # relative L2 error of each gradient against float64 (bf16: the Gluon / Triton backwards give ~2.4e-3)
@@ -302,7 +304,7 @@ def dry_run():
         try:
             mod = module(job)
             line = f"dry {job:<9} {mod.__name__}"
-            if bm is not None or job in ("gqa-u0", "gqa-mm"):
+            if bm is not None or job in ("gqa-u0", "gqa-mm", "gqa-S2", "gqa-S4"):
                 for mode in modes:
                     ck = mod.compile_backward_for(deterministic=mode != "unord")
                     res = next(iter(ptxas(ck.asm["ptx"])[0].values()))
@@ -345,7 +347,7 @@ def table(rows):
                 log(f"| {r['case']} | {label} | {tf:.0f} | {ratio} |")
     log("(bf16, backward only, TF/s = 2.5 x forward FLOPs / do_bench median; chain = fixed-order float32 dQ adds "
         "(the default deterministic mode), fixed = variant bwd_fixed, unord = deterministic=False, g1 = GRID 1, "
-        "s2/s4 = query heads split over 2/4 CTAs (emulated, with the float32 sum of the dK/dV partials), "
+        "S2/S4 = query heads split over 2/4 CTAs (bwd_gqa_split), s4 = the same emulated on the MHA kernel, "
         "u0 = the unordered kernel without levers, m128 = 128-query steps)")
 
 

@@ -12,10 +12,11 @@ Questions (docs/hopper.md, "GQA and d64 in the Gluon backward (ninth session)"):
   hardware hands them out in index order: heavy tiles first, no static round robin; the module's _NUM_SMS set past
   the tile count between forward and backward: the same kernels), the unordered kernel without its levers, and the
   query heads of a KV head split over 2 or 4 CTAs (variant bwd_gqa_split, [Note] GQA split in the backward: float32
-  dK, dV partials summed in a fixed order afterwards; s4 emulates the split of 4 with the MHA module on K, V repeated
-  per query head, a control for the product's S4), and the steps of a GQA
-  tile query block major (variant bwd_gqa_order 1, [Note] GQA step order in the backward: key block n - 1 stays
-  ahead of n in the dQ chain at every head change).
+  dK, dV partials summed in a fixed order afterwards; a job's split field > 1 emulates it on the gqa / split module
+  with K, V repeated), the steps of a GQA tile query block major (variant bwd_gqa_order 1, [Note] GQA step order in the backward: key block n - 1 stays
+  ahead of n in the dQ chain at every head change), and L2 sections (variant bwd_sections 8: the tiles of 8 (batch,
+  KV head) pairs key block major, then the next 8: a wave spans 16 key blocks of 8 heads instead of 4 of all 32, so
+  each dQ row gets more of its adds while in L2; [Note] L2 sections in the backward).
 Phases: `warm` (one child per job, all at once: build, check against float64 at a small shape whose integer
 arguments fall in the real shape's specialisation classes, exact zeros of row 0 in causal cases, then the real shape
 once per mode, bitwise equal twice in deterministic modes and equal under GRID 1), `time` (one child: TF/s of each
@@ -58,14 +59,15 @@ JOBS = {
     "gqa": (C_GQA, "gluon", {}, None, 1, ("chain", "unord")),
     "gqa-u0": (C_GQA, "gluon", {"bwd_unordered_levers": {}}, None, 1, ("unord", )),
     "gqa-mm": (C_GQA, "gluon", {"bwd_gqa_order": 1}, None, 1, ("chain", "unord")),
+    "gqa-h8": (C_GQA, "gluon", {"bwd_sections": 8}, None, 1, ("chain", )),
     "gqa-S2": (C_GQA, "gluon", {"bwd_gqa_split": 2}, None, 1, ("chain", )),
     "gqa-S4": (C_GQA, "gluon", {"bwd_gqa_split": 4}, None, 1, ("chain", "unord")),
-    "gqa-s4": (C_GQA, "gluon", {}, None, 4, ("chain", )),
     "gqa-tri": (C_GQA, "triton", {}, None, 1, ("triton", )),
     "c64": (C_C64, "gluon", {}, None, 1, ("chain", "unord")),
     "c64-fix": (C_C64, "gluon", {"bwd_fixed": 1}, None, 1, ("fixed", )),
     "c64-m128": (C_C64, "gluon", {"bwd_fixed": 1}, 128, 1, ("fixed", )),
     "c64-m128c": (C_C64, "gluon", {}, 128, 1, ("chain", )),
+    "c64-h8": (C_C64, "gluon", {"bwd_sections": 8}, None, 1, ("chain", )),
     "c64-tri": (C_C64, "triton", {}, None, 1, ("triton", )),
     "f64": (C_F64, "gluon", {}, None, 1, ("chain", "unord")),
     "f64-fix": (C_F64, "gluon", {"bwd_fixed": 1}, None, 1, ("fixed", )),
@@ -79,7 +81,7 @@ JOBS = {
 }
 # GRID 1 is timed for these (job, mode) pairs (a flag on the same kernels)
 GRID1 = {("gqa", "chain"), ("gqa", "unord"), ("gqa-u0", "unord"), ("gqa-mm", "chain"), ("gqa-S2", "chain"),
-         ("gqa-S4", "chain"), ("gqa-s4", "chain"),
+         ("gqa-S4", "chain"), ("gqa-h8", "chain"), ("c64-h8", "chain"),
          ("c64", "chain"), ("c64-fix", "fixed"), ("f64-fix", "fixed"), ("g64", "chain"), ("g64-fix", "fixed")}
 WARM_LIMIT, TIME_LIMIT = 36, 27
 BOUND = 6e-3  # relative L2 error of each gradient against float64 (bf16: the Gluon / Triton backwards give ~2.4e-3)
@@ -304,7 +306,7 @@ def dry_run():
         try:
             mod = module(job)
             line = f"dry {job:<9} {mod.__name__}"
-            if bm is not None or job in ("gqa-u0", "gqa-mm", "gqa-S2", "gqa-S4"):
+            if bm is not None or job in ("gqa-u0", "gqa-mm", "gqa-S2", "gqa-S4", "gqa-h8"):
                 for mode in modes:
                     ck = mod.compile_backward_for(deterministic=mode != "unord")
                     res = next(iter(ptxas(ck.asm["ptx"])[0].values()))
@@ -347,8 +349,9 @@ def table(rows):
                 log(f"| {r['case']} | {label} | {tf:.0f} | {ratio} |")
     log("(bf16, backward only, TF/s = 2.5 x forward FLOPs / do_bench median; chain = fixed-order float32 dQ adds "
         "(the default deterministic mode), fixed = variant bwd_fixed, unord = deterministic=False, g1 = GRID 1, "
-        "S2/S4 = query heads split over 2/4 CTAs (bwd_gqa_split), s4 = the same emulated on the MHA kernel, "
-        "u0 = the unordered kernel without levers, m128 = 128-query steps)")
+        "S2/S4 = query heads split over 2/4 CTAs (bwd_gqa_split), "
+        "u0 = the unordered kernel without levers, m128 = 128-query steps, mm = query block major GQA steps, "
+        "h8 = L2 sections of 8 heads)")
 
 
 def main():

@@ -90,7 +90,7 @@ class GluonBackend(KernelBackend):
     variant = {"consumer_regs": 240, "loader_regs": 24, "tile_schedule_all": False, "causal_order": 3,
                "fp8_p_cvt": 2,
                "bwd_order": 0, "bwd_snake": 0, "bwd_named": 0, "bwd_epi_tma": 0, "bwd_fixed": 0, "bwd_window_desc": 0,
-               "bwd_gqa_order": 0, "bwd_gqa_split": 1,
+               "bwd_gqa_order": 0, "bwd_gqa_split": 1, "bwd_sections": 0,
                "bwd_unordered_levers": {"bwd_named": 2, "bwd_epi_tma": 1, "bwd_snake": 1}}
 
     # [Note] Gluon tile order. The persistent forward deals its tiles in an order ([Note] Tile schedule in the

@@ -90,7 +90,7 @@ class GluonBackend(KernelBackend):
     variant = {"consumer_regs": 240, "loader_regs": 24, "tile_schedule_all": False, "causal_order": 3,
                "fp8_p_cvt": 2,
                "bwd_order": 0, "bwd_snake": 0, "bwd_named": 0, "bwd_epi_tma": 0, "bwd_fixed": 0, "bwd_window_desc": 0,
-               "bwd_gqa_order": 0, "bwd_gqa_split": 1, "bwd_sections": 0,
+               "bwd_gqa_order": 0, "bwd_gqa_split": 1, "bwd_sections": 0, "bwd_fixed_d64": 0,
                "bwd_unordered_levers": {"bwd_named": 2, "bwd_epi_tma": 1, "bwd_snake": 1}}
 
     # [Note] Gluon tile order. The persistent forward deals its tiles in an order ([Note] Tile schedule in the
@@ -141,6 +141,10 @@ class GluonBackend(KernelBackend):
     # adds where they won, everywhere but GQA causal (unordered_selected: there the deterministic mode serves, as
     # asked or not). Not d64 (no kernel: the lab's d64 build lost to Triton, 316 vs 398), not fp16 (not measured).
     bwd_head_dims = (128,)
+    # [Note] Gluon backward at d64 (ninth session): other head dims, selected per (mask, gqa > 1) case where measured
+    # to win (docs/hopper.md, "GQA and d64 in the Gluon backward (ninth session)"); their render's variant:
+    # bwd_fixed_d64 (1: the deterministic mode's dQ as fixed-point adds at d64, [Note] Fixed-point dQ).
+    bwd_case_head_dims: dict = {64: ()}
     # The head dims the gluon backward renders and builds (_check_bwd): d64 too (the template's tiles do not depend
     # on D: [64, D / 2] dQ halves, [128, D] K/V; the lab's v1 at d64 built without spills and ran, docs/hopper.md),
     # selected only where measured to win (bwd_head_dims).
@@ -301,7 +305,9 @@ class GluonBackend(KernelBackend):
     def bwd_selected(self, spec) -> bool:
         """Whether the measured rule ([Note] Gluon backward rule) picks the gluon backward (its deterministic mode)
         for the case of `spec` with gradients (machine not considered)."""
-        return (spec.kind is Kind.PREFILL and spec.head_dim in self.bwd_head_dims and spec.head_dim_v == spec.head_dim
+        head_dim = (spec.head_dim in self.bwd_head_dims  # [Note] Gluon backward at d64
+                    or (spec.mask, spec.gqa > 1) in self.bwd_case_head_dims.get(spec.head_dim, ()))
+        return (spec.kind is Kind.PREFILL and head_dim and spec.head_dim_v == spec.head_dim
                 and spec.dtype in self.selected_dtypes and spec.mask in self.selected_masks
                 and spec.switches in self.bwd_selected_switches and spec.mask_mod is None
                 and (spec.score_mod is None or self.bwd_select_score_mods))

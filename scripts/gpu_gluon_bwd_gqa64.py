@@ -60,6 +60,7 @@ JOBS = {
     "gqa-u0": (C_GQA, "gluon", {"bwd_unordered_levers": {}}, None, 1, ("unord", )),
     "gqa-mm": (C_GQA, "gluon", {"bwd_gqa_order": 1}, None, 1, ("chain", "unord")),
     "gqa-h8": (C_GQA, "gluon", {"bwd_sections": 8}, None, 1, ("chain", )),
+    "gqa-mmh8": (C_GQA, "gluon", {"bwd_gqa_order": 1, "bwd_sections": 8}, None, 1, ("chain", )),
     "gqa-S2": (C_GQA, "gluon", {"bwd_gqa_split": 2}, None, 1, ("chain", )),
     "gqa-S4": (C_GQA, "gluon", {"bwd_gqa_split": 4}, None, 1, ("chain", "unord")),
     "gqa-tri": (C_GQA, "triton", {}, None, 1, ("triton", )),
@@ -81,7 +82,8 @@ JOBS = {
 }
 # GRID 1 is timed for these (job, mode) pairs (a flag on the same kernels)
 GRID1 = {("gqa", "chain"), ("gqa", "unord"), ("gqa-u0", "unord"), ("gqa-mm", "chain"), ("gqa-S2", "chain"),
-         ("gqa-S4", "chain"), ("gqa-h8", "chain"), ("c64-h8", "chain"),
+         ("gqa-S4", "chain"), ("gqa-h8", "chain"), ("gqa-mmh8", "chain"), ("c64-h8", "chain"),
+         ("c64-m128", "fixed"), ("c64-m128c", "chain"),
          ("c64", "chain"), ("c64-fix", "fixed"), ("f64-fix", "fixed"), ("g64", "chain"), ("g64-fix", "fixed")}
 WARM_LIMIT, TIME_LIMIT = 36, 27
 BOUND = 6e-3  # relative L2 error of each gradient against float64 (bf16: the Gluon / Triton backwards give ~2.4e-3)
@@ -306,7 +308,7 @@ def dry_run():
         try:
             mod = module(job)
             line = f"dry {job:<9} {mod.__name__}"
-            if bm is not None or job in ("gqa-u0", "gqa-mm", "gqa-S2", "gqa-S4", "gqa-h8"):
+            if backend == "gluon" and (bm is not None or job.startswith("gqa-")):
                 for mode in modes:
                     ck = mod.compile_backward_for(deterministic=mode != "unord")
                     res = next(iter(ptxas(ck.asm["ptx"])[0].values()))

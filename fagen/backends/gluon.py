@@ -90,7 +90,6 @@ class GluonBackend(KernelBackend):
     variant = {"consumer_regs": 240, "loader_regs": 24, "tile_schedule_all": False, "causal_order": 3,
                "fp8_p_cvt": 2,
                "bwd_order": 0, "bwd_snake": 0, "bwd_named": 0, "bwd_epi_tma": 0, "bwd_fixed": 0, "bwd_window_desc": 0,
-               "bwd_gqa_order": 0, "bwd_gqa_split": 1, "bwd_sections": 0, "bwd_fixed_d64": 0,
                "bwd_unordered_levers": {"bwd_named": 2, "bwd_epi_tma": 1, "bwd_snake": 1}}
 
     # [Note] Gluon tile order. The persistent forward deals its tiles in an order ([Note] Tile schedule in the
@@ -142,9 +141,21 @@ class GluonBackend(KernelBackend):
     # asked or not). Not d64 (no kernel: the lab's d64 build lost to Triton, 316 vs 398), not fp16 (not measured).
     bwd_head_dims = (128,)
     # [Note] Gluon backward at d64 (ninth session): other head dims, selected per (mask, gqa > 1) case where measured
-    # to win (docs/hopper.md, "GQA and d64 in the Gluon backward (ninth session)"); their render's variant:
-    # bwd_fixed_d64 (1: the deterministic mode's dQ as fixed-point adds at d64, [Note] Fixed-point dQ).
+    # to win (docs/hopper.md, "GQA and d64 in the Gluon backward (ninth session)"); a d64 render reads the variant
+    # keys of variant["bwd_d64"] over the others (variant_for).
     bwd_case_head_dims: dict = {64: ()}
+    # The GQA levers of the ninth session ([Note] GQA step order / GQA split / L2 sections in the backward, in the
+    # template): bwd_gqa_order 1 query block major steps, bwd_gqa_split s programs per KV head's query heads,
+    # bwd_sections n (batch, KV head) pairs per L2 section; bwd_d64 the variant keys a d64 render takes instead
+    # (variant_for). Measured in docs/hopper.md, "GQA and d64 in the Gluon backward (ninth session)".
+    variant.update({"bwd_gqa_order": 0, "bwd_gqa_split": 1, "bwd_sections": 0, "bwd_d64": {}})
+
+    def variant_for(self, spec) -> dict:
+        """The variant a render of `spec` reads (the template's `gluon`): `variant`, with bwd_d64's keys over it for
+        a head_dim 64 backward ([Note] Gluon backward at d64)."""
+        if spec.head_dim == 64 and spec.direction is Direction.BWD and self.variant["bwd_d64"]:
+            return {**self.variant, **self.variant["bwd_d64"]}
+        return self.variant
     # The head dims the gluon backward renders and builds (_check_bwd): d64 too (the template's tiles do not depend
     # on D: [64, D / 2] dQ halves, [128, D] K/V; the lab's v1 at d64 built without spills and ran, docs/hopper.md),
     # selected only where measured to win (bwd_head_dims).

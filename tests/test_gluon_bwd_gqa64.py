@@ -123,3 +123,16 @@ def test_the_split_and_the_step_order_pass_the_virtual_heads_to_the_fast_launch(
         assert "hkv, sk = k.shape[1] * BWD_KV_SPLIT, k.shape[2]" in path
         assert re.search(r"num_tiles, num_bh, hkv, sq, sk, sq_pad", path)
         assert "GQA=GQA // BWD_KV_SPLIT" in path
+
+
+def test_a_d64_backward_renders_the_bwd_d64_keys_over_the_variant():
+    """[Note] Gluon backward at d64: variant["bwd_d64"]'s keys apply to head_dim 64 backward renders only."""
+    plain64, plain128 = source(gqa=1, head_dim=64), source(gqa=1)
+    assert "\nBWD_BLOCK_M = 64\n" in plain64 and "_cvt_rni(" not in plain64
+    d64 = {"bwd_d64": {"bwd_fixed": 1, "bwd_block_m": 128}}
+    got = source(gqa=1, head_dim=64, **d64)
+    assert "\nBWD_BLOCK_M = 128 " in got and "gl.static_assert(BLOCK_M == 128)" in got and "_cvt_rni(" in got
+    assert "BWD_DET_MODE = 2" in got
+    assert source(gqa=1, **d64) == plain128
+    fwd = KernelSpec(backend="gluon", head_dim=64, mask="causal", dtype="bf16")
+    assert backends.GLUON.variant_for(fwd) is backends.GLUON.variant

@@ -148,7 +148,8 @@ class GluonBackend(KernelBackend):
     # template): bwd_gqa_order 1 query block major steps, bwd_gqa_split s programs per KV head's query heads,
     # bwd_sections n (batch, KV head) pairs per L2 section; bwd_d64 the variant keys a d64 render takes instead
     # (variant_for). Measured in docs/hopper.md, "GQA and d64 in the Gluon backward (ninth session)".
-    variant.update({"bwd_gqa_order": 0, "bwd_gqa_split": 1, "bwd_sections": 0, "bwd_d64": {}})
+    # bwd_block_m: queries per step (64; 128 built for d64 only: shared 199 KB, spills ~400 B).
+    variant.update({"bwd_gqa_order": 0, "bwd_gqa_split": 1, "bwd_sections": 0, "bwd_block_m": 64, "bwd_d64": {}})
 
     def variant_for(self, spec) -> dict:
         """The variant a render of `spec` reads (the template's `gluon`): `variant`, with bwd_d64's keys over it for

@@ -360,13 +360,12 @@ def table(rows):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--phase", help="one phase here (no child): warm:JOB or time")
-    ap.add_argument("--ready", default="{}", help="time: the ready modes per job (JSON), default every job's")
+    ap.add_argument("--ready", default=None, help="time: the ready modes per job (JSON), default every job's")
     args = ap.parse_args()
     if os.environ.get("GPU_GQA64_DRY"):
         sys.exit(0 if dry_run() else 1)
     if args.phase:
-        ready = args.ready if args.ready != "{}" or args.phase != "time" else json.dumps(
-            {job: list(j[-1]) for job, j in JOBS.items()})
+        ready = args.ready if args.ready is not None else json.dumps({job: list(j[-1]) for job, j in JOBS.items()})
         run_phase(args.phase, ready)
         return
     t0 = time.time()

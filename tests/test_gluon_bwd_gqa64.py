@@ -60,7 +60,8 @@ def test_query_block_major_steps_visit_every_head_and_block_once():
 def test_l2_sections_deal_every_tile_once_and_keep_the_turns_deadlock_free():
     """[Note] L2 sections in the backward: the rendered tile -> (key block, pair) map is a bijection, each section
     key block major, and (n - 1, pair) has a smaller tile index than (n, pair) ([Note] Fixed-order dQ's condition)."""
-    src = source(bwd_sections=8)
+    src = source(bwd_sections=8, bwd_fixed=1)
+    assert "\nBWD_GRID_ALL = 1 " in src and "span = " not in source(bwd_sections=8)  # not with the chain
     body = src[src.index("    span = 8 * "):src.index("    off_b = bh // num_heads_kv")].splitlines()
     for num_bh, seq_k in ((32, 4096), (30, 640), (3, 900), (8, 128)):
         nk = -(-seq_k // 128)

@@ -13,7 +13,7 @@ from triton.experimental.gluon import language as gl
 from fagen.templates.host.gluon_launch import _GL_DTYPE, _gluon
 from fagen.templates.host.launch import _raw_stream
 
-BWD_BLOCK_M = BWD_BLOCK_N = HEAD_DIM = GQA = CAUSAL = BWD_RING_SLOTS = BWD_WARPS = BWD_KV_SPLIT = 0
+BWD_BLOCK_M = BWD_BLOCK_N = HEAD_DIM = GQA = CAUSAL = BWD_RING_SLOTS = BWD_WARPS = BWD_KV_SPLIT = BWD_GRID_ALL = 0
 BWD_COMPUTE_REGS = BWD_PRODUCER_REGS = BWD_WRITER_REGS = 0
 _NUM_SMS, _BWD_KERNELS = {}, {}
 _bwd_preprocess = _dq_convert = _run_backward = _descriptor = None
@@ -104,7 +104,7 @@ def _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode):
     if epi_tma:  # dK, dV leave by TMA stores of one warpgroup's 64 rows
         dk, dv = _descriptor(dk, BWD_BLOCK_N // 2), _descriptor(dv, BWD_BLOCK_N // 2)
     # One program per SM at most: every program is resident, which the fixed-order dQ needs.
-    kernel[(min(num_tiles, _NUM_SMS[dev]), )](
+    kernel[(num_tiles if BWD_GRID_ALL and dq_mode else min(num_tiles, _NUM_SMS[dev]), )](  # [Note] L2 sections
         _descriptor(q, BWD_BLOCK_M), _descriptor(do, BWD_BLOCK_M), _descriptor(k, BWD_BLOCK_N),
         _descriptor(v, BWD_BLOCK_N), (lse2, (1, BWD_BLOCK_M)), (delta, (1, BWD_BLOCK_M)),
         (dq_acc, (1, 1, BWD_BLOCK_M, HEAD_DIM // 2)), dk, dv, sem, scale * 1.4426950408889634, scale,

@@ -13,7 +13,10 @@ import fagen
 from fagen import backends
 from fagen.codegen import render
 from fagen.runtime.loader import load_source
+from fagen.runtime import hopper, resolve
 from fagen.spec.kernel import KernelSpec
+from _env import ON_GPU
+from test_hopper_selection import as_if_hopper  # noqa: F401 (a fixture)
 
 
 def source(gqa=4, mask="causal", head_dim=128, **variant):
@@ -128,7 +131,7 @@ def test_the_split_and_the_step_order_pass_the_virtual_heads_to_the_fast_launch(
 
 def test_a_d64_backward_renders_the_bwd_d64_keys_over_the_variant():
     """[Note] Gluon backward at d64: variant["bwd_d64"]'s keys apply to head_dim 64 backward renders only."""
-    plain64, plain128 = source(gqa=1, head_dim=64), source(gqa=1)
+    plain64, plain128 = source(gqa=1, head_dim=64, bwd_d64={}), source(gqa=1)
     assert "\nBWD_BLOCK_M = 64\n" in plain64 and "_cvt_rni(" not in plain64
     d64 = {"bwd_d64": {"bwd_fixed": 1, "bwd_block_m": 128}}
     got = source(gqa=1, head_dim=64, **d64)
@@ -137,3 +140,37 @@ def test_a_d64_backward_renders_the_bwd_d64_keys_over_the_variant():
     assert source(gqa=1, **d64) == plain128
     fwd = KernelSpec(backend="gluon", head_dim=64, mask="causal", dtype="bf16")
     assert backends.GLUON.variant_for(fwd) is backends.GLUON.variant
+
+
+def test_the_d64_backward_renders_the_fixed_point_dq_by_default():
+    """The product's d64 render ([Note] Gluon backward at d64): the fixed-point dQ is its deterministic mode; d128's
+    stays the chain."""
+    assert "BWD_DET_MODE = 2" in source(gqa=1, head_dim=64) and "BWD_DET_MODE = 0" in source(gqa=1)
+
+
+@pytest.mark.parametrize("mask,gqa,dtype,picked", [
+    ("causal", 1, "bf16", True), ("none", 1, "bf16", True), ("causal", 4, "bf16", True),
+    ("none", 4, "bf16", False),  # GQA full at d64: not measured
+    ("causal", 1, "fp16", False),  # not measured
+])
+def test_a_faked_sm90_picks_the_gluon_backward_at_d64_where_measured(as_if_hopper, mask, gqa, dtype,  # noqa: F811
+                                                                     picked):
+    """[Note] Gluon backward at d64: H100 round A, the fixed-point render against the Triton backward (causal 407 vs
+    379, full 372-393 vs 368, GQA causal 362 vs 318 TF/s)."""
+    spec = KernelSpec(head_dim=64, dtype=dtype, direction="bwd", mask=mask, gqa=gqa)
+    want = KernelSpec(backend="gluon", direction="bwd", head_dim=64, dtype=dtype, mask=mask, gqa=gqa)
+    assert hopper.backward_spec(spec, torch.device("cuda")) == (want if picked else None)
+    # a switch or another head dim keeps the Triton backward
+    assert hopper.backward_spec(KernelSpec(head_dim=64, dtype=dtype, direction="bwd", mask=mask, gqa=gqa,
+                                           softcap=True), torch.device("cuda")) is None
+    assert hopper.backward_spec(KernelSpec(head_dim=96, dtype=dtype, direction="bwd", mask=mask, gqa=gqa),
+                                torch.device("cuda")) is None
+
+
+@pytest.mark.skipif(ON_GPU, reason="CPU tensors on a faked sm_90: on a GPU their Triton fallback has no interpreter")
+def test_fagen_attention_takes_the_fixed_point_gluon_backward_at_d64(as_if_hopper):  # noqa: F811
+    q = torch.zeros(1, 4, 8, 64, dtype=torch.bfloat16)
+    big = resolve.resolve(q, q, q, "causal", False, big_bwd=True)
+    assert big.NAME == "attn_bwd_causal_d64_m128n128w8s3_g1_bf16_gluon" and big.BWD_DET_MODE == 2
+    small = resolve.resolve(q, q, q, "causal", False)
+    assert not small.NAME.endswith("_gluon")

@@ -25,7 +25,7 @@ def case(**fields) -> KernelSpec:
 @pytest.mark.parametrize("fields,picked", [
     (dict(mask="causal"), True), (dict(mask="none"), True), (dict(mask="causal", gqa=4), True),
     (dict(mask="none", gqa=8), True),
-    (dict(mask="causal", head_dim=64), False),  # built, not selected: the lab's lost to Triton (316 vs 398 TF/s)
+    (dict(mask="causal", head_dim=64), True),  # the fixed-point render: 407 vs Triton's 379 TF/s (test_gluon_bwd_gqa64)
     (dict(mask="causal", dtype="fp16"), False),  # not measured
     (dict(mask="padding"), False), (dict(mask="causal", softcap=True), False),
     (dict(mask="causal", window=True), False),
@@ -34,7 +34,7 @@ def test_the_backward_rule_picks_measured_wins_only(as_if_hopper, fields, picked
     spec = case(**fields)
     assert backends.GLUON.bwd_selected(spec) == picked
     got = hopper.backward_spec(spec, torch.device("cuda"))
-    assert got == (KernelSpec(backend="gluon", direction="bwd", head_dim=128, dtype="bf16", mask=spec.mask,
+    assert got == (KernelSpec(backend="gluon", direction="bwd", head_dim=spec.head_dim, dtype="bf16", mask=spec.mask,
                               gqa=spec.gqa) if picked else None)
 
 

@@ -141,15 +141,19 @@ class GluonBackend(KernelBackend):
     # asked or not). Not d64 (no kernel: the lab's d64 build lost to Triton, 316 vs 398), not fp16 (not measured).
     bwd_head_dims = (128,)
     # [Note] Gluon backward at d64 (ninth session): other head dims, selected per (mask, gqa > 1) case where measured
-    # to win (docs/hopper.md, "GQA and d64 in the Gluon backward (ninth session)"); a d64 render reads the variant
-    # keys of variant["bwd_d64"] over the others (variant_for).
-    bwd_case_head_dims: dict = {64: ()}
+    # to win, plain specs only (no switch, no mod); a d64 render reads the variant keys of variant["bwd_d64"] over
+    # the others (variant_for). H100, bf16, TF/s, one process (scripts/gpu_gluon_bwd_gqa64.py round A; docs/hopper.md,
+    # "GQA and d64 in the Gluon backward (ninth session)"), the fixed-point dQ (deterministic) against the Triton
+    # backward, the chain and cuDNN: causal B1 H32 s16k 407 / 379 / 316 / 457; full 372 (GRID 1: 393) / 368 / 327 /
+    # 442; GQA 32/8 causal B4 s4k 362 / 318 / 267 / 365. GQA 32/8 full at d64: not measured, not selected.
+    bwd_case_head_dims: dict = {64: ((Mask.CAUSAL, False), (Mask.NONE, False), (Mask.CAUSAL, True))}
     # The GQA levers of the ninth session ([Note] GQA step order / GQA split / L2 sections in the backward, in the
     # template): bwd_gqa_order 1 query block major steps, bwd_gqa_split s programs per KV head's query heads,
     # bwd_sections n (batch, KV head) pairs per L2 section; bwd_d64 the variant keys a d64 render takes instead
     # (variant_for). Measured in docs/hopper.md, "GQA and d64 in the Gluon backward (ninth session)".
     # bwd_block_m: queries per step (64; 128 built for d64 only: shared 199 KB, spills ~400 B).
-    variant.update({"bwd_gqa_order": 0, "bwd_gqa_split": 1, "bwd_sections": 0, "bwd_block_m": 64, "bwd_d64": {}})
+    variant.update({"bwd_gqa_order": 0, "bwd_gqa_split": 1, "bwd_sections": 0, "bwd_block_m": 64,
+                    "bwd_d64": {"bwd_fixed": 1}})
 
     def variant_for(self, spec) -> dict:
         """The variant a render of `spec` reads (the template's `gluon`): `variant`, with bwd_d64's keys over it for
@@ -318,7 +322,8 @@ class GluonBackend(KernelBackend):
         """Whether the measured rule ([Note] Gluon backward rule) picks the gluon backward (its deterministic mode)
         for the case of `spec` with gradients (machine not considered)."""
         head_dim = (spec.head_dim in self.bwd_head_dims  # [Note] Gluon backward at d64
-                    or (spec.mask, spec.gqa > 1) in self.bwd_case_head_dims.get(spec.head_dim, ()))
+                    or ((spec.mask, spec.gqa > 1) in self.bwd_case_head_dims.get(spec.head_dim, ())
+                        and not spec.switches and not spec.modded))
         return (spec.kind is Kind.PREFILL and head_dim and spec.head_dim_v == spec.head_dim
                 and spec.dtype in self.selected_dtypes and spec.mask in self.selected_masks
                 and spec.switches in self.bwd_selected_switches and spec.mask_mod is None

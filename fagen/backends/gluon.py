@@ -152,14 +152,19 @@ class GluonBackend(KernelBackend):
     # bwd_sections n (batch, KV head) pairs per L2 section; bwd_d64 the variant keys a d64 render takes instead
     # (variant_for). Measured in docs/hopper.md, "GQA and d64 in the Gluon backward (ninth session)".
     # bwd_block_m: queries per step (64; 128 built for d64 only: shared 199 KB, spills ~400 B).
+    # bwd_gqa: the keys a d128 GQA causal backward render takes over the others (variant_for).
     variant.update({"bwd_gqa_order": 0, "bwd_gqa_split": 1, "bwd_sections": 0, "bwd_block_m": 64,
-                    "bwd_d64": {"bwd_fixed": 1}})
+                    "bwd_d64": {"bwd_fixed": 1}, "bwd_gqa": {}})
 
     def variant_for(self, spec) -> dict:
         """The variant a render of `spec` reads (the template's `gluon`): `variant`, with bwd_d64's keys over it for
         a head_dim 64 backward ([Note] Gluon backward at d64)."""
-        if spec.head_dim == 64 and spec.direction is Direction.BWD and self.variant["bwd_d64"]:
+        if spec.direction is not Direction.BWD:
+            return self.variant
+        if spec.head_dim == 64 and self.variant["bwd_d64"]:
             return {**self.variant, **self.variant["bwd_d64"]}
+        if spec.head_dim == 128 and spec.gqa > 1 and spec.mask is Mask.CAUSAL and self.variant["bwd_gqa"]:
+            return {**self.variant, **self.variant["bwd_gqa"]}
         return self.variant
     # The head dims the gluon backward renders and builds (_check_bwd): d64 too (the template's tiles do not depend
     # on D: [64, D / 2] dQ halves, [128, D] K/V; the lab's v1 at d64 built without spills and ran, docs/hopper.md),
@@ -331,8 +336,9 @@ class GluonBackend(KernelBackend):
 
     def unordered_selected(self, mask, gqa: int) -> bool:
         """Whether deterministic=False takes the gluon backward's unordered dQ adds for a selected case of this mask
-        and gqa ([Note] Gluon backward rule): not GQA causal, where they lost."""
-        return not (Mask(mask) is Mask.CAUSAL and gqa > 1)
+        and gqa ([Note] Gluon backward rule): not GQA causal, where they lost, unless its render has L2 sections
+        (variant bwd_gqa: [Note] L2 sections in the backward)."""
+        return not (Mask(mask) is Mask.CAUSAL and gqa > 1) or bool(self.variant["bwd_gqa"].get("bwd_sections"))
 
     def selected(self, spec) -> bool:
         """Whether the measured rule ([Note] Gluon selection rule) picks the gluon forward for the case of `spec`."""

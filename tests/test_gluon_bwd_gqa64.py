@@ -19,7 +19,10 @@ from _env import ON_GPU
 from test_hopper_selection import as_if_hopper  # noqa: F401 (a fixture)
 
 
-def source(gqa=4, mask="causal", head_dim=128, **variant):
+def source(gqa=4, mask="causal", head_dim=128, product=False, **variant):
+    """The render with `variant` over the product's (product=False: without the GQA causal keys, bwd_gqa)."""
+    if not product:
+        variant.setdefault("bwd_gqa", {})
     saved = dict(backends.GLUON.variant)
     backends.GLUON.variant.update(variant)
     render.render.cache_clear()
@@ -174,3 +177,14 @@ def test_fagen_attention_takes_the_fixed_point_gluon_backward_at_d64(as_if_hoppe
     assert big.NAME == "attn_bwd_causal_d64_m128n128w8s3_g1_bf16_gluon" and big.BWD_DET_MODE == 2
     small = resolve.resolve(q, q, q, "causal", False)
     assert not small.NAME.endswith("_gluon")
+
+
+def test_gqa_causal_renders_the_fixed_point_dq_with_l2_sections_and_takes_unordered_adds():
+    """Round B (H100): sections of 4 with one program per tile, 429 TF/s deterministic (the chain 367) and 510
+    unordered (cuDNN 469); d64: sections of 8. MHA d128 keeps the chain."""
+    gqa = source(product=True)
+    assert "BWD_DET_MODE = 2" in gqa and "span = 4 * " in gqa and "\nBWD_GRID_ALL = 1 " in gqa
+    assert "span = 8 * " in source(gqa=1, head_dim=64, product=True)
+    assert "BWD_DET_MODE = 0" in source(gqa=1, product=True)
+    assert "span = " not in source(gqa=4, mask="none", product=True)  # GQA full: not measured
+    assert backends.GLUON.unordered_selected("causal", 4)

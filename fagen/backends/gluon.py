@@ -154,7 +154,10 @@ class GluonBackend(KernelBackend):
     # bwd_block_m: queries per step (64; 128 built for d64 only: shared 199 KB, spills ~400 B).
     # bwd_gqa: the keys a d128 GQA causal backward render takes over the others (variant_for).
     variant.update({"bwd_gqa_order": 0, "bwd_gqa_split": 1, "bwd_sections": 0, "bwd_block_m": 64,
-                    "bwd_d64": {"bwd_fixed": 1}, "bwd_gqa": {}})
+                    "bwd_d64": {"bwd_fixed": 1, "bwd_sections": 8}, "bwd_gqa": {"bwd_fixed": 1, "bwd_sections": 4}})
+    # Round B (H100, scripts/gpu_gluon_bwd_gqa64.py; TF/s deterministic / unordered, cuDNN): GQA 32/8 causal B4 s4k
+    # d128 with sections of 4: 429 / 510 (the chain 367), cuDNN 469; d64 with sections of 8: causal 425 / 447, full
+    # 416 / 403, GQA causal 360 / 402 (cuDNN 456, 463, 366; Triton 364, 371, 311).
 
     def variant_for(self, spec) -> dict:
         """The variant a render of `spec` reads (the template's `gluon`): `variant`, with bwd_d64's keys over it for

@@ -47,10 +47,12 @@ print("RESULT " + json.dumps(out))
 """
 
 LEVERS = {"bwd_order": 1, "bwd_snake": 1, "bwd_named": 2, "bwd_epi_tma": 1}
-# det and levers: the fixed-order dQ ([Note] Fixed-order dQ) whatever the default of bwd_fixed
-BUILDS = {"det": dict(mask="causal", gqa=2, dtype="bf16", deterministic=True, variant={"bwd_fixed": 0}),
+# det and levers: the fixed-order dQ ([Note] Fixed-order dQ) whatever the defaults of bwd_fixed and bwd_gqa (GQA
+# causal's own variant)
+BUILDS = {"det": dict(mask="causal", gqa=2, dtype="bf16", deterministic=True, variant={"bwd_fixed": 0, "bwd_gqa": {}}),
           "unordered": dict(mask="none", dtype="bf16", deterministic=False),
-          "levers": dict(mask="causal", gqa=2, dtype="bf16", deterministic=True, variant={**LEVERS, "bwd_fixed": 0}),
+          "levers": dict(mask="causal", gqa=2, dtype="bf16", deterministic=True,
+                         variant={**LEVERS, "bwd_fixed": 0, "bwd_gqa": {}}),
           "ulevers": dict(mask="causal", dtype="bf16", deterministic=False,
                           variant={"bwd_unordered_levers": {"bwd_named": 2, "bwd_epi_tma": 1}}),
           "fixed": dict(mask="causal", gqa=2, dtype="bf16", deterministic=True, variant={"bwd_fixed": 1}),
@@ -61,7 +63,7 @@ BUILDS = {"det": dict(mask="causal", gqa=2, dtype="bf16", deterministic=True, va
           "fixed_fma2": dict(mask="none", dtype="bf16", deterministic=True,
                              variant={"bwd_fixed": 1, "bwd_fixed_fma": 2}),
           "spt": dict(mask="causal", gqa=2, dtype="bf16", deterministic=True,
-                      variant={"bwd_fixed": 0, "bwd_spt": 1, "bwd_grid": 1})}
+                      variant={"bwd_fixed": 0, "bwd_spt": 1, "bwd_grid": 1, "bwd_gqa": {}})}
 
 
 @pytest.fixture(scope="module")

@@ -142,6 +142,36 @@ class GluonBackend(KernelBackend):
     # adds where they won, everywhere but GQA causal (unordered_selected: there the deterministic mode serves, as
     # asked or not). Not d64 (no kernel: the lab's d64 build lost to Triton, 316 vs 398), not fp16 (not measured).
     bwd_head_dims = (128,)
+    # [Note] Gluon backward at d64 (ninth session): other head dims, selected per (mask, gqa > 1) case where measured
+    # to win, plain specs only (no switch, no mod); a d64 render reads the variant keys of variant["bwd_d64"] over
+    # the others (variant_for). H100, bf16, TF/s, one process (scripts/gpu_gluon_bwd_gqa64.py round A; docs/hopper.md,
+    # "GQA and d64 in the Gluon backward (ninth session)"), the fixed-point dQ (deterministic) against the Triton
+    # backward, the chain and cuDNN: causal B1 H32 s16k 407 / 379 / 316 / 457; full 372 (GRID 1: 393) / 368 / 327 /
+    # 442; GQA 32/8 causal B4 s4k 362 / 318 / 267 / 365. GQA 32/8 full at d64: not measured, not selected.
+    bwd_case_head_dims: dict = {64: ((Mask.CAUSAL, False), (Mask.NONE, False), (Mask.CAUSAL, True))}
+    # The GQA levers of the ninth session ([Note] GQA step order / GQA split / L2 sections in the backward, in the
+    # template): bwd_gqa_order 1 query block major steps, bwd_gqa_split s programs per KV head's query heads,
+    # bwd_sections n (batch, KV head) pairs per L2 section; bwd_d64 the variant keys a d64 render takes instead
+    # (variant_for). Measured in docs/hopper.md, "GQA and d64 in the Gluon backward (ninth session)".
+    # bwd_block_m: queries per step (64; 128 built for d64 only: shared 199 KB, spills ~400 B).
+    # bwd_gqa: the keys a d128 GQA causal backward render takes over the others (variant_for).
+    variant.update({"bwd_gqa_order": 0, "bwd_gqa_split": 1, "bwd_sections": 0, "bwd_block_m": 64,
+                    "bwd_d64": {"bwd_fixed": 1, "bwd_sections": 8}, "bwd_gqa": {"bwd_fixed": 1, "bwd_sections": 4}})
+    # Round B (H100, scripts/gpu_gluon_bwd_gqa64.py; TF/s deterministic / unordered, cuDNN): GQA 32/8 causal B4 s4k
+    # d128 with sections of 4: 429 / 510 (the chain 367), cuDNN 469; d64 with sections of 8: causal 425 / 447, full
+    # 416 / 403, GQA causal 360 / 402 (cuDNN 456, 463, 366; Triton 364, 371, 311).
+
+    def variant_for(self, spec) -> dict:
+        """The variant a render of `spec` reads (the template's `gluon`): `variant`, with bwd_d64's keys over it for
+        a head_dim 64 backward ([Note] Gluon backward at d64) and bwd_gqa's for a d128 GQA causal one, plain specs
+        only (no switch, no mod)."""
+        if spec.direction is not Direction.BWD or spec.switches or spec.modded:  # the fixed-point dQ's bound holds
+            return self.variant  # for plain softmax gradients ([Note] Fixed-point dQ), not for a score_mod's dS
+        if spec.head_dim == 64 and self.variant["bwd_d64"]:
+            return {**self.variant, **self.variant["bwd_d64"]}
+        if spec.head_dim == 128 and spec.gqa > 1 and spec.mask is Mask.CAUSAL and self.variant["bwd_gqa"]:
+            return {**self.variant, **self.variant["bwd_gqa"]}
+        return self.variant
     # The head dims the gluon backward renders and builds (_check_bwd): d64 too (the template's tiles do not depend
     # on D: [64, D / 2] dQ halves, [128, D] K/V; the lab's v1 at d64 built without spills and ran, docs/hopper.md),
     # selected only where measured to win (bwd_head_dims).
@@ -330,7 +360,10 @@ class GluonBackend(KernelBackend):
         gradients (machine not considered)."""
         switches = spec.switches in self.bwd_selected_switches or (
             unordered and spec.switches in self.bwd_unordered_switches and self.unordered_selected(spec.mask, spec.gqa))
-        return (spec.kind is Kind.PREFILL and spec.head_dim in self.bwd_head_dims and spec.head_dim_v == spec.head_dim
+        head_dim = (spec.head_dim in self.bwd_head_dims  # [Note] Gluon backward at d64
+                    or ((spec.mask, spec.gqa > 1) in self.bwd_case_head_dims.get(spec.head_dim, ())
+                        and not spec.switches and not spec.modded))
+        return (spec.kind is Kind.PREFILL and head_dim and spec.head_dim_v == spec.head_dim
                 and spec.layout is Layout.DENSE and spec.dtype in self.selected_dtypes
                 and spec.mask in self.selected_masks
                 and switches and spec.mask_mod is None
@@ -339,8 +372,9 @@ class GluonBackend(KernelBackend):
 
     def unordered_selected(self, mask, gqa: int) -> bool:
         """Whether deterministic=False takes the gluon backward's unordered dQ adds for a selected case of this mask
-        and gqa ([Note] Gluon backward rule): not GQA causal, where they lost."""
-        return not (Mask(mask) is Mask.CAUSAL and gqa > 1)
+        and gqa ([Note] Gluon backward rule): not GQA causal, where they lost, unless its render has L2 sections
+        (variant bwd_gqa: [Note] L2 sections in the backward)."""
+        return not (Mask(mask) is Mask.CAUSAL and gqa > 1) or bool(self.variant["bwd_gqa"].get("bwd_sections"))
 
     def selected(self, spec) -> bool:
         """Whether the measured rule ([Note] Gluon selection rule) picks the gluon forward for the case of `spec`."""

@@ -130,7 +130,7 @@ def _context(spec: KernelSpec) -> dict:
     paged = spec.layout is Layout.PAGED
     return dict(spec=spec, spec_json=spec.to_json(), version=__version__, max_seq_q=DECODE_MAX_SEQ_Q,
                 batch_invariant=DECODE_BATCH_INVARIANT,
-                dot_precision=tables.DOT_KWARGS[spec.dtype], tma=backend.tma_loads(spec), gluon=backends.GLUON.variant,
+                dot_precision=tables.DOT_KWARGS[spec.dtype], tma=backend.tma_loads(spec), gluon=backends.GLUON.variant_for(spec),
                 max_page_size=MAX_PAGE_SIZE, packed_q=spec.packed_q, packed_k=spec.layout is Layout.VARLEN,
                 paged=paged, ragged=spec.mask.padded or spec.layout is not Layout.DENSE, **_out_context(spec),
                 kv_torch_dtype=tables.TORCH_KV_DTYPE[spec.kv_dtype] if spec.kv_dtype else "",

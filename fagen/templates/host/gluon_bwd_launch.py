@@ -13,7 +13,7 @@ from triton.experimental.gluon import language as gl
 from fagen.templates.host.gluon_launch import _GL_DTYPE, _gluon
 from fagen.templates.host.launch import _raw_stream
 
-BWD_BLOCK_M = BWD_BLOCK_N = HEAD_DIM = GQA = CAUSAL = BWD_RING_SLOTS = BWD_WARPS = 0
+BWD_BLOCK_M = BWD_BLOCK_N = HEAD_DIM = GQA = CAUSAL = BWD_RING_SLOTS = BWD_WARPS = BWD_KV_SPLIT = BWD_GRID_ALL = 0
 BWD_COMPUTE_REGS = BWD_PRODUCER_REGS = BWD_WRITER_REGS = BWD_DET_GRID = 0
 _NUM_SMS, _BWD_KERNELS = {}, {}
 _bwd_preprocess = _dq_convert = _run_backward = _descriptor = None
@@ -90,7 +90,7 @@ def _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode):
     """_run_backward's launches through the fast path ([Note] Gluon backward host path), on dense, aligned,
     non-empty inputs."""
     b, hq, sq, _ = q.shape
-    hkv, sk = k.shape[1], k.shape[2]
+    hkv, sk = k.shape[1] * BWD_KV_SPLIT, k.shape[2]  # virtual KV heads ([Note] GQA split in the backward)
     sq_pad = -(-sq // BWD_BLOCK_M) * BWD_BLOCK_M
     dev = q.get_device()
     _, delta, lse2, dq_acc, sem = _bwd_workspace(b, hq, sq_pad, dq_mode, q)
@@ -104,14 +104,15 @@ def _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode):
     if epi_tma:  # dK, dV leave by TMA stores of one warpgroup's 64 rows
         dk, dv = _descriptor(dk, BWD_BLOCK_N // 2), _descriptor(dv, BWD_BLOCK_N // 2)
     # One program per SM at most: every program is resident, which the fixed-order dQ needs (BWD_DET_GRID: one per
-    # tile, [Note] Launch order in gluon/backward.py.j2).
-    kernel[(num_tiles if BWD_DET_GRID and dq_mode == 0 else min(num_tiles, _NUM_SMS[dev]), )](
+    # tile, [Note] Launch order in gluon/backward.py.j2; BWD_GRID_ALL: modes 1, 2 one per tile, [Note] L2 sections).
+    kernel[(num_tiles if (BWD_DET_GRID and dq_mode == 0) or (BWD_GRID_ALL and dq_mode)
+            else min(num_tiles, _NUM_SMS[dev]), )](
         _descriptor(q, BWD_BLOCK_M), _descriptor(do, BWD_BLOCK_M), _descriptor(k, BWD_BLOCK_N),
         _descriptor(v, BWD_BLOCK_N), (lse2, (1, BWD_BLOCK_M)), (delta, (1, BWD_BLOCK_M)),
         (dq_acc, (1, 1, BWD_BLOCK_M, HEAD_DIM // 2)), dk, dv, sem, scale * 1.4426950408889634, scale,
         num_tiles, num_bh, hkv, sq, sk, sq_pad,
-        HEAD_DIM=HEAD_DIM, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, STAGES=BWD_RING_SLOTS, GQA=GQA, CAUSAL=CAUSAL,
-        DQ_MODE=dq_mode, COMPUTE_REGS=BWD_COMPUTE_REGS, PRODUCER_REGS=BWD_PRODUCER_REGS,
+        HEAD_DIM=HEAD_DIM, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, STAGES=BWD_RING_SLOTS, GQA=GQA // BWD_KV_SPLIT,
+        CAUSAL=CAUSAL, DQ_MODE=dq_mode, COMPUTE_REGS=BWD_COMPUTE_REGS, PRODUCER_REGS=BWD_PRODUCER_REGS,
         WRITER_REGS=BWD_WRITER_REGS, num_warps=BWD_WARPS,
     )
     _fast_dq_convert[(sq_pad // BWD_BLOCK_M, b * hq)](dq_acc, dq, scale, sq, sq_pad, HEAD_DIM=HEAD_DIM,

@@ -14,7 +14,7 @@ from fagen.spec.axes import Backend, Direction, DType, Kind, Layout, Mask, SpecE
 
 
 def smem_bytes(head_dim: int, block_m: int, block_n: int, num_stages: int, itemsize: int = 2,
-               head_dim_v: int | None = None) -> int:
+               head_dim_v: int | None = None, warpgroups: int = 2) -> int:
     """Shared memory of the Gluon (Hopper) forward (fagen/templates/gluon/attention.py.j2, [Note] Roles).
 
     A program owns block_m query rows, block_m / 2 per consumer warpgroup. Each warpgroup has two Q buffers and
@@ -22,12 +22,14 @@ def smem_bytes(head_dim: int, block_m: int, block_n: int, num_stages: int, items
     1 KB for the mbarriers and triton's scratch. d128 m128 n128 s2: 230,400 bytes (compiled: 229,752). fp8
     (itemsize 1): Q and K/V at 1 byte, O still 2 (bf16/fp16 out). MLA (head_dim_v < head_dim): V and O are
     head_dim_v wide; d192 v128 m128 n64 s2: 214,016 bytes; a deeper ring ("lean") keeps one Q buffer per
-    warpgroup and stages O in it (block_n x num_stages over 64 x 2): n128 s2 214,016 bytes too."""
+    warpgroup and stages O in it (block_n x num_stages over 64 x 2): n128 s2 214,016 bytes too. warpgroups: the
+    consumer warpgroups of block_m / 2 rows each (fp8 with variant fp8_wgs 3: three, [Note] fp8 three warpgroups in
+    the template); each brings its two Q buffers and its O buffer."""
     half = block_m // 2
     dv = head_dim if head_dim_v is None else head_dim_v
     lean = dv != head_dim and block_n * num_stages > 128  # the template's `lean` ([Note] Gluon MLA widths)
-    q_buffers, o_bytes = (1, 0) if lean else (2, 2 * 2 * half * dv)
-    return (itemsize * (2 * q_buffers * half + num_stages * block_n) * head_dim
+    q_buffers, o_bytes = (1, 0) if lean else (2, 2 * warpgroups * half * dv)
+    return (itemsize * (warpgroups * q_buffers * half + num_stages * block_n) * head_dim
             + itemsize * num_stages * block_n * dv + o_bytes + 1024)
 
 
@@ -263,8 +265,9 @@ class GluonBackend(KernelBackend):
     def smem_bytes(self, spec) -> int:
         if spec.kind is Kind.DECODE:  # Q 72 KB, two slots of 72 KB, P 8 KB, the row stats and barriers
             return 2 * (64 * 576 + 2 * 64 * 576 + 64 * 64) + 8 * 64 * 4 + 1024
+        wgs = self.variant["fp8_wgs"] if spec.dtype is DType.FP8_E4M3 else 2  # [Note] fp8 three warpgroups
         return smem_bytes(spec.head_dim, spec.block_m, spec.block_n, spec.num_stages, spec.dtype.itemsize,
-                          spec.head_dim_v)
+                          spec.head_dim_v, wgs)
 
     def check_more(self, spec) -> None:
         if spec.direction is Direction.BWD:

@@ -34,6 +34,10 @@ s7.VARIANTS = {
     "diag: 3 WGs, block_n 64, no exp2": {
         "variant": {"fp8_wgs": 3}, "fields": {"block_n": 64}, "diag": True,
         "patch": ((r"p = gl\.exp2\((s_acc \* qk_scale - \(m_use - 8\.0\)\[:, None\])\)", r"p = \1"), )},
+    # the O rescale's share (64 FMUL a step and thread whatever block_n; wrong numerics: timed, not checked)
+    "diag: 3 WGs, block_n 64, no O rescale": {
+        "variant": {"fp8_wgs": 3}, "fields": {"block_n": 64}, "diag": True,
+        "patch": ((r"^    o_acc = o_acc \* gl\.convert_layout\(alpha, gl\.SliceLayout\(1, o_layout\)\)\[:, None\]\n", ""), )},
 }
 s7.D64_VARIANTS = ("product", "3 WGs, block_n 64")
 FULL_CHECKS = ("product", "3 WGs, block_n 64")  # also the GQA and window rows

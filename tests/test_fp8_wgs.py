@@ -1,7 +1,8 @@
 """The fp8 Gluon forward's consumer warpgroups (GluonBackend.variant fp8_wgs; [Note] fp8 three warpgroups in
 fagen/templates/gluon/attention.py.j2): every place that counts them agrees in the render (partitions, Q and O
 buffers, the `empty` barriers' arrivals, the rows of a tile on the device and on the host), the bf16 forward never
-reads the switch, and the shared-memory formula counts the warpgroups' buffers. The sm_90 build of the product's
+reads the switch, and the shared-memory formula counts the warpgroups' buffers. Also the O rescale skip's switch
+(fp8_o_skip, [Note] fp8 O rescale skip). The sm_90 build of the product's
 setting is in test_fp8_compile.py; the kernel against float64 in scripts/gpu_fp8_fwd_s9.py on an H100."""
 
 import contextlib
@@ -86,3 +87,19 @@ def test_shared_memory_counts_each_warpgroups_q_and_o_buffers():
     with variant(fp8_wgs=3):  # block_n 128 with 4 slots still fits sm_90 (compiled: 229,992 bytes)
         assert backends.smem_bytes(KernelSpec(backend="gluon", head_dim=128, dtype="fp8_e4m3", block_n=128,
                                               num_stages=4)) <= targets.ARCH_SMEM_LIMIT["sm_90"]
+
+
+@pytest.mark.parametrize("skip", [0, 1])
+def test_o_rescale_is_skipped_only_under_the_switch_and_only_in_fp8(skip):
+    """[Note] fp8 O rescale skip: with fp8_o_skip 1 the loop step rescales O only when some alpha of the warpgroup
+    is below 1 (bit for bit the same O: alpha is exactly 1 where no row's max moved); the epilogue and bf16 keep
+    theirs."""
+    rescale = "o_acc = o_acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]"
+    with variant(fp8_o_skip=skip):
+        src = fagen.generate(KernelSpec(backend="gluon", head_dim=128, dtype="fp8_e4m3", mask="causal"))
+        bf16 = fagen.generate(KernelSpec(backend="gluon", head_dim=128, dtype="bf16", mask="causal"))
+    step = src[src.index("def _consumer_step("):src.index("def _consumer(")]
+    guarded = f"    if gl.min(alpha, 0) < 1.0:  # [Note] fp8 O rescale skip: some row's max moved\n        {rescale}\n"
+    assert (guarded in step) == bool(skip) and step.count(rescale) == 1, step[-600:]
+    assert f"\n    {rescale}\n" in bf16 and "gl.min(alpha" not in bf16
+    compile(src, "rendered", "exec")

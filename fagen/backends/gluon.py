@@ -88,6 +88,10 @@ class GluonBackend(KernelBackend):
     # (scripts/gpu_fp8_fwd_s7.py, seventh session): 0 733 / 733, 2 824 / 825. bf16/fp16 renders do not read it. The
     # seventh session's warpgroup turns (FA3's scheduler barrier) measured no faster and left the template
     # (docs/hopper.md, "fp8 forward, seventh session").
+    # fp8_wgs: the fp8 forward's consumer warpgroups, 2 or 3 ([Note] fp8 three warpgroups in the template; 3 gives
+    # the workers fp8_wg3_regs); fp8_o_skip: 1 rescales O only where a row's max moved ([Note] fp8 O rescale skip).
+    # H100, d128 s16k causal / full (scripts/gpu_fp8_fwd_s9.py, ninth session, round A): 2 WGs 825 / 854 TF/s,
+    # 3 WGs at block_n 64 823 / 819 (docs/hopper.md, "fp8 forward, ninth session"). bf16/fp16 renders read neither.
     # bwd_*: the gluon backward's levers ([Note] Gluon backward levers).
     variant = {"consumer_regs": 240, "loader_regs": 24, "tile_schedule_all": False, "causal_order": 3,
                "fp8_p_cvt": 2, "fp8_wgs": 2, "fp8_wg3_regs": (160, 24), "fp8_o_skip": 0,

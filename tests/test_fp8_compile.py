@@ -81,8 +81,11 @@ def test_fp8_builds_within_shared_memory_without_spills(built, key):
     spills, stack = (256, 64) if backends.GLUON.variant["fp8_p_cvt"] == 2 else (0, 0)
     assert r["spills"] <= spills and r["stack"] <= stack, {k: r[k] for k in ("spills", "stack", "regs")}
     assert r["transpose_spills"] == 0 and r["transpose_cubin"] > 0, r  # transpose_v's kernel, launched before it
-    assert r["num_warps"] == 12, r
-    assert {backends.GLUON.variant["loader_regs"], backends.GLUON.variant["consumer_regs"]} <= set(r["setmaxnreg"])
+    v = backends.GLUON.variant
+    if v["fp8_wgs"] == 3:  # [Note] fp8 three warpgroups: 4 + 4 + 4 + 1 warps, padded to 16
+        assert r["num_warps"] == 16 and set(v["fp8_wg3_regs"]) <= set(r["setmaxnreg"]), r
+    else:
+        assert r["num_warps"] == 12 and {v["loader_regs"], v["consumer_regs"]} <= set(r["setmaxnreg"]), r
 
 
 @pytest.mark.parametrize("key", list(MODULES))
@@ -102,8 +105,9 @@ def test_every_matmul_is_an_e4m3_wgmma(built, key):
 def test_p_reaches_the_pv_operand_without_shuffles(built, key):
     """[Note] fp8 P permutation: P's columns reordered within each 32 keys make the accumulator -> A-operand
     conversion a cast in registers. The d128 kernel had 147 shfl.sync with the keys in order, 51 with the
-    permutation (the bf16 kernel's count: the row reductions); no module may come back near the first."""
-    assert built[key]["shfl"] <= 72, built[key]
+    permutation (the bf16 kernel's count: the row reductions); no module may come back near the first. Counted per
+    consumer warpgroup (each partition has its own code): 36 each, 76 in all with three at block_n 64."""
+    assert built[key]["shfl"] <= 36 * backends.GLUON.variant["fp8_wgs"], built[key]
 
 
 @pytest.mark.parametrize("key", list(MODULES))

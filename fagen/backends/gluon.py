@@ -14,7 +14,7 @@ from fagen.spec.axes import Backend, Direction, DType, Kind, Layout, Mask, SpecE
 
 
 def smem_bytes(head_dim: int, block_m: int, block_n: int, num_stages: int, itemsize: int = 2,
-               head_dim_v: int | None = None) -> int:
+               head_dim_v: int | None = None, warpgroups: int = 2) -> int:
     """Shared memory of the Gluon (Hopper) forward (fagen/templates/gluon/attention.py.j2, [Note] Roles).
 
     A program owns block_m query rows, block_m / 2 per consumer warpgroup. Each warpgroup has two Q buffers and
@@ -22,12 +22,14 @@ def smem_bytes(head_dim: int, block_m: int, block_n: int, num_stages: int, items
     1 KB for the mbarriers and triton's scratch. d128 m128 n128 s2: 230,400 bytes (compiled: 229,752). fp8
     (itemsize 1): Q and K/V at 1 byte, O still 2 (bf16/fp16 out). MLA (head_dim_v < head_dim): V and O are
     head_dim_v wide; d192 v128 m128 n64 s2: 214,016 bytes; a deeper ring ("lean") keeps one Q buffer per
-    warpgroup and stages O in it (block_n x num_stages over 64 x 2): n128 s2 214,016 bytes too."""
+    warpgroup and stages O in it (block_n x num_stages over 64 x 2): n128 s2 214,016 bytes too. warpgroups: the
+    consumer warpgroups of block_m / 2 rows each (fp8 with variant fp8_wgs 3: three, [Note] fp8 three warpgroups in
+    the template); each brings its two Q buffers and its O buffer."""
     half = block_m // 2
     dv = head_dim if head_dim_v is None else head_dim_v
     lean = dv != head_dim and block_n * num_stages > 128  # the template's `lean` ([Note] Gluon MLA widths)
-    q_buffers, o_bytes = (1, 0) if lean else (2, 2 * 2 * half * dv)
-    return (itemsize * (2 * q_buffers * half + num_stages * block_n) * head_dim
+    q_buffers, o_bytes = (1, 0) if lean else (2, 2 * warpgroups * half * dv)
+    return (itemsize * (warpgroups * q_buffers * half + num_stages * block_n) * head_dim
             + itemsize * num_stages * block_n * dv + o_bytes + 1024)
 
 
@@ -86,9 +88,13 @@ class GluonBackend(KernelBackend):
     # (scripts/gpu_fp8_fwd_s7.py, seventh session): 0 733 / 733, 2 824 / 825. bf16/fp16 renders do not read it. The
     # seventh session's warpgroup turns (FA3's scheduler barrier) measured no faster and left the template
     # (docs/hopper.md, "fp8 forward, seventh session").
+    # fp8_wgs: the fp8 forward's consumer warpgroups, 2 or 3 ([Note] fp8 three warpgroups in the template; 3 gives
+    # the workers fp8_wg3_regs); fp8_o_skip: 1 rescales O only where a row's max moved ([Note] fp8 O rescale skip).
+    # H100, d128 s16k causal / full (scripts/gpu_fp8_fwd_s9.py, ninth session, round A): 2 WGs 825 / 854 TF/s,
+    # 3 WGs at block_n 64 823 / 819 (docs/hopper.md, "fp8 forward, ninth session"). bf16/fp16 renders read neither.
     # bwd_*: the gluon backward's levers ([Note] Gluon backward levers).
     variant = {"consumer_regs": 240, "loader_regs": 24, "tile_schedule_all": False, "causal_order": 3,
-               "fp8_p_cvt": 2,
+               "fp8_p_cvt": 2, "fp8_wgs": 2, "fp8_wg3_regs": (160, 24), "fp8_o_skip": 0,
                "bwd_order": 0, "bwd_snake": 0, "bwd_named": 0, "bwd_epi_tma": 0, "bwd_fixed": 0, "bwd_window_desc": 0,
                "bwd_mod_early": 0, "bwd_window_fixed": 0,
                "bwd_unordered_levers": {"bwd_named": 2, "bwd_epi_tma": 1, "bwd_snake": 1},
@@ -317,8 +323,9 @@ class GluonBackend(KernelBackend):
     def smem_bytes(self, spec) -> int:
         if spec.kind is Kind.DECODE:  # Q 72 KB, two slots of 72 KB, P 8 KB, the row stats and barriers
             return 2 * (64 * 576 + 2 * 64 * 576 + 64 * 64) + 8 * 64 * 4 + 1024
+        wgs = self.variant["fp8_wgs"] if spec.dtype is DType.FP8_E4M3 else 2  # [Note] fp8 three warpgroups
         return smem_bytes(spec.head_dim, spec.block_m, spec.block_n, spec.num_stages, spec.dtype.itemsize,
-                          spec.head_dim_v)
+                          spec.head_dim_v, wgs)
 
     def check_more(self, spec) -> None:
         if spec.direction is Direction.BWD:

@@ -18,12 +18,12 @@ Everywhere else the present kernels serve, unchanged. fagen.attention also asks 
 window: below that the Gluon module's host time per call outlasts what its kernel saves ([Note] Gluon size rule).
 
 A score_mod (no mask_mod) follows the same rule through mod_forward_spec, called by fagen.attention's modded path
-(fagen/runtime/modded.py) when no gradient is needed; GluonBackend.select_score_mods keeps it off until measured.
+(fagen/runtime/modded.py) when no gradient is needed, where GluonBackend.select_score_mods says (on: measured).
 
 With gradients, fagen.attention takes the gluon bwd module (its Gluon forward and the Gluon backward of
 fagen/templates/gluon/backward.py.j2) where GluonBackend.bwd_selected picks the case ([Note] Gluon backward rule in
-fagen/backends/gluon.py: d128 bf16, none/causal, any gqa; the switches and score_mods of [Note] Gluon backward
-selection), under the same conditions ($FAGEN_HOPPER, sm_90, the Gluon API) and from BWD_MIN_WORK pairs ([Note] Gluon
+fagen/backends/gluon.py: d128 bf16, none/causal, any gqa, and d64's plain cases; the switches and score_mods of
+[Note] Gluon backward selection), under the same conditions ($FAGEN_HOPPER, sm_90, the Gluon API) and from BWD_MIN_WORK pairs ([Note] Gluon
 backward size rule): below that the Triton bwd module's per-call time is lower or equal.
 deterministic=False (fagen.attention's keyword) gives that module's unordered dQ adds where unordered_selected
 says they won; elsewhere the deterministic mode serves. Every Triton backward is deterministic anyway.

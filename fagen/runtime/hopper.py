@@ -23,8 +23,9 @@ A score_mod (no mask_mod) follows the same rule through mod_forward_spec, called
 With gradients, fagen.attention takes the gluon bwd module (its Gluon forward and the Gluon backward of
 fagen/templates/gluon/backward.py.j2) where GluonBackend.bwd_selected picks the case ([Note] Gluon backward rule in
 fagen/backends/gluon.py: d128 bf16, none/causal, any gqa, and d64's plain cases; the switches and score_mods of
-[Note] Gluon backward selection), under the same conditions ($FAGEN_HOPPER, sm_90, the Gluon API) and from BWD_MIN_WORK pairs ([Note] Gluon
-backward size rule): below that the Triton bwd module's per-call time is lower or equal.
+[Note] Gluon backward selection), under the same conditions ($FAGEN_HOPPER, sm_90, the Gluon API) and from
+BWD_MIN_WORK pairs ([Note] Gluon backward size rule): below that the Triton bwd module's per-call time is lower or
+equal.
 deterministic=False (fagen.attention's keyword) gives that module's unordered dQ adds where unordered_selected
 says they won; elsewhere the deterministic mode serves. Every Triton backward is deterministic anyway.
 """

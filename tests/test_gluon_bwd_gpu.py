@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fagen
-from fagen.runtime import api, hopper, resolve
+from fagen.runtime import hopper, resolve
 from fagen.spec.axes import DType
 from fagen.spec.kernel import KernelSpec
 from fagen.verify import engine, reference
@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ON_HOPPER, reason="runs on
 @pytest.fixture
 def any_size(monkeypatch):
     """Small problems take the Gluon backward too (hopper.BWD_MIN_WORK is a host-time floor, not a limit)."""
-    monkeypatch.setattr(api, "BWD_MIN_WORK", 0)
+    monkeypatch.setattr(hopper, "BWD_MIN_WORK", 0)
     monkeypatch.delenv(hopper.ENV, raising=False)
 
 

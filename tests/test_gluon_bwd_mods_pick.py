@@ -183,7 +183,7 @@ def test_an_unordered_only_switch_set_serves_deterministic_false_alone(as_if_hop
     """bwd_unordered_switches: picked for deterministic=False only, and only where that mode is the unordered one
     (not GQA causal); fagen.attention carries the mode to resolve as big_bwd 2."""
     from fagen import backends
-    from fagen.runtime import api, resolve
+    from fagen.runtime import resolve
 
     monkeypatch.setattr(type(backends.GLUON), "bwd_selected_switches", ((),))
     monkeypatch.setattr(type(backends.GLUON), "bwd_unordered_switches", (("window",),))
@@ -193,7 +193,7 @@ def test_an_unordered_only_switch_set_serves_deterministic_false_alone(as_if_hop
     q = torch.zeros(1, 2, 8, 128, dtype=torch.bfloat16)
     assert resolve.resolve(q, q, q, "causal", False, ("window",), False, big_bwd=2).NAME.endswith("_gluon")
     assert not resolve.resolve(q, q, q, "causal", False, ("window",), False, big_bwd=True).NAME.endswith("_gluon")
-    monkeypatch.setattr(api, "BWD_WINDOW_MIN_WORK", 100)
+    monkeypatch.setattr(hopper, "BWD_WINDOW_MIN_WORK", 100)
     q, k, v = _inputs(s=24)
     with pytest.raises(ValueError, match="Gluon kernel"):  # the gluon module's device check: it was called
         fagen.attention(q, k, v, mask="causal", window=(5, 0), deterministic=False)

@@ -185,9 +185,9 @@ def test_torch_compile_fullgraph_takes_the_gluon_backward(as_if_hopper, monkeypa
     """[Note] Gluon backward under torch.compile: fagen.attention with gradients, traced with fullgraph=True, runs
     the gluon bwd module's operators where an eager call would (the size rule as a guard), in the mode asked for
     where it won (none: unordered; GQA causal: deterministic)."""
-    from fagen.runtime import api, ops
+    from fagen.runtime import ops
     torch._dynamo.reset()
-    monkeypatch.setattr(api, "BWD_MIN_WORK", 300)
+    monkeypatch.setattr(hopper, "BWD_MIN_WORK", 300)
     monkeypatch.setattr(ops, "_MODULES", {})
     mod = fagen.load(KernelSpec(backend="gluon", direction="bwd", head_dim=128, dtype="bf16", mask="none"))
     calls = []

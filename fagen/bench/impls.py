@@ -67,7 +67,9 @@ def preparers() -> dict[str, Callable[[BenchCase, CaseContext], Prepared]]:
 def case_impls(case: BenchCase, impls) -> tuple[str, ...]:
     """The implementations that run a case: all asked for, or fagen alone on a baseline row (case.peers False);
     cudnn-fp8 runs the fp8 forward rows and nothing else."""
-    fp8_fwd = case.dtype is DType.FP8_E4M3 and case.direction is Direction.FWD
+    from fagen.bench.peer_cudnn_fp8 import applies
+
+    fp8_fwd = applies(case)
     return tuple(i for i in impls if (case.peers or i == "fagen" or (fp8_fwd and i == "cudnn-fp8"))
                  and (i != "fagen-nondet" or case.direction is Direction.BWD) and (i != "cudnn-fp8" or fp8_fwd))
 

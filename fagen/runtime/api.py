@@ -8,7 +8,7 @@ import torch
 
 from fagen.codegen.args import SWITCH_KEYWORD
 from fagen.runtime import hopper
-from fagen.runtime.hopper import BWD_MIN_WORK, BWD_WINDOW_MIN_WORK, MIN_WORK, WINDOW_MIN_WORK, unordered
+from fagen.runtime.hopper import MIN_WORK, WINDOW_MIN_WORK, big_backward, unordered
 from fagen.runtime.hopper import window_keys as _window_keys
 from fagen.runtime.kinds import prefers_decode
 from fagen.runtime.resolve import _DTYPES, _FAST, AttentionError, _module, fast_key, resolve, resolve_varlen, spec_for
@@ -88,7 +88,7 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
             from fagen.mods.split import run_split
 
             return run_split(split, attention, q, k, v, mask=mask, scale=scale, window=window, softcap=softcap,
-                             check=check, resolve=resolve, bwd_min_work=BWD_MIN_WORK)  # [Note] Split calls' backward
+                             check=check, resolve=resolve, bwd_min_work=hopper.BWD_MIN_WORK)  # [Note] Split calls' backward
     if window is None and softcap is None and alibi_slopes is None and sinks is None:  # the common call
         switches, scores = (), _NO_SCORES
         needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
@@ -118,7 +118,7 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
                                           seqlens_k=seqlens_k, tree_mask=tree_mask, window=window, softcap=softcap,
                                           alibi_slopes=alibi_slopes, sinks=sinks, check=check)
         # [Note] Gluon backward under torch.compile: the size rule below, as a guard on the traced shapes
-        big_bwd = True if needs_grad and four and window is None and qs[0] * qs[1] * qs[2] * ks[2] >= BWD_MIN_WORK \
+        big_bwd = True if needs_grad and four and window is None and big_backward(qs[0] * qs[1] * qs[2] * ks[2], None) \
             else False  # a branch: a constant, under a guard on the (maybe symbolic) sizes
         return ops.attention(q, k, v, str(mask), scale, seqlens_q, seqlens_k, tree_mask, decode, win, softcap,
                              alibi_slopes, sinks, batch_invariant, big_bwd, deterministic)[0]
@@ -133,7 +133,7 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
     pairs = qs[0] * qs[1] * qs[2] * keys if four else 0
     forward_only = not needs_grad and not decode and four \
         and pairs >= (MIN_WORK if window is None else min(MIN_WORK, WINDOW_MIN_WORK))
-    big_bwd = needs_grad and four and pairs >= (BWD_MIN_WORK if window is None else BWD_WINDOW_MIN_WORK)
+    big_bwd = needs_grad and four and big_backward(pairs, window)
     if big_bwd and deterministic is False:  # the rule's unordered-only switch sets ([Note] Gluon backward selection)
         big_bwd = 2
     module = _FAST.get(fast_key(q, k, v, mask, decode, switches, forward_only, big_bwd)) \

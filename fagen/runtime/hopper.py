@@ -218,6 +218,13 @@ def window_keys(sk: int, window) -> int:
         return sk
 
 
+def big_backward(pairs: int, window) -> bool:
+    """The Gluon backward's size rule ([Note] Gluon backward size rule): at least BWD_MIN_WORK query-key pairs,
+    BWD_WINDOW_MIN_WORK with a window (its pairs counted with window_keys). fagen.attention's plain path and the
+    modded path both ask it."""
+    return pairs >= (BWD_MIN_WORK if window is None else BWD_WINDOW_MIN_WORK)
+
+
 def unordered(module) -> bool:
     """Whether fagen.attention(deterministic=False) passes the mode on to `module`: a gluon bwd module whose case
     the rule gives unordered dQ adds (GluonBackend.unordered_selected). Others serve deterministically."""

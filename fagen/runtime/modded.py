@@ -218,7 +218,7 @@ def _gluon_bwd(key: tuple, spec: KernelSpec, q, k, scores: dict, args: ModArgs, 
     its keys counted), no captured tensor requiring grad, a case the rule picks on q's device."""
     qs, window = q.shape, scores.get("window")
     keys = k.shape[2] if window is None else hopper.window_keys(k.shape[2], window)
-    if qs[0] * qs[1] * qs[2] * keys < (hopper.BWD_MIN_WORK if window is None else hopper.BWD_WINDOW_MIN_WORK) \
+    if not hopper.big_backward(qs[0] * qs[1] * qs[2] * keys, window) \
             or any(mods.values[a.name].requires_grad for a in args.tensors):
         return None
     mode = (key, deterministic is False)

@@ -4,7 +4,8 @@ cache at the query dtype's tolerance, with pages smaller than, equal to and larg
 keys against 16-key blocks), lengths that are multiples of neither, table entries past each sequence's pages that
 point outside the cache, NaN in every page no sequence owns, through the split rule (one key block a split under
 the interpreter) and one split (the carried page numbers across every block); and the prefetch must not change a
-bit against the page numbers loaded in the step that uses them (PAGE_PREFETCH off)."""
+bit against the page numbers loaded in the step that uses them (PAGE_PREFETCH off). The row offsets in 32 bits
+([Note] Paged rows in 32 bits, PAGED_ROWS32 1 and 2, tenth session) must not change a bit either."""
 
 import pytest
 import torch
@@ -19,16 +20,20 @@ FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 HD, HKV, G = (128, 8, 4) if ON_GPU else (32, 2, 4)
 LENS = (70, 23, 1, 129)  # 16-key blocks: none a multiple of a block or of a page of 4, 16 or 64
 PREFETCH = ("PAGE_PREFETCH = tl.constexpr(True)", "PAGE_PREFETCH = tl.constexpr(False)")
+ROWS32 = "PAGED_ROWS32 = tl.constexpr(0)"
 
 
-def _module(kv: str, prefetch: bool):
+def _module(kv: str, prefetch: bool, rows32: int = 0):
     spec = fagen.KernelSpec(head_dim=HD, gqa=G, kind="decode", layout="paged", dtype="bf16", kv_dtype=kv,
                             **({} if ON_GPU else dict(block_n=16)))
     source = fagen.generate(spec)
     assert PREFETCH[0] in source, "the paged fp8 decode render has no PAGE_PREFETCH switch"
     if not prefetch:
         source = source.replace(*PREFETCH)
-    return load_source(source, f"{spec.name}_prefetch{int(prefetch)}")
+    if rows32:
+        assert ROWS32 in source, "the paged fp8 decode render has no PAGED_ROWS32 switch"
+        source = source.replace(ROWS32, f"PAGED_ROWS32 = tl.constexpr({rows32})")
+    return load_source(source, f"{spec.name}_prefetch{int(prefetch)}_rows{rows32}")
 
 
 def _problem(kv: str, page: int, form: str, seed: int):
@@ -90,4 +95,18 @@ def test_page_prefetch_does_not_change_a_bit(page):
     for call in ("forward", "forward_split"):
         extra = dict(num_splits=1) if call == "forward_split" else {}
         a, b = getattr(on, call)(q, kc, vc, **kw, **extra), getattr(off, call)(q, kc, vc, **kw, **extra)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), call
+
+
+@pytest.mark.parametrize("rows32,page,form", [(1, 4, "head"), (1, 64, "token"), (2, 16, "tensor"), (2, 64, "head")])
+def test_paged_rows_in_32_bits_do_not_change_a_bit(rows32, page, form):
+    """[Note] Paged rows in 32 bits: the slot part of a row's offset computed once (blocks start at multiples of
+    BLOCK_N; pages of 4 and 64 keys against 16-key blocks: the block's slot offset is 0, then a multiple of 16) and
+    the products in int32 (1) or u32 x u32 -> u64 (2) address the same rows as the int64 path: the same bits, per-token
+    scales (which read the same page and slot) included, through the split rule and one split."""
+    q, kc, vc, kw, _ = _problem("fp8_e4m3", page, form, seed=5)
+    base, cand = _module("fp8_e4m3", True), _module("fp8_e4m3", True, rows32)
+    for call in ("forward", "forward_split"):
+        extra = dict(num_splits=1) if call == "forward_split" else {}
+        a, b = getattr(base, call)(q, kc, vc, **kw, **extra), getattr(cand, call)(q, kc, vc, **kw, **extra)
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), call

@@ -21,7 +21,8 @@ Phases, each in a child process with a timeout (a kernel that faults or hangs lo
 3. splits: page 16 b8 kv32768 (64 programs a split): the split rule, 1, 2, 8 splits (forward_split) and
    batch_invariant=True, for the default and r32; the merge is in the split kernel (the last split merges).
 Candidates: text replacements on the render ([Note] Paged rows in 32 bits in the decode template): "r32" the row
-offsets in int32 with the slot part once per row (PAGED_ROWS32 = 1), "w32" as unsigned 32 x 32 -> 64-bit products (2).
+offsets in int32 with the slot part once per row (PAGED_ROWS32 = 1), "w32" as unsigned 32 x 32 -> 64-bit products (2);
+"n256w8s2" / "n256w16s2": 256-key steps (tile fields of the spec).
 """
 
 from __future__ import annotations
@@ -37,12 +38,18 @@ from _phases import child_env, run_phase as run_child  # noqa: E402
 DRY = os.environ.get("GPU_FP8KV_S10_DRY") == "1"
 if DRY:
     os.environ.setdefault("TRITON_INTERPRET", "1")
-PHASES = {"check": 22, "paged": 48, "splits": 14} if not DRY else {"check": 900, "paged": 900, "splits": 900}
+PHASES = {"check": 26, "paged": 46, "splits": 13} if not DRY else {"check": 900, "paged": 900, "splits": 900}
 R = lambda m: [("PAGED_ROWS32 = tl.constexpr(0)", f"PAGED_ROWS32 = tl.constexpr({m})")]  # noqa: E731
-# sm_90 ptxas (triton 3.6, ROWS 16, m64n128w8s3, e4m3, compiled on the CPU; SASS of the unmasked key loop a step):
-# default 104 registers, 478 instructions (108 IMAD); r32 128 registers, 430; w32 128 registers (4 bytes spilled),
-# 430; the dense cache at the same tile 105 registers, 379. 104 KB of shared memory each: two programs an SM.
-CANDS = {"default": [], "r32": R(1), "w32": R(2)}
+T = lambda n, w, s: dict(block_m=64, block_n=n, num_warps=w, num_stages=s)  # noqa: E731
+# sm_90 ptxas (triton 3.6, ROWS 16, e4m3, compiled on the CPU; SASS of the unmasked key loop a step, a warp):
+# m64n128w8s3 (the default tile): default 104 registers, 478 instructions (108 IMAD); r32 128 registers, 430; w32
+# 128 registers (4 bytes spilled), 430; the dense cache at the same tile 105 registers, 379; 104 KB of shared memory
+# each: two programs an SM. 256-key steps (half the steps a byte, as the bf16 cache's 128-key ones), r32: n256w8s2
+# 187 registers, 140 KB (one program an SM, 8 warps), 617 a step; n256w16s2 106 registers, 140 KB, 457 a step.
+# (Per 64 KB of K and V an SM issues 6880 warp instructions at n128w8 r32, 4936 at n256w8, 7312 at n256w16.)
+CANDS = {"default": ([], {}), "r32": (R(1), {}), "r32 n256w8s2": (R(1), T(256, 8, 2)),
+         "r32 n256w16s2": (R(1), T(256, 16, 2)), "w32": (R(2), {})}
+TIMED = ("default", "r32", "r32 n256w8s2", "r32 n256w16s2")  # w32: checked, not timed (r32's SASS count, spills)
 SHAPES = ((32, 8192, 16), (128, 8192, 16), (32, 32768, 16), (32, 8192, 64), (128, 4096, 64))  # (batch, keys, page)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -143,9 +150,9 @@ def phase(name):  # noqa: C901 - one phase in this process
                 mods[key] = load_source(src, f"{spec.name}_{abs(hash(tuple(text))) % 10**8}")
         return mods[key]
 
-    def spec_kw(kv, layout):
+    def spec_kw(kv, layout, **tiles):
         return dict(head_dim=HD, gqa=G, dtype="bf16", kind="decode", kv_dtype=kv, layout=layout,
-                    **({"block_n": 16} if DRY else {}))
+                    **({"block_n": 16} if DRY else tiles))
 
     def scales(shape, gen):
         return torch.exp2(torch.rand(shape, device=dev, generator=gen) * 6 - 3)  # log-uniform 1/8 .. 8
@@ -190,7 +197,7 @@ def phase(name):  # noqa: C901 - one phase in this process
         gen, lens, q, kc, vc, table = problem(page)
         b = q.shape[0]
         ks, vs = (0.7, 1.6) if form == "tensor" else (scales((HKV,), gen), scales((HKV,), gen))
-        m = module(spec_kw("fp8_e4m3", "paged"), CANDS[cand])
+        m = module(spec_kw("fp8_e4m3", "paged", **CANDS[cand][1]), CANDS[cand][0])
         if splits:
             out, lse = m.forward_split(q, kc, vc, num_splits=splits, block_table=table, seqlens_k=lens, k_scale=ks,
                                        v_scale=vs)
@@ -226,7 +233,7 @@ def phase(name):  # noqa: C901 - one phase in this process
         batch."""
         gen, lens, q, kc, vc, table = problem(page, seed=99)
         ks, vs = scales((HKV,), gen), scales((HKV,), gen)
-        m = module(spec_kw("fp8_e4m3", "paged"), CANDS[cand])
+        m = module(spec_kw("fp8_e4m3", "paged", **CANDS[cand][1]), CANDS[cand][0])
         out, lse = m.forward(q, kc, vc, block_table=table, seqlens_k=lens, k_scale=ks, v_scale=vs,
                              batch_invariant=True)
         for i in (0, 1, q.shape[0] - 1):
@@ -241,8 +248,9 @@ def phase(name):  # noqa: C901 - one phase in this process
         return "bitwise: 3 sequences alone = in the batch of 28"
 
     if name == "check":
-        runs = [("default", 16, "head", None), ("r32", 16, "head", None), ("r32", 16, "tensor", None),
-                ("r32", 64, "head", None), ("w32", 16, "head", None), ("r32", 16, "head", 3)]
+        runs = [("default", 16, "head", None), ("r32", 16, "head", None), ("r32 n256w8s2", 16, "head", None),
+                ("r32 n256w16s2", 64, "head", None), ("r32", 16, "tensor", None), ("r32", 64, "head", None),
+                ("r32", 16, "head", 3)]
         for cand, page, form, splits in runs:
             case = f"d128 h32/8 b28 paged page{page} e4m3 per-{form} scales, lengths 1..1200" \
                 + (f", {splits} splits" if splits else "")
@@ -255,6 +263,12 @@ def phase(name):  # noqa: C901 - one phase in this process
             case = "d128 h32/8 b28 paged page16 e4m3, batch_invariant=True"
             guarded("check", case, cand, lambda cand=cand: emit("check", case, cand, None, "", None,
                                                                 invariant(cand, 16)))
+        case = "d128 h32/8 b28 paged page16 e4m3 per-head scales, lengths 1..1200"
+
+        def w32():
+            err, far = check("w32", 16, "head")
+            emit("check", case, "w32", None, "", None, f"ok, err {err:.1e}; fails as {' and as '.join(far)}")
+        guarded("check", case, "w32", w32)
         return
 
     x = torch.empty(1 << (20 if DRY else 30), dtype=torch.uint8, device=dev)
@@ -298,7 +312,7 @@ def phase(name):  # noqa: C901 - one phase in this process
 
     if name == "paged":
         rows = [("bf16", "dense", "default"), ("bf16", "paged", "default"), ("fp8_e4m3", "dense", "default")] \
-            + [("fp8_e4m3", "paged", c) for c in CANDS] \
+            + [("fp8_e4m3", "paged", c) for c in TIMED] \
             + [("fp8_e4m3", "paged dense bytes", c) for c in ("default", "r32")]
         for b, sk, page in SHAPES:
             b, sk = (2, 128) if DRY else (b, sk)
@@ -322,8 +336,8 @@ def phase(name):  # noqa: C901 - one phase in this process
 
                 def run():
                     k, v, kw = caches[kv]
-                    tx = CANDS[cand] if kv != "bf16" and layout.startswith("paged") else []
-                    m = module(spec_kw(None if kv == "bf16" else kv, layout.split()[0]), tx)
+                    tx, tiles = CANDS[cand] if kv != "bf16" and layout.startswith("paged") else ([], {})
+                    m = module(spec_kw(None if kv == "bf16" else kv, layout.split()[0], **tiles), tx)
                     (a, w), _ = calls[kv, layout]
                     out, _ = m.forward(*a, **w)
                     err = last_err(out, q, k, v, kw)
@@ -343,7 +357,7 @@ def phase(name):  # noqa: C901 - one phase in this process
         pc = paged_calls(q, k, v, sc, page, "", lens)
         read = k.numel() + v.numel()
         for cand in ("default", "r32"):
-            m = module(spec_kw("fp8_e4m3", "paged"), CANDS[cand])
+            m = module(spec_kw("fp8_e4m3", "paged", **CANDS[cand][1]), CANDS[cand][0])
             for how in ("rule", 1, 2, 8, "invariant"):
                 impl = f"fp8 paged {cand}, splits {how}"
                 if time.time() - T0 > PHASES[name] - 3:

@@ -39,7 +39,7 @@ DRY = os.environ.get("GPU_FP8KV_S10_DRY") == "1"
 if DRY:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 PHASES = {"check": 26, "paged": 46, "splits": 13} if not DRY else {"check": 900, "paged": 900, "splits": 900}
-R = lambda m: [("PAGED_ROWS32 = tl.constexpr(0)", f"PAGED_ROWS32 = tl.constexpr({m})")]  # noqa: E731
+R = lambda m: [("PAGED_ROWS32 = 0", f"PAGED_ROWS32 = {m}")]  # noqa: E731
 T = lambda n, w, s: dict(block_m=64, block_n=n, num_warps=w, num_stages=s)  # noqa: E731
 # sm_90 ptxas (triton 3.6, ROWS 16, e4m3, compiled on the CPU; SASS of the unmasked key loop a step, a warp):
 # m64n128w8s3 (the default tile): default 104 registers, 478 instructions (108 IMAD); r32 128 registers, 430; w32

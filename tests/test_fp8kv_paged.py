@@ -20,7 +20,7 @@ FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 HD, HKV, G = (128, 8, 4) if ON_GPU else (32, 2, 4)
 LENS = (70, 23, 1, 129)  # 16-key blocks: none a multiple of a block or of a page of 4, 16 or 64
 PREFETCH = ("PAGE_PREFETCH = tl.constexpr(True)", "PAGE_PREFETCH = tl.constexpr(False)")
-ROWS32 = "PAGED_ROWS32 = tl.constexpr(0)"
+ROWS32 = "PAGED_ROWS32 = 0"
 
 
 def _module(kv: str, prefetch: bool, rows32: int = 0):
@@ -32,7 +32,7 @@ def _module(kv: str, prefetch: bool, rows32: int = 0):
         source = source.replace(*PREFETCH)
     if rows32:
         assert ROWS32 in source, "the paged fp8 decode render has no PAGED_ROWS32 switch"
-        source = source.replace(ROWS32, f"PAGED_ROWS32 = tl.constexpr({rows32})")
+        source = source.replace(ROWS32, f"PAGED_ROWS32 = {rows32}")
     return load_source(source, f"{spec.name}_prefetch{int(prefetch)}_rows{rows32}")
 
 
@@ -110,3 +110,15 @@ def test_paged_rows_in_32_bits_do_not_change_a_bit(rows32, page, form):
         extra = dict(num_splits=1) if call == "forward_split" else {}
         a, b = getattr(base, call)(q, kc, vc, **kw, **extra), getattr(cand, call)(q, kc, vc, **kw, **extra)
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), call
+
+
+def test_paged_rows_in_32_bits_only_where_every_row_fits():
+    """[Note] Paged rows in 32 bits: the launch passes PAGED_ROWS32 only while (pages - 1) * stride(0) + (page_size -
+    1) * stride(1) of k and of v stays below 2^31 (caches on the meta device: shapes and strides, no memory), and 0
+    (int64 offsets) with the switch off."""
+    m = _module("fp8_e4m3", True, 1)
+    meta = lambda pages: torch.empty(pages, 16, 8, 128, dtype=torch.float8_e4m3fn, device="meta")  # noqa: E731
+    fits, too_big = meta(2**17), meta(2**17 + 1)  # last row offsets 2^31 - 1024 and 2^31 + 15360
+    assert m._rows32(fits, fits) == 1
+    assert m._rows32(too_big, fits) == 0 and m._rows32(fits, too_big) == 0
+    assert _module("fp8_e4m3", True)._rows32(fits, fits) == 0  # the default: off

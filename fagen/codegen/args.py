@@ -102,6 +102,11 @@ def rows_16(spec: KernelSpec) -> bool:
     return spec.head_dim % 16 == 0 and spec.head_dim_v % 16 == 0
 
 
+def paged_fp8_own_v(spec: KernelSpec) -> bool:
+    """A paged fp8 KV cache with its own V: the decode takes ROWS32 ([Note] Paged rows in 32 bits, triton/decode)."""
+    return paged(spec) and spec.kv_dtype is not None and not spec.shared_kv
+
+
 def fp8_cache(spec: KernelSpec) -> bool:
     """A decode kernel reading an fp8 KV cache (README "Serving"): it takes the cache's scales."""
     return spec.kv_dtype is not None
@@ -347,7 +352,7 @@ DECODE_SPLIT = Kernel("_decode_split", (
     I("chunk", host="chunk", pack="split_ints"), I("n_tiles", host="n_tiles", pack="split_ints"),
     *_HEAD_D, *_HEAD_DV, C("ROWS", "rows"), C("BLOCK_N"), C("GQA", br=True), C("DOT", "rows >= 16"),
     C("DIRECT", "direct"), C("SPLITS_PER_SEQ", "num_splits[1] if invariant else 0"),
-    _UPCAST,
+    _UPCAST, C("ROWS32", "_rows32(k, v)", when=paged_fp8_own_v),
 ), packs={"scores": SCORE_LAUNCH})
 
 # -- the cuda and gluon forwards ----------------------------------------------------------------------------------

@@ -7,6 +7,8 @@ the interpreter) and one split (the carried page numbers across every block); an
 bit against the page numbers loaded in the step that uses them (PAGE_PREFETCH off). The row offsets in 32 bits
 ([Note] Paged rows in 32 bits, PAGED_ROWS32 1 and 2, tenth session) must not change a bit either."""
 
+import re
+
 import pytest
 import torch
 
@@ -20,19 +22,20 @@ FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 HD, HKV, G = (128, 8, 4) if ON_GPU else (32, 2, 4)
 LENS = (70, 23, 1, 129)  # 16-key blocks: none a multiple of a block or of a page of 4, 16 or 64
 PREFETCH = ("PAGE_PREFETCH = tl.constexpr(True)", "PAGE_PREFETCH = tl.constexpr(False)")
-ROWS32 = "PAGED_ROWS32 = 0"
 
 
-def _module(kv: str, prefetch: bool, rows32: int = 0):
+def _module(kv: str, prefetch: bool, rows32: int | None = None):
+    """The paged fp8 decode module, with the page numbers loaded in the step (prefetch False) and PAGED_ROWS32 set to
+    rows32 (None: as rendered)."""
     spec = fagen.KernelSpec(head_dim=HD, gqa=G, kind="decode", layout="paged", dtype="bf16", kv_dtype=kv,
                             **({} if ON_GPU else dict(block_n=16)))
     source = fagen.generate(spec)
     assert PREFETCH[0] in source, "the paged fp8 decode render has no PAGE_PREFETCH switch"
     if not prefetch:
         source = source.replace(*PREFETCH)
-    if rows32:
-        assert ROWS32 in source, "the paged fp8 decode render has no PAGED_ROWS32 switch"
-        source = source.replace(ROWS32, f"PAGED_ROWS32 = {rows32}")
+    if rows32 is not None:
+        source, n = re.subn(r"^PAGED_ROWS32 = \d+$", f"PAGED_ROWS32 = {rows32}", source, flags=re.M)
+        assert n == 1, "the paged fp8 decode render has no PAGED_ROWS32 switch"
     return load_source(source, f"{spec.name}_prefetch{int(prefetch)}_rows{rows32}")
 
 
@@ -105,7 +108,7 @@ def test_paged_rows_in_32_bits_do_not_change_a_bit(rows32, page, form):
     the products in int32 (1) or u32 x u32 -> u64 (2) address the same rows as the int64 path: the same bits, per-token
     scales (which read the same page and slot) included, through the split rule and one split."""
     q, kc, vc, kw, _ = _problem("fp8_e4m3", page, form, seed=5)
-    base, cand = _module("fp8_e4m3", True), _module("fp8_e4m3", True, rows32)
+    base, cand = _module("fp8_e4m3", True, 0), _module("fp8_e4m3", True, rows32)
     for call in ("forward", "forward_split"):
         extra = dict(num_splits=1) if call == "forward_split" else {}
         a, b = getattr(base, call)(q, kc, vc, **kw, **extra), getattr(cand, call)(q, kc, vc, **kw, **extra)
@@ -121,4 +124,5 @@ def test_paged_rows_in_32_bits_only_where_every_row_fits():
     fits, too_big = meta(2**17), meta(2**17 + 1)  # last row offsets 2^31 - 1024 and 2^31 + 15360
     assert m._rows32(fits, fits) == 1
     assert m._rows32(too_big, fits) == 0 and m._rows32(fits, too_big) == 0
-    assert _module("fp8_e4m3", True)._rows32(fits, fits) == 0  # the default: off
+    assert _module("fp8_e4m3", True, 0)._rows32(fits, fits) == 0
+    assert _module("fp8_e4m3", True).PAGED_ROWS32 == 0  # the default

@@ -21,7 +21,8 @@ Phases, each in a child process with a timeout (a kernel that faults or hangs lo
 3. splits: b8 kv32768 (64 programs a split), paged page 16 and dense (the serving bench's decode-d128-kv32k-b8-fp8
    shape): the split rule (its count in brackets) against other counts (forward_split); the last split merges.
 Candidates: text replacements on the render ([Note] Paged rows in 32 bits in the decode template, the host's
-PAGED_ROWS32): "int64" (0), "r32" (1: int32 with the slot part once a row), "w32" (2: u32 x u32 -> u64 products).
+PAGED_ROWS32): "int64" (0), "r32" (1: int32 with the slot part once a row), "w32" (2: u32 x u32 -> u64 products);
+"l2a4" / "l2a8" ([Note] Paged L2 prefetch: the rows of the block 4 / 8 steps ahead prefetched into the L2).
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ from _phases import child_env, run_phase as run_child  # noqa: E402
 DRY = os.environ.get("GPU_FP8KV_S10_DRY") == "1"
 if DRY:
     os.environ.setdefault("TRITON_INTERPRET", "1")
-PHASES = {"check": 30, "paged": 45, "splits": 18} if not DRY else {"check": 900, "paged": 900, "splits": 900}
-R = lambda m: [("PAGED_ROWS32 = 0", f"PAGED_ROWS32 = {m}")]  # noqa: E731
+PHASES = {"check": 30, "paged": 47, "splits": 15} if not DRY else {"check": 900, "paged": 900, "splits": 900}
+R = lambda m: [("\nPAGED_ROWS32 = 1\n", f"\nPAGED_ROWS32 = {m}\n")]  # noqa: E731 (the default: 1)
 T = lambda n, w, s: dict(block_m=64, block_n=n, num_warps=w, num_stages=s)  # noqa: E731
 # sm_90 ptxas (triton 3.6, ROWS 16, e4m3, compiled on the CPU; SASS of the unmasked key loop a step, a warp):
 # m64n128w8s3 (the default tile): default 104 registers, 478 instructions (108 IMAD); r32 128 registers, 430; w32
@@ -49,13 +50,17 @@ T = lambda n, w, s: dict(block_m=64, block_n=n, num_warps=w, num_stages=s)  # no
 # Round A (H100, 2026-11-27 ~09:56 UTC): r32 +2.5-3.3 points at page 16, +1 at page 64 b32 (tie at b128 kv4k); the
 # 256-key steps 61-68% of copy (lost everywhere); w32 not timed. Round B: r32 the default ("default"), the int64
 # offsets ("int64", the ninth session's default) beside it, and where the rest goes (the layout rows below).
+# "l2aN": [Note] Paged L2 prefetch, the rows of the block N steps ahead prefetched into the L2 (sm_90 SASS: one
+# CCTL.E.PF2 a thread for K and one for V a step; the unmasked step 430 -> 444 instructions, 128 registers).
+L2 = lambda a: [("PAGED_L2_AHEAD = tl.constexpr(0)", f"PAGED_L2_AHEAD = tl.constexpr(0 if _INTERPRET else {a})")]  # noqa
 CANDS = {"default": ([], {}), "int64": (R(0), {}), "r32": (R(1), {}), "r32 n256w8s2": (R(1), T(256, 8, 2)),
-         "r32 n256w16s2": (R(1), T(256, 16, 2)), "w32": (R(2), {})}
-TIMED = ("default", "int64")
+         "r32 n256w16s2": (R(1), T(256, 16, 2)), "w32": (R(2), {}), "l2a4": (L2(4), {}), "l2a8": (L2(8), {})}
+TIMED = ("default", "int64", "l2a4", "l2a8")
 # The default on other arrangements of the same keys: the dense cache's bytes viewed as pages, the pages of a sequence
 # in order, shuffled within each sequence only (its pages in its own 8 MB at kv8k: a TLB's reach, a DRAM's random
 # order), and each page stored [H, page, D] (a head's rows contiguous: no interleaved heads).
 LAYOUTS = ("dense bytes", "in order", "seq shuffle", "hnd")
+LAYOUT_SHAPES = (0, 1, 3)  # the layout rows at page 16 b32 / b128 kv8k and page 64 b32 kv8k (the phase's time)
 SHAPES = ((32, 8192, 16), (128, 8192, 16), (32, 32768, 16), (32, 8192, 64), (128, 4096, 64))  # (batch, keys, page)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -265,7 +270,8 @@ def phase(name):  # noqa: C901 - one phase in this process
 
     if name == "check":
         runs = [("default", 16, "head", None), ("default", 16, "tensor", None), ("default", 64, "head", None),
-                ("int64", 16, "head", None), ("default", 16, "head", 3)]
+                ("int64", 16, "head", None), ("l2a4", 16, "head", None), ("l2a8", 64, "head", None),
+                ("default", 16, "head", 3)]
         for cand, page, form, splits in runs:
             case = f"d128 h32/8 b28 paged page{page} e4m3 per-{form} scales, lengths 1..1200" \
                 + (f", {splits} splits" if splits else "")
@@ -274,7 +280,7 @@ def phase(name):  # noqa: C901 - one phase in this process
                 err, far = check(cand, page, form, splits)
                 emit("check", case, cand, None, "", None, f"ok, err {err:.1e}; fails as {' and as '.join(far)}")
             guarded("check", case, cand, run)
-        for cand in ("default", "int64"):
+        for cand in ("default",):
             case = "d128 h32/8 b28 paged page16 e4m3, batch_invariant=True"
             guarded("check", case, cand, lambda cand=cand: emit("check", case, cand, None, "", None,
                                                                 invariant(cand, 16)))
@@ -326,7 +332,7 @@ def phase(name):  # noqa: C901 - one phase in this process
         rows = [("bf16", "dense", "default"), ("bf16", "paged", "default"), ("fp8_e4m3", "dense", "default")] \
             + [("fp8_e4m3", "paged", c) for c in TIMED] \
             + [("fp8_e4m3", f"paged {lay}", "default") for lay in LAYOUTS]
-        for b, sk, page in SHAPES:
+        for shape, (b, sk, page) in enumerate(SHAPES):
             b, sk = (2, 128) if DRY else (b, sk)
             case = f"d128 h32/8 b{b} kv{sk} page{page}"
             q, kb, vb, sc = inputs(b, sk)
@@ -341,6 +347,8 @@ def phase(name):  # noqa: C901 - one phase in this process
                 elif (kv, layout) not in calls:
                     calls[kv, layout] = paged_calls(q, k, v, kw, page, layout[len("paged "):], lens)
             for kv, layout, cand in rows:
+                if layout.startswith("paged ") and shape not in LAYOUT_SHAPES:
+                    continue
                 impl = f"{'fp8 ' if kv != 'bf16' else 'bf16 '}{layout} {cand}"
                 if time.time() - T0 > PHASES[name] - 4:
                     emit(name, case, impl, None, "", None, "skipped: time budget")

@@ -14,8 +14,8 @@ Phases, each in a child process with a timeout (a kernel that faults or hangs lo
    sequence run alone (its own pages).
 2. paged: d128 h32/8 sq1, page 16 at b32 / b128 kv8192 and b32 kv32768, page 64 at b32 kv8192 / b128 kv4096: the
    paged bf16 cache (round A: the dense one 96-103%), the dense fp8 cache, the paged fp8 candidates, and the default
-   on other arrangements of the same keys (LAYOUTS); GB/s of the bytes read (K and V, 1 byte an element for fp8) and % of a
-   device copy (torch copy_ of 1 GB, same process), each timed (a) back to back on two copies of the inputs (a decode
+   on other arrangements of the same keys (LAYOUTS); GB/s of the bytes read (K and V, 1 byte an element for fp8) and
+   % of a device copy (torch copy_ of 1 GB, same process), each timed (a) back to back on two copies of the inputs (a decode
    loop, host launch included: the value), (b) replayed from a CUDA graph of 20 calls (the kernels alone; % of the
    back-to-back copy: a captured copy_ is a memcpy node) and (c) under do_bench (its L2 flush costs ~17-21 us a call).
 3. splits: b8 kv32768 (64 programs a split), paged page 16 and dense (the serving bench's decode-d128-kv32k-b8-fp8
@@ -52,7 +52,8 @@ T = lambda n, w, s: dict(block_m=64, block_n=n, num_warps=w, num_stages=s)  # no
 # offsets ("int64", the ninth session's default) beside it, and where the rest goes (the layout rows below).
 # "l2aN": [Note] Paged L2 prefetch, the rows of the block N steps ahead prefetched into the L2 (sm_90 SASS: one
 # CCTL.E.PF2 a thread for K and one for V a step; the unmasked step 430 -> 444 instructions, 128 registers).
-L2 = lambda a: [("PAGED_L2_AHEAD = tl.constexpr(0)", f"PAGED_L2_AHEAD = tl.constexpr(0 if _INTERPRET else {a})")]  # noqa
+L2 = lambda a: [("PAGED_L2_AHEAD = tl.constexpr(0)",  # noqa: E731
+                  f"PAGED_L2_AHEAD = tl.constexpr(0 if _INTERPRET else {a})")]
 CANDS = {"default": ([], {}), "int64": (R(0), {}), "r32": (R(1), {}), "r32 n256w8s2": (R(1), T(256, 8, 2)),
          "r32 n256w16s2": (R(1), T(256, 16, 2)), "w32": (R(2), {}), "l2a4": (L2(4), {}), "l2a8": (L2(8), {})}
 TIMED = ("default", "int64", "l2a4", "l2a8")

@@ -15,9 +15,10 @@ Phases, each in a child process with a timeout (a kernel that faults or hangs lo
 2. paged: d128 h32/8 sq1, page 16 at b32 / b128 kv8192 and b32 kv32768, page 64 at b32 kv8192 / b128 kv4096: the
    paged bf16 cache (round A: the dense one 96-103%), the dense fp8 cache, the paged fp8 candidates, and the default
    on other arrangements of the same keys (LAYOUTS); GB/s of the bytes read (K and V, 1 byte an element for fp8) and
-   % of a device copy (torch copy_ of 1 GB, same process), each timed (a) back to back on two copies of the inputs (a decode
-   loop, host launch included: the value), (b) replayed from a CUDA graph of 20 calls (the kernels alone; % of the
-   back-to-back copy: a captured copy_ is a memcpy node) and (c) under do_bench (its L2 flush costs ~17-21 us a call).
+   % of a device copy (torch copy_ of 1 GB, same process), each timed (a) back to back on two copies of the inputs
+   (a decode loop, host launch included: the value), (b) replayed from a CUDA graph of 20 calls (the kernels alone;
+   % of the back-to-back copy: a captured copy_ is a memcpy node) and (c) under do_bench (its L2 flush costs ~17-21
+   us a call).
 3. splits: b8 kv32768 (64 programs a split), paged page 16 and dense (the serving bench's decode-d128-kv32k-b8-fp8
    shape): the split rule (its count in brackets) against other counts (forward_split); the last split merges.
 Candidates: text replacements on the render ([Note] Paged rows in 32 bits in the decode template, the host's

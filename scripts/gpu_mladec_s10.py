@@ -1,7 +1,7 @@
 """MLA absorbed decode, tenth session (issue 27): the fp8 latent decode at Hq 16 Sq 1 (>= 90% of copy counted in the
 fp8 bytes read) and Hq 128 Sq 2, and the host cost of the eager b32 kv4k call.
 
-    PYTHONPATH=$PWD python3 scripts/gpu_mladec_s10.py        # under ~95 s on an H100; one table; $OUTX/gpu_mladec_s10.md
+    PYTHONPATH=$PWD python3 scripts/gpu_mladec_s10.py  # ~95 s on an H100; $OUTX/gpu_mladec_s10.md
 
 Variants (VARIANTS): the product's bf16 gluon decode (padded tile) and Triton fp8 decode, the ninth session's lab fp8
 swap-AB (lab/gluon_mla_decode_fp8.py), the TMA-ring fp8 lab kernel (lab/gluon_mla_decode_tma8.py, [Note] Lab fp8 TMA
@@ -92,8 +92,9 @@ class FlashMLA:
         if key not in self.meta:
             self.meta[key] = self.fm.get_mla_metadata(seqlens_k, sq * hq, 1)
         meta, splits = self.meta[key]
-        out = self.fm.flash_mla_with_kvcache(q.transpose(1, 2).contiguous(), k, block_table, seqlens_k, DV, meta, splits,
-                                             softmax_scale=scale, causal=self.causal)[0]
+        qf = q.transpose(1, 2).contiguous()  # FlashMLA: q [b, sq, hq, d]
+        out = self.fm.flash_mla_with_kvcache(qf, k, block_table, seqlens_k, DV, meta, splits, softmax_scale=scale,
+                                             causal=self.causal)[0]
         return out.transpose(1, 2), None
 
 
@@ -169,7 +170,8 @@ def phase(name):  # noqa: C901 - one phase in this process
             t = time.time()
             r = run_case(c, BenchOptions(device=dev, impls=("fagen", ), rep_ms=20, warmup_ms=5, sets=1),
                          log=lambda *_: None)[0]
-            value = "-" if r["ms"] is None else (f"{r['gbs']:.0f} GB/s" if c.metric == "gbs" else f"{r['tflops']:.1f} TF/s")
+            value = "-" if r["ms"] is None else \
+                (f"{r['gbs']:.0f} GB/s" if c.metric == "gbs" else f"{r['tflops']:.1f} TF/s")
             emit("bench", c.name, "fagen (bench)", value, r["ms"], f"{r['status']}, check {r['check']}; "
                  f"{r.get('note') or ''} {r.get('spec') or ''}; {time.time() - t:.1f} s (beside the check phases)")
         return

@@ -21,7 +21,10 @@ warps do. Per block j:
     accumulators, V^T the same bf16 tiles read transposed).
 WARPS 8 (two warpgroups, one CTA an SM): the conversion is split across 8 warps (half the instructions a warp of
 the 4-warp kernel); S^T's wgmma is warps [4, 2] (each warpgroup 64 keys x NQ/2 rows: the softmax stays inside a
-warpgroup), O^T's [8, 1] (each warpgroup 64 of a 128-column accumulator's rows). WARPS 4: one warpgroup.
+warpgroup). [Note] Lab O split: O^T's accumulators are warps [4, 2] under O_SPLIT_N (each warpgroup all 512 latent
+rows of its NQ/2 query rows: V^T read from shared memory by both) or [8, 1] (each warpgroup 64 of a 128-row
+accumulator's rows, V^T read once; sm_90 ptxas then serialises every wgmma, C7515, whatever the order of the
+accumulators' rescale). WARPS 4: one warpgroup.
 Shared memory: STAGES x 36 KB ring + 72 KB bf16 tiles + Q (NQ x 1152 B) + P: STAGES 3, NQ 16: 200 KB.
 Rows beyond NQ (Hq x Sq of 32 to 256) take more CTAs (grid axis 2), each converting the same block.
 Splits: whole blocks, about one wave of CTAs; the lab merge of lab/gluon_mla_decode.py.
@@ -100,7 +103,8 @@ def _page(BlockTable, bt_row, start, num_pages, ok, PAGE: gl.constexpr):
 def _mla_decode_tma8(Q, kc8, kr8, KTok, BlockTable, Seqlens, Out, Lse, PartO, PartLse, stride_bt, bt_width,
                      num_pages, qk_scale, v_mul, num_splits, per, ROWS: gl.constexpr, NQ: gl.constexpr,
                      SQ: gl.constexpr, PAGE: gl.constexpr, CAUSAL: gl.constexpr, DIRECT: gl.constexpr,
-                     PER_TOKEN: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr):
+                     PER_TOKEN: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr,
+                     O_SPLIT_N: gl.constexpr):
     gl.static_assert(PAGE % 64 == 0)
     gl.static_assert(NQ % 16 == 0)
     split = gl.program_id(0)
@@ -108,7 +112,7 @@ def _mla_decode_tma8(Q, kc8, kr8, KTok, BlockTable, Seqlens, Out, Lse, PartO, Pa
     r0 = gl.program_id(2) * NQ  # this CTA's first query row of the sequence's ROWS
     WN: gl.constexpr = 2 if WARPS == 8 else 1
     s_layout: gl.constexpr = _mma(NQ, 4, WN)
-    o_layout: gl.constexpr = _mma(NQ, WARPS, 1)
+    o_layout: gl.constexpr = _mma(NQ, 4, WN) if O_SPLIT_N else _mma(NQ, WARPS, 1)  # [Note] Lab O split
     kcol: gl.constexpr = gl.SliceLayout(1, s_layout)
     qcol: gl.constexpr = gl.SliceLayout(0, s_layout)
     k_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)
@@ -234,10 +238,14 @@ def _mla_decode_tma8(Q, kc8, kr8, KTok, BlockTable, Seqlens, Out, Lse, PartO, Pa
         fence_async_shared()
         gl.thread_barrier()
         a = gl.convert_layout(alpha, gl.SliceLayout(0, o_layout))[None, :]
-        t0 = warpgroup_mma(kc_s.index(0 + z).permute((1, 0)), p_s.index(z), o0 * a, is_async=True)
-        t1 = warpgroup_mma(kc_s.index(1 + z).permute((1, 0)), p_s.index(z), o1 * a, is_async=True)
-        t2 = warpgroup_mma(kc_s.index(2 + z).permute((1, 0)), p_s.index(z), o2 * a, is_async=True)
-        t3 = warpgroup_mma(kc_s.index(3 + z).permute((1, 0)), p_s.index(z), o3 * a, is_async=True)
+        o0 = o0 * a  # every accumulator rescaled before the first P V wgmma (no register def inside the group)
+        o1 = o1 * a
+        o2 = o2 * a
+        o3 = o3 * a
+        t0 = warpgroup_mma(kc_s.index(0 + z).permute((1, 0)), p_s.index(z), o0, is_async=True)
+        t1 = warpgroup_mma(kc_s.index(1 + z).permute((1, 0)), p_s.index(z), o1, is_async=True)
+        t2 = warpgroup_mma(kc_s.index(2 + z).permute((1, 0)), p_s.index(z), o2, is_async=True)
+        t3 = warpgroup_mma(kc_s.index(3 + z).permute((1, 0)), p_s.index(z), o3, is_async=True)
     o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(t0, t1, t2, t3))
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bar.index(i))
@@ -284,7 +292,8 @@ def _descs(cache):
     return desc(32), desc(16)
 
 
-def _args(q, cache, block_table, seqlens_k, scale, k_scale, num_splits, causal, sms=132, nq=16, stages=3, warps=8):
+def _args(q, cache, block_table, seqlens_k, scale, k_scale, num_splits, causal, sms=132, nq=16, stages=3, warps=8,
+          o_split_n=True):
     bsz, hq, sq, d = q.shape
     rows = hq * sq
     assert d == D and cache.shape[-1] == D and cache.shape[2] == 1 and cache.shape[1] % 64 == 0
@@ -307,7 +316,7 @@ def _args(q, cache, block_table, seqlens_k, scale, k_scale, num_splits, causal, 
     args = (q, kc8, kr8, ktok, block_table, seqlens_k, out, lse, part_o, part_lse, block_table.stride(0),
             block_table.shape[1], cache.shape[0], scale * 1.4426950408889634 * mul, mul, splits, per)
     kw = dict(ROWS=rows, NQ=nq, SQ=sq, PAGE=page, CAUSAL=causal, DIRECT=direct, PER_TOKEN=per_token, STAGES=stages,
-              WARPS=warps)
+              WARPS=warps, O_SPLIT_N=o_split_n and warps == 8)
     return args, kw, out, lse, part_o, part_lse, (splits, bsz, tiles)
 
 
@@ -315,7 +324,7 @@ _SMS = {}
 
 
 def mla_decode_tma8(q, cache, block_table, seqlens_k, scale, k_scale, num_splits=None, causal=True, nq=16, stages=3,
-                    warps=8):
+                    warps=8, o_split_n=True):
     """out [B, Hq, Sq, 512], lse [B, Hq, Sq]; q contiguous bf16, cache [num_pages, PAGE, 1, 576] float8_e4m3fn
     contiguous, k_scale a float or float32 [num_pages, PAGE, 1] contiguous."""
     assert q.is_contiguous() and cache.is_contiguous() and q.dtype == torch.bfloat16
@@ -324,7 +333,7 @@ def mla_decode_tma8(q, cache, block_table, seqlens_k, scale, k_scale, num_splits
     if dev not in _SMS:
         _SMS[dev] = torch.cuda.get_device_properties(q.device).multi_processor_count
     args, kw, out, lse, part_o, part_lse, grid = _args(q, cache, block_table, seqlens_k, scale, k_scale, num_splits,
-                                                       causal, _SMS[dev], nq, stages, warps)
+                                                       causal, _SMS[dev], nq, stages, warps, o_split_n)
     _mla_decode_tma8[grid](*args, **kw, num_warps=warps)
     splits, bsz = grid[0], grid[1]
     if splits > 1:
@@ -335,7 +344,8 @@ def mla_decode_tma8(q, cache, block_table, seqlens_k, scale, k_scale, num_splits
     return out, lse
 
 
-def compile_for(hq=16, sq=1, page=64, num_splits=1, causal=True, per_token=True, nq=16, stages=3, warps=8):
+def compile_for(hq=16, sq=1, page=64, num_splits=1, causal=True, per_token=True, nq=16, stages=3, warps=8,
+                o_split_n=True):
     """Build the kernel for sm_90 without a GPU (triton's bundled ptxas); returns the CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -346,7 +356,8 @@ def compile_for(hq=16, sq=1, page=64, num_splits=1, causal=True, per_token=True,
     table = torch.zeros((2, 4), dtype=torch.int32)
     lens = torch.zeros((2, ), dtype=torch.int32)
     ks = torch.ones((8, page, 1), dtype=torch.float32) if per_token else 0.5
-    args, kw, *_ = _args(q, cache, table, lens, 0.1, ks, num_splits, causal, nq=nq, stages=stages, warps=warps)
+    args, kw, *_ = _args(q, cache, table, lens, 0.1, ks, num_splits, causal, nq=nq, stages=stages, warps=warps,
+                         o_split_n=o_split_n)
     names = list(_mla_decode_tma8.arg_names)[:len(args)]
     signature = {n: mangle_type(a) for n, a in zip(names, args)}
     signature.update({n: "constexpr" for n in kw})
@@ -358,15 +369,15 @@ def compile_for(hq=16, sq=1, page=64, num_splits=1, causal=True, per_token=True,
 class Module:
     """The decode contract's two entries over mla_decode_tma8 (for scripts/gpu_mladec_s10.py)."""
 
-    def __init__(self, causal=True, nq=16, stages=3, warps=8):
-        self.causal, self.nq, self.stages, self.warps = causal, nq, stages, warps
+    def __init__(self, causal=True, nq=16, stages=3, warps=8, o_split_n=True):
+        self.causal, self.nq, self.stages, self.warps, self.o_split_n = causal, nq, stages, warps, o_split_n
 
     def forward(self, q, k, v, *, block_table, seqlens_k, scale, k_scale):
         assert v is None
         return mla_decode_tma8(q, k, block_table, seqlens_k, scale, k_scale, None, self.causal, self.nq,
-                               self.stages, self.warps)
+                               self.stages, self.warps, self.o_split_n)
 
     def forward_split(self, q, k, v, *, num_splits, block_table, seqlens_k, scale, k_scale):
         assert v is None
         return mla_decode_tma8(q, k, block_table, seqlens_k, scale, k_scale, num_splits, self.causal, self.nq,
-                               self.stages, self.warps)
+                               self.stages, self.warps, self.o_split_n)

@@ -46,6 +46,7 @@ VARIANTS = {
     "e4m3/tensor tma8 w8s3": ("fp8_e4m3", "tensor", "tma8", {}, []),
     "e4m3/token tma8 w8s2": ("fp8_e4m3", "token", "tma8", {"stages": 2}, []),
     "e4m3/token tma8 w4s2": ("fp8_e4m3", "token", "tma8", {"stages": 2, "warps": 4}, []),
+    "e4m3/token tma8 w8s3 O split M": ("fp8_e4m3", "token", "tma8", {"o_split_n": False}, []),  # [Note] Lab O split
     "e4m3/token tma8 nq32 w8s3": ("fp8_e4m3", "token", "tma8", {"nq": 32}, []),  # Hq 128 Sq 2 only
     "e4m3/token tma8 nq64 w8s2": ("fp8_e4m3", "token", "tma8", {"nq": 64, "stages": 2}, []),  # Hq 128 Sq 2 only
 }
@@ -55,9 +56,9 @@ CHECK_GROUPS = {"check-glu": ["bf16 gluon pad64 (product)", "bf16 FlashMLA"],
                 "check-fp8a": ["e4m3/token triton (product)", "e4m3/tensor triton"],
                 "check-lab": ["e4m3/token lab s9 swap-AB"],
                 "check-t8a": ["e4m3/token tma8 w8s3", "e4m3/tensor tma8 w8s3"],
-                "check-t8b": ["e4m3/token tma8 w8s2", "e4m3/token tma8 w4s2"],
+                "check-t8b": ["e4m3/token tma8 w8s2", "e4m3/token tma8 w4s2", "e4m3/token tma8 w8s3 O split M"],
                 "check-t8c": ["e4m3/token tma8 nq32 w8s3", "e4m3/token tma8 nq64 w8s2"]}  # one child each, at once
-SHAPES = ((32, 4096, 16, 1), (128, 4096, 16, 1), (32, 32768, 16, 1), (128, 32768, 16, 1), (32, 8192, 128, 2)) \
+SHAPES = ((128, 4096, 16, 1), (32, 32768, 16, 1), (32, 8192, 128, 2), (32, 4096, 16, 1), (128, 32768, 16, 1)) \
     if not DRY else ((2, 96, 16, 1), (3, 64, 16, 1))
 CHECK_LENS = [1000, 77, 513] if not DRY else [200, 7, 53]  # within 16 pages: the timed shapes' integer classes
 LIMITS = dict(check=30, time=44, host=14) if not DRY else dict(check=900, time=900)

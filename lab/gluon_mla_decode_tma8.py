@@ -74,11 +74,36 @@ def _cvt(x):
 
 
 @gluon.jit
-def _words(src, ok, layout: gl.constexpr):
-    """An int32 ring box [64, W] into registers, zero in rows not ok, as bf16 words [64, 2 W]."""
+def _cvt16(x):
+    """Four fp8 e4m3 bytes in an int32 word as two words of fp16 pairs, exactly: the hardware's cvt, two values an
+    instruction."""
+    return gl.inline_asm_elementwise(
+        asm="""{
+        .reg .b16 l, h;
+        mov.b32 {l, h}, $2;
+        cvt.rn.f16x2.e4m3x2 $0, l;
+        cvt.rn.f16x2.e4m3x2 $1, h;
+        }""",
+        constraints="=r,=r,r", args=[x], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+
+
+@gluon.jit
+def _pow2_scale(m):
+    """The power of two c with m c in [2^14, 2^15), 1 where m < 2^-102 or not finite ([Note] fp16 dots in
+    fagen/templates/triton/decode.py.j2)."""
+    e = (m.to(gl.int32, bitcast=True) & 0x7F800000) >> 23
+    return gl.where((e > 24) & (e < 255), ((268 - e) << 23).to(gl.float32, bitcast=True), 1.0)
+
+
+@gluon.jit
+def _words(src, ok, layout: gl.constexpr, F16: gl.constexpr):
+    """An int32 ring box [64, W] into registers, zero in rows not ok, as bf16 (fp16 under F16) words [64, 2 W]."""
     x = src.load(layout)
     x = gl.where(ok, x, gl.zeros_like(x))
-    lo, hi = _cvt(x)
+    if F16:
+        lo, hi = _cvt16(x)
+    else:
+        lo, hi = _cvt(x)
     return gl.join(lo, hi)
 
 
@@ -104,7 +129,7 @@ def _mla_decode_tma8(Q, kc8, kr8, KTok, BlockTable, Seqlens, Out, Lse, PartO, Pa
                      num_pages, qk_scale, v_mul, num_splits, per, ROWS: gl.constexpr, NQ: gl.constexpr,
                      SQ: gl.constexpr, PAGE: gl.constexpr, CAUSAL: gl.constexpr, DIRECT: gl.constexpr,
                      PER_TOKEN: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr,
-                     O_SPLIT_N: gl.constexpr):
+                     O_SPLIT_N: gl.constexpr, F16: gl.constexpr):
     gl.static_assert(PAGE % 64 == 0)
     gl.static_assert(NQ % 16 == 0)
     split = gl.program_id(0)
@@ -115,20 +140,21 @@ def _mla_decode_tma8(Q, kc8, kr8, KTok, BlockTable, Seqlens, Out, Lse, PartO, Pa
     o_layout: gl.constexpr = _mma(NQ, 4, WN) if O_SPLIT_N else _mma(NQ, WARPS, 1)  # [Note] Lab O split
     kcol: gl.constexpr = gl.SliceLayout(1, s_layout)
     qcol: gl.constexpr = gl.SliceLayout(0, s_layout)
-    k_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)
-    r_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
-    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NQ, 128], gl.bfloat16)
-    qr_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NQ, 64], gl.bfloat16)
-    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, NQ], gl.bfloat16)
+    dt: gl.constexpr = gl.float16 if F16 else gl.bfloat16  # [Note] Lab fp16 dots in lab/gluon_mla_decode_fp8.py
+    k_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 128], dt)
+    r_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], dt)
+    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NQ, 128], dt)
+    qr_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NQ, 64], dt)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, NQ], dt)
     ring_c = gl.allocate_shared_memory(gl.int32, [STAGES * 4, 64, 32], kc8.layout)
     ring_r = gl.allocate_shared_memory(gl.int32, [STAGES, 64, 16], kr8.layout)
-    kc_s = gl.allocate_shared_memory(gl.bfloat16, [4, 64, 128], k_sl)
-    kr_s = gl.allocate_shared_memory(gl.bfloat16, [1, 64, 64], r_sl)
+    kc_s = gl.allocate_shared_memory(dt, [4, 64, 128], k_sl)
+    kr_s = gl.allocate_shared_memory(dt, [1, 64, 64], r_sl)
     kc_w = kc_s._reinterpret(gl.int32, [4, 64, 64], gl.NVMMASharedLayout(128, 32, rank=2))  # [Note] Lab fp8 words
     kr_w = kr_s._reinterpret(gl.int32, [1, 64, 32], gl.NVMMASharedLayout(128, 32, rank=2))
-    qc_s = gl.allocate_shared_memory(gl.bfloat16, [4, NQ, 128], q_sl)
-    qr_s = gl.allocate_shared_memory(gl.bfloat16, [1, NQ, 64], qr_sl)
-    p_s = gl.allocate_shared_memory(gl.bfloat16, [1, 64, NQ], p_sl)
+    qc_s = gl.allocate_shared_memory(dt, [4, NQ, 128], q_sl)
+    qr_s = gl.allocate_shared_memory(dt, [1, NQ, 64], qr_sl)
+    p_s = gl.allocate_shared_memory(dt, [1, 64, NQ], p_sl)
     bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(bar.index(i), count=1)
@@ -153,13 +179,34 @@ def _mla_decode_tma8(Q, kc8, kr8, KTok, BlockTable, Seqlens, Out, Lse, PartO, Pa
     qc = gl.arange(0, 128, layout=gl.SliceLayout(0, lq))
     qok = (r0 + qn < ROWS)[:, None]
     qbase = Q + (b * ROWS + r0 + qn).to(gl.int64)[:, None] * D_K + qc[None, :]
-    for c in gl.static_range(4):
-        qc_s.index(c).store(gl.load(qbase + c * 128, mask=qok, other=0.0))
+    q0 = gl.load(qbase, mask=qok, other=0.0)
+    q1 = gl.load(qbase + 128, mask=qok, other=0.0)
+    q2 = gl.load(qbase + 256, mask=qok, other=0.0)
+    q3 = gl.load(qbase + 384, mask=qok, other=0.0)
     lqr: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
     qn2 = gl.arange(0, NQ, layout=gl.SliceLayout(1, lqr))
     qc2 = gl.arange(0, 64, layout=gl.SliceLayout(0, lqr))
-    qr_s.index(0).store(gl.load(Q + (b * ROWS + r0 + qn2).to(gl.int64)[:, None] * D_K + DV_K + qc2[None, :],
-                                mask=(r0 + qn2 < ROWS)[:, None], other=0.0))
+    qr = gl.load(Q + (b * ROWS + r0 + qn2).to(gl.int64)[:, None] * D_K + DV_K + qc2[None, :],
+                 mask=(r0 + qn2 < ROWS)[:, None], other=0.0)
+    if F16:  # q c_q in fp16, 1/c_q into the score scale (c_q a power of two: [Note] Lab fp16 dots)
+        amax = gl.max(gl.max(gl.abs(qr.to(gl.float32)), 1), 0)
+        amax = gl.maximum(amax, gl.max(gl.max(gl.abs(q0.to(gl.float32)), 1), 0))
+        amax = gl.maximum(amax, gl.max(gl.max(gl.abs(q1.to(gl.float32)), 1), 0))
+        amax = gl.maximum(amax, gl.max(gl.max(gl.abs(q2.to(gl.float32)), 1), 0))
+        amax = gl.maximum(amax, gl.max(gl.max(gl.abs(q3.to(gl.float32)), 1), 0))
+        cq = _pow2_scale(amax)
+        qk_scale = qk_scale / cq
+        qc_s.index(0).store((q0.to(gl.float32) * cq).to(dt))
+        qc_s.index(1).store((q1.to(gl.float32) * cq).to(dt))
+        qc_s.index(2).store((q2.to(gl.float32) * cq).to(dt))
+        qc_s.index(3).store((q3.to(gl.float32) * cq).to(dt))
+        qr_s.index(0).store((qr.to(gl.float32) * cq).to(dt))
+    else:
+        qc_s.index(0).store(q0)
+        qc_s.index(1).store(q1)
+        qc_s.index(2).store(q2)
+        qc_s.index(3).store(q3)
+        qr_s.index(0).store(qr)
 
     n = gl.arange(0, NQ, layout=qcol)
     if CAUSAL:
@@ -168,6 +215,10 @@ def _mla_decode_tma8(Q, kc8, kr8, KTok, BlockTable, Seqlens, Out, Lse, PartO, Pa
         lim = gl.full([NQ], 0, gl.int32, qcol) + (seq_len - 1)
     m_i = gl.full([NQ], float("-inf"), gl.float32, qcol)
     l_i = gl.zeros([NQ], gl.float32, qcol)
+    c_prev = gl.max(gl.full([NQ], 1.0, gl.float32, qcol), 0)  # P's scale ([Note] Lab fp16 dots); 1 in bf16
+    if F16:
+        if not PER_TOKEN:
+            c_prev = c_prev * 16384.0
     o0 = gl.zeros([128, NQ], gl.float32, o_layout)
     o1 = gl.zeros([128, NQ], gl.float32, o_layout)
     o2 = gl.zeros([128, NQ], gl.float32, o_layout)
@@ -199,11 +250,11 @@ def _mla_decode_tma8(Q, kc8, kr8, KTok, BlockTable, Seqlens, Out, Lse, PartO, Pa
         mbarrier.wait(bar.index(st), (j // STAGES) & 1)
         okc = (start + rc < seq_len)[:, None]
         okr = (start + rr < seq_len)[:, None]
-        w0 = _words(ring_c.index(st * 4 + 0), okc, ld)
-        w1 = _words(ring_c.index(st * 4 + 1), okc, ld)
-        w2 = _words(ring_c.index(st * 4 + 2), okc, ld)
-        w3 = _words(ring_c.index(st * 4 + 3), okc, ld)
-        wr = _words(ring_r.index(st), okr, ldr)
+        w0 = _words(ring_c.index(st * 4 + 0), okc, ld, F16)
+        w1 = _words(ring_c.index(st * 4 + 1), okc, ld, F16)
+        w2 = _words(ring_c.index(st * 4 + 2), okc, ld, F16)
+        w3 = _words(ring_c.index(st * 4 + 3), okc, ld, F16)
+        wr = _words(ring_r.index(st), okr, ldr, F16)
         o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(t0, t1, t2, t3))  # P_{j-1} V_{j-1}: the tiles are free
         kc_w.index(0).store(gl.reshape(w0, [64, 64]))
         kc_w.index(1).store(gl.reshape(w1, [64, 64]))
@@ -232,9 +283,17 @@ def _mla_decode_tma8(Q, kc8, kr8, KTok, BlockTable, Seqlens, Out, Lse, PartO, Pa
         p = gl.exp2(s - m_use[None, :])
         l_i = l_i * alpha + gl.sum(p, 0)
         m_i = m_new
-        if PER_TOKEN:
+        if F16:
+            if PER_TOKEN:  # P ks c_j; the accumulators' old terms move from c_{j-1} to c_j
+                c_new = _pow2_scale(gl.max(ks_j, 0))
+                alpha = alpha * (c_new / c_prev)
+                p = p * (ks_j * c_new)[:, None]
+                c_prev = c_new
+            else:
+                p = p * 16384.0
+        elif PER_TOKEN:
             p = p * ks_j[:, None]  # V's per-token scale on P's rows (keys)
-        p_s.index(0).store(p.to(gl.bfloat16))
+        p_s.index(0).store(p.to(dt))
         fence_async_shared()
         gl.thread_barrier()
         a = gl.convert_layout(alpha, gl.SliceLayout(0, o_layout))[None, :]
@@ -251,7 +310,7 @@ def _mla_decode_tma8(Q, kc8, kr8, KTok, BlockTable, Seqlens, Out, Lse, PartO, Pa
         mbarrier.invalidate(bar.index(i))
 
     l_safe = gl.where(l_i == 0.0, 1.0, l_i)
-    inv = gl.convert_layout(v_mul / l_safe, gl.SliceLayout(0, o_layout))[None, :]
+    inv = gl.convert_layout(v_mul / (l_safe * c_prev), gl.SliceLayout(0, o_layout))[None, :]
     m_fin = gl.where(m_i == float("-inf"), 0.0, m_i)
     lse2 = gl.where(l_i == 0.0, float("-inf"), m_fin + gl.log2(l_safe))
     on = gl.arange(0, NQ, layout=gl.SliceLayout(0, o_layout))
@@ -293,7 +352,7 @@ def _descs(cache):
 
 
 def _args(q, cache, block_table, seqlens_k, scale, k_scale, num_splits, causal, sms=132, nq=16, stages=3, warps=8,
-          o_split_n=True):
+          o_split_n=True, f16=False):
     bsz, hq, sq, d = q.shape
     rows = hq * sq
     assert d == D and cache.shape[-1] == D and cache.shape[2] == 1 and cache.shape[1] % 64 == 0
@@ -316,7 +375,7 @@ def _args(q, cache, block_table, seqlens_k, scale, k_scale, num_splits, causal, 
     args = (q, kc8, kr8, ktok, block_table, seqlens_k, out, lse, part_o, part_lse, block_table.stride(0),
             block_table.shape[1], cache.shape[0], scale * 1.4426950408889634 * mul, mul, splits, per)
     kw = dict(ROWS=rows, NQ=nq, SQ=sq, PAGE=page, CAUSAL=causal, DIRECT=direct, PER_TOKEN=per_token, STAGES=stages,
-              WARPS=warps, O_SPLIT_N=o_split_n and warps == 8)
+              WARPS=warps, O_SPLIT_N=o_split_n and warps == 8, F16=f16)
     return args, kw, out, lse, part_o, part_lse, (splits, bsz, tiles)
 
 
@@ -324,7 +383,7 @@ _SMS = {}
 
 
 def mla_decode_tma8(q, cache, block_table, seqlens_k, scale, k_scale, num_splits=None, causal=True, nq=16, stages=3,
-                    warps=8, o_split_n=True):
+                    warps=8, o_split_n=True, f16=False):
     """out [B, Hq, Sq, 512], lse [B, Hq, Sq]; q contiguous bf16, cache [num_pages, PAGE, 1, 576] float8_e4m3fn
     contiguous, k_scale a float or float32 [num_pages, PAGE, 1] contiguous."""
     assert q.is_contiguous() and cache.is_contiguous() and q.dtype == torch.bfloat16
@@ -333,7 +392,7 @@ def mla_decode_tma8(q, cache, block_table, seqlens_k, scale, k_scale, num_splits
     if dev not in _SMS:
         _SMS[dev] = torch.cuda.get_device_properties(q.device).multi_processor_count
     args, kw, out, lse, part_o, part_lse, grid = _args(q, cache, block_table, seqlens_k, scale, k_scale, num_splits,
-                                                       causal, _SMS[dev], nq, stages, warps, o_split_n)
+                                                       causal, _SMS[dev], nq, stages, warps, o_split_n, f16)
     _mla_decode_tma8[grid](*args, **kw, num_warps=warps)
     splits, bsz = grid[0], grid[1]
     if splits > 1:
@@ -345,7 +404,7 @@ def mla_decode_tma8(q, cache, block_table, seqlens_k, scale, k_scale, num_splits
 
 
 def compile_for(hq=16, sq=1, page=64, num_splits=1, causal=True, per_token=True, nq=16, stages=3, warps=8,
-                o_split_n=True):
+                o_split_n=True, f16=False):
     """Build the kernel for sm_90 without a GPU (triton's bundled ptxas); returns the CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -357,7 +416,7 @@ def compile_for(hq=16, sq=1, page=64, num_splits=1, causal=True, per_token=True,
     lens = torch.zeros((2, ), dtype=torch.int32)
     ks = torch.ones((8, page, 1), dtype=torch.float32) if per_token else 0.5
     args, kw, *_ = _args(q, cache, table, lens, 0.1, ks, num_splits, causal, nq=nq, stages=stages, warps=warps,
-                         o_split_n=o_split_n)
+                         o_split_n=o_split_n, f16=f16)
     names = list(_mla_decode_tma8.arg_names)[:len(args)]
     signature = {n: mangle_type(a) for n, a in zip(names, args)}
     signature.update({n: "constexpr" for n in kw})
@@ -369,15 +428,16 @@ def compile_for(hq=16, sq=1, page=64, num_splits=1, causal=True, per_token=True,
 class Module:
     """The decode contract's two entries over mla_decode_tma8 (for scripts/gpu_mladec_s10.py)."""
 
-    def __init__(self, causal=True, nq=16, stages=3, warps=8, o_split_n=True):
-        self.causal, self.nq, self.stages, self.warps, self.o_split_n = causal, nq, stages, warps, o_split_n
+    def __init__(self, causal=True, nq=16, stages=3, warps=8, o_split_n=True, f16=False):
+        self.causal, self.nq, self.stages, self.warps = causal, nq, stages, warps
+        self.o_split_n, self.f16 = o_split_n, f16
 
     def forward(self, q, k, v, *, block_table, seqlens_k, scale, k_scale):
         assert v is None
         return mla_decode_tma8(q, k, block_table, seqlens_k, scale, k_scale, None, self.causal, self.nq,
-                               self.stages, self.warps, self.o_split_n)
+                               self.stages, self.warps, self.o_split_n, self.f16)
 
     def forward_split(self, q, k, v, *, num_splits, block_table, seqlens_k, scale, k_scale):
         assert v is None
         return mla_decode_tma8(q, k, block_table, seqlens_k, scale, k_scale, num_splits, self.causal, self.nq,
-                               self.stages, self.warps, self.o_split_n)
+                               self.stages, self.warps, self.o_split_n, self.f16)

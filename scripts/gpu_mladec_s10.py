@@ -60,9 +60,11 @@ CHECK_GROUPS = {"check-glu": ["bf16 gluon pad64 (product)", "bf16 FlashMLA"],
                 "check-fp8a": ["e4m3/token triton (product)", "e4m3/tensor triton"],
                 "check-lab": ["e4m3/token lab s9 swap-AB"],
                 "check-t8a": ["e4m3/token tma8 w8s3", "e4m3/tensor tma8 w8s3"],
-                "check-t8b": ["e4m3/token tma8 w8s2", "e4m3/token tma8 w4s2", "e4m3/token tma8 w8s3 O split M"],
+                "check-t8b": ["e4m3/token tma8 w8s2", "e4m3/token tma8 w4s2"],
+                "check-t8e": ["e4m3/token tma8 w8s3 O split M"],
                 "check-t8c": ["e4m3/token tma8 nq32 w8s3", "e4m3/token tma8 nq64 w8s2"],
-                "check-t8d": ["e4m3/token tma8 w8s3 f16", "e4m3/tensor tma8 w8s3 f16", "e4m3/token tma8 nq32 f16"]}
+                "check-t8d": ["e4m3/token tma8 w8s3 f16", "e4m3/tensor tma8 w8s3 f16"],
+                "check-t8f": ["e4m3/token tma8 nq32 f16"]}
 SHAPES = ((128, 4096, 16, 1), (32, 32768, 16, 1), (32, 8192, 128, 2), (32, 4096, 16, 1), (128, 32768, 16, 1)) \
     if not DRY else ((2, 96, 16, 1), (3, 64, 16, 1))
 CHECK_LENS = [1000, 77, 513] if not DRY else [200, 7, 53]  # within 16 pages: the timed shapes' integer classes

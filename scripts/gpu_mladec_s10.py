@@ -286,6 +286,12 @@ def phase(name):  # noqa: C901 - one phase in this process
                 ms = st.elapsed_time(en) / 100
                 emit("host", f"h16 sq1 b{b} kv{n} dense bf16", label, f"{host:.1f} us host", ms,
                      f"eager back to back {ms * 1e3:.1f} us a call, {read / ms / 1e6:.0f} GB/s")
+            t = time.perf_counter()
+            for _ in range(200):
+                fagen.KernelSpec(head_dim=D, head_dim_v=DV, shared_kv=True, kind="decode", gqa=16, dtype="bf16",
+                                 mask="none")
+            emit("host", "KernelSpec(...) of the latent case", "(no GPU)",
+                 f"{(time.perf_counter() - t) / 200 * 1e6:.1f} us host", None, "built once a case since api._latent_spec")
             hopper.LATENT_MIN_WORK = 1
             pr = cProfile.Profile()
             pr.enable()

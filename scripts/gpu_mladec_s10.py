@@ -291,7 +291,8 @@ def phase(name):  # noqa: C901 - one phase in this process
                 fagen.KernelSpec(head_dim=D, head_dim_v=DV, shared_kv=True, kind="decode", gqa=16, dtype="bf16",
                                  mask="none")
             emit("host", "KernelSpec(...) of the latent case", "(no GPU)",
-                 f"{(time.perf_counter() - t) / 200 * 1e6:.1f} us host", None, "built once a case since api._latent_spec")
+                 f"{(time.perf_counter() - t) / 200 * 1e6:.1f} us host", None,
+                 "built once a case since api._latent_spec")
             hopper.LATENT_MIN_WORK = 1
             pr = cProfile.Profile()
             pr.enable()

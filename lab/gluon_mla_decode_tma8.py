@@ -108,13 +108,15 @@ def _words(src, ok, layout: gl.constexpr, F16: gl.constexpr):
 
 
 @gluon.jit
-def _issue(kc8, kr8, ring_c, ring_r, bar, page, start, st, PAGE: gl.constexpr):
+def _issue(kc8, kr8, ring0, ring1, ring2, ring3, ring_r, bar, page, start, st, PAGE: gl.constexpr):
     """TMA of the fp8 bytes of the 64 keys from `start` (on `page`) into ring slot st: four [64, 32] int32 boxes of
     the latent and the [64, 16] rope box."""
     row = page * PAGE + start % PAGE
     mbarrier.expect(bar.index(st), 4 * kc8.block_type.nbytes + kr8.block_type.nbytes)
-    for c in gl.static_range(4):
-        tma.async_copy_global_to_shared(kc8, [row, c * 32], bar.index(st), ring_c.index(st * 4 + c))
+    tma.async_copy_global_to_shared(kc8, [row, 0], bar.index(st), ring0.index(st))
+    tma.async_copy_global_to_shared(kc8, [row, 32], bar.index(st), ring1.index(st))
+    tma.async_copy_global_to_shared(kc8, [row, 64], bar.index(st), ring2.index(st))
+    tma.async_copy_global_to_shared(kc8, [row, 96], bar.index(st), ring3.index(st))
     tma.async_copy_global_to_shared(kr8, [row, 128], bar.index(st), ring_r.index(st))
 
 
@@ -146,12 +148,24 @@ def _mla_decode_tma8(Q, kc8, kr8, KTok, BlockTable, Seqlens, Out, Lse, PartO, Pa
     q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NQ, 128], dt)
     qr_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NQ, 64], dt)
     p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, NQ], dt)
-    ring_c = gl.allocate_shared_memory(gl.int32, [STAGES * 4, 64, 32], kc8.layout)
+    # [Note] Lab separate buffers: each ring part and each bf16 tile its own allocation (the membar pass put a CTA
+    # barrier before each TMA issue and each tile store into one multi-buffer allocation: 9 of 16 a step)
+    ring0 = gl.allocate_shared_memory(gl.int32, [STAGES, 64, 32], kc8.layout)
+    ring1 = gl.allocate_shared_memory(gl.int32, [STAGES, 64, 32], kc8.layout)
+    ring2 = gl.allocate_shared_memory(gl.int32, [STAGES, 64, 32], kc8.layout)
+    ring3 = gl.allocate_shared_memory(gl.int32, [STAGES, 64, 32], kc8.layout)
     ring_r = gl.allocate_shared_memory(gl.int32, [STAGES, 64, 16], kr8.layout)
-    kc_s = gl.allocate_shared_memory(dt, [4, 64, 128], k_sl)
+    kc0 = gl.allocate_shared_memory(dt, [1, 64, 128], k_sl)
+    kc1 = gl.allocate_shared_memory(dt, [1, 64, 128], k_sl)
+    kc2 = gl.allocate_shared_memory(dt, [1, 64, 128], k_sl)
+    kc3 = gl.allocate_shared_memory(dt, [1, 64, 128], k_sl)
     kr_s = gl.allocate_shared_memory(dt, [1, 64, 64], r_sl)
-    kc_w = kc_s._reinterpret(gl.int32, [4, 64, 64], gl.NVMMASharedLayout(128, 32, rank=2))  # [Note] Lab fp8 words
-    kr_w = kr_s._reinterpret(gl.int32, [1, 64, 32], gl.NVMMASharedLayout(128, 32, rank=2))
+    wl: gl.constexpr = gl.NVMMASharedLayout(128, 32, rank=2)  # [Note] Lab fp8 words
+    kw0 = kc0._reinterpret(gl.int32, [1, 64, 64], wl)
+    kw1 = kc1._reinterpret(gl.int32, [1, 64, 64], wl)
+    kw2 = kc2._reinterpret(gl.int32, [1, 64, 64], wl)
+    kw3 = kc3._reinterpret(gl.int32, [1, 64, 64], wl)
+    kr_w = kr_s._reinterpret(gl.int32, [1, 64, 32], wl)
     qc_s = gl.allocate_shared_memory(dt, [4, NQ, 128], q_sl)
     qr_s = gl.allocate_shared_memory(dt, [1, NQ, 64], qr_sl)
     p_s = gl.allocate_shared_memory(dt, [1, 64, NQ], p_sl)
@@ -170,7 +184,7 @@ def _mla_decode_tma8(Q, kc8, kr8, KTok, BlockTable, Seqlens, Out, Lse, PartO, Pa
     pages = _page(BlockTable, bt_row, k_lo, num_pages, n_blocks > 0, PAGE)
     for i in gl.static_range(STAGES):  # the first STAGES blocks, at once
         if i < n_blocks:
-            _issue(kc8, kr8, ring_c, ring_r, bar, pages, k_lo + i * 64, i, PAGE)
+            _issue(kc8, kr8, ring0, ring1, ring2, ring3, ring_r, bar, pages, k_lo + i * 64, i, PAGE)
         pages = _page(BlockTable, bt_row, k_lo + (i + 1) * 64, num_pages, i + 1 < n_blocks, PAGE)
     # pages: the page of block STAGES ([Note] Lab page prefetch)
 
@@ -250,27 +264,29 @@ def _mla_decode_tma8(Q, kc8, kr8, KTok, BlockTable, Seqlens, Out, Lse, PartO, Pa
         mbarrier.wait(bar.index(st), (j // STAGES) & 1)
         okc = (start + rc < seq_len)[:, None]
         okr = (start + rr < seq_len)[:, None]
-        w0 = _words(ring_c.index(st * 4 + 0), okc, ld, F16)
-        w1 = _words(ring_c.index(st * 4 + 1), okc, ld, F16)
-        w2 = _words(ring_c.index(st * 4 + 2), okc, ld, F16)
-        w3 = _words(ring_c.index(st * 4 + 3), okc, ld, F16)
+        w0 = _words(ring0.index(st), okc, ld, F16)
+        w1 = _words(ring1.index(st), okc, ld, F16)
+        w2 = _words(ring2.index(st), okc, ld, F16)
+        w3 = _words(ring3.index(st), okc, ld, F16)
         wr = _words(ring_r.index(st), okr, ldr, F16)
         o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(t0, t1, t2, t3))  # P_{j-1} V_{j-1}: the tiles are free
-        kc_w.index(0).store(gl.reshape(w0, [64, 64]))
-        kc_w.index(1).store(gl.reshape(w1, [64, 64]))
-        kc_w.index(2).store(gl.reshape(w2, [64, 64]))
-        kc_w.index(3).store(gl.reshape(w3, [64, 64]))
+        kw0.index(0).store(gl.reshape(w0, [64, 64]))
+        kw1.index(0).store(gl.reshape(w1, [64, 64]))
+        kw2.index(0).store(gl.reshape(w2, [64, 64]))
+        kw3.index(0).store(gl.reshape(w3, [64, 64]))
         kr_w.index(0).store(gl.reshape(wr, [64, 32]))
         fence_async_shared()
         gl.thread_barrier()
         if j + STAGES < n_blocks:  # slot st is read: block j + STAGES into it
-            _issue(kc8, kr8, ring_c, ring_r, bar, pages, start + STAGES * 64, st, PAGE)
+            _issue(kc8, kr8, ring0, ring1, ring2, ring3, ring_r, bar, pages, start + STAGES * 64, st, PAGE)
             pages = _page(BlockTable, bt_row, start + (STAGES + 1) * 64, num_pages, j + STAGES + 1 < n_blocks, PAGE)
         z = j >> 30  # a 0 the compiler cannot fold ([Note] Seesaw descriptors)
         tok = warpgroup_mma(kr_s.index(z), qr_s.index(z).permute((1, 0)), gl.zeros([64, NQ], gl.float32, s_layout),
                             use_acc=False, is_async=True)
-        for c in gl.static_range(4):
-            tok = warpgroup_mma(kc_s.index(c + z), qc_s.index(c + z).permute((1, 0)), tok, is_async=True)
+        tok = warpgroup_mma(kc0.index(z), qc_s.index(0 + z).permute((1, 0)), tok, is_async=True)
+        tok = warpgroup_mma(kc1.index(z), qc_s.index(1 + z).permute((1, 0)), tok, is_async=True)
+        tok = warpgroup_mma(kc2.index(z), qc_s.index(2 + z).permute((1, 0)), tok, is_async=True)
+        tok = warpgroup_mma(kc3.index(z), qc_s.index(3 + z).permute((1, 0)), tok, is_async=True)
         s = warpgroup_mma_wait(0, deps=(tok, ))
         keys = start + keys0
         s = s * qk_scale
@@ -301,10 +317,10 @@ def _mla_decode_tma8(Q, kc8, kr8, KTok, BlockTable, Seqlens, Out, Lse, PartO, Pa
         o1 = o1 * a
         o2 = o2 * a
         o3 = o3 * a
-        t0 = warpgroup_mma(kc_s.index(0 + z).permute((1, 0)), p_s.index(z), o0, is_async=True)
-        t1 = warpgroup_mma(kc_s.index(1 + z).permute((1, 0)), p_s.index(z), o1, is_async=True)
-        t2 = warpgroup_mma(kc_s.index(2 + z).permute((1, 0)), p_s.index(z), o2, is_async=True)
-        t3 = warpgroup_mma(kc_s.index(3 + z).permute((1, 0)), p_s.index(z), o3, is_async=True)
+        t0 = warpgroup_mma(kc0.index(z).permute((1, 0)), p_s.index(z), o0, is_async=True)
+        t1 = warpgroup_mma(kc1.index(z).permute((1, 0)), p_s.index(z), o1, is_async=True)
+        t2 = warpgroup_mma(kc2.index(z).permute((1, 0)), p_s.index(z), o2, is_async=True)
+        t3 = warpgroup_mma(kc3.index(z).permute((1, 0)), p_s.index(z), o3, is_async=True)
     o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(t0, t1, t2, t3))
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bar.index(i))

@@ -131,7 +131,7 @@ def _mla_decode_tma8(Q, kc8, kr8, KTok, BlockTable, Seqlens, Out, Lse, PartO, Pa
                      num_pages, qk_scale, v_mul, num_splits, per, ROWS: gl.constexpr, NQ: gl.constexpr,
                      SQ: gl.constexpr, PAGE: gl.constexpr, CAUSAL: gl.constexpr, DIRECT: gl.constexpr,
                      PER_TOKEN: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr,
-                     O_SPLIT_N: gl.constexpr, F16: gl.constexpr):
+                     O_SPLIT_N: gl.constexpr, F16: gl.constexpr, S_ACCS: gl.constexpr):
     gl.static_assert(PAGE % 64 == 0)
     gl.static_assert(NQ % 16 == 0)
     split = gl.program_id(0)
@@ -281,13 +281,24 @@ def _mla_decode_tma8(Q, kc8, kr8, KTok, BlockTable, Seqlens, Out, Lse, PartO, Pa
             _issue(kc8, kr8, ring0, ring1, ring2, ring3, ring_r, bar, pages, start + STAGES * 64, st, PAGE)
             pages = _page(BlockTable, bt_row, start + (STAGES + 1) * 64, num_pages, j + STAGES + 1 < n_blocks, PAGE)
         z = j >> 30  # a 0 the compiler cannot fold ([Note] Seesaw descriptors)
-        tok = warpgroup_mma(kr_s.index(z), qr_s.index(z).permute((1, 0)), gl.zeros([64, NQ], gl.float32, s_layout),
-                            use_acc=False, is_async=True)
-        tok = warpgroup_mma(kc0.index(z), qc_s.index(0 + z).permute((1, 0)), tok, is_async=True)
-        tok = warpgroup_mma(kc1.index(z), qc_s.index(1 + z).permute((1, 0)), tok, is_async=True)
-        tok = warpgroup_mma(kc2.index(z), qc_s.index(2 + z).permute((1, 0)), tok, is_async=True)
-        tok = warpgroup_mma(kc3.index(z), qc_s.index(3 + z).permute((1, 0)), tok, is_async=True)
-        s = warpgroup_mma_wait(0, deps=(tok, ))
+        if S_ACCS == 2:  # [Note] Lab two score chains: rope + latent 0, 1 and latent 2, 3, summed after the wait
+            tok = warpgroup_mma(kr_s.index(z), qr_s.index(z).permute((1, 0)),
+                                gl.zeros([64, NQ], gl.float32, s_layout), use_acc=False, is_async=True)
+            tok2 = warpgroup_mma(kc2.index(z), qc_s.index(2 + z).permute((1, 0)),
+                                 gl.zeros([64, NQ], gl.float32, s_layout), use_acc=False, is_async=True)
+            tok = warpgroup_mma(kc0.index(z), qc_s.index(0 + z).permute((1, 0)), tok, is_async=True)
+            tok2 = warpgroup_mma(kc3.index(z), qc_s.index(3 + z).permute((1, 0)), tok2, is_async=True)
+            tok = warpgroup_mma(kc1.index(z), qc_s.index(1 + z).permute((1, 0)), tok, is_async=True)
+            s, s2 = warpgroup_mma_wait(0, deps=(tok, tok2))
+            s = s + s2
+        else:
+            tok = warpgroup_mma(kr_s.index(z), qr_s.index(z).permute((1, 0)),
+                                gl.zeros([64, NQ], gl.float32, s_layout), use_acc=False, is_async=True)
+            tok = warpgroup_mma(kc0.index(z), qc_s.index(0 + z).permute((1, 0)), tok, is_async=True)
+            tok = warpgroup_mma(kc1.index(z), qc_s.index(1 + z).permute((1, 0)), tok, is_async=True)
+            tok = warpgroup_mma(kc2.index(z), qc_s.index(2 + z).permute((1, 0)), tok, is_async=True)
+            tok = warpgroup_mma(kc3.index(z), qc_s.index(3 + z).permute((1, 0)), tok, is_async=True)
+            s = warpgroup_mma_wait(0, deps=(tok, ))
         keys = start + keys0
         s = s * qk_scale
         if PER_TOKEN:
@@ -368,7 +379,7 @@ def _descs(cache):
 
 
 def _args(q, cache, block_table, seqlens_k, scale, k_scale, num_splits, causal, sms=132, nq=16, stages=3, warps=8,
-          o_split_n=True, f16=False):
+          o_split_n=True, f16=False, s_accs=1):
     bsz, hq, sq, d = q.shape
     rows = hq * sq
     assert d == D and cache.shape[-1] == D and cache.shape[2] == 1 and cache.shape[1] % 64 == 0
@@ -391,7 +402,8 @@ def _args(q, cache, block_table, seqlens_k, scale, k_scale, num_splits, causal, 
     args = (q, kc8, kr8, ktok, block_table, seqlens_k, out, lse, part_o, part_lse, block_table.stride(0),
             block_table.shape[1], cache.shape[0], scale * 1.4426950408889634 * mul, mul, splits, per)
     kw = dict(ROWS=rows, NQ=nq, SQ=sq, PAGE=page, CAUSAL=causal, DIRECT=direct, PER_TOKEN=per_token, STAGES=stages,
-              WARPS=warps, O_SPLIT_N=o_split_n and warps == 8, F16=f16)
+              WARPS=warps, O_SPLIT_N=o_split_n and warps == 8, F16=f16,
+              S_ACCS=s_accs)
     return args, kw, out, lse, part_o, part_lse, (splits, bsz, tiles)
 
 
@@ -399,7 +411,7 @@ _SMS = {}
 
 
 def mla_decode_tma8(q, cache, block_table, seqlens_k, scale, k_scale, num_splits=None, causal=True, nq=16, stages=3,
-                    warps=8, o_split_n=True, f16=False):
+                    warps=8, o_split_n=True, f16=False, s_accs=1):
     """out [B, Hq, Sq, 512], lse [B, Hq, Sq]; q contiguous bf16, cache [num_pages, PAGE, 1, 576] float8_e4m3fn
     contiguous, k_scale a float or float32 [num_pages, PAGE, 1] contiguous."""
     assert q.is_contiguous() and cache.is_contiguous() and q.dtype == torch.bfloat16
@@ -408,7 +420,8 @@ def mla_decode_tma8(q, cache, block_table, seqlens_k, scale, k_scale, num_splits
     if dev not in _SMS:
         _SMS[dev] = torch.cuda.get_device_properties(q.device).multi_processor_count
     args, kw, out, lse, part_o, part_lse, grid = _args(q, cache, block_table, seqlens_k, scale, k_scale, num_splits,
-                                                       causal, _SMS[dev], nq, stages, warps, o_split_n, f16)
+                                                       causal, _SMS[dev], nq, stages, warps, o_split_n, f16,
+                                                       s_accs)
     _mla_decode_tma8[grid](*args, **kw, num_warps=warps)
     splits, bsz = grid[0], grid[1]
     if splits > 1:
@@ -420,7 +433,7 @@ def mla_decode_tma8(q, cache, block_table, seqlens_k, scale, k_scale, num_splits
 
 
 def compile_for(hq=16, sq=1, page=64, num_splits=1, causal=True, per_token=True, nq=16, stages=3, warps=8,
-                o_split_n=True, f16=False):
+                o_split_n=True, f16=False, s_accs=1):
     """Build the kernel for sm_90 without a GPU (triton's bundled ptxas); returns the CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -432,7 +445,7 @@ def compile_for(hq=16, sq=1, page=64, num_splits=1, causal=True, per_token=True,
     lens = torch.zeros((2, ), dtype=torch.int32)
     ks = torch.ones((8, page, 1), dtype=torch.float32) if per_token else 0.5
     args, kw, *_ = _args(q, cache, table, lens, 0.1, ks, num_splits, causal, nq=nq, stages=stages, warps=warps,
-                         o_split_n=o_split_n, f16=f16)
+                         o_split_n=o_split_n, f16=f16, s_accs=s_accs)
     names = list(_mla_decode_tma8.arg_names)[:len(args)]
     signature = {n: mangle_type(a) for n, a in zip(names, args)}
     signature.update({n: "constexpr" for n in kw})
@@ -444,16 +457,16 @@ def compile_for(hq=16, sq=1, page=64, num_splits=1, causal=True, per_token=True,
 class Module:
     """The decode contract's two entries over mla_decode_tma8 (for scripts/gpu_mladec_s10.py)."""
 
-    def __init__(self, causal=True, nq=16, stages=3, warps=8, o_split_n=True, f16=False):
+    def __init__(self, causal=True, nq=16, stages=3, warps=8, o_split_n=True, f16=False, s_accs=1):
         self.causal, self.nq, self.stages, self.warps = causal, nq, stages, warps
-        self.o_split_n, self.f16 = o_split_n, f16
+        self.o_split_n, self.f16, self.s_accs = o_split_n, f16, s_accs
 
     def forward(self, q, k, v, *, block_table, seqlens_k, scale, k_scale):
         assert v is None
         return mla_decode_tma8(q, k, block_table, seqlens_k, scale, k_scale, None, self.causal, self.nq,
-                               self.stages, self.warps, self.o_split_n, self.f16)
+                               self.stages, self.warps, self.o_split_n, self.f16, self.s_accs)
 
     def forward_split(self, q, k, v, *, num_splits, block_table, seqlens_k, scale, k_scale):
         assert v is None
         return mla_decode_tma8(q, k, block_table, seqlens_k, scale, k_scale, num_splits, self.causal, self.nq,
-                               self.stages, self.warps, self.o_split_n, self.f16)
+                               self.stages, self.warps, self.o_split_n, self.f16, self.s_accs)

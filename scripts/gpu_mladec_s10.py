@@ -36,35 +36,38 @@ D, DV, PAGE = (48, 32, 16) if DRY else (576, 512, 64)
 # Round A (2026-11-27 06:21 UTC, results/mladec-A.txt) dropped: Triton tiles n64w8s3 (bf16) and n64w8s2 (e4m3), more
 # splits (PROGRAMS_PER_SM 4), the lab's fp16 dots per tensor (no faster than per token's). Round B: CUDA-graph timing
 # (b32 kv4k was host time in every column: ~50 us of GPU work a call) and the lab's page prefetch.
+# Round A (09:57 UTC, results/mladec-A.txt) dropped: tma8 w8s2 and w8s3 with O split by rows (M), 43-48% of copy;
+# tma8 nq32 at Hq 128 (155-164 TF/s). Round B: two score chains ([Note] Lab two score chains) in the lab kernels,
+# tma8 with one warpgroup (w4, round A's best tma8), and fagen.attention under capture ([Note] Latent decode under
+# capture).
 VARIANTS = {
     "bf16 gluon pad64 (product)": (None, None, "gluon", {}, []),
     "bf16 FlashMLA": (None, None, "flashmla", {}, []),
     "e4m3/token triton (product)": ("fp8_e4m3", "token", "triton", {}, []),
     "e4m3/tensor triton": ("fp8_e4m3", "tensor", "triton", {}, []),
     "e4m3/token lab s9 swap-AB": ("fp8_e4m3", "token", "lab", {}, []),  # lab/gluon_mla_decode_fp8.py
-    "e4m3/token tma8 w8s3": ("fp8_e4m3", "token", "tma8", {}, []),  # lab/gluon_mla_decode_tma8.py
-    "e4m3/tensor tma8 w8s3": ("fp8_e4m3", "tensor", "tma8", {}, []),
-    "e4m3/token tma8 w8s2": ("fp8_e4m3", "token", "tma8", {"stages": 2}, []),
+    "e4m3/token lab s9 2 chains": ("fp8_e4m3", "token", "lab", {"s_accs": 2}, []),
+    "e4m3/tensor lab s9 2 chains": ("fp8_e4m3", "tensor", "lab", {"s_accs": 2}, []),
+    "e4m3/token lab s9 2 chains f16": ("fp8_e4m3", "token", "lab", {"s_accs": 2, "f16": True}, []),
+    # lab/gluon_mla_decode_tma8.py
     "e4m3/token tma8 w4s2": ("fp8_e4m3", "token", "tma8", {"stages": 2, "warps": 4}, []),
-    "e4m3/token tma8 w8s3 O split M": ("fp8_e4m3", "token", "tma8", {"o_split_n": False}, []),  # [Note] Lab O split
-    "e4m3/token tma8 w8s3 f16": ("fp8_e4m3", "token", "tma8", {"f16": True}, []),  # hardware cvt, fp16 dots
-    "e4m3/tensor tma8 w8s3 f16": ("fp8_e4m3", "tensor", "tma8", {"f16": True}, []),
-    "e4m3/token tma8 nq32 f16": ("fp8_e4m3", "token", "tma8", {"nq": 32, "f16": True}, []),  # Hq 128 Sq 2 only
-    "e4m3/token tma8 nq32 w8s3": ("fp8_e4m3", "token", "tma8", {"nq": 32}, []),  # Hq 128 Sq 2 only
+    "e4m3/token tma8 w4s2 2 chains": ("fp8_e4m3", "token", "tma8", {"stages": 2, "warps": 4, "s_accs": 2}, []),
+    "e4m3/token tma8 w4s3 2 chains": ("fp8_e4m3", "token", "tma8", {"stages": 3, "warps": 4, "s_accs": 2}, []),
+    "e4m3/token tma8 w8s3 f16": ("fp8_e4m3", "token", "tma8", {"f16": True}, []),
     "e4m3/token tma8 nq64 w8s2": ("fp8_e4m3", "token", "tma8", {"nq": 64, "stages": 2}, []),  # Hq 128 Sq 2 only
+    "e4m3/token tma8 nq64 w8s2 2 chains": ("fp8_e4m3", "token", "tma8", {"nq": 64, "stages": 2, "s_accs": 2}, []),
 }
 # timed at Hq 128 Sq 2 only
-ROWS_ONLY = {"e4m3/token tma8 nq32 w8s3", "e4m3/token tma8 nq64 w8s2", "e4m3/token tma8 nq32 f16"}
-H128 = {"bf16 gluon pad64 (product)", "bf16 FlashMLA", "e4m3/token triton (product)", *ROWS_ONLY}
+ROWS_ONLY = {"e4m3/token tma8 nq64 w8s2", "e4m3/token tma8 nq64 w8s2 2 chains"}
+H128 = {"bf16 gluon pad64 (product)", "bf16 FlashMLA", "e4m3/token triton (product)", "e4m3/tensor triton",
+        *ROWS_ONLY}
 CHECK_GROUPS = {"check-glu": ["bf16 gluon pad64 (product)", "bf16 FlashMLA"],
                 "check-fp8a": ["e4m3/token triton (product)", "e4m3/tensor triton"],
-                "check-lab": ["e4m3/token lab s9 swap-AB"],
-                "check-t8a": ["e4m3/token tma8 w8s3", "e4m3/tensor tma8 w8s3"],
-                "check-t8b": ["e4m3/token tma8 w8s2", "e4m3/token tma8 w4s2"],
-                "check-t8e": ["e4m3/token tma8 w8s3 O split M"],
-                "check-t8c": ["e4m3/token tma8 nq32 w8s3", "e4m3/token tma8 nq64 w8s2"],
-                "check-t8d": ["e4m3/token tma8 w8s3 f16", "e4m3/tensor tma8 w8s3 f16"],
-                "check-t8f": ["e4m3/token tma8 nq32 f16"]}
+                "check-lab": ["e4m3/token lab s9 swap-AB", "e4m3/token lab s9 2 chains"],
+                "check-lab2": ["e4m3/tensor lab s9 2 chains", "e4m3/token lab s9 2 chains f16"],
+                "check-t8a": ["e4m3/token tma8 w4s2", "e4m3/token tma8 w4s2 2 chains"],
+                "check-t8b": ["e4m3/token tma8 w4s3 2 chains", "e4m3/token tma8 w8s3 f16"],
+                "check-t8c": ["e4m3/token tma8 nq64 w8s2", "e4m3/token tma8 nq64 w8s2 2 chains"]}
 SHAPES = ((128, 4096, 16, 1), (32, 32768, 16, 1), (32, 8192, 128, 2), (32, 4096, 16, 1), (128, 32768, 16, 1)) \
     if not DRY else ((2, 96, 16, 1), (3, 64, 16, 1))
 CHECK_LENS = [1000, 77, 513] if not DRY else [200, 7, 53]  # within 16 pages: the timed shapes' integer classes
@@ -286,26 +289,36 @@ def phase(name):  # noqa: C901 - one phase in this process
                 ms = st.elapsed_time(en) / 100
                 emit("host", f"h16 sq1 b{b} kv{n} dense bf16", label, f"{host:.1f} us host", ms,
                      f"eager back to back {ms * 1e3:.1f} us a call, {read / ms / 1e6:.0f} GB/s")
-            for b2, n2 in ((8, 4096), (16, 4096), (32, 2048), (64, 2048), (64, 4096)):  # the padded tile's floor
-                q2 = torch.randn(b2, 16, 1, D, device=dev, generator=gen).bfloat16()
-                k2 = torch.randn(b2, 1, n2, D, device=dev, generator=gen).bfloat16()
-                per = {}
-                for label, mod in (("triton", tri), ("gluon pad64", glu)):
-                    fn = lambda: mod.forward(q2, k2, None, scale=SCALE)  # noqa: E731
-                    for _ in range(3):
-                        fn()
-                    st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    torch.cuda.synchronize()
-                    st.record()
-                    for _ in range(60):
-                        fn()
-                    en.record()
-                    torch.cuda.synchronize()
-                    per[label] = st.elapsed_time(en) / 60 * 1e3
-                emit("host", f"h16 sq1 b{b2} kv{n2} dense bf16 (2^{(b2 * 16 * n2).bit_length() - 1} pairs)",
-                     "module.forward eager, triton / gluon pad64", f"{per['gluon pad64'] / per['triton']:.2f}x",
-                     None, f"{per['triton']:.1f} / {per['gluon pad64']:.1f} us a call back to back")
-                q2 = k2 = None
+            want = {"gluon pad64": glu.forward(qd, kd, None, scale=SCALE)[0], "triton": tri.forward(qd, kd, None,
+                                                                                               scale=SCALE)[0]}
+            hopper.LATENT_MIN_WORK = 1 << 22
+            for flag in (False, True):  # [Note] Latent decode under capture
+                hopper.LATENT_CAPTURED_ANY_SIZE = flag
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    calls["fagen.attention (rule)"]()
+                torch.cuda.current_stream().wait_stream(side)
+                g = torch.cuda.CUDAGraph()
+                outs = []
+                with torch.cuda.graph(g):
+                    for _ in range(8):
+                        outs.append(calls["fagen.attention (rule)"]())
+                g.replay()
+                torch.cuda.synchronize()
+                served = [k for k, v in want.items() if torch.equal(outs[0], v)] or ["neither (differs)"]
+                st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                st.record()
+                for _ in range(20):
+                    g.replay()
+                en.record()
+                torch.cuda.synchronize()
+                ms = st.elapsed_time(en) / 160
+                emit("host", f"h16 sq1 b{b} kv{n} dense bf16, 8 calls in a CUDA graph",
+                     f"fagen.attention, LATENT_CAPTURED_ANY_SIZE {flag}", f"{read / ms / 1e6 / 3008 * 100:.1f}%", ms,
+                     f"{read / ms / 1e6:.0f} GB/s (of a 3008 GB/s copy); served by {served[0]}")
+                g = outs = None
+            hopper.LATENT_CAPTURED_ANY_SIZE = False
             t = time.perf_counter()
             for _ in range(200):
                 fagen.KernelSpec(head_dim=D, head_dim_v=DV, shared_kv=True, kind="decode", gqa=16, dtype="bf16",
@@ -401,7 +414,7 @@ def phase(name):  # noqa: C901 - one phase in this process
         case = f"h{hq} sq{sq} page{PAGE} b{b} kv{n}"
         ref_out, made = {}, {}
         for variant in VARIANTS:
-            if (hq == 16) == (variant in ROWS_ONLY) or (hq != 16 and variant not in H128):
+            if (hq == 16 and variant in ROWS_ONLY) or (hq != 16 and variant not in H128):
                 continue
             if variant in skip:
                 emit("time", case, variant, "-", None, "not timed: its check failed")

@@ -319,6 +319,14 @@ def phase(name):  # noqa: C901 - one phase in this process
                      f"{read / ms / 1e6:.0f} GB/s (of a 3008 GB/s copy); served by {served[0]}")
                 g = outs = None
             hopper.LATENT_CAPTURED_ANY_SIZE = False
+            try:  # what this FlashMLA build offers for an fp8 cache (its wrapper's signature), and whether ncu is here
+                import inspect
+                import shutil
+                fm = FlashMLA(True).fm
+                print("FlashMLA flash_mla_with_kvcache" + str(inspect.signature(fm.flash_mla_with_kvcache))[:400],
+                      "; ncu:", shutil.which("ncu"), flush=True)
+            except Exception as e:  # noqa: BLE001
+                print(f"FlashMLA signature: {type(e).__name__}: {e}", flush=True)
             t = time.perf_counter()
             for _ in range(200):
                 fagen.KernelSpec(head_dim=D, head_dim_v=DV, shared_kv=True, kind="decode", gqa=16, dtype="bf16",

@@ -53,6 +53,8 @@ VARIANTS = {
     "e4m3/token tma8 w4s2": ("fp8_e4m3", "token", "tma8", {"stages": 2, "warps": 4}, []),
     "e4m3/token tma8 w4s2 2 chains": ("fp8_e4m3", "token", "tma8", {"stages": 2, "warps": 4, "s_accs": 2}, []),
     "e4m3/token tma8 w4s3 2 chains": ("fp8_e4m3", "token", "tma8", {"stages": 3, "warps": 4, "s_accs": 2}, []),
+    "e4m3/token tma8 w4s3 2 chains f16": ("fp8_e4m3", "token", "tma8", {"stages": 3, "warps": 4, "s_accs": 2,
+                                                                         "f16": True}, []),
     "e4m3/token tma8 w8s3 f16": ("fp8_e4m3", "token", "tma8", {"f16": True}, []),
     "e4m3/token tma8 nq64 w8s2": ("fp8_e4m3", "token", "tma8", {"nq": 64, "stages": 2}, []),  # Hq 128 Sq 2 only
     "e4m3/token tma8 nq64 w8s2 2 chains": ("fp8_e4m3", "token", "tma8", {"nq": 64, "stages": 2, "s_accs": 2}, []),
@@ -67,6 +69,7 @@ CHECK_GROUPS = {"check-glu": ["bf16 gluon pad64 (product)", "bf16 FlashMLA"],
                 "check-lab2": ["e4m3/tensor lab s9 2 chains", "e4m3/token lab s9 2 chains f16"],
                 "check-t8a": ["e4m3/token tma8 w4s2", "e4m3/token tma8 w4s2 2 chains"],
                 "check-t8b": ["e4m3/token tma8 w4s3 2 chains", "e4m3/token tma8 w8s3 f16"],
+                "check-t8d": ["e4m3/token tma8 w4s3 2 chains f16"],
                 "check-t8c": ["e4m3/token tma8 nq64 w8s2", "e4m3/token tma8 nq64 w8s2 2 chains"]}
 SHAPES = ((128, 4096, 16, 1), (32, 32768, 16, 1), (32, 8192, 128, 2), (32, 4096, 16, 1), (128, 32768, 16, 1)) \
     if not DRY else ((2, 96, 16, 1), (3, 64, 16, 1))

@@ -295,8 +295,8 @@ def phase(name):  # noqa: C901 - one phase in this process
             want = {"gluon pad64": glu.forward(qd, kd, None, scale=SCALE)[0], "triton": tri.forward(qd, kd, None,
                                                                                                scale=SCALE)[0]}
             hopper.LATENT_MIN_WORK = 1 << 22
-            for flag in (False, True):  # [Note] Latent decode under capture
-                hopper.LATENT_CAPTURED_ANY_SIZE = flag
+            for flag in (None, 1 << 21):  # [Note] Latent decode under capture
+                hopper.LATENT_CAPTURED_MIN_WORK = flag
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
@@ -318,10 +318,10 @@ def phase(name):  # noqa: C901 - one phase in this process
                 torch.cuda.synchronize()
                 ms = st.elapsed_time(en) / 160
                 emit("host", f"h16 sq1 b{b} kv{n} dense bf16, 8 calls in a CUDA graph",
-                     f"fagen.attention, LATENT_CAPTURED_ANY_SIZE {flag}", f"{read / ms / 1e6 / 3008 * 100:.1f}%", ms,
+                     f"fagen.attention, LATENT_CAPTURED_MIN_WORK {flag}", f"{read / ms / 1e6 / 3008 * 100:.1f}%", ms,
                      f"{read / ms / 1e6:.0f} GB/s (of a 3008 GB/s copy); served by {served[0]}")
                 g = outs = None
-            hopper.LATENT_CAPTURED_ANY_SIZE = False
+            hopper.LATENT_CAPTURED_MIN_WORK = None
             try:  # what this FlashMLA build offers for an fp8 cache (its wrapper's signature), and whether ncu is here
                 import inspect
                 import shutil

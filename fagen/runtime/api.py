@@ -209,9 +209,10 @@ def _latent(q, k, *, mask, head_dim_v, window, softcap, alibi_slopes, sinks, **r
     except SpecError as e:
         raise AttentionError(f"no kernel for these inputs: {e}") from None
     module = _module(spec)
-    twin = hopper.latent_decode_spec(spec, q.device, q.shape[1] * q.shape[2]) \
-        if q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] >= hopper.LATENT_MIN_WORK \
-        or (hopper.LATENT_CAPTURED_ANY_SIZE and q.is_cuda and torch.cuda.is_current_stream_capturing()) else None
+    work = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
+    twin = hopper.latent_decode_spec(spec, q.device, q.shape[1] * q.shape[2]) if work >= hopper.LATENT_MIN_WORK or (
+        hopper.LATENT_CAPTURED_MIN_WORK is not None and work >= hopper.LATENT_CAPTURED_MIN_WORK and q.is_cuda
+        and torch.cuda.is_current_stream_capturing()) else None  # [Note] Latent decode under capture
     if twin is not None and (gluon := _module(twin)).fits(q, k) is None:  # [Note] Hopper selection: MLA decode
         module = gluon
     return module.forward(q, k, None, **rest, **scores)[0]

@@ -60,11 +60,12 @@ LATENT_MIN_WORK = 1 << 22
 # time in both (34 / 65%, ~50 us of GPU work a call).
 LATENT_PAD_SELECTED = True  # round B (CUDA graphs): 93.0 / 92.7 / 96.5% against 90.6 / 88.7 / 98.7
 # [Note] Latent decode under capture. LATENT_MIN_WORK weighs host time, which a CUDA graph's replay does not pay:
-# where this is True, fagen.attention takes the gluon decode below LATENT_MIN_WORK too while the current stream is
-# capturing (a serving engine's decode step). H100, Hq 16 Sq 1 b32 kv4k (2^21 pairs), tenth session round A
-# (scripts/gpu_mladec_s10.py): the padded tile 74.7% of copy in a graph (120 us a call eager: host time), the
-# Triton decode 67% in a graph (ninth session) and 73 us a call eager.
-LATENT_CAPTURED_ANY_SIZE = False
+# while the current stream is capturing (a serving engine's decode step), fagen.attention takes the gluon decode from
+# LATENT_CAPTURED_MIN_WORK pairs instead (None: as eager). H100, Hq 16 Sq 1 b32 kv4k dense bf16 (2^21 pairs), 8 calls
+# of fagen.attention in a graph (scripts/gpu_mladec_s10.py, tenth session round B): the Triton decode 69.9% of copy,
+# the padded gluon tile 74.9% (round A's graph of the module: 74.7%); eager, the gluon call is host-bound (120-207 us
+# against the Triton one's 73-75). Smaller steps are not measured in a graph, so the floor is the measured 2^21.
+LATENT_CAPTURED_MIN_WORK = 1 << 21
 # [Note] Gluon size rule. The Gluon forward's kernel is faster than the Triton one (0.70-0.75x the time per call
 # at 2^27 .. 2^29 causal d128 bf16 pairs on the H100), but its host path used to cost about 200 us a call
 # (four TensorDescriptors and the JIT dispatch; benchmarks/latency.md), so MIN_WORK was 2^29. With fast launches

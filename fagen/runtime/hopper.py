@@ -12,7 +12,8 @@ inputs' device: by fagen.attention (fagen/runtime/resolve.py) when no gradient i
 fp8 (dtype fp8_e4m3) has no other kernel: an fp8 case within the gluon forward's limits (prefill forward, head_dim
 64/128, mask none/causal, no switch or the window alone) is always the gluon one on sm_90 (README "fp8 forward").
 MLA's absorbed decode (fagen.attention with v=None: shared_kv, 576/512, bf16, causal or none) takes the gluon decode
-where its module fits the inputs (latent_decode_spec: Hq x Sq a multiple of 64, one KV head).
+where its module fits the inputs (latent_decode_spec: Hq x Sq a multiple of 64 or one padded tile, one KV head),
+from LATENT_MIN_WORK pairs, LATENT_CAPTURED_MIN_WORK while the stream is capturing a CUDA graph.
 Everywhere else the present kernels serve, unchanged. fagen.attention also asks for a problem of at least MIN_WORK
 (batch x query heads x Sq x Sk, with Sk bounded by a window's left + right + 1) pairs, WINDOW_MIN_WORK with a
 window: below that the Gluon module's host time per call outlasts what its kernel saves ([Note] Gluon size rule).

@@ -138,7 +138,7 @@ def _fetch(Cache, page, start, seq_len, ok_block, PAGE: gl.constexpr):
 def _mla_decode_fp8(Q, Cache, KTok, BlockTable, Seqlens, Out, Lse, PartO, PartLse, stride_bt, bt_width, num_pages,
                     qk_scale, v_mul, num_splits, per, ROWS: gl.constexpr, NQ: gl.constexpr, SQ: gl.constexpr,
                     PAGE: gl.constexpr, CAUSAL: gl.constexpr, DIRECT: gl.constexpr, PER_TOKEN: gl.constexpr,
-                    F16: gl.constexpr):
+                    F16: gl.constexpr, S_ACCS: gl.constexpr = 1):
     gl.static_assert(PAGE % 64 == 0)
     gl.static_assert(NQ % 16 == 0 and NQ >= ROWS)
     split = gl.program_id(0)
@@ -257,13 +257,24 @@ def _mla_decode_fp8(Q, Cache, KTok, BlockTable, Seqlens, Out, Lse, PartO, PartLs
         fence_async_shared()
         gl.thread_barrier()
         z = j >> 30  # a 0 the compiler cannot fold ([Note] Seesaw descriptors)
-        tok = warpgroup_mma(kr_s.index(z), qr_s.index(z).permute((1, 0)), gl.zeros([64, NQ], gl.float32, s_layout),
-                            use_acc=False, is_async=True)
-        tok = warpgroup_mma(kc_s.index(0 + z), qc_s.index(0 + z).permute((1, 0)), tok, is_async=True)
-        tok = warpgroup_mma(kc_s.index(1 + z), qc_s.index(1 + z).permute((1, 0)), tok, is_async=True)
-        tok = warpgroup_mma(kc_s.index(2 + z), qc_s.index(2 + z).permute((1, 0)), tok, is_async=True)
-        tok = warpgroup_mma(kc_s.index(3 + z), qc_s.index(3 + z).permute((1, 0)), tok, is_async=True)
-        s = warpgroup_mma_wait(0, deps=(tok, ))
+        if S_ACCS == 2:  # two score chains (rope + latent 0, 1; latent 2, 3), summed: [Note] Lab two score chains
+            tok = warpgroup_mma(kr_s.index(z), qr_s.index(z).permute((1, 0)),
+                                gl.zeros([64, NQ], gl.float32, s_layout), use_acc=False, is_async=True)
+            tok2 = warpgroup_mma(kc_s.index(2 + z), qc_s.index(2 + z).permute((1, 0)),
+                                 gl.zeros([64, NQ], gl.float32, s_layout), use_acc=False, is_async=True)
+            tok = warpgroup_mma(kc_s.index(0 + z), qc_s.index(0 + z).permute((1, 0)), tok, is_async=True)
+            tok2 = warpgroup_mma(kc_s.index(3 + z), qc_s.index(3 + z).permute((1, 0)), tok2, is_async=True)
+            tok = warpgroup_mma(kc_s.index(1 + z), qc_s.index(1 + z).permute((1, 0)), tok, is_async=True)
+            s, s2 = warpgroup_mma_wait(0, deps=(tok, tok2))
+            s = s + s2
+        else:
+            tok = warpgroup_mma(kr_s.index(z), qr_s.index(z).permute((1, 0)),
+                                gl.zeros([64, NQ], gl.float32, s_layout), use_acc=False, is_async=True)
+            tok = warpgroup_mma(kc_s.index(0 + z), qc_s.index(0 + z).permute((1, 0)), tok, is_async=True)
+            tok = warpgroup_mma(kc_s.index(1 + z), qc_s.index(1 + z).permute((1, 0)), tok, is_async=True)
+            tok = warpgroup_mma(kc_s.index(2 + z), qc_s.index(2 + z).permute((1, 0)), tok, is_async=True)
+            tok = warpgroup_mma(kc_s.index(3 + z), qc_s.index(3 + z).permute((1, 0)), tok, is_async=True)
+            s = warpgroup_mma_wait(0, deps=(tok, ))
         keys = start + keys0
         s = s * qk_scale
         if PER_TOKEN:
@@ -329,7 +340,8 @@ def splits_for(batch, span, sms=132, num_splits=None, per_sm=2):
     return per, -(-blocks // per)
 
 
-def _args(q, cache, block_table, seqlens_k, scale, k_scale, num_splits, causal, sms=132, per_sm=2, f16=False):
+def _args(q, cache, block_table, seqlens_k, scale, k_scale, num_splits, causal, sms=132, per_sm=2, f16=False,
+          s_accs=1):
     bsz, hq, sq, d = q.shape
     rows = hq * sq
     assert d == D and rows <= 64 and cache.shape[-1] == D and cache.shape[2] == 1 and cache.shape[1] % 64 == 0
@@ -350,18 +362,19 @@ def _args(q, cache, block_table, seqlens_k, scale, k_scale, num_splits, causal, 
     args = (q, cache.view(torch.int32), ktok, block_table, seqlens_k, out, lse, part_o, part_lse,
             block_table.stride(0), block_table.shape[1], cache.shape[0], scale * 1.4426950408889634 * mul, mul,
             splits, per)
-    kw = dict(ROWS=rows, NQ=nq, SQ=sq, PAGE=page, CAUSAL=causal, DIRECT=direct, PER_TOKEN=per_token, F16=f16)
+    kw = dict(ROWS=rows, NQ=nq, SQ=sq, PAGE=page, CAUSAL=causal, DIRECT=direct, PER_TOKEN=per_token, F16=f16,
+              S_ACCS=s_accs)
     return args, kw, out, lse, part_o, part_lse, splits
 
 
 def mla_decode_fp8(q, cache, block_table, seqlens_k, scale, k_scale, num_splits=None, causal=True, per_sm=2,
-                   f16=False):
+                   f16=False, s_accs=1):
     """out [B, Hq, Sq, 512], lse [B, Hq, Sq]; q contiguous bf16 (Hq x Sq <= 64), cache [num_pages, PAGE, 1, 576]
     float8_e4m3fn contiguous, k_scale a float or float32 [num_pages, PAGE, 1] contiguous."""
     assert q.is_contiguous() and cache.is_contiguous() and q.dtype == torch.bfloat16
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     args, kw, out, lse, part_o, part_lse, splits = _args(q, cache, block_table, seqlens_k, scale, k_scale,
-                                                         num_splits, causal, sms, per_sm, f16)
+                                                         num_splits, causal, sms, per_sm, f16, s_accs)
     bsz = q.shape[0]
     _mla_decode_fp8[(splits, bsz)](*args, **kw, num_warps=4)
     if splits > 1:
@@ -372,7 +385,7 @@ def mla_decode_fp8(q, cache, block_table, seqlens_k, scale, k_scale, num_splits=
     return out, lse
 
 
-def compile_for(hq=16, sq=1, page=64, num_splits=1, causal=True, per_token=True, f16=False):
+def compile_for(hq=16, sq=1, page=64, num_splits=1, causal=True, per_token=True, f16=False, s_accs=1):
     """Build the kernel for sm_90 without a GPU (triton's bundled ptxas); returns the CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -383,7 +396,7 @@ def compile_for(hq=16, sq=1, page=64, num_splits=1, causal=True, per_token=True,
     table = torch.zeros((2, 4), dtype=torch.int32)
     lens = torch.zeros((2, ), dtype=torch.int32)
     ks = torch.ones((8, page, 1), dtype=torch.float32) if per_token else 0.5
-    args, kw, *_ = _args(q, cache, table, lens, 0.1, ks, num_splits, causal, f16=f16)
+    args, kw, *_ = _args(q, cache, table, lens, 0.1, ks, num_splits, causal, f16=f16, s_accs=s_accs)
     names = list(_mla_decode_fp8.arg_names)[:len(args)]
     signature = {n: mangle_type(a) for n, a in zip(names, args)}
     signature.update({n: "constexpr" for n in kw})
@@ -397,13 +410,15 @@ class Module:
     """The decode contract's two entries over mla_decode_fp8 (for scripts/gpu_mla_dec_s9.py): forward(q, cache,
     None, block_table=, seqlens_k=, scale=, k_scale=) with the split rule, forward_split(..., num_splits=n)."""
 
-    def __init__(self, causal=True, per_sm=2, f16=False):
-        self.causal, self.per_sm, self.f16 = causal, per_sm, f16
+    def __init__(self, causal=True, per_sm=2, f16=False, s_accs=1):
+        self.causal, self.per_sm, self.f16, self.s_accs = causal, per_sm, f16, s_accs
 
     def forward(self, q, k, v, *, block_table, seqlens_k, scale, k_scale):
         assert v is None
-        return mla_decode_fp8(q, k, block_table, seqlens_k, scale, k_scale, None, self.causal, self.per_sm, self.f16)
+        return mla_decode_fp8(q, k, block_table, seqlens_k, scale, k_scale, None, self.causal, self.per_sm, self.f16,
+                              self.s_accs)
 
     def forward_split(self, q, k, v, *, num_splits, block_table, seqlens_k, scale, k_scale):
         assert v is None
-        return mla_decode_fp8(q, k, block_table, seqlens_k, scale, k_scale, num_splits, self.causal, f16=self.f16)
+        return mla_decode_fp8(q, k, block_table, seqlens_k, scale, k_scale, num_splits, self.causal, f16=self.f16,
+                              s_accs=self.s_accs)

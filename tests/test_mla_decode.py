@@ -287,6 +287,22 @@ def test_fagen_attention_takes_v_none():
         fagen.attention(q, k, None, head_dim_v=d)
 
 
+def test_fagen_attention_builds_the_latent_spec_once(monkeypatch):
+    """The shared latent decode's spec is built once a case (api._latent_spec): a KernelSpec's validation is host
+    time a decode step would pay every call (docs/serving.md, "MLA decode, tenth session")."""
+    from fagen.runtime import api
+    d, dv = SMALL_DIMS[0]
+    gen = torch.Generator().manual_seed(10)
+    q, k = _randn(gen, 1, 4, 1, d), _randn(gen, 1, 1, 70, d)
+    with torch.no_grad():
+        first = fagen.attention(q, k, None, head_dim_v=dv)
+
+        def no_spec(*args, **kwargs):
+            raise AssertionError("a KernelSpec built on a warm call")
+        monkeypatch.setattr(api, "KernelSpec", no_spec)
+        assert torch.equal(fagen.attention(q, k, None, head_dim_v=dv), first)
+
+
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("layout", ["dense", "paged"])
 def test_fp8_latent_cache_matches_the_dequantized_reference(kv, layout):

@@ -37,7 +37,8 @@ print("RESULT " + json.dumps(out))
 # and ptxas spills 256 bytes: more rows want a second warpgroup (not done).
 BUILDS = {"token": dict(), "token_split": dict(num_splits=3), "tensor": dict(per_token=False),
           "h8_sq2_none": dict(hq=8, sq=2, causal=False), "token_f16": dict(f16=True),
-          "tensor_f16": dict(f16=True, per_token=False)}
+          "tensor_f16": dict(f16=True, per_token=False), "token_2chains": dict(s_accs=2),
+          "token_2chains_split": dict(s_accs=2, num_splits=3), "token_2chains_f16": dict(s_accs=2, f16=True)}
 SAB = {"sab": dict(sab=True), "sab_split": dict(sab=True, num_splits=3)}  # the bf16 swap-AB (gluon_mla_decode_sab)
 
 

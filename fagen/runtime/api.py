@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -203,18 +204,30 @@ def _latent(q, k, *, mask, head_dim_v, window, softcap, alibi_slopes, sinks, **r
               if value is not None}
     switches = tuple(name for name, arg in zip(SCORE_SWITCHES, _SCORE_ARGS) if arg in scores)
     try:
-        spec = KernelSpec(head_dim=q.shape[-1], head_dim_v=head_dim_v, shared_kv=True, kind=Kind.DECODE,
-                          mask=mask, gqa=q.shape[1] // k.shape[1], dtype=_DTYPES.get(q.dtype, str(q.dtype)),
-                          **{name: True for name in switches})
+        spec = _latent_spec(q.shape[-1], head_dim_v, mask, q.shape[1] // k.shape[1],
+                            _DTYPES.get(q.dtype, str(q.dtype)), switches)
     except SpecError as e:
         raise AttentionError(f"no kernel for these inputs: {e}") from None
     module = _module(spec)
-    twin = hopper.latent_decode_spec(spec, q.device, q.shape[1] * q.shape[2]) \
-        if q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] >= hopper.LATENT_MIN_WORK else None
+    work = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
+    twin = hopper.latent_decode_spec(spec, q.device, q.shape[1] * q.shape[2]) if work >= hopper.LATENT_MIN_WORK or (
+        hopper.LATENT_CAPTURED_MIN_WORK is not None and work >= hopper.LATENT_CAPTURED_MIN_WORK and q.is_cuda
+        and torch.cuda.is_current_stream_capturing()) else None  # [Note] Latent decode under capture
     if twin is not None and (gluon := _module(twin)).fits(q, k) is None:  # [Note] Hopper selection: MLA decode
         module = gluon
     return module.forward(q, k, None, **rest, **scores)[0]
 _NO_SCORES: dict = {}
+
+
+@functools.lru_cache(maxsize=256)
+def _latent_spec(head_dim, head_dim_v, mask, gqa, dtype, switches) -> KernelSpec:
+    """The shared latent decode's (Triton) spec of a case, built once: a KernelSpec's validation is 30-100 us of
+    host time, as much as the rest of a small decode step's host path (docs/serving.md, "MLA decode, tenth
+    session"). A SpecError is raised, not kept."""
+    return KernelSpec(head_dim=head_dim, head_dim_v=head_dim_v, shared_kv=True, kind=Kind.DECODE, mask=mask,
+                      gqa=gqa, dtype=dtype, **{name: True for name in switches})
+
+
 _SCORE_ARGS = tuple(SWITCH_KEYWORD[name] for name in SCORE_SWITCHES)  # the public keyword of each switch
 
 

@@ -12,7 +12,8 @@ inputs' device: by fagen.attention (fagen/runtime/resolve.py) when no gradient i
 fp8 (dtype fp8_e4m3) has no other kernel: an fp8 case within the gluon forward's limits (prefill forward, head_dim
 64/128, mask none/causal, no switch or the window alone) is always the gluon one on sm_90 (README "fp8 forward").
 MLA's absorbed decode (fagen.attention with v=None: shared_kv, 576/512, bf16, causal or none) takes the gluon decode
-where its module fits the inputs (latent_decode_spec: Hq x Sq a multiple of 64, one KV head).
+where its module fits the inputs (latent_decode_spec: Hq x Sq a multiple of 64 or one padded tile, one KV head),
+from LATENT_MIN_WORK pairs, LATENT_CAPTURED_MIN_WORK while the stream is capturing a CUDA graph.
 Everywhere else the present kernels serve, unchanged. fagen.attention also asks for a problem of at least MIN_WORK
 (batch x query heads x Sq x Sk, with Sk bounded by a window's left + right + 1) pairs, WINDOW_MIN_WORK with a
 window: below that the Gluon module's host time per call outlasts what its kernel saves ([Note] Gluon size rule).
@@ -59,6 +60,13 @@ LATENT_MIN_WORK = 1 << 22
 # b128 kv4k 91.4 / 89.5, b32 kv32k 91.5 / 87.4, b128 kv32k 95.9 / 97.4; b32 kv4k (2^21 pairs: Triton) was host
 # time in both (34 / 65%, ~50 us of GPU work a call).
 LATENT_PAD_SELECTED = True  # round B (CUDA graphs): 93.0 / 92.7 / 96.5% against 90.6 / 88.7 / 98.7
+# [Note] Latent decode under capture. LATENT_MIN_WORK weighs host time, which a CUDA graph's replay does not pay:
+# while the current stream is capturing (a serving engine's decode step), fagen.attention takes the gluon decode from
+# LATENT_CAPTURED_MIN_WORK pairs instead (None: as eager). H100, Hq 16 Sq 1 b32 kv4k dense bf16 (2^21 pairs), 8 calls
+# of fagen.attention in a graph (scripts/gpu_mladec_s10.py, tenth session round B): the Triton decode 69.9% of copy,
+# the padded gluon tile 74.9% (round A's graph of the module: 74.7%); eager, the gluon call is host-bound (120-207 us
+# against the Triton one's 73-75). Smaller steps are not measured in a graph, so the floor is the measured 2^21.
+LATENT_CAPTURED_MIN_WORK = 1 << 21
 # [Note] Gluon size rule. The Gluon forward's kernel is faster than the Triton one (0.70-0.75x the time per call
 # at 2^27 .. 2^29 causal d128 bf16 pairs on the H100), but its host path used to cost about 200 us a call
 # (four TensorDescriptors and the JIT dispatch; benchmarks/latency.md), so MIN_WORK was 2^29. With fast launches

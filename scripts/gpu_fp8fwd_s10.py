@@ -1,0 +1,176 @@
+"""The fp8 (e4m3) Gluon forward, tenth session (issue 28), on an H100/H200: each variant checked against float64,
+the cudnn-fp8 bench peer as main had it and as fixed (checked through the bench's own check), then one table of
+TF/s at d128 B1 H16 s16k, causal and full: fagen's bf16 forward, the fp8 product, the variants and cudnn-fp8, in
+one process (the time phase).
+
+    PYTHONPATH=$PWD python3 scripts/gpu_fp8fwd_s10.py          # < 100 s on an H100; one table; $OUTX/gpu_fp8fwd_s10.md
+    GPU_FP8_FWD_DRY=1 PYTHONPATH=$PWD python3 scripts/gpu_fp8fwd_s10.py   # any machine: sm_90 builds of every variant
+
+The phases (build in a pool, check with scripts/gpu_fp8.py's check: RMSE within 1.5x the e4m3 emulation's, lse,
+the fingerprint that fails a P V in bf16, empty rows; causal Sq != Sk both ways, mask none, lengths off the blocks;
+GQA 4 / 2 with per-head descales and the window for FULL_CHECKS' variants) are scripts/gpu_fp8_fwd_s7.py's, each in
+a child process with a timeout. docs/hopper.md, "fp8 forward, tenth session".
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_fp8_fwd_s7 as s7  # noqa: E402
+from _phases import child_env, run_phase as run_child  # noqa: E402
+
+
+
+class _Variants(dict):
+    """s7's VARIANTS: every variant by name; s7's loops over it (the d128 time rows) see TIMED_D128 only."""
+
+    def __iter__(self):
+        return iter(TIMED_D128)
+
+
+# name -> None (the product) or {"variant": GluonBackend.variant keys, "fields": spec fields, "patch": ..., "diag"}
+s7.VARIANTS = _Variants({
+    "product": None,
+    # FA3's order: O rescaled by the previous alpha between the S issue and the P V issue ([Note] fp8 late O rescale)
+    "O rescale late": {"variant": {"fp8_o_late": 1}},
+    "3 WGs, block_n 128": {"variant": {"fp8_wgs": 3}},  # d64 only (TIMED_D128 below): the ninth session's d64 hint
+})
+TIMED_D128 = ("product", "O rescale late")
+s7.D64_VARIANTS = ("product", "3 WGs, block_n 128")
+FULL_CHECKS = ("product", "O rescale late")  # also the GQA and window rows
+s7.PHASE_TIMEOUT = {"build": 32, "check": 14, "cudnn": 18, "time": 28}
+PEERS = {  # label -> cudnn-fp8 as fixed, and as main a69c293 drove it ([Note] What the cuDNN fp8 peer computes)
+    "cudnn-fp8 fixed (P 64, O bf16, checked on its own K', V')": dict(P_SCALE=64.0, O_TYPES=("bf16", "e4m3"),
+                                                                      own_inputs=True),
+    "cudnn-fp8 main (P 256, O e4m3, checked on the per-head inputs)": dict(P_SCALE=256.0, O_TYPES=("e4m3", ),
+                                                                           own_inputs=False),
+    "cudnn-fp8 (P 256, O e4m3, checked on its own K', V')": dict(P_SCALE=256.0, O_TYPES=("e4m3", ), own_inputs=True),
+}
+TIMED_PEERS = tuple(PEERS)[:2]
+
+
+def check_cases():
+    cases = [(name, 128, c, None) for name in TIMED_D128 for c in s7.CHECKS]
+    cases += [(name, 64, c, None) for name in s7.D64_VARIANTS for c in s7.CHECKS[:2]]
+    return cases + [(name, 128, c[:-1], c[-1]) for name in FULL_CHECKS for c in s7.PRODUCT_CHECKS]
+
+
+def jobs():
+    out = [(mask, name, 128, False, 1) for name in TIMED_D128 for mask in s7.MASKS]
+    out += [(mask, name, d, w is not None, gqa) for name, d, (mask, gqa, *_), w in check_cases() if gqa > 1 or w]
+    out += [(mask, name, 64, False, 1) for name in s7.D64_VARIANTS for mask in s7.MASKS]
+    return list(dict.fromkeys(out))
+
+
+s7.check_cases = check_cases
+s7.jobs = jobs
+
+
+def _peer(name, mask):
+    """(Prepared, CaseContext) of the bench's fwd-fp8-d128-<mask>-s16k row for cudnn-fp8 configured as PEERS[name]."""
+    import torch
+    from fagen.bench import peer_cudnn_fp8 as peer
+    from fagen.bench.cases import CaseContext
+    from fagen.bench.workloads import standard_suite
+    cfg = PEERS[name]
+    if mask not in _peer.contexts:
+        case = next(c for c in standard_suite() if c.name == f"fwd-fp8-d128-{'causal' if mask == 'causal' else 'full'}-s16k")
+        _peer.contexts[mask] = CaseContext(case, torch.device("cuda"), 1)
+    cc = _peer.contexts[mask]
+    case = cc.case
+    saved = peer.P_SCALE, peer.O_TYPES
+    peer.P_SCALE, peer.O_TYPES = cfg["P_SCALE"], cfg["O_TYPES"]
+    try:
+        prepared = peer.prepare_cudnn_fp8(case, cc)
+    finally:
+        peer.P_SCALE, peer.O_TYPES = saved
+    if not cfg["own_inputs"]:
+        prepared.inputs = None
+    return prepared, cc
+
+
+_peer.contexts = {}
+
+
+def phase_cudnn():
+    """The bench's check (fagen/bench/check.py: out against float64 row slices of head 0, atol = rtol = 0.1) of
+    each PEERS configuration, and of fagen's fp8 row on the same inputs."""
+    from fagen.bench.check import check
+    from fagen.bench.impls import prepare_fagen
+    for mask in s7.MASKS:
+        for name in PEERS:
+            try:
+                prepared, cc = _peer(name, mask)
+                status, msg, worst = check("cudnn-fp8", prepared, cc)
+                s7.emit(section="check", variant=name, case=f"bench row {mask}", value="PASS" if status == "ok" else "FAIL",
+                        note=(f"max err {worst:.3g}" if worst is not None else msg[:230]) + f" | {prepared.note[-40:]}")
+            except Exception as e:  # noqa: BLE001
+                s7.emit(section="check", variant=name, case=f"bench row {mask}", value="FAIL",
+                        note=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+        try:
+            cc = _peer.contexts[mask]
+            prepared = prepare_fagen(cc.case, cc)
+            status, msg, worst = check("fagen", prepared, cc)
+            s7.emit(section="check", variant="fagen fp8 (bench)", case=f"bench row {mask}",
+                    value="PASS" if status == "ok" else "FAIL", note=f"max err {worst}" if worst else msg[:200])
+        except Exception as e:  # noqa: BLE001
+            s7.emit(section="check", variant="fagen fp8 (bench)", case=f"bench row {mask}", value="FAIL",
+                    note=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+
+
+def phase_time():
+    """s7's time phase (bf16, the TIMED_D128 variants, the product's kernel alone, d64), then cudnn-fp8 as fixed
+    and as main had it, in the same process."""
+    import torch
+    import triton
+    s7.phase_time()
+    if s7.MOCK:
+        return
+    b, h, s, d = s7.TIME_SHAPE
+    for mask in s7.MASKS:
+        flops = 4 * b * h * s * s * d / (2 if mask == "causal" else 1)
+        for name in TIMED_PEERS:
+            try:
+                prepared, cc = _peer(name, mask)
+                st = cc.sets[0]
+                prepared.fn(st)
+                torch.cuda.synchronize()
+                ms = triton.testing.do_bench(lambda: prepared.fn(st), warmup=25, rep=150, return_mode="median")
+                s7.emit(section="time", variant=name.split(" (")[0], mask=mask, value=round(flops / ms / 1e9, 1), ms=round(ms, 4), note=prepared.note[-30:])
+            except Exception as e:  # noqa: BLE001
+                s7.emit(section="time", variant=name, mask=mask, value="ERROR",
+                        note=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
+
+
+def main():
+    if len(sys.argv) > 2 and sys.argv[1] == "--phase":
+        {"build": s7.phase_build, "check": s7.phase_check, "cudnn": phase_cudnn, "time": phase_time}[sys.argv[2]]()
+        return
+    env = child_env("/tmp/fagen-cache-gpu-fp8fwd-s10")
+    rows = []
+    phases = ("build", ) if s7.DRY else ("check", "time") if s7.MOCK else tuple(s7.PHASE_TIMEOUT)
+    for name in phases:
+        limit = s7.PHASE_TIMEOUT[name] * (10 if s7.DRY or s7.MOCK else 1)
+        s7.log(f"#### phase {name} (timeout {limit}s, {time.time() - s7.T0:.0f}s so far)")
+
+        def on_line(line):
+            print(line, end="", flush=True)
+            if line.startswith("ROW "):
+                rows.append(s7.json.loads(line[4:]))
+        rc, _ = run_child(__file__, name, limit, env, on_line)
+        s7.log(f"#### phase {name}: rc={rc}")
+    text = s7.table(rows)
+    s7.log(text)
+    s7.log(f"total {time.time() - s7.T0:.0f}s")
+    out = os.environ.get("OUTX") or os.environ.get("OUT")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "gpu_fp8fwd_s10.md").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""The fp8 Gluon forward's tenth-session switches (fagen/templates/gluon/attention.py.j2, fagen/backends/gluon.py):
+the late O rescale (GluonBackend.variant fp8_o_late, [Note] fp8 late O rescale: O scaled by the previous step's alpha
+between the S issue and the P V issue, FA3's order) and the d64 override (fp8_d64, read through variant_for). The
+kernel against float64 runs in scripts/gpu_fp8fwd_s10.py on an H100; here the render's order and what reads what."""
+
+import re
+
+import fagen
+from fagen import backends
+from fagen.backends.gluon import smem_bytes
+from fagen.spec.kernel import KernelSpec
+from test_fp8_wgs import variant
+
+RESCALE = "o_acc = o_acc * gl.convert_layout(alpha_p, gl.SliceLayout(1, o_layout))[:, None]"
+
+
+def render(mask="causal", dtype="fp8_e4m3", head_dim=128, **fields):
+    return fagen.generate(KernelSpec(backend="gluon", head_dim=head_dim, mask=mask, dtype=dtype, **fields))
+
+
+def body(src, name):
+    start = src.index(f"def {name}(")
+    return src[start:src.index("\n\n\n", start)]
+
+
+def test_late_rescale_sits_between_the_s_issue_and_the_p_v_issue():
+    with variant(fp8_o_late=1):
+        for mask in ("causal", "none"):
+            step = body(render(mask), "_consumer_step")
+            s_issue, pv_issue = step.index("s_tok = warpgroup_mma("), step.index("o_tok = warpgroup_mma(")
+            assert s_issue < step.index(RESCALE) < pv_issue  # under S_n, before P_{n-1} V_{n-1} adds to O
+            assert step.count("o_acc * ") == 1  # and nowhere after the P V's wait
+            assert step.count("return ") == 1 and "return o_acc, p_next, m_i, l_i, alpha  #" in step
+            cons = body(render(mask), "_consumer")
+            assert cons.count("o_acc, p_prev, m_i, l_i, alpha_p = _consumer_step(") == 2  # unmasked, masked loops
+            assert "alpha_p = alpha" in cons  # the prologue's alpha (0 on the zero O)
+            last = cons.index("o_tok = warpgroup_mma(_p_issue(")
+            assert cons.rindex(RESCALE, 0, last) > cons.index("mbarrier.arrive(q_empty.index(qi))")  # epilogue
+
+
+def test_late_rescale_threads_alpha_through_every_loop_of_the_window():
+    with variant(fp8_o_late=1):
+        cons = body(render("causal", window=True), "_consumer")
+    assert cons.count("o_acc, p_prev, m_i, l_i, alpha_p = _consumer_step(") == 3
+
+
+def test_late_rescale_off_is_the_product_and_bf16_never_reads_it():
+    for mask in ("causal", "none"):
+        product = render(mask)
+        assert "alpha_p" not in product and "fp8 late O rescale" not in product
+        with variant(fp8_o_late=1):
+            late_bf16 = render(mask, "bf16")
+        assert late_bf16 == render(mask, "bf16")
+        step = body(product, "_consumer_step")
+        assert step.index("o_acc = warpgroup_mma_wait(0") < step.index("o_acc = o_acc * ")  # the product's order
+
+
+def test_d64_override_reaches_the_render_the_host_and_the_shared_memory():
+    g = backends.GLUON
+    d64, d128 = (KernelSpec(backend="gluon", head_dim=d, mask="causal", dtype="fp8_e4m3") for d in (64, 128))
+    assert g.variant_for(d64)["fp8_wgs"] == g.variant["fp8_wgs"]  # no override: the variant as it is
+    with variant(fp8_d64={"fp8_wgs": 3}):
+        assert g.variant_for(d64)["fp8_wgs"] == 3 and g.variant_for(d128)["fp8_wgs"] == g.variant["fp8_wgs"]
+        src64, src128 = render(head_dim=64), render(head_dim=128)
+        assert "def _consumer2(" in src64 and "def _consumer2(" not in src128
+        assert re.search(r"n_m = _cdiv\(sq, 3 \* BLOCK_M\)", src64)
+        bf16 = KernelSpec(backend="gluon", head_dim=64, mask="causal", dtype="bf16")
+        assert g.variant_for(bf16)["fp8_wgs"] == g.variant["fp8_wgs"]  # the override is the fp8 forward's
+        want = smem_bytes(64, d64.block_m, d64.block_n, d64.num_stages, 1, 64, 3)
+        assert g.smem_bytes(d64) == want
+    assert g.smem_bytes(d64) == smem_bytes(64, d64.block_m, d64.block_n, d64.num_stages, 1, 64, 2)

@@ -37,12 +37,15 @@ s7.VARIANTS = _Variants({
     "product": None,
     # FA3's order: O rescaled by the previous alpha between the S issue and the P V issue ([Note] fp8 late O rescale)
     "O rescale late": {"variant": {"fp8_o_late": 1}},
+    # the softmax in a block of its own, so ptxas waits for P_{n-1} V_{n-1} after it ([Note] fp8 softmax under the P V)
+    "softmax under the P V": {"variant": {"fp8_pv_overlap": 1}},
+    "softmax under the P V, O rescale late": {"variant": {"fp8_pv_overlap": 1, "fp8_o_late": 1}},
     "3 WGs, block_n 128": {"variant": {"fp8_wgs": 3}},  # d64 only (TIMED_D128 below): the ninth session's d64 hint
 })
-TIMED_D128 = ("product", "O rescale late")
+TIMED_D128 = ("product", "O rescale late", "softmax under the P V", "softmax under the P V, O rescale late")
 s7.D64_VARIANTS = ("product", "3 WGs, block_n 128")
-FULL_CHECKS = ("product", "O rescale late")  # also the GQA and window rows
-s7.PHASE_TIMEOUT = {"build": 32, "check": 14, "cudnn": 18, "time": 28}
+FULL_CHECKS = ("product", "softmax under the P V", "softmax under the P V, O rescale late")  # GQA, window
+s7.PHASE_TIMEOUT = {"build": 36, "check": 16, "cudnn": 14, "time": 28}
 PEERS = {  # label -> cudnn-fp8 as fixed, and as main a69c293 drove it ([Note] What the cuDNN fp8 peer computes)
     "cudnn-fp8 fixed (P 64, O bf16, checked on its own K', V')": dict(P_SCALE=64.0, O_TYPES=("bf16", "e4m3"),
                                                                       own_inputs=True),
@@ -98,9 +101,8 @@ _peer.contexts = {}
 
 def phase_cudnn():
     """The bench's check (fagen/bench/check.py: out against float64 row slices of head 0, atol = rtol = 0.1) of
-    each PEERS configuration, and of fagen's fp8 row on the same inputs."""
+    each PEERS configuration."""
     from fagen.bench.check import check
-    from fagen.bench.impls import prepare_fagen
     for mask in s7.MASKS:
         for name in PEERS:
             try:
@@ -111,15 +113,6 @@ def phase_cudnn():
             except Exception as e:  # noqa: BLE001
                 s7.emit(section="check", variant=name, case=f"bench row {mask}", value="FAIL",
                         note=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
-        try:
-            cc = _peer.contexts[mask]
-            prepared = prepare_fagen(cc.case, cc)
-            status, msg, worst = check("fagen", prepared, cc)
-            s7.emit(section="check", variant="fagen fp8 (bench)", case=f"bench row {mask}",
-                    value="PASS" if status == "ok" else "FAIL", note=f"max err {worst}" if worst else msg[:200])
-        except Exception as e:  # noqa: BLE001
-            s7.emit(section="check", variant="fagen fp8 (bench)", case=f"bench row {mask}", value="FAIL",
-                    note=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
 
 
 def phase_time():

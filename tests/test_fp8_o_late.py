@@ -69,3 +69,19 @@ def test_d64_override_reaches_the_render_the_host_and_the_shared_memory():
         want = smem_bytes(64, d64.block_m, d64.block_n, d64.num_stages, 1, 64, 3)
         assert g.smem_bytes(d64) == want
     assert g.smem_bytes(d64) == smem_bytes(64, d64.block_m, d64.block_n, d64.num_stages, 1, 64, 2)
+
+
+def test_pv_overlap_puts_the_softmax_in_a_block_of_its_own_before_the_p_v_wait():
+    """[Note] fp8 softmax under the P V: the step's softmax inside `if qk_scale == qk_scale:` (a branch neither LLVM
+    nor ptxas folds), the P V's wait after it; the else arm's values are NaN exactly when the scale is."""
+    with variant(fp8_pv_overlap=1):
+        for mask in ("causal", "none"):
+            step = body(render(mask), "_consumer_step")
+            guard = step.index("    if qk_scale == qk_scale:")
+            call = step.index("        p, alpha, m_i, l_i = _softmax(")
+            assert step.index("s_acc = warpgroup_mma_wait(1") < guard < call < step.index("o_acc = warpgroup_mma_wait(0")
+            arm = step[step.index("    else:\n", call):step.index("o_acc = warpgroup_mma_wait(0")]
+            assert all(f"{v} = " in arm and "* qk_scale" in arm for v in ("p", "alpha", "m_i", "l_i"))
+            assert "fp8 softmax under the P V" in render(mask)
+        late_bf16 = render("causal", "bf16")
+    assert late_bf16 == render("causal", "bf16") and "qk_scale == qk_scale" not in render("causal")

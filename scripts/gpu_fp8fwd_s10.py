@@ -40,9 +40,12 @@ s7.VARIANTS = _Variants({
     # the softmax in a block of its own, so ptxas waits for P_{n-1} V_{n-1} after it ([Note] fp8 softmax under the P V)
     "softmax under the P V": {"variant": {"fp8_pv_overlap": 1}},
     "softmax under the P V, O rescale late": {"variant": {"fp8_pv_overlap": 1, "fp8_o_late": 1}},
+    # and FA3's warpgroup turns beside it ([Note] fp8 turns: named barriers around a step's two matmul issues)
+    "softmax under the P V, turns": {"variant": {"fp8_pv_overlap": 1, "fp8_turns": 1}},
     "3 WGs, block_n 128": {"variant": {"fp8_wgs": 3}},  # d64 only (TIMED_D128 below): the ninth session's d64 hint
 })
-TIMED_D128 = ("product", "softmax under the P V", "softmax under the P V, O rescale late", "O rescale late")
+TIMED_D128 = ("product", "softmax under the P V", "softmax under the P V, O rescale late", "softmax under the P V, turns",
+              "O rescale late")
 s7.D64_VARIANTS = ("product", "3 WGs, block_n 128")
 FULL_CHECKS = ("product", "softmax under the P V", "softmax under the P V, O rescale late")  # GQA, window
 s7.PHASE_TIMEOUT = {"build": 36, "check": 16, "cudnn": 14, "time": 28}

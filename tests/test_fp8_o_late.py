@@ -85,3 +85,17 @@ def test_pv_overlap_puts_the_softmax_in_a_block_of_its_own_before_the_p_v_wait()
             assert "fp8 softmax under the P V" in render(mask)
         late_bf16 = render("causal", "bf16")
     assert late_bf16 == render("causal", "bf16") and "qk_scale == qk_scale" not in render("causal")
+
+
+def test_turns_wrap_the_steps_two_issues_and_warpgroup_0_gives_the_first():
+    """[Note] fp8 turns: sync on 14 + WG before S_n's issue, arrive on 15 - WG after the P V's; every loop step gets
+    its warpgroup; warpgroup 0 arrives once on 14 before its first tile."""
+    with variant(fp8_pv_overlap=1, fp8_turns=1):
+        src = render("causal")
+        assert "_named_bar" not in render("causal", "bf16")
+    step, cons = body(src, "_consumer_step"), body(src, "_consumer")
+    assert "CAUSAL: gl.constexpr, WG: gl.constexpr):" in step
+    assert (step.index("_named_bar(False, 14 + WG)") < step.index("s_tok = warpgroup_mma(")
+            < step.index("o_tok = warpgroup_mma(") < step.index("_named_bar(True, 15 - WG)"))
+    assert cons.count(", CAUSAL, WG)") == 2 and cons.index("_named_bar(True, 14)") < cons.index("n = 0")
+    assert "_named_bar" not in render("causal")  # off: the product

@@ -48,7 +48,7 @@ TIMED_D128 = ("product", "softmax under the P V", "softmax under the P V, O resc
               "softmax under the P V, turns")  # turns last: a hang would cost only what comes after
 s7.D64_VARIANTS = ("product", "3 WGs, block_n 128")
 FULL_CHECKS = ("product", "softmax under the P V", "softmax under the P V, O rescale late")  # GQA, window
-s7.PHASE_TIMEOUT = {"build": 36, "check": 16, "cudnn": 14, "time": 28}
+s7.PHASE_TIMEOUT = {"build": 34, "check": 18, "cudnn": 13, "time": 29}
 PEERS = {  # label -> cudnn-fp8 as fixed, and as main a69c293 drove it ([Note] What the cuDNN fp8 peer computes)
     "cudnn-fp8 fixed (P 64, O bf16, checked on its own K', V')": dict(P_SCALE=64.0, O_TYPES=("bf16", "e4m3"),
                                                                       own_inputs=True),
@@ -74,7 +74,63 @@ def jobs():
 
 
 s7.check_cases = check_cases
-s7.jobs = jobs
+s7.jobs = lambda: jobs() + [("bf16ov", m) for m in s7.MASKS]
+
+
+def bf16_overlap(mask):
+    """fagen's bf16 forward with the softmax under the P V (GluonBackend.variant pv_overlap 1)."""
+    import fagen
+    from fagen.runtime.loader import load_source
+    sp = s7.spec_of(mask, "bf16")
+    return load_source(s7.render_with(sp, {"pv_overlap": 1}), f"{sp.name}_pv_overlap")
+
+
+def _job(job):
+    if job[0] != "bf16ov":
+        return s7._warm_bf16(job[1]) if job[0] == "bf16" else s7._warm(job)
+    t = time.time()
+    try:
+        import torch
+        m = bf16_overlap(job[1])
+        q, k, v = (torch.randn(1, 1, 200, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        m.forward(q, k, v)
+        torch.cuda.synchronize()
+        return f"built bf16 softmax under the P V {job[1]} in {time.time() - t:.1f}s"
+    except Exception as e:  # noqa: BLE001
+        return f"build ERROR bf16 overlap {job[1]}: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+
+
+s7._job = _job
+
+
+def phase_check():
+    """s7's fp8 checks, then fagen's bf16 forward with the softmax under the P V against float64 (the bench's bf16
+    tolerance; lse too) at lengths off the blocks, causal Sq != Sk both ways and mask none, each called twice."""
+    import torch
+    from fagen.verify import reference
+    from fagen.verify.tolerances import LSE_TOLERANCE, TOLERANCE, compare
+    from fagen.spec.axes import DType
+    for mask, b, h, sq, sk in (("causal", 1, 3, 1100, 1537), ("causal", 2, 2, 1537, 1000), ("none", 1, 2, 700, 1300)):
+        label = f"bf16 {mask} b{b} h{h} sq{sq} sk{sk}"
+        try:
+            m = bf16_overlap(mask)
+            g = torch.Generator(device="cuda").manual_seed(sq)
+            q = torch.randn(b, h, sq, 128, device="cuda", generator=g).mul(2).to(torch.bfloat16)
+            k, v = (torch.randn(b, h, sk, 128, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
+            ref_out, ref_lse = reference.attention(q.double(), k.double(), v.double(), mask=mask)
+            worst = 0.0
+            for _ in range(2):
+                out, lse = m.forward(q, k, v)
+                worst = max(worst, compare("out", out, ref_out, **TOLERANCE[DType.BF16]))
+                seen = torch.isfinite(ref_lse)
+                compare("lse", torch.where(seen, lse.double(), 0.0), torch.where(seen, ref_lse, 0.0), **LSE_TOLERANCE)
+                assert torch.equal(torch.isfinite(lse), seen) and not out[~seen].any()
+            s7.emit(section="check", variant="bf16 softmax under the P V", case=label, value="PASS",
+                    note=f"max err {worst:.2e}")
+        except Exception as e:  # noqa: BLE001
+            s7.emit(section="check", variant="bf16 softmax under the P V", case=label, value="FAIL",
+                    note=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    s7.phase_check()
 
 
 def _peer(name, mask):
@@ -146,12 +202,28 @@ def phase_time():
                         note=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
     _peer.contexts.clear()  # the bench's inputs freed before fagen's rows
     torch.cuda.empty_cache()
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = [torch.randn((b, h, s, d), generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    import fagen
+    for mask in s7.MASKS:  # bf16: the product and the softmax under the P V, side by side
+        flops = 4 * b * h * s * s * d / (2 if mask == "causal" else 1)
+        for name, m in (("bf16 product", fagen.load(s7.spec_of(mask, "bf16"))), ("bf16 softmax under the P V",
+                                                                                  bf16_overlap(mask))):
+            try:
+                m.forward(*x)
+                torch.cuda.synchronize()
+                ms = triton.testing.do_bench(lambda: m.forward(*x), warmup=25, rep=150, return_mode="median")
+                s7.emit(section="time", variant=name, mask=mask, value=round(flops / ms / 1e9, 1), ms=round(ms, 4))
+            except Exception as e:  # noqa: BLE001
+                s7.emit(section="time", variant=name, mask=mask, value="ERROR",
+                        note=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
+    del x
     s7.phase_time()
 
 
 def main():
     if len(sys.argv) > 2 and sys.argv[1] == "--phase":
-        {"build": s7.phase_build, "check": s7.phase_check, "cudnn": phase_cudnn, "time": phase_time}[sys.argv[2]]()
+        {"build": s7.phase_build, "check": phase_check, "cudnn": phase_cudnn, "time": phase_time}[sys.argv[2]]()
         return
     env = child_env("/tmp/fagen-cache-gpu-fp8fwd-s10")
     rows = []

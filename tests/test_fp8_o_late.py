@@ -99,3 +99,15 @@ def test_turns_wrap_the_steps_two_issues_and_warpgroup_0_gives_the_first():
             < step.index("o_tok = warpgroup_mma(") < step.index("_named_bar(True, 15 - WG)"))
     assert cons.count(", CAUSAL, WG)") == 2 and cons.index("_named_bar(True, 14)") < cons.index("n = 0")
     assert "_named_bar" not in render("causal")  # off: the product
+
+
+def test_pv_overlap_for_bf16_is_its_own_switch():
+    """pv_overlap puts the bf16/fp16 step's softmax in the same block (a measurement variant) and leaves fp8 alone;
+    fp8_pv_overlap leaves bf16 alone."""
+    with variant(pv_overlap=1):
+        bf16, fp8 = render("causal", "bf16"), render("causal")
+    step = body(bf16, "_consumer_step")
+    assert step.index("    if qk_scale == qk_scale:") < step.index("o_acc, p_prev = warpgroup_mma_wait(0")
+    assert "qk_scale == qk_scale" not in fp8
+    with variant(fp8_pv_overlap=1):
+        assert "qk_scale == qk_scale" not in render("causal", "bf16")

@@ -133,6 +133,7 @@ def prepare_cudnn_fp8(case: BenchCase, cc: CaseContext) -> Prepared:
         graph.execute(pack, workspace, handle=handle)
         return out
 
+    refused = f" (cuDNN refused {errors[0][:80]})" if errors else ""  # Hopper: bf16 O is Blackwell's (cuDNN 9.13)
     note = (f"cuDNN fp8 SDPA (nvidia-cudnn-frontend), per-tensor descales (checked on its re-quantized K, V), "
-            f"P at {P_SCALE:g}, O in {o_type}{'; ' + errors[0] if errors else ''}")
+            f"P at {P_SCALE:g}, O in {o_type}{refused}")
     return Prepared(fn, note=note, inputs=lambda s: held(s)[0])

@@ -92,17 +92,16 @@ class GluonBackend(KernelBackend):
     # the workers fp8_wg3_regs); fp8_o_skip: 1 rescales O only where a row's max moved ([Note] fp8 O rescale skip).
     # H100, d128 s16k causal / full (scripts/gpu_fp8_fwd_s9.py, ninth session, round A): 2 WGs 825 / 854 TF/s,
     # 3 WGs at block_n 64 823 / 819 (docs/hopper.md, "fp8 forward, ninth session"). bf16/fp16 renders read neither.
-    # fp8_o_late: 1 rescales O under the next S, before its P V (FA3's order; [Note] fp8 late O rescale).
     # fp8_pv_overlap: 1 computes the step's softmax in a block of its own, so ptxas keeps the P V's wait after it
-    # ([Note] fp8 softmax under the P V); fp8_turns: 1 FA3's warpgroup turns ([Note] fp8 turns). fp8_d64: the fp8_*
-    # keys a d64 fp8 forward render takes (variant_for): three warpgroups (at block_n 128: no spills at d64). H100,
+    # ([Note] fp8 softmax under the P V; lost on the H100: docs/hopper.md, "fp8 forward, tenth session"). fp8_d64:
+    # the fp8_* keys a d64 fp8 forward render takes (variant_for): three warpgroups (at block_n 128: no spills at d64). H100,
     # d64 B1 H16 s16k causal / full TF/s, 2 -> 3 WGs: ninth session round B 509 -> 565 / (unmeasured); tenth
     # session round A (scripts/gpu_fp8fwd_s10.py) 505 -> 563 / 519 -> 599 (+11% / +16%).
     # pv_overlap: fp8_pv_overlap for the bf16/fp16 forward (measurement only; the note is the fp8 one).
     # bwd_*: the gluon backward's levers ([Note] Gluon backward levers).
     variant = {"consumer_regs": 240, "loader_regs": 24, "tile_schedule_all": False, "causal_order": 3,
-               "fp8_p_cvt": 2, "fp8_wgs": 2, "fp8_wg3_regs": (160, 24), "fp8_o_skip": 0, "fp8_o_late": 0,
-               "fp8_pv_overlap": 0, "fp8_turns": 0, "fp8_d64": {"fp8_wgs": 3},
+               "fp8_p_cvt": 2, "fp8_wgs": 2, "fp8_wg3_regs": (160, 24), "fp8_o_skip": 0,
+               "fp8_pv_overlap": 0, "fp8_d64": {"fp8_wgs": 3},
                "pv_overlap": 0,
                "bwd_order": 0, "bwd_snake": 0, "bwd_named": 0, "bwd_epi_tma": 0, "bwd_fixed": 0, "bwd_window_desc": 0,
                "bwd_mod_early": 0, "bwd_window_fixed": 0,

@@ -11,6 +11,7 @@ from fagen.backends.gluon import smem_bytes
 from fagen.spec.kernel import KernelSpec
 from test_fp8_wgs import variant
 
+
 def render(mask="causal", dtype="fp8_e4m3", head_dim=128, **fields):
     return fagen.generate(KernelSpec(backend="gluon", head_dim=head_dim, mask=mask, dtype=dtype, **fields))
 

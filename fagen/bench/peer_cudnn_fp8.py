@@ -17,7 +17,8 @@ library torch already loaded. Without the wheel the peer is "unavailable", never
 - P is quantized to e4m3 inside cuDNN's kernel at scale_s = P_SCALE (descale_s = 1 / P_SCALE). Newer cuDNN (9.14 and
   later: cudnn-frontend's test/python/sdpa/fp8_ref.py) moves a row's running max only when a block's max exceeds it
   by more than 4 (natural log), so P reaches e^4 = 54.6 before the kernel's own factor 2^-4: e4m3 holds it at
-  scale_s <= 448 * 16 / 54.6 = 131 (256 would saturate the largest P; the H100's cuDNN reads the same at 64 and 256).
+  scale_s <= 448 * 16 / 54.6 = 131 (256 would saturate the largest P; the H100's cuDNN 9.19 reads the same at 64
+  and 256, so its kernel stops short of that).
   At scale_s = 1 P flushes below 2^-9 (the ninth session's first try; its failing check, 2524 outputs, was the
   re-quantization as well: 2511 at 256). 64 (cudnn-frontend's test uses 32) keeps P down to 2^-11 of the max and is
   safe under either cuDNN.

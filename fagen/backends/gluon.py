@@ -92,9 +92,17 @@ class GluonBackend(KernelBackend):
     # the workers fp8_wg3_regs); fp8_o_skip: 1 rescales O only where a row's max moved ([Note] fp8 O rescale skip).
     # H100, d128 s16k causal / full (scripts/gpu_fp8_fwd_s9.py, ninth session, round A): 2 WGs 825 / 854 TF/s,
     # 3 WGs at block_n 64 823 / 819 (docs/hopper.md, "fp8 forward, ninth session"). bf16/fp16 renders read neither.
+    # fp8_pv_overlap: 1 computes the step's softmax in a block of its own, so ptxas keeps the P V's wait after it
+    # ([Note] fp8 softmax under the P V; lost on the H100: docs/hopper.md, "fp8 forward, tenth session"). fp8_d64:
+    # the fp8_* keys a d64 fp8 forward render takes (variant_for): three warpgroups (at block_n 128: no spills at d64). H100,
+    # d64 B1 H16 s16k causal / full TF/s, 2 -> 3 WGs: ninth session round B 509 -> 565 / (unmeasured); tenth
+    # session round A (scripts/gpu_fp8fwd_s10.py) 505 -> 563 / 519 -> 599 (+11% / +16%).
+    # pv_overlap: fp8_pv_overlap for the bf16/fp16 forward (measurement only; the note is the fp8 one).
     # bwd_*: the gluon backward's levers ([Note] Gluon backward levers).
     variant = {"consumer_regs": 240, "loader_regs": 24, "tile_schedule_all": False, "causal_order": 3,
                "fp8_p_cvt": 2, "fp8_wgs": 2, "fp8_wg3_regs": (160, 24), "fp8_o_skip": 0,
+               "fp8_pv_overlap": 0, "fp8_d64": {"fp8_wgs": 3},
+               "pv_overlap": 0,
                "bwd_order": 0, "bwd_snake": 0, "bwd_named": 0, "bwd_epi_tma": 0, "bwd_fixed": 0, "bwd_window_desc": 0,
                "bwd_mod_early": 0, "bwd_window_fixed": 0,
                "bwd_unordered_levers": {"bwd_named": 2, "bwd_epi_tma": 1, "bwd_snake": 1},
@@ -171,6 +179,8 @@ class GluonBackend(KernelBackend):
         """The variant a render of `spec` reads (the template's `gluon`): `variant`, with bwd_d64's keys over it for
         a head_dim 64 backward ([Note] Gluon backward at d64) and bwd_gqa's for a d128 GQA causal one, plain specs
         only (no switch, no mod)."""
+        if spec.direction is Direction.FWD and spec.dtype is DType.FP8_E4M3 and spec.head_dim == 64:
+            return {**self.variant, **self.variant["fp8_d64"]}  # [Note] fp8 three warpgroups: d64's own count
         if spec.direction is not Direction.BWD or spec.switches or spec.modded:  # the fixed-point dQ's bound holds
             return self.variant  # for plain softmax gradients ([Note] Fixed-point dQ), not for a score_mod's dS
         if spec.head_dim == 64 and self.variant["bwd_d64"]:
@@ -323,7 +333,7 @@ class GluonBackend(KernelBackend):
     def smem_bytes(self, spec) -> int:
         if spec.kind is Kind.DECODE:  # Q 72 KB, two slots of 72 KB, P 8 KB, the row stats and barriers
             return 2 * (64 * 576 + 2 * 64 * 576 + 64 * 64) + 8 * 64 * 4 + 1024
-        wgs = self.variant["fp8_wgs"] if spec.dtype is DType.FP8_E4M3 else 2  # [Note] fp8 three warpgroups
+        wgs = self.variant_for(spec)["fp8_wgs"] if spec.dtype is DType.FP8_E4M3 else 2  # [Note] fp8 three warpgroups
         return smem_bytes(spec.head_dim, spec.block_m, spec.block_n, spec.num_stages, spec.dtype.itemsize,
                           spec.head_dim_v, wgs)
 

@@ -106,8 +106,16 @@ class CaseContext:
         cut = lambda name, t: t[g:g + 1] if name in ("k_scale", "v_scale") else t[g * G:(g + 1) * G]  # noqa: E731
         return {name: (cut(name, t) if isinstance(t, torch.Tensor) else t) for name, t in s.scores.items()}
 
-    def references(self) -> dict:
-        """{slice: (out, lse, grads or None)} in float64 for input set 0; computed once per case."""
+    def references(self, inputs: InputSet | None = None) -> dict:
+        """{slice: (out, lse, grads or None)} in float64 for input set 0 (computed once per case), or for `inputs`:
+        what a Prepared with its own `inputs` computes on (not kept)."""
+        if inputs is not None:
+            saved = self._refs, self.sets
+            self._refs, self.sets = None, [inputs]
+            try:
+                return self.references()
+            finally:
+                self._refs, self.sets = saved
         if self._refs is None:
             c, s = self.case, self.sets[0]
             self._refs = {}
@@ -137,6 +145,9 @@ class Prepared:
     context: Callable[[], Any] = contextlib.nullcontext  # entered around the check and the timing
     note: str = ""
     spec: str | None = None
+    # the input set fn computes on in place of the one it is given, where it must convert it first (a per-tensor
+    # fp8 peer re-quantizes per-head scaled K and V: peer_cudnn_fp8); the check's reference is taken from these
+    inputs: Callable[[InputSet], InputSet] | None = None
 
 
 @dataclasses.dataclass

@@ -22,7 +22,7 @@ def check(impl: str, prepared: Prepared, cc: CaseContext) -> tuple[str, str, flo
     if not cc.reference_fits():
         return "skipped", "too large for the float64 reference on this device", None
     try:
-        refs = cc.references()
+        refs = cc.references(None if prepared.inputs is None else prepared.inputs(cc.sets[0]))
     except torch.cuda.OutOfMemoryError:
         cc._refs = None
         torch.cuda.empty_cache()

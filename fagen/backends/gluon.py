@@ -198,6 +198,14 @@ class GluonBackend(KernelBackend):
     # bwd_unordered_switches: switch sets picked only for deterministic=False (the unordered dQ adds won there, the
     # deterministic mode did not), where unordered_selected gives that mode.
     bwd_unordered_switches: tuple = ()
+    # Issue 26's bias rows (tenth session, docs/mods.md "Bias rows (tenth session)"): fwd_mod_add 1, an additive
+    # score_mod (`score + X`) in the Gluon forward as one FMA onto the log2-domain score ([Note] Additive mods in the
+    # Gluon forward); bwd_mod_fixed 1, an additive score_mod's deterministic dQ as fixed-point adds ([Note]
+    # Fixed-point dQ: its bound holds, dS = P (dP - delta) as without a mod).
+    # bwd_mod_split 1: the clamp-free reads' offsets as one pointer per key plus the queries' int32 offsets ([Note]
+    # Split offsets in fagen/mods/emit.py).
+    # bwd_mod_fold 1: an additive score_mod's P as exp2(fma(S, qk_scale, X / ln 2 - lse2)).
+    variant.update({"fwd_mod_add": 0, "bwd_mod_fixed": 0, "bwd_mod_split": 0, "bwd_mod_fold": 0})
 
     # bwd_mod_early 1: a score_mod's clamp-free read (MOD_FREE, [Note] Clamp-free problems in fagen/mods/emit.py)
     # issued before the S MMA's wait instead of after it (ninth session: scripts/gpu_mods_bwd_s9.py times both).

@@ -106,6 +106,11 @@ def test_the_levers_render_only_where_on():
     assert "gl.fma(s_acc" not in _render(spec(score_mod="score * 2.0"), fwd_mod_add=2)  # not additive
     bwd = spec("bwd", **RELBIAS)
     assert "BWD_DET_MODE = 0" in _render(bwd) and "BWD_DET_MODE = 2" in _render(bwd, bwd_mod_fixed=1)
+    assert "BWD_DET_MODE = 2" in _render(bwd, bwd_mod_fixed=2)
+    gqa_causal = KernelSpec(backend="gluon", direction="bwd", head_dim=128, dtype="bf16", mask="causal", gqa=4,
+                            **RELBIAS)
+    assert "BWD_DET_MODE = 0" in _render(gqa_causal, bwd_mod_fixed=2)
+    assert "BWD_DET_MODE = 2" in _render(gqa_causal, bwd_mod_fixed=1)
     assert "BWD_DET_MODE = 0" in _render(spec("bwd", score_mod="score * 2.0"), bwd_mod_fixed=1)  # dS not P(dP - delta)
     assert "BWD_DET_MODE = 0" in _render(spec("bwd"), bwd_mod_fixed=1)  # plain specs: bwd_fixed's, not this lever's
     assert "(bwd_mod_fold)" not in _render(bwd) and "(bwd_mod_fold)" in _render(bwd, bwd_mod_fold=1)

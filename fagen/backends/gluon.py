@@ -201,7 +201,7 @@ class GluonBackend(KernelBackend):
     # Issue 26's bias rows (tenth session, docs/mods.md "Bias rows (tenth session)"): fwd_mod_add 1, an additive
     # score_mod (`score + X`) in the Gluon forward as one FMA onto the log2-domain score ([Note] Additive mods in the
     # Gluon forward); bwd_mod_fixed 1, an additive score_mod's deterministic dQ as fixed-point adds ([Note]
-    # Fixed-point dQ: its bound holds, dS = P (dP - delta) as without a mod).
+    # Fixed-point dQ: its bound holds, dS = P (dP - delta) as without a mod; 2: all but GQA causal specs).
     # bwd_mod_split 1: the clamp-free reads' offsets as one pointer per key plus the queries' int32 offsets ([Note]
     # Split offsets in fagen/mods/emit.py).
     # bwd_mod_fold 1: an additive score_mod's P as exp2(fma(S, qk_scale, X / ln 2 - lse2)).

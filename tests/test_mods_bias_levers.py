@@ -97,15 +97,19 @@ def _render(sp, **lever):
         render.cache_clear()
 
 
+OFF = dict(fwd_mod_add=0, bwd_mod_fixed=0, bwd_mod_split=0, bwd_mod_fold=0)
+
+
 def test_the_levers_render_only_where_on():
-    assert "gl.fma(s_acc" not in _render(spec(**ALIBI))
-    assert "xk = (" not in _render(spec(**ALIBI), fwd_mod_add=1) and "gl.fma(s_acc" in _render(spec(**ALIBI), fwd_mod_add=1)
-    assert "xk = (" in _render(spec(**ALIBI), fwd_mod_add=2)
+    assert "gl.fma(s_acc" not in _render(spec(**ALIBI), **OFF)
+    add1 = _render(spec(**ALIBI), **{**OFF, "fwd_mod_add": 1})
+    assert "xk = (" not in add1 and "gl.fma(s_acc" in add1
+    assert "xk = (" in _render(spec(**ALIBI), **{**OFF, "fwd_mod_add": 2})
     assert "xk = (" not in _render(spec(**RELBIAS), fwd_mod_add=2)  # a gather: not a column term
     assert "gl.fma(s_acc" in _render(spec(**RELBIAS), fwd_mod_add=2)
     assert "gl.fma(s_acc" not in _render(spec(score_mod="score * 2.0"), fwd_mod_add=2)  # not additive
     bwd = spec("bwd", **RELBIAS)
-    assert "BWD_DET_MODE = 0" in _render(bwd) and "BWD_DET_MODE = 2" in _render(bwd, bwd_mod_fixed=1)
+    assert "BWD_DET_MODE = 0" in _render(bwd, **OFF) and "BWD_DET_MODE = 2" in _render(bwd, bwd_mod_fixed=1)
     assert "BWD_DET_MODE = 2" in _render(bwd, bwd_mod_fixed=2)
     gqa_causal = KernelSpec(backend="gluon", direction="bwd", head_dim=128, dtype="bf16", mask="causal", gqa=4,
                             **RELBIAS)
@@ -113,8 +117,8 @@ def test_the_levers_render_only_where_on():
     assert "BWD_DET_MODE = 2" in _render(gqa_causal, bwd_mod_fixed=1)
     assert "BWD_DET_MODE = 0" in _render(spec("bwd", score_mod="score * 2.0"), bwd_mod_fixed=1)  # dS not P(dP - delta)
     assert "BWD_DET_MODE = 0" in _render(spec("bwd"), bwd_mod_fixed=1)  # plain specs: bwd_fixed's, not this lever's
-    assert "(bwd_mod_fold)" not in _render(bwd) and "(bwd_mod_fold)" in _render(bwd, bwd_mod_fold=1)
-    assert "Split offsets (fagen" not in _render(bwd) and "Split offsets (fagen" in _render(bwd, bwd_mod_split=1)
+    assert "(bwd_mod_fold)" not in _render(bwd, **OFF) and "(bwd_mod_fold)" in _render(bwd, bwd_mod_fold=1)
+    assert "Split offsets (fagen" not in _render(bwd, **OFF) and "Split offsets (fagen" in _render(bwd, bwd_mod_split=1)
 
 
 def test_the_unit_stride_test_names_the_strides_the_queries_multiply():
@@ -124,4 +128,4 @@ def test_the_unit_stride_test_names_the_strides_the_queries_multiply():
     assert ModCode(spec("bwd", score_mod="score + bias[h, kv_idx]", mod_tensors=[["bias", "fp32", 2]])).host_unit_strides() is None
     src = _render(spec("bwd", **RELBIAS), bwd_mod_split=1)
     assert "return (2 if mt0.stride(1) == 1 else 1) if " in src and "if MOD_FREE == 2:" in src
-    assert "MOD_FREE == 2" not in _render(spec("bwd", **RELBIAS))
+    assert "MOD_FREE == 2" not in _render(spec("bwd", **RELBIAS), bwd_mod_split=0)

@@ -2,7 +2,8 @@
 fagen.attention, then forward and backward TF/s of `fagen bench --suite mods`'s relative-bias and alibi rows (bf16,
 d128, B1 H16 S8192) against FlexAttention's in one process.
 
-    PYTHONPATH=$PWD python3 scripts/gpu_modsbias_s10.py [--rows a,b] [--drop row/dir/variant,...]
+    PYTHONPATH=$PWD python3 scripts/gpu_modsbias_s10.py [--rows a,b] [--drop row/dir/variant,...] [--no-bench]
+    S10_ROUND=A ...: round A's lever checks and variants (PLAN_A; the levers were off by default then)
 
 Levers (GluonBackend.variant, set for a variant's renders only; fagen.attention loads the lever render through a
 patched modded.load): add1 = fwd_mod_add 1 (an additive score_mod as one FMA in the Gluon forward), add2 =
@@ -33,16 +34,23 @@ LEVERS = {"api": {}, "nondet": {}, "add1": {"fwd_mod_add": 1}, "add2": {"fwd_mod
           "fixed": {"bwd_mod_fixed": 1}, "fold": {"bwd_mod_fold": 1}, "fixed-fold": {"bwd_mod_fixed": 1, "bwd_mod_fold": 1},
           "split": {"bwd_mod_split": 1}, "split-fold": {"bwd_mod_split": 1, "bwd_mod_fold": 1},
           "fixed-split-fold": {"bwd_mod_fixed": 1, "bwd_mod_split": 1, "bwd_mod_fold": 1}}
-PLAN = {("alibi", "fwd"): ["api", "add2", "add1"], ("alibi", "bwd"): ["api", "fixed", "fixed-fold"],
-        ("relative-bias", "bwd"): ["api", "split", "split-fold", "fixed-split-fold"],
-        ("relative-bias", "fwd"): ["api", "add1"], ("plain", "fwd"): ["api"], ("plain", "bwd"): ["api"]}
-BUDGET = 300.0 if DRY else 90.0  # seconds of the whole run (the runner stops it at 100)
+LEVERS.update({"off": {"fwd_mod_add": 0, "bwd_mod_fixed": 0, "bwd_mod_split": 0, "bwd_mod_fold": 0},
+               "nofixed": {"bwd_mod_fixed": 0}})
+# round A (levers off by default): PLAN_A; round B (fwd_mod_add 2, bwd_mod_fixed 2, bwd_mod_split 1 on): PLAN, with
+# "off" the ninth session's kernels and the bench's own rows (fagen.bench.mods.mod_rows) after the table
+PLAN_A = {("alibi", "fwd"): ["api", "add2", "add1"], ("alibi", "bwd"): ["api", "fixed", "fixed-fold"],
+          ("relative-bias", "bwd"): ["api", "split", "split-fold", "fixed-split-fold"],
+          ("relative-bias", "fwd"): ["api", "add1"], ("plain", "fwd"): ["api"], ("plain", "bwd"): ["api"]}
+PLAN = {("alibi", "fwd"): ["api", "off"], ("alibi", "bwd"): ["api", "off"],
+        ("relative-bias", "bwd"): ["api", "off", "nofixed"], ("relative-bias", "fwd"): ["api", "off"]}
+BUDGET = 300.0 if DRY else 92.0  # seconds of the whole run (the runner stops it at 100)
 
 
 def plan() -> dict:
     rows = [r for r in os.environ.get("S10_ROWS", "").split(",") if r]
     drop = set(os.environ.get("S10_DROP", "").split(","))
-    return {k: [v for v in vs if f"{k[0]}/{k[1]}/{v}" not in drop] for k, vs in PLAN.items()
+    chosen = PLAN_A if os.environ.get("S10_ROUND", "B") == "A" else PLAN
+    return {k: [v for v in vs if f"{k[0]}/{k[1]}/{v}" not in drop] for k, vs in chosen.items()
             if not rows or k[0] in rows}
 
 
@@ -149,8 +157,9 @@ def phase_warm(items: list) -> None:
             print(f"warm {row} {d} {variant}: {type(e).__name__}: {str(e)[:160]}", flush=True)
 
 
-def reference(sm, q, k, v, do):
-    """float64 out and dq, dk, dv of the user's score_mod over broadcast index tensors (no fagen code), mask none."""
+def reference(sm, q, k, v, do, causal=False):
+    """float64 out and dq, dk, dv of the user's score_mod over broadcast index tensors (no fagen code), mask none
+    or causal."""
     import torch
 
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
@@ -160,6 +169,8 @@ def reference(sm, q, k, v, do):
     qi = torch.arange(S, device=q.device)[None, None, :, None]
     ki = torch.arange(k.shape[2], device=q.device)[None, None, None, :]
     s = sm((q64 @ k64.transpose(-1, -2)) / math.sqrt(D), b, h, qi, ki)
+    if causal:
+        s = torch.where(ki <= qi, s, float("-inf"))
     out = torch.softmax(s, -1) @ v64
     return (out.detach(), *torch.autograd.grad(out, (q64, k64, v64), do.double()))
 
@@ -178,6 +189,10 @@ def phase_check(part: tuple[int, int]) -> None:
     H, S, D = 2, 333, 128
     g = torch.Generator().manual_seed(10)
     wide, tight = (torch.randn(H, n, generator=g).to(dev()) * 0.5 for n in (767, 665))
+    wide_t = (torch.randn(767, H, generator=g) * 0.5).to(dev()).t()  # stride(1) = H: MOD_FREE 1, not 2
+
+    def rel_free_t(score, b, h, q_idx, kv_idx):
+        return score + wide_t[h, q_idx - kv_idx + 383]
 
     def rel_free(score, b, h, q_idx, kv_idx):  # padded tiles reach q - kv in [-383, 383]: all inside
         return score + wide[h, q_idx - kv_idx + 383]
@@ -191,14 +206,17 @@ def phase_check(part: tuple[int, int]) -> None:
     q, k, v, do = (torch.randn(1, H, S, D, generator=g).to(dev(), torch.bfloat16) for _ in range(4))
     tol = TOLERANCE[DType.BF16]
 
-    def run(name, variant, sm, grad, mutant=None, repeat=False):
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def run(name, variant, sm, grad, mutant=None, repeat=False, mm=None):
         t0 = time.perf_counter()
         try:
             use(variant, mutant)
-            ref = reference(sm, q, k, v, do)
+            ref = reference(sm, q, k, v, do, mm is not None)
             if grad:
                 qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
-                got = torch.autograd.grad(fagen.attention(qg, kg, vg, score_mod=sm), (qg, kg, vg), do)
+                got = torch.autograd.grad(fagen.attention(qg, kg, vg, score_mod=sm, mask_mod=mm), (qg, kg, vg), do)
                 errs = [compare_grad(n, a, r, DType.BF16) for n, a, r in zip(("dq", "dk", "dv"), got, ref[1:])]
                 used = sorted({m.NAME for m in modded._GLUON_BWD.values() if m is not None})
                 line = f"max |err| dq {errs[0]:.1e} dk {errs[1]:.1e} dv {errs[2]:.1e}"
@@ -206,8 +224,13 @@ def phase_check(part: tuple[int, int]) -> None:
                 assert src, "the Gluon backward did not serve"
                 mode = getattr(src[0], "BWD_DET_MODE", "?")
                 line += f" via {','.join(used)} (BWD_DET_MODE {mode})"
+                mods = modded.prepare(score_mod=sm)
+                free = getattr(src[0], "_mod_free", None)
+                if free is not None and mods.fields[2]:
+                    line += f", MOD_FREE {int(free(q, k, *[mods.values[t[0]] for t in mods.fields[2]], *[mods.values[x[0]] for x in mods.fields[3]]))}"
                 if repeat:
-                    twice = torch.autograd.grad(fagen.attention(qg, kg, vg, score_mod=sm), (qg, kg, vg), do)
+                    twice = torch.autograd.grad(fagen.attention(qg, kg, vg, score_mod=sm, mask_mod=mm), (qg, kg, vg),
+                                                do)
                     assert all(torch.equal(a, b) for a, b in zip(got, twice)), "two runs differ"
                     line += "; bitwise repeatable"
             else:
@@ -238,7 +261,7 @@ def phase_check(part: tuple[int, int]) -> None:
         assert src[:end].endswith("* 1.4426950408889634"), src[at:end]
         return src[:end] + " * 0.5" + src[end:]
 
-    cases = [  # one slice per check part (part i of n): the backward builds spread over the parts
+    cases_a = [  # round A: the levers, rendered through the patched loader
         ("alibi fwd", "add2", alibi, False, {}),
         ("alibi bwd", "fixed-fold", alibi, True, dict(repeat=True)),
         ("relative bias inside bwd", "fixed-split-fold", rel_free, True, dict(repeat=True)),
@@ -250,6 +273,17 @@ def phase_check(part: tuple[int, int]) -> None:
         ("alibi bwd", "fixed", alibi, True, {}),
         ("relative bias fwd", "add1", rel_tight, False, {}),
     ]
+    cases = [  # one slice per check part (part i of n), the backward builds spread over the parts; round B: defaults
+        ("alibi fwd", "api", alibi, False, {}),
+        ("alibi bwd", "api", alibi, True, dict(repeat=True)),
+        ("relative bias inside bwd", "api", rel_free, True, dict(repeat=True)),
+        ("relative bias inside, causal, bwd", "api", rel_free, True, dict(repeat=True, mm=causal)),
+        ("relative bias fwd", "api", rel_tight, False, {}),
+        ("relative bias outside bwd (clamped)", "api", rel_tight, True, dict(repeat=True)),
+        ("relative bias inside, bias [2, 767] with stride(1) 2, bwd", "api", rel_free_t, True, dict(repeat=True)),
+        ("MUTANT relative bias split, bias halved", "api", rel_free, True, dict(mutant=half_bias)),
+        ("MUTANT alibi fwd, A without 1/ln2", "api", alibi, False, dict(mutant=no_ln2)),
+    ] if os.environ.get("S10_ROUND", "B") == "B" else cases_a
     for name, variant, sm, grad, kw in cases[part[0]::part[1]]:
         run(name, variant, sm, grad, **kw)
 
@@ -292,6 +326,15 @@ def phase_time() -> None:
             print("REC " + json.dumps(rec), flush=True)
 
 
+def phase_bench() -> None:
+    """The two rows as `fagen bench --suite mods` runs them (fagen.bench.mods.mod_rows: fagen.attention and Flex,
+    forward and backward, the same inputs), at a shorter repeat."""
+    from fagen.bench.mods import ModsShape, mod_rows
+
+    mod_rows(dev(), ModsShape(), log=lambda line: print("BENCH " + line, flush=True), rep_ms=40.0,
+             only={"relative-bias", "alibi"})
+
+
 def main() -> None:
     from _phases import child_env, run_phase
 
@@ -323,10 +366,13 @@ def main() -> None:
         t.start()
     for t in threads:
         t.join()
-    left = BUDGET - (time.time() - t0)
+    bench = 0.0 if DRY or "--no-bench" in sys.argv else 26.0  # seconds kept for the bench's own rows
+    left = BUDGET - (time.time() - t0) - bench
     env["S10_TIME_END"] = str(time.time() + left - 5)
     print(f"compiled in {time.time() - t0:.0f} s; timing for {left:.0f} s", flush=True)
     go("time", max(5.0, left))
+    if bench:
+        go("bench", max(5.0, BUDGET - (time.time() - t0)))
     recs = [json.loads(s[4:]) for s in lines.get("time", []) if s.startswith("REC ")]
     flex = {(r["row"], r["dir"]): r.get("ms") for r in recs if r["variant"] == "flex"}
     print("\n| row | dir | variant | ms | TF/s | x Flex |\n|---|---|---|---:|---:|---:|")
@@ -339,6 +385,9 @@ def main() -> None:
         print(f"| {r['row']} | {r['dir']} | {r['variant']} | {r['ms']:.3f} | {r['tflops']:.0f} | {x} |")
     for s in lines.get("check", []):
         if s.startswith("CHECK "):
+            print(s[6:], end="")
+    for s in lines.get("bench", []):
+        if s.startswith("BENCH "):
             print(s[6:], end="")
     print(f"total {time.time() - t0:.0f} s")
     out = os.environ.get("OUTX") or os.environ.get("OUT")
@@ -357,6 +406,8 @@ if __name__ == "__main__":
             phase_check(tuple(json.loads(sys.argv[-1])))
         elif name == "time":
             phase_time()
+        elif name == "bench":
+            phase_bench()
         else:
             phase_warm([tuple(x) for x in json.loads(sys.argv[-1])])
     else:

@@ -138,7 +138,7 @@ def _free_module():
 
 def test_the_host_picks_the_clamp_free_kernel_exactly_where_every_index_of_the_padded_tiles_is_inside():
     """_mod_free (the module's host test) against brute force over the rows and keys the kernel's tiles reach
-    (64-row and 128-key blocks, the padding included), random sizes, offsets and head counts."""
+    (64-row and 128-key blocks, the padding included), random sizes, offsets, head counts and bias layouts."""
     mod = _free_module()
     rnd = random.Random(4)
     hits = 0
@@ -147,12 +147,13 @@ def test_the_host_picks_the_clamp_free_kernel_exactly_where_every_index_of_the_p
         c = rnd.randint(-10, 300)
         rows, cols = rnd.choice((1, 2, 3)), rnd.randint(1, 600)
         q, k = torch.empty(1, hq, sq, 8), torch.empty(1, 1, sk, 8)
-        bias = torch.empty(rows, cols)
+        bias = torch.empty(rows, cols) if rnd.random() < 0.7 else torch.empty(cols, rows).t()
         qi = np.arange(-(-sq // 64) * 64)[:, None]
         ki = np.arange(-(-sk // 128) * 128)[None, :]
         idx = qi - ki + c
         want = hq <= rows and bool(np.all((idx >= 0) & (idx < cols)))
-        assert mod._mod_free(q, k, bias, c) is want, (sq, sk, hq, c, rows, cols)
+        unit = bias.stride(1) == 1  # [Note] Split offsets: 2 where the queries' stride is 1 (bwd_mod_split)
+        assert mod._mod_free(q, k, bias, c) == ((2 if unit else 1) if want else 0), (sq, sk, hq, c, rows, cols)
         hits += want
     assert 20 < hits < 280, hits  # both answers drawn
 

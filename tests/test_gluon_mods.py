@@ -36,9 +36,14 @@ def test_gluon_takes_a_score_mod_and_refuses_the_rest_in_one_line():
         KernelSpec(backend="cuda", head_dim=128, dtype="bf16", **SOFTCAP)
 
 
-def test_the_render_holds_the_tree_s_gluon_code_and_not_the_user_s_text():
+def test_the_render_holds_the_tree_s_gluon_code_and_not_the_user_s_text(monkeypatch):
     spec = gluon(score_mod="score+bias[h,q_idx-kv_idx+4095]", mod_tensors=[["bias", "fp32", 2]])  # user spelling
+    add = ModCode(spec).additive("off_b", "off_h", "rows[:, None]", "cols[None, :]")  # [Note] Additive mods in the
+    assert f"s_acc = gl.fma(s_acc, qk_scale, ({add}) * 1.4426950408889634)" in render(spec).source  # Gluon forward
+    monkeypatch.setitem(backends.GLUON.variant, "fwd_mod_add", 0)  # the mod as written, around the log2 domain
+    render.cache_clear()
     src = render(spec).source
+    render.cache_clear()
     code = ModCode(spec).score("score", "off_b", "off_h", "rows[:, None]", "cols[None, :]")
     assert code in src and "gl.load(mt0 + _mod_index((off_h), mt0_n0) * mt0_s0" in code, code
     # natural score in (qk_scale is the log2-domain factor), log2-domain score out; exp2 without qk_scale again

@@ -208,6 +208,20 @@ class GluonBackend(KernelBackend):
     # bwd_unordered_switches: switch sets picked only for deterministic=False (the unordered dQ adds won there, the
     # deterministic mode did not), where unordered_selected gives that mode.
     bwd_unordered_switches: tuple = ()
+    # Issue 26's bias rows (tenth session, docs/mods.md "Bias rows (tenth session)"): fwd_mod_add 1, an additive
+    # score_mod (`score + X`) in the Gluon forward as one FMA onto the log2-domain score ([Note] Additive mods in the
+    # Gluon forward); bwd_mod_fixed 1, an additive score_mod's deterministic dQ as fixed-point adds ([Note]
+    # Fixed-point dQ: its bound holds, dS = P (dP - delta) as without a mod; 2: all but GQA causal specs).
+    # bwd_mod_split 1: the clamp-free reads' offsets as one pointer per key plus the queries' int32 offsets ([Note]
+    # Split offsets in fagen/mods/emit.py).
+    # bwd_mod_fold 1: an additive score_mod's P as exp2(fma(S, qk_scale, X / ln 2 - lse2)).
+    # H100 round A (scripts/gpu_modsbias_s10.py, B1 H16 S8192 d128 bf16, TF/s, Flex in the same process): ALiBi fwd
+    # 572 -> 615 with fwd_mod_add 2 (Flex 442: 1.30x -> 1.39x; fwd_mod_add 1 571); ALiBi bwd 465 -> 539 with
+    # bwd_mod_fixed (Flex 406: 1.15x -> 1.33x; with bwd_mod_fold 477); relative bias bwd 292 -> 346 with
+    # bwd_mod_split (Flex 268: 1.09x -> 1.29x; with the fold 347, and bwd_mod_fixed on top 342); relative bias fwd
+    # 294 with fwd_mod_add 1 or without (Flex 215). So fwd_mod_add 2, bwd_mod_fixed 2 and bwd_mod_split 1 are on;
+    # bwd_mod_fold stays off.
+    variant.update({"fwd_mod_add": 2, "bwd_mod_fixed": 2, "bwd_mod_split": 1, "bwd_mod_fold": 0})
 
     # bwd_mod_early 1: a score_mod's clamp-free read (MOD_FREE, [Note] Clamp-free problems in fagen/mods/emit.py)
     # issued before the S MMA's wait instead of after it (ninth session: scripts/gpu_mods_bwd_s9.py times both).

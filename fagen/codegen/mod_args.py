@@ -198,20 +198,49 @@ class ModCode:
         return self._to(tree, self._names(score, b, h, q_idx, kv_idx))
 
     def additive(self, b: str, h: str, q_idx: str, kv_idx: str, hoisted: str | None = None,
-                 unclamped: bool = False) -> str | None:
+                 unclamped: bool = False, split: dict | None = None) -> str | None:
         """X where the score_mod is `score + X` (or `X + score`) and X does not read the score, else None: the
         kernels then add X / ln 2 to the log2-domain score in one FMA, instead of leaving and re-entering that
         domain around the mod (a relative bias, ALiBi, a learned bias). unclamped (Gluon): its loads without
-        _mod_index, for the tiles where `in_range` holds ([Note] Clamp-free tiles in fagen/mods/emit.py)."""
+        _mod_index, for the tiles where `in_range` holds ([Note] Clamp-free tiles in fagen/mods/emit.py); split:
+        with it, the positions as base + offsets ([Note] Split offsets)."""
         names = self._names("", b, h, q_idx, kv_idx)
         tree = self._tree("score", hoisted, names)
         if not (isinstance(tree, ir.Binary) and tree.op == "+"):
             return None
         for this, other in ((tree.a, tree.b), (tree.b, tree.a)):
             if this == ir.Input("score", ir.FLOAT) and not _reads_score(other):
-                code = to_gluon(other, names, unclamped=True) if unclamped and self.gluon else self._to(other, names)
+                code = to_gluon(other, names, unclamped=True, split=split) if unclamped and self.gluon \
+                    else self._to(other, names)
                 return code if other.type == ir.FLOAT else f"({code}).to({'gl' if self.gluon else 'tl'}.float32)"
         return None
+
+    def kv_slope(self, b: str, h: str) -> str | None:
+        """A where the score_mod is `score + kv_idx * A` (either order of either sum or product) and A, a float, reads
+        neither the score nor a position (the row-free ALiBi, fagen/mods/lower.py): the Gluon forward then adds
+        X / ln 2 as float(kv_idx) times one scalar ([Note] Additive mods in the Gluon forward); else None."""
+        tree = self.score_tree
+        if not self.gluon or not (isinstance(tree, ir.Binary) and tree.op == "+"):
+            return None
+        kv = ir.Input("kv_idx", ir.INT)
+        for this, other in ((tree.a, tree.b), (tree.b, tree.a)):
+            if this == ir.Input("score", ir.FLOAT) and isinstance(other, ir.Binary) and other.op == "*":
+                for x, a in ((other.a, other.b), (other.b, other.a)):
+                    if x == kv and a.type == ir.FLOAT and not any(
+                            isinstance(n, ir.Input) and n.name in ("score", "q_idx", "kv_idx") for n in ir.walk(a)):
+                        return self._to(a, self._names("", b, h, "", ""))
+        return None
+
+    def host_unit_strides(self) -> str | None:
+        """Python source over the host's mt<i>: every stride the split offsets multiply per score is 1 ([Note] Split
+        offsets in fagen/mods/emit.py), or None where no load index reads q_idx affinely."""
+        from fagen.mods.emit import q_dims
+
+        dims = q_dims(self.score_tree) if self.gluon and self.score_tree is not None else None
+        if not dims:
+            return None
+        pos = {t.name: i for i, t in enumerate(self.args.tensors)}
+        return " and ".join(f"mt{pos[name]}.stride({d}) == 1" for name, d in dims)
 
     def in_range(self, b: str, h: str, q_range: tuple[str, str], kv_range: tuple[str, str]) -> str | None:
         """The tile-uniform condition under which the score_mod's loads may skip _mod_index ([Note] Clamp-free tiles

@@ -166,11 +166,13 @@ def to_triton(tree: ir.Node, names: dict) -> str:
     return _emit(tree, names, _TRITON)
 
 
-def to_gluon(tree: ir.Node, names: dict, unclamped: bool = False) -> str:
+def to_gluon(tree: ir.Node, names: dict, unclamped: bool = False, split: dict | None = None) -> str:
     """Gluon source for the tree's value (GLUON_HELPERS' functions, `gl` ops; [Note] Gluon mods). names as for
     to_triton, with the inputs' expressions in the kernel's distributed layouts. unclamped: captured tensors read at
-    their int32 indices as they are, with int32 offsets (only where `in_range` holds: [Note] Clamp-free tiles)."""
-    return _emit(tree, names, _GLUON, unclamped)
+    their int32 indices as they are, with int32 offsets (only where `in_range` holds: [Note] Clamp-free tiles).
+    split (with unclamped): {"q_idx": (base, local), "kv_idx": (base, local)}, each position as a tile-uniform base
+    plus a vector of the tile's offsets ([Note] Split offsets)."""
+    return _emit(tree, names, _GLUON, unclamped, split)
 
 
 # [Note] Clamp-free tiles. _mod_index ([Note] Index clamping) costs a wrap, two clamps and int64 offsets per
@@ -252,7 +254,62 @@ def in_range(tree: ir.Node, names: dict, ranges: dict, host: bool = False) -> st
     return " & ".join(dict.fromkeys(conds)) if loads else None
 
 
-def _emit(tree: ir.Node, names: dict, fl: _Flavour, unclamped: bool = False) -> str:
+# [Note] Split offsets (variant bwd_mod_split, the Gluon backward's clamp-free reads). A clamp-free load's offset
+# sum(index_d * stride_d) is computed per element as written: for a relative bias `bias[h, q_idx - kv_idx + c]`
+# a subtraction, two adds, a multiply by the stride and the 64-bit address per score. Each index there is affine in
+# q_idx and kv_idx (in_range's forms), and the kernel's positions are a tile-uniform base plus a vector of offsets
+# (q_idx = m0 + r, kv_idx = n0 + c): the offset is the rows' part (the bases, the uniform terms and the keys'
+# offsets, in int64: one pointer per held key) plus the queries' part, coefficient x stride x r, in int32, so each
+# score costs one address add. The int32 part cannot wrap where in_range holds: with the key fixed, every query of
+# the tile indexes inside the tensor, so |coefficient x r| <= size - 1 per dimension and the sum over dimensions is
+# at most the offset span in_range bounds below 2^31. Where the host sees stride 1 in every dimension whose index
+# reads q_idx (q_dims; the Gluon backward's MOD_FREE 2), split["unit"] leaves those strides out, and the per-score
+# offsets are the layout's constants over one pointer per key: ptxas sm_90, the bench's relative bias, the compute
+# loop 832 -> 537 SASS instructions and 101 -> 9 spill loads and stores in it (the plain kernel's: 446, 11).
+def _affine(n: ir.Node, emit) -> dict | None:
+    """{"q_idx": c, "kv_idx": c, "u": code} with n = c_q q_idx + c_kv kv_idx + u (codes; None: zero), or None
+    where n is not such a form (in_range's: +, -, unary -, * by a uniform int)."""
+    if n.type != ir.INT:
+        return None
+    if isinstance(n, ir.Input) and n.name in ("q_idx", "kv_idx"):
+        return {n.name: "1"}
+    if _uniform(n):
+        return {"u": emit(n)}
+    if isinstance(n, ir.Unary) and n.op == "neg":
+        x = _affine(n.x, emit)
+        return None if x is None else {k: f"(-{v})" for k, v in x.items()}
+    if isinstance(n, ir.Binary) and n.op in ("+", "-"):
+        a, b = _affine(n.a, emit), _affine(n.b, emit)
+        if a is None or b is None:
+            return None
+        out = dict(a)
+        for k, v in b.items():
+            out[k] = (f"({out[k]} {n.op} {v})" if k in out else v if n.op == "+" else f"(-{v})")
+        return out
+    if isinstance(n, ir.Binary) and n.op == "*":
+        for x, k in ((n.a, n.b), (n.b, n.a)):
+            if _uniform(k):
+                got = _affine(x, emit)
+                return None if got is None else {key: f"({v} * {emit(k)})" for key, v in got.items()}
+    return None
+
+
+def q_dims(tree: ir.Node) -> list[tuple[str, int]] | None:
+    """(tensor, dimension) of each load index that reads q_idx, where every load's indices are affine forms (the
+    split offsets' per-element part: with those strides 1 on the host, split["unit"] drops them); None otherwise."""
+    found = []
+    for n in ir.walk(tree):
+        if isinstance(n, ir.Load):
+            for d, i in enumerate(n.index):
+                form = _affine(i, lambda x: "x")
+                if form is None:
+                    return None
+                if "q_idx" in form:
+                    found.append((n.name, d))
+    return list(dict.fromkeys(found))
+
+
+def _emit(tree: ir.Node, names: dict, fl: _Flavour, unclamped: bool = False, split: dict | None = None) -> str:
     ns = fl.ns
 
     def as_type(node: ir.Node, want: str) -> str:
@@ -316,6 +373,23 @@ def _emit(tree: ir.Node, names: dict, fl: _Flavour, unclamped: bool = False) -> 
         if not isinstance(ref, TensorRef) or len(ref.strides) != len(n.index) or len(ref.sizes) != len(n.index):
             raise KeyError(f"to_triton/to_gluon: tensor {n.name!r} needs a TensorRef with {len(n.index)} strides and "
                            "sizes")
+        forms = [_affine(i, emit) for i in n.index] if unclamped and split else []
+        if forms and all(f is not None for f in forms):  # [Note] Split offsets
+            rows, cols = [], []
+            for f, stride in zip(forms, ref.strides):
+                for key, c in f.items():
+                    if key == "u":
+                        rows.append(f"({stride}).to(gl.int64) * ({c})")
+                        continue
+                    base, local = split[key]
+                    rows.append(f"({stride}).to(gl.int64) * ({base}) * ({c})")
+                    if key == "q_idx" and split.get("unit"):  # the host saw stride 1 (q_dims)
+                        cols.append(f"({c}) * ({local})")
+                    else:
+                        (rows if key == "kv_idx" else cols).append(f"(({c}) * {stride}) * ({local})")
+            row = f"({ref.ptr} + ({' + '.join(rows)}))"
+            value = f"{ns}.load({row} + ({' + '.join(cols)}))" if cols else f"{ns}.load({row})"
+            return f"({value} != 0)" if n.type == ir.BOOL else f"{value}.to({fl.types[n.type]})"
         if unclamped:  # [Note] Clamp-free tiles
             offset = " + ".join(f"{emit(i)} * {stride}" for i, stride in zip(n.index, ref.strides))
         else:

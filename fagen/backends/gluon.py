@@ -231,6 +231,9 @@ class GluonBackend(KernelBackend):
     # bwd_grid + bwd_spt 251 (causal), bwd_order 4 431 (full), bwd_fixed + bwd_fixed_fma 2 498 / 500 (cuDNN 582 / 533),
     # and the FMA units too coarse at s16k (dq 1.1e-2 from the chain's at full).
     # Measured in docs/hopper.md, "The deterministic backward's launch order (ninth session)".
+    # bwd_fixed_tma 1 (tenth session, [Note] qmul rows by TMA): the fixed-point dQ's qmul rows by TMA into a ring slot;
+    # bwd_fixed_fma 3 ([Note] Two-limb FMA rounding): cvt's units rounded on the FMA pipe in two limbs. Measured in
+    # docs/hopper.md, "The deterministic backward at d128 (tenth session)".
 
     # [Note] Gluon MLA decode. fagen/templates/gluon/mla_decode.py.j2: MLA's absorbed decode (shared_kv, head_dim
     # 576 with head_dim_v 512) as FlashMLA's seesaw (two warpgroups of 64 packed query rows, a loader warp, 64-key

@@ -160,23 +160,28 @@ class GluonBackend(KernelBackend):
     # bwd_sections n (batch, KV head) pairs per L2 section; bwd_d64 the variant keys a d64 render takes instead
     # (variant_for). Measured in docs/hopper.md, "GQA and d64 in the Gluon backward (ninth session)".
     # bwd_block_m: queries per step (64; 128 built for d64 only: shared 199 KB, spills ~400 B).
-    # bwd_gqa: the keys a d128 GQA causal backward render takes over the others (variant_for).
+    # bwd_gqa: the keys a d128 GQA causal backward render takes over the others (variant_for); bwd_d128 (tenth
+    # session) those of a d128 MHA one, none or causal ({}: the chain; docs/hopper.md, "The deterministic backward at
+    # d128 (tenth session)").
     variant.update({"bwd_gqa_order": 0, "bwd_gqa_split": 1, "bwd_sections": 0, "bwd_block_m": 64,
-                    "bwd_d64": {"bwd_fixed": 1, "bwd_sections": 8}, "bwd_gqa": {"bwd_fixed": 1, "bwd_sections": 4}})
+                    "bwd_d64": {"bwd_fixed": 1, "bwd_sections": 8}, "bwd_gqa": {"bwd_fixed": 1, "bwd_sections": 4},
+                    "bwd_d128": {}})
     # Round B (H100, scripts/gpu_gluon_bwd_gqa64.py; TF/s deterministic / unordered, cuDNN): GQA 32/8 causal B4 s4k
     # d128 with sections of 4: 429 / 510 (the chain 367), cuDNN 469; d64 with sections of 8: causal 425 / 447, full
     # 416 / 403, GQA causal 360 / 402 (cuDNN 456, 463, 366; Triton 364, 371, 311).
 
     def variant_for(self, spec) -> dict:
         """The variant a render of `spec` reads (the template's `gluon`): `variant`, with bwd_d64's keys over it for
-        a head_dim 64 backward ([Note] Gluon backward at d64) and bwd_gqa's for a d128 GQA causal one, plain specs
-        only (no switch, no mod)."""
+        a head_dim 64 backward ([Note] Gluon backward at d64), bwd_gqa's for a d128 GQA causal one and bwd_d128's for
+        a d128 MHA one, plain specs only (no switch, no mod)."""
         if spec.direction is not Direction.BWD or spec.switches or spec.modded:  # the fixed-point dQ's bound holds
             return self.variant  # for plain softmax gradients ([Note] Fixed-point dQ), not for a score_mod's dS
         if spec.head_dim == 64 and self.variant["bwd_d64"]:
             return {**self.variant, **self.variant["bwd_d64"]}
         if spec.head_dim == 128 and spec.gqa > 1 and spec.mask is Mask.CAUSAL and self.variant["bwd_gqa"]:
             return {**self.variant, **self.variant["bwd_gqa"]}
+        if spec.head_dim == 128 and spec.gqa == 1 and self.variant["bwd_d128"]:
+            return {**self.variant, **self.variant["bwd_d128"]}
         return self.variant
     # The head dims the gluon backward renders and builds (_check_bwd): d64 too (the template's tiles do not depend
     # on D: [64, D / 2] dQ halves, [128, D] K/V; the lab's v1 at d64 built without spills and ran, docs/hopper.md),

@@ -50,6 +50,7 @@ for tag, case in (("c", CC), ("f", CF)):
                  f"{tag}-F": (case, F, ("fixed", ), None),
                  f"{tag}-FT": (case, FT, ("fixed", ), None),
                  f"{tag}-FT3": (case, FT3, ("fixed", ), None),
+                 f"{tag}-FTS4": (case, {**FT, "bwd_sections": 4}, ("fixed", ), None),
                  f"{tag}-FT3S4": (case, {**FT3, "bwd_sections": 4}, ("fixed", "unord"), None)})
 JOBS["c-mut!"] = (CC, FT3, ("fixed", ), MUT)
 WARM_LIMIT, TIME_LIMIT, TOTAL = 44, 48, 96
@@ -187,11 +188,11 @@ def phase_time(results, ready):
         ref = reference(q[:, :1], k[:, :1], v[:, :1], do[:, :1], causal, 128 ** -0.5)
         torch.cuda.synchronize()
         log(f"{case}: float64 head 0 in {time.time() - t0:.1f}s")
-        row = dict(case=case)
+        row, steps = dict(case=case), {}
         runs = [("cudnn", None)] + [(job, mode) for job, (c, _, modes, _) in JOBS.items() if c == case
                                     for mode in modes if mode in ready.get(job, ())]
-        for job, mode in runs:
-            label = "cudnn" if job == "cudnn" else f"{job[2:]} {mode}"
+        for job, mode, label in [(j, m, "cudnn" if j == "cudnn" else f"{j[2:]} {m}") for j, m in runs] + [
+                (j, m, ("cudnn" if j == "cudnn" else f"{j[2:]} {m}") + " #2") for j, m in runs]:
             try:
                 if job == "cudnn":
                     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -201,11 +202,16 @@ def phase_time(results, ready):
                     step = lambda: torch.autograd.grad(out, (qg, kg, vg), do, retain_graph=True)  # noqa: E731
                 else:
                     step = backward_fn(job, q, k, v, do, mode)
-                got = step()
-                torch.cuda.synchronize()
-                errs = [rel(x[:, :1], r) for x, r in zip(got, ref)]
-                del got
-                ms = triton.testing.do_bench(step, warmup=3, rep=25)
+                if label.endswith("#2"):  # the second pass: the same kernels again, later in the process
+                    step = steps[label[:-3]]
+                    errs = row[label[:-3]][1:]
+                else:
+                    got = step()
+                    torch.cuda.synchronize()
+                    errs = [rel(x[:, :1], r) for x, r in zip(got, ref)]
+                    del got
+                    steps[label] = step
+                ms = triton.testing.do_bench(step, warmup=5, rep=60)
                 tf = flops / ms / 1e9
                 row[label] = [tf, *errs]
                 ratio = f"{tf / row['cudnn'][0]:.2f}x cudnn" if "cudnn" in row else ""
@@ -267,7 +273,7 @@ def table(rows):
             log(f"| {r['case']} | {label} | {tf:.0f} | {ratio} | {' / '.join(f'{e:.2e}' for e in errs)} |")
     log("(bf16, backward only, TF/s = 2.5 x forward FLOPs / do_bench median; base chain = the default "
         "deterministic mode, unord = deterministic=False, F = bwd_fixed (cvt), FT = + bwd_fixed_tma, FT3 = + "
-        "bwd_fixed_fma 3, S4 = + bwd_sections 4)")
+        "bwd_fixed_fma 3, S4 = + bwd_sections 4; #2 = a second pass)")
 
 
 def main():

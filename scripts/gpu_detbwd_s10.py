@@ -318,8 +318,8 @@ def main():
             elif line.startswith(("check", "real", "warm", "Traceback")) or "Error" in line:
                 print(line, flush=True)
     bad = [f"{r['job']} {r['mode']} {r['check']}" for r in checks if not r["ok"]]
-    log(f"#### warm: {len(ready)}/{len(JOBS)} jobs done, checks {'ALL PASS' if not bad else 'FAILED: ' + ', '.join(bad)}"
-        f" ({time.time() - t0:.0f}s)")
+    verdict = "ALL PASS" if not bad else "FAILED: " + ", ".join(bad)
+    log(f"#### warm: {len(ready)}/{len(JOBS)} jobs done, checks {verdict} ({time.time() - t0:.0f}s)")
     rows = []
     rc, lines = run_child(__file__, "time", min(TIME_LIMIT, max(5.0, TOTAL - (time.time() - t0))), env,
                           lambda line: line.startswith(("RESULTS ", "ROW ")) or print(line, end="", flush=True),

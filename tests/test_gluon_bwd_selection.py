@@ -107,6 +107,7 @@ def test_the_dq_mutants_edit_the_gluon_backward_only(monkeypatch):
     from fagen.codegen import render
     gluon_bwd = KernelSpec(backend="gluon", direction="bwd", head_dim=128, dtype="bf16", mask="causal")
     monkeypatch.setitem(backends.GLUON.variant, "bwd_gqa", {})  # GQA causal's own keys: test_gluon_bwd_gqa64
+    monkeypatch.setitem(backends.GLUON.variant, "bwd_d128", {})  # MHA d128's own keys: test_gluon_bwd_compile
     for fixed in (0, 1, 2):
         monkeypatch.setitem(backends.GLUON.variant, "bwd_fixed", fixed)
         render.render.cache_clear()

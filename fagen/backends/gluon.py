@@ -161,11 +161,14 @@ class GluonBackend(KernelBackend):
     # (variant_for). Measured in docs/hopper.md, "GQA and d64 in the Gluon backward (ninth session)".
     # bwd_block_m: queries per step (64; 128 built for d64 only: shared 199 KB, spills ~400 B).
     # bwd_gqa: the keys a d128 GQA causal backward render takes over the others (variant_for); bwd_d128 (tenth
-    # session) those of a d128 MHA one, none or causal ({}: the chain; docs/hopper.md, "The deterministic backward at
-    # d128 (tenth session)").
+    # session) those of a d128 MHA one, none or causal ({}: the chain): the fixed-point dQ with its qmul rows by TMA
+    # and L2 sections of 4 heads. H100, bf16 B1 H16 s16k, TF/s, two passes in one process (scripts/gpu_detbwd_s10.py
+    # round A; docs/hopper.md, "The deterministic backward at d128 (tenth session)"): causal 543 / 473 against the
+    # chain's 465 / 457 and cuDNN's 570 / 547; full 527 / 542 against 455 / 465 and 542 / 559; the same render's
+    # unordered mode 552 / 539, 555 / 561. dq / dk / dv of head 0 against float64 as the chain's (2.46e-3 causal).
     variant.update({"bwd_gqa_order": 0, "bwd_gqa_split": 1, "bwd_sections": 0, "bwd_block_m": 64,
                     "bwd_d64": {"bwd_fixed": 1, "bwd_sections": 8}, "bwd_gqa": {"bwd_fixed": 1, "bwd_sections": 4},
-                    "bwd_d128": {}})
+                    "bwd_d128": {"bwd_fixed": 1, "bwd_fixed_tma": 1, "bwd_sections": 4}})
     # Round B (H100, scripts/gpu_gluon_bwd_gqa64.py; TF/s deterministic / unordered, cuDNN): GQA 32/8 causal B4 s4k
     # d128 with sections of 4: 429 / 510 (the chain 367), cuDNN 469; d64 with sections of 8: causal 425 / 447, full
     # 416 / 403, GQA causal 360 / 402 (cuDNN 456, 463, 366; Triton 364, 371, 311).

@@ -4,12 +4,14 @@
     python scripts/gpu_detbwd_s10.py --phase time               # one phase here (no child, no timeout)
     GPU_DETBWD_DRY=1 python scripts/gpu_detbwd_s10.py           # any machine: renders, sm_90 builds
 
-Target: the deterministic mode >= 0.95x cuDNN at d128 bf16 B1 H16 s16k, causal and full. Candidates (product
-renders, fagen/templates/gluon/backward.py.j2, with GluonBackend.variant updated): the fixed-point dQ (bwd_fixed 1,
-cvt.rni), with its qmul rows brought by TMA into a ring slot (bwd_fixed_tma 1, [Note] qmul rows by TMA), with the
-two-limb FMA rounding at cvt's units (bwd_fixed_fma 3, [Note] Two-limb FMA rounding), and with L2 sections of 4
-heads (bwd_sections 4: one program per tile in modes 1, 2). Beside them: the chain (the default deterministic
-mode), the unordered mode (deterministic=False) and cuDNN (SDPA's cuDNN backend), one process.
+Target: the deterministic mode >= 0.95x cuDNN at d128 bf16 B1 H16 s16k, causal and full. Round A
+(DETBWD_ROUND=A; each candidate a variant over the chain's render): the fixed-point dQ (bwd_fixed 1, cvt.rni), with
+its qmul rows by TMA into a ring slot (bwd_fixed_tma 1, [Note] qmul rows by TMA), with the two-limb FMA rounding at
+cvt's units (bwd_fixed_fma 3, [Note] Two-limb FMA rounding), with L2 sections of 4 heads (bwd_sections 4). Round B
+(the default): the new d128 default (variant bwd_d128: fixed-point dQ, qmul rows by TMA, sections of 4) against the
+chain (bwd_d128 {}), the default without sections and with sections of 8, GQA 32/8 causal d128 with the qmul rows by
+TMA; the default's two mutants. Beside them the unordered mode (deterministic=False) and cuDNN (SDPA's cuDNN
+backend), one process, three passes.
 Phases: `warm` (one child per job, all at once: build, check each mode against float64 at a small shape, exact zeros
 of row 0 (causal), the real shape twice, bitwise equal in deterministic modes; the mutant's check must FAIL), `time`
 (one child: per mask, float64 gradients of head 0 at s16k, each run's error there, then TF/s, do_bench median).
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -33,26 +36,44 @@ from _phases import child_env, run_phase as run_child  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-# case -> (B, H, S_real, causal, check shape (B, H, Sq, Sk))
-CASES = {"d128 causal B1 H16 s16k": (1, 16, 16384, True, (1, 16, 208, 208)),
-         "d128 full B1 H16 s16k": (1, 16, 16384, False, (1, 16, 208, 336))}
-CC, CF = CASES
+# case -> (B, Hq, Hkv, S_real, causal, check shape (B, Hq, Hkv, Sq, Sk))
+CASES = {"d128 causal B1 H16 s16k": (1, 16, 16, 16384, True, (1, 16, 16, 208, 208)),
+         "d128 full B1 H16 s16k": (1, 16, 16, 16384, False, (1, 16, 16, 208, 336)),
+         "gqa 32/8 causal B4 s4k": (4, 32, 8, 4096, True, (4, 32, 8, 208, 208))}
+CC, CF, CG = CASES
 F = {"bwd_fixed": 1}
 FT = {**F, "bwd_fixed_tma": 1}
 FT3 = {**FT, "bwd_fixed_fma": 3}
-# the two-limb rounding's high limb shifted one bit short: dq must fail its float64 check (the mutant)
-MUT = ("(h.to(gl.int32, bitcast=True) << 8)", "(h.to(gl.int32, bitcast=True) << 7)")
-# job -> (case, variant overrides, modes, mutant); modes: 'chain' (DQ_MODE 0), 'fixed' (the render's deterministic
-# mode with bwd_fixed), 'unord' (deterministic=False)
+# job -> (case, variant overrides, modes, mutant); modes: 'chain' / 'fixed' (deterministic=True: the render's
+# deterministic mode), 'unord' (deterministic=False)
 JOBS = {}
-for tag, case in (("c", CC), ("f", CF)):
-    JOBS.update({f"{tag}-base": (case, {}, ("chain", "unord"), None),
-                 f"{tag}-F": (case, F, ("fixed", ), None),
-                 f"{tag}-FT": (case, FT, ("fixed", ), None),
-                 f"{tag}-FT3": (case, FT3, ("fixed", ), None),
-                 f"{tag}-FTS4": (case, {**FT, "bwd_sections": 4}, ("fixed", ), None),
-                 f"{tag}-FT3S4": (case, {**FT3, "bwd_sections": 4}, ("fixed", "unord"), None)})
-JOBS["c-mut!"] = (CC, FT3, ("fixed", ), MUT)
+if os.environ.get("DETBWD_ROUND", "B") == "A":
+    # round A (09:51 UTC): the candidates; the two-limb rounding's high limb one bit short must fail (the mutant)
+    MUT = ("(h.to(gl.int32, bitcast=True) << 8)", "(h.to(gl.int32, bitcast=True) << 7)")
+    D = {"bwd_d128": {}}  # each candidate as a variant over the chain's render
+    for tag, case in (("c", CC), ("f", CF)):
+        JOBS.update({f"{tag}-base": (case, D, ("chain", "unord"), None),
+                     f"{tag}-F": (case, {**D, **F}, ("fixed", ), None),
+                     f"{tag}-FT": (case, {**D, **FT}, ("fixed", ), None),
+                     f"{tag}-FT3": (case, {**D, **FT3}, ("fixed", ), None),
+                     f"{tag}-FTS4": (case, {**D, **FT, "bwd_sections": 4}, ("fixed", ), None),
+                     f"{tag}-FT3S4": (case, {**D, **FT3, "bwd_sections": 4}, ("fixed", "unord"), None)})
+    JOBS["c-mut!"] = (CC, {**D, **FT3}, ("fixed", ), MUT)
+else:
+    # round B: the new d128 default (bwd_d128: fixed-point dQ, qmul rows by TMA, sections of 4) against the chain
+    # (bwd_d128 {}), its variants without sections and with sections of 8; GQA causal d128 (bwd_gqa: fixed-point,
+    # sections of 4) with the qmul rows by TMA; the default's mutants (delta rows for qmul; no qmul) must fail
+    for tag, case in (("c", CC), ("f", CF)):
+        JOBS.update({f"{tag}-def": (case, {}, ("fixed", "unord"), None),
+                     f"{tag}-chain": (case, {"bwd_d128": {}}, ("chain", ), None),
+                     f"{tag}-FT": (case, {"bwd_d128": FT}, ("fixed", ), None),
+                     f"{tag}-FTS8": (case, {"bwd_d128": {**FT, "bwd_sections": 8}}, ("fixed", "unord"), None)})
+    JOBS.update({"g-def": (CG, {}, ("fixed", "unord"), None),
+                 "g-T": (CG, {"bwd_gqa": {**FT, "bwd_sections": 4}}, ("fixed", "unord"), None),
+                 "c-mrows!": (CC, {}, ("fixed", ), ("[num_bh * GQA + off_b * num_heads + h0 + g, m0]",
+                                                   "[off_b * num_heads + h0 + g, m0]")),
+                 "c-mscale!": (CC, {}, ("fixed", ), ("dq = _cvt_rni(dq * qm[:, None])", "dq = _cvt_rni(dq)"))})
+FWD = {CC: "c-def", CF: "f-def", CG: "g-def"}  # the job whose module gives (out, lse)
 WARM_LIMIT, TIME_LIMIT, TOTAL = 44, 48, 96
 BOUND = 6e-3  # relative L2 error of each gradient against float64 at the check shape (bf16: ~2.4e-3)
 
@@ -77,10 +98,10 @@ def _module(job):
     from fagen.runtime.loader import load_source
     from fagen.spec.kernel import KernelSpec
     case, over, _, mut = JOBS[job]
-    causal = CASES[case][3]
-    spec = KernelSpec(head_dim=128, mask="causal" if causal else "none", gqa=1, dtype="bf16", direction="bwd",
-                      backend="gluon")
-    if not over:
+    b, hq, hkv, _, causal, _ = CASES[case]
+    spec = KernelSpec(head_dim=128, mask="causal" if causal else "none", gqa=hq // hkv, dtype="bf16",
+                      direction="bwd", backend="gluon")
+    if not over and not mut:
         return fagen.load(spec)
     saved = dict(backends.GLUON.variant)
     backends.GLUON.variant.update(over)
@@ -91,24 +112,27 @@ def _module(job):
         backends.GLUON.variant.clear()
         backends.GLUON.variant.update(saved)
         _render.render.cache_clear()
-    tag = "_".join(f"{k}{v}" for k, v in over.items())
+    tag = re.sub(r"\W", "", "_".join(f"{k}{v}" for k, v in over.items())) or "def"
     if mut:
         assert mut[0] in source, "the mutant's text is not in the render"
         source, tag = source.replace(mut[0], mut[1]), tag + "_mut"
     return load_source(source, f"{spec.name}_{tag}")
 
 
-def inputs(b, h, sq, sk, seed=0):
+def inputs(b, hq, hkv, sq, sk, seed=0):
     import torch
     g = torch.Generator(device="cuda").manual_seed(seed)
     return [torch.randn(shape, generator=g, device="cuda").bfloat16()
-            for shape in ((b, h, sq, 128), (b, h, sk, 128), (b, h, sk, 128), (b, h, sq, 128))]
+            for shape in ((b, hq, sq, 128), (b, hkv, sk, 128), (b, hkv, sk, 128), (b, hq, sq, 128))]
 
 
 def reference(q, k, v, do, causal, scale):
-    """float64 gradients (dq, dk, dv), bottom-right causal, by hand (no autograd graph: s16k fits)."""
+    """float64 gradients (dq, dk, dv), bottom-right causal, by hand (no autograd graph: s16k fits); GQA: K, V
+    repeated, dK, dV summed over each KV head's query heads."""
     import torch
-    q, k, v, do = (t.double() for t in (q, k, v, do))
+    gqa = q.shape[1] // k.shape[1]
+    q, do = q.double(), do.double()
+    k, v = (t.double().repeat_interleave(gqa, dim=1) for t in (k, v))
     s = (q @ k.transpose(-1, -2)) * scale
     if causal:
         sq, sk = q.shape[-2], k.shape[-2]
@@ -125,7 +149,8 @@ def reference(q, k, v, do, causal, scale):
     del p
     dq = (dp @ k) * scale
     dk = (dp.transpose(-1, -2) @ q) * scale
-    return dq, dk, dv
+    b, h, sk, d = dk.shape
+    return dq, dk.view(b, h // gqa, gqa, sk, d).sum(2), dv.view(b, h // gqa, gqa, sk, d).sum(2)
 
 
 def rel(a, b):
@@ -133,7 +158,7 @@ def rel(a, b):
 
 
 def backward_fn(job, q, k, v, do, mode):
-    mod, fwd = module(job), module(f"{job[0]}-base")
+    mod, fwd = module(job), module(FWD[JOBS[job][0]])
     scale = 128 ** -0.5
     out, lse = fwd.forward(q, k, v, scale=scale)
     det = mode != "unord"
@@ -145,8 +170,8 @@ def phase_warm(results, job):
     import torch
     t0 = time.time()
     case, _, modes, mut = JOBS[job]
-    b, h, s, causal, (cb, ch, csq, csk) = CASES[case]
-    q, k, v, do = inputs(cb, ch, csq, csk)
+    b, h, hkv, s, causal, (cb, ch, chkv, csq, csk) = CASES[case]
+    q, k, v, do = inputs(cb, ch, chkv, csq, csk)
     ref = reference(q, k, v, do, causal, 128 ** -0.5)
     ready = []
     for mode in modes:
@@ -164,7 +189,7 @@ def phase_warm(results, job):
     if mut:
         results.append(dict(job=job, ready=[]))
         return
-    q, k, v, do = inputs(b, h, s, s, seed=1)
+    q, k, v, do = inputs(b, h, hkv, s, s, seed=1)
     for mode in modes:
         runs = [backward_fn(job, q, k, v, do, mode)() for _ in range(1 if mode == "unord" else 2)]
         torch.cuda.synchronize()
@@ -181,34 +206,36 @@ def phase_time(results, ready):
     TF/s beside cuDNN (do_bench median)."""
     import torch
     import triton
-    for case, (b, h, s, causal, _) in CASES.items():
+    for case, (b, h, hkv, s, causal, _) in CASES.items():
         t0 = time.time()
         flops = 2.5 * 4 * b * h * s * s * 128 * (0.5 if causal else 1.0)
-        q, k, v, do = inputs(b, h, s, s, seed=2)
-        ref = reference(q[:, :1], k[:, :1], v[:, :1], do[:, :1], causal, 128 ** -0.5)
+        q, k, v, do = inputs(b, h, hkv, s, s, seed=2)
+        g = h // hkv  # KV head 0 of batch 0 and its query heads
+        ref = reference(q[:1, :g], k[:1, :1], v[:1, :1], do[:1, :g], causal, 128 ** -0.5)
         torch.cuda.synchronize()
         log(f"{case}: float64 head 0 in {time.time() - t0:.1f}s")
         row, steps = dict(case=case), {}
         runs = [("cudnn", None)] + [(job, mode) for job, (c, _, modes, _) in JOBS.items() if c == case
                                     for mode in modes if mode in ready.get(job, ())]
-        for job, mode, label in [(j, m, "cudnn" if j == "cudnn" else f"{j[2:]} {m}") for j, m in runs] + [
-                (j, m, ("cudnn" if j == "cudnn" else f"{j[2:]} {m}") + " #2") for j, m in runs]:
+        name = lambda j, m: "cudnn" if j == "cudnn" else f"{j[2:]} {m}"  # noqa: E731
+        for job, mode, label in [(j, m, name(j, m) + p) for p in ("", " #2", " #3") for j, m in runs]:
             try:
-                if job == "cudnn":
-                    from torch.nn.attention import SDPBackend, sdpa_kernel
-                    qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
-                    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                        out = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
-                    step = lambda: torch.autograd.grad(out, (qg, kg, vg), do, retain_graph=True)  # noqa: E731
-                else:
-                    step = backward_fn(job, q, k, v, do, mode)
-                if label.endswith("#2"):  # the second pass: the same kernels again, later in the process
+                if "#" in label:  # a later pass: the same kernels again, later in the process
                     step = steps[label[:-3]]
                     errs = row[label[:-3]][1:]
                 else:
+                    if job == "cudnn":
+                        from torch.nn.attention import SDPBackend, sdpa_kernel
+                        qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+                        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                            out = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=causal,
+                                                                                   enable_gqa=h != hkv)
+                        step = lambda: torch.autograd.grad(out, (qg, kg, vg), do, retain_graph=True)  # noqa: E731
+                    else:
+                        step = backward_fn(job, q, k, v, do, mode)
                     got = step()
                     torch.cuda.synchronize()
-                    errs = [rel(x[:, :1], r) for x, r in zip(got, ref)]
+                    errs = [rel(x[:1, :n], r) for x, n, r in zip(got, (g, 1, 1), ref)]
                     del got
                     steps[label] = step
                 ms = triton.testing.do_bench(step, warmup=5, rep=60)
@@ -273,7 +300,8 @@ def table(rows):
             log(f"| {r['case']} | {label} | {tf:.0f} | {ratio} | {' / '.join(f'{e:.2e}' for e in errs)} |")
     log("(bf16, backward only, TF/s = 2.5 x forward FLOPs / do_bench median; base chain = the default "
         "deterministic mode, unord = deterministic=False, F = bwd_fixed (cvt), FT = + bwd_fixed_tma, FT3 = + "
-        "bwd_fixed_fma 3, S4 = + bwd_sections 4; #2 = a second pass)")
+        "bwd_fixed_fma 3, S4 = + bwd_sections 4; round B: def = the d128 default (bwd_d128), chain = bwd_d128 {}, "
+        "FT = bwd_d128 without sections, FTS8 = sections of 8, g-T = bwd_gqa + bwd_fixed_tma; #2, #3 = later passes)")
 
 
 def main():

@@ -131,8 +131,8 @@ def test_two_limbs_equal_cvt_rni(rni):
 def test_qmul_rows_by_tma_move_the_read_only():
     """bwd_fixed_tma: the producer loads the qmul rows (d_desc's rows B * Hq on) into m_smem beside lse2, delta; the
     compute warpgroups read them at the step's end; the global load of the rows is gone; modes 0, 1 unchanged."""
-    _, plain = _render(bwd_fixed=1)
-    _, tma = _render(bwd_fixed=1, bwd_fixed_tma=1)
+    _, plain = _render(bwd_d128={}, bwd_fixed=1)
+    _, tma = _render(bwd_d128={}, bwd_fixed=1, bwd_fixed_tma=1)
     assert "qm = gl.load(Sem + qrow" in plain and "qm = gl.load(Sem" not in tma
     assert "m_smem" not in plain
     assert "tma.async_copy_global_to_shared(d_desc, [num_bh * GQA + off_b * num_heads + h0 + g, m0]" in tma
@@ -150,3 +150,14 @@ def test_the_limb_mutant_edits_the_two_limb_render_only():
                             ({"bwd_fixed": 1}, False), ({}, False)):
         spec, source = _render(**variant)
         assert limb.applies(spec) and (limb.old in source) == edited
+
+
+def test_the_tma_rows_mutant_edits_the_tma_render_only():
+    """gluon-bwd-fixed-tma-rows (the delta rows in place of qmul) edits the renders with bwd_fixed_tma only, the d128
+    MHA default among them; the GPU test and scripts/gpu_detbwd_s10.py must catch it."""
+    from fagen.verify.mutants import GLUON_MUTANTS
+    rows = next(m for m in GLUON_MUTANTS if m.name == "gluon-bwd-fixed-tma-rows")
+    for variant, edited in (({"bwd_d128": {}, "bwd_fixed": 1, "bwd_fixed_tma": 1}, True),
+                            ({"bwd_d128": {}, "bwd_fixed": 1}, False), ({"bwd_d128": {}}, False), ({}, True)):
+        spec, source = _render(**variant)
+        assert rows.applies(spec) and (rows.old in source) == edited

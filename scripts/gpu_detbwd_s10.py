@@ -199,6 +199,28 @@ def phase_warm(results, job):
         ready.append(mode)
         del runs
     results.append(dict(job=job, ready=ready))
+    if job in ("c-def", "f-def"):  # the public path: fagen.attention takes this render, bitwise twice
+        try:
+            import fagen
+            from fagen.runtime import hopper
+            from fagen.spec.kernel import KernelSpec
+            want = hopper.backward_spec(KernelSpec(head_dim=128, mask="causal" if causal else "none", dtype="bf16",
+                                                   direction="bwd"), q.device)
+            picked = fagen.load(want)
+            grads = []
+            for _ in range(2):
+                leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+                out = fagen.attention(*leaves, mask="causal" if causal else "none")
+                grads.append(torch.autograd.grad(out, leaves, do))
+            torch.cuda.synchronize()
+            same = all(torch.equal(a, c) for a, c in zip(*grads))
+            ok = same and picked.BWD_DET_MODE == 2 and picked.BWD_GRID_ALL == 1
+            log(f"route {job:<9} fagen.attention: {want.name if want else None} (BWD_DET_MODE {picked.BWD_DET_MODE}, "
+                f"BWD_GRID_ALL {picked.BWD_GRID_ALL}), x2 {'bitwise equal' if same else 'DIFFER'} -> "
+                f"{'PASS' if ok else 'FAIL'}")
+            results.append(dict(job=job, mode="route", check="fagen.attention", ok=ok))
+        except Exception as e:  # the route check must not keep the job from its timing
+            log(f"route {job:<9} ERROR {type(e).__name__}: {str(e)[:200]}")
 
 
 def phase_time(results, ready):
@@ -343,7 +365,7 @@ def main():
                         ready[job] = r["ready"]
                     else:
                         checks.append(r)
-            elif line.startswith(("check", "real", "warm", "Traceback")) or "Error" in line:
+            elif line.startswith(("check", "real", "route", "warm", "Traceback")) or "Error" in line:
                 print(line, flush=True)
     bad = [f"{r['job']} {r['mode']} {r['check']}" for r in checks if not r["ok"]]
     verdict = "ALL PASS" if not bad else "FAILED: " + ", ".join(bad)

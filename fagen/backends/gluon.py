@@ -166,8 +166,12 @@ class GluonBackend(KernelBackend):
     # round A; docs/hopper.md, "The deterministic backward at d128 (tenth session)"): causal 543 / 473 against the
     # chain's 465 / 457 and cuDNN's 570 / 547; full 527 / 542 against 455 / 465 and 542 / 559; the same render's
     # unordered mode 552 / 539, 555 / 561. dq / dk / dv of head 0 against float64 as the chain's (2.46e-3 causal).
+    # Round B (three passes): causal 541 / 540 / 513 (chain 462 / 452 / 451, cuDNN 574 / 535 / 473), full 522 / 546 /
+    # 534 (chain 452 / 443 / 448, cuDNN 552 / 549 / 540). bwd_gqa takes the qmul rows by TMA too (round B, GQA 32/8
+    # causal B4 s4k: 458 / 449 / 393 against 421 / 416 / 416 without, cuDNN 444 / 435 / 443).
     variant.update({"bwd_gqa_order": 0, "bwd_gqa_split": 1, "bwd_sections": 0, "bwd_block_m": 64,
-                    "bwd_d64": {"bwd_fixed": 1, "bwd_sections": 8}, "bwd_gqa": {"bwd_fixed": 1, "bwd_sections": 4},
+                    "bwd_d64": {"bwd_fixed": 1, "bwd_sections": 8},
+                    "bwd_gqa": {"bwd_fixed": 1, "bwd_sections": 4, "bwd_fixed_tma": 1},
                     "bwd_d128": {"bwd_fixed": 1, "bwd_fixed_tma": 1, "bwd_sections": 4}})
     # Round B (H100, scripts/gpu_gluon_bwd_gqa64.py; TF/s deterministic / unordered, cuDNN): GQA 32/8 causal B4 s4k
     # d128 with sections of 4: 429 / 510 (the chain 367), cuDNN 469; d64 with sections of 8: causal 425 / 447, full

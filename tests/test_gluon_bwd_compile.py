@@ -38,6 +38,7 @@ for key, fields in json.loads(sys.argv[2]).items():
                     complete=sorted(set(re.findall(r"cp\.async\.bulk\.wait_group (\d);", ptx))),
                     named=sorted(set(re.findall(r"\bbar\.(?:sync|arrive) (\d+), (?:160|256);", ptx))),
                     tma_store=ptx.count("cp.async.bulk.tensor.4d.global.shared"), cvt=ptx.count("cvt.rni.s32.f32"),
+                    load2d=len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global", ptx)),
                     magic=ptx.count("0f4B400000"), spill_bytes=[res.spill_stores, res.spill_loads],
                     unmagic=len(re.findall(r"-1262485504\b", ptx)),
                     setmaxnreg=sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
@@ -63,7 +64,11 @@ BUILDS = {"det": dict(mask="causal", gqa=2, dtype="bf16", deterministic=True, va
           "fixed_fma2": dict(mask="none", dtype="bf16", deterministic=True,
                              variant={"bwd_fixed": 1, "bwd_fixed_fma": 2}),
           "spt": dict(mask="causal", gqa=2, dtype="bf16", deterministic=True,
-                      variant={"bwd_fixed": 0, "bwd_spt": 1, "bwd_grid": 1, "bwd_gqa": {}})}
+                      variant={"bwd_fixed": 0, "bwd_spt": 1, "bwd_grid": 1, "bwd_gqa": {}}),
+          # tenth session: the d128 MHA default (variant bwd_d128: [Note] qmul rows by TMA, L2 sections) and the
+          # same render without the qmul rows by TMA
+          "d128": dict(mask="causal", dtype="bf16", deterministic=True),
+          "d128_ldg": dict(mask="causal", dtype="bf16", deterministic=True, variant={"bwd_d128": {"bwd_fixed": 1}})}
 
 
 @pytest.fixture(scope="module")
@@ -145,3 +150,13 @@ def test_the_launch_order_keeps_the_fixed_order_dq(built):
     r, det = built["spt"], built["det"]
     assert r["acquire"] >= 1 and r["release"] >= 1 and r["complete"] == ["0", "2"], r
     assert r["reduce"] == det["reduce"] and len(r["steps"]) == 2, r
+
+
+def test_the_d128_default_brings_the_qmul_rows_by_tma(built):
+    """[Note] qmul rows by TMA (bwd_d128's bwd_fixed_tma): the producer's 2-d TMA loads per step are lse2, delta and
+    the qmul rows (3, against 2 in the render without it); the compute warpgroups load nothing from global memory in
+    the step; the fixed-point dQ's adds wait for no turn."""
+    r, ldg = built["d128"], built["d128_ldg"]
+    assert r["cvt"] >= 64 and r["acquire"] == r["release"] == 0 and r["complete"] == [], r
+    assert r["load2d"] == ldg["load2d"] + 1 == 3, (r, ldg)
+    assert len(r["steps"]) == 2 and all(s["wgmma"] == 32 for s in r["steps"]), r["steps"]

@@ -70,12 +70,15 @@ def test_the_deterministic_mode_is_bitwise_repeatable(any_size, mask, hq, hkv):
 
 
 @pytest.mark.parametrize("mutant,fixed", [("gluon-bwd-dq-one-half", 0), ("gluon-bwd-fixed-no-scale", 1),
-                                          ("gluon-bwd-fixed-fma-no-scale", 1)])
+                                          ("gluon-bwd-fixed-fma-no-scale", 1), ("gluon-bwd-fixed-fma-limb", 1),
+                                          ("gluon-bwd-fixed-tma-rows", 1)])
 def test_the_dq_mutant_is_caught(mutant, fixed, monkeypatch):
     from fagen import backends
     from fagen.codegen import render
     monkeypatch.setitem(backends.GLUON.variant, "bwd_fixed", fixed)  # [Note] Fixed-point dQ
-    monkeypatch.setitem(backends.GLUON.variant, "bwd_fixed_fma", int("fma" in mutant))  # [Note] FMA rounding
+    # [Note] FMA rounding; the limb mutant: [Note] Two-limb FMA rounding (bwd_fixed_fma 3, with the qmul rows by TMA)
+    monkeypatch.setitem(backends.GLUON.variant, "bwd_fixed_fma", 3 if "limb" in mutant else int("fma" in mutant))
+    monkeypatch.setitem(backends.GLUON.variant, "bwd_fixed_tma", int("limb" in mutant or "tma" in mutant))
     render.render.cache_clear()
     spec = KernelSpec(backend="gluon", direction="bwd", head_dim=128, dtype="bf16", mask="causal")
     broken = engine.mutant_module(spec, mutant)

@@ -160,9 +160,9 @@ def test_a_switch_or_a_score_mod_keeps_the_default_variant():
 
 
 def test_the_d64_backward_renders_the_fixed_point_dq_by_default():
-    """The product's d64 render ([Note] Gluon backward at d64): the fixed-point dQ is its deterministic mode; d128's
-    stays the chain."""
-    assert "BWD_DET_MODE = 2" in source(gqa=1, head_dim=64) and "BWD_DET_MODE = 0" in source(gqa=1)
+    """The product's d64 render ([Note] Gluon backward at d64): the fixed-point dQ is its deterministic mode; d128
+    MHA's by its own keys (bwd_d128, tenth session; without them the chain)."""
+    assert "BWD_DET_MODE = 2" in source(gqa=1, head_dim=64) and "BWD_DET_MODE = 0" in source(gqa=1, bwd_d128={})
 
 
 @pytest.mark.parametrize("mask,gqa,dtype,picked", [
@@ -195,10 +195,12 @@ def test_fagen_attention_takes_the_fixed_point_gluon_backward_at_d64(as_if_hoppe
 
 def test_gqa_causal_renders_the_fixed_point_dq_with_l2_sections_and_takes_unordered_adds():
     """Round B (H100): sections of 4 with one program per tile, 429 TF/s deterministic (the chain 367) and 510
-    unordered (cuDNN 469); d64: sections of 8. MHA d128 keeps the chain."""
+    unordered (cuDNN 469); d64: sections of 8. MHA d128 (tenth session, bwd_d128): sections of 4 with the qmul rows
+    by TMA."""
     gqa = source(product=True)
     assert "BWD_DET_MODE = 2" in gqa and "span = 4 * " in gqa and "\nBWD_GRID_ALL = 1 " in gqa
     assert "span = 8 * " in source(gqa=1, head_dim=64, product=True)
-    assert "BWD_DET_MODE = 0" in source(gqa=1, product=True)
+    mha = source(gqa=1, product=True)
+    assert "BWD_DET_MODE = 2" in mha and "span = 4 * " in mha and "m_smem.index(s)" in mha
     assert "span = " not in source(gqa=4, mask="none", product=True)  # GQA full: not measured
     assert backends.GLUON.unordered_selected("causal", 4)

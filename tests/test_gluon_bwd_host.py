@@ -12,6 +12,9 @@ import triton
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 import fagen
+from fagen import backends
+from fagen.codegen import render
+from fagen.runtime.loader import load_source
 from test_hostpath import _Fill
 from test_launch import _same
 
@@ -69,7 +72,13 @@ class _JIT:
 def gluon_bwd(request, monkeypatch):
     """The bf16 d128 gluon bwd module with fast launches on and its three kernels faked; (module, mode, fakes)."""
     deterministic, mask = request.param
-    mod = fagen.load(fagen.KernelSpec(backend="gluon", direction="bwd", head_dim=128, mask=mask, dtype="bf16"))
+    # the chain's render (bwd_d128 {}): the fast path serves modes 0 and 1; the d128 default's mode 2 (the
+    # fixed-point dQ) takes the plain path
+    monkeypatch.setitem(backends.GLUON.variant, "bwd_d128", {})
+    render.render.cache_clear()
+    spec = fagen.KernelSpec(backend="gluon", direction="bwd", head_dim=128, mask=mask, dtype="bf16")
+    mod = load_source(fagen.generate(spec), f"{spec.name}_chain_host")  # not fagen.load's module of the default
+    render.render.cache_clear()
     mode = 0 if deterministic else 1
     real, epi_tma = mod._BWD_KERNELS[mode]
     fakes = {"pre": _JIT(mod._bwd_preprocess, 7), "conv": _JIT(mod._dq_convert, 5),

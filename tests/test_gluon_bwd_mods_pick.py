@@ -208,6 +208,7 @@ def test_the_window_fixed_point_lever_renders_the_window_switch_s_deterministic_
 
     gluon = dict(backend="gluon", mask="causal")
     monkeypatch.setitem(backends.GLUON.variant, "bwd_window_fixed", 1)
+    monkeypatch.setitem(backends.GLUON.variant, "bwd_d128", {})  # a plain d128 spec's own keys: bwd_d128
     render.cache_clear()
     try:
         assert "BWD_DET_MODE = 2" in render(bwd(window=True, **gluon)).files[".py"]

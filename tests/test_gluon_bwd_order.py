@@ -92,6 +92,7 @@ def test_the_fma_mutant_edits_the_fma_render_only(monkeypatch):
     fma, cvt = (next(m for m in GLUON_MUTANTS if m.name == n)
                 for n in ("gluon-bwd-fixed-fma-no-scale", "gluon-bwd-fixed-no-scale"))
     spec = KernelSpec(backend="gluon", direction="bwd", head_dim=128, dtype="bf16", mask="none")
+    monkeypatch.setitem(backends.GLUON.variant, "bwd_d128", {})  # MHA d128's own keys (bwd_fixed 1)
     for fixed, on in ((1, 1), (1, 0), (0, 1)):
         monkeypatch.setitem(backends.GLUON.variant, "bwd_fixed", fixed)
         monkeypatch.setitem(backends.GLUON.variant, "bwd_fixed_fma", on)

@@ -106,7 +106,7 @@ class GluonBackend(KernelBackend):
                "bwd_order": 0, "bwd_snake": 0, "bwd_named": 0, "bwd_epi_tma": 0, "bwd_fixed": 0, "bwd_window_desc": 0,
                "bwd_mod_early": 0, "bwd_window_fixed": 0,
                "bwd_unordered_levers": {"bwd_named": 2, "bwd_epi_tma": 1, "bwd_snake": 1},
-               "bwd_fixed_fma": 0, "bwd_grid": 0, "bwd_spt": 0}
+               "bwd_fixed_fma": 0, "bwd_grid": 0, "bwd_spt": 0, "bwd_fixed_tma": 0}
 
     # [Note] Gluon tile order. The persistent forward deals its tiles in an order ([Note] Tile schedule in the
     # template): causal query blocks differ in work, so the order decides how evenly the programs finish. H100,
@@ -168,17 +168,27 @@ class GluonBackend(KernelBackend):
     # bwd_sections n (batch, KV head) pairs per L2 section; bwd_d64 the variant keys a d64 render takes instead
     # (variant_for). Measured in docs/hopper.md, "GQA and d64 in the Gluon backward (ninth session)".
     # bwd_block_m: queries per step (64; 128 built for d64 only: shared 199 KB, spills ~400 B).
-    # bwd_gqa: the keys a d128 GQA causal backward render takes over the others (variant_for).
+    # bwd_gqa: the keys a d128 GQA causal backward render takes over the others (variant_for); bwd_d128 (tenth
+    # session) those of a d128 MHA one, none or causal ({}: the chain): the fixed-point dQ with its qmul rows by TMA
+    # and L2 sections of 4 heads. H100, bf16 B1 H16 s16k, TF/s, two passes in one process (scripts/gpu_detbwd_s10.py
+    # round A; docs/hopper.md, "The deterministic backward at d128 (tenth session)"): causal 543 / 473 against the
+    # chain's 465 / 457 and cuDNN's 570 / 547; full 527 / 542 against 455 / 465 and 542 / 559; the same render's
+    # unordered mode 552 / 539, 555 / 561. dq / dk / dv of head 0 against float64 as the chain's (2.46e-3 causal).
+    # Round B (three passes): causal 541 / 540 / 513 (chain 462 / 452 / 451, cuDNN 574 / 535 / 473), full 522 / 546 /
+    # 534 (chain 452 / 443 / 448, cuDNN 552 / 549 / 540). bwd_gqa takes the qmul rows by TMA too (round B, GQA 32/8
+    # causal B4 s4k: 458 / 449 / 393 against 421 / 416 / 416 without, cuDNN 444 / 435 / 443).
     variant.update({"bwd_gqa_order": 0, "bwd_gqa_split": 1, "bwd_sections": 0, "bwd_block_m": 64,
-                    "bwd_d64": {"bwd_fixed": 1, "bwd_sections": 8}, "bwd_gqa": {"bwd_fixed": 1, "bwd_sections": 4}})
+                    "bwd_d64": {"bwd_fixed": 1, "bwd_sections": 8},
+                    "bwd_gqa": {"bwd_fixed": 1, "bwd_sections": 4, "bwd_fixed_tma": 1},
+                    "bwd_d128": {"bwd_fixed": 1, "bwd_fixed_tma": 1, "bwd_sections": 4}})
     # Round B (H100, scripts/gpu_gluon_bwd_gqa64.py; TF/s deterministic / unordered, cuDNN): GQA 32/8 causal B4 s4k
     # d128 with sections of 4: 429 / 510 (the chain 367), cuDNN 469; d64 with sections of 8: causal 425 / 447, full
     # 416 / 403, GQA causal 360 / 402 (cuDNN 456, 463, 366; Triton 364, 371, 311).
 
     def variant_for(self, spec) -> dict:
         """The variant a render of `spec` reads (the template's `gluon`): `variant`, with bwd_d64's keys over it for
-        a head_dim 64 backward ([Note] Gluon backward at d64) and bwd_gqa's for a d128 GQA causal one, plain specs
-        only (no switch, no mod)."""
+        a head_dim 64 backward ([Note] Gluon backward at d64), bwd_gqa's for a d128 GQA causal one and bwd_d128's for
+        a d128 MHA one, plain specs only (no switch, no mod)."""
         if spec.direction is Direction.FWD and spec.dtype is DType.FP8_E4M3 and spec.head_dim == 64:
             return {**self.variant, **self.variant["fp8_d64"]}  # [Note] fp8 three warpgroups: d64's own count
         if spec.direction is not Direction.BWD or spec.switches or spec.modded:  # the fixed-point dQ's bound holds
@@ -187,6 +197,8 @@ class GluonBackend(KernelBackend):
             return {**self.variant, **self.variant["bwd_d64"]}
         if spec.head_dim == 128 and spec.gqa > 1 and spec.mask is Mask.CAUSAL and self.variant["bwd_gqa"]:
             return {**self.variant, **self.variant["bwd_gqa"]}
+        if spec.head_dim == 128 and spec.gqa == 1 and self.variant["bwd_d128"]:
+            return {**self.variant, **self.variant["bwd_d128"]}
         return self.variant
     # The head dims the gluon backward renders and builds (_check_bwd): d64 too (the template's tiles do not depend
     # on D: [64, D / 2] dQ halves, [128, D] K/V; the lab's v1 at d64 built without spills and ran, docs/hopper.md),
@@ -255,6 +267,9 @@ class GluonBackend(KernelBackend):
     # bwd_grid + bwd_spt 251 (causal), bwd_order 4 431 (full), bwd_fixed + bwd_fixed_fma 2 498 / 500 (cuDNN 582 / 533),
     # and the FMA units too coarse at s16k (dq 1.1e-2 from the chain's at full).
     # Measured in docs/hopper.md, "The deterministic backward's launch order (ninth session)".
+    # bwd_fixed_tma 1 (tenth session, [Note] qmul rows by TMA): the fixed-point dQ's qmul rows by TMA into a ring slot;
+    # bwd_fixed_fma 3 ([Note] Two-limb FMA rounding): cvt's units rounded on the FMA pipe in two limbs. Measured in
+    # docs/hopper.md, "The deterministic backward at d128 (tenth session)".
 
     # [Note] Gluon MLA decode. fagen/templates/gluon/mla_decode.py.j2: MLA's absorbed decode (shared_kv, head_dim
     # 576 with head_dim_v 512) as FlashMLA's seesaw (two warpgroups of 64 packed query rows, a loader warp, 64-key

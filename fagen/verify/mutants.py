@@ -165,4 +165,12 @@ GLUON_MUTANTS = (
     Mutant("gluon-bwd-fixed-fma-no-scale", "the FMA rounding of the fixed-point dQ leaves out the row's scale (qmul)",
            (Mask.NONE, Mask.CAUSAL), "dq = _fma_rni(dq, qm[:, None])", "dq = _fma_rni(dq, 1.0)",
            directions=(Direction.BWD,)),
+    # [Note] qmul rows by TMA (bwd_fixed_tma, tenth session; the d128 MHA default): in renders with it only
+    Mutant("gluon-bwd-fixed-tma-rows", "the producer brings the delta rows in place of the qmul rows",
+           (Mask.NONE, Mask.CAUSAL), "[num_bh * GQA + off_b * num_heads + h0 + g, m0]",
+           "[off_b * num_heads + h0 + g, m0]", directions=(Direction.BWD,)),
+    # [Note] Two-limb FMA rounding (bwd_fixed_fma 3, tenth session): in renders with it only
+    Mutant("gluon-bwd-fixed-fma-limb", "the two-limb FMA rounding puts its high limb one bit too low",
+           (Mask.NONE, Mask.CAUSAL), "(h.to(gl.int32, bitcast=True) << 8)", "(h.to(gl.int32, bitcast=True) << 7)",
+           directions=(Direction.BWD,)),
 )

@@ -14,7 +14,7 @@ from fagen.templates.host.gluon_launch import _GL_DTYPE, _gluon
 from fagen.templates.host.launch import _raw_stream
 
 BWD_BLOCK_M = BWD_BLOCK_N = HEAD_DIM = GQA = CAUSAL = BWD_RING_SLOTS = BWD_WARPS = BWD_KV_SPLIT = BWD_GRID_ALL = 0
-BWD_COMPUTE_REGS = BWD_PRODUCER_REGS = BWD_WRITER_REGS = BWD_DET_GRID = 0
+BWD_COMPUTE_REGS = BWD_PRODUCER_REGS = BWD_WRITER_REGS = BWD_DET_GRID = BWD_WINDOW = BWD_FIXED_FAST = 0
 _NUM_SMS, _BWD_KERNELS = {}, {}
 _bwd_preprocess = _dq_convert = _run_backward = _descriptor = None
 # -- fagen: included verbatim below this line --
@@ -45,9 +45,16 @@ _bwd_preprocess = _dq_convert = _run_backward = _descriptor = None
 from threading import local as _thread_local  # noqa: E402
 
 _BWD_FAST = True
+# [Note] Switches on the fast backward path (tenth session). A window render's calls pass the switches' values
+# (win_left, win_right, cap_in) to _bwd_host, which sent them down the plain path (descriptors built per call, two
+# torch.zeros, fn[grid] launches): about 200 us of host time per call beside a 0.5 ms kernel at the bench's
+# sliding window. _BWD_FAST_SWITCHES = True takes the fast path for a window render (BWD_WINDOW) with the values
+# appended to the main kernel's arguments, as _run_backward appends them; off until an H100 round shows it.
+_BWD_FAST_SWITCHES = False
 _BWD_WS_KEEP = 1 << 25  # bytes: the largest workspace kept per stream (B x Hq x sq_pad <= 16384 rows of D 128)
 _BWD_WS = _thread_local()  # per thread: (device, stream) -> [buffer, {(b, hq, sq_pad, dq_mode): views}]
 _GL_DTYPE[torch.float32] = gl.float32  # the workspaces' descriptors (requests like the inputs')
+_GL_DTYPE[torch.int32] = gl.int32  # the fixed-point dQ's accumulator ([Note] Switches on the fast backward path)
 _fast_bwd_preprocess = _gluon(_bwd_preprocess)
 _fast_dq_convert = _gluon(_dq_convert)
 _fast_bwd_kernels = {mode: (_gluon(kernel), epi_tma) for mode, (kernel, epi_tma) in _BWD_KERNELS.items()}
@@ -86,16 +93,25 @@ def _bwd_workspace(b, hq, sq_pad, dq_mode, q):
     return views
 
 
-def _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode):
+def _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, qk_scale=None, extra=()):
     """_run_backward's launches through the fast path ([Note] Gluon backward host path), on dense, aligned,
-    non-empty inputs."""
+    non-empty inputs. qk_scale, extra: as _run_backward's (the score switches' values; [Note] Switches on the fast
+    backward path); dq_mode 2 ([Note] Fixed-point dQ) launches its pre- and postprocess through fn[grid] (their
+    QMul / KVB keywords), the main kernel through the fast path."""
     b, hq, sq, _ = q.shape
     hkv, sk = k.shape[1] * BWD_KV_SPLIT, k.shape[2]  # virtual KV heads ([Note] GQA split in the backward)
     sq_pad = -(-sq // BWD_BLOCK_M) * BWD_BLOCK_M
     dev = q.get_device()
     _, delta, lse2, dq_acc, sem = _bwd_workspace(b, hq, sq_pad, dq_mode, q)
-    _fast_bwd_preprocess[(sq_pad // BWD_BLOCK_M, b * hq)](out, do, lse, delta, lse2, sq, sq_pad, HEAD_DIM=HEAD_DIM,
-                                                          BLOCK_M=BWD_BLOCK_M, num_warps=4)
+    if dq_mode == 2:  # the rows' qmul from max|K|, max_j |V_j|_2 per KV head; an int32 accumulator, qmul in Sem
+        fx = {"QMul": torch.empty_like(delta), "KVB": torch.stack(
+            [k.abs().amax(dim=(2, 3)).float(), torch.linalg.vector_norm(v, dim=-1).amax(-1).float()], -1)}
+        _bwd_preprocess[(sq_pad // BWD_BLOCK_M, b * hq)](out, do, lse, delta, lse2, sq, sq_pad, HEAD_DIM=HEAD_DIM,
+                                                         BLOCK_M=BWD_BLOCK_M, GQA=GQA, **fx, num_warps=4)
+        dq_acc, sem = dq_acc.view(torch.int32), fx["QMul"]  # zeroed float32 bits are int32 zeros
+    else:
+        _fast_bwd_preprocess[(sq_pad // BWD_BLOCK_M, b * hq)](out, do, lse, delta, lse2, sq, sq_pad,
+                                                              HEAD_DIM=HEAD_DIM, BLOCK_M=BWD_BLOCK_M, num_warps=4)
     num_bh = b * hkv
     num_tiles = -(-sk // BWD_BLOCK_N) * num_bh
     if dev not in _NUM_SMS:
@@ -109,14 +125,18 @@ def _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode):
             else min(num_tiles, _NUM_SMS[dev]), )](
         _descriptor(q, BWD_BLOCK_M), _descriptor(do, BWD_BLOCK_M), _descriptor(k, BWD_BLOCK_N),
         _descriptor(v, BWD_BLOCK_N), (lse2, (1, BWD_BLOCK_M)), (delta, (1, BWD_BLOCK_M)),
-        (dq_acc, (1, 1, BWD_BLOCK_M, HEAD_DIM // 2)), dk, dv, sem, scale * 1.4426950408889634, scale,
-        num_tiles, num_bh, hkv, sq, sk, sq_pad,
-        HEAD_DIM=HEAD_DIM, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, STAGES=BWD_RING_SLOTS, GQA=GQA // BWD_KV_SPLIT,
+        (dq_acc, (1, 1, BWD_BLOCK_M, HEAD_DIM // 2)), dk, dv, sem,
+        scale * 1.4426950408889634 if qk_scale is None else qk_scale, scale, num_tiles, num_bh, hkv, sq, sk, sq_pad,
+        *extra, HEAD_DIM=HEAD_DIM, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, STAGES=BWD_RING_SLOTS, GQA=GQA // BWD_KV_SPLIT,
         CAUSAL=CAUSAL, DQ_MODE=dq_mode, COMPUTE_REGS=BWD_COMPUTE_REGS, PRODUCER_REGS=BWD_PRODUCER_REGS,
         WRITER_REGS=BWD_WRITER_REGS, num_warps=BWD_WARPS,
     )
-    _fast_dq_convert[(sq_pad // BWD_BLOCK_M, b * hq)](dq_acc, dq, scale, sq, sq_pad, HEAD_DIM=HEAD_DIM,
-                                                      BLOCK_M=BWD_BLOCK_M, num_warps=4)
+    if dq_mode == 2:
+        _dq_convert[(sq_pad // BWD_BLOCK_M, b * hq)](dq_acc, dq, scale, sq, sq_pad, HEAD_DIM=HEAD_DIM,
+                                                     BLOCK_M=BWD_BLOCK_M, QMul=sem, num_warps=4)
+    else:
+        _fast_dq_convert[(sq_pad // BWD_BLOCK_M, b * hq)](dq_acc, dq, scale, sq, sq_pad, HEAD_DIM=HEAD_DIM,
+                                                          BLOCK_M=BWD_BLOCK_M, num_warps=4)
 
 
 def _bwd_host(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, *more, **options):
@@ -124,4 +144,7 @@ def _bwd_host(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, *more, **option
     _BWD_FAST = False, the plain _run_backward (which takes whatever else a render passes it)."""
     if _BWD_FAST and (dq_mode == 0 or dq_mode == 1) and not more and not options:
         return _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode)
+    if _BWD_FAST and _BWD_FAST_SWITCHES and BWD_WINDOW and len(more) == 2 and not options and (
+            dq_mode != 2 or BWD_FIXED_FAST):
+        return _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, *more)
     return _run_backward(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, *more, **options)

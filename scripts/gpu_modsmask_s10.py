@@ -1,0 +1,283 @@
+"""Issue 26, tenth session: the backward of the mods bench's mask rows (sliding-window+causal, prefix-LM) against
+FlexAttention's (docs/mods.md, "The mask rows' backward (tenth session)").
+
+    PYTHONPATH=$PWD python3 scripts/gpu_modsmask_s10.py [--rows a,b] [--warm N]
+
+Phases (scripts/_phases.py; "check" and the "warm" ones at once, then "time"):
+  check  float64 (the user's own functions) of the candidates at B1 H2 S333 d128 bf16: the window's Gluon module
+         on the fast host path ([Note] Switches on the fast backward path) in each dQ mode at two windows, bitwise
+         repeats of the deterministic ones; the prefix split with both calls on Gluon modules (chain, fixed-point).
+  warm   each (row, variant) once at the bench shape (B1 H16 S8192), in parallel children.
+  time   per row Flex, then each variant: backward ms (autograd.grad of a kept output, do_bench median) and TF/s
+         (2.5 * 4 * D per visible pair), and the kernels' own time per call from torch.profiler (sum of the device
+         kernels of 3 calls / 3) with the three largest kernels named: host-bound rows show a gap.
+Window variants: api (what fagen.attention runs: the Triton backward); g-<mode>[-fast][-g1]: the window switch's
+Gluon bwd module (causal, window (1024, 0)), mode desc (the chain over descending query blocks), unord
+(deterministic=False), fixed (fixed-point dQ, bwd_window_fixed 1); -fast: _BWD_FAST_SWITCHES on; -g1: one program
+per tile. Prefix variants: api; gg / gfixed: the split's _Prefix over two Gluon modules (none, causal), the default
+render / the fixed-point render (bwd_fixed 1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import gpu_mods_bwd_s9 as s9  # noqa: E402  (window_module, lever_source, reference, flex_call, row_mods, ...)
+
+WINDOW = (1024, 0)
+P_BENCH = 2048
+BUDGET = 92.0
+VARIANTS = {"sliding-window+causal": ["api", "g-desc", "g-desc-fast", "g-unord-fast", "g-fixed", "g-fixed-fast",
+                                      "g-fixed-fast-g1", "g-unord-fast-g1"],
+            "prefix-lm": ["api", "gg", "gfixed"]}
+
+
+def plan() -> dict:
+    rows = [r for r in os.environ.get("S10_ROWS", "").split(",") if r] or list(VARIANTS)
+    return {r: VARIANTS[r] for r in rows}
+
+
+def gluon_window(mode: str, fast: bool, g1: bool):
+    """(q, k, v, window) -> out of the window switch's Gluon bwd module in a dQ mode."""
+    module = s9.window_module(mode == "desc", mode == "fixed")
+    det = mode != "unord"
+
+    def call(q, k, v, w=WINDOW):  # the flags set per call: variants share a module
+        module._BWD_FAST_SWITCHES = fast
+        module._NUM_SMS.clear()
+        if g1:  # one program per tile (the grid is min(tiles, SMs))
+            module._NUM_SMS.update({i: 1 << 30 for i in range(8)})
+        return module.attention(q, k, v, window=w, deterministic=det)
+    return call
+
+
+def prefix_modules(fixed: bool):
+    import fagen
+    from fagen.runtime.loader import load_source
+    from fagen.spec.kernel import KernelSpec
+
+    mods = []
+    for mask in ("none", "causal"):
+        spec = KernelSpec(backend="gluon", direction="bwd", head_dim=128, dtype="bf16", mask=mask)
+        if fixed:
+            src = s9.lever_source(spec, {"bwd_fixed": 1})
+            assert "BWD_DET_MODE = 2" in src, "bwd_fixed did not render"
+            mods.append(load_source(src, spec.name + "_fixed"))
+        else:
+            mods.append(fagen.load(spec))
+    return tuple(mods)
+
+
+def gluon_prefix(fixed: bool):
+    from fagen.mods.split import _Prefix
+
+    mods = prefix_modules(fixed)
+    return lambda q, k, v, p=P_BENCH: _Prefix.apply(q, k, v, p, mods, {})
+
+
+def caller(row: str, variant: str, sm, mm, bm):
+    import fagen
+
+    if row.startswith("sliding") and variant.startswith("g-"):
+        parts = variant.split("-")
+        return gluon_window(parts[1], "fast" in parts, "g1" in parts)
+    if row == "prefix-lm" and variant in ("gg", "gfixed"):
+        return gluon_prefix(variant == "gfixed")
+    s9.selection(True)
+    return lambda q, k, v: fagen.attention(q, k, v, score_mod=sm, mask_mod=mm, block_mask=bm)
+
+
+def phase_warm(items: list) -> None:
+    import torch
+
+    from fagen.bench.mods import _inputs
+
+    shape = s9.shape_of()
+    q, k, v, do = _inputs(shape, "cuda", True)
+    for row, variant in items:
+        t0 = time.perf_counter()
+        try:
+            sm, mm = s9.row_mods(row, shape)
+            att = s9.flex_call(sm, mm, shape) if variant == "flex" else caller(row, variant, sm, mm,
+                                                                                 s9.fagen_mask(mm, shape))
+            torch.autograd.grad(att(q, k, v), (q, k, v), do)
+            torch.cuda.synchronize()
+            print(f"warm {row} {variant}: {time.perf_counter() - t0:.1f} s", flush=True)
+        except Exception as e:  # noqa: BLE001 - the time phase reports it again
+            print(f"warm {row} {variant}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+
+
+def phase_check(part: tuple[int, int]) -> None:
+    import torch
+
+    from fagen.spec.axes import DType
+    from fagen.verify.tolerances import compare_grad
+
+    H, S, D = 2, 333, 128
+    g = torch.Generator().manual_seed(10)
+    q, k, v, do = (torch.randn(1, H, S, D, generator=g).to("cuda", torch.bfloat16) for _ in range(4))
+
+    def win_mask(left):
+        return lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx <= left)
+
+    def prefix(b, h, q_idx, kv_idx):
+        return (kv_idx < 83) | (q_idx >= kv_idx)
+
+    def run(name, call, mm, repeat):
+        t0 = time.perf_counter()
+        try:
+            qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+            got = torch.autograd.grad(call(qg, kg, vg), (qg, kg, vg), do)
+            ref = s9.reference(None, mm, "none", q, k, v, do)
+            errs = [compare_grad(n, a, r, DType.BF16) for n, a, r in zip(("dq", "dk", "dv"), got, ref)]
+            note = ""
+            if repeat:
+                twice = torch.autograd.grad(call(qg, kg, vg), (qg, kg, vg), do)
+                assert all(torch.equal(a, b) for a, b in zip(got, twice)), "two runs differ"
+                note = "; bitwise repeatable"
+            line = f"PASS {name}: max |err| dq {errs[0]:.1e} dk {errs[1]:.1e} dv {errs[2]:.1e}{note}"
+        except Exception as e:  # noqa: BLE001 - a line, never the end of the run
+            line = f"FAIL {name}: {type(e).__name__}: {str(e)[:200]}"
+        print(f"CHECK {line} ({time.perf_counter() - t0:.1f} s)", flush=True)
+
+    cases = []
+    for left in (37, 130):
+        for mode, fast in (("fixed", True), ("unord", True), ("desc", True), ("fixed", False)):
+            call = gluon_window(mode, fast, False)
+            cases.append((f"window ({left}, 0) {mode}{' fast' if fast else ''}",
+                          (lambda c, w: lambda a, b, x: c(a, b, x, (w, 0)))(call, left), win_mask(left),
+                          mode != "unord"))
+    cases.append(("window (130, 0) fixed fast g1", (lambda c: lambda a, b, x: c(a, b, x, (130, 0)))(
+        gluon_window("fixed", True, True)), win_mask(130), True))
+    for fixed in (False, True):
+        call = gluon_prefix(fixed)
+        cases.append((f"prefix P 83 gluon {'fixed' if fixed else 'chain'}", (lambda c: lambda a, b, x: c(a, b, x, 83))(
+            call), prefix, True))
+    for name, call, mm, rep in cases[part[0]::part[1]]:
+        run(name, call, mm, rep)
+
+
+def kernel_ms(fn, n=3):
+    """(kernels' ms per call, [(name, ms per call)] of the three largest) from torch.profiler."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    per = {}
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None)
+        if t is None:
+            t = getattr(e, "self_cuda_time_total", 0)
+        if t:
+            per[e.key] = per.get(e.key, 0.0) + t / 1e3 / n
+    top = sorted(per.items(), key=lambda x: -x[1])[:3]
+    return sum(per.values()), [(k[:40], round(v, 3)) for k, v in top]
+
+
+def phase_time() -> None:
+    import torch
+
+    from fagen.bench.mods import _inputs, _visible_pairs
+    from fagen.bench.timing import measure
+
+    shape = s9.shape_of()
+    q, k, v, do = _inputs(shape, "cuda", True)
+    t_end = float(os.environ.get("S10_TIME_END", time.time() + 60))
+    for row, variants in plan().items():
+        sm, mm = s9.row_mods(row, shape)
+        bm = s9.fagen_mask(mm, shape)
+        fl = 2.5 * 4.0 * shape.head_dim * _visible_pairs(bm, mm, shape)
+        for variant in ["flex"] + variants:
+            rec = {"row": row, "variant": variant}
+            if time.time() > t_end:
+                rec["error"] = "skipped: out of time"
+            else:
+                try:
+                    att = s9.flex_call(sm, mm, shape) if variant == "flex" else caller(row, variant, sm, mm, bm)
+                    out = att(q, k, v)
+                    step = lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)  # noqa: E731
+                    step()
+                    rec["bwd_ms"] = measure(lambda i: step(), 1, torch.device("cuda"), 10.0, 25.0)
+                    rec["tflops"] = fl / rec["bwd_ms"] / 1e9
+                    rec["kernel_ms"], rec["top"] = kernel_ms(step)
+                    del out
+                except Exception as e:  # noqa: BLE001 - a row of the table
+                    rec["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+            print("REC " + json.dumps(rec), flush=True)
+
+
+def main() -> None:
+    from _phases import child_env, run_phase
+
+    t0 = time.time()
+    env = child_env("/tmp/fagen-s10-modsmask", ROOT)
+    env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    script = os.path.abspath(__file__)
+    lines: dict[str, list] = {}
+    argv = dict(zip(sys.argv[1::2], sys.argv[2::2]))
+    if "--rows" in argv:
+        env["S10_ROWS"] = os.environ["S10_ROWS"] = argv["--rows"]
+    items = [(r, x) for r, vs in plan().items() for x in ["flex"] + vs]
+    items.sort(key=lambda item: item[1] != "flex")
+    n = int(argv.get("--warm", 7))
+    groups = [items[i::n] for i in range(n)]
+
+    def go(name, limit, extra=()):
+        rc, got = run_phase(script, name, limit, env, on_line=lambda s: print(s, end="", flush=True), extra=extra)
+        lines.setdefault(name, []).extend(got)
+        if rc != 0:
+            print(f"phase {name}: {rc}", flush=True)
+
+    parts = 3
+    threads = [threading.Thread(target=go, args=("check", 45.0, (json.dumps([i, parts]),))) for i in range(parts)]
+    threads += [threading.Thread(target=go, args=(f"warm{i}", 45.0, (json.dumps(g),))) for i, g in enumerate(groups)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    left = BUDGET - (time.time() - t0)
+    env["S10_TIME_END"] = str(time.time() + left - 5)
+    print(f"compiled in {time.time() - t0:.0f} s; timing for {left:.0f} s", flush=True)
+    go("time", max(5.0, left))
+    recs = [json.loads(s[4:]) for s in lines.get("time", []) if s.startswith("REC ")]
+    flex = {r["row"]: r.get("bwd_ms") for r in recs if r["variant"] == "flex"}
+    print("\n| row | variant | bwd ms | bwd TF/s | x Flex | kernels ms | top kernels |\n|---|---|---:|---:|---:|---:|---|")
+    for r in recs:
+        if r.get("error"):
+            print(f"| {r['row']} | {r['variant']} | - | - | {r['error'][:90]} | | |")
+            continue
+        x = f"{flex[r['row']] / r['bwd_ms']:.2f}x" if flex.get(r["row"]) else "-"
+        print(f"| {r['row']} | {r['variant']} | {r['bwd_ms']:.3f} | {r['tflops']:.0f} | {x} | "
+              f"{r.get('kernel_ms', 0):.3f} | {r.get('top')} |")
+    for s in lines.get("check", []):
+        if s.startswith("CHECK "):
+            print(s[6:], end="")
+    print(f"total {time.time() - t0:.0f} s")
+    if os.environ.get("OUTX"):
+        os.makedirs(os.environ["OUTX"], exist_ok=True)
+        with open(os.path.join(os.environ["OUTX"], "modsmask_s10.json"), "w") as f:
+            json.dump({"records": recs, "checks": lines.get("check", [])}, f, indent=1)
+
+
+if __name__ == "__main__":
+    if "--phase" in sys.argv:
+        name = sys.argv[sys.argv.index("--phase") + 1]
+        if name == "check":
+            phase_check(tuple(json.loads(sys.argv[-1])))
+        elif name == "time":
+            phase_time()
+        else:
+            phase_warm([tuple(x) for x in json.loads(sys.argv[-1])])
+    else:
+        main()

@@ -93,6 +93,16 @@ def _bwd_workspace(b, hq, sq_pad, dq_mode, q):
     return views
 
 
+def _bwd_fixed_rows(do, k, v, out, lse, delta, lse2, sq, sq_pad):
+    """Mode 2's preprocess through fn[grid] (its QMul / KVB keywords): delta, lse2 and the rows' qmul ([Note]
+    Fixed-point dQ: from max|K|, max_j |V_j|_2 per KV head), which it returns."""
+    fx = {"QMul": torch.empty_like(delta), "KVB": torch.stack(
+        [k.abs().amax(dim=(2, 3)).float(), torch.linalg.vector_norm(v, dim=-1).amax(-1).float()], -1)}
+    _bwd_preprocess[(sq_pad // BWD_BLOCK_M, delta.shape[0])](out, do, lse, delta, lse2, sq, sq_pad, HEAD_DIM=HEAD_DIM,
+                                                             BLOCK_M=BWD_BLOCK_M, GQA=GQA, **fx, num_warps=4)
+    return fx["QMul"]
+
+
 def _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, qk_scale=None, extra=()):
     """_run_backward's launches through the fast path ([Note] Gluon backward host path), on dense, aligned,
     non-empty inputs. qk_scale, extra: as _run_backward's (the score switches' values; [Note] Switches on the fast
@@ -103,12 +113,8 @@ def _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, qk_sca
     sq_pad = -(-sq // BWD_BLOCK_M) * BWD_BLOCK_M
     dev = q.get_device()
     _, delta, lse2, dq_acc, sem = _bwd_workspace(b, hq, sq_pad, dq_mode, q)
-    if dq_mode == 2:  # the rows' qmul from max|K|, max_j |V_j|_2 per KV head; an int32 accumulator, qmul in Sem
-        fx = {"QMul": torch.empty_like(delta), "KVB": torch.stack(
-            [k.abs().amax(dim=(2, 3)).float(), torch.linalg.vector_norm(v, dim=-1).amax(-1).float()], -1)}
-        _bwd_preprocess[(sq_pad // BWD_BLOCK_M, b * hq)](out, do, lse, delta, lse2, sq, sq_pad, HEAD_DIM=HEAD_DIM,
-                                                         BLOCK_M=BWD_BLOCK_M, GQA=GQA, **fx, num_warps=4)
-        dq_acc, sem = dq_acc.view(torch.int32), fx["QMul"]  # zeroed float32 bits are int32 zeros
+    if dq_mode == 2:  # an int32 accumulator (zeroed float32 bits are int32 zeros), the rows' qmul in Sem
+        dq_acc, sem = dq_acc.view(torch.int32), _bwd_fixed_rows(do, k, v, out, lse, delta, lse2, sq, sq_pad)
     else:
         _fast_bwd_preprocess[(sq_pad // BWD_BLOCK_M, b * hq)](out, do, lse, delta, lse2, sq, sq_pad,
                                                               HEAD_DIM=HEAD_DIM, BLOCK_M=BWD_BLOCK_M, num_warps=4)
@@ -121,13 +127,14 @@ def _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, qk_sca
         dk, dv = _descriptor(dk, BWD_BLOCK_N // 2), _descriptor(dv, BWD_BLOCK_N // 2)
     # One program per SM at most: every program is resident, which the fixed-order dQ needs (BWD_DET_GRID: one per
     # tile, [Note] Launch order in gluon/backward.py.j2; BWD_GRID_ALL: modes 1, 2 one per tile, [Note] L2 sections).
-    kernel[(num_tiles if (BWD_DET_GRID and dq_mode == 0) or (BWD_GRID_ALL and dq_mode)
+    kernel[(num_tiles if (BWD_DET_GRID and dq_mode != 1) or (BWD_GRID_ALL and dq_mode)
             else min(num_tiles, _NUM_SMS[dev]), )](
         _descriptor(q, BWD_BLOCK_M), _descriptor(do, BWD_BLOCK_M), _descriptor(k, BWD_BLOCK_N),
         _descriptor(v, BWD_BLOCK_N), (lse2, (1, BWD_BLOCK_M)), (delta, (1, BWD_BLOCK_M)),
         (dq_acc, (1, 1, BWD_BLOCK_M, HEAD_DIM // 2)), dk, dv, sem,
         scale * 1.4426950408889634 if qk_scale is None else qk_scale, scale, num_tiles, num_bh, hkv, sq, sk, sq_pad,
-        *extra, HEAD_DIM=HEAD_DIM, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, STAGES=BWD_RING_SLOTS, GQA=GQA // BWD_KV_SPLIT,
+        *extra, HEAD_DIM=HEAD_DIM, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, STAGES=BWD_RING_SLOTS,
+        GQA=GQA // BWD_KV_SPLIT,
         CAUSAL=CAUSAL, DQ_MODE=dq_mode, COMPUTE_REGS=BWD_COMPUTE_REGS, PRODUCER_REGS=BWD_PRODUCER_REGS,
         WRITER_REGS=BWD_WRITER_REGS, num_warps=BWD_WARPS,
     )

@@ -147,20 +147,21 @@ def phase_check(part: tuple[int, int]) -> None:
             line = f"FAIL {name}: {type(e).__name__}: {str(e)[:200]}"
         print(f"CHECK {line} ({time.perf_counter() - t0:.1f} s)", flush=True)
 
-    cases = []
-    for left in (37, 130):
-        for mode, fast in (("fixed", True), ("unord", True), ("desc", True), ("fixed", False)):
-            call = gluon_window(mode, fast, False)
-            cases.append((f"window ({left}, 0) {mode}{' fast' if fast else ''}",
-                          (lambda c, w: lambda a, b, x: c(a, b, x, (w, 0)))(call, left), win_mask(left),
-                          mode != "unord"))
-    cases.append(("window (130, 0) fixed fast g1", (lambda c: lambda a, b, x: c(a, b, x, (130, 0)))(
-        gluon_window("fixed", True, True)), win_mask(130), True))
-    for fixed in (False, True):
-        call = gluon_prefix(fixed)
-        cases.append((f"prefix P 83 gluon {'fixed' if fixed else 'chain'}", (lambda c: lambda a, b, x: c(a, b, x, 83))(
-            call), prefix, True))
-    for name, call, mm, rep in cases[part[0]::part[1]]:
+    def win(mode, fast, g1, left):
+        call = gluon_window(mode, fast, g1)
+        return (f"window ({left}, 0) {mode}{' fast' if fast else ''}{' g1' if g1 else ''}",
+                lambda a, b, x: call(a, b, x, (left, 0)), win_mask(left), mode != "unord")
+
+    chain = gluon_prefix(False)
+    groups = [  # one group a check phase: each compiles one module's kernels (the warm phases compile at once)
+        [win("fixed", True, False, 37), win("fixed", False, False, 37), win("fixed", True, False, 130),
+         win("fixed", True, True, 130)],
+        [win("unord", True, False, 37), win("unord", True, False, 130)],
+        [win("desc", True, False, 37), win("desc", True, False, 130)],
+        [("prefix P 83 gluon chain (both calls)", lambda a, b, x: chain(a, b, x, 83), prefix, True)],
+    ]
+    cases = groups[part[0]]
+    for name, call, mm, rep in cases:
         run(name, call, mm, rep)
 
 
@@ -239,7 +240,7 @@ def main() -> None:
         if rc != 0:
             print(f"phase {name}: {rc}", flush=True)
 
-    parts = 3
+    parts = 4
     threads = [threading.Thread(target=go, args=("check", 40.0, (json.dumps([i, parts]),))) for i in range(parts)]
     threads += [threading.Thread(target=go, args=(f"warm{i}", 40.0, (json.dumps(g),))) for i, g in enumerate(groups)]
     for t in threads:

@@ -36,7 +36,7 @@ P_BENCH = 2048
 BUDGET = 88.0
 VARIANTS = {"sliding-window+causal": ["api", "g-desc-fast", "g-unord-fast", "g-fixed", "g-fixed-fast",
                                       "g-fixed-fast-g1"],
-            "prefix-lm": ["api", "gg", "gfixed"]}
+            "prefix-lm": ["api", "gg", "gfixed", "one", "one-fixed"]}
 
 
 def plan() -> dict:
@@ -58,7 +58,9 @@ def gluon_window(mode: str, fast: bool, g1: bool):
     return call
 
 
-def prefix_modules(fixed: bool):
+def prefix_modules(fixed: bool, one: bool = False):
+    """(none, causal) Gluon bwd modules; fixed: the fixed-point renders (bwd_fixed 1); one: the causal one with
+    variant bwd_prefix 1 ([Note] Prefix rows in the backward)."""
     import fagen
     from fagen.runtime.loader import load_source
     from fagen.spec.kernel import KernelSpec
@@ -66,20 +68,29 @@ def prefix_modules(fixed: bool):
     mods = []
     for mask in ("none", "causal"):
         spec = KernelSpec(backend="gluon", direction="bwd", head_dim=128, dtype="bf16", mask=mask)
-        if fixed:
-            src = s9.lever_source(spec, {"bwd_fixed": 1})
-            assert "BWD_DET_MODE = 2" in src, "bwd_fixed did not render"
-            mods.append(load_source(src, spec.name + "_fixed"))
+        lever = {"bwd_fixed": 1} if fixed else {}
+        if one and mask == "causal":
+            lever["bwd_prefix"] = 1
+        if lever:
+            src = s9.lever_source(spec, lever)
+            assert ("BWD_DET_MODE = 2" in src) == fixed, "bwd_fixed did not render"
+            assert ("BWD_PREFIX = 1" in src) == ("bwd_prefix" in lever), "bwd_prefix did not render"
+            mods.append(load_source(src, spec.name + "_fixed" * fixed + "_prefix" * ("bwd_prefix" in lever)))
         else:
             mods.append(fagen.load(spec))
     return tuple(mods)
 
 
-def gluon_prefix(fixed: bool):
-    from fagen.mods.split import _Prefix
+def gluon_prefix(fixed: bool, one: bool = False):
+    """The split's _Prefix over Gluon modules; one: its backward in one launch (PREFIX_ONE_BWD)."""
+    from fagen.mods import split
 
-    mods = prefix_modules(fixed)
-    return lambda q, k, v, p=P_BENCH: _Prefix.apply(q, k, v, p, mods, {})
+    mods = prefix_modules(fixed, one)
+
+    def call(q, k, v, p=P_BENCH):
+        split.PREFIX_ONE_BWD = one  # read by the forward
+        return split._Prefix.apply(q, k, v, p, mods, {})
+    return call
 
 
 def caller(row: str, variant: str, sm, mm, bm):
@@ -88,8 +99,8 @@ def caller(row: str, variant: str, sm, mm, bm):
     if row.startswith("sliding") and variant.startswith("g-"):
         parts = variant.split("-")
         return gluon_window(parts[1], "fast" in parts, "g1" in parts)
-    if row == "prefix-lm" and variant in ("gg", "gfixed"):
-        return gluon_prefix(variant == "gfixed")
+    if row == "prefix-lm" and variant in ("gg", "gfixed", "one", "one-fixed"):
+        return gluon_prefix(variant.endswith("fixed"), variant.startswith("one"))
     s9.selection(True)
     return lambda q, k, v: fagen.attention(q, k, v, score_mod=sm, mask_mod=mm, block_mask=bm)
 
@@ -130,6 +141,12 @@ def phase_check(part: tuple[int, int]) -> None:
     def prefix(b, h, q_idx, kv_idx):
         return (kv_idx < 83) | (q_idx >= kv_idx)
 
+    def prefix128(b, h, q_idx, kv_idx):
+        return (kv_idx < 128) | (q_idx >= kv_idx)
+
+    def prefix300(b, h, q_idx, kv_idx):
+        return (kv_idx < 300) | (q_idx >= kv_idx)
+
     def run(name, call, mm, repeat):
         t0 = time.perf_counter()
         try:
@@ -152,13 +169,17 @@ def phase_check(part: tuple[int, int]) -> None:
         return (f"window ({left}, 0) {mode}{' fast' if fast else ''}{' g1' if g1 else ''}",
                 lambda a, b, x: call(a, b, x, (left, 0)), win_mask(left), mode != "unord")
 
-    chain = gluon_prefix(False)
+    chain, one, one_fixed = gluon_prefix(False), gluon_prefix(False, True), gluon_prefix(True, True)
     groups = [  # one group a check phase: each compiles one module's kernels (the warm phases compile at once)
         [win("fixed", True, False, 37), win("fixed", False, False, 37), win("fixed", True, False, 130),
          win("fixed", True, True, 130)],
         [win("unord", True, False, 37), win("unord", True, False, 130)],
         [win("desc", True, False, 37), win("desc", True, False, 130)],
         [("prefix P 83 gluon chain (both calls)", lambda a, b, x: chain(a, b, x, 83), prefix, True)],
+        [("prefix P 83 one backward (bwd_prefix)", lambda a, b, x: one(a, b, x, 83), prefix, True),
+         ("prefix P 128 one backward (bwd_prefix)", lambda a, b, x: one(a, b, x, 128), prefix128, True)],
+        [("prefix P 83 one backward, fixed-point", lambda a, b, x: one_fixed(a, b, x, 83), prefix, True),
+         ("prefix P 300 one backward, fixed-point", lambda a, b, x: one_fixed(a, b, x, 300), prefix300, True)],
     ]
     cases = groups[part[0]]
     for name, call, mm, rep in cases:
@@ -231,7 +252,7 @@ def main() -> None:
         env["S10_ROWS"] = os.environ["S10_ROWS"] = argv["--rows"]
     items = [(r, x) for r, vs in plan().items() for x in ["flex"] + vs]
     items.sort(key=lambda item: item[1] != "flex")
-    n = int(argv.get("--warm", 7))
+    n = int(argv.get("--warm", 8))
     groups = [items[i::n] for i in range(n)]
 
     def go(name, limit, extra=()):
@@ -240,7 +261,7 @@ def main() -> None:
         if rc != 0:
             print(f"phase {name}: {rc}", flush=True)
 
-    parts = 4
+    parts = 6
     threads = [threading.Thread(target=go, args=("check", 40.0, (json.dumps([i, parts]),))) for i in range(parts)]
     threads += [threading.Thread(target=go, args=(f"warm{i}", 40.0, (json.dumps(g),))) for i, g in enumerate(groups)]
     for t in threads:

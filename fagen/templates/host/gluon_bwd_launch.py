@@ -14,7 +14,7 @@ from fagen.templates.host.gluon_launch import _GL_DTYPE, _gluon
 from fagen.templates.host.launch import _raw_stream
 
 BWD_BLOCK_M = BWD_BLOCK_N = HEAD_DIM = GQA = CAUSAL = BWD_RING_SLOTS = BWD_WARPS = BWD_KV_SPLIT = BWD_GRID_ALL = 0
-BWD_COMPUTE_REGS = BWD_PRODUCER_REGS = BWD_WRITER_REGS = BWD_DET_GRID = BWD_WINDOW = BWD_FIXED_FAST = 0
+BWD_COMPUTE_REGS = BWD_PRODUCER_REGS = BWD_WRITER_REGS = BWD_DET_GRID = BWD_WINDOW = BWD_FIXED_FAST = BWD_PREFIX = 0
 _NUM_SMS, _BWD_KERNELS = {}, {}
 _bwd_preprocess = _dq_convert = _run_backward = _descriptor = None
 # -- fagen: included verbatim below this line --
@@ -151,7 +151,7 @@ def _bwd_host(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, *more, **option
     _BWD_FAST = False, the plain _run_backward (which takes whatever else a render passes it)."""
     if _BWD_FAST and (dq_mode == 0 or dq_mode == 1) and not more and not options:
         return _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode)
-    if _BWD_FAST and _BWD_FAST_SWITCHES and BWD_WINDOW and len(more) == 2 and not options and (
+    if _BWD_FAST and (_BWD_FAST_SWITCHES and BWD_WINDOW or BWD_PREFIX) and len(more) == 2 and not options and (
             dq_mode != 2 or BWD_FIXED_FAST):
         return _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, *more)
     return _run_backward(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, *more, **options)

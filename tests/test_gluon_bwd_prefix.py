@@ -8,6 +8,8 @@ scripts/gpu_modsmask_s10.py (H100)."""
 
 import types
 
+import torch
+
 import pytest
 
 import fagen
@@ -83,3 +85,69 @@ def test_the_prefix_render_builds_for_sm_90():
     mod = load_source(_source(bwd_prefix=1), "gluon_bwd_prefix_build")
     for det in (True, False):
         assert mod.compile_backward_for(deterministic=det).metadata.shared > 0
+
+
+def _attention64(q, k, v, visible, scale):
+    s = (q @ k.transpose(-1, -2)) * scale
+    s = s.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    return torch.softmax(s, -1) @ v, lse
+
+
+class _FakeLow:
+    """The causal call's module as _Prefix and _one_backward use it: a float64 forward (bottom-right causal) and a
+    _bwd_host that computes the prefix mask's gradients from (out, lse) the way the kernels do (P from lse, delta
+    from out), recording what it was given."""
+    BWD_PREFIX, BWD_DET_MODE = 1, 0
+
+    def __init__(self):
+        self.calls = []
+
+    @staticmethod
+    def _dense(t):
+        return t.contiguous()
+
+    @staticmethod
+    def _check_scale(scale):
+        return 0.125 if scale is None else scale
+
+    def forward(self, q, k, v, **kw):
+        i = torch.arange(q.shape[2])[:, None] + k.shape[2] - q.shape[2]
+        return _attention64(q, k, v, torch.arange(k.shape[2])[None, :] <= i, self._check_scale(kw.get("scale")))
+
+    def _bwd_host(self, do, q, k, v, out, lse, scale, dq, dk, dv, mode, qk_scale, extra):
+        self.calls.append((mode, qk_scale, extra, out, lse))
+        (p, ) = extra
+        i, j = torch.arange(q.shape[2])[:, None], torch.arange(k.shape[2])[None, :]
+        pm = torch.exp((q @ k.transpose(-1, -2)) * scale - lse[..., None]).masked_fill(~((j <= i) | (j < p)), 0.0)
+        ds = pm * (do @ v.transpose(-1, -2) - (do * out).sum(-1, keepdim=True))
+        dq.copy_(ds @ k * scale), dk.copy_(ds.transpose(-1, -2) @ q * scale), dv.copy_(pm.transpose(-1, -2) @ do)
+
+
+class _FakeTop:
+    def forward(self, q, k, v, **kw):
+        return _attention64(q, k, v, torch.ones(q.shape[2], k.shape[2], dtype=torch.bool), kw.get("scale", 0.125))
+
+
+@pytest.mark.parametrize("p", [1, 37, 64, 99])
+def test_prefix_one_backward_passes_the_whole_problem_and_p(monkeypatch, p):
+    """_Prefix with PREFIX_ONE_BWD and a causal module with BWD_PREFIX: one _bwd_host call with the concatenated
+    out and lse and (P, ), whose gradients (computed the kernels' way) equal autograd of the prefix-LM mask."""
+    from fagen.mods import split
+
+    monkeypatch.setattr(split, "PREFIX_ONE_BWD", True)
+    torch.manual_seed(p)
+    q, k, v, do = (torch.randn(2, 3, 100, 16, dtype=torch.float64) for _ in range(4))
+    low = _FakeLow()
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    out = split._Prefix.apply(qg, kg, vg, p, (_FakeTop(), low), {"scale": 0.125})
+    got = torch.autograd.grad(out, (qg, kg, vg), do)
+    i, j = torch.arange(100)[:, None], torch.arange(100)[None, :]
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    ref_out, ref_lse = _attention64(qr, kr, vr, (j <= i) | (j < p), 0.125)
+    want = torch.autograd.grad(ref_out, (qr, kr, vr), do)
+    assert torch.allclose(out, ref_out, atol=1e-12)
+    assert len(low.calls) == 1 and low.calls[0][:3] == (0, None, (p, ))
+    assert torch.allclose(low.calls[0][4], ref_lse, atol=1e-12)  # the two calls' lse in row order
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, atol=1e-10)

@@ -1,13 +1,16 @@
 """Issue 26, tenth session: the backward of the mods bench's mask rows (sliding-window+causal, prefix-LM) against
 FlexAttention's (docs/mods.md, "The mask rows' backward (tenth session)").
 
-    PYTHONPATH=$PWD python3 scripts/gpu_modsmask_s10.py [--rows a,b] [--warm N]
+    PYTHONPATH=$PWD python3 scripts/gpu_modsmask_s10.py [--rows a,b]
 
-Phases (scripts/_phases.py; "check" and the "warm" ones at once, then "time"):
-  check  float64 (the user's own functions) of the candidates at B1 H2 S333 d128 bf16: the window's Gluon module
-         on the fast host path ([Note] Switches on the fast backward path) in each dQ mode at two windows, bitwise
-         repeats of the deterministic ones; the prefix split with both calls on Gluon modules (chain, fixed-point).
-  warm   each (row, variant) once at the bench shape (B1 H16 S8192), in parallel children.
+Phases (scripts/_phases.py; the "warm" ones at once, then "time"):
+  warm   (WARM) each (row, variant) of a group of variants sharing modules once at the bench shape (B1 H16 S8192),
+         then in the same child (the kernels compiled once) its checks: float64 (the user's own functions) at B1 H2
+         S333 d128 bf16 of the window's Gluon module on the fast host path ([Note] Switches on the fast backward
+         path) in each dQ mode at windows (37, 0) and (130, 0); the prefix split over Gluon modules, two calls and
+         one ([Note] Prefix rows in one backward; P 83, 128, 300: inside, on and across a key block's edge), the
+         bwd_prefix render's plain causal path against the default render bit for bit; bitwise repeats of every
+         deterministic one.
   time   per row Flex, then each variant: backward ms (autograd.grad of a kept output, do_bench median) and TF/s
          (2.5 * 4 * D per visible pair), and the kernels' own time per call from torch.profiler (sum of the device
          kernels of 3 calls / 3) with the three largest kernels named: host-bound rows show a gap.
@@ -15,7 +18,9 @@ Window variants: api (what fagen.attention runs: the Triton backward); g-<mode>[
 Gluon bwd module (causal, window (1024, 0)), mode desc (the chain over descending query blocks), unord
 (deterministic=False), fixed (fixed-point dQ, bwd_window_fixed 1); -fast: _BWD_FAST_SWITCHES on; -g1: one program
 per tile. Prefix variants: api; gg / gfixed: the split's _Prefix over two Gluon modules (none, causal), the default
-render / the fixed-point render (bwd_fixed 1).
+render / the fixed-point render (bwd_fixed 1); one / one-fixed: the same with the backward in one launch of the
+causal module rendered with bwd_prefix 1. Row causal: the plain causal backward (module.attention) of the default
+render and of the bwd_prefix render (P = 0).
 """
 
 from __future__ import annotations
@@ -34,9 +39,19 @@ import gpu_mods_bwd_s9 as s9  # noqa: E402  (window_module, lever_source, refere
 WINDOW = (1024, 0)
 P_BENCH = 2048
 BUDGET = 88.0
-VARIANTS = {"sliding-window+causal": ["api", "g-desc-fast", "g-unord-fast", "g-fixed", "g-fixed-fast",
+VARIANTS = {"sliding-window+causal": ["flex", "api", "g-desc-fast", "g-unord-fast", "g-fixed", "g-fixed-fast",
                                       "g-fixed-fast-g1"],
-            "prefix-lm": ["api", "gg", "gfixed", "one", "one-fixed"]}
+            "prefix-lm": ["flex", "api", "gg", "gfixed", "one", "one-fixed"],
+            "causal": ["plain", "pfx"]}  # the plain causal backward: the default render, the bwd_prefix one (P = 0)
+
+
+SW, PL = "sliding-window+causal", "prefix-lm"
+# warm phases: (row, variant) items sharing modules, and the check groups (phase_check) run after them in the same
+# child, on the kernels it compiled
+WARM = [([[SW, "flex"]], []), ([[PL, "flex"]], []), ([[SW, "api"], [PL, "api"]], []), ([[SW, "g-desc-fast"]], [2]),
+        ([[SW, "g-unord-fast"]], [1]), ([[SW, "g-fixed"], [SW, "g-fixed-fast"], [SW, "g-fixed-fast-g1"]], [0]),
+        ([[PL, "gg"], ["causal", "plain"]], [3]), ([[PL, "gfixed"]], []), ([[PL, "one"], ["causal", "pfx"]], [4]),
+        ([[PL, "one-fixed"]], [5])]
 
 
 def plan() -> dict:
@@ -99,10 +114,25 @@ def caller(row: str, variant: str, sm, mm, bm):
     if row.startswith("sliding") and variant.startswith("g-"):
         parts = variant.split("-")
         return gluon_window(parts[1], "fast" in parts, "g1" in parts)
+    if row == "causal":  # the module's public path: the bwd_prefix render passes P = 0
+        module = prefix_modules(False, variant == "pfx")[1]
+        return lambda q, k, v: module.attention(q, k, v)
     if row == "prefix-lm" and variant in ("gg", "gfixed", "one", "one-fixed"):
         return gluon_prefix(variant.endswith("fixed"), variant.startswith("one"))
     s9.selection(True)
     return lambda q, k, v: fagen.attention(q, k, v, score_mod=sm, mask_mod=mm, block_mask=bm)
+
+
+def row_mods(row, shape):
+    return (None, None) if row == "causal" else s9.row_mods(row, shape)
+
+
+def row_flops(row, bm, mm, shape):
+    from fagen.bench.mods import _visible_pairs
+
+    if row == "causal":
+        return 2.5 * 4.0 * shape.head_dim * shape.batch * shape.heads * shape.seq * (shape.seq + 1) / 2
+    return 2.5 * 4.0 * shape.head_dim * _visible_pairs(bm, mm, shape)
 
 
 def phase_warm(items: list) -> None:
@@ -115,7 +145,7 @@ def phase_warm(items: list) -> None:
     for row, variant in items:
         t0 = time.perf_counter()
         try:
-            sm, mm = s9.row_mods(row, shape)
+            sm, mm = row_mods(row, shape)
             att = s9.flex_call(sm, mm, shape) if variant == "flex" else caller(row, variant, sm, mm,
                                                                                  s9.fagen_mask(mm, shape))
             torch.autograd.grad(att(q, k, v), (q, k, v), do)
@@ -125,7 +155,7 @@ def phase_warm(items: list) -> None:
             print(f"warm {row} {variant}: {type(e).__name__}: {str(e)[:160]}", flush=True)
 
 
-def phase_check(part: tuple[int, int]) -> None:
+def phase_check(group: int) -> None:
     import torch
 
     from fagen.spec.axes import DType
@@ -181,9 +211,25 @@ def phase_check(part: tuple[int, int]) -> None:
         [("prefix P 83 one backward, fixed-point", lambda a, b, x: one_fixed(a, b, x, 83), prefix, True),
          ("prefix P 300 one backward, fixed-point", lambda a, b, x: one_fixed(a, b, x, 300), prefix300, True)],
     ]
-    cases = groups[part[0]]
+    cases = groups[group]
     for name, call, mm, rep in cases:
         run(name, call, mm, rep)
+    if group == 4:  # the bwd_prefix render's public path (P = 0) against the default causal render: same bits
+        t0 = time.perf_counter()
+        try:
+            grads = []
+            for pfx in (False, True):
+                module = prefix_modules(False, pfx)[1]
+                qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+                grads.append(torch.autograd.grad(module.attention(qg, kg, vg), (qg, kg, vg), do))
+            same = all(torch.equal(a, b) for a, b in zip(*grads))
+            ref = s9.reference(None, None, "causal", q, k, v, do)
+            errs = [compare_grad(n, a, r, DType.BF16) for n, a, r in zip(("dq", "dk", "dv"), grads[1], ref)]
+            line = (f"{'PASS' if same else 'FAIL'} causal via the bwd_prefix render (P = 0): bitwise the default "
+                    f"render's: {same}; max |err| {max(errs):.1e}")
+        except Exception as e:  # noqa: BLE001
+            line = f"FAIL causal via the bwd_prefix render: {type(e).__name__}: {str(e)[:200]}"
+        print(f"CHECK {line} ({time.perf_counter() - t0:.1f} s)", flush=True)
 
 
 def kernel_ms(fn, n=3):
@@ -210,17 +256,17 @@ def kernel_ms(fn, n=3):
 def phase_time() -> None:
     import torch
 
-    from fagen.bench.mods import _inputs, _visible_pairs
+    from fagen.bench.mods import _inputs
     from fagen.bench.timing import measure
 
     shape = s9.shape_of()
     q, k, v, do = _inputs(shape, "cuda", True)
     t_end = float(os.environ.get("S10_TIME_END", time.time() + 60))
     for row, variants in plan().items():
-        sm, mm = s9.row_mods(row, shape)
+        sm, mm = row_mods(row, shape)
         bm = s9.fagen_mask(mm, shape)
-        fl = 2.5 * 4.0 * shape.head_dim * _visible_pairs(bm, mm, shape)
-        for variant in ["flex"] + variants:
+        fl = row_flops(row, bm, mm, shape)
+        for variant in variants:
             rec = {"row": row, "variant": variant}
             if time.time() > t_end:
                 rec["error"] = "skipped: out of time"
@@ -253,10 +299,8 @@ def main() -> None:
     argv = dict(zip(sys.argv[1::2], sys.argv[2::2]))
     if "--rows" in argv:
         env["S10_ROWS"] = os.environ["S10_ROWS"] = argv["--rows"]
-    items = [(r, x) for r, vs in plan().items() for x in ["flex"] + vs]
-    items.sort(key=lambda item: item[1] != "flex")
-    n = int(argv.get("--warm", 8))
-    groups = [items[i::n] for i in range(n)]
+    todo = {(r, x) for r, vs in plan().items() for x in vs}
+    groups = [(g, c) for g, c in WARM if any(tuple(i) in todo for i in g)]
 
     def go(name, limit, extra=()):
         rc, got = run_phase(script, name, limit, env, on_line=lambda s: print(s, end="", flush=True), extra=extra)
@@ -264,9 +308,8 @@ def main() -> None:
         if rc != 0:
             print(f"phase {name}: {rc}", flush=True)
 
-    parts = 6
-    threads = [threading.Thread(target=go, args=("check", 40.0, (json.dumps([i, parts]),))) for i in range(parts)]
-    threads += [threading.Thread(target=go, args=(f"warm{i}", 40.0, (json.dumps(g),))) for i, g in enumerate(groups)]
+    args = [json.dumps([[x for x in g if tuple(x) in todo], c]) for g, c in groups]
+    threads = [threading.Thread(target=go, args=(f"warm{i}", 45.0, (a,))) for i, a in enumerate(args)]
     for t in threads:
         t.start()
     for t in threads:
@@ -286,24 +329,24 @@ def main() -> None:
         x = f"{flex[r['row']] / r['bwd_ms']:.2f}x" if flex.get(r["row"]) else "-"
         print(f"| {r['row']} | {r['variant']} | {r['bwd_ms']:.3f} | {r['tflops']:.0f} | {x} | "
               f"{r.get('kernel_ms', 0):.3f} | {r.get('top')} |")
-    for s in lines.get("check", []):
-        if s.startswith("CHECK "):
-            print(s[6:], end="")
+    for s in [x for got in lines.values() for x in got if x.startswith("CHECK ")]:
+        print(s[6:], end="")
     print(f"total {time.time() - t0:.0f} s")
     if os.environ.get("OUTX"):
         os.makedirs(os.environ["OUTX"], exist_ok=True)
         with open(os.path.join(os.environ["OUTX"], "modsmask_s10.json"), "w") as f:
-            json.dump({"records": recs, "checks": lines.get("check", [])}, f, indent=1)
+            json.dump({"records": recs, "lines": lines}, f, indent=1)
 
 
 if __name__ == "__main__":
     if "--phase" in sys.argv:
         name = sys.argv[sys.argv.index("--phase") + 1]
-        if name == "check":
-            phase_check(tuple(json.loads(sys.argv[-1])))
-        elif name == "time":
+        if name == "time":
             phase_time()
-        else:
-            phase_warm([tuple(x) for x in json.loads(sys.argv[-1])])
+        else:  # warm its items at the bench shape, then its check groups (the kernels compiled once)
+            items, checks = json.loads(sys.argv[-1])
+            phase_warm([tuple(x) for x in items])
+            for c in checks:
+                phase_check(c)
     else:
         main()

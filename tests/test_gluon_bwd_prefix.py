@@ -21,12 +21,12 @@ from fagen.spec.kernel import KernelSpec
 SPEC = dict(backend="gluon", direction="bwd", head_dim=128, mask="causal", dtype="bf16")
 
 
-def _source(**lever):
+def _source(spec=None, **lever):
     saved = dict(backends.GLUON.variant)
     backends.GLUON.variant.update(lever)
     render.render.cache_clear()
     try:
-        return fagen.generate(KernelSpec(**SPEC))
+        return fagen.generate(KernelSpec(**{**SPEC, **(spec or {})}))
     finally:
         backends.GLUON.variant.clear()
         backends.GLUON.variant.update(saved)
@@ -79,6 +79,8 @@ def test_the_render_threads_prefix_and_the_default_is_unchanged():
     assert "None, (0, ))" in src  # the public backward passes P = 0 (the plain causal mask)
     other = _source(bwd_prefix=1, bwd_spt=1)  # a lever that sets the turns: no prefix
     assert "BWD_PREFIX = 0" in other
+    for spec in (dict(gqa=2), dict(head_dim=64), dict(mask="none"), dict(window=True)):  # these keep two calls
+        assert "BWD_PREFIX = 0" in _source(spec, bwd_prefix=1), spec
 
 
 def test_the_prefix_render_builds_for_sm_90():

@@ -77,6 +77,9 @@ def test_the_render_threads_prefix_and_the_default_is_unchanged():
     assert src.count("(keys[:, None] < prefix)") == 2  # both compute partitions (deterministic, unordered)
     assert src.count('"sq_pad", "prefix"]') == 2  # both main kernels: not specialized on P
     assert "None, (0, ))" in src  # the public backward passes P = 0 (the plain causal mask)
+    two = _source(bwd_prefix=2)  # the fixed-point dQ beside the chain, for the prefix call only
+    assert "BWD_PREFIX_MODE = 2" in two and "BWD_DET_MODE = 0" in two and "_BWD_KERNELS[2] = " in two
+    assert "BWD_PREFIX_MODE = BWD_DET_MODE" in src
     other = _source(bwd_prefix=1, bwd_spt=1)  # a lever that sets the turns: no prefix
     assert "BWD_PREFIX = 0" in other
     for spec in (dict(gqa=2), dict(head_dim=64), dict(mask="none"), dict(window=True)):  # these keep two calls
@@ -100,7 +103,7 @@ class _FakeLow:
     """The causal call's module as _Prefix and _one_backward use it: a float64 forward (bottom-right causal) and a
     _bwd_host that computes the prefix mask's gradients from (out, lse) the way the kernels do (P from lse, delta
     from out), recording what it was given."""
-    BWD_PREFIX, BWD_DET_MODE = 1, 0
+    BWD_PREFIX, BWD_DET_MODE, BWD_PREFIX_MODE = 1, 0, 2
 
     def __init__(self):
         self.calls = []
@@ -149,7 +152,7 @@ def test_prefix_one_backward_passes_the_whole_problem_and_p(monkeypatch, p):
     ref_out, ref_lse = _attention64(qr, kr, vr, (j <= i) | (j < p), 0.125)
     want = torch.autograd.grad(ref_out, (qr, kr, vr), do)
     assert torch.allclose(out, ref_out, atol=1e-12)
-    assert len(low.calls) == 1 and low.calls[0][:3] == (0, None, (p, ))
+    assert len(low.calls) == 1 and low.calls[0][:3] == (2, None, (p, ))  # BWD_PREFIX_MODE
     assert torch.allclose(low.calls[0][4], ref_lse, atol=1e-12)  # the two calls' lse in row order
     for a, b in zip(got, want):
         assert torch.allclose(a, b, atol=1e-10)

@@ -244,7 +244,9 @@ def run_split(split: tuple, attention, q, k, v, *, mask: str, resolve=None, bwd_
 # bwd_prefix (fagen/templates/gluon/backward.py.j2, [Note] Prefix rows in the backward) takes the prefix length
 # at run time and computes the mask `kv < P or kv <= q` itself: one backward over the whole q, k, v, dO with the
 # two forwards' out and lse concatenated (out as returned, lse [B, H, S]), no copies, no adds. PREFIX_ONE_BWD
-# (off until an H100 round shows it) takes it where the causal call's module is such a render (BWD_PREFIX == 1).
+# (off until an H100 round shows it) takes it where the causal call's module is such a render (BWD_PREFIX == 1),
+# in the render's BWD_PREFIX_MODE: with bwd_prefix 2 the fixed-point dQ (mode 2, deterministic, rendered beside the
+# chain that the plain causal calls keep).
 PREFIX_ONE_BWD = False
 
 
@@ -255,7 +257,8 @@ def _one_backward(low, do, q, k, v, out, lse, p, kw):
     do = do.to(q.dtype)
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     dense = [low._dense(t) for t in (do, q, k, v, out, lse)]
-    low._bwd_host(*dense, low._check_scale(kw.get("scale")), dq, dk, dv, low.BWD_DET_MODE, None, (p, ))
+    mode = getattr(low, "BWD_PREFIX_MODE", low.BWD_DET_MODE)  # bwd_prefix 2: the fixed-point dQ (deterministic)
+    low._bwd_host(*dense, low._check_scale(kw.get("scale")), dq, dk, dv, mode, None, (p, ))
     return dq, dk, dv, None, None, None
 
 

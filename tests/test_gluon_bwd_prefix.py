@@ -70,9 +70,9 @@ def test_prefix_tiles_cover_the_mask_and_mask_every_partial_step(tile, s, p):
     assert set(visitors) == set(range(0, -(-s // bm) * bm, bm))  # key 0 is seen by every row
 
 
-def test_the_render_threads_prefix_and_the_default_is_unchanged():
-    src, base = _source(bwd_prefix=1), _source()
-    assert "prefix" not in base.replace("BWD_PREFIX = 0", "").split("def _bwd_tile(")[1].split("\n")[0]
+def test_the_render_threads_prefix_and_without_it_the_render_has_none():
+    src, base = _source(bwd_prefix=1), _source(bwd_prefix=0)
+    assert "prefix" not in base.split("def _bwd_tile(")[1].split("\n")[0]
     assert "BWD_PREFIX = 0" in base and "(keys[:, None] < prefix)" not in base
     assert src.count("(keys[:, None] < prefix)") == 2  # both compute partitions (deterministic, unordered)
     assert src.count('"sq_pad", "prefix"]') == 2  # both main kernels: not specialized on P
@@ -80,6 +80,7 @@ def test_the_render_threads_prefix_and_the_default_is_unchanged():
     two = _source(bwd_prefix=2)  # the fixed-point dQ beside the chain, for the prefix call only
     assert "BWD_PREFIX_MODE = 2" in two and "BWD_DET_MODE = 0" in two and "_BWD_KERNELS[2] = " in two
     assert "BWD_PREFIX_MODE = BWD_DET_MODE" in src
+    assert "BWD_PREFIX_MODE = 2" in _source()  # the default: bwd_prefix 2
     other = _source(bwd_prefix=1, bwd_spt=1)  # a lever that sets the turns: no prefix
     assert "BWD_PREFIX = 0" in other
     for spec in (dict(gqa=2), dict(head_dim=64), dict(mask="none"), dict(window=True)):  # these keep two calls

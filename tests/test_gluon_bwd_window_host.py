@@ -35,14 +35,22 @@ def _fixed_module():
     return load_source(src, spec.name + "_fixed_test")
 
 
-@pytest.fixture(params=[0, 1, 2], ids=["det", "unordered", "fixed"])
+@pytest.fixture(params=[(0, "window"), (1, "window"), (2, "window"), (0, "prefix"), (1, "prefix"), (2, "prefix")],
+                ids=["det", "unordered", "fixed", "prefix-det", "prefix-unordered", "prefix-fixed"])
 def window_bwd(request, monkeypatch):
-    """(module, mode, fakes) of the window render with fast launches and its kernels faked."""
-    mode = request.param
-    mod = _fixed_module() if mode == 2 else fagen.load(fagen.KernelSpec(**WINDOW_SPEC))
+    """(module, mode, fakes, extra) of the window render (or the causal render with bwd_prefix 2, [Note] Prefix rows
+    in the backward: its mode 2 beside the chain) with fast launches and its kernels faked."""
+    mode, kind = request.param
+    if kind == "prefix":
+        mod = fagen.load(fagen.KernelSpec(**{**WINDOW_SPEC, "window": False}))
+        assert mod.BWD_PREFIX == 1 and mod.BWD_PREFIX_MODE == 2 and mod.BWD_DET_MODE == 0
+    else:
+        mod = _fixed_module() if mode == 2 else fagen.load(fagen.KernelSpec(**WINDOW_SPEC))
+    extra = (37, 0, 0.0) if kind == "window" else (83, )
     real, epi_tma = mod._BWD_KERNELS[mode]
     fakes = {"pre": _JIT(mod._bwd_preprocess, 7), "conv": _JIT(mod._dq_convert, 5),
-             "main": _JIT(real, 21, MAIN_META + ([dict(MAIN_META[0])] * 2 if epi_tma else []))}
+             "main": _JIT(real, 18 + len(extra), MAIN_META + ([dict(MAIN_META[0])] * 2 if epi_tma else [])),
+             "extra": extra}
     for name, value in (("_FAST_LAUNCH", True), ("_KERNELS", {}), ("_BWD_WS", type(mod._BWD_WS)()),
                         ("_GLUON_FAST", True), ("_raw_stream", lambda device: 77),
                         ("_bwd_preprocess", fakes["pre"]), ("_dq_convert", fakes["conv"]),
@@ -81,8 +89,8 @@ def test_window_calls_take_the_fast_path_only_when_switched_on(window_bwd, monke
     monkeypatch.setattr(mod, "_run_backward_fast", lambda *a, **k: taken.append("fast"))
     monkeypatch.setattr(mod, "_run_backward", lambda *a, **k: taken.append("plain"))
     args, grads = _bwd_args()
-    mod._bwd_host(*args, *grads, mode, None, (37, 0, 0.0))
-    assert taken == ["fast" if fast else "plain"]
+    mod._bwd_host(*args, *grads, mode, None, fakes["extra"])
+    assert taken == ["fast" if fast or mod.BWD_PREFIX else "plain"]  # a prefix render: always the fast path
 
 
 def test_the_fast_window_launches_are_the_plain_path_s(window_bwd):
@@ -90,18 +98,20 @@ def test_the_fast_window_launches_are_the_plain_path_s(window_bwd):
     main kernel's sq_pad; mode 2's int32 accumulator and qmul rows (Sem) and its pre/postprocess keywords."""
     mod, mode, fakes = window_bwd
     args, grads = _bwd_args()
-    extra = (37, 0, 0.0)
+    extra = fakes["extra"]
     mod._run_backward_fast(*args, *grads, mode, None, extra)
     mod._run_backward(*args, *grads, mode, None, extra)
     (g_fast, fast, c_fast), (g_plain, plain, c_plain) = fakes["main"].compiles
     assert g_fast == g_plain and c_fast == c_plain
-    assert tuple(fast[-3:]) == extra and tuple(plain[-3:]) == extra
+    assert tuple(fast[-len(extra):]) == extra and tuple(plain[-len(extra):]) == extra
     _same_launch(fast, plain)
     if mode == 2:
         assert fast[6].base.dtype == torch.int32 and fast[9].dtype == torch.float32  # the accumulator, the qmul rows
     for name in ("pre", "conv"):
         (ga, fa, ca), (gb, pb, cb) = fakes[name].compiles
         assert ga == gb and ca.keys() == cb.keys() and len(fa) == len(pb), name
+        if mode != 2:  # the keywords at the plain path's values ([Note] Fast launches of a fixed-point render)
+            assert ca == cb, name
         for x, y in zip(fa, pb):
             assert (x.dtype, x.numel()) == (y.dtype, y.numel()) if isinstance(y, torch.Tensor) else x == y, name
     if mode == 2:  # QMul: the same rows written by the preprocess and read by the conversion and the main kernel

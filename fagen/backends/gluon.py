@@ -96,7 +96,7 @@ class GluonBackend(KernelBackend):
     variant = {"consumer_regs": 240, "loader_regs": 24, "tile_schedule_all": False, "causal_order": 3,
                "fp8_p_cvt": 2, "fp8_wgs": 2, "fp8_wg3_regs": (160, 24), "fp8_o_skip": 0,
                "bwd_order": 0, "bwd_snake": 0, "bwd_named": 0, "bwd_epi_tma": 0, "bwd_fixed": 0, "bwd_window_desc": 0,
-               "bwd_mod_early": 0, "bwd_window_fixed": 0, "bwd_prefix": 0,
+               "bwd_mod_early": 0, "bwd_window_fixed": 0, "bwd_prefix": 2,
                "bwd_unordered_levers": {"bwd_named": 2, "bwd_epi_tma": 1, "bwd_snake": 1},
                "bwd_fixed_fma": 0, "bwd_grid": 0, "bwd_spt": 0}
 

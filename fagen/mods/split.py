@@ -247,7 +247,7 @@ def run_split(split: tuple, attention, q, k, v, *, mask: str, resolve=None, bwd_
 # (off until an H100 round shows it) takes it where the causal call's module is such a render (BWD_PREFIX == 1),
 # in the render's BWD_PREFIX_MODE: with bwd_prefix 2 the fixed-point dQ (mode 2, deterministic, rendered beside the
 # chain that the plain causal calls keep).
-PREFIX_ONE_BWD = False
+PREFIX_ONE_BWD = True
 
 
 def _one_backward(low, do, q, k, v, out, lse, p, kw):

@@ -15,7 +15,7 @@ from fagen.templates.host.launch import _raw_stream
 
 BWD_BLOCK_M = BWD_BLOCK_N = HEAD_DIM = GQA = CAUSAL = BWD_RING_SLOTS = BWD_WARPS = BWD_KV_SPLIT = BWD_GRID_ALL = 0
 BWD_COMPUTE_REGS = BWD_PRODUCER_REGS = BWD_WRITER_REGS = BWD_DET_GRID = BWD_WINDOW = BWD_FIXED_FAST = BWD_PREFIX = 0
-_NUM_SMS, _BWD_KERNELS = {}, {}
+_NUM_SMS, _BWD_KERNELS, _PRE_KW, _CONV_KW = {}, {}, {}, {}
 _bwd_preprocess = _dq_convert = _run_backward = _descriptor = None
 # -- fagen: included verbatim below this line --
 
@@ -45,6 +45,11 @@ _bwd_preprocess = _dq_convert = _run_backward = _descriptor = None
 from threading import local as _thread_local  # noqa: E402
 
 _BWD_FAST = True
+# [Note] Fast launches of a fixed-point render (tenth session). A render with DQ_MODE 2 ([Note] Fixed-point dQ)
+# declares QMul=None, KVB=None, GQA=1 on its preprocess and QMul=None on its conversion; a fast launch that left them
+# to their defaults had no launch entry (_entry reads every trailing argument from the call's keywords), so every
+# call went through fn[grid]. _PRE_KW and _CONV_KW (the including module's) pass them at the plain path's values.
+#
 # [Note] Switches on the fast backward path (tenth session). A window render's calls pass the switches' values
 # (win_left, win_right, cap_in) to _bwd_host, which sent them down the plain path (descriptors built per call, two
 # torch.zeros, fn[grid] launches): about 200 us of host time per call beside a 0.5 ms kernel at the bench's
@@ -117,7 +122,8 @@ def _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, qk_sca
         dq_acc, sem = dq_acc.view(torch.int32), _bwd_fixed_rows(do, k, v, out, lse, delta, lse2, sq, sq_pad)
     else:
         _fast_bwd_preprocess[(sq_pad // BWD_BLOCK_M, b * hq)](out, do, lse, delta, lse2, sq, sq_pad,
-                                                              HEAD_DIM=HEAD_DIM, BLOCK_M=BWD_BLOCK_M, num_warps=4)
+                                                              HEAD_DIM=HEAD_DIM, BLOCK_M=BWD_BLOCK_M, **_PRE_KW,
+                                                              num_warps=4)
     num_bh = b * hkv
     num_tiles = -(-sk // BWD_BLOCK_N) * num_bh
     if dev not in _NUM_SMS:
@@ -143,7 +149,7 @@ def _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, qk_sca
                                                      BLOCK_M=BWD_BLOCK_M, QMul=sem, num_warps=4)
     else:
         _fast_dq_convert[(sq_pad // BWD_BLOCK_M, b * hq)](dq_acc, dq, scale, sq, sq_pad, HEAD_DIM=HEAD_DIM,
-                                                          BLOCK_M=BWD_BLOCK_M, num_warps=4)
+                                                          BLOCK_M=BWD_BLOCK_M, **_CONV_KW, num_warps=4)
 
 
 def _bwd_host(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, *more, **options):

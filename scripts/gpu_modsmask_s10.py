@@ -1,7 +1,12 @@
 """Issue 26, tenth session: the backward of the mods bench's mask rows (sliding-window+causal, prefix-LM) against
 FlexAttention's (docs/mods.md, "The mask rows' backward (tenth session)").
 
-    PYTHONPATH=$PWD python3 scripts/gpu_modsmask_s10.py [--rows a,b]
+    PYTHONPATH=$PWD python3 scripts/gpu_modsmask_s10.py [--round b] [--rows a,b]
+
+Round b (VARIANTS_B, WARM_B): the product after the prefix flip through fagen.attention (checks: prefix P 83 / 300
+in one launch, counted, beside a softcap and at GQA 4/2 in two calls, float64 and bitwise repeats; the plain causal
+path bitwise the bwd_prefix 0 render's), timed against the two calls, the one launch with the chain, the render
+before the flip; the window's variants with host_ms, the host's own time per call (10 calls issued, no sync).
 
 Phases (scripts/_phases.py; the "warm" ones at once, then "time"):
   warm   (WARM) each (row, variant) of a group of variants sharing modules once at the bench shape (B1 H16 S8192),
@@ -52,6 +57,19 @@ WARM = [([[SW, "flex"]], []), ([[PL, "flex"]], []), ([[SW, "api"], [PL, "api"]],
         ([[SW, "g-unord-fast"]], [1]), ([[SW, "g-fixed"], [SW, "g-fixed-fast"], [SW, "g-fixed-fast-g1"]], [0]),
         ([[PL, "gg"], ["causal", "plain"]], [3]), ([[PL, "gfixed"]], []), ([[PL, "one"], ["causal", "pfx"]], [4]),
         ([[PL, "one-fixed"]], [5])]
+
+
+# round B (--round b): the product after the prefix flip (bwd_prefix 2, PREFIX_ONE_BWD), against what it replaced,
+# and the window's host time beside its kernels' (host_ms: 10 calls issued without a sync)
+VARIANTS_B = {SW: ["flex", "api", "g-unord-fast", "g-desc-fast", "g-fixed-fast"],
+              PL: ["flex", "api", "api-two", "one-chain"],
+              "causal": ["api", "prev"]}
+WARM_B = [([[SW, "flex"]], []), ([[PL, "flex"]], []), ([[SW, "api"]], []), ([[SW, "g-unord-fast"]], []),
+          ([[SW, "g-desc-fast"]], []), ([[SW, "g-fixed-fast"]], []), ([[PL, "api"], [PL, "api-two"]], [10]),
+          ([[PL, "one-chain"]], []), ([["causal", "api"], ["causal", "prev"]], [11])]
+ROUND_B = os.environ.get("S10_ROUND") == "b"
+if ROUND_B:
+    VARIANTS, WARM = VARIANTS_B, WARM_B
 
 
 def plan() -> dict:
@@ -108,9 +126,37 @@ def gluon_prefix(fixed: bool, one: bool = False):
     return call
 
 
+def prev_causal():
+    """The plain causal Gluon bwd module as rendered before the prefix flip (bwd_prefix 0)."""
+    from fagen.runtime.loader import load_source
+    from fagen.spec.kernel import KernelSpec
+
+    spec = KernelSpec(backend="gluon", direction="bwd", head_dim=128, dtype="bf16", mask="causal")
+    src = s9.lever_source(spec, {"bwd_prefix": 0})
+    assert "BWD_PREFIX = 0" in src
+    return load_source(src, spec.name + "_noprefix")
+
+
 def caller(row: str, variant: str, sm, mm, bm):
     import fagen
 
+    if ROUND_B and row == "causal":
+        if variant == "prev":
+            module = prev_causal()
+            return lambda q, k, v: module.attention(q, k, v)
+        s9.selection(True)
+        return lambda q, k, v: fagen.attention(q, k, v, mask="causal")
+    if ROUND_B and row == PL and variant == "one-chain":
+        return gluon_prefix(False, True)
+    if ROUND_B and row == PL and variant in ("api", "api-two"):
+        from fagen.mods import split
+
+        s9.selection(True)
+
+        def call(q, k, v):
+            split.PREFIX_ONE_BWD = variant == "api"  # read by the forward
+            return fagen.attention(q, k, v, score_mod=sm, mask_mod=mm, block_mask=bm)
+        return call
     if row.startswith("sliding") and variant.startswith("g-"):
         parts = variant.split("-")
         return gluon_window(parts[1], "fast" in parts, "g1" in parts)
@@ -211,7 +257,11 @@ def phase_check(group: int) -> None:
         [("prefix P 83 one backward, fixed-point", lambda a, b, x: one_fixed(a, b, x, 83), prefix, True),
          ("prefix P 300 one backward, fixed-point", lambda a, b, x: one_fixed(a, b, x, 300), prefix300, True)],
     ]
-    cases = groups[group]
+    cases = groups[group] if group < 10 else []
+    if group == 10:
+        check_b_prefix(q, k, v, do, run, prefix)
+    if group == 11:
+        check_b_causal(q, k, v, do)
     for name, call, mm, rep in cases:
         run(name, call, mm, rep)
     if group == 4:  # the bwd_prefix render's public path (P = 0) against the default causal render: same bits
@@ -230,6 +280,101 @@ def phase_check(group: int) -> None:
         except Exception as e:  # noqa: BLE001
             line = f"FAIL causal via the bwd_prefix render: {type(e).__name__}: {str(e)[:200]}"
         print(f"CHECK {line} ({time.perf_counter() - t0:.1f} s)", flush=True)
+
+
+def check_b_prefix(q, k, v, do, run, prefix):
+    """Round B: prefix-LM through fagen.attention (the size floors at 0): one launch (counted) for MHA without a
+    softcap, the two calls for GQA and beside a softcap, each against float64."""
+    import torch
+
+    import fagen
+    from fagen.mods import split
+    from fagen.runtime import hopper
+
+    hopper.BWD_MIN_WORK = hopper.BWD_WINDOW_MIN_WORK = 0
+    s9.selection(True)
+    calls = []
+    one = split._one_backward
+
+    def counted(*a):
+        calls.append(1)
+        return one(*a)
+    split._one_backward = counted
+    split.PREFIX_ONE_BWD = True
+
+    def p300(b, h, q_idx, kv_idx):
+        return (kv_idx < 300) | (q_idx >= kv_idx)
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return 20.0 * torch.tanh(score / 20.0)
+
+    for name, mm, sm, want in (("P 83", prefix, None, 1), ("P 300", p300, None, 1), ("P 83 + softcap", prefix,
+                                                                                      softcap, 0)):
+        calls.clear()
+        t0 = time.perf_counter()
+        try:
+            qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+            got = torch.autograd.grad(fagen.attention(qg, kg, vg, score_mod=sm, mask_mod=mm), (qg, kg, vg), do)
+            twice = torch.autograd.grad(fagen.attention(qg, kg, vg, score_mod=sm, mask_mod=mm), (qg, kg, vg), do)
+            ref = s9.reference(sm, mm, "none", q, k, v, do)
+            from fagen.spec.axes import DType
+            from fagen.verify.tolerances import compare_grad
+            errs = [compare_grad(n, a, r, DType.BF16) for n, a, r in zip(("dq", "dk", "dv"), got, ref)]
+            same = all(torch.equal(a, b) for a, b in zip(got, twice))
+            ok = same and len(calls) == 2 * want
+            line = (f"{'PASS' if ok else 'FAIL'} api prefix {name}: max |err| dq {errs[0]:.1e} dk {errs[1]:.1e} dv "
+                    f"{errs[2]:.1e}; bitwise repeatable {same}; one-launch backwards {len(calls)} of 2")
+        except Exception as e:  # noqa: BLE001
+            line = f"FAIL api prefix {name}: {type(e).__name__}: {str(e)[:200]}"
+        print(f"CHECK {line} ({time.perf_counter() - t0:.1f} s)", flush=True)
+    # GQA: 4 query heads on 2 KV heads, the two calls
+    t0 = time.perf_counter()
+    try:
+        calls.clear()
+        g = torch.Generator().manual_seed(11)
+        qq, dd = (torch.randn(1, 4, 333, 128, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+        kk, vv = (torch.randn(1, 2, 333, 128, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+        qg, kg, vg = (t.clone().requires_grad_() for t in (qq, kk, vv))
+        got = torch.autograd.grad(fagen.attention(qg, kg, vg, mask_mod=prefix), (qg, kg, vg), dd)
+        q64, k64, v64 = (t.detach().double().requires_grad_() for t in (qq, kk, vv))
+        i, j = torch.arange(333, device="cuda")[:, None], torch.arange(333, device="cuda")[None, :]
+        s_ = (q64 @ k64.repeat_interleave(2, 1).transpose(-1, -2)) / 128 ** 0.5
+        o = torch.softmax(s_.masked_fill(~((j < 83) | (i >= j)), float("-inf")), -1) @ v64.repeat_interleave(2, 1)
+        ref = torch.autograd.grad(o, (q64, k64, v64), dd.double())
+        err = max(float((a.double() - r).abs().max()) for a, r in zip(got, ref))
+        line = (f"{'PASS' if err < 3e-2 and not calls else 'FAIL'} api prefix GQA 4/2: max |err| {err:.1e}; "
+                f"one-launch {len(calls)}")
+    except Exception as e:  # noqa: BLE001
+        line = f"FAIL api prefix GQA: {type(e).__name__}: {str(e)[:200]}"
+    print(f"CHECK {line} ({time.perf_counter() - t0:.1f} s)", flush=True)
+
+
+def check_b_causal(q, k, v, do):
+    """Round B: the plain causal backward through fagen.attention (the bwd_prefix 2 render, P = 0) against the
+    render before the flip, bit for bit, and float64."""
+    import torch
+
+    import fagen
+    from fagen.runtime import hopper
+    from fagen.spec.axes import DType
+    from fagen.verify.tolerances import compare_grad
+
+    hopper.BWD_MIN_WORK = 0
+    s9.selection(True)
+    t0 = time.perf_counter()
+    try:
+        grads = []
+        for call in (lambda a, b, c: fagen.attention(a, b, c, mask="causal"), prev_causal().attention):
+            qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+            grads.append(torch.autograd.grad(call(qg, kg, vg), (qg, kg, vg), do))
+        same = all(torch.equal(a, b) for a, b in zip(*grads))
+        ref = s9.reference(None, None, "causal", q, k, v, do)
+        errs = [compare_grad(n, a, r, DType.BF16) for n, a, r in zip(("dq", "dk", "dv"), grads[0], ref)]
+        line = (f"{'PASS' if same else 'FAIL'} api causal: bitwise the bwd_prefix 0 render's {same}; "
+                f"max |err| {max(errs):.1e}")
+    except Exception as e:  # noqa: BLE001
+        line = f"FAIL api causal: {type(e).__name__}: {str(e)[:200]}"
+    print(f"CHECK {line} ({time.perf_counter() - t0:.1f} s)", flush=True)
 
 
 def kernel_ms(fn, n=3):
@@ -278,6 +423,12 @@ def phase_time() -> None:
                     step()
                     rec["bwd_ms"] = measure(lambda i: step(), 1, torch.device("cuda"), 10.0, 25.0)
                     rec["tflops"] = fl / rec["bwd_ms"] / 1e9
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    for _ in range(10):  # issued without a sync: the host's own time per call
+                        step()
+                    rec["host_ms"] = (time.perf_counter() - t0) * 100.0
+                    torch.cuda.synchronize()
                     try:
                         rec["kernel_ms"], rec["top"] = kernel_ms(step)
                     except Exception as e:  # noqa: BLE001 - the timing stands without it
@@ -297,6 +448,8 @@ def main() -> None:
     script = os.path.abspath(__file__)
     lines: dict[str, list] = {}
     argv = dict(zip(sys.argv[1::2], sys.argv[2::2]))
+    if argv.get("--round") == "b":
+        env["S10_ROUND"] = "b"
     if "--rows" in argv:
         env["S10_ROWS"] = os.environ["S10_ROWS"] = argv["--rows"]
     todo = {(r, x) for r, vs in plan().items() for x in vs}
@@ -320,15 +473,15 @@ def main() -> None:
     go("time", max(5.0, left))
     recs = [json.loads(s[4:]) for s in lines.get("time", []) if s.startswith("REC ")]
     flex = {r["row"]: r.get("bwd_ms") for r in recs if r["variant"] == "flex"}
-    print("\n| row | variant | bwd ms | bwd TF/s | x Flex | kernels ms | top kernels |")
-    print("|---|---|---:|---:|---:|---:|---|")
+    print("\n| row | variant | bwd ms | bwd TF/s | x Flex | kernels ms | host ms | top kernels |")
+    print("|---|---|---:|---:|---:|---:|---:|---|")
     for r in recs:
         if r.get("error"):
             print(f"| {r['row']} | {r['variant']} | - | - | {r['error'][:90]} | | |")
             continue
         x = f"{flex[r['row']] / r['bwd_ms']:.2f}x" if flex.get(r["row"]) else "-"
         print(f"| {r['row']} | {r['variant']} | {r['bwd_ms']:.3f} | {r['tflops']:.0f} | {x} | "
-              f"{r.get('kernel_ms', 0):.3f} | {r.get('top')} |")
+              f"{r.get('kernel_ms', 0):.3f} | {r.get('host_ms', 0):.3f} | {r.get('top')} |")
     for s in [x for got in lines.values() for x in got if x.startswith("CHECK ")]:
         print(s[6:], end="")
     print(f"total {time.time() - t0:.0f} s")

@@ -51,10 +51,11 @@ _BWD_FAST = True
 # call went through fn[grid]. _PRE_KW and _CONV_KW (the including module's) pass them at the plain path's values.
 #
 # [Note] Switches on the fast backward path (tenth session). A window render's calls pass the switches' values
-# (win_left, win_right, cap_in) to _bwd_host, which sent them down the plain path (descriptors built per call, two
-# torch.zeros, fn[grid] launches): about 200 us of host time per call beside a 0.5 ms kernel at the bench's
-# sliding window. _BWD_FAST_SWITCHES = True takes the fast path for a window render (BWD_WINDOW) with the values
-# appended to the main kernel's arguments, as _run_backward appends them; off until an H100 round shows it.
+# (the window's two extents and the cap's input factor) to _bwd_host, which sent them down the plain path
+# (descriptors built per call, two torch.zeros, fn[grid] launches). _BWD_FAST_SWITCHES = True takes the fast path
+# for a window render (BWD_WINDOW) with the values appended to the main kernel's arguments, as _run_backward appends
+# them; off: the window's backward stays on the Triton kernels (H100, docs/mods.md "The mask rows' backward (tenth
+# session)"). A prefix render (BWD_PREFIX, its one value the prefix length) always takes it.
 _BWD_FAST_SWITCHES = False
 _BWD_WS_KEEP = 1 << 25  # bytes: the largest workspace kept per stream (B x Hq x sq_pad <= 16384 rows of D 128)
 _BWD_WS = _thread_local()  # per thread: (device, stream) -> [buffer, {(b, hq, sq_pad, dq_mode): views}]

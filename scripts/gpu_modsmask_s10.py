@@ -63,10 +63,10 @@ WARM = [([[SW, "flex"]], []), ([[PL, "flex"]], []), ([[SW, "api"], [PL, "api"]],
 # and the window's host time beside its kernels' (host_ms: 10 calls issued without a sync)
 VARIANTS_B = {SW: ["flex", "api", "g-unord-fast", "g-desc-fast", "g-fixed-fast"],
               PL: ["flex", "api", "api-two", "one-chain"],
-              "causal": ["api", "prev"]}
+              "causal": ["api", "prev", "fixed"]}
 WARM_B = [([[SW, "flex"]], []), ([[PL, "flex"]], []), ([[SW, "api"]], []), ([[SW, "g-unord-fast"]], []),
           ([[SW, "g-desc-fast"]], []), ([[SW, "g-fixed-fast"]], []), ([[PL, "api"], [PL, "api-two"]], [10]),
-          ([[PL, "one-chain"]], []), ([["causal", "api"], ["causal", "prev"]], [11])]
+          ([[PL, "one-chain"]], []), ([["causal", "api"], ["causal", "prev"], ["causal", "fixed"]], [11])]
 ROUND_B = os.environ.get("S10_ROUND") == "b"
 if ROUND_B:
     VARIANTS, WARM = VARIANTS_B, WARM_B
@@ -126,6 +126,31 @@ def gluon_prefix(fixed: bool, one: bool = False):
     return call
 
 
+def causal_mode2():
+    """(q, k, v) -> out whose backward is the default causal Gluon module's fixed-point mode (BWD_PREFIX_MODE 2)
+    with prefix 0, through split._one_backward: the plain causal mask's gradients, deterministic."""
+    import torch
+
+    import fagen
+    from fagen.mods import split
+    from fagen.spec.kernel import KernelSpec
+
+    module = fagen.load(KernelSpec(backend="gluon", direction="bwd", head_dim=128, dtype="bf16", mask="causal"))
+    assert module.BWD_PREFIX_MODE == 2
+
+    class Mode2(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            out, lse = module.forward(q, k, v)
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out
+
+        @staticmethod
+        def backward(ctx, do):
+            return split._one_backward(module, do, *ctx.saved_tensors, 0, {})[:3]
+    return Mode2.apply
+
+
 def prev_causal():
     """The plain causal Gluon bwd module as rendered before the prefix flip (bwd_prefix 0)."""
     from fagen.runtime.loader import load_source
@@ -141,6 +166,8 @@ def caller(row: str, variant: str, sm, mm, bm):
     import fagen
 
     if ROUND_B and row == "causal":
+        if variant == "fixed":  # the default module's mode 2 (bwd_prefix 2) with P = 0: the plain causal mask
+            return causal_mode2()
         if variant == "prev":
             module = prev_causal()
             return lambda q, k, v: module.attention(q, k, v)

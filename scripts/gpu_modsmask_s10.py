@@ -402,6 +402,20 @@ def check_b_causal(q, k, v, do):
     except Exception as e:  # noqa: BLE001
         line = f"FAIL api causal: {type(e).__name__}: {str(e)[:200]}"
     print(f"CHECK {line} ({time.perf_counter() - t0:.1f} s)", flush=True)
+    t0 = time.perf_counter()
+    try:  # the mode-2 path with P = 0: float64 and a bitwise repeat
+        call = causal_mode2()
+        got = []
+        for _ in range(2):
+            qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+            got.append(torch.autograd.grad(call(qg, kg, vg), (qg, kg, vg), do))
+        same = all(torch.equal(a, b) for a, b in zip(*got))
+        ref = s9.reference(None, None, "causal", q, k, v, do)
+        errs = [compare_grad(n, a, r, DType.BF16) for n, a, r in zip(("dq", "dk", "dv"), got[0], ref)]
+        line = f"{'PASS' if same else 'FAIL'} causal mode 2 (P = 0): max |err| {max(errs):.1e}; bitwise repeatable {same}"
+    except Exception as e:  # noqa: BLE001
+        line = f"FAIL causal mode 2: {type(e).__name__}: {str(e)[:200]}"
+    print(f"CHECK {line} ({time.perf_counter() - t0:.1f} s)", flush=True)
 
 
 def kernel_ms(fn, n=3):

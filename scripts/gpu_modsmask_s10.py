@@ -412,7 +412,8 @@ def check_b_causal(q, k, v, do):
         same = all(torch.equal(a, b) for a, b in zip(*got))
         ref = s9.reference(None, None, "causal", q, k, v, do)
         errs = [compare_grad(n, a, r, DType.BF16) for n, a, r in zip(("dq", "dk", "dv"), got[0], ref)]
-        line = f"{'PASS' if same else 'FAIL'} causal mode 2 (P = 0): max |err| {max(errs):.1e}; bitwise repeatable {same}"
+        line = (f"{'PASS' if same else 'FAIL'} causal mode 2 (P = 0): max |err| {max(errs):.1e}; "
+                f"bitwise repeatable {same}")
     except Exception as e:  # noqa: BLE001
         line = f"FAIL causal mode 2: {type(e).__name__}: {str(e)[:200]}"
     print(f"CHECK {line} ({time.perf_counter() - t0:.1f} s)", flush=True)

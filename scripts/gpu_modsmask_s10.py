@@ -66,7 +66,8 @@ VARIANTS_B = {SW: ["flex", "api", "g-unord-fast", "g-desc-fast", "g-fixed-fast"]
               "causal": ["api", "prev", "fixed"]}
 WARM_B = [([[SW, "flex"]], []), ([[PL, "flex"]], []), ([[SW, "api"]], []), ([[SW, "g-unord-fast"]], []),
           ([[SW, "g-desc-fast"]], []), ([[SW, "g-fixed-fast"]], []), ([[PL, "api"], [PL, "api-two"]], []),
-          ([], [10]), ([], [12]), ([[PL, "one-chain"]], []), ([["causal", "api"], ["causal", "prev"], ["causal", "fixed"]], [11])]
+          ([], [10]), ([], [12]), ([[PL, "one-chain"]], []),
+          ([["causal", "api"], ["causal", "prev"], ["causal", "fixed"]], [11])]
 ROUND_B = os.environ.get("S10_ROUND") == "b"
 if ROUND_B:
     VARIANTS, WARM = VARIANTS_B, WARM_B

@@ -68,7 +68,7 @@ WARM_B = [([[SW, "flex"]], []), ([[PL, "flex"]], []), ([[SW, "api"]], []), ([[SW
           ([[SW, "g-desc-fast"]], []), ([[SW, "g-fixed-fast"]], []), ([[PL, "api"], [PL, "api-two"]], []),
           ([], [10]), ([], [12]), ([[PL, "one-chain"]], []),
           ([["causal", "api"], ["causal", "prev"], ["causal", "fixed"]], [11])]
-ROUND_B = os.environ.get("S10_ROUND") == "b"
+ROUND_B = os.environ.get("S10_ROUND") == "b" or sys.argv[1:3] == ["--round", "b"]  # the parent reads argv
 if ROUND_B:
     VARIANTS, WARM = VARIANTS_B, WARM_B
 

@@ -68,17 +68,32 @@ class _JIT:
         return compile_and_launch
 
 
+def _plain_render(mask):
+    """The bf16 d128 gluon bwd module of `mask` without the prefix argument (variant bwd_prefix 0: the causal
+    render's kernels then take the arguments below; tests/test_gluon_bwd_window_host.py covers the prefix render's)."""
+    from fagen import backends
+    from fagen.codegen import render
+    from fagen.runtime.loader import load_source
+
+    saved = backends.GLUON.variant["bwd_prefix"]
+    backends.GLUON.variant["bwd_prefix"] = 0
+    render.render.cache_clear()
+    try:
+        spec = fagen.KernelSpec(backend="gluon", direction="bwd", head_dim=128, mask=mask, dtype="bf16")
+        return load_source(fagen.generate(spec), spec.name + "_noprefix")
+    finally:
+        backends.GLUON.variant["bwd_prefix"] = saved
+        render.render.cache_clear()
+
+
 @pytest.fixture(params=[(True, "causal"), (False, "causal"), (True, "none")], ids=["det", "unordered", "none"])
 def gluon_bwd(request, monkeypatch):
     """The bf16 d128 gluon bwd module with fast launches on and its three kernels faked; (module, mode, fakes)."""
     deterministic, mask = request.param
-    # the chain's render (bwd_d128 {}): the fast path serves modes 0 and 1; the d128 default's mode 2 (the
-    # fixed-point dQ) takes the plain path
+    # the chain's render (bwd_d128 {}) without the prefix argument: the fast path serves modes 0 and 1; the d128
+    # default's mode 2 (the fixed-point dQ) takes the plain path
     monkeypatch.setitem(backends.GLUON.variant, "bwd_d128", {})
-    render.render.cache_clear()
-    spec = fagen.KernelSpec(backend="gluon", direction="bwd", head_dim=128, mask=mask, dtype="bf16")
-    mod = load_source(fagen.generate(spec), f"{spec.name}_chain_host")  # not fagen.load's module of the default
-    render.render.cache_clear()
+    mod = _plain_render(mask)
     mode = 0 if deterministic else 1
     real, epi_tma = mod._BWD_KERNELS[mode]
     fakes = {"pre": _JIT(mod._bwd_preprocess, 7), "conv": _JIT(mod._dq_convert, 5),

@@ -103,7 +103,7 @@ def test_the_bench_times_the_gluon_backward_and_its_unordered_mode(as_if_hopper)
 
 def test_the_dq_mutants_edit_the_gluon_backward_only(monkeypatch):
     """gluon-bwd-dq-one-half edits every render; gluon-bwd-fixed-no-scale the renders with the fixed-point dQ
-    (variant bwd_fixed 1; with 2 not GQA causal)."""
+    (variant bwd_fixed 1; with 2 not GQA causal; MHA causal with bwd_prefix 2, [Note] Prefix rows in the backward)."""
     from fagen.codegen import render
     gluon_bwd = KernelSpec(backend="gluon", direction="bwd", head_dim=128, dtype="bf16", mask="causal")
     monkeypatch.setitem(backends.GLUON.variant, "bwd_gqa", {})  # GQA causal's own keys: test_gluon_bwd_gqa64
@@ -117,7 +117,8 @@ def test_the_dq_mutants_edit_the_gluon_backward_only(monkeypatch):
                                "gluon-bwd-fixed-tma-rows"):  # bwd_fixed_fma / bwd_fixed_tma renders:
                 continue  # test_gluon_bwd_order.py, test_gluon_bwd_fixed_round.py
             every = mutant.name != "gluon-bwd-fixed-no-scale"
-            assert mutant.applies(gluon_bwd) and (mutant.old in generate(gluon_bwd)) == (every or fixed > 0)
+            prefix2 = backends.GLUON.variant["bwd_prefix"] == 2  # MHA causal renders carry mode 2 for the prefix
+            assert mutant.applies(gluon_bwd) and (mutant.old in generate(gluon_bwd)) == (every or fixed > 0 or prefix2)
             gqa4 = KernelSpec(backend="gluon", direction="bwd", head_dim=128, dtype="bf16", mask="causal", gqa=4)
             assert (mutant.old in generate(gqa4)) == (every or fixed == 1)
             assert mutant.old not in generate(case(mask="causal")) and mutant.old not in generate(

@@ -116,7 +116,7 @@ def test_the_levers_render_only_where_on():
     assert "BWD_DET_MODE = 0" in _render(gqa_causal, bwd_mod_fixed=2)
     assert "BWD_DET_MODE = 2" in _render(gqa_causal, bwd_mod_fixed=1)
     assert "BWD_DET_MODE = 0" in _render(spec("bwd", score_mod="score * 2.0"), bwd_mod_fixed=1)  # dS not P(dP - delta)
-    assert "BWD_DET_MODE = 0" in _render(spec("bwd"), bwd_mod_fixed=1)  # plain specs: bwd_fixed's, not this lever's
+    assert "BWD_DET_MODE = 0" in _render(spec("bwd"), bwd_mod_fixed=1, bwd_d128={})  # plain: bwd_fixed's, not this lever's
     assert "(bwd_mod_fold)" not in _render(bwd, **OFF) and "(bwd_mod_fold)" in _render(bwd, bwd_mod_fold=1)
     assert "Split offsets (fagen" not in _render(bwd, **OFF) and "Split offsets (fagen" in _render(bwd, bwd_mod_split=1)
 

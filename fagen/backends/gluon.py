@@ -104,7 +104,7 @@ class GluonBackend(KernelBackend):
                "fp8_pv_overlap": 0, "fp8_d64": {"fp8_wgs": 3},
                "pv_overlap": 0,
                "bwd_order": 0, "bwd_snake": 0, "bwd_named": 0, "bwd_epi_tma": 0, "bwd_fixed": 0, "bwd_window_desc": 0,
-               "bwd_mod_early": 0, "bwd_window_fixed": 0,
+               "bwd_mod_early": 0, "bwd_window_fixed": 0, "bwd_prefix": 2,
                "bwd_unordered_levers": {"bwd_named": 2, "bwd_epi_tma": 1, "bwd_snake": 1},
                "bwd_fixed_fma": 0, "bwd_grid": 0, "bwd_spt": 0, "bwd_fixed_tma": 0}
 
@@ -239,6 +239,10 @@ class GluonBackend(KernelBackend):
     # issued before the S MMA's wait instead of after it (ninth session: scripts/gpu_mods_bwd_s9.py times both).
     # bwd_window_fixed 1: a window switch's deterministic dQ as fixed-point adds ([Note] Fixed-point dQ), not a
     # chain that queues each key block behind the one before ([Note] Window in the backward); no score_mod.
+    # bwd_prefix 1: plain causal MHA d128 renders take the prefix-LM length at run time (0 from the public path), so
+    # the prefix split's backward is one launch (fagen/mods/split.py's PREFIX_ONE_BWD; [Note] Prefix rows in the
+    # backward, tenth session); 2: the same, and that launch's dQ as fixed-point adds (mode 2, rendered beside the
+    # chain, which the plain causal calls keep).
     # [Note] Gluon backward levers (variant bwd_*, rendered by fagen/templates/gluon/backward.py.j2 only where on; the
     # designs in lab/gluon_bwd.py): bwd_order 1, the dQ turns by arrival within a wave ([Note] Wave order); bwd_snake
     # 1, odd waves of tiles in reverse; bwd_named 1, the dQ handoff through named barriers (2: also the dS^T exchange);

@@ -238,6 +238,30 @@ def run_split(split: tuple, attention, q, k, v, *, mask: str, resolve=None, bwd_
 # document split views q, k, v through squeeze and transpose (their backwards are views), and the prefix split with
 # gradients is one autograd.Function (_Prefix) over the two switch modules' forward and backward: dq is the two
 # calls' dq concatenated, dk and dv the causal call's with the prefix call's added into rows [0, P) in place.
+# [Note] Prefix rows in one backward (tenth session). The split's backward runs two modules' backwards on slices:
+# the causal call's q and dO rows [P, S) are copied to dense tensors (its kernels read dense [B, H, S, D]), dq is
+# concatenated, dK and dV of the prefix call added into the causal call's. A Gluon causal render with variant
+# bwd_prefix (fagen/templates/gluon/backward.py.j2, [Note] Prefix rows in the backward) takes the prefix length
+# at run time and computes the mask `kv < P or kv <= q` itself: one backward over the whole q, k, v, dO with the
+# two forwards' out and lse concatenated (out as returned, lse [B, H, S]), no copies, no adds. PREFIX_ONE_BWD
+# (off until an H100 round shows it) takes it where the causal call's module is such a render (BWD_PREFIX == 1),
+# in the render's BWD_PREFIX_MODE: with bwd_prefix 2 the fixed-point dQ (mode 2, deterministic, rendered beside the
+# chain that the plain causal calls keep).
+PREFIX_ONE_BWD = True
+
+
+def _one_backward(low, do, q, k, v, out, lse, p, kw):
+    """(dq, dk, dv, None, None, None) of the prefix rows from one launch of `low`'s backward with prefix P."""
+    import torch
+
+    do = do.to(q.dtype)
+    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    dense = [low._dense(t) for t in (do, q, k, v, out, lse)]
+    mode = getattr(low, "BWD_PREFIX_MODE", low.BWD_DET_MODE)  # bwd_prefix 2: the fixed-point dQ (deterministic)
+    low._bwd_host(*dense, low._check_scale(kw.get("scale")), dq, dk, dv, mode, None, (p, ))
+    return dq, dk, dv, None, None, None
+
+
 def _prefix_class():
     import torch
 
@@ -250,12 +274,19 @@ def _prefix_class():
             top, low = mods
             out_t, lse_t = top.forward(q[:, :, :p], k[:, :, :p], v[:, :, :p], **kw)
             out_b, lse_b = low.forward(q[:, :, p:], k, v, **kw)
-            ctx.save_for_backward(q, k, v, out_t, lse_t, out_b, lse_b)
+            out = torch.cat([out_t, out_b], dim=2)
+            ctx.one = PREFIX_ONE_BWD and getattr(low, "BWD_PREFIX", 0) == 1  # [Note] Prefix rows in one backward
+            if ctx.one:
+                ctx.save_for_backward(q, k, v, out, torch.cat([lse_t, lse_b], dim=2))
+            else:
+                ctx.save_for_backward(q, k, v, out_t, lse_t, out_b, lse_b)
             ctx.p, ctx.mods, ctx.kw = p, mods, kw
-            return torch.cat([out_t, out_b], dim=2)
+            return out
 
         @staticmethod
         def backward(ctx, do):
+            if ctx.one:
+                return _one_backward(ctx.mods[1], do, *ctx.saved_tensors, ctx.p, ctx.kw)
             q, k, v, out_t, lse_t, out_b, lse_b = ctx.saved_tensors
             p, (top, low), kw = ctx.p, ctx.mods, ctx.kw
             do = do.to(q.dtype)

@@ -14,8 +14,8 @@ from fagen.templates.host.gluon_launch import _GL_DTYPE, _gluon
 from fagen.templates.host.launch import _raw_stream
 
 BWD_BLOCK_M = BWD_BLOCK_N = HEAD_DIM = GQA = CAUSAL = BWD_RING_SLOTS = BWD_WARPS = BWD_KV_SPLIT = BWD_GRID_ALL = 0
-BWD_COMPUTE_REGS = BWD_PRODUCER_REGS = BWD_WRITER_REGS = BWD_DET_GRID = 0
-_NUM_SMS, _BWD_KERNELS = {}, {}
+BWD_COMPUTE_REGS = BWD_PRODUCER_REGS = BWD_WRITER_REGS = BWD_DET_GRID = BWD_WINDOW = BWD_FIXED_FAST = BWD_PREFIX = 0
+_NUM_SMS, _BWD_KERNELS, _PRE_KW, _CONV_KW = {}, {}, {}, {}
 _bwd_preprocess = _dq_convert = _run_backward = _descriptor = None
 # -- fagen: included verbatim below this line --
 
@@ -45,9 +45,22 @@ _bwd_preprocess = _dq_convert = _run_backward = _descriptor = None
 from threading import local as _thread_local  # noqa: E402
 
 _BWD_FAST = True
+# [Note] Fast launches of a fixed-point render (tenth session). A render with DQ_MODE 2 ([Note] Fixed-point dQ)
+# declares QMul=None, KVB=None, GQA=1 on its preprocess and QMul=None on its conversion; a fast launch that left them
+# to their defaults had no launch entry (_entry reads every trailing argument from the call's keywords), so every
+# call went through fn[grid]. _PRE_KW and _CONV_KW (the including module's) pass them at the plain path's values.
+#
+# [Note] Switches on the fast backward path (tenth session). A window render's calls pass the switches' values
+# (the window's two extents and the cap's input factor) to _bwd_host, which sent them down the plain path
+# (descriptors built per call, two torch.zeros, fn[grid] launches). _BWD_FAST_SWITCHES = True takes the fast path
+# for a window render (BWD_WINDOW) with the values appended to the main kernel's arguments, as _run_backward appends
+# them; off: the window's backward stays on the Triton kernels (H100, docs/mods.md "The mask rows' backward (tenth
+# session)"). A prefix render (BWD_PREFIX, its one value the prefix length) always takes it.
+_BWD_FAST_SWITCHES = False
 _BWD_WS_KEEP = 1 << 25  # bytes: the largest workspace kept per stream (B x Hq x sq_pad <= 16384 rows of D 128)
 _BWD_WS = _thread_local()  # per thread: (device, stream) -> [buffer, {(b, hq, sq_pad, dq_mode): views}]
 _GL_DTYPE[torch.float32] = gl.float32  # the workspaces' descriptors (requests like the inputs')
+_GL_DTYPE[torch.int32] = gl.int32  # the fixed-point dQ's accumulator ([Note] Switches on the fast backward path)
 _fast_bwd_preprocess = _gluon(_bwd_preprocess)
 _fast_dq_convert = _gluon(_dq_convert)
 _fast_bwd_kernels = {mode: (_gluon(kernel), epi_tma) for mode, (kernel, epi_tma) in _BWD_KERNELS.items()}
@@ -86,16 +99,32 @@ def _bwd_workspace(b, hq, sq_pad, dq_mode, q):
     return views
 
 
-def _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode):
+def _bwd_fixed_rows(do, k, v, out, lse, delta, lse2, sq, sq_pad):
+    """Mode 2's preprocess through fn[grid] (its QMul / KVB keywords): delta, lse2 and the rows' qmul ([Note]
+    Fixed-point dQ: from max|K|, max_j |V_j|_2 per KV head), which it returns."""
+    fx = {"QMul": torch.empty_like(delta), "KVB": torch.stack(
+        [k.abs().amax(dim=(2, 3)).float(), torch.linalg.vector_norm(v, dim=-1).amax(-1).float()], -1)}
+    _bwd_preprocess[(sq_pad // BWD_BLOCK_M, delta.shape[0])](out, do, lse, delta, lse2, sq, sq_pad, HEAD_DIM=HEAD_DIM,
+                                                             BLOCK_M=BWD_BLOCK_M, GQA=GQA, **fx, num_warps=4)
+    return fx["QMul"]
+
+
+def _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, qk_scale=None, extra=()):
     """_run_backward's launches through the fast path ([Note] Gluon backward host path), on dense, aligned,
-    non-empty inputs."""
+    non-empty inputs. qk_scale, extra: as _run_backward's (the score switches' values; [Note] Switches on the fast
+    backward path); dq_mode 2 ([Note] Fixed-point dQ) launches its pre- and postprocess through fn[grid] (their
+    QMul / KVB keywords), the main kernel through the fast path."""
     b, hq, sq, _ = q.shape
     hkv, sk = k.shape[1] * BWD_KV_SPLIT, k.shape[2]  # virtual KV heads ([Note] GQA split in the backward)
     sq_pad = -(-sq // BWD_BLOCK_M) * BWD_BLOCK_M
     dev = q.get_device()
     _, delta, lse2, dq_acc, sem = _bwd_workspace(b, hq, sq_pad, dq_mode, q)
-    _fast_bwd_preprocess[(sq_pad // BWD_BLOCK_M, b * hq)](out, do, lse, delta, lse2, sq, sq_pad, HEAD_DIM=HEAD_DIM,
-                                                          BLOCK_M=BWD_BLOCK_M, num_warps=4)
+    if dq_mode == 2:  # an int32 accumulator (zeroed float32 bits are int32 zeros), the rows' qmul in Sem
+        dq_acc, sem = dq_acc.view(torch.int32), _bwd_fixed_rows(do, k, v, out, lse, delta, lse2, sq, sq_pad)
+    else:
+        _fast_bwd_preprocess[(sq_pad // BWD_BLOCK_M, b * hq)](out, do, lse, delta, lse2, sq, sq_pad,
+                                                              HEAD_DIM=HEAD_DIM, BLOCK_M=BWD_BLOCK_M, **_PRE_KW,
+                                                              num_warps=4)
     num_bh = b * hkv
     num_tiles = -(-sk // BWD_BLOCK_N) * num_bh
     if dev not in _NUM_SMS:
@@ -105,18 +134,23 @@ def _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode):
         dk, dv = _descriptor(dk, BWD_BLOCK_N // 2), _descriptor(dv, BWD_BLOCK_N // 2)
     # One program per SM at most: every program is resident, which the fixed-order dQ needs (BWD_DET_GRID: one per
     # tile, [Note] Launch order in gluon/backward.py.j2; BWD_GRID_ALL: modes 1, 2 one per tile, [Note] L2 sections).
-    kernel[(num_tiles if (BWD_DET_GRID and dq_mode == 0) or (BWD_GRID_ALL and dq_mode)
+    kernel[(num_tiles if (BWD_DET_GRID and dq_mode != 1) or (BWD_GRID_ALL and dq_mode)
             else min(num_tiles, _NUM_SMS[dev]), )](
         _descriptor(q, BWD_BLOCK_M), _descriptor(do, BWD_BLOCK_M), _descriptor(k, BWD_BLOCK_N),
         _descriptor(v, BWD_BLOCK_N), (lse2, (1, BWD_BLOCK_M)), (delta, (1, BWD_BLOCK_M)),
-        (dq_acc, (1, 1, BWD_BLOCK_M, HEAD_DIM // 2)), dk, dv, sem, scale * 1.4426950408889634, scale,
-        num_tiles, num_bh, hkv, sq, sk, sq_pad,
-        HEAD_DIM=HEAD_DIM, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, STAGES=BWD_RING_SLOTS, GQA=GQA // BWD_KV_SPLIT,
+        (dq_acc, (1, 1, BWD_BLOCK_M, HEAD_DIM // 2)), dk, dv, sem,
+        scale * 1.4426950408889634 if qk_scale is None else qk_scale, scale, num_tiles, num_bh, hkv, sq, sk, sq_pad,
+        *extra, HEAD_DIM=HEAD_DIM, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, STAGES=BWD_RING_SLOTS,
+        GQA=GQA // BWD_KV_SPLIT,
         CAUSAL=CAUSAL, DQ_MODE=dq_mode, COMPUTE_REGS=BWD_COMPUTE_REGS, PRODUCER_REGS=BWD_PRODUCER_REGS,
         WRITER_REGS=BWD_WRITER_REGS, num_warps=BWD_WARPS,
     )
-    _fast_dq_convert[(sq_pad // BWD_BLOCK_M, b * hq)](dq_acc, dq, scale, sq, sq_pad, HEAD_DIM=HEAD_DIM,
-                                                      BLOCK_M=BWD_BLOCK_M, num_warps=4)
+    if dq_mode == 2:
+        _dq_convert[(sq_pad // BWD_BLOCK_M, b * hq)](dq_acc, dq, scale, sq, sq_pad, HEAD_DIM=HEAD_DIM,
+                                                     BLOCK_M=BWD_BLOCK_M, QMul=sem, num_warps=4)
+    else:
+        _fast_dq_convert[(sq_pad // BWD_BLOCK_M, b * hq)](dq_acc, dq, scale, sq, sq_pad, HEAD_DIM=HEAD_DIM,
+                                                          BLOCK_M=BWD_BLOCK_M, **_CONV_KW, num_warps=4)
 
 
 def _bwd_host(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, *more, **options):
@@ -124,4 +158,7 @@ def _bwd_host(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, *more, **option
     _BWD_FAST = False, the plain _run_backward (which takes whatever else a render passes it)."""
     if _BWD_FAST and (dq_mode == 0 or dq_mode == 1) and not more and not options:
         return _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode)
+    if _BWD_FAST and (_BWD_FAST_SWITCHES and BWD_WINDOW or BWD_PREFIX) and len(more) == 2 and not options and (
+            dq_mode != 2 or BWD_FIXED_FAST):
+        return _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, *more)
     return _run_backward(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, *more, **options)

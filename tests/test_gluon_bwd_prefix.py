@@ -1,0 +1,160 @@
+"""The prefix-LM mask in one Gluon backward ([Note] Prefix rows in the backward in
+fagen/templates/gluon/backward.py.j2, variant bwd_prefix; [Note] Prefix rows in one backward in fagen/mods/split.py):
+the render's own _bwd_tile, run as plain Python on ints, visits every (query block, key block) that holds a visible
+pair (row i sees key j iff j <= i or j < P), runs unmasked only steps whose pairs are all visible, and the key blocks
+that add to a query block are a prefix of them (so the fixed-order dQ's turn is the key block); the render threads
+`prefix` through every partition and the host, and the default render is unchanged. The kernels themselves run in
+scripts/gpu_modsmask_s10.py (H100)."""
+
+import types
+
+import torch
+
+import pytest
+
+import fagen
+from fagen import backends
+from fagen.codegen import render
+from fagen.runtime.loader import load_source
+from fagen.spec.kernel import KernelSpec
+
+SPEC = dict(backend="gluon", direction="bwd", head_dim=128, mask="causal", dtype="bf16")
+
+
+def _source(spec=None, **lever):
+    saved = dict(backends.GLUON.variant)
+    # bwd_d128 {}: the render the prefix lever applies to (the d128 default's qmul rows by TMA keep two calls)
+    backends.GLUON.variant.update({"bwd_d128": {}, **lever})
+    render.render.cache_clear()
+    try:
+        return fagen.generate(KernelSpec(**{**SPEC, **(spec or {})}))
+    finally:
+        backends.GLUON.variant.clear()
+        backends.GLUON.variant.update(saved)
+        render.render.cache_clear()
+
+
+@pytest.fixture(scope="module")
+def tile():
+    src = _source(bwd_prefix=1)
+    mod = load_source(src, "gluon_bwd_prefix_test")
+    assert mod.BWD_PREFIX == 1
+    mod.gl = types.SimpleNamespace(maximum=max, minimum=min, where=lambda c, a, b: a if c else b)
+    return types.SimpleNamespace(fn=mod._bwd_tile.fn, bm=mod.BWD_BLOCK_M, bn=mod.BWD_BLOCK_N)
+
+
+# (S, P): lengths off the blocks, P inside a key block, on a key block's edge, 0 (plain causal), 1, S - 1
+CASES = [(700, 83), (700, 256), (700, 0), (700, 1), (700, 699), (333, 200), (129, 128), (1000, 640), (64, 63)]
+
+
+@pytest.mark.parametrize("s,p", CASES, ids=lambda x: str(x))
+def test_prefix_tiles_cover_the_mask_and_mask_every_partial_step(tile, s, p):
+    bm, bn = tile.bm, tile.bn
+    n_kblk = -(-s // bn)
+    visitors = {}
+    for n in range(n_kblk):
+        n_blk, _, _, _, lo, split, hi = tile.fn(n, 1, 1, s, s, p, bm, bn, 1, True)
+        assert n_blk == n and 0 <= lo <= split <= hi and lo % bm == 0 and hi == -(-s // bm) * bm
+        n0 = n * bn
+        keys = range(n0, min(n0 + bn, s))
+        for m0 in range(0, hi, bm):
+            rows = range(m0, min(m0 + bm, s))
+            seen = any(j <= i or j < p for i in rows for j in keys)
+            if m0 < lo:
+                assert not seen, (n, m0)  # skipped: no visible pair
+                continue
+            visitors.setdefault(m0, []).append(n)
+            if m0 >= split:  # unmasked: every pair of the real rows and keys visible, no key tail
+                assert n0 + bn <= s and all(j <= i or j < p for i in rows for j in keys), (n, m0)
+    for m0, ns in visitors.items():  # the fixed-order dQ: key blocks [0, c) add to each query block
+        assert ns == list(range(len(ns))), m0
+    assert set(visitors) == set(range(0, -(-s // bm) * bm, bm))  # key 0 is seen by every row
+
+
+def test_the_render_threads_prefix_and_without_it_the_render_has_none():
+    src, base = _source(bwd_prefix=1), _source(bwd_prefix=0)
+    assert "prefix" not in base.split("def _bwd_tile(")[1].split("\n")[0]
+    assert "BWD_PREFIX = 0" in base and "(keys[:, None] < prefix)" not in base
+    assert src.count("(keys[:, None] < prefix)") == 2  # both compute partitions (deterministic, unordered)
+    assert src.count('"sq_pad", "prefix"]') == 2  # both main kernels: not specialized on P
+    assert "None, (0, ))" in src  # the public backward passes P = 0 (the plain causal mask)
+    two = _source(bwd_prefix=2)  # the fixed-point dQ beside the chain, for the prefix call only
+    assert "BWD_PREFIX_MODE = 2" in two and "BWD_DET_MODE = 0" in two and "_BWD_KERNELS[2] = " in two
+    assert "BWD_PREFIX_MODE = BWD_DET_MODE" in src
+    assert "BWD_PREFIX_MODE = 2" in _source()  # the default: bwd_prefix 2
+    other = _source(bwd_prefix=1, bwd_spt=1)  # a lever that sets the turns: no prefix
+    assert "BWD_PREFIX = 0" in other
+    for spec in (dict(gqa=2), dict(head_dim=64), dict(mask="none"), dict(window=True)):  # these keep two calls
+        assert "BWD_PREFIX = 0" in _source(spec, bwd_prefix=1), spec
+
+
+def test_the_prefix_render_builds_for_sm_90():
+    mod = load_source(_source(bwd_prefix=1), "gluon_bwd_prefix_build")
+    for det in (True, False):
+        assert mod.compile_backward_for(deterministic=det).metadata.shared > 0
+
+
+def _attention64(q, k, v, visible, scale):
+    s = (q @ k.transpose(-1, -2)) * scale
+    s = s.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    return torch.softmax(s, -1) @ v, lse
+
+
+class _FakeLow:
+    """The causal call's module as _Prefix and _one_backward use it: a float64 forward (bottom-right causal) and a
+    _bwd_host that computes the prefix mask's gradients from (out, lse) the way the kernels do (P from lse, delta
+    from out), recording what it was given."""
+    BWD_PREFIX, BWD_DET_MODE, BWD_PREFIX_MODE = 1, 0, 2
+
+    def __init__(self):
+        self.calls = []
+
+    @staticmethod
+    def _dense(t):
+        return t.contiguous()
+
+    @staticmethod
+    def _check_scale(scale):
+        return 0.125 if scale is None else scale
+
+    def forward(self, q, k, v, **kw):
+        i = torch.arange(q.shape[2])[:, None] + k.shape[2] - q.shape[2]
+        return _attention64(q, k, v, torch.arange(k.shape[2])[None, :] <= i, self._check_scale(kw.get("scale")))
+
+    def _bwd_host(self, do, q, k, v, out, lse, scale, dq, dk, dv, mode, qk_scale, extra):
+        self.calls.append((mode, qk_scale, extra, out, lse))
+        (p, ) = extra
+        i, j = torch.arange(q.shape[2])[:, None], torch.arange(k.shape[2])[None, :]
+        pm = torch.exp((q @ k.transpose(-1, -2)) * scale - lse[..., None]).masked_fill(~((j <= i) | (j < p)), 0.0)
+        ds = pm * (do @ v.transpose(-1, -2) - (do * out).sum(-1, keepdim=True))
+        dq.copy_(ds @ k * scale), dk.copy_(ds.transpose(-1, -2) @ q * scale), dv.copy_(pm.transpose(-1, -2) @ do)
+
+
+class _FakeTop:
+    def forward(self, q, k, v, **kw):
+        return _attention64(q, k, v, torch.ones(q.shape[2], k.shape[2], dtype=torch.bool), kw.get("scale", 0.125))
+
+
+@pytest.mark.parametrize("p", [1, 37, 64, 99])
+def test_prefix_one_backward_passes_the_whole_problem_and_p(monkeypatch, p):
+    """_Prefix with PREFIX_ONE_BWD and a causal module with BWD_PREFIX: one _bwd_host call with the concatenated
+    out and lse and (P, ), whose gradients (computed the kernels' way) equal autograd of the prefix-LM mask."""
+    from fagen.mods import split
+
+    monkeypatch.setattr(split, "PREFIX_ONE_BWD", True)
+    torch.manual_seed(p)
+    q, k, v, do = (torch.randn(2, 3, 100, 16, dtype=torch.float64) for _ in range(4))
+    low = _FakeLow()
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    out = split._Prefix.apply(qg, kg, vg, p, (_FakeTop(), low), {"scale": 0.125})
+    got = torch.autograd.grad(out, (qg, kg, vg), do)
+    i, j = torch.arange(100)[:, None], torch.arange(100)[None, :]
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    ref_out, ref_lse = _attention64(qr, kr, vr, (j <= i) | (j < p), 0.125)
+    want = torch.autograd.grad(ref_out, (qr, kr, vr), do)
+    assert torch.allclose(out, ref_out, atol=1e-12)
+    assert len(low.calls) == 1 and low.calls[0][:3] == (2, None, (p, ))  # BWD_PREFIX_MODE
+    assert torch.allclose(low.calls[0][4], ref_lse, atol=1e-12)  # the two calls' lse in row order
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, atol=1e-10)

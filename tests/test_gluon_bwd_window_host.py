@@ -1,0 +1,127 @@
+"""The window render's calls on the Gluon backward's fast host path ([Note] Switches on the fast backward path in
+fagen/templates/host/gluon_bwd_launch.py): with _BWD_FAST_SWITCHES on, _bwd_host takes the fast path for a window
+render and launches the plain path's kernels with the plain path's arguments (the switches' values appended to
+the main kernel's), in the deterministic, unordered and fixed-point (mode 2) modes; off (the default), the plain
+path. Kernels and the TMA encoder are fakes (test_gluon_bwd_host.py's), so this runs on the CPU."""
+
+import pytest
+import torch
+import triton
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+import fagen
+from fagen import backends
+from fagen.codegen import render
+from fagen.runtime.loader import load_source
+from test_gluon_bwd_host import MAIN_META, _bwd_args, _desc_key, _JIT
+from test_hostpath import _Fill
+
+WINDOW_SPEC = dict(backend="gluon", direction="bwd", head_dim=128, mask="causal", dtype="bf16", window=True)
+
+
+def _fixed_module():
+    """The window render with the fixed-point dQ (variant bwd_window_fixed 1)."""
+    from fagen import backends
+    from fagen.codegen.render import render
+    from fagen.runtime.loader import load_source
+
+    spec = fagen.KernelSpec(**WINDOW_SPEC)
+    saved = backends.GLUON.variant["bwd_window_fixed"]
+    backends.GLUON.variant["bwd_window_fixed"] = 1
+    render.cache_clear()
+    try:
+        src = render(spec).files[".py"]
+    finally:
+        backends.GLUON.variant["bwd_window_fixed"] = saved
+        render.cache_clear()
+    assert "BWD_DET_MODE = 2" in src and "BWD_FIXED_FAST = 1" in src
+    return load_source(src, spec.name + "_fixed_test")
+
+
+@pytest.fixture(params=[(0, "window"), (1, "window"), (2, "window"), (0, "prefix"), (1, "prefix"), (2, "prefix")],
+                ids=["det", "unordered", "fixed", "prefix-det", "prefix-unordered", "prefix-fixed"])
+def window_bwd(request, monkeypatch):
+    """(module, mode, fakes, extra) of the window render (or the causal render with bwd_prefix 2, [Note] Prefix rows
+    in the backward: its mode 2 beside the chain) with fast launches and its kernels faked."""
+    mode, kind = request.param
+    if kind == "prefix":
+        # the chain's render (bwd_d128 {}), where the prefix lever applies (the d128 default keeps two calls)
+        monkeypatch.setitem(backends.GLUON.variant, "bwd_d128", {})
+        render.render.cache_clear()
+        spec = fagen.KernelSpec(**{**WINDOW_SPEC, "window": False})
+        mod = load_source(fagen.generate(spec), spec.name + "_prefix_host")
+        render.render.cache_clear()
+        assert mod.BWD_PREFIX == 1 and mod.BWD_PREFIX_MODE == 2 and mod.BWD_DET_MODE == 0
+    else:
+        mod = _fixed_module() if mode == 2 else fagen.load(fagen.KernelSpec(**WINDOW_SPEC))
+    extra = (37, 0, 0.0) if kind == "window" else (83, )
+    real, epi_tma = mod._BWD_KERNELS[mode]
+    fakes = {"pre": _JIT(mod._bwd_preprocess, 7), "conv": _JIT(mod._dq_convert, 5),
+             "main": _JIT(real, 18 + len(extra), MAIN_META + ([dict(MAIN_META[0])] * 2 if epi_tma else [])),
+             "extra": extra}
+    for name, value in (("_FAST_LAUNCH", True), ("_KERNELS", {}), ("_BWD_WS", type(mod._BWD_WS)()),
+                        ("_GLUON_FAST", True), ("_raw_stream", lambda device: 77),
+                        ("_bwd_preprocess", fakes["pre"]), ("_dq_convert", fakes["conv"]),
+                        ("_BWD_KERNELS", {mode: (fakes["main"], epi_tma)}),
+                        ("_fast_bwd_preprocess", mod._gluon(fakes["pre"])),
+                        ("_fast_dq_convert", mod._gluon(fakes["conv"])),
+                        ("_fast_bwd_kernels", {mode: (mod._gluon(fakes["main"]), epi_tma)})):
+        monkeypatch.setattr(mod, name, value)
+    monkeypatch.setitem(mod._NUM_SMS, -1, 132)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: -1)  # the plain path's device of a CPU tensor
+    fakes["fill"] = _Fill()
+    monkeypatch.setattr(triton.runtime.driver, "_active", fakes["fill"])
+    return mod, mode, fakes
+
+
+def _same_launch(a, b):
+    """Two launches' arguments alike: descriptors by what they describe, tensors by dtype and size (workspaces are
+    fresh on the plain path), the rest equal."""
+    assert len(a) == len(b)
+    for i, (x, y) in enumerate(zip(a, b)):
+        if isinstance(y, TensorDescriptor):
+            assert isinstance(x, TensorDescriptor) and _desc_key(x) == _desc_key(y), i
+        elif isinstance(y, torch.Tensor):
+            assert isinstance(x, torch.Tensor) and x.dtype == y.dtype, i
+            assert x.numel() >= y.numel() if i == 9 else x.numel() == y.numel(), i
+        else:
+            assert type(x) is type(y) and x == y, i
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_window_calls_take_the_fast_path_only_when_switched_on(window_bwd, monkeypatch, fast):
+    mod, mode, fakes = window_bwd
+    monkeypatch.setattr(mod, "_BWD_FAST_SWITCHES", fast)
+    taken = []
+    monkeypatch.setattr(mod, "_run_backward_fast", lambda *a, **k: taken.append("fast"))
+    monkeypatch.setattr(mod, "_run_backward", lambda *a, **k: taken.append("plain"))
+    args, grads = _bwd_args()
+    mod._bwd_host(*args, *grads, mode, None, fakes["extra"])
+    assert taken == ["fast" if fast or mod.BWD_PREFIX else "plain"]  # a prefix render: always the fast path
+
+
+def test_the_fast_window_launches_are_the_plain_path_s(window_bwd):
+    """The same kernels, grids and arguments on both paths: the window's (win_left, win_right, cap_in) after the
+    main kernel's sq_pad; mode 2's int32 accumulator and qmul rows (Sem) and its pre/postprocess keywords."""
+    mod, mode, fakes = window_bwd
+    args, grads = _bwd_args()
+    extra = fakes["extra"]
+    mod._run_backward_fast(*args, *grads, mode, None, extra)
+    mod._run_backward(*args, *grads, mode, None, extra)
+    (g_fast, fast, c_fast), (g_plain, plain, c_plain) = fakes["main"].compiles
+    assert g_fast == g_plain and c_fast == c_plain
+    assert tuple(fast[-len(extra):]) == extra and tuple(plain[-len(extra):]) == extra
+    _same_launch(fast, plain)
+    if mode == 2:
+        assert fast[6].base.dtype == torch.int32 and fast[9].dtype == torch.float32  # the accumulator, the qmul rows
+    for name in ("pre", "conv"):
+        (ga, fa, ca), (gb, pb, cb) = fakes[name].compiles
+        assert ga == gb and ca.keys() == cb.keys() and len(fa) == len(pb), name
+        if mode != 2:  # the keywords at the plain path's values ([Note] Fast launches of a fixed-point render)
+            assert ca == cb, name
+        for x, y in zip(fa, pb):
+            assert (x.dtype, x.numel()) == (y.dtype, y.numel()) if isinstance(y, torch.Tensor) else x == y, name
+    if mode == 2:  # QMul: the same rows written by the preprocess and read by the conversion and the main kernel
+        qmul = fakes["pre"].compiles[0][2]["QMul"]
+        assert fakes["conv"].compiles[0][2]["QMul"] is qmul and fast[9] is qmul

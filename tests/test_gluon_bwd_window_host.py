@@ -125,3 +125,19 @@ def test_the_fast_window_launches_are_the_plain_path_s(window_bwd):
     if mode == 2:  # QMul: the same rows written by the preprocess and read by the conversion and the main kernel
         qmul = fakes["pre"].compiles[0][2]["QMul"]
         assert fakes["conv"].compiles[0][2]["QMul"] is qmul and fast[9] is qmul
+
+
+def test_the_tma_rows_render_keeps_mode_2_off_the_fast_path():
+    """The d128 default (qmul rows by TMA) shares one buffer between delta and the qmul rows, which the fast path's
+    workspace does not hold: its mode 2 must take the plain path (BWD_FIXED_FAST 0), the chain's render may not."""
+    src = fagen.generate(fagen.KernelSpec(backend="gluon", direction="bwd", head_dim=128, mask="causal", dtype="bf16"))
+    assert "BWD_DET_MODE = 2" in src and "BWD_FIXED_FAST = 0" in src
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(backends.GLUON.variant, "bwd_d128", {"bwd_fixed": 1})
+        render.render.cache_clear()
+        try:
+            src = fagen.generate(fagen.KernelSpec(backend="gluon", direction="bwd", head_dim=128, mask="causal",
+                                                  dtype="bf16"))
+        finally:
+            render.render.cache_clear()
+    assert "BWD_DET_MODE = 2" in src and "BWD_FIXED_FAST = 1" in src

@@ -188,7 +188,7 @@ class GluonBackend(KernelBackend):
     def variant_for(self, spec) -> dict:
         """The variant a render of `spec` reads (the template's `gluon`): `variant`, with bwd_d64's keys over it for
         a head_dim 64 backward ([Note] Gluon backward at d64), bwd_gqa's for a d128 GQA causal one and bwd_d128's for
-        a d128 MHA one, plain specs only (no switch, no mod)."""
+        a d128 MHA one, plain specs only (no switch, no mod); fp8_d64's for a d64 fp8 forward."""
         if spec.direction is Direction.FWD and spec.dtype is DType.FP8_E4M3 and spec.head_dim == 64:
             return {**self.variant, **self.variant["fp8_d64"]}  # [Note] fp8 three warpgroups: d64's own count
         if spec.direction is not Direction.BWD or spec.switches or spec.modded:  # the fixed-point dQ's bound holds

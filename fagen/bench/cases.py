@@ -110,31 +110,29 @@ class CaseContext:
         """{slice: (out, lse, grads or None)} in float64 for input set 0 (computed once per case), or for `inputs`:
         what a Prepared with its own `inputs` computes on (not kept)."""
         if inputs is not None:
-            saved = self._refs, self.sets
-            self._refs, self.sets = None, [inputs]
-            try:
-                return self.references()
-            finally:
-                self._refs, self.sets = saved
+            return self._references_of(inputs)
         if self._refs is None:
-            c, s = self.case, self.sets[0]
-            self._refs = {}
-            for sl in self.slices():
-                b, g, r0, r1, kend = sl
-                q, k, v = self.slice_of(s, b, g, r0, r1, kend)
-                kw = {name: t[b:b + 1] for name, t in s.kwargs.items()}
-                kw.update(self.score_slice(s, g))
-                if c.direction is Direction.BWD:
-                    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
-                    out, lse = reference.attention(q, k, v, mask=c.mask, **kw)
-                    dout = s.dout[b:b + 1, g * c.gqa:(g + 1) * c.gqa].double()
-                    grads = torch.autograd.grad(out, (q, k, v), dout)
-                    self._refs[sl] = (out.detach(), lse.detach(), grads)
-                else:
-                    latent = {"head_dim_v": c.head_dim_v} if v is None else {}
-                    out, lse = reference.attention(q, k, v, mask=c.mask, **kw, **latent)
-                    self._refs[sl] = (out, lse, None)
+            self._refs = self._references_of(self.sets[0])
         return self._refs
+
+    def _references_of(self, s: InputSet) -> dict:
+        c, refs = self.case, {}
+        for sl in self.slices():
+            b, g, r0, r1, kend = sl
+            q, k, v = self.slice_of(s, b, g, r0, r1, kend)
+            kw = {name: t[b:b + 1] for name, t in s.kwargs.items()}
+            kw.update(self.score_slice(s, g))
+            if c.direction is Direction.BWD:
+                q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+                out, lse = reference.attention(q, k, v, mask=c.mask, **kw)
+                dout = s.dout[b:b + 1, g * c.gqa:(g + 1) * c.gqa].double()
+                grads = torch.autograd.grad(out, (q, k, v), dout)
+                refs[sl] = (out.detach(), lse.detach(), grads)
+            else:
+                latent = {"head_dim_v": c.head_dim_v} if v is None else {}
+                out, lse = reference.attention(q, k, v, mask=c.mask, **kw, **latent)
+                refs[sl] = (out, lse, None)
+        return refs
 
 
 @dataclasses.dataclass

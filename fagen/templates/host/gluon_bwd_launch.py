@@ -99,11 +99,15 @@ def _bwd_workspace(b, hq, sq_pad, dq_mode, q):
     return views
 
 
+def _bwd_kv_bound(k, v):
+    """KVB [B, Hkv, 2] of the fixed-point dQ's rows ([Note] Fixed-point dQ): max|K| and max_j |V_j|_2 per KV head."""
+    return torch.stack([k.abs().amax(dim=(2, 3)).float(), torch.linalg.vector_norm(v, dim=-1).amax(-1).float()], -1)
+
+
 def _bwd_fixed_rows(do, k, v, out, lse, delta, lse2, sq, sq_pad):
-    """Mode 2's preprocess through fn[grid] (its QMul / KVB keywords): delta, lse2 and the rows' qmul ([Note]
-    Fixed-point dQ: from max|K|, max_j |V_j|_2 per KV head), which it returns."""
-    fx = {"QMul": torch.empty_like(delta), "KVB": torch.stack(
-        [k.abs().amax(dim=(2, 3)).float(), torch.linalg.vector_norm(v, dim=-1).amax(-1).float()], -1)}
+    """Mode 2's preprocess through fn[grid] (its QMul / KVB keywords): delta, lse2 and the rows' qmul, which it
+    returns."""
+    fx = {"QMul": torch.empty_like(delta), "KVB": _bwd_kv_bound(k, v)}
     _bwd_preprocess[(sq_pad // BWD_BLOCK_M, delta.shape[0])](out, do, lse, delta, lse2, sq, sq_pad, HEAD_DIM=HEAD_DIM,
                                                              BLOCK_M=BWD_BLOCK_M, GQA=GQA, **fx, num_warps=4)
     return fx["QMul"]

@@ -72,23 +72,35 @@ def test_each_property_catches_a_mutant(prop, mutant, mask):
     assert engine.replay(example, DEVICE) == result.failure.message
 
 
-def test_mutants_are_all_caught_and_replay(tmp_path):
+# One mutant a test (`--mutant NAME`), so that xdist spreads the list over its workers; `--mutants` runs them all.
+@pytest.mark.parametrize("name", [m.name for m in MUTANTS])
+def test_each_mutant_is_caught_and_replays(tmp_path, name):
     report_path = tmp_path / "mutants.json"
-    res = _cli("--mutants", "--examples", "6", "--shrink-runs", "25", "--json", str(report_path), *RUN)
+    res = _cli("--mutant", name, "--examples", "6", "--shrink-runs", "25", "--json", str(report_path), *RUN)
     assert res.exit_code == 0, res.output
-    assert f"all {len(MUTANTS)} applicable mutants caught" in res.output
+    assert "all 1 applicable mutants caught" in res.output
     data = json.loads(report_path.read_text())
-    assert {m["mutant"] for m in data["mutants"]} == {m.name for m in MUTANTS}
-    assert all(m["caught_by"] for m in data["mutants"]), data["mutants"]
+    assert [m["mutant"] for m in data["mutants"]] == [name]
+    assert data["mutants"][0]["caught_by"], data["mutants"]
     failures = [r["failure"] for r in data["results"] if not r["passed"]]
-    assert len(failures) == len(MUTANTS)
-    for name in {m.name for m in MUTANTS}:  # every mutant prints its replay command
-        assert any(f["mutant"] == name and f["command"] in res.output for f in failures)
-    blob = failures[0]["blob"]
-    replay = _cli("--reproduce", blob, "--device", DEVICE)
+    assert len(failures) == 1 and failures[0]["mutant"] == name
+    assert failures[0]["command"] in res.output  # the replay command is printed
+    if name != MUTANTS[0].name:
+        return
+    replay = _cli("--reproduce", failures[0]["blob"], "--device", DEVICE)
     assert replay.exit_code == 1
     assert f"FAIL (reproduced): {failures[0]['message']}" in replay.output
-    assert f"mutant:   {failures[0]['mutant']}" in replay.output
+    assert f"mutant:   {name}" in replay.output
+
+
+def test_mutant_option_names_the_known_ones_and_defaults_to_all():
+    from fagen.cli.verify import _chosen_mutants
+
+    res = _cli("--mutant", "no-such-bug", *RUN)
+    assert res.exit_code == 2 and "--mutant" in res.output and "no-such-bug" in res.output
+    assert MUTANTS[0].name in res.output  # the message lists the known names
+    assert _chosen_mutants(()) == MUTANTS
+    assert _chosen_mutants((MUTANTS[1].name, MUTANTS[1].name)) == [MUTANTS[1]]
 
 
 def test_verify_command_passes_prints_summary_and_json(tmp_path):

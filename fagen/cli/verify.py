@@ -45,6 +45,17 @@ def _verify_specs_from(spec_file, spec_files, manifest, flags) -> list[KernelSpe
     return list(dict.fromkeys(found))  # in order, without repeats
 
 
+def _chosen_mutants(names):
+    """The dense mutants `--mutant NAME` picks (all of them without the option), or a usage error naming the known."""
+    from fagen.verify.mutants import MUTANTS
+
+    known = {m.name: m for m in MUTANTS}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise click.BadParameter(f"got {unknown[0]!r}; known: {', '.join(known)}", param_hint="--mutant")
+    return [known[n] for n in dict.fromkeys(names)] if names else MUTANTS
+
+
 @click.command("verify")
 @spec_options
 @click.argument("spec_files", nargs=-1, type=click.Path(exists=True, path_type=Path))
@@ -69,10 +80,12 @@ def _verify_specs_from(spec_file, spec_files, manifest, flags) -> list[KernelSpe
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar or tables: only failures and the verdict.")
 @click.option("--mutants", is_flag=True,
               help="Prove the suite has teeth: every deliberately broken variant must be caught.")
+@click.option("--mutant", "mutant_names", multiple=True, metavar="NAME",
+              help="Only this broken variant (repeatable; implies --mutants). `fagen verify --mutants` lists them.")
 @click.option("--reproduce", "blob", metavar="BLOB", help="Replay one failing example printed by an earlier run.")
 @click.pass_context
 def verify_command(ctx, spec_file, spec_files, manifest, examples, seed, time_budget, scale, device, properties,
-                   shrink_runs, json_path, quiet, mutants, blob, **flags):
+                   shrink_runs, json_path, quiet, mutants, mutant_names, blob, **flags):
     """Property-based verification of generated kernels against a float64 reference.
 
     \b
@@ -81,9 +94,12 @@ def verify_command(ctx, spec_file, spec_files, manifest, examples, seed, time_bu
       fagen verify --manifest fagen/spec/catalog.toml --device cuda --scale gpu
       fagen verify build/                         # every variant a `fagen build -o build/` wrote
       fagen verify --mutants                      # every broken variant must be caught
+      fagen verify --mutant causal-off-by-one     # one of them
       fagen verify --reproduce <BLOB>             # replay a printed counterexample
     """
     specs = _verify_specs_from(spec_file, spec_files, manifest, flags)
+    mutants = mutants or bool(mutant_names)
+    chosen = _chosen_mutants(mutant_names) if mutants else []
     if blob is not None and (specs or mutants):
         raise click.UsageError("--reproduce replays one recorded example: give it no spec, manifest or --mutants")
     if blob is None and not specs and not mutants:
@@ -153,7 +169,7 @@ def verify_command(ctx, spec_file, spec_files, manifest, examples, seed, time_bu
                                                   seed=seed, device=device, scale=scale, properties=layout_properties)
         if mutants:
             report, pairs = engine.verify_mutants(specs or engine.default_mutant_specs(scale),
-                                                    progress=tick, **options)
+                                                    mutants=chosen, progress=tick, **options)
         else:
             report = engine.verify_specs(specs, progress=tick, **options)
     if mutants:

@@ -97,8 +97,8 @@ def _plain_render(mask):
 def gluon_bwd(request, monkeypatch):
     """The bf16 d128 gluon bwd module with fast launches on and its three kernels faked; (module, mode, fakes)."""
     deterministic, mask = request.param
-    # the chain's render (bwd_d128 {}) without the prefix argument: the fast path serves modes 0 and 1; the d128
-    # default's mode 2 (the fixed-point dQ) takes the plain path
+    # the chain's render (bwd_d128 {}) without the prefix argument: modes 0 and 1 (mode 2 on the fast path, the
+    # d128 default's with its qmul rows by TMA: test_gluon_bwd_window_host.py)
     monkeypatch.setitem(backends.GLUON.variant, "bwd_d128", {})
     mod = _plain_render(mask)
     mode = 0 if deterministic else 1

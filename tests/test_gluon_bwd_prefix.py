@@ -94,7 +94,7 @@ def test_the_render_threads_prefix_and_without_it_the_render_has_none():
 def test_the_d128_default_carries_the_prefix_with_bwd_prefix_tma():
     """The d128 default (qmul rows by TMA): without bwd_prefix_tma no prefix (the split's two calls), with it the
     prefix in both kernels and the prefix call in mode 2, which is its deterministic mode too (eleventh session)."""
-    off, on = _source(tma=True), _source(tma=True, bwd_prefix_tma=1)
+    off, on = _source(tma=True, bwd_prefix_tma=0), _source(tma=True, bwd_prefix_tma=1)
     assert "BWD_FIXED_TMA = 1" in off and "BWD_PREFIX = 0" in off and "(keys[:, None] < prefix)" not in off
     assert "BWD_FIXED_TMA = 1" in on and "BWD_PREFIX = 1" in on and on.count("(keys[:, None] < prefix)") == 2
     assert "BWD_DET_MODE = 2" in on and "BWD_PREFIX_MODE = 2" in on and "None, (0, ))" in on

@@ -58,7 +58,7 @@ def window_bwd(request, monkeypatch):
         assert mod.BWD_FIXED_TMA == 1 and mod.BWD_FIXED_FAST == 1 and mod.BWD_DET_MODE == 2
         assert mod.BWD_PREFIX == int(kind == "tma-prefix")
     elif kind == "prefix":
-        # the chain's render (bwd_d128 {}), where the prefix lever applies (the d128 default keeps two calls)
+        # the chain's render (bwd_d128 {}) with bwd_prefix 2: mode 2 without the TMA rows, beside the chain
         monkeypatch.setitem(backends.GLUON.variant, "bwd_d128", {})
         render.render.cache_clear()
         spec = fagen.KernelSpec(**{**WINDOW_SPEC, "window": False})

@@ -18,7 +18,8 @@ Phases (scripts/_phases.py; the warm ones at once in children, then `time` in on
          paths, bitwise repeatable and the two paths bitwise equal; the plain causal call (P = 0) on both paths,
          row 0's dq exactly zero; d64 causal and GQA 4/2 causal (the d64 / GQA defaults' mode 2) fast against plain;
          fagen.attention's prefix-LM (the product: how many one-launch backwards it ran).
-  time   prefix-LM B1 H16 S8192 P 2048 (the mods bench's row): Flex, the product (api), s10, tma-plain, tma-fast:
+  time   prefix-LM B1 H16 S8192 P 2048 (the mods bench's row): Flex, the product (api; api-two: its split in two
+         calls, PREFIX_ONE_BWD off), s10, tma-plain, tma-fast:
          backward ms (autograd.grad of a kept output, do_bench median, L2 flushed), TF/s, x Flex, the kernels' own
          ms per call (torch.profiler); causal B1 H16 s16k d128 deterministic (module.backward): nopfx / tma x plain /
          fast, TF/s, and the gradients of tma-fast bitwise those of nopfx-plain; host B1 H16 S2048 causal: wall ms
@@ -80,11 +81,20 @@ def prefix_call(name: str, fast: bool):
     return call
 
 
-def api_prefix(mm, bm):
+def api_prefix(mm, bm, one=True):
+    """fagen.attention's prefix-LM (the product); one=False: its split in two calls (PREFIX_ONE_BWD off)."""
     import fagen
+    from fagen.mods import split
 
     s9.selection(True)
-    return lambda q, k, v: fagen.attention(q, k, v, mask_mod=mm, block_mask=bm)
+
+    def call(q, k, v):
+        split.PREFIX_ONE_BWD = one  # read by the forward
+        try:
+            return fagen.attention(q, k, v, mask_mod=mm, block_mask=bm)
+        finally:
+            split.PREFIX_ONE_BWD = True
+    return call
 
 
 def pfx_mask(p):
@@ -228,13 +238,13 @@ def variant_step(item, tensors):
     import torch
 
     q, k, v, do = tensors
-    if item in ("flex", "api", "s10") or item.startswith("tma-"):
+    if item in ("flex", "api", "api-two", "s10") or item.startswith("tma-"):
         shape = s9.shape_of()
         sm, mm = s9.row_mods(PL, shape)
         if item == "flex":
             att = s9.flex_call(sm, mm, shape)
-        elif item == "api":
-            att = api_prefix(mm, s9.fagen_mask(mm, shape))
+        elif item.startswith("api"):
+            att = api_prefix(mm, s9.fagen_mask(mm, shape), item == "api")
         else:
             att = prefix_call(item.split("-")[0], item != "tma-plain")
         out = att(q, k, v)
@@ -291,7 +301,7 @@ def kernel_ms(fn, n=3):
     return sum(per.values()), [(k[:28], round(v, 3)) for k, v in top]
 
 
-TIME = [("prefix-lm", ["flex", "api", "s10", "tma-plain", "tma-fast"]),
+TIME = [("prefix-lm", ["flex", "api", "api-two", "s10", "tma-plain", "tma-fast"]),
         ("causal s16k", ["c-nopfx-plain", "c-nopfx-fast", "c-tma-plain", "c-tma-fast"]),
         ("host S2048", ["h-nopfx-plain", "h-nopfx-fast", "h-tma-plain", "h-tma-fast"]),
         ("prefix-lm again", ["flex", "api", "tma-plain", "tma-fast"]),

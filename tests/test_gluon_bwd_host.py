@@ -237,6 +237,39 @@ def test_workspaces_are_kept_per_stream_zeroed_per_call_and_fresh_under_capture(
     assert {k: v[0].data_ptr() for k, v in mod._BWD_WS.__dict__.items()} == before
 
 
+class _Spy:
+    """A fast launcher that records, per launch, whether the dQ accumulator held anything but zeros."""
+
+    def __init__(self, inner, name, acc, seen):
+        self.inner, self.name, self.acc, self.seen = inner, name, acc, seen
+
+    def __getitem__(self, grid):
+        launch = self.inner[grid]
+
+        def call(*args, **consts):
+            self.seen[self.name] = bool(self.acc.any())
+            return launch(*args, **consts)
+        return call
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_the_fill_precedes_the_main_kernel_and_with_zero_late_follows_the_preprocess(gluon_bwd, monkeypatch, late):
+    """_BWD_ZERO_LATE: the accumulator's fill after the preprocess (the plain path's order), else before it; either
+    way before the main kernel."""
+    mod, mode, fakes = gluon_bwd
+    args, grads = _bwd_args()
+    mod._run_backward_fast(*args, *grads, mode)
+    acc = fakes["main"].compiles[0][1][6].base
+    seen = {}
+    monkeypatch.setattr(mod, "_BWD_ZERO_LATE", late)
+    monkeypatch.setattr(mod, "_fast_bwd_preprocess", _Spy(mod._fast_bwd_preprocess, "pre", acc, seen))
+    monkeypatch.setattr(mod, "_fast_bwd_kernels", {m: (_Spy(k, "main", acc, seen), e)
+                                                   for m, (k, e) in mod._fast_bwd_kernels.items()})
+    acc.fill_(3.0)  # what the last call's kernel left
+    mod._run_backward_fast(*args, *grads, mode)
+    assert seen == {"pre": late, "main": False}
+
+
 def test_another_thread_gets_its_own_workspace(gluon_bwd):
     """Two threads may launch on one stream; their calls' fills and kernels could interleave there, so each thread
     keeps its own buffer."""

@@ -22,8 +22,12 @@ Phases (scripts/_phases.py; the warm ones at once in children, then `time` in on
          calls, PREFIX_ONE_BWD off), s10, tma-plain, tma-fast:
          backward ms (autograd.grad of a kept output, do_bench median, L2 flushed), TF/s, x Flex, the kernels' own
          ms per call (torch.profiler); causal B1 H16 s16k d128 deterministic (module.backward): nopfx / tma x plain /
-         fast, TF/s, and the gradients of tma-fast bitwise those of nopfx-plain; host B1 H16 S2048 causal: wall ms
-         (do_bench), the host's own ms per call (20 calls issued without a sync) and ms per call of 50 back to back.
+         fast / late (_BWD_ZERO_LATE), and u-tma-fast / -late (deterministic=False), TF/s, the gradients of tma-fast
+         and tma-late bitwise those of nopfx-plain; host B1 H16 S2048 causal: wall ms (do_bench), the host's own ms
+         per call (20 calls issued without a sync) and ms per call of 50 back to back. Round B (the branch with
+         bwd_prefix_tma 1: `api` is the one launch now, `api-two` the split's two calls) runs the prefix rows twice
+         and the causal rows three times in rotated orders (round A's first variant of each group ran fastest), then
+         a table of medians per variant.
 """
 
 from __future__ import annotations
@@ -63,8 +67,12 @@ def module(name: str, mask: str = "causal", head_dim: int = 128, gqa: int = 1):
     return _MODS[key]
 
 
-def host(mod, fast: bool):
-    mod._BWD_FAST_FIXED = fast
+def host(mod, path):
+    """mod with its host path set: "plain" (mode 2 through _run_backward), "fast" (_BWD_FAST_FIXED), "late" (and
+    _BWD_ZERO_LATE: the accumulator's fill after the preprocess); True / False: fast / plain."""
+    path = {True: "fast", False: "plain"}.get(path, path)
+    mod._BWD_FAST_FIXED = path != "plain"
+    mod._BWD_ZERO_LATE = path == "late"
     return mod
 
 
@@ -189,6 +197,29 @@ def check_causal(name, head_dim=128, gqa=1):
     check(f"causal {name} d{head_dim} gqa {gqa}", run)
 
 
+def check_product():
+    """fagen.attention's causal backward (the product's default render, P = 0) bitwise module nopfx's, float64."""
+    import torch
+
+    import fagen
+    from fagen.runtime import hopper
+
+    hopper.BWD_MIN_WORK = 0
+    s9.selection(True)
+    q, k, v, do = small()
+    i, j = torch.arange(333, device="cuda")[:, None], torch.arange(333, device="cuda")[None, :]
+
+    def run():
+        got = grads(lambda a, b, c: fagen.attention(a, b, c, mask="causal"), q, k, v, do)
+        want = grads(lambda a, b, c: host(module("nopfx"), "plain").attention(a, b, c), q, k, v, do)
+        e = errs(got, ref64(q, k, v, do, j <= i))
+        low = fagen.load(fagen.KernelSpec(backend="gluon", direction="bwd", head_dim=128, dtype="bf16", mask="causal"))
+        return (same(got, want) and max(e) < 3e-2,
+                f"BWD_PREFIX {low.BWD_PREFIX}; bitwise the render without the prefix {same(got, want)}; "
+                f"max |err| {max(e):.1e}; row 0 dq == 0 {bool((got[0][:, :, 0] == 0).all())}")
+    check("api causal (the product)", run)
+
+
 def check_api():
     """fagen.attention's prefix-LM (the product's defaults): float64, bitwise repeat, one-launch backwards run."""
     import torch
@@ -221,8 +252,8 @@ def check_api():
 
 # warm children: (items to compile at the timed shapes, checks), all at once
 WARM = {"flex": (["flex"], []), "api": (["api"], ["api"]), "s10": (["s10"], ["prefix:s10"]),
-        "tma": (["tma-fast"], ["prefix:tma"]), "tmac": (["c-tma-fast", "h-tma-fast"], ["causal:tma"]),
-        "nopfx": (["c-nopfx-fast", "h-nopfx-fast"], ["causal:nopfx"]),
+        "tma": (["tma-fast"], ["prefix:tma"]), "tmac": (["c-tma-fast", "h-tma-fast", "u-tma-fast"], ["causal:tma"]),
+        "nopfx": (["c-nopfx-fast", "h-nopfx-fast"], ["causal:nopfx", "product"]),
         "d64": ([], ["causal:default:64:1"]), "gqa": ([], ["causal:default:128:2"])}
 
 
@@ -249,15 +280,15 @@ def variant_step(item, tensors):
             att = prefix_call(item.split("-")[0], item != "tma-plain")
         out = att(q, k, v)
         return lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
-    _, name, path = item.split("-")  # c-/h-<module>-<path>: module.backward at causal
+    kind, name, path = item.split("-")  # c-/h-/u-<module>-<path>: module.backward at causal (u-: unordered)
     mod = module(name)
     out, lse = mod.forward(q.detach(), k.detach(), v.detach())
     qd, kd, vd, dd = (t.detach() for t in (q, k, v, do))
-    return lambda: host(mod, path == "fast").backward(dd, qd, kd, vd, out, lse)
+    return lambda: host(mod, path).backward(dd, qd, kd, vd, out, lse, deterministic=kind != "u")
 
 
 def shape_seq(item):
-    return 16384 if item.startswith("c-") else 2048 if item.startswith("h-") else 8192
+    return 16384 if item[:2] in ("c-", "u-") else 2048 if item.startswith("h-") else 8192
 
 
 def phase_warm(name: str) -> None:
@@ -276,6 +307,8 @@ def phase_warm(name: str) -> None:
         kind, *rest = c.split(":")
         if kind == "api":
             check_api()
+        elif kind == "product":
+            check_product()
         elif kind == "prefix":
             check_prefix(rest[0])
         else:
@@ -301,11 +334,14 @@ def kernel_ms(fn, n=3):
     return sum(per.values()), [(k[:28], round(v, 3)) for k, v in top]
 
 
-TIME = [("prefix-lm", ["flex", "api", "api-two", "s10", "tma-plain", "tma-fast"]),
-        ("causal s16k", ["c-nopfx-plain", "c-nopfx-fast", "c-tma-plain", "c-tma-fast"]),
-        ("host S2048", ["h-nopfx-plain", "h-nopfx-fast", "h-tma-plain", "h-tma-fast"]),
-        ("prefix-lm again", ["flex", "api", "tma-plain", "tma-fast"]),
-        ("causal s16k again", ["c-nopfx-plain", "c-tma-fast"])]
+# round B: passes in rotated orders (round A's first variant of each group ran fastest: the clocks?)
+_C = ["c-nopfx-plain", "c-tma-plain", "c-tma-fast", "c-tma-late", "u-tma-fast", "u-tma-late"]
+TIME = [("prefix-lm 1", ["flex", "api", "api-two", "tma-plain", "tma-fast"]),
+        ("causal s16k 1", _C),
+        ("host s2k", ["h-nopfx-plain", "h-tma-plain", "h-tma-fast", "h-tma-late"]),
+        ("prefix-lm 2", ["flex", "tma-fast", "tma-plain", "api-two", "api"]),
+        ("causal s16k 2", _C[3:] + _C[:3]),
+        ("causal s16k 3", _C[::-1])]
 
 
 def phase_time() -> None:
@@ -335,9 +371,9 @@ def phase_time() -> None:
                     inputs[seq] = bench_inputs(seq)
                 step = variant_step(item, inputs[seq])
                 got = step()
-                if item in ("c-nopfx-plain", "c-tma-fast") and "again" not in row:
+                if item in ("c-nopfx-plain", "c-tma-fast", "c-tma-late") and row.endswith(" 1"):
                     kept[item] = [g.clone() for g in got]
-                rec["ms"] = measure(lambda i: step(), 1, torch.device("cuda"), 10.0, 25.0)
+                rec["ms"] = measure(lambda i: step(), 1, torch.device("cuda"), 10.0, 50.0 if seq == 16384 else 25.0)
                 rec["tflops"] = flops[seq] / rec["ms"] / 1e9
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
@@ -346,11 +382,11 @@ def phase_time() -> None:
                 rec["host_ms"] = (time.perf_counter() - t0) * 50.0
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                for _ in range(50):  # back to back, then one sync: what a loop of calls sees
+                for _ in range(50 if seq < 16384 else 0):  # back to back, then one sync: what a loop of calls sees
                     step()
                 torch.cuda.synchronize()
                 rec["loop_ms"] = (time.perf_counter() - t0) * 20.0
-                if seq == 8192 and "again" not in row:
+                if seq == 8192 and row.endswith(" 1"):
                     try:
                         rec["kernel_ms"], rec["top"] = kernel_ms(step)
                     except Exception as e:  # noqa: BLE001 - the timing stands without it
@@ -358,9 +394,11 @@ def phase_time() -> None:
             except Exception as e:  # noqa: BLE001 - a row of the table
                 rec["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
             print("REC " + json.dumps(rec), flush=True)
-        if len(kept) == 2:
-            print(f"CHECK {'PASS' if same(*kept.values()) else 'FAIL'} causal s16k: tma-fast (P = 0) bitwise "
-                  f"nopfx-plain's: {same(*kept.values())}", flush=True)
+        if len(kept) == 3:
+            a, b, c = kept.values()
+            ok = same(a, b) and same(a, c)
+            print(f"CHECK {'PASS' if ok else 'FAIL'} causal s16k: tma-fast and tma-late (P = 0) bitwise "
+                  f"nopfx-plain's: {same(a, b)} {same(a, c)}", flush=True)
             kept.clear()
 
 
@@ -411,6 +449,15 @@ def main() -> None:
         x = f"{flex[r['row']] / r['ms']:.2f}x" if flex.get(r["row"]) else ""
         print(f"| {r['row']} | {r['variant']} | {r['ms']:.3f} | {r['tflops']:.0f} | {x} | {r['host_ms']:.3f} | "
               f"{r['loop_ms']:.3f} | {r.get('kernel_ms', 0):.3f} | {r.get('top', '')} |")
+    by = {}
+    for r in recs:
+        if not r.get("error"):
+            by.setdefault((r["row"].rstrip(" 0123456789"), r["variant"]), []).append(r["ms"])
+    print("\n| row | variant | passes | median ms | TF/s | ms of each pass |\n|---|---|---:|---:|---:|---|")
+    for (row, variant), ms in by.items():
+        med = sorted(ms)[len(ms) // 2]
+        tf = next(r["tflops"] * r["ms"] for r in recs if r["variant"] == variant and not r.get("error")) / med
+        print(f"| {row} | {variant} | {len(ms)} | {med:.3f} | {tf:.0f} | {' / '.join(f'{x:.3f}' for x in ms)} |")
     for s in [x for got in lines.values() for x in got if x.startswith("CHECK ")]:
         print(s[6:], end="")
     print(f"total {time.time() - t0:.0f} s")

@@ -58,8 +58,9 @@ _BWD_FAST = True
 # be a new key per call), so the fast path passes them positionally, after HEAD_DIM and BLOCK_M (constexprs are
 # ordinary positions of the launcher's argument list, which skips them). The qmul rows live in the workspace right
 # after delta: a render with the qmul rows by TMA (BWD_FIXED_TMA) takes its delta descriptor over both, as the plain
-# path's one [2, B, Hq, sq_pad] buffer ([Note] qmul rows by TMA). _BWD_FAST_FIXED = True takes every mode-2 call of
-# a render with BWD_FIXED_FAST there (off: only a non-TMA render's prefix or window calls, as before).
+# path's one [2, B, Hq, sq_pad] buffer ([Note] qmul rows by TMA). _BWD_FAST_FIXED = True (the default since the
+# eleventh session) takes every mode-2 call of a render with BWD_FIXED_FAST there (off: only a non-TMA render's
+# prefix or window calls, as before).
 #
 # [Note] Switches on the fast backward path (tenth session). A window render's calls pass the switches' values
 # (the window's two extents and the cap's input factor) to _bwd_host, which sent them down the plain path
@@ -68,11 +69,15 @@ _BWD_FAST = True
 # them; off: the window's backward stays on the Triton kernels (H100, docs/mods.md "The mask rows' backward (tenth
 # session)"). A prefix render (BWD_PREFIX, its one value the prefix length) always takes it.
 _BWD_FAST_SWITCHES = False
-_BWD_FAST_FIXED = False
+# _BWD_FAST_FIXED on since the eleventh session's round B (H100, scripts/gpu_pfxtma_s11.py, module.backward, bf16
+# B1 H16 causal d128, mode 2): S2048 0.450 -> 0.204 ms a call (host 0.454 -> 0.224 ms); s16k medians of three rotated
+# passes 540 / 535 TF/s plain / fast (within the passes' 4% spread); prefix-LM S8192 1.389-1.432 / 1.409-1.414 ms.
+_BWD_FAST_FIXED = True
 # _BWD_ZERO_LATE: the fast path's fill of the accumulator after the preprocess (the plain path's order: preprocess,
 # torch.zeros, main kernel) instead of before the bound's reductions and the preprocess. Round A of
 # scripts/gpu_pfxtma_s11.py timed the plain path 7% ahead of the fast one at causal s16k (do_bench, L2 flushed; the
-# variant run first in each group, so maybe the clocks): measured in round B, off until it wins.
+# variant run first in each group, so maybe the clocks). Round B, medians of three rotated passes at s16k: 533
+# against the early fill's 535 TF/s deterministic, 537 against 525 unordered, each within the 4% spread: off.
 _BWD_ZERO_LATE = False
 _BWD_WS_KEEP = 1 << 25  # bytes: the largest workspace kept per stream (B x Hq x sq_pad <= 16384 rows of D 128)
 _BWD_WS = _thread_local()  # per thread: (device, stream) -> [buffer, {(b, hq, sq_pad, dq_mode): views}]

@@ -49,15 +49,22 @@ class _Launcher:
 
 
 class _JIT:
-    """A @gluon.jit kernel as _gluon_run and the plain path use it: fn[grid](...) compiles (recorded), launches."""
+    """A @gluon.jit kernel as _gluon_run and the plain path use it: fn[grid](...) compiles (recorded), launches.
+    n_args: the positional arguments a call passes (a tuple: any of those counts)."""
 
     def __init__(self, real, n_args, metas=()):
+        n_args = n_args if isinstance(n_args, tuple) else (n_args, )
         self.arg_names, self.n_args, self.metas, self.compiles = real.arg_names, n_args, list(metas), []
-        self.launcher = _Launcher(self.arg_names, n_args, self.metas)
+        self.launcher = _Launcher(self.arg_names, max(n_args), self.metas)
+
+    def bound(self, i):
+        """The i-th compile's arguments by name (positional and keyword alike)."""
+        _, args, consts = self.compiles[i]
+        return {**dict(zip(self.arg_names, args)), **consts}
 
     def __getitem__(self, grid):
         def compile_and_launch(*args, **consts):
-            assert len(args) == self.n_args
+            assert len(args) in self.n_args
             self.compiles.append((grid, args, consts))
             kernel = type("K", (), {})()
             kernel.run, kernel.function, kernel.packed_metadata = self.launcher, 1234, (4, 1, 0)
@@ -90,8 +97,8 @@ def _plain_render(mask):
 def gluon_bwd(request, monkeypatch):
     """The bf16 d128 gluon bwd module with fast launches on and its three kernels faked; (module, mode, fakes)."""
     deterministic, mask = request.param
-    # the chain's render (bwd_d128 {}) without the prefix argument: the fast path serves modes 0 and 1; the d128
-    # default's mode 2 (the fixed-point dQ) takes the plain path
+    # the chain's render (bwd_d128 {}) without the prefix argument: modes 0 and 1 (mode 2 on the fast path, the
+    # d128 default's with its qmul rows by TMA: test_gluon_bwd_window_host.py)
     monkeypatch.setitem(backends.GLUON.variant, "bwd_d128", {})
     mod = _plain_render(mask)
     mode = 0 if deterministic else 1
@@ -230,6 +237,39 @@ def test_workspaces_are_kept_per_stream_zeroed_per_call_and_fresh_under_capture(
     assert {k: v[0].data_ptr() for k, v in mod._BWD_WS.__dict__.items()} == before
 
 
+class _Spy:
+    """A fast launcher that records, per launch, whether the dQ accumulator held anything but zeros."""
+
+    def __init__(self, inner, name, acc, seen):
+        self.inner, self.name, self.acc, self.seen = inner, name, acc, seen
+
+    def __getitem__(self, grid):
+        launch = self.inner[grid]
+
+        def call(*args, **consts):
+            self.seen[self.name] = bool(self.acc.any())
+            return launch(*args, **consts)
+        return call
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_the_fill_precedes_the_main_kernel_and_with_zero_late_follows_the_preprocess(gluon_bwd, monkeypatch, late):
+    """_BWD_ZERO_LATE: the accumulator's fill after the preprocess (the plain path's order), else before it; either
+    way before the main kernel."""
+    mod, mode, fakes = gluon_bwd
+    args, grads = _bwd_args()
+    mod._run_backward_fast(*args, *grads, mode)
+    acc = fakes["main"].compiles[0][1][6].base
+    seen = {}
+    monkeypatch.setattr(mod, "_BWD_ZERO_LATE", late)
+    monkeypatch.setattr(mod, "_fast_bwd_preprocess", _Spy(mod._fast_bwd_preprocess, "pre", acc, seen))
+    monkeypatch.setattr(mod, "_fast_bwd_kernels", {m: (_Spy(k, "main", acc, seen), e)
+                                                   for m, (k, e) in mod._fast_bwd_kernels.items()})
+    acc.fill_(3.0)  # what the last call's kernel left
+    mod._run_backward_fast(*args, *grads, mode)
+    assert seen == {"pre": late, "main": False}
+
+
 def test_another_thread_gets_its_own_workspace(gluon_bwd):
     """Two threads may launch on one stream; their calls' fills and kernels could interleave there, so each thread
     keeps its own buffer."""
@@ -248,15 +288,19 @@ def test_another_thread_gets_its_own_workspace(gluon_bwd):
 
 def test_workspace_parts_are_disjoint_and_aligned():
     mod = fagen.load(fagen.KernelSpec(backend="gluon", direction="bwd", head_dim=128, mask="causal", dtype="bf16"))
-    for b, hq, sq_pad, mode in ((1, 1, 64, 0), (2, 3, 320, 0), (3, 5, 64, 1), (1, 7, 192, 0)):
-        n = b * hq * sq_pad * (128 + 2) + b * hq * sq_pad // 64 + 8
+    for b, hq, sq_pad, mode in ((1, 1, 64, 0), (2, 3, 320, 0), (3, 5, 64, 1), (1, 7, 192, 0), (2, 3, 320, 2)):
+        n = b * hq * sq_pad * (128 + 3) + b * hq * sq_pad // 64 + 8
         buf = torch.empty(n)
-        zero, delta, lse2, acc, sem = mod._bwd_views(buf, b, hq, sq_pad, mode)
-        assert acc.shape == (b, hq, sq_pad, 128) and delta.shape == lse2.shape == (b * hq, sq_pad)
+        zero, delta, lse2, acc, sem, qmul, dm = mod._bwd_views(buf, b, hq, sq_pad, mode)
+        assert acc.shape == (b, hq, sq_pad, 128) and delta.shape == lse2.shape == qmul.shape == (b * hq, sq_pad)
         assert sem.dtype == torch.int32 and sem.numel() >= (b * hq * sq_pad // 64 if mode == 0 else 1)
-        spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * 4) for t in (delta, lse2, acc, sem))
+        spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * 4) for t in (delta, lse2, acc, sem, qmul))
         assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))  # disjoint
-        assert all(t.data_ptr() % 16 == 0 for t in (delta, lse2, acc, sem)) and spans[-1][1] <= buf.data_ptr() + 4 * n
+        assert all(t.data_ptr() % 16 == 0 for t in (delta, lse2, acc, sem, qmul)) \
+            and spans[-1][1] <= buf.data_ptr() + 4 * n
+        # [Note] qmul rows by TMA: one [2 B Hq, sq_pad] view over delta, then the qmul rows
+        assert dm.shape == (2 * b * hq, sq_pad) and dm.is_contiguous() and dm.data_ptr() == delta.data_ptr()
+        assert dm[b * hq:].data_ptr() == qmul.data_ptr()
         assert zero.data_ptr() == acc.data_ptr() and zero.numel() * 4 >= spans[1][1] - spans[0][0]  # acc + sem
 
 

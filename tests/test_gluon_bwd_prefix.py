@@ -21,10 +21,11 @@ from fagen.spec.kernel import KernelSpec
 SPEC = dict(backend="gluon", direction="bwd", head_dim=128, mask="causal", dtype="bf16")
 
 
-def _source(spec=None, **lever):
+def _source(spec=None, tma=False, **lever):
+    """The render with variant keys set; bwd_d128 {} (the chain's render) unless tma (the d128 default, qmul rows by
+    TMA, whose prefix needs bwd_prefix_tma)."""
     saved = dict(backends.GLUON.variant)
-    # bwd_d128 {}: the render the prefix lever applies to (the d128 default's qmul rows by TMA keep two calls)
-    backends.GLUON.variant.update({"bwd_d128": {}, **lever})
+    backends.GLUON.variant.update({**({} if tma else {"bwd_d128": {}}), **lever})
     render.render.cache_clear()
     try:
         return fagen.generate(KernelSpec(**{**SPEC, **(spec or {})}))
@@ -34,11 +35,13 @@ def _source(spec=None, **lever):
         render.render.cache_clear()
 
 
-@pytest.fixture(scope="module")
-def tile():
-    src = _source(bwd_prefix=1)
-    mod = load_source(src, "gluon_bwd_prefix_test")
-    assert mod.BWD_PREFIX == 1
+@pytest.fixture(scope="module", params=["chain", "tma"])
+def tile(request):
+    """_bwd_tile of the chain's prefix render and of the d128 default's with bwd_prefix_tma (eleventh session)."""
+    tma = request.param == "tma"
+    src = _source(tma=tma, bwd_prefix=1, **({"bwd_prefix_tma": 1} if tma else {}))
+    mod = load_source(src, "gluon_bwd_prefix_test_" + request.param)
+    assert mod.BWD_PREFIX == 1 and mod.BWD_FIXED_TMA == int(tma)
     mod.gl = types.SimpleNamespace(maximum=max, minimum=min, where=lambda c, a, b: a if c else b)
     return types.SimpleNamespace(fn=mod._bwd_tile.fn, bm=mod.BWD_BLOCK_M, bn=mod.BWD_BLOCK_N)
 
@@ -88,10 +91,23 @@ def test_the_render_threads_prefix_and_without_it_the_render_has_none():
         assert "BWD_PREFIX = 0" in _source(spec, bwd_prefix=1), spec
 
 
-def test_the_prefix_render_builds_for_sm_90():
-    mod = load_source(_source(bwd_prefix=1), "gluon_bwd_prefix_build")
+def test_the_d128_default_carries_the_prefix_with_bwd_prefix_tma():
+    """The d128 default (qmul rows by TMA): without bwd_prefix_tma no prefix (the split's two calls), with it the
+    prefix in both kernels and the prefix call in mode 2, which is its deterministic mode too (eleventh session)."""
+    off, on = _source(tma=True, bwd_prefix_tma=0), _source(tma=True, bwd_prefix_tma=1)
+    assert "BWD_FIXED_TMA = 1" in off and "BWD_PREFIX = 0" in off and "(keys[:, None] < prefix)" not in off
+    assert "BWD_FIXED_TMA = 1" in on and "BWD_PREFIX = 1" in on and on.count("(keys[:, None] < prefix)") == 2
+    assert "BWD_DET_MODE = 2" in on and "BWD_PREFIX_MODE = 2" in on and "None, (0, ))" in on
+    assert "if DQ_MODE == 2:  # the rows' qmul too" in on  # the producer's TMA rows stay
+
+
+@pytest.mark.parametrize("tma", [False, True], ids=["chain", "tma"])
+def test_the_prefix_render_builds_for_sm_90(tma):
+    src = _source(tma=tma, bwd_prefix=1, **({"bwd_prefix_tma": 1} if tma else {}))
+    mod = load_source(src, "gluon_bwd_prefix_build" + "_tma" * tma)
+    assert mod.BWD_PREFIX == 1
     for det in (True, False):
-        assert mod.compile_backward_for(deterministic=det).metadata.shared > 0
+        assert mod.compile_backward_for(deterministic=det).metadata.shared <= 227 * 1024
 
 
 def _attention64(q, k, v, visible, scale):

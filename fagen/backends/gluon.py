@@ -234,6 +234,7 @@ class GluonBackend(KernelBackend):
     # 294 with fwd_mod_add 1 or without (Flex 215). So fwd_mod_add 2, bwd_mod_fixed 2 and bwd_mod_split 1 are on;
     # bwd_mod_fold stays off.
     variant.update({"fwd_mod_add": 2, "bwd_mod_fixed": 2, "bwd_mod_split": 1, "bwd_mod_fold": 0})
+    variant.update({"bwd_prefix_tma": 1})  # bwd_prefix beside the qmul rows by TMA (eleventh session; see below)
 
     # bwd_mod_early 1: a score_mod's clamp-free read (MOD_FREE, [Note] Clamp-free problems in fagen/mods/emit.py)
     # issued before the S MMA's wait instead of after it (ninth session: scripts/gpu_mods_bwd_s9.py times both).
@@ -242,7 +243,12 @@ class GluonBackend(KernelBackend):
     # bwd_prefix 1: plain causal MHA d128 renders take the prefix-LM length at run time (0 from the public path), so
     # the prefix split's backward is one launch (fagen/mods/split.py's PREFIX_ONE_BWD; [Note] Prefix rows in the
     # backward, tenth session); 2: the same, and that launch's dQ as fixed-point adds (mode 2, rendered beside the
-    # chain, which the plain causal calls keep).
+    # chain, which the plain causal calls keep). bwd_prefix_tma 1 (eleventh session): the prefix argument also in a
+    # render with the qmul rows by TMA (bwd_fixed_tma, the d128 default's), whose deterministic mode is mode 2 itself.
+    # H100, prefix-LM B1 H16 S8192 P 2048 backward, Flex in the same process (scripts/gpu_pfxtma_s11.py round A):
+    # one launch of the d128 default with the prefix 1.379 / 1.423 ms (1.37x / 1.34x Flex's 1.894 / 1.912) against
+    # the two calls it replaces 1.617 ms (1.17x) and the tenth session's one launch (chain render, mode 2 without
+    # TMA rows) 1.604 (1.18x); the plain causal call through it (P = 0) bitwise the render without the prefix.
     # [Note] Gluon backward levers (variant bwd_*, rendered by fagen/templates/gluon/backward.py.j2 only where on; the
     # designs in lab/gluon_bwd.py): bwd_order 1, the dQ turns by arrival within a wave ([Note] Wave order); bwd_snake
     # 1, odd waves of tiles in reverse; bwd_named 1, the dQ handoff through named barriers (2: also the dS^T exchange);

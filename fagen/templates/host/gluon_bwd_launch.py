@@ -15,6 +15,7 @@ from fagen.templates.host.launch import _raw_stream
 
 BWD_BLOCK_M = BWD_BLOCK_N = HEAD_DIM = GQA = CAUSAL = BWD_RING_SLOTS = BWD_WARPS = BWD_KV_SPLIT = BWD_GRID_ALL = 0
 BWD_COMPUTE_REGS = BWD_PRODUCER_REGS = BWD_WRITER_REGS = BWD_DET_GRID = BWD_WINDOW = BWD_FIXED_FAST = BWD_PREFIX = 0
+BWD_FIXED_TMA = 0
 _NUM_SMS, _BWD_KERNELS, _PRE_KW, _CONV_KW = {}, {}, {}, {}
 _bwd_preprocess = _dq_convert = _run_backward = _descriptor = None
 # -- fagen: included verbatim below this line --
@@ -30,11 +31,13 @@ _bwd_preprocess = _dq_convert = _run_backward = _descriptor = None
 #   - every launch goes through _gluon ([Note] Gluon fast launches): descriptor requests (tensor, box), whose
 #     default NVMMA layouts are the template's (the accumulator's 128-byte swizzle, the rows' none: a test checks);
 #   - the workspaces are one float32 buffer per (device, stream), laid out [dQ accumulator | counters | delta |
-#     lse2], the first two zeroed by one fill launch per call, kept per thread as the decode workspace is ([Note]
-#     Decode workspace). Launches on one stream run in order, so a call's fill waits for the previous call's dQ
+#     qmul rows | lse2] (mode 2's delta and qmul rows adjacent: [Note] Fixed-point dQ on the fast path), the
+#     first two zeroed by one fill launch per call, kept per thread as the decode workspace is ([Note] Decode
+#     workspace). Launches on one stream run in order, so a call's fill waits for the previous call's dQ
 #     conversion (the last reader of the accumulator); another stream has its own buffer, and so has another
-#     thread (whose launches could interleave with this one's on a shared stream). The buffer grows to the largest call seen up to _BWD_WS_KEEP bytes; a larger call allocates
-#     its own (its host time is small beside its kernel's). The views of a (shape, mode) are kept with the buffer
+#     thread (whose launches could interleave with this one's on a shared stream). The buffer grows to the
+#     largest call seen up to _BWD_WS_KEEP bytes; a larger call allocates its own (its host time is small beside
+#     its kernel's). The views of a (shape, mode) are kept with the buffer
 #     (a view costs a microsecond or two), so a warm call makes no tensor but the outputs;
 #   - while a CUDA graph is being captured the buffer is fresh from the caching allocator (the graph's pool owns
 #     it) and zeroed by a captured fill, as the forward's tile counter is ([Note] Tile counter): no graph holds the
@@ -50,6 +53,15 @@ _BWD_FAST = True
 # to their defaults had no launch entry (_entry reads every trailing argument from the call's keywords), so every
 # call went through fn[grid]. _PRE_KW and _CONV_KW (the including module's) pass them at the plain path's values.
 #
+# [Note] Fixed-point dQ on the fast path (eleventh session). Mode 2's preprocess and conversion take the qmul rows
+# (QMul) and the KV bound (KVB) as tensors. _gluon's key takes keyword values as constexprs (a tensor there would
+# be a new key per call), so the fast path passes them positionally, after HEAD_DIM and BLOCK_M (constexprs are
+# ordinary positions of the launcher's argument list, which skips them). The qmul rows live in the workspace right
+# after delta: a render with the qmul rows by TMA (BWD_FIXED_TMA) takes its delta descriptor over both, as the plain
+# path's one [2, B, Hq, sq_pad] buffer ([Note] qmul rows by TMA). _BWD_FAST_FIXED = True (the default since the
+# eleventh session) takes every mode-2 call of a render with BWD_FIXED_FAST there (off: only a non-TMA render's
+# prefix or window calls, as before).
+#
 # [Note] Switches on the fast backward path (tenth session). A window render's calls pass the switches' values
 # (the window's two extents and the cap's input factor) to _bwd_host, which sent them down the plain path
 # (descriptors built per call, two torch.zeros, fn[grid] launches). _BWD_FAST_SWITCHES = True takes the fast path
@@ -57,6 +69,16 @@ _BWD_FAST = True
 # them; off: the window's backward stays on the Triton kernels (H100, docs/mods.md "The mask rows' backward (tenth
 # session)"). A prefix render (BWD_PREFIX, its one value the prefix length) always takes it.
 _BWD_FAST_SWITCHES = False
+# _BWD_FAST_FIXED on since the eleventh session's round B (H100, scripts/gpu_pfxtma_s11.py, module.backward, bf16
+# B1 H16 causal d128, mode 2): S2048 0.450 -> 0.204 ms a call (host 0.454 -> 0.224 ms); s16k medians of three rotated
+# passes 540 / 535 TF/s plain / fast (within the passes' 4% spread); prefix-LM S8192 1.389-1.432 / 1.409-1.414 ms.
+_BWD_FAST_FIXED = True
+# _BWD_ZERO_LATE: the fast path's fill of the accumulator after the preprocess (the plain path's order: preprocess,
+# torch.zeros, main kernel) instead of before the bound's reductions and the preprocess. Round A of
+# scripts/gpu_pfxtma_s11.py timed the plain path 7% ahead of the fast one at causal s16k (do_bench, L2 flushed; the
+# variant run first in each group, so maybe the clocks). Round B, medians of three rotated passes at s16k: 533
+# against the early fill's 535 TF/s deterministic, 537 against 525 unordered, each within the 4% spread: off.
+_BWD_ZERO_LATE = False
 _BWD_WS_KEEP = 1 << 25  # bytes: the largest workspace kept per stream (B x Hq x sq_pad <= 16384 rows of D 128)
 _BWD_WS = _thread_local()  # per thread: (device, stream) -> [buffer, {(b, hq, sq_pad, dq_mode): views}]
 _GL_DTYPE[torch.float32] = gl.float32  # the workspaces' descriptors (requests like the inputs')
@@ -67,20 +89,21 @@ _fast_bwd_kernels = {mode: (_gluon(kernel), epi_tma) for mode, (kernel, epi_tma)
 
 
 def _bwd_views(buf, b, hq, sq_pad, dq_mode):
-    """(zeroed part, delta 2-D, lse2 2-D, dQ accumulator, counters) over buf's float32 elements ([Note] Gluon
-    backward host path): each part starts on a 16-byte boundary (TMA)."""
+    """(zeroed part, delta 2-D, lse2 2-D, dQ accumulator, counters, qmul rows 2-D, delta and qmul rows 2-D) over
+    buf's float32 elements ([Note] Gluon backward host path): each part starts on a 16-byte boundary (TMA)."""
     rows = b * hq * sq_pad
     acc, sems = rows * HEAD_DIM, (-(-(b * hq * sq_pad // BWD_BLOCK_M) // 4) * 4 if dq_mode == 0 else 4)
     zero = buf[:acc + sems]
-    delta = buf[acc + sems:acc + sems + rows].view(b * hq, sq_pad)
-    lse2 = buf[acc + sems + rows:acc + sems + 2 * rows].view(b * hq, sq_pad)
-    return (zero, delta, lse2, buf[:acc].view(b, hq, sq_pad, HEAD_DIM),
-            buf[acc:acc + sems].view(torch.int32))
+    dm = buf[acc + sems:acc + sems + 2 * rows].view(2 * b * hq, sq_pad)  # [Note] Fixed-point dQ on the fast path
+    lse2 = buf[acc + sems + 2 * rows:acc + sems + 3 * rows].view(b * hq, sq_pad)
+    return (zero, dm[:b * hq], lse2, buf[:acc].view(b, hq, sq_pad, HEAD_DIM),
+            buf[acc:acc + sems].view(torch.int32), dm[b * hq:], dm)
 
 
-def _bwd_workspace(b, hq, sq_pad, dq_mode, q):
-    """The workspace views of one backward on q's device, the zeroed part zeroed on the current stream."""
-    n = b * hq * sq_pad * (HEAD_DIM + 2) + b * hq * sq_pad // BWD_BLOCK_M + 8
+def _bwd_workspace(b, hq, sq_pad, dq_mode, q, zero=True):
+    """The workspace views of one backward on q's device, the zeroed part zeroed on the current stream (zero=False:
+    by the caller)."""
+    n = b * hq * sq_pad * (HEAD_DIM + 3) + b * hq * sq_pad // BWD_BLOCK_M + 8
     if torch.cuda.is_current_stream_capturing() or 4 * n > _BWD_WS_KEEP:
         views = _bwd_views(q.new_empty(n, dtype=torch.float32), b, hq, sq_pad, dq_mode)
     else:
@@ -95,7 +118,8 @@ def _bwd_workspace(b, hq, sq_pad, dq_mode, q):
             if len(kept[1]) >= 256:
                 kept[1].clear()
             views = kept[1][shape] = _bwd_views(kept[0], b, hq, sq_pad, dq_mode)
-    views[0].zero_()
+    if zero:
+        views[0].zero_()
     return views
 
 
@@ -104,31 +128,27 @@ def _bwd_kv_bound(k, v):
     return torch.stack([k.abs().amax(dim=(2, 3)).float(), torch.linalg.vector_norm(v, dim=-1).amax(-1).float()], -1)
 
 
-def _bwd_fixed_rows(do, k, v, out, lse, delta, lse2, sq, sq_pad):
-    """Mode 2's preprocess through fn[grid] (its QMul / KVB keywords): delta, lse2 and the rows' qmul, which it
-    returns."""
-    fx = {"QMul": torch.empty_like(delta), "KVB": _bwd_kv_bound(k, v)}
-    _bwd_preprocess[(sq_pad // BWD_BLOCK_M, delta.shape[0])](out, do, lse, delta, lse2, sq, sq_pad, HEAD_DIM=HEAD_DIM,
-                                                             BLOCK_M=BWD_BLOCK_M, GQA=GQA, **fx, num_warps=4)
-    return fx["QMul"]
-
-
 def _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, qk_scale=None, extra=()):
     """_run_backward's launches through the fast path ([Note] Gluon backward host path), on dense, aligned,
     non-empty inputs. qk_scale, extra: as _run_backward's (the score switches' values; [Note] Switches on the fast
-    backward path); dq_mode 2 ([Note] Fixed-point dQ) launches its pre- and postprocess through fn[grid] (their
-    QMul / KVB keywords), the main kernel through the fast path."""
+    backward path); dq_mode 2 ([Note] Fixed-point dQ on the fast path): the qmul rows and KVB passed positionally."""
     b, hq, sq, _ = q.shape
     hkv, sk = k.shape[1] * BWD_KV_SPLIT, k.shape[2]  # virtual KV heads ([Note] GQA split in the backward)
     sq_pad = -(-sq // BWD_BLOCK_M) * BWD_BLOCK_M
     dev = q.get_device()
-    _, delta, lse2, dq_acc, sem = _bwd_workspace(b, hq, sq_pad, dq_mode, q)
+    zero, delta, lse2, dq_acc, sem, qmul, dm = _bwd_workspace(b, hq, sq_pad, dq_mode, q, not _BWD_ZERO_LATE)
+    rows = delta
     if dq_mode == 2:  # an int32 accumulator (zeroed float32 bits are int32 zeros), the rows' qmul in Sem
-        dq_acc, sem = dq_acc.view(torch.int32), _bwd_fixed_rows(do, k, v, out, lse, delta, lse2, sq, sq_pad)
+        dq_acc, sem, rows = dq_acc.view(torch.int32), qmul, dm if BWD_FIXED_TMA else delta
+        _fast_bwd_preprocess[(sq_pad // BWD_BLOCK_M, b * hq)](out, do, lse, delta, lse2, sq, sq_pad, HEAD_DIM,
+                                                              BWD_BLOCK_M, qmul, _bwd_kv_bound(k, v), GQA,
+                                                              num_warps=4)
     else:
         _fast_bwd_preprocess[(sq_pad // BWD_BLOCK_M, b * hq)](out, do, lse, delta, lse2, sq, sq_pad,
                                                               HEAD_DIM=HEAD_DIM, BLOCK_M=BWD_BLOCK_M, **_PRE_KW,
                                                               num_warps=4)
+    if _BWD_ZERO_LATE:
+        zero.zero_()
     num_bh = b * hkv
     num_tiles = -(-sk // BWD_BLOCK_N) * num_bh
     if dev not in _NUM_SMS:
@@ -141,7 +161,7 @@ def _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, qk_sca
     kernel[(num_tiles if (BWD_DET_GRID and dq_mode != 1) or (BWD_GRID_ALL and dq_mode)
             else min(num_tiles, _NUM_SMS[dev]), )](
         _descriptor(q, BWD_BLOCK_M), _descriptor(do, BWD_BLOCK_M), _descriptor(k, BWD_BLOCK_N),
-        _descriptor(v, BWD_BLOCK_N), (lse2, (1, BWD_BLOCK_M)), (delta, (1, BWD_BLOCK_M)),
+        _descriptor(v, BWD_BLOCK_N), (lse2, (1, BWD_BLOCK_M)), (rows, (1, BWD_BLOCK_M)),
         (dq_acc, (1, 1, BWD_BLOCK_M, HEAD_DIM // 2)), dk, dv, sem,
         scale * 1.4426950408889634 if qk_scale is None else qk_scale, scale, num_tiles, num_bh, hkv, sq, sk, sq_pad,
         *extra, HEAD_DIM=HEAD_DIM, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, STAGES=BWD_RING_SLOTS,
@@ -150,19 +170,22 @@ def _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, qk_sca
         WRITER_REGS=BWD_WRITER_REGS, num_warps=BWD_WARPS,
     )
     if dq_mode == 2:
-        _dq_convert[(sq_pad // BWD_BLOCK_M, b * hq)](dq_acc, dq, scale, sq, sq_pad, HEAD_DIM=HEAD_DIM,
-                                                     BLOCK_M=BWD_BLOCK_M, QMul=sem, num_warps=4)
+        _fast_dq_convert[(sq_pad // BWD_BLOCK_M, b * hq)](dq_acc, dq, scale, sq, sq_pad, HEAD_DIM, BWD_BLOCK_M, qmul,
+                                                          num_warps=4)
     else:
         _fast_dq_convert[(sq_pad // BWD_BLOCK_M, b * hq)](dq_acc, dq, scale, sq, sq_pad, HEAD_DIM=HEAD_DIM,
                                                           BLOCK_M=BWD_BLOCK_M, **_CONV_KW, num_warps=4)
 
 
 def _bwd_host(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, *more, **options):
-    """The backward's host path: the fast one for the modes it knows (0, 1) and the plain arguments; else, or with
-    _BWD_FAST = False, the plain _run_backward (which takes whatever else a render passes it)."""
-    if _BWD_FAST and (dq_mode == 0 or dq_mode == 1) and not more and not options:
-        return _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode)
-    if _BWD_FAST and (_BWD_FAST_SWITCHES and BWD_WINDOW or BWD_PREFIX) and len(more) == 2 and not options and (
-            dq_mode != 2 or BWD_FIXED_FAST):
-        return _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, *more)
+    """The backward's host path: the fast one for the modes it knows (0, 1; 2 where BWD_FIXED_FAST: every call with
+    _BWD_FAST_FIXED, else a non-TMA render's prefix or window calls) with the plain arguments, a prefix render's or
+    a window render's with _BWD_FAST_SWITCHES; else, or with _BWD_FAST = False, the plain _run_backward (which
+    takes whatever else a render passes it)."""
+    if _BWD_FAST and not options and (dq_mode == 0 or dq_mode == 1 or dq_mode == 2 and BWD_FIXED_FAST and (
+            _BWD_FAST_FIXED or more and not BWD_FIXED_TMA)):
+        if not more:
+            return _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode)
+        if (_BWD_FAST_SWITCHES and BWD_WINDOW or BWD_PREFIX) and len(more) == 2:
+            return _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, *more)
     return _run_backward(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, *more, **options)

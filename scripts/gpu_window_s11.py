@@ -15,7 +15,8 @@ Phases (scripts/_phases.py; the "warm" ones at once, then "time"):
 Variants: flex; api (fagen.attention: the Triton backward today); t-mXnYwZsW: the Triton window bwd module at that tile;
 g-unord (deterministic=False), g-fixed (bwd_window_fixed 1, s10's fast mode 2): the window's Gluon module with
 _BWD_FAST_SWITCHES; g-ftma: bwd_window_fixed 1 + bwd_fixed_tma 1 on the plain host path, -wf on the window's fast path
-(_BWD_WINDOW_FAST); g-sec-wf: bwd_fixed 1 + bwd_fixed_tma 1 + bwd_sections 4 (one program per tile) on it.
+(_BWD_WINDOW_FAST); g-sec-wf: bwd_fixed 1 + bwd_fixed_tma 1 + bwd_sections 4 (one program per tile) on it, g-sec-u
+that render's unordered mode (deterministic=False).
 Round b: api-g (fagen.attention with the window selected onto g-ftma-wf: what a flip would run) beside the rest.
 """
 
@@ -36,10 +37,10 @@ WINDOW = (1024, 0)
 SW = "sliding-window+causal"
 BUDGET = 74.0
 TILES = ["t-m64n128w8s3", "t-m128n64w8s3", "t-m64n64w4s3", "t-m128n128w8s2"]
-VARIANTS = ["flex", "api", *TILES, "g-unord", "g-fixed", "g-ftma", "g-ftma-wf", "g-sec-wf"]
+VARIANTS = ["flex", "api", *TILES, "g-unord", "g-fixed", "g-ftma", "g-ftma-wf", "g-sec-wf", "g-sec-u"]
 # warm groups: (variants sharing modules, check names run after them in the same child)
 WARM = [(["flex"], []), (["api"], []), *[([t], [t]) for t in TILES], (["g-unord"], ["g-unord"]),
-        (["g-fixed"], []), (["g-ftma", "g-ftma-wf"], ["g-ftma-wf", "same", "mutant"]), (["g-sec-wf"], ["g-sec-wf"])]
+        (["g-fixed"], []), (["g-ftma", "g-ftma-wf"], ["g-ftma-wf", "same", "mutant"]), (["g-sec-wf", "g-sec-u"], ["g-sec-wf", "g-sec-u"])]
 ROUND_B = os.environ.get("S11_ROUND") == "b" or sys.argv[1:3] == ["--round", "b"]  # the parent reads argv
 LEVERS = {"fixed": {"bwd_window_fixed": 1}, "ftma": {"bwd_window_fixed": 1, "bwd_fixed_tma": 1},
           "sec": {"bwd_fixed": 1, "bwd_fixed_tma": 1, "bwd_sections": 4}}
@@ -67,7 +68,7 @@ def gluon_call(variant: str):
     parts = variant.split("-")
     kind, wf = parts[1], parts[-1] == "wf"
     module = _MODULES.get(kind) or _MODULES.setdefault(kind, gluon_module(kind))
-    det = kind != "unord"
+    det = kind != "unord" and parts[-1] != "u"
 
     def call(q, k, v, w=WINDOW):  # the flags set per call: variants share a module
         module._BWD_FAST_SWITCHES = kind in ("unord", "fixed")
@@ -193,11 +194,11 @@ def phase_check(names: list) -> None:
         if name.startswith("t-"):
             call = triton_call(name)
             against_f64(f"{name} window (130, 0)", lambda a, b, c, w: call(a, b, c, w), 130, True)
-        elif name in ("g-unord", "g-ftma-wf", "g-sec-wf"):
+        elif name in ("g-unord", "g-ftma-wf", "g-sec-wf", "g-sec-u"):
             call = gluon_call(name)
             for left in (37, 130):
-                against_f64(f"{name} window ({left}, 0)", call, left, name != "g-unord")
-            if name != "g-unord":
+                against_f64(f"{name} window ({left}, 0)", call, left, name.endswith("wf"))
+            if name.endswith("wf"):
                 taken = []
                 real = call.module._run_backward_window
                 call.module._run_backward_window = lambda *a: (taken.append(1), real(*a))[1]

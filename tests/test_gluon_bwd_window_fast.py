@@ -82,6 +82,7 @@ def window_fast(monkeypatch):
     real, epi_tma = mod._BWD_KERNELS[2]
     fakes = {"pre": _JIT(mod._bwd_preprocess, 7), "conv": _JIT(mod._dq_convert, 5),
              "main": _JIT(real, 18 + len(extra), MAIN_META + ([dict(MAIN_META[0])] * 2 if epi_tma else [])),
+             "pre_w": _JIT(mod._bwd_preprocess_w, 9), "conv_w": _JIT(mod._dq_convert_w, 6),
              "extra": extra, "bound": []}
 
     class _Bound:  # the bound kernel: the plain path's bound into KVB, recorded
@@ -96,7 +97,8 @@ def window_fast(monkeypatch):
                         ("_bwd_preprocess", fakes["pre"]), ("_dq_convert", fakes["conv"]),
                         ("_BWD_KERNELS", {2: (fakes["main"], epi_tma)}),
                         ("_fast_bwd_kernels", {2: (mod._gluon(fakes["main"]), epi_tma)}),
-                        ("_fast_kv_bound", _Bound())):
+                        ("_fast_kv_bound", _Bound()), ("_fast_pre_w", mod._gluon(fakes["pre_w"])),
+                        ("_fast_conv_w", mod._gluon(fakes["conv_w"]))):
         monkeypatch.setattr(mod, name, value)
     monkeypatch.setitem(mod._NUM_SMS, -1, 132)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
@@ -142,8 +144,14 @@ def test_the_window_path_launches_the_plain_path_s_kernels_and_arguments(window_
     assert dm.shape == (2 * 2 * 2, 320) and fast[9].data_ptr() == dm[4:].data_ptr()
     assert fast[6].base.dtype == torch.int32 and torch.count_nonzero(fast[6].base) == 0
     assert fakes["bound"][0] == ((6, 4), 333, {"HEAD_DIM": 128, "BLOCK": 64, "num_warps": 4})
-    (_, pf, cf), (_, _, _), (_, pp, cp) = fakes["pre"].compiles
-    assert cf.keys() == cp.keys() and torch.equal(cf["KVB"], cp["KVB"].reshape(-1))
-    assert cf["QMul"].data_ptr() == fast[9].data_ptr() and pf[3].data_ptr() == dm.data_ptr()
-    (_, vf, kf), _, (_, vp, kp) = fakes["conv"].compiles
-    assert kf.keys() == kp.keys() and kf["QMul"].data_ptr() == fast[9].data_ptr()
+    # the pre- and postprocess: the plain path's kernels (inlined in the wrappers) with the same values, QMul and
+    # KVB positional; compiled once, then through the launcher's entry
+    ((gf, pf, cf), ), ((gp, pp, cp), ) = fakes["pre_w"].compiles, fakes["pre"].compiles
+    assert gf == gp and len(fakes["pre_w"].launcher.raw) == 2
+    assert [type(x) for x in pf[:7]] == [type(x) for x in pp] and pf[5:7] == pp[5:7]
+    assert torch.equal(pf[8], cp["KVB"].reshape(-1)) and pf[7].data_ptr() == fast[9].data_ptr()
+    assert pf[3].data_ptr() == dm.data_ptr() and pf[3].shape == (4, 320)
+    assert {k: cf[k] for k in ("HEAD_DIM", "BLOCK_M", "GQA")} == {k: cp[k] for k in ("HEAD_DIM", "BLOCK_M", "GQA")}
+    ((gf, vf, kf), ), ((gp, vp, kp), ) = fakes["conv_w"].compiles, fakes["conv"].compiles
+    assert gf == gp and vf[2:5] == vp[2:5] and vf[0].dtype == torch.int32 and vf[5].data_ptr() == fast[9].data_ptr()
+    assert vf[1].data_ptr() == grads[0].data_ptr() and kp["QMul"].numel() == vf[5].numel()

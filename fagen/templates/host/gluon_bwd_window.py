@@ -8,6 +8,8 @@ for linters and readers.
 """
 import torch
 import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 
 from fagen.templates.host.gluon_launch import _gluon
 from fagen.templates.host.launch import _fast, _raw_stream
@@ -35,8 +37,10 @@ _thread_local = object
 #     makes it). The norms are float32 sums of squares, where the plain path's vector_norm rounds each norm to V's
 #     dtype: the two bounds may differ in the last bits, so the unit e = ceil(log2(2 bound)) may differ where the
 #     bound sits at a power of two (both are bounds: the factor 2 holds either rounding);
-#   - the main kernel by _gluon; the pre- and postprocess through fn[grid] (their QMul / KVB keywords), as the
-#     fast path's mode 2 runs them.
+#   - every launch by _gluon / _fast: the pre- and postprocess through two wrappers that take QMul and KVB
+#     positionally (_bwd_preprocess_w, _dq_convert_w: their bodies the render's _bwd_preprocess and _dq_convert,
+#     inlined), since _gluon's key takes keyword values as constexprs; the plain path and the fast path's mode 2
+#     launched them through fn[grid] (tens of microseconds of host time each, before the main kernel's launch).
 # The kernels, grids and arguments are the plain path's (tests/test_gluon_bwd_window_fast.py, with fakes), so the
 # gradients are bitwise repeatable and equal the plain path's wherever the two bounds give the same units.
 import triton.language as tl  # noqa: E402
@@ -64,7 +68,21 @@ def _bwd_kv_bound_rows(K, V, KVB, seq_k, HEAD_DIM: tl.constexpr, BLOCK: tl.const
     tl.atomic_max(KVB + bh * 2 + 1, vmax)
 
 
+@gluon.jit(do_not_specialize=["seq_q", "sq_pad"])
+def _bwd_preprocess_w(O, DO, Lse, Delta, Lse2, seq_q, sq_pad, QMul, KVB, HEAD_DIM: gl.constexpr,
+                      BLOCK_M: gl.constexpr, GQA: gl.constexpr):
+    """_bwd_preprocess with the qmul rows, QMul and KVB positional ([Note] Window fixed-point fast path)."""
+    _bwd_preprocess(O, DO, Lse, Delta, Lse2, seq_q, sq_pad, HEAD_DIM, BLOCK_M, QMul, KVB, GQA)
+
+
+@gluon.jit(do_not_specialize=["seq_q", "sq_pad"])
+def _dq_convert_w(DQacc, DQ, scale, seq_q, sq_pad, QMul, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+    """_dq_convert of the int32 accumulator, QMul positional ([Note] Window fixed-point fast path)."""
+    _dq_convert(DQacc, DQ, scale, seq_q, sq_pad, HEAD_DIM, BLOCK_M, QMul)
+
+
 _fast_kv_bound = _fast(_bwd_kv_bound_rows)
+_fast_pre_w, _fast_conv_w = _gluon(_bwd_preprocess_w), _gluon(_dq_convert_w)
 _BWD_WWS = _thread_local()  # per thread: (device, stream) -> [buffer, {(b, hq, hkv, sq_pad): views}]
 
 
@@ -110,8 +128,8 @@ def _run_backward_window(do, q, k, v, out, lse, scale, dq, dk, dv, qk_scale, ext
     dev = q.get_device()
     _, kvb, dm, delta, qmul, lse2, dq_acc = _bwd_window_workspace(b, hq, k.shape[1], sq_pad, q)
     _fast_kv_bound[(-(-sk // 64), b * k.shape[1])](k, v, kvb, sk, HEAD_DIM=HEAD_DIM, BLOCK=64, num_warps=4)
-    _bwd_preprocess[(sq_pad // BWD_BLOCK_M, b * hq)](out, do, lse, delta, lse2, sq, sq_pad, HEAD_DIM=HEAD_DIM,
-                                                     BLOCK_M=BWD_BLOCK_M, GQA=GQA, QMul=qmul, KVB=kvb, num_warps=4)
+    _fast_pre_w[(sq_pad // BWD_BLOCK_M, b * hq)](out, do, lse, delta, lse2, sq, sq_pad, qmul, kvb, HEAD_DIM=HEAD_DIM,
+                                                 BLOCK_M=BWD_BLOCK_M, GQA=GQA, num_warps=4)
     num_bh = b * hkv
     num_tiles = -(-sk // BWD_BLOCK_N) * num_bh
     if dev not in _NUM_SMS:
@@ -128,8 +146,8 @@ def _run_backward_window(do, q, k, v, out, lse, scale, dq, dk, dv, qk_scale, ext
         GQA=GQA // BWD_KV_SPLIT, CAUSAL=CAUSAL, DQ_MODE=2, COMPUTE_REGS=BWD_COMPUTE_REGS,
         PRODUCER_REGS=BWD_PRODUCER_REGS, WRITER_REGS=BWD_WRITER_REGS, num_warps=BWD_WARPS,
     )
-    _dq_convert[(sq_pad // BWD_BLOCK_M, b * hq)](dq_acc, dq, scale, sq, sq_pad, HEAD_DIM=HEAD_DIM,
-                                                 BLOCK_M=BWD_BLOCK_M, QMul=qmul, num_warps=4)
+    _fast_conv_w[(sq_pad // BWD_BLOCK_M, b * hq)](dq_acc, dq, scale, sq, sq_pad, qmul, HEAD_DIM=HEAD_DIM,
+                                                  BLOCK_M=BWD_BLOCK_M, num_warps=4)
 
 
 _bwd_host_general = _bwd_host

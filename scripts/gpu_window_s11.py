@@ -71,7 +71,7 @@ def gluon_call(variant: str):
     det = kind != "unord" and parts[-1] != "u"
 
     def call(q, k, v, w=WINDOW):  # the flags set per call: variants share a module
-        module._BWD_FAST_SWITCHES = kind in ("unord", "fixed")
+        module._BWD_FAST_SWITCHES = kind in ("unord", "fixed") or not det  # modes 0/1 (and s10's 2) fast
         if hasattr(module, "_BWD_WINDOW_FAST"):
             module._BWD_WINDOW_FAST = wf
         return module.attention(q, k, v, window=w, deterministic=det)
@@ -193,7 +193,8 @@ def phase_check(names: list) -> None:
     for name in names:
         if name.startswith("t-"):
             call = triton_call(name)
-            against_f64(f"{name} window (130, 0)", lambda a, b, c, w: call(a, b, c, w), 130, True)
+            # 144: a multiple of 16 as the bench's 1024 (the Triton kernels specialise the window's ints by class)
+            against_f64(f"{name} window (144, 0)", lambda a, b, c, w: call(a, b, c, w), 144, True)
         elif name in ("g-unord", "g-ftma-wf", "g-sec-wf", "g-sec-u"):
             call = gluon_call(name)
             for left in (37, 130):

@@ -118,8 +118,8 @@ def test_mode_2_takes_the_window_path_only_when_switched_on(window_fast, monkeyp
     args, grads = _bwd_args()
     for mode in (2, 1, 0):
         mod._bwd_host(*args, *grads, mode, None, fakes["extra"])
-    # modes 0 and 1 as before (the plain path: _BWD_FAST_SWITCHES is off)
-    assert taken == ["window" if on else "plain", "plain", "plain"]
+    # mode 1 on the fast path's unordered launches when on; mode 0 as before (plain: _BWD_FAST_SWITCHES is off)
+    assert taken == ["window", "fast", "plain"] if on else ["plain", "plain", "plain"]
 
 
 def test_the_window_path_launches_the_plain_path_s_kernels_and_arguments(window_fast):
@@ -155,3 +155,18 @@ def test_the_window_path_launches_the_plain_path_s_kernels_and_arguments(window_
     ((gf, vf, kf), ), ((gp, vp, kp), ) = fakes["conv_w"].compiles, fakes["conv"].compiles
     assert gf == gp and vf[2:5] == vp[2:5] and vf[0].dtype == torch.int32 and vf[5].data_ptr() == fast[9].data_ptr()
     assert vf[1].data_ptr() == grads[0].data_ptr() and kp["QMul"].numel() == vf[5].numel()
+
+
+def test_variant_bwd_window_reaches_window_renders_only(monkeypatch):
+    """variant["bwd_window"] (the selection hook) applies to a backward with the window switch alone."""
+    monkeypatch.setitem(backends.GLUON.variant, "bwd_window", dict(LEVER))
+    for fields, takes in ((WINDOW_SPEC, True), ({**WINDOW_SPEC, "softcap": True}, False),
+                          ({**WINDOW_SPEC, "window": False}, False), ({**WINDOW_SPEC, "direction": "fwd"}, False)):
+        got = backends.GLUON.variant_for(fagen.KernelSpec(**fields))
+        assert (got.get("bwd_window_fixed") == 1 and got.get("bwd_fixed_tma") == 1) == takes, fields
+    render.render.cache_clear()
+    try:
+        src = render.render(fagen.KernelSpec(**WINDOW_SPEC)).files[".py"]
+    finally:
+        render.render.cache_clear()
+    assert "BWD_DET_MODE = 2" in src and "_run_backward_window" in src

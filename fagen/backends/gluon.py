@@ -191,6 +191,9 @@ class GluonBackend(KernelBackend):
         a d128 MHA one, plain specs only (no switch, no mod); fp8_d64's for a d64 fp8 forward."""
         if spec.direction is Direction.FWD and spec.dtype is DType.FP8_E4M3 and spec.head_dim == 64:
             return {**self.variant, **self.variant["fp8_d64"]}  # [Note] fp8 three warpgroups: d64's own count
+        if (spec.direction is Direction.BWD and spec.switches == ("window",) and not spec.modded
+                and self.variant["bwd_window"]):  # [Note] Window fixed-point fast path (host/gluon_bwd_window.py)
+            return {**self.variant, **self.variant["bwd_window"]}
         if spec.direction is not Direction.BWD or spec.switches or spec.modded:  # the fixed-point dQ's bound holds
             return self.variant  # for plain softmax gradients ([Note] Fixed-point dQ), not for a score_mod's dS
         if spec.head_dim == 64 and self.variant["bwd_d64"]:
@@ -234,6 +237,11 @@ class GluonBackend(KernelBackend):
     # 294 with fwd_mod_add 1 or without (Flex 215). So fwd_mod_add 2, bwd_mod_fixed 2 and bwd_mod_split 1 are on;
     # bwd_mod_fold stays off.
     variant.update({"fwd_mod_add": 2, "bwd_mod_fixed": 2, "bwd_mod_split": 1, "bwd_mod_fold": 0})
+    # bwd_window (eleventh session, docs/mods.md "The window's backward (eleventh session)"): the keys a backward
+    # render with the window switch alone (no other switch, no mod) takes (variant_for); {} none. Candidate:
+    # {"bwd_window_fixed": 1, "bwd_fixed_tma": 1}, the fixed-point dQ with its qmul rows by TMA, whose render has the
+    # window's fast host path ([Note] Window fixed-point fast path in fagen/templates/host/gluon_bwd_window.py).
+    variant["bwd_window"] = {}
 
     # bwd_mod_early 1: a score_mod's clamp-free read (MOD_FREE, [Note] Clamp-free problems in fagen/mods/emit.py)
     # issued before the S MMA's wait instead of after it (ninth session: scripts/gpu_mods_bwd_s9.py times both).

@@ -17,7 +17,7 @@ from fagen.templates.host.launch import _fast, _raw_stream
 BWD_BLOCK_M = BWD_BLOCK_N = HEAD_DIM = GQA = BWD_KV_SPLIT = BWD_DET_GRID = BWD_GRID_ALL = BWD_RING_SLOTS = 0
 BWD_COMPUTE_REGS = BWD_PRODUCER_REGS = BWD_WRITER_REGS = BWD_WARPS = BWD_WINDOW = CAUSAL = _BWD_FAST = 0
 _NUM_SMS, _BWD_WS, _fast_bwd_kernels = {}, None, {}
-_bwd_preprocess = _dq_convert = _descriptor = _bwd_host = _BWD_WS_KEEP = None
+_bwd_preprocess = _dq_convert = _descriptor = _bwd_host = _BWD_WS_KEEP = _run_backward_fast = None
 _thread_local = object
 # -- fagen: included verbatim below this line --
 
@@ -154,8 +154,12 @@ _bwd_host_general = _bwd_host
 
 
 def _bwd_host(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, *more, **options):
-    """_BWD_WINDOW_FAST: mode 2 of this render on the window's fast path ([Note] Window fixed-point fast path);
-    everything else as host/gluon_bwd_launch.py's _bwd_host."""
-    if _BWD_WINDOW_FAST and _BWD_FAST and dq_mode == 2 and len(more) == 2 and not options:
-        return _run_backward_window(do, q, k, v, out, lse, scale, dq, dk, dv, *more)
+    """_BWD_WINDOW_FAST: mode 2 of this render on the window's fast path ([Note] Window fixed-point fast path), mode
+    1 (deterministic=False) on the fast path's unordered launches (as _BWD_FAST_SWITCHES takes them); everything
+    else as host/gluon_bwd_launch.py's _bwd_host."""
+    if _BWD_WINDOW_FAST and _BWD_FAST and len(more) == 2 and not options:
+        if dq_mode == 2:
+            return _run_backward_window(do, q, k, v, out, lse, scale, dq, dk, dv, *more)
+        if dq_mode == 1:
+            return _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, 1, *more)
     return _bwd_host_general(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, *more, **options)

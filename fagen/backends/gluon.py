@@ -223,6 +223,11 @@ class GluonBackend(KernelBackend):
     # bwd_unordered_switches: switch sets picked only for deterministic=False (the unordered dQ adds won there, the
     # deterministic mode did not), where unordered_selected gives that mode.
     bwd_unordered_switches: tuple = ()
+    # bwd_window (eleventh session, docs/mods.md "The window's backward (eleventh session)"): the keys a backward
+    # render with the window switch alone (no other switch, no mod) takes (variant_for); {} none. Candidate:
+    # {"bwd_window_fixed": 1, "bwd_fixed_tma": 1}, the fixed-point dQ with its qmul rows by TMA, whose render has the
+    # window's fast host path ([Note] Window fixed-point fast path in fagen/templates/host/gluon_bwd_window.py).
+    variant["bwd_window"] = {}
     # Issue 26's bias rows (tenth session, docs/mods.md "Bias rows (tenth session)"): fwd_mod_add 1, an additive
     # score_mod (`score + X`) in the Gluon forward as one FMA onto the log2-domain score ([Note] Additive mods in the
     # Gluon forward); bwd_mod_fixed 1, an additive score_mod's deterministic dQ as fixed-point adds ([Note]
@@ -237,11 +242,6 @@ class GluonBackend(KernelBackend):
     # 294 with fwd_mod_add 1 or without (Flex 215). So fwd_mod_add 2, bwd_mod_fixed 2 and bwd_mod_split 1 are on;
     # bwd_mod_fold stays off.
     variant.update({"fwd_mod_add": 2, "bwd_mod_fixed": 2, "bwd_mod_split": 1, "bwd_mod_fold": 0})
-    # bwd_window (eleventh session, docs/mods.md "The window's backward (eleventh session)"): the keys a backward
-    # render with the window switch alone (no other switch, no mod) takes (variant_for); {} none. Candidate:
-    # {"bwd_window_fixed": 1, "bwd_fixed_tma": 1}, the fixed-point dQ with its qmul rows by TMA, whose render has the
-    # window's fast host path ([Note] Window fixed-point fast path in fagen/templates/host/gluon_bwd_window.py).
-    variant["bwd_window"] = {}
 
     # bwd_mod_early 1: a score_mod's clamp-free read (MOD_FREE, [Note] Clamp-free problems in fagen/mods/emit.py)
     # issued before the S MMA's wait instead of after it (ninth session: scripts/gpu_mods_bwd_s9.py times both).

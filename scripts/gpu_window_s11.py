@@ -129,11 +129,12 @@ def caller(variant: str, sm, mm, bm):
         return gluon_call(variant)
     if variant.startswith("t-"):
         return triton_call(variant)
-    if variant == "api-g":
+    if variant.startswith("api-g"):
         api_gluon()
     else:
-        s9.selection(True)
-    return lambda q, k, v: fagen.attention(q, k, v, score_mod=sm, mask_mod=mm, block_mask=bm)
+        s9.selection(variant != "triton")  # triton: $FAGEN_HOPPER=0, the Triton backward
+    det = not variant.endswith("-nondet")
+    return lambda q, k, v: fagen.attention(q, k, v, score_mod=sm, mask_mod=mm, block_mask=bm, deterministic=det)
 
 
 def phase_warm(items: list) -> None:

@@ -36,8 +36,9 @@ def _module(lever=LEVER, name="_wfast_test"):
 
 def test_only_the_window_fixed_tma_render_has_the_path():
     mod = _module()
-    assert mod.BWD_DET_MODE == 2 and mod._BWD_WINDOW_FAST is False
-    for lever in ({"bwd_window_fixed": 1}, {"bwd_fixed_tma": 1}, {}):
+    assert mod.BWD_DET_MODE == 2 and mod._BWD_WINDOW_FAST is True
+    for lever in ({"bwd_window": {}, "bwd_window_fixed": 1}, {"bwd_window": {}, "bwd_fixed_tma": 1},
+                  {"bwd_window": {}}):
         spec = fagen.KernelSpec(**WINDOW_SPEC)
         saved = {k: backends.GLUON.variant[k] for k in lever}
         backends.GLUON.variant.update(lever)

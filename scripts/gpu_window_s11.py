@@ -17,7 +17,9 @@ g-unord (deterministic=False), g-fixed (bwd_window_fixed 1, s10's fast mode 2): 
 _BWD_FAST_SWITCHES; g-ftma: bwd_window_fixed 1 + bwd_fixed_tma 1 on the plain host path, -wf on the window's fast path
 (_BWD_WINDOW_FAST); g-sec-wf: bwd_fixed 1 + bwd_fixed_tma 1 + bwd_sections 4 (one program per tile) on it, g-sec-u
 that render's unordered mode (deterministic=False).
-api-g: fagen.attention with the window selected onto g-ftma-wf (variant bwd_window, bwd_selected_switches,
+Round b (--round b): the product after the flip (api, api-nondet), the Triton backward (triton: $FAGEN_HOPPER=0), the
+bound kernel's configurations alone (bound) and the product with the fastest (api-bound), sections again (g-sec-wf).
+Round a's api-g: fagen.attention with the window selected onto g-ftma-wf (variant bwd_window, bwd_selected_switches,
 _BWD_WINDOW_FAST): what a flip would run; checked through fagen.attention with the size floors at 0.
 """
 
@@ -130,7 +132,11 @@ def caller(variant: str, sm, mm, bm):
         return gluon_call(variant)
     if variant.startswith("t-"):
         return triton_call(variant)
-    if variant.startswith("api-g"):
+    if variant == "api-bound":  # the product with the fastest bound configuration of this process's "bound" row
+        module = product_module()
+        module._BWD_BOUND_ROWS, module._BWD_BOUND_WARPS = BEST_BOUND or (64, 4)
+        s9.selection(True)
+    elif variant.startswith("api-g"):
         api_gluon()
     else:
         s9.selection(variant != "triton")  # triton: $FAGEN_HOPPER=0, the Triton backward
@@ -149,6 +155,9 @@ def phase_warm(items: list) -> None:
     for variant in items:
         t0 = time.perf_counter()
         try:
+            if variant == "bound":  # compiles the bound kernel's configurations
+                print(f"warm bound: {bound_bench(k.detach(), v.detach())}", flush=True)
+                continue
             att = s9.flex_call(sm, mm, shape) if variant == "flex" else caller(variant, sm, mm, s9.fagen_mask(mm, shape))
             torch.autograd.grad(att(q, k, v), (q, k, v), do)
             torch.cuda.synchronize()
@@ -234,6 +243,39 @@ def phase_check(names: list) -> None:
                             left, True)
             line("api-g path", lambda: f"{'PASS' if len(taken) == 4 else 'FAIL'} api-g: window fast-path calls "
                                        f"{len(taken)} of 4")
+        elif name == "api-prod":  # the flipped product through fagen.attention, floors at 0
+            import fagen
+            from fagen.runtime import hopper
+
+            hopper.BWD_MIN_WORK = hopper.BWD_WINDOW_MIN_WORK = 0
+            s9.selection(True)
+            module = product_module()
+            taken = []
+            real_w, real_f = module._run_backward_window, module._run_backward_fast
+            module._run_backward_window = lambda *a: (taken.append(2), real_w(*a))[1]
+            module._run_backward_fast = lambda *a, **kw: (taken.append(a[10]), real_f(*a, **kw))[1]
+            for left in (37, 130):
+                mm_ = win_mask(left)
+                against_f64(f"api window ({left}, 0)", lambda a, b, c, w, mm_=mm_: fagen.attention(a, b, c, mask_mod=mm_),
+                            left, True)
+                against_f64(f"api deterministic=False window ({left}, 0)",
+                            lambda a, b, c, w, mm_=mm_: fagen.attention(a, b, c, mask_mod=mm_, deterministic=False),
+                            left, False)
+            module._run_backward_window, module._run_backward_fast = real_w, real_f
+            line("api paths", lambda: f"{'PASS' if taken == [2, 2, 1, 2, 2, 1] else 'FAIL'} api: host paths "
+                                      f"{taken} (2: the window's fixed-point path, 1: the unordered fast path)")
+        elif name == "api-mutant":  # the product module with the bound kernel left out
+            import fagen
+
+            module = product_module()
+            real = module._fast_kv_bound
+            module._fast_kv_bound = type("NoBound", (), {"__getitem__": lambda self, grid: (lambda *a, **k: None)})()
+            try:
+                against_f64("api mutant (no bound kernel) must fail",
+                            lambda a, b, c, w: fagen.attention(a, b, c, mask_mod=win_mask(130)), 130, False,
+                            expect_fail=True)
+            finally:
+                module._fast_kv_bound = real
         elif name == "same":  # the fast path's gradients against the plain path's (the same module)
             fast, plain = gluon_call("g-ftma-wf"), gluon_call("g-ftma")
 
@@ -294,6 +336,16 @@ def phase_time() -> None:
         rec = {"variant": variant}
         if time.time() > t_end:
             rec["error"] = "skipped: out of time"
+        elif variant == "bound":
+            try:
+                rec["bound"] = bound_bench(k.detach(), v.detach())
+                good = {c: ms for c, (ms, ok) in rec["bound"].items() if ms is not None and ok is True}
+                if good:
+                    best = min(good, key=good.get)
+                    BEST_BOUND[:] = [int(x) for x in best.split("x")]
+                    rec["best"] = best
+            except Exception as e:  # noqa: BLE001
+                rec["error"] = f"{type(e).__name__}: {str(e)[:160]}"
         else:
             try:
                 att = s9.flex_call(sm, mm, shape) if variant == "flex" else caller(variant, sm, mm, bm)
@@ -324,7 +376,49 @@ def plan() -> list:
     return VARIANTS
 
 
-VARIANTS_B = VARIANTS  # round B's list is set below once round A has spoken
+# round B: the product after the flip (8287125) through fagen.attention, deterministic and not, against the Triton
+# backward ($FAGEN_HOPPER=0) and Flex; the bound kernel's configurations alone, then the product with the fastest
+VARIANTS_B = ["flex", "api", "triton", "api-nondet", "bound", "api-bound", "g-sec-wf"]
+BOUND_CONFIGS = [(64, 4), (32, 4), (64, 8), (128, 8), (32, 2), (16, 2)]
+
+
+def product_module():
+    """The window switch's Gluon bwd module as fagen.attention loads it (the flipped default render)."""
+    import fagen
+    from fagen.spec.kernel import KernelSpec
+
+    module = fagen.load(KernelSpec(backend="gluon", direction="bwd", head_dim=128, dtype="bf16", mask="causal",
+                                   window=True))
+    assert module.BWD_DET_MODE == 2 and module._BWD_WINDOW_FAST, "not the flipped render"
+    return module
+
+
+def bound_bench(k, v):
+    """{(rows, warps): (ms, ok)} of the bound kernel alone on k, v (do_bench; ok: max|K| bit for bit and the V norms
+    within 1e-5 of _bwd_kv_bound's float64 values)."""
+    import torch
+    import triton.testing
+
+    mod = product_module()
+    b, h, sk, _ = k.shape
+    want_k = k.abs().amax(dim=(2, 3)).float().reshape(-1)
+    want_v = torch.linalg.vector_norm(v.double(), dim=-1).amax(-1).reshape(-1)
+    out = {}
+    for rows, warps in BOUND_CONFIGS:
+        kvb = torch.zeros(2 * b * h, device=k.device)
+
+        def go():
+            mod._bwd_kv_bound_rows[(-(-sk // rows), b * h)](k, v, kvb, sk, HEAD_DIM=128, BLOCK=rows, num_warps=warps)
+        try:
+            go()
+            torch.cuda.synchronize()
+            got = kvb.view(-1, 2)
+            ok = bool(torch.equal(got[:, 0], want_k)) and float(((got[:, 1].double() - want_v).abs() /
+                                                                   want_v).max()) < 1e-5
+            out[f"{rows}x{warps}"] = (float(triton.testing.do_bench(go, warmup=5, rep=20, return_mode="median")), ok)
+        except Exception as e:  # noqa: BLE001
+            out[f"{rows}x{warps}"] = (None, f"{type(e).__name__}: {str(e)[:80]}")
+    return out
 
 
 def main() -> None:
@@ -361,6 +455,9 @@ def main() -> None:
     print("\n| variant | bwd ms | TF/s | x Flex | kernels ms | host ms | top kernels |")
     print("|---|---:|---:|---:|---:|---:|---|")
     for r in recs:
+        if "bound" in r:
+            print(f"| bound kernel alone (rows x warps: ms, ok) | {r['bound']} | best {r.get('best')} | | | | |")
+            continue
         if r.get("error"):
             print(f"| {r['variant']} | - | - | {r['error'][:90]} | | | |")
             continue
@@ -376,7 +473,9 @@ def main() -> None:
             json.dump({"records": recs, "lines": lines}, f, indent=1)
 
 
-WARM_B = WARM
+BEST_BOUND: list = []
+WARM_B = [(["flex"], []), (["api", "api-nondet"], ["api-prod", "api-mutant"]), (["triton"], []),
+          (["bound"], []), (["g-sec-wf"], [])]
 
 if __name__ == "__main__":
     if "--phase" in sys.argv:

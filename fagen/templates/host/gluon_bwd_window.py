@@ -84,6 +84,9 @@ def _dq_convert_w(DQacc, DQ, scale, seq_q, sq_pad, QMul, HEAD_DIM: gl.constexpr,
 
 
 _fast_kv_bound = _fast(_bwd_kv_bound_rows)
+# the bound kernel's rows a program and warps (round A, H100, 64 / 4: 0.036 ms for K and V of B1 H16 S8192 d128 bf16,
+# 64 MB, about 1.8 TB/s; scripts/gpu_window_s11.py round B times others)
+_BWD_BOUND_ROWS, _BWD_BOUND_WARPS = 64, 4
 _fast_pre_w, _fast_conv_w = _gluon(_bwd_preprocess_w), _gluon(_dq_convert_w)
 _BWD_WWS = _thread_local()  # per thread: (device, stream) -> [buffer, {(b, hq, hkv, sq_pad): views}]
 
@@ -129,7 +132,8 @@ def _run_backward_window(do, q, k, v, out, lse, scale, dq, dk, dv, qk_scale, ext
     sq_pad = -(-sq // BWD_BLOCK_M) * BWD_BLOCK_M
     dev = q.get_device()
     _, kvb, dm, delta, qmul, lse2, dq_acc = _bwd_window_workspace(b, hq, k.shape[1], sq_pad, q)
-    _fast_kv_bound[(-(-sk // 64), b * k.shape[1])](k, v, kvb, sk, HEAD_DIM=HEAD_DIM, BLOCK=64, num_warps=4)
+    _fast_kv_bound[(-(-sk // _BWD_BOUND_ROWS), b * k.shape[1])](k, v, kvb, sk, HEAD_DIM=HEAD_DIM, BLOCK=_BWD_BOUND_ROWS,
+                                                               num_warps=_BWD_BOUND_WARPS)
     _fast_pre_w[(sq_pad // BWD_BLOCK_M, b * hq)](out, do, lse, delta, lse2, sq, sq_pad, qmul, kvb, HEAD_DIM=HEAD_DIM,
                                                  BLOCK_M=BWD_BLOCK_M, GQA=GQA, num_warps=4)
     num_bh = b * hkv

@@ -50,8 +50,9 @@ def test_only_the_window_fixed_tma_render_has_the_path():
             render.render.cache_clear()
 
 
-@pytest.mark.parametrize("b,hkv,sk", [(2, 3, 333), (1, 1, 64), (1, 2, 65)])
-def test_the_bound_kernel_is_the_plain_path_s_bound(b, hkv, sk):
+@pytest.mark.parametrize("b,hkv,sk,block", [(2, 3, 333, 64), (1, 1, 64, 64), (1, 2, 65, 64), (1, 2, 333, 32),
+                                             (1, 1, 200, 128)])
+def test_the_bound_kernel_is_the_plain_path_s_bound(b, hkv, sk, block):
     """max|K| bit for bit, max_j |V_j|_2 to float32 rounding (the plain path rounds each norm to bf16), over rows
     not a multiple of the kernel's 64; NaN in K or V gives +inf; maxima accumulate over what KVB held (zeros)."""
     mod = _module()
@@ -60,7 +61,7 @@ def test_the_bound_kernel_is_the_plain_path_s_bound(b, hkv, sk):
     v = (torch.randn(b, hkv, sk, 128, generator=g) * torch.rand(b, hkv, sk, 1, generator=g) * 3).bfloat16()
     k[0, 0, sk - 1, 5] = 50.0  # the largest |K| of head 0 in the last (partial) block
     kvb = torch.zeros(b * hkv * 2)
-    mod._bwd_kv_bound_rows[(triton.cdiv(sk, 64), b * hkv)](k, v, kvb, sk, HEAD_DIM=128, BLOCK=64)
+    mod._bwd_kv_bound_rows[(triton.cdiv(sk, block), b * hkv)](k, v, kvb, sk, HEAD_DIM=128, BLOCK=block)
     want = mod._bwd_kv_bound(k, v).reshape(-1, 2)
     got = kvb.view(-1, 2)
     assert torch.equal(got[:, 0], want[:, 0])
@@ -69,7 +70,7 @@ def test_the_bound_kernel_is_the_plain_path_s_bound(b, hkv, sk):
     torch.testing.assert_close(got[:, 1], want[:, 1], rtol=1e-2, atol=0)  # bf16-rounded norms
     k[0, 0, 3, 7], v[-1, -1, sk - 1, 0] = float("nan"), float("nan")
     kvb.zero_()
-    mod._bwd_kv_bound_rows[(triton.cdiv(sk, 64), b * hkv)](k, v, kvb, sk, HEAD_DIM=128, BLOCK=64)
+    mod._bwd_kv_bound_rows[(triton.cdiv(sk, block), b * hkv)](k, v, kvb, sk, HEAD_DIM=128, BLOCK=block)
     got = kvb.view(-1, 2)
     assert got[0, 0] == float("inf") and got[-1, 1] == float("inf")
     assert torch.isfinite(got[1:, 0]).all() and torch.isfinite(got[:-1, 1]).all()

@@ -84,8 +84,9 @@ def _dq_convert_w(DQacc, DQ, scale, seq_q, sq_pad, QMul, HEAD_DIM: gl.constexpr,
 
 
 _fast_kv_bound = _fast(_bwd_kv_bound_rows)
-# the bound kernel's rows a program and warps (round A, H100, 64 / 4: 0.036 ms for K and V of B1 H16 S8192 d128 bf16,
-# 64 MB, about 1.8 TB/s; scripts/gpu_window_s11.py round B times others)
+# the bound kernel's rows a program and warps (H100, K and V of B1 H16 S8192 d128 bf16, 64 MB: round A 64 / 4 0.036
+# ms; round B of scripts/gpu_window_s11.py 64/4 0.039, 32/4 0.038, 64/8 0.039, 128/8 0.040, 32/2 and 16/2 0.041:
+# none moves it, about 1.7 TB/s)
 _BWD_BOUND_ROWS, _BWD_BOUND_WARPS = 64, 4
 _fast_pre_w, _fast_conv_w = _gluon(_bwd_preprocess_w), _gluon(_dq_convert_w)
 _BWD_WWS = _thread_local()  # per thread: (device, stream) -> [buffer, {(b, hq, hkv, sq_pad): views}]

@@ -34,7 +34,8 @@ def bwd(**fields) -> KernelSpec:
     (dict(head_dim=96, **RELBIAS), False), (dict(dtype="fp16", **RELBIAS), False),
     (dict(mask_mod="q_idx >= kv_idx"), False), (dict(alibi=True, **RELBIAS), False), (dict(sinks=True), False),
     (dict(mask="padding", **RELBIAS), False), (dict(layout="varlen", **RELBIAS), False),
-    (dict(mask="causal", window=True), False), (dict(mask="none", window=True), False),
+    (dict(mask="causal", window=True), True),  # selected since the eleventh session (docs/mods.md)
+    (dict(mask="none", window=True), False),
     (dict(mask="causal", window=True, gqa=4), False), (dict(mask="causal", window=True, **RELBIAS), False),
     (dict(softcap=True), False),  # not selected until timed
 ])
@@ -209,6 +210,7 @@ def test_the_window_fixed_point_lever_renders_the_window_switch_s_deterministic_
     gluon = dict(backend="gluon", mask="causal")
     monkeypatch.setitem(backends.GLUON.variant, "bwd_window_fixed", 1)
     monkeypatch.setitem(backends.GLUON.variant, "bwd_d128", {})  # a plain d128 spec's own keys: bwd_d128
+    monkeypatch.setitem(backends.GLUON.variant, "bwd_window", {})  # a window spec's own keys: bwd_window
     render.cache_clear()
     try:
         assert "BWD_DET_MODE = 2" in render(bwd(window=True, **gluon)).files[".py"]

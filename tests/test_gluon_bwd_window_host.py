@@ -21,23 +21,24 @@ from test_hostpath import _Fill
 WINDOW_SPEC = dict(backend="gluon", direction="bwd", head_dim=128, mask="causal", dtype="bf16", window=True)
 
 
-def _fixed_module():
-    """The window render with the fixed-point dQ (variant bwd_window_fixed 1)."""
+def _fixed_module(fixed=1):
+    """The window render with the fixed-point dQ (variant bwd_window_fixed 1; 0: the chain's render), without the
+    window's own keys (variant bwd_window: the eleventh session's render has a host path of its own)."""
     from fagen import backends
     from fagen.codegen.render import render
     from fagen.runtime.loader import load_source
 
     spec = fagen.KernelSpec(**WINDOW_SPEC)
-    saved = backends.GLUON.variant["bwd_window_fixed"]
-    backends.GLUON.variant["bwd_window_fixed"] = 1
+    saved = {k: backends.GLUON.variant[k] for k in ("bwd_window_fixed", "bwd_window")}
+    backends.GLUON.variant.update(bwd_window_fixed=fixed, bwd_window={})
     render.cache_clear()
     try:
         src = render(spec).files[".py"]
     finally:
-        backends.GLUON.variant["bwd_window_fixed"] = saved
+        backends.GLUON.variant.update(saved)
         render.cache_clear()
-    assert "BWD_DET_MODE = 2" in src and "BWD_FIXED_FAST = 1" in src
-    return load_source(src, spec.name + "_fixed_test")
+    assert ("BWD_DET_MODE = 2" in src and "BWD_FIXED_FAST = 1" in src) == bool(fixed)
+    return load_source(src, spec.name + "_fixed_test" * fixed)
 
 
 @pytest.fixture(params=[(0, "window"), (1, "window"), (2, "window"), (0, "prefix"), (1, "prefix"), (2, "prefix"),
@@ -66,7 +67,7 @@ def window_bwd(request, monkeypatch):
         render.render.cache_clear()
         assert mod.BWD_PREFIX == 1 and mod.BWD_PREFIX_MODE == 2 and mod.BWD_DET_MODE == 0
     else:
-        mod = _fixed_module() if mode == 2 else fagen.load(fagen.KernelSpec(**WINDOW_SPEC))
+        mod = _fixed_module(int(mode == 2))
     extra = {"window": (37, 0, 0.0), "tma": ()}.get(kind, (83, ))
     real, epi_tma = mod._BWD_KERNELS[mode]
     # mode 2's fast pre- and postprocess take QMul, KVB (and GQA) positionally ([Note] Fixed-point dQ on the fast path)

@@ -191,6 +191,9 @@ class GluonBackend(KernelBackend):
         a d128 MHA one, plain specs only (no switch, no mod); fp8_d64's for a d64 fp8 forward."""
         if spec.direction is Direction.FWD and spec.dtype is DType.FP8_E4M3 and spec.head_dim == 64:
             return {**self.variant, **self.variant["fp8_d64"]}  # [Note] fp8 three warpgroups: d64's own count
+        if (spec.direction is Direction.BWD and spec.switches == ("window",) and not spec.modded
+                and self.variant["bwd_window"]):  # [Note] Window fixed-point fast path (host/gluon_bwd_window.py)
+            return {**self.variant, **self.variant["bwd_window"]}
         if spec.direction is not Direction.BWD or spec.switches or spec.modded:  # the fixed-point dQ's bound holds
             return self.variant  # for plain softmax gradients ([Note] Fixed-point dQ), not for a score_mod's dS
         if spec.head_dim == 64 and self.variant["bwd_d64"]:
@@ -214,12 +217,23 @@ class GluonBackend(KernelBackend):
     # softcap switch off until timed (scripts/gpu_mods_bwd_s9.py). The window switch: not selected (H100, round B of
     # the ninth session, the bench's sliding window, backward TF/s: Triton 266, Gluon chain descending 269, fixed-point
     # 153, unordered 223, Flex 288); were it listed, only in bwd_window_cases (mask, gqa) and without a score_mod.
-    bwd_selected_switches: tuple = ((), )
+    # Eleventh session: selected, on the render of variant bwd_window below (round A, H100, the bench's sliding window
+    # B1 H16 S8192, backward ms through fagen.attention: 0.533 against the Triton backward's 0.614 and Flex's 0.563).
+    bwd_selected_switches: tuple = ((), ("window",))
     bwd_window_cases = ((Mask.CAUSAL, 1),)
     bwd_select_score_mods = True
     # bwd_unordered_switches: switch sets picked only for deterministic=False (the unordered dQ adds won there, the
     # deterministic mode did not), where unordered_selected gives that mode.
     bwd_unordered_switches: tuple = ()
+    # bwd_window (eleventh session, docs/mods.md "The window's backward (eleventh session)"): the keys a backward
+    # render with the window switch alone (no other switch, no mod) takes (variant_for); {} none. The fixed-point dQ
+    # with its qmul rows by TMA, whose render has the window's fast host path ([Note] Window fixed-point fast path in
+    # fagen/templates/host/gluon_bwd_window.py). H100, round A (scripts/gpu_window_s11.py; B1 H16 S8192 d128 bf16,
+    # causal, window (1024, 0); backward ms, one process): this render through fagen.attention 0.533 (1.06x Flex's
+    # 0.563; kernels 0.522: main 0.403, bound 0.036, conversion 0.034, preprocess 0.027), with sections of 4 0.529,
+    # the Triton backward 0.614 (0.92x), the same render on the plain host path 1.306; deterministic=False (the
+    # unordered adds) 0.474 (1.19x).
+    variant["bwd_window"] = {"bwd_window_fixed": 1, "bwd_fixed_tma": 1}
     # Issue 26's bias rows (tenth session, docs/mods.md "Bias rows (tenth session)"): fwd_mod_add 1, an additive
     # score_mod (`score + X`) in the Gluon forward as one FMA onto the log2-domain score ([Note] Additive mods in the
     # Gluon forward); bwd_mod_fixed 1, an additive score_mod's deterministic dQ as fixed-point adds ([Note]

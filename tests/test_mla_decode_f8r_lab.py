@@ -1,0 +1,64 @@
+"""The register-A scores fp8 latent lab decode (lab/gluon_mla_decode_f8r.py, [Note] Lab register-A scores; issue 27
+part 2). sm_90 builds without a GPU: two CTAs an SM without spills or serialised wgmma; a key loop whose scores'
+wgmma take K from registers (no bf16 K tile: V's 8 chunks only), whose cache bytes come in 16-byte loads (18 a thread
+a block) and are converted once each. On an H100: scripts/gpu_fp8lat_s11.py (checks against float64 on the
+dequantized cache, NaN past the lengths, the split rule and one split and three, then % of copy)."""
+
+import re
+
+import pytest
+
+from _env import ON_GPU
+from test_hopper_compile import build_sm90
+
+_SCRIPT = r"""
+import json, os, re, sys
+sys.path.insert(0, sys.argv[1])
+sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
+from lab import gluon_mla_decode_f8r
+from sm90 import loops, ptxas
+
+out = {}
+for key, kw in json.loads(sys.argv[2]).items():
+    ck = gluon_mla_decode_f8r.compile_for(**kw)
+    ptx = ck.asm["ptx"]
+    res, log, _ = ptxas(ptx)
+    res = next(iter(res.values()))
+    body = loops(ptx, 8)
+    out[key] = dict(shared=ck.metadata.shared, spills=res.spill_stores + res.spill_loads, stack=res.stack,
+                    registers=res.registers, serialized="C7514" in log or "C7515" in log, loops=len(body),
+                    loop=body[0] if body else "")
+print("RESULT " + json.dumps(out))
+"""
+
+BUILDS = {"token": dict(), "tensor": dict(per_token=False), "token_split": dict(num_splits=3),
+          "h8_sq2_none": dict(hq=8, sq=2, causal=False)}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    return build_sm90(tmp_path_factory, _SCRIPT, BUILDS, "gluon-mla-decode-f8r-lab")
+
+
+@pytest.mark.skipif(ON_GPU, reason="sm_90 builds on the CPU")
+@pytest.mark.parametrize("key", list(BUILDS))
+def test_two_ctas_an_sm_without_spills(built, key):
+    r = built[key]
+    assert 2 * r["shared"] <= 227 * 1024 and 2 * 128 * r["registers"] <= 65536, (r["shared"], r["registers"])
+    assert r["spills"] == 0 and r["stack"] == 0 and not r["serialized"], (r["spills"], r["serialized"])
+    assert r["shared"] < 90 * 1024  # V (64 KB), Q (18 KB) and P: no K tile
+
+
+@pytest.mark.skipif(ON_GPU, reason="sm_90 builds on the CPU")
+@pytest.mark.parametrize("key", ["token", "tensor"])
+def test_the_scores_take_k_from_registers(built, key):
+    """36 score k-steps with A in registers (a {..} register list where a descriptor would be) and 32 V^T P^T
+    k-steps from shared memory (8 chunks of 64 latent rows, 4 k-steps each); 18 16-byte loads of the next block a
+    thread, no byte loads; each word converted once (72 a thread: two bf16x2 fma each)."""
+    loop = built[key]["loop"]
+    wgmma = re.findall(r"wgmma\.mma_async[^;]*;", loop, flags=re.S)
+    reg_a = [w for w in wgmma if re.search(r"\}\s*,\s*\{", w)]
+    assert len(wgmma) == 36 + 32 and len(reg_a) == 36, (len(wgmma), len(reg_a))
+    assert len(re.findall(r"ld\.global[.\w]*\.v4\.b32", loop)) == 18
+    assert not re.findall(r"ld\.global[.\w]*\.(?:u8|b8|s8)\b", loop)
+    assert loop.count("fma.rn.bf16x2") == 2 * 72

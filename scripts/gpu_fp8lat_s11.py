@@ -3,10 +3,11 @@ counted in the bytes read) beside FlashMLA's fp8 decode, and a profile (ncu) of 
 
     FLASHMLA_DIR=/tmp/fm PYTHONPATH=$PWD python3 scripts/gpu_fp8lat_s11.py  # < 80 s on an H100; $OUTX/gpu_fp8lat_s11.md
 
-Variants (VARIANTS): the product's Triton fp8 decode, the ninth session's lab fp8 swap-AB (lab/gluon_mla_decode_fp8.py),
-its eleventh-session variants (lab/gluon_mla_decode_f8x.py: [Note] Lab partial row sums, [Note] Lab ablations, timing
-only), FlashMLA bf16 and fp8 (sglang-kernel 0.4.5, $FLASHMLA_DIR: q and the cache in e4m3 with one descale a
-sequence; and, where this build takes it, the 656-byte fp8 cache format with a bf16 q).
+Variants (VARIANTS): the product's Triton fp8 decode, the ninth session's lab fp8 swap-AB
+(lab/gluon_mla_decode_fp8.py), the register-A scores kernel (lab/gluon_mla_decode_f8r.py, [Note] Lab register-A
+scores), the ninth session's kernel's variants (lab/gluon_mla_decode_f8x.py: [Note] Lab partial row sums, [Note] Lab
+ablations, timing only), FlashMLA bf16 and fp8 (sglang-kernel 0.4.5, $FLASHMLA_DIR: q and the cache in e4m3 with
+one descale a sequence; and, where this build takes it, the 656-byte fp8 cache format with a bf16 q).
 Phases, each a child process with a timeout (scripts/_phases.py):
 1. check-* (beside the ncu phase): each variant against float64 on the dequantized cache at Hq 16 Sq 1, page 64,
    lengths 1000/77/513 (NaN past them, in the keys and their per-token scales), pages shuffled, the split rule and
@@ -34,19 +35,21 @@ if DRY:
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 D, DV, PAGE = (48, 32, 16) if DRY else (576, 512, 64)
 # name -> (kv_dtype, scale form, backend, module kwargs, text replacements on the render)
-VARIANTS = {
+VARIANTS = {  # in the order each shape times them (the phase may be cut at its limit)
     "e4m3/token triton (product)": ("fp8_e4m3", "token", "triton", {}, []),
-    "e4m3/tensor triton": ("fp8_e4m3", "tensor", "triton", {}, []),
     "e4m3/token lab s9 swap-AB": ("fp8_e4m3", "token", "lab", {}, []),  # lab/gluon_mla_decode_fp8.py
+    "e4m3/token f8r regA": ("fp8_e4m3", "token", "f8r", {}, []),  # lab/gluon_mla_decode_f8r.py
+    "e4m3/tensor f8r regA": ("fp8_e4m3", "tensor", "f8r", {}, []),
+    "e4m3/tensor FlashMLA fp8 (q e4m3)": ("fp8_e4m3", "tensor", "flashmla8", {}, []),
+    "e4m3/656B FlashMLA fp8 cache (q bf16)": ("fp8_e4m3", "token", "flashmla656", {}, []),
+    "bf16 FlashMLA": (None, None, "flashmla", {}, []),
+    "e4m3/tensor triton": ("fp8_e4m3", "tensor", "triton", {}, []),
     "e4m3/tensor lab s9 f16": ("fp8_e4m3", "tensor", "lab", {"f16": True}, []),
     # lab/gluon_mla_decode_f8x.py
     "e4m3/token f8x lpart": ("fp8_e4m3", "token", "f8x", {"l_part": True}, []),
     "e4m3/token f8x lpart f16": ("fp8_e4m3", "token", "f8x", {"l_part": True, "f16": True}, []),
     "e4m3/token f8x ablate no-cvt (timing only)": ("fp8_e4m3", "token", "f8x", {"ablate": 1}, []),
     "e4m3/token f8x ablate no-max": ("fp8_e4m3", "token", "f8x", {"ablate": 2}, []),
-    "bf16 FlashMLA": (None, None, "flashmla", {}, []),
-    "e4m3/tensor FlashMLA fp8 (q e4m3)": ("fp8_e4m3", "tensor", "flashmla8", {}, []),
-    "e4m3/656B FlashMLA fp8 cache (q bf16)": ("fp8_e4m3", "token", "flashmla656", {}, []),
 }
 TIMING_ONLY = {"e4m3/token f8x ablate no-cvt (timing only)"}
 ROWS_ONLY = set()
@@ -57,11 +60,12 @@ CHECK_GROUPS = {"check-peer": ["bf16 FlashMLA", "e4m3/tensor FlashMLA fp8 (q e4m
                 "check-fp8a": ["e4m3/token triton (product)", "e4m3/tensor triton"],
                 "check-lab": ["e4m3/token lab s9 swap-AB", "e4m3/tensor lab s9 f16"],
                 "check-f8x": ["e4m3/token f8x lpart", "e4m3/token f8x lpart f16"],
-                "check-f8x2": ["e4m3/token f8x ablate no-max"]}
-SHAPES = ((128, 4096, 16, 1), (32, 32768, 16, 1), (128, 32768, 16, 1), (32, 4096, 16, 1), (32, 8192, 128, 2)) \
+                "check-f8x2": ["e4m3/token f8x ablate no-max"],
+                "check-f8r": ["e4m3/token f8r regA", "e4m3/tensor f8r regA"]}
+SHAPES = ((128, 4096, 16, 1), (32, 32768, 16, 1), (128, 32768, 16, 1), (32, 8192, 128, 2), (32, 4096, 16, 1)) \
     if not DRY else ((2, 96, 16, 1), (3, 64, 16, 1))
 CHECK_LENS = [1000, 77, 513] if not DRY else [200, 7, 53]  # within 16 pages: the timed shapes' integer classes
-LIMITS = dict(check=26, ncu=34, time=36) if not DRY else dict(check=900, ncu=900, time=900)
+LIMITS = dict(check=24, ncu=34, time=40) if not DRY else dict(check=900, ncu=900, time=900)
 if DRY:  # the interpreter: tiny tiles; the gluon kernel has no interpreter (its sm_90 build is in the tests)
     VARIANTS = {k: (kv, f, be, {"block_n": 16}, tx) for k, (kv, f, be, _, tx) in VARIANTS.items()
                 if be == "triton"}
@@ -160,11 +164,11 @@ def phase(name):  # noqa: C901 - one phase in this process
     def module(variant, mask, hq=16):
         kv, _, backend, tiles, text = VARIANTS[variant]
         key = (variant, mask, hq)
-        if key not in mods and backend in ("lab", "f8x"):
+        if key not in mods and backend in ("lab", "f8x", "f8r"):
             sys.path.insert(0, ROOT)
-            from lab import gluon_mla_decode_f8x, gluon_mla_decode_fp8
-            mods[key] = (gluon_mla_decode_fp8 if backend == "lab" else gluon_mla_decode_f8x).Module(
-                causal=mask == "causal", **tiles)
+            from lab import gluon_mla_decode_f8r, gluon_mla_decode_f8x, gluon_mla_decode_fp8
+            mods[key] = {"lab": gluon_mla_decode_fp8, "f8x": gluon_mla_decode_f8x,
+                         "f8r": gluon_mla_decode_f8r}[backend].Module(causal=mask == "causal", **tiles)
         if key not in mods and backend.startswith("flashmla"):
             mods[key] = FlashMLA(mask == "causal", {"flashmla": "bf16", "flashmla8": "fp8",
                                                     "flashmla656": "656"}[backend])
@@ -401,7 +405,7 @@ def phase(name):  # noqa: C901 - one phase in this process
             torch.cuda.empty_cache()
 
 
-NCU_VARIANTS = ["e4m3/token lab s9 swap-AB", "e4m3/tensor FlashMLA fp8 (q e4m3)"]  # 80 s a round: two
+NCU_VARIANTS = ["e4m3/token lab s9 swap-AB", "e4m3/token f8r regA", "e4m3/tensor FlashMLA fp8 (q e4m3)"]
 NCU = os.environ.get("NCU", "/usr/local/cuda/bin/ncu")
 NCU_SECTIONS = ["SpeedOfLight", "LaunchStats", "Occupancy", "SchedulerStats", "WarpStateStats",
                 "MemoryWorkloadAnalysis"]

@@ -34,7 +34,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, \
     warpgroup_mma_init, warpgroup_mma_wait
 
-from lab.gluon_mla_decode_fp8 import D, DV, DV_K, D_K, _mma, _page, splits_for  # noqa: F401
+from lab.gluon_mla_decode_fp8 import D, DV, DV_K, D_K, _mma, _page, _pow2_scale, splits_for  # noqa: F401
 
 ROW_W = gl.constexpr(144)  # int32 words a cache row
 
@@ -77,9 +77,30 @@ def _cvt4(x):
 
 
 @gluon.jit
-def _bf16_bytes(x):
-    """A chunk's words [64, 16] as its bf16 values [64, 64] in byte order."""
-    e0, e1, e2, e3 = _cvt4(x)
+def _cvt4h(x):
+    """Four fp8 e4m3 bytes in an int32 word as four fp16 values, exactly: the hardware's cvt, two values an
+    instruction ([Note] Lab fp16 dots in lab/gluon_mla_decode_fp8.py)."""
+    return gl.inline_asm_elementwise(
+        asm="""{
+        .reg .b16 l, h;
+        .reg .b32 c, d;
+        mov.b32 {l, h}, $4;
+        cvt.rn.f16x2.e4m3x2 c, l;
+        cvt.rn.f16x2.e4m3x2 d, h;
+        mov.b32 {$0, $1}, c;
+        mov.b32 {$2, $3}, d;
+        }""",
+        constraints="=h,=h,=h,=h,r", args=[x], dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
+        is_pure=True, pack=1)
+
+
+@gluon.jit
+def _bf16_bytes(x, F16: gl.constexpr):
+    """A chunk's words [64, 16] as its bf16 (fp16 under F16) values [64, 64] in byte order."""
+    if F16:
+        e0, e1, e2, e3 = _cvt4h(x)
+    else:
+        e0, e1, e2, e3 = _cvt4(x)
     return gl.reshape(gl.join(gl.join(e0, e2), gl.join(e1, e3)), [64, 64])
 
 
@@ -116,10 +137,11 @@ def _fetch(Cache, page, start, seq_len, ok_block, PAGE: gl.constexpr):
 
 
 @gluon.jit
-def _chunk(x, v_dst, q_src, tok, prev, a_layout: gl.constexpr, FIRST: gl.constexpr, STORE: gl.constexpr):
+def _chunk(x, v_dst, q_src, tok, prev, a_layout: gl.constexpr, FIRST: gl.constexpr, STORE: gl.constexpr,
+           F16: gl.constexpr):
     """One chunk: convert, store V's part (STORE), issue its scores' wgmma (A from registers) and retire the
     previous chunk's (one outstanding). Returns (token, this chunk's fragment)."""
-    xb = _bf16_bytes(x)
+    xb = _bf16_bytes(x, F16)
     if STORE:
         v_dst.store(xb)
     a = _frag(xb, a_layout)
@@ -134,7 +156,8 @@ def _chunk(x, v_dst, q_src, tok, prev, a_layout: gl.constexpr, FIRST: gl.constex
 @gluon.jit(do_not_specialize=["stride_bt", "bt_width", "num_pages", "num_splits", "per"])
 def _mla_decode_f8r(Q, Cache, KTok, BlockTable, Seqlens, Out, Lse, PartO, PartLse, stride_bt, bt_width, num_pages,
                     qk_scale, v_mul, num_splits, per, ROWS: gl.constexpr, NQ: gl.constexpr, SQ: gl.constexpr,
-                    PAGE: gl.constexpr, CAUSAL: gl.constexpr, DIRECT: gl.constexpr, PER_TOKEN: gl.constexpr):
+                    PAGE: gl.constexpr, CAUSAL: gl.constexpr, DIRECT: gl.constexpr, PER_TOKEN: gl.constexpr,
+                    L_PART: gl.constexpr, F16: gl.constexpr):
     gl.static_assert(PAGE % 64 == 0)
     gl.static_assert(NQ == 16 and NQ >= ROWS)
     split = gl.program_id(0)
@@ -144,12 +167,14 @@ def _mla_decode_f8r(Q, Cache, KTok, BlockTable, Seqlens, Out, Lse, PartO, PartLs
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
     kcol: gl.constexpr = gl.SliceLayout(1, s_layout)  # a key (a row of S^T)
     qcol: gl.constexpr = gl.SliceLayout(0, s_layout)  # a query row (a column of S^T)
-    v_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
-    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NQ, 64], gl.bfloat16)
-    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, NQ], gl.bfloat16)
-    v_s = gl.allocate_shared_memory(gl.bfloat16, [8, 64, 64], v_sl)  # V: 8 chunks of [64 keys, 64 latent columns]
-    q_s = gl.allocate_shared_memory(gl.bfloat16, [9, NQ, 64], q_sl)  # Q, each chunk's columns permuted
-    p_s = gl.allocate_shared_memory(gl.bfloat16, [1, 64, NQ], p_sl)
+    # [Note] Lab fp16 dots (F16), as lab/gluon_mla_decode_fp8.py: the hardware cvt, q c_q and P ks c_j in fp16
+    dt: gl.constexpr = gl.float16 if F16 else gl.bfloat16
+    v_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], dt)
+    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NQ, 64], dt)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, NQ], dt)
+    v_s = gl.allocate_shared_memory(dt, [8, 64, 64], v_sl)  # V: 8 chunks of [64 keys, 64 latent columns]
+    q_s = gl.allocate_shared_memory(dt, [9, NQ, 64], q_sl)  # Q, each chunk's columns permuted
+    p_s = gl.allocate_shared_memory(dt, [1, 64, NQ], p_sl)
 
     # q rows b * ROWS + n (n < ROWS; the rest zero), chunk J's column L from column 64 J + P(L)
     lq: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -158,8 +183,22 @@ def _mla_decode_f8r(Q, Cache, KTok, BlockTable, Seqlens, Out, Lse, PartO, PartLs
     src = 16 * ((L >> 1) & 3) + 4 * (L >> 4) + 2 * ((L >> 3) & 1) + (L & 1)
     qbase = Q + (b * ROWS + qn).to(gl.int64)[:, None] * D_K + src[None, :]
     qok = (qn < ROWS)[:, None]
-    for J in gl.static_range(9):
-        q_s.index(J).store(gl.load(qbase + 64 * J, mask=qok, other=0.0))
+    if F16:  # q c_q (c_q the power of two putting the CTA's largest |q| in [2^14, 2^15)), 1/c_q in the score scale
+        amax = gl.max(gl.max(gl.abs(gl.load(qbase, mask=qok, other=0.0).to(gl.float32)), 1), 0)
+        for J in gl.static_range(1, 9):
+            amax = gl.maximum(amax, gl.max(gl.max(gl.abs(gl.load(qbase + 64 * J, mask=qok, other=0.0).to(gl.float32)),
+                                                  1), 0))
+        cq = _pow2_scale(amax)
+        qk_scale = qk_scale / cq
+        for J in gl.static_range(9):
+            q_s.index(J).store((gl.load(qbase + 64 * J, mask=qok, other=0.0).to(gl.float32) * cq).to(dt))
+    else:
+        for J in gl.static_range(9):
+            q_s.index(J).store(gl.load(qbase + 64 * J, mask=qok, other=0.0))
+    c_prev = gl.max(gl.full([NQ], 1.0, gl.float32, qcol), 0)  # P's scale ([Note] Lab fp16 dots); 1 in bf16
+    if F16:
+        if not PER_TOKEN:
+            c_prev = c_prev * 16384.0
 
     seq_len = gl.minimum(gl.maximum(gl.load(Seqlens + b), 0), bt_width * PAGE)  # memory safety, as the product
     n_all = (seq_len + 63) // 64
@@ -174,6 +213,7 @@ def _mla_decode_f8r(Q, Cache, KTok, BlockTable, Seqlens, Out, Lse, PartO, PartLs
         lim = gl.full([NQ], 0, gl.int32, qcol) + (seq_len - 1)
     m_i = gl.full([NQ], float("-inf"), gl.float32, qcol)
     l_i = gl.zeros([NQ], gl.float32, qcol)
+    l_p = gl.zeros([64, NQ], gl.float32, s_layout)  # [Note] Lab partial row sums (lab/gluon_mla_decode_f8x.py)
     o0 = gl.zeros([64, NQ], gl.float32, o_layout)
     o1 = gl.zeros([64, NQ], gl.float32, o_layout)
     o2 = gl.zeros([64, NQ], gl.float32, o_layout)
@@ -205,15 +245,15 @@ def _mla_decode_f8r(Q, Cache, KTok, BlockTable, Seqlens, Out, Lse, PartO, PartLs
         o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(0, deps=(t0, t1, t2, t3, t4, t5, t6, t7))
         z = j >> 30  # a 0 the compiler cannot fold ([Note] Seesaw descriptors)
         s0 = gl.zeros([64, NQ], gl.float32, s_layout)
-        tok, a = _chunk(x0, v_s.index(0 + z), q_s.index(0 + z), s0, s0, a_layout, True, True)
-        tok, a = _chunk(x1, v_s.index(1 + z), q_s.index(1 + z), tok, a, a_layout, False, True)
-        tok, a = _chunk(x2, v_s.index(2 + z), q_s.index(2 + z), tok, a, a_layout, False, True)
-        tok, a = _chunk(x3, v_s.index(3 + z), q_s.index(3 + z), tok, a, a_layout, False, True)
-        tok, a = _chunk(x4, v_s.index(4 + z), q_s.index(4 + z), tok, a, a_layout, False, True)
-        tok, a = _chunk(x5, v_s.index(5 + z), q_s.index(5 + z), tok, a, a_layout, False, True)
-        tok, a = _chunk(x6, v_s.index(6 + z), q_s.index(6 + z), tok, a, a_layout, False, True)
-        tok, a = _chunk(x7, v_s.index(7 + z), q_s.index(7 + z), tok, a, a_layout, False, True)
-        tok, a = _chunk(x8, v_s.index(7 + z), q_s.index(8 + z), tok, a, a_layout, False, False)
+        tok, a = _chunk(x0, v_s.index(0 + z), q_s.index(0 + z), s0, s0, a_layout, True, True, F16)
+        tok, a = _chunk(x1, v_s.index(1 + z), q_s.index(1 + z), tok, a, a_layout, False, True, F16)
+        tok, a = _chunk(x2, v_s.index(2 + z), q_s.index(2 + z), tok, a, a_layout, False, True, F16)
+        tok, a = _chunk(x3, v_s.index(3 + z), q_s.index(3 + z), tok, a, a_layout, False, True, F16)
+        tok, a = _chunk(x4, v_s.index(4 + z), q_s.index(4 + z), tok, a, a_layout, False, True, F16)
+        tok, a = _chunk(x5, v_s.index(5 + z), q_s.index(5 + z), tok, a, a_layout, False, True, F16)
+        tok, a = _chunk(x6, v_s.index(6 + z), q_s.index(6 + z), tok, a, a_layout, False, True, F16)
+        tok, a = _chunk(x7, v_s.index(7 + z), q_s.index(7 + z), tok, a, a_layout, False, True, F16)
+        tok, a = _chunk(x8, v_s.index(7 + z), q_s.index(8 + z), tok, a, a_layout, False, False, F16)
         if PER_TOKEN:
             ks_j = ks
         # the next block's bytes, in flight under this block's work
@@ -232,11 +272,22 @@ def _mla_decode_f8r(Q, Cache, KTok, BlockTable, Seqlens, Out, Lse, PartO, PartLs
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_use)
         p = gl.exp2(s - m_use[None, :])
-        l_i = l_i * alpha + gl.sum(p, 0)
+        if L_PART:
+            l_p = l_p * alpha[None, :] + p
+        else:
+            l_i = l_i * alpha + gl.sum(p, 0)
         m_i = m_new
-        if PER_TOKEN:
+        if F16:
+            if PER_TOKEN:  # P ks c_j; the accumulators' old terms move from c_{j-1} to c_j
+                c_new = _pow2_scale(gl.max(ks_j, 0))
+                alpha = alpha * (c_new / c_prev)
+                p = p * (ks_j * c_new)[:, None]
+                c_prev = c_new
+            else:
+                p = p * 16384.0
+        elif PER_TOKEN:
             p = p * ks_j[:, None]  # V's per-token scale on P's rows (keys)
-        p_s.index(0).store(p.to(gl.bfloat16))
+        p_s.index(0).store(p.to(dt))
         fence_async_shared()  # V's chunks and P, for the async proxy
         gl.thread_barrier()
         a_ = gl.convert_layout(alpha, gl.SliceLayout(0, o_layout))[None, :]
@@ -250,8 +301,10 @@ def _mla_decode_f8r(Q, Cache, KTok, BlockTable, Seqlens, Out, Lse, PartO, PartLs
         t7 = warpgroup_mma(v_s.index(7 + z).permute((1, 0)), p_s.index(z), o7 * a_, is_async=True)
     o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(0, deps=(t0, t1, t2, t3, t4, t5, t6, t7))
 
+    if L_PART:
+        l_i = gl.sum(l_p, 0)
     l_safe = gl.where(l_i == 0.0, 1.0, l_i)
-    inv = gl.convert_layout(v_mul / l_safe, gl.SliceLayout(0, o_layout))[None, :]
+    inv = gl.convert_layout(v_mul / (l_safe * c_prev), gl.SliceLayout(0, o_layout))[None, :]
     m_fin = gl.where(m_i == float("-inf"), 0.0, m_i)
     lse2 = gl.where(l_i == 0.0, float("-inf"), m_fin + gl.log2(l_safe))
     on = gl.arange(0, NQ, layout=gl.SliceLayout(0, o_layout))
@@ -282,7 +335,8 @@ def _mla_decode_f8r(Q, Cache, KTok, BlockTable, Seqlens, Out, Lse, PartO, PartLs
         gl.store(PartLse + prow + n, lse2, mask=n < ROWS)
 
 
-def _args(q, cache, block_table, seqlens_k, scale, k_scale, num_splits, causal, sms=132, per_sm=2):
+def _args(q, cache, block_table, seqlens_k, scale, k_scale, num_splits, causal, sms=132, per_sm=2, l_part=False,
+          f16=False):
     bsz, hq, sq, d = q.shape
     rows = hq * sq
     assert d == D and rows <= 16 and cache.shape[-1] == D and cache.shape[2] == 1 and cache.shape[1] % 64 == 0
@@ -302,17 +356,18 @@ def _args(q, cache, block_table, seqlens_k, scale, k_scale, num_splits, causal, 
     args = (q, cache.view(torch.int32), ktok, block_table, seqlens_k, out, lse, part_o, part_lse,
             block_table.stride(0), block_table.shape[1], cache.shape[0], scale * 1.4426950408889634 * mul, mul,
             splits, per)
-    kw = dict(ROWS=rows, NQ=16, SQ=sq, PAGE=page, CAUSAL=causal, DIRECT=direct, PER_TOKEN=per_token)
+    kw = dict(ROWS=rows, NQ=16, SQ=sq, PAGE=page, CAUSAL=causal, DIRECT=direct, PER_TOKEN=per_token, L_PART=l_part, F16=f16)
     return args, kw, out, lse, part_o, part_lse, splits
 
 
-def mla_decode_f8r(q, cache, block_table, seqlens_k, scale, k_scale, num_splits=None, causal=True, per_sm=2):
+def mla_decode_f8r(q, cache, block_table, seqlens_k, scale, k_scale, num_splits=None, causal=True, per_sm=2,
+                   l_part=False, f16=False):
     """out [B, Hq, Sq, 512], lse [B, Hq, Sq]; q contiguous bf16 (Hq x Sq <= 16), cache [num_pages, PAGE, 1, 576]
     float8_e4m3fn contiguous, k_scale a float or float32 [num_pages, PAGE, 1] contiguous."""
     assert q.is_contiguous() and cache.is_contiguous() and q.dtype == torch.bfloat16
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     args, kw, out, lse, part_o, part_lse, splits = _args(q, cache, block_table, seqlens_k, scale, k_scale,
-                                                         num_splits, causal, sms, per_sm)
+                                                         num_splits, causal, sms, per_sm, l_part, f16)
     bsz = q.shape[0]
     _mla_decode_f8r[(splits, bsz)](*args, **kw, num_warps=4)
     if splits > 1:
@@ -323,7 +378,7 @@ def mla_decode_f8r(q, cache, block_table, seqlens_k, scale, k_scale, num_splits=
     return out, lse
 
 
-def compile_for(hq=16, sq=1, page=64, num_splits=1, causal=True, per_token=True):
+def compile_for(hq=16, sq=1, page=64, num_splits=1, causal=True, per_token=True, l_part=False, f16=False):
     """Build the kernel for sm_90 without a GPU (triton's bundled ptxas); returns the CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -334,7 +389,7 @@ def compile_for(hq=16, sq=1, page=64, num_splits=1, causal=True, per_token=True)
     table = torch.zeros((2, 4), dtype=torch.int32)
     lens = torch.zeros((2, ), dtype=torch.int32)
     ks = torch.ones((8, page, 1), dtype=torch.float32) if per_token else 0.5
-    args, kw, *_ = _args(q, cache, table, lens, 0.1, ks, num_splits, causal)
+    args, kw, *_ = _args(q, cache, table, lens, 0.1, ks, num_splits, causal, l_part=l_part, f16=f16)
     names = list(_mla_decode_f8r.arg_names)[:len(args)]
     signature = {n: mangle_type(a) for n, a in zip(names, args)}
     signature.update({n: "constexpr" for n in kw})
@@ -346,13 +401,14 @@ def compile_for(hq=16, sq=1, page=64, num_splits=1, causal=True, per_token=True)
 class Module:
     """The decode contract's two entries over mla_decode_f8r (scripts/gpu_fp8lat_s11.py)."""
 
-    def __init__(self, causal=True, per_sm=2):
-        self.causal, self.per_sm = causal, per_sm
+    def __init__(self, causal=True, per_sm=2, l_part=False, f16=False):
+        self.causal, self.per_sm, self.kw = causal, per_sm, dict(l_part=l_part, f16=f16)
 
     def forward(self, q, k, v, *, block_table, seqlens_k, scale, k_scale):
         assert v is None
-        return mla_decode_f8r(q, k, block_table, seqlens_k, scale, k_scale, None, self.causal, self.per_sm)
+        return mla_decode_f8r(q, k, block_table, seqlens_k, scale, k_scale, None, self.causal, self.per_sm,
+                              **self.kw)
 
     def forward_split(self, q, k, v, *, num_splits, block_table, seqlens_k, scale, k_scale):
         assert v is None
-        return mla_decode_f8r(q, k, block_table, seqlens_k, scale, k_scale, num_splits, self.causal)
+        return mla_decode_f8r(q, k, block_table, seqlens_k, scale, k_scale, num_splits, self.causal, **self.kw)

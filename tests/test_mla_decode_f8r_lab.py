@@ -32,7 +32,8 @@ print("RESULT " + json.dumps(out))
 """
 
 BUILDS = {"token": dict(), "tensor": dict(per_token=False), "token_split": dict(num_splits=3),
-          "h8_sq2_none": dict(hq=8, sq=2, causal=False)}
+          "h8_sq2_none": dict(hq=8, sq=2, causal=False), "token_f16": dict(f16=True),
+          "tensor_f16": dict(f16=True, per_token=False)}
 
 
 @pytest.fixture(scope="module")
@@ -50,15 +51,19 @@ def test_two_ctas_an_sm_without_spills(built, key):
 
 
 @pytest.mark.skipif(ON_GPU, reason="sm_90 builds on the CPU")
-@pytest.mark.parametrize("key", ["token", "tensor"])
+@pytest.mark.parametrize("key", ["token", "tensor", "token_f16", "tensor_f16"])
 def test_the_scores_take_k_from_registers(built, key):
     """36 score k-steps with A in registers (a {..} register list where a descriptor would be) and 32 V^T P^T
     k-steps from shared memory (8 chunks of 64 latent rows, 4 k-steps each); 18 16-byte loads of the next block a
-    thread, no byte loads; each word converted once (72 a thread: two bf16x2 fma each)."""
+    thread, no byte loads; each word converted once (72 a thread: two bf16x2 fma each, or under F16 two hardware
+    cvt, [Note] Lab fp16 dots)."""
     loop = built[key]["loop"]
     wgmma = re.findall(r"wgmma\.mma_async[^;]*;", loop, flags=re.S)
     reg_a = [w for w in wgmma if re.search(r"\}\s*,\s*\{", w)]
     assert len(wgmma) == 36 + 32 and len(reg_a) == 36, (len(wgmma), len(reg_a))
     assert len(re.findall(r"ld\.global[.\w]*\.v4\.b32", loop)) == 18
     assert not re.findall(r"ld\.global[.\w]*\.(?:u8|b8|s8)\b", loop)
-    assert loop.count("fma.rn.bf16x2") == 2 * 72
+    f16 = key.endswith("f16")
+    assert loop.count("fma.rn.bf16x2") == (0 if f16 else 2 * 72)
+    assert loop.count("cvt.rn.f16x2.e4m3x2") == (2 * 72 if f16 else 0)
+    assert ("m64n16k16.f32.f16.f16" in loop) == f16

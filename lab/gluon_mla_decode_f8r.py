@@ -172,7 +172,16 @@ def _mla_decode_f8r(Q, Cache, KTok, BlockTable, Seqlens, Out, Lse, PartO, PartLs
     v_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], dt)
     q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NQ, 64], dt)
     p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, NQ], dt)
-    v_s = gl.allocate_shared_memory(dt, [8, 64, 64], v_sl)  # V: 8 chunks of [64 keys, 64 latent columns]
+    # V: 8 chunks of [64 keys, 64 latent columns], each its own allocation (Triton's barrier pass sees any two
+    # stores into one allocation as a conflict: a CTA barrier before each; [Note] Lab separate buffers)
+    v0 = gl.allocate_shared_memory(dt, [1, 64, 64], v_sl)
+    v1 = gl.allocate_shared_memory(dt, [1, 64, 64], v_sl)
+    v2 = gl.allocate_shared_memory(dt, [1, 64, 64], v_sl)
+    v3 = gl.allocate_shared_memory(dt, [1, 64, 64], v_sl)
+    v4 = gl.allocate_shared_memory(dt, [1, 64, 64], v_sl)
+    v5 = gl.allocate_shared_memory(dt, [1, 64, 64], v_sl)
+    v6 = gl.allocate_shared_memory(dt, [1, 64, 64], v_sl)
+    v7 = gl.allocate_shared_memory(dt, [1, 64, 64], v_sl)
     q_s = gl.allocate_shared_memory(dt, [9, NQ, 64], q_sl)  # Q, each chunk's columns permuted
     p_s = gl.allocate_shared_memory(dt, [1, 64, NQ], p_sl)
 
@@ -245,15 +254,15 @@ def _mla_decode_f8r(Q, Cache, KTok, BlockTable, Seqlens, Out, Lse, PartO, PartLs
         o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(0, deps=(t0, t1, t2, t3, t4, t5, t6, t7))
         z = j >> 30  # a 0 the compiler cannot fold ([Note] Seesaw descriptors)
         s0 = gl.zeros([64, NQ], gl.float32, s_layout)
-        tok, a = _chunk(x0, v_s.index(0 + z), q_s.index(0 + z), s0, s0, a_layout, True, True, F16)
-        tok, a = _chunk(x1, v_s.index(1 + z), q_s.index(1 + z), tok, a, a_layout, False, True, F16)
-        tok, a = _chunk(x2, v_s.index(2 + z), q_s.index(2 + z), tok, a, a_layout, False, True, F16)
-        tok, a = _chunk(x3, v_s.index(3 + z), q_s.index(3 + z), tok, a, a_layout, False, True, F16)
-        tok, a = _chunk(x4, v_s.index(4 + z), q_s.index(4 + z), tok, a, a_layout, False, True, F16)
-        tok, a = _chunk(x5, v_s.index(5 + z), q_s.index(5 + z), tok, a, a_layout, False, True, F16)
-        tok, a = _chunk(x6, v_s.index(6 + z), q_s.index(6 + z), tok, a, a_layout, False, True, F16)
-        tok, a = _chunk(x7, v_s.index(7 + z), q_s.index(7 + z), tok, a, a_layout, False, True, F16)
-        tok, a = _chunk(x8, v_s.index(7 + z), q_s.index(8 + z), tok, a, a_layout, False, False, F16)
+        tok, a = _chunk(x0, v0.index(z), q_s.index(0 + z), s0, s0, a_layout, True, True, F16)
+        tok, a = _chunk(x1, v1.index(z), q_s.index(1 + z), tok, a, a_layout, False, True, F16)
+        tok, a = _chunk(x2, v2.index(z), q_s.index(2 + z), tok, a, a_layout, False, True, F16)
+        tok, a = _chunk(x3, v3.index(z), q_s.index(3 + z), tok, a, a_layout, False, True, F16)
+        tok, a = _chunk(x4, v4.index(z), q_s.index(4 + z), tok, a, a_layout, False, True, F16)
+        tok, a = _chunk(x5, v5.index(z), q_s.index(5 + z), tok, a, a_layout, False, True, F16)
+        tok, a = _chunk(x6, v6.index(z), q_s.index(6 + z), tok, a, a_layout, False, True, F16)
+        tok, a = _chunk(x7, v7.index(z), q_s.index(7 + z), tok, a, a_layout, False, True, F16)
+        tok, a = _chunk(x8, v7.index(z), q_s.index(8 + z), tok, a, a_layout, False, False, F16)
         if PER_TOKEN:
             ks_j = ks
         # the next block's bytes, in flight under this block's work
@@ -291,14 +300,14 @@ def _mla_decode_f8r(Q, Cache, KTok, BlockTable, Seqlens, Out, Lse, PartO, PartLs
         fence_async_shared()  # V's chunks and P, for the async proxy
         gl.thread_barrier()
         a_ = gl.convert_layout(alpha, gl.SliceLayout(0, o_layout))[None, :]
-        t0 = warpgroup_mma(v_s.index(0 + z).permute((1, 0)), p_s.index(z), o0 * a_, is_async=True)
-        t1 = warpgroup_mma(v_s.index(1 + z).permute((1, 0)), p_s.index(z), o1 * a_, is_async=True)
-        t2 = warpgroup_mma(v_s.index(2 + z).permute((1, 0)), p_s.index(z), o2 * a_, is_async=True)
-        t3 = warpgroup_mma(v_s.index(3 + z).permute((1, 0)), p_s.index(z), o3 * a_, is_async=True)
-        t4 = warpgroup_mma(v_s.index(4 + z).permute((1, 0)), p_s.index(z), o4 * a_, is_async=True)
-        t5 = warpgroup_mma(v_s.index(5 + z).permute((1, 0)), p_s.index(z), o5 * a_, is_async=True)
-        t6 = warpgroup_mma(v_s.index(6 + z).permute((1, 0)), p_s.index(z), o6 * a_, is_async=True)
-        t7 = warpgroup_mma(v_s.index(7 + z).permute((1, 0)), p_s.index(z), o7 * a_, is_async=True)
+        t0 = warpgroup_mma(v0.index(z).permute((1, 0)), p_s.index(z), o0 * a_, is_async=True)
+        t1 = warpgroup_mma(v1.index(z).permute((1, 0)), p_s.index(z), o1 * a_, is_async=True)
+        t2 = warpgroup_mma(v2.index(z).permute((1, 0)), p_s.index(z), o2 * a_, is_async=True)
+        t3 = warpgroup_mma(v3.index(z).permute((1, 0)), p_s.index(z), o3 * a_, is_async=True)
+        t4 = warpgroup_mma(v4.index(z).permute((1, 0)), p_s.index(z), o4 * a_, is_async=True)
+        t5 = warpgroup_mma(v5.index(z).permute((1, 0)), p_s.index(z), o5 * a_, is_async=True)
+        t6 = warpgroup_mma(v6.index(z).permute((1, 0)), p_s.index(z), o6 * a_, is_async=True)
+        t7 = warpgroup_mma(v7.index(z).permute((1, 0)), p_s.index(z), o7 * a_, is_async=True)
     o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(0, deps=(t0, t1, t2, t3, t4, t5, t6, t7))
 
     if L_PART:

@@ -64,7 +64,7 @@ CHECK_GROUPS = {"check-peer": ["bf16 FlashMLA", "e4m3/tensor FlashMLA fp8 (q e4m
 SHAPES = ((128, 4096, 16, 1), (32, 32768, 16, 1), (128, 32768, 16, 1), (32, 8192, 128, 2), (32, 4096, 16, 1)) \
     if not DRY else ((2, 96, 16, 1), (3, 64, 16, 1))
 CHECK_LENS = [1000, 77, 513] if not DRY else [200, 7, 53]  # within 16 pages: the timed shapes' integer classes
-LIMITS = dict(check=33, ncu=34, time=38) if not DRY else dict(check=900, ncu=900, time=900)
+LIMITS = dict(check=33, ncu=40, time=36) if not DRY else dict(check=900, ncu=900, time=900)
 if DRY:  # the interpreter: tiny tiles; the gluon kernel has no interpreter (its sm_90 build is in the tests)
     VARIANTS = {k: (kv, f, be, {"block_n": 16}, tx) for k, (kv, f, be, _, tx) in VARIANTS.items()
                 if be == "triton"}
@@ -445,7 +445,11 @@ def ncu_phase():
     cmd = [NCU, "--profile-from-start", "off", "--clock-control", "none", "--csv", "--page", "raw"]
     for sec in NCU_SECTIONS:
         cmd += ["--section", sec]
-    r = subprocess.run(cmd + target, env=env, capture_output=True, text=True, timeout=LIMITS["ncu"] - 13)
+    try:
+        r = subprocess.run(cmd + target, env=env, capture_output=True, text=True, timeout=22)
+    except subprocess.TimeoutExpired as e:
+        print(f"ncu raw: timed out after 22 s; {str(e.stdout or '')[-300:]}", flush=True)
+        r = subprocess.CompletedProcess(cmd, "timeout", "", "")
     with open(raw, "w") as f:
         f.write(r.stdout)
     print(f"ncu raw: rc {r.returncode}, {time.time() - t:.1f} s; " + " | ".join(
@@ -453,35 +457,45 @@ def ncu_phase():
         flush=True)
     for row in _ncu_rows(r.stdout):
         name = row.get("Kernel Name", "?")[:60]
-        vals = {k.split(".")[0].split("__")[-1] if k != "gpu__time_duration.sum" else "us": row.get(k) for k in NCU_KEYS
-                if k in row}
+        vals = {k.split(".")[0] if k != "gpu__time_duration.sum" else "us": row.get(k) for k in NCU_KEYS if k in row}
         if "us" in vals and _num(vals["us"]) is not None:
             vals["us"] = f"{_num(vals['us']) / 1e3:.1f}"
         stalls = sorted(((_num(v), k) for k, v in row.items() if "issue_stalled" in k and "per_issue_active" in k
-                         and _num(v) is not None), reverse=True)[:8]
+                         and _num(v) is not None), reverse=True)[:8] or \
+            sorted(((_num(v), k) for k, v in row.items() if "stalled" in k and _num(v) is not None), reverse=True)[:8]
         emit("ncu", "h16 sq1 b128 kv4k e4m3", name, vals.get("us", "-"), None,
              "; ".join(f"{k} {v}" for k, v in vals.items() if k != "us") + " || stalls: "
-             + ", ".join(f"{k.split('stalled_')[1].split('_per_issue')[0]} {v:.2f}" for v, k in stalls))
+             + ", ".join(f"{k.split('stalled_')[-1].split('_per_issue')[0]} {v:.2f}" for v, k in stalls))
+    for variant, kname in (("e4m3/token lab s9 swap-AB", "_mla_decode_fp8"), ("e4m3/token f8r regA", "_mla_decode_f8r")):
+        left = LIMITS["ncu"] - 3 - (time.time() - T0P)
+        if left < 6:
+            print(f"ncu source {kname}: no time left", flush=True)
+            continue
+        ncu_source(variant, kname, env, target, out_dir, left)
+
+
+def ncu_source(variant, kname, env, target, out_dir, limit):
+    """The SASS lines of one kernel with the most stall samples (ncu's SourceCounters, one launch)."""
+    import csv
+    import subprocess
     t = time.time()
-    src = [NCU, "--profile-from-start", "off", "--clock-control", "none", "-k", "regex:_mla_decode_fp8",
+    src = [NCU, "--profile-from-start", "off", "--clock-control", "none", "-k", f"regex:{kname}",
            "--launch-count", "1", "--section", "SourceCounters", "--section", "WarpStateStats", "--csv", "--page",
            "source", "--print-source", "sass"]
-    env["FP8LAT_NCU_ONLY"] = "e4m3/token lab s9 swap-AB"
+    env = dict(env, FP8LAT_NCU_ONLY=variant)
     try:
-        r = subprocess.run(src + target, env=env, capture_output=True, text=True,
-                           timeout=max(5, LIMITS["ncu"] - 4 - (time.time() - T0P)))
+        r = subprocess.run(src + target, env=env, capture_output=True, text=True, timeout=limit)
     except subprocess.TimeoutExpired:
-        print("ncu source: timed out", flush=True)
+        print(f"ncu source {kname}: timed out", flush=True)
         return
-    with open(os.path.join(out_dir, "ncu_source_s9.csv"), "w") as f:
+    with open(os.path.join(out_dir, f"ncu_source{kname}.csv"), "w") as f:
         f.write(r.stdout)
     lines = r.stdout.splitlines()
     head = next((i for i, x in enumerate(lines) if "Source" in x and "," in x and "Address" in x), None)
-    print(f"ncu source: rc {r.returncode}, {time.time() - t:.1f} s, {len(lines)} lines", flush=True)
+    print(f"ncu source {kname}: rc {r.returncode}, {time.time() - t:.1f} s, {len(lines)} lines", flush=True)
     if head is None:
-        print("\n".join(lines[:8])[:1500], flush=True)
+        print("\n".join(lines[:8] + r.stderr.splitlines()[-4:])[:1500], flush=True)
         return
-    import csv
     table = list(csv.reader(lines[head:]))
     cols = table[0]
     pick = [i for i, c in enumerate(cols) if "Stall Sampling (All" in c or "Warp Stall Sampling" in c]
@@ -492,8 +506,8 @@ def ncu_phase():
     body = [x for x in table[1:] if len(x) > k and _num(x[k]) is not None]
     total = sum(_num(x[k]) for x in body) or 1
     src_col = next((i for i, c in enumerate(cols) if c == "Source"), 1)
-    print(f"ncu source: {len(body)} SASS lines, {total:.0f} stall samples; the 30 largest:", flush=True)
-    for x in sorted(body, key=lambda x: -_num(x[k]))[:30]:
+    print(f"ncu source {kname}: {len(body)} SASS lines, {total:.0f} stall samples; the 24 largest:", flush=True)
+    for x in sorted(body, key=lambda x: -_num(x[k]))[:24]:
         print(f"  {100 * _num(x[k]) / total:5.1f}%  {x[0][:8]}  {x[src_col][:110]}", flush=True)
 
 

@@ -115,6 +115,18 @@ def _frag(xb, a_layout: gl.constexpr):
 
 
 @gluon.jit
+def _rows(Cache, page, start, seq_len, ok_block, PAGE: gl.constexpr):
+    """The word pointers [64, 16] of the first chunk of the 64 keys from `start` (on `page`), their mask (zeros past
+    seq_len or when not ok_block) and the first key's cache row."""
+    lw: gl.constexpr = _frag_words()
+    row0 = page.to(gl.int64) * PAGE + start % PAGE
+    r = gl.arange(0, 64, layout=gl.SliceLayout(1, lw))
+    c = gl.arange(0, 16, layout=gl.SliceLayout(0, lw))
+    ok = ((start + r < seq_len) & ok_block)[:, None]
+    return Cache + (row0 + r.to(gl.int64))[:, None] * ROW_W + c[None, :], ok, row0
+
+
+@gluon.jit
 def _fetch(Cache, page, start, seq_len, ok_block, PAGE: gl.constexpr):
     """The fp8 bytes of the 64 keys from `start` (on `page`) as 9 chunks of int32 words [64, 16] in _frag_words
     (8 latent, 1 rope), zeros past seq_len or when not ok_block."""
@@ -157,7 +169,7 @@ def _chunk(x, v_dst, q_src, tok, prev, a_layout: gl.constexpr, FIRST: gl.constex
 def _mla_decode_f8r(Q, Cache, KTok, BlockTable, Seqlens, Out, Lse, PartO, PartLse, stride_bt, bt_width, num_pages,
                     qk_scale, v_mul, num_splits, per, ROWS: gl.constexpr, NQ: gl.constexpr, SQ: gl.constexpr,
                     PAGE: gl.constexpr, CAUSAL: gl.constexpr, DIRECT: gl.constexpr, PER_TOKEN: gl.constexpr,
-                    L_PART: gl.constexpr, F16: gl.constexpr):
+                    L_PART: gl.constexpr, F16: gl.constexpr, EARLY: gl.constexpr):
     gl.static_assert(PAGE % 64 == 0)
     gl.static_assert(NQ == 16 and NQ >= ROWS)
     split = gl.program_id(0)
@@ -254,20 +266,43 @@ def _mla_decode_f8r(Q, Cache, KTok, BlockTable, Seqlens, Out, Lse, PartO, PartLs
         o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(0, deps=(t0, t1, t2, t3, t4, t5, t6, t7))
         z = j >> 30  # a 0 the compiler cannot fold ([Note] Seesaw descriptors)
         s0 = gl.zeros([64, NQ], gl.float32, s_layout)
+        # [Note] Lab early loads (EARLY): each chunk's next-block bytes are loaded as soon as the chunk is converted
+        nxt = start + 64
+        base_n, ok_n, row_e = _rows(Cache, pg_next, nxt, seq_len, j + 1 < n_blocks, PAGE)
         tok, a = _chunk(x0, v0.index(z), q_s.index(0 + z), s0, s0, a_layout, True, True, F16)
+        if EARLY:
+            x0 = gl.load(base_n, mask=ok_n, other=0)
         tok, a = _chunk(x1, v1.index(z), q_s.index(1 + z), tok, a, a_layout, False, True, F16)
+        if EARLY:
+            x1 = gl.load(base_n + 16, mask=ok_n, other=0)
         tok, a = _chunk(x2, v2.index(z), q_s.index(2 + z), tok, a, a_layout, False, True, F16)
+        if EARLY:
+            x2 = gl.load(base_n + 32, mask=ok_n, other=0)
         tok, a = _chunk(x3, v3.index(z), q_s.index(3 + z), tok, a, a_layout, False, True, F16)
+        if EARLY:
+            x3 = gl.load(base_n + 48, mask=ok_n, other=0)
         tok, a = _chunk(x4, v4.index(z), q_s.index(4 + z), tok, a, a_layout, False, True, F16)
+        if EARLY:
+            x4 = gl.load(base_n + 64, mask=ok_n, other=0)
         tok, a = _chunk(x5, v5.index(z), q_s.index(5 + z), tok, a, a_layout, False, True, F16)
+        if EARLY:
+            x5 = gl.load(base_n + 80, mask=ok_n, other=0)
         tok, a = _chunk(x6, v6.index(z), q_s.index(6 + z), tok, a, a_layout, False, True, F16)
+        if EARLY:
+            x6 = gl.load(base_n + 96, mask=ok_n, other=0)
         tok, a = _chunk(x7, v7.index(z), q_s.index(7 + z), tok, a, a_layout, False, True, F16)
+        if EARLY:
+            x7 = gl.load(base_n + 112, mask=ok_n, other=0)
         tok, a = _chunk(x8, v7.index(z), q_s.index(8 + z), tok, a, a_layout, False, False, F16)
+        if EARLY:
+            x8 = gl.load(base_n + 128, mask=ok_n, other=0)
         if PER_TOKEN:
             ks_j = ks
         # the next block's bytes, in flight under this block's work
-        nxt = start + 64
-        x0, x1, x2, x3, x4, x5, x6, x7, x8, row_n = _fetch(Cache, pg_next, nxt, seq_len, j + 1 < n_blocks, PAGE)
+        if EARLY:
+            row_n = row_e
+        else:
+            x0, x1, x2, x3, x4, x5, x6, x7, x8, row_n = _fetch(Cache, pg_next, nxt, seq_len, j + 1 < n_blocks, PAGE)
         if PER_TOKEN:
             ks = gl.load(KTok + row_n + keys0, mask=(nxt + keys0 < seq_len) & (j + 1 < n_blocks), other=0.0)
         pg_next = _page(BlockTable, bt_row, nxt + 64, num_pages, j + 2 < n_blocks, PAGE)
@@ -345,7 +380,7 @@ def _mla_decode_f8r(Q, Cache, KTok, BlockTable, Seqlens, Out, Lse, PartO, PartLs
 
 
 def _args(q, cache, block_table, seqlens_k, scale, k_scale, num_splits, causal, sms=132, per_sm=2, l_part=False,
-          f16=False):
+          f16=False, early=False):
     bsz, hq, sq, d = q.shape
     rows = hq * sq
     assert d == D and rows <= 16 and cache.shape[-1] == D and cache.shape[2] == 1 and cache.shape[1] % 64 == 0
@@ -365,18 +400,18 @@ def _args(q, cache, block_table, seqlens_k, scale, k_scale, num_splits, causal, 
     args = (q, cache.view(torch.int32), ktok, block_table, seqlens_k, out, lse, part_o, part_lse,
             block_table.stride(0), block_table.shape[1], cache.shape[0], scale * 1.4426950408889634 * mul, mul,
             splits, per)
-    kw = dict(ROWS=rows, NQ=16, SQ=sq, PAGE=page, CAUSAL=causal, DIRECT=direct, PER_TOKEN=per_token, L_PART=l_part, F16=f16)
+    kw = dict(ROWS=rows, NQ=16, SQ=sq, PAGE=page, CAUSAL=causal, DIRECT=direct, PER_TOKEN=per_token, L_PART=l_part, F16=f16, EARLY=early)
     return args, kw, out, lse, part_o, part_lse, splits
 
 
 def mla_decode_f8r(q, cache, block_table, seqlens_k, scale, k_scale, num_splits=None, causal=True, per_sm=2,
-                   l_part=False, f16=False):
+                   l_part=False, f16=False, early=False):
     """out [B, Hq, Sq, 512], lse [B, Hq, Sq]; q contiguous bf16 (Hq x Sq <= 16), cache [num_pages, PAGE, 1, 576]
     float8_e4m3fn contiguous, k_scale a float or float32 [num_pages, PAGE, 1] contiguous."""
     assert q.is_contiguous() and cache.is_contiguous() and q.dtype == torch.bfloat16
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     args, kw, out, lse, part_o, part_lse, splits = _args(q, cache, block_table, seqlens_k, scale, k_scale,
-                                                         num_splits, causal, sms, per_sm, l_part, f16)
+                                                         num_splits, causal, sms, per_sm, l_part, f16, early)
     bsz = q.shape[0]
     _mla_decode_f8r[(splits, bsz)](*args, **kw, num_warps=4)
     if splits > 1:
@@ -387,7 +422,8 @@ def mla_decode_f8r(q, cache, block_table, seqlens_k, scale, k_scale, num_splits=
     return out, lse
 
 
-def compile_for(hq=16, sq=1, page=64, num_splits=1, causal=True, per_token=True, l_part=False, f16=False):
+def compile_for(hq=16, sq=1, page=64, num_splits=1, causal=True, per_token=True, l_part=False, f16=False,
+                early=False):
     """Build the kernel for sm_90 without a GPU (triton's bundled ptxas); returns the CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -398,7 +434,7 @@ def compile_for(hq=16, sq=1, page=64, num_splits=1, causal=True, per_token=True,
     table = torch.zeros((2, 4), dtype=torch.int32)
     lens = torch.zeros((2, ), dtype=torch.int32)
     ks = torch.ones((8, page, 1), dtype=torch.float32) if per_token else 0.5
-    args, kw, *_ = _args(q, cache, table, lens, 0.1, ks, num_splits, causal, l_part=l_part, f16=f16)
+    args, kw, *_ = _args(q, cache, table, lens, 0.1, ks, num_splits, causal, l_part=l_part, f16=f16, early=early)
     names = list(_mla_decode_f8r.arg_names)[:len(args)]
     signature = {n: mangle_type(a) for n, a in zip(names, args)}
     signature.update({n: "constexpr" for n in kw})
@@ -410,8 +446,8 @@ def compile_for(hq=16, sq=1, page=64, num_splits=1, causal=True, per_token=True,
 class Module:
     """The decode contract's two entries over mla_decode_f8r (scripts/gpu_fp8lat_s11.py)."""
 
-    def __init__(self, causal=True, per_sm=2, l_part=False, f16=False):
-        self.causal, self.per_sm, self.kw = causal, per_sm, dict(l_part=l_part, f16=f16)
+    def __init__(self, causal=True, per_sm=2, l_part=False, f16=False, early=False):
+        self.causal, self.per_sm, self.kw = causal, per_sm, dict(l_part=l_part, f16=f16, early=early)
 
     def forward(self, q, k, v, *, block_table, seqlens_k, scale, k_scale):
         assert v is None

@@ -33,7 +33,8 @@ print("RESULT " + json.dumps(out))
 
 BUILDS = {"token": dict(), "tensor": dict(per_token=False), "token_split": dict(num_splits=3),
           "h8_sq2_none": dict(hq=8, sq=2, causal=False), "token_f16": dict(f16=True),
-          "tensor_f16": dict(f16=True, per_token=False)}
+          "tensor_f16": dict(f16=True, per_token=False), "token_early": dict(early=True),
+          "tensor_f16_early": dict(f16=True, per_token=False, early=True)}
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +54,7 @@ def test_two_ctas_an_sm_without_spills(built, key):
 
 
 @pytest.mark.skipif(ON_GPU, reason="sm_90 builds on the CPU")
-@pytest.mark.parametrize("key", ["token", "tensor", "token_f16", "tensor_f16"])
+@pytest.mark.parametrize("key", ["token", "tensor", "token_f16", "tensor_f16", "token_early", "tensor_f16_early"])
 def test_the_scores_take_k_from_registers(built, key):
     """36 score k-steps with A in registers (a {..} register list where a descriptor would be) and 32 V^T P^T
     k-steps from shared memory (8 chunks of 64 latent rows, 4 k-steps each); 18 16-byte loads of the next block a
@@ -65,7 +66,7 @@ def test_the_scores_take_k_from_registers(built, key):
     assert len(wgmma) == 36 + 32 and len(reg_a) == 36, (len(wgmma), len(reg_a))
     assert len(re.findall(r"ld\.global[.\w]*\.v4\.b32", loop)) == 18
     assert not re.findall(r"ld\.global[.\w]*\.(?:u8|b8|s8)\b", loop)
-    f16 = key.endswith("f16")
+    f16 = "f16" in key
     assert loop.count("fma.rn.bf16x2") == (0 if f16 else 2 * 72)
     assert loop.count("cvt.rn.f16x2.e4m3x2") == (2 * 72 if f16 else 0)
     assert ("m64n16k16.f32.f16.f16" in loop) == f16
@@ -78,3 +79,14 @@ def test_v_chunks_are_separate_allocations_without_a_barrier_each(built, key):
     before each chunk's store (14 in the key loop); as 8 allocations, 7."""
     loop = built[key]["loop"]
     assert len(re.findall(r"\bbar\.sync|\bbarrier\.sync", loop)) <= 7
+
+
+@pytest.mark.skipif(ON_GPU, reason="sm_90 builds on the CPU")
+@pytest.mark.parametrize("key", ["token_early", "tensor_f16_early"])
+def test_early_loads_go_out_chunk_by_chunk(built, key):
+    """[Note] Lab early loads: the next block's two 16-byte loads of a chunk follow that chunk's score wgmma (4
+    k-steps), not the block's 36: the loads are spread over the scores instead of issued after them."""
+    loop = built[key]["loop"]
+    marks = "".join("L" if re.search(r"ld\.global[.\w]*\.v4", x) else "W" for x in loop.splitlines()
+                    if re.search(r"ld\.global[.\w]*\.v4|wgmma\.mma_async", x))
+    assert marks[:6 * 9].count("L") == 18 and marks.startswith("WWWWLL"), marks

@@ -243,6 +243,11 @@ def _mla_decode_f8r(Q, Cache, KTok, BlockTable, Seqlens, Out, Lse, PartO, PartLs
     o5 = gl.zeros([64, NQ], gl.float32, o_layout)
     o6 = gl.zeros([64, NQ], gl.float32, o_layout)
     o7 = gl.zeros([64, NQ], gl.float32, o_layout)
+    o8 = gl.zeros([64, NQ], gl.float32, o_layout)  # L_PART 2: every row the running row sums (x P's scale)
+    if L_PART == 2:  # [Note] Lab row sums by the tensor cores: a [64, 64] tile of ones as a ninth V^T chunk
+        gl.static_assert(not PER_TOKEN)  # P carries the per-token scales: its column sums are not l
+        v_one = gl.allocate_shared_memory(dt, [1, 64, 64], v_sl)
+        v_one.index(0).store(gl.full([64, 64], 1.0, dt, gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])))
     fence_async_shared()
     gl.thread_barrier()
 
@@ -260,10 +265,14 @@ def _mla_decode_f8r(Q, Cache, KTok, BlockTable, Seqlens, Out, Lse, PartO, PartLs
     t5 = warpgroup_mma_init(o5)
     t6 = warpgroup_mma_init(o6)
     t7 = warpgroup_mma_init(o7)
+    t8 = warpgroup_mma_init(o8)
     for j in range(n_blocks):
         start = k_lo + j * 64
         # the previous block's P V read V and P: wait before overwriting them
-        o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(0, deps=(t0, t1, t2, t3, t4, t5, t6, t7))
+        if L_PART == 2:
+            o0, o1, o2, o3, o4, o5, o6, o7, o8 = warpgroup_mma_wait(0, deps=(t0, t1, t2, t3, t4, t5, t6, t7, t8))
+        else:
+            o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(0, deps=(t0, t1, t2, t3, t4, t5, t6, t7))
         z = j >> 30  # a 0 the compiler cannot fold ([Note] Seesaw descriptors)
         s0 = gl.zeros([64, NQ], gl.float32, s_layout)
         # [Note] Lab early loads (EARLY): each chunk's next-block bytes are loaded as soon as the chunk is converted
@@ -316,9 +325,9 @@ def _mla_decode_f8r(Q, Cache, KTok, BlockTable, Seqlens, Out, Lse, PartO, PartLs
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_use)
         p = gl.exp2(s - m_use[None, :])
-        if L_PART:
+        if L_PART == 1:
             l_p = l_p * alpha[None, :] + p
-        else:
+        elif L_PART == 0:
             l_i = l_i * alpha + gl.sum(p, 0)
         m_i = m_new
         if F16:
@@ -335,18 +344,35 @@ def _mla_decode_f8r(Q, Cache, KTok, BlockTable, Seqlens, Out, Lse, PartO, PartLs
         fence_async_shared()  # V's chunks and P, for the async proxy
         gl.thread_barrier()
         a_ = gl.convert_layout(alpha, gl.SliceLayout(0, o_layout))[None, :]
-        t0 = warpgroup_mma(v0.index(z).permute((1, 0)), p_s.index(z), o0 * a_, is_async=True)
-        t1 = warpgroup_mma(v1.index(z).permute((1, 0)), p_s.index(z), o1 * a_, is_async=True)
-        t2 = warpgroup_mma(v2.index(z).permute((1, 0)), p_s.index(z), o2 * a_, is_async=True)
-        t3 = warpgroup_mma(v3.index(z).permute((1, 0)), p_s.index(z), o3 * a_, is_async=True)
-        t4 = warpgroup_mma(v4.index(z).permute((1, 0)), p_s.index(z), o4 * a_, is_async=True)
-        t5 = warpgroup_mma(v5.index(z).permute((1, 0)), p_s.index(z), o5 * a_, is_async=True)
-        t6 = warpgroup_mma(v6.index(z).permute((1, 0)), p_s.index(z), o6 * a_, is_async=True)
-        t7 = warpgroup_mma(v7.index(z).permute((1, 0)), p_s.index(z), o7 * a_, is_async=True)
-    o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(0, deps=(t0, t1, t2, t3, t4, t5, t6, t7))
+        o0 = o0 * a_
+        o1 = o1 * a_
+        o2 = o2 * a_
+        o3 = o3 * a_
+        o4 = o4 * a_
+        o5 = o5 * a_
+        o6 = o6 * a_
+        o7 = o7 * a_
+        if L_PART == 2:
+            o8 = o8 * a_
+        t0 = warpgroup_mma(v0.index(z).permute((1, 0)), p_s.index(z), o0, is_async=True)
+        t1 = warpgroup_mma(v1.index(z).permute((1, 0)), p_s.index(z), o1, is_async=True)
+        t2 = warpgroup_mma(v2.index(z).permute((1, 0)), p_s.index(z), o2, is_async=True)
+        t3 = warpgroup_mma(v3.index(z).permute((1, 0)), p_s.index(z), o3, is_async=True)
+        t4 = warpgroup_mma(v4.index(z).permute((1, 0)), p_s.index(z), o4, is_async=True)
+        t5 = warpgroup_mma(v5.index(z).permute((1, 0)), p_s.index(z), o5, is_async=True)
+        t6 = warpgroup_mma(v6.index(z).permute((1, 0)), p_s.index(z), o6, is_async=True)
+        t7 = warpgroup_mma(v7.index(z).permute((1, 0)), p_s.index(z), o7, is_async=True)
+        if L_PART == 2:
+            t8 = warpgroup_mma(v_one.index(z).permute((1, 0)), p_s.index(z), o8, is_async=True)
+    if L_PART == 2:
+        o0, o1, o2, o3, o4, o5, o6, o7, o8 = warpgroup_mma_wait(0, deps=(t0, t1, t2, t3, t4, t5, t6, t7, t8))
+    else:
+        o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(0, deps=(t0, t1, t2, t3, t4, t5, t6, t7))
 
-    if L_PART:
+    if L_PART == 1:
         l_i = gl.sum(l_p, 0)
+    if L_PART == 2:  # every row of o8 holds sum P = c l
+        l_i = gl.convert_layout(gl.max(o8, 0), qcol) / c_prev
     l_safe = gl.where(l_i == 0.0, 1.0, l_i)
     inv = gl.convert_layout(v_mul / (l_safe * c_prev), gl.SliceLayout(0, o_layout))[None, :]
     m_fin = gl.where(m_i == float("-inf"), 0.0, m_i)
@@ -400,7 +426,8 @@ def _args(q, cache, block_table, seqlens_k, scale, k_scale, num_splits, causal, 
     args = (q, cache.view(torch.int32), ktok, block_table, seqlens_k, out, lse, part_o, part_lse,
             block_table.stride(0), block_table.shape[1], cache.shape[0], scale * 1.4426950408889634 * mul, mul,
             splits, per)
-    kw = dict(ROWS=rows, NQ=16, SQ=sq, PAGE=page, CAUSAL=causal, DIRECT=direct, PER_TOKEN=per_token, L_PART=l_part, F16=f16, EARLY=early)
+    kw = dict(ROWS=rows, NQ=16, SQ=sq, PAGE=page, CAUSAL=causal, DIRECT=direct, PER_TOKEN=per_token, L_PART=int(l_part), F16=f16,
+              EARLY=early)
     return args, kw, out, lse, part_o, part_lse, splits
 
 

@@ -364,6 +364,21 @@ def _mla_decode_f8r(Q, Cache, KTok, BlockTable, Seqlens, Out, Lse, PartO, PartLs
         t7 = warpgroup_mma(v7.index(z).permute((1, 0)), p_s.index(z), o7, is_async=True)
         if L_PART == 2:
             t8 = warpgroup_mma(v_one.index(z).permute((1, 0)), p_s.index(z), o8, is_async=True)
+        if L_PART == 2:  # retired here, before the loop's back edge: with the wait at the loop's top ptxas serialises
+            # the wgmma (C7515: the back edge's register copies define accumulator registers inside the stage)
+            o0, o1, o2, o3, o4, o5, o6, o7, o8 = warpgroup_mma_wait(0, deps=(t0, t1, t2, t3, t4, t5, t6, t7, t8))
+            t8 = warpgroup_mma_init(o8)
+        if L_PART == 1:
+            o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(0, deps=(t0, t1, t2, t3, t4, t5, t6, t7))
+        if L_PART != 0:
+            t0 = warpgroup_mma_init(o0)
+            t1 = warpgroup_mma_init(o1)
+            t2 = warpgroup_mma_init(o2)
+            t3 = warpgroup_mma_init(o3)
+            t4 = warpgroup_mma_init(o4)
+            t5 = warpgroup_mma_init(o5)
+            t6 = warpgroup_mma_init(o6)
+            t7 = warpgroup_mma_init(o7)
     if L_PART == 2:
         o0, o1, o2, o3, o4, o5, o6, o7, o8 = warpgroup_mma_wait(0, deps=(t0, t1, t2, t3, t4, t5, t6, t7, t8))
     else:

@@ -43,6 +43,8 @@ VARIANTS = {  # in the order each shape times them (the phase may be cut at its 
     "e4m3/tensor f8r regA f16": ("fp8_e4m3", "tensor", "f8r", {"f16": True}, []),
     "e4m3/token f8r regA early": ("fp8_e4m3", "token", "f8r", {"early": True}, []),
     "e4m3/tensor f8r regA f16 early": ("fp8_e4m3", "tensor", "f8r", {"f16": True, "early": True}, []),
+    "e4m3/token f8r regA early lpart": ("fp8_e4m3", "token", "f8r", {"early": True, "l_part": 1}, []),
+    "e4m3/tensor f8r regA early lmma": ("fp8_e4m3", "tensor", "f8r", {"early": True, "l_part": 2}, []),
     "e4m3/tensor FlashMLA fp8 (q e4m3)": ("fp8_e4m3", "tensor", "flashmla8", {}, []),
     "e4m3/656B FlashMLA fp8 cache (q bf16)": ("fp8_e4m3", "token", "flashmla656", {}, []),
     "bf16 FlashMLA": (None, None, "flashmla", {}, []),
@@ -63,7 +65,8 @@ CHECK_GROUPS = {"check-peer": ["bf16 FlashMLA", "e4m3/tensor FlashMLA fp8 (q e4m
                 "check-f8x": ["e4m3/token f8x ablate no-max"],
                 "check-f8r": ["e4m3/token f8r regA", "e4m3/tensor f8r regA"],
                 "check-f8r16": ["e4m3/tensor f8r regA f16"],
-                "check-f8re": ["e4m3/token f8r regA early", "e4m3/tensor f8r regA f16 early"]}
+                "check-f8re": ["e4m3/token f8r regA early", "e4m3/tensor f8r regA f16 early"],
+                "check-f8rl": ["e4m3/token f8r regA early lpart", "e4m3/tensor f8r regA early lmma"]}
 SHAPES = ((128, 4096, 16, 1), (32, 32768, 16, 1), (128, 32768, 16, 1), (32, 8192, 128, 2), (32, 4096, 16, 1)) \
     if not DRY else ((2, 96, 16, 1), (3, 64, 16, 1))
 CHECK_LENS = [1000, 77, 513] if not DRY else [200, 7, 53]  # within 16 pages: the timed shapes' integer classes

@@ -34,7 +34,9 @@ print("RESULT " + json.dumps(out))
 BUILDS = {"token": dict(), "tensor": dict(per_token=False), "token_split": dict(num_splits=3),
           "h8_sq2_none": dict(hq=8, sq=2, causal=False), "token_f16": dict(f16=True),
           "tensor_f16": dict(f16=True, per_token=False), "token_early": dict(early=True),
-          "tensor_f16_early": dict(f16=True, per_token=False, early=True)}
+          "tensor_f16_early": dict(f16=True, per_token=False, early=True),
+          "token_lpart_early": dict(l_part=1, early=True), "tensor_lmma_early": dict(l_part=2, per_token=False, early=True),
+          "tensor_lmma_split": dict(l_part=2, per_token=False, num_splits=3)}
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +52,7 @@ def test_two_ctas_an_sm_without_spills(built, key):
     assert not r["serialized"], key
     if key != "token_f16":  # per token under F16 ptxas spills ~330 bytes at 255 registers (the script times per tensor)
         assert r["spills"] == 0 and r["stack"] == 0, r["spills"]
-    assert r["shared"] < 90 * 1024  # V (64 KB), Q (18 KB) and P: no K tile
+    assert r["shared"] < (98 if "lmma" in key else 90) * 1024  # V (64 KB), Q (18 KB), P (and L_PART 2's ones)
 
 
 @pytest.mark.skipif(ON_GPU, reason="sm_90 builds on the CPU")
@@ -90,3 +92,16 @@ def test_early_loads_go_out_chunk_by_chunk(built, key):
     marks = "".join("L" if re.search(r"ld\.global[.\w]*\.v4", x) else "W" for x in loop.splitlines()
                     if re.search(r"ld\.global[.\w]*\.v4|wgmma\.mma_async", x))
     assert marks[:6 * 9].count("L") == 18 and marks.startswith("WWWWLL"), marks
+
+
+@pytest.mark.skipif(ON_GPU, reason="sm_90 builds on the CPU")
+@pytest.mark.parametrize("key", ["token_lpart_early", "tensor_lmma_early"])
+def test_row_sums_leave_the_key_loop_without_serialising_the_wgmma(built, key):
+    """L_PART 1 ([Note] Lab partial row sums) and 2 ([Note] Lab row sums by the tensor cores): no cross-warp sum a
+    block (at most 4 CTA barriers in the key loop, against 7), and P V retired before the loop's back edge so that
+    ptxas keeps the wgmma asynchronous (with the wait at the loop's top it serialised them: C7515); L_PART 2's
+    ones tile adds one V^T chunk (4 wgmma)."""
+    r = built[key]
+    assert not r["serialized"] and r["spills"] == 0
+    assert len(re.findall(r"\bbar\.sync|\bbarrier\.sync", r["loop"])) <= 4
+    assert r["loop"].count("wgmma.mma_async") == 36 + 32 + (4 if "lmma" in key else 0)

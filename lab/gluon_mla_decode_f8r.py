@@ -115,6 +115,12 @@ def _frag(xb, a_layout: gl.constexpr):
 
 
 @gluon.jit
+def _page_raw(BlockTable, bt_row, start, ok_block, PAGE: gl.constexpr):
+    """The block table's entry for key `start` (0 when not ok_block), unclamped: [Note] Lab late page clamp."""
+    return gl.load(BlockTable + bt_row + start // PAGE, mask=ok_block, other=0)
+
+
+@gluon.jit
 def _rows(Cache, page, start, seq_len, ok_block, PAGE: gl.constexpr):
     """The word pointers [64, 16] of the first chunk of the 64 keys from `start` (on `page`), their mask (zeros past
     seq_len or when not ok_block) and the first key's cache row."""
@@ -169,7 +175,7 @@ def _chunk(x, v_dst, q_src, tok, prev, a_layout: gl.constexpr, FIRST: gl.constex
 def _mla_decode_f8r(Q, Cache, KTok, BlockTable, Seqlens, Out, Lse, PartO, PartLse, stride_bt, bt_width, num_pages,
                     qk_scale, v_mul, num_splits, per, ROWS: gl.constexpr, NQ: gl.constexpr, SQ: gl.constexpr,
                     PAGE: gl.constexpr, CAUSAL: gl.constexpr, DIRECT: gl.constexpr, PER_TOKEN: gl.constexpr,
-                    L_PART: gl.constexpr, F16: gl.constexpr, EARLY: gl.constexpr):
+                    L_PART: gl.constexpr, F16: gl.constexpr, EARLY: gl.constexpr, PAGE_LATE: gl.constexpr):
     gl.static_assert(PAGE % 64 == 0)
     gl.static_assert(NQ == 16 and NQ >= ROWS)
     split = gl.program_id(0)
@@ -253,6 +259,7 @@ def _mla_decode_f8r(Q, Cache, KTok, BlockTable, Seqlens, Out, Lse, PartO, PartLs
 
     pg = _page(BlockTable, bt_row, k_lo, num_pages, n_blocks > 0, PAGE)
     pg_next = _page(BlockTable, bt_row, k_lo + 64, num_pages, n_blocks > 1, PAGE)  # [Note] Lab page prefetch
+    pg_raw = pg_next
     x0, x1, x2, x3, x4, x5, x6, x7, x8, row0 = _fetch(Cache, pg, k_lo, seq_len, n_blocks > 0, PAGE)
     keys0 = gl.arange(0, 64, layout=kcol)
     if PER_TOKEN:
@@ -277,6 +284,8 @@ def _mla_decode_f8r(Q, Cache, KTok, BlockTable, Seqlens, Out, Lse, PartO, PartLs
         s0 = gl.zeros([64, NQ], gl.float32, s_layout)
         # [Note] Lab early loads (EARLY): each chunk's next-block bytes are loaded as soon as the chunk is converted
         nxt = start + 64
+        if PAGE_LATE:  # [Note] Lab late page clamp: the entry loaded a step ago, clamped where it is used
+            pg_next = gl.minimum(gl.maximum(pg_raw, 0), num_pages - 1)
         base_n, ok_n, row_e = _rows(Cache, pg_next, nxt, seq_len, j + 1 < n_blocks, PAGE)
         tok, a = _chunk(x0, v0.index(z), q_s.index(0 + z), s0, s0, a_layout, True, True, F16)
         if EARLY:
@@ -314,7 +323,10 @@ def _mla_decode_f8r(Q, Cache, KTok, BlockTable, Seqlens, Out, Lse, PartO, PartLs
             x0, x1, x2, x3, x4, x5, x6, x7, x8, row_n = _fetch(Cache, pg_next, nxt, seq_len, j + 1 < n_blocks, PAGE)
         if PER_TOKEN:
             ks = gl.load(KTok + row_n + keys0, mask=(nxt + keys0 < seq_len) & (j + 1 < n_blocks), other=0.0)
-        pg_next = _page(BlockTable, bt_row, nxt + 64, num_pages, j + 2 < n_blocks, PAGE)
+        if PAGE_LATE:
+            pg_raw = _page_raw(BlockTable, bt_row, nxt + 64, j + 2 < n_blocks, PAGE)
+        else:
+            pg_next = _page(BlockTable, bt_row, nxt + 64, num_pages, j + 2 < n_blocks, PAGE)
         s, a = warpgroup_mma_wait(0, deps=(tok, a))
         keys = start + keys0
         s = s * qk_scale
@@ -421,7 +433,7 @@ def _mla_decode_f8r(Q, Cache, KTok, BlockTable, Seqlens, Out, Lse, PartO, PartLs
 
 
 def _args(q, cache, block_table, seqlens_k, scale, k_scale, num_splits, causal, sms=132, per_sm=2, l_part=False,
-          f16=False, early=False):
+          f16=False, early=False, page_late=False):
     bsz, hq, sq, d = q.shape
     rows = hq * sq
     assert d == D and rows <= 16 and cache.shape[-1] == D and cache.shape[2] == 1 and cache.shape[1] % 64 == 0
@@ -442,18 +454,19 @@ def _args(q, cache, block_table, seqlens_k, scale, k_scale, num_splits, causal, 
             block_table.stride(0), block_table.shape[1], cache.shape[0], scale * 1.4426950408889634 * mul, mul,
             splits, per)
     kw = dict(ROWS=rows, NQ=16, SQ=sq, PAGE=page, CAUSAL=causal, DIRECT=direct, PER_TOKEN=per_token, L_PART=int(l_part), F16=f16,
-              EARLY=early)
+              EARLY=early, PAGE_LATE=page_late)
     return args, kw, out, lse, part_o, part_lse, splits
 
 
 def mla_decode_f8r(q, cache, block_table, seqlens_k, scale, k_scale, num_splits=None, causal=True, per_sm=2,
-                   l_part=False, f16=False, early=False):
+                   l_part=False, f16=False, early=False, page_late=False):
     """out [B, Hq, Sq, 512], lse [B, Hq, Sq]; q contiguous bf16 (Hq x Sq <= 16), cache [num_pages, PAGE, 1, 576]
     float8_e4m3fn contiguous, k_scale a float or float32 [num_pages, PAGE, 1] contiguous."""
     assert q.is_contiguous() and cache.is_contiguous() and q.dtype == torch.bfloat16
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     args, kw, out, lse, part_o, part_lse, splits = _args(q, cache, block_table, seqlens_k, scale, k_scale,
-                                                         num_splits, causal, sms, per_sm, l_part, f16, early)
+                                                         num_splits, causal, sms, per_sm, l_part, f16, early,
+                                                         page_late)
     bsz = q.shape[0]
     _mla_decode_f8r[(splits, bsz)](*args, **kw, num_warps=4)
     if splits > 1:
@@ -465,7 +478,7 @@ def mla_decode_f8r(q, cache, block_table, seqlens_k, scale, k_scale, num_splits=
 
 
 def compile_for(hq=16, sq=1, page=64, num_splits=1, causal=True, per_token=True, l_part=False, f16=False,
-                early=False):
+                early=False, page_late=False):
     """Build the kernel for sm_90 without a GPU (triton's bundled ptxas); returns the CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -476,7 +489,8 @@ def compile_for(hq=16, sq=1, page=64, num_splits=1, causal=True, per_token=True,
     table = torch.zeros((2, 4), dtype=torch.int32)
     lens = torch.zeros((2, ), dtype=torch.int32)
     ks = torch.ones((8, page, 1), dtype=torch.float32) if per_token else 0.5
-    args, kw, *_ = _args(q, cache, table, lens, 0.1, ks, num_splits, causal, l_part=l_part, f16=f16, early=early)
+    args, kw, *_ = _args(q, cache, table, lens, 0.1, ks, num_splits, causal, l_part=l_part, f16=f16, early=early,
+                         page_late=page_late)
     names = list(_mla_decode_f8r.arg_names)[:len(args)]
     signature = {n: mangle_type(a) for n, a in zip(names, args)}
     signature.update({n: "constexpr" for n in kw})
@@ -488,8 +502,9 @@ def compile_for(hq=16, sq=1, page=64, num_splits=1, causal=True, per_token=True,
 class Module:
     """The decode contract's two entries over mla_decode_f8r (scripts/gpu_fp8lat_s11.py)."""
 
-    def __init__(self, causal=True, per_sm=2, l_part=False, f16=False, early=False):
-        self.causal, self.per_sm, self.kw = causal, per_sm, dict(l_part=l_part, f16=f16, early=early)
+    def __init__(self, causal=True, per_sm=2, l_part=False, f16=False, early=False, page_late=False):
+        self.causal, self.per_sm = causal, per_sm
+        self.kw = dict(l_part=l_part, f16=f16, early=early, page_late=page_late)
 
     def forward(self, q, k, v, *, block_table, seqlens_k, scale, k_scale):
         assert v is None

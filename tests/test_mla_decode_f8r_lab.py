@@ -36,7 +36,9 @@ BUILDS = {"token": dict(), "tensor": dict(per_token=False), "token_split": dict(
           "tensor_f16": dict(f16=True, per_token=False), "token_early": dict(early=True),
           "tensor_f16_early": dict(f16=True, per_token=False, early=True),
           "token_lpart_early": dict(l_part=1, early=True), "tensor_lmma_early": dict(l_part=2, per_token=False, early=True),
-          "tensor_lmma_split": dict(l_part=2, per_token=False, num_splits=3)}
+          "tensor_lmma_split": dict(l_part=2, per_token=False, num_splits=3),
+          "tensor_f16_lmma_late": dict(l_part=2, per_token=False, f16=True, page_late=True),
+          "token_lpart_late": dict(l_part=1, page_late=True), "tensor_f16_lmma": dict(l_part=2, per_token=False, f16=True)}
 
 
 @pytest.fixture(scope="module")
@@ -105,3 +107,16 @@ def test_row_sums_leave_the_key_loop_without_serialising_the_wgmma(built, key):
     assert not r["serialized"] and r["spills"] == 0
     assert len(re.findall(r"\bbar\.sync|\bbarrier\.sync", r["loop"])) <= 4
     assert r["loop"].count("wgmma.mma_async") == 36 + 32 + (4 if "lmma" in key else 0)
+
+
+@pytest.mark.skipif(ON_GPU, reason="sm_90 builds on the CPU")
+@pytest.mark.parametrize("key", ["tensor_f16_lmma_late", "token_lpart_late"])
+def test_late_page_clamp_leaves_the_table_read_unconsumed_in_its_step(built, key):
+    """[Note] Lab late page clamp: the block table's entry for the block after next is loaded in the key loop and
+    clamped only in the next step, where it addresses the bytes (round A's ncu: the clamp right after the load
+    held ~9% of the ninth session's kernel's stall samples, long scoreboard). So no min/max follows the entry's
+    load in the loop body."""
+    loop = built[key]["loop"].splitlines()
+    at = [i for i, x in enumerate(loop) if re.search(r"ld\.global(?:\.nc)?\.b32 ", x)]
+    assert at  # the entry's load is the loop's last 4-byte load (per token the scales' two come before it)
+    assert not any(re.search(r"\b(?:max|min)\.s32", x) for x in loop[at[-1]:]), "clamped in the load's step"

@@ -5,9 +5,9 @@ counted in the bytes read) beside FlashMLA's fp8 decode, and a profile (ncu) of 
 
 Variants (VARIANTS): the product's Triton fp8 decode, the ninth session's lab fp8 swap-AB
 (lab/gluon_mla_decode_fp8.py), the register-A scores kernel (lab/gluon_mla_decode_f8r.py, [Note] Lab register-A
-scores), the ninth session's kernel's variants (lab/gluon_mla_decode_f8x.py: [Note] Lab partial row sums, [Note] Lab
-ablations, timing only), FlashMLA bf16 and fp8 (sglang-kernel 0.4.5, $FLASHMLA_DIR: q and the cache in e4m3 with
-one descale a sequence; and, where this build takes it, the 656-byte fp8 cache format with a bf16 q).
+scores) with its switches (F16, L_PART, PAGE_LATE), FlashMLA bf16 and fp8 (sglang-kernel 0.4.5, $FLASHMLA_DIR: q and
+the cache in e4m3 with one descale a tensor). Round A's variants and what it dropped: the comment above VARIANTS and
+docs/serving.md "MLA decode, eleventh session".
 Phases, each a child process with a timeout (scripts/_phases.py):
 1. check-* (beside the ncu phase): each variant against float64 on the dequantized cache at Hq 16 Sq 1, page 64,
    lengths 1000/77/513 (NaN past them, in the keys and their per-token scales), pages shuffled, the split rule and
@@ -35,38 +35,36 @@ if DRY:
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 D, DV, PAGE = (48, 32, 16) if DRY else (576, 512, 64)
 # name -> (kv_dtype, scale form, backend, module kwargs, text replacements on the render)
+# Round A (2026-11-27 13:48 UTC, results/fp8lat-A.txt) dropped: f8r bf16 without L_PART (57-62%, below the ninth
+# session's kernel), EARLY (no change), the f8x ablations (no conversion 71-79%, no cross-warp max +3 points), the
+# 656-byte FlashMLA cache (this build: "Dense FP8 decode is exposed via fwd_kvcache_mla_fp8"). Round B: L_PART 2 with
+# F16, PAGE_LATE ([Note] Lab late page clamp), FlashMLA fp8 with its (1,)-shaped descales.
 VARIANTS = {  # in the order each shape times them (the phase may be cut at its limit)
     "e4m3/token triton (product)": ("fp8_e4m3", "token", "triton", {}, []),
     "e4m3/token lab s9 swap-AB": ("fp8_e4m3", "token", "lab", {}, []),  # lab/gluon_mla_decode_fp8.py
-    "e4m3/token f8r regA": ("fp8_e4m3", "token", "f8r", {}, []),  # lab/gluon_mla_decode_f8r.py
-    "e4m3/tensor f8r regA": ("fp8_e4m3", "tensor", "f8r", {}, []),
-    "e4m3/tensor f8r regA f16": ("fp8_e4m3", "tensor", "f8r", {"f16": True}, []),
-    "e4m3/token f8r regA early": ("fp8_e4m3", "token", "f8r", {"early": True}, []),
-    "e4m3/tensor f8r regA f16 early": ("fp8_e4m3", "tensor", "f8r", {"f16": True, "early": True}, []),
-    "e4m3/token f8r regA early lpart": ("fp8_e4m3", "token", "f8r", {"early": True, "l_part": 1}, []),
-    "e4m3/tensor f8r regA early lmma": ("fp8_e4m3", "tensor", "f8r", {"early": True, "l_part": 2}, []),
+    "e4m3/tensor lab s9 f16": ("fp8_e4m3", "tensor", "lab", {"f16": True}, []),
+    # lab/gluon_mla_decode_f8r.py
+    "e4m3/tensor f8r f16": ("fp8_e4m3", "tensor", "f8r", {"f16": True}, []),
+    "e4m3/tensor f8r f16 lmma": ("fp8_e4m3", "tensor", "f8r", {"f16": True, "l_part": 2}, []),
+    "e4m3/tensor f8r f16 lmma late": ("fp8_e4m3", "tensor", "f8r", {"f16": True, "l_part": 2, "page_late": True}, []),
+    "e4m3/tensor f8r f16 late": ("fp8_e4m3", "tensor", "f8r", {"f16": True, "page_late": True}, []),
+    "e4m3/token f8r lpart": ("fp8_e4m3", "token", "f8r", {"l_part": 1}, []),
+    "e4m3/token f8r lpart late": ("fp8_e4m3", "token", "f8r", {"l_part": 1, "page_late": True}, []),
+    "e4m3/tensor f8r lmma late": ("fp8_e4m3", "tensor", "f8r", {"l_part": 2, "page_late": True}, []),
     "e4m3/tensor FlashMLA fp8 (q e4m3)": ("fp8_e4m3", "tensor", "flashmla8", {}, []),
-    "e4m3/656B FlashMLA fp8 cache (q bf16)": ("fp8_e4m3", "token", "flashmla656", {}, []),
     "bf16 FlashMLA": (None, None, "flashmla", {}, []),
     "e4m3/tensor triton": ("fp8_e4m3", "tensor", "triton", {}, []),
-    "e4m3/tensor lab s9 f16": ("fp8_e4m3", "tensor", "lab", {"f16": True}, []),
-    # lab/gluon_mla_decode_f8x.py
-    "e4m3/token f8x ablate no-cvt (timing only)": ("fp8_e4m3", "token", "f8x", {"ablate": 1}, []),
-    "e4m3/token f8x ablate no-max": ("fp8_e4m3", "token", "f8x", {"ablate": 2}, []),
 }
-TIMING_ONLY = {"e4m3/token f8x ablate no-cvt (timing only)"}
+TIMING_ONLY = set()
 ROWS_ONLY = set()
-H128 = {"bf16 FlashMLA", "e4m3/token triton (product)", "e4m3/tensor triton", "e4m3/tensor FlashMLA fp8 (q e4m3)",
-        "e4m3/656B FlashMLA fp8 cache (q bf16)"}
-CHECK_GROUPS = {"check-peer": ["bf16 FlashMLA", "e4m3/tensor FlashMLA fp8 (q e4m3)",
-                               "e4m3/656B FlashMLA fp8 cache (q bf16)"],
+H128 = {"bf16 FlashMLA", "e4m3/token triton (product)", "e4m3/tensor triton", "e4m3/tensor FlashMLA fp8 (q e4m3)"}
+CHECK_GROUPS = {"check-peer": ["bf16 FlashMLA", "e4m3/tensor FlashMLA fp8 (q e4m3)"],
                 "check-fp8a": ["e4m3/token triton (product)", "e4m3/tensor triton"],
                 "check-lab": ["e4m3/token lab s9 swap-AB", "e4m3/tensor lab s9 f16"],
-                "check-f8x": ["e4m3/token f8x ablate no-max"],
-                "check-f8r": ["e4m3/token f8r regA", "e4m3/tensor f8r regA"],
-                "check-f8r16": ["e4m3/tensor f8r regA f16"],
-                "check-f8re": ["e4m3/token f8r regA early", "e4m3/tensor f8r regA f16 early"],
-                "check-f8rl": ["e4m3/token f8r regA early lpart", "e4m3/tensor f8r regA early lmma"]}
+                "check-f8r1": ["e4m3/tensor f8r f16", "e4m3/tensor f8r f16 lmma"],
+                "check-f8r2": ["e4m3/tensor f8r f16 lmma late", "e4m3/tensor f8r f16 late"],
+                "check-f8r3": ["e4m3/token f8r lpart", "e4m3/token f8r lpart late"],
+                "check-f8r4": ["e4m3/tensor f8r lmma late"]}
 SHAPES = ((128, 4096, 16, 1), (32, 32768, 16, 1), (128, 32768, 16, 1), (32, 8192, 128, 2), (32, 4096, 16, 1)) \
     if not DRY else ((2, 96, 16, 1), (3, 64, 16, 1))
 CHECK_LENS = [1000, 77, 513] if not DRY else [200, 7, 53]  # within 16 pages: the timed shapes' integer classes
@@ -105,8 +103,8 @@ class FlashMLA:
         key = ("q", q.data_ptr(), q.shape)
         if key not in self.prep:
             qf = q.transpose(1, 2).contiguous().float()
-            dq = (qf.abs().amax(dim=(1, 2, 3)) / 448.0).clamp(min=1e-12)
-            self.prep[key] = ((qf / dq[:, None, None, None]).to(torch.float8_e4m3fn), dq.float().contiguous())
+            dq = (qf.abs().amax() / 448.0).clamp(min=1e-12).reshape(1)  # this build: one descale a tensor, (1,)
+            self.prep[key] = ((qf / dq).to(torch.float8_e4m3fn), dq.float().contiguous())
         return self.prep[key]
 
     def _c656(self, cache, k_scale):
@@ -139,8 +137,8 @@ class FlashMLA:
         if self.mode == "fp8":
             assert not isinstance(k_scale, torch.Tensor)
             q8, dq = self._q8(q)
-            dk = self.prep.setdefault(("dk", b, float(k_scale)), torch.full((b, ), float(k_scale),
-                                                                          dtype=torch.float32, device=q.device))
+            dk = self.prep.setdefault(("dk", float(k_scale)), torch.full((1, ), float(k_scale), dtype=torch.float32,
+                                                                         device=q.device))
             out = self.fm.flash_mla_with_kvcache(q8, k, block_table, seqlens_k, DV, meta, splits, softmax_scale=scale,
                                                  causal=self.causal, descale_q=dq, descale_k=dk)[0]
         elif self.mode == "656":
@@ -410,7 +408,7 @@ def phase(name):  # noqa: C901 - one phase in this process
             torch.cuda.empty_cache()
 
 
-NCU_VARIANTS = ["e4m3/token lab s9 swap-AB", "e4m3/token f8r regA", "e4m3/tensor FlashMLA fp8 (q e4m3)"]
+NCU_VARIANTS = ["e4m3/tensor lab s9 f16", "e4m3/tensor f8r f16 lmma late", "e4m3/tensor FlashMLA fp8 (q e4m3)"]
 NCU = os.environ.get("NCU", "/usr/local/cuda/bin/ncu")
 NCU_SECTIONS = ["SpeedOfLight", "LaunchStats", "Occupancy", "SchedulerStats", "WarpStateStats",
                 "MemoryWorkloadAnalysis"]
@@ -472,7 +470,7 @@ def ncu_phase():
         emit("ncu", "h16 sq1 b128 kv4k e4m3", name, vals.get("us", "-"), None,
              "; ".join(f"{k} {v}" for k, v in vals.items() if k != "us") + " || stalls: "
              + ", ".join(f"{k.split('stalled_')[-1].split('_per_issue')[0]} {v:.2f}" for v, k in stalls))
-    for variant, kname in (("e4m3/token lab s9 swap-AB", "_mla_decode_fp8"), ("e4m3/token f8r regA", "_mla_decode_f8r")):
+    for variant, kname in (("e4m3/tensor f8r f16 lmma late", "_mla_decode_f8r"), ):  # round A: the s9 kernel's
         left = LIMITS["ncu"] - 3 - (time.time() - T0P)
         if left < 6:
             print(f"ncu source {kname}: no time left", flush=True)

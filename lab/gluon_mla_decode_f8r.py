@@ -114,6 +114,14 @@ def _frag(xb, a_layout: gl.constexpr):
     return gl.convert_layout(y, a_layout, assert_trivial=True)
 
 
+@gluon.constexpr_function
+def _warp_keys():
+    """[64] keys, each warp all 64 (two a lane): a block's per-token scales, reduced within a warp ([Note] Lab warp
+    max of the scales)."""
+    return gl.DistributedLinearLayout(reg_bases=[[1]], lane_bases=[[2], [4], [8], [16], [32]], warp_bases=[[0], [0]],
+                                      block_bases=[], shape=[64])
+
+
 @gluon.jit
 def _page_raw(BlockTable, bt_row, start, ok_block, PAGE: gl.constexpr):
     """The block table's entry for key `start` (0 when not ok_block), unclamped: [Note] Lab late page clamp."""
@@ -264,6 +272,9 @@ def _mla_decode_f8r(Q, Cache, KTok, BlockTable, Seqlens, Out, Lse, PartO, PartLs
     keys0 = gl.arange(0, 64, layout=kcol)
     if PER_TOKEN:
         ks = gl.load(KTok + row0 + keys0, mask=k_lo + keys0 < seq_len, other=0.0)
+        if F16:  # [Note] Lab warp max of the scales: each warp loads the block's 64 and takes their max in-warp
+            keysw = gl.arange(0, 64, layout=_warp_keys())
+            ksw = gl.load(KTok + row0 + keysw, mask=k_lo + keysw < seq_len, other=0.0)
     t0 = warpgroup_mma_init(o0)
     t1 = warpgroup_mma_init(o1)
     t2 = warpgroup_mma_init(o2)
@@ -316,6 +327,8 @@ def _mla_decode_f8r(Q, Cache, KTok, BlockTable, Seqlens, Out, Lse, PartO, PartLs
             x8 = gl.load(base_n + 128, mask=ok_n, other=0)
         if PER_TOKEN:
             ks_j = ks
+            if F16:
+                ksw_j = ksw
         # the next block's bytes, in flight under this block's work
         if EARLY:
             row_n = row_e
@@ -323,6 +336,8 @@ def _mla_decode_f8r(Q, Cache, KTok, BlockTable, Seqlens, Out, Lse, PartO, PartLs
             x0, x1, x2, x3, x4, x5, x6, x7, x8, row_n = _fetch(Cache, pg_next, nxt, seq_len, j + 1 < n_blocks, PAGE)
         if PER_TOKEN:
             ks = gl.load(KTok + row_n + keys0, mask=(nxt + keys0 < seq_len) & (j + 1 < n_blocks), other=0.0)
+            if F16:
+                ksw = gl.load(KTok + row_n + keysw, mask=(nxt + keysw < seq_len) & (j + 1 < n_blocks), other=0.0)
         if PAGE_LATE:
             pg_raw = _page_raw(BlockTable, bt_row, nxt + 64, j + 2 < n_blocks, PAGE)
         else:
@@ -344,7 +359,7 @@ def _mla_decode_f8r(Q, Cache, KTok, BlockTable, Seqlens, Out, Lse, PartO, PartLs
         m_i = m_new
         if F16:
             if PER_TOKEN:  # P ks c_j; the accumulators' old terms move from c_{j-1} to c_j
-                c_new = _pow2_scale(gl.max(ks_j, 0))
+                c_new = _pow2_scale(gl.max(ksw_j, 0))
                 alpha = alpha * (c_new / c_prev)
                 p = p * (ks_j * c_new)[:, None]
                 c_prev = c_new

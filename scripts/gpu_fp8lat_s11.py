@@ -38,7 +38,8 @@ D, DV, PAGE = (48, 32, 16) if DRY else (576, 512, 64)
 # Round A (2026-11-27 13:48 UTC, results/fp8lat-A.txt) dropped: f8r bf16 without L_PART (57-62%, below the ninth
 # session's kernel), EARLY (no change), the f8x ablations (no conversion 71-79%, no cross-warp max +3 points), the
 # 656-byte FlashMLA cache (this build: "Dense FP8 decode is exposed via fwd_kvcache_mla_fp8"). Round B: L_PART 2 with
-# F16, PAGE_LATE ([Note] Lab late page clamp), FlashMLA fp8 with its (1,)-shaped descales.
+# F16, PAGE_LATE ([Note] Lab late page clamp), F16 per token ([Note] Lab warp max of the scales), FlashMLA
+# fp8 with its (1,)-shaped descales.
 VARIANTS = {  # in the order each shape times them (the phase may be cut at its limit)
     "e4m3/token triton (product)": ("fp8_e4m3", "token", "triton", {}, []),
     "e4m3/token lab s9 swap-AB": ("fp8_e4m3", "token", "lab", {}, []),  # lab/gluon_mla_decode_fp8.py
@@ -50,6 +51,8 @@ VARIANTS = {  # in the order each shape times them (the phase may be cut at its 
     "e4m3/tensor f8r f16 late": ("fp8_e4m3", "tensor", "f8r", {"f16": True, "page_late": True}, []),
     "e4m3/token f8r lpart": ("fp8_e4m3", "token", "f8r", {"l_part": 1}, []),
     "e4m3/token f8r lpart late": ("fp8_e4m3", "token", "f8r", {"l_part": 1, "page_late": True}, []),
+    "e4m3/token f8r f16 lpart late": ("fp8_e4m3", "token", "f8r", {"f16": True, "l_part": 1, "page_late": True}, []),
+    "e4m3/token f8r f16": ("fp8_e4m3", "token", "f8r", {"f16": True}, []),
     "e4m3/tensor f8r lmma late": ("fp8_e4m3", "tensor", "f8r", {"l_part": 2, "page_late": True}, []),
     "e4m3/tensor FlashMLA fp8 (q e4m3)": ("fp8_e4m3", "tensor", "flashmla8", {}, []),
     "bf16 FlashMLA": (None, None, "flashmla", {}, []),
@@ -64,7 +67,8 @@ CHECK_GROUPS = {"check-peer": ["bf16 FlashMLA", "e4m3/tensor FlashMLA fp8 (q e4m
                 "check-f8r1": ["e4m3/tensor f8r f16", "e4m3/tensor f8r f16 lmma"],
                 "check-f8r2": ["e4m3/tensor f8r f16 lmma late", "e4m3/tensor f8r f16 late"],
                 "check-f8r3": ["e4m3/token f8r lpart", "e4m3/token f8r lpart late"],
-                "check-f8r4": ["e4m3/tensor f8r lmma late"]}
+                "check-f8r4": ["e4m3/tensor f8r lmma late"],
+                "check-f8r5": ["e4m3/token f8r f16 lpart late", "e4m3/token f8r f16"]}
 SHAPES = ((128, 4096, 16, 1), (32, 32768, 16, 1), (128, 32768, 16, 1), (32, 8192, 128, 2), (32, 4096, 16, 1)) \
     if not DRY else ((2, 96, 16, 1), (3, 64, 16, 1))
 CHECK_LENS = [1000, 77, 513] if not DRY else [200, 7, 53]  # within 16 pages: the timed shapes' integer classes

@@ -38,7 +38,8 @@ BUILDS = {"token": dict(), "tensor": dict(per_token=False), "token_split": dict(
           "token_lpart_early": dict(l_part=1, early=True), "tensor_lmma_early": dict(l_part=2, per_token=False, early=True),
           "tensor_lmma_split": dict(l_part=2, per_token=False, num_splits=3),
           "tensor_f16_lmma_late": dict(l_part=2, per_token=False, f16=True, page_late=True),
-          "token_lpart_late": dict(l_part=1, page_late=True), "tensor_f16_lmma": dict(l_part=2, per_token=False, f16=True)}
+          "token_lpart_late": dict(l_part=1, page_late=True), "tensor_f16_lmma": dict(l_part=2, per_token=False, f16=True),
+          "token_f16_lpart_late": dict(l_part=1, f16=True, page_late=True)}
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +53,9 @@ def test_two_ctas_an_sm_without_spills(built, key):
     r = built[key]
     assert 2 * r["shared"] <= 227 * 1024 and 2 * 128 * r["registers"] <= 65536, (r["shared"], r["registers"])
     assert not r["serialized"], key
-    if key != "token_f16":  # per token under F16 ptxas spills ~330 bytes at 255 registers (the script times per tensor)
-        assert r["spills"] == 0 and r["stack"] == 0, r["spills"]
+    # per token under F16 the block's scale max went across the warps: ptxas spilled ~330 bytes at 255 registers;
+    # in-warp ([Note] Lab warp max of the scales) 220 registers
+    assert r["spills"] == 0 and r["stack"] == 0, r["spills"]
     assert r["shared"] < (98 if "lmma" in key else 90) * 1024  # V (64 KB), Q (18 KB), P (and L_PART 2's ones)
 
 

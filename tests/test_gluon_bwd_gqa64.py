@@ -204,3 +204,19 @@ def test_gqa_causal_renders_the_fixed_point_dq_with_l2_sections_and_takes_unorde
     assert "BWD_DET_MODE = 2" in mha and "span = 4 * " in mha and "m_smem.index(s)" in mha
     assert "span = " not in source(gqa=4, mask="none", product=True)  # GQA full: not measured
     assert backends.GLUON.unordered_selected("causal", 4)
+
+
+def test_the_ring_depth_is_a_variant_key_off_by_default():
+    """Variant bwd_ring (eleventh session): the Q/dO ring's slots (the kernels' STAGES constexpr, which sizes the Q, dO,
+    lse2, delta and qmul rings and their barriers); 2 renders the product's text, other depths reach the launches."""
+    assert backends.GLUON.variant["bwd_ring"] == 2 and "bwd_ring" not in backends.GLUON.variant["bwd_d64"]
+    plain = source(gqa=1, head_dim=64, product=True)
+    assert "\nBWD_RING_SLOTS = 2  # Q/dO ring depth" in plain and "variant bwd_ring" not in plain
+    for depth in (3, 4):
+        got = source(gqa=1, head_dim=64, product=True, bwd_d64={**backends.GLUON.variant["bwd_d64"],
+                                                                 "bwd_fixed_tma": 1, "bwd_ring": depth})
+        assert f"\nBWD_RING_SLOTS = {depth}  # Q/dO ring depth" in got and "variant bwd_ring" in got
+        assert got.count("STAGES=BWD_RING_SLOTS") == 2 and '"STAGES": BWD_RING_SLOTS' in got  # plain, fast paths
+        kernels = got.count("\ndef _attn_bwd_hopper")  # causal: the unordered mode's own kernel too
+        assert kernels == 2 and got.count("[STAGES, BLOCK_M, HEAD_DIM]") == 2 * kernels  # Q, dO
+        assert got.count("[STAGES, 1, BLOCK_M]") == 3 * kernels  # lse2, delta, qmul

@@ -58,6 +58,7 @@ if os.environ.get("BWDSTD_ROUND", "B") == "A":
                  "6-TF3": (C6, {"bwd_d64": {**D64, **T, "bwd_fixed_fma": 3}}, ("fixed", ), None),
                  "6-TR3": (C6, {"bwd_d64": {**D64, **T, "bwd_ring": 3}}, ("fixed", "unord"), None),
                  "6-TR4": (C6, {"bwd_d64": {**D64, **T, "bwd_ring": 4}}, ("fixed", ), None),
+                 "6-TQ": (C6, {"bwd_d64": {**D64, **T, "bwd_dq_slots": 2}}, ("fixed", "unord"), None),
                  "6-mrows!": (C6, {"bwd_d64": {**D64, **T}}, ("fixed", ), MROWS),
                  "c-def": (CC, {}, ("fixed", "unord"), None),
                  "c-S2": (CC, {"bwd_d128": {**D128, "bwd_sections": 2}}, ("fixed", "unord"), None),
@@ -319,7 +320,7 @@ def table(rows):
             log(f"| {r['case']} | {label} | {tf:.0f} | {ratio} | {' / '.join(f'{e:.2e}' for e in errs)} |")
     log("(bf16, backward only, TF/s = 2.5 x forward FLOPs / do_bench median; fixed = deterministic mode, unord = "
         "deterministic=False; def = main's default render; d64: T = bwd_d64 + bwd_fixed_tma 1 (sections of 8), T4 / "
-        "T16 / T0 = with sections of 4 / 16 / none, TF3 = + bwd_fixed_fma 3, TR3 / TR4 = + bwd_ring 3 / 4; d128: S2 / S8 / S0 = bwd_d128 with "
+        "T16 / T0 = with sections of 4 / 16 / none, TF3 = + bwd_fixed_fma 3, TR3 / TR4 = + bwd_ring 3 / 4, TQ = + bwd_dq_slots 2; d128: S2 / S8 / S0 = bwd_d128 with "
         "sections of 2 / 8 / none, L0 = no unordered levers, Lne = named 2 + TMA epilogue (no snake); #2, #3 = "
         "later passes)")
     medians(rows)

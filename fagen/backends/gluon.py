@@ -177,8 +177,10 @@ class GluonBackend(KernelBackend):
     # Round B (three passes): causal 541 / 540 / 513 (chain 462 / 452 / 451, cuDNN 574 / 535 / 473), full 522 / 546 /
     # 534 (chain 452 / 443 / 448, cuDNN 552 / 549 / 540). bwd_gqa takes the qmul rows by TMA too (round B, GQA 32/8
     # causal B4 s4k: 458 / 449 / 393 against 421 / 416 / 416 without, cuDNN 444 / 435 / 443).
-    # bwd_ring (eleventh session): the Q/dO ring's slots (STAGES; 2 measured best at d128), for d64's short steps.
+    # bwd_ring (eleventh session): the Q/dO ring's slots (STAGES; 2 measured best at d128), for d64's short steps;
+    # bwd_dq_slots 2: two dQ slots a warpgroup (d64, named-barrier kernels; [Note] Two dQ slots in the template).
     variant.update({"bwd_gqa_order": 0, "bwd_gqa_split": 1, "bwd_sections": 0, "bwd_block_m": 64, "bwd_ring": 2,
+                    "bwd_dq_slots": 1,
                     "bwd_d64": {"bwd_fixed": 1, "bwd_sections": 8},
                     "bwd_gqa": {"bwd_fixed": 1, "bwd_sections": 4, "bwd_fixed_tma": 1},
                     "bwd_d128": {"bwd_fixed": 1, "bwd_fixed_tma": 1, "bwd_sections": 4}})

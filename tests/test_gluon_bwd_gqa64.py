@@ -199,7 +199,9 @@ def test_gqa_causal_renders_the_fixed_point_dq_with_l2_sections_and_takes_unorde
     by TMA."""
     gqa = source(product=True)
     assert "BWD_DET_MODE = 2" in gqa and "span = 4 * " in gqa and "\nBWD_GRID_ALL = 1 " in gqa
-    assert "span = 8 * " in source(gqa=1, head_dim=64, product=True)
+    d64 = source(gqa=1, head_dim=64, product=True)
+    assert "span = 8 * " in d64 and "m_smem.index(s)" in d64  # eleventh session: d64's qmul rows by TMA too
+    assert "\nBWD_FIXED_FAST = 0" in d64  # the plain host path (the fast path's workspace has no qmul rows)
     mha = source(gqa=1, product=True)
     assert "BWD_DET_MODE = 2" in mha and "span = 4 * " in mha and "m_smem.index(s)" in mha
     assert "span = " not in source(gqa=4, mask="none", product=True)  # GQA full: not measured

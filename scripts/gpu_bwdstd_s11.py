@@ -9,7 +9,9 @@ d128 causal B1 H16 s16k >= 1.0x with deterministic=False. Round A (BWDSTD_ROUND=
 by TMA (bwd_fixed_tma 1, [Note] qmul rows by TMA) over bwd_d64 (fixed-point dQ, sections of 8), with sections of
 4 / none, the two-limb FMA rounding (bwd_fixed_fma 3), a ring of 3 / 4 slots (bwd_ring), two dQ slots
 (bwd_dq_slots 2, [Note] Two dQ slots); at d128 causal the unordered mode with sections of 2 / 8 / none and without
-the snake. Round B confirms. Three passes in one process (medians).
+the snake; three passes. Round B (the default): the flipped d64 default (qmul rows by TMA) against main's at d64
+causal, full and GQA 32/8 causal, with a ring of 3 slots at causal, and issue 28's d128 rows (causal, full, GQA
+32/8 causal) as they are, both modes; four passes in one process (medians).
 Phases: `warm` (one child per job, all at once: build, check each mode against float64 at a small shape with
 lengths not a multiple of the block, exact zeros of row 0 (causal), the real shape twice, bitwise equal in the
 deterministic mode; a mutant's check must FAIL), `time` (one child: per case, float64 gradients of head 0 at the
@@ -36,10 +38,18 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 # case -> (D, B, Hq, Hkv, S_real, causal, check shape (B, Hq, Hkv, Sq, Sk)); check lengths not multiples of 64 / 128
+ROUND = os.environ.get("BWDSTD_ROUND", "B")
 CASES = {"d64 causal B1 H32 s16k": (64, 1, 32, 32, 16384, True, (1, 32, 32, 208, 208)),
          "d128 causal B1 H16 s16k": (128, 1, 16, 16, 16384, True, (1, 16, 16, 208, 208))}
 C6, CC = CASES
-D64 = {"bwd_fixed": 1, "bwd_sections": 8}  # main's bwd_d64
+if ROUND != "A":  # round B: the flip's other d64 cases too (bwd_d64 serves d64 full and GQA causal)
+    CASES.update({"d64 full B1 H32 s16k": (64, 1, 32, 32, 16384, False, (1, 32, 32, 208, 336)),
+                  "d64 gqa 32/8 causal B4 s4k": (64, 4, 32, 8, 4096, True, (4, 32, 8, 208, 208)),
+                  "d128 full B1 H16 s16k": (128, 1, 16, 16, 16384, False, (1, 16, 16, 208, 336)),
+                  "d128 gqa 32/8 causal B4 s4k": (128, 4, 32, 8, 4096, True, (4, 32, 8, 208, 208))})
+    C6F, C6G, CF, CG = list(CASES)[2:]
+PASSES = ("", " #2", " #3") if ROUND == "A" else ("", " #2", " #3", " #4")
+D64 = {"bwd_fixed": 1, "bwd_sections": 8}  # main's bwd_d64 (447db1c)
 T = {"bwd_fixed_tma": 1}
 UL = {"bwd_named": 2, "bwd_epi_tma": 1, "bwd_snake": 1}  # main's bwd_unordered_levers
 D128 = {"bwd_fixed": 1, "bwd_fixed_tma": 1, "bwd_sections": 4}  # main's bwd_d128
@@ -48,7 +58,7 @@ MROWS = ("[num_bh * GQA + off_b * num_heads + h0 + g, m0]", "[off_b * num_heads 
 # job -> (case, variant overrides, modes, mutant); modes: 'fixed' (deterministic=True: the render's deterministic
 # mode), 'unord' (deterministic=False)
 JOBS = {}
-if os.environ.get("BWDSTD_ROUND", "B") == "A":
+if ROUND == "A":
     # round A (13:48 UTC): d64 candidates over main's bwd_d64; d128 causal's unordered mode with other sections and
     # without its levers
     JOBS.update({"6-def": (C6, {}, ("fixed", "unord"), None),
@@ -65,11 +75,24 @@ if os.environ.get("BWDSTD_ROUND", "B") == "A":
                  "c-S8": (CC, {"bwd_d128": {**D128, "bwd_sections": 8}}, ("fixed", "unord"), None),
                  "c-S0": (CC, {"bwd_d128": {**D128, "bwd_sections": 0}}, ("unord", ), None),
                  "c-Lne": (CC, {"bwd_unordered_levers": {"bwd_named": 2, "bwd_epi_tma": 1}}, ("unord", ), None)})
+    FWD = {C6: "6-def", CC: "c-def"}  # the job whose module gives (out, lse)
 else:
+    # round B (14:30 UTC): the flipped d64 default (bwd_d64 with the qmul rows by TMA, c1f317f) against main's
+    # (old: without them) at d64 causal, full and GQA causal; with a ring of 3 slots (round A's steadiest d64 row);
+    # d128 causal's default in both modes (round A: no candidate beat it); the new default's mutant must fail
     JOBS.update({"6-def": (C6, {}, ("fixed", "unord"), None),
-                 "c-def": (CC, {}, ("fixed", "unord"), None)})
-FWD = {C6: "6-def", CC: "c-def"}  # the job whose module gives (out, lse)
-WARM_LIMIT, TIME_LIMIT, TOTAL = 34, 40, 76
+                 "6-old": (C6, {"bwd_d64": D64}, ("fixed", ), None),
+                 "6-TR3": (C6, {"bwd_d64": {**D64, **T, "bwd_ring": 3}}, ("fixed", "unord"), None),
+                 "6-mrows!": (C6, {}, ("fixed", ), MROWS),
+                 "6f-def": (C6F, {}, ("fixed", ), None),
+                 "6f-old": (C6F, {"bwd_d64": D64}, ("fixed", ), None),
+                 "6g-def": (C6G, {}, ("fixed", ), None),
+                 "6g-old": (C6G, {"bwd_d64": D64}, ("fixed", ), None),
+                 "c-def": (CC, {}, ("fixed", "unord"), None),
+                 "f-def": (CF, {}, ("fixed", "unord"), None),  # issue 28's other rows, the defaults as they are
+                 "g-def": (CG, {}, ("fixed", "unord"), None)})
+    FWD = {C6: "6-def", CC: "c-def", C6F: "6f-def", C6G: "6g-def", CF: "f-def", CG: "g-def"}
+WARM_LIMIT, TIME_LIMIT, TOTAL = 30, 44, 76
 BOUND = 6e-3  # relative L2 error of each gradient against float64 at the check shape (bf16: ~2.4e-3)
 
 
@@ -194,13 +217,13 @@ def phase_warm(results, job):
         ready.append(mode)
         del runs
     results.append(dict(job=job, ready=ready))
-    if job in ("6-def", "c-def"):  # the public path: fagen.attention takes this render, bitwise twice
+    if job in ("6-def", "c-def", "6f-def", "6g-def", "f-def", "g-def"):  # the public path: fagen.attention takes this render, bitwise twice
         try:
             import fagen
             from fagen.runtime import hopper
             from fagen.spec.kernel import KernelSpec
             want = hopper.backward_spec(KernelSpec(head_dim=d, mask="causal" if causal else "none", dtype="bf16",
-                                                   direction="bwd"), q.device)
+                                                   gqa=h // hkv, direction="bwd"), q.device)
             picked = fagen.load(want)
             grads = []
             for _ in range(2):
@@ -210,6 +233,8 @@ def phase_warm(results, job):
             torch.cuda.synchronize()
             same = all(torch.equal(a, c) for a, c in zip(*grads))
             ok = same and picked.BWD_DET_MODE == 2 and picked.BWD_GRID_ALL == 1
+            if d == 64 and ROUND != "A":  # the flip reached the public path: qmul rows by TMA, the plain host path
+                ok = ok and picked.BWD_FIXED_FAST == 0 and "m_smem" in Path(picked.__file__).read_text()
             log(f"route {job:<9} fagen.attention: {want.name if want else None} (BWD_DET_MODE {picked.BWD_DET_MODE}, "
                 f"BWD_GRID_ALL {picked.BWD_GRID_ALL}), x2 {'bitwise equal' if same else 'DIFFER'} -> "
                 f"{'PASS' if ok else 'FAIL'}")
@@ -234,8 +259,8 @@ def phase_time(results, ready):
         row, steps = dict(case=case), {}
         runs = [("cudnn", None)] + [(job, mode) for job, (c, _, modes, _) in JOBS.items() if c == case
                                     for mode in modes if mode in ready.get(job, ())]
-        name = lambda j, m: "cudnn" if j == "cudnn" else f"{j[2:]} {m}"  # noqa: E731
-        for job, mode, label in [(j, m, name(j, m) + p) for p in ("", " #2", " #3") for j, m in runs]:
+        name = lambda j, m: "cudnn" if j == "cudnn" else f"{j.split('-', 1)[1]} {m}"  # noqa: E731
+        for job, mode, label in [(j, m, name(j, m) + p) for p in PASSES for j, m in runs]:
             try:
                 if "#" in label:  # a later pass: the same kernels again, later in the process
                     step = steps[label[:-3]]

@@ -179,6 +179,8 @@ class GluonBackend(KernelBackend):
     # causal B4 s4k: 458 / 449 / 393 against 421 / 416 / 416 without, cuDNN 444 / 435 / 443).
     # bwd_ring (eleventh session): the Q/dO ring's slots (STAGES; 2 measured best at d128), for d64's short steps;
     # bwd_dq_slots 2: two dQ slots a warpgroup (d64, named-barrier kernels; [Note] Two dQ slots in the template).
+    # Both off: round A (scripts/gpu_bwdstd_s11.py, H100, d64 causal B1 H32 s16k deterministic, medians of three
+    # passes, TF/s) over bwd_d64 with the qmul rows by TMA (452): ring 3 450, ring 4 443, two dQ slots 440.
     variant.update({"bwd_gqa_order": 0, "bwd_gqa_split": 1, "bwd_sections": 0, "bwd_block_m": 64, "bwd_ring": 2,
                     "bwd_dq_slots": 1,
                     "bwd_d64": {"bwd_fixed": 1, "bwd_sections": 8, "bwd_fixed_tma": 1},

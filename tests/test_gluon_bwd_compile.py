@@ -25,12 +25,13 @@ for key, fields in json.loads(sys.argv[2]).items():
     backends.GLUON.variant.clear()
     backends.GLUON.variant.update(default, **fields.pop("variant", {}))  # [Note] Gluon backward levers
     render.render.cache_clear()
-    spec = KernelSpec(backend="gluon", direction="bwd", head_dim=128, **fields)
+    head_dim = fields.pop("head_dim", 128)
+    spec = KernelSpec(backend="gluon", direction="bwd", head_dim=head_dim, **fields)
     mod = load_source(fagen.generate(spec), f"{spec.name}_{key}")
     ck = mod.compile_backward_for(deterministic=det)
     ptx = ck.asm["ptx"]
     res = next(iter(ptxas(ptx)[0].values()))
-    steps = loops(ptx, 32, innermost=True)
+    steps = loops(ptx, 32 if head_dim == 128 else 24, innermost=True)
     out[key] = dict(shared=ck.metadata.shared, spills=res.spill_stores + res.spill_loads,
                     reduce=ptx.count("cp.reduce.async.bulk.tensor"), commit=ptx.count("cp.async.bulk.commit_group"),
                     acquire=len(re.findall(r"ld\.global\.gpu\.acquire", ptx)),
@@ -68,7 +69,12 @@ BUILDS = {"det": dict(mask="causal", gqa=2, dtype="bf16", deterministic=True, va
           # tenth session: the d128 MHA default (variant bwd_d128: [Note] qmul rows by TMA, L2 sections) and the
           # same render without the qmul rows by TMA
           "d128": dict(mask="causal", dtype="bf16", deterministic=True),
-          "d128_ldg": dict(mask="causal", dtype="bf16", deterministic=True, variant={"bwd_d128": {"bwd_fixed": 1}})}
+          "d128_ldg": dict(mask="causal", dtype="bf16", deterministic=True, variant={"bwd_d128": {"bwd_fixed": 1}}),
+          # eleventh session: the d64 default (bwd_d64: fixed-point dQ, sections of 8) with the qmul rows by TMA
+          "d64": dict(head_dim=64, mask="causal", dtype="bf16", deterministic=True,
+                      variant={"bwd_d64": {"bwd_fixed": 1, "bwd_sections": 8}}),
+          "d64_tma": dict(head_dim=64, mask="causal", dtype="bf16", deterministic=True,
+                          variant={"bwd_d64": {"bwd_fixed": 1, "bwd_sections": 8, "bwd_fixed_tma": 1}})}
 
 
 @pytest.fixture(scope="module")
@@ -160,3 +166,13 @@ def test_the_d128_default_brings_the_qmul_rows_by_tma(built):
     assert r["cvt"] >= 64 and r["acquire"] == r["release"] == 0 and r["complete"] == [], r
     assert r["load2d"] == ldg["load2d"] + 1 == 3, (r, ldg)
     assert len(r["steps"]) == 2 and all(s["wgmma"] == 32 for s in r["steps"]), r["steps"]
+
+
+def test_d64_brings_the_qmul_rows_by_tma_without_spills(built):
+    """[Note] qmul rows by TMA at d64 (eleventh session): the same third 2-d TMA load per step as at d128, the
+    step's wgmma unchanged, and neither render spills (sm_90 ptxas: 0 / 0 B; shared 116,112 -> 116,624 B)."""
+    r, ldg = built["d64_tma"], built["d64"]
+    assert r["load2d"] == ldg["load2d"] + 1 == 3, (r, ldg)
+    assert r["spill_bytes"] == ldg["spill_bytes"] == [0, 0], (r, ldg)
+    assert r["cvt"] >= 32 and r["acquire"] == r["release"] == 0 and r["complete"] == [], r
+    assert len(r["steps"]) == 2 and [s["wgmma"] for s in r["steps"]] == [s["wgmma"] for s in ldg["steps"]], r

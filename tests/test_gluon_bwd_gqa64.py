@@ -199,8 +199,107 @@ def test_gqa_causal_renders_the_fixed_point_dq_with_l2_sections_and_takes_unorde
     by TMA."""
     gqa = source(product=True)
     assert "BWD_DET_MODE = 2" in gqa and "span = 4 * " in gqa and "\nBWD_GRID_ALL = 1 " in gqa
-    assert "span = 8 * " in source(gqa=1, head_dim=64, product=True)
+    d64 = source(gqa=1, head_dim=64, product=True)
+    assert "span = 8 * " in d64 and "m_smem.index(s)" in d64  # eleventh session: d64's qmul rows by TMA too
+    assert "\nBWD_FIXED_FAST = 0" in d64  # the plain host path (the fast path's workspace has no qmul rows)
     mha = source(gqa=1, product=True)
     assert "BWD_DET_MODE = 2" in mha and "span = 4 * " in mha and "m_smem.index(s)" in mha
     assert "span = " not in source(gqa=4, mask="none", product=True)  # GQA full: not measured
     assert backends.GLUON.unordered_selected("causal", 4)
+
+
+def test_the_ring_depth_is_a_variant_key_off_by_default():
+    """Variant bwd_ring (eleventh session): the Q/dO ring's slots (the kernels' STAGES constexpr, which sizes the Q, dO,
+    lse2, delta and qmul rings and their barriers); 2 renders the product's text, other depths reach the launches."""
+    assert backends.GLUON.variant["bwd_ring"] == 2 and "bwd_ring" not in backends.GLUON.variant["bwd_d64"]
+    plain = source(gqa=1, head_dim=64, product=True)
+    assert "\nBWD_RING_SLOTS = 2  # Q/dO ring depth" in plain and "variant bwd_ring" not in plain
+    for depth in (3, 4):
+        got = source(gqa=1, head_dim=64, product=True, bwd_d64={**backends.GLUON.variant["bwd_d64"],
+                                                                 "bwd_fixed_tma": 1, "bwd_ring": depth})
+        assert f"\nBWD_RING_SLOTS = {depth}  # Q/dO ring depth" in got and "variant bwd_ring" in got
+        assert got.count("STAGES=BWD_RING_SLOTS") == 2 and '"STAGES": BWD_RING_SLOTS' in got  # plain, fast paths
+        kernels = got.count("\ndef _attn_bwd_hopper")  # causal: the unordered mode's own kernel too
+        assert kernels == 2 and got.count("[STAGES, BLOCK_M, HEAD_DIM]") == 2 * kernels  # Q, dO
+        assert got.count("[STAGES, 1, BLOCK_M]") == 3 * kernels  # lse2, delta, qmul
+
+
+def _slots_source(**over):
+    d64 = {**backends.GLUON.variant["bwd_d64"], "bwd_fixed_tma": 1, "bwd_dq_slots": 2, **over}
+    return source(gqa=1, head_dim=64, product=True, bwd_d64=d64)
+
+
+def _snippet(src, first, last):
+    """The rendered lines from the one starting with `first` to the one starting with `last` (stripped)."""
+    lines = [line.strip() for line in src.splitlines()]
+    i = next(k for k, line in enumerate(lines) if line.startswith(first))
+    j = next(k for k in range(i, len(lines)) if lines[k].startswith(last))
+    return lines[i:j + 1]
+
+
+def _exec(lines, names):
+    """Run rendered straight-line code with one-line `if` bodies in `names`."""
+    code = []
+    indent = 0
+    for line in lines:  # the snippets hold one level of `if`: its body is the next line
+        code.append("    " * indent + line)
+        indent = 1 if line.split("  #")[0].endswith(":") else 0
+    exec("\n".join(code), {}, names)
+    return names
+
+
+def test_two_dq_slots_render_at_d64_only_and_off_by_default():
+    """[Note] Two dQ slots (variant bwd_dq_slots 2): d64's named-barrier kernel gets four float32 slots and the run-time
+    ids of pair 1 (4 + w, 6 + w: not triton's 0-2 nor pair 0's 8-12); the default and d128 render none of it."""
+    assert backends.GLUON.variant["bwd_dq_slots"] == 1
+    assert "_named_bar_id" not in source(gqa=1, head_dim=64, product=True)
+    assert source(gqa=1, product=True, bwd_dq_slots=2) == source(gqa=1, product=True)  # d128: does not fit
+    src = _slots_source()
+    assert src.count("dq_smem = gl.allocate_shared_memory(dq_desc.dtype, [4, BLOCK_M") == 1  # the _u kernel
+    assert src.count("dq_smem = gl.allocate_shared_memory(dq_desc.dtype, [2, BLOCK_M") == 1  # the chain's
+    assert "_named_bar_id(_BAR_DQ_FULL + WG - 4 * b, \"arrive\", 160)" in src
+
+
+def test_two_dq_slots_consume_every_arrive_and_reuse_a_slot_only_once_its_handoff_is_read():
+    """The compute warpgroup's rendered protocol over tiles of several lengths, against the dQ warp's (one arrive on
+    both halves' empty ids of slot pair j % 2 per step): before each store into (or dK/dV staging in) a pair, every
+    earlier handoff of that pair has been synced; at exit every arrive has been consumed (the barriers idle)."""
+    src = _slots_source()
+    step = _snippet(src, "b = j % 2  # [Note] Two dQ slots", "owed = owed | (1 << b)")
+    epi = _snippet(src, "b = j % 2  # the slot of the next step", "slot = WG + 2 * b")
+    end = _snippet(src, "if owed & 1:  # the dQ warp's arrives", "_named_bar_id(_BAR_DQ_EMPTY + WG - 4, \"sync\", 160)")
+    for wg in (0, 1):
+        for tiles in ([3], [1, 1, 1], [4, 0, 2, 5], [2, 3], [0], [1]):
+            events = []
+            bar = lambda bar_id, op, count: events.append((op, bar_id))  # noqa: E731
+            ids = {8 + wg: ("full", 0), 4 + wg: ("full", 1), 10 + wg: ("empty", 0), 6 + wg: ("empty", 1)}
+            slots = type("Slots", (), {"index": lambda self, i: type("Slot", (), {
+                "store": lambda self, x: events.append(("store", i))})()})()
+            names = dict(_named_bar_id=bar, _BAR_DQ_FULL=8, _BAR_DQ_EMPTY=10, WG=wg, owed=0, j=0, dq=None,
+                         dq_smem=slots, fence_async_shared=lambda: None)
+            stores, synced, uses = {0: 0, 1: 0}, {0: 0, 1: 0}, []
+            for n in tiles:
+                for _ in range(n):
+                    _exec(step, names)
+                    b = names["j"] % 2
+                    assert [e for e in events if e[0] != "sync"] == [("store", wg + 2 * b), ("arrive", 8 + wg - 4 * b)]
+                    for op, bar_id in (e for e in events if e[0] == "sync"):
+                        assert ids[bar_id] == ("empty", b), events  # the sync before the store, on its own pair
+                        synced[b] += 1
+                    uses.append((b, stores[b], synced[b]))
+                    stores[b] += 1
+                    events.clear()
+                    names["j"] += 1
+                _exec(epi, names)
+                b = names["slot"] - wg
+                assert b in (0, 2), names
+                for op, bar_id in events:
+                    synced[ids[bar_id][1]] += 1
+                events.clear()
+                assert synced[b // 2] == stores[b // 2], (tiles, names)  # staging: the pair's adds are read
+            _exec(end, names)
+            for op, bar_id in events:
+                synced[ids[bar_id][1]] += 1
+            assert synced == stores, (tiles, synced, stores)  # every arrive of the dQ warp consumed
+            # a store into pair b waits for all earlier handoffs of b (the one before it included)
+            assert all(done == before for _, before, done in uses), (tiles, uses)

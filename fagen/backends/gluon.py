@@ -177,13 +177,23 @@ class GluonBackend(KernelBackend):
     # Round B (three passes): causal 541 / 540 / 513 (chain 462 / 452 / 451, cuDNN 574 / 535 / 473), full 522 / 546 /
     # 534 (chain 452 / 443 / 448, cuDNN 552 / 549 / 540). bwd_gqa takes the qmul rows by TMA too (round B, GQA 32/8
     # causal B4 s4k: 458 / 449 / 393 against 421 / 416 / 416 without, cuDNN 444 / 435 / 443).
-    variant.update({"bwd_gqa_order": 0, "bwd_gqa_split": 1, "bwd_sections": 0, "bwd_block_m": 64,
-                    "bwd_d64": {"bwd_fixed": 1, "bwd_sections": 8},
+    # bwd_ring (eleventh session): the Q/dO ring's slots (STAGES; 2 measured best at d128), for d64's short steps;
+    # bwd_dq_slots 2: two dQ slots a warpgroup (d64, named-barrier kernels; [Note] Two dQ slots in the template).
+    # Both off: round A (scripts/gpu_bwdstd_s11.py, H100, d64 causal B1 H32 s16k deterministic, medians of three
+    # passes, TF/s) over bwd_d64 with the qmul rows by TMA (452): ring 3 450, ring 4 443, two dQ slots 440; round B
+    # ring 3 446 against 455.
+    variant.update({"bwd_gqa_order": 0, "bwd_gqa_split": 1, "bwd_sections": 0, "bwd_block_m": 64, "bwd_ring": 2,
+                    "bwd_dq_slots": 1,
+                    "bwd_d64": {"bwd_fixed": 1, "bwd_sections": 8, "bwd_fixed_tma": 1},
                     "bwd_gqa": {"bwd_fixed": 1, "bwd_sections": 4, "bwd_fixed_tma": 1},
                     "bwd_d128": {"bwd_fixed": 1, "bwd_fixed_tma": 1, "bwd_sections": 4}})
     # Round B (H100, scripts/gpu_gluon_bwd_gqa64.py; TF/s deterministic / unordered, cuDNN): GQA 32/8 causal B4 s4k
     # d128 with sections of 4: 429 / 510 (the chain 367), cuDNN 469; d64 with sections of 8: causal 425 / 447, full
     # 416 / 403, GQA causal 360 / 402 (cuDNN 456, 463, 366; Triton 364, 371, 311).
+    # bwd_d64 takes the qmul rows by TMA (eleventh session, scripts/gpu_bwdstd_s11.py round A, H100, d64 causal B1 H32
+    # s16k, TF/s deterministic, three passes in one process): 457 / 452 / 407 against 422 / 419 / 414 without, cuDNN
+    # 451 / 442 / 436; medians 452 against 419 (1.02x against 0.95x cuDNN's median 442). Round B (four passes,
+    # medians): causal 455 against 418 (cuDNN 441), GQA 32/8 causal B4 s4k 385 against 355 (369), full 424 / 421 (457).
 
     def variant_for(self, spec) -> dict:
         """The variant a render of `spec` reads (the template's `gluon`): `variant`, with bwd_d64's keys over it for

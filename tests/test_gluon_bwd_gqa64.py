@@ -201,7 +201,7 @@ def test_gqa_causal_renders_the_fixed_point_dq_with_l2_sections_and_takes_unorde
     assert "BWD_DET_MODE = 2" in gqa and "span = 4 * " in gqa and "\nBWD_GRID_ALL = 1 " in gqa
     d64 = source(gqa=1, head_dim=64, product=True)
     assert "span = 8 * " in d64 and "m_smem.index(s)" in d64  # eleventh session: d64's qmul rows by TMA too
-    assert "\nBWD_FIXED_FAST = 0" in d64  # the plain host path (the fast path's workspace has no qmul rows)
+    assert "\nBWD_FIXED_FAST = 1" in d64  # the fast host path keeps the qmul rows beside delta (_BWD_FAST_FIXED)
     mha = source(gqa=1, product=True)
     assert "BWD_DET_MODE = 2" in mha and "span = 4 * " in mha and "m_smem.index(s)" in mha
     assert "span = " not in source(gqa=4, mask="none", product=True)  # GQA full: not measured

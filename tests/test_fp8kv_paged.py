@@ -162,3 +162,26 @@ def test_paged_heads_together_only_where_they_fit():
     assert m._heads(4, 1, tok, None) == 1 and m._heads(4, 1, None, tok) == 1  # per-token scales
     assert m._heads(4, m.BLOCK_M // (2 * m.GQA) + 1, None, None) == 1  # two heads' rows past one tile
     assert _module("fp8_e4m3", True).PAGED_HEADS == 1  # the default (eleventh session: off until measured)
+
+
+def test_serving_bench_paged_row_reads_the_dense_rows_keys():
+    """The serving bench's paged fp8 row (decode-d128-kv8k-b32-fp8-paged16): a paged spec, the bytes of the dense fp8
+    row; and its inputs (make_inputs' pages in a random order, the block table that reads them back) give fagen's
+    paged kernel the reference's dense keys: the bench's own check passes on a small case of the same form."""
+    from fagen.bench.cases import CaseContext
+    from fagen.bench.check import check
+    from fagen.bench.impls import prepare_fagen
+    from fagen.bench.serving import serving_rows
+    from fagen.bench.workloads import kv_bytes, make_case
+
+    rows = {c.name: c for c in serving_rows()}
+    paged, dense = rows["decode-d128-kv8k-b32-fp8-paged16"], rows["decode-d128-kv8k-b32-fp8"]
+    assert paged.spec("cpu")[0].layout == "paged" and kv_bytes(paged) == kv_bytes(dense)
+    case = make_case("paged-small", head_dim=HD, mask="none", batch=2, heads_q=HKV * G, heads_kv=HKV, seq_q=1,
+                     seq_k=256 if not ON_GPU else 8192, kv_dtype="fp8_e4m3", page_size=16, peers=False)
+    cc = CaseContext(case, torch.device(DEVICE), 1)
+    s = cc.sets[0]
+    assert s.paged["k_cache"].shape == (2 * case.seq_k // 16, 16, HKV, HD)
+    assert not torch.equal(s.paged["block_table"].flatten().cpu(), torch.arange(2 * case.seq_k // 16))  # shuffled
+    status, message, _ = check("fagen", prepare_fagen(case, cc), cc)
+    assert status == "ok", message

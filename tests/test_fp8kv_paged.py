@@ -147,8 +147,13 @@ def test_paged_heads_together_match_the_dequantized_reference(heads, page, form)
     q, kc, vc, kw, seqs = _problem("fp8_e4m3", page, form, seed=page + heads, hkv=HEADS_HKV)
     assert m._heads(HEADS_HKV, 1, *((None, None) if form != "token" else (kw["k_scale"], kw["v_scale"]))) \
         == (heads if form != "token" else 1)
+    keys = kw["block_table"].shape[1] * page
+    plan = m.plan(q.shape[0], q.shape[1], 1, keys, device=DEVICE)  # its split rule counts HEADS heads a program
+    big = m.plan(q.shape[0], q.shape[1], 1, 8192, device=DEVICE)
+    assert big.num_splits == m._geometry(q.shape[0], HEADS_HKV, 1, 8192, None, 0, heads)[3] \
+        != m._geometry(q.shape[0], HEADS_HKV, 1, 8192, None, 0, 1)[3]
     for out, lse in (m.forward(q, kc, vc, **kw), m.forward_split(q, kc, vc, num_splits=1, **kw),
-                     m.forward(q, kc, vc, **kw, batch_invariant=True)):
+                     m.forward(q, kc, vc, **kw, batch_invariant=True), plan.run(q, kc, vc, **kw)):
         _check(out, lse, q, seqs)
 
 

@@ -33,7 +33,7 @@ from _phases import child_env, run_phase as run_child  # noqa: E402
 DRY = os.environ.get("GPU_PAGEDFP8_S11_DRY") == "1"
 if DRY:
     os.environ.setdefault("TRITON_INTERPRET", "1")
-PHASES = {"check": 26, "paged": 48} if not DRY else {"check": 1800, "paged": 1800}
+PHASES = {"check": 22, "paged": 38, "splits": 14} if not DRY else {"check": 1800, "paged": 1800, "splits": 1800}
 H = lambda n: [("\nPAGED_HEADS = 1\n", f"\nPAGED_HEADS = {n}\n")]  # noqa: E731 (the default: 1)
 T = lambda n, w, s: dict(block_m=64, block_n=n, num_warps=w, num_stages=s)  # noqa: E731
 # sm_90 ptxas (triton 3.6, e4m3, ROWS32 1, one split, compiled on the CPU; the split kernel at m64n128w8s3): h1 176
@@ -42,7 +42,7 @@ T = lambda n, w, s: dict(block_m=64, block_n=n, num_warps=w, num_stages=s)  # no
 CANDS = {"default": ([], {}), "h2": (H(2), {}), "h4": (H(4), {}), "h8": (H(8), {}),
          "h4 s2": (H(4), T(128, 8, 2)), "h8 s2": (H(8), T(128, 8, 2))}
 TIMED = ("default", "h2", "h4", "h4 s2", "h8")
-SPLIT_RUNS = (("default", ("rule",)), ("h4", ("rule", 8)))  # the splits phase (round B)
+SPLIT_RUNS = (("default", ("rule",)), ("h2", ("rule",)), ("h4", ("rule", 8)))  # the splits phase: b8 kv32k
 SHAPES = ((32, 8192, 16), (128, 8192, 16), (32, 32768, 16), (32, 8192, 64))  # (batch, keys, page)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -363,8 +363,9 @@ def phase(name):  # noqa: C901 - one phase in this process
         pc = paged_calls(q, k, v, sc, page, "", lens)
         for cand, hows in SPLIT_RUNS:
             m = module(spec_kw("fp8_e4m3", "paged", **CANDS[cand][1]), CANDS[cand][0])
+            rule = m._geometry(b, HKV, 1, sk, None, 0, m._heads(HKV, 1, None, None))[3]
             for how in hows:
-                impl = f"fp8 paged {cand}, splits {how}"
+                impl = f"fp8 paged {cand}, splits {how}" + (f" ({rule})" if how == "rule" else "")
                 if time.time() - T0 > PHASES[name] - 3:
                     emit(name, case, impl, None, "", None, "skipped: time budget")
                     continue

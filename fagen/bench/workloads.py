@@ -414,7 +414,8 @@ def describe_case(c: BenchCase) -> str:
     extra = "".join([f" window {side(c.window[0])}/{side(c.window[1])}" if c.window else "",
                      f" softcap {c.softcap:g}" if c.softcap is not None else "", " alibi" * c.alibi,
                      " sinks" * c.sinks, " triton" * (not c.hopper),
-                     f" kv {c.kv_dtype}" if c.kv_dtype else "", " latent" * c.shared_kv, " batch-invariant" * (c.batch_invariant is True),
+                     f" kv {c.kv_dtype}" if c.kv_dtype else "", f" paged{c.page_size}" if c.page_size else "",
+                     " latent" * c.shared_kv, " batch-invariant" * (c.batch_invariant is True),
                      " split-rule" * (c.batch_invariant is False)])
     dv = "" if c.head_dim_v == c.head_dim else f"v{c.head_dim_v}"
     return f"{c.direction} {c.mask} d{c.head_dim}{dv} b{c.batch} {heads} sq{c.seq_q} sk{c.seq_k} {c.dtype}{extra}"

@@ -34,6 +34,8 @@ DRY = os.environ.get("GPU_PAGEDFP8_S11_DRY") == "1"
 if DRY:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 PHASES = {"check": 22, "paged": 38, "splits": 14} if not DRY else {"check": 1800, "paged": 1800, "splits": 1800}
+if os.environ.get("GPU_PAGEDFP8_S11_PHASES"):  # "name:seconds,..." (phases: check, paged, splits, bench)
+    PHASES = {n: float(t) for n, t in (p.split(":") for p in os.environ["GPU_PAGEDFP8_S11_PHASES"].split(","))}
 H = lambda n: [("\nPAGED_HEADS = 1\n", f"\nPAGED_HEADS = {n}\n")]  # noqa: E731 (the default: 1)
 T = lambda n, w, s: dict(block_m=64, block_n=n, num_warps=w, num_stages=s)  # noqa: E731
 # sm_90 ptxas (triton 3.6, e4m3, ROWS32 1, one split, compiled on the CPU; the split kernel at m64n128w8s3): h1 176
@@ -41,6 +43,10 @@ T = lambda n, w, s: dict(block_m=64, block_n=n, num_warps=w, num_stages=s)  # no
 # program an SM). cp.async of 16 bytes in every case.
 CANDS = {"default": ([], {}), "h2": (H(2), {}), "h4": (H(4), {}), "h8": (H(8), {}),
          "h4 s2": (H(4), T(128, 8, 2)), "h8 s2": (H(8), T(128, 8, 2))}
+# The bench phase: the serving rows (the product's default, then PAGED_HEADS set on the loaded module, in one process)
+BENCH_ROWS = (("decode-d128-kv8k-b32-fp8-paged16", None), ("decode-d128-kv8k-b32-fp8", None),
+              ("decode-d128-kv8k-b32-fp8-paged16", 1), ("decode-d128-kv8k-b32-fp8-paged16", 4))
+DEFAULT_HEADS = {}
 TIMED = ("default", "h4", "h2", "h4 s2", "h8")  # h8 last: the slowest compile, one program an SM
 SPLIT_RUNS = (("default", ("rule",)), ("h2", ("rule",)), ("h4", ("rule", 8)))  # the splits phase: b8 kv32k
 SHAPES = ((32, 8192, 16), (128, 8192, 16), (32, 32768, 16), (32, 8192, 64))  # (batch, keys, page)
@@ -380,9 +386,91 @@ def phase(name):  # noqa: C901 - one phase in this process
                 guarded(name, case, impl, run)
 
 
+def bench_phase():
+    """The serving bench's own fp8 decode rows (fagen/bench: make_inputs, prepare_fagen, its float64 check and its
+    do_bench timing, time_prepared), the product's defaults: GB/s as `fagen bench --suite serving` reports it, and the
+    same calls back to back and in a CUDA graph, against the copy of the same process."""
+    import torch
+
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    from gpu_rows import T0, row
+
+    from fagen.bench.cases import BenchOptions, CaseContext
+    from fagen.bench.check import check
+    from fagen.bench.impls import prepare_fagen
+    from fagen.bench.serving import serving_rows
+    from fagen.bench.timing import time_prepared
+    from fagen.bench.workloads import kv_bytes
+
+    dev = torch.device("cpu" if DRY else "cuda")
+    rows = {c.name: c for c in serving_rows(quick=DRY)}
+
+    def emit(case, impl, value, ms, note):
+        row("bench", case, impl, value, "GB/s", ms, note)
+        print("ROW " + json.dumps(["bench", case, impl, "-" if value is None else f"{value:.1f} GB/s",
+                                   "" if ms is None else f"{ms:.4f}", note]), flush=True)
+
+    def loop(fn, n=200):
+        if DRY:
+            return 1.0
+        for _ in range(3):
+            fn(0)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(n):
+            fn(i)
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / n
+
+    opts = BenchOptions(device=str(dev))
+    if not DRY:
+        x = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+        y = torch.empty_like(x)
+        from triton.testing import do_bench
+        copy = {"loop": 2 * x.numel() / loop(lambda i: y.copy_(x)) / 1e6,
+                "bench": 2 * x.numel() / do_bench(lambda: y.copy_(x), warmup=25, rep=100, return_mode="median") / 1e6}
+        del x, y
+    else:
+        copy = {"loop": 1.0, "bench": 1.0}
+    emit("device copy (read + write)", "torch copy_", copy["bench"], None,
+         f"do_bench {copy['bench']:.1f} GB/s; back to back {copy['loop']:.1f} GB/s")
+    from fagen.runtime.loader import load
+
+    for name, heads in BENCH_ROWS:
+        impl = "fagen (product default)" if heads is None else f"fagen, PAGED_HEADS = {heads}"
+        if time.time() - T0 > PHASES["bench"] - 6:
+            emit(name, impl, None, None, "skipped: time budget")
+            continue
+        try:
+            case = rows[name]
+            cc = CaseContext(case, dev, opts.sets)
+            module = load(case.spec(dev)[0])
+            if hasattr(module, "PAGED_HEADS"):  # the product's module: set (or reset) the switch, drop kept steps
+                module.PAGED_HEADS = DEFAULT_HEADS.setdefault(name, module.PAGED_HEADS) if heads is None else heads
+                module._STEPS.clear()
+            prep = prepare_fagen(case, cc)
+            status, message, err = check("fagen", prep, cc)
+            if status != "ok":
+                raise AssertionError(f"check {status}: {message}")
+            ms = time_prepared(prep, cc, opts)["ms"]
+            with torch.no_grad():
+                b2b = loop(lambda i: prep.fn(cc.sets[i % len(cc.sets)]))
+            read = kv_bytes(case)
+            emit(name, impl, read / ms / 1e6, ms,
+                 f"do_bench {100 * read / ms / 1e6 / copy['bench']:.1f}% of copy; back to back {b2b:.4f} ms "
+                 f"{100 * read / b2b / 1e6 / copy['loop']:.1f}%; {len(cc.sets)} sets; check ok, err {err:.1e}; "
+                 f"{prep.spec}")
+        except Exception as e:  # noqa: BLE001 - a failure is a row
+            import traceback
+            emit(name, impl, None, None, f"ERROR {type(e).__name__}: {str(e).splitlines()[0][:150]}")
+            traceback.print_exc(file=sys.stdout)
+
+
 def main():
     if len(sys.argv) > 2 and sys.argv[1] == "--phase":
-        phase(sys.argv[2])
+        bench_phase() if sys.argv[2] == "bench" else phase(sys.argv[2])
         return
     t0 = time.time()
     env = child_env("/tmp/fagen-cache-gpu-pagedfp8-s11", ROOT)

@@ -17,7 +17,8 @@ Phases, each in a child process with a timeout (a kernel that faults or hangs lo
    included), (b) replayed from a CUDA graph of 20 calls (% of the back-to-back copy: a captured copy_ is a memcpy
    node) and (c) under do_bench (its L2 flush costs ~17-21 us a call).
 Candidates: text replacements on the render: "hN" PAGED_HEADS = N (N KV heads a program, BLOCK_N / N keys a step);
-"hN s2" the same at num_stages 2 (less shared memory: two programs an SM).
+"hN s2" the same at num_stages 2 (less shared memory: two programs an SM); "h4 fill" with PAGED_HEADS_FILL (fewer heads
+a program where h would leave the GPU's program slots idle).
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ T = lambda n, w, s: dict(block_m=64, block_n=n, num_warps=w, num_stages=s)  # no
 # registers, 104 KB of shared memory; h2 168, 106 KB; h4 154, 113 KB; h8 255 (128 bytes spilled), 161 KB (one
 # program an SM). cp.async of 16 bytes in every case.
 CANDS = {"default": ([], {}), "h2": (H(2), {}), "h4": (H(4), {}), "h8": (H(8), {}),
-         "h4 s2": (H(4), T(128, 8, 2)), "h8 s2": (H(8), T(128, 8, 2))}
+         "h4 s2": (H(4), T(128, 8, 2)), "h8 s2": (H(8), T(128, 8, 2)),
+         "h4 fill": (H(4) + [("\nPAGED_HEADS_FILL = False\n", "\nPAGED_HEADS_FILL = True\n")], {})}
 # The bench phase: the serving rows (the product's default, then PAGED_HEADS set on the loaded module, in one process)
 BENCH_ROWS = (("decode-d128-kv8k-b32-fp8-paged16", None), ("decode-d128-kv8k-b32-fp8", None),
               ("decode-d128-kv8k-b32-fp8-paged16", 1), ("decode-d128-kv8k-b32-fp8-paged16", 4))

@@ -169,6 +169,20 @@ def test_paged_heads_together_only_where_they_fit():
     assert _module("fp8_e4m3", True).PAGED_HEADS == 1  # the default (eleventh session: off until measured)
 
 
+def test_paged_heads_fill_never_leaves_the_gpu_idle():
+    """PAGED_HEADS_FILL: h halves while b x Hkv / h groups would leave a fifth of the program slots idle (the split rule
+    would then split a batch that one head a program fills); the slots of the interpreter's FALLBACK_SMS."""
+    m = _module("fp8_e4m3", True, heads=4)
+    m.PAGED_HEADS_FILL = True
+    slots = m.sm_count(0) * m.PROGRAMS_PER_SM
+    full = -(-int(0.8 * slots) // 2)  # the fewest sequences whose 2 groups each (8 KV heads, 4 a program) fill them
+    assert m._heads(8, 1, None, None, full, 0) == 4
+    assert m._heads(8, 1, None, None, full - 1, 0) == 2  # 4 groups a sequence: still enough at 2 heads a program
+    assert m._heads(8, 1, None, None, 1, 0) == 1
+    m.PAGED_HEADS_FILL = False
+    assert m._heads(8, 1, None, None, 1, 0) == 4
+
+
 def test_serving_bench_paged_row_reads_the_dense_rows_keys():
     """The serving bench's paged fp8 row (decode-d128-kv8k-b32-fp8-paged16): a paged spec, the bytes of the dense fp8
     row; and its inputs (make_inputs' pages in a random order, the block table that reads them back) give fagen's

@@ -52,9 +52,13 @@ DEFAULT_HEADS = {}
 # Round A timed ("default", "h4", "h2", "h4 s2", "h8") and split h1 / h2 / h4 at b8 kv32k: every h > 1 lost (58-74% of
 # copy against 90-94%). Round B (GPU_PAGEDFP8_S11_ROUND=B): the default and h2 again beside the serving bench's rows.
 ROUND_B = os.environ.get("GPU_PAGEDFP8_S11_ROUND") == "B"
+# The lab phase (round B): lab/paged_heads3d.py at (heads, keys a step, warps, stages); sm_90 ptxas (CPU): h4 n32 w8 s3
+# 224 registers, 64 KB; h8 n16 w8 s3 192 registers, 80 KB (one program an SM by registers, both)
+LAB_RUNS = ((4, 32, 8, 3), (8, 16, 8, 3))
 TIMED = ("default", "h2") if ROUND_B else ("default", "h4", "h2", "h4 s2", "h8")
 SPLIT_RUNS = (("default", ("rule",)), ("h2", ("rule",)), ("h4", ("rule", 8)))  # the splits phase: b8 kv32k
 SHAPES = ((32, 8192, 16), (128, 8192, 16), (32, 32768, 16), (32, 8192, 64))  # (batch, keys, page)
+SHAPES = SHAPES[:2] if ROUND_B else SHAPES
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -362,6 +366,36 @@ def phase(name):  # noqa: C901 - one phase in this process
                     timed(case, impl, read, [lambda a=a, w=w: m.forward(*a, **w) for a, w in calls[kv, layout]], err)
                 guarded(name, case, impl, run)
             del caches, calls
+        return
+
+    if name == "lab":  # lab/paged_heads3d.py (the heads as a 3-D dot's batch dim) beside the product's default
+        sys.path.insert(0, ROOT)
+        from lab import paged_heads3d
+        b, sk, page = (2, 128, 16) if DRY else (128, 8192, 16)
+        case = f"d128 h32/8 b{b} kv{sk} page{page}"
+        q, kb, vb, sc = inputs(b, sk)
+        k, v = kb.to(E4M3), vb.to(E4M3)
+        del kb, vb
+        lens = torch.full((b,), sk, dtype=torch.int32, device=dev)
+        read = k.numel() + v.numel()
+        pc = paged_calls(q, k, v, sc, page, "", lens)
+        m = module(spec_kw("fp8_e4m3", "paged"), [])
+        runs = [("fp8 paged default", lambda a, w: m.forward(*a, **w)[0])] + [
+            (f"lab heads3d h{h} n{n} w{w_} s{s_}",
+             lambda a, w, h=h, n=n, w_=w_, s_=s_: paged_heads3d.forward(
+                 *a, w["block_table"], w["seqlens_k"], w["k_scale"], w["v_scale"], heads=h,
+                 block_n=min(n, 16) if DRY else n, num_warps=w_, num_stages=s_))
+            for h, n, w_, s_ in LAB_RUNS]
+        for impl, call in runs:
+            if time.time() - T0 > PHASES[name] - 3:
+                emit(name, case, impl, None, "", None, "skipped: time budget")
+                continue
+
+            def run(call=call, impl=impl):
+                (a, w), _ = pc
+                out = call(a, w)
+                timed(case, impl, read, [lambda a=a, w=w: call(a, w) for a, w in pc], last_err(out, q, k, v, sc))
+            guarded(name, case, impl, run)
         return
 
     if name == "splits":  # b8 kv32k: 64 programs a split at one head a program; paged page 16

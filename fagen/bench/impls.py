@@ -39,6 +39,10 @@ def prepare_fagen(case: BenchCase, cc: CaseContext) -> Prepared:
             return module.forward(s.q, s.k, s.v, k_descale=s.scores["k_scale"], v_descale=s.scores["v_scale"],
                                   **s.kwargs, **scores)[0]
         return Prepared(fp8, note=note, spec=spec.name)
+    if case.page_size is not None:  # the paged caches of make_inputs (the reference reads the dense k, v)
+        return Prepared(lambda s: module.forward(s.q, s.paged["k_cache"], s.paged["v_cache"], **s.kwargs,
+                                                 block_table=s.paged["block_table"], seqlens_k=s.paged["seqlens_k"],
+                                                 **s.scores), note=note, spec=spec.name)
     return Prepared(lambda s: module.forward(s.q, s.k, s.v, **s.kwargs, **s.scores), note=note, spec=spec.name)
 
 

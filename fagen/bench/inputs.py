@@ -22,6 +22,9 @@ class InputSet:
     kwargs: dict  # seqlens_q, seqlens_k, tree_mask (bool ancestor-or-self [B, Sq, Sq]) as the mask needs
     dout: torch.Tensor | None = None  # incoming gradient for backward cases
     scores: dict = dataclasses.field(default_factory=dict)  # window, softcap, alibi_slopes [Hq], sinks [Hq]
+    # a paged case (case.page_size): k_cache, v_cache [num_pages, page_size, Hkv, D] (k's and v's keys, pages in a
+    # random order), block_table int32 [B, Sk / page_size], seqlens_k int32 [B]; fagen reads these, the reference k, v
+    paged: dict | None = None
 
 
 def alibi_slopes(heads: int) -> torch.Tensor:
@@ -77,10 +80,25 @@ def make_inputs(case: BenchCase, device: torch.device, seed: int) -> InputSet:
             scores[name] = (0.5 + torch.rand(case.heads_kv, generator=scales)).to(device)
     if case.batch_invariant is not None:  # decode rows that ask: True, or False for the split rule
         scores["batch_invariant"] = case.batch_invariant
-    return InputSet(q, k, v, kwargs, dout, scores)
+    paged = None if case.page_size is None else to_pages(k, v, case.page_size, gen)
+    return InputSet(q, k, v, kwargs, dout, scores, paged)
+
+
+def to_pages(k: torch.Tensor, v: torch.Tensor, page: int, gen: torch.Generator) -> dict:
+    """k, v [B, H, S, D] (S a multiple of page) as vLLM's paged caches [B * S / page, page, H, D] in a random page
+    order (drawn from gen), with the block table and the lengths that read them back."""
+    b, h, s, d = k.shape
+    n = s // page
+    perm = torch.randperm(b * n, generator=gen, device=k.device)
+    inv = perm.argsort()
+    pages = lambda x: x.reshape(b, h, n, page, x.shape[-1]).permute(0, 2, 3, 1, 4) \
+        .reshape(b * n, page, h, x.shape[-1])[inv]  # noqa: E731
+    return dict(k_cache=pages(k), v_cache=pages(v), block_table=perm.to(torch.int32).view(b, n),
+                seqlens_k=torch.full((b,), s, dtype=torch.int32, device=k.device))
 
 
 def set_bytes(case: BenchCase) -> int:
     rows_q, rows_kv = case.batch * case.heads_q * case.seq_q, case.batch * case.heads_kv * case.seq_k
     per_q = rows_q * (case.head_dim + case.head_dim_v * (2 if case.direction is Direction.BWD else 1))  # q, out, dO
-    return (per_q + rows_kv * (case.head_dim + case.head_dim_v * (not case.shared_kv))) * case.dtype.itemsize
+    per_kv = rows_kv * (case.head_dim + case.head_dim_v * (not case.shared_kv)) * (2 if case.page_size else 1)
+    return (per_q + per_kv) * case.dtype.itemsize  # a paged case holds its cache twice (dense for the reference)

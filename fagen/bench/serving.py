@@ -18,6 +18,8 @@ from fagen.bench.workloads import BenchCase, make_case
 # once for K and V (case.shared_kv: v=None), GB/s over the latent bytes (1 a value for fp8, with one scale a KV head),
 # at the memory-bound Hq 16 Sq 1 and the compute-bound Hq 128 Sq 2; on sm_90 the spec is what fagen.attention picks
 # (hopper.latent_decode_spec: the gluon MLA decode for bf16, Hq 16 as one padded tile; the Triton decode for fp8).
+# The paged fp8 row (eleventh session) is decode-d128-kv8k-b32-fp8 on vLLM's paged layout: pages of 16 keys
+# [num_pages, 16, Hkv, D] in a random order, e4m3, per-KV-head scales (issue 27's paged case).
 def serving_rows(quick: bool = False) -> list[BenchCase]:
     s = (lambda n: max(1, n // 64)) if quick else (lambda n: n)
     sk = (lambda n: max(256, n // 64)) if quick else (lambda n: n)  # decode rows stay decode-shaped (Sk >= 256)
@@ -46,6 +48,8 @@ def serving_rows(quick: bool = False) -> list[BenchCase]:
     for name, batch, kv in (("kv8k-b32", 32, 8192), ("kv32k-b8", 8, 32768)):
         rows.append(make_case(f"decode-d128-{name}-fp8", **d128, batch=b(batch), seq_k=sk(kv), kv_dtype="fp8_e4m3",
                               peers=False))
+    rows.append(make_case("decode-d128-kv8k-b32-fp8-paged16", **d128, batch=b(32), seq_k=sk(8192),
+                          kv_dtype="fp8_e4m3", page_size=16, peers=False))
     for name, batch, kv in (("kv4k-b1", 1, 4096), ("kv32k-b1", 1, 32768), ("kv4k-b32", 32, 4096),
                             ("kv32k-b32", 32, 32768)):
         for inv in (False, True):

@@ -56,6 +56,9 @@ class BenchCase:
     # MLA's absorbed decode (docs/serving.md, "MLA absorbed decode"): k is one latent cache head_dim wide, V its first
     # head_dim_v columns (v=None in the call); an fp8 latent has one scale a KV head (k_scale only).
     shared_kv: bool = False
+    # A paged KV cache (vLLM's layout [num_pages, page_size, Hkv, D], its pages in a random order; make_inputs builds
+    # it beside the dense k, v the reference reads): the page size, or None for a dense cache. Decode rows only.
+    page_size: int | None = None
 
     def __post_init__(self):
         put = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
@@ -89,6 +92,11 @@ class BenchCase:
             raise ValueError(f"case {self.name}: mask {self.mask} needs seqlens_q and seqlens_k")
         if self.mask is Mask.TREE and (self.parents is None or self.seq_k < self.seq_q):
             raise ValueError(f"case {self.name}: a tree case needs parents and seq_k >= seq_q")
+        if self.page_size is not None and (self.page_size < 1 or self.page_size & (self.page_size - 1)
+                                           or self.seq_k % self.page_size or self.mask.padded
+                                           or not prefers_decode(self.seq_q, self.seq_k)):
+            raise ValueError(f"case {self.name}: page_size must be a power of two dividing seq_k, in an unpadded "
+                             f"decode case, got {self.page_size!r}")
         if self.shared_kv and not (self.head_dim_v < self.head_dim and prefers_decode(self.seq_q, self.seq_k)):
             raise ValueError(f"case {self.name}: shared_kv is a decode case with head_dim_v < head_dim")
 
@@ -124,6 +132,8 @@ class BenchCase:
             fields["kv_dtype"] = self.kv_dtype
         if self.shared_kv:
             fields["shared_kv"] = True
+        if self.page_size is not None:
+            fields["layout"] = "paged"
         if self.dtype is DType.FP8_E4M3:  # the fp8 forward is the gluon backend's alone (README "fp8 forward")
             fields["backend"] = "gluon"
         fields.update(self.overrides)  # explicit flags win
@@ -404,7 +414,8 @@ def describe_case(c: BenchCase) -> str:
     extra = "".join([f" window {side(c.window[0])}/{side(c.window[1])}" if c.window else "",
                      f" softcap {c.softcap:g}" if c.softcap is not None else "", " alibi" * c.alibi,
                      " sinks" * c.sinks, " triton" * (not c.hopper),
-                     f" kv {c.kv_dtype}" if c.kv_dtype else "", " latent" * c.shared_kv, " batch-invariant" * (c.batch_invariant is True),
+                     f" kv {c.kv_dtype}" if c.kv_dtype else "", f" paged{c.page_size}" if c.page_size else "",
+                     " latent" * c.shared_kv, " batch-invariant" * (c.batch_invariant is True),
                      " split-rule" * (c.batch_invariant is False)])
     dv = "" if c.head_dim_v == c.head_dim else f"v{c.head_dim_v}"
     return f"{c.direction} {c.mask} d{c.head_dim}{dv} b{c.batch} {heads} sq{c.seq_q} sk{c.seq_k} {c.dtype}{extra}"

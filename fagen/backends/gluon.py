@@ -87,7 +87,8 @@ class GluonBackend(KernelBackend):
     # in e4m3 ([Note] fp8 P rounding in the template). H100, d128 B1 H16 s16k causal / full TF/s
     # (scripts/gpu_fp8_fwd_s7.py, seventh session): 0 733 / 733, 2 824 / 825. bf16/fp16 renders do not read it. The
     # seventh session's warpgroup turns (FA3's scheduler barrier) measured no faster and left the template
-    # (docs/hopper.md, "fp8 forward, seventh session").
+    # (docs/hopper.md, "fp8 forward, seventh session"). 3: P carried as int32 words of four e4m3 keys ([Note] fp8 P
+    # packed carry; eleventh session; the same out bit for bit as 2).
     # fp8_wgs: the fp8 forward's consumer warpgroups, 2 or 3 ([Note] fp8 three warpgroups in the template; 3 gives
     # the workers fp8_wg3_regs); fp8_o_skip: 1 rescales O only where a row's max moved ([Note] fp8 O rescale skip).
     # H100, d128 s16k causal / full (scripts/gpu_fp8_fwd_s9.py, ninth session, round A): 2 WGs 825 / 854 TF/s,

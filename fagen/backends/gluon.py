@@ -99,10 +99,12 @@ class GluonBackend(KernelBackend):
     # d64 B1 H16 s16k causal / full TF/s, 2 -> 3 WGs: ninth session round B 509 -> 565 / (unmeasured); tenth
     # session round A (scripts/gpu_fp8fwd_s10.py) 505 -> 563 / 519 -> 599 (+11% / +16%).
     # pv_overlap: fp8_pv_overlap for the bf16/fp16 forward (measurement only; the note is the fp8 one).
+    # fp8_n192: 1 gives the fp8 forward (not the window) 192-key steps over 2 stages, P carried packed ([Note] fp8
+    # 192-key steps; eleventh session, a measurement variant: the spec's block_n stays 128).
     # bwd_*: the gluon backward's levers ([Note] Gluon backward levers).
     variant = {"consumer_regs": 240, "loader_regs": 24, "tile_schedule_all": False, "causal_order": 3,
                "fp8_p_cvt": 2, "fp8_wgs": 2, "fp8_wg3_regs": (160, 24), "fp8_o_skip": 0,
-               "fp8_pv_overlap": 0, "fp8_d64": {"fp8_wgs": 3},
+               "fp8_pv_overlap": 0, "fp8_d64": {"fp8_wgs": 3}, "fp8_n192": 0,
                "pv_overlap": 0,
                "bwd_order": 0, "bwd_snake": 0, "bwd_named": 0, "bwd_epi_tma": 0, "bwd_fixed": 0, "bwd_window_desc": 0,
                "bwd_mod_early": 0, "bwd_window_fixed": 0, "bwd_prefix": 2,

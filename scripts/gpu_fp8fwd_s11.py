@@ -34,12 +34,15 @@ VARIANTS = {
     "packed P + softmax under the P V": {"variant": {"fp8_p_cvt": 3, "fp8_pv_overlap": 1}, "checks": 1},
     # [Note] fp8 192-key steps: S of 128 + 64 keys, P V of three 64-key boxes, P packed (fp8_n192; no window)
     "packed P, 192-key steps": {"variant": {"fp8_p_cvt": 3, "fp8_n192": 1}, "block_n": 192},
+    "192-key steps + softmax under the P V": {"variant": {"fp8_p_cvt": 3, "fp8_n192": 1, "fp8_pv_overlap": 1},
+                                              "block_n": 192, "checks": 1},
     # the packed carry with keys 4j and 4j + 1 swapped in each word: must fail the float64 check
     "mutant: packed P, bytes swapped": {"variant": {"fp8_p_cvt": 3}, "mutant": True,
                                         "patch": ((r"lo, \$2, \$1;", "lo, $1, $2;"), )},
 }
 s7.VARIANTS = VARIANTS
-TIMED = ("product", "packed P", "packed P + softmax under the P V", "packed P, 192-key steps")  # d128, after bf16 and cudnn-fp8
+TIMED = ("product", "packed P", "packed P + softmax under the P V", "packed P, 192-key steps",
+         "192-key steps + softmax under the P V")  # d128, after bf16 and cudnn-fp8
 D64 = ("product", "packed P")  # d64 fp8 (3 WGs at block_n 128: fp8_d64), ratios to the first
 EQUAL = {"packed P": "product", "packed P + softmax under the P V": "product"}  # must equal bit for bit
 FULL = ("packed P", "packed P, 192-key steps")  # s7.PRODUCT_CHECKS: GQA 4 / 2, per-head descales, the window

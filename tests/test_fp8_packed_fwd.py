@@ -30,7 +30,7 @@ def test_packed_carry_is_rendered_only_under_its_switch_and_only_for_fp8():
 
 def test_192_key_steps_render_only_under_their_switch_without_the_window():
     """[Note] fp8 192-key steps: BLOCK_N 192 over 2 stages, the step's own functions, K and Vt in 64-key boxes (the
-    host's descriptors too); the window keeps the 128-key kernel; bf16 never reads the switch."""
+    host's descriptors too); the window and d64 keep the 128-key kernel; bf16 never reads the switch."""
     product, bf16 = render(), render(dtype="bf16")
     assert "_consumer_step192" not in product and "BLOCK_N = 128\n" in product
     with variant(fp8_n192=1):
@@ -39,8 +39,8 @@ def test_192_key_steps_render_only_under_their_switch_without_the_window():
             assert "BLOCK_N = 192\n" in src and "STAGES = 2\n" in src and "def _p_pack(" in src
             assert src.count("_consumer_step192(") == 3  # its def and the two loops
             assert "rows, cols = (64 if rows == BLOCK_N else rows), (64 if cols == BLOCK_N else cols)" in src
-        windowed = render(window=True)
-        assert "_consumer_step192" not in windowed and "BLOCK_N = 128\n" in windowed
+        for other in (render(window=True), render(head_dim=64)):  # the window, d64 (three warpgroups)
+            assert "_consumer_step192" not in other and "BLOCK_N = 128\n" in other
         assert render(dtype="bf16") == bf16
 
 

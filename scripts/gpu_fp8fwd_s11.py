@@ -186,9 +186,8 @@ def phase_time():
         rows.append(("fagen bf16", mask, flops, lambda bf=bf: bf(*x)))
         for name in TIMED:
             m = s7.module(mask, name)
-            (a, da), (k, dk), (v, dv) = q8
-            rows.append((f"fp8 {name}", mask, flops, lambda m=m: m.forward(a, k, v, q_descale=da, k_descale=dk,
-                                                                         v_descale=dv)))
+            rows.append((f"fp8 {name}", mask, flops, lambda m=m, t=q8: m.forward(
+                t[0][0], t[1][0], t[2][0], q_descale=t[0][1], k_descale=t[1][1], v_descale=t[2][1])))
         m = s7.module(mask, "packed P")  # its kernel without the V transpose (Vt made once): the in-kernel lever
         (a, da), (k, dk), (v, dv) = q8
         vt = m.transpose_v(v)
@@ -203,9 +202,8 @@ def phase_time():
         rows.append(("fp8 packed P, kernel alone", mask, flops, alone))
         for name in D64:
             m = s7.module(mask, name, 64)
-            (a, da), (k, dk), (v, dv) = q64
-            rows.append((f"d64 fp8 {name}", mask, flops / 2, lambda m=m: m.forward(a, k, v, q_descale=da,
-                                                                                  k_descale=dk, v_descale=dv)))
+            rows.append((f"d64 fp8 {name}", mask, flops / 2, lambda m=m, t=q64: m.forward(
+                t[0][0], t[1][0], t[2][0], q_descale=t[0][1], k_descale=t[1][1], v_descale=t[2][1])))
     times = {}
     for label, mask, _, fn in rows:
         try:

@@ -7,6 +7,9 @@ scripts/gpu_fp8fwd_s11.py on an H100 (with a mutant that swaps a word's bytes, w
 import pytest
 
 import fagen
+from fagen import backends
+from fagen.backends.gluon import smem_bytes
+from fagen.spec import targets
 from fagen.spec.kernel import KernelSpec
 from test_fp8_wgs import variant
 from test_hopper_compile import build_sm90
@@ -41,7 +44,26 @@ def test_192_key_steps_render_only_under_their_switch_without_the_window():
             assert "rows, cols = (64 if rows == BLOCK_N else rows), (64 if cols == BLOCK_N else cols)" in src
         for other in (render(window=True), render(head_dim=64)):  # the window, d64 (three warpgroups)
             assert "_consumer_step192" not in other and "BLOCK_N = 128\n" in other
+        assert "BLOCK_N = 64\n" in render(block_n=64)  # an explicit block_n 64 is kept
         assert render(dtype="bf16") == bf16
+
+
+def test_192_key_rule_is_the_templates_and_counts_its_shared_memory():
+    """GluonBackend.fp8_n192 (the host's rule, and smem_bytes by it) agrees with the template's n192 on every fp8
+    spec shape it could differ on."""
+    g = backends.GLUON
+    cases = [dict(mask=m, head_dim=d, window=w, block_n=bn, gqa=q) for m in ("causal", "none") for d in (64, 128)
+             for w in (False, True) for bn in (64, 128) for q in (1, 4)]
+    for on in (0, 1):
+        with variant(fp8_n192=on):
+            for c in cases:
+                spec = KernelSpec(backend="gluon", dtype="fp8_e4m3", **c)
+                assert g.fp8_n192(spec) == ("_consumer_step192" in render(**c)), (on, c)
+                if g.fp8_n192(spec):
+                    assert g.smem_bytes(spec) == 181248 <= targets.ARCH_SMEM_LIMIT["sm_90"]
+                else:
+                    assert g.smem_bytes(spec) == smem_bytes(c["head_dim"], 128, c["block_n"], spec.num_stages, 1,
+                                                            c["head_dim"], g.variant_for(spec)["fp8_wgs"])
 
 
 _SCRIPT = r"""

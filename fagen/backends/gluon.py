@@ -366,9 +366,18 @@ class GluonBackend(KernelBackend):
             return False
         return self.tile_order(spec) is not None or bool(self.variant["tile_schedule_all"])
 
+    def fp8_n192(self, spec) -> bool:
+        """Whether the render of `spec` takes 192-key steps over 2 stages ([Note] fp8 192-key steps; the template's
+        `n192`, the same rule): variant fp8_n192, an fp8 d128 forward on two warpgroups at block_n 128, no window."""
+        v = self.variant_for(spec)
+        return (spec.dtype is DType.FP8_E4M3 and bool(v["fp8_n192"]) and not spec.window and spec.head_dim == 128
+                and v["fp8_wgs"] == 2 and spec.block_n == 128)
+
     def smem_bytes(self, spec) -> int:
         if spec.kind is Kind.DECODE:  # Q 72 KB, two slots of 72 KB, P 8 KB, the row stats and barriers
             return 2 * (64 * 576 + 2 * 64 * 576 + 64 * 64) + 8 * 64 * 4 + 1024
+        if self.fp8_n192(spec):  # [Note] fp8 192-key steps: Q, K in two 128-row slots a stage, Vt in three 64-key
+            return (2 * 2 * 64 + 2 * 2 * 128 + 2 * 3 * 64) * spec.head_dim + 2 * 2 * 64 * spec.head_dim + 1024  # boxes, O
         wgs = self.variant_for(spec)["fp8_wgs"] if spec.dtype is DType.FP8_E4M3 else 2  # [Note] fp8 three warpgroups
         return smem_bytes(spec.head_dim, spec.block_m, spec.block_n, spec.num_stages, spec.dtype.itemsize,
                           spec.head_dim_v, wgs)

@@ -20,22 +20,24 @@ def render(mask="causal", dtype="fp8_e4m3", head_dim=128, **fields):
 
 
 def test_packed_carry_is_rendered_only_under_its_switch_and_only_for_fp8():
-    product, bf16 = render(), render(dtype="bf16")
-    assert "def _p_pack(" not in product and "fp8 P packed carry" not in product
-    with variant(fp8_p_cvt=3):
+    with variant(fp8_p_cvt=2, fp8_n192=0):
+        before, bf16 = render(), render(dtype="bf16")
+    assert "def _p_pack(" not in before and "# [Note] fp8 P packed carry\n" not in before
+    with variant(fp8_p_cvt=3, fp8_n192=0):
         packed = render()
         assert render(dtype="bf16") == bf16
     carry = packed[packed.index("def _p_carry("):packed.index("\n\n\n", packed.index("def _p_carry("))]
     issue = packed[packed.index("def _p_issue("):packed.index("\n\n\n", packed.index("def _p_issue("))]
     assert "return _p_pack(p, p_layout)" in carry and "return _p_unpack(p_prev, p_layout)" in issue
-    assert "[Note] fp8 P packed carry" in packed and "dtype=gl.int32" in packed
+    assert "# [Note] fp8 P packed carry\n" in packed and "dtype=gl.int32" in packed
 
 
 def test_192_key_steps_render_only_under_their_switch_without_the_window():
     """[Note] fp8 192-key steps: BLOCK_N 192 over 2 stages, the step's own functions, K and Vt in 64-key boxes (the
     host's descriptors too); the window and d64 keep the 128-key kernel; bf16 never reads the switch."""
-    product, bf16 = render(), render(dtype="bf16")
-    assert "_consumer_step192" not in product and "BLOCK_N = 128\n" in product
+    with variant(fp8_n192=0):
+        before, bf16 = render(), render(dtype="bf16")
+    assert "_consumer_step192" not in before and "BLOCK_N = 128\n" in before
     with variant(fp8_n192=1):
         for mask in ("causal", "none"):
             src = render(mask)

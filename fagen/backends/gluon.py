@@ -87,8 +87,10 @@ class GluonBackend(KernelBackend):
     # in e4m3 ([Note] fp8 P rounding in the template). H100, d128 B1 H16 s16k causal / full TF/s
     # (scripts/gpu_fp8_fwd_s7.py, seventh session): 0 733 / 733, 2 824 / 825. bf16/fp16 renders do not read it. The
     # seventh session's warpgroup turns (FA3's scheduler barrier) measured no faster and left the template
-    # (docs/hopper.md, "fp8 forward, seventh session"). 3: P carried as int32 words of four e4m3 keys ([Note] fp8 P
-    # packed carry; eleventh session; the same out bit for bit as 2).
+    # (docs/hopper.md, "fp8 forward, seventh session"). 3 (the product since the eleventh session): P carried as int32
+    # words of four e4m3 keys ([Note] fp8 P packed carry; the same out bit for bit as 2). H100, B1 H16 s16k causal /
+    # full TF/s (scripts/gpu_fp8fwd_s11.py round A): d128 2 -> 3 770 -> 887 / 775 -> 869 (+15% / +12%), d64 557 -> 609
+    # / 577 -> 612 (+9% / +6%).
     # fp8_wgs: the fp8 forward's consumer warpgroups, 2 or 3 ([Note] fp8 three warpgroups in the template; 3 gives
     # the workers fp8_wg3_regs); fp8_o_skip: 1 rescales O only where a row's max moved ([Note] fp8 O rescale skip).
     # H100, d128 s16k causal / full (scripts/gpu_fp8_fwd_s9.py, ninth session, round A): 2 WGs 825 / 854 TF/s,
@@ -99,11 +101,11 @@ class GluonBackend(KernelBackend):
     # d64 B1 H16 s16k causal / full TF/s, 2 -> 3 WGs: ninth session round B 509 -> 565 / (unmeasured); tenth
     # session round A (scripts/gpu_fp8fwd_s10.py) 505 -> 563 / 519 -> 599 (+11% / +16%).
     # pv_overlap: fp8_pv_overlap for the bf16/fp16 forward (measurement only; the note is the fp8 one).
-    # fp8_n192: 1 gives the fp8 forward (not the window) 192-key steps over 2 stages, P carried packed ([Note] fp8
-    # 192-key steps; eleventh session, a measurement variant: the spec's block_n stays 128).
+    # fp8_n192: 1 gives the fp8 d128 forward (not the window) 192-key steps over 2 stages, P carried packed ([Note]
+    # fp8 192-key steps; GluonBackend.fp8_n192). Round A: 813 / 806 TF/s against 887 / 869 at 128 keys (off).
     # bwd_*: the gluon backward's levers ([Note] Gluon backward levers).
     variant = {"consumer_regs": 240, "loader_regs": 24, "tile_schedule_all": False, "causal_order": 3,
-               "fp8_p_cvt": 2, "fp8_wgs": 2, "fp8_wg3_regs": (160, 24), "fp8_o_skip": 0,
+               "fp8_p_cvt": 3, "fp8_wgs": 2, "fp8_wg3_regs": (160, 24), "fp8_o_skip": 0,
                "fp8_pv_overlap": 0, "fp8_d64": {"fp8_wgs": 3}, "fp8_n192": 0,
                "pv_overlap": 0,
                "bwd_order": 0, "bwd_snake": 0, "bwd_named": 0, "bwd_epi_tma": 0, "bwd_fixed": 0, "bwd_window_desc": 0,

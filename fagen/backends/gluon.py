@@ -89,8 +89,8 @@ class GluonBackend(KernelBackend):
     # seventh session's warpgroup turns (FA3's scheduler barrier) measured no faster and left the template
     # (docs/hopper.md, "fp8 forward, seventh session"). 3 (the product since the eleventh session): P carried as int32
     # words of four e4m3 keys ([Note] fp8 P packed carry; the same out bit for bit as 2). H100, B1 H16 s16k causal /
-    # full TF/s (scripts/gpu_fp8fwd_s11.py round A): d128 2 -> 3 770 -> 887 / 775 -> 869 (+15% / +12%), d64 557 -> 609
-    # / 577 -> 612 (+9% / +6%).
+    # full TF/s (scripts/gpu_fp8fwd_s11.py): round A d128 2 -> 3 770 -> 887 / 775 -> 869, round B 809 -> 795 / 839 ->
+    # 762 with the rows' order reversed; both together 1.06x / 1.01x (docs/hopper.md, "fp8 forward (eleventh session)").
     # fp8_wgs: the fp8 forward's consumer warpgroups, 2 or 3 ([Note] fp8 three warpgroups in the template; 3 gives
     # the workers fp8_wg3_regs); fp8_o_skip: 1 rescales O only where a row's max moved ([Note] fp8 O rescale skip).
     # H100, d128 s16k causal / full (scripts/gpu_fp8_fwd_s9.py, ninth session, round A): 2 WGs 825 / 854 TF/s,

@@ -80,9 +80,11 @@ def test_fagen_verify_refuses_fp8_in_one_line():
 # -- the module ----------------------------------------------------------------------------------------------
 def test_fp8_module_renders_the_e4m3_path_and_bf16_modules_do_not():
     src = fagen.generate(fp8(mask="causal", gqa=2))
+    n192 = backends.GLUON.fp8_n192(fp8(mask="causal", gqa=2))  # [Note] fp8 192-key steps: Vt in 64-key boxes
     for word in ("torch.float8_e4m3fn", "gl.float8e4nv", "instr_shape=[16, n, 32]", "k_width=4", "def transpose_v(",
-                 "v_smem.index(sp).permute((1, 0))", "[off_b, off_hkv, 0, start_n]", "q_descale=None",
-                 "KDescale + off_hkv * kd_h", "v_scale / l_safe"):
+                 "v_smem.index(3 * sp).permute((1, 0))" if n192 else "v_smem.index(sp).permute((1, 0))",
+                 "[off_b, off_hkv, 0, start_n + c * 64]" if n192 else "[off_b, off_hkv, 0, start_n]",
+                 "q_descale=None", "KDescale + off_hkv * kd_h", "v_scale / l_safe"):
         assert word in src, word
     assert src.count("custom_op") == 1  # its own operator ([Note] fp8 operator; tests/test_gluon_bwd_host.py)
     compile(src, "rendered", "exec")

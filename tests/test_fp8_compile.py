@@ -94,6 +94,8 @@ def test_every_matmul_is_an_e4m3_wgmma(built, key):
     to e4m3 (cvt ...e4m3x2), and out written in its own 16-bit type."""
     r, spec = built[key], spec_of(key)
     shapes = {f"m64n{spec.block_n}k32.f32.e4m3.e4m3", f"m64n{spec.head_dim}k32.f32.e4m3.e4m3"}
+    if backends.GLUON.fp8_n192(spec):  # [Note] fp8 192-key steps: S as 128 + 64 keys
+        shapes.add("m64n64k32.f32.e4m3.e4m3")
     assert set(r["wgmma"]) == shapes, r
     assert r["sass_mma"] and all(m.startswith("QGMMA.") and m.endswith(".F32.E4M3.E4M3") for m in r["sass_mma"]), r
     assert r["e4m3_cvt"] > 0, r
@@ -112,11 +114,12 @@ def test_p_reaches_the_pv_operand_without_shuffles(built, key):
 
 @pytest.mark.parametrize("key", list(MODULES))
 def test_p_is_not_repacked_in_the_loop_as_the_variant_says(built, key):
-    """[Note] fp8 P rounding: with fp8_p_cvt 2 no loop that issues wgmma repacks P's bytes (prmt.b32, cvt.u32.u16 in
-    the PTX: at most 1 a loop, against 112 when P crosses the back edge in e4m3, fp8_p_cvt 0)."""
+    """[Note] fp8 P rounding: with fp8_p_cvt 2 or 3 ([Note] fp8 P packed carry) no loop that issues wgmma repacks
+    P's bytes (prmt.b32, cvt.u32.u16 in the PTX: at most 1 a loop, against 112 when P crosses the back edge in e4m3,
+    fp8_p_cvt 0)."""
     r = built[key]["repack"]
     assert r, built[key]
-    if backends.GLUON.variant["fp8_p_cvt"] == 2:
+    if backends.GLUON.variant["fp8_p_cvt"] in (2, 3):
         assert max(r) <= 4, r
     else:
         assert min(r) >= 48, r

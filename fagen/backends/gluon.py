@@ -87,7 +87,10 @@ class GluonBackend(KernelBackend):
     # in e4m3 ([Note] fp8 P rounding in the template). H100, d128 B1 H16 s16k causal / full TF/s
     # (scripts/gpu_fp8_fwd_s7.py, seventh session): 0 733 / 733, 2 824 / 825. bf16/fp16 renders do not read it. The
     # seventh session's warpgroup turns (FA3's scheduler barrier) measured no faster and left the template
-    # (docs/hopper.md, "fp8 forward, seventh session").
+    # (docs/hopper.md, "fp8 forward, seventh session"). 3 (the product since the eleventh session): P carried as int32
+    # words of four e4m3 keys ([Note] fp8 P packed carry; the same out bit for bit as 2). H100, B1 H16 s16k causal /
+    # full TF/s (scripts/gpu_fp8fwd_s11.py): round A d128 2 -> 3 770 -> 887 / 775 -> 869, round B 809 -> 795 / 839 ->
+    # 762 with the rows' order reversed; both together 1.06x / 1.01x (docs/hopper.md, "fp8 forward (eleventh session)").
     # fp8_wgs: the fp8 forward's consumer warpgroups, 2 or 3 ([Note] fp8 three warpgroups in the template; 3 gives
     # the workers fp8_wg3_regs); fp8_o_skip: 1 rescales O only where a row's max moved ([Note] fp8 O rescale skip).
     # H100, d128 s16k causal / full (scripts/gpu_fp8_fwd_s9.py, ninth session, round A): 2 WGs 825 / 854 TF/s,
@@ -98,10 +101,13 @@ class GluonBackend(KernelBackend):
     # d64 B1 H16 s16k causal / full TF/s, 2 -> 3 WGs: ninth session round B 509 -> 565 / (unmeasured); tenth
     # session round A (scripts/gpu_fp8fwd_s10.py) 505 -> 563 / 519 -> 599 (+11% / +16%).
     # pv_overlap: fp8_pv_overlap for the bf16/fp16 forward (measurement only; the note is the fp8 one).
+    # fp8_n192: 1 gives the fp8 d128 forward (not the window) 192-key steps over 2 stages, P carried packed ([Note]
+    # fp8 192-key steps; GluonBackend.fp8_n192), 2 the same with S in three 64-key parts over 3 stages. Round A: 1
+    # 813 / 806 TF/s against 887 / 869 at 128 keys (off).
     # bwd_*: the gluon backward's levers ([Note] Gluon backward levers).
     variant = {"consumer_regs": 240, "loader_regs": 24, "tile_schedule_all": False, "causal_order": 3,
-               "fp8_p_cvt": 2, "fp8_wgs": 2, "fp8_wg3_regs": (160, 24), "fp8_o_skip": 0,
-               "fp8_pv_overlap": 0, "fp8_d64": {"fp8_wgs": 3},
+               "fp8_p_cvt": 3, "fp8_wgs": 2, "fp8_wg3_regs": (160, 24), "fp8_o_skip": 0,
+               "fp8_pv_overlap": 0, "fp8_d64": {"fp8_wgs": 3}, "fp8_n192": 0,
                "pv_overlap": 0,
                "bwd_order": 0, "bwd_snake": 0, "bwd_named": 0, "bwd_epi_tma": 0, "bwd_fixed": 0, "bwd_window_desc": 0,
                "bwd_mod_early": 0, "bwd_window_fixed": 0, "bwd_prefix": 2,
@@ -393,9 +399,19 @@ class GluonBackend(KernelBackend):
             return False
         return self.tile_order(spec) is not None or bool(self.variant["tile_schedule_all"])
 
+    def fp8_n192(self, spec) -> bool:
+        """Whether the render of `spec` takes 192-key steps over 2 stages ([Note] fp8 192-key steps; the template's
+        `n192`, the same rule): variant fp8_n192, an fp8 d128 forward on two warpgroups at block_n 128, no window."""
+        v = self.variant_for(spec)
+        return (spec.dtype is DType.FP8_E4M3 and bool(v["fp8_n192"]) and not spec.window and spec.head_dim == 128
+                and v["fp8_wgs"] == 2 and spec.block_n == 128)
+
     def smem_bytes(self, spec) -> int:
         if spec.kind is Kind.DECODE:  # Q 72 KB, two slots of 72 KB, P 8 KB, the row stats and barriers
             return 2 * (64 * 576 + 2 * 64 * 576 + 64 * 64) + 8 * 64 * 4 + 1024
+        if self.fp8_n192(spec):  # [Note] fp8 192-key steps: Q, K in two 128-row slots a stage (thirds, fp8_n192 2:
+            kv = 2 * (2 * 128 + 3 * 64) if self.variant_for(spec)["fp8_n192"] == 1 else 3 * 6 * 64  # three 64-row
+            return (2 * 2 * 64 + kv) * spec.head_dim + 2 * 2 * 64 * spec.head_dim + 1024  # slots, 3 stages), Vt, O
         wgs = self.variant_for(spec)["fp8_wgs"] if spec.dtype is DType.FP8_E4M3 else 2  # [Note] fp8 three warpgroups
         return smem_bytes(spec.head_dim, spec.block_m, spec.block_n, spec.num_stages, spec.dtype.itemsize,
                           spec.head_dim_v, wgs)

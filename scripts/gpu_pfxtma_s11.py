@@ -72,7 +72,7 @@ def host(mod, path):
     _BWD_ZERO_LATE: the accumulator's fill after the preprocess); True / False: fast / plain."""
     path = {True: "fast", False: "plain"}.get(path, path)
     mod._BWD_FAST_FIXED = path != "plain"
-    mod._BWD_ZERO_LATE = path == "late"
+    mod._BWD_ZERO_LATE = path == "late"  # removed from the launcher after round B: "late" now times the fast path
     return mod
 
 

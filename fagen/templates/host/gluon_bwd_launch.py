@@ -73,12 +73,6 @@ _BWD_FAST_SWITCHES = False
 # B1 H16 causal d128, mode 2): S2048 0.450 -> 0.204 ms a call (host 0.454 -> 0.224 ms); s16k medians of three rotated
 # passes 540 / 535 TF/s plain / fast (within the passes' 4% spread); prefix-LM S8192 1.389-1.432 / 1.409-1.414 ms.
 _BWD_FAST_FIXED = True
-# _BWD_ZERO_LATE: the fast path's fill of the accumulator after the preprocess (the plain path's order: preprocess,
-# torch.zeros, main kernel) instead of before the bound's reductions and the preprocess. Round A of
-# scripts/gpu_pfxtma_s11.py timed the plain path 7% ahead of the fast one at causal s16k (do_bench, L2 flushed; the
-# variant run first in each group, so maybe the clocks). Round B, medians of three rotated passes at s16k: 533
-# against the early fill's 535 TF/s deterministic, 537 against 525 unordered, each within the 4% spread: off.
-_BWD_ZERO_LATE = False
 _BWD_WS_KEEP = 1 << 25  # bytes: the largest workspace kept per stream (B x Hq x sq_pad <= 16384 rows of D 128)
 _BWD_WS = _thread_local()  # per thread: (device, stream) -> [buffer, {(b, hq, sq_pad, dq_mode): views}]
 _GL_DTYPE[torch.float32] = gl.float32  # the workspaces' descriptors (requests like the inputs')
@@ -100,9 +94,8 @@ def _bwd_views(buf, b, hq, sq_pad, dq_mode):
             buf[acc:acc + sems].view(torch.int32), dm[b * hq:], dm)
 
 
-def _bwd_workspace(b, hq, sq_pad, dq_mode, q, zero=True):
-    """The workspace views of one backward on q's device, the zeroed part zeroed on the current stream (zero=False:
-    by the caller)."""
+def _bwd_workspace(b, hq, sq_pad, dq_mode, q):
+    """The workspace views of one backward on q's device, the zeroed part zeroed on the current stream."""
     n = b * hq * sq_pad * (HEAD_DIM + 3) + b * hq * sq_pad // BWD_BLOCK_M + 8
     if torch.cuda.is_current_stream_capturing() or 4 * n > _BWD_WS_KEEP:
         views = _bwd_views(q.new_empty(n, dtype=torch.float32), b, hq, sq_pad, dq_mode)
@@ -118,8 +111,7 @@ def _bwd_workspace(b, hq, sq_pad, dq_mode, q, zero=True):
             if len(kept[1]) >= 256:
                 kept[1].clear()
             views = kept[1][shape] = _bwd_views(kept[0], b, hq, sq_pad, dq_mode)
-    if zero:
-        views[0].zero_()
+    views[0].zero_()
     return views
 
 
@@ -136,7 +128,7 @@ def _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, qk_sca
     hkv, sk = k.shape[1] * BWD_KV_SPLIT, k.shape[2]  # virtual KV heads ([Note] GQA split in the backward)
     sq_pad = -(-sq // BWD_BLOCK_M) * BWD_BLOCK_M
     dev = q.get_device()
-    zero, delta, lse2, dq_acc, sem, qmul, dm = _bwd_workspace(b, hq, sq_pad, dq_mode, q, not _BWD_ZERO_LATE)
+    _, delta, lse2, dq_acc, sem, qmul, dm = _bwd_workspace(b, hq, sq_pad, dq_mode, q)
     rows = delta
     if dq_mode == 2:  # an int32 accumulator (zeroed float32 bits are int32 zeros), the rows' qmul in Sem
         dq_acc, sem, rows = dq_acc.view(torch.int32), qmul, dm if BWD_FIXED_TMA else delta
@@ -147,8 +139,6 @@ def _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, qk_sca
         _fast_bwd_preprocess[(sq_pad // BWD_BLOCK_M, b * hq)](out, do, lse, delta, lse2, sq, sq_pad,
                                                               HEAD_DIM=HEAD_DIM, BLOCK_M=BWD_BLOCK_M, **_PRE_KW,
                                                               num_warps=4)
-    if _BWD_ZERO_LATE:
-        zero.zero_()
     num_bh = b * hkv
     num_tiles = -(-sk // BWD_BLOCK_N) * num_bh
     if dev not in _NUM_SMS:

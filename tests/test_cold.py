@@ -141,6 +141,33 @@ def test_the_render_index_serves_only_whole_files_of_the_same_package(seen, monk
     assert loader.source_path(spec) == path and seen["render"] == [spec.name]
 
 
+def test_the_render_memo_and_index_key_on_the_gluon_variant(seen, monkeypatch):
+    """A render made under a variant set at run time (as measurement scripts set GluonBackend.variant) is not served
+    under another, in this process (the render memo) or a new one (the render index); the default's entry still is."""
+    from fagen import backends
+    from fagen.codegen import render as codegen
+    from fagen.runtime import loader
+
+    spec = fagen.KernelSpec(head_dim=16, mask="causal", block_m=16, block_n=16, score_mod="score * 0.517")
+    path = loader.source_path(spec)
+    assert seen["render"] == [spec.name]
+    seen["new_process"]()
+    regs = backends.GLUON.variant["consumer_regs"]
+    monkeypatch.setitem(backends.GLUON.variant, "consumer_regs", regs - 8)
+    loader.source_path(spec)
+    assert seen["render"] == [spec.name]  # a miss in the index: rendered under the new variant
+    seen["render"].clear()
+    loader.source_path(spec)
+    assert seen["render"] == []  # the memo and the index now hold this variant's render too
+    seen["new_process"]()
+    monkeypatch.setitem(backends.GLUON.variant, "consumer_regs", regs)  # the default variant again
+    assert loader.source_path(spec) == path and seen["render"] == []
+    gluon = fagen.KernelSpec(backend="gluon", head_dim=128, mask="causal", dtype="bf16")
+    assert f"CONSUMER_REGS = {regs}\n" in codegen.render(gluon).source
+    monkeypatch.setitem(backends.GLUON.variant, "consumer_regs", regs - 8)
+    assert f"CONSUMER_REGS = {regs - 8}\n" in codegen.render(gluon).source  # the memo holds both
+
+
 def test_a_first_call_without_gradient_loads_only_the_module_it_runs(seen, monkeypatch):
     """[Note] Forward-only first calls: where a forward twin serves (sm_90's forward tiles, here a CPU stand-in), the
     first call without gradient imports that one module, not the bwd module of the same mods; a call with gradients

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -190,7 +191,15 @@ def render(spec: KernelSpec) -> Rendered:
     if not isinstance(spec, KernelSpec):
         raise TypeError(f"render() takes a KernelSpec, got {type(spec).__name__}")
     root = template_dir()
-    return _render(spec, root, _stamp(root))
+    return _render(spec, root, _stamp(root), render_state(spec))
+
+
+def render_state(spec: KernelSpec) -> str:
+    """What a render reads at run time beyond the spec and the template files: the Gluon variant of the spec
+    (`GluonBackend.variant_for`), which measurement scripts set in-process. The render memo and the loader's render
+    index ([Note] Render index in fagen/runtime/loader.py) key on it, so a render made under one variant is never
+    served under another, in this process or a later one."""
+    return json.dumps(backends.GLUON.variant_for(spec), sort_keys=True, default=repr)
 
 
 INDEX_TRUSTED = True  # whether fagen.runtime.loader may serve a load from its render index ([Note] Render index)
@@ -208,7 +217,7 @@ render.cache_clear = _cache_clear
 
 
 @functools.lru_cache(maxsize=512)
-def _render(spec: KernelSpec, root: Path, stamp: tuple) -> Rendered:
+def _render(spec: KernelSpec, root: Path, stamp: tuple, state: str = "") -> Rendered:
     env, backend = _environment(root), backends.get(spec.backend)
     files = {backend.suffix: env.get_template(template_name(spec)).render(**_context(spec))}
     if backend.launcher:

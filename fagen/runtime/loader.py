@@ -63,8 +63,9 @@ def load(spec: KernelSpec, build_dir: str | Path | None = None) -> ModuleType:
 # [Note] Render index. A process that loads a spec an earlier process rendered need not render it again (the Jinja
 # environment, its template compiles and the render cost about 0.1-0.3 s, more than the rest of a warm first call):
 # load() looks the source up in an index entry under <cache>/src/index/, keyed by the canonical spec, the fagen
-# version, the templates folder and a stamp (name, mtime, size) of every .py/.j2 file of the fagen package (once a
-# process) and of the templates folder (at every lookup, as render() stamps it): everything a render reads. The entry
+# version, the templates folder, a stamp (name, mtime, size) of every .py/.j2 file of the fagen package (once a
+# process) and of the templates folder (at every lookup, as render() stamps it), and the Gluon variant the render
+# reads (render.render_state: scripts set GluonBackend.variant at run time): everything a render reads. The entry
 # names the spec's source files and their sha256; a hit reads and hashes them (a truncated or edited file is a miss:
 # rendered and rewritten, as write_source repairs it), so a hit serves exactly the bytes the render would give.
 # render.cache_clear() (tests that change tables under a render) turns the index off for the rest of the process.
@@ -97,7 +98,8 @@ def source_path(spec: KernelSpec) -> Path:
 def _index_entry(spec: KernelSpec) -> Path:
     root = codegen.template_dir()
     key = files.digest("index", __version__, spec.to_json(), str(root), repr(_package_stamp()),
-                       repr(codegen._stamp(root)))  # the templates again: an edit within this process counts
+                       repr(codegen._stamp(root)),  # the templates again: an edit within this process counts
+                       codegen.render_state(spec))  # the variant the render reads (render.render_state)
     return files.cache_root() / "src" / "index" / key[:2] / f"{key[:32]}.json"
 
 

@@ -155,9 +155,10 @@ def check_paths(name, head_dim=128, gqa=1):
             zero = all(bool((g[0][:, :, 0] == 0).all()) for g in runs.values())
             ok = rep and zero and max(e.values()) < 3e-2 and same(runs["bk"], runs["bf"]) \
                 and same(runs["plain"], runs["tb"])
-            return ok, (f"max |err| {' '.join(f'{p} {x:.1e}' for p, x in e.items())}; repeatable {rep}; row 0 dq == 0 "
-                        f"{zero}; tb vs plain {diff(runs['tb'], runs['plain'])}; bk vs tb {diff(runs['bk'], runs['tb'])};"
-                        f" bf vs bk {diff(runs['bf'], runs['bk'])}")
+            errs_ = " ".join(f"{p} {x:.1e}" for p, x in e.items())
+            return ok, (f"max |err| {errs_}; repeatable {rep}; row 0 dq == 0 {zero}; tb vs plain "
+                        f"{diff(runs['tb'], runs['plain'])}; bk vs tb {diff(runs['bk'], runs['tb'])}; bf vs bk "
+                        f"{diff(runs['bf'], runs['bk'])}")
         check(f"{name} d{head_dim} gqa {gqa}{'' if left is None else f' window ({left}, 0)'}", run)
 
 
@@ -232,8 +233,8 @@ def check_api():
     mod._run_backward_fast = real
 
 
-WARM = {"flex": ["flex"], "window": ["window", "api", "mutants"], "default": ["default"], "nopfx": ["nopfx"],
-        "d64": ["d64"], "gqa": ["gqa"]}
+WARM = {"flex": ["flex"], "window": ["window", "api", "mutants"], "bound": ["bound"], "default": ["default"],
+        "nopfx": ["nopfx"], "d64": ["d64"], "gqa": ["gqa"]}
 
 
 def window_inputs():
@@ -303,6 +304,9 @@ def phase_warm(name: str) -> None:
                 check_api()
             elif item == "mutants":
                 check_mutants()
+            elif item == "bound":
+                print(f"warm bound: {bound_alone(*(t.detach() for t in window_inputs()[1:3]), time_it=False)}",
+                      flush=True)
             elif item == "default":
                 causal_step("bf", big_inputs(2048))()
                 causal_step("bk", big_inputs(2048))()
@@ -349,9 +353,13 @@ def passes():
     return out
 
 
-def bound_alone(k, v):
+FILL_CONFIGS = [(64, 64, 4), (32, 64, 4), (128, 32, 4), (64, 32, 4), (64, 64, 8)]  # (PARTS, BLOCK, warps)
+
+
+def bound_alone(k, v, time_it=True):
     """{name: ms} of the bound at the window row's K, V: the atomic kernel + torch's fill of the accumulator (the
-    product), the bound kernel's fill at PARTS 64 (one launch); each checked against the other's maxima."""
+    product's two launches), the bound kernel's fill (one launch) at FILL_CONFIGS; each fill checked against the
+    atomic kernel's maxima and for a zero accumulator. time_it=False: compile and check only."""
     import torch
     import triton.testing
 
@@ -359,11 +367,8 @@ def bound_alone(k, v):
     b, h, sk, d = k.shape
     acc = torch.empty(b * h * sk * d, dtype=torch.int32, device="cuda")
     kvb = torch.zeros(2 * b * h, device="cuda")
-    parts = mod._BWD_BOUND_PARTS
-    kvp = torch.empty(2 * b * h * parts, device="cuda")
     part = acc.numel() // (b * h)
     nfill = -(-part // mod._BWD_FILL_ELEMS)
-    chunk = -(-(-(-sk // parts)) // 64) * 64
     fill_part = -(-part // (nfill * mod._BWD_FILL_BLOCK)) * mod._BWD_FILL_BLOCK
 
     def product():
@@ -371,23 +376,31 @@ def bound_alone(k, v):
         kvb.zero_()
         mod._bwd_kv_bound_rows[(-(-sk // 64), b * h)](k, v, kvb, sk, HEAD_DIM=d, BLOCK=64, num_warps=4)
 
-    def fused():
-        mod._bwd_kv_bound_fill[(parts + nfill, b * h)](k, v, kvp, acc, sk, chunk, part, fill_part, HEAD_DIM=d,
-                                                       BLOCK=64, PARTS=parts, FILL=mod._BWD_FILL_BLOCK, num_warps=4)
-
     def bound_only():
         kvb.zero_()
         mod._bwd_kv_bound_rows[(-(-sk // 64), b * h)](k, v, kvb, sk, HEAD_DIM=d, BLOCK=64, num_warps=4)
 
+    def fused(parts, block, warps, kvp):
+        chunk = -(-(-(-sk // parts)) // block) * block
+        return lambda: mod._bwd_kv_bound_fill[(parts + nfill, b * h)](
+            k, v, kvp, acc, sk, chunk, part, fill_part, HEAD_DIM=d, BLOCK=block, PARTS=parts,
+            FILL=mod._BWD_FILL_BLOCK, num_warps=warps)
+
     product()
-    acc.fill_(5)
-    fused()
-    torch.cuda.synchronize()
-    ok = bool(torch.equal(kvp.view(b * h, parts, 2).amax(1).reshape(-1), kvb)) and int(acc.count_nonzero()) == 0
-    res = {"ok": ok}
-    for name, fn in (("zero_ + bound kernel", product), ("bound kernel", bound_only), ("fill kernel", fused),
-                     ("zero_ 64 MB", lambda: acc.zero_())):
-        res[name] = round(float(triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median")), 4)
+    res, runs = {}, [("zero_ + bound kernel", product), ("bound kernel", bound_only), ("zero_ 64 MB", acc.zero_)]
+    for parts, block, warps in FILL_CONFIGS:
+        kvp = torch.empty(2 * b * h * parts, device="cuda")
+        fn = fused(parts, block, warps, kvp)
+        acc.fill_(5)
+        fn()
+        torch.cuda.synchronize()
+        ok = bool(torch.equal(kvp.view(b * h, parts, 2).amax(1).reshape(-1), kvb)) and int(acc.count_nonzero()) == 0
+        name = f"fill kernel {parts}x{block}w{warps}"
+        res[name + " ok"] = ok
+        runs.append((name, fn))
+    if time_it:
+        for name, fn in runs:
+            res[name] = round(float(triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median")), 4)
     return res
 
 

@@ -404,6 +404,40 @@ def bound_alone(k, v, time_it=True):
     return res
 
 
+def host_ledger(tensors, steps):
+    """{what: host ms a call (median of 3 rounds of 30 calls issued without a sync)} of the window row's backward:
+    autograd.grad through fagen.attention (api) and the module's own attention (mod), the module's _launch_backward
+    without autograd, _run_backward_fast alone (bk, bf)."""
+    import torch
+
+    mod = module("window")
+    q, k, v, do = (t.detach() for t in tensors)
+    out, lse = mod.forward(q, k, v, window=WINDOW)
+    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+    scale = 128 ** -0.5
+    fns = {"autograd api": steps.get("api"), "autograd mod": steps.get("mod"),
+           "_launch_backward": lambda: host(mod, "bk")._launch_backward(
+               do, q, k, v, out, lse, scale, None, None, None, WINDOW[0], WINDOW[1], None, None, None),
+           "_run_backward_fast bk": lambda: host(mod, "bk")._run_backward_fast(
+               do, q, k, v, out, lse, scale, dq, dk, dv, 2, None, (WINDOW[0], WINDOW[1], 0.0)),
+           "_run_backward_fast bf": lambda: host(mod, "bf")._run_backward_fast(
+               do, q, k, v, out, lse, scale, dq, dk, dv, 2, None, (WINDOW[0], WINDOW[1], 0.0))}
+    fns = {n: f for n, f in fns.items() if f is not None}
+    got = {n: [] for n in fns}
+    for r in range(3):
+        names = list(fns)[r:] + list(fns)[:r]
+        for n in names:
+            fns[n]()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(30):
+                fns[n]()
+            got[n].append((time.perf_counter() - t0) * 1e3 / 30)
+            torch.cuda.synchronize()
+    host(mod, "bk")
+    return {n: round(sorted(x)[1], 4) for n, x in got.items()}
+
+
 def phase_time() -> None:
     import torch
 
@@ -448,6 +482,12 @@ def phase_time() -> None:
             print(f"CHECK {'PASS' if same(b, c) else 'FAIL'} s16k causal d128: bk vs tb {diff(b, a)}; bf vs bk "
                   f"{diff(c, b)}", flush=True)
             kept["done"] = True
+    if time.time() < t_end:
+        try:
+            print("REC " + json.dumps({"row": "host", "variant": "ledger", "host": host_ledger(tensors["window"],
+                                                                                              steps)}), flush=True)
+        except Exception as e:  # noqa: BLE001
+            print("REC " + json.dumps({"row": "host", "variant": "ledger", "error": f"{type(e).__name__}: {e}"[:160]}))
     if time.time() < t_end:
         try:
             q, k, v, _ = tensors["window"]
@@ -522,8 +562,8 @@ def summary(recs) -> None:
         print(f"| {key[0]} | {key[1]} | {med[key]:.3f} | {tf[key] / med[key]:.0f} | {x} | "
               f"{' / '.join(f'{m:.3f}' for m in ms)} | {h:.3f} |")
     for r in recs:
-        if r["row"] in ("bound", "kernels") and not r.get("error"):
-            print(f"{r['row']} {r['variant']}: {r.get('bound') or (round(r['kernel_ms'], 3), r['top'])}")
+        if r["row"] in ("bound", "kernels", "host") and not r.get("error"):
+            print(f"{r['row']} {r['variant']}: {r.get('bound') or r.get('host') or (round(r['kernel_ms'], 3), r['top'])}")
 
 
 if __name__ == "__main__":

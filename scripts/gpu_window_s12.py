@@ -353,7 +353,8 @@ def passes():
     return out
 
 
-FILL_CONFIGS = [(64, 64, 4), (32, 64, 4), (128, 32, 4), (64, 32, 4), (64, 64, 8)]  # (PARTS, BLOCK, warps)
+FILL_CONFIGS = [(64, 64, 4, 0), (64, 64, 4, 1), (32, 64, 4, 0), (128, 32, 4, 0), (128, 32, 4, 1), (64, 64, 8, 0),
+                (256, 32, 2, 1)]  # (PARTS, BLOCK, warps, LEAN)
 
 
 def bound_alone(k, v, time_it=True):
@@ -380,22 +381,22 @@ def bound_alone(k, v, time_it=True):
         kvb.zero_()
         mod._bwd_kv_bound_rows[(-(-sk // 64), b * h)](k, v, kvb, sk, HEAD_DIM=d, BLOCK=64, num_warps=4)
 
-    def fused(parts, block, warps, kvp):
+    def fused(parts, block, warps, lean, kvp):
         chunk = -(-(-(-sk // parts)) // block) * block
         return lambda: mod._bwd_kv_bound_fill[(parts + nfill, b * h)](
             k, v, kvp, acc, sk, chunk, part, fill_part, HEAD_DIM=d, BLOCK=block, PARTS=parts,
-            FILL=mod._BWD_FILL_BLOCK, num_warps=warps)
+            FILL=mod._BWD_FILL_BLOCK, LEAN=lean, num_warps=warps)
 
     product()
     res, runs = {}, [("zero_ + bound kernel", product), ("bound kernel", bound_only), ("zero_ 64 MB", acc.zero_)]
-    for parts, block, warps in FILL_CONFIGS:
+    for parts, block, warps, lean in FILL_CONFIGS:
         kvp = torch.empty(2 * b * h * parts, device="cuda")
-        fn = fused(parts, block, warps, kvp)
+        fn = fused(parts, block, warps, lean, kvp)
         acc.fill_(5)
         fn()
         torch.cuda.synchronize()
         ok = bool(torch.equal(kvp.view(b * h, parts, 2).amax(1).reshape(-1), kvb)) and int(acc.count_nonzero()) == 0
-        name = f"fill kernel {parts}x{block}w{warps}"
+        name = f"fill kernel {parts}x{block}w{warps}{' lean' if lean else ''}"
         res[name + " ok"] = ok
         runs.append((name, fn))
     if time_it:

@@ -102,9 +102,10 @@ def _fill_args(mod, b, hkv, gqa, sk, sq_pad, parts, elems=3000, block=1024):
     return (parts + nfill, b * hkv), chunk, part, -(-part // (nfill * block)) * block
 
 
-@pytest.mark.parametrize("b,hkv,gqa,sk,sq_pad,parts", [(2, 3, 1, 333, 320, 4), (1, 2, 2, 65, 64, 8),
-                                                       (1, 1, 1, 200, 192, 64), (1, 1, 3, 130, 128, 2)])
-def test_the_bound_kernel_s_fill(b, hkv, gqa, sk, sq_pad, parts):
+@pytest.mark.parametrize("b,hkv,gqa,sk,sq_pad,parts,lean", [(2, 3, 1, 333, 320, 4, 0), (1, 2, 2, 65, 64, 8, 1),
+                                                            (1, 1, 1, 200, 192, 64, 0), (1, 1, 3, 130, 128, 2, 0),
+                                                            (2, 3, 1, 333, 320, 4, 1)])
+def test_the_bound_kernel_s_fill(b, hkv, gqa, sk, sq_pad, parts, lean):
     """[Note] The bound kernel's fill: the max over the PARTS partials of each KV head is the atomic kernel's KVB bit
     for bit (rows not a multiple of 64, empty parts, a part of several blocks), NaN as +inf; the fill zeroes each KV
     head's accumulator rows (its GQA heads) and nothing past them."""
@@ -117,7 +118,7 @@ def test_the_bound_kernel_s_fill(b, hkv, gqa, sk, sq_pad, parts):
         acc = torch.full((b * hkv * part + 300, ), 7, dtype=torch.int32)
         kvb = torch.full((b * hkv * parts * 2, ), -1.0)
         mod._bwd_kv_bound_fill[grid](k, v, kvb, acc, sk, chunk, part, fill_part, HEAD_DIM=128, BLOCK=64,
-                                     PARTS=parts, FILL=1024)
+                                     PARTS=parts, FILL=1024, LEAN=lean)
         assert torch.count_nonzero(acc[:b * hkv * part]) == 0 and (acc[b * hkv * part:] == 7).all()
         want = torch.zeros(b * hkv * 2)
         mod._bwd_kv_bound_rows[(triton.cdiv(sk, 64), b * hkv)](k, v, want, sk, HEAD_DIM=128, BLOCK=64)
@@ -197,7 +198,8 @@ def test_the_window_s_fast_launches_are_the_plain_path_s(window_fast, monkeypatc
     if fill:
         assert fakes["fill"][0] == (((parts + 1, 4), (333, 64, 320 * 128, 320 * 128 // 2048 * 2048 + 2048
                                                        if 320 * 128 % 2048 else 320 * 128),
-                                     {"HEAD_DIM": 128, "BLOCK": 64, "PARTS": parts, "FILL": 2048, "num_warps": 4}))
+                                     {"HEAD_DIM": 128, "BLOCK": 64, "PARTS": parts, "FILL": 2048, "LEAN": 0,
+                                      "num_warps": 4}))
         assert not fakes["bound"] and len(fakes["fill"]) == 2
     else:
         assert fakes["bound"][0] == ((6, 4), 333, {"HEAD_DIM": 128, "BLOCK": 64, "num_warps": 4})

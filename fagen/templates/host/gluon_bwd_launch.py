@@ -88,6 +88,7 @@ _BWD_BOUND_ROWS, _BWD_BOUND_WARPS = 64, 4
 _BWD_BOUND_FILL = False  # [Note] The bound kernel's fill (off until measured)
 _BWD_BOUND_PARTS = 64  # KVB's partials per KV head with _BWD_BOUND_FILL (the preprocess's KVB_PARTS)
 _BWD_FILL_ELEMS, _BWD_FILL_BLOCK = 1 << 16, 2048  # int32 elements a fill program zeroes, and at a time
+_BWD_BOUND_LEAN = 0  # the fill kernel's LEAN body (NaN carried by the maxima, not counted): measured in round A
 # [Note] Switches on the fast backward path: a window render with the qmul rows by TMA (the product's, variant
 # bwd_window) takes it in every mode (the eleventh session's window path, merged into this one in the twelfth)
 _BWD_WINDOW_FAST = True
@@ -181,33 +182,55 @@ def _bwd_kv_bound_rows(K, V, KVB, seq_k, HEAD_DIM: tl.constexpr, BLOCK: tl.const
 
 
 @triton.jit
+def _max_nan(a, b):
+    """max(a, b), NaN if either is (the bound's NaN rule without counting: [Note] The bound kernel's fill)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _bwd_kv_bound_fill(K, V, KVB, Acc, seq_k, chunk, acc_part, fill_part, HEAD_DIM: tl.constexpr,
-                       BLOCK: tl.constexpr, PARTS: tl.constexpr, FILL: tl.constexpr):
+                       BLOCK: tl.constexpr, PARTS: tl.constexpr, FILL: tl.constexpr, LEAN: tl.constexpr = 0):
     """Programs p < PARTS of bh = program 1: KVB[bh, p] = (max|K|, max_j |V_j|_2) over K, V rows [p chunk, + chunk)
     (NaN as +inf); p >= PARTS: zero Acc[bh acc_part + (p - PARTS) fill_part, + fill_part) within bh's acc_part
     elements ([Note] The bound kernel's fill)."""
     p = tl.program_id(0)
     bh = tl.program_id(1)
     if p < PARTS:
-        cols = tl.arange(0, HEAD_DIM)
-        kmax = tl.zeros([], tl.float32)
-        vmax = tl.zeros([], tl.float32)
-        kbad = tl.zeros([], tl.int32)
-        vbad = tl.zeros([], tl.int32)
-        for r in range(0, chunk, BLOCK):
-            rows = p * chunk + r + tl.arange(0, BLOCK)
-            offs = bh.to(tl.int64) * seq_k * HEAD_DIM + rows[:, None] * HEAD_DIM + cols[None, :]
-            inside = rows[:, None] < seq_k
-            k = tl.abs(tl.load(K + offs, mask=inside, other=0.0).to(tl.float32))
-            v = tl.load(V + offs, mask=inside, other=0.0).to(tl.float32)
-            vs = tl.sum(v * v, 1)
-            kbad += tl.sum(tl.sum((k != k).to(tl.int32), 1), 0)
-            vbad += tl.sum((vs != vs).to(tl.int32), 0)
-            kmax = tl.maximum(kmax, tl.max(tl.max(k, 1), 0))
-            vmax = tl.maximum(vmax, tl.max(vs, 0))
-        out = KVB + (bh * PARTS + p) * 2
-        tl.store(out, tl.where(kbad > 0, float("inf"), kmax))
-        tl.store(out + 1, tl.where(vbad > 0, float("inf"), tl.sqrt(vmax)))
+        if LEAN:  # NaN carried by the maxima instead of counted
+            cols = tl.arange(0, HEAD_DIM)
+            kmax = tl.zeros([], tl.float32)
+            vmax = tl.zeros([], tl.float32)
+            for r in range(0, chunk, BLOCK):
+                rows = p * chunk + r + tl.arange(0, BLOCK)
+                offs = bh.to(tl.int64) * seq_k * HEAD_DIM + rows[:, None] * HEAD_DIM + cols[None, :]
+                inside = rows[:, None] < seq_k
+                k = tl.abs(tl.load(K + offs, mask=inside, other=0.0).to(tl.float32))
+                v = tl.load(V + offs, mask=inside, other=0.0).to(tl.float32)
+                kmax = _max_nan(kmax, tl.reduce(tl.reduce(k, 1, _max_nan), 0, _max_nan))
+                vmax = _max_nan(vmax, tl.reduce(tl.sum(v * v, 1), 0, _max_nan))
+            out = KVB + (bh * PARTS + p) * 2
+            tl.store(out, tl.where(kmax != kmax, float("inf"), kmax))
+            tl.store(out + 1, tl.where(vmax != vmax, float("inf"), tl.sqrt(vmax)))
+        else:
+            cols = tl.arange(0, HEAD_DIM)
+            kmax = tl.zeros([], tl.float32)
+            vmax = tl.zeros([], tl.float32)
+            kbad = tl.zeros([], tl.int32)
+            vbad = tl.zeros([], tl.int32)
+            for r in range(0, chunk, BLOCK):
+                rows = p * chunk + r + tl.arange(0, BLOCK)
+                offs = bh.to(tl.int64) * seq_k * HEAD_DIM + rows[:, None] * HEAD_DIM + cols[None, :]
+                inside = rows[:, None] < seq_k
+                k = tl.abs(tl.load(K + offs, mask=inside, other=0.0).to(tl.float32))
+                v = tl.load(V + offs, mask=inside, other=0.0).to(tl.float32)
+                vs = tl.sum(v * v, 1)
+                kbad += tl.sum(tl.sum((k != k).to(tl.int32), 1), 0)
+                vbad += tl.sum((vs != vs).to(tl.int32), 0)
+                kmax = tl.maximum(kmax, tl.max(tl.max(k, 1), 0))
+                vmax = tl.maximum(vmax, tl.max(vs, 0))
+            out = KVB + (bh * PARTS + p) * 2
+            tl.store(out, tl.where(kbad > 0, float("inf"), kmax))
+            tl.store(out + 1, tl.where(vbad > 0, float("inf"), tl.sqrt(vmax)))
     else:
         start = (p - PARTS).to(tl.int64) * fill_part
         base = Acc + bh.to(tl.int64) * acc_part
@@ -236,7 +259,7 @@ def _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, qk_sca
             _fast_kv_bound_fill[(_BWD_BOUND_PARTS + nfill, bh)](
                 k, v, kvb, dq_acc, sk, -(-(-(-sk // _BWD_BOUND_PARTS)) // _BWD_BOUND_ROWS) * _BWD_BOUND_ROWS, part,
                 -(-part // (nfill * _BWD_FILL_BLOCK)) * _BWD_FILL_BLOCK, HEAD_DIM=HEAD_DIM, BLOCK=_BWD_BOUND_ROWS,
-                PARTS=_BWD_BOUND_PARTS, FILL=_BWD_FILL_BLOCK, num_warps=_BWD_BOUND_WARPS)
+                PARTS=_BWD_BOUND_PARTS, FILL=_BWD_FILL_BLOCK, LEAN=_BWD_BOUND_LEAN, num_warps=_BWD_BOUND_WARPS)
             _fast_bwd_preprocess[(sq_pad // BWD_BLOCK_M, b * hq)](out, do, lse, delta, lse2, sq, sq_pad, HEAD_DIM,
                                                                   BWD_BLOCK_M, qmul, kvb, GQA,
                                                                   KVB_PARTS=_BWD_BOUND_PARTS, num_warps=4)

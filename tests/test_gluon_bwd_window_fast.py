@@ -218,7 +218,8 @@ def test_the_fill_lever_leaves_the_accumulator_to_the_fill_kernel(window_fast, m
     mod._run_backward_fast(*args, *grads, 2, None, fakes["extra"])
     acc = fakes["main"].compiles[0][1][6].base
     acc.fill_(3)
-    monkeypatch.setattr(mod, "_fast_kv_bound_fill", type("Nothing", (), {"__getitem__": lambda s, g: lambda *a, **k: 0})())
+    nothing = type("Nothing", (), {"__getitem__": lambda s, g: lambda *a, **k: 0})()
+    monkeypatch.setattr(mod, "_fast_kv_bound_fill", nothing)
     mod._run_backward_fast(*args, *grads, 2, None, fakes["extra"])
     assert (acc == 3).all()
 

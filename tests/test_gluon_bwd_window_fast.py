@@ -15,7 +15,7 @@ from fagen import backends
 from fagen.codegen import render
 from fagen.runtime.loader import load_source
 from test_gluon_bwd_host import MAIN_META, _bwd_args, _JIT
-from test_gluon_bwd_window_host import _Bound, _same_launch
+from test_gluon_bwd_window_host import _Bound, _BoundFill, _same_launch
 from test_hostpath import _Fill
 
 pytestmark = pytest.mark.skipif(ON_GPU, reason="CPU interpreter and host fakes")
@@ -137,17 +137,7 @@ def window_fast(monkeypatch):
     real, epi_tma = mod._BWD_KERNELS[2]
     fakes = {"pre": _JIT(mod._bwd_preprocess, (7, 12)), "conv": _JIT(mod._dq_convert, (5, 8)),
              "main": _JIT(real, 18 + len(extra), MAIN_META + ([dict(MAIN_META[0])] * 2 if epi_tma else [])),
-             "extra": extra, "fill": []}
-
-    class _BoundFill:  # the bound kernel's fill: the plain bound in partial 0, zeros in the others; the fill
-        def __getitem__(self, grid):
-            def call(k, v, kvb, acc, sk, chunk, part, fill_part, **consts):
-                fakes["fill"].append((grid, (sk, chunk, part, fill_part), consts))
-                parts = kvb.view(-1, consts["PARTS"], 2)
-                parts.zero_()
-                parts[:k.shape[0] * k.shape[1], 0] = mod._bwd_kv_bound(k, v).reshape(-1, 2)
-                acc.view(-1)[:grid[1] * part].zero_()
-            return call
+             "extra": extra}
 
     for name, value in (("_FAST_LAUNCH", True), ("_KERNELS", {}), ("_BWD_WS", type(mod._BWD_WS)()),
                         ("_GLUON_FAST", True), ("_raw_stream", lambda device: 77),
@@ -156,7 +146,7 @@ def window_fast(monkeypatch):
                         ("_fast_bwd_preprocess", mod._gluon(fakes["pre"])),
                         ("_fast_dq_convert", mod._gluon(fakes["conv"])),
                         ("_fast_bwd_kernels", {2: (mod._gluon(fakes["main"]), epi_tma)}),
-                        ("_fast_kv_bound", _Bound(mod, fakes)), ("_fast_kv_bound_fill", _BoundFill())):
+                        ("_fast_kv_bound", _Bound(mod, fakes)), ("_fast_kv_bound_fill", _BoundFill(mod, fakes))):
         monkeypatch.setattr(mod, name, value)
     monkeypatch.setitem(mod._NUM_SMS, -1, 132)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
@@ -196,14 +186,14 @@ def test_the_window_s_fast_launches_are_the_plain_path_s(window_fast, monkeypatc
     assert kvb.data_ptr() == acc.data_ptr() + acc.numel() * 4  # the workspace's, after the accumulator
     assert pre_f[9].data_ptr() == fast[9].data_ptr() and pre_f[3].data_ptr() == dm.data_ptr()
     if fill:
-        assert fakes["fill"][0] == (((parts + 1, 4), (333, 64, 320 * 128, 320 * 128 // 2048 * 2048 + 2048
+        assert fakes["boundfill"][0] == (((parts + 1, 4), (333, 64, 320 * 128, 320 * 128 // 2048 * 2048 + 2048
                                                        if 320 * 128 % 2048 else 320 * 128),
                                      {"HEAD_DIM": 128, "BLOCK": 64, "PARTS": parts, "FILL": 2048, "LEAN": 0,
                                       "num_warps": 4}))
-        assert not fakes["bound"] and len(fakes["fill"]) == 2
+        assert not fakes["bound"] and len(fakes["boundfill"]) == 2
     else:
         assert fakes["bound"][0] == ((6, 4), 333, {"HEAD_DIM": 128, "BLOCK": 64, "num_warps": 4})
-        assert not fakes["fill"] and len(fakes["bound"]) == 2  # the two fast calls (the plain path's: torch)
+        assert not fakes["boundfill"] and len(fakes["bound"]) == 2  # the two fast calls (the plain path's: torch)
     ((_, conv_f, _), (_, conv_p, kc_p)) = fakes["conv"].compiles
     assert conv_f[0].dtype == torch.int32 and conv_f[7].data_ptr() == fast[9].data_ptr()
     assert conv_f[1].data_ptr() == grads[0].data_ptr() and kc_p["QMul"].numel() == conv_f[7].numel()

@@ -1,7 +1,6 @@
 """The window render's fixed-point backward on the general fast host path ([Note] The bound kernel and [Note] Switches
 on the fast backward path in fagen/templates/host/gluon_bwd_launch.py; the eleventh session's window path of its own
-was merged into it in the twelfth): the bound kernel and the bound kernel's fill against the plain path's torch bound
-(CPU interpreter), and, with the kernels faked (test_gluon_bwd_host.py's fakes), the path's launches against the
+was merged into it in the twelfth): the bound kernel against the plain path's torch bound (CPU interpreter), and, with the kernels faked (test_gluon_bwd_host.py's fakes), the path's launches against the
 plain path's: the same kernels, grids and arguments, the qmul rows beside delta in one row descriptor, KVB the
 workspace's; taken only when switched on."""
 
@@ -15,7 +14,7 @@ from fagen import backends
 from fagen.codegen import render
 from fagen.runtime.loader import load_source
 from test_gluon_bwd_host import MAIN_META, _bwd_args, _JIT
-from test_gluon_bwd_window_host import _Bound, _BoundFill, _same_launch
+from test_gluon_bwd_window_host import _Bound, _same_launch
 from test_hostpath import _Fill
 
 pytestmark = pytest.mark.skipif(ON_GPU, reason="CPU interpreter and host fakes")
@@ -94,41 +93,6 @@ def test_the_bound_kernel_is_the_plain_path_s_bound(b, hkv, sk, block):
     assert torch.isfinite(got[1:, 0]).all() and torch.isfinite(got[:-1, 1]).all()
 
 
-def _fill_args(mod, b, hkv, gqa, sk, sq_pad, parts, elems=3000, block=1024):
-    """(grid, chunk, acc_part, fill_part) of _bwd_kv_bound_fill as _run_backward_fast computes them."""
-    part = gqa * sq_pad * 128
-    nfill = -(-part // elems)
-    chunk = -(-(-(-sk // parts)) // mod._BWD_BOUND_ROWS) * mod._BWD_BOUND_ROWS
-    return (parts + nfill, b * hkv), chunk, part, -(-part // (nfill * block)) * block
-
-
-@pytest.mark.parametrize("b,hkv,gqa,sk,sq_pad,parts,lean", [(2, 3, 1, 333, 320, 4, 0), (1, 2, 2, 65, 64, 8, 1),
-                                                            (1, 1, 1, 200, 192, 64, 0), (1, 1, 3, 130, 128, 2, 0),
-                                                            (2, 3, 1, 333, 320, 4, 1)])
-def test_the_bound_kernel_s_fill(b, hkv, gqa, sk, sq_pad, parts, lean):
-    """[Note] The bound kernel's fill: the max over the PARTS partials of each KV head is the atomic kernel's KVB bit
-    for bit (rows not a multiple of 64, empty parts, a part of several blocks), NaN as +inf; the fill zeroes each KV
-    head's accumulator rows (its GQA heads) and nothing past them."""
-    mod = _module()
-    k, v = _kv(b, hkv, sk, sk + parts)
-    for nan in (False, True):
-        if nan:
-            k[0, 0, 3, 7], v[-1, -1, sk - 1, 0] = float("nan"), float("nan")
-        grid, chunk, part, fill_part = _fill_args(mod, b, hkv, gqa, sk, sq_pad, parts)
-        acc = torch.full((b * hkv * part + 300, ), 7, dtype=torch.int32)
-        kvb = torch.full((b * hkv * parts * 2, ), -1.0)
-        mod._bwd_kv_bound_fill[grid](k, v, kvb, acc, sk, chunk, part, fill_part, HEAD_DIM=128, BLOCK=64,
-                                     PARTS=parts, FILL=1024, LEAN=lean)
-        assert torch.count_nonzero(acc[:b * hkv * part]) == 0 and (acc[b * hkv * part:] == 7).all()
-        want = torch.zeros(b * hkv * 2)
-        mod._bwd_kv_bound_rows[(triton.cdiv(sk, 64), b * hkv)](k, v, want, sk, HEAD_DIM=128, BLOCK=64)
-        got = kvb.view(b * hkv, parts, 2).amax(1).reshape(-1)
-        assert torch.equal(got, want), (got, want)
-        if nan:
-            assert got[0] == float("inf") and got[-1] == float("inf")
-            assert torch.isfinite(got[1:-1]).all()
-
-
 @pytest.fixture
 def window_fast(monkeypatch):
     """(module, fakes) of the product's window render with fast launches and its kernels faked."""
@@ -146,7 +110,7 @@ def window_fast(monkeypatch):
                         ("_fast_bwd_preprocess", mod._gluon(fakes["pre"])),
                         ("_fast_dq_convert", mod._gluon(fakes["conv"])),
                         ("_fast_bwd_kernels", {2: (mod._gluon(fakes["main"]), epi_tma)}),
-                        ("_fast_kv_bound", _Bound(mod, fakes)), ("_fast_kv_bound_fill", _BoundFill(mod, fakes))):
+                        ("_fast_kv_bound", _Bound(mod, fakes))):
         monkeypatch.setattr(mod, name, value)
     monkeypatch.setitem(mod._NUM_SMS, -1, 132)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
@@ -155,14 +119,11 @@ def window_fast(monkeypatch):
     return mod, fakes
 
 
-@pytest.mark.parametrize("fill", [False, True])
-def test_the_window_s_fast_launches_are_the_plain_path_s(window_fast, monkeypatch, fill):
+def test_the_window_s_fast_launches_are_the_plain_path_s(window_fast):
     """Mode 2 of the window render on the fast path: the plain path's main kernel, grid and arguments (the switches'
     values appended; delta and the qmul rows in one descriptor, Sem its qmul half, an int32 accumulator); KVB the
-    workspace's, written by the bound kernel (or the fill's partials, KVB_PARTS to the preprocess); the accumulator
-    zero when the main kernel starts, zeroed by the fill kernel alone under _BWD_BOUND_FILL."""
+    workspace's, written by the bound kernel; the accumulator zero when the main kernel starts."""
     mod, fakes = window_fast
-    monkeypatch.setattr(mod, "_BWD_BOUND_FILL", fill)
     args, grads = _bwd_args(sq=300, sk=333, b=2, h=2)
     extra = fakes["extra"]
     for _ in range(2):  # the second call on kept views and a kept entry, its accumulator dirty from the first
@@ -178,40 +139,16 @@ def test_the_window_s_fast_launches_are_the_plain_path_s(window_fast, monkeypatc
     dm = fast[5].base  # delta and qmul rows in one [2 * B * Hq, sq_pad] descriptor; Sem its qmul half
     assert dm.shape == (2 * 2 * 2, 320) and fast[9].data_ptr() == dm[4:].data_ptr()
     (_, pre_f, kw_f), (_, pre_p, kw_p) = fakes["pre"].compiles
-    parts = mod._BWD_BOUND_PARTS if fill else 1
-    assert kw_f["KVB_PARTS"] == parts and kw_p["KVB_PARTS"] == 1 and pre_f[11] == kw_p["GQA"]
+    assert pre_f[11] == kw_p["GQA"]
     kvb = pre_f[10]
-    got = kvb.view(4, parts, 2)[:, 0] if fill else kvb[:8].view(4, 2)  # the plain bound (the fill's: partial 0)
-    assert torch.equal(got, kw_p["KVB"].reshape(4, 2))
+    assert torch.equal(kvb[:8].view(4, 2), kw_p["KVB"].reshape(4, 2))  # the plain bound
     assert kvb.data_ptr() == acc.data_ptr() + acc.numel() * 4  # the workspace's, after the accumulator
     assert pre_f[9].data_ptr() == fast[9].data_ptr() and pre_f[3].data_ptr() == dm.data_ptr()
-    if fill:
-        assert fakes["boundfill"][0] == (((parts + 1, 4), (333, 64, 320 * 128, 320 * 128 // 2048 * 2048 + 2048
-                                                       if 320 * 128 % 2048 else 320 * 128),
-                                     {"HEAD_DIM": 128, "BLOCK": 64, "PARTS": parts, "FILL": 2048, "LEAN": 0,
-                                      "num_warps": 4}))
-        assert not fakes["bound"] and len(fakes["boundfill"]) == 2
-    else:
-        assert fakes["bound"][0] == ((6, 4), 333, {"HEAD_DIM": 128, "BLOCK": 64, "num_warps": 4})
-        assert not fakes["boundfill"] and len(fakes["bound"]) == 2  # the two fast calls (the plain path's: torch)
+    assert fakes["bound"][0] == ((6, 4), 333, {"HEAD_DIM": 128, "BLOCK": 64, "num_warps": 4})
+    assert len(fakes["bound"]) == 2  # the two fast calls (the plain path's: torch)
     ((_, conv_f, _), (_, conv_p, kc_p)) = fakes["conv"].compiles
     assert conv_f[0].dtype == torch.int32 and conv_f[7].data_ptr() == fast[9].data_ptr()
     assert conv_f[1].data_ptr() == grads[0].data_ptr() and kc_p["QMul"].numel() == conv_f[7].numel()
-
-
-def test_the_fill_lever_leaves_the_accumulator_to_the_fill_kernel(window_fast, monkeypatch):
-    """Under _BWD_BOUND_FILL the workspace is not zeroed by torch: a fill kernel that does nothing leaves the last
-    call's accumulator (the fill is the kernel's, one launch)."""
-    mod, fakes = window_fast
-    monkeypatch.setattr(mod, "_BWD_BOUND_FILL", True)
-    args, grads = _bwd_args(sq=300, sk=333, b=2, h=2)
-    mod._run_backward_fast(*args, *grads, 2, None, fakes["extra"])
-    acc = fakes["main"].compiles[0][1][6].base
-    acc.fill_(3)
-    nothing = type("Nothing", (), {"__getitem__": lambda s, g: lambda *a, **k: 0})()
-    monkeypatch.setattr(mod, "_fast_kv_bound_fill", nothing)
-    mod._run_backward_fast(*args, *grads, 2, None, fakes["extra"])
-    assert (acc == 3).all()
 
 
 def test_variant_bwd_window_reaches_window_renders_only(monkeypatch):

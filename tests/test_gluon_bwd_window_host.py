@@ -81,7 +81,7 @@ def window_bwd(request, monkeypatch):
                         ("_fast_bwd_preprocess", mod._gluon(fakes["pre"])),
                         ("_fast_dq_convert", mod._gluon(fakes["conv"])),
                         ("_fast_bwd_kernels", {mode: (mod._gluon(fakes["main"]), epi_tma)}),
-                        ("_fast_kv_bound", _Bound(mod, fakes)), ("_fast_kv_bound_fill", _BoundFill(mod, fakes))):
+                        ("_fast_kv_bound", _Bound(mod, fakes))):
         monkeypatch.setattr(mod, name, value)
     monkeypatch.setitem(mod._NUM_SMS, -1, 132)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
@@ -102,23 +102,6 @@ class _Bound:
             self.calls.append((grid, sk, consts))
             want = self.mod._bwd_kv_bound(k, v).reshape(-1)
             kvb[:want.numel()] = torch.maximum(kvb[:want.numel()], want)
-        return call
-
-
-class _BoundFill:
-    """The bound kernel's fill ([Note] The bound kernel's fill): the plain bound in partial 0 of each KV head, zeros
-    in the others, the accumulator's parts zeroed; its launches recorded."""
-
-    def __init__(self, mod, fakes):
-        self.mod, self.calls = mod, fakes.setdefault("boundfill", [])
-
-    def __getitem__(self, grid):
-        def call(k, v, kvb, acc, sk, chunk, part, fill_part, **consts):
-            self.calls.append((grid, (sk, chunk, part, fill_part), consts))
-            parts = kvb.view(-1)[:grid[1] * consts["PARTS"] * 2].view(grid[1], consts["PARTS"], 2)
-            parts.zero_()
-            parts[:, 0] = self.mod._bwd_kv_bound(k, v).reshape(-1, 2)
-            acc.view(-1)[:grid[1] * part].zero_()
         return call
 
 
@@ -176,13 +159,8 @@ def test_the_fast_window_launches_are_the_plain_path_s(window_bwd):
         assert ga == gb and fa.keys() == pb.keys(), name
         for key, y in pb.items():
             x = fa[key]
-            if key == "KVB" and y is not None:  # the workspace's KVB: the plain bound first (the fill's partial 0)
-                parts = fa.get("KVB_PARTS", 1)
-                got = x.reshape(-1)[:y.numel() * parts].view(-1, parts, 2)[:, 0]
-                assert torch.equal(got.reshape(-1), y.reshape(-1)), (name, key)
-                continue
-            if key == "KVB_PARTS":  # [Note] The bound kernel's fill: the partials' count, else 1 as the plain path
-                assert x == (fa["KVB_PARTS"] if mod._BWD_BOUND_FILL and mode == 2 else 1) and y == 1, (name, key)
+            if key == "KVB" and y is not None:  # the workspace's KVB ([Note] The bound kernel): the plain bound
+                assert torch.equal(x.reshape(-1)[:y.numel()], y.reshape(-1)), (name, key)
                 continue
             assert (x.dtype, x.numel()) == (y.dtype, y.numel()) if isinstance(y, torch.Tensor) \
                 else type(x) is type(y) and x == y, (name, key)

@@ -85,10 +85,6 @@ _BWD_BOUND_KERNEL = BWD_WINDOW == 1
 # the bound kernel's rows a program and warps (H100, K and V of B1 H16 S8192 d128 bf16, 64 MB: 64 / 4 0.036-0.039 ms;
 # 32/4 0.038, 64/8 0.039, 128/8 0.040, 32/2 and 16/2 0.041: none moves it, about 1.7 TB/s; eleventh session)
 _BWD_BOUND_ROWS, _BWD_BOUND_WARPS = 64, 4
-_BWD_BOUND_FILL = False  # [Note] The bound kernel's fill (off until measured)
-_BWD_BOUND_PARTS = 64  # KVB's partials per KV head with _BWD_BOUND_FILL (the preprocess's KVB_PARTS)
-_BWD_FILL_ELEMS, _BWD_FILL_BLOCK = 1 << 16, 2048  # int32 elements a fill program zeroes, and at a time
-_BWD_BOUND_LEAN = 0  # the fill kernel's LEAN body (NaN carried by the maxima, not counted): measured in round A
 # [Note] Switches on the fast backward path: a window render with the qmul rows by TMA (the product's, variant
 # bwd_window) takes it in every mode (the eleventh session's window path, merged into this one in the twelfth)
 _BWD_WINDOW_FAST = True
@@ -104,11 +100,10 @@ _fast_bwd_kernels = {mode: (_gluon(kernel), epi_tma) for mode, (kernel, epi_tma)
 def _bwd_views(buf, b, hq, hkv, sq_pad, dq_mode):
     """(zeroed part, delta 2-D, lse2 2-D, dQ accumulator, counters, qmul rows 2-D, delta and qmul rows 2-D, KVB)
     over buf's float32 elements ([Note] Gluon backward host path): each part starts on a 16-byte boundary (TMA). In
-    modes 1, 2 the counters' place holds KVB: [B * Hkv, 2] maxima, or [B * Hkv, _BWD_BOUND_PARTS, 2] partials
-    ([Note] The bound kernel, [Note] The bound kernel's fill)."""
+    modes 1, 2 the counters' place holds KVB [B * Hkv, 2] ([Note] The bound kernel)."""
     rows = b * hq * sq_pad
     acc = rows * HEAD_DIM
-    sems = -(-(b * hq * sq_pad // BWD_BLOCK_M if dq_mode == 0 else 2 * b * hkv * _BWD_BOUND_PARTS) // 4) * 4
+    sems = -(-(b * hq * sq_pad // BWD_BLOCK_M if dq_mode == 0 else 2 * b * hkv) // 4) * 4
     zero = buf[:acc + sems]
     dm = buf[acc + sems:acc + sems + 2 * rows].view(2 * b * hq, sq_pad)  # [Note] Fixed-point dQ on the fast path
     lse2 = buf[acc + sems + 2 * rows:acc + sems + 3 * rows].view(b * hq, sq_pad)
@@ -116,10 +111,10 @@ def _bwd_views(buf, b, hq, hkv, sq_pad, dq_mode):
             buf[acc:acc + sems].view(torch.int32), dm[b * hq:], dm, buf[acc:acc + sems])
 
 
-def _bwd_workspace(b, hq, sq_pad, dq_mode, q, hkv=1, zero=True):
+def _bwd_workspace(b, hq, sq_pad, dq_mode, q, hkv=1):
     """The workspace views of one backward on q's device (hkv: K's heads, for mode 2's KVB), the zeroed part zeroed
-    on the current stream (zero=False: left to the caller, [Note] The bound kernel's fill)."""
-    n = b * hq * sq_pad * (HEAD_DIM + 3) + max(b * hq * sq_pad // BWD_BLOCK_M, 2 * b * hkv * _BWD_BOUND_PARTS) + 8
+    on the current stream."""
+    n = b * hq * sq_pad * (HEAD_DIM + 3) + max(b * hq * sq_pad // BWD_BLOCK_M, 2 * b * hkv) + 8
     if torch.cuda.is_current_stream_capturing() or 4 * n > _BWD_WS_KEEP:
         views = _bwd_views(q.new_empty(n, dtype=torch.float32), b, hq, hkv, sq_pad, dq_mode)
     else:
@@ -134,8 +129,7 @@ def _bwd_workspace(b, hq, sq_pad, dq_mode, q, hkv=1, zero=True):
             if len(kept[1]) >= 256:
                 kept[1].clear()
             views = kept[1][shape] = _bwd_views(kept[0], b, hq, hkv, sq_pad, dq_mode)
-    if zero:
-        views[0].zero_()
+    views[0].zero_()
     return views
 
 
@@ -153,14 +147,12 @@ def _bwd_kv_bound(k, v):
 # the unit e = ceil(log2(2 bound)) of a row whose bound sits within that rounding of a power of two may differ (both
 # are bounds: the factor 2 holds either rounding). So the fast path's gradients equal the plain path's (torch bound)
 # except in such rows, where dq differs within the fixed point's rounding (half a unit, 2^-29 of the row's bound).
-# _BWD_BOUND_KERNEL off: the torch bound on the fast path too.
-#
-# [Note] The bound kernel's fill (twelfth session, _BWD_BOUND_FILL, off until measured). The fill of the zeroed part
-# (the dQ accumulator, 64 MB at the mods bench's window) and the bound as one launch, _bwd_kv_bound_fill: programs
-# p < PARTS of (batch, KV head) bh write the maxima of their rows into KVB's partials [B * Hkv, PARTS, 2] (plain
-# stores: no atomics, nothing to zero), programs p >= PARTS zero their slice of bh's accumulator rows (the GQA heads
-# of a KV head are adjacent). The preprocess takes the max over the PARTS partials (its KVB_PARTS); the maxima are the
-# atomic kernel's, to the bit where the rows' sums of squares are (the same row reduction), so the gradients equal.
+# _BWD_BOUND_KERNEL off: the torch bound on the fast path too. The twelfth session also tried the bound and the
+# accumulator's fill as one launch (per-part maxima without atomics, the preprocess taking their max; H100, round A
+# of scripts/gpu_window_s12.py, the mods bench's window B1 H16 S8192): the fused kernel took 0.056-0.063 ms over
+# seven (parts, rows, warps) configurations against 0.057 ms of kernels for this bound (0.037) and the fill (0.020),
+# and the preprocess reading 64 partials a KV head took 0.034 ms instead of 0.027: the backward 0.540 against 0.536
+# ms (kernels 0.531 against 0.529). Removed: both are at the memory's pace already, one launch or two.
 @triton.jit
 def _bwd_kv_bound_rows(K, V, KVB, seq_k, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
     """KVB[bh] = max(KVB[bh], (max|K|, max_j |V_j|_2)) over rows [BLOCK * program, + BLOCK) of head bh = program 1
@@ -181,64 +173,6 @@ def _bwd_kv_bound_rows(K, V, KVB, seq_k, HEAD_DIM: tl.constexpr, BLOCK: tl.const
     tl.atomic_max(KVB + bh * 2 + 1, vmax)
 
 
-@triton.jit
-def _max_nan(a, b):
-    """max(a, b), NaN if either is (the bound's NaN rule without counting: [Note] The bound kernel's fill)."""
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
-def _bwd_kv_bound_fill(K, V, KVB, Acc, seq_k, chunk, acc_part, fill_part, HEAD_DIM: tl.constexpr,
-                       BLOCK: tl.constexpr, PARTS: tl.constexpr, FILL: tl.constexpr, LEAN: tl.constexpr = 0):
-    """Programs p < PARTS of bh = program 1: KVB[bh, p] = (max|K|, max_j |V_j|_2) over K, V rows [p chunk, + chunk)
-    (NaN as +inf); p >= PARTS: zero Acc[bh acc_part + (p - PARTS) fill_part, + fill_part) within bh's acc_part
-    elements ([Note] The bound kernel's fill)."""
-    p = tl.program_id(0)
-    bh = tl.program_id(1)
-    if p < PARTS:
-        if LEAN:  # NaN carried by the maxima instead of counted
-            cols = tl.arange(0, HEAD_DIM)
-            kmax = tl.zeros([], tl.float32)
-            vmax = tl.zeros([], tl.float32)
-            for r in range(0, chunk, BLOCK):
-                rows = p * chunk + r + tl.arange(0, BLOCK)
-                offs = bh.to(tl.int64) * seq_k * HEAD_DIM + rows[:, None] * HEAD_DIM + cols[None, :]
-                inside = rows[:, None] < seq_k
-                k = tl.abs(tl.load(K + offs, mask=inside, other=0.0).to(tl.float32))
-                v = tl.load(V + offs, mask=inside, other=0.0).to(tl.float32)
-                kmax = _max_nan(kmax, tl.reduce(tl.reduce(k, 1, _max_nan), 0, _max_nan))
-                vmax = _max_nan(vmax, tl.reduce(tl.sum(v * v, 1), 0, _max_nan))
-            out = KVB + (bh * PARTS + p) * 2
-            tl.store(out, tl.where(kmax != kmax, float("inf"), kmax))
-            tl.store(out + 1, tl.where(vmax != vmax, float("inf"), tl.sqrt(vmax)))
-        else:
-            cols = tl.arange(0, HEAD_DIM)
-            kmax = tl.zeros([], tl.float32)
-            vmax = tl.zeros([], tl.float32)
-            kbad = tl.zeros([], tl.int32)
-            vbad = tl.zeros([], tl.int32)
-            for r in range(0, chunk, BLOCK):
-                rows = p * chunk + r + tl.arange(0, BLOCK)
-                offs = bh.to(tl.int64) * seq_k * HEAD_DIM + rows[:, None] * HEAD_DIM + cols[None, :]
-                inside = rows[:, None] < seq_k
-                k = tl.abs(tl.load(K + offs, mask=inside, other=0.0).to(tl.float32))
-                v = tl.load(V + offs, mask=inside, other=0.0).to(tl.float32)
-                vs = tl.sum(v * v, 1)
-                kbad += tl.sum(tl.sum((k != k).to(tl.int32), 1), 0)
-                vbad += tl.sum((vs != vs).to(tl.int32), 0)
-                kmax = tl.maximum(kmax, tl.max(tl.max(k, 1), 0))
-                vmax = tl.maximum(vmax, tl.max(vs, 0))
-            out = KVB + (bh * PARTS + p) * 2
-            tl.store(out, tl.where(kbad > 0, float("inf"), kmax))
-            tl.store(out + 1, tl.where(vbad > 0, float("inf"), tl.sqrt(vmax)))
-    else:
-        start = (p - PARTS).to(tl.int64) * fill_part
-        base = Acc + bh.to(tl.int64) * acc_part
-        for i in range(0, fill_part, FILL):
-            offs = start + i + tl.arange(0, FILL)
-            tl.store(base + offs, tl.zeros([FILL], tl.int32), mask=offs < acc_part)
-
-
 def _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, qk_scale=None, extra=()):
     """_run_backward's launches through the fast path ([Note] Gluon backward host path), on dense, aligned,
     non-empty inputs. qk_scale, extra: as _run_backward's (the score switches' values; [Note] Switches on the fast
@@ -247,31 +181,18 @@ def _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, qk_sca
     hkv, sk = k.shape[1] * BWD_KV_SPLIT, k.shape[2]  # virtual KV heads ([Note] GQA split in the backward)
     sq_pad = -(-sq // BWD_BLOCK_M) * BWD_BLOCK_M
     dev = q.get_device()
-    fill = dq_mode == 2 and _BWD_BOUND_FILL
-    _, delta, lse2, dq_acc, sem, qmul, dm, kvb = _bwd_workspace(b, hq, sq_pad, dq_mode, q, k.shape[1], not fill)
+    _, delta, lse2, dq_acc, sem, qmul, dm, kvb = _bwd_workspace(b, hq, sq_pad, dq_mode, q, k.shape[1])
     rows = delta
     if dq_mode == 2:  # an int32 accumulator (zeroed float32 bits are int32 zeros), the rows' qmul in Sem
         dq_acc, sem, rows = dq_acc.view(torch.int32), qmul, dm if BWD_FIXED_TMA else delta
-        bh = b * k.shape[1]  # [Note] The bound kernel (K's own heads, as the preprocess reads KVB)
-        if fill:  # [Note] The bound kernel's fill: KVB's partials, the accumulator zeroed by the same launch
-            part = dq_acc.numel() // bh
-            nfill = -(-part // _BWD_FILL_ELEMS)
-            _fast_kv_bound_fill[(_BWD_BOUND_PARTS + nfill, bh)](
-                k, v, kvb, dq_acc, sk, -(-(-(-sk // _BWD_BOUND_PARTS)) // _BWD_BOUND_ROWS) * _BWD_BOUND_ROWS, part,
-                -(-part // (nfill * _BWD_FILL_BLOCK)) * _BWD_FILL_BLOCK, HEAD_DIM=HEAD_DIM, BLOCK=_BWD_BOUND_ROWS,
-                PARTS=_BWD_BOUND_PARTS, FILL=_BWD_FILL_BLOCK, LEAN=_BWD_BOUND_LEAN, num_warps=_BWD_BOUND_WARPS)
-            _fast_bwd_preprocess[(sq_pad // BWD_BLOCK_M, b * hq)](out, do, lse, delta, lse2, sq, sq_pad, HEAD_DIM,
-                                                                  BWD_BLOCK_M, qmul, kvb, GQA,
-                                                                  KVB_PARTS=_BWD_BOUND_PARTS, num_warps=4)
+        if _BWD_BOUND_KERNEL:  # [Note] The bound kernel: K's own heads, as the preprocess reads KVB
+            _fast_kv_bound[(-(-sk // _BWD_BOUND_ROWS), b * k.shape[1])](k, v, kvb, sk, HEAD_DIM=HEAD_DIM,
+                                                                       BLOCK=_BWD_BOUND_ROWS,
+                                                                       num_warps=_BWD_BOUND_WARPS)
         else:
-            if _BWD_BOUND_KERNEL:
-                _fast_kv_bound[(-(-sk // _BWD_BOUND_ROWS), bh)](k, v, kvb, sk, HEAD_DIM=HEAD_DIM, BLOCK=_BWD_BOUND_ROWS,
-                                                                num_warps=_BWD_BOUND_WARPS)
-            else:
-                kvb = _bwd_kv_bound(k, v)
-            _fast_bwd_preprocess[(sq_pad // BWD_BLOCK_M, b * hq)](out, do, lse, delta, lse2, sq, sq_pad, HEAD_DIM,
-                                                                  BWD_BLOCK_M, qmul, kvb, GQA, KVB_PARTS=1,
-                                                                  num_warps=4)
+            kvb = _bwd_kv_bound(k, v)
+        _fast_bwd_preprocess[(sq_pad // BWD_BLOCK_M, b * hq)](out, do, lse, delta, lse2, sq, sq_pad, HEAD_DIM,
+                                                              BWD_BLOCK_M, qmul, kvb, GQA, num_warps=4)
     else:
         _fast_bwd_preprocess[(sq_pad // BWD_BLOCK_M, b * hq)](out, do, lse, delta, lse2, sq, sq_pad,
                                                               HEAD_DIM=HEAD_DIM, BLOCK_M=BWD_BLOCK_M, **_PRE_KW,
@@ -320,4 +241,3 @@ def _bwd_host(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, *more, **option
 
 
 _fast_kv_bound = _fast(_bwd_kv_bound_rows)
-_fast_kv_bound_fill = _fast(_bwd_kv_bound_fill)

@@ -79,9 +79,14 @@ _BWD_FAST_SWITCHES = False
 # B1 H16 causal d128, mode 2): S2048 0.450 -> 0.204 ms a call (host 0.454 -> 0.224 ms); s16k medians of three rotated
 # passes 540 / 535 TF/s plain / fast (within the passes' 4% spread); prefix-LM S8192 1.389-1.432 / 1.409-1.414 ms.
 _BWD_FAST_FIXED = True
-# [Note] The bound kernel: on for the window's render (the eleventh session's product, its own path then), the others
-# from the twelfth session's GPU rounds on (scripts/gpu_window_s12.py)
-_BWD_BOUND_KERNEL = BWD_WINDOW == 1
+# [Note] The bound kernel: on for every mode-2 render since the twelfth session's round A (H100,
+# scripts/gpu_window_s12.py, window-A.txt; medians of three rotated passes): the d128 causal default at B1 H16 s16k
+# 5.155 ms against the torch bound's 5.097 (passes 4.91-6.11 and 4.70-5.42: a tie) with 0.139 against 0.211 ms of
+# host a call; the window row 0.536 against 0.594 ms (kernels 0.529 against 0.584: the torch bound's abs and
+# reductions 0.063 ms of kernels, the kernel's 0.037); gradients bitwise the torch bound's at S333 (d128 with and
+# without the prefix argument, d64, GQA 4/2, the window at left 37 and 130), within rounding at s16k (418 elements of
+# dq, at most 2.4e-4 apart: rows whose unit moved)
+_BWD_BOUND_KERNEL = True
 # the bound kernel's rows a program and warps (H100, K and V of B1 H16 S8192 d128 bf16, 64 MB: 64 / 4 0.036-0.039 ms;
 # 32/4 0.038, 64/8 0.039, 128/8 0.040, 32/2 and 16/2 0.041: none moves it, about 1.7 TB/s; eleventh session)
 _BWD_BOUND_ROWS, _BWD_BOUND_WARPS = 64, 4

@@ -286,20 +286,24 @@ def test_another_thread_gets_its_own_workspace(gluon_bwd):
 
 def test_workspace_parts_are_disjoint_and_aligned():
     mod = fagen.load(fagen.KernelSpec(backend="gluon", direction="bwd", head_dim=128, mask="causal", dtype="bf16"))
-    for b, hq, sq_pad, mode in ((1, 1, 64, 0), (2, 3, 320, 0), (3, 5, 64, 1), (1, 7, 192, 0), (2, 3, 320, 2)):
-        n = b * hq * sq_pad * (128 + 3) + b * hq * sq_pad // 64 + 8
+    for b, hq, hkv, sq_pad, mode in ((1, 1, 1, 64, 0), (2, 3, 3, 320, 0), (3, 5, 5, 64, 1), (1, 7, 7, 192, 0),
+                                     (2, 3, 3, 320, 2), (2, 8, 2, 64, 2), (1, 1, 1, 64, 2)):
+        n = b * hq * sq_pad * (128 + 3) + max(b * hq * sq_pad // 64, 2 * b * hkv) + 8
         buf = torch.empty(n)
-        zero, delta, lse2, acc, sem, qmul, dm = mod._bwd_views(buf, b, hq, sq_pad, mode)
+        zero, delta, lse2, acc, sem, qmul, dm, kvb = mod._bwd_views(buf, b, hq, hkv, sq_pad, mode)
         assert acc.shape == (b, hq, sq_pad, 128) and delta.shape == lse2.shape == qmul.shape == (b * hq, sq_pad)
         assert sem.dtype == torch.int32 and sem.numel() >= (b * hq * sq_pad // 64 if mode == 0 else 1)
         spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * 4) for t in (delta, lse2, acc, sem, qmul))
         assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))  # disjoint
-        assert all(t.data_ptr() % 16 == 0 for t in (delta, lse2, acc, sem, qmul)) \
+        assert all(t.data_ptr() % 16 == 0 for t in (delta, lse2, acc, sem, qmul, kvb)) \
             and spans[-1][1] <= buf.data_ptr() + 4 * n
         # [Note] qmul rows by TMA: one [2 B Hq, sq_pad] view over delta, then the qmul rows
         assert dm.shape == (2 * b * hq, sq_pad) and dm.is_contiguous() and dm.data_ptr() == delta.data_ptr()
         assert dm[b * hq:].data_ptr() == qmul.data_ptr()
         assert zero.data_ptr() == acc.data_ptr() and zero.numel() * 4 >= spans[1][1] - spans[0][0]  # acc + sem
+        if mode:  # [Note] The bound kernel: KVB in the counters' place, zeroed with the accumulator, before delta
+            assert kvb.data_ptr() == acc.data_ptr() + acc.numel() * 4 and kvb.numel() >= 2 * b * hkv
+            assert kvb.data_ptr() + kvb.numel() * 4 <= delta.data_ptr() and zero.numel() == acc.numel() + kvb.numel()
 
 
 def test_the_backward_launches_through_the_fast_host_path():

@@ -80,7 +80,8 @@ def window_bwd(request, monkeypatch):
                         ("_BWD_KERNELS", {mode: (fakes["main"], epi_tma)}),
                         ("_fast_bwd_preprocess", mod._gluon(fakes["pre"])),
                         ("_fast_dq_convert", mod._gluon(fakes["conv"])),
-                        ("_fast_bwd_kernels", {mode: (mod._gluon(fakes["main"]), epi_tma)})):
+                        ("_fast_bwd_kernels", {mode: (mod._gluon(fakes["main"]), epi_tma)}),
+                        ("_fast_kv_bound", _Bound(mod, fakes))):
         monkeypatch.setattr(mod, name, value)
     monkeypatch.setitem(mod._NUM_SMS, -1, 132)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
@@ -88,6 +89,20 @@ def window_bwd(request, monkeypatch):
     fakes["fill"] = _Fill()
     monkeypatch.setattr(triton.runtime.driver, "_active", fakes["fill"])
     return mod, mode, fakes
+
+
+class _Bound:
+    """The bound kernel ([Note] The bound kernel): the plain path's torch bound maxed into KVB, its launch recorded."""
+
+    def __init__(self, mod, fakes):
+        self.mod, self.calls = mod, fakes.setdefault("bound", [])
+
+    def __getitem__(self, grid):
+        def call(k, v, kvb, sk, **consts):
+            self.calls.append((grid, sk, consts))
+            want = self.mod._bwd_kv_bound(k, v).reshape(-1)
+            kvb[:want.numel()] = torch.maximum(kvb[:want.numel()], want)
+        return call
 
 
 def _same_launch(a, b):
@@ -144,6 +159,9 @@ def test_the_fast_window_launches_are_the_plain_path_s(window_bwd):
         assert ga == gb and fa.keys() == pb.keys(), name
         for key, y in pb.items():
             x = fa[key]
+            if key == "KVB" and y is not None:  # the workspace's KVB ([Note] The bound kernel): the plain bound
+                assert torch.equal(x.reshape(-1)[:y.numel()], y.reshape(-1)), (name, key)
+                continue
             assert (x.dtype, x.numel()) == (y.dtype, y.numel()) if isinstance(y, torch.Tensor) \
                 else type(x) is type(y) and x == y, (name, key)
     if mode == 2:  # QMul: the same rows written by the preprocess and read by the conversion and the main kernel

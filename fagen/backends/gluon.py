@@ -208,7 +208,7 @@ class GluonBackend(KernelBackend):
         if spec.direction is Direction.FWD and spec.dtype is DType.FP8_E4M3 and spec.head_dim == 64:
             return {**self.variant, **self.variant["fp8_d64"]}  # [Note] fp8 three warpgroups: d64's own count
         if (spec.direction is Direction.BWD and spec.switches == ("window",) and not spec.modded
-                and self.variant["bwd_window"]):  # [Note] Window fixed-point fast path (host/gluon_bwd_window.py)
+                and self.variant["bwd_window"]):  # [Note] Switches on the fast backward path
             return {**self.variant, **self.variant["bwd_window"]}
         if spec.direction is not Direction.BWD or spec.switches or spec.modded:  # the fixed-point dQ's bound holds
             return self.variant  # for plain softmax gradients ([Note] Fixed-point dQ), not for a score_mod's dS
@@ -243,12 +243,12 @@ class GluonBackend(KernelBackend):
     bwd_unordered_switches: tuple = ()
     # bwd_window (eleventh session, docs/mods.md "The window's backward (eleventh session)"): the keys a backward
     # render with the window switch alone (no other switch, no mod) takes (variant_for); {} none. The fixed-point dQ
-    # with its qmul rows by TMA, whose render has the window's fast host path ([Note] Window fixed-point fast path in
-    # fagen/templates/host/gluon_bwd_window.py). H100, round A (scripts/gpu_window_s11.py; B1 H16 S8192 d128 bf16,
-    # causal, window (1024, 0); backward ms, one process): this render through fagen.attention 0.533 (1.06x Flex's
-    # 0.563; kernels 0.522: main 0.403, bound 0.036, conversion 0.034, preprocess 0.027), with sections of 4 0.529,
-    # the Triton backward 0.614 (0.92x), the same render on the plain host path 1.306; deterministic=False (the
-    # unordered adds) 0.474 (1.19x).
+    # with its qmul rows by TMA, on the fast host path with the bound kernel ([Note] The bound kernel in
+    # fagen/templates/host/gluon_bwd_launch.py; the eleventh session's own window path until the twelfth). H100,
+    # round A (scripts/gpu_window_s11.py; B1 H16 S8192 d128 bf16, causal, window (1024, 0); backward ms, one
+    # process): this render through fagen.attention 0.533 (1.06x Flex's 0.563; kernels 0.522: main 0.403, bound
+    # 0.036, conversion 0.034, preprocess 0.027), with sections of 4 0.529, the Triton backward 0.614 (0.92x), the
+    # same render on the plain host path 1.306; deterministic=False (the unordered adds) 0.474 (1.19x).
     variant["bwd_window"] = {"bwd_window_fixed": 1, "bwd_fixed_tma": 1}
     # Issue 26's bias rows (tenth session, docs/mods.md "Bias rows (tenth session)"): fwd_mod_add 1, an additive
     # score_mod (`score + X`) in the Gluon forward as one FMA onto the log2-domain score ([Note] Additive mods in the

@@ -8,10 +8,11 @@ host/launch.py and host/gluon_launch.py, gluon/backward.py.j2); the lines below 
 readers.
 """
 import torch
+import triton
 from triton.experimental.gluon import language as gl
 
 from fagen.templates.host.gluon_launch import _GL_DTYPE, _gluon
-from fagen.templates.host.launch import _raw_stream
+from fagen.templates.host.launch import _fast, _raw_stream
 
 BWD_BLOCK_M = BWD_BLOCK_N = HEAD_DIM = GQA = CAUSAL = BWD_RING_SLOTS = BWD_WARPS = BWD_KV_SPLIT = BWD_GRID_ALL = 0
 BWD_COMPUTE_REGS = BWD_PRODUCER_REGS = BWD_WRITER_REGS = BWD_DET_GRID = BWD_WINDOW = BWD_FIXED_FAST = BWD_PREFIX = 0
@@ -47,6 +48,8 @@ _bwd_preprocess = _dq_convert = _run_backward = _descriptor = None
 # checks both). _BWD_FAST = False takes the plain path (the script times both).
 from threading import local as _thread_local  # noqa: E402
 
+import triton.language as tl  # noqa: E402  (the bound kernel: [Note] The bound kernel)
+
 _BWD_FAST = True
 # [Note] Fast launches of a fixed-point render (tenth session). A render with DQ_MODE 2 ([Note] Fixed-point dQ)
 # declares QMul=None, KVB=None, GQA=1 on its preprocess and QMul=None on its conversion; a fast launch that left them
@@ -67,12 +70,31 @@ _BWD_FAST = True
 # (descriptors built per call, two torch.zeros, fn[grid] launches). _BWD_FAST_SWITCHES = True takes the fast path
 # for a window render (BWD_WINDOW) with the values appended to the main kernel's arguments, as _run_backward appends
 # them; off: the window's backward stays on the Triton kernels (H100, docs/mods.md "The mask rows' backward (tenth
-# session)"). A prefix render (BWD_PREFIX, its one value the prefix length) always takes it.
+# session)"). A prefix render (BWD_PREFIX, its one value the prefix length) always takes it; so does a window render
+# with the qmul rows by TMA (variant bwd_window, the product's) while _BWD_WINDOW_FAST: the eleventh session built it
+# a path of its own (host/gluon_bwd_window.py: its workspace, the bound kernel, wrappers of the pre- and postprocess),
+# beside this one's mode 2; the twelfth merged the two ([Note] The bound kernel).
 _BWD_FAST_SWITCHES = False
 # _BWD_FAST_FIXED on since the eleventh session's round B (H100, scripts/gpu_pfxtma_s11.py, module.backward, bf16
 # B1 H16 causal d128, mode 2): S2048 0.450 -> 0.204 ms a call (host 0.454 -> 0.224 ms); s16k medians of three rotated
 # passes 540 / 535 TF/s plain / fast (within the passes' 4% spread); prefix-LM S8192 1.389-1.432 / 1.409-1.414 ms.
 _BWD_FAST_FIXED = True
+# [Note] The bound kernel: on for every mode-2 render since the twelfth session's round A (H100,
+# scripts/gpu_window_s12.py, window-A.txt; medians of three rotated passes): the d128 causal default at B1 H16 s16k
+# 5.155 ms against the torch bound's 5.097 (passes 4.91-6.11 and 4.70-5.42: a tie) with 0.139 against 0.211 ms of
+# host a call; the window row 0.536 against 0.594 ms (kernels 0.529 against 0.584: the torch bound's abs and
+# reductions 0.063 ms of kernels, the kernel's 0.037); gradients bitwise the torch bound's at S333 (d128 with and
+# without the prefix argument, d64, GQA 4/2, the window at left 37 and 130), within rounding at s16k (418 elements of
+# dq, at most 2.4e-4 apart: rows whose unit moved)
+_BWD_BOUND_KERNEL = True
+# the bound kernel's rows a program and warps (H100, K and V of B1 H16 S8192 d128 bf16, 64 MB: 64 / 4 0.036-0.039 ms;
+# 32/4 0.038, 64/8 0.039, 128/8 0.040, 32/2 and 16/2 0.041: none moves it, about 1.7 TB/s; eleventh session)
+_BWD_BOUND_ROWS, _BWD_BOUND_WARPS = 64, 4
+_BWD_BOUND_LOOP = False  # [Note] The bound kernel's loop (off until measured)
+_BWD_LOOP_PARTS, _BWD_LOOP_ROWS, _BWD_LOOP_WARPS = 32, 32, 4  # its programs a KV head, rows a tile, warps
+# [Note] Switches on the fast backward path: a window render with the qmul rows by TMA (the product's, variant
+# bwd_window) takes it in every mode (the eleventh session's window path, merged into this one in the twelfth)
+_BWD_WINDOW_FAST = True
 _BWD_WS_KEEP = 1 << 25  # bytes: the largest workspace kept per stream (B x Hq x sq_pad <= 16384 rows of D 128)
 _BWD_WS = _thread_local()  # per thread: (device, stream) -> [buffer, {(b, hq, sq_pad, dq_mode): views}]
 _GL_DTYPE[torch.float32] = gl.float32  # the workspaces' descriptors (requests like the inputs')
@@ -82,35 +104,38 @@ _fast_dq_convert = _gluon(_dq_convert)
 _fast_bwd_kernels = {mode: (_gluon(kernel), epi_tma) for mode, (kernel, epi_tma) in _BWD_KERNELS.items()}
 
 
-def _bwd_views(buf, b, hq, sq_pad, dq_mode):
-    """(zeroed part, delta 2-D, lse2 2-D, dQ accumulator, counters, qmul rows 2-D, delta and qmul rows 2-D) over
-    buf's float32 elements ([Note] Gluon backward host path): each part starts on a 16-byte boundary (TMA)."""
+def _bwd_views(buf, b, hq, hkv, sq_pad, dq_mode):
+    """(zeroed part, delta 2-D, lse2 2-D, dQ accumulator, counters, qmul rows 2-D, delta and qmul rows 2-D, KVB)
+    over buf's float32 elements ([Note] Gluon backward host path): each part starts on a 16-byte boundary (TMA). In
+    modes 1, 2 the counters' place holds KVB [B * Hkv, 2] ([Note] The bound kernel)."""
     rows = b * hq * sq_pad
-    acc, sems = rows * HEAD_DIM, (-(-(b * hq * sq_pad // BWD_BLOCK_M) // 4) * 4 if dq_mode == 0 else 4)
+    acc = rows * HEAD_DIM
+    sems = -(-(b * hq * sq_pad // BWD_BLOCK_M if dq_mode == 0 else 2 * b * hkv) // 4) * 4
     zero = buf[:acc + sems]
     dm = buf[acc + sems:acc + sems + 2 * rows].view(2 * b * hq, sq_pad)  # [Note] Fixed-point dQ on the fast path
     lse2 = buf[acc + sems + 2 * rows:acc + sems + 3 * rows].view(b * hq, sq_pad)
     return (zero, dm[:b * hq], lse2, buf[:acc].view(b, hq, sq_pad, HEAD_DIM),
-            buf[acc:acc + sems].view(torch.int32), dm[b * hq:], dm)
+            buf[acc:acc + sems].view(torch.int32), dm[b * hq:], dm, buf[acc:acc + sems])
 
 
-def _bwd_workspace(b, hq, sq_pad, dq_mode, q):
-    """The workspace views of one backward on q's device, the zeroed part zeroed on the current stream."""
-    n = b * hq * sq_pad * (HEAD_DIM + 3) + b * hq * sq_pad // BWD_BLOCK_M + 8
+def _bwd_workspace(b, hq, sq_pad, dq_mode, q, hkv=1):
+    """The workspace views of one backward on q's device (hkv: K's heads, for mode 2's KVB), the zeroed part zeroed
+    on the current stream."""
+    n = b * hq * sq_pad * (HEAD_DIM + 3) + max(b * hq * sq_pad // BWD_BLOCK_M, 2 * b * hkv) + 8
     if torch.cuda.is_current_stream_capturing() or 4 * n > _BWD_WS_KEEP:
-        views = _bwd_views(q.new_empty(n, dtype=torch.float32), b, hq, sq_pad, dq_mode)
+        views = _bwd_views(q.new_empty(n, dtype=torch.float32), b, hq, hkv, sq_pad, dq_mode)
     else:
         device = q.get_device()
         key, cache = (device, _raw_stream(device)), _BWD_WS.__dict__
         kept = cache.get(key)
         if kept is None or kept[0].numel() < n:
             kept = cache[key] = [q.new_empty(max(n, 1 << 16), dtype=torch.float32), {}]
-        shape = (b, hq, sq_pad, dq_mode)
+        shape = (b, hq, hkv, sq_pad, dq_mode)
         views = kept[1].get(shape)
         if views is None:
             if len(kept[1]) >= 256:
                 kept[1].clear()
-            views = kept[1][shape] = _bwd_views(kept[0], b, hq, sq_pad, dq_mode)
+            views = kept[1][shape] = _bwd_views(kept[0], b, hq, hkv, sq_pad, dq_mode)
     views[0].zero_()
     return views
 
@@ -118,6 +143,77 @@ def _bwd_workspace(b, hq, sq_pad, dq_mode, q):
 def _bwd_kv_bound(k, v):
     """KVB [B, Hkv, 2] of the fixed-point dQ's rows ([Note] Fixed-point dQ): max|K| and max_j |V_j|_2 per KV head."""
     return torch.stack([k.abs().amax(dim=(2, 3)).float(), torch.linalg.vector_norm(v, dim=-1).amax(-1).float()], -1)
+
+
+# [Note] The bound kernel (eleventh session for the window, twelfth for every mode-2 call on the fast path)
+# _bwd_kv_bound's five torch launches (abs, two amax, a norm, a stack) as one Triton kernel, _bwd_kv_bound_rows: each
+# program reads BLOCK rows of K and V of one (batch, KV head) and atomic-maxes max|K| and max_j |V_j|_2 into KVB (the
+# workspace's zeroed counters' place in mode 2). Non-negative floats: max is order-free, so KVB has the same bits in
+# any order. A NaN in K or V becomes +inf, whose qmul is NaN, as the torch bound's NaN makes it. The norms are float32
+# sums of squares, where vector_norm rounds each norm to V's dtype: the two bounds may differ in the last bits, and
+# the unit e = ceil(log2(2 bound)) of a row whose bound sits within that rounding of a power of two may differ (both
+# are bounds: the factor 2 holds either rounding). So the fast path's gradients equal the plain path's (torch bound)
+# except in such rows, where dq differs within the fixed point's rounding (half a unit, 2^-29 of the row's bound).
+# _BWD_BOUND_KERNEL off: the torch bound on the fast path too. The twelfth session also tried the bound and the
+# accumulator's fill as one launch (per-part maxima without atomics, the preprocess taking their max; H100, round A
+# of scripts/gpu_window_s12.py, the mods bench's window B1 H16 S8192): the fused kernel took 0.056-0.063 ms over
+# seven (parts, rows, warps) configurations against 0.057 ms of kernels for this bound (0.037) and the fill (0.020),
+# and the preprocess reading 64 partials a KV head took 0.034 ms instead of 0.027: the backward 0.540 against 0.536
+# ms (kernels 0.531 against 0.529). Removed: both are at the memory's pace already, one launch or two.
+@triton.jit
+def _bwd_kv_bound_rows(K, V, KVB, seq_k, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """KVB[bh] = max(KVB[bh], (max|K|, max_j |V_j|_2)) over rows [BLOCK * program, + BLOCK) of head bh = program 1
+    of K, V contiguous [B, Hkv, Sk, HEAD_DIM]; NaN counts as +inf ([Note] The bound kernel)."""
+    bh = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.arange(0, HEAD_DIM)
+    offs = bh.to(tl.int64) * seq_k * HEAD_DIM + rows[:, None] * HEAD_DIM + cols[None, :]
+    inside = rows[:, None] < seq_k
+    k = tl.abs(tl.load(K + offs, mask=inside, other=0.0).to(tl.float32))
+    v = tl.load(V + offs, mask=inside, other=0.0).to(tl.float32)
+    kn = tl.sum(tl.sum((k != k).to(tl.int32), 1), 0)
+    vs = tl.sum(v * v, 1)
+    vn = tl.sum((vs != vs).to(tl.int32), 0)
+    kmax = tl.where(kn > 0, float("inf"), tl.max(tl.max(k, 1), 0))
+    vmax = tl.where(vn > 0, float("inf"), tl.sqrt(tl.max(vs, 0)))
+    tl.atomic_max(KVB + bh * 2, kmax)
+    tl.atomic_max(KVB + bh * 2 + 1, vmax)
+
+
+@triton.jit
+def _max_nan(a, b):
+    """max(a, b), NaN where either is ([Note] The bound kernel's loop)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+# [Note] The bound kernel's loop (twelfth session, _BWD_BOUND_LOOP, off until round B times it). _bwd_kv_bound_rows
+# reduces every [BLOCK, D] tile of K and V to two scalars through shared memory, one tile a program (the H100 runs it
+# at ~1.7 TB/s, 0.037-0.042 ms for the 64 MB of the mods bench's window). Here a program of (batch, KV head) bh walks
+# `chunk` rows in tiles, keeping the elementwise maxima of |K| and of the rows' sums of squares in registers (NaN
+# carried by NaN-propagating maxima, no counts), and reduces once at its end; PARTS programs a KV head. The maxima are
+# the same values; a row's sum of squares may round differently in another tile shape, so KVB's V norm (and a unit
+# where it sits at a power of two) may differ from the other kernel's in the last bit.
+@triton.jit
+def _bwd_kv_bound_loop(K, V, KVB, seq_k, chunk, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """KVB[bh] = max(KVB[bh], (max|K|, max_j |V_j|_2)) over rows [chunk * program, + chunk) of head bh = program 1
+    ([Note] The bound kernel's loop); NaN counts as +inf."""
+    p = tl.program_id(0)
+    bh = tl.program_id(1)
+    cols = tl.arange(0, HEAD_DIM)
+    kacc = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+    vacc = tl.zeros([BLOCK], tl.float32)
+    for r in range(0, chunk, BLOCK):
+        rows = p * chunk + r + tl.arange(0, BLOCK)
+        offs = bh.to(tl.int64) * seq_k * HEAD_DIM + rows[:, None] * HEAD_DIM + cols[None, :]
+        inside = rows[:, None] < seq_k
+        k = tl.abs(tl.load(K + offs, mask=inside, other=0.0).to(tl.float32))
+        v = tl.load(V + offs, mask=inside, other=0.0).to(tl.float32)
+        kacc = _max_nan(kacc, k)
+        vacc = _max_nan(vacc, tl.sum(v * v, 1))
+    kmax = tl.reduce(tl.reduce(kacc, 1, _max_nan), 0, _max_nan)
+    vmax = tl.reduce(vacc, 0, _max_nan)
+    tl.atomic_max(KVB + bh * 2, tl.where(kmax != kmax, float("inf"), kmax))
+    tl.atomic_max(KVB + bh * 2 + 1, tl.where(vmax != vmax, float("inf"), tl.sqrt(vmax)))
 
 
 def _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, qk_scale=None, extra=()):
@@ -128,13 +224,22 @@ def _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, qk_sca
     hkv, sk = k.shape[1] * BWD_KV_SPLIT, k.shape[2]  # virtual KV heads ([Note] GQA split in the backward)
     sq_pad = -(-sq // BWD_BLOCK_M) * BWD_BLOCK_M
     dev = q.get_device()
-    _, delta, lse2, dq_acc, sem, qmul, dm = _bwd_workspace(b, hq, sq_pad, dq_mode, q)
+    _, delta, lse2, dq_acc, sem, qmul, dm, kvb = _bwd_workspace(b, hq, sq_pad, dq_mode, q, k.shape[1])
     rows = delta
     if dq_mode == 2:  # an int32 accumulator (zeroed float32 bits are int32 zeros), the rows' qmul in Sem
         dq_acc, sem, rows = dq_acc.view(torch.int32), qmul, dm if BWD_FIXED_TMA else delta
+        if _BWD_BOUND_LOOP:  # [Note] The bound kernel's loop
+            chunk = -(-(-(-sk // _BWD_LOOP_PARTS)) // _BWD_LOOP_ROWS) * _BWD_LOOP_ROWS
+            _fast_kv_bound_loop[(-(-sk // chunk), b * k.shape[1])](k, v, kvb, sk, chunk, HEAD_DIM=HEAD_DIM,
+                                                                  BLOCK=_BWD_LOOP_ROWS, num_warps=_BWD_LOOP_WARPS)
+        elif _BWD_BOUND_KERNEL:  # [Note] The bound kernel: K's own heads, as the preprocess reads KVB
+            _fast_kv_bound[(-(-sk // _BWD_BOUND_ROWS), b * k.shape[1])](k, v, kvb, sk, HEAD_DIM=HEAD_DIM,
+                                                                       BLOCK=_BWD_BOUND_ROWS,
+                                                                       num_warps=_BWD_BOUND_WARPS)
+        else:
+            kvb = _bwd_kv_bound(k, v)
         _fast_bwd_preprocess[(sq_pad // BWD_BLOCK_M, b * hq)](out, do, lse, delta, lse2, sq, sq_pad, HEAD_DIM,
-                                                              BWD_BLOCK_M, qmul, _bwd_kv_bound(k, v), GQA,
-                                                              num_warps=4)
+                                                              BWD_BLOCK_M, qmul, kvb, GQA, num_warps=4)
     else:
         _fast_bwd_preprocess[(sq_pad // BWD_BLOCK_M, b * hq)](out, do, lse, delta, lse2, sq, sq_pad,
                                                               HEAD_DIM=HEAD_DIM, BLOCK_M=BWD_BLOCK_M, **_PRE_KW,
@@ -170,12 +275,17 @@ def _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, qk_sca
 def _bwd_host(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, *more, **options):
     """The backward's host path: the fast one for the modes it knows (0, 1; 2 where BWD_FIXED_FAST: every call with
     _BWD_FAST_FIXED, else a non-TMA render's prefix or window calls) with the plain arguments, a prefix render's or
-    a window render's with _BWD_FAST_SWITCHES; else, or with _BWD_FAST = False, the plain _run_backward (which
-    takes whatever else a render passes it)."""
+    a window render's with _BWD_FAST_SWITCHES (one with the qmul rows by TMA: with _BWD_WINDOW_FAST); else, or
+    with _BWD_FAST = False, the plain _run_backward (which takes whatever else a render passes it)."""
     if _BWD_FAST and not options and (dq_mode == 0 or dq_mode == 1 or dq_mode == 2 and BWD_FIXED_FAST and (
             _BWD_FAST_FIXED or more and not BWD_FIXED_TMA)):
         if not more:
             return _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode)
-        if (_BWD_FAST_SWITCHES and BWD_WINDOW or BWD_PREFIX) and len(more) == 2:
+        if ((_BWD_FAST_SWITCHES or _BWD_WINDOW_FAST and BWD_FIXED_TMA) and BWD_WINDOW or BWD_PREFIX) \
+                and len(more) == 2:
             return _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, *more)
     return _run_backward(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, *more, **options)
+
+
+_fast_kv_bound = _fast(_bwd_kv_bound_rows)
+_fast_kv_bound_loop = _fast(_bwd_kv_bound_loop)

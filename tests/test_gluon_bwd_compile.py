@@ -74,7 +74,14 @@ BUILDS = {"det": dict(mask="causal", gqa=2, dtype="bf16", deterministic=True, va
           "d64": dict(head_dim=64, mask="causal", dtype="bf16", deterministic=True,
                       variant={"bwd_d64": {"bwd_fixed": 1, "bwd_sections": 8}}),
           "d64_tma": dict(head_dim=64, mask="causal", dtype="bf16", deterministic=True,
-                          variant={"bwd_d64": {"bwd_fixed": 1, "bwd_sections": 8, "bwd_fixed_tma": 1}})}
+                          variant={"bwd_d64": {"bwd_fixed": 1, "bwd_sections": 8, "bwd_fixed_tma": 1}}),
+          # twelfth session: the d128 full default with bwd_full_levers ([Note] Staggered walks), both modes
+          "full_lev": dict(mask="none", dtype="bf16", deterministic=True, variant={"bwd_d128": {
+              "bwd_fixed": 1, "bwd_fixed_tma": 1, "bwd_sections": 4,
+              "bwd_full_levers": {"bwd_named": 2, "bwd_epi_tma": 1, "bwd_stagger": 2}}}),
+          "full_lev_u": dict(mask="none", dtype="bf16", deterministic=False, variant={"bwd_d128": {
+              "bwd_fixed": 1, "bwd_fixed_tma": 1, "bwd_sections": 4,
+              "bwd_full_levers": {"bwd_named": 2, "bwd_epi_tma": 1, "bwd_stagger": 2}}})}
 
 
 @pytest.fixture(scope="module")
@@ -176,3 +183,16 @@ def test_d64_brings_the_qmul_rows_by_tma_without_spills(built):
     assert r["spill_bytes"] == ldg["spill_bytes"] == [0, 0], (r, ldg)
     assert r["cvt"] >= 32 and r["acquire"] == r["release"] == 0 and r["complete"] == [], r
     assert len(r["steps"]) == 2 and [s["wgmma"] for s in r["steps"]] == [s["wgmma"] for s in ldg["steps"]], r
+
+
+def test_the_full_levers_reach_both_modes_of_the_full_render(built):
+    """bwd_full_levers ([Note] Staggered walks; twelfth session): a plain full d128 render's unordered kernel has the
+    causal kernel's levers (named barriers for the dQ handoff and the dS^T exchange, dK/dV by TMA stores) and serves
+    the deterministic mode (DQ_MODE 2: cvt.rni, no turns) as well as deterministic=False; the d128 full default has
+    none of them (built["d128"] is causal; the full default is tests/test_gluon_bwd_stagger.py's render check)."""
+    for key in ("full_lev", "full_lev_u"):
+        r = built[key]
+        assert r["named"] == built["levers"]["named"] and r["tma_store"] >= 2, r
+        assert r["acquire"] == r["release"] == 0 and r["complete"] == [], r
+        assert len(r["steps"]) == 2 and all(s["wgmma"] == 32 for s in r["steps"]), r["steps"]
+    assert built["full_lev"]["cvt"] >= 64 and built["full_lev_u"]["cvt"] == 0, built

@@ -111,7 +111,7 @@ class GluonBackend(KernelBackend):
                "pv_overlap": 0,
                "bwd_order": 0, "bwd_snake": 0, "bwd_named": 0, "bwd_epi_tma": 0, "bwd_fixed": 0, "bwd_window_desc": 0,
                "bwd_mod_early": 0, "bwd_window_fixed": 0, "bwd_prefix": 2,
-               "bwd_unordered_levers": {"bwd_named": 2, "bwd_epi_tma": 1, "bwd_snake": 1},
+               "bwd_unordered_levers": {"bwd_named": 2, "bwd_epi_tma": 1, "bwd_snake": 1}, "bwd_full_levers": {},
                "bwd_fixed_fma": 0, "bwd_grid": 0, "bwd_spt": 0, "bwd_fixed_tma": 0}
 
     # [Note] Gluon tile order. The persistent forward deals its tiles in an order ([Note] Tile schedule in the
@@ -283,7 +283,10 @@ class GluonBackend(KernelBackend):
     # designs in lab/gluon_bwd.py): bwd_order 1, the dQ turns by arrival within a wave ([Note] Wave order); bwd_snake
     # 1, odd waves of tiles in reverse; bwd_named 1, the dQ handoff through named barriers (2: also the dS^T exchange);
     # bwd_epi_tma 1, dK/dV stored by TMA through the dQ slot; bwd_unordered_levers, the levers of the unordered mode's
-    # own kernel in causal specs (a dict of those keys; {}: the deterministic mode's kernel serves both). All off: on the lab kernel (H100, docs/hopper.md) none
+    # own kernel in causal specs (a dict of those keys; {}: the deterministic mode's kernel serves both); bwd_full_levers
+    # the same for plain full specs, with bwd_stagger s ([Note] Staggered walks) and bwd_persist 1 (modes 1, 2 on the
+    # persistent grid, not one program per tile; twelfth session, docs/hopper.md).
+    # All off: on the lab kernel (H100, docs/hopper.md) none
     # won in the deterministic mode at all three cases; their sum won only unordered at d128 causal (520 vs 469). The
     # product's unordered causal kernel takes named 2 + TMA epilogue + snake ("u-nes"): round B of the seventh session
     # (scripts/gpu_gluon_bwd_product.py, H100, d128 causal B1 H16 s16k, one process) 540 TF/s against 458-460 for

@@ -1,0 +1,323 @@
+"""The d128 full backward row (issue 28, twelfth session, helper bwdfull) on an H100.
+
+    PYTHONPATH=$PWD python3 scripts/gpu_bwdfull_s12.py           # every phase, each in a child with a timeout
+    python scripts/gpu_bwdfull_s12.py --phase time               # one phase here (no child, no timeout)
+    GPU_BWDFULL_DRY=1 python scripts/gpu_bwdfull_s12.py          # any machine: renders (=2: sm_90 builds, ptxas)
+
+Target (bf16, B1 H16 s16k, cuDNN via SDPA in the same process): deterministic=False >= 1.0x cuDNN with margin, the
+deterministic mode's margin over 0.95x. Candidates (variant bwd_full_levers inside bwd_d128, the unordered kernel
+of plain full specs, which serves DQ_MODE 1 and 2): the causal kernel's levers (named barriers 2, TMA epilogue) and
+staggered walks (bwd_stagger s: key block n starts at query block n s; [Note] Staggered walks).
+Phases: `warm` (one child per job, all at once: build; float64 at small shapes whose lengths are not multiples of
+the blocks, Sk = 1 rows' exact zeros (dq = dk = 0), the real shape twice bitwise in the deterministic mode; a
+mutant's check must FAIL), `time` (one child: float64 gradients of head 0 at the real shape, each row's error
+there, then TF/s in rotated passes beside cuDNN, medians; the forward's default beside cuDNN's forward).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for _phases and _bwd_timing
+from _phases import child_env, run_phase as run_child  # noqa: E402
+import _bwd_timing as bt  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+ROUND = os.environ.get("BWDFULL_ROUND", "A")
+D, B, H, S = 128, 1, 16, 16384
+CASE = "d128 full B1 H16 s16k"
+# check shapes (B, H, Sq, Sk): lengths not multiples of 64 / 128, Sq < Sk and Sq > Sk (walks that wrap), Sk = 1
+CHECKS = ((1, 16, 208, 336), (1, 4, 1000, 700), (1, 4, 333, 1))
+PASSES = 4 if ROUND == "A" else 6
+D128 = {"bwd_fixed": 1, "bwd_fixed_tma": 1, "bwd_sections": 4}  # main's bwd_d128
+L = {"bwd_named": 2, "bwd_epi_tma": 1}  # the causal unordered kernel's levers (its snake is idle on one program a tile)
+
+
+def full(**levers):
+    return {"bwd_d128": {**D128, "bwd_full_levers": levers}}
+
+
+# the stagger mutant: the dQ warp walks unstaggered (adds each partial into another query block's rows)
+MSTAG = ("off = _bwd_stagger(n_blk, GQA * steps, 2)  # [Note] Staggered walks\n        n_steps = GQA * steps",
+         "off = 0\n        n_steps = GQA * steps")
+# job -> (variant overrides, modes, mutant); modes 'fixed' (deterministic=True: DQ_MODE 2), 'unord' (False)
+if ROUND == "A":
+    JOBS = {"def": ({}, ("fixed", "unord"), None),
+            "L": (full(**L), ("fixed", "unord"), None),
+            "S1": (full(bwd_stagger=1), ("fixed", "unord"), None),
+            "S2": (full(bwd_stagger=2), ("fixed", "unord"), None),
+            "S8": (full(bwd_stagger=8), ("fixed", "unord"), None),
+            "LS1": (full(**L, bwd_stagger=1), ("fixed", "unord"), None),
+            "LS2": (full(**L, bwd_stagger=2), ("fixed", "unord"), None),
+            "S2mut!": (full(bwd_stagger=2), ("fixed", ), MSTAG)}
+else:
+    JOBS = {"def": ({}, ("fixed", "unord"), None)}
+WARM_LIMIT, TIME_LIMIT, TOTAL = 30, 36, 68
+BOUND = 6e-3  # relative L2 error of each gradient against float64 (bf16: ~2.4e-3)
+SPEC = dict(head_dim=D, mask="none", gqa=1, dtype="bf16", direction="bwd", backend="gluon")
+
+
+def log(*parts):
+    print(*parts, flush=True)
+
+
+_MODULES = {}
+
+
+def module(job):
+    if job not in _MODULES:
+        over, _, mut = JOBS[job]
+        _MODULES[job] = bt.module(SPEC, over, mut, tag=job.replace("!", ""))
+    return _MODULES[job]
+
+
+def backward_fn(job, q, k, v, do, mode):
+    mod, fwd = module(job), module("def")
+    scale = q.shape[-1] ** -0.5
+    out, lse = fwd.forward(q, k, v, scale=scale)
+    det = mode != "unord"
+    return lambda: mod.backward(do, q, k, v, out, lse, scale=scale, deterministic=det)
+
+
+# -- phases --------------------------------------------------------------------------------------------------
+def phase_warm(results, job):
+    import torch
+    t0 = time.time()
+    _, modes, mut = JOBS[job]
+    ok_all = True
+    for cb, ch, csq, csk in CHECKS:
+        q, k, v, do = bt.inputs(D, cb, ch, ch, csq, csk, seed=csq)
+        ref = bt.reference(q, k, v, do, False, D ** -0.5)
+        for mode in modes:
+            got = backward_fn(job, q, k, v, do, mode)()
+            errs = [bt.rel(x, r) for x, r in zip(got, ref)]
+            ok = all(bool(torch.isfinite(x).all()) for x in got)
+            zeros = ""
+            if csk == 1:  # every row sees one key: dS = 0, so dq = dk = 0 exactly; dv = the sum of dO
+                z = bool((got[0] == 0).all()) and bool((got[1] == 0).all())
+                ok, zeros = ok and z and errs[2] <= BOUND, f", dq dk {'== 0' if z else '!= 0'}"
+            else:
+                ok = ok and all(e <= BOUND for e in errs)
+            ok_all = ok_all and ok
+            verdict = "" if mut else f" -> {'PASS' if ok else 'FAIL'}"
+            log(f"check {job:<7} {mode:<6} B{cb} H{ch} {csq}x{csk}: rel dq {errs[0]:.2e} dk {errs[1]:.2e} "
+                f"dv {errs[2]:.2e}{zeros}{verdict} ({time.time() - t0:.1f}s)")
+            if not mut:
+                results.append(dict(job=job, mode=mode, check=f"float64 {csq}x{csk}", ok=ok))
+    if mut:
+        log(f"check {job:<7} mutant: {'caught' if not ok_all else 'NOT CAUGHT'}")
+        results.append(dict(job=job, mode="mutant", check="must fail", ok=not ok_all))
+        results.append(dict(job=job, ready=[]))
+        return
+    ready = []
+    q, k, v, do = bt.inputs(D, B, H, H, S, S, seed=1)
+    for mode in modes:
+        runs = [backward_fn(job, q, k, v, do, mode)() for _ in range(1 if mode == "unord" else 2)]
+        torch.cuda.synchronize()
+        same = all(torch.equal(a, c) for r in runs[1:] for a, c in zip(r, runs[0]))
+        log(f"real  {job:<7} {mode:<6} x{len(runs)} {'bitwise equal' if same else 'DIFFER'} ({time.time() - t0:.1f}s)")
+        results.append(dict(job=job, mode=mode, check="bitwise", ok=same))
+        ready.append(mode)
+        del runs
+    results.append(dict(job=job, ready=ready))
+    if job == "def":  # the public path takes the default render, bitwise twice
+        try:
+            import fagen
+            from fagen.runtime import hopper
+            from fagen.spec.kernel import KernelSpec
+            want = hopper.backward_spec(KernelSpec(head_dim=D, mask="none", dtype="bf16", direction="bwd"), q.device)
+            picked = fagen.load(want)
+            grads = []
+            for _ in range(2):
+                leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+                out = fagen.attention(*leaves, mask="none")
+                grads.append(torch.autograd.grad(out, leaves, do))
+            torch.cuda.synchronize()
+            same = all(torch.equal(a, c) for a, c in zip(*grads))
+            src = Path(picked.__file__).read_text()
+            ok = same and picked.BWD_DET_MODE == 2
+            log(f"route {job:<7} fagen.attention: {want.name if want else None} (BWD_DET_MODE {picked.BWD_DET_MODE}, "
+                f"_u kernel {'yes' if '_attn_bwd_hopper_u' in src else 'no'}, stagger "
+                f"{'yes' if '_bwd_stagger(' in src else 'no'}), x2 {'bitwise equal' if same else 'DIFFER'} -> "
+                f"{'PASS' if ok else 'FAIL'}")
+            results.append(dict(job=job, mode="route", check="fagen.attention", ok=ok))
+        except Exception as e:  # the route check must not keep the job from its timing
+            log(f"route {job:<7} ERROR {type(e).__name__}: {str(e)[:200]}")
+
+
+def phase_time(results, ready):
+    """Float64 gradients of head 0 at the real shape, each row's error there, then TF/s in rotated passes."""
+    import torch
+    import triton
+    t0 = time.time()
+    flops = 2.5 * 4 * B * H * S * S * D
+    q, k, v, do = bt.inputs(D, B, H, H, S, S, seed=2)
+    ref = bt.reference(q[:1, :1], k[:1, :1], v[:1, :1], do[:1, :1], False, D ** -0.5)
+    torch.cuda.synchronize()
+    log(f"{CASE}: float64 head 0 in {time.time() - t0:.1f}s")
+    steps, errs = {"cudnn": bt.cudnn_backward(q, k, v, do, False)}, {}
+    for job, (_, modes, _) in JOBS.items():
+        for mode in modes:
+            if mode in ready.get(job, ()):
+                steps[f"{job} {mode}"] = backward_fn(job, q, k, v, do, mode)
+    for label, step in list(steps.items()):
+        try:
+            got = step()
+            torch.cuda.synchronize()
+            errs[label] = [bt.rel(x[:1, :1], r) for x, r in zip(got, ref)]
+            del got
+        except Exception as e:
+            log(f"{label}: ERROR {type(e).__name__}: {str(e)[:200]}")
+            del steps[label]
+    del ref
+    for label, e in errs.items():
+        log(f"{CASE:<22} {label:<12} head0 f64 rel dq {e[0]:.2e} dk {e[1]:.2e} dv {e[2]:.2e}")
+    # the forward: the default render against cuDNN's forward (issue 28's other d128 full row)
+    fwd, scale = module("def"), D ** -0.5
+    steps["fwd fagen"] = lambda: fwd.forward(q, k, v, scale=scale)
+    steps["fwd cudnn"] = bt.cudnn_forward(q, k, v, False)
+    tfs = {label: [] for label in steps}
+    for p, label in bt.rotated(list(steps), PASSES):
+        try:
+            ms = triton.testing.do_bench(steps[label], warmup=5, rep=40)
+            tf = flops / (2.5 if label.startswith("fwd") else 1.0) / ms / 1e9
+            tfs[label].append(tf)
+            log(f"pass {p} {label:<12} {ms:7.3f} ms {tf:6.1f} TF/s")
+        except Exception as e:
+            log(f"pass {p} {label:<12} ERROR {type(e).__name__}: {str(e)[:200]}")
+    print("ROW " + json.dumps(dict(case=CASE, tfs=tfs, errs=errs)), flush=True)
+
+
+def dry_run():
+    sys.path.insert(0, str(ROOT / "tests"))
+    from sm90 import ptxas
+    ok = True
+    for job, (over, modes, mut) in JOBS.items():
+        try:
+            mod = module(job)
+            line = f"dry {job:<7} {mod.__name__}"
+            if os.environ.get("GPU_BWDFULL_DRY") == "2" and not mut:
+                for mode in modes:
+                    ck = mod.compile_backward_for(deterministic=mode != "unord")
+                    res = next(iter(ptxas(ck.asm["ptx"])[0].values()))
+                    line += f" | {mode}: shared {ck.metadata.shared} B, spills {res.spill_stores}/{res.spill_loads} B"
+            log(line)
+        except Exception as e:
+            ok = False
+            log(f"dry {job}: ERROR {type(e).__name__}: {str(e)[:300]}")
+    log(f"dry run: {'OK' if ok else 'FAILED'}")
+    return ok
+
+
+# -- driver --------------------------------------------------------------------------------------------------
+def run_phase(name, ready_json="{}"):
+    import torch
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        log(f"{name}: needs an sm_90 GPU")
+        return []
+    results = []
+    try:
+        if name.startswith("warm:"):
+            phase_warm(results, name[5:])
+        elif name == "time":
+            phase_time(results, json.loads(ready_json))
+    except Exception as e:
+        log(f"{name}: ERROR {type(e).__name__}: {e}")
+        traceback.print_exc()
+    print("RESULTS " + json.dumps(results), flush=True)
+    return results
+
+
+def table(rows):
+    for r in rows:
+        log(f"\n| case | row | TF/s, passes in run order | median | / cuDNN median |")
+        log("|---|---|---|---:|---:|")
+        bwd = {k: v for k, v in r["tfs"].items() if not k.startswith("fwd")}
+        bt.medians_table(r["case"], bwd, log=log)
+        fwd = {k[4:]: v for k, v in r["tfs"].items() if k.startswith("fwd")}
+        bt.medians_table(r["case"] + " fwd", fwd, log=log)
+    log("(bf16, TF/s = (2.5 x for the backward) forward FLOPs / do_bench median; fixed = deterministic mode "
+        "(DQ_MODE 2), unord = deterministic=False; def = main's default; L = bwd_full_levers named 2 + TMA epilogue; "
+        "Sn = bwd_stagger n; passes rotated: pass p starts at row p)")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--phase", help="one phase here (no child): warm:JOB or time")
+    ap.add_argument("--ready", default=None, help="time: the ready modes per job (JSON), default every job's")
+    args = ap.parse_args()
+    if os.environ.get("GPU_BWDFULL_DRY"):
+        sys.exit(0 if dry_run() else 1)
+    if args.phase:
+        ready = args.ready if args.ready is not None else json.dumps(
+            {job: list(j[1]) for job, j in JOBS.items() if not j[2]})
+        run_phase(args.phase, ready)
+        return
+    t0 = time.time()
+    env = child_env("/tmp/fagen-cache-gpu-bwdfull", ROOT)
+    log(f"#### round {ROUND}, phase warm: {len(JOBS)} children at once (timeout {WARM_LIMIT}s)")
+    tmp = tempfile.mkdtemp(prefix="bwdfull-")
+    files = {job: open(os.path.join(tmp, f"{job.replace('!', '')}.log"), "w+") for job in JOBS}
+    procs = {job: subprocess.Popen([sys.executable, __file__, "--phase", f"warm:{job}"], env=env,
+                                   stdout=files[job], stderr=subprocess.STDOUT, text=True) for job in JOBS}
+    deadline = time.time() + WARM_LIMIT
+    ready, checks, logs = {}, [], []
+    for job, p in procs.items():
+        try:
+            p.wait(timeout=max(deadline - time.time(), 0.1))
+            killed = ""
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            killed = f"warm:{job} killed (timeout)\n"
+        files[job].seek(0)
+        outs = files[job].read() + killed
+        logs.append(outs)
+        for line in outs.splitlines():
+            if line.startswith("RESULTS "):
+                for r in json.loads(line[8:]):
+                    if "ready" in r:
+                        ready[job] = r["ready"]
+                    else:
+                        checks.append(r)
+            elif line.startswith(("check", "real", "route", "warm", "Traceback")) or "Error" in line:
+                print(line, flush=True)
+    bad = [f"{r['job']} {r['mode']} {r['check']}" for r in checks if not r["ok"]]
+    verdict = "ALL PASS" if not bad else "FAILED: " + ", ".join(bad)
+    log(f"#### warm: {len(ready)}/{len(JOBS)} jobs done, checks {verdict} ({time.time() - t0:.0f}s)")
+    rows = []
+    rc, lines = run_child(__file__, "time", min(TIME_LIMIT, max(5.0, TOTAL - (time.time() - t0))), env,
+                          lambda line: line.startswith(("RESULTS ", "ROW ")) or print(line, end="", flush=True),
+                          ("--ready", json.dumps(ready)))
+    for line in lines:
+        if line.startswith("ROW "):
+            rows.append(json.loads(line[4:]))
+    if not rows:  # the phase was cut short: the passes it printed
+        tfs = {}
+        for line in lines:
+            m = re.match(r"pass (\d+) (.+?)\s+[\d.]+ ms\s+([\d.]+) TF/s", line)
+            if m:
+                tfs.setdefault(m.group(2), []).append(float(m.group(3)))
+        rows = [dict(case=CASE + " (cut short)", tfs=tfs, errs={})] if tfs else []
+    logs += lines
+    log(f"#### phase time: rc={rc}, {time.time() - t0:.0f}s so far")
+    table(rows)
+    out = os.environ.get("OUTX") or os.environ.get("OUT")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "gpu_bwdfull_s12.log").write_text("".join(logs))
+
+
+if __name__ == "__main__":
+    main()

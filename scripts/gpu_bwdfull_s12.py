@@ -7,7 +7,8 @@
 Target (bf16, B1 H16 s16k, cuDNN via SDPA in the same process): deterministic=False >= 1.0x cuDNN with margin, the
 deterministic mode's margin over 0.95x. Candidates (variant bwd_full_levers inside bwd_d128, the unordered kernel
 of plain full specs, which serves DQ_MODE 1 and 2): the causal kernel's levers (named barriers 2, TMA epilogue) and
-staggered walks (bwd_stagger s: key block n starts at query block n s; [Note] Staggered walks).
+staggered walks (bwd_stagger s: key block n starts at query block n s; [Note] Staggered walks), the persistent
+grid in modes 1 and 2 (bwd_persist 1; main: one program per tile with L2 sections).
 Phases: `warm` (one child per job, all at once: build; float64 at small shapes whose lengths are not multiples of
 the blocks, Sk = 1 rows' exact zeros (dq = dk = 0), the real shape twice bitwise in the deterministic mode; a
 mutant's check must FAIL), `time` (one child: float64 gradients of head 0 at the real shape, each row's error
@@ -60,6 +61,8 @@ if ROUND == "A":
             "S8": (full(bwd_stagger=8), ("fixed", "unord"), None),
             "LS1": (full(**L, bwd_stagger=1), ("fixed", "unord"), None),
             "LS2": (full(**L, bwd_stagger=2), ("fixed", "unord"), None),
+            "P": (full(bwd_persist=1), ("fixed", "unord"), None),
+            "LS2P": (full(**L, bwd_stagger=2, bwd_persist=1), ("fixed", "unord"), None),
             "S2mut!": (full(bwd_stagger=2), ("fixed", ), MSTAG)}
 else:
     JOBS = {"def": ({}, ("fixed", "unord"), None)}
@@ -249,7 +252,7 @@ def table(rows):
         bt.medians_table(r["case"] + " fwd", fwd, log=log)
     log("(bf16, TF/s = (2.5 x for the backward) forward FLOPs / do_bench median; fixed = deterministic mode "
         "(DQ_MODE 2), unord = deterministic=False; def = main's default; L = bwd_full_levers named 2 + TMA epilogue; "
-        "Sn = bwd_stagger n; passes rotated: pass p starts at row p)")
+        "Sn = bwd_stagger n; P = bwd_persist 1; passes rotated: pass p starts at row p)")
 
 
 def main():

@@ -12,7 +12,8 @@ grid in modes 1 and 2 (bwd_persist 1; main: one program per tile with L2 section
 Phases: `warm` (one child per job, all at once: build; float64 at small shapes whose lengths are not multiples of
 the blocks, Sk = 1 rows' exact zeros (dq = dk = 0), the real shape twice bitwise in the deterministic mode; a
 mutant's check must FAIL), `time` (one child: float64 gradients of head 0 at the real shape, each row's error
-there, then TF/s in rotated passes beside cuDNN, medians; the forward's default beside cuDNN's forward).
+there, then TF/s in rotated passes beside cuDNN, medians; the forward's default and two tile orders beside
+cuDNN's forward, checked first: out and lse against float64 at odd shapes with more tiles than SMs, bitwise twice).
 """
 
 from __future__ import annotations
@@ -58,14 +59,19 @@ if ROUND == "A":
             "L": (full(**L), ("fixed", "unord"), None),
             "S1": (full(bwd_stagger=1), ("fixed", "unord"), None),
             "S2": (full(bwd_stagger=2), ("fixed", "unord"), None),
-            "S8": (full(bwd_stagger=8), ("fixed", "unord"), None),
-            "LS1": (full(**L, bwd_stagger=1), ("fixed", "unord"), None),
             "LS2": (full(**L, bwd_stagger=2), ("fixed", "unord"), None),
             "P": (full(bwd_persist=1), ("fixed", "unord"), None),
             "LS2P": (full(**L, bwd_stagger=2, bwd_persist=1), ("fixed", "unord"), None),
             "S2mut!": (full(bwd_stagger=2), ("fixed", ), MSTAG)}
+    # the forward of the full mask in another tile order (the measurement variant tile_schedule_all renders the tile
+    # schedule, _SCHED 1 paired for a full spec; 3 patched in: the counter over L2 sections of heads): the sixth
+    # session's one run read paired 696 against the plain loop's 648 (docs/hopper.md, "Tile order")
+    FJOBS = {"fwd-def": None, "fwd-P1": 1, "fwd-P3": 3}
 else:
     JOBS = {"def": ({}, ("fixed", "unord"), None)}
+    FJOBS = {"fwd-def": None}
+FSPEC = dict(head_dim=D, mask="none", gqa=1, dtype="bf16", backend="gluon")
+FCHECKS = ((1, 16, 1500, 1500), (2, 4, 1000, 333), (1, 3, 200, 1100))  # more tiles than SMs; odd lengths
 WARM_LIMIT, TIME_LIMIT, TOTAL = 30, 36, 68
 BOUND = 6e-3  # relative L2 error of each gradient against float64 (bf16: ~2.4e-3)
 SPEC = dict(head_dim=D, mask="none", gqa=1, dtype="bf16", direction="bwd", backend="gluon")
@@ -83,6 +89,52 @@ def module(job):
         over, _, mut = JOBS[job]
         _MODULES[job] = bt.module(SPEC, over, mut, tag=job.replace("!", ""))
     return _MODULES[job]
+
+
+def fmodule(job):
+    if job not in _MODULES:
+        sched = FJOBS[job]
+        if sched is None:
+            _MODULES[job] = bt.module(FSPEC, {})
+        else:
+            patch = ("\n_SCHED = 1 ", f"\n_SCHED = {sched} ") if sched != 1 else None
+            _MODULES[job] = bt.module(FSPEC, {"tile_schedule_all": True}, patch, tag=job.replace("-", ""))
+    return _MODULES[job]
+
+
+def forward_reference(q, k, v, scale):
+    """float64 (out, lse) of the full mask."""
+    import torch
+    s = (q.double() @ k.double().transpose(-1, -2)) * scale
+    lse = torch.logsumexp(s, -1)
+    return torch.softmax(s, -1) @ v.double(), lse
+
+
+def phase_fwarm(results, job):
+    """A forward render: float64 out and lse at odd shapes (more tiles than SMs), twice bitwise at the real shape."""
+    import torch
+    t0 = time.time()
+    mod, ok_all = fmodule(job), True
+    if FJOBS[job] is not None:
+        src = Path(mod.__file__).read_text()
+        log(f"fcheck {job:<7} _SCHED {FJOBS[job]} in the render: {'yes' if f'_SCHED = {FJOBS[job]} ' in src else 'NO'}")
+    for cb, ch, csq, csk in FCHECKS:
+        q, k, v, _ = bt.inputs(D, cb, ch, ch, csq, csk, seed=csq + 7)
+        out, lse = mod.forward(q, k, v, scale=D ** -0.5)
+        ro, rl = forward_reference(q, k, v, D ** -0.5)
+        eo, el = bt.rel(out, ro), (lse.double() - rl).abs().max().item()
+        ok = eo <= BOUND and el <= 1e-3 and bool(torch.isfinite(out).all())
+        ok_all = ok_all and ok
+        log(f"fcheck {job:<7} B{cb} H{ch} {csq}x{csk}: rel out {eo:.2e}, max lse err {el:.1e} -> "
+            f"{'PASS' if ok else 'FAIL'} ({time.time() - t0:.1f}s)")
+        results.append(dict(job=job, mode="fwd", check=f"float64 {csq}x{csk}", ok=ok))
+    q, k, v, _ = bt.inputs(D, B, H, H, S, S, seed=1)
+    a, b = mod.forward(q, k, v, scale=D ** -0.5), mod.forward(q, k, v, scale=D ** -0.5)
+    torch.cuda.synchronize()
+    same = torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    log(f"freal  {job:<7} x2 {'bitwise equal' if same else 'DIFFER'} ({time.time() - t0:.1f}s)")
+    results.append(dict(job=job, mode="fwd", check="bitwise", ok=same))
+    results.append(dict(job=job, ready=["fwd"]))
 
 
 def backward_fn(job, q, k, v, do, mode):
@@ -186,9 +238,12 @@ def phase_time(results, ready):
     del ref
     for label, e in errs.items():
         log(f"{CASE:<22} {label:<12} head0 f64 rel dq {e[0]:.2e} dk {e[1]:.2e} dv {e[2]:.2e}")
-    # the forward: the default render against cuDNN's forward (issue 28's other d128 full row)
-    fwd, scale = module("def"), D ** -0.5
-    steps["fwd fagen"] = lambda: fwd.forward(q, k, v, scale=scale)
+    # the forward (issue 28's other d128 full row): the product's render and the tile orders, against cuDNN's
+    scale = D ** -0.5
+    for job in FJOBS:
+        if "fwd" in ready.get(job, ()):
+            steps["fwd " + ("fagen" if job == "fwd-def" else job[4:])] = (
+                lambda m=fmodule(job): m.forward(q, k, v, scale=scale))
     steps["fwd cudnn"] = bt.cudnn_forward(q, k, v, False)
     tfs = {label: [] for label in steps}
     for p, label in bt.rotated(list(steps), PASSES):
@@ -231,7 +286,9 @@ def run_phase(name, ready_json="{}"):
         return []
     results = []
     try:
-        if name.startswith("warm:"):
+        if name.startswith("warm:fwd"):
+            phase_fwarm(results, name[5:])
+        elif name.startswith("warm:"):
             phase_warm(results, name[5:])
         elif name == "time":
             phase_time(results, json.loads(ready_json))
@@ -252,7 +309,8 @@ def table(rows):
         bt.medians_table(r["case"] + " fwd", fwd, log=log)
     log("(bf16, TF/s = (2.5 x for the backward) forward FLOPs / do_bench median; fixed = deterministic mode "
         "(DQ_MODE 2), unord = deterministic=False; def = main's default; L = bwd_full_levers named 2 + TMA epilogue; "
-        "Sn = bwd_stagger n; P = bwd_persist 1; passes rotated: pass p starts at row p)")
+        "Sn = bwd_stagger n; P = bwd_persist 1; fwd P1 / P3 = the forward with tile_schedule_all, _SCHED 1 paired / 3 "
+        "sections; passes rotated: pass p starts at row p)")
 
 
 def main():
@@ -264,16 +322,17 @@ def main():
         sys.exit(0 if dry_run() else 1)
     if args.phase:
         ready = args.ready if args.ready is not None else json.dumps(
-            {job: list(j[1]) for job, j in JOBS.items() if not j[2]})
+            {**{job: list(j[1]) for job, j in JOBS.items() if not j[2]}, **{job: ["fwd"] for job in FJOBS}})
         run_phase(args.phase, ready)
         return
     t0 = time.time()
     env = child_env("/tmp/fagen-cache-gpu-bwdfull", ROOT)
-    log(f"#### round {ROUND}, phase warm: {len(JOBS)} children at once (timeout {WARM_LIMIT}s)")
+    alljobs = [*JOBS, *FJOBS]
+    log(f"#### round {ROUND}, phase warm: {len(alljobs)} children at once (timeout {WARM_LIMIT}s)")
     tmp = tempfile.mkdtemp(prefix="bwdfull-")
-    files = {job: open(os.path.join(tmp, f"{job.replace('!', '')}.log"), "w+") for job in JOBS}
+    files = {job: open(os.path.join(tmp, f"{job.replace('!', '')}.log"), "w+") for job in alljobs}
     procs = {job: subprocess.Popen([sys.executable, __file__, "--phase", f"warm:{job}"], env=env,
-                                   stdout=files[job], stderr=subprocess.STDOUT, text=True) for job in JOBS}
+                                   stdout=files[job], stderr=subprocess.STDOUT, text=True) for job in alljobs}
     deadline = time.time() + WARM_LIMIT
     ready, checks, logs = {}, [], []
     for job, p in procs.items():
@@ -294,11 +353,11 @@ def main():
                         ready[job] = r["ready"]
                     else:
                         checks.append(r)
-            elif line.startswith(("check", "real", "route", "warm", "Traceback")) or "Error" in line:
+            elif line.startswith(("check", "real", "route", "warm", "fcheck", "freal", "Traceback")) or "Error" in line:
                 print(line, flush=True)
     bad = [f"{r['job']} {r['mode']} {r['check']}" for r in checks if not r["ok"]]
     verdict = "ALL PASS" if not bad else "FAILED: " + ", ".join(bad)
-    log(f"#### warm: {len(ready)}/{len(JOBS)} jobs done, checks {verdict} ({time.time() - t0:.0f}s)")
+    log(f"#### warm: {len(ready)}/{len(alljobs)} jobs done, checks {verdict} ({time.time() - t0:.0f}s)")
     rows = []
     rc, lines = run_child(__file__, "time", min(TIME_LIMIT, max(5.0, TOTAL - (time.time() - t0))), env,
                           lambda line: line.startswith(("RESULTS ", "ROW ")) or print(line, end="", flush=True),

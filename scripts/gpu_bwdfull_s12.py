@@ -63,9 +63,9 @@ if ROUND == "A":
             "P": (full(bwd_persist=1), ("fixed", "unord"), None),
             "LS2P": (full(**L, bwd_stagger=2, bwd_persist=1), ("fixed", "unord"), None),
             "S2mut!": (full(bwd_stagger=2), ("fixed", ), MSTAG)}
-    # the forward of the full mask in another tile order (the measurement variant tile_schedule_all renders the tile
-    # schedule, _SCHED 1 paired for a full spec; 3 patched in: the counter over L2 sections of heads): the sixth
-    # session's one run read paired 696 against the plain loop's 648 (docs/hopper.md, "Tile order")
+    # the forward of the full mask in another tile order (variant full_order: _SCHED 1 paired, 3 the counter over L2
+    # sections of heads): the sixth session's one run read paired 696 against the plain loop's 648 (docs/hopper.md,
+    # "Tile order")
     FJOBS = {"fwd-def": None, "fwd-P1": 1, "fwd-P3": 3}
 else:
     JOBS = {"def": ({}, ("fixed", "unord"), None)}
@@ -94,11 +94,7 @@ def module(job):
 def fmodule(job):
     if job not in _MODULES:
         sched = FJOBS[job]
-        if sched is None:
-            _MODULES[job] = bt.module(FSPEC, {})
-        else:
-            patch = ("\n_SCHED = 1 ", f"\n_SCHED = {sched} ") if sched != 1 else None
-            _MODULES[job] = bt.module(FSPEC, {"tile_schedule_all": True}, patch, tag=job.replace("-", ""))
+        _MODULES[job] = bt.module(FSPEC, {} if sched is None else {"full_order": sched}, tag=job.replace("-", ""))
     return _MODULES[job]
 
 
@@ -309,8 +305,8 @@ def table(rows):
         bt.medians_table(r["case"] + " fwd", fwd, log=log)
     log("(bf16, TF/s = (2.5 x for the backward) forward FLOPs / do_bench median; fixed = deterministic mode "
         "(DQ_MODE 2), unord = deterministic=False; def = main's default; L = bwd_full_levers named 2 + TMA epilogue; "
-        "Sn = bwd_stagger n; P = bwd_persist 1; fwd P1 / P3 = the forward with tile_schedule_all, _SCHED 1 paired / 3 "
-        "sections; passes rotated: pass p starts at row p)")
+        "Sn = bwd_stagger n; P = bwd_persist 1; fwd P1 / P3 = the forward with full_order 1 (paired) / 3 "
+        "(L2 sections); passes rotated: pass p starts at row p)")
 
 
 def main():

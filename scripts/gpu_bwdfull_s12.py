@@ -66,10 +66,10 @@ if ROUND == "A":
     # the forward of the full mask in another tile order (variant full_order: _SCHED 1 paired, 3 the counter over L2
     # sections of heads): the sixth session's one run read paired 696 against the plain loop's 648 (docs/hopper.md,
     # "Tile order")
-    FJOBS = {"fwd-def": None, "fwd-P1": 1, "fwd-P3": 3}
+    FJOBS = {"fwd-def": {}, "fwd-P1": {"full_order": 1}, "fwd-P3": {"full_order": 3}}
 else:
     JOBS = {"def": ({}, ("fixed", "unord"), None)}
-    FJOBS = {"fwd-def": None}
+    FJOBS = {"fwd-def": {}}
 FSPEC = dict(head_dim=D, mask="none", gqa=1, dtype="bf16", backend="gluon")
 FCHECKS = ((1, 16, 1500, 1500), (2, 4, 1000, 333), (1, 3, 200, 1100))  # more tiles than SMs; odd lengths
 WARM_LIMIT, TIME_LIMIT, TOTAL = 30, 36, 68
@@ -93,8 +93,7 @@ def module(job):
 
 def fmodule(job):
     if job not in _MODULES:
-        sched = FJOBS[job]
-        _MODULES[job] = bt.module(FSPEC, {} if sched is None else {"full_order": sched}, tag=job.replace("-", ""))
+        _MODULES[job] = bt.module(FSPEC, FJOBS[job], tag=job.replace("-", ""))
     return _MODULES[job]
 
 
@@ -111,9 +110,8 @@ def phase_fwarm(results, job):
     import torch
     t0 = time.time()
     mod, ok_all = fmodule(job), True
-    if FJOBS[job] is not None:
-        src = Path(mod.__file__).read_text()
-        log(f"fcheck {job:<7} _SCHED {FJOBS[job]} in the render: {'yes' if f'_SCHED = {FJOBS[job]} ' in src else 'NO'}")
+    sched = re.findall(r"^_SCHED = (\d)", Path(mod.__file__).read_text(), flags=re.M)
+    log(f"fcheck {job:<7} the render's tile order: {'_SCHED ' + sched[0] if sched else 'the plain loop'}")
     for cb, ch, csq, csk in FCHECKS:
         q, k, v, _ = bt.inputs(D, cb, ch, ch, csq, csk, seed=csq + 7)
         out, lse = mod.forward(q, k, v, scale=D ** -0.5)

@@ -350,7 +350,7 @@ def main():
             elif line.startswith(("check", "real", "route", "warm", "fcheck", "freal", "Traceback")) or "Error" in line:
                 print(line, flush=True)
     bad = [f"{r['job']} {r['mode']} {r['check']}" for r in checks if not r["ok"]]
-    verdict = "ALL PASS" if not bad else "FAILED: " + ", ".join(bad)
+    verdict = ("ALL PASS" if checks else "NONE RAN") if not bad else "FAILED: " + ", ".join(bad)
     log(f"#### warm: {len(ready)}/{len(alljobs)} jobs done, checks {verdict} ({time.time() - t0:.0f}s)")
     rows = []
     rc, lines = run_child(__file__, "time", min(TIME_LIMIT, max(5.0, TOTAL - (time.time() - t0))), env,

@@ -108,7 +108,7 @@ class GluonBackend(KernelBackend):
     variant = {"consumer_regs": 240, "loader_regs": 24, "tile_schedule_all": False, "causal_order": 3,
                "fp8_p_cvt": 3, "fp8_wgs": 2, "fp8_wg3_regs": (160, 24), "fp8_o_skip": 0,
                "fp8_pv_overlap": 0, "fp8_d64": {"fp8_wgs": 3}, "fp8_n192": 0,
-               "pv_overlap": 0, "full_order": None,
+               "pv_overlap": 0,
                "bwd_order": 0, "bwd_snake": 0, "bwd_named": 0, "bwd_epi_tma": 0, "bwd_fixed": 0, "bwd_window_desc": 0,
                "bwd_mod_early": 0, "bwd_window_fixed": 0, "bwd_prefix": 2,
                "bwd_unordered_levers": {"bwd_named": 2, "bwd_epi_tma": 1, "bwd_snake": 1}, "bwd_full_levers": {},
@@ -387,13 +387,9 @@ class GluonBackend(KernelBackend):
     def tile_order(self, spec) -> int | None:
         """The tile order (_SCHED) the product renders for `spec`, or None for the plain persistent loop ([Note] Gluon
         tile order): MLA causal 1 (paired); other causal specs without the window or a mod the variant's
-        causal_order, full d128 bf16/fp16 ones its full_order; the template computes the same ({% set order %} in
-        fagen/templates/gluon/attention.py.j2)."""
-        if spec.modded or spec.window:
+        causal_order; the template computes the same ({% set order %} in fagen/templates/gluon/attention.py.j2)."""
+        if spec.modded or spec.mask is not Mask.CAUSAL or spec.window:
             return None
-        if spec.mask is not Mask.CAUSAL:  # full_order: plain d128 bf16/fp16 full specs (twelfth session, docs/hopper.md)
-            return self.variant["full_order"] if (spec.head_dim, spec.head_dim_v) == (128, 128) and spec.dtype in (
-                DType.BF16, DType.FP16) else None
         if (spec.head_dim, spec.head_dim_v) == self.mla_dims:
             return 1
         return self.variant["causal_order"]

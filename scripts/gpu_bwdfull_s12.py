@@ -50,7 +50,8 @@ def full(**levers):
     return {"bwd_d128": {**D128, "bwd_full_levers": levers}}
 
 
-# the stagger mutant: the dQ warp walks unstaggered (adds each partial into another query block's rows)
+# the stagger mutant: the dQ warp walks unstaggered (adds each partial into another query block's rows). Round A's
+# S*, LS2* and this mutant need the stagger, which left the template after round A: run them at e582cfa.
 MSTAG = ("off = _bwd_stagger(n_blk, GQA * steps, 2)  # [Note] Staggered walks\n        n_steps = GQA * steps",
          "off = 0\n        n_steps = GQA * steps")
 # the qmul rows mutant: the producer brings the delta rows in place of qmul (the tenth session's)

@@ -196,7 +196,7 @@ class GluonBackend(KernelBackend):
                                  "bwd_full_levers": {"bwd_named": 2, "bwd_epi_tma": 1}}})
     # bwd_d128's full levers (twelfth session, scripts/gpu_bwdfull_s12.py round A, H100, d128 full B1 H16 s16k, TF/s
     # medians of four rotated passes, cuDNN 538): deterministic 543 against 512 (ahead in every pass), unordered 559
-    # against 560; staggered walks lost (bwd_stagger 2: 527 / 522).
+    # against 560; staggered walks (key block n's walk from query block 2n; removed) lost: 527 / 522.
     # Round B (H100, scripts/gpu_gluon_bwd_gqa64.py; TF/s deterministic / unordered, cuDNN): GQA 32/8 causal B4 s4k
     # d128 with sections of 4: 429 / 510 (the chain 367), cuDNN 469; d64 with sections of 8: causal 425 / 447, full
     # 416 / 403, GQA causal 360 / 402 (cuDNN 456, 463, 366; Triton 364, 371, 311).
@@ -288,8 +288,8 @@ class GluonBackend(KernelBackend):
     # 1, odd waves of tiles in reverse; bwd_named 1, the dQ handoff through named barriers (2: also the dS^T exchange);
     # bwd_epi_tma 1, dK/dV stored by TMA through the dQ slot; bwd_unordered_levers, the levers of the unordered mode's
     # own kernel in causal specs (a dict of those keys; {}: the deterministic mode's kernel serves both); bwd_full_levers
-    # the same for plain full specs, with bwd_stagger s ([Note] Staggered walks) and bwd_persist 1 (modes 1, 2 on the
-    # persistent grid, not one program per tile; twelfth session, docs/hopper.md).
+    # the same for plain full specs, with bwd_persist 1 (modes 1, 2 on the persistent grid, not one program per
+    # tile; twelfth session, docs/hopper.md).
     # All off: on the lab kernel (H100, docs/hopper.md) none
     # won in the deterministic mode at all three cases; their sum won only unordered at d128 causal (520 vs 469). The
     # product's unordered causal kernel takes named 2 + TMA epilogue + snake ("u-nes"): round B of the seventh session

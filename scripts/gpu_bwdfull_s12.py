@@ -7,7 +7,7 @@
 Target (bf16, B1 H16 s16k, cuDNN via SDPA in the same process): deterministic=False >= 1.0x cuDNN with margin, the
 deterministic mode's margin over 0.95x. Candidates (variant bwd_full_levers inside bwd_d128, the unordered kernel
 of plain full specs, which serves DQ_MODE 1 and 2): the causal kernel's levers (named barriers 2, TMA epilogue) and
-staggered walks (bwd_stagger s: key block n starts at query block n s; [Note] Staggered walks), the persistent
+staggered walks (bwd_stagger s: key block n starts at query block n s; removed after round A), the persistent
 grid in modes 1 and 2 (bwd_persist 1; main: one program per tile with L2 sections).
 Phases: `warm` (one child per job, all at once: build; float64 at small shapes whose lengths are not multiples of
 the blocks, Sk = 1 rows' exact zeros (dq = dk = 0), the real shape twice bitwise in the deterministic mode; a

@@ -211,8 +211,8 @@ def phase_warm(results, job):
             src = Path(picked.__file__).read_text()
             ok = same and picked.BWD_DET_MODE == 2 and (ROUND == "A" or "_attn_bwd_hopper_u" in src)
             log(f"route {job:<7} fagen.attention: {want.name if want else None} (BWD_DET_MODE {picked.BWD_DET_MODE}, "
-                f"_u kernel {'yes' if '_attn_bwd_hopper_u' in src else 'no'}, stagger "
-                f"{'yes' if '_bwd_stagger(' in src else 'no'}), x2 {'bitwise equal' if same else 'DIFFER'} -> "
+                f"_u kernel {'yes' if '_attn_bwd_hopper_u' in src else 'no'}), x2 "
+                f"{'bitwise equal' if same else 'DIFFER'} -> "
                 f"{'PASS' if ok else 'FAIL'}")
             results.append(dict(job=job, mode="route", check="fagen.attention", ok=ok))
         except Exception as e:  # the route check must not keep the job from its timing

@@ -189,14 +189,14 @@ class GluonBackend(KernelBackend):
     # passes, TF/s) over bwd_d64 with the qmul rows by TMA (452): ring 3 450, ring 4 443, two dQ slots 440; round B
     # ring 3 446 against 455.
     variant.update({"bwd_gqa_order": 0, "bwd_gqa_split": 1, "bwd_sections": 0, "bwd_block_m": 64, "bwd_ring": 2,
-                    "bwd_dq_slots": 1,
-                    "bwd_d64": {"bwd_fixed": 1, "bwd_sections": 8, "bwd_fixed_tma": 1},
+                    "bwd_dq_slots": 1, "bwd_d64": {"bwd_fixed": 1, "bwd_sections": 8, "bwd_fixed_tma": 1,
+                                                   "bwd_full_levers": {"bwd_named": 2, "bwd_epi_tma": 1}},
                     "bwd_gqa": {"bwd_fixed": 1, "bwd_sections": 4, "bwd_fixed_tma": 1},
                     "bwd_d128": {"bwd_fixed": 1, "bwd_fixed_tma": 1, "bwd_sections": 4,
                                  "bwd_full_levers": {"bwd_named": 2, "bwd_epi_tma": 1}}})
-    # bwd_d128's full levers (twelfth session, scripts/gpu_bwdfull_s12.py round A, H100, d128 full B1 H16 s16k, TF/s
-    # medians of four rotated passes, cuDNN 538): deterministic 543 against 512 (ahead in every pass), unordered 559
-    # against 560; staggered walks (key block n's walk from query block 2n; removed) lost: 527 / 522.
+    # The full levers (twelfth session, scripts/gpu_bwdfull_s12.py, H100, B1 s16k, TF/s medians of rotated passes,
+    # deterministic / unordered): d128 H16 round A 543 / 559 against 512 / 560, round B 552 / 549 against 530 / 556;
+    # d64 H32 round B 458 / 446 against 428 / 427. Staggered walks (removed) lost: 527 / 522.
     # Round B (H100, scripts/gpu_gluon_bwd_gqa64.py; TF/s deterministic / unordered, cuDNN): GQA 32/8 causal B4 s4k
     # d128 with sections of 4: 429 / 510 (the chain 367), cuDNN 469; d64 with sections of 8: causal 425 / 447, full
     # 416 / 403, GQA causal 360 / 402 (cuDNN 456, 463, 366; Triton 364, 371, 311).

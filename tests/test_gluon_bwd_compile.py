@@ -52,13 +52,15 @@ LEVERS = {"bwd_order": 1, "bwd_snake": 1, "bwd_named": 2, "bwd_epi_tma": 1}
 # det and levers: the fixed-order dQ ([Note] Fixed-order dQ) whatever the defaults of bwd_fixed and bwd_gqa (GQA
 # causal's own variant)
 BUILDS = {"det": dict(mask="causal", gqa=2, dtype="bf16", deterministic=True, variant={"bwd_fixed": 0, "bwd_gqa": {}}),
-          "unordered": dict(mask="none", dtype="bf16", deterministic=False),
+          # the lever-free kernel at full: main's bwd_d128 before the twelfth session's full levers
+          "unordered": dict(mask="none", dtype="bf16", deterministic=False,
+                            variant={"bwd_d128": {"bwd_fixed": 1, "bwd_fixed_tma": 1, "bwd_sections": 4}}),
           "levers": dict(mask="causal", gqa=2, dtype="bf16", deterministic=True,
                          variant={**LEVERS, "bwd_fixed": 0, "bwd_gqa": {}}),
           "ulevers": dict(mask="causal", dtype="bf16", deterministic=False,
                           variant={"bwd_unordered_levers": {"bwd_named": 2, "bwd_epi_tma": 1}}),
           "fixed": dict(mask="causal", gqa=2, dtype="bf16", deterministic=True, variant={"bwd_fixed": 1}),
-          "fixed_full": dict(mask="none", dtype="bf16", deterministic=True, variant={"bwd_fixed": 1}),
+          "fixed_full": dict(mask="none", dtype="bf16", deterministic=True, variant={"bwd_fixed": 1, "bwd_d128": {}}),
           # ninth session: [Note] FMA rounding; [Note] Launch order (the deterministic kernel's tiles and turns)
           "fixed_fma": dict(mask="causal", gqa=2, dtype="bf16", deterministic=True,
                             variant={"bwd_fixed": 1, "bwd_fixed_fma": 1}),
@@ -74,7 +76,11 @@ BUILDS = {"det": dict(mask="causal", gqa=2, dtype="bf16", deterministic=True, va
           "d64": dict(head_dim=64, mask="causal", dtype="bf16", deterministic=True,
                       variant={"bwd_d64": {"bwd_fixed": 1, "bwd_sections": 8}}),
           "d64_tma": dict(head_dim=64, mask="causal", dtype="bf16", deterministic=True,
-                          variant={"bwd_d64": {"bwd_fixed": 1, "bwd_sections": 8, "bwd_fixed_tma": 1}})}
+                          variant={"bwd_d64": {"bwd_fixed": 1, "bwd_sections": 8, "bwd_fixed_tma": 1}}),
+          # twelfth session: the d128 full default (bwd_d128's bwd_full_levers: named barriers 2, TMA epilogue), both
+          # modes
+          "full_lev": dict(mask="none", dtype="bf16", deterministic=True),
+          "full_lev_u": dict(mask="none", dtype="bf16", deterministic=False)}
 
 
 @pytest.fixture(scope="module")
@@ -176,3 +182,16 @@ def test_d64_brings_the_qmul_rows_by_tma_without_spills(built):
     assert r["spill_bytes"] == ldg["spill_bytes"] == [0, 0], (r, ldg)
     assert r["cvt"] >= 32 and r["acquire"] == r["release"] == 0 and r["complete"] == [], r
     assert len(r["steps"]) == 2 and [s["wgmma"] for s in r["steps"]] == [s["wgmma"] for s in ldg["steps"]], r
+
+
+def test_the_full_levers_reach_both_modes_of_the_full_default(built):
+    """bwd_d128's bwd_full_levers (twelfth session): the d128 full default's unordered kernel has the causal kernel's
+    levers (named barriers for the dQ handoff and the dS^T exchange, dK/dV by TMA stores) and serves the
+    deterministic mode (DQ_MODE 2: cvt.rni, no turns) as well as deterministic=False; main's render before them
+    (built["unordered"]) has neither."""
+    for key in ("full_lev", "full_lev_u"):
+        r = built[key]
+        assert r["named"] == built["levers"]["named"] and r["tma_store"] >= 2, r
+        assert r["acquire"] == r["release"] == 0 and r["complete"] == [], r
+        assert len(r["steps"]) == 2 and all(s["wgmma"] == 32 for s in r["steps"]), r["steps"]
+    assert built["full_lev"]["cvt"] >= 64 and built["full_lev_u"]["cvt"] == 0, built

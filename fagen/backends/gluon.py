@@ -111,7 +111,7 @@ class GluonBackend(KernelBackend):
                "pv_overlap": 0,
                "bwd_order": 0, "bwd_snake": 0, "bwd_named": 0, "bwd_epi_tma": 0, "bwd_fixed": 0, "bwd_window_desc": 0,
                "bwd_mod_early": 0, "bwd_window_fixed": 0, "bwd_prefix": 2,
-               "bwd_unordered_levers": {"bwd_named": 2, "bwd_epi_tma": 1, "bwd_snake": 1},
+               "bwd_unordered_levers": {"bwd_named": 2, "bwd_epi_tma": 1, "bwd_snake": 1}, "bwd_full_levers": {},
                "bwd_fixed_fma": 0, "bwd_grid": 0, "bwd_spt": 0, "bwd_fixed_tma": 0}
 
     # [Note] Gluon tile order. The persistent forward deals its tiles in an order ([Note] Tile schedule in the
@@ -189,10 +189,14 @@ class GluonBackend(KernelBackend):
     # passes, TF/s) over bwd_d64 with the qmul rows by TMA (452): ring 3 450, ring 4 443, two dQ slots 440; round B
     # ring 3 446 against 455.
     variant.update({"bwd_gqa_order": 0, "bwd_gqa_split": 1, "bwd_sections": 0, "bwd_block_m": 64, "bwd_ring": 2,
-                    "bwd_dq_slots": 1,
-                    "bwd_d64": {"bwd_fixed": 1, "bwd_sections": 8, "bwd_fixed_tma": 1},
+                    "bwd_dq_slots": 1, "bwd_d64": {"bwd_fixed": 1, "bwd_sections": 8, "bwd_fixed_tma": 1,
+                                                   "bwd_full_levers": {"bwd_named": 2, "bwd_epi_tma": 1}},
                     "bwd_gqa": {"bwd_fixed": 1, "bwd_sections": 4, "bwd_fixed_tma": 1},
-                    "bwd_d128": {"bwd_fixed": 1, "bwd_fixed_tma": 1, "bwd_sections": 4}})
+                    "bwd_d128": {"bwd_fixed": 1, "bwd_fixed_tma": 1, "bwd_sections": 4,
+                                 "bwd_full_levers": {"bwd_named": 2, "bwd_epi_tma": 1}}})
+    # The full levers (twelfth session, scripts/gpu_bwdfull_s12.py, H100, B1 s16k, TF/s medians of rotated passes,
+    # deterministic / unordered): d128 H16 round A 543 / 559 against 512 / 560, round B 552 / 549 against 530 / 556;
+    # d64 H32 round B 458 / 446 against 428 / 427. Staggered walks (removed) lost: 527 / 522.
     # Round B (H100, scripts/gpu_gluon_bwd_gqa64.py; TF/s deterministic / unordered, cuDNN): GQA 32/8 causal B4 s4k
     # d128 with sections of 4: 429 / 510 (the chain 367), cuDNN 469; d64 with sections of 8: causal 425 / 447, full
     # 416 / 403, GQA causal 360 / 402 (cuDNN 456, 463, 366; Triton 364, 371, 311).
@@ -283,7 +287,10 @@ class GluonBackend(KernelBackend):
     # designs in lab/gluon_bwd.py): bwd_order 1, the dQ turns by arrival within a wave ([Note] Wave order); bwd_snake
     # 1, odd waves of tiles in reverse; bwd_named 1, the dQ handoff through named barriers (2: also the dS^T exchange);
     # bwd_epi_tma 1, dK/dV stored by TMA through the dQ slot; bwd_unordered_levers, the levers of the unordered mode's
-    # own kernel in causal specs (a dict of those keys; {}: the deterministic mode's kernel serves both). All off: on the lab kernel (H100, docs/hopper.md) none
+    # own kernel in causal specs (a dict of those keys; {}: the deterministic mode's kernel serves both); bwd_full_levers
+    # the same for plain full specs, with bwd_persist 1 (modes 1, 2 on the persistent grid, not one program per
+    # tile; twelfth session, docs/hopper.md).
+    # All off: on the lab kernel (H100, docs/hopper.md) none
     # won in the deterministic mode at all three cases; their sum won only unordered at d128 causal (520 vs 469). The
     # product's unordered causal kernel takes named 2 + TMA epilogue + snake ("u-nes"): round B of the seventh session
     # (scripts/gpu_gluon_bwd_product.py, H100, d128 causal B1 H16 s16k, one process) 540 TF/s against 458-460 for

@@ -177,6 +177,8 @@ def phase_time():
     g = torch.Generator(device="cuda").manual_seed(1)
     x = [torch.randn((b, h, s, d), generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
     q8 = [gpu_fp8.quantize(t.float(), False) for t in x]
+    q33 = [gpu_fp8.quantize(torch.randn((b, 33, s, d), generator=g, device="cuda").clamp(-4, 4), False)
+           for _ in range(3)]
     for mask in s7.MASKS:
         flops = 4 * b * h * s * s * d / (2 if mask == "causal" else 1)
         bf = fagen.load(s7.spec_of(mask, "bf16")).forward
@@ -199,6 +201,9 @@ def phase_time():
             finally:
                 m.transpose_v = saved
         rows.append((f"fp8 {ALONE}, kernel alone", mask, flops, alone))
+        if mask == "none":  # diagnostic: H 33 (33 x 128 = 32 x 132 tiles: no partial last wave; H16 has 15.5 waves)
+            rows.append(("fp8 product, H33 (whole waves)", mask, flops * 33 / h, lambda m=m, t=q33: m.forward(
+                t[0][0], t[1][0], t[2][0], q_descale=t[0][1], k_descale=t[1][1], v_descale=t[2][1])))
         for name in D64:
             m = s7.module(mask, name, 64)
             rows.append((f"d64 fp8 {name}", mask, flops / 2, lambda m=m, t=q8: m.forward(

@@ -38,6 +38,12 @@ def test_vt_in_kernel_renders_only_under_its_switch():
             assert src.count("_descriptor(vt, BLOCK_N)") == 2 and "_descriptor(vt, HEAD_DIM, BLOCK_N)" not in src
             assert src.count("_vt_put(n - 1,") == 2  # after the next block's loads, and at the tile's end
         assert render(window=True, gqa=4).count("_vt_put(n - 1,") == 2
+        step = src[src.index("def _consumer_step("):]
+        assert step.index("mbarrier.wait(v_ready") < step.index("s_tok = warpgroup_mma(")
+    with variant(fp8_vt=2):  # a step's S issued before its wait for Vt
+        step = render()[render().index("def _consumer_step("):]
+        assert step.index("s_tok = warpgroup_mma(") < step.index("mbarrier.wait(v_ready") < step.index("o_tok =")
+    with variant(fp8_vt=1):
         assert [render(head_dim=64), render(block_n=64), render(dtype="bf16")] == others
         with variant(fp8_n192=1):
             assert render() == n192
@@ -109,8 +115,8 @@ def test_vt_in_kernel_builds_and_stores_vt_by_stmatrix(built, key):
     keys 4j..4j+3 instead of bits 0 and 3 of the key: 64 st.shared.b16 a block), no shuffle beyond the product's,
     the 32 KB of row buffers within sm_90's shared memory."""
     r = built[key]
+    assert r["stmatrix"] >= 8 and r["narrow"] == 0, r
     assert r["spills"] <= 32 and r["stack"] <= 8, r  # causal: 16 (two words of the producer's addresses)
     assert 32 in r["maxnreg"], r
-    assert r["stmatrix"] >= 8 and r["narrow"] == 0, r
     assert r["shfl"] <= 36 * 2, r
     assert 229000 < r["shared"] <= 232448, r

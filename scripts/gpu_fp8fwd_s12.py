@@ -31,7 +31,8 @@ from _phases import child_env, run_phase as run_child  # noqa: E402
 # (4 stages) 792 / 772, 2 stages 859 / 848 (now the product: 84e83fe), Vt in kernel 777 / 753, at 2 stages 755 / 713,
 # S first 774 / 757, the product's kernel alone 867 / 880, H33 829 (full); cudnn-fp8 850 / 937, bf16 622 / 583.
 # Round B: the flip against 4 and 3 stages, each with its kernel alone (Vt made once), the in-kernel transpose at 4
-# stages once more, H33 on the new product, and d64 (3 WGs) at 2 stages against its 4.
+# stages once more, H33 on the new product, d64 (3 WGs) at 2 stages against its 4, and the product at 2 and 4
+# stages on the standard suite's own fp8 inputs (BENCH_INPUTS).
 VARIANTS = {
     "product": None,
     "product, 4 stages": {"fields": {"num_stages": 4}, "checks": 1},
@@ -47,6 +48,7 @@ D64_ONLY = ("d64, 2 stages", )
 EQUAL = {n: "product" for n in ("product, 4 stages", "product, 3 stages", "Vt in kernel, 4 stages", "d64, 2 stages")}
 FULL = ("product", )  # s7.PRODUCT_CHECKS: GQA 4 / 2, per-head descales, the window
 ALONE = ("product", "product, 4 stages")  # also timed with Vt made once
+BENCH_INPUTS = ("product", "product, 4 stages")  # also timed on the standard suite's fp8 rows' inputs
 PASSES = 7
 PHASE_TIMEOUT = {"build": 22, "check": 14, "time": 27}
 s7.PHASE_TIMEOUT = PHASE_TIMEOUT
@@ -175,6 +177,12 @@ def phase_time():
             check_peer(mask, prepared, cc)
             st = cc.sets[0]
             rows.append(("cudnn-fp8", mask, flops, (lambda p=prepared, st=st: p.fn(st))))
+            for name in BENCH_INPUTS:  # the bench row's own inputs (q ~ 3 N(0, 1), per-KV-head k / v scales), as
+                m = s7.module(mask, name)  # fagen/bench/impls.py's prepare_fagen calls the module
+                sc = {n: t for n, t in st.scores.items() if n not in ("k_scale", "v_scale")}
+                rows.append((f"bench inputs: fp8 {name}", mask, flops, lambda m=m, st=st, sc=sc: m.forward(
+                    st.q, st.k, st.v, k_descale=st.scores["k_scale"], v_descale=st.scores["v_scale"], **st.kwargs,
+                    **sc)))
         except Exception as e:  # noqa: BLE001
             s7.emit(section="time", variant="cudnn-fp8", mask=mask, value="ERROR",
                     note=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
@@ -233,7 +241,7 @@ def phase_time():
             if isinstance(times.get((label, mask)), str):
                 continue
             try:
-                ms = triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median")
+                ms = triton.testing.do_bench(fn, warmup=5, rep=30, return_mode="median")
                 times.setdefault((label, mask), []).append(ms)
             except Exception as e:  # noqa: BLE001
                 times[(label, mask)] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"

@@ -215,6 +215,12 @@ def phase_time():
                 finally:
                     m.transpose_v = saved
             rows.append((f"fp8 {name}, kernel alone", mask, flops, alone))
+            if name == "product":  # diagnostic: the pass runs (its Vt unused), the kernel reads the Vt made once
+
+                def beside(m=m, vt=vt, a=a, k=k, v=v, da=da, dk=dk, dv=dv, alone=alone):
+                    m.transpose_v(v)
+                    return alone()
+                rows.append((f"fp8 {name}, pass + kernel on an old Vt", mask, flops, beside))
         m = s7.module(mask, "product")
         if mask == "none":  # diagnostic: H 33 (33 x 128 = 32 x 132 tiles: no partial last wave; H16 has 15.5 waves)
             rows.append(("fp8 product, H33 (whole waves)", mask, flops * 33 / h, lambda m=m, t=q33: m.forward(

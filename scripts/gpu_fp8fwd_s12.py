@@ -40,12 +40,15 @@ VARIANTS = {
     # [Note] fp8 V in-kernel (fp8_vt 2: S issued before the wait for Vt), at 4 stages
     "Vt in kernel, 4 stages": {"variant": {"fp8_vt": 2}, "fields": {"num_stages": 4}, "checks": 1},
     "d64, 2 stages": {"fields": {"num_stages": 2}, "checks": 1},
+    # the pass's V loads marked evict-first in L2 (V is read once; the kernel reads Vt and K next)
+    "product, pass evict-first": {"checks": 1, "patch": ((r"other=0\.0\)\n", 'other=0.0, eviction_policy="evict_first")\n'), )},
 }
 s7.VARIANTS = VARIANTS
-TIMED = ("product", "product, 4 stages", "product, 3 stages", "Vt in kernel, 4 stages")
+TIMED = ("product", "product, 4 stages", "product, 3 stages", "Vt in kernel, 4 stages", "product, pass evict-first")
 D64 = ("product", "d64, 2 stages")  # d64 fp8 (3 WGs at block_n 128: fp8_d64), ratios to the first
 D64_ONLY = ("d64, 2 stages", )
-EQUAL = {n: "product" for n in ("product, 4 stages", "product, 3 stages", "Vt in kernel, 4 stages", "d64, 2 stages")}
+EQUAL = {n: "product" for n in ("product, 4 stages", "product, 3 stages", "Vt in kernel, 4 stages", "d64, 2 stages",
+                                "product, pass evict-first")}
 FULL = ("product", )  # s7.PRODUCT_CHECKS: GQA 4 / 2, per-head descales, the window
 ALONE = ("product", "product, 4 stages")  # also timed with Vt made once
 BENCH_INPUTS = ("product", "product, 4 stages")  # also timed on the standard suite's fp8 rows' inputs

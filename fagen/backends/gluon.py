@@ -367,13 +367,13 @@ class GluonBackend(KernelBackend):
 
     def default_config(self, spec, arch: str, given: dict) -> dict:
         """The measured default (docs/hopper.md), on sm_90 only. d128: 2 K/V slots, all that fits beside Q (two
-        buffers per warpgroup) and O (H100: 630 TF/s full, 568 causal at s16k bf16); d64: 3 slots. fp8: d128 2 slots
-        (H100, twelfth session's round A, 7 rotated passes: 859 / 848 TF/s causal / full against 792 / 772 with 4),
-        d64 4 (not measured against 2: docs/hopper.md, "fp8 forward (twelfth session)")."""
+        buffers per warpgroup) and O (H100: 630 TF/s full, 568 causal at s16k bf16); d64: 3 slots. fp8: 2 slots
+        (H100, twelfth session, 7 rotated passes: d128 round A 859 / 848 TF/s causal / full against 792 / 772 with
+        4; d64 round B 589 / 605 against 563 / 545: docs/hopper.md, "fp8 forward (twelfth session)")."""
         if spec.kind is Kind.DECODE:  # [Note] Gluon MLA decode
             return dict(self.decode_launch)
         if spec.dtype is DType.FP8_E4M3:
-            return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2 if spec.head_dim >= 128 else 4}
+            return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2}
         if (spec.head_dim, spec.head_dim_v) == self.mla_dims:  # [Note] Gluon MLA widths; H100, 15:12 UTC, causal
             # b4 h16 s4k: the lean n128 s2 543 TF/s (cuDNN 568), n64 s2 500, lean n64 s3 499, lean n64 s4 483
             return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2}

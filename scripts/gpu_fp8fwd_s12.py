@@ -294,8 +294,9 @@ def main():
         if name == "check":  # a variant whose checks failed or did not all run (a hang?) is not timed
             done = [r for r in rows if r.get("section") == "check"]
             want = {}
-            for n, *_ in check_cases():
-                want[n] = want.get(n, 0) + 1
+            for n, d, *_ in check_cases():  # d64 rows are named "<variant> d64" (round B missed this: the
+                if d == 128:  # product went untimed)
+                    want[n] = want.get(n, 0) + 1
             bad = [n for n in TIMED if sum(r["variant"] == n for r in done) < want.get(n, 0)
                    or any(r["variant"] == n and r["value"] != "PASS" for r in done)]
             env["FP8FWD_SKIP"] = "|".join(bad)

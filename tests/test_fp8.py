@@ -28,8 +28,9 @@ def fp8(**fields) -> KernelSpec:
 # -- the spec ------------------------------------------------------------------------------------------------
 def test_fp8_spec_defaults_name_and_round_trip():
     s = fp8(mask="causal", gqa=4)
-    assert (s.block_m, s.block_n, s.num_warps, s.num_stages) == (128, 128, 8, 4)
-    assert s.name == "attn_fwd_causal_d128_m128n128w8s4_g4_fp8_e4m3_gluon"
+    assert (s.block_m, s.block_n, s.num_warps, s.num_stages) == (128, 128, 8, 2)  # d128: 2 K/V slots (twelfth session)
+    assert s.name == "attn_fwd_causal_d128_m128n128w8s2_g4_fp8_e4m3_gluon"
+    assert fp8(head_dim=64).num_stages == 2
     assert KernelSpec.from_json(s.to_json()) == s and s.dtype is DType.FP8_E4M3
     assert fp8(head_dim=64, window=True).switches == ("window", )
     assert DType.FP8_E4M3 not in DType.portable() and DType.FP8_E4M3.itemsize == 1
@@ -55,7 +56,8 @@ def test_fp8_limits_are_spec_errors_naming_the_field(fields, field, words):
 def test_fp8_shared_memory_formula_counts_one_byte_operands_and_a_two_byte_out():
     """Q (two buffers per warpgroup) and the K/V ring at 1 byte, the O buffers at 2 (bf16/fp16 out); the compiled
     size is checked against it in test_fp8_compile.py."""
-    assert backends.smem_bytes(fp8()) == (2 * 64 * 2 + 2 * 4 * 128) * 128 + 2 * 64 * 2 * 128 + 1024 == 197632
+    assert backends.smem_bytes(fp8(num_stages=4)) == (2 * 64 * 2 + 2 * 4 * 128) * 128 + 2 * 64 * 2 * 128 + 1024 == 197632
+    assert backends.smem_bytes(fp8()) == (2 * 64 * 2 + 2 * 2 * 128) * 128 + 2 * 64 * 2 * 128 + 1024 == 132096
     assert backends.smem_bytes(KernelSpec(backend="gluon", head_dim=128, dtype="bf16")) == 230400  # unchanged
     for d in (64, 128):  # every ring the gluon limits allow fits at 1 byte an element
         for bn in (64, 128):

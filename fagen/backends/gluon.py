@@ -103,11 +103,11 @@ class GluonBackend(KernelBackend):
     # pv_overlap: fp8_pv_overlap for the bf16/fp16 forward (measurement only; the note is the fp8 one).
     # fp8_n192: 1 gives the fp8 d128 forward (not the window) 192-key steps over 2 stages, P carried packed ([Note]
     # fp8 192-key steps; GluonBackend.fp8_n192), 2 the same with S in three 64-key parts over 3 stages. Round A: 1
-    # 813 / 806 TF/s against 887 / 869 at 128 keys (off).
+    # 813 / 806 TF/s against 887 / 869 at 128 keys (off). fp8_vt: 1 transposes V in the kernel ([Note] fp8 V in-kernel).
     # bwd_*: the gluon backward's levers ([Note] Gluon backward levers).
     variant = {"consumer_regs": 240, "loader_regs": 24, "tile_schedule_all": False, "causal_order": 3,
                "fp8_p_cvt": 3, "fp8_wgs": 2, "fp8_wg3_regs": (160, 24), "fp8_o_skip": 0,
-               "fp8_pv_overlap": 0, "fp8_d64": {"fp8_wgs": 3}, "fp8_n192": 0,
+               "fp8_pv_overlap": 0, "fp8_d64": {"fp8_wgs": 3}, "fp8_n192": 0, "fp8_vt": 0,
                "pv_overlap": 0,
                "bwd_order": 0, "bwd_snake": 0, "bwd_named": 0, "bwd_epi_tma": 0, "bwd_fixed": 0, "bwd_window_desc": 0,
                "bwd_mod_early": 0, "bwd_window_fixed": 0, "bwd_prefix": 2,
@@ -374,13 +374,13 @@ class GluonBackend(KernelBackend):
 
     def default_config(self, spec, arch: str, given: dict) -> dict:
         """The measured default (docs/hopper.md), on sm_90 only. d128: 2 K/V slots, all that fits beside Q (two
-        buffers per warpgroup) and O (H100: 630 TF/s full, 568 causal at s16k bf16); d64: 3 slots. fp8: half the
-        bytes per slot, so 4 slots at either head dim (d128: 193 KB; not yet measured against 2 or 3: docs/hopper.md,
-        "fp8 forward")."""
+        buffers per warpgroup) and O (H100: 630 TF/s full, 568 causal at s16k bf16); d64: 3 slots. fp8: 2 slots
+        (H100, twelfth session, 7 rotated passes: d128 round A 859 / 848 TF/s causal / full against 792 / 772 with
+        4; d64 round B 589 / 605 against 563 / 545: docs/hopper.md, "fp8 forward (twelfth session)")."""
         if spec.kind is Kind.DECODE:  # [Note] Gluon MLA decode
             return dict(self.decode_launch)
         if spec.dtype is DType.FP8_E4M3:
-            return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 4}
+            return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2}
         if (spec.head_dim, spec.head_dim_v) == self.mla_dims:  # [Note] Gluon MLA widths; H100, 15:12 UTC, causal
             # b4 h16 s4k: the lean n128 s2 543 TF/s (cuDNN 568), n64 s2 500, lean n64 s3 499, lean n64 s4 483
             return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2}
@@ -413,6 +413,11 @@ class GluonBackend(KernelBackend):
         return (spec.dtype is DType.FP8_E4M3 and bool(v["fp8_n192"]) and not spec.window and spec.head_dim == 128
                 and v["fp8_wgs"] == 2 and spec.block_n == 128)
 
+    def fp8_vt(self, spec) -> bool:  # the template's `vt_in`: fp8 d128 on two warpgroups at block_n 128, no 192
+        v = self.variant_for(spec)
+        return spec.dtype is DType.FP8_E4M3 and bool(v["fp8_vt"]) and spec.head_dim == 128 and spec.block_n == 128 \
+            and v["fp8_wgs"] == 2 and not self.fp8_n192(spec)
+
     def smem_bytes(self, spec) -> int:
         if spec.kind is Kind.DECODE:  # Q 72 KB, two slots of 72 KB, P 8 KB, the row stats and barriers
             return 2 * (64 * 576 + 2 * 64 * 576 + 64 * 64) + 8 * 64 * 4 + 1024
@@ -420,7 +425,7 @@ class GluonBackend(KernelBackend):
             kv = 2 * (2 * 128 + 3 * 64) if self.variant_for(spec)["fp8_n192"] == 1 else 3 * 6 * 64  # three 64-row
             return (2 * 2 * 64 + kv) * spec.head_dim + 2 * 2 * 64 * spec.head_dim + 1024  # slots, 3 stages), Vt, O
         wgs = self.variant_for(spec)["fp8_wgs"] if spec.dtype is DType.FP8_E4M3 else 2  # [Note] fp8 three warpgroups
-        return smem_bytes(spec.head_dim, spec.block_m, spec.block_n, spec.num_stages, spec.dtype.itemsize,
+        return 2 * 128 * 128 * self.fp8_vt(spec) + smem_bytes(spec.head_dim, spec.block_m, spec.block_n, spec.num_stages, spec.dtype.itemsize,
                           spec.head_dim_v, wgs)
 
     def check_more(self, spec) -> None:

@@ -384,7 +384,10 @@ def _gluon_scale(spec: KernelSpec) -> str:
 
 
 def _gluon_v(spec: KernelSpec) -> str:
-    return "_descriptor(vt, HEAD_DIM, BLOCK_N)" if fp8(spec) else "_descriptor(v, BLOCK_N)"  # [Note] fp8 V
+    from fagen import backends  # [Note] fp8 V; with the in-kernel transpose V's rows, as K's
+    if not fp8(spec):
+        return "_descriptor(v, BLOCK_N)"
+    return "_descriptor(vt, BLOCK_N)" if backends.GLUON.fp8_vt(spec) else "_descriptor(vt, HEAD_DIM, BLOCK_N)"
 
 
 def gluon_sched(spec: KernelSpec) -> bool:

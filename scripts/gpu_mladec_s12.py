@@ -259,6 +259,9 @@ def time_phase():
             "swap-AB paged": lambda: Sab(paged, 16).forward(q, cache, None, scale=SCALE, block_table=table,
                                                             seqlens_k=lens),
         }
+        if b == 128:  # the wave: 128 CTAs (one an SM) on 132 SMs, or two splits and the merge
+            rows["swap-AB dense, 2 splits"] = lambda: Sab(dense, 16).forward_split(q, kd, None, scale=SCALE,
+                                                                                    num_splits=2)
         if fm is not None:
             rows["FlashMLA bf16 paged"] = lambda: fm.forward(q, cache, None, scale=SCALE, block_table=table,
                                                              seqlens_k=lens)
@@ -318,16 +321,41 @@ def warm_phase():
     log("warm done")
 
 
+def d128_mod():
+    import fagen
+    return fagen.load(fagen.KernelSpec(head_dim=128, kind="decode", gqa=4, dtype="bf16"))
+
+
+def with_consts(m, consts, fn, *a, **kw):
+    """fn(*a, **kw) with module m's constants set for the call."""
+    old = {n: getattr(m, n) for n in consts}
+    for n, v in consts.items():
+        setattr(m, n, v)
+    try:
+        return fn(*a, **kw)
+    finally:
+        for n, v in old.items():
+            setattr(m, n, v)
+
+
+D128_RULES = ((1024, 16), (4096, 16))  # beside the module's own (512, 16): 4 splits, 1 split through the merge
+SAB_RULES = ((1024, 8), (512, 16), (2048, 8), (4096, 1))
+
+
 def warm2_phase():
     """The d128 decode builds the inv phase times."""
     import torch
     import fagen
+    m = d128_mod()
     for b, kv in ((1, 4096), (32, 4096)):
         q, k, v = d128_inputs(b, kv)
         for inv in (False, True):
             fagen.attention(q, k, v, batch_invariant=inv)
+        m.forward_split(q, k, v, num_splits=8)
+        m.forward(q, k, v, batch_invariant=True)
+        m.forward(q, k, v, batch_invariant=False)
         torch.cuda.synchronize()
-    log("warm done")
+    log("warm2 done")
 
 
 def inv_phase():
@@ -337,35 +365,44 @@ def inv_phase():
 
     out_rows = []
 
-    def measure(label, fns, byts):
+    def measure(label, fns, byts, passes=4):
         names = list(fns)
         for nm in names:
             fns[nm]()
         torch.cuda.synchronize()
         ts = {nm: [] for nm in names}
-        for p in range(4):
+        for p in range(passes):
             for nm in names[p % len(names):] + names[:p % len(names)]:
-                ts[nm].append(do_bench(fns[nm], warmup=2, rep=10, return_mode="median"))
+                ts[nm].append(do_bench(fns[nm], warmup=2, rep=8, return_mode="median"))
         base = statistics.median(ts[names[0]])
         for nm in names:
             ms = statistics.median(ts[nm])
             out_rows.append((label, nm, ms, byts / ms / 1e6, 100 * (ms / base - 1)))
             log("INV | " + " | ".join(str(x) if isinstance(x, str) else f"{x:.4g}" for x in out_rows[-1]))
 
+    m = d128_mod()
     for b, kv in ((32, 4096), (1, 4096), (32, 32768), (1, 32768)):
         q, k, v = d128_inputs(b, kv)
-        fns = {"split rule": lambda: fagen.attention(q, k, v, batch_invariant=False),
-               "invariant": lambda: fagen.attention(q, k, v, batch_invariant=True)}
+        fns = {"split rule (fagen.attention)": lambda: fagen.attention(q, k, v, batch_invariant=False),
+               "invariant (fagen.attention)": lambda: fagen.attention(q, k, v, batch_invariant=True)}
+        if b == 32 and kv == 4096:  # where the cost is: the grid, the merge, the chunk
+            fns["forward_split 8 (the invariant grid, no invariance)"] = \
+                lambda: m.forward_split(q, k, v, num_splits=8)
+            for r in D128_RULES:
+                fns[f"invariant {r[0]}/{r[1]}"] = lambda r=r: with_consts(
+                    m, dict(INVARIANT_MIN_CHUNK=r[0], INVARIANT_SPLITS=r[1]), m.forward, q, k, v, batch_invariant=True)
         measure(f"d128 h32/8 dense b{b} kv{kv // 1024}k", fns, b * 8 * kv * 256 * 2)
         del q, k, v
     g = torch.Generator(device="cuda").manual_seed(3)
-    m = gluon_mod("dense", 16, "none")
-    for b, kv in ((32, 4096), (1, 4096), (32, 32768), (1, 32768)):
+    mla = gluon_mod("dense", 16, "none")
+    for b, kv in ((32, 4096), (1, 4096), (32, 32768), (1, 32768), (128, 4096)):
         q = torch.randn(b, 16, 1, D, device="cuda", generator=g).bfloat16()
         k = torch.randn(b, 1, kv, D, device="cuda", generator=g).bfloat16()
-        fns = {"split rule": lambda: Sab(m, 16).forward(q, k, None, scale=SCALE, batch_invariant=False),
-               "invariant": lambda: Sab(m, 16).forward(q, k, None, scale=SCALE, batch_invariant=True)}
-        measure(f"MLA h16 swap-AB dense b{b} kv{kv // 1024}k", fns, b * kv * D * 2)
+        fns = {"swap-AB split rule": lambda: Sab(mla, 16).forward(q, k, None, scale=SCALE, batch_invariant=False)}
+        for r in SAB_RULES:
+            fns[f"swap-AB invariant {r[0]}/{r[1]}"] = lambda r=r: with_consts(
+                mla, dict(SWAP_AB_ROWS=16, SAB_INVARIANT=r), mla.forward, q, k, None, scale=SCALE, batch_invariant=True)
+        measure(f"MLA h16 dense b{b} kv{kv // 1024}k", fns, b * kv * D * 2, passes=3)
         del q, k
     print("\n| shape | mode | ms | GB/s | cost |")
     print("|---|---|---:|---:|---:|")
@@ -393,6 +430,7 @@ def main():
 
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--phase":
-        {"check": check_phase, "warm": warm_phase, "warm2": warm2_phase, "time": time_phase, "inv": inv_phase}[sys.argv[2]]()
+        phases = {"check": check_phase, "warm": warm_phase, "warm2": warm2_phase, "time": time_phase, "inv": inv_phase}
+        phases[sys.argv[2]]()
     else:
         main()

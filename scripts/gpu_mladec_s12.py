@@ -2,12 +2,14 @@
 
     FLASHMLA_DIR=/tmp/fm PYTHONPATH=$PWD python3 scripts/gpu_mladec_s12.py  # < 70 s on an H100
 
-Phases, each a child process with a timeout (scripts/_phases.py); warm and check run side by side (compiles):
-1. check: the gluon decode's swap-AB tile ([Note] Swap-AB tile, SWAP_AB_ROWS 16) and the seesaw's padded tile
+Phases, each a child process with a timeout (scripts/_phases.py); check-a, check-b, warm and warm2 side by side
+(their compiles):
+1. check-a/b: the gluon decode's swap-AB tile ([Note] Swap-AB tile, SWAP_AB_ROWS 16) and the seesaw's padded tile
    against float64 at Hq 16 Sq 1 (mask none, dense and paged, page 64, lengths 1000/77/513/0 with NaN past them,
-   pages shuffled) and Hq 8 Sq 2 causal, the split rule, one split, three and batch_invariant; invariance bitwise
-   (the last sequence alone against its row in the batch); bad pages and lengths (no fault, sequence 0 unchanged).
-2. warm (beside check): builds the d128 decode kernels the inv phase times.
+   pages shuffled) and Hq 8 Sq 2 causal, the split rule, one split, three and batch_invariant (SAB_INVARIANT's and
+   128-key chunks); invariance bitwise (sequence 2 alone against its row in the batch); bad pages and lengths (no
+   fault, sequence 0 unchanged); fagen.attention on a dense Hq 16 cache.
+2. warm, warm2 (beside the checks): the seesaw's builds the time phase takes, the d128 decode's the inv phase takes.
 3. time: % of copy over the latent bytes read at Hq 16 Sq 1 b128 kv4k, b32 kv32k, b128 kv32k, b32 kv4k: the
    seesaw's padded tile (the product), the swap-AB tile, FlashMLA bf16 (paged), in CUDA graphs of 8 calls and under
    do_bench (the bench's method: L2 flushed between calls), the rows' order rotated between passes, medians.
@@ -29,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _phases import child_env, run_phase  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LIMITS = dict(check=28, warm=28, warm2=28, time=23, inv=13)
+LIMITS = {"check-a": 28, "check-b": 28, "warm": 28, "warm2": 28, "time": 23, "inv": 13}
 D, DV, PAGE = 576, 512, 64
 SCALE = 192 ** -0.5
 T0 = time.time()
@@ -84,7 +86,10 @@ class FlashMLA:
         return out.transpose(1, 2), None
 
 
-def check_phase():
+CHECKS = {"check-a": (("paged", 16, 1, "none"), ), "check-b": (("dense", 16, 1, "none"), ("paged", 8, 2, "causal"))}
+
+
+def check_phase(name):
     import torch
 
     from fagen.verify import reference
@@ -95,7 +100,7 @@ def check_phase():
     g = torch.Generator(device="cuda").manual_seed(12)
     lens_l = [1000, 77, 513, 0]
     worst = 0.0
-    for layout, hq, sq, mask in (("paged", 16, 1, "none"), ("dense", 16, 1, "none"), ("paged", 8, 2, "causal")):
+    for layout, hq, sq, mask in CHECKS[name]:
         m = gluon_mod(layout, hq, mask)
         b = len(lens_l)
         pages = 17
@@ -127,9 +132,12 @@ def check_phase():
             want.append((w, wl))
         for rows in ((0, 16) if (layout, hq) == ("paged", 16) else (16, )):
             mm = Sab(m, rows)
-            for how in ("rule", 1, 3, "inv"):
+            for how in ("rule", 1, 3, "inv", "inv128"):
                 if how == "inv":
                     out, lse = mm.forward(q, k, None, scale=SCALE, batch_invariant=True, **kw)
+                elif how == "inv128":  # [Note] Swap-AB invariant chunks of 128 keys: up to 8 a sequence here
+                    out, lse = with_consts(m, dict(SAB_INVARIANT=(128, 8)), mm.forward, q, k, None, scale=SCALE,
+                                           batch_invariant=True, **kw)
                 elif how == "rule":
                     out, lse = mm.forward(q, k, None, scale=SCALE, **kw)
                 else:
@@ -154,16 +162,20 @@ def check_phase():
                 log(f"CHECK {layout} h{hq} sq{sq} {mask} {'swapAB' if rows else 'seesaw'} {how}: max err {err:.1e}",
                     "ok" if err < float("inf") else "FAIL")
             # invariance: the batch's sequence 2 alone (its own pages / keys) against its row
-            o, lse = mm.forward(q, k, None, scale=SCALE, batch_invariant=True, **kw)
-            if layout == "dense":
-                o1, l1 = mm.forward(q[2:3].clone(), k[2:3].clone(), None, scale=SCALE, batch_invariant=True)
-            else:
-                own = -(-int(lens[2]) // PAGE)
-                o1, l1 = mm.forward(q[2:3].clone(), cache, None, scale=SCALE, batch_invariant=True,
-                                    block_table=table[2:3, :own].clone(), seqlens_k=lens[2:3].clone())
-            same = torch.equal(o[2], o1[0]) and torch.equal(lse[2], l1[0])
-            log(f"INVARIANT {layout} h{hq} sq{sq} {'swapAB' if rows else 'seesaw'}: alone vs batch",
-                "same bits" if same else "DIFFERENT")
+            for rule in ((1024, 8), (128, 8)):
+                o, lse = with_consts(m, dict(SAB_INVARIANT=rule), mm.forward, q, k, None, scale=SCALE,
+                                     batch_invariant=True, **kw)
+                if layout == "dense":
+                    o1, l1 = with_consts(m, dict(SAB_INVARIANT=rule), mm.forward, q[2:3].clone(), k[2:3].clone(),
+                                         None, scale=SCALE, batch_invariant=True)
+                else:
+                    own = -(-int(lens[2]) // PAGE)
+                    o1, l1 = with_consts(m, dict(SAB_INVARIANT=rule), mm.forward, q[2:3].clone(), cache, None,
+                                         scale=SCALE, batch_invariant=True, block_table=table[2:3, :own].clone(),
+                                         seqlens_k=lens[2:3].clone())
+                same = torch.equal(o[2], o1[0]) and torch.equal(lse[2], l1[0])
+                log(f"INVARIANT {layout} h{hq} sq{sq} {'swapAB' if rows else 'seesaw'} {rule}: alone vs batch",
+                    "same bits" if same else "DIFFERENT")
             if layout == "paged":  # bad pages and lengths: no fault, sequence 0 keeps its bits
                 bad_t, bad_l = table.clone(), lens.clone()
                 bad_t[1, 0], bad_t[2, 3], bad_l[3] = -7, 10 ** 9, 10 ** 6
@@ -174,6 +186,9 @@ def check_phase():
                 o0, _ = mm.forward(q, k, None, scale=SCALE, **kw)
                 log(f"BAD {layout} {'swapAB' if rows else 'seesaw'}: no fault; seq 0",
                     "unchanged" if torch.equal(o2[0], o0[0]) and torch.equal(o3[0], o0[0]) else "CHANGED")
+    log(f"CHECKS {name} worst abs err {worst:.2e} (inf: a failure)")
+    if name != "check-b":
+        return
     # fagen.attention on a dense Hq 16 cache: which module, and its error
     import fagen
     from fagen.runtime import hopper
@@ -183,7 +198,6 @@ def check_phase():
     w, _ = reference.attention(q[:2].double(), k[:2].double(), None, head_dim_v=DV, scale=SCALE)
     log(f"fagen.attention h16 b128 kv2048 (2^22 pairs; LATENT_MIN_WORK {hopper.LATENT_MIN_WORK}): err",
         f"{compare('out', out[:2], w, **tol):.1e}")
-    log(f"CHECKS worst abs err {worst:.2e} (inf: a failure)")
 
 
 def copy_gbs():
@@ -417,10 +431,10 @@ def main():
 
     def go(name):
         res[name] = run_phase(me, name, LIMITS[name], env)[0]
-    ts = [threading.Thread(target=go, args=(n, )) for n in ("warm", "warm2")]
+    ts = [threading.Thread(target=go, args=(n, )) for n in ("warm", "warm2", "check-b")]
     for t in ts:
         t.start()
-    go("check")
+    go("check-a")
     for t in ts:
         t.join()
     go("time")
@@ -430,7 +444,8 @@ def main():
 
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--phase":
-        phases = {"check": check_phase, "warm": warm_phase, "warm2": warm2_phase, "time": time_phase, "inv": inv_phase}
+        phases = {"check-a": lambda: check_phase("check-a"), "check-b": lambda: check_phase("check-b"),
+                  "warm": warm_phase, "warm2": warm2_phase, "time": time_phase, "inv": inv_phase}
         phases[sys.argv[2]]()
     else:
         main()

@@ -132,8 +132,14 @@ def check_phase(name):
             want.append((w, wl))
         for rows in ((0, 16) if (layout, hq) == ("paged", 16) else (16, )):
             mm = Sab(m, rows)
-            for how in ("rule", 1, 3, "inv", "inv128"):
-                if how == "inv":
+            for how in ("rule", 1, 3, "inv", "inv128", "3 cols128"):
+                if how == "3 cols128":  # [Note] Merge column slices
+                    out, lse = with_consts(m, dict(MERGE_COLS=128), mm.forward_split, q, k, None, scale=SCALE,
+                                           num_splits=3, **kw)
+                    o_ref, l_ref = mm.forward_split(q, k, None, scale=SCALE, num_splits=3, **kw)
+                    log(f"MERGE COLS {layout} h{hq} {'swapAB' if rows else 'seesaw'}: sliced vs whole",
+                        "same bits" if torch.equal(out, o_ref) and torch.equal(lse, l_ref) else "DIFFERENT")
+                elif how == "inv":
                     out, lse = mm.forward(q, k, None, scale=SCALE, batch_invariant=True, **kw)
                 elif how == "inv128":  # [Note] Swap-AB invariant chunks of 128 keys: up to 8 a sequence here
                     out, lse = with_consts(m, dict(SAB_INVARIANT=(128, 8)), mm.forward, q, k, None, scale=SCALE,
@@ -273,6 +279,9 @@ def time_phase():
             "swap-AB paged": lambda: Sab(paged, 16).forward(q, cache, None, scale=SCALE, block_table=table,
                                                             seqlens_k=lens),
         }
+        if b == 32:  # [Note] Merge column slices: 4 programs a sequence's merge
+            rows["swap-AB dense, merge cols 128"] = lambda: with_consts(dense, dict(MERGE_COLS=128, SWAP_AB_ROWS=16),
+                                                                        dense.forward, q, kd, None, scale=SCALE)
         if b == 128:  # the wave: 128 CTAs (one an SM) on 132 SMs, or two splits and the merge
             rows["swap-AB dense, 2 splits"] = lambda: Sab(dense, 16).forward_split(q, kd, None, scale=SCALE,
                                                                                     num_splits=2)

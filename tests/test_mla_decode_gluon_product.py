@@ -237,16 +237,26 @@ mod = fagen.load(fagen.KernelSpec(head_dim=576, head_dim_v=512, shared_kv=True, 
 b, ns, rows, dv = 2, 3, 32, 512
 """ + MERGE_CASE + """
 mod._merge[(rows // 16, b)](part_o, part_lse, out, lse, ROWS=rows, NUM_SPLITS=ns, BLOCK_R=16, DV_=dv)
+cols = int(sys.argv[3])
+if cols:  # [Note] Merge column slices: the same bits in slices of `cols` columns
+    whole, whole_lse = out.clone(), lse.clone()
+    out.fill_(7.0)
+    lse.fill_(7.0)
+    mod._merge[(rows // 16, b, dv // cols)](part_o, part_lse, out, lse, ROWS=rows, NUM_SPLITS=ns, BLOCK_R=16, DV_=dv,
+                                            COLS=cols)
+    assert torch.equal(out, whole) and torch.equal(lse, whole_lse)
 """ + MERGE_SAVE
 
 
-def test_merge_is_the_log_sum_exp_rule(tmp_path):
+@pytest.mark.parametrize("cols", [0, 128])
+def test_merge_is_the_log_sum_exp_rule(tmp_path, cols):
     """Splits' partial rows (log2 lse; one split empty: lse -inf, out 0; one row empty in every split) against
-    float64: the product module's Triton merge, interpreted in a child process (the module imports Gluon)."""
+    float64: the product module's Triton merge, interpreted in a child process (the module imports Gluon); cols:
+    the merge in column slices gives the whole merge's bits ([Note] Merge column slices)."""
     path = tmp_path / "merge.pt"
     env = {**os.environ, "TRITON_INTERPRET": "1", "FAGEN_CACHE_DIR": str(tmp_path / "cache")}
-    proc = subprocess.run([sys.executable, "-c", _MERGE, str(ROOT), str(path)], env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", _MERGE, str(ROOT), str(path), str(cols)], env=env,
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     merge_matches_float64(torch.load(path))
 

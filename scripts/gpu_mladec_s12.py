@@ -11,11 +11,16 @@ Phases, each a child process with a timeout (scripts/_phases.py); check-a, check
    fault, sequence 0 unchanged); fagen.attention on a dense Hq 16 cache.
 2. warm, warm2 (beside the checks): the seesaw's builds the time phase takes, the d128 decode's the inv phase takes.
 3. time: % of copy over the latent bytes read at Hq 16 Sq 1 b128 kv4k, b32 kv32k, b128 kv32k, b32 kv4k: the
-   seesaw's padded tile (the product), the swap-AB tile, FlashMLA bf16 (paged), in CUDA graphs of 8 calls and under
-   do_bench (the bench's method: L2 flushed between calls), the rows' order rotated between passes, medians.
-4. inv: what batch_invariant=True costs against False (do_bench medians, order rotated): d128 h32/8 dense b1/b32
-   kv4k/kv32k through fagen.attention (the serving bench's rows), the same grid without invariance
-   (forward_split with the invariant rule's split count), and MLA h16 b1/b32 kv4k/kv32k (the gluon module).
+   product (round B: the swap-AB tile, 128-column merge slices), fagen.attention on the dense cache (the bench's
+   path), the session's start (the seesaw's padded tile, whole merge), FlashMLA bf16 (paged), in CUDA graphs of 8
+   calls and under do_bench (the bench's method: L2 flushed between calls), the rows' order rotated, medians.
+4. inv: what batch_invariant=True costs against False (do_bench and CUDA graph medians, order rotated): d128 h32/8
+   dense b1/b32 kv4k/kv32k through fagen.attention (the serving bench's rows); MLA h16 b1/b32/b128 kv4k/kv32k through
+   fagen.attention and the swap-AB tile's candidate rules (SAB_INVARIANT).
+5. bench: `fagen bench --suite serving` on the absorbed bf16 rows (b128 kv4k, b32 kv32k), fagen only.
+Round A (2026-11-27 16:59 UTC, this script at 42fdd46) timed the swap-AB tile against the padded seesaw off by
+default, two splits at b128, 128-column merge slices, the d128 grid (forward_split 8) and rules 1024/16, 4096/16,
+and SAB_INVARIANT 512/16, 2048/8, 4096/1 (docs/serving.md, twelfth session).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _phases import child_env, run_phase  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LIMITS = {"check-a": 27, "check-b": 27, "warm": 27, "warm2": 27, "time": 22, "inv": 16}
+LIMITS = {"check-a": 19, "check-b": 19, "warm": 19, "warm2": 19, "time": 14, "inv": 16, "bench": 15}
 D, DV, PAGE = 576, 512, 64
 SCALE = 192 ** -0.5
 T0 = time.time()
@@ -76,7 +81,7 @@ class FlashMLA:
 
     def forward(self, q, k, v, *, block_table, seqlens_k, scale):
         b, hq, sq, _ = q.shape
-        key = (seqlens_k.data_ptr(), hq * sq)
+        key = (seqlens_k.data_ptr(), hq * sq)  # the caller clears meta between shapes (round A reused an address)
         if key not in self.meta:
             self.meta[key] = self.fm.get_mla_metadata(seqlens_k, sq * hq, 1)
         meta, splits = self.meta[key]
@@ -256,6 +261,7 @@ def graph_ms(fn, calls=8, total_ms=12.0):
 def time_phase():
     import torch
     from triton.testing import do_bench
+    import fagen
 
     copy = copy_gbs()
     log(f"copy {copy:.0f} GB/s (read + write)")
@@ -276,20 +282,14 @@ def time_phase():
         q = torch.randn(b, 16, 1, D, device="cuda", generator=g).bfloat16()
         kd = cache.view(b, 1, kv, D)  # the same bytes as a dense cache (the identity table)
         byts = b * kv * D * 2
-        rows = {
-            "seesaw padded (product) dense": lambda: Sab(dense, 0).forward(q, kd, None, scale=SCALE),
-            "swap-AB dense": lambda: Sab(dense, 16).forward(q, kd, None, scale=SCALE),
-            "seesaw padded paged": lambda: Sab(paged, 0).forward(q, cache, None, scale=SCALE, block_table=table,
-                                                                  seqlens_k=lens),
-            "swap-AB paged": lambda: Sab(paged, 16).forward(q, cache, None, scale=SCALE, block_table=table,
-                                                            seqlens_k=lens),
+        rows = {  # round B: the product's defaults (swap-AB, MERGE_COLS 128) against the session's start
+            "product dense (swap-AB, merge cols 128)": lambda: dense.forward(q, kd, None, scale=SCALE),
+            "fagen.attention dense (the bench's path)": lambda: fagen.attention(q, kd, None, head_dim_v=DV,
+                                                                                scale=SCALE),
+            "before: seesaw padded dense, merge whole": lambda: with_consts(
+                dense, dict(SWAP_AB_ROWS=0, MERGE_COLS=DV), dense.forward, q, kd, None, scale=SCALE),
+            "product paged": lambda: paged.forward(q, cache, None, scale=SCALE, block_table=table, seqlens_k=lens),
         }
-        if b == 32:  # [Note] Merge column slices: 4 programs a sequence's merge
-            rows["swap-AB dense, merge cols 128"] = lambda: with_consts(dense, dict(MERGE_COLS=128, SWAP_AB_ROWS=16),
-                                                                        dense.forward, q, kd, None, scale=SCALE)
-        if b == 128:  # the wave: 128 CTAs (one an SM) on 132 SMs, or two splits and the merge
-            rows["swap-AB dense, 2 splits"] = lambda: Sab(dense, 16).forward_split(q, kd, None, scale=SCALE,
-                                                                                    num_splits=2)
         if fm is not None:
             rows["FlashMLA bf16 paged"] = lambda: fm.forward(q, cache, None, scale=SCALE, block_table=table,
                                                              seqlens_k=lens)
@@ -308,6 +308,8 @@ def time_phase():
         torch.cuda.synchronize()
         names = list(rows)
         res = {nm: ([], []) for nm in names}
+        if fm is not None:
+            fm.meta.clear()
         for p in range(3):
             order = names[p % len(names):] + names[:p % len(names)]
             for nm in order:
@@ -350,6 +352,11 @@ def warm_phase():
         for ns in (1, 2):
             m.forward_split(q, k, None, scale=SCALE, num_splits=ns, **kw)
         m.forward(q, k, None, scale=SCALE, batch_invariant=True, **kw)
+    import fagen  # the Triton latent decode fagen.attention takes below LATENT_MIN_WORK (eager)
+    for b in (1, 32):
+        qq = torch.randn(b, 16, 1, D, device="cuda", generator=g).bfloat16()
+        kk = torch.randn(b, 1, 4096, D, device="cuda", generator=g).bfloat16()
+        fagen.attention(qq, kk, None, head_dim_v=DV, scale=SCALE)
     torch.cuda.synchronize()
     log("warm done")
 
@@ -371,8 +378,8 @@ def with_consts(m, consts, fn, *a, **kw):
             setattr(m, n, v)
 
 
-D128_RULES = ((1024, 16), (4096, 16))  # beside the module's own (512, 16): 4 splits, 1 split through the merge
-SAB_RULES = ((1024, 8), (512, 16), (2048, 8), (4096, 1))
+D128_RULES = ()  # round A: (1024, 16) +3.2%, (4096, 16) +0.6% at b32 kv4k (docs/serving.md, twelfth session)
+SAB_RULES = ((1024, 8), (1024, 16), (1024, 24), (1024, 32))  # round A also (512, 16), (2048, 8), (4096, 1)
 
 
 def warm2_phase():
@@ -384,7 +391,6 @@ def warm2_phase():
         q, k, v = d128_inputs(b, kv)
         for inv in (False, True):
             fagen.attention(q, k, v, batch_invariant=inv)
-        m.forward_split(q, k, v, num_splits=8)
         m.forward(q, k, v, batch_invariant=True)
         m.forward(q, k, v, batch_invariant=False)
         torch.cuda.synchronize()
@@ -426,8 +432,6 @@ def inv_phase():
         fns = {"split rule (fagen.attention)": lambda: fagen.attention(q, k, v, batch_invariant=False),
                "invariant (fagen.attention)": lambda: fagen.attention(q, k, v, batch_invariant=True)}
         if b == 32 and kv == 4096:  # where the cost is: the grid, the merge, the chunk
-            fns["forward_split 8 (the invariant grid, no invariance)"] = \
-                lambda: m.forward_split(q, k, v, num_splits=8)
             for r in D128_RULES:
                 fns[f"invariant {r[0]}/{r[1]}"] = lambda r=r: with_consts(
                     m, dict(INVARIANT_MIN_CHUNK=r[0], INVARIANT_SPLITS=r[1]), m.forward, q, k, v, batch_invariant=True)
@@ -438,6 +442,10 @@ def inv_phase():
     for b, kv in ((32, 4096), (1, 4096), (32, 32768), (1, 32768), (128, 4096)):
         q = torch.randn(b, 16, 1, D, device="cuda", generator=g).bfloat16()
         k = torch.randn(b, 1, kv, D, device="cuda", generator=g).bfloat16()
+        measure(f"MLA h16 dense b{b} kv{kv // 1024}k, fagen.attention", {
+            "split rule (fagen.attention)": lambda: fagen.attention(q, k, None, head_dim_v=DV, scale=SCALE),
+            "invariant (fagen.attention)": lambda: fagen.attention(q, k, None, head_dim_v=DV, scale=SCALE,
+                                                                   batch_invariant=True)}, b * kv * D * 2, passes=3)
         fns = {"swap-AB split rule": lambda: Sab(mla, 16).forward(q, k, None, scale=SCALE, batch_invariant=False)}
         for r in SAB_RULES:
             fns[f"swap-AB invariant {r[0]}/{r[1]}"] = lambda r=r: with_consts(
@@ -448,6 +456,20 @@ def inv_phase():
     print("|---|---|---:|---:|---:|---:|---:|")
     for r in out_rows:
         print(f"| {r[0]} | {r[1]} | {r[2]:.4f} | {r[3]:.0f} | {r[4]:+.1f}% | {r[5]:.4f} | {r[6]:+.1f}% |")
+
+
+BENCH_CASES = ("decode-mla-absorbed-h16-kv4k-b128", "decode-mla-absorbed-h16-kv32k-b32")
+
+
+def bench_phase():
+    """The serving bench's own rows (fagen bench --suite serving, do_bench over rotated input sets) with the
+    product's defaults."""
+    import subprocess
+    cmd = [sys.executable, "-m", "fagen", "bench", "--suite", "serving", "--impl", "fagen", "--no-isolate",
+           "--device", "cuda", "--rep", "60", "--warmup", "10"]
+    for c in BENCH_CASES:
+        cmd += ["--case", c]
+    subprocess.run(cmd, check=False)
 
 
 def main():
@@ -465,13 +487,14 @@ def main():
         t.join()
     go("time")
     go("inv")
+    go("bench")
     log("phases:", res)
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--phase":
         phases = {"check-a": lambda: check_phase("check-a"), "check-b": lambda: check_phase("check-b"),
-                  "warm": warm_phase, "warm2": warm2_phase, "time": time_phase, "inv": inv_phase}
+                  "warm": warm_phase, "bench": bench_phase, "warm2": warm2_phase, "time": time_phase, "inv": inv_phase}
         phases[sys.argv[2]]()
     else:
         main()

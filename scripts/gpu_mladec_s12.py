@@ -275,6 +275,8 @@ def time_phase():
         log(f"FlashMLA unavailable: {type(e).__name__}: {e}")
     table_rows = []
     for b, kv in ((128, 4096), (32, 32768), (128, 32768), (32, 4096)):
+        if fm is not None:  # round A: a new lengths tensor at a freed one's address took its metadata
+            fm.meta.clear()
         pages = kv // PAGE
         cache = torch.randn(b * pages, PAGE, 1, D, device="cuda", generator=g).bfloat16()
         table = torch.arange(b * pages, device="cuda", dtype=torch.int32).view(b, pages)
@@ -284,8 +286,8 @@ def time_phase():
         byts = b * kv * D * 2
         rows = {  # round B: the product's defaults (swap-AB, MERGE_COLS 128) against the session's start
             "product dense (swap-AB, merge cols 128)": lambda: dense.forward(q, kd, None, scale=SCALE),
-            "fagen.attention dense (the bench's path)": lambda: fagen.attention(q, kd, None, head_dim_v=DV,
-                                                                                scale=SCALE),
+            "fagen.attention dense (the bench's path)": lambda: (fagen.attention(q, kd, None, head_dim_v=DV,
+                                                                                 scale=SCALE), None),
             "before: seesaw padded dense, merge whole": lambda: with_consts(
                 dense, dict(SWAP_AB_ROWS=0, MERGE_COLS=DV), dense.forward, q, kd, None, scale=SCALE),
             "product paged": lambda: paged.forward(q, cache, None, scale=SCALE, block_table=table, seqlens_k=lens),
@@ -308,8 +310,6 @@ def time_phase():
         torch.cuda.synchronize()
         names = list(rows)
         res = {nm: ([], []) for nm in names}
-        if fm is not None:
-            fm.meta.clear()
         for p in range(3):
             order = names[p % len(names):] + names[:p % len(names)]
             for nm in order:

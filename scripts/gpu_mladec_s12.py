@@ -18,6 +18,7 @@ Phases, each a child process with a timeout (scripts/_phases.py); check-a, check
    dense b1/b32 kv4k/kv32k through fagen.attention (the serving bench's rows); MLA h16 b1/b32/b128 kv4k/kv32k through
    fagen.attention and the swap-AB tile's candidate rules (SAB_INVARIANT).
 5. bench: `fagen bench --suite serving` on the absorbed bf16 rows (b128 kv4k, b32 kv32k), fagen only.
+6. memcheck (beside the checks): compute-sanitizer memcheck over gpu_memcheck_fuzz.py's mla_gluon group at Hq 16.
 Round A (2026-11-27 16:59 UTC, this script at 42fdd46) timed the swap-AB tile against the padded seesaw off by
 default, two splits at b128, 128-column merge slices, the d128 grid (forward_split 8) and rules 1024/16, 4096/16,
 and SAB_INVARIANT 512/16, 2048/8, 4096/1 (docs/serving.md, twelfth session).
@@ -36,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _phases import child_env, run_phase  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LIMITS = {"check-a": 19, "check-b": 19, "warm": 19, "warm2": 19, "time": 14, "inv": 16, "bench": 15}
+LIMITS = {"check-a": 19, "check-b": 19, "warm": 19, "warm2": 19, "memcheck": 21, "time": 14, "inv": 16, "bench": 13}
 D, DV, PAGE = 576, 512, 64
 SCALE = 192 ** -0.5
 T0 = time.time()
@@ -458,6 +459,30 @@ def inv_phase():
         print(f"| {r[0]} | {r[1]} | {r[2]:.4f} | {r[3]:.0f} | {r[4]:+.1f}% | {r[5]:.4f} | {r[6]:+.1f}% |")
 
 
+def memcheck_phase():
+    """compute-sanitizer memcheck over scripts/gpu_memcheck_fuzz.py's mla_gluon group at Hq 16 (the swap-AB tile and
+    the padded seesaw: bad page indexes and lengths); prints the summary, failures and sanitizer errors only."""
+    import shutil
+    import subprocess
+    san = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
+    cmd = [san, "--tool", "memcheck", "--error-exitcode", "1", sys.executable,
+           os.path.join(ROOT, "scripts", "gpu_memcheck_fuzz.py"), "--group", "mla_gluon"]
+    env = {**os.environ, "FUZZ_MLA_GLUON_HQ": "16"}
+    import signal
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # its own process group: a timeout kills the fuzz too
+    try:
+        out, _ = proc.communicate(timeout=LIMITS["memcheck"] - 3)
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        rc = "timeout"
+    lines = (out or "").splitlines()
+    keep = [ln for ln in lines if "summary" in ln or "FAIL" in ln or "ERROR SUMMARY" in ln or "Invalid" in ln]
+    log(f"MEMCHECK rc {rc}, {len(lines)} lines; " + " | ".join(keep[:12]))
+
+
 BENCH_CASES = ("decode-mla-absorbed-h16-kv4k-b128", "decode-mla-absorbed-h16-kv32k-b32")
 
 
@@ -479,7 +504,7 @@ def main():
 
     def go(name):
         res[name] = run_phase(me, name, LIMITS[name], env)[0]
-    ts = [threading.Thread(target=go, args=(n, )) for n in ("warm", "warm2", "check-b")]
+    ts = [threading.Thread(target=go, args=(n, )) for n in ("warm", "warm2", "check-b", "memcheck")]
     for t in ts:
         t.start()
     go("check-a")
@@ -494,7 +519,8 @@ def main():
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--phase":
         phases = {"check-a": lambda: check_phase("check-a"), "check-b": lambda: check_phase("check-b"),
-                  "warm": warm_phase, "bench": bench_phase, "warm2": warm2_phase, "time": time_phase, "inv": inv_phase}
+                  "warm": warm_phase, "bench": bench_phase, "memcheck": memcheck_phase, "warm2": warm2_phase,
+                  "time": time_phase, "inv": inv_phase}
         phases[sys.argv[2]]()
     else:
         main()

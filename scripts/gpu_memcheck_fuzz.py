@@ -557,7 +557,8 @@ def group_mods():
 def group_mla_gluon():
     """The Gluon MLA decode (sm_90 only; [Note] Gluon decode memory safety in fagen/templates/gluon/mla_decode.py.j2):
     bad block_table entries and lengths in sequence 1 of a paged 576/512 decode, pages of 64, one split and the
-    batch-invariant merge; Hq 16 Sq 1, one 64-row tile padded (the next sequence's rows never stored)."""
+    batch-invariant merge; Hq 16 Sq 1: the swap-AB tile ([Note] Swap-AB tile) and, with SWAP_AB_ROWS 0, one 64-row
+    tile padded (the next sequence's rows never stored). $FUZZ_MLA_GLUON_HQ (say 16) keeps those query heads only."""
     from fagen.runtime import hopper
     if not GPU or torch.cuda.get_device_capability() != (9, 0) or hopper.gluon_missing():
         say("skip mla_gluon: needs an sm_90 GPU and triton's Gluon API")
@@ -566,23 +567,32 @@ def group_mla_gluon():
     kc = randn(pages, page, 1, 576)
     table = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]][:NB]
     lens = [200, 170, 130][:NB]
-    for hq, sq, invariant in ((64, 2, False), (64, 2, True), (16, 1, False)):  # Hq 16: [Note] Padded row tiles
+    only = os.environ.get("FUZZ_MLA_GLUON_HQ")
+    for hq, sq, invariant, sab in ((64, 2, False, 16), (64, 2, True, 16), (16, 1, False, 0), (16, 1, False, 16),
+                                   (16, 1, True, 16)):  # Hq 16: [Note] Padded row tiles, [Note] Swap-AB tile
+        if only and str(hq) != only:
+            continue
         qd = randn(NB, hq, sq, 576)
         mla = fagen.load(fagen.KernelSpec(head_dim=576, head_dim_v=512, shared_kv=True, gqa=hq, kind="decode",
                                           layout="paged", mask="causal", dtype="fp16", backend="gluon"))
 
-        def run(what=None, value=None, mla=mla, qd=qd, invariant=invariant):
+        def run(what=None, value=None, mla=mla, qd=qd, invariant=invariant, sab=sab):
             t, n = paged_inputs(table, lens, what, value)
-            out, lse = mla.forward(qd, kc, None, block_table=t, seqlens_k=n, check=False, batch_invariant=invariant)
+            old, mla.SWAP_AB_ROWS = mla.SWAP_AB_ROWS, sab
+            try:
+                out, lse = mla.forward(qd, kc, None, block_table=t, seqlens_k=n, check=False,
+                                       batch_invariant=invariant)
+            finally:
+                mla.SWAP_AB_ROWS = old
             return dict(out=out, lse=lse)
 
         good = run()
         variants = [("block_table[1][2]", p) for p in (100000, -1, pages, I32_MIN, I32_MAX)]
         variants += [("seqlens_k[1]", n) for n in bad_ints(width * page)]
         for what, value in variants:
-            case(f"mla gluon paged decode h{hq} sq{sq} invariant={invariant} {what}={value}",
+            case(f"mla gluon paged decode h{hq} sq{sq} invariant={invariant} swap_ab={sab} {what}={value}",
                  lambda: run(what, value), [(key, (OTHER,)) for key in good], good)
-        still_good(f"mla gluon paged decode h{hq} sq{sq} invariant={invariant}", run, good)
+        still_good(f"mla gluon paged decode h{hq} sq{sq} invariant={invariant} swap_ab={sab}", run, good)
 
 
 GROUPS = {"padding": group_padding, "varlen": group_varlen, "paged": group_paged, "tree": group_tree,

@@ -116,6 +116,38 @@ def test_fagen_attention_takes_the_gluon_decode_where_it_fits(monkeypatch):
     assert out.shape == (1, 2, 1, DV) and torch.isfinite(out).all()
 
 
+@pytest.mark.skipif(ON_GPU, reason="CPU tensors with sm_90 faked: its Triton path needs the interpreter")
+def test_batch_invariant_calls_pick_the_kernel_without_the_batch(monkeypatch):
+    """[Note] Latent decode and batch invariance: with batch_invariant=True fagen.attention takes the gluon decode
+    wherever it fits, below LATENT_MIN_WORK pairs too (the size floor weighs the batch: a sequence alone and in a
+    large batch would run different kernels); without it, the floor keeps the Triton decode there."""
+    monkeypatch.setattr(hopper, "is_hopper", lambda device: True)
+    monkeypatch.setattr(hopper, "gluon_missing", lambda: None)
+    monkeypatch.setattr(hopper, "LATENT_PAD_SELECTED", True)
+    monkeypatch.setattr(hopper, "LATENT_CAPTURED_MIN_WORK", None)
+    gen = torch.Generator().manual_seed(1)
+    k = torch.randn(1, 1, 40, D, generator=gen).bfloat16()
+    for hq in (16, 64):
+        q = torch.randn(1, hq, 1, D, generator=gen).bfloat16()
+        with torch.no_grad():
+            assert torch.isfinite(fagen.attention(q, k, None, head_dim_v=DV, batch_invariant=False)).all()
+        with torch.no_grad(), pytest.raises(ValueError, match="this Gluon kernel .* runs on a CUDA device"):
+            fagen.attention(q, k, None, head_dim_v=DV, batch_invariant=True)
+
+
+def test_the_swap_ab_tile_sizes_invariant_chunks_from_the_length_only():
+    """[Note] Swap-AB invariant chunks: the grid follows the span, the smallest chunk never the batch; the split
+    rule takes whole blocks."""
+    mod = fagen.load(spec(gqa=16))
+    lo, most = mod.SAB_INVARIANT
+    for b in (1, 7, 32, 128):
+        for span in (77, 4096, 32768):
+            per, splits = mod.splits_for(b, 16, span, invariant=True, sms=132, swap_ab=True)
+            assert per == -(-lo // 64) and splits == max(1, min(most, -(-(-(-span // 64)) // per)))
+    per, splits = mod.splits_for(32, 16, 4096, sms=132, swap_ab=True)
+    assert splits == 4 and per * splits >= 64
+
+
 def test_the_split_rule_follows_the_batch_only_without_batch_invariance():
     mod = fagen.load(spec())
     assert mod.splits_for(32, 256, 8192, sms=132) == (128, 1)  # 128 programs fill 132 SMs: one split
@@ -137,6 +169,10 @@ def test_the_kernel_clamps_page_indexes_and_lengths():
     assert "seq_len = gl.minimum(gl.maximum(gl.load(Seqlens + b), 0), bt_width * PAGE)" in src
     # [Note] Padded row tiles: a tile's rows past ROWS (the next sequence's q) are never stored
     assert src.count("mask=oreal)") == 2 and src.count("mask=real)") == 2
+    # [Note] Swap-AB tile: its TMA rows come from the same clamped _kv_row, its tail is zeroed before P V
+    sab = src[src.index("def _mla_decode_sab("):src.index("def _merge(")]
+    assert "_sab_issue(" in sab and "_sab_zero_tail(kc_s, st, seq_len - start)" in sab
+    assert "row = _kv_row(BlockTable, bt_row, start, num_pages, b, kv_b, PAGE, PAGED)" in src
 
 
 _SCRIPT = r"""
@@ -164,7 +200,10 @@ print("RESULT " + json.dumps(out))
 BUILDS = {"paged_sq2": ("paged", dict(seq_q=2)), "paged_sq2_split": ("paged", dict(seq_q=2, num_splits=2)),
           "paged_sq1": ("paged", dict(seq_q=1)), "dense_sq2": ("dense", dict(seq_q=2)),
           "paged_h16_sq1": ("paged", dict(seq_q=1, gqa=16)), "paged_h16_sq1_split": ("paged", dict(seq_q=1, gqa=16,
-                                                                                                 num_splits=3))}
+                                                                                                 num_splits=3)),
+          "sab_paged_h16_sq1": ("paged", dict(seq_q=1, gqa=16, swap_ab=True)),
+          "sab_dense_h16_sq1_inv": ("dense", dict(seq_q=1, gqa=16, swap_ab=True, invariant=True)),
+          "sab_paged_h8_sq2_split": ("paged", dict(seq_q=2, gqa=8, swap_ab=True, num_splits=3))}
 
 
 @pytest.fixture(scope="module")
@@ -179,6 +218,9 @@ def test_builds_within_shared_memory_without_spills(built, key):
     r = built[key]
     assert r["shared"] <= backends.smem_bytes(spec()) <= 232448, r
     assert r["spills"] == 0 and r["stack"] == 0 and not r["serialized"], r
+    if key.startswith("sab"):  # [Note] Swap-AB tile: one warpgroup, a block's 36 + 32 wgmma, no setmaxnreg
+        assert r["wgmma"] == [68] and r["shared"] <= 170 * 1024, r
+        return
     assert r["wgmma"] == [44, 44], r
     regs = 240 if "sq1" in key else 232
     assert {regs, 24} <= set(r["setmaxnreg"]), r
@@ -195,16 +237,26 @@ mod = fagen.load(fagen.KernelSpec(head_dim=576, head_dim_v=512, shared_kv=True, 
 b, ns, rows, dv = 2, 3, 32, 512
 """ + MERGE_CASE + """
 mod._merge[(rows // 16, b)](part_o, part_lse, out, lse, ROWS=rows, NUM_SPLITS=ns, BLOCK_R=16, DV_=dv)
+cols = int(sys.argv[3])
+if cols:  # [Note] Merge column slices: the same bits in slices of `cols` columns
+    whole, whole_lse = out.clone(), lse.clone()
+    out.fill_(7.0)
+    lse.fill_(7.0)
+    mod._merge[(rows // 16, b, dv // cols)](part_o, part_lse, out, lse, ROWS=rows, NUM_SPLITS=ns, BLOCK_R=16, DV_=dv,
+                                            COLS=cols)
+    assert torch.equal(out, whole) and torch.equal(lse, whole_lse)
 """ + MERGE_SAVE
 
 
-def test_merge_is_the_log_sum_exp_rule(tmp_path):
+@pytest.mark.parametrize("cols", [0, 128])
+def test_merge_is_the_log_sum_exp_rule(tmp_path, cols):
     """Splits' partial rows (log2 lse; one split empty: lse -inf, out 0; one row empty in every split) against
-    float64: the product module's Triton merge, interpreted in a child process (the module imports Gluon)."""
+    float64: the product module's Triton merge, interpreted in a child process (the module imports Gluon); cols:
+    the merge in column slices gives the whole merge's bits ([Note] Merge column slices)."""
     path = tmp_path / "merge.pt"
     env = {**os.environ, "TRITON_INTERPRET": "1", "FAGEN_CACHE_DIR": str(tmp_path / "cache")}
-    proc = subprocess.run([sys.executable, "-c", _MERGE, str(ROOT), str(path)], env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", _MERGE, str(ROOT), str(path), str(cols)], env=env,
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     merge_matches_float64(torch.load(path))
 
@@ -215,12 +267,14 @@ def _sm90():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU and triton's Gluon Hopper API")
-@pytest.mark.parametrize("sq, invariant, splits, hq", [(2, False, None, 128), (2, False, 1, 128), (2, True, None, 128),
-                                                      (1, False, 3, 128), (1, False, None, 16), (1, True, None, 16),
-                                                      (3, False, 1, 16)])
-def test_gpu_against_float64(sq, invariant, splits, hq):
+@pytest.mark.parametrize("sq, invariant, splits, hq, sab", [
+    (2, False, None, 128, 0), (2, False, 1, 128, 0), (2, True, None, 128, 0), (1, False, 3, 128, 0),
+    (1, False, None, 16, 0), (1, True, None, 16, 0), (3, False, 1, 16, 0), (1, False, None, 16, 16),
+    (1, True, None, 16, 16), (1, False, 1, 16, 16), (2, False, 3, 8, 16)])
+def test_gpu_against_float64(sq, invariant, splits, hq, sab, monkeypatch):
     """Ragged lengths (odd, one empty, NaN past each end in shuffled pages) against float64; bad page indexes and
-    lengths change only their own sequences. Hq 16: one padded tile ([Note] Padded row tiles)."""
+    lengths change only their own sequences. Hq 16: one padded tile ([Note] Padded row tiles); sab 16: the swap-AB
+    tile ([Note] Swap-AB tile)."""
     from fagen.verify import reference
     lens, page = [1000, 77, 0, 513, 64], 64
     gen = torch.Generator().manual_seed(sq)
@@ -235,6 +289,7 @@ def test_gpu_against_float64(sq, invariant, splits, hq):
                 cache[table[i, p], max(0, n - p * page):] = float("nan")
     cache, table, seqlens = cache.cuda(), table.cuda(), torch.tensor(lens, dtype=torch.int32).cuda()
     mod = fagen.load(spec(gqa=hq))
+    monkeypatch.setattr(mod, "SWAP_AB_ROWS", sab)
     kw = dict(block_table=table, seqlens_k=seqlens, scale=0.07)
     out, lse = (mod.forward_split(q, cache, None, num_splits=splits, **kw) if splits
                 else mod.forward(q, cache, None, batch_invariant=invariant, **kw))

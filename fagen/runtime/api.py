@@ -210,7 +210,11 @@ def _latent(q, k, *, mask, head_dim_v, window, softcap, alibi_slopes, sinks, **r
         raise AttentionError(f"no kernel for these inputs: {e}") from None
     module = _module(spec)
     work = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
-    twin = hopper.latent_decode_spec(spec, q.device, q.shape[1] * q.shape[2]) if work >= hopper.LATENT_MIN_WORK or (
+    # [Note] Latent decode and batch invariance: the size floors weigh the batch (and a graph's capture), so with
+    # batch_invariant=True the kernel follows the case only (the gluon decode wherever it fits): a sequence alone and
+    # in a batch of any size then runs the same kernel, whose own rule keeps its bits.
+    twin = hopper.latent_decode_spec(spec, q.device, q.shape[1] * q.shape[2]) if rest.get("batch_invariant") or \
+        work >= hopper.LATENT_MIN_WORK or (
         hopper.LATENT_CAPTURED_MIN_WORK is not None and work >= hopper.LATENT_CAPTURED_MIN_WORK and q.is_cuda
         and torch.cuda.is_current_stream_capturing()) else None  # [Note] Latent decode under capture
     if twin is not None and (gluon := _module(twin)).fits(q, k) is None:  # [Note] Hopper selection: MLA decode

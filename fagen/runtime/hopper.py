@@ -60,6 +60,8 @@ LATENT_MIN_WORK = 1 << 22
 # b128 kv4k 91.4 / 89.5, b32 kv32k 91.5 / 87.4, b128 kv32k 95.9 / 97.4; b32 kv4k (2^21 pairs: Triton) was host
 # time in both (34 / 65%, ~50 us of GPU work a call).
 LATENT_PAD_SELECTED = True  # round B (CUDA graphs): 93.0 / 92.7 / 96.5% against 90.6 / 88.7 / 98.7
+# (Since the twelfth session a 16-row case, Hq 16 Sq 1, runs the module's swap-AB tile instead of the padded one:
+# 99.2 / 99.3 / 103.7% in graphs; [Note] Swap-AB tile in fagen/templates/gluon/mla_decode.py.j2.)
 # [Note] Latent decode under capture. LATENT_MIN_WORK weighs host time, which a CUDA graph's replay does not pay:
 # while the current stream is capturing (a serving engine's decode step), fagen.attention takes the gluon decode from
 # LATENT_CAPTURED_MIN_WORK pairs instead (None: as eager). H100, Hq 16 Sq 1 b32 kv4k dense bf16 (2^21 pairs), 8 calls

@@ -131,8 +131,11 @@ def test_paged_rows_in_32_bits_only_where_every_row_fits():
 def test_serving_bench_paged_row_reads_the_dense_rows_keys():
     """The serving bench's paged fp8 row (decode-d128-kv8k-b32-fp8-paged16): a paged spec, the bytes of the dense fp8
     row; and its inputs (make_inputs' pages in a random order, the block table that reads them back) give fagen's
-    paged kernel the reference's dense keys: the bench's own check passes on a small case of the same form."""
-    from fagen.bench.cases import CaseContext
+    paged kernel the reference's keys: the bench's own check, whose float64 slices gather their keys back from the
+    pages (the set keeps no dense copy), passes on a small case of the same form. The set holds the pages once at a
+    byte an element, so the row rotates 3 input sets under the bench's budget, as the dense row does."""
+    from fagen.bench.cases import SET_BUDGET, CaseContext
+    from fagen.bench.inputs import set_bytes
     from fagen.bench.check import check
     from fagen.bench.impls import prepare_fagen
     from fagen.bench.serving import serving_rows
@@ -141,11 +144,12 @@ def test_serving_bench_paged_row_reads_the_dense_rows_keys():
     rows = {c.name: c for c in serving_rows()}
     paged, dense = rows["decode-d128-kv8k-b32-fp8-paged16"], rows["decode-d128-kv8k-b32-fp8"]
     assert paged.spec("cpu")[0].layout == "paged" and kv_bytes(paged) == kv_bytes(dense)
+    assert SET_BUDGET // set_bytes(paged) >= 3 and set_bytes(paged) == set_bytes(dense)  # 3 sets (was 1)
     case = make_case("paged-small", head_dim=HD, mask="none", batch=2, heads_q=HKV * G, heads_kv=HKV, seq_q=1,
                      seq_k=256 if not ON_GPU else 8192, kv_dtype="fp8_e4m3", page_size=16, peers=False)
     cc = CaseContext(case, torch.device(DEVICE), 1)
     s = cc.sets[0]
-    assert s.paged["k_cache"].shape == (2 * case.seq_k // 16, 16, HKV, HD)
+    assert s.paged["k_cache"].shape == (2 * case.seq_k // 16, 16, HKV, HD) and s.k is None and s.v is None
     assert not torch.equal(s.paged["block_table"].flatten().cpu(), torch.arange(2 * case.seq_k // 16))  # shuffled
     status, message, _ = check("fagen", prepare_fagen(case, cc), cc)
     assert status == "ok", message

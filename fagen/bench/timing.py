@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import statistics
 import time
@@ -14,11 +15,56 @@ from fagen.bench.cases import BenchOptions, CaseContext, Prepared, out_of
 from fagen.spec.axes import Direction
 
 
+# [Note] L2 flush
+# triton.testing.do_bench empties the L2 before each timed call by zeroing a 256 MB buffer. That leaves the L2 full of
+# dirty lines, and the call's first reads evict them: writing them back (the H100's 50 MB) costs a read-only call
+# (a decode step) ~17 us of DRAM time inside its timed window, while a copy, which leaves as many dirty lines of its
+# own for the next flush, pays nothing net. So under "zero" a 0.19 ms fp8 decode call reads at 89% of the copy's rate
+# where back to back it reads at 94-96% (docs/serving.md, "fp8 KV decode, twelfth session"). "read" empties the L2
+# by reading a 256 MB buffer instead: the call still finds none of its inputs in the L2, and no line to write back;
+# the same flush for every implementation. "zero": do_bench's.
+L2_FLUSH = "zero"
+_FLUSH_BYTES = 256 << 20
+
+
+def timed_calls(fn: Callable[[], Any], flush: Callable[[], Any], warmup_ms: float, rep_ms: float, event, sync
+                ) -> list[float]:
+    """do_bench's loop with its flush given: an estimate from 5 calls, warm-up calls for warmup_ms, then calls for
+    rep_ms, each after flush() and timed alone (event() makes a CUDA event; sync waits for the device)."""
+    fn()
+    sync()
+    start, end = event(), event()
+    start.record()
+    for _ in range(5):
+        flush()
+        fn()
+    end.record()
+    sync()
+    estimate = max(start.elapsed_time(end) / 5, 1e-6)
+    for _ in range(max(1, int(warmup_ms / estimate))):
+        fn()
+    marks = [(event(), event()) for _ in range(max(1, int(rep_ms / estimate)))]
+    for s, e in marks:
+        flush()
+        s.record()
+        fn()
+        e.record()
+    sync()
+    return [s.elapsed_time(e) for s, e in marks]
+
+
+@functools.cache
+def _read_flush(device: torch.device) -> Callable[[], Any]:
+    buf = torch.ones(_FLUSH_BYTES // 4, dtype=torch.int32, device=device)
+    return lambda: buf.sum()  # reads the 256 MB; writes one number
+
+
 def measure(call: Callable[[int], Any], n_sets: int, device: torch.device, warmup_ms: float, rep_ms: float) -> float:
     """Median milliseconds of call(i), rotating i over the input sets.
 
-    CUDA: triton.testing.do_bench (CUDA events around each call, the L2 cache flushed between calls,
-    warm-up first); the rotation means no two consecutive calls read the same tensors either. CPU: wall clock.
+    CUDA: triton.testing.do_bench's loop (CUDA events around each call, the L2 cache flushed between calls as
+    L2_FLUSH says, warm-up first); the rotation means no two consecutive calls read the same tensors either.
+    CPU: wall clock.
     """
     counter = itertools.count()
 
@@ -28,6 +74,10 @@ def measure(call: Callable[[int], Any], n_sets: int, device: torch.device, warmu
     if device.type == "cuda":
         import triton.testing
 
+        if L2_FLUSH == "read":  # [Note] L2 flush
+            times = timed_calls(fn, _read_flush(device), warmup_ms, rep_ms,
+                                lambda: torch.cuda.Event(enable_timing=True), torch.cuda.synchronize)
+            return float(statistics.median(times))
         return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
     fn()  # warm-up (compiles, fills caches)
     times, start = [], time.perf_counter()  # at least one timed call, then until rep_ms is spent (at most 50)

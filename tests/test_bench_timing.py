@@ -1,0 +1,61 @@
+"""The bench's timing loop ([Note] L2 flush in fagen/bench/timing.py): with L2_FLUSH = "read" the bench runs
+do_bench's loop with its own flush, so each timed call must come right after a flush, with the flush outside the
+call's events, and the loop must keep do_bench's counts (5 estimate calls, warm-up and repetitions from the
+estimate). Fake events on the CPU: the order of what the device was asked to do is the property."""
+
+import statistics
+
+import pytest
+import torch
+
+from fagen.bench import timing
+
+
+class _Clock:
+    """The device's work queue as a log; each call takes `ms`, each event records the queue's time."""
+
+    def __init__(self, ms):
+        self.ms, self.now, self.log = ms, 0.0, []
+
+    def event(self):
+        clock = self
+
+        class Event:
+            def record(self):
+                self.t = clock.now
+                clock.log.append(("record", id(self)))
+
+            def elapsed_time(self, other):
+                return other.t - self.t
+
+        return Event()
+
+    def fn(self):
+        self.now += self.ms
+        self.log.append("fn")
+
+    def flush(self):
+        self.now += 0.085  # outside the timed window, if the loop is right
+        self.log.append("flush")
+
+
+@pytest.mark.parametrize("ms", [0.19, 0.7])
+def test_each_timed_call_follows_a_flush_and_excludes_it(ms):
+    clock = _Clock(ms)
+    times = timing.timed_calls(clock.fn, clock.flush, 25.0, 100.0, clock.event, lambda: None)
+    estimate = (5 * (ms + 0.085)) / 5
+    assert len(times) == int(100.0 / estimate) and statistics.median(times) == pytest.approx(ms)
+    warm = int(25.0 / estimate)
+    timed = clock.log[1 + 2 + 10 + warm:]  # one first call, the estimate's 2 records and 5 flush + fn pairs, warm-up
+    assert clock.log[13:13 + warm] == ["fn"] * warm
+    for i in range(len(times)):
+        flush, start, call, end = timed[4 * i:4 * i + 4]
+        assert flush == "flush" and start[0] == "record" and call == "fn" and end[0] == "record"
+
+
+def test_measure_on_the_cpu_ignores_the_flush(monkeypatch):
+    """The CPU path stays wall clock whatever L2_FLUSH says (the flush is a CUDA matter)."""
+    monkeypatch.setattr(timing, "L2_FLUSH", "read")
+    seen = []
+    ms = timing.measure(lambda i: seen.append(i), 3, torch.device("cpu"), 0.0, 1.0)
+    assert ms >= 0 and seen[:4] == [0, 1, 2, 0]

@@ -36,7 +36,7 @@ from _phases import child_env, run_phase as run_child  # noqa: E402
 DRY = os.environ.get("GPU_FP8KV_S12_DRY") == "1"
 if DRY:
     os.environ.setdefault("TRITON_INTERPRET", "1")
-PHASES = {"check": 16, "modes": 46} if not DRY else {"check": 1800, "modes": 1800}
+PHASES = {"check": 16, "modes": 48} if not DRY else {"check": 1800, "modes": 1800}
 if os.environ.get("GPU_FP8KV_S12_PHASES"):  # "name:seconds,..."
     PHASES = {n: float(t) for n, t in (p.split(":") for p in os.environ["GPU_FP8KV_S12_PHASES"].split(","))}
 PASSES = 1 if DRY else 5
@@ -223,14 +223,17 @@ def modes_phase():  # noqa: C901 - one phase
     nb = kv_bytes(d8)
     srcs = [torch.randint(0, 255, (nb // 2,), dtype=torch.uint8, device=dev) for _ in range(3)]
     dsts = [torch.empty_like(x) for x in srcs]
-    entries.append(("copy, the kv8k-b32 row's bytes (half read, half written)", nb,
+    same, whole = "copy, the kv8k-b32 row's bytes (half read, half written)", "copy 1 GB (the scripts' reference)"
+    entries.append((same, nb,
                     [lambda i=i: dsts[i].copy_(srcs[i]) for i in range(3)], None))
     big = (1 if DRY else 1024) << 20
     gx, gy = torch.randint(0, 255, (big,), dtype=torch.uint8, device=dev), torch.empty(big, dtype=torch.uint8,
                                                                                          device=dev)
-    entries.append(("copy 1 GB (the scripts' reference)", 2 * big, [lambda: gy.copy_(gx)], None))
+    entries.append((whole, 2 * big, [lambda: gy.copy_(gx)], None))
     rd = [torch.randint(0, 255, (nb,), dtype=torch.uint8, device=dev) for _ in range(3)]
     entries.append(("read-only kernel, the kv8k-b32 row's bytes", nb, [reader(x) for x in rd], None))
+    rd4 = torch.randint(0, 255, (4 * nb,), dtype=torch.uint8, device=dev)  # 4x: the reader's own fixed cost a call
+    entries.append(("read-only kernel, 4x the row's bytes", 4 * nb, [reader(rd4)], None))
     results = {}  # (label, mode) -> [ms]
     for p in range(PASSES):
         order = entries[p % len(entries):] + entries[:p % len(entries)]
@@ -253,8 +256,8 @@ def modes_phase():  # noqa: C901 - one phase
                     else:
                         ms = b2b(fns, reps)
                     results.setdefault((label, mode), []).append(ms)
-    copy_same = {m: nb / statistics.median(results.get((entries[-3][0], m), [float("nan")])) / 1e6 for m in MODES}
-    copy_big = {m: 2 * big / statistics.median(results.get((entries[-2][0], m), [float("nan")])) / 1e6 for m in MODES}
+    copy_same = {m: nb / statistics.median(results.get((same, m), [float("nan")])) / 1e6 for m in MODES}
+    copy_big = {m: 2 * big / statistics.median(results.get((whole, m), [float("nan")])) / 1e6 for m in MODES}
     for label, nbytes, fns, cc in entries:
         cells = []
         for m in MODES:

@@ -59,3 +59,32 @@ def test_measure_on_the_cpu_ignores_the_flush(monkeypatch):
     seen = []
     ms = timing.measure(lambda i: seen.append(i), 3, torch.device("cpu"), 0.0, 1.0)
     assert ms >= 0 and seen[:4] == [0, 1, 2, 0]
+
+
+def test_copy_reference_runs_where_a_target_names_it_and_is_no_peer(tmp_path):
+    """[Note] Copy reference (fagen/bench/impls.py): the fp8 decode rows whose target is a share of the copy run it
+    beside fagen, on the row's bytes (half read, half written) and the row's input sets, timed by the same measure;
+    the report's target reads fagen against it, and "fagen/best peer" leaves it out (it is no peer)."""
+    from fagen.bench import IMPLS, report
+    from fagen.bench.cases import BenchOptions, CaseContext
+    from fagen.bench.impls import case_impls, prepare_copy, run_case
+    from fagen.bench.serving import serving_rows
+    from fagen.bench.workloads import kv_bytes
+
+    rows = {c.name: c for c in serving_rows(quick=True)}
+    named = [n for n, c in rows.items() if "copy" in case_impls(c, IMPLS)]
+    assert named == ["decode-d128-kv8k-b32-fp8", "decode-d128-kv32k-b8-fp8", "decode-d128-kv8k-b32-fp8-paged16"]
+    case = rows["decode-d128-kv8k-b32-fp8"]
+    recs = run_case(case, BenchOptions(device="cpu", impls=("fagen", "copy"), rep_ms=1, sets=2), log=lambda _: None)
+    by = {r["impl"]: r for r in recs}
+    assert by["fagen"]["status"] == by["copy"]["status"] == "ok" and by["copy"]["check"] == "skipped"
+    assert by["copy"]["gbs"] == pytest.approx(kv_bytes(case) / by["copy"]["ms"] / 1e6)
+    cc = CaseContext(case, torch.device("cpu"), 2)
+    copy = prepare_copy(case, cc)
+    dst = [copy.fn(s) for s in cc.sets]  # copy_ returns its destination: one per input set, half the row's bytes
+    assert [d.numel() for d in dst] == [kv_bytes(case) // 2] * 2 and dst[0].data_ptr() != dst[1].data_ptr()
+    header, table, _ = report.rows(recs)
+    row = dict(zip(header, table[0]))
+    assert row["copy"] and row["fagen/best peer"] == ""  # no peer on this row: the copy is a reference
+    ratio = by["fagen"]["gbs"] / by["copy"]["gbs"]
+    assert row["target"].startswith(f"{ratio:.2f}x copy (>= 0.95 ")

@@ -366,6 +366,9 @@ RELATIVE_TARGETS = {
                                                    "bwd-gqa-d128-causal-s4k", "bwd-d64-causal-s16k")},
     # Issue 28: the fp8 forward rows against fagen's own bf16 forward of the same shape.
     **{f"fwd-fp8-d128-{m}-s16k": ((f"fwd-d128-{m}-s16k", 1.5), ("cudnn-fp8", 1.0)) for m in ("causal", "full")},
+    # Issue 27: an fp8 KV cache's decode at >= 95% of the copy of its bytes ([Note] Copy reference in impls.py).
+    **{case: (("copy", 0.95),) for case in ("decode-d128-kv8k-b32-fp8", "decode-d128-kv32k-b8-fp8",
+                                            "decode-d128-kv8k-b32-fp8-paged16")},
 }
 WINDOW = 4096  # the usual "window 4096": a query sees itself and the 4095 keys before it
 SOFTCAP = 50.0  # Gemma 2's attention logit cap

@@ -40,6 +40,7 @@ PHASES = {"check": 16, "modes": 48} if not DRY else {"check": 1800, "modes": 180
 if os.environ.get("GPU_FP8KV_S12_PHASES"):  # "name:seconds,..."
     PHASES = {n: float(t) for n, t in (p.split(":") for p in os.environ["GPU_FP8KV_S12_PHASES"].split(","))}
 PASSES = 1 if DRY else 5
+PASSES_B = 1 if DRY else 2
 MODES = ("bench", "bench read", "zero", "clean", "b2b")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -274,9 +275,57 @@ def modes_phase():  # noqa: C901 - one phase
          "the same mode; medians over passes (n); bench = fagen.bench.timing.measure")
 
 
+def bench_phase():
+    """The serving bench itself (fagen.bench.impls.run_case: its inputs, check and timing, warm-up 25 ms and 100 ms
+    of calls as `fagen bench` runs) on the fp8 rows, fagen and the copy reference ([Note] Copy reference), under
+    L2_FLUSH "zero" and "read" ([Note] L2 flush), the flushes' order alternating between rows, PASSES_B passes."""
+    from fagen.bench import report, timing
+    from fagen.bench.cases import BenchOptions
+    from fagen.bench.impls import run_case
+    from fagen.bench.serving import serving_rows
+
+    T0 = time.time()
+    dev = "cpu" if DRY else "cuda"
+    names = ("decode-d128-kv8k-b32-fp8", "decode-d128-kv32k-b8-fp8", "decode-d128-kv8k-b32-fp8-paged16")
+    rows = {c.name: c for c in serving_rows(quick=DRY)}
+    opts = BenchOptions(device=dev, impls=("fagen", "copy"), **(dict(rep_ms=1) if DRY else {}))
+    got = {}
+    for p in range(PASSES_B):
+        for j, name in enumerate(names):
+            for flush in (("zero", "read") if (p + j) % 2 == 0 else ("read", "zero")):
+                if time.time() - T0 > PHASES["bench"] - 5:
+                    emit("bench", name, flush, "-", None, "skipped: time budget")
+                    continue
+                timing.L2_FLUSH = flush
+                try:
+                    recs = run_case(rows[name], opts, log=lambda _: None)
+                finally:
+                    timing.L2_FLUSH = "zero"
+                by = {r["impl"]: r for r in recs}
+                bad = [r for r in recs if r["status"] != "ok" or r["check"] == "fail"]
+                if bad:
+                    emit("bench", name, flush, "-", None, f"ERROR {bad[0]['impl']} {bad[0]['status']} "
+                         f"{bad[0]['check']}: {bad[0]['note'][:150]}")
+                    continue
+                header, table, _ = report.rows(recs)
+                target = dict(zip(header, table[0])).get("target", "")
+                got.setdefault((name, flush), []).append((by["fagen"]["gbs"], by["copy"]["gbs"], by["fagen"]["ms"],
+                                                         by["copy"]["ms"], target, by["fagen"]["max_err"]))
+    for name in names:
+        for flush in ("zero", "read"):
+            runs = got.get((name, flush))
+            if not runs:
+                continue
+            f, c = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+            emit("bench", name, f"L2_FLUSH {flush}", f"{f:.0f} GB/s", statistics.median(r[2] for r in runs),
+                 f"copy {c:.0f} GB/s ({statistics.median(r[3] for r in runs):.4f} ms); fagen/copy {f / c:.3f}; "
+                 f"passes {[round(r[0] / r[1], 3) for r in runs]}; target cell '{runs[-1][4]}'; check ok, err "
+                 f"{max(r[5] for r in runs):.1e}")
+
+
 def main():
     if len(sys.argv) > 2 and sys.argv[1] == "--phase":
-        check_phase() if sys.argv[2] == "check" else modes_phase()
+        {"check": check_phase, "modes": modes_phase, "bench": bench_phase}[sys.argv[2]]()
         return
     t0 = time.time()
     env = child_env("/tmp/fagen-cache-gpu-fp8kv-s12", ROOT)

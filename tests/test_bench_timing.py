@@ -1,7 +1,10 @@
-"""The bench's timing loop ([Note] L2 flush in fagen/bench/timing.py): with L2_FLUSH = "read" the bench runs
-do_bench's loop with its own flush, so each timed call must come right after a flush, with the flush outside the
-call's events, and the loop must keep do_bench's counts (5 estimate calls, warm-up and repetitions from the
-estimate). Fake events on the CPU: the order of what the device was asked to do is the property."""
+"""How the bench times a row and what it divides by (docs/serving.md, "fp8 KV decode, twelfth session").
+
+The timing loop ([Note] L2 flush in fagen/bench/timing.py): with L2_FLUSH = "read" the bench runs do_bench's loop
+with its own flush, so each timed call must come right after a flush, with the flush outside the call's events, and
+the loop must keep do_bench's counts (5 estimate calls, warm-up and repetitions from the estimate). Fake events on
+the CPU: the order of what the device was asked to do is the property. The copy reference ([Note] Copy reference
+in fagen/bench/impls.py): the rows whose target is a share of the copy run it on their own bytes and sets."""
 
 import statistics
 

@@ -56,6 +56,32 @@ def test_each_timed_call_follows_a_flush_and_excludes_it(ms):
         assert flush == "flush" and start[0] == "record" and call == "fn" and end[0] == "record"
 
 
+@pytest.mark.parametrize("ms", [0.19, 0.7])
+def test_looped_calls_run_back_to_back_in_batches(ms):
+    """L2_FLUSH "loop": batches of calls between two events, no flush, the time a call of each batch."""
+    clock = _Clock(ms)
+    times = timing.looped_calls(clock.fn, 12, 25.0, 100.0, clock.event, lambda: None)
+    assert "flush" not in clock.log and len(times) == max(1, int(100.0 / (12 * ms)))
+    assert times == pytest.approx([ms] * len(times))
+    warm = int(25.0 / ms)
+    timed = clock.log[1 + 2 + 12 + warm:]
+    for i in range(len(times)):
+        batch = timed[14 * i:14 * i + 14]
+        assert batch[0][0] == batch[-1][0] == "record" and batch[1:-1] == ["fn"] * 12
+
+
+def test_loop_times_back_to_back_only_rows_whose_other_sets_outgrow_the_flush():
+    """A decode row (stream bytes given) whose other sets hold >= the flush's 256 MB between two calls on a set; the
+    serving fp8 rows' 3 sets qualify, one set never does, and rows without stream bytes keep do_bench's loop."""
+    from fagen.bench.inputs import set_bytes
+    from fagen.bench.serving import serving_rows
+
+    rows = {c.name: c for c in serving_rows()}
+    for name in ("decode-d128-kv8k-b32-fp8", "decode-d128-kv32k-b8-fp8", "decode-d128-kv8k-b32-fp8-paged16"):
+        assert timing.streams(3, set_bytes(rows[name])) and not timing.streams(1, set_bytes(rows[name]))
+    assert timing.streams(2, 256 << 20) and not timing.streams(2, (256 << 20) - 1) and not timing.streams(3, None)
+
+
 def test_measure_on_the_cpu_ignores_the_flush(monkeypatch):
     """The CPU path stays wall clock whatever L2_FLUSH says (the flush is a CUDA matter)."""
     monkeypatch.setattr(timing, "L2_FLUSH", "read")

@@ -12,6 +12,7 @@ from typing import Any, Callable
 import torch
 
 from fagen.bench.cases import BenchOptions, CaseContext, Prepared, out_of
+from fagen.bench.inputs import set_bytes
 from fagen.spec.axes import Direction
 
 
@@ -22,9 +23,39 @@ from fagen.spec.axes import Direction
 # own for the next flush, pays nothing net. So under "zero" a 0.19 ms fp8 decode call reads at 89% of the copy's rate
 # where back to back it reads at 94-96% (docs/serving.md, "fp8 KV decode, twelfth session"). "read" empties the L2
 # by reading a 256 MB buffer instead: the call still finds none of its inputs in the L2, and no line to write back;
-# the same flush for every implementation. "zero": do_bench's.
+# but a call that writes (a copy) then leaves up to an L2 of its own writes dirty past its end event, a write-back
+# it no longer pays for inside its window either. "loop" times a decode row's calls back to back over its rotated
+# input sets (batches of calls between two events, the median batch's time a call), where the other sets' bytes
+# between two calls on one set are at least the flush's 256 MB (so no call finds its inputs in the L2 without a
+# flush): each call then pays the write-backs of the call before it, reader or writer, as in a decode loop; other
+# rows keep do_bench's. "zero": do_bench's everywhere.
 L2_FLUSH = "zero"
 _FLUSH_BYTES = 256 << 20
+LOOP_BATCH = 4  # rounds of the input sets a timed batch holds under "loop"
+
+
+def looped_calls(fn: Callable[[], Any], batch: int, warmup_ms: float, rep_ms: float, event, sync) -> list[float]:
+    """ms a call of `batch` calls back to back between two events, for each of the batches that fill rep_ms (after
+    warm-up calls for warmup_ms; the estimate from one batch)."""
+    fn()
+    sync()
+    start, end = event(), event()
+    start.record()
+    for _ in range(batch):
+        fn()
+    end.record()
+    sync()
+    estimate = max(start.elapsed_time(end) / batch, 1e-6)
+    for _ in range(max(1, int(warmup_ms / estimate))):
+        fn()
+    marks = [(event(), event()) for _ in range(max(1, int(rep_ms / (estimate * batch))))]
+    for s, e in marks:
+        s.record()
+        for _ in range(batch):
+            fn()
+        e.record()
+    sync()
+    return [s.elapsed_time(e) / batch for s, e in marks]
 
 
 def timed_calls(fn: Callable[[], Any], flush: Callable[[], Any], warmup_ms: float, rep_ms: float, event, sync
@@ -59,12 +90,20 @@ def _read_flush(device: torch.device) -> Callable[[], Any]:
     return lambda: buf.sum()  # reads the 256 MB; writes one number
 
 
-def measure(call: Callable[[int], Any], n_sets: int, device: torch.device, warmup_ms: float, rep_ms: float) -> float:
+def streams(n_sets: int, stream_bytes: int | None) -> bool:
+    """Whether L2_FLUSH "loop" times a row back to back: a decode row whose other input sets hold at least the
+    flush's bytes between two calls on one set ([Note] L2 flush)."""
+    return bool(stream_bytes) and (n_sets - 1) * stream_bytes >= _FLUSH_BYTES
+
+
+def measure(call: Callable[[int], Any], n_sets: int, device: torch.device, warmup_ms: float, rep_ms: float,
+            stream_bytes: int | None = None) -> float:
     """Median milliseconds of call(i), rotating i over the input sets.
 
     CUDA: triton.testing.do_bench's loop (CUDA events around each call, the L2 cache flushed between calls as
     L2_FLUSH says, warm-up first); the rotation means no two consecutive calls read the same tensors either.
-    CPU: wall clock.
+    stream_bytes: a decode row's bytes a set (L2_FLUSH "loop" times such rows back to back where the other sets
+    hold at least the flush's bytes). CPU: wall clock.
     """
     counter = itertools.count()
 
@@ -74,10 +113,13 @@ def measure(call: Callable[[int], Any], n_sets: int, device: torch.device, warmu
     if device.type == "cuda":
         import triton.testing
 
+        event = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
         if L2_FLUSH == "read":  # [Note] L2 flush
-            times = timed_calls(fn, _read_flush(device), warmup_ms, rep_ms,
-                                lambda: torch.cuda.Event(enable_timing=True), torch.cuda.synchronize)
-            return float(statistics.median(times))
+            return float(statistics.median(timed_calls(fn, _read_flush(device), warmup_ms, rep_ms, event,
+                                                       torch.cuda.synchronize)))
+        if L2_FLUSH == "loop" and streams(n_sets, stream_bytes):
+            return float(statistics.median(looped_calls(fn, LOOP_BATCH * n_sets, warmup_ms, rep_ms, event,
+                                                        torch.cuda.synchronize)))
         return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
     fn()  # warm-up (compiles, fills caches)
     times, start = [], time.perf_counter()  # at least one timed call, then until rep_ms is spent (at most 50)
@@ -92,8 +134,10 @@ def time_prepared(prepared: Prepared, cc: CaseContext, opts: BenchOptions) -> di
     """{ms} of the forward, or {ms (backward alone), fwdbwd_ms} of a backward case."""
     c, sets = cc.case, cc.sets
     if c.direction is Direction.FWD:
+        stream = set_bytes(c) if c.decode else None  # [Note] L2 flush ("loop")
         with torch.no_grad():
-            return {"ms": measure(lambda i: prepared.fn(sets[i]), len(sets), cc.device, opts.warmup_ms, opts.rep_ms)}
+            return {"ms": measure(lambda i: prepared.fn(sets[i]), len(sets), cc.device, opts.warmup_ms, opts.rep_ms,
+                                  stream)}
     leaves = [[t.detach().clone().requires_grad_() for t in (s.q, s.k, s.v)] for s in sets]
     views = [dataclasses.replace(s, q=lv[0], k=lv[1], v=lv[2]) for s, lv in zip(sets, leaves)]
     outs = [out_of(prepared.fn(vw)) for vw in views]  # graphs kept alive: backward alone is timed

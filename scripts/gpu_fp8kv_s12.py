@@ -16,7 +16,8 @@ Phases, each in a child process with a timeout (a kernel that faults or hangs lo
    (the same kernel, 4x the keys: the per-call fixed cost is (4 t8k - t32k) / 3); a copy of the kv8k-b32 row's bytes
    (half read, half written), the scripts' usual 1 GB copy, and a read-only Triton kernel over the row's bytes.
    Modes: "bench" fagen.bench.timing.measure itself (triton's do_bench, sets rotated); "bench read" measure with
-   L2_FLUSH = "read" (do_bench's loop, the flush a 256 MB torch sum: [Note] L2 flush); "zero" the same loop written
+   L2_FLUSH = "read" (do_bench's loop, the flush a 256 MB torch sum: [Note] L2 flush); "bench loop" measure with
+   L2_FLUSH = "loop" (back to back in batches over the rotated sets, the row's bytes as its set's); "zero" the same loop written
    out (zero_ flush, events around each call); "clean" that loop with the flush a 256 MB read (the L2 holds no dirty
    line when the call starts); "b2b" back to back (events around n calls, sets alternating, no flush). PASSES passes,
    the rows' order rotated between passes; medians.
@@ -41,7 +42,7 @@ if os.environ.get("GPU_FP8KV_S12_PHASES"):  # "name:seconds,..."
     PHASES = {n: float(t) for n, t in (p.split(":") for p in os.environ["GPU_FP8KV_S12_PHASES"].split(","))}
 PASSES = 1 if DRY else 5
 PASSES_B = 1 if DRY else 2
-MODES = ("bench", "bench read", "zero", "clean", "b2b")
+MODES = ("bench", "bench read", "bench loop", "zero", "clean", "b2b")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -246,9 +247,10 @@ def modes_phase():  # noqa: C901 - one phase
                 reps = max(8, min(60, int(12.0 / max(est, 1e-3))))
                 modes = MODES[p % len(MODES):] + MODES[:p % len(MODES)]
                 for mode in modes:
-                    if mode.startswith("bench"):  # the bench's own measure, under L2_FLUSH "zero" or "read"
-                        timing.L2_FLUSH = "read" if mode == "bench read" else "zero"
-                        ms = measure(lambda i: fns[i % len(fns)](), len(fns), dev, 5.0, 12.0)
+                    if mode.startswith("bench"):  # the bench's own measure, under L2_FLUSH zero, read or loop
+                        timing.L2_FLUSH = mode.split()[1] if " " in mode else "zero"
+                        two = fns if len(fns) > 1 else fns * 2  # one buffer (> the L2): as two sets for "loop"
+                        ms = measure(lambda i: two[i % len(two)](), len(two), dev, 5.0, 12.0, nbytes)
                         timing.L2_FLUSH = "zero"
                     elif mode == "zero":
                         ms = per_call(fns, flush_zero, reps)

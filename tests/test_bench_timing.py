@@ -70,16 +70,27 @@ def test_looped_calls_run_back_to_back_in_batches(ms):
         assert batch[0][0] == batch[-1][0] == "record" and batch[1:-1] == ["fn"] * 12
 
 
-def test_loop_times_back_to_back_only_rows_whose_other_sets_outgrow_the_flush():
-    """A decode row (stream bytes given) whose other sets hold >= the flush's 256 MB between two calls on a set; the
-    serving fp8 rows' 3 sets qualify, one set never does, and rows without stream bytes keep do_bench's loop."""
+def test_loop_times_back_to_back_only_the_copy_rows_whose_other_sets_outgrow_the_flush(monkeypatch):
+    """A row that divides by the copy reference (its set bytes passed) whose other sets hold >= the flush's 256 MB
+    between two calls on a set; the serving fp8 rows' 3 sets qualify, one set never does; time_prepared passes set
+    bytes for those rows only (every other row keeps do_bench's loop and its history)."""
     from fagen.bench.inputs import set_bytes
     from fagen.bench.serving import serving_rows
+    from fagen.bench.workloads import copy_relative, standard_suite
 
     rows = {c.name: c for c in serving_rows()}
     for name in ("decode-d128-kv8k-b32-fp8", "decode-d128-kv32k-b8-fp8", "decode-d128-kv8k-b32-fp8-paged16"):
         assert timing.streams(3, set_bytes(rows[name])) and not timing.streams(1, set_bytes(rows[name]))
     assert timing.streams(2, 256 << 20) and not timing.streams(2, (256 << 20) - 1) and not timing.streams(3, None)
+    assert {c.name for c in serving_rows() + standard_suite() if copy_relative(c)} == {
+        "decode-d128-kv8k-b32-fp8", "decode-d128-kv32k-b8-fp8", "decode-d128-kv8k-b32-fp8-paged16"}
+    seen = []
+    monkeypatch.setattr(timing, "measure", lambda *a: seen.append(a[-1]) or 1.0)
+    for name in ("decode-d128-kv8k-b32-fp8", "decode-d128-kv8k-b32"):
+        case = rows.get(name) or {c.name: c for c in standard_suite()}[name]
+        cc = type("CC", (), dict(case=case, sets=[None] * 3, device=torch.device("cpu")))()
+        timing.time_prepared(type("P", (), dict(fn=None))(), cc, type("O", (), dict(warmup_ms=0, rep_ms=0))())
+    assert seen == [set_bytes(rows["decode-d128-kv8k-b32-fp8"]), None]  # the bf16 row (absolute target): do_bench
 
 
 def test_measure_on_the_cpu_ignores_the_flush(monkeypatch):

@@ -12,7 +12,7 @@ from fagen.bench.cases import (IMPLS, RESTART_EXIT, STATUSES, BenchOptions, Case
                                Unsupported, first_line, shorten)
 from fagen.bench.check import check
 from fagen.bench.timing import time_prepared
-from fagen.bench.workloads import BWD_FACTOR, RELATIVE_TARGETS, BenchCase, flops, fwd_flops, kv_bytes
+from fagen.bench.workloads import BWD_FACTOR, BenchCase, copy_relative, flops, fwd_flops, kv_bytes
 from fagen.spec.axes import Direction, DType
 
 __all__ = ["IMPLS", "STATUSES", "RESTART_EXIT", "BenchOptions", "run_case", "make_record", "describe", "preparers",
@@ -70,12 +70,8 @@ def prepare_fagen_nondet(case: BenchCase, cc: CaseContext) -> Prepared:
 COPY = "copy"
 
 
-def copy_rows(case: BenchCase) -> bool:
-    return any(ref == COPY for ref, _ in RELATIVE_TARGETS.get(case.name, ()))
-
-
 def prepare_copy(case: BenchCase, cc: CaseContext) -> Prepared:
-    if not (case.decode and copy_rows(case)):
+    if not (case.decode and copy_relative(case)):
         raise Unsupported("the copy reference runs the decode rows whose target is a share of it")
     half = kv_bytes(case) // 2
     bufs = {id(s): (torch.ones(half, dtype=torch.uint8, device=cc.device),
@@ -98,7 +94,7 @@ def case_impls(case: BenchCase, impls) -> tuple[str, ...]:
     from fagen.bench.peer_cudnn_fp8 import applies
 
     fp8_fwd = applies(case)
-    return tuple(i for i in impls if (copy_rows(case) if i == COPY else (
+    return tuple(i for i in impls if (copy_relative(case) if i == COPY else (
         (case.peers or i == "fagen" or (fp8_fwd and i == "cudnn-fp8"))
         and (i != "fagen-nondet" or case.direction is Direction.BWD) and (i != "cudnn-fp8" or fp8_fwd))))
 

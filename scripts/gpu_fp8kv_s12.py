@@ -43,6 +43,9 @@ if os.environ.get("GPU_FP8KV_S12_PHASES"):  # "name:seconds,..."
 PASSES = 1 if DRY else 5
 PASSES_B = 1 if DRY else 2
 MODES = ("bench", "bench read", "bench loop", "zero", "clean", "b2b")
+if os.environ.get("GPU_FP8KV_S12_MODES"):  # a subset, "bench loop,zero,b2b" (round B)
+    MODES = tuple(os.environ["GPU_FP8KV_S12_MODES"].split(","))
+FLUSHES = ("zero", "read", "loop")  # the bench phase's L2_FLUSH values
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -190,7 +193,7 @@ def modes_phase():  # noqa: C901 - one phase
     entries = []  # (name, bytes counted, [fns], ms per call estimate)
 
     def add_case(label, case, sets=None):
-        if time.time() - T0 > PHASES["modes"] - 14:
+        if time.time() - T0 > PHASES["modes"] - 9:
             emit("modes", label, "setup", "-", None, "skipped: time budget")
             return
         old = bench_cases.SET_BUDGET
@@ -237,6 +240,7 @@ def modes_phase():  # noqa: C901 - one phase
     rd4 = torch.randint(0, 255, (4 * nb,), dtype=torch.uint8, device=dev)  # 4x: the reader's own fixed cost a call
     entries.append(("read-only kernel, 4x the row's bytes", 4 * nb, [reader(rd4)], None))
     results = {}  # (label, mode) -> [ms]
+    default_flush = timing.L2_FLUSH
     for p in range(PASSES):
         order = entries[p % len(entries):] + entries[:p % len(entries)]
         for label, nbytes, fns, cc in order:
@@ -251,7 +255,7 @@ def modes_phase():  # noqa: C901 - one phase
                         timing.L2_FLUSH = mode.split()[1] if " " in mode else "zero"
                         two = fns if len(fns) > 1 else fns * 2  # one buffer (> the L2): as two sets for "loop"
                         ms = measure(lambda i: two[i % len(two)](), len(two), dev, 5.0, 12.0, nbytes)
-                        timing.L2_FLUSH = "zero"
+                        timing.L2_FLUSH = default_flush
                     elif mode == "zero":
                         ms = per_call(fns, flush_zero, reps)
                     elif mode == "clean":
@@ -261,6 +265,7 @@ def modes_phase():  # noqa: C901 - one phase
                     results.setdefault((label, mode), []).append(ms)
     copy_same = {m: nb / statistics.median(results.get((same, m), [float("nan")])) / 1e6 for m in MODES}
     copy_big = {m: 2 * big / statistics.median(results.get((whole, m), [float("nan")])) / 1e6 for m in MODES}
+    emit("modes", "L2_FLUSH default", default_flush, "-", None, "")
     for label, nbytes, fns, cc in entries:
         cells = []
         for m in MODES:
@@ -280,7 +285,8 @@ def modes_phase():  # noqa: C901 - one phase
 def bench_phase():
     """The serving bench itself (fagen.bench.impls.run_case: its inputs, check and timing, warm-up 25 ms and 100 ms
     of calls as `fagen bench` runs) on the fp8 rows, fagen and the copy reference ([Note] Copy reference), under
-    L2_FLUSH "zero" and "read" ([Note] L2 flush), the flushes' order alternating between rows, PASSES_B passes."""
+    L2_FLUSH "zero", "read" and "loop" ([Note] L2 flush), the flushes' order rotating between rows and passes,
+    PASSES_B passes."""
     from fagen.bench import report, timing
     from fagen.bench.cases import BenchOptions
     from fagen.bench.impls import run_case
@@ -288,13 +294,16 @@ def bench_phase():
 
     T0 = time.time()
     dev = "cpu" if DRY else "cuda"
+    default_flush = timing.L2_FLUSH
+    emit("bench", "L2_FLUSH default", default_flush, "-", None, "")
     names = ("decode-d128-kv8k-b32-fp8", "decode-d128-kv32k-b8-fp8", "decode-d128-kv8k-b32-fp8-paged16")
     rows = {c.name: c for c in serving_rows(quick=DRY)}
     opts = BenchOptions(device=dev, impls=("fagen", "copy"), **(dict(rep_ms=1) if DRY else {}))
     got = {}
     for p in range(PASSES_B):
         for j, name in enumerate(names):
-            for flush in (("zero", "read") if (p + j) % 2 == 0 else ("read", "zero")):
+            k = (p + j) % len(FLUSHES)
+            for flush in FLUSHES[k:] + FLUSHES[:k]:
                 if time.time() - T0 > PHASES["bench"] - 5:
                     emit("bench", name, flush, "-", None, "skipped: time budget")
                     continue
@@ -302,7 +311,7 @@ def bench_phase():
                 try:
                     recs = run_case(rows[name], opts, log=lambda _: None)
                 finally:
-                    timing.L2_FLUSH = "zero"
+                    timing.L2_FLUSH = default_flush
                 by = {r["impl"]: r for r in recs}
                 bad = [r for r in recs if r["status"] != "ok" or r["check"] == "fail"]
                 if bad:
@@ -314,7 +323,7 @@ def bench_phase():
                 got.setdefault((name, flush), []).append((by["fagen"]["gbs"], by["copy"]["gbs"], by["fagen"]["ms"],
                                                          by["copy"]["ms"], target, by["fagen"]["max_err"]))
     for name in names:
-        for flush in ("zero", "read"):
+        for flush in FLUSHES:
             runs = got.get((name, flush))
             if not runs:
                 continue

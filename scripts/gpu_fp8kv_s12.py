@@ -17,7 +17,8 @@ Phases, each in a child process with a timeout (a kernel that faults or hangs lo
    (half read, half written), the scripts' usual 1 GB copy, and a read-only Triton kernel over the row's bytes.
    Modes: "bench" fagen.bench.timing.measure itself (triton's do_bench, sets rotated); "bench read" measure with
    L2_FLUSH = "read" (do_bench's loop, the flush a 256 MB torch sum: [Note] L2 flush); "bench loop" measure with
-   L2_FLUSH = "loop" (back to back in batches over the rotated sets, the row's bytes as its set's); "zero" the same loop written
+   L2_FLUSH = "loop" (back to back in batches over the rotated sets, the row's bytes as its set's); "zero" the same
+   loop written
    out (zero_ flush, events around each call); "clean" that loop with the flush a 256 MB read (the L2 holds no dirty
    line when the call starts); "b2b" back to back (events around n calls, sets alternating, no flush). PASSES passes,
    the rows' order rotated between passes; medians.
@@ -275,7 +276,8 @@ def modes_phase():  # noqa: C901 - one phase
                 continue
             ms = statistics.median(got)
             gbs = nbytes / ms / 1e6
-            cells.append(f"{m} {ms:.4f} ms {gbs:.0f} GB/s {100 * gbs / copy_same[m]:.1f}%/{100 * gbs / copy_big[m]:.1f}%"
+            cells.append(f"{m} {ms:.4f} ms {gbs:.0f} GB/s {100 * gbs / copy_same[m]:.1f}%/"
+                         f"{100 * gbs / copy_big[m]:.1f}%"
                          f" (n{len(got)})")
         emit("modes", label, f"{nbytes / 1e6:.0f} MB", "; ".join(cells[:1]), None, "; ".join(cells[1:]))
     emit("modes", "legend", "", "-", None, "% of copy: of the same-bytes copy in the same mode / of the 1 GB copy in "

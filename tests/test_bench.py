@@ -551,7 +551,7 @@ def test_fp8_rows_run_the_gluon_fp8_forward_with_descales_against_the_bf16_rows(
         assert check("fagen", prepared, cc)[0] == want, fwd
 
 
-IMPLS_ = ("fagen", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "cudnn-fp8", "flex")
+IMPLS_ = ("fagen", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "cudnn-fp8", "flex", "copy")  # copy: a reference
 SWITCH_CASES = [
     make_case("win", head_dim=16, mask="causal", batch=2, heads_q=4, heads_kv=2, seq_q=21, seq_k=37, dtype="fp32",
               window=(5, 0)),

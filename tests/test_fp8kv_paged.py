@@ -5,8 +5,7 @@ keys against 16-key blocks), lengths that are multiples of neither, table entrie
 point outside the cache, NaN in every page no sequence owns, through the split rule (one key block a split under
 the interpreter) and one split (the carried page numbers across every block); and the prefetch must not change a
 bit against the page numbers loaded in the step that uses them (PAGE_PREFETCH off). The row offsets in 32 bits
-([Note] Paged rows in 32 bits, PAGED_ROWS32 1 and 2, tenth session) must not change a bit either. Several KV heads
-a program ([Note] Paged KV heads together, PAGED_HEADS, eleventh session) must match the same reference."""
+([Note] Paged rows in 32 bits, PAGED_ROWS32 1 and 2, tenth session) must not change a bit either."""
 
 import re
 
@@ -25,12 +24,11 @@ LENS = (70, 23, 1, 129)  # 16-key blocks: none a multiple of a block or of a pag
 PREFETCH = ("PAGE_PREFETCH = tl.constexpr(True)", "PAGE_PREFETCH = tl.constexpr(False)")
 
 
-def _module(kv: str, prefetch: bool, rows32: int | None = None, heads: int | None = None):
-    """The paged fp8 decode module, with the page numbers loaded in the step (prefetch False), PAGED_ROWS32 set to
-    rows32 and PAGED_HEADS to heads (None: as rendered; under the interpreter heads > 1 takes 16 * heads-key blocks,
-    16 keys a step)."""
+def _module(kv: str, prefetch: bool, rows32: int | None = None):
+    """The paged fp8 decode module, with the page numbers loaded in the step (prefetch False) and PAGED_ROWS32 set to
+    rows32 (None: as rendered)."""
     spec = fagen.KernelSpec(head_dim=HD, gqa=G, kind="decode", layout="paged", dtype="bf16", kv_dtype=kv,
-                            **({} if ON_GPU else dict(block_n=16 * (heads or 1))))
+                            **({} if ON_GPU else dict(block_n=16)))
     source = fagen.generate(spec)
     assert PREFETCH[0] in source, "the paged fp8 decode render has no PAGE_PREFETCH switch"
     if not prefetch:
@@ -38,15 +36,11 @@ def _module(kv: str, prefetch: bool, rows32: int | None = None, heads: int | Non
     if rows32 is not None:
         source, n = re.subn(r"^PAGED_ROWS32 = \d+$", f"PAGED_ROWS32 = {rows32}", source, flags=re.M)
         assert n == 1, "the paged fp8 decode render has no PAGED_ROWS32 switch"
-    if heads is not None:
-        source, n = re.subn(r"^PAGED_HEADS = \d+$", f"PAGED_HEADS = {heads}", source, flags=re.M)
-        assert n == 1, "the paged fp8 decode render has no PAGED_HEADS switch"
-    return load_source(source, f"{spec.name}_prefetch{int(prefetch)}_rows{rows32}_heads{heads}")
+    return load_source(source, f"{spec.name}_prefetch{int(prefetch)}_rows{rows32}")
 
 
-def _problem(kv: str, page: int, form: str, seed: int, hkv: int = HKV):
+def _problem(kv: str, page: int, form: str, seed: int):
     """q, the paged caches, the call's keywords and each sequence's float64 dequantized (k, v) [1, Hkv, n, D]."""
-    HKV = hkv  # noqa: N806 - the module's HKV, or this problem's
     gen = torch.Generator().manual_seed(seed)
     b = len(LENS)
     width = -(-max(LENS) // page) + 1  # one column past the longest sequence's pages
@@ -134,60 +128,14 @@ def test_paged_rows_in_32_bits_only_where_every_row_fits():
     assert _module("fp8_e4m3", True).PAGED_ROWS32 == 1  # the default (tenth session, round A)
 
 
-HEADS_HKV = HKV if ON_GPU else 4  # two groups of 2 heads, one of 4
-
-
-@pytest.mark.parametrize("heads,page,form", [(2, 4, "head"), (2, 64, "tensor"), (4, 16, "head"), (2, 16, "token")])
-def test_paged_heads_together_match_the_dequantized_reference(heads, page, form):
-    """[Note] Paged KV heads together: a program reading `heads` KV heads' rows of each slot (q block-diagonal against
-    their concatenated K, each row's own head's columns of P @ V, per-head scales per row) gives the float64 reference
-    on the dequantized cache, through the split rule, one split and the batch-invariant rule; per-token scales keep
-    one head a program (the same reference)."""
-    m = _module("fp8_e4m3", True, heads=heads)
-    q, kc, vc, kw, seqs = _problem("fp8_e4m3", page, form, seed=page + heads, hkv=HEADS_HKV)
-    assert m._heads(HEADS_HKV, 1, *((None, None) if form != "token" else (kw["k_scale"], kw["v_scale"]))) \
-        == (heads if form != "token" else 1)
-    keys = kw["block_table"].shape[1] * page
-    plan = m.plan(q.shape[0], q.shape[1], 1, keys, device=DEVICE)  # its split rule counts HEADS heads a program
-    big = m.plan(q.shape[0], q.shape[1], 1, 8192, device=DEVICE)
-    assert big.num_splits == m._geometry(q.shape[0], HEADS_HKV, 1, 8192, None, 0, heads)[3] \
-        != m._geometry(q.shape[0], HEADS_HKV, 1, 8192, None, 0, 1)[3]
-    for out, lse in (m.forward(q, kc, vc, **kw), m.forward_split(q, kc, vc, num_splits=1, **kw),
-                     m.forward(q, kc, vc, **kw, batch_invariant=True), plan.run(q, kc, vc, **kw)):
-        _check(out, lse, q, seqs)
-
-
-def test_paged_heads_together_only_where_they_fit():
-    """_heads: PAGED_HEADS where Hkv is a multiple of it, no per-token scale, the rows fit one tile of 16 to BLOCK_M
-    and the key block keeps 16 keys; else 1. Off by default until an H100 round says."""
-    m = _module("fp8_e4m3", True, heads=2)
-    tok = torch.ones(1)
-    assert m._heads(4, 1, None, None) == 2 and m._heads(2, 1, None, None) == 2
-    assert m._heads(3, 1, None, None) == 1  # Hkv not a multiple
-    assert m._heads(4, 1, tok, None) == 1 and m._heads(4, 1, None, tok) == 1  # per-token scales
-    assert m._heads(4, m.BLOCK_M // (2 * m.GQA) + 1, None, None) == 1  # two heads' rows past one tile
-    assert _module("fp8_e4m3", True).PAGED_HEADS == 1  # the default (eleventh session: off until measured)
-
-
-def test_paged_heads_fill_never_leaves_the_gpu_idle():
-    """PAGED_HEADS_FILL: h halves while b x Hkv / h groups would leave a fifth of the program slots idle (the split rule
-    would then split a batch that one head a program fills); the slots of the interpreter's FALLBACK_SMS."""
-    m = _module("fp8_e4m3", True, heads=4)
-    m.PAGED_HEADS_FILL = True
-    slots = m.sm_count(0) * m.PROGRAMS_PER_SM
-    full = -(-int(0.8 * slots) // 2)  # the fewest sequences whose 2 groups each (8 KV heads, 4 a program) fill them
-    assert m._heads(8, 1, None, None, full, 0) == 4
-    assert m._heads(8, 1, None, None, full - 1, 0) == 2  # 4 groups a sequence: still enough at 2 heads a program
-    assert m._heads(8, 1, None, None, 1, 0) == 1
-    m.PAGED_HEADS_FILL = False
-    assert m._heads(8, 1, None, None, 1, 0) == 4
-
-
 def test_serving_bench_paged_row_reads_the_dense_rows_keys():
     """The serving bench's paged fp8 row (decode-d128-kv8k-b32-fp8-paged16): a paged spec, the bytes of the dense fp8
     row; and its inputs (make_inputs' pages in a random order, the block table that reads them back) give fagen's
-    paged kernel the reference's dense keys: the bench's own check passes on a small case of the same form."""
-    from fagen.bench.cases import CaseContext
+    paged kernel the reference's keys: the bench's own check, whose float64 slices gather their keys back from the
+    pages (the set keeps no dense copy), passes on a small case of the same form. The set holds the pages once at a
+    byte an element, so the row rotates 3 input sets under the bench's budget, as the dense row does."""
+    from fagen.bench.cases import SET_BUDGET, CaseContext
+    from fagen.bench.inputs import set_bytes
     from fagen.bench.check import check
     from fagen.bench.impls import prepare_fagen
     from fagen.bench.serving import serving_rows
@@ -196,11 +144,12 @@ def test_serving_bench_paged_row_reads_the_dense_rows_keys():
     rows = {c.name: c for c in serving_rows()}
     paged, dense = rows["decode-d128-kv8k-b32-fp8-paged16"], rows["decode-d128-kv8k-b32-fp8"]
     assert paged.spec("cpu")[0].layout == "paged" and kv_bytes(paged) == kv_bytes(dense)
+    assert SET_BUDGET // set_bytes(paged) >= 3 and set_bytes(paged) == set_bytes(dense)  # 3 sets (was 1)
     case = make_case("paged-small", head_dim=HD, mask="none", batch=2, heads_q=HKV * G, heads_kv=HKV, seq_q=1,
                      seq_k=256 if not ON_GPU else 8192, kv_dtype="fp8_e4m3", page_size=16, peers=False)
     cc = CaseContext(case, torch.device(DEVICE), 1)
     s = cc.sets[0]
-    assert s.paged["k_cache"].shape == (2 * case.seq_k // 16, 16, HKV, HD)
+    assert s.paged["k_cache"].shape == (2 * case.seq_k // 16, 16, HKV, HD) and s.k is None and s.v is None
     assert not torch.equal(s.paged["block_table"].flatten().cpu(), torch.arange(2 * case.seq_k // 16))  # shuffled
     status, message, _ = check("fagen", prepare_fagen(case, cc), cc)
     assert status == "ok", message

@@ -96,7 +96,12 @@ class CaseContext:
     def slice_of(self, s: InputSet, b: int, g: int, r0: int = 0, r1: int | None = None,
                  kend: int | None = None) -> tuple[torch.Tensor, ...]:
         G = self.case.gqa
-        return (s.q[b:b + 1, g * G:(g + 1) * G, r0:r1], s.k[b:b + 1, g:g + 1, :kend],
+        q = s.q[b:b + 1, g * G:(g + 1) * G, r0:r1]
+        if s.paged is not None:  # a paged case keeps no dense copy: KV head g's keys of sequence b, through its table
+            pages = s.paged["block_table"][b].long()
+            return q, *(s.paged[c][pages].flatten(0, 1)[:kend, g:g + 1].transpose(0, 1)[None]
+                        for c in ("k_cache", "v_cache"))
+        return (q, s.k[b:b + 1, g:g + 1, :kend],
                 None if s.v is None else s.v[b:b + 1, g:g + 1, :kend])  # None: a shared latent cache
 
     def score_slice(self, s: InputSet, g: int) -> dict:

@@ -12,7 +12,7 @@ from fagen.bench.cases import (IMPLS, RESTART_EXIT, STATUSES, BenchOptions, Case
                                Unsupported, first_line, shorten)
 from fagen.bench.check import check
 from fagen.bench.timing import time_prepared
-from fagen.bench.workloads import BWD_FACTOR, BenchCase, flops, fwd_flops, kv_bytes
+from fagen.bench.workloads import BWD_FACTOR, BenchCase, copy_relative, flops, fwd_flops, kv_bytes
 from fagen.spec.axes import Direction, DType
 
 __all__ = ["IMPLS", "STATUSES", "RESTART_EXIT", "BenchOptions", "run_case", "make_record", "describe", "preparers",
@@ -60,22 +60,43 @@ def prepare_fagen_nondet(case: BenchCase, cc: CaseContext) -> Prepared:
                     note="gluon Hopper backward, unordered dQ adds", spec=spec.name)
 
 
+# [Note] Copy reference
+# Issue 27 sets decode targets as a share of the device's copy bandwidth ("% of copy", over the bytes the kernel
+# reads). The copy is timed here as the row's implementations are: the same measure (the same L2 flush, warm-up and
+# median), its own buffers per input set (rotated as the row's inputs are), and the row's bytes, kv_bytes: half read
+# and half written, counted as kv_bytes. Rows whose RELATIVE_TARGETS name "copy" run it; its column is a reference,
+# never a peer (report.rows leaves it out of "fagen/best peer"). Before, the scripts divided by a 1 GB copy timed
+# apart (docs/serving.md, "fp8 KV decode, twelfth session").
+COPY = "copy"
+
+
+def prepare_copy(case: BenchCase, cc: CaseContext) -> Prepared:
+    if not (case.decode and copy_relative(case)):
+        raise Unsupported("the copy reference runs the decode rows whose target is a share of it")
+    half = kv_bytes(case) // 2
+    bufs = {id(s): (torch.ones(half, dtype=torch.uint8, device=cc.device),
+                    torch.empty(half, dtype=torch.uint8, device=cc.device)) for s in cc.sets}
+    return Prepared(lambda s: bufs[id(s)][1].copy_(bufs[id(s)][0]),
+                    note="torch copy_ of the row's bytes (half read, half written), timed as the row")
+
+
 def preparers() -> dict[str, Callable[[BenchCase, CaseContext], Prepared]]:
     from fagen.bench import peer_cudnn_fp8, peers
 
     return {"fagen": prepare_fagen, "fagen-nondet": prepare_fagen_nondet,
             **{name: peers.sdpa_preparer(name) for name in peers.SDPA_BACKENDS},
-            peer_cudnn_fp8.NAME: peer_cudnn_fp8.prepare_cudnn_fp8, "flex": peers.prepare_flex}
+            peer_cudnn_fp8.NAME: peer_cudnn_fp8.prepare_cudnn_fp8, "flex": peers.prepare_flex, COPY: prepare_copy}
 
 
 def case_impls(case: BenchCase, impls) -> tuple[str, ...]:
     """The implementations that run a case: all asked for, or fagen alone on a baseline row (case.peers False);
-    cudnn-fp8 runs the fp8 forward rows and nothing else."""
+    cudnn-fp8 runs the fp8 forward rows and nothing else; copy the rows whose target is a share of it."""
     from fagen.bench.peer_cudnn_fp8 import applies
 
     fp8_fwd = applies(case)
-    return tuple(i for i in impls if (case.peers or i == "fagen" or (fp8_fwd and i == "cudnn-fp8"))
-                 and (i != "fagen-nondet" or case.direction is Direction.BWD) and (i != "cudnn-fp8" or fp8_fwd))
+    return tuple(i for i in impls if (copy_relative(case) if i == COPY else (
+        (case.peers or i == "fagen" or (fp8_fwd and i == "cudnn-fp8"))
+        and (i != "fagen-nondet" or case.direction is Direction.BWD) and (i != "cudnn-fp8" or fp8_fwd))))
 
 
 def make_record(case: BenchCase, impl: str, status: str, ms: float | None = None, **extra) -> dict:

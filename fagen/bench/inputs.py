@@ -17,13 +17,14 @@ class InputSet:
     """One set of inputs in the fagen contract's form; every implementation reads the same tensors."""
 
     q: torch.Tensor
-    k: torch.Tensor
+    k: torch.Tensor | None  # None in a paged case (case.page_size): its keys live in `paged` only
     v: torch.Tensor | None  # None: a shared latent cache (case.shared_kv), V the first head_dim_v columns of k
     kwargs: dict  # seqlens_q, seqlens_k, tree_mask (bool ancestor-or-self [B, Sq, Sq]) as the mask needs
     dout: torch.Tensor | None = None  # incoming gradient for backward cases
     scores: dict = dataclasses.field(default_factory=dict)  # window, softcap, alibi_slopes [Hq], sinks [Hq]
-    # a paged case (case.page_size): k_cache, v_cache [num_pages, page_size, Hkv, D] (k's and v's keys, pages in a
-    # random order), block_table int32 [B, Sk / page_size], seqlens_k int32 [B]; fagen reads these, the reference k, v
+    # a paged case (case.page_size): k_cache, v_cache [num_pages, page_size, Hkv, D] (the keys, pages in a random
+    # order), block_table int32 [B, Sk / page_size], seqlens_k int32 [B]; fagen reads these, and the reference its
+    # slices' keys gathered back through the table (CaseContext.slice_of): no dense copy is kept (k, v are None)
     paged: dict | None = None
 
 
@@ -80,7 +81,9 @@ def make_inputs(case: BenchCase, device: torch.device, seed: int) -> InputSet:
             scores[name] = (0.5 + torch.rand(case.heads_kv, generator=scales)).to(device)
     if case.batch_invariant is not None:  # decode rows that ask: True, or False for the split rule
         scores["batch_invariant"] = case.batch_invariant
-    paged = None if case.page_size is None else to_pages(k, v, case.page_size, gen)
+    paged = None
+    if case.page_size is not None:  # the pages alone: the check gathers its slices back from them
+        paged, k, v = to_pages(k, v, case.page_size, gen), None, None
     return InputSet(q, k, v, kwargs, dout, scores, paged)
 
 
@@ -98,7 +101,9 @@ def to_pages(k: torch.Tensor, v: torch.Tensor, page: int, gen: torch.Generator) 
 
 
 def set_bytes(case: BenchCase) -> int:
+    """Bytes of one input set: q, out (and dO), and the cache at its element size (1 for an fp8 cache; a paged case
+    holds its pages only)."""
     rows_q, rows_kv = case.batch * case.heads_q * case.seq_q, case.batch * case.heads_kv * case.seq_k
     per_q = rows_q * (case.head_dim + case.head_dim_v * (2 if case.direction is Direction.BWD else 1))  # q, out, dO
-    per_kv = rows_kv * (case.head_dim + case.head_dim_v * (not case.shared_kv)) * (2 if case.page_size else 1)
-    return (per_q + per_kv) * case.dtype.itemsize  # a paged case holds its cache twice (dense for the reference)
+    per_kv = rows_kv * (case.head_dim + case.head_dim_v * (not case.shared_kv))
+    return per_q * case.dtype.itemsize + per_kv * (1 if case.kv_dtype is not None else case.dtype.itemsize)

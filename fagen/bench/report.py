@@ -58,7 +58,8 @@ def rows(records: list[dict], targets: bool = True) -> tuple[list[str], list[lis
                 grouped.setdefault((impl, status, rec["note"]), []).append(case)
         mine_rec = by.get((case, "fagen"))
         mine = value(mine_rec) if mine_rec and mine_rec.get("check") != "fail" else None
-        peers = [v for i in impls if not i.startswith("fagen")  # fagen-nondet is fagen, not a peer
+        peers = [v for i in impls if not i.startswith("fagen") and i != "copy"  # fagen-nondet is fagen; copy a
+                 # reference ([Note] Copy reference in fagen/bench/impls.py)
                  and (case, i) in by and by[(case, i)].get("check") != "fail"
                  and (v := value(by[(case, i)])) is not None]
         best = (min(peers) if metric == "ms" else max(peers)) if peers else None

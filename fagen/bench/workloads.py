@@ -358,6 +358,12 @@ def backward_rows(quick: bool = False) -> list[BenchCase]:
 # means fagen's number on the row over that peer's on the same row, or over fagen's on that case, is >= bound.
 # The gpt-oss row (d64, window 128, sinks, GQA 64/8) has peers only: FlexAttention (its sinks through the lse it
 # returns) and SDPA with a float mask (its sinks as an extra key; fagen/bench/peers.py).
+def copy_relative(case: BenchCase) -> bool:
+    """A row whose target is a share of the copy of its bytes (RELATIVE_TARGETS naming "copy"): it runs the copy
+    reference ([Note] Copy reference in fagen/bench/impls.py) and is timed as [Note] L2 flush in timing.py says."""
+    return any(ref == "copy" for ref, _ in RELATIVE_TARGETS.get(case.name, ()))
+
+
 RELATIVE_TARGETS = {
     "fwd-d128-win4k-s32k": (("flex", 1.3), ("fwd-d128-causal-s32k", 0.9)),
     "fwd-d128-softcap-causal-s16k": (("fwd-d128-causal-s16k", 0.9),),
@@ -366,6 +372,9 @@ RELATIVE_TARGETS = {
                                                    "bwd-gqa-d128-causal-s4k", "bwd-d64-causal-s16k")},
     # Issue 28: the fp8 forward rows against fagen's own bf16 forward of the same shape.
     **{f"fwd-fp8-d128-{m}-s16k": ((f"fwd-d128-{m}-s16k", 1.5), ("cudnn-fp8", 1.0)) for m in ("causal", "full")},
+    # Issue 27: an fp8 KV cache's decode at >= 95% of the copy of its bytes ([Note] Copy reference in impls.py).
+    **{case: (("copy", 0.95),) for case in ("decode-d128-kv8k-b32-fp8", "decode-d128-kv32k-b8-fp8",
+                                            "decode-d128-kv8k-b32-fp8-paged16")},
 }
 WINDOW = 4096  # the usual "window 4096": a query sees itself and the 4095 keys before it
 SOFTCAP = 50.0  # Gemma 2's attention logit cap

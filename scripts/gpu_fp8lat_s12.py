@@ -143,18 +143,20 @@ def check_phase(name):  # noqa: C901
                        ("tensor", "paged", 128, 2, "rule"), ("tensor", "paged", 128, 2, "s1")],
     }
     if name == "check-warm":  # the Triton decode and FlashMLA, built for the time phase
-        for backend, form, layout in (("triton", "token", "paged"), ("triton", "tensor", "paged"),
-                                      ("flashmla8", "tensor", "paged"), ("triton", "head", "dense")):
+        warm = (("triton", "token", "paged", 16, 1), ("triton", "tensor", "paged", 16, 1),
+                ("flashmla8", "tensor", "paged", 16, 1), ("triton", "head", "dense", 16, 1),
+                ("triton", "tensor", "paged", 128, 2))
+        for backend, form, layout, hq, sq in warm:
             t = time.time()
             try:
-                m = _module(backend, 16, layout, "none" if layout == "dense" else "causal")
-                q, cache, table, lens, kw = _inputs(form, 2, 4096, [4096, 4096], 1, layout=layout)
+                m = _module(backend, hq, layout, "none" if layout == "dense" else "causal")
+                q, cache, table, lens, kw = _inputs(form, 2, 4096, [4096, 4096], 1, hq, sq, layout=layout)
                 if layout == "dense":
                     m.forward(q, cache, None, scale=SCALE, **kw)
                 else:
                     m.forward(q, cache, None, block_table=table, seqlens_k=lens, scale=SCALE, **kw)
                 torch.cuda.synchronize()
-                emit("check", "warm h16 b2 kv4k", f"{backend} {form} {layout}", "built", None,
+                emit("check", f"warm h{hq} sq{sq} b2 kv4k", f"{backend} {form} {layout}", "built", None,
                      f"{time.time() - t:.1f} s")
             except Exception as e:  # noqa: BLE001
                 emit("check", "warm", f"{backend} {form}", "FAIL", None, f"ERROR {type(e).__name__}: {str(e)[:150]}")

@@ -43,6 +43,8 @@ VARIANTS = {
     "gluon token": ("gluon", "token", {}),
     "gluon tensor": ("gluon", "tensor", {}),
     "FlashMLA fp8 (q e4m3)": ("flashmla8", "tensor", {}),
+    "gluon token lazy6": ("gluon-lazy6", "token", {}),
+    "gluon tensor lazy6": ("gluon-lazy6", "tensor", {}),
 }
 H128 = ["triton tensor", "gluon tensor", "FlashMLA fp8 (q e4m3)"]
 SHAPES = ((128, 4096, 16, 1), (32, 32768, 16, 1), (128, 32768, 16, 1), (32, 4096, 16, 1), (32, 8192, 128, 2))
@@ -64,10 +66,37 @@ def _spec(backend, hq, layout="paged", mask="causal"):
                             mask=mask, layout=layout, backend=backend, kv_dtype="fp8_e4m3")
 
 
+_MODS = {}
+
+
 def _module(backend, hq, layout="paged", mask="causal"):
+    """A decode module (one a process and case): "triton", "gluon" (the product's), "gluon-lazyT" (the gluon one
+    with the variant's fp8lat_lazy T: [Note] Lazy block max), "flashmla8"."""
+    key = (backend, hq, layout, mask)
+    if key not in _MODS:
+        _MODS[key] = _new_module(backend, hq, layout, mask)
+    return _MODS[key]
+
+
+def _new_module(backend, hq, layout, mask):
     import fagen
     if backend.startswith("flashmla"):
         return FlashMLA(mask == "causal", "fp8" if backend == "flashmla8" else "bf16")
+    if backend.startswith("gluon-lazy"):
+        from fagen import backends
+        from fagen.codegen.render import render
+        from fagen.runtime.loader import load_source
+        tau, keep = int(backend[len("gluon-lazy"):]), backends.GLUON.variant
+        spec = _spec("gluon", hq, layout, mask)
+        try:
+            backends.GLUON.variant = {**keep, "fp8lat_lazy": tau}
+            render.cache_clear()
+            mod = load_source(render(spec).source, f"{spec.name}_lazy{tau}")
+        finally:
+            backends.GLUON.variant = keep
+            render.cache_clear()
+        assert mod.LAZY == tau
+        return mod
     return fagen.load(_spec(backend, hq, layout, mask))
 
 
@@ -139,6 +168,8 @@ def check_phase(name):  # noqa: C901
                                                                                           "rule")],
         "check-dense": [("head", "dense", 16, 1, "rule"), ("head", "dense", 16, 1, "s3"),
                         ("token", "dense", 16, 1, "rule"), ("tensor", "dense", 16, 1, "s1")],
+        "check-lazy": [("token", "paged", 16, 1, "rule"), ("token", "paged", 16, 1, "s3"),
+                       ("tensor", "paged", 16, 1, "rule"), ("token", "paged", 16, 1, "inv")],
         "check-rows": [("tensor", "paged", 8, 2, "rule"), ("token", "paged", 16, 3, "rule"),
                        ("tensor", "paged", 128, 2, "rule"), ("tensor", "paged", 128, 2, "s1")],
     }
@@ -168,7 +199,8 @@ def check_phase(name):  # noqa: C901
         case = f"{layout} h{hq} sq{sq} {form} {how}"
         t = time.time()
         try:
-            m = _module("gluon", hq, layout, "none" if layout == "dense" else "causal")  # dense: the bench's spec
+            backend = "gluon-lazy6" if name == "check-lazy" else "gluon"
+            m = _module(backend, hq, layout, "none" if layout == "dense" else "causal")  # dense: the bench's spec
             if layout == "dense":
                 q, cache, table, lens, kw = _inputs(form, 3, 777, None, 3, hq, sq, layout="dense")
             else:
@@ -190,12 +222,12 @@ def check_phase(name):  # noqa: C901
                 note = f"; bitwise alone and with a 2x wider table: {'yes' if same else 'NO'}"
                 if not same:
                     raise AssertionError("batch_invariant: not the same bits")
-            emit("check", case, "gluon fp8 (product)", "ok", None, f"err {err:.1e}; cache {cache.dtype}{note}; "
+            emit("check", case, backend, "ok", None, f"err {err:.1e}; cache {cache.dtype}{note}; "
                  f"{time.time() - t:.1f} s")
         except Exception as e:  # noqa: BLE001 - a failure is a row
             import traceback
             traceback.print_exc(file=sys.stdout)
-            emit("check", case, "gluon fp8 (product)", "FAIL", None, f"ERROR {type(e).__name__}: "
+            emit("check", case, backend, "FAIL", None, f"ERROR {type(e).__name__}: "
                  f"{(str(e).splitlines() or [''])[0][:150]}")
 
 
@@ -357,7 +389,7 @@ def phase(name):
         check_phase(name)
 
 
-CHECKS = ["check-tok", "check-tensor", "check-dense", "check-rows", "check-safety", "check-warm"]
+CHECKS = ["check-tok", "check-tensor", "check-dense", "check-rows", "check-safety", "check-warm", "check-lazy"]
 
 
 def main():

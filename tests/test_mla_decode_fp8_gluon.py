@@ -146,7 +146,8 @@ def test_the_kernel_clamps_page_indexes_and_lengths_where_they_are_used():
     src = render(spec()).source
     assert "seq_len = gl.minimum(gl.maximum(gl.load(Seqlens + b), 0), bt_width * PAGE)" in src
     assert "pg_next = gl.minimum(gl.maximum(pg_raw, 0), num_pages - 1)" in src
-    assert "gl.minimum(gl.maximum(_page_raw(BlockTable, bt_row, k_lo, n_blocks > 0, PAGE, PAGED), 0), num_pages - 1)" in src
+    first = "gl.minimum(gl.maximum(_page_raw(BlockTable, bt_row, k_lo, n_blocks > 0, PAGE, PAGED), 0), num_pages - 1)"
+    assert first in src
     assert "return gl.load(BlockTable + bt_row + start // PAGE, mask=ok_block, other=0)" in src
     assert "ok = ((start + r < seq_len) & ok_block)[:, None]" in src and src.count("mask=ok, other=0)") == 9
     assert src.count("< seq_len) & ok_n, other=0.0)") == 2  # the next block's per-token scales
@@ -243,9 +244,9 @@ def _sm90():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU and triton's Gluon Hopper API")
-@pytest.mark.parametrize("form, splits, invariant, hq, sq", [("token", None, False, 16, 1), ("token", 3, False, 16, 1),
-                                                            ("tensor", 1, False, 16, 1), ("head", None, True, 16, 1),
-                                                            ("token", None, False, 16, 3), ("tensor", None, False, 8, 2)])
+@pytest.mark.parametrize("form, splits, invariant, hq, sq", [
+    ("token", None, False, 16, 1), ("token", 3, False, 16, 1), ("tensor", 1, False, 16, 1), ("head", None, True, 16, 1),
+    ("token", None, False, 16, 3), ("tensor", None, False, 8, 2)])
 def test_gpu_against_float64(form, splits, invariant, hq, sq):
     """Ragged lengths (odd, one empty, NaN past each end in shuffled pages, in the bytes and the per-token scales)
     against float64 on the dequantized cache."""

@@ -45,6 +45,8 @@ VARIANTS = {
     "FlashMLA fp8 (q e4m3)": ("flashmla8", "tensor", {}),
     "gluon token lazy6": ("gluon-lazy6", "token", {}),
     "gluon tensor lazy6": ("gluon-lazy6", "tensor", {}),
+    "gluon token, 4 programs an SM": ("gluon#4", "token", {}),
+    "gluon tensor, 4 programs an SM": ("gluon#4", "tensor", {}),
 }
 H128 = ["triton tensor", "gluon tensor", "FlashMLA fp8 (q e4m3)"]
 SHAPES = ((128, 4096, 16, 1), (32, 32768, 16, 1), (128, 32768, 16, 1), (32, 4096, 16, 1), (32, 8192, 128, 2))
@@ -78,8 +80,25 @@ def _module(backend, hq, layout="paged", mask="causal"):
     return _MODS[key]
 
 
+class _PerSM:
+    """A gluon fp8 module whose split rule fills `n` programs an SM (its CTAS_PER_SM) instead of 2."""
+
+    def __init__(self, mod, n):
+        self.mod, self.n = mod, n
+
+    def forward(self, *args, **kw):
+        keep, self.mod.CTAS_PER_SM = self.mod.CTAS_PER_SM, self.n
+        try:
+            return self.mod.forward(*args, **kw)
+        finally:
+            self.mod.CTAS_PER_SM = keep
+
+
 def _new_module(backend, hq, layout, mask):
     import fagen
+    if "#" in backend:  # "gluon#N": the split rule at N programs an SM
+        base, n = backend.split("#")
+        return _PerSM(_module(base, hq, layout, mask), int(n))
     if backend.startswith("flashmla"):
         return FlashMLA(mask == "causal", "fp8" if backend == "flashmla8" else "bf16")
     if backend.startswith("gluon-lazy"):

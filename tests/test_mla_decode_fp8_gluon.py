@@ -43,9 +43,10 @@ def test_an_e4m3_latent_spec_renders_the_fp8_template_and_e5m2_is_refused():
     assert e.value.field == "kv_dtype" and "triton" in str(e.value)
 
 
-def test_the_selection_is_off_until_measured_and_bounded_by_rows(monkeypatch):
-    """select_fp8_latent off: the Triton decode keeps fp8 latent caches; on: the gluon fp8 twin up to
-    LATENT_FP8_MAX_ROWS rows (programs of 16 rows: Hq 16 Sq 1), none with FAGEN_HOPPER=0 or off sm_90."""
+def test_the_selection_follows_the_switch_and_is_bounded_by_rows(monkeypatch):
+    """select_fp8_latent (on since H100 round A) off: the Triton decode keeps fp8 latent caches; on: the gluon fp8
+    twin up to LATENT_FP8_MAX_ROWS rows (programs of 16 rows: Hq 16 Sq 1), none with FAGEN_HOPPER=0 or off sm_90."""
+    assert backends.GLUON.select_fp8_latent
     cuda = torch.device("cuda", 0)
     triton_spec = spec("triton")
     monkeypatch.setattr(hopper, "is_hopper", lambda device: True)

@@ -23,13 +23,16 @@ class DecodeRules:
     # fagen/templates/gluon/mla_decode_fp8.py.j2 (the eleventh session's register-A lab kernel,
     # lab/gluon_mla_decode_f8r.py, with fp16 dots, partial row sums and the late page clamp: one warpgroup of 16
     # query rows a program, two programs an SM); e5m2 keeps the Triton decode. select_fp8_latent: whether the rule
-    # picks it (fagen/runtime/hopper.py also bounds the rows: LATENT_FP8_MAX_ROWS); off until an H100 round shows
-    # it beating the Triton decode on the serving bench's fp8 latent rows (docs/serving.md, "MLA decode, twelfth
-    # session").
+    # picks it (fagen/runtime/hopper.py also bounds the rows: LATENT_FP8_MAX_ROWS). H100, round A of
+    # scripts/gpu_fp8lat_s12.py (2026-11-27 16:58 UTC; docs/serving.md, "MLA decode, twelfth session"): the serving
+    # bench's fp8 latent rows (fagen.bench's run_case, do_bench) h16 kv4k b128 1491 -> 1935 GB/s, h16 kv32k b32
+    # 1341 -> 2076 GB/s; paged page 64, CUDA graphs, per token b128 kv4k / b32 kv32k / b128 kv32k / b32 kv4k 1317 /
+    # 1169 / 1394 / 934 -> 2135 / 2240 / 2477 / 1309 GB/s (per tensor 1418 / 1272 / 1528 / 1000 -> 2078 / 2167 /
+    # 2403 / 1311); Hq 128 Sq 2 b32 kv8k 199 (Triton) against 188 TF/s: LATENT_FP8_MAX_ROWS 16.
     decode_dims = (576, 512)
     decode_launch = {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2}
     select_mla_decode = True
-    select_fp8_latent = False
+    select_fp8_latent = True
     decode_templates = {None: "gluon/mla_decode.py.j2", KVDType.FP8_E4M3: "gluon/mla_decode_fp8.py.j2"}
 
     def template_for(self, spec) -> str:

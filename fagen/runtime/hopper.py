@@ -72,7 +72,8 @@ LATENT_CAPTURED_MIN_WORK = 1 << 21
 # The most Hq x Sq rows a call with an fp8 e4m3 latent cache takes the gluon fp8 decode at, where
 # GluonBackend.select_fp8_latent is on ([Note] Gluon fp8 latent decode in fagen/backends/gluon_decode.py): one program
 # of 16 rows a sequence and split (Hq 16 Sq 1, the memory-bound rows); more rows run one program a 16 rows, each
-# converting every block (Hq 128 Sq 2: the Triton decode, docs/serving.md, "MLA decode, twelfth session").
+# converting every block (Hq 128 Sq 2 b32 kv8k, H100 round A: 188 TF/s against the Triton decode's 199, docs/serving.md,
+# "MLA decode, twelfth session"): the Triton decode keeps those.
 LATENT_FP8_MAX_ROWS = 16
 # [Note] Gluon size rule. The Gluon forward's kernel is faster than the Triton one (0.70-0.75x the time per call
 # at 2^27 .. 2^29 causal d128 bf16 pairs on the H100), but its host path used to cost about 200 us a call

@@ -34,7 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 D, DV, PAGE = 576, 512, 64
 SCALE = 192 ** -0.5
 PASSES = 3
-LIMITS = dict(check=27, time=39)
+LIMITS = dict(check=27, time=36, ncu=34)
 CHECK_LENS = [1000, 77, 513, 0]
 # name -> (backend, scale form, module kwargs): the timed rows at Hq 16 (H128: also at Hq 128 Sq 2)
 VARIANTS = {
@@ -43,11 +43,12 @@ VARIANTS = {
     "gluon token": ("gluon", "token", {}),
     "gluon tensor": ("gluon", "tensor", {}),
     "FlashMLA fp8 (q e4m3)": ("flashmla8", "tensor", {}),
-    "gluon token lazy6": ("gluon-lazy6", "token", {}),
     "gluon tensor lazy6": ("gluon-lazy6", "tensor", {}),
-    "gluon token, 4 programs an SM": ("gluon#4", "token", {}),
-    "gluon tensor, 4 programs an SM": ("gluon#4", "tensor", {}),
+    "gluon token, 1 program an SM": ("gluon#1", "token", {}),
+    "gluon token, 3 programs an SM": ("gluon#3", "token", {}),
 }
+# Round A (2026-11-27 16:58 UTC, results/fp8lat-A.txt) dropped: lazy6 per token (4-7% slower than the product),
+# 4 programs an SM (7-40% slower).
 H128 = ["triton tensor", "gluon tensor", "FlashMLA fp8 (q e4m3)"]
 SHAPES = ((128, 4096, 16, 1), (32, 32768, 16, 1), (128, 32768, 16, 1), (32, 4096, 16, 1), (32, 8192, 128, 2))
 BENCH_ROWS = ["decode-mla-absorbed-h16-kv4k-b128-fp8", "decode-mla-absorbed-h16-kv32k-b32-fp8"]
@@ -187,8 +188,8 @@ def check_phase(name):  # noqa: C901
                                                                                           "rule")],
         "check-dense": [("head", "dense", 16, 1, "rule"), ("head", "dense", 16, 1, "s3"),
                         ("token", "dense", 16, 1, "rule"), ("tensor", "dense", 16, 1, "s1")],
-        "check-lazy": [("token", "paged", 16, 1, "rule"), ("token", "paged", 16, 1, "s3"),
-                       ("tensor", "paged", 16, 1, "rule"), ("token", "paged", 16, 1, "inv")],
+        "check-lazy": [("tensor", "paged", 16, 1, "rule"), ("tensor", "paged", 16, 1, "s3"),
+                       ("token", "paged", 16, 1, "inv")],
         "check-rows": [("tensor", "paged", 8, 2, "rule"), ("token", "paged", 16, 3, "rule"),
                        ("tensor", "paged", 128, 2, "rule"), ("tensor", "paged", 128, 2, "s1")],
     }
@@ -310,7 +311,7 @@ def bench_rows():
     from fagen.bench.impls import run_case
     from fagen.bench.serving import serving_rows
     cases = {c.name: c for c in serving_rows()}
-    res = {}
+    res, keep = {}, backends.GLUON.select_fp8_latent
     for p in range(PASSES):
         for name in BENCH_ROWS:
             order = [False, True] if p % 2 == 0 else [True, False]
@@ -321,7 +322,7 @@ def bench_rows():
                 opts = BenchOptions(impls=("fagen", ), warmup_ms=10, rep_ms=40, sets=2, check=p == 0)
                 rec = run_case(cases[name], opts, log=lambda s: None)[0]
                 res.setdefault((name, sel), []).append(rec)
-    backends.GLUON.select_fp8_latent = False
+    backends.GLUON.select_fp8_latent = keep
     for (name, sel), recs in res.items():
         gbs = [r["gbs"] for r in recs if r.get("gbs")]
         r0 = recs[0]
@@ -336,10 +337,20 @@ def time_phase():  # noqa: C901
     import torch
     x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
-    copy_ms = min(graph_ms([lambda: y.copy_(x)], calls=4, total_ms=10) for _ in range(2))
+    copy_graph = min(graph_ms([lambda: y.copy_(x)], calls=4, total_ms=10) for _ in range(2))
+    for _ in range(3):
+        y.copy_(x)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):  # back to back, as the earlier sessions' 3008 GB/s (round A's graph of 4 copies read 2440)
+        y.copy_(x)
+    end.record()
+    torch.cuda.synchronize()
+    copy_ms = start.elapsed_time(end) / 20
     peak = 2 * x.numel() / copy_ms / 1e6
     x = y = None
-    emit("time", "device copy (read + write)", "torch copy_", f"{peak:.0f} GB/s", copy_ms, "CUDA graph")
+    emit("time", "device copy (read + write)", "torch copy_", f"{peak:.0f} GB/s", copy_ms,
+         f"20 back to back; a CUDA graph of 4: {2 * (1 << 30) / copy_graph / 1e6:.0f} GB/s")
     try:
         bench_rows()
     except Exception as e:  # noqa: BLE001
@@ -401,9 +412,74 @@ def time_phase():  # noqa: C901
             break
 
 
+def ncu_target():
+    """One launch each of the product's kernel per token and per tensor at Hq 16 Sq 1 b128 kv4k (the ncu phase)."""
+    import torch
+    only = os.environ.get("FP8LAT_NCU_ONLY")
+    calls = []
+    for v in ("gluon token", "gluon tensor"):
+        if only and v != only:
+            continue
+        backend, form, _ = VARIANTS[v]
+        q, cache, table, lens, kw = _inputs(form, 128, 4096, [4096] * 128, 5)
+        m = _module(backend, 16)
+        fn = (lambda m=m, q=q, c=cache, t=table, ln=lens, k=kw:  # noqa: E731
+              m.forward(q, c, None, block_table=t, seqlens_k=ln, scale=SCALE, **k))
+        fn()
+        fn()
+        calls.append((v, fn))
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    for v, fn in calls:
+        fn()
+        torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+    print("ncu-target launched: " + "; ".join(v for v, _ in calls), flush=True)
+
+
+def ncu_phase():
+    """ncu over ncu-target (the sections of scripts/gpu_fp8lat_s11.py: occupancy, issue, stalls per issue), then the
+    per-token kernel's SASS lines with the most stall samples; raw files under $OUTX."""
+    import subprocess
+    from scripts.gpu_fp8lat_s11 import NCU, NCU_KEYS, NCU_SECTIONS, _ncu_rows, _num, ncu_source
+    out_dir = os.environ.get("OUTX") or "/tmp"
+    env = child_env("/tmp/fagen-cache-gpu-fp8lat-s12", ROOT)
+    target = [sys.executable, os.path.abspath(__file__), "--phase", "ncu-target"]
+    t = time.time()
+    cmd = [NCU, "--profile-from-start", "off", "--clock-control", "none", "--csv", "--page", "raw"]
+    for sec in NCU_SECTIONS:
+        cmd += ["--section", sec]
+    try:
+        r = subprocess.run(cmd + target, env=env, capture_output=True, text=True, timeout=20)
+    except subprocess.TimeoutExpired:
+        print("ncu raw: timed out after 20 s", flush=True)
+        return
+    with open(os.path.join(out_dir, "ncu_raw.csv"), "w") as f:
+        f.write(r.stdout)
+    print(f"ncu raw: rc {r.returncode}, {time.time() - t:.1f} s; " + " | ".join(
+        x for x in (r.stderr + r.stdout).splitlines() if "ncu-target" in x or "==ERROR==" in x)[:400], flush=True)
+    for row in _ncu_rows(r.stdout):
+        name = row.get("Kernel Name", "?")[:40]
+        vals = {k.split(".")[0] if k != "gpu__time_duration.sum" else "us": row.get(k) for k in NCU_KEYS if k in row}
+        if "us" in vals and _num(vals["us"]) is not None:
+            vals["us"] = f"{_num(vals['us']) / 1e3:.1f}"
+        stalls = sorted(((_num(v), k) for k, v in row.items() if "issue_stalled" in k and "per_issue_active" in k
+                         and _num(v) is not None), reverse=True)[:8]
+        emit("ncu", "h16 sq1 b128 kv4k e4m3", name, vals.get("us", "-"), None,
+             "; ".join(f"{k} {v}" for k, v in vals.items() if k != "us") + " || stalls: "
+             + ", ".join(f"{k.split('stalled_')[-1].split('_per_issue')[0]} {v:.2f}" for v, k in stalls))
+    left = LIMITS["ncu"] - 3 - (time.time() - T0)
+    if left > 6:
+        ncu_source("gluon token", "_mla_decode_fp8", env, target, out_dir, left)
+
+
 def phase(name):
     if name == "time":
         time_phase()
+    elif name == "ncu":
+        ncu_phase()
+    elif name == "ncu-target":
+        ncu_target()
     else:
         check_phase(name)
 
@@ -435,6 +511,7 @@ def main():
         print(f"[{time.time() - T0:6.1f}s] #### phase {name}: rc={rc}", flush=True)
 
     threads = [threading.Thread(target=run, args=(g, LIMITS["check"])) for g in CHECKS]
+    threads.append(threading.Thread(target=run, args=("ncu", LIMITS["ncu"])))
     for t in threads:
         t.start()
     for t in threads:

@@ -44,6 +44,8 @@ VARIANTS = {
     "gluon tensor": ("gluon", "tensor", {}),
     "FlashMLA fp8 (q e4m3)": ("flashmla8", "tensor", {}),
     "gluon tensor lazy6": ("gluon-lazy6", "tensor", {}),
+    "gluon token early": ("gluon-early", "token", {}),
+    "gluon tensor early": ("gluon-early", "tensor", {}),
     "gluon token, 1 program an SM": ("gluon#1", "token", {}),
     "gluon token, 3 programs an SM": ("gluon#3", "token", {}),
 }
@@ -102,20 +104,24 @@ def _new_module(backend, hq, layout, mask):
         return _PerSM(_module(base, hq, layout, mask), int(n))
     if backend.startswith("flashmla"):
         return FlashMLA(mask == "causal", "fp8" if backend == "flashmla8" else "bf16")
-    if backend.startswith("gluon-lazy"):
+    if backend.startswith("gluon-"):  # a variant of the gluon render: gluon-lazyT, gluon-early
         from fagen import backends
         from fagen.codegen.render import render
         from fagen.runtime.loader import load_source
-        tau, keep = int(backend[len("gluon-lazy"):]), backends.GLUON.variant
+        var = {"fp8lat_lazy": int(backend[len("gluon-lazy"):])} if backend.startswith("gluon-lazy") else \
+            {"fp8lat_early_fetch": 1}
+        keep = backends.GLUON.variant
         spec = _spec("gluon", hq, layout, mask)
         try:
-            backends.GLUON.variant = {**keep, "fp8lat_lazy": tau}
+            backends.GLUON.variant = {**keep, **var}
             render.cache_clear()
-            mod = load_source(render(spec).source, f"{spec.name}_lazy{tau}")
+            src = render(spec).source
+            mod = load_source(src, f"{spec.name}_{backend[len('gluon-'):]}")
         finally:
             backends.GLUON.variant = keep
             render.cache_clear()
-        assert mod.LAZY == tau
+        assert "fp8lat_lazy" not in var or mod.LAZY == var["fp8lat_lazy"]
+        assert "fp8lat_early_fetch" not in var or "[Note] Early first block" in src
         return mod
     return fagen.load(_spec(backend, hq, layout, mask))
 
@@ -190,6 +196,8 @@ def check_phase(name):  # noqa: C901
                         ("token", "dense", 16, 1, "rule"), ("tensor", "dense", 16, 1, "s1")],
         "check-lazy": [("tensor", "paged", 16, 1, "rule"), ("tensor", "paged", 16, 1, "s3"),
                        ("token", "paged", 16, 1, "inv")],
+        "check-early": [("token", "paged", 16, 1, "rule"), ("tensor", "paged", 16, 1, "s3"),
+                        ("token", "paged", 16, 1, "inv"), ("head", "dense", 16, 1, "rule")],
         "check-rows": [("tensor", "paged", 8, 2, "rule"), ("token", "paged", 16, 3, "rule"),
                        ("tensor", "paged", 128, 2, "rule"), ("tensor", "paged", 128, 2, "s1")],
     }
@@ -219,7 +227,7 @@ def check_phase(name):  # noqa: C901
         case = f"{layout} h{hq} sq{sq} {form} {how}"
         t = time.time()
         try:
-            backend = "gluon-lazy6" if name == "check-lazy" else "gluon"
+            backend = {"check-lazy": "gluon-lazy6", "check-early": "gluon-early"}.get(name, "gluon")
             m = _module(backend, hq, layout, "none" if layout == "dense" else "causal")  # dense: the bench's spec
             if layout == "dense":
                 q, cache, table, lens, kw = _inputs(form, 3, 777, None, 3, hq, sq, layout="dense")
@@ -484,7 +492,8 @@ def phase(name):
         check_phase(name)
 
 
-CHECKS = ["check-tok", "check-tensor", "check-dense", "check-rows", "check-safety", "check-warm", "check-lazy"]
+CHECKS = ["check-tok", "check-tensor", "check-dense", "check-rows", "check-safety", "check-warm", "check-lazy",
+          "check-early"]
 
 
 def main():

@@ -196,12 +196,15 @@ out = {}
 for key, (layout, gqa, kw) in json.loads(sys.argv[2]).items():
     spec = fagen.KernelSpec(head_dim=576, head_dim_v=512, shared_kv=True, kind="decode", gqa=gqa, dtype="bf16",
                             mask="causal", layout=layout, backend="gluon", kv_dtype="fp8_e4m3")
-    lazy = kw.pop("lazy", 0)  # the variant's fp8lat_lazy ([Note] Lazy block max)
-    if lazy:
-        backends.GLUON.variant = {**backends.GLUON.variant, "fp8lat_lazy": lazy}
+    var = kw.pop("variant", None)  # the variant's fp8lat_* keys ([Note] Lazy block max, [Note] Early first block)
+    if var:
+        keep = backends.GLUON.variant
+        backends.GLUON.variant = {**keep, **var}
         render.cache_clear()
-        mod = load_source(render(spec).source, f"{spec.name}_lazy{lazy}")
-        assert mod.LAZY == lazy
+        mod = load_source(render(spec).source, f"{spec.name}_{key}")
+        backends.GLUON.variant = keep
+        render.cache_clear()
+        assert mod.LAZY == var.get("fp8lat_lazy", 0)
     else:
         mod = fagen.load(spec)
     ck = mod.compile_for(**kw)
@@ -219,7 +222,9 @@ BUILDS = {"paged_token": ("paged", 16, dict()), "paged_tensor": ("paged", 16, di
           "paged_token_invariant": ("paged", 16, dict(invariant=True)),
           "dense_head": ("dense", 16, dict(scales=1, num_splits=2)), "dense_token": ("dense", 16, dict()),
           "h8_sq2": ("paged", 8, dict(seq_q=2)), "h128_sq2": ("paged", 128, dict(seq_q=2, scales=0)),
-          "paged_token_lazy6": ("paged", 16, dict(lazy=6)), "paged_tensor_lazy6": ("paged", 16, dict(lazy=6, scales=0))}
+          "paged_token_lazy6": ("paged", 16, dict(variant={"fp8lat_lazy": 6})),
+          "paged_tensor_lazy6": ("paged", 16, dict(variant={"fp8lat_lazy": 6}, scales=0)),
+          "paged_token_early": ("paged", 16, dict(variant={"fp8lat_early_fetch": 1}))}
 
 
 @pytest.fixture(scope="module")

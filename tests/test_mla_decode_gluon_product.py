@@ -33,7 +33,7 @@ def spec(backend="gluon", **kw):
 @pytest.mark.parametrize("fields, field", [
     (dict(head_dim=128, head_dim_v=None, shared_kv=False), "backend"),
     (dict(mask="tree"), "mask"),
-    (dict(kv_dtype="fp8_e4m3"), "kv_dtype"),
+    (dict(kv_dtype="fp8_e5m2"), "kv_dtype"),  # e4m3: the gluon fp8 latent decode (test_mla_decode_fp8_gluon.py)
     (dict(softcap=True), "softcap"),
     (dict(block_n=128), "block_n"),
     (dict(kind="prefill", shared_kv=False, head_dim=128, head_dim_v=None), "layout"),
@@ -48,7 +48,9 @@ def test_the_rule_picks_bf16_causal_or_none_only():
     assert backends.GLUON.decode_selected(spec()) and backends.GLUON.decode_selected(spec(mask="none"))
     assert backends.GLUON.decode_selected(spec(layout="dense"))
     assert not backends.GLUON.decode_selected(spec(dtype="fp16"))  # not measured
-    assert not backends.GLUON.decode_selected(spec("triton", kv_dtype="fp8_e4m3"))  # kvfp8's Triton path
+    # an e4m3 latent: the gluon fp8 decode, where select_fp8_latent (test_mla_decode_fp8_gluon.py)
+    assert backends.GLUON.decode_selected(spec("triton", kv_dtype="fp8_e4m3")) is backends.GLUON.select_fp8_latent
+    assert not backends.GLUON.decode_selected(spec("triton", kv_dtype="fp8_e5m2"))  # kvfp8's Triton path
     assert not backends.GLUON.decode_selected(spec("triton", softcap=True))
 
 
@@ -61,7 +63,7 @@ def test_latent_decode_spec_needs_sm90_the_api_and_the_switch(monkeypatch):
     twin = hopper.latent_decode_spec(triton_spec, cuda)
     assert twin == spec() and twin.layout is triton_spec.layout
     assert hopper.latent_decode_spec(spec("triton", layout="dense"), cuda) == spec(layout="dense")
-    assert hopper.latent_decode_spec(spec("triton", kv_dtype="fp8_e4m3"), cuda) is None  # falls back to Triton
+    assert hopper.latent_decode_spec(spec("triton", kv_dtype="fp8_e4m3"), cuda, 256) is None  # > LATENT_FP8_MAX_ROWS
     assert hopper.latent_decode_spec(triton_spec, cuda, 128) == spec()
     monkeypatch.setattr(hopper, "LATENT_PAD_SELECTED", False)
     assert hopper.latent_decode_spec(triton_spec, cuda, 16) is None  # [Note] Latent padded tiles

@@ -63,6 +63,10 @@ class KernelBackend:
         `given` (those the spec sets) stay."""
         raise NotImplementedError
 
+    def template_for(self, spec) -> str:
+        """The template that renders `spec` (its kind's, unless a backend tells more)."""
+        return self.templates[spec.kind]
+
     def smem_bytes(self, spec) -> int:
         """The shared memory a block of this spec's kernels needs, by this backend's formula."""
         raise NotImplementedError

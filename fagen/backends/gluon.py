@@ -9,6 +9,7 @@ limits are those of the variants docs/hopper.md measured.
 from __future__ import annotations
 
 from fagen.backends.base import KernelBackend
+from fagen.backends.gluon_decode import DecodeRules
 from fagen.spec import targets
 from fagen.spec.axes import Backend, Direction, DType, Kind, Layout, Mask, SpecError
 
@@ -42,7 +43,7 @@ def smem_bytes(head_dim: int, block_m: int, block_n: int, num_stages: int, items
 # numbers: tests/test_gluon_mods.py.
 
 
-class GluonBackend(KernelBackend):
+class GluonBackend(DecodeRules, KernelBackend):
     backend = Backend.GLUON
     templates = {Kind.PREFILL: "gluon/attention.py.j2", Kind.DECODE: "gluon/mla_decode.py.j2"}
     layouts = (Layout.DENSE, Layout.PAGED)  # paged: the MLA decode only ([Note] Gluon MLA decode)
@@ -112,7 +113,9 @@ class GluonBackend(KernelBackend):
                "bwd_order": 0, "bwd_snake": 0, "bwd_named": 0, "bwd_epi_tma": 0, "bwd_fixed": 0, "bwd_window_desc": 0,
                "bwd_mod_early": 0, "bwd_window_fixed": 0, "bwd_prefix": 2,
                "bwd_unordered_levers": {"bwd_named": 2, "bwd_epi_tma": 1, "bwd_snake": 1}, "bwd_full_levers": {},
-               "bwd_fixed_fma": 0, "bwd_grid": 0, "bwd_spt": 0, "bwd_fixed_tma": 0}
+               "bwd_fixed_fma": 0, "bwd_grid": 0, "bwd_spt": 0, "bwd_fixed_tma": 0,
+               "fp8lat_lazy": 0, "fp8lat_early_fetch": 0}  # [Note] Lazy block max, [Note] Early first block in
+    # fagen/templates/gluon/mla_decode_fp8.py.j2
 
     # [Note] Gluon tile order. The persistent forward deals its tiles in an order ([Note] Tile schedule in the
     # template): causal query blocks differ in work, so the order decides how evenly the programs finish. H100,
@@ -318,59 +321,7 @@ class GluonBackend(KernelBackend):
     # bwd_fixed_fma 3 ([Note] Two-limb FMA rounding): cvt's units rounded on the FMA pipe in two limbs. Measured in
     # docs/hopper.md, "The deterministic backward at d128 (tenth session)".
 
-    # [Note] Gluon MLA decode. fagen/templates/gluon/mla_decode.py.j2: MLA's absorbed decode (shared_kv, head_dim
-    # 576 with head_dim_v 512) as FlashMLA's seesaw (two warpgroups of 64 packed query rows, a loader warp, 64-key
-    # blocks in pairs; the lab's lab/gluon_mla_decode_ss.py). The spec: bf16/fp16, mask none/causal, no switch, no
-    # fp8 cache, dense or paged; its launch fields are fixed (decode_launch: a program's 64 rows, 64-key blocks,
-    # 4 warps a warpgroup partition, 2 slots). Its inputs also need Hq x Sq a multiple of 64, one KV head and
-    # pages of a multiple of 64 keys (the module's fits(q, k)). The rule (decode_selected): bf16, causal or none,
-    # where Hq x Sq is a multiple of 64 (fagen/runtime/hopper.py, latent_decode_spec). H100, page 64, the product
-    # modules (scripts/gpu_mla_glu.py, round A; docs/serving.md, "The Gluon MLA decode in the product"): Hq 128
-    # Sq 2 kv8192 b32 / b64 527 / 546 TF/s against the Triton decode's 251 / 266; Hq 128 Sq 1 b64 493 against 256;
-    # Hq 64 Sq 1 b64 262-306 against 213.
-    decode_dims = (576, 512)
-    decode_launch = {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2}
-    select_mla_decode = True
-
-    def check(self, spec) -> None:
-        if spec.kind is Kind.DECODE:
-            return self._check_decode(spec)
-        if spec.layout is not Layout.DENSE:
-            raise SpecError("layout", str(spec.layout), "the gluon prefill forward and backward read dense q/k/v (the "
-                                                        "paged layout is the MLA decode's, kind 'decode'); use "
-                                                        "backend 'triton' for varlen and paged layouts")
-        return super().check(spec)
-
-    def _check_decode(self, spec) -> None:
-        """The gluon decode's limits ([Note] Gluon MLA decode): each refusal names the field and says that backend
-        'triton' serves the case."""
-        if not spec.shared_kv or (spec.head_dim, spec.head_dim_v) != self.decode_dims:
-            raise SpecError("backend", str(spec.backend), "the gluon decode is MLA's absorbed decode only (shared_kv, "
-                                                          f"head_dim {self.decode_dims[0]}, head_dim_v "
-                                                          f"{self.decode_dims[1]}); set backend 'triton' for other "
-                                                          "decode kernels")
-        if spec.dtype not in (DType.BF16, DType.FP16):
-            raise SpecError("dtype", str(spec.dtype), "the gluon decode computes bf16 and fp16; use backend 'triton'")
-        if spec.kv_dtype is not None:
-            raise SpecError("kv_dtype", str(spec.kv_dtype), "the gluon decode reads a cache of the query's dtype; use "
-                                                            "backend 'triton' for an fp8 cache")
-        if spec.mask not in (Mask.NONE, Mask.CAUSAL):
-            raise SpecError("mask", str(spec.mask), "the gluon decode supports masks 'none' and 'causal'; use "
-                                                    "backend 'triton' for padding and tree masks")
-        if spec.switches:
-            raise SpecError(spec.switches[0], True, "the gluon decode has no score switches; use backend 'triton'")
-        for name, value in self.decode_launch.items():
-            if getattr(spec, name) != value:
-                raise SpecError(name, getattr(spec, name), f"the gluon decode's tiles are fixed ({name} {value}: "
-                                                           "[Note] Gluon MLA decode); leave it unset")
-
-    def decode_selected(self, spec) -> bool:
-        """Whether the measured rule ([Note] Gluon MLA decode) picks the gluon decode for the case of `spec` (machine
-        and query rows not considered)."""
-        return (self.select_mla_decode and spec.kind is Kind.DECODE and spec.shared_kv
-                and (spec.head_dim, spec.head_dim_v) == self.decode_dims and spec.dtype is DType.BF16
-                and spec.kv_dtype is None and spec.mask in (Mask.NONE, Mask.CAUSAL) and not spec.switches
-                and not spec.modded)
+    # [Note] Gluon MLA decode, the spec's limits and the rule: DecodeRules in fagen/backends/gluon_decode.py.
 
     def default_config(self, spec, arch: str, given: dict) -> dict:
         """The measured default (docs/hopper.md), on sm_90 only. d128: 2 K/V slots, all that fits beside Q (two
@@ -419,8 +370,8 @@ class GluonBackend(KernelBackend):
             and v["fp8_wgs"] == 2 and not self.fp8_n192(spec)
 
     def smem_bytes(self, spec) -> int:
-        if spec.kind is Kind.DECODE:  # Q 72 KB, two slots of 72 KB, P 8 KB, the row stats and barriers
-            return 2 * (64 * 576 + 2 * 64 * 576 + 64 * 64) + 8 * 64 * 4 + 1024
+        if spec.kind is Kind.DECODE:
+            return self.decode_smem(spec)
         if self.fp8_n192(spec):  # [Note] fp8 192-key steps: Q, K in two 128-row slots a stage (thirds, fp8_n192 2:
             kv = 2 * (2 * 128 + 3 * 64) if self.variant_for(spec)["fp8_n192"] == 1 else 3 * 6 * 64  # three 64-row
             return (2 * 2 * 64 + kv) * spec.head_dim + 2 * 2 * 64 * spec.head_dim + 1024  # slots, 3 stages), Vt, O

@@ -121,7 +121,7 @@ def _verbatim(env: jinja2.Environment, name: str) -> str:
 
 
 def template_name(spec: KernelSpec) -> str:
-    return backends.get(spec.backend).templates[spec.kind]
+    return backends.get(spec.backend).template_for(spec)
 
 
 def _context(spec: KernelSpec) -> dict:

@@ -13,7 +13,9 @@ fp8 (dtype fp8_e4m3) has no other kernel: an fp8 case within the gluon forward's
 64/128, mask none/causal, no switch or the window alone) is always the gluon one on sm_90 (README "fp8 forward").
 MLA's absorbed decode (fagen.attention with v=None: shared_kv, 576/512, bf16, causal or none) takes the gluon decode
 where its module fits the inputs (latent_decode_spec: Hq x Sq a multiple of 64 or one padded tile, one KV head),
-from LATENT_MIN_WORK pairs, LATENT_CAPTURED_MIN_WORK while the stream is capturing a CUDA graph.
+from LATENT_MIN_WORK pairs, LATENT_CAPTURED_MIN_WORK while the stream is capturing a CUDA graph; with an fp8 e4m3
+latent cache (the bench; fagen.attention takes no fp8 cache) the gluon fp8 decode, where select_fp8_latent is on,
+up to LATENT_FP8_MAX_ROWS rows.
 Everywhere else the present kernels serve, unchanged. fagen.attention also asks for a problem of at least MIN_WORK
 (batch x query heads x Sq x Sk, with Sk bounded by a window's left + right + 1) pairs, WINDOW_MIN_WORK with a
 window: below that the Gluon module's host time per call outlasts what its kernel saves ([Note] Gluon size rule).
@@ -69,6 +71,12 @@ LATENT_PAD_SELECTED = True  # round B (CUDA graphs): 93.0 / 92.7 / 96.5% against
 # the padded gluon tile 74.9% (round A's graph of the module: 74.7%); eager, the gluon call is host-bound (120-207 us
 # against the Triton one's 73-75). Smaller steps are not measured in a graph, so the floor is the measured 2^21.
 LATENT_CAPTURED_MIN_WORK = 1 << 21
+# The most Hq x Sq rows a call with an fp8 e4m3 latent cache takes the gluon fp8 decode at, where
+# GluonBackend.select_fp8_latent is on ([Note] Gluon fp8 latent decode in fagen/backends/gluon_decode.py): one program
+# of 16 rows a sequence and split (Hq 16 Sq 1, the memory-bound rows); more rows run one program a 16 rows, each
+# converting every block (Hq 128 Sq 2 b32 kv8k, H100 round A: 188 TF/s against the Triton decode's 199, docs/serving.md,
+# "MLA decode, twelfth session"): the Triton decode keeps those.
+LATENT_FP8_MAX_ROWS = 16
 # [Note] Gluon size rule. The Gluon forward's kernel is faster than the Triton one (0.70-0.75x the time per call
 # at 2^27 .. 2^29 causal d128 bf16 pairs on the H100), but its host path used to cost about 200 us a call
 # (four TensorDescriptors and the JIT dispatch; benchmarks/latency.md), so MIN_WORK was 2^29. With fast launches
@@ -158,6 +166,8 @@ def latent_decode_spec(spec: KernelSpec, device, rows: int | None = None) -> Ker
     if not (spec.shared_kv and GLUON.decode_selected(spec) and enabled() and is_hopper(device)
             and gluon_missing() is None):
         return None
+    if spec.kv_dtype is not None:  # [Note] Gluon fp8 latent decode: programs of 16 rows, measured up to
+        return _latent_twin(spec) if rows is None or rows <= LATENT_FP8_MAX_ROWS else None  # LATENT_FP8_MAX_ROWS
     if rows is not None and rows % 64 and not LATENT_PAD_SELECTED:
         return None
     return _latent_twin(spec)
@@ -167,7 +177,8 @@ def latent_decode_spec(spec: KernelSpec, device, rows: int | None = None) -> Ker
 def _latent_twin(spec: KernelSpec) -> KernelSpec:
     """The gluon decode spec of a shared latent decode's case (built once: a spec's validation is host time)."""
     return KernelSpec(head_dim=spec.head_dim, head_dim_v=spec.head_dim_v, shared_kv=True, kind=spec.kind,
-                      mask=spec.mask, gqa=spec.gqa, dtype=spec.dtype, layout=spec.layout, backend=Backend.GLUON)
+                      mask=spec.mask, gqa=spec.gqa, dtype=spec.dtype, layout=spec.layout, kv_dtype=spec.kv_dtype,
+                      backend=Backend.GLUON)
 
 
 def mod_forward_spec(spec: KernelSpec, device) -> KernelSpec | None:

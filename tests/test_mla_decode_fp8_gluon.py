@@ -1,0 +1,289 @@
+"""The Gluon fp8 latent decode in the product (fagen/templates/gluon/mla_decode_fp8.py.j2, [Note] Gluon fp8 latent
+decode in fagen/backends/gluon_decode.py; issue 27 part 2): the spec and its template, the selection rule
+(select_fp8_latent, hopper.LATENT_FP8_MAX_ROWS, the bench's spec), the host checks of the scale forms, the split
+rules, the memory-safety clamps as rendered, the sm_90 builds (ptxas: no spill, two programs an SM, asynchronous
+wgmma) and the merge (plain Triton, interpreted) against float64; on an H100/H200, the kernel against float64."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import fagen
+from fagen import backends
+from fagen.runtime import hopper
+from fagen.spec.kernel import KernelSpec, SpecError
+
+from _env import ON_GPU
+from test_hopper_compile import build_sm90
+from test_mla_decode_gluon import MERGE_CASE, MERGE_SAVE, merge_matches_float64
+
+ROOT = Path(__file__).resolve().parent.parent
+D, DV = 576, 512
+
+
+def spec(backend="gluon", **kw):
+    fields = dict(head_dim=D, head_dim_v=DV, shared_kv=True, kind="decode", gqa=16, dtype="bf16", mask="causal",
+                  layout="paged", backend=backend, kv_dtype="fp8_e4m3")
+    return KernelSpec(**{**fields, **kw})
+
+
+def test_an_e4m3_latent_spec_renders_the_fp8_template_and_e5m2_is_refused():
+    from fagen.codegen.render import render, template_name
+
+    assert template_name(spec()) == "gluon/mla_decode_fp8.py.j2"
+    assert template_name(spec(kv_dtype=None)) == "gluon/mla_decode.py.j2"
+    src = render(spec()).source
+    assert "def _mla_decode_fp8(" in src and "cvt.rn.f16x2.e4m3x2" in src
+    with pytest.raises(SpecError) as e:
+        spec(kv_dtype="fp8_e5m2")
+    assert e.value.field == "kv_dtype" and "triton" in str(e.value)
+
+
+def test_the_selection_follows_the_switch_and_is_bounded_by_rows(monkeypatch):
+    """select_fp8_latent (on since H100 round A) off: the Triton decode keeps fp8 latent caches; on: the gluon fp8
+    twin up to LATENT_FP8_MAX_ROWS rows (programs of 16 rows: Hq 16 Sq 1), none with FAGEN_HOPPER=0 or off sm_90."""
+    assert backends.GLUON.select_fp8_latent
+    cuda = torch.device("cuda", 0)
+    triton_spec = spec("triton")
+    monkeypatch.setattr(hopper, "is_hopper", lambda device: True)
+    monkeypatch.setattr(hopper, "gluon_missing", lambda: None)
+    monkeypatch.setattr(backends.GLUON, "select_fp8_latent", False)
+    assert hopper.latent_decode_spec(triton_spec, cuda, 16) is None
+    monkeypatch.setattr(backends.GLUON, "select_fp8_latent", True)
+    twin = hopper.latent_decode_spec(triton_spec, cuda, 16)
+    assert twin == spec() and twin.kv_dtype is triton_spec.kv_dtype
+    assert hopper.latent_decode_spec(spec("triton", layout="dense"), cuda, 16) == spec(layout="dense")
+    assert hopper.latent_decode_spec(triton_spec, cuda, hopper.LATENT_FP8_MAX_ROWS + 16) is None
+    assert hopper.latent_decode_spec(spec("triton", kv_dtype="fp8_e5m2"), cuda, 16) is None
+    assert hopper.latent_decode_spec(spec("triton", dtype="fp16"), cuda, 16) is None  # not measured
+    assert hopper.latent_decode_spec(spec("triton", kv_dtype=None), cuda, 16) is not None  # bf16: its own rule
+    monkeypatch.setenv(hopper.ENV, "0")
+    assert hopper.latent_decode_spec(triton_spec, cuda, 16) is None
+    monkeypatch.delenv(hopper.ENV)
+    monkeypatch.setattr(hopper, "is_hopper", lambda device: False)
+    assert hopper.latent_decode_spec(triton_spec, cuda, 16) is None
+
+
+def test_the_bench_rows_take_what_the_selection_says(monkeypatch):
+    """The serving bench's fp8 latent rows (BenchCase.spec): the gluon fp8 decode where selected, else Triton."""
+    from fagen.bench.serving import serving_rows
+
+    monkeypatch.setattr(hopper, "is_hopper", lambda device: True)
+    monkeypatch.setattr(hopper, "gluon_missing", lambda: None)
+    cases = {c.name: c for c in serving_rows()}
+    row = cases["decode-mla-absorbed-h16-kv4k-b128-fp8"]
+    h128 = cases["decode-mla-absorbed-h128-sq2-kv8k-b32-fp8"]
+    monkeypatch.setattr(backends.GLUON, "select_fp8_latent", True)
+    got, note = row.spec("cuda")
+    assert got.backend.value == "gluon" and got.kv_dtype is not None and "gluon" in note
+    assert h128.spec("cuda")[0].backend.value == "triton"  # 256 rows: LATENT_FP8_MAX_ROWS
+    monkeypatch.setattr(backends.GLUON, "select_fp8_latent", False)
+    assert row.spec("cuda")[0].backend.value == "triton"
+
+
+def _cpu_inputs(layout="paged", b=2):
+    q = torch.randn(b, 16, 1, D).bfloat16()
+    if layout == "paged":
+        k = torch.randn(8, 64, 1, D).to(torch.float8_e4m3fn)
+        return q, k, dict(block_table=torch.zeros(b, 4, dtype=torch.int32),
+                          seqlens_k=torch.full((b, ), 5, dtype=torch.int32)), torch.ones(8, 64, 1)
+    k = torch.randn(b, 1, 100, D).to(torch.float8_e4m3fn)
+    return q, k, {}, torch.ones(b, 1, 100)
+
+
+@pytest.mark.parametrize("layout", ["paged", "dense"])
+def test_the_host_checks_take_three_scale_forms_and_name_what_is_wrong(layout):
+    """A float, a float32 [1] (per KV head) and one a token pass every check (then the device check refuses CPU
+    tensors: the proof the checks passed); anything else, v_scale, a bf16 cache, two KV heads are InputErrors."""
+    mod = fagen.load(spec(layout=layout))
+    q, k, kw, tokens = _cpu_inputs(layout)
+    for ok in (0.5, None, torch.tensor([1.5]), tokens):
+        with pytest.raises(ValueError, match="runs on a CUDA device"):
+            mod.forward(q, k, None, k_scale=ok, **kw)
+    for bad in (torch.ones(3), -1.0, float("nan"), True, tokens.double(), tokens[..., :-1]):
+        with pytest.raises(ValueError, match="k_scale"):
+            mod.forward(q, k, None, k_scale=bad, **kw)
+    with pytest.raises(ValueError, match="v_scale"):
+        mod.forward(q, k, None, k_scale=0.5, v_scale=0.5, **kw)
+    with pytest.raises(ValueError, match="dtype torch.bfloat16"):
+        mod.forward(q, k.bfloat16(), None, k_scale=0.5, **kw)
+    with pytest.raises(ValueError, match="v: this kernel"):
+        mod.forward(q, k, k, k_scale=0.5, **kw)
+
+
+@pytest.mark.parametrize("hkv, page, ok", [(1, 64, True), (1, 128, True), (2, 64, False), (1, 32, False)])
+def test_fits_takes_one_kv_head_and_pages_of_64(hkv, page, ok):
+    mod = fagen.load(spec(gqa=16 // hkv))
+    q = torch.empty(1, 16, 1, D, dtype=torch.bfloat16)
+    k = torch.empty(2, page, hkv, D, dtype=torch.float8_e4m3fn)
+    assert (mod.fits(q, k) is None) == ok
+
+
+def test_the_split_rules():
+    """The split rule fills about one wave of two programs an SM and covers the blocks; batch_invariant launches
+    at most INVARIANT_SPLITS splits of at least INVARIANT_MIN_KEYS keys, whatever the batch."""
+    mod = fagen.load(spec())
+    assert mod.splits_for(128, 16, 4096, sms=132) == (32, 2)
+    assert mod.splits_for(32, 16, 32768, sms=132) == (64, 8)
+    assert mod.splits_for(32, 256, 8192, sms=132)[1] == 1  # 16 programs a sequence fill the GPU
+    for b in (1, 3, 64, 500):
+        per, splits = mod.splits_for(b, 16, 1000, sms=132)
+        assert (splits - 1) * per < 16 <= splits * per
+    inv = {mod.splits_for(b, 16, 8192, invariant=True, sms=132) for b in (1, 7, 32, 128)}
+    assert inv == {(mod.INVARIANT_MIN_KEYS // 64, mod.INVARIANT_SPLITS)}
+    assert mod.splits_for(4, 16, 100, invariant=True)[1] == 1
+
+
+def test_the_kernel_clamps_page_indexes_and_lengths_where_they_are_used():
+    """[Note] Gluon fp8 latent memory safety, as rendered: a length is clamped to the block table's capacity, a page
+    index to the cache where it picks rows (loaded a step before, clamped in the step that uses it: no min/max right
+    after the table's load), keys past a sequence's end masked in the byte and scale loads."""
+    from fagen.codegen.render import render
+
+    src = render(spec()).source
+    assert "seq_len = gl.minimum(gl.maximum(gl.load(Seqlens + b), 0), bt_width * PAGE)" in src
+    assert "pg_next = gl.minimum(gl.maximum(pg_raw, 0), num_pages - 1)" in src
+    first = "gl.minimum(gl.maximum(_page_raw(BlockTable, bt_row, k_lo, n_blocks > 0, PAGE, PAGED), 0), num_pages - 1)"
+    assert first in src
+    assert "return gl.load(BlockTable + bt_row + start // PAGE, mask=ok_block, other=0)" in src
+    assert "ok = ((start + r < seq_len) & ok_block)[:, None]" in src and src.count("mask=ok, other=0)") == 9
+    assert src.count("< seq_len) & ok_n, other=0.0)") == 2  # the next block's per-token scales
+    # a program's rows past Hq x Sq are never stored
+    assert src.count("mask=real)") == 16 and src.count("mask=nr < ROWS)") == 2
+
+
+_MERGE = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import torch
+import fagen
+
+mod = fagen.load(fagen.KernelSpec(head_dim=576, head_dim_v=512, shared_kv=True, kind="decode", gqa=8,
+                                  dtype="bf16", mask="causal", layout="paged", backend="gluon", kv_dtype="fp8_e4m3"))
+b, ns, rows, dv = 2, 3, 24, 32
+""" + MERGE_CASE + """
+mod._merge[((rows + 15) // 16, b)](part_o, part_lse, out, lse, ROWS=rows, NUM_SPLITS=ns, BLOCK_R=16, DV_=dv)
+""" + MERGE_SAVE
+
+
+@pytest.mark.skipif(ON_GPU, reason="the interpreter")
+def test_merge_is_the_log_sum_exp_rule_with_rows_not_a_multiple_of_16(tmp_path):
+    """24 rows (a program of 16 and one of 8 real rows): the masked rows are neither read nor written."""
+    path = tmp_path / "merge.pt"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "FAGEN_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-c", _MERGE, str(ROOT), str(path)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    merge_matches_float64(torch.load(path))
+
+
+_SCRIPT = r"""
+import json, os, re, sys
+sys.path.insert(0, sys.argv[1])
+sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
+import fagen
+from sm90 import loops, ptxas
+
+from fagen import backends
+from fagen.codegen.render import render
+from fagen.runtime.loader import load_source
+
+out = {}
+for key, (layout, gqa, kw) in json.loads(sys.argv[2]).items():
+    spec = fagen.KernelSpec(head_dim=576, head_dim_v=512, shared_kv=True, kind="decode", gqa=gqa, dtype="bf16",
+                            mask="causal", layout=layout, backend="gluon", kv_dtype="fp8_e4m3")
+    var = kw.pop("variant", None)  # the variant's fp8lat_* keys ([Note] Lazy block max, [Note] Early first block)
+    if var:
+        keep = backends.GLUON.variant
+        backends.GLUON.variant = {**keep, **var}
+        render.cache_clear()
+        mod = load_source(render(spec).source, f"{spec.name}_{key}")
+        backends.GLUON.variant = keep
+        render.cache_clear()
+        assert mod.LAZY == var.get("fp8lat_lazy", 0)
+    else:
+        mod = fagen.load(spec)
+    ck = mod.compile_for(**kw)
+    ptx = ck.asm["ptx"]
+    res, log, _ = ptxas(ptx)
+    res = next(iter(res.values()))
+    body = loops(ptx, 8)
+    out[key] = dict(shared=ck.metadata.shared, spills=res.spill_stores + res.spill_loads, stack=res.stack,
+                    registers=res.registers, serialized="C7514" in log or "C7515" in log,
+                    wgmma=[b.count("wgmma.mma_async") for b in body], bars=[b.count("bar.sync") for b in body])
+print("RESULT " + json.dumps(out))
+"""
+BUILDS = {"paged_token": ("paged", 16, dict()), "paged_tensor": ("paged", 16, dict(scales=0)),
+          "paged_head_split": ("paged", 16, dict(scales=1, num_splits=3)),
+          "paged_token_invariant": ("paged", 16, dict(invariant=True)),
+          "dense_head": ("dense", 16, dict(scales=1, num_splits=2)), "dense_token": ("dense", 16, dict()),
+          "h8_sq2": ("paged", 8, dict(seq_q=2)), "h128_sq2": ("paged", 128, dict(seq_q=2, scales=0)),
+          "paged_token_lazy6": ("paged", 16, dict(variant={"fp8lat_lazy": 6})),
+          "paged_tensor_lazy6": ("paged", 16, dict(variant={"fp8lat_lazy": 6}, scales=0)),
+          "paged_token_early": ("paged", 16, dict(variant={"fp8lat_early_fetch": 1}))}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    return build_sm90(tmp_path_factory, _SCRIPT, BUILDS, "gluon-mla-decode-fp8-product")
+
+
+@pytest.mark.skipif(ON_GPU, reason="sm_90 builds on the CPU")
+@pytest.mark.parametrize("key", list(BUILDS))
+def test_builds_two_programs_an_sm_without_spills(built, key):
+    """The key loop: 68 asynchronous wgmma a block (36 k-steps of S^T with K from registers, 32 of O^T), 4 CTA
+    barriers; no spill; two programs an SM (shared memory and registers); the spec's formula bounds the build."""
+    r = built[key]
+    assert r["spills"] == 0 and r["stack"] == 0 and not r["serialized"], r
+    assert 2 * r["shared"] <= 227 * 1024 and 2 * 128 * r["registers"] <= 65536, r
+    assert r["shared"] <= backends.smem_bytes(spec()), r
+    assert set(r["wgmma"]) == {68} and set(r["bars"]) == {4}, r  # lazy: the loop's body in two branches
+
+
+def _sm90():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and hopper.gluon_missing() is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU and triton's Gluon Hopper API")
+@pytest.mark.parametrize("form, splits, invariant, hq, sq", [
+    ("token", None, False, 16, 1), ("token", 3, False, 16, 1), ("tensor", 1, False, 16, 1), ("head", None, True, 16, 1),
+    ("token", None, False, 16, 3), ("tensor", None, False, 8, 2)])
+def test_gpu_against_float64(form, splits, invariant, hq, sq):
+    """Ragged lengths (odd, one empty, NaN past each end in shuffled pages, in the bytes and the per-token scales)
+    against float64 on the dequantized cache."""
+    from fagen.verify import reference
+    lens, page = [1000, 77, 0, 513, 64], 64
+    gen = torch.Generator().manual_seed(sq)
+    width = -(-max(lens) // page)
+    pages = len(lens) * width + 3
+    q = torch.randn(len(lens), hq, sq, D, generator=gen).bfloat16().cuda()
+    cache = torch.randn(pages, page, 1, D, generator=gen).to(torch.float8_e4m3fn)
+    scales = {"token": torch.exp2(torch.rand(pages, page, 1, generator=gen) * 6 - 3), "tensor": 0.7,
+              "head": torch.tensor([1.3])}[form]
+    table = torch.randperm(pages, generator=gen)[:len(lens) * width].int().view(len(lens), width)
+    for i, n in enumerate(lens):
+        for p in range(width):
+            if n - p * page < page:
+                cache.view(torch.uint8)[table[i, p], max(0, n - p * page):] = 0x7F
+                if form == "token":
+                    scales[table[i, p], max(0, n - p * page):] = float("nan")
+    scales = scales.cuda() if isinstance(scales, torch.Tensor) else scales
+    cache, table, seqlens = cache.cuda(), table.cuda(), torch.tensor(lens, dtype=torch.int32).cuda()
+    mod = fagen.load(spec(gqa=hq))
+    kw = dict(block_table=table, seqlens_k=seqlens, scale=0.07, k_scale=scales)
+    out, lse = (mod.forward_split(q, cache, None, num_splits=splits, **kw) if splits
+                else mod.forward(q, cache, None, batch_invariant=invariant, **kw))
+    keys_all = reference.dequantize(cache, scales, head_dim_axis=2)
+    for i, n in enumerate(lens):
+        if n == 0:
+            assert (out[i] == 0).all() and (lse[i] == float("-inf")).all()
+            continue
+        keys = keys_all[table[i].long()].reshape(-1, 1, D)[:n].transpose(0, 1)[None]
+        want, wlse = reference.attention(q[i:i + 1].double(), keys, None, head_dim_v=DV, mask="causal", scale=0.07)
+        torch.testing.assert_close(out[i:i + 1].double(), want, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(lse[i:i + 1].double(), wlse, atol=1e-3, rtol=1e-3)

@@ -11,6 +11,7 @@ import statistics
 import pytest
 import torch
 
+from _env import ON_GPU
 from fagen.bench import timing
 
 
@@ -101,6 +102,8 @@ def test_measure_on_the_cpu_ignores_the_flush(monkeypatch):
     assert ms >= 0 and seen[:4] == [0, 1, 2, 0]
 
 
+@pytest.mark.skipif(ON_GPU, reason="the CPU form: fagen's kernels on CPU tensors through the interpreter, which a GPU "
+                    "process does not use (on a GPU `fagen bench --suite serving` runs the copy column)")
 def test_copy_reference_runs_where_a_target_names_it_and_is_no_peer(tmp_path):
     """[Note] Copy reference (fagen/bench/impls.py): the fp8 decode rows whose target is a share of the copy run it
     beside fagen, on the row's bytes (half read, half written) and the row's input sets, timed by the same measure;

@@ -112,10 +112,10 @@ def test_vt_in_kernel_builds_and_stores_vt_by_stmatrix(built, key):
     """ptxas (sm_90): no spill (the producer's warps at 32 registers beside consumers at 240 / 232), the
     Vt writes as stmatrix (4 per 32 keys, two copies of _vt_put) and never as 16-bit or byte stores (a thread's
     keys 4j..4j+3 instead of bits 0 and 3 of the key: 128 st.shared.b16 in the build), no shuffle beyond the product's,
-    the 32 KB of row buffers within sm_90's shared memory."""
+    the 32 KB of row buffers within sm_90's shared memory (beside the product's 2-slot K/V ring since 84e83fe)."""
     r = built[key]
     assert r["stmatrix"] >= 8 and r["narrow"] == 0, r
     assert r["spills"] == 0 and r["stack"] == 0, r
     assert 32 in r["maxnreg"], r
     assert r["shfl"] <= 36 * 2, r
-    assert 229000 < r["shared"] <= 232448, r
+    assert 160000 < r["shared"] <= 232448, r  # the 2-slot ring (84e83fe) plus the 32 KB of row buffers

@@ -203,7 +203,7 @@ def check_product():
     mod = module("default")
     i, j = torch.arange(333, device="cuda")[:, None], torch.arange(333, device="cuda")[None, :]
     launched, real = [], mod._fast_kv_bound
-    default = mod._BWD_BOUND_KERNEL is True and mod._BWD_BOUND_LOOP is False  # before any host() call
+    default = mod._BWD_BOUND_KERNEL is True and getattr(mod, "_BWD_BOUND_LOOP", False) is False  # before any host() call
 
     class Counted:
         def __getitem__(self, grid):

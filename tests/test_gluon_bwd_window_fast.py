@@ -93,28 +93,6 @@ def test_the_bound_kernel_is_the_plain_path_s_bound(b, hkv, sk, block):
     assert torch.isfinite(got[1:, 0]).all() and torch.isfinite(got[:-1, 1]).all()
 
 
-@pytest.mark.parametrize("b,hkv,sk,parts,block", [(2, 3, 333, 4, 32), (1, 2, 65, 32, 32), (1, 1, 200, 2, 16),
-                                                   (1, 2, 333, 1, 64)])
-def test_the_bound_kernel_s_loop(b, hkv, sk, parts, block):
-    """[Note] The bound kernel's loop: max|K| bit for bit the one-tile kernel's, the V norms to float32 rounding, over
-    parts of several tiles and rows off the tile; NaN in K or V gives +inf."""
-    mod = _module()
-    k, v = _kv(b, hkv, sk, sk + parts)
-    for nan in (False, True):
-        if nan:
-            k[0, 0, 3, 7], v[-1, -1, sk - 1, 0] = float("nan"), float("nan")
-        chunk = -(-(-(-sk // parts)) // block) * block
-        got, want = torch.zeros(b * hkv * 2), torch.zeros(b * hkv * 2)
-        mod._bwd_kv_bound_loop[(triton.cdiv(sk, chunk), b * hkv)](k, v, got, sk, chunk, HEAD_DIM=128, BLOCK=block)
-        mod._bwd_kv_bound_rows[(triton.cdiv(sk, 64), b * hkv)](k, v, want, sk, HEAD_DIM=128, BLOCK=64)
-        got, want = got.view(-1, 2), want.view(-1, 2)
-        assert torch.equal(got[:, 0], want[:, 0]), (got, want)
-        torch.testing.assert_close(got[:, 1], want[:, 1], rtol=1e-6, atol=0)
-        if nan:
-            assert got[0, 0] == float("inf") and got[-1, 1] == float("inf")
-            assert torch.isfinite(got[1:, 0]).all() and torch.isfinite(got[:-1, 1]).all()
-
-
 @pytest.fixture
 def window_fast(monkeypatch):
     """(module, fakes) of the product's window render with fast launches and its kernels faked."""

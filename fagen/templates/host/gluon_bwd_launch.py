@@ -90,8 +90,6 @@ _BWD_BOUND_KERNEL = True
 # the bound kernel's rows a program and warps (H100, K and V of B1 H16 S8192 d128 bf16, 64 MB: 64 / 4 0.036-0.039 ms;
 # 32/4 0.038, 64/8 0.039, 128/8 0.040, 32/2 and 16/2 0.041: none moves it, about 1.7 TB/s; eleventh session)
 _BWD_BOUND_ROWS, _BWD_BOUND_WARPS = 64, 4
-_BWD_BOUND_LOOP = False  # [Note] The bound kernel's loop (off until measured)
-_BWD_LOOP_PARTS, _BWD_LOOP_ROWS, _BWD_LOOP_WARPS = 32, 32, 4  # its programs a KV head, rows a tile, warps
 # [Note] Switches on the fast backward path: a window render with the qmul rows by TMA (the product's, variant
 # bwd_window) takes it in every mode (the eleventh session's window path, merged into this one in the twelfth)
 _BWD_WINDOW_FAST = True
@@ -180,42 +178,6 @@ def _bwd_kv_bound_rows(K, V, KVB, seq_k, HEAD_DIM: tl.constexpr, BLOCK: tl.const
     tl.atomic_max(KVB + bh * 2 + 1, vmax)
 
 
-@triton.jit
-def _max_nan(a, b):
-    """max(a, b), NaN where either is ([Note] The bound kernel's loop)."""
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-# [Note] The bound kernel's loop (twelfth session, _BWD_BOUND_LOOP, off until round B times it). _bwd_kv_bound_rows
-# reduces every [BLOCK, D] tile of K and V to two scalars through shared memory, one tile a program (the H100 runs it
-# at ~1.7 TB/s, 0.037-0.042 ms for the 64 MB of the mods bench's window). Here a program of (batch, KV head) bh walks
-# `chunk` rows in tiles, keeping the elementwise maxima of |K| and of the rows' sums of squares in registers (NaN
-# carried by NaN-propagating maxima, no counts), and reduces once at its end; PARTS programs a KV head. The maxima are
-# the same values; a row's sum of squares may round differently in another tile shape, so KVB's V norm (and a unit
-# where it sits at a power of two) may differ from the other kernel's in the last bit.
-@triton.jit
-def _bwd_kv_bound_loop(K, V, KVB, seq_k, chunk, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
-    """KVB[bh] = max(KVB[bh], (max|K|, max_j |V_j|_2)) over rows [chunk * program, + chunk) of head bh = program 1
-    ([Note] The bound kernel's loop); NaN counts as +inf."""
-    p = tl.program_id(0)
-    bh = tl.program_id(1)
-    cols = tl.arange(0, HEAD_DIM)
-    kacc = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
-    vacc = tl.zeros([BLOCK], tl.float32)
-    for r in range(0, chunk, BLOCK):
-        rows = p * chunk + r + tl.arange(0, BLOCK)
-        offs = bh.to(tl.int64) * seq_k * HEAD_DIM + rows[:, None] * HEAD_DIM + cols[None, :]
-        inside = rows[:, None] < seq_k
-        k = tl.abs(tl.load(K + offs, mask=inside, other=0.0).to(tl.float32))
-        v = tl.load(V + offs, mask=inside, other=0.0).to(tl.float32)
-        kacc = _max_nan(kacc, k)
-        vacc = _max_nan(vacc, tl.sum(v * v, 1))
-    kmax = tl.reduce(tl.reduce(kacc, 1, _max_nan), 0, _max_nan)
-    vmax = tl.reduce(vacc, 0, _max_nan)
-    tl.atomic_max(KVB + bh * 2, tl.where(kmax != kmax, float("inf"), kmax))
-    tl.atomic_max(KVB + bh * 2 + 1, tl.where(vmax != vmax, float("inf"), tl.sqrt(vmax)))
-
-
 def _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, qk_scale=None, extra=()):
     """_run_backward's launches through the fast path ([Note] Gluon backward host path), on dense, aligned,
     non-empty inputs. qk_scale, extra: as _run_backward's (the score switches' values; [Note] Switches on the fast
@@ -228,11 +190,7 @@ def _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, qk_sca
     rows = delta
     if dq_mode == 2:  # an int32 accumulator (zeroed float32 bits are int32 zeros), the rows' qmul in Sem
         dq_acc, sem, rows = dq_acc.view(torch.int32), qmul, dm if BWD_FIXED_TMA else delta
-        if _BWD_BOUND_LOOP:  # [Note] The bound kernel's loop
-            chunk = -(-(-(-sk // _BWD_LOOP_PARTS)) // _BWD_LOOP_ROWS) * _BWD_LOOP_ROWS
-            _fast_kv_bound_loop[(-(-sk // chunk), b * k.shape[1])](k, v, kvb, sk, chunk, HEAD_DIM=HEAD_DIM,
-                                                                  BLOCK=_BWD_LOOP_ROWS, num_warps=_BWD_LOOP_WARPS)
-        elif _BWD_BOUND_KERNEL:  # [Note] The bound kernel: K's own heads, as the preprocess reads KVB
+        if _BWD_BOUND_KERNEL:  # [Note] The bound kernel: K's own heads, as the preprocess reads KVB
             _fast_kv_bound[(-(-sk // _BWD_BOUND_ROWS), b * k.shape[1])](k, v, kvb, sk, HEAD_DIM=HEAD_DIM,
                                                                        BLOCK=_BWD_BOUND_ROWS,
                                                                        num_warps=_BWD_BOUND_WARPS)
@@ -288,4 +246,3 @@ def _bwd_host(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, *more, **option
 
 
 _fast_kv_bound = _fast(_bwd_kv_bound_rows)
-_fast_kv_bound_loop = _fast(_bwd_kv_bound_loop)

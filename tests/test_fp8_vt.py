@@ -118,4 +118,4 @@ def test_vt_in_kernel_builds_and_stores_vt_by_stmatrix(built, key):
     assert r["spills"] == 0 and r["stack"] == 0, r
     assert 32 in r["maxnreg"], r
     assert r["shfl"] <= 36 * 2, r
-    assert 160000 < r["shared"] <= 232448, r  # the 2-slot ring (84e83fe) plus the 32 KB of row buffers
+    assert 164000 < r["shared"] <= 166000, r  # the 2-slot ring (84e83fe) plus the 32 KB of row buffers: 164.3-164.4 KB

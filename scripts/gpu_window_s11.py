@@ -108,6 +108,7 @@ def api_gluon():
 
     from fagen.runtime import loader
     from fagen.runtime.device import gpu_arch
+    from fagen.codegen.render import render_state
 
     backends.GLUON.bwd_selected_switches = ((), ("window",))
     hopper._bwd_twin.cache_clear()
@@ -116,7 +117,8 @@ def api_gluon():
     # the render as variant["bwd_window"] = LEVERS["ftma"] gives it, put where fagen.load finds it in this process
     # (fagen.load's render index on disk is keyed by the spec and fagen's files, not the variant: rendering through
     # it here would hand the lever's source to other processes of this run)
-    key = spec.for_arch(gpu_arch()).hash
+    spec = spec.for_arch(gpu_arch())
+    key = (spec.hash, render_state(spec))  # fagen.load's in-process memo keys on the variant too (thirteenth session)
     module = loader._loaded.get(key)
     if module is None or not hasattr(module, "_BWD_WINDOW_FAST"):
         module = loader._loaded[key] = gluon_module("ftma")

@@ -168,6 +168,23 @@ def test_the_render_memo_and_index_key_on_the_gluon_variant(seen, monkeypatch):
     assert f"CONSUMER_REGS = {regs - 8}\n" in codegen.render(gluon).source  # the memo holds both
 
 
+def test_fagen_load_s_module_memo_keys_on_the_gluon_variant(seen, monkeypatch):
+    """fagen.load's in-process memo (loader._loaded) serves the module rendered under the variant in force: a variant
+    set at run time gets its own module, and the default's module is served again once the default is back."""
+    from fagen import backends
+
+    gluon = fagen.KernelSpec(backend="gluon", head_dim=128, mask="causal", dtype="bf16")
+    regs = backends.GLUON.variant["consumer_regs"]
+    default = fagen.load(gluon)
+    assert default.CONSUMER_REGS == regs
+    monkeypatch.setitem(backends.GLUON.variant, "consumer_regs", regs - 8)
+    lever = fagen.load(gluon)
+    assert lever is not default and lever.CONSUMER_REGS == regs - 8
+    assert fagen.load(gluon) is lever
+    monkeypatch.setitem(backends.GLUON.variant, "consumer_regs", regs)
+    assert fagen.load(gluon) is default
+
+
 def test_a_first_call_without_gradient_loads_only_the_module_it_runs(seen, monkeypatch):
     """[Note] Forward-only first calls: where a forward twin serves (sm_90's forward tiles, here a CPU stand-in), the
     first call without gradient imports that one module, not the bwd module of the same mods; a call with gradients

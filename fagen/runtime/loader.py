@@ -17,7 +17,7 @@ from fagen.runtime.device import gpu_arch
 from fagen.runtime.modules import import_module
 from fagen.spec.kernel import KernelSpec
 
-_loaded: dict[str, ModuleType] = {}
+_loaded: dict[tuple[str, str], ModuleType] = {}  # (spec hash, render.render_state(spec)) -> module: see load()
 _lock = threading.Lock()
 
 
@@ -42,6 +42,8 @@ def load(spec: KernelSpec, build_dir: str | Path | None = None) -> ModuleType:
     With build_dir (the output of `fagen build` or `fagen compile`), its kernels launch the prebuilt cubins
     for the current GPU instead of compiling (see fagen/runtime/prebuilt.py). On a GPU, the launch fields the
     spec left unset take that GPU arch's defaults (KernelSpec.for_arch; the interpreter keeps the spec as it is).
+    The module is memoised in-process by the spec and the Gluon variant its render reads (render.render_state), as
+    the render memo and the render index are: a variant set at run time gets its own module.
     """
     if not isinstance(spec, KernelSpec):
         raise TypeError(f"load() takes a KernelSpec, got {type(spec).__name__}")
@@ -50,13 +52,14 @@ def load(spec: KernelSpec, build_dir: str | Path | None = None) -> ModuleType:
         from fagen.runtime import prebuilt
 
         return prebuilt.load(spec, Path(build_dir))
+    key = (spec.hash, codegen.render_state(spec))  # a module rendered under another Gluon variant is not this one's
     with _lock:
-        module = _loaded.get(spec.hash)
+        module = _loaded.get(key)
         if module is not None:
             return module
         path = source_path(spec).with_suffix(".py")  # a .cu source is imported through its launcher beside it
         module = import_module(path)
-        _loaded[spec.hash] = module
+        _loaded[key] = module
         return module
 
 

@@ -146,7 +146,21 @@ def stages_phase():
     _cprofile("after a flex call", fagen, torch, mm, bm, q, k, v)
 
 
-PHASES = {"stages": (stages_phase, 64)}
+def rows_phase():
+    """The suite's rows before document+causal (fagen only, forwards without gradient), then the row again."""
+    torch, fagen, M, shape, mm, bm, q, k, v, doc, fl = _setup()
+    _stage("fresh (2nd process)", torch, fagen, M, mm, bm, q, k, v, fl)
+    rows = {c[0]: c for c in M.cases(shape, "cuda")}
+    for name in ("relative-bias", "alibi", "softcap"):
+        _, sm, _, _ = rows[name]
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            ms = M._time(lambda: fagen.attention(q, k, v, score_mod=sm), "cuda", 50.0)
+        print(f"  ran {name} fwd ({ms * 1e3:.0f} us a call; {time.perf_counter() - t0:.1f} s)", flush=True)
+    _stage("after 3 rows' fwd", torch, fagen, M, mm, bm, q, k, v, fl)
+
+
+PHASES = {"stages": (stages_phase, 40), "rows": (rows_phase, 24)}
 
 
 def main():

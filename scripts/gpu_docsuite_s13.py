@@ -8,7 +8,8 @@ comes: fresh; after `import torch._dynamo` and configure_dynamo (what the suite'
 torch.compile'd flex_attention call ran (a small one). Each stage prints do_bench's median (the bench's number),
 the same with the garbage collector off, the CUDA kernels one call launches and their summed device time
 (torch.profiler), and the host time of one call (enqueued behind a GPU sleep, so the queue never waits on the GPU).
-A float64 check of the output (head 0) comes first.
+A float64 check of the output (head 0) comes first. A second phase runs the suite's three rows before the document
+row (fagen forwards without gradient) in a fresh process and times the row again.
 """
 
 from __future__ import annotations
@@ -90,10 +91,21 @@ def _stage(label, torch, fagen, M, mm, bm, q, k, v, fl):
             dev_us = sum(t for _, t in kern.values()) / 3
         except Exception as e:  # the timing lines still print
             print(f"  profiler failed: {type(e).__name__}: {e}", flush=True)
+    x = q[0, 0, :16]
+    t0 = time.perf_counter()
+    for _ in range(200):
+        torch.empty_like(x)
+        x.transpose(0, 0)
+    ops_us = (time.perf_counter() - t0) / 200 * 1e6
+    state = (f"two torch ops {ops_us:.2f} us; torch fn modes {torch._C._len_torch_function_stack()}, trace "
+             f"{sys.gettrace() is not None}, profile {sys.getprofile() is not None}, gc counts {gc.get_count()}, "
+             f"objects {len(gc.get_objects()) // 1000}k, allocated {torch.cuda.memory_allocated() >> 20} MB, "
+             f"reserved {torch.cuda.memory_reserved() >> 20} MB")
     names = "; ".join(f"{n[:60]} x{c // 3}" for n, (c, _) in sorted(kern.items(), key=lambda x: -x[1][1]))
     print(f"{label:<22} do_bench {ms * 1e3:7.1f} us {fl / ms / 1e9:5.0f} TF/s | gc off {ms_nogc * 1e3:7.1f} us "
           f"{fl / ms_nogc / 1e9:5.0f} TF/s | device {dev_us:7.1f} us | host {host_us:6.1f} us | lowered "
           f"{modded.LOWERED[0]} | kernels: {names}", flush=True)
+    print(f"  state: {state}", flush=True)
     return host_us
 
 

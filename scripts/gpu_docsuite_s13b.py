@@ -7,7 +7,7 @@ in a process in the suite's state.
 Phases (child processes with timeouts): "alone", a fresh process; "suite", a process that then imports Dynamo, runs
 a torch.compile'd flex_attention call and the suite's three rows before the document row (fagen forwards), as the
 mods suite's process has when it reaches the row. Each reading: the bench's _time (do_bench, L2 flushed, median)
-of the bench's document+causal forward (same mask_mod, block mask, inputs), DOCUMENT_FORWARD off and on alternated
+of the bench's document+causal forward (same mask_mod, block mask, inputs), DOCUMENT_FORWARD 0, 1, 2 alternated
 three times; the host time of a call (50 calls enqueued behind a GPU sleep, median of 3); the kernels' device time
 (torch.profiler). First, both paths against float64 (head 0) and against each other (bitwise).
 """
@@ -55,21 +55,21 @@ def _readings(label, torch, fagen, M, mm, bm, q, k, v, fl):
     from fagen.runtime import api
 
     call = lambda: fagen.attention(q, k, v, mask_mod=mm, block_mask=bm)  # noqa: E731
-    res = {False: [], True: []}
+    res = {0: [], 1: [], 2: []}
     with torch.no_grad():
-        for on in (False, True):
+        for on in res:
             api.DOCUMENT_FORWARD = on
             call()
         torch.cuda.synchronize()
         for _ in range(3):
-            for on in (False, True):
+            for on in res:
                 api.DOCUMENT_FORWARD = on
                 res[on].append(M._time(call, "cuda", 100.0))
-    for on in (False, True):
+    for on in res:
         api.DOCUMENT_FORWARD = on
         host, dev = _host(torch, call), _device(torch, call)
         ms = res[on]
-        print(f"{label:<6} DOCUMENT_FORWARD={'on ' if on else 'off'} do_bench "
+        print(f"{label:<6} DOCUMENT_FORWARD={on} do_bench "
               f"{' / '.join(f'{x * 1e3:.1f}' for x in ms)} us = {' / '.join(f'{fl / x / 1e9:.0f}' for x in ms)} TF/s "
               f"| host {host:.1f} us a call | device {dev:.1f} us", flush=True)
 
@@ -78,13 +78,13 @@ def _checks(torch, fagen, mm, bm, q, k, v, doc):
     from fagen.runtime import api
 
     outs = []
-    for on in (False, True):
+    for on in (0, 1, 2):
         api.DOCUMENT_FORWARD = on
         print(f"DOCUMENT_FORWARD={on}: ", end="", flush=True)
         a._check(torch, fagen, mm, bm, q, k, v, doc)
         with torch.no_grad():
             outs.append(fagen.attention(q, k, v, mask_mod=mm, block_mask=bm))
-    print(f"off and on bitwise equal: {torch.equal(*outs)}", flush=True)
+    print(f"modes 0, 1, 2 bitwise equal: {torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])}", flush=True)
 
 
 def alone_phase():

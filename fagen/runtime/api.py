@@ -286,8 +286,8 @@ def _as_switches(q, k, v, mask, score_mod, mask_mod, block_mask, window, softcap
 # of 177 us by torch.profiler, by the process's state (the suite's 161 TF/s against 270 alone; see docs/mods.md,
 # "The document row in the suite (thirteenth session)"). Without gradients the split's call goes straight to the
 # varlen module's forward(): no second pass through fagen.attention, no autograd node. DOCUMENT_FORWARD: on where
-# the GPU showed it (docs/mods.md).
-DOCUMENT_FORWARD = False
+# the GPU showed it (docs/mods.md); 2: also past forward()'s checks of the runs (fagen's own), to its launch.
+DOCUMENT_FORWARD = 0
 
 
 def _document_forward(q, k, v, runs, scale, check):
@@ -296,8 +296,12 @@ def _document_forward(q, k, v, runs, scale, check):
     cu, longest = runs
     q, k, v = q.squeeze(0).transpose(0, 1), k.squeeze(0).transpose(0, 1), v.squeeze(0).transpose(0, 1)
     module = resolve_varlen(q, k, v, "causal")
-    out = module.forward(q, k, v, scale=scale, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
-                         max_seqlen_k=longest, check=check)[0]
+    if DOCUMENT_FORWARD == 2 and not check:  # the runs are ours (int32 on q's device, T[:S]'s bounds): q, k, v checked
+        module._check_qkv(q, k, v)
+        out = module._launch_forward(q, k, v, module._check_scale(scale), cu, cu, None, longest, longest)[0]
+    else:
+        out = module.forward(q, k, v, scale=scale, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
+                             max_seqlen_k=longest, check=check)[0]
     return out.transpose(0, 1).unsqueeze(0)
 
 

@@ -115,7 +115,7 @@ def suite_phase():
     _readings("suite", torch, fagen, M, mm, bm, q, k, v, fl)
 
 
-PHASES = {"alone": (alone_phase, 20), "suite": (suite_phase, 44)}
+PHASES = {"alone": (alone_phase, 24), "suite": (suite_phase, 42)}
 
 
 def main():

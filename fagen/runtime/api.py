@@ -86,8 +86,8 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
                 deterministic=deterministic)
         mask, window, softcap, alibi_slopes, split = plain  # the mods were built-in switches: their call's path
         if split is not None:  # switch calls on views (fagen/mods/split.py: dilated windows, prefix rows, documents)
-            if split[0] == "document" and DOCUMENT_FORWARD and window is softcap is alibi_slopes is sinks is None and not (
-                    torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+            if split[0] == "document" and DOCUMENT_FORWARD and window is softcap is alibi_slopes is sinks is None \
+                    and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
                 return _document_forward(q, k, v, split[1], scale, check)  # [Note] Document forward's host path
             from fagen.mods.split import run_split
 

@@ -287,8 +287,9 @@ def test_packed_documents_without_gradients_go_straight_to_the_varlen_forward(mo
     q, k, v, do = _qkv(1, 4, 2, sum(lengths))  # GQA
     mm = g.generate_doc_mask_mod(g.causal_mask, _docs(lengths))
     bm = fagen.create_block_mask(mm, None, None, q.shape[2], q.shape[2], device=DEVICE, block_size=16)
+    monkeypatch.setattr(api, "DOCUMENT_FORWARD", 0)
     with torch.no_grad():
-        before = fagen.attention(q, k, v, mask_mod=mm, block_mask=bm)  # DOCUMENT_FORWARD as it is: the split's path
+        before = fagen.attention(q, k, v, mask_mod=mm, block_mask=bm)  # the split's path
     monkeypatch.setattr(api, "DOCUMENT_FORWARD", mode)
     views = [t.squeeze(0).transpose(0, 1) for t in (q, k, v)]
     module = api.resolve_varlen(*views, "causal")

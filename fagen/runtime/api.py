@@ -287,7 +287,7 @@ def _as_switches(q, k, v, mask, score_mod, mask_mod, block_mask, window, softcap
 # "The document row in the suite (thirteenth session)"). Without gradients the split's call goes straight to the
 # varlen module's forward(): no second pass through fagen.attention, no autograd node. DOCUMENT_FORWARD: on where
 # the GPU showed it (docs/mods.md); 2: also past forward()'s checks of the runs (fagen's own), to its launch.
-DOCUMENT_FORWARD = 0
+DOCUMENT_FORWARD = 2
 
 
 def _document_forward(q, k, v, runs, scale, check):

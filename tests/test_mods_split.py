@@ -273,3 +273,45 @@ def test_packed_documents_with_a_softcap_split_with_gradients(monkeypatch):
     ref = (ref, *torch.autograd.grad(ref, leaves, do.double()))
     for a, b in zip(got, ref):
         assert (a.double() - b).abs().max().item() < 4 * TOL[torch.float32]
+
+
+@pytest.mark.parametrize("mode", [1, 2])
+def test_packed_documents_without_gradients_go_straight_to_the_varlen_forward(mode, monkeypatch):
+    """[Note] Document forward's host path (fagen/runtime/api.py): with DOCUMENT_FORWARD on, a call without
+    gradients runs the varlen module's forward (mode 2: its launch) once, not run_split's second pass through
+    fagen.attention nor the module's autograd Function; the same bits as the split's path, float64's values; with
+    gradients the split's path as before."""
+    from fagen.runtime import api
+
+    lengths = [7, 30, 1, 13]  # runs and total (51) off the blocks
+    q, k, v, do = _qkv(1, 4, 2, sum(lengths))  # GQA
+    mm = g.generate_doc_mask_mod(g.causal_mask, _docs(lengths))
+    bm = fagen.create_block_mask(mm, None, None, q.shape[2], q.shape[2], device=DEVICE, block_size=16)
+    monkeypatch.setattr(api, "DOCUMENT_FORWARD", 0)
+    with torch.no_grad():
+        before = fagen.attention(q, k, v, mask_mod=mm, block_mask=bm)  # the split's path
+    monkeypatch.setattr(api, "DOCUMENT_FORWARD", mode)
+    views = [t.squeeze(0).transpose(0, 1) for t in (q, k, v)]
+    module = api.resolve_varlen(*views, "causal")
+    calls = []
+
+    def refuse(*args, **kw):
+        raise AssertionError("the split's path ran without gradients")
+
+    def counted(name):
+        real = getattr(module, name)
+        return lambda *args, **kw: (calls.append(name), real(*args, **kw))[1]
+    monkeypatch.setattr(split, "run_split", refuse)
+    monkeypatch.setattr(module, "attention", refuse)
+    monkeypatch.setattr(module, "forward", counted("forward"))
+    monkeypatch.setattr(module, "_launch_forward", counted("_launch_forward"))
+    with torch.no_grad():
+        got = fagen.attention(q, k, v, mask_mod=mm, block_mask=bm)
+    assert modded.LOWERED[0] == "documents+causal"
+    assert calls == (["forward"] if mode == 1 else ["_launch_forward"])
+    assert got.shape == q.shape and torch.equal(got, before)
+    ref = reference.attention(q.detach().double(), k.detach().double(), v.detach().double(), mask_mod=mm)[0]
+    assert (got.double() - ref).abs().max().item() < TOL[torch.float32]
+    monkeypatch.undo()
+    monkeypatch.setattr(api, "DOCUMENT_FORWARD", mode)  # with gradients: the split's path and its autograd
+    _grads_agree(q, k, v, do, mm, "documents+causal", monkeypatch)

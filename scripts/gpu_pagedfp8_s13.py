@@ -34,6 +34,7 @@ PHASES = {"check": 24, "time": 38} if not DRY else {"check": 1800, "time": 1800}
 if os.environ.get("GPU_PAGEDFP8_S13_PHASES"):  # "name:seconds,..."
     PHASES = {n: float(t) for n, t in (p.split(":") for p in os.environ["GPU_PAGEDFP8_S13_PHASES"].split(","))}
 PASSES = 1 if DRY else 3
+ORDERED = os.environ.get("GPU_PAGEDFP8_S13_ORDERED", "1") == "1"  # time the default on its pages in order too
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONST = [("\nPAGED_CONST_PAGE = 0\n", "\nPAGED_CONST_PAGE = 1\n")]
 ONCE = CONST + [("PAGE_ONCE = tl.constexpr(False)", "PAGE_ONCE = tl.constexpr(True)")]
@@ -182,6 +183,14 @@ def time_phase():  # noqa: C901 - one phase
             emit("time", row.name, name, "-", None, f"ERROR {type(e).__name__}: {str(e)[:200]}")
         finally:
             loader.load = real_load
+    if "default" in entries and ORDERED:  # the same pages read in order: each table row sorted (no check: other keys)
+        import dataclasses
+        srt = [dataclasses.replace(s, paged={**s.paged, "block_table": s.paged["block_table"].sort(1)[0].contiguous()})
+               for s in cc.sets]
+        p0 = entries["default"][2]
+        entries["default, pages in order"] = ([lambda s=s: p0.fn(s) for s in srt], "not checked (other keys)",
+                                              dataclasses.replace(p0, fn=lambda s, m={id(a): b for a, b in
+                                                                                     zip(cc.sets, srt)}: p0.fn(m[id(s)])))
     cp = impls.prepare_copy(row, cc)
     entries["copy"] = ([lambda s=s: cp.fn(s) for s in cc.sets], "copy of the row's bytes", cp)
 

@@ -30,7 +30,7 @@ from _phases import child_env, run_phase as run_child  # noqa: E402
 DRY = os.environ.get("GPU_PAGEDFP8_S13_DRY") == "1"
 if DRY:
     os.environ.setdefault("TRITON_INTERPRET", "1")
-PHASES = {"check": 24, "time": 38} if not DRY else {"check": 1800, "time": 1800}
+PHASES = {"check": 26, "time": 38} if not DRY else {"check": 1800, "time": 1800}
 if os.environ.get("GPU_PAGEDFP8_S13_PHASES"):  # "name:seconds,..."
     PHASES = {n: float(t) for n, t in (p.split(":") for p in os.environ["GPU_PAGEDFP8_S13_PHASES"].split(","))}
 PASSES = 1 if DRY else 3
@@ -40,7 +40,8 @@ CONST = [("\nPAGED_CONST_PAGE = 0\n", "\nPAGED_CONST_PAGE = 1\n")]
 ONCE = CONST + [("PAGE_ONCE = tl.constexpr(False)", "PAGE_ONCE = tl.constexpr(True)")]
 T = lambda n, w, s: dict(block_n=n, num_warps=w, num_stages=s)  # noqa: E731
 CANDS = {"default": ([], {}), "const": (CONST, {}), "const once": (ONCE, {}),
-         "const once n128w8s4": (ONCE, T(128, 8, 4))}
+         "const once n128w8s4": (ONCE, T(128, 8, 4)),
+         "early2": ([("PAGED_EARLY = tl.constexpr(0)", "PAGED_EARLY = tl.constexpr(2)")], {})}
 if os.environ.get("GPU_PAGEDFP8_S13_CANDS"):
     CANDS = {k: CANDS[k] for k in os.environ["GPU_PAGEDFP8_S13_CANDS"].split(",")}
 

@@ -23,6 +23,7 @@ import os
 import statistics
 import sys
 import time
+import zlib
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/, for _phases
 from _phases import child_env, run_phase as run_child  # noqa: E402
@@ -73,7 +74,7 @@ def module(name, spec=None):
             if old not in src:
                 raise RuntimeError(f"{old!r} not in the render")
             src = src.replace(old, new)
-        _MODS[key] = load_source(src, f"{spec.name}_s13_{abs(hash(name)) % 10**8}")
+        _MODS[key] = load_source(src, f"{spec.name}_s13_{zlib.crc32(name.encode()):08x}")  # stable across phases
     return _MODS[key]
 
 

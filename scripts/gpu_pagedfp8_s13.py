@@ -34,15 +34,22 @@ if DRY:
 PHASES = {"check": 26, "time": 38} if not DRY else {"check": 1800, "time": 1800}
 if os.environ.get("GPU_PAGEDFP8_S13_PHASES"):  # "name:seconds,..."
     PHASES = {n: float(t) for n, t in (p.split(":") for p in os.environ["GPU_PAGEDFP8_S13_PHASES"].split(","))}
-PASSES = 1 if DRY else 3
+PASSES = 1 if DRY else (3 if os.environ.get("GPU_PAGEDFP8_S13_ROUND", "B") == "A" else 4)
 ORDERED = os.environ.get("GPU_PAGEDFP8_S13_ORDERED", "1") == "1"  # time the default on its pages in order too
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONST = [("\nPAGED_CONST_PAGE = 0\n", "\nPAGED_CONST_PAGE = 1\n")]
 ONCE = CONST + [("PAGE_ONCE = tl.constexpr(False)", "PAGE_ONCE = tl.constexpr(True)")]
 T = lambda n, w, s: dict(block_n=n, num_warps=w, num_stages=s)  # noqa: E731
-CANDS = {"default": ([], {}), "const": (CONST, {}), "const once": (ONCE, {}),
-         "const once n128w8s4": (ONCE, T(128, 8, 4)),
-         "early2": ([("PAGED_EARLY = tl.constexpr(0)", "PAGED_EARLY = tl.constexpr(2)")], {})}
+ROUND = os.environ.get("GPU_PAGEDFP8_S13_ROUND", "B")
+if ROUND == "A":
+    CANDS = {"default": ([], {}), "const": (CONST, {}), "const once": (ONCE, {}),
+             "const once n128w8s4": (ONCE, T(128, 8, 4)),
+             "early2": ([("PAGED_EARLY = tl.constexpr(0)", "PAGED_EARLY = tl.constexpr(2)")], {})}
+else:  # round B: 64-key tiles at 4 warps (the ninth session's round A: n64s4 won at b32 page 16, never timed
+    # against the m64n128w8s3 default since), the constant page size with them, 3 and 5 stages
+    CANDS = {"default": ([], {}), "const once": (ONCE, {}), "n64w4s4": ([], T(64, 4, 4)),
+             "n64w4s4 const once": (ONCE, T(64, 4, 4)), "n64w4s3": ([], T(64, 4, 3)),
+             "n64w4s5": ([], T(64, 4, 5))}
 if os.environ.get("GPU_PAGEDFP8_S13_CANDS"):
     CANDS = {k: CANDS[k] for k in os.environ["GPU_PAGEDFP8_S13_CANDS"].split(",")}
 

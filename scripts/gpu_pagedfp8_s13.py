@@ -13,7 +13,10 @@ comma-separated subset). Phases, each a child process with a timeout:
 2. time: the serving bench's paged row (its make_inputs sets, its float64 check, prepare_fagen with the candidate's
    module in place of fagen.load) and its copy reference (prepare_copy), each timed by fagen.bench.timing.measure
    under L2_FLUSH "loop" (the bench's default for this row) and back to back, PASSES passes, order rotated; medians;
-   fagen / copy.
+   fagen / copy. Then b128 kv8k page 16 and b32 kv8k page 64 (one set each, back to back beside a copy of the
+   same bytes; no bench check there: the check phase covers the candidates' values).
+Round A (GPU_PAGEDFP8_S13_ROUND=A): the constant page size, once a page, n128w8s4, the early prefetch; round B (the
+default): the 64-key tiles at 4 warps.
 """
 
 from __future__ import annotations
@@ -241,6 +244,44 @@ def time_phase():  # noqa: C901 - one phase
         emit("time", row.name, name, f"{nb / ml / 1e6:.0f} GB/s", ml,
              f"loop fagen/copy {cl / ml:.3f} (passes {[round(cl / x, 3) for x in res[(name, 'loop')]]}); "
              f"b2b {mb:.4f} ms {cb / mb:.3f}; {entries[name][1]}")
+    # other paged shapes, back to back only (one set; no bench check: the check phase covers the candidates' values)
+    from fagen.bench.workloads import make_case
+    extra = [("b128 kv8k page16", dict(batch=128, seq_k=8192, page_size=16)),
+             ("b32 kv8k page64", dict(batch=32, seq_k=8192, page_size=64))]
+    if DRY:
+        extra = [(label, dict(kw, batch=2, seq_k=256)) for label, kw in extra]
+    for label, kw in extra:
+        if time.time() - T0 > PHASES["time"] - 8:
+            emit("time", label, "-", "-", None, "skipped: time budget")
+            continue
+        try:
+            case = make_case(f"paged-{label.replace(' ', '-')}", head_dim=128, mask="none", heads_q=32, heads_kv=8,
+                             seq_q=1, kv_dtype="fp8_e4m3", peers=False, **kw)
+            ec = CaseContext(case, dev, 1)
+            eb = kv_bytes(case)
+            src, dst = torch.empty(eb // 2, dtype=torch.uint8, device=dev), torch.empty(eb // 2, dtype=torch.uint8,
+                                                                                        device=dev)
+            calls = {"copy": lambda: dst.copy_(src)}
+            for name in CANDS:
+                loader.load = lambda spec, name=name: module(name, spec)
+                try:
+                    pe = impls.prepare_fagen(case, ec)
+                finally:
+                    loader.load = real_load
+                calls[name] = lambda pe=pe: pe.fn(ec.sets[0])
+            got = {}
+            with torch.no_grad():
+                for p in range(2):
+                    for name in list(calls)[p:] + list(calls)[:p]:
+                        got.setdefault(name, []).append(b2b([calls[name]], 12))
+            c = statistics.median(got["copy"])
+            for name in CANDS:
+                m = statistics.median(got[name])
+                emit("time", label, name, f"{eb / m / 1e6:.0f} GB/s", m, f"b2b fagen/copy {c / m:.3f} "
+                     f"(copy {c:.4f} ms, {eb / 1e6:.0f} MB)")
+            del ec, src, dst, calls
+        except Exception as e:  # noqa: BLE001
+            emit("time", label, "-", "-", None, f"ERROR {type(e).__name__}: {str(e)[:200]}")
 
 
 def main():

@@ -11,6 +11,7 @@ Variants (module globals of the window render, set before every call; each else 
   rfill  keep + _BWD_FILL_REV (the fill kernel, highest query blocks first)
   rconv  keep + _BWD_CONV_REV (the conversion's ORDER 1, highest query blocks first)
   all    keep + side + rfill + rconv
+  nondet the product with deterministic=False (the unordered adds: the reference the fixed passes are measured to)
 Phases (scripts/_phases.py): warm-flex and warm-window at once (the latter then checks at B1 H2 S333, windows
 (37, 0) and (130, 0): each variant against float64, bit for bit the product's, repeatable, row 0's dq exactly 0; a
 mutant that must fail: the fill kernel left out; at the timed shape each variant bit for bit the product's), then
@@ -105,11 +106,12 @@ def step_of(variant, tensors):
     mod = s12.module("window")
     bm = s9.fagen_mask(mm, shape)
     s9.selection(True)
-    levers(mod, variant)
-    out = fagen.attention(q, k, v, mask_mod=mm, block_mask=bm)
+    lev = "api" if variant == "nondet" else variant
+    levers(mod, lev)
+    out = fagen.attention(q, k, v, mask_mod=mm, block_mask=bm, deterministic=variant != "nondet")
 
     def step():
-        levers(mod, variant)
+        levers(mod, lev)
         return torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
     return step
 
@@ -143,7 +145,7 @@ def phase_time():
 
     t_end = float(os.environ.get("S13_TIME_END", time.time() + 50))
     tensors = s12.window_inputs()
-    names = ["flex", *VARIANTS]
+    names = ["flex", *VARIANTS, "nondet"]
     steps = {}
     for p in range(3):
         for item in names[p:] + names[:p]:

@@ -12,6 +12,8 @@ Variants (module globals of the window render, set before every call; each else 
   rconv  keep + _BWD_CONV_REV (the conversion's ORDER 1, highest query blocks first)
   all    keep + side + rfill + rconv
   nondet the product with deterministic=False (the unordered adds: the reference the fixed passes are measured to)
+  own    the product module's own attention (no fagen.attention dispatch); desc: the same render with its steps in
+         descending query blocks (variant bwd_window_desc 1, a main-kernel lever: same bits, other L2 order)
 Phases (scripts/_phases.py): warm-flex and warm-window at once (the latter then checks at B1 H2 S333, windows
 (37, 0) and (130, 0): each variant against float64, bit for bit the product's, repeatable, row 0's dq exactly 0; a
 mutant that must fail: the fill kernel left out; at the timed shape each variant bit for bit the product's), then
@@ -92,12 +94,35 @@ def check_small():
     s12.check("mutant: rfill without its fill", mutant)
 
 
+def desc_module():
+    """The window render with its steps in descending query blocks (variant bwd_window_desc 1; mode 2 adds integers
+    in any order, so its gradients must equal the product's bit for bit)."""
+    from fagen.runtime.loader import load_source
+    from fagen.spec.kernel import KernelSpec
+
+    if "desc" not in s12._MODS:
+        spec = KernelSpec(backend="gluon", direction="bwd", head_dim=128, dtype="bf16", mask="causal", window=True)
+        src = s9.lever_source(spec, {"bwd_window_desc": 1})
+        assert "GQA * steps - 1 - i" in src and "BWD_DET_MODE = 2" in src, "the lever did not render"
+        s12._MODS["desc"] = load_source(src, spec.name + "_desc_s13")
+    return s12._MODS["desc"]
+
+
 def step_of(variant, tensors):
     import torch
 
     import fagen
 
     q, k, v, do = tensors
+    if variant in ("own", "desc"):  # the module's own attention (no fagen.attention dispatch)
+        mod = desc_module() if variant == "desc" else levers(s12.module("window"), "api")
+        out = mod.attention(q, k, v, window=(1024, 0))
+
+        def own():
+            if variant == "own":
+                levers(mod, "api")
+            return torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+        return own
     shape = s9.shape_of()
     sm, mm = s9.row_mods(SW, shape)
     if variant == "flex":
@@ -124,6 +149,8 @@ def phase_warm(name):
         tensors = s12.window_inputs()
         if name == "flex":
             step_of("flex", tensors)()
+        elif name == "desc":
+            step_of("desc", tensors)()
         else:
             base = [g.clone() for g in step_of("api", tensors)()]
             got = {n: [g.clone() for g in step_of(n, tensors)()] for n in VARIANTS if n != "api"}
@@ -136,6 +163,24 @@ def phase_warm(name):
         print(f"warm {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
     if name == "window":
         check_small()
+    elif name == "desc":
+        check_desc()
+
+
+def check_desc():
+    import torch
+
+    q, k, v, do = s12.small()
+    mod = desc_module()
+    i, j = torch.arange(333, device="cuda")[:, None], torch.arange(333, device="cuda")[None, :]
+    for left in (37, 130):
+        def run(left=left):
+            runs = [s12.grads(lambda a, b, c: mod.attention(a, b, c, window=(left, 0)), q, k, v, do) for _ in "ab"]
+            e = max(s12.errs(runs[0], s12.ref64(q, k, v, do, (j <= i) & (i - j <= left))))
+            zero = bool((runs[0][0][:, :, 0] == 0).all())
+            return s12.same(*runs) and zero and e < 3e-2, (f"max |err| {e:.1e}; repeatable {s12.same(*runs)}; "
+                                                          f"row 0 dq == 0 {zero}")
+        s12.check(f"desc window ({left}, 0) S333", run)
 
 
 def phase_time():
@@ -145,8 +190,8 @@ def phase_time():
 
     t_end = float(os.environ.get("S13_TIME_END", time.time() + 50))
     tensors = s12.window_inputs()
-    names = ["flex", *VARIANTS, "nondet"]
-    steps = {}
+    names = ["flex", *VARIANTS, "nondet", "own", "desc"]
+    steps, kept = {}, {}
     for p in range(3):
         for item in names[p:] + names[:p]:
             rec = {"variant": item, "pass": p}
@@ -156,7 +201,12 @@ def phase_time():
                 if item not in steps:
                     steps[item] = step_of(item, tensors)
                 step = steps[item]
-                step()
+                got = step()
+                if item in ("own", "desc") and item not in kept:
+                    kept[item] = [g.clone() for g in got]
+                    if len(kept) == 2:
+                        print(f"CHECK {'PASS' if s12.same(kept['own'], kept['desc']) else 'FAIL'} timed shape: desc "
+                              f"vs own {s12.diff(kept['desc'], kept['own'])}", flush=True)
                 rec["ms"] = measure(lambda i: step(), 1, torch.device("cuda"), 10.0, 25.0)
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
@@ -213,7 +263,7 @@ def main():
         if rc != 0:
             print(f"phase {name} {extra}: {rc}", flush=True)
 
-    threads = [threading.Thread(target=go, args=("warm", 36.0, (w, ))) for w in ("flex", "window")]
+    threads = [threading.Thread(target=go, args=("warm", 36.0, (w, ))) for w in ("flex", "window", "desc")]
     for t in threads:
         t.start()
     for t in threads:

@@ -207,7 +207,7 @@ def _bwd_fill(acc, kvb, b, hq, sq_pad):
     """Mode 2's fill of the accumulator and KVB by the levers ([Note] The accumulator's fill and conversion order)."""
     kvb.zero_()
     side = None
-    if _BWD_FILL_SIDE:
+    if _BWD_FILL_SIDE and not torch.cuda.is_current_stream_capturing():  # a graph captures one stream's fill
         dev = acc.get_device()
         if dev not in _BWD_SIDE:
             _BWD_SIDE[dev] = (torch.cuda.Stream(dev), torch.cuda.Event())

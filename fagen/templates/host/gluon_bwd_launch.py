@@ -116,9 +116,9 @@ def _bwd_views(buf, b, hq, hkv, sq_pad, dq_mode):
             buf[acc:acc + sems].view(torch.int32), dm[b * hq:], dm, buf[acc:acc + sems])
 
 
-def _bwd_workspace(b, hq, sq_pad, dq_mode, q, hkv=1, fill=True):
+def _bwd_workspace(b, hq, sq_pad, dq_mode, q, hkv=1):
     """The workspace views of one backward on q's device (hkv: K's heads, for mode 2's KVB), the zeroed part zeroed
-    on the current stream (fill False: left to the caller, [Note] The accumulator's fill and conversion order)."""
+    on the current stream."""
     n = b * hq * sq_pad * (HEAD_DIM + 3) + max(b * hq * sq_pad // BWD_BLOCK_M, 2 * b * hkv) + 8
     if torch.cuda.is_current_stream_capturing() or 4 * n > _BWD_WS_KEEP:
         views = _bwd_views(q.new_empty(n, dtype=torch.float32), b, hq, hkv, sq_pad, dq_mode)
@@ -134,8 +134,7 @@ def _bwd_workspace(b, hq, sq_pad, dq_mode, q, hkv=1, fill=True):
             if len(kept[1]) >= 256:
                 kept[1].clear()
             views = kept[1][shape] = _bwd_views(kept[0], b, hq, hkv, sq_pad, dq_mode)
-    if fill:
-        views[0].zero_()
+    views[0].zero_()
     return views
 
 
@@ -179,53 +178,6 @@ def _bwd_kv_bound_rows(K, V, KVB, seq_k, HEAD_DIM: tl.constexpr, BLOCK: tl.const
     tl.atomic_max(KVB + bh * 2 + 1, vmax)
 
 
-# [Note] The accumulator's fill and conversion order (thirteenth session, levers, off). Mode 2's int32 accumulator
-# (64 MB at the mods bench's window row) is written by a fill, reduce-added by the main kernel, read by the
-# conversion, each pass through DRAM. The main kernel's tiles run key block major over every head, so its first
-# adds land in the lowest query blocks of every head and its last adds in the highest; torch's fill and the
-# conversion's (query block, head) grid walk the buffer head by head. _BWD_FILL_REV: the fill by _bwd_fill_rev, the
-# highest query blocks of every head first, so the blocks the main kernel touches first are the fill's last, still in
-# L2. _BWD_CONV_REV: the conversion with ORDER 1, the highest query blocks of every head first (the main kernel's
-# last adds). _BWD_FILL_SIDE: the fill on a side stream, beside the bound kernel and the preprocess (the bound runs
-# at ~1.7 TB/s: not the memory's pace), the main kernel waiting on it. Same arithmetic, same bits in each.
-_BWD_FILL_REV = False
-_BWD_CONV_REV = False
-_BWD_FILL_SIDE = False
-_BWD_SIDE = {}  # device -> (side stream, its event)
-
-
-@triton.jit
-def _bwd_fill_rev(ACC, n_blk, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Zero ACC [B * H, n_blk * ROWS, HEAD_DIM] (int32), block n_blk - 1 - program 1 of head program 0 ([Note] The
-    accumulator's fill and conversion order)."""
-    blk = n_blk - 1 - tl.program_id(1)
-    base = (tl.program_id(0).to(tl.int64) * n_blk + blk) * (ROWS * HEAD_DIM)
-    tl.store(ACC + base + tl.arange(0, ROWS * HEAD_DIM), tl.zeros([ROWS * HEAD_DIM], tl.int32))
-
-
-def _bwd_fill(acc, kvb, b, hq, sq_pad):
-    """Mode 2's fill of the accumulator and KVB by the levers ([Note] The accumulator's fill and conversion order)."""
-    kvb.zero_()
-    side = None
-    if _BWD_FILL_SIDE and not torch.cuda.is_current_stream_capturing():  # a graph captures one stream's fill
-        dev = acc.get_device()
-        if dev not in _BWD_SIDE:
-            _BWD_SIDE[dev] = (torch.cuda.Stream(dev), torch.cuda.Event())
-        side, done = _BWD_SIDE[dev]
-        side.wait_stream(torch.cuda.current_stream(dev))
-        ctx = torch.cuda.stream(side)
-        ctx.__enter__()
-    if _BWD_FILL_REV:
-        _fast_fill_rev[(b * hq, sq_pad // BWD_BLOCK_M)](acc, sq_pad // BWD_BLOCK_M, ROWS=BWD_BLOCK_M,
-                                                          HEAD_DIM=HEAD_DIM, num_warps=4)
-    else:
-        acc.zero_()
-    if side is not None:
-        done.record(side)
-        ctx.__exit__(None, None, None)
-    return side and done
-
-
 def _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, qk_scale=None, extra=()):
     """_run_backward's launches through the fast path ([Note] Gluon backward host path), on dense, aligned,
     non-empty inputs. qk_scale, extra: as _run_backward's (the score switches' values; [Note] Switches on the fast
@@ -234,13 +186,10 @@ def _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, qk_sca
     hkv, sk = k.shape[1] * BWD_KV_SPLIT, k.shape[2]  # virtual KV heads ([Note] GQA split in the backward)
     sq_pad = -(-sq // BWD_BLOCK_M) * BWD_BLOCK_M
     dev = q.get_device()
-    lever = dq_mode == 2 and (_BWD_FILL_REV or _BWD_FILL_SIDE)
-    _, delta, lse2, dq_acc, sem, qmul, dm, kvb = _bwd_workspace(b, hq, sq_pad, dq_mode, q, k.shape[1], not lever)
-    rows, done = delta, None
+    _, delta, lse2, dq_acc, sem, qmul, dm, kvb = _bwd_workspace(b, hq, sq_pad, dq_mode, q, k.shape[1])
+    rows = delta
     if dq_mode == 2:  # an int32 accumulator (zeroed float32 bits are int32 zeros), the rows' qmul in Sem
         dq_acc, sem, rows = dq_acc.view(torch.int32), qmul, dm if BWD_FIXED_TMA else delta
-        if lever:  # [Note] The accumulator's fill and conversion order
-            done = _bwd_fill(dq_acc, kvb, b, hq, sq_pad)
         if _BWD_BOUND_KERNEL:  # [Note] The bound kernel: K's own heads, as the preprocess reads KVB
             _fast_kv_bound[(-(-sk // _BWD_BOUND_ROWS), b * k.shape[1])](k, v, kvb, sk, HEAD_DIM=HEAD_DIM,
                                                                        BLOCK=_BWD_BOUND_ROWS,
@@ -258,8 +207,6 @@ def _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, qk_sca
     if dev not in _NUM_SMS:
         _NUM_SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
     kernel, epi_tma = _fast_bwd_kernels[dq_mode]
-    if done is not None:  # the side stream's fill ([Note] The accumulator's fill and conversion order)
-        torch.cuda.current_stream(dev).wait_event(done)
     if epi_tma:  # dK, dV leave by TMA stores of one warpgroup's 64 rows
         dk, dv = _descriptor(dk, BWD_BLOCK_N // 2), _descriptor(dv, BWD_BLOCK_N // 2)
     # One program per SM at most: every program is resident, which the fixed-order dQ needs (BWD_DET_GRID: one per
@@ -275,12 +222,9 @@ def _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, qk_sca
         CAUSAL=CAUSAL, DQ_MODE=dq_mode, COMPUTE_REGS=BWD_COMPUTE_REGS, PRODUCER_REGS=BWD_PRODUCER_REGS,
         WRITER_REGS=BWD_WRITER_REGS, num_warps=BWD_WARPS,
     )
-    if dq_mode == 2 and _BWD_CONV_REV:  # [Note] The accumulator's fill and conversion order
-        _fast_dq_convert[(b * hq, sq_pad // BWD_BLOCK_M)](dq_acc, dq, scale, sq, sq_pad, HEAD_DIM, BWD_BLOCK_M, qmul,
-                                                          ORDER=1, num_warps=4)
-    elif dq_mode == 2:
+    if dq_mode == 2:
         _fast_dq_convert[(sq_pad // BWD_BLOCK_M, b * hq)](dq_acc, dq, scale, sq, sq_pad, HEAD_DIM, BWD_BLOCK_M, qmul,
-                                                          ORDER=0, num_warps=4)
+                                                          num_warps=4)
     else:
         _fast_dq_convert[(sq_pad // BWD_BLOCK_M, b * hq)](dq_acc, dq, scale, sq, sq_pad, HEAD_DIM=HEAD_DIM,
                                                           BLOCK_M=BWD_BLOCK_M, **_CONV_KW, num_warps=4)
@@ -302,4 +246,3 @@ def _bwd_host(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, *more, **option
 
 
 _fast_kv_bound = _fast(_bwd_kv_bound_rows)
-_fast_fill_rev = _fast(_bwd_fill_rev)

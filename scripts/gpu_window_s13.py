@@ -10,6 +10,7 @@ kernel; removed. This is round B's script. Variants (module globals of the windo
   keep   _BWD_WS_KEEP 2^28: the 68 MB workspace kept per stream instead of allocated per call (lever 3)
   loop   the product with the bound by the twelfth session's loop kernel (removed from the product untimed; here
          defined in this script and launched in place of _fast_kv_bound: 32 programs a KV head, 32-row tiles)
+  grid   the product with one program per tile (BWD_GRID_ALL 1, a host constant: 1024 programs, not 132 persistent)
   nondet the product with deterministic=False (the unordered adds: the reference)
 Phases (scripts/_phases.py): warm-flex and warm-window at once (the latter then checks at B1 H2 S333, windows
 (37, 0) and (130, 0): each variant against float64, repeatable, row 0's dq exactly 0, compared with the product;
@@ -38,7 +39,7 @@ import triton.language as tl  # noqa: E402
 BUDGET = 66.0
 SW = "sliding-window+causal"
 KEEP = {"_BWD_WS_KEEP": 1 << 28}
-VARIANTS = {"api": {}, "keep": KEEP, "loop": {}}
+VARIANTS = {"api": {}, "keep": KEEP, "loop": {}, "grid": {"BWD_GRID_ALL": 1}}
 DEFAULTS: dict = {}
 LOOP = (32, 32, 4)  # the bound loop's (programs a KV head, rows a tile, warps): the twelfth session's default
 LOOP_CONFIGS = [(32, 32, 4), (16, 64, 4), (8, 64, 8), (64, 32, 4), (8, 32, 4), (16, 32, 4)]
@@ -90,7 +91,8 @@ class LoopBound:
 def levers(mod, variant):
     """mod on the product's path with `variant`'s globals (the others at their defaults); returns mod."""
     if not DEFAULTS:
-        DEFAULTS.update({"_BWD_WS_KEEP": mod._BWD_WS_KEEP, "_fast_kv_bound": mod._fast_kv_bound})
+        DEFAULTS.update({"_BWD_WS_KEEP": mod._BWD_WS_KEEP, "_fast_kv_bound": mod._fast_kv_bound,
+                         "BWD_GRID_ALL": mod.BWD_GRID_ALL})
     s12.host(mod, "bk")
     for k, v in {**DEFAULTS, **VARIANTS[variant]}.items():
         setattr(mod, k, v)
@@ -245,7 +247,7 @@ def phase_time():
             except Exception as e:  # noqa: BLE001
                 rec["error"] = f"{type(e).__name__}: {str(e)[:160]}"
             print("REC " + json.dumps(rec), flush=True)
-    for item in ["api", "loop"]:
+    for item in ["api", "loop", "grid"]:
         if time.time() > t_end or item not in steps:
             continue
         try:

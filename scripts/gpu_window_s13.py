@@ -289,8 +289,23 @@ def summary(recs):
         x = f"{flex / med[k]:.3f}x" if flex else ""
         print(f"| {k} | {med[k]:.4f} | {x} | {' / '.join(f'{m:.4f}' for m in v)} | "
               f"{sorted(hosts[k])[len(v) // 2]:.3f} |")
+    pts = []
     for r in recs:
-        if "kernel_ms" in r:
+        if "window" in r and "main_ms" in r:
+            steps = 16 * sum((min(-(-(n0 + 128 + r["window"]) // 64) * 64, 8192) - n0) // 64
+                             for n0 in range(0, 8192, 128))
+            pts.append((steps, r["main_ms"]))
+            print(f"window {r['window']}: main kernel {r['main_ms']:.4f} ms, {steps} steps, "
+                  f"{r['main_ms'] * 1e3 / steps * 132:.2f} us a step an SM; all kernels {r['kernel_ms']:.4f}")
+    if len(pts) >= 2:  # main ms = c0 + c1 steps: c0 the part that does not grow with the window (1024 tiles)
+        n = len(pts)
+        mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
+        c1 = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+        c0 = my - c1 * mx
+        print(f"fit: main ms = {c0:.4f} + {c1 * 1e3:.5f} us x steps ({c1 * 1e3 * 132:.2f} us a step an SM); "
+              f"c0 over 1024 tiles on 132 SMs: {c0 * 1e3 * 132 / 1024:.2f} us a tile")
+    for r in recs:
+        if "kernel_ms" in r and "window" not in r:
             print(f"kernels {r['variant']}: {r['kernel_ms']:.4f} {r['top']}")
         elif "bound" in r:
             print(f"bound alone: {r['bound']}")

@@ -201,15 +201,15 @@ def phase_warm(name):
     t0 = time.perf_counter()
     try:
         tensors = s12.window_inputs()
-        if name == "flex":
+        if name == "flex":  # then the bound kernels (compiled here, beside the window child's module)
             step_of("flex", tensors)()
+            print(f"CHECK INFO bound alone: {bound_alone(*(t.detach() for t in tensors[1:3]), time_it=False)}",
+                  flush=True)
         else:
             base = [g.clone() for g in step_of("api", tensors)()]
             got = {n: [g.clone() for g in step_of(n, tensors)()] for n in VARIANTS if n != "api"}
             torch.cuda.synchronize()
             print(f"CHECK INFO timed shape, vs api: {({n: s12.diff(g, base) for n, g in got.items()})}", flush=True)
-            print(f"CHECK INFO bound alone: {bound_alone(*(t.detach() for t in tensors[1:3]), time_it=False)}",
-                  flush=True)
         torch.cuda.synchronize()
         print(f"warm {name}: {time.perf_counter() - t0:.1f} s", flush=True)
     except Exception as e:  # noqa: BLE001

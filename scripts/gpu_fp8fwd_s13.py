@@ -27,33 +27,32 @@ from _phases import child_env, run_phase as run_child  # noqa: E402
 # name -> None (the product) or {"variant": GluonBackend.variant keys, "fields": spec fields, "patch": ((regex,
 # replacement), ...) on the render, "masks": the masks it is built, checked and timed at (default both), "check_rows":
 # s7.CHECKS-style rows (default: its first)}.
-# Round A (thirteenth session): the host pass (transpose_v's V loads evict-first; Vt's row stride padded off the
-# power of two, 16384 B at s16k, by 128 B), each at the product's 2-slot ring and at 4 slots (the 4-slot pathology of
-# the twelfth session), and the full mask's schedule through the tile counter (_SCHED 3: L2 sections of heads,
-# _SCHED 2: the plain order), full mask only.
-EVICT = (r"other=0\.0\)\n", 'other=0.0, eviction_policy="evict_first")\n')
-PAD = (r"torch\.empty\(\(b, h, d, \(width \+ 15\) // 16 \* 16\)", "torch.empty((b, h, d, (width + 15) // 16 * 16 + 128)")
+# Round A (thirteenth session): the host pass's levers (GluonBackend.variant fp8_pass_evict: transpose_v's V loads
+# evict-first; fp8_vt_pad: Vt's row stride padded off the power of two, 16384 B at s16k, by 128 B), at the product's
+# 2-slot ring and at 4 slots (the 4-slot pathology of the twelfth session), and the full mask's schedule through the
+# tile counter (fp8_full_order 3: L2 sections of heads, 2: the plain order), full mask only. Every variant is timed on
+# the standard suite's own inputs (BENCH_INPUTS: what the bench measures); TIMED also on random inputs.
 MANY = ("none", 1, 2, 8, 1500, 1300, True)  # full mask, 192 tiles: more than the grid, lengths off the blocks
+EVICT, PAD = {"fp8_pass_evict": 1}, {"fp8_vt_pad": 128}
 VARIANTS = {
     "product": None,
     "product, 4 stages": {"fields": {"num_stages": 4}},
-    "pass evict-first": {"patch": (EVICT, )},
-    "Vt stride +128": {"patch": (PAD, )},
-    "4 stages, Vt stride +128": {"fields": {"num_stages": 4}, "patch": (PAD, )},
-    "4 stages, pass evict-first": {"fields": {"num_stages": 4}, "patch": (EVICT, )},
-    "full: counter, L2 sections": {"variant": {"tile_schedule_all": True}, "patch": ((r"^_SCHED = 1 ", "_SCHED = 3 "), ),
-                                   "masks": ("none", ), "check_rows": (MANY, )},
-    "full: counter, plain order": {"variant": {"tile_schedule_all": True}, "patch": ((r"^_SCHED = 1 ", "_SCHED = 2 "), ),
-                                   "masks": ("none", ), "check_rows": (MANY, )},
+    "pass evict-first": {"variant": EVICT},
+    "Vt stride +128": {"variant": PAD},
+    "evict-first + stride +128": {"variant": {**EVICT, **PAD}},
+    "4 stages, Vt stride +128": {"fields": {"num_stages": 4}, "variant": PAD},
+    "4 stages, evict-first + stride +128": {"fields": {"num_stages": 4}, "variant": {**EVICT, **PAD}},
+    "full: counter, L2 sections": {"variant": {"fp8_full_order": 3}, "masks": ("none", ), "check_rows": (MANY, )},
+    "full: counter, plain order": {"variant": {"fp8_full_order": 2}, "masks": ("none", ), "check_rows": (MANY, )},
 }
 s7.VARIANTS = VARIANTS
-TIMED = tuple(VARIANTS)
+TIMED = ("product", "product, 4 stages", "4 stages, Vt stride +128", "evict-first + stride +128")  # random inputs
 D64 = ()
 D64_ONLY = ()
 EQUAL = {n: "product" for n in VARIANTS if n != "product"}
 FULL = ()  # the product's GQA / window checks: main's, unchanged here
 ALONE = ("product", "product, 4 stages")  # also timed with Vt made once
-BENCH_INPUTS = ("product", "pass evict-first", "Vt stride +128", "product, 4 stages", "4 stages, Vt stride +128")
+BENCH_INPUTS = tuple(VARIANTS)  # the standard suite's fp8 rows' own inputs
 PASS_ALONE = ("product", "pass evict-first", "Vt stride +128")  # transpose_v alone, timed at the full mask's turn
 PASSES = 7
 PHASE_TIMEOUT = {"build": 22, "check": 14, "time": 27}
@@ -80,6 +79,21 @@ def jobs():
 
 s7.check_cases = check_cases
 s7.jobs = jobs
+FIRST = ("product", "product, 4 stages", "full: counter, L2 sections", "full: counter, plain order")  # the distinct
+# attention kernels; the others differ in transpose_v only, and find them in triton's cache when built after them
+
+
+def phase_build():
+    """s7's build in two waves: bf16 and the distinct fp8 kernels, then the variants that share their kernel."""
+    import multiprocessing as mp
+    work = jobs()
+    bf16 = [] if s7.DRY else [("bf16", m) for m in s7.MASKS]
+    waves = (bf16 + [j for j in work if j[1] in FIRST], [j for j in work if j[1] not in FIRST])
+    s7.log(f"== build: {sum(map(len, waves))} modules in two waves")
+    with mp.get_context("spawn").Pool(max(2, min(12, (os.cpu_count() or 4) - 1)) if not s7.DRY else 2) as pool:
+        for wave in waves:
+            for msg in pool.imap_unordered(s7._job, wave):
+                s7.log(msg)
 
 
 def phase_check():
@@ -184,7 +198,9 @@ def phase_time():
             st = cc.sets[0]
             rows.append(("cudnn-fp8", mask, flops, (lambda p=prepared, st=st: p.fn(st))))
             for name in BENCH_INPUTS:  # the bench row's own inputs (q ~ 3 N(0, 1), per-KV-head k / v scales), as
-                m = s7.module(mask, name)  # fagen/bench/impls.py's prepare_fagen calls the module
+                if name in os.environ.get("FP8FWD_SKIP", "").split("|") or mask not in masks_of(name):
+                    continue  # fagen/bench/impls.py's prepare_fagen calls the module
+                m = s7.module(mask, name)
                 sc = {n: t for n, t in st.scores.items() if n not in ("k_scale", "v_scale")}
                 rows.append((f"bench inputs: fp8 {name}", mask, flops, lambda m=m, st=st, sc=sc: m.forward(
                     st.q, st.k, st.v, k_descale=st.scores["k_scale"], v_descale=st.scores["v_scale"], **st.kwargs,
@@ -258,16 +274,16 @@ def phase_time():
             except Exception as e:  # noqa: BLE001
                 times[(label, mask)] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
         s7.log(f"pass {p} done ({time.time() - s7.T0:.0f}s)")
-    tf = {}
+    tf = {(label, mask): flops / statistics.median(times[(label, mask)]) / 1e9 for label, mask, flops, _ in rows
+          if isinstance(times.get((label, mask)), list) and times[(label, mask)]}
     for label, mask, flops, _ in rows:
         t = times.get((label, mask))
         if isinstance(t, str) or not t:
             s7.emit(section="time", variant=label, mask=mask, value="ERROR", note=str(t)[:160])
             continue
         ms = statistics.median(t)
-        tf[(label, mask)] = flops / ms / 1e9
         note = ""
-        if label.startswith("fp8 "):
+        if label.startswith(("fp8 ", "bench inputs: ")):
             bfv, cu = tf.get(("fagen bf16", mask)), tf.get(("cudnn-fp8", mask))
             note = " ".join(x for x in (f"{tf[(label, mask)] / bfv:.2f}x bf16" if bfv else "",
                                         f"{tf[(label, mask)] / cu:.2f}x cudnn" if cu else "") if x)
@@ -277,7 +293,7 @@ def phase_time():
 
 def main():
     if len(sys.argv) > 2 and sys.argv[1] == "--phase":
-        {"build": s7.phase_build, "check": phase_check, "time": phase_time}[sys.argv[2]]()
+        {"build": phase_build, "check": phase_check, "time": phase_time}[sys.argv[2]]()
         return
     env = child_env("/tmp/fagen-cache-gpu-fp8fwd-s13")
     rows = []

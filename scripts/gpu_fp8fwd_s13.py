@@ -42,6 +42,12 @@ VARIANTS = {
     "evict-first + stride +128": {"variant": {**EVICT, **PAD}},
     "4 stages, Vt stride +128": {"fields": {"num_stages": 4}, "variant": PAD},
     "4 stages, evict-first + stride +128": {"fields": {"num_stages": 4}, "variant": {**EVICT, **PAD}},
+    # the pass's shape (diagnostic patches, full mask only): 128 keys a program, at 4 and 8 warps
+    "pass 128 keys": {"patch": ((r"^TRANSPOSE_BLOCK_S = 64$", "TRANSPOSE_BLOCK_S = 128"), ), "masks": ("none", ),
+                      "check_rows": (MANY, )},
+    "pass 128 keys, 8 warps": {"patch": ((r"^TRANSPOSE_BLOCK_S = 64$", "TRANSPOSE_BLOCK_S = 128"),
+                                         (r"PERM=_P_PERM, num_warps=4\)", "PERM=_P_PERM, num_warps=8)")),
+                               "masks": ("none", ), "check_rows": (MANY, )},
     "full: counter, L2 sections": {"variant": {"fp8_full_order": 3}, "masks": ("none", ), "check_rows": (MANY, )},
     "full: counter, plain order": {"variant": {"fp8_full_order": 2}, "masks": ("none", ), "check_rows": (MANY, )},
 }
@@ -53,7 +59,7 @@ EQUAL = {n: "product" for n in VARIANTS if n != "product"}
 FULL = ()  # the product's GQA / window checks: main's, unchanged here
 ALONE = ("product", "product, 4 stages")  # also timed with Vt made once
 BENCH_INPUTS = tuple(VARIANTS)  # the standard suite's fp8 rows' own inputs
-PASS_ALONE = ("product", "pass evict-first", "Vt stride +128")  # transpose_v alone, timed at the full mask's turn
+PASS_ALONE = ("product", "pass evict-first", "Vt stride +128", "pass 128 keys", "pass 128 keys, 8 warps")  # transpose_v alone, timed at the full mask's turn
 PASSES = 7
 PHASE_TIMEOUT = {"build": 22, "check": 14, "time": 27}
 s7.PHASE_TIMEOUT = PHASE_TIMEOUT

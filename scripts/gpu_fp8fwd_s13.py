@@ -2,7 +2,9 @@
 schedule. Each variant is checked against float64 on the dequantized inputs (scripts/gpu_fp8.py's check) and bit for
 bit against the product; then TF/s at d128 B1 H16 s16k, causal and full: cuDNN's fp8 SDPA (the bench's cudnn-fp8
 peer), fagen's bf16 forward and the fp8 rows (random inputs and the standard suite's own fp8 inputs) in one process,
-PASSES passes whose row order is rotated from pass to pass, medians. Built on scripts/gpu_fp8fwd_s12.py.
+PASSES passes whose row order is rotated from pass to pass, medians. Built on scripts/gpu_fp8fwd_s12.py. Round B (the
+default; FP8FWD_ROUND=A for round A's rows) times in the standard suite's own measure (fagen.bench.timing.measure: the
+rows' 3 input sets rotated, do_bench's L2 flush) with the product and bf16 through the bench's own preparers.
 
     PYTHONPATH=$PWD python3 scripts/gpu_fp8fwd_s13.py          # < 70 s on an H100; one table; $OUTX/gpu_fp8fwd_s13.md
     GPU_FP8_FWD_DRY=1 PYTHONPATH=$PWD python3 scripts/gpu_fp8fwd_s13.py   # any machine: sm_90 builds of every variant
@@ -51,6 +53,18 @@ VARIANTS = {
     "full: counter, L2 sections": {"variant": {"fp8_full_order": 3}, "masks": ("none", ), "check_rows": (MANY, )},
     "full: counter, plain order": {"variant": {"fp8_full_order": 2}, "masks": ("none", ), "check_rows": (MANY, )},
 }
+# Round A (H100, /work/wt/results/fp8fwd-A.txt): on the bench's inputs (set 0 only) TF/s causal / full: product
+# 864 / 854, evict 875 / 868, pad 861 / 867, evict + pad 876 / 874, 4 stages 888 / 860, 4 stages + pad 895 / 879, 4
+# stages evict + pad 869 / 859; pass 128 keys 842, at 8 warps 822; counter (sections / plain) 847 / 848 (full);
+# cudnn-fp8 824 / 941, bf16 625 / 582. Round B (ROUND "B", the default): the candidates in the bench's own measure
+# (fagen.bench.timing.measure: do_bench's L2 flush, the 3 input sets rotated), the product through the bench's own
+# prepare_fagen, bf16 through the bench's bf16 rows.
+ROUND = os.environ.get("FP8FWD_ROUND", "B")
+if ROUND == "B":
+    VARIANTS = {n: VARIANTS[n] for n in ("product", "product, 4 stages", "pass evict-first", "Vt stride +128",
+                                         "evict-first + stride +128", "4 stages, Vt stride +128",
+                                         "4 stages, evict-first + stride +128")}
+    VARIANTS["4 stages, pass evict-first"] = {"fields": {"num_stages": 4}, "variant": EVICT}
 s7.VARIANTS = VARIANTS
 TIMED = ("product", "product, 4 stages", "4 stages, Vt stride +128", "evict-first + stride +128")  # random inputs
 D64 = ()
@@ -60,8 +74,9 @@ FULL = ()  # the product's GQA / window checks: main's, unchanged here
 ALONE = ("product", "product, 4 stages")  # also timed with Vt made once
 BENCH_INPUTS = tuple(VARIANTS)  # the standard suite's fp8 rows' own inputs
 PASS_ALONE = ("product", "pass evict-first", "Vt stride +128", "pass 128 keys", "pass 128 keys, 8 warps")  # transpose_v alone, timed at the full mask's turn
-PASSES = 7
-PHASE_TIMEOUT = {"build": 22, "check": 14, "time": 27}
+PASSES = 7 if ROUND == "A" else 9
+PHASE_TIMEOUT = {"build": 22, "check": 14, "time": 27} if ROUND == "A" else {"build": 20, "check": 12, "time": 31}
+BENCH_MS = (15, 60)  # round B: the bench's measure's warm-up and rep ms (the bench's own: 25, 100)
 s7.PHASE_TIMEOUT = PHASE_TIMEOUT
 
 
@@ -297,9 +312,94 @@ def phase_time():
                 note=(note + f" [passes {' '.join(f'{flops / x / 1e9:.0f}' for x in t)}]").strip())
 
 
+def phase_time_bench():
+    """Round B: TF/s in the standard suite's measure (fagen.bench.timing.measure over the rows' 3 input sets, rotated;
+    do_bench's L2 flush), PASSES passes with the row order rotated, medians: cudnn-fp8 and fagen's product through
+    the bench's own preparers, fagen bf16 on the bench's bf16 rows, the fp8 variants called as prepare_fagen does."""
+    import torch
+    import triton
+    from fagen.bench import impls, peer_cudnn_fp8 as peer
+    from fagen.bench.cases import CaseContext
+    from fagen.bench.timing import measure
+    from fagen.bench.workloads import standard_suite
+    b, h, s, d = s7.TIME_SHAPE
+    s7.log(f"== time (bench measure): B{b} H{h} S{s}; {torch.cuda.get_device_name()}; torch {torch.__version__}, "
+           f"triton {triton.__version__}")
+    dev = torch.device("cuda")
+    suite = {c.name: c for c in standard_suite()}
+    skip = os.environ.get("FP8FWD_SKIP", "").split("|")
+    rows, keep = [], []  # (label, mask, flops, call(i), n_sets)
+
+    def fp8_call(m):
+        def call(st):
+            sc = {n: t for n, t in st.scores.items() if n not in ("k_scale", "v_scale")}
+            return m.forward(st.q, st.k, st.v, k_descale=st.scores["k_scale"], v_descale=st.scores["v_scale"],
+                             **st.kwargs, **sc)[0]
+        return call
+    for mask in s7.MASKS:
+        flops = 4 * b * h * s * s * d / (2 if mask == "causal" else 1)
+        word = "causal" if mask == "causal" else "full"
+        try:
+            cc = CaseContext(suite[f"fwd-fp8-d128-{word}-s16k"], dev, 3)
+            bcc = CaseContext(suite[f"fwd-d128-{word}-s16k"], dev, 3)
+            keep += [cc, bcc]
+            prepared = peer.prepare_cudnn_fp8(cc.case, cc)
+            check_peer(mask, prepared, cc)
+            fns = [("cudnn-fp8", prepared.fn, cc), ("fagen bf16 (bench row)", impls.prepare_fagen(bcc.case, bcc).fn, bcc),
+                   ("fp8 product (bench's prepare_fagen)", impls.prepare_fagen(cc.case, cc).fn, cc)]
+            fns += [(f"fp8 {n}", fp8_call(s7.module(mask, n)), cc) for n in VARIANTS
+                    if n not in skip and mask in masks_of(n)]
+            for label, fn, c in fns:
+                rows.append((label, mask, flops, lambda i, fn=fn, c=c: fn(c.sets[i]), len(c.sets)))
+        except Exception as e:  # noqa: BLE001
+            s7.emit(section="time", variant="setup", mask=mask, value="ERROR",
+                    note=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
+            traceback.print_exc(limit=3)
+    times = {}
+    with torch.no_grad():
+        for label, mask, _, fn, n in rows:
+            try:
+                fn(0)
+            except Exception as e:  # noqa: BLE001
+                times[(label, mask)] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        torch.cuda.synchronize()
+        t_passes = time.time()
+        for p in range(PASSES):
+            left = PHASE_TIMEOUT["time"] - (time.time() - T_PHASE)
+            if p and (time.time() - t_passes) / p * 1.15 > left - 1.5:
+                s7.log(f"pass {p} skipped: the phase's time is short")
+                break
+            k = p * len(rows) // PASSES  # the order rotated: each row runs first, middle and last in some pass
+            for label, mask, flops, fn, n in rows[k:] + rows[:k]:
+                if isinstance(times.get((label, mask)), str):
+                    continue
+                try:
+                    times.setdefault((label, mask), []).append(measure(fn, n, dev, *BENCH_MS))
+                except Exception as e:  # noqa: BLE001
+                    times[(label, mask)] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            s7.log(f"pass {p} done ({time.time() - s7.T0:.0f}s)")
+    tf = {(label, mask): flops / statistics.median(times[(label, mask)]) / 1e9 for label, mask, flops, _, _ in rows
+          if isinstance(times.get((label, mask)), list) and times[(label, mask)]}
+    for label, mask, flops, _, _ in rows:
+        t = times.get((label, mask))
+        if isinstance(t, str) or not t:
+            s7.emit(section="time", variant=label, mask=mask, value="ERROR", note=str(t)[:160])
+            continue
+        note = ""
+        if label.startswith("fp8 "):
+            bfv, cu = tf.get(("fagen bf16 (bench row)", mask)), tf.get(("cudnn-fp8", mask))
+            base = tf.get(("fp8 product", mask))
+            note = " ".join(x for x in (f"{tf[(label, mask)] / bfv:.3f}x bf16" if bfv else "",
+                                        f"{tf[(label, mask)] / cu:.3f}x cudnn" if cu else "",
+                                        f"{tf[(label, mask)] / base:.3f}x product" if base else "") if x)
+        s7.emit(section="time", variant=label, mask=mask, value=round(tf[(label, mask)], 1),
+                ms=round(statistics.median(t), 4),
+                note=(note + f" [passes {' '.join(f'{flops / x / 1e9:.0f}' for x in t)}]").strip())
+
+
 def main():
     if len(sys.argv) > 2 and sys.argv[1] == "--phase":
-        {"build": phase_build, "check": phase_check, "time": phase_time}[sys.argv[2]]()
+        {"build": phase_build, "check": phase_check, "time": phase_time if ROUND == "A" else phase_time_bench}[sys.argv[2]]()
         return
     env = child_env("/tmp/fagen-cache-gpu-fp8fwd-s13")
     rows = []
@@ -320,7 +420,7 @@ def main():
             for n, d, *_ in check_cases():  # d64 rows are named "<variant> d64" (round B missed this: the
                 if d == 128:  # product went untimed)
                     want[n] = want.get(n, 0) + 1
-            bad = [n for n in TIMED if sum(r["variant"] == n for r in done) < want.get(n, 0)
+            bad = [n for n in VARIANTS if sum(r["variant"] == n for r in done) < want.get(n, 0)
                    or any(r["variant"] == n and r["value"] != "PASS" for r in done)]
             env["FP8FWD_SKIP"] = "|".join(bad)
             if bad:

@@ -73,10 +73,12 @@ EQUAL = {n: "product" for n in VARIANTS if n != "product"}
 FULL = ()  # the product's GQA / window checks: main's, unchanged here
 ALONE = ("product", "product, 4 stages")  # also timed with Vt made once
 BENCH_INPUTS = tuple(VARIANTS)  # the standard suite's fp8 rows' own inputs
-PASS_ALONE = ("product", "pass evict-first", "Vt stride +128", "pass 128 keys", "pass 128 keys, 8 warps")  # transpose_v alone, timed at the full mask's turn
+# transpose_v alone, timed at the full mask's turn (round A)
+PASS_ALONE = ("product", "pass evict-first", "Vt stride +128", "pass 128 keys", "pass 128 keys, 8 warps")
 PASSES = 7 if ROUND == "A" else 9
 PHASE_TIMEOUT = {"build": 22, "check": 14, "time": 27} if ROUND == "A" else {"build": 20, "check": 12, "time": 31}
-BENCH_MS = (15, 60)  # round B: the bench's measure's warm-up and rep ms (the bench's own: 25, 100)
+RANDOM = ("product", "pass evict-first")  # round B: also timed on random inputs (one set)
+BENCH_MS = (10, 50)  # round B: the bench's measure's warm-up and rep ms (the bench's own: 25, 100)
 s7.PHASE_TIMEOUT = PHASE_TIMEOUT
 
 
@@ -345,7 +347,8 @@ def phase_time_bench():
             keep += [cc, bcc]
             prepared = peer.prepare_cudnn_fp8(cc.case, cc)
             check_peer(mask, prepared, cc)
-            fns = [("cudnn-fp8", prepared.fn, cc), ("fagen bf16 (bench row)", impls.prepare_fagen(bcc.case, bcc).fn, bcc),
+            fns = [("cudnn-fp8", prepared.fn, cc),
+                   ("fagen bf16 (bench row)", impls.prepare_fagen(bcc.case, bcc).fn, bcc),
                    ("fp8 product (bench's prepare_fagen)", impls.prepare_fagen(cc.case, cc).fn, cc)]
             fns += [(f"fp8 {n}", fp8_call(s7.module(mask, n)), cc) for n in VARIANTS
                     if n not in skip and mask in masks_of(n)]
@@ -355,6 +358,21 @@ def phase_time_bench():
             s7.emit(section="time", variant="setup", mask=mask, value="ERROR",
                     note=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
             traceback.print_exc(limit=3)
+    try:  # random inputs (round A: the product 12% low there, evict-first + stride +128 not): one set, per tensor
+        import gpu_fp8
+        g = torch.Generator(device="cuda").manual_seed(1)
+        q8 = [gpu_fp8.quantize(torch.randn((b, h, s, d), generator=g, device="cuda"), False) for _ in range(3)]
+        keep.append(q8)
+        for mask in s7.MASKS:
+            flops = 4 * b * h * s * s * d / (2 if mask == "causal" else 1)
+            for n in RANDOM:
+                if n not in skip:
+                    m = s7.module(mask, n)
+                    rows.append((f"random inputs: fp8 {n}", mask, flops, lambda i, m=m, t=q8: m.forward(
+                        t[0][0], t[1][0], t[2][0], q_descale=t[0][1], k_descale=t[1][1], v_descale=t[2][1]), 1))
+    except Exception as e:  # noqa: BLE001
+        s7.emit(section="time", variant="random inputs", mask="-", value="ERROR",
+                note=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
     times = {}
     with torch.no_grad():
         for label, mask, _, fn, n in rows:
@@ -386,9 +404,9 @@ def phase_time_bench():
             s7.emit(section="time", variant=label, mask=mask, value="ERROR", note=str(t)[:160])
             continue
         note = ""
-        if label.startswith("fp8 "):
+        if label.startswith(("fp8 ", "random inputs: ")):
             bfv, cu = tf.get(("fagen bf16 (bench row)", mask)), tf.get(("cudnn-fp8", mask))
-            base = tf.get(("fp8 product", mask))
+            base = tf.get(("random inputs: fp8 product" if label.startswith("random") else "fp8 product", mask))
             note = " ".join(x for x in (f"{tf[(label, mask)] / bfv:.3f}x bf16" if bfv else "",
                                         f"{tf[(label, mask)] / cu:.3f}x cudnn" if cu else "",
                                         f"{tf[(label, mask)] / base:.3f}x product" if base else "") if x)
@@ -399,7 +417,8 @@ def phase_time_bench():
 
 def main():
     if len(sys.argv) > 2 and sys.argv[1] == "--phase":
-        {"build": phase_build, "check": phase_check, "time": phase_time if ROUND == "A" else phase_time_bench}[sys.argv[2]]()
+        timer = phase_time if ROUND == "A" else phase_time_bench
+        {"build": phase_build, "check": phase_check, "time": timer}[sys.argv[2]]()
         return
     env = child_env("/tmp/fagen-cache-gpu-fp8fwd-s13")
     rows = []

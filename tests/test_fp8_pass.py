@@ -66,8 +66,8 @@ def test_the_full_mask_order_follows_the_backend_rule(order):
     """fp8_full_order n renders _SCHED n and the tile counter for fp8 full-mask forwards without the window (d128 and
     d64's three warpgroups), and GluonBackend.tile_order / tile_schedule say the same; causal fp8, bf16 full and the
     window are untouched (0: no order, the plain loop, as before)."""
-    cases = [dict(mask="none"), dict(mask="none", head_dim=64), dict(mask="none", gqa=4), dict(mask="none", window=True),
-             dict(mask="none", dtype="bf16"), dict(mask="causal")]
+    cases = [dict(mask="none"), dict(mask="none", head_dim=64), dict(mask="none", gqa=4),
+             dict(mask="none", window=True), dict(mask="none", dtype="bf16"), dict(mask="causal")]
     with variant(fp8_full_order=0):
         before = [fagen.generate(spec(**c)) for c in cases]
     with variant(fp8_full_order=order):

@@ -105,10 +105,13 @@ class GluonBackend(DecodeRules, KernelBackend):
     # fp8_n192: 1 gives the fp8 d128 forward (not the window) 192-key steps over 2 stages, P carried packed ([Note]
     # fp8 192-key steps; GluonBackend.fp8_n192), 2 the same with S in three 64-key parts over 3 stages. Round A: 1
     # 813 / 806 TF/s against 887 / 869 at 128 keys (off). fp8_vt: 1 transposes V in the kernel ([Note] fp8 V in-kernel).
+    # fp8_pass_evict, fp8_vt_pad: transpose_v's levers ([Note] fp8 V pass levers in fp8_host.py.j2); fp8_full_order:
+    # the tile order (_SCHED, 0 none) of an fp8 full-mask forward (tile_order). docs/hopper.md, thirteenth session.
     # bwd_*: the gluon backward's levers ([Note] Gluon backward levers).
     variant = {"consumer_regs": 240, "loader_regs": 24, "tile_schedule_all": False, "causal_order": 3,
                "fp8_p_cvt": 3, "fp8_wgs": 2, "fp8_wg3_regs": (160, 24), "fp8_o_skip": 0,
                "fp8_pv_overlap": 0, "fp8_d64": {"fp8_wgs": 3}, "fp8_n192": 0, "fp8_vt": 0,
+               "fp8_pass_evict": 0, "fp8_vt_pad": 0, "fp8_full_order": 0,
                "pv_overlap": 0,
                "bwd_order": 0, "bwd_snake": 0, "bwd_named": 0, "bwd_epi_tma": 0, "bwd_fixed": 0, "bwd_window_desc": 0,
                "bwd_mod_early": 0, "bwd_window_fixed": 0, "bwd_prefix": 2,
@@ -342,8 +345,13 @@ class GluonBackend(DecodeRules, KernelBackend):
     def tile_order(self, spec) -> int | None:
         """The tile order (_SCHED) the product renders for `spec`, or None for the plain persistent loop ([Note] Gluon
         tile order): MLA causal 1 (paired); other causal specs without the window or a mod the variant's
-        causal_order; the template computes the same ({% set order %} in fagen/templates/gluon/attention.py.j2)."""
-        if spec.modded or spec.mask is not Mask.CAUSAL or spec.window:
+        causal_order; an fp8 full-mask one fp8_full_order (0: none); the template computes the same ({% set order %}
+        in fagen/templates/gluon/attention.py.j2)."""
+        if spec.modded or spec.window:
+            return None
+        if spec.mask is Mask.NONE and spec.dtype is DType.FP8_E4M3 and spec.kind is Kind.PREFILL:  # full_plain
+            return self.variant["fp8_full_order"] or None
+        if spec.mask is not Mask.CAUSAL:
             return None
         if (spec.head_dim, spec.head_dim_v) == self.mla_dims:
             return 1

@@ -1,6 +1,6 @@
 """The fp8 forward's main loop, thirteenth session (issue 28): exponentials on the FMA pipe (GluonBackend.variant
-fp8_exp_poly, [Note] fp8 exp2 on the FMA pipe) and O's rescale skipped by the warp (fp8_o_warp_skip, [Note] fp8 O
-rescale by warp), both in fagen/templates/gluon/attention.py.j2. The render (what reads the switches), and the sm_90
+fp8_exp_poly, [Note] fp8 exp2 on the FMA pipe), O's rescale skipped by the warp (fp8_o_warp_skip, [Note] fp8 O
+rescale by warp) and the lazy max (fp8_lazy_max, [Note] fp8 lazy max), in fagen/templates/gluon/attention.py.j2. The render (what reads the switches), and the sm_90
 build on the CPU: no spills, the MUFU exponentials of the unmasked loop one in K fewer, the vote and the uniform branch
 around the rescale. The kernels against float64 (and the skip bit for bit against the product, with mutants that
 must fail) run in scripts/gpu_fp8mma_s13.py on an H100."""
@@ -39,6 +39,11 @@ def test_switches_render_only_where_on_and_only_for_fp8():
     assert resc.count("mul.f32 $") == 64 and "vote.sync.any.pred" in resc and "@!p bra.uni SKIP" in resc
     assert '"=r,' in resc and ",0,1,2," in resc and "pack=64)" in resc  # the outputs tied to O's registers
     assert "o_acc = _o_rescale(o_acc, " in src
+    assert "fp8 lazy max" not in before
+    with variant(fp8_lazy_max=1):
+        src = render()
+        assert render(dtype="bf16") == bf16
+    assert src.count("m_new = gl.where(m_new > m_i + 0.75, m_new, m_i)  # [Note] fp8 lazy max") == 2  # both branches
 
 
 _SCRIPT = r"""

@@ -1,9 +1,9 @@
 """The fp8 forward's main loop, thirteenth session (issue 28): exponentials on the FMA pipe (GluonBackend.variant
 fp8_exp_poly, [Note] fp8 exp2 on the FMA pipe), O's rescale skipped by the warp (fp8_o_warp_skip, [Note] fp8 O
-rescale by warp) and the lazy max (fp8_lazy_max, [Note] fp8 lazy max), in fagen/templates/gluon/attention.py.j2. The render (what reads the switches), and the sm_90
-build on the CPU: no spills, the MUFU exponentials of the unmasked loop one in K fewer, the vote and the uniform branch
-around the rescale. The kernels against float64 (and the skip bit for bit against the product, with mutants that
-must fail) run in scripts/gpu_fp8mma_s13.py on an H100."""
+rescale by warp) and the lazy max (fp8_lazy_max, [Note] fp8 lazy max), in fagen/templates/gluon/attention.py.j2. The
+render (what reads the switches), and the sm_90 build on the CPU: no spills, the MUFU exponentials of the unmasked
+loop one in K fewer, the vote and the uniform branch around the rescale. The kernels against float64 (and the skip
+bit for bit against the product, with mutants that must fail) run in scripts/gpu_fp8mma_s13.py on an H100."""
 
 import re
 

@@ -31,7 +31,7 @@ from _phases import child_env, run_phase as run_child  # noqa: E402
 # replacement), ...) on the render, "mutant": True for a variant broken on purpose (its checks must FAIL; never timed)}
 VARIANTS = {
     "product": None,
-    "exp2 1/16 on FMA": {"variant": {"fp8_exp_poly": 16}, "checks": 1},
+    "l by wgmma": {"variant": {"fp8_l_mma": 1}},
     "exp2 1/8 on FMA": {"variant": {"fp8_exp_poly": 8}},
     "O skip by warp": {"variant": {"fp8_o_warp_skip": 1}},
     "O skip + lazy max": {"variant": {"fp8_o_warp_skip": 1, "fp8_lazy_max": 1}},
@@ -42,13 +42,13 @@ VARIANTS = {
                                  "patch": ((r"@!p bra\.uni SKIP", "bra.uni SKIP"), )},
 }
 s7.VARIANTS = VARIANTS
-TIMED = ("product", "exp2 1/16 on FMA", "exp2 1/8 on FMA", "O skip by warp", "O skip + lazy max")
+TIMED = ("product", "l by wgmma", "exp2 1/8 on FMA", "O skip by warp", "O skip + lazy max")
 D64 = ()
 D64_ONLY = ()
 EQUAL = {n: "product" for n in ("O skip by warp", )}
 FULL = ("product", "O skip + lazy max")  # s7.PRODUCT_CHECKS: GQA 4 / 2, per-head descales, the window
 ALONE = ()  # also timed with Vt made once
-BENCH_INPUTS = ("product", "O skip by warp", "O skip + lazy max")  # also timed on the standard suite's fp8 rows' inputs
+BENCH_INPUTS = ("product", "l by wgmma", "O skip by warp")  # also timed on the standard suite's fp8 rows' inputs
 PASSES = 7
 PHASE_TIMEOUT = {"build": 24, "check": 14, "time": 26}
 s7.PHASE_TIMEOUT = PHASE_TIMEOUT

@@ -31,7 +31,7 @@ from _phases import child_env, run_phase as run_child  # noqa: E402
 # replacement), ...) on the render, "mutant": True for a variant broken on purpose (its checks must FAIL; never timed)}
 VARIANTS = {
     "product": None,
-    "l by wgmma": {"variant": {"fp8_l_mma": 1}},
+    "l by wgmma (diag if lse fails)": {"variant": {"fp8_l_mma": 1}},
     "exp2 1/8 on FMA": {"variant": {"fp8_exp_poly": 8}},
     "O skip by warp": {"variant": {"fp8_o_warp_skip": 1}},
     "O skip + lazy max": {"variant": {"fp8_o_warp_skip": 1, "fp8_lazy_max": 1}},
@@ -42,13 +42,16 @@ VARIANTS = {
                                  "patch": ((r"@!p bra\.uni SKIP", "bra.uni SKIP"), )},
 }
 s7.VARIANTS = VARIANTS
-TIMED = ("product", "l by wgmma", "exp2 1/8 on FMA", "O skip by warp", "O skip + lazy max")
+TIMED = ("product", "l by wgmma (diag if lse fails)", "exp2 1/8 on FMA", "O skip by warp", "O skip + lazy max")
 D64 = ()
 D64_ONLY = ()
 EQUAL = {n: "product" for n in ("O skip by warp", )}
-FULL = ("product", "l by wgmma")  # s7.PRODUCT_CHECKS: GQA 4 / 2, per-head descales, the window
+FULL = ("product", "l by wgmma (diag if lse fails)")  # s7.PRODUCT_CHECKS: GQA 4 / 2, per-head descales, the window
 ALONE = ()  # also timed with Vt made once
-BENCH_INPUTS = ("product", "l by wgmma", "O skip by warp")  # also timed on the standard suite's fp8 rows' inputs
+# timed even where a check fails on lse alone (l from the rounded P: a diagnostic of the lever's speed; its lse
+# error is the question of the check's rows)
+DIAG_TIMED = ("l by wgmma (diag if lse fails)", )
+BENCH_INPUTS = ("product", "l by wgmma (diag if lse fails)", "O skip by warp")  # also timed on the standard suite's fp8 rows' inputs
 PASSES = 7
 PHASE_TIMEOUT = {"build": 24, "check": 14, "time": 26}
 s7.PHASE_TIMEOUT = PHASE_TIMEOUT
@@ -99,8 +102,14 @@ def phase_check():
                 r = m.forward(*a, **kw)
                 got.append(tuple(t.clone() for t in r))
                 return r
-            rows = [gpu_fp8.check(d, mask, gqa, b, hkv, sq, sk, False, per_head, window=window, seed=call,
-                                  device=s7.DEV, forward=fwd) for call in range(2)]
+            bound = gpu_fp8.LSE_BOUND
+            if name in DIAG_TIMED:  # every check but lse's bound (its error is printed): PASS* ([Note] fp8 row sum
+                gpu_fp8.LSE_BOUND = float("inf")  # by wgmma: l from the rounded P)
+            try:
+                rows = [gpu_fp8.check(d, mask, gqa, b, hkv, sq, sk, False, per_head, window=window, seed=call,
+                                      device=s7.DEV, forward=fwd) for call in range(2)]
+            finally:
+                gpu_fp8.LSE_BOUND = bound
             ok = all(r["pass"] for r in rows)
             r = max(rows, key=lambda r: r["rmse"] / r["emu_rmse"])
             note = (f"rmse {r['rmse']:.2e} (emu {r['emu_rmse']:.2e}) lse {r['lse_err']:.1e} "
@@ -116,7 +125,9 @@ def phase_check():
                 s7.emit(section="check", variant=shown, case=label, value="RED (as it must)" if not ok else
                         "FAIL: the mutant passed", note=note)
             else:
-                s7.emit(section="check", variant=shown, case=label, value="PASS" if ok else "FAIL", note=note)
+                lse_ok = all(r_["lse_err"] <= bound for r_ in rows)
+                s7.emit(section="check", variant=shown, case=label, note=note,
+                        value=("PASS" if lse_ok else "PASS*") if ok else "FAIL")
         except Exception as e:  # noqa: BLE001
             s7.emit(section="check", variant=shown, case=label, value="FAIL",
                     note=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
@@ -284,7 +295,8 @@ def main():
                 if d == 128:  # product went untimed)
                     want[n] = want.get(n, 0) + 1
             bad = [n for n in TIMED if sum(r["variant"] == n for r in done) < want.get(n, 0)
-                   or any(r["variant"] == n and r["value"] != "PASS" for r in done)]
+                   or any(r["variant"] == n and r["value"] != "PASS" and not (
+                       n in DIAG_TIMED and r["value"] == "PASS*") for r in done)]
             env["FP8FWD_SKIP"] = "|".join(bad)
             if bad:
                 s7.log(f"not timed (checks failed or unfinished): {bad}")

@@ -26,32 +26,35 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_fp8_fwd_s7 as s7  # noqa: E402
 from _phases import child_env, run_phase as run_child  # noqa: E402
 
-# Round A (H100, /work/wt/results/fp8mma-A.txt): see docs/hopper.md, "fp8 forward: the main loop (thirteenth session)".
+# Round A (H100, /work/wt/results/fp8mma-A.txt; the table in docs/hopper.md, "fp8 forward: the main loop (thirteenth
+# session)"): TF/s causal / full, random inputs: product 784 / 777, exp2 1/8 on FMA 839 / 830, O skip by warp 833 / 864;
+# bench inputs: product 857 / 868, O skip 839 / 841; the lazy max failed the fingerprint, the row sum by wgmma read NaN.
+# Round B: every variant on the bench inputs (the target), three on random ones.
 # name -> None (the product) or {"variant": GluonBackend.variant keys, "fields": spec fields, "patch": ((regex,
 # replacement), ...) on the render, "mutant": True for a variant broken on purpose (its checks must FAIL; never timed)}
 VARIANTS = {
     "product": None,
-    "l by wgmma (diag if lse fails)": {"variant": {"fp8_l_mma": 1}},
     "exp2 1/8 on FMA": {"variant": {"fp8_exp_poly": 8}},
-    "O skip by warp": {"variant": {"fp8_o_warp_skip": 1}},
-    "O skip + lazy max": {"variant": {"fp8_o_warp_skip": 1, "fp8_lazy_max": 1}},
-    # mutants: the polynomial's exponent shifted by one bit too few; O never rescaled (the skip always taken)
-    "mutant: exp2 exponent": {"variant": {"fp8_exp_poly": 8}, "mutant": True,
-                              "patch": ((r"shl\.b32 e, t, 23", "shl.b32 e, t, 22"), )},
-    "mutant: O never rescaled": {"variant": {"fp8_o_warp_skip": 1}, "mutant": True,
-                                 "patch": ((r"@!p bra\.uni SKIP", "bra.uni SKIP"), )},
+    "exp2 1/16 on FMA": {"variant": {"fp8_exp_poly": 16}, "checks": 1},
+    "exp2 1/4 on FMA": {"variant": {"fp8_exp_poly": 4}, "checks": 1},
+    "O skip by warp": {"variant": {"fp8_o_warp_skip": 1}, "checks": 1},
+    "exp2 1/8 + O skip": {"variant": {"fp8_exp_poly": 8, "fp8_o_warp_skip": 1}},
+    # round A read NaN with rows 0..7 of the ones slot written; round B writes the whole slot
+    "l by wgmma (diag if lse fails)": {"variant": {"fp8_l_mma": 1}},
 }
 s7.VARIANTS = VARIANTS
-TIMED = ("product", "l by wgmma (diag if lse fails)", "exp2 1/8 on FMA", "O skip by warp", "O skip + lazy max")
+TIMED = ("product", "exp2 1/8 on FMA", "O skip by warp")  # on random inputs too
 D64 = ()
 D64_ONLY = ()
 EQUAL = {n: "product" for n in ("O skip by warp", )}
-FULL = ("product", "l by wgmma (diag if lse fails)")  # s7.PRODUCT_CHECKS: GQA 4 / 2, per-head descales, the window
+FULL = ("product", "exp2 1/8 on FMA")  # s7.PRODUCT_CHECKS: GQA 4 / 2, per-head descales, the window
 ALONE = ()  # also timed with Vt made once
 # timed even where a check fails on lse alone (l from the rounded P: a diagnostic of the lever's speed; its lse
 # error is the question of the check's rows)
 DIAG_TIMED = ("l by wgmma (diag if lse fails)", )
-BENCH_INPUTS = ("product", "l by wgmma (diag if lse fails)", "O skip by warp")  # also timed on the standard suite's fp8 rows' inputs
+# also timed on the standard suite's fp8 rows' own inputs (round B: every variant)
+BENCH_INPUTS = ("product", "exp2 1/8 on FMA", "exp2 1/16 on FMA", "exp2 1/4 on FMA", "O skip by warp",
+                "exp2 1/8 + O skip", "l by wgmma (diag if lse fails)")
 PASSES = 7
 PHASE_TIMEOUT = {"build": 24, "check": 14, "time": 26}
 s7.PHASE_TIMEOUT = PHASE_TIMEOUT
@@ -294,7 +297,8 @@ def main():
             for n, d, *_ in check_cases():  # d64 rows are named "<variant> d64" (round B missed this: the
                 if d == 128:  # product went untimed)
                     want[n] = want.get(n, 0) + 1
-            bad = [n for n in TIMED if sum(r["variant"] == n for r in done) < want.get(n, 0)
+            bad = [n for n in dict.fromkeys(TIMED + BENCH_INPUTS)
+                   if sum(r["variant"] == n for r in done) < want.get(n, 0)
                    or any(r["variant"] == n and r["value"] != "PASS" and not (
                        n in DIAG_TIMED and r["value"] == "PASS*") for r in done)]
             env["FP8FWD_SKIP"] = "|".join(bad)

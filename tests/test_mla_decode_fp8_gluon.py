@@ -156,6 +156,31 @@ def test_the_kernel_clamps_page_indexes_and_lengths_where_they_are_used():
     assert src.count("mask=real)") == 16 and src.count("mask=nr < ROWS)") == 2
 
 
+def test_the_l2_prefetch_stays_within_the_split_and_the_pages_and_is_off_by_default():
+    """[Note] L2 prefetch, as rendered: off in the product's render; on, block j + 2 is asked for only when the split
+    has it, its page clamped to the cache, at most 64 rows and none past the sequence's end (a block lies within a
+    page, or within a dense sequence), the table entry for block j + 3 masked by the split's blocks."""
+    from fagen import backends
+    from fagen.codegen.render import render
+
+    assert "_l2_prefetch(" not in render(spec()).source
+    keep = backends.GLUON.variant
+    try:
+        backends.GLUON.variant = {**keep, "fp8lat_l2_prefetch": 1}
+        render.cache_clear()
+        src = render(spec()).source
+    finally:
+        backends.GLUON.variant = keep
+        render.cache_clear()
+    assert ("_l2_prefetch(Cache, _row0(gl.minimum(gl.maximum(pf_raw, 0), num_pages - 1), b, kv_b, pf, PAGE, PAGED),\n"
+            "                     gl.minimum(seq_len - pf, 64), j + 2 < n_blocks)") in src
+    assert "pf_raw = _page_raw(BlockTable, bt_row, pf + 64, j + 3 < n_blocks, PAGE, PAGED)" in src
+    assert "pf_raw = _page_raw(BlockTable, bt_row, k_lo + 128, n_blocks > 2, PAGE, PAGED)" in src
+    assert ("_l2_prefetch(Cache, _row0(gl.minimum(gl.maximum(pg_raw, 0), num_pages - 1), b, kv_b, k_lo + 64, PAGE, "
+            "PAGED),\n                 gl.minimum(seq_len - k_lo - 64, 64), n_blocks > 1)") in src
+    assert "nbytes = gl.where((t == 0) & ok & (rows > 0), rows * (ROW_W * 4), 0)" in src
+
+
 _MERGE = """
 import sys
 sys.path.insert(0, sys.argv[1])
@@ -196,7 +221,8 @@ out = {}
 for key, (layout, gqa, kw) in json.loads(sys.argv[2]).items():
     spec = fagen.KernelSpec(head_dim=576, head_dim_v=512, shared_kv=True, kind="decode", gqa=gqa, dtype="bf16",
                             mask="causal", layout=layout, backend="gluon", kv_dtype="fp8_e4m3")
-    var = kw.pop("variant", None)  # the variant's fp8lat_* keys ([Note] Lazy block max, [Note] Early first block)
+    var = kw.pop("variant", None)  # the variant's fp8lat_* keys ([Note] Lazy block max, [Note] Early first block,
+    # [Note] L2 prefetch)
     if var:
         keep = backends.GLUON.variant
         backends.GLUON.variant = {**keep, **var}
@@ -224,7 +250,10 @@ BUILDS = {"paged_token": ("paged", 16, dict()), "paged_tensor": ("paged", 16, di
           "h8_sq2": ("paged", 8, dict(seq_q=2)), "h128_sq2": ("paged", 128, dict(seq_q=2, scales=0)),
           "paged_token_lazy6": ("paged", 16, dict(variant={"fp8lat_lazy": 6})),
           "paged_tensor_lazy6": ("paged", 16, dict(variant={"fp8lat_lazy": 6}, scales=0)),
-          "paged_token_early": ("paged", 16, dict(variant={"fp8lat_early_fetch": 1}))}
+          "paged_token_early": ("paged", 16, dict(variant={"fp8lat_early_fetch": 1})),
+          "paged_token_l2pf": ("paged", 16, dict(variant={"fp8lat_l2_prefetch": 1})),
+          "paged_tensor_l2pf": ("paged", 16, dict(variant={"fp8lat_l2_prefetch": 1}, scales=0)),
+          "dense_head_l2pf": ("dense", 16, dict(variant={"fp8lat_l2_prefetch": 1}, scales=1, num_splits=2))}
 
 
 @pytest.fixture(scope="module")

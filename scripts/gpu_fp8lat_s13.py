@@ -1,7 +1,7 @@
 """MLA absorbed decode over an fp8 latent cache, thirteenth session (issue 27: >= 95% of copy): the product's Gluon
-fp8 latent decode ([Note] Gluon fp8 latent decode) and its L2 prefetch lever (variant fp8lat_l2_prefetch, [Note] L2
-prefetch) against FlashMLA's fp8 decode in one process, the host time of a call, and fagen.attention's fp8 latent
-route on the GPU. Reuses scripts/gpu_fp8lat_s12.py's inputs, float64 checks, CUDA-graph timing and FlashMLA module.
+fp8 latent decode ([Note] Gluon fp8 latent decode) and its L2 prefetch lever (variant fp8lat_l2_prefetch = 2 and 4
+blocks ahead, [Note] L2 prefetch) against FlashMLA's fp8 decode in one process, the host time of a call, and
+fagen.attention's fp8 latent route on the GPU. Reuses scripts/gpu_fp8lat_s12.py's inputs, float64 checks, CUDA-graph timing and FlashMLA module.
 
     FLASHMLA_DIR=/tmp/fm PYTHONPATH=$PWD python3 scripts/gpu_fp8lat_s13.py  # < 70 s on an H100; $OUTX/gpu_fp8lat_s13.md
 
@@ -38,12 +38,14 @@ PASSES = 3
 LIMITS = dict(check=24, host=12, time=34)
 T0 = time.time()
 s12.T0 = T0
-LEVERS = {"l2pf": {"fp8lat_l2_prefetch": 1}}  # backend "gluon-<key>": the gluon render with these variant keys
+LEVERS = {"l2pf": {"fp8lat_l2_prefetch": 2}, "l2pf4": {"fp8lat_l2_prefetch": 4}}  # backend "gluon-<key>": the gluon render with these variant keys
 VARIANTS = {
     "gluon token": ("gluon", "token"),
     "gluon tensor": ("gluon", "tensor"),
     "gluon token, L2 prefetch": ("gluon-l2pf", "token"),
     "gluon tensor, L2 prefetch": ("gluon-l2pf", "tensor"),
+    "gluon token, L2 prefetch 4 ahead": ("gluon-l2pf4", "token"),
+    "gluon tensor, L2 prefetch 4 ahead": ("gluon-l2pf4", "tensor"),
     "FlashMLA fp8 (q e4m3)": ("flashmla8", "tensor"),
 }
 SHAPES = ((128, 4096), (32, 32768), (128, 32768), (32, 4096))
@@ -163,6 +165,8 @@ def check_phase(name):
                                             ("head", "dense", 16, 1, "rule"), ("token", "dense", 16, 1, "s3"),
                                             ("token", "paged", 16, 3, "rule")]),
         "check-product": ("gluon", [("token", "paged", 16, 1, "rule"), ("tensor", "paged", 16, 1, "rule")]),
+        "check-l2pf4": ("gluon-l2pf4", [("token", "paged", 16, 1, "s1"), ("tensor", "paged", 16, 1, "rule"),
+                                        ("token", "paged", 16, 1, "s3"), ("token", "dense", 16, 1, "s1")]),
         "check-api": ("api", [("token", "paged", 16, 1, "rule"), ("tensor", "paged", 16, 1, "rule"),
                               ("head", "paged", 16, 1, "rule"), ("token", "paged", 16, 3, "rule")]),
     }
@@ -311,7 +315,7 @@ def time_phase():  # noqa: C901
             break
 
 
-CHECKS = ["check-l2pf-tok", "check-l2pf-other", "check-product", "check-api", "check-safety", "check-warm"]
+CHECKS = ["check-l2pf-tok", "check-l2pf-other", "check-l2pf4", "check-product", "check-api", "check-safety", "check-warm"]
 
 
 def main():

@@ -166,7 +166,7 @@ def test_the_l2_prefetch_stays_within_the_split_and_the_pages_and_is_off_by_defa
     assert "_l2_prefetch(" not in render(spec()).source
     keep = backends.GLUON.variant
     try:
-        backends.GLUON.variant = {**keep, "fp8lat_l2_prefetch": 1}
+        backends.GLUON.variant = {**keep, "fp8lat_l2_prefetch": 2}
         render.cache_clear()
         src = render(spec()).source
     finally:
@@ -251,9 +251,9 @@ BUILDS = {"paged_token": ("paged", 16, dict()), "paged_tensor": ("paged", 16, di
           "paged_token_lazy6": ("paged", 16, dict(variant={"fp8lat_lazy": 6})),
           "paged_tensor_lazy6": ("paged", 16, dict(variant={"fp8lat_lazy": 6}, scales=0)),
           "paged_token_early": ("paged", 16, dict(variant={"fp8lat_early_fetch": 1})),
-          "paged_token_l2pf": ("paged", 16, dict(variant={"fp8lat_l2_prefetch": 1})),
-          "paged_tensor_l2pf": ("paged", 16, dict(variant={"fp8lat_l2_prefetch": 1}, scales=0)),
-          "dense_head_l2pf": ("dense", 16, dict(variant={"fp8lat_l2_prefetch": 1}, scales=1, num_splits=2))}
+          "paged_token_l2pf": ("paged", 16, dict(variant={"fp8lat_l2_prefetch": 2})),
+          "paged_tensor_l2pf": ("paged", 16, dict(variant={"fp8lat_l2_prefetch": 2}, scales=0)),
+          "dense_head_l2pf": ("dense", 16, dict(variant={"fp8lat_l2_prefetch": 2}, scales=1, num_splits=2))}
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
 """MLA absorbed decode over an fp8 latent cache, thirteenth session (issue 27: >= 95% of copy): the product's Gluon
 fp8 latent decode ([Note] Gluon fp8 latent decode) and its L2 prefetch lever (variant fp8lat_l2_prefetch = 2 and 4
 blocks ahead, [Note] L2 prefetch) against FlashMLA's fp8 decode in one process, the host time of a call, and
-fagen.attention's fp8 latent route on the GPU. Reuses scripts/gpu_fp8lat_s12.py's inputs, float64 checks, CUDA-graph timing and FlashMLA module.
+fagen.attention's fp8 latent route on the GPU. Reuses scripts/gpu_fp8lat_s12.py's inputs, float64 checks, CUDA-graph
+timing and FlashMLA module.
 
     FLASHMLA_DIR=/tmp/fm PYTHONPATH=$PWD python3 scripts/gpu_fp8lat_s13.py  # < 70 s on an H100; $OUTX/gpu_fp8lat_s13.md
 
@@ -38,7 +39,8 @@ PASSES = 3
 LIMITS = dict(check=24, host=12, time=34)
 T0 = time.time()
 s12.T0 = T0
-LEVERS = {"l2pf": {"fp8lat_l2_prefetch": 2}, "l2pf4": {"fp8lat_l2_prefetch": 4}}  # backend "gluon-<key>": the gluon render with these variant keys
+# backend "gluon-<key>": the gluon render with these variant keys
+LEVERS = {"l2pf": {"fp8lat_l2_prefetch": 2}, "l2pf4": {"fp8lat_l2_prefetch": 4}}
 VARIANTS = {
     "gluon token": ("gluon", "token"),
     "gluon tensor": ("gluon", "tensor"),
@@ -127,7 +129,8 @@ def _checks(backend, cases):
         except Exception as e:  # noqa: BLE001 - a failure is a row
             import traceback
             traceback.print_exc(file=sys.stdout)
-            emit("check", case, backend, "FAIL", None, f"ERROR {type(e).__name__}: {(str(e).splitlines() or [''])[0][:150]}")
+            first = (str(e).splitlines() or [""])[0][:150]
+            emit("check", case, backend, "FAIL", None, f"ERROR {type(e).__name__}: {first}")
 
 
 def _api_route():
@@ -136,7 +139,7 @@ def _api_route():
 
     import fagen
     from fagen.runtime import resolve
-    q, cache, table, lens, kw = s12._inputs("token", 2, 4 * PAGE, [200, 77], 2)
+    q, cache, table, lens, kw = s12._inputs("token", 32, 8192, [8192] * 31 + [77], 2)  # 2^22 pairs: LATENT_MIN_WORK
     try:
         seen = []
         keep = resolve._module
@@ -315,7 +318,8 @@ def time_phase():  # noqa: C901
             break
 
 
-CHECKS = ["check-l2pf-tok", "check-l2pf-other", "check-l2pf4", "check-product", "check-api", "check-safety", "check-warm"]
+CHECKS = ["check-l2pf-tok", "check-l2pf-other", "check-l2pf4", "check-product", "check-api", "check-safety",
+          "check-warm"]
 
 
 def main():

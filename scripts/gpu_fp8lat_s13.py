@@ -269,6 +269,9 @@ def time_phase():  # noqa: C901
     mods = {}
     for b, n in SHAPES:
         case = f"h16 sq1 page{PAGE} b{b} kv{n}"
+        for m in mods.values():  # FlashMLA keeps metadata per lengths tensor address: a recycled one misled it (s12 B)
+            for cache_name in ("meta", "prep"):
+                getattr(m, cache_name, {}).clear()
         made, fns, read = {}, {}, {}
         ref = {}
         try:

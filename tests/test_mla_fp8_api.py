@@ -78,6 +78,17 @@ def test_fagen_attention_takes_an_e4m3_latent_cache(layout, form):
     _check(out, q, keys)
 
 
+@pytest.mark.parametrize("mask", ["none", "causal"])
+def test_fagen_attention_takes_a_paged_bf16_latent_cache(mask):
+    """The paged form with a cache of q's dtype (no scale): the keys' bf16 values against float64."""
+    gen = torch.Generator().manual_seed(7)
+    q, cache, scale, extra, keys = _case(gen, [29, 66], "tensor", "paged", nan_tails=False)
+    bf16 = (cache.float() * 0.75).bfloat16()
+    with torch.no_grad():
+        out = fagen.attention(q, bf16, None, head_dim_v=DV, mask=mask, **extra)
+    _check(out, q, [k.bfloat16().double() for k in keys], mask)
+
+
 def test_the_fp8_cache_is_read_as_fp8_with_its_scale(monkeypatch):
     """The cache goes to an fp8 kernel (kv_dtype fp8_e4m3) as fp8 bytes under k_scale: the result is the scaled
     dequantized reference, which differs from one that drops the scale or reads the cache cast to bf16 unscaled; the

@@ -53,14 +53,39 @@ VARIANTS = {
 SHAPES = ((128, 4096), (32, 32768), (128, 32768), (32, 4096))
 ONLY_AT = {"gluon token, 1 program an SM": (32, 4096)}  # rows timed at one shape only (s12: cut at b32 kv4k)
 VARIANTS["gluon token, 1 program an SM"] = ("gluon#1", "token")
+VARIANTS["gluon token, partials bf16"] = ("gluon-part", "token")  # [Note] Partials in q's dtype
+VARIANTS["gluon tensor, partials bf16"] = ("gluon-part", "tensor")
 emit = s12.emit
 
 
+class _Part:
+    """The product's gluon module with PART_Q_DTYPE on ([Note] Partials in q's dtype) during its calls."""
+
+    def __init__(self, mod):
+        self.mod = mod
+
+    def forward(self, *args, **kw):
+        keep, self.mod.PART_Q_DTYPE = self.mod.PART_Q_DTYPE, True
+        try:
+            return self.mod.forward(*args, **kw)
+        finally:
+            self.mod.PART_Q_DTYPE = keep
+
+    def forward_split(self, *args, **kw):
+        keep, self.mod.PART_Q_DTYPE = self.mod.PART_Q_DTYPE, True
+        try:
+            return self.mod.forward_split(*args, **kw)
+        finally:
+            self.mod.PART_Q_DTYPE = keep
+
+
 def _new_module(backend, hq, layout, mask):
-    """s12's modules plus "gluon-<lever>" (LEVERS) and "api" (fagen.attention as a module)."""
+    """s12's modules plus "gluon-<lever>" (LEVERS), "gluon-part" and "api" (fagen.attention as a module)."""
     import fagen
     if backend == "api":
         return _Api()
+    if backend == "gluon-part":
+        return _Part(s12._module("gluon", hq, layout, mask))
     if backend.startswith("gluon-") and backend[len("gluon-"):] in LEVERS:
         from fagen import backends
         from fagen.codegen.render import render
@@ -170,6 +195,8 @@ def check_phase(name):
                                             ("head", "dense", 16, 1, "rule"), ("token", "dense", 16, 1, "s3"),
                                             ("token", "paged", 16, 3, "rule")]),
         "check-product": ("gluon", [("token", "paged", 16, 1, "rule"), ("tensor", "paged", 16, 1, "rule")]),
+        "check-part": ("gluon-part", [("token", "paged", 16, 1, "rule"), ("tensor", "paged", 16, 1, "s3"),
+                                      ("token", "paged", 16, 1, "inv"), ("head", "dense", 16, 1, "s3")]),
         "check-l2pf4": ("gluon-l2pf4", [("token", "paged", 16, 1, "s1"), ("tensor", "paged", 16, 1, "rule"),
                                         ("token", "paged", 16, 1, "s3"), ("token", "dense", 16, 1, "s1")]),
         "check-api": ("api", [("token", "paged", 16, 1, "rule"), ("tensor", "paged", 16, 1, "rule"),
@@ -326,7 +353,7 @@ def time_phase():  # noqa: C901
 
 
 CHECKS = ["check-l2pf-tok", "check-l2pf-other", "check-l2pf4", "check-product", "check-api", "check-safety",
-          "check-warm"]
+          "check-warm", "check-part"]
 
 
 def main():

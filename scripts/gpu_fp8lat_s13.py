@@ -226,15 +226,26 @@ def host_phase():
     rows = []
     for b, n in ((1, 1024), (32, 4096)):
         q, cache, table, lens, kw = s12._inputs("token", b, n, [n] * b, 5)
-        for name in ("gluon", "triton", "api"):
+        for name in ("gluon", "gluon memo", "triton", "api"):
             try:
+                memo = name == "gluon memo"  # [Note] Checked signatures (HOST_MEMO)
+                if memo:
+                    m = s12._module("gluon", 16)
+                    want = m.forward(q, cache, None, block_table=table, seqlens_k=lens, scale=SCALE, **kw)
+                    m.HOST_MEMO = True
+                    m._MEMO.clear()
+                    for _ in range(2):
+                        got = m.forward(q, cache, None, block_table=table, seqlens_k=lens, scale=SCALE, **kw)
+                    same = torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and len(m._MEMO) == 1
+                    emit("check", f"host memo h16 b{b} kv{n}", "gluon memo", "ok" if same else "FAIL", None,
+                         f"the same bits as the checked path: {same}; memo entries {len(m._MEMO)}")
                 if name == "api":
                     import fagen
                     fn = (lambda q=q, c=cache, t=table, ln=lens, k=kw:  # noqa: E731
                           fagen.attention(q, c, None, block_table=t, seqlens_k=ln, scale=SCALE, mask="causal",
                                           head_dim_v=DV, **k))
                 else:
-                    m = s12._module(name, 16)
+                    m = s12._module(name.split()[0], 16)
                     fn = (lambda m=m, q=q, c=cache, t=table, ln=lens, k=kw:  # noqa: E731
                           m.forward(q, c, None, block_table=t, seqlens_k=ln, scale=SCALE, **k))
                 for _ in range(3):
@@ -256,6 +267,8 @@ def host_phase():
                 torch.cuda.synchronize()
                 eager = start.elapsed_time(end) / 50 * 1e3
                 rows.append((name, b, n))
+                if memo:
+                    m.HOST_MEMO = False
                 emit("host", f"h16 b{b} kv{n} token", name, f"{min(ts):.1f} us host", None,
                      f"host us a call (3 x 100 enqueued) {'/'.join(f'{x:.1f}' for x in ts)}; eager back to back "
                      f"{eager:.1f} us a call")

@@ -320,3 +320,39 @@ def test_gpu_against_float64(form, splits, invariant, hq, sq):
         want, wlse = reference.attention(q[i:i + 1].double(), keys, None, head_dim_v=DV, mask="causal", scale=0.07)
         torch.testing.assert_close(out[i:i + 1].double(), want, atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(lse[i:i + 1].double(), wlse, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.skipif(ON_GPU, reason="CPU tensors: the launch is faked")
+def test_checked_signatures_skip_only_the_checks_of_a_signature_already_checked(monkeypatch):
+    """[Note] Checked signatures (HOST_MEMO, off by default): a call whose inputs' types, shapes, dtypes, devices
+    and scale match a checked call's goes to the launch with the kept scale and form (the per-token tensor of this
+    call); any other input (another scale form, shape, dtype or value) is checked again and refused as before."""
+    mod = fagen.load(spec())
+    assert mod.HOST_MEMO is False
+    launched = []
+    monkeypatch.setattr(mod, "HOST_MEMO", True)
+    monkeypatch.setattr(mod, "_MEMO", {})
+    monkeypatch.setattr(mod, "_check_device", lambda q: None)
+    monkeypatch.setattr(mod, "_launch_decode", lambda *a: launched.append(a) or a)
+    q = torch.randn(2, 16, 1, 576).bfloat16()
+    cache = torch.randn(8, 64, 1, 576).to(torch.float8_e4m3fn)
+    tok = torch.rand(8, 64, 1)
+    table = torch.arange(8, dtype=torch.int32).view(2, 4)
+    lens = torch.tensor([100, 200], dtype=torch.int32)
+    call = dict(block_table=table, seqlens_k=lens, scale=0.1)
+    mod.forward(q, cache, None, k_scale=tok, **call)
+    checked = mod._checked
+    monkeypatch.setattr(mod, "_checked", lambda *a, **kw: pytest.fail("checked again"))
+    tok2 = torch.rand(8, 64, 1)
+    a = mod.forward(q, cache, None, k_scale=tok2, **call)
+    assert a[2] == 0.1 and a[3] == (1.0, tok2, 2) and a[4] is table and a[5] is lens
+    monkeypatch.setattr(mod, "_checked", checked)
+    for bad, match in ((dict(k_scale=tok.half()), "k_scale: per-token scales must be float32"),
+                       (dict(k_scale=torch.rand(8, 64)), "k_scale: expected a positive finite float"),
+                       (dict(k_scale=-1.0), "k_scale: expected a positive finite float"),
+                       (dict(k_scale=tok, scale=-0.1), "scale: expected a positive finite float")):
+        with pytest.raises(mod.InputError, match=match):
+            mod.forward(q, cache, None, **{**call, **bad})
+    with pytest.raises(mod.InputError, match="block_table"):
+        mod.forward(q, cache, None, k_scale=tok, **{**call, "block_table": table[:1]})
+    assert len(launched) == 2

@@ -127,6 +127,9 @@ def test_the_errors_name_the_argument():
                                                                               dtype=torch.float16), **extra)
         with pytest.raises(ValueError, match="k_scale: expected a positive finite float"):
             fagen.attention(q, cache, None, head_dim_v=DV, k_scale=-1.0, **extra)
+        with pytest.raises(ValueError, match="block_table: expected a torch.Tensor"):
+            fagen.attention(q, cache, None, head_dim_v=DV, k_scale=1.0, block_table=[[0]],
+                            seqlens_k=extra["seqlens_k"])
 
 
 @pytest.mark.skipif(ON_GPU, reason="CPU tensors with sm_90 faked: the Triton path needs the interpreter")

@@ -228,7 +228,8 @@ def _latent(q, k, *, mask, head_dim_v, window, softcap, alibi_slopes, sinks, blo
     except SpecError as e:
         raise AttentionError(f"no kernel for these inputs: {e}") from None
     module = _module(spec)
-    span = block_table.shape[-1] * k.shape[1] if paged and block_table.dim() == 2 else k.shape[2]  # keys a row
+    span = k.shape[2] if not paged else block_table.shape[-1] * k.shape[1] if isinstance(
+        block_table, torch.Tensor) and block_table.dim() == 2 else 0  # keys a row (a bad table: the module names it)
     work = q.shape[0] * q.shape[1] * q.shape[2] * span
     # [Note] Latent decode and batch invariance: the size floors weigh the batch (and a graph's capture), so with
     # batch_invariant=True the kernel follows the case only (the gluon decode wherever it fits): a sequence alone and

@@ -156,19 +156,21 @@ def test_the_kernel_clamps_page_indexes_and_lengths_where_they_are_used():
     assert src.count("mask=real)") == 16 and src.count("mask=nr < ROWS)") == 2
 
 
-def test_the_l2_prefetch_stays_within_the_split_and_the_pages_and_is_off_by_default():
-    """[Note] L2 prefetch, as rendered: off in the product's render; on, block j + 2 is asked for only when the split
-    has it, its page clamped to the cache, at most 64 rows and none past the sequence's end (a block lies within a
-    page, or within a dense sequence), the table entry for block j + 3 masked by the split's blocks."""
+def test_the_l2_prefetch_stays_within_the_split_and_the_pages():
+    """[Note] L2 prefetch, as rendered (the product's render, D 2; none with the variant's 0): block j + 2 is asked
+    for only when the split has it, its page clamped to the cache, at most 64 rows and none past the sequence's end
+    (a block lies within a page, or within a dense sequence), the table entry for block j + 3 masked by the split's
+    blocks; block 1 at step 0, at the page step 0 loads it from."""
     from fagen import backends
     from fagen.codegen.render import render
 
-    assert "_l2_prefetch(" not in render(spec()).source
+    assert backends.GLUON.variant["fp8lat_l2_prefetch"] == 2
+    src = render(spec()).source
     keep = backends.GLUON.variant
     try:
-        backends.GLUON.variant = {**keep, "fp8lat_l2_prefetch": 2}
+        backends.GLUON.variant = {**keep, "fp8lat_l2_prefetch": 0}
         render.cache_clear()
-        src = render(spec()).source
+        assert "_l2_prefetch(" not in render(spec()).source
     finally:
         backends.GLUON.variant = keep
         render.cache_clear()
@@ -250,9 +252,8 @@ BUILDS = {"paged_token": ("paged", 16, dict()), "paged_tensor": ("paged", 16, di
           "paged_token_lazy6": ("paged", 16, dict(variant={"fp8lat_lazy": 6})),
           "paged_tensor_lazy6": ("paged", 16, dict(variant={"fp8lat_lazy": 6}, scales=0)),
           "paged_token_early": ("paged", 16, dict(variant={"fp8lat_early_fetch": 1})),
-          "paged_token_l2pf": ("paged", 16, dict(variant={"fp8lat_l2_prefetch": 2})),
-          "paged_tensor_l2pf": ("paged", 16, dict(variant={"fp8lat_l2_prefetch": 2}, scales=0)),
-          "dense_head_l2pf": ("dense", 16, dict(variant={"fp8lat_l2_prefetch": 2}, scales=1, num_splits=2))}
+          "paged_token_no_l2pf": ("paged", 16, dict(variant={"fp8lat_l2_prefetch": 0})),
+          "paged_tensor_l2pf3": ("paged", 16, dict(variant={"fp8lat_l2_prefetch": 3}, scales=0))}
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
 """MLA absorbed decode over an fp8 latent cache, thirteenth session (issue 27: >= 95% of copy): the product's Gluon
-fp8 latent decode ([Note] Gluon fp8 latent decode) and its L2 prefetch lever (variant fp8lat_l2_prefetch = 2 and 4
-blocks ahead, [Note] L2 prefetch) against FlashMLA's fp8 decode in one process, the host time of a call, and
-fagen.attention's fp8 latent route on the GPU. Reuses scripts/gpu_fp8lat_s12.py's inputs, float64 checks, CUDA-graph
+fp8 latent decode ([Note] Gluon fp8 latent decode) with its L2 prefetch (variant fp8lat_l2_prefetch: 2 blocks ahead
+since round A; round B times 0 and 3 beside it, [Note] L2 prefetch) against FlashMLA's fp8 decode in one process, the
+host time of a call (with and without [Note] Checked signatures), fagen.attention's fp8 latent route on the GPU, and
+the serving bench's fp8 latent rows. Reuses scripts/gpu_fp8lat_s12.py's inputs, float64 checks, CUDA-graph
 timing and FlashMLA module.
 
     FLASHMLA_DIR=/tmp/fm PYTHONPATH=$PWD python3 scripts/gpu_fp8lat_s13.py  # < 70 s on an H100; $OUTX/gpu_fp8lat_s13.md
@@ -36,56 +37,34 @@ import scripts.gpu_fp8lat_s12 as s12  # noqa: E402
 
 D, DV, PAGE, SCALE = s12.D, s12.DV, s12.PAGE, s12.SCALE
 PASSES = 3
-LIMITS = dict(check=24, host=12, time=34)
+LIMITS = dict(check=24, host=10, time=22, bench=12)
 T0 = time.time()
 s12.T0 = T0
 # backend "gluon-<key>": the gluon render with these variant keys
-LEVERS = {"l2pf": {"fp8lat_l2_prefetch": 2}, "l2pf4": {"fp8lat_l2_prefetch": 4}}
+# Round A (2026-11-27 20:10 UTC, results/fp8lat-A.txt) timed the L2 prefetch at D 2 and 4 (then prefetching block 1
+# in the prologue), partials in bf16 and one program an SM at b32 kv4k: D 2 won 2.2-9.5 points but at b32 kv4k (-1.0
+# / -1.6), D 4 lost 20-37 points, the partials and one program an SM nothing or less (removed). Round B: the product
+# (D 2, block 1 at step 0; fp8lat_l2_prefetch's default since round A) against D 0 (off) and D 3.
+LEVERS = {"nol2": {"fp8lat_l2_prefetch": 0}, "l2pf3": {"fp8lat_l2_prefetch": 3}}
 VARIANTS = {
-    "gluon token": ("gluon", "token"),
-    "gluon tensor": ("gluon", "tensor"),
-    "gluon token, L2 prefetch": ("gluon-l2pf", "token"),
-    "gluon tensor, L2 prefetch": ("gluon-l2pf", "tensor"),
-    "gluon token, L2 prefetch 4 ahead": ("gluon-l2pf4", "token"),
-    "gluon tensor, L2 prefetch 4 ahead": ("gluon-l2pf4", "tensor"),
+    "gluon token (product: L2 prefetch 2)": ("gluon", "token"),
+    "gluon tensor (product: L2 prefetch 2)": ("gluon", "tensor"),
+    "gluon token, no L2 prefetch": ("gluon-nol2", "token"),
+    "gluon tensor, no L2 prefetch": ("gluon-nol2", "tensor"),
+    "gluon token, L2 prefetch 3 ahead": ("gluon-l2pf3", "token"),
+    "gluon tensor, L2 prefetch 3 ahead": ("gluon-l2pf3", "tensor"),
     "FlashMLA fp8 (q e4m3)": ("flashmla8", "tensor"),
 }
 SHAPES = ((128, 4096), (32, 32768), (128, 32768), (32, 4096))
-ONLY_AT = {"gluon token, 1 program an SM": (32, 4096)}  # rows timed at one shape only (s12: cut at b32 kv4k)
-VARIANTS["gluon token, 1 program an SM"] = ("gluon#1", "token")
-VARIANTS["gluon token, partials bf16"] = ("gluon-part", "token")  # [Note] Partials in q's dtype
-VARIANTS["gluon tensor, partials bf16"] = ("gluon-part", "tensor")
+ONLY_AT = {}  # rows timed at one shape only
 emit = s12.emit
 
 
-class _Part:
-    """The product's gluon module with PART_Q_DTYPE on ([Note] Partials in q's dtype) during its calls."""
-
-    def __init__(self, mod):
-        self.mod = mod
-
-    def forward(self, *args, **kw):
-        keep, self.mod.PART_Q_DTYPE = self.mod.PART_Q_DTYPE, True
-        try:
-            return self.mod.forward(*args, **kw)
-        finally:
-            self.mod.PART_Q_DTYPE = keep
-
-    def forward_split(self, *args, **kw):
-        keep, self.mod.PART_Q_DTYPE = self.mod.PART_Q_DTYPE, True
-        try:
-            return self.mod.forward_split(*args, **kw)
-        finally:
-            self.mod.PART_Q_DTYPE = keep
-
-
 def _new_module(backend, hq, layout, mask):
-    """s12's modules plus "gluon-<lever>" (LEVERS), "gluon-part" and "api" (fagen.attention as a module)."""
+    """s12's modules plus "gluon-<lever>" (LEVERS) and "api" (fagen.attention as a module)."""
     import fagen
     if backend == "api":
         return _Api()
-    if backend == "gluon-part":
-        return _Part(s12._module("gluon", hq, layout, mask))
     if backend.startswith("gluon-") and backend[len("gluon-"):] in LEVERS:
         from fagen import backends
         from fagen.codegen.render import render
@@ -101,7 +80,7 @@ def _new_module(backend, hq, layout, mask):
         finally:
             backends.GLUON.variant = keep
             render.cache_clear()
-        assert "[Note] L2 prefetch" in src
+        assert ("_l2_prefetch(" in src) == bool(var["fp8lat_l2_prefetch"])
         return mod
     return _s12_new(backend, hq, layout, mask) if backend != "gluon" else fagen.load(s12._spec("gluon", hq, layout,
                                                                                                mask))
@@ -190,30 +169,27 @@ def _api_route():
 
 def check_phase(name):
     groups = {
-        "check-l2pf-tok": ("gluon-l2pf", [("token", "paged", 16, 1, f) for f in ("rule", "s1", "s3", "inv")]),
-        "check-l2pf-other": ("gluon-l2pf", [("tensor", "paged", 16, 1, "rule"), ("tensor", "paged", 16, 1, "s3"),
-                                            ("head", "dense", 16, 1, "rule"), ("token", "dense", 16, 1, "s3"),
-                                            ("token", "paged", 16, 3, "rule")]),
-        "check-product": ("gluon", [("token", "paged", 16, 1, "rule"), ("tensor", "paged", 16, 1, "rule")]),
-        "check-part": ("gluon-part", [("token", "paged", 16, 1, "rule"), ("tensor", "paged", 16, 1, "s3"),
-                                      ("token", "paged", 16, 1, "inv"), ("head", "dense", 16, 1, "s3")]),
-        "check-l2pf4": ("gluon-l2pf4", [("token", "paged", 16, 1, "s1"), ("tensor", "paged", 16, 1, "rule"),
-                                        ("token", "paged", 16, 1, "s3"), ("token", "dense", 16, 1, "s1")]),
-        "check-api": ("api", [("token", "paged", 16, 1, "rule"), ("tensor", "paged", 16, 1, "rule"),
-                              ("head", "paged", 16, 1, "rule"), ("token", "paged", 16, 3, "rule")]),
+        "check-tok": ("gluon", [("token", "paged", 16, 1, f) for f in ("rule", "s1", "s3", "inv")]),
+        "check-other": ("gluon", [("tensor", "paged", 16, 1, "rule"), ("tensor", "paged", 16, 1, "s3"),
+                                  ("head", "dense", 16, 1, "rule"), ("token", "dense", 16, 1, "s3"),
+                                  ("token", "paged", 16, 3, "rule")]),
+        "check-rows": ("gluon", [("tensor", "paged", 8, 2, "rule"), ("tensor", "paged", 128, 2, "rule")]),
+        "check-l2pf3": ("gluon-l2pf3", [("token", "paged", 16, 1, "rule"), ("tensor", "paged", 16, 1, "s3")]),
+        "check-nol2": ("gluon-nol2", [("token", "paged", 16, 1, "rule"), ("tensor", "paged", 16, 1, "rule")]),
+        "check-api": ("api", [("token", "paged", 16, 1, "rule"), ("head", "paged", 16, 1, "rule"),
+                              ("token", "paged", 16, 3, "rule")]),
     }
+    if name == "check-route":
+        _api_route()
+        return
     if name == "check-safety":
-        keep = s12._module
-        s12._module = lambda backend, hq, *a: keep("gluon-l2pf", hq, *a)
-        s12._safety()  # with the L2 prefetch lever
+        s12._safety()  # the product's module (the L2 prefetch on)
         return
     if name == "check-warm":
         s12.check_phase("check-warm")
         return
     backend, cases = groups[name]
     _checks(backend, cases)
-    if name == "check-api":
-        _api_route()
 
 
 def host_phase():
@@ -252,7 +228,7 @@ def host_phase():
                     fn()
                 torch.cuda.synchronize()
                 ts = []
-                for _ in range(3):
+                for _ in range(5):
                     torch.cuda._sleep(200_000_000)  # ~100 ms of GPU time: the calls below only enqueue
                     t = time.perf_counter()
                     for _ in range(100):
@@ -269,8 +245,8 @@ def host_phase():
                 rows.append((name, b, n))
                 if memo:
                     m.HOST_MEMO = False
-                emit("host", f"h16 b{b} kv{n} token", name, f"{min(ts):.1f} us host", None,
-                     f"host us a call (3 x 100 enqueued) {'/'.join(f'{x:.1f}' for x in ts)}; eager back to back "
+                emit("host", f"h16 b{b} kv{n} token", name, f"{statistics.median(ts):.1f} us host", None,
+                     f"median host us a call (5 x 100 enqueued) {'/'.join(f'{x:.1f}' for x in ts)}; eager back to back "
                      f"{eager:.1f} us a call")
             except Exception as e:  # noqa: BLE001
                 emit("host", f"b{b} kv{n}", name, "FAIL", None, f"ERROR {type(e).__name__}: {str(e)[:150]}")
@@ -360,19 +336,25 @@ def time_phase():  # noqa: C901
                  f"{fns[v][1]}")
         del made, fns, ref
         torch.cuda.empty_cache()
-        if time.time() - T0 > 54:
+        if time.time() - T0 > 20:
             emit("time", "(rest)", "-", "-", None, "stopped: the phase's time")
             break
 
 
-CHECKS = ["check-l2pf-tok", "check-l2pf-other", "check-l2pf4", "check-product", "check-api", "check-safety",
-          "check-warm", "check-part"]
+CHECKS = ["check-tok", "check-other", "check-rows", "check-l2pf3", "check-nol2", "check-api", "check-route",
+          "check-safety", "check-warm"]
+
+
+def bench_phase():
+    """The serving bench's fp8 latent rows (s12's bench_rows: fagen.bench run_case, the selection off and on)."""
+    s12.LIMITS["time"] = LIMITS["bench"] / 0.45
+    s12.bench_rows()
 
 
 def main():
     if len(sys.argv) > 2 and sys.argv[1] == "--phase":
         name = sys.argv[2]
-        {"time": time_phase, "host": host_phase}.get(name, lambda: check_phase(name))()
+        {"time": time_phase, "host": host_phase, "bench": bench_phase}.get(name, lambda: check_phase(name))()
         return
     env = child_env("/tmp/fagen-cache-gpu-fp8lat-s13", ROOT)
     rows, logs, rcs = [], [], {}
@@ -398,8 +380,9 @@ def main():
         t.start()
     for t in threads:
         t.join()
-    run("time", max(5, min(LIMITS["time"], 56 - (time.time() - T0))))
-    run("host", max(3, min(LIMITS["host"], 68 - (time.time() - T0))))
+    run("time", max(5, min(LIMITS["time"], 48 - (time.time() - T0))))
+    run("host", max(3, min(LIMITS["host"], 57 - (time.time() - T0))))
+    run("bench", max(3, min(LIMITS["bench"], 68 - (time.time() - T0))))
     for n, rc in rcs.items():
         if rc != 0:
             rows.append([n, "(phase)", "-", "-", "", f"ERROR rc={rc}"])

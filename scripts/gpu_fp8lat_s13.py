@@ -44,8 +44,10 @@ s12.T0 = T0
 # Round A (2026-11-27 20:10 UTC, results/fp8lat-A.txt) timed the L2 prefetch at D 2 and 4 (then prefetching block 1
 # in the prologue), partials in bf16 and one program an SM at b32 kv4k: D 2 won 2.2-9.5 points but at b32 kv4k (-1.0
 # / -1.6), D 4 lost 20-37 points, the partials and one program an SM nothing or less (removed). Round B: the product
-# (D 2, block 1 at step 0; fp8lat_l2_prefetch's default since round A) against D 0 (off) and D 3.
-LEVERS = {"nol2": {"fp8lat_l2_prefetch": 0}, "l2pf3": {"fp8lat_l2_prefetch": 3}}
+# (D 2, block 1 at step 0; fp8lat_l2_prefetch's default since round A) against D 0 (off) and D 3, and the block
+# loads with .cg or evict_first ([Note] Cache load hints, variant fp8lat_ld).
+LEVERS = {"nol2": {"fp8lat_l2_prefetch": 0}, "l2pf3": {"fp8lat_l2_prefetch": 3}, "cg": {"fp8lat_ld": 1},
+          "ef": {"fp8lat_ld": 2}}  # [Note] Cache load hints: .cg, evict_first
 VARIANTS = {
     "gluon token (product: L2 prefetch 2)": ("gluon", "token"),
     "gluon tensor (product: L2 prefetch 2)": ("gluon", "tensor"),
@@ -53,6 +55,10 @@ VARIANTS = {
     "gluon tensor, no L2 prefetch": ("gluon-nol2", "tensor"),
     "gluon token, L2 prefetch 3 ahead": ("gluon-l2pf3", "token"),
     "gluon tensor, L2 prefetch 3 ahead": ("gluon-l2pf3", "tensor"),
+    "gluon token, .cg loads": ("gluon-cg", "token"),
+    "gluon tensor, .cg loads": ("gluon-cg", "tensor"),
+    "gluon token, evict_first loads": ("gluon-ef", "token"),
+    "gluon tensor, evict_first loads": ("gluon-ef", "tensor"),
     "FlashMLA fp8 (q e4m3)": ("flashmla8", "tensor"),
 }
 SHAPES = ((128, 4096), (32, 32768), (128, 32768), (32, 4096))
@@ -80,7 +86,8 @@ def _new_module(backend, hq, layout, mask):
         finally:
             backends.GLUON.variant = keep
             render.cache_clear()
-        assert ("_l2_prefetch(" in src) == bool(var["fp8lat_l2_prefetch"])
+        assert ("_l2_prefetch(" in src) == bool(var.get("fp8lat_l2_prefetch", 2))
+        assert ('cache_modifier=".cg"' in src) == (var.get("fp8lat_ld") == 1)
         return mod
     return _s12_new(backend, hq, layout, mask) if backend != "gluon" else fagen.load(s12._spec("gluon", hq, layout,
                                                                                                mask))
@@ -176,6 +183,8 @@ def check_phase(name):
         "check-rows": ("gluon", [("tensor", "paged", 8, 2, "rule"), ("tensor", "paged", 128, 2, "rule")]),
         "check-l2pf3": ("gluon-l2pf3", [("token", "paged", 16, 1, "rule"), ("tensor", "paged", 16, 1, "s3")]),
         "check-nol2": ("gluon-nol2", [("token", "paged", 16, 1, "rule"), ("tensor", "paged", 16, 1, "rule")]),
+        "check-cg": ("gluon-cg", [("token", "paged", 16, 1, "rule"), ("tensor", "paged", 16, 1, "s3")]),
+        "check-ef": ("gluon-ef", [("token", "paged", 16, 1, "s3"), ("tensor", "paged", 16, 1, "rule")]),
         "check-api": ("api", [("token", "paged", 16, 1, "rule"), ("head", "paged", 16, 1, "rule"),
                               ("token", "paged", 16, 3, "rule")]),
     }
@@ -341,8 +350,8 @@ def time_phase():  # noqa: C901
             break
 
 
-CHECKS = ["check-tok", "check-other", "check-rows", "check-l2pf3", "check-nol2", "check-api", "check-route",
-          "check-safety", "check-warm"]
+CHECKS = ["check-tok", "check-other", "check-rows", "check-l2pf3", "check-nol2", "check-cg", "check-ef", "check-api",
+          "check-route", "check-safety", "check-warm"]
 
 
 def bench_phase():

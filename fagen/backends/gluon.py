@@ -114,7 +114,7 @@ class GluonBackend(DecodeRules, KernelBackend):
                "bwd_mod_early": 0, "bwd_window_fixed": 0, "bwd_prefix": 2,
                "bwd_unordered_levers": {"bwd_named": 2, "bwd_epi_tma": 1, "bwd_snake": 1}, "bwd_full_levers": {},
                "bwd_fixed_fma": 0, "bwd_grid": 0, "bwd_spt": 0, "bwd_fixed_tma": 0,
-               "fp8lat_lazy": 0, "fp8lat_early_fetch": 0, "fp8lat_l2_prefetch": 2,
+               "fp8lat_lazy": 0, "fp8lat_early_fetch": 0, "fp8lat_l2_prefetch": 0,
                "fp8lat_ld": 0}
     # fp8lat_*: [Note] Lazy block max, [Note] Early first block, [Note] L2 prefetch, [Note] Cache load hints in
     # fagen/templates/gluon/mla_decode_fp8.py.j2. fp8lat_l2_prefetch 2 (block j + 2): H100 round A (2026-11-27 20:10

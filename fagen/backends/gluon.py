@@ -117,8 +117,8 @@ class GluonBackend(DecodeRules, KernelBackend):
                "fp8lat_lazy": 0, "fp8lat_early_fetch": 0, "fp8lat_l2_prefetch": 0,
                "fp8lat_ld": 0}
     # fp8lat_*: [Note] Lazy block max, [Note] Early first block, [Note] L2 prefetch, [Note] Cache load hints in
-    # fagen/templates/gluon/mla_decode_fp8.py.j2. fp8lat_l2_prefetch 2 (block j + 2): H100 round A (2026-11-27 20:10
-    # UTC) % of copy per token b128 kv4k / b32 kv32k / b128 kv32k 71.0 / 74.0 / 82.3 -> 73.2 / 78.7 / 89.7
+    # fagen/templates/gluon/mla_decode_fp8.py.j2. fp8lat_l2_prefetch 2: round A +2-9.5 points (prologue form),
+    # round B -3.5 to -6 per token (block 1 at step 0): off (docs/serving.md, thirteenth session)
 
     # [Note] Gluon tile order. The persistent forward deals its tiles in an order ([Note] Tile schedule in the
     # template): causal query blocks differ in work, so the order decides how evenly the programs finish. H100,

@@ -156,6 +156,31 @@ def test_the_kernel_clamps_page_indexes_and_lengths_where_they_are_used():
     assert src.count("mask=real)") == 16 and src.count("mask=nr < ROWS)") == 2
 
 
+def test_the_l2_prefetch_stays_within_the_split_and_the_pages():
+    """[Note] L2 prefetch, as rendered (the product's render, D 2; none with the variant's 0): block j + 2 is asked
+    for only when the split has it, its page clamped to the cache, at most 64 rows and none past the sequence's end
+    (a block lies within a page, or within a dense sequence), the table entry for block j + 3 masked by the split's
+    blocks; block 1 at step 0, at the page step 0 loads it from."""
+    from fagen import backends
+    from fagen.codegen.render import render
+
+    assert "_l2_prefetch(" not in render(spec()).source  # off since round B
+    keep = backends.GLUON.variant
+    try:
+        backends.GLUON.variant = {**keep, "fp8lat_l2_prefetch": 2}
+        render.cache_clear()
+        src = render(spec()).source
+    finally:
+        backends.GLUON.variant = keep
+        render.cache_clear()
+    assert ("_l2_prefetch(Cache, _row0(gl.minimum(gl.maximum(pf_raw, 0), num_pages - 1), b, kv_b, pf, PAGE, PAGED),\n"
+            "                     gl.minimum(seq_len - pf, 64), j + 2 < n_blocks)") in src
+    assert "pf_raw = _page_raw(BlockTable, bt_row, pf + 64, j + 3 < n_blocks, PAGE, PAGED)" in src
+    assert "pf_raw = _page_raw(BlockTable, bt_row, k_lo + 128, n_blocks > 2, PAGE, PAGED)" in src
+    assert "_l2_prefetch(Cache, row_n, gl.minimum(seq_len - nxt, 64), (j == 0) & (j + 1 < n_blocks))" in src
+    assert "nbytes = gl.where((t == 0) & ok & (rows > 0), rows * (ROW_W * 4), 0)" in src
+
+
 _MERGE = """
 import sys
 sys.path.insert(0, sys.argv[1])
@@ -196,7 +221,8 @@ out = {}
 for key, (layout, gqa, kw) in json.loads(sys.argv[2]).items():
     spec = fagen.KernelSpec(head_dim=576, head_dim_v=512, shared_kv=True, kind="decode", gqa=gqa, dtype="bf16",
                             mask="causal", layout=layout, backend="gluon", kv_dtype="fp8_e4m3")
-    var = kw.pop("variant", None)  # the variant's fp8lat_* keys ([Note] Lazy block max, [Note] Early first block)
+    var = kw.pop("variant", None)  # the variant's fp8lat_* keys ([Note] Lazy block max, [Note] Early first block,
+    # [Note] L2 prefetch)
     if var:
         keep = backends.GLUON.variant
         backends.GLUON.variant = {**keep, **var}
@@ -224,7 +250,11 @@ BUILDS = {"paged_token": ("paged", 16, dict()), "paged_tensor": ("paged", 16, di
           "h8_sq2": ("paged", 8, dict(seq_q=2)), "h128_sq2": ("paged", 128, dict(seq_q=2, scales=0)),
           "paged_token_lazy6": ("paged", 16, dict(variant={"fp8lat_lazy": 6})),
           "paged_tensor_lazy6": ("paged", 16, dict(variant={"fp8lat_lazy": 6}, scales=0)),
-          "paged_token_early": ("paged", 16, dict(variant={"fp8lat_early_fetch": 1}))}
+          "paged_token_early": ("paged", 16, dict(variant={"fp8lat_early_fetch": 1})),
+          "paged_token_no_l2pf": ("paged", 16, dict(variant={"fp8lat_l2_prefetch": 0})),
+          "paged_tensor_l2pf3": ("paged", 16, dict(variant={"fp8lat_l2_prefetch": 3}, scales=0)),
+          "paged_token_cg": ("paged", 16, dict(variant={"fp8lat_ld": 1})),
+          "paged_tensor_evict_first": ("paged", 16, dict(variant={"fp8lat_ld": 2}, scales=0))}
 
 
 @pytest.fixture(scope="module")
@@ -287,3 +317,39 @@ def test_gpu_against_float64(form, splits, invariant, hq, sq):
         want, wlse = reference.attention(q[i:i + 1].double(), keys, None, head_dim_v=DV, mask="causal", scale=0.07)
         torch.testing.assert_close(out[i:i + 1].double(), want, atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(lse[i:i + 1].double(), wlse, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.skipif(ON_GPU, reason="CPU tensors: the launch is faked")
+def test_checked_signatures_skip_only_the_checks_of_a_signature_already_checked(monkeypatch):
+    """[Note] Checked signatures (HOST_MEMO, off by default): a call whose inputs' types, shapes, dtypes, devices
+    and scale match a checked call's goes to the launch with the kept scale and form (the per-token tensor of this
+    call); any other input (another scale form, shape, dtype or value) is checked again and refused as before."""
+    mod = fagen.load(spec())
+    assert mod.HOST_MEMO is False
+    launched = []
+    monkeypatch.setattr(mod, "HOST_MEMO", True)
+    monkeypatch.setattr(mod, "_MEMO", {})
+    monkeypatch.setattr(mod, "_check_device", lambda q: None)
+    monkeypatch.setattr(mod, "_launch_decode", lambda *a: launched.append(a) or a)
+    q = torch.randn(2, 16, 1, 576).bfloat16()
+    cache = torch.randn(8, 64, 1, 576).to(torch.float8_e4m3fn)
+    tok = torch.rand(8, 64, 1)
+    table = torch.arange(8, dtype=torch.int32).view(2, 4)
+    lens = torch.tensor([100, 200], dtype=torch.int32)
+    call = dict(block_table=table, seqlens_k=lens, scale=0.1)
+    mod.forward(q, cache, None, k_scale=tok, **call)
+    checked = mod._checked
+    monkeypatch.setattr(mod, "_checked", lambda *a, **kw: pytest.fail("checked again"))
+    tok2 = torch.rand(8, 64, 1)
+    a = mod.forward(q, cache, None, k_scale=tok2, **call)
+    assert a[2] == 0.1 and a[3] == (1.0, tok2, 2) and a[4] is table and a[5] is lens
+    monkeypatch.setattr(mod, "_checked", checked)
+    for bad, match in ((dict(k_scale=tok.half()), "k_scale: per-token scales must be float32"),
+                       (dict(k_scale=torch.rand(8, 64)), "k_scale: expected a positive finite float"),
+                       (dict(k_scale=-1.0), "k_scale: expected a positive finite float"),
+                       (dict(k_scale=tok, scale=-0.1), "scale: expected a positive finite float")):
+        with pytest.raises(mod.InputError, match=match):
+            mod.forward(q, cache, None, **{**call, **bad})
+    with pytest.raises(mod.InputError, match="block_table"):
+        mod.forward(q, cache, None, k_scale=tok, **{**call, "block_table": table[:1]})
+    assert len(launched) == 2

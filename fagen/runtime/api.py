@@ -22,7 +22,7 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
               cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
               score_mod=None, mask_mod=None, block_mask=None, check: bool | None = None,
               batch_invariant: bool = DECODE_BATCH_INVARIANT, head_dim_v: int | None = None,
-              deterministic: bool = True) -> torch.Tensor:
+              deterministic: bool = True, block_table=None, k_scale=None) -> torch.Tensor:
     """Attention over q [B, Hq, Sq, D], k and v [B, Hkv, Sk, D]; returns out like q, differentiable.
 
     The kernel is chosen from the inputs (dtype, head_dim D, gqa = Hq / Hkv) and `mask`, rendered and loaded once
@@ -59,13 +59,24 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
     v=None with head_dim_v (README "MLA absorbed decode"): k is one shared latent cache [B, Hkv, Sk, D] and V is its
     first head_dim_v columns, read once (MLA's absorbed decode, d 576 / d_v 512); 1 to 16 queries, no gradient,
     the shared_kv decode kernel, out [B, Hq, Sq, head_dim_v]. Called eagerly (a graph break under torch.compile).
+    Paged: k is [num_pages, page_size, Hkv, D] with block_table (int [B, max_pages]) and seqlens_k (int [B]). The
+    cache may be fp8 e4m3 (torch.float8_e4m3fn, q bf16/fp16) with one scale for K and V, k_scale: a float (per
+    tensor), a float32 [Hkv] (per KV head) or float32 [num_pages, page_size, Hkv] (paged) / [B, Hkv, Sk] (dense),
+    one a cached row (per token); the Gluon fp8 latent decode serves it on sm_90 where selected, else the Triton
+    decode (README "MLA absorbed decode").
     """
     if deterministic is not True and deterministic is not False:
         raise AttentionError(f"deterministic: expected True or False, got {deterministic!r}")
     if v is None:
         return _eager_only(_latent)(q, k, mask=mask, scale=scale, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
                                     tree_mask=tree_mask, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                                    sinks=sinks, check=check, batch_invariant=batch_invariant, head_dim_v=head_dim_v)
+                                    sinks=sinks, check=check, batch_invariant=batch_invariant, head_dim_v=head_dim_v,
+                                    block_table=block_table, k_scale=k_scale)
+    for name, value in (("block_table", block_table), ("k_scale", k_scale)):
+        if value is not None:
+            raise AttentionError(f"{name}: fagen.attention takes a paged or fp8 cache for the shared latent decode "
+                                 "only (v=None with head_dim_v: README \"MLA absorbed decode\"); for other caches "
+                                 "call a decode module's forward (fagen.load(spec))")
     if head_dim_v is not None:
         raise AttentionError("head_dim_v: it names V's columns of a shared latent cache, with v=None; with a v "
                              "tensor, out takes v's head dim: drop head_dim_v")
@@ -182,9 +193,9 @@ def _eager_only(fn):
 
 # _latent (the shared latent decode has no custom operator) and _modded (tracing the user's functions is host work)
 # run eagerly through _eager_only: a graph break under torch.compile.
-def _latent(q, k, *, mask, head_dim_v, window, softcap, alibi_slopes, sinks, **rest):
+def _latent(q, k, *, mask, head_dim_v, window, softcap, alibi_slopes, sinks, block_table, k_scale, **rest):
     """fagen.attention(q, k, None, head_dim_v=...): the shared_kv decode module's forward (README "MLA absorbed
-    decode")."""
+    decode"), dense or paged (block_table), the cache q's dtype or fp8 e4m3 (with k_scale)."""
     if head_dim_v is None:
         raise AttentionError("v=None reads V from the k cache (a shared latent cache, MLA's absorbed decode): pass "
                              "head_dim_v, V's columns (for example 512 with head_dim 576)")
@@ -194,9 +205,13 @@ def _latent(q, k, *, mask, head_dim_v, window, softcap, alibi_slopes, sinks, **r
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise AttentionError(f"{name}: expected a 4-dim torch.Tensor [batch, heads, seq, head_dim], got "
                                  f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
-    if k.dtype != q.dtype or k.shape[-1] != q.shape[-1] or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+    paged = block_table is not None
+    hkv = k.shape[2] if paged else k.shape[1]
+    kv_dtype = _latent_kv(q, k, k_scale)
+    if (kv_dtype is None and k.dtype != q.dtype) or k.shape[-1] != q.shape[-1] or hkv == 0 or q.shape[1] % hkv:
         raise AttentionError(f"q {q.dtype} {tuple(q.shape)} and the latent cache k {k.dtype} {tuple(k.shape)} need "
-                             "one dtype, one head dim, and q heads a multiple of k's")
+                             "one dtype (or an fp8 e4m3 cache), one head dim, and q heads a multiple of k's ("
+                             + ("[num_pages, page_size, Hkv, D] with block_table)" if paged else "[B, Hkv, Sk, D])"))
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
         raise AttentionError("v=None (a shared latent cache) runs the decode kernel, which has no backward: call it "
                              "under torch.no_grad(), or pass v")
@@ -206,13 +221,19 @@ def _latent(q, k, *, mask, head_dim_v, window, softcap, alibi_slopes, sinks, **r
     scores = {name: value for name, value in zip(_SCORE_ARGS, (window, softcap, alibi_slopes, sinks))
               if value is not None}
     switches = tuple(name for name, arg in zip(SCORE_SWITCHES, _SCORE_ARGS) if arg in scores)
+    if paged:
+        rest = _paged_keywords(block_table, rest)
+    if kv_dtype is not None:
+        rest["k_scale"] = k_scale
     try:
-        spec = _latent_spec(q.shape[-1], head_dim_v, mask, q.shape[1] // k.shape[1],
-                            _DTYPES.get(q.dtype, str(q.dtype)), switches)
+        spec = _latent_spec(q.shape[-1], head_dim_v, mask, q.shape[1] // hkv, _DTYPES.get(q.dtype, str(q.dtype)),
+                            switches, Layout.PAGED if paged else Layout.DENSE, kv_dtype)
     except SpecError as e:
         raise AttentionError(f"no kernel for these inputs: {e}") from None
     module = _module(spec)
-    work = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
+    span = k.shape[2] if not paged else block_table.shape[-1] * k.shape[1] if isinstance(
+        block_table, torch.Tensor) and block_table.dim() == 2 else 0  # keys a row (a bad table: the module names it)
+    work = q.shape[0] * q.shape[1] * q.shape[2] * span
     # [Note] Latent decode and batch invariance: the size floors weigh the batch (and a graph's capture), so with
     # batch_invariant=True the kernel follows the case only (the gluon decode wherever it fits): a sequence alone and
     # in a batch of any size then runs the same kernel, whose own rule keeps its bits.
@@ -226,13 +247,40 @@ def _latent(q, k, *, mask, head_dim_v, window, softcap, alibi_slopes, sinks, **r
 _NO_SCORES: dict = {}
 
 
+def _latent_kv(q, k, k_scale):
+    """The spec's kv_dtype of a latent cache k: None for q's dtype (then k_scale must be None), "fp8_e4m3" for
+    torch.float8_e4m3fn (the module checks k_scale's form)."""
+    if k.dtype == torch.float8_e4m3fn and q.dtype in (torch.bfloat16, torch.float16):
+        return "fp8_e4m3"
+    if k.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise AttentionError(f"k: an fp8 latent cache is float8_e4m3fn (e4m3) with a bf16 or fp16 q, got k "
+                             f"{k.dtype} with q {q.dtype}")
+    if k_scale is not None:
+        raise AttentionError(f"k_scale: only an fp8 latent cache (k float8_e4m3fn) takes a scale, k is {k.dtype}; "
+                             "drop k_scale")
+    return None
+
+
+def _paged_keywords(block_table, rest):
+    """A paged latent call's module keywords: block_table and seqlens_k (required); seqlens_q is the dense form's."""
+    if rest.get("seqlens_k") is None:
+        raise AttentionError("seqlens_k: a paged latent cache (block_table) needs seqlens_k, each sequence's key "
+                             "count (int [B])")
+    if rest.get("seqlens_q") is not None:
+        raise AttentionError("seqlens_q: a paged latent cache reads seqlens_k only (masks none, causal and tree)")
+    rest = {name: value for name, value in rest.items() if name != "seqlens_q"}
+    if rest.get("tree_mask") is None:
+        rest.pop("tree_mask", None)
+    return {**rest, "block_table": block_table}
+
+
 @functools.lru_cache(maxsize=256)
-def _latent_spec(head_dim, head_dim_v, mask, gqa, dtype, switches) -> KernelSpec:
+def _latent_spec(head_dim, head_dim_v, mask, gqa, dtype, switches, layout=Layout.DENSE, kv_dtype=None) -> KernelSpec:
     """The shared latent decode's (Triton) spec of a case, built once: a KernelSpec's validation is 30-100 us of
     host time, as much as the rest of a small decode step's host path (docs/serving.md, "MLA decode, tenth
     session"). A SpecError is raised, not kept."""
     return KernelSpec(head_dim=head_dim, head_dim_v=head_dim_v, shared_kv=True, kind=Kind.DECODE, mask=mask,
-                      gqa=gqa, dtype=dtype, **{name: True for name in switches})
+                      gqa=gqa, dtype=dtype, layout=layout, kv_dtype=kv_dtype, **{name: True for name in switches})
 
 
 _SCORE_ARGS = tuple(SWITCH_KEYWORD[name] for name in SCORE_SWITCHES)  # the public keyword of each switch

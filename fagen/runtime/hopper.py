@@ -14,7 +14,7 @@ fp8 (dtype fp8_e4m3) has no other kernel: an fp8 case within the gluon forward's
 MLA's absorbed decode (fagen.attention with v=None: shared_kv, 576/512, bf16, causal or none) takes the gluon decode
 where its module fits the inputs (latent_decode_spec: Hq x Sq a multiple of 64 or one padded tile, one KV head),
 from LATENT_MIN_WORK pairs, LATENT_CAPTURED_MIN_WORK while the stream is capturing a CUDA graph; with an fp8 e4m3
-latent cache (the bench; fagen.attention takes no fp8 cache) the gluon fp8 decode, where select_fp8_latent is on,
+latent cache (fagen.attention's, dense or paged, and the bench's) the gluon fp8 decode, where select_fp8_latent is on,
 up to LATENT_FP8_MAX_ROWS rows.
 Everywhere else the present kernels serve, unchanged. fagen.attention also asks for a problem of at least MIN_WORK
 (batch x query heads x Sq x Sk, with Sk bounded by a window's left + right + 1) pairs, WINDOW_MIN_WORK with a

@@ -44,13 +44,6 @@ def test_switches_render_only_where_on_and_only_for_fp8():
         src = render()
         assert render(dtype="bf16") == bf16
     assert src.count("m_new = gl.where(m_new > m_i + 0.75, m_new, m_i)  # [Note] fp8 lazy max") == 2  # both branches
-    assert "[STAGES + 1, HEAD_DIM, BLOCK_N]" not in before
-    with variant(fp8_l_mma=1):
-        src = render()
-        assert render(dtype="bf16") == bf16
-    assert "v_smem = gl.allocate_shared_memory(dtype, [STAGES + 1, HEAD_DIM, BLOCK_N], vt_layout)" in src
-    assert src.count("l_tok = warpgroup_mma(p_op, v_smem.index(STAGES).slice(0, 8).permute((1, 0)), l_i") == 2
-    assert "l_i = l_i * alpha + gl.sum(p, 1)" not in src  # no FADD row sum left
 
 
 _SCRIPT = r"""
@@ -69,7 +62,6 @@ for key, fields in json.loads(sys.argv[2]).items():
     fields = dict(fields)
     backends.GLUON.variant["fp8_exp_poly"] = fields.pop("poly", 0)
     backends.GLUON.variant["fp8_o_warp_skip"] = fields.pop("oskip", 0)
-    backends.GLUON.variant["fp8_l_mma"] = fields.pop("lmma", 0)
     spec = KernelSpec(backend="gluon", **{"head_dim": 128, "dtype": "fp8_e4m3", **fields})
     render.render.cache_clear()
     mod = load_source(fagen.generate(spec), spec.name + "_" + key)
@@ -84,8 +76,7 @@ for key, fields in json.loads(sys.argv[2]).items():
 print("RESULT " + json.dumps(out))
 """
 MODULES = {"product": dict(mask="none"), "poly8": dict(mask="none", poly=8),
-           "poly8_causal": dict(mask="causal", poly=8), "oskip": dict(mask="none", oskip=1),
-           "lmma": dict(mask="none", lmma=1)}
+           "poly8_causal": dict(mask="causal", poly=8), "oskip": dict(mask="none", oskip=1)}
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +105,8 @@ def test_o_rescale_by_warp_votes_and_keeps_its_64_multiplies(built):
     assert set(base["vote"]) == {0}, base
 
 
-def test_row_sum_by_wgmma_adds_four_m64n8_matmuls_a_step(built):
-    """[Note] fp8 row sum by wgmma: each step loop issues S (4), P V (4) and P times ones (4 m64n8k32) wgmma."""
-    base, r = built["product"]["wgmma"], built["lmma"]["wgmma"]
-    assert base and set(base) == {8} and r == [12] * len(base), (base, r)
+def test_each_step_loop_issues_eight_wgmma(built):
+    """Each step loop of the product issues S (4) and P V (4) wgmma (the row sum by wgmma, fp8_l_mma, was removed
+    in the thirteenth session: it read NaN on the H100)."""
+    base = built["product"]["wgmma"]
+    assert base and set(base) == {8}, base

@@ -137,42 +137,6 @@ def test_paged_rows_in_32_bits_only_where_every_row_fits():
     assert _module("fp8_e4m3", True).PAGED_ROWS32 == 1  # the default (tenth session, round A)
 
 
-def _const_module(once: bool):
-    """The paged fp8 module with a constant page size ([Note] Constant page size: PAGED_CONST_PAGE on, pages of 4, 16
-    and 64 keys made constexpr) and, with once, the block's page numbers loaded once a page."""
-    spec = fagen.KernelSpec(head_dim=HD, gqa=G, kind="decode", layout="paged", dtype="bf16", kv_dtype="fp8_e4m3",
-                            **({} if ON_GPU else dict(block_n=16)))
-    source = fagen.generate(spec)
-    edits = [("\nPAGED_CONST_PAGE = 0\n", "\nPAGED_CONST_PAGE = 1\n"),
-             ("\nPAGED_CONST_SIZES = (16, 64)\n", "\nPAGED_CONST_SIZES = (4, 16, 64)\n")]
-    if once:
-        edits.append(("PAGE_ONCE = tl.constexpr(False)", "PAGE_ONCE = tl.constexpr(True)"))
-    for old, new in edits:
-        assert old in source, f"the paged fp8 decode render has no {old.strip()!r}"
-        source = source.replace(old, new)
-    return load_source(source, f"{spec.name}_const{int(once)}")
-
-
-@pytest.mark.skipif(ON_GPU, reason="the interpreter's 16-key blocks (pages larger and smaller than a block)")
-@pytest.mark.parametrize("once,page,form", [(True, 4, "head"), (True, 16, "token"), (False, 16, "head"),
-                                            (True, 64, "tensor")])
-def test_constant_page_size_does_not_change_a_bit(once, page, form):
-    """[Note] Constant page size: the page shift as a constexpr, and the block's page numbers loaded once a page
-    (pages of 4 and 16 against 16-key blocks: 4 and 1 loads a block; 64: larger than a block, the load a key), address
-    the same rows as the default: the same bits, per-token scales included, with the table's entries past each
-    sequence's pages pointing outside the cache and NaN in every page no sequence owns, through the split rule and one
-    split. The launch passes the shift only for the sizes listed."""
-    q, kc, vc, kw, _ = _problem("fp8_e4m3", page, form, seed=9)
-    base, cand = _module("fp8_e4m3", True), _const_module(once)
-    view = kc.permute(0, 2, 1, 3)  # the launch's kernel view [pages, kv heads, slots, D]
-    assert cand._page_shift(view) == page.bit_length() - 1 and base._page_shift(view) == 0
-    assert cand._page_shift(torch.empty(1, HKV, 32, HD)) == 0  # a size not listed: the runtime shift
-    for call in ("forward", "forward_split"):
-        extra = dict(num_splits=1) if call == "forward_split" else {}
-        a, b = getattr(base, call)(q, kc, vc, **kw, **extra), getattr(cand, call)(q, kc, vc, **kw, **extra)
-        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), call
-
-
 def test_serving_bench_paged_row_reads_the_dense_rows_keys():
     """The serving bench's paged fp8 row (decode-d128-kv8k-b32-fp8-paged16): a paged spec, the bytes of the dense fp8
     row; and its inputs (make_inputs' pages in a random order, the block table that reads them back) give fagen's

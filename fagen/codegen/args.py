@@ -352,7 +352,7 @@ DECODE_SPLIT = Kernel("_decode_split", (
     I("chunk", host="chunk", pack="split_ints"), I("n_tiles", host="n_tiles", pack="split_ints"),
     *_HEAD_D, *_HEAD_DV, C("ROWS", "rows"), C("BLOCK_N"), C("GQA", br=True), C("DOT", "rows >= 16"),
     C("DIRECT", "direct"), C("SPLITS_PER_SEQ", "num_splits[1] if invariant else 0"),
-    _UPCAST, C("ROWS32", "_rows32(k, v)", when=paged_fp8_own_v), C("PAGE_SHIFT", "_page_shift(k)", when=paged_fp8_own_v),
+    _UPCAST, C("ROWS32", "_rows32(k, v)", when=paged_fp8_own_v),
 ), packs={"scores": SCORE_LAUNCH})
 
 # -- the cuda and gluon forwards ----------------------------------------------------------------------------------

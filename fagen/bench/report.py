@@ -77,24 +77,11 @@ def rows(records: list[dict], targets: bool = True) -> tuple[list[str], list[lis
                 target_txt = f"{bound} {_fmt(target, metric)} " + ("met" if met else "-" if mine is None else "MISSED")
             row.append(target_txt)
         table.append(row)
-    notes = power_notes(records)
+    notes = []
     for (impl, status, note), where in grouped.items():
         scope = "all cases" if len(where) == len(cases) > 1 else ", ".join(where)
         notes.append(f"{impl} {status} ({scope}): {note}")
     return header, table, notes
-
-
-def power_notes(records: list[dict]) -> list[str]:
-    """One note naming the rows timed at the GPU's power cap for most of their timing ([Note] Power-capped rows in
-    fagen/bench/power.py): "power-capped (700 W limit): case impl 689 W 97%, ..."; none without such rows."""
-    capped = [r for r in records if r.get("status") == "ok" and (r.get("power_capped") or 0) >= 0.5]
-    if not capped:
-        return []
-    limit = max((r.get("power_limit_w") or 0) for r in capped)
-    cells = [f"{r['case']} {r['impl']} {r['watts']:.0f} W {r['power_capped']:.0%}" if r.get("watts") is not None
-             else f"{r['case']} {r['impl']} {r['power_capped']:.0%}" for r in capped]
-    return [f"power-capped for at least half the timing{f' ({limit:.0f} W limit)' if limit else ''}, where the "
-            f"clock falls with the board's power (average W, share capped): {'; '.join(cells)}"]
 
 
 def relative_target(case: str, mine: float | None, by: dict) -> str:

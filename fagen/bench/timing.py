@@ -13,7 +13,6 @@ import torch
 
 from fagen.bench.cases import BenchOptions, CaseContext, Prepared, out_of
 from fagen.bench.inputs import set_bytes
-from fagen.bench.power import window
 from fagen.bench.workloads import copy_relative
 from fagen.spec.axes import Direction
 
@@ -136,21 +135,19 @@ def measure(call: Callable[[int], Any], n_sets: int, device: torch.device, warmu
 
 
 def time_prepared(prepared: Prepared, cc: CaseContext, opts: BenchOptions) -> dict:
-    """{ms} of the forward, or {ms (backward alone), fwdbwd_ms} of a backward case; with the GPU's power over the
-    timing of ms where NVML reads it (watts, power_capped, power_limit_w: [Note] Power-capped rows)."""
+    """{ms} of the forward, or {ms (backward alone), fwdbwd_ms} of a backward case."""
     c, sets = cc.case, cc.sets
     if c.direction is Direction.FWD:
         stream = set_bytes(c) if c.decode and copy_relative(c) else None  # [Note] L2 flush ("loop")
-        with torch.no_grad(), window(cc.device) as power:  # [Note] Power-capped rows
-            ms = measure(lambda i: prepared.fn(sets[i]), len(sets), cc.device, opts.warmup_ms, opts.rep_ms, stream)
-        return {"ms": ms, **power}
+        with torch.no_grad():
+            return {"ms": measure(lambda i: prepared.fn(sets[i]), len(sets), cc.device, opts.warmup_ms, opts.rep_ms,
+                                  stream)}
     leaves = [[t.detach().clone().requires_grad_() for t in (s.q, s.k, s.v)] for s in sets]
     views = [dataclasses.replace(s, q=lv[0], k=lv[1], v=lv[2]) for s, lv in zip(sets, leaves)]
     outs = [out_of(prepared.fn(vw)) for vw in views]  # graphs kept alive: backward alone is timed
-    with window(cc.device) as power:
-        bwd = measure(lambda i: torch.autograd.grad(outs[i], leaves[i], sets[i].dout, retain_graph=True),
-                      len(sets), cc.device, opts.warmup_ms, opts.rep_ms)
+    bwd = measure(lambda i: torch.autograd.grad(outs[i], leaves[i], sets[i].dout, retain_graph=True),
+                  len(sets), cc.device, opts.warmup_ms, opts.rep_ms)
     outs.clear()  # free the kept graphs before timing forward + backward
     both = measure(lambda i: torch.autograd.grad(out_of(prepared.fn(views[i])), leaves[i], sets[i].dout),
                    len(sets), cc.device, opts.warmup_ms, opts.rep_ms)
-    return {"ms": bwd, "fwdbwd_ms": both, **power}
+    return {"ms": bwd, "fwdbwd_ms": both}

@@ -68,7 +68,7 @@ def _host(torch, call, n=50):
     return statistics.median(got)
 
 
-def host_phase():
+def host_phase(rounds=3):
     import gpu_docsuite_s13 as a  # the thirteenth session's setup and float64 check
 
     torch, fagen, M, shape, mm, bm, q, k, v, doc, fl = a._setup()
@@ -107,7 +107,7 @@ def host_phase():
     print(f"runs: {cu.numel() - 1} documents, longest {longest}; lowered {modded.LOWERED[0]}", flush=True)
     res = {n: [] for n in entries}
     with torch.no_grad():
-        for rnd in range(3):
+        for rnd in range(rounds):
             for name, entry in entries.items():
                 _install(api, entry)
                 h = _host(torch, call)
@@ -117,7 +117,7 @@ def host_phase():
                 print(f"[{time.time() - T0:5.1f}s] round {rnd} {name:<8} fagen.attention host {h:6.1f} us | entry "
                       f"alone {e:5.1f} us | do_bench {ms * 1e3:6.1f} us = {fl / ms / 1e9:4.0f} TF/s", flush=True)
         api._document_forward = real
-    print("| entry | fagen.attention host us (median of 3 rounds) | entry alone us | do_bench us | TF/s |")
+    print(f"| entry | fagen.attention host us (median of {rounds} rounds) | entry alone us | do_bench us | TF/s |")
     print("|---|---|---|---|---|")
     for name, rows in res.items():
         h, e, ms = (statistics.median(r[i] for r in rows) for i in range(3))

@@ -7,7 +7,8 @@ private reach-in (its DOCUMENT_FORWARD 2: _check_qkv, _check_scale, _launch_forw
 Phase "host" (a child process with a timeout): the mods bench's document+causal inputs (B1 H16 S8192 d128 bf16,
 fagen/bench/mods.py; scripts/gpu_docsuite_s13.py's _setup and float64 check of head 0), then bitwise: the direct
 path's out against the two older entries' and the autograd path's (with gradients: run_split and the module's
-attention()). Then, alternated three times, for each entry: the host time of fagen.attention (50 calls enqueued
+attention()). Then, after one untimed pass of each, three rounds, the entries' order rotated (each first once), for
+each entry: the host time of fagen.attention (50 calls enqueued
 behind a GPU sleep, so no call waits on the device; median of 3), the host time of the module call alone (the
 entry itself, 200 calls), and the bench's _time (do_bench, L2 flushed, median; TF/s). Phase "bench": `cli.py bench
 --suite mods --case document+causal --skip-flex` in what time is left (the suite's row, fagen's forward and
@@ -107,8 +108,13 @@ def host_phase(rounds=3):
     print(f"runs: {cu.numel() - 1} documents, longest {longest}; lowered {modded.LOWERED[0]}", flush=True)
     res = {n: [] for n in entries}
     with torch.no_grad():
+        for name, entry in entries.items():  # one untimed pass each (round A's round 0 read ~200 us for all three)
+            _install(api, entry)
+            _host(torch, call)
         for rnd in range(rounds):
-            for name, entry in entries.items():
+            names = list(entries)
+            for name in names[rnd % 3:] + names[:rnd % 3]:  # rotated: each entry first in one round (round A:
+                entry = entries[name]  # whichever ran first read 190-210 us, the rest 112-130)
                 _install(api, entry)
                 h = _host(torch, call)
                 e = _host(torch, lambda: entry(module, *views, cu, longest, None), 200)

@@ -686,6 +686,19 @@ def forward(q, k, v, *, scale=None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return _call(q, k, v, scale, seqlens_q, seqlens_k, tree, max_seqlen_q, max_seqlen_k, out, lse)
 
 
+def launch_forward(q, k, v, *, scale=None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """forward() for a caller that built cu_seqlens itself (fagen's document split: [Note] Document forward's host
+    path in fagen/runtime/api.py): q, k, v, the scale and cu_seqlens' dtype, shape and device are checked as
+    forward() checks them, but cu_seqlens' values are never read (whatever check or FAGEN_CHECK say: no host sync),
+    so they must be sound (0 first, non-decreasing, the packed rows last, steps <= max_seqlen; unsound ones stay
+    memory-safe as in forward()). Eager only (no operator for torch.compile), no out=/lse= buffers. Returns (out, lse).
+    """
+    _check_qkv(q, k, v)
+    scale = _check_scale(scale)
+    seqlens_q, seqlens_k, tree, max_seqlen_q, max_seqlen_k = _check_layout(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, False)
+    return _launch_forward(q, k, v, scale, seqlens_q, seqlens_k, tree, max_seqlen_q, max_seqlen_k)
+
+
 # [Note] AOT kernels
 # AOT_KERNELS lists every @triton.jit entry point with the one specialization `fagen compile` builds ahead of
 # time (fagen/aot/artifacts.py): each argument's Triton type, "constexpr" for compile-time values (a pointer that is

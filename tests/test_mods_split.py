@@ -275,43 +275,78 @@ def test_packed_documents_with_a_softcap_split_with_gradients(monkeypatch):
         assert (a.double() - b).abs().max().item() < 4 * TOL[torch.float32]
 
 
-@pytest.mark.parametrize("mode", [1, 2])
-def test_packed_documents_without_gradients_go_straight_to_the_varlen_forward(mode, monkeypatch):
-    """[Note] Document forward's host path (fagen/runtime/api.py): with DOCUMENT_FORWARD on, a call without
-    gradients runs the varlen module's forward (mode 2: its launch) once, not run_split's second pass through
-    fagen.attention nor the module's autograd Function; the same bits as the split's path, float64's values; with
-    gradients the split's path as before."""
+def _documents(monkeypatch, lengths=(7, 30, 1, 13)):
+    """GQA inputs of documents off the blocks (51 rows), their mask_mod and block mask, and the varlen causal module
+    the document split resolves, whose entries count their calls in `calls` ([Note] Document forward's host path)."""
     from fagen.runtime import api
 
-    lengths = [7, 30, 1, 13]  # runs and total (51) off the blocks
-    q, k, v, do = _qkv(1, 4, 2, sum(lengths))  # GQA
-    mm = g.generate_doc_mask_mod(g.causal_mask, _docs(lengths))
+    q, k, v, do = _qkv(1, 4, 2, sum(lengths))
+    mm = g.generate_doc_mask_mod(g.causal_mask, _docs(list(lengths)))
     bm = fagen.create_block_mask(mm, None, None, q.shape[2], q.shape[2], device=DEVICE, block_size=16)
-    monkeypatch.setattr(api, "DOCUMENT_FORWARD", 0)
-    with torch.no_grad():
-        before = fagen.attention(q, k, v, mask_mod=mm, block_mask=bm)  # the split's path
-    monkeypatch.setattr(api, "DOCUMENT_FORWARD", mode)
-    views = [t.squeeze(0).transpose(0, 1) for t in (q, k, v)]
-    module = api.resolve_varlen(*views, "causal")
+    module = api.resolve_varlen(*(t.squeeze(0).transpose(0, 1) for t in (q, k, v)), "causal")
     calls = []
 
-    def refuse(*args, **kw):
-        raise AssertionError("the split's path ran without gradients")
+    def counted(owner, name):
+        real = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *args, **kw: (calls.append(name), real(*args, **kw))[1])
+    for name in ("launch_forward", "forward", "attention"):
+        counted(module, name)
+    counted(split, "run_split")
+    return q, k, v, do, mm, bm, calls
 
-    def counted(name):
-        real = getattr(module, name)
-        return lambda *args, **kw: (calls.append(name), real(*args, **kw))[1]
-    monkeypatch.setattr(split, "run_split", refuse)
-    monkeypatch.setattr(module, "attention", refuse)
-    monkeypatch.setattr(module, "forward", counted("forward"))
-    monkeypatch.setattr(module, "_launch_forward", counted("_launch_forward"))
+
+@pytest.mark.parametrize("check", [None, True])
+def test_packed_documents_without_gradients_launch_the_varlen_module_once(check, monkeypatch):
+    """[Note] Document forward's host path (fagen/runtime/api.py): without gradients the document split is one call
+    of the varlen causal module's launch_forward (check=True: its forward, which reads the runs), not run_split's
+    second pass through fagen.attention nor the module's autograd Function; out at float64's values."""
+    q, k, v, do, mm, bm, calls = _documents(monkeypatch)
     with torch.no_grad():
-        got = fagen.attention(q, k, v, mask_mod=mm, block_mask=bm)
+        got = fagen.attention(q, k, v, mask_mod=mm, block_mask=bm, check=check)
     assert modded.LOWERED[0] == "documents+causal"
-    assert calls == (["forward"] if mode == 1 else ["_launch_forward"])
-    assert got.shape == q.shape and torch.equal(got, before)
+    assert calls == (["forward"] if check else ["launch_forward"])
     ref = reference.attention(q.detach().double(), k.detach().double(), v.detach().double(), mask_mod=mm)[0]
-    assert (got.double() - ref).abs().max().item() < TOL[torch.float32]
-    monkeypatch.undo()
-    monkeypatch.setattr(api, "DOCUMENT_FORWARD", mode)  # with gradients: the split's path and its autograd
+    assert got.shape == q.shape and (got.double() - ref).abs().max().item() < TOL[torch.float32]
+
+
+def test_packed_documents_with_gradients_take_the_split_and_its_autograd_with_the_same_bits(monkeypatch):
+    """With gradients the document split runs run_split and the varlen module's autograd Function (attention()),
+    never the direct launch; its out is bitwise the direct launch's, and out, dq, dk, dv agree with float64's and
+    the unlowered mod kernel's ([Note] Document forward's host path)."""
+    q, k, v, do, mm, bm, calls = _documents(monkeypatch)
+    with torch.no_grad():
+        direct = fagen.attention(q, k, v, mask_mod=mm, block_mask=bm)
+    assert calls == ["launch_forward"]
+    calls.clear()
+    out = fagen.attention(q, k, v, mask_mod=mm, block_mask=bm)
+    assert out.requires_grad and modded.LOWERED[0] == "documents+causal"
+    assert calls == ["run_split", "attention"]
+    assert torch.equal(out.detach(), direct)
     _grads_agree(q, k, v, do, mm, "documents+causal", monkeypatch)
+
+
+def test_the_varlen_launch_entry_checks_as_forward_but_never_reads_the_runs(monkeypatch):
+    """The varlen module's launch_forward ([Note] Document forward's host path): q, k, v, the scale and cu_seqlens'
+    dtype and shape checked as forward() checks them; cu_seqlens' values are not read, even with FAGEN_CHECK's
+    CHECK on, where forward() refuses them; on sound runs, forward()'s bits."""
+    q, k, v, _ = _qkv(1, 4, 2, 51)
+    q, k, v = (t.detach().squeeze(0).transpose(0, 1) for t in (q, k, v))
+    from fagen.runtime import api
+
+    module = api.resolve_varlen(q, k, v, "causal")
+    cu = torch.tensor([0, 7, 37, 38, 51], dtype=torch.int32, device=DEVICE)
+    kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=30, max_seqlen_k=30)
+    out, lse = module.launch_forward(q, k, v, scale=0.2, **kw)
+    want = module.forward(q, k, v, scale=0.2, **kw)
+    assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+    for bad, match in ((dict(scale=-1.0), "scale"), (dict(cu_seqlens_q=cu.to(torch.int16)), "cu_seqlens_q"),
+                       (dict(cu_seqlens_k=cu[:-1]), "cu_seqlens_k"), (dict(max_seqlen_q=-1), "max_seqlen_q")):
+        with pytest.raises(module.InputError, match=match):
+            module.launch_forward(q, k, v, **{**kw, "scale": None, **bad})
+    with pytest.raises(module.InputError, match="q: dtype"):
+        module.launch_forward(q.double(), k, v, **kw)
+    monkeypatch.setattr(module, "CHECK", True)
+    short = torch.tensor([0, 7, 37, 38, 50], dtype=torch.int32, device=DEVICE)  # ends before the packed rows
+    with pytest.raises(module.InputError, match="last entry"):
+        module.forward(q, k, v, **{**kw, "cu_seqlens_q": short})
+    module.launch_forward(q, k, v, **{**kw, "cu_seqlens_q": short})  # not read: memory-safe, no error

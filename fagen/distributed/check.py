@@ -76,10 +76,20 @@ def agree(group, error: ContextParallelError | None, fields: list[tuple[str, int
         raise ContextParallelError(f"{name} differs across the ranks of the group ({per_rank}); {hint}")
 
 
+def agree_or_raise(group, error: ContextParallelError | None, fields: list[tuple[str, int]], check_ranks: bool, *,
+                   show=None, hints=None) -> None:
+    """A local check's outcome: with check_ranks and more than one rank in `group`, agree() over it (every rank
+    raises the same error, or none does); otherwise this rank's `error`, if any, raised here alone."""
+    if check_ranks and dist.get_world_size(group) > 1:
+        agree(group, error, fields, show=show, hints=hints)
+    elif error is not None:
+        raise error
+
+
 def require_initialized() -> None:
     if not dist.is_available() or not dist.is_initialized():
         raise ContextParallelError("torch.distributed is not initialized; call torch.distributed.init_process_group "
                                    "first (launch with torchrun), or use fagen.attention on one device")
 
 
-__all__ = ["agree", "require_initialized", "float_bits", "FIELDS", "SAME_SHARDS", "SHOW", "HINTS"]
+__all__ = ["agree", "agree_or_raise", "require_initialized", "float_bits", "FIELDS", "SAME_SHARDS", "SHOW", "HINTS"]

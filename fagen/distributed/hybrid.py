@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from fagen.distributed.check import HINTS, SHOW, agree, require_initialized
+from fagen.distributed.check import HINTS, SHOW, agree_or_raise, require_initialized
 from fagen.distributed.common import check_tensors
 from fagen.distributed.packing import DocumentPlan
 from fagen.distributed.ring import _check_local as _check_ring
@@ -139,10 +139,7 @@ def hybrid_attention(q, k, v, *, groups: HybridGroups, mask: str = "none", scale
         fields.append(("ulysses_degree", u))
     except ContextParallelError as e:
         error, fields = e, []
-    if check_ranks and dist.get_world_size(groups.group) > 1:
-        agree(groups.group, error, fields, show=SHOW, hints=HINTS)
-    elif error is not None:
-        raise error
+    agree_or_raise(groups.group, error, fields, check_ranks, show=SHOW, hints=HINTS)
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     q, k, v = (seq_to_heads(t, groups.ulysses_group, seq_dim=seq, head_dim=1) for t in (q, k, v))

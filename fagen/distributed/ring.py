@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 import fagen
-from fagen.distributed.check import HINTS, SHOW, agree, float_bits, require_initialized
+from fagen.distributed.check import HINTS, SHOW, agree_or_raise, float_bits, require_initialized
 from fagen.distributed.common import (_DTYPE_CODES, _DTYPES, _TAG_DKV, _TAG_KV, MASKS, _Buffers, _kernel, _merge_into,
                                       _Ring, check_plan, check_scale, check_tensors)
 from fagen.distributed.packed import packed_ring
@@ -178,10 +178,7 @@ def ring_attention(q, k, v, *, group=None, mask: str = "none", scale: float | No
         ring, mods, fields = _check_local(q, k, v, group, mask, layout, scale, plan)
     except ContextParallelError as e:
         error, fields = e, []
-    if world > 1 and check_ranks:
-        agree(group, error, fields, show=SHOW, hints=HINTS)
-    elif error is not None:
-        raise error
+    agree_or_raise(group, error, fields, check_ranks, show=SHOW, hints=HINTS)
     if plan is not None:
         return packed_ring(q, k, v, ring, plan, mods)
     if world == 1:  # one rank holds the whole sequence in order (a one-rank zigzag is chunks 0 and 1)

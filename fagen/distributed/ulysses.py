@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import fagen
-from fagen.distributed.check import HINTS, SHOW, agree, float_bits, require_initialized
+from fagen.distributed.check import HINTS, SHOW, agree_or_raise, float_bits, require_initialized
 from fagen.distributed.common import _DTYPE_CODES, check_plan, check_scale, check_tensors
 from fagen.distributed.shard import LAYOUTS, ContextParallelError, check_layout
 from fagen.runtime.resolve import AttentionError, spec_for
@@ -209,10 +209,7 @@ def ulysses_attention(q, k, v, *, group=None, mask: str = "none", scale: float |
         scale, rep, fields = _check_local(q, k, v, group, mask, scale, layout, plan, scores)
     except ContextParallelError as e:
         error, fields = e, []
-    if n > 1 and check_ranks:
-        agree(group, error, fields, show=_SHOW, hints=HINTS)
-    elif error is not None:
-        raise error
+    agree_or_raise(group, error, fields, check_ranks, show=_SHOW, hints=HINTS)
     rank = dist.get_rank(group)
     hq = q.shape[1]
     for name in ("alibi_slopes", "sinks"):  # this rank's heads

@@ -97,7 +97,7 @@ def attention(q, k, v, *, mask: Mask | str = "none", scale: float | None = None,
                 deterministic=deterministic)
         mask, window, softcap, alibi_slopes, split = plain  # the mods were built-in switches: their call's path
         if split is not None:  # switch calls on views (fagen/mods/split.py: dilated windows, prefix rows, documents)
-            if split[0] == "document" and DOCUMENT_FORWARD and window is softcap is alibi_slopes is sinks is None \
+            if split[0] == "document" and window is softcap is alibi_slopes is sinks is None \
                     and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
                 return _document_forward(q, k, v, split[1], scale, check)  # [Note] Document forward's host path
             from fagen.mods.split import run_split
@@ -333,23 +333,24 @@ def _as_switches(q, k, v, mask, score_mod, mask_mod, block_mask, window, softcap
 # ms), so do_bench read the host path, not the kernel, by as much as it overran the flush: 178-361 us for a kernel
 # of 177 us by torch.profiler, by the process's state (the suite's 161 TF/s against 270 alone; see docs/mods.md,
 # "The document row in the suite (thirteenth session)"). Without gradients the split's call goes straight to the
-# varlen module's forward(): no second pass through fagen.attention, no autograd node. DOCUMENT_FORWARD: on where
-# the GPU showed it (docs/mods.md); 2: also past forward()'s checks of the runs (fagen's own), to its launch.
-DOCUMENT_FORWARD = 2
+# varlen module's launch_forward(): no second pass through fagen.attention, no autograd node, and no read of the
+# runs, which are ours (int32 on q's device, T[:S]'s bounds), unless the call asks check=True (then the module's
+# forward() reads them); with gradients, the split's path (run_split and the module's autograd Function). Same
+# kernel, same bits (tests/test_mods_split.py); docs/mods.md, "The document path's host entry (fourteenth session)".
 
 
 def _document_forward(q, k, v, runs, scale, check):
-    """out [1, H, S, D] of the document split without gradients: the varlen causal module's forward on the views
+    """out [1, H, S, D] of the document split without gradients: the varlen causal module's launch on the views
     [S, H, D], cu_seqlens = the runs' bounds ([Note] Document forward's host path)."""
     cu, longest = runs
     q, k, v = q.squeeze(0).transpose(0, 1), k.squeeze(0).transpose(0, 1), v.squeeze(0).transpose(0, 1)
     module = resolve_varlen(q, k, v, "causal")
-    if DOCUMENT_FORWARD == 2 and not check:  # the runs are ours (int32 on q's device, T[:S]'s bounds): q, k, v checked
-        module._check_qkv(q, k, v)
-        out = module._launch_forward(q, k, v, module._check_scale(scale), cu, cu, None, longest, longest)[0]
-    else:
+    if check:  # the call asked for the device reads: forward() reads the runs too
         out = module.forward(q, k, v, scale=scale, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
-                             max_seqlen_k=longest, check=check)[0]
+                             max_seqlen_k=longest, check=True)[0]
+    else:
+        out = module.launch_forward(q, k, v, scale=scale, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
+                                    max_seqlen_k=longest)[0]
     return out.transpose(0, 1).unsqueeze(0)
 
 

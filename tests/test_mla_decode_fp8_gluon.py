@@ -181,6 +181,29 @@ def test_the_l2_prefetch_stays_within_the_split_and_the_pages():
     assert "nbytes = gl.where((t == 0) & ok & (rows > 0), rows * (ROW_W * 4), 0)" in src
 
 
+def test_the_l2_prefetch_prologue_form_asks_for_block_1_once_within_the_split():
+    """[Note] L2 prefetch's block 1 (variant fp8lat_l2_first 1, commit 6f56f93's form): block 1 is asked for in the
+    prologue, at its page clamped to the cache, at most 64 rows and none past the sequence's end, only where the split
+    has two blocks; the key loop asks for block j + 2 only (no step-0 request)."""
+    from fagen import backends
+    from fagen.codegen.render import render
+
+    keep = backends.GLUON.variant
+    try:
+        backends.GLUON.variant = {**keep, "fp8lat_l2_prefetch": 2, "fp8lat_l2_first": 1}
+        render.cache_clear()
+        src = render(spec()).source
+    finally:
+        backends.GLUON.variant = keep
+        render.cache_clear()
+    first = ("    _l2_prefetch(Cache, _row0(gl.minimum(gl.maximum(pg_raw, 0), num_pages - 1), b, kv_b, k_lo + 64, PAGE, "
+             "PAGED),\n                 gl.minimum(seq_len - k_lo - 64, 64), n_blocks > 1)")
+    assert src.count(first) == 1
+    assert src.index(first) < src.index("for j in range(n_blocks):")
+    assert "(j == 0) & (j + 1 < n_blocks)" not in src and src.count("_l2_prefetch(Cache,") == 3  # def, prologue, loop
+    assert "pf_raw = _page_raw(BlockTable, bt_row, pf + 64, j + 3 < n_blocks, PAGE, PAGED)" in src
+
+
 _MERGE = """
 import sys
 sys.path.insert(0, sys.argv[1])
@@ -254,7 +277,10 @@ BUILDS = {"paged_token": ("paged", 16, dict()), "paged_tensor": ("paged", 16, di
           "paged_token_no_l2pf": ("paged", 16, dict(variant={"fp8lat_l2_prefetch": 0})),
           "paged_tensor_l2pf3": ("paged", 16, dict(variant={"fp8lat_l2_prefetch": 3}, scales=0)),
           "paged_token_cg": ("paged", 16, dict(variant={"fp8lat_ld": 1})),
-          "paged_tensor_evict_first": ("paged", 16, dict(variant={"fp8lat_ld": 2}, scales=0))}
+          "paged_tensor_evict_first": ("paged", 16, dict(variant={"fp8lat_ld": 2}, scales=0)),
+          "paged_token_l2_prologue": ("paged", 16, dict(variant={"fp8lat_l2_prefetch": 2, "fp8lat_l2_first": 1})),
+          "paged_tensor_l2_prologue_ef": ("paged", 16, dict(variant={"fp8lat_l2_prefetch": 2, "fp8lat_l2_first": 1,
+                                                                    "fp8lat_ld": 2}, scales=0))}
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,9 @@ Levers (backend "gluon-<key>"):
   l2pro: fp8lat_l2_prefetch 2 with fp8lat_l2_first 1 (block 1 asked for in the prologue: commit 6f56f93's form,
          [Note] L2 prefetch's block 1);
   ef:    fp8lat_ld 2 (evict_first on the block's byte loads; [Note] Cache load hints);
-  both:  the two together.
+  both:  the two together;
+  st7:   fp8lat_stage 7 (chunks 0..6 of block j + 1 by cp.async into shared memory at step j's start; [Note] Staged
+         chunks).
 Phases (children with timeouts, scripts/_phases.py); the checks run side by side and warm the builds:
 1. check-*: each module against float64 on the dequantized cache (NaN past the lengths 1000/77/513/0 in bytes and
    per-token scales, pages shuffled; the split rule, three splits, batch_invariant bitwise alone and with a wider
@@ -42,7 +44,7 @@ SCALE, PAGE = s12.SCALE, s12.PAGE
 emit = s12.emit
 LIMITS = dict(check=24, time=30)
 LEVERS = {"l2pro": {"fp8lat_l2_prefetch": 2, "fp8lat_l2_first": 1}, "ef": {"fp8lat_ld": 2},
-          "both": {"fp8lat_l2_prefetch": 2, "fp8lat_l2_first": 1, "fp8lat_ld": 2}}
+          "both": {"fp8lat_l2_prefetch": 2, "fp8lat_l2_first": 1, "fp8lat_ld": 2}, "st7": {"fp8lat_stage": 7}}
 VARIANTS = {
     "gluon token (product)": ("gluon", "token"),
     "gluon tensor (product)": ("gluon", "tensor"),
@@ -52,6 +54,8 @@ VARIANTS = {
     "gluon tensor, evict_first": ("gluon-ef", "tensor"),
     "gluon token, prologue D2 + evict_first": ("gluon-both", "token"),
     "gluon tensor, prologue D2 + evict_first": ("gluon-both", "tensor"),
+    "gluon token, staged chunks 7": ("gluon-st7", "token"),
+    "gluon tensor, staged chunks 7": ("gluon-st7", "tensor"),
     "FlashMLA fp8 (q e4m3)": ("flashmla8", "tensor"),
 }
 
@@ -79,6 +83,7 @@ def _new_module(backend, hq, layout, mask):
         assert ("(j == 0) & (j + 1 < n_blocks))  # block 1" in src) == (var.get("fp8lat_l2_prefetch", 0) > 0
                                                                       and not var.get("fp8lat_l2_first", 0))
         assert ('eviction_policy="evict_first"' in src) == (var.get("fp8lat_ld") == 2)
+        assert ("async_copy.commit_group()" in src) == bool(var.get("fp8lat_stage", 0))
         return mod
     if backend == "gluon":
         return fagen.load(s12._spec("gluon", hq, layout, mask))
@@ -121,6 +126,9 @@ GROUPS = {
     "check-ef": ("gluon-ef", [("token", "paged", 16, 1, "s3"), ("tensor", "paged", 16, 1, "rule")]),
     "check-both-tok": ("gluon-both", [("token", "paged", 16, 1, "rule"), ("token", "paged", 16, 1, "inv")]),
     "check-both-ten": ("gluon-both", [("tensor", "paged", 16, 1, "rule"), ("tensor", "paged", 16, 1, "s3")]),
+    "check-st7-tok": ("gluon-st7", [("token", "paged", 16, 1, f) for f in ("rule", "s3", "inv")]),
+    "check-st7-other": ("gluon-st7", [("tensor", "paged", 16, 1, "rule"), ("head", "dense", 16, 1, "rule"),
+                                      ("token", "paged", 16, 3, "rule")]),
 }
 
 
@@ -180,7 +188,7 @@ def fm_res():
         print(f"FMSASS {k} {fn[:120]}: {sum(ops.values())} instr; " + " ".join(f"{a}:{b}" for a, b in top), flush=True)
 
 
-CHECKS = list(GROUPS) + ["check-safety-l2pro", "check-safety-both", "check-warm", "fm-res"]
+CHECKS = list(GROUPS) + ["check-safety-l2pro", "check-safety-both", "check-safety-st7", "check-warm", "fm-res"]
 
 
 def main():

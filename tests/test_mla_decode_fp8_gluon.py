@@ -204,6 +204,37 @@ def test_the_l2_prefetch_prologue_form_asks_for_block_1_once_within_the_split():
     assert "pf_raw = _page_raw(BlockTable, bt_row, pf + 64, j + 3 < n_blocks, PAGE, PAGED)" in src
 
 
+def test_staged_chunks_are_masked_as_the_register_loads_and_read_after_their_wait():
+    """[Note] Staged chunks (variant fp8lat_stage 7), as rendered: chunks 0..6 come by cp.async masked as the register
+    loads of chunks 7 and 8 (keys past the sequence's end and blocks the split does not have: not read, zero-filled),
+    at the clamped page's rows (row_n, the prologue's row0); each step waits for its copies before reading the slots,
+    and issues the next block's copies only after reading them."""
+    from fagen import backends
+    from fagen.codegen.render import render
+
+    keep = backends.GLUON.variant
+    try:
+        backends.GLUON.variant = {**keep, "fp8lat_stage": 7}
+        render.cache_clear()
+        src = render(spec()).source
+    finally:
+        backends.GLUON.variant = keep
+        render.cache_clear()
+    stage = src[src.index("def _stage("):src.index("async_copy.commit_group()")]
+    fetch = src[src.index("def _fetch("):src.index("def _stage(")]
+    ok = "ok = ((start + r < seq_len) & ok_block)[:, None]"
+    base = "base = Cache + (row0 + r.to(gl.int64))[:, None] * ROW_W + c[None, :]"
+    assert ok in stage and ok in fetch and base in stage and base in fetch
+    assert stage.count("mask=ok)") == 7 and fetch.count("mask=ok, other=0)") == 2
+    assert "_stage(Cache, st0, st1, st2, st3, st4, st5, st6, row0, k_lo, seq_len, n_blocks > 0)" in src
+    loop = src[src.index("for j in range(n_blocks):"):]
+    wait = loop.index("async_copy.wait_group(0)")
+    reads = [loop.index(f"x{c} = st{c}.load(_frag_words())") for c in range(7)]
+    nxt = loop.index("_stage(Cache, st0, st1, st2, st3, st4, st5, st6, row_n, nxt, seq_len, j + 1 < n_blocks)")
+    assert wait < min(reads) and max(reads) < nxt < loop.index("tok, a = _chunk(x0,")
+    assert "x7, x8 = _fetch(Cache, row_n, nxt, seq_len, ok_n)" in loop
+
+
 _MERGE = """
 import sys
 sys.path.insert(0, sys.argv[1])
@@ -280,7 +311,9 @@ BUILDS = {"paged_token": ("paged", 16, dict()), "paged_tensor": ("paged", 16, di
           "paged_tensor_evict_first": ("paged", 16, dict(variant={"fp8lat_ld": 2}, scales=0)),
           "paged_token_l2_prologue": ("paged", 16, dict(variant={"fp8lat_l2_prefetch": 2, "fp8lat_l2_first": 1})),
           "paged_tensor_l2_prologue_ef": ("paged", 16, dict(variant={"fp8lat_l2_prefetch": 2, "fp8lat_l2_first": 1,
-                                                                    "fp8lat_ld": 2}, scales=0))}
+                                                                    "fp8lat_ld": 2}, scales=0)),
+          "paged_token_staged7": ("paged", 16, dict(variant={"fp8lat_stage": 7})),
+          "dense_head_staged7": ("dense", 16, dict(variant={"fp8lat_stage": 7}, scales=1, num_splits=2))}
 
 
 @pytest.fixture(scope="module")
@@ -296,8 +329,10 @@ def test_builds_two_programs_an_sm_without_spills(built, key):
     r = built[key]
     assert r["spills"] == 0 and r["stack"] == 0 and not r["serialized"], r
     assert 2 * r["shared"] <= 227 * 1024 and 2 * 128 * r["registers"] <= 65536, r
-    assert r["shared"] <= backends.smem_bytes(spec()), r
-    assert set(r["wgmma"]) == {68} and set(r["bars"]) == {4}, r  # lazy: the loop's body in two branches
+    assert r["shared"] <= backends.smem_bytes(spec()) + (4096 * 7 if "staged" in key else 0), r  # 7 staged chunks
+    # lazy: the loop's body in two branches; staged chunks: one more (before the next block's copies reuse the slots;
+    # the copies' wait shares the step's first)
+    assert set(r["wgmma"]) == {68} and set(r["bars"]) == {5 if "staged" in key else 4}, r
 
 
 def _sm90():

@@ -196,8 +196,8 @@ def test_the_l2_prefetch_prologue_form_asks_for_block_1_once_within_the_split():
     finally:
         backends.GLUON.variant = keep
         render.cache_clear()
-    first = ("    _l2_prefetch(Cache, _row0(gl.minimum(gl.maximum(pg_raw, 0), num_pages - 1), b, kv_b, k_lo + 64, PAGE, "
-             "PAGED),\n                 gl.minimum(seq_len - k_lo - 64, 64), n_blocks > 1)")
+    first = ("    _l2_prefetch(Cache, _row0(gl.minimum(gl.maximum(pg_raw, 0), num_pages - 1), b, kv_b, k_lo + 64, "
+             "PAGE, PAGED),\n                 gl.minimum(seq_len - k_lo - 64, 64), n_blocks > 1)")
     assert src.count(first) == 1
     assert src.index(first) < src.index("for j in range(n_blocks):")
     assert "(j == 0) & (j + 1 < n_blocks)" not in src and src.count("_l2_prefetch(Cache,") == 3  # def, prologue, loop
@@ -233,6 +233,8 @@ def test_staged_chunks_are_masked_as_the_register_loads_and_read_after_their_wai
     nxt = loop.index("_stage(Cache, st0, st1, st2, st3, st4, st5, st6, row_n, nxt, seq_len, j + 1 < n_blocks)")
     assert wait < min(reads) and max(reads) < nxt < loop.index("tok, a = _chunk(x0,")
     assert "x7, x8 = _fetch(Cache, row_n, nxt, seq_len, ok_n)" in loop
+    after = loop[loop.index("\n    o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(0, "):]
+    assert after.index("async_copy.wait_group(0)") < after.index("l_i = gl.sum(l_p, 0)")  # no copy in flight after
 
 
 _MERGE = """

@@ -12,7 +12,8 @@ Levers (backend "gluon-<key>"):
   ef:    fp8lat_ld 2 (evict_first on the block's byte loads; [Note] Cache load hints);
   both:  the two together;
   st7:   fp8lat_stage 7 (chunks 0..6 of block j + 1 by cp.async into shared memory at step j's start; [Note] Staged
-         chunks); st7ef: st7 with evict_first on the copies and the loads.
+         chunks); st7ef: st7 with evict_first on the copies and the loads; st7l2: st7 with the L2 prefetch 2 in
+         its step-0 form (the prologue form spills per token with st7).
 Phases (children with timeouts, scripts/_phases.py); the checks run side by side and warm the builds:
 1. check-*: each module against float64 on the dequantized cache (NaN past the lengths 1000/77/513/0 in bytes and
    per-token scales, pages shuffled; the split rule, three splits, batch_invariant bitwise alone and with a wider
@@ -45,7 +46,7 @@ emit = s12.emit
 LIMITS = dict(check=24, time=30)
 LEVERS = {"l2pro": {"fp8lat_l2_prefetch": 2, "fp8lat_l2_first": 1}, "ef": {"fp8lat_ld": 2},
           "both": {"fp8lat_l2_prefetch": 2, "fp8lat_l2_first": 1, "fp8lat_ld": 2}, "st7": {"fp8lat_stage": 7},
-          "st7ef": {"fp8lat_stage": 7, "fp8lat_ld": 2}}
+          "st7ef": {"fp8lat_stage": 7, "fp8lat_ld": 2}, "st7l2": {"fp8lat_stage": 7, "fp8lat_l2_prefetch": 2}}
 VARIANTS = {
     "gluon token (product)": ("gluon", "token"),
     "gluon tensor (product)": ("gluon", "tensor"),
@@ -59,6 +60,8 @@ VARIANTS = {
     "gluon tensor, staged chunks 7": ("gluon-st7", "tensor"),
     "gluon token, staged 7 + evict_first": ("gluon-st7ef", "token"),
     "gluon tensor, staged 7 + evict_first": ("gluon-st7ef", "tensor"),
+    "gluon token, staged 7 + L2 prefetch 2 (step 0)": ("gluon-st7l2", "token"),
+    "gluon tensor, staged 7 + L2 prefetch 2 (step 0)": ("gluon-st7l2", "tensor"),
     "FlashMLA fp8 (q e4m3)": ("flashmla8", "tensor"),
 }
 
@@ -130,9 +133,11 @@ GROUPS = {
     "check-both-tok": ("gluon-both", [("token", "paged", 16, 1, "rule"), ("token", "paged", 16, 1, "inv")]),
     "check-both-ten": ("gluon-both", [("tensor", "paged", 16, 1, "rule"), ("tensor", "paged", 16, 1, "s3")]),
     "check-st7-tok": ("gluon-st7", [("token", "paged", 16, 1, f) for f in ("rule", "s3", "inv")]),
-    "check-st7-other": ("gluon-st7", [("tensor", "paged", 16, 1, "rule"), ("head", "dense", 16, 1, "rule"),
-                                      ("token", "paged", 16, 3, "rule")]),
+    "check-st7-ten": ("gluon-st7", [("tensor", "paged", 16, 1, "rule")]),
+    "check-st7-dense": ("gluon-st7", [("head", "dense", 16, 1, "rule")]),
+    "check-st7-sq3": ("gluon-st7", [("token", "paged", 16, 3, "rule")]),
     "check-st7ef": ("gluon-st7ef", [("token", "paged", 16, 1, "rule"), ("tensor", "paged", 16, 1, "s3")]),
+    "check-st7l2": ("gluon-st7l2", [("token", "paged", 16, 1, "s3"), ("tensor", "paged", 16, 1, "rule")]),
 }
 
 

@@ -13,7 +13,8 @@ Levers (backend "gluon-<key>"):
   both:  the two together;
   st7:   fp8lat_stage 7 (chunks 0..6 of block j + 1 by cp.async into shared memory at step j's start; [Note] Staged
          chunks); st7ef: st7 with evict_first on the copies and the loads; st7l2: st7 with the L2 prefetch 2 in
-         its step-0 form (the prologue form spills per token with st7).
+         its step-0 form (the prologue form spills per token with st7); st7l2t (round B): st7l2 with the L2 prefetch
+         only in the per-tensor kernels ([Note] L2 prefetch per tensor only).
 Phases (children with timeouts, scripts/_phases.py); the checks run side by side and warm the builds:
 1. check-*: each module against float64 on the dequantized cache (NaN past the lengths 1000/77/513/0 in bytes and
    per-token scales, pages shuffled; the split rule, three splits, batch_invariant bitwise alone and with a wider
@@ -43,10 +44,18 @@ import scripts.gpu_fp8lat_s13 as s13  # noqa: E402
 
 SCALE, PAGE = s12.SCALE, s12.PAGE
 emit = s12.emit
-LIMITS = dict(check=24, time=30)
+LIMITS = dict(check=24, time=30, bench=14)
+# GPU_FP8LAT_S14_ROUND: A (2026-11-27 23:25 UTC, results/fp8lat-A.txt: the checks, the time phase and FlashMLA's
+# resources) or B (the default: round A's checks and time phase again, then the serving bench's fp8 rows with the
+# product, staged 7 and staged 7 with the step-0 L2 prefetch)
+ROUND = os.environ.get("GPU_FP8LAT_S14_ROUND", "B")
+
 LEVERS = {"l2pro": {"fp8lat_l2_prefetch": 2, "fp8lat_l2_first": 1}, "ef": {"fp8lat_ld": 2},
           "both": {"fp8lat_l2_prefetch": 2, "fp8lat_l2_first": 1, "fp8lat_ld": 2}, "st7": {"fp8lat_stage": 7},
-          "st7ef": {"fp8lat_stage": 7, "fp8lat_ld": 2}, "st7l2": {"fp8lat_stage": 7, "fp8lat_l2_prefetch": 2}}
+          "st7ef": {"fp8lat_stage": 7, "fp8lat_ld": 2}, "st7l2": {"fp8lat_stage": 7, "fp8lat_l2_prefetch": 2},
+          "st7l2t": {"fp8lat_stage": 7, "fp8lat_l2_prefetch": 2, "fp8lat_l2_tensor": 1}}
+BENCH_LEVERS = {"gluon fp8 (product)": {}, "gluon fp8, staged 7": LEVERS["st7"],
+                "gluon fp8, staged 7 + L2 prefetch 2 per tensor": LEVERS["st7l2t"]}
 VARIANTS = {
     "gluon token (product)": ("gluon", "token"),
     "gluon tensor (product)": ("gluon", "tensor"),
@@ -62,8 +71,12 @@ VARIANTS = {
     "gluon tensor, staged 7 + evict_first": ("gluon-st7ef", "tensor"),
     "gluon token, staged 7 + L2 prefetch 2 (step 0)": ("gluon-st7l2", "token"),
     "gluon tensor, staged 7 + L2 prefetch 2 (step 0)": ("gluon-st7l2", "tensor"),
+    "gluon token, staged 7 + L2 prefetch 2 per tensor only": ("gluon-st7l2t", "token"),
+    "gluon tensor, staged 7 + L2 prefetch 2 per tensor only": ("gluon-st7l2t", "tensor"),
     "FlashMLA fp8 (q e4m3)": ("flashmla8", "tensor"),
 }
+if os.environ.get("GPU_FP8LAT_S14_ROUND", "B") == "A":  # round A had no st7l2t
+    VARIANTS = {k: v for k, v in VARIANTS.items() if v[0] != "gluon-st7l2t"}
 
 
 def _new_module(backend, hq, layout, mask):
@@ -90,6 +103,7 @@ def _new_module(backend, hq, layout, mask):
                                                                       and not var.get("fp8lat_l2_first", 0))
         assert ('eviction_policy="evict_first"' in src) == (var.get("fp8lat_ld") == 2)
         assert ("async_copy.commit_group()" in src) == bool(var.get("fp8lat_stage", 0))
+        assert ("[Note] L2 prefetch per tensor only\n" in src) == bool(var.get("fp8lat_l2_tensor", 0))
         return mod
     if backend == "gluon":
         return fagen.load(s12._spec("gluon", hq, layout, mask))
@@ -126,7 +140,8 @@ def _safety(backend):
 
 
 GROUPS = {
-    "check-prod": ("gluon", [("token", "paged", 16, 1, "rule"), ("tensor", "paged", 16, 1, "rule")]),
+    "check-prod": ("gluon", [("token", "paged", 16, 1, "rule"), ("tensor", "paged", 16, 1, "rule"),
+                             ("head", "dense", 16, 1, "rule")]),
     "check-l2pro-tok": ("gluon-l2pro", [("token", "paged", 16, 1, f) for f in ("rule", "s3", "inv")]),
     "check-l2pro-ten": ("gluon-l2pro", [("tensor", "paged", 16, 1, "rule"), ("tensor", "paged", 16, 1, "s3")]),
     "check-ef": ("gluon-ef", [("token", "paged", 16, 1, "s3"), ("tensor", "paged", 16, 1, "rule")]),
@@ -138,6 +153,8 @@ GROUPS = {
     "check-st7-sq3": ("gluon-st7", [("token", "paged", 16, 3, "rule")]),
     "check-st7ef": ("gluon-st7ef", [("token", "paged", 16, 1, "rule"), ("tensor", "paged", 16, 1, "s3")]),
     "check-st7l2": ("gluon-st7l2", [("token", "paged", 16, 1, "s3"), ("tensor", "paged", 16, 1, "rule")]),
+    "check-st7l2t": ("gluon-st7l2t", [("token", "paged", 16, 1, "rule"), ("head", "dense", 16, 1, "rule")]),
+    "check-st7l2t-ten": ("gluon-st7l2t", [("tensor", "paged", 16, 1, "s3"), ("token", "paged", 16, 1, "inv")]),
 }
 
 
@@ -197,7 +214,46 @@ def fm_res():
         print(f"FMSASS {k} {fn[:120]}: {sum(ops.values())} instr; " + " ".join(f"{a}:{b}" for a, b in top), flush=True)
 
 
-CHECKS = list(GROUPS) + ["check-safety-l2pro", "check-safety-both", "check-safety-st7", "check-warm", "fm-res"]
+CHECKS = list(GROUPS) + ["check-safety-l2pro", "check-safety-both", "check-safety-st7", "check-warm"] + (
+    ["fm-res"] if ROUND == "A" else ["check-safety-st7l2t"])
+
+
+def bench_phase():
+    """The serving bench's fp8 latent rows (fagen.bench's run_case, impl fagen, the gluon fp8 decode selected) with
+    the product's render and with BENCH_LEVERS' variant keys (the variant is part of the render state: fagen.load
+    builds each once), PASSES passes in rotated order, the median GB/s."""
+    import statistics
+
+    from fagen import backends
+    from fagen.bench.cases import BenchOptions
+    from fagen.bench.impls import run_case
+    from fagen.bench.serving import serving_rows
+    from fagen.codegen.render import render
+    cases = {c.name: c for c in serving_rows()}
+    res, keep, t0 = {}, (backends.GLUON.variant, backends.GLUON.select_fp8_latent), time.time()
+    names = list(BENCH_LEVERS)
+    try:
+        backends.GLUON.select_fp8_latent = True
+        for p in range(PASSES):
+            for name in s12.BENCH_ROWS:
+                for lever in names[p % len(names):] + names[:p % len(names)]:
+                    if time.time() - t0 > LIMITS["bench"] - 3:
+                        break
+                    backends.GLUON.variant = {**keep[0], **BENCH_LEVERS[lever]}
+                    render.cache_clear()
+                    opts = BenchOptions(impls=("fagen", ), warmup_ms=10, rep_ms=40, sets=2, check=p == 0)
+                    rec = run_case(cases[name], opts, log=lambda s: None)[0]
+                    res.setdefault((name, lever), []).append(rec)
+    finally:
+        backends.GLUON.variant, backends.GLUON.select_fp8_latent = keep
+        render.cache_clear()
+    for (name, lever), recs in res.items():
+        gbs = [r["gbs"] for r in recs if r.get("gbs")]
+        r0 = recs[0]
+        emit("bench", name, lever, f"{statistics.median(gbs):.0f} GB/s" if gbs else r0["status"],
+             statistics.median([r["ms"] for r in recs if r.get("ms")]) if gbs else None,
+             f"{len(gbs)} passes {'/'.join(f'{g:.0f}' for g in gbs)}; check {r0.get('check')} err "
+             f"{r0.get('max_err')}; spec {r0.get('spec')}; {r0.get('note', '')[:80]}")
 
 
 def main():
@@ -209,6 +265,8 @@ def main():
             s13.time_phase()
         elif name == "fm-res":
             fm_res()
+        elif name == "bench":
+            bench_phase()
         else:
             check_phase(name)
         return
@@ -236,7 +294,9 @@ def main():
         t.start()
     for t in threads:
         t.join()
-    run("time", max(5, min(LIMITS["time"], 64 - (time.time() - T0))))
+    run("time", max(5, min(LIMITS["time"], (64 if ROUND == "A" else 52) - (time.time() - T0))))
+    if ROUND != "A":
+        run("bench", max(3, min(LIMITS["bench"], 67 - (time.time() - T0))))
     for n, rc in rcs.items():
         if rc != 0:
             rows.append([n, "(phase)", "-", "-", "", f"ERROR rc={rc}"])

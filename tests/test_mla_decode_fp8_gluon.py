@@ -237,6 +237,31 @@ def test_staged_chunks_are_masked_as_the_register_loads_and_read_after_their_wai
     assert after.index("async_copy.wait_group(0)") < after.index("l_i = gl.sum(l_p, 0)")  # no copy in flight after
 
 
+def test_the_l2_prefetch_per_tensor_only_leaves_the_per_token_kernel_without_it():
+    """[Note] L2 prefetch per tensor only (variant fp8lat_l2_tensor 1): every line of the L2 prefetch (the prologue's
+    table entry, the loop's requests and its next entry) sits under the constexpr `if not PER_TOKEN:`."""
+    from fagen import backends
+    from fagen.codegen.render import render
+
+    keep = backends.GLUON.variant
+    try:
+        backends.GLUON.variant = {**keep, "fp8lat_stage": 7, "fp8lat_l2_prefetch": 2, "fp8lat_l2_tensor": 1}
+        render.cache_clear()
+        src = render(spec()).source
+    finally:
+        backends.GLUON.variant = keep
+        render.cache_clear()
+    guard = "if not PER_TOKEN:  # [Note] L2 prefetch per tensor only\n"
+    assert src.count(guard) == 2
+    assert guard + "        pf_raw = _page_raw(BlockTable, bt_row, k_lo + 128, n_blocks > 2, PAGE, PAGED)" in src
+    body = src[src.index("    " * 2 + guard):]
+    body = body[:body.index("[Note] Staged chunks: block j's")]
+    assert body.count("_l2_prefetch(Cache,") == 2 and "pf_raw = _page_raw(" in body
+    assert all(line.startswith(" " * 12) for line in body.splitlines()[1:] if line.strip() and "#" != line.strip()[0]
+               and "Staged" not in line)
+    assert src.count("_l2_prefetch(Cache,") == 3  # the def and the two requests, all guarded
+
+
 _MERGE = """
 import sys
 sys.path.insert(0, sys.argv[1])
@@ -315,6 +340,8 @@ BUILDS = {"paged_token": ("paged", 16, dict()), "paged_tensor": ("paged", 16, di
           "paged_tensor_l2_prologue": ("paged", 16, dict(variant={"fp8lat_l2_prefetch": 2, "fp8lat_l2_first": 1},
                                                          scales=0)),  # with evict_first: 255 registers, spills
           "paged_token_staged7": ("paged", 16, dict(variant={"fp8lat_stage": 7})),
+          "paged_tensor_staged7_l2_tensor": ("paged", 16, dict(variant={"fp8lat_stage": 7, "fp8lat_l2_prefetch": 2,
+                                                                       "fp8lat_l2_tensor": 1}, scales=0)),
           "paged_tensor_staged7_evict_first": ("paged", 16, dict(variant={"fp8lat_stage": 7, "fp8lat_ld": 2},
                                                                  scales=0)),
           "dense_head_staged7": ("dense", 16, dict(variant={"fp8lat_stage": 7}, scales=1, num_splits=2))}

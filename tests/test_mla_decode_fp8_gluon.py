@@ -150,7 +150,9 @@ def test_the_kernel_clamps_page_indexes_and_lengths_where_they_are_used():
     first = "gl.minimum(gl.maximum(_page_raw(BlockTable, bt_row, k_lo, n_blocks > 0, PAGE, PAGED), 0), num_pages - 1)"
     assert first in src
     assert "return gl.load(BlockTable + bt_row + start // PAGE, mask=ok_block, other=0)" in src
-    assert "ok = ((start + r < seq_len) & ok_block)[:, None]" in src and src.count("mask=ok, other=0)") == 9
+    assert "ok = ((start + r < seq_len) & ok_block)[:, None]" in src
+    # the register loads and the staged copies ([Note] Staged chunks: their masks in the staged test)
+    assert src.count("mask=ok, other=0)") + src.count("async_copy.async_copy_global_to_shared(") == 9
     assert src.count("< seq_len) & ok_n, other=0.0)") == 2  # the next block's per-token scales
     # a program's rows past Hq x Sq are never stored
     assert src.count("mask=real)") == 16 and src.count("mask=nr < ROWS)") == 2
@@ -164,10 +166,12 @@ def test_the_l2_prefetch_stays_within_the_split_and_the_pages():
     from fagen import backends
     from fagen.codegen.render import render
 
-    assert "_l2_prefetch(" not in render(spec()).source  # off since round B
     keep = backends.GLUON.variant
     try:
-        backends.GLUON.variant = {**keep, "fp8lat_l2_prefetch": 2}
+        backends.GLUON.variant = {**keep, "fp8lat_l2_prefetch": 0}
+        render.cache_clear()
+        assert "_l2_prefetch(" not in render(spec()).source
+        backends.GLUON.variant = {**keep, "fp8lat_l2_prefetch": 2, "fp8lat_l2_first": 0, "fp8lat_l2_tensor": 0}
         render.cache_clear()
         src = render(spec()).source
     finally:
@@ -179,6 +183,87 @@ def test_the_l2_prefetch_stays_within_the_split_and_the_pages():
     assert "pf_raw = _page_raw(BlockTable, bt_row, k_lo + 128, n_blocks > 2, PAGE, PAGED)" in src
     assert "_l2_prefetch(Cache, row_n, gl.minimum(seq_len - nxt, 64), (j == 0) & (j + 1 < n_blocks))" in src
     assert "nbytes = gl.where((t == 0) & ok & (rows > 0), rows * (ROW_W * 4), 0)" in src
+
+
+def test_the_l2_prefetch_prologue_form_asks_for_block_1_once_within_the_split():
+    """[Note] L2 prefetch's block 1 (variant fp8lat_l2_first 1, commit 6f56f93's form): block 1 is asked for in the
+    prologue, at its page clamped to the cache, at most 64 rows and none past the sequence's end, only where the split
+    has two blocks; the key loop asks for block j + 2 only (no step-0 request)."""
+    from fagen import backends
+    from fagen.codegen.render import render
+
+    keep = backends.GLUON.variant
+    try:
+        backends.GLUON.variant = {**keep, "fp8lat_l2_prefetch": 2, "fp8lat_l2_first": 1, "fp8lat_l2_tensor": 0}
+        render.cache_clear()
+        src = render(spec()).source
+    finally:
+        backends.GLUON.variant = keep
+        render.cache_clear()
+    first = ("    _l2_prefetch(Cache, _row0(gl.minimum(gl.maximum(pg_raw, 0), num_pages - 1), b, kv_b, k_lo + 64, "
+             "PAGE, PAGED),\n                 gl.minimum(seq_len - k_lo - 64, 64), n_blocks > 1)")
+    assert src.count(first) == 1
+    assert src.index(first) < src.index("for j in range(n_blocks):")
+    assert "(j == 0) & (j + 1 < n_blocks)" not in src and src.count("_l2_prefetch(Cache,") == 3  # def, prologue, loop
+    assert "pf_raw = _page_raw(BlockTable, bt_row, pf + 64, j + 3 < n_blocks, PAGE, PAGED)" in src
+
+
+def test_staged_chunks_are_masked_as_the_register_loads_and_read_after_their_wait():
+    """[Note] Staged chunks (variant fp8lat_stage 7), as rendered: chunks 0..6 come by cp.async masked as the register
+    loads of chunks 7 and 8 (keys past the sequence's end and blocks the split does not have: not read, zero-filled),
+    at the clamped page's rows (row_n, the prologue's row0); each step waits for its copies before reading the slots,
+    and issues the next block's copies only after reading them."""
+    from fagen import backends
+    from fagen.codegen.render import render
+
+    keep = backends.GLUON.variant
+    try:
+        backends.GLUON.variant = {**keep, "fp8lat_stage": 7}
+        render.cache_clear()
+        src = render(spec()).source
+    finally:
+        backends.GLUON.variant = keep
+        render.cache_clear()
+    stage = src[src.index("def _stage("):src.index("async_copy.commit_group()")]
+    fetch = src[src.index("def _fetch("):src.index("def _stage(")]
+    ok = "ok = ((start + r < seq_len) & ok_block)[:, None]"
+    base = "base = Cache + (row0 + r.to(gl.int64))[:, None] * ROW_W + c[None, :]"
+    assert ok in stage and ok in fetch and base in stage and base in fetch
+    assert stage.count("mask=ok)") == 7 and fetch.count("mask=ok, other=0)") == 2
+    assert "_stage(Cache, st0, st1, st2, st3, st4, st5, st6, row0, k_lo, seq_len, n_blocks > 0)" in src
+    loop = src[src.index("for j in range(n_blocks):"):]
+    wait = loop.index("async_copy.wait_group(0)")
+    reads = [loop.index(f"x{c} = st{c}.load(_frag_words())") for c in range(7)]
+    nxt = loop.index("_stage(Cache, st0, st1, st2, st3, st4, st5, st6, row_n, nxt, seq_len, j + 1 < n_blocks)")
+    assert wait < min(reads) and max(reads) < nxt < loop.index("tok, a = _chunk(x0,")
+    assert "x7, x8 = _fetch(Cache, row_n, nxt, seq_len, ok_n)" in loop
+    after = loop[loop.index("\n    o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(0, "):]
+    assert after.index("async_copy.wait_group(0)") < after.index("l_i = gl.sum(l_p, 0)")  # no copy in flight after
+
+
+def test_the_l2_prefetch_per_tensor_only_leaves_the_per_token_kernel_without_it():
+    """[Note] L2 prefetch per tensor only (variant fp8lat_l2_tensor 1): every line of the L2 prefetch (the prologue's
+    table entry, the loop's requests and its next entry) sits under the constexpr `if not PER_TOKEN:`."""
+    from fagen import backends
+    from fagen.codegen.render import render
+
+    keep = backends.GLUON.variant
+    try:
+        backends.GLUON.variant = {**keep, "fp8lat_stage": 7, "fp8lat_l2_prefetch": 2, "fp8lat_l2_tensor": 1}
+        render.cache_clear()
+        src = render(spec()).source
+    finally:
+        backends.GLUON.variant = keep
+        render.cache_clear()
+    guard = "if not PER_TOKEN:  # [Note] L2 prefetch per tensor only\n"
+    assert src.count(guard) == 2
+    assert guard + "        pf_raw = _page_raw(BlockTable, bt_row, k_lo + 128, n_blocks > 2, PAGE, PAGED)" in src
+    body = src[src.index("    " * 2 + guard):]
+    body = body[:body.index("[Note] Staged chunks: block j's")]
+    assert body.count("_l2_prefetch(Cache,") == 2 and "pf_raw = _page_raw(" in body
+    assert all(line.startswith(" " * 12) for line in body.splitlines()[1:] if line.strip() and "#" != line.strip()[0]
+               and "Staged" not in line)
+    assert src.count("_l2_prefetch(Cache,") == 3  # the def and the two requests, all guarded
 
 
 _MERGE = """
@@ -254,7 +339,16 @@ BUILDS = {"paged_token": ("paged", 16, dict()), "paged_tensor": ("paged", 16, di
           "paged_token_no_l2pf": ("paged", 16, dict(variant={"fp8lat_l2_prefetch": 0})),
           "paged_tensor_l2pf3": ("paged", 16, dict(variant={"fp8lat_l2_prefetch": 3}, scales=0)),
           "paged_token_cg": ("paged", 16, dict(variant={"fp8lat_ld": 1})),
-          "paged_tensor_evict_first": ("paged", 16, dict(variant={"fp8lat_ld": 2}, scales=0))}
+          "paged_tensor_evict_first": ("paged", 16, dict(variant={"fp8lat_ld": 2}, scales=0)),
+          "paged_token_l2_prologue": ("paged", 16, dict(variant={"fp8lat_l2_prefetch": 2, "fp8lat_l2_first": 1})),
+          "paged_tensor_l2_prologue": ("paged", 16, dict(variant={"fp8lat_l2_prefetch": 2, "fp8lat_l2_first": 1},
+                                                         scales=0)),  # with evict_first: 255 registers, spills
+          "paged_token_staged7": ("paged", 16, dict(variant={"fp8lat_stage": 7})),
+          "paged_tensor_staged7_l2_tensor": ("paged", 16, dict(variant={"fp8lat_stage": 7, "fp8lat_l2_prefetch": 2,
+                                                                       "fp8lat_l2_tensor": 1}, scales=0)),
+          "paged_tensor_staged7_evict_first": ("paged", 16, dict(variant={"fp8lat_stage": 7, "fp8lat_ld": 2},
+                                                                 scales=0)),
+          "dense_head_staged7": ("dense", 16, dict(variant={"fp8lat_stage": 7}, scales=1, num_splits=2))}
 
 
 @pytest.fixture(scope="module")
@@ -270,8 +364,11 @@ def test_builds_two_programs_an_sm_without_spills(built, key):
     r = built[key]
     assert r["spills"] == 0 and r["stack"] == 0 and not r["serialized"], r
     assert 2 * r["shared"] <= 227 * 1024 and 2 * 128 * r["registers"] <= 65536, r
-    assert r["shared"] <= backends.smem_bytes(spec()), r
-    assert set(r["wgmma"]) == {68} and set(r["bars"]) == {4}, r  # lazy: the loop's body in two branches
+    stage = {**backends.GLUON.variant, **BUILDS[key][2].get("variant", {})}["fp8lat_stage"]  # [Note] Staged chunks
+    assert r["shared"] <= backends.smem_bytes(spec()) + 4096 * stage, r
+    # lazy: the loop's body in two branches; staged chunks: one more (before the next block's copies reuse the slots;
+    # the copies' wait shares the step's first)
+    assert set(r["wgmma"]) == {68} and set(r["bars"]) == {5 if stage else 4}, r
 
 
 def _sm90():

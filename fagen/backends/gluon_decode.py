@@ -86,7 +86,8 @@ class DecodeRules:
 
     def decode_smem(self, spec) -> int:
         """Shared memory of a decode program: bf16, Q 72 KB, two slots of 72 KB, P 8 KB, the row stats and barriers;
-        fp8, V's 8 fp16 chunks 64 KB, Q 18 KB, P 2 KB and triton's scratch."""
+        fp8, V's 8 fp16 chunks 64 KB, Q 18 KB, P 2 KB and triton's scratch, and 4 KB a staged chunk (variant
+        fp8lat_stage, [Note] Staged chunks)."""
         if spec.kv_dtype is not None:
-            return 2 * (64 * 512 + 9 * 16 * 64 + 64 * 16) + 1024
+            return 2 * (64 * 512 + 9 * 16 * 64 + 64 * 16) + 1024 + 4096 * self.variant.get("fp8lat_stage", 0)
         return 2 * (64 * 576 + 2 * 64 * 576 + 64 * 64) + 8 * 64 * 4 + 1024

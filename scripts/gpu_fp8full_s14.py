@@ -116,6 +116,67 @@ def random_fp8(g, b, h, s, d):
     return [gpu_fp8.quantize(torch.randn((b, h, s, d), generator=g, device="cuda"), False) for _ in range(3)]
 
 
+def split_call(m, t, c=8, sms=132):
+    """Diagnostic (round A): the full mask's last wave split by keys, on the host around the product's module. The
+    first query blocks of every head (as many as fill whole rounds of `sms` tiles) run as one launch; the rest as a
+    second launch over c key chunks (the chunks in the batch dimension: Q's rows copied c times, K and Vt as strided
+    views), combined by their lse (torch ops). B 1 only."""
+    import torch
+    (q, dq), (k, dk), (v, dv) = t
+    b, h, s, d = q.shape
+    n_m = -(-s // 128)
+    main = (b * h * n_m) // sms * sms // (b * h)  # query blocks in whole rounds
+    sm = main * 128
+    L = s // c
+
+    def call():
+        vt = m.transpose_v(v)
+        saved = m.transpose_v
+        m.transpose_v = lambda _: vt
+        try:
+            out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+            _, lse_m = m.forward(q[:, :, :sm], k, v, q_descale=dq, k_descale=dk, v_descale=dv, out=out[:, :, :sm])
+            qt = q[:, :, sm:].expand(c, h, s - sm, d).contiguous()
+            kt = k[0].view(h, c, L, d).permute(1, 0, 2, 3)
+            vv = v[0].view(h, c, L, d).permute(1, 0, 2, 3)
+            vt_c = vt[0].unflatten(-1, (c, L)).permute(2, 0, 1, 3)
+            m.transpose_v = lambda _: vt_c
+            ot, lt = m.forward(qt, kt, vv, q_descale=dq, k_descale=dk, v_descale=dv)
+            top = lt.amax(0)
+            w = torch.exp(lt - top)
+            den = w.sum(0)
+            out[0, :, sm:] = (ot.float() * (w / den).unsqueeze(-1)).sum(0)
+            return out, torch.cat((lse_m, (top + torch.log(den)).unsqueeze(0)), 2)
+        finally:
+            m.transpose_v = saved
+    return call
+
+
+def check_split(m, t):
+    """The split against the product and both against float64 on head 0's and head 15's rows past the split."""
+    import torch
+    import gpu_fp8
+    (q, dq), (k, dk), (v, dv) = t
+    po, pl = fp8_random_call(m, t)()
+    so, sl = split_call(m, t)()
+    s = q.shape[2]
+    for hh in (0, q.shape[1] - 1):
+        rows = slice(s - 700, s)
+        qd = gpu_fp8.dequantize(q[:, hh:hh + 1, rows], dq).double()[0, 0]
+        kd = gpu_fp8.dequantize(k[:, hh:hh + 1], dk).double()[0, 0]
+        vd = gpu_fp8.dequantize(v[:, hh:hh + 1], dv).double()[0, 0]
+        sc = qd @ kd.T / 128 ** 0.5
+        lse = torch.logsumexp(sc, -1)
+        ref = torch.softmax(sc, -1) @ vd
+        for name, o, l in (("product", po, pl), ("split", so, sl)):
+            err = (o[0, hh, rows].double() - ref).pow(2).mean().sqrt().item()
+            s7.log(f"check split: head {hh} rows {rows.start}..{s - 1} {name}: rmse {err:.3e} lse max err "
+                   f"{(l[0, hh, rows].double() - lse).abs().max().item():.2e}")
+    same = torch.equal(so[:, :, :s - 640], po[:, :, :s - 640]) and torch.equal(sl[:, :, :s - 640], pl[:, :, :s - 640])
+    s7.log(f"check split: rows before the split {'==' if same else '!='} product bitwise; tail max |out diff| "
+           f"{(so - po).abs().max().item():.3e}, |lse diff| {(sl - pl).abs().max().item():.2e}")
+
+
 def phase_time():
     import torch
     import triton
@@ -153,6 +214,13 @@ def phase_time():
         qh = random_fp8(g, b, hh, s, d)
         keep.append(qh)
         rows.append((f"fp8 random inputs H{hh}", "none", 4 * b * hh * s * s * d, fp8_random_call(m, qh)))
+    try:
+        check_split(m, q8)
+        rows.append(("fp8 random inputs, split last wave c8 (torch combine)", "none", 4 * b * h * s * s * d,
+                     split_call(m, q8)))
+    except Exception as e:  # noqa: BLE001
+        s7.log(f"split: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+        traceback.print_exc(limit=4)
     times, windows = {}, []
     for label, mask, _, fn in rows:
         fn()

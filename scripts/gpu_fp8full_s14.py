@@ -7,6 +7,9 @@ product on the standard suite's own fp8 inputs, the fp8 product on random inputs
 bf16, causal and full, PASSES passes with the row order rotated; then the full mask's idle share: the product at H 16
 (2048 tiles: 15.5 waves of 132), H 32 and H 33 (4224 tiles: 32 whole waves) on random inputs; then, where ncu is on
 the machine, Nsight Compute of the full-mask kernel on random and on the bench's inputs (clocks locked to base).
+The full mask's tail split (GluonBackend.variant fp8_tail_split, [Note] fp8 tail split): checked against the product
+(bit for bit before the split) and float64 on the split rows, timed at C 8 and C 4 on random inputs and C 8 on the
+bench's inputs beside the product.
 
     PYTHONPATH=$PWD FP8FULL_ROUND=A python3 scripts/gpu_fp8full_s14.py   # < 70 s on an H100; $OUTX gets the samples
 
@@ -31,8 +34,8 @@ import gpu_fp8_fwd_s7 as s7  # noqa: E402
 from _phases import child_env, run_phase as run_child  # noqa: E402
 
 ROUND = os.environ.get("FP8FULL_ROUND", "B")
-s7.VARIANTS = {"product": None}
-PHASE_TIMEOUT = {"build": 17, "time": 30, "ncu": 18}
+s7.VARIANTS = {"product": None, "tail split": {"variant": {"fp8_tail_split": 8}}}
+PHASE_TIMEOUT = {"build": 20, "time": 30, "ncu": 16}
 PASSES = 8
 OUTX = Path(os.environ.get("OUTX") or os.environ.get("OUT") or "/tmp/fp8full-out")
 SAMPLES = OUTX / "nvml_samples.txt"
@@ -76,12 +79,37 @@ REASONS = {0x1: "idle", 0x2: "app", 0x4: "swpower", 0x8: "hwslow", 0x20: "swther
            0x80: "powerbrake"}
 
 
+def _warm_real(job):
+    """Build a module by calling it at the timed shape (B1 H16 s16k: the launches' integer specialisations), with
+    per-tensor descales or the bench rows' per-KV-head k / v descales (a head stride of 1 specialises too)."""
+    kind, mask, per_head = job
+    t = time.time()
+    try:
+        import torch
+        import fagen
+        b, h, s, d = s7.TIME_SHAPE
+        if kind == "bf16":
+            x = [torch.randn((b, h, s, d), device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+            fagen.load(s7.spec_of(mask, "bf16")).forward(*x)
+        else:
+            m = s7.module(mask, kind)
+            x = [torch.randn((b, h, s, d), device="cuda").to(torch.float8_e4m3fn) for _ in range(3)]
+            sc = {"k_descale": torch.ones(h, device="cuda"), "v_descale": torch.ones(h, device="cuda")} if per_head \
+                else {}
+            m.forward(*x, **sc)
+        torch.cuda.synchronize()
+        return f"built {kind} {mask}{' per-head' if per_head else ''} in {time.time() - t:.1f}s"
+    except Exception as e:  # noqa: BLE001
+        return f"build ERROR {kind} {mask}: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+
+
 def phase_build():
     import multiprocessing as mp
-    work = [("bf16", m) for m in s7.MASKS] + [(m, "product", 128, False, 1) for m in s7.MASKS]
-    s7.log(f"== build: {len(work)} modules")
-    with mp.get_context("spawn").Pool(4) as pool:
-        for msg in pool.imap_unordered(s7._job, work):
+    work = [("bf16", m, False) for m in s7.MASKS] + [("product", m, ph) for m in s7.MASKS for ph in (False, True)]
+    work += [("tail split", "none", ph) for ph in (False, True)]
+    s7.log(f"== build: {len(work)} modules / specialisations")
+    with mp.get_context("spawn").Pool(len(work)) as pool:
+        for msg in pool.imap_unordered(_warm_real, work):
             s7.log(msg)
 
 
@@ -116,65 +144,38 @@ def random_fp8(g, b, h, s, d):
     return [gpu_fp8.quantize(torch.randn((b, h, s, d), generator=g, device="cuda"), False) for _ in range(3)]
 
 
-def split_call(m, t, c=8, sms=132):
-    """Diagnostic (round A): the full mask's last wave split by keys, on the host around the product's module. The
-    first query blocks of every head (as many as fill whole rounds of `sms` tiles) run as one launch; the rest as a
-    second launch over c key chunks (the chunks in the batch dimension: Q's rows copied c times, K and Vt as strided
-    views), combined by their lse (torch ops). B 1 only."""
-    import torch
-    (q, dq), (k, dk), (v, dv) = t
-    b, h, s, d = q.shape
-    n_m = -(-s // 128)
-    main = (b * h * n_m) // sms * sms // (b * h)  # query blocks in whole rounds
-    sm = main * 128
-    L = s // c
-
-    def call():
-        vt = m.transpose_v(v)
-        saved = m.transpose_v
-        m.transpose_v = lambda _: vt
-        try:
-            out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
-            _, lse_m = m.forward(q[:, :, :sm], k, v, q_descale=dq, k_descale=dk, v_descale=dv, out=out[:, :, :sm])
-            qt = q[:, :, sm:].expand(c, h, s - sm, d).contiguous()
-            kt = k[0].view(h, c, L, d).permute(1, 0, 2, 3)
-            vv = v[0].view(h, c, L, d).permute(1, 0, 2, 3)
-            vt_c = vt[0].unflatten(-1, (c, L)).permute(2, 0, 1, 3)
-            m.transpose_v = lambda _: vt_c
-            ot, lt = m.forward(qt, kt, vv, q_descale=dq, k_descale=dk, v_descale=dv)
-            top = lt.amax(0)
-            w = torch.exp(lt - top)
-            den = w.sum(0)
-            out[0, :, sm:] = (ot.float() * (w / den).unsqueeze(-1)).sum(0)
-            return out, torch.cat((lse_m, (top + torch.log(den)).unsqueeze(0)), 2)
-        finally:
-            m.transpose_v = saved
-    return call
-
-
-def check_split(m, t):
-    """The split against the product and both against float64 on head 0's and head 15's rows past the split."""
+def check_split(m, sp, t):
+    """The tail split (GluonBackend.variant fp8_tail_split; module sp) against the product (m): rows before the split
+    bit for bit, and both against float64 on the dequantized inputs on head 0's and the last head's rows past it."""
     import torch
     import gpu_fp8
     (q, dq), (k, dk), (v, dv) = t
     po, pl = fp8_random_call(m, t)()
-    so, sl = split_call(m, t)()
+    so, sl = fp8_random_call(sp, t)()
     s = q.shape[2]
+    split = sp._tail_split(1, q.shape[1], -(-s // 128), k.shape[2], 132, True)
+    rows0 = split[0] * 128 if split else s
+    ok = bool(split)
     for hh in (0, q.shape[1] - 1):
-        rows = slice(s - 700, s)
+        rows = slice(min(rows0, s - 640) - 64, s)
         qd = gpu_fp8.dequantize(q[:, hh:hh + 1, rows], dq).double()[0, 0]
         kd = gpu_fp8.dequantize(k[:, hh:hh + 1], dk).double()[0, 0]
         vd = gpu_fp8.dequantize(v[:, hh:hh + 1], dv).double()[0, 0]
         sc = qd @ kd.T / 128 ** 0.5
         lse = torch.logsumexp(sc, -1)
         ref = torch.softmax(sc, -1) @ vd
+        errs = {}
         for name, o, l in (("product", po, pl), ("split", so, sl)):
-            err = (o[0, hh, rows].double() - ref).pow(2).mean().sqrt().item()
-            s7.log(f"check split: head {hh} rows {rows.start}..{s - 1} {name}: rmse {err:.3e} lse max err "
-                   f"{(l[0, hh, rows].double() - lse).abs().max().item():.2e}")
-    same = torch.equal(so[:, :, :s - 640], po[:, :, :s - 640]) and torch.equal(sl[:, :, :s - 640], pl[:, :, :s - 640])
-    s7.log(f"check split: rows before the split {'==' if same else '!='} product bitwise; tail max |out diff| "
+            errs[name] = ((o[0, hh, rows].double() - ref).pow(2).mean().sqrt().item(),
+                          (l[0, hh, rows].double() - lse).abs().max().item())
+            s7.log(f"check split: head {hh} rows {rows.start}..{s - 1} {name}: rmse {errs[name][0]:.3e} lse max err "
+                   f"{errs[name][1]:.2e}")
+        ok = ok and errs["split"][0] <= 1.1 * errs["product"][0] and errs["split"][1] <= 1e-3
+    same = torch.equal(so[:, :, :rows0], po[:, :, :rows0]) and torch.equal(sl[:, :, :rows0], pl[:, :, :rows0])
+    s7.log(f"check split {split}: rows before it {'==' if same else '!='} product bitwise; after it max |out diff| "
            f"{(so - po).abs().max().item():.3e}, |lse diff| {(sl - pl).abs().max().item():.2e}")
+    s7.emit(section="check", variant="tail split", case="random full H16 s16k", value="PASS" if ok and same else "FAIL")
+    return ok and same
 
 
 def phase_time():
@@ -214,10 +215,18 @@ def phase_time():
         qh = random_fp8(g, b, hh, s, d)
         keep.append(qh)
         rows.append((f"fp8 random inputs H{hh}", "none", 4 * b * hh * s * s * d, fp8_random_call(m, qh)))
-    try:
-        check_split(m, q8)
-        rows.append(("fp8 random inputs, split last wave c8 (torch combine)", "none", 4 * b * h * s * s * d,
-                     split_call(m, q8)))
+    try:  # the tail split ([Note] fp8 tail split): checked, then timed at C 8 and C 4 (the module's _TAIL_C)
+        sp = s7.module("none", "tail split")
+        if check_split(m, sp, q8):
+            for c in (8, 4):
+                def run(call, c=c, sp=sp):
+                    sp._TAIL_C = c
+                    return call()
+                rows.append((f"fp8 random inputs, tail split C{c}", "none", 4 * b * h * s * s * d,
+                             lambda run=run, call=fp8_random_call(sp, q8): run(call)))
+            st = keep[1].sets[0]
+            rows.append(("fp8 bench inputs, tail split C8", "none", 4 * b * h * s * s * d,
+                         lambda sp=sp, call=fp8_bench_call(sp, st): (setattr(sp, "_TAIL_C", 8), call())))
     except Exception as e:  # noqa: BLE001
         s7.log(f"split: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
         traceback.print_exc(limit=4)
@@ -321,6 +330,14 @@ def report(windows):
                 s7.log(f"ratio {row} / cudnn-fp8 {mask}: median {statistics.median(p[0] for p in pairs):.3f}; "
                        f"by pass (ratio, fp8 MHz, cudnn MHz): "
                        + " ".join(f"{r:.3f}/{a}/{c}" for r, a, c in pairs))
+    for x, y in (("fp8 random inputs, tail split C8", "fp8 random inputs"),
+                 ("fp8 random inputs, tail split C4", "fp8 random inputs"),
+                 ("fp8 bench inputs, tail split C8", "fp8 bench inputs")):
+        base = {w["pass"]: w for w in per.get((y, "none"), [])}
+        r = [w["tf"] / base[w["pass"]]["tf"] for w in per.get((x, "none"), []) if w["pass"] in base]
+        if r:
+            s7.log(f"ratio {x} / {y} (full): median {statistics.median(r):.3f}, by pass "
+                   + " ".join(f"{v:.3f}" for v in r))
     ms = {hh: statistics.median(w["ms"] for w in per[key]) for hh, key in
           ((16, ("fp8 random inputs", "none")), (32, ("fp8 random inputs H32", "none")),
            (33, ("fp8 random inputs H33", "none"))) if per.get(key)}

@@ -88,6 +88,8 @@ def _warm_real(job):
         import torch
         import fagen
         b, h, s, d = s7.TIME_SHAPE
+        h = 33 if per_head == "H33" else h
+        per_head = per_head is True
         if kind == "bf16":
             x = [torch.randn((b, h, s, d), device="cuda", dtype=torch.bfloat16) for _ in range(3)]
             fagen.load(s7.spec_of(mask, "bf16")).forward(*x)
@@ -98,7 +100,7 @@ def _warm_real(job):
                 else {}
             m.forward(*x, **sc)
         torch.cuda.synchronize()
-        return f"built {kind} {mask}{' per-head' if per_head else ''} in {time.time() - t:.1f}s"
+        return f"built {kind} {mask} H{h}{' per-head' if per_head else ''} in {time.time() - t:.1f}s"
     except Exception as e:  # noqa: BLE001
         return f"build ERROR {kind} {mask}: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
 
@@ -106,14 +108,14 @@ def _warm_real(job):
 def phase_build():
     import multiprocessing as mp
     work = [("bf16", m, False) for m in s7.MASKS] + [("product", m, ph) for m in s7.MASKS for ph in (False, True)]
-    work += [("tail split", "none", ph) for ph in (False, True)]
+    work += [("tail split", "none", ph) for ph in (False, True)] + [("product", "none", "H33")]
     s7.log(f"== build: {len(work)} modules / specialisations")
     with mp.get_context("spawn").Pool(len(work)) as pool:
         for msg in pool.imap_unordered(_warm_real, work):
             s7.log(msg)
 
 
-def bench_set(mask):
+def bench_set(mask, peer_too=True):
     """The standard suite's fwd-fp8-d128-<mask>-s16k row: (CaseContext, its peer's Prepared or an error string)."""
     import torch
     from fagen.bench import peer_cudnn_fp8 as peer
@@ -122,6 +124,8 @@ def bench_set(mask):
     row = f"fwd-fp8-d128-{'causal' if mask == 'causal' else 'full'}-s16k"
     case = next(c for c in standard_suite() if c.name == row)
     cc = CaseContext(case, torch.device("cuda"), 1)
+    if not peer_too:
+        return cc, None
     try:
         return cc, peer.prepare_cudnn_fp8(cc.case, cc)
     except Exception as e:  # noqa: BLE001
@@ -250,6 +254,7 @@ def phase_time():
             windows.append({"row": label, "mask": mask, "pass": p, "t0": t0, "t1": t1, "ms": ms,
                             "tf": flops / ms / 1e9})
         s7.log(f"pass {p} done ({time.time() - s7.T0:.0f}s)")
+        WINDOWS.write_text("".join(json.dumps(w) + "\n" for w in windows))  # kept if the phase is killed
     # sustained: the full row 1.5 s back to back, fp8 random then cuDNN (the clock's settling under each)
     for label in ("fp8 random inputs", "cudnn-fp8"):
         fn = next((r[3] for r in rows if r[0] == label and r[1] == "none"), None)
@@ -353,7 +358,7 @@ import gpu_fp8full_s14 as me, gpu_fp8_fwd_s7 as s7
 m = s7.module("none", "product")
 g = torch.Generator(device="cuda").manual_seed(1)
 q8 = me.random_fp8(g, 1, 16, 16384, 128)
-cc, _ = me.bench_set("none")
+cc, _ = me.bench_set("none", False)
 fr, fb = me.fp8_random_call(m, q8), me.fp8_bench_call(m, cc.sets[0])
 fr(); fb(); torch.cuda.synchronize()
 fr(); fb(); torch.cuda.synchronize()

@@ -37,6 +37,8 @@ ROUND = os.environ.get("FP8FULL_ROUND", "B")
 s7.VARIANTS = {"product": None, "tail split": {"variant": {"fp8_tail_split": 8}}}
 PHASE_TIMEOUT = {"build": 20, "time": 30, "ncu": 16}
 PASSES = 8
+PASSES_B = 10
+TAIL_CS = (8, 4)  # round B: the tail split's chunk counts timed
 OUTX = Path(os.environ.get("OUTX") or os.environ.get("OUT") or "/tmp/fp8full-out")
 SAMPLES = OUTX / "nvml_samples.txt"
 WINDOWS = OUTX / "windows.jsonl"
@@ -280,6 +282,90 @@ def phase_time():
     report(windows)
 
 
+def phase_time_bench():
+    """Round B: the standard suite's own measure (fagen.bench.timing.measure: the rows' 3 input sets rotated, do_bench's
+    L2 flush, 10 / 50 ms), PASSES passes rotated, NVML sampled as in round A: cudnn-fp8, the fp8 product through the
+    bench's prepare_fagen and bf16 through the bench's bf16 rows, causal and full; the tail split at TAIL_CS on the
+    bench's full row (called as prepare_fagen calls the product) and on random inputs beside the product."""
+    import torch
+    import triton
+    from fagen.bench import impls, peer_cudnn_fp8 as peer
+    from fagen.bench.cases import CaseContext
+    from fagen.bench.timing import measure
+    from fagen.bench.workloads import standard_suite
+    b, h, s, d = s7.TIME_SHAPE
+    OUTX.mkdir(parents=True, exist_ok=True)
+    sampler = subprocess.Popen([sys.executable, "-c", SAMPLER, str(SAMPLES), str(PHASE_TIMEOUT["time"] + 2)])
+    t_start = time.time()
+    s7.log(f"== time (bench measure): B{b} H{h} S{s}; {torch.cuda.get_device_name()}; torch {torch.__version__}, "
+           f"triton {triton.__version__}")
+    dev = torch.device("cuda")
+    suite = {c.name: c for c in standard_suite()}
+    rows, keep = [], []  # (label, mask, flops, call(i), n_sets)
+    sp = s7.module("none", "tail split")
+
+    def split_call(c, fn):
+        def call(i):
+            sp._TAIL_C = c
+            return fn(i)
+        return call
+    for mask in s7.MASKS:
+        flops = 4 * b * h * s * s * d / (2 if mask == "causal" else 1)
+        word = "causal" if mask == "causal" else "full"
+        cc = CaseContext(suite[f"fwd-fp8-d128-{word}-s16k"], dev, 3)
+        bcc = CaseContext(suite[f"fwd-d128-{word}-s16k"], dev, 3)
+        keep += [cc, bcc]
+        try:
+            prepared = peer.prepare_cudnn_fp8(cc.case, cc)
+            rows.append(("cudnn-fp8", mask, flops, lambda i, p=prepared, cc=cc: p.fn(cc.sets[i]), len(cc.sets)))
+        except Exception as e:  # noqa: BLE001
+            s7.emit(section="time", variant="cudnn-fp8", mask=mask, value="ERROR", note=str(e).splitlines()[0][:160])
+        pf = impls.prepare_fagen(cc.case, cc).fn
+        rows.append(("fp8 product (bench's prepare_fagen)", mask, flops, lambda i, pf=pf, cc=cc: pf(cc.sets[i]),
+                     len(cc.sets)))
+        bf = impls.prepare_fagen(bcc.case, bcc).fn
+        rows.append(("fagen bf16 (bench row)", mask, flops, lambda i, bf=bf, bcc=bcc: bf(bcc.sets[i]), len(bcc.sets)))
+        if mask == "none":
+            for c in TAIL_CS:
+                rows.append((f"fp8 tail split C{c} (bench inputs)", mask, flops, split_call(
+                    c, lambda i, cc=cc: fp8_bench_call(sp, cc.sets[i])()), len(cc.sets)))
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q8 = random_fp8(g, b, h, s, d)
+    flops = 4 * b * h * s * s * d
+    m = s7.module("none", "product")
+    rows.append(("fp8 random inputs", "none", flops, lambda i, f=fp8_random_call(m, q8): f(), 1))
+    for c in TAIL_CS:
+        rows.append((f"fp8 random inputs, tail split C{c}", "none", flops,
+                     split_call(c, lambda i, f=fp8_random_call(sp, q8): f()), 1))
+    try:
+        check_split(m, sp, q8)
+    except Exception as e:  # noqa: BLE001
+        s7.log(f"split check: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    windows = []
+    with torch.no_grad():
+        for row in rows:
+            row[3](0)
+        torch.cuda.synchronize()
+        s7.log(f"warm ({time.time() - s7.T0:.0f}s)")
+        t_passes = time.time()
+        for p in range(PASSES_B):
+            left = PHASE_TIMEOUT["time"] - (time.time() - t_start)
+            if p and (time.time() - t_passes) / p * 1.15 > left - 2:
+                s7.log(f"pass {p} skipped: the phase's time is short")
+                break
+            k = p * len(rows) // PASSES_B
+            for label, mask, flops, fn, n in rows[k:] + rows[:k]:
+                t0 = time.time()
+                ms = measure(fn, n, dev, 10, 50)
+                windows.append({"row": label, "mask": mask, "pass": p, "t0": t0, "t1": time.time(), "ms": ms,
+                                "tf": flops / ms / 1e9})
+            s7.log(f"pass {p} done ({time.time() - s7.T0:.0f}s)")
+            WINDOWS.write_text("".join(json.dumps(w) + "\n" for w in windows))
+    sampler.terminate()
+    sampler.wait()
+    report(windows)
+
+
 def load_samples():
     out, limit = [], None
     for line in SAMPLES.read_text().splitlines():
@@ -328,7 +414,7 @@ def report(windows):
                       f"{passes}]"))
     for mask in s7.MASKS:  # the ratio against cuDNN pass by pass, with both rows' clocks
         cu = {w["pass"]: w for w in per.get(("cudnn-fp8", mask), [])}
-        for row in ("fp8 bench inputs", "fp8 random inputs"):
+        for row in [r for r, mk in per if mk == mask and r.startswith("fp8") and "H3" not in r]:
             pairs = [(w["tf"] / cu[w["pass"]]["tf"], w["clk"], cu[w["pass"]]["clk"]) for w in per.get((row, mask), [])
                      if w["pass"] in cu]
             if pairs:
@@ -337,7 +423,9 @@ def report(windows):
                        + " ".join(f"{r:.3f}/{a}/{c}" for r, a, c in pairs))
     for x, y in (("fp8 random inputs, tail split C8", "fp8 random inputs"),
                  ("fp8 random inputs, tail split C4", "fp8 random inputs"),
-                 ("fp8 bench inputs, tail split C8", "fp8 bench inputs")):
+                 ("fp8 bench inputs, tail split C8", "fp8 bench inputs"),
+                 *((f"fp8 tail split C{c} (bench inputs)", "fp8 product (bench's prepare_fagen)") for c in TAIL_CS),
+                 *((f"fp8 random inputs, tail split C{c}", "fp8 random inputs") for c in TAIL_CS if c not in (8, 4))):
         base = {w["pass"]: w for w in per.get((y, "none"), [])}
         r = [w["tf"] / base[w["pass"]]["tf"] for w in per.get((x, "none"), []) if w["pass"] in base]
         if r:
@@ -387,7 +475,8 @@ def phase_ncu():
 
 def main():
     if len(sys.argv) > 2 and sys.argv[1] == "--phase":
-        {"build": phase_build, "time": phase_time, "ncu": phase_ncu}[sys.argv[2]]()
+        {"build": phase_build, "time": phase_time if ROUND == "A" else phase_time_bench,
+         "ncu": phase_ncu}[sys.argv[2]]()
         return
     env = child_env("/tmp/fagen-cache-gpu-fp8full-s14")
     rows = []

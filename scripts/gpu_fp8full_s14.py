@@ -368,7 +368,7 @@ def phase_time_bench():
 
 def load_samples():
     out, limit = [], None
-    for line in SAMPLES.read_text().splitlines():
+    for line in (SAMPLES.read_text() if SAMPLES.exists() else "").splitlines():
         if line.startswith("# power limit"):
             limit = int(line.split()[3]) / 1000
             continue

@@ -35,7 +35,7 @@ from _phases import child_env, run_phase as run_child  # noqa: E402
 
 ROUND = os.environ.get("FP8FULL_ROUND", "B")
 s7.VARIANTS = {"product": None, "tail split": {"variant": {"fp8_tail_split": 8}}}
-PHASE_TIMEOUT = {"build": 20, "time": 30, "ncu": 16}
+PHASE_TIMEOUT = {"build": 16, "time": 32, "ncu": 18} if ROUND == "B" else {"build": 20, "time": 30, "ncu": 16}
 PASSES = 8
 PASSES_B = 10
 TAIL_CS = (8, 4)  # round B: the tail split's chunk counts timed
@@ -92,7 +92,14 @@ def _warm_real(job):
         b, h, s, d = s7.TIME_SHAPE
         h = 33 if per_head == "H33" else h
         per_head = per_head is True
-        if kind == "bf16":
+        if kind == "bench":  # the standard suite's row through the bench's own preparer (its spec, its inputs)
+            from fagen.bench import impls
+            from fagen.bench.cases import CaseContext
+            from fagen.bench.workloads import standard_suite
+            case = next(c for c in standard_suite() if c.name == mask)
+            cc = CaseContext(case, torch.device("cuda"), 1)
+            impls.prepare_fagen(case, cc).fn(cc.sets[0])
+        elif kind == "bf16":
             x = [torch.randn((b, h, s, d), device="cuda", dtype=torch.bfloat16) for _ in range(3)]
             fagen.load(s7.spec_of(mask, "bf16")).forward(*x)
         else:
@@ -111,6 +118,9 @@ def phase_build():
     import multiprocessing as mp
     work = [("bf16", m, False) for m in s7.MASKS] + [("product", m, ph) for m in s7.MASKS for ph in (False, True)]
     work += [("tail split", "none", ph) for ph in (False, True)] + [("product", "none", "H33")]
+    if ROUND == "B":
+        work = [("bench", f"fwd{x}-d128-{m}-s16k", False) for x in ("", "-fp8") for m in ("causal", "full")]
+        work += [("tail split", "none", ph) for ph in (False, True)] + [("product", "none", False)]
     s7.log(f"== build: {len(work)} modules / specialisations")
     with mp.get_context("spawn").Pool(len(work)) as pool:
         for msg in pool.imap_unordered(_warm_real, work):
@@ -350,7 +360,7 @@ def phase_time_bench():
         t_passes = time.time()
         for p in range(PASSES_B):
             left = PHASE_TIMEOUT["time"] - (time.time() - t_start)
-            if p and (time.time() - t_passes) / p * 1.15 > left - 2:
+            if p and (time.time() - t_passes) / p * 1.15 > left - 9:  # 9 s: the steady-state runs and the report
                 s7.log(f"pass {p} skipped: the phase's time is short")
                 break
             k = p * len(rows) // PASSES_B
@@ -361,6 +371,26 @@ def phase_time_bench():
                                 "tf": flops / ms / 1e9})
             s7.log(f"pass {p} done ({time.time() - s7.T0:.0f}s)")
             WINDOWS.write_text("".join(json.dumps(w) + "\n" for w in windows))
+        # steady state at the power cap: the full row 1 s back to back each, in the order A B C C B A
+        sus = [r for r in rows if r[1] == "none" and r[0] in ("fp8 product (bench's prepare_fagen)", "cudnn-fp8",
+                                                                  f"fp8 tail split C{TAIL_CS[0]} (bench inputs)")]
+        for label, mask, flops, fn, n in sus + sus[::-1]:
+            if time.time() - t_start > PHASE_TIMEOUT["time"] - 4:
+                break
+            t0 = time.time()
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+            k = 0
+            ev[0].record()
+            while time.time() - t0 < 1.0:
+                fn(k % n)
+                k += 1
+                if k % 40 == 0:
+                    torch.cuda.synchronize()
+            ev[1].record()
+            torch.cuda.synchronize()
+            ms = ev[0].elapsed_time(ev[1]) / k
+            windows.append({"row": f"sustained 1 s: {label}", "mask": mask, "pass": len(windows), "t0": t0,
+                            "t1": time.time(), "ms": ms, "tf": flops / ms / 1e9})
     sampler.terminate()
     sampler.wait()
     report(windows)
@@ -456,19 +486,78 @@ NCU_METRICS = ("gpu__time_duration.sum,gpc__cycles_elapsed.max,sm__cycles_elapse
                "sm__throughput.avg.pct_of_peak_sustained_elapsed")
 
 
+NCU_SCRIPT_B = r"""
+import sys, torch
+sys.path.insert(0, "scripts")
+import gpu_fp8full_s14 as me, gpu_fp8_fwd_s7 as s7
+m, sp = s7.module("none", "product"), s7.module("none", "tail split")
+cc, prepared = me.bench_set("none")
+st = cc.sets[0]
+calls = [("product", me.fp8_bench_call(m, st))]
+if not isinstance(prepared, str):
+    calls.append(("cudnn-fp8", lambda: prepared.fn(st)))
+for c in (8, 4):
+    calls.append((f"tail split C{c}", lambda c=c, f=me.fp8_bench_call(sp, st): (setattr(sp, "_TAIL_C", c), f())))
+for _, f in calls:
+    f(); f()
+torch.cuda.synchronize()
+torch.cuda.profiler.start()
+for name, f in calls:
+    torch.cuda._sleep(1000)  # a separator kernel
+    f()
+torch.cuda.synchronize()
+torch.cuda.profiler.stop()
+print("CALLS " + "|".join(n for n, _ in calls))
+"""
+NCU_METRICS_B = "gpu__time_duration.sum,gpc__cycles_elapsed.max,sm__cycles_elapsed.avg.per_second,sm__inst_executed.sum"
+
+
 def phase_ncu():
+    """Nsight Compute at its default clock control (clocks locked to base): round A the full kernel on random and on
+    the bench's inputs; round B every kernel of one call each of the product, cudnn-fp8 and the tail split (C 8, 4)
+    on the bench's full row, summed per call (a spin kernel between calls)."""
     ncu = shutil.which("ncu") or next((str(p) for p in sorted(Path("/usr/local").glob("cuda*/bin/ncu"))), None)
     s7.log(f"== ncu: {ncu}")
     if not ncu:
         return
-    cmd = [ncu, "-k", "regex:attn_fwd_hopper", "--launch-skip", "2", "--launch-count", "2", "--metrics",
-           NCU_METRICS, "--csv", sys.executable, "-c", NCU_SCRIPT]
+    if ROUND == "A":
+        cmd = [ncu, "-k", "regex:attn_fwd_hopper", "--launch-skip", "2", "--launch-count", "2", "--metrics",
+               NCU_METRICS, "--csv", sys.executable, "-c", NCU_SCRIPT]
+    else:
+        cmd = [ncu, "--profile-from-start", "off", "--metrics", NCU_METRICS_B, "--csv", sys.executable, "-c",
+               NCU_SCRIPT_B]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=PHASE_TIMEOUT["ncu"] - 1)
     (OUTX / "ncu.csv").write_text(r.stdout + "\n" + r.stderr)
-    for line in r.stdout.splitlines():
-        if line.startswith('"') and ("attn" in line or "Metric Name" in line):
-            f = [c.strip('"') for c in line.split('","')]
-            s7.log("ncu " + " | ".join(f[i] for i in (0, 4) if i < len(f)) + " | " + " | ".join(f[-3:]))
+    if ROUND == "A":
+        for line in r.stdout.splitlines():
+            if line.startswith('"') and ("attn" in line or "Metric Name" in line):
+                f = [c.strip('"') for c in line.split('","')]
+                s7.log("ncu " + " | ".join(f[i] for i in (0, 4) if i < len(f)) + " | " + " | ".join(f[-3:]))
+    else:
+        import csv
+        kernels = {}
+        names = next((ln[6:].split("|") for ln in r.stdout.splitlines() if ln.startswith("CALLS ")), [])
+        for f in csv.reader(ln for ln in r.stdout.splitlines() if ln.startswith('"')):
+            if f[0] == "ID":
+                continue
+            k = kernels.setdefault(int(f[0]), {"name": f[4], "grid": f[8]})
+            k[f[12]] = float(f[14].replace(",", ""))
+        groups, cur = [], None
+        for i in sorted(kernels):
+            k = kernels[i]
+            if "sleep" in k["name"] or "spin" in k["name"]:
+                cur = []
+                groups.append(cur)
+            elif cur is not None:
+                cur.append(k)
+        for n, g in zip(names, groups):
+            t = sum(k.get("gpu__time_duration.sum", 0) for k in g) / 1e3
+            s7.log(f"ncu {n}: {len(g)} kernels, {t:.1f} us at base clock ("
+                   + "; ".join(f"{k['name'][:40]} {k['grid']} {k.get('gpu__time_duration.sum', 0) / 1e3:.1f} us "
+                               f"{k.get('gpc__cycles_elapsed.max', 0):.0f} cyc "
+                               f"{k.get('sm__cycles_elapsed.avg.per_second', 0) / 1e6:.0f} MHz "
+                               f"{k.get('sm__inst_executed.sum', 0) / 1e6:.0f} Minst" for k in g) + ")")
+            s7.emit(section="ncu", variant=n, mask="none", value=round(t, 1))
     if r.returncode:
         s7.log(f"ncu rc {r.returncode}: {r.stderr[-400:]}")
 

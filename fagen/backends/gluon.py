@@ -111,13 +111,14 @@ class GluonBackend(DecodeRules, KernelBackend):
     # ([Note] fp8 exp2 on the FMA pipe), 0 off; fp8_o_warp_skip: 1 skips O's rescale in a warp none of whose rows'
     # max moved ([Note] fp8 O rescale by warp; exact); fp8_lazy_max: 1 moves a row's max only by more than 0.75
     # ([Note] fp8 lazy max); (fp8_l_mma, the row sum by a wgmma against ones, read NaN: removed).
-    # Thirteenth session, scripts/gpu_fp8mma_s13.py.
+    # Thirteenth session, scripts/gpu_fp8mma_s13.py. fp8_s_ahead: 1 issues S_{n+1} before S_n's softmax ([Note] fp8 S
+    # a step ahead; fourteenth session, scripts/gpu_fp8mma_s14.py).
     # bwd_*: the gluon backward's levers ([Note] Gluon backward levers).
     variant = {"consumer_regs": 240, "loader_regs": 24, "tile_schedule_all": False, "causal_order": 3,
                "fp8_p_cvt": 3, "fp8_wgs": 2, "fp8_wg3_regs": (160, 24), "fp8_o_skip": 0,
                "fp8_pv_overlap": 0, "fp8_d64": {"fp8_wgs": 3}, "fp8_n192": 0, "fp8_vt": 0,
                "fp8_pass_evict": 0, "fp8_vt_pad": 0, "fp8_full_order": 0,
-               "fp8_exp_poly": 0, "fp8_o_warp_skip": 0, "fp8_lazy_max": 0,
+               "fp8_exp_poly": 0, "fp8_o_warp_skip": 0, "fp8_lazy_max": 0, "fp8_s_ahead": 0,
                "pv_overlap": 0,
                "bwd_order": 0, "bwd_snake": 0, "bwd_named": 0, "bwd_epi_tma": 0, "bwd_fixed": 0, "bwd_window_desc": 0,
                "bwd_mod_early": 0, "bwd_window_fixed": 0, "bwd_prefix": 2,

@@ -38,6 +38,12 @@ VARIANTS = {
     "S ahead 1": {"variant": {"fp8_s_ahead": 1}, "extra": True},
     # round A also timed "S ahead 2" (fp8_s_ahead 2: S_{n+1} issued before S_n's softmax; the template at 19c6fa7)
     "S ahead 1 + exp2 1/8 + O skip": {"variant": {"fp8_s_ahead": 1, **CAND}, "checks": 1},
+    # round B diagnostics (wrong numerics: built and timed, never checked): what the softmax's parts cost a step
+    "diag: P without exp2": {"diag": True, "patch": ((
+        r"^    p = gl\.exp2\(s_acc \* qk_scale - \(m_use - 8\.0\)\[:, None\]\)$",
+        "    p = s_acc * qk_scale - (m_use - 8.0)[:, None]"), )},
+    "diag: unmasked steps without the row max": {"diag": True, "patch": ((
+        r"^        m_new = gl\.maximum\(m_i, gl\.max\(s_acc, 1\) \* qk_scale\)$", "        m_new = m_i * 1.0"), )},
 }
 # Round A (H100, 23:26 UTC, /work/wt/results/fp8mma-A.txt; docs/hopper.md, "fp8 forward: the main loop (fourteenth
 # session)"): TF/s causal / full, the rows' order rotated: product 888 / 881, the candidate 871 / 850, S ahead 1 866 /
@@ -65,7 +71,8 @@ s7.PHASE_TIMEOUT = PHASE_TIMEOUT
 
 def check_cases():
     """(variant, head_dim, s7.CHECKS-style row, window) of every fp8 check; the product first at each shape."""
-    cases = [(n, 128, c, None) for n in VARIANTS if not VARIANTS[n] or not (VARIANTS[n].get("mutant") or n in D64_ONLY)
+    cases = [(n, 128, c, None) for n in VARIANTS
+             if not VARIANTS[n] or not (VARIANTS[n].get("mutant") or VARIANTS[n].get("diag") or n in D64_ONLY)
              for c in s7.CHECKS[:(VARIANTS[n] or {}).get("checks", len(s7.CHECKS))]]
     cases += [(n, 128, c, None) for n in VARIANTS if not VARIANTS[n] or VARIANTS[n].get("extra") for c in EXTRA]
     cases += [(n, 128, s7.CHECKS[0], None) for n in VARIANTS if (VARIANTS[n] or {}).get("mutant")]

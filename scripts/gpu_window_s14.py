@@ -52,6 +52,22 @@ PATCHES = {
 }
 ABL_GROUPS = {"abl1": ["noadd", "noepi"], "abl2": ["nomask", "samekv"]}
 _ABL: dict = {}
+# the lever built for this round: [Note] K/V prefetch into L2 (variant bwd_kv_prefetch L: L steps ahead)
+LEVERS = {"kvpf4": {"bwd_kv_prefetch": 4}, "kvpf10": {"bwd_kv_prefetch": 10}}
+_LEV: dict = {}
+
+
+def lever_module(name):
+    """The product's window render with LEVERS[name]'s variant keys (a mode-2 render with the qmul rows by TMA)."""
+    if name not in _LEV:
+        from fagen.runtime.loader import load_source
+        from fagen.spec.kernel import KernelSpec
+
+        spec = KernelSpec(backend="gluon", direction="bwd", head_dim=128, dtype="bf16", mask="causal", window=True)
+        mod = load_source(s9.lever_source(spec, LEVERS[name]), f"{spec.name}_s14_{name}")
+        assert mod.BWD_DET_MODE == 2 and mod.BWD_FIXED_TMA == 1 and mod.BWD_KV_PREFETCH == 1, name
+        _LEV[name] = mod
+    return _LEV[name]
 
 
 def ablation(name):
@@ -78,17 +94,24 @@ def levers(mod, variant):
     return mod
 
 
-def check_small():
+def check_small(with_levers=False):
     import torch
 
-    q, k, v, do = s12.small()
+    n = 1000 if with_levers else 333  # the levers: 5 programs for 16 tiles (a prefetch needs a next tile)
+    q, k, v, do = s12.small(s=n)
     mod = s12.module("window")
-    i, j = torch.arange(333, device="cuda")[:, None], torch.arange(333, device="cuda")[None, :]
+    if with_levers:
+        for m in (mod, *(lever_module(x) for x in LEVERS)):
+            m._NUM_SMS[torch.cuda.current_device()] = 5
+    i, j = torch.arange(n, device="cuda")[:, None], torch.arange(n, device="cuda")[None, :]
     for left in (37, 130):
         def run(left=left):
             ref = s12.ref64(q, k, v, do, (j <= i) & (i - j <= left))
-            runs = {name: [s12.grads(lambda a, b, c, n=name: levers(mod, n).attention(a, b, c, window=(left, 0)),
-                                     q, k, v, do) for _ in "ab"] for name in VARIANTS}
+            def calls(name):
+                mod_ = lever_module(name) if name in LEVERS else levers(mod, name)
+                return [s12.grads(lambda a, b, c: mod_.attention(a, b, c, window=(left, 0)), q, k, v, do)
+                        for _ in "ab"]
+            runs = {name: calls(name) for name in (["api", *LEVERS] if with_levers else VARIANTS)}
             levers(mod, "api")
             e = {n: max(s12.errs(r[0], ref)) for n, r in runs.items()}
             rep = all(s12.same(*r) for r in runs.values())
@@ -97,7 +120,7 @@ def check_small():
             ok = rep and zero and max(e.values()) < 3e-2 and all(x == "bitwise" for x in eq.values())
             return ok, (f"max |err| {max(e.values()):.1e} (api {e['api']:.1e}); repeatable {rep}; row 0 dq == 0 "
                         f"{zero}; vs api: {eq}")
-        s12.check(f"variants window ({left}, 0) S333", run)
+        s12.check(f"{'levers (5 programs)' if with_levers else 'variants'} window ({left}, 0) S{n}", run)
 
 
 def own_step(mod, tensors, window=(1024, 0)):
@@ -119,6 +142,8 @@ def step_of(variant, tensors):
     if variant == "flex":
         out = s9.flex_call(sm, mm, shape)(q, k, v)
         return lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+    if variant in LEVERS or variant == "own":  # the module's own attention (the product's: "own")
+        return own_step(lever_module(variant) if variant in LEVERS else levers(s12.module("window"), "api"), tensors)
     mod = s12.module("window")
     bm = s9.fagen_mask(mm, shape)
     s9.selection(True)
@@ -139,6 +164,11 @@ def phase_warm(name):
         tensors = s12.window_inputs()
         if name == "flex":
             step_of("flex", tensors)()
+        elif name == "lev":
+            base = [g.clone() for g in step_of("own", tensors)()]
+            got = {n: [g.clone() for g in step_of(n, tensors)()] for n in LEVERS}
+            torch.cuda.synchronize()
+            print(f"CHECK INFO timed shape, vs own: {({n: s12.diff(g, base) for n, g in got.items()})}", flush=True)
         elif name in ABL_GROUPS:
             for a in ABL_GROUPS[name]:
                 own_step(ablation(a), tensors)()
@@ -153,8 +183,8 @@ def phase_warm(name):
         print(f"warm {name}: {time.perf_counter() - t0:.1f} s", flush=True)
     except Exception as e:  # noqa: BLE001
         print(f"warm {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-    if name == "window":
-        check_small()
+    if name in ("window", "lev"):
+        check_small(name == "lev")
 
 
 def phase_time():
@@ -164,7 +194,7 @@ def phase_time():
 
     t_end = float(os.environ.get("S14_TIME_END", time.time() + 50))
     tensors = s12.window_inputs()
-    names = ["flex", *VARIANTS]
+    names = ["flex", *VARIANTS, "own", *LEVERS]
     steps = {}
     for p in range(3):
         for item in names[p % len(names):] + names[:p % len(names)]:
@@ -188,6 +218,7 @@ def phase_time():
             print("REC " + json.dumps(rec), flush=True)
     items = [("api", lambda: steps["api"]), ("grid", lambda: steps["grid"]),
              ("own", lambda: own_step(levers(s12.module("window"), "api"), tensors))]
+    items += [(a, lambda a=a: steps[a] if a in steps else step_of(a, tensors)) for a in LEVERS]
     items += [(a, lambda a=a: own_step(ablation(a), tensors)) for a in PATCHES]
     for rnd in range(2):  # two rounds of the kernel profiles, in opposite orders
         for item, make in (items if rnd == 0 else items[::-1]):
@@ -244,7 +275,7 @@ def main():
         if rc != 0:
             print(f"phase {name} {extra}: {rc}", flush=True)
 
-    threads = [threading.Thread(target=go, args=("warm", 32.0, (w, ))) for w in ("flex", "window", *ABL_GROUPS)]
+    threads = [threading.Thread(target=go, args=("warm", 32.0, (w, ))) for w in ("flex", "window", "lev", *ABL_GROUPS)]
     for t in threads:
         t.start()
     for t in threads:

@@ -53,7 +53,9 @@ PATCHES = {
 ABL_GROUPS = {"abl1": ["noadd", "noepi"], "abl2": ["nomask", "samekv"]}
 _ABL: dict = {}
 # the lever built for this round: [Note] K/V prefetch into L2 (variant bwd_kv_prefetch L: L steps ahead)
-LEVERS = {"kvpf4": {"bwd_kv_prefetch": 4}, "kvpf10": {"bwd_kv_prefetch": 10}}
+# and [Note] Two epilogue stages (variant bwd_epi_two 1)
+LEVERS = {"kvpf4": {"bwd_kv_prefetch": 4}, "kvpf10": {"bwd_kv_prefetch": 10}, "epi2": {"bwd_epi_two": 1}}
+LEV_GROUPS = {"lev1": ["kvpf4", "kvpf10"], "lev2": ["epi2"]}
 _LEV: dict = {}
 
 
@@ -65,7 +67,8 @@ def lever_module(name):
 
         spec = KernelSpec(backend="gluon", direction="bwd", head_dim=128, dtype="bf16", mask="causal", window=True)
         mod = load_source(s9.lever_source(spec, LEVERS[name]), f"{spec.name}_s14_{name}")
-        assert mod.BWD_DET_MODE == 2 and mod.BWD_FIXED_TMA == 1 and mod.BWD_KV_PREFETCH == 1, name
+        assert mod.BWD_DET_MODE == 2 and mod.BWD_FIXED_TMA == 1, name
+        assert mod.BWD_KV_PREFETCH == int("bwd_kv_prefetch" in LEVERS[name]), name
         _LEV[name] = mod
     return _LEV[name]
 
@@ -94,14 +97,14 @@ def levers(mod, variant):
     return mod
 
 
-def check_small(with_levers=False):
+def check_small(with_levers=()):
     import torch
 
     n = 1000 if with_levers else 333  # the levers: 5 programs for 16 tiles (a prefetch needs a next tile)
     q, k, v, do = s12.small(s=n)
     mod = s12.module("window")
     if with_levers:
-        for m in (mod, *(lever_module(x) for x in LEVERS)):
+        for m in (mod, *(lever_module(x) for x in with_levers)):
             m._NUM_SMS[torch.cuda.current_device()] = 5
     i, j = torch.arange(n, device="cuda")[:, None], torch.arange(n, device="cuda")[None, :]
     for left in (37, 130):
@@ -111,7 +114,7 @@ def check_small(with_levers=False):
                 mod_ = lever_module(name) if name in LEVERS else levers(mod, name)
                 return [s12.grads(lambda a, b, c: mod_.attention(a, b, c, window=(left, 0)), q, k, v, do)
                         for _ in "ab"]
-            runs = {name: calls(name) for name in (["api", *LEVERS] if with_levers else VARIANTS)}
+            runs = {name: calls(name) for name in (["api", *with_levers] if with_levers else VARIANTS)}
             levers(mod, "api")
             e = {n: max(s12.errs(r[0], ref)) for n, r in runs.items()}
             rep = all(s12.same(*r) for r in runs.values())
@@ -164,9 +167,9 @@ def phase_warm(name):
         tensors = s12.window_inputs()
         if name == "flex":
             step_of("flex", tensors)()
-        elif name == "lev":
+        elif name in LEV_GROUPS:
             base = [g.clone() for g in step_of("own", tensors)()]
-            got = {n: [g.clone() for g in step_of(n, tensors)()] for n in LEVERS}
+            got = {n: [g.clone() for g in step_of(n, tensors)()] for n in LEV_GROUPS[name]}
             torch.cuda.synchronize()
             print(f"CHECK INFO timed shape, vs own: {({n: s12.diff(g, base) for n, g in got.items()})}", flush=True)
         elif name in ABL_GROUPS:
@@ -183,8 +186,8 @@ def phase_warm(name):
         print(f"warm {name}: {time.perf_counter() - t0:.1f} s", flush=True)
     except Exception as e:  # noqa: BLE001
         print(f"warm {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-    if name in ("window", "lev"):
-        check_small(name == "lev")
+    if name == "window" or name in LEV_GROUPS:
+        check_small(tuple(LEV_GROUPS.get(name, ())))
 
 
 def phase_time():
@@ -275,7 +278,8 @@ def main():
         if rc != 0:
             print(f"phase {name} {extra}: {rc}", flush=True)
 
-    threads = [threading.Thread(target=go, args=("warm", 32.0, (w, ))) for w in ("flex", "window", "lev", *ABL_GROUPS)]
+    threads = [threading.Thread(target=go, args=("warm", 32.0, (w, )))
+               for w in ("flex", "window", *LEV_GROUPS, *ABL_GROUPS)]
     for t in threads:
         t.start()
     for t in threads:

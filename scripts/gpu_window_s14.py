@@ -4,7 +4,7 @@ session)".
 
     PYTHONPATH=$PWD python3 scripts/gpu_window_s14.py
 
-Round A: the product against Flex, one program per tile (BWD_GRID_ALL 1: the hardware deals the tiles as SMs free up,
+Round A (window-A.txt; commit 8c81754): the product against Flex, one program per tile (BWD_GRID_ALL 1: the hardware deals the tiles as SMs free up,
 the balance of a dynamic scheduler, at the cost of a CTA's start per tile), and ablations of the main kernel: the
 product's window render with one piece taken out of its source (text patches of the generated module; wrong
 gradients by construction, timed only):
@@ -16,6 +16,11 @@ Phases (scripts/_phases.py): warm children at once (flex; window, then its check
 (130, 0): api and grid against float64, repeatable, row 0's dq exactly 0, grid bit for bit api; the ablations'
 compiles in two children), then `time`: api, grid and Flex in three rotated passes (do_bench medians, L2 flushed),
 then each module's kernels by torch.profiler (its own attention at the row's window), the main kernel's ms.
+Round B (`--round b`, window-B.txt): the prefetch lever at L 2, 4, 6 and its control kvpf4n (the L 4 render
+prefetching 16 bytes instead of 32 KB: the same code, and the same sm_90 build's spills as kvpf4's, 128 / 196 bytes
+against the product's 164 / 220; round A's ablations showed the main kernel moving 7% with its register allocation),
+each main kernel's registers and spills, against the product and Flex in four rotated passes; no ablations, no grid,
+no epi2 (round A: lost).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import gpu_mods_bwd_s9 as s9  # noqa: E402
 import gpu_window_s12 as s12  # noqa: E402  (module, small, grads, ref64, errs, same, diff, check, kernel_ms)
 
 BUDGET = 66.0
+ROUND_B = sys.argv[1:3] == ["--round", "b"] or os.environ.get("S14_ROUND") == "b"
 SW = "sliding-window+causal"
 VARIANTS = {"api": {}, "grid": {"BWD_GRID_ALL": 1}}
 DEFAULTS: dict = {}
@@ -56,6 +62,13 @@ _ABL: dict = {}
 # and [Note] Two epilogue stages (variant bwd_epi_two 1)
 LEVERS = {"kvpf4": {"bwd_kv_prefetch": 4}, "kvpf10": {"bwd_kv_prefetch": 10}, "epi2": {"bwd_epi_two": 1}}
 LEV_GROUPS = {"lev1": ["kvpf4", "kvpf10"], "lev2": ["epi2"]}
+_NOPF = ("[$1], 32768; ", "[$1], 16; ")  # kvpf4n: 16 bytes prefetched, not 32 KB (the same code but the size)
+if ROUND_B:
+    VARIANTS = {"api": {}}
+    ABL_GROUPS = {}
+    LEVERS = {"kvpf4": {"bwd_kv_prefetch": 4}, "kvpf4n": {"bwd_kv_prefetch": 4}, "kvpf2": {"bwd_kv_prefetch": 2},
+              "kvpf6": {"bwd_kv_prefetch": 6}}
+    LEV_GROUPS = {"lev1": ["kvpf4", "kvpf4n"], "lev2": ["kvpf2", "kvpf6"]}
 _LEV: dict = {}
 
 
@@ -66,7 +79,11 @@ def lever_module(name):
         from fagen.spec.kernel import KernelSpec
 
         spec = KernelSpec(backend="gluon", direction="bwd", head_dim=128, dtype="bf16", mask="causal", window=True)
-        mod = load_source(s9.lever_source(spec, LEVERS[name]), f"{spec.name}_s14_{name}")
+        src = s9.lever_source(spec, LEVERS[name])
+        if name == "kvpf4n":
+            assert src.count(_NOPF[0]) == 1, "kvpf4n: patch target missing"
+            src = src.replace(*_NOPF)
+        mod = load_source(src, f"{spec.name}_s14_{name}")
         assert mod.BWD_DET_MODE == 2 and mod.BWD_FIXED_TMA == 1, name
         assert mod.BWD_KV_PREFETCH == int("bwd_kv_prefetch" in LEVERS[name]), name
         _LEV[name] = mod
@@ -87,6 +104,19 @@ def ablation(name):
             src = src.replace(old, new)
         _ABL[name] = load_source(src, f"{spec.name}_s14_{name}")
     return _ABL[name]
+
+
+def regs(mod):
+    """[(registers, spilled bytes)] of the mode-2 main kernel's compiled versions in this process (best effort)."""
+    out = []
+    try:
+        for cache in mod._BWD_KERNELS[2][0].device_caches.values():
+            for k in cache[0].values():
+                k._init_handles()
+                out.append((k.n_regs, k.n_spills))
+    except Exception as e:  # noqa: BLE001
+        out.append(f"{type(e).__name__}")
+    return out
 
 
 def levers(mod, variant):
@@ -172,6 +202,8 @@ def phase_warm(name):
             got = {n: [g.clone() for g in step_of(n, tensors)()] for n in LEV_GROUPS[name]}
             torch.cuda.synchronize()
             print(f"CHECK INFO timed shape, vs own: {({n: s12.diff(g, base) for n, g in got.items()})}", flush=True)
+            print(f"CHECK INFO main kernel (regs, spill bytes): product {regs(s12.module('window'))}, "
+                  + ", ".join(f"{n} {regs(lever_module(n))}" for n in LEV_GROUPS[name]), flush=True)
         elif name in ABL_GROUPS:
             for a in ABL_GROUPS[name]:
                 own_step(ablation(a), tensors)()
@@ -197,9 +229,9 @@ def phase_time():
 
     t_end = float(os.environ.get("S14_TIME_END", time.time() + 50))
     tensors = s12.window_inputs()
-    names = [*VARIANTS, "own", *LEVERS, "flex"]  # fagen's rows first (Flex's compile in this child may be slow)
+    names = [*VARIANTS, *(() if ROUND_B else ("own", )), *LEVERS, "flex"]  # fagen's first (Flex's compile: slow)
     steps = {}
-    for p in range(3):
+    for p in range(4 if ROUND_B else 3):
         for item in names[p % len(names):] + names[:p % len(names)]:
             rec = {"variant": item, "pass": p}
             if time.time() > t_end - 14:
@@ -219,11 +251,13 @@ def phase_time():
             except Exception as e:  # noqa: BLE001
                 rec["error"] = f"{type(e).__name__}: {str(e)[:160]}"
             print("REC " + json.dumps(rec), flush=True)
-    items = [("api", lambda: steps["api"]), ("grid", lambda: steps["grid"]),
-             ("own", lambda: own_step(levers(s12.module("window"), "api"), tensors))]
+    items = [("api", lambda: steps["api"])]
+    if not ROUND_B:
+        items += [("grid", lambda: steps["grid"]),
+                  ("own", lambda: own_step(levers(s12.module("window"), "api"), tensors))]
     items += [(a, lambda a=a: steps[a] if a in steps else step_of(a, tensors)) for a in LEVERS]
     items += [(a, lambda a=a: own_step(ablation(a), tensors)) for a in PATCHES]
-    for rnd in range(2):  # two rounds of the kernel profiles, in opposite orders
+    for rnd in range(1 if ROUND_B else 2):  # rounds of the kernel profiles, in opposite orders
         for item, make in (items if rnd == 0 else items[::-1]):
             if time.time() > t_end - 2:
                 break
@@ -269,6 +303,8 @@ def main():
     t0 = time.time()
     env = child_env("/tmp/fagen-s14-window", ROOT)
     env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    if ROUND_B:
+        env["S14_ROUND"] = "b"  # the children's LEVERS, groups and passes
     script = os.path.abspath(__file__)
     lines: dict = {}
 

@@ -59,9 +59,9 @@ PATCHES = {
 ABL_GROUPS = {"abl1": ["noadd", "noepi"], "abl2": ["nomask", "samekv"]}
 _ABL: dict = {}
 # the lever built for this round: [Note] K/V prefetch into L2 (variant bwd_kv_prefetch L: L steps ahead)
-# and [Note] Two epilogue stages (variant bwd_epi_two 1)
-LEVERS = {"kvpf4": {"bwd_kv_prefetch": 4}, "kvpf10": {"bwd_kv_prefetch": 10}, "epi2": {"bwd_epi_two": 1}}
-LEV_GROUPS = {"lev1": ["kvpf4", "kvpf10"], "lev2": ["epi2"]}
+# and round A's two epilogue stages (variant bwd_epi_two 1, removed after round A: lost)
+LEVERS = {"kvpf4": {"bwd_kv_prefetch": 4}, "kvpf10": {"bwd_kv_prefetch": 10}}
+LEV_GROUPS = {"lev1": ["kvpf4", "kvpf10"]}
 _NOPF = ("[$1], 32768; ", "[$1], 16; ")  # kvpf4n: 16 bytes prefetched, not 32 KB (the same code but the size)
 if ROUND_B:
     VARIANTS = {"api": {}}

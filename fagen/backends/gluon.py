@@ -272,9 +272,6 @@ class GluonBackend(DecodeRules, KernelBackend):
     # bwd_kv_prefetch L (fourteenth session): a window render's producer prefetches its next tile's K, V into L2 L
     # steps before the tile's end ([Note] K/V prefetch into L2 in the template); 0 off (docs/mods.md, fourteenth).
     variant["bwd_kv_prefetch"] = 0
-    # bwd_epi_two 1 (fourteenth session): a window render's TMA epilogue stages dV in a 32 KB buffer of its own, both
-    # stores in flight at once ([Note] Two epilogue stages in the template); 0 off.
-    variant["bwd_epi_two"] = 0
     # Issue 26's bias rows (tenth session, docs/mods.md "Bias rows (tenth session)"): fwd_mod_add 1, an additive
     # score_mod (`score + X`) in the Gluon forward as one FMA onto the log2-domain score ([Note] Additive mods in the
     # Gluon forward); bwd_mod_fixed 1, an additive score_mod's deterministic dQ as fixed-point adds ([Note]

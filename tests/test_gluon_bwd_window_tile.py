@@ -20,7 +20,9 @@ from test_hopper_compile import build_sm90
 from test_hostpath import _Fill
 
 pytestmark = pytest.mark.skipif(ON_GPU, reason="sm_90 builds on the CPU and host fakes")
-KVPF = {**LEVER, "bwd_kv_prefetch": 4}
+# the window render's keys (variant bwd_window, merged over the others) with the prefetch on and off
+KVPF = {"bwd_window": {**LEVER, "bwd_kv_prefetch": 4}}
+NOPF = {"bwd_window": {**LEVER, "bwd_kv_prefetch": 0}}
 
 _SCRIPT = r"""
 import json, os, re, sys
@@ -54,7 +56,7 @@ print("RESULT " + json.dumps(out))
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    return build_sm90(tmp_path_factory, _SCRIPT, {"product": {}, "kvpf": {"bwd_kv_prefetch": 4}},
+    return build_sm90(tmp_path_factory, _SCRIPT, {"product": NOPF, "kvpf": KVPF},
                       "gluon-bwd-window-tile")
 
 
@@ -96,7 +98,7 @@ def faked(monkeypatch):
 
 @pytest.mark.parametrize("lever", [True, False])
 def test_both_host_paths_pass_k_and_v_after_the_switches_only_with_the_lever(faked, lever):
-    mod, main, extra = faked(KVPF if lever else LEVER, "_kvpf_test" if lever else "_kvpf_off_test")
+    mod, main, extra = faked(KVPF if lever else NOPF, "_kvpf_test" if lever else "_kvpf_off_test")
     args, grads = _bwd_args(sq=300, sk=333, b=2, h=2)
     k, v = args[2], args[3]
     mod._run_backward_fast(*args, *grads, 2, None, extra)

@@ -280,9 +280,6 @@ class GluonBackend(DecodeRules, KernelBackend):
     # 0.036, conversion 0.034, preprocess 0.027), with sections of 4 0.529, the Triton backward 0.614 (0.92x), the
     # same render on the plain host path 1.306; deterministic=False (the unordered adds) 0.474 (1.19x).
     variant["bwd_window"] = {"bwd_window_fixed": 1, "bwd_fixed_tma": 1}
-    # bwd_kv_prefetch L (fourteenth session): a window render's producer prefetches its next tile's K, V into L2 L
-    # steps before the tile's end ([Note] K/V prefetch into L2 in the template); 0 off (docs/mods.md, fourteenth).
-    variant["bwd_kv_prefetch"] = 0
     # Issue 26's bias rows (tenth session, docs/mods.md "Bias rows (tenth session)"): fwd_mod_add 1, an additive
     # score_mod (`score + X`) in the Gluon forward as one FMA onto the log2-domain score ([Note] Additive mods in the
     # Gluon forward); bwd_mod_fixed 1, an additive score_mod's deterministic dQ as fixed-point adds ([Note]

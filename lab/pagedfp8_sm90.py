@@ -25,7 +25,7 @@ NONE = ("SeqlensQ", "TreeMask", "KTok", "VTok")
 FLOAT = ("qk_scale", "k_scale", "v_scale")
 
 
-def build(h, direct=False, spec_kw=None):
+def build(h, direct=False, spec_kw=None, maxnreg=None):
     spec = fagen.KernelSpec(head_dim=128, gqa=4, kind="decode", layout="paged", dtype="bf16", kv_dtype="fp8_e4m3",
                             **(spec_kw or {}))
     m = load_source(fagen.generate(spec), f"{spec.name}_lab_sm90")
@@ -39,6 +39,9 @@ def build(h, direct=False, spec_kw=None):
         if p.is_constexpr:
             sig[n] = "constexpr"
             cx[n] = consts[n]
+        elif n == "seq_q":  # Triton specialises an int argument equal to 1 (a decode step's one query)
+            sig[n] = "constexpr"
+            cx[n] = 1
         elif n in NONE:
             sig[n] = "constexpr"
             cx[n] = None
@@ -53,8 +56,10 @@ def build(h, direct=False, spec_kw=None):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=fn, signature=sig, constexprs=cx, attrs=attrs)
     ck = triton.compile(src, target=GPUTarget("cuda", 90, 128),
-                        options=dict(num_warps=spec.num_warps, num_stages=spec.num_stages))
-    res, _, sass = ptxas(ck.asm["ptx"], sass=True)
+                        options=dict(num_warps=spec.num_warps, num_stages=spec.num_stages,
+                                                                              **({} if maxnreg is None else dict(maxnreg=maxnreg))))
+    res, _, sass = ptxas(ck.asm["ptx"].replace(".maxntid", f".maxnreg {maxnreg}\n.maxntid") if maxnreg and
+                         ".maxnreg" not in ck.asm["ptx"] else ck.asm["ptx"], sass=True)
     r = next(iter(res.values()))
     import subprocess
     import tempfile

@@ -44,8 +44,7 @@ H = lambda h: [("\nPAGED_ROW_HEADS = 1\n", f"\nPAGED_ROW_HEADS = {h}\n")]  # noq
 ROUND = os.environ.get("GPU_PAGEDFP8_S14_ROUND", "B")
 # maxnreg 128 for h > 1 launches (two programs an SM at 8 warps; sm_90 ptxas on the CPU, lab/pagedfp8_sm90.py: h4
 # 178 and h8 254 registers, one program an SM, or 128 with 48 / 32 bytes spilled)
-R128 = [("num_warps=NUM_WARPS, num_stages=NUM_STAGES,",
-         "num_warps=NUM_WARPS, num_stages=NUM_STAGES, maxnreg=128 if heads > 1 else None,")]
+R128 = [("\nPAGED_ROW_REGS = 0\n", "\nPAGED_ROW_REGS = 128\n")]
 if ROUND == "A":
     CANDS = {"default": ([], {}), "h2": (H(2), {}), "h4": (H(4), {}), "h8": (H(8), {}), "h4 r128": (H(4) + R128, {}),
              "h8 r128": (H(8) + R128, {})}

@@ -48,8 +48,8 @@ R128 = [("\nPAGED_ROW_REGS = 0\n", "\nPAGED_ROW_REGS = 128\n")]
 if ROUND == "A":
     CANDS = {"default": ([], {}), "h2": (H(2), {}), "h4": (H(4), {}), "h8": (H(8), {}), "h4 r128": (H(4) + R128, {}),
              "h8 r128": (H(8) + R128, {})}
-else:
-    CANDS = {"default": ([], {}), "h2": (H(2), {}), "h4": (H(4), {}), "h8": (H(8), {})}
+else:  # round B: round A's closest (h2; h4 at maxnreg 128, two programs an SM) against the default, more shapes
+    CANDS = {"default": ([], {}), "h2": (H(2), {}), "h4 r128": (H(4) + R128, {})}
 if os.environ.get("GPU_PAGEDFP8_S14_CANDS"):
     CANDS = {k: CANDS[k] for k in os.environ["GPU_PAGEDFP8_S14_CANDS"].split(",")}
 
@@ -259,6 +259,9 @@ def time_phase():  # noqa: C901 - one phase
     from fagen.bench.workloads import make_case
     extra = [("b128 kv8k page16", dict(batch=128, seq_k=8192, page_size=16)),
              ("b32 kv8k page64", dict(batch=32, seq_k=8192, page_size=64))]
+    if ROUND != "A":
+        extra = extra[:1] + [("b32 kv32k page16", dict(batch=32, seq_k=32768, page_size=16)),
+                             ("b64 kv8k page16", dict(batch=64, seq_k=8192, page_size=16))] + extra[1:]
     if DRY:
         extra = [(label, dict(kw, batch=2, seq_k=256)) for label, kw in extra]
     for label, kw in extra:
@@ -282,8 +285,8 @@ def time_phase():  # noqa: C901 - one phase
                 calls[name] = lambda pe=pe: pe.fn(ec.sets[0])
             got = {}
             with torch.no_grad():
-                for p in range(2):
-                    for name in list(calls)[p:] + list(calls)[:p]:
+                for p in range(2 if ROUND == "A" else 3):
+                    for name in list(calls)[p % len(calls):] + list(calls)[:p % len(calls)]:
                         got.setdefault(name, []).append(b2b([calls[name]], 12))
             c = statistics.median(got["copy"])
             for name in CANDS:

@@ -21,6 +21,7 @@ comma-separated subset). Phases, each a child process with a timeout:
 from __future__ import annotations
 
 import json
+import re
 import os
 import statistics
 import sys
@@ -45,11 +46,18 @@ ROUND = os.environ.get("GPU_PAGEDFP8_S14_ROUND", "B")
 # maxnreg 128 for h > 1 launches (two programs an SM at 8 warps; sm_90 ptxas on the CPU, lab/pagedfp8_sm90.py: h4
 # 178 and h8 254 registers, one program an SM, or 128 with 48 / 32 bytes spilled)
 R128 = [("\nPAGED_ROW_REGS = 0\n", "\nPAGED_ROW_REGS = 128\n")]
+# Diagnostic (not a lever): the grid (splits, batch, Hkv x tiles) instead of (splits, Hkv x tiles, batch), so that a
+# sequence's KV heads are batch programs apart instead of consecutive (started together): the same bits
+APART = [("    off_hkv = tl.program_id(1) // n_tiles\n    tile = tl.program_id(1) % n_tiles\n    off_b = tl.program_id(2)",
+          "    off_hkv = tl.program_id(2) // n_tiles\n    tile = tl.program_id(2) % n_tiles\n    off_b = tl.program_id(1)"),
+         ("counter = Counter + off_b * tl.num_programs(1) + tl.program_id(1)",
+          "counter = Counter + off_b * tl.num_programs(2) + tl.program_id(2)"),
+         ("split_grid = (splits, hkv // heads * n_tiles, b)", "split_grid = (splits, b, hkv // heads * n_tiles)")]
 if ROUND == "A":
     CANDS = {"default": ([], {}), "h2": (H(2), {}), "h4": (H(4), {}), "h8": (H(8), {}), "h4 r128": (H(4) + R128, {}),
              "h8 r128": (H(8) + R128, {})}
 else:  # round B: round A's closest (h2; h4 at maxnreg 128, two programs an SM) against the default, more shapes
-    CANDS = {"default": ([], {}), "h2": (H(2), {}), "h4 r128": (H(4) + R128, {})}
+    CANDS = {"default": ([], {}), "h2": (H(2), {}), "h4 r128": (H(4) + R128, {}), "heads apart": (APART, {})}
 if os.environ.get("GPU_PAGEDFP8_S14_CANDS"):
     CANDS = {k: CANDS[k] for k in os.environ["GPU_PAGEDFP8_S14_CANDS"].split(",")}
 
@@ -127,7 +135,7 @@ def check_phase():
             continue
         try:
             m = module(name)
-            want_h = int(name.split()[0][1:]) if name.startswith("h") else 1
+            want_h = int(name.split()[0][1:]) if re.match(r"h\d", name) else 1
             if m._heads(HKV, 1, None, None, kc.permute(0, 2, 1, 3), vc.permute(0, 2, 1, 3)) != want_h:
                 raise AssertionError(f"_heads gives {m._heads(HKV, 1, None, None)}, not {want_h}")
             kw = dict(block_table=table, seqlens_k=lens, k_scale=ks, v_scale=vs)

@@ -468,40 +468,22 @@ def group_paged_fp8():
     """An fp8 cache with its own V, paged ([Note] Paged prefetch (fp8, own V) in the decode template: each key step
     loads the next step's page numbers): e4m3 causal and e5m2 none, k/v scales per head and per tensor, through the
     split rule and 3 splits, with pages of 4 keys (a key block spans several pages); bad block_table entries and
-    lengths in sequence 1, and NaN in every page no sequence owns. The third module reads 2 KV heads a program
-    ([Note] Paged whole rows: PAGED_ROW_HEADS 2 on its render), on a cache of 2 KV heads."""
+    lengths in sequence 1, and NaN in every page no sequence owns."""
     pages, page, width = 16, 4, 5
     table = [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9], [10, 11, 12, 13, 14]][:NB]
     lens = [20, 17, 13][:NB]
-    from fagen.runtime.loader import load_source
-
-    hk2 = max(HKV, 2)
-    for kv, mask, scales, heads in (("fp8_e4m3", "causal", (torch.tensor([1.3] * HKV, device=DEV), 0.6), 1),
-                                    ("fp8_e5m2", "none", (0.7, torch.tensor([0.9] * HKV, device=DEV)), 1),
-                                    ("fp8_e4m3", "causal", (torch.tensor([1.3, 0.8] * (hk2 // 2), device=DEV),
-                                                            torch.tensor([0.6, 1.1] * (hk2 // 2), device=DEV)), 2)):
-        hkv = HKV if heads == 1 else hk2
-        qd = torch.randn(NB, 2 * hkv, 1, D, device=DEV, dtype=torch.float16)
+    qd = torch.randn(NB, HQ, 1, D, device=DEV, dtype=torch.float16)
+    for kv, mask, scales in (("fp8_e4m3", "causal", (torch.tensor([1.3] * HKV, device=DEV), 0.6)),
+                             ("fp8_e5m2", "none", (0.7, torch.tensor([0.9] * HKV, device=DEV)))):
         dt = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kv]
-        kc, vc = (torch.randn(pages, page, hkv, D, device=DEV).to(dt) for _ in range(2))
+        kc, vc = (torch.randn(pages, page, HKV, D, device=DEV).to(dt) for _ in range(2))
         owned = [p for row, n in zip(table, lens) for p in row[:-(-n // page)]]
         for c in (kc, vc):  # NaN (e4m3: 0x7f; e5m2: 0x7f is NaN too) in the pages no sequence owns
             spare = torch.ones(pages, dtype=torch.bool, device=DEV)
             spare[owned] = False
             c.view(torch.uint8)[spare] = 0x7F
-        spec_ = fagen.KernelSpec(head_dim=D, gqa=2, kind="decode", layout="paged", mask=mask, dtype="fp16",
-                                 kv_dtype=kv, **DTILES)
-        if heads == 1:
-            dec = fagen.load(spec_)
-        else:  # [Note] Paged whole rows
-            src = fagen.generate(spec_)
-            assert "\nPAGED_ROW_HEADS = 1\n" in src
-            dec = load_source(src.replace("\nPAGED_ROW_HEADS = 1\n", f"\nPAGED_ROW_HEADS = {heads}\n"),
-                              f"{spec_.name}_fuzz_heads{heads}")
-            report(f"fp8 {kv} paged decode takes {heads} KV heads a program",
-                   [] if dec._heads(hkv, 1, None, None, kc.permute(0, 2, 1, 3), vc.permute(0, 2, 1, 3)) == heads
-                   else ["_heads gives 1"])
-        tag = "" if heads == 1 else f" {heads} heads a program"
+        dec = fagen.load(fagen.KernelSpec(head_dim=D, gqa=2, kind="decode", layout="paged", mask=mask,
+                                          dtype="fp16", kv_dtype=kv, **DTILES))
 
         def run(what=None, value=None):
             t, n = paged_inputs(table, lens, what, value)
@@ -511,14 +493,14 @@ def group_paged_fp8():
             return dict(out=out, lse=lse, out3=out3, lse3=lse3)
 
         good = run()
-        report(f"fp8 {kv} paged decode{tag}: no NaN page reaches a valid output",
+        report(f"fp8 {kv} paged decode: no NaN page reaches a valid output",
                ["NaN in out"] if any(torch.isnan(good[key]).any() for key in ("out", "out3")) else [])
         variants = [("block_table[1][2]", p) for p in (100000, -1, pages, I32_MIN, I32_MAX)]
         variants += [("seqlens_k[1]", n) for n in bad_ints(width * page)]
         for what, value in variants:
-            case(f"fp8 {kv} {mask} paged decode{tag} d{D} (plain, 3 splits) {what}={value}", lambda: run(what, value),
+            case(f"fp8 {kv} {mask} paged decode d{D} (plain, 3 splits) {what}={value}", lambda: run(what, value),
                  [(key, (OTHER,)) for key in good], good)
-        still_good(f"fp8 {kv} {mask} paged decode{tag}", run, good)
+        still_good(f"fp8 {kv} {mask} paged decode", run, good)
 
 
 def group_mods():

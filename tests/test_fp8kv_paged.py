@@ -24,7 +24,7 @@ LENS = (70, 23, 1, 129)  # 16-key blocks: none a multiple of a block or of a pag
 PREFETCH = ("PAGE_PREFETCH = tl.constexpr(True)", "PAGE_PREFETCH = tl.constexpr(False)")
 
 
-def _module(kv: str, prefetch: bool, rows32: int | None = None, heads: int = 1):
+def _module(kv: str, prefetch: bool, rows32: int | None = None):
     """The paged fp8 decode module, with the page numbers loaded in the step (prefetch False) and PAGED_ROWS32 set to
     rows32 (None: as rendered)."""
     spec = fagen.KernelSpec(head_dim=HD, gqa=G, kind="decode", layout="paged", dtype="bf16", kv_dtype=kv,
@@ -36,20 +36,17 @@ def _module(kv: str, prefetch: bool, rows32: int | None = None, heads: int = 1):
     if rows32 is not None:
         source, n = re.subn(r"^PAGED_ROWS32 = \d+$", f"PAGED_ROWS32 = {rows32}", source, flags=re.M)
         assert n == 1, "the paged fp8 decode render has no PAGED_ROWS32 switch"
-    if heads != 1:  # [Note] Paged whole rows
-        source, n = re.subn(r"^PAGED_ROW_HEADS = \d+$", f"PAGED_ROW_HEADS = {heads}", source, flags=re.M)
-        assert n == 1, "the paged fp8 decode render has no PAGED_ROW_HEADS switch"
-    return load_source(source, f"{spec.name}_prefetch{int(prefetch)}_rows{rows32}_heads{heads}")
+    return load_source(source, f"{spec.name}_prefetch{int(prefetch)}_rows{rows32}")
 
 
-def _problem(kv: str, page: int, form: str, seed: int, hkv: int = HKV):
+def _problem(kv: str, page: int, form: str, seed: int):
     """q, the paged caches, the call's keywords and each sequence's float64 dequantized (k, v) [1, Hkv, n, D]."""
     gen = torch.Generator().manual_seed(seed)
     b = len(LENS)
     width = -(-max(LENS) // page) + 1  # one column past the longest sequence's pages
     n_pages = b * width + 2
-    q = torch.randn(b, hkv * G, 1, HD, generator=gen).mul(2).bfloat16()
-    kc, vc = (torch.randn(n_pages, page, hkv, HD, generator=gen).to(FP8[kv]) for _ in range(2))
+    q = torch.randn(b, HKV * G, 1, HD, generator=gen).mul(2).bfloat16()
+    kc, vc = (torch.randn(n_pages, page, HKV, HD, generator=gen).to(FP8[kv]) for _ in range(2))
     table = torch.randperm(n_pages, generator=gen)[:b * width].to(torch.int32).view(b, width)
     owned = torch.zeros(n_pages, dtype=torch.bool)
     for i, n in enumerate(LENS):
@@ -62,14 +59,14 @@ def _problem(kv: str, page: int, form: str, seed: int, hkv: int = HKV):
     def draw(shape):
         return torch.exp2(torch.rand(shape, generator=gen) * 6 - 3)  # log-uniform 1/8 .. 8
 
-    ks, vs = {"tensor": (0.7, 1.6), "head": (draw((hkv,)), draw((hkv,))),
+    ks, vs = {"tensor": (0.7, 1.6), "head": (draw((HKV,)), draw((HKV,))),
               "token": (draw(kc.shape[:-1]), draw(vc.shape[:-1]))}[form]
     kw = dict(block_table=table, seqlens_k=torch.tensor(LENS, dtype=torch.int32), k_scale=ks, v_scale=vs)
     kd, vd = reference.dequantize(kc, ks, head_dim_axis=2), reference.dequantize(vc, vs, head_dim_axis=2)
     seqs = []
     for i, n in enumerate(LENS):
         rows = table[i, :-(-n // page)].long()
-        seqs.append(tuple(x[rows].reshape(-1, hkv, HD)[:n].transpose(0, 1)[None] for x in (kd, vd)))
+        seqs.append(tuple(x[rows].reshape(-1, HKV, HD)[:n].transpose(0, 1)[None] for x in (kd, vd)))
     to = lambda t: t.to(DEVICE) if isinstance(t, torch.Tensor) else t  # noqa: E731
     return q.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), {k: to(v) for k, v in kw.items()}, seqs
 
@@ -165,26 +162,3 @@ def test_serving_bench_paged_row_reads_the_dense_rows_keys():
     assert not torch.equal(s.paged["block_table"].flatten().cpu(), torch.arange(2 * case.seq_k // 16))  # shuffled
     status, message, _ = check("fagen", prepare_fagen(case, cc), cc)
     assert status == "ok", message
-
-
-@pytest.mark.parametrize("heads,hkv,page,form", [(2, 2, 4, "head"), (2, 4, 64, "tensor"), (4, 4, 16, "head")])
-def test_paged_whole_rows_match_the_dequantized_reference(heads, hkv, page, form):
-    """[Note] Paged whole rows: a program over `heads` adjacent KV heads, its tile rows (key, head) pairs, against
-    float64 on the dequantized cache, per-head and per-tensor scales, pages smaller than, equal to and larger than the
-    key block, the bad table entries and NaN pages of _problem, through the split rule, one split and 3 splits; and
-    the launch takes the heads (not one head a program: the module's _heads says so for this call)."""
-    m = _module("fp8_e4m3", True, heads=heads)
-    q, kc, vc, kw, seqs = _problem("fp8_e4m3", page, form, seed=7 + page, hkv=hkv)
-    assert m._heads(hkv, 1, None, None) == heads
-    for n in (None, 1, 3):
-        out, lse = m.forward(q, kc, vc, **kw) if n is None else m.forward_split(q, kc, vc, num_splits=n, **kw)
-        _check(out, lse, q, seqs)
-
-
-def test_paged_whole_rows_fall_back_to_one_head_a_program():
-    """_heads takes one head a program where the heads' rows do not fit the tile, Hkv is no multiple of h or the call
-    has per-token scales; the module's default is 1 (off)."""
-    m = _module("fp8_e4m3", True, heads=4)
-    assert m._heads(8, 1, None, None) == 4 and m._heads(6, 1, None, None) == 1
-    assert m._heads(8, 1, torch.ones(1), None) == 1 and m._heads(8, 64, None, None) == 1
-    assert _module("fp8_e4m3", True).PAGED_ROW_HEADS == 1

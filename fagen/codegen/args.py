@@ -107,10 +107,6 @@ def paged_fp8_own_v(spec: KernelSpec) -> bool:
     return paged(spec) and spec.kv_dtype is not None and not spec.shared_kv
 
 
-def not_paged_fp8_own_v(spec: KernelSpec) -> bool:
-    return not paged_fp8_own_v(spec)
-
-
 def fp8_cache(spec: KernelSpec) -> bool:
     """A decode kernel reading an fp8 KV cache (README "Serving"): it takes the cache's scales."""
     return spec.kv_dtype is not None
@@ -354,11 +350,9 @@ DECODE_SPLIT = Kernel("_decode_split", (
     *_in_pack([dataclasses.replace(_TREE_STRIDES[0], br=True), _TREE_STRIDES[1]], "split_ints"),
     I("seq_q", host="sq", pack="split_ints"), I("seq_k", host="sk", pack="split_ints"),
     I("chunk", host="chunk", pack="split_ints"), I("n_tiles", host="n_tiles", pack="split_ints"),
-    *_HEAD_D, *_HEAD_DV, C("ROWS", "rows"), C("BLOCK_N", when=not_paged_fp8_own_v),
-    C("BLOCK_N", "BLOCK_N // heads", when=paged_fp8_own_v, aot="BLOCK_N"),  # [Note] Paged whole rows
-    C("GQA", br=True, when=not_paged_fp8_own_v), C("GQA", "GQA * heads", br=True, when=paged_fp8_own_v, aot="GQA"),
-    C("DOT", "rows >= 16"), C("DIRECT", "direct"), C("SPLITS_PER_SEQ", "num_splits[1] if invariant else 0"),
-    _UPCAST, C("ROWS32", "_rows32(k, v)", when=paged_fp8_own_v), C("HEADS", "heads", when=paged_fp8_own_v, aot="1"),
+    *_HEAD_D, *_HEAD_DV, C("ROWS", "rows"), C("BLOCK_N"), C("GQA", br=True), C("DOT", "rows >= 16"),
+    C("DIRECT", "direct"), C("SPLITS_PER_SEQ", "num_splits[1] if invariant else 0"),
+    _UPCAST, C("ROWS32", "_rows32(k, v)", when=paged_fp8_own_v),
 ), packs={"scores": SCORE_LAUNCH})
 
 # -- the cuda and gluon forwards ----------------------------------------------------------------------------------

@@ -160,6 +160,7 @@ class BenchOptions:
     warmup_ms: float = 25.0
     rep_ms: float = 100.0
     sets: int = 3
+    rounds: int = 1  # interleaved timing rounds a case ([Note] Interleaved rounds in fagen/bench/rounds.py); 1: in turn
     check: bool = True
     seed: int = 0
 

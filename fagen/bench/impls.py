@@ -11,6 +11,7 @@ import torch
 from fagen.bench.cases import (IMPLS, RESTART_EXIT, STATUSES, BenchOptions, CaseContext, Prepared, Unavailable,
                                Unsupported, first_line, shorten)
 from fagen.bench.check import check
+from fagen.bench.rounds import interleave, summarize
 from fagen.bench.timing import time_prepared
 from fagen.bench.workloads import BWD_FACTOR, BenchCase, copy_relative, flops, fwd_flops, kv_bytes
 from fagen.spec.axes import Direction, DType
@@ -124,7 +125,9 @@ def run_case(case: BenchCase, opts: BenchOptions, log: Callable[[str], None] = p
     """Every requested implementation on one case: check, then time. Failures become records, never raise.
 
     `emit` sees each record as soon as it exists. After a CUDA error that poisons the context, the remaining
-    impls are skipped, or with `exit_on_fatal` the process exits so that a fresh one can take over.
+    impls are skipped, or with `exit_on_fatal` the process exits so that a fresh one can take over. With
+    opts.rounds > 1 every impl is checked first and then all are timed in interleaved rounds ([Note] Interleaved
+    rounds in fagen/bench/rounds.py); with 1 each is checked and timed in turn.
     """
     device = torch.device(opts.device)
     t_case = time.perf_counter()
@@ -133,49 +136,105 @@ def run_case(case: BenchCase, opts: BenchOptions, log: Callable[[str], None] = p
     except Exception as e:
         return [make_record(case, impl, "error", note=f"inputs: {first_line(e)}")
                 for impl in case_impls(case, opts.impls)]
-    records, prep, lost = [], preparers(), None
+    records, prep, lost, ready = [], preparers(), None, {}
+
+    def keep(rec: dict, wall_s: float, fatal: bool = False) -> None:
+        rec["wall_s"] = round(wall_s, 2)
+        records.append(rec)
+        log(describe(rec))
+        if emit is not None:
+            emit(rec)
+        if fatal and exit_on_fatal:
+            log(f"  CUDA context lost in {rec['impl']}; this worker exits and a fresh one goes on")
+            os._exit(RESTART_EXIT)
+
+    held = {}  # with rounds: impl -> its record (a failure) or (prepared, record fields), kept in impl order at the end
     for impl in case_impls(case, opts.impls):
         if lost is not None:
             records.append(make_record(case, impl, "skipped", note=f"CUDA context lost earlier ({lost})"))
             continue
         t0 = time.perf_counter()
         try:
-            prepared = prep[impl](case, cc)
+            prepared, fields = _set_up(impl, prep, cc, opts)
+            if opts.rounds > 1:
+                held[impl] = (prepared, fields), time.perf_counter() - t0
+                continue
             with prepared.context():
-                check_status, check_msg, err = ("skipped", "--no-check", None)
-                if opts.check:
-                    check_status, check_msg, err = check(impl, prepared, cc)
-                elif case.direction is Direction.FWD:
-                    with torch.no_grad():
-                        prepared.fn(cc.sets[0])  # compile outside the timing
-                setup_s = time.perf_counter() - t0
                 times = time_prepared(prepared, cc, opts)
-            note = "; ".join(x for x in (prepared.note, check_msg) if x)
-            rec = make_record(case, impl, "ok", check=check_status, note=note, max_err=err, setup_s=setup_s,
-                              spec=prepared.spec, **times)
-        except Unsupported as e:
-            rec = make_record(case, impl, "unsupported", note=str(e))
-        except Unavailable as e:
-            rec = make_record(case, impl, "unavailable", note=str(e))
+            rec = make_record(case, impl, "ok", **fields, **times)
         except Exception as e:  # noqa: BLE001 - one impl failing must not stop the run
-            rec = make_record(case, impl, "error", note=first_line(e))
-            if _fatal_cuda(e):
-                lost = impl
-            if isinstance(e, torch.cuda.OutOfMemoryError):
-                torch.cuda.empty_cache()
-        rec["wall_s"] = round(time.perf_counter() - t0, 2)
-        records.append(rec)
-        log(describe(rec))
-        if emit is not None:
-            emit(rec)
-        if lost is not None and exit_on_fatal:
-            log(f"  CUDA context lost in {impl}; this worker exits and a fresh one goes on")
-            os._exit(RESTART_EXIT)
+            rec, lost = _failed(case, impl, e, lost)
+        if opts.rounds > 1 and lost is None:
+            held[impl] = rec, time.perf_counter() - t0
+            continue
+        keep(rec, time.perf_counter() - t0, lost is not None)
+    if held and lost is None:
+        timed, lost = _time_rounds(case, cc, opts, {i: h for i, h in held.items() if isinstance(h[0], tuple)})
+        held.update(timed)
+        for impl, (rec, wall_s) in held.items():  # the one that lost the context first: a worker exits on it
+            if lost == impl:
+                keep(rec, wall_s, True)
+        for impl, (rec, wall_s) in held.items():
+            if lost != impl:
+                keep(rec if lost is None or rec["status"] != "ok" else
+                     make_record(case, impl, "skipped", note=f"CUDA context lost earlier ({lost})"), wall_s)
+    elif held:
+        records += [make_record(case, impl, "skipped", note=f"CUDA context lost earlier ({lost})")
+                    if isinstance(h[0], tuple) else h[0] for impl, h in held.items()]
     del cc
     if device.type == "cuda" and lost is None:
         torch.cuda.empty_cache()
     log(f"  {case.name}: {time.perf_counter() - t_case:.1f} s")
     return records
+
+
+def _set_up(impl: str, prep: dict, cc: CaseContext, opts: BenchOptions) -> tuple[Prepared, dict]:
+    """impl prepared for cc's case and checked: (prepared, the record's check, note, max_err, setup_s, spec)."""
+    t0 = time.perf_counter()
+    prepared = prep[impl](cc.case, cc)
+    with prepared.context():
+        check_status, check_msg, err = ("skipped", "--no-check", None)
+        if opts.check:
+            check_status, check_msg, err = check(impl, prepared, cc)
+        elif cc.case.direction is Direction.FWD:
+            with torch.no_grad():
+                prepared.fn(cc.sets[0])  # compile outside the timing
+    note = "; ".join(x for x in (prepared.note, check_msg) if x)
+    return prepared, dict(check=check_status, note=note, max_err=err, setup_s=time.perf_counter() - t0,
+                          spec=prepared.spec)
+
+
+def _failed(case: BenchCase, impl: str, e: BaseException, lost: str | None) -> tuple[dict, str | None]:
+    """The record of an impl that raised e, and the impl that lost the CUDA context (impl, if e did)."""
+    if isinstance(e, Unsupported):
+        return make_record(case, impl, "unsupported", note=str(e)), lost
+    if isinstance(e, Unavailable):
+        return make_record(case, impl, "unavailable", note=str(e)), lost
+    if isinstance(e, torch.cuda.OutOfMemoryError):
+        torch.cuda.empty_cache()
+    return make_record(case, impl, "error", note=first_line(e)), impl if _fatal_cuda(e) else lost
+
+
+def _time_rounds(case: BenchCase, cc: CaseContext, opts: BenchOptions, ready: dict) -> tuple[dict, str | None]:
+    """Time the checked impls of `ready` ({impl: ((prepared, record fields), setup seconds)}) in opts.rounds
+    interleaved rounds: ({impl: (record, wall seconds)}, the impl that lost the CUDA context or None)."""
+    memos, wall = {impl: {} for impl in ready}, {impl: ready[impl][1] for impl in ready}
+
+    def one(impl: str, r: int) -> dict:
+        prepared, t0 = ready[impl][0][0], time.perf_counter()
+        try:
+            with prepared.context():
+                return time_prepared(prepared, cc, opts, memos[impl])
+        finally:
+            wall[impl] += time.perf_counter() - t0
+
+    times, failed, fatal = interleave(list(ready), opts.rounds, one, _fatal_cuda)
+    out = {}
+    for impl, ((_, fields), _) in ready.items():
+        rec = (_failed(case, impl, failed[impl], None)[0] if impl in failed else
+               make_record(case, impl, "ok", **fields, **summarize(times[impl]), rounds=opts.rounds))
+        out[impl] = rec, wall[impl]
+    return out, fatal
 
 
 def describe(rec: dict) -> str:

@@ -38,18 +38,23 @@ _FLUSH_BYTES = 256 << 20
 LOOP_BATCH = 4  # rounds of the input sets a timed batch holds under "loop"
 
 
-def looped_calls(fn: Callable[[], Any], batch: int, warmup_ms: float, rep_ms: float, event, sync) -> list[float]:
+def looped_calls(fn: Callable[[], Any], batch: int, warmup_ms: float, rep_ms: float, event, sync,
+                 memo: dict | None = None) -> list[float]:
     """ms a call of `batch` calls back to back between two events, for each of the batches that fill rep_ms (after
-    warm-up calls for warmup_ms; the estimate from one batch)."""
-    fn()
-    sync()
-    start, end = event(), event()
-    start.record()
-    for _ in range(batch):
+    warm-up calls for warmup_ms; the estimate from one batch, or memo["ms"] where an earlier round left it)."""
+    if memo is None or "ms" not in memo:
         fn()
-    end.record()
-    sync()
-    estimate = max(start.elapsed_time(end) / batch, 1e-6)
+        sync()
+        start, end = event(), event()
+        start.record()
+        for _ in range(batch):
+            fn()
+        end.record()
+        sync()
+        estimate = max(start.elapsed_time(end) / batch, 1e-6)
+        if memo is not None:
+            memo["ms"] = estimate
+    estimate = memo["ms"] if memo is not None else estimate
     for _ in range(max(1, int(warmup_ms / estimate))):
         fn()
     marks = [(event(), event()) for _ in range(max(1, int(rep_ms / (estimate * batch))))]
@@ -62,20 +67,26 @@ def looped_calls(fn: Callable[[], Any], batch: int, warmup_ms: float, rep_ms: fl
     return [s.elapsed_time(e) / batch for s, e in marks]
 
 
-def timed_calls(fn: Callable[[], Any], flush: Callable[[], Any], warmup_ms: float, rep_ms: float, event, sync
-                ) -> list[float]:
+def timed_calls(fn: Callable[[], Any], flush: Callable[[], Any], warmup_ms: float, rep_ms: float, event, sync,
+                memo: dict | None = None) -> list[float]:
     """do_bench's loop with its flush given: an estimate from 5 calls, warm-up calls for warmup_ms, then calls for
-    rep_ms, each after flush() and timed alone (event() makes a CUDA event; sync waits for the device)."""
-    fn()
-    sync()
-    start, end = event(), event()
-    start.record()
-    for _ in range(5):
-        flush()
+    rep_ms, each after flush() and timed alone (event() makes a CUDA event; sync waits for the device). With a
+    `memo` (a row's interleaved rounds, [Note] Interleaved rounds in fagen/bench/rounds.py) the first round's
+    estimate is kept in memo["ms"] and the later rounds start at the warm-up."""
+    if memo is None or "ms" not in memo:
         fn()
-    end.record()
-    sync()
-    estimate = max(start.elapsed_time(end) / 5, 1e-6)
+        sync()
+        start, end = event(), event()
+        start.record()
+        for _ in range(5):
+            flush()
+            fn()
+        end.record()
+        sync()
+        estimate = max(start.elapsed_time(end) / 5, 1e-6)
+        if memo is not None:
+            memo["ms"] = estimate
+    estimate = memo["ms"] if memo is not None else estimate
     for _ in range(max(1, int(warmup_ms / estimate))):
         fn()
     marks = [(event(), event()) for _ in range(max(1, int(rep_ms / estimate)))]
@@ -100,14 +111,24 @@ def streams(n_sets: int, stream_bytes: int | None) -> bool:
     return bool(stream_bytes) and (n_sets - 1) * stream_bytes >= _FLUSH_BYTES
 
 
+@functools.cache
+def _zero_flush(device: torch.device) -> Callable[[], Any]:
+    import triton
+
+    driver = triton.runtime.driver.active
+    cache = driver.get_empty_cache_for_benchmark()  # do_bench's 256 MB buffer, zeroed before each timed call
+    return lambda: driver.clear_cache(cache)
+
+
 def measure(call: Callable[[int], Any], n_sets: int, device: torch.device, warmup_ms: float, rep_ms: float,
-            stream_bytes: int | None = None) -> float:
+            stream_bytes: int | None = None, memo: dict | None = None) -> float:
     """Median milliseconds of call(i), rotating i over the input sets.
 
     CUDA: triton.testing.do_bench's loop (CUDA events around each call, the L2 cache flushed between calls as
     L2_FLUSH says, warm-up first); the rotation means no two consecutive calls read the same tensors either.
     stream_bytes: a decode row's bytes a set (L2_FLUSH "loop" times such rows back to back where the other sets
-    hold at least the flush's bytes). CPU: wall clock.
+    hold at least the flush's bytes). memo: one round of a row's interleaved rounds (the estimate of the first round
+    kept there; do_bench's loop and flush run as timed_calls then). CPU: wall clock.
     """
     counter = itertools.count()
 
@@ -120,10 +141,13 @@ def measure(call: Callable[[int], Any], n_sets: int, device: torch.device, warmu
         event = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
         if L2_FLUSH == "read":  # [Note] L2 flush
             return float(statistics.median(timed_calls(fn, _read_flush(device), warmup_ms, rep_ms, event,
-                                                       torch.cuda.synchronize)))
+                                                       torch.cuda.synchronize, memo)))
         if L2_FLUSH == "loop" and streams(n_sets, stream_bytes):
             return float(statistics.median(looped_calls(fn, LOOP_BATCH * n_sets, warmup_ms, rep_ms, event,
-                                                        torch.cuda.synchronize)))
+                                                        torch.cuda.synchronize, memo)))
+        if memo is not None:
+            return float(statistics.median(timed_calls(fn, _zero_flush(device), warmup_ms, rep_ms, event,
+                                                       torch.cuda.synchronize, memo)))
         return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
     fn()  # warm-up (compiles, fills caches)
     times, start = [], time.perf_counter()  # at least one timed call, then until rep_ms is spent (at most 50)
@@ -134,20 +158,28 @@ def measure(call: Callable[[int], Any], n_sets: int, device: torch.device, warmu
     return statistics.median(times)
 
 
-def time_prepared(prepared: Prepared, cc: CaseContext, opts: BenchOptions) -> dict:
-    """{ms} of the forward, or {ms (backward alone), fwdbwd_ms} of a backward case."""
+def time_prepared(prepared: Prepared, cc: CaseContext, opts: BenchOptions, memo: dict | None = None) -> dict:
+    """{ms} of the forward, or {ms (backward alone), fwdbwd_ms} of a backward case. memo: one of the row's
+    interleaved rounds ([Note] Interleaved rounds in fagen/bench/rounds.py), a 1/opts.rounds share of the warm-up
+    and the repetitions, the estimates kept in memo from the first round."""
     c, sets = cc.case, cc.sets
+    share = opts.rounds if memo is not None else 1
+    warm, rep = opts.warmup_ms / share, opts.rep_ms / share
+
+    def part(key: str) -> dict:  # the measure's memo for `key`, in a round only (the earlier call stays as it was)
+        return {} if memo is None else {"memo": memo.setdefault(key, {})}
+
     if c.direction is Direction.FWD:
         stream = set_bytes(c) if c.decode and copy_relative(c) else None  # [Note] L2 flush ("loop")
         with torch.no_grad():
-            return {"ms": measure(lambda i: prepared.fn(sets[i]), len(sets), cc.device, opts.warmup_ms, opts.rep_ms,
-                                  stream)}
+            return {"ms": measure(lambda i: prepared.fn(sets[i]), len(sets), cc.device, warm, rep, stream,
+                                  **part("ms"))}
     leaves = [[t.detach().clone().requires_grad_() for t in (s.q, s.k, s.v)] for s in sets]
     views = [dataclasses.replace(s, q=lv[0], k=lv[1], v=lv[2]) for s, lv in zip(sets, leaves)]
     outs = [out_of(prepared.fn(vw)) for vw in views]  # graphs kept alive: backward alone is timed
     bwd = measure(lambda i: torch.autograd.grad(outs[i], leaves[i], sets[i].dout, retain_graph=True),
-                  len(sets), cc.device, opts.warmup_ms, opts.rep_ms)
+                  len(sets), cc.device, warm, rep, **part("ms"))
     outs.clear()  # free the kept graphs before timing forward + backward
     both = measure(lambda i: torch.autograd.grad(out_of(prepared.fn(views[i])), leaves[i], sets[i].dout),
-                   len(sets), cc.device, opts.warmup_ms, opts.rep_ms)
+                   len(sets), cc.device, warm, rep, **part("fwdbwd_ms"))
     return {"ms": bwd, "fwdbwd_ms": both}

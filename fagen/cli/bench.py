@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from fagen.bench import IMPLS
+from fagen.bench.rounds import ROUNDS
 from fagen.cli.common import cases_from_options, console, pick_device, shape_options, spec_options
 
 @click.command()
@@ -42,12 +43,16 @@ from fagen.cli.common import cases_from_options, console, pick_device, shape_opt
               help="Run the cases in a worker process that is restarted after a crash (default: on for CUDA).")
 @click.option("--warmup", type=click.FloatRange(min=0), default=25, show_default=True, help="Warm-up, ms.")
 @click.option("--rep", type=click.FloatRange(min=1), default=100, show_default=True, help="Timed repetitions, ms.")
+@click.option("--rounds", type=click.IntRange(1, 50), default=ROUNDS, show_default=True,
+              help="Time a case's implementations in this many interleaved rounds, the order rotated each round, "
+                   "--warmup and --rep shared among them (1: one after another).")
 @click.option("--sets", type=click.IntRange(1, 16), default=3, show_default=True,
               help="Input sets rotated through, so repeated calls do not hit the L2 cache.")
 @click.option("--no-check", is_flag=True, help="Time without checking outputs against the float64 reference.")
 @click.option("--seed", type=int, default=0, show_default=True)
 def bench(spec_file, batch, heads, seq_q, seq_k, suite, case_names, quick, device, impls, skip_flex, json_path,
-          plot_path, report_path, into_path, time_limit, case_timeout, isolate, warmup, rep, sets, no_check, seed, **flags):
+          plot_path, report_path, into_path, time_limit, case_timeout, isolate, warmup, rep, rounds, sets, no_check,
+          seed, **flags):
     """Time fagen's kernel and the peers (SDPA flash/cudnn/efficient, FlexAttention) on the same inputs.
 
     Each implementation is first checked against the float64 reference, then timed (CUDA events, median,
@@ -112,13 +117,13 @@ def bench(spec_file, batch, heads, seq_q, seq_k, suite, case_names, quick, devic
     if not chosen:
         raise click.UsageError("--impl/--skip-flex leave no implementation to run")
     opts = BenchOptions(device=device, impls=chosen, warmup_ms=warmup, rep_ms=rep, sets=sets, check=not no_check,
-                        seed=seed)
+                        seed=seed, rounds=rounds)
     if isolate is None:
         isolate = device == "cuda" and len(cases) > 1
 
     log = _logger(out)
     meta, records = runner.run(cases, opts, json_path=json_path, isolate=isolate, time_limit=time_limit,
-                               case_timeout=case_timeout, log=log, extra_meta={"quick": quick})
+                               case_timeout=case_timeout, log=log, extra_meta={"quick": quick, "rounds": rounds})
     if json_path is not None:
         log(f"wrote {json_path} ({len(records)} records)")
     if plot_path is not None:

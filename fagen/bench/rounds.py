@@ -1,0 +1,62 @@
+"""Interleaved timing rounds: a case's implementations timed in turn, several rounds, the order rotated each round."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Callable, Sequence
+
+# [Note] Interleaved rounds
+# The H100 runs the dense rows at its 700 W power cap, and its SM clock moves between 1.38 and 1.98 GHz from one
+# do_bench pass to the next: one row moves 5-15% between passes, and a row timed right after a bf16 row reads 5-9%
+# low (docs/hopper.md, "fp8 forward: the full mask and the spread (fourteenth session)"). Timed one after another,
+# fagen's column first, a row's ratio to its peers moved by several % with the order. So with `rounds` > 1 a case's
+# implementations are checked first, all of them, and then timed in rounds: each round times every implementation
+# once (warm-up `warmup_ms / rounds`, repetitions `rep_ms / rounds`: the suite's total time stays what it was), in an
+# order rotated by one each round (round r starts at implementation r mod n), so over n rounds each takes each place
+# in the order once and all of them sample the clock's drift alike; a record's `ms` is the median of its rounds'
+# medians, and the record keeps the rounds (`rounds_ms`) and their spread (`ms_min`, `ms_max`). `rounds` = 1 is the
+# earlier bench: each implementation checked and timed in turn, do_bench's loop, fagen's column first.
+
+ROUNDS = 1  # `fagen bench --rounds`'s default
+
+
+def order(n: int, r: int) -> list[int]:
+    """The indices of n implementations in round r's order: r mod n first, then on round the circle."""
+    return [(r + i) % n for i in range(n)]
+
+
+def interleave(names: Sequence[str], rounds: int, time_one: Callable[[str, int], dict],
+               fatal: Callable[[BaseException], bool] = lambda e: False
+               ) -> tuple[dict[str, list[dict]], dict[str, BaseException], str | None]:
+    """time_one(name, r) for every name in every round, in round r's rotated order. Returns (each name's results
+    round by round, the exception of each name that raised (it is left out of the later rounds), the name whose
+    exception `fatal` calls fatal (the rounds stop there), or None)."""
+    results: dict[str, list[dict]] = {name: [] for name in names}
+    failed: dict[str, BaseException] = {}
+    for r in range(rounds):
+        for i in order(len(names), r):
+            name = names[i]
+            if name in failed:
+                continue
+            try:
+                results[name].append(time_one(name, r))
+            except Exception as e:  # noqa: BLE001 - one implementation failing must not stop the others
+                failed[name] = e
+                if fatal(e):
+                    return results, failed, name
+    return results, failed, None
+
+
+def summarize(per_round: list[dict]) -> dict:
+    """A record's timing fields from its rounds' {ms[, fwdbwd_ms]}: each the median over the rounds, with the rounds
+    themselves (`rounds_ms`, `fwdbwd_rounds_ms`) and the spread of `ms` (`ms_min`, `ms_max`)."""
+    out: dict = {}
+    for key, rounds_key in (("ms", "rounds_ms"), ("fwdbwd_ms", "fwdbwd_rounds_ms")):
+        values = [t[key] for t in per_round if t.get(key) is not None]
+        if not values:
+            continue
+        out[key] = float(statistics.median(values))
+        out[rounds_key] = [round(v, 5) for v in values]
+    if "ms" in out:
+        out["ms_min"], out["ms_max"] = min(out["rounds_ms"]), max(out["rounds_ms"])
+    return out

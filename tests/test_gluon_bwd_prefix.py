@@ -136,26 +136,35 @@ def _attention64(q, k, v, visible, scale):
     return torch.softmax(s, -1) @ v, lse
 
 
+@pytest.fixture(scope="module")
+def prefix_render():
+    """The chain's prefix render (bwd_prefix 1), loaded on the CPU: its launch_prefix_backward is what _one_backward
+    calls."""
+    mod = load_source(_source(bwd_prefix=1), "gluon_bwd_prefix_entry_test")
+    assert mod.BWD_PREFIX == 1
+    return mod
+
+
 class _FakeLow:
-    """The causal call's module as _Prefix and _one_backward use it: a float64 forward (bottom-right causal) and a
-    _bwd_host that computes the prefix mask's gradients from (out, lse) the way the kernels do (P from lse, delta
-    from out), recording what it was given."""
-    BWD_PREFIX, BWD_DET_MODE, BWD_PREFIX_MODE = 1, 0, 2
+    """The causal call's module as _Prefix and _one_backward use it: a float64 forward (bottom-right causal) and the
+    render's own launch_prefix_backward, its _bwd_host replaced by one that computes the prefix mask's gradients from
+    (out, lse) the way the kernels do (P from lse, delta from out), recording what it was given."""
+    BWD_PREFIX = 1
 
-    def __init__(self):
-        self.calls = []
+    def __init__(self, render):
+        self.calls, self.render = [], render
 
-    @staticmethod
-    def _dense(t):
-        return t.contiguous()
-
-    @staticmethod
-    def _check_scale(scale):
-        return 0.125 if scale is None else scale
+    def launch_prefix_backward(self, *args, **kw):
+        saved = self.render._bwd_host
+        self.render._bwd_host = self._bwd_host
+        try:
+            return self.render.launch_prefix_backward(*args, **kw)
+        finally:
+            self.render._bwd_host = saved
 
     def forward(self, q, k, v, **kw):
         i = torch.arange(q.shape[2])[:, None] + k.shape[2] - q.shape[2]
-        return _attention64(q, k, v, torch.arange(k.shape[2])[None, :] <= i, self._check_scale(kw.get("scale")))
+        return _attention64(q, k, v, torch.arange(k.shape[2])[None, :] <= i, kw.get("scale", 0.125))
 
     def _bwd_host(self, do, q, k, v, out, lse, scale, dq, dk, dv, mode, qk_scale, extra):
         self.calls.append((mode, qk_scale, extra, out, lse))
@@ -172,15 +181,16 @@ class _FakeTop:
 
 
 @pytest.mark.parametrize("p", [1, 37, 64, 99])
-def test_prefix_one_backward_passes_the_whole_problem_and_p(monkeypatch, p):
-    """_Prefix with PREFIX_ONE_BWD and a causal module with BWD_PREFIX: one _bwd_host call with the concatenated
-    out and lse and (P, ), whose gradients (computed the kernels' way) equal autograd of the prefix-LM mask."""
+def test_prefix_one_backward_passes_the_whole_problem_and_p(monkeypatch, p, prefix_render):
+    """_Prefix with PREFIX_ONE_BWD and a causal module with BWD_PREFIX: through the render's launch_prefix_backward,
+    one _bwd_host call with the concatenated out and lse and (P, ) in BWD_PREFIX_MODE, whose gradients (computed the
+    kernels' way) equal autograd of the prefix-LM mask."""
     from fagen.mods import split
 
     monkeypatch.setattr(split, "PREFIX_ONE_BWD", True)
     torch.manual_seed(p)
     q, k, v, do = (torch.randn(2, 3, 100, 16, dtype=torch.float64) for _ in range(4))
-    low = _FakeLow()
+    low = _FakeLow(prefix_render)
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
     out = split._Prefix.apply(qg, kg, vg, p, (_FakeTop(), low), {"scale": 0.125})
     got = torch.autograd.grad(out, (qg, kg, vg), do)
@@ -189,7 +199,7 @@ def test_prefix_one_backward_passes_the_whole_problem_and_p(monkeypatch, p):
     ref_out, ref_lse = _attention64(qr, kr, vr, (j <= i) | (j < p), 0.125)
     want = torch.autograd.grad(ref_out, (qr, kr, vr), do)
     assert torch.allclose(out, ref_out, atol=1e-12)
-    assert len(low.calls) == 1 and low.calls[0][:3] == (2, None, (p, ))  # BWD_PREFIX_MODE
+    assert len(low.calls) == 1 and low.calls[0][:3] == (prefix_render.BWD_PREFIX_MODE, None, (p, ))
     assert torch.allclose(low.calls[0][4], ref_lse, atol=1e-12)  # the two calls' lse in row order
     for a, b in zip(got, want):
         assert torch.allclose(a, b, atol=1e-10)

@@ -252,15 +252,9 @@ PREFIX_ONE_BWD = True
 
 
 def _one_backward(low, do, q, k, v, out, lse, p, kw):
-    """(dq, dk, dv, None, None, None) of the prefix rows from one launch of `low`'s backward with prefix P."""
-    import torch
-
-    do = do.to(q.dtype)
-    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-    dense = [low._dense(t) for t in (do, q, k, v, out, lse)]
-    mode = getattr(low, "BWD_PREFIX_MODE", low.BWD_DET_MODE)  # bwd_prefix 2: the fixed-point dQ (deterministic)
-    low._bwd_host(*dense, low._check_scale(kw.get("scale")), dq, dk, dv, mode, None, (p, ))
-    return dq, dk, dv, None, None, None
+    """(dq, dk, dv, None, None, None) of the prefix rows from one launch of `low`'s backward with prefix P (its
+    launch_prefix_backward, in its BWD_PREFIX_MODE: with bwd_prefix 2 the fixed-point dQ, deterministic)."""
+    return (*low.launch_prefix_backward(do, q, k, v, out, lse, p, scale=kw.get("scale")), None, None, None)
 
 
 def _prefix_class():

@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_fp8_fwd_s7 as s7  # noqa: E402
-from _phases import child_env, run_phase as run_child  # noqa: E402
+import _fp8_timing as T  # noqa: E402
 
 # name -> None (the product) or {"variant": GluonBackend.variant keys, "checks": how many of s7.CHECKS (default
 # all), "extra": also the EXTRA rows}
@@ -96,89 +96,8 @@ s7.jobs = jobs
 def phase_check():
     """Every fp8 check (s7's rows: RMSE within 1.5x the emulation's, lse, fingerprint, empty rows; each module
     called twice, seeds 0 and 1), the EQUAL variants' out and lse against the product's bit for bit, the mutants
-    expected to FAIL; then the bench's check of cudnn-fp8 on both rows."""
-    import torch
-    import gpu_fp8
-    outs = {}
-    for name, d, (mask, gqa, b, hkv, sq, sk, per_head), window in check_cases():
-        label = (f"{mask} gqa{gqa} b{b} h{gqa * hkv}/{hkv} sq{sq} sk{sk}{' per-head' if per_head else ''}"
-                 f"{f' window{window}' if window else ''}")
-        shown = f"{name}{' d64' if d == 64 else ''}"
-        mutant = (VARIANTS[name] or {}).get("mutant")
-        saved = gpu_fp8.emulate
-        try:
-            if (VARIANTS[name] or {}).get("block_n"):  # the emulation blocked as the module's steps
-                gpu_fp8.emulate = lambda *a, _e=saved, _n=VARIANTS[name]["block_n"], **kw: _e(*a, block_n=_n, **kw)
-            m = s7.module(mask, name, d, window is not None, gqa)
-            got = []
-
-            def fwd(*a, **kw):
-                r = m.forward(*a, **kw)
-                got.append(tuple(t.clone() for t in r))
-                return r
-            bound = gpu_fp8.LSE_BOUND
-            if name in DIAG_TIMED:  # every check but lse's bound (its error is printed): PASS* ([Note] fp8 row sum
-                gpu_fp8.LSE_BOUND = float("inf")  # by wgmma: l from the rounded P)
-            try:
-                rows = [gpu_fp8.check(d, mask, gqa, b, hkv, sq, sk, False, per_head, window=window, seed=call,
-                                      device=s7.DEV, forward=fwd) for call in range(2)]
-            finally:
-                gpu_fp8.LSE_BOUND = bound
-            ok = all(r["pass"] for r in rows)
-            r = max(rows, key=lambda r: r["rmse"] / r["emu_rmse"])
-            note = (f"rmse {r['rmse']:.2e} (emu {r['emu_rmse']:.2e}) lse {r['lse_err']:.1e} "
-                    f"finger {r['fingerprint']:.3f} empty {r['empty_rows']}")
-            key = (d, label)
-            if name == "product":
-                outs[key] = got
-            elif name in EQUAL and key in outs:
-                same = all(torch.equal(x, y) for a, b_ in zip(got, outs[key]) for x, y in zip(a, b_))
-                ok = ok and same
-                note += f"; {'==' if same else '!='} product bitwise"
-            if mutant:
-                s7.emit(section="check", variant=shown, case=label, value="RED (as it must)" if not ok else
-                        "FAIL: the mutant passed", note=note)
-            else:
-                lse_ok = all(r_["lse_err"] <= bound for r_ in rows)
-                s7.emit(section="check", variant=shown, case=label, note=note,
-                        value=("PASS" if lse_ok else "PASS*") if ok else "FAIL")
-        except Exception as e:  # noqa: BLE001
-            s7.emit(section="check", variant=shown, case=label, value="FAIL",
-                    note=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
-            traceback.print_exc(limit=3)
-        finally:
-            gpu_fp8.emulate = saved
-
-
-def check_peer(mask, prepared, cc):
-    """The bench's check of cudnn-fp8 (fagen/bench/check.py: out against float64 row slices, atol = rtol = 0.1)."""
-    from fagen.bench.check import check
-    try:
-        status, msg, worst = check("cudnn-fp8", prepared, cc)
-        s7.emit(section="check", variant="cudnn-fp8", case=f"bench row {mask}",
-                value="PASS" if status == "ok" else "FAIL",
-                note=(f"max err {worst:.3g}" if worst is not None else msg[:200]))
-    except Exception as e:  # noqa: BLE001
-        s7.emit(section="check", variant="cudnn-fp8", case=f"bench row {mask}", value="FAIL",
-                note=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
-    cc._refs = None
-
-
-def _peer(mask):
-    """(Prepared, CaseContext) of the bench's fwd-fp8-d128-<mask>-s16k row for cudnn-fp8 (fagen/bench's peer)."""
-    import torch
-    from fagen.bench import peer_cudnn_fp8 as peer
-    from fagen.bench.cases import CaseContext
-    from fagen.bench.workloads import standard_suite
-    if mask not in _peer.contexts:
-        row = f"fwd-fp8-d128-{'causal' if mask == 'causal' else 'full'}-s16k"
-        case = next(c for c in standard_suite() if c.name == row)
-        _peer.contexts[mask] = CaseContext(case, torch.device("cuda"), 1)
-    cc = _peer.contexts[mask]
-    return peer.prepare_cudnn_fp8(cc.case, cc), cc
-
-
-_peer.contexts = {}
+    expected to FAIL (scripts/_fp8_timing.py's check phase); the bench's check of cudnn-fp8 runs in the time phase."""
+    T.check_variants(s7, check_cases(), EQUAL, DIAG_TIMED)
 
 
 T_PHASE = time.time()
@@ -222,7 +141,7 @@ def phase_time():
 
         def cudnn(cc=cc, mask=mask):
             prepared = peer.prepare_cudnn_fp8(cc.case, cc)
-            check_peer(mask, prepared, cc)
+            T.check_peer(s7, mask, prepared, cc)
             return prepared.fn
         makers = [("cudnn-fp8", cudnn, cc),
                   ("fagen bf16 (bench row)", lambda bcc=bcc: impls.prepare_fagen(bcc.case, bcc).fn, bcc),
@@ -298,43 +217,11 @@ def phase_time():
 
 
 def main():
-    if len(sys.argv) > 2 and sys.argv[1] == "--phase":
-        {"build": s7.phase_build, "check": phase_check, "time": phase_time}[sys.argv[2]]()
-        return
-    env = child_env("/tmp/fagen-cache-gpu-fp8mma-s14")
-    rows = []
-    phases = ("build", ) if s7.DRY else ("check", ) if s7.MOCK else tuple(PHASE_TIMEOUT)
-    for name in phases:
-        limit = PHASE_TIMEOUT[name] * (10 if s7.DRY or s7.MOCK else 1)
-        s7.log(f"#### phase {name} (timeout {limit}s, {time.time() - s7.T0:.0f}s so far)")
-
-        def on_line(line):
-            print(line, end="", flush=True)
-            if line.startswith("ROW "):
-                rows.append(s7.json.loads(line[4:]))
-        rc, _ = run_child(__file__, name, limit, env, on_line)
-        s7.log(f"#### phase {name}: rc={rc}")
-        if name == "check":  # a variant whose checks failed or did not all run (a hang?) is not timed
-            done = [r for r in rows if r.get("section") == "check"]
-            want = {}
-            for n, d, *_ in check_cases():  # d64 rows are named "<variant> d64" (round B missed this: the
-                if d == 128:  # product went untimed)
-                    want[n] = want.get(n, 0) + 1
-            bad = [n for n in TIMED
-                   if (sum(r["variant"] == n for r in done) < want.get(n, 0) and n != "product")  # main's product is
-                   # timed unless a check of it failed
-                   or any(r["variant"] == n and r["value"] != "PASS" and not (
-                       n in DIAG_TIMED and r["value"] == "PASS*") for r in done)]
-            env["FP8FWD_SKIP"] = "|".join(bad)
-            if bad:
-                s7.log(f"not timed (checks failed or unfinished): {bad}")
-    text = s7.table(rows)
-    s7.log(text)
-    s7.log(f"total {time.time() - s7.T0:.0f}s")
-    out = os.environ.get("OUTX") or os.environ.get("OUT")
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "gpu_fp8mma_s14.md").write_text(text + "\n")
+    # main's product is timed unless a check of it failed (round B of the thirteenth session left it untimed when
+    # its d64 rows were miscounted)
+    T.main(s7, __file__, {"build": s7.phase_build, "check": phase_check, "time": phase_time}, PHASE_TIMEOUT,
+           check_cases, TIMED, "gpu_fp8mma_s14.md", "/tmp/fagen-cache-gpu-fp8mma-s14", DIAG_TIMED,
+           unfinished_ok=("product", ))
 
 
 if __name__ == "__main__":

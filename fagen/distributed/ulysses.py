@@ -59,26 +59,25 @@ def _heads_to_seq(x: torch.Tensor, group, seq_dim: int, head_dim: int) -> torch.
     return y.movedim((0, 1), (head_dim, seq_dim)).contiguous()
 
 
-class _SeqToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, seq_dim, head_dim):
-        ctx.args = (group, seq_dim, head_dim)
-        return _seq_to_heads(x, group, seq_dim, head_dim)
+def _exchange(there, back, name: str) -> type:
+    """The autograd Function of the all-to-all `there` (x, group, seq_dim, head_dim), whose backward is `back`."""
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _heads_to_seq(grad.contiguous(), *ctx.args), None, None, None
+    class Exchange(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group, seq_dim, head_dim):
+            ctx.args = (group, seq_dim, head_dim)
+            return there(x, group, seq_dim, head_dim)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return back(grad.contiguous(), *ctx.args), None, None, None
+
+    Exchange.__name__ = Exchange.__qualname__ = name
+    return Exchange
 
 
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, seq_dim, head_dim):
-        ctx.args = (group, seq_dim, head_dim)
-        return _heads_to_seq(x, group, seq_dim, head_dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _seq_to_heads(grad.contiguous(), *ctx.args), None, None, None
+_SeqToHeads = _exchange(_seq_to_heads, _heads_to_seq, "_SeqToHeads")
+_HeadsToSeq = _exchange(_heads_to_seq, _seq_to_heads, "_HeadsToSeq")
 
 
 def seq_to_heads(x, group, *, seq_dim: int, head_dim: int) -> torch.Tensor:

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from fagen.bench import impls, rounds, runner
+from fagen.bench import impls, report, rounds, runner
 from fagen.bench.cases import BenchOptions, Prepared, Unsupported
 from fagen.bench.workloads import case_from_spec
 from fagen.spec import KernelSpec
@@ -90,6 +90,9 @@ def test_run_case_times_the_impls_in_rotated_rounds_and_records_the_median(monke
     for key in ("case", "impl", "ms", "tflops", "gbs", "status", "metric", "check", "note", "spec", "setup_s",
                 "wall_s"):
         assert key in by["fagen"]
+    assert meta["rounds"] == json.loads(out.read_text())["meta"]["rounds"] == 5
+    notes = report.rows(data)[2]  # the table's footnote: the rounds and the widest spread (fagen's: 5 / 1)
+    assert notes[-1].startswith("timing: 5 interleaved rounds") and f"400.0% ({_case().name}, fagen)" in notes[-1]
 
 
 def test_one_round_is_the_earlier_bench(monkeypatch):

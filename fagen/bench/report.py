@@ -81,7 +81,20 @@ def rows(records: list[dict], targets: bool = True) -> tuple[list[str], list[lis
     for (impl, status, note), where in grouped.items():
         scope = "all cases" if len(where) == len(cases) > 1 else ", ".join(where)
         notes.append(f"{impl} {status} ({scope}): {note}")
-    return header, table, notes
+    return header, table, notes + rounds_note(records)
+
+
+def rounds_note(records: list[dict]) -> list[str]:
+    """One note for records timed in interleaved rounds ([Note] Interleaved rounds in fagen/bench/rounds.py): how
+    many, and the widest spread of a cell's rounds (max / min - 1), naming it."""
+    spread = [(r["ms_max"] / r["ms_min"] - 1, r["case"], r["impl"]) for r in records
+              if r.get("status") == "ok" and r.get("ms_min") and r.get("ms_max")]
+    if not spread:
+        return []
+    counts = sorted({r["rounds"] for r in records if r.get("rounds")})
+    widest, case, impl = max(spread)
+    return [f"timing: {'/'.join(map(str, counts))} interleaved rounds a case, the order rotated each round, each cell "
+            f"the median round; widest spread of a cell's rounds {100 * widest:.1f}% ({case}, {impl})"]
 
 
 def relative_target(case: str, mine: float | None, by: dict) -> str:

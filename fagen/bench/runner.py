@@ -69,7 +69,7 @@ def run(cases: list[BenchCase], opts: BenchOptions, *, json_path: Path | None = 
         time_limit: float | None = None, case_timeout: float = 300.0, log: Callable[[str], None] = print,
         extra_meta: dict | None = None) -> tuple[dict, list[dict]]:
     """(meta, records) of every case x impl, in order. Never raises for a failing impl or case."""
-    meta, records = {**environment_meta(opts.device), **(extra_meta or {})}, []
+    meta, records = {**environment_meta(opts.device), "rounds": opts.rounds, **(extra_meta or {})}, []
     start = time.monotonic()
     deadline = None if time_limit is None else start + time_limit
 

@@ -123,7 +123,7 @@ def bench(spec_file, batch, heads, seq_q, seq_k, suite, case_names, quick, devic
 
     log = _logger(out)
     meta, records = runner.run(cases, opts, json_path=json_path, isolate=isolate, time_limit=time_limit,
-                               case_timeout=case_timeout, log=log, extra_meta={"quick": quick, "rounds": rounds})
+                               case_timeout=case_timeout, log=log, extra_meta={"quick": quick})
     if json_path is not None:
         log(f"wrote {json_path} ({len(records)} records)")
     if plot_path is not None:

@@ -134,3 +134,15 @@ def test_later_rounds_keep_the_first_rounds_estimate():
     later = timing.timed_calls(clock.fn, clock.flush, 5.0, 20.0, clock.event, lambda: None, memo)
     warm = int(5.0 / 0.585)
     assert clock.log[:warm] == ["fn"] * warm and clock.log[warm] == "flush" and len(later) == len(first)
+
+
+def test_a_case_with_spec_flags_survives_the_trip_to_a_worker():
+    """The isolated runner sends cases to its worker as JSON: a spec case's overrides (the CLI's flags, mod_tensors ()
+    among them) come back as tuples, so the worker's spec is the parent's and hashable (it was unhashable, and fagen
+    read `unavailable` in every isolated run of a spec with flags, --rounds or not)."""
+    from fagen.bench.workloads import BenchCase
+
+    case = case_from_spec(KernelSpec(head_dim=16, mask="causal"), batch=1, heads=2, seq_q=37,
+                          overrides=(("block_m", 16), ("mod_tensors", ()), ("mod_scalars", ())))
+    back = BenchCase.from_dict(json.loads(json.dumps(case.to_dict())))
+    assert back == case and hash(back.spec("cpu")[0]) == hash(case.spec("cpu")[0])

@@ -169,7 +169,13 @@ class BenchCase:
     def from_dict(cls, d: dict[str, Any]) -> BenchCase:
         if d.get("window") is not None:
             d = {**d, "window": tuple(d["window"])}
+        if d.get("overrides"):  # JSON made the spec fields' tuples lists (mod_tensors (): a worker's spec unhashable)
+            d = {**d, "overrides": tuple((k, _tuples(v)) for k, v in d["overrides"])}
         return cls(**d)
+
+
+def _tuples(v: Any) -> Any:
+    return tuple(_tuples(x) for x in v) if isinstance(v, list) else v
 
 
 def causal_pairs(len_q: int, len_k: int) -> int:

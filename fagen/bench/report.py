@@ -93,8 +93,8 @@ def rounds_note(records: list[dict]) -> list[str]:
         return []
     counts = sorted({r["rounds"] for r in records if r.get("rounds")})
     widest, case, impl = max(spread)
-    return [f"timing: {'/'.join(map(str, counts))} interleaved rounds a case, the order rotated each round, each cell "
-            f"the median round; widest spread of a cell's rounds {100 * widest:.1f}% ({case}, {impl})"]
+    return [f"timing: {'/'.join(map(str, counts))} interleaved rounds (order rotated), cells the median round; widest "
+            f"spread of a cell's rounds {100 * widest:.1f}% ({case}, {impl})"]
 
 
 def relative_target(case: str, mine: float | None, by: dict) -> str:

@@ -4,16 +4,19 @@ The rows of `fagen bench --suite standard --impl fagen --impl sdpa-cudnn --impl 
 --case fwd-d128-full-s16k --case bwd-d128-causal-s16k`, through the CLI's own path (fagen.bench.runner.run, in this
 process: one import and one compile for every run), several times in one process:
   run 0: the earlier bench (rounds 1: each impl checked against the float64 reference, then timed, in turn);
-  then, without the check, "new" (interleaved rounds, --rounds ROUNDS) and "old" (rounds 1) alternately, as long as
-  the budget leaves time for one more run (--warmup 25 --rep 100 in both: the same timing budget a row).
+  then, without the check, the MODES in turn ("new": interleaved rounds, --rounds ROUNDS; "newN": N rounds; "old":
+  rounds 1) as long as the budget leaves time for one more run (--warmup 25 --rep 100 in all: the same timing
+  budget a row); last (round B on), the brief's command itself through the CLI in this process, --no-check
+  --no-isolate, --rounds 1 and --rounds ROUNDS, its table and JSON ($OUTX/cli-rounds*.json).
 For each row and run it prints fagen / best peer (the table's column); for each mode, how far that ratio moves
-between its runs (max - min, and the largest change between two consecutive runs of the mode; run 0 counts as old:
-the earlier bench checks each impl right before timing it); for the new runs also the per-round ratio (a round's
-peer ms / fagen ms: median, min, max). The table is written to $OUTX/table.txt as it grows, the records to
+between its runs (median, max - min, the largest change between two consecutive runs of the mode; run 0 is a mode
+of its own, "old+check": the earlier bench checks each impl right before timing it); for the new runs also the
+per-round ratio (a round's peer ms / fagen ms: median, min, max). The table is written to $OUTX/table.txt as it grows, the records to
 $OUTX/runs.json.
 
-    HOUSE_BUDGET=47 PYTHONPATH=$PWD python3 scripts/gpu_house_s15.py   # < 60 s on an H100 (no run starts that
+    HOUSE_BUDGET=50 PYTHONPATH=$PWD python3 scripts/gpu_house_s15.py   # < 60 s on an H100 (no run starts that
                                                                        # would end past the budget)
+    HOUSE_MODES=new,old HOUSE_CLI=0 ...                                # round A's plan
 """
 
 from __future__ import annotations
@@ -25,9 +28,12 @@ import sys
 import time
 
 T0 = time.time()
-CASES = ("fwd-fp8-d128-full-s16k", "fwd-d128-full-s16k", "bwd-d128-causal-s16k")
+CASES = tuple(os.environ.get("HOUSE_CASES", "fwd-fp8-d128-full-s16k,fwd-d128-full-s16k,bwd-d128-causal-s16k")
+              .split(","))
 IMPLS = ("fagen", "sdpa-cudnn", "cudnn-fp8")
-MAX_RUNS = 9
+MAX_RUNS = 19  # round A: a run took 1.3 s after the check run's 22 s (compiles included)
+MODES = os.environ.get("HOUSE_MODES", "new,old").split(",")  # cycled after run 0; newN: N rounds (new: ROUNDS)
+CLI = os.environ.get("HOUSE_CLI", "1") == "1"  # last, the brief's command through the CLI, --rounds 1 and ROUNDS
 GUESS_S = 5.0  # a run without the check, before one was timed (s14: ~1 s of timing a row and impl, inputs, loads)
 ROUNDS = int(os.environ.get("HOUSE_ROUNDS", 5))
 BUDGET = float(os.environ.get("HOUSE_BUDGET", 50))  # seconds from the start: no run starts that would pass it
@@ -72,7 +78,7 @@ def main() -> None:
         mode = plan.pop(0)
         dry = dict(rep_ms=2, warmup_ms=1) if DRY else {}
         opts = BenchOptions(device="cpu" if DRY else "cuda", impls=IMPLS, **dry, check=mode.endswith("check"),
-                            rounds=ROUNDS if mode == "new" else 1)
+                            rounds=rounds_of(mode))
         t = time.time()
         log = print if mode.endswith("check") else (lambda _line: None)
         _, records = runner.run(cases, opts, log=log)
@@ -94,32 +100,72 @@ def main() -> None:
         say(line)
         with open(os.path.join(OUT, "runs.json"), "w") as f:
             json.dump([{"mode": m, "seconds": s, "records": recs} for m, recs, s in runs], f, indent=1)
-        nxt = "new" if mode != "new" else "old"
-        if len(runs) < MAX_RUNS and time.time() - T0 + 1.25 * max(longest, GUESS_S) < BUDGET:
+        nxt = MODES[(len(runs) - 1) % len(MODES)]
+        if len(runs) < MAX_RUNS and time.time() - T0 + 1.25 * (max(longest, 2.0) if longest else GUESS_S) \
+                + CLI * CLI_S < BUDGET:
             plan.append(nxt)
     summary(cases, runs)
+    if CLI:
+        cli_runs(cases)
+
+
+def rounds_of(mode: str) -> int:
+    if mode.startswith("new"):
+        return int(mode[3:]) if mode[3:] else ROUNDS
+    return 1
+
+
+CLI_S = 8.0  # the two CLI runs at the end (no check, in this process: ~1.5 s each, the tables)
+
+
+def cli_runs(cases) -> None:
+    """`cli.py bench --suite standard --impl ... --case ...` itself, in this process (no import, kernels loaded),
+    --no-check --no-isolate, --rounds 1 then --rounds ROUNDS: fagen/best peer from each JSON."""
+    from click.testing import CliRunner
+    from fagen.cli import main as cli_main
+
+    say("")
+    for rounds in (1, ROUNDS):
+        path = os.path.join(OUT, f"cli-rounds{rounds}.json")
+        dry = ["--device", "cpu", "--quick", "--rep", "2", "--warmup", "1"] if DRY else []
+        args = ["bench", "--suite", "standard", *[x for i in IMPLS for x in ("--impl", i)],
+                *[x for c in cases for x in ("--case", c.name)], "--no-check", "--no-isolate",
+                "--rounds", str(rounds), "--json", path, *dry]
+        t = time.time()
+        res = CliRunner().invoke(cli_main, args, catch_exceptions=True)
+        took = time.time() - t
+        if res.exit_code != 0 or not os.path.exists(path):
+            say(f"cli --rounds {rounds}: exit {res.exit_code} {res.exception!r} {res.output[-300:]}")
+            continue
+        records = json.load(open(path))["records"]
+        say(f"cli --rounds {rounds} ({took:.1f} s): " + "  ".join(
+            f"{c.name} {'-' if r is None else f'{r:.3f}x'}" for c in cases for r in [ratio(records, c.name)[0]]))
+        tail = [ln for ln in res.output.splitlines() if ln.startswith("|") or ln.startswith("  - timing")]
+        for ln in tail:
+            say("    " + ln)
 
 
 def summary(cases, runs) -> None:
     say("")
-    say("| case | mode | fagen/best peer, run by run | max - min | largest change between consecutive runs |")
-    say("|---|---|---|---|---|")
+    say("| case | mode | fagen/best peer, run by run | median | max - min | largest change between consecutive runs |")
+    say("|---|---|---|---|---|---|")
+    modes = list(dict.fromkeys(m for m, _, _ in runs))
     for c in cases:
-        for mode in ("old", "new"):
-            vals = [ratio(recs, c.name)[0] for m, recs, _ in runs if m.startswith(mode)]
+        for mode in modes:
+            vals = [ratio(recs, c.name)[0] for m, recs, _ in runs if m == mode]
             vals = [v for v in vals if v is not None]
             if not vals:
                 continue
             steps = [abs(b - a) for a, b in zip(vals, vals[1:])]
-            say(f"| {c.name} | {mode} | {' '.join(f'{v:.3f}' for v in vals)} | {max(vals) - min(vals):.3f} | "
-                f"{max(steps) if steps else float('nan'):.3f} |")
+            say(f"| {c.name} | {mode} | {' '.join(f'{v:.3f}' for v in vals)} | {statistics.median(vals):.3f} | "
+                f"{max(vals) - min(vals):.3f} | {max(steps) if steps else float('nan'):.3f} |")
     say("")
     say("| case | impl | mode | TF/s run by run |")
     say("|---|---|---|---|")
     for c in cases:
         for impl in IMPLS:
-            for mode in ("old", "new"):
-                vals = [r["tflops"] for m, recs, _ in runs if m.startswith(mode) for r in recs
+            for mode in modes:
+                vals = [r["tflops"] for m, recs, _ in runs if m == mode for r in recs
                         if r["case"] == c.name and r["impl"] == impl and r["status"] == "ok"]
                 if vals:
                     say(f"| {c.name} | {impl} | {mode} | {' '.join(f'{v:.0f}' for v in vals)} |")

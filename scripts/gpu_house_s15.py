@@ -11,8 +11,8 @@ process: one import and one compile for every run), several times in one process
 For each row and run it prints fagen / best peer (the table's column); for each mode, how far that ratio moves
 between its runs (median, max - min, the largest change between two consecutive runs of the mode; run 0 is a mode
 of its own, "old+check": the earlier bench checks each impl right before timing it); for the new runs also the
-per-round ratio (a round's peer ms / fagen ms: median, min, max). The table is written to $OUTX/table.txt as it grows, the records to
-$OUTX/runs.json.
+per-round ratio (a round's peer ms / fagen ms: median, min, max). The table is written to $OUTX/table.txt as it
+grows, the records to $OUTX/runs.json.
 
     HOUSE_BUDGET=50 PYTHONPATH=$PWD python3 scripts/gpu_house_s15.py   # < 60 s on an H100 (no run starts that
                                                                        # would end past the budget)

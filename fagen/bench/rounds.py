@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 # medians, and the record keeps the rounds (`rounds_ms`) and their spread (`ms_min`, `ms_max`). `rounds` = 1 is the
 # earlier bench: each implementation checked and timed in turn, do_bench's loop, fagen's column first.
 
-ROUNDS = 1  # `fagen bench --rounds`'s default
+ROUNDS = 5  # `fagen bench --rounds`'s default
 
 
 def order(n: int, r: int) -> list[int]:

@@ -116,7 +116,8 @@ class GluonBackend(DecodeRules, KernelBackend):
     # bench's measure, causal / full (scripts/gpu_fp8mma_s14.py, fourteenth session): round A 0.973x / 0.969x the
     # product, exp_poly 8 + o_warp_skip 0.976x / 0.969x: off.
     # fp8_max_tree: 1 takes the fp8 step's row max as a depth-5 tree in each thread, not triton's chain of 31
-    # ([Note] fp8 row max as a tree; bit for bit the product's; fifteenth session, scripts/gpu_fp8fwd_s15.py).
+    # ([Note] fp8 row max as a tree; bit for bit the product's), 2 the row sum as a tree too (fifteenth session,
+    # scripts/gpu_fp8fwd_s15.py).
     # bwd_*: the gluon backward's levers ([Note] Gluon backward levers).
     variant = {"consumer_regs": 240, "loader_regs": 24, "tile_schedule_all": False, "causal_order": 3,
                "fp8_p_cvt": 3, "fp8_wgs": 2, "fp8_wg3_regs": (160, 24), "fp8_o_skip": 0,

@@ -7,7 +7,7 @@ Phases (each a child process with a timeout; scripts/_phases.py), < 60 s in all:
          fp8 SDPA on the standard suite's full-mask row (fwd-fp8-d128-full-s16k, input set 0): the sections
          SpeedOfLight, WarpStateStats, InstructionStats, ComputeWorkloadAnalysis, SchedulerStats, LaunchStats,
          Occupancy and the pipes' metrics; the raw page (CSV) goes to $OUTX/ncu_raw.csv, a compact table to stdout
-         and $OUTX/ncu_table.md (round B: the first candidate's kernel too);
+         and $OUTX/ncu_table.md (the first candidate's kernel too);
   check  every variant against float64 on the dequantized inputs (scripts/gpu_fp8.py's check: RMSE within 1.5x
          the e4m3 emulation's, lse, the fingerprint that fails a P V in bf16, empty rows; lengths not multiples of
          the blocks), the exact ones bit for bit against the product's out and lse, the mutants must go red;
@@ -53,9 +53,10 @@ VARIANTS = {
     # the tree with its first level dropped (columns 64..127 never reach the max): must go red
     "mutant: max tree without columns 64..127": {"variant": TREE, "mutant": True, "patch": ((
         r"^(    a, b = gl\.split\(gl\.permute\(gl\.reshape\(x, \[M, 2, 64\]\), \[0, 2, 1\]\)\)  # column bit 6.*\n)"
-        r"    x = gl\.maximum\(a, b\)$", r"\1    x = a"), )},
+        r"    x = _tree_op\(a, b, SUM\)$", r"\1    x = a"), )},
+    "max and sum trees": {"variant": {"fp8_max_tree": 2}},
 }
-CANDIDATES = ("max tree", )
+CANDIDATES = ("max tree", "max and sum trees")
 s7.VARIANTS = VARIANTS
 PHASE_TIMEOUT = {"build": 14, "ncu": 19, "check": 8, "time": 15}
 PASSES = 30  # the time phase stops early when its time runs short
@@ -249,7 +250,7 @@ def phase_ncu():
     if not ncu:
         return
     OUTX.mkdir(parents=True, exist_ok=True)
-    extra = list(CANDIDATES[:1]) if ROUND == "B" else []
+    extra = list(CANDIDATES[:1])
     base = [ncu, "--profile-from-start", "off", "--clock-control", "base", "-k", "regex:attn_fwd_hopper|sdpa",
             "--page", "raw", "--csv"]
     for sec in NCU_SECTIONS:

@@ -200,6 +200,92 @@ torch.cuda.synchronize()
 torch.cuda.profiler.stop()
 print("CALLS " + "|".join(n for n, _ in calls))
 """
+# Round B's ncu: cycles at base clock, one pass, REPS calls of every implementation a mask, interleaved (the order
+# rotated each repetition): argv = REPS, then the candidates.
+NCU_CYCLES_SCRIPT = r"""
+import sys, torch
+sys.path.insert(0, "scripts")
+import gpu_fp8fwd_s15 as me, gpu_fp8_fwd_s7 as s7
+from fagen.bench import peer_cudnn_fp8 as peer
+from fagen.bench.cases import CaseContext
+from fagen.bench.workloads import standard_suite
+reps, names = int(sys.argv[1]), sys.argv[2:]
+keep, calls = [], []
+for mask in ("none", "causal"):
+    word = "full" if mask == "none" else "causal"
+    case = next(c for c in standard_suite() if c.name == f"fwd-fp8-d128-{word}-s16k")
+    cc = CaseContext(case, torch.device("cuda"), 1)
+    st = cc.sets[0]
+    keep.append(cc)
+    def call(m, st=st):
+        sc = {n: t for n, t in st.scores.items() if n not in ("k_scale", "v_scale")}
+        return lambda: m.forward(st.q, st.k, st.v, k_descale=st.scores["k_scale"], v_descale=st.scores["v_scale"],
+                                 **st.kwargs, **sc)
+    mine = [(f"product {word}", call(s7.module(mask, "product")))]
+    try:
+        prepared = peer.prepare_cudnn_fp8(cc.case, cc)
+        mine.append((f"cudnn-fp8 {word}", lambda p=prepared, st=st: p.fn(st)))
+    except Exception as e:
+        print("cudnn-fp8 ERROR", type(e).__name__, str(e)[:200])
+    mine += [(f"{n} {word}", call(s7.module(mask, n))) for n in names]
+    calls += mine
+for _, f in calls:
+    f(); f()
+torch.cuda.synchronize()
+order = []
+torch.cuda.profiler.start()
+for r in range(reps):
+    k = r % len(calls)
+    for name, f in calls[k:] + calls[:k]:
+        f()
+        order.append(name)
+torch.cuda.synchronize()
+torch.cuda.profiler.stop()
+print("CALLS " + "|".join(order))
+"""
+NCU_CYCLES_METRICS = ("gpc__cycles_elapsed.max,gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second,"
+                      "smsp__inst_executed.sum")
+NCU_REPS = 4
+
+
+def phase_ncu_cycles():
+    """Round B: each implementation's kernel cycles at base clock, NCU_REPS calls a mask, interleaved."""
+    ncu = _ncu_bin()
+    s7.log(f"== ncu cycles: {ncu}")
+    if not ncu:
+        return
+    OUTX.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    cmd = [ncu, "--profile-from-start", "off", "--clock-control", "base", "-k", "regex:attn_fwd_hopper|sdpa",
+           "--metrics", NCU_CYCLES_METRICS, "--page", "raw", "--csv", sys.executable, "-c", NCU_CYCLES_SCRIPT,
+           str(NCU_REPS), *CANDIDATES]
+    r = _run_group(cmd, PHASE_TIMEOUT["ncu"] - 2)
+    (OUTX / "ncu_cycles.csv").write_text(r.stdout + "\n---- stderr\n" + r.stderr)
+    s7.log(f"ncu rc {r.returncode} in {time.time() - t0:.1f}s")
+    if r.returncode:
+        s7.log(r.stderr[-600:])
+    order = next((ln[6:].split("|") for ln in r.stdout.splitlines() if ln.startswith("CALLS ")), [])
+    rows = list(csv.reader(io.StringIO("\n".join(ln for ln in r.stdout.splitlines() if ln.startswith('"')))))
+    if len(rows) < 2:
+        s7.log("ncu: no rows")
+        return
+    col = {h: i for i, h in enumerate(rows[0])}
+    kern = [x for x in rows[1:] if x[col["ID"]].strip().isdigit()]
+    cyc = {}
+    for name, k in zip(order, kern):
+        cyc.setdefault(name, []).append(float(k[col["gpc__cycles_elapsed.max"]].replace(",", "")))
+    for name, v in cyc.items():
+        word = name.rsplit(" ", 1)[1]
+        base = cyc.get(f"product {word}")
+        note = ""
+        if base and len(base) == len(v) and not name.startswith("product"):
+            rr = sorted(b / x for b, x in zip(base, v))
+            note = f"; product / this, call by call: median {statistics.median(rr):.4f}, range {rr[0]:.4f}-{rr[-1]:.4f}"
+        s7.log(f"ncu cycles {name}: median {statistics.median(v) / 1e6:.4f} M (" +
+               " ".join(f"{x / 1e6:.4f}" for x in v) + ")" + note)
+        s7.emit(section="ncu", variant=name, mask=word, value=round(statistics.median(v) / 1e6, 4), note=note)
+
+
 # the rows of the compact table: (label, metric name in the raw page)
 NCU_ROWS = (
     ("duration (ns)", "gpu__time_duration.sum"), ("cycles (gpc max)", "gpc__cycles_elapsed.max"),
@@ -404,7 +490,8 @@ def phase_time():
 
 def main():
     if len(sys.argv) > 2 and sys.argv[1] == "--phase":
-        {"build": phase_build, "ncu": phase_ncu, "check": phase_check, "time": phase_time}[sys.argv[2]]()
+        {"build": phase_build, "ncu": phase_ncu if ROUND == "A" else phase_ncu_cycles, "check": phase_check,
+         "time": phase_time}[sys.argv[2]]()
         return
     env = child_env("/tmp/fagen-cache-gpu-fp8fwd-s15")
     env["FP8FWD15_ROUND"] = ROUND
@@ -430,7 +517,8 @@ def main():
             env["FP8FWD_SKIP"] = "|".join(bad)
             if bad:
                 s7.log(f"not timed (checks failed or unfinished): {bad}")
-    text = s7.table(rows)
+    text = s7.table(rows) + "".join(f"\nncu cycles at base clock, {r['variant']}: {r['value']} M{r.get('note', '')}"
+                                    for r in rows if r.get("section") == "ncu")
     s7.log(text)
     s7.log(f"total {time.time() - s7.T0:.0f}s")
     OUTX.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,7 @@ Phases (each a child process with a timeout; scripts/_phases.py), < 60 s in all:
          fp8 SDPA on the standard suite's full-mask row (fwd-fp8-d128-full-s16k, input set 0): the sections
          SpeedOfLight, WarpStateStats, InstructionStats, ComputeWorkloadAnalysis, SchedulerStats, LaunchStats,
          Occupancy and the pipes' metrics; the raw page (CSV) goes to $OUTX/ncu_raw.csv, a compact table to stdout
-         and $OUTX/ncu_table.md (the first candidate's kernel too);
+         and $OUTX/ncu_table.md (the first two candidates' kernels too);
   check  every variant against float64 on the dequantized inputs (scripts/gpu_fp8.py's check: RMSE within 1.5x
          the e4m3 emulation's, lse, the fingerprint that fails a P V in bf16, empty rows; lengths not multiples of
          the blocks), the exact ones bit for bit against the product's out and lse, the mutants must go red;
@@ -55,8 +55,10 @@ VARIANTS = {
         r"^(    a, b = gl\.split\(gl\.permute\(gl\.reshape\(x, \[M, 2, 64\]\), \[0, 2, 1\]\)\)  # column bit 6.*\n)"
         r"    x = _tree_op\(a, b, SUM\)$", r"\1    x = a"), )},
     "max and sum trees": {"variant": {"fp8_max_tree": 2}},
+    # FA3's scheduler barriers ([Note] fp8 warpgroup turns): the warpgroups take turns at issuing a step's matmuls
+    "turns": {"variant": {"fp8_turns": 1}, "equal": True},
 }
-CANDIDATES = ("max tree", "max and sum trees")
+CANDIDATES = ("turns", "max tree", "max and sum trees")
 s7.VARIANTS = VARIANTS
 PHASE_TIMEOUT = {"build": 14, "ncu": 19, "check": 8, "time": 15}
 PASSES = 30  # the time phase stops early when its time runs short
@@ -336,7 +338,7 @@ def phase_ncu():
     if not ncu:
         return
     OUTX.mkdir(parents=True, exist_ok=True)
-    extra = list(CANDIDATES[:1])
+    extra = list(CANDIDATES[:2])
     base = [ncu, "--profile-from-start", "off", "--clock-control", "base", "-k", "regex:attn_fwd_hopper|sdpa",
             "--page", "raw", "--csv"]
     for sec in NCU_SECTIONS:

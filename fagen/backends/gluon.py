@@ -107,22 +107,25 @@ class GluonBackend(DecodeRules, KernelBackend):
     # 813 / 806 TF/s against 887 / 869 at 128 keys (off). fp8_vt: 1 transposes V in the kernel ([Note] fp8 V in-kernel).
     # fp8_pass_evict, fp8_vt_pad: transpose_v's levers ([Note] fp8 V pass levers in fp8_host.py.j2); fp8_full_order:
     # the tile order (_SCHED, 0 none) of an fp8 full-mask forward (tile_order). docs/hopper.md, thirteenth session.
-    # fp8_exp_poly: K (4, 8, 16) computes one in K of an unmasked step's exponentials by a polynomial on the FMA pipe
-    # ([Note] fp8 exp2 on the FMA pipe), 0 off; fp8_o_warp_skip: 1 skips O's rescale in a warp none of whose rows'
-    # max moved ([Note] fp8 O rescale by warp; exact); fp8_lazy_max: 1 moves a row's max only by more than 0.75
-    # ([Note] fp8 lazy max); (fp8_l_mma, the row sum by a wgmma against ones, read NaN: removed).
-    # Thirteenth session, scripts/gpu_fp8mma_s13.py. fp8_tail_split: C > 0 runs an fp8 full-mask forward's last
+    # (fp8_exp_poly, fp8_o_warp_skip, fp8_lazy_max: exponentials on the FMA pipe, O's rescale skipped by the warp,
+    # the lazy max; lost in the thirteenth and fourteenth sessions, removed in the fifteenth; fp8_l_mma, the row sum
+    # by a wgmma against ones, read NaN: removed; docs/hopper.md.) fp8_tail_split: C > 0 runs an fp8 full-mask forward's last
     # partial round of tiles as a second launch over C key chunks, combined by lse ([Note] fp8 tail split; fourteenth
     # session: at locked clocks C 8 / 4 2914 / 2913 us a call against the product's 2915: off). fp8_s_ahead: 1 issues
     # S_{n+1} inside step n after its exponentials ([Note] fp8 S a step ahead; bit for bit the product's). H100, the
     # bench's measure, causal / full (scripts/gpu_fp8mma_s14.py, fourteenth session): round A 0.973x / 0.969x the
-    # product, exp_poly 8 + o_warp_skip 0.976x / 0.969x: all off.
+    # product, exp_poly 8 + o_warp_skip 0.976x / 0.969x: off.
+    # fp8_max_tree: 1 takes the fp8 step's row max as a depth-5 tree in each thread, not triton's chain of 31
+    # ([Note] fp8 row max as a tree; bit for bit the product's), 2 the row sum as a tree too (fifteenth session,
+    # scripts/gpu_fp8fwd_s15.py).
+    # fp8_turns: 1 has the two consumer warpgroups take turns at issuing a step's matmuls (FA3's scheduler
+    # barriers: [Note] fp8 warpgroup turns; bit for bit the product's; fifteenth session).
     # bwd_*: the gluon backward's levers ([Note] Gluon backward levers).
     variant = {"consumer_regs": 240, "loader_regs": 24, "tile_schedule_all": False, "causal_order": 3,
                "fp8_p_cvt": 3, "fp8_wgs": 2, "fp8_wg3_regs": (160, 24), "fp8_o_skip": 0,
                "fp8_pv_overlap": 0, "fp8_d64": {"fp8_wgs": 3}, "fp8_n192": 0, "fp8_vt": 0,
                "fp8_pass_evict": 0, "fp8_vt_pad": 0, "fp8_full_order": 0,
-               "fp8_exp_poly": 0, "fp8_o_warp_skip": 0, "fp8_lazy_max": 0, "fp8_s_ahead": 0,
+               "fp8_s_ahead": 0, "fp8_max_tree": 0, "fp8_turns": 0,
                "fp8_tail_split": 0,
                "pv_overlap": 0,
                "bwd_order": 0, "bwd_snake": 0, "bwd_named": 0, "bwd_epi_tma": 0, "bwd_fixed": 0, "bwd_window_desc": 0,

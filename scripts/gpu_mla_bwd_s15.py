@@ -1,0 +1,216 @@
+"""Fifteenth session: issue 27's MLA prefill backward (d_qk 192, d_v 128, causal b4 h16 s4096 bf16) against cuDNN,
+and lab/gluon_bwd_mla.py (a warp-specialized Gluon backward at 192/128: one kernel for dK, dV and dQ) beside it.
+
+    PYTHONPATH=$PWD python3 scripts/gpu_mla_bwd_s15.py     # H100, under 60 s; table on stdout and $OUTX/table.txt
+
+Phases (scripts/_phases.py: each a child process under a wall-clock limit; a hang loses that phase only):
+1. check: the Gluon lab kernel's dq/dk/dv (outputs NaN-filled) against float64 at lengths off every block:
+   causal b2 h2 Sq 200 / Sk 333, causal S 333, none gqa 2 S 257; the worst error relative to max(1, max|ref|).
+2. time: cuDNN (SDPA), the product's backward (the module fagen resolves for the spec, as the bench runs it) and
+   the Gluon lab kernel (whole backward: preprocess, kernel, conversion; and its main kernel alone), PASSES
+   passes, each pass every row once in a rotated order, do_bench per row; per pass the ratio of each row to
+   cuDNN of the same pass, reported as median [min, max] over the passes (the card moves 5-15% pass to pass at its
+   power cap: docs/serving.md, fifteenth session).
+TF/s counts as fagen's bench: 2.5 * 2 * B * H * S^2 * (192 + 128) / 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+D, DV = 192, 128
+B, H, S = 4, 16, 4096
+PASSES = int(os.environ.get("MLABWD_PASSES", "7"))
+T0 = float(os.environ.get("MLABWD_T0", time.time()))  # the parent's start: the children's budget counts from it
+LINES: list[str] = []
+
+
+def out(msg: str) -> None:
+    LINES.append(msg)
+    print(msg, flush=True)
+
+
+def ref_fwd(q, k, v, causal, scale):
+    """float32 torch forward: (out in q's dtype, natural-log lse), bottom-right causal."""
+    import torch
+
+    s = torch.einsum("bhqd,bhkd->bhqk", q.float(), k.float().repeat_interleave(q.shape[1] // k.shape[1], 1)) * scale
+    if causal:
+        sq, sk = q.shape[2], k.shape[2]
+        m = torch.arange(sk, device=q.device)[None, :] <= torch.arange(sq, device=q.device)[:, None] + (sk - sq)
+        s = s.masked_fill(~m, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+    o = torch.einsum("bhqk,bhkd->bhqd", p, v.float().repeat_interleave(q.shape[1] // k.shape[1], 1))
+    return o.to(q.dtype), lse.contiguous()
+
+
+def phase_check() -> None:
+    import torch
+
+    from fagen.verify import reference
+    from lab import gluon_bwd_mla as glm
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    worst = 0.0
+    for mask, gqa, nb, sq, sk in (("causal", 1, 2, 200, 333), ("causal", 1, 1, 333, 333), ("none", 2, 1, 257, 257)):
+        hq = 2 * gqa
+        q = torch.randn(nb, hq, sq, D, device="cuda", generator=gen).bfloat16()
+        k = torch.randn(nb, 2, sk, D, device="cuda", generator=gen).bfloat16()
+        v = torch.randn(nb, 2, sk, DV, device="cuda", generator=gen).bfloat16()
+        do = torch.randn(nb, hq, sq, DV, device="cuda", generator=gen).bfloat16()
+        scale = D ** -0.5
+        o, lse = ref_fwd(q, k, v, mask == "causal", scale)
+        t = time.time()
+        got = glm.backward(do, q, k, v, o, lse, scale, mask == "causal", fill=True)
+        torch.cuda.synchronize()
+        ref_in = [x.double().requires_grad_() for x in (q, k, v)]
+        ref_out, _ = reference.attention(*ref_in, mask=mask)
+        ref_out.backward(do.double())
+        errs = []
+        for name, g, r in zip(("dq", "dk", "dv"), got, (x.grad for x in ref_in)):
+            unit = max(1.0, r.abs().max().item())
+            err = (g.double() - r).abs().max().item() / unit
+            errs.append(f"{name} {err:.1e}")
+            worst = max(worst, err) if err == err else float("inf")
+        out(f"check gluon {mask} gqa{gqa} b{nb} sq{sq} sk{sk}: {', '.join(errs)} ({time.time() - t:.1f} s)")
+    out(f"CHECK gluon {'PASS' if worst < 2e-2 else 'FAIL'} worst {worst:.1e}")
+
+
+def phase_warm() -> None:
+    """The product's modules compiled and run once at the bench shape (beside the check phase: Triton's and fagen's
+    caches are warm for the time phase)."""
+    import torch
+
+    import fagen
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k = (torch.randn(B, H, S, D, device="cuda", generator=gen).bfloat16().requires_grad_() for _ in range(2))
+    v = torch.randn(B, H, S, DV, device="cuda", generator=gen).bfloat16().requires_grad_()
+    o = fagen.attention(q, k, v, mask="causal")
+    torch.autograd.grad(o, (q, k, v), torch.randn_like(o))
+    torch.cuda.synchronize()
+    print(f"[{time.time() - T0:5.1f}s] warm: product compiled", flush=True)
+
+
+def phase_time(with_gluon: bool) -> None:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from triton.testing import do_bench
+
+    import fagen
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(B, H, S, D, device="cuda", generator=gen).bfloat16()
+    k = torch.randn(B, H, S, D, device="cuda", generator=gen).bfloat16()
+    v = torch.randn(B, H, S, DV, device="cuda", generator=gen).bfloat16()
+    do = torch.randn(B, H, S, DV, device="cuda", generator=gen).bfloat16()
+    flops = 2.5 * 2 * B * H * S * S * (D + DV) / 2
+    scale = D ** -0.5
+    rows = {}
+    qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        oc = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True)
+    rows["cudnn"] = lambda: torch.autograd.grad(oc, (qg, kg, vg), do, retain_graph=True)
+    t = time.time()
+    qp, kp, vp = (t_.detach().clone().requires_grad_() for t_ in (q, k, v))
+    op = fagen.attention(qp, kp, vp, mask="causal")
+    rows["product"] = lambda: torch.autograd.grad(op, (qp, kp, vp), do, retain_graph=True)
+    rows["product"]()
+    torch.cuda.synchronize()
+    out(f"[{time.time() - T0:5.1f}s] product compiled/run in {time.time() - t:.1f} s")
+    if with_gluon:
+        from lab import gluon_bwd_mla as glm
+
+        o, lse = ref_fwd_chunked(q, k, v, scale)
+        rows["gluon lab"] = lambda: glm.backward(do, q, k, v, o, lse, scale, True)
+        rows["gluon lab"]()
+        kern = glm.prepared(do, q, k, v, o, lse, scale, True)
+        rows["gluon main kernel"] = kern
+        kern()
+        torch.cuda.synchronize()
+        out(f"[{time.time() - T0:5.1f}s] gluon compiled")
+    names = list(rows)
+    ms = {n: [] for n in names}
+    for p in range(PASSES):
+        order = names[p % len(names):] + names[:p % len(names)]
+        for n in order:
+            ms[n].append(do_bench(rows[n], warmup=10, rep=60))
+        out(f"pass {p}: " + ", ".join(f"{n} {ms[n][-1]:.3f}" for n in names))
+        if time.time() - T0 > 52:
+            break
+    out("")
+    out(f"| row (causal b{B} h{H} s{S} 192/128 bf16) | median ms | TF/s | vs cuDNN per pass: median [min, max] |")
+    out("|---|---:|---:|---|")
+    for n in names:
+        r = [a / b for a, b in zip(ms["cudnn"], ms[n])]
+        med = statistics.median(ms[n])
+        out(f"| {n} | {med:.3f} | {flops / med / 1e9:.1f} | {statistics.median(r):.3f}x "
+            f"[{min(r):.3f}, {max(r):.3f}] |")
+
+
+def ref_fwd_chunked(q, k, v, scale):
+    """ref_fwd head by head (the bench shape's float32 scores would take 4 GB at once)."""
+    import torch
+
+    o = torch.empty(q.shape[:3] + (v.shape[-1],), dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    for b in range(q.shape[0]):
+        for h in range(0, q.shape[1], 4):
+            o[b:b + 1, h:h + 4], lse[b:b + 1, h:h + 4] = ref_fwd(q[b:b + 1, h:h + 4], k[b:b + 1, h:h + 4],
+                                                                 v[b:b + 1, h:h + 4], True, scale)
+    return o, lse
+
+
+def main() -> None:
+    if "--phase" in sys.argv:
+        name = sys.argv[sys.argv.index("--phase") + 1]
+        if name == "check":
+            phase_check()
+        elif name == "warm":
+            phase_warm()
+        else:
+            phase_time(name == "time-gluon")
+        return
+    from _phases import child_env, run_phase
+
+    import subprocess
+
+    env = child_env("/tmp/mlabwd_cache", ROOT)
+    env["MLABWD_T0"] = str(T0)
+    script = os.path.abspath(__file__)
+    log = open("/tmp/mlabwd_warm.log", "w")
+    warm = subprocess.Popen([sys.executable, script, "--phase", "warm"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    rc, lines = run_phase(script, "check", 24, env, on_line=lambda s: (LINES.append(s.rstrip()), print(s, end="",
+                                                                                                   flush=True)))
+    ok = any(s.startswith("CHECK gluon PASS") for s in lines)
+    if rc != 0:
+        out(f"check phase: {rc}")
+    try:
+        warm.wait(timeout=max(1, 40 - (time.time() - T0)))
+    except subprocess.TimeoutExpired:
+        warm.kill()
+    log.close()
+    for s in open("/tmp/mlabwd_warm.log").read().splitlines()[-3:]:
+        out(f"warm: {s}")
+    rc, _ = run_phase(script, "time-gluon" if ok else "time", max(10, 58 - (time.time() - T0)), env,
+                      on_line=lambda s: (LINES.append(s.rstrip()), print(s, end="", flush=True)))
+    if rc != 0:
+        out(f"time phase: {rc}")
+    d = os.environ.get("OUTX") or os.environ.get("OUT")
+    if d:
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, "table.txt"), "w") as f:
+            f.write("\n".join(LINES) + "\n")
+
+
+if __name__ == "__main__":
+    main()

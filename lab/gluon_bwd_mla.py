@@ -15,6 +15,7 @@ What changes against v1 (everything else is v1's code, imported):
 # ruff: noqa: E402
 import torch
 import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
@@ -22,12 +23,12 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from lab.gluon_bwd import _GL_DTYPE, _bwd_acc_descriptor, _bwd_mma, _bwd_preprocess, _bwd_row_descriptor, _bwd_tile, \
-    _sms, _tma_reduce_add
+    _cvt_rni, _sms, _tma_reduce_add
 
 MLA_BLOCK_M = 32  # queries a step (the N of S^T, dP^T and of dQ_j^T)
 MLA_BLOCK_N = 128  # keys a tile: two compute warpgroups of 64
 MLA_STAGES = 2
-MLA_COMPUTE_REGS = 240
+MLA_COMPUTE_REGS = 248  # ptxas (CPU): 64 B spilled, none in the main step loop (240: 96 B, LDL/STL in it)
 MLA_PRODUCER_REGS = 24
 MLA_WRITER_REGS = 24
 DA = gl.constexpr(128)  # the first chunk of the d_qk columns (the second: DQK - DA = 64)
@@ -114,7 +115,7 @@ def _mla_compute(qa_smem, qb_smem, do_smem, ka_smem, kb_smem, v_smem, ds_smem, l
                  kv_ready, kv_empty, ds_ready, dq_full, dq_empty, DK, DV_, qk_scale, scale, num_tiles, num_bh,
                  num_heads_kv, seq_q, seq_k, WG: gl.constexpr, DB: gl.constexpr, DV: gl.constexpr,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GQA: gl.constexpr,
-                 CAUSAL: gl.constexpr, MUTANT: gl.constexpr):
+                 CAUSAL: gl.constexpr, MUTANT: gl.constexpr, QMul, sq_pad, DQ_MODE: gl.constexpr):
     """One compute warpgroup: keys n0 + 64 WG .. + 64 of each tile; dQ_j's columns [0, DA) (WG 0) or [DA, DQK)
     (WG 1). MUTANT 1 (tests only): dK's scale left out."""
     dtype: gl.constexpr = ka_smem.dtype
@@ -130,6 +131,8 @@ def _mla_compute(qa_smem, qb_smem, do_smem, ka_smem, kb_smem, v_smem, ds_smem, l
     opv_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=v_l, k_width=2)
     keys0 = gl.arange(0, WN, layout=gl.SliceLayout(1, s_l)) + WG * WN
     qrow0 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_l))
+    qcol0 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, dq_l))
+    num_heads = num_heads_kv * GQA
     ka_w = ka_smem.slice(WG * WN, WN, dim=0)
     kb_w = kb_smem.slice(WG * WN, WN, dim=0)
     v_w = v_smem.slice(WG * WN, WN, dim=0)
@@ -146,7 +149,10 @@ def _mla_compute(qa_smem, qb_smem, do_smem, ka_smem, kb_smem, v_smem, ds_smem, l
         keys = n0 + keys0
         mbarrier.wait(kv_ready.index(0), t & 1)
         for i in range(GQA * steps):
-            m0 = lo + (i - (i // steps) * steps) * BLOCK_M
+            g = i // steps
+            m0 = lo + (i - g * steps) * BLOCK_M
+            if DQ_MODE == 4:  # [Note] Fixed-point dQ (lab/gluon_bwd.py): the rows' multipliers 2^(30 - e)
+                qm = gl.load(QMul + (off_b * num_heads + h0 + g).to(gl.int64) * sq_pad + m0 + qcol0)
             s = j % STAGES
             mbarrier.wait(ready.index(s), (j // STAGES) & 1)
             qa_s = qa_smem.index(s)
@@ -187,6 +193,8 @@ def _mla_compute(qa_smem, qb_smem, do_smem, ka_smem, kb_smem, v_smem, ds_smem, l
             dsb_op = gl.convert_layout(dst, opb_l)
             dkb_tok = warpgroup_mma(dsb_op, qb_s, dkb, is_async=True)
             dv, dq, pt_op = warpgroup_mma_wait(2, deps=(dv_tok, dq_tok, pt_op))
+            if DQ_MODE == 4:  # int32 units of 2^(e - 30) per query (a column of dQ_j^T): any order, the same bits
+                dq = _cvt_rni(dq * qm[None, :])
             mbarrier.wait(dq_empty.index(WG), (j & 1) ^ 1)  # the dQ warp has added what it held
             dq_smem.store(dq)
             fence_async_shared()
@@ -217,9 +225,10 @@ def _attn_bwd_mla(qa_desc, qb_desc, do_desc, ka_desc, kb_desc, v_desc, l_desc, d
                   DB: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   STAGES: gl.constexpr, GQA: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr,
                   COMPUTE_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, WRITER_REGS: gl.constexpr,
-                  MUTANT: gl.constexpr = 0):
+                  MUTANT: gl.constexpr = 0, QMul=None):
     gl.static_assert(BLOCK_N == 128)
-    gl.static_assert(DQ_MODE == 1)
+    gl.static_assert((DQ_MODE == 1) | (DQ_MODE == 4))  # unordered float32 adds, fixed-point int32 adds
+    gl.static_assert((DQ_MODE == 4) == (QMul is not None))
     dtype: gl.constexpr = qa_desc.dtype
     qa_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, DA], dtype)
     qb_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, DB], dtype)
@@ -238,8 +247,8 @@ def _attn_bwd_mla(qa_desc, qb_desc, do_desc, ka_desc, kb_desc, v_desc, l_desc, d
     ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_sl)
     l_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], l_desc.layout)
     d_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], d_desc.layout)
-    dqa_smem = gl.allocate_shared_memory(gl.float32, [DA, BLOCK_M], f32_sl)
-    dqb_smem = gl.allocate_shared_memory(gl.float32, [DB, BLOCK_M], f32_sl)
+    dqa_smem = gl.allocate_shared_memory(dqa_desc.dtype, [DA, BLOCK_M], f32_sl)
+    dqb_smem = gl.allocate_shared_memory(dqa_desc.dtype, [DB, BLOCK_M], f32_sl)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
@@ -261,11 +270,11 @@ def _attn_bwd_mla(qa_desc, qb_desc, do_desc, ka_desc, kb_desc, v_desc, l_desc, d
         (_mla_compute, (qa_smem, qb_smem, do_smem, ka_smem, kb_smem, v_smem, ds_smem, l_smem, d_smem, dqa_smem,
                         ready, empty, kv_ready, kv_empty, ds_ready, dq_full, dq_empty, DK, DV_, qk_scale, scale,
                         num_tiles, num_bh, num_heads_kv, seq_q, seq_k, 0, DB, DV, BLOCK_M, BLOCK_N, STAGES, GQA,
-                        CAUSAL, MUTANT)),
+                        CAUSAL, MUTANT, QMul, sq_pad, DQ_MODE)),
         (_mla_compute, (qa_smem, qb_smem, do_smem, ka_smem, kb_smem, v_smem, ds_smem, l_smem, d_smem, dqb_smem,
                         ready, empty, kv_ready, kv_empty, ds_ready, dq_full, dq_empty, DK, DV_, qk_scale, scale,
                         num_tiles, num_bh, num_heads_kv, seq_q, seq_k, 1, DB, DV, BLOCK_M, BLOCK_N, STAGES, GQA,
-                        CAUSAL, MUTANT)),
+                        CAUSAL, MUTANT, QMul, sq_pad, DQ_MODE)),
         (_mla_producer, (qa_desc, qb_desc, do_desc, ka_desc, kb_desc, v_desc, l_desc, d_desc, qa_smem, qb_smem,
                          do_smem, ka_smem, kb_smem, v_smem, l_smem, d_smem, ready, empty, kv_ready, kv_empty,
                          num_tiles, num_bh, num_heads_kv, seq_q, seq_k, DB, DV, BLOCK_M, BLOCK_N, STAGES, GQA,
@@ -275,15 +284,17 @@ def _attn_bwd_mla(qa_desc, qb_desc, do_desc, ka_desc, kb_desc, v_desc, l_desc, d
     ], [4, 1, 1], [COMPUTE_REGS, PRODUCER_REGS, WRITER_REGS])
 
 
-def _args(q, do, k, v, lse2, delta, dq_acc, dk, dv, scale, num_tiles, num_bh, hkv, sq, sk, sq_pad, causal,
+def _args(q, do, k, v, lse2, delta, dq_acc, dk, dv, scale, num_tiles, num_bh, hkv, sq, sk, sq_pad, causal, qmul=None,
           **constexprs):
     gqa = q.shape[1] // k.shape[1]
     da = DA.value
     db = q.shape[-1] - da
     kw = dict(DB=db, DV=v.shape[-1], BLOCK_M=MLA_BLOCK_M, BLOCK_N=MLA_BLOCK_N, STAGES=MLA_STAGES, GQA=gqa,
-              CAUSAL=causal, DQ_MODE=1, COMPUTE_REGS=MLA_COMPUTE_REGS, PRODUCER_REGS=MLA_PRODUCER_REGS,
-              WRITER_REGS=MLA_WRITER_REGS, num_warps=4)
+              CAUSAL=causal, DQ_MODE=1 if qmul is None else 4, COMPUTE_REGS=MLA_COMPUTE_REGS,
+              PRODUCER_REGS=MLA_PRODUCER_REGS, WRITER_REGS=MLA_WRITER_REGS, num_warps=4)
     kw.update(constexprs)
+    if qmul is not None:
+        kw["QMul"] = qmul
     bm = kw["BLOCK_M"]
     args = (_descriptor(q, bm, da), _descriptor(q, bm, db), _descriptor(do, bm), _descriptor(k, MLA_BLOCK_N, da),
             _descriptor(k, MLA_BLOCK_N, db), _descriptor(v, MLA_BLOCK_N), _bwd_row_descriptor(lse2, bm),
@@ -293,7 +304,23 @@ def _args(q, do, k, v, lse2, delta, dq_acc, dk, dv, scale, num_tiles, num_bh, hk
     return args, kw
 
 
-def _setup(do, q, k, v, out, lse, scale, causal, fill=False, **constexprs):
+@triton.jit
+def _dqt_convert(ACC, DQ, QMul, scale, seq_q, sq_pad, DQK: tl.constexpr, BLOCK: tl.constexpr, FIXED: tl.constexpr):
+    """dQ[b, h, m, :] = scale * ACC[b, h, :, m] in dQ's dtype (ACC the dQ^T [B, H, DQK, sq_pad], float32, or with
+    FIXED int32 in units of 1 / QMul[b, h, m]), in chunks of 64 columns of d_qk (DQK a multiple of 64)."""
+    m = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    head = tl.program_id(1).to(tl.int64)
+    d = tl.arange(0, 64)
+    f = tl.full([BLOCK], scale, tl.float32)
+    if FIXED:
+        f = scale / tl.load(QMul + head * sq_pad + m)
+    for c in tl.static_range(DQK // 64):
+        t = tl.load(ACC + head * DQK * sq_pad + (c * 64 + d[:, None]) * sq_pad + m[None, :])
+        tl.store(DQ + head * seq_q * DQK + m[None, :] * DQK + c * 64 + d[:, None],
+                 (t.to(tl.float32) * f[None, :]).to(DQ.dtype.element_ty), mask=m[None, :] < seq_q)
+
+
+def _setup(do, q, k, v, out, lse, scale, causal, fill=False, fixed=False, **constexprs):
     b, hq, sq, dqk = q.shape
     hkv, sk, dv_ = k.shape[1], k.shape[2], v.shape[-1]
     q, k, v, do, out = (t.contiguous() for t in (q, k, v, do, out))
@@ -302,44 +329,50 @@ def _setup(do, q, k, v, out, lse, scale, causal, fill=False, **constexprs):
     sq_pad = triton.cdiv(sq, 64) * 64  # the preprocess's rows
     delta = torch.empty((b, hq, sq_pad), dtype=torch.float32, device=q.device)
     lse2 = torch.empty_like(delta)
-    dq_acc = torch.zeros((b, hq, dqk, sq_pad), dtype=torch.float32, device=q.device)  # dQ^T
+    dq_acc = torch.zeros((b, hq, dqk, sq_pad), dtype=torch.int32 if fixed else torch.float32, device=q.device)  # dQ^T
+    qmul = torch.empty_like(delta) if fixed else None
     num_bh = b * hkv
     num_tiles = triton.cdiv(sk, MLA_BLOCK_N) * num_bh
     grid = (min(num_tiles, _sms(q.device)), )
     args, kw = _args(q, do, k, v, lse2, delta, dq_acc, dk, dv, scale, num_tiles, num_bh, hkv, sq, sk, sq_pad,
-                     causal, **constexprs)
+                     causal, qmul, **constexprs)
 
     def pre():
+        kvb = None
+        if fixed:  # [Note] Fixed-point dQ: (max|K|, max_j |V_j|_2) per KV head, for the rows' bounds
+            kvb = torch.stack([k.abs().amax(dim=(2, 3)).float(), torch.linalg.vector_norm(v, dim=-1).amax(-1).float()],
+                              -1).contiguous()
         _bwd_preprocess[(sq_pad // 64, b * hq)](out, do, lse.contiguous(), delta, lse2, sq, sq_pad, HEAD_DIM=dv_,
-                                                BLOCK_M=64, num_warps=4)
+                                                BLOCK_M=64, QMul=qmul, KVB=kvb, GQA=hq // hkv, num_warps=4)
 
     def main():
         _attn_bwd_mla[grid](*args, **kw)
 
     def post():
-        torch.mul(dq_acc.transpose(-1, -2)[:, :, :sq], scale, out=dq)
+        _dqt_convert[(sq_pad // 64, b * hq)](dq_acc, dq, qmul, scale, sq, sq_pad, DQK=dqk, BLOCK=64, FIXED=fixed,
+                                             num_warps=4)
 
     return pre, main, post, (dq, dk, dv), dq_acc
 
 
-def backward(do, q, k, v, out, lse, scale, causal, fill=False, **constexprs):
+def backward(do, q, k, v, out, lse, scale, causal, fill=False, fixed=False, **constexprs):
     """(dq, dk, dv) for contiguous bf16 q, k [B, H, S, DQK], v, do, out [B, H, S, DV]; lse [B, Hq, Sq] natural log.
-    fill: outputs start NaN (a program that never ran fails the check)."""
-    pre, main, post, res, _ = _setup(do, q, k, v, out, lse, scale, causal, fill, **constexprs)
+    fill: outputs start NaN (a program that never ran fails the check). fixed: the fixed-point dQ (deterministic)."""
+    pre, main, post, res, _ = _setup(do, q, k, v, out, lse, scale, causal, fill, fixed, **constexprs)
     pre()
     main()
     post()
     return res
 
 
-def prepared(do, q, k, v, out, lse, scale, causal, **constexprs):
+def prepared(do, q, k, v, out, lse, scale, causal, fixed=False, **constexprs):
     """The main kernel's launch alone (buffers allocated and the preprocess run once): for timing it apart."""
-    pre, main, post, res, _ = _setup(do, q, k, v, out, lse, scale, causal, **constexprs)
+    pre, main, post, res, _ = _setup(do, q, k, v, out, lse, scale, causal, fixed=fixed, **constexprs)
     pre()
     return main
 
 
-def compile_for(dqk=192, dv=128, gqa=1, causal=True, dtype=torch.bfloat16, seq_q=1000, seq_k=1000,
+def compile_for(dqk=192, dv=128, gqa=1, causal=True, dtype=torch.bfloat16, seq_q=1000, seq_k=1000, FIXED=0,
                 **constexprs):
     """Build the main kernel for sm_90 without a GPU (triton's bundled ptxas); returns the CompiledKernel."""
     from triton.backends.compiler import GPUTarget
@@ -353,11 +386,14 @@ def compile_for(dqk=192, dv=128, gqa=1, causal=True, dtype=torch.bfloat16, seq_q
     v = torch.empty((1, 1, seq_k, dv), dtype=dtype)
     do = torch.empty((1, gqa, seq_q, dv), dtype=dtype)
     rows = torch.empty((1, gqa, sq_pad), dtype=torch.float32)
-    acc = torch.empty((1, gqa, dqk, sq_pad), dtype=torch.float32)
-    args, kw = _args(q, do, k, v, rows, rows, acc, k, v, 0.5, 2, 2, 2, seq_q, seq_k, sq_pad, causal, **constexprs)
+    acc = torch.empty((1, gqa, dqk, sq_pad), dtype=torch.int32 if FIXED else torch.float32)
+    args, kw = _args(q, do, k, v, rows, rows, acc, k, v, 0.5, 2, 2, 2, seq_q, seq_k, sq_pad, causal,
+                     rows if FIXED else None, **constexprs)
     names = list(_attn_bwd_mla.arg_names)[:len(args)]
     num_warps = kw.pop("num_warps")
     signature = {n: mangle_type(a) for n, a in zip(names, args)}
+    if "QMul" in kw:
+        signature["QMul"] = mangle_type(kw.pop("QMul"))
     signature.update({n: "constexpr" for n in kw})
     src = GluonASTSource(fn=_attn_bwd_mla, signature=signature, constexprs=kw)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})

@@ -29,6 +29,7 @@ MLA_BLOCK_M = 32  # queries a step (the N of S^T, dP^T and of dQ_j^T)
 MLA_BLOCK_N = 128  # keys a tile: two compute warpgroups of 64
 MLA_STAGES = 2
 MLA_COMPUTE_REGS = 248  # ptxas (CPU): 64 B spilled, none in the main step loop (240: 96 B, LDL/STL in it)
+MLA_QM_TMA = 0  # the fixed-point dQ's row multipliers: 1 by TMA beside lse2/delta (ptxas 68 B spilled), 0 loads (160 B)
 MLA_PRODUCER_REGS = 24
 MLA_WRITER_REGS = 24
 DA = gl.constexpr(128)  # the first chunk of the d_qk columns (the second: DQK - DA = 64)
@@ -44,7 +45,8 @@ def _descriptor(t, rows, cols=None):
 def _mla_producer(qa_desc, qb_desc, do_desc, ka_desc, kb_desc, v_desc, l_desc, d_desc, qa_smem, qb_smem, do_smem,
                   ka_smem, kb_smem, v_smem, l_smem, d_smem, ready, empty, kv_ready, kv_empty, num_tiles, num_bh,
                   num_heads_kv, seq_q, seq_k, DB: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GQA: gl.constexpr, CAUSAL: gl.constexpr):
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GQA: gl.constexpr, CAUSAL: gl.constexpr, m_desc, m_smem,
+                  QM_TMA: gl.constexpr):
     num_heads = num_heads_kv * GQA
     dtype: gl.constexpr = qa_desc.dtype
     j = 0
@@ -69,7 +71,10 @@ def _mla_producer(qa_desc, qb_desc, do_desc, ka_desc, kb_desc, v_desc, l_desc, d
             g = i // steps
             m0 = lo + (i - g * steps) * BLOCK_M
             mbarrier.expect(ready.index(s), qa_desc.block_type.nbytes + qb_desc.block_type.nbytes
-                            + do_desc.block_type.nbytes + 2 * l_desc.block_type.nbytes)
+                            + do_desc.block_type.nbytes + (3 if QM_TMA else 2) * l_desc.block_type.nbytes)
+            if QM_TMA:  # the fixed-point dQ's row multipliers beside lse2 and delta
+                tma.async_copy_global_to_shared(m_desc, [off_b * num_heads + h0 + g, m0], ready.index(s),
+                                                m_smem.index(s))
             tma.async_copy_global_to_shared(qa_desc, [off_b, h0 + g, m0, 0], ready.index(s),
                                             qa_smem.index(s)._reinterpret(dtype, [1, 1, BLOCK_M, DA], qa_desc.layout))
             tma.async_copy_global_to_shared(qb_desc, [off_b, h0 + g, m0, DA], ready.index(s),
@@ -115,7 +120,8 @@ def _mla_compute(qa_smem, qb_smem, do_smem, ka_smem, kb_smem, v_smem, ds_smem, l
                  kv_ready, kv_empty, ds_ready, dq_full, dq_empty, DK, DV_, qk_scale, scale, num_tiles, num_bh,
                  num_heads_kv, seq_q, seq_k, WG: gl.constexpr, DB: gl.constexpr, DV: gl.constexpr,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GQA: gl.constexpr,
-                 CAUSAL: gl.constexpr, MUTANT: gl.constexpr, QMul, sq_pad, DQ_MODE: gl.constexpr):
+                 CAUSAL: gl.constexpr, MUTANT: gl.constexpr, QMul, sq_pad, DQ_MODE: gl.constexpr, m_smem,
+                 QM_TMA: gl.constexpr):
     """One compute warpgroup: keys n0 + 64 WG .. + 64 of each tile; dQ_j's columns [0, DA) (WG 0) or [DA, DQK)
     (WG 1). MUTANT 1 (tests only): dK's scale left out."""
     dtype: gl.constexpr = ka_smem.dtype
@@ -151,7 +157,7 @@ def _mla_compute(qa_smem, qb_smem, do_smem, ka_smem, kb_smem, v_smem, ds_smem, l
         for i in range(GQA * steps):
             g = i // steps
             m0 = lo + (i - g * steps) * BLOCK_M
-            if DQ_MODE == 4:  # [Note] Fixed-point dQ (lab/gluon_bwd.py): the rows' multipliers 2^(30 - e)
+            if (DQ_MODE == 4) & (QM_TMA == 0):  # [Note] Fixed-point dQ (lab/gluon_bwd.py): 2^(30 - e) per row
                 qm = gl.load(QMul + (off_b * num_heads + h0 + g).to(gl.int64) * sq_pad + m0 + qcol0)
             s = j % STAGES
             mbarrier.wait(ready.index(s), (j // STAGES) & 1)
@@ -194,6 +200,8 @@ def _mla_compute(qa_smem, qb_smem, do_smem, ka_smem, kb_smem, v_smem, ds_smem, l
             dkb_tok = warpgroup_mma(dsb_op, qb_s, dkb, is_async=True)
             dv, dq, pt_op = warpgroup_mma_wait(2, deps=(dv_tok, dq_tok, pt_op))
             if DQ_MODE == 4:  # int32 units of 2^(e - 30) per query (a column of dQ_j^T): any order, the same bits
+                if QM_TMA:
+                    qm = m_smem.index(s).reshape([BLOCK_M]).load(gl.SliceLayout(0, dq_l))
                 dq = _cvt_rni(dq * qm[None, :])
             mbarrier.wait(dq_empty.index(WG), (j & 1) ^ 1)  # the dQ warp has added what it held
             dq_smem.store(dq)
@@ -225,10 +233,11 @@ def _attn_bwd_mla(qa_desc, qb_desc, do_desc, ka_desc, kb_desc, v_desc, l_desc, d
                   DB: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   STAGES: gl.constexpr, GQA: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr,
                   COMPUTE_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, WRITER_REGS: gl.constexpr,
-                  MUTANT: gl.constexpr = 0, QMul=None):
+                  MUTANT: gl.constexpr = 0, QMul=None, QM_TMA: gl.constexpr = 0):
     gl.static_assert(BLOCK_N == 128)
     gl.static_assert((DQ_MODE == 1) | (DQ_MODE == 4))  # unordered float32 adds, fixed-point int32 adds
     gl.static_assert((DQ_MODE == 4) == (QMul is not None))
+    gl.static_assert((QM_TMA == 0) | (DQ_MODE == 4))
     dtype: gl.constexpr = qa_desc.dtype
     qa_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, DA], dtype)
     qb_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, DB], dtype)
@@ -247,6 +256,7 @@ def _attn_bwd_mla(qa_desc, qb_desc, do_desc, ka_desc, kb_desc, v_desc, l_desc, d
     ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_sl)
     l_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], l_desc.layout)
     d_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], d_desc.layout)
+    m_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], d_desc.layout)
     dqa_smem = gl.allocate_shared_memory(dqa_desc.dtype, [DA, BLOCK_M], f32_sl)
     dqb_smem = gl.allocate_shared_memory(dqa_desc.dtype, [DB, BLOCK_M], f32_sl)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -270,15 +280,15 @@ def _attn_bwd_mla(qa_desc, qb_desc, do_desc, ka_desc, kb_desc, v_desc, l_desc, d
         (_mla_compute, (qa_smem, qb_smem, do_smem, ka_smem, kb_smem, v_smem, ds_smem, l_smem, d_smem, dqa_smem,
                         ready, empty, kv_ready, kv_empty, ds_ready, dq_full, dq_empty, DK, DV_, qk_scale, scale,
                         num_tiles, num_bh, num_heads_kv, seq_q, seq_k, 0, DB, DV, BLOCK_M, BLOCK_N, STAGES, GQA,
-                        CAUSAL, MUTANT, QMul, sq_pad, DQ_MODE)),
+                        CAUSAL, MUTANT, QMul, sq_pad, DQ_MODE, m_smem, QM_TMA)),
         (_mla_compute, (qa_smem, qb_smem, do_smem, ka_smem, kb_smem, v_smem, ds_smem, l_smem, d_smem, dqb_smem,
                         ready, empty, kv_ready, kv_empty, ds_ready, dq_full, dq_empty, DK, DV_, qk_scale, scale,
                         num_tiles, num_bh, num_heads_kv, seq_q, seq_k, 1, DB, DV, BLOCK_M, BLOCK_N, STAGES, GQA,
-                        CAUSAL, MUTANT, QMul, sq_pad, DQ_MODE)),
+                        CAUSAL, MUTANT, QMul, sq_pad, DQ_MODE, m_smem, QM_TMA)),
         (_mla_producer, (qa_desc, qb_desc, do_desc, ka_desc, kb_desc, v_desc, l_desc, d_desc, qa_smem, qb_smem,
                          do_smem, ka_smem, kb_smem, v_smem, l_smem, d_smem, ready, empty, kv_ready, kv_empty,
                          num_tiles, num_bh, num_heads_kv, seq_q, seq_k, DB, DV, BLOCK_M, BLOCK_N, STAGES, GQA,
-                         CAUSAL)),
+                         CAUSAL, QMul, m_smem, QM_TMA)),
         (_mla_dq_writer, (dqa_desc, dqb_desc, dqa_smem, dqb_smem, dq_full, dq_empty, num_tiles, num_bh, num_heads_kv,
                           seq_q, seq_k, BLOCK_M, BLOCK_N, GQA, CAUSAL)),
     ], [4, 1, 1], [COMPUTE_REGS, PRODUCER_REGS, WRITER_REGS])
@@ -291,11 +301,12 @@ def _args(q, do, k, v, lse2, delta, dq_acc, dk, dv, scale, num_tiles, num_bh, hk
     db = q.shape[-1] - da
     kw = dict(DB=db, DV=v.shape[-1], BLOCK_M=MLA_BLOCK_M, BLOCK_N=MLA_BLOCK_N, STAGES=MLA_STAGES, GQA=gqa,
               CAUSAL=causal, DQ_MODE=1 if qmul is None else 4, COMPUTE_REGS=MLA_COMPUTE_REGS,
-              PRODUCER_REGS=MLA_PRODUCER_REGS, WRITER_REGS=MLA_WRITER_REGS, num_warps=4)
+              PRODUCER_REGS=MLA_PRODUCER_REGS, WRITER_REGS=MLA_WRITER_REGS, QM_TMA=MLA_QM_TMA if qmul is not None else 0,
+              num_warps=4)
     kw.update(constexprs)
-    if qmul is not None:
-        kw["QMul"] = qmul
     bm = kw["BLOCK_M"]
+    if qmul is not None:  # QM_TMA: the multipliers' rows by TMA (a descriptor), else a pointer
+        kw["QMul"] = _bwd_row_descriptor(qmul, bm) if kw.get("QM_TMA") else qmul
     args = (_descriptor(q, bm, da), _descriptor(q, bm, db), _descriptor(do, bm), _descriptor(k, MLA_BLOCK_N, da),
             _descriptor(k, MLA_BLOCK_N, db), _descriptor(v, MLA_BLOCK_N), _bwd_row_descriptor(lse2, bm),
             _bwd_row_descriptor(delta, bm), _bwd_acc_descriptor(dq_acc, da, cols=bm, swizzle=128),

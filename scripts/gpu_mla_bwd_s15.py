@@ -52,14 +52,18 @@ def ref_fwd(q, k, v, causal, scale):
     return o.to(q.dtype), lse.contiguous()
 
 
-def phase_check(fixed: bool) -> None:
-    """fixed: the fixed-point dQ (int32 adds, deterministic); else unordered float32 adds."""
+# the Gluon lab kernel's variants: tag -> backward()'s keywords (fixed: the fixed-point dQ, int32 adds in any order,
+# deterministic; QM_TMA 1 its row multipliers by TMA beside lse2 / delta, 0 plain loads; float: unordered float32 adds)
+GLUON = {"fixed": dict(fixed=True, QM_TMA=0), "fixedtma": dict(fixed=True, QM_TMA=1), "float": dict(fixed=False)}
+
+
+def phase_check(tag: str) -> None:
     import torch
 
     from fagen.verify import reference
     from lab import gluon_bwd_mla as glm
 
-    tag = "fixed" if fixed else "float"
+    kw = GLUON[tag]
     gen = torch.Generator(device="cuda").manual_seed(1)
     worst, notes = 0.0, []
     for mask, gqa, nb, sq, sk in (("causal", 1, 2, 200, 333), ("causal", 1, 1, 333, 333), ("none", 2, 1, 257, 257)):
@@ -71,8 +75,8 @@ def phase_check(fixed: bool) -> None:
         scale = D ** -0.5
         o, lse = ref_fwd(q, k, v, mask == "causal", scale)
         t = time.time()
-        got = glm.backward(do, q, k, v, o, lse, scale, mask == "causal", fill=True, fixed=fixed)
-        again = glm.backward(do, q, k, v, o, lse, scale, mask == "causal", fill=True, fixed=fixed)
+        got = glm.backward(do, q, k, v, o, lse, scale, mask == "causal", fill=True, **kw)
+        again = glm.backward(do, q, k, v, o, lse, scale, mask == "causal", fill=True, **kw)
         torch.cuda.synchronize()
         same = all(torch.equal(x, y) for x, y in zip(got, again))
         ref_in = [x.double().requires_grad_() for x in (q, k, v)]
@@ -146,10 +150,10 @@ def phase_time(gluon: list[str]) -> None:
 
         o, lse = ref_fwd_chunked(q, k, v, scale)
         for tag in gluon:
-            fx = tag == "fixed"
-            rows[f"gluon {tag}"] = (lambda fx=fx: glm.backward(do, q, k, v, o, lse, scale, True, fixed=fx))
+            kw = GLUON[tag]
+            rows[f"gluon {tag}"] = (lambda kw=kw: glm.backward(do, q, k, v, o, lse, scale, True, **kw))
             rows[f"gluon {tag}"]()
-            kern = glm.prepared(do, q, k, v, o, lse, scale, True, fixed=fx)
+            kern = glm.prepared(do, q, k, v, o, lse, scale, True, **kw)
             rows[f"gluon {tag} kernel"] = kern
             kern()
         torch.cuda.synchronize()
@@ -190,7 +194,7 @@ def main() -> None:
     if "--phase" in sys.argv:
         name = sys.argv[sys.argv.index("--phase") + 1]
         if name.startswith("check-"):
-            phase_check(name == "check-fixed")
+            phase_check(name[6:])
         elif name == "warm":
             phase_warm()
         else:
@@ -206,7 +210,7 @@ def main() -> None:
     # three children at once: the product's compile (warm) and the two checks of the Gluon lab kernel
     kids = {n: (subprocess.Popen([sys.executable, script, "--phase", n], env=env, stdout=open(f"/tmp/mlabwd_{n}.log",
                                                                                             "w"),
-                                 stderr=subprocess.STDOUT)) for n in ("warm", "check-fixed", "check-float")}
+                                 stderr=subprocess.STDOUT)) for n in ("warm", *(f"check-{t}" for t in GLUON))}
     for n, p in kids.items():
         try:
             p.wait(timeout=max(1, 32 - (time.time() - T0)))
@@ -215,7 +219,7 @@ def main() -> None:
             out(f"{n}: killed at {time.time() - T0:.0f} s")
         for line in open(f"/tmp/mlabwd_{n}.log").read().splitlines()[-8:]:
             out(f"{n}: {line}")
-    ok = [t for t in ("fixed", "float") if any(f"CHECK gluon {t} PASS" in s for s in LINES)]
+    ok = [t for t in GLUON if any(f"CHECK gluon {t} PASS" in s for s in LINES)]
     rc, _ = run_phase(script, "time-" + "-".join(ok), max(10, 58 - (time.time() - T0)), env,
                       on_line=lambda s: (LINES.append(s.rstrip()), print(s, end="", flush=True)))
     if rc != 0:

@@ -301,8 +301,8 @@ def _args(q, do, k, v, lse2, delta, dq_acc, dk, dv, scale, num_tiles, num_bh, hk
     db = q.shape[-1] - da
     kw = dict(DB=db, DV=v.shape[-1], BLOCK_M=MLA_BLOCK_M, BLOCK_N=MLA_BLOCK_N, STAGES=MLA_STAGES, GQA=gqa,
               CAUSAL=causal, DQ_MODE=1 if qmul is None else 4, COMPUTE_REGS=MLA_COMPUTE_REGS,
-              PRODUCER_REGS=MLA_PRODUCER_REGS, WRITER_REGS=MLA_WRITER_REGS, QM_TMA=MLA_QM_TMA if qmul is not None else 0,
-              num_warps=4)
+              PRODUCER_REGS=MLA_PRODUCER_REGS, WRITER_REGS=MLA_WRITER_REGS,
+              QM_TMA=MLA_QM_TMA if qmul is not None else 0, num_warps=4)
     kw.update(constexprs)
     bm = kw["BLOCK_M"]
     if qmul is not None:  # QM_TMA: the multipliers' rows by TMA (a descriptor), else a pointer

@@ -331,7 +331,7 @@ def _dqt_convert(ACC, DQ, QMul, scale, seq_q, sq_pad, DQK: tl.constexpr, BLOCK: 
                  (t.to(tl.float32) * f[None, :]).to(DQ.dtype.element_ty), mask=m[None, :] < seq_q)
 
 
-def _setup(do, q, k, v, out, lse, scale, causal, fill=False, fixed=False, **constexprs):
+def _setup(do, q, k, v, out, lse, scale, causal, fill=False, fixed=False, grid_all=False, **constexprs):
     b, hq, sq, dqk = q.shape
     hkv, sk, dv_ = k.shape[1], k.shape[2], v.shape[-1]
     q, k, v, do, out = (t.contiguous() for t in (q, k, v, do, out))
@@ -344,7 +344,9 @@ def _setup(do, q, k, v, out, lse, scale, causal, fill=False, fixed=False, **cons
     qmul = torch.empty_like(delta) if fixed else None
     num_bh = b * hkv
     num_tiles = triton.cdiv(sk, MLA_BLOCK_N) * num_bh
-    grid = (min(num_tiles, _sms(q.device)), )
+    # grid_all: one program per tile (the hardware hands tiles out in index order as SMs free up: the heaviest causal
+    # key blocks first); else persistent, one program per SM taking every P-th tile
+    grid = (num_tiles if grid_all else min(num_tiles, _sms(q.device)), )
     args, kw = _args(q, do, k, v, lse2, delta, dq_acc, dk, dv, scale, num_tiles, num_bh, hkv, sq, sk, sq_pad,
                      causal, qmul, **constexprs)
 
@@ -366,19 +368,20 @@ def _setup(do, q, k, v, out, lse, scale, causal, fill=False, fixed=False, **cons
     return pre, main, post, (dq, dk, dv), dq_acc
 
 
-def backward(do, q, k, v, out, lse, scale, causal, fill=False, fixed=False, **constexprs):
+def backward(do, q, k, v, out, lse, scale, causal, fill=False, fixed=False, grid_all=False, **constexprs):
     """(dq, dk, dv) for contiguous bf16 q, k [B, H, S, DQK], v, do, out [B, H, S, DV]; lse [B, Hq, Sq] natural log.
     fill: outputs start NaN (a program that never ran fails the check). fixed: the fixed-point dQ (deterministic)."""
-    pre, main, post, res, _ = _setup(do, q, k, v, out, lse, scale, causal, fill, fixed, **constexprs)
+    pre, main, post, res, _ = _setup(do, q, k, v, out, lse, scale, causal, fill, fixed, grid_all, **constexprs)
     pre()
     main()
     post()
     return res
 
 
-def prepared(do, q, k, v, out, lse, scale, causal, fixed=False, **constexprs):
+def prepared(do, q, k, v, out, lse, scale, causal, fixed=False, grid_all=False, **constexprs):
     """The main kernel's launch alone (buffers allocated and the preprocess run once): for timing it apart."""
-    pre, main, post, res, _ = _setup(do, q, k, v, out, lse, scale, causal, fixed=fixed, **constexprs)
+    pre, main, post, res, _ = _setup(do, q, k, v, out, lse, scale, causal, fixed=fixed, grid_all=grid_all,
+                                     **constexprs)
     pre()
     return main
 

@@ -54,7 +54,10 @@ def ref_fwd(q, k, v, causal, scale):
 
 # the Gluon lab kernel's variants: tag -> backward()'s keywords (fixed: the fixed-point dQ, int32 adds in any order,
 # deterministic; QM_TMA 1 its row multipliers by TMA beside lse2 / delta, 0 plain loads; float: unordered float32 adds)
-GLUON = {"fixed": dict(fixed=True, QM_TMA=0), "fixedtma": dict(fixed=True, QM_TMA=1), "float": dict(fixed=False)}
+# grid: one program per tile instead of the persistent grid (the same build); s3: three Q/dO ring slots (186 KB)
+GLUON = {"fixed": dict(fixed=True, QM_TMA=0), "fixedtma": dict(fixed=True, QM_TMA=1),
+         "fixedtma s3": dict(fixed=True, QM_TMA=1, STAGES=3), "float": dict(fixed=False)}
+GRID_ROWS = {"fixedtma grid": dict(fixed=True, QM_TMA=1, grid_all=True)}  # timed where "fixedtma" passed
 
 
 def phase_check(tag: str) -> None:
@@ -153,9 +156,14 @@ def phase_time(gluon: list[str]) -> None:
             kw = GLUON[tag]
             rows[f"gluon {tag}"] = (lambda kw=kw: glm.backward(do, q, k, v, o, lse, scale, True, **kw))
             rows[f"gluon {tag}"]()
-            kern = glm.prepared(do, q, k, v, o, lse, scale, True, **kw)
-            rows[f"gluon {tag} kernel"] = kern
-            kern()
+            if tag in ("fixed", "fixedtma", "float"):  # the main kernel alone
+                kern = glm.prepared(do, q, k, v, o, lse, scale, True, **kw)
+                rows[f"gluon {tag} kernel"] = kern
+                kern()
+            for g_tag, g_kw in GRID_ROWS.items():
+                if g_tag.startswith(tag + " "):
+                    rows[f"gluon {g_tag}"] = (lambda kw=g_kw: glm.backward(do, q, k, v, o, lse, scale, True, **kw))
+                    rows[f"gluon {g_tag}"]()
         torch.cuda.synchronize()
         out(f"[{time.time() - T0:5.1f}s] gluon compiled: {gluon}")
     names = list(rows)
@@ -194,11 +202,11 @@ def main() -> None:
     if "--phase" in sys.argv:
         name = sys.argv[sys.argv.index("--phase") + 1]
         if name.startswith("check-"):
-            phase_check(name[6:])
+            phase_check(name[6:].replace("_", " "))
         elif name == "warm":
             phase_warm()
         else:
-            phase_time([x for x in name.split("-")[1:] if x])
+            phase_time([x.replace("_", " ") for x in name.split("-")[1:] if x])
         return
     import subprocess
 
@@ -210,7 +218,7 @@ def main() -> None:
     # three children at once: the product's compile (warm) and the two checks of the Gluon lab kernel
     kids = {n: (subprocess.Popen([sys.executable, script, "--phase", n], env=env, stdout=open(f"/tmp/mlabwd_{n}.log",
                                                                                             "w"),
-                                 stderr=subprocess.STDOUT)) for n in ("warm", *(f"check-{t}" for t in GLUON))}
+                                 stderr=subprocess.STDOUT)) for n in ("warm", *(f"check-{t.replace(' ', '_')}" for t in GLUON))}
     for n, p in kids.items():
         try:
             p.wait(timeout=max(1, 32 - (time.time() - T0)))
@@ -220,7 +228,7 @@ def main() -> None:
         for line in open(f"/tmp/mlabwd_{n}.log").read().splitlines()[-8:]:
             out(f"{n}: {line}")
     ok = [t for t in GLUON if any(f"CHECK gluon {t} PASS" in s for s in LINES)]
-    rc, _ = run_phase(script, "time-" + "-".join(ok), max(10, 58 - (time.time() - T0)), env,
+    rc, _ = run_phase(script, "time-" + "-".join(t.replace(" ", "_") for t in ok), max(10, 58 - (time.time() - T0)), env,
                       on_line=lambda s: (LINES.append(s.rstrip()), print(s, end="", flush=True)))
     if rc != 0:
         out(f"time phase: {rc}")

@@ -28,6 +28,7 @@ from lab.gluon_bwd import _GL_DTYPE, _bwd_acc_descriptor, _bwd_mma, _bwd_preproc
 MLA_BLOCK_M = 32  # queries a step (the N of S^T, dP^T and of dQ_j^T)
 MLA_BLOCK_N = 128  # keys a tile: two compute warpgroups of 64
 MLA_STAGES = 2
+MLA_DQ_SLOTS = 1  # dQ^T staging slots a warpgroup (2: the next step's tile may go in while the dQ warp adds one)
 MLA_COMPUTE_REGS = 248  # ptxas (CPU): 64 B spilled, none in the main step loop (240: 96 B, LDL/STL in it)
 MLA_QM_TMA = 0  # the fixed-point dQ's row multipliers: 1 by TMA beside lse2/delta (ptxas 68 B spilled), 0 loads (160 B)
 MLA_PRODUCER_REGS = 24
@@ -94,6 +95,7 @@ def _mla_dq_writer(dqa_desc, dqb_desc, dqa_smem, dqb_smem, dq_full, dq_empty, nu
     rows [0, DA) and warpgroup 1's [DA, DQK), BLOCK_M columns at m0."""
     num_heads = num_heads_kv * GQA
     DB: gl.constexpr = dqb_desc.block_type.shape[2]
+    NS: gl.constexpr = dqa_smem.shape[0]  # dQ slots a warpgroup (DQ_SLOTS)
     j = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         n_blk, off_b, off_hkv, h0, lo, split, hi = _bwd_tile(tile, num_tiles, num_bh, num_heads_kv, seq_q, seq_k,
@@ -102,16 +104,18 @@ def _mla_dq_writer(dqa_desc, dqb_desc, dqa_smem, dqb_smem, dq_full, dq_empty, nu
         for i in range(GQA * steps):
             g = i // steps
             m0 = lo + (i - g * steps) * BLOCK_M
-            mbarrier.wait(dq_full.index(0), j & 1)
-            _tma_reduce_add(dqa_desc, [off_b, h0 + g, 0, m0], dqa_smem._reinterpret(
+            sl = j % NS
+            ph = (j // NS) & 1
+            mbarrier.wait(dq_full.index(2 * sl), ph)
+            _tma_reduce_add(dqa_desc, [off_b, h0 + g, 0, m0], dqa_smem.index(sl)._reinterpret(
                 dqa_desc.dtype, [1, 1, DA, BLOCK_M], dqa_desc.layout))
-            mbarrier.wait(dq_full.index(1), j & 1)
-            _tma_reduce_add(dqb_desc, [off_b, h0 + g, DA, m0], dqb_smem._reinterpret(
+            mbarrier.wait(dq_full.index(2 * sl + 1), ph)
+            _tma_reduce_add(dqb_desc, [off_b, h0 + g, DA, m0], dqb_smem.index(sl)._reinterpret(
                 dqb_desc.dtype, [1, 1, DB, BLOCK_M], dqb_desc.layout))
             tma.store_wait(0)
             gl.thread_barrier()
-            mbarrier.arrive(dq_empty.index(0))
-            mbarrier.arrive(dq_empty.index(1))
+            mbarrier.arrive(dq_empty.index(2 * sl))
+            mbarrier.arrive(dq_empty.index(2 * sl + 1))
             j += 1
 
 
@@ -203,10 +207,12 @@ def _mla_compute(qa_smem, qb_smem, do_smem, ka_smem, kb_smem, v_smem, ds_smem, l
                 if QM_TMA:
                     qm = m_smem.index(s).reshape([BLOCK_M]).load(gl.SliceLayout(0, dq_l))
                 dq = _cvt_rni(dq * qm[None, :])
-            mbarrier.wait(dq_empty.index(WG), (j & 1) ^ 1)  # the dQ warp has added what it held
-            dq_smem.store(dq)
+            NS: gl.constexpr = dq_smem.shape[0]  # dQ slots a warpgroup (DQ_SLOTS)
+            sl = j % NS
+            mbarrier.wait(dq_empty.index(2 * sl + WG), ((j // NS) & 1) ^ 1)  # the dQ warp has added what it held
+            dq_smem.index(sl).store(dq)
             fence_async_shared()
-            mbarrier.arrive(dq_full.index(WG))
+            mbarrier.arrive(dq_full.index(2 * sl + WG))
             dka, dkb, dsa_op, dsb_op = warpgroup_mma_wait(0, deps=(dka_tok, dkb_tok, dsa_op, dsb_op))
             mbarrier.arrive(empty.index(s))
             j += 1
@@ -233,7 +239,7 @@ def _attn_bwd_mla(qa_desc, qb_desc, do_desc, ka_desc, kb_desc, v_desc, l_desc, d
                   DB: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   STAGES: gl.constexpr, GQA: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr,
                   COMPUTE_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, WRITER_REGS: gl.constexpr,
-                  MUTANT: gl.constexpr = 0, QMul=None, QM_TMA: gl.constexpr = 0):
+                  MUTANT: gl.constexpr = 0, QMul=None, QM_TMA: gl.constexpr = 0, DQ_SLOTS: gl.constexpr = 1):
     gl.static_assert(BLOCK_N == 128)
     gl.static_assert((DQ_MODE == 1) | (DQ_MODE == 4))  # unordered float32 adds, fixed-point int32 adds
     gl.static_assert((DQ_MODE == 4) == (QMul is not None))
@@ -257,21 +263,22 @@ def _attn_bwd_mla(qa_desc, qb_desc, do_desc, ka_desc, kb_desc, v_desc, l_desc, d
     l_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], l_desc.layout)
     d_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], d_desc.layout)
     m_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], d_desc.layout)
-    dqa_smem = gl.allocate_shared_memory(dqa_desc.dtype, [DA, BLOCK_M], f32_sl)
-    dqb_smem = gl.allocate_shared_memory(dqa_desc.dtype, [DB, BLOCK_M], f32_sl)
+    dqa_smem = gl.allocate_shared_memory(dqa_desc.dtype, [DQ_SLOTS, DA, BLOCK_M], f32_sl)
+    dqb_smem = gl.allocate_shared_memory(dqa_desc.dtype, [DQ_SLOTS, DB, BLOCK_M], f32_sl)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_full = gl.allocate_shared_memory(gl.int64, [2 * DQ_SLOTS, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [2 * DQ_SLOTS, 1], mbarrier.MBarrierLayout())
     for r in gl.static_range(STAGES):
         mbarrier.init(ready.index(r), count=1)
         mbarrier.init(empty.index(r), count=2)
-    for r in gl.static_range(2):
+    for r in gl.static_range(2 * DQ_SLOTS):
         mbarrier.init(dq_full.index(r), count=1)
         mbarrier.init(dq_empty.index(r), count=1)
+    for r in gl.static_range(2):
         mbarrier.init(ds_ready.index(r), count=2)
     mbarrier.init(kv_ready.index(0), count=1)
     mbarrier.init(kv_empty.index(0), count=2)
@@ -302,7 +309,7 @@ def _args(q, do, k, v, lse2, delta, dq_acc, dk, dv, scale, num_tiles, num_bh, hk
     kw = dict(DB=db, DV=v.shape[-1], BLOCK_M=MLA_BLOCK_M, BLOCK_N=MLA_BLOCK_N, STAGES=MLA_STAGES, GQA=gqa,
               CAUSAL=causal, DQ_MODE=1 if qmul is None else 4, COMPUTE_REGS=MLA_COMPUTE_REGS,
               PRODUCER_REGS=MLA_PRODUCER_REGS, WRITER_REGS=MLA_WRITER_REGS,
-              QM_TMA=MLA_QM_TMA if qmul is not None else 0, num_warps=4)
+              QM_TMA=MLA_QM_TMA if qmul is not None else 0, DQ_SLOTS=MLA_DQ_SLOTS, num_warps=4)
     kw.update(constexprs)
     bm = kw["BLOCK_M"]
     if qmul is not None:  # QM_TMA: the multipliers' rows by TMA (a descriptor), else a pointer

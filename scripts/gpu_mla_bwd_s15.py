@@ -54,9 +54,11 @@ def ref_fwd(q, k, v, causal, scale):
 
 # the Gluon lab kernel's variants: tag -> backward()'s keywords (fixed: the fixed-point dQ, int32 adds in any order,
 # deterministic; QM_TMA 1 its row multipliers by TMA beside lse2 / delta, 0 plain loads; float: unordered float32 adds)
-# grid: one program per tile instead of the persistent grid (the same build); s3: three Q/dO ring slots (186 KB)
+# grid: one program per tile instead of the persistent grid (the same build); s3: three Q/dO ring slots (186 KB);
+# slots2: two dQ^T staging slots a warpgroup (190 KB)
 GLUON = {"fixed": dict(fixed=True, QM_TMA=0), "fixedtma": dict(fixed=True, QM_TMA=1),
-         "fixedtma s3": dict(fixed=True, QM_TMA=1, STAGES=3), "float": dict(fixed=False)}
+         "fixedtma s3": dict(fixed=True, QM_TMA=1, STAGES=3), "fixedtma slots2": dict(fixed=True, QM_TMA=1, DQ_SLOTS=2),
+         "float": dict(fixed=False)}
 GRID_ROWS = {"fixedtma grid": dict(fixed=True, QM_TMA=1, grid_all=True)}  # timed where "fixedtma" passed
 
 
@@ -215,10 +217,10 @@ def main() -> None:
     env = child_env("/tmp/mlabwd_cache", ROOT)
     env["MLABWD_T0"] = str(T0)
     script = os.path.abspath(__file__)
-    # three children at once: the product's compile (warm) and the two checks of the Gluon lab kernel
-    kids = {n: (subprocess.Popen([sys.executable, script, "--phase", n], env=env, stdout=open(f"/tmp/mlabwd_{n}.log",
-                                                                                            "w"),
-                                 stderr=subprocess.STDOUT)) for n in ("warm", *(f"check-{t.replace(' ', '_')}" for t in GLUON))}
+    # children at once: the product's compile (warm) and a check of each variant of the Gluon lab kernel
+    names = ("warm", *(f"check-{t.replace(' ', '_')}" for t in GLUON))
+    kids = {n: subprocess.Popen([sys.executable, script, "--phase", n], env=env,
+                                stdout=open(f"/tmp/mlabwd_{n}.log", "w"), stderr=subprocess.STDOUT) for n in names}
     for n, p in kids.items():
         try:
             p.wait(timeout=max(1, 32 - (time.time() - T0)))
@@ -228,8 +230,8 @@ def main() -> None:
         for line in open(f"/tmp/mlabwd_{n}.log").read().splitlines()[-8:]:
             out(f"{n}: {line}")
     ok = [t for t in GLUON if any(f"CHECK gluon {t} PASS" in s for s in LINES)]
-    rc, _ = run_phase(script, "time-" + "-".join(t.replace(" ", "_") for t in ok), max(10, 58 - (time.time() - T0)), env,
-                      on_line=lambda s: (LINES.append(s.rstrip()), print(s, end="", flush=True)))
+    rc, _ = run_phase(script, "time-" + "-".join(t.replace(" ", "_") for t in ok), max(10, 58 - (time.time() - T0)),
+                      env, on_line=lambda s: (LINES.append(s.rstrip()), print(s, end="", flush=True)))
     if rc != 0:
         out(f"time phase: {rc}")
     d = os.environ.get("OUTX") or os.environ.get("OUT")

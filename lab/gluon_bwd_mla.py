@@ -2,15 +2,20 @@
 head dims, d_qk = DQK (192) beside d_v = DV (128): issue 27's feasibility check (fifteenth session, docs/serving.md
 "MLA backward (fifteenth session)").
 
-What changes against v1 (everything else is v1's code, imported):
-  - K, Q tiles are [rows, DQK], V, dO tiles [rows, DV]; dK [WN, DQK] and dV [WN, DV] float32 in each compute
-    warpgroup's registers (WN = BLOCK_N // 2 keys a warpgroup, 64: one wgmma M).
-  - dQ_j = dS K splits DQK in two halves of DQK // 2 (96) columns, one per compute warpgroup; a 96-column slice of
-    K needs a swizzle whose atom divides 96 bf16 columns, so K (its smem and TMA box) uses the 64-byte swizzle
-    (32 columns) instead of the default 128-byte one (64 columns). The dQ staging tile [BLOCK_M, 96] float32 keeps
-    the 128-byte swizzle (32 float32 columns).
-  - No levers (ORDER, SNAKE, NAMED, EPI_TMA, GRID, SPT, HGROUP all 0); DQ_MODE 0 (fixed-order dQ adds,
-    deterministic) or 1 (unordered adds).
+What changes against v1 (its helpers imported: the preprocess, the tile map, the TMA reduce, cvt.rni):
+  - 192 is no power of two (Gluon tensors, TMA boxes): K and Q come in two chunks of DA = 128 and DB = 64 columns
+    (their own smem tiles and TMA boxes); S^T = K_a Q_a^T + K_b Q_b^T; dK is two accumulators [64, 128] + [64, 64]
+    beside dV [64, 128] in each compute warpgroup's registers (64 keys a warpgroup, one wgmma M).
+  - 32-query steps (BLOCK_M): S^T and dP^T [64, 32] (16 registers each). dQ_j = dS K would need M = 32 < 64, so
+    the kernel computes dQ_j^T = K^T dS^T (M = d_qk rows: warpgroup 0 rows 0-127 from K_a, warpgroup 1 rows 128-191
+    from K_b; N = 32 queries; K = the tile's 128 keys, the dS^T both warpgroups exchanged in shared memory) and the
+    dQ warp reduce-adds it into a dQ^T accumulator [B, H, DQK, S_pad], which _dqt_convert turns into dQ.
+  - dQ adds: DQ_MODE 1 unordered float32, 4 fixed-point int32 (lab/gluon_bwd.py's [Note] Fixed-point dQ: any
+    order, the same bits; QM_TMA 1 brings the row multipliers by TMA beside lse2 and delta). No fixed-order mode.
+  - Persistent grid (a program per SM, tiles key-block major: the longest causal tiles first) or, with the host's
+    grid_all, a program per tile. No levers of v1 (ORDER, SNAKE, NAMED, EPI_TMA, SPT, HGROUP).
+ptxas (CPU, triton 3.6): `PYTHONPATH=$PWD python3 lab/gluon_bwd_mla.py FIXED=1,QM_TMA=1 ...` prints registers,
+spills, shared memory and the step loops' SASS counts per build.
 """
 # ruff: noqa: E402
 import torch

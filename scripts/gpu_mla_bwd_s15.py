@@ -59,6 +59,9 @@ def ref_fwd(q, k, v, causal, scale):
 GLUON = {"fixed": dict(fixed=True, QM_TMA=0), "fixedtma": dict(fixed=True, QM_TMA=1),
          "fixedtma s3": dict(fixed=True, QM_TMA=1, STAGES=3), "fixedtma slots2": dict(fixed=True, QM_TMA=1, DQ_SLOTS=2),
          "float": dict(fixed=False)}
+# checked only, expected to FAIL: the kernel broken on purpose (MUTANT 1: dK's scale left out), so that the float64
+# check is seen red once on the GPU
+MUTANTS = {"mutant": dict(fixed=True, QM_TMA=1, MUTANT=1)}
 GRID_ROWS = {"fixedtma grid": dict(fixed=True, QM_TMA=1, grid_all=True)}  # timed where "fixedtma" passed
 
 
@@ -68,7 +71,7 @@ def phase_check(tag: str) -> None:
     from fagen.verify import reference
     from lab import gluon_bwd_mla as glm
 
-    kw = GLUON[tag]
+    kw = {**GLUON, **MUTANTS}[tag]
     gen = torch.Generator(device="cuda").manual_seed(1)
     worst, notes = 0.0, []
     for mask, gqa, nb, sq, sk in (("causal", 1, 2, 200, 333), ("causal", 1, 1, 333, 333), ("none", 2, 1, 257, 257)):
@@ -218,7 +221,7 @@ def main() -> None:
     env["MLABWD_T0"] = str(T0)
     script = os.path.abspath(__file__)
     # children at once: the product's compile (warm) and a check of each variant of the Gluon lab kernel
-    names = ("warm", *(f"check-{t.replace(' ', '_')}" for t in GLUON))
+    names = ("warm", *(f"check-{t.replace(' ', '_')}" for t in (*GLUON, *MUTANTS)))
     kids = {n: subprocess.Popen([sys.executable, script, "--phase", n], env=env,
                                 stdout=open(f"/tmp/mlabwd_{n}.log", "w"), stderr=subprocess.STDOUT) for n in names}
     for n, p in kids.items():

@@ -95,7 +95,8 @@ def _mla_producer(qa_desc, qb_desc, do_desc, ka_desc, kb_desc, v_desc, l_desc, d
 
 @gluon.jit
 def _mla_dq_writer(dqa_desc, dqb_desc, dqa_smem, dqb_smem, dq_full, dq_empty, num_tiles, num_bh, num_heads_kv, seq_q,
-                   seq_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GQA: gl.constexpr, CAUSAL: gl.constexpr):
+                   seq_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GQA: gl.constexpr, CAUSAL: gl.constexpr,
+                   dqa2_smem, dqb2_smem, KSPLIT: gl.constexpr):
     """Unordered adds (DQ_MODE 1) into the transposed accumulator dQ^T [B, H, DQK, sq_pad]: per step, warpgroup 0's
     rows [0, DA) and warpgroup 1's [DA, DQK), BLOCK_M columns at m0."""
     num_heads = num_heads_kv * GQA
@@ -114,7 +115,13 @@ def _mla_dq_writer(dqa_desc, dqb_desc, dqa_smem, dqb_smem, dq_full, dq_empty, nu
             mbarrier.wait(dq_full.index(2 * sl), ph)
             _tma_reduce_add(dqa_desc, [off_b, h0 + g, 0, m0], dqa_smem.index(sl)._reinterpret(
                 dqa_desc.dtype, [1, 1, DA, BLOCK_M], dqa_desc.layout))
+            if KSPLIT:  # warpgroup 0's rows [DA, DQK), over its keys
+                _tma_reduce_add(dqb_desc, [off_b, h0 + g, DA, m0], dqa2_smem.index(sl)._reinterpret(
+                    dqb_desc.dtype, [1, 1, DB, BLOCK_M], dqb_desc.layout))
             mbarrier.wait(dq_full.index(2 * sl + 1), ph)
+            if KSPLIT:  # warpgroup 1's rows [0, DA), over its keys
+                _tma_reduce_add(dqa_desc, [off_b, h0 + g, 0, m0], dqb2_smem.index(sl)._reinterpret(
+                    dqa_desc.dtype, [1, 1, DA, BLOCK_M], dqa_desc.layout))
             _tma_reduce_add(dqb_desc, [off_b, h0 + g, DA, m0], dqb_smem.index(sl)._reinterpret(
                 dqb_desc.dtype, [1, 1, DB, BLOCK_M], dqb_desc.layout))
             tma.store_wait(0)
@@ -130,9 +137,11 @@ def _mla_compute(qa_smem, qb_smem, do_smem, ka_smem, kb_smem, v_smem, ds_smem, l
                  num_heads_kv, seq_q, seq_k, WG: gl.constexpr, DB: gl.constexpr, DV: gl.constexpr,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GQA: gl.constexpr,
                  CAUSAL: gl.constexpr, MUTANT: gl.constexpr, QMul, sq_pad, DQ_MODE: gl.constexpr, m_smem,
-                 QM_TMA: gl.constexpr):
+                 QM_TMA: gl.constexpr, dq2_smem, KSPLIT: gl.constexpr):
     """One compute warpgroup: keys n0 + 64 WG .. + 64 of each tile; dQ_j's columns [0, DA) (WG 0) or [DA, DQK)
-    (WG 1). MUTANT 1 (tests only): dK's scale left out."""
+    (WG 1). KSPLIT 1: all of dQ_j^T's rows over this warpgroup's 64 keys (dq_smem rows [0, DA), dq2_smem [DA, DQK)),
+    no dS^T exchange with the other warpgroup (the dQ warp adds both partials). MUTANT 1 (tests only): dK's scale
+    left out."""
     dtype: gl.constexpr = ka_smem.dtype
     WN: gl.constexpr = BLOCK_N // 2
     DQW: gl.constexpr = DA if WG == 0 else DB  # dQ columns of this warpgroup
@@ -195,27 +204,42 @@ def _mla_compute(qa_smem, qb_smem, do_smem, ka_smem, kb_smem, v_smem, ds_smem, l
             pt_op = gl.convert_layout(pt.to(dtype), opv_l)
             dv_tok = warpgroup_mma(pt_op, do_s, dv, is_async=True)
             fence_async_shared()
-            mbarrier.arrive(ds_ready.index(dsb))
-            mbarrier.wait(ds_ready.index(dsb), (j // 2) & 1)  # both warpgroups' halves of dS^T are in
-            if WG == 0:  # dQ_j^T = K^T dS^T: M = this warpgroup's d_qk rows, N = BLOCK_M queries
-                dq_tok = warpgroup_mma(ka_smem.permute((1, 0)), ds_smem.index(dsb),
-                                       gl.zeros([DQW, BLOCK_M], gl.float32, dq_l), use_acc=False, is_async=True)
+            if KSPLIT:  # this warpgroup's keys only: its own dS^T rows, no exchange
+                gl.thread_barrier()  # every thread's dS^T is in (fenced above) before the warpgroup's wgmma reads it
+                ds_w = ds_smem.index(dsb).slice(WG * WN, WN, dim=0)
+                dq_tok = warpgroup_mma(ka_w.permute((1, 0)), ds_w, gl.zeros([DA, BLOCK_M], gl.float32, dq_l),
+                                       use_acc=False, is_async=True)
+                dq2_tok = warpgroup_mma(kb_w.permute((1, 0)), ds_w, gl.zeros([DB, BLOCK_M], gl.float32, dq_l),
+                                        use_acc=False, is_async=True)
             else:
-                dq_tok = warpgroup_mma(kb_smem.permute((1, 0)), ds_smem.index(dsb),
-                                       gl.zeros([DQW, BLOCK_M], gl.float32, dq_l), use_acc=False, is_async=True)
+                mbarrier.arrive(ds_ready.index(dsb))
+                mbarrier.wait(ds_ready.index(dsb), (j // 2) & 1)  # both warpgroups' halves of dS^T are in
+                if WG == 0:  # dQ_j^T = K^T dS^T: M = this warpgroup's d_qk rows, N = BLOCK_M queries
+                    dq_tok = warpgroup_mma(ka_smem.permute((1, 0)), ds_smem.index(dsb),
+                                           gl.zeros([DQW, BLOCK_M], gl.float32, dq_l), use_acc=False, is_async=True)
+                else:
+                    dq_tok = warpgroup_mma(kb_smem.permute((1, 0)), ds_smem.index(dsb),
+                                           gl.zeros([DQW, BLOCK_M], gl.float32, dq_l), use_acc=False, is_async=True)
             dsa_op = gl.convert_layout(dst, opa_l)
             dka_tok = warpgroup_mma(dsa_op, qa_s, dka, is_async=True)
             dsb_op = gl.convert_layout(dst, opb_l)
             dkb_tok = warpgroup_mma(dsb_op, qb_s, dkb, is_async=True)
-            dv, dq, pt_op = warpgroup_mma_wait(2, deps=(dv_tok, dq_tok, pt_op))
+            if KSPLIT:
+                dv, dq, dq2, pt_op = warpgroup_mma_wait(2, deps=(dv_tok, dq_tok, dq2_tok, pt_op))
+            else:
+                dv, dq, pt_op = warpgroup_mma_wait(2, deps=(dv_tok, dq_tok, pt_op))
             if DQ_MODE == 4:  # int32 units of 2^(e - 30) per query (a column of dQ_j^T): any order, the same bits
                 if QM_TMA:
                     qm = m_smem.index(s).reshape([BLOCK_M]).load(gl.SliceLayout(0, dq_l))
                 dq = _cvt_rni(dq * qm[None, :])
+                if KSPLIT:
+                    dq2 = _cvt_rni(dq2 * qm[None, :])
             NS: gl.constexpr = dq_smem.shape[0]  # dQ slots a warpgroup (DQ_SLOTS)
             sl = j % NS
             mbarrier.wait(dq_empty.index(2 * sl + WG), ((j // NS) & 1) ^ 1)  # the dQ warp has added what it held
             dq_smem.index(sl).store(dq)
+            if KSPLIT:
+                dq2_smem.index(sl).store(dq2)
             fence_async_shared()
             mbarrier.arrive(dq_full.index(2 * sl + WG))
             dka, dkb, dsa_op, dsb_op = warpgroup_mma_wait(0, deps=(dka_tok, dkb_tok, dsa_op, dsb_op))
@@ -244,7 +268,8 @@ def _attn_bwd_mla(qa_desc, qb_desc, do_desc, ka_desc, kb_desc, v_desc, l_desc, d
                   DB: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   STAGES: gl.constexpr, GQA: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr,
                   COMPUTE_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, WRITER_REGS: gl.constexpr,
-                  MUTANT: gl.constexpr = 0, QMul=None, QM_TMA: gl.constexpr = 0, DQ_SLOTS: gl.constexpr = 1):
+                  MUTANT: gl.constexpr = 0, QMul=None, QM_TMA: gl.constexpr = 0, DQ_SLOTS: gl.constexpr = 1,
+                  KSPLIT: gl.constexpr = 0):
     gl.static_assert(BLOCK_N == 128)
     gl.static_assert((DQ_MODE == 1) | (DQ_MODE == 4))  # unordered float32 adds, fixed-point int32 adds
     gl.static_assert((DQ_MODE == 4) == (QMul is not None))
@@ -270,6 +295,12 @@ def _attn_bwd_mla(qa_desc, qb_desc, do_desc, ka_desc, kb_desc, v_desc, l_desc, d
     m_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], d_desc.layout)
     dqa_smem = gl.allocate_shared_memory(dqa_desc.dtype, [DQ_SLOTS, DA, BLOCK_M], f32_sl)
     dqb_smem = gl.allocate_shared_memory(dqa_desc.dtype, [DQ_SLOTS, DB, BLOCK_M], f32_sl)
+    if KSPLIT:  # each warpgroup stages all DQK rows: warpgroup 0 [DA] + [DB] (dqa, dqa2), warpgroup 1 [DB] + [DA]
+        dqa2_smem = gl.allocate_shared_memory(dqa_desc.dtype, [DQ_SLOTS, DB, BLOCK_M], f32_sl)
+        dqb2_smem = gl.allocate_shared_memory(dqa_desc.dtype, [DQ_SLOTS, DA, BLOCK_M], f32_sl)
+    else:
+        dqa2_smem = dqa_smem
+        dqb2_smem = dqb_smem
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
@@ -292,17 +323,18 @@ def _attn_bwd_mla(qa_desc, qb_desc, do_desc, ka_desc, kb_desc, v_desc, l_desc, d
         (_mla_compute, (qa_smem, qb_smem, do_smem, ka_smem, kb_smem, v_smem, ds_smem, l_smem, d_smem, dqa_smem,
                         ready, empty, kv_ready, kv_empty, ds_ready, dq_full, dq_empty, DK, DV_, qk_scale, scale,
                         num_tiles, num_bh, num_heads_kv, seq_q, seq_k, 0, DB, DV, BLOCK_M, BLOCK_N, STAGES, GQA,
-                        CAUSAL, MUTANT, QMul, sq_pad, DQ_MODE, m_smem, QM_TMA)),
-        (_mla_compute, (qa_smem, qb_smem, do_smem, ka_smem, kb_smem, v_smem, ds_smem, l_smem, d_smem, dqb_smem,
+                        CAUSAL, MUTANT, QMul, sq_pad, DQ_MODE, m_smem, QM_TMA, dqa2_smem, KSPLIT)),
+        (_mla_compute, (qa_smem, qb_smem, do_smem, ka_smem, kb_smem, v_smem, ds_smem, l_smem, d_smem,
+                        dqb2_smem,
                         ready, empty, kv_ready, kv_empty, ds_ready, dq_full, dq_empty, DK, DV_, qk_scale, scale,
                         num_tiles, num_bh, num_heads_kv, seq_q, seq_k, 1, DB, DV, BLOCK_M, BLOCK_N, STAGES, GQA,
-                        CAUSAL, MUTANT, QMul, sq_pad, DQ_MODE, m_smem, QM_TMA)),
+                        CAUSAL, MUTANT, QMul, sq_pad, DQ_MODE, m_smem, QM_TMA, dqb_smem, KSPLIT)),
         (_mla_producer, (qa_desc, qb_desc, do_desc, ka_desc, kb_desc, v_desc, l_desc, d_desc, qa_smem, qb_smem,
                          do_smem, ka_smem, kb_smem, v_smem, l_smem, d_smem, ready, empty, kv_ready, kv_empty,
                          num_tiles, num_bh, num_heads_kv, seq_q, seq_k, DB, DV, BLOCK_M, BLOCK_N, STAGES, GQA,
                          CAUSAL, QMul, m_smem, QM_TMA)),
         (_mla_dq_writer, (dqa_desc, dqb_desc, dqa_smem, dqb_smem, dq_full, dq_empty, num_tiles, num_bh, num_heads_kv,
-                          seq_q, seq_k, BLOCK_M, BLOCK_N, GQA, CAUSAL)),
+                          seq_q, seq_k, BLOCK_M, BLOCK_N, GQA, CAUSAL, dqa2_smem, dqb2_smem, KSPLIT)),
     ], [4, 1, 1], [COMPUTE_REGS, PRODUCER_REGS, WRITER_REGS])
 
 

@@ -178,6 +178,10 @@ def phase_time(gluon: list[str]) -> None:
                 if g_tag.startswith(tag + " "):
                     rows[f"gluon {g_tag}"] = (lambda kw=g_kw: glm.backward(do, q, k, v, o, lse, scale, True, **kw))
                     rows[f"gluon {g_tag}"]()
+                    if tag in KERNEL_ROWS:
+                        kern = glm.prepared(do, q, k, v, o, lse, scale, True, **g_kw)
+                        rows[f"gluon {g_tag} kernel"] = kern
+                        kern()
         torch.cuda.synchronize()
         out(f"[{time.time() - T0:5.1f}s] gluon compiled: {gluon}")
     names = list(rows)

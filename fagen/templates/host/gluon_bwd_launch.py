@@ -16,7 +16,7 @@ from fagen.templates.host.launch import _fast, _raw_stream
 
 BWD_BLOCK_M = BWD_BLOCK_N = HEAD_DIM = GQA = CAUSAL = BWD_RING_SLOTS = BWD_WARPS = BWD_KV_SPLIT = BWD_GRID_ALL = 0
 BWD_COMPUTE_REGS = BWD_PRODUCER_REGS = BWD_WRITER_REGS = BWD_DET_GRID = BWD_WINDOW = BWD_FIXED_FAST = BWD_PREFIX = 0
-BWD_FIXED_TMA = 0
+BWD_FIXED_TMA = BWD_WIN_CONV = 0
 _NUM_SMS, _BWD_KERNELS, _PRE_KW, _CONV_KW = {}, {}, {}, {}
 _bwd_preprocess = _dq_convert = _run_backward = _descriptor = None
 # -- fagen: included verbatim below this line --
@@ -102,13 +102,21 @@ _fast_dq_convert = _gluon(_dq_convert)
 _fast_bwd_kernels = {mode: (_gluon(kernel), epi_tma) for mode, (kernel, epi_tma) in _BWD_KERNELS.items()}
 
 
+def _conv_counts(b, hq, sq_pad, dq_mode):
+    """The adds' counters after KVB in the zeroed part: one int32 per (batch, query head, query block) of a render
+    that converts dQ in its main kernel, in mode 2 ([Note] dQ conversion in the main kernel in
+    gluon/backward.py.j2); else none."""
+    return b * hq * sq_pad // BWD_BLOCK_M if BWD_WIN_CONV and dq_mode == 2 else 0
+
+
 def _bwd_views(buf, b, hq, hkv, sq_pad, dq_mode):
     """(zeroed part, delta 2-D, lse2 2-D, dQ accumulator, counters, qmul rows 2-D, delta and qmul rows 2-D, KVB)
     over buf's float32 elements ([Note] Gluon backward host path): each part starts on a 16-byte boundary (TMA). In
     modes 1, 2 the counters' place holds KVB [B * Hkv, 2] ([Note] The bound kernel)."""
     rows = b * hq * sq_pad
     acc = rows * HEAD_DIM
-    sems = -(-(b * hq * sq_pad // BWD_BLOCK_M if dq_mode == 0 else 2 * b * hkv) // 4) * 4
+    sems = -(-(b * hq * sq_pad // BWD_BLOCK_M if dq_mode == 0 else 2 * b * hkv + _conv_counts(b, hq, sq_pad, dq_mode))
+             // 4) * 4
     zero = buf[:acc + sems]
     dm = buf[acc + sems:acc + sems + 2 * rows].view(2 * b * hq, sq_pad)  # [Note] Fixed-point dQ on the fast path
     lse2 = buf[acc + sems + 2 * rows:acc + sems + 3 * rows].view(b * hq, sq_pad)
@@ -119,7 +127,8 @@ def _bwd_views(buf, b, hq, hkv, sq_pad, dq_mode):
 def _bwd_workspace(b, hq, sq_pad, dq_mode, q, hkv=1):
     """The workspace views of one backward on q's device (hkv: K's heads, for mode 2's KVB), the zeroed part zeroed
     on the current stream."""
-    n = b * hq * sq_pad * (HEAD_DIM + 3) + max(b * hq * sq_pad // BWD_BLOCK_M, 2 * b * hkv) + 8
+    n = (b * hq * sq_pad * (HEAD_DIM + 3) + max(b * hq * sq_pad // BWD_BLOCK_M, 2 * b * hkv)
+         + _conv_counts(b, hq, sq_pad, dq_mode) + 8)
     if torch.cuda.is_current_stream_capturing() or 4 * n > _BWD_WS_KEEP:
         views = _bwd_views(q.new_empty(n, dtype=torch.float32), b, hq, hkv, sq_pad, dq_mode)
     else:
@@ -188,7 +197,10 @@ def _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, qk_sca
     dev = q.get_device()
     _, delta, lse2, dq_acc, sem, qmul, dm, kvb = _bwd_workspace(b, hq, sq_pad, dq_mode, q, k.shape[1])
     rows = delta
+    conv = (dq, dq_acc, sem) if BWD_WIN_CONV else ()  # modes 0, 1: placeholders, never read
     if dq_mode == 2:  # an int32 accumulator (zeroed float32 bits are int32 zeros), the rows' qmul in Sem
+        if BWD_WIN_CONV:  # dQ, the accumulator, the adds' counters after KVB ([Note] dQ conversion in the main kernel)
+            conv = (dq, dq_acc.view(torch.int32), sem[2 * b * k.shape[1]:])
         dq_acc, sem, rows = dq_acc.view(torch.int32), qmul, dm if BWD_FIXED_TMA else delta
         if _BWD_BOUND_KERNEL:  # [Note] The bound kernel: K's own heads, as the preprocess reads KVB
             _fast_kv_bound[(-(-sk // _BWD_BOUND_ROWS), b * k.shape[1])](k, v, kvb, sk, HEAD_DIM=HEAD_DIM,
@@ -217,11 +229,13 @@ def _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, qk_sca
         _descriptor(v, BWD_BLOCK_N), (lse2, (1, BWD_BLOCK_M)), (rows, (1, BWD_BLOCK_M)),
         (dq_acc, (1, 1, BWD_BLOCK_M, HEAD_DIM // 2)), dk, dv, sem,
         scale * 1.4426950408889634 if qk_scale is None else qk_scale, scale, num_tiles, num_bh, hkv, sq, sk, sq_pad,
-        *extra, HEAD_DIM=HEAD_DIM, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, STAGES=BWD_RING_SLOTS,
+        *extra, *conv, HEAD_DIM=HEAD_DIM, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, STAGES=BWD_RING_SLOTS,
         GQA=GQA // BWD_KV_SPLIT,
         CAUSAL=CAUSAL, DQ_MODE=dq_mode, COMPUTE_REGS=BWD_COMPUTE_REGS, PRODUCER_REGS=BWD_PRODUCER_REGS,
         WRITER_REGS=BWD_WRITER_REGS, num_warps=BWD_WARPS,
     )
+    if dq_mode == 2 and BWD_WIN_CONV:
+        return  # converted by the main kernel
     if dq_mode == 2:
         _fast_dq_convert[(sq_pad // BWD_BLOCK_M, b * hq)](dq_acc, dq, scale, sq, sq_pad, HEAD_DIM, BWD_BLOCK_M, qmul,
                                                           num_warps=4)

@@ -1,0 +1,275 @@
+"""Issue 26, fifteenth session (helper window): the sliding-window row's deterministic backward (causal + window
+(1024, 0), B1 H16 S8192 d128 bf16) with dQ converted in the main kernel (variant bwd_win_conv 1, [Note] dQ conversion
+in the main kernel in fagen/templates/gluon/backward.py.j2); docs/mods.md "The window's backward (fifteenth session)".
+
+    PYTHONPATH=$PWD python3 scripts/gpu_window_s15.py [--round b]
+
+Phases (scripts/_phases.py), warm children at once: flex; window (the product, then its checks); conv (the lever's
+module, then its checks: against float64 at B1 H2 S333, windows (37, 0) and (130, 0), and S1000 on 5 programs
+(16 tiles: programs convert while others still add), bit for bit the product's there and at the timed shape,
+repeatable, row 0's dq exactly 0); mutant (the lever waiting for one add fewer than a block's: must fail). Then one
+timing child: the product (fagen.attention), the product module's own attention (own: the lever's host path without
+it), the lever's module (conv), Flex, in rotated passes (do_bench medians, L2 flushed), the per-pass ratio conv / own;
+then the kernels of own and conv (torch.profiler). The table goes to stdout and $OUTX/table.txt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import gpu_mods_bwd_s9 as s9  # noqa: E402
+import gpu_window_s12 as s12  # noqa: E402  (small, grads, ref64, errs, same, diff, check, kernel_ms, window_inputs)
+
+BUDGET = 57.0
+ROUND_B = sys.argv[1:3] == ["--round", "b"] or os.environ.get("S15_ROUND") == "b"
+SW = "sliding-window+causal"
+LEVERS = {"conv": {"bwd_win_conv": 1}, "mutant": {"bwd_win_conv": 1}}
+_MUT = ("want = _bwd_visits(", "want = -1 + _bwd_visits(")
+_LEV: dict = {}
+
+
+def spec_():
+    from fagen.spec.kernel import KernelSpec
+
+    return KernelSpec(backend="gluon", direction="bwd", head_dim=128, dtype="bf16", mask="causal", window=True)
+
+
+def lever_module(name):
+    if name not in _LEV:
+        from fagen.runtime.loader import load_source
+
+        src = s9.lever_source(spec_(), LEVERS[name])
+        if name == "mutant":
+            assert src.count(_MUT[0]) == 1, "mutant: patch target missing"
+            src = src.replace(*_MUT)
+        mod = load_source(src, f"{spec_().name}_s15_{name}")
+        assert mod.BWD_DET_MODE == 2 and mod.BWD_FIXED_TMA == 1 and mod.BWD_WIN_CONV == 1, name
+        _LEV[name] = mod
+    return _LEV[name]
+
+
+def product():
+    import fagen
+
+    mod = fagen.load(spec_())
+    assert mod.BWD_DET_MODE == 2 and mod.BWD_FIXED_TMA == 1 and mod.BWD_WIN_CONV == 0
+    return mod
+
+
+def regs(mod):
+    out = []
+    try:
+        for cache in mod._BWD_KERNELS[2][0].device_caches.values():
+            for k in cache[0].values():
+                k._init_handles()
+                out.append((k.n_regs, k.n_spills))
+    except Exception as e:  # noqa: BLE001
+        out.append(f"{type(e).__name__}")
+    return out
+
+
+def check_small(name):
+    import torch
+
+    mods = {"product": product(), name: lever_module(name)}
+    dev = torch.cuda.current_device()
+    for n, progs in ((333, None), (1000, 5)):
+        q, k, v, do = s12.small(s=n)
+        for m in mods.values():
+            if progs:
+                m._NUM_SMS[dev] = progs
+            else:
+                m._NUM_SMS.pop(dev, None)
+        i, j = torch.arange(n, device="cuda")[:, None], torch.arange(n, device="cuda")[None, :]
+        for left in (37, 130):
+            def run(left=left):
+                ref = s12.ref64(q, k, v, do, (j <= i) & (i - j <= left))
+                runs = {x: [s12.grads(lambda a, b, c: m.attention(a, b, c, window=(left, 0)), q, k, v, do)
+                            for _ in "ab"] for x, m in mods.items()}
+                e = {x: max(s12.errs(r[0], ref)) for x, r in runs.items()}
+                rep = all(s12.same(*r) for r in runs.values())
+                eq = s12.diff(runs[name][0], runs["product"][0])
+                zero = all(bool((r[0][0][:, :, 0] == 0).all()) for r in runs.values())
+                ok = rep and zero and max(e.values()) < 3e-2 and eq == "bitwise"
+                if name == "mutant":  # must fail: caught if its dq is off the product's
+                    ok = eq != "bitwise"
+                return ok, (f"max |err| {e}; repeatable {rep}; row 0 dq == 0 {zero}; vs product: {eq}")
+            s12.check(f"{name} window ({left}, 0) S{n}{f' on {progs} programs' if progs else ''}", run)
+    for m in mods.values():
+        m._NUM_SMS.pop(dev, None)
+
+
+def own_step(mod, tensors, window=(1024, 0)):
+    import torch
+
+    q, k, v, do = tensors
+    out = mod.attention(q, k, v, window=window)
+    return lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+
+
+def step_of(variant, tensors):
+    import torch
+
+    import fagen
+
+    q, k, v, do = tensors
+    shape = s9.shape_of()
+    sm, mm = s9.row_mods(SW, shape)
+    if variant == "flex":
+        out = s9.flex_call(sm, mm, shape)(q, k, v)
+        return lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+    if variant == "own":
+        return own_step(product(), tensors)
+    if variant in LEVERS:
+        return own_step(lever_module(variant), tensors)
+    bm = s9.fagen_mask(mm, shape)
+    s9.selection(True)
+    out = fagen.attention(q, k, v, mask_mod=mm, block_mask=bm, deterministic=True)
+    return lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+
+
+def phase_warm(name):
+    import torch
+
+    t0 = time.perf_counter()
+    try:
+        tensors = s12.window_inputs()
+        if name == "flex":
+            step_of("flex", tensors)()
+        elif name == "window":
+            step_of("api", tensors)()
+            step_of("own", tensors)()
+            print(f"CHECK INFO product main kernel (regs, spills): {regs(product())}", flush=True)
+        else:
+            base = [g.clone() for g in step_of("own", tensors)()]
+            got = [g.clone() for g in step_of(name, tensors)()]
+            again = [g.clone() for g in step_of(name, tensors)()]
+            torch.cuda.synchronize()
+            print(f"CHECK INFO timed shape, {name} vs product: {s12.diff(got, base)}; repeat {s12.diff(got, again)}; "
+                  f"main kernel (regs, spills) {regs(lever_module(name))}", flush=True)
+        torch.cuda.synchronize()
+        print(f"warm {name}: {time.perf_counter() - t0:.1f} s", flush=True)
+    except Exception as e:  # noqa: BLE001
+        print(f"warm {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    if name in LEVERS:
+        check_small(name)
+
+
+def phase_time():
+    import torch
+
+    from fagen.bench.timing import measure
+
+    t_end = float(os.environ.get("S15_TIME_END", time.time() + 40))
+    tensors = s12.window_inputs()
+    names = ["own", "conv", "api", "flex"]
+    steps = {}
+    for p in range(6):
+        order = names[p % len(names):] + names[:p % len(names)]
+        if p % 2:
+            order = order[::-1]
+        for item in order:
+            rec = {"variant": item, "pass": p}
+            if time.time() > t_end - 9:
+                continue
+            try:
+                if item not in steps:
+                    steps[item] = step_of(item, tensors)
+                step = steps[item]
+                step()
+                rec["ms"] = measure(lambda i: step(), 1, torch.device("cuda"), 10.0, 25.0)
+            except Exception as e:  # noqa: BLE001
+                rec["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+            print("REC " + json.dumps(rec), flush=True)
+    for rnd in range(2):
+        for item in (["own", "conv"] if rnd == 0 else ["conv", "own"]):
+            if time.time() > t_end - 1.5 or item not in steps:
+                continue
+            try:
+                ms, top = s12.kernel_ms(steps[item], n=5)
+                print("REC " + json.dumps({"variant": item, "round": rnd, "kernel_ms": ms, "top": top}), flush=True)
+            except Exception as e:  # noqa: BLE001
+                print("REC " + json.dumps({"variant": item, "error": f"kernels {type(e).__name__}: {e}"[:200]}))
+
+
+def summary(recs):
+    out = []
+    by, per_pass = {}, {}
+    for r in recs:
+        if r.get("error"):
+            out.append(f"ERROR {r['variant']}: {r['error']}")
+        elif "ms" in r:
+            by.setdefault(r["variant"], []).append(r["ms"])
+            per_pass.setdefault(r["pass"], {})[r["variant"]] = r["ms"]
+    med = {k: sorted(v)[len(v) // 2] for k, v in by.items()}
+    flex = med.get("flex")
+    out += ["", "| variant | median ms | x Flex | each pass |", "|---|---:|---:|---|"]
+    for k, v in by.items():
+        x = f"{flex / med[k]:.3f}x" if flex else ""
+        out.append(f"| {k} | {med[k]:.4f} | {x} | {' / '.join(f'{m:.4f}' for m in v)} |")
+    for a, b in (("conv", "own"), ("own", "flex"), ("conv", "flex"), ("api", "flex")):
+        rs = sorted(p[a] / p[b] for p in per_pass.values() if a in p and b in p)
+        if rs:
+            out.append(f"ratio {a} / {b} per pass: median {rs[len(rs) // 2]:.4f}, range {rs[0]:.4f}..{rs[-1]:.4f} "
+                       f"({len(rs)} passes)")
+    out += ["", "| module | round | all kernels ms | largest (ms) |", "|---|---|---:|---|"]
+    for r in recs:
+        if "kernel_ms" in r:
+            out.append(f"| {r['variant']} | {r['round']} | {r['kernel_ms']:.4f} | {r['top']} |")
+    return out
+
+
+def main():
+    from _phases import child_env, run_phase
+
+    t0 = time.time()
+    env = child_env("/tmp/fagen-s15-window", ROOT)
+    env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    if ROUND_B:
+        env["S15_ROUND"] = "b"
+    script = os.path.abspath(__file__)
+    lines: dict = {}
+
+    def go(name, limit, extra=()):
+        rc, got = run_phase(script, name, limit, env, on_line=lambda s: print(s, end="", flush=True), extra=extra)
+        lines.setdefault(name + "".join(extra), []).extend(got)
+        if rc != 0:
+            print(f"phase {name} {extra}: {rc}", flush=True)
+
+    threads = [threading.Thread(target=go, args=("warm", 27.0, (w, ))) for w in ("flex", "window", "conv", "mutant")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    left = BUDGET - (time.time() - t0)
+    env["S15_TIME_END"] = str(time.time() + left - 3)
+    print(f"compiled in {time.time() - t0:.0f} s; timing for {left:.0f} s", flush=True)
+    go("time", max(5.0, left))
+    recs = [json.loads(s[4:]) for s in lines.get("time", []) if s.startswith("REC ")]
+    out = summary(recs)
+    out += [s[6:].rstrip("\n") for got in lines.values() for s in got if s.startswith("CHECK ")]
+    out.append(f"total {time.time() - t0:.0f} s")
+    print("\n".join(out), flush=True)
+    if os.environ.get("OUTX"):
+        os.makedirs(os.environ["OUTX"], exist_ok=True)
+        with open(os.path.join(os.environ["OUTX"], "table.txt"), "w") as f:
+            f.write("\n".join(out) + "\n")
+        with open(os.path.join(os.environ["OUTX"], "window_s15.json"), "w") as f:
+            json.dump({"records": recs, "lines": lines}, f, indent=1)
+
+
+if __name__ == "__main__":
+    if "--phase" in sys.argv:
+        if sys.argv[sys.argv.index("--phase") + 1] == "time":
+            phase_time()
+        else:
+            phase_warm(sys.argv[-1])
+    else:
+        main()

@@ -30,8 +30,13 @@ import gpu_window_s12 as s12  # noqa: E402  (small, grads, ref64, errs, same, di
 BUDGET = 57.0
 ROUND_B = sys.argv[1:3] == ["--round", "b"] or os.environ.get("S15_ROUND") == "b"
 SW = "sliding-window+causal"
-LEVERS = {"conv": {"bwd_win_conv": 1}, "mutant": {"bwd_win_conv": 1}}
+LEVERS = {"conv": {"bwd_win_conv": 1}, "mutant": {"bwd_win_conv": 1}, "count": {"bwd_win_conv": 1}}
 _MUT = ("want = _bwd_visits(", "want = -1 + _bwd_visits(")
+# count: the lever's render with the main kernel's conversion taken out and the conversion pass put back (the dQ
+# warp's counting alone: its cost and its build's spills; gradients the product's)
+_COUNT = [("    if DQ_MODE == 2:  # [Note] dQ conversion in the main kernel: the default warps",
+           "    if DQ_MODE == 3:  # count: no conversion here"),
+          ("    if dq_mode == 2 and BWD_WIN_CONV:\n        return", "    if dq_mode == 3:\n        return")]
 _LEV: dict = {}
 
 
@@ -46,9 +51,9 @@ def lever_module(name):
         from fagen.runtime.loader import load_source
 
         src = s9.lever_source(spec_(), LEVERS[name])
-        if name == "mutant":
-            assert src.count(_MUT[0]) == 1, "mutant: patch target missing"
-            src = src.replace(*_MUT)
+        for old, new in [_MUT] if name == "mutant" else _COUNT if name == "count" else []:
+            assert src.count(old) >= 1, f"{name}: patch target missing"
+            src = src.replace(old, new)
         mod = load_source(src, f"{spec_().name}_s15_{name}")
         assert mod.BWD_DET_MODE == 2 and mod.BWD_FIXED_TMA == 1 and mod.BWD_WIN_CONV == 1, name
         _LEV[name] = mod
@@ -158,7 +163,7 @@ def phase_warm(name):
         print(f"warm {name}: {time.perf_counter() - t0:.1f} s", flush=True)
     except Exception as e:  # noqa: BLE001
         print(f"warm {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-    if name in LEVERS:
+    if name in ("conv", "mutant"):
         check_small(name)
 
 
@@ -169,7 +174,7 @@ def phase_time():
 
     t_end = float(os.environ.get("S15_TIME_END", time.time() + 40))
     tensors = s12.window_inputs()
-    names = ["own", "conv", "api", "flex"]
+    names = ["own", "conv", "api", "count", "flex"]
     steps = {}
     for p in range(6):
         order = names[p % len(names):] + names[:p % len(names)]
@@ -189,7 +194,7 @@ def phase_time():
                 rec["error"] = f"{type(e).__name__}: {str(e)[:160]}"
             print("REC " + json.dumps(rec), flush=True)
     for rnd in range(2):
-        for item in (["own", "conv"] if rnd == 0 else ["conv", "own"]):
+        for item in (["own", "conv", "count"] if rnd == 0 else ["count", "conv", "own"]):
             if time.time() > t_end - 1.5 or item not in steps:
                 continue
             try:
@@ -214,7 +219,7 @@ def summary(recs):
     for k, v in by.items():
         x = f"{flex / med[k]:.3f}x" if flex else ""
         out.append(f"| {k} | {med[k]:.4f} | {x} | {' / '.join(f'{m:.4f}' for m in v)} |")
-    for a, b in (("conv", "own"), ("own", "flex"), ("conv", "flex"), ("api", "flex")):
+    for a, b in (("conv", "own"), ("count", "own"), ("own", "flex"), ("conv", "flex"), ("api", "flex")):
         rs = sorted(p[a] / p[b] for p in per_pass.values() if a in p and b in p)
         if rs:
             out.append(f"ratio {a} / {b} per pass: median {rs[len(rs) // 2]:.4f}, range {rs[0]:.4f}..{rs[-1]:.4f} "
@@ -243,7 +248,7 @@ def main():
         if rc != 0:
             print(f"phase {name} {extra}: {rc}", flush=True)
 
-    threads = [threading.Thread(target=go, args=("warm", 27.0, (w, ))) for w in ("flex", "window", "conv", "mutant")]
+    threads = [threading.Thread(target=go, args=("warm", 27.0, (w, ))) for w in ("flex", "window", "conv", "mutant", "count")]
     for t in threads:
         t.start()
     for t in threads:

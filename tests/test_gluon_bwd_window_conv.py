@@ -109,7 +109,7 @@ def conv_fast(monkeypatch, conv_module):
 
 def test_the_fast_and_plain_paths_pass_the_conversion_s_arguments(conv_fast):
     """Mode 2 with the lever: the main kernel's arguments end in (dQ, the int32 accumulator, the counters: zero when
-    the main kernel starts, one per (batch, query head, query block), after KVB in the workspace) on both paths, and
+    the main kernel starts, one per (batch, query head, query block) and the next block's, after KVB in the workspace) on both paths, and
     neither launches the conversion pass."""
     mod, fakes = conv_fast
     args, grads = _bwd_args(sq=300, sk=333, b=2, h=2)
@@ -118,7 +118,7 @@ def test_the_fast_and_plain_paths_pass_the_conversion_s_arguments(conv_fast):
         mod._run_backward_fast(*args, *grads, 2, None, extra)
         _, main, _ = fakes["main"].compiles[-1]
         cnt = main[23]
-        assert cnt.dtype == torch.int32 and cnt.numel() == 2 * 2 * 5 and torch.count_nonzero(cnt) == 0
+        assert cnt.dtype == torch.int32 and cnt.numel() >= 2 * 2 * 5 + 1 and torch.count_nonzero(cnt) == 0
         cnt.fill_(7)
     mod._run_backward(*args, *grads, 2, None, extra)
     (_, fast, c_fast), (_, plain, c_plain) = fakes["main"].compiles
@@ -128,9 +128,9 @@ def test_the_fast_and_plain_paths_pass_the_conversion_s_arguments(conv_fast):
         assert len(launch) == 24 and tuple(launch[18:21]) == extra
         assert launch[21].data_ptr() == grads[0].data_ptr() and launch[22].dtype == torch.int32
         assert launch[22].numel() == 2 * 2 * 320 * 128 and launch[23].dtype == torch.int32
-        assert launch[23].numel() == 2 * 2 * 5
     kvb = fakes["pre"].compiles[0][1][10]
     assert fast[23].data_ptr() == kvb.data_ptr() + 2 * 2 * 2 * 4  # right after KVB [B * Hkv, 2]
     assert fast[22].data_ptr() == fast[6].base.data_ptr()  # the accumulator the dQ warp adds into
+    assert plain[23].numel() == 2 * 2 * 5 + 1  # and the conversion's next block
     assert fakes["conv"].compiles == []  # no conversion pass in mode 2, on either path
 

@@ -103,10 +103,10 @@ _fast_bwd_kernels = {mode: (_gluon(kernel), epi_tma) for mode, (kernel, epi_tma)
 
 
 def _conv_counts(b, hq, sq_pad, dq_mode):
-    """The adds' counters after KVB in the zeroed part: one int32 per (batch, query head, query block) of a render
-    that converts dQ in its main kernel, in mode 2 ([Note] dQ conversion in the main kernel in
-    gluon/backward.py.j2); else none."""
-    return b * hq * sq_pad // BWD_BLOCK_M if BWD_WIN_CONV and dq_mode == 2 else 0
+    """The adds' counters after KVB in the zeroed part: one int32 per (batch, query head, query block) and the
+    conversion's next block, of a render that converts dQ in its main kernel, in mode 2 ([Note] dQ conversion in the
+    main kernel in gluon/backward.py.j2); else none."""
+    return b * hq * sq_pad // BWD_BLOCK_M + 1 if BWD_WIN_CONV and dq_mode == 2 else 0
 
 
 def _bwd_views(buf, b, hq, hkv, sq_pad, dq_mode):

@@ -102,20 +102,20 @@ _fast_dq_convert = _gluon(_dq_convert)
 _fast_bwd_kernels = {mode: (_gluon(kernel), epi_tma) for mode, (kernel, epi_tma) in _BWD_KERNELS.items()}
 
 
-def _conv_counts(b, hq, sq_pad, dq_mode):
-    """The adds' counters after KVB in the zeroed part: one int32 per (batch, query head, query block) and the
-    conversion's next block, of a render that converts dQ in its main kernel, in mode 2 ([Note] dQ conversion in the
-    main kernel in gluon/backward.py.j2); else none."""
-    return b * hq * sq_pad // BWD_BLOCK_M + 1 if BWD_WIN_CONV and dq_mode == 2 else 0
+def _conv_counts(tiles, dq_mode):
+    """The int32 flags after KVB in the zeroed part: one per tile and the conversion's next block, of a render that
+    converts dQ in its main kernel, in mode 2 ([Note] dQ conversion in the main kernel in gluon/backward.py.j2);
+    else none."""
+    return tiles + 1 if BWD_WIN_CONV and dq_mode == 2 else 0
 
 
-def _bwd_views(buf, b, hq, hkv, sq_pad, dq_mode):
+def _bwd_views(buf, b, hq, hkv, sq_pad, dq_mode, tiles=0):
     """(zeroed part, delta 2-D, lse2 2-D, dQ accumulator, counters, qmul rows 2-D, delta and qmul rows 2-D, KVB)
     over buf's float32 elements ([Note] Gluon backward host path): each part starts on a 16-byte boundary (TMA). In
     modes 1, 2 the counters' place holds KVB [B * Hkv, 2] ([Note] The bound kernel)."""
     rows = b * hq * sq_pad
     acc = rows * HEAD_DIM
-    sems = -(-(b * hq * sq_pad // BWD_BLOCK_M if dq_mode == 0 else 2 * b * hkv + _conv_counts(b, hq, sq_pad, dq_mode))
+    sems = -(-(b * hq * sq_pad // BWD_BLOCK_M if dq_mode == 0 else 2 * b * hkv + _conv_counts(tiles, dq_mode))
              // 4) * 4
     zero = buf[:acc + sems]
     dm = buf[acc + sems:acc + sems + 2 * rows].view(2 * b * hq, sq_pad)  # [Note] Fixed-point dQ on the fast path
@@ -124,25 +124,26 @@ def _bwd_views(buf, b, hq, hkv, sq_pad, dq_mode):
             buf[acc:acc + sems].view(torch.int32), dm[b * hq:], dm, buf[acc:acc + sems])
 
 
-def _bwd_workspace(b, hq, sq_pad, dq_mode, q, hkv=1):
-    """The workspace views of one backward on q's device (hkv: K's heads, for mode 2's KVB), the zeroed part zeroed
-    on the current stream."""
+def _bwd_workspace(b, hq, sq_pad, dq_mode, q, hkv=1, tiles=0):
+    """The workspace views of one backward on q's device (hkv: K's heads, for mode 2's KVB; tiles: the main
+    kernel's, for the flags of [Note] dQ conversion in the main kernel), the zeroed part zeroed on the current
+    stream."""
     n = (b * hq * sq_pad * (HEAD_DIM + 3) + max(b * hq * sq_pad // BWD_BLOCK_M, 2 * b * hkv)
-         + _conv_counts(b, hq, sq_pad, dq_mode) + 8)
+         + _conv_counts(tiles, dq_mode) + 8)
     if torch.cuda.is_current_stream_capturing() or 4 * n > _BWD_WS_KEEP:
-        views = _bwd_views(q.new_empty(n, dtype=torch.float32), b, hq, hkv, sq_pad, dq_mode)
+        views = _bwd_views(q.new_empty(n, dtype=torch.float32), b, hq, hkv, sq_pad, dq_mode, tiles)
     else:
         device = q.get_device()
         key, cache = (device, _raw_stream(device)), _BWD_WS.__dict__
         kept = cache.get(key)
         if kept is None or kept[0].numel() < n:
             kept = cache[key] = [q.new_empty(max(n, 1 << 16), dtype=torch.float32), {}]
-        shape = (b, hq, hkv, sq_pad, dq_mode)
+        shape = (b, hq, hkv, sq_pad, dq_mode, tiles)
         views = kept[1].get(shape)
         if views is None:
             if len(kept[1]) >= 256:
                 kept[1].clear()
-            views = kept[1][shape] = _bwd_views(kept[0], b, hq, hkv, sq_pad, dq_mode)
+            views = kept[1][shape] = _bwd_views(kept[0], b, hq, hkv, sq_pad, dq_mode, tiles)
     views[0].zero_()
     return views
 
@@ -195,11 +196,12 @@ def _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, qk_sca
     hkv, sk = k.shape[1] * BWD_KV_SPLIT, k.shape[2]  # virtual KV heads ([Note] GQA split in the backward)
     sq_pad = -(-sq // BWD_BLOCK_M) * BWD_BLOCK_M
     dev = q.get_device()
-    _, delta, lse2, dq_acc, sem, qmul, dm, kvb = _bwd_workspace(b, hq, sq_pad, dq_mode, q, k.shape[1])
+    tiles = -(-sk // BWD_BLOCK_N) * b * hkv if BWD_WIN_CONV else 0
+    _, delta, lse2, dq_acc, sem, qmul, dm, kvb = _bwd_workspace(b, hq, sq_pad, dq_mode, q, k.shape[1], tiles)
     rows = delta
     conv = (dq, dq_acc, sem) if BWD_WIN_CONV else ()  # modes 0, 1: placeholders, never read
     if dq_mode == 2:  # an int32 accumulator (zeroed float32 bits are int32 zeros), the rows' qmul in Sem
-        if BWD_WIN_CONV:  # dQ, the accumulator, the adds' counters after KVB ([Note] dQ conversion in the main kernel)
+        if BWD_WIN_CONV:  # dQ, the accumulator, the tiles' flags after KVB ([Note] dQ conversion in the main kernel)
             conv = (dq, dq_acc.view(torch.int32), sem[2 * b * k.shape[1]:])
         dq_acc, sem, rows = dq_acc.view(torch.int32), qmul, dm if BWD_FIXED_TMA else delta
         if _BWD_BOUND_KERNEL:  # [Note] The bound kernel: K's own heads, as the preprocess reads KVB

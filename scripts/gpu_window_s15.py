@@ -1,16 +1,20 @@
 """Issue 26, fifteenth session (helper window): the sliding-window row's deterministic backward (causal + window
-(1024, 0), B1 H16 S8192 d128 bf16) with dQ converted in the main kernel (variant bwd_win_conv 1, [Note] dQ conversion
+(1024, 0), B1 H16 S8192 d128 bf16) with dQ converted in the main kernel (variant bwd_win_conv, [Note] dQ conversion
 in the main kernel in fagen/templates/gluon/backward.py.j2); docs/mods.md "The window's backward (fifteenth session)".
 
     PYTHONPATH=$PWD python3 scripts/gpu_window_s15.py [--round b]
 
-Phases (scripts/_phases.py), warm children at once: flex; window (the product, then its checks); conv (the lever's
-module, then its checks: against float64 at B1 H2 S333, windows (37, 0) and (130, 0), and S1000 on 5 programs
-(16 tiles: programs convert while others still add), bit for bit the product's there and at the timed shape,
-repeatable, row 0's dq exactly 0); mutant (the lever waiting for one add fewer than a block's: must fail). Then one
-timing child: the product (fagen.attention), the product module's own attention (own: the lever's host path without
-it), the lever's module (conv), Flex, in rotated passes (do_bench medians, L2 flushed), the per-pass ratio conv / own;
-then the kernels of own and conv (torch.profiler). The table goes to stdout and $OUTX/table.txt.
+Levers (variant bwd_win_conv): conv (1: the tiles' flags set by the dQ warp's generic release add; its sm_90 build
+spills 17 / 14 instructions in the compute warpgroups' step loops against the product's 1 / 4) and conv2 (2: the
+flags set by a TMA reduce-add; step loops the product's).
+Phases (scripts/_phases.py), warm children at once: flex; window (the product); conv, conv2 (each lever's module,
+then its checks: against float64 at B1 H2 S333, windows (37, 0) and (130, 0), and S1000 on 5 programs (16 tiles:
+programs convert while others still add), bit for bit the product's there and at the timed shape, repeatable, row 0's
+dq exactly 0); mutant (conv2 waiting for one tile fewer than a block's: must differ). Then one timing child: the
+product (fagen.attention: api), the product module's own attention (own: the levers' host path without them), the
+levers' modules whose warm call matched the product, Flex, in six rotated passes (do_bench medians, L2 flushed), the
+per-pass ratios; then the kernels of own, conv and conv2 (torch.profiler). The table goes to stdout and
+$OUTX/table.txt.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import gpu_window_s12 as s12  # noqa: E402  (small, grads, ref64, errs, same, di
 BUDGET = 57.0
 ROUND_B = sys.argv[1:3] == ["--round", "b"] or os.environ.get("S15_ROUND") == "b"
 SW = "sliding-window+causal"
-LEVERS = {"conv": {"bwd_win_conv": 1}, "mutant": {"bwd_win_conv": 1}, "count": {"bwd_win_conv": 1}}
+LEVERS = {"conv": {"bwd_win_conv": 1}, "conv2": {"bwd_win_conv": 2}, "mutant": {"bwd_win_conv": 2}}
 _MUT = ("want = _bwd_visits(", "want = -1 + _bwd_visits(")
 # count: the lever's render with the main kernel's conversion taken out and the conversion pass put back (the dQ
 # warp's counting alone: its cost and its build's spills; gradients the product's)
@@ -55,7 +59,7 @@ def lever_module(name):
             assert src.count(old) >= 1, f"{name}: patch target missing"
             src = src.replace(old, new)
         mod = load_source(src, f"{spec_().name}_s15_{name}")
-        assert mod.BWD_DET_MODE == 2 and mod.BWD_FIXED_TMA == 1 and mod.BWD_WIN_CONV == 1, name
+        assert mod.BWD_DET_MODE == 2 and mod.BWD_FIXED_TMA == 1 and mod.BWD_WIN_CONV == LEVERS[name]["bwd_win_conv"], name
         _LEV[name] = mod
     return _LEV[name]
 
@@ -163,7 +167,7 @@ def phase_warm(name):
         print(f"warm {name}: {time.perf_counter() - t0:.1f} s", flush=True)
     except Exception as e:  # noqa: BLE001
         print(f"warm {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-    if name in ("conv", "mutant"):
+    if name in ("conv", "conv2", "mutant"):
         check_small(name)
 
 
@@ -194,7 +198,7 @@ def phase_time():
                 rec["error"] = f"{type(e).__name__}: {str(e)[:160]}"
             print("REC " + json.dumps(rec), flush=True)
     for rnd in range(2):
-        for item in (["own", "conv", "count"] if rnd == 0 else ["count", "conv", "own"]):
+        for item in (["own", "conv", "conv2"] if rnd == 0 else ["conv2", "conv", "own"]):
             if time.time() > t_end - 1.5 or item not in steps:
                 continue
             try:
@@ -219,7 +223,7 @@ def summary(recs):
     for k, v in by.items():
         x = f"{flex / med[k]:.3f}x" if flex else ""
         out.append(f"| {k} | {med[k]:.4f} | {x} | {' / '.join(f'{m:.4f}' for m in v)} |")
-    for a, b in (("conv", "own"), ("count", "own"), ("own", "flex"), ("conv", "flex"), ("api", "flex")):
+    for a, b in (("conv", "own"), ("conv2", "own"), ("own", "flex"), ("conv", "flex"), ("conv2", "flex"), ("api", "flex")):
         rs = sorted(p[a] / p[b] for p in per_pass.values() if a in p and b in p)
         if rs:
             out.append(f"ratio {a} / {b} per pass: median {rs[len(rs) // 2]:.4f}, range {rs[0]:.4f}..{rs[-1]:.4f} "
@@ -248,12 +252,12 @@ def main():
         if rc != 0:
             print(f"phase {name} {extra}: {rc}", flush=True)
 
-    threads = [threading.Thread(target=go, args=("warm", 27.0, (w, ))) for w in ("flex", "window", "conv", "mutant", "count")]
+    threads = [threading.Thread(target=go, args=("warm", 27.0, (w, ))) for w in ("flex", "window", "conv", "conv2", "mutant")]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    ok = [n for n in ("conv", "count") if any(f"timed shape, {n} vs product: bitwise" in s for s in lines.get(
+    ok = [n for n in ("conv", "conv2") if any(f"timed shape, {n} vs product: bitwise" in s for s in lines.get(
         "warm" + n, []))]
     env["S15_LEVERS"] = " ".join(ok)  # a lever whose warm call hung or differed is not timed (a hang would take all)
     left = BUDGET - (time.time() - t0)

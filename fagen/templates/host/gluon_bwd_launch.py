@@ -106,7 +106,7 @@ def _conv_counts(tiles, dq_mode):
     """The int32 flags after KVB in the zeroed part: one per tile and the conversion's next block, of a render that
     converts dQ in its main kernel, in mode 2 ([Note] dQ conversion in the main kernel in gluon/backward.py.j2);
     else none."""
-    return tiles + 1 if BWD_WIN_CONV and dq_mode == 2 else 0
+    return 4 * tiles + 8 if BWD_WIN_CONV and dq_mode == 2 else 0  # 16 bytes a flag, 16-byte aligned (TMA)
 
 
 def _bwd_views(buf, b, hq, hkv, sq_pad, dq_mode, tiles=0):
@@ -200,9 +200,14 @@ def _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, qk_sca
     _, delta, lse2, dq_acc, sem, qmul, dm, kvb = _bwd_workspace(b, hq, sq_pad, dq_mode, q, k.shape[1], tiles)
     rows = delta
     conv = (dq, dq_acc, sem) if BWD_WIN_CONV else ()  # modes 0, 1: placeholders, never read
+    if BWD_WIN_CONV == 2:
+        conv += ((q.new_zeros((1, 4), dtype=torch.int32), (1, 4)), )
     if dq_mode == 2:  # an int32 accumulator (zeroed float32 bits are int32 zeros), the rows' qmul in Sem
         if BWD_WIN_CONV:  # dQ, the accumulator, the tiles' flags after KVB ([Note] dQ conversion in the main kernel)
-            conv = (dq, dq_acc.view(torch.int32), sem[2 * b * k.shape[1]:])
+            flags = sem[-(-2 * b * k.shape[1] // 4) * 4:]
+            conv = (dq, dq_acc.view(torch.int32), flags)
+            if BWD_WIN_CONV == 2:  # the flags' descriptor: the TMA unit sets them
+                conv += ((flags[:4 * tiles].view(tiles, 4), (1, 4)), )
         dq_acc, sem, rows = dq_acc.view(torch.int32), qmul, dm if BWD_FIXED_TMA else delta
         if _BWD_BOUND_KERNEL:  # [Note] The bound kernel: K's own heads, as the preprocess reads KVB
             _fast_kv_bound[(-(-sk // _BWD_BOUND_ROWS), b * k.shape[1])](k, v, kvb, sk, HEAD_DIM=HEAD_DIM,

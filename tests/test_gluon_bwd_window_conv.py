@@ -134,3 +134,41 @@ def test_the_fast_and_plain_paths_pass_the_conversion_s_arguments(conv_fast):
     assert plain[23].numel() == 4 * 3 * 4 + 4  # a flag per tile (3 key blocks x 4 heads), 16 bytes each, and the next block
     assert fakes["conv"].compiles == []  # no conversion pass in mode 2, on either path
 
+
+
+class _Rec:
+    """A launch recorder: fn[grid](*args, **consts) appends (grid, args, consts)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **consts: self.calls.append((grid, args, consts))
+
+
+def test_variant_2_passes_the_flags_descriptor(monkeypatch):
+    """bwd_win_conv 2 (the flags set by the TMA unit): the main kernel's last argument describes the flags (16 bytes a
+    tile, [1, 4] int32 boxes) over the same memory as the flags pointer before it, on both paths; no conversion."""
+    mod = _module({**CONV, "bwd_win_conv": 2}, "_wconv2_test")
+    assert mod.BWD_WIN_CONV == 2
+    main, pre, conv, bound = _Rec(), _Rec(), _Rec(), _Rec()
+    for name, value in (("_fast_bwd_kernels", {2: (main, 1)}), ("_BWD_KERNELS", {2: (main, 1)}),
+                        ("_fast_bwd_preprocess", pre), ("_bwd_preprocess", pre), ("_fast_dq_convert", conv),
+                        ("_dq_convert", conv), ("_fast_kv_bound", bound), ("_BWD_WS", type(mod._BWD_WS)()),
+                        ("_raw_stream", lambda device: 77)):
+        monkeypatch.setattr(mod, name, value)
+    monkeypatch.setitem(mod._NUM_SMS, -1, 132)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: -1)
+    args, grads = _bwd_args(sq=300, sk=333, b=2, h=2)
+    mod._run_backward_fast(*args, *grads, 2, None, (37, 0, 0.0))
+    mod._run_backward(*args, *grads, 2, None, (37, 0, 0.0))
+    (_, fast, _), (_, plain, _) = main.calls
+    tiles = 3 * 4
+    f2, box = fast[24]
+    assert box == (1, 4) and f2.shape == (tiles, 4) and f2.dtype == torch.int32
+    assert f2.data_ptr() == fast[23].data_ptr() and f2.data_ptr() % 16 == 0 and torch.count_nonzero(fast[23]) == 0
+    desc = plain[24]
+    assert isinstance(desc, mod.TensorDescriptor) and desc.block_shape == [1, 4] and list(desc.shape) == [tiles, 4]
+    assert desc.base.data_ptr() == plain[23].data_ptr()
+    assert conv.calls == []

@@ -15,6 +15,10 @@ product (fagen.attention: api), the product module's own attention (own: the lev
 levers' modules whose warm call matched the product, Flex, in six rotated passes (do_bench medians, L2 flushed), the
 per-pass ratios; then the kernels of own, conv and conv2 (torch.profiler). The table goes to stdout and
 $OUTX/table.txt.
+Round B (`--round b`; round A's timing child spent its time on Flex's compile and timed no lever): conv2 only, its
+checks S1000 on 5 programs (37, 0) and S333 (130, 0); flag2 (conv2's flags with the conversion pass: the flags'
+cost, timed only); a mutant that must fail deterministically (the tail waits for no flag and tile 0's dQ warp sleeps
+200 us first); the timing child times own and the levers first, profiles them, then Flex, then rotated passes.
 """
 
 from __future__ import annotations
@@ -35,9 +39,19 @@ BUDGET = 57.0
 ROUND_B = sys.argv[1:3] == ["--round", "b"] or os.environ.get("S15_ROUND") == "b"
 SW = "sliding-window+causal"
 LEVERS = {"conv": {"bwd_win_conv": 1}, "conv2": {"bwd_win_conv": 2}, "mutant": {"bwd_win_conv": 2}}
-_MUT = ("want = _bwd_visits(", "want = -1 + _bwd_visits(")
-# count: the lever's render with the main kernel's conversion taken out and the conversion pass put back (the dQ
-# warp's counting alone: its cost and its build's spills; gradients the product's)
+_MUT = [("want = _bwd_visits(", "want = -1 + _bwd_visits(")]
+if ROUND_B:  # conv (1) spilled 42 in the compute loops and was not timed in round A: out; a mutant that must fail
+    LEVERS = {"conv2": {"bwd_win_conv": 2}, "flag2": {"bwd_win_conv": 2}, "mutant": {"bwd_win_conv": 2}}
+    # the tail waits for no flag, and the dQ warp of tile 0 sleeps 200 us before its adds: block 0 (tile 0 its only
+    # visitor) is converted before they land, on a program that finished its own tiles
+    _MUT = [("want = _bwd_visits(", "want = 0 * _bwd_visits("),
+            ("        prev = Sem + 1  # the counter of the add published one step late; a placeholder until step 1\n",
+             "        prev = Sem + 1  # the counter of the add published one step late; a placeholder until step 1\n"
+             "        if tile == 0:\n            for _ in range(20):\n"
+             "                gl.inline_asm_elementwise(\"nanosleep.u32 10000; mov.b32 $0, $1;\", \"=r,r\", [lo], "
+             "dtype=gl.int32, is_pure=False, pack=1)\n")]
+# flag2 (round B): conv2's render with the main kernel's conversion taken out and the conversion pass put back (the dQ
+# warp's flags alone: their cost; gradients the product's)
 _COUNT = [("    if DQ_MODE == 2:  # [Note] dQ conversion in the main kernel: the default warps",
            "    if DQ_MODE == 3:  # count: no conversion here"),
           ("    if dq_mode == 2 and BWD_WIN_CONV:\n        return", "    if dq_mode == 3:\n        return")]
@@ -55,7 +69,7 @@ def lever_module(name):
         from fagen.runtime.loader import load_source
 
         src = s9.lever_source(spec_(), LEVERS[name])
-        for old, new in [_MUT] if name == "mutant" else _COUNT if name == "count" else []:
+        for old, new in _MUT if name == "mutant" else _COUNT if name == "flag2" else []:
             assert src.count(old) >= 1, f"{name}: patch target missing"
             src = src.replace(old, new)
         mod = load_source(src, f"{spec_().name}_s15_{name}")
@@ -89,7 +103,7 @@ def check_small(name):
 
     mods = {"product": product(), name: lever_module(name)}
     dev = torch.cuda.current_device()
-    for n, progs in ((333, None), (1000, 5)):
+    for n, progs in ((1000, 5), (333, None)) if not ROUND_B else ((1000, 5), ) if name == "mutant" else ((1000, 5), (333, None)):
         q, k, v, do = s12.small(s=n)
         for m in mods.values():
             if progs:
@@ -97,7 +111,7 @@ def check_small(name):
             else:
                 m._NUM_SMS.pop(dev, None)
         i, j = torch.arange(n, device="cuda")[:, None], torch.arange(n, device="cuda")[None, :]
-        for left in (37, 130):
+        for left in ((37, 130) if not ROUND_B else (130, ) if n == 333 else (37, )):
             def run(left=left):
                 ref = s12.ref64(q, k, v, do, (j <= i) & (i - j <= left))
                 runs = {x: [s12.grads(lambda a, b, c: m.attention(a, b, c, window=(left, 0)), q, k, v, do)
@@ -181,15 +195,28 @@ def phase_time():
 
     t_end = float(os.environ.get("S15_TIME_END", time.time() + 40))
     tensors = s12.window_inputs()
-    names = ["own", "api", "flex", *os.environ.get("S15_LEVERS", "").split()]  # levers only if their warm passed
+    levers = os.environ.get("S15_LEVERS", "").split()  # levers only if their warm call matched the product
+    names = ["own", *levers, "api", "flex"]
     steps = {}
-    for p in range(6):
-        order = names[p % len(names):] + names[:p % len(names)]
+
+    def profile(rnd):
+        for item in (["own", *levers] if rnd % 2 == 0 else [*levers[::-1], "own"]):  # noqa: B007
+            if time.time() > t_end - 1.5 or item not in steps:
+                continue
+            try:
+                ms, top = s12.kernel_ms(steps[item], n=5)
+                print("REC " + json.dumps({"variant": item, "round": rnd, "kernel_ms": ms, "top": top}), flush=True)
+            except Exception as e:  # noqa: BLE001
+                print("REC " + json.dumps({"variant": item, "error": f"kernels {type(e).__name__}: {e}"[:200]}))
+
+    for p in range(10):
+        # pass 0 in the listed order (Flex's compile, the slowest, last); then rotated, every other pass reversed
+        order = names if p == 0 else names[p % len(names):] + names[:p % len(names)]
         if p % 2:
             order = order[::-1]
         for item in order:
             rec = {"variant": item, "pass": p}
-            if time.time() > t_end - 9:
+            if time.time() > t_end - (6 if p else 3):
                 continue
             try:
                 if item not in steps:
@@ -200,15 +227,9 @@ def phase_time():
             except Exception as e:  # noqa: BLE001
                 rec["error"] = f"{type(e).__name__}: {str(e)[:160]}"
             print("REC " + json.dumps(rec), flush=True)
-    for rnd in range(2):
-        for item in (["own", "conv", "conv2"] if rnd == 0 else ["conv2", "conv", "own"]):
-            if time.time() > t_end - 1.5 or item not in steps:
-                continue
-            try:
-                ms, top = s12.kernel_ms(steps[item], n=5)
-                print("REC " + json.dumps({"variant": item, "round": rnd, "kernel_ms": ms, "top": top}), flush=True)
-            except Exception as e:  # noqa: BLE001
-                print("REC " + json.dumps({"variant": item, "error": f"kernels {type(e).__name__}: {e}"[:200]}))
+            if p == 0 and item == names[len(levers)]:  # own and the levers timed once: their kernels now
+                profile(0)
+    profile(1)
 
 
 def summary(recs):
@@ -226,7 +247,7 @@ def summary(recs):
     for k, v in by.items():
         x = f"{flex / med[k]:.3f}x" if flex else ""
         out.append(f"| {k} | {med[k]:.4f} | {x} | {' / '.join(f'{m:.4f}' for m in v)} |")
-    for a, b in (("conv", "own"), ("conv2", "own"), ("own", "flex"), ("conv", "flex"), ("conv2", "flex"), ("api", "flex")):
+    for a, b in (("conv", "own"), ("conv2", "own"), ("flag2", "own"), ("own", "flex"), ("conv", "flex"), ("conv2", "flex"), ("api", "flex")):
         rs = sorted(p[a] / p[b] for p in per_pass.values() if a in p and b in p)
         if rs:
             out.append(f"ratio {a} / {b} per pass: median {rs[len(rs) // 2]:.4f}, range {rs[0]:.4f}..{rs[-1]:.4f} "
@@ -255,12 +276,12 @@ def main():
         if rc != 0:
             print(f"phase {name} {extra}: {rc}", flush=True)
 
-    threads = [threading.Thread(target=go, args=("warm", 29.0, (w, ))) for w in ("flex", "window", "conv", "conv2", "mutant")]
+    threads = [threading.Thread(target=go, args=("warm", 27.0, (w, ))) for w in ("flex", "window", *LEVERS)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    ok = [n for n in ("conv", "conv2") if any(f"timed shape, {n} vs product: bitwise" in s for s in lines.get(
+    ok = [n for n in ("conv", "conv2", "flag2") if any(f"timed shape, {n} vs product: bitwise" in s for s in lines.get(
         "warm" + n, []))]
     env["S15_LEVERS"] = " ".join(ok)  # a lever whose warm call hung or differed is not timed (a hang would take all)
     left = BUDGET - (time.time() - t0)

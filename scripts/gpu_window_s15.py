@@ -209,14 +209,16 @@ def phase_time():
             except Exception as e:  # noqa: BLE001
                 print("REC " + json.dumps({"variant": item, "error": f"kernels {type(e).__name__}: {e}"[:200]}))
 
-    for p in range(10):
-        # pass 0 in the listed order (Flex's compile, the slowest, last); then rotated, every other pass reversed
-        order = names if p == 0 else names[p % len(names):] + names[:p % len(names)]
+    for p in range(12):
+        # four passes without Flex (its compile in this child takes most of the budget), then with it; rotated,
+        # every other pass reversed
+        names_p = names if p >= 4 else names[:-1]
+        order = names_p[p % len(names_p):] + names_p[:p % len(names_p)]
         if p % 2:
             order = order[::-1]
         for item in order:
             rec = {"variant": item, "pass": p}
-            if time.time() > t_end - (6 if p else 3):
+            if time.time() > t_end - (3 if p < 4 else 5):
                 continue
             try:
                 if item not in steps:

@@ -15,8 +15,9 @@ product (fagen.attention: api), the product module's own attention (own: the lev
 levers' modules whose warm call matched the product, Flex, in six rotated passes (do_bench medians, L2 flushed), the
 per-pass ratios; then the kernels of own, conv and conv2 (torch.profiler). The table goes to stdout and
 $OUTX/table.txt.
-Round B (`--round b`; round A's timing child spent its time on Flex's compile and timed no lever): conv2 only, its
-checks S1000 on 5 programs (37, 0) and S333 (130, 0); flag2 (conv2's flags with the conversion pass: the flags'
+Round B (`--round b`; round A's timing child spent its time on Flex's compile and timed no lever): conv2 and conv3
+(bwd_win_conv 3: conv2's flags, the tail loading block k + 1 before it stores block k), each checked S1000 on 5
+programs (37, 0) and S333 (130, 0); flag2 (conv2's flags with the conversion pass: the flags'
 cost, timed only); a mutant that must fail deterministically (the tail waits for no flag and tile 0's dQ warp sleeps
 200 us first); the timing child times own and the levers first, profiles them, then Flex, then rotated passes.
 """
@@ -41,7 +42,8 @@ SW = "sliding-window+causal"
 LEVERS = {"conv": {"bwd_win_conv": 1}, "conv2": {"bwd_win_conv": 2}, "mutant": {"bwd_win_conv": 2}}
 _MUT = [("want = _bwd_visits(", "want = -1 + _bwd_visits(")]
 if ROUND_B:  # conv (1) spilled 42 in the compute loops and was not timed in round A: out; a mutant that must fail
-    LEVERS = {"conv2": {"bwd_win_conv": 2}, "flag2": {"bwd_win_conv": 2}, "mutant": {"bwd_win_conv": 2}}
+    LEVERS = {"conv2": {"bwd_win_conv": 2}, "conv3": {"bwd_win_conv": 3}, "flag2": {"bwd_win_conv": 2},
+              "mutant": {"bwd_win_conv": 2}}
     # the tail waits for no flag, and the dQ warp of tile 0 sleeps 200 us before its adds: block 0 (tile 0 its only
     # visitor) is converted before they land, on a program that finished its own tiles
     _MUT = [("want = _bwd_visits(", "want = 0 * _bwd_visits("),
@@ -181,7 +183,7 @@ def phase_warm(name):
         print(f"warm {name}: {time.perf_counter() - t0:.1f} s", flush=True)
     except Exception as e:  # noqa: BLE001
         print(f"warm {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-    if name in ("conv", "conv2", "mutant"):
+    if name in ("conv", "conv2", "conv3", "mutant"):
         try:
             check_small(name)
         except Exception as e:  # noqa: BLE001
@@ -249,7 +251,7 @@ def summary(recs):
     for k, v in by.items():
         x = f"{flex / med[k]:.3f}x" if flex else ""
         out.append(f"| {k} | {med[k]:.4f} | {x} | {' / '.join(f'{m:.4f}' for m in v)} |")
-    for a, b in (("conv", "own"), ("conv2", "own"), ("flag2", "own"), ("own", "flex"), ("conv", "flex"), ("conv2", "flex"), ("api", "flex")):
+    for a, b in (("conv", "own"), ("conv2", "own"), ("conv3", "own"), ("flag2", "own"), ("conv3", "conv2"), ("own", "flex"), ("conv", "flex"), ("conv2", "flex"), ("api", "flex")):
         rs = sorted(p[a] / p[b] for p in per_pass.values() if a in p and b in p)
         if rs:
             out.append(f"ratio {a} / {b} per pass: median {rs[len(rs) // 2]:.4f}, range {rs[0]:.4f}..{rs[-1]:.4f} "
@@ -283,7 +285,7 @@ def main():
         t.start()
     for t in threads:
         t.join()
-    ok = [n for n in ("conv", "conv2", "flag2") if any(f"timed shape, {n} vs product: bitwise" in s for s in lines.get(
+    ok = [n for n in ("conv", "conv2", "conv3", "flag2") if any(f"timed shape, {n} vs product: bitwise" in s for s in lines.get(
         "warm" + n, []))]
     env["S15_LEVERS"] = " ".join(ok)  # a lever whose warm call hung or differed is not timed (a hang would take all)
     left = BUDGET - (time.time() - t0)

@@ -146,11 +146,13 @@ class _Rec:
         return lambda *args, **consts: self.calls.append((grid, args, consts))
 
 
-def test_variant_2_passes_the_flags_descriptor(monkeypatch):
-    """bwd_win_conv 2 (the flags set by the TMA unit): the main kernel's last argument describes the flags (16 bytes a
-    tile, [1, 4] int32 boxes) over the same memory as the flags pointer before it, on both paths; no conversion."""
-    mod = _module({**CONV, "bwd_win_conv": 2}, "_wconv2_test")
-    assert mod.BWD_WIN_CONV == 2
+@pytest.mark.parametrize("variant", [2, 3])
+def test_variant_2_passes_the_flags_descriptor(monkeypatch, variant):
+    """bwd_win_conv 2 and 3 (the flags set by the TMA unit): the main kernel's last argument describes the flags (16
+    bytes a tile, [1, 4] int32 boxes) over the same memory as the flags pointer before it, on both paths; no
+    conversion."""
+    mod = _module({**CONV, "bwd_win_conv": variant}, f"_wconv{variant}_test")
+    assert mod.BWD_WIN_CONV == variant
     main, pre, conv, bound = _Rec(), _Rec(), _Rec(), _Rec()
     for name, value in (("_fast_bwd_kernels", {2: (main, 1)}), ("_BWD_KERNELS", {2: (main, 1)}),
                         ("_fast_bwd_preprocess", pre), ("_bwd_preprocess", pre), ("_fast_dq_convert", conv),

@@ -200,13 +200,13 @@ def _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, qk_sca
     _, delta, lse2, dq_acc, sem, qmul, dm, kvb = _bwd_workspace(b, hq, sq_pad, dq_mode, q, k.shape[1], tiles)
     rows = delta
     conv = (dq, dq_acc, sem) if BWD_WIN_CONV else ()  # modes 0, 1: placeholders, never read
-    if BWD_WIN_CONV == 2:
+    if BWD_WIN_CONV >= 2:
         conv += ((q.new_zeros((1, 4), dtype=torch.int32), (1, 4)), )
     if dq_mode == 2:  # an int32 accumulator (zeroed float32 bits are int32 zeros), the rows' qmul in Sem
         if BWD_WIN_CONV:  # dQ, the accumulator, the tiles' flags after KVB ([Note] dQ conversion in the main kernel)
             flags = sem[-(-2 * b * k.shape[1] // 4) * 4:]
             conv = (dq, dq_acc.view(torch.int32), flags)
-            if BWD_WIN_CONV == 2:  # the flags' descriptor: the TMA unit sets them
+            if BWD_WIN_CONV >= 2:  # the flags' descriptor: the TMA unit sets them
                 conv += ((flags[:4 * tiles].view(tiles, 4), (1, 4)), )
         dq_acc, sem, rows = dq_acc.view(torch.int32), qmul, dm if BWD_FIXED_TMA else delta
         if _BWD_BOUND_KERNEL:  # [Note] The bound kernel: K's own heads, as the preprocess reads KVB

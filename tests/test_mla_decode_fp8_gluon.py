@@ -158,56 +158,6 @@ def test_the_kernel_clamps_page_indexes_and_lengths_where_they_are_used():
     assert src.count("mask=real)") == 16 and src.count("mask=nr < ROWS)") == 2
 
 
-def test_the_l2_prefetch_stays_within_the_split_and_the_pages():
-    """[Note] L2 prefetch, as rendered (the product's render, D 2; none with the variant's 0): block j + 2 is asked
-    for only when the split has it, its page clamped to the cache, at most 64 rows and none past the sequence's end
-    (a block lies within a page, or within a dense sequence), the table entry for block j + 3 masked by the split's
-    blocks; block 1 at step 0, at the page step 0 loads it from."""
-    from fagen import backends
-    from fagen.codegen.render import render
-
-    keep = backends.GLUON.variant
-    try:
-        backends.GLUON.variant = {**keep, "fp8lat_l2_prefetch": 0}
-        render.cache_clear()
-        assert "_l2_prefetch(" not in render(spec()).source
-        backends.GLUON.variant = {**keep, "fp8lat_l2_prefetch": 2, "fp8lat_l2_first": 0, "fp8lat_l2_tensor": 0}
-        render.cache_clear()
-        src = render(spec()).source
-    finally:
-        backends.GLUON.variant = keep
-        render.cache_clear()
-    assert ("_l2_prefetch(Cache, _row0(gl.minimum(gl.maximum(pf_raw, 0), num_pages - 1), b, kv_b, pf, PAGE, PAGED),\n"
-            "                     gl.minimum(seq_len - pf, 64), j + 2 < n_blocks)") in src
-    assert "pf_raw = _page_raw(BlockTable, bt_row, pf + 64, j + 3 < n_blocks, PAGE, PAGED)" in src
-    assert "pf_raw = _page_raw(BlockTable, bt_row, k_lo + 128, n_blocks > 2, PAGE, PAGED)" in src
-    assert "_l2_prefetch(Cache, row_n, gl.minimum(seq_len - nxt, 64), (j == 0) & (j + 1 < n_blocks))" in src
-    assert "nbytes = gl.where((t == 0) & ok & (rows > 0), rows * (ROW_W * 4), 0)" in src
-
-
-def test_the_l2_prefetch_prologue_form_asks_for_block_1_once_within_the_split():
-    """[Note] L2 prefetch's block 1 (variant fp8lat_l2_first 1, commit 6f56f93's form): block 1 is asked for in the
-    prologue, at its page clamped to the cache, at most 64 rows and none past the sequence's end, only where the split
-    has two blocks; the key loop asks for block j + 2 only (no step-0 request)."""
-    from fagen import backends
-    from fagen.codegen.render import render
-
-    keep = backends.GLUON.variant
-    try:
-        backends.GLUON.variant = {**keep, "fp8lat_l2_prefetch": 2, "fp8lat_l2_first": 1, "fp8lat_l2_tensor": 0}
-        render.cache_clear()
-        src = render(spec()).source
-    finally:
-        backends.GLUON.variant = keep
-        render.cache_clear()
-    first = ("    _l2_prefetch(Cache, _row0(gl.minimum(gl.maximum(pg_raw, 0), num_pages - 1), b, kv_b, k_lo + 64, "
-             "PAGE, PAGED),\n                 gl.minimum(seq_len - k_lo - 64, 64), n_blocks > 1)")
-    assert src.count(first) == 1
-    assert src.index(first) < src.index("for j in range(n_blocks):")
-    assert "(j == 0) & (j + 1 < n_blocks)" not in src and src.count("_l2_prefetch(Cache,") == 3  # def, prologue, loop
-    assert "pf_raw = _page_raw(BlockTable, bt_row, pf + 64, j + 3 < n_blocks, PAGE, PAGED)" in src
-
-
 def test_staged_chunks_are_masked_as_the_register_loads_and_read_after_their_wait():
     """[Note] Staged chunks (variant fp8lat_stage 7), as rendered: chunks 0..6 come by cp.async masked as the register
     loads of chunks 7 and 8 (keys past the sequence's end and blocks the split does not have: not read, zero-filled),
@@ -239,31 +189,6 @@ def test_staged_chunks_are_masked_as_the_register_loads_and_read_after_their_wai
     assert "x7, x8 = _fetch(Cache, row_n, nxt, seq_len, ok_n)" in loop
     after = loop[loop.index("\n    o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(0, "):]
     assert after.index("async_copy.wait_group(0)") < after.index("l_i = gl.sum(l_p, 0)")  # no copy in flight after
-
-
-def test_the_l2_prefetch_per_tensor_only_leaves_the_per_token_kernel_without_it():
-    """[Note] L2 prefetch per tensor only (variant fp8lat_l2_tensor 1): every line of the L2 prefetch (the prologue's
-    table entry, the loop's requests and its next entry) sits under the constexpr `if not PER_TOKEN:`."""
-    from fagen import backends
-    from fagen.codegen.render import render
-
-    keep = backends.GLUON.variant
-    try:
-        backends.GLUON.variant = {**keep, "fp8lat_stage": 7, "fp8lat_l2_prefetch": 2, "fp8lat_l2_tensor": 1}
-        render.cache_clear()
-        src = render(spec()).source
-    finally:
-        backends.GLUON.variant = keep
-        render.cache_clear()
-    guard = "if not PER_TOKEN:  # [Note] L2 prefetch per tensor only\n"
-    assert src.count(guard) == 2
-    assert guard + "        pf_raw = _page_raw(BlockTable, bt_row, k_lo + 128, n_blocks > 2, PAGE, PAGED)" in src
-    body = src[src.index("    " * 2 + guard):]
-    body = body[:body.index("[Note] Staged chunks: block j's")]
-    assert body.count("_l2_prefetch(Cache,") == 2 and "pf_raw = _page_raw(" in body
-    assert all(line.startswith(" " * 12) for line in body.splitlines()[1:] if line.strip() and "#" != line.strip()[0]
-               and "Staged" not in line)
-    assert src.count("_l2_prefetch(Cache,") == 3  # the def and the two requests, all guarded
 
 
 _MERGE = """
@@ -307,7 +232,7 @@ for key, (layout, gqa, kw) in json.loads(sys.argv[2]).items():
     spec = fagen.KernelSpec(head_dim=576, head_dim_v=512, shared_kv=True, kind="decode", gqa=gqa, dtype="bf16",
                             mask="causal", layout=layout, backend="gluon", kv_dtype="fp8_e4m3")
     var = kw.pop("variant", None)  # the variant's fp8lat_* keys ([Note] Lazy block max, [Note] Early first block,
-    # [Note] L2 prefetch)
+    # [Note] Staged chunks)
     if var:
         keep = backends.GLUON.variant
         backends.GLUON.variant = {**keep, **var}
@@ -336,21 +261,7 @@ BUILDS = {"paged_token": ("paged", 16, dict()), "paged_tensor": ("paged", 16, di
           "paged_token_lazy6": ("paged", 16, dict(variant={"fp8lat_lazy": 6})),
           "paged_tensor_lazy6": ("paged", 16, dict(variant={"fp8lat_lazy": 6}, scales=0)),
           "paged_token_early": ("paged", 16, dict(variant={"fp8lat_early_fetch": 1})),
-          "paged_token_no_l2pf": ("paged", 16, dict(variant={"fp8lat_l2_prefetch": 0})),
-          "paged_tensor_l2pf3": ("paged", 16, dict(variant={"fp8lat_l2_prefetch": 3}, scales=0)),
-          "paged_token_cg": ("paged", 16, dict(variant={"fp8lat_ld": 1})),
-          "paged_tensor_evict_first": ("paged", 16, dict(variant={"fp8lat_ld": 2}, scales=0)),
-          # the prologue form as timed, on the unstaged loop (on staged 7 per token it spills: 255 registers)
-          "paged_token_l2_prologue": ("paged", 16, dict(variant={"fp8lat_l2_prefetch": 2, "fp8lat_l2_first": 1,
-                                                                "fp8lat_stage": 0})),
-          "paged_tensor_l2_prologue": ("paged", 16, dict(variant={"fp8lat_l2_prefetch": 2, "fp8lat_l2_first": 1,
-                                                                 "fp8lat_stage": 0},
-                                                         scales=0)),  # with evict_first: 255 registers, spills
           "paged_token_staged7": ("paged", 16, dict(variant={"fp8lat_stage": 7})),
-          "paged_tensor_staged7_l2_tensor": ("paged", 16, dict(variant={"fp8lat_stage": 7, "fp8lat_l2_prefetch": 2,
-                                                                       "fp8lat_l2_tensor": 1}, scales=0)),
-          "paged_tensor_staged7_evict_first": ("paged", 16, dict(variant={"fp8lat_stage": 7, "fp8lat_ld": 2},
-                                                                 scales=0)),
           "dense_head_staged7": ("dense", 16, dict(variant={"fp8lat_stage": 7}, scales=1, num_splits=2))}
 
 

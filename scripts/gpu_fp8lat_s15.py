@@ -12,6 +12,8 @@ Rows (backend names):
   cand:S:C        the candidate render with SHORT_PER S ([Note] Short splits: splits of at most S blocks run the
                   unstaged form with evict_first) and MERGE_COLS C ([Note] Merge by column blocks; 512: the
                   product's merge);
+  ecand:S:C       the same with fp8lat_early_fetch 1 ([Note] Early first block: block 0's loads before Q's
+                  prologue), on the staged kernel;
   gluon%N         the product with N splits (forward_split), b32 kv4k only.
 Phases (children with timeouts, scripts/_phases.py); the checks run side by side and warm the builds:
 1. check-*: against float64 on the dequantized cache (NaN past the lengths 1000/77/513/0 in bytes and per-token
@@ -58,11 +60,15 @@ ROWS = [
     ("splits 4", "gluon%4", "token", KV4),
     ("splits 16", "gluon%16", "token", KV4),
     ("short 8 + merge cols 64, splits 16", "cand:8:64%16", "token", KV4),
+    ("early first block", "ecand:0:512", "token", None),
+    ("early + short 8 + merge cols 64", "ecand:8:64", "token", KV4),
     ("product", "gluon", "tensor", None),
     ("merge cols 64", "cand:0:64", "tensor", None),
     ("short 8", "cand:8:512", "tensor", KV4),
     ("short 8 + merge cols 64", "cand:8:64", "tensor", KV4),
     ("splits 16", "gluon%16", "tensor", KV4),
+    ("early first block", "ecand:0:512", "tensor", None),
+    ("early + short 8 + merge cols 64", "ecand:8:64", "tensor", KV4),
     ("FlashMLA fp8 (q e4m3)", "flashmla8", "tensor", None),
 ]
 SHAPES = ((32, 4096), (128, 4096), (32, 32768), (128, 32768))
@@ -99,25 +105,26 @@ def _new_module(backend, hq, layout, mask):
     import fagen
     base, _, splits = backend.partition("%")
     splits = int(splits) if splits else None
-    if base == "gluon-candmod":
+    if base in ("gluon-candmod", "gluon-ecandmod"):
         from fagen import backends
         from fagen.codegen.render import render
         from fagen.runtime.loader import load_source
         keep = backends.GLUON.variant
         spec = s12._spec("gluon", hq, layout, mask)
         try:
-            backends.GLUON.variant = {**keep, **CAND}
+            backends.GLUON.variant = {**keep, **CAND, "fp8lat_early_fetch": int(base == "gluon-ecandmod")}
             render.cache_clear()
             src = render(spec).source
-            mod = load_source(src, f"{spec.name}_cand")
+            mod = load_source(src, f"{spec.name}_{base[len('gluon-'):]}")
         finally:
             backends.GLUON.variant = keep
             render.cache_clear()
         assert mod.SHORT_PER == 8 and mod.MERGE_COLS == 64 and "def _fetch_all(" in src
+        assert ("[Note] Early first block (variant" in src) == (base == "gluon-ecandmod")
         return mod
-    if base.startswith("cand:"):
-        _, s, c = base.split(":")
-        return _With(s12._module("gluon-candmod", hq, layout, mask), splits, SHORT_PER=int(s), MERGE_COLS=int(c))
+    if base.startswith("cand:") or base.startswith("ecand:"):
+        which, s, c = base.split(":")
+        return _With(s12._module(f"gluon-{which}mod", hq, layout, mask), splits, SHORT_PER=int(s), MERGE_COLS=int(c))
     if base == "gluon" and splits is not None:
         return _With(s12._module("gluon", hq, layout, mask), splits)
     if base == "gluon":
@@ -137,6 +144,9 @@ GROUPS = {
     "check-mc-ten": ("cand:0:64", [("tensor", "paged", 16, 1, "s3"), ("head", "dense", 16, 1, "rule")]),
     "check-both": ("cand:8:64", [("token", "paged", 16, 1, "rule"), ("tensor", "paged", 16, 1, "s3"),
                                  ("token", "paged", 16, 1, "inv")]),
+    "check-early-tok": ("ecand:0:512", [("token", "paged", 16, 1, "rule"), ("token", "paged", 16, 1, "inv")]),
+    "check-early-ten": ("ecand:0:512", [("tensor", "paged", 16, 1, "s3")]),
+    "check-eall": ("ecand:8:64", [("token", "paged", 16, 1, "rule"), ("tensor", "paged", 16, 1, "s3")]),
 }
 
 
@@ -180,7 +190,7 @@ def check_phase(name):
     s13._checks(backend, cases)
 
 
-CHECKS = list(GROUPS) + ["check-safety-cand:8:64", "check-warm"]
+CHECKS = list(GROUPS) + ["check-safety-cand:8:64", "check-safety-ecand:0:512", "check-warm"]
 
 
 def time_phase(deadline):  # noqa: C901

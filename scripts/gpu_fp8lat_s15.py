@@ -173,7 +173,30 @@ def _safety(backend):
                  f"ERROR {type(e).__name__}: {str(e)[:150]}")
 
 
+WARM = {"warm-a": [("gluon", (2, 4, 8, 16))], "warm-b": [("cand:0:64", (2, 8, 16)), ("cand:0:512", (8, ))],
+        "warm-c": [("ecand:0:512", (2, 8)), ("ecand:0:64", (8, ))]}
+
+
+def _warm(name):
+    """The time phase's merges (NUM_SPLITS and COLS are constexprs), compiled here beside the checks."""
+    import torch
+    t = time.time()
+    try:
+        q, cache, table, lens, kw = s12._inputs("tensor", 2, 16 * PAGE, [16 * PAGE] * 2, 2)
+        for backend, splits in WARM[name]:
+            m = s12._module(backend, 16)
+            for n in splits:
+                m.forward_split(q, cache, None, num_splits=n, block_table=table, seqlens_k=lens, scale=SCALE, **kw)
+        torch.cuda.synchronize()
+        emit("check", "warm merges", name, "ok", None, f"{time.time() - t:.1f} s")
+    except Exception as e:  # noqa: BLE001
+        emit("check", "warm merges", name, "FAIL", None, f"ERROR {type(e).__name__}: {str(e)[:150]}")
+
+
 def check_phase(name):
+    if name in WARM:
+        _warm(name)
+        return
     if name.startswith("check-safety-"):
         _safety(name[len("check-safety-"):])
         return
@@ -190,7 +213,7 @@ def check_phase(name):
     s13._checks(backend, cases)
 
 
-CHECKS = list(GROUPS) + ["check-safety-cand:8:64", "check-safety-ecand:0:512", "check-warm"]
+CHECKS = list(GROUPS) + ["check-safety-cand:8:64", "check-safety-ecand:0:512", "check-warm"] + list(WARM)
 
 
 def time_phase(deadline):  # noqa: C901

@@ -46,7 +46,7 @@ D, DV, PAGE, SCALE = s12.D, s12.DV, s12.PAGE, s12.SCALE
 emit = s12.emit
 ROUND = os.environ.get("GPU_FP8LAT_S15_ROUND", "A")
 PASSES = 5
-LIMITS = dict(check=22, time=33)
+LIMITS = dict(check=22, time=33, bench=0 if ROUND == "A" else 12)
 CAND = {"fp8lat_short": 8, "fp8lat_merge_cols": 64}
 T_START = time.time()
 
@@ -301,11 +301,58 @@ def time_phase(deadline):  # noqa: C901
         torch.cuda.empty_cache()
 
 
+BENCH_LEVERS = {"gluon fp8 (product)": {}, "merge cols 64": {"fp8lat_merge_cols": 64}}
+
+
+def bench_phase(deadline):
+    """The serving bench's fp8 latent rows (fagen.bench's run_case, impl fagen, the gluon fp8 decode selected; dense,
+    one scale a KV head, do_bench) with the product's render and with BENCH_LEVERS' variant keys, passes in rotated
+    order until the deadline, the median GB/s and each pass's ratio to the product's."""
+    from fagen import backends
+    from fagen.bench.cases import BenchOptions
+    from fagen.bench.impls import run_case
+    from fagen.bench.serving import serving_rows
+    from fagen.codegen.render import render
+    cases = {c.name: c for c in serving_rows()}
+    res, keep = {}, (backends.GLUON.variant, backends.GLUON.select_fp8_latent)
+    names = list(BENCH_LEVERS)
+    try:
+        backends.GLUON.select_fp8_latent = True
+        for p in range(PASSES):
+            for name in s12.BENCH_ROWS:
+                for lever in names[p % len(names):] + names[:p % len(names)]:
+                    if time.time() > deadline - 2:
+                        break
+                    backends.GLUON.variant = {**keep[0], **BENCH_LEVERS[lever]}
+                    render.cache_clear()
+                    opts = BenchOptions(impls=("fagen", ), warmup_ms=10, rep_ms=40, sets=2, check=p == 0)
+                    rec = run_case(cases[name], opts, log=lambda s: None)[0]
+                    res.setdefault((name, lever), []).append(rec)
+    finally:
+        backends.GLUON.variant, backends.GLUON.select_fp8_latent = keep
+        render.cache_clear()
+    for (name, lever), recs in res.items():
+        gbs = [r.get("gbs") for r in recs]
+        ok = [g for g in gbs if g]
+        r0 = recs[0]
+        prod = [r.get("gbs") for r in res.get((name, names[0]), [])]
+        ratio = ""
+        rs = [g / p for g, p in zip(gbs, prod) if g and p]
+        if lever != names[0] and rs:
+            ratio = f"; this/product per pass median {statistics.median(rs):.3f} [{min(rs):.3f}, {max(rs):.3f}]"
+        emit("bench", name, lever, f"{statistics.median(ok):.0f} GB/s" if ok else r0["status"],
+             statistics.median([r["ms"] for r in recs if r.get("ms")]) if ok else None,
+             f"{len(ok)} passes {'/'.join(f'{g:.0f}' for g in ok)}{ratio}; check {r0.get('check')} err "
+             f"{r0.get('max_err')}; spec {r0.get('spec')}")
+
+
 def main():
     if len(sys.argv) > 2 and sys.argv[1] == "--phase":
         name = sys.argv[2]
         if name == "time":
             time_phase(float(sys.argv[3]))
+        elif name == "bench":
+            bench_phase(float(sys.argv[3]))
         else:
             check_phase(name)
         return
@@ -333,8 +380,11 @@ def main():
         t.start()
     for t in threads:
         t.join()
-    limit = max(5, min(LIMITS["time"], 55 - (time.time() - T_START)))
+    limit = max(5, min(LIMITS["time"], (55 - LIMITS["bench"]) - (time.time() - T_START)))
     run("time", limit, (str(time.time() + limit - 1), ))
+    if LIMITS["bench"]:
+        limit = max(4, min(LIMITS["bench"], 56 - (time.time() - T_START)))
+        run("bench", limit, (str(time.time() + limit - 1), ))
     for n, rc in rcs.items():
         if rc != 0:
             rows.append([n, "(phase)", "-", "-", "", f"ERROR rc={rc}"])

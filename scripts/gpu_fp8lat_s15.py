@@ -55,6 +55,7 @@ KV4 = ((32, 4096), )
 ROWS = [
     ("product", "gluon", "token", None),
     ("merge cols 64", "cand:0:64", "token", None),
+    ("merge cols 128", "cand:0:128", "token", None),
     ("short 8", "cand:8:512", "token", KV4),
     ("short 8 + merge cols 64", "cand:8:64", "token", KV4),
     ("splits 4", "gluon%4", "token", KV4),
@@ -173,7 +174,7 @@ def _safety(backend):
                  f"ERROR {type(e).__name__}: {str(e)[:150]}")
 
 
-WARM = {"warm-a": [("gluon", (2, 4, 8, 16))], "warm-b": [("cand:0:64", (2, 8, 16)), ("cand:0:512", (8, ))],
+WARM = {"warm-a": [("gluon", (2, 4, 8, 16))], "warm-b": [("cand:0:64", (2, 8, 16)), ("cand:0:512", (8, )), ("cand:0:128", (2, 8))],
         "warm-c": [("ecand:0:512", (2, 8)), ("ecand:0:64", (8, ))]}
 
 

@@ -267,7 +267,8 @@ mod = fagen.load(fagen.KernelSpec(head_dim=576, head_dim_v=512, shared_kv=True, 
                                   dtype="bf16", mask="causal", layout="paged", backend="gluon", kv_dtype="fp8_e4m3"))
 b, ns, rows, dv = 2, 3, 24, 32
 """ + MERGE_CASE + """
-mod._merge[((rows + 15) // 16, b)](part_o, part_lse, out, lse, ROWS=rows, NUM_SPLITS=ns, BLOCK_R=16, DV_=dv)
+mod._merge[((rows + 15) // 16, b)](part_o, part_lse, out, lse, ROWS=rows, NUM_SPLITS=ns, BLOCK_R=16, DV_=dv,
+                                   **({"COLS": dv} if getattr(mod, "MERGE_COLS", 0) else {}))
 """ + MERGE_SAVE
 
 
@@ -288,7 +289,8 @@ from fagen.runtime.loader import load_source
 backends.GLUON.variant = {**backends.GLUON.variant, "fp8lat_merge_cols": 16}
 mod = load_source(render(""").replace(
     'kv_dtype="fp8_e4m3"))', 'kv_dtype="fp8_e4m3")).source, "merge_cols")').replace(
-    "mod._merge[((rows + 15) // 16, b)](part_o, part_lse, out, lse, ROWS=rows, NUM_SPLITS=ns, BLOCK_R=16, DV_=dv)",
+    "mod._merge[((rows + 15) // 16, b)](part_o, part_lse, out, lse, ROWS=rows, NUM_SPLITS=ns, BLOCK_R=16, DV_=dv,\n"
+    "                                   **({\"COLS\": dv} if getattr(mod, \"MERGE_COLS\", 0) else {}))",
     "assert mod.MERGE_COLS == 16\n"
     "mod._merge[((rows + 15) // 16, b, dv // 16)](part_o, part_lse, out, lse, ROWS=rows, NUM_SPLITS=ns, BLOCK_R=16, "
     "DV_=dv, COLS=16)")

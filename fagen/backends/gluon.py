@@ -130,7 +130,7 @@ class GluonBackend(DecodeRules, KernelBackend):
                "bwd_unordered_levers": {"bwd_named": 2, "bwd_epi_tma": 1, "bwd_snake": 1}, "bwd_full_levers": {},
                "bwd_fixed_fma": 0, "bwd_grid": 0, "bwd_spt": 0, "bwd_fixed_tma": 0,
                "fp8lat_lazy": 0, "fp8lat_early_fetch": 0, "fp8lat_stage": 7, "fp8lat_short": 0,
-               "fp8lat_merge_cols": 0}
+               "fp8lat_merge_cols": 64}
     # fp8lat_*: [Note] Lazy block max, [Note] Early first block, [Note] Staged chunks in
     # fagen/templates/gluon/mla_decode_fp8.py.j2. fp8lat_stage K: chunks 0..K-1 by cp.async through shared memory
     # (fourteenth session; 7 since both rounds: per token +4.9-8.7 points at the three large shapes, per tensor
@@ -138,7 +138,7 @@ class GluonBackend(DecodeRules, KernelBackend):
     # two sessions and were removed in the fifteenth (docs/serving.md, thirteenth and fourteenth sessions).
     # fp8lat_short N: launches whose splits take at most N blocks run the unstaged form with evict_first ([Note]
     # Short splits; fifteenth session, a candidate); fp8lat_merge_cols C: the split merge's programs take C of the
-    # 512 columns each ([Note] Merge by column blocks; fifteenth session, a candidate).
+    # 512 columns each ([Note] Merge by column blocks; fifteenth session: 64 since both rounds, b32 kv4k +16%, b32 kv32k +3.5-4%).
 
     # [Note] Gluon tile order. The persistent forward deals its tiles in an order ([Note] Tile schedule in the
     # template): causal query blocks differ in work, so the order decides how evenly the programs finish. H100,

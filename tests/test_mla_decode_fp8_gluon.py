@@ -158,54 +158,70 @@ def test_the_kernel_clamps_page_indexes_and_lengths_where_they_are_used():
     assert src.count("mask=real)") == 16 and src.count("mask=nr < ROWS)") == 2
 
 
-def test_the_l2_prefetch_stays_within_the_split_and_the_pages():
-    """[Note] L2 prefetch, as rendered (the product's render, D 2; none with the variant's 0): block j + 2 is asked
-    for only when the split has it, its page clamped to the cache, at most 64 rows and none past the sequence's end
-    (a block lies within a page, or within a dense sequence), the table entry for block j + 3 masked by the split's
-    blocks; block 1 at step 0, at the page step 0 loads it from."""
+def _render_with(**var):
     from fagen import backends
     from fagen.codegen.render import render
 
     keep = backends.GLUON.variant
     try:
-        backends.GLUON.variant = {**keep, "fp8lat_l2_prefetch": 0}
+        backends.GLUON.variant = {**keep, **var}
         render.cache_clear()
-        assert "_l2_prefetch(" not in render(spec()).source
-        backends.GLUON.variant = {**keep, "fp8lat_l2_prefetch": 2, "fp8lat_l2_first": 0, "fp8lat_l2_tensor": 0}
-        render.cache_clear()
-        src = render(spec()).source
+        return render(spec()).source
     finally:
         backends.GLUON.variant = keep
         render.cache_clear()
-    assert ("_l2_prefetch(Cache, _row0(gl.minimum(gl.maximum(pf_raw, 0), num_pages - 1), b, kv_b, pf, PAGE, PAGED),\n"
-            "                     gl.minimum(seq_len - pf, 64), j + 2 < n_blocks)") in src
-    assert "pf_raw = _page_raw(BlockTable, bt_row, pf + 64, j + 3 < n_blocks, PAGE, PAGED)" in src
-    assert "pf_raw = _page_raw(BlockTable, bt_row, k_lo + 128, n_blocks > 2, PAGE, PAGED)" in src
-    assert "_l2_prefetch(Cache, row_n, gl.minimum(seq_len - nxt, 64), (j == 0) & (j + 1 < n_blocks))" in src
-    assert "nbytes = gl.where((t == 0) & ok & (rows > 0), rows * (ROW_W * 4), 0)" in src
 
 
-def test_the_l2_prefetch_prologue_form_asks_for_block_1_once_within_the_split():
-    """[Note] L2 prefetch's block 1 (variant fp8lat_l2_first 1, commit 6f56f93's form): block 1 is asked for in the
-    prologue, at its page clamped to the cache, at most 64 rows and none past the sequence's end, only where the split
-    has two blocks; the key loop asks for block j + 2 only (no step-0 request)."""
-    from fagen import backends
-    from fagen.codegen.render import render
+def test_short_splits_load_every_chunk_masked_with_evict_first_and_stage_nothing():
+    """[Note] Short splits (variant fp8lat_short 8), as rendered: the SHORT form loads all 9 chunks by registers,
+    masked as the staged form's loads (keys past the end, blocks the split does not have: not read), with
+    evict_first, at the clamped rows (row0, row_n); the staged reads and copies only in the other form."""
+    src = _render_with(fp8lat_stage=7, fp8lat_short=8)
+    fetch = src[src.index("def _fetch_all("):src.index("def _stage(")]
+    assert "ok = ((start + r < seq_len) & ok_block)[:, None]" in fetch
+    assert "base = Cache + (row0 + r.to(gl.int64))[:, None] * ROW_W + c[None, :]" in fetch
+    assert fetch.count('mask=ok, other=0, eviction_policy="evict_first")') == 9
+    assert all(f"x{c} = gl.load(base{' + %d' % (16 * c) if c else ''}, mask=ok" in fetch for c in range(9))
+    xall = "x0, x1, x2, x3, x4, x5, x6, x7, x8"
+    assert f"if SHORT:  # [Note] Short splits: every chunk by registers\n        {xall} = _fetch_all(Cache, row0, " \
+           "k_lo, seq_len, n_blocks > 0)\n    else:\n        _stage(" in src
+    loop = src[src.index("for j in range(n_blocks):"):]
+    guard = loop.index("if not SHORT:")
+    assert guard < loop.index("async_copy.wait_group(0)") < loop.index("x0 = st0.load(") < loop.index(
+        "_stage(Cache, st0,") < loop.index("tok, a = _chunk(x0,")
+    assert f"if SHORT:  # [Note] Short splits\n            {xall} = _fetch_all(Cache, row_n, nxt, seq_len, ok_n)" in loop
+    assert "SHORT=not invariant and per <= SHORT_PER," in src and "SHORT_PER = 8" in src
+    assert "_fetch_all" not in _render_with(fp8lat_stage=7, fp8lat_short=0)
 
-    keep = backends.GLUON.variant
-    try:
-        backends.GLUON.variant = {**keep, "fp8lat_l2_prefetch": 2, "fp8lat_l2_first": 1, "fp8lat_l2_tensor": 0}
-        render.cache_clear()
-        src = render(spec()).source
-    finally:
-        backends.GLUON.variant = keep
-        render.cache_clear()
-    first = ("    _l2_prefetch(Cache, _row0(gl.minimum(gl.maximum(pg_raw, 0), num_pages - 1), b, kv_b, k_lo + 64, "
-             "PAGE, PAGED),\n                 gl.minimum(seq_len - k_lo - 64, 64), n_blocks > 1)")
-    assert src.count(first) == 1
-    assert src.index(first) < src.index("for j in range(n_blocks):")
-    assert "(j == 0) & (j + 1 < n_blocks)" not in src and src.count("_l2_prefetch(Cache,") == 3  # def, prologue, loop
-    assert "pf_raw = _page_raw(BlockTable, bt_row, pf + 64, j + 3 < n_blocks, PAGE, PAGED)" in src
+
+def test_short_splits_are_chosen_by_the_host_where_a_split_takes_at_most_short_per_blocks():
+    """[Note] Short splits: the launch passes SHORT where the split rule gives at most SHORT_PER blocks a split and not
+    batch_invariant (b32 kv4k at Hq 16: 8 blocks, SHORT; b128 kv4k: 32 blocks, the staged form), the kernel's grid
+    and the split count unchanged (the launches recorded on CPU tensors, no kernel run)."""
+    from fagen.runtime.loader import load_source
+    mod = load_source(_render_with(fp8lat_stage=7, fp8lat_short=8), "fp8lat_short_host")
+    seen = []
+
+    class Rec:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *a, **kw: seen.append((self.name, grid, kw))
+
+    mod._fast_mla_decode, mod._fast_merge = Rec("decode"), Rec("merge")
+    for b, span, inv, short in ((32, 4096, False, True), (128, 4096, False, False), (32, 32768, False, False),
+                                (32, 4096, True, False), (4, 1024, False, True)):
+        seen.clear()
+        q = torch.zeros(b, 16, 1, D, dtype=torch.bfloat16)
+        cache = torch.zeros(b * span // 64, 64, 1, D, dtype=torch.uint8).view(torch.float8_e4m3fn)
+        table = torch.zeros(b, span // 64, dtype=torch.int32)
+        lens = torch.full((b, ), span, dtype=torch.int32)
+        mod._launch_decode(q, cache, 0.1, (1.0, None, 0), table, lens, None, inv, None, None)
+        per, splits = mod.splits_for(b, 16, span, None, inv, mod.FALLBACK_SMS)
+        (name, grid, kw), = [x for x in seen if x[0] == "decode"]
+        assert kw["SHORT"] is short and grid == (1, splits, b), (b, span, inv, per, kw["SHORT"])
+        assert short == (per <= 8 and not inv)
 
 
 def test_staged_chunks_are_masked_as_the_register_loads_and_read_after_their_wait():
@@ -241,31 +257,6 @@ def test_staged_chunks_are_masked_as_the_register_loads_and_read_after_their_wai
     assert after.index("async_copy.wait_group(0)") < after.index("l_i = gl.sum(l_p, 0)")  # no copy in flight after
 
 
-def test_the_l2_prefetch_per_tensor_only_leaves_the_per_token_kernel_without_it():
-    """[Note] L2 prefetch per tensor only (variant fp8lat_l2_tensor 1): every line of the L2 prefetch (the prologue's
-    table entry, the loop's requests and its next entry) sits under the constexpr `if not PER_TOKEN:`."""
-    from fagen import backends
-    from fagen.codegen.render import render
-
-    keep = backends.GLUON.variant
-    try:
-        backends.GLUON.variant = {**keep, "fp8lat_stage": 7, "fp8lat_l2_prefetch": 2, "fp8lat_l2_tensor": 1}
-        render.cache_clear()
-        src = render(spec()).source
-    finally:
-        backends.GLUON.variant = keep
-        render.cache_clear()
-    guard = "if not PER_TOKEN:  # [Note] L2 prefetch per tensor only\n"
-    assert src.count(guard) == 2
-    assert guard + "        pf_raw = _page_raw(BlockTable, bt_row, k_lo + 128, n_blocks > 2, PAGE, PAGED)" in src
-    body = src[src.index("    " * 2 + guard):]
-    body = body[:body.index("[Note] Staged chunks: block j's")]
-    assert body.count("_l2_prefetch(Cache,") == 2 and "pf_raw = _page_raw(" in body
-    assert all(line.startswith(" " * 12) for line in body.splitlines()[1:] if line.strip() and "#" != line.strip()[0]
-               and "Staged" not in line)
-    assert src.count("_l2_prefetch(Cache,") == 3  # the def and the two requests, all guarded
-
-
 _MERGE = """
 import sys
 sys.path.insert(0, sys.argv[1])
@@ -276,7 +267,8 @@ mod = fagen.load(fagen.KernelSpec(head_dim=576, head_dim_v=512, shared_kv=True, 
                                   dtype="bf16", mask="causal", layout="paged", backend="gluon", kv_dtype="fp8_e4m3"))
 b, ns, rows, dv = 2, 3, 24, 32
 """ + MERGE_CASE + """
-mod._merge[((rows + 15) // 16, b)](part_o, part_lse, out, lse, ROWS=rows, NUM_SPLITS=ns, BLOCK_R=16, DV_=dv)
+mod._merge[((rows + 15) // 16, b)](part_o, part_lse, out, lse, ROWS=rows, NUM_SPLITS=ns, BLOCK_R=16, DV_=dv,
+                                   **({"COLS": dv} if getattr(mod, "MERGE_COLS", 0) else {}))
 """ + MERGE_SAVE
 
 
@@ -286,6 +278,33 @@ def test_merge_is_the_log_sum_exp_rule_with_rows_not_a_multiple_of_16(tmp_path):
     path = tmp_path / "merge.pt"
     env = {**os.environ, "TRITON_INTERPRET": "1", "FAGEN_CACHE_DIR": str(tmp_path / "cache")}
     proc = subprocess.run([sys.executable, "-c", _MERGE, str(ROOT), str(path)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    merge_matches_float64(torch.load(path))
+
+
+_MERGE_COLS = _MERGE.replace("mod = fagen.load(", """from fagen import backends
+from fagen.codegen.render import render
+from fagen.runtime.loader import load_source
+backends.GLUON.variant = {**backends.GLUON.variant, "fp8lat_merge_cols": 16}
+mod = load_source(render(""").replace(
+    'kv_dtype="fp8_e4m3"))', 'kv_dtype="fp8_e4m3")).source, "merge_cols")').replace(
+    "mod._merge[((rows + 15) // 16, b)](part_o, part_lse, out, lse, ROWS=rows, NUM_SPLITS=ns, BLOCK_R=16, DV_=dv,\n"
+    "                                   **({\"COLS\": dv} if getattr(mod, \"MERGE_COLS\", 0) else {}))",
+    "assert mod.MERGE_COLS == 16\n"
+    "mod._merge[((rows + 15) // 16, b, dv // 16)](part_o, part_lse, out, lse, ROWS=rows, NUM_SPLITS=ns, BLOCK_R=16, "
+    "DV_=dv, COLS=16)")
+
+
+@pytest.mark.skipif(ON_GPU, reason="the interpreter")
+def test_the_merge_by_column_blocks_is_the_log_sum_exp_rule(tmp_path):
+    """[Note] Merge by column blocks (variant fp8lat_merge_cols, here 16 of 32 columns: two column programs a tile),
+    24 rows (a tile of 8 real rows): every column and the lse against float64, the masked rows neither read nor
+    written."""
+    assert "COLS=16" in _MERGE_COLS and "load_source(render(" in _MERGE_COLS
+    path = tmp_path / "merge.pt"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "FAGEN_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-c", _MERGE_COLS, str(ROOT), str(path)], env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     merge_matches_float64(torch.load(path))
@@ -307,7 +326,7 @@ for key, (layout, gqa, kw) in json.loads(sys.argv[2]).items():
     spec = fagen.KernelSpec(head_dim=576, head_dim_v=512, shared_kv=True, kind="decode", gqa=gqa, dtype="bf16",
                             mask="causal", layout=layout, backend="gluon", kv_dtype="fp8_e4m3")
     var = kw.pop("variant", None)  # the variant's fp8lat_* keys ([Note] Lazy block max, [Note] Early first block,
-    # [Note] L2 prefetch)
+    # [Note] Staged chunks)
     if var:
         keep = backends.GLUON.variant
         backends.GLUON.variant = {**keep, **var}
@@ -336,22 +355,12 @@ BUILDS = {"paged_token": ("paged", 16, dict()), "paged_tensor": ("paged", 16, di
           "paged_token_lazy6": ("paged", 16, dict(variant={"fp8lat_lazy": 6})),
           "paged_tensor_lazy6": ("paged", 16, dict(variant={"fp8lat_lazy": 6}, scales=0)),
           "paged_token_early": ("paged", 16, dict(variant={"fp8lat_early_fetch": 1})),
-          "paged_token_no_l2pf": ("paged", 16, dict(variant={"fp8lat_l2_prefetch": 0})),
-          "paged_tensor_l2pf3": ("paged", 16, dict(variant={"fp8lat_l2_prefetch": 3}, scales=0)),
-          "paged_token_cg": ("paged", 16, dict(variant={"fp8lat_ld": 1})),
-          "paged_tensor_evict_first": ("paged", 16, dict(variant={"fp8lat_ld": 2}, scales=0)),
-          # the prologue form as timed, on the unstaged loop (on staged 7 per token it spills: 255 registers)
-          "paged_token_l2_prologue": ("paged", 16, dict(variant={"fp8lat_l2_prefetch": 2, "fp8lat_l2_first": 1,
-                                                                "fp8lat_stage": 0})),
-          "paged_tensor_l2_prologue": ("paged", 16, dict(variant={"fp8lat_l2_prefetch": 2, "fp8lat_l2_first": 1,
-                                                                 "fp8lat_stage": 0},
-                                                         scales=0)),  # with evict_first: 255 registers, spills
           "paged_token_staged7": ("paged", 16, dict(variant={"fp8lat_stage": 7})),
-          "paged_tensor_staged7_l2_tensor": ("paged", 16, dict(variant={"fp8lat_stage": 7, "fp8lat_l2_prefetch": 2,
-                                                                       "fp8lat_l2_tensor": 1}, scales=0)),
-          "paged_tensor_staged7_evict_first": ("paged", 16, dict(variant={"fp8lat_stage": 7, "fp8lat_ld": 2},
-                                                                 scales=0)),
-          "dense_head_staged7": ("dense", 16, dict(variant={"fp8lat_stage": 7}, scales=1, num_splits=2))}
+          "dense_head_staged7": ("dense", 16, dict(variant={"fp8lat_stage": 7}, scales=1, num_splits=2)),
+          # [Note] Short splits: the SHORT form (unstaged, evict_first) and the staged form of the same render
+          "paged_token_short": ("paged", 16, dict(variant={"fp8lat_short": 8}, num_splits=3, short=True)),
+          "paged_tensor_short": ("paged", 16, dict(variant={"fp8lat_short": 8}, scales=0, num_splits=3, short=True)),
+          "paged_token_short_off": ("paged", 16, dict(variant={"fp8lat_short": 8}, num_splits=3))}
 
 
 @pytest.fixture(scope="module")
@@ -371,6 +380,7 @@ def test_builds_two_programs_an_sm_without_spills(built, key):
     assert r["shared"] <= backends.smem_bytes(spec()) + 4096 * stage, r
     # lazy: the loop's body in two branches; staged chunks: one more (before the next block's copies reuse the slots;
     # the copies' wait shares the step's first)
+    stage = 0 if BUILDS[key][2].get("short") else stage  # [Note] Short splits: nothing staged in the SHORT form
     assert set(r["wgmma"]) == {68} and set(r["bars"]) == {5 if stage else 4}, r
 
 

@@ -127,16 +127,16 @@ class GluonBackend(DecodeRules, KernelBackend):
                "bwd_mod_early": 0, "bwd_window_fixed": 0, "bwd_prefix": 2,
                "bwd_unordered_levers": {"bwd_named": 2, "bwd_epi_tma": 1, "bwd_snake": 1}, "bwd_full_levers": {},
                "bwd_fixed_fma": 0, "bwd_grid": 0, "bwd_spt": 0, "bwd_fixed_tma": 0,
-               "fp8lat_lazy": 0, "fp8lat_early_fetch": 0, "fp8lat_l2_prefetch": 0,
-               "fp8lat_ld": 0, "fp8lat_l2_first": 0, "fp8lat_stage": 7,
-               "fp8lat_l2_tensor": 0}
-    # fp8lat_*: [Note] Lazy block max, [Note] Early first block, [Note] L2 prefetch, [Note] Cache load hints in
-    # fagen/templates/gluon/mla_decode_fp8.py.j2. fp8lat_l2_prefetch 2: round A +2-9.5 points (prologue form),
-    # round B -3.5 to -6 per token (block 1 at step 0): off (docs/serving.md, thirteenth session); fp8lat_l2_first 1
-    # restores the prologue form; fp8lat_stage K: chunks 0..K-1 by cp.async through shared memory (fourteenth
-    # session, [Note] L2 prefetch's block 1, [Note] Staged chunks; 7 since both rounds: per token +4.9-8.7 points at
-    # the three large shapes, per tensor +3.1-5.6); fp8lat_l2_tensor 1: the L2 prefetch only where the scale is not
-    # per token ([Note] L2 prefetch per tensor only).
+               "fp8lat_lazy": 0, "fp8lat_early_fetch": 0, "fp8lat_stage": 7, "fp8lat_short": 8,
+               "fp8lat_merge_cols": 64}
+    # fp8lat_*: [Note] Lazy block max, [Note] Early first block, [Note] Staged chunks in
+    # fagen/templates/gluon/mla_decode_fp8.py.j2. fp8lat_stage K: chunks 0..K-1 by cp.async through shared memory
+    # (fourteenth session; 7 since both rounds: per token +4.9-8.7 points at the three large shapes, per tensor
+    # +3.1-5.6). The L2 prefetch (fp8lat_l2_prefetch, _l2_first, _l2_tensor) and the load hints (fp8lat_ld) lost in
+    # two sessions and were removed in the fifteenth (docs/serving.md, thirteenth and fourteenth sessions).
+    # fp8lat_short N: launches whose splits take at most N blocks run the unstaged form with evict_first ([Note]
+    # Short splits; fifteenth session: 8 since both rounds); fp8lat_merge_cols C: the split merge's programs take C of the
+    # 512 columns each ([Note] Merge by column blocks; fifteenth session: 64 since both rounds, b32 kv4k +16%, b32 kv32k +3.5-4%).
 
     # [Note] Gluon tile order. The persistent forward deals its tiles in an order ([Note] Tile schedule in the
     # template): causal query blocks differ in work, so the order decides how evenly the programs finish. H100,

@@ -29,8 +29,7 @@ class DecodeRules:
     # 1341 -> 2076 GB/s; paged page 64, CUDA graphs, per token b128 kv4k / b32 kv32k / b128 kv32k / b32 kv4k 1317 /
     # 1169 / 1394 / 934 -> 2135 / 2240 / 2477 / 1309 GB/s (per tensor 1418 / 1272 / 1528 / 1000 -> 2078 / 2167 /
     # 2403 / 1311); Hq 128 Sq 2 b32 kv8k 199 (Triton) against 188 TF/s: LATENT_FP8_MAX_ROWS 16. Thirteenth session:
-    # an L2 prefetch of block j + 2 (variant fp8lat_l2_prefetch, off: round B lost per token; [Note] L2 prefetch;
-    # docs/serving.md, "MLA fp8 latent decode (thirteenth session)"); fagen.attention routes an e4m3 cache here too.
+    # fagen.attention routes an e4m3 cache here too (docs/serving.md, "MLA fp8 latent decode (thirteenth session)").
     decode_dims = (576, 512)
     decode_launch = {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2}
     select_mla_decode = True

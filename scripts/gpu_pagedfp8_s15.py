@@ -21,6 +21,10 @@ comma-separated subset). Phases, each a child process with a timeout:
    under L2_FLUSH "loop" and back to back, PASSES passes, the order shuffled each pass (copy included); per pass
    fagen / copy of that pass; the median and the spread (min-max) of the per-pass ratios. Then other paged shapes
    back to back beside a copy of the same bytes, one set, 3 shuffled passes.
+Diagnostics in the time phase (not attention; GPU_PAGEDFP8_S15_GATHER / _GLUON=0 drop them): K's pages gathered
+whole by index_select (the copy's traffic, random 16 KB pages), in the table's order and sorted; the row's reads
+alone by lab/pagedfp8_gather_read.py (Gluon cp.async gathers, the product's grid and 128-byte rows, no dots), at
+a few (block_n, stages, warps), checked against torch's sums of the same words.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ ROUND = os.environ.get("GPU_PAGEDFP8_S15_ROUND", "B")
 PASSES = 1 if DRY else 5
 ORDERED = os.environ.get("GPU_PAGEDFP8_S15_ORDERED", "0") == "1"  # time the default on its pages in order too
 SPLIT_CHECKS = (3,)  # forward_split counts checked beside the rule (a non-DIRECT build: the merge path)
+GLUON_READ = [] if os.environ.get("GPU_PAGEDFP8_S15_GLUON", "1") != "1" else [
+    (64, 4, 4, False), (32, 8, 4, False), (128, 3, 8, False), (64, 4, 4, True)]  # (block_n, stages, warps, sorted)
 GATHER = os.environ.get("GPU_PAGEDFP8_S15_GATHER", "1") == "1"  # the index_select diagnostics
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PPS = lambda n: [("\nPROGRAMS_PER_SM = 2\n", f"\nPROGRAMS_PER_SM = {n}\n")]  # noqa: E731
@@ -223,6 +229,35 @@ def time_phase():  # noqa: C901 - one phase
         entries["default, pages in order"] = ([lambda s=s: p0.fn(s) for s in srt], "not checked (other keys)",
                                               dataclasses.replace(p0, fn=lambda s, m={id(a): b for a, b in
                                                                                      zip(cc.sets, srt)}: p0.fn(m[id(s)])))
+    if GLUON_READ:  # diagnostic: the row's reads alone, Gluon cp.async gathers into a STAGES-deep ring
+        # (lab/pagedfp8_gather_read.py), checked against torch's sums of the same words
+        import dataclasses
+        sys.path.insert(0, os.path.join(ROOT, "lab"))
+        import pagedfp8_gather_read as gr
+        for bn, st, w, srt in GLUON_READ:
+            label = f"Gluon reads only n{bn}s{st}w{w}" + (", pages ascending" if srt else "")
+            if time.time() - T0 > PHASES["time"] - 20:
+                emit("time", row.name, label, "-", None, "skipped: time budget")
+                continue
+            try:
+                g = {}
+                for s in cc.sets:
+                    t = s.paged["block_table"].sort(1)[0].contiguous() if srt else s.paged["block_table"]
+                    nk = t.shape[1] * s.paged["k_cache"].shape[1] if DRY else row.seq_k
+                    g[id(s)] = (s.paged["k_cache"], s.paged["v_cache"], t, nk)
+                s0 = cc.sets[0]
+                got = gr.gather_read(*g[id(s0)], block_n=bn, stages=st, num_warps=w).long().sum((-1, -2))
+                got = torch.where((got & 0xFFFFFFFF) >= 2**31, (got & 0xFFFFFFFF) - 2**32, got & 0xFFFFFFFF)
+                want = gr.reference(*g[id(s0)]).long()
+                if not torch.equal(got, want):
+                    raise AssertionError(f"sums differ in {int((got != want).sum())} of {want.numel()} programs")
+                fn = lambda s, g=g, bn=bn, st=st, w=w: gr.gather_read(*g[id(s)], block_n=bn, stages=st,  # noqa: E731
+                                                                      num_warps=w)
+                entries[label] = ([lambda s=s, fn=fn: fn(s) for s in cc.sets],
+                                  "diagnostic: not attention; sums checked against torch", dataclasses.replace(
+                                      impls.prepare_copy(row, cc), fn=fn))
+            except Exception as e:  # noqa: BLE001
+                emit("time", row.name, label, "-", None, f"ERROR {type(e).__name__}: {str(e)[:200]}")
     cp = impls.prepare_copy(row, cc)
     entries["copy"] = ([lambda s=s: cp.fn(s) for s in cc.sets], "copy of the row's bytes", cp)
     if GATHER:  # diagnostic: K's pages gathered whole (16 KB: 16 keys x 8 heads) by index_select in the table's

@@ -50,8 +50,9 @@ ROUND = os.environ.get("GPU_PAGEDFP8_S15_ROUND", "B")
 PASSES = 1 if DRY else 5
 ORDERED = os.environ.get("GPU_PAGEDFP8_S15_ORDERED", "0") == "1"  # time the default on its pages in order too
 SPLIT_CHECKS = (3,)  # forward_split counts checked beside the rule (a non-DIRECT build: the merge path)
-GLUON_READ = [] if os.environ.get("GPU_PAGEDFP8_S15_GLUON", "1") != "1" else [
-    (64, 4, 4, False), (32, 8, 4, False), (128, 3, 8, False), (64, 4, 4, True)]  # (block_n, stages, warps, sorted)
+GLUON_READ = [] if os.environ.get("GPU_PAGEDFP8_S15_GLUON", "1") != "1" else [  # (block_n, stages, warps, heads a
+    # program, splits, pages sorted): one head's 128-byte rows as the product; all 8 heads' 1 KB rows, 8 splits
+    (64, 4, 4, 1, 1, False), (128, 3, 8, 1, 1, False), (16, 3, 4, 8, 8, False), (64, 4, 4, 1, 1, True)]
 GATHER = os.environ.get("GPU_PAGEDFP8_S15_GATHER", "1") == "1"  # the index_select diagnostics
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PPS = lambda n: [("\nPROGRAMS_PER_SM = 2\n", f"\nPROGRAMS_PER_SM = {n}\n")]  # noqa: E731
@@ -234,8 +235,9 @@ def time_phase():  # noqa: C901 - one phase
         import dataclasses
         sys.path.insert(0, os.path.join(ROOT, "lab"))
         import pagedfp8_gather_read as gr
-        for bn, st, w, srt in GLUON_READ:
-            label = f"Gluon reads only n{bn}s{st}w{w}" + (", pages ascending" if srt else "")
+        for bn, st, w, hh, sp, srt in GLUON_READ:
+            label = f"Gluon reads only n{bn}s{st}w{w}" + (f", {hh} heads' rows, {sp} splits" if hh > 1 else "") \
+                + (", pages ascending" if srt else "")
             if time.time() - T0 > PHASES["time"] - 20:
                 emit("time", row.name, label, "-", None, "skipped: time budget")
                 continue
@@ -246,13 +248,12 @@ def time_phase():  # noqa: C901 - one phase
                     nk = t.shape[1] * s.paged["k_cache"].shape[1] if DRY else row.seq_k
                     g[id(s)] = (s.paged["k_cache"], s.paged["v_cache"], t, nk)
                 s0 = cc.sets[0]
-                got = gr.gather_read(*g[id(s0)], block_n=bn, stages=st, num_warps=w).long().sum((-1, -2))
-                got = torch.where((got & 0xFFFFFFFF) >= 2**31, (got & 0xFFFFFFFF) - 2**32, got & 0xFFFFFFFF)
-                want = gr.reference(*g[id(s0)]).long()
+                kv = dict(block_n=bn, stages=st, num_warps=w, heads=hh, splits=sp)
+                got = gr.sums(gr.gather_read(*g[id(s0)], **kv), s0.paged["k_cache"].shape[2])
+                want = gr.reference(*g[id(s0)])
                 if not torch.equal(got, want):
                     raise AssertionError(f"sums differ in {int((got != want).sum())} of {want.numel()} programs")
-                fn = lambda s, g=g, bn=bn, st=st, w=w: gr.gather_read(*g[id(s)], block_n=bn, stages=st,  # noqa: E731
-                                                                      num_warps=w)
+                fn = lambda s, g=g, kv=kv: gr.gather_read(*g[id(s)], **kv)  # noqa: E731
                 entries[label] = ([lambda s=s, fn=fn: fn(s) for s in cc.sets],
                                   "diagnostic: not attention; sums checked against torch", dataclasses.replace(
                                       impls.prepare_copy(row, cc), fn=fn))

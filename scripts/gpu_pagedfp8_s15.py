@@ -47,12 +47,16 @@ PHASES = {"check": 22, "time": 32} if not DRY else {"check": 1800, "time": 1800}
 if os.environ.get("GPU_PAGEDFP8_S15_PHASES"):  # "name:seconds,..."
     PHASES = {n: float(t) for n, t in (p.split(":") for p in os.environ["GPU_PAGEDFP8_S15_PHASES"].split(","))}
 ROUND = os.environ.get("GPU_PAGEDFP8_S15_ROUND", "B")
-PASSES = 1 if DRY else 5
+PASSES = 1 if DRY else (5 if ROUND == "A" else 6)
 ORDERED = os.environ.get("GPU_PAGEDFP8_S15_ORDERED", "0") == "1"  # time the default on its pages in order too
 SPLIT_CHECKS = (3,)  # forward_split counts checked beside the rule (a non-DIRECT build: the merge path)
 GLUON_READ = [] if os.environ.get("GPU_PAGEDFP8_S15_GLUON", "1") != "1" else [  # (block_n, stages, warps, heads a
     # program, splits, pages sorted): one head's 128-byte rows as the product; all 8 heads' 1 KB rows, 8 splits
     (64, 4, 4, 1, 1, False), (128, 3, 8, 1, 1, False), (16, 3, 4, 8, 8, False), (64, 4, 4, 1, 1, True)]
+if GLUON_READ and ROUND != "A":  # round B: how deep a ring the reads need (bytes in flight a program: (s - 1) x 2n x
+    # 128): 48, 16, 16, 32 KB; the head of round A again
+    GLUON_READ = [(64, 4, 4, 1, 1, False), (64, 2, 4, 1, 1, False), (32, 3, 4, 1, 1, False),
+                  (128, 2, 8, 1, 1, False)]
 GATHER = os.environ.get("GPU_PAGEDFP8_S15_GATHER", "1") == "1"  # the index_select diagnostics
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PPS = lambda n: [("\nPROGRAMS_PER_SM = 2\n", f"\nPROGRAMS_PER_SM = {n}\n")]  # noqa: E731
@@ -63,9 +67,8 @@ if ROUND == "A":
     CANDS = {"default": ([], {}), "n64w4s3 pps4": (PPS(4), T(64, 4, 3)), "splits 2": (FORCE(2), {}),
              "n32w4s6 pps4": (PPS(4), T(32, 4, 6)), "n64w4s4 pps3": (PPS(3), T(64, 4, 4)),
              "splits 4": (FORCE(4), {})}
-else:
-    CANDS = {"default": ([], {}), "splits 2": (FORCE(2), {}), "n64w4s3 pps4": (PPS(4), T(64, 4, 3)),
-             "n32w4s6 pps4": (PPS(4), T(32, 4, 6))}
+else:  # round B: the default and round A's best candidate (which lost 3 points there), b128 beside
+    CANDS = {"default": ([], {}), "n64w4s3 pps4": (PPS(4), T(64, 4, 3))}
 if os.environ.get("GPU_PAGEDFP8_S15_CANDS"):
     CANDS = {k: CANDS[k] for k in os.environ["GPU_PAGEDFP8_S15_CANDS"].split(",")}
 

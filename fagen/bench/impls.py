@@ -136,7 +136,7 @@ def run_case(case: BenchCase, opts: BenchOptions, log: Callable[[str], None] = p
     except Exception as e:
         return [make_record(case, impl, "error", note=f"inputs: {first_line(e)}")
                 for impl in case_impls(case, opts.impls)]
-    records, prep, lost, ready = [], preparers(), None, {}
+    records, prep, lost = [], preparers(), None
 
     def keep(rec: dict, wall_s: float, fatal: bool = False) -> None:
         rec["wall_s"] = round(wall_s, 2)

@@ -38,23 +38,30 @@ _FLUSH_BYTES = 256 << 20
 LOOP_BATCH = 4  # rounds of the input sets a timed batch holds under "loop"
 
 
+def _estimate(fn: Callable[[], Any], step: Callable[[], Any], n: int, event, sync, memo: dict | None) -> float:
+    """ms a step from one warm call of fn and n steps between two events; memo["ms"] where an earlier round of the
+    row left it ([Note] Interleaved rounds in fagen/bench/rounds.py), kept there otherwise."""
+    if memo is not None and "ms" in memo:
+        return memo["ms"]
+    fn()
+    sync()
+    start, end = event(), event()
+    start.record()
+    for _ in range(n):
+        step()
+    end.record()
+    sync()
+    estimate = max(start.elapsed_time(end) / n, 1e-6)
+    if memo is not None:
+        memo["ms"] = estimate
+    return estimate
+
+
 def looped_calls(fn: Callable[[], Any], batch: int, warmup_ms: float, rep_ms: float, event, sync,
                  memo: dict | None = None) -> list[float]:
     """ms a call of `batch` calls back to back between two events, for each of the batches that fill rep_ms (after
     warm-up calls for warmup_ms; the estimate from one batch, or memo["ms"] where an earlier round left it)."""
-    if memo is None or "ms" not in memo:
-        fn()
-        sync()
-        start, end = event(), event()
-        start.record()
-        for _ in range(batch):
-            fn()
-        end.record()
-        sync()
-        estimate = max(start.elapsed_time(end) / batch, 1e-6)
-        if memo is not None:
-            memo["ms"] = estimate
-    estimate = memo["ms"] if memo is not None else estimate
+    estimate = _estimate(fn, fn, batch, event, sync, memo)
     for _ in range(max(1, int(warmup_ms / estimate))):
         fn()
     marks = [(event(), event()) for _ in range(max(1, int(rep_ms / (estimate * batch))))]
@@ -73,20 +80,7 @@ def timed_calls(fn: Callable[[], Any], flush: Callable[[], Any], warmup_ms: floa
     rep_ms, each after flush() and timed alone (event() makes a CUDA event; sync waits for the device). With a
     `memo` (a row's interleaved rounds, [Note] Interleaved rounds in fagen/bench/rounds.py) the first round's
     estimate is kept in memo["ms"] and the later rounds start at the warm-up."""
-    if memo is None or "ms" not in memo:
-        fn()
-        sync()
-        start, end = event(), event()
-        start.record()
-        for _ in range(5):
-            flush()
-            fn()
-        end.record()
-        sync()
-        estimate = max(start.elapsed_time(end) / 5, 1e-6)
-        if memo is not None:
-            memo["ms"] = estimate
-    estimate = memo["ms"] if memo is not None else estimate
+    estimate = _estimate(fn, lambda: (flush(), fn()), 5, event, sync, memo)
     for _ in range(max(1, int(warmup_ms / estimate))):
         fn()
     marks = [(event(), event()) for _ in range(max(1, int(rep_ms / estimate)))]

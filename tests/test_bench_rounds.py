@@ -146,3 +146,152 @@ def test_a_case_with_spec_flags_survives_the_trip_to_a_worker():
                           overrides=(("block_m", 16), ("mod_tensors", ()), ("mod_scalars", ())))
     back = BenchCase.from_dict(json.loads(json.dumps(case.to_dict())))
     assert back == case and hash(back.spec("cpu")[0]) == hash(case.spec("cpu")[0])
+
+
+# The mods and layouts suites on the same rounds (fagen.bench.rounds.time_parts; [Note] Mods rounds in
+# fagen/bench/mods.py, layouts.timed): fake sides and a fake timer.
+def _fake_parts(log, given):
+    """setups for impls a and b whose parts log (impl, part, memo) and hand out ms from given[impl][part]."""
+    def timer(name, key):
+        def t(memo):
+            log.append((name, key, memo))
+            return given[name][key][sum(1 for n, k, _ in log if (n, k) == (name, key)) - 1]
+        return t
+
+    def setup(name):
+        def s():
+            log.append((name, "setup", None))
+            return {key: timer(name, key) for key in given[name]}
+        return s
+    return {name: setup(name) for name in given}
+
+
+def test_time_parts_readies_all_then_rotates_and_keeps_a_memo_per_part():
+    log, given = [], {"a": {"fwd_ms": [1.0, 2.0, 3.0], "bwd_ms": [4.0, 5.0, 6.0]}, "b": {"fwd_ms": [7.0, 8.0, 9.0]}}
+    times, failed = rounds.time_parts(_fake_parts(log, given), 3)
+    assert [(n, k) for n, k, _ in log] == [("a", "setup"), ("b", "setup"), ("a", "fwd_ms"), ("a", "bwd_ms"),
+                                           ("b", "fwd_ms"), ("b", "fwd_ms"), ("a", "fwd_ms"), ("a", "bwd_ms"),
+                                           ("a", "fwd_ms"), ("a", "bwd_ms"), ("b", "fwd_ms")]
+    memos = [(n, k, id(m)) for n, k, m in log if k != "setup"]
+    assert all(m is not None for n, k, m in log if k != "setup")
+    assert len({i for _, _, i in memos}) == 3  # one memo per (impl, part), the same in every round
+    assert times == {"a": [{"fwd_ms": v, "bwd_ms": w} for v, w in zip([1.0, 2.0, 3.0], [4.0, 5.0, 6.0])],
+                     "b": [{"fwd_ms": v} for v in (7.0, 8.0, 9.0)]} and failed == {}
+    log.clear()
+    times, _ = rounds.time_parts(_fake_parts(log, given), 1)  # one round: each readied and timed in turn, no memo
+    assert log == [("a", "setup", None), ("a", "fwd_ms", None), ("a", "bwd_ms", None), ("b", "setup", None),
+                   ("b", "fwd_ms", None)] and times["b"] == [{"fwd_ms": 7.0}]
+
+
+def test_time_parts_reports_a_side_that_fails_to_get_ready():
+    log, given = [], {"a": {"ms": [1.0, 2.0]}, "b": {"ms": [3.0, 4.0]}}
+    setups = _fake_parts(log, given)
+    setups["a"] = lambda: (_ for _ in ()).throw(RuntimeError("no compile"))
+    times, failed = rounds.time_parts(setups, 2)
+    assert list(failed) == ["a"] and str(failed["a"]) == "no compile" and times == {"b": [{"ms": 3.0}, {"ms": 4.0}]}
+
+
+def test_summarize_names_the_rounds_of_any_timing_key():
+    out = rounds.summarize([{"fwd_ms": 3.0, "bwd_ms": 1.0}, {"fwd_ms": 1.0, "bwd_ms": 5.0},
+                            {"fwd_ms": 2.0, "bwd_ms": 2.0}], ("fwd_ms", "bwd_ms"), ("fwd_ms", "bwd_ms"))
+    assert out == {"fwd_ms": 2.0, "fwd_rounds_ms": [3.0, 1.0, 2.0], "bwd_ms": 2.0, "bwd_rounds_ms": [1.0, 5.0, 2.0],
+                   "fwd_ms_min": 1.0, "fwd_ms_max": 3.0, "bwd_ms_min": 1.0, "bwd_ms_max": 5.0}
+
+
+def _fake_mods(monkeypatch, given):
+    """mods.mod_rows on one fake row: the sides' setups replaced (their parts timed by the fake timer)."""
+    from fagen.bench import mods
+
+    log = []
+    parts = _fake_parts(log, given)
+
+    def side(name):
+        def ready(row, got, *args):
+            if name == "fagen":
+                got.update(flops=4e9, out=None)
+                row["lowered_to"] = "causal"
+            else:
+                row["max_diff_vs_flex"] = 0.0
+            return parts[name]()
+        return ready
+
+    monkeypatch.setattr(mods, "cases", lambda shape, device: [("doc", None, lambda *a: True, [])])
+    monkeypatch.setattr(mods, "_inputs", lambda shape, device, grad: (None,) * 4)
+    monkeypatch.setattr(mods, "_fagen_side", side("fagen"))
+    monkeypatch.setattr(mods, "_flex_side", side("flex"))
+    return mods, log
+
+
+def test_a_mods_row_times_fagen_and_flex_in_rotated_rounds_with_the_median_and_the_rounds(monkeypatch):
+    given = {"fagen": {"mask_ms": [0.5, 0.4, 0.6], "fwd_ms": [1.0, 3.0, 2.0], "bwd_ms": [4.0, 4.0, 5.0]},
+             "flex": {"mask_ms": [3.0, 2.0, 4.0], "fwd_ms": [2.0, 3.0, 2.0], "bwd_ms": [6.0, 4.0, 5.0]}}
+    mods, log = _fake_mods(monkeypatch, given)
+    row, = mods.mod_rows("cuda", mods.ModsShape(), log=lambda _: None, rounds=3)
+    assert [n for n, k, _ in log if k == "fwd_ms"] == ["fagen", "flex", "flex", "fagen", "fagen", "flex"]
+    assert [k for n, k, _ in log if n == "fagen"][:4] == ["setup", "mask_ms", "fwd_ms", "bwd_ms"]
+    f, x = row["fagen"], row["flex"]
+    assert (f["fwd_ms"], f["bwd_ms"], x["fwd_ms"], x["bwd_ms"]) == (2.0, 4.0, 2.0, 5.0)
+    assert (row["fagen_mask_ms"], row["flex_mask_ms"]) == (0.5, 3.0)  # the fields of the earlier suite, medians
+    assert f["fwd_TF/s"] == pytest.approx(4e9 / 2.0 / 1e9) and x["bwd_TF/s"] == pytest.approx(2.5 * 4e9 / 5.0 / 1e9)
+    assert row["fwd_x"] == 1.0 and row["bwd_x"] == 1.25 and row["rounds"] == 3
+    assert f["fwd_rounds_ms"] == [1.0, 3.0, 2.0] and (f["fwd_ms_min"], f["fwd_ms_max"]) == (1.0, 3.0)
+    assert f["mask_rounds_ms"] == [0.5, 0.4, 0.6] and x["bwd_rounds_ms"] == [6.0, 4.0, 5.0]
+    assert row["fwd_x_rounds"] == [2.0, 1.0, 1.0] and row["bwd_x_rounds"] == [1.5, 1.0, 1.0]
+    assert row["lowered_to"] == "causal" and row["max_diff_vs_flex"] == 0.0 and "error" not in row
+    note = mods.table([row])
+    assert "3 interleaved rounds" in note and "widest spread of a cell's rounds 200.0% (doc, fagen fwd)" in note
+    assert "doc fwd 1.00-2.00; doc bwd 1.00-1.50" in note
+
+
+def test_a_mods_row_in_one_round_is_the_earlier_suite(monkeypatch):
+    given = {"fagen": {"mask_ms": [0.5], "fwd_ms": [1.0], "bwd_ms": [4.0]},
+             "flex": {"mask_ms": [3.0], "fwd_ms": [2.0], "bwd_ms": [6.0]}}
+    mods, log = _fake_mods(monkeypatch, given)
+    row, = mods.mod_rows("cuda", mods.ModsShape(), log=lambda _: None, rounds=1)
+    assert [(n, k) for n, k, _ in log] == [("fagen", "setup"), ("fagen", "mask_ms"), ("fagen", "fwd_ms"),
+                                           ("fagen", "bwd_ms"), ("flex", "setup"), ("flex", "mask_ms"),
+                                           ("flex", "fwd_ms"), ("flex", "bwd_ms")]
+    assert all(m is None for _, _, m in log)
+    assert row["fagen"] == {"fwd_ms": 1.0, "bwd_ms": 4.0, "fwd_TF/s": 4.0, "bwd_TF/s": 2.5}
+    assert (row["fwd_x"], row["bwd_x"], row["fagen_mask_ms"]) == (2.0, 1.5, 0.5)
+    assert "rounds" not in row and "fwd_x_rounds" not in row and "interleaved" not in mods.table([row])
+
+
+def test_a_layouts_row_times_its_impls_in_rounds_with_a_share_of_the_budget(monkeypatch):
+    from fagen.bench import layouts
+
+    seen, given = [], {"one": [3.0, 1.0, 2.0], "two": [5.0, 5.0, 4.0]}
+
+    def fake_measure(call, n, device, warm, rep, stream=None, memo=None):
+        name = call(0)
+        seen.append((name, warm, rep, memo is None))
+        return given[name][sum(1 for s in seen if s[0] == name) - 1]
+
+    monkeypatch.setattr(layouts, "measure", fake_measure)
+    row = {}
+    got = layouts.timed({"one": lambda: "one", "two": lambda: "two"}, "cpu", 300.0, 3, row)
+    assert [s[0] for s in seen] == ["one", "two", "two", "one", "one", "two"]
+    assert all(s[1:] == (25.0 / 3, 100.0, False) for s in seen)
+    assert got["one"] == {"ms": 2.0, "rounds_ms": [3.0, 1.0, 2.0], "ms_min": 1.0, "ms_max": 3.0}
+    assert got["two"]["ms"] == 5.0 and row == {"rounds": 3}
+    seen.clear()
+    row = {}
+    got = layouts.timed({"one": lambda: "one", "two": lambda: "two"}, "cpu", 300.0, 1, row)
+    assert seen == [("one", 25.0, 300.0, True), ("two", 25.0, 300.0, True)]
+    assert got == {"one": {"ms": 3.0}, "two": {"ms": 5.0}} and row == {}
+
+
+@pytest.mark.parametrize("suite", ["layouts", "mods"])
+def test_the_cli_passes_rounds_to_the_suites_and_their_json(monkeypatch, tmp_path, suite):
+    import importlib
+
+    from click.testing import CliRunner
+
+    from fagen.cli import main
+
+    mod, seen = importlib.import_module(f"fagen.bench.{suite}"), []
+    monkeypatch.setattr(mod, "run", lambda device, log=None, quick=False, rounds=None, **kw: seen.append(rounds) or [])
+    out = tmp_path / "s.json"
+    res = CliRunner().invoke(main, ["bench", "--suite", suite, "--device", "cpu", "--rounds", "3", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    assert seen == [3] and json.loads(out.read_text())["meta"]["rounds"] == 3

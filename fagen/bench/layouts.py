@@ -7,8 +7,9 @@ q and out) per second, and its yardstick is fagen's dense decode on the same pro
 head, the causal pairs of each sequence) per second, and its yardstick is fagen's dense causal forward over the
 same total tokens (B sequences of the mean length). Peers that take the layout: FlexAttention with a document
 mask (the packed rows as one sequence, BlockMask by sequence id) and SDPA over nested (jagged) tensors. Timing is
-fagen.bench.timing.measure (CUDA events, L2 flushed, median). Every implementation's output is compared with
-fagen's on the timed inputs before it is timed.
+fagen.bench.timing.measure (CUDA events, L2 flushed, median), a row's implementations in interleaved rounds
+(`--rounds`, [Note] Interleaved rounds in fagen/bench/rounds.py; `timed`). Every implementation's output is compared
+with fagen's on the timed inputs before any is timed.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from fagen.bench.rounds import ROUNDS, summarize, time_parts
 from fagen.bench.timing import measure
 from fagen.runtime.loader import load
 from fagen.spec.kernel import KernelSpec
@@ -75,7 +77,7 @@ def paged_bytes(q, k, v, table) -> int:
     return (k.numel() + v.numel() + 2 * q.numel()) * k.element_size() + table.numel() * table.element_size()
 
 
-def paged_rows(device, dtype=torch.bfloat16, cases=PAGED, log=print, rep_ms=200.0) -> list[dict]:
+def paged_rows(device, dtype=torch.bfloat16, cases=PAGED, log=print, rep_ms=200.0, rounds=1) -> list[dict]:
     records = []
     for c in cases:
         q, k, v, k_cache, v_cache, table, seqlens = _paged_inputs(c, device, dtype)
@@ -93,9 +95,8 @@ def paged_rows(device, dtype=torch.bfloat16, cases=PAGED, log=print, rep_ms=200.
             "fagen paged decode": lambda: paged.forward(q, k_cache, v_cache, block_table=table, seqlens_k=seqlens),
         }
         row = {"case": c.name, "kind": "paged-decode", "bytes": nbytes, "max_err_vs_dense": err}
-        for name, fn in impls.items():
-            ms = measure(lambda i, fn=fn: fn(), 1, torch.device(device), 25.0, rep_ms)
-            row[name] = {"ms": ms, "GB/s": nbytes / ms / 1e6}
+        for name, t in timed(impls, device, rep_ms, rounds, row).items():
+            row[name] = {"ms": t["ms"], "GB/s": nbytes / t["ms"] / 1e6} | t
         row["paged/dense"] = row["fagen paged decode"]["GB/s"] / row["fagen dense decode"]["GB/s"]
         log(f"{c.name}: dense {row['fagen dense decode']['GB/s']:.0f} GB/s, paged "
             f"{row['fagen paged decode']['GB/s']:.0f} GB/s ({row['paged/dense']:.3f}x); max |paged - dense| {err:.2e}")
@@ -103,11 +104,31 @@ def paged_rows(device, dtype=torch.bfloat16, cases=PAGED, log=print, rep_ms=200.
     return records
 
 
+def timed(impls: dict[str, Callable[[], object]], device, rep_ms: float, rounds: int, row: dict) -> dict[str, dict]:
+    """{name: {ms}} of each checked implementation of a row: 25 ms of warm-up and rep_ms of repetitions each, in
+    turn (rounds 1), or in `rounds` interleaved rounds (fagen.bench.rounds.time_parts; each round a 1/rounds share
+    of both), then {ms (the median round), rounds_ms, ms_min, ms_max} and the row's `rounds`. A failure raises."""
+    share = max(rounds, 1)
+
+    def part(fn):
+        return lambda memo: measure(lambda i: fn(), 1, torch.device(device), 25.0 / (share if memo is not None else 1),
+                                    rep_ms / (share if memo is not None else 1), memo=memo)
+
+    times, failed = time_parts({name: (lambda fn=fn: {"ms": part(fn)}) for name, fn in impls.items()}, rounds)
+    if failed:
+        raise next(iter(failed.values()))
+    if rounds > 1:
+        row["rounds"] = rounds
+        return {name: summarize(times[name]) for name in impls}
+    return {name: times[name][0] for name in impls}
+
+
 def _causal_flops(lengths, heads, d) -> float:
     return sum(4.0 * d * heads * n * (n + 1) / 2 for n in lengths)  # QK^T and PV over the visible pairs
 
 
-def varlen_rows(device, dtype=torch.bfloat16, cases=VARLEN, log=print, rep_ms=300.0, peers=True) -> list[dict]:
+def varlen_rows(device, dtype=torch.bfloat16, cases=VARLEN, log=print, rep_ms=300.0, peers=True,
+                rounds=1) -> list[dict]:
     records = []
     for c in cases:
         g = torch.Generator(device="cpu").manual_seed(0)
@@ -141,9 +162,8 @@ def varlen_rows(device, dtype=torch.bfloat16, cases=VARLEN, log=print, rep_ms=30
                     log(f"{c.name}: {name} skipped ({notes[name]})")
         row = {"case": c.name, "kind": "varlen-prefill", "lengths": list(c.lengths), "total_tokens": total,
                "skipped": notes}
-        for name, (fn, flops) in impls.items():
-            ms = measure(lambda i, fn=fn: fn(), 1, torch.device(device), 25.0, rep_ms)
-            row[name] = {"ms": ms, "TF/s": flops / ms / 1e9}
+        for name, t in timed({n: fn for n, (fn, _) in impls.items()}, device, rep_ms, rounds, row).items():
+            row[name] = {"ms": t["ms"], "TF/s": impls[name][1] / t["ms"] / 1e9} | t
         row["varlen/dense"] = row["fagen varlen"]["TF/s"] / row["fagen dense (B x mean length)"]["TF/s"]
         log(f"{c.name}: " + ", ".join(f"{n} {row[n]['TF/s']:.0f} TF/s" for n in impls)
             + f" (varlen/dense {row['varlen/dense']:.3f}x)")
@@ -180,10 +200,13 @@ def _sdpa_nested(q, k, v, lengths):
     return fn
 
 
-def run(device, log=print, quick=False) -> list[dict]:
+def run(device, log=print, quick=False, rounds=ROUNDS) -> list[dict]:
+    """The suite's rows, each row's implementations timed in `rounds` interleaved rounds (`--rounds`; at most 2
+    with `quick`; 1: in turn, the earlier suite)."""
     if quick:  # a CPU smoke run through the interpreter: tiny shapes, no peers
         paged = (PagedCase("paged-decode-smoke", 2, 64, heads_q=4, heads_kv=2, head_dim=32, page_size=16),)
         varlen = (VarlenCase("varlen-smoke", (17, 5, 30), heads=2, head_dim=32),)
-        return paged_rows(device, cases=paged, log=log, rep_ms=1.0) + varlen_rows(device, cases=varlen, log=log,
-                                                                                   rep_ms=1.0, peers=False)
-    return paged_rows(device, log=log) + varlen_rows(device, log=log)
+        rounds = min(rounds, 2)
+        return (paged_rows(device, cases=paged, log=log, rep_ms=1.0, rounds=rounds)
+                + varlen_rows(device, cases=varlen, log=log, rep_ms=1.0, peers=False, rounds=rounds))
+    return paged_rows(device, log=log, rounds=rounds) + varlen_rows(device, log=log, rounds=rounds)

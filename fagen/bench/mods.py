@@ -32,9 +32,10 @@ from typing import Callable
 
 import torch
 
+from fagen.bench.mods_table import TARGETS, line as _line, table  # noqa: F401 - TARGETS: the suite's
+from fagen.bench.rounds import ROUNDS, summarize, time_parts
 from fagen.bench.timing import measure
 
-TARGETS = {"fwd": 1.3, "bwd": 1.2, "builtin": 0.95, "cold_s": 3.0, "warm_s": 0.3, "host": 1.2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,22 +111,44 @@ def _tile_visible(mask_mod, b, h, rows, cols, device):
         qi[:, 0], ki[0])
 
 
-def _time(fn, device, rep_ms) -> float:
-    return measure(lambda i: fn(), 1, torch.device(device), 10.0, rep_ms)
+def _time(fn, device, rep_ms, memo=None, rounds=1) -> float:
+    """Median ms of fn(): 10 ms of warm-up and rep_ms of repetitions, or with a `memo` one of `rounds` interleaved
+    rounds (a 1/rounds share of both; [Note] Interleaved rounds in fagen/bench/rounds.py)."""
+    return measure(lambda i: fn(), 1, torch.device(device), 10.0 / rounds, rep_ms / rounds, memo=memo)
 
 
-def _fwd_bwd_ms(attend, q, k, v, do, leaves, device, rep_ms):
+# [Note] Mods rounds. A mod row times fagen and Flex each on three parts (the block mask's build, the forward, the
+# backward on a kept graph). With `rounds` > 1 (`fagen bench --suite mods --rounds N`, default ROUNDS) both sides
+# are readied first (block masks, Flex's compile, one forward and one backward each, the outputs compared) and then
+# timed in N rounds, the order of the two rotated each round, each part's warm-up and repetitions a 1/N share of the
+# row's (10 ms and --rep's 100 ms): fagen.bench.rounds.time_parts. A side's `fwd_ms` (`bwd_ms`, the `*_mask_ms`) is
+# the median of its rounds; the side keeps the rounds (`fwd_rounds_ms`, ...) and their spread (`fwd_ms_min`,
+# `fwd_ms_max`, ...), the row `rounds` and the ratios of each round (`fwd_x_rounds`, `bwd_x_rounds`: Flex's ms over
+# fagen's in the same round, where the round's clock cancels). rounds 1: each side readied and timed in turn, fagen
+# first (the earlier suite).
+def _parts(attend, q, k, v, do, leaves, device, rep_ms, rounds, mask=None) -> tuple[dict, torch.Tensor]:
+    """A side's timed parts ({key: timer(memo)}) and its output with a graph kept for the backward; readies the
+    forward without and with a gradient and the backward (compiles outside the timing)."""
+    grad = lambda: torch.autograd.grad(out, (q, k, v, *leaves), do, retain_graph=True)  # noqa: E731
     with torch.no_grad():
-        fwd = _time(lambda: attend(q, k, v), device, rep_ms)
+        attend(q, k, v)
     FWD_LOWERED[0] = _lowered()  # without a gradient some mods lower further (fagen/mods/split.py)
     out = attend(q, k, v)
-    bwd = _time(lambda: torch.autograd.grad(out, (q, k, v, *leaves), do, retain_graph=True), device, rep_ms)
-    return fwd, bwd, out
+    grad()
+
+    def timer(fn):
+        return lambda memo: _time(fn, device, rep_ms, memo, rounds if memo is not None else 1)
+
+    def fwd():
+        with torch.no_grad():
+            return attend(q, k, v)
+
+    parts = {} if mask is None else {"mask_ms": timer(mask)}
+    return parts | {"fwd_ms": timer(fwd), "bwd_ms": timer(grad)}, out
 
 
-def mod_rows(device, shape: ModsShape, log=print, rep_ms=100.0, flex=True, only=None) -> list[dict]:
-    import fagen
-
+def mod_rows(device, shape: ModsShape, log=print, rep_ms=100.0, flex=True, only=None, rounds=1) -> list[dict]:
+    """The mod rows, fagen against Flex ([Note] Mods rounds: `rounds` interleaved rounds, 1: in turn)."""
     records = []
     for name, score_mod, mask_mod, leaves in cases(shape, device):
         if only is not None and name not in only:
@@ -133,33 +156,38 @@ def mod_rows(device, shape: ModsShape, log=print, rep_ms=100.0, flex=True, only=
         row = {"case": name, "kind": "mods", "shape": dataclasses.asdict(shape) | {"dtype": str(shape.dtype)}}
         try:
             q, k, v, do = _inputs(shape, device, True)
-            bm = None
-            if mask_mod is not None:
-                t0 = time.perf_counter()
-                bm = fagen.create_block_mask(mask_mod, None, None, shape.seq, shape.seq, device=device)
-                torch.cuda.synchronize() if device == "cuda" else None
-                row["fagen_first_mask_ms"] = (time.perf_counter() - t0) * 1e3
-                row["fagen_mask_ms"] = _time(lambda: fagen.create_block_mask(
-                    mask_mod, None, None, shape.seq, shape.seq, device=device), device, rep_ms)
-                row["sparsity"] = bm.sparsity()
-            pairs = _visible_pairs(bm, mask_mod, shape)
-            fl = 4.0 * shape.head_dim * pairs
-            ours = lambda q, k, v: fagen.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod,  # noqa: E731
-                                                   block_mask=bm)
-            fwd, bwd, out = _fwd_bwd_ms(ours, q, k, v, do, leaves, device, rep_ms)
-            row["lowered_to"] = FWD_LOWERED[0]
-            if _lowered() != FWD_LOWERED[0]:
-                row["bwd_lowered_to"] = _lowered()  # with a gradient
-            row["fagen"] = {"fwd_ms": fwd, "bwd_ms": bwd, "fwd_TF/s": fl / fwd / 1e9, "bwd_TF/s": 2.5 * fl / bwd / 1e9}
+            got: dict = {}
+            setups = {"fagen": lambda: _fagen_side(row, got, q, k, v, do, leaves, score_mod, mask_mod, shape,
+                                                   device, rep_ms, rounds)}
+            if flex and device == "cuda":
+                setups["flex"] = lambda: _flex_side(row, got, q, k, v, do, leaves, score_mod, mask_mod, shape,
+                                                    device, rep_ms, rounds)
+            times, failed = time_parts(setups, rounds)
+            if failed:
+                raise next(iter(failed.values()))
+            fl = got["flops"]
+            keys = ("mask_ms", "fwd_ms", "bwd_ms")
+            for side in setups:
+                t = summarize(times[side], keys, keys) if rounds > 1 else times[side][0]
+                mask_ms = t.pop("mask_ms", None)
+                if mask_ms is not None:
+                    row[f"{side}_mask_ms"] = mask_ms
+                row[side] = {"fwd_ms": t["fwd_ms"], "bwd_ms": t["bwd_ms"], "fwd_TF/s": fl / t["fwd_ms"] / 1e9,
+                             "bwd_TF/s": 2.5 * fl / t["bwd_ms"] / 1e9} | {k: t[k] for k in t if k not in keys}
             if leaves:
+                ours = got["ours"]
                 g1 = torch.autograd.grad(ours(q, k, v), leaves, do)
                 g2 = torch.autograd.grad(ours(q, k, v), leaves, do)
                 row["bias_grad_bitwise_repeatable"] = all(torch.equal(a, b) for a, b in zip(g1, g2))
-            if flex and device == "cuda":
-                row["flex"], row["max_diff_vs_flex"], row["flex_mask_ms"] = _flex(
-                    q, k, v, do, leaves, score_mod, mask_mod, shape, out, fl, device, rep_ms)
-                row["fwd_x"] = row["flex"]["fwd_ms"] / fwd
-                row["bwd_x"] = row["flex"]["bwd_ms"] / bwd
+            if "flex" in row:
+                row["fwd_x"] = row["flex"]["fwd_ms"] / row["fagen"]["fwd_ms"]
+                row["bwd_x"] = row["flex"]["bwd_ms"] / row["fagen"]["bwd_ms"]
+                if rounds > 1:
+                    for d in ("fwd", "bwd"):
+                        row[f"{d}_x_rounds"] = [round(p / f, 4) for p, f in zip(
+                            [t[d + "_ms"] for t in times["flex"]], [t[d + "_ms"] for t in times["fagen"]])]
+            if rounds > 1:
+                row["rounds"] = rounds
         except Exception as e:  # a row that cannot run is recorded, and the suite goes on
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
         log(_line(row))
@@ -167,28 +195,51 @@ def mod_rows(device, shape: ModsShape, log=print, rep_ms=100.0, flex=True, only=
     return records
 
 
-def _flex(q, k, v, do, leaves, score_mod, mask_mod, shape, ours_out, fl, device, rep_ms):
+def _fagen_side(row, got, q, k, v, do, leaves, score_mod, mask_mod, shape, device, rep_ms, rounds) -> dict:
+    """fagen's side of a mod row readied: its block mask (the first build timed once), the lowering of its mods
+    (`lowered_to`, `bwd_lowered_to`) and its output (got["out"]); returns its timed parts."""
+    import fagen
+
+    bm, mask = None, None
+    if mask_mod is not None:
+        t0 = time.perf_counter()
+        bm = fagen.create_block_mask(mask_mod, None, None, shape.seq, shape.seq, device=device)
+        torch.cuda.synchronize() if device == "cuda" else None
+        row["fagen_first_mask_ms"] = (time.perf_counter() - t0) * 1e3
+        row["sparsity"] = bm.sparsity()
+        mask = lambda: fagen.create_block_mask(mask_mod, None, None, shape.seq, shape.seq, device=device)  # noqa
+    ours = lambda q, k, v: fagen.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod,  # noqa: E731
+                                           block_mask=bm)
+    parts, got["out"] = _parts(ours, q, k, v, do, leaves, device, rep_ms, rounds, mask)
+    row["lowered_to"] = FWD_LOWERED[0]
+    if _lowered() != FWD_LOWERED[0]:
+        row["bwd_lowered_to"] = _lowered()  # with a gradient
+    got["ours"], got["flops"] = ours, 4.0 * shape.head_dim * _visible_pairs(bm, mask_mod, shape)
+    return parts
+
+
+def _flex_side(row, got, q, k, v, do, leaves, score_mod, mask_mod, shape, device, rep_ms, rounds) -> dict:
+    """Flex's side: torch.compile'd flex_attention with flex's block mask of the same mask_mod, its output compared
+    with fagen's (`max_diff_vs_flex`); returns its timed parts."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     from fagen.bench.peers import configure_dynamo
 
     configure_dynamo()
     compiled = torch.compile(flex_attention, dynamic=False)
-    bm = None
-    mask_ms = None
+    bm, mask = None, None
     if mask_mod is not None:
         bm = create_block_mask(mask_mod, None, None, shape.seq, shape.seq, device=device)
-        mask_ms = _time(lambda: create_block_mask(mask_mod, None, None, shape.seq, shape.seq, device=device),
-                        device, rep_ms)
+        mask = lambda: create_block_mask(mask_mod, None, None, shape.seq, shape.seq, device=device)  # noqa: E731
     attend = lambda q, k, v: compiled(q, k, v, score_mod=score_mod, block_mask=bm)  # noqa: E731
-    fwd, bwd, out = _fwd_bwd_ms(attend, q, k, v, do, leaves, device, rep_ms)
-    diff = (out.float() - ours_out.float()).abs().max().item()
-    return {"fwd_ms": fwd, "bwd_ms": bwd, "fwd_TF/s": fl / fwd / 1e9, "bwd_TF/s": 2.5 * fl / bwd / 1e9}, diff, mask_ms
+    parts, out = _parts(attend, q, k, v, do, leaves, device, rep_ms, rounds, mask)
+    row["max_diff_vs_flex"] = (out.float() - got["out"].float()).abs().max().item()
+    return parts
 
 
-def builtin_rows(device, shape: ModsShape, log=print, rep_ms=100.0) -> list[dict]:
+def builtin_rows(device, shape: ModsShape, log=print, rep_ms=100.0, rounds=1) -> list[dict]:
     """A built-in switch written as a mod against the switch kernel, on the same inputs: as fagen.attention runs
-    the mod (lowered to the switch) and with lowering off (the modded kernels)."""
+    the mod (lowered to the switch) and with lowering off (the modded kernels); [Note] Mods rounds."""
     import fagen
     from fagen.mods import lower
 
@@ -199,19 +250,32 @@ def builtin_rows(device, shape: ModsShape, log=print, rep_ms=100.0) -> list[dict
     records = []
     for name, switch, mod in pairs:
         for lowering in (True, False):
-            row = {"case": name + ("" if lowering else " (lowering off)"), "kind": "builtin-as-mod"}
+            row, got = {"case": name + ("" if lowering else " (lowering off)"), "kind": "builtin-as-mod"}, {}
             try:
                 lower.ENABLED = lowering
                 if "mask_mod" in mod:
                     mod["block_mask"] = fagen.create_block_mask(mod["mask_mod"], None, None, shape.seq, shape.seq,
                                                                 device=device)
-                a = lambda q, k, v: fagen.attention(q, k, v, **switch)  # noqa: E731
-                b = lambda q, k, v: fagen.attention(q, k, v, **mod)  # noqa: E731
-                fa, ba, oa = _fwd_bwd_ms(a, q, k, v, do, [], device, rep_ms)
-                fb, bb, ob = _fwd_bwd_ms(b, q, k, v, do, [], device, rep_ms)
-                row.update(switch_fwd_ms=fa, mod_fwd_ms=fb, switch_bwd_ms=ba, mod_bwd_ms=bb, lowered_to=_lowered(),
-                           fwd_ratio=fa / fb, bwd_ratio=ba / bb,
-                           max_diff=(oa.float() - ob.float()).abs().max().item())
+
+                def side(kw, key):
+                    parts, got[key] = _parts(lambda q, k, v: fagen.attention(q, k, v, **kw), q, k, v, do, [],
+                                             device, rep_ms, rounds)
+                    if key == "b":
+                        got["lowered_to"] = _lowered()  # what the mod became (with a gradient)
+                    return parts
+
+                times, failed = time_parts({"switch": lambda: side(switch, "a"), "mod": lambda: side(mod, "b")},
+                                           rounds)
+                if failed:
+                    raise next(iter(failed.values()))
+                keys = ("fwd_ms", "bwd_ms")
+                t = {s: summarize(times[s], keys, keys) if rounds > 1 else times[s][0] for s in times}
+                fa, ba, fb, bb = t["switch"]["fwd_ms"], t["switch"]["bwd_ms"], t["mod"]["fwd_ms"], t["mod"]["bwd_ms"]
+                row.update(switch_fwd_ms=fa, mod_fwd_ms=fb, switch_bwd_ms=ba, mod_bwd_ms=bb,
+                           lowered_to=got["lowered_to"], fwd_ratio=fa / fb, bwd_ratio=ba / bb,
+                           max_diff=(got["a"].float() - got["b"].float()).abs().max().item())
+                if rounds > 1:
+                    row["rounds"] = rounds
             except Exception as e:
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
             finally:
@@ -361,93 +425,28 @@ def _compiled_kernels() -> int:
     return n
 
 
-def _line(row: dict) -> str:
-    if "error" in row:
-        return f"{row['case']}: error {row['error']}"
-    if row["kind"] == "mods":
-        f = row["fagen"]
-        text = f"{row['case']}: fagen fwd {f['fwd_TF/s']:.0f} TF/s, bwd {f['bwd_TF/s']:.0f} TF/s" + (
-            f" (lowered to {row['lowered_to']})" if row.get("lowered_to") else "")
-        if "flex" in row:
-            text += (f"; flex fwd {row['flex']['fwd_TF/s']:.0f}, bwd {row['flex']['bwd_TF/s']:.0f}; "
-                     f"fwd {row['fwd_x']:.2f}x (target {TARGETS['fwd']}), bwd {row['bwd_x']:.2f}x "
-                     f"(target {TARGETS['bwd']}); max diff {row['max_diff_vs_flex']:.1e}")
-        if "bias_grad_bitwise_repeatable" in row:
-            text += f"; bias grad bitwise repeatable: {row['bias_grad_bitwise_repeatable']}"
-        if "fagen_mask_ms" in row:
-            text += f"; block mask {row['fagen_mask_ms']:.2f} ms" + (
-                f" (flex {row['flex_mask_ms']:.2f} ms)" if row.get("flex_mask_ms") else "")
-        return text
-    if row["kind"] == "builtin-as-mod":
-        return (f"{row['case']}: mod/switch time fwd {1 / row['fwd_ratio']:.3f}x, bwd {1 / row['bwd_ratio']:.3f}x "
-                f"(target <= {1 / TARGETS['builtin']:.2f}x); max diff {row['max_diff']:.1e}; lowered to "
-                f"{row['lowered_to'] or 'nothing'}")
-    if row["kind"] == "cold":
-        flex = (f"; flex {row['flex_cold_s']:.2f} s cold, {row['flex_warm_s']:.2f} s warm" if "flex_cold_s" in row
-                else "")
-        return (f"{row['case']}: a new mod's first call {row['cold_s']:.2f} s cold (target {TARGETS['cold_s']} s), "
-                f"{row['warm_s']:.2f} s warm (target {TARGETS['warm_s']} s){flex}; from a process's start "
-                f"{row['start_cold_s']:.2f} s cold, {row['start_warm_s']:.2f} s warm")
-    text = (f"{row['case']}: {row['new_compiles']} new compiles (target 0); host {row['changed_us']:.0f} us against "
-            f"{row['unchanged_us']:.0f} us unchanged ({row['host_ratio']:.2f}x, target {TARGETS['host']}x); lowered "
-            f"to {row.get('lowered_to') or 'nothing'}")
-    off = row.get("lowering_off")
-    if off:
-        text += (f"; lowering off: {off['new_compiles']} new compiles, host {off['changed_us']:.0f} us against "
-                 f"{off['unchanged_us']:.0f} us ({off['host_ratio']:.2f}x)")
-    return text
-
-
-def table(records: list[dict]) -> str:
-    """The suite's markdown table: fagen against Flex per mod, then the other rows against their targets."""
-    def f(x, spec=".0f"):
-        return "-" if x is None else format(x, spec)
-
-    lines = ["| mod | fagen fwd TF/s | flex fwd | fwd x (>= 1.3) | fagen bwd TF/s | flex bwd | bwd x (>= 1.2) | "
-             "block mask ms (fagen / flex) | lowered to |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in records:
-        if r["kind"] != "mods":
-            continue
-        if "error" in r:
-            lines.append(f"| {r['case']} | error: {r['error'][:80]} ||||||||")
-            continue
-        a, b = r["fagen"], r.get("flex", {})
-        lines.append(f"| {r['case']} | {f(a['fwd_TF/s'])} | {f(b.get('fwd_TF/s'))} | {f(r.get('fwd_x'), '.2f')} | "
-                     f"{f(a['bwd_TF/s'])} | {f(b.get('bwd_TF/s'))} | {f(r.get('bwd_x'), '.2f')} | "
-                     f"{f(r.get('fagen_mask_ms'), '.2f')} / {f(r.get('flex_mask_ms'), '.2f')} | "
-                     f"{r.get('lowered_to') or '-'} |")
-    lines += ["", "| row | result | target |", "|---|---|---|"]
-    for r in records:
-        if r["kind"] == "mods":
-            continue
-        result = f"error: {r['error'][:80]}" if "error" in r else _line(r).split(": ", 1)[1]
-        target = {"builtin-as-mod": "within 5%", "cold": "<= 3 s cold, <= 0.3 s warm",
-                  "scalar": "0 compiles, host <= 1.2x"}[r["kind"]]
-        lines.append(f"| {r['case']} | {result} | {target} |")
-    return "\n".join(lines) + "\n"
-
-
 ROWS = ("relative-bias", "alibi", "softcap", "document+causal", "prefix-lm", "sliding-window+causal", "dilated",
         "learned-bias+grad", "builtin-as-mod", "cold-first-call", "changed-scalar")  # `--case` names
 
 
-def run(device, log=print, quick=False, names=(), flex=True) -> list[dict]:
+def run(device, log=print, quick=False, names=(), flex=True, rounds=ROUNDS) -> list[dict]:
     """The suite's rows; `names`: only these names of ROWS (`fagen bench --suite mods --case NAME`); flex=False
-    leaves FlexAttention out (`--skip-flex`)."""
+    leaves FlexAttention out (`--skip-flex`); `rounds`: the timed rows' interleaved rounds ([Note] Mods rounds;
+    `--rounds`, at most 2 with `quick`)."""
     unknown = sorted(set(names) - set(ROWS))
     if unknown:
         raise click_error(f"--case: no mods row {unknown[0]!r}; rows: {', '.join(ROWS)}")
     want = set(names or ROWS)
     if quick:  # a CPU smoke run through the interpreter: tiny shapes, no peers
         shape = ModsShape(batch=1, heads=2, seq=80, head_dim=32, dtype=torch.float32)
-        rep, flex, calls = 1.0, False, 3
+        rep, flex, calls, rounds = 1.0, False, 3, min(rounds, 2)
     else:
         shape, rep, calls = ModsShape(), 100.0, 200
     records = []
     if want & set(ROWS[:8]):
-        records += mod_rows(device, shape, log=log, rep_ms=rep, flex=flex, only=want)
+        records += mod_rows(device, shape, log=log, rep_ms=rep, flex=flex, only=want, rounds=rounds)
     if "builtin-as-mod" in want:
-        records += builtin_rows(device, shape, log=log, rep_ms=rep)
+        records += builtin_rows(device, shape, log=log, rep_ms=rep, rounds=rounds)
     if "cold-first-call" in want and (not quick or names):  # quick: only when named (two interpreter processes)
         records += cold_rows(device, seq=64 if quick else 4096, log=log, flex=flex)
     if "changed-scalar" in want:

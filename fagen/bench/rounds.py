@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import statistics
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 # [Note] Interleaved rounds
 # The H100 runs the dense rows at its 700 W power cap, and its SM clock moves between 1.38 and 1.98 GHz from one
@@ -47,16 +47,56 @@ def interleave(names: Sequence[str], rounds: int, time_one: Callable[[str, int],
     return results, failed, None
 
 
-def summarize(per_round: list[dict]) -> dict:
-    """A record's timing fields from its rounds' {ms[, fwdbwd_ms]}: each the median over the rounds, with the rounds
-    themselves (`rounds_ms`, `fwdbwd_rounds_ms`) and the spread of `ms` (`ms_min`, `ms_max`)."""
+def summarize(per_round: list[dict], keys: Sequence[str] = ("ms", "fwdbwd_ms"),
+              spread: Sequence[str] = ("ms",)) -> dict:
+    """A record's timing fields from its rounds' {key: ms}: each key's median over the rounds, with the rounds
+    themselves (`rounds_ms` for "ms", `fwdbwd_rounds_ms` for "fwdbwd_ms", `fwd_rounds_ms` for "fwd_ms") and, for the
+    keys of `spread`, their spread (`ms_min`, `ms_max`; `fwd_ms_min`, `fwd_ms_max`)."""
     out: dict = {}
-    for key, rounds_key in (("ms", "rounds_ms"), ("fwdbwd_ms", "fwdbwd_rounds_ms")):
+    for key in keys:
         values = [t[key] for t in per_round if t.get(key) is not None]
         if not values:
             continue
         out[key] = float(statistics.median(values))
-        out[rounds_key] = [round(v, 5) for v in values]
-    if "ms" in out:
-        out["ms_min"], out["ms_max"] = min(out["rounds_ms"]), max(out["rounds_ms"])
+        out[rounds_key(key)] = [round(v, 5) for v in values]
+    for key in spread:
+        if key in out:
+            out[key + "_min"], out[key + "_max"] = min(out[rounds_key(key)]), max(out[rounds_key(key)])
     return out
+
+
+def rounds_key(key: str) -> str:
+    """The field of a timing key's rounds: "ms" -> "rounds_ms", "fwd_ms" -> "fwd_rounds_ms"."""
+    return key.removesuffix("ms") + "rounds_ms"
+
+
+Timer = Callable[[Optional[dict]], float]  # ms of one timed part, given its memo (None: one round, the earlier loop)
+
+
+def time_parts(setups: dict[str, Callable[[], dict[str, Timer]]], rounds: int
+               ) -> tuple[dict[str, list[dict]], dict[str, BaseException]]:
+    """The suites' rows that time parts per implementation (the mods suite: a block mask, a forward, a backward;
+    the layouts suite: one call): setups[name]() readies an implementation (compiles, checks) and returns its parts
+    {key: timer}. rounds 1: each implementation readied and timed in turn, its parts in order, the timers given no
+    memo (the earlier loops). More: every implementation readied first, in order, then all timed in `rounds`
+    interleaved rounds (`interleave`), each part with its own memo, kept across the rounds (the timers take their
+    1/rounds share of the warm-up and repetitions). Returns (each name's {key: ms} round by round, the exception of
+    each name that raised, in its setup or a round)."""
+    parts: dict[str, dict[str, Timer]] = {}
+    failed: dict[str, BaseException] = {}
+    if rounds > 1:
+        for name, setup in setups.items():
+            try:
+                parts[name] = setup()
+            except Exception as e:  # noqa: BLE001 - recorded, the others go on
+                failed[name] = e
+    memos: dict[str, dict] = {name: {} for name in setups}
+
+    def one(name: str, r: int) -> dict:
+        if name not in parts:
+            parts[name] = setups[name]()
+        return {key: timer(None if rounds == 1 else memos[name].setdefault(key, {}))
+                for key, timer in parts[name].items()}
+
+    results, more, _ = interleave([n for n in setups if n not in failed], rounds, one)
+    return results, {**failed, **more}

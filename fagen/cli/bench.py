@@ -108,7 +108,8 @@ def bench(spec_file, batch, heads, seq_q, seq_k, suite, case_names, quick, devic
         device, log = pick_device(device), _logger(out)
         run = importlib.import_module(f"fagen.bench.{suite}").run
         kw = {"names": case_names, "flex": not skip_flex} if suite == "mods" else {}
-        return _write(device, json_path, run(device, log=log, quick=quick, **kw), log)
+        return _write(device, json_path, run(device, log=log, quick=quick, rounds=rounds, **kw), log,
+                      {"rounds": min(rounds, 2) if quick else rounds})  # --quick: at most 2 (the suites' run)
     cases = cases_from_options(suite, case_names, quick, spec_file, batch, heads, seq_q, seq_k, seed, flags)
     if cases is None:
         raise click.UsageError("give spec flags (--head-dim ...), --suite standard, or --report FILE")
@@ -161,12 +162,12 @@ def _logger(out):
     return log
 
 
-def _write(device, json_path, records, log) -> None:
-    """A suite's records into --json (with the machine's description), if given."""
+def _write(device, json_path, records, log, meta=None) -> None:
+    """A suite's records into --json (with the machine's description and `meta`), if given."""
     from fagen.bench import runner
 
     if json_path is not None:
-        runner.write_json(json_path, runner.environment_meta(device), records)
+        runner.write_json(json_path, {**runner.environment_meta(device), **(meta or {})}, records)
         log(f"wrote {json_path}")
 
 

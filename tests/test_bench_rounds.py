@@ -295,3 +295,6 @@ def test_the_cli_passes_rounds_to_the_suites_and_their_json(monkeypatch, tmp_pat
     res = CliRunner().invoke(main, ["bench", "--suite", suite, "--device", "cpu", "--rounds", "3", "--json", str(out)])
     assert res.exit_code == 0, res.output
     assert seen == [3] and json.loads(out.read_text())["meta"]["rounds"] == 3
+    res = CliRunner().invoke(main, ["bench", "--suite", suite, "--device", "cpu", "--json", str(out)])
+    assert res.exit_code == 0 and seen[-1] == rounds.SUITE_ROUNDS  # without --rounds: the suites' own default
+    assert json.loads(out.read_text())["meta"]["rounds"] == rounds.SUITE_ROUNDS

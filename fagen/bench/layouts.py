@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from fagen.bench.rounds import ROUNDS, summarize, time_parts
+from fagen.bench.rounds import SUITE_ROUNDS, summarize, time_parts
 from fagen.bench.timing import measure
 from fagen.runtime.loader import load
 from fagen.spec.kernel import KernelSpec
@@ -200,7 +200,7 @@ def _sdpa_nested(q, k, v, lengths):
     return fn
 
 
-def run(device, log=print, quick=False, rounds=ROUNDS) -> list[dict]:
+def run(device, log=print, quick=False, rounds=SUITE_ROUNDS) -> list[dict]:
     """The suite's rows, each row's implementations timed in `rounds` interleaved rounds (`--rounds`; at most 2
     with `quick`; 1: in turn, the earlier suite)."""
     if quick:  # a CPU smoke run through the interpreter: tiny shapes, no peers

@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 
 from fagen.bench.mods_table import TARGETS, line as _line, table  # noqa: F401 - TARGETS: the suite's
-from fagen.bench.rounds import ROUNDS, summarize, time_parts
+from fagen.bench.rounds import SUITE_ROUNDS, summarize, time_parts
 from fagen.bench.timing import measure
 
 
@@ -118,7 +118,7 @@ def _time(fn, device, rep_ms, memo=None, rounds=1) -> float:
 
 
 # [Note] Mods rounds. A mod row times fagen and Flex each on three parts (the block mask's build, the forward, the
-# backward on a kept graph). With `rounds` > 1 (`fagen bench --suite mods --rounds N`, default ROUNDS) both sides
+# backward on a kept graph). With `rounds` > 1 (`fagen bench --suite mods --rounds N`, default SUITE_ROUNDS) both sides
 # are readied first (block masks, Flex's compile, one forward and one backward each, the outputs compared) and then
 # timed in N rounds, the order of the two rotated each round, each part's warm-up and repetitions a 1/N share of the
 # row's (10 ms and --rep's 100 ms): fagen.bench.rounds.time_parts. A side's `fwd_ms` (`bwd_ms`, the `*_mask_ms`) is
@@ -429,7 +429,7 @@ ROWS = ("relative-bias", "alibi", "softcap", "document+causal", "prefix-lm", "sl
         "learned-bias+grad", "builtin-as-mod", "cold-first-call", "changed-scalar")  # `--case` names
 
 
-def run(device, log=print, quick=False, names=(), flex=True, rounds=ROUNDS) -> list[dict]:
+def run(device, log=print, quick=False, names=(), flex=True, rounds=SUITE_ROUNDS) -> list[dict]:
     """The suite's rows; `names`: only these names of ROWS (`fagen bench --suite mods --case NAME`); flex=False
     leaves FlexAttention out (`--skip-flex`); `rounds`: the timed rows' interleaved rounds ([Note] Mods rounds;
     `--rounds`, at most 2 with `quick`)."""

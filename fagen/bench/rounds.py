@@ -18,6 +18,9 @@ from typing import Callable, Optional, Sequence
 # earlier bench: each implementation checked and timed in turn, do_bench's loop, fagen's column first.
 
 ROUNDS = 5  # `fagen bench --rounds`'s default
+# The mods and layouts suites' rounds when --rounds is not given ([Note] Mods rounds in fagen/bench/mods.py): 1 (the
+# earlier suites, fagen then the peer each in its own loop) until a GPU round shows the rounds steadier there too.
+SUITE_ROUNDS = 1
 
 
 def order(n: int, r: int) -> list[int]:

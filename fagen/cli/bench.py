@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from fagen.bench import IMPLS
-from fagen.bench.rounds import ROUNDS
+from fagen.bench.rounds import ROUNDS, SUITE_ROUNDS
 from fagen.cli.common import cases_from_options, console, pick_device, shape_options, spec_options
 
 @click.command()
@@ -45,7 +45,8 @@ from fagen.cli.common import cases_from_options, console, pick_device, shape_opt
 @click.option("--rep", type=click.FloatRange(min=1), default=100, show_default=True, help="Timed repetitions, ms.")
 @click.option("--rounds", type=click.IntRange(1, 50), default=ROUNDS, show_default=True,
               help="Time a case's implementations in this many interleaved rounds, the order rotated each round, "
-                   "--warmup and --rep shared among them (1: one after another).")
+                   "--warmup and --rep shared among them (1: one after another; the layouts and mods suites' default: "
+                   f"{SUITE_ROUNDS}).")
 @click.option("--sets", type=click.IntRange(1, 16), default=3, show_default=True,
               help="Input sets rotated through, so repeated calls do not hit the L2 cache.")
 @click.option("--no-check", is_flag=True, help="Time without checking outputs against the float64 reference.")
@@ -108,6 +109,8 @@ def bench(spec_file, batch, heads, seq_q, seq_k, suite, case_names, quick, devic
         device, log = pick_device(device), _logger(out)
         run = importlib.import_module(f"fagen.bench.{suite}").run
         kw = {"names": case_names, "flex": not skip_flex} if suite == "mods" else {}
+        if click.get_current_context().get_parameter_source("rounds") is click.core.ParameterSource.DEFAULT:
+            rounds = SUITE_ROUNDS  # fagen.bench.rounds: these suites' default
         return _write(device, json_path, run(device, log=log, quick=quick, rounds=rounds, **kw), log,
                       {"rounds": min(rounds, 2) if quick else rounds})  # --quick: at most 2 (the suites' run)
     cases = cases_from_options(suite, case_names, quick, spec_file, batch, heads, seq_q, seq_k, seed, flags)

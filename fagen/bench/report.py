@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fagen.bench.cases import IMPLS, shorten
-from fagen.bench.workloads import RELATIVE_TARGETS, TARGETS
+from fagen.bench.workloads import MODE_TARGETS, RELATIVE_TARGETS, TARGETS
 
 UNIT = {"tflops": "TF/s", "gbs": "GB/s", "ms": "ms"}
 NOTE_CHARS = 170  # one terminal line per note
@@ -99,7 +99,8 @@ def rounds_note(records: list[dict]) -> list[str]:
 
 def relative_target(case: str, mine: float | None, by: dict) -> str:
     """The row's relative targets ([Note] Score-switch rows in fagen/bench/workloads.py), as
-    "1.52x flex (>= 1.3 met); 0.95x fwd-d128-causal-s32k (>= 0.9 met)"; "-" where a number is missing."""
+    "1.52x flex (>= 1.3 met); 0.95x fwd-d128-causal-s32k (>= 0.9 met)"; "-" where a number is missing; then the
+    targets of another mode's column (MODE_TARGETS) where the run has it: "fagen-nondet 1.02x sdpa-cudnn (>= 1 met)"."""
     parts = []
     for ref, bound in RELATIVE_TARGETS[case]:
         rec = by.get((case, ref)) if ref in IMPLS else by.get((ref, "fagen"))
@@ -109,6 +110,16 @@ def relative_target(case: str, mine: float | None, by: dict) -> str:
             continue
         ratio = mine / theirs
         parts.append(f"{ratio:.2f}x {ref} (>= {bound:g} {'met' if ratio >= bound else 'MISSED'})")
+    for impl, ref, bound in MODE_TARGETS.get(case, ()):  # another mode's column, where the run has it
+        if (case, impl) not in by:
+            continue
+        nums = [value(r) if r is not None and r.get("check") != "fail" else None for r in (by[(case, impl)],
+                                                                                            by.get((case, ref)))]
+        if None in nums:
+            parts.append(f"{impl} >= {bound:g}x {ref} -")
+            continue
+        ratio = nums[0] / nums[1]
+        parts.append(f"{impl} {ratio:.2f}x {ref} (>= {bound:g} {'met' if ratio >= bound else 'MISSED'})")
     return "; ".join(parts)
 
 

@@ -36,6 +36,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/, for _phases
 from _phases import child_env, run_phase as run_child  # noqa: E402
+from _removed import refuse_removed  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -259,6 +260,8 @@ def bench_phase():
 
 
 def main():
+    refuse_removed("gpu_fp8lat_s14.py", {k for v in LEVERS.values() for k in v},
+                   'docs/serving.md, "MLA fp8 latent decode (fourteenth session)"')
     if len(sys.argv) > 2 and sys.argv[1] == "--phase":
         name = sys.argv[2]
         if name == "time":

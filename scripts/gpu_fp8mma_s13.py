@@ -23,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_fp8_fwd_s7 as s7  # noqa: E402
 import _fp8_timing as T  # noqa: E402
+from _removed import refuse_removed  # noqa: E402
 
 # Round A (H100, /work/wt/results/fp8mma-A.txt; the table in docs/hopper.md, "fp8 forward: the main loop (thirteenth
 # session)"): TF/s causal / full, random inputs: product 784 / 777, exp2 1/8 on FMA 839 / 830, O skip by warp 833 / 864;
@@ -103,6 +104,8 @@ def phase_time():
 
 
 def main():
+    refuse_removed("gpu_fp8mma_s13.py", {k for v in VARIANTS.values() if v for k in v.get("variant", {})},
+                   'docs/hopper.md, "fp8 forward: the main loop (thirteenth session)"')
     T.main(s7, __file__, {"build": s7.phase_build, "check": phase_check, "time": phase_time}, PHASE_TIMEOUT,
            check_cases, dict.fromkeys(TIMED + BENCH_INPUTS), "gpu_fp8mma_s13.md", "/tmp/fagen-cache-gpu-fp8mma-s13",
            diag=DIAG_TIMED)

@@ -28,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_fp8_fwd_s7 as s7  # noqa: E402
 import _fp8_timing as T  # noqa: E402
+from _removed import refuse_removed  # noqa: E402
 
 # name -> None (the product) or {"variant": GluonBackend.variant keys, "checks": how many of s7.CHECKS (default
 # all), "extra": also the EXTRA rows}
@@ -217,6 +218,8 @@ def phase_time():
 
 
 def main():
+    refuse_removed("gpu_fp8mma_s14.py", {k for v in VARIANTS.values() if v for k in v.get("variant", {})},
+                   'docs/hopper.md, "fp8 forward: the main loop (fourteenth session)"')
     # main's product is timed unless a check of it failed (round B of the thirteenth session left it untimed when
     # its d64 rows were miscounted)
     T.main(s7, __file__, {"build": s7.phase_build, "check": phase_check, "time": phase_time}, PHASE_TIMEOUT,

@@ -362,8 +362,9 @@ def bench_phase():
 
 
 def main():
+    # its checks and timing stay importable (gpu_fp8lat_s14, gpu_fp8lat_s15)
     refuse_removed("gpu_fp8lat_s13.py", {k for v in LEVERS.values() for k in v},
-                   'docs/serving.md, "MLA fp8 latent decode (thirteenth session)"')  # its checks and timing stay importable (s14, s15)
+                   'docs/serving.md, "MLA fp8 latent decode (thirteenth session)"')
     if len(sys.argv) > 2 and sys.argv[1] == "--phase":
         name = sys.argv[2]
         {"time": time_phase, "host": host_phase, "bench": bench_phase}.get(name, lambda: check_phase(name))()

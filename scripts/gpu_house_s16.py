@@ -1,7 +1,8 @@
 """Sixteenth session, house: the mods suite on interleaved rounds ([Note] Mods rounds in fagen/bench/mods.py).
 
 `python3 cli.py bench --suite mods --case document+causal --case sliding-window+causal` through the CLI itself
-(click's CliRunner, in one child process: one import, and Flex's compiles shared by the runs), several times:
+(fagen.cli.main in one child process, its lines streamed: one import, and Flex's compiles shared by the runs),
+several times:
   run 0: MODES[0] with everything cold (fagen's kernels and Flex compiled inside the run);
   then the MODES in turn ("new": --rounds ROUNDS, the default now; "old": --rounds 1, fagen then Flex each timed in
   its own loop, the earlier suite) as long as the budget leaves time for one more run.
@@ -51,8 +52,6 @@ def rounds_of(mode: str) -> int:
 
 def child() -> None:
     """The runs, in this process; prints one JSON line per run ('RUN {...}')."""
-    from click.testing import CliRunner
-
     from fagen.bench import mods
     from fagen.cli import main as cli_main
 
@@ -74,20 +73,20 @@ def child() -> None:
         path = os.path.join(OUT, f"run{runs}-{mode}.json")
         args = ["bench", "--suite", "mods", *[x for c in CASES for x in ("--case", c)], "--rounds",
                 str(rounds_of(mode)), "--json", path] + (["--quick", "--device", "cpu"] if DRY else [])
-        t = time.time()
-        res = CliRunner().invoke(cli_main, args, catch_exceptions=True)
+        t, error = time.time(), None
+        print(f"-- run {runs} {mode}: cli.py {' '.join(args)}", flush=True)
+        try:  # the CLI itself, its lines streamed (a run cut off by the budget still shows how far it got)
+            cli_main.main(args, prog_name="fagen", standalone_mode=False)
+        except BaseException as e:  # noqa: BLE001 - recorded in the table
+            error = f"{type(e).__name__}: {e}"[:400]
         took = time.time() - t
         if runs:
             longest = max(longest, took)
-        if res.exit_code != 0 or not os.path.exists(path):
-            print("RUN " + json.dumps({"mode": mode, "s": took, "error": f"exit {res.exit_code} {res.exception!r} "
-                                       f"{res.output[-400:]}"}), flush=True)
+        if error or not os.path.exists(path):
+            print("RUN " + json.dumps({"mode": mode, "s": took, "error": error or "no JSON"}), flush=True)
             break
         records = json.load(open(path))["records"]
         print("RUN " + json.dumps({"mode": mode, "s": took, "records": records}), flush=True)
-        if runs == 0:
-            print("TABLE " + json.dumps([ln for ln in res.output.splitlines() if ln.startswith("|")
-                                         or ln.startswith("Timing")]), flush=True)
         runs += 1
 
 
@@ -135,11 +134,8 @@ def main() -> None:
             runs.append(run)
             say(f"run {len(runs) - 1} {run['mode']}: {run['error']}" if "error" in run else
                 describe(len(runs) - 1, run))
-        elif line.startswith("TABLE "):
-            for ln in json.loads(line[6:]):
-                say("    " + ln)
-        elif "Traceback" in line or "Error" in line:
-            say("  child: " + line.rstrip()[:300])
+        else:
+            print("  | " + line.rstrip(), flush=True)  # the CLI's own lines: stdout only
 
     env = child_env("/tmp/house-s16-cache")
     if DRY:

@@ -39,16 +39,23 @@ def _call(blk: dict, fn, *args, scale):
               max_seqlen_k=b.max_k)
 
 
+def _turn(ring: _Ring, plan, mods, kv, bufs, step: int, device):
+    """Step `step` of the ring, forward or backward: (the works of sending the K/V in hand on while the next arrive
+    (none at the last step), the block the plan gives this rank against the shard in hand (None: empty), the varlen
+    module that computes it)."""
+    works = ring.exchange(kv, bufs.receive(step), _TAG_KV) if step < ring.world - 1 else []
+    blk = plan.device_block(ring.rank, (ring.rank - step) % ring.world, device)
+    return works, blk, None if blk is None else mods["causal" if blk["block"].causal else "none"]
+
+
 def _packed_forward(ring: _Ring, plan, mods, q, k, v):
     """(out like q, lse float32 [Hq, shard_len]) of this rank's query rows against every document key they see."""
     kv, bufs = (k.contiguous(), v.contiguous()), _Buffers(k)
     acc_out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     acc_lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
     for step in range(ring.world):
-        works = ring.exchange(kv, bufs.receive(step), _TAG_KV) if step < ring.world - 1 else []
-        blk = plan.device_block(ring.rank, (ring.rank - step) % ring.world, q.device)
+        works, blk, mod = _turn(ring, plan, mods, kv, bufs, step, q.device)
         if blk is not None:
-            mod = mods["causal" if blk["block"].causal else "none"]
             out, lse = _call(blk, mod.forward, q, *_keys(blk, kv), scale=ring.scale)
             _merge_into(acc_out, acc_lse.t(), out, lse.t())
         for work in works:
@@ -65,10 +72,8 @@ def _packed_backward(ring: _Ring, plan, mods, do, q, k, v, out, lse):
            torch.empty((2, *k.shape), dtype=torch.float32, device=q.device)]
     dkv_works = []
     for step in range(ring.world):
-        works = ring.exchange(kv, bufs.receive(step), _TAG_KV) if step < ring.world - 1 else []
-        blk = plan.device_block(ring.rank, (ring.rank - step) % ring.world, q.device)
+        works, blk, mod = _turn(ring, plan, mods, kv, bufs, step, q.device)
         if blk is not None:
-            mod = mods["causal" if blk["block"].causal else "none"]
             gq, gk, gv = _call(blk, mod.backward, do, q, *_keys(blk, kv), out, lse, scale=ring.scale)[:3]
             dq.add_(gq)
         for work in dkv_works:

@@ -121,6 +121,11 @@ def summary(runs: list[dict]) -> None:
                 if vals:
                     say(f"| {case} | {d} | {mode} | {' '.join(f'{v:.3f}' for v in vals)} | "
                         f"{statistics.median(vals):.3f} | {max(vals) - min(vals):.3f} |")
+                per = [statistics.median(rec[f"{d}_x_rounds"]) for i, r in enumerate(runs) if i and r["mode"] == mode
+                       for rec in r.get("records", []) if rec["case"] == case and rec.get(f"{d}_x_rounds")]
+                if per:  # the median of each run's per-round ratios (a round's clock cancels in its ratio)
+                    say(f"| {case} | {d} | {mode}, per-round ratio | {' '.join(f'{v:.3f}' for v in per)} | "
+                        f"{statistics.median(per):.3f} | {max(per) - min(per):.3f} |")
 
 
 def main() -> None:

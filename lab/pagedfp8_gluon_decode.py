@@ -13,6 +13,11 @@ block j - 1's slot, which this step's copies overwrite), then:
   the online softmax in fp32 (log2 domain), keys past the split's end masked to -inf;
   O += P V by mma_v2, P in bf16, V's operand converted from the ring's fp8 (V_CVT 0: loaded straight into the dot
   operand layout; 1: loaded in 16-byte rows, converted, moved into the operand layout by convert_layout).
+F16 1: the product's [Note] fp16 dots instead of bf16: K and V converted by the hardware's fp8 -> fp16 cvt (two
+values an instruction; the bf16 path's bit trick is ~3.5 instructions a value), q * cq in fp16 (cq a power of two
+putting max |q| near 2^14; 1 / cq into k's scale), P * 2^14 in fp16 (1 / 2^14 into v's). K_FRAG 1 (with F16): K's
+operand read as 32 contiguous bytes a thread and its d columns permuted (Q's the same way, S unchanged) instead of
+2-byte pieces in the operand's layout.
 O * v_scale / l and lse = m + log2 l: one split (DIRECT) writes out (bf16) and lse (natural log) itself; several write
 the product's partial layout (fp32 [splits, B, Hq, 1, 128] and log2 lse [splits, B, Hq, 1]) and _merge (a Triton
 kernel with the product's _merge_splits arithmetic: split order, log-sum-exp) combines the sequence's used splits.
@@ -74,11 +79,32 @@ def _bf16(x):
         constraints="=r,=r,r", args=[x.to(gl.uint8, bitcast=True)], dtype=gl.bfloat16, is_pure=True, pack=4)
 
 
+@gluon.jit
+def _cvt(x, F16: gl.constexpr):
+    """fp8 e4m3 as fp16 (the hardware's cvt, two a instruction) or bf16 (_bf16), exactly."""
+    if F16:
+        return x.to(gl.float16)
+    else:
+        return _bf16(x)
+
+
+@gluon.jit
+def _kfrag(ks, BLOCK_N: gl.constexpr, WARPS: gl.constexpr, b_op: gl.constexpr):
+    """K^T's fp16 B fragment with its rows (d) permuted: a thread reads its key's 32 contiguous bytes (two 16-byte
+    loads) and converts them; byte 32 t + 4 c + 2 h + i becomes row 16 c + 8 h + 2 t + i, which is where the
+    m16n8k16 fragment of lane t (mod 4) holds it, so the move into the operand layout is a register renaming."""
+    kl: gl.constexpr = gl.BlockedLayout([1, 32], [8, 4], [WARPS, 1], [1, 0])
+    x = ks.load(kl).to(gl.float16)
+    x = gl.reshape(gl.permute(gl.reshape(x, [BLOCK_N, 4, 8, 2, 2]), [0, 2, 3, 1, 4]), [BLOCK_N, D])
+    return gl.convert_layout(gl.permute(x, (1, 0)), b_op)
+
+
 @gluon.jit(do_not_specialize=["num_pages", "stride_bt", "n_cap", "chunk"])
 def _paged_decode(Q, K, V, KScale, VScale, BlockTable, Seqlens, Dst, DstLse, num_pages, stride_bt, n_cap, chunk,
                   qk_scale, k_mul, v_mul, stride_p, stride_s, stride_ds, stride_db, stride_ls, stride_lb,
                   HKV: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                  WARPS: gl.constexpr, DIRECT: gl.constexpr, SCALES: gl.constexpr, V_CVT: gl.constexpr):
+                  WARPS: gl.constexpr, DIRECT: gl.constexpr, SCALES: gl.constexpr, V_CVT: gl.constexpr,
+                  F16: gl.constexpr, K_FRAG: gl.constexpr):
     """SCALES 1: KScale / VScale are float32 [Hkv] (per KV head); 0: k_mul / v_mul (floats)."""
     gl.static_assert(STAGES >= 2)
     split = gl.program_id(0)
@@ -114,10 +140,24 @@ def _paged_decode(Q, K, V, KScale, VScale, BlockTable, Seqlens, Dst, DstLse, num
     qc = gl.arange(0, D, layout=gl.SliceLayout(0, qb))
     q_ptrs = Q + (b.to(gl.int64) * (HKV * GQA) + h * GQA + qr)[:, None] * D + qc[None, :]
     q = gl.load(q_ptrs, mask=(qr < GQA)[:, None], other=0.0)
-    q = gl.convert_layout(q, a_op)
     if SCALES == 1:
         k_mul = gl.load(KScale + h)
         v_mul = gl.load(VScale + h)
+    c_p = 1.0
+    if F16:  # the product's [Note] fp16 dots: q * cq in fp16 (cq a power of two putting max |q| in [2^14, 2^15)),
+        # 1 / cq into k's scale; P * 2^14 in fp16, 1 / 2^14 into v's
+        qf = q.to(gl.float32)
+        qmax = gl.max(gl.max(gl.abs(qf), 1), 0)
+        qbits = qmax.to(gl.int32, bitcast=True) & 0x7F800000
+        cq = gl.where((qbits > 0x0C000000) & (qbits < 0x7F800000), 16384.0 / qbits.to(gl.float32, bitcast=True), 1.0)
+        q16 = (qf * cq).to(gl.float16)
+        if K_FRAG:  # the same column permutation as K's fragment (_kfrag): S is unchanged
+            q16 = gl.reshape(gl.permute(gl.reshape(q16, [16, 4, 8, 2, 2]), [0, 2, 3, 1, 4]), [16, D])
+        q = gl.convert_layout(q16, a_op)
+        k_mul = k_mul / cq
+        c_p = 16384.0
+    else:
+        q = gl.convert_layout(q, a_op)
     qk_scale = qk_scale * k_mul
 
     kn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
@@ -132,7 +172,10 @@ def _paged_decode(Q, K, V, KScale, VScale, BlockTable, Seqlens, Dst, DstLse, num
                head_off, PAGE)
         pg_next = _page(BlockTable, bt_row, ahead + BLOCK_N, r, k_hi, num_pages, PAGE)
         slot = j % STAGES
-        kt = _bf16(k_s.index(slot).permute((1, 0)).load(b_op))
+        if K_FRAG:
+            kt = _kfrag(k_s.index(slot), BLOCK_N, WARPS, b_op)
+        else:
+            kt = _cvt(k_s.index(slot).permute((1, 0)).load(b_op), F16)
         s_ij = mma_v2(q, kt, gl.zeros([16, BLOCK_N], gl.float32, mma)) * qk_scale
         s_ij = gl.where((lo + j * BLOCK_N + kn < k_hi)[None, :], s_ij, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s_ij, 1))
@@ -142,16 +185,16 @@ def _paged_decode(Q, K, V, KScale, VScale, BlockTable, Seqlens, Dst, DstLse, num
         acc = acc * alpha[:, None]
         if V_CVT == 1:
             vb: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [WARPS, 1], [1, 0])
-            v = gl.convert_layout(_bf16(v_s.index(slot).load(vb)), b_op)
+            v = gl.convert_layout(_cvt(v_s.index(slot).load(vb), F16), b_op)
         else:
-            v = _bf16(v_s.index(slot).load(b_op))
-        acc = mma_v2(gl.convert_layout(p.to(gl.bfloat16), a_op), v, acc)
+            v = _cvt(v_s.index(slot).load(b_op), F16)
+        acc = mma_v2(gl.convert_layout((p * c_p).to(v.dtype), a_op), v, acc)
         m_i = m_new
     async_copy.wait_group(0)
 
     # [Note] Empty rows of the product: no key seen -> l 0, out 0, lse -inf; NaN stays NaN
     seen = l_i != 0
-    out = gl.where(seen[:, None], acc * v_mul / gl.where(seen, l_i, 1.0)[:, None], 0.0)
+    out = gl.where(seen[:, None], acc * (v_mul / c_p) / gl.where(seen, l_i, 1.0)[:, None], 0.0)
     lse = gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("-inf"))
     rows = gl.arange(0, 16, layout=gl.SliceLayout(1, mma))
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, mma))
@@ -206,7 +249,7 @@ _WS = {}
 
 
 def forward(q, k_cache, v_cache, *, block_table, seqlens_k, k_scale=None, v_scale=None, scale=None, num_splits=1,
-            block_n=64, stages=3, num_warps=4, v_cvt=0):
+            block_n=64, stages=3, num_warps=4, v_cvt=0, f16=0, k_frag=0):
     """(out [B, Hq, 1, 128] bf16, lse [B, Hq, 1] fp32): the product's forward for this lab's shapes. k_scale /
     v_scale: float32 [Hkv] tensors, floats or None; num_splits the split count (chunks of whole BLOCK_N blocks)."""
     bsz, hq, sq, d = q.shape
@@ -241,7 +284,7 @@ def forward(q, k_cache, v_cache, *, block_table, seqlens_k, k_scale=None, v_scal
         dst.stride(0) if not direct else 0, dst.stride(0) if direct else dst.stride(1),
         dlse.stride(0) if not direct else 0, dlse.stride(0) if direct else dlse.stride(1),
         HKV=hkv, PAGE=page, BLOCK_N=block_n, STAGES=stages, WARPS=num_warps, DIRECT=direct, SCALES=int(per_head),
-        V_CVT=v_cvt, num_warps=num_warps)
+        V_CVT=v_cvt, F16=f16, K_FRAG=k_frag, num_warps=num_warps)
     if not direct:
         _merge[(hkv, bsz)](dst, dlse, out, lse, seqlens_k, pages, n_cap, chunk, dst.stride(0), dst.stride(1),
                            dlse.stride(0), dlse.stride(1), HKV=hkv, ROWS=16, num_warps=4)
@@ -259,7 +302,7 @@ class Module:
                        scale=scale, **self.kw)
 
 
-def build_sm90(block_n=64, stages=3, num_warps=4, direct=True, v_cvt=0, scales=1):
+def build_sm90(block_n=64, stages=3, num_warps=4, direct=True, v_cvt=0, scales=1, f16=0, k_frag=0):
     """The kernel built for sm_90 on the CPU: (compiled kernel, ptxas resources)."""
     import os
     import sys
@@ -272,13 +315,13 @@ def build_sm90(block_n=64, stages=3, num_warps=4, direct=True, v_cvt=0, scales=1
                n_cap="i32", chunk="i32", qk_scale="fp32", k_mul="fp32", v_mul="fp32", stride_p="i32",
                stride_s="i32", stride_ds="i32", stride_db="i32", stride_ls="i32", stride_lb="i32",
                HKV="constexpr", PAGE="constexpr", BLOCK_N="constexpr", STAGES="constexpr", WARPS="constexpr",
-               DIRECT="constexpr", SCALES="constexpr", V_CVT="constexpr")
+               DIRECT="constexpr", SCALES="constexpr", V_CVT="constexpr", F16="constexpr", K_FRAG="constexpr")
     names = list(sig)
     div = [names.index(n) for n in ("Q", "K", "V", "KScale", "VScale", "BlockTable", "Seqlens", "Dst", "DstLse",
                                     "stride_p", "stride_s", "stride_db", "stride_lb")]
     src = ASTSource(fn=_paged_decode, signature=sig,
                     constexprs=dict(HKV=8, PAGE=16, BLOCK_N=block_n, STAGES=stages, WARPS=num_warps, DIRECT=direct,
-                                    SCALES=scales, V_CVT=v_cvt),
+                                    SCALES=scales, V_CVT=v_cvt, F16=f16, K_FRAG=k_frag),
                     attrs={(i,): [["tt.divisibility", 16]] for i in div})
     ck = triton.compile(src, target=GPUTarget("cuda", 90, 128), options=dict(num_warps=num_warps))
     res = next(iter(ptxas(ck.asm["ptx"])[0].values()))

@@ -18,6 +18,9 @@ values an instruction; the bf16 path's bit trick is ~3.5 instructions a value), 
 putting max |q| near 2^14; 1 / cq into k's scale), P * 2^14 in fp16 (1 / 2^14 into v's). K_FRAG 1 (with F16): K's
 operand read as 32 contiguous bytes a thread and its d columns permuted (Q's the same way, S unchanged) instead of
 2-byte pieces in the operand's layout.
+wsplit=1 (_paged_decode_w, fp16 dots, BLOCK_N = 16 x warps): each warp its own 16 keys of a block with its own
+running max, sum and O (batched [WARPS, 16, ...] mma_v2), so the loop has no cross-warp reduction and P goes from
+the scores' accumulator to the P V operand in registers; the warps' states are merged once at the end.
 O * v_scale / l and lse = m + log2 l: one split (DIRECT) writes out (bf16) and lse (natural log) itself; several write
 the product's partial layout (fp32 [splits, B, Hq, 1, 128] and log2 lse [splits, B, Hq, 1]) and _merge (a Triton
 kernel with the product's _merge_splits arithmetic: split order, log-sum-exp) combines the sequence's used splits.
@@ -209,6 +212,127 @@ def _paged_decode(Q, K, V, KScale, VScale, BlockTable, Seqlens, Dst, DstLse, num
         gl.store(DstLse + split.to(gl.int64) * stride_ls + lhead, lse, mask=ok)
 
 
+@gluon.jit(do_not_specialize=["num_pages", "stride_bt", "n_cap", "chunk"])
+def _paged_decode_w(Q, K, V, KScale, VScale, BlockTable, Seqlens, Dst, DstLse, num_pages, stride_bt, n_cap, chunk,
+                    qk_scale, k_mul, v_mul, stride_p, stride_s, stride_ds, stride_db, stride_ls, stride_lb,
+                    HKV: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                    WARPS: gl.constexpr, DIRECT: gl.constexpr, SCALES: gl.constexpr, V_CVT: gl.constexpr,
+                    F16: gl.constexpr, K_FRAG: gl.constexpr):
+    """WSPLIT: _paged_decode with each warp its own 16 keys of a block and its own online softmax (m, l, O) over
+    them: batched [WARPS, ...] mma_v2, no cross-warp reduction in the loop (the scores' row max and sum are within
+    a warp; P stays in registers as the P V operand); the warps' states are merged once at the end. fp16 dots."""
+    gl.static_assert(STAGES >= 2)
+    gl.static_assert(BLOCK_N == 16 * WARPS)
+    gl.static_assert(F16 == 1)
+    split = gl.program_id(0)
+    h = gl.program_id(1)
+    b = gl.program_id(2)
+    cw: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 4, 8], [WARPS, 1, 1], [2, 1, 0])
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1, 1], instr_shape=[1, 16, 8])
+    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    sl: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 8, order=[2, 1, 0])
+    k_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, WARPS, 16, D], sl)
+    v_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, WARPS, 16, D], sl)
+    l2: gl.constexpr = gl.SliceLayout(2, cw)
+    r = gl.arange(0, WARPS, layout=gl.SliceLayout(1, l2))[:, None] * 16 \
+        + gl.arange(0, 16, layout=gl.SliceLayout(0, l2))[None, :]  # [WARPS, 16] keys of a block
+    c = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(1, cw)))
+
+    n_k = gl.minimum(gl.maximum(gl.load(Seqlens + b), 0), gl.where(num_pages > 0, n_cap, 0))
+    lo = split * chunk
+    k_hi = gl.minimum(lo + chunk, n_k)
+    n_blocks = gl.cdiv(k_hi - lo, BLOCK_N)
+    if not DIRECT:
+        if lo >= k_hi:
+            return
+    bt_row = b.to(gl.int64) * stride_bt
+    head_off = h * D
+    for s in gl.static_range(STAGES - 1):
+        pg = _page(BlockTable, bt_row, lo + s * BLOCK_N, r, k_hi, num_pages, PAGE)
+        _issue3(K, V, k_s, v_s, s, pg, lo + s * BLOCK_N, r, c, k_hi, stride_p, stride_s, head_off, PAGE)
+    pg_next = _page(BlockTable, bt_row, lo + (STAGES - 1) * BLOCK_N, r, k_hi, num_pages, PAGE)
+
+    qb: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 2, 16], [WARPS, 1, 1], [2, 1, 0])  # each warp all of Q
+    qw = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, qb)))
+    qr = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, qb)))
+    qc = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(1, qb)))
+    qrow = (b.to(gl.int64) * (HKV * GQA) + h * GQA + qr)[None, :, None] + qw[:, None, None] * 0
+    q = gl.load(Q + qrow * D + qc[None, None, :], mask=(qr < GQA)[None, :, None], other=0.0)
+    if SCALES == 1:
+        k_mul = gl.load(KScale + h)
+        v_mul = gl.load(VScale + h)
+    qf = q.to(gl.float32)  # [Note] fp16 dots of the product
+    qmax = gl.max(gl.max(gl.max(gl.abs(qf), 2), 1), 0)
+    qbits = qmax.to(gl.int32, bitcast=True) & 0x7F800000
+    cq = gl.where((qbits > 0x0C000000) & (qbits < 0x7F800000), 16384.0 / qbits.to(gl.float32, bitcast=True), 1.0)
+    q3 = gl.convert_layout((qf * cq).to(gl.float16), a_op)
+    qk_scale = qk_scale * k_mul / cq
+    c_p: gl.constexpr = 16384.0
+
+    s2: gl.constexpr = gl.SliceLayout(2, mma)
+    kw = (gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(1, mma)))[:, None] * 16
+          + gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, mma)))[None, :])[:, None, :]
+    m_i = gl.full([WARPS, 16], float("-inf"), gl.float32, s2)
+    l_i = gl.zeros([WARPS, 16], gl.float32, s2)
+    acc = gl.zeros([WARPS, 16, D], gl.float32, mma)
+    for j in range(n_blocks):
+        async_copy.wait_group(STAGES - 2)
+        gl.thread_barrier()
+        ahead = lo + (j + STAGES - 1) * BLOCK_N
+        _issue3(K, V, k_s, v_s, (j + STAGES - 1) % STAGES, pg_next, ahead, r, c, k_hi, stride_p, stride_s,
+                head_off, PAGE)
+        pg_next = _page(BlockTable, bt_row, ahead + BLOCK_N, r, k_hi, num_pages, PAGE)
+        slot = j % STAGES
+        kt = k_s.index(slot).permute((0, 2, 1)).load(b_op).to(gl.float16)
+        s_ij = mma_v2(q3, kt, gl.zeros([WARPS, 16, 16], gl.float32, mma)) * qk_scale
+        s_ij = gl.where(lo + j * BLOCK_N + kw < k_hi, s_ij, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s_ij, 2))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a warp whose keys so far are all masked
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(s_ij - m_use[:, :, None])
+        l_i = l_i * alpha + gl.sum(p, 2)
+        v = v_s.index(slot).load(b_op).to(gl.float16)
+        acc = mma_v2(gl.convert_layout((p * c_p).to(gl.float16), a_op), v, acc * alpha[:, :, None])
+        m_i = m_new
+    async_copy.wait_group(0)
+
+    # the warps' states merged: M = max_w m_w, l = sum_w 2^(m_w - M) l_w, O = sum_w 2^(m_w - M) O_w
+    m_all = gl.max(m_i, 0)
+    m_u = gl.where(m_all == float("-inf"), 0.0, m_all)
+    wgt = gl.exp2(m_i - m_u[None, :])
+    l_all = gl.sum(l_i * wgt, 0)
+    o_all = gl.sum(acc * wgt[:, :, None], 0)
+    ol: gl.constexpr = gl.SliceLayout(0, mma)
+    seen = gl.convert_layout(l_all, gl.SliceLayout(1, ol)) != 0
+    l_o = gl.convert_layout(l_all, gl.SliceLayout(1, ol))
+    m_o = gl.convert_layout(m_all, gl.SliceLayout(1, ol))
+    out = gl.where(seen[:, None], o_all * (v_mul / c_p) / gl.where(seen, l_o, 1.0)[:, None], 0.0)
+    lse = gl.where(seen, m_o + gl.log2(gl.where(seen, l_o, 1.0)), float("-inf"))
+    rows = gl.arange(0, 16, layout=gl.SliceLayout(1, ol))
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, ol))
+    head = b.to(gl.int64) * stride_db + (h * GQA + rows) * D
+    lhead = b.to(gl.int64) * stride_lb + h * GQA + rows
+    ok = rows < GQA
+    if DIRECT:
+        gl.store(Dst + head[:, None] + cols[None, :], out.to(gl.bfloat16), mask=ok[:, None])
+        gl.store(DstLse + lhead, lse * 0.6931471805599453, mask=ok)
+    else:
+        gl.store(Dst + split.to(gl.int64) * stride_ds + head[:, None] + cols[None, :], out, mask=ok[:, None])
+        gl.store(DstLse + split.to(gl.int64) * stride_ls + lhead, lse, mask=ok)
+
+
+@gluon.jit
+def _issue3(K, V, k_s, v_s, slot, pg, start, r, c, k_hi, stride_p, stride_s, head_off, PAGE: gl.constexpr):
+    """_issue for the [WARPS, 16, D] slots of _paged_decode_w (r: [WARPS, 16] keys)."""
+    ok = ((start + r) < k_hi)[:, :, None]
+    rows = pg.to(gl.int64) * stride_p + ((start + r) % PAGE) * stride_s + head_off
+    off = rows[:, :, None] + c[None, None, :]
+    async_copy.async_copy_global_to_shared(k_s.index(slot), K + off, mask=ok)
+    async_copy.async_copy_global_to_shared(v_s.index(slot), V + off, mask=ok)
+    async_copy.commit_group()
+
+
 @triton.jit
 def _merge(Part, PartLse, Out, Lse, Seqlens, num_pages, n_cap, chunk, stride_ps, stride_pb, stride_ls, stride_lb,
            HKV: tl.constexpr, ROWS: tl.constexpr):
@@ -249,7 +373,7 @@ _WS = {}
 
 
 def forward(q, k_cache, v_cache, *, block_table, seqlens_k, k_scale=None, v_scale=None, scale=None, num_splits=1,
-            block_n=64, stages=3, num_warps=4, v_cvt=0, f16=0, k_frag=0):
+            block_n=64, stages=3, num_warps=4, v_cvt=0, f16=0, k_frag=0, wsplit=0):
     """(out [B, Hq, 1, 128] bf16, lse [B, Hq, 1] fp32): the product's forward for this lab's shapes. k_scale /
     v_scale: float32 [Hkv] tensors, floats or None; num_splits the split count (chunks of whole BLOCK_N blocks)."""
     bsz, hq, sq, d = q.shape
@@ -278,7 +402,7 @@ def forward(q, k_cache, v_cache, *, block_table, seqlens_k, k_scale=None, v_scal
             _WS[key] = (torch.empty(splits, bsz, hq, 1, 128, dtype=torch.float32, device=q.device),
                         torch.empty(splits, bsz, hq, 1, dtype=torch.float32, device=q.device))
         dst, dlse = _WS[key]
-    _paged_decode[(splits, hkv, bsz)](
+    (_paged_decode_w if wsplit else _paged_decode)[(splits, hkv, bsz)](
         q, k_cache, v_cache, ks, vs, block_table, seqlens_k, dst, dlse, pages, block_table.stride(0), n_cap, chunk,
         scale * 1.4426950408889634, km, vm, k_cache.stride(0), k_cache.stride(1),
         dst.stride(0) if not direct else 0, dst.stride(0) if direct else dst.stride(1),
@@ -302,7 +426,7 @@ class Module:
                        scale=scale, **self.kw)
 
 
-def build_sm90(block_n=64, stages=3, num_warps=4, direct=True, v_cvt=0, scales=1, f16=0, k_frag=0):
+def build_sm90(block_n=64, stages=3, num_warps=4, direct=True, v_cvt=0, scales=1, f16=0, k_frag=0, wsplit=0):
     """The kernel built for sm_90 on the CPU: (compiled kernel, ptxas resources)."""
     import os
     import sys
@@ -319,7 +443,7 @@ def build_sm90(block_n=64, stages=3, num_warps=4, direct=True, v_cvt=0, scales=1
     names = list(sig)
     div = [names.index(n) for n in ("Q", "K", "V", "KScale", "VScale", "BlockTable", "Seqlens", "Dst", "DstLse",
                                     "stride_p", "stride_s", "stride_db", "stride_lb")]
-    src = ASTSource(fn=_paged_decode, signature=sig,
+    src = ASTSource(fn=_paged_decode_w if wsplit else _paged_decode, signature=sig,
                     constexprs=dict(HKV=8, PAGE=16, BLOCK_N=block_n, STAGES=stages, WARPS=num_warps, DIRECT=direct,
                                     SCALES=scales, V_CVT=v_cvt, F16=f16, K_FRAG=k_frag),
                     attrs={(i,): [["tt.divisibility", 16]] for i in div})

@@ -49,7 +49,7 @@ else:
     # converted once (vcvt), and K's fragment read in 16-byte pieces with its columns permuted (kfrag)
     CANDS = {"default": ("triton", {}), "gluon n64s3w4": G(64, 3, 4), "gluon f16 n64s3w4 vcvt": G(64, 3, 4, 1, f16=1),
              "gluon f16 n64s3w8 vcvt": G(64, 3, 8, 1, f16=1),
-             "gluon f16 n64s3w8 vcvt kfrag": G(64, 3, 8, 1, f16=1, k_frag=1),
+             "gluon f16 n64s3w4 vcvt kfrag": G(64, 3, 4, 1, f16=1, k_frag=1),
              "gluon f16 wsplit n64s3w4": G(64, 3, 4, f16=1, wsplit=1)}  # each warp its own keys and softmax
 if os.environ.get("GPU_PAGEDFP8_S16_CANDS"):
     CANDS = {k: CANDS[k] for k in os.environ["GPU_PAGEDFP8_S16_CANDS"].split(",")}

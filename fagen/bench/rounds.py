@@ -18,9 +18,12 @@ from typing import Callable, Optional, Sequence
 # earlier bench: each implementation checked and timed in turn, do_bench's loop, fagen's column first.
 
 ROUNDS = 5  # `fagen bench --rounds`'s default
-# The mods and layouts suites' rounds when --rounds is not given ([Note] Mods rounds in fagen/bench/mods.py): 1 (the
-# earlier suites, fagen then the peer each in its own loop) until a GPU round shows the rounds steadier there too.
-SUITE_ROUNDS = 1
+# The mods and layouts suites' rounds when --rounds is not given ([Note] Mods rounds in fagen/bench/mods.py): ROUNDS
+# since the sixteenth session's round A (H100): the old order read the window row's backward at 1.074 in one run and
+# 0.689 in the next (one slow fagen pass, 0.816 ms against 0.52-0.53), where the rounds' median kept 1.056 through a
+# round in which Flex ran 1.5-1.9x slow; elsewhere the two orders agreed within 0.02-0.03 (docs/mods.md, "House
+# (sixteenth session)").
+SUITE_ROUNDS = ROUNDS
 
 
 def order(n: int, r: int) -> list[int]:

@@ -37,7 +37,7 @@ def main():
                 qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
                 out = fagen.attention(qq, kk, vv, deterministic=(name == "det"))
 
-                def fn(out=out, qq=qq, kk=kk, vv=vv):
+                def fn(out=out, qq=qq, kk=kk, vv=vv, do=do):
                     return torch.autograd.grad(out, (qq, kk, vv), do, retain_graph=True)
             fn()
             torch.cuda.synchronize()

@@ -101,25 +101,19 @@ def relative_target(case: str, mine: float | None, by: dict) -> str:
     """The row's relative targets ([Note] Score-switch rows in fagen/bench/workloads.py), as
     "1.52x flex (>= 1.3 met); 0.95x fwd-d128-causal-s32k (>= 0.9 met)"; "-" where a number is missing; then the
     targets of another mode's column (MODE_TARGETS) where the run has it: "fagen-nondet 1.02x sdpa-cudnn (>= 1 met)"."""
-    parts = []
-    for ref, bound in RELATIVE_TARGETS[case]:
-        rec = by.get((case, ref)) if ref in IMPLS else by.get((ref, "fagen"))
-        theirs = value(rec) if rec is not None and rec.get("check") != "fail" else None
+    def ok(rec):
+        return value(rec) if rec is not None and rec.get("check") != "fail" else None
+
+    def verdict(label, mine, theirs, ref, bound):  # "[label ]0.95x ref (>= 0.9 met)", "[label ]>= 0.9x ref -"
         if mine is None or theirs is None:
-            parts.append(f">= {bound:g}x {ref} -")
-            continue
+            return f"{label}>= {bound:g}x {ref} -"
         ratio = mine / theirs
-        parts.append(f"{ratio:.2f}x {ref} (>= {bound:g} {'met' if ratio >= bound else 'MISSED'})")
-    for impl, ref, bound in MODE_TARGETS.get(case, ()):  # another mode's column, where the run has it
-        if (case, impl) not in by:
-            continue
-        nums = [value(r) if r is not None and r.get("check") != "fail" else None for r in (by[(case, impl)],
-                                                                                            by.get((case, ref)))]
-        if None in nums:
-            parts.append(f"{impl} >= {bound:g}x {ref} -")
-            continue
-        ratio = nums[0] / nums[1]
-        parts.append(f"{impl} {ratio:.2f}x {ref} (>= {bound:g} {'met' if ratio >= bound else 'MISSED'})")
+        return f"{label}{ratio:.2f}x {ref} (>= {bound:g} {'met' if ratio >= bound else 'MISSED'})"
+
+    parts = [verdict("", mine, ok(by.get((case, ref)) if ref in IMPLS else by.get((ref, "fagen"))), ref, bound)
+             for ref, bound in RELATIVE_TARGETS[case]]
+    parts += [verdict(f"{impl} ", ok(by[(case, impl)]), ok(by.get((case, ref))), ref, bound)
+              for impl, ref, bound in MODE_TARGETS.get(case, ()) if (case, impl) in by]  # where the run has it
     return "; ".join(parts)
 
 

@@ -237,6 +237,19 @@ def test_workspaces_are_kept_per_stream_zeroed_per_call_and_fresh_under_capture(
     assert {k: v[0].data_ptr() for k, v in mod._BWD_WS.__dict__.items()} == before
 
 
+def test_the_mods_window_row_s_workspace_is_kept(gluon_bwd):
+    """The workspace of the mods suite's window row (B1 H16 S8192 d128: 68 MB) is kept per stream, not allocated
+    per call: a fresh buffer costs its views again, about 100 us of host a call on the H100 (seventeenth session,
+    scripts/gpu_window_host_s17.py --ab: 307 against 412 us), with the same GPU time."""
+    mod, mode, _ = gluon_bwd
+    q = torch.empty(1, 16, 8192, 128, dtype=torch.bfloat16)
+    first = mod._bwd_workspace(1, 16, 8192, mode, q, 16)
+    again = mod._bwd_workspace(1, 16, 8192, mode, q, 16)
+    assert again[0].data_ptr() == first[0].data_ptr() and all(a is b for a, b in zip(first, again))
+    ((_, (buf, views)), ) = mod._BWD_WS.__dict__.items()
+    assert buf.data_ptr() == first[0].data_ptr() and len(views) == 1
+
+
 class _Spy:
     """A fast launcher that records, per launch, whether the dQ accumulator held anything but zeros."""
 

@@ -93,7 +93,15 @@ _BWD_BOUND_ROWS, _BWD_BOUND_WARPS = 64, 4
 # [Note] Switches on the fast backward path: a window render with the qmul rows by TMA (the product's, variant
 # bwd_window) takes it in every mode (the eleventh session's window path, merged into this one in the twelfth)
 _BWD_WINDOW_FAST = True
-_BWD_WS_KEEP = 1 << 25  # bytes: the largest workspace kept per stream (B x Hq x sq_pad <= 16384 rows of D 128)
+# The largest workspace kept per (device, stream, thread), in bytes: 2^28 covers B x Hq x sq_pad <= 131072 rows of D
+# 128 (the mods suite's window row, B1 H16 S8192: 68 MB; the standard suite's s16k rows: 137 MB). 2^25 until the
+# seventeenth session: the thirteenth measured the window row's 68 MB kept as a tie on the GPU (0.531 ms both) with
+# 0.37 against 0.47 ms of host a call; the seventeenth (H100, scripts/gpu_window_host_s17.py --ab, 6 alternating
+# passes with the GPU kept busy): the window backward's host time a call 307 us kept against 412 us allocated per
+# call (the buffer's eight views made again for each fresh buffer), the bench's timed call 0.530 against 0.529 ms.
+# Host time is what the row runs out of when the process is busy (docs/mods.md, "The window row's host path
+# (seventeenth session)"); the kept buffer is memory the caching allocator would hold for the call anyway.
+_BWD_WS_KEEP = 1 << 28
 _BWD_WS = _thread_local()  # per thread: (device, stream) -> [buffer, {(b, hq, sq_pad, dq_mode): views}]
 _GL_DTYPE[torch.float32] = gl.float32  # the workspaces' descriptors (requests like the inputs')
 _GL_DTYPE[torch.int32] = gl.int32  # the fixed-point dQ's accumulator ([Note] Switches on the fast backward path)

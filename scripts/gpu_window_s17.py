@@ -1,0 +1,332 @@
+"""Issue 26, seventeenth session (helper window): the sliding-window row's deterministic backward (causal + window
+(1024, 0), B1 H16 S8192 d128 bf16) as the fixed-order chain (mode 0) walking its query blocks down, on the unordered
+kernel's levers (variant bwd_window_chain 1, bwd_window_desc 1), and with each query block's first adder storing its
+partial so the accumulator's fill goes (bwd_window_chain 2); bwd_window_pending 0 (the publish after this step's adds
+complete). docs/mods.md "The window's backward (seventeenth session)"; [Note] Window chain in
+fagen/templates/gluon/backward.py.j2.
+
+    PYTHONPATH=$PWD python3 scripts/gpu_window_s17.py [--round b]
+
+Phases (scripts/_phases.py), warm children at once, one module each (a hang costs that child only): flex; prod (the
+product module, modes 2 and 1, at the timed shape); chain, store, p0 (a lever module's deterministic backward at the
+timed shape, then its checks: float64 at B1 H2 S333 / S1000, windows (37, 0) and (130, 0), repeatable bit for bit,
+row 0's dq exactly 0, on the persistent grid and on 4 programs (several waves a program); store: bit for bit the
+chain's; the mutant: the chain module with the fill skipped (its host's BWD_WIN_STORE set, the kernel still adding at
+turn 0) must fail). Then one timing child: every fagen variant through the module's backward() on the product's
+(out, lse), the product also through autograd (own, the row's path), Flex, in rotated passes (do_bench medians, L2
+flushed), the per-pass ratios; the kernels by torch.profiler. The table goes to stdout and $OUTX/table.txt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import gpu_mods_bwd_s9 as s9  # noqa: E402
+import gpu_window_s12 as s12  # noqa: E402  (small, grads, ref64, errs, same, diff, check, kernel_ms, window_inputs)
+
+BUDGET = 57.0
+ROUND_B = sys.argv[1:3] == ["--round", "b"] or os.environ.get("S17_ROUND") == "b"
+SW = "sliding-window+causal"
+WIN = (1024, 0)
+LEVERS = {"chain": {"bwd_window_desc": 1, "bwd_window_chain": 1},
+          "store": {"bwd_window_desc": 1, "bwd_window_chain": 2},
+          "p0": {"bwd_window_desc": 1, "bwd_window_chain": 2, "bwd_window_pending": 0}}
+WARM = ["flex", "prod", "chain", "store", "p0"]
+if ROUND_B:  # round B: set after round A
+    pass
+_MOD: dict = {}
+
+
+def spec_():
+    from fagen.spec.kernel import KernelSpec
+
+    return KernelSpec(backend="gluon", direction="bwd", head_dim=128, dtype="bf16", mask="causal", window=True)
+
+
+def module(name):
+    """The product module ("prod") or a lever's render (LEVERS: the keys of variant bwd_window for this render)."""
+    if name not in _MOD:
+        import fagen
+        from fagen.runtime.loader import load_source
+
+        if name == "prod":
+            mod = fagen.load(spec_())
+            assert mod.BWD_DET_MODE == 2 and mod.BWD_WIN_STORE == 0
+        else:
+            src = s9.lever_source(spec_(), {"bwd_window": LEVERS[name]})
+            mod = load_source(src, f"{spec_().name}_s17_{name}")
+            assert mod.BWD_DET_MODE == 0 and mod.BWD_WIN_STORE == (name != "chain"), name
+            assert "GQA * steps - 1 - i" in src and ("_bwd_publish(sem, m0, 0)" in src) == (name == "p0"), name
+        _MOD[name] = mod
+    return _MOD[name]
+
+
+def bwd_step(mod, tensors, saved, det=True, window=WIN):
+    q, k, v, do = tensors
+    out, lse = saved
+    return lambda: mod.backward(do, q, k, v, out, lse, window=window, deterministic=det)
+
+
+def fwd_saved(tensors, window=WIN):
+    q, k, v, _ = tensors
+    return module("prod").forward(q, k, v, window=window)
+
+
+def detached(tensors):
+    return [t.detach() for t in tensors]
+
+
+def check_small(name):
+    """float64, repeatable, row 0's dq == 0, on the persistent grid and on 4 programs; store/p0 bit for bit chain's
+    (mutant: the chain module with the fill skipped must fail)."""
+    import torch
+
+    mut = name == "mutant"
+    mod = module("chain" if mut else name)
+    base = module("chain") if name == "store" and os.environ.get("S17_VS_CHAIN") else None
+    for n in ((333, ) if mut else (333, 1000)):
+        t = s12.small(s=n)
+        i, j = torch.arange(n, device="cuda")[:, None], torch.arange(n, device="cuda")[None, :]
+        for left in (37, 130):
+            for sms in ((None, ) if mut else (None, 4)):
+                def run(left=left, sms=sms, t=t):
+                    ref = s12.ref64(*t, (j <= i) & (i - j <= left))
+                    saved = fwd_saved(t, (left, 0))
+                    dev = t[0].get_device()
+                    keep = mod._NUM_SMS.get(dev)
+                    store = mod.BWD_WIN_STORE
+                    try:
+                        if sms:
+                            mod._NUM_SMS[dev] = sms  # the persistent grid of 4 programs: several waves each
+                        if mut:
+                            mod.BWD_WIN_STORE = 1  # the host skips the fill; the kernel still adds at turn 0
+                        runs = [[g.clone() for g in bwd_step(mod, t, saved, window=(left, 0))()] for _ in "abc"]
+                        other = None
+                        if base is not None:
+                            if sms:
+                                base._NUM_SMS[dev] = sms
+                            other = [g.clone() for g in bwd_step(base, t, saved, window=(left, 0))()]
+                    finally:
+                        mod.BWD_WIN_STORE = store
+                        for m in (mod, base):
+                            if m is not None:
+                                if keep is None:
+                                    m._NUM_SMS.pop(dev, None)
+                                else:
+                                    m._NUM_SMS[dev] = keep
+                    if mut:  # caught: a call's gradients outside the float64 tolerance
+                        try:
+                            e = max(max(s12.errs(r, ref)) for r in runs)
+                        except Exception as x:  # noqa: BLE001 - PropertyFailure: what the mutant must cause
+                            return True, f"caught: {str(x)[:160]}"
+                        return e >= 3e-2, f"max |err| over three calls {e:.2e}"
+                    e = max(max(s12.errs(r, ref)) for r in runs)
+                    rep = all(s12.same(runs[0], r) for r in runs[1:])
+                    zero = all(bool((r[0][:, :, 0] == 0).all()) for r in runs)
+                    eq = "-" if other is None else s12.diff(runs[0], other)
+                    ok = e < 3e-2 and rep and zero and eq in ("-", "bitwise")
+                    return ok, f"max |err| {e:.2e}; repeatable {rep}; row 0 dq == 0 {zero}; vs chain: {eq}"
+                s12.check(f"{name} window ({left}, 0) S{n} {'grid ' + str(sms) if sms else 'persistent'}", run)
+
+
+def phase_warm(name):
+    import torch
+
+    t0 = time.perf_counter()
+    try:
+        tensors = detached(s12.window_inputs())
+        if name == "flex":
+            q, k, v, do = s12.window_inputs()
+            sm, mm = s9.row_mods(SW, s9.shape_of())
+            out = s9.flex_call(sm, mm, s9.shape_of())(q, k, v)
+            torch.autograd.grad(out, (q, k, v), do)
+        elif name == "prod":
+            saved = fwd_saved(tensors)
+            a = [g.clone() for g in bwd_step(module("prod"), tensors, saved)()]
+            b = [g.clone() for g in bwd_step(module("prod"), tensors, saved, det=False)()]
+            torch.cuda.synchronize()
+            print(f"CHECK INFO timed shape, product mode 2 vs mode 1: {s12.diff(a, b)}", flush=True)
+            print(f"CHECK INFO prod main kernels (regs, spills): {regs(module('prod'), 2)} / {regs(module('prod'), 1)}",
+                  flush=True)
+        else:
+            saved = fwd_saved(tensors)
+            got = [g.clone() for g in bwd_step(module(name), tensors, saved)()]
+            again = [g.clone() for g in bwd_step(module(name), tensors, saved)()]
+            torch.cuda.synchronize()
+            print(f"warm {name} compiled: {time.perf_counter() - t0:.1f} s", flush=True)
+            print(f"CHECK INFO timed shape, {name}: repeat {s12.diff(got, again)}; regs {regs(module(name), 0)}",
+                  flush=True)
+            print(f"timed shape, {name} ok", flush=True)
+            check_small(name)
+            if name == "chain":
+                check_small("mutant")
+        torch.cuda.synchronize()
+        print(f"warm {name}: {time.perf_counter() - t0:.1f} s", flush=True)
+    except Exception as e:  # noqa: BLE001
+        print(f"warm {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+
+
+def regs(mod, mode):
+    out = []
+    try:
+        for cache in mod._BWD_KERNELS[mode][0].device_caches.values():
+            for k in cache[0].values():
+                k._init_handles()
+                out.append((k.n_regs, k.n_spills))
+    except Exception as e:  # noqa: BLE001
+        out.append(f"{type(e).__name__}")
+    return out
+
+
+def step_of(variant, tensors, saved):
+    import torch
+
+    if variant == "flex":
+        q, k, v, do = s12.window_inputs()
+        sm, mm = s9.row_mods(SW, s9.shape_of())
+        out = s9.flex_call(sm, mm, s9.shape_of())(q, k, v)
+        return lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+    if variant == "own":  # the product's module through autograd (the row's path, as the earlier sessions timed it)
+        q, k, v, do = s12.window_inputs()
+        out = module("prod").attention(q, k, v, window=WIN)
+        return lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+    if variant == "prod-u":
+        return bwd_step(module("prod"), tensors, saved, det=False)
+    return bwd_step(module(variant), tensors, saved)
+
+
+def phase_time():
+    import torch
+
+    from fagen.bench.timing import measure
+
+    t_end = float(os.environ.get("S17_TIME_END", time.time() + 40))
+    tensors = detached(s12.window_inputs())
+    saved = fwd_saved(tensors)
+    levers = os.environ.get("S17_LEVERS", "").split()  # levers whose warm call passed
+    names = ["prod", "prod-u", *levers, "own", "flex"]
+    steps = {}
+
+    def profile(rnd):
+        for item in (["prod", "prod-u", *levers] if rnd % 2 == 0 else [*levers[::-1], "prod-u", "prod"]):
+            if time.time() > t_end - 1.5 or item not in steps:
+                continue
+            try:
+                ms, top = s12.kernel_ms(steps[item], n=5)
+                print("REC " + json.dumps({"variant": item, "round": rnd, "kernel_ms": ms, "top": top}), flush=True)
+            except Exception as e:  # noqa: BLE001
+                print("REC " + json.dumps({"variant": item, "error": f"kernels {type(e).__name__}: {e}"[:200]}))
+
+    for p in range(16):
+        # three passes without Flex (its compile in this child takes a while), then with it; rotated, every other
+        # pass reversed
+        names_p = names if p >= 3 else names[:-1]
+        order = names_p[p % len(names_p):] + names_p[:p % len(names_p)]
+        if p % 2:
+            order = order[::-1]
+        for item in order:
+            rec = {"variant": item, "pass": p}
+            if time.time() > t_end - (3 if p < 3 else 5):
+                continue
+            try:
+                if item not in steps:
+                    steps[item] = step_of(item, tensors, saved)
+                step = steps[item]
+                step()
+                rec["ms"] = measure(lambda i: step(), 1, torch.device("cuda"), 10.0, 25.0)
+            except Exception as e:  # noqa: BLE001
+                rec["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+            print("REC " + json.dumps(rec), flush=True)
+        if p == 0:
+            profile(0)
+    profile(1)
+
+
+PAIRS = (("chain", "prod"), ("store", "prod"), ("p0", "prod"), ("store", "chain"), ("p0", "store"),
+         ("chain", "prod-u"), ("store", "prod-u"), ("prod", "own"), ("own", "flex"), ("prod", "flex"),
+         ("prod-u", "flex"), ("chain", "flex"), ("store", "flex"), ("p0", "flex"))
+
+
+def summary(recs):
+    out = []
+    by, per_pass = {}, {}
+    for r in recs:
+        if r.get("error"):
+            out.append(f"ERROR {r['variant']}: {r['error']}")
+        elif "ms" in r:
+            by.setdefault(r["variant"], []).append(r["ms"])
+            per_pass.setdefault(r["pass"], {})[r["variant"]] = r["ms"]
+    med = {k: sorted(v)[len(v) // 2] for k, v in by.items()}
+    flex = med.get("flex")
+    out += ["", "| variant | median ms | x Flex | each pass |", "|---|---:|---:|---|"]
+    for k, v in by.items():
+        x = f"{flex / med[k]:.3f}x" if flex else ""
+        out.append(f"| {k} | {med[k]:.4f} | {x} | {' / '.join(f'{m:.4f}' for m in v)} |")
+    for a, b in PAIRS:
+        rs = sorted(p[a] / p[b] for p in per_pass.values() if a in p and b in p)
+        if rs:
+            out.append(f"ratio {a} / {b} per pass: median {rs[len(rs) // 2]:.4f}, range {rs[0]:.4f}..{rs[-1]:.4f} "
+                       f"({len(rs)} passes)")
+    out += ["", "| module | round | all kernels ms | largest (ms) |", "|---|---|---:|---|"]
+    for r in recs:
+        if "kernel_ms" in r:
+            out.append(f"| {r['variant']} | {r['round']} | {r['kernel_ms']:.4f} | {r['top']} |")
+    return out
+
+
+def main():
+    from _phases import child_env, run_phase
+
+    t0 = time.time()
+    env = child_env("/tmp/fagen-s17-window", ROOT)
+    env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    if ROUND_B:
+        env["S17_ROUND"] = "b"
+    script = os.path.abspath(__file__)
+    lines: dict = {}
+
+    def go(name, limit, extra=()):
+        rc, got = run_phase(script, name, limit, env, on_line=lambda s: print(s, end="", flush=True), extra=extra)
+        lines.setdefault(name + "".join(extra), []).extend(got)
+        if rc != 0:
+            print(f"phase {name} {extra}: {rc}", flush=True)
+
+    threads = [threading.Thread(target=go, args=("warm", 26.0, (w, ))) for w in WARM]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ok = [n for n in LEVERS if any(f"timed shape, {n} ok" in s for s in lines.get("warm" + n, []))]
+    env["S17_LEVERS"] = " ".join(ok)  # a lever whose warm call hung is not timed (a hang would take all)
+    left = BUDGET - (time.time() - t0)
+    env["S17_TIME_END"] = str(time.time() + left - 3)
+    print(f"compiled in {time.time() - t0:.0f} s; timing for {left:.0f} s; levers timed: {ok}", flush=True)
+    go("time", max(5.0, left))
+    recs = [json.loads(s[4:]) for s in lines.get("time", []) if s.startswith("REC ")]
+    out = summary(recs)
+    out += [s[6:].rstrip("\n") for got in lines.values() for s in got if s.startswith("CHECK ")]
+    out.append(f"total {time.time() - t0:.0f} s")
+    print("\n".join(out), flush=True)
+    if os.environ.get("OUTX"):
+        os.makedirs(os.environ["OUTX"], exist_ok=True)
+        with open(os.path.join(os.environ["OUTX"], "table.txt"), "w") as f:
+            f.write("\n".join(out) + "\n")
+        with open(os.path.join(os.environ["OUTX"], "window_s17.json"), "w") as f:
+            json.dump({"records": recs, "lines": lines}, f, indent=1)
+
+
+if __name__ == "__main__":
+    if "--phase" in sys.argv:
+        if sys.argv[sys.argv.index("--phase") + 1] == "time":
+            phase_time()
+        else:
+            phase_warm(sys.argv[-1])
+    else:
+        main()

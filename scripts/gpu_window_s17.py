@@ -11,7 +11,7 @@ Phases (scripts/_phases.py), warm children at once, one module each (a hang cost
 product module, modes 2 and 1, at the timed shape); chain, store, p0 (a lever module's deterministic backward at the
 timed shape, then its checks: float64 at B1 H2 S333 / S1000, windows (37, 0) and (130, 0), repeatable bit for bit,
 row 0's dq exactly 0, on the persistent grid and on 4 programs (several waves a program); store: bit for bit the
-chain's; the mutant: the chain module with the fill skipped (its host's BWD_WIN_STORE set, the kernel still adding at
+chain's; the mutant: the chain module with the fill skipped (its host's BWD_WIN_CHAIN set to 2, the kernel still adding at
 turn 0) must fail). Then one timing child: every fagen variant through the module's backward() on the product's
 (out, lse), the product also through autograd (own, the row's path), Flex, in rotated passes (do_bench medians, L2
 flushed), the per-pass ratios; the kernels by torch.profiler. The table goes to stdout and $OUTX/table.txt.
@@ -58,11 +58,11 @@ def module(name):
 
         if name == "prod":
             mod = fagen.load(spec_())
-            assert mod.BWD_DET_MODE == 2 and mod.BWD_WIN_STORE == 0
+            assert mod.BWD_DET_MODE == 2 and mod.BWD_WIN_CHAIN == 0
         else:
             src = s9.lever_source(spec_(), {"bwd_window": LEVERS[name]})
             mod = load_source(src, f"{spec_().name}_s17_{name}")
-            assert mod.BWD_DET_MODE == 0 and mod.BWD_WIN_STORE == (name != "chain"), name
+            assert mod.BWD_DET_MODE == 0 and mod.BWD_WIN_CHAIN == (1 if name == "chain" else 2), name
             assert "GQA * steps - 1 - i" in src and ("_bwd_publish(sem, m0, 0)" in src) == (name == "p0"), name
         _MOD[name] = mod
     return _MOD[name]
@@ -90,7 +90,7 @@ def check_small(name):
 
     mut = name == "mutant"
     mod = module("chain" if mut else name)
-    base = module("chain") if name == "store" and os.environ.get("S17_VS_CHAIN") else None
+    base = None  # store vs chain: bit for bit at the timed shape (compare() in the timing child)
     for n in ((333, ) if mut else (333, 1000)):
         t = s12.small(s=n)
         i, j = torch.arange(n, device="cuda")[:, None], torch.arange(n, device="cuda")[None, :]
@@ -101,12 +101,12 @@ def check_small(name):
                     saved = fwd_saved(t, (left, 0))
                     dev = t[0].get_device()
                     keep = mod._NUM_SMS.get(dev)
-                    store = mod.BWD_WIN_STORE
+                    store = mod.BWD_WIN_CHAIN
                     try:
                         if sms:
                             mod._NUM_SMS[dev] = sms  # the persistent grid of 4 programs: several waves each
                         if mut:
-                            mod.BWD_WIN_STORE = 1  # the host skips the fill; the kernel still adds at turn 0
+                            mod.BWD_WIN_CHAIN = 2  # the host skips the fill; the kernel still adds at turn 0
                         runs = [[g.clone() for g in bwd_step(mod, t, saved, window=(left, 0))()] for _ in "abc"]
                         other = None
                         if base is not None:
@@ -114,7 +114,7 @@ def check_small(name):
                                 base._NUM_SMS[dev] = sms
                             other = [g.clone() for g in bwd_step(base, t, saved, window=(left, 0))()]
                     finally:
-                        mod.BWD_WIN_STORE = store
+                        mod.BWD_WIN_CHAIN = store
                         for m in (mod, base):
                             if m is not None:
                                 if keep is None:
@@ -246,7 +246,23 @@ def phase_time():
             print("REC " + json.dumps(rec), flush=True)
         if p == 0:
             profile(0)
+            compare(steps)
     profile(1)
+
+
+def compare(steps):
+    """The levers' gradients at the timed shape: store and p0 bit for bit the chain's (the same float32 sums, the
+    first partial stored instead of added onto zero); the chain's dq against the product's (mode 2) and mode 1."""
+    import torch
+
+    got = {}
+    for item in ("chain", "store", "p0", "prod", "prod-u"):
+        if item in steps:
+            got[item] = [g.clone() for g in steps[item]()]
+    torch.cuda.synchronize()
+    for a, b in (("store", "chain"), ("p0", "chain"), ("chain", "prod"), ("chain", "prod-u")):
+        if a in got and b in got:
+            print(f"CHECK INFO timed shape, {a} vs {b}: {s12.diff(got[a], got[b])}", flush=True)
 
 
 PAIRS = (("chain", "prod"), ("store", "prod"), ("p0", "prod"), ("store", "chain"), ("p0", "store"),

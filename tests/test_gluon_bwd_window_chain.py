@@ -55,11 +55,11 @@ def test_the_chain_renders_mode_0_on_the_unordered_levers_and_the_product_is_unc
         assert "_BWD_KERNELS = {0: (_attn_bwd_hopper, 1), 1: (_attn_bwd_hopper_u, 1)}" in src
         assert "tile = _bwd_snake(tile0, num_tiles)" in _writer(src)
         assert "_bwd_publish(prev, m0, 2)" in _writer(src)
-    assert "BWD_WIN_STORE = 0" in chain and "if first:" not in chain
-    assert "BWD_WIN_STORE = 1" in store and "if first:" in _writer(store) and "if first:" in _writer(store, "_u")
+    assert "BWD_WIN_CHAIN = 1" in chain and "if first:" not in chain
+    assert "BWD_WIN_CHAIN = 2" in store and "if first:" in _writer(store) and "if first:" in _writer(store, "_u")
     assert "first = turn == 0" in _writer(store)
     # the product: mode 2, no store, no chain levers in its (unused) mode-0 kernel
-    assert "BWD_DET_MODE = 2" in prod and "BWD_WIN_STORE = 0" in prod and "if first:" not in prod
+    assert "BWD_DET_MODE = 2" in prod and "BWD_WIN_CHAIN = 0" in prod and "if first:" not in prod
     assert "_named_bar(" not in _writer(prod)
     # with the fixed-point dQ on, the chain key renders nothing
     assert _source({"bwd_window_fixed": 1, "bwd_fixed_tma": 1, "bwd_window_chain": 2}) == prod
@@ -183,3 +183,20 @@ def test_the_fast_path_fills_the_counters_only_where_the_store_covers_the_accumu
             assert (torch.count_nonzero(acc) == 0) == filled, filled
         acc.fill_(3.0)
         sem.fill_(5)
+
+
+@pytest.mark.skipif(ON_GPU, reason="host fakes")
+@pytest.mark.parametrize("window", [CHAIN, STORE], ids=["chain", "store"])
+def test_the_chain_s_modes_take_the_fast_path(monkeypatch, window):
+    """_bwd_host sends a chain render's calls (modes 0 and 1, the window's values) down the fast path, as the
+    product's fixed-point window (not the plain path's per-call descriptors and torch.zeros)."""
+    mod = _module(window, "host")
+    assert mod.BWD_FIXED_TMA == 0 and mod.BWD_WIN_CHAIN == window["bwd_window_chain"]
+    taken = []
+    monkeypatch.setattr(mod, "_run_backward", lambda *a, **k: taken.append(("plain", a[10])))
+    monkeypatch.setattr(mod, "_run_backward_fast", lambda *a, **k: taken.append(("fast", a[10], a[11:])))
+    args, grads = _bwd_args()
+    extra = (37, 0, 0.0)
+    for mode in (0, 1):
+        mod._bwd_host(*args, *grads, mode, None, extra)
+    assert taken == [("fast", 0, (None, extra)), ("fast", 1, (None, extra))]

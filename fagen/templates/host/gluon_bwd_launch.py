@@ -16,7 +16,7 @@ from fagen.templates.host.launch import _fast, _raw_stream
 
 BWD_BLOCK_M = BWD_BLOCK_N = HEAD_DIM = GQA = CAUSAL = BWD_RING_SLOTS = BWD_WARPS = BWD_KV_SPLIT = BWD_GRID_ALL = 0
 BWD_COMPUTE_REGS = BWD_PRODUCER_REGS = BWD_WRITER_REGS = BWD_DET_GRID = BWD_WINDOW = BWD_FIXED_FAST = BWD_PREFIX = 0
-BWD_FIXED_TMA = BWD_WIN_STORE = 0
+BWD_FIXED_TMA = BWD_WIN_CHAIN = 0
 _NUM_SMS, _BWD_KERNELS, _PRE_KW, _CONV_KW = {}, {}, {}, {}
 _bwd_preprocess = _dq_convert = _run_backward = _descriptor = None
 # -- fagen: included verbatim below this line --
@@ -193,7 +193,8 @@ def _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, qk_sca
     hkv, sk = k.shape[1] * BWD_KV_SPLIT, k.shape[2]  # virtual KV heads ([Note] GQA split in the backward)
     sq_pad = -(-sq // BWD_BLOCK_M) * BWD_BLOCK_M
     dev = q.get_device()
-    stored = BWD_WIN_STORE and dq_mode == 0 and _bwd_win_visited(sq, sk, extra[0], extra[1])  # [Note] Window chain
+    # [Note] Window chain: the first adders' stores cover the accumulator, the fill zeroes the counters only
+    stored = BWD_WIN_CHAIN == 2 and dq_mode == 0 and _bwd_win_visited(sq, sk, extra[0], extra[1])
     _, delta, lse2, dq_acc, sem, qmul, dm, kvb = _bwd_workspace(b, hq, sq_pad, dq_mode, q, k.shape[1], not stored)
     rows = delta
     if dq_mode == 2:  # an int32 accumulator (zeroed float32 bits are int32 zeros), the rows' qmul in Sem
@@ -247,8 +248,8 @@ def _bwd_host(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, *more, **option
             _BWD_FAST_FIXED or more and not BWD_FIXED_TMA)):
         if not more:
             return _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode)
-        if ((_BWD_FAST_SWITCHES or _BWD_WINDOW_FAST and BWD_FIXED_TMA) and BWD_WINDOW or BWD_PREFIX) \
-                and len(more) == 2:
+        if ((_BWD_FAST_SWITCHES or _BWD_WINDOW_FAST and (BWD_FIXED_TMA or BWD_WIN_CHAIN)) and BWD_WINDOW
+                or BWD_PREFIX) and len(more) == 2:
             return _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, *more)
     return _run_backward(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, *more, **options)
 

@@ -39,9 +39,22 @@ LEVERS = {"chain": {"bwd_window_desc": 1, "bwd_window_chain": 1},
           "store": {"bwd_window_desc": 1, "bwd_window_chain": 2},
           "p0": {"bwd_window_desc": 1, "bwd_window_chain": 2, "bwd_window_pending": 0}}
 WARM = ["flex", "prod", "chain", "store", "p0"]
+PRODUCT = {"bwd_window_fixed": 1, "bwd_fixed_tma": 1}  # main's variant bwd_window
+FLIP = os.environ.get("S17_FLIP", "")  # a lever's keys as variant bwd_window in the children: fagen.attention's ("api")
 if ROUND_B:  # round B: set after round A
     pass
 _MOD: dict = {}
+
+
+def flip():
+    """S17_FLIP: the lever's keys as this process's variant bwd_window (what the flip commit would set), so that
+    fagen.attention's window backward ("api") runs the lever's render; the product then renders from PRODUCT."""
+    if FLIP:
+        from fagen import backends
+        from fagen.codegen import render
+
+        backends.GLUON.variant["bwd_window"] = dict(LEVERS[FLIP])
+        render.render.cache_clear()
 
 
 def spec_():
@@ -56,7 +69,10 @@ def module(name):
         import fagen
         from fagen.runtime.loader import load_source
 
-        if name == "prod":
+        if name == "prod" and FLIP:
+            mod = load_source(s9.lever_source(spec_(), {"bwd_window": PRODUCT}), f"{spec_().name}_s17_prod")
+            assert mod.BWD_DET_MODE == 2 and mod.BWD_WIN_CHAIN == 0
+        elif name == "prod":
             mod = fagen.load(spec_())
             assert mod.BWD_DET_MODE == 2 and mod.BWD_WIN_CHAIN == 0
         else:
@@ -139,6 +155,7 @@ def check_small(name):
 def phase_warm(name):
     import torch
 
+    flip()
     t0 = time.perf_counter()
     try:
         tensors = detached(s12.window_inputs())
@@ -197,6 +214,14 @@ def step_of(variant, tensors, saved):
         q, k, v, do = s12.window_inputs()
         out = module("prod").attention(q, k, v, window=WIN)
         return lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+    if variant == "api":  # fagen.attention on the bench's mask_mod (the row's path; S17_FLIP: the lever's render)
+        import fagen
+
+        q, k, v, do = s12.window_inputs()
+        sm, mm = s9.row_mods(SW, s9.shape_of())
+        s9.selection(True)
+        out = fagen.attention(q, k, v, mask_mod=mm, block_mask=s9.fagen_mask(mm, s9.shape_of()), deterministic=True)
+        return lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
     if variant == "prod-u":
         return bwd_step(module("prod"), tensors, saved, det=False)
     return bwd_step(module(variant), tensors, saved)
@@ -207,11 +232,12 @@ def phase_time():
 
     from fagen.bench.timing import measure
 
+    flip()
     t_end = float(os.environ.get("S17_TIME_END", time.time() + 40))
     tensors = detached(s12.window_inputs())
     saved = fwd_saved(tensors)
     levers = os.environ.get("S17_LEVERS", "").split()  # levers whose warm call passed
-    names = ["prod", "prod-u", *levers, "own", "flex"]
+    names = ["prod", "prod-u", *levers, "own", *(["api"] if FLIP else []), "flex"]
     steps = {}
 
     def profile(rnd):
@@ -267,7 +293,7 @@ def compare(steps):
 
 PAIRS = (("chain", "prod"), ("store", "prod"), ("p0", "prod"), ("store", "chain"), ("p0", "store"),
          ("chain", "prod-u"), ("store", "prod-u"), ("prod", "own"), ("own", "flex"), ("prod", "flex"),
-         ("prod-u", "flex"), ("chain", "flex"), ("store", "flex"), ("p0", "flex"))
+         ("prod-u", "flex"), ("chain", "flex"), ("store", "flex"), ("p0", "flex"), ("api", "own"), ("api", "flex"))
 
 
 def summary(recs):

@@ -9,12 +9,14 @@ fagen/templates/gluon/backward.py.j2.
 
 Phases (scripts/_phases.py), warm children at once, one module each (a hang costs that child only): flex; prod (the
 product module, modes 2 and 1, at the timed shape); chain, store, p0 (a lever module's deterministic backward at the
-timed shape, then its checks: float64 at B1 H2 S333 / S1000, windows (37, 0) and (130, 0), repeatable bit for bit,
-row 0's dq exactly 0, on the persistent grid and on 4 programs (several waves a program); store: bit for bit the
-chain's; the mutant: the chain module with the fill skipped (its host's BWD_WIN_CHAIN set to 2, the kernel still adding at
-turn 0) must fail). Then one timing child: every fagen variant through the module's backward() on the product's
-(out, lse), the product also through autograd (own, the row's path), Flex, in rotated passes (do_bench medians, L2
-flushed), the per-pass ratios; the kernels by torch.profiler. The table goes to stdout and $OUTX/table.txt.
+timed shape on (out, lse) from float32 torch, then its checks: float64 at B1 H2 S333 / S1000, windows (37, 0) and
+(130, 0), three calls each, repeatable bit for bit, row 0's dq exactly 0, on the persistent grid and on 4 programs
+(several waves a program); chain also the mutant: the chain module with the fill skipped (its host's BWD_WIN_CHAIN
+set to 2, the kernel still adding at turn 0) must fail); store-u (the store render's deterministic=False, which a
+flip would also take: float64 at S1000). Then one timing child: every fagen variant through the module's backward()
+on the product's (out, lse), the product also through autograd (own, the row's path), Flex, in rotated passes
+(do_bench medians, L2 flushed), the per-pass ratios, the levers' gradients compared at the timed shape (store and p0
+bit for bit the chain's); the kernels by torch.profiler. The table goes to stdout and $OUTX/table.txt.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ WIN = (1024, 0)
 LEVERS = {"chain": {"bwd_window_desc": 1, "bwd_window_chain": 1},
           "store": {"bwd_window_desc": 1, "bwd_window_chain": 2},
           "p0": {"bwd_window_desc": 1, "bwd_window_chain": 2, "bwd_window_pending": 0}}
-WARM = ["flex", "prod", "chain", "store", "p0"]
+WARM = ["flex", "prod", "chain", "store", "p0", "store-u"]
 PRODUCT = {"bwd_window_fixed": 1, "bwd_fixed_tma": 1}  # main's variant bwd_window
 FLIP = os.environ.get("S17_FLIP", "")  # a lever's keys as variant bwd_window in the children: fagen.attention's ("api")
 if ROUND_B:  # round B: set after round A
@@ -190,6 +192,20 @@ def phase_warm(name):
             print(f"CHECK INFO timed shape, product mode 2 vs mode 1: {s12.diff(a, b)}", flush=True)
             print(f"CHECK INFO prod main kernels (regs, spills): {regs(module('prod'), 2)} / {regs(module('prod'), 1)}",
                   flush=True)
+        elif name == "store-u":  # the store render's deterministic=False (a flip would take it too): desc steps
+            saved = torch_saved(tensors)
+            bwd_step(module("store"), tensors, saved, det=False)()
+            torch.cuda.synchronize()
+            print(f"timed shape, {name} ok", flush=True)
+            t = s12.small(s=1000)
+            i, j = torch.arange(1000, device="cuda")[:, None], torch.arange(1000, device="cuda")[None, :]
+            for left in (37, 130):
+                def run(left=left):
+                    ref = s12.ref64(*t, (j <= i) & (i - j <= left))
+                    got = bwd_step(module("store"), t, torch_saved(t, (left, 0)), det=False, window=(left, 0))()
+                    e = max(s12.errs(got, ref))
+                    return e < 3e-2, f"max |err| {e:.2e}"
+                s12.check(f"store-u window ({left}, 0) S1000 unordered", run)
         else:
             saved = torch_saved(tensors)
             got = [g.clone() for g in bwd_step(module(name), tensors, saved)()]
@@ -242,6 +258,8 @@ def step_of(variant, tensors, saved):
         return lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
     if variant == "prod-u":
         return bwd_step(module("prod"), tensors, saved, det=False)
+    if variant == "store-u":
+        return bwd_step(module("store"), tensors, saved, det=False)
     return bwd_step(module(variant), tensors, saved)
 
 
@@ -310,8 +328,9 @@ def compare(steps):
 
 
 PAIRS = (("chain", "prod"), ("store", "prod"), ("p0", "prod"), ("store", "chain"), ("p0", "store"),
-         ("chain", "prod-u"), ("store", "prod-u"), ("prod", "own"), ("own", "flex"), ("prod", "flex"),
-         ("prod-u", "flex"), ("chain", "flex"), ("store", "flex"), ("p0", "flex"), ("api", "own"), ("api", "flex"))
+         ("chain", "prod-u"), ("store", "prod-u"), ("store-u", "prod-u"), ("prod", "own"), ("own", "flex"),
+         ("prod", "flex"), ("prod-u", "flex"), ("chain", "flex"), ("store", "flex"), ("p0", "flex"),
+         ("store-u", "flex"), ("api", "own"), ("api", "flex"))
 
 
 def summary(recs):
@@ -363,7 +382,7 @@ def main():
         t.start()
     for t in threads:
         t.join()
-    ok = [n for n in LEVERS if any(f"timed shape, {n} ok" in s for s in lines.get("warm" + n, []))]
+    ok = [n for n in (*LEVERS, "store-u") if any(f"timed shape, {n} ok" in s for s in lines.get("warm" + n, []))]
     env["S17_LEVERS"] = " ".join(ok)  # a lever whose warm call hung is not timed (a hang would take all)
     left = BUDGET - (time.time() - t0)
     env["S17_TIME_END"] = str(time.time() + left - 3)

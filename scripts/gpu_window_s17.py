@@ -42,9 +42,11 @@ LEVERS = {"chain": {"bwd_window_desc": 1, "bwd_window_chain": 1},
           "p0": {"bwd_window_desc": 1, "bwd_window_chain": 2, "bwd_window_pending": 0}}
 WARM = ["flex", "prod", "chain", "store", "p0", "store-u"]
 PRODUCT = {"bwd_window_fixed": 1, "bwd_fixed_tma": 1}  # main's variant bwd_window
-FLIP = os.environ.get("S17_FLIP", "")  # a lever's keys as variant bwd_window in the children: fagen.attention's ("api")
-if ROUND_B:  # round B: set after round A
-    pass
+B_LEVERS, B_FLIP = ["chain", "store"], "store"  # round B: the levers timed again, the one flipped for "api"
+if ROUND_B:
+    LEVERS = {k: LEVERS[k] for k in B_LEVERS}
+    WARM = ["flex", "prod", *B_LEVERS, "store-u"]
+FLIP = os.environ.get("S17_FLIP", B_FLIP if ROUND_B else "")  # a lever's keys as variant bwd_window: "api" runs it
 _MOD: dict = {}
 
 

@@ -66,6 +66,11 @@ def test_the_chain_renders_mode_0_on_the_unordered_levers_and_the_product_is_unc
     # bwd_window_pending 0: the step's own adds published once complete, no drain
     p0 = _writer(_source({**STORE, "bwd_window_pending": 0}))
     assert "_bwd_publish(sem, m0, 0)" in p0 and "_bwd_publish(prev" not in p0
+    # bwd_window_relaxed 1: the turn polled by relaxed loads (no acquire: no L1 invalidation a poll)
+    relax = _writer(_source({**STORE, "bwd_window_pending": 0, "bwd_window_relaxed": 1}))
+    assert 'sem="relaxed"' in relax and 'sem="acquire"' not in relax
+    assert 'sem="acquire"' in p0 and 'sem="relaxed"' not in p0
+    assert 'sem="relaxed"' not in _source({"bwd_window_fixed": 1, "bwd_fixed_tma": 1, "bwd_window_relaxed": 1})
 
 
 @pytest.fixture(scope="module")

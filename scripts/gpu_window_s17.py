@@ -40,13 +40,14 @@ WIN = (1024, 0)
 LEVERS = {"chain": {"bwd_window_desc": 1, "bwd_window_chain": 1},
           "store": {"bwd_window_desc": 1, "bwd_window_chain": 2},
           "p0": {"bwd_window_desc": 1, "bwd_window_chain": 2, "bwd_window_pending": 0},
-          "relax": {"bwd_window_desc": 1, "bwd_window_chain": 2, "bwd_window_pending": 0, "bwd_window_relaxed": 1}}
+          "relax": {"bwd_window_desc": 1, "bwd_window_chain": 2, "bwd_window_pending": 0, "bwd_window_relaxed": 1},
+          "spin": {"bwd_window_desc": 1, "bwd_window_chain": 2, "bwd_window_pending": 0, "bwd_window_relaxed": 2}}
 WARM = ["flex", "prod", "chain", "store", "p0", "store-u"]
 PRODUCT = {"bwd_window_fixed": 1, "bwd_fixed_tma": 1}  # main's variant bwd_window
 # round B (after round A: the chain lost, store lost 3%, p0 tied the product): p0 again, relax (p0 with the turn
-# polled by relaxed loads) new; no flip. The grid-4 checks in a child of their own (round A's lever children were
-# killed at 26 s during or after their first small check).
-B_LEVERS, B_FLIP = ["p0", "relax"], ""
+# polled by relaxed loads) and spin (the same polls in one asm loop) new; no flip. The grid-4 checks in a child of
+# their own (round A's lever children were killed at 26 s during or after their first small check).
+B_LEVERS, B_FLIP = ["p0", "relax", "spin"], ""
 if ROUND_B:
     LEVERS = {k: LEVERS[k] for k in (*B_LEVERS, "store")}
     WARM = ["flex", "prod", *B_LEVERS, "store-u", "grid4"]
@@ -87,8 +88,9 @@ def module(name):
             src = s9.lever_source(spec_(), {"bwd_window": LEVERS[name]})
             mod = load_source(src, f"{spec_().name}_s17_{name}")
             assert mod.BWD_DET_MODE == 0 and mod.BWD_WIN_CHAIN == (1 if name == "chain" else 2), name
-            assert "GQA * steps - 1 - i" in src and ("_bwd_publish(sem, m0, 0)" in src) == (name in ("p0", "relax"))
-            assert ('sem="relaxed"' in src) == (name == "relax"), name
+            assert "GQA * steps - 1 - i" in src
+            assert ("_bwd_publish(sem, m0, 0)" in src) == (name in ("p0", "relax", "spin")), name
+            assert ('sem="relaxed"' in src) == (name == "relax") and ("_bwd_spin(sem, turn)" in src) == (name == "spin")
         _MOD[name] = mod
     return _MOD[name]
 
@@ -233,9 +235,9 @@ def phase_warm(name):
             print(f"CHECK INFO timed shape, product mode 2 vs mode 1: {s12.diff(a, b)}", flush=True)
             print(f"CHECK INFO prod main kernels (regs, spills): {regs(module('prod'), 2)} / {regs(module('prod'), 1)}",
                   flush=True)
-        elif name == "grid4":  # the relax module on a grid of 4 programs (several waves a program), S1000 first
+        elif name == "grid4":  # the spin module on a grid of 4 programs (several waves a program), S1000 first
             for n_, left_ in ((1000, 130), (333, 37)):
-                check_one("relax", n_, left_, 4)
+                check_one("spin", n_, left_, 4)
         elif name == "store-u":  # the store render's deterministic=False (a flip would take it too): desc steps
             saved = torch_saved(tensors)
             bwd_step(module("store"), tensors, saved, det=False)()
@@ -362,11 +364,12 @@ def compare(steps):
     import torch
 
     got = {}
-    for item in ("chain", "store", "p0", "relax", "prod", "prod-u"):
+    for item in ("chain", "store", "p0", "relax", "spin", "prod", "prod-u"):
         if item in steps:
             got[item] = [g.clone() for g in steps[item]()]
     torch.cuda.synchronize()
-    for a, b in (("store", "chain"), ("p0", "chain"), ("relax", "p0"), ("chain", "prod"), ("chain", "prod-u"),
+    for a, b in (("store", "chain"), ("p0", "chain"), ("relax", "p0"), ("spin", "p0"), ("chain", "prod"),
+                 ("chain", "prod-u"),
                  ("p0", "prod")):
         if a in got and b in got:
             print(f"CHECK INFO timed shape, {a} vs {b}: {s12.diff(got[a], got[b])}", flush=True)
@@ -376,7 +379,8 @@ PAIRS = (("chain", "prod"), ("store", "prod"), ("p0", "prod"), ("store", "chain"
          ("chain", "prod-u"), ("store", "prod-u"), ("store-u", "prod-u"), ("prod", "own"), ("own", "flex"),
          ("prod", "flex"), ("prod-u", "flex"), ("chain", "flex"), ("store", "flex"), ("p0", "flex"),
          ("store-u", "flex"), ("api", "own"), ("api", "flex"), ("relax", "prod"), ("relax", "p0"),
-         ("relax", "flex"), ("relax", "prod-u"))
+         ("relax", "flex"), ("relax", "prod-u"), ("spin", "prod"), ("spin", "p0"), ("spin", "relax"), ("spin", "flex"),
+         ("spin", "prod-u"))
 
 
 def summary(recs):

@@ -71,6 +71,11 @@ def test_the_chain_renders_mode_0_on_the_unordered_levers_and_the_product_is_unc
     assert 'sem="relaxed"' in relax and 'sem="acquire"' not in relax
     assert 'sem="acquire"' in p0 and 'sem="relaxed"' not in p0
     assert 'sem="relaxed"' not in _source({"bwd_window_fixed": 1, "bwd_fixed_tma": 1, "bwd_window_relaxed": 1})
+    # bwd_window_relaxed 2: the relaxed polls in one inline asm loop (a `while` in the dQ warp cost warpgroup 1's
+    # step loop 13 spill reloads: sm_90 SASS)
+    spin = _source({**STORE, "bwd_window_pending": 0, "bwd_window_relaxed": 2})
+    assert "_bwd_spin(sem, turn)" in _writer(spin) and "while seen != turn" not in _writer(spin)
+    assert "ld.relaxed.gpu.global.b32" in spin and "def _bwd_spin" not in relax and "def _bwd_spin" not in p0
 
 
 @pytest.fixture(scope="module")

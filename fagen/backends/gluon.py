@@ -281,7 +281,8 @@ class GluonBackend(DecodeRules, KernelBackend):
     variant["bwd_window"] = {"bwd_window_fixed": 1, "bwd_fixed_tma": 1}
     # bwd_window_chain (seventeenth session, [Note] Window chain): 1 a window render's deterministic mode as the chain
     # (mode 0) on the unordered kernel's levers, with bwd_window_desc 1 and without bwd_window_fixed; 2 and the first
-    # adder's store (no accumulator fill); bwd_window_pending 0 the chain's publish after the step's own adds. Off.
+    # adder's store (no accumulator fill); bwd_window_pending 0 the chain's publish after the step's own adds;
+    # bwd_window_relaxed 1 the turn polled by relaxed loads, 2 in one asm loop. Off (round A: docs/mods.md).
     # Issue 26's bias rows (tenth session, docs/mods.md "Bias rows (tenth session)"): fwd_mod_add 1, an additive
     # score_mod (`score + X`) in the Gluon forward as one FMA onto the log2-domain score ([Note] Additive mods in the
     # Gluon forward); bwd_mod_fixed 1, an additive score_mod's deterministic dQ as fixed-point adds ([Note]

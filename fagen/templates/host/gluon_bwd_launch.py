@@ -16,7 +16,7 @@ from fagen.templates.host.launch import _fast, _raw_stream
 
 BWD_BLOCK_M = BWD_BLOCK_N = HEAD_DIM = GQA = CAUSAL = BWD_RING_SLOTS = BWD_WARPS = BWD_KV_SPLIT = BWD_GRID_ALL = 0
 BWD_COMPUTE_REGS = BWD_PRODUCER_REGS = BWD_WRITER_REGS = BWD_DET_GRID = BWD_WINDOW = BWD_FIXED_FAST = BWD_PREFIX = 0
-BWD_FIXED_TMA = 0
+BWD_FIXED_TMA = BWD_WIN_CHAIN = 0
 _NUM_SMS, _BWD_KERNELS, _PRE_KW, _CONV_KW = {}, {}, {}, {}
 _bwd_preprocess = _dq_convert = _run_backward = _descriptor = None
 # -- fagen: included verbatim below this line --
@@ -124,9 +124,9 @@ def _bwd_views(buf, b, hq, hkv, sq_pad, dq_mode):
             buf[acc:acc + sems].view(torch.int32), dm[b * hq:], dm, buf[acc:acc + sems])
 
 
-def _bwd_workspace(b, hq, sq_pad, dq_mode, q, hkv=1):
+def _bwd_workspace(b, hq, sq_pad, dq_mode, q, hkv=1, fill_acc=True):
     """The workspace views of one backward on q's device (hkv: K's heads, for mode 2's KVB), the zeroed part zeroed
-    on the current stream."""
+    on the current stream (fill_acc False: the counters only, [Note] Window chain)."""
     n = b * hq * sq_pad * (HEAD_DIM + 3) + max(b * hq * sq_pad // BWD_BLOCK_M, 2 * b * hkv) + 8
     if torch.cuda.is_current_stream_capturing() or 4 * n > _BWD_WS_KEEP:
         views = _bwd_views(q.new_empty(n, dtype=torch.float32), b, hq, hkv, sq_pad, dq_mode)
@@ -142,8 +142,15 @@ def _bwd_workspace(b, hq, sq_pad, dq_mode, q, hkv=1):
             if len(kept[1]) >= 256:
                 kept[1].clear()
             views = kept[1][shape] = _bwd_views(kept[0], b, hq, hkv, sq_pad, dq_mode)
-    views[0].zero_()
+    (views[0] if fill_acc else views[4]).zero_()
     return views
+
+
+def _bwd_win_visited(sq, sk, win_left, win_right):
+    """Whether every query row sees a key under the window (win_left, win_right) ([Note] Window chain): then every
+    query block of dQacc has a first adder, whose store replaces the fill."""
+    right = min(win_right, 0) if CAUSAL else win_right
+    return sk > 0 and win_left >= 0 and win_left + right >= 0 and sk - sq + right >= 0
 
 
 def _bwd_kv_bound(k, v):
@@ -194,7 +201,9 @@ def _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, qk_sca
     hkv, sk = k.shape[1] * BWD_KV_SPLIT, k.shape[2]  # virtual KV heads ([Note] GQA split in the backward)
     sq_pad = -(-sq // BWD_BLOCK_M) * BWD_BLOCK_M
     dev = q.get_device()
-    _, delta, lse2, dq_acc, sem, qmul, dm, kvb = _bwd_workspace(b, hq, sq_pad, dq_mode, q, k.shape[1])
+    # [Note] Window chain: the first adders' stores cover the accumulator, the fill zeroes the counters only
+    stored = BWD_WIN_CHAIN == 2 and dq_mode == 0 and _bwd_win_visited(sq, sk, extra[0], extra[1])
+    _, delta, lse2, dq_acc, sem, qmul, dm, kvb = _bwd_workspace(b, hq, sq_pad, dq_mode, q, k.shape[1], not stored)
     rows = delta
     if dq_mode == 2:  # an int32 accumulator (zeroed float32 bits are int32 zeros), the rows' qmul in Sem
         dq_acc, sem, rows = dq_acc.view(torch.int32), qmul, dm if BWD_FIXED_TMA else delta
@@ -247,8 +256,8 @@ def _bwd_host(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, *more, **option
             _BWD_FAST_FIXED or more and not BWD_FIXED_TMA)):
         if not more:
             return _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode)
-        if ((_BWD_FAST_SWITCHES or _BWD_WINDOW_FAST and BWD_FIXED_TMA) and BWD_WINDOW or BWD_PREFIX) \
-                and len(more) == 2:
+        if ((_BWD_FAST_SWITCHES or _BWD_WINDOW_FAST and (BWD_FIXED_TMA or BWD_WIN_CHAIN)) and BWD_WINDOW
+                or BWD_PREFIX) and len(more) == 2:
             return _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, *more)
     return _run_backward(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, *more, **options)
 

@@ -58,15 +58,11 @@ def test_the_chain_renders_mode_0_on_the_unordered_levers_and_the_product_is_unc
     assert "BWD_WIN_CHAIN = 1" in chain and "if first:" not in chain
     assert "BWD_WIN_CHAIN = 2" in store and "if first:" in _writer(store) and "if first:" in _writer(store, "_u")
     assert "first = turn == 0" in _writer(store)
-    # the product since the seventeenth session's flip: the store chain, pending 0, the turn spun in one asm loop
-    assert "BWD_DET_MODE = 0" in prod and "BWD_WIN_CHAIN = 2" in prod and "if first:" in _writer(prod)
-    assert "_bwd_publish(sem, m0, 0)" in _writer(prod) and "_bwd_spin(sem, turn)" in prod
-    # the fixed-point render it replaced: mode 2, no store, no chain levers in its (unused) mode-0 kernel
-    fixed = _source({"bwd_window_fixed": 1, "bwd_fixed_tma": 1})
-    assert "BWD_DET_MODE = 2" in fixed and "BWD_WIN_CHAIN = 0" in fixed and "if first:" not in fixed
-    assert "_named_bar(" not in _writer(fixed)
+    # the product: mode 2, no store, no chain levers in its (unused) mode-0 kernel
+    assert "BWD_DET_MODE = 2" in prod and "BWD_WIN_CHAIN = 0" in prod and "if first:" not in prod
+    assert "_named_bar(" not in _writer(prod)
     # with the fixed-point dQ on, the chain key renders nothing
-    assert _source({"bwd_window_fixed": 1, "bwd_fixed_tma": 1, "bwd_window_chain": 2}) == fixed
+    assert _source({"bwd_window_fixed": 1, "bwd_fixed_tma": 1, "bwd_window_chain": 2}) == prod
     # bwd_window_pending 0: the step's own adds published once complete, no drain
     p0 = _writer(_source({**STORE, "bwd_window_pending": 0}))
     assert "_bwd_publish(sem, m0, 0)" in p0 and "_bwd_publish(prev" not in p0

@@ -278,11 +278,7 @@ class GluonBackend(DecodeRules, KernelBackend):
     # process): this render through fagen.attention 0.533 (1.06x Flex's 0.563; kernels 0.522: main 0.403, bound
     # 0.036, conversion 0.034, preprocess 0.027), with sections of 4 0.529, the Triton backward 0.614 (0.92x), the
     # same render on the plain host path 1.306; deterministic=False (the unordered adds) 0.474 (1.19x).
-    # Flipped in the seventeenth session (round B, H100, scripts/gpu_window_s17.py --round b, 3 rotated passes): the
-    # store chain with the turn spun in one asm loop ("spin") 0.4947 ms against the fixed-point render's 0.5311 (per
-    # pass 0.924-0.940; no bound kernel, no accumulator fill), bitwise repeatable, float64 at S333/S1000 on 4 programs;
-    # deterministic=False on the same render (descending steps) 0.4884 against 0.4747 (+2.7%). docs/mods.md.
-    variant["bwd_window"] = {"bwd_window_desc": 1, "bwd_window_chain": 2, "bwd_window_pending": 0, "bwd_window_relaxed": 2}
+    variant["bwd_window"] = {"bwd_window_fixed": 1, "bwd_fixed_tma": 1}
     # bwd_window_chain (seventeenth session, [Note] Window chain): 1 a window render's deterministic mode as the chain
     # (mode 0) on the unordered kernel's levers, with bwd_window_desc 1 and without bwd_window_fixed; 2 and the first
     # adder's store (no accumulator fill); bwd_window_pending 0 the chain's publish after the step's own adds;

@@ -3,8 +3,8 @@ row's host path (seventeenth session)"): fagen.attention with the window mask_mo
 0)), B1 H16 S8192 d128 bf16, as the mods suite calls it. The GPU is kept busy by torch.cuda._sleep first, so every
 number is the host's alone (the script checks the GPU was still busy at the end). For the forward (no grad) and the
 backward (torch.autograd.grad of a kept graph) it prints the host time a call, then each instrumented function's
-inclusive time a call (wrappers on the module globals: a wrapper adds well under a microsecond), and two baselines:
-autograd.grad through a trivial custom Function, and torch.empty / zero_ / a view.
+inclusive time a call (wrappers on the module globals: a wrapper adds well under a microsecond), and baselines:
+torch.empty / zero_ / a view / a cached 68 MB new_empty.
 
     PYTHONPATH=$PWD python3 scripts/gpu_window_host_s17.py [--n 200]
 """
@@ -130,20 +130,6 @@ def main():
         print(f"{title}, instrumented: host {host * 1e3:.1f} us a call (busy: {ok})", flush=True)
         report(title, n)
 
-    class Nop(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, a, b, c):
-            return a.clone()
-
-        @staticmethod
-        def backward(ctx, g):
-            return g, g, g
-
-    a = q[:1, :1, :64].detach().clone().requires_grad_()
-    o = Nop.apply(a, a, a)
-    gd = torch.ones_like(o)
-    host, ok = host_per_call(lambda: torch.autograd.grad(o, (a, ), gd, retain_graph=True), n)
-    print(f"baseline autograd.grad through a no-op Function: {host * 1e3:.1f} us a call", flush=True)
     host, ok = host_per_call(lambda: torch.empty((1, 16, 8192, 128), dtype=torch.bfloat16, device="cuda"), n)
     print(f"baseline torch.empty (32 MB): {host * 1e3:.1f} us", flush=True)
     buf = torch.empty(1 << 20, device="cuda")

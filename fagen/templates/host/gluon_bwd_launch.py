@@ -18,7 +18,7 @@ BWD_BLOCK_M = BWD_BLOCK_N = HEAD_DIM = GQA = CAUSAL = BWD_RING_SLOTS = BWD_WARPS
 BWD_COMPUTE_REGS = BWD_PRODUCER_REGS = BWD_WRITER_REGS = BWD_DET_GRID = BWD_WINDOW = BWD_FIXED_FAST = BWD_PREFIX = 0
 BWD_FIXED_TMA = BWD_WIN_CHAIN = 0
 _NUM_SMS, _BWD_KERNELS, _PRE_KW, _CONV_KW = {}, {}, {}, {}
-_bwd_preprocess = _dq_convert = _run_backward = _descriptor = None
+_bwd_preprocess = _dq_convert = _run_backward = _descriptor = _bwd_win_visited = None
 # -- fagen: included verbatim below this line --
 
 
@@ -144,13 +144,6 @@ def _bwd_workspace(b, hq, sq_pad, dq_mode, q, hkv=1, fill_acc=True):
             views = kept[1][shape] = _bwd_views(kept[0], b, hq, hkv, sq_pad, dq_mode)
     (views[0] if fill_acc else views[4]).zero_()
     return views
-
-
-def _bwd_win_visited(sq, sk, win_left, win_right):
-    """Whether every query row sees a key under the window (win_left, win_right) ([Note] Window chain): then every
-    query block of dQacc has a first adder, whose store replaces the fill."""
-    right = min(win_right, 0) if CAUSAL else win_right
-    return sk > 0 and win_left >= 0 and win_left + right >= 0 and sk - sq + right >= 0
 
 
 def _bwd_kv_bound(k, v):

@@ -289,12 +289,15 @@ def test_the_cli_passes_rounds_to_the_suites_and_their_json(monkeypatch, tmp_pat
 
     from fagen.cli import main
 
+    # The process's own device: on a GPU machine a `--device cpu` run is refused once a test of this worker has imported
+    # GPU-mode kernels (the interpreter's mode is per process); `run` is faked, so the device only has to be accepted.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     mod, seen = importlib.import_module(f"fagen.bench.{suite}"), []
     monkeypatch.setattr(mod, "run", lambda device, log=None, quick=False, rounds=None, **kw: seen.append(rounds) or [])
     out = tmp_path / "s.json"
-    res = CliRunner().invoke(main, ["bench", "--suite", suite, "--device", "cpu", "--rounds", "3", "--json", str(out)])
+    res = CliRunner().invoke(main, ["bench", "--suite", suite, "--device", device, "--rounds", "3", "--json", str(out)])
     assert res.exit_code == 0, res.output
     assert seen == [3] and json.loads(out.read_text())["meta"]["rounds"] == 3
-    res = CliRunner().invoke(main, ["bench", "--suite", suite, "--device", "cpu", "--json", str(out)])
+    res = CliRunner().invoke(main, ["bench", "--suite", suite, "--device", device, "--json", str(out)])
     assert res.exit_code == 0 and seen[-1] == rounds.SUITE_ROUNDS  # without --rounds: the suites' own default
     assert json.loads(out.read_text())["meta"]["rounds"] == rounds.SUITE_ROUNDS

@@ -29,6 +29,16 @@ GRID = {  # tag: spec overrides (the default spec has none)
     "n256s4": (("block_n", 256), ("num_stages", 4)),
     "w8s4": (("num_warps", 8), ("num_stages", 4)),
     "n256w8": (("block_n", 256), ("num_warps", 8)),
+    # round B: two warps a program (the paged row's helper read n64 w2 s3 at 0.81 of copy against the default's 0.65)
+    "w2": (("num_warps", 2),),
+    "n64w2": (("block_n", 64), ("num_warps", 2)),
+    "n256w2": (("block_n", 256), ("num_warps", 2)),
+    "w2s2": (("num_warps", 2), ("num_stages", 2)),
+    "w2s4": (("num_warps", 2), ("num_stages", 4)),
+    "n64w2s4": (("block_n", 64), ("num_warps", 2), ("num_stages", 4)),
+    "n32w2s4": (("block_n", 32), ("num_warps", 2), ("num_stages", 4)),
+    "n32w1s4": (("block_n", 32), ("num_warps", 1), ("num_stages", 4)),
+    "n64w1s3": (("block_n", 64), ("num_warps", 1), ("num_stages", 3)),
 }
 ROWS = {"dense": "decode-d128-kv8k-b32-fp8", "kv32k": "decode-d128-kv32k-b8-fp8",
         "paged": "decode-d128-kv8k-b32-fp8-paged16", "bf16": "decode-d128-kv8k-b32"}

@@ -210,3 +210,41 @@ def test_the_chain_s_modes_take_the_fast_path(monkeypatch, window):
     for mode in (0, 1):
         mod._bwd_host(*args, *grads, mode, None, extra)
     assert taken == [("fast", 0, (None, extra)), ("fast", 1, (None, extra))]
+
+
+SPIN = {"bwd_window_desc": 1, "bwd_window_chain": 2, "bwd_window_pending": 0, "bwd_window_relaxed": 2}
+
+
+@pytest.mark.skipif(ON_GPU, reason="sm_90 faked on CPU tensors")
+@pytest.mark.parametrize("window,mode,chain", [(None, 2, 0), (SPIN, 0, 2)], ids=["product", "spin"])
+def test_the_mods_suite_s_row_resolves_the_render_of_variant_bwd_window(monkeypatch, window, mode, chain):
+    """The mods suite's sliding-window row (fagen.attention with attention-gym's mask_mod and fagen's block mask,
+    with gradients; eighteenth session, issue 26): lowered to the window switch, it resolves the Gluon bwd module of
+    the render that variant bwd_window names, the product's or the flip's (the module's device check then refuses
+    the CPU tensors: nothing runs). The resolved module is memoised per spec (resolve._module), not per variant: a
+    script that sets the variant in-process clears it, as scripts/gpu_window_s18.py's use() does."""
+    from fagen.bench import gym_mods
+    from fagen.runtime import api, hopper, modded, resolve
+
+    monkeypatch.setattr(hopper, "is_hopper", lambda device: True)
+    monkeypatch.setattr(hopper, "gluon_missing", lambda: None)
+    monkeypatch.delenv(hopper.ENV, raising=False)
+    monkeypatch.setattr(resolve, "_FAST", {})
+    monkeypatch.setattr(api, "_FAST", resolve._FAST)
+    monkeypatch.setattr(hopper, "BWD_WINDOW_MIN_WORK", 100)
+    if window is not None:
+        monkeypatch.setitem(backends.GLUON.variant, "bwd_window", window)
+    resolve._module.cache_clear()
+    try:
+        s = 256
+        q, k, v = (torch.randn(1, 2, s, 128, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        mm = gym_mods.generate_sliding_window(64)
+        bm = fagen.create_block_mask(mm, None, None, s, s, device="cpu")
+        with pytest.raises(ValueError, match="Gluon kernel"):
+            fagen.attention(q, k, v, mask_mod=mm, block_mask=bm)
+        assert modded.LOWERED[0] == "causal+window(64,0)"
+        (mod, ) = [m for m in resolve._FAST.values() if hasattr(m, "BWD_WIN_CHAIN")]
+        assert mod.NAME.endswith("_win_bf16_gluon")
+        assert (mod.BWD_DET_MODE, mod.BWD_WIN_CHAIN) == (mode, chain)
+    finally:
+        resolve._module.cache_clear()

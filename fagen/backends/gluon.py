@@ -125,7 +125,7 @@ class GluonBackend(DecodeRules, KernelBackend):
                "pv_overlap": 0,
                "bwd_order": 0, "bwd_snake": 0, "bwd_named": 0, "bwd_epi_tma": 0, "bwd_fixed": 0, "bwd_window_desc": 0,
                "bwd_mod_early": 0, "bwd_window_fixed": 0, "bwd_prefix": 2, "bwd_window_chain": 0, "bwd_window_pending": 2,
-               "bwd_window_relaxed": 0,
+               "bwd_window_relaxed": 0, "bwd_window_pdl": 0,
                "bwd_unordered_levers": {"bwd_named": 2, "bwd_epi_tma": 1, "bwd_snake": 1}, "bwd_full_levers": {},
                "bwd_fixed_fma": 0, "bwd_grid": 0, "bwd_spt": 0, "bwd_fixed_tma": 0,
                "fp8lat_lazy": 0, "fp8lat_early_fetch": 0, "fp8lat_stage": 7, "fp8lat_short": 8,
@@ -283,6 +283,8 @@ class GluonBackend(DecodeRules, KernelBackend):
     # (mode 0) on the unordered kernel's levers, with bwd_window_desc 1 and without bwd_window_fixed; 2 and the first
     # adder's store (no accumulator fill); bwd_window_pending 0 the chain's publish after the step's own adds;
     # bwd_window_relaxed 1 the turn polled by relaxed loads, 2 in one asm loop. Off (round A: docs/mods.md).
+    # bwd_window_pdl 1 (eighteenth session, [Note] Window conversion overlap): with a chain, mode 0's dQ conversion
+    # launched as a programmatic dependent of the main kernel, each program waiting on its query block's counter.
     # Issue 26's bias rows (tenth session, docs/mods.md "Bias rows (tenth session)"): fwd_mod_add 1, an additive
     # score_mod (`score + X`) in the Gluon forward as one FMA onto the log2-domain score ([Note] Additive mods in the
     # Gluon forward); bwd_mod_fixed 1, an additive score_mod's deterministic dQ as fixed-point adds ([Note]

@@ -9,10 +9,14 @@ module's backward() in round B) when the lead flipped it. Here both renders run 
   - flex: the suite's Flex call;
   - suite-prod / suite-spin: fagen.bench.mods.mod_rows itself (flex off, 3 rounds) under each variant.
 
+  - api-pdl / mod-pdl (when its own child "warm-pdl" passed): spin with variant bwd_window_pdl 1, the dQ
+    conversion as the main kernel's programmatic dependent ([Note] Window conversion overlap).
+
 Checks first (exit 1 on a FAIL): the spin module against float64 at B1 H2 S333 window (37, 0) and S1000 (130, 0),
 three calls, bitwise repeatable, row 0's dq exactly 0 (child "check"); at the timed shape which module each api
 call resolved (BWD_DET_MODE, BWD_WIN_CHAIN), api-spin repeatable bit for bit, api-spin against mod-spin on the same
-(out, lse) and against api-prod. Then interleaved, shuffled passes (fagen.bench.timing.measure, L2 flushed) with
+(out, lse) and against api-prod; pdl: repeatable at the timed shape, float64 at S1000 (130, 0) on the persistent
+grid and on 4 programs, bit for bit spin's there and (api-pdl) at the timed shape. Then interleaved, shuffled passes (fagen.bench.timing.measure, L2 flushed) with
 per-pass ratios, torch.profiler's kernels of every variant, and host us a call (GPU kept busy).
 
     PYTHONPATH=$PWD python3 scripts/gpu_window_s18.py [--round A|B]
@@ -32,6 +36,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 SPIN = {"bwd_window_desc": 1, "bwd_window_chain": 2, "bwd_window_pending": 0, "bwd_window_relaxed": 2}
+PDL = {**SPIN, "bwd_window_pdl": 1}  # spin + the conversion as the main kernel's programmatic dependent
 PRODUCT = {"bwd_window_fixed": 1, "bwd_fixed_tma": 1}  # main's variant bwd_window
 WIN = (1024, 0)
 SW = "sliding-window+causal"
@@ -57,10 +62,11 @@ def use(keys):
     resolve._module.cache_clear()
 
 
-def spin_module():
+def spin_module(keys=None):
+    """The module of variant bwd_window = keys (default SPIN), loaded as the flip would load it."""
     import fagen
 
-    use(SPIN)
+    use(keys or SPIN)
     try:
         return fagen.load(spec_())
     finally:
@@ -87,7 +93,10 @@ def dry_run():
     use(PRODUCT)
     lever = s9.lever_source(spec_(), {"bwd_window": SPIN})
     check(flipped == lever, "the flip's render is the s17 lever render (spin), text equal")
-    for name, src in (("prod", fagen.generate(spec_())), ("spin", flipped)):
+    use(PDL)
+    pdl = fagen.generate(spec_())
+    use(PRODUCT)
+    for name, src in (("prod", fagen.generate(spec_())), ("spin", flipped), ("pdl", pdl)):
         mod = load_source(src, f"{spec_().name}_s18_{name}")
         t0 = time.perf_counter()
         k = mod.compile_backward_for(GPUTarget("cuda", 90, 128), seq_q=8192, seq_k=8192)
@@ -104,27 +113,40 @@ def torch_saved(tensors, window=WIN):
     return s17.torch_saved(tensors, window)
 
 
-def phase_check():
-    """The spin module against float64 (persistent grid), three calls each, repeatable, row 0's dq == 0."""
+def phase_check(name="spin", cases=((333, 37, None), (1000, 130, None))):
+    """A lever module against float64 (None: the persistent grid; 4: a grid of 4 programs, several waves each), three
+    calls each, repeatable, row 0's dq == 0; pdl also bit for bit spin's (the same sums, the same conversion)."""
     import torch
 
     import gpu_window_s12 as s12
 
-    mod = spin_module()
-    assert mod.BWD_DET_MODE == 0 and mod.BWD_WIN_CHAIN == 2
-    for n, left in ((333, 37), (1000, 130)):
+    mod = spin_module(PDL if name == "pdl" else SPIN)
+    base = spin_module() if name == "pdl" else None
+    assert mod.BWD_DET_MODE == 0 and mod.BWD_WIN_CHAIN == 2 and mod.BWD_WIN_PDL == (name == "pdl")
+    for n, left, sms in cases:
         t0 = time.perf_counter()
         t = s12.small(s=n)
         i, j = torch.arange(n, device="cuda")[:, None], torch.arange(n, device="cuda")[None, :]
         ref = s12.ref64(*t, (j <= i) & (i - j <= left))
         saved = torch_saved(t, (left, 0))
         q, k, v, do = t
-        runs = [[g.clone() for g in mod.backward(do, q, k, v, *saved, window=(left, 0))] for _ in "abc"]
+        keep = dict(mod._NUM_SMS)
+        try:
+            if sms:
+                mod._NUM_SMS[q.get_device()] = sms
+            runs = [[g.clone() for g in mod.backward(do, q, k, v, *saved, window=(left, 0))] for _ in "abc"]
+            torch.cuda.synchronize()
+        finally:
+            mod._NUM_SMS.clear()
+            mod._NUM_SMS.update(keep)
         e = max(max(s12.errs(r, ref)) for r in runs)
         rep = all(s12.same(runs[0], r) for r in runs[1:])
         zero = all(bool((r[0][:, :, 0] == 0).all()) for r in runs)
-        check(e < 3e-2 and rep and zero, f"spin window ({left}, 0) S{n}: max |err| {e:.2e}; repeatable {rep}; "
-              f"row 0 dq == 0 {zero} ({time.perf_counter() - t0:.1f} s)")
+        eq = "-" if base is None else s12.diff(runs[0], [g.clone() for g in base.backward(do, q, k, v, *saved,
+                                                                                            window=(left, 0))])
+        check(e < 3e-2 and rep and zero and eq in ("-", "bitwise"),
+              f"{name} window ({left}, 0) S{n} {'grid ' + str(sms) if sms else 'persistent'}: max |err| {e:.2e}; "
+              f"repeatable {rep}; row 0 dq == 0 {zero}; vs spin {eq} ({time.perf_counter() - t0:.1f} s)")
 
 
 def phase_warm(name):
@@ -144,6 +166,13 @@ def phase_warm(name):
     elif name == "spin":  # the spin module's backward at the timed shape (float32 torch's out, lse)
         t = [x.detach() for x in (q, k, v, do)]
         spin_module().backward(t[3], *t[:3], *torch_saved(t), window=WIN)
+    elif name == "pdl":  # the pdl module at the timed shape, twice (repeatable), then float64 on 132 and 4 programs
+        t = [x.detach() for x in (q, k, v, do)]
+        saved = torch_saved(t)
+        a, b = ([g.clone() for g in spin_module(PDL).backward(t[3], *t[:3], *saved, window=WIN)] for _ in "ab")
+        torch.cuda.synchronize()
+        check(s12.same(a, b), f"pdl timed shape repeatable ({time.perf_counter() - t0:.1f} s)")
+        phase_check("pdl", ((1000, 130, None), (1000, 130, 4)))
     torch.cuda.synchronize()
     print(f"warm {name}: {time.perf_counter() - t0:.1f} s", flush=True)
 
@@ -222,7 +251,8 @@ def phase_main():
     tensors = s12.window_inputs()
     q, k, v, do = tensors
     steps, outs, mods = {}, {}, {}
-    for name, keys in (("api-prod", PRODUCT), ("api-spin", SPIN)):
+    pdl = os.environ.get("S18_PDL") == "1"  # the pdl child passed its checks
+    for name, keys in (("api-prod", PRODUCT), ("api-spin", SPIN), *((("api-pdl", PDL), ) if pdl else ())):
         steps[name], outs[name], mods[name] = api_call(keys, tensors)
         m = mods[name]
         print(f"FLIP-PATH {name}: module {getattr(m, '__name__', None)}, BWD_DET_MODE "
@@ -237,6 +267,9 @@ def phase_main():
     saved = prod.forward(*td[:3], window=WIN)
     steps["mod-prod"] = lambda: prod.backward(td[3], *td[:3], *saved, window=WIN)
     steps["mod-spin"] = lambda: spin.backward(td[3], *td[:3], *saved, window=WIN)
+    if pdl:
+        mpdl = mods["api-pdl"] or spin_module(PDL)
+        steps["mod-pdl"] = lambda: mpdl.backward(td[3], *td[:3], *saved, window=WIN)
     sm, mm = s9.row_mods(SW, s9.shape_of())
     fout = s9.flex_call(sm, mm, s9.shape_of())(q, k, v)
     steps["flex"] = lambda: torch.autograd.grad(fout, (q, k, v), do, retain_graph=True)
@@ -253,12 +286,19 @@ def phase_main():
     check(s12.same(g["api-prod"], g["mod-prod"]) or not same_out, "timed shape: api-prod bitwise mod-prod")
     dd = max(float((a.float() - b.float()).abs().max()) for a, b in zip(g["api-spin"], g["api-prod"]))
     check(dd < 3e-2, f"timed shape: api-spin vs api-prod max |diff| {dd:.2e}")
+    if pdl:
+        gp = [x.clone() for x in steps["api-pdl"]()]
+        torch.cuda.synchronize()
+        check(getattr(mods["api-pdl"], "BWD_WIN_PDL", None) == 1, "fagen.attention resolved the pdl render")
+        check(s12.same(gp, g["api-spin"]), f"timed shape: api-pdl vs api-spin {s12.diff(gp, g['api-spin'])}")
+        del gp
     del g, again
     # the suite's own row function under each variant (flex off), alternating
     suite = {}
     shape = ModsShape()
-    for rnd, (name, keys) in enumerate((("suite-prod", PRODUCT), ("suite-spin", SPIN)) * 2):
-        if time.time() > t_end - 14:
+    order = (("suite-prod", PRODUCT), ("suite-spin", SPIN), *((("suite-pdl", PDL), ) if pdl else ()))
+    for rnd, (name, keys) in enumerate(order * 2):
+        if time.time() > t_end - (18 if pdl else 14):
             break
         use(keys)
         try:
@@ -268,7 +308,7 @@ def phase_main():
         suite.setdefault(name, []).append(row.get("fagen", {}).get("bwd_ms") or row.get("error"))
         print(f"REC {json.dumps({'variant': name, 'suite_bwd_ms': suite[name][-1], 'lowered': row.get('lowered_to'), 'rounds_ms': row.get('fagen', {}).get('bwd_rounds_ms')})}", flush=True)
     # interleaved, shuffled passes
-    names = ["api-prod", "api-spin", "mod-prod", "mod-spin", "flex"]
+    names = ["api-prod", "api-spin", "mod-prod", "mod-spin", "flex", *(["api-pdl", "mod-pdl"] if pdl else [])]
     rng = random.Random(18)
     recs = []
     for p in range(12):
@@ -281,7 +321,7 @@ def phase_main():
             recs.append({"variant": n, "pass": p, "ms": ms})
             print("REC " + json.dumps(recs[-1]), flush=True)
     # kernels and host time
-    for n in ("api-prod", "api-spin", "mod-prod", "mod-spin"):
+    for n in ("api-prod", "api-spin", *(["api-pdl"] if pdl else []), "mod-prod", "mod-spin"):
         if time.time() > t_end - 2:
             break
         ks = kernels(steps[n])
@@ -311,7 +351,8 @@ def summary(lines):
         out.append(f"| {n} | {med:.4f} | {f'{flex / med:.3f}x' if flex else ''} | {lo:.4f}..{hi:.4f} | {len(xs)} |")
     out += ["", "| ratio (per pass) | median | quartiles | n |", "|---|---:|---|---:|"]
     for a, b in (("api-spin", "api-prod"), ("mod-spin", "mod-prod"), ("api-prod", "mod-prod"),
-                 ("api-spin", "mod-spin"), ("api-prod", "flex"), ("api-spin", "flex")):
+                 ("api-spin", "mod-spin"), ("api-prod", "flex"), ("api-spin", "flex"), ("api-pdl", "api-spin"),
+                 ("mod-pdl", "mod-spin"), ("api-pdl", "api-prod"), ("api-pdl", "flex")):
         rs = [v[a] / v[b] for v in per.values() if a in v and b in v]
         if rs:
             lo, med, hi = q(rs)
@@ -339,11 +380,14 @@ def main():
         lines.extend(ls)
     # warm children and the small-shape checks at once (other cache entries: the checks' kernels specialise on
     # other sequence lengths), then the main phase alone on the GPU
-    warm = [threading.Thread(target=run, args=(n, 27.0)) for n in ("warm-prod", "warm-spin", "warm-flex", "check")]
+    warm = [threading.Thread(target=run, args=(n, 27.0))
+            for n in ("warm-prod", "warm-spin", "warm-flex", "check", "warm-pdl")]
     for th in warm:
         th.start()
     for th in warm:
         th.join()
+    pdl_ok = results.get("warm-pdl") == 0 and not any(x.startswith("CHECK FAIL pdl") for x in lines)
+    env["S18_PDL"] = "1" if pdl_ok else "0"  # a pdl that hung or failed is not timed
     env["S18_END"] = str(t0 + BUDGET - 1)
     run("main", BUDGET - (time.time() - t0))
     print(f"phases: {results}; {time.time() - t0:.1f} s", flush=True)

@@ -19,9 +19,10 @@ PDL = {**SPIN, "bwd_window_pdl": 1}
 
 
 def test_the_key_renders_the_overlap_only_with_a_chain():
-    prod, spin, pdl = _source(), _source(SPIN), _source(PDL)
-    assert "BWD_WIN_PDL = 0" in prod and "BWD_WIN_PDL = 0" in spin and "BWD_WIN_PDL = 1" in pdl
-    assert _source({"bwd_window_fixed": 1, "bwd_fixed_tma": 1, "bwd_window_pdl": 1}) == prod  # no chain: nothing
+    fixed, spin, pdl = _source({"bwd_window_fixed": 1, "bwd_fixed_tma": 1}), _source(SPIN), _source(PDL)
+    assert "BWD_WIN_PDL = 0" in fixed and "BWD_WIN_PDL = 0" in spin and "BWD_WIN_PDL = 1" in pdl
+    assert _source() == pdl  # the product's render since the eighteenth session's flip
+    assert _source({"bwd_window_fixed": 1, "bwd_fixed_tma": 1, "bwd_window_pdl": 1}) == fixed  # no chain: nothing
     assert pdl.replace("BWD_WIN_PDL = 1", "BWD_WIN_PDL = 0").count("\n") > spin.count("\n")
     for name in ("_bwd_launch_dependents", "_bwd_grid_wait", "_bwd_wait_count", "_bwd_visits", "_dq_convert_chain"):
         assert f"def {name}(" in pdl and f"def {name}(" not in spin, name

@@ -278,7 +278,13 @@ class GluonBackend(DecodeRules, KernelBackend):
     # process): this render through fagen.attention 0.533 (1.06x Flex's 0.563; kernels 0.522: main 0.403, bound
     # 0.036, conversion 0.034, preprocess 0.027), with sections of 4 0.529, the Triton backward 0.614 (0.92x), the
     # same render on the plain host path 1.306; deterministic=False (the unordered adds) 0.474 (1.19x).
-    variant["bwd_window"] = {"bwd_window_fixed": 1, "bwd_fixed_tma": 1}
+    # Flipped in the eighteenth session (H200, scripts/gpu_window_s18.py rounds A and B, shuffled passes through
+    # fagen.attention on the suite's mask_mod): the store chain with the spun turn and the dQ conversion as the main
+    # kernel's programmatic dependent ("pdl") 0.4397 / 0.4386 ms against this render's 0.5076 / 0.4942 (per pass
+    # 0.872 / 0.887) and Flex's 0.5646 / 0.5529 (1.28x / 1.26x); the suite's mod_rows 0.439 against 0.497; bit for
+    # bit the chain without pdl ("spin", 0.962 of its time); deterministic=False 0.995 of this render's. docs/mods.md.
+    variant["bwd_window"] = {"bwd_window_desc": 1, "bwd_window_chain": 2, "bwd_window_pending": 0,
+                             "bwd_window_relaxed": 2, "bwd_window_pdl": 1}
     # bwd_window_chain (seventeenth session, [Note] Window chain): 1 a window render's deterministic mode as the chain
     # (mode 0) on the unordered kernel's levers, with bwd_window_desc 1 and without bwd_window_fixed; 2 and the first
     # adder's store (no accumulator fill); bwd_window_pending 0 the chain's publish after the step's own adds;

@@ -88,7 +88,7 @@ def test_the_switches_render_their_code_only_where_on():
     assert "turn = n_blk - _bwd_first(m0, seq_q, seq_k, win_left, BLOCK_N)" in win
     assert "(keys[:, None] >= i_al - win_left) & (keys[:, None] <= i_al + win_right)" in win
     assert '"sq_pad", "win_left", "win_right"])' in win
-    assert "f = GQA * steps - 1 - i" not in win  # bwd_window_desc off: ascending query blocks
+    assert "f = GQA * steps - 1 - i" in win  # the product's bwd_window keys (the chain since the flip): descending
 
 
 def test_the_window_desc_lever_reverses_every_partition_s_steps(monkeypatch):

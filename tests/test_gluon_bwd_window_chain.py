@@ -58,11 +58,17 @@ def test_the_chain_renders_mode_0_on_the_unordered_levers_and_the_product_is_unc
     assert "BWD_WIN_CHAIN = 1" in chain and "if first:" not in chain
     assert "BWD_WIN_CHAIN = 2" in store and "if first:" in _writer(store) and "if first:" in _writer(store, "_u")
     assert "first = turn == 0" in _writer(store)
-    # the product: mode 2, no store, no chain levers in its (unused) mode-0 kernel
-    assert "BWD_DET_MODE = 2" in prod and "BWD_WIN_CHAIN = 0" in prod and "if first:" not in prod
-    assert "_named_bar(" not in _writer(prod)
+    # the product since the eighteenth session's flip: the store chain, pending 0, the turn spun in one asm loop, the
+    # conversion as the main kernel's programmatic dependent (tests/test_gluon_bwd_window_pdl.py)
+    assert "BWD_DET_MODE = 0" in prod and "BWD_WIN_CHAIN = 2" in prod and "if first:" in _writer(prod)
+    assert "_bwd_publish(sem, m0, 0)" in _writer(prod) and "_bwd_spin(sem, turn)" in prod
+    assert "BWD_WIN_PDL = 1" in prod
+    # the fixed-point render it replaced: mode 2, no store, no chain levers in its (unused) mode-0 kernel
+    fixed = _source({"bwd_window_fixed": 1, "bwd_fixed_tma": 1})
+    assert "BWD_DET_MODE = 2" in fixed and "BWD_WIN_CHAIN = 0" in fixed and "if first:" not in fixed
+    assert "_named_bar(" not in _writer(fixed)
     # with the fixed-point dQ on, the chain key renders nothing
-    assert _source({"bwd_window_fixed": 1, "bwd_fixed_tma": 1, "bwd_window_chain": 2}) == prod
+    assert _source({"bwd_window_fixed": 1, "bwd_fixed_tma": 1, "bwd_window_chain": 2}) == fixed
     # bwd_window_pending 0: the step's own adds published once complete, no drain
     p0 = _writer(_source({**STORE, "bwd_window_pending": 0}))
     assert "_bwd_publish(sem, m0, 0)" in p0 and "_bwd_publish(prev" not in p0
@@ -210,3 +216,43 @@ def test_the_chain_s_modes_take_the_fast_path(monkeypatch, window):
     for mode in (0, 1):
         mod._bwd_host(*args, *grads, mode, None, extra)
     assert taken == [("fast", 0, (None, extra)), ("fast", 1, (None, extra))]
+
+
+SPIN = {"bwd_window_desc": 1, "bwd_window_chain": 2, "bwd_window_pending": 0, "bwd_window_relaxed": 2}
+
+
+@pytest.mark.skipif(ON_GPU, reason="sm_90 faked on CPU tensors")
+@pytest.mark.parametrize("window,mode,chain", [(None, 0, 2), ({"bwd_window_fixed": 1, "bwd_fixed_tma": 1}, 2, 0),
+                                               (SPIN, 0, 2)], ids=["product", "fixed", "spin"])
+def test_the_mods_suite_s_row_resolves_the_render_of_variant_bwd_window(monkeypatch, window, mode, chain):
+    """The mods suite's sliding-window row (fagen.attention with attention-gym's mask_mod and fagen's block mask,
+    with gradients; eighteenth session, issue 26): lowered to the window switch, it resolves the Gluon bwd module of
+    the render that variant bwd_window names, the product's (the pdl chain since the flip), the fixed-point render's
+    or the spin chain's (the module's device check then refuses
+    the CPU tensors: nothing runs). The resolved module is memoised per spec (resolve._module), not per variant: a
+    script that sets the variant in-process clears it, as scripts/gpu_window_s18.py's use() does."""
+    from fagen.bench import gym_mods
+    from fagen.runtime import api, hopper, modded, resolve
+
+    monkeypatch.setattr(hopper, "is_hopper", lambda device: True)
+    monkeypatch.setattr(hopper, "gluon_missing", lambda: None)
+    monkeypatch.delenv(hopper.ENV, raising=False)
+    monkeypatch.setattr(resolve, "_FAST", {})
+    monkeypatch.setattr(api, "_FAST", resolve._FAST)
+    monkeypatch.setattr(hopper, "BWD_WINDOW_MIN_WORK", 100)
+    if window is not None:
+        monkeypatch.setitem(backends.GLUON.variant, "bwd_window", window)
+    resolve._module.cache_clear()
+    try:
+        s = 256
+        q, k, v = (torch.randn(1, 2, s, 128, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        mm = gym_mods.generate_sliding_window(64)
+        bm = fagen.create_block_mask(mm, None, None, s, s, device="cpu")
+        with pytest.raises(ValueError, match="Gluon kernel"):
+            fagen.attention(q, k, v, mask_mod=mm, block_mask=bm)
+        assert modded.LOWERED[0] == "causal+window(64,0)"
+        (mod, ) = [m for m in resolve._FAST.values() if hasattr(m, "BWD_WIN_CHAIN")]
+        assert mod.NAME.endswith("_win_bf16_gluon")
+        assert (mod.BWD_DET_MODE, mod.BWD_WIN_CHAIN) == (mode, chain)
+    finally:
+        resolve._module.cache_clear()

@@ -125,7 +125,7 @@ class GluonBackend(DecodeRules, KernelBackend):
                "pv_overlap": 0,
                "bwd_order": 0, "bwd_snake": 0, "bwd_named": 0, "bwd_epi_tma": 0, "bwd_fixed": 0, "bwd_window_desc": 0,
                "bwd_mod_early": 0, "bwd_window_fixed": 0, "bwd_prefix": 2, "bwd_window_chain": 0, "bwd_window_pending": 2,
-               "bwd_window_relaxed": 0,
+               "bwd_window_relaxed": 0, "bwd_window_pdl": 0,
                "bwd_unordered_levers": {"bwd_named": 2, "bwd_epi_tma": 1, "bwd_snake": 1}, "bwd_full_levers": {},
                "bwd_fixed_fma": 0, "bwd_grid": 0, "bwd_spt": 0, "bwd_fixed_tma": 0,
                "fp8lat_lazy": 0, "fp8lat_early_fetch": 0, "fp8lat_stage": 7, "fp8lat_short": 8,
@@ -278,11 +278,19 @@ class GluonBackend(DecodeRules, KernelBackend):
     # process): this render through fagen.attention 0.533 (1.06x Flex's 0.563; kernels 0.522: main 0.403, bound
     # 0.036, conversion 0.034, preprocess 0.027), with sections of 4 0.529, the Triton backward 0.614 (0.92x), the
     # same render on the plain host path 1.306; deterministic=False (the unordered adds) 0.474 (1.19x).
-    variant["bwd_window"] = {"bwd_window_fixed": 1, "bwd_fixed_tma": 1}
+    # Flipped in the eighteenth session (H200, scripts/gpu_window_s18.py rounds A and B, shuffled passes through
+    # fagen.attention on the suite's mask_mod): the store chain with the spun turn and the dQ conversion as the main
+    # kernel's programmatic dependent ("pdl") 0.4397 / 0.4386 ms against this render's 0.5076 / 0.4942 (per pass
+    # 0.872 / 0.887) and Flex's 0.5646 / 0.5529 (1.28x / 1.26x); the suite's mod_rows 0.439 against 0.497; bit for
+    # bit the chain without pdl ("spin", 0.962 of its time); deterministic=False 0.995 of this render's. docs/mods.md.
+    variant["bwd_window"] = {"bwd_window_desc": 1, "bwd_window_chain": 2, "bwd_window_pending": 0,
+                             "bwd_window_relaxed": 2, "bwd_window_pdl": 1}
     # bwd_window_chain (seventeenth session, [Note] Window chain): 1 a window render's deterministic mode as the chain
     # (mode 0) on the unordered kernel's levers, with bwd_window_desc 1 and without bwd_window_fixed; 2 and the first
     # adder's store (no accumulator fill); bwd_window_pending 0 the chain's publish after the step's own adds;
     # bwd_window_relaxed 1 the turn polled by relaxed loads, 2 in one asm loop. Off (round A: docs/mods.md).
+    # bwd_window_pdl 1 (eighteenth session, [Note] Window conversion overlap): with a chain, mode 0's dQ conversion
+    # launched as a programmatic dependent of the main kernel, each program waiting on its query block's counter.
     # Issue 26's bias rows (tenth session, docs/mods.md "Bias rows (tenth session)"): fwd_mod_add 1, an additive
     # score_mod (`score + X`) in the Gluon forward as one FMA onto the log2-domain score ([Note] Additive mods in the
     # Gluon forward); bwd_mod_fixed 1, an additive score_mod's deterministic dQ as fixed-point adds ([Note]

@@ -16,9 +16,9 @@ from fagen.templates.host.launch import _fast, _raw_stream
 
 BWD_BLOCK_M = BWD_BLOCK_N = HEAD_DIM = GQA = CAUSAL = BWD_RING_SLOTS = BWD_WARPS = BWD_KV_SPLIT = BWD_GRID_ALL = 0
 BWD_COMPUTE_REGS = BWD_PRODUCER_REGS = BWD_WRITER_REGS = BWD_DET_GRID = BWD_WINDOW = BWD_FIXED_FAST = BWD_PREFIX = 0
-BWD_FIXED_TMA = BWD_WIN_CHAIN = 0
+BWD_FIXED_TMA = BWD_WIN_CHAIN = BWD_WIN_PDL = 0
 _NUM_SMS, _BWD_KERNELS, _PRE_KW, _CONV_KW = {}, {}, {}, {}
-_bwd_preprocess = _dq_convert = _run_backward = _descriptor = _bwd_win_visited = None
+_bwd_preprocess = _dq_convert = _run_backward = _descriptor = _bwd_win_visited = _dq_convert_chain = None
 # -- fagen: included verbatim below this line --
 
 
@@ -107,6 +107,7 @@ _GL_DTYPE[torch.float32] = gl.float32  # the workspaces' descriptors (requests l
 _GL_DTYPE[torch.int32] = gl.int32  # the fixed-point dQ's accumulator ([Note] Switches on the fast backward path)
 _fast_bwd_preprocess = _gluon(_bwd_preprocess)
 _fast_dq_convert = _gluon(_dq_convert)
+_fast_dq_convert_chain = _gluon(_dq_convert_chain) if BWD_WIN_PDL else None  # [Note] Window conversion overlap
 _fast_bwd_kernels = {mode: (_gluon(kernel), epi_tma) for mode, (kernel, epi_tma) in _BWD_KERNELS.items()}
 
 
@@ -235,6 +236,11 @@ def _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, qk_sca
     if dq_mode == 2:
         _fast_dq_convert[(sq_pad // BWD_BLOCK_M, b * hq)](dq_acc, dq, scale, sq, sq_pad, HEAD_DIM, BWD_BLOCK_M, qmul,
                                                           num_warps=4)
+    elif dq_mode == 0 and BWD_WIN_PDL:  # [Note] Window conversion overlap (gluon/backward.py.j2)
+        _fast_dq_convert_chain[(b * hq, sq_pad // BWD_BLOCK_M)](dq_acc, dq, sem, scale, sq, sk, sq_pad, extra[0],
+                                                                extra[1], HEAD_DIM=HEAD_DIM, BLOCK_M=BWD_BLOCK_M,
+                                                                BLOCK_N=BWD_BLOCK_N, CAUSAL=CAUSAL, num_warps=4,
+                                                                launch_pdl=True)
     else:
         _fast_dq_convert[(sq_pad // BWD_BLOCK_M, b * hq)](dq_acc, dq, scale, sq, sq_pad, HEAD_DIM=HEAD_DIM,
                                                           BLOCK_M=BWD_BLOCK_M, **_CONV_KW, num_warps=4)

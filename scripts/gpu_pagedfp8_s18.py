@@ -394,10 +394,14 @@ def dry_run():
                                     target=GPUTarget("cuda", 90, 128),
                                     options=dict(num_warps=spec.num_warps, num_stages=spec.num_stages))
                 r = next(iter(ptxas(ck.asm["ptx"])[0].values()))
+                sys.path.insert(0, os.path.join(ROOT, "lab"))
+                from pagedfp8_swap_decode import loop_sass  # the key loops' SASS (cuobjdump)
+                loops = "; ".join(f"loop {x['instructions']} SASS, {x['per_key']} a key, {x['bar']} BAR"
+                                  for x in loop_sass(ck, spec.block_n, spec.num_warps, "HMMA"))
                 print(f"{name:24s} direct={int(direct)} n{spec.block_n} w{spec.num_warps} s{spec.num_stages}: "
                       f"{r.registers} regs, {r.spill_stores + r.spill_loads} spill bytes, "
                       f"{ck.metadata.shared // 1024} KB smem, "
-                      f"cp.async {ck.asm['ttgir'].count('async_copy_global_to_local')}", flush=True)
+                      f"cp.async {ck.asm['ttgir'].count('async_copy_global_to_local')}; {loops}", flush=True)
             except Exception as e:  # noqa: BLE001
                 bad += 1
                 print(f"{name:24s} direct={int(direct)}: ERROR {type(e).__name__}: {str(e)[:300]}", flush=True)

@@ -54,6 +54,8 @@ CANDS_A = {  # programs an SM by ptxas' registers and shared memory (sm_90 --dry
     "n64w4s5": C(64, 4, 5),  # 86 KB: 2 an SM, 4 blocks ahead
     "n64w4s6": C(64, 4, 6),  # 2 an SM, 5 blocks ahead
     "n32w4s8 pps3": C(32, 4, 8, 3),  # 69 KB: 3 an SM, 3 splits, 7 blocks of 32 keys ahead
+    "n32w4s4 pps5": C(32, 4, 4, 5),  # 96 regs, 37 KB: 5 an SM, 5 splits (1280 programs)
+    "n64w2s3 pps4": C(64, 2, 3, 4),  # 187 regs, 54 KB: 4 an SM (8 warps), 2 splits; 19 SASS a key
     # the seventeenth session's Gluon swap-AB lab kernel (lab/pagedfp8_swap_decode.py; 18 SASS a key against the
     # default's 27; H100: 0.913 of copy against the default's 0.927): on the H200 the instruction count may matter
     "swap s4 red": ("lab", dict(stages=4, red=1)),

@@ -24,6 +24,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import statistics
 import sys
 import threading
@@ -34,39 +35,71 @@ from _phases import child_env, run_phase as run_child  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROUND = os.environ.get("GPU_PAGEDFP8_S18_ROUND", "A")
+if "--round" in sys.argv[:-1]:  # before the candidates below are chosen (the children get it by the environment)
+    ROUND = os.environ["GPU_PAGEDFP8_S18_ROUND"] = sys.argv[sys.argv.index("--round") + 1]
 PHASES = {"warm": 28, "time": 28}
+if os.environ.get("GPU_PAGEDFP8_S18_PHASES"):  # "name:seconds,..."
+    PHASES = {n: float(t) for n, t in (p.split(":") for p in os.environ["GPU_PAGEDFP8_S18_PHASES"].split(","))}
 PASSES = 5
 CPU = os.environ.get("GPU_PAGEDFP8_S18_CPU") == "1"  # a CPU test of the phases: TRITON_INTERPRET=1, small shapes
 DEV = "cpu" if CPU else "cuda"
 PAGED_ROW = "decode-d128-kv8k-b32-fp8-paged16"
 # name: (spec overrides, module-constant substitutions). pps: PROGRAMS_PER_SM of the split rule ([Note] Split
 # heuristic): 4 at b32 x 8 KV heads (256 programs) gives 2 splits (512 programs), 3 gives 3 at n128.
-C = lambda n, w, s, pps=2, **sub: (dict(block_n=n, num_warps=w, num_stages=s),  # noqa: E731
-                                   dict({"PROGRAMS_PER_SM = 2": f"PROGRAMS_PER_SM = {pps}"} if pps != 2 else {},
-                                        **sub))
-CANDS_A = {  # programs an SM by ptxas' registers and shared memory (sm_90 --dry-run), splits at b32 x 8 KV heads
-    "default": ({}, {}),  # m64n128w8s3: 128 regs, 104 KB: 2 programs an SM, 1 split, 2 blocks ahead
-    "n128w8s3 pps4": C(128, 8, 3, 4),  # the same, 2 splits (512 programs, 2 waves of 264)
-    "n128w8s4": C(128, 8, 4),  # 136 KB: 1 program an SM, 3 blocks ahead
-    "n128w4s3": C(128, 4, 3),  # 239 regs, 72 KB: 2 an SM by registers (V by the pure path)
-    "n64w4s3 pps4": C(64, 4, 3, 4),  # 54 KB: 4 an SM, 2 splits (512 programs)
-    "n64w4s4 pps3": C(64, 4, 4, 3),  # 70 KB: 3 an SM, 3 splits (768 programs)
-    "n64w4s5": C(64, 4, 5),  # 86 KB: 2 an SM, 4 blocks ahead
-    "n64w4s6": C(64, 4, 6),  # 2 an SM, 5 blocks ahead
-    "n32w4s8 pps3": C(32, 4, 8, 3),  # 69 KB: 3 an SM, 3 splits, 7 blocks of 32 keys ahead
-    "n32w4s4 pps5": C(32, 4, 4, 5),  # 96 regs, 37 KB: 5 an SM, 5 splits (1280 programs)
-    "n64w2s3 pps4": C(64, 2, 3, 4),  # 187 regs, 54 KB: 4 an SM (8 warps), 2 splits; 19 SASS a key
-    # the seventeenth session's Gluon swap-AB lab kernel (lab/pagedfp8_swap_decode.py; 18 SASS a key against the
-    # default's 27; H100: 0.913 of copy against the default's 0.927): on the H200 the instruction count may matter
+C = lambda n, w, s, pps=2: (dict(block_n=n, num_warps=w, num_stages=s),  # noqa: E731
+                             {r"^PROGRAMS_PER_SM = \d+$": f"PROGRAMS_PER_SM = {pps}"})
+LAB = {  # the seventeenth session's Gluon swap-AB lab kernel (lab/pagedfp8_swap_decode.py; 18 SASS a key against
+    # the Triton default's 27; H100: 0.913 of copy against the default's 0.927)
     "swap s4 red": ("lab", dict(stages=4, red=1)),
     "swap s5 red early1": ("lab", dict(stages=5, red=1, early=1)),
 }
+if ROUND == "A":  # (on the product before this session's tiles: its default was m64n128w8s3)
+    CANDS_A = {  # programs an SM by ptxas' registers and shared memory (--dry-run), splits at b32 x 8 KV heads
+        "default": ({}, {}),  # m64n128w8s3: 128 regs, 104 KB: 2 programs an SM, 1 split, 2 blocks ahead
+        "n128w8s3 pps4": C(128, 8, 3, 4),  # the same, 2 splits (512 programs, 2 waves of 264)
+        "n128w8s4": C(128, 8, 4),  # 136 KB: 1 program an SM, 3 blocks ahead
+        "n128w4s3": C(128, 4, 3),  # 239 regs, 72 KB: 2 an SM by registers (V by the pure path)
+        "n64w4s3 pps4": C(64, 4, 3, 4),  # 54 KB: 4 an SM, 2 splits (512 programs)
+        "n64w4s4 pps3": C(64, 4, 4, 3),  # 70 KB: 3 an SM, 3 splits (768 programs)
+        "n64w4s5": C(64, 4, 5),  # 86 KB: 2 an SM, 4 blocks ahead
+        "n64w4s6": C(64, 4, 6),  # 2 an SM, 5 blocks ahead
+        "n32w4s8 pps3": C(32, 4, 8, 3),  # 69 KB: 3 an SM, 3 splits, 7 blocks of 32 keys ahead
+        "n32w4s4 pps5": C(32, 4, 4, 5),  # 96 regs, 37 KB: 5 an SM, 5 splits (1280 programs)
+        "n64w2s3 pps4": C(64, 2, 3, 4),  # 187 regs, 54 KB: 4 an SM (8 warps), 2 splits; 19 SASS a key
+        **LAB,
+    }
+else:  # round B (A, 13:05: m64n128w8s3 0.650 of copy, n64w2s3 pps4 0.810, n128w4s3 0.781, swap s5 red early1
+    # 0.838; the bf16 rows 1.00-1.05): the product's default is now m64n64w2s3 with 4 programs an SM
+    CANDS_A = {
+        "default": ({}, {}),  # the product: m64n64w2s3, PROGRAMS_PER_SM 4 (2 splits at b32)
+        "old n128w8s3": C(128, 8, 3),  # the product before (round A's default)
+        "n64w2s4 pps3": C(64, 2, 4, 3),  # 70 KB: 3 an SM, 3 splits
+        "n64w2s2 pps5": C(64, 2, 2, 5),  # 38 KB: 5 an SM, 5 splits, 1 block ahead
+        "n64w2s3 pps2": C(64, 2, 3, 2),  # the default's tiles, 1 split (the rule's count: what 4 an SM gives)
+        "n32w2s6 pps4": C(32, 2, 6, 4),  # 53 KB: 4 an SM, 28 SASS a key
+        "n32w1s4 pps6": C(32, 1, 4, 6),  # 255 regs, 36 KB: 6 an SM, 19.5 SASS a key
+        "n128w4s3": C(128, 4, 3),
+        "swap s5 red early1": ("lab", dict(stages=5, red=1, early=1, splits=1)),  # round A's 1 split
+    }
 CANDS = CANDS_A
 if os.environ.get("GPU_PAGEDFP8_S18_CANDS"):
     CANDS = {k: CANDS[k] for k in os.environ["GPU_PAGEDFP8_S18_CANDS"].split(",")}
 # the suite rows beside it: (name, how to make it)
 SUITE = ("decode-d128-kv8k-b32-fp8", "decode-d128-kv32k-b8-fp8", PAGED_ROW, "decode-d128-kv8k-b32",
          "decode-d128-kv8k-b32-paged16")
+# rows timed after the paged row: {row: candidates beside the product's default}; the candidates' spec overrides
+# apply to the row's own spec (the dense rows' default is m64n128w4s3)
+EXTRA_C = {"w2 n64s3 pps4": C(64, 2, 3, 4), "w2 n64s4 pps3": C(64, 2, 4, 3), "old n128w8s3": C(128, 8, 3)}
+if ROUND == "A":
+    EXTRA = {n: () for n in SUITE if n != PAGED_ROW}
+else:
+    EXTRA = {"decode-d128-kv8k-b32-fp8": ("w2 n64s3 pps4", "w2 n64s4 pps3"),
+             "decode-d128-kv32k-b8-fp8": ("w2 n64s3 pps4", "w2 n64s4 pps3"),
+             "paged16-b128-kv8k-fp8": ("old n128w8s3",), "paged16-b8-kv32k-fp8": ("old n128w8s3",)}
+ALL = {**CANDS_A, **EXTRA_C}
+# the warm phase's row children (rows of one spec in one child: one build)
+ROW_CHILDREN = ("decode-d128-kv8k-b32-fp8|decode-d128-kv32k-b8-fp8", *(n for n in EXTRA if "fp8" not in n or
+                                                                        n.startswith("paged16")))
 
 
 def emit(section, case, impl, value, ms, note=""):
@@ -80,13 +113,13 @@ def paged_spec():
 
 def source(name, spec=None):
     import fagen
-    over, subs = CANDS_A[name]
+    over, subs = ALL[name]
     spec = dataclasses.replace(spec or paged_spec(), **over)
     src = fagen.generate(spec)
     for a, b in subs.items():
-        if src.count(a) != 1:
+        src, n = re.subn(a, b, src, flags=re.M)
+        if n != 1:
             raise AssertionError(f"{name}: {a!r} is not in the render once")
-        src = src.replace(a, b)
     return spec, src
 
 
@@ -101,9 +134,12 @@ class _Lab:
         sys.path.insert(0, os.path.join(ROOT, "lab"))
         import importlib
         self.lab, self.p, self.kw = importlib.import_module("pagedfp8_swap_decode"), product, dict(kw)
+        self.force = self.kw.pop("splits", None)  # a split count in place of the product's rule
         self._geometry = product._geometry
 
     def _rule(self, q, k, block_table):
+        if self.force:
+            return self.force
         span = -(-block_table.shape[1] * k.shape[1] // self.p.BLOCK_N) * self.p.BLOCK_N
         return self._geometry(q.shape[0], k.shape[2], 1, span, None, q.device.index or 0)[3]
 
@@ -119,9 +155,9 @@ class _Lab:
 def module(name, spec=None):
     from fagen.runtime.loader import load_source
     key = (name, spec)
-    if CANDS_A[name][0] == "lab":
+    if ALL[name][0] == "lab":
         if key not in _MODS:
-            _MODS[key] = _Lab(module("default", spec), CANDS_A[name][1])
+            _MODS[key] = _Lab(module("default", spec), ALL[name][1])
         return _MODS[key]
     if key not in _MODS:
         s, src = source(name, spec)
@@ -138,10 +174,14 @@ def suite_cases():
     by["decode-d128-kv8k-b32-paged16"] = make_case("decode-d128-kv8k-b32-paged16", head_dim=128, mask="none",
                                                    batch=bf.batch, heads_q=32, heads_kv=8, seq_q=1,
                                                    seq_k=max(bf.seq_k, 256), page_size=16, peers=False)
-    for n in SUITE:  # the copy reference runs on the rows whose target names it; the bf16 rows for comparison
-        workloads.RELATIVE_TARGETS.setdefault(n, (("copy", 0.95),))
+    for label, b, sk in (("paged16-b128-kv8k-fp8", 128, 8192), ("paged16-b8-kv32k-fp8", 8, 32768)):
+        by[label] = make_case(label, head_dim=128, mask="none", batch=2 if CPU else b, heads_q=32, heads_kv=8,
+                              seq_q=1, seq_k=256 if CPU else sk, kv_dtype="fp8_e4m3", page_size=16, peers=False)
+    for n in by:  # the copy reference runs on the rows whose target names it; the bf16 rows for comparison
+        if n in SUITE or n in EXTRA:
+            workloads.RELATIVE_TARGETS.setdefault(n, (("copy", 0.95),))
     assert bf.page_size is None
-    return {n: by[n] for n in SUITE}
+    return {n: by[n] for n in by if n in SUITE or n in EXTRA}
 
 
 def check_candidate(name):  # noqa: C901 - the sixteenth session's checks
@@ -239,13 +279,23 @@ def warm_phase(which):
         for name in name.split("|") if kind == "row" else ():  # rows of one spec in one child (one build)
             case = suite_cases()[name]
             cc = CaseContext(case, torch.device(DEV), BenchOptions().sets)
-            prep = impls.prepare_fagen(case, cc)
-            status, message, err = check("fagen", prep, cc)
-            spec = case.spec(DEV)[0]
-            del cc, prep
-            e = "-" if err is None else format(err, ".1e")
-            emit("check", name, "fagen", "-", None, f"{'' if status == 'ok' else 'ERROR '}{status} err {e} "
-                 f"{(message or '')[:80]} (n{spec.block_n} w{spec.num_warps} s{spec.num_stages})")
+            real_load = loader.load
+            for impl in ("fagen", *EXTRA.get(name, ())):  # the product, then each candidate of the row
+                try:
+                    if impl != "fagen":
+                        loader.load = lambda spec, impl=impl: module(impl, spec)
+                    prep = impls.prepare_fagen(case, cc)
+                finally:
+                    loader.load = real_load
+                status, message, err = check("fagen", prep, cc)
+                spec = case.spec(DEV)[0]
+                if impl != "fagen":
+                    spec = dataclasses.replace(spec, **ALL[impl][0])
+                del prep
+                e = "-" if err is None else format(err, ".1e")
+                emit("check", name, impl, "-", None, f"{'' if status == 'ok' else 'ERROR '}{status} err {e} "
+                     f"{(message or '')[:80]} (n{spec.block_n} w{spec.num_warps} s{spec.num_stages})")
+            del cc
     except Exception as e:  # noqa: BLE001
         emit("check", name, kind, "-", None, f"ERROR {type(e).__name__}: {str(e)[:200]}")
     del loader
@@ -310,17 +360,24 @@ def time_phase():  # noqa: C901 - one phase
     del entries, cc
     if not CPU:
         torch.cuda.empty_cache()
-    # the suite rows: the product's default against the copy of the row's bytes, 3 shuffled passes
-    for cname in SUITE:
-        if cname == PAGED_ROW:
-            continue
+    # the other rows: the product's default (and the row's candidates) against the copy of the row's bytes, 3
+    # shuffled passes
+    for cname, cands in EXTRA.items():
         if time.time() - T0 > PHASES["time"] - 3:
-            emit("suite", cname, "fagen", "-", None, "skipped: time budget")
+            emit("rows", cname, "fagen", "-", None, "skipped: time budget")
             continue
         try:
             case = cases[cname]
             cc = CaseContext(case, dev, opts.sets)
             ent = {"fagen": impls.prepare_fagen(case, cc), "copy": impls.prepare_copy(case, cc)}
+            for c in cands:
+                if c in skip:
+                    continue
+                try:
+                    loader.load = lambda spec, c=c: module(c, spec)
+                    ent[c] = impls.prepare_fagen(case, cc)
+                finally:
+                    loader.load = real_load
             got = {}
             with torch.no_grad():
                 for p in range(3):
@@ -328,16 +385,20 @@ def time_phase():  # noqa: C901 - one phase
                     rng.shuffle(order)
                     for n in order:
                         got.setdefault(n, []).append(timing.time_prepared(ent[n], cc, opts)["ms"])
-            r = [c / x for c, x in zip(got["copy"], got["fagen"])]
             b = kv_bytes(case)
-            emit("suite", cname, "fagen", f"{b / statistics.median(got['fagen']) / 1e6:.0f} GB/s",
-                 statistics.median(got["fagen"]), f"/copy {q3(r)} {[round(x, 3) for x in r]}; copy "
-                 f"{b / statistics.median(got['copy']) / 1e6:.0f} GB/s")
+            for n in ent:
+                if n == "copy":
+                    continue
+                r = [c / x for c, x in zip(got["copy"], got[n])]
+                vs = "" if n == "fagen" else "; fagen/cand " + q3([f / x for f, x in zip(got["fagen"], got[n])])
+                emit("rows", cname, n, f"{b / statistics.median(got[n]) / 1e6:.0f} GB/s", statistics.median(got[n]),
+                     f"/copy {q3(r)} {[round(x, 3) for x in r]}{vs}; copy "
+                     f"{b / statistics.median(got['copy']) / 1e6:.0f} GB/s")
             del cc, ent
             if not CPU:
                 torch.cuda.empty_cache()
         except Exception as e:  # noqa: BLE001
-            emit("suite", cname, "fagen", "-", None, f"ERROR {type(e).__name__}: {str(e)[:200]}")
+            emit("rows", cname, "fagen", "-", None, f"ERROR {type(e).__name__}: {str(e)[:200]}")
 
 
 def dry_run():
@@ -358,7 +419,7 @@ def dry_run():
             sys.path.insert(0, os.path.join(ROOT, "lab"))
             import pagedfp8_swap_decode as lab
             try:
-                ck, r = lab.build_sm90(**CANDS[name][1])
+                ck, r = lab.build_sm90(**{k: v for k, v in CANDS[name][1].items() if k != "splits"})
                 print(f"{name:24s} direct=1 gluon: {r.registers} regs, {r.spill_stores + r.spill_loads} spill bytes, "
                       f"{ck.metadata.shared // 1024} KB smem", flush=True)
             except Exception as e:  # noqa: BLE001
@@ -449,8 +510,7 @@ def main():
 
     print(f"[{time.time() - t0:6.1f}s] #### phase warm (parallel, timeout {PHASES['warm']}s)", flush=True)
     ths = [threading.Thread(target=one, args=(w,)) for w in [f"cand:{n}" for n in CANDS]
-           + ["row:decode-d128-kv8k-b32-fp8|decode-d128-kv32k-b8-fp8", "row:decode-d128-kv8k-b32",
-              "row:decode-d128-kv8k-b32-paged16"]]
+           + [f"row:{n}" for n in ROW_CHILDREN]]
     for t in ths:
         t.start()
     for t in ths:

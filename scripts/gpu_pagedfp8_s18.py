@@ -68,7 +68,7 @@ if ROUND == "A":  # (on the product before this session's tiles: its default was
         "n64w2s3 pps4": C(64, 2, 3, 4),  # 187 regs, 54 KB: 4 an SM (8 warps), 2 splits; 19 SASS a key
         **LAB,
     }
-else:  # round B (A, 13:05: m64n128w8s3 0.650 of copy, n64w2s3 pps4 0.810, n128w4s3 0.781, swap s5 red early1
+else:  # round B (A, 12:59: m64n128w8s3 0.650 of copy, n64w2s3 pps4 0.810, n128w4s3 0.781, swap s5 red early1
     # 0.838; the bf16 rows 1.00-1.05): the product's default is now m64n64w2s3 with 4 programs an SM
     CANDS_A = {
         "default": ({}, {}),  # the product: m64n64w2s3, PROGRAMS_PER_SM 4 (2 splits at b32)

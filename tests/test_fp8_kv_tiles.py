@@ -1,6 +1,7 @@
 """The tiles and the V conversion an fp8 KV cache's decode kernel gets by default ([Note] fp8 decode tiles in
 fagen/backends/triton.py, [Note] V converted once in the decode template): on sm_90 a dense cache with its own V
-takes 128-key blocks and converts V once; a paged one (ninth session) 128-key blocks on 8 warps, V converted once;
+takes 128-key blocks and converts V once; a paged one 64-key blocks on 2 warps (eighteenth session; 128 keys on 8 warps
+from the ninth), V converted once;
 another arch, wide head dims and the bf16 cache keep
 their tiles; MLA's latent cache keeps its own (and converts its tile once, as before)."""
 
@@ -30,7 +31,9 @@ def test_other_fp8_caches_and_the_bf16_cache_keep_their_tiles():
     bf16 = _decode(head_dim=128)
     assert (bf16.block_n, bf16.num_stages) == (64, 3)
     paged = _decode(head_dim=128, kv_dtype="fp8_e4m3", layout="paged")  # [Note] Paged fp8 decode tiles
-    assert (paged.block_m, paged.block_n, paged.num_warps, paged.num_stages) == (64, 128, 8, 3) and _v_once(paged)
+    assert (paged.block_m, paged.block_n, paged.num_warps, paged.num_stages) == (64, 64, 2, 3) and _v_once(paged)
+    old = _decode(head_dim=128, kv_dtype="fp8_e4m3", layout="paged", block_n=128, num_warps=8)  # before s18
+    assert _v_once(old)
     paged128 = _decode(head_dim=128, kv_dtype="fp8_e4m3", layout="paged", block_n=128, num_warps=4, num_stages=2)
     assert not _v_once(paged128)  # 128-key paged blocks keep V in the operand (round A: 80 against 84%)
     paged_bf16 = _decode(head_dim=128, layout="paged")

@@ -76,7 +76,12 @@ class TritonBackend(KernelBackend):
             # converts V once for paged blocks of at most 64 keys or on 8 warps). H100 round B (scripts/gpu_fp8kv_s9.py,
             # % of copy back to back, page 16 b32 kv8k / b128 kv8k / b32 kv32k, page 64 b32 kv8k / b128 kv4k): 87 / 90 /
             # 92 / 89 / 89 against m64n128w4s2 (the default before) 83 / 87 / 87 / 86 / 87; n64s5 w4 72-82.
-            return {"block_m": 64, "block_n": 128, "num_warps": 8, "num_stages": 3, **given}
+            # Eighteenth session (docs/serving.md, "Paged fp8 decode (eighteenth session)"): on the H200 the kernel,
+            # not the memory, is the limit (m64n128w8s3 0.650 of copy, the bf16 paged row 1.00), and fewer warps a
+            # program repeat less of the step: 64-key blocks on 2 warps (187 registers, 54 KB: 4 programs an SM, which
+            # the split rule counts, [Note] Split heuristic in the decode template; 19 SASS a key against 27) read
+            # 0.810 of copy against 0.650 (scripts/gpu_pagedfp8_s18.py round A, 1.246x the old default's speed).
+            return {"block_m": 64, "block_n": 64, "num_warps": 2, "num_stages": 3, **given}
         return default_config(max(spec.head_dim, spec.head_dim_v), spec.dtype, spec.direction, spec.kind,
                               mask=spec.mask, arch=arch, layout=spec.layout, window=spec.window, given=given,
                               head_dim_v=spec.head_dim_v)

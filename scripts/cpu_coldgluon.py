@@ -9,7 +9,7 @@ Each build runs in a fresh process with fresh FAGEN_CACHE_DIR and TRITON_CACHE_D
 (the second: a new mod in a process that compiled one already). Triton's compilation listener gives the stage
 times (ir init: the AST to TTIR/TTGIR source, then ttir, ttgir, llir, ptx, cubin = ptxas).
 
-    PYTHONPATH=$PWD python3 scripts/cpu_coldgluon.py [--ptxas-opt LEVEL] [--json PATH]
+    PYTHONPATH=$PWD python3 scripts/cpu_coldgluon.py [--kinds gluon,triton,gluon-plain] [--env K=V] [--json PATH]
 """
 from __future__ import annotations
 
@@ -70,11 +70,13 @@ for c in consts:
     m = mods.prepare(score_mod=fn)
     base = KernelSpec(head_dim=128, dtype="bf16", mask="none")
     spec = modded.modded_spec(base, m.fields, arch="sm_90")
-    if kind == "gluon":  # hopper.mod_forward_spec's twin, without its device checks
+    if kind == "gluon-plain":  # the plain Gluon forward (no mod): what the kernel costs without the mod
+        spec = KernelSpec(head_dim=128, dtype="bf16", mask="none", backend="gluon")
+    elif kind == "gluon":  # hopper.mod_forward_spec's twin, without its device checks
         spec = KernelSpec(head_dim=spec.head_dim, mask=spec.mask, gqa=spec.gqa, dtype=spec.dtype, backend="gluon",
                           score_mod=spec.score_mod, mod_tensors=spec.mod_tensors, mod_scalars=spec.mod_scalars)
     t_spec = T()
-    if kind == "gluon":
+    if kind.startswith("gluon"):
         module = fagen.load(spec)
         t_load = T()
         ck = module.compile_for(seq_q=4096, seq_k=4096)

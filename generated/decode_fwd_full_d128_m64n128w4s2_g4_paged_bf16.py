@@ -460,7 +460,10 @@ UPCAST = _INTERPRET and DTYPE == torch.bfloat16
 # One program per (batch, KV head, row tile, split). Splits only pay when batch x KV heads leaves the GPU's
 # program slots (SMs x PROGRAMS_PER_SM) idle; among split counts whose chunks differ, take the smallest whose
 # wave efficiency (programs / slots, over its ceiling) is within 85% of the best (FlashAttention-2's rule).
-# Without a CUDA device (the interpreter) the SM count is FALLBACK_SMS, an H100's.
+# Without a CUDA device (the interpreter) the SM count is FALLBACK_SMS, an H100's. A paged fp8 cache's 2-warp tiles
+# ([Note] Paged fp8 decode tiles in fagen/backends/triton.py, eighteenth session: 54 KB, 187 registers) fit 4 programs
+# an SM, and the rule counts 4 for them: b32 x 8 KV heads then takes 2 splits (512 programs; H200 round A, one
+# split's 256 programs leave half the slots idle).
 PROGRAMS_PER_SM = 2
 FALLBACK_SMS = 132
 MAX_SPLITS = 128

@@ -89,3 +89,19 @@ def test_no_memo_under_cuda_graph_capture(store_fast, monkeypatch):  # noqa: F81
     for _ in range(2):
         assert _call(mod, fakes, monkeypatch, args, grads, fakes["extra"])[1] == 3
     assert mod._bwd_workspace(2, 2, 384, 0, args[1], 2)[-1] is None  # the call's own buffer: nowhere to keep one
+
+
+@pytest.mark.skipif(ON_GPU, reason="host fakes")
+def test_the_gradients_are_contiguous_for_strided_inputs(store_fast):  # noqa: F811
+    """_launch_backward's dq, dk, dv come from _new_out (empty_like in contiguous format: the eighteenth session's
+    cheaper allocation) and stay contiguous [B, H, S, D] however q, k, v are strided (the kernels write them dense);
+    empty_like's default (preserve) format would give q's strides: red."""
+    mod, fakes = store_fast
+    args, _ = _bwd_args(sq=300, sk=333, b=2, h=2)
+    do, q, k, v, out, lse, scale = args
+    q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))  # [B, S, H, D] memory
+    assert not q.is_contiguous()
+    dq, dk, dv = mod._launch_backward(do, q, k, v, out, lse, scale, None, None, None, 37, 0, None, None, None)
+    for g, t in ((dq, q), (dk, k), (dv, v)):
+        assert g.is_contiguous() and g.shape == t.shape and g.dtype == t.dtype
+    assert len(fakes["conv"].compiles) == 1 and fakes["conv"].bound(0)["DQ"] is dq  # it writes the returned dq

@@ -119,7 +119,7 @@ def measure(mod, n):
 
 def memo_entries(mod):
     """Launch memos kept over the module's workspaces ([Note] Launch memo): one a distinct set of addresses."""
-    return sum(len(views[-1] or ()) for kept in mod._BWD_WS.__dict__.values() for views in kept[1].values())
+    return sum(len(views[-1]) if type(views[-1]) is dict else 0 for kept in mod._BWD_WS.__dict__.values() for views in kept[1].values())
 
 
 def ab(mod, n, passes):
@@ -168,7 +168,7 @@ def main():
         return
     for name, (med, lo, hi) in measure(mod, a.n).items():
         print(f"HOST {name:22s} {med:8.2f} us a call (passes {lo:.2f}-{hi:.2f}, n {a.n})")
-    print(f"MEMO entries kept {memo_entries(mod)} (launch memo {'on' if mod._BWD_MEMO else 'off'})")
+    print(f"MEMO entries kept {memo_entries(mod)} (launch memo {'on' if getattr(mod, '_BWD_MEMO', False) else 'off'})")
     if a.profile:
         print(profile(mod, a.profile, a.scope))
 

@@ -11,8 +11,8 @@ import torch
 import triton
 from triton.experimental.gluon import language as gl
 
-from fagen.templates.host.gluon_launch import _GL_DTYPE, _gluon
-from fagen.templates.host.launch import _fast, _raw_stream
+from fagen.templates.host.gluon_launch import _GL_DTYPE, _expand, _gluon
+from fagen.templates.host.launch import _Tensor, _fast, _launch_entry, _raw_stream
 
 BWD_BLOCK_M = BWD_BLOCK_N = HEAD_DIM = GQA = CAUSAL = BWD_RING_SLOTS = BWD_WARPS = BWD_KV_SPLIT = BWD_GRID_ALL = 0
 BWD_COMPUTE_REGS = BWD_PRODUCER_REGS = BWD_WRITER_REGS = BWD_DET_GRID = BWD_WINDOW = BWD_FIXED_FAST = BWD_PREFIX = 0
@@ -93,6 +93,24 @@ _BWD_BOUND_ROWS, _BWD_BOUND_WARPS = 64, 4
 # [Note] Switches on the fast backward path: a window render with the qmul rows by TMA (the product's, variant
 # bwd_window) takes it in every mode (the eleventh session's window path, merged into this one in the twelfth)
 _BWD_WINDOW_FAST = True
+# [Note] Launch memo (eighteenth session). A warm call of modes 0 and 1 rebuilt, for each of its three launches, the
+# _gluon_run key (one entry a kernel argument: 21 for the main kernel) and the flat argument list (_expand: each
+# descriptor's address, shape and strides looked up in its kept maps), 30-35 us of the window row's ~108 us of
+# _launch_backward on the CPU (scripts/window_host_cpu_s18.py). The flat lists are a function of the module (its
+# render constants, fixed), the device, the mode, q's and k's shapes and dtype, the scale, qk_scale, the switches'
+# values (extra), the addresses of the nine tensors, the launchers (a script or test may swap them) and the
+# workspace's views: every input is dense (_dense:
+# contiguous, strides from the shapes) and every view an offset of the kept buffer fixed by the shapes and the mode.
+# So each kept buffer's views (_bwd_workspace's cache, per (device, stream, thread) and shape) keep a dict of memos:
+# per key of the values above, the three launches' (entry, grid, flat list); a call that finds its key replays them
+# through _launch_entry (on the current stream, read at each launch): the same bytes to the same C entry points as
+# the path that built them. A new buffer (grown) starts with no memos; a buffer of the call's own (under CUDA graph
+# capture, or above _BWD_WS_KEEP) has none, so no memo holds a graph pool's address. The fill still runs first,
+# every call. Kept only where every launch went through a launch entry and no flat list holds a tensor (a memo holds
+# ints and maps, never memory); cleared at _BWD_MEMO_MAX entries (a new address of dq, dk or dv is a miss: the fast
+# path plus one _expand a launch). Mode 2 (its bound kernel, a plain triton launch) is not memoised. _BWD_MEMO = False (or $FAGEN_BWD_MEMO=0): every call builds them, as before.
+_BWD_MEMO = __import__("os").environ.get("FAGEN_BWD_MEMO", "1") != "0"
+_BWD_MEMO_MAX = 64
 # The largest workspace kept per (device, stream, thread), in bytes: 2^28 covers B x Hq x sq_pad <= 131072 rows of D
 # 128 (the mods suite's window row, B1 H16 S8192: 68 MB; the standard suite's s16k rows: 137 MB). 2^25 until the
 # seventeenth session: the thirteenth measured the window row's 68 MB kept as a tie on the GPU (0.531 ms both) with
@@ -127,10 +145,11 @@ def _bwd_views(buf, b, hq, hkv, sq_pad, dq_mode):
 
 def _bwd_workspace(b, hq, sq_pad, dq_mode, q, hkv=1, fill_acc=True):
     """The workspace views of one backward on q's device (hkv: K's heads, for mode 2's KVB), the zeroed part zeroed
-    on the current stream (fill_acc False: the counters only, [Note] Window chain)."""
+    on the current stream (fill_acc False: the counters only, [Note] Window chain), and the launch memos of the kept
+    buffer's views ([Note] Launch memo; None for a buffer of this call's own)."""
     n = b * hq * sq_pad * (HEAD_DIM + 3) + max(b * hq * sq_pad // BWD_BLOCK_M, 2 * b * hkv) + 8
     if torch.cuda.is_current_stream_capturing() or 4 * n > _BWD_WS_KEEP:
-        views = _bwd_views(q.new_empty(n, dtype=torch.float32), b, hq, hkv, sq_pad, dq_mode)
+        views = (*_bwd_views(q.new_empty(n, dtype=torch.float32), b, hq, hkv, sq_pad, dq_mode), None)
     else:
         device = q.get_device()
         key, cache = (device, _raw_stream(device)), _BWD_WS.__dict__
@@ -142,7 +161,7 @@ def _bwd_workspace(b, hq, sq_pad, dq_mode, q, hkv=1, fill_acc=True):
         if views is None:
             if len(kept[1]) >= 256:
                 kept[1].clear()
-            views = kept[1][shape] = _bwd_views(kept[0], b, hq, hkv, sq_pad, dq_mode)
+            views = kept[1][shape] = (*_bwd_views(kept[0], b, hq, hkv, sq_pad, dq_mode), {})  # [Note] Launch memo
     (views[0] if fill_acc else views[4]).zero_()
     return views
 
@@ -197,7 +216,19 @@ def _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, qk_sca
     dev = q.get_device()
     # [Note] Window chain: the first adders' stores cover the accumulator, the fill zeroes the counters only
     stored = BWD_WIN_CHAIN == 2 and dq_mode == 0 and _bwd_win_visited(sq, sk, extra[0], extra[1])
-    _, delta, lse2, dq_acc, sem, qmul, dm, kvb = _bwd_workspace(b, hq, sq_pad, dq_mode, q, k.shape[1], not stored)
+    _, delta, lse2, dq_acc, sem, qmul, dm, kvb, memos = _bwd_workspace(b, hq, sq_pad, dq_mode, q, k.shape[1],
+                                                                        not stored)
+    memo = None
+    if _BWD_MEMO and dq_mode != 2 and memos is not None:  # [Note] Launch memo: per kept buffer and views
+        key = (dq_mode, q.shape, k.shape, q.dtype, scale, qk_scale, extra, q.data_ptr(), do.data_ptr(), k.data_ptr(),
+               v.data_ptr(), out.data_ptr(), lse.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+               _fast_bwd_preprocess, _fast_bwd_kernels[dq_mode][0], _fast_dq_convert, _fast_dq_convert_chain)
+        memo = memos.get(key)
+        if memo is not None:
+            for entry, grid, flat in memo:
+                _launch_entry(entry, grid, dev, flat)
+            return
+        memo = []
     rows = delta
     if dq_mode == 2:  # an int32 accumulator (zeroed float32 bits are int32 zeros), the rows' qmul in Sem
         dq_acc, sem, rows = dq_acc.view(torch.int32), qmul, dm if BWD_FIXED_TMA else delta
@@ -210,9 +241,8 @@ def _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, qk_sca
         _fast_bwd_preprocess[(sq_pad // BWD_BLOCK_M, b * hq)](out, do, lse, delta, lse2, sq, sq_pad, HEAD_DIM,
                                                               BWD_BLOCK_M, qmul, kvb, GQA, num_warps=4)
     else:
-        _fast_bwd_preprocess[(sq_pad // BWD_BLOCK_M, b * hq)](out, do, lse, delta, lse2, sq, sq_pad,
-                                                              HEAD_DIM=HEAD_DIM, BLOCK_M=BWD_BLOCK_M, **_PRE_KW,
-                                                              num_warps=4)
+        _bwd_run(memo, _fast_bwd_preprocess, (sq_pad // BWD_BLOCK_M, b * hq), (out, do, lse, delta, lse2, sq, sq_pad),
+                 dict(HEAD_DIM=HEAD_DIM, BLOCK_M=BWD_BLOCK_M, **_PRE_KW, num_warps=4))
     num_bh = b * hkv
     num_tiles = -(-sk // BWD_BLOCK_N) * num_bh
     if dev not in _NUM_SMS:
@@ -222,28 +252,40 @@ def _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, qk_sca
         dk, dv = _descriptor(dk, BWD_BLOCK_N // 2), _descriptor(dv, BWD_BLOCK_N // 2)
     # One program per SM at most: every program is resident, which the fixed-order dQ needs (BWD_DET_GRID: one per
     # tile, [Note] Launch order in gluon/backward.py.j2; BWD_GRID_ALL: modes 1, 2 one per tile, [Note] L2 sections).
-    kernel[(num_tiles if (BWD_DET_GRID and dq_mode != 1) or (BWD_GRID_ALL and dq_mode)
-            else min(num_tiles, _NUM_SMS[dev]), )](
+    _bwd_run(memo, kernel, (num_tiles if (BWD_DET_GRID and dq_mode != 1) or (BWD_GRID_ALL and dq_mode)
+                            else min(num_tiles, _NUM_SMS[dev]), ), (
         _descriptor(q, BWD_BLOCK_M), _descriptor(do, BWD_BLOCK_M), _descriptor(k, BWD_BLOCK_N),
         _descriptor(v, BWD_BLOCK_N), (lse2, (1, BWD_BLOCK_M)), (rows, (1, BWD_BLOCK_M)),
         (dq_acc, (1, 1, BWD_BLOCK_M, HEAD_DIM // 2)), dk, dv, sem,
         scale * 1.4426950408889634 if qk_scale is None else qk_scale, scale, num_tiles, num_bh, hkv, sq, sk, sq_pad,
-        *extra, HEAD_DIM=HEAD_DIM, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, STAGES=BWD_RING_SLOTS,
-        GQA=GQA // BWD_KV_SPLIT,
-        CAUSAL=CAUSAL, DQ_MODE=dq_mode, COMPUTE_REGS=BWD_COMPUTE_REGS, PRODUCER_REGS=BWD_PRODUCER_REGS,
-        WRITER_REGS=BWD_WRITER_REGS, num_warps=BWD_WARPS,
-    )
+        *extra), dict(HEAD_DIM=HEAD_DIM, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, STAGES=BWD_RING_SLOTS,
+                      GQA=GQA // BWD_KV_SPLIT, CAUSAL=CAUSAL, DQ_MODE=dq_mode, COMPUTE_REGS=BWD_COMPUTE_REGS,
+                      PRODUCER_REGS=BWD_PRODUCER_REGS, WRITER_REGS=BWD_WRITER_REGS, num_warps=BWD_WARPS))
     if dq_mode == 2:
         _fast_dq_convert[(sq_pad // BWD_BLOCK_M, b * hq)](dq_acc, dq, scale, sq, sq_pad, HEAD_DIM, BWD_BLOCK_M, qmul,
                                                           num_warps=4)
     elif dq_mode == 0 and BWD_WIN_PDL:  # [Note] Window conversion overlap (gluon/backward.py.j2)
-        _fast_dq_convert_chain[(b * hq, sq_pad // BWD_BLOCK_M)](dq_acc, dq, sem, scale, sq, sk, sq_pad, extra[0],
-                                                                extra[1], HEAD_DIM=HEAD_DIM, BLOCK_M=BWD_BLOCK_M,
-                                                                BLOCK_N=BWD_BLOCK_N, CAUSAL=CAUSAL, num_warps=4,
-                                                                launch_pdl=True)
+        _bwd_run(memo, _fast_dq_convert_chain, (b * hq, sq_pad // BWD_BLOCK_M),
+                 (dq_acc, dq, sem, scale, sq, sk, sq_pad, extra[0], extra[1]),
+                 dict(HEAD_DIM=HEAD_DIM, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, CAUSAL=CAUSAL, num_warps=4,
+                      launch_pdl=True))
     else:
-        _fast_dq_convert[(sq_pad // BWD_BLOCK_M, b * hq)](dq_acc, dq, scale, sq, sq_pad, HEAD_DIM=HEAD_DIM,
-                                                          BLOCK_M=BWD_BLOCK_M, **_CONV_KW, num_warps=4)
+        _bwd_run(memo, _fast_dq_convert, (sq_pad // BWD_BLOCK_M, b * hq), (dq_acc, dq, scale, sq, sq_pad),
+                 dict(HEAD_DIM=HEAD_DIM, BLOCK_M=BWD_BLOCK_M, **_CONV_KW, num_warps=4))
+    if memo is not None and len(memo) == 3 and None not in memo:  # [Note] Launch memo
+        if len(memos) >= _BWD_MEMO_MAX:
+            memos.clear()
+        memos[key] = tuple(memo)
+
+
+def _bwd_run(memo, launch, grid, args, consts):
+    """launch[grid](*args, **consts) of a _gluon launcher; with a memo list ([Note] Launch memo), appends (entry,
+    grid, flat arguments) of the launch, or None where it took no launch entry or its flat list holds a tensor."""
+    entry = launch[grid](*args, **consts)
+    if memo is not None:
+        flat = None if entry is None else _expand(args, entry[1])
+        memo.append(None if flat is None or any(type(a) is _Tensor for a in flat) else
+                    (entry[0], grid if len(grid) == 3 else (*grid, 1, 1), flat))
 
 
 def _bwd_host(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, *more, **options):

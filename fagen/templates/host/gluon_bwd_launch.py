@@ -7,6 +7,8 @@ calls _bwd_host. The names above the marker are defined by the including module 
 host/launch.py and host/gluon_launch.py, gluon/backward.py.j2); the lines below define them only for linters and
 readers.
 """
+import os
+
 import torch
 import triton
 from triton.experimental.gluon import language as gl
@@ -108,8 +110,9 @@ _BWD_WINDOW_FAST = True
 # capture, or above _BWD_WS_KEEP) has none, so no memo holds a graph pool's address. The fill still runs first,
 # every call. Kept only where every launch went through a launch entry and no flat list holds a tensor (a memo holds
 # ints and maps, never memory); cleared at _BWD_MEMO_MAX entries (a new address of dq, dk or dv is a miss: the fast
-# path plus one _expand a launch). Mode 2 (its bound kernel, a plain triton launch) is not memoised. _BWD_MEMO = False (or $FAGEN_BWD_MEMO=0): every call builds them, as before.
-_BWD_MEMO = __import__("os").environ.get("FAGEN_BWD_MEMO", "1") != "0"
+# path plus one _expand a launch). Mode 2 (its bound kernel, a plain triton launch) is not memoised. _BWD_MEMO =
+# False (or $FAGEN_BWD_MEMO=0): every call builds them, as before.
+_BWD_MEMO = os.environ.get("FAGEN_BWD_MEMO", "1") != "0"
 _BWD_MEMO_MAX = 64
 # The largest workspace kept per (device, stream, thread), in bytes: 2^28 covers B x Hq x sq_pad <= 131072 rows of D
 # 128 (the mods suite's window row, B1 H16 S8192: 68 MB; the standard suite's s16k rows: 137 MB). 2^25 until the

@@ -1,0 +1,117 @@
+"""Why the mods suite reads the window row's backward slower than a script does (issue 26; docs/mods.md "The window
+row's backward in the suite (nineteenth session)").
+
+The eighteenth session's scripts read the sliding-window+causal row's backward (B1 H16 S8192 d128 bf16, attention-
+gym's window 1024 + causal as a mask_mod, lowered to causal + window (1024, 0)) at 0.447 ms with
+fagen.bench.timing.timed_calls (25 ms warm-up, 100 ms of calls, do_bench's zero flush), while `fagen bench --suite
+mods` read the same kernels at 0.470 ms (rounds 0.4700-0.4712). This probe times one process's backward calls in
+the ways that differ between the two, in shuffled passes:
+
+  inputs      the suite's (fagen.bench.mods._inputs: CPU randn, block_mask= passed) or the script's (GPU randn,
+              no block mask);
+  loop        "tc": timed_calls 25 / 100 ms; "short": timed_calls 2 / 20 ms without a memo (each call re-estimates);
+              "suite": the suite's rounds (fagen.bench.timing.measure with a memo kept across 5 rounds of 2 / 20 ms);
+              "suite+flex": the same with Flex's backward timed between fagen's rounds, as the suite interleaves.
+
+Gradients of the two input paths are compared bitwise where their inputs are the same tensors (block_mask= passed
+or not: the lowering validates it and leaves it unused).
+
+    PYTHONPATH=$PWD python3 scripts/gpu_window_gap_s19.py [--passes 5] [--no-flex]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import random
+import statistics
+import sys
+
+import torch
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--passes", type=int, default=5)
+    ap.add_argument("--no-flex", action="store_true")
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("no GPU: nothing to time (this probe has no CPU rehearsal beyond importing)")
+        return 0
+    import fagen
+    from fagen.bench import mods as M
+    from fagen.bench.timing import _zero_flush, measure, timed_calls
+
+    dev = torch.device("cuda")
+    print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+    shape = M.ModsShape()
+    g = M._gym()
+    mm = g.generate_sliding_window(1024)
+    q, k, v, do = M._inputs(shape, "cuda", True)
+    bm = fagen.create_block_mask(mm, None, None, shape.seq, shape.seq, device="cuda")
+    out_bm = fagen.attention(q, k, v, mask_mod=mm, block_mask=bm)
+    out_nb = fagen.attention(q, k, v, mask_mod=mm)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q2, k2, v2, do2 = (torch.randn(1, 16, 8192, 128, generator=gen, device="cuda").bfloat16() for _ in range(4))
+    ql, kl, vl = (t.detach().clone().requires_grad_() for t in (q2, k2, v2))
+    out2 = fagen.attention(ql, kl, vl, mask_mod=lambda b, h, qi, ki: (qi >= ki) & (qi - ki <= 1024))
+    fns = {
+        "suite inputs, block_mask": lambda: torch.autograd.grad(out_bm, (q, k, v), do, retain_graph=True),
+        "suite inputs, no block_mask": lambda: torch.autograd.grad(out_nb, (q, k, v), do, retain_graph=True),
+        "script inputs": lambda: torch.autograd.grad(out2, (ql, kl, vl), do2, retain_graph=True),
+    }
+    ga, gb = fns["suite inputs, block_mask"](), fns["suite inputs, no block_mask"]()
+    print("BITWISE block_mask passed == not:", all(torch.equal(x, y) for x, y in zip(ga, gb)), flush=True)
+    flex_grad = None
+    if not a.no_flex:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        from fagen.bench.peers import configure_dynamo
+
+        configure_dynamo()
+        compiled = torch.compile(flex_attention, dynamic=False)
+        fbm = create_block_mask(mm, None, None, shape.seq, shape.seq, device="cuda")
+        fout = compiled(q, k, v, block_mask=fbm)
+        flex_grad = lambda: torch.autograd.grad(fout, (q, k, v), do, retain_graph=True)  # noqa: E731
+        flex_grad()
+    for f in fns.values():
+        f()
+    torch.cuda.synchronize()
+    flush = _zero_flush(dev)
+    ev = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
+    sync = torch.cuda.synchronize
+    res = collections.defaultdict(list)
+    rng = random.Random(0)
+    configs = [(n, loop) for n in fns for loop in ("tc", "short", "suite")]
+    if flex_grad is not None:
+        configs += [("suite inputs, block_mask", "suite+flex"), ("flex", "tc")]
+    for p in range(a.passes):
+        rng.shuffle(configs)
+        for name, loop in configs:
+            f = flex_grad if name == "flex" else fns[name]
+            if loop == "tc":
+                ms = statistics.median(timed_calls(f, flush, 25, 100, ev, sync))
+            elif loop == "short":
+                ms = statistics.median(timed_calls(f, flush, 2, 20, ev, sync))
+            else:
+                memo, fmemo, rounds = {}, {}, []
+                for r in range(5):
+                    if loop == "suite+flex" and r % 2 == 1:
+                        measure(lambda i: flex_grad(), 1, dev, 2, 20, memo=fmemo)
+                    rounds.append(measure(lambda i: f(), 1, dev, 2, 20, memo=memo))
+                    if loop == "suite+flex" and r % 2 == 0:
+                        measure(lambda i: flex_grad(), 1, dev, 2, 20, memo=fmemo)
+                ms = statistics.median(rounds)
+                res[(name, loop, "rounds")].append(" ".join(f"{x:.4f}" for x in rounds))
+            res[(name, loop)].append(ms)
+    print(f"{'inputs':<30} {'loop':<11} {'median ms':>9}  passes")
+    for key in sorted(k for k in res if len(k) == 2):
+        vals = res[key]
+        print(f"{key[0]:<30} {key[1]:<11} {statistics.median(vals):9.4f}  " + " ".join(f"{x:.4f}" for x in vals))
+    for key in sorted(k for k in res if len(k) == 3):
+        print(f"  rounds of {key[0]} / {key[1]} (pass by pass): " + " | ".join(res[key]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

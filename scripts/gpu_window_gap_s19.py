@@ -16,7 +16,10 @@ the ways that differ between the two, in shuffled passes:
 Gradients of the two input paths are compared bitwise where their inputs are the same tensors (block_mask= passed
 or not: the lowering validates it and leaves it unused).
 
-    PYTHONPATH=$PWD python3 scripts/gpu_window_gap_s19.py [--passes 5] [--no-flex]
+    PYTHONPATH=$PWD python3 scripts/gpu_window_gap_s19.py [--passes 5] [--no-flex] [--suite-rows]
+
+--suite-rows first runs the suite's own row (fagen.bench.mods.mod_rows, the window row only, 5 rounds) with Flex,
+without, and with again, in this process.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--passes", type=int, default=5)
     ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--suite-rows", action="store_true", help="first the suite's own row (mod_rows), three times")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("no GPU: nothing to time (this probe has no CPU rehearsal beyond importing)")
@@ -45,6 +49,13 @@ def main():
     dev = torch.device("cuda")
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     shape = M.ModsShape()
+    if a.suite_rows:  # the suite's own row, alone in this process: fagen.bench.mods.mod_rows as `fagen bench` runs it
+        for flex in (True, False, True):
+            (r, ) = M.mod_rows("cuda", shape, log=lambda *x, **y: None, flex=flex, only={"sliding-window+causal"},
+                               rounds=5)
+            print(f"SUITE ROW flex={flex}: fagen bwd ms rounds {r['fagen']['bwd_rounds_ms']} fwd "
+                  f"{r['fagen']['fwd_rounds_ms']}" + (f"; flex bwd {r['flex']['bwd_rounds_ms']} bwd_x "
+                                                      f"{r['bwd_x']:.3f}" if flex else ""), flush=True)
     g = M._gym()
     mm = g.generate_sliding_window(1024)
     q, k, v, do = M._inputs(shape, "cuda", True)

@@ -37,6 +37,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--passes", type=int, default=5)
     ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--after-rows", action="store_true", help="the window row fresh, after the suite's five rows "
+                    "before it, after empty_cache, after 30 s idle (then exit)")
     ap.add_argument("--suite-rows", action="store_true", help="first the suite's own row (mod_rows), three times")
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -49,6 +51,28 @@ def main():
     dev = torch.device("cuda")
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     shape = M.ModsShape()
+    if a.after_rows:  # the suite's five rows before the window row first, then the window row: as is, after
+        import gc  # the allocator's cache is emptied, and after 30 s idle
+        import time
+
+        def window_row(label):
+            (r, ) = M.mod_rows("cuda", shape, log=lambda *x, **y: None, only={"sliding-window+causal"}, rounds=5)
+            print(f"AFTER ROWS {label}: fagen bwd ms rounds {r['fagen']['bwd_rounds_ms']}; flex bwd "
+                  f"{r['flex']['bwd_rounds_ms']} bwd_x {r['bwd_x']:.3f}; reserved "
+                  f"{torch.cuda.memory_reserved() / 2**30:.1f} GiB", flush=True)
+
+        t0 = time.time()
+        window_row("first, fresh process")
+        M.mod_rows("cuda", shape, log=lambda *x, **y: None, rounds=1,
+                   only={"relative-bias", "alibi", "softcap", "document+causal", "prefix-lm"})
+        print(f"five rows done at {time.time() - t0:.0f} s", flush=True)
+        window_row("after the five rows")
+        gc.collect()
+        torch.cuda.empty_cache()
+        window_row("then empty_cache")
+        time.sleep(30)
+        window_row("then 30 s idle")
+        return 0
     if a.suite_rows:  # the suite's own row, alone in this process: fagen.bench.mods.mod_rows as `fagen bench` runs it
         for flex in (True, False, True):
             (r, ) = M.mod_rows("cuda", shape, log=lambda *x, **y: None, flex=flex, only={"sliding-window+causal"},

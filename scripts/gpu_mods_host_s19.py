@@ -33,7 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 FAILS: list = []
 # (module attribute path, value of the new path); the old path is the value the module had at import
 NEW_FLAGS = (("fagen.runtime.api", "DOC_MEMO", True), ("fagen.runtime.modded", "LOWER_MEMO", True),
-             ("<bwd>", "_BWD_LEAN", True))
+             ("<varlen>", "_VARLEN_STEPS", True), ("<bwd>", "_BWD_LEAN", True))
 
 
 def check(ok, text):
@@ -53,10 +53,10 @@ def dry_run():
     from test_gluon_bwd_window_chain import WINDOW_SPEC, _source
 
     t0 = time.perf_counter()
-    varlen = fagen.KernelSpec(head_dim=128, mask="causal", dtype="bf16", layout="varlen")
+    varlen = fagen.KernelSpec(head_dim=128, mask="causal", dtype="bf16", layout="varlen", direction="bwd")
     build = compile_arch(varlen, "sm_90")
-    print(f"varlen causal fwd+bwd ({varlen.name}) built for sm_90 in {time.perf_counter() - t0:.1f} s: "
-          f"{type(build).__name__}", flush=True)
+    print(f"{varlen.name} built for sm_90 in {time.perf_counter() - t0:.1f} s: " + ", ".join(
+        f"{a.name} {a.registers} regs {a.spills} spills" for a in build.kernels), flush=True)
     t0 = time.perf_counter()
     mod = load_source(_source(), f"{fagen.KernelSpec(**WINDOW_SPEC).name}_s19dry")
     k = mod.compile_backward_for(GPUTarget("cuda", 90, 128), seq_q=8192, seq_k=8192)
@@ -66,13 +66,14 @@ def dry_run():
     return rc or (1 if FAILS else 0)
 
 
-def flags(bwd_module):
+def flags(bwd_module, varlen_module):
     """[(owner, name, old, new)] of the NEW_FLAGS present in this tree."""
     import importlib
 
     got = []
     for path, name, new in NEW_FLAGS:
-        owner = bwd_module if path == "<bwd>" else importlib.import_module(path)
+        owner = {"<bwd>": bwd_module, "<varlen>": varlen_module}[path] if path[0] == "<" else \
+            importlib.import_module(path)
         if owner is not None and hasattr(owner, name):
             got.append((owner, name, getattr(owner, name), new))
     return got
@@ -192,7 +193,8 @@ def main():
     bwd_mods = [m for name, m in list(sys.modules.items()) if "_win_" in name and hasattr(m, "_BWD_MEMO")]
     bwd_mod = bwd_mods[0] if len(bwd_mods) == 1 else None
     print("bwd module", None if bwd_mod is None else bwd_mod.__name__.rpartition(".")[2][:72], flush=True)
-    switches = flags(bwd_mod)
+    vmod = resolve.resolve_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), "causal")
+    switches = flags(bwd_mod, vmod)
     print("switches (old -> new):", ", ".join(f"{getattr(o, '__name__', '?').rpartition('.')[2][:24]}.{n} "
                                                f"{old!r}->{new!r}" for o, n, old, new in switches) or "none",
           flush=True)
@@ -245,7 +247,6 @@ def main():
             for tag in ("old", "new"):
                 print(f"  {row} {m} {tag} passes: " + " ".join(f"{x:.4f}" for x in res[(row, m, tag)]))
     # --- breakdown, one pass a mode
-    vmod = resolve.resolve_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), "causal")
     doc_targets = [(api, "_as_switches", "api._as_switches"), (modded, "prepare", "modded.prepare"),
                    (modded, "_lower", "modded._lower"), (modded, "_check_call_block_mask", "modded._check_bm"),
                    (api, "_document_forward", "api._document_forward"), (api, "resolve_varlen", "api.resolve_varlen"),

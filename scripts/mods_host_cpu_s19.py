@@ -134,6 +134,7 @@ def main():
     ap.add_argument("--ab", type=int, default=0, help="alternating passes, levers off / on")
     ap.add_argument("--profile", type=int, default=0)
     ap.add_argument("--row", default="doc", choices=("doc", "win"))
+    ap.add_argument("--lines", type=int, default=32)
     a = ap.parse_args()
     torch.set_num_threads(1)
     rows = {"doc": doc_row(), "win": win_row()}
@@ -146,9 +147,9 @@ def main():
               f"({len(old)} recorded)", flush=True)
         fails += not same
     use(False)
-    if a.profile:
+    for new in (False, True) if a.profile else ():  # cProfile of --row, old path then new
         fn = rows[a.row][0]
-        use(True)
+        use(new)
         for _ in range(20):
             fn()
         prof = cProfile.Profile()
@@ -157,8 +158,8 @@ def main():
             fn()
         prof.disable()
         buf = io.StringIO()
-        pstats.Stats(prof, stream=buf).sort_stats("cumtime").print_stats(32)
-        print(buf.getvalue())
+        pstats.Stats(prof, stream=buf).sort_stats("cumtime").print_stats(a.lines)
+        print(f"PROFILE {a.row} {'new' if new else 'old'} ({a.profile} calls)\n{buf.getvalue()}")
         use(False)
     for name, (fn, rec) in rows.items():
         if a.ab:

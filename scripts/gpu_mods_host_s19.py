@@ -9,7 +9,8 @@ alternating passes (order flipped every pass), each pass per mode:
   - TIMED: fagen.bench.timing.timed_calls (zero flush, events around each call, calls queued), median ms;
   - SUITE: the suite's own timer (fagen.bench.mods._time with a memo and rounds=5: a 1/5 share of 10 ms warm-up
     and 100 ms repetitions, as one round of `fagen bench --suite mods`), ms;
-then ratios old/new per pass. Checks first: the document forward's out against float64 (head 0), out and the
+then ratios old/new per pass; and the host us and timed call again with a slower host (DRAGS: [Note] A slower
+host). Checks first: the document forward's out against float64 (head 0), out and the
 window's gradients bitwise equal old vs new. Then one breakdown pass per mode (wrappers on the host functions,
 inclusive us a call). Exit 1 if a check fails.
 
@@ -34,6 +35,22 @@ FAILS: list = []
 # (module attribute path, value of the new path); the old path is the value the module had at import
 NEW_FLAGS = (("fagen.runtime.api", "DOC_MEMO", True), ("fagen.runtime.modded", "LOWER_MEMO", True),
              ("<varlen>", "_VARLEN_STEPS", True), ("<bwd>", "_BWD_LEAN", True))
+
+
+# [Note] A slower host. The suite's document row read its kernel (0.177 ms) in some processes and up to 1.5x that in
+# others, with the same kernel (docs/mods.md, "The document row in the suite (thirteenth session)"): the timed loop
+# reads the host path wherever it outruns flush + kernel. To see each path in such a state, the timed loop also runs
+# with sys.setprofile(drag(level)): every Python call and return goes through a profile function (level 0: a no-op;
+# level k: a loop of k steps), which slows the host path by 2-3x on this repo's CPU machine
+# (scripts/mods_host_cpu_s19.py), the torch calls (C calls) too, the GPU's work not at all.
+DRAGS = {"doc fwd": (0, 10), "win bwd": (0, )}
+
+
+def drag(level):
+    def profile(frame, event, arg):
+        for _ in range(level):
+            pass
+    return profile
 
 
 def check(ok, text):
@@ -230,22 +247,48 @@ def main():
                 res[(row, "timed ms", tag)].append(statistics.median(
                     timed_calls(fn, _zero_flush(dev), 25, 100, ev, torch.cuda.synchronize)))
                 res[(row, "suite ms", tag)].append(bench._time(fn, "cuda", 100.0, {}, 5))
+                for level in DRAGS[row]:  # a slower host: every Python call profiled ([Note] in the docstring)
+                    sys.setprofile(drag(level))
+                    try:
+                        host, still = host_per_call(fn, a.n // 2, est)
+                        ms = statistics.median(timed_calls(fn, _zero_flush(dev), 25, 100, ev,
+                                                           torch.cuda.synchronize))
+                    finally:
+                        sys.setprofile(None)
+                    res[(row, f"host us drag{level}", tag)].append(host)
+                    res[(row, "busy", tag)].append(still)
+                    res[(row, f"timed ms drag{level}", tag)].append(ms)
     use(switches, False)
     print(f"timed {a.passes} passes by {time.perf_counter() - t_start:.1f} s", flush=True)
     print("| row | measure | old median | new median | old/new median | old/new per pass (q1-q3) |")
     print("|---|---|---:|---:|---:|---|")
     for row in ("doc fwd", "win bwd"):
         check(all(res[(row, "busy", "old")] + res[(row, "busy", "new")]), f"{row}: GPU busy through every host pass")
-        for m in ("host us", "timed ms", "suite ms"):
+        for m in ("host us", "timed ms", "suite ms") + tuple(f"{x} drag{d}" for d in DRAGS[row]
+                                                          for x in ("host us", "timed ms")):
             o, n = res[(row, m, "old")], res[(row, m, "new")]
             r = [x / y for x, y in zip(o, n)]
             qs = statistics.quantiles(r, n=4) if len(r) > 1 else [r[0]] * 3
             print(f"| {row} | {m} | {statistics.median(o):.4g} | {statistics.median(n):.4g} | "
                   f"{statistics.median(r):.3f} | {' '.join(f'{x:.3f}' for x in r)} ({qs[0]:.3f}-{qs[2]:.3f}) |")
     for row in ("doc fwd", "win bwd"):
-        for m in ("timed ms", "suite ms"):
+        for m in ("timed ms", "suite ms") + tuple(f"timed ms drag{d}" for d in DRAGS[row]):
             for tag in ("old", "new"):
                 print(f"  {row} {m} {tag} passes: " + " ".join(f"{x:.4f}" for x in res[(row, m, tag)]))
+    # --- each lever alone: the document row's host us a call (3 passes, old and all interleaved)
+    alone = collections.defaultdict(list)
+    for _ in range(3):
+        for label, on in [("old", [])] + [(n, [i]) for i, (_, n, _, _) in enumerate(switches)] + \
+                [("all", list(range(len(switches))))]:
+            use(switches, False)
+            for i in on:
+                owner, name, _, value = switches[i]
+                setattr(owner, name, value)
+            doc_fwd()
+            alone[label].append(host_per_call(doc_fwd, a.n, 0.2)[0])
+    use(switches, False)
+    print("ALONE doc fwd host us a call (median of 3): " + ", ".join(
+        f"{label} {statistics.median(v):.1f}" for label, v in alone.items()), flush=True)
     # --- breakdown, one pass a mode
     doc_targets = [(api, "_as_switches", "api._as_switches"), (modded, "prepare", "modded.prepare"),
                    (modded, "_lower", "modded._lower"), (modded, "_check_call_block_mask", "modded._check_bm"),

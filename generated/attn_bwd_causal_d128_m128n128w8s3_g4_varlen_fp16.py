@@ -632,8 +632,9 @@ _STEPS = {}
 # cu_seqlens' shapes (the grid's batch) and max_seqlen_q / max_seqlen_k (the grid's rows), cu_seqlens' addresses
 # joining the alignment check; the step's launch passes q, k, v, out and lse's addresses (the kernel views
 # _kernel_views makes of them start where they do) and the cu_seqlens tensors, as the general path passes them.
-# What it skips a warm call: _kernel_views' permutes, the TMA and copy checks, the int pack and _run's key (~40% of
-# the document row's host path left after the lowering and launch memos on a CPU, scripts/mods_host_cpu_s19.py).
+# What it skips a warm call: _kernel_views' permutes, the TMA and copy checks, the int pack and _run's key (the mods
+# suite's document row on the H200: _launch_forward 50.5 us of its ~113 us of host path, _kernel_views 12.6 and _run
+# 16.5 of them; docs/mods.md, "The mods rows' host path (nineteenth session)").
 # Off by default (a lever: $FAGEN_VARLEN_STEPS=1 or _VARLEN_STEPS = True): every call takes the general path.
 _VARLEN_STEPS = os.environ.get("FAGEN_VARLEN_STEPS", "0") == "1"
 

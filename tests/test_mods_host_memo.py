@@ -255,3 +255,18 @@ def test_a_varlen_step_replays_the_general_path(monkeypatch, tma):
     launch()
     launch()
     assert not module._STEPS
+
+
+@pytest.mark.skipif(ON_GPU, reason="host path only")
+def test_a_captured_inference_tensor_is_not_memoised(memo, monkeypatch):
+    """An inference tensor has no version counter: the call is lowered every time, as without the memo."""
+    q, k, v = _qkv(1, 2, 40)
+    with torch.inference_mode():
+        limit = torch.full((40,), 30, device=DEVICE)
+
+    def mm(b, h, q_idx, kv_idx):
+        return (kv_idx < limit[q_idx]) & (q_idx >= kv_idx)
+
+    want = _fresh(monkeypatch, lambda: _switches(q, k, v, mm))
+    assert _switches(q, k, v, mm) == want and _switches(q, k, v, mm) == want
+    assert not modded._LOWER_MEMO

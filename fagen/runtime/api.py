@@ -367,8 +367,8 @@ def _document_forward(q, k, v, runs, scale, check):
 
 # [Note] Document launch memo (nineteenth session). launch_forward's checks (q, k and v's types, dims, dtypes, head
 # dims, devices, heads; the scale; cu_seqlens' dtype, shape and device; the max_seqlens) and resolve_varlen cost
-# ~13 us of the document row's ~75 us of host path a call on a CPU (scripts/mods_host_cpu_s19.py), the same answer
-# every call for the same views. Where launch_forward accepted a call, its key (the views' types, dtypes, shapes and
+# ~12 us of the mods suite's document row's ~113 us of host path a call on the H200 (docs/mods.md, "The mods rows'
+# host path (nineteenth session)"), the same answer every call for the same views. Where launch_forward accepted a call, its key (the views' types, dtypes, shapes and
 # devices, the scale, the runs' cu_seqlens, fagen's own int32 tensor held in the entry and compared by identity, and
 # the longest run) keeps (cu, module, the checked scale), and a later call with that key goes to the module's
 # _launch_forward with the launch form launch_forward would pass it: the same launch, the same bits. A call with

@@ -276,16 +276,16 @@ def as_switches(q, k, v, mask, score_mod, mask_mod, block_mask, scores: dict, se
 
 # [Note] Lowering memo (nineteenth session). A warm call whose mods lower entirely (fagen/mods/lower.py) ran the
 # lowering again (the plan's lookup, alignment, lower.lower, a split's checks and runs lookup) and the block mask's
-# check: 15-20 us of the document row's ~75 us of host path on a CPU (scripts/mods_host_cpu_s19.py). The answer is a
-# function of what _memo_key reads: the mods' fields (their trees), each closure value (a number: its type and
-# value; a captured tensor: the object itself, held by a weak reference and compared by identity, its version
-# counter, dtype, shape, device and requires_grad: what splittable, _runs, slopes_ok and host_slopes read), the
-# mask, q, k and v's types, dtypes, shapes, strides and devices, whether grad mode and any requires_grad ask for
-# gradients, and the block mask (the object, compared by identity, its classes' shape and device: what
-# _check_block_mask reads; a frozen dataclass). Only dense calls of a mask_mod alone (a score_mod's lowering also
-# asks hopper's selection, [Note] Score mods on the gluon forward) without switch keywords or seqlens; never while a
-# CUDA graph captures (a split then keeps the mod). Off by default (a lever: $FAGEN_LOWER_MEMO=1 or LOWER_MEMO = True);
-# off, every call lowers, as before.
+# check: 15 us of the document row's ~113 us of host path a call on the H200 (docs/mods.md, "The mods rows' host path
+# (nineteenth session)"). The answer is a function of what _memo_key reads: the mods' fields (their trees), each
+# closure value (a number: its type and value; a captured tensor: the object itself, held by a weak reference and
+# compared by identity, its version counter, dtype, shape, device and requires_grad: what splittable, _runs,
+# slopes_ok and host_slopes read; an inference tensor has no version counter: no memo), the mask, q, k and v's types,
+# dtypes, shapes, strides and devices, whether grad mode and any requires_grad ask for gradients, and the block mask
+# (the object, compared by identity, its classes' shape and device: what _check_block_mask reads; a frozen
+# dataclass). Only dense calls of a mask_mod alone (a score_mod's lowering also asks hopper's selection, [Note] Score
+# mods on the gluon forward) without switch keywords or seqlens; never while a CUDA graph captures (a split then
+# keeps the mod). Off by default (a lever: $FAGEN_LOWER_MEMO=1 or LOWER_MEMO = True): every call lowers, as before.
 LOWER_MEMO = os.environ.get("FAGEN_LOWER_MEMO", "0") == "1"
 _LOWER_MEMO: dict[tuple, tuple] = {}
 _NONE_REF = type(None)  # "called" like a weak reference, it gives None: the entry of a call without a block mask
@@ -298,6 +298,8 @@ def _memo_key(mods: Mods, q, k, v, mask, block_mask) -> tuple | None:
     vals = []
     for x in mods.values.values():
         if isinstance(x, torch.Tensor):
+            if x.is_inference():  # no version counter to read: not memoised
+                return None
             vals += (id(x), x._version, x.dtype, x.shape, x.device, x.requires_grad)
         else:
             vals += (type(x), x)

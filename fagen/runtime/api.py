@@ -366,14 +366,14 @@ def _document_forward(q, k, v, runs, scale, check):
 
 
 # [Note] Document launch memo (nineteenth session). launch_forward's checks (q, k and v's types, dims, dtypes, head
-# dims, devices, heads; the scale; cu_seqlens' dtype, shape and device; the max_seqlens) and resolve_varlen cost
-# ~12 us of the mods suite's document row's ~113 us of host path a call on the H200 (docs/mods.md, "The mods rows'
-# host path (nineteenth session)"), the same answer every call for the same views. Where launch_forward accepted a call, its key (the views' types, dtypes, shapes and
-# devices, the scale, the runs' cu_seqlens, fagen's own int32 tensor held in the entry and compared by identity, and
-# the longest run) keeps (cu, module, the checked scale), and a later call with that key goes to the module's
-# _launch_forward with the launch form launch_forward would pass it: the same launch, the same bits. A call with
-# check=True, or a scale that is not None or a float, never takes it. Off by default (a lever: $FAGEN_DOC_MEMO=1 or
-# DOC_MEMO = True).
+# dims, devices, heads; the scale; cu_seqlens' dtype, shape and device; the max_seqlens) and resolve_varlen cost ~12
+# us of the mods suite's document row's ~113 us of host path a call on the H200 (docs/mods.md, "The mods rows' host
+# path (nineteenth session)"), the same answer every call for the same views. Where launch_forward accepted a call,
+# its key (the views' types, dtypes, shapes and devices, the scale, the runs' cu_seqlens, fagen's own int32 tensor
+# held in the entry and compared by identity, and the longest run) keeps (cu, module, the checked scale), and a later
+# call with that key goes to the module's _launch_forward with the launch form launch_forward would pass it: the same
+# launch, the same bits. A call with check=True, or a scale that is not None or a float, never takes it. Off by
+# default (a lever: $FAGEN_DOC_MEMO=1 or DOC_MEMO = True).
 DOC_MEMO = os.environ.get("FAGEN_DOC_MEMO", "0") == "1"
 _DOC_CHECKED: dict[tuple, tuple] = {}
 

@@ -600,6 +600,27 @@ def _attn_fwd(Q, K, V, Out, Lse, SeqlensQ, SeqlensK, TreeMask, qk_scale,
     tl.store(Lse + (off_h.to(tl.int64) * seq_q + q_row0) + offs_m, lse, mask=offs_m < len_q)
 
 
+# [Note] Forward steps
+# A model calls one layer's attention with one shape again and again. The first call of a shape takes the general
+# path of _launch_forward (contiguity and TMA checks, strides, grid, a _fast launch) and, where the launch was fast
+# ([Note] Fast launches), no input was copied and every pointer is 16-byte aligned, keeps its grid, int arguments
+# and launch entry in _STEPS under a key of the device, the shapes and the strides. A later call with that key
+# checks the pointers' alignment in one expression and calls the launcher with device addresses as ints (a
+# tensor costs the launcher a data_ptr() call and a driver query of the pointer). The score inputs are not in the
+# key: the window's two extents are ints below 2**30 that no kernel specialises (do_not_specialize, mod_jit in
+# fagen/codegen/signatures.py), the cap a float, the slopes and sinks tensors (checked for alignment with the
+# rest), and a step reads them from each call, so a changed window (a lowered mod's closure number) replays the
+# step. _STEPS is cleared past 1024 entries.
+_STEPS = {}
+# [Note] Varlen steps (nineteenth session). The varlen layout takes the same steps, its key also holding the
+# cu_seqlens' shapes (the grid's batch) and max_seqlen_q / max_seqlen_k (the grid's rows), cu_seqlens' addresses
+# joining the alignment check; the step's launch passes q, k, v, out and lse's addresses (the kernel views
+# _kernel_views makes of them start where they do) and the cu_seqlens tensors, as the general path passes them.
+# What it skips a warm call: _kernel_views' permutes, the TMA and copy checks, the int pack and _run's key (the mods
+# suite's document row on the H200: _launch_forward 50.5 us of its ~113 us of host path, _kernel_views 12.6 and _run
+# 16.5 of them; docs/mods.md, "The mods rows' host path (nineteenth session)").
+# Off by default (a lever: $FAGEN_VARLEN_STEPS=1 or _VARLEN_STEPS = True): every call takes the general path.
+_VARLEN_STEPS = os.environ.get("FAGEN_VARLEN_STEPS", "0") == "1"
 
 
 def _launch_forward(q, k, v, scale, seqlens_q, seqlens_k, tree, max_seqlen_q, max_seqlen_k, out=None, lse=None):
@@ -608,6 +629,18 @@ def _launch_forward(q, k, v, scale, seqlens_q, seqlens_k, tree, max_seqlen_q, ma
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32) if lse is None else lse
     if out.numel() == 0:
         return out, lse
+    key = None
+    if _VARLEN_STEPS:  # [Note] Varlen steps
+        device = q.get_device()
+        key = (device, q.shape, k.shape, q.stride(), k.stride(), v.stride(), out.stride(), seqlens_q.shape, seqlens_k.shape, max_seqlen_q, max_seqlen_k)
+        step = _STEPS.get(key)
+        if step is not None:
+            grid, entry, ints = step
+            pq, pk, pv, po, pl = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()
+            if ((pq | pk | pv | po | pl | seqlens_q.data_ptr() | seqlens_k.data_ptr()) & 15) == 0:
+                _launch_entry(entry, grid, device, (pq, pk, pv, po, pl, seqlens_q, seqlens_k, tree,
+                                                    scale * 1.4426950408889634, *ints))
+                return out, lse
     result = out, lse
     q, k, v, out, lse, b, rows_q, sk, paging = _kernel_views(q, k, v, out, lse, seqlens_q, max_seqlen_q, max_seqlen_k)
     hq, sq = q.shape[1], q.shape[2]
@@ -632,6 +665,11 @@ def _launch_forward(q, k, v, scale, seqlens_q, seqlens_k, tree, max_seqlen_q, ma
         HEAD_DIM=HEAD_DIM, BLOCK_D=_pow2(HEAD_DIM), HEAD_DIM_V=HEAD_DIM_V, BLOCK_DV=_pow2(HEAD_DIM_V), BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N, GQA=GQA, UPCAST=UPCAST, TMA=TMA, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
+    if key is not None and _direct_entry(entry) and not copied \
+            and ((q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr() | lse.data_ptr() | seqlens_q.data_ptr() | seqlens_k.data_ptr()) & 15) == 0:
+        if len(_STEPS) >= 1024:
+            _STEPS.clear()
+        _STEPS[key] = (grid, entry, ints)
     return result
 
 

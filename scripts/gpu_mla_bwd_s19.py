@@ -10,8 +10,8 @@ A candidate is the default render with some module constants replaced (DKDV_BLOC
 kernel's warps and stages, GROUP_PROGRAMS), as scripts/gpu_mla_bwd_s7.py does. Phases (child processes under
 wall-clock limits: a kernel that faults or hangs loses its row, never the table):
 1. check, all candidates at once (their builds in parallel): dq/dk/dv against float64, outputs NaN-filled (a
-   program that never ran fails), causal gqa 1 b3 h2 Sq 200 / Sk 333 and causal gqa 2 b1 hq 4 Sq 257 / Sk 333
-   (lengths off every block, Sq != Sk, GQA), then one untimed call at the bench shape (Triton's cache);
+   program that never ran fails), causal gqa 1 b3 h16 Sq 208 / Sk 336 (off every block; the bench shape's build)
+   and causal gqa 2 b1 hq 4 Sq 257 / Sk 333 (Sq != Sk, GQA), then one untimed call at the bench shape;
 2. time: cuDNN (SDPA), the product through fagen.attention's autograd, the product's module called directly
    (m.backward, as the candidates are) and each checked candidate, in passes, each pass every row once in a
    rotated order (do_bench per row); per pass each row's ratio to cuDNN of the same pass, reported as median
@@ -171,16 +171,16 @@ def child_check(label: str) -> None:
     consts = dict((*ALL, MUTANT))[label]
     gen = torch.Generator(device=dev()).manual_seed(1)
     worst, errs = 0.0, []
-    # gqa 1 at lengths that are multiples of 16 (not of 32): Triton's specialization of the bench shape, so this
-    # build is the one timed; gqa 2 at odd lengths (a build of its own)
-    shapes = ((("causal", 1, 3, 48, 80), ("causal", 2, 1, 45, 61)) if DRY else
-              (("causal", 1, 3, 208, 336), ("causal", 2, 1, 257, 333)))
-    for mask, gqa, nb, sq, sk in shapes:
+    # (mask, gqa, batch, query heads, Sq, Sk): gqa 1 with 16 heads at lengths that are multiples of 16 (not of 32):
+    # Triton's specialization of the bench shape (ints by divisibility by 16), so this build is the one timed; gqa 2
+    # at odd lengths (a build of its own)
+    shapes = ((("causal", 1, 3, 2, 48, 80), ("causal", 2, 1, 4, 45, 61)) if DRY else
+              (("causal", 1, 3, 16, 208, 336), ("causal", 2, 1, 4, 257, 333)))
+    for mask, gqa, nb, hq, sq, sk in shapes:
         m = module(label, consts, mask, gqa)
-        hq = 2 * gqa
         q = torch.randn(nb, hq, sq, D, device=dev(), generator=gen).bfloat16()
-        k = torch.randn(nb, 2, sk, D, device=dev(), generator=gen).bfloat16()
-        v = torch.randn(nb, 2, sk, DV, device=dev(), generator=gen).bfloat16()
+        k = torch.randn(nb, hq // gqa, sk, D, device=dev(), generator=gen).bfloat16()
+        v = torch.randn(nb, hq // gqa, sk, DV, device=dev(), generator=gen).bfloat16()
         do = torch.randn(nb, hq, sq, DV, device=dev(), generator=gen).bfloat16()
         m._new_out = lambda t: torch.full_like(t, float("nan"))  # a program that never ran leaves NaN
         o, lse = ref_fwd(q, k, v, mask == "causal", D ** -0.5)
@@ -227,6 +227,12 @@ def child_time(labels: list[str]) -> None:
     for label in labels:
         m = module(label, by_label[label])
         rows[label] = (lambda m=m, o=o, lse=lse: m.backward(do, q, k, v, o, lse))
+        if label == "product":  # where the time goes: the preprocess alone, each gradient kernel with it
+            launch = m._launch_backward
+            args = (do, q, k, v, o, lse, D ** -0.5, None, None, None)
+            rows["product pre"] = lambda: launch(*args, need_dq=False, need_dkdv=False)
+            rows["product pre+dK/dV"] = lambda: launch(*args, need_dq=False)
+            rows["product pre+dQ"] = lambda: launch(*args, need_dkdv=False)
     for f in rows.values():
         f()
     if not DRY:
@@ -329,6 +335,9 @@ def table(passes: list[dict]) -> None:
             f"n{c['DKDV_BLOCK_N']} m{c['DKDV_BLOCK_M']} w{c['DKDV_NUM_WARPS']} s{c['DKDV_NUM_STAGES']}; "
             f"m{c['DQ_BLOCK_M']} n{c['DQ_BLOCK_N']} w{c['DQ_NUM_WARPS']} s{c['DQ_NUM_STAGES']}; p{c['GROUP_PROGRAMS']}")
         med, lo, hi = q3(rp)
+        if n.startswith("product "):  # a part of the product's backward: its time only
+            lines.append(f"| {n} | | {statistics.median(ms):.3f} [{min(ms):.3f}, {max(ms):.3f}] | | | |")
+            continue
         lines.append(f"| {n} | {cs} | {statistics.median(ms):.3f} | {flops / statistics.median(ms) / 1e9:.1f} | "
                      f"{statistics.median(r):.3f}x [{min(r):.3f}, {max(r):.3f}] | {med:.3f} [{lo:.3f}, {hi:.3f}] |")
     out("\n".join(lines))

@@ -75,6 +75,10 @@ ALL = (
     cand("q m64 n32 w4 s4", DQ_BLOCK_M=64, DQ_BLOCK_N=32, DQ_NUM_WARPS=4, DQ_NUM_STAGES=4),
     cand("q m64 w8", DQ_BLOCK_M=64, DQ_NUM_WARPS=8),
     cand("q n128 s2", DQ_BLOCK_N=128, DQ_NUM_STAGES=2),
+    cand("q m64 n32 w4 s2", DQ_BLOCK_M=64, DQ_BLOCK_N=32, DQ_NUM_WARPS=4, DQ_NUM_STAGES=2),
+    cand("q m64 n16 w4 s4", DQ_BLOCK_M=64, DQ_BLOCK_N=16, DQ_NUM_WARPS=4, DQ_NUM_STAGES=4),
+    cand("kv n64 w4 p1", DKDV_BLOCK_N=64, DKDV_NUM_WARPS=4, GROUP_PROGRAMS=1),
+    cand("kv n64 m16 w4 s4", DKDV_BLOCK_N=64, DKDV_BLOCK_M=16, DKDV_NUM_WARPS=4, DKDV_NUM_STAGES=4),
     cand("group 64", GROUP_PROGRAMS=64),
     cand("group 256", GROUP_PROGRAMS=256),
 )

@@ -41,8 +41,8 @@ os.environ["MLABWD19_ROUND"] = ROUND
 D, DV = 192, 128
 B, H, S = (1, 2, 64) if DRY else (4, 16, 4096)
 T0 = float(os.environ.get("MLABWD19_T0", time.time()))  # the parent's start: children count from it
-WALL_S = 48  # the whole run
-CHECK_S = 30  # a check child still running then is stopped (its candidate is not timed)
+WALL_S = 50  # the whole run
+CHECK_S = 34  # a check child still running then is stopped (its candidate is not timed)
 
 # The product's constants ([Note] MLA backward steps, [Note] MLA work order; spec m128n128w8s2): candidates change some.
 DEFAULT = dict(DKDV_BLOCK_N=128, DKDV_BLOCK_M=32, DKDV_NUM_WARPS=8, DKDV_NUM_STAGES=3,

@@ -261,7 +261,7 @@ def child_time(labels: list[str]) -> None:
         from triton.testing import do_bench
 
         def bench(f):
-            return do_bench(f, warmup=5, rep=40)
+            return do_bench(f, warmup=3, rep=25)
     names = list(rows)
     for p in range(2 if DRY else PASSES):
         order = names[p % len(names):] + names[:p % len(names)]

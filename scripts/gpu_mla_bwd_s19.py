@@ -46,22 +46,17 @@ WALL_S = 50  # the whole run
 CHECK_S = 34  # a check child still running then is stopped (its candidate is not timed)
 
 # The product's constants ([Note] MLA backward steps, [Note] MLA work order; spec m128n128w8s2): candidates change some.
+# Since round A the preprocess has a tile of its own ([Note] MLA preprocess tile: PRE_BLOCK_M, PRE_NUM_WARPS), 64
+# rows on 4 warps; round A ran before that (at 2a802097: its "product" took the dQ kernel's, 128 rows on 8 warps,
+# as "s18 product" does now, and its "pre m64 w4" was today's product).
 DEFAULT = dict(DKDV_BLOCK_N=128, DKDV_BLOCK_M=32, DKDV_NUM_WARPS=8, DKDV_NUM_STAGES=3,
-               DQ_BLOCK_M=128, DQ_BLOCK_N=64, DQ_NUM_WARPS=8, DQ_NUM_STAGES=3, GROUP_PROGRAMS=128)
+               DQ_BLOCK_M=128, DQ_BLOCK_N=64, DQ_NUM_WARPS=8, DQ_NUM_STAGES=3, GROUP_PROGRAMS=128,
+               PRE_BLOCK_M=64, PRE_NUM_WARPS=4)
 PATCHED = tuple(DEFAULT)
 
 
 def cand(label, **kw):
     return label, {**DEFAULT, **kw}
-
-
-def pre_tile(rows: int, warps: int) -> tuple:
-    """Source edits: the preprocess in programs of `rows` rows on `warps` warps (the render: DQ_BLOCK_M's, on the
-    dQ kernel's warps). The row statistics stay padded to whole blocks of the gradient kernels (128 rows)."""
-    return (("_fast(_attn_bwd_preprocess)[(sq_pad // DQ_BLOCK_M, hq, b)](",
-             f"_fast(_attn_bwd_preprocess)[(sq_pad // {rows}, hq, b)]("),
-            ("BLOCK_M=DQ_BLOCK_M, UPCAST=UPCAST, num_warps=DQ_NUM_WARPS,",
-             f"BLOCK_M={rows}, UPCAST=UPCAST, num_warps={warps},"))
 
 
 # Every candidate enumerated for sm_90 (--ptxas --all); GPU_LABELS the pruned ones run on the GPU.
@@ -89,25 +84,37 @@ ALL = (
     cand("q m64 n16 w4 s4", DQ_BLOCK_M=64, DQ_BLOCK_N=16, DQ_NUM_WARPS=4, DQ_NUM_STAGES=4),
     cand("kv n64 w4 p1", DKDV_BLOCK_N=64, DKDV_NUM_WARPS=4, GROUP_PROGRAMS=1),
     cand("kv n64 m16 w4 s4", DKDV_BLOCK_N=64, DKDV_BLOCK_M=16, DKDV_NUM_WARPS=4, DKDV_NUM_STAGES=4),
-    cand("pre m64 w4", _sub=pre_tile(64, 4)),
-    cand("pre m32 w2", _sub=pre_tile(32, 2)),
+    cand("s18 product", PRE_BLOCK_M=128, PRE_NUM_WARPS=8),  # the eighteenth's: the preprocess at the dQ kernel's tile
+    cand("pre m64 w4", PRE_BLOCK_M=64, PRE_NUM_WARPS=4),  # the product since round A
+    cand("pre m32 w2", PRE_BLOCK_M=32, PRE_NUM_WARPS=2),
+    cand("pre m32 w4", PRE_BLOCK_M=32, PRE_NUM_WARPS=4),
+    cand("pre m64 w2", PRE_BLOCK_M=64, PRE_NUM_WARPS=2),
+    cand("pre m64 w8", PRE_BLOCK_M=64, PRE_NUM_WARPS=8),
+    cand("pre m128 w4", PRE_BLOCK_M=128, PRE_NUM_WARPS=4),
     cand("group 64", GROUP_PROGRAMS=64),
     cand("group 256", GROUP_PROGRAMS=256),
 )
 GPU_LABELS = {
     "A": ("product", "kv s4", "kv n64 w4", "q n32 s4", "q m64 n32 w4", "q m64 w8", "pre m64 w4", "group 256"),
-    "B": ("product",),
+    "B": ("product", "s18 product", "pre m32 w2", "pre m32 w4", "pre m64 w2", "pre m64 w8", "pre m128 w4", "group 256"),
 }[ROUND]
+BASE = "s18 product" if ROUND == "B" else "product"  # the table's second ratio: against this row of the same pass
+# rows beside the whole backward: the preprocess alone (PRE), each gradient kernel with it (PARTS), and back to back
+# (B2B: 10 calls between two events, no L2 flush, so the host's launch time hides under the GPU's)
+PRE = {"A": ("product", ), "B": ("product", "s18 product", "pre m32 w2", "pre m32 w4", "pre m64 w2", "pre m64 w8",
+                                 "pre m128 w4")}[ROUND]
+PARTS = {"A": ("product", ), "B": ("product", "s18 product")}[ROUND]
+B2B = {"A": (), "B": ("cudnn", "product", "s18 product")}[ROUND]
 CANDIDATES = tuple(c for c in ALL if c[0] in GPU_LABELS)
 if DRY:  # the interpreter is slow at d192: the rehearsal runs the product, two candidates and the mutant
-    CANDIDATES = tuple(c for c in CANDIDATES if c[0] in ("product", "q m64 n32 w4", "pre m64 w4"))
+    CANDIDATES = CANDIDATES[:3]
 # checked only, expected to FAIL (the dry run: seen red on the CPU): dK's scale left out
 MUTANT = ("mutant", {**DEFAULT, "_sub": (("    dk *= scale  #", "    dk *= 1.0  #"), )})
 # ... and delta summed on the CUDA cores, not formed as dP is: dQ's row 0 is no longer exactly 0 where it rounds
 MUTANT_DELTA = ("mutant delta", {**DEFAULT, "_sub": (
     ("    delta = tl.sum(tl.where(eye, tl.dot(o, tl.trans(do)), 0.0), 1)",
      "    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)"), )})
-PASSES = 30
+PASSES = 60
 
 
 def out(msg: str) -> None:
@@ -253,12 +260,16 @@ def child_time(labels: list[str]) -> None:
     for label in labels:
         m = module(label, by_label[label])
         rows[label] = (lambda m=m, o=o, lse=lse: m.backward(do, q, k, v, o, lse))
-        if label == "product":  # where the time goes: the preprocess alone, each gradient kernel with it
-            launch = m._launch_backward
-            args = (do, q, k, v, o, lse, D ** -0.5, None, None, None)
-            rows["product pre"] = lambda: launch(*args, need_dq=False, need_dkdv=False)
-            rows["product pre+dK/dV"] = lambda: launch(*args, need_dq=False)
-            rows["product pre+dQ"] = lambda: launch(*args, need_dkdv=False)
+        launch = m._launch_backward
+        args = (do, q, k, v, o, lse, D ** -0.5, None, None, None)
+        if label in PRE:  # where the time goes: the preprocess alone, each gradient kernel with it
+            rows[f"{label} [pre]"] = (lambda f=launch: f(*args, need_dq=False, need_dkdv=False))
+        if label in PARTS:
+            rows[f"{label} [pre+dK/dV]"] = (lambda f=launch: f(*args, need_dq=False))
+            rows[f"{label} [pre+dQ]"] = (lambda f=launch: f(*args, need_dkdv=False))
+    for label in B2B:
+        if label in rows:
+            rows[f"{label} b2b"] = rows[label]
     for f in rows.values():
         f()
     if not DRY:
@@ -274,10 +285,22 @@ def child_time(labels: list[str]) -> None:
 
         def bench(f):
             return do_bench(f, warmup=3, rep=25)
+
+    def back_to_back(f, n=10):
+        if DRY:
+            return bench(f)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            f()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / n
     names = list(rows)
     for p in range(2 if DRY else PASSES):
         order = names[p % len(names):] + names[:p % len(names)]
-        ms = {n: bench(rows[n]) for n in order}
+        ms = {n: (back_to_back if n.endswith(" b2b") else bench)(rows[n]) for n in order}
         out("PASS " + json.dumps(ms))
         if time.time() - T0 > WALL_S - 3:
             break
@@ -320,7 +343,8 @@ def run_gpu() -> int:
             out("the mutant PASSED: the check cannot fail")
             rc = 1
     out(f"[{time.time() - T0:5.1f}s] checks done")
-    ok = [lb for lb in labels if not lb.startswith("mutant") and lb != "warm" and lb in checks and checks[lb]["worst"] < 2e-2]
+    ok = [lb for lb in labels
+          if not lb.startswith("mutant") and lb != "warm" and lb in checks and checks[lb]["worst"] < 2e-2]
     passes = []
 
     def on_line(s: str) -> None:
@@ -346,27 +370,31 @@ def table(passes: list[dict]) -> None:
         out("no timing passes")
         return
     flops = 2.5 * 2 * B * H * S * S * (D + DV) / 2
-    names = list(passes[0])
-    names = ["cudnn", "fagen.attention", *[n for n in names if n not in ("cudnn", "fagen.attention")]]
+    first = ["cudnn", "fagen.attention"]
+    names = first + [n for n in passes[0] if n not in first]
     consts = dict(ALL)
-    lines = [f"{len(passes)} passes, causal b{B} h{H} s{S} 192/128 bf16, backward only",
-             "| row | constants (dK/dV n m w s; dQ m n w s; group) | median ms | TF/s | vs cuDNN per pass: median "
-             "[min, max] | vs product module: median [q1, q3] |", "|---|---|---:|---:|---|---|"]
+    lines = [f"{len(passes)} passes, causal b{B} h{H} s{S} 192/128 bf16, backward only; b2b: back to back, against "
+             "cuDNN's and the base's b2b", "| row | constants (dK/dV n m w s; dQ m n w s; group; pre m w) | median ms "
+             f"| TF/s | vs cuDNN per pass: median [min, max] | vs {BASE} per pass: median [q1, q3] |",
+             "|---|---|---:|---:|---|---|"]
     for n in names:
         ms = [p[n] for p in passes]
-        r = [p["cudnn"] / p[n] for p in passes]
-        rp = [p["product"] / p[n] for p in passes] if "product" in passes[0] else [float("nan")]
         c = consts.get(n)
-        cs = "" if c is None else "(as shipped)" if not c else (
+        cs = "" if c is None else (
             f"n{c['DKDV_BLOCK_N']} m{c['DKDV_BLOCK_M']} w{c['DKDV_NUM_WARPS']} s{c['DKDV_NUM_STAGES']}; "
-            f"m{c['DQ_BLOCK_M']} n{c['DQ_BLOCK_N']} w{c['DQ_NUM_WARPS']} s{c['DQ_NUM_STAGES']}; p{c['GROUP_PROGRAMS']}"
-            + ("; source edits" if c.get("_sub") else ""))
-        med, lo, hi = q3(rp)
-        if n.startswith("product "):  # a part of the product's backward: its time only
+            f"m{c['DQ_BLOCK_M']} n{c['DQ_BLOCK_N']} w{c['DQ_NUM_WARPS']} s{c['DQ_NUM_STAGES']}; "
+            f"p{c['GROUP_PROGRAMS']}; "
+            f"m{c['PRE_BLOCK_M']} w{c['PRE_NUM_WARPS']}" if c else "(as shipped)")
+        if n.endswith("]"):  # a part of a backward: its time only
             lines.append(f"| {n} | | {statistics.median(ms):.3f} [{min(ms):.3f}, {max(ms):.3f}] | | | |")
             continue
+        tail = " b2b" if n.endswith(" b2b") else ""
+        r = [p["cudnn" + tail] / p[n] for p in passes if "cudnn" + tail in p]
+        rp = [p[BASE + tail] / p[n] for p in passes if BASE + tail in p] or [float("nan")]
+        med, lo, hi = q3(rp)
         lines.append(f"| {n} | {cs} | {statistics.median(ms):.3f} | {flops / statistics.median(ms) / 1e9:.1f} | "
-                     f"{statistics.median(r):.3f}x [{min(r):.3f}, {max(r):.3f}] | {med:.3f} [{lo:.3f}, {hi:.3f}] |")
+                     + (f"{statistics.median(r):.3f}x [{min(r):.3f}, {max(r):.3f}]" if r else "") +
+                     f" | {med:.3f} [{lo:.3f}, {hi:.3f}] |")
     out("\n".join(lines))
     d = os.environ.get("OUT")
     if d:
@@ -386,7 +414,8 @@ def ptxas_table(cands) -> None:
     from fagen.aot import artifacts
     from fagen.runtime.modules import import_module
 
-    out("| candidate | dK/dV regs | spills (words) | KB | dQ regs | spills | KB |\n|---|---|---|---|---|---|---|")
+    out("| candidate | dK/dV regs | spills (words) | KB | dQ regs | spills | KB | pre regs | spills | KB |\n"
+        "|---|---|---|---|---|---|---|---|---|---|")
     tmp = tempfile.mkdtemp()
     work = []
     with artifacts._compiled_mode():
@@ -397,7 +426,8 @@ def ptxas_table(cands) -> None:
             with open(path, "w") as f:
                 f.write(src)
             mod = import_module(Path(path), f"mlabwd19_{tag}", filename=f"{spec.name}.py")
-            work += [(label, spec, e) for e in mod.AOT_KERNELS if e["name"] in ("_attn_bwd_dkdv", "_attn_bwd_dq")]
+            work += [(label, spec, e) for name in ("_attn_bwd_dkdv", "_attn_bwd_dq", "_attn_bwd_preprocess")
+                     for e in mod.AOT_KERNELS if e["name"] == name]
 
         def one(w):
             try:
@@ -438,7 +468,7 @@ def main() -> int:
         child_time([a for a in sys.argv[sys.argv.index("time") + 1:] if not a.startswith("--")])
         return 0
     if "--ptxas" in sys.argv:
-        only = [a for a in sys.argv[1:] if not a.startswith("--")]
+        only = [a for i, a in enumerate(sys.argv[1:], 1) if not a.startswith("--") and sys.argv[i - 1] != "--round"]
         cands = ALL if "--all" in sys.argv else CANDIDATES
         return 1 if ptxas_table([c for c in cands if not only or c[0] in only]) else 0
     if DRY:  # every GPU candidate built for sm_90, then the run itself on the interpreter at tiny shapes

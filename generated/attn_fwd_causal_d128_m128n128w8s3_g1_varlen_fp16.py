@@ -619,8 +619,9 @@ _STEPS = {}
 # What it skips a warm call: _kernel_views' permutes, the TMA and copy checks, the int pack and _run's key (the mods
 # suite's document row on the H200: _launch_forward 50.5 us of its ~113 us of host path, _kernel_views 12.6 and _run
 # 16.5 of them; docs/mods.md, "The mods rows' host path (nineteenth session)").
-# Off by default (a lever: $FAGEN_VARLEN_STEPS=1 or _VARLEN_STEPS = True): every call takes the general path.
-_VARLEN_STEPS = os.environ.get("FAGEN_VARLEN_STEPS", "0") == "1"
+# On by default since the nineteenth session's H200 round B; $FAGEN_VARLEN_STEPS=0 or _VARLEN_STEPS = False: every
+# call takes the general path.
+_VARLEN_STEPS = os.environ.get("FAGEN_VARLEN_STEPS", "1") != "0"
 
 
 def _launch_forward(q, k, v, scale, seqlens_q, seqlens_k, tree, max_seqlen_q, max_seqlen_k, out=None, lse=None):

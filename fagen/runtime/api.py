@@ -372,9 +372,9 @@ def _document_forward(q, k, v, runs, scale, check):
 # its key (the views' types, dtypes, shapes and devices, the scale, the runs' cu_seqlens, fagen's own int32 tensor
 # held in the entry and compared by identity, and the longest run) keeps (cu, module, the checked scale), and a later
 # call with that key goes to the module's _launch_forward with the launch form launch_forward would pass it: the same
-# launch, the same bits. A call with check=True, or a scale that is not None or a float, never takes it. Off by
-# default (a lever: $FAGEN_DOC_MEMO=1 or DOC_MEMO = True).
-DOC_MEMO = os.environ.get("FAGEN_DOC_MEMO", "0") == "1"
+# launch, the same bits. A call with check=True, or a scale that is not None or a float, never takes it. On by
+# default since the nineteenth session's H200 round B ($FAGEN_DOC_MEMO=0 or DOC_MEMO = False: off).
+DOC_MEMO = os.environ.get("FAGEN_DOC_MEMO", "1") != "0"
 _DOC_CHECKED: dict[tuple, tuple] = {}
 
 

@@ -285,8 +285,9 @@ def as_switches(q, k, v, mask, score_mod, mask_mod, block_mask, scores: dict, se
 # (the object, compared by identity, its classes' shape and device: what _check_block_mask reads; a frozen
 # dataclass). Only dense calls of a mask_mod alone (a score_mod's lowering also asks hopper's selection, [Note] Score
 # mods on the gluon forward) without switch keywords or seqlens; never while a CUDA graph captures (a split then
-# keeps the mod). Off by default (a lever: $FAGEN_LOWER_MEMO=1 or LOWER_MEMO = True): every call lowers, as before.
-LOWER_MEMO = os.environ.get("FAGEN_LOWER_MEMO", "0") == "1"
+# keeps the mod). On by default since the nineteenth session's H200 round B; $FAGEN_LOWER_MEMO=0 or LOWER_MEMO =
+# False: every call lowers, as before.
+LOWER_MEMO = os.environ.get("FAGEN_LOWER_MEMO", "1") != "0"
 _LOWER_MEMO: dict[tuple, tuple] = {}
 _NONE_REF = type(None)  # "called" like a weak reference, it gives None: the entry of a call without a block mask
 

@@ -300,7 +300,7 @@ def main_phase():
             errs[name] = (out[0, list(heads)].double() - ref).abs().max().item()
             check(torch.equal(out, again), f"{case} {name}: two calls bit for bit")
             built = [c[0] for c in compiles[n0:] if not c[1]]
-            log(f"{case} {name}: modules {[m.__name__.rsplit('.', 1)[-1] for m in picked.values()]}, "
+            log(f"{case} {name}: modules {[getattr(m, 'NAME', m.__name__) for m in picked.values()]}, "
                 f"compiled here {built}, max |out - float64| {errs[name]:.2e} (heads {heads})")
         tol = max(2e-2, 2 * errs["prod"] + 1e-3)
         check(errs["tail"] <= tol, f"{case}: tail {errs['tail']:.2e} <= {tol:.2e} against float64 (prod "
@@ -318,7 +318,7 @@ def main_phase():
                 out = fagen.attention(qq, kk, vv, score_mod=mod)
             torch.cuda.synchronize()
             err = (out[0, list(heads)].double() - ref).abs().max().item()
-            picked = [m.__name__.rsplit('.', 1)[-1] for m in modded._FORWARD_ONLY.values()]
+            picked = [getattr(m, "NAME", m.__name__) for m in modded._FORWARD_ONLY.values()]
             check(err <= 2e-2 and any("gluon" in p for p in picked),
                   f"issue B{batch} Sq {sq} Sk {sk} {name}: {err:.2e} against float64, module {picked}")
     del qq, kk, vv

@@ -14,11 +14,13 @@ Phases (on the GPU machine, ~35 s):
      compile stages (listener) and the call's CPU seconds (the process's and ptxas's). COLD_PER children per
      variant, all at once (--cold-par 1: one at a time, alternating).
   3. the main process: for each case (issue: that mod with c = 0.5; the suite's relative-bias, alibi (lowered to
-     its row-free score_mod) and softcap (lowered to the softcap switch: the same Triton kernel both ways, a
-     control)) and variant, through fagen.attention without gradient (the module fagen.attention picked, re-picked
+     its row-free score_mod) and softcap (not lowered: round A ran it on the Gluon modded forward too)) and variant, through fagen.attention without gradient (the module fagen.attention picked, re-picked
      after each variant switch): float64 checks (heads 0 and 15 at B1 H16 S8192; the issue's mod also at Sq 3000
      Sk 4001 and B8 Sq 8192 Sk 77, where the last key block is partial), repeatability, then the warm forward's
-     TF/s in shuffled passes (fagen.bench.timing.measure, L2 flushed), per-pass ratios tail / prod.
+     TF/s in shuffled passes, per-pass ratios prod ms / tail ms. Round A timed each (case, variant) of a pass by
+     fagen.bench.timing.measure (do_bench, L2 flushed; per-pass ratios spread 0.89-1.22); round B by batches of
+     BATCH calls back to back between CUDA events (the median of BATCHES batches), each case's two variants
+     adjacent in a pass (their order drawn), more passes.
 Exit 1 on a FAIL.
 
     PYTHONPATH=$PWD python3 scripts/gpu_coldgl_s19.py [--round A|B] [--cold-par N] [--passes P]
@@ -50,7 +52,8 @@ def _opt(name, default):
 ROUND = _opt("--round", "A").upper()
 COLD_PAR = _opt("--cold-par", 4)
 COLD_PER = _opt("--cold-per", 2)
-PASSES = _opt("--passes", 9)
+PASSES = _opt("--passes", 9 if ROUND == "A" else 21)
+BATCH, BATCHES = 8, 5
 VARIANTS = {"prod": 0, "tail": 1}
 CASES = ("issue", "relative-bias", "alibi", "softcap")
 TMP = tempfile.mkdtemp(prefix="coldgl-")
@@ -196,7 +199,7 @@ def merge(src, dst):
 
 def warm_up():
     procs = [((case, name), spawn(WARM, (case, tail), child_env(f"warm-{case}-{name}")))
-             for case in CASES for name, tail in VARIANTS.items() if not (case == "softcap" and tail)]
+             for case in CASES for name, tail in VARIANTS.items()]
     os.makedirs(os.environ["TRITON_CACHE_DIR"], exist_ok=True)
     t = time.time()
     import torch  # noqa: F401 - the main process's imports, while the children build
@@ -338,12 +341,35 @@ def main_phase():
         return call
 
     rng = random.Random(19)
+    event = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
+
+    def batches(key):
+        """ms a call: the median of BATCHES batches of BATCH calls back to back between two events."""
+        call = timed(key)
+        for _ in range(3):
+            call(0)
+        marks = [(event(), event()) for _ in range(BATCHES)]
+        for a, b in marks:
+            a.record()
+            for _ in range(BATCH):
+                call(0)
+            b.record()
+        torch.cuda.synchronize()
+        return statistics.median(a.elapsed_time(b) / BATCH for a, b in marks)
+
     with torch.no_grad():
         for p in range(PASSES):
-            order = list(calls)
-            rng.shuffle(order)
-            for key in order:
-                times[key].append(measure(timed(key), 1, device, warmup_ms=10, rep_ms=40))
+            cases = list(CASES)
+            rng.shuffle(cases)
+            for case in cases:
+                names = list(VARIANTS)
+                rng.shuffle(names)
+                for name in names:
+                    key = (case, name)
+                    if ROUND == "A":
+                        times[key].append(measure(timed(key), 1, device, warmup_ms=10, rep_ms=40))
+                    else:
+                        times[key].append(batches(key))
     print("| case | prod TF/s | tail TF/s | tail / prod per pass: median | q1 | q3 | min | max |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for case in CASES:
@@ -352,8 +378,9 @@ def main_phase():
         qs = statistics.quantiles(r, n=4) if len(r) > 1 else [r[0]] * 3
         print(f"| {case} | {flops / statistics.median(a) / 1e9:.0f} | {flops / statistics.median(b) / 1e9:.0f} | "
               f"{statistics.median(r):.4f} | {qs[0]:.4f} | {qs[2]:.4f} | {r[0]:.4f} | {r[-1]:.4f} |")
-    print(f"({PASSES} shuffled passes; ratio = prod ms / tail ms, > 1: tail faster; B1 H16 S8192 d128 bf16 forward, "
-          "no gradient, through fagen.attention)")
+    how = "do_bench, L2 flushed" if ROUND == "A" else f"median of {BATCHES} batches of {BATCH} calls back to back"
+    print(f"({PASSES} shuffled passes, {how}; ratio = prod ms / tail ms, > 1: tail faster; B1 H16 S8192 d128 bf16 "
+          "forward, no gradient, through fagen.attention)")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "coldgl_times.json"), "w") as f:
             json.dump({f"{c}|{n}": t for (c, n), t in times.items()}, f)

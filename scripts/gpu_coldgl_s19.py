@@ -14,8 +14,9 @@ Phases (on the GPU machine, ~35 s):
      compile stages (listener) and the call's CPU seconds (the process's and ptxas's). COLD_PER children per
      variant, all at once (--cold-par 1: one at a time, alternating).
   3. the main process: for each case (issue: that mod with c = 0.5; the suite's relative-bias, alibi (lowered to
-     its row-free score_mod) and softcap (not lowered: round A ran it on the Gluon modded forward too)) and variant, through fagen.attention without gradient (the module fagen.attention picked, re-picked
-     after each variant switch): float64 checks (heads 0 and 15 at B1 H16 S8192; the issue's mod also at Sq 3000
+     its row-free score_mod) and softcap (on the H200 not lowered: the Gluon modded forward too)) and variant,
+     through fagen.attention without gradient (the module fagen.attention picked, re-picked after each variant
+     switch): float64 checks (heads 0 and 15 at B1 H16 S8192; the issue's mod also at Sq 3000
      Sk 4001 and B8 Sq 8192 Sk 77, where the last key block is partial), repeatability, then the warm forward's
      TF/s in shuffled passes, per-pass ratios prod ms / tail ms. Round A timed each (case, variant) of a pass by
      fagen.bench.timing.measure (do_bench, L2 flushed; per-pass ratios spread 0.89-1.22); round B by batches of

@@ -10,6 +10,8 @@ Each build runs in a fresh process with fresh FAGEN_CACHE_DIR and TRITON_CACHE_D
 times (ir init: the AST to TTIR/TTGIR source, then ttir, ttgir, llir, ptx, cubin = ptxas).
 
     PYTHONPATH=$PWD python3 scripts/cpu_coldgluon.py [--kinds gluon,triton,gluon-plain] [--env K=V] [--json PATH]
+        [--variant fwd_tail_first=0 --variant fwd_tail_first=1 --repeat 2]  (each variant in its own processes;
+        an empty --variant= is the product's)
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ CHILD = r'''
 import json, os, sys, time
 sys.path.insert(0, sys.argv[1])
 kind, consts = sys.argv[2], [float(c) for c in sys.argv[3].split(",")]
+variant = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
 T = time.perf_counter
 t0 = T()
 import torch, triton
@@ -32,7 +35,9 @@ from triton.backends.compiler import GPUTarget
 import fagen
 from fagen.runtime import mods, modded
 from fagen.spec.kernel import KernelSpec
-rec = {"kind": kind, "imports": T() - t0, "builds": []}
+from fagen import backends
+backends.GLUON.variant.update(variant)  # a Gluon variant's keys (--variant), set before any render
+rec = {"kind": kind, "variant": variant, "imports": T() - t0, "builds": []}
 import resource
 from triton.backends.nvidia.compiler import CUDABackend
 CPU = {}
@@ -95,14 +100,14 @@ print("RESULT " + json.dumps(rec))
 '''
 
 
-def run(kind: str, consts, extra_env: dict) -> dict:
+def run(kind: str, consts, extra_env: dict, variant: dict | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="coldgluon-") as tmp:
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         env.update(FAGEN_CACHE_DIR=os.path.join(tmp, "fagen"), TRITON_CACHE_DIR=os.path.join(tmp, "triton"),
                    **extra_env)
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         start = time.perf_counter()
-        p = subprocess.run([sys.executable, "-c", CHILD, root, kind, ",".join(map(repr, consts))], env=env,
+        p = subprocess.run([sys.executable, "-c", CHILD, root, kind, ",".join(map(repr, consts)), json.dumps(variant or {})], env=env,
                            capture_output=True, text=True, timeout=600)
         if p.returncode:
             raise SystemExit(p.stderr[-3000:])
@@ -119,7 +124,8 @@ def table(recs: list) -> str:
         for i, b in enumerate(rec["builds"]):
             cells = [f"{b['trace_spec']:.3f}", f"{b['load']:.3f}", f"{b['compile']:.3f}", f"{b.get('init', 0):.3f}"]
             cells += [f"{b.get('stages', {}).get(s, 0):.3f}" if s in b.get("stages", {}) else "-" for s in stages]
-            lines.append(f"| {rec['kind']} {'first' if i == 0 else 'second'} mod | " + " | ".join(cells) + " |")
+            name = rec["kind"] + "".join(f" {k}={v}" for k, v in rec.get("variant", {}).items())
+            lines.append(f"| {name} {'first' if i == 0 else 'second'} mod | " + " | ".join(cells) + " |")
             cpu = b["cpu"]
             lines.append(f"| (CPU s) | | | {cpu['total']:.3f} | | " + " | ".join(
                 f"{cpu[s]:.3f}" if s in cpu else "-" for s in stages) + " |")
@@ -130,11 +136,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kinds", default="gluon,triton")
     ap.add_argument("--env", action="append", default=[], help="K=V for the builds, e.g. TRITON_DISABLE_LINE_INFO=1")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="K=V (an int) of the Gluon variant for the builds, e.g. fwd_tail_first=1; several: kinds x variants")
+    ap.add_argument("--repeat", type=int, default=1, help="processes per kind and variant, alternated")
     ap.add_argument("--json")
     a = ap.parse_args()
     stamp = time.time_ns() % 10**6 / 10**6
     extra = dict(e.split("=", 1) for e in a.env)
-    recs = [run(kind, (0.5 + stamp, 0.625 + stamp), extra) for kind in a.kinds.split(",")]
+    variants = [dict([(k, int(v))]) if k else {} for k, v in (x.split("=", 1) if x else ("", "") for x in a.variant)] or [{}]
+    recs = [run(kind, (0.5 + stamp + r, 0.625 + stamp + r), extra, var) for r in range(a.repeat)
+            for kind in a.kinds.split(",") for var in variants]
     print(f"env {extra or '(none)'}")
     print(table(recs))
     if a.json:

@@ -59,3 +59,104 @@ def test_the_cpu_script_times_every_stage_of_both_forwards():
         assert 0.8 * b["compile"] <= b["init"] + sum(b["stages"].values()) <= b["compile"], b
     table = cg.table(recs)
     assert "| gluon first mod |" in table and "| triton first mod |" in table and "(CPU s)" in table
+
+
+# -- fwd_tail_first ([Note] Tail block first in fagen/templates/gluon/attention.py.j2; docs/mods.md, "The cold first
+# call: a smaller modded forward (nineteenth session)")
+_SPEC = r"""
+def _issue_spec(mask="none", mod=True):
+    # the cold row's Gluon modded forward (score + where(q_idx >= kv_idx, 0.5, -0.5)), or the plain one
+    import torch
+
+    from fagen.runtime import mods, modded
+    from fagen.spec.kernel import KernelSpec
+
+    if not mod:
+        return KernelSpec(head_dim=128, dtype="bf16", mask=mask, backend="gluon")
+    fn = eval("lambda score, b, h, q_idx, kv_idx: score + torch.where(q_idx >= kv_idx, 0.5, -0.5)", {"torch": torch})
+    spec = modded.modded_spec(KernelSpec(head_dim=128, dtype="bf16", mask=mask), mods.prepare(score_mod=fn).fields,
+                              arch="sm_90")
+    return KernelSpec(head_dim=128, mask=spec.mask, gqa=spec.gqa, dtype=spec.dtype, backend="gluon",
+                      score_mod=spec.score_mod, mod_tensors=spec.mod_tensors, mod_scalars=spec.mod_scalars)
+"""
+exec(_SPEC)  # _issue_spec here; the sm_90 build's child (no TRITON_INTERPRET, so not this module) runs the same text
+
+
+def _renders(monkeypatch, tail: int, **kw) -> str:
+    import fagen
+    from fagen import backends
+
+    monkeypatch.setitem(backends.GLUON.variant, "fwd_tail_first", tail)
+    return fagen.generate(_issue_spec(**kw))
+
+
+def test_tail_first_renders_only_a_non_causal_score_mod_forward(monkeypatch):
+    off = {k: _renders(monkeypatch, 0, **k_) for k, k_ in
+           (("none", {}), ("causal", dict(mask="causal")), ("plain", dict(mod=False)))}
+    on = {k: _renders(monkeypatch, 1, **k_) for k, k_ in
+          (("none", {}), ("causal", dict(mask="causal")), ("plain", dict(mod=False)))}
+    assert on["causal"] == off["causal"] and on["plain"] == off["plain"]
+    assert all("Tail block first" not in src for src in off.values())
+    assert "[Note] Tail block first" in on["none"]
+    # one step loop fewer in each consumer: the masked one (the prologue's masked softmax stays)
+    assert on["none"].count("= _consumer_step(") == off["none"].count("= _consumer_step(") - 1 == 1
+    assert "BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, True, CAUSAL)" not in on["none"]
+
+
+def test_tail_first_loads_each_key_block_once_in_the_consumers_order(monkeypatch):
+    """The producer's order (its `last` and `start_n` expressions, read from the render and evaluated here) is the
+    consumers': the last block, then the full blocks from 0; every block once, only the first one cut."""
+    import re
+
+    src = _renders(monkeypatch, 1)
+    loader = src[src.index("def _loader("):src.index("def _softmax(")]
+    last_expr = re.search(r"\n\s+last = (.+?)  #", loader).group(1)
+    start_expr = re.search(r"\n\s+start_n = (.+)\n", loader).group(1)
+    consumer = src[src.index("def _consumer("):]
+    assert re.search(r"\n\s+last = " + re.escape(last_expr) + "  #", consumer)
+    assert "for start_n in range(0, last, BLOCK_N):" in consumer
+    assert "cols = last + gl.arange(" in consumer
+    for block_n in (64, 128):
+        for hi in list(range(1, 700)) + [4001, 4096, 8192]:
+            env = {"hi": hi, "BLOCK_N": block_n}
+            last = eval(last_expr, env)
+            order = [eval(start_expr, {**env, "j": j, "last": last}) for j in range(0, hi, block_n)]
+            assert order == [last] + list(range(0, last, block_n)), (hi, block_n)
+            assert sorted(order) == list(range(0, hi, block_n))
+            assert all(s + block_n <= hi for s in order[1:]), (hi, block_n)  # the unmasked loop's blocks are full
+
+
+_BUILD = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import fagen
+from fagen import backends
+exec(sys.argv[2])
+out = {}
+for tail in (0, 1):
+    backends.GLUON.variant["fwd_tail_first"] = tail
+    ptx = fagen.load(_issue_spec()).compile_for(seq_q=4096, seq_k=4096).asm["ptx"]
+    out[tail] = {"lines": ptx.count("\n"), "ex2": ptx.count("ex2.approx"), "wgmma": ptx.count("wgmma.mma_async")}
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(ON_GPU, reason="builds for a faked sm_90 target; the GPU machine runs scripts/gpu_coldgl_s19.py")
+def test_tail_first_builds_for_sm90_with_a_third_fewer_softmax_copies(tmp_path):
+    reason = _gluon_hopper_missing()
+    if reason:
+        pytest.skip(reason)
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(FAGEN_CACHE_DIR=str(tmp_path / "fagen"), TRITON_CACHE_DIR=str(tmp_path / "triton"))
+    p = subprocess.run([sys.executable, "-c", _BUILD, str(ROOT), _SPEC], env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = {int(k): v for k, v in json.loads(p.stdout.split("RESULT ", 1)[1]).items()}
+    # each consumer: three softmax copies (masked prologue, unmasked and masked steps) -> two; both consumers'
+    # exponentials (64 of P and 2 of alpha a copy per thread) and matmuls (S, P V) scale by 2/3
+    assert 3 * got[1]["ex2"] == 2 * got[0]["ex2"] and 3 * got[1]["wgmma"] == 2 * got[0]["wgmma"], got
+    assert got[1]["lines"] < 0.8 * got[0]["lines"], got

@@ -11,6 +11,17 @@ from fagen.spec import targets, tuned
 from fagen.spec.axes import Backend, DType, Direction, Kind, Layout, Mask
 
 
+# [Note] fp8 decode tiles by shape (nineteenth session; docs/serving.md, "fp8 decode tiles by shape"). On the H200
+# the dense fp8 decode is bound by its instructions, not by the memory (m64n128w4s3 0.79 / 0.78 of copy at the
+# serving suite's b32 kv8k / b8 kv32k, the bf16 cache 1.05). With DENSE_FP8_TWO_WARPS a dense fp8 cache on sm_90 takes
+# 64-key blocks on 2 warps (54 KB, 179 registers: 4 programs an SM), which the split rule counts as 4 programs an
+# SM, choosing the smallest split count within 95% of the best wave efficiency ([Note] Split heuristic in the
+# decode template): at b8 x 8 KV heads 8 splits (512 programs on 528 slots) where 85% took 7 (448, 0.85 of a wave).
+# The tile follows the spec and the split count the batch; batch_invariant=True keeps its own chunks (a function of
+# the sequence's length and the spec only). Off until measured.
+DENSE_FP8_TWO_WARPS = False
+
+
 class TritonBackend(KernelBackend):
     backend = Backend.TRITON
     templates = {Kind.PREFILL: "triton/attention.py.j2", Kind.DECODE: "triton/decode.py.j2"}
@@ -68,6 +79,8 @@ class TritonBackend(KernelBackend):
             # n64s4 89 / 89 / 97 (both converted once); e5m2 n128s3 90 / 99 / 98 (92 / 94 / 99 before). Those are
             # do_bench's, whose L2 flush costs ~17 us a call; round B back to back: 96 / 100 / 100 against 96 / 95 /
             # 100 before (docs/serving.md, "128-key tiles"). Paged caches keep theirs (V converted once lost there).
+            if DENSE_FP8_TWO_WARPS:  # [Note] fp8 decode tiles by shape
+                return {"block_m": 64, "block_n": 64, "num_warps": 2, "num_stages": 3, **given}
             return {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 3, **given}
         if spec.kv_dtype is not None and spec.layout is Layout.PAGED and not spec.shared_kv \
                 and max(spec.head_dim, spec.head_dim_v) <= 128 and targets.TILE_FAMILY.get(arch) == "sm_90":

@@ -45,12 +45,16 @@ CPU = os.environ.get(ENV + "CPU") == "1"  # a CPU test of the phases: TRITON_INT
 DEV = "cpu" if CPU else "cuda"
 
 
+INV, INV_ON = r"^BATCH_INVARIANT = False", "BATCH_INVARIANT = True"
+
+
 def C(n, w, s, pps=2, t=0.85):
     """A candidate: spec overrides and substitutions in the render (the split rule's PROGRAMS_PER_SM and its wave
     threshold, [Note] Split heuristic in the decode template)."""
     return (dict(block_n=n, num_warps=w, num_stages=s),
             {r"^PROGRAMS_PER_SM = \d+$": f"PROGRAMS_PER_SM = {pps}",
-             r"if e >= 0\.85 \* best\)": f"if e >= {t} * best)"})
+             r"^    return min\(n for n, e in effs\.items\(\) if e >= \S+ \* best\)$":
+             f"    return min(n for n, e in effs.items() if e >= {t} * best)"})
 
 
 # name: (spec overrides, substitutions). Programs an SM by ptxas' registers and shared memory (--dry-run); the
@@ -65,6 +69,10 @@ CANDS = {
     "n128w2s3 t95": C(128, 2, 3, 2, 0.95),  # 255 regs, 104 KB: 2 an SM; 16.5 SASS a key against 18.4
     # the paged cache (pages of 16 keys): its default m64n64w2s3 counts 4 an SM (eighteenth session); s18 round B
     # read n32w1s4 pps6 at 0.833 of copy against the default's 0.815 (b32 kv8k, one round)
+    # batch_invariant=True (forward's default switched in the render; the suite's two dense rows only): what the
+    # tile costs the invariant chunks (16 splits of at least 512 keys, whatever the batch)
+    "inv default": ({}, {INV: INV_ON}),
+    "inv n64w2s3 pps4 t95": (C(64, 2, 3, 4, 0.95)[0], {**C(64, 2, 3, 4, 0.95)[1], INV: INV_ON}),
     "paged default": ({}, {}),
     "paged n64w2s3 pps4 t95": C(64, 2, 3, 4, 0.95),
     "paged n32w1s4 pps6": C(32, 1, 4, 6),
@@ -83,14 +91,20 @@ if CPU:
     SHAPES = [(2, 256, None), (4, 512, None), (2, 256, 16)]
 SUITE = {(32, 8192, None): "decode-d128-kv8k-b32-fp8", (8, 32768, None): "decode-d128-kv32k-b8-fp8",
          (32, 8192, 16): "decode-d128-kv8k-b32-fp8-paged16"}
+if CPU:
+    SUITE[(2, 256, None)] = "cpu-dense-b2-kv256"
 
 
 def paged(name):
     return name.startswith("paged")
 
 
+def invariant(name):
+    return name.startswith("inv ")
+
+
 def default_of(name):
-    return "paged default" if paged(name) else "default"
+    return "paged default" if paged(name) else "inv default" if invariant(name) else "default"
 
 
 def emit(section, case, impl, value, ms, note=""):
@@ -284,6 +298,7 @@ def warm_phase(name):
                 kc = torch.zeros(2, 8, 4096, 128, device="cuda", dtype=torch.float8_e4m3fn)
             for n in (1, 3):
                 m.forward_split(q, kc, kc, num_splits=n, **kw)
+            m.forward(q, kc, kc, batch_invariant=True, **kw)
             torch.cuda.synchronize()
         emit("check", ("paged16 " if paged(name) else "dense ") + ("(cpu)" if CPU else "odd lengths"), name, "-", None, note)
     except Exception as e:  # noqa: BLE001
@@ -316,8 +331,9 @@ def time_phase():
     real_load = loader.load
     for b, sk, page in SHAPES:
         case = case_of(b, sk, page)
-        names = [n for n in CANDS if n not in skip and paged(n) == bool(page)]
-        if default_of(names[0] if names else "") not in names:
+        names = [n for n in CANDS if n not in skip and paged(n) == bool(page)
+                 and (not invariant(n) or (b, sk, page) in SUITE)]
+        if "default" not in names and "paged default" not in names:
             continue
         if time.time() - T0 > PHASES["time"] - 2:
             emit("time", case.name, "-", "-", None, "skipped: the phase's time is short")
@@ -347,8 +363,10 @@ def time_phase():
             nb = kv_bytes(case)
             for n in ent:
                 r = [c / x for c, x in zip(got["copy"], got[n])]
-                vs = [d / x for d, x in zip(got[default_of(names[0])], got[n])]
-                splits = module(n)._geometry(b, 8, 1, sk, None, 0)[3] if n != "copy" else 0
+                vs = [d / x for d, x in zip(got[default_of(n)] if n != "copy" else got[n], got[n])]
+                mod = module(n) if n != "copy" else None
+                splits = 0 if mod is None else mod._geometry(b, 8, 1, sk, (mod.INVARIANT_MIN_CHUNK, mod.INVARIANT_SPLITS)
+                                                             if invariant(n) else None, 0)[3]
                 emit("time", case.name, n, f"{nb / statistics.median(got[n]) / 1e6:.0f}", statistics.median(got[n]),
                      json.dumps({"splits": splits, "copy": [round(x, 4) for x in r], "vs": [round(x, 4) for x in vs]}))
             del cc, ent
@@ -371,6 +389,8 @@ def dry_run():
            "BlockTable": "*i32"}
     bad = 0
     for name in CANDS:
+        if invariant(name):  # the same kernels as the name without "inv "
+            continue
         spec, _ = source(name)
         m = module(name)
         fn = m._decode_split
@@ -495,12 +515,13 @@ def main():
                 rows.append(["check", "-", which, "-", "", f"ERROR rc={rc}"])
 
     print(f"[{time.time() - t0:5.1f}s] phase warm (parallel, timeout {PHASES['warm']}s)", flush=True)
-    ths = [threading.Thread(target=one, args=(n,)) for n in CANDS]
+    ths = [threading.Thread(target=one, args=(n,)) for n in CANDS if not invariant(n)]
     for t in ths:
         t.start()
     for t in ths:
         t.join()
     ok = {r[2] for r in rows if r[0] == "check" and r[5].startswith("ok")}
+    ok |= {n for n in CANDS if invariant(n) and n[4:] in ok}  # the same kernels: their checks ran batch_invariant
     bad = [n for n in CANDS if n not in ok]
     if "default" in bad or "paged default" in bad:
         rows.append(["time", "-", "-", "-", "", "ERROR the default failed its checks: nothing timed"])

@@ -37,7 +37,7 @@ ENV = "GPU_FP8DEC_S19_"
 ROUND = os.environ.get(ENV + "ROUND", "A")
 if "--round" in sys.argv[:-1]:  # before the candidates below are chosen (the children get it by the environment)
     ROUND = os.environ[ENV + "ROUND"] = sys.argv[sys.argv.index("--round") + 1]
-PHASES = {"warm": 30, "time": 26}
+PHASES = {"warm": 35, "time": 26}
 if os.environ.get(ENV + "PHASES"):  # "name:seconds,..."
     PHASES = {n: float(t) for n, t in (p.split(":") for p in os.environ[ENV + "PHASES"].split(","))}
 PASSES = 3

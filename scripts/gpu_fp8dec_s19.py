@@ -117,10 +117,21 @@ def base_spec(name):
                             layout="paged" if paged(name) else "dense")
 
 
+def lever_spec(spec):
+    """`spec` as the product resolves it with DENSE_FP8_TWO_WARPS on ([Note] fp8 decode tiles by shape)."""
+    from fagen.backends import triton as triton_backend
+    was, triton_backend.DENSE_FP8_TWO_WARPS = triton_backend.DENSE_FP8_TWO_WARPS, True
+    try:
+        return dataclasses.replace(spec, **{n: None for n in spec.defaulted})
+    finally:
+        triton_backend.DENSE_FP8_TWO_WARPS = was
+
+
 def source(name, spec=None):
     import fagen
     over, subs = CANDS[name]
-    spec = dataclasses.replace(spec or base_spec(name), **over)
+    spec = spec or base_spec(name)
+    spec = lever_spec(spec) if over == "lever" else dataclasses.replace(spec, **over)
     src = fagen.generate(spec)
     for a, b in subs.items():
         src, n = re.subn(a, b, src, flags=re.M)

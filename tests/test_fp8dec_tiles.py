@@ -2,7 +2,8 @@
 fagen/backends/triton.py, [Note] Split heuristic in the decode template). With DENSE_FP8_TWO_WARPS a dense fp8 cache
 on sm_90 takes 64-key blocks on 2 warps, whose split rule counts 4 programs an SM and takes the smallest split count
 within 95% of the best wave efficiency (SPLIT_WAVES); off, the render is the one before (128 keys on 4 warps, 2 an
-SM, 85%). The tile must match the float64 reference on the dequantized cache at lengths that are multiples of no
+SM, 85%). On, where the rule chooses the split count, long enough chunks at batches that leave the slots idle take
+a second tile by shape, 32-key blocks on one warp (SHAPE_TILE, 6 an SM). The tiles must match the float64 reference on the dequantized cache at lengths that are multiples of no
 block, through the rule, one split and three, with per-head and per-token scales; batch_invariant=True must give a
 sequence the same bits alone and in a batch; the sm_90 build must hold the 4 programs an SM the rule counts."""
 
@@ -60,6 +61,15 @@ def test_on_a_dense_fp8_cache_takes_two_warps_and_the_95_percent_rule(two_warps,
     want = {(8, 32768): 8, (8, 4096): 8, (16, 8192): 4, (32, 8192): 2, (32, 32768): 2, (64, 8192): 1,
             (128, 4096): 1}
     assert {k: m.num_splits_for(k[0] * 8, k[1], 132) for k in want} == want
+    # the tile by shape: one warp on 32 keys where B x 8 KV heads leave its 792 slots 80% empty and its split count
+    # keeps chunks of 1024 keys or more; else the spec's tile. (block_n, splits):
+    tiles = {(8, 32768): (32, 12), (8, 4096): (64, 8), (8, 8192): (64, 8), (16, 8192): (32, 6), (32, 4096): (32, 3),
+             (32, 8192): (32, 3), (64, 8192): (32, 3), (128, 4096): (64, 1), (128, 8192): (64, 1)}
+    assert {k: (m._geometry(k[0], 8, 1, k[1], None, 0)[4][0], m._geometry(k[0], 8, 1, k[1], None, 0)[3])
+            for k in tiles} == tiles
+    assert m.SHAPE_TILE == (32, 1, 4, 6) and m.TILE == (64, 2, 3, 4)
+    for forced in (3, (m.INVARIANT_MIN_CHUNK, m.INVARIANT_SPLITS)):  # forward_split, Plans, batch_invariant=True
+        assert m._geometry(32, 8, 1, 8192, forced, 0)[4] == m.TILE
     # the 85% rule on the same slots took 7 at b8 (448 programs, 0.85 of a wave): the paged render keeps it
     paged = _module(_spec(kv, layout="paged"), "paged")
     assert (paged.BLOCK_N, paged.NUM_WARPS, paged.PROGRAMS_PER_SM) == (64, 2, 4)
@@ -98,13 +108,17 @@ def _check(out, lse, q, seqs):
         compare(f"lse {i}", lse[i:i + 1].cpu(), wlse, **LSE_TOLERANCE)
 
 
-@pytest.mark.parametrize("form,sk", [("head", 77), ("token", 130), ("head", 1)])
-def test_the_two_warp_tile_matches_the_dequantized_reference(two_warps, form, sk):
-    """Through the split rule (several splits at this small batch), one split (DIRECT), three, and the
-    batch-invariant chunks; lengths that are multiples of no 64-key block."""
+@pytest.mark.parametrize("form,sk,shape_tile", [("head", 77, False), ("token", 130, False), ("head", 1, False),
+                                                 ("head", 77, True), ("token", 130, True)])
+def test_the_two_warp_tile_matches_the_dequantized_reference(two_warps, form, sk, shape_tile):
+    """Through the split rule (several splits at this small batch; with shape_tile its chunks are long enough for
+    SHAPE_TILE, whose launches then take 32-key blocks), one split (DIRECT), three, and the batch-invariant chunks;
+    lengths that are multiples of no 64- or 32-key block."""
     spec = _spec()
-    m = _module(spec, "ref")
+    m = _module(spec, f"ref{int(shape_tile)}")
     assert (m.BLOCK_N, m.NUM_WARPS, m.PROGRAMS_PER_SM) == (64, 2, 4)
+    m.SHAPE_TILE_MIN_CHUNK = 1 if shape_tile else 10**9  # read by the rule's first call at a shape (memoised)
+    assert m._geometry(3, HKV, 1, 64 * -(-sk // 64), None, 0)[4] == (m.SHAPE_TILE if shape_tile else m.TILE)
     q, kc, vc, kw, seqs = _problem(form, seed=sk, sk=sk)
     for out, lse in (m.forward(q, kc, vc, **kw), m.forward_split(q, kc, vc, num_splits=1, **kw),
                      m.forward_split(q, kc, vc, num_splits=3, **kw),

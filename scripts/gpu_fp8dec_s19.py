@@ -37,7 +37,7 @@ ENV = "GPU_FP8DEC_S19_"
 ROUND = os.environ.get(ENV + "ROUND", "A")
 if "--round" in sys.argv[:-1]:  # before the candidates below are chosen (the children get it by the environment)
     ROUND = os.environ[ENV + "ROUND"] = sys.argv[sys.argv.index("--round") + 1]
-PHASES = {"warm": 35, "time": 26}
+PHASES = {"warm": 40, "time": 26}
 if os.environ.get(ENV + "PHASES"):  # "name:seconds,..."
     PHASES = {n: float(t) for n, t in (p.split(":") for p in os.environ[ENV + "PHASES"].split(","))}
 PASSES = 3
@@ -78,8 +78,23 @@ CANDS = {
     "paged n32w1s4 pps6": C(32, 1, 4, 6),
     "paged n32w1s4 pps6 t95": C(32, 1, 4, 6, 0.95),
 }
-if ROUND != "A":
-    CANDS = dict(CANDS)
+NO_SHAPE = {r"^SHAPE_TILE = \(.*\)$": "SHAPE_TILE = None"}
+FILL = {r"^    if groups >= 0\.8 \* slots or blocks <= 1:$": "    if blocks <= 1:"}
+if ROUND != "A":  # round A (H200, 15:21 UTC, at 2660f802: the dense grid only): n32w1s4 pps6 t95 1.12-1.16x the
+    # default where its chunks hold 1365+ keys, 0.90 / 0.95 at b8 kv4k / kv8k (341 / 683), 1.05 / 1.02 at b128 (one
+    # split: 1024 programs on 792 slots); n64w2s3 pps4 t95 1.05-1.10x everywhere but b8 kv4k (0.987, a tie)
+    CANDS = {
+        "default": ({}, {}),  # the product: m64n128w4s3, DENSE_FP8_TWO_WARPS off
+        "lever": ("lever", {}),  # DENSE_FP8_TWO_WARPS on: m64n64w2s3 with SHAPE_TILE n32w1s4 by shape
+        "lever no shape tile": ("lever", NO_SHAPE),  # round A's n64w2s3 pps4 t95
+        "n32w1s4 pps6 t95": C(32, 1, 4, 6, 0.95),  # round A's, one tile everywhere
+        "n32w1s4 pps6 t95 fill": (C(32, 1, 4, 6, 0.95)[0], {**C(32, 1, 4, 6, 0.95)[1], **FILL}),  # b128: 3 splits
+        "inv default": ({}, {INV: INV_ON}),
+        "inv lever": ("lever", {INV: INV_ON}),
+        "paged default": ({}, {}),
+        "paged n64w2s3 pps4 t95": C(64, 2, 3, 4, 0.95),
+        "paged n32w1s4 pps6 t95": C(32, 1, 4, 6, 0.95),
+    }
 if os.environ.get(ENV + "CANDS"):
     CANDS = {k: CANDS[k] for k in os.environ[ENV + "CANDS"].split(",")}
 # the timed shapes: (batch, KV length); d128 Hq 32 / Hkv 8 as the suite's rows; the suite's two fp8 dense rows first
@@ -247,6 +262,13 @@ def check_candidate(name):
     m = module(name)
     gen = torch.Generator(device=dev).manual_seed(19)
     worst, far, n_checked = 0.0, [], 0
+    st = None  # with a tile by shape: the same render with SHAPE_TILE_MIN_CHUNK 1, so that these small problems take it
+    if getattr(m, "SHAPE_TILE", None) is not None:
+        from fagen.runtime.loader import load_source
+        spec, src = source(name)
+        src, n = re.subn(r"^SHAPE_TILE_MIN_CHUNK = \d+$", "SHAPE_TILE_MIN_CHUNK = 1", src, flags=re.M)
+        assert n == 1
+        st = load_source(src, f"{spec.name}_s19st_{abs(hash(name)) % 10**8}")
     for sk in ((77, 133) if CPU else (77, 1201)):
         b = 3
         q = torch.randn(b, HKV * G, 1, HD, device=dev, generator=gen).mul(2).bfloat16()
@@ -261,6 +283,10 @@ def check_candidate(name):
         kw = dict(k_scale=ks, v_scale=vs)
         runs = [("rule", m.forward(q, kc, vc, **kw)), ("3 splits", m.forward_split(q, kc, vc, num_splits=3, **kw)),
                 ("invariant", m.forward(q, kc, vc, batch_invariant=True, **kw))]
+        if st is not None and sk > 1:
+            span = -(-sk // st.BLOCK_N) * st.BLOCK_N
+            assert st._geometry(b, HKV, 1, span, None, 0)[4] == st.SHAPE_TILE, "the shape tile is not taken"
+            runs.append(("shape tile", st.forward(q, kc, vc, **kw)))
         for how, (o, lse) in runs:
             worst = max(worst, compare(f"out sk{sk} {how}", o.double() / unit, want / unit, **TOLERANCE["bf16"]))
             compare(f"lse sk{sk} {how}", lse, wlse, **LSE_TOLERANCE)
@@ -310,6 +336,11 @@ def warm_phase(name):
             for n in (1, 3):
                 m.forward_split(q, kc, kc, num_splits=n, **kw)
             m.forward(q, kc, kc, batch_invariant=True, **kw)
+            if getattr(m, "SHAPE_TILE", None) is not None:  # the tile by shape at the timed shapes (b8 kv32k takes it)
+                q8 = torch.randn(8, 32, 1, 128, device="cuda").bfloat16()
+                k8 = torch.zeros(8, 8, 32768, 128, device="cuda", dtype=torch.float8_e4m3fn)
+                assert m._geometry(8, 8, 1, 32768, None, 0)[4] == m.SHAPE_TILE
+                m.forward(q8, k8, k8, **kw)
             torch.cuda.synchronize()
         emit("check", ("paged16 " if paged(name) else "dense ") + ("(cpu)" if CPU else "odd lengths"), name, "-", None, note)
     except Exception as e:  # noqa: BLE001
@@ -376,8 +407,9 @@ def time_phase():
                 r = [c / x for c, x in zip(got["copy"], got[n])]
                 vs = [d / x for d, x in zip(got[default_of(n)] if n != "copy" else got[n], got[n])]
                 mod = module(n) if n != "copy" else None
-                splits = 0 if mod is None else mod._geometry(b, 8, 1, sk, (mod.INVARIANT_MIN_CHUNK, mod.INVARIANT_SPLITS)
-                                                             if invariant(n) else None, 0)[3]
+                geo = (0, 0, 0, 0) if mod is None else mod._geometry(
+                    b, 8, 1, sk, (mod.INVARIANT_MIN_CHUNK, mod.INVARIANT_SPLITS) if invariant(n) else None, 0)
+                splits = f"{geo[3]} sp n{geo[4][0] if len(geo) > 4 else mod.BLOCK_N}" if mod else "0"
                 emit("time", case.name, n, f"{nb / statistics.median(got[n]) / 1e6:.0f}", statistics.median(got[n]),
                      json.dumps({"splits": splits, "copy": [round(x, 4) for x in r], "vs": [round(x, 4) for x in vs]}))
             del cc, ent
@@ -407,9 +439,12 @@ def dry_run():
         fn = m._decode_split
         print(f"{name:20s} splits at " + ", ".join(f"b{b} kv{sk // 1024}k: {m._geometry(b, 8, 1, sk, None, 0)[3]}"
                                                    for b, sk, p in SHAPES if bool(p) == paged(name)), flush=True)
-        for direct in (True, False):
+        tiles = [(spec.block_n, spec.num_warps, spec.num_stages)]
+        if getattr(m, "SHAPE_TILE", None) is not None:  # the tile by shape too
+            tiles.append(m.SHAPE_TILE[:3])
+        for (bn, nw, ns), direct in [(t, d) for t in tiles for d in (True, False)]:
             consts = dict(HEAD_DIM=128, BLOCK_D=128, HEAD_DIM_V=128, BLOCK_DV=128, ROWS=m.tile_rows(4),
-                          BLOCK_N=spec.block_n, GQA=4, DOT=True, DIRECT=direct, SPLITS_PER_SEQ=0, UPCAST=False,
+                          BLOCK_N=bn, GQA=4, DOT=True, DIRECT=direct, SPLITS_PER_SEQ=0, UPCAST=False,
                           ROWS32=1)
             sig, cx, attrs = {}, {}, {}
             for i, p in enumerate(fn.params):
@@ -434,20 +469,20 @@ def dry_run():
             try:
                 ck = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx, attrs=attrs),
                                     target=GPUTarget("cuda", 90, 128),
-                                    options=dict(num_warps=spec.num_warps, num_stages=spec.num_stages))
+                                    options=dict(num_warps=nw, num_stages=ns))
                 r = next(iter(ptxas(ck.asm["ptx"])[0].values()))
                 smem = ck.metadata.shared
-                by_regs = 65536 // (max(r.registers, 1) * 32 * spec.num_warps)
+                by_regs = 65536 // (max(r.registers, 1) * 32 * nw)
                 by_smem = (233472 - 1024) // (smem + 1024)
                 loops = ""
                 try:
                     sys.path.insert(0, os.path.join(ROOT, "lab"))
                     from pagedfp8_swap_decode import loop_sass  # the key loops' SASS (cuobjdump)
                     loops = "; ".join(f"loop {x['instructions']} SASS, {x['per_key']} a key"
-                                      for x in loop_sass(ck, spec.block_n, spec.num_warps, "HMMA"))
+                                      for x in loop_sass(ck, bn, nw, "HMMA"))
                 except Exception as e:  # noqa: BLE001
                     loops = f"(no SASS: {type(e).__name__})"
-                print(f"{name:20s} direct={int(direct)} n{spec.block_n} w{spec.num_warps} s{spec.num_stages}: "
+                print(f"{name:20s} direct={int(direct)} n{bn} w{nw} s{ns}: "
                       f"{r.registers} regs, {r.spill_stores + r.spill_loads} spill bytes, {smem // 1024} KB smem; "
                       f"an SM by regs {by_regs}, by smem {by_smem}; {loops}", flush=True)
             except Exception as e:  # noqa: BLE001
@@ -481,7 +516,7 @@ def row(shape, got, cands):
                 cells.append("-")
                 continue
             gbs, d = got[n]
-            cell = f"{gbs} GB/s {statistics.median(d['copy']):.3f} copy, {d['splits']} sp"
+            cell = f"{gbs} GB/s {statistics.median(d['copy']):.3f} copy, {d['splits']}"
             if n != default_of(n):
                 cell += f"; x{q3(d['vs'])}"
             cells.append(cell)

@@ -154,8 +154,8 @@ triton_backend.DENSE_FP8_TWO_WARPS = True
 spec = fagen.KernelSpec(head_dim=128, gqa=4, kind="decode", dtype="bf16", kv_dtype="fp8_e4m3")
 m = load_source(fagen.generate(spec), spec.name + "_sm90")
 fn, out = m._decode_split, {}
-for direct in (True, False):
-    consts = dict(HEAD_DIM=128, BLOCK_D=128, HEAD_DIM_V=128, BLOCK_DV=128, ROWS=m.tile_rows(4), BLOCK_N=spec.block_n,
+for (bn, nw, ns, pps), direct in [(t, d) for t in (m.TILE, m.SHAPE_TILE) for d in (True, False)]:
+    consts = dict(HEAD_DIM=128, BLOCK_D=128, HEAD_DIM_V=128, BLOCK_DV=128, ROWS=m.tile_rows(4), BLOCK_N=bn,
                   GQA=4, DOT=True, DIRECT=direct, SPLITS_PER_SEQ=0, UPCAST=False)
     sig, cx, attrs = {}, {}, {}
     for i, p in enumerate(fn.params):
@@ -177,25 +177,27 @@ for direct in (True, False):
                                                       "stride_zb", "stride_zh", "stride_zn"):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     ck = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx, attrs=attrs), target=GPUTarget("cuda", 90, 128),
-                        options=dict(num_warps=spec.num_warps, num_stages=spec.num_stages))
+                        options=dict(num_warps=nw, num_stages=ns))
     r = next(iter(ptxas(ck.asm["ptx"])[0].values()))
-    out[str(direct)] = dict(regs=r.registers, spills=r.spill_stores + r.spill_loads, shared=ck.metadata.shared,
-                            warps=ck.metadata.num_warps, pps=m.PROGRAMS_PER_SM)
+    out[f"n{bn} direct={direct}"] = dict(regs=r.registers, spills=r.spill_stores + r.spill_loads,
+                                         shared=ck.metadata.shared, warps=ck.metadata.num_warps, pps=pps, want=nw)
 print("RESULT " + json.dumps(out))
 """
 
 
 @pytest.mark.skipif(ON_GPU, reason="builds for sm_90 on the CPU (a GPU machine runs the kernel itself)")
-def test_the_two_warp_tile_builds_four_programs_an_sm_without_spills(tmp_path):
-    """sm_90 (ptxas): the one-split kernel and the split one hold the PROGRAMS_PER_SM the rule counts, by registers
-    (65536 an SM) and by shared memory (228 KB an SM, 1 KB of it a block's reserve), with no spills."""
+def test_the_tiles_build_the_programs_an_sm_their_rule_counts_without_spills(tmp_path):
+    """sm_90 (ptxas): the one-split kernel and the split one of the spec's tile (4 an SM) and of the tile by shape (6
+    an SM) hold the programs an SM their rule counts, by registers (65536 an SM) and by shared memory (228 KB an SM,
+    1 KB of it a block's reserve), with no spills."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["FAGEN_CACHE_DIR"] = str(tmp_path)
     proc = subprocess.run([sys.executable, "-c", _BUILD, ROOT], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     built = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    assert len(built) == 4
     for direct, r in built.items():
-        assert r["spills"] == 0 and r["warps"] == 2, (direct, r)
-        assert r["pps"] == 4, r
+        assert r["spills"] == 0 and r["warps"] == r["want"], (direct, r)
+        assert r["pps"] == (4 if r["want"] == 2 else 6), r
         assert r["pps"] * -(-r["regs"] // 8) * 8 * 32 * r["warps"] <= 65536, (direct, r)  # registers (by 8s)
         assert r["pps"] * (r["shared"] + 1024) <= 228 * 1024, (direct, r)  # shared memory

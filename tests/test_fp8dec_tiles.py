@@ -1,11 +1,12 @@
-"""The dense fp8 decode's tile and split rule by shape (nineteenth session; [Note] fp8 decode tiles by shape in
+"""The dense fp8 decode's tiles and split rule by shape (nineteenth session; [Note] fp8 decode tiles by shape in
 fagen/backends/triton.py, [Note] Split heuristic in the decode template). With DENSE_FP8_TWO_WARPS a dense fp8 cache
 on sm_90 takes 64-key blocks on 2 warps, whose split rule counts 4 programs an SM and takes the smallest split count
-within 95% of the best wave efficiency (SPLIT_WAVES); off, the render is the one before (128 keys on 4 warps, 2 an
-SM, 85%). On, where the rule chooses the split count, long enough chunks at batches that leave the slots idle take
-a second tile by shape, 32-key blocks on one warp (SHAPE_TILE, 6 an SM). The tiles must match the float64 reference on the dequantized cache at lengths that are multiples of no
-block, through the rule, one split and three, with per-head and per-token scales; batch_invariant=True must give a
-sequence the same bits alone and in a batch; the sm_90 build must hold the 4 programs an SM the rule counts."""
+within 95% of the best wave efficiency (SPLIT_WAVES); where that rule chooses the count, batches that leave a second
+tile's slots idle with chunks of 1024 keys or more take it (SHAPE_TILE: 32-key blocks on one warp, 6 an SM); forced
+counts and batch_invariant=True keep the spec's tile. Off, the render is the one before (128 keys on 4 warps, 2 an SM,
+85%). Both tiles must match the float64 reference on the dequantized cache at lengths that are multiples of no block,
+through the rule, one split and three, with per-head and per-token scales; batch_invariant=True must give a sequence
+the same bits alone and in a batch; the sm_90 builds must hold the programs an SM their rule counts, without spills."""
 
 import json
 import os
@@ -43,7 +44,8 @@ def _module(spec, tag=""):
     return load_source(fagen.generate(spec), f"{spec.name}_s19{tag}")
 
 
-def test_off_the_dense_fp8_render_is_the_one_before():
+def test_off_the_dense_fp8_render_is_the_one_before(monkeypatch):
+    monkeypatch.setattr(triton_backend, "DENSE_FP8_TWO_WARPS", False)
     spec = _spec()
     assert (spec.block_n, spec.num_warps, spec.num_stages) == (128, 4, 3)
     assert _lines(spec, "PROGRAMS_PER_SM =", "SPLIT_WAVES =", "return min(n for") == [

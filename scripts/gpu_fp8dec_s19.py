@@ -5,6 +5,9 @@ per-KV-head scales), each over the copy of its bytes in the suite's own measure 
 
     PYTHONPATH=$PWD python3 scripts/gpu_fp8dec_s19.py [--round A|B] [--dry-run]
 
+"default" is the dense tile before this session (m64n128w4s3, forced by spec fields: its render is the product's was,
+character for character), "lever" the product's render with DENSE_FP8_TWO_WARPS on (the default since round B).
+
 --dry-run (the CPU): builds every candidate's _decode_split for sm_90 (ptxas registers, spills, shared memory, the
 key loop's SASS a key) and prints each candidate's split count at every timed shape.
 Phases, each a child process with a timeout (scripts/_phases.py):
@@ -60,8 +63,9 @@ def C(n, w, s, pps=2, t=0.85):
 # name: (spec overrides, substitutions). Programs an SM by ptxas' registers and shared memory (--dry-run); the
 # eighteenth session's round B: n64w2s3 pps4 read b32 kv8k 0.860 of copy (default 0.794), b8 kv32k 0.740 (0.778)
 # with 7 splits of 64 programs (448 programs on 528 slots: 0.85 of a wave, which the 0.85 threshold takes).
+OLD = C(128, 4, 3)  # the dense product before this session (on its render: no substitution changes a character)
 CANDS = {
-    "default": ({}, {}),  # m64n128w4s3, 2 an SM, threshold 0.85
+    "default": OLD,  # m64n128w4s3, 2 an SM, threshold 0.85
     "n64w2s3 pps4": C(64, 2, 3, 4),  # 187 regs, 54 KB: 4 an SM (the s18 candidate)
     "n64w2s3 pps4 t95": C(64, 2, 3, 4, 0.95),  # the same, splits within 95% of the best wave efficiency
     "n32w1s4 pps6 t95": C(32, 1, 4, 6, 0.95),  # 36 KB: 6 an SM (the paged row's best Triton tile in s18 round B)
@@ -71,7 +75,7 @@ CANDS = {
     # read n32w1s4 pps6 at 0.833 of copy against the default's 0.815 (b32 kv8k, one round)
     # batch_invariant=True (forward's default switched in the render; the suite's two dense rows only): what the
     # tile costs the invariant chunks (16 splits of at least 512 keys, whatever the batch)
-    "inv default": ({}, {INV: INV_ON}),
+    "inv default": (OLD[0], {**OLD[1], INV: INV_ON}),
     "inv n64w2s3 pps4 t95": (C(64, 2, 3, 4, 0.95)[0], {**C(64, 2, 3, 4, 0.95)[1], INV: INV_ON}),
     "paged default": ({}, {}),
     "paged n64w2s3 pps4 t95": C(64, 2, 3, 4, 0.95),
@@ -84,12 +88,12 @@ if ROUND != "A":  # round A (H200, 15:21 UTC, at 2660f802: the dense grid only):
     # default where its chunks hold 1365+ keys, 0.90 / 0.95 at b8 kv4k / kv8k (341 / 683), 1.05 / 1.02 at b128 (one
     # split: 1024 programs on 792 slots); n64w2s3 pps4 t95 1.05-1.10x everywhere but b8 kv4k (0.987, a tie)
     CANDS = {
-        "default": ({}, {}),  # the product: m64n128w4s3, DENSE_FP8_TWO_WARPS off
+        "default": OLD,  # the product before: m64n128w4s3, DENSE_FP8_TWO_WARPS off
         "lever": ("lever", {}),  # DENSE_FP8_TWO_WARPS on: m64n64w2s3 with SHAPE_TILE n32w1s4 by shape
         "lever no shape tile": ("lever", NO_SHAPE),  # round A's n64w2s3 pps4 t95
         "n32w1s4 pps6 t95": C(32, 1, 4, 6, 0.95),  # round A's, one tile everywhere
         "n32w1s4 pps6 t95 fill": (C(32, 1, 4, 6, 0.95)[0], {**C(32, 1, 4, 6, 0.95)[1], **FILL}),  # b128: 3 splits
-        "inv default": ({}, {INV: INV_ON}),
+        "inv default": (OLD[0], {**OLD[1], INV: INV_ON}),
         "inv lever": ("lever", {INV: INV_ON}),
         "paged default": ({}, {}),
         "paged n64w2s3 pps4 t95": C(64, 2, 3, 4, 0.95),
@@ -342,7 +346,8 @@ def warm_phase(name):
                 assert m._geometry(8, 8, 1, 32768, None, 0)[4] == m.SHAPE_TILE
                 m.forward(q8, k8, k8, **kw)
             torch.cuda.synchronize()
-        emit("check", ("paged16 " if paged(name) else "dense ") + ("(cpu)" if CPU else "odd lengths"), name, "-", None, note)
+        where = ("paged16 " if paged(name) else "dense ") + ("(cpu)" if CPU else "odd lengths")
+        emit("check", where, name, "-", None, note)
     except Exception as e:  # noqa: BLE001
         emit("check", "-", name, "-", None, f"ERROR {type(e).__name__}: {str(e)[:300]}")
 

@@ -52,12 +52,22 @@ def test_off_the_dense_fp8_render_is_the_one_before(monkeypatch):
         "PROGRAMS_PER_SM = 2", "return min(n for n, e in effs.items() if e >= 0.85 * best)"]
 
 
-@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
+def test_the_lever_is_on_for_the_measured_cache_only():
+    """The product's default since round B (H200): an e4m3 d128 cache; e5m2 and d64 were not measured."""
+    assert triton_backend.DENSE_FP8_TWO_WARPS
+    assert (_spec().block_n, _spec().num_warps, _spec().num_stages) == (64, 2, 3)
+    for other in (_spec("fp8_e5m2"), _spec(head_dim=64)):
+        assert (other.block_n, other.num_warps, other.num_stages) == (128, 4, 3), other.name
+        assert not _lines(other, "SPLIT_WAVES =", "SHAPE_TILE =")
+
+
+@pytest.mark.parametrize("kv", ["fp8_e4m3"])
 def test_on_a_dense_fp8_cache_takes_two_warps_and_the_95_percent_rule(two_warps, kv):
     spec = _spec(kv)
     assert (spec.block_m, spec.block_n, spec.num_warps, spec.num_stages) == (64, 64, 2, 3), spec.name
     assert _lines(spec, "PROGRAMS_PER_SM =", "SPLIT_WAVES =", "return min(n for") == [
-        "PROGRAMS_PER_SM = 4", "SPLIT_WAVES = 0.95", "return min(n for n, e in effs.items() if e >= SPLIT_WAVES * best)"]
+        "PROGRAMS_PER_SM = 4", "SPLIT_WAVES = 0.95",
+        "return min(n for n, e in effs.items() if e >= SPLIT_WAVES * best)"]
     m = _module(spec, kv)
     # splits on 132 SMs (528 slots) at 8 KV heads: the serving suite's rows and the grid between them
     want = {(8, 32768): 8, (8, 4096): 8, (16, 8192): 4, (32, 8192): 2, (32, 32768): 2, (64, 8192): 1,
@@ -72,6 +82,7 @@ def test_on_a_dense_fp8_cache_takes_two_warps_and_the_95_percent_rule(two_warps,
     assert m.SHAPE_TILE == (32, 1, 4, 6) and m.TILE == (64, 2, 3, 4)
     for forced in (3, (m.INVARIANT_MIN_CHUNK, m.INVARIANT_SPLITS)):  # forward_split, Plans, batch_invariant=True
         assert m._geometry(32, 8, 1, 8192, forced, 0)[4] == m.TILE
+    assert m._geometry(32, 8, 2, 8192, None, 0)[4] == m.TILE  # two queries a sequence: the spec's tile
     # the 85% rule on the same slots took 7 at b8 (448 programs, 0.85 of a wave): the paged render keeps it
     paged = _module(_spec(kv, layout="paged"), "paged")
     assert (paged.BLOCK_N, paged.NUM_WARPS, paged.PROGRAMS_PER_SM) == (64, 2, 4)

@@ -1,9 +1,9 @@
 """The tiles and the V conversion an fp8 KV cache's decode kernel gets by default ([Note] fp8 decode tiles in
 fagen/backends/triton.py, [Note] V converted once in the decode template): on sm_90 a dense cache with its own V
-takes 128-key blocks and converts V once; a paged one 64-key blocks on 2 warps (eighteenth session; 128 keys on 8 warps
-from the ninth), V converted once;
-another arch, wide head dims and the bf16 cache keep
-their tiles; MLA's latent cache keeps its own (and converts its tile once, as before)."""
+takes 128-key blocks and converts V once (an e4m3 d128 cache 64-key blocks on 2 warps since the nineteenth session,
+[Note] fp8 decode tiles by shape); a paged one 64-key blocks on 2 warps (eighteenth session; 128 keys on 8 warps from
+the ninth), V converted once; another arch, wide head dims and the bf16 cache keep their tiles; MLA's latent cache
+keeps its own (and converts its tile once, as before)."""
 
 import pytest
 
@@ -21,9 +21,12 @@ def _v_once(spec) -> bool:
 
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_dense_fp8_cache_takes_128_key_blocks_and_converts_v_once_on_sm90(kv, head_dim):
+def test_dense_fp8_cache_takes_its_tile_and_converts_v_once_on_sm90(kv, head_dim):
+    """e4m3 d128: 64-key blocks on 2 warps (nineteenth session, [Note] fp8 decode tiles by shape); the others 128-key
+    blocks on 4 warps (eighth session)."""
     spec = _decode(head_dim=head_dim, kv_dtype=kv)
-    assert (spec.block_m, spec.block_n, spec.num_warps, spec.num_stages) == (64, 128, 4, 3), spec.name
+    want = (64, 64, 2, 3) if (kv, head_dim) == ("fp8_e4m3", 128) else (64, 128, 4, 3)
+    assert (spec.block_m, spec.block_n, spec.num_warps, spec.num_stages) == want, spec.name
     assert _v_once(spec)
 
 

@@ -8,7 +8,24 @@ from __future__ import annotations
 
 from fagen.backends.base import KernelBackend, fit
 from fagen.spec import targets, tuned
-from fagen.spec.axes import Backend, DType, Direction, Kind, Layout, Mask
+from fagen.spec.axes import Backend, DType, Direction, Kind, KVDType, Layout, Mask
+
+
+# [Note] fp8 decode tiles by shape (nineteenth session; docs/serving.md, "fp8 decode tiles by shape"). On the H200
+# the dense fp8 decode is bound by its instructions, not by the memory (m64n128w4s3 0.78 / 0.77 of copy at the
+# serving suite's b32 kv8k / b8 kv32k, the bf16 cache 1.05): its speed follows the wave efficiency of its programs
+# and how many share an SM. With DENSE_FP8_TWO_WARPS an e4m3 d128 cache on sm_90 takes 64-key blocks on 2 warps (54
+# KB, 179 registers: 4 programs an SM), whose split rule counts 4 programs an SM and takes the smallest split count
+# within 95% of the best wave efficiency (SPLIT_WAVES in the decode template; 85% took 7 splits at b8 x 8 KV heads,
+# 448 programs on 528 slots); where that rule chooses the count, one query a sequence, B x KV heads below 80% of
+# the second tile's 792 slots and chunks of 1024 keys or more take SHAPE_TILE, 32-key blocks on one warp (36 KB, 6
+# an SM). Forced counts (forward_split, Plans) and batch_invariant=True keep the spec's tile (the invariant chunks
+# follow the sequence's length and the spec only). H200, scripts/gpu_fp8dec_s19.py, speed against m64n128w4s3 over
+# 12 shapes (b8-b128, kv 4k-32k, Hq 32 / Hkv 8), per pass, median of 3: round B 1.020 (b8 kv4k) to 1.151, the suite's
+# rows 0.890 / 0.871 of copy (1.140x / 1.135x); round A, the two tiles apart, 0.987-1.093 and 0.905-1.155.
+# batch_invariant=True on the 2-warp tile 1.171x / 1.090x at the suite's rows. e5m2, d64 and more query rows a
+# tile were not measured: they keep m64n128w4s3.
+DENSE_FP8_TWO_WARPS = True
 
 
 class TritonBackend(KernelBackend):
@@ -68,6 +85,9 @@ class TritonBackend(KernelBackend):
             # n64s4 89 / 89 / 97 (both converted once); e5m2 n128s3 90 / 99 / 98 (92 / 94 / 99 before). Those are
             # do_bench's, whose L2 flush costs ~17 us a call; round B back to back: 96 / 100 / 100 against 96 / 95 /
             # 100 before (docs/serving.md, "128-key tiles"). Paged caches keep theirs (V converted once lost there).
+            if DENSE_FP8_TWO_WARPS and spec.kv_dtype is KVDType.FP8_E4M3 \
+                    and spec.head_dim == spec.head_dim_v == 128:  # [Note] fp8 decode tiles by shape
+                return {"block_m": 64, "block_n": 64, "num_warps": 2, "num_stages": 3, **given}
             return {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 3, **given}
         if spec.kv_dtype is not None and spec.layout is Layout.PAGED and not spec.shared_kv \
                 and max(spec.head_dim, spec.head_dim_v) <= 128 and targets.TILE_FAMILY.get(arch) == "sm_90":

@@ -285,9 +285,11 @@ def as_switches(q, k, v, mask, score_mod, mask_mod, block_mask, scores: dict, se
 # (the object, compared by identity, its classes' shape and device: what _check_block_mask reads; a frozen
 # dataclass). Only dense calls of a mask_mod alone (a score_mod's lowering also asks hopper's selection, [Note] Score
 # mods on the gluon forward) without switch keywords or seqlens; never while a CUDA graph captures (a split then
-# keeps the mod). On by default since the nineteenth session's H200 round B; $FAGEN_LOWER_MEMO=0 or LOWER_MEMO =
-# False: every call lowers, as before.
-LOWER_MEMO = os.environ.get("FAGEN_LOWER_MEMO", "1") != "0"
+# keeps the mod). Off by default ($FAGEN_LOWER_MEMO=1 or LOWER_MEMO = True: on): a changed closure number misses it
+# every call (the number is in the key) and pays the key on top of the lowering, while an unchanged call gets ~15 us
+# faster, which moves issue 26's changed-scalar ratio (host <= 1.2x an unchanged call) the wrong way; not measured on
+# the GPU with it on, so the lead left it off (the document row's gain is the two other levers': docs/mods.md).
+LOWER_MEMO = os.environ.get("FAGEN_LOWER_MEMO", "0") == "1"
 _LOWER_MEMO: dict[tuple, tuple] = {}
 _NONE_REF = type(None)  # "called" like a weak reference, it gives None: the entry of a call without a block mask
 

@@ -49,8 +49,9 @@ VARIANTS = {
     "turns 1 (FA3)": {"variant": {"fp8_turns": 1}},
     "turns 2 (cuDNN)": {"variant": {"fp8_turns": 2}},
     "turns 3 (FA3, WG1 no waits)": {"variant": {"fp8_turns": 3}},
+    "turns 4 (cuDNN exact)": {"variant": {"fp8_turns": 4}},
 }
-CANDIDATES = ("turns 1 (FA3)", "turns 2 (cuDNN)", "turns 3 (FA3, WG1 no waits)")
+CANDIDATES = ("turns 1 (FA3)", "turns 2 (cuDNN)", "turns 3 (FA3, WG1 no waits)", "turns 4 (cuDNN exact)")
 s7.VARIANTS = VARIANTS
 TOTAL = 47.0  # the round's 50 s less the parent's start and end: the time phase takes what the others left
 PHASE_TIMEOUT = {"build": 17, "check": 16}
@@ -319,7 +320,7 @@ def dry_run():
             for d in loops:
                 print(f"    WG{d['wg']} {d['n']} SASS: QGMMA {d['qgmma'][0]}-{d['qgmma'][-1]}, waits {d['waits']}, "
                       f"MUFU.EX2 {len(d['mufu'])} at {d['mufu'][0]}-{d['mufu'][-1]}, BAR.SYNC {d['sync']}, "
-                      f"BAR.ARV {d['arrive']}, phase checks {d['phasechk']}", flush=True)
+                      f"BAR.ARV {d['arrive']}, BAR.RED {d['red']}, phase checks {d['phasechk']}", flush=True)
             failed += bool(r.spill_stores or r.spill_loads or "serialized" in log or len(loops) != 4)
         except Exception as e:  # noqa: BLE001
             failed += 1

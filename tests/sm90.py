@@ -63,7 +63,7 @@ def sass_step_loops(dump: str, qgmma: int = 8) -> list[list[str]]:
 
 def step_barriers(body: list[str]) -> dict:
     """Where a SASS step loop's named barriers of 256 threads sit: the instruction indexes of its QGMMA, wgmma waits
-    (WARPGROUP.DEPBAR), MUFU.EX2, BAR.SYNC / BAR.ARV of 0x100 threads (index, barrier id), the count of mbarrier
+    (WARPGROUP.DEPBAR), MUFU.EX2, BAR.SYNC / BAR.ARV / BAR.RED of 0x100 threads (index, barrier id), the count of mbarrier
     phase checks, and the consumer warpgroup (triton's partition barrier of 128 threads: 0x0 the default partition,
     warpgroup 0; 0x2 worker 0, warpgroup 1)."""
     idx = lambda pat: [i for i, l in enumerate(body) if re.search(pat, l)]  # noqa: E731
@@ -72,5 +72,5 @@ def step_barriers(body: list[str]) -> dict:
     parts = {re.search(r"\bBAR\.SYNC\S*\s+(0x[0-9a-f]+), 0x80\b", body[i]).group(1)
              for i in idx(r"\bBAR\.SYNC\S*\s+0x[0-9a-f]+, 0x80\b")}
     return dict(n=len(body), qgmma=idx(r"\bQGMMA\b"), waits=idx(r"WARPGROUP\.DEPBAR"), mufu=idx(r"\bMUFU\.EX2\b"),
-                sync=named("SYNC"), arrive=named("ARV"), phasechk=len(idx(r"SYNCS\.PHASECHK")),
+                sync=named("SYNC"), arrive=named("ARV"), red=named("RED"), phasechk=len(idx(r"SYNCS\.PHASECHK")),
                 wg={"0x0": 0, "0x2": 1}.get(parts.pop() if len(parts) == 1 else "", None))

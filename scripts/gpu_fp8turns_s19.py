@@ -43,18 +43,25 @@ from _phases import child_env, run_phase as run_child  # noqa: E402
 
 ROUND = (sys.argv[sys.argv.index("--round") + 1] if "--round" in sys.argv else os.environ.get("FP8TURNS_ROUND", "B")).upper()
 OUTX = Path(os.environ.get("OUTX") or os.environ.get("OUT") or "/tmp/fp8turns19-out")
-# name -> None (the product) or {"variant": GluonBackend.variant keys}; every candidate is the product's out bit for bit
+# name -> None (the product) or {"variant": GluonBackend.variant keys, "base": the module its out must equal bit for
+# bit ("product" unless named; None: none, as the 192-key steps block the online softmax otherwise), "block_n": the
+# emulation's blocking (the module's step)}
+N192 = {"fp8_n192": 1}
 VARIANTS = {
     "product": None,
     "turns 1 (FA3)": {"variant": {"fp8_turns": 1}},
     "turns 2 (cuDNN)": {"variant": {"fp8_turns": 2}},
     "turns 3 (FA3, WG1 no waits)": {"variant": {"fp8_turns": 3}},
     "turns 4 (cuDNN exact)": {"variant": {"fp8_turns": 4}},
+    "n192": {"variant": N192, "base": None, "block_n": 192},  # [Note] fp8 192-key steps (eleventh session), no turns
+    "n192 turns 2": {"variant": {**N192, "fp8_turns": 2}, "base": "n192", "block_n": 192},
+    "n192 turns 4": {"variant": {**N192, "fp8_turns": 4}, "base": "n192", "block_n": 192},
 }
-CANDIDATES = ("turns 1 (FA3)", "turns 2 (cuDNN)", "turns 3 (FA3, WG1 no waits)", "turns 4 (cuDNN exact)")
+CANDIDATES = ("turns 1 (FA3)", "turns 2 (cuDNN)", "turns 3 (FA3, WG1 no waits)", "turns 4 (cuDNN exact)", "n192",
+              "n192 turns 4")
 s7.VARIANTS = VARIANTS
-TOTAL = 47.0  # the round's 50 s less the parent's start and end: the time phase takes what the others left
-PHASE_TIMEOUT = {"build": 17, "check": 16}
+TOTAL = 48.0  # the round's 50 s less the parent's start and end: the time phase takes what the others left
+PHASE_TIMEOUT = {"build": 16, "check": 18}
 HANG_S = float(os.environ.get("FP8TURNS_HANG_S", 10))  # a check child this long without a finished row is killed
 PASSES = 30  # the time phase stops early when its time runs short
 BENCH_MS = (10, 40)  # the bench's measure's warm-up and rep ms (the bench's own: 25, 100)
@@ -66,7 +73,8 @@ if s7.MOCK:  # GPU_FP8_FWD_MOCK=1: the plumbing on the CPU (the emulation stands
 
 
 def jobs():
-    return [(mask, n) for n in VARIANTS for mask in s7.MASKS]
+    used = ("product", ) + CANDIDATES + tuple(VARIANTS[n].get("base") or "product" for n in CANDIDATES)
+    return [(mask, n) for n in VARIANTS if n in used for mask in s7.MASKS]
 
 
 def _warm(job):
@@ -103,10 +111,15 @@ def phase_build():
 
 
 def phase_check_one(name):
-    """The product and candidate `name` on CHECK_ROWS, two seeds; prints READY before the first kernel call."""
+    """The product, candidate `name` and its base on CHECK_ROWS, two seeds; prints READY before the first kernel
+    call."""
     import torch
     import gpu_fp8
-    mods = {(n, mask): s7.module(mask, n) for n in ("product", name) for mask in s7.MASKS}
+    v = VARIANTS[name]
+    base = v.get("base", "product")
+    names = list(dict.fromkeys((base or "product", name)))
+    mods = {(n, mask): s7.module(mask, n) for n in names for mask in s7.MASKS}
+    emulate = gpu_fp8.emulate
     s7.log("READY")
     if os.environ.get("FP8TURNS_MOCK_HANG") == name:  # a test of the hang guard: this child never finishes
         time.sleep(3600)
@@ -114,8 +127,10 @@ def phase_check_one(name):
         label = f"{mask} b{b} h{hkv} sq{sq} sk{sk}{' per-head' if per_head else ''}"
         got = {}
         try:
-            for n in ("product", name):
+            for n in names:
                 m = mods[(n, mask)]
+                bn = (VARIANTS[n] or {}).get("block_n", 128)  # the emulation blocked as the module's steps
+                gpu_fp8.emulate = lambda *a, _e=emulate, _n=bn, **kw: _e(*a, **{**kw, "block_n": _n})
                 outs = []
 
                 def fwd(*a, m=m, outs=outs, **kw):
@@ -129,10 +144,11 @@ def phase_check_one(name):
                 r = max(rows, key=lambda r: r["rmse"] / r["emu_rmse"])
                 note = (f"rmse {r['rmse']:.2e} (emu {r['emu_rmse']:.2e}) lse {r['lse_err']:.1e} "
                         f"finger {r['fingerprint']:.3f} empty {r['empty_rows']}")
-                if n != "product":
-                    same = all(torch.equal(x, y) for a, b_ in zip(outs, got["product"]) for x, y in zip(a, b_))
+                ref = base if n == name else None
+                if ref:
+                    same = all(torch.equal(x, y) for a, b_ in zip(outs, got[ref]) for x, y in zip(a, b_))
                     ok = ok and same
-                    note += f"; {'==' if same else '!='} product bitwise"
+                    note += f"; {'==' if same else '!='} {ref} bitwise"
                 s7.emit(section="check", variant=n, case=label, note=note, value="PASS" if ok else "FAIL",
                         owner=name)
         except Exception as e:  # noqa: BLE001
@@ -180,7 +196,7 @@ def run_checks(env, rows):
     for name, (p, st, th) in procs.items():
         th.join(timeout=2)
         mine = [r for r in rows if r.get("section") == "check" and r.get("owner") == name]
-        want = 2 * len(CHECK_ROWS)
+        want = len(dict.fromkeys((VARIANTS[name].get("base") or "product", name))) * len(CHECK_ROWS)
         if name in killed or not st["done"]:
             rows.append(dict(section="check", variant=name, case="(child)", value="HUNG" if name in killed else "FAIL",
                              note=killed.get(name, f"rc {p.returncode}: " + "".join(st["lines"][-3:])[-300:]),
@@ -314,14 +330,17 @@ def dry_run():
             m = s7.module(mask, name)
             res, log, dump = ptxas(m.compile_for().asm["ptx"], sass=True)
             r = next(iter(res.values()))
-            loops = [step_barriers(b) for b in sass_step_loops(dump)]
+            q = 14 if (VARIANTS[name] or {}).get("block_n") == 192 else 8  # QGMMA a step: S and P V
+            bodies = sass_step_loops(dump, q)
+            loops = [step_barriers(b) for b in bodies]
+            local = sum(bool(re.search(r"\b(LDL|STL)\b", x)) for b in bodies for x in b)
             print(f"{name:>28} {mask:>6}: {r.registers} regs, spills {r.spill_stores}/{r.spill_loads}, serialized "
-                  f"{'serialized' in log} ({time.time() - t:.0f}s)", flush=True)
+                  f"{'serialized' in log}, local memory ops in the step loops {local} ({time.time() - t:.0f}s)", flush=True)
             for d in loops:
                 print(f"    WG{d['wg']} {d['n']} SASS: QGMMA {d['qgmma'][0]}-{d['qgmma'][-1]}, waits {d['waits']}, "
-                      f"MUFU.EX2 {len(d['mufu'])} at {d['mufu'][0]}-{d['mufu'][-1]}, BAR.SYNC {d['sync']}, "
+                      f"MUFU.EX2 {len(d['mufu'])} at {d['mufu'][:1]}-{d['mufu'][-1:]}, BAR.SYNC {d['sync']}, "
                       f"BAR.ARV {d['arrive']}, BAR.RED {d['red']}, phase checks {d['phasechk']}", flush=True)
-            failed += bool(r.spill_stores or r.spill_loads or "serialized" in log or len(loops) != 4)
+            failed += bool(local or "serialized" in log or len(loops) != 4)
         except Exception as e:  # noqa: BLE001
             failed += 1
             print(f"{name} {mask}: BUILD ERROR {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)

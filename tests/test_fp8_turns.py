@@ -2,7 +2,7 @@
 warpgroup turns in fagen/templates/gluon/attention.py.j2), named barriers of both consumer warpgroups (256 threads):
 1 FA3's scheduler barriers, 2 cuDNN's one barrier a step at the wgmma, 3 FA3's with warpgroup 1 skipping the step's
 K/V waits, 4 cuDNN's places exactly (bar.red with a data dependency each way). The render (only where on: fp8, two
-warpgroups at 128 keys, not the 192-key steps or S a step ahead; bf16 and d64 unchanged), and the sm_90 build on the
+warpgroups at 128 or 192 keys, not S a step ahead; bf16 and d64 unchanged), and the sm_90 build on the
 CPU: no spills, and in the SASS of each step loop the barriers where each mode puts them, one a warpgroup a step
 (the hang risks: a count of 256, every sync paired). The kernels against float64 and bit for bit against the product
 run in scripts/gpu_fp8turns_s19.py on the GPU."""
@@ -38,8 +38,11 @@ def test_renders_only_where_on():
             assert ("def _turn_dep(" in src) == (mode == 4)
         with variant(fp8_turns=mode, fp8_s_ahead=1):
             assert "_turn" not in render(mask="none")
-        with variant(fp8_turns=mode, fp8_n192=1):
-            assert "_turn" not in render(mask="none")
+        with variant(fp8_turns=mode, fp8_n192=1):  # the 192-key step takes the same turns
+            step = render(mask="none")
+            step = step[step.index("def _consumer_step192("):]
+            step = step[:step.index("\n\n\n")]
+            assert ("_turn(n, " in step) == (mode != 4) and ("CAUSAL, 1 + WG)" in step) == (mode == 4)
 
 
 def test_the_step_places_its_barriers():
@@ -79,13 +82,15 @@ out = {}
 for key, fields in json.loads(sys.argv[2]).items():
     fields = dict(fields)
     backends.GLUON.variant["fp8_turns"] = fields.pop("turns", 0)
+    backends.GLUON.variant["fp8_n192"] = fields.pop("n192", 0)
+    qgmma = 14 if backends.GLUON.variant["fp8_n192"] else 8  # a step's S and P V
     spec = KernelSpec(backend="gluon", **{"head_dim": 128, "dtype": "fp8_e4m3", **fields})
     render.render.cache_clear()
     mod = load_source(fagen.generate(spec), spec.name + "_" + key)
     res, log, dump = ptxas(mod.compile_for().asm["ptx"], sass=True)
     r = res["_attn_fwd_hopper"]
     out[key] = dict(spills=r.spill_stores + r.spill_loads, stack=r.stack, serialized="serialized" in log,
-                    loops=[step_barriers(b) for b in sass_step_loops(dump)],
+                    loops=[step_barriers(b) for b in sass_step_loops(dump, qgmma)],
                     named={op: dump.count(f"BAR.{op}") for op in ("SYNC.DEFER_BLOCKING 0xe, 0x100",
                                                                     "SYNC.DEFER_BLOCKING 0xf, 0x100",
                                                                     "ARV 0xe, 0x100", "ARV 0xf, 0x100",
@@ -94,7 +99,8 @@ print("RESULT " + json.dumps(out))
 """
 MODULES = {"product": dict(mask="none"), "t1": dict(mask="none", turns=1), "t2": dict(mask="none", turns=2),
            "t2_causal": dict(mask="causal", turns=2), "t3": dict(mask="none", turns=3),
-           "t4": dict(mask="none", turns=4), "t4_causal": dict(mask="causal", turns=4)}
+           "t4": dict(mask="none", turns=4), "t4_causal": dict(mask="causal", turns=4),
+           "n192_t2": dict(mask="none", turns=2, n192=1), "n192_t4": dict(mask="none", turns=4, n192=1)}
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +145,7 @@ def test_fa3_turns_sync_own_before_the_issues_and_hand_over_after(built, key):
 
 
 @pytest.mark.skipif(ON_GPU, reason="a CPU test: sm_90 builds by ptxas, no kernel runs")
-@pytest.mark.parametrize("key", ["t2", "t2_causal"])
+@pytest.mark.parametrize("key", ["t2", "t2_causal", "n192_t2"])
 def test_cudnn_turn_at_the_wgmma(built, key):
     """One bar.sync 14 a step in each warpgroup (the pairs match: the same loops), no arrive: warpgroup 1 before its
     issues, warpgroup 0 after its issues and before its S wait and every exponential."""
@@ -155,7 +161,7 @@ def test_cudnn_turn_at_the_wgmma(built, key):
 
 
 @pytest.mark.skipif(ON_GPU, reason="a CPU test: sm_90 builds by ptxas, no kernel runs")
-@pytest.mark.parametrize("key", ["t4", "t4_causal"])
+@pytest.mark.parametrize("key", ["t4", "t4_causal", "n192_t4"])
 def test_cudnn_exact_places(built, key):
     """One bar.red 14 a step in each warpgroup: warpgroup 0's before every exponential (after its row max),
     warpgroup 1's after every exponential."""
@@ -163,7 +169,7 @@ def test_cudnn_exact_places(built, key):
     for loop in r["loops"]:
         (i, bar), = loop["red"]
         assert bar == 14 and _no_named({**loop, "red": []}), loop
-        assert len(loop["mufu"]) == 66, loop
+        assert len(loop["mufu"]) == (98 if key.startswith("n192") else 66), loop  # P's and alpha's
         if loop["wg"] == 0:
             assert loop["qgmma"][-1] < i < loop["mufu"][0], loop
         else:

@@ -1,7 +1,7 @@
 """The fp8 forward's warpgroup turns, nineteenth session (issue 28): GluonBackend.variant fp8_turns ([Note] fp8
 warpgroup turns in fagen/templates/gluon/attention.py.j2), named barriers of both consumer warpgroups (256 threads):
 1 FA3's scheduler barriers, 2 cuDNN's one barrier a step at the wgmma, 3 FA3's with warpgroup 1 skipping the step's
-K/V waits, 4 cuDNN's places exactly (bar.red with a data dependency each way). The render (only where on: fp8, two
+K/V waits, 4 cuDNN's places exactly (bar.red with a data dependency each way), 5 2 with 3's waits. The render (only where on: fp8, two
 warpgroups at 128 or 192 keys, not S a step ahead; bf16 and d64 unchanged), and the sm_90 build on the
 CPU: no spills, and in the SASS of each step loop the barriers where each mode puts them, one a warpgroup a step
 (the hang risks: a count of 256, every sync paired). The kernels against float64 and bit for bit against the product
@@ -29,7 +29,7 @@ def test_renders_only_where_on():
     with variant(fp8_turns=0):
         before, bf16, d64 = render(), render(dtype="bf16"), render(mask="none", head_dim=64)
     assert "_turn" not in before and "[Note] fp8 warpgroup turns" not in before
-    for mode in (1, 2, 3, 4):
+    for mode in (1, 2, 3, 4, 5):
         with variant(fp8_turns=mode):
             src = render()
             assert render(dtype="bf16") == bf16 and render(mask="none", head_dim=64) == d64  # d64: three warpgroups
@@ -99,7 +99,7 @@ print("RESULT " + json.dumps(out))
 """
 MODULES = {"product": dict(mask="none"), "t1": dict(mask="none", turns=1), "t2": dict(mask="none", turns=2),
            "t2_causal": dict(mask="causal", turns=2), "t3": dict(mask="none", turns=3),
-           "t4": dict(mask="none", turns=4), "t4_causal": dict(mask="causal", turns=4),
+           "t4": dict(mask="none", turns=4), "t5": dict(mask="none", turns=5), "t4_causal": dict(mask="causal", turns=4),
            "n192_t2": dict(mask="none", turns=2, n192=1), "n192_t4": dict(mask="none", turns=4, n192=1)}
 
 
@@ -145,7 +145,7 @@ def test_fa3_turns_sync_own_before_the_issues_and_hand_over_after(built, key):
 
 
 @pytest.mark.skipif(ON_GPU, reason="a CPU test: sm_90 builds by ptxas, no kernel runs")
-@pytest.mark.parametrize("key", ["t2", "t2_causal", "n192_t2"])
+@pytest.mark.parametrize("key", ["t2", "t2_causal", "n192_t2", "t5"])
 def test_cudnn_turn_at_the_wgmma(built, key):
     """One bar.sync 14 a step in each warpgroup (the pairs match: the same loops), no arrive: warpgroup 1 before its
     issues, warpgroup 0 after its issues and before its S wait and every exponential."""
@@ -155,6 +155,7 @@ def test_cudnn_turn_at_the_wgmma(built, key):
         assert bar == 14 and not loop["arrive"] and not loop["red"], loop
         if loop["wg"] == 1:
             assert i < loop["qgmma"][0], loop
+            assert loop["phasechk"] == (0 if key == "t5" else 2), loop  # 5: no K / V ready wait in warpgroup 1
         else:
             assert loop["qgmma"][-1] < i < loop["waits"][0] < loop["mufu"][0], loop
     assert r["named"]["SYNC.DEFER_BLOCKING 0xe, 0x100"] == 4 and sum(r["named"].values()) == 4, r["named"]

@@ -54,14 +54,18 @@ VARIANTS = {
     "turns 3 (FA3, WG1 no waits)": {"variant": {"fp8_turns": 3}},
     "turns 4 (cuDNN exact)": {"variant": {"fp8_turns": 4}},
     "n192": {"variant": N192, "base": None, "block_n": 192},  # [Note] fp8 192-key steps (eleventh session), no turns
+    "turns 5 (cuDNN, WG1 no waits)": {"variant": {"fp8_turns": 5}},
     "n192 turns 2": {"variant": {**N192, "fp8_turns": 2}, "base": "n192", "block_n": 192},
+    "n192 turns 3": {"variant": {**N192, "fp8_turns": 3}, "base": "n192", "block_n": 192},
     "n192 turns 4": {"variant": {**N192, "fp8_turns": 4}, "base": "n192", "block_n": 192},
 }
-CANDIDATES = ("turns 1 (FA3)", "turns 2 (cuDNN)", "turns 3 (FA3, WG1 no waits)", "turns 4 (cuDNN exact)", "n192",
-              "n192 turns 4")
+# round A (ed52e4a, 15:20 UTC): turns 1-3; turn 2 lost (0.965 / 0.972 per pass), 1 and 3 tied (0.999 / 1.020,
+# 1.009 / 1.010). Round B: 1 and 3 again, 4 (built after round A's run), the 192-key steps alone and with 3 and 4.
+CANDIDATES = ("turns 1 (FA3)", "turns 2 (cuDNN)", "turns 3 (FA3, WG1 no waits)") if ROUND == "A" else \
+    ("turns 1 (FA3)", "turns 3 (FA3, WG1 no waits)", "turns 4 (cuDNN exact)", "n192", "n192 turns 3", "n192 turns 4")
 s7.VARIANTS = VARIANTS
-TOTAL = 48.0  # the round's 50 s less the parent's start and end: the time phase takes what the others left
-PHASE_TIMEOUT = {"build": 16, "check": 18}
+TOTAL = 48.5  # the round's 50 s less the parent's start and end: the time phase takes what the others left
+PHASE_TIMEOUT = {"build": 19, "check": 16}
 HANG_S = float(os.environ.get("FP8TURNS_HANG_S", 10))  # a check child this long without a finished row is killed
 PASSES = 30  # the time phase stops early when its time runs short
 BENCH_MS = (10, 40)  # the bench's measure's warm-up and rep ms (the bench's own: 25, 100)

@@ -58,11 +58,18 @@ VARIANTS = {
     "n192 turns 2": {"variant": {**N192, "fp8_turns": 2}, "base": "n192", "block_n": 192},
     "n192 turns 3": {"variant": {**N192, "fp8_turns": 3}, "base": "n192", "block_n": 192},
     "n192 turns 4": {"variant": {**N192, "fp8_turns": 4}, "base": "n192", "block_n": 192},
+    # fp8_n192 2: S in three 64-key parts over 3 stages ([Note] fp8 192-key steps); 18 QGMMA a step
+    "n192/3 turns 4": {"variant": {"fp8_n192": 2, "fp8_turns": 4}, "base": "n192", "block_n": 192, "qgmma": 18},
 }
 # round A (ed52e4a, 15:20 UTC): turns 1-3; turn 2 lost (0.965 / 0.972 per pass), 1 and 3 tied (0.999 / 1.020,
 # 1.009 / 1.010). Round B: 1 and 3 again, 4 (built after round A's run), the 192-key steps alone and with 3 and 4.
-CANDIDATES = ("turns 1 (FA3)", "turns 2 (cuDNN)", "turns 3 (FA3, WG1 no waits)") if ROUND == "A" else \
-    ("turns 1 (FA3)", "turns 3 (FA3, WG1 no waits)", "turns 4 (cuDNN exact)", "n192", "n192 turns 3", "n192 turns 4")
+# Round B (6d0e14e, 16:00 UTC): 1 and 3 tied again, 4 lost (0.907 / 0.947), the 192-key steps lost (0.943 / 0.910)
+# and with turns 4 read 0.998 / 1.020 (1.063 / 1.121 the 192-key steps alone). Round B2 (if run): the 192-key steps
+# alone, with turns 4 (a second reading), 2, and turns 4 over S in three 64-key parts.
+CANDIDATES = {"A": ("turns 1 (FA3)", "turns 2 (cuDNN)", "turns 3 (FA3, WG1 no waits)"),
+              "B": ("turns 1 (FA3)", "turns 3 (FA3, WG1 no waits)", "turns 4 (cuDNN exact)", "n192", "n192 turns 3",
+                    "n192 turns 4"),
+              "B2": ("n192", "n192 turns 4", "n192 turns 2", "n192/3 turns 4")}[ROUND]
 s7.VARIANTS = VARIANTS
 TOTAL = 47.5  # the round's 50 s less the parent's start and end: the time phase takes what the others left
 PHASE_TIMEOUT = {"build": 19, "check": 16}
@@ -334,7 +341,8 @@ def dry_run():
             m = s7.module(mask, name)
             res, log, dump = ptxas(m.compile_for().asm["ptx"], sass=True)
             r = next(iter(res.values()))
-            q = 14 if (VARIANTS[name] or {}).get("block_n") == 192 else 8  # QGMMA a step: S and P V
+            v = VARIANTS[name] or {}
+            q = v.get("qgmma", 14 if v.get("block_n") == 192 else 8)  # QGMMA a step: S and P V
             bodies = sass_step_loops(dump, q)
             loops = [step_barriers(b) for b in bodies]
             local = sum(bool(re.search(r"\b(LDL|STL)\b", x)) for b in bodies for x in b)

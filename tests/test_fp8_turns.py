@@ -83,7 +83,7 @@ for key, fields in json.loads(sys.argv[2]).items():
     fields = dict(fields)
     backends.GLUON.variant["fp8_turns"] = fields.pop("turns", 0)
     backends.GLUON.variant["fp8_n192"] = fields.pop("n192", 0)
-    qgmma = 14 if backends.GLUON.variant["fp8_n192"] else 8  # a step's S and P V
+    qgmma = {0: 8, 1: 14, 2: 18}[backends.GLUON.variant["fp8_n192"]]  # a step's S and P V (2: S in three parts)
     spec = KernelSpec(backend="gluon", **{"head_dim": 128, "dtype": "fp8_e4m3", **fields})
     render.render.cache_clear()
     mod = load_source(fagen.generate(spec), spec.name + "_" + key)
@@ -100,7 +100,8 @@ print("RESULT " + json.dumps(out))
 MODULES = {"product": dict(mask="none"), "t1": dict(mask="none", turns=1), "t2": dict(mask="none", turns=2),
            "t2_causal": dict(mask="causal", turns=2), "t3": dict(mask="none", turns=3),
            "t4": dict(mask="none", turns=4), "t5": dict(mask="none", turns=5), "t4_causal": dict(mask="causal", turns=4),
-           "n192_t2": dict(mask="none", turns=2, n192=1), "n192_t4": dict(mask="none", turns=4, n192=1)}
+           "n192_t2": dict(mask="none", turns=2, n192=1), "n192_t4": dict(mask="none", turns=4, n192=1),
+           "n192_3_t4": dict(mask="none", turns=4, n192=2)}
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +163,7 @@ def test_cudnn_turn_at_the_wgmma(built, key):
 
 
 @pytest.mark.skipif(ON_GPU, reason="a CPU test: sm_90 builds by ptxas, no kernel runs")
-@pytest.mark.parametrize("key", ["t4", "t4_causal", "n192_t4"])
+@pytest.mark.parametrize("key", ["t4", "t4_causal", "n192_t4", "n192_3_t4"])
 def test_cudnn_exact_places(built, key):
     """One bar.red 14 a step in each warpgroup: warpgroup 0's before every exponential (after its row max),
     warpgroup 1's after every exponential."""

@@ -41,7 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_fp8_fwd_s7 as s7  # noqa: E402
 from _phases import child_env, run_phase as run_child  # noqa: E402
 
-ROUND = (sys.argv[sys.argv.index("--round") + 1] if "--round" in sys.argv else os.environ.get("FP8TURNS_ROUND", "B")).upper()
+ROUND = (sys.argv[sys.argv.index("--round") + 1] if "--round" in sys.argv
+         else os.environ.get("FP8TURNS_ROUND", "B")).upper()
 OUTX = Path(os.environ.get("OUTX") or os.environ.get("OUT") or "/tmp/fp8turns19-out")
 # name -> None (the product) or {"variant": GluonBackend.variant keys, "base": the module its out must equal bit for
 # bit ("product" unless named; None: none, as the 192-key steps block the online softmax otherwise), "block_n": the
@@ -347,7 +348,8 @@ def dry_run():
             loops = [step_barriers(b) for b in bodies]
             local = sum(bool(re.search(r"\b(LDL|STL)\b", x)) for b in bodies for x in b)
             print(f"{name:>28} {mask:>6}: {r.registers} regs, spills {r.spill_stores}/{r.spill_loads}, serialized "
-                  f"{'serialized' in log}, local memory ops in the step loops {local} ({time.time() - t:.0f}s)", flush=True)
+                  f"{'serialized' in log}, local memory ops in the step loops {local} ({time.time() - t:.0f}s)",
+                  flush=True)
             for d in loops:
                 print(f"    WG{d['wg']} {d['n']} SASS: QGMMA {d['qgmma'][0]}-{d['qgmma'][-1]}, waits {d['waits']}, "
                       f"MUFU.EX2 {len(d['mufu'])} at {d['mufu'][:1]}-{d['mufu'][-1:]}, BAR.SYNC {d['sync']}, "

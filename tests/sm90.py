@@ -63,9 +63,9 @@ def sass_step_loops(dump: str, qgmma: int = 8) -> list[list[str]]:
 
 def step_barriers(body: list[str]) -> dict:
     """Where a SASS step loop's named barriers of 256 threads sit: the instruction indexes of its QGMMA, wgmma waits
-    (WARPGROUP.DEPBAR), MUFU.EX2, BAR.SYNC / BAR.ARV / BAR.RED of 0x100 threads (index, barrier id), the count of mbarrier
-    phase checks, and the consumer warpgroup (triton's partition barrier of 128 threads: 0x0 the default partition,
-    warpgroup 0; 0x2 worker 0, warpgroup 1)."""
+    (WARPGROUP.DEPBAR), MUFU.EX2, BAR.SYNC / BAR.ARV / BAR.RED of 0x100 threads (index, barrier id), the count of
+    mbarrier phase checks, and the consumer warpgroup (triton's partition barrier of 128 threads: 0x0 the default
+    partition, warpgroup 0; 0x2 worker 0, warpgroup 1)."""
     idx = lambda pat: [i for i, l in enumerate(body) if re.search(pat, l)]  # noqa: E731
     named = lambda op: [(i, int(re.search(r"(0x[0-9a-f]+), 0x100\b", body[i]).group(1), 16))  # noqa: E731
                         for i in idx(rf"\bBAR\.{op}\S*\s+0x[0-9a-f]+, 0x100\b")]

@@ -1,10 +1,10 @@
 """The fp8 forward's warpgroup turns, nineteenth session (issue 28): GluonBackend.variant fp8_turns ([Note] fp8
 warpgroup turns in fagen/templates/gluon/attention.py.j2), named barriers of both consumer warpgroups (256 threads):
 1 FA3's scheduler barriers, 2 cuDNN's one barrier a step at the wgmma, 3 FA3's with warpgroup 1 skipping the step's
-K/V waits, 4 cuDNN's places exactly (bar.red with a data dependency each way), 5 2 with 3's waits. The render (only where on: fp8, two
-warpgroups at 128 or 192 keys, not S a step ahead; bf16 and d64 unchanged), and the sm_90 build on the
-CPU: no spills, and in the SASS of each step loop the barriers where each mode puts them, one a warpgroup a step
-(the hang risks: a count of 256, every sync paired). The kernels against float64 and bit for bit against the product
+K/V waits, 4 cuDNN's places exactly (bar.red with a data dependency each way), 5 2 with 3's waits. The render
+(only where on: fp8, two warpgroups at 128 or 192 keys, not S a step ahead; bf16 and d64 unchanged), and the sm_90
+build on the CPU: no spills, and in the SASS of each step loop the barriers where each mode puts them, one a
+warpgroup a step (the hang risks: a count of 256, every sync paired). The kernels against float64 and bit for bit against the product
 run in scripts/gpu_fp8turns_s19.py on the GPU."""
 
 import pytest
@@ -99,7 +99,8 @@ print("RESULT " + json.dumps(out))
 """
 MODULES = {"product": dict(mask="none"), "t1": dict(mask="none", turns=1), "t2": dict(mask="none", turns=2),
            "t2_causal": dict(mask="causal", turns=2), "t3": dict(mask="none", turns=3),
-           "t4": dict(mask="none", turns=4), "t5": dict(mask="none", turns=5), "t4_causal": dict(mask="causal", turns=4),
+           "t4": dict(mask="none", turns=4), "t5": dict(mask="none", turns=5),
+           "t4_causal": dict(mask="causal", turns=4),
            "n192_t2": dict(mask="none", turns=2, n192=1), "n192_t4": dict(mask="none", turns=4, n192=1),
            "n192_3_t4": dict(mask="none", turns=4, n192=2)}
 

@@ -4,8 +4,8 @@ warpgroup turns in fagen/templates/gluon/attention.py.j2), named barriers of bot
 K/V waits, 4 cuDNN's places exactly (bar.red with a data dependency each way), 5 2 with 3's waits. The render
 (only where on: fp8, two warpgroups at 128 or 192 keys, not S a step ahead; bf16 and d64 unchanged), and the sm_90
 build on the CPU: no spills, and in the SASS of each step loop the barriers where each mode puts them, one a
-warpgroup a step (the hang risks: a count of 256, every sync paired). The kernels against float64 and bit for bit against the product
-run in scripts/gpu_fp8turns_s19.py on the GPU."""
+warpgroup a step (the hang risks: a count of 256, every sync paired). The kernels against float64 and bit for bit
+against the product run in scripts/gpu_fp8turns_s19.py on the GPU."""
 
 import pytest
 

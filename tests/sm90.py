@@ -43,3 +43,34 @@ def loops(ptx: str, min_wgmma: int = 1, innermost: bool = False) -> list[str]:
     if innermost:
         found = [r for r in found if not any(o != r and r[0] <= o[0] and o[1] <= r[1] for o in found)]
     return [body(r) for r in found]
+
+
+def sass_step_loops(dump: str, qgmma: int = 8) -> list[list[str]]:
+    """The SASS step loops of a cuobjdump listing: the innermost loops (a target .. a backward BRA to it) that hold
+    `qgmma` QGMMA instructions; each a list of its instructions."""
+    ins = [(int(m.group(1), 16), m.group(2).strip()) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", dump)]
+    at = {a: i for i, (a, _) in enumerate(ins)}
+    regions = []
+    for j, (_, x) in enumerate(ins):
+        m = re.search(r"\bBRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", x)
+        if m and int(m.group(1), 16) in at and at[int(m.group(1), 16)] < j:
+            regions.append((at[int(m.group(1), 16)], j))
+    count = lambda r: sum("QGMMA" in y for _, y in ins[r[0]:r[1] + 1])  # noqa: E731
+    inner = [r for r in regions if count(r) and not any(o != r and r[0] <= o[0] and o[1] <= r[1] and count(o)
+                                                         for o in regions)]
+    return [[y for _, y in ins[r[0]:r[1] + 1]] for r in inner if count(r) == qgmma]
+
+
+def step_barriers(body: list[str]) -> dict:
+    """Where a SASS step loop's named barriers of 256 threads sit: the instruction indexes of its QGMMA, wgmma waits
+    (WARPGROUP.DEPBAR), MUFU.EX2, BAR.SYNC / BAR.ARV / BAR.RED of 0x100 threads (index, barrier id), the count of
+    mbarrier phase checks, and the consumer warpgroup (triton's partition barrier of 128 threads: 0x0 the default
+    partition, warpgroup 0; 0x2 worker 0, warpgroup 1)."""
+    idx = lambda pat: [i for i, l in enumerate(body) if re.search(pat, l)]  # noqa: E731
+    named = lambda op: [(i, int(re.search(r"(0x[0-9a-f]+), 0x100\b", body[i]).group(1), 16))  # noqa: E731
+                        for i in idx(rf"\bBAR\.{op}\S*\s+0x[0-9a-f]+, 0x100\b")]
+    parts = {re.search(r"\bBAR\.SYNC\S*\s+(0x[0-9a-f]+), 0x80\b", body[i]).group(1)
+             for i in idx(r"\bBAR\.SYNC\S*\s+0x[0-9a-f]+, 0x80\b")}
+    return dict(n=len(body), qgmma=idx(r"\bQGMMA\b"), waits=idx(r"WARPGROUP\.DEPBAR"), mufu=idx(r"\bMUFU\.EX2\b"),
+                sync=named("SYNC"), arrive=named("ARV"), red=named("RED"), phasechk=len(idx(r"SYNCS\.PHASECHK")),
+                wg={"0x0": 0, "0x2": 1}.get(parts.pop() if len(parts) == 1 else "", None))

@@ -115,6 +115,7 @@ class GluonBackend(DecodeRules, KernelBackend):
     # S_{n+1} inside step n after its exponentials ([Note] fp8 S a step ahead; bit for bit the product's). H100, the
     # bench's measure, causal / full (scripts/gpu_fp8mma_s14.py, fourteenth session): round A 0.973x / 0.969x the
     # product, exp_poly 8 + o_warp_skip 0.976x / 0.969x: off.
+    # fp8_turns: 1-3 the two consumer warpgroups take turns by named barriers ([Note] fp8 warpgroup turns; off).
     # bwd_*: the gluon backward's levers ([Note] Gluon backward levers).
     # fwd_tail_first 1: a non-causal score_mod forward reads its last key block first, then one unmasked loop ([Note]
     # Tail block first: issue 26's cold first call, H200 3.46 -> 2.12 s; on since the nineteenth session, docs/mods.md).
@@ -122,7 +123,7 @@ class GluonBackend(DecodeRules, KernelBackend):
                "fp8_p_cvt": 3, "fp8_wgs": 2, "fp8_wg3_regs": (160, 24), "fp8_o_skip": 0,
                "fp8_pv_overlap": 0, "fp8_d64": {"fp8_wgs": 3}, "fp8_n192": 0, "fp8_vt": 0,
                "fp8_pass_evict": 0, "fp8_vt_pad": 0, "fp8_full_order": 0,
-               "fp8_s_ahead": 0,
+               "fp8_s_ahead": 0, "fp8_turns": 0,
                "fp8_tail_split": 0,
                "pv_overlap": 0, "fwd_tail_first": 1,
                "bwd_order": 0, "bwd_snake": 0, "bwd_named": 0, "bwd_epi_tma": 0, "bwd_fixed": 0, "bwd_window_desc": 0,

@@ -18,6 +18,8 @@ or not: the lowering validates it and leaves it unused).
 
     PYTHONPATH=$PWD python3 scripts/gpu_window_gap_s19.py [--passes 5] [--no-flex] [--suite-rows]
 
+--ws-sweep (next session's first probe): the row's backward timed with its kept workspace re-allocated, then its
+inputs re-allocated, behind dummy buffers of 0-513 MB kept alive (the gradients compared bitwise each time).
 --suite-rows first runs the suite's own row (fagen.bench.mods.mod_rows, the window row only, 5 rounds) with Flex,
 without, and with again, in this process.
 """
@@ -37,6 +39,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--passes", type=int, default=5)
     ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--ws-sweep", action="store_true", help="the window row's backward with its kept workspace "
+                    "(or its inputs) re-allocated behind dummy buffers of growing size (then exit)")
     ap.add_argument("--after-rows", action="store_true", help="the window row fresh, after the suite's five rows "
                     "before it, after empty_cache, after 30 s idle (then exit)")
     ap.add_argument("--suite-rows", action="store_true", help="first the suite's own row (mod_rows), three times")
@@ -51,6 +55,37 @@ def main():
     dev = torch.device("cuda")
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     shape = M.ModsShape()
+    if a.ws_sweep:  # where the allocator puts the window backward's kept workspace, or the inputs (docs/mods.md)
+        mm = M._gym().generate_sliding_window(1024)
+        ev = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
+        flush, keep = _zero_flush(dev), []
+
+        def fresh_inputs():
+            q, k, v, do = (t.detach().clone() for t in M._inputs(shape, "cuda", False))
+            q, k, v = (t.requires_grad_() for t in (q, k, v))
+            out = fagen.attention(q, k, v, mask_mod=mm)
+            return lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True), q
+
+        f, q0 = fresh_inputs()
+        ref = [t.clone() for t in f()]
+        (m, ) = [x for n, x in list(sys.modules.items()) if "_win_" in n and hasattr(x, "_BWD_WS")]
+        print("module", m.__name__.rpartition(".")[2][:70], flush=True)
+        for mb in (0, 1, 3, 17, 64, 129, 257, 513):
+            for what in ("workspace", "inputs"):
+                if mb:
+                    keep.append(torch.empty(mb << 20, dtype=torch.uint8, device="cuda"))
+                if what == "workspace":  # a new kept buffer on the next call (the backward's thread included)
+                    m._BWD_WS = type(m._BWD_WS)()
+                else:
+                    f, q0 = fresh_inputs()
+                same = all(torch.equal(x, y) for x, y in zip(f(), ref))
+                torch.cuda.synchronize()
+                ms = sorted(statistics.median(timed_calls(f, flush, 10, 60, ev, torch.cuda.synchronize))
+                            for _ in range(3))
+                print(f"WS SWEEP +{mb:4d} MB {what:<9} ms {ms[1]:.4f} ({ms[0]:.4f}-{ms[2]:.4f}) q at "
+                      f"{q0.data_ptr() % (1 << 30):#x} mod 1 GiB; grads bitwise {same}; reserved "
+                      f"{torch.cuda.memory_reserved() / 2**30:.1f} GiB", flush=True)
+        return 0
     if a.after_rows:  # the suite's five rows before the window row first, then the window row: as is, after
         import gc  # the allocator's cache is emptied, and after 30 s idle
         import time

@@ -1,5 +1,5 @@
 """The bench's interleaved rounds ([Note] Interleaved rounds in fagen/bench/rounds.py): a case's implementations are
-checked first and then timed round by round, round r in the order rotated to start at r mod n; a record's ms is the
+checked first and then timed round by round, round r in row r of a balanced Latin square; a record's ms is the
 median of its rounds, and the JSON keeps the rounds and their spread. Fake implementations and a fake timer on the
 CPU: the order of the timings and the numbers that reach the records are the properties."""
 
@@ -15,11 +15,29 @@ from fagen.spec import KernelSpec
 
 
 def test_each_round_rotates_the_order_by_one():
-    assert [rounds.order(3, r) for r in range(4)] == [[0, 1, 2], [1, 2, 0], [2, 0, 1], [0, 1, 2]]
+    assert [rounds.order(3, r) for r in range(4)] == [[0, 1, 2], [1, 2, 0], [2, 0, 1], [2, 1, 0]]
+    assert [rounds.order(4, r) for r in range(5)] == [[0, 1, 3, 2], [1, 2, 0, 3], [2, 3, 1, 0], [3, 0, 2, 1],
+                                                      [0, 1, 3, 2]]
+    assert [rounds.order(2, r) for r in range(3)] == [[0, 1], [1, 0], [0, 1]] and rounds.order(1, 7) == [0]
     seen = []
     results, failed, fatal = rounds.interleave(["a", "b", "c"], 3, lambda n, r: seen.append((r, n)) or {"ms": r})
     assert seen == [(0, "a"), (0, "b"), (0, "c"), (1, "b"), (1, "c"), (1, "a"), (2, "c"), (2, "a"), (2, "b")]
     assert results == {n: [{"ms": 0}, {"ms": 1}, {"ms": 2}] for n in "abc"} and failed == {} and fatal is None
+
+
+@pytest.mark.parametrize("n", range(2, 8))
+def test_over_a_period_every_place_and_every_predecessor_comes_equally_often(n):
+    """[Note] Interleaved rounds: the rows of `order` over their period (n, or 2n for an odd n) are orders of all n
+    implementations, each takes each place equally often, and each ordered pair (a right before b) occurs equally
+    often: the bench never times one implementation always after the same other one."""
+    period = n if n % 2 == 0 else 2 * n
+    rows = [rounds.order(n, r) for r in range(period)]
+    assert all(sorted(row) == list(range(n)) for row in rows)
+    places = {(i, row[i]) for row in rows for i in range(n)}
+    assert all(sum(row[i] == x for row in rows) == period // n for i in range(n) for x in range(n)) and places
+    pairs = [(row[i], row[i + 1]) for row in rows for i in range(n - 1)]
+    counts = {(a, b): pairs.count((a, b)) for a in range(n) for b in range(n) if a != b}
+    assert len(set(counts.values())) == 1, counts
 
 
 def test_a_failing_impl_leaves_the_later_rounds_and_a_fatal_one_stops_them():

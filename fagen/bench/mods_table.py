@@ -87,6 +87,6 @@ def rounds_note(records: list[dict]) -> list[str]:
                        for r in records if r["kind"] == "mods" and r.get("rounds") for d in ("fwd", "bwd")
                        if r.get(d + "_x_rounds"))
     counts = "/".join(map(str, sorted({r["rounds"] for r in records if r.get("rounds")})))
-    return ["", f"Timing: {counts} interleaved rounds (order rotated), cells the median round; widest spread of a "
+    return ["", f"Timing: {counts} interleaved rounds (orders balanced), cells the median round; widest spread of a "
             f"cell's rounds {100 * widest:.1f}% ({case}, {cell})" + (f"; the x columns round by round: {ratios}"
                                                                      if ratios else "") + "."]

@@ -93,7 +93,7 @@ def rounds_note(records: list[dict]) -> list[str]:
         return []
     counts = sorted({r["rounds"] for r in records if r.get("rounds")})
     widest, case, impl = max(spread)
-    return [f"timing: {'/'.join(map(str, counts))} interleaved rounds (order rotated), cells the median round; widest "
+    return [f"timing: {'/'.join(map(str, counts))} interleaved rounds (orders balanced), cells the median round; widest "
             f"spread of a cell's rounds {100 * widest:.1f}% ({case}, {impl})"]
 
 

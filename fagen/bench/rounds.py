@@ -1,4 +1,4 @@
-"""Interleaved timing rounds: a case's implementations timed in turn, several rounds, the order rotated each round."""
+"""Interleaved timing rounds: a case's implementations timed in turn, several rounds, the order balanced over them."""
 
 from __future__ import annotations
 
@@ -11,11 +11,18 @@ from typing import Callable, Optional, Sequence
 # low (docs/hopper.md, "fp8 forward: the full mask and the spread (fourteenth session)"). Timed one after another,
 # fagen's column first, a row's ratio to its peers moved by several % with the order. So with `rounds` > 1 a case's
 # implementations are checked first, all of them, and then timed in rounds: each round times every implementation
-# once (warm-up `warmup_ms / rounds`, repetitions `rep_ms / rounds`: the suite's total time stays what it was), in an
-# order rotated by one each round (round r starts at implementation r mod n), so over n rounds each takes each place
-# in the order once and all of them sample the clock's drift alike; a record's `ms` is the median of its rounds'
-# medians, and the record keeps the rounds (`rounds_ms`) and their spread (`ms_min`, `ms_max`). `rounds` = 1 is the
-# earlier bench: each implementation checked and timed in turn, do_bench's loop, fagen's column first.
+# once (warm-up `warmup_ms / rounds`, repetitions `rep_ms / rounds`: the suite's total time stays what it was), in
+# round r's row of a balanced Latin square (`order`), so over its rows each implementation takes each place in the
+# order once and follows each other implementation equally often, and all of them sample the clock's drift alike; a
+# record's `ms` is the median of its rounds' medians, and the record keeps the rounds (`rounds_ms`) and their spread
+# (`ms_min`, `ms_max`). `rounds` = 1 is the earlier bench: each implementation checked and timed in turn, do_bench's
+# loop, fagen's column first.
+# Until the nineteenth session the rows were plain rotations (round r started at r mod n, then on round the circle):
+# every place once, but with three or more implementations each was always timed right after the same one, and the
+# H200 showed that a row's reading follows what ran just before it (identical kernels read 1.01-1.07x the product
+# sorted by their predecessor: docs/serving.md, "MLA backward (nineteenth session)"). Williams' design fixes both:
+# row 0 is 0, 1, n-1, 2, n-2, ..., row r adds r mod n to each entry, and for an odd n rows n..2n-1 are rows 0..n-1
+# reversed (the period: n rows for an even n, 2n for an odd one). With two implementations it is the rotation.
 
 ROUNDS = 5  # `fagen bench --rounds`'s default
 # The mods and layouts suites' rounds when --rounds is not given ([Note] Mods rounds in fagen/bench/mods.py): ROUNDS
@@ -27,14 +34,18 @@ SUITE_ROUNDS = ROUNDS
 
 
 def order(n: int, r: int) -> list[int]:
-    """The indices of n implementations in round r's order: r mod n first, then on round the circle."""
-    return [(r + i) % n for i in range(n)]
+    """The indices of n implementations in round r's order: row r of Williams' balanced Latin square ([Note]
+    Interleaved rounds): every place once and every predecessor equally often over its period (n rows, or 2n for
+    an odd n)."""
+    first = [0 if i == 0 else (i + 1) // 2 if i % 2 else n - i // 2 for i in range(n)]
+    row = [(x + r) % n for x in first]
+    return row[::-1] if n % 2 and (r // n) % 2 else row
 
 
 def interleave(names: Sequence[str], rounds: int, time_one: Callable[[str, int], dict],
                fatal: Callable[[BaseException], bool] = lambda e: False
                ) -> tuple[dict[str, list[dict]], dict[str, BaseException], str | None]:
-    """time_one(name, r) for every name in every round, in round r's rotated order. Returns (each name's results
+    """time_one(name, r) for every name in every round, in round r's order (`order`). Returns (each name's results
     round by round, the exception of each name that raised (it is left out of the later rounds), the name whose
     exception `fatal` calls fatal (the rounds stop there), or None)."""
     results: dict[str, list[dict]] = {name: [] for name in names}

@@ -243,6 +243,32 @@ def test_document_ids_that_repeat_or_change_in_place_are_read_again():
     check("documents+causal")
 
 
+def test_document_ids_made_under_inference_mode_are_read_every_call():
+    """Serving stacks build their tensors under torch.inference_mode(): such a tensor has no version counter, so the
+    runs' memo (keyed by the version) must not be used for it, and an in-place change must still be seen."""
+    s = 40
+    q, k, v, _ = _qkv(1, 2, 2, s)
+    with torch.inference_mode():
+        ids = torch.tensor([0] * 12 + [1] * 16 + [2] * 12, device=DEVICE)
+
+    def mm(b, h, q_idx, kv_idx):
+        return (ids[q_idx] == ids[kv_idx]) & (q_idx >= kv_idx)
+
+    def check(label):
+        with torch.inference_mode():
+            got = fagen.attention(q, k, v, mask_mod=mm)
+        assert modded.LOWERED[0] == label
+        ref = reference.attention(q.detach().double(), k.detach().double(), v.detach().double(), mask_mod=mm)[0]
+        assert (got.double() - ref).abs().max().item() < TOL[torch.float32]
+    check("documents+causal")
+    with torch.inference_mode():
+        ids[20:] = 5  # in place, no version bump: read again all the same
+    check("documents+causal")
+    with torch.inference_mode():
+        ids[30:] = 0  # the value 0 fills two runs: not documents
+    check("causal")
+
+
 @pytest.mark.parametrize("lengths", [[10, 20, 15], [7, 30, 1, 13], [45]])
 def test_packed_documents_gradients_are_the_varlen_backward(lengths, monkeypatch):
     q, k, v, do = _qkv(1, 4, 2, sum(lengths))  # GQA; runs and total not multiples of the blocks

@@ -141,7 +141,8 @@ def document(tree: ir.Node) -> str | None:
 # T[:S] fills one contiguous run of positions (packed documents: attention-gym's document ids), is the varlen
 # layout's causal mask with one sequence per run: cu_seqlens = the runs' bounds. Built on q's device once per
 # tensor object and version (`_runs`: one host sync for the check and the longest run, then kept beside a weak
-# reference to T, so an in-place change of T or a new tensor is read again), and run as one varlen call on
+# reference to T, so an in-place change of T or a new tensor is read again; a T made under torch.inference_mode has
+# no version counter and is read every call), and run as one varlen call on
 # views: q [1, H, S, D] as q.squeeze(0).transpose(0, 1), [S, H, D] (fagen's varlen takes any row and head strides).
 # The varlen kernel tiles each document on its own (causal, bottom-right = top-left since each has as many
 # queries as keys), where the modded kernel runs 64 x 64 tiles across document bounds with the mask per element.
@@ -155,7 +156,8 @@ _RUNS: dict[int, tuple] = {}
 
 def _runs(t, s: int):
     """(cu_seqlens int32 [n + 1], longest run) of t[:s]'s runs, or None where a value fills two runs."""
-    hit = _RUNS.get(id(t))
+    keep = not t.is_inference()  # an inference tensor has no version counter: read every call, never kept
+    hit = _RUNS.get(id(t)) if keep else None
     if hit is not None and hit[0]() is t and hit[1] == (t._version, s):
         return hit[2]
     import torch
@@ -164,9 +166,10 @@ def _runs(t, s: int):
     starts = torch.nonzero(x[1:] != x[:-1]).flatten() + 1
     cu = torch.cat([starts.new_zeros(1), starts, starts.new_full((1,), s)]).to(torch.int32)
     found = (cu, int((cu[1:] - cu[:-1]).max())) if torch.unique(x).numel() == cu.numel() - 1 else None
-    if len(_RUNS) >= 64:
-        _RUNS.clear()
-    _RUNS[id(t)] = (weakref.ref(t), (t._version, s), found)
+    if keep:
+        if len(_RUNS) >= 64:
+            _RUNS.clear()
+        _RUNS[id(t)] = (weakref.ref(t), (t._version, s), found)
     return found
 
 

@@ -12,8 +12,8 @@ off) and the new (on), the launches recorded by both compared; --profile N cProf
     PYTHONPATH=$PWD:$PWD/tests TRITON_INTERPRET=1 python3 scripts/mods_host_cpu_s19.py [--n 2000] [--ab 6]
         [--profile 2000 --row doc]
 
-Levers (module flags, default off in the product): fagen.runtime.api.DOC_MEMO ([Note] Document launch memo),
-fagen.runtime.modded.LOWER_MEMO ([Note] Lowering memo), the varlen module's _VARLEN_STEPS ([Note] Varlen steps).
+Levers (module flags): fagen.runtime.api.DOC_MEMO and fagen.runtime.modded.LOWER_MEMO (both removed from the product
+in the nineteenth session's review; toggled only where present), the varlen module's _VARLEN_STEPS ([Note] Varlen steps).
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ import torch  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, HERE)
-LEVERS = (("fagen.runtime.api", "DOC_MEMO"), ("fagen.runtime.modded", "LOWER_MEMO"))
+LEVERS = tuple((p, n) for p, n in (("fagen.runtime.api", "DOC_MEMO"), ("fagen.runtime.modded", "LOWER_MEMO"))
+               if hasattr(__import__(p, fromlist=[n]), n))  # both removed in the nineteenth session's review
 VARLEN = []  # the varlen module (its _VARLEN_STEPS: [Note] Varlen steps)
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
 import sys
 
 import torch
@@ -345,12 +344,6 @@ def _document_forward(q, k, v, runs, scale, check):
     [S, H, D], cu_seqlens = the runs' bounds ([Note] Document forward's host path)."""
     cu, longest = runs
     q, k, v = q.squeeze(0).transpose(0, 1), k.squeeze(0).transpose(0, 1), v.squeeze(0).transpose(0, 1)
-    key = (type(q), type(k), type(v), q.dtype, k.dtype, v.dtype, q.shape, k.shape, v.shape, q.device, k.device,
-           v.device, scale, id(cu), longest) if DOC_MEMO and not check and (scale is None or type(scale) is float) \
-        else None
-    hit = None if key is None else _DOC_CHECKED.get(key)
-    if hit is not None and hit[0] is cu:  # [Note] Document launch memo
-        return hit[1]._launch_forward(q, k, v, hit[2], cu, cu, None, longest, longest)[0].transpose(0, 1).unsqueeze(0)
     module = resolve_varlen(q, k, v, "causal")
     if check:  # the call asked for the device reads: forward() reads the runs too
         out = module.forward(q, k, v, scale=scale, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
@@ -358,24 +351,7 @@ def _document_forward(q, k, v, runs, scale, check):
     else:
         out = module.launch_forward(q, k, v, scale=scale, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
                                     max_seqlen_k=longest)[0]
-        if key is not None and cu.dtype is torch.int32 and cu.stride(-1) == 1:  # then the launch form's cu is cu
-            if len(_DOC_CHECKED) >= 64:
-                _DOC_CHECKED.clear()
-            _DOC_CHECKED[key] = (cu, module, module._check_scale(scale))
     return out.transpose(0, 1).unsqueeze(0)
-
-
-# [Note] Document launch memo (nineteenth session). launch_forward's checks (q, k and v's types, dims, dtypes, head
-# dims, devices, heads; the scale; cu_seqlens' dtype, shape and device; the max_seqlens) and resolve_varlen cost ~12
-# us of the mods suite's document row's ~113 us of host path a call on the H200 (docs/mods.md, "The mods rows' host
-# path (nineteenth session)"), the same answer every call for the same views. Where launch_forward accepted a call,
-# its key (the views' types, dtypes, shapes and devices, the scale, the runs' cu_seqlens, fagen's own int32 tensor
-# held in the entry and compared by identity, and the longest run) keeps (cu, module, the checked scale), and a later
-# call with that key goes to the module's _launch_forward with the launch form launch_forward would pass it: the same
-# launch, the same bits. A call with check=True, or a scale that is not None or a float, never takes it. On by
-# default since the nineteenth session's H200 round B ($FAGEN_DOC_MEMO=0 or DOC_MEMO = False: off).
-DOC_MEMO = os.environ.get("FAGEN_DOC_MEMO", "1") != "0"
-_DOC_CHECKED: dict[tuple, tuple] = {}
 
 
 def _varlen(q, k, v, mask, scale, scores, switches, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check):

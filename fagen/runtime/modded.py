@@ -11,8 +11,6 @@ fagen/runtime/mods.py), and one dict lookup for the module.
 from __future__ import annotations
 
 import dataclasses
-import os
-import weakref
 from types import ModuleType
 
 import torch
@@ -251,65 +249,13 @@ def as_switches(q, k, v, mask, score_mod, mask_mod, block_mask, scores: dict, se
     if packed is None and q.dim() != 4 or packed is not None and None in packed.values():
         return None  # malformed: the modded path names what is wrong
     mods = prepare(score_mod=score_mod, mask_mod=mask_mod)
-    key = _memo_key(mods, q, k, v, mask, block_mask) if LOWER_MEMO and packed is None and not scores \
-        and seqlens_q is None and seqlens_k is None and mods.fields[0] is None else None
-    if key is not None:  # [Note] Lowering memo
-        hit = _LOWER_MEMO.get(key)
-        if hit is not None and hit[1]() is block_mask and all(
-                r() is x for r, x in zip(hit[0], [x for x in mods.values.values() if isinstance(x, torch.Tensor)])):
-            LOWERED[0] = hit[3]
-            return hit[2]
     low = _lower(mods, q, k, v, mask, scores, seqlens_q, seqlens_k, block_mask, packed, views=packed is None)
     if low is None or low.fields is not None:
         return mods
     LOWERED[0] = low.label
     if block_mask is not None:
         _check_call_block_mask(block_mask, mods, q, k, packed)  # validated, then unused
-    got = low.mask, {**scores, **low.scores}, low.split  # split: mods/split.run_split runs it (api.py)
-    if key is not None:
-        if len(_LOWER_MEMO) >= 256:
-            _LOWER_MEMO.clear()
-        _LOWER_MEMO[key] = ([weakref.ref(x) for x in mods.values.values() if isinstance(x, torch.Tensor)],
-                            _NONE_REF if block_mask is None else weakref.ref(block_mask), got, low.label)
-    return got
-
-
-# [Note] Lowering memo (nineteenth session). A warm call whose mods lower entirely (fagen/mods/lower.py) ran the
-# lowering again (the plan's lookup, alignment, lower.lower, a split's checks and runs lookup) and the block mask's
-# check: 15 us of the document row's ~113 us of host path a call on the H200 (docs/mods.md, "The mods rows' host path
-# (nineteenth session)"). The answer is a function of what _memo_key reads: the mods' fields (their trees), each
-# closure value (a number: its type and value; a captured tensor: the object itself, held by a weak reference and
-# compared by identity, its version counter, dtype, shape, device and requires_grad: what splittable, _runs,
-# slopes_ok and host_slopes read; an inference tensor has no version counter: no memo), the mask, q, k and v's types,
-# dtypes, shapes, strides and devices, whether grad mode and any requires_grad ask for gradients, and the block mask
-# (the object, compared by identity, its classes' shape and device: what _check_block_mask reads; a frozen
-# dataclass). Only dense calls of a mask_mod alone (a score_mod's lowering also asks hopper's selection, [Note] Score
-# mods on the gluon forward) without switch keywords or seqlens; never while a CUDA graph captures (a split then
-# keeps the mod). Off by default ($FAGEN_LOWER_MEMO=1 or LOWER_MEMO = True: on): a changed closure number misses it
-# every call (the number is in the key) and pays the key on top of the lowering, while an unchanged call gets ~15 us
-# faster, which moves issue 26's changed-scalar ratio (host <= 1.2x an unchanged call) the wrong way; not measured on
-# the GPU with it on, so the lead left it off (the document row's gain is the two other levers': docs/mods.md).
-LOWER_MEMO = os.environ.get("FAGEN_LOWER_MEMO", "0") == "1"
-_LOWER_MEMO: dict[tuple, tuple] = {}
-_NONE_REF = type(None)  # "called" like a weak reference, it gives None: the entry of a call without a block mask
-
-
-def _memo_key(mods: Mods, q, k, v, mask, block_mask) -> tuple | None:
-    """The Lowering memo's key of a dense call ([Note] Lowering memo), or None where no memo may serve it."""
-    if q.is_cuda and torch.cuda.is_current_stream_capturing():
-        return None
-    vals = []
-    for x in mods.values.values():
-        if isinstance(x, torch.Tensor):
-            if x.is_inference():  # no version counter to read: not memoised
-                return None
-            vals += (id(x), x._version, x.dtype, x.shape, x.device, x.requires_grad)
-        else:
-            vals += (type(x), x)
-    bm = None if block_mask is None else (id(block_mask), block_mask.classes.shape, block_mask.classes.device)
-    return (mods.fields, mask, type(q), type(k), type(v), q.dtype, k.dtype, v.dtype, q.shape, k.shape, v.shape,
-            q.stride(), k.stride(), v.stride(), q.device, k.device, v.device, torch.is_grad_enabled(),
-            q.requires_grad, k.requires_grad, v.requires_grad, bm, *vals)
+    return low.mask, {**scores, **low.scores}, low.split  # split: mods/split.run_split runs it (api.py)
 
 
 def _lower(mods: Mods, q, k, v, mask, scores: dict, seqlens_q, seqlens_k, block_mask, packed, views=False):

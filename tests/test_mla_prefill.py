@@ -85,7 +85,6 @@ def test_mla_backward_at_its_own_tiles_matches_float64(mask, gqa, sq, sk):
     src = render(spec).files[".py"]
     assert "DKDV_BLOCK_N = 128 " in src and "DKDV_BLOCK_M = 32 " in src and "DQ_BLOCK_N = 64 " in src
     assert src.count("_NUM_STAGES = 3\n") == 2  # one stage deeper than the spec's 2
-    _assert_preprocess_tile(src, "DQ_BLOCK_M", "DQ_NUM_WARPS")  # [Note] MLA preprocess tile: a lever, off
     gen = torch.Generator().manual_seed(2)
     q = torch.randn(1, gqa, sq, 192, generator=gen).bfloat16().to(DEVICE)
     k = torch.randn(1, 1, sk, 192, generator=gen).bfloat16().to(DEVICE)
@@ -94,58 +93,11 @@ def test_mla_backward_at_its_own_tiles_matches_float64(mask, gqa, sq, sk):
     _check_grads(spec, q, k, v, do, mask, DType.BF16)
 
 
-def _assert_preprocess_tile(src, rows, warps):
-    """The render's preprocess launches and builds ahead of time at PRE_BLOCK_M / PRE_NUM_WARPS, set to `rows` /
-    `warps` ([Note] MLA preprocess tile)."""
-    assert f"\nPRE_BLOCK_M = {rows}\n" in src and f"\nPRE_NUM_WARPS = {warps}\n" in src
-    launch = src[src.index("_fast(_attn_bwd_preprocess)["):]
-    launch = launch[:launch.index("\n    )")]
-    assert "(sq_pad // PRE_BLOCK_M, hq, b)" in launch and "BLOCK_M=PRE_BLOCK_M" in launch, launch
-    assert "num_warps=PRE_NUM_WARPS" in launch, launch
-    entry = src[src.index('"name": "_attn_bwd_preprocess"'):]
-    entry = entry[:entry.index('"num_stages"')]
-    assert '"BLOCK_M": PRE_BLOCK_M' in entry and '"num_warps": PRE_NUM_WARPS' in entry, entry
-
-
-def test_mla_preprocess_tile_is_a_lever_only_where_the_head_dim_splits():
-    # [Note] MLA preprocess tile: split specs name the preprocess's tile (off: the dQ kernel's); other specs launch
-    # it at the dQ kernel's tile and render as before (tests/test_generated.py holds the catalog's renders)
-    for fields in (dict(), dict(block_m=32, block_n=32, num_warps=4)):
-        spec = KernelSpec(head_dim=192, head_dim_v=128, mask="causal", dtype="bf16", direction="bwd", **fields)
-        _assert_preprocess_tile(render(spec).files[".py"], "DQ_BLOCK_M", "DQ_NUM_WARPS")
-    for fields in (dict(head_dim=128), dict(head_dim=128, head_dim_v=64), dict(head_dim=192)):
-        src = render(KernelSpec(mask="causal", dtype="bf16", direction="bwd", **fields)).files[".py"]
-        assert "PRE_BLOCK_M" not in src and "PRE_NUM_WARPS" not in src
-        assert "(sq_pad // DQ_BLOCK_M, hq, b)" in src
-        assert "BLOCK_M=DQ_BLOCK_M, UPCAST=UPCAST, num_warps=DQ_NUM_WARPS" in src
-
-
-@pytest.mark.parametrize("rows, warps", [(64, 4), (32, 2)])
-def test_mla_preprocess_tile_lever_on_matches_float64(rows, warps):
-    # [Note] MLA preprocess tile, on: programs narrower than block_m (the row statistics' padding is whole blocks of
-    # block_m, so they tile it) give the same gradients at the MLA's own tiles; NaN-filled outputs, Sq != Sk, GQA
-    from fagen.runtime.loader import load_source
-
-    spec = KernelSpec(head_dim=192, head_dim_v=128, mask="causal", dtype="bf16", gqa=2, direction="bwd")
-    src = render(spec).files[".py"]
-    _assert_preprocess_tile(src, "DQ_BLOCK_M", "DQ_NUM_WARPS")
-    src = src.replace("\nPRE_BLOCK_M = DQ_BLOCK_M\n", f"\nPRE_BLOCK_M = {rows}\n")
-    src = src.replace("\nPRE_NUM_WARPS = DQ_NUM_WARPS\n", f"\nPRE_NUM_WARPS = {warps}\n")
-    module = load_source(src, f"mla_pre_tile_{rows}_{warps}")
-    module._new_out = lambda t: torch.full_like(t, float("nan"))
-    gen = torch.Generator().manual_seed(5)
-    q = torch.randn(1, 2, 70, 192, generator=gen).bfloat16().to(DEVICE)
-    k = torch.randn(1, 1, 150, 192, generator=gen).bfloat16().to(DEVICE)
-    v = torch.randn(1, 1, 150, 128, generator=gen).bfloat16().to(DEVICE)
-    do = torch.randn(1, 2, 70, 128, generator=gen).bfloat16().to(DEVICE)
-    _check_grads(spec, q, k, v, do, "causal", DType.BF16, module)
-
-
 @pytest.mark.skipif(not ON_GPU, reason="a property of the tensor cores' sums: the interpreter's numpy dot sums in a "
                                          "shape-dependent order (tests/test_backward.py)")
 def test_mla_rows_that_see_one_key_get_exactly_zero_dq_and_dk_at_its_own_tiles():
-    # [Note] Exact delta at the MLA's tiles (the preprocess's dot at its tile, [Note] MLA preprocess tile): delta
-    # must equal dP from the gradient kernels bitwise, so a row that sees one key (Sk = 1) gets dQ = dK = 0 exactly
+    # [Note] Exact delta at the MLA's tiles: delta must equal dP from the gradient kernels bitwise, so a row that
+    # sees one key (Sk = 1) gets dQ = dK = 0 exactly
     spec = KernelSpec(head_dim=192, head_dim_v=128, mask="none", dtype="bf16", gqa=2, direction="bwd")
     gen = torch.Generator().manual_seed(4)
     q = torch.randn(2, 4, 150, 192, generator=gen).bfloat16().to(DEVICE)

@@ -102,12 +102,6 @@ def rows_16(spec: KernelSpec) -> bool:
     return spec.head_dim % 16 == 0 and spec.head_dim_v % 16 == 0
 
 
-def split_dims(spec: KernelSpec) -> bool:
-    """The Triton templates' `split` ([Note] Split head dim: a q/k width that is no power of two beside a V head dim
-    of its own, no mods): its backward's preprocess takes a tile of its own ([Note] MLA preprocess tile)."""
-    return spec.head_dim_v != spec.head_dim and spec.head_dim & (spec.head_dim - 1) != 0 and not spec.modded
-
-
 def paged_fp8_own_v(spec: KernelSpec) -> bool:
     """A paged fp8 KV cache with its own V: the decode takes ROWS32 ([Note] Paged rows in 32 bits, triton/decode)."""
     return paged(spec) and spec.kv_dtype is not None and not spec.shared_kv
@@ -150,8 +144,7 @@ class Kernel:
     name: str
     args: tuple[Arg, ...]
     packs: dict = dataclasses.field(default_factory=dict)  # pack -> the star expression's value (default: its name)
-    warps: str | Callable[[KernelSpec], str] = "NUM_WARPS"  # num_warps, num_stages of its launches and AOT entry
-    # ("": not passed; warps may depend on the spec)
+    warps: str = "NUM_WARPS"  # num_warps and num_stages of its launches and AOT entry ("": not passed)
     stages: str = "NUM_STAGES"
     constexpr_type: str = "tl.constexpr"
 
@@ -320,8 +313,8 @@ ATTN_BWD_PREPROCESS = Kernel("_attn_bwd_preprocess", (
     T("Lse2", "fp32", host="lse2", divisible=always), _LENGTHS[0], *_strides("o", "bhm", "out"),
     *_strides("do", "bhm", "do", br="m"), I("stride_sh", host="sq_pad", divisible=always),
     I("num_heads", host="hq"), I("seq_q", host="sq"),
-    *_HEAD_DV, C("BLOCK_M", lambda s: "PRE_BLOCK_M" if split_dims(s) else "DQ_BLOCK_M"), _UPCAST,
-), warps=lambda s: "PRE_NUM_WARPS" if split_dims(s) else "DQ_NUM_WARPS", stages="DQ_NUM_STAGES")
+    *_HEAD_DV, C("BLOCK_M", "DQ_BLOCK_M"), _UPCAST,
+), warps="DQ_NUM_WARPS", stages="DQ_NUM_STAGES")
 
 ATTN_BWD_DKDV = Kernel("_attn_bwd_dkdv", (
     T("Q", host="q", divisible=always), T("K", host="k", divisible=always), T("V", host="v", divisible=always),

@@ -52,10 +52,6 @@ def _host(a: Arg, spec: KernelSpec, fast: bool = False) -> str:
     return a.host(spec) if callable(a.host) else a.host
 
 
-def _warps(kernel: Kernel, spec: KernelSpec) -> str:
-    return kernel.warps(spec) if callable(kernel.warps) else kernel.warps
-
-
 def _positional(kernel: Kernel, spec: KernelSpec, fast: bool = False) -> list[str]:
     """The launch's positional expressions: each arg's host expression, a pack's star once."""
     items, pack = [], None
@@ -98,7 +94,7 @@ class Helpers:
         kernel = KERNELS[name]
         text = _wrap(_positional(kernel, self.spec, fast), indent, end=end)
         consts = [f"{a.name}={_host(a, self.spec)}" for a in kernel.of(self.spec) if a.kind == CONSTEXPR]
-        consts += [f"num_{k}={v}" for k, v in (("warps", _warps(kernel, self.spec)), ("stages", kernel.stages)) if v]
+        consts += [f"num_{k}={v}" for k, v in (("warps", kernel.warps), ("stages", kernel.stages)) if v]
         return text if fast or not consts else text + "\n" + " " * indent + _wrap(consts, indent, end=end)
 
     def pack(self, name: str, pack: str, indent: int) -> str:
@@ -149,7 +145,7 @@ class Helpers:
                   '"signature": {' + _wrap(signature, inner + 14, end="}"),
                   '"constexprs": {' + _wrap(constexprs, inner + 15, end="}"),
                   '"divisible": [' + _wrap(divisible, inner + 14, end="]"),
-                  f'"num_warps": {_warps(kernel, spec)}', f'"num_stages": {kernel.stages}']
+                  f'"num_warps": {kernel.warps}', f'"num_stages": {kernel.stages}']
         return pad + "{\n" + "".join(" " * inner + f + ",\n" for f in fields) + pad + "},"
 
     def c_params(self, name: str, indent: int = 4) -> str:

@@ -503,6 +503,37 @@ def group_paged_fp8():
         still_good(f"fp8 {kv} {mask} paged decode", run, good)
 
 
+def group_dense_fp8():
+    """A dense e4m3 cache at d128 (on sm_90 the tiles by shape: 64-key blocks on 2 warps, and for a long cache with few
+    (batch, head) pairs SHAPE_TILE's 32-key one-warp programs, [Note] fp8 decode tiles by shape): bad seqlens_k of
+    sequence 1, through the split rule and 3 splits; NaN in every key past each sequence's length."""
+    d, sk = (128, 8192) if GPU else (16, 40)
+    lens = [sk, sk // 2 + 37, sk - 5][:NB]
+    qd = torch.randn(NB, HQ, 1, d, device=DEV, dtype=torch.float16)
+    kc, vc = (torch.randn(NB, HKV, sk, d, device=DEV).to(torch.float8_e4m3fn) for _ in range(2))
+    for c in (kc, vc):
+        for b, n in enumerate(lens):
+            c.view(torch.uint8)[b, :, n:] = 0x7F  # e4m3 NaN past the length
+    dec = fagen.load(fagen.KernelSpec(head_dim=d, gqa=2, kind="decode", mask="padding", dtype="fp16",
+                                      kv_dtype="fp8_e4m3", **DTILES))
+
+    def run(lk):
+        kw = dict(seqlens_q=i32(*[1] * NB), seqlens_k=i32(*lk), k_scale=0.8, v_scale=1.1, check=False)
+        out, lse = dec.forward(qd, kc, vc, **kw)
+        out3, lse3 = dec.forward_split(qd, kc, vc, num_splits=3, **kw)
+        return dict(out=out, lse=lse, out3=out3, lse3=lse3)
+
+    good = run(lens)
+    report(f"fp8 e4m3 dense decode d{d}: no NaN key past a length reaches a valid output",
+           ["NaN in out"] if any(torch.isnan(good[key]).any() for key in ("out", "out3")) else [])
+    for value in bad_ints(sk):
+        lk = list(lens)
+        lk[1] = value
+        case(f"fp8 e4m3 dense decode d{d} sk{sk} (rule, 3 splits) seqlens_k[1]={value}", lambda: run(lk),
+             [(key, (OTHER,)) for key in good], good)
+    still_good(f"fp8 e4m3 dense decode d{d}", lambda: run(lens), good)
+
+
 def group_mods():
     """User mods with captured tensors on the layouts that take lengths from the caller: a modded paged decode
     (bad block_table, seqlens_k) and a modded varlen fwd+bwd with a learned bias (bad cu_seqlens). The captured
@@ -597,7 +628,7 @@ def group_mla_gluon():
 
 GROUPS = {"padding": group_padding, "varlen": group_varlen, "paged": group_paged, "tree": group_tree,
           "window": group_window, "mla": group_mla, "mla_fp8": group_mla_fp8, "fp8_token": group_fp8_token,
-          "paged_fp8": group_paged_fp8, "mods": group_mods, "mla_gluon": group_mla_gluon}
+          "paged_fp8": group_paged_fp8, "dense_fp8": group_dense_fp8, "mods": group_mods, "mla_gluon": group_mla_gluon}
 
 torch.manual_seed(args.seed)
 for name in args.group or GROUPS:

@@ -11,15 +11,19 @@ from _env import ON_GPU
 
 # -- varlen steps -----------------------------------------------------------------------------------------------------
 @pytest.mark.skipif(ON_GPU, reason="host fakes")
+@pytest.mark.parametrize("modded", [False, True], ids=["plain", "learned-bias"])
 @pytest.mark.parametrize("tma", [False, True])
-def test_a_varlen_step_replays_the_general_path(monkeypatch, tma):
+def test_a_varlen_step_replays_the_general_path(monkeypatch, tma, modded):
     """[Note] Varlen steps: the second call of a (shapes, strides, cu_seqlens' shapes, max_seqlens) key launches
     exactly what the first (general) call did; another batch, another longest sequence or a misaligned cu_seqlens
-    takes the general path; off, no step is kept."""
+    takes the general path; off, no step is kept. A modded spec's captured tensor joins the step's alignment check
+    (the GPU memory fuzz's learned-bias varlen case found the step's replay reading its address before assigning it)."""
     from test_launch import FakeTritonJIT, _raw_stream_of, _same
 
+    mods = dict(score_mod="(score + bias[h, ((q_idx - kv_idx) + 40)])", mod_tensors=[["bias", "fp32", 2]])
     module = fagen.load(fagen.KernelSpec(head_dim=16, mask="causal", gqa=2, dtype="fp32", block_m=16, block_n=16,
-                                         layout="varlen"))
+                                         layout="varlen", **(mods if modded else {})))
+    bias = (torch.randn(4, 80),) if modded else ()
     for name, value in (("_FAST_LAUNCH", True), ("_KERNELS", {}), ("_INTERPRET", False), ("_STEPS", {}),
                         ("_SCRATCH", {}), ("TMA", tma), ("_raw_stream", _raw_stream_of([77])),
                         ("_VARLEN_STEPS", True)):
@@ -33,7 +37,7 @@ def test_a_varlen_step_replays_the_general_path(monkeypatch, tma):
     assert (q.data_ptr() | k.data_ptr() | v.data_ptr() | cu.data_ptr()) % 16 == 0
 
     def launch(cu=cu, longest=33, **buffers):
-        return module._launch_forward(q, k, v, 0.25, cu, cu, None, longest, longest, **buffers)
+        return module._launch_forward(q, k, v, 0.25, cu, cu, None, longest, longest, *bias, **buffers)
 
     launch()
     assert len(fwd.compiles) == 1 and len(module._STEPS) == 1

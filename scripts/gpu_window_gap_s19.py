@@ -44,6 +44,10 @@ def main():
     ap.add_argument("--after-rows", action="store_true", help="the window row fresh, after the suite's five rows "
                     "before it, after empty_cache, after 30 s idle (then exit)")
     ap.add_argument("--suite-rows", action="store_true", help="first the suite's own row (mod_rows), three times")
+    ap.add_argument("--profile", choices=("alone", "after-suite"), help="(twentieth session) the window row's "
+                    "backward under torch.profiler: kernel times, GPU idle inside a call, host time a call; "
+                    "after-suite: first the suite's six rows (mod_rows, 5 rounds), as `fagen bench --suite mods` "
+                    "runs them, then the window row's suite timing again, then the profile (then exit)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("no GPU: nothing to time (this probe has no CPU rehearsal beyond importing)")
@@ -55,6 +59,8 @@ def main():
     dev = torch.device("cuda")
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     shape = M.ModsShape()
+    if a.profile:
+        return _profile(a.profile, M, shape, _zero_flush(dev))
     if a.ws_sweep:  # where the allocator puts the window backward's kept workspace, or the inputs (docs/mods.md)
         mm = M._gym().generate_sliding_window(1024)
         ev = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
@@ -180,6 +186,87 @@ def main():
         print(f"{key[0]:<30} {key[1]:<11} {statistics.median(vals):9.4f}  " + " ".join(f"{x:.4f}" for x in vals))
     for key in sorted(k for k in res if len(k) == 3):
         print(f"  rounds of {key[0]} / {key[1]} (pass by pass): " + " | ".join(res[key]))
+    return 0
+
+
+def _profile(mode, M, shape, flush):
+    """Where the suite's extra 0.03 ms a window backward goes (twentieth session): the kernels' own durations
+    (torch.profiler, CUPTI), the GPU's idle time between a call's first and last kernel, and the host's time a call
+    with the GPU kept busy. `after-suite` first runs the suite's rows up to the window row in this process."""
+    import gc
+    import time
+
+    import fagen
+
+    if mode == "after-suite":
+        rows = M.mod_rows("cuda", shape, log=lambda *x, **y: None, rounds=5, only={
+            "relative-bias", "alibi", "softcap", "document+causal", "prefix-lm", "sliding-window+causal"})
+        for r in rows:
+            print(f"SUITE {r['case']:<24} fagen bwd {r.get('fagen', {}).get('bwd_ms', float('nan')):.4f} ms; bwd_x "
+                  f"{r.get('bwd_x', float('nan')):.3f}", flush=True)
+        (r, ) = M.mod_rows("cuda", shape, log=lambda *x, **y: None, only={"sliding-window+causal"}, rounds=5)
+        print(f"AGAIN window row: fagen bwd {r['fagen']['bwd_ms']:.4f} ms (rounds {r['fagen']['bwd_rounds_ms']}); "
+              f"bwd_x {r['bwd_x']:.3f}", flush=True)
+    print(f"gc objects {len(gc.get_objects())}, gc counts {gc.get_count()}, thresholds {gc.get_threshold()}", flush=True)
+    mm = M._gym().generate_sliding_window(1024)
+    q, k, v, do = M._inputs(shape, "cuda", True)
+    bm = fagen.create_block_mask(mm, None, None, shape.seq, shape.seq, device="cuda")
+    out = fagen.attention(q, k, v, mask_mod=mm, block_mask=bm)
+    f = lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)  # noqa: E731
+    for _ in range(20):
+        f()
+    torch.cuda.synchronize()
+    # host time a call with the GPU busy (a long kernel queued first), and with gc disabled
+    for label, off in (("gc on", False), ("gc off", True)):
+        if off:
+            gc.disable()
+        host = []
+        for _ in range(5):
+            torch.cuda._sleep(200_000_000)
+            t0 = time.perf_counter()
+            for _ in range(20):
+                f()
+            host.append((time.perf_counter() - t0) / 20 * 1e3)
+            torch.cuda.synchronize()
+        gc.enable()
+        print(f"HOST {label}: ms a call {statistics.median(host):.4f} ({min(host):.4f}-{max(host):.4f})", flush=True)
+    ev = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
+    for label, off in (("gc on", False), ("gc off", True)):
+        if off:
+            gc.disable()
+        ms = [statistics.median(timed_calls(f, flush, 10, 60, ev, torch.cuda.synchronize)) for _ in range(3)]
+        gc.enable()
+        print(f"TIMED {label}: timed_calls ms {' '.join(f'{x:.4f}' for x in ms)}", flush=True)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(30):
+            flush()
+            torch.cuda._sleep(1000)  # a marker kernel: the call's kernels follow it
+            f()
+        torch.cuda.synchronize()
+    gpu = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    flush_name = gpu[0].name if gpu else ""
+    calls, cur = [], None
+    for e in gpu:
+        if "spin" in e.name.lower():
+            cur = []
+            calls.append(cur)
+        elif e.name != flush_name and cur is not None:
+            cur.append(e)
+    per = collections.defaultdict(list)
+    for c in calls:
+        for e in c:
+            per[e.name].append(e.time_range.end - e.time_range.start)
+    print(f"KERNELS of a call (flush {flush_name[:50]!r} left out): calls, median us, name", flush=True)
+    for name, ts in sorted(per.items(), key=lambda kv: -sum(kv[1]))[:10]:
+        print(f"  {len(ts):4d} {statistics.median(ts):9.1f}  {name[:100]}", flush=True)
+    spans = [c[-1].time_range.end - c[0].time_range.start for c in calls if c]
+    busy = [sum(e.time_range.end - e.time_range.start for e in c) for c in calls if c]
+    if spans:
+        print(f"CALL SPAN us median {statistics.median(spans):.1f}, kernels busy {statistics.median(busy):.1f}, "
+              f"idle inside {statistics.median([s - b for s, b in zip(spans, busy)]):.1f} ({len(spans)} calls)",
+              flush=True)
     return 0
 
 

@@ -197,6 +197,7 @@ def _profile(mode, M, shape, flush):
     import time
 
     import fagen
+    from fagen.bench.timing import timed_calls
 
     if mode == "after-suite":
         rows = M.mod_rows("cuda", shape, log=lambda *x, **y: None, rounds=5, only={

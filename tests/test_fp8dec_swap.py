@@ -82,12 +82,13 @@ def test_dense_swapped_at_eight_rows_of_other_groups(gqa, sq):
     assert m.tile_rows(gqa * sq) == 8
     gen = torch.Generator().manual_seed(gqa * 10 + sq)
     q = torch.randn(2, 2 * gqa, sq, 128, generator=gen).mul(2).bfloat16()
-    kc, vc = (torch.randn(2, 2, 93, 128, generator=gen).to(torch.float8_e4m3fn) for _ in range(2))
+    kc, vc = (torch.randn(2, 2, 301, 128, generator=gen).to(torch.float8_e4m3fn) for _ in range(2))
     ks, vs = torch.exp2(torch.rand(2, generator=gen) * 6 - 3), torch.exp2(torch.rand(2, generator=gen) * 6 - 3)
     kd, vd = reference.dequantize(kc, ks, 1), reference.dequantize(vc, vs, 1)
     want, wlse = reference.attention(q.double(), kd, vd)
     unit = reference.attention(q.double(), kd, vd.abs())[0].clamp(min=1.0)
     for out, lse in (m.forward(q, kc, vc, k_scale=ks, v_scale=vs),
+                     m.forward_split(q, kc, vc, num_splits=1, k_scale=ks, v_scale=vs),  # 5 blocks in one split
                      m.forward_split(q, kc, vc, num_splits=3, k_scale=ks, v_scale=vs)):
         compare("out", out.double() / unit, want / unit, **TOLERANCE["bf16"])
         compare("lse", lse, wlse, **LSE_TOLERANCE)

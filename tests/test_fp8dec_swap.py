@@ -33,10 +33,13 @@ def _spec(**fields):
                                               **fields})
 
 
-def _swapped(spec, tag=""):
-    src, n = re.subn(ON[0], ON[1], fagen.generate(spec), flags=re.M)
-    assert n == 1, spec.name
-    return load_source(src, f"{spec.name}_swap{tag}")
+def _swapped(spec, tag="", also=()):
+    """The render with SWAP_AB on, and the constexpr flags in `also` ([Note] Step base, [Note] Lazy rescale)."""
+    src = fagen.generate(spec)
+    for flag in ("SWAP_AB", *also):
+        src, n = re.subn(rf"^{flag} = tl\.constexpr\(False\)$", f"{flag} = tl.constexpr(True)", src, flags=re.M)
+        assert n == 1, (spec.name, flag)
+    return load_source(src, f"{spec.name}_swap{tag}{''.join(also)}")
 
 
 def test_off_by_default_and_rendered_for_fp8_caches_with_their_own_v_only():
@@ -70,6 +73,16 @@ def test_dense_swapped_matches_the_dequantized_reference(form, sk, shape_tile):
     for out, lse in (m.forward(q, kc, vc, **kw), m.forward_split(q, kc, vc, num_splits=1, **kw),
                      m.forward_split(q, kc, vc, num_splits=3, **kw),
                      m.forward(q, kc, vc, batch_invariant=True, **kw)):
+        _check_dense(out, lse, q, seqs)
+
+
+@pytest.mark.parametrize("also", [("STEP_BASE",), ("LAZY_RESCALE",), ("STEP_BASE", "LAZY_RESCALE")])
+def test_dense_swapped_with_the_step_base_and_the_lazy_rescale(also):
+    """Round B's candidates on the swapped step: the same float64 checks over 301 keys (5 blocks in one split)."""
+    m = _swapped(_spec(), "b", also)
+    q, kc, vc, kw, seqs = _dense_problem("head", seed=31, sk=301)
+    for out, lse in (m.forward(q, kc, vc, **kw), m.forward_split(q, kc, vc, num_splits=1, **kw),
+                     m.forward_split(q, kc, vc, num_splits=3, **kw)):
         _check_dense(out, lse, q, seqs)
 
 

@@ -1,9 +1,10 @@
 """Swapped dots in the fp8 decode (twentieth session; [Note] Swapped dots in the decode template). With SWAP_AB a
 tile of 3 to 8 packed query rows (GQA 4 or 8 at one query, GQA 4 at two) takes 8 rows, and the key step computes
-S^T = K q^T and O^T += V^T P^T with the keys as the mma's M. Off (the product's default), the renders are the ones
-before and such tiles take 16 rows. On, the kernels must match float64 on the dequantized cache (dense and paged,
-per-head and per-token scales, through the split rule, one split, three and the batch-invariant chunks), give
-batch_invariant=True's bits alone and in a batch, and build for sm_90 with fewer instructions a key and no spills."""
+S^T = K q^T and O^T += V^T P^T with the keys as the mma's M. On since round B (H200) for the measured cache (e4m3,
+d128, bf16 queries, dense and paged); other fp8 caches render it off and take 16 rows. On, the kernels must match
+float64 on the dequantized cache (dense and paged, per-head and per-token scales, through the split rule, one split,
+three and the batch-invariant chunks), give batch_invariant=True's bits alone and in a batch, and build for sm_90
+with fewer instructions a key and no spills in the dense tiles."""
 
 import json
 import os
@@ -37,17 +38,19 @@ def _swapped(spec, tag="", also=()):
     """The render with SWAP_AB on, and the constexpr flags in `also` ([Note] Step base, [Note] Lazy rescale)."""
     src = fagen.generate(spec)
     for flag in ("SWAP_AB", *also):
-        src, n = re.subn(rf"^{flag} = tl\.constexpr\(False\)$", f"{flag} = tl.constexpr(True)", src, flags=re.M)
+        src, n = re.subn(rf"^{flag} = tl\.constexpr\((False|True)\)$", f"{flag} = tl.constexpr(True)", src, flags=re.M)
         assert n == 1, (spec.name, flag)
     return load_source(src, f"{spec.name}_swap{tag}{''.join(also)}")
 
 
-def test_off_by_default_and_rendered_for_fp8_caches_with_their_own_v_only():
-    for spec in (_spec(), _spec(layout="paged"), _spec(kv_dtype="fp8_e5m2"), _spec(dtype="fp16")):
+def test_on_for_the_measured_cache_off_for_other_fp8_caches_and_absent_elsewhere():
+    """On (round B, H200) for e4m3 d128 with bf16 queries, dense and paged; other fp8 caches render it off."""
+    for spec, on in ((_spec(), True), (_spec(layout="paged"), True), (_spec(kv_dtype="fp8_e5m2"), False),
+                     (_spec(dtype="fp16"), False), (_spec(head_dim=64), False)):
         lines = [x for x in fagen.generate(spec).splitlines() if x.startswith("SWAP_AB")]
-        assert lines == ["SWAP_AB = tl.constexpr(False)"], spec.name
-        m = load_source(fagen.generate(spec), f"{spec.name}_swapoff")
-        assert (m.tile_rows(4), m.tile_rows(8), m.tile_rows(2)) == (16, 16, 2), spec.name
+        assert lines == [f"SWAP_AB = tl.constexpr({on})"], spec.name
+        m = load_source(fagen.generate(spec), f"{spec.name}_swapon")
+        assert (m.tile_rows(4), m.tile_rows(8), m.tile_rows(2)) == ((8, 8, 2) if on else (16, 16, 2)), spec.name
     mla = fagen.KernelSpec(head_dim=576, head_dim_v=512, shared_kv=True, kind="decode", gqa=16, dtype="bf16",
                            kv_dtype="fp8_e4m3")
     for spec in (_spec(kv_dtype=None), _spec(kv_dtype=None, layout="paged"), mla):
@@ -148,8 +151,7 @@ for layout in ("dense", "paged"):
     spec = fagen.KernelSpec(head_dim=128, gqa=4, kind="decode", dtype="bf16", kv_dtype="fp8_e4m3", layout=layout)
     for swap in (False, True):
         src = fagen.generate(spec)
-        if swap:
-            src = re.sub(r"^SWAP_AB = tl\.constexpr\(False\)$", "SWAP_AB = tl.constexpr(True)", src, flags=re.M)
+        src = re.sub(r"^SWAP_AB = tl\.constexpr\((False|True)\)$", f"SWAP_AB = tl.constexpr({swap})", src, flags=re.M)
         m = load_source(src, f"{spec.name}_sm90_{int(swap)}")
         fn = m._decode_split
         tiles = [m.TILE, m.SHAPE_TILE] if layout == "dense" else [(m.BLOCK_N, m.NUM_WARPS, m.NUM_STAGES, 4)]

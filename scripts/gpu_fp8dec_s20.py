@@ -6,8 +6,8 @@ bench's time_prepared, "loop").
 
     PYTHONPATH=$PWD python3 scripts/gpu_fp8dec_s20.py [--round A|B] [--dry-run]
 
-"product" is the product's render (dense: m64n64w2s3 with the one-warp tile n32w1s4 by shape; paged: m64n64w2s3 pps4
-at 85%); the others are that render with substitutions (SWAP_AB on; FILL: the split rule without its one-split
+"product" is the product's render (at the rounds, before this session's flip: dense m64n64w2s3 with the one-warp tile
+n32w1s4 by shape; paged m64n64w2s3 pps4 at 85%; SWAP_AB off); the others are that render with substitutions (SWAP_AB on; FILL: the split rule without its one-split
 shortcut at 80% of the slots; t95: the paged rule at 95%).
 
 --dry-run (the CPU): builds every candidate's _decode_split for sm_90 (ptxas registers, spills, shared memory, the

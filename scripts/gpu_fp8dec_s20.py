@@ -52,14 +52,16 @@ DEV = "cpu" if CPU else "cuda"
 
 
 INV, INV_ON = r"^BATCH_INVARIANT = False", "BATCH_INVARIANT = True"
-SWAP = {r"^SWAP_AB = tl\.constexpr\(False\)$": "SWAP_AB = tl.constexpr(True)"}
+# after the flip (this branch) the product renders SWAP_AB on and the paged 95% rule: these match either form, so the
+# script still runs, its "product" then being the flipped one
+SWAP = {r"^SWAP_AB = tl\.constexpr\((False|True)\)$": "SWAP_AB = tl.constexpr(True)"}
 NO_SHAPE = {r"^SHAPE_TILE = \(.*\)$": "SHAPE_TILE = None"}
 # FILL: the tile by shape without the 80% gate, its split count without the rule's one-split shortcut (s19's "fill":
 # b128 takes the one-warp tile with 3 splits, 3072 programs on 792 slots, where the product runs n64w2s3 with one)
 FILL = {r"^    if groups >= 0\.8 \* slots or blocks <= 1:$": "    if blocks <= 1:",
         r"^    if SHAPE_TILE is not None and sq == 1 and groups < 0\.8 \* sms \* SHAPE_TILE\[3\]:$":
         "    if SHAPE_TILE is not None and sq == 1:"}
-T95 = {r"^    return min\(n for n, e in effs\.items\(\) if e >= 0\.85 \* best\)$":
+T95 = {r"^    return min\(n for n, e in effs\.items\(\) if e >= (0\.85|SPLIT_WAVES) \* best\)$":
        "    return min(n for n, e in effs.items() if e >= 0.95 * best)"}
 
 # name: substitutions in the product's render (spec as the product resolves it)

@@ -504,17 +504,20 @@ def group_paged_fp8():
 
 
 def group_dense_fp8():
-    """A dense e4m3 cache at d128 (on sm_90 the tiles by shape: 64-key blocks on 2 warps, and for a long cache with few
-    (batch, head) pairs SHAPE_TILE's 32-key one-warp programs, [Note] fp8 decode tiles by shape): bad seqlens_k of
-    sequence 1, through the split rule and 3 splits; NaN in every key past each sequence's length."""
+    """An e4m3 cache at d128 with bf16 queries (on sm_90 the measured renders: swapped dots, [Note] fp8 decode
+    swapped dots, and the tiles by shape: 64-key blocks on 2 warps, SHAPE_TILE's 32-key one-warp programs for a long
+    cache with few (batch, head) pairs), dense and paged (pages of 16): bad seqlens_k (and block_table entries) of
+    sequence 1, through the split rule and 3 splits; NaN in every key past each sequence's length and every page no
+    sequence owns."""
     d, sk = (128, 8192) if GPU else (16, 40)
+    qdt, name = (torch.bfloat16, "bf16") if GPU else (torch.float16, "fp16")
     lens = [sk, sk // 2 + 37, sk - 5][:NB]
-    qd = torch.randn(NB, HQ, 1, d, device=DEV, dtype=torch.float16)
+    qd = torch.randn(NB, HQ, 1, d, device=DEV, dtype=qdt)
     kc, vc = (torch.randn(NB, HKV, sk, d, device=DEV).to(torch.float8_e4m3fn) for _ in range(2))
     for c in (kc, vc):
         for b, n in enumerate(lens):
             c.view(torch.uint8)[b, :, n:] = 0x7F  # e4m3 NaN past the length
-    dec = fagen.load(fagen.KernelSpec(head_dim=d, gqa=2, kind="decode", mask="padding", dtype="fp16",
+    dec = fagen.load(fagen.KernelSpec(head_dim=d, gqa=2, kind="decode", mask="padding", dtype=name,
                                       kv_dtype="fp8_e4m3", **DTILES))
 
     def run(lk):
@@ -524,14 +527,43 @@ def group_dense_fp8():
         return dict(out=out, lse=lse, out3=out3, lse3=lse3)
 
     good = run(lens)
-    report(f"fp8 e4m3 dense decode d{d}: no NaN key past a length reaches a valid output",
+    report(f"fp8 e4m3 dense decode d{d} {name}: no NaN key past a length reaches a valid output",
            ["NaN in out"] if any(torch.isnan(good[key]).any() for key in ("out", "out3")) else [])
     for value in bad_ints(sk):
         lk = list(lens)
         lk[1] = value
-        case(f"fp8 e4m3 dense decode d{d} sk{sk} (rule, 3 splits) seqlens_k[1]={value}", lambda: run(lk),
+        case(f"fp8 e4m3 dense decode d{d} {name} sk{sk} (rule, 3 splits) seqlens_k[1]={value}", lambda: run(lk),
              [(key, (OTHER,)) for key in good], good)
-    still_good(f"fp8 e4m3 dense decode d{d}", lambda: run(lens), good)
+    still_good(f"fp8 e4m3 dense decode d{d} {name}", lambda: run(lens), good)
+
+    page, width = 16, -(-sk // 16)
+    pages = NB * width + 4
+    table = [[b * width + i for i in range(width)] for b in range(NB)]
+    pk, pv = (torch.randn(pages, page, HKV, d, device=DEV).to(torch.float8_e4m3fn) for _ in range(2))
+    owned = [p for row, n in zip(table, lens) for p in row[:-(-n // page)]]
+    for c in (pk, pv):
+        spare = torch.ones(pages, dtype=torch.bool, device=DEV)
+        spare[owned] = False
+        c.view(torch.uint8)[spare] = 0x7F
+    pdec = fagen.load(fagen.KernelSpec(head_dim=d, gqa=2, kind="decode", layout="paged", mask="causal", dtype=name,
+                                       kv_dtype="fp8_e4m3", **DTILES))
+
+    def prun(what=None, value=None):
+        t, n = paged_inputs(table, lens, what, value)
+        kw = dict(block_table=t, seqlens_k=n, k_scale=1.2, v_scale=0.9, check=False)
+        out, lse = pdec.forward(qd, pk, pv, **kw)
+        out3, lse3 = pdec.forward_split(qd, pk, pv, num_splits=3, **kw)
+        return dict(out=out, lse=lse, out3=out3, lse3=lse3)
+
+    good = prun()
+    report(f"fp8 e4m3 paged decode d{d} {name}: no NaN page reaches a valid output",
+           ["NaN in out"] if any(torch.isnan(good[key]).any() for key in ("out", "out3")) else [])
+    variants = [("block_table[1][2]", p) for p in (100000, -1, pages, I32_MIN, I32_MAX)]
+    variants += [("seqlens_k[1]", n) for n in bad_ints(width * page)[:5]]
+    for what, value in variants:
+        case(f"fp8 e4m3 paged decode d{d} {name} (rule, 3 splits) {what}={value}", lambda: prun(what, value),
+             [(key, (OTHER,)) for key in good], good)
+    still_good(f"fp8 e4m3 paged decode d{d} {name}", prun, good)
 
 
 def group_mods():

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import fagen
-from _env import ON_GPU
+from _env import DEVICE, ON_GPU
 from fagen.runtime.loader import load_source
 from test_fp8dec_tiles import _check as _check_dense
 from test_fp8dec_tiles import _problem as _dense_problem
@@ -103,11 +103,12 @@ def test_dense_swapped_at_eight_rows_of_other_groups(gqa, sq):
     kd, vd = reference.dequantize(kc, ks, 1), reference.dequantize(vc, vs, 1)
     want, wlse = reference.attention(q.double(), kd, vd)
     unit = reference.attention(q.double(), kd, vd.abs())[0].clamp(min=1.0)
-    for out, lse in (m.forward(q, kc, vc, k_scale=ks, v_scale=vs),
-                     m.forward_split(q, kc, vc, num_splits=1, k_scale=ks, v_scale=vs),  # 5 blocks in one split
-                     m.forward_split(q, kc, vc, num_splits=3, k_scale=ks, v_scale=vs)):
-        compare("out", out.double() / unit, want / unit, **TOLERANCE["bf16"])
-        compare("lse", lse, wlse, **LSE_TOLERANCE)
+    qd, kcd, vcd, ksd, vsd = (t.to(DEVICE) for t in (q, kc, vc, ks, vs))
+    for out, lse in (m.forward(qd, kcd, vcd, k_scale=ksd, v_scale=vsd),
+                     m.forward_split(qd, kcd, vcd, num_splits=1, k_scale=ksd, v_scale=vsd),  # 5 blocks in one split
+                     m.forward_split(qd, kcd, vcd, num_splits=3, k_scale=ksd, v_scale=vsd)):
+        compare("out", out.cpu().double() / unit, want / unit, **TOLERANCE["bf16"])
+        compare("lse", lse.cpu(), wlse, **LSE_TOLERANCE)
 
 
 @pytest.mark.parametrize("page,form", [(16, "head"), (16, "token"), (64, "tensor")])

@@ -469,46 +469,53 @@ def group_paged_fp8():
     loads the next step's page numbers): e4m3 causal and e5m2 none, k/v scales per head and per tensor, through the
     split rule and 3 splits, with pages of 4 keys (a key block spans several pages); bad block_table entries and
     lengths in sequence 1, and NaN in every page no sequence owns."""
-    pages, page, width = 16, 4, 5
     table = [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9], [10, 11, 12, 13, 14]][:NB]
-    lens = [20, 17, 13][:NB]
     qd = torch.randn(NB, HQ, 1, D, device=DEV, dtype=torch.float16)
     for kv, mask, scales in (("fp8_e4m3", "causal", (torch.tensor([1.3] * HKV, device=DEV), 0.6)),
                              ("fp8_e5m2", "none", (0.7, torch.tensor([0.9] * HKV, device=DEV)))):
-        dt = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kv]
-        kc, vc = (torch.randn(pages, page, HKV, D, device=DEV).to(dt) for _ in range(2))
-        owned = [p for row, n in zip(table, lens) for p in row[:-(-n // page)]]
-        for c in (kc, vc):  # NaN (e4m3: 0x7f; e5m2: 0x7f is NaN too) in the pages no sequence owns
-            spare = torch.ones(pages, dtype=torch.bool, device=DEV)
-            spare[owned] = False
-            c.view(torch.uint8)[spare] = 0x7F
-        dec = fagen.load(fagen.KernelSpec(head_dim=D, gqa=2, kind="decode", layout="paged", mask=mask,
-                                          dtype="fp16", kv_dtype=kv, **DTILES))
+        paged_fp8_cases(qd, kv, mask, scales, table, [20, 17, 13][:NB], pages=16, page=4, bad_lens=None)
 
-        def run(what=None, value=None):
-            t, n = paged_inputs(table, lens, what, value)
-            kw = dict(block_table=t, seqlens_k=n, k_scale=scales[0], v_scale=scales[1], check=False)
-            out, lse = dec.forward(qd, kc, vc, **kw)
-            out3, lse3 = dec.forward_split(qd, kc, vc, num_splits=3, **kw)
-            return dict(out=out, lse=lse, out3=out3, lse3=lse3)
 
-        good = run()
-        report(f"fp8 {kv} paged decode: no NaN page reaches a valid output",
-               ["NaN in out"] if any(torch.isnan(good[key]).any() for key in ("out", "out3")) else [])
-        variants = [("block_table[1][2]", p) for p in (100000, -1, pages, I32_MIN, I32_MAX)]
-        variants += [("seqlens_k[1]", n) for n in bad_ints(width * page)]
-        for what, value in variants:
-            case(f"fp8 {kv} {mask} paged decode d{D} (plain, 3 splits) {what}={value}", lambda: run(what, value),
-                 [(key, (OTHER,)) for key in good], good)
-        still_good(f"fp8 {kv} {mask} paged decode", run, good)
+def paged_fp8_cases(qd, kv, mask, scales, table, lens, pages, page, bad_lens):
+    """One paged fp8 decode spec's cases (group_paged_fp8, group_dense_fp8): NaN (e4m3: 0x7f; e5m2: 0x7f is NaN too)
+    in every page no sequence owns; bad block_table entries, then bad lengths (the first `bad_lens` of them, None:
+    all), of sequence 1; the plain call through the split rule and 3 splits."""
+    d, width = qd.shape[-1], len(table[0])
+    dt = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kv]
+    kc, vc = (torch.randn(pages, page, HKV, d, device=DEV).to(dt) for _ in range(2))
+    owned = [p for row, n in zip(table, lens) for p in row[:-(-n // page)]]
+    for c in (kc, vc):
+        spare = torch.ones(pages, dtype=torch.bool, device=DEV)
+        spare[owned] = False
+        c.view(torch.uint8)[spare] = 0x7F
+    qname = {torch.float16: "fp16", torch.bfloat16: "bf16"}[qd.dtype]
+    dec = fagen.load(fagen.KernelSpec(head_dim=d, gqa=2, kind="decode", layout="paged", mask=mask, dtype=qname,
+                                      kv_dtype=kv, **DTILES))
+    label = f"fp8 {kv} {mask} paged decode d{d} {qname}"
+
+    def run(what=None, value=None):
+        t, n = paged_inputs(table, lens, what, value)
+        kw = dict(block_table=t, seqlens_k=n, k_scale=scales[0], v_scale=scales[1], check=False)
+        out, lse = dec.forward(qd, kc, vc, **kw)
+        out3, lse3 = dec.forward_split(qd, kc, vc, num_splits=3, **kw)
+        return dict(out=out, lse=lse, out3=out3, lse3=lse3)
+
+    good = run()
+    report(f"{label}: no NaN page reaches a valid output",
+           ["NaN in out"] if any(torch.isnan(good[key]).any() for key in ("out", "out3")) else [])
+    variants = [("block_table[1][2]", p) for p in (100000, -1, pages, I32_MIN, I32_MAX)]
+    variants += [("seqlens_k[1]", n) for n in bad_ints(width * page)[:bad_lens]]
+    for what, value in variants:
+        case(f"{label} (plain, 3 splits) {what}={value}", lambda: run(what, value),
+             [(key, (OTHER,)) for key in good], good)
+    still_good(label, run, good)
 
 
 def group_dense_fp8():
     """An e4m3 cache at d128 with bf16 queries (on sm_90 the measured renders: swapped dots, [Note] fp8 decode
     swapped dots, and the tiles by shape: 64-key blocks on 2 warps, SHAPE_TILE's 32-key one-warp programs for a long
-    cache with few (batch, head) pairs), dense and paged (pages of 16): bad seqlens_k (and block_table entries) of
-    sequence 1, through the split rule and 3 splits; NaN in every key past each sequence's length and every page no
-    sequence owns."""
+    cache with few (batch, head) pairs), dense, then paged (pages of 16, paged_fp8_cases): bad seqlens_k of sequence
+    1, through the split rule and 3 splits; NaN in every key past each sequence's length."""
     d, sk = (128, 8192) if GPU else (16, 40)
     qdt, name = (torch.bfloat16, "bf16") if GPU else (torch.float16, "fp16")
     lens = [sk, sk // 2 + 37, sk - 5][:NB]
@@ -536,34 +543,9 @@ def group_dense_fp8():
              [(key, (OTHER,)) for key in good], good)
     still_good(f"fp8 e4m3 dense decode d{d} {name}", lambda: run(lens), good)
 
-    page, width = 16, -(-sk // 16)
-    pages = NB * width + 4
+    width = -(-sk // 16)
     table = [[b * width + i for i in range(width)] for b in range(NB)]
-    pk, pv = (torch.randn(pages, page, HKV, d, device=DEV).to(torch.float8_e4m3fn) for _ in range(2))
-    owned = [p for row, n in zip(table, lens) for p in row[:-(-n // page)]]
-    for c in (pk, pv):
-        spare = torch.ones(pages, dtype=torch.bool, device=DEV)
-        spare[owned] = False
-        c.view(torch.uint8)[spare] = 0x7F
-    pdec = fagen.load(fagen.KernelSpec(head_dim=d, gqa=2, kind="decode", layout="paged", mask="causal", dtype=name,
-                                       kv_dtype="fp8_e4m3", **DTILES))
-
-    def prun(what=None, value=None):
-        t, n = paged_inputs(table, lens, what, value)
-        kw = dict(block_table=t, seqlens_k=n, k_scale=1.2, v_scale=0.9, check=False)
-        out, lse = pdec.forward(qd, pk, pv, **kw)
-        out3, lse3 = pdec.forward_split(qd, pk, pv, num_splits=3, **kw)
-        return dict(out=out, lse=lse, out3=out3, lse3=lse3)
-
-    good = prun()
-    report(f"fp8 e4m3 paged decode d{d} {name}: no NaN page reaches a valid output",
-           ["NaN in out"] if any(torch.isnan(good[key]).any() for key in ("out", "out3")) else [])
-    variants = [("block_table[1][2]", p) for p in (100000, -1, pages, I32_MIN, I32_MAX)]
-    variants += [("seqlens_k[1]", n) for n in bad_ints(width * page)[:5]]
-    for what, value in variants:
-        case(f"fp8 e4m3 paged decode d{d} {name} (rule, 3 splits) {what}={value}", lambda: prun(what, value),
-             [(key, (OTHER,)) for key in good], good)
-    still_good(f"fp8 e4m3 paged decode d{d} {name}", prun, good)
+    paged_fp8_cases(qd, "fp8_e4m3", "causal", (1.2, 0.9), table, lens, pages=NB * width + 4, page=16, bad_lens=5)
 
 
 def group_mods():

@@ -20,7 +20,7 @@ from fagen.spec.axes import Backend, DType, Direction, Kind, KVDType, Layout, Ma
 # 448 programs on 528 slots); where that rule chooses the count, one query a sequence, B x KV heads below 80% of
 # the second tile's 792 slots and chunks of 1024 keys or more take SHAPE_TILE, 32-key blocks on one warp (36 KB, 6
 # an SM). Forced counts (forward_split, Plans) and batch_invariant=True keep the spec's tile (the invariant chunks
-# follow the sequence's length and the spec only). H200, scripts/gpu_fp8dec_s19.py, speed against m64n128w4s3 over
+# follow the sequence's length and the spec only). H200, e7aa689f:scripts/gpu_fp8dec_s19.py, speed against m64n128w4s3 over
 # 12 shapes (b8-b128, kv 4k-32k, Hq 32 / Hkv 8), per pass, median of 3: round B 1.020 (b8 kv4k) to 1.151, the suite's
 # rows 0.890 / 0.871 of copy (1.140x / 1.135x); round A, the two tiles apart, 0.987-1.093 and 0.905-1.155.
 # batch_invariant=True on the 2-warp tile 1.171x / 1.090x at the suite's rows. e5m2, d64 and more query rows a

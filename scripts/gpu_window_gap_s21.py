@@ -12,7 +12,10 @@ reasons sampled while 1000 calls run, and the allocator's state.
   preload    the same after 256 extra CUDA modules loaded first (a small cubin, loaded again and again): whether
              where the driver places the window kernels' code matters;
   after      the suite's six rows up to the window row (`mod_rows`, rounds 5) WITHOUT Flex, then the measurements,
-             then the same after gc + empty_cache + fresh inputs (a fresh allocator state in the slow process).
+             then the same after gc + empty_cache + fresh inputs (a fresh allocator state in the slow process);
+  flex       (round A) the same six rows WITH Flex, as the suite runs them, then the measurements; the processes
+             holding a CUDA context (nvidia-smi) and this process's children; then again after inductor's compile
+             workers are shut down, then after torch._dynamo.reset() + gc + empty_cache + fresh inputs.
 
     PYTHONPATH=$PWD python3 scripts/gpu_window_gap_s21.py [--only alone,after] [--timeout 150]
 """
@@ -108,8 +111,8 @@ def child(mode):
         keep = [utils.load_binary(ck.name, ck.asm["cubin"], ck.metadata.shared, torch.cuda.current_device())
                 for _ in range(256)]
         print(f"preloaded {len(keep)} modules of {len(ck.asm['cubin'])} B cubin", flush=True)
-    if mode == "after":
-        rows = M.mod_rows("cuda", shape, log=lambda *x, **y: None, flex=False, rounds=5, only=set(ROWS))
+    if mode in ("after", "flex"):
+        rows = M.mod_rows("cuda", shape, log=lambda *x, **y: None, flex=mode == "flex", rounds=5, only=set(ROWS))
         for r in rows:
             print(f"SUITE {r['case']:<24} fagen bwd {r.get('fagen', {}).get('bwd_ms', float('nan')):.4f} ms "
                   f"(rounds {r.get('fagen', {}).get('bwd_rounds_ms')})", flush=True)
@@ -134,11 +137,50 @@ def child(mode):
     if mode == "after":
         import gc
 
+        _contexts("after")
         del f
         gc.collect()
         torch.cuda.empty_cache()
         _measure("after, empty_cache + fresh inputs", call(), flush, _kernel_profile)
+    if mode == "flex":
+        import gc
+
+        _contexts("flex")
+        try:
+            from torch._inductor.async_compile import shutdown_compile_workers
+
+            shutdown_compile_workers()
+            time.sleep(2)
+            _contexts("flex, workers shut down")
+            _measure("flex, workers shut down", f, flush, _kernel_profile)
+        except Exception as e:  # noqa: BLE001 - report and go on
+            print(f"shutdown_compile_workers failed: {type(e).__name__}: {e}", flush=True)
+        del f
+        torch._dynamo.reset()
+        gc.collect()
+        torch.cuda.empty_cache()
+        _measure("flex, dynamo reset + empty_cache + fresh inputs", call(), flush, _kernel_profile)
     return 0
+
+
+def _contexts(label):
+    """The processes holding a context on the GPU, and this process's children (inductor's compile workers)."""
+    try:
+        apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=20).stdout.strip().replace("\n", "; ")
+    except Exception as e:  # noqa: BLE001
+        apps = f"nvidia-smi failed: {e}"
+    me = os.getpid()
+    kids = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as fh:
+                    if int(fh.read().rsplit(")", 1)[1].split()[1]) == me:
+                        kids.append(d)
+            except (OSError, ValueError, IndexError):
+                pass
+    print(f"[{label}] me {me}; GPU contexts: {apps}; children {len(kids)}: {' '.join(kids[:12])}", flush=True)
 
 
 def main():

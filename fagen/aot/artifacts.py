@@ -25,6 +25,7 @@ from fagen.aot import keys
 from fagen.files import digest, lock_for
 from fagen.runtime.loader import write_source
 from fagen.runtime.modules import import_module
+from fagen.runtime.toolchain import pinned_ptxas
 from fagen.spec import targets
 from fagen.spec.kernel import KernelSpec
 from fagen.spec.targets import ARCHS, ArchError, parse_archs  # noqa: F401 - re-exported for the CLI
@@ -216,7 +217,9 @@ def _compile_kernel(spec: KernelSpec, arch: str, entry: dict) -> tuple[bytes, by
     backend = make_backend(target)
     options = backend.parse_options({"num_warps": entry["num_warps"], "num_stages": entry["num_stages"]})
     try:
-        kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+        with pinned_ptxas():  # [Note] One ptxas
+            kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
+                                    options=options.__dict__)
     except OutOfResources as e:
         if "shared" in str(e.name):
             raise fail(_too_big(spec, arch, e.required)) from None

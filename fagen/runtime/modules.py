@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+from fagen.runtime.toolchain import pin_module
+
 
 class ModuleLoadError(ImportError):
     """A source file could not be imported; the message names the file and the cause."""
@@ -19,6 +21,7 @@ def import_module(path: Path, module_name: str | None = None, filename: str | No
     With `filename`, the module's code records that name instead of the file's absolute path (Triton writes the
     code's file name into PTX line info: a path-independent name makes ahead-of-time builds reproducible across
     cache folders). linecache serves the source under that name, so inspect and Triton can still read it.
+    The module's JIT functions build with fagen's ptxas (fagen/runtime/toolchain.py, [Note] One ptxas).
     """
     path = Path(path)
     module_name = module_name or f"fagen_generated.{path.stem.replace('-', '_').replace('.', '_')}"
@@ -41,4 +44,5 @@ def import_module(path: Path, module_name: str | None = None, filename: str | No
     except BaseException:
         sys.modules.pop(module_name, None)  # a failed import is tried again next time, not served half-made
         raise
+    pin_module(module)  # its kernels build with fagen's ptxas ([Note] One ptxas)
     return module

@@ -109,3 +109,14 @@ def test_the_window_backward_builds_as_with_the_bundled_ptxas_when_the_process_p
         pytest.skip(f"{OTHER} builds this kernel as the bundled ptxas does")
     pinned = _stack(tmp_path, "pinned", OTHER, pinned=True)
     assert (bundled, pinned) == (64, 64) and other > bundled, (bundled, other, pinned)
+
+
+def test_the_build_key_names_the_ptxas_the_build_uses(monkeypatch):
+    """fagen build's key ([Note] Artifact keys) holds the pinned ptxas, not the process's TRITON_PTXAS_PATH."""
+    from fagen.aot.keys import codegen_env
+
+    monkeypatch.delenv("FAGEN_PTXAS_PATH", raising=False)
+    monkeypatch.setenv("TRITON_PTXAS_PATH", "/opt/elsewhere/ptxas")
+    assert codegen_env()["TRITON_PTXAS_PATH"] == toolchain.ptxas_path() != "/opt/elsewhere/ptxas"
+    monkeypatch.setenv("FAGEN_PTXAS_PATH", "/opt/chosen/ptxas")
+    assert codegen_env()["TRITON_PTXAS_PATH"] == "/opt/chosen/ptxas"

@@ -37,6 +37,10 @@ def codegen_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if (k.startswith("TRITON_") and k not in _NEUTRAL_ENV) or k in ("PTXAS_OPTIONS", "DISABLE_PTXAS_OPT")}
     env.update(get_cache_invalidating_env_vars())
+    from fagen.runtime.toolchain import ptxas_path
+
+    if ptxas_path():  # the ptxas the build runs with ([Note] One ptxas), not the process's TRITON_PTXAS_PATH
+        env["TRITON_PTXAS_PATH"] = ptxas_path()
     return dict(sorted(env.items()))
 
 

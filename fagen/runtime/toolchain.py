@@ -15,7 +15,8 @@ So fagen builds its kernels with one ptxas: FAGEN_PTXAS_PATH when set (a user's 
 Triton bundles. Every @triton.jit / @gluon.jit function of a module fagen imports (fagen/runtime/modules.py) gets a
 _do_compile (the step of a launch or warmup that builds a missing specialisation; triton 3.6) that sets
 TRITON_PTXAS_PATH for the length of the build and puts the process's value back after; the
-ahead-of-time builds (fagen/aot/artifacts.py) run inside the same scope. Other libraries' kernels are untouched:
+ahead-of-time builds (fagen/aot/artifacts.py) run inside the same scope, and their key names that ptxas
+(fagen/aot/keys.py, codegen_env). Other libraries' kernels are untouched:
 the variable holds fagen's ptxas only while a fagen kernel builds. Builds of several threads at once share the
 scope (a count under a lock: the first sets the variable, the last restores it).
 """

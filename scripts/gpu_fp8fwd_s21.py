@@ -257,12 +257,6 @@ def phase_time():
     timed = [n for n in os.environ.get("FP8FWD21_TIMED", "").split("|") if n]
     rows, keep = [], []
 
-    def fp8_call(m):
-        def call(st):
-            sc = {n: t for n, t in st.scores.items() if n not in ("k_scale", "v_scale")}
-            return m.forward(st.q, st.k, st.v, k_descale=st.scores["k_scale"], v_descale=st.scores["v_scale"],
-                             **st.kwargs, **sc)[0]
-        return call
     for mask in s7.MASKS:
         flops = 4 * b * h * s * s * d / (2 if mask == "causal" else 1)
         word = "causal" if mask == "causal" else "full"
@@ -274,6 +268,7 @@ def phase_time():
             s7.emit(section="time", variant="setup", mask=mask, value="ERROR",
                     note=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
             continue
+
         def row(cc=cc, flip=False):  # the suite's row function (the product path), FP8_FULL_N192 as given
             if flip:
                 with flipped():

@@ -16,23 +16,11 @@ from fagen.backends import gluon
 from fagen.codegen import render as codegen_render
 from fagen.spec.axes import SpecError
 from fagen.spec.kernel import KernelSpec
-from test_fp8_wgs import variant
+from test_fp8_wgs import full_switch as switch, variant
 
 
 def spec(mask="none", dtype="fp8_e4m3", head_dim=128, **fields):
     return KernelSpec(backend="gluon", head_dim=head_dim, mask=mask, dtype=dtype, **fields)
-
-
-@contextlib.contextmanager
-def switch(on):
-    saved = gluon.FP8_FULL_N192
-    gluon.FP8_FULL_N192 = on
-    codegen_render.render.cache_clear()
-    try:
-        yield
-    finally:
-        gluon.FP8_FULL_N192 = saved
-        codegen_render.render.cache_clear()
 
 
 def test_switch_pinned():

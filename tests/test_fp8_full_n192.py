@@ -28,9 +28,9 @@ def test_switch_pinned():
 
 
 def _others():
-    """Specs the switch must leave alone: causal, the window, GQA, bf16, d64, softcap (where the backend takes it)."""
+    """Specs the switch must leave alone: causal, the window, GQA, bf16, d64, 64-key blocks, softcap (where taken)."""
     out = [spec("causal"), spec(window=True), spec(gqa=2), spec(dtype="bf16"), spec(head_dim=64),
-           spec("causal", window=True)]
+           spec("causal", window=True), spec(block_n=64)]
     with contextlib.suppress(SpecError, ValueError):
         out.append(spec(softcap=True))
     return out

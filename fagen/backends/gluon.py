@@ -238,7 +238,7 @@ class GluonBackend(DecodeRules, KernelBackend):
         a d128 MHA one, plain specs only (no switch, no mod); fp8_d64's for a d64 fp8 forward."""
         if spec.direction is Direction.FWD and spec.dtype is DType.FP8_E4M3 and spec.head_dim == 64:
             return {**self.variant, **self.variant["fp8_d64"]}  # [Note] fp8 three warpgroups: d64's own count
-        if (FP8_FULL_N192 and spec.direction is Direction.FWD and spec.dtype is DType.FP8_E4M3 and spec.head_dim == 128
+        if (FP8_FULL_N192 and spec.direction is Direction.FWD and spec.dtype is DType.FP8_E4M3 and spec.head_dim == spec.block_n == 128
                 and spec.mask is Mask.NONE and spec.gqa == 1 and not (spec.window or spec.switches or spec.modded)):
             return {**self.variant, "fp8_n192": 1, "fp8_turns": 4}  # [Note] fp8 full-mask 192-key steps
         if (spec.direction is Direction.BWD and spec.switches == ("window",) and not spec.modded

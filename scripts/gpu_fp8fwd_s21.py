@@ -48,7 +48,7 @@ from _phases import child_env, run_phase as run_child  # noqa: E402
 ROUND = (sys.argv[sys.argv.index("--round") + 1] if "--round" in sys.argv
          else os.environ.get("FP8FWD21_ROUND", "B")).upper()
 OUTX = Path(os.environ.get("OUTX") or os.environ.get("OUT") or "/tmp/fp8fwd21-out")
-# name -> None (the product) or {"variant": GluonBackend.variant keys, "flip": True for the product with
+# name -> None (main's product: FP8_FULL_N192 False) or {"variant": GluonBackend.variant keys, "flip": True for the product with
 # FP8_FULL_N192 True (fagen.load, no variant set), "base": {mask: the module its out must equal bit for bit, or None},
 # "block_n": {mask: the emulation's blocking (the module's step)}}
 N192T4 = {"fp8_n192": 1, "fp8_turns": 4}
@@ -83,20 +83,25 @@ def jobs():
 
 
 def module(mask, name):
-    """The fp8 module of `name` for `mask`; the flip's is fagen.load's with FP8_FULL_N192 True (the product path)."""
-    if s7.MOCK or not (VARIANTS[name] or {}).get("flip"):
+    """The fp8 module of `name` for `mask`: the product's (fagen.load) with FP8_FULL_N192 False, main's product
+    ("product"), or True ("flip"), whatever the branch commits; the explicit variants through s7.module."""
+    v = VARIANTS[name]
+    if s7.MOCK or not (v is None or v.get("flip")):
         return s7.module(mask, name)
-    with flipped():
+    with flipped(v is not None):
         import fagen
         return fagen.load(s7.spec_of(mask))
 
 
 class flipped:
-    """FP8_FULL_N192 True inside the block (the loader keys its modules on the render's variant: render_state)."""
+    """FP8_FULL_N192 = on inside the block (the loader keys its modules on the render's variant: render_state)."""
+
+    def __init__(self, on=True):
+        self.on = on
 
     def __enter__(self):
         from fagen.backends import gluon
-        self.saved, gluon.FP8_FULL_N192 = gluon.FP8_FULL_N192, True
+        self.saved, gluon.FP8_FULL_N192 = gluon.FP8_FULL_N192, self.on
 
     def __exit__(self, *exc):
         from fagen.backends import gluon
@@ -269,19 +274,21 @@ def phase_time():
                     note=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
             continue
 
-        def row(cc=cc, flip=False):  # the suite's row function (the product path), FP8_FULL_N192 as given
-            if flip:
-                with flipped():
-                    return impls.prepare_fagen(cc.case, cc).fn
-            return impls.prepare_fagen(cc.case, cc).fn
+        def row(cc=cc, flip=False):  # the suite's row function (the product path), FP8_FULL_N192 = flip
+            with flipped(flip):
+                return impls.prepare_fagen(cc.case, cc).fn
         makers = [("cudnn-fp8", lambda cc=cc: peer.prepare_cudnn_fp8(cc.case, cc).fn, cc),
                   ("fagen bf16 (bench row)", lambda bcc=bcc: impls.prepare_fagen(bcc.case, bcc).fn, bcc),
                   ("fp8 product", row, cc)]
         makers += [(f"fp8 {n}", lambda row=row: row(flip=True), cc) for n in timed]
         spec = cc.case.spec(dev)[0]
-        with flipped():
+        from fagen.backends import gluon
+        with flipped(True):
             n192 = backends.GLUON.fp8_n192(spec)
-        s7.log(f"{spec.name}: the flip renders 192-key steps: {n192}; the product: {backends.GLUON.fp8_n192(spec)}")
+        with flipped(False):
+            n128 = not backends.GLUON.fp8_n192(spec)
+        s7.log(f"{spec.name}: FP8_FULL_N192 as committed {gluon.FP8_FULL_N192}; 'fp8 product' is main's (switch off, "
+               f"128-key steps: {n128}), 'fp8 flip' the switch on (192-key steps: {n192})")
         for label, make, c in makers:
             try:
                 fn = make()

@@ -2,7 +2,7 @@
 full-mask 192-key steps): True gives a plain fp8 d128 MHA full-mask forward (no window, switch or mod) the keys
 fp8_n192 1 + fp8_turns 4 through GluonBackend.variant_for, so the product path (fagen.load, fagen.attention, the
 bench's rows) renders the 192-key steps with cuDNN's warpgroup turns there; causal and every other spec render as
-before. The switch's value is pinned here. The kernels run against float64 and the product on the GPU in
+before. The switch's value (on) is pinned here. The kernels run against float64 and the product on the GPU in
 scripts/gpu_fp8fwd_s21.py; the sm_90 build of the same render (no spills, 14 QGMMA a step, one bar.red a
 warpgroup a step) is tests/test_fp8_turns.py's n192_t4, which the render's equality below ties to the flip."""
 
@@ -24,7 +24,7 @@ def spec(mask="none", dtype="fp8_e4m3", head_dim=128, **fields):
 
 
 def test_switch_pinned():
-    assert gluon.FP8_FULL_N192 is False  # default off until the GPU rounds decide (docs/hopper.md, s21)
+    assert gluon.FP8_FULL_N192 is True  # on since round A of the twenty-first session (docs/hopper.md: full +3.4%)
 
 
 def _others():

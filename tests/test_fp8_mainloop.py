@@ -6,6 +6,12 @@ float64 run on an H100 (scripts/gpu_fp8fwd_s15.py)."""
 import pytest
 
 from test_hopper_compile import build_sm90
+from test_fp8_wgs import full_128
+
+
+@pytest.fixture(autouse=True)
+def _full_128():  # the 128-key full-mask loop ([Note] fp8 full-mask 192-key steps: FP8_FULL_N192 off here)
+    yield from full_128()
 
 
 _SCRIPT = r"""
@@ -14,6 +20,7 @@ sys.path.insert(0, sys.argv[1])
 sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
 import fagen
 from fagen import backends
+backends.gluon.FP8_FULL_N192 = False  # the 128-key full-mask loop ([Note] fp8 full-mask 192-key steps)
 from fagen.spec.kernel import KernelSpec
 from fagen.codegen import render
 from fagen.runtime.loader import load_source

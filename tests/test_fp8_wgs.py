@@ -31,6 +31,27 @@ def variant(**changes):
         render.render.cache_clear()
 
 
+@contextlib.contextmanager
+def full_switch(on):
+    """fagen.backends.gluon.FP8_FULL_N192 set for the renders inside ([Note] fp8 full-mask 192-key steps)."""
+    from fagen.backends import gluon
+    saved = gluon.FP8_FULL_N192
+    gluon.FP8_FULL_N192 = on
+    render.render.cache_clear()
+    try:
+        yield
+    finally:
+        gluon.FP8_FULL_N192 = saved
+        render.render.cache_clear()
+
+
+def full_128():
+    """The body of an autouse fixture for test modules whose levers are measured on the 128-key full-mask loop: the
+    switch off while they render ([Note] fp8 full-mask 192-key steps)."""
+    with full_switch(False):
+        yield
+
+
 def counts(src: str) -> dict:
     """What the render says about the number of consumer warpgroups, one entry per place that encodes it."""
     ws = src[src.index("gl.warp_specialize(["):]

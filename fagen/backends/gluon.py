@@ -12,6 +12,8 @@ from fagen.backends.base import KernelBackend
 from fagen.backends.gluon_decode import DecodeRules
 from fagen.spec import targets
 from fagen.spec.axes import Backend, Direction, DType, Kind, Layout, Mask, SpecError
+# [Note] fp8 full-mask 192-key steps: True gives a plain fp8 d128 MHA full-mask forward 192-key steps with warpgroup
+FP8_FULL_N192 = True  # turns 4 (variant_for); causal unchanged. H200 +3.4%: docs/hopper.md, fp8 forward (twenty-first)
 
 
 def smem_bytes(head_dim: int, block_m: int, block_n: int, num_stages: int, itemsize: int = 2,
@@ -84,38 +86,35 @@ class GluonBackend(DecodeRules, KernelBackend):
     # on only where scripts/gpu_mla_prefill.py renders d128 variants to time them.
     # causal_order: the _SCHED the product renders for a causal spec without the window or a mod (bf16, fp16 and
     # fp8, d64 and d128; MLA keeps 1, paired), or None for the plain loop ([Note] Gluon tile order).
-    # fp8_p_cvt: 2 P carried in fp32 and rounded to e4m3 right before its P V, 0 rounded by triton's cast and carried
-    # in e4m3 ([Note] fp8 P rounding in the template). H100, d128 B1 H16 s16k causal / full TF/s
-    # (scripts/gpu_fp8_fwd_s7.py, seventh session): 0 733 / 733, 2 824 / 825. bf16/fp16 renders do not read it. The
-    # seventh session's warpgroup turns (FA3's scheduler barrier) measured no faster and left the template
-    # (docs/hopper.md, "fp8 forward, seventh session"). 3 (the product since the eleventh session): P carried as int32
-    # words of four e4m3 keys ([Note] fp8 P packed carry; the same out bit for bit as 2). H100, B1 H16 s16k causal /
-    # full TF/s (scripts/gpu_fp8fwd_s11.py): round A d128 2 -> 3 770 -> 887 / 775 -> 869, round B 809 -> 795 / 839 ->
-    # 762 with the rows' order reversed; both together 1.06x / 1.01x (docs/hopper.md, "fp8 forward (eleventh session)").
-    # fp8_wgs: the fp8 forward's consumer warpgroups, 2 or 3 ([Note] fp8 three warpgroups in the template; 3 gives
-    # the workers fp8_wg3_regs); fp8_o_skip: 1 rescales O only where a row's max moved ([Note] fp8 O rescale skip).
-    # H100, d128 s16k causal / full (scripts/gpu_fp8_fwd_s9.py, ninth session, round A): 2 WGs 825 / 854 TF/s,
-    # 3 WGs at block_n 64 823 / 819 (docs/hopper.md, "fp8 forward, ninth session"). bf16/fp16 renders read neither.
-    # fp8_pv_overlap: 1 computes the step's softmax in a block of its own, so ptxas keeps the P V's wait after it
-    # ([Note] fp8 softmax under the P V; lost on the H100: docs/hopper.md, "fp8 forward, tenth session"). fp8_d64:
-    # the fp8_* keys a d64 fp8 forward render takes (variant_for): three warpgroups (at block_n 128: no spills at d64). H100,
-    # d64 B1 H16 s16k causal / full TF/s, 2 -> 3 WGs: ninth session round B 509 -> 565 / (unmeasured); tenth
-    # session round A (scripts/gpu_fp8fwd_s10.py) 505 -> 563 / 519 -> 599 (+11% / +16%).
-    # pv_overlap: fp8_pv_overlap for the bf16/fp16 forward (measurement only; the note is the fp8 one).
-    # fp8_n192: 1 gives the fp8 d128 forward (not the window) 192-key steps over 2 stages, P carried packed ([Note]
-    # fp8 192-key steps; GluonBackend.fp8_n192), 2 the same with S in three 64-key parts over 3 stages. Round A: 1
-    # 813 / 806 TF/s against 887 / 869 at 128 keys (off). fp8_vt: 1 transposes V in the kernel ([Note] fp8 V in-kernel).
-    # fp8_pass_evict, fp8_vt_pad: transpose_v's levers ([Note] fp8 V pass levers in fp8_host.py.j2); fp8_full_order:
-    # the tile order (_SCHED, 0 none) of an fp8 full-mask forward (tile_order). docs/hopper.md, thirteenth session.
-    # (fp8_exp_poly, fp8_o_warp_skip, fp8_lazy_max: exponentials on the FMA pipe, O's rescale skipped by the warp,
-    # the lazy max; lost in the thirteenth and fourteenth sessions, removed in the fifteenth; fp8_l_mma, the row sum
-    # by a wgmma against ones, read NaN: removed; docs/hopper.md.) fp8_tail_split: C > 0 runs an fp8 full-mask forward's last
-    # partial round of tiles as a second launch over C key chunks, combined by lse ([Note] fp8 tail split; fourteenth
-    # session: at locked clocks C 8 / 4 2914 / 2913 us a call against the product's 2915: off). fp8_s_ahead: 1 issues
-    # S_{n+1} inside step n after its exponentials ([Note] fp8 S a step ahead; bit for bit the product's). H100, the
-    # bench's measure, causal / full (scripts/gpu_fp8mma_s14.py, fourteenth session): round A 0.973x / 0.969x the
-    # product, exp_poly 8 + o_warp_skip 0.976x / 0.969x: off.
-    # fp8_turns: 1-3 the two consumer warpgroups take turns by named barriers ([Note] fp8 warpgroup turns; off).
+    # fp8_p_cvt: 2 P carried in fp32 and rounded to e4m3 right before its P V, 0 rounded by triton's cast and carried in
+    # e4m3 ([Note] fp8 P rounding in the template). H100, d128 B1 H16 s16k causal / full TF/s (scripts/gpu_fp8_fwd_s7.py,
+    # seventh session): 0 733 / 733, 2 824 / 825. bf16/fp16 renders do not read it. The seventh session's warpgroup turns
+    # (FA3's scheduler barrier) measured no faster and left the template (docs/hopper.md, "fp8 forward, seventh session"). 3
+    # (the product since the eleventh session): P carried as int32 words of four e4m3 keys ([Note] fp8 P packed carry; the
+    # same out bit for bit as 2). H100, B1 H16 s16k causal / full TF/s (scripts/gpu_fp8fwd_s11.py): round A d128 2 -> 3 770
+    # -> 887 / 775 -> 869, round B 809 -> 795 / 839 -> 762 with the rows' order reversed; both together 1.06x / 1.01x
+    # (docs/hopper.md, "fp8 forward (eleventh session)"). fp8_wgs: the fp8 forward's consumer warpgroups, 2 or 3 ([Note] fp8
+    # three warpgroups in the template; 3 gives the workers fp8_wg3_regs); fp8_o_skip: 1 rescales O only where a row's max
+    # moved ([Note] fp8 O rescale skip). H100, d128 s16k causal / full (scripts/gpu_fp8_fwd_s9.py, ninth session, round A):
+    # 2 WGs 825 / 854 TF/s, 3 WGs at block_n 64 823 / 819 (docs/hopper.md, "fp8 forward, ninth session"). bf16/fp16 renders
+    # read neither. fp8_pv_overlap: 1 computes the step's softmax in a block of its own, so ptxas keeps the P V's wait after
+    # it ([Note] fp8 softmax under the P V; lost on the H100: docs/hopper.md, "fp8 forward, tenth session"). fp8_d64: the
+    # fp8_* keys a d64 fp8 forward render takes (variant_for): three warpgroups (at block_n 128: no spills at d64). H100,
+    # d64 B1 H16 s16k causal / full TF/s, 2 -> 3 WGs: ninth session round B 509 -> 565 / (unmeasured); tenth session round A
+    # (scripts/gpu_fp8fwd_s10.py) 505 -> 563 / 519 -> 599 (+11% / +16%). pv_overlap: fp8_pv_overlap for the bf16/fp16
+    # forward (measurement only; the note is the fp8 one). fp8_n192: 1 gives the fp8 d128 forward (not the window) 192-key
+    # steps over 2 stages, P carried packed ([Note] fp8 192-key steps; GluonBackend.fp8_n192), 2 the same with S in three
+    # 64-key parts over 3 stages. Round A: 1 813 / 806 TF/s against 887 / 869 at 128 keys (off). fp8_vt: 1 transposes V in
+    # the kernel ([Note] fp8 V in-kernel). fp8_pass_evict, fp8_vt_pad: transpose_v's levers ([Note] fp8 V pass levers in
+    # fp8_host.py.j2); fp8_full_order: the tile order (_SCHED, 0 none) of an fp8 full-mask forward (tile_order).
+    # docs/hopper.md, thirteenth session. (fp8_exp_poly, fp8_o_warp_skip, fp8_lazy_max: lost in the 13th-14th sessions,
+    # removed in the 15th; fp8_l_mma read NaN: removed; docs/hopper.md.) fp8_tail_split: C > 0 runs an fp8 full-mask
+    # forward's last partial round of tiles as a second launch over C key chunks, combined by lse ([Note] fp8 tail split;
+    # fourteenth session: at locked clocks C 8 / 4 2914 / 2913 us a call against the product's 2915: off). fp8_s_ahead: 1
+    # issues S_{n+1} inside step n after its exponentials ([Note] fp8 S a step ahead; bit for bit the product's). H100, the
+    # bench's measure, causal / full (scripts/gpu_fp8mma_s14.py, fourteenth session): round A 0.973x / 0.969x the product,
+    # exp_poly 8 + o_warp_skip 0.976x / 0.969x: off. fp8_turns: 1-3 the two consumer warpgroups take turns by named barriers
+    # ([Note] fp8 warpgroup turns; off).
     # bwd_*: the gluon backward's levers ([Note] Gluon backward levers).
     # fwd_tail_first 1: a non-causal score_mod forward reads its last key block first, then one unmasked loop ([Note]
     # Tail block first: issue 26's cold first call, H200 3.46 -> 2.12 s; on since the nineteenth session, docs/mods.md).
@@ -239,6 +238,9 @@ class GluonBackend(DecodeRules, KernelBackend):
         a d128 MHA one, plain specs only (no switch, no mod); fp8_d64's for a d64 fp8 forward."""
         if spec.direction is Direction.FWD and spec.dtype is DType.FP8_E4M3 and spec.head_dim == 64:
             return {**self.variant, **self.variant["fp8_d64"]}  # [Note] fp8 three warpgroups: d64's own count
+        if (FP8_FULL_N192 and spec.direction is Direction.FWD and spec.dtype is DType.FP8_E4M3 and spec.head_dim == spec.block_n == 128
+                and spec.mask is Mask.NONE and spec.gqa == 1 and not (spec.window or spec.switches or spec.modded)):
+            return {**self.variant, "fp8_n192": 1, "fp8_turns": 4}  # [Note] fp8 full-mask 192-key steps
         if (spec.direction is Direction.BWD and spec.switches == ("window",) and not spec.modded
                 and self.variant["bwd_window"]):  # [Note] Switches on the fast backward path
             return {**self.variant, **self.variant["bwd_window"]}

@@ -7,7 +7,7 @@
 Candidate T (bwd_d128's bwd_full_levers + bwd_tail P; [Note] Split tail in gluon/backward.py.j2): the last wave's
 tiles split into P pieces along the query blocks in a second launch of the kernel (launch_pdl, TAIL P), the others
 run by the product's kernel (TAIL 1: plus launch_dependents), each piece's dK, dV partials (float32) summed in piece
-order by _bwd_tail_sum. T3n: the lever's render with no tile split (_BWD_TAIL_SMS huge: the product's kernel).
+order by _bwd_tail_sum.
 Phases: `warm` (one child per job, all at once: float64 at shapes with the split forced on small problems
 (_BWD_TAIL_SMS), both modes, twice bitwise in the deterministic mode; Sk = 1: dq = dk = 0 exactly; the real shape
 twice bitwise (deterministic); the mutant must FAIL; the causal render unchanged by the key), `time` (one child:
@@ -51,7 +51,6 @@ TAIL5 = {"bwd_d128": {**D128, "bwd_full_levers": {**L, "bwd_tail": 5}}}
 MDROP = ("    for p in tl.static_range(1, P):\n        dk +=", "    for p in tl.static_range(2, P):\n        dk +=")
 MTWICE = ("    for p in tl.static_range(1, P):\n        dk +=", "    for p in tl.static_range(0, P):\n        dk +=")
 JOBS = {"def": ({}, None), "T": (TAIL, None), "T5": (TAIL5, None), "Tmut": (TAIL, MDROP if ROUND == "A" else MTWICE)}
-# round B: no T3n (round A: the kernel without a split 0.998x / 1.019x main's), longer do_bench runs, more passes
 TIME_ROWS = ("def", "T3", "T5")
 REP = 40
 PAIRS = 30  # back-to-back pairs a comparison
@@ -287,11 +286,12 @@ def run_phase(name, ready_json="{}"):
 
 
 def ratios(tfs, a, b):
-    """Per-pass a / b (the same pass), median and range."""
+    """Per-pass a / b (the same pass): median, quartiles and range."""
     per = [x / y for x, y in zip(tfs.get(a, []), tfs.get(b, []))]
     if not per:
         return f"| {a} / {b} | - | - |"
-    spread = f"{bt.median(per):.3f} ({min(per):.3f}-{max(per):.3f})"
+    o = sorted(per)
+    spread = f"{bt.median(per):.3f} ({o[len(o) // 4]:.3f}-{o[len(o) - 1 - len(o) // 4]:.3f}; {o[0]:.3f}-{o[-1]:.3f})"
     return f"| {a} / {b} | {' / '.join(f'{x:.3f}' for x in per)} | {spread} |"
 
 
@@ -300,16 +300,16 @@ def table(rows, out):
         out(f"\n| case | row | TF/s, passes in run order | median | / cuDNN median |")
         out("|---|---|---|---:|---:|")
         bt.medians_table(r["case"], r["tfs"], log=out)
-        out("\n| ratio | per pass | median (range) |")
+        out("\n| ratio | per pass | median (quartiles; range) |")
         out("|---|---|---|")
         for mode in ("det", "unord"):
-            for cand in ("T3", "T5", "T3n"):
+            for cand in ("T3", "T5"):
                 out(ratios(r["tfs"], f"{cand} {mode}", f"def {mode}"))
-            for cand in ("def", "T3", "T5", "T3n"):
+            for cand in ("def", "T3", "T5"):
                 out(ratios(r["tfs"], f"{cand} {mode}", "cudnn"))
     out("(bf16, TF/s = 2.5 x forward FLOPs / do_bench median; det = deterministic=True (DQ_MODE 2), unord = "
-        "deterministic=False; def = main's render; T3 / T5 = bwd_tail 3 / 5; T3n = its kernel with no tile split "
-        "(_BWD_TAIL_SMS huge: the lever's cost alone); each pass in a shuffled rotated order)")
+        "deterministic=False; def = main's render; T3 / T5 = bwd_tail 3 / 5; each pass in a shuffled rotated order; "
+        "H200)")
 
 
 def main():

@@ -223,7 +223,7 @@ def _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, qk_sca
     _, delta, lse2, dq_acc, sem, qmul, dm, kvb, memos = _bwd_workspace(b, hq, sq_pad, dq_mode, q, k.shape[1],
                                                                         not stored)
     memo = None
-    if _BWD_MEMO and dq_mode != 2 and memos is not None:  # [Note] Launch memo: per kept buffer and views
+    if _BWD_MEMO and dq_mode != 2 and memos is not None and not BWD_TAIL:  # [Note] Launch memo (not: Split tail)
         key = (dq_mode, q.shape, k.shape, q.dtype, scale, qk_scale, extra, q.data_ptr(), do.data_ptr(), k.data_ptr(),
                v.data_ptr(), out.data_ptr(), lse.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
                _fast_bwd_preprocess, _fast_bwd_kernels[dq_mode][0], _fast_dq_convert, _fast_dq_convert_chain)

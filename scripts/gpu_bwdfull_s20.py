@@ -11,8 +11,9 @@ order by _bwd_tail_sum.
 Phases: `warm` (one child per job, all at once: float64 at shapes with the split forced on small problems
 (_BWD_TAIL_SMS), both modes, twice bitwise in the deterministic mode; Sk = 1: dq = dk = 0 exactly; the real shape
 twice bitwise (deterministic); the mutant must FAIL; the causal render unchanged by the key), `time` (one child:
-T3 / T5 head 0 of the real shape against float64, back-to-back pairs against the product, then TF/s of def / T3 /
-T5 / cuDNN, both modes, in shuffled passes; per-pass ratios' medians and quartiles). Table also to $OUT/table.txt.
+T3 / T5 / T16 head 0 of the real shape against float64, back-to-back pairs against the product, then TF/s of def /
+T3 / T5 / T16 / cuDNN, both modes, in shuffled passes; per-pass ratios' medians and quartiles). Table also to
+$OUT/table.txt.
 """
 
 from __future__ import annotations
@@ -42,18 +43,21 @@ D, B, H, S = 128, 1, 16, 16384
 # query blocks (fewer than P: no split); Sk = 1 (every row sees one key; 1 split)
 CHECKS = ((1, 16, 208, 336, 5), (1, 4, 1000, 700, 7), (2, 3, 200, 300, 7), (1, 5, 150, 260, 9),
           (2, 3, 100, 300, 4), (1, 4, 333, 1, 3))
-PASSES = 8
+PASSES = 7
 D128 = {"bwd_fixed": 1, "bwd_fixed_tma": 1, "bwd_sections": 4}  # main's bwd_d128
 L = {"bwd_named": 2, "bwd_epi_tma": 1}  # main's full levers
 TAIL = {"bwd_d128": {**D128, "bwd_full_levers": {**L, "bwd_tail": 3}}}
 TAIL5 = {"bwd_d128": {**D128, "bwd_full_levers": {**L, "bwd_tail": 5}}}
+TAIL16 = {"bwd_d128": {**D128, "bwd_full_levers": {**L, "bwd_tail": 16}}}
 # the mutants: the sum leaves piece 1's partial out (round A), adds piece 0's twice (round B)
 MDROP = ("    for p in tl.static_range(1, P):\n        dk +=", "    for p in tl.static_range(2, P):\n        dk +=")
 MTWICE = ("    for p in tl.static_range(1, P):\n        dk +=", "    for p in tl.static_range(0, P):\n        dk +=")
-JOBS = {"def": ({}, None), "T": (TAIL, None), "T5": (TAIL5, None), "Tmut": (TAIL, MDROP if ROUND == "A" else MTWICE)}
-TIME_ROWS = ("def", "T3", "T5")
+JOBS = {"def": ({}, None), "T": (TAIL, None), "T5": (TAIL5, None), "T16": (TAIL16, None),
+        "Tmut": (TAIL, MDROP if ROUND == "A" else MTWICE)}
+CANDS = ("T3", "T5", "T16")  # the timed candidates (job "T" is T3)
+TIME_ROWS = ("def", ) + CANDS
 REP = 40
-PAIRS = 30  # back-to-back pairs a comparison
+PAIRS = 24  # back-to-back pairs a comparison
 WARM_LIMIT, TOTAL = 24, 48
 BOUND = 6e-3  # relative L2 error of each gradient against float64 (bf16: ~2.4e-3)
 SPEC = dict(head_dim=D, mask="none", gqa=1, dtype="bf16", direction="bwd", backend="gluon")
@@ -166,20 +170,20 @@ def phase_time(results, ready):
     flops = 2.5 * 4 * B * H * S * S * D
     q, k, v, do = bt.inputs(D, B, H, H, S, S, seed=2)
     fns = {}
-    for job in ("def", "T", "T5"):
+    for job in ("def", "T", "T5", "T16"):
         for mode in ready.get(job, []):
             det = mode == "det"
             if job == "def":
                 fns[f"def {mode}"] = backward_fn(job, q, k, v, do, det)
-            elif job == "T5":
-                fns[f"T5 {mode}"] = backward_fn(job, q, k, v, do, det)
+            elif job in ("T5", "T16"):
+                fns[f"{job} {mode}"] = backward_fn(job, q, k, v, do, det)
             else:
                 fns[f"T3 {mode}"] = backward_fn(job, q, k, v, do, det)
                 if "T3n" in TIME_ROWS:
                     fns[f"T3n {mode}"] = backward_fn(job, q, k, v, do, det, sms=NOSPLIT)
     if "T" in ready:  # head 0 against float64, and T against def
         ref = bt.reference(q[:1, :1], k[:1, :1], v[:1, :1], do[:1, :1], False, D ** -0.5)
-        for label in [x for x in fns if x.startswith(("T3 ", "T5 "))]:
+        for label in [x for x in fns if x.startswith(("T3 ", "T5 ", "T16 "))]:
             got = fns[label]()
             errs = [bt.rel(x[:1, :1], r) for x, r in zip(got, ref)]
             ok = all(e <= BOUND for e in errs)
@@ -190,15 +194,15 @@ def phase_time(results, ready):
         mod = module("T")
         nt = S // 128 * B * H
         sms = torch.cuda.get_device_properties(0).multi_processor_count
-        log(f"plan  P{mod.BWD_TAIL}: split {mod._bwd_tail_plan(nt, sms, mod.BWD_TAIL)} of {nt} tiles on {sms} SMs; "
-            f"P5: {mod._bwd_tail_plan(nt, sms, 5)}")
+        log(f"plan  split of {nt} tiles on {sms} SMs: " + ", ".join(
+            f"P{p} {mod._bwd_tail_plan(nt, sms, p)}" for p in (3, 5, 16)))
     fns["cudnn"] = bt.cudnn_backward(q, k, v, do, False)
     for fn in fns.values():
         fn()
     torch.cuda.synchronize()
     if True:  # back-to-back pairs: each call of main's row next to the candidate's, the order alternating
         for mode in ("unord", "det"):
-            for cand in ("T5", "T3"):
+            for cand in CANDS:
                 a, b = f"def {mode}", f"{cand} {mode}"
                 if a in fns and b in fns:
                     paired(fns, a, b)
@@ -254,7 +258,7 @@ def dry_run():
     sys.path.insert(0, str(ROOT / "tests"))
     from sm90 import ptxas
     ok = True
-    for job, tails in (("def", (None, )), ("T", (0, 1, 3)), ("T5", (5, ))):
+    for job, tails in (("def", (None, )), ("T", (0, 1, 3)), ("T5", (5, )), ("T16", (16, ))):
         mod = module(job)
         for tail in tails:
             for det in (True, False):
@@ -303,12 +307,12 @@ def table(rows, out):
         out("\n| ratio | per pass | median (quartiles; range) |")
         out("|---|---|---|")
         for mode in ("det", "unord"):
-            for cand in ("T3", "T5"):
+            for cand in CANDS:
                 out(ratios(r["tfs"], f"{cand} {mode}", f"def {mode}"))
-            for cand in ("def", "T3", "T5"):
+            for cand in ("def", ) + CANDS:
                 out(ratios(r["tfs"], f"{cand} {mode}", "cudnn"))
     out("(bf16, TF/s = 2.5 x forward FLOPs / do_bench median; det = deterministic=True (DQ_MODE 2), unord = "
-        "deterministic=False; def = main's render; T3 / T5 = bwd_tail 3 / 5; each pass in a shuffled rotated order; "
+        "deterministic=False; def = main's render; T3 / T5 / T16 = bwd_tail 3 / 5 / 16; each pass in a shuffled rotated order; "
         "H200)")
 
 
@@ -322,7 +326,7 @@ def main():
     if args.dry_run:
         sys.exit(0 if dry_run() else 1)
     if args.phase:
-        run_phase(args.phase, args.ready or json.dumps({j: ["det", "unord"] for j in ("def", "T", "T5")}))
+        run_phase(args.phase, args.ready or json.dumps({j: ["det", "unord"] for j in ("def", "T", "T5", "T16")}))
         return
     t0 = time.time()
     env = child_env("/tmp/fagen-cache-gpu-bwdfull", ROOT)

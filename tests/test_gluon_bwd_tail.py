@@ -92,6 +92,38 @@ def test_plan_is_the_fewest_tiles_at_the_shortest_lockstep_makespan(num_tiles, s
     assert plan(num_tiles, sms, pieces, blocks=pieces - 1) == 0  # tiles of fewer query blocks than pieces
 
 
+def _piece_bounds(src):
+    """The kernel's piece bounds (the `if TAIL >= 2:` block after _bwd_tile in every partition, all alike) as a
+    Python function (nb, P, piece) -> (lo, hi) in query blocks, gl.minimum as min."""
+    blocks = set()
+    for part in src.split("        if TAIL >= 2:  # the piece's query blocks")[1:]:
+        lines = part.split("\n")[1:]
+        blocks.add("\n".join(lines[:next(i for i, x in enumerate(lines) if not x.startswith(" " * 12))]))
+    assert len(blocks) == 1, blocks
+    code = compile(textwrap.dedent(blocks.pop()), "piece bounds", "exec")
+
+    def bounds(nb, tail, item):
+        env = dict(gl=type("gl", (), {"minimum": staticmethod(min)}), hi=nb, lo=0, BLOCK_M=1, TAIL=tail, item=item)
+        exec(code, env)
+        return env["lo"], env["hi"]
+    return bounds
+
+
+def test_pieces_partition_the_tile_where_the_plan_splits():
+    """Where the plan splits tiles of nb query blocks into P pieces, the kernel's bounds (its text, run in Python)
+    give P non-empty pieces covering [0, nb) in order; and the plan splits wherever they would (nb >= P, no empty
+    piece). Seen red with the plan's s20 guard (blocks < pieces: P 5 at 16 blocks leaves piece 4 empty)."""
+    m, bounds = _module(3), _piece_bounds(_source(3))
+    for tail in (2, 3, 4, 5, 8, 16):
+        for nb in range(1, 300):
+            cuts = [bounds(nb, tail, p) for p in range(tail)]
+            whole = all(lo < hi for lo, hi in cuts) and cuts[0][0] == 0 and cuts[-1][1] == nb and all(
+                a[1] == b[0] for a, b in zip(cuts, cuts[1:]))
+            gain = bool(m._bwd_tail_plan(2048, 132, tail))  # P 2 gains nothing there
+            assert bool(m._bwd_tail_plan(2048, 132, tail, nb)) == (whole and gain), (tail, nb, cuts)
+    assert bounds(256, 5, 4) == (208, 256) and bounds(256, 3, 1) == (86, 172)  # the real shape's (s16k) pieces
+
+
 _SUM = textwrap.dedent("""
     import sys, torch
     sys.path.insert(0, {tests!r})
@@ -142,29 +174,44 @@ def test_sum_is_bitwise_the_piece_order_sum_and_its_mutant_fails(mutant, tmp_pat
     assert f"SUM {not mutant}" in r.stdout, r.stdout + r.stderr[-2000:]
 
 
-_BUILD = textwrap.dedent("""
-    import sys, json
+_BUILD = textwrap.dedent(r"""
+    import sys, json, re
     sys.path.insert(0, {tests!r})
     from test_gluon_bwd_tail import _module
     from sm90 import ptxas
-    m = _module(3)
+    def reloads(dump):  # LDL in the SASS step loops: the innermost loops holding HGMMA
+        ins = [(int(a, 16), x.strip()) for a, x in re.findall(r"/\*([0-9a-f]{{4,}})\*/\s+([^;]*);", dump)]
+        at = {{a: i for i, (a, _) in enumerate(ins)}}
+        spans = []
+        for j, (_, x) in enumerate(ins):
+            b = re.search(r"\bBRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", x)
+            if b and int(b.group(1), 16) in at and at[int(b.group(1), 16)] < j:
+                spans.append((at[int(b.group(1), 16)], j))
+        has = lambda r: any("HGMMA" in y for _, y in ins[r[0]:r[1] + 1])
+        inner = [r for r in spans if has(r) and not any(o != r and r[0] <= o[0] and o[1] <= r[1] and has(o)
+                                                        for o in spans)]
+        return [sum("LDL" in y for _, y in ins[r[0]:r[1] + 1]) for r in inner]
     out = {{}}
-    for tail in (0, 1, 3):
+    for tail in (0, 1, 3, 5):
+        m = _module(5 if tail == 5 else 3)
         for det in (True, False):
             ck = m.compile_backward_for(deterministic=det, tail=tail)
-            res = next(iter(ptxas(ck.asm["ptx"])[0].values()))
+            res, _, dump = ptxas(ck.asm["ptx"], sass=True)
+            res = next(iter(res.values()))
             ptx = ck.asm["ptx"]
             out[f"{{tail}} {{det}}"] = [res.registers, res.spill_stores, res.spill_loads, ck.metadata.shared,
                                         ptx.count("griddepcontrol.launch_dependents"),
-                                        ptx.count("griddepcontrol.wait")]
+                                        ptx.count("griddepcontrol.wait"), reloads(dump)]
     print("BUILD " + json.dumps(out))
 """)
 
 
 @pytest.mark.skipif(ON_GPU, reason="faked sm_90 build (CPU)")
 def test_sm90_builds_whole_tiles_as_the_product(tmp_path):
-    """TAIL 1 (the whole tiles, launch_dependents) has TAIL 0's (the product's) registers, spill bytes and shared
-    memory; TAIL 3 (the pieces) builds, with griddepcontrol.wait, in the same shared memory."""
+    """TAIL 1 (the whole tiles, launch_dependents) has TAIL 0's (the product's) registers, spill bytes, shared
+    memory and step-loop reloads; TAIL 3 and 5 (the pieces) build, with griddepcontrol.wait, in the same shared
+    memory, their step loops reloading no more than the product's (twenty-first session's piece bounds; seen red
+    with the s20 bounds, 4-5 reloads a step more, and with `item % TAIL` for the piece, 3 more at P 3)."""
     import json
     env = dict(os.environ, PYTHONPATH=ROOT, TRITON_CACHE_DIR=str(tmp_path))
     r = subprocess.run([sys.executable, "-c", _BUILD.format(tests=os.path.join(ROOT, "tests"))], env=env,
@@ -172,6 +219,8 @@ def test_sm90_builds_whole_tiles_as_the_product(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.split("BUILD ", 1)[1])
     for det in (True, False):
-        plain, whole, piece = got[f"0 {det}"], got[f"1 {det}"], got[f"3 {det}"]
-        assert whole[:4] == plain[:4] and plain[4:] == [0, 0] and whole[4:] == [1, 0]
-        assert piece[3] == plain[3] and piece[4:] == [0, 1]
+        plain, whole, piece, five = got[f"0 {det}"], got[f"1 {det}"], got[f"3 {det}"], got[f"5 {det}"]
+        assert whole[:4] == plain[:4] and whole[6] == plain[6] and plain[4:6] == [0, 0] and whole[4:6] == [1, 0]
+        for p in (piece, five):  # the pieces' step loops reload no more than the product's
+            assert p[3] == plain[3] and p[4:6] == [0, 1] and len(p[6]) == len(plain[6])
+            assert plain[6] and all(a <= b for a, b in zip(p[6], plain[6])), (p[6], plain[6])

@@ -40,9 +40,10 @@ ROUND = "B" if "B" in sys.argv[1:] else "A"
 D, B, H, S = 128, 1, 16, 16384
 # check shapes (B, H, Sq, Sk, forced SMs): lengths not multiples of 64 / 128, each with tiles split (48 tiles: 3
 # split; 24: 3; B2 18: 4 over L2 sections of 4 heads; 15 tiles of 3 query blocks: one step a piece, 6); Sq of 2
-# query blocks (fewer than P: no split); Sk = 1 (every row sees one key; 1 split)
+# query blocks (fewer than P: no split); Sk = 1 (every row sees one key; 1 split); 10 query blocks, 20 tiles (P 5:
+# pieces of 2 blocks, the shape where P 5 splits; the s21 plan leaves 16 blocks unsplit at P 5, a piece empty)
 CHECKS = ((1, 16, 208, 336, 5), (1, 4, 1000, 700, 7), (2, 3, 200, 300, 7), (1, 5, 150, 260, 9),
-          (2, 3, 100, 300, 4), (1, 4, 333, 1, 3))
+          (2, 3, 100, 300, 4), (1, 4, 333, 1, 3), (1, 4, 600, 520, 7))
 D128 = {"bwd_fixed": 1, "bwd_fixed_tma": 1, "bwd_sections": 4}  # main's bwd_d128
 L = {"bwd_named": 2, "bwd_epi_tma": 1}  # main's full levers
 PS = (3, 4, 5, 8)  # the candidates' P (4, 8: power-of-two piece bounds)

@@ -25,6 +25,7 @@ import random
 import subprocess
 import sys
 import tempfile
+import re
 import time
 import traceback
 from pathlib import Path
@@ -346,6 +347,7 @@ def main():
         files[job].seek(0)
         outs = files[job].read() + killed
         logs.append(outs)
+        worst, n = 0.0, 0
         for line in outs.splitlines():
             if line.startswith("RESULTS "):
                 for r in json.loads(line[8:]):
@@ -354,7 +356,16 @@ def main():
                     else:
                         checks.append(r)
             elif line.startswith(("check", "real", "warm", "Traceback")) or "Error" in line:
-                print(line, flush=True)
+                m = re.search(r"rel dq (\S+) dk (\S+) dv (\S+)", line)
+                if m and "mutant" not in line and job != "Tmut":
+                    worst, n = max([worst] + [float(x.rstrip(",")) for x in m.groups()]), n + 1
+                # stdout stays short: the failures, the mutant's verdict, the causal check, one line per job
+                if (job == "Tmut" and "mutant" in line) or "causal" in line or any(
+                        w in line for w in ("FAIL", "DIFFER", "NOT CAUGHT", "Traceback", "Error", "killed")):
+                    print(line, flush=True)
+        if job != "Tmut":
+            splits = sorted(set(re.findall(r"split (\d+/\d+)", outs)))
+            log(f"warm {job:<4}: {n} float64 checks, worst rel. L2 {worst:.2e}; splits {' '.join(splits) or '-'}")
     bad = [f"{r['job']} {r['mode']} {r['check']}" for r in checks if not r["ok"]]
     verdict = ("ALL PASS" if checks else "NONE RAN") if not bad else "FAILED: " + ", ".join(bad)
     log(f"#### warm: {len(ready)}/{len(JOBS)} jobs done, checks {verdict} ({time.time() - t0:.0f}s)")
@@ -362,7 +373,7 @@ def main():
         r["job"] == job and not r["ok"] for r in checks)}
     rows = []
     rc, lines = run_child(__file__, "time", max(5.0, TOTAL - (time.time() - t0)), env,
-                          lambda line: line.startswith(("RESULTS ", "ROW ")) or print(line, end="", flush=True),
+                          lambda line: line.startswith(("RESULTS ", "ROW ", "pass ")) or print(line, end="", flush=True),
                           ("--ready", json.dumps(ready), "--round", ROUND))
     pairs = [json.loads(line[5:]) for line in lines if line.startswith("PAIR ")]
     for line in lines:
@@ -373,7 +384,6 @@ def main():
             if bad:
                 log("time-phase checks FAILED: " + ", ".join(bad))
     if not rows:  # the phase was cut short: the passes it printed
-        import re
         tfs = {}
         for line in lines:
             m = re.match(r"pass (\d+) (.+?)\s+[\d.]+ ms\s+([\d.]+) TF/s", line)

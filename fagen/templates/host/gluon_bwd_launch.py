@@ -18,9 +18,10 @@ from fagen.templates.host.launch import _Tensor, _fast, _launch_entry, _raw_stre
 
 BWD_BLOCK_M = BWD_BLOCK_N = HEAD_DIM = GQA = CAUSAL = BWD_RING_SLOTS = BWD_WARPS = BWD_KV_SPLIT = BWD_GRID_ALL = 0
 BWD_COMPUTE_REGS = BWD_PRODUCER_REGS = BWD_WRITER_REGS = BWD_DET_GRID = BWD_WINDOW = BWD_FIXED_FAST = BWD_PREFIX = 0
-BWD_FIXED_TMA = BWD_WIN_CHAIN = BWD_WIN_PDL = 0
+BWD_FIXED_TMA = BWD_WIN_CHAIN = BWD_WIN_PDL = BWD_TAIL = _BWD_TAIL_SMS = _BWD_SECTIONS = 0
 _NUM_SMS, _BWD_KERNELS, _PRE_KW, _CONV_KW = {}, {}, {}, {}
 _bwd_preprocess = _dq_convert = _run_backward = _descriptor = _bwd_win_visited = _dq_convert_chain = None
+_bwd_tail_plan = _bwd_tail_sum = _bwd_tail_part = None
 # -- fagen: included verbatim below this line --
 
 
@@ -222,7 +223,7 @@ def _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, qk_sca
     _, delta, lse2, dq_acc, sem, qmul, dm, kvb, memos = _bwd_workspace(b, hq, sq_pad, dq_mode, q, k.shape[1],
                                                                         not stored)
     memo = None
-    if _BWD_MEMO and dq_mode != 2 and memos is not None:  # [Note] Launch memo: per kept buffer and views
+    if _BWD_MEMO and dq_mode != 2 and memos is not None and not BWD_TAIL:  # [Note] Launch memo (not: Split tail)
         key = (dq_mode, q.shape, k.shape, q.dtype, scale, qk_scale, extra, q.data_ptr(), do.data_ptr(), k.data_ptr(),
                v.data_ptr(), out.data_ptr(), lse.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
                _fast_bwd_preprocess, _fast_bwd_kernels[dq_mode][0], _fast_dq_convert, _fast_dq_convert_chain)
@@ -251,19 +252,34 @@ def _run_backward_fast(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, qk_sca
     if dev not in _NUM_SMS:
         _NUM_SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
     kernel, epi_tma = _fast_bwd_kernels[dq_mode]
+    dk0, dv0 = dk, dv
     if epi_tma:  # dK, dV leave by TMA stores of one warpgroup's 64 rows
         dk, dv = _descriptor(dk, BWD_BLOCK_N // 2), _descriptor(dv, BWD_BLOCK_N // 2)
+    consts = dict(HEAD_DIM=HEAD_DIM, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, STAGES=BWD_RING_SLOTS,
+                  GQA=GQA // BWD_KV_SPLIT, CAUSAL=CAUSAL, DQ_MODE=dq_mode, COMPUTE_REGS=BWD_COMPUTE_REGS,
+                  PRODUCER_REGS=BWD_PRODUCER_REGS, WRITER_REGS=BWD_WRITER_REGS, num_warps=BWD_WARPS)
+    # [Note] Split tail (gluon/backward.py.j2): the last `split` tiles in BWD_TAIL pieces, a launch of their own
+    split = _bwd_tail_plan(num_tiles, _BWD_TAIL_SMS or _NUM_SMS[dev], BWD_TAIL, sq_pad // BWD_BLOCK_M) if (
+        BWD_TAIL and dq_mode and BWD_GRID_ALL) else 0
+    if split:
+        memo = None  # five launches: not memoised
+        consts["TAIL"] = 1
     # One program per SM at most: every program is resident, which the fixed-order dQ needs (BWD_DET_GRID: one per
     # tile, [Note] Launch order in gluon/backward.py.j2; BWD_GRID_ALL: modes 1, 2 one per tile, [Note] L2 sections).
-    _bwd_run(memo, kernel, (num_tiles if (BWD_DET_GRID and dq_mode != 1) or (BWD_GRID_ALL and dq_mode)
-                            else min(num_tiles, _NUM_SMS[dev]), ), (
-        _descriptor(q, BWD_BLOCK_M), _descriptor(do, BWD_BLOCK_M), _descriptor(k, BWD_BLOCK_N),
-        _descriptor(v, BWD_BLOCK_N), (lse2, (1, BWD_BLOCK_M)), (rows, (1, BWD_BLOCK_M)),
-        (dq_acc, (1, 1, BWD_BLOCK_M, HEAD_DIM // 2)), dk, dv, sem,
-        scale * 1.4426950408889634 if qk_scale is None else qk_scale, scale, num_tiles, num_bh, hkv, sq, sk, sq_pad,
-        *extra), dict(HEAD_DIM=HEAD_DIM, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, STAGES=BWD_RING_SLOTS,
-                      GQA=GQA // BWD_KV_SPLIT, CAUSAL=CAUSAL, DQ_MODE=dq_mode, COMPUTE_REGS=BWD_COMPUTE_REGS,
-                      PRODUCER_REGS=BWD_PRODUCER_REGS, WRITER_REGS=BWD_WRITER_REGS, num_warps=BWD_WARPS))
+    main = (_descriptor(q, BWD_BLOCK_M), _descriptor(do, BWD_BLOCK_M), _descriptor(k, BWD_BLOCK_N),
+            _descriptor(v, BWD_BLOCK_N), (lse2, (1, BWD_BLOCK_M)), (rows, (1, BWD_BLOCK_M)),
+            (dq_acc, (1, 1, BWD_BLOCK_M, HEAD_DIM // 2)))
+    more = (scale * 1.4426950408889634 if qk_scale is None else qk_scale, scale)
+    _bwd_run(memo, kernel, ((num_tiles - split) if (BWD_DET_GRID and dq_mode != 1) or (BWD_GRID_ALL and dq_mode)
+                            else min(num_tiles, _NUM_SMS[dev]), ),
+             (*main, dk, dv, sem, *more, num_tiles - split, num_bh, hkv, sq, sk, sq_pad, *extra), consts)
+    if split:
+        part = _bwd_tail_part(split * BWD_TAIL, q)
+        kernel[(split * BWD_TAIL, )](*main, part, part, sem, *more, split * BWD_TAIL, num_bh, hkv, sq, sk, sq_pad,
+                                   *extra, **{**consts, "TAIL": BWD_TAIL, "launch_pdl": True})
+        _fast_tail_sum[(split, BWD_BLOCK_N // 32)](part, dk0, dv0, num_tiles - split, num_bh, sk, P=BWD_TAIL,
+                                                   SECTIONS=_BWD_SECTIONS, HEAD_DIM=HEAD_DIM, BLOCK_N=BWD_BLOCK_N,
+                                                   ROWS=32, num_warps=4)
     if dq_mode == 2:
         _fast_dq_convert[(sq_pad // BWD_BLOCK_M, b * hq)](dq_acc, dq, scale, sq, sq_pad, HEAD_DIM, BWD_BLOCK_M, qmul,
                                                           num_warps=4)
@@ -307,3 +323,4 @@ def _bwd_host(do, q, k, v, out, lse, scale, dq, dk, dv, dq_mode, *more, **option
 
 
 _fast_kv_bound = _fast(_bwd_kv_bound_rows)
+_fast_tail_sum = _fast(_bwd_tail_sum) if BWD_TAIL else None  # [Note] Split tail

@@ -458,8 +458,10 @@ def dry_run():
                 try:
                     sys.path.insert(0, os.path.join(ROOT, "lab"))
                     from pagedfp8_swap_decode import loop_sass  # the key loops' SASS (cuobjdump)
-                    loops = "; ".join(f"loop {x['instructions']} SASS, {x['per_key']} a key"
-                                      for x in loop_sass(ck, bn, nw, "HMMA"))
+                    got = loop_sass(ck, bn, nw, "HMMA")
+                    loops = "; ".join(f"loop {x['instructions']} SASS, {x['per_key']} a key" for x in got)
+                    if "--ops" in sys.argv and got:  # the unmasked key loop's opcodes (the hot one)
+                        loops += "\n    ops " + json.dumps(got[0]["top"])
                 except Exception as e:  # noqa: BLE001
                     loops = f"(no SASS: {type(e).__name__})"
                 print(f"{name:20s} direct={int(direct)} n{bn} w{nw} s{ns}: "

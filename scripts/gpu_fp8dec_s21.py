@@ -60,6 +60,7 @@ LAZY = {r"^LAZY_RESCALE = tl\.constexpr\(False\)$": "LAZY_RESCALE = tl.constexpr
 W1 = {r"^NUM_WARPS = 2$": "NUM_WARPS = 1"}  # paged: the one-warp 64-key tile everywhere
 PPS6 = {r"^PROGRAMS_PER_SM = 4$": "PROGRAMS_PER_SM = 6"}
 N128 = {r"^BLOCK_N = 64$": "BLOCK_N = 128"}  # paged: 128 keys a step (8 pages), 2 warps
+SAME = {r"^PAGED_SAME_ROWS = False$": "PAGED_SAME_ROWS = True"}  # paged: v's row offsets are k's (one conversion)
 NOPF = {r"^PAGE_PREFETCH = tl\.constexpr\(True\)$": "PAGE_PREFETCH = tl.constexpr(False)"}
 
 # name: substitutions in the product's render (spec as the product resolves it)
@@ -75,6 +76,7 @@ CANDS = {
     "paged w1 pps6": {**W1, **PPS6},
     "paged n128": N128,
     "paged lazy": LAZY,
+    "paged same rows": SAME,
 }
 if os.environ.get(ENV + "CANDS"):
     CANDS = {k: CANDS[k] for k in os.environ[ENV + "CANDS"].split(",")}
@@ -425,7 +427,7 @@ def dry_run():
         for (bn, nw, ns), direct in [(t, d) for t in tiles for d in (True, False)]:
             consts = dict(HEAD_DIM=128, BLOCK_D=128, HEAD_DIM_V=128, BLOCK_DV=128, ROWS=m.tile_rows(4),
                           BLOCK_N=bn, GQA=4, DOT=m.tile_rows(4) >= 16, DIRECT=direct, SPLITS_PER_SEQ=0, UPCAST=False,
-                          ROWS32=1)
+                          ROWS32=3 if getattr(m, "PAGED_SAME_ROWS", False) else 1)
             sig, cx, attrs = {}, {}, {}
             for i, p in enumerate(fn.params):
                 n = p.name

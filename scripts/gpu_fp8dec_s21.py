@@ -8,7 +8,9 @@ time_prepared, "loop").
 
 The candidates are the product's render with substitutions (CANDS). Round A: dense, the one-warp 64-key tile by
 shape (64, 1, 3, 4), with and without the lazy rescale, the lazy rescale alone, the 2-warp tile only; paged, one
-warp (64 keys), one warp at 6 programs an SM, 128 keys a step, the lazy rescale.
+warp (64 keys), one warp at 6 programs an SM, 128 keys a step, the lazy rescale, PAGED_SAME_ROWS (v's row offsets
+are k's: one layout conversion a step). Round A ran (H200, 00:08 UTC, at 9ce0ea77; docs/serving.md "fp8 decode
+(twenty-first session)"); round B was cancelled.
 
 --dry-run (the CPU): builds every candidate's _decode_split for sm_90 (ptxas registers, spills, shared memory, the
 key loop's SASS a key) and prints each candidate's split count at every timed shape.

@@ -1,4 +1,5 @@
-"""Paged same rows (twenty-first session; [Note] Paged same rows in the decode template, a candidate, off). With
+"""Paged same rows (twenty-first session; [Note] Paged same rows in the decode template; on for e4m3 d128 on branch
+s21-fp8dec-flip only). With
 PAGED_SAME_ROWS a paged fp8 cache with its own V whose kernel views have k's strides (separate caches of one shape)
 gets ROWS32 3 from the launch, and the key step uses k's row offsets for v: one conversion of the carried page
 numbers' offsets to the tiles' load layout a step instead of two. On, the kernel must match float64 on the
@@ -35,9 +36,13 @@ def _module(on: bool):
     return load_source(src, f"{_spec().name}_samerows{int(on)}")
 
 
-def test_off_in_the_product_and_absent_from_other_renders():
+def test_on_for_the_measured_cache_off_for_others_and_absent_from_other_renders():
     spec = fagen.KernelSpec(head_dim=128, gqa=4, kind="decode", layout="paged", dtype="bf16", kv_dtype="fp8_e4m3")
-    assert re.findall(FLAG, fagen.generate(spec), flags=re.M) == ["False"]
+    assert re.findall(FLAG, fagen.generate(spec), flags=re.M) == ["True"]
+    for off in (dict(kv_dtype="fp8_e5m2"), dict(head_dim=64)):
+        other = fagen.KernelSpec(**{"head_dim": 128, "gqa": 4, "kind": "decode", "layout": "paged", "dtype": "bf16",
+                                    "kv_dtype": "fp8_e4m3", **off})
+        assert re.findall(FLAG, fagen.generate(other), flags=re.M) == ["False"], other.name
     for other in (fagen.KernelSpec(head_dim=128, gqa=4, kind="decode", dtype="bf16", kv_dtype="fp8_e4m3"),
                   fagen.KernelSpec(head_dim=128, gqa=4, kind="decode", layout="paged", dtype="bf16")):
         assert "PAGED_SAME_ROWS" not in fagen.generate(other), other.name

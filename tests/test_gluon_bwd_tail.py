@@ -3,7 +3,7 @@ fagen/templates/gluon/backward.py.j2, docs/hopper.md "The d128 full backward's l
 renders only where on (a plain full render's unordered kernel), the host's plan against a lock-step simulation, the
 sum kernel bitwise against a torch sum in piece order (interpreter; its mutant red), and the sm_90 builds: the whole
 tiles' kernel (TAIL 1) is the product's build (same registers, spills and step loops), the pieces' (TAIL P) builds.
-On an H200: scripts/gpu_bwdfull_s20.py."""
+On an H200: scripts/gpu_bwdfull_s21.py."""
 
 import functools
 import heapq

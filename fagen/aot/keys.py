@@ -39,8 +39,9 @@ def codegen_env() -> dict[str, str]:
     env.update(get_cache_invalidating_env_vars())
     from fagen.runtime.toolchain import ptxas_path
 
-    if ptxas_path():  # the ptxas the build runs with ([Note] One ptxas), not the process's TRITON_PTXAS_PATH
-        env["TRITON_PTXAS_PATH"] = ptxas_path()
+    pinned = ptxas_path()  # the ptxas the build runs with ([Note] One ptxas), not the process's TRITON_PTXAS_PATH
+    if pinned:
+        env["TRITON_PTXAS_PATH"] = pinned
     return dict(sorted(env.items()))
 
 

@@ -36,7 +36,6 @@ def smem_bytes(head_dim: int, block_m: int, block_n: int, num_stages: int, items
             + itemsize * num_stages * block_n * dv + o_bytes + 1024)
 
 
-
 # [Note] Gluon mod tiles. A score_mod that reads a captured tensor at an index using q_idx or kv_idx (KernelSpec.
 # mod_gathers: a relative bias `bias[h, q_idx - kv_idx + c]`) holds one loaded value (and its address) per score in
 # the consumer's registers beside S, O and P: at d128 with block_n 128 it compiled with 3436 spilled words (ptxas,
@@ -54,8 +53,8 @@ class GluonBackend(DecodeRules, KernelBackend):
         "head_dim": ((64, 128, 192), "the gluon backend supports head_dim 64 or 128 (a TMA box of whole 16-byte "
                                      "rows, one wgmma N tile), and 192 with head_dim_v 128 (MLA prefill); use "
                                      "backend 'triton' for other head dims"),
-        "mask": ((Mask.NONE, Mask.CAUSAL), "the gluon backend supports masks 'none' and 'causal'; use backend "
-                                           "'triton' for padding and tree masks"),
+        "mask": ((Mask.NONE, Mask.CAUSAL, Mask.PADDING, Mask.CAUSAL_PADDING), "the gluon backend supports masks "
+                 "'none', 'causal', and 'padding' / 'causal+padding' in the forward; use backend 'triton' for tree masks"),
         "dtype": ((DType.FP16, DType.BF16, DType.FP8_E4M3), "the gluon backend computes fp16, bf16 and fp8_e4m3 "
                                                             "on tensor cores; use backend 'triton' for fp32"),
         "direction": ((Direction.FWD, Direction.BWD), "the gluon backend has a forward and a backward"),
@@ -64,8 +63,7 @@ class GluonBackend(DecodeRules, KernelBackend):
         "num_warps": ((8,), "the gluon backend runs 8 consumer warps (two warpgroups) plus its producer warp"),
         "num_stages": ((2, 3, 4), "the gluon backend rings K/V through 2, 3 or 4 shared-memory slots"),
     }
-    # [Note] Gluon MLA widths (fagen/templates/gluon/attention.py.j2): the one pair of head dims that may differ,
-    # (head_dim, head_dim_v); head_dim 192 only with it.
+    # [Note] Gluon MLA widths (gluon/attention.py.j2): the one pair of head dims that may differ; 192 only with it.
     mla_dims = (192, 128)
     # Score switches of the gluon forward ([Note] Gluon score switches in fagen/templates/gluon/attention.py.j2);
     # ALiBi and sinks are backend 'triton' only.
@@ -127,11 +125,9 @@ class GluonBackend(DecodeRules, KernelBackend):
                "pv_overlap": 0, "fwd_tail_first": 1,
                "bwd_order": 0, "bwd_snake": 0, "bwd_named": 0, "bwd_epi_tma": 0, "bwd_fixed": 0, "bwd_window_desc": 0,
                "bwd_mod_early": 0, "bwd_window_fixed": 0, "bwd_prefix": 2, "bwd_window_chain": 0, "bwd_window_pending": 2,
-               "bwd_window_relaxed": 0, "bwd_window_pdl": 0,
+               "bwd_window_relaxed": 0, "bwd_window_pdl": 0, "bwd_fixed_fma": 0, "bwd_grid": 0, "bwd_spt": 0, "bwd_fixed_tma": 0,
                "bwd_unordered_levers": {"bwd_named": 2, "bwd_epi_tma": 1, "bwd_snake": 1}, "bwd_full_levers": {},
-               "bwd_fixed_fma": 0, "bwd_grid": 0, "bwd_spt": 0, "bwd_fixed_tma": 0,
-               "fp8lat_lazy": 0, "fp8lat_early_fetch": 0, "fp8lat_stage": 7, "fp8lat_short": 8,
-               "fp8lat_merge_cols": 64}
+               "fp8lat_lazy": 0, "fp8lat_early_fetch": 0, "fp8lat_stage": 7, "fp8lat_short": 8, "fp8lat_merge_cols": 64}
     # fp8lat_*: [Note] Lazy block max, [Note] Early first block, [Note] Staged chunks in
     # fagen/templates/gluon/mla_decode_fp8.py.j2. fp8lat_stage K: chunks 0..K-1 by cp.async through shared memory
     # (fourteenth session; 7 since both rounds: per token +4.9-8.7 points at the three large shapes, per tensor
@@ -427,6 +423,10 @@ class GluonBackend(DecodeRules, KernelBackend):
         if spec.direction is Direction.BWD:
             self._check_bwd(spec)
         mla = (spec.head_dim, spec.head_dim_v) == self.mla_dims
+        if spec.mask.padded and (spec.direction is Direction.BWD or spec.kind is Kind.DECODE or mla or spec.switches
+                                 or spec.modded or self.fp8_vt(spec)):  # [Note] Gluon padding masks in the template
+            raise SpecError("mask", spec.mask.value, "the gluon backend's padding masks are its plain forward's (head_dim "
+                                                     "64/128, no switch or mod); use backend 'triton' for the rest")
         if spec.head_dim_v != spec.head_dim and not mla:
             raise SpecError("head_dim_v", spec.head_dim_v, f"the gluon backend takes head_dim_v = head_dim, or "
                                                            f"{self.mla_dims[1]} with head_dim {self.mla_dims[0]} "

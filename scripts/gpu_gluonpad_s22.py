@@ -48,6 +48,7 @@ from _phases import child_env, run_phase  # noqa: E402
 
 ROUND = (sys.argv[sys.argv.index("--round") + 1] if "--round" in sys.argv else "B").upper()
 OUT = Path(os.environ.get("OUT") or "/tmp/gluonpad-out")
+WORK = Path("/tmp/gluonpad-work")  # caches and the mutant's source: not under $OUT (it comes back)
 T0 = time.time()
 LIMIT = {"build": 20, "check": 12, "memcheck": 16, "time": 10}
 BIG = 10 ** 6
@@ -89,6 +90,20 @@ def modules():
     return list(dict.fromkeys((c[1], c[2], c[3], c[4]) for c in CASES))
 
 
+def mutant_module():
+    """The bf16 causal+padding module without its V zeroing (the epilogue's _zero_pad_keys call left out): the NaN
+    check must catch it (teeth on the GPU)."""
+    from fagen.codegen.render import render
+    from fagen.runtime.modules import import_module
+    src = render(spec_of("causal+padding", "bf16", 128, 1)).source
+    cut = "".join(x for x in src.splitlines(keepends=True) if "_zero_pad_keys(v_smem.index(sp)" not in x)
+    assert cut.count("\n") == src.count("\n") - 1
+    path = WORK / "gluonpad_mutant_nozero.py"
+    if not path.exists() or path.read_text() != cut:
+        path.write_text(cut)
+    return import_module(path, "gluonpad_mutant_nozero")
+
+
 # -- build ---------------------------------------------------------------------------------------------------
 def _warm(key):
     t = time.time()
@@ -101,7 +116,7 @@ def _warm(key):
             torch.cuda.synchronize()
             return f"built row {key[1]} {key[2]} in {time.time() - t:.1f}s"
         mask, dtype, d, gqa = key
-        m = fagen.load(spec_of(mask, dtype, d, gqa))
+        m = mutant_module() if mask == "mutant" else fagen.load(spec_of(mask, dtype, d, gqa))
         lens = torch.tensor([70], dtype=torch.int32, device=DEV)
         q = torch.randn(1, gqa, 100, d, device=DEV)
         k = torch.randn(1, 1, 100, d, device=DEV)
@@ -115,7 +130,7 @@ def _warm(key):
 
 def phase_build():
     work = [("row", ROW, b) for b in ("triton", "gluon")] + [("row", "pad", b) for b in ("triton", "gluon")]
-    work += modules()
+    work += modules() + [("mutant", "bf16", 128, 1)]
     with mp.get_context("spawn").Pool(min(len(work), 16)) as pool:
         for msg in pool.imap_unordered(_warm, work):
             log(msg)
@@ -231,6 +246,12 @@ def check_case(c, seed=0):
             teeth = bool(((o - wrong).abs() > tol["atol"] + tol["rtol"] * wrong.abs()).any())
         ok &= teeth
         notes.append(f"teeth {'ok' if teeth else 'NONE'}")
+        if dtype == "bf16" and mask == "causal+padding" and not MOCK:  # the module without its V zeroing
+            mo, ml = mutant_module().forward(_poison(q, lq), _poison(k, lk), _poison(v, lk), seqlens_q=sl(lq),
+                                             seqlens_k=sl(lk))
+            caught = not (torch.equal(mo, out) and torch.equal(ml, lse))
+            ok &= caught
+            notes.append(f"no-zeroing mutant {'caught' if caught else 'NOT caught'} (NaN {bool(mo.isnan().any())})")
     return ok, "; ".join(notes)
 
 
@@ -253,7 +274,6 @@ def phase_memcheck():
     """Small padded calls, in range and out of it, under compute-sanitizer (the parent wraps this child)."""
     import torch
     for c in (CASES[0], CASES[8]):
-        m_ok = True
         (q, k, v), kw, _ = _inputs(c, 3)
         import fagen
         m = fagen.load(spec_of(c[1], c[2], c[3], c[4]))
@@ -262,7 +282,7 @@ def phase_memcheck():
             m.forward(_poison(q, lq), _poison(k, lk), _poison(v, lk), seqlens_q=sl(lq), seqlens_k=sl(lk), check=False,
                       **kw)
         torch.cuda.synchronize()
-        log(f"memcheck ran {c[2]} {c[1]}: {m_ok}")
+        log(f"memcheck ran {c[2]} {c[1]}")
 
 
 # -- time ----------------------------------------------------------------------------------------------------
@@ -349,8 +369,9 @@ def main():
         {"build": phase_build, "check": phase_check, "memcheck": phase_memcheck, "time": phase_time}[sys.argv[2]]()
         return
     OUT.mkdir(parents=True, exist_ok=True)
-    env = child_env(str(OUT / "fagen-cache"), ROOT)
-    env["TRITON_CACHE_DIR"] = env.get("TRITON_CACHE_DIR") or str(OUT / "triton-cache")
+    WORK.mkdir(parents=True, exist_ok=True)
+    env = child_env(str(WORK / "fagen-cache"), ROOT)
+    env["TRITON_CACHE_DIR"] = env.get("TRITON_CACHE_DIR") or str(WORK / "triton-cache")
     log(f"gluonpad s22 round {ROUND}; {time.strftime('%H:%M:%S')}")
     keep = []
 

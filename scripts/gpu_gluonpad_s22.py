@@ -70,6 +70,11 @@ CASES = [
     ("d64", "causal+padding", "fp8_e4m3", 64, 1, 3, 2, 1000, 1000, (999, 500, 1000), (1000, 777, 1)),
 ]
 ROW = "fwd-causalpad-d128-s8k"
+# Round B's candidate: GluonBackend.variant pad_empty 1 ([Note] Gluon padding masks: a tile with no key loads no Q
+# and stores the zeros its staging buffer already holds), checked on VAR_CASES (indices into CASES) and timed beside
+# the product's padding render (pad_empty 0); and the fp8 row of the same shape, for the record.
+VARIANT = {"pad_empty": 1}
+VAR_CASES = (0, 1, 2, 4, 8, 11) if ROUND == "B" else ()
 MOCK = os.environ.get("GLUONPAD_MOCK") == "1"  # the check plumbing on the CPU: the float64 reference stands in
 DEV = "cpu" if MOCK else "cuda"
 PASSES = 20
@@ -88,6 +93,33 @@ def spec_of(mask, dtype, head_dim, gqa, backend="gluon"):
 def modules():
     """(mask, dtype, head_dim, gqa) of every gluon module the checks call."""
     return list(dict.fromkeys((c[1], c[2], c[3], c[4]) for c in CASES))
+
+
+def var_modules():
+    return list(dict.fromkeys(("var",) + tuple(CASES[i][1:5]) for i in VAR_CASES))
+
+
+class variant:
+    """GluonBackend.variant changed by VARIANT inside the block (fagen.load keys its modules on the variant a render
+    reads: render.render_state)."""
+
+    def __enter__(self):
+        from fagen import backends
+        self.saved = dict(backends.GLUON.variant)
+        backends.GLUON.variant.update(VARIANT)
+
+    def __exit__(self, *exc):
+        from fagen import backends
+        backends.GLUON.variant.clear()
+        backends.GLUON.variant.update(self.saved)
+
+
+def load(mask, dtype, d, gqa, var=False):
+    import fagen
+    if not var:
+        return fagen.load(spec_of(mask, dtype, d, gqa))
+    with variant():
+        return fagen.load(spec_of(mask, dtype, d, gqa))
 
 
 def mutant_module():
@@ -111,12 +143,13 @@ def _warm(key):
         import torch
         import fagen
         if key[0] == "row":
-            cc, fn = row_fn(key[1], key[2])
+            cc, fn = row_fn(*key[1:])
             fn(0)
             torch.cuda.synchronize()
             return f"built row {key[1]} {key[2]} in {time.time() - t:.1f}s"
-        mask, dtype, d, gqa = key
-        m = mutant_module() if mask == "mutant" else fagen.load(spec_of(mask, dtype, d, gqa))
+        var = key[0] == "var"
+        mask, dtype, d, gqa = key[1:] if var else key
+        m = mutant_module() if mask == "mutant" else load(mask, dtype, d, gqa, var)
         lens = torch.tensor([70], dtype=torch.int32, device=DEV)
         q = torch.randn(1, gqa, 100, d, device=DEV)
         k = torch.randn(1, 1, 100, d, device=DEV)
@@ -130,7 +163,11 @@ def _warm(key):
 
 def phase_build():
     work = [("row", ROW, b) for b in ("triton", "gluon")] + [("row", "pad", b) for b in ("triton", "gluon")]
-    work += modules() + [("mutant", "bf16", 128, 1)]
+    work += modules() + [("mutant", "bf16", 128, 1)] + var_modules()
+    if ROUND == "B":
+        work += [("row", ROW, "gluon", True), ("row", "pad", "gluon", True), ("row", "fp8", "gluon"),
+                 ("row", "fp8", "gluon", True)]
+    work = sorted(work, key=lambda w: w[0] != "row")  # the rows first: their inputs take longest
     with mp.get_context("spawn").Pool(min(len(work), 16)) as pool:
         for msg in pool.imap_unordered(_warm, work):
             log(msg)
@@ -183,7 +220,7 @@ class _Mock:
         return o.to(torch.bfloat16 if q.dtype != torch.float16 else q.dtype), lse.float()
 
 
-def check_case(c, seed=0):
+def check_case(c, seed=0, var=False):
     import torch
     import fagen
     import gpu_fp8
@@ -191,7 +228,7 @@ def check_case(c, seed=0):
     from fagen.verify import reference
     from fagen.verify.tolerances import LSE_TOLERANCE, TOLERANCE
     name, mask, dtype, d, gqa, b, hkv, sq, sk, lq, lk = c
-    m = _Mock(mask) if MOCK else fagen.load(spec_of(mask, dtype, d, gqa))
+    m = _Mock(mask) if MOCK else load(mask, dtype, d, gqa, var)
     (q, k, v), kw, ref_in = _inputs(c, seed)
     sl = lambda x: torch.tensor(x, dtype=torch.int32, device=DEV)  # noqa: E731
     out, lse = m.forward(q, k, v, seqlens_q=sl(lq), seqlens_k=sl(lk), **kw)
@@ -243,7 +280,7 @@ def check_case(c, seed=0):
     if not same:
         bad = (out2 != out).flatten(1).any(1).view(b, -1).any(1).tolist()
         notes.append(f"differs in batches {[i for i, x in enumerate(bad) if x]}, NaN {int(out2.isnan().sum())}")
-    if name == "mix":  # lengths past the tensors: clamped, the same as in range
+    if name == "mix" and not var:  # lengths past the tensors: clamped, the same as in range
         bad_q = tuple(-7 if n == 0 else BIG if n == sq else n for n in lq)
         bad_k = tuple(BIG if n == max(lk) else n for n in lk)
         out3, lse3 = m.forward(q, k, v, seqlens_q=sl(bad_q), seqlens_k=sl(bad_k), check=False, **kw)
@@ -272,16 +309,17 @@ def check_case(c, seed=0):
 def phase_check():
     import torch
     fails = 0
-    for c in CASES:
-        label = f"{c[2]:>8} {c[1]:>14} d{c[3]} g{c[4]} {c[0]} b{c[5]} sq{c[7]} sk{c[8]}"
+    jobs = [(c, False) for c in CASES] + [(CASES[i], True) for i in VAR_CASES]
+    for c, var in jobs:
+        label = f"{c[2]:>8} {c[1]:>14} d{c[3]} g{c[4]} {c[0]} b{c[5]} sq{c[7]} sk{c[8]}{' pad_empty' if var else ''}"
         try:
-            ok, note = check_case(c)
+            ok, note = check_case(c, var=var)
         except Exception as e:  # noqa: BLE001
             ok, note = False, f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
             traceback.print_exc(limit=4)
         fails += not ok
         log(f"CHECK {'PASS' if ok else 'FAIL'} {label}: {note}")
-    log(f"CHECKS {'PASS' if not fails else 'FAIL'} {len(CASES) - fails}/{len(CASES)}")
+    log(f"CHECKS {'PASS' if not fails else 'FAIL'} {len(jobs) - fails}/{len(jobs)}")
 
 
 def phase_memcheck():
@@ -300,9 +338,9 @@ def phase_memcheck():
 
 
 # -- time ----------------------------------------------------------------------------------------------------
-def row_fn(which, backend):
-    """(CaseContext, fn(i)) of the suite's row (or its padding twin) through the suite's row function, with the
-    backend pinned."""
+def row_fn(which, backend, var=False):
+    """(CaseContext, fn(i)) of the suite's row (or its padding twin, or its fp8 twin) through the suite's row
+    function, with the backend pinned; var: the module of the VARIANT render."""
     import torch
     from fagen.bench import impls
     from fagen.bench.cases import CaseContext
@@ -310,9 +348,15 @@ def row_fn(which, backend):
     case = {c.name: c for c in standard_suite()}[ROW]
     if which == "pad":
         case = dataclasses.replace(case, name="fwd-pad-d128-s8k", mask="padding")
+    if which == "fp8":
+        case = dataclasses.replace(case, name="fwd-fp8-causalpad-d128-s8k", dtype="fp8_e4m3", peers=False)
     case = dataclasses.replace(case, overrides=(("backend", backend),))
     cc = CaseContext(case, torch.device("cuda"), 3)
-    fn = impls.prepare_fagen(case, cc).fn
+    if var:
+        with variant():
+            fn = impls.prepare_fagen(case, cc).fn
+    else:
+        fn = impls.prepare_fagen(case, cc).fn
     return cc, lambda i: fn(cc.sets[i])
 
 
@@ -321,11 +365,17 @@ def phase_time():
     from fagen.bench.timing import measure
     from fagen.bench.workloads import flops
     rows = []
-    for which in (ROW, "pad"):
-        for backend in ("triton", "gluon"):
-            cc, fn = row_fn(which, backend)
-            spec = cc.case.spec(torch.device("cuda"))[0]
-            rows.append((which, backend, fn, len(cc.sets), flops(cc.case), spec.name))
+    todo = [(w, b, False) for w in (ROW, "pad") for b in ("triton", "gluon")]
+    if ROUND == "B":
+        todo += [(ROW, "gluon", True), ("pad", "gluon", True), ("fp8", "gluon", False), ("fp8", "gluon", True)]
+    for which, backend, var in todo:
+        try:
+            cc, fn = row_fn(which, backend, var)
+        except Exception as e:  # noqa: BLE001
+            log(f"TIME {which} {backend}{' pad_empty' if var else ''}: ERROR {type(e).__name__}: {str(e)[:160]}")
+            continue
+        spec = cc.case.spec(torch.device("cuda"))[0]
+        rows.append((which, backend + (" pad_empty" if var else ""), fn, len(cc.sets), flops(cc.case), spec.name))
     for r in rows:
         r[2](0)
     torch.cuda.synchronize()
@@ -340,13 +390,17 @@ def phase_time():
             times.setdefault((which, backend), []).append(measure(fn, n, torch.device("cuda"), *BENCH_MS))
     for which, backend, _, _, fl, name in rows:
         t = times[(which, backend)]
-        note = ""
-        if backend == "gluon":
-            rr = sorted(a / g for a, g in zip(times[(which, "triton")], t))
+        notes = []
+        bases = {"gluon": ["triton"], "gluon pad_empty": ["gluon", "triton"]}.get(backend, [])
+        for base in bases:
+            if (which, base) not in times:
+                continue
+            rr = sorted(a / g for a, g in zip(times[(which, base)], t))
             q = len(rr) // 4
-            note = (f"per pass triton/gluon: median {statistics.median(rr):.3f}, quartiles {rr[q]:.3f}-"
-                    f"{rr[-1 - q]:.3f}, range {rr[0]:.3f}-{rr[-1]:.3f}, {sum(x > 1 for x in rr)}/{len(rr)} above 1")
-        log(f"TIME {which} {backend:>6} {fl / statistics.median(t) / 1e9:7.1f} TF/s {statistics.median(t):.4f} ms "
+            notes.append(f"per pass {base}/this: median {statistics.median(rr):.3f}, quartiles {rr[q]:.3f}-"
+                         f"{rr[-1 - q]:.3f}, range {rr[0]:.3f}-{rr[-1]:.3f}, {sum(x > 1 for x in rr)}/{len(rr)} above 1")
+        note = "; ".join(notes)
+        log(f"TIME {which} {backend:>16} {fl / statistics.median(t) / 1e9:7.1f} TF/s {statistics.median(t):.4f} ms "
             f"({len(t)} passes; {name}) {note}")
 
 
@@ -373,6 +427,14 @@ def dry_run():
                 except Exception as e:  # noqa: BLE001
                     failed += 1
                     log(f"{mask} {dtype} d{d}: BUILD ERROR {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    for mask, dtype, d, gqa in [v[1:] for v in var_modules()] or [("causal+padding", "bf16", 128, 1)]:
+        try:  # round B's candidate (VARIANT)
+            r = ptxas(load(mask, dtype, d, gqa, True).compile_for().asm["ptx"])[0]["_attn_fwd_hopper"]
+            failed += bool(r.spill_stores + r.spill_loads)
+            log(f"{mask:>14} {dtype:>8} d{d} g{gqa} {VARIANT}: {r.registers} regs, spills {r.spill_stores + r.spill_loads}")
+        except Exception as e:  # noqa: BLE001
+            failed += 1
+            log(f"{mask} {dtype} d{d} {VARIANT}: BUILD ERROR {type(e).__name__}: {str(e).splitlines()[0][:200]}")
     sys.exit(1 if failed else 0)
 
 

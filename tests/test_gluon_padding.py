@@ -41,6 +41,18 @@ def test_padding_renders_thread_the_lengths_and_keep_padding_out_of_p_v(mask, dt
     assert ("len_k = tl.minimum(tl.maximum(tl.load(SeqlensK + off_b), 0), seq_k)" in src) == (dtype == "fp8_e4m3")
 
 
+def test_pad_empty_renders_only_where_set(monkeypatch):
+    """GluonBackend.variant pad_empty ([Note] Gluon padding masks): off, the padding render has no Q counter of its
+    own; on, the padding render has it and the plain render is unchanged."""
+    spec = gluon(mask="causal+padding")
+    assert "o_zero = " not in render(spec).source and "tq = 0" not in render(spec).source
+    plain = render(gluon(mask="causal")).source
+    monkeypatch.setitem(backends.GLUON.variant, "pad_empty", 1)
+    src = render(spec).source
+    assert "o_zero = (hi <= 0).to(gl.int32)" in src and "_load_q(q_desc, q_smem, q_ready, q_empty, tq," in src
+    assert render(gluon(mask="causal")).source == plain
+
+
 @pytest.mark.parametrize("fields,words", [
     (dict(mask="padding", direction="bwd"), "plain forward's"),
     (dict(mask="causal+padding", window=True), "plain forward's"),

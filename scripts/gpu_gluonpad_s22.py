@@ -46,7 +46,8 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 from _phases import child_env, run_phase  # noqa: E402
 
-ROUND = (sys.argv[sys.argv.index("--round") + 1] if "--round" in sys.argv else "B").upper()
+ROUND = (sys.argv[sys.argv.index("--round") + 1] if "--round" in sys.argv
+         else os.environ.get("GLUONPAD_ROUND", "B")).upper()  # the children read the parent's round from the env
 OUT = Path(os.environ.get("OUT") or "/tmp/gluonpad-out")
 WORK = Path("/tmp/gluonpad-work")  # caches and the mutant's source: not under $OUT (it comes back)
 T0 = time.time()
@@ -70,11 +71,13 @@ CASES = [
     ("d64", "causal+padding", "fp8_e4m3", 64, 1, 3, 2, 1000, 1000, (999, 500, 1000), (1000, 777, 1)),
 ]
 ROW = "fwd-causalpad-d128-s8k"
-# Round B's candidate: GluonBackend.variant pad_empty 1 ([Note] Gluon padding masks: a tile with no key loads no Q
-# and stores the zeros its staging buffer already holds), checked on VAR_CASES (indices into CASES) and timed beside
-# the product's padding render (pad_empty 0); and the fp8 row of the same shape, for the record.
-VARIANT = {"pad_empty": 1}
-VAR_CASES = (0, 1, 2, 4, 8, 11) if ROUND == "B" else ()
+# Candidates ([Note] Gluon padding masks): "e", GluonBackend.variant pad_empty 1 (a tile with no key loads no Q and
+# stores the zeros its staging buffer already holds; checked in round A: the children read round B then); "eo", and
+# pad_order 2 (the tile counter, heavy first by batch, instead of round-robin). Each is checked on its VAR_CASES
+# (indices into CASES) and timed beside the product's padding render (both 0); the fp8 row of the suite's shape too.
+VARIANTS = {"e": {"pad_empty": 1}, "eo": {"pad_empty": 1, "pad_order": 2}}
+VAR_CASES = {"A": {"e": (0, 1, 2, 4, 8, 11)}, "B": {"eo": (0, 1, 2, 4, 6, 8, 11, 13)}}[ROUND]
+TIMED = {"A": ("e",), "B": ("e", "eo")}[ROUND]
 MOCK = os.environ.get("GLUONPAD_MOCK") == "1"  # the check plumbing on the CPU: the float64 reference stands in
 DEV = "cpu" if MOCK else "cuda"
 PASSES = 20
@@ -96,17 +99,20 @@ def modules():
 
 
 def var_modules():
-    return list(dict.fromkeys(("var",) + tuple(CASES[i][1:5]) for i in VAR_CASES))
+    return list(dict.fromkeys((v,) + tuple(CASES[i][1:5]) for v, idx in VAR_CASES.items() for i in idx))
 
 
 class variant:
-    """GluonBackend.variant changed by VARIANT inside the block (fagen.load keys its modules on the variant a render
-    reads: render.render_state)."""
+    """GluonBackend.variant changed by VARIANTS[name] inside the block (fagen.load keys its modules on the variant a
+    render reads: render.render_state)."""
+
+    def __init__(self, name):
+        self.name = name
 
     def __enter__(self):
         from fagen import backends
         self.saved = dict(backends.GLUON.variant)
-        backends.GLUON.variant.update(VARIANT)
+        backends.GLUON.variant.update(VARIANTS[self.name])
 
     def __exit__(self, *exc):
         from fagen import backends
@@ -114,11 +120,11 @@ class variant:
         backends.GLUON.variant.update(self.saved)
 
 
-def load(mask, dtype, d, gqa, var=False):
+def load(mask, dtype, d, gqa, var=None):
     import fagen
     if not var:
         return fagen.load(spec_of(mask, dtype, d, gqa))
-    with variant():
+    with variant(var):
         return fagen.load(spec_of(mask, dtype, d, gqa))
 
 
@@ -147,7 +153,7 @@ def _warm(key):
             fn(0)
             torch.cuda.synchronize()
             return f"built row {key[1]} {key[2]} in {time.time() - t:.1f}s"
-        var = key[0] == "var"
+        var = key[0] if key[0] in VARIANTS else None
         mask, dtype, d, gqa = key[1:] if var else key
         m = mutant_module() if mask == "mutant" else load(mask, dtype, d, gqa, var)
         lens = torch.tensor([70], dtype=torch.int32, device=DEV)
@@ -164,9 +170,7 @@ def _warm(key):
 def phase_build():
     work = [("row", ROW, b) for b in ("triton", "gluon")] + [("row", "pad", b) for b in ("triton", "gluon")]
     work += modules() + [("mutant", "bf16", 128, 1)] + var_modules()
-    if ROUND == "B":
-        work += [("row", ROW, "gluon", True), ("row", "pad", "gluon", True), ("row", "fp8", "gluon"),
-                 ("row", "fp8", "gluon", True)]
+    work += [("row", w, "gluon", v) for v in TIMED for w in (ROW, "pad", "fp8")] + [("row", "fp8", "gluon")]
     work = sorted(work, key=lambda w: w[0] != "row")  # the rows first: their inputs take longest
     with mp.get_context("spawn").Pool(min(len(work), 16)) as pool:
         for msg in pool.imap_unordered(_warm, work):
@@ -220,7 +224,7 @@ class _Mock:
         return o.to(torch.bfloat16 if q.dtype != torch.float16 else q.dtype), lse.float()
 
 
-def check_case(c, seed=0, var=False):
+def check_case(c, seed=0, var=None):
     import torch
     import fagen
     import gpu_fp8
@@ -297,7 +301,7 @@ def check_case(c, seed=0, var=False):
             teeth = bool(((o - wrong).abs() > tol["atol"] + tol["rtol"] * wrong.abs()).any())
         ok &= teeth
         notes.append(f"teeth {'ok' if teeth else 'NONE'}")
-        if dtype == "bf16" and mask == "causal+padding" and not MOCK:  # the module without its V zeroing
+        if dtype == "bf16" and mask == "causal+padding" and not MOCK and not var:  # without its V zeroing
             mo, ml = mutant_module().forward(_poison(q, lq), _poison(k, lk), _poison(v, lk), seqlens_q=sl(lq),
                                              seqlens_k=sl(lk))
             caught = not (torch.equal(mo, out) and torch.equal(ml, lse))
@@ -309,9 +313,9 @@ def check_case(c, seed=0, var=False):
 def phase_check():
     import torch
     fails = 0
-    jobs = [(c, False) for c in CASES] + [(CASES[i], True) for i in VAR_CASES]
+    jobs = [(c, None) for c in CASES] + [(CASES[i], v) for v, idx in VAR_CASES.items() for i in idx]
     for c, var in jobs:
-        label = f"{c[2]:>8} {c[1]:>14} d{c[3]} g{c[4]} {c[0]} b{c[5]} sq{c[7]} sk{c[8]}{' pad_empty' if var else ''}"
+        label = f"{c[2]:>8} {c[1]:>14} d{c[3]} g{c[4]} {c[0]} b{c[5]} sq{c[7]} sk{c[8]}{' ' + var if var else ''}"
         try:
             ok, note = check_case(c, var=var)
         except Exception as e:  # noqa: BLE001
@@ -323,22 +327,23 @@ def phase_check():
 
 
 def phase_memcheck():
-    """Small padded calls, in range and out of it, under compute-sanitizer (the parent wraps this child)."""
+    """Small padded calls, in range and out of it, under compute-sanitizer (the parent wraps this child): the bf16 and
+    fp8 products, and in round B the bf16 "eo" candidate (its tile counter's atomics too)."""
     import torch
-    for c in (CASES[0], CASES[8]):
+    runs = [(CASES[0], None), (CASES[8], None)] + ([(CASES[0], "eo")] if ROUND == "B" else [])
+    for c, var in runs:
         (q, k, v), kw, _ = _inputs(c, 3)
-        import fagen
-        m = fagen.load(spec_of(c[1], c[2], c[3], c[4]))
+        m = load(c[1], c[2], c[3], c[4], var)
         for lq, lk in ((c[9], c[10]), ((-7, BIG, 3, BIG), (BIG, -1, 300, 77))):
             sl = lambda x: torch.tensor(x, dtype=torch.int32, device=DEV)  # noqa: E731
             m.forward(_poison(q, lq), _poison(k, lk), _poison(v, lk), seqlens_q=sl(lq), seqlens_k=sl(lk), check=False,
                       **kw)
         torch.cuda.synchronize()
-        log(f"memcheck ran {c[2]} {c[1]}")
+        log(f"memcheck ran {c[2]} {c[1]}{' ' + var if var else ''}")
 
 
 # -- time ----------------------------------------------------------------------------------------------------
-def row_fn(which, backend, var=False):
+def row_fn(which, backend, var=None):
     """(CaseContext, fn(i)) of the suite's row (or its padding twin, or its fp8 twin) through the suite's row
     function, with the backend pinned; var: the module of the VARIANT render."""
     import torch
@@ -353,7 +358,7 @@ def row_fn(which, backend, var=False):
     case = dataclasses.replace(case, overrides=(("backend", backend),))
     cc = CaseContext(case, torch.device("cuda"), 3)
     if var:
-        with variant():
+        with variant(var):
             fn = impls.prepare_fagen(case, cc).fn
     else:
         fn = impls.prepare_fagen(case, cc).fn
@@ -365,17 +370,16 @@ def phase_time():
     from fagen.bench.timing import measure
     from fagen.bench.workloads import flops
     rows = []
-    todo = [(w, b, False) for w in (ROW, "pad") for b in ("triton", "gluon")]
-    if ROUND == "B":
-        todo += [(ROW, "gluon", True), ("pad", "gluon", True), ("fp8", "gluon", False), ("fp8", "gluon", True)]
+    todo = [(w, b, None) for w in (ROW, "pad") for b in ("triton", "gluon")] + [("fp8", "gluon", None)]
+    todo += [(w, "gluon", v) for v in TIMED for w in (ROW, "pad", "fp8")]
     for which, backend, var in todo:
         try:
             cc, fn = row_fn(which, backend, var)
         except Exception as e:  # noqa: BLE001
-            log(f"TIME {which} {backend}{' pad_empty' if var else ''}: ERROR {type(e).__name__}: {str(e)[:160]}")
+            log(f"TIME {which} {backend}{' ' + var if var else ''}: ERROR {type(e).__name__}: {str(e)[:160]}")
             continue
         spec = cc.case.spec(torch.device("cuda"))[0]
-        rows.append((which, backend + (" pad_empty" if var else ""), fn, len(cc.sets), flops(cc.case), spec.name))
+        rows.append((which, backend + (" " + var if var else ""), fn, len(cc.sets), flops(cc.case), spec.name))
     for r in rows:
         r[2](0)
     torch.cuda.synchronize()
@@ -391,7 +395,7 @@ def phase_time():
     for which, backend, _, _, fl, name in rows:
         t = times[(which, backend)]
         notes = []
-        bases = {"gluon": ["triton"], "gluon pad_empty": ["gluon", "triton"]}.get(backend, [])
+        bases = ["gluon", "triton"] if backend.startswith("gluon ") else ["triton"] if backend == "gluon" else []
         for base in bases:
             if (which, base) not in times:
                 continue
@@ -427,14 +431,15 @@ def dry_run():
                 except Exception as e:  # noqa: BLE001
                     failed += 1
                     log(f"{mask} {dtype} d{d}: BUILD ERROR {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-    for mask, dtype, d, gqa in [v[1:] for v in var_modules()] or [("causal+padding", "bf16", 128, 1)]:
-        try:  # round B's candidate (VARIANT)
-            r = ptxas(load(mask, dtype, d, gqa, True).compile_for().asm["ptx"])[0]["_attn_fwd_hopper"]
+    for var, mask, dtype, d, gqa in var_modules():
+        try:  # the round's candidates (VARIANTS)
+            r = ptxas(load(mask, dtype, d, gqa, var).compile_for().asm["ptx"])[0]["_attn_fwd_hopper"]
             failed += bool(r.spill_stores + r.spill_loads)
-            log(f"{mask:>14} {dtype:>8} d{d} g{gqa} {VARIANT}: {r.registers} regs, spills {r.spill_stores + r.spill_loads}")
+            log(f"{mask:>14} {dtype:>8} d{d} g{gqa} {VARIANTS[var]}: {r.registers} regs, spills "
+                f"{r.spill_stores + r.spill_loads}")
         except Exception as e:  # noqa: BLE001
             failed += 1
-            log(f"{mask} {dtype} d{d} {VARIANT}: BUILD ERROR {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            log(f"{mask} {dtype} d{d} {VARIANTS[var]}: BUILD ERROR {type(e).__name__}: {str(e).splitlines()[0][:200]}")
     sys.exit(1 if failed else 0)
 
 
@@ -448,6 +453,7 @@ def main():
     WORK.mkdir(parents=True, exist_ok=True)
     env = child_env(str(WORK / "fagen-cache"), ROOT)
     env["TRITON_CACHE_DIR"] = env.get("TRITON_CACHE_DIR") or str(WORK / "triton-cache")
+    env["GLUONPAD_ROUND"] = ROUND
     log(f"gluonpad s22 round {ROUND}; {time.strftime('%H:%M:%S')}")
     keep = []
 
@@ -470,7 +476,8 @@ def main():
                                 "memcheck"], env=env, capture_output=True, text=True, timeout=LIMIT["memcheck"])
             errs = [ln for ln in p.stdout.splitlines() if "ERROR SUMMARY" in ln]
             ran = [ln for ln in p.stdout.splitlines() if ln.startswith("memcheck ran")]
-            results["memcheck"] = f"rc {p.returncode}; {errs[-1] if errs else 'no summary'}; {len(ran)}/2 ran"
+            results["memcheck"] = (f"rc {p.returncode}; {errs[-1] if errs else 'no summary'}; {len(ran)}/"
+                                   f"{3 if ROUND == 'B' else 2} ran: " + ", ".join(x[13:] for x in ran))
             (OUT / "memcheck.txt").write_text(p.stdout + p.stderr)
         except subprocess.TimeoutExpired:
             results["memcheck"] = f"killed at {LIMIT['memcheck']}s (did not fit)"

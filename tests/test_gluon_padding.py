@@ -53,6 +53,20 @@ def test_pad_empty_renders_only_where_set(monkeypatch):
     assert render(gluon(mask="causal")).source == plain
 
 
+def test_pad_order_deals_padding_tiles_through_the_counter_only_where_set(monkeypatch):
+    """GluonBackend.variant pad_order 2: a padding render takes the tile counter (_SCHED 2) and its launch the counter
+    argument (GluonBackend.tile_order, the template's rule); 0: the plain loop, no counter."""
+    spec = gluon(mask="causal+padding")
+    assert backends.GLUON.tile_order(spec) is None and "_SCHED = " not in render(spec).source
+    plain = render(gluon(mask="causal")).source
+    monkeypatch.setitem(backends.GLUON.variant, "pad_order", 2)
+    for mask in ("padding", "causal+padding"):
+        src = render(gluon(mask=mask)).source
+        assert backends.GLUON.tile_order(gluon(mask=mask)) == 2 and "_SCHED = 2" in src
+        assert "seqlens_q, seqlens_k, tile_counter," in src and "num_tiles, rows_k" in src
+    assert render(gluon(mask="causal")).source == plain and backends.GLUON.tile_order(gluon(mask="none")) is None
+
+
 @pytest.mark.parametrize("fields,words", [
     (dict(mask="padding", direction="bwd"), "plain forward's"),
     (dict(mask="causal+padding", window=True), "plain forward's"),

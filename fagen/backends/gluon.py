@@ -122,7 +122,7 @@ class GluonBackend(DecodeRules, KernelBackend):
                "fp8_pass_evict": 0, "fp8_vt_pad": 0, "fp8_full_order": 0,
                "fp8_s_ahead": 0, "fp8_turns": 0,
                "fp8_tail_split": 0,
-               "pv_overlap": 0, "fwd_tail_first": 1, "pad_empty": 0,  # [Note] Gluon padding masks (template)
+               "pv_overlap": 0, "fwd_tail_first": 1, "pad_empty": 0, "pad_order": 0,  # [Note] Gluon padding masks
                "bwd_order": 0, "bwd_snake": 0, "bwd_named": 0, "bwd_epi_tma": 0, "bwd_fixed": 0, "bwd_window_desc": 0,
                "bwd_mod_early": 0, "bwd_window_fixed": 0, "bwd_prefix": 2, "bwd_window_chain": 0, "bwd_window_pending": 2,
                "bwd_window_relaxed": 0, "bwd_window_pdl": 0, "bwd_fixed_fma": 0, "bwd_grid": 0, "bwd_spt": 0, "bwd_fixed_tma": 0,
@@ -383,8 +383,8 @@ class GluonBackend(DecodeRules, KernelBackend):
             return None
         if spec.mask is Mask.NONE and spec.dtype is DType.FP8_E4M3 and spec.kind is Kind.PREFILL:  # full_plain
             return self.variant["fp8_full_order"] or None
-        if spec.mask is not Mask.CAUSAL:
-            return None
+        if spec.mask is not Mask.CAUSAL:  # a padding mask: pad_order (0: none; [Note] Gluon padding masks)
+            return (self.variant["pad_order"] or None) if spec.mask.padded else None
         if (spec.head_dim, spec.head_dim_v) == self.mla_dims:
             return 1
         return self.variant["causal_order"]

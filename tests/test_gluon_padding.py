@@ -3,6 +3,8 @@ second session): the render carries the padding code only where the mask is on, 
 builds (bf16 and fp8, d128 and d64) without spills. The kernels run in scripts/gpu_gluonpad_s22.py (float64 checks,
 NaN in the padding, compute-sanitizer): Gluon kernels do not run in the interpreter."""
 
+import dataclasses
+
 import pytest
 
 from fagen import backends
@@ -82,12 +84,27 @@ def test_padding_limits_are_spec_errors_naming_the_mask(fields, words):
     assert e.value.field == "mask" and words in str(e.value), str(e.value)
 
 
-def test_padding_specs_are_built_but_not_yet_selected():
-    """The masks exist in the gluon forward; the rule (GluonBackend.selected) picks them only where the rounds measured
-    a win ([Note] Gluon selection rule)."""
-    assert not backends.GLUON.selected(gluon(mask="causal+padding"))
-    assert not backends.GLUON.selected(gluon(mask="padding"))
-    assert backends.GLUON.selected(gluon(mask="causal"))
+@pytest.mark.parametrize("fields,picked", [
+    (dict(mask="causal+padding"), True), (dict(mask="padding", gqa=4), True),
+    (dict(mask="causal+padding", head_dim=64), False), (dict(mask="padding", dtype="fp16"), False),
+    (dict(mask="causal+padding", dtype="fp8_e4m3"), True), (dict(mask="padding", dtype="fp8_e4m3", head_dim=64), True),
+])
+def test_the_rule_picks_the_padding_masks_where_measured(fields, picked):
+    """[Note] Gluon selection rule: bf16 d128 padding masks (any gqa) since the twenty-second session's H200 rounds
+    (the suite's row 1.22x the Triton forward per pass, the padding twin 1.13x); fp8 has no other kernel."""
+    assert backends.GLUON.selected(gluon(**fields)) == picked
+
+
+def test_the_suite_row_takes_the_gluon_forward_on_hopper(monkeypatch):
+    from fagen.bench.workloads import standard_suite
+    from fagen.runtime import hopper
+    monkeypatch.delenv(hopper.ENV, raising=False)
+    monkeypatch.setattr(hopper, "is_hopper", lambda device: True)
+    monkeypatch.setattr(hopper, "gluon_missing", lambda: None)
+    row = {c.name: c for c in standard_suite()}["fwd-causalpad-d128-s8k"]
+    spec, note = row.spec("cuda")
+    assert spec.backend.value == "gluon" and spec.mask.value == "causal+padding", (spec.name, note)
+    assert not backends.GLUON.bwd_selected(dataclasses.replace(spec, direction="bwd", backend="triton"))
 
 
 _SCRIPT = r"""

@@ -65,8 +65,7 @@ class GluonBackend(DecodeRules, KernelBackend):
     }
     # [Note] Gluon MLA widths (gluon/attention.py.j2): the one pair of head dims that may differ; 192 only with it.
     mla_dims = (192, 128)
-    # Score switches of the gluon forward ([Note] Gluon score switches in fagen/templates/gluon/attention.py.j2);
-    # ALiBi and sinks are backend 'triton' only.
+    # Score switches of the gluon forward ([Note] Gluon score switches in gluon/attention.py.j2); ALiBi, sinks: 'triton'.
     switches = ("window", "softcap")
     switches_why = "the gluon backend has the window and softcap switches only; use backend 'triton'"
     smem_limit = targets.ARCH_SMEM_LIMIT["sm_90"]
@@ -153,8 +152,9 @@ class GluonBackend(DecodeRules, KernelBackend):
     # tile order): without one the Triton forward won it in the three latest runs (s16k Triton / Gluon TF/s: 558 /
     # 550 in benchmarks/hopper/6-integration, 559 / 543 and 562 / 543 in benchmarks/scores.md); with the tile
     # counter the gluon forward read 685 against 598 without (H100, fifth session), with sections 691 against 615 (sixth
-    # session), the Triton one 582. Not d64 (-7%), not fp16 (496 vs 493 TF/s, a tie), not
-    # padding/tree masks (no such kernel). With score switches: causal with the window switch alone (any gqa),
+    # session), the Triton one 582. Not d64 (-7%), not fp16 (496 vs 493 TF/s, a tie), not tree masks (no such kernel);
+    # padding masks (selected_pad_masks; H200, twenty-second session: the suite's fwd-causalpad-d128-s8k 444 vs 363
+    # TF/s, its padding twin 505 vs 451; docs/hopper.md). With score switches: causal with the window switch alone (any gqa),
     # where the gluon forward's block skipping measured +9% over the Triton one (window 4096 at s32k, d128 bf16,
     # MHA: 540 vs 497 TF/s, same run; docs/hopper.md, "Score switches in the forward"). Not the softcap (470 vs
     # 477 TF/s, a tie lost), not window with softcap (not measured), never ALiBi or sinks (the gluon forward has
@@ -164,6 +164,7 @@ class GluonBackend(DecodeRules, KernelBackend):
     selected_head_dims = (128,)
     selected_dtypes = (DType.BF16,)
     selected_masks = (Mask.NONE, Mask.CAUSAL)
+    selected_pad_masks = (Mask.PADDING, Mask.CAUSAL_PADDING)  # the forward only (the gluon backward has none)
     selected_switches = (("window",), Mask.CAUSAL)  # the one switch set selected, and its mask (any gqa)
     # A score_mod (no mask_mod, no switch) at the selected head dims, dtypes and masks: the H100 run of
     # scripts/gpu_gluon_mods.py measured the gluon modded forward at 1.27-1.78x the Triton one (softcap, ALiBi,
@@ -375,10 +376,9 @@ class GluonBackend(DecodeRules, KernelBackend):
         return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2 if spec.head_dim >= 128 else 3}
 
     def tile_order(self, spec) -> int | None:
-        """The tile order (_SCHED) the product renders for `spec`, or None for the plain persistent loop ([Note] Gluon
-        tile order): MLA causal 1 (paired); other causal specs without the window or a mod the variant's
-        causal_order; an fp8 full-mask one fp8_full_order (0: none); the template computes the same ({% set order %}
-        in fagen/templates/gluon/attention.py.j2)."""
+        """The tile order (_SCHED) the product renders for `spec`, or None for the plain loop ([Note] Gluon tile order):
+        MLA causal 1 (paired); other causal specs without the window or a mod causal_order; fp8 full fp8_full_order,
+        padding masks pad_order (0: none); the template computes the same ({% set order %} in gluon/attention.py.j2)."""
         if spec.modded or spec.window:
             return None
         if spec.mask is Mask.NONE and spec.dtype is DType.FP8_E4M3 and spec.kind is Kind.PREFILL:  # full_plain
@@ -483,7 +483,7 @@ class GluonBackend(DecodeRules, KernelBackend):
         """Whether the measured rule ([Note] Gluon selection rule) picks the gluon forward for the case of `spec`."""
         if spec.dtype is DType.FP8_E4M3:  # the only fp8 kernel: selected wherever it exists
             return (spec.kind is Kind.PREFILL and spec.direction is Direction.FWD and spec.head_dim in (64, 128)
-                    and spec.mask in self.selected_masks and spec.switches in ((), ("window",)))
+                    and (spec.mask in self.selected_masks or spec.mask.padded) and spec.switches in ((), ("window",)))
         if (spec.head_dim, spec.head_dim_v) == self.mla_dims:
             return (self.select_mla and spec.kind is Kind.PREFILL and spec.direction is Direction.FWD
                     and spec.dtype in self.selected_dtypes and spec.mask in self.selected_mla_masks
@@ -497,4 +497,4 @@ class GluonBackend(DecodeRules, KernelBackend):
         if spec.switches:
             return (spec.switches, spec.mask) == self.selected_switches
         mha_causal = spec.mask is Mask.CAUSAL and spec.gqa == 1
-        return spec.mask in self.selected_masks and not (mha_causal and self.tile_order(spec) is None)
+        return spec.mask in self.selected_masks + self.selected_pad_masks and not (mha_causal and self.tile_order(spec) is None)

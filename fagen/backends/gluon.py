@@ -153,8 +153,8 @@ class GluonBackend(DecodeRules, KernelBackend):
     # 550 in benchmarks/hopper/6-integration, 559 / 543 and 562 / 543 in benchmarks/scores.md); with the tile
     # counter the gluon forward read 685 against 598 without (H100, fifth session), with sections 691 against 615 (sixth
     # session), the Triton one 582. Not d64 (-7%), not fp16 (496 vs 493 TF/s, a tie), not tree masks (no such kernel);
-    # padding masks (selected_pad_masks; H200, twenty-second session: the suite's fwd-causalpad-d128-s8k 444 vs 363
-    # TF/s, its padding twin 505 vs 451; docs/hopper.md). With score switches: causal with the window switch alone (any gqa),
+    # padding masks (selected_pad_masks; H200, twenty-second session, rounds A / B: the suite's fwd-causalpad-d128-s8k
+    # 444 / 442 vs 363 / 392 TF/s, twin 505 / 521 vs 451 / 465; docs/hopper.md). With score switches: causal with the window switch alone (any gqa),
     # where the gluon forward's block skipping measured +9% over the Triton one (window 4096 at s32k, d128 bf16,
     # MHA: 540 vs 497 TF/s, same run; docs/hopper.md, "Score switches in the forward"). Not the softcap (470 vs
     # 477 TF/s, a tie lost), not window with softcap (not measured), never ALiBi or sinks (the gluon forward has

@@ -44,7 +44,8 @@ def test_fp8_spec_defaults_name_and_round_trip():
     (dict(direction="bwd"), "direction", "direction 'fwd'"),
     (dict(mask="causal", softcap=True), "softcap", "window switch only"),
     (dict(head_dim=96), "head_dim", "64 or 128"),
-    (dict(mask="padding"), "mask", "'none' and 'causal'"),
+    (dict(mask="tree"), "mask", "'padding' and 'causal+padding'"),
+    (dict(mask="padding", window=True), "mask", "padding masks are its plain forward's"),
     (dict(layout="varlen"), "layout", "backend 'triton'"),
     (dict(mask="causal", alibi=True), "alibi", "window and softcap switches only"),
 ])

@@ -35,7 +35,9 @@ def test_a_spec_never_picks_gluon_by_itself():
     (dict(mask="causal"), True),  # MHA causal: with the tile counter order ([Note] Gluon tile order)
     (dict(mask="causal", head_dim=64), False),  # d64: the Triton forward is faster (docs/hopper.md)
     (dict(mask="causal", dtype="fp16"), False),  # fp16: a tie
-    (dict(mask="padding"), False), (dict(mask="causal", direction="bwd"), False),
+    (dict(mask="padding"), True), (dict(mask="causal+padding", gqa=4), True),  # H200, 22nd session (docs/hopper.md)
+    (dict(mask="causal+padding", head_dim=64), False), (dict(mask="padding", dtype="fp16"), False),
+    (dict(mask="tree"), False), (dict(mask="causal", direction="bwd"), False),
     (dict(mask="causal", kind="decode"), False), (dict(mask="none", head_dim=80), False),
 ])
 def test_the_rule_picks_measured_wins_only(as_if_hopper, fields, picked):

@@ -36,7 +36,6 @@ def smem_bytes(head_dim: int, block_m: int, block_n: int, num_stages: int, items
             + itemsize * num_stages * block_n * dv + o_bytes + 1024)
 
 
-
 # [Note] Gluon mod tiles. A score_mod that reads a captured tensor at an index using q_idx or kv_idx (KernelSpec.
 # mod_gathers: a relative bias `bias[h, q_idx - kv_idx + c]`) holds one loaded value (and its address) per score in
 # the consumer's registers beside S, O and P: at d128 with block_n 128 it compiled with 3436 spilled words (ptxas,
@@ -54,8 +53,8 @@ class GluonBackend(DecodeRules, KernelBackend):
         "head_dim": ((64, 128, 192), "the gluon backend supports head_dim 64 or 128 (a TMA box of whole 16-byte "
                                      "rows, one wgmma N tile), and 192 with head_dim_v 128 (MLA prefill); use "
                                      "backend 'triton' for other head dims"),
-        "mask": ((Mask.NONE, Mask.CAUSAL), "the gluon backend supports masks 'none' and 'causal'; use backend "
-                                           "'triton' for padding and tree masks"),
+        "mask": ((Mask.NONE, Mask.CAUSAL, Mask.PADDING, Mask.CAUSAL_PADDING), "the gluon backend supports masks "
+                 "'none', 'causal', and 'padding' / 'causal+padding' in the forward; use backend 'triton' for tree masks"),
         "dtype": ((DType.FP16, DType.BF16, DType.FP8_E4M3), "the gluon backend computes fp16, bf16 and fp8_e4m3 "
                                                             "on tensor cores; use backend 'triton' for fp32"),
         "direction": ((Direction.FWD, Direction.BWD), "the gluon backend has a forward and a backward"),
@@ -64,11 +63,9 @@ class GluonBackend(DecodeRules, KernelBackend):
         "num_warps": ((8,), "the gluon backend runs 8 consumer warps (two warpgroups) plus its producer warp"),
         "num_stages": ((2, 3, 4), "the gluon backend rings K/V through 2, 3 or 4 shared-memory slots"),
     }
-    # [Note] Gluon MLA widths (fagen/templates/gluon/attention.py.j2): the one pair of head dims that may differ,
-    # (head_dim, head_dim_v); head_dim 192 only with it.
+    # [Note] Gluon MLA widths (gluon/attention.py.j2): the one pair of head dims that may differ; 192 only with it.
     mla_dims = (192, 128)
-    # Score switches of the gluon forward ([Note] Gluon score switches in fagen/templates/gluon/attention.py.j2);
-    # ALiBi and sinks are backend 'triton' only.
+    # Score switches of the gluon forward ([Note] Gluon score switches in gluon/attention.py.j2); ALiBi, sinks: 'triton'.
     switches = ("window", "softcap")
     switches_why = "the gluon backend has the window and softcap switches only; use backend 'triton'"
     smem_limit = targets.ARCH_SMEM_LIMIT["sm_90"]
@@ -124,14 +121,12 @@ class GluonBackend(DecodeRules, KernelBackend):
                "fp8_pass_evict": 0, "fp8_vt_pad": 0, "fp8_full_order": 0,
                "fp8_s_ahead": 0, "fp8_turns": 0,
                "fp8_tail_split": 0,
-               "pv_overlap": 0, "fwd_tail_first": 1,
+               "pv_overlap": 0, "fwd_tail_first": 1, "pad_empty": 0, "pad_order": 0,  # [Note] Gluon padding masks
                "bwd_order": 0, "bwd_snake": 0, "bwd_named": 0, "bwd_epi_tma": 0, "bwd_fixed": 0, "bwd_window_desc": 0,
                "bwd_mod_early": 0, "bwd_window_fixed": 0, "bwd_prefix": 2, "bwd_window_chain": 0, "bwd_window_pending": 2,
-               "bwd_window_relaxed": 0, "bwd_window_pdl": 0,
+               "bwd_window_relaxed": 0, "bwd_window_pdl": 0, "bwd_fixed_fma": 0, "bwd_grid": 0, "bwd_spt": 0, "bwd_fixed_tma": 0,
                "bwd_unordered_levers": {"bwd_named": 2, "bwd_epi_tma": 1, "bwd_snake": 1}, "bwd_full_levers": {},
-               "bwd_fixed_fma": 0, "bwd_grid": 0, "bwd_spt": 0, "bwd_fixed_tma": 0,
-               "fp8lat_lazy": 0, "fp8lat_early_fetch": 0, "fp8lat_stage": 7, "fp8lat_short": 8,
-               "fp8lat_merge_cols": 64}
+               "fp8lat_lazy": 0, "fp8lat_early_fetch": 0, "fp8lat_stage": 7, "fp8lat_short": 8, "fp8lat_merge_cols": 64}
     # fp8lat_*: [Note] Lazy block max, [Note] Early first block, [Note] Staged chunks in
     # fagen/templates/gluon/mla_decode_fp8.py.j2. fp8lat_stage K: chunks 0..K-1 by cp.async through shared memory
     # (fourteenth session; 7 since both rounds: per token +4.9-8.7 points at the three large shapes, per tensor
@@ -157,8 +152,9 @@ class GluonBackend(DecodeRules, KernelBackend):
     # tile order): without one the Triton forward won it in the three latest runs (s16k Triton / Gluon TF/s: 558 /
     # 550 in benchmarks/hopper/6-integration, 559 / 543 and 562 / 543 in benchmarks/scores.md); with the tile
     # counter the gluon forward read 685 against 598 without (H100, fifth session), with sections 691 against 615 (sixth
-    # session), the Triton one 582. Not d64 (-7%), not fp16 (496 vs 493 TF/s, a tie), not
-    # padding/tree masks (no such kernel). With score switches: causal with the window switch alone (any gqa),
+    # session), the Triton one 582. Not d64 (-7%), not fp16 (496 vs 493 TF/s, a tie), not tree masks (no such kernel);
+    # padding masks (selected_pad_masks; H200, twenty-second session, rounds A / B: the suite's fwd-causalpad-d128-s8k
+    # 444 / 442 vs 363 / 392 TF/s, twin 505 / 521 vs 451 / 465; docs/hopper.md). With score switches: causal with the window switch alone (any gqa),
     # where the gluon forward's block skipping measured +9% over the Triton one (window 4096 at s32k, d128 bf16,
     # MHA: 540 vs 497 TF/s, same run; docs/hopper.md, "Score switches in the forward"). Not the softcap (470 vs
     # 477 TF/s, a tie lost), not window with softcap (not measured), never ALiBi or sinks (the gluon forward has
@@ -168,6 +164,7 @@ class GluonBackend(DecodeRules, KernelBackend):
     selected_head_dims = (128,)
     selected_dtypes = (DType.BF16,)
     selected_masks = (Mask.NONE, Mask.CAUSAL)
+    selected_pad_masks = (Mask.PADDING, Mask.CAUSAL_PADDING)  # the forward only (the gluon backward has none)
     selected_switches = (("window",), Mask.CAUSAL)  # the one switch set selected, and its mask (any gqa)
     # A score_mod (no mask_mod, no switch) at the selected head dims, dtypes and masks: the H100 run of
     # scripts/gpu_gluon_mods.py measured the gluon modded forward at 1.27-1.78x the Triton one (softcap, ALiBi,
@@ -379,16 +376,15 @@ class GluonBackend(DecodeRules, KernelBackend):
         return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2 if spec.head_dim >= 128 else 3}
 
     def tile_order(self, spec) -> int | None:
-        """The tile order (_SCHED) the product renders for `spec`, or None for the plain persistent loop ([Note] Gluon
-        tile order): MLA causal 1 (paired); other causal specs without the window or a mod the variant's
-        causal_order; an fp8 full-mask one fp8_full_order (0: none); the template computes the same ({% set order %}
-        in fagen/templates/gluon/attention.py.j2)."""
+        """The tile order (_SCHED) the product renders for `spec`, or None for the plain loop ([Note] Gluon tile order):
+        MLA causal 1 (paired); other causal specs without the window or a mod causal_order; fp8 full fp8_full_order,
+        padding masks pad_order (0: none); the template computes the same ({% set order %} in gluon/attention.py.j2)."""
         if spec.modded or spec.window:
             return None
         if spec.mask is Mask.NONE and spec.dtype is DType.FP8_E4M3 and spec.kind is Kind.PREFILL:  # full_plain
             return self.variant["fp8_full_order"] or None
-        if spec.mask is not Mask.CAUSAL:
-            return None
+        if spec.mask is not Mask.CAUSAL:  # a padding mask: pad_order (0: none; [Note] Gluon padding masks)
+            return (self.variant["pad_order"] or None) if spec.mask.padded else None
         if (spec.head_dim, spec.head_dim_v) == self.mla_dims:
             return 1
         return self.variant["causal_order"]
@@ -427,6 +423,10 @@ class GluonBackend(DecodeRules, KernelBackend):
         if spec.direction is Direction.BWD:
             self._check_bwd(spec)
         mla = (spec.head_dim, spec.head_dim_v) == self.mla_dims
+        if spec.mask.padded and (spec.direction is Direction.BWD or spec.kind is Kind.DECODE or mla or spec.switches
+                                 or spec.modded or self.fp8_vt(spec)):  # [Note] Gluon padding masks in the template
+            raise SpecError("mask", spec.mask.value, "the gluon backend's padding masks are its plain forward's (head_dim "
+                                                     "64/128, no switch or mod); use backend 'triton' for the rest")
         if spec.head_dim_v != spec.head_dim and not mla:
             raise SpecError("head_dim_v", spec.head_dim_v, f"the gluon backend takes head_dim_v = head_dim, or "
                                                            f"{self.mla_dims[1]} with head_dim {self.mla_dims[0]} "
@@ -483,7 +483,7 @@ class GluonBackend(DecodeRules, KernelBackend):
         """Whether the measured rule ([Note] Gluon selection rule) picks the gluon forward for the case of `spec`."""
         if spec.dtype is DType.FP8_E4M3:  # the only fp8 kernel: selected wherever it exists
             return (spec.kind is Kind.PREFILL and spec.direction is Direction.FWD and spec.head_dim in (64, 128)
-                    and spec.mask in self.selected_masks and spec.switches in ((), ("window",)))
+                    and (spec.mask in self.selected_masks or spec.mask.padded) and spec.switches in ((), ("window",)))
         if (spec.head_dim, spec.head_dim_v) == self.mla_dims:
             return (self.select_mla and spec.kind is Kind.PREFILL and spec.direction is Direction.FWD
                     and spec.dtype in self.selected_dtypes and spec.mask in self.selected_mla_masks
@@ -497,4 +497,4 @@ class GluonBackend(DecodeRules, KernelBackend):
         if spec.switches:
             return (spec.switches, spec.mask) == self.selected_switches
         mha_causal = spec.mask is Mask.CAUSAL and spec.gqa == 1
-        return spec.mask in self.selected_masks and not (mha_causal and self.tile_order(spec) is None)
+        return spec.mask in self.selected_masks + self.selected_pad_masks and not (mha_causal and self.tile_order(spec) is None)

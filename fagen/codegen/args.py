@@ -87,6 +87,10 @@ def lengths_k(spec: KernelSpec) -> bool:
     return spec.mask.padded or spec.layout is not Layout.DENSE
 
 
+def padded(spec: KernelSpec) -> bool:
+    return spec.mask.padded
+
+
 def modded(spec: KernelSpec) -> bool:
     return spec.modded
 
@@ -400,6 +404,7 @@ GLUON_FWD = Kernel("_attn_fwd_hopper", (
     T("v_desc", host=_gluon_v), T("o_desc", host="_descriptor(o, BLOCK_M)"),
     T("Lse", "fp32", host="lse"), F("qk_scale", host=_gluon_scale), I("num_tiles", host="num_tiles"),
     I("n_m", host="n_m"), I("num_heads", host="hq"), I("seq_q", host="sq"), I("seq_k", host="sk"),
+    T("SeqlensQ", "i32", when=padded, host="seqlens_q"), T("SeqlensK", "i32", when=padded, host="seqlens_k"),
     T("TileCounter", "i32", when=gluon_sched, host="tile_counter"),
     I("win_left", when=switched, host="win_left"), I("win_right", when=switched, host="win_right"),
     F("cap_in", when=switched, host=lambda spec: "0.0" if fp8(spec) else "cap_in"), *_DESCALES, MOD_ARGS,
@@ -425,7 +430,8 @@ THREADED = {
     "mod_grads_inner": (MOD_GRAD_ARGS,),
     "decode_mods": (I("off_h", when=modded), MOD_ARGS),  # decode's _decode_inner: the rows' query heads, the mods
     "merge": (T("Sinks", "fp32", when=sinks),),  # decode's _merge_splits
-    "gluon_scores": (*_INNER_SCORES[:3],),
+    # and a padding mask's lengths ([Note] Gluon padding masks: every function that takes the score arguments)
+    "gluon_scores": (*_INNER_SCORES[:3], T("SeqlensQ", "i32", when=padded), T("SeqlensK", "i32", when=padded)),
     "gluon_window": (I("win_left", when=window), I("win_right", when=window)),
     "gluon_sched": (T("TileCounter", "i32", when=gluon_sched),),  # [Note] Tile schedule
     "gluon_descales": _DESCALES,  # the fp8 consumers' descale pointers and head strides

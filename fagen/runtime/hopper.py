@@ -10,7 +10,8 @@ inputs' device: by fagen.attention (fagen/runtime/resolve.py) when no gradient i
   - the gluon backend's measured rule picks the case (GluonBackend.selected, [Note] Gluon selection rule in
     fagen/backends/gluon.py: where the H100 measurements of docs/hopper.md show a win over the Triton forward).
 fp8 (dtype fp8_e4m3) has no other kernel: an fp8 case within the gluon forward's limits (prefill forward, head_dim
-64/128, mask none/causal, no switch or the window alone) is always the gluon one on sm_90 (README "fp8 forward").
+64/128, mask none/causal/padding/causal+padding, no switch or the window alone) is always the gluon one on sm_90
+(README "fp8 forward").
 MLA's absorbed decode (fagen.attention with v=None: shared_kv, 576/512, bf16, causal or none) takes the gluon decode
 where its module fits the inputs (latent_decode_spec: Hq x Sq a multiple of 64 or one padded tile, one KV head),
 from LATENT_MIN_WORK pairs, LATENT_CAPTURED_MIN_WORK while the stream is capturing a CUDA graph; with an fp8 e4m3

@@ -295,9 +295,9 @@ class KernelSpec:
         if self.head_dim not in (64, 128):
             raise SpecError("head_dim", self.head_dim, f"the fp8 forward supports head_dim 64 or 128, {fix} (backend "
                                                        "'triton' takes any head dim)")
-        if self.mask not in (Mask.NONE, Mask.CAUSAL):
-            raise SpecError("mask", str(self.mask), f"the fp8 forward supports masks 'none' and 'causal', {fix} "
-                                                    "(backend 'triton' takes every mask)")
+        if self.mask is Mask.TREE:
+            raise SpecError("mask", str(self.mask), f"the fp8 forward supports masks 'none', 'causal', 'padding' and "
+                                                    f"'causal+padding', {fix} (backend 'triton' takes every mask)")
 
     @property
     def packed_q(self) -> bool:

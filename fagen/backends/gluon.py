@@ -121,7 +121,7 @@ class GluonBackend(DecodeRules, KernelBackend):
                "fp8_pass_evict": 0, "fp8_vt_pad": 0, "fp8_full_order": 0,
                "fp8_s_ahead": 0, "fp8_turns": 0,
                "fp8_tail_split": 0,
-               "pv_overlap": 0, "fwd_tail_first": 1, "pad_empty": 0, "pad_order": 0,  # [Note] Gluon padding masks
+               "pv_overlap": 0, "fwd_tail_first": 1, "pad_empty": 1, "pad_order": 2,  # [Note] Gluon padding masks
                "bwd_order": 0, "bwd_snake": 0, "bwd_named": 0, "bwd_epi_tma": 0, "bwd_fixed": 0, "bwd_window_desc": 0,
                "bwd_mod_early": 0, "bwd_window_fixed": 0, "bwd_prefix": 2, "bwd_window_chain": 0, "bwd_window_pending": 2,
                "bwd_window_relaxed": 0, "bwd_window_pdl": 0, "bwd_fixed_fma": 0, "bwd_grid": 0, "bwd_spt": 0, "bwd_fixed_tma": 0,

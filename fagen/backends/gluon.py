@@ -113,8 +113,8 @@ class GluonBackend(DecodeRules, KernelBackend):
     # fourteenth session: at locked clocks C 8 / 4 2914 / 2913 us a call against the product's 2915: off). fp8_s_ahead: 1
     # issues S_{n+1} inside step n after its exponentials ([Note] fp8 S a step ahead; bit for bit the product's). H100, the
     # bench's measure, causal / full (scripts/gpu_fp8mma_s14.py, fourteenth session): round A 0.973x / 0.969x the product,
-    # exp_poly 8 + o_warp_skip 0.976x / 0.969x: off. fp8_turns: 1-3 the two consumer warpgroups take turns by named barriers
-    # ([Note] fp8 warpgroup turns; off).
+    # exp_poly 8 + o_warp_skip 0.976x / 0.969x: off. fp8_turns: 1-5 the two consumer warpgroups take turns by named barriers
+    # ([Note] fp8 warpgroup turns). fp8_n256: 1-3 cuDNN's 256-key steps ([Note] fp8 256-key steps; turns 4 only on top).
     # bwd_*: the gluon backward's levers ([Note] Gluon backward levers).
     # fwd_tail_first 1: a non-causal score_mod forward reads its last key block first, then one unmasked loop ([Note]
     # Tail block first: issue 26's cold first call, H200 3.46 -> 2.12 s; on since the nineteenth session, docs/mods.md).
@@ -122,7 +122,7 @@ class GluonBackend(DecodeRules, KernelBackend):
                "fp8_p_cvt": 3, "fp8_wgs": 2, "fp8_wg3_regs": (160, 24), "fp8_o_skip": 0,
                "fp8_pv_overlap": 0, "fp8_d64": {"fp8_wgs": 3}, "fp8_n192": 0, "fp8_vt": 0,
                "fp8_pass_evict": 0, "fp8_vt_pad": 0, "fp8_full_order": 0,
-               "fp8_s_ahead": 0, "fp8_turns": 0,
+               "fp8_s_ahead": 0, "fp8_turns": 0, "fp8_n256": 0,
                "fp8_tail_split": 0,
                "pv_overlap": 0, "fwd_tail_first": 1,
                "bwd_order": 0, "bwd_snake": 0, "bwd_named": 0, "bwd_epi_tma": 0, "bwd_fixed": 0, "bwd_window_desc": 0,
@@ -402,10 +402,10 @@ class GluonBackend(DecodeRules, KernelBackend):
         return self.tile_order(spec) is not None or bool(self.variant["tile_schedule_all"])
 
     def fp8_n192(self, spec) -> bool:
-        """Whether the render of `spec` takes 192-key steps over 2 stages ([Note] fp8 192-key steps; the template's
-        `n192`, the same rule): variant fp8_n192, an fp8 d128 forward on two warpgroups at block_n 128, no window."""
+        """Whether the render of `spec` takes 192- or 256-key steps over 2 stages (the template's `n192` / `n256`, the
+        same rule): variant fp8_n192 or fp8_n256, an fp8 d128 forward on two warpgroups at block_n 128, no window."""
         v = self.variant_for(spec)
-        return (spec.dtype is DType.FP8_E4M3 and bool(v["fp8_n192"]) and not spec.window and spec.head_dim == 128
+        return (spec.dtype is DType.FP8_E4M3 and bool(v["fp8_n192"] or v["fp8_n256"]) and not spec.window and spec.head_dim == 128
                 and v["fp8_wgs"] == 2 and spec.block_n == 128)
 
     def fp8_vt(self, spec) -> bool:  # the template's `vt_in`: fp8 d128 on two warpgroups at block_n 128, no 192
@@ -417,7 +417,8 @@ class GluonBackend(DecodeRules, KernelBackend):
         if spec.kind is Kind.DECODE:
             return self.decode_smem(spec)
         if self.fp8_n192(spec):  # [Note] fp8 192-key steps: Q, K in two 128-row slots a stage (thirds, fp8_n192 2:
-            kv = 2 * (2 * 128 + 3 * 64) if self.variant_for(spec)["fp8_n192"] == 1 else 3 * 6 * 64  # three 64-row
+            v = self.variant_for(spec)  # fp8_n256: K and Vt in two 128-key slots a stage ([Note] fp8 256-key steps)
+            kv = 4 * 256 if v["fp8_n256"] else 2 * (2 * 128 + 3 * 64) if v["fp8_n192"] == 1 else 3 * 6 * 64  # three 64-row
             return (2 * 2 * 64 + kv) * spec.head_dim + 2 * 2 * 64 * spec.head_dim + 1024  # slots, 3 stages), Vt, O
         wgs = self.variant_for(spec)["fp8_wgs"] if spec.dtype is DType.FP8_E4M3 else 2  # [Note] fp8 three warpgroups
         return 2 * 128 * 128 * self.fp8_vt(spec) + smem_bytes(spec.head_dim, spec.block_m, spec.block_n, spec.num_stages, spec.dtype.itemsize,

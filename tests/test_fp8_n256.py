@@ -1,0 +1,158 @@
+"""The fp8 forward's 256-key steps, twentieth session (issue 28): GluonBackend.variant fp8_n256 ([Note] fp8 256-key
+steps in fagen/templates/gluon/attention.py.j2), cuDNN's step: S of 256 keys (two m64n128 halves) issued and waited
+in full, its softmax, O rescaled, P V issued and waited in full, and with fp8_turns 4 cuDNN's barrier places ([Note]
+fp8 warpgroup turns). The render (only where on: fp8 d128 on two warpgroups without the window; bf16, d64 and the
+window byte for byte; turns other than 4 not rendered there), the host's 128-key boxes, and the sm_90 build on the
+CPU: shared memory within the formula, no spills, each step loop's two waits around its exponentials, the barriers at
+their places, one a warpgroup a step. The kernels against float64 run in scripts/gpu_fp8fwd_s20.py on the GPU."""
+
+import pytest
+
+import fagen
+from fagen import backends
+from fagen.spec.kernel import KernelSpec
+from _env import ON_GPU
+from test_fp8_wgs import variant
+from test_hopper_compile import build_sm90
+
+
+def render(mask="causal", dtype="fp8_e4m3", head_dim=128, **fields):
+    return fagen.generate(KernelSpec(backend="gluon", head_dim=head_dim, mask=mask, dtype=dtype, **fields))
+
+
+def _fn(src, name):
+    i = src.index(f"def {name}(")
+    return src[i:src.index("\n\n\n", i)]
+
+
+def _no_turns(src):
+    return "_BAR_TURN" not in src and "_turn_dep(" not in src
+
+
+def test_renders_only_where_on():
+    off = {k: render(**k_) for k, k_ in (("bf16", dict(dtype="bf16")), ("d64", dict(mask="none", head_dim=64)),
+                                         ("window", dict(window=True)), ("causal", {}))}
+    assert "_consumer_step256" not in off["causal"] and "[Note] fp8 256-key steps" not in off["causal"]
+    for n192 in (0, 1):  # the 256-key steps take precedence over the 192-key ones
+        with variant(fp8_n256=1, fp8_n192=n192):
+            src = render()
+            assert render(dtype="bf16") == off["bf16"] and render(mask="none", head_dim=64) == off["d64"]
+            assert render(window=True) == off["window"]
+            assert "BLOCK_N = 256" in src and "STAGES = 2" in src and "def _consumer_step192(" not in src
+            assert src.count("_consumer_step256(") == 3 and "_consumer_step256(" in render(mask="none")
+            assert _no_turns(src)
+    for mode in (1, 2, 3, 5):  # only cuDNN's places (4) are rendered in the 256-key step
+        with variant(fp8_n256=1, fp8_turns=mode):
+            assert _no_turns(render()) and _no_turns(render(mask="none"))
+    with variant(fp8_n256=1, fp8_turns=4):
+        src = render()
+    assert src.count("CAUSAL, WG)") == 2 and "CAUSAL, 1 + WG)" in _fn(src, "_consumer_step256")
+
+
+def test_backend_rule_and_shared_memory():
+    spec = KernelSpec(backend="gluon", head_dim=128, mask="none", dtype="fp8_e4m3")
+    with variant(fp8_n256=1):
+        assert backends.GLUON.fp8_n192(spec) and not backends.GLUON.fp8_vt(spec)
+        # Q 4 x 64 rows, K and Vt 2 stages x 2 slots x 128 rows of 128 bytes, O 2 x 64 x 128 bf16, 1 KB
+        assert backends.smem_bytes(spec) == (256 + 1024) * 128 + 2 * 64 * 128 * 2 + 1024
+        assert not backends.GLUON.fp8_n192(KernelSpec(backend="gluon", head_dim=128, mask="none",
+                                                      dtype="fp8_e4m3", window=True))
+
+
+def test_the_step_waits_each_matmul_in_full():
+    """S waited (both halves) before its softmax, O rescaled, then P V issued and waited; K and V released after
+    their matmul's wait; no prologue or epilogue: block 0 is a step of the unmasked loop."""
+    with variant(fp8_n256=1):
+        src = render()
+    step = _fn(src, "_consumer_step256")
+    order = ["mbarrier.wait(k_ready", "ta = warpgroup_mma(", "tb = warpgroup_mma(",
+             "sa, sb = warpgroup_mma_wait(0, deps=(ta, tb))", "mbarrier.arrive(k_empty", "= _softmax256(",
+             "o_acc = o_acc * ", "mbarrier.wait(v_ready", "o_tok = warpgroup_mma(", "o_acc = warpgroup_mma_wait(0",
+             "mbarrier.arrive(v_empty"]
+    at = [step.index(x) for x in order]
+    assert at == sorted(at), list(zip(order, at))
+    cons = _fn(src, "_consumer")
+    assert "for start_n in range(0, split, BLOCK_N):" in cons and "for start_n in range(split, hi, BLOCK_N):" in cons
+    assert "Epilogue" not in cons and "_p_pack(pa" not in cons
+    with variant(fp8_n256=1, fp8_turns=4):
+        soft = _fn(render(), "_softmax256")
+    assert soft.index("m_use = _turn_dep(m_use)") < soft.index("pa = gl.exp2(") < soft.index("l_i = _turn_dep(l_i)")
+
+
+_SCRIPT = r"""
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
+import fagen
+from fagen import backends
+from fagen.spec.kernel import KernelSpec
+from fagen.codegen import render
+from fagen.runtime.loader import load_source
+from sm90 import ptxas, sass_step_loops, step_barriers
+
+out = {}
+for key, fields in json.loads(sys.argv[2]).items():
+    fields = dict(fields)
+    backends.GLUON.variant["fp8_turns"] = fields.pop("turns", 0)
+    backends.GLUON.variant["fp8_n256"] = 1
+    spec = KernelSpec(backend="gluon", **{"head_dim": 128, "dtype": "fp8_e4m3", **fields})
+    render.render.cache_clear()
+    mod = load_source(fagen.generate(spec), spec.name + "_" + key)
+    ck = mod.compile_for()
+    res, log, dump = ptxas(ck.asm["ptx"], sass=True)
+    r = res["_attn_fwd_hopper"]
+    out[key] = dict(spills=r.spill_stores + r.spill_loads, stack=r.stack, serialized="serialized" in log,
+                    shared=ck.metadata.shared, smem=backends.smem_bytes(spec),
+                    boxes=[mod._descriptor(None, mod.BLOCK_N)[1], mod._descriptor(None, mod.HEAD_DIM, mod.BLOCK_N)[1]],
+                    loops=[dict(step_barriers(b), local=sum(("LDL" in x or "STL" in x) for x in b))
+                           for b in sass_step_loops(dump, 16)],
+                    named={op: dump.count(f"BAR.{op}") for op in ("SYNC.DEFER_BLOCKING 0xe, 0x100", "ARV 0xe, 0x100",
+                                                                    "RED.POPC.DEFER_BLOCKING 0xe, 0x100")})
+print("RESULT " + json.dumps(out))
+"""
+MODULES = {"none": dict(mask="none"), "causal": dict(mask="causal"), "t4": dict(mask="none", turns=4),
+           "t4_causal": dict(mask="causal", turns=4)}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    return build_sm90(tmp_path_factory, _SCRIPT, MODULES, "fp8-n256-sm90")
+
+
+@pytest.mark.skipif(ON_GPU, reason="a CPU test: sm_90 builds by ptxas, no kernel runs")
+@pytest.mark.parametrize("key", list(MODULES))
+def test_builds_without_spills_each_matmul_waited(built, key):
+    r = built[key]
+    assert r["spills"] == 0 and r["stack"] == 0 and not r["serialized"], r
+    assert r["smem"] - 1024 <= r["shared"] <= r["smem"], r
+    assert r["boxes"] == [[1, 1, 128, 128], [1, 1, 128, 128]], r  # the host's boxes: 128 keys
+    # two step loops a warpgroup (ptxas may show a third region around one of them: a copy, not more steps)
+    assert [sum(loop["wg"] == w for loop in r["loops"]) >= 2 for w in (0, 1)] == [True, True], r
+    for loop in r["loops"]:
+        s_wait, pv_wait = loop["waits"]  # S waited in full before every exponential, P V after the last
+        assert len(loop["mufu"]) == 130 and loop["local"] == 0, loop  # 256 of P's and 2 of alpha's a thread pair
+        assert sum(q < s_wait for q in loop["qgmma"]) == 8 and s_wait < loop["mufu"][0], loop
+        assert loop["mufu"][-1] < loop["qgmma"][8] and loop["qgmma"][-1] < pv_wait, loop
+
+
+@pytest.mark.skipif(ON_GPU, reason="a CPU test: sm_90 builds by ptxas, no kernel runs")
+@pytest.mark.parametrize("key", ["none", "causal"])
+def test_no_turns_no_named_barriers(built, key):
+    assert not any(built[key]["named"].values())
+    assert all(not (loop["sync"] or loop["arrive"] or loop["red"]) for loop in built[key]["loops"])
+
+
+@pytest.mark.skipif(ON_GPU, reason="a CPU test: sm_90 builds by ptxas, no kernel runs")
+@pytest.mark.parametrize("key", ["t4", "t4_causal"])
+def test_cudnn_places_one_barrier_a_step(built, key):
+    """One bar.red 14 of 256 threads a step in each warpgroup (the same loops: the pairs match): warpgroup 0's after
+    its S wait and before every exponential, warpgroup 1's after every exponential and before its P V."""
+    r = built[key]
+    for loop in r["loops"]:
+        (i, bar), = loop["red"]
+        assert bar == 14 and not loop["sync"] and not loop["arrive"], loop
+        if loop["wg"] == 0:
+            assert loop["waits"][0] < i < loop["mufu"][0], loop
+        else:
+            assert loop["mufu"][-1] < i < loop["qgmma"][8], loop
+    assert r["named"]["RED.POPC.DEFER_BLOCKING 0xe, 0x100"] == 4 and sum(r["named"].values()) == 4, r["named"]

@@ -94,7 +94,7 @@ out = {}
 for key, fields in json.loads(sys.argv[2]).items():
     fields = dict(fields)
     backends.GLUON.variant["fp8_turns"] = fields.pop("turns", 0)
-    backends.GLUON.variant["fp8_n256"] = 1
+    backends.GLUON.variant["fp8_n256"] = fields.pop("n256", 1)
     spec = KernelSpec(backend="gluon", **{"head_dim": 128, "dtype": "fp8_e4m3", **fields})
     render.render.cache_clear()
     mod = load_source(fagen.generate(spec), spec.name + "_" + key)
@@ -105,13 +105,14 @@ for key, fields in json.loads(sys.argv[2]).items():
                     shared=ck.metadata.shared, smem=backends.smem_bytes(spec),
                     boxes=[mod._descriptor(None, mod.BLOCK_N)[1], mod._descriptor(None, mod.HEAD_DIM, mod.BLOCK_N)[1]],
                     loops=[dict(step_barriers(b), local=sum(("LDL" in x or "STL" in x) for x in b))
-                           for b in sass_step_loops(dump, 16)],
+                           for b in sass_step_loops(dump, 12 if backends.GLUON.variant["fp8_n256"] == 2 else 16)],
                     named={op: dump.count(f"BAR.{op}") for op in ("SYNC.DEFER_BLOCKING 0xe, 0x100", "ARV 0xe, 0x100",
                                                                     "RED.POPC.DEFER_BLOCKING 0xe, 0x100")})
 print("RESULT " + json.dumps(out))
 """
 MODULES = {"none": dict(mask="none"), "causal": dict(mask="causal"), "t4": dict(mask="none", turns=4),
-           "t4_causal": dict(mask="causal", turns=4)}
+           "t4_causal": dict(mask="causal", turns=4), "s1_t4": dict(mask="none", turns=4, n256=2)}
+S_QGMMA = {"s1_t4": 4}  # S's QGMMA a step: 8 of 64x128x32, or (fp8_n256 2, one m64n256 accumulator) 4 of 64x256x32
 
 
 @pytest.fixture(scope="module")
@@ -131,8 +132,9 @@ def test_builds_without_spills_each_matmul_waited(built, key):
     for loop in r["loops"]:
         s_wait, pv_wait = loop["waits"]  # S waited in full before every exponential, P V after the last
         assert len(loop["mufu"]) == 130 and loop["local"] == 0, loop  # 256 of P's and 2 of alpha's a thread pair
-        assert sum(q < s_wait for q in loop["qgmma"]) == 8 and s_wait < loop["mufu"][0], loop
-        assert loop["mufu"][-1] < loop["qgmma"][8] and loop["qgmma"][-1] < pv_wait, loop
+        ns = S_QGMMA.get(key, 8)
+        assert sum(q < s_wait for q in loop["qgmma"]) == ns and s_wait < loop["mufu"][0], loop
+        assert loop["mufu"][-1] < loop["qgmma"][ns] and loop["qgmma"][-1] < pv_wait, loop
 
 
 @pytest.mark.skipif(ON_GPU, reason="a CPU test: sm_90 builds by ptxas, no kernel runs")
@@ -143,7 +145,7 @@ def test_no_turns_no_named_barriers(built, key):
 
 
 @pytest.mark.skipif(ON_GPU, reason="a CPU test: sm_90 builds by ptxas, no kernel runs")
-@pytest.mark.parametrize("key", ["t4", "t4_causal"])
+@pytest.mark.parametrize("key", ["t4", "t4_causal", "s1_t4"])
 def test_cudnn_places_one_barrier_a_step(built, key):
     """One bar.red 14 of 256 threads a step in each warpgroup (the same loops: the pairs match): warpgroup 0's after
     its S wait and before every exponential, warpgroup 1's after every exponential and before its P V."""
@@ -154,5 +156,5 @@ def test_cudnn_places_one_barrier_a_step(built, key):
         if loop["wg"] == 0:
             assert loop["waits"][0] < i < loop["mufu"][0], loop
         else:
-            assert loop["mufu"][-1] < i < loop["qgmma"][8], loop
+            assert loop["mufu"][-1] < i < loop["qgmma"][S_QGMMA.get(key, 8)], loop
     assert r["named"]["RED.POPC.DEFER_BLOCKING 0xe, 0x100"] == 4 and sum(r["named"].values()) == 4, r["named"]

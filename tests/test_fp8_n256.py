@@ -47,6 +47,17 @@ def test_renders_only_where_on():
     with variant(fp8_n256=1, fp8_turns=4):
         src = render()
     assert src.count("CAUSAL, WG)") == 2 and "CAUSAL, 1 + WG)" in _fn(src, "_consumer_step256")
+    with variant(fp8_n256=3):  # warpgroup 1's late turn: with turns 4 only
+        assert render() == _with(fp8_n256=1)
+    with variant(fp8_n256=3, fp8_turns=4):
+        step = _fn(render(), "_consumer_step256")
+    assert "CAUSAL, 1 - WG)" in step and step.index("o_tok = warpgroup_mma(") < step.index("l_i = _turn_dep(l_i)") \
+        < step.index("o_acc = warpgroup_mma_wait(")
+
+
+def _with(**changes):
+    with variant(**changes):
+        return render()
 
 
 def test_backend_rule_and_shared_memory():
@@ -111,7 +122,8 @@ for key, fields in json.loads(sys.argv[2]).items():
 print("RESULT " + json.dumps(out))
 """
 MODULES = {"none": dict(mask="none"), "causal": dict(mask="causal"), "t4": dict(mask="none", turns=4),
-           "t4_causal": dict(mask="causal", turns=4), "s1_t4": dict(mask="none", turns=4, n256=2)}
+           "t4_causal": dict(mask="causal", turns=4), "s1_t4": dict(mask="none", turns=4, n256=2),
+           "late_t4": dict(mask="causal", turns=4, n256=3)}
 S_QGMMA = {"s1_t4": 4}  # S's QGMMA a step: 8 of 64x128x32, or (fp8_n256 2, one m64n256 accumulator) 4 of 64x256x32
 
 
@@ -145,16 +157,19 @@ def test_no_turns_no_named_barriers(built, key):
 
 
 @pytest.mark.skipif(ON_GPU, reason="a CPU test: sm_90 builds by ptxas, no kernel runs")
-@pytest.mark.parametrize("key", ["t4", "t4_causal", "s1_t4"])
+@pytest.mark.parametrize("key", ["t4", "t4_causal", "s1_t4", "late_t4"])
 def test_cudnn_places_one_barrier_a_step(built, key):
     """One bar.red 14 of 256 threads a step in each warpgroup (the same loops: the pairs match): warpgroup 0's after
-    its S wait and before every exponential, warpgroup 1's after every exponential and before its P V."""
+    its S wait and before every exponential, warpgroup 1's after every exponential and before its P V (fp8_n256 3:
+    after its P V's issue, before its wait)."""
     r = built[key]
     for loop in r["loops"]:
         (i, bar), = loop["red"]
         assert bar == 14 and not loop["sync"] and not loop["arrive"], loop
         if loop["wg"] == 0:
             assert loop["waits"][0] < i < loop["mufu"][0], loop
+        elif key == "late_t4":
+            assert loop["mufu"][-1] < loop["qgmma"][-1] < i < loop["waits"][1], loop
         else:
             assert loop["mufu"][-1] < i < loop["qgmma"][S_QGMMA.get(key, 8)], loop
     assert r["named"]["RED.POPC.DEFER_BLOCKING 0xe, 0x100"] == 4 and sum(r["named"].values()) == 4, r["named"]

@@ -60,10 +60,18 @@ VARIANTS = {
     "n256/3 t4": {"variant": {"fp8_n256": 3, "fp8_turns": 4}, "base": {"none": None, "causal": None},
                   "block_n": {"none": 256, "causal": 256}},
 }
-CANDIDATES = {"A": ("n256 t4", "n256/3 t4"), "B": ("n256 t4", "n256/3 t4")}[ROUND]
+# the twentieth session's loops (no prologue: the unmasked steps [0, split), then the masked ones), restored by a patch
+# of the render: a diagnostic, checked (its failures expected where a tile's first step is masked), never timed
+OLD_LOOPS = ((r"\n\s+o_acc, m_i, l_i = _consumer_step256\(\n\s+0, n,[^\n]*\n[^\n]*\n[^\n]*True, CAUSAL[^\n]*\)\n"
+              r"\s+n \+= 1\n", "\n"),
+             (r"range\(BLOCK_N, split, BLOCK_N\)", "range(0, split, BLOCK_N)"),
+             (r"range\(gl\.maximum\(split, BLOCK_N\), hi, BLOCK_N\)", "range(split, hi, BLOCK_N)"))
+VARIANTS["diag: n256 s20 loops"] = {"variant": {"fp8_n256": 1}, "patch": OLD_LOOPS, "diag": True,
+                                    "base": {"none": None, "causal": None}, "block_n": {"none": 256, "causal": 256}}
+CANDIDATES = {"A": ("n256 t4", "n256/3 t4", "diag: n256 s20 loops"), "B": ("n256 t4", "n256/3 t4")}[ROUND]
 s7.VARIANTS = VARIANTS
 TOTAL = 47.5  # the round's 50 s less the parent's start and end: the time phase takes what the others left
-PHASE_TIMEOUT = {"build": 19, "check": 16}
+PHASE_TIMEOUT = {"build": 17, "check": 20}
 HANG_S = float(os.environ.get("FP8FWD22_HANG_S", 10))  # a check child this long without a finished row is killed
 PASSES = 30  # the time phase stops early when its time runs short
 BENCH_MS = (10, 40)  # the bench's measure's warm-up and rep ms (the bench's own: 25, 100)
@@ -152,7 +160,7 @@ def _warm(job):
 
 
 def phase_build():
-    work = jobs() + [("bf16", m) for m in s7.MASKS]
+    work = [j for j in jobs() if not (VARIANTS[j[1]] or {}).get("diag")] + [("bf16", m) for m in s7.MASKS]
     s7.log(f"== build: {len(work)} modules")
     with mp.get_context("spawn").Pool(min(len(work), 16)) as pool:
         for msg in pool.imap_unordered(_warm, work):
@@ -281,7 +289,7 @@ def run_checks(env, rows):
                              owner=name))
             s7.emit(**rows[-1])
             s7.log("".join(st["lines"][-20:]))
-        elif len(mine) == want and all(r["value"] == "PASS" for r in mine):
+        elif len(mine) == want and all(r["value"] == "PASS" for r in mine) and not VARIANTS[name].get("diag"):
             good.append(name)
     s7.log(f"checks: {time.time() - t0:.1f}s; passed: {good}")
     return good
@@ -427,7 +435,8 @@ def dry_run():
                 print(f"    WG{d['wg']} {d['n']} SASS: QGMMA {d['qgmma'][0]}-{d['qgmma'][-1]}, waits {d['waits']}, "
                       f"MUFU.EX2 {len(d['mufu'])} at {d['mufu'][:1]}-{d['mufu'][-1:]}, BAR.SYNC {d['sync']}, "
                       f"BAR.ARV {d['arrive']}, BAR.RED {d['red']}, phase checks {d['phasechk']}", flush=True)
-            failed += bool(stale or "serialized" in log or len(loops) < 4)  # ptxas may copy a loop
+            diag = (VARIANTS[name] or {}).get("diag")  # the old loops: stale descriptors expected
+            failed += bool(stale or "serialized" in log or len(loops) < 4) and not diag  # ptxas may copy a loop
         except Exception as e:  # noqa: BLE001
             failed += 1
             print(f"{name} {mask}: BUILD ERROR {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
@@ -475,7 +484,8 @@ def main():
     s7.log(f"total {time.time() - s7.T0:.0f}s")
     OUTX.mkdir(parents=True, exist_ok=True)
     (OUTX / "table.txt").write_text(text + "\n")
-    bad = [r for r in rows if r.get("section") == "check" and r["value"] != "PASS"]
+    bad = [r for r in rows if r.get("section") == "check" and r["value"] != "PASS"
+           and not (VARIANTS.get(r.get("owner")) or {}).get("diag")]  # a diagnostic's failures are expected
     if bad or not any(r.get("section") == "check" for r in rows):
         s7.log(f"CHECKS FAILED: {len(bad)} rows")
         sys.exit(1)

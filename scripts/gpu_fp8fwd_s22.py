@@ -84,10 +84,12 @@ if s7.MOCK:  # GPU_FP8_FWD_MOCK=1: the plumbing on the CPU (the emulation stands
     CHECK_ROWS = (("causal", 1, 1, 2, 300, 200, True), ("none", 1, 1, 2, 200, 333, False))
 
 
-def names_for(mask):
-    """The modules a check row of `mask` runs: the product, the candidates' bases there and the candidates."""
-    bases = [VARIANTS[n]["base"][mask] for n in CANDIDATES]
-    return list(dict.fromkeys(["product"] + [b for b in bases if b] + list(CANDIDATES)))
+def names_for(mask, cands=None):
+    """The modules a check row of `mask` runs in the child of candidate(s) `cands` (default: all): the product, the
+    candidates' bases there and the candidates."""
+    cands = CANDIDATES if cands is None else cands
+    bases = [VARIANTS[n]["base"][mask] for n in cands]
+    return list(dict.fromkeys(["product"] + [b for b in bases if b] + list(cands)))
 
 
 def jobs():
@@ -173,7 +175,7 @@ def phase_check_one(name):
     import torch
     import gpu_fp8
     v = VARIANTS[name]
-    mods = {(n, mask): module(mask, n) for mask in s7.MASKS for n in names_for(mask)}
+    mods = {(n, mask): module(mask, n) for mask in s7.MASKS for n in names_for(mask, (name, ))}
     emulate = gpu_fp8.emulate
     s7.log("READY")
     if os.environ.get("FP8FWD22_MOCK_HANG") == name:  # a test of the hang guard: this child never finishes
@@ -183,7 +185,7 @@ def phase_check_one(name):
         got = {}
         base = v["base"][mask]
         try:
-            for n in names_for(mask):
+            for n in names_for(mask, (name, )):
                 m = mods[(n, mask)]
                 bn = block_n(n, mask)  # the emulation blocked as the module's steps
                 gpu_fp8.emulate = lambda *a, _e=emulate, _n=bn, **kw: _e(*a, **{**kw, "block_n": _n})
@@ -282,7 +284,7 @@ def run_checks(env, rows):
     for name, (p, st, th) in procs.items():
         th.join(timeout=2)
         mine = [r for r in rows if r.get("section") == "check" and r.get("owner") == name]
-        want = sum(len(names_for(row[0])) for row in CHECK_ROWS)
+        want = sum(len(names_for(row[0], (name, ))) for row in CHECK_ROWS)
         if name in killed or not st["done"]:
             rows.append(dict(section="check", variant=name, case="(child)", value="HUNG" if name in killed else "FAIL",
                              note=killed.get(name, f"rc {p.returncode}: " + "".join(st["lines"][-3:])[-300:]),

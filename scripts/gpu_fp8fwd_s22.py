@@ -3,6 +3,9 @@
 block 0 a masked prologue step (the twentieth session's build read stale Q descriptors in a tile whose first step is
 masked: tests/sm90.py stale_descriptors), with fp8_turns 4 (cuDNN's barrier places) as 1 and as 3 (warpgroup 1's
 turn after its P V's issue), against main's product (FP8_FULL_N192: the full mask's 192-key steps, causal 128).
+Round A: those two against main's product (and the old loops restored by a patch: a diagnostic, never timed). Round B:
+the branch's product (fagen.backends.gluon.FP8_N256 {"none": 3}: the full mask's 256-key steps, mode 3, since round
+A) and fp8_n256 1 with turns 4, against main's product (FP8_N256 emptied), both masks.
 
 Phases, each a child process with a wall-clock limit (a hung kernel costs its own child only), < 50 s in all:
   build  a pool warms every module at the timed shape (B1 H16 s16k, the bench rows' per-KV-head descales) and at a
@@ -68,7 +71,11 @@ OLD_LOOPS = ((r"\n\s+o_acc, m_i, l_i = _consumer_step256\(\n\s+0, n,[^\n]*\n[^\n
              (r"range\(gl\.maximum\(split, BLOCK_N\), hi, BLOCK_N\)", "range(split, hi, BLOCK_N)"))
 VARIANTS["diag: n256 s20 loops"] = {"variant": {"fp8_n256": 1}, "patch": OLD_LOOPS, "diag": True,
                                     "base": {"none": None, "causal": None}, "block_n": {"none": 256, "causal": 256}}
-CANDIDATES = {"A": ("n256 t4", "n256/3 t4", "diag: n256 s20 loops"), "B": ("n256 t4", "n256/3 t4")}[ROUND]
+# round B: the branch's product (FP8_N256 {"none": 3}: the full mask's 256-key steps, mode 3, since round A) against
+# main's (FP8_N256 emptied: the full mask's 192-key steps), and fp8_n256 1 with turns 4 again
+VARIANTS["main"] = {"main": True, "base": {"none": None, "causal": None}, "block_n": {}}
+CANDIDATES = {"A": ("n256 t4", "n256/3 t4", "diag: n256 s20 loops"), "B": ("product", "n256 t4")}[ROUND]
+REF = {"A": "fp8 product", "B": "fp8 main"}[ROUND]  # the timed row the per-pass ratios divide by
 s7.VARIANTS = VARIANTS
 TOTAL = 47.5  # the round's 50 s less the parent's start and end: the time phase takes what the others left
 PHASE_TIMEOUT = {"build": 17, "check": 20}
@@ -88,51 +95,79 @@ def names_for(mask, cands=None):
     """The modules a check row of `mask` runs in the child of candidate(s) `cands` (default: all): the product, the
     candidates' bases there and the candidates."""
     cands = CANDIDATES if cands is None else cands
-    bases = [VARIANTS[n]["base"][mask] for n in cands]
-    return list(dict.fromkeys(["product"] + [b for b in bases if b] + list(cands)))
+    bases = [(VARIANTS[n] or {}).get("base", {}).get(mask) for n in cands]
+    return list(dict.fromkeys((["product"] if ROUND == "A" else []) + [b for b in bases if b] + list(cands)))
 
 
 def jobs():
-    return [(mask, n) for mask in s7.MASKS for n in names_for(mask)]
+    """Every module the round builds: the checks' and, in round B, main's product (the timed reference)."""
+    return [(mask, n) for mask in s7.MASKS for n in names_for(mask) + (["main"] if ROUND == "B" else [])]
 
 
 def module(mask, name):
     """The fp8 module of `name` for `mask`: the product's (fagen.load), or the render with the variant's keys set
     (s7.module: GluonBackend.variant changed for that render only)."""
     v = VARIANTS[name]
-    if s7.MOCK or v is not None:
-        return s7.module(mask, name)
+    if s7.MOCK or (v is not None and not v.get("main")):
+        with main_set():  # the variant's keys alone decide (FP8_N256 would take precedence)
+            return s7.module(mask, name)
     import fagen
-    return fagen.load(s7.spec_of(mask))
+    with main_set(bool(v)):
+        return fagen.load(s7.spec_of(mask))
+
+
+class main_set:
+    """fagen.backends.gluon.FP8_N256 emptied inside the block where `on` (main's product: the loader keys its modules
+    on the render's variant, render_state)."""
+
+    def __init__(self, on=True):
+        self.on = on
+
+    def __enter__(self):
+        from fagen.backends import gluon
+        from fagen.codegen import render
+        self.saved = dict(gluon.FP8_N256)
+        if self.on:
+            gluon.FP8_N256.clear()
+        render.render.cache_clear()
+
+    def __exit__(self, *exc):
+        from fagen.backends import gluon
+        from fagen.codegen import render
+        gluon.FP8_N256.clear()
+        gluon.FP8_N256.update(self.saved)
+        render.render.cache_clear()
 
 
 class keys_set:
-    """GluonBackend.variant with `keys` inside the block (the loader keys its modules on the render's variant:
-    render_state), so the suite's own row function builds the candidate."""
+    """GluonBackend.variant with `keys` inside the block, and where there are keys FP8_N256 emptied so that they alone
+    decide (the loader keys its modules on the render's variant: render_state), so the suite's own row function
+    builds the candidate."""
 
     def __init__(self, keys):
         self.keys = keys
 
     def __enter__(self):
         from fagen import backends
-        from fagen.codegen import render
         self.saved = dict(backends.GLUON.variant)
+        self.main = main_set(bool(self.keys))
+        self.main.__enter__()
         backends.GLUON.variant.update(self.keys)
-        render.render.cache_clear()
 
     def __exit__(self, *exc):
         from fagen import backends
-        from fagen.codegen import render
         backends.GLUON.variant.clear()
         backends.GLUON.variant.update(self.saved)
-        render.render.cache_clear()
+        self.main.__exit__(*exc)
 
 
 def block_n(name, mask):
     v = VARIANTS[name]
-    if v is None:  # main's product: 192-key steps where FP8_FULL_N192 gives them, else 128
+    if v is None or v.get("main"):  # the product's steps: 256 (FP8_N256), 192 (FP8_FULL_N192) or 128
         from fagen.backends import GLUON
-        return 192 if GLUON.fp8_n192(s7.spec_of(mask)) else 128
+        with main_set(bool(v)):
+            sp = s7.spec_of(mask)
+            return (256 if GLUON.variant_for(sp)["fp8_n256"] else 192) if GLUON.fp8_n192(sp) else 128
     return v["block_n"][mask]
 
 
@@ -183,7 +218,7 @@ def phase_check_one(name):
     for mask, gqa, b, hkv, sq, sk, per_head in CHECK_ROWS:
         label = f"{mask} b{b} h{hkv} sq{sq} sk{sk}{' per-head' if per_head else ''}"
         got = {}
-        base = v["base"][mask]
+        base = (v or {}).get("base", {}).get(mask)
         try:
             for n in names_for(mask, (name, )):
                 m = mods[(n, mask)]
@@ -291,7 +326,7 @@ def run_checks(env, rows):
                              owner=name))
             s7.emit(**rows[-1])
             s7.log("".join(st["lines"][-20:]))
-        elif len(mine) == want and all(r["value"] == "PASS" for r in mine) and not VARIANTS[name].get("diag"):
+        elif len(mine) == want and all(r["value"] == "PASS" for r in mine) and not (VARIANTS[name] or {}).get("diag"):
             good.append(name)
     s7.log(f"checks: {time.time() - t0:.1f}s; passed: {good}")
     return good
@@ -331,17 +366,23 @@ def phase_time():
         def row(cc=cc, keys=None):  # the suite's row function (the product path), the variant's keys set
             with keys_set(keys or {}):
                 return impls.prepare_fagen(cc.case, cc).fn
+        def main_row(cc=cc):  # main's product: FP8_N256 emptied
+            with main_set():
+                return impls.prepare_fagen(cc.case, cc).fn
         makers = [("cudnn-fp8", lambda cc=cc: peer.prepare_cudnn_fp8(cc.case, cc).fn, cc),
                   ("fagen bf16 (bench row)", lambda bcc=bcc: impls.prepare_fagen(bcc.case, bcc).fn, bcc),
-                  ("fp8 product", row, cc)]
-        makers += [(f"fp8 {n}", lambda row=row, n=n: row(keys=VARIANTS[n]["variant"]), cc) for n in timed]
+                  (REF, main_row if ROUND == "B" else row, cc)]
+        makers += [(f"fp8 {n}", lambda row=row, n=n: row(keys=(VARIANTS[n] or {}).get("variant")), cc)
+                   for n in timed if f"fp8 {n}" != REF]
         spec = cc.case.spec(dev)[0]
         import fagen
         for n in timed:
-            with keys_set(VARIANTS[n]["variant"]):
+            keys = (VARIANTS[n] or {}).get("variant") or {}
+            with keys_set(keys):
                 steps = "BLOCK_N = 256" in fagen.generate(spec)
-            s7.log(f"{spec.name}: 'fp8 {n}' = the suite's row with {VARIANTS[n]['variant']} (256-key steps: {steps}); "
-                   f"'fp8 product' main's (192-key steps: {backends.GLUON.fp8_n192(spec)})")
+            s7.log(f"{spec.name}: 'fp8 {n}' = the suite's row with {keys} (256-key steps: {steps})")
+        if ROUND == "B":
+            s7.log(f"{spec.name}: {REF!r} = main's product (steps of {block_n('main', mask)} keys)")
         for label, make, c in makers:
             try:
                 fn = make()
@@ -383,11 +424,11 @@ def phase_time():
             for ref, word in (("fagen bf16 (bench row)", "bf16"), ("cudnn-fp8", "cudnn")):
                 if tf.get((ref, mask)):
                     notes.append(f"{tf[(label, mask)] / tf[(ref, mask)]:.3f}x {word}")
-            pp = times.get(("fp8 product", mask)) if label != "fp8 product" else times.get(("cudnn-fp8", mask))
+            pp = times.get((REF, mask)) if label != REF else times.get(("cudnn-fp8", mask))
             if isinstance(pp, list) and len(pp) == len(t):  # per pass: the product's (or cudnn's) time / the row's
                 rr = sorted(y / x for x, y in zip(t, pp))
                 q = len(rr) // 4
-                notes.append(f"(per pass vs {'product' if label != 'fp8 product' else 'cudnn'}: median "
+                notes.append(f"(per pass vs {REF[4:] if label != REF else 'cudnn'}: median "
                              f"{statistics.median(rr):.3f}, quartiles {rr[q]:.3f}-{rr[-1 - q]:.3f}, range "
                              f"{rr[0]:.3f}-{rr[-1]:.3f}, {sum(x > 1 for x in rr)}/{len(rr)} above)")
         s7.emit(section="time", variant=label, mask=mask, value=round(tf[(label, mask)], 1),

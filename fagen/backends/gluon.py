@@ -14,7 +14,7 @@ from fagen.spec import targets
 from fagen.spec.axes import Backend, Direction, DType, Kind, Layout, Mask, SpecError
 # [Note] fp8 full-mask 192-key steps: True gives a plain fp8 d128 MHA full-mask forward 192-key steps with warpgroup
 FP8_FULL_N192 = True  # turns 4 (variant_for); causal unchanged. H200 +3.4%: docs/hopper.md, fp8 forward (twenty-first)
-FP8_N256: dict = {"none": 3}  # mask -> fp8_n256 mode (+ turns 4; variant_for, over FP8_FULL_N192): hopper.md, 22nd
+FP8_N256: dict = {}  # mask -> fp8_n256 mode (+ turns 4; variant_for, over FP8_FULL_N192). Off: hopper.md, twenty-second
 
 
 def smem_bytes(head_dim: int, block_m: int, block_n: int, num_stages: int, itemsize: int = 2,

@@ -135,9 +135,9 @@ def check(head_dim, mask, gqa, batch, kv_heads, sq, sk, outliers, per_head, wind
     ref_out, ref_lse = reference.attention(dequantize(q8, dq), dequantize(k8, dk), dequantize(v8, dv), mask=mask, **kw)
     vis = reference.visible(mask, batch, sq, sk, window=window, device=q8.device).unsqueeze(1)
     # the emulation blocked as the module's steps: 192 keys where the backend gives the spec 192-key steps (the
-    # full mask's FP8_FULL_N192, twenty-first session), else 128
+    # full mask's FP8_FULL_N192, twenty-first session), 256 where 256-key steps (FP8_N256, twenty-second), else 128
     from fagen.backends import GLUON
-    bn = {"block_n": 192} if GLUON.fp8_n192(spec) else {}
+    bn = {"block_n": 256 if GLUON.variant_for(spec)["fp8_n256"] else 192} if GLUON.fp8_n192(spec) else {}
     e8 = emulate(q8, k8, v8, dq, dk, dv, vis, torch.float8_e4m3fn, **bn)
     e16 = emulate(q8, k8, v8, dq, dk, dv, vis, torch.bfloat16, **bn)
     seen = ref_lse > float("-inf")

@@ -4,7 +4,9 @@ fp8_n192 1 + fp8_turns 4 through GluonBackend.variant_for, so the product path (
 bench's rows) renders the 192-key steps with cuDNN's warpgroup turns there; causal and every other spec render as
 before. The switch's value (on) is pinned here. The kernels run against float64 and the product on the GPU in
 scripts/gpu_fp8fwd_s21.py; the sm_90 build of the same render (no spills, 14 QGMMA a step, one bar.red a
-warpgroup a step) is tests/test_fp8_turns.py's n192_t4, which the render's equality below ties to the flip."""
+warpgroup a step) is tests/test_fp8_turns.py's n192_t4, which the render's equality below ties to the flip. Since the
+twenty-second session FP8_N256 ({"none": 3}: the 256-key steps) takes precedence on the full mask; the switch fixture
+empties it here (tests/test_fp8_n256.py tests that rule)."""
 
 import contextlib
 

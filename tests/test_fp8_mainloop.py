@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
 import fagen
 from fagen import backends
 backends.gluon.FP8_FULL_N192 = False  # the 128-key full-mask loop ([Note] fp8 full-mask 192-key steps)
+backends.gluon.FP8_N256.clear()  # and not the 256-key steps ([Note] fp8 256-key steps)
 from fagen.spec.kernel import KernelSpec
 from fagen.codegen import render
 from fagen.runtime.loader import load_source

@@ -33,15 +33,18 @@ def variant(**changes):
 
 @contextlib.contextmanager
 def full_switch(on):
-    """fagen.backends.gluon.FP8_FULL_N192 set for the renders inside ([Note] fp8 full-mask 192-key steps)."""
+    """fagen.backends.gluon.FP8_FULL_N192 set for the renders inside ([Note] fp8 full-mask 192-key steps), and the
+    256-key steps' table FP8_N256 empty (it takes precedence; [Note] fp8 256-key steps)."""
     from fagen.backends import gluon
-    saved = gluon.FP8_FULL_N192
+    saved, n256 = gluon.FP8_FULL_N192, dict(gluon.FP8_N256)
     gluon.FP8_FULL_N192 = on
+    gluon.FP8_N256.clear()
     render.render.cache_clear()
     try:
         yield
     finally:
         gluon.FP8_FULL_N192 = saved
+        gluon.FP8_N256.update(n256)
         render.render.cache_clear()
 
 

@@ -14,6 +14,7 @@ from fagen.spec import targets
 from fagen.spec.axes import Backend, Direction, DType, Kind, Layout, Mask, SpecError
 # [Note] fp8 full-mask 192-key steps: True gives a plain fp8 d128 MHA full-mask forward 192-key steps with warpgroup
 FP8_FULL_N192 = True  # turns 4 (variant_for); causal unchanged. H200 +3.4%: docs/hopper.md, fp8 forward (twenty-first)
+FP8_N256: dict = {}  # mask -> fp8_n256 mode (+ turns 4; variant_for, over FP8_FULL_N192). Off: hopper.md, twenty-second
 
 
 def smem_bytes(head_dim: int, block_m: int, block_n: int, num_stages: int, itemsize: int = 2,
@@ -110,8 +111,8 @@ class GluonBackend(DecodeRules, KernelBackend):
     # fourteenth session: at locked clocks C 8 / 4 2914 / 2913 us a call against the product's 2915: off). fp8_s_ahead: 1
     # issues S_{n+1} inside step n after its exponentials ([Note] fp8 S a step ahead; bit for bit the product's). H100, the
     # bench's measure, causal / full (scripts/gpu_fp8mma_s14.py, fourteenth session): round A 0.973x / 0.969x the product,
-    # exp_poly 8 + o_warp_skip 0.976x / 0.969x: off. fp8_turns: 1-3 the two consumer warpgroups take turns by named barriers
-    # ([Note] fp8 warpgroup turns; off).
+    # exp_poly 8 + o_warp_skip 0.976x / 0.969x: off. fp8_turns: 1-5 the two consumer warpgroups take turns by named barriers
+    # ([Note] fp8 warpgroup turns). fp8_n256: 1-3 cuDNN's 256-key steps ([Note] fp8 256-key steps; turns 4 only on top).
     # bwd_*: the gluon backward's levers ([Note] Gluon backward levers).
     # fwd_tail_first 1: a non-causal score_mod forward reads its last key block first, then one unmasked loop ([Note]
     # Tail block first: issue 26's cold first call, H200 3.46 -> 2.12 s; on since the nineteenth session, docs/mods.md).
@@ -119,8 +120,7 @@ class GluonBackend(DecodeRules, KernelBackend):
                "fp8_p_cvt": 3, "fp8_wgs": 2, "fp8_wg3_regs": (160, 24), "fp8_o_skip": 0,
                "fp8_pv_overlap": 0, "fp8_d64": {"fp8_wgs": 3}, "fp8_n192": 0, "fp8_vt": 0,
                "fp8_pass_evict": 0, "fp8_vt_pad": 0, "fp8_full_order": 0,
-               "fp8_s_ahead": 0, "fp8_turns": 0,
-               "fp8_tail_split": 0,
+               "fp8_s_ahead": 0, "fp8_turns": 0, "fp8_n256": 0, "fp8_tail_split": 0,
                "pv_overlap": 0, "fwd_tail_first": 1, "pad_empty": 1, "pad_order": 2,  # [Note] Gluon padding masks
                "bwd_order": 0, "bwd_snake": 0, "bwd_named": 0, "bwd_epi_tma": 0, "bwd_fixed": 0, "bwd_window_desc": 0,
                "bwd_mod_early": 0, "bwd_window_fixed": 0, "bwd_prefix": 2, "bwd_window_chain": 0, "bwd_window_pending": 2,
@@ -174,8 +174,7 @@ class GluonBackend(DecodeRules, KernelBackend):
     # H100, causal b4 h16 s4096 (scripts/gpu_mla_prefill.py, 2026-11-26 14:23 UTC): the gluon forward (n64, 2 slots)
     # 504 TF/s against the best Triton tile's 456 (m128n64w8s3, the default) and cuDNN's 580, same run, checked
     # against float64. Mask none was not timed: the Triton forward keeps it.
-    select_mla = True
-    selected_mla_masks = (Mask.CAUSAL,)
+    select_mla, selected_mla_masks = True, (Mask.CAUSAL,)
 
     # [Note] Gluon backward rule. The gluon backward (fagen/templates/gluon/backward.py.j2: FA3's schedule, a dQ warp
     # with TMA reduce-adds) exists for head_dim 128, bf16/fp16, masks none/causal, any gqa, dense, no switch or mod.
@@ -232,12 +231,14 @@ class GluonBackend(DecodeRules, KernelBackend):
     def variant_for(self, spec) -> dict:
         """The variant a render of `spec` reads (the template's `gluon`): `variant`, with bwd_d64's keys over it for
         a head_dim 64 backward ([Note] Gluon backward at d64), bwd_gqa's for a d128 GQA causal one and bwd_d128's for
-        a d128 MHA one, plain specs only (no switch, no mod); fp8_d64's for a d64 fp8 forward."""
+        a d128 MHA one, plain specs only (no switch, no mod); fp8_d64's for a d64 fp8 forward; FP8_N256 / _FULL_N192."""
         if spec.direction is Direction.FWD and spec.dtype is DType.FP8_E4M3 and spec.head_dim == 64:
             return {**self.variant, **self.variant["fp8_d64"]}  # [Note] fp8 three warpgroups: d64's own count
-        if (FP8_FULL_N192 and spec.direction is Direction.FWD and spec.dtype is DType.FP8_E4M3 and spec.head_dim == spec.block_n == 128
-                and spec.mask is Mask.NONE and spec.gqa == 1 and not (spec.window or spec.switches or spec.modded)):
-            return {**self.variant, "fp8_n192": 1, "fp8_turns": 4}  # [Note] fp8 full-mask 192-key steps
+        plain = spec.direction is Direction.FWD and spec.dtype is DType.FP8_E4M3 and spec.head_dim == spec.block_n == 128 \
+            and spec.gqa == 1 and not (spec.window or spec.switches or spec.modded)
+        if plain and (spec.mask.value in FP8_N256 or FP8_FULL_N192 and spec.mask is Mask.NONE):  # [Note] fp8 256-key
+            n256 = FP8_N256.get(spec.mask.value, 0)  # steps; else [Note] fp8 full-mask 192-key steps
+            return {**self.variant, "fp8_turns": 4, **({"fp8_n256": n256} if n256 else {"fp8_n192": 1})}
         if (spec.direction is Direction.BWD and spec.switches == ("window",) and not spec.modded
                 and self.variant["bwd_window"]):  # [Note] Switches on the fast backward path
             return {**self.variant, **self.variant["bwd_window"]}
@@ -398,10 +399,9 @@ class GluonBackend(DecodeRules, KernelBackend):
         return self.tile_order(spec) is not None or bool(self.variant["tile_schedule_all"])
 
     def fp8_n192(self, spec) -> bool:
-        """Whether the render of `spec` takes 192-key steps over 2 stages ([Note] fp8 192-key steps; the template's
-        `n192`, the same rule): variant fp8_n192, an fp8 d128 forward on two warpgroups at block_n 128, no window."""
+        """The template's n192 / n256: 192- or 256-key steps (fp8 d128, two warpgroups, block_n 128, no window)."""
         v = self.variant_for(spec)
-        return (spec.dtype is DType.FP8_E4M3 and bool(v["fp8_n192"]) and not spec.window and spec.head_dim == 128
+        return (spec.dtype is DType.FP8_E4M3 and bool(v["fp8_n192"] or v["fp8_n256"]) and not spec.window and spec.head_dim == 128
                 and v["fp8_wgs"] == 2 and spec.block_n == 128)
 
     def fp8_vt(self, spec) -> bool:  # the template's `vt_in`: fp8 d128 on two warpgroups at block_n 128, no 192
@@ -412,9 +412,9 @@ class GluonBackend(DecodeRules, KernelBackend):
     def smem_bytes(self, spec) -> int:
         if spec.kind is Kind.DECODE:
             return self.decode_smem(spec)
-        if self.fp8_n192(spec):  # [Note] fp8 192-key steps: Q, K in two 128-row slots a stage (thirds, fp8_n192 2:
-            kv = 2 * (2 * 128 + 3 * 64) if self.variant_for(spec)["fp8_n192"] == 1 else 3 * 6 * 64  # three 64-row
-            return (2 * 2 * 64 + kv) * spec.head_dim + 2 * 2 * 64 * spec.head_dim + 1024  # slots, 3 stages), Vt, O
+        if self.fp8_n192(spec):  # [Note] fp8 192-key steps: Q and O, K in two 128-row slots and Vt a stage (thirds, fp8_n192
+            v = self.variant_for(spec)  # 2: 3 x 6 64-row slots); fp8_n256: K and Vt in two 128-key slots a stage, 2 stages
+            return (2 * 2 * 64 * 2 + (4 * 256 if v["fp8_n256"] else 896 if v["fp8_n192"] == 1 else 1152)) * spec.head_dim + 1024
         wgs = self.variant_for(spec)["fp8_wgs"] if spec.dtype is DType.FP8_E4M3 else 2  # [Note] fp8 three warpgroups
         return 2 * 128 * 128 * self.fp8_vt(spec) + smem_bytes(spec.head_dim, spec.block_m, spec.block_n, spec.num_stages, spec.dtype.itemsize,
                           spec.head_dim_v, wgs)

@@ -306,29 +306,47 @@ def ncu_bin():
                                         if os.path.exists(p)), None)
 
 
-def known_metrics(ncu):
-    """EXTRA less the hardware metrics whose base name this ncu does not list (launch__ ones are always there)."""
+def query_start():
+    """`ncu --query-metrics --chip gh100` in the background (no GPU needed): started beside the warm phase."""
+    ncu = ncu_bin()
+    if ncu is None:
+        return None
+    return subprocess.Popen([ncu, "--query-metrics", "--chip", "gh100"], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+
+
+_KNOWN = []
+
+
+def known_metrics(proc):
+    """EXTRA less the hardware metrics whose base name the query does not list (launch__ ones are always there);
+    every EXTRA metric where the query gave no list."""
+    if _KNOWN:
+        return _KNOWN[0]
     try:
-        r = subprocess.run([ncu, "--query-metrics"], capture_output=True, text=True, timeout=15)
-        bases = {line.split()[0] for line in r.stdout.splitlines() if line.strip()}
+        text = proc.communicate(timeout=10)[0] if proc is not None else ""
     except Exception as e:  # noqa: BLE001
-        log(f"ncu --query-metrics failed ({e}): every EXTRA metric asked")
-        return list(EXTRA), []
+        proc.kill()
+        log(f"ncu --query-metrics failed ({type(e).__name__}): every EXTRA metric asked")
+        text = ""
+    bases = {line.split()[0] for line in text.splitlines() if line.strip()}
     if len(bases) < 50:
-        return list(EXTRA), []
-    keep = [m for m in EXTRA if m.startswith("launch__") or m.split(".")[0] in bases]
-    return keep, [m for m in EXTRA if m not in keep]
+        _KNOWN.append((list(EXTRA), []))
+    else:
+        keep = [m for m in EXTRA if m.startswith("launch__") or m.split(".")[0] in bases]
+        _KNOWN.append((keep, [m for m in EXTRA if m not in keep]))
+    return _KNOWN[0]
 
 
-def run_prof(env, limit, tmp, group):
+def run_prof(env, limit, tmp, group, query):
     ncu = ncu_bin()
     if ncu is None:
         log("prof: no ncu on this machine")
-        return None, []
+        return None, [], ""
     t0 = time.time()
-    metrics, dropped = known_metrics(ncu)
-    if dropped:
-        log("prof: metrics this ncu does not know, left out: " + ", ".join(dropped))
+    metrics, dropped = known_metrics(query)
+    if dropped and not group:
+        log(f"prof: {len(dropped)} metrics this ncu does not list, left out: " + ", ".join(dropped)[:300])
     path = os.path.join(tmp, f"ncu{group}.csv")
     cmd = [ncu, "--clock-control", "none", "--profile-from-start", "off", "--csv", "--page", "raw",
            "--print-units", "base", "--log-file", path, "--metrics", ",".join(metrics)]
@@ -337,22 +355,27 @@ def run_prof(env, limit, tmp, group):
     if group:  # the probes: their main kernel only
         cmd += ["--kernel-name", "regex:_attn_bwd_hopper"]
     cmd += [sys.executable, __file__, "--phase", f"prof:{group}", "--round", ROUND]
-    try:
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=max(limit - (time.time() - t0), 5))
-        rc, app = r.returncode, r.stdout + r.stderr
-    except subprocess.TimeoutExpired as e:
-        rc, app = "timeout", (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (
-            e.stdout or "")
+    app_path = os.path.join(tmp, f"ncu{group}.app")
+    with open(app_path, "w+") as app_file:  # ncu and its target in a session of their own: a timeout ends both
+        proc = subprocess.Popen(cmd, env=env, stdout=app_file, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=max(limit - (time.time() - t0), 5))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            rc = "killed (timeout)"
+        app_file.seek(0)
+        app = app_file.read()
     log(f"prof {group}: ncu exit {rc} ({time.time() - t0:.0f}s)")
-    for line in app.splitlines():
-        if "ERROR" in line or "Traceback" in line or "Error" in line:
-            log("  " + line[:200])
-    labels = next((json.loads(line[9:]) for line in app.splitlines() if line.startswith("PROFROWS ")), [])
+    for line in [x for x in app.splitlines() if "ERROR" in x or "Traceback" in x or "Error" in x][:4]:
+        log("  " + line[:200])
+    labels = next((json.loads(line[9:]) for line in app.splitlines() if line.startswith("PROFROWS ")),
+                  list(PROF_ROWS[group]))
     text = Path(path).read_text(errors="replace") if os.path.exists(path) else ""
-    for line in text.splitlines():
-        if line.startswith("==ERROR==") or line.startswith("==WARNING=="):
-            log("  " + line[:200])
-    return text, labels
+    for line in sorted({x[:200] for x in text.splitlines() if x.startswith(("==ERROR==", "==WARNING=="))})[:4]:
+        log("  " + line)
+    return text, labels, app
 
 
 _SCALE = {"nsecond": 1, "usecond": 1e3, "msecond": 1e6, "second": 1e9, "byte": 1, "Kbyte": 1e3, "Mbyte": 1e6,
@@ -512,6 +535,7 @@ def main():
         text.append(line)
         log(line)
     log(f"#### round {ROUND}, phase warm: {len(JOBS)} children at once (timeout {WARM_LIMIT}s)")
+    query = query_start() if ROUND == "A" else None
     tmp = tempfile.mkdtemp(prefix="bwdfull22-")
     files = {job: open(os.path.join(tmp, f"{job}.log"), "w+") for job in JOBS}
     procs = {job: subprocess.Popen([sys.executable, __file__, "--phase", f"warm:{job}", "--round", ROUND], env=env,
@@ -550,7 +574,8 @@ def main():
         f" ({time.time() - t0:.0f}s)")
     ready = {job: modes for job, modes in ready.items() if not any(r["job"] == job and not r["ok"] for r in checks)}
     def prof(group, limit):
-        csv_text, labels = run_prof(env, limit, tmp, group)
+        csv_text, labels, app = run_prof(env, limit, tmp, group, query)
+        logs.append(app)
         if csv_text:
             prof_tables(csv_text, labels, out)
             if OUTX:

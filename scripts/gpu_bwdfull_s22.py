@@ -10,9 +10,9 @@ everything else as def) and the lever's rows.
 Phases: `warm` (a child per job at once: float64 at s21's check shapes, both modes, twice bitwise in the
 deterministic mode, Sk 1 exact zeros, the real shape twice bitwise; the mutant must fail; nodq: dq == 0 and dk, dv
 bitwise def's in the deterministic mode), `prof` (round A: one child under `ncu --profile-from-start off`:
-cuDNN's backward, def unordered, def deterministic, one call each; sections SpeedOfLight, LaunchStats,
-Occupancy, WarpStateStats plus the metrics of EXTRA that this ncu knows; the raw CSV to $OUT; after the time phase a
-second ncu run of nodq and R3 unordered, their main kernel only), `time` (one child: back-to-back pairs against def,
+cuDNN's backward, def unordered, def deterministic, one call each, the main kernels (flash_bprop,
+_attn_bwd_hopper_u); sections SpeedOfLight, LaunchStats, Occupancy, WarpStateStats plus the metrics of EXTRA that
+this ncu knows; no rules; the raw CSV to $OUT; after the time phase a second ncu run of nodq and R3 unordered), `time` (one child: back-to-back pairs against def,
 then TF/s in shuffled passes with per-pass ratios; round B first head 0 of the real shape against float64).
 Round A: def, nodq, R3 (the lever: bwd_full_levers' bwd_ring 3, [Note] Full ring), Rmut (R3 with dO loaded into the
 next ring slot: must fail). Round B: def, R3, T3 (bwd_tail 3, merged off), R3T3, Rmut. Tables also to
@@ -348,12 +348,13 @@ def run_prof(env, limit, tmp, group, query):
     if dropped and not group:
         log(f"prof: {len(dropped)} metrics this ncu does not list, left out: " + ", ".join(dropped)[:300])
     path = os.path.join(tmp, f"ncu{group}.csv")
+    # the main kernels only (cuDNN's dot_do_o / convert_dq and our preprocess / conversion are ~1% of the time),
+    # no rules: the fifteenth session's ncu of four kernels and seven sections was killed at 17 s after the app's calls
     cmd = [ncu, "--clock-control", "none", "--profile-from-start", "off", "--csv", "--page", "raw",
-           "--print-units", "base", "--log-file", path, "--metrics", ",".join(metrics)]
+           "--print-units", "base", "--apply-rules", "no", "--log-file", path, "--metrics", ",".join(metrics),
+           "--kernel-name", "regex:flash_bprop|_attn_bwd_hopper"]
     for s in SECTIONS:
         cmd += ["--section", s]
-    if group:  # the probes: their main kernel only
-        cmd += ["--kernel-name", "regex:_attn_bwd_hopper"]
     cmd += [sys.executable, __file__, "--phase", f"prof:{group}", "--round", ROUND]
     app_path = os.path.join(tmp, f"ncu{group}.app")
     with open(app_path, "w+") as app_file:  # ncu and its target in a session of their own: a timeout ends both

@@ -14,8 +14,9 @@ cuDNN's backward, def unordered, def deterministic, one call each, the main kern
 _attn_bwd_hopper_u); sections SpeedOfLight, LaunchStats, Occupancy, WarpStateStats plus the metrics of EXTRA that
 this ncu knows; no rules; the raw CSV to $OUT; after the time phase a second ncu run of nodq and R3 unordered), `time` (one child: back-to-back pairs against def,
 then TF/s in shuffled passes with per-pass ratios; round B first head 0 of the real shape against float64).
-Round A: def, nodq, R3 (the lever: bwd_full_levers' bwd_ring 3, [Note] Full ring), Rmut (R3 with dO loaded into the
-next ring slot: must fail). Round B: def, R3, T3 (bwd_tail 3, merged off), R3T3, Rmut. Tables also to
+Round A: def, nodq, R3 (bwd_full_levers' bwd_ring 3, [Note] Full ring), Rmut (R3 with dO loaded into the next ring
+slot: must fail). Round B (no ncu): def, S (the profile's lever: bwd_full_levers' bwd_dq_swap 1, [Note] dQ column
+swap), R3, SR3 (both), Smut (S with the conversion reading the columns unswapped: must fail). Tables also to
 $OUT/table.txt.
 """
 
@@ -67,13 +68,17 @@ MRING = ("            tma.async_copy_global_to_shared(do_desc, [off_b, h0 + g, m
          "                                            do_smem.index(s)._reinterpret(",
          "            tma.async_copy_global_to_shared(do_desc, [off_b, h0 + g, m0, 0], ready.index(s),\n"
          "                                            do_smem.index((s + 1) % STAGES)._reinterpret(")
+# the profile's lever ([Note] dQ column swap): the dQ halves staged with column bits 2 and 4 swapped (the wgmma
+# layout's STS.64 without 2-way bank conflicts), _dq_convert reading them back; its mutant reads them unswapped
+SWAP = lever(bwd_dq_swap=1)
+MSWAP = ("+ rows[:, None] * HEAD_DIM + src[None, :])", "+ rows[:, None] * HEAD_DIM + cols[None, :])")
 if ROUND == "A":
     JOBS = {"def": ({}, None), "nodq": ({}, NODQ), "R3": (RING3, None), "Rmut": (RING3, MRING)}
     TIME_ROWS, CANDS = ("def", "nodq", "R3"), ("nodq", "R3")
-else:
-    JOBS = {"def": ({}, None), "R3": (RING3, None), "T3": (lever(bwd_tail=3), None),
-            "R3T3": (lever(bwd_ring=3, bwd_tail=3), None), "Rmut": (RING3, MRING)}
-    TIME_ROWS, CANDS = ("def", "R3", "T3", "R3T3"), ("R3", "T3", "R3T3")
+else:  # round B: the profile's lever (the dQ column swap), the ring, both; the swap's mutant
+    JOBS = {"def": ({}, None), "S": (SWAP, None), "R3": (RING3, None), "SR3": (lever(bwd_dq_swap=1, bwd_ring=3), None),
+            "Smut": (SWAP, MSWAP)}
+    TIME_ROWS, CANDS = ("def", "S", "R3", "SR3"), ("S", "R3", "SR3")
 # check shapes (B, H, Sq, Sk, SMs forced for bwd_tail's plan), s21's: lengths not multiples of 64 / 128, tiles split
 # where a tail job's plan allows; 2 query blocks (no split); Sk = 1 (every row sees one key: dq = dk = 0 exactly)
 CHECKS = ((1, 16, 208, 336, 5), (1, 4, 1000, 700, 7), (2, 3, 200, 300, 7), (1, 5, 150, 260, 9),
@@ -81,7 +86,7 @@ CHECKS = ((1, 16, 208, 336, 5), (1, 4, 1000, 700, 7), (2, 3, 200, 300, 7), (1, 5
 OUTX = os.environ.get("OUTX") or os.environ.get("OUT")
 WARM_LIMIT, TOTAL = 18, 50
 PROF1, TIME_A = 19, 9  # round A: ncu of cuDNN and def, then the pairs, then ncu of the probes (the rest)
-REP, PASSES, PAIRS = (30, 2, 8) if ROUND == "A" else (40, 8, 20)
+REP, PASSES, PAIRS = (30, 2, 8) if ROUND == "A" else (40, 8, 16)
 SECTIONS = ("SpeedOfLight", "LaunchStats", "Occupancy", "WarpStateStats")
 STALLS = ("long_scoreboard", "barrier", "math_pipe_throttle", "wait", "short_scoreboard", "mio_throttle",
           "lg_throttle", "not_selected", "selected", "dispatch_stall", "membar", "sleeping", "no_instruction",
@@ -142,7 +147,7 @@ def row_fn(label, q, k, v, do):
 def phase_warm(results, job):
     import torch
     t0 = time.time()
-    mut = JOBS[job][1] if job != "nodq" else None
+    mut = JOBS[job][1] if job not in ("nodq", ) else None
     ok_all = True
     for cb, ch, csq, csk, sms in (CHECKS if job != "nodq" else CHECKS[1:2]):
         q, k, v, do = bt.inputs(D, cb, ch, ch, csq, csk, seed=csq)
@@ -188,7 +193,7 @@ def phase_warm(results, job):
         results.append(dict(job=job, mode="mutant", check="must fail", ok=not ok_all))
         results.append(dict(job=job, ready=[]))
         return
-    if job == "R3":  # the causal render does not read bwd_full_levers' bwd_ring
+    if job in ("R3", "S"):  # the causal render does not read bwd_full_levers' bwd_ring, bwd_dq_swap
         import fagen
         from fagen import backends
         from fagen.codegen import render as _render
@@ -197,7 +202,7 @@ def phase_warm(results, job):
         _render.render.cache_clear()
         plain = fagen.generate(cspec)
         saved = dict(backends.GLUON.variant)
-        backends.GLUON.variant.update(RING3)
+        backends.GLUON.variant.update(JOBS[job][0])
         _render.render.cache_clear()
         try:
             lev = fagen.generate(cspec)
@@ -206,9 +211,10 @@ def phase_warm(results, job):
             backends.GLUON.variant.update(saved)
             _render.render.cache_clear()
         same = plain == lev and "\nBWD_RING_SLOTS = 2 " in lev
-        log(f"check causal render with bwd_ring 3: {'identical to the default' if same else 'DIFFERS'}; "
-            f"R3's BWD_RING_SLOTS {module(job).BWD_RING_SLOTS}")
-        results.append(dict(job=job, mode="causal", check="render unchanged", ok=same and module(job).BWD_RING_SLOTS == 3))
+        on = module(job).BWD_RING_SLOTS == 3 if job == "R3" else hasattr(module(job), "_dq_swap")
+        log(f"check causal render with {job}'s key: {'identical to the default' if same else 'DIFFERS'}; "
+            f"the full render {'has' if on else 'LACKS'} the lever")
+        results.append(dict(job=job, mode="causal", check="render unchanged", ok=same and on))
     q, k, v, do = bt.inputs(D, B, H, H, S, S, seed=1)
     runs = [backward_fn(job, q, k, v, do, True)() for _ in range(2)]
     torch.cuda.synchronize()
@@ -561,13 +567,13 @@ def main():
                     (ready.__setitem__(job, r["ready"]) if "ready" in r else checks.append(r))
                 continue
             m = re.search(r"rel dq (\S+) dk (\S+) dv (\S+)", line)
-            if m and job != "Rmut":
+            if m and job not in ("Rmut", "Smut"):
                 worst, n = max([worst] + [float(x.rstrip(",")) for x in m.groups()]), n + 1
             # stdout stays short: failures, the mutant's verdict, the causal check, the real shape, one line a job
             if ("mutant" in line or "causal" in line or line.startswith("real") or any(
                     w in line for w in ("FAIL", "DIFFER", "NOT CAUGHT", "Traceback", "Error", "killed"))):
                 print(line, flush=True)
-        if job not in ("Rmut", "nodq"):
+        if job not in ("Rmut", "Smut", "nodq"):
             splits = sorted(set(re.findall(r"split (\d+/\d+)", outs)))
             log(f"warm {job:<4}: {n} float64 checks, worst rel. L2 {worst:.2e}; splits {' '.join(splits) or '-'}")
     bad = [f"{r['job']} {r['mode']} {r['check']}" for r in checks if not r["ok"]]
@@ -624,7 +630,7 @@ def main():
             out(f"| {p['b']} against {p['a']} | {p['n']} | {p['median']:.3f} | {p['p25']:.3f} - {p['p75']:.3f} |")
     out(f"(bf16, TF/s = 2.5 x forward FLOPs / do_bench's time ({REP} ms runs); det = deterministic=True, unord = "
         "deterministic=False; def = main's render; nodq = def without the dQ reduce-adds (a probe); R3 = bwd_full_levers' "
-        "bwd_ring 3; T3 = bwd_tail 3; H200)")
+        "bwd_ring 3; S = bwd_dq_swap 1; SR3 = both; H200)")
     if OUTX:
         Path(OUTX).mkdir(parents=True, exist_ok=True)
         (Path(OUTX) / "table.txt").write_text("\n".join(text) + "\n")

@@ -110,6 +110,61 @@ EXTRA = ("sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active
 PROF_ROWS = (("cudnn", "def unord", "def det"), ("nodq unord", "R3 unord"))  # two ncu runs
 
 
+# The NVML sampler of scripts/gpu_fp8full_s14.py (ctypes, no pynvml): wall time, SM clock MHz, memory clock MHz,
+# power mW (the driver's average), instant power mW (field 186, -1 if absent), clock-event reasons, temperature C.
+SAMPLER = r"""
+import ctypes, sys, time
+nv = ctypes.CDLL("libnvidia-ml.so.1")
+assert nv.nvmlInit_v2() == 0
+h = ctypes.c_void_p()
+assert nv.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(h)) == 0
+class FV(ctypes.Structure):
+    _fields_ = [("fieldId", ctypes.c_uint), ("scopeId", ctypes.c_uint), ("timestamp", ctypes.c_longlong),
+                ("latencyUsec", ctypes.c_longlong), ("valueType", ctypes.c_int), ("nvmlReturn", ctypes.c_int),
+                ("value", ctypes.c_ulonglong)]
+u, u2, p, t = ctypes.c_uint(), ctypes.c_uint(), ctypes.c_uint(), ctypes.c_uint()
+r = ctypes.c_ulonglong()
+lim = ctypes.c_uint()
+nv.nvmlDeviceGetEnforcedPowerLimit(h, ctypes.byref(lim))
+reasons = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or nv.nvmlDeviceGetCurrentClocksThrottleReasons
+out = open(sys.argv[1], "w", buffering=1)
+out.write(f"# power limit {lim.value} mW\n")
+fv = FV(); fv.fieldId = 186
+end = time.time() + float(sys.argv[2])
+while time.time() < end:
+    nv.nvmlDeviceGetClockInfo(h, 1, ctypes.byref(u))
+    nv.nvmlDeviceGetClockInfo(h, 2, ctypes.byref(u2))
+    nv.nvmlDeviceGetPowerUsage(h, ctypes.byref(p))
+    inst = -1
+    if nv.nvmlDeviceGetFieldValues(h, 1, ctypes.byref(fv)) == 0 and fv.nvmlReturn == 0:
+        inst = fv.value & 0xFFFFFFFF
+    reasons(h, ctypes.byref(r))
+    nv.nvmlDeviceGetTemperature(h, 0, ctypes.byref(t))
+    out.write(f"{time.time():.4f} {u.value} {u2.value} {p.value} {inst} {r.value} {t.value}\n")
+    time.sleep(0.004)
+"""
+
+
+def window_clocks(path, windows):
+    """Per label: the median SM clock (MHz) and instant power (W; the average where absent) of the samples taken
+    inside its do_bench windows."""
+    rows = []
+    if not os.path.exists(path):  # the sampler not started yet
+        return {}
+    for line in Path(path).read_text().splitlines():
+        if not line.startswith("#"):
+            x = line.split()
+            rows.append((float(x[0]), int(x[1]), int(x[4]) if int(x[4]) >= 0 else int(x[3])))
+    per = {}
+    for label, t0, t1 in windows:
+        got = per.setdefault(label, ([], []))
+        for t, clk, mw in rows:
+            if t0 <= t <= t1:
+                got[0].append(clk)
+                got[1].append(mw / 1000)
+    return {label: (bt.median(c), bt.median(w), len(c)) for label, (c, w) in per.items() if c}
+
+
 def log(*parts):
     print(*parts, flush=True)
 
@@ -277,14 +332,33 @@ def phase_time(results, ready):
     labels = list(fns)
     tfs = {label: [] for label in labels}
     rng = random.Random(22)
+    samples, sampler, windows = os.path.join(tempfile.mkdtemp(prefix="bwdfull22-nvml-"), "s.txt"), None, []
+    try:  # SM clock and power inside each do_bench run (round B: is a row's gap its clock?)
+        sampler = subprocess.Popen([sys.executable, "-c", SAMPLER, samples, "45"], stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL) if ROUND == "B" else None
+    except Exception as e:  # noqa: BLE001
+        log(f"time  no NVML sampler ({type(e).__name__})")
     for p in range(PASSES):
         order = labels[p % len(labels):] + labels[:p % len(labels)]
         rng.shuffle(order)
         for label in order:
+            w0 = time.time()
             ms = triton.testing.do_bench(fns[label], warmup=5, rep=REP)
+            windows.append((label, w0, time.time()))
             tfs[label].append(flops / ms / 1e9)
             log(f"pass {p} {label:<10} {ms:7.3f} ms {tfs[label][-1]:6.1f} TF/s ({time.time() - t0:.1f}s)")
-    print("ROW " + json.dumps(dict(case="d128 full B1 H16 s16k", tfs=tfs)), flush=True)
+        print("ROW " + json.dumps(dict(case="d128 full B1 H16 s16k", tfs=tfs)), flush=True)  # each pass: kept if cut
+        if sampler is not None:
+            try:
+                print("CLOCKS " + json.dumps(window_clocks(samples, windows)), flush=True)
+            except Exception as e:  # noqa: BLE001
+                log(f"time  clocks unread ({type(e).__name__}: {e}); the sampler stopped")
+                sampler.kill()
+                sampler.wait()
+                sampler = None
+    if sampler is not None:
+        sampler.terminate()
+        sampler.wait()
 
 
 def paired(fns, a, b, n=PAIRS):
@@ -594,7 +668,7 @@ def main():
         prof(0, PROF1)
     limit = min(TIME_A, TOTAL - (time.time() - t0)) if ROUND == "A" else TOTAL - (time.time() - t0)
     rc, lines = run_child(__file__, "time", max(5.0, limit), env,
-                          lambda line: line.startswith(("RESULTS ", "ROW ", "pass ")) or print(line, end="", flush=True),
+                          lambda line: line.startswith(("RESULTS ", "ROW ", "pass ", "CLOCKS ")) or print(line, end="", flush=True),
                           ("--ready", json.dumps(ready), "--round", ROUND))
     if ROUND == "A":
         if TOTAL - (time.time() - t0) >= 7:
@@ -603,7 +677,8 @@ def main():
             log("#### prof 1 (the probes under ncu) skipped: the time is spent")
     logs += lines
     pairs = [json.loads(line[5:]) for line in lines if line.startswith("PAIR ")]
-    rows = [json.loads(line[4:]) for line in lines if line.startswith("ROW ")]
+    rows = [json.loads(line[4:]) for line in lines if line.startswith("ROW ")][-1:]
+    clocks = [json.loads(line[7:]) for line in lines if line.startswith("CLOCKS ")][-1:]
     if not rows:  # cut short: the passes it printed
         tfs = {}
         for line in lines:
@@ -623,6 +698,11 @@ def main():
                 out(ratios(r["tfs"], f"{cand} {mode}", f"def {mode}"))
             for cand in ("def", ) + CANDS:
                 out(ratios(r["tfs"], f"{cand} {mode}", "cudnn"))
+    if clocks and clocks[0]:
+        out("\n| row | SM clock MHz, median in its runs | power W, median | samples |")
+        out("|---|---:|---:|---:|")
+        for label, (clk, watts, n) in clocks[0].items():
+            out(f"| {label} | {clk} | {watts:.0f} | {n} |")
     if pairs:
         out("\n| back-to-back pairs | n | t_a / t_b median | p25 - p75 |")
         out("|---|---|---|---|")

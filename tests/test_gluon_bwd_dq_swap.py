@@ -92,3 +92,16 @@ def test_staged_stores_without_bank_conflicts():
     where = {int(v): c for c, v in enumerate(perm)}
     assert _wavefronts(lambda c: c) == 2
     assert _wavefronts(lambda c: where[c]) == 1
+
+
+def test_the_d128_full_default_takes_the_swap():
+    """Flipped on round B (bwd_d128's bwd_full_levers): the d128 MHA full default stages _dq_swap(dq) in both
+    kernels and converts back; the d128 causal default and the d64 full default do not."""
+    from fagen.spec.kernel import KernelSpec
+    render.render.cache_clear()
+    spec = dict(backend="gluon", direction="bwd", dtype="bf16")
+    full = fagen.generate(KernelSpec(head_dim=128, mask="none", **spec))
+    assert backends.GLUON.variant["bwd_d128"]["bwd_full_levers"].get("bwd_dq_swap") == 1
+    assert full.count(".store(_dq_swap(dq))") == 2 and "+ src[None, :])" in full
+    for other in (KernelSpec(head_dim=128, mask="causal", **spec), KernelSpec(head_dim=64, mask="none", **spec)):
+        assert "_dq_swap" not in fagen.generate(other)

@@ -55,11 +55,15 @@ NODQ = ('                _named_bar(j, "sync", _BAR_DQ_FULL + w, 160)  # warpgro
         '                if seq_q < 0:  # probe: no dQ adds\n'
         '                    _tma_reduce_add(')
 D128 = {"bwd_fixed": 1, "bwd_fixed_tma": 1, "bwd_sections": 4}  # main's bwd_d128
-L = {"bwd_named": 2, "bwd_epi_tma": 1}  # main's full levers
+L = {"bwd_named": 2, "bwd_epi_tma": 1}  # main's full levers before this session (bwd_dq_swap 1 flipped after round B)
 
 
 def lever(**keys):
     return {"bwd_d128": {**D128, "bwd_full_levers": {**L, **keys}}}
+
+
+# def: main's render as the rounds ran it (before bwd_dq_swap's flip), explicit so the script keeps its meaning
+DEF = lever()
 
 
 # the lever ([Note] Full ring): a third Q/dO ring slot at full; its mutant loads dO into the next slot, not slot s
@@ -73,10 +77,10 @@ MRING = ("            tma.async_copy_global_to_shared(do_desc, [off_b, h0 + g, m
 SWAP = lever(bwd_dq_swap=1)
 MSWAP = ("+ rows[:, None] * HEAD_DIM + src[None, :])", "+ rows[:, None] * HEAD_DIM + cols[None, :])")
 if ROUND == "A":
-    JOBS = {"def": ({}, None), "nodq": ({}, NODQ), "R3": (RING3, None), "Rmut": (RING3, MRING)}
+    JOBS = {"def": (DEF, None), "nodq": (DEF, NODQ), "R3": (RING3, None), "Rmut": (RING3, MRING)}
     TIME_ROWS, CANDS = ("def", "nodq", "R3"), ("nodq", "R3")
 else:  # round B: the profile's lever (the dQ column swap), the ring, both; the swap's mutant
-    JOBS = {"def": ({}, None), "S": (SWAP, None), "R3": (RING3, None), "SR3": (lever(bwd_dq_swap=1, bwd_ring=3), None),
+    JOBS = {"def": (DEF, None), "S": (SWAP, None), "R3": (RING3, None), "SR3": (lever(bwd_dq_swap=1, bwd_ring=3), None),
             "Smut": (SWAP, MSWAP)}
     TIME_ROWS, CANDS = ("def", "S", "R3", "SR3"), ("S", "R3", "SR3")
 # check shapes (B, H, Sq, Sk, SMs forced for bwd_tail's plan), s21's: lengths not multiples of 64 / 128, tiles split

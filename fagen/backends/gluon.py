@@ -216,10 +216,10 @@ class GluonBackend(DecodeRules, KernelBackend):
                                                    "bwd_full_levers": {"bwd_named": 2, "bwd_epi_tma": 1}},
                     "bwd_gqa": {"bwd_fixed": 1, "bwd_sections": 4, "bwd_fixed_tma": 1},
                     "bwd_d128": {"bwd_fixed": 1, "bwd_fixed_tma": 1, "bwd_sections": 4,
-                                 "bwd_full_levers": {"bwd_named": 2, "bwd_epi_tma": 1}}})
+                                 "bwd_full_levers": {"bwd_named": 2, "bwd_epi_tma": 1, "bwd_dq_swap": 1}}})
     # The full levers (twelfth session, scripts/gpu_bwdfull_s12.py, H100, B1 s16k, TF/s medians of rotated passes,
     # deterministic / unordered): d128 H16 round A 543 / 559 against 512 / 560, round B 552 / 549 against 530 / 556;
-    # d64 H32 round B 458 / 446 against 428 / 427. Staggered walks (removed) lost: 527 / 522.
+    # d64 H32 round B 458 / 446 against 428 / 427. Staggered walks (removed) lost: 527 / 522. dq_swap: docs/hopper.md
     # Round B (H100, scripts/gpu_gluon_bwd_gqa64.py; TF/s deterministic / unordered, cuDNN): GQA 32/8 causal B4 s4k
     # d128 with sections of 4: 429 / 510 (the chain 367), cuDNN 469; d64 with sections of 8: causal 425 / 447, full
     # 416 / 403, GQA causal 360 / 402 (cuDNN 456, 463, 366; Triton 364, 371, 311).

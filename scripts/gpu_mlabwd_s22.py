@@ -1,0 +1,447 @@
+"""Twenty-second session: issue 27's MLA prefill backward (d_qk 192, d_v 128, causal b4 h16 s4096 bf16; >= 0.9x
+cuDNN in the same run) on the H200: the dK/dV work in Gluon (lab/gluon_bwd_mla_kv.py: a TMA producer warp, two
+compute warpgroups of 64 keys each walking their own query steps) beside the product's Triton dQ kernel.
+
+    PYTHONPATH=$PWD python3 scripts/gpu_mlabwd_s22.py --round A   # H200, under 50 s; table on stdout, $OUT/table.txt
+    PYTHONPATH=$PWD python3 scripts/gpu_mlabwd_s22.py --dry-run   # CPU: every Gluon candidate built for sm_90
+                                                                  # (ptxas), the product's check on the interpreter
+
+A candidate is the product's bwd render with one edit: `_launch_backward` hands dK/dV to the Gluon kernel (the
+module's `_GLUON_KV`), after the product's preprocess and with its lse2/delta buffers; the dQ kernel is the
+product's. Phases (child processes under wall-clock limits: a kernel that faults or hangs loses its row only):
+1. check, every candidate in its own child (builds in parallel): dq/dk/dv against float64, outputs NaN-filled (a
+   program that never ran fails): causal gqa 1 b3 h16 Sq 208 / Sk 336, causal gqa 2 Sq 257 / Sk 333, none gqa 2
+   Sq 257 / Sk 333 and Sq 100 / Sk 77 (odd lengths); causal S 208: dQ's row 0 (one key) exactly 0; Sk 1 causal and
+   none: dQ = dK = 0 exactly (every row sees one key); two calls give the same bits; a mutant (dK's scale left
+   out) must fail;
+2. time at the bench shape: cuDNN (SDPA), fagen.attention, the product's module, each candidate (whole backward),
+   the dK/dV part of each alone ([kv]: the product's preprocess + dK/dV kernel; the Gluon kernel alone on
+   precomputed statistics), in passes, each pass in its own shuffled order (do_bench per row, L2 flushed; b2b: 10
+   calls back to back between two events); per pass each row's ratio to cuDNN and to the product.
+TF/s as fagen's bench: 2.5 * 2 * B * H * S^2 * (192 + 128) / 2. Exit 1 when a check fails (the mutant aside).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+DRY = "--dry-run" in sys.argv or os.environ.get("MLABWD22_DRY") == "1"
+if DRY:
+    os.environ["MLABWD22_DRY"] = "1"
+ROUND = sys.argv[sys.argv.index("--round") + 1] if "--round" in sys.argv else os.environ.get("MLABWD22_ROUND", "A")
+os.environ["MLABWD22_ROUND"] = ROUND
+D, DV = 192, 128
+B, H, S = (1, 2, 64) if DRY else (4, 16, 4096)
+T0 = float(os.environ.get("MLABWD22_T0", time.time()))  # the parent's start: children count from it
+WALL_S = 50  # the whole run
+CHECK_S = 32  # a check child still running then is stopped (its candidate is not timed)
+
+# Gluon dK/dV candidates: lab/gluon_bwd_mla_kv.py constexprs (BLOCK_M queries a step, STAGES ring slots, PIPE: the
+# next step's scores issued before this step's dK/dV wait) and grid_all (one program per key block, else persistent)
+CANDS = {
+    "gluon m32 s2": dict(BLOCK_M=32, STAGES=2),
+    "gluon m32 s3": dict(BLOCK_M=32, STAGES=3),
+    "gluon m32 s3 pipe": dict(BLOCK_M=32, STAGES=3, PIPE=1),
+    "gluon m32 s2 pipe": dict(BLOCK_M=32, STAGES=2, PIPE=1),
+    "gluon m64 s2": dict(BLOCK_M=64, STAGES=2),  # spills in its step loop (ptxas): timed to see what 64 would give
+    "gluon m32 s3 persistent": dict(BLOCK_M=32, STAGES=3, _persistent=True),
+}
+GPU_LABELS = {
+    "A": ("gluon m32 s2", "gluon m32 s3", "gluon m32 s3 pipe", "gluon m64 s2"),
+    "B": ("gluon m32 s2", "gluon m32 s3", "gluon m32 s3 pipe", "gluon m32 s2 pipe", "gluon m32 s3 persistent"),
+}[ROUND]
+MUTANT = ("mutant", dict(BLOCK_M=32, STAGES=2, MUTANT=1))
+B2B = ("cudnn", "product") + GPU_LABELS[:3]
+KERNEL_ROWS = ROUND == "B"  # the Gluon kernel alone on precomputed statistics (round A: with the preprocess only)
+PASSES = 60
+
+HOOK = (("def _launch_backward(", "_GLUON_KV = None  # (q, k, v, do, dk, dv, lse2, delta, scale): the lab's dK/dV\n\n\n"
+         "def _launch_backward("),
+        ("    if need_dkdv:\n        _fast(_attn_bwd_dkdv)",
+         "    if need_dkdv and _GLUON_KV is not None:\n        _GLUON_KV(q, k, v, do, dk, dv, lse2, delta, scale)\n"
+         "        need_dkdv = False\n    if need_dkdv:\n        _fast(_attn_bwd_dkdv)"))
+
+
+def out(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def module(label: str, mask="causal", gqa=1):
+    """The product's bwd module at (mask, gqa); for a candidate label, the render with the hook and the Gluon
+    dK/dV set in it."""
+    import functools
+
+    import fagen
+    from fagen.runtime.loader import load_source
+
+    spec = fagen.KernelSpec(head_dim=D, head_dim_v=DV, mask=mask, gqa=gqa, dtype="bf16", direction="bwd")
+    src = fagen.generate(spec)
+    if label == "product":
+        return load_source(src, f"{spec.name}_mlabwd22_product")
+    for old, new in HOOK:
+        if src.count(old) != 1:
+            raise RuntimeError(f"{old!r} not once in the render")
+        src = src.replace(old, new)
+    m = load_source(src, f"{spec.name}_mlabwd22_{re.sub(r'[^a-z0-9]+', '_', label)}")
+    consts = dict(CANDS, **dict([MUTANT]))[label]
+    if not DRY:
+        from lab import gluon_bwd_mla_kv as kv
+
+        kw = {k: v for k, v in consts.items() if not k.startswith("_")}
+        m._GLUON_KV = functools.partial(_kv_call, kv.dkdv, mask == "causal", not consts.get("_persistent"), kw)
+    return m
+
+
+def _kv_call(fn, causal, grid_all, kw, q, k, v, do, dk, dv, lse2, delta, scale):
+    fn(q, k, v, do, dk, dv, lse2, delta, scale, causal, grid_all=grid_all, **kw)
+
+
+def ref_fwd(q, k, v, causal, scale):
+    """float32 torch forward: (out in q's dtype, natural-log lse), bottom-right causal, GQA by repeat."""
+    import torch
+
+    g = q.shape[1] // k.shape[1]
+    s = torch.einsum("bhqd,bhkd->bhqk", q.float(), k.float().repeat_interleave(g, 1)) * scale
+    if causal:
+        sq, sk = q.shape[2], k.shape[2]
+        m = torch.arange(sk, device=q.device)[None, :] <= torch.arange(sq, device=q.device)[:, None] + (sk - sq)
+        s = s.masked_fill(~m, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+    o = torch.einsum("bhqk,bhkd->bhqd", p, v.float().repeat_interleave(g, 1))
+    return o.to(q.dtype), lse.contiguous()
+
+
+def ref_fwd_chunked(q, k, v):
+    """ref_fwd at the bench shape, 4 heads at a time."""
+    import torch
+
+    o = torch.empty(q.shape[:3] + (v.shape[-1],), dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    for b in range(q.shape[0]):
+        for h in range(0, q.shape[1], 4):
+            o[b, h:h + 4], lse[b, h:h + 4] = (x[0] for x in ref_fwd(q[b:b + 1, h:h + 4], k[b:b + 1, h:h + 4],
+                                                                    v[b:b + 1, h:h + 4], True, D ** -0.5))
+    return o, lse
+
+
+def dev():
+    return "cpu" if DRY else "cuda"
+
+
+def bench_inputs():
+    import torch
+
+    gen = torch.Generator(device=dev()).manual_seed(0)
+    return tuple(torch.randn(B, H, S, d, device=dev(), generator=gen).bfloat16() for d in (D, D, DV, DV))
+
+
+# ---- child: check ----------------------------------------------------------------------------------------------
+def child_check(label: str) -> None:
+    import torch
+
+    from fagen.verify import reference
+
+    gen = torch.Generator(device=dev()).manual_seed(1)
+    worst, errs = 0.0, []
+    # (mask, gqa, batch, query heads, Sq, Sk); the first: the bench shape's Triton specialization (multiples of 16)
+    shapes = ((("causal", 1, 1, 2, 48, 80), ("causal", 1, 1, 2, 48, 48), ("none", 2, 1, 4, 20, 1)) if DRY else
+              (("causal", 1, 3, 16, 208, 336), ("causal", 2, 1, 4, 257, 333), ("none", 2, 1, 4, 257, 333),
+               ("none", 2, 1, 4, 100, 77), ("causal", 1, 1, 16, 208, 208), ("causal", 1, 1, 4, 64, 1),
+               ("none", 2, 1, 4, 50, 1)))
+    for n, (mask, gqa, nb, hq, sq, sk) in enumerate(shapes):
+        m = module(label, mask, gqa)
+        q = torch.randn(nb, hq, sq, D, device=dev(), generator=gen).bfloat16()
+        k = torch.randn(nb, hq // gqa, sk, D, device=dev(), generator=gen).bfloat16()
+        v = torch.randn(nb, hq // gqa, sk, DV, device=dev(), generator=gen).bfloat16()
+        do = torch.randn(nb, hq, sq, DV, device=dev(), generator=gen).bfloat16()
+        m._new_out = lambda t: torch.full_like(t, float("nan"))  # a program that never ran leaves NaN
+        o, lse = ref_fwd(q, k, v, mask == "causal", D ** -0.5)
+        got = m.backward(do, q, k, v, o, lse)
+        tag = f"{mask[0]}{gqa} {sq}/{sk}:"
+        if n == 0:  # two calls, the same bits
+            again = m.backward(do, q, k, v, o, lse)
+            same = all(torch.equal(a, b) for a, b in zip(got, again))
+            errs.append("repeat " + ("same" if same else "DIFFER"))
+            if not same:
+                worst = float("inf")
+        if sq == sk and mask == "causal":  # query 0 sees key 0 alone
+            z = got[0][:, :, 0].abs().max().item()
+            errs.append(f"dq row0 {z:.1e}")
+            worst = worst if z == 0 else float("inf")
+        if sk == 1:  # every row sees one key: dS = 0, so dQ = dK = 0 exactly
+            z = max(got[0].abs().max().item(), got[1].abs().max().item())
+            errs.append(f"{tag} dq,dk {z:.1e}")
+            worst = worst if z == 0 else float("inf")
+            continue
+        ref_in = [t.double().requires_grad_() for t in (q, k, v)]
+        ref_out, _ = reference.attention(*ref_in, mask=mask)
+        ref_out.backward(do.double())
+        es = []
+        for name, g, r in zip(("dq", "dk", "dv"), got, (t.grad for t in ref_in)):
+            err = (g.double() - r).abs().max().item() / max(1.0, r.abs().max().item())
+            err = err if err == err else float("inf")  # NaN: a program that never ran
+            es.append(f"{err:.1e}")
+            worst = max(worst, err)
+        errs.append(f"{tag} " + "/".join(es))
+    if worst < 2e-2 and not DRY:  # one untimed call at the bench shape: the builds for the timing child
+        m = module(label)
+        q, k, v, do = bench_inputs()
+        m.backward(do, q, k, v, do, torch.zeros(q.shape[:3], device=dev()))
+        torch.cuda.synchronize()
+    out("CHECK " + json.dumps({"label": label, "worst": worst, "errs": " ".join(errs)}))
+
+
+# ---- child: time -----------------------------------------------------------------------------------------------
+def child_time(labels: list[str]) -> None:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import fagen
+
+    q, k, v, do = bench_inputs()
+    rows = {}
+    qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    with sdpa_kernel(SDPBackend.MATH if DRY else SDPBackend.CUDNN_ATTENTION):
+        oc = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True)
+    rows["cudnn"] = lambda: torch.autograd.grad(oc, (qg, kg, vg), do, retain_graph=True)
+    qp, kp, vp = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    op = fagen.attention(qp, kp, vp, mask="causal")
+    rows["fagen.attention"] = lambda: torch.autograd.grad(op, (qp, kp, vp), do, retain_graph=True)
+    o, lse = ref_fwd_chunked(q, k, v)
+    ref = None
+    for label in ["product"] + labels:
+        m = module(label)
+        rows[label] = (lambda m=m: m.backward(do, q, k, v, o, lse))
+        got = rows[label]()
+        if ref is None:
+            ref = got
+        else:
+            same = [torch.equal(a, b) for a, b in zip(got, ref)]
+            diffs = " ".join(f"{n} " + ("same bits" if s else
+                                        f"{((g.float() - r.float()).abs().max() / r.float().abs().max()).item():.1e}")
+                             for n, s, g, r in zip(("dq", "dk", "dv"), same, got, ref))
+            again = rows[label]()
+            rep = all(torch.equal(a, b) for a, b in zip(got, again))
+            out(f"bench shape, {label} against the product: {diffs}; two calls {'same bits' if rep else 'DIFFER'}")
+        launch = m._launch_backward
+        args = (do, q, k, v, o, lse, D ** -0.5, None, None, None)
+        rows[f"{label} [pre+kv]"] = (lambda f=launch: f(*args, need_dq=False))
+        if label == "product":
+            rows["product [pre+dQ]"] = (lambda f=launch: f(*args, need_dkdv=False))
+            # the preprocess's statistics, for the Gluon kernel alone
+            sq_pad = -(-S // 128) * 128
+            delta = torch.empty((B, H, sq_pad), dtype=torch.float32, device=dev())
+            lse2 = torch.empty_like(delta)
+            m._attn_bwd_preprocess[(sq_pad // 128, H, B)](
+                o, do, lse, delta, lse2, None, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1),
+                do.stride(2), sq_pad, H, S, HEAD_DIM_V=DV, BLOCK_DV=DV, BLOCK_M=128, UPCAST=m.UPCAST,
+                num_warps=8, num_stages=3)
+        elif not DRY and KERNEL_ROWS:
+            dk, dv = torch.empty_like(k), torch.empty_like(v)
+            rows[f"{label} [kv kernel]"] = (lambda g=m._GLUON_KV, dk=dk, dv=dv, l2=lse2, dl=delta:
+                                            g(q, k, v, do, dk, dv, l2, dl, D ** -0.5))
+    for label in B2B:
+        if label in rows:
+            rows[f"{label} b2b"] = rows[label]
+    for f in rows.values():
+        f()
+    if not DRY:
+        torch.cuda.synchronize()
+    out(f"[{time.time() - T0:5.1f}s] time: {len(rows)} rows ready")
+    if DRY:
+        def bench(f):
+            t = time.perf_counter()
+            f()
+            return (time.perf_counter() - t) * 1e3
+    else:
+        from triton.testing import do_bench
+
+        def bench(f):
+            return do_bench(f, warmup=3, rep=25)
+
+    def back_to_back(f, n=10):
+        if DRY:
+            return bench(f)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            f()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / n
+    names = list(rows)
+    shuffle = random.Random(22)
+    for _ in range(2 if DRY else PASSES):
+        order = shuffle.sample(names, len(names))
+        ms = {n: (back_to_back if n.endswith(" b2b") else bench)(rows[n]) for n in order}
+        out("PASS " + json.dumps({n: ms[n] for n in names}))
+        if time.time() - T0 > WALL_S - 3:
+            break
+
+
+# ---- parent ----------------------------------------------------------------------------------------------------
+def spawn(args: list[str], env) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, os.path.abspath(__file__), *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def run_gpu() -> int:
+    from _phases import child_env, run_phase
+
+    env = child_env("/tmp/mlabwd22_cache", ROOT)
+    env["MLABWD22_T0"] = str(T0)
+    if DRY:
+        env["TRITON_INTERPRET"] = "1"
+    labels = ["product"] + ([] if DRY else list(GPU_LABELS) + ["mutant"])
+    kids = {lb: spawn(["--check", lb], env) for lb in labels}
+    if not DRY:
+        kids["warm"] = spawn(["--warm"], env)
+    checks, rc = {}, 0
+    for lb, p in kids.items():
+        try:
+            text = p.communicate(timeout=600 if DRY else max(1, CHECK_S - (time.time() - T0)))[0]
+        except subprocess.TimeoutExpired:
+            p.kill()
+            text = p.communicate()[0] + f"\nkilled at {time.time() - T0:.0f} s"
+        line = [x for x in text.splitlines() if x.startswith("CHECK ")]
+        if line:
+            checks[lb] = json.loads(line[-1][6:])
+            ok = checks[lb]["worst"] < 2e-2
+            out(f"check {lb}: {'PASS' if ok else 'FAIL'} worst {checks[lb]['worst']:.1e} ({checks[lb]['errs']})")
+        else:
+            ok = False
+            out(f"check {lb}: FAIL {' | '.join(text.strip().splitlines()[-3:])[-300:]}")
+        if not ok and lb not in ("mutant", "warm"):
+            rc = 1
+        if lb == "mutant" and ok:
+            out("the mutant PASSED: the check cannot fail")
+            rc = 1
+    out(f"[{time.time() - T0:5.1f}s] checks done")
+    ok = [lb for lb in labels if lb not in ("mutant", "product") and lb in checks and checks[lb]["worst"] < 2e-2]
+    passes = []
+
+    def on_line(s: str) -> None:
+        if s.startswith("PASS "):
+            passes.append(json.loads(s[5:]))
+        else:
+            print(s, end="", flush=True)
+    code, _ = run_phase(os.path.abspath(__file__), "time", 600 if DRY else max(5, WALL_S - (time.time() - T0)), env,
+                        on_line=on_line, extra=tuple(ok))
+    if code != 0 and len(passes) < 3:
+        out(f"time phase: {code}")
+    table(passes)
+    return rc
+
+
+def q3(xs):
+    xs = sorted(xs)
+    return statistics.median(xs), xs[len(xs) // 4], xs[(3 * len(xs)) // 4]
+
+
+def table(passes: list[dict]) -> None:
+    if not passes:
+        out("no timing passes")
+        return
+    flops = 2.5 * 2 * B * H * S * S * (D + DV) / 2
+    names = list(passes[0])
+    lines = [f"{len(passes)} passes, causal b{B} h{H} s{S} 192/128 bf16, backward only; b2b: back to back, against "
+             "cuDNN's and the product's b2b", "| row | median ms [q1, q3] | TF/s | vs cuDNN per pass: median "
+             "[q1, q3] [min, max] | vs product per pass: median [q1, q3] |", "|---|---|---:|---|---|"]
+    for n in names:
+        ms = [p[n] for p in passes]
+        med, lo, hi = q3(ms)
+        if n.endswith("]"):  # a part of a backward: its time only, and against the product's same part
+            base = "product [pre+kv]" if n.endswith("[pre+kv]") or n.endswith("[kv kernel]") else None
+            rp = [p[base] / p[n] for p in passes if base in p] if base else []
+            rs = f"{q3(rp)[0]:.3f} [{q3(rp)[1]:.3f}, {q3(rp)[2]:.3f}]" if rp and n != base else ""
+            lines.append(f"| {n} | {med:.3f} [{lo:.3f}, {hi:.3f}] | | | {rs} |")
+            continue
+        tail = " b2b" if n.endswith(" b2b") else ""
+        r = [p["cudnn" + tail] / p[n] for p in passes if "cudnn" + tail in p]
+        rp = [p["product" + tail] / p[n] for p in passes if "product" + tail in p] or [float("nan")]
+        rm, rl, rh = q3(r)
+        pm, pl, ph = q3(rp)
+        lines.append(f"| {n} | {med:.3f} [{lo:.3f}, {hi:.3f}] | {flops / med / 1e9:.1f} | {rm:.3f}x [{rl:.3f}, "
+                     f"{rh:.3f}] [{min(r):.3f}, {max(r):.3f}] | {pm:.3f} [{pl:.3f}, {ph:.3f}] |")
+    out("\n".join(lines))
+    d = os.environ.get("OUT")
+    if d:
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, "table.txt"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+        with open(os.path.join(d, "passes.json"), "w") as f:
+            json.dump(passes, f)
+
+
+def ptxas_table(labels) -> int:
+    """sm_90 builds of the Gluon candidates on the CPU: registers, spilled bytes, shared KB, the step loops' local
+    loads. Returns the count that break the rules (a spill in a step loop, shared memory over 227 KB), the
+    candidates timed to see a spill ("m64") aside."""
+    from lab import gluon_bwd_mla_kv as kv
+    from lab.gluon_bwd import resources, step_sass
+
+    bad = 0
+    out("| candidate | setmaxnreg | spilled B (st/ld) | shared KB | step loops: instructions / HGMMA / LDL |\n"
+        "|---|---|---|---|---|")
+    for label in labels:
+        c = {k: v for k, v in dict(CANDS, **dict([MUTANT]))[label].items() if not k.startswith("_")}
+        ck = kv.compile_for(**c)
+        r = resources(ck)
+        loops = step_sass(ck, 8)
+        ldl = sum(x["ldl"] + x["stl"] for x in loops)
+        out(f"| {label} | {c.get('COMPUTE_REGS', kv.KV_COMPUTE_REGS)} | {r['spill_stores']}/{r['spill_loads']} | "
+            f"{r['shared'] / 1024:.0f} | " + ", ".join(f"{x['instructions']}/{x['hgmma']}/{x['ldl']}" for x in loops)
+            + " |")
+        if (ldl or r["shared"] > 227 * 1024) and "m64" not in label:
+            bad += 1
+    return bad
+
+
+def main() -> int:
+    if "--check" in sys.argv:
+        child_check(sys.argv[sys.argv.index("--check") + 1])
+        return 0
+    if "--warm" in sys.argv:  # fagen.attention's forward and backward built and run once at the bench shape
+        import torch
+
+        import fagen
+
+        q, k, v, do = (t.requires_grad_() for t in bench_inputs())
+        torch.autograd.grad(fagen.attention(q, k, v, mask="causal"), (q, k, v), do)
+        out("CHECK " + json.dumps({"label": "warm", "worst": 0.0, "errs": "fagen.attention built"}))
+        return 0
+    if "--phase" in sys.argv:  # the timing child: --phase time <labels>
+        child_time([a for a in sys.argv[sys.argv.index("time") + 1:] if not a.startswith("--")])
+        return 0
+    if "--ptxas" in sys.argv:
+        return 1 if ptxas_table(list(CANDS) + ["mutant"]) else 0
+    if DRY:  # every GPU candidate built for sm_90, the hook applied to the render, the product's flow interpreted
+        out(f"round {ROUND}: sm_90 builds of the Gluon candidates")
+        bad = ptxas_table(list(GPU_LABELS) + ["mutant"])
+        for label in GPU_LABELS:
+            module(label)  # the render edit applies and the module loads
+        out(f"[{time.time() - T0:5.1f}s] builds done; the product's flow on the CPU interpreter:")
+        return run_gpu() or (1 if bad else 0)
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU (--dry-run rehearses it on the CPU)")
+    out(f"{torch.cuda.get_device_name()} torch {torch.__version__}, round {ROUND}")
+    return run_gpu()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -30,7 +30,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
     warpgroup_mma_wait
 
-from lab.gluon_bwd import _bwd_mma, _bwd_row_descriptor, _bwd_tile, _sms
+from lab.gluon_bwd import _bwd_mma, _bwd_query_range, _bwd_row_descriptor, _bwd_tile, _sms
 from lab.gluon_bwd_mla import DA, _descriptor
 
 KV_BLOCK_M = 64  # queries a step
@@ -39,20 +39,44 @@ KV_STAGES = 2
 KV_COMPUTE_REGS = 240
 KV_PRODUCER_REGS = 24
 KV_PIPE = 0
+KV_GROUP = 0  # tile order: 0 key-block major, g: groups of g (batch, head) pairs (_kv_tile)
+
+
+@gluon.jit
+def _kv_tile(tile, num_tiles, num_bh, num_heads_kv, seq_q, seq_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             GQA: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr):
+    """Tile index -> (key block, batch, KV head, first query head, query range). GROUP 0: key-block major (every
+    (batch, head) pair's block 0, then every pair's block 1, ...: the heaviest causal blocks first, but the programs in
+    flight read the Q/dO of every head). GROUP g: groups of g pairs, block-major in each group, as the product's
+    [Note] MLA work order: the programs in flight read the Q/dO of a few heads (L2), each group heaviest first."""
+    if GROUP == 0:
+        return _bwd_tile(tile, num_tiles, num_bh, num_heads_kv, seq_q, seq_k, BLOCK_M, BLOCK_N, GQA, CAUSAL, 0)
+    n_kblk = num_tiles // num_bh
+    per = GROUP * n_kblk
+    grp = tile // per
+    r = tile - grp * per
+    size = gl.minimum(num_bh - grp * GROUP, GROUP)  # the last group may hold fewer pairs
+    n_blk = r // size
+    bh = grp * GROUP + r % size
+    off_b = bh // num_heads_kv
+    off_hkv = bh % num_heads_kv
+    lo, split, hi = _bwd_query_range(n_blk * BLOCK_N, seq_q, seq_k, BLOCK_M, BLOCK_N, CAUSAL)
+    return n_blk, off_b, off_hkv, off_hkv * GQA, lo, split, hi
 
 
 @gluon.jit
 def _kv_producer(qa_desc, qb_desc, do_desc, ka_desc, kb_desc, v_desc, l_desc, d_desc, qa_smem, qb_smem, do_smem,
                  ka_smem, kb_smem, v_smem, l_smem, d_smem, ready, empty, kv_ready, kv_empty, num_tiles, num_bh,
                  num_heads_kv, seq_q, seq_k, DB: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr,
-                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GQA: gl.constexpr, CAUSAL: gl.constexpr):
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GQA: gl.constexpr, CAUSAL: gl.constexpr,
+                 GROUP: gl.constexpr):
     num_heads = num_heads_kv * GQA
     dtype: gl.constexpr = qa_desc.dtype
     j = 0
     t = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        n_blk, off_b, off_hkv, h0, lo, split, hi = _bwd_tile(tile, num_tiles, num_bh, num_heads_kv, seq_q, seq_k,
-                                                             BLOCK_M, BLOCK_N, GQA, CAUSAL, 0)
+        n_blk, off_b, off_hkv, h0, lo, split, hi = _kv_tile(tile, num_tiles, num_bh, num_heads_kv, seq_q, seq_k,
+                                                            BLOCK_M, BLOCK_N, GQA, CAUSAL, GROUP)
         n0 = n_blk * BLOCK_N
         steps = (hi - lo) // BLOCK_M
         mbarrier.wait(kv_empty.index(0), (t & 1) ^ 1)
@@ -99,7 +123,7 @@ def _kv_compute(qa_smem, qb_smem, do_smem, ka_smem, kb_smem, v_smem, l_smem, d_s
                 kv_empty, DK, DV_, qk_scale, scale, num_tiles, num_bh, num_heads_kv, seq_q, seq_k, WG: gl.constexpr,
                 DB: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 STAGES: gl.constexpr, GQA: gl.constexpr, CAUSAL: gl.constexpr, MUTANT: gl.constexpr,
-                PIPE: gl.constexpr):
+                PIPE: gl.constexpr, GROUP: gl.constexpr):
     """One compute warpgroup: keys n0 + 64 WG .. + 64 of each tile. MUTANT 1 (tests only): dK's scale left out."""
     dtype: gl.constexpr = ka_smem.dtype
     WN: gl.constexpr = BLOCK_N // 2
@@ -118,8 +142,8 @@ def _kv_compute(qa_smem, qb_smem, do_smem, ka_smem, kb_smem, v_smem, l_smem, d_s
     j = 0
     t = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        n_blk, off_b, off_hkv, h0, lo, split, hi = _bwd_tile(tile, num_tiles, num_bh, num_heads_kv, seq_q, seq_k,
-                                                             BLOCK_M, BLOCK_N, GQA, CAUSAL, 0)
+        n_blk, off_b, off_hkv, h0, lo, split, hi = _kv_tile(tile, num_tiles, num_bh, num_heads_kv, seq_q, seq_k,
+                                                            BLOCK_M, BLOCK_N, GQA, CAUSAL, GROUP)
         n0 = n_blk * BLOCK_N
         steps = (hi - lo) // BLOCK_M
         total = GQA * steps
@@ -199,7 +223,7 @@ def _attn_bwd_mla_kv(qa_desc, qb_desc, do_desc, ka_desc, kb_desc, v_desc, l_desc
                      num_tiles, num_bh, num_heads_kv, seq_q, seq_k, DB: gl.constexpr, DV: gl.constexpr,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GQA: gl.constexpr,
                      CAUSAL: gl.constexpr, COMPUTE_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                     MUTANT: gl.constexpr = 0, PIPE: gl.constexpr = 0):
+                     MUTANT: gl.constexpr = 0, PIPE: gl.constexpr = 0, GROUP: gl.constexpr = 0):
     gl.static_assert(BLOCK_N == 128)
     dtype: gl.constexpr = qa_desc.dtype
     qa_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, DA], dtype)
@@ -229,14 +253,14 @@ def _attn_bwd_mla_kv(qa_desc, qb_desc, do_desc, ka_desc, kb_desc, v_desc, l_desc
     gl.warp_specialize([
         (_kv_compute, (qa_smem, qb_smem, do_smem, ka_smem, kb_smem, v_smem, l_smem, d_smem, ready, empty, kv_ready,
                        kv_empty, DK, DV_, qk_scale, scale, num_tiles, num_bh, num_heads_kv, seq_q, seq_k, 0, DB, DV,
-                       BLOCK_M, BLOCK_N, STAGES, GQA, CAUSAL, MUTANT, PIPE)),
+                       BLOCK_M, BLOCK_N, STAGES, GQA, CAUSAL, MUTANT, PIPE, GROUP)),
         (_kv_compute, (qa_smem, qb_smem, do_smem, ka_smem, kb_smem, v_smem, l_smem, d_smem, ready, empty, kv_ready,
                        kv_empty, DK, DV_, qk_scale, scale, num_tiles, num_bh, num_heads_kv, seq_q, seq_k, 1, DB, DV,
-                       BLOCK_M, BLOCK_N, STAGES, GQA, CAUSAL, MUTANT, PIPE)),
+                       BLOCK_M, BLOCK_N, STAGES, GQA, CAUSAL, MUTANT, PIPE, GROUP)),
         (_kv_producer, (qa_desc, qb_desc, do_desc, ka_desc, kb_desc, v_desc, l_desc, d_desc, qa_smem, qb_smem,
                         do_smem, ka_smem, kb_smem, v_smem, l_smem, d_smem, ready, empty, kv_ready, kv_empty,
                         num_tiles, num_bh, num_heads_kv, seq_q, seq_k, DB, DV, BLOCK_M, BLOCK_N, STAGES, GQA,
-                        CAUSAL)),
+                        CAUSAL, GROUP)),
     ], [4, 1], [COMPUTE_REGS, PRODUCER_REGS])
 
 
@@ -246,7 +270,7 @@ def _args(q, do, k, v, lse2, delta, dk, dv, scale, num_tiles, num_bh, hkv, sq, s
     db = q.shape[-1] - da
     kw = dict(DB=db, DV=v.shape[-1], BLOCK_M=KV_BLOCK_M, BLOCK_N=KV_BLOCK_N, STAGES=KV_STAGES, GQA=gqa,
               CAUSAL=causal, COMPUTE_REGS=KV_COMPUTE_REGS, PRODUCER_REGS=KV_PRODUCER_REGS, PIPE=KV_PIPE,
-              num_warps=4)
+              GROUP=KV_GROUP, num_warps=4)
     kw.update(constexprs)
     bm, bn = kw["BLOCK_M"], kw["BLOCK_N"]
     args = (_descriptor(q, bm, da), _descriptor(q, bm, db), _descriptor(do, bm), _descriptor(k, bn, da),

@@ -123,8 +123,10 @@ def _kv_compute(qa_smem, qb_smem, do_smem, ka_smem, kb_smem, v_smem, l_smem, d_s
                 kv_empty, DK, DV_, qk_scale, scale, num_tiles, num_bh, num_heads_kv, seq_q, seq_k, WG: gl.constexpr,
                 DB: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 STAGES: gl.constexpr, GQA: gl.constexpr, CAUSAL: gl.constexpr, MUTANT: gl.constexpr,
-                PIPE: gl.constexpr, GROUP: gl.constexpr):
-    """One compute warpgroup: keys n0 + 64 WG .. + 64 of each tile. MUTANT 1 (tests only): dK's scale left out."""
+                PIPE: gl.constexpr, GROUP: gl.constexpr, ops_smem, SMEM_OPS: gl.constexpr):
+    """One compute warpgroup: keys n0 + 64 WG .. + 64 of each tile. MUTANT 1 (tests only): dK's scale left out.
+    SMEM_OPS 1: P^T and dS^T reach their matmuls through shared memory (ops_smem: this warpgroup's two [64, BLOCK_M]
+    tiles, 2 WG and 2 WG + 1), not as register operands: fewer live registers at 64-query steps."""
     dtype: gl.constexpr = ka_smem.dtype
     WN: gl.constexpr = BLOCK_N // 2
     s_l: gl.constexpr = _bwd_mma(4, 1, BLOCK_M)  # S^T, dP^T: [WN keys, BLOCK_M queries]
@@ -179,26 +181,46 @@ def _kv_compute(qa_smem, qb_smem, do_smem, ka_smem, kb_smem, v_smem, l_smem, d_s
             dpt = warpgroup_mma_wait(0, deps=(dpt_tok, ))
             delta = d_smem.index(s).reshape([BLOCK_M]).load(gl.SliceLayout(0, s_l))
             dst = (pt * (dpt - delta[None, :])).to(dtype)
-            pt_op = gl.convert_layout(pt.to(dtype), opv_l)
-            dv_tok = warpgroup_mma(pt_op, do_s, dv, is_async=True)
-            dsa_op = gl.convert_layout(dst, opa_l)
-            dka_tok = warpgroup_mma(dsa_op, qa_s, dka, is_async=True)
-            dsb_op = gl.convert_layout(dst, opb_l)
-            dkb_tok = warpgroup_mma(dsb_op, qb_s, dkb, is_async=True)
-            if PIPE:  # the next step's scores go in behind this step's dK/dV matmuls
-                if i + 1 < total:
-                    sn = (j + 1) % STAGES
-                    mbarrier.wait(ready.index(sn), ((j + 1) // STAGES) & 1)
-                    st_tok, dpt_tok = _kv_scores(ka_w, kb_w, v_w, qa_smem.index(sn), qb_smem.index(sn),
-                                                 do_smem.index(sn), WN, BLOCK_M, s_l)
-                    dv, dka, dkb, pt_op, dsa_op, dsb_op = warpgroup_mma_wait(
-                        2, deps=(dv_tok, dka_tok, dkb_tok, pt_op, dsa_op, dsb_op))
+            if SMEM_OPS:
+                ops_smem.index(2 * WG).store(pt.to(dtype))
+                ops_smem.index(2 * WG + 1).store(dst)
+                fence_async_shared()
+                gl.thread_barrier()  # the warpgroup's tiles are in before its wgmma reads them
+                dv_tok = warpgroup_mma(ops_smem.index(2 * WG), do_s, dv, is_async=True)
+                dka_tok = warpgroup_mma(ops_smem.index(2 * WG + 1), qa_s, dka, is_async=True)
+                dkb_tok = warpgroup_mma(ops_smem.index(2 * WG + 1), qb_s, dkb, is_async=True)
+                if PIPE:
+                    if i + 1 < total:
+                        sn = (j + 1) % STAGES
+                        mbarrier.wait(ready.index(sn), ((j + 1) // STAGES) & 1)
+                        st_tok, dpt_tok = _kv_scores(ka_w, kb_w, v_w, qa_smem.index(sn), qb_smem.index(sn),
+                                                     do_smem.index(sn), WN, BLOCK_M, s_l)
+                        dv, dka, dkb = warpgroup_mma_wait(2, deps=(dv_tok, dka_tok, dkb_tok))
+                    else:
+                        dv, dka, dkb = warpgroup_mma_wait(0, deps=(dv_tok, dka_tok, dkb_tok))
+                else:
+                    dv, dka, dkb = warpgroup_mma_wait(0, deps=(dv_tok, dka_tok, dkb_tok))
+            else:
+                pt_op = gl.convert_layout(pt.to(dtype), opv_l)
+                dv_tok = warpgroup_mma(pt_op, do_s, dv, is_async=True)
+                dsa_op = gl.convert_layout(dst, opa_l)
+                dka_tok = warpgroup_mma(dsa_op, qa_s, dka, is_async=True)
+                dsb_op = gl.convert_layout(dst, opb_l)
+                dkb_tok = warpgroup_mma(dsb_op, qb_s, dkb, is_async=True)
+                if PIPE:  # the next step's scores go in behind this step's dK/dV matmuls
+                    if i + 1 < total:
+                        sn = (j + 1) % STAGES
+                        mbarrier.wait(ready.index(sn), ((j + 1) // STAGES) & 1)
+                        st_tok, dpt_tok = _kv_scores(ka_w, kb_w, v_w, qa_smem.index(sn), qb_smem.index(sn),
+                                                     do_smem.index(sn), WN, BLOCK_M, s_l)
+                        dv, dka, dkb, pt_op, dsa_op, dsb_op = warpgroup_mma_wait(
+                            2, deps=(dv_tok, dka_tok, dkb_tok, pt_op, dsa_op, dsb_op))
+                    else:
+                        dv, dka, dkb, pt_op, dsa_op, dsb_op = warpgroup_mma_wait(
+                            0, deps=(dv_tok, dka_tok, dkb_tok, pt_op, dsa_op, dsb_op))
                 else:
                     dv, dka, dkb, pt_op, dsa_op, dsb_op = warpgroup_mma_wait(
                         0, deps=(dv_tok, dka_tok, dkb_tok, pt_op, dsa_op, dsb_op))
-            else:
-                dv, dka, dkb, pt_op, dsa_op, dsb_op = warpgroup_mma_wait(
-                    0, deps=(dv_tok, dka_tok, dkb_tok, pt_op, dsa_op, dsb_op))
             mbarrier.arrive(empty.index(s))
             j += 1
         mbarrier.arrive(kv_empty.index(0))
@@ -223,7 +245,8 @@ def _attn_bwd_mla_kv(qa_desc, qb_desc, do_desc, ka_desc, kb_desc, v_desc, l_desc
                      num_tiles, num_bh, num_heads_kv, seq_q, seq_k, DB: gl.constexpr, DV: gl.constexpr,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GQA: gl.constexpr,
                      CAUSAL: gl.constexpr, COMPUTE_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                     MUTANT: gl.constexpr = 0, PIPE: gl.constexpr = 0, GROUP: gl.constexpr = 0):
+                     MUTANT: gl.constexpr = 0, PIPE: gl.constexpr = 0, GROUP: gl.constexpr = 0,
+                     SMEM_OPS: gl.constexpr = 0):
     gl.static_assert(BLOCK_N == 128)
     dtype: gl.constexpr = qa_desc.dtype
     qa_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, DA], dtype)
@@ -239,6 +262,12 @@ def _attn_bwd_mla_kv(qa_desc, qb_desc, do_desc, ka_desc, kb_desc, v_desc, l_desc
     kb_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, DB], kb_sl)
     v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, DV], v_sl)
     l_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], l_desc.layout)
+    if SMEM_OPS:  # P^T and dS^T of each compute warpgroup: [2 warpgroups x 2, 64 keys, BLOCK_M queries]
+        ops_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N // 2, BLOCK_M], dtype)
+        ops_smem = gl.allocate_shared_memory(dtype, [4, BLOCK_N // 2, BLOCK_M], ops_sl)
+    else:
+        ops_sl2: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, 64], dtype)
+        ops_smem = gl.allocate_shared_memory(dtype, [4, 8, 64], ops_sl2)  # unused
     d_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], d_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -253,10 +282,12 @@ def _attn_bwd_mla_kv(qa_desc, qb_desc, do_desc, ka_desc, kb_desc, v_desc, l_desc
     gl.warp_specialize([
         (_kv_compute, (qa_smem, qb_smem, do_smem, ka_smem, kb_smem, v_smem, l_smem, d_smem, ready, empty, kv_ready,
                        kv_empty, DK, DV_, qk_scale, scale, num_tiles, num_bh, num_heads_kv, seq_q, seq_k, 0, DB, DV,
-                       BLOCK_M, BLOCK_N, STAGES, GQA, CAUSAL, MUTANT, PIPE, GROUP)),
+                       BLOCK_M, BLOCK_N, STAGES, GQA, CAUSAL, MUTANT, PIPE, GROUP,
+                       ops_smem, SMEM_OPS)),
         (_kv_compute, (qa_smem, qb_smem, do_smem, ka_smem, kb_smem, v_smem, l_smem, d_smem, ready, empty, kv_ready,
                        kv_empty, DK, DV_, qk_scale, scale, num_tiles, num_bh, num_heads_kv, seq_q, seq_k, 1, DB, DV,
-                       BLOCK_M, BLOCK_N, STAGES, GQA, CAUSAL, MUTANT, PIPE, GROUP)),
+                       BLOCK_M, BLOCK_N, STAGES, GQA, CAUSAL, MUTANT, PIPE, GROUP,
+                       ops_smem, SMEM_OPS)),
         (_kv_producer, (qa_desc, qb_desc, do_desc, ka_desc, kb_desc, v_desc, l_desc, d_desc, qa_smem, qb_smem,
                         do_smem, ka_smem, kb_smem, v_smem, l_smem, d_smem, ready, empty, kv_ready, kv_empty,
                         num_tiles, num_bh, num_heads_kv, seq_q, seq_k, DB, DV, BLOCK_M, BLOCK_N, STAGES, GQA,

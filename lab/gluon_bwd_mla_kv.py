@@ -310,6 +310,19 @@ def _args(q, do, k, v, lse2, delta, dk, dv, scale, num_tiles, num_bh, hkv, sq, s
     return args, kw
 
 
+def prepared(q, k, v, do, dk, dv, lse2, delta, scale, causal, grid_all=True, **constexprs):
+    """dkdv's launch as a function of no arguments, its descriptors built now: a caller builds it before the
+    preprocess's launch, so the host's work overlaps the GPU's (the statistics are read at launch, not here)."""
+    b, hq, sq, _ = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    num_bh = b * hkv
+    bn = constexprs.get("BLOCK_N", KV_BLOCK_N)
+    num_tiles = triton.cdiv(sk, bn) * num_bh
+    args, kw = _args(q, do, k, v, lse2, delta, dk, dv, scale, num_tiles, num_bh, hkv, sq, sk, causal, **constexprs)
+    grid = (num_tiles if grid_all else min(num_tiles, _sms(q.device)), )
+    return lambda: _attn_bwd_mla_kv[grid](*args, **kw)
+
+
 def dkdv(q, k, v, do, dk, dv, lse2, delta, scale, causal, grid_all=True, **constexprs):
     """dK, dV into dk, dv (contiguous [B, Hkv, Sk, 192] / [B, Hkv, Sk, 128]) from contiguous bf16 q [B, Hq, Sq, 192],
     k, v, do and the product's preprocess (lse2, delta [B, Hq, S_pad] float32, S_pad a multiple of BLOCK_M).

@@ -77,4 +77,6 @@ def test_the_gpu_scripts_hook_applies_to_the_product_render():
             assert src.count(old) == 1, old
             src = src.replace(old, new)
         compile(src, spec.name, "exec")
-        assert "_GLUON_KV(q, k, v, do, dk, dv, lse2, delta, scale)" in src
+        # the Gluon launch is built before the preprocess's launch and runs where the Triton dK/dV kernel's would
+        assert src.index("gkv = _GLUON_KV(") < src.index("_fast(_attn_bwd_preprocess)[") < src.index("gkv()")
+        assert src.index("gkv()") < src.index("_fast(_attn_bwd_dkdv)[")

@@ -66,8 +66,9 @@ GPU_LABELS = {
     "B": ("gluon m32 s2 g4", "gluon m32 s3 g4", "gluon m32 s3 pipe g4", "gluon m32 s2 pipe g4",
           "gluon m32 s3 g4 persistent"),
 }[ROUND]
+LEVER = "product MLA_GLUON_DKDV"  # the lever in the product's render (m32 s2 g4, fagen/templates/host/mla_gluon_kv.py)
 MUTANT = ("mutant", dict(BLOCK_M=32, STAGES=2, MUTANT=1))
-B2B = ("cudnn", "product") + GPU_LABELS[1:4]
+B2B = ("cudnn", "product") + GPU_LABELS[1:3] + ("product MLA_GLUON_DKDV", "fagen.attention MLA_GLUON_DKDV")
 KERNEL_ROWS = True  # the Gluon kernel alone on precomputed statistics (descriptors built once)
 PASSES = 60
 
@@ -87,6 +88,25 @@ def out(msg: str) -> None:
     print(msg, flush=True)
 
 
+def lever_render(spec, on: bool) -> str:
+    """fagen.generate(spec) with MLA_GLUON_DKDV set to `on`, the flag restored after."""
+    import fagen
+    from fagen.backends import triton as triton_backend
+    from fagen.codegen import render
+
+    old = triton_backend.MLA_GLUON_DKDV
+    triton_backend.MLA_GLUON_DKDV = on
+    render._cache_clear()
+    try:
+        src = fagen.generate(spec)
+    finally:
+        triton_backend.MLA_GLUON_DKDV = old
+        render._cache_clear()
+    if on and "gkv = _mla_gluon_kv(" not in src:
+        raise RuntimeError("MLA_GLUON_DKDV on, but the render has no Gluon dK/dV")
+    return src
+
+
 def module(label: str, mask="causal", gqa=1):
     """The product's bwd module at (mask, gqa); for a candidate label, the render with the hook and the Gluon
     dK/dV set in it."""
@@ -96,6 +116,9 @@ def module(label: str, mask="causal", gqa=1):
     from fagen.runtime.loader import load_source
 
     spec = fagen.KernelSpec(head_dim=D, head_dim_v=DV, mask=mask, gqa=gqa, dtype="bf16", direction="bwd")
+    if label == LEVER:  # the product's render with the switch on ([Note] MLA Gluon dK/dV)
+        src = lever_render(spec, True)
+        return load_source(src, f"{spec.name}_mlabwd22_lever")
     src = fagen.generate(spec)
     if label == "product":
         return load_source(src, f"{spec.name}_mlabwd22_product")
@@ -256,10 +279,32 @@ def child_time(labels: list[str]) -> None:
     qp, kp, vp = (t.detach().clone().requires_grad_() for t in (q, k, v))
     op = fagen.attention(qp, kp, vp, mask="causal")
     rows["fagen.attention"] = lambda: torch.autograd.grad(op, (qp, kp, vp), do, retain_graph=True)
+    if LEVER in labels:  # fagen.attention's path with the lever on: its module resolved and loaded, memos cleared
+        from fagen.backends import triton as triton_backend
+        from fagen.codegen import render
+        from fagen.runtime import resolve
+
+        def lever(on):
+            triton_backend.MLA_GLUON_DKDV = on
+            render._cache_clear()
+            resolve._module.cache_clear()
+            resolve._FAST.clear()
+        lever(True)
+        qf, kf, vf = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        of = fagen.attention(qf, kf, vf, mask="causal")
+        if not hasattr(resolve.resolve(qf, kf, vf, "causal", False), "_mla_gluon_kv"):
+            raise RuntimeError("fagen.attention with MLA_GLUON_DKDV on resolved a module without the Gluon dK/dV")
+        lever(False)
+        rows["fagen.attention " + LEVER[8:]] = lambda: torch.autograd.grad(of, (qf, kf, vf), do, retain_graph=True)
     o, lse = ref_fwd_chunked(q, k, v)
     ref = None
     for label in ["product"] + labels:
         m = module(label)
+        if label == LEVER and not DRY:
+            launch_probe = m._mla_gluon_kv(q, k, v, do, torch.empty_like(k), torch.empty_like(v),
+                                           torch.empty((B, H, S), device=dev()), torch.empty((B, H, S), device=dev()),
+                                           D ** -0.5, True, None, None, None)
+            out(f"the lever's Gluon dK/dV at the bench shape: {'used' if launch_probe else 'NOT USED (falls back)'}")
         rows[label] = (lambda m=m: m.backward(do, q, k, v, o, lse))
         got = rows[label]()
         if ref is None:
@@ -286,7 +331,7 @@ def child_time(labels: list[str]) -> None:
                 o, do, lse, delta, lse2, None, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1),
                 do.stride(2), sq_pad, H, S, HEAD_DIM_V=DV, BLOCK_DV=DV, BLOCK_M=128, UPCAST=m.UPCAST,
                 num_warps=8, num_stages=3)
-        elif KERNEL_ROWS:
+        elif KERNEL_ROWS and label != LEVER:
             dk, dv = torch.empty_like(k), torch.empty_like(v)
             rows[f"{label} [kv kernel]"] = m._GLUON_KV(q, k, v, do, dk, dv, lse2, delta, D ** -0.5)
     for label in B2B:
@@ -342,7 +387,7 @@ def run_gpu() -> int:
     env["MLABWD22_T0"] = str(T0)
     if DRY:
         env["TRITON_INTERPRET"] = "1"
-    labels = ["product"] + (list(GPU_LABELS[:1]) if DRY else list(GPU_LABELS)) + ["mutant"]
+    labels = ["product"] + (list(GPU_LABELS[:1]) if DRY else list(GPU_LABELS)) + [LEVER, "mutant"]
     kids = {lb: spawn(["--check", lb], env) for lb in labels}
     if not DRY:
         kids["warm"] = spawn(["--warm"], env)

@@ -62,7 +62,7 @@ CANDS = {
 # what the step width and the overlap would give, not candidates for the product as built
 SEE = ("gluon m64 s2 g4", "gluon m32 s3 pipe g4", "gluon m32 s2 pipe g4")
 GPU_LABELS = {
-    "A": ("gluon m32 s2", "gluon m32 s2 g4", "gluon m32 s3 g4", "gluon m32 s3 pipe g4", "gluon m64 s2 g4"),
+    "A": ("gluon m32 s2", "gluon m32 s2 g4", "gluon m32 s3 g4", "gluon m32 s3 pipe g4"),
     "B": ("gluon m32 s2 g4", "gluon m32 s3 g4", "gluon m32 s3 pipe g4", "gluon m32 s2 pipe g4",
           "gluon m32 s3 g4 persistent"),
 }[ROUND]
@@ -492,6 +492,37 @@ def ptxas_table(labels) -> int:
     return bad
 
 
+def lever_build(mask="causal", gqa=1, seq=1000):
+    """The sm_90 build (CPU) of the Gluon dK/dV kernel as the lever's render carries it, at its module constants."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    import fagen
+    from fagen.runtime.loader import load_source
+
+    spec = fagen.KernelSpec(head_dim=D, head_dim_v=DV, mask=mask, gqa=gqa, dtype="bf16", direction="bwd")
+    m = load_source(lever_render(spec, True), f"{spec.name}_mlabwd22_lever_build")
+    q, do = torch.empty((1, gqa, seq, D), dtype=torch.bfloat16), torch.empty((1, gqa, seq, DV), dtype=torch.bfloat16)
+    k, v = torch.empty((1, 1, seq, D), dtype=torch.bfloat16), torch.empty((1, 1, seq, DV), dtype=torch.bfloat16)
+    rows = torch.empty((1, gqa, 1024), dtype=torch.float32)
+    bm = m.MLA_KV_BLOCK_M
+    args = (m._mla_kv_descriptor(q, bm, cols=128), m._mla_kv_descriptor(q, bm, cols=64), m._mla_kv_descriptor(do, bm),
+            m._mla_kv_descriptor(k, 128, cols=128), m._mla_kv_descriptor(k, 128, cols=64),
+            m._mla_kv_descriptor(v, 128), m._mla_kv_rows(rows, bm), m._mla_kv_rows(rows, bm), k, v, 0.5, 0.5, 2, 2,
+            2, seq, seq)
+    kw = dict(DB=64, DV=128, BLOCK_M=bm, BLOCK_N=128, STAGES=m.MLA_KV_STAGES, GQA=gqa, CAUSAL=mask == "causal",
+              COMPUTE_REGS=m.MLA_KV_COMPUTE_REGS, PRODUCER_REGS=m.MLA_KV_PRODUCER_REGS, PIPE=m.MLA_KV_PIPE,
+              GROUP=m.MLA_KV_GROUP)
+    fn = m._attn_bwd_mla_kv
+    sig = {n: mangle_type(a) for n, a in zip(list(fn.arg_names)[:len(args)], args)}
+    sig.update({n: "constexpr" for n in kw})
+    return triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=kw), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 4})
+
+
 def main() -> int:
     if "--check" in sys.argv:
         child_check(sys.argv[sys.argv.index("--check") + 1])
@@ -513,6 +544,13 @@ def main() -> int:
     if DRY:  # every GPU candidate built for sm_90, the hook applied to the render, the product's flow interpreted
         out(f"round {ROUND}: sm_90 builds of the Gluon candidates")
         bad = ptxas_table(list(GPU_LABELS) + ["mutant"])
+        from lab.gluon_bwd import resources, step_sass
+
+        ck = lever_build()
+        r, loops = resources(ck), step_sass(ck, 8)
+        out(f"| {LEVER} (the render's kernel) | | {r['spill_stores']}/{r['spill_loads']} | {r['shared'] / 1024:.0f} | "
+            + ", ".join(f"{x['instructions']}/{x['hgmma']}/{x['ldl']}" for x in loops) + " |")
+        bad += bool(r["spill_stores"] or r["shared"] > 227 * 1024)
         for label in GPU_LABELS:
             module(label)  # the render edit applies and the module loads
         out(f"[{time.time() - T0:5.1f}s] builds done; the product's flow on the CPU interpreter:")

@@ -101,7 +101,8 @@ for key, kw in json.loads(sys.argv[2]).items():
     ptx = ck.asm["ptx"]
     res = next(iter(ptxas(ptx)[0].values()))
     out[key] = dict(shared=ck.metadata.shared, spills=res.spill_stores + res.spill_loads,
-                    setmaxnreg=sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
+                    setmaxnreg=sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
+                                                                  ptx)}),
                     local=[x["ldl"] + x["stl"] for x in step_sass(ck, 8)],
                     atomics=len(re.findall(r"\b(atom|red)\.", ptx)))
 print("RESULT " + json.dumps(out))

@@ -116,13 +116,18 @@ if _MLA_KV_GLUON:
                 mbarrier.expect(ready.index(s), qa_desc.block_type.nbytes + qb_desc.block_type.nbytes
                                 + do_desc.block_type.nbytes + 2 * l_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(qa_desc, [off_b, h0 + g, m0, 0], ready.index(s),
-                                                qa_smem.index(s)._reinterpret(dtype, [1, 1, BLOCK_M, DA], qa_desc.layout))
+                                                qa_smem.index(s)._reinterpret(dtype, [1, 1, BLOCK_M, DA],
+                                                                               qa_desc.layout))
                 tma.async_copy_global_to_shared(qb_desc, [off_b, h0 + g, m0, DA], ready.index(s),
-                                                qb_smem.index(s)._reinterpret(dtype, [1, 1, BLOCK_M, DB], qb_desc.layout))
+                                                qb_smem.index(s)._reinterpret(dtype, [1, 1, BLOCK_M, DB],
+                                                                               qb_desc.layout))
                 tma.async_copy_global_to_shared(do_desc, [off_b, h0 + g, m0, 0], ready.index(s),
-                                                do_smem.index(s)._reinterpret(dtype, [1, 1, BLOCK_M, DV], do_desc.layout))
-                tma.async_copy_global_to_shared(l_desc, [off_b * num_heads + h0 + g, m0], ready.index(s), l_smem.index(s))
-                tma.async_copy_global_to_shared(d_desc, [off_b * num_heads + h0 + g, m0], ready.index(s), d_smem.index(s))
+                                                do_smem.index(s)._reinterpret(dtype, [1, 1, BLOCK_M, DV],
+                                                                               do_desc.layout))
+                tma.async_copy_global_to_shared(l_desc, [off_b * num_heads + h0 + g, m0], ready.index(s),
+                                                l_smem.index(s))
+                tma.async_copy_global_to_shared(d_desc, [off_b * num_heads + h0 + g, m0], ready.index(s),
+                                                d_smem.index(s))
                 j += 1
             t += 1
 
@@ -175,7 +180,8 @@ if _MLA_KV_GLUON:
             if PIPE:  # every key block has a step (Sq >= 1: the last query sees every key)
                 s0 = j % STAGES
                 mbarrier.wait(ready.index(s0), (j // STAGES) & 1)
-                st_tok, dpt_tok = _mla_kv_scores(ka_w, kb_w, v_w, qa_smem.index(s0), qb_smem.index(s0), do_smem.index(s0),
+                st_tok, dpt_tok = _mla_kv_scores(ka_w, kb_w, v_w, qa_smem.index(s0), qb_smem.index(s0),
+                                                 do_smem.index(s0),
                                              WN, BLOCK_M, s_l)
             for i in range(total):
                 g = i // steps
@@ -270,16 +276,16 @@ if _MLA_KV_GLUON:
         mbarrier.init(kv_empty.index(0), count=2)
         fence_async_shared()
         gl.warp_specialize([
-            (_mla_kv_compute, (qa_smem, qb_smem, do_smem, ka_smem, kb_smem, v_smem, l_smem, d_smem, ready, empty, kv_ready,
-                           kv_empty, DK, DV_, qk_scale, scale, num_tiles, num_bh, num_heads_kv, seq_q, seq_k, 0, DB, DV,
-                           BLOCK_M, BLOCK_N, STAGES, GQA, CAUSAL, PIPE, GROUP)),
-            (_mla_kv_compute, (qa_smem, qb_smem, do_smem, ka_smem, kb_smem, v_smem, l_smem, d_smem, ready, empty, kv_ready,
-                           kv_empty, DK, DV_, qk_scale, scale, num_tiles, num_bh, num_heads_kv, seq_q, seq_k, 1, DB, DV,
-                           BLOCK_M, BLOCK_N, STAGES, GQA, CAUSAL, PIPE, GROUP)),
-            (_mla_kv_producer, (qa_desc, qb_desc, do_desc, ka_desc, kb_desc, v_desc, l_desc, d_desc, qa_smem, qb_smem,
-                            do_smem, ka_smem, kb_smem, v_smem, l_smem, d_smem, ready, empty, kv_ready, kv_empty,
-                            num_tiles, num_bh, num_heads_kv, seq_q, seq_k, DB, DV, BLOCK_M, BLOCK_N, STAGES, GQA,
-                            CAUSAL, GROUP)),
+            (_mla_kv_compute, (qa_smem, qb_smem, do_smem, ka_smem, kb_smem, v_smem, l_smem, d_smem, ready, empty,
+                               kv_ready, kv_empty, DK, DV_, qk_scale, scale, num_tiles, num_bh, num_heads_kv, seq_q,
+                               seq_k, 0, DB, DV, BLOCK_M, BLOCK_N, STAGES, GQA, CAUSAL, PIPE, GROUP)),
+            (_mla_kv_compute, (qa_smem, qb_smem, do_smem, ka_smem, kb_smem, v_smem, l_smem, d_smem, ready, empty,
+                               kv_ready, kv_empty, DK, DV_, qk_scale, scale, num_tiles, num_bh, num_heads_kv, seq_q,
+                               seq_k, 1, DB, DV, BLOCK_M, BLOCK_N, STAGES, GQA, CAUSAL, PIPE, GROUP)),
+            (_mla_kv_producer, (qa_desc, qb_desc, do_desc, ka_desc, kb_desc, v_desc, l_desc, d_desc, qa_smem,
+                                qb_smem, do_smem, ka_smem, kb_smem, v_smem, l_smem, d_smem, ready, empty, kv_ready,
+                                kv_empty, num_tiles, num_bh, num_heads_kv, seq_q, seq_k, DB, DV, BLOCK_M, BLOCK_N,
+                                STAGES, GQA, CAUSAL, GROUP)),
         ], [4, 1], [COMPUTE_REGS, PRODUCER_REGS])
 
 

@@ -123,10 +123,12 @@ def _kv_compute(qa_smem, qb_smem, do_smem, ka_smem, kb_smem, v_smem, l_smem, d_s
                 kv_empty, DK, DV_, qk_scale, scale, num_tiles, num_bh, num_heads_kv, seq_q, seq_k, WG: gl.constexpr,
                 DB: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 STAGES: gl.constexpr, GQA: gl.constexpr, CAUSAL: gl.constexpr, MUTANT: gl.constexpr,
-                PIPE: gl.constexpr, GROUP: gl.constexpr, ops_smem, SMEM_OPS: gl.constexpr):
+                PIPE: gl.constexpr, GROUP: gl.constexpr, ops_smem, SMEM_OPS: gl.constexpr,
+                DV_EARLY: gl.constexpr):
     """One compute warpgroup: keys n0 + 64 WG .. + 64 of each tile. MUTANT 1 (tests only): dK's scale left out.
     SMEM_OPS 1: P^T and dS^T reach their matmuls through shared memory (ops_smem: this warpgroup's two [64, BLOCK_M]
-    tiles, 2 WG and 2 WG + 1), not as register operands: fewer live registers at 64-query steps."""
+    tiles, 2 WG and 2 WG + 1), not as register operands: fewer live registers at 64-query steps. DV_EARLY 1 (register
+    operands): dV's matmul issued before the wait for dP^T."""
     dtype: gl.constexpr = ka_smem.dtype
     WN: gl.constexpr = BLOCK_N // 2
     s_l: gl.constexpr = _bwd_mma(4, 1, BLOCK_M)  # S^T, dP^T: [WN keys, BLOCK_M queries]
@@ -178,7 +180,12 @@ def _kv_compute(qa_smem, qb_smem, do_smem, ka_smem, kb_smem, v_smem, l_smem, d_s
                     visible = visible & (keys[:, None] <= qrows[None, :] + (seq_k - seq_q))
                 st = gl.where(visible, st, float("-inf"))  # -inf before exp2: P = 0 exactly
             pt = gl.exp2(st * qk_scale - lse2[None, :])
-            dpt = warpgroup_mma_wait(0, deps=(dpt_tok, ))
+            if DV_EARLY:  # dV += P^T dO goes in before the wait for dP^T: it runs under dS^T's arithmetic
+                pt_op = gl.convert_layout(pt.to(dtype), opv_l)
+                dv_tok = warpgroup_mma(pt_op, do_s, dv, is_async=True)
+                dpt = warpgroup_mma_wait(1, deps=(dpt_tok, ))
+            else:
+                dpt = warpgroup_mma_wait(0, deps=(dpt_tok, ))
             delta = d_smem.index(s).reshape([BLOCK_M]).load(gl.SliceLayout(0, s_l))
             dst = (pt * (dpt - delta[None, :])).to(dtype)
             if SMEM_OPS:
@@ -201,8 +208,9 @@ def _kv_compute(qa_smem, qb_smem, do_smem, ka_smem, kb_smem, v_smem, l_smem, d_s
                 else:
                     dv, dka, dkb = warpgroup_mma_wait(0, deps=(dv_tok, dka_tok, dkb_tok))
             else:
-                pt_op = gl.convert_layout(pt.to(dtype), opv_l)
-                dv_tok = warpgroup_mma(pt_op, do_s, dv, is_async=True)
+                if not DV_EARLY:
+                    pt_op = gl.convert_layout(pt.to(dtype), opv_l)
+                    dv_tok = warpgroup_mma(pt_op, do_s, dv, is_async=True)
                 dsa_op = gl.convert_layout(dst, opa_l)
                 dka_tok = warpgroup_mma(dsa_op, qa_s, dka, is_async=True)
                 dsb_op = gl.convert_layout(dst, opb_l)
@@ -246,7 +254,7 @@ def _attn_bwd_mla_kv(qa_desc, qb_desc, do_desc, ka_desc, kb_desc, v_desc, l_desc
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GQA: gl.constexpr,
                      CAUSAL: gl.constexpr, COMPUTE_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                      MUTANT: gl.constexpr = 0, PIPE: gl.constexpr = 0, GROUP: gl.constexpr = 0,
-                     SMEM_OPS: gl.constexpr = 0):
+                     SMEM_OPS: gl.constexpr = 0, DV_EARLY: gl.constexpr = 0):
     gl.static_assert(BLOCK_N == 128)
     dtype: gl.constexpr = qa_desc.dtype
     qa_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, DA], dtype)
@@ -283,11 +291,11 @@ def _attn_bwd_mla_kv(qa_desc, qb_desc, do_desc, ka_desc, kb_desc, v_desc, l_desc
         (_kv_compute, (qa_smem, qb_smem, do_smem, ka_smem, kb_smem, v_smem, l_smem, d_smem, ready, empty, kv_ready,
                        kv_empty, DK, DV_, qk_scale, scale, num_tiles, num_bh, num_heads_kv, seq_q, seq_k, 0, DB, DV,
                        BLOCK_M, BLOCK_N, STAGES, GQA, CAUSAL, MUTANT, PIPE, GROUP,
-                       ops_smem, SMEM_OPS)),
+                       ops_smem, SMEM_OPS, DV_EARLY)),
         (_kv_compute, (qa_smem, qb_smem, do_smem, ka_smem, kb_smem, v_smem, l_smem, d_smem, ready, empty, kv_ready,
                        kv_empty, DK, DV_, qk_scale, scale, num_tiles, num_bh, num_heads_kv, seq_q, seq_k, 1, DB, DV,
                        BLOCK_M, BLOCK_N, STAGES, GQA, CAUSAL, MUTANT, PIPE, GROUP,
-                       ops_smem, SMEM_OPS)),
+                       ops_smem, SMEM_OPS, DV_EARLY)),
         (_kv_producer, (qa_desc, qb_desc, do_desc, ka_desc, kb_desc, v_desc, l_desc, d_desc, qa_smem, qb_smem,
                         do_smem, ka_smem, kb_smem, v_smem, l_smem, d_smem, ready, empty, kv_ready, kv_empty,
                         num_tiles, num_bh, num_heads_kv, seq_q, seq_k, DB, DV, BLOCK_M, BLOCK_N, STAGES, GQA,

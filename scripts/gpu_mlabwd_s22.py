@@ -129,7 +129,7 @@ def module(label: str, mask="causal", gqa=1):
     if label == LEVER:  # the product's render with the switch on ([Note] MLA Gluon dK/dV)
         src = lever_render(spec, True)
         return load_source(src, f"{spec.name}_mlabwd22_lever")
-    src = fagen.generate(spec)
+    src = lever_render(spec, False)  # the Triton pair (MLA_GLUON_DKDV is on by default since this session)
     if label == "product":
         return load_source(src, f"{spec.name}_mlabwd22_product")
     for old, new in HOOK:
@@ -290,26 +290,31 @@ def child_time(labels: list[str]) -> None:
     with sdpa_kernel(SDPBackend.MATH if DRY else SDPBackend.CUDNN_ATTENTION):
         oc = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True)
     rows["cudnn"] = lambda: torch.autograd.grad(oc, (qg, kg, vg), do, retain_graph=True)
+    from fagen.backends import triton as triton_backend
+    from fagen.codegen import render
+    from fagen.runtime import resolve
+
+    default = triton_backend.MLA_GLUON_DKDV
+
+    def lever(on):  # fagen.attention's path with the switch set: its module resolved and loaded, memos cleared
+        triton_backend.MLA_GLUON_DKDV = on
+        render._cache_clear()
+        resolve._module.cache_clear()
+        resolve._FAST.clear()
+    lever(False)  # "fagen.attention": the Triton pair
     qp, kp, vp = (t.detach().clone().requires_grad_() for t in (q, k, v))
     op = fagen.attention(qp, kp, vp, mask="causal")
+    if hasattr(resolve.resolve(qp, kp, vp, "causal", False), "_mla_gluon_kv"):
+        raise RuntimeError("fagen.attention with MLA_GLUON_DKDV off resolved a module with the Gluon dK/dV")
     rows["fagen.attention"] = lambda: torch.autograd.grad(op, (qp, kp, vp), do, retain_graph=True)
-    if LEVER in labels:  # fagen.attention's path with the lever on: its module resolved and loaded, memos cleared
-        from fagen.backends import triton as triton_backend
-        from fagen.codegen import render
-        from fagen.runtime import resolve
-
-        def lever(on):
-            triton_backend.MLA_GLUON_DKDV = on
-            render._cache_clear()
-            resolve._module.cache_clear()
-            resolve._FAST.clear()
+    if LEVER in labels:
         lever(True)
         qf, kf, vf = (t.detach().clone().requires_grad_() for t in (q, k, v))
         of = fagen.attention(qf, kf, vf, mask="causal")
         if not hasattr(resolve.resolve(qf, kf, vf, "causal", False), "_mla_gluon_kv"):
             raise RuntimeError("fagen.attention with MLA_GLUON_DKDV on resolved a module without the Gluon dK/dV")
-        lever(False)
         rows["fagen.attention " + LEVER[8:]] = lambda: torch.autograd.grad(of, (qf, kf, vf), do, retain_graph=True)
+    lever(default)
     o, lse = ref_fwd_chunked(q, k, v)
     ref = None
     for label in ["product"] + labels:

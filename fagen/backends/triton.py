@@ -26,6 +26,14 @@ from fagen.spec.axes import Backend, DType, Direction, Kind, KVDType, Layout, Ma
 # batch_invariant=True on the 2-warp tile 1.171x / 1.090x at the suite's rows. e5m2, d64 and more query rows a
 # tile were not measured: they keep m64n128w4s3.
 DENSE_FP8_TWO_WARPS = True
+# [Note] MLA Gluon dK/dV (twenty-second session; fagen/templates/host/mla_gluon_kv.py, docs/serving.md): the MLA
+# backward's (dense 192/128, causal or no mask, bf16/fp16) dK/dV in a Gluon kernel on sm_90 (a TMA producer warp,
+# two compute warpgroups of 64 keys), beside the Triton preprocess and dQ kernel. On, those specs' renders carry it
+# and launch it where the call fits (the Triton dK/dV otherwise); False: every render as before it. H200, causal b4
+# h16 s4096 bf16 (scripts/gpu_mlabwd_s22.py), against the Triton pair per pass, do_bench: round A (2 passes) 1.057,
+# `fagen.attention` 1.086; round B (27 passes) 1.048 [q1 1.020, q3 1.062], `fagen.attention` 1.044 (0.933x cuDNN
+# against 0.892x); back to back 1.007 / 1.017 [0.995, 1.032]. Same checks as the pair (float64, exact zeros, bits).
+MLA_GLUON_DKDV = True
 
 
 class TritonBackend(KernelBackend):

@@ -137,7 +137,14 @@ def _context(spec: KernelSpec) -> dict:
                 kv_torch_dtype=tables.TORCH_KV_DTYPE[spec.kv_dtype] if spec.kv_dtype else "",
                 tree_keys="len_k" if paged else "seq_k",  # tree nodes are the last Sq of these keys
                 lse_shape="(q.shape[1], q.shape[0])" if spec.packed_q else "q.shape[:3]",
-                mod=_mod_code(spec))
+                mod=_mod_code(spec), mla_gluon_dkdv=_mla_gluon_dkdv())
+
+
+def _mla_gluon_dkdv() -> bool:
+    """fagen/backends/triton.py's MLA_GLUON_DKDV ([Note] MLA Gluon dK/dV), read at each render."""
+    from fagen.backends import triton as triton_backend
+
+    return triton_backend.MLA_GLUON_DKDV
 
 
 def _mod_code(spec: KernelSpec):
@@ -199,7 +206,8 @@ def render_state(spec: KernelSpec) -> str:
     (`GluonBackend.variant_for`), which measurement scripts set in-process. The render memo and the loader's render
     index ([Note] Render index in fagen/runtime/loader.py) key on it, so a render made under one variant is never
     served under another, in this process or a later one."""
-    return json.dumps(backends.GLUON.variant_for(spec), sort_keys=True, default=repr)
+    state = json.dumps(backends.GLUON.variant_for(spec), sort_keys=True, default=repr)
+    return state + " mla_gluon_dkdv" if _mla_gluon_dkdv() else state  # off: the key as before
 
 
 INDEX_TRUSTED = True  # whether fagen.runtime.loader may serve a load from its render index ([Note] Render index)

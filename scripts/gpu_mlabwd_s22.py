@@ -70,7 +70,7 @@ GPU_LABELS = {
 }[ROUND]
 # round B: fewer rows, more passes (round A had time for 2): the whole backward of these only, [pre+kv] of every label
 WHOLE = {"A": None, "B": ("product", "product MLA_GLUON_DKDV", "gluon m32 s2 g4", "gluon m32 s2 g4 dv early")}[ROUND]
-LEVER = "product MLA_GLUON_DKDV"  # the lever in the product's render (m32 s2 g4, fagen/templates/host/mla_gluon_kv.py)
+LEVER = "product MLA_GLUON_DKDV"  # the lever in the product's render (m32 s2 g4, fagen/templates/gluon/mla_dkdv.py)
 MUTANT = ("mutant", dict(BLOCK_M=32, STAGES=2, MUTANT=1))
 B2B = {"A": ("cudnn", "product") + GPU_LABELS[1:3] + ("product MLA_GLUON_DKDV", "fagen.attention MLA_GLUON_DKDV"),
        "B": ("cudnn", "product", "product MLA_GLUON_DKDV", "gluon m32 s2 g4", "fagen.attention",

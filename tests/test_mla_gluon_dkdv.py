@@ -1,4 +1,4 @@
-"""[Note] MLA Gluon dK/dV (fagen/templates/host/mla_gluon_kv.py; MLA_GLUON_DKDV in fagen/backends/triton.py;
+"""[Note] MLA Gluon dK/dV (fagen/templates/gluon/mla_dkdv.py; MLA_GLUON_DKDV in fagen/backends/triton.py;
 docs/serving.md, "MLA backward (twenty-second session)"): on by default (pinned); off, in no render (the renders
 byte for byte as before it); on, only the dense bf16/fp16 192/128 backward renders with a causal or no mask carry it, the
 render state says so, the Gluon launch is built before the preprocess's and runs in place of the Triton dK/dV

@@ -26,7 +26,7 @@ from fagen.spec.axes import Backend, DType, Direction, Kind, KVDType, Layout, Ma
 # batch_invariant=True on the 2-warp tile 1.171x / 1.090x at the suite's rows. e5m2, d64 and more query rows a
 # tile were not measured: they keep m64n128w4s3.
 DENSE_FP8_TWO_WARPS = True
-# [Note] MLA Gluon dK/dV (twenty-second session; fagen/templates/host/mla_gluon_kv.py, docs/serving.md): the MLA
+# [Note] MLA Gluon dK/dV (twenty-second session; fagen/templates/gluon/mla_dkdv.py, docs/serving.md): the MLA
 # backward's (dense 192/128, causal or no mask, bf16/fp16) dK/dV in a Gluon kernel on sm_90 (a TMA producer warp,
 # two compute warpgroups of 64 keys), beside the Triton preprocess and dQ kernel. On, those specs' renders carry it
 # and launch it where the call fits (the Triton dK/dV otherwise); False: every render as before it. H200, causal b4

@@ -599,6 +599,37 @@ def group_mods():
     still_good("modded varlen", lambda: varlen(good_q, good_k), goodv)
 
 
+def group_gluon_padding():
+    """The Gluon Hopper forward's padding masks (sm_90 only; [Note] Gluon padding masks in
+    fagen/templates/gluon/attention.py.j2; twenty-second session): bad seqlens_k / seqlens_q of sequence 1, bf16 and
+    fp8 e4m3 (whose V transpose reads the lengths too), padding and causal+padding, d128, the product's levers."""
+    from fagen.runtime import hopper
+    if not GPU or torch.cuda.get_device_capability() != (9, 0) or hopper.gluon_missing():
+        say("skip gluon_padding: needs an sm_90 GPU and triton's Gluon API")
+        return
+    sq, sk = 300, 333
+    lens_q, lens_k = [sq, 170, sq - 3][:NB], [sk, 201, sk - 1][:NB]
+    for dtype in ("bf16", "fp8_e4m3"):
+        x = [torch.randn(NB, h, s, 128, device=DEV) for h, s in ((HQ, sq), (HKV, sk), (HKV, sk))]
+        q, k, v = (t.to(torch.float8_e4m3fn if dtype == "fp8_e4m3" else torch.bfloat16) for t in x)
+        for mask in ("causal+padding", "padding"):
+            m = fagen.load(fagen.KernelSpec(head_dim=128, mask=mask, gqa=HQ // HKV, dtype=dtype, backend="gluon"))
+
+            def run(lq, lk, m=m, q=q, k=k, v=v):
+                out, lse = m.forward(q, k, v, seqlens_q=i32(*lq), seqlens_k=i32(*lk), check=False)
+                return dict(out=out, lse=lse)
+
+            good = run(lens_q, lens_k)
+            name = f"gluon {dtype} {mask} d128"
+            for which, values in (("k", bad_ints(sk)), ("q", bad_ints(sq)[:5])):
+                for value in values:
+                    lq, lk = list(lens_q), list(lens_k)
+                    (lk if which == "k" else lq)[1] = value
+                    case(f"{name} seqlens_{which}[1]={value}", lambda: run(lq, lk),
+                         [("out", (OTHER,)), ("lse", (OTHER,))], good)
+            still_good(name, lambda: run(lens_q, lens_k), good)
+
+
 def group_mla_gluon():
     """The Gluon MLA decode (sm_90 only; [Note] Gluon decode memory safety in fagen/templates/gluon/mla_decode.py.j2):
     bad block_table entries and lengths in sequence 1 of a paged 576/512 decode, pages of 64, one split and the
@@ -642,7 +673,8 @@ def group_mla_gluon():
 
 GROUPS = {"padding": group_padding, "varlen": group_varlen, "paged": group_paged, "tree": group_tree,
           "window": group_window, "mla": group_mla, "mla_fp8": group_mla_fp8, "fp8_token": group_fp8_token,
-          "paged_fp8": group_paged_fp8, "dense_fp8": group_dense_fp8, "mods": group_mods, "mla_gluon": group_mla_gluon}
+          "paged_fp8": group_paged_fp8, "dense_fp8": group_dense_fp8, "mods": group_mods, "mla_gluon": group_mla_gluon,
+          "gluon_padding": group_gluon_padding}
 
 torch.manual_seed(args.seed)
 for name in args.group or GROUPS:

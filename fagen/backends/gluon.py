@@ -147,25 +147,25 @@ class GluonBackend(DecodeRules, KernelBackend):
     # (docs/hopper.md, "Tile order").
 
     # [Note] Gluon selection rule. The cases where the H100 measurements of docs/hopper.md show the gluon forward
-    # beating the Triton one: a prefill forward, head_dim 128, bf16, mask none (any gqa: +5% full s16k) or causal
-    # with gqa > 1 (+13% gqa 32/8 causal s4k). MHA causal only with a tile order (variant causal_order, [Note] Gluon
-    # tile order): without one the Triton forward won it in the three latest runs (s16k Triton / Gluon TF/s: 558 /
-    # 550 in benchmarks/hopper/6-integration, 559 / 543 and 562 / 543 in benchmarks/scores.md); with the tile
-    # counter the gluon forward read 685 against 598 without (H100, fifth session), with sections 691 against 615 (sixth
-    # session), the Triton one 582. Not d64 (-7%), not fp16 (496 vs 493 TF/s, a tie), not tree masks (no such kernel);
-    # padding masks (selected_pad_masks; H200, twenty-second session, rounds A / B: the suite's fwd-causalpad-d128-s8k
-    # 444 / 442 vs 363 / 392 TF/s, twin 505 / 521 vs 451 / 465; docs/hopper.md). With score switches: causal with the window switch alone (any gqa),
-    # where the gluon forward's block skipping measured +9% over the Triton one (window 4096 at s32k, d128 bf16,
-    # MHA: 540 vs 497 TF/s, same run; docs/hopper.md, "Score switches in the forward"). Not the softcap (470 vs
-    # 477 TF/s, a tie lost), not window with softcap (not measured), never ALiBi or sinks (the gluon forward has
-    # neither). fp8 has no other kernel: an fp8 spec is always this backend's. Where and when the rule applies (the
-    # device, $FAGEN_HOPPER, the problem size): [Note] Hopper selection in fagen/runtime/hopper.py. MLA prefill
-    # (192/128): causal bf16, any gqa (select_mla below: 543 against 453 TF/s on the H100, lean n128 s2).
-    selected_head_dims = (128,)
-    selected_dtypes = (DType.BF16,)
+    # beating the Triton one: a prefill forward, head_dim 128, bf16, mask none (any gqa: +5% full s16k) or causal with
+    # gqa > 1 (+13% gqa 32/8 causal s4k). MHA causal only with a tile order (variant causal_order, [Note] Gluon tile
+    # order): without one the Triton forward won it in the three latest runs (s16k Triton / Gluon TF/s: 558 / 550 in
+    # benchmarks/hopper/6-integration, 559 / 543 and 562 / 543 in benchmarks/scores.md); with the tile counter the gluon
+    # forward read 685 against 598 without (H100, fifth session), with sections 691 against 615 (sixth session), the
+    # Triton one 582. Not d64 (-7%; level on the H200, twenty-second session), not fp16 (496 vs 493 TF/s, a tie), not
+    # tree masks (no such kernel); padding masks (selected_pad_masks; H200, twenty-second session, rounds A / B: the
+    # suite's fwd-causalpad-d128-s8k 444 / 442 vs 363 / 392 TF/s, twin 505 / 521 vs 451 / 465; docs/hopper.md). Score
+    # switches: causal with the window alone (any gqa), where the gluon forward's block skipping measured +9% over the
+    # Triton one (window 4096 at s32k, d128 bf16, MHA: 540 vs 497 TF/s, same run; docs/hopper.md, "Score switches in the
+    # forward"); causal with the softcap alone (H200, twenty-second session: the suite's row 1.12x the Triton forward
+    # per pass, 502 vs 447 TF/s; H100, fifteenth: a tie), not window with softcap (not measured), never ALiBi or sinks
+    # (the gluon forward has neither). fp8 has no other kernel: an fp8 spec is always this backend's. Where and when the
+    # rule applies (the device, $FAGEN_HOPPER, the problem size): [Note] Hopper selection in fagen/runtime/hopper.py.
+    # MLA prefill (192/128): causal bf16, any gqa (select_mla below: 543 against 453 TF/s on the H100, lean n128 s2).
+    selected_head_dims, selected_dtypes = (128,), (DType.BF16,)
     selected_masks = (Mask.NONE, Mask.CAUSAL)
     selected_pad_masks = (Mask.PADDING, Mask.CAUSAL_PADDING)  # the forward only (the gluon backward has none)
-    selected_switches = (("window",), Mask.CAUSAL)  # the one switch set selected, and its mask (any gqa)
+    selected_switches = ((("window",), Mask.CAUSAL), (("softcap",), Mask.CAUSAL))  # switch sets, masks (any gqa)
     # A score_mod (no mask_mod, no switch) at the selected head dims, dtypes and masks: the H100 run of
     # scripts/gpu_gluon_mods.py measured the gluon modded forward at 1.27-1.78x the Triton one (softcap, ALiBi,
     # relative bias, a head bias; causal and full, S8192; docs/mods.md, "Gluon").
@@ -495,6 +495,6 @@ class GluonBackend(DecodeRules, KernelBackend):
             return (self.select_score_mods and spec.mask_mod is None and not spec.switches
                     and spec.mask in self.selected_masks)
         if spec.switches:
-            return (spec.switches, spec.mask) == self.selected_switches
+            return (spec.switches, spec.mask) in self.selected_switches
         mha_causal = spec.mask is Mask.CAUSAL and spec.gqa == 1
         return spec.mask in self.selected_masks + self.selected_pad_masks and not (mha_causal and self.tile_order(spec) is None)

@@ -1,4 +1,5 @@
-"""The lab's Gluon dK/dV kernel at MLA's split head dims (lab/gluon_bwd_mla_kv.py: d_qk 192 beside d_v 128, two
+"""The product's Gluon dK/dV kernel at MLA's split head dims, through the lab's sweep wrapper (lab/gluon_bwd_mla_kv.py
+over fagen/templates/gluon/mla_dkdv.py: d_qk 192 beside d_v 128, two
 compute warpgroups of 64 keys, no dQ) builds for sm_90 without a GPU: within shared memory and setmaxnreg 240 / 24,
 no spills at 32-query steps (none in a step loop), each compute warpgroup's step one loop of 13 wgmma ops; and
 scripts/gpu_mlabwd_s22.py's edit of the product's render (the hook that hands dK/dV to it) applies to today's
@@ -35,7 +36,8 @@ print("RESULT " + json.dumps(out))
 """
 
 BUILDS = {"m32 s2 g4": dict(BLOCK_M=32, STAGES=2, GROUP=4), "m32 s3": dict(BLOCK_M=32, STAGES=3),
-          "m32 s2 gqa2": dict(BLOCK_M=32, STAGES=2, GROUP=4, gqa=2, causal=False)}
+          "m32 s2 gqa2": dict(BLOCK_M=32, STAGES=2, GROUP=4, gqa=2, causal=False),
+          "m32 s2 g4 dv early": dict(BLOCK_M=32, STAGES=2, GROUP=4, DV_EARLY=1)}
 
 
 @pytest.fixture(scope="module")

@@ -148,8 +148,9 @@ if _MLA_KV_GLUON:
                     kv_empty, DK, DV_, qk_scale, scale, num_tiles, num_bh, num_heads_kv, seq_q, seq_k, WG: gl.constexpr,
                     DB: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     STAGES: gl.constexpr, GQA: gl.constexpr, CAUSAL: gl.constexpr, PIPE: gl.constexpr,
-                    GROUP: gl.constexpr):
-        """One compute warpgroup: keys n0 + 64 WG .. + 64 of each tile."""
+                    GROUP: gl.constexpr, DV_EARLY: gl.constexpr, MUTANT: gl.constexpr):
+        """One compute warpgroup: keys n0 + 64 WG .. + 64 of each tile. DV_EARLY 1: dV's matmul issued before the
+        wait for dP^T (under dS^T's arithmetic). MUTANT 1 (tests only): dK's scale left out."""
         dtype: gl.constexpr = ka_smem.dtype
         WN: gl.constexpr = BLOCK_N // 2
         s_l: gl.constexpr = _mla_kv_mma(4, 1, BLOCK_M)  # S^T, dP^T: [WN keys, BLOCK_M queries]
@@ -202,11 +203,17 @@ if _MLA_KV_GLUON:
                         visible = visible & (keys[:, None] <= qrows[None, :] + (seq_k - seq_q))
                     st = gl.where(visible, st, float("-inf"))  # -inf before exp2: P = 0 exactly
                 pt = gl.exp2(st * qk_scale - lse2[None, :])
-                dpt = warpgroup_mma_wait(0, deps=(dpt_tok, ))
+                if DV_EARLY:  # dV += P^T dO goes in before the wait for dP^T
+                    pt_op = gl.convert_layout(pt.to(dtype), opv_l)
+                    dv_tok = warpgroup_mma(pt_op, do_s, dv, is_async=True)
+                    dpt = warpgroup_mma_wait(1, deps=(dpt_tok, ))
+                else:
+                    dpt = warpgroup_mma_wait(0, deps=(dpt_tok, ))
                 delta = d_smem.index(s).reshape([BLOCK_M]).load(gl.SliceLayout(0, s_l))
                 dst = (pt * (dpt - delta[None, :])).to(dtype)
-                pt_op = gl.convert_layout(pt.to(dtype), opv_l)
-                dv_tok = warpgroup_mma(pt_op, do_s, dv, is_async=True)
+                if not DV_EARLY:
+                    pt_op = gl.convert_layout(pt.to(dtype), opv_l)
+                    dv_tok = warpgroup_mma(pt_op, do_s, dv, is_async=True)
                 dsa_op = gl.convert_layout(dst, opa_l)
                 dka_tok = warpgroup_mma(dsa_op, qa_s, dka, is_async=True)
                 dsb_op = gl.convert_layout(dst, opb_l)
@@ -228,8 +235,9 @@ if _MLA_KV_GLUON:
                 mbarrier.arrive(empty.index(s))
                 j += 1
             mbarrier.arrive(kv_empty.index(0))
-            dka = dka * scale  # dS was taken w.r.t. the scaled scores: dK = scale * dS^T Q
-            dkb = dkb * scale
+            if not MUTANT:  # dS was taken w.r.t. the scaled scores: dK = scale * dS^T Q
+                dka = dka * scale
+                dkb = dkb * scale
             base = (off_b * num_heads_kv + off_hkv).to(gl.int64) * seq_k + n0
             r = gl.arange(0, WN, layout=gl.SliceLayout(1, ka_l)) + WG * WN
             c = gl.arange(0, DA, layout=gl.SliceLayout(0, ka_l))
@@ -248,7 +256,8 @@ if _MLA_KV_GLUON:
                          num_tiles, num_bh, num_heads_kv, seq_q, seq_k, DB: gl.constexpr, DV: gl.constexpr,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GQA: gl.constexpr,
                          CAUSAL: gl.constexpr, COMPUTE_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                         PIPE: gl.constexpr, GROUP: gl.constexpr):
+                         PIPE: gl.constexpr, GROUP: gl.constexpr, DV_EARLY: gl.constexpr = 0,
+                         MUTANT: gl.constexpr = 0):
         gl.static_assert(BLOCK_N == 128)
         dtype: gl.constexpr = qa_desc.dtype
         qa_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, DA], dtype)
@@ -278,10 +287,12 @@ if _MLA_KV_GLUON:
         gl.warp_specialize([
             (_mla_kv_compute, (qa_smem, qb_smem, do_smem, ka_smem, kb_smem, v_smem, l_smem, d_smem, ready, empty,
                                kv_ready, kv_empty, DK, DV_, qk_scale, scale, num_tiles, num_bh, num_heads_kv, seq_q,
-                               seq_k, 0, DB, DV, BLOCK_M, BLOCK_N, STAGES, GQA, CAUSAL, PIPE, GROUP)),
+                               seq_k, 0, DB, DV, BLOCK_M, BLOCK_N, STAGES, GQA, CAUSAL, PIPE, GROUP,
+                               DV_EARLY, MUTANT)),
             (_mla_kv_compute, (qa_smem, qb_smem, do_smem, ka_smem, kb_smem, v_smem, l_smem, d_smem, ready, empty,
                                kv_ready, kv_empty, DK, DV_, qk_scale, scale, num_tiles, num_bh, num_heads_kv, seq_q,
-                               seq_k, 1, DB, DV, BLOCK_M, BLOCK_N, STAGES, GQA, CAUSAL, PIPE, GROUP)),
+                               seq_k, 1, DB, DV, BLOCK_M, BLOCK_N, STAGES, GQA, CAUSAL, PIPE, GROUP,
+                               DV_EARLY, MUTANT)),
             (_mla_kv_producer, (qa_desc, qb_desc, do_desc, ka_desc, kb_desc, v_desc, l_desc, d_desc, qa_smem,
                                 qb_smem, do_smem, ka_smem, kb_smem, v_smem, l_smem, d_smem, ready, empty, kv_ready,
                                 kv_empty, num_tiles, num_bh, num_heads_kv, seq_q, seq_k, DB, DV, BLOCK_M, BLOCK_N,

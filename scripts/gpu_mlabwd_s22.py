@@ -63,7 +63,7 @@ CANDS = {
 }
 # ptxas leaves local memory in their step loops (m64: 32 LDL a step; pipe: 1 LDL in the tail loop): timed to see
 # what the step width and the overlap would give, not candidates for the product as built
-SEE = ("gluon m64 s2 g4", "gluon m32 s3 pipe g4", "gluon m32 s2 pipe g4")
+SEE = ("gluon m64 s2 g4", "gluon m32 s3 pipe g4", "gluon m32 s2 pipe g4", "mutant")  # mutant: 4 B since the fold (s23)
 GPU_LABELS = {
     "A": ("gluon m32 s2", "gluon m32 s2 g4", "gluon m32 s3 g4", "gluon m32 s3 pipe g4"),
     "B": ("gluon m32 s2 g4", "gluon m32 s2 g2", "gluon m32 s2 g8", "gluon m32 s2 g4 dv early"),

@@ -319,3 +319,43 @@ def test_the_cli_passes_rounds_to_the_suites_and_their_json(monkeypatch, tmp_pat
     res = CliRunner().invoke(main, ["bench", "--suite", suite, "--device", device, "--json", str(out)])
     assert res.exit_code == 0 and seen[-1] == rounds.SUITE_ROUNDS  # without --rounds: the suites' own default
     assert json.loads(out.read_text())["meta"]["rounds"] == rounds.SUITE_ROUNDS
+
+
+def test_a_mods_row_keeps_fagens_side_where_flex_fails_and_checks_it_against_float64(monkeypatch):
+    """The learned bias's row: Flex's backward fails to compile on sm_90 (233 KB of shared memory), so the row
+    keeps fagen's times and names Flex's error; fagen's output is then checked against float64 instead."""
+    given = {"fagen": {"mask_ms": [0.5], "fwd_ms": [1.0], "bwd_ms": [4.0]}}
+    mods, log = _fake_mods(monkeypatch, given)
+
+    def flex_fails(*args):
+        raise RuntimeError("No valid triton configs. OutOfMemoryError: out of resource\nmore")
+    monkeypatch.setattr(mods, "_flex_side", flex_fails)
+    monkeypatch.setattr(mods, "_float64_diff", lambda out, *a: 1.5e-3)
+    row, = mods.mod_rows("cuda", mods.ModsShape(), log=lambda _: None, rounds=1)
+    assert "error" not in row and "flex" not in row and "fwd_x" not in row
+    assert row["fagen"]["fwd_ms"] == 1.0 and row["max_diff_vs_float64"] == 1.5e-3
+    assert row["flex_error"] == "RuntimeError: No valid triton configs. OutOfMemoryError: out of resource"
+    table = mods.table([row])
+    assert "| doc | 4 | fails | - | 2 | fails | - |" in table, table
+    from fagen.bench.mods_table import line
+    assert "flex failed (RuntimeError: No valid" in line(row) and "vs float64 1.5e-03" in line(row)
+
+    monkeypatch.setattr(mods, "_fagen_side", flex_fails)  # fagen's own failure still fails the row
+    row, = mods.mod_rows("cuda", mods.ModsShape(), log=lambda _: None, rounds=1)
+    assert row["error"].startswith("RuntimeError: No valid triton configs")
+
+
+def test_the_float64_check_of_a_mods_row_reads_the_reference_of_the_same_mods():
+    import torch
+
+    from fagen.bench import gym_mods as g
+    from fagen.bench import mods
+    from fagen.verify import reference
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 70, 16, generator=gen) for _ in range(3))
+    bias = torch.randn(2, 139, generator=gen) * 0.1
+    score_mod = g.generate_relative_bias(bias, 70)
+    want, _ = reference.attention(q.double(), k.double(), v.double(), score_mod=score_mod, mask_mod=g.causal_mask)
+    assert mods._float64_diff(want.float(), q, k, v, score_mod, g.causal_mask) < 1e-6
+    assert mods._float64_diff(want.float(), q, k, v, None, g.causal_mask) > 1e-3  # the mod dropped: seen

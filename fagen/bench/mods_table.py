@@ -17,6 +17,8 @@ def line(row: dict) -> str:
             text += (f"; flex fwd {row['flex']['fwd_TF/s']:.0f}, bwd {row['flex']['bwd_TF/s']:.0f}; "
                      f"fwd {row['fwd_x']:.2f}x (target {TARGETS['fwd']}), bwd {row['bwd_x']:.2f}x "
                      f"(target {TARGETS['bwd']}); max diff {row['max_diff_vs_flex']:.1e}")
+        if "flex_error" in row:
+            text += f"; flex failed ({row['flex_error'][:160]}); max diff vs float64 {row['max_diff_vs_float64']:.1e}"
         if "bias_grad_bitwise_repeatable" in row:
             text += f"; bias grad bitwise repeatable: {row['bias_grad_bitwise_repeatable']}"
         if "fagen_mask_ms" in row:
@@ -57,8 +59,10 @@ def table(records: list[dict]) -> str:
             lines.append(f"| {r['case']} | error: {r['error'][:80]} ||||||||")
             continue
         a, b = r["fagen"], r.get("flex", {})
-        lines.append(f"| {r['case']} | {f(a['fwd_TF/s'])} | {f(b.get('fwd_TF/s'))} | {f(r.get('fwd_x'), '.2f')} | "
-                     f"{f(a['bwd_TF/s'])} | {f(b.get('bwd_TF/s'))} | {f(r.get('bwd_x'), '.2f')} | "
+        fx = "fails" if "flex_error" in r else None  # Flex's error: the row's line
+        lines.append(f"| {r['case']} | {f(a['fwd_TF/s'])} | {fx or f(b.get('fwd_TF/s'))} | "
+                     f"{f(r.get('fwd_x'), '.2f')} | "
+                     f"{f(a['bwd_TF/s'])} | {fx or f(b.get('bwd_TF/s'))} | {f(r.get('bwd_x'), '.2f')} | "
                      f"{f(r.get('fagen_mask_ms'), '.2f')} / {f(r.get('flex_mask_ms'), '.2f')} | "
                      f"{r.get('lowered_to') or '-'} |")
     lines += rounds_note(records)

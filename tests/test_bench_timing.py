@@ -84,7 +84,10 @@ def test_loop_times_back_to_back_only_the_copy_rows_whose_other_sets_outgrow_the
         assert timing.streams(3, set_bytes(rows[name])) and not timing.streams(1, set_bytes(rows[name]))
     assert timing.streams(2, 256 << 20) and not timing.streams(2, (256 << 20) - 1) and not timing.streams(3, None)
     assert {c.name for c in serving_rows() + standard_suite() if copy_relative(c)} == {
-        "decode-d128-kv8k-b32-fp8", "decode-d128-kv32k-b8-fp8", "decode-d128-kv8k-b32-fp8-paged16"}
+        "decode-d128-kv8k-b32-fp8", "decode-d128-kv32k-b8-fp8", "decode-d128-kv8k-b32-fp8-paged16",
+        *(f"decode-mla-absorbed-h16-{kv}{tag}" for kv in ("kv4k-b128", "kv32k-b32") for tag in ("", "-fp8"))}
+    for name in ("decode-mla-absorbed-h16-kv4k-b128-fp8", "decode-mla-absorbed-h16-kv32k-b32"):  # MLA's too
+        assert timing.streams(3, set_bytes(rows[name]))
     seen = []
     monkeypatch.setattr(timing, "measure", lambda *a: seen.append(a[-1]) or 1.0)
     for name in ("decode-d128-kv8k-b32-fp8", "decode-d128-kv8k-b32"):
@@ -116,7 +119,9 @@ def test_copy_reference_runs_where_a_target_names_it_and_is_no_peer(tmp_path):
 
     rows = {c.name: c for c in serving_rows(quick=True)}
     named = [n for n, c in rows.items() if "copy" in case_impls(c, IMPLS)]
-    assert named == ["decode-d128-kv8k-b32-fp8", "decode-d128-kv32k-b8-fp8", "decode-d128-kv8k-b32-fp8-paged16"]
+    assert named == ["decode-mla-absorbed-h16-kv4k-b128", "decode-mla-absorbed-h16-kv32k-b32",
+                     "decode-mla-absorbed-h16-kv4k-b128-fp8", "decode-mla-absorbed-h16-kv32k-b32-fp8",
+                     "decode-d128-kv8k-b32-fp8", "decode-d128-kv32k-b8-fp8", "decode-d128-kv8k-b32-fp8-paged16"]
     case = rows["decode-d128-kv8k-b32-fp8"]
     recs = run_case(case, BenchOptions(device="cpu", impls=("fagen", "copy"), rep_ms=1, sets=2), log=lambda _: None)
     by = {r["impl"]: r for r in recs}

@@ -381,6 +381,10 @@ RELATIVE_TARGETS = {
     # Issue 27: an fp8 KV cache's decode at >= 95% of the copy of its bytes ([Note] Copy reference in impls.py).
     **{case: (("copy", 0.95),) for case in ("decode-d128-kv8k-b32-fp8", "decode-d128-kv32k-b8-fp8",
                                             "decode-d128-kv8k-b32-fp8-paged16")},
+    # Issue 27: MLA's absorbed decode at the memory-bound shapes (Hq 16, Sq 1), >= 90% of copy with a bf16 latent
+    # cache and, as every fp8 cache, >= 95% (counted in the bytes read) with an e4m3 one (twenty-third session).
+    **{f"decode-mla-absorbed-h16-{kv}{tag}": (("copy", bound),) for kv in ("kv4k-b128", "kv32k-b32")
+       for tag, bound in (("", 0.9), ("-fp8", 0.95))},
 }
 # Issue 28: the backward's faster mode (deterministic=False: the fagen-nondet column) against cuDNN, >= 1.0x for the
 # causal, full and GQA 32/8 rows, beside the deterministic mode's >= 0.95x (RELATIVE_TARGETS). (impl, peer, bound):

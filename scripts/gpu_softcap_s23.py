@@ -1,7 +1,7 @@
 """The softcap forward's schedule (twenty-third session): the standard suite's fwd-d128-softcap-causal-s16k (B1 H16 s16k
 d128 bf16, cap 50; the Gluon forward since the twenty-second session, 0.81x the plain causal row against a 0.9x target)
 against the levers of [Note] Softcap forward levers in fagen/templates/gluon/attention.py.j2 (GluonBackend.variant
-pv_overlap, cap_turns, cap_max_first; all default off).
+pv_overlap, cap_turns, cap_max_first, and the twenty-second session's cap_exp_poly; all default off).
 
     PYTHONPATH=$PWD python3 scripts/gpu_softcap_s23.py --dry-run     # the CPU: sm_90 builds, step-loop SASS counts
     python3 scripts/gpu_softcap_s23.py --round A                      # the GPU: build, check, time (< 50 s)
@@ -40,6 +40,7 @@ VARIANTS = {
     "turns4": {"cap_turns": 4},
     "maxfirst": {"cap_max_first": 1},
     "pv+maxfirst": {"pv_overlap": 1, "cap_max_first": 1},
+    "pv+exp2": {"pv_overlap": 1, "cap_exp_poly": 2},
     "mutant: no tanh": {"pv_overlap": 1, "cap_max_first": 1, "patch": (r"s_acc = _tanh\(s_x\)", "s_acc = s_x * 1.0")},
 }
 TIMED = [n for n in VARIANTS if not n.startswith("mutant") and n != "product"]

@@ -11,6 +11,7 @@ in scripts/gpu_softcap_s23.py on the GPU."""
 import pytest
 
 import fagen
+from fagen import backends
 from fagen.spec.kernel import KernelSpec
 from _env import ON_GPU
 from test_fp8_wgs import variant
@@ -35,13 +36,25 @@ def _others():
 
 
 def test_the_levers_render_only_in_the_softcap_forward():
-    with variant():
+    with variant(cap_max_first=0):
         base, cap = _others(), render(softcap=True)
-    assert "s_x" not in cap and "_turn(" not in cap and "_BAR_TURN" not in cap  # off: main's softcap render
+    assert "s_x" not in cap and "_turn(" not in cap and "_BAR_TURN" not in cap  # all off
     for lever in LEVERS:
-        with variant(**lever):
+        with variant(**{"cap_max_first": 0, **lever}):
             assert _others() == base, lever  # plain, window, fp16, d64, fp8, softcap with the window: unchanged
             assert render(softcap=True) != cap, lever
+
+
+def test_max_first_is_the_product():
+    """CAP_MAX_FIRST (H200, twenty-third session: the suite's softcap row 1.021x / 1.022x per pass in rounds A / B, out
+    and lse bit for bit the product's before it): main's softcap render takes the max before the tanh; the plain
+    and window renders are those of cap_max_first 0 byte for byte."""
+    from fagen.backends import gluon
+    assert gluon.CAP_MAX_FIRST == 1 and backends.GLUON.variant["cap_max_first"] == gluon.CAP_MAX_FIRST
+    assert "s_acc = _tanh(s_x)" in func(render(softcap=True), "_softmax")
+    base = _others()
+    with variant(cap_max_first=0):
+        assert _others() == base and "s_x" not in render(softcap=True)
 
 
 def test_max_first_takes_the_unmasked_max_before_the_tanh():
@@ -125,8 +138,8 @@ for key, changes in json.loads(sys.argv[2]).items():
                     steps=[s for s in steps if s["hgmma"] == 16])
 print("RESULT " + json.dumps(out))
 """
-MODULES = {"product": {}, "pv": {"pv_overlap": 1}, "turns4": {"cap_turns": 4}, "maxfirst": {"cap_max_first": 1},
-           "fix": {"cap_fixed_max": 1}}
+MODULES = {"main": {"cap_max_first": 0}, "pv": {"pv_overlap": 1, "cap_max_first": 0},
+           "turns4": {"cap_turns": 4, "cap_max_first": 0}, "maxfirst": {}, "fix": {"cap_fixed_max": 1}}
 
 
 @pytest.fixture(scope="module")
@@ -146,11 +159,11 @@ def test_sm90_no_spills_and_where_the_p_v_wait_sits(built, key):
     assert len(unmasked) == 4, r  # two warpgroups x (unmasked, masked): 64 tanh and 66 exp2 a step (64 P, 2 alpha)
     tanh = sorted(s["tanh"] for s in r["steps"])
     after = sorted(s["pv_after"] for s in r["steps"])
-    if key == "product":  # ptxas waits for P V before the exponentials ([Note] V release)
+    if key == "main":  # ptxas waits for P V before the exponentials ([Note] V release)
         assert tanh == [64] * 4 and max(after) <= 2, r
     if key == "pv":  # the softmax in its own block: the wait after every exponential
         assert tanh == [64] * 4 and after == [66] * 4, r
     if key == "turns4":  # warpgroup 1's bar.red after its exponentials pins its P V wait behind them
         assert all(s["red"] == 1 for s in r["steps"]) and after.count(66) >= 2, r
-    if key == "maxfirst":  # one tanh of the row max a row (a thread's two rows) in the unmasked loops
+    if key == "maxfirst":  # (the product) one tanh of the row max a row (a thread's two rows) in the unmasked loops
         assert tanh == [64, 64, 66, 66] and max(after) <= 2, r

@@ -2,7 +2,8 @@
 d128 bf16, cap 50; the Gluon forward since the twenty-second session, 0.81x the plain causal row against a 0.9x target)
 against the levers of [Note] Softcap forward levers in fagen/templates/gluon/attention.py.j2 (GluonBackend.variant
 pv_overlap, cap_turns, cap_max_first, cap_fixed_max, and the twenty-second session's cap_exp_poly; all default
-off). Round A: the schedule levers; round B (the default): max first again, the fixed shift alone and with the others).
+off). Round A: the schedule levers; round B (the default): max first again, the fixed shift alone and with the others;
+round C (not run in the session): the fixed shift with l summed from the rounded P, against the product (max first).
 
     PYTHONPATH=$PWD python3 scripts/gpu_softcap_s23.py --dry-run     # the CPU: sm_90 builds, step-loop SASS counts
     python3 scripts/gpu_softcap_s23.py --round A                      # the GPU: build, check, time (< 50 s)
@@ -51,6 +52,9 @@ ROUND_A = {  # round A's (all passed the checks; none but maxfirst won): kept fo
 }
 if ROUND == "A":
     VARIANTS = {"product": None, "maxfirst": VARIANTS["maxfirst"], **ROUND_A}
+if ROUND == "C":  # after CAP_MAX_FIRST (the product takes the max first): the fixed shift with l from the rounded P
+    VARIANTS = {"product": None, "max after (main)": {"cap_max_first": 0},
+                **{n: v for n, v in VARIANTS.items() if n.startswith(("fix", "mutant")) and n != "fix+pv"}}  # spills
 TIMED = [n for n in VARIANTS if not n.startswith("mutant") and n != "product"]
 # (mask, B, Hq, Hkv, Sq, Sk, cap): odd lengths (one build a mask), Sq != Sk both ways (causal 1300x777: 523 rows a
 # head see no key: out 0, lse -inf), and the timed build's specialization (lengths divisible by 16) at 4096 / 2048

@@ -87,6 +87,10 @@ def test_fixed_shift_drops_the_max_and_the_rescale():
     soft, step = func(src, "_softmax"), func(src, "_consumer_step")
     assert "gl.max(" not in soft and "gl.exp2(m_i - m_use)" not in soft and "_turn_dep" not in src
     assert "p = gl.exp2(s_acc * qk_scale - m_use[:, None])" in soft and "l_i = l_i + gl.sum(p, 1)" in soft
+    # l sums P as the P V reads it (rounded to bf16): with l from the unrounded p the H200 check read 1.8x the error
+    assert soft.index("p = p.to(gl.bfloat16).to(gl.float32)") < soft.index("l_i = l_i + gl.sum(p, 1)")
+    with variant(cap_fixed_max=1):
+        assert "p = p.to(gl.float16).to(gl.float32)" in func(render(softcap=True, dtype="fp16"), "_softmax")
     assert "gl.where(visible, s_acc, float(\"-inf\"))" in soft  # masked scores still give exactly 0
     assert "o_acc * gl.convert_layout(alpha" not in step
     line = next(x for x in src.splitlines() if "m_i = gl.full([BLOCK_M], 0.0" in x)

@@ -15,6 +15,7 @@ from fagen.spec.axes import Backend, Direction, DType, Kind, Layout, Mask, SpecE
 # [Note] fp8 full-mask 192-key steps: True gives a plain fp8 d128 MHA full-mask forward 192-key steps with warpgroup
 FP8_FULL_N192 = True  # turns 4 (variant_for); causal unchanged. H200 +3.4%: docs/hopper.md, fp8 forward (twenty-first)
 FP8_N256: dict = {}  # mask -> fp8_n256 mode (+ turns 4; variant_for, over FP8_FULL_N192). Off: hopper.md, twenty-second
+CAP_MAX_FIRST = 1  # [Note] Softcap forward levers (variant cap_max_first). H200 1.021 / 1.022x: hopper.md, twenty-third
 
 
 def smem_bytes(head_dim: int, block_m: int, block_n: int, num_stages: int, itemsize: int = 2,
@@ -119,7 +120,7 @@ class GluonBackend(DecodeRules, KernelBackend):
     variant = {"consumer_regs": 240, "loader_regs": 24, "tile_schedule_all": False, "causal_order": 3,
                "fp8_p_cvt": 3, "fp8_wgs": 2, "fp8_wg3_regs": (160, 24), "fp8_o_skip": 0,
                "fp8_pv_overlap": 0, "fp8_d64": {"fp8_wgs": 3}, "fp8_n192": 0, "fp8_vt": 0,
-               "fp8_pass_evict": 0, "fp8_vt_pad": 0, "fp8_full_order": 0,
+               "fp8_pass_evict": 0, "fp8_vt_pad": 0, "fp8_full_order": 0, "cap_turns": 0, "cap_max_first": CAP_MAX_FIRST, "cap_exp_poly": 0, "cap_exp_deg": 3, "cap_fixed_max": 0,
                "fp8_s_ahead": 0, "fp8_turns": 0, "fp8_n256": 0, "fp8_tail_split": 0,
                "pv_overlap": 0, "fwd_tail_first": 1, "pad_empty": 1, "pad_order": 2,  # [Note] Gluon padding masks
                "bwd_order": 0, "bwd_snake": 0, "bwd_named": 0, "bwd_epi_tma": 0, "bwd_fixed": 0, "bwd_window_desc": 0,
@@ -329,8 +330,7 @@ class GluonBackend(DecodeRules, KernelBackend):
     # bwd_epi_tma 1, dK/dV stored by TMA through the dQ slot; bwd_unordered_levers, the levers of the unordered mode's
     # own kernel in causal specs (a dict of those keys; {}: the deterministic mode's kernel serves both); bwd_full_levers
     # the same for plain full specs, with bwd_persist 1 (modes 1, 2 on the persistent grid, not one program per
-    # tile; twelfth session, docs/hopper.md).
-    # All off: on the lab kernel (H100, docs/hopper.md) none
+    # tile; twelfth session, docs/hopper.md). All off: on the lab kernel (H100, docs/hopper.md) none
     # won in the deterministic mode at all three cases; their sum won only unordered at d128 causal (520 vs 469). The
     # product's unordered causal kernel takes named 2 + TMA epilogue + snake ("u-nes"): round B of the seventh session
     # (scripts/gpu_gluon_bwd_product.py, H100, d128 causal B1 H16 s16k, one process) 540 TF/s against 458-460 for

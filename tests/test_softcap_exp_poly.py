@@ -1,0 +1,177 @@
+"""The softcap forward's exponentials on the FMA pipe, twenty-second session: GluonBackend.variant cap_exp_poly K
+([Note] Softcap exp2 on the FMA pipe in fagen/templates/gluon/attention.py.j2) computes K eighths of each thread's
+exponentials of an unmasked step of the Gluon softcap forward as 2^j * p(f), without MUFU. Here: the render (only
+where on: the softcap; masked steps keep exp2), the rendered _exp2_poly run in numpy against 2**x in float64, the
+rendered _exp2_mix's split and join on numpy arrays (every element back in its place, K / 8 of each thread's
+registers), and the sm_90 build (no spills, MUFU fewer by the share in the unmasked step loops only). The kernels
+against float64 run in scripts/gpu_capexp_s22.py (branch s22-capexp) and scripts/gpu_softcap_s23.py on the GPU."""
+
+import re
+
+import numpy as np
+import pytest
+
+import fagen
+from fagen.spec.kernel import KernelSpec
+from _env import ON_GPU
+from test_fp8_wgs import variant
+from test_hopper_compile import build_sm90
+
+REL = {2: 2.1e-3, 3: 1.2e-4}  # the polynomial's relative error over f in [-0.5, 0.5], with float32's rounding
+
+
+def render(mask="causal", **fields):
+    return fagen.generate(KernelSpec(backend="gluon", head_dim=128, mask=mask, **{"dtype": "bf16", **fields}))
+
+
+def func(src, name):
+    i = src.index(f"def {name}(")
+    return src[i:src.index("\n\n\n", i)]
+
+
+def test_renders_only_where_on():
+    with variant(cap_exp_poly=0):
+        cap, plain, window, fp8 = (render(softcap=True), render(), render(window=True),
+                                   render(mask="none", dtype="fp8_e4m3"))
+    assert "_exp2_poly" not in cap and "Softcap exp2 on the FMA pipe" not in cap
+    for k in (1, 2, 3, 4, 6, 8):
+        with variant(cap_exp_poly=k):
+            assert render() == plain and render(window=True) == window  # the softcap's lever only
+            assert render(mask="none", dtype="fp8_e4m3") == fp8
+            src = render(softcap=True)
+        soft = func(src, "_softmax")
+        masked, unmasked = soft.split("    if MASKED:\n        p = gl.exp2(")[1].split("    else:\n        p = _exp2_mix(")
+        assert "s_acc * qk_scale - m_use[:, None]" in masked and "alpha = gl.exp2(m_i - m_use)" in unmasked
+        mix = func(src, "_exp2_mix")
+        assert mix.count("_exp2_poly(") == bin(k).count("1") and ("gl.exp2(" in mix) == (k < 8)
+
+
+class _GL:
+    maximum = staticmethod(lambda x, y: np.fmax(x, np.float32(y)))
+    fma = staticmethod(lambda a, b, c: (np.float64(a) * np.float64(b) + np.float64(c)).astype(np.float32))
+
+
+def _np_poly(src):
+    """The rendered _exp2_poly as a numpy function on float32 arrays (max.f32 drops NaN as np.fmax; one rounding per
+    fma; bitcasts as views; int32 arithmetic wraps)."""
+    body = func(src, "_exp2_poly").replace(".to(gl.int32, bitcast=True)", ".view(np.int32)").replace(
+        ".to(gl.float32, bitcast=True)", ".view(np.float32)")
+    assert "bitcast" not in body and "@" not in body
+    ns = {"np": np, "gl": _GL}
+    exec(body, ns)  # noqa: S102 (the repo's own render)
+    return lambda x: ns["_exp2_poly"](np.asarray(x, np.float32))
+
+
+def _xs():
+    g = np.random.default_rng(0)
+    return np.concatenate([np.linspace(-127, 8, 200001), g.uniform(-127, 8, 100000), np.arange(-127, 9),
+                           np.arange(-127, 8) + 0.5, np.arange(-127, 8) - 0.5]).astype(np.float32)
+
+
+def _poly_error(f, x):
+    """(the largest relative error where 2^x is normal (x >= -125), the largest absolute error below)"""
+    with np.errstate(over="ignore", invalid="ignore"):
+        got = f(x).astype(np.float64)
+    want = np.exp2(x.astype(np.float64))
+    hi = x >= -125
+    return float(np.max(np.abs(got[hi] - want[hi]) / want[hi])), float(np.max(np.abs(got[~hi] - want[~hi])))
+
+
+@pytest.mark.parametrize("deg", [2, 3])
+def test_the_polynomial_against_2_to_the_x(deg):
+    with variant(cap_exp_poly=4, cap_exp_deg=deg):
+        src = render(softcap=True)
+    f = _np_poly(src)
+    rel, low = _poly_error(f, _xs())
+    assert rel <= REL[deg] and low <= 2.0 ** -125, (rel, low)
+    out = f(np.array([-np.inf, -127.0, -128.0, -1000.0, -3e38], np.float32))  # c0 = 1: exactly +0.0 below the clamp
+    assert (out.view(np.int32) == 0).all(), out
+    assert f(np.array([0.0, 8.0, -1.0, 3.0], np.float32)).tolist() == [1.0, 256.0, 0.5, 8.0]
+    # red when the round's magic constant, the exponent's shift or a coefficient is off
+    for bad in (src.replace("12582912.0", "8388608.0"), src.replace("<< 23)", "<< 22)"),
+                re.sub(r"(p = gl\.fma\(f, )(\d\.\d+)", lambda m: m.group(1) + str(float(m.group(2)) * 1.01), src, 1),
+                re.sub(r"(p = gl\.fma\(f, [0-9.]+, )(\d\.\d+)", lambda m: m.group(1) + str(float(m.group(2)) * 1.003),
+                       src, 1)):
+        assert bad != src
+        rel_b, low_b = _poly_error(_np_poly(bad), _xs())
+        assert rel_b > REL[deg] or low_b > 2.0 ** -125, (rel_b, low_b)
+
+
+class _Tagged:
+    """gl for _exp2_mix in numpy: gl.exp2 keeps an element's sign, _exp2_poly flips it, so the output shows which path
+    each element took and where it landed."""
+    split = staticmethod(lambda x: (x[..., 0], x[..., 1]))
+    join = staticmethod(lambda a, b: np.stack([a, b], -1))
+    permute = staticmethod(lambda x, p: np.transpose(x, p))
+    reshape = staticmethod(lambda x, s: np.reshape(x, s))
+    exp2 = staticmethod(lambda x: x + 0.0)
+    convert_layout = staticmethod(lambda x, layout: x)
+    static_assert = staticmethod(lambda c: None)
+    constexpr = object
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 6, 8])
+def test_the_share_is_k_eighths_of_every_thread_and_each_element_returns_to_its_place(k):
+    with variant(cap_exp_poly=k):
+        body = func(render(softcap=True), "_exp2_mix")
+    body = body.replace("M: gl.constexpr = x.shape[0]", "M = x.shape[0]").replace(
+        "N: gl.constexpr = x.shape[1]", "N = x.shape[1]").replace("x.type.layout", "None")
+    ns = {"gl": _Tagged, "_exp2_poly": lambda x: -x}
+    exec(body, ns)  # noqa: S102
+    m, n = 64, 128
+    x = (np.arange(m * n, dtype=np.float64) + 1).reshape(m, n)
+    out = ns["_exp2_mix"](x)
+    assert out.shape == (m, n) and (np.abs(out) == x).all()  # every element back in its place
+    poly = out < 0
+    cols = np.arange(n)  # a thread holds column bits 0, 3.. in registers; bits 1, 2 are its lane's
+    for lane_cols in range(4):
+        assert (poly[:, (cols >> 1) % 4 == lane_cols].sum(1) == 4 * k).all()
+    assert (poly.sum(0) % m == 0).all()  # by column: the same columns in every row
+
+
+_SCRIPT = r"""
+import json, os, re, sys
+from collections import Counter
+sys.path.insert(0, sys.argv[1])
+sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
+sys.path.insert(0, os.path.join(sys.argv[1], "scripts"))
+import fagen
+from fagen import backends
+from fagen.spec.kernel import KernelSpec
+from fagen.codegen import render
+from fagen.runtime.loader import load_source
+from sm90 import ptxas
+from gpu_softcap_s23 import step_loops
+
+out = {}
+for key, fields in json.loads(sys.argv[2]).items():
+    fields = dict(fields)
+    backends.GLUON.variant["cap_exp_poly"] = fields.pop("k", 0)
+    backends.GLUON.variant["cap_exp_deg"] = fields.pop("deg", 3)
+    spec = KernelSpec(backend="gluon", head_dim=128, softcap=True, dtype="bf16", **fields)
+    render.render.cache_clear()
+    mod = load_source(fagen.generate(spec), spec.name + "_" + key)
+    res, log, dump = ptxas(mod.compile_for().asm["ptx"], sass=True)
+    r = next(iter(res.values()))
+    out[key] = dict(regs=r.registers, spills=r.spill_stores + r.spill_loads, serialized="serialized" in log,
+                    steps=[dict(HGMMA=sum("HGMMA" in y for y in b), MUFU=sum("MUFU" in y for y in b))
+                           for b in step_loops(dump) if sum("HGMMA" in y for y in b) == 16])
+print("RESULT " + json.dumps(out))
+"""
+MODULES = {"product": dict(mask="causal"), "k3d3": dict(mask="causal", k=3, deg=3),
+           "k4d2_full": dict(mask="none", k=4, deg=2)}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    return build_sm90(tmp_path_factory, _SCRIPT, MODULES, "softcap-exp-poly-sm90")
+
+
+@pytest.mark.skipif(ON_GPU, reason="an sm_90 build on the CPU (the GPU script runs the kernels)")
+@pytest.mark.parametrize("key", list(MODULES))
+def test_sm90_no_spills_and_the_mufu_count_drops_by_the_share(built, key):
+    r, k = built[key], MODULES[key].get("k", 0)
+    assert r["spills"] == 0 and not r["serialized"] and len(r["steps"]) == 4, r
+    # two consumer warpgroups x (unmasked, masked) step loops: 130 MUFU a step (64 tanh, 64 exp2 of P, 2 of alpha),
+    # the unmasked ones 2 tanh more (CAP_MAX_FIRST: the row max's); they lose 64 k / 8 exp2, the masked ones keep them
+    assert sorted(s["MUFU"] for s in r["steps"]) == sorted([132 - 8 * k] * 2 + [130] * 2), r

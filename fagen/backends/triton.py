@@ -34,6 +34,31 @@ DENSE_FP8_TWO_WARPS = True
 # `fagen.attention` 1.086; round B (27 passes) 1.048 [q1 1.020, q3 1.062], `fagen.attention` 1.044 (0.933x cuDNN
 # against 0.892x); back to back 1.007 / 1.017 [0.995, 1.032]. Same checks as the pair (float64, exact zeros, bits).
 MLA_GLUON_DKDV = True
+# [Note] MLA 192/128 decode tiles (twenty-third session; docs/serving.md, "MLA 192/128 decode (twenty-third
+# session)"). The MLA decode of its own V (d_qk 192, d_v 128, a dense bf16/fp16 cache; Hq 16 over one KV head in the
+# serving suite) takes the wide decode default m32n32w4s2, whose split rule counts 2 programs an SM; sm_90 ptxas gives
+# it 80-96 registers and 33 KB (5 an SM by registers, 6 by shared memory), so 2 an SM leave most of each SM's loads
+# unissued (H200, s22: 0.62x copy at b32 kv32k, cuDNN 0.85x). With MLA192_DECODE those specs on sm_90 take
+# MLA192_DECODE_TILE (block_n, num_warps, num_stages, programs an SM), and their split rule counts its programs an SM
+# (PROGRAMS_PER_SM in the decode template, through decode_programs_per_sm: any arch, for a spec on that tile).
+MLA192_DECODE = False
+MLA192_DECODE_TILE = (32, 4, 2, 4)
+
+
+def mla192_decode(spec) -> bool:
+    """Whether `spec` is the decode MLA192_DECODE covers: d_qk 192, d_v 128, a dense bf16/fp16 cache of its own V."""
+    return (spec.kind is Kind.DECODE and (spec.head_dim, spec.head_dim_v) == (192, 128) and spec.kv_dtype is None
+            and not spec.shared_kv and spec.layout is Layout.DENSE and spec.dtype is not DType.FP32)
+
+
+def decode_programs_per_sm(spec) -> int | None:
+    """The split rule's programs an SM a lever sets for a decode spec (the template's PROGRAMS_PER_SM): with
+    MLA192_DECODE, MLA192_DECODE_TILE's for a spec on its tile ([Note] MLA 192/128 decode tiles); else None (the
+    template's own count)."""
+    if MLA192_DECODE and mla192_decode(spec) and (spec.block_n, spec.num_warps, spec.num_stages) \
+            == tuple(MLA192_DECODE_TILE[:3]):
+        return MLA192_DECODE_TILE[3]
+    return None
 
 
 class TritonBackend(KernelBackend):
@@ -83,6 +108,9 @@ class TritonBackend(KernelBackend):
             return fit(tiles, lambda c: tile_bytes(spec.head_dim, spec.dtype, spec.direction, c["block_m"],
                                                    c["block_n"], c["num_stages"], spec.head_dim_v),
                        targets.smem_limit(arch), given)
+        if MLA192_DECODE and mla192_decode(spec) and targets.TILE_FAMILY.get(arch) == "sm_90":
+            bn, nw, ns, _ = MLA192_DECODE_TILE  # [Note] MLA 192/128 decode tiles
+            return {"block_m": 32, "block_n": bn, "num_warps": nw, "num_stages": ns, **given}
         if spec.kv_dtype is not None and spec.layout is Layout.DENSE and max(spec.head_dim, spec.head_dim_v) <= 128 \
                 and targets.TILE_FAMILY.get(arch) == "sm_90":
             # [Note] fp8 decode tiles. An fp8 key is half a bf16 key's bytes, so 128-key blocks keep as many bytes in

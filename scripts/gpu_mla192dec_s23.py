@@ -88,16 +88,35 @@ def base_spec():
     return fagen.KernelSpec(head_dim=HD, head_dim_v=HDV, gqa=G, dtype="bf16", mask="none", kind="decode")
 
 
+LEVER = "lever"  # a candidate's substitutions key: the product's own render with MLA192_DECODE on at this tile
+
+
 def cand_spec(name, spec=None):
-    fields, _ = CANDS[name]
+    fields, subs = CANDS[name]
+    if LEVER in subs:  # the lever's tile ([Note] MLA 192/128 decode tiles in fagen/backends/triton.py)
+        bn, nw, ns, _ = subs[LEVER]
+        fields = {**fields, "block_n": bn, "num_warps": nw, "num_stages": ns}
     return dataclasses.replace(spec or base_spec(), **fields)
 
 
 def source(name, spec=None):
     import fagen
+    from fagen.backends import triton as triton_backend
     spec = cand_spec(name, spec)
-    src = fagen.generate(spec)
-    for a, b in CANDS[name][1].items():
+    subs = dict(CANDS[name][1])
+    if LEVER in subs:
+        tile = subs.pop(LEVER)
+        was = triton_backend.MLA192_DECODE, triton_backend.MLA192_DECODE_TILE
+        triton_backend.MLA192_DECODE, triton_backend.MLA192_DECODE_TILE = True, tile
+        try:
+            src = fagen.generate(spec)
+        finally:
+            triton_backend.MLA192_DECODE, triton_backend.MLA192_DECODE_TILE = was
+        if f"\nPROGRAMS_PER_SM = {tile[3]}\n" not in src:
+            raise AssertionError(f"{name}: the lever's render does not count {tile[3]} programs an SM")
+    else:
+        src = fagen.generate(spec)
+    for a, b in subs.items():
         src, n = re.subn(a, b, src, flags=re.M)
         if n != 1:
             raise AssertionError(f"{name}: {a!r} is not in the render once")

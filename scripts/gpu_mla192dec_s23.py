@@ -9,6 +9,11 @@ impls.prepare_fagen with the candidate's module, cuDNN's peers.sdpa_preparer("sd
 The candidates are the product's spec with other tiles (block_n, num_warps, num_stages) and its render with
 substitutions (PROGRAMS_PER_SM: the split rule's programs an SM, so its split counts).
 
+Round A (H200, 05:35 UTC, at c8a149e0; docs/serving.md): the product's render at other tiles and programs an SM.
+Round B: the product's own render with MLA192_DECODE off (the s22 product) against it on at round A's three best
+tiles (m32n32w4s3 at 3 an SM, the branch's default; m64n64w4s3 and m32n32w4s4 at 2), 5 passes, on the suite's rows,
+b1 / b8 / b16 / b128 and the suite's Hq 128 Sq 2 causal row (no cuDNN there: the suite runs fagen alone on it).
+
 --dry-run (the CPU): builds every candidate's _decode_split for sm_90 (ptxas registers, spills, shared memory, the
 key loop's SASS a key) and prints each candidate's split count at every timed shape.
 Phases, each a child process with a timeout (scripts/_phases.py):
@@ -40,10 +45,10 @@ ENV = "GPU_MLA192DEC_S23_"
 ROUND = os.environ.get(ENV + "ROUND", "A")
 if "--round" in sys.argv[:-1]:  # before the candidates below are chosen (the children get it by the environment)
     ROUND = os.environ[ENV + "ROUND"] = sys.argv[sys.argv.index("--round") + 1]
-PHASES = {"warm": 27, "time": 19}
+PHASES = {"warm": 27, "time": 19} if ROUND == "A" else {"warm": 19, "time": 23}
 if os.environ.get(ENV + "PHASES"):  # "name:seconds,..."
     PHASES = {n: float(t) for n, t in (p.split(":") for p in os.environ[ENV + "PHASES"].split(","))}
-PASSES = 3
+PASSES = 3 if ROUND == "A" else 5
 CPU = os.environ.get(ENV + "CPU") == "1"  # a CPU test of the phases: TRITON_INTERPRET=1, small shapes
 DEV = "cpu" if CPU else "cuda"
 HKV, G, HD, HDV = 1, 16, 192, 128
@@ -53,8 +58,8 @@ def pps(n):  # the split rule's programs an SM
     return {r"^PROGRAMS_PER_SM = \d+$": f"PROGRAMS_PER_SM = {n}"}
 
 
-# name: (spec fields over the product's, substitutions in its render). The product (main at b2a3fb7f): m32n32w4s2
-# (the wide decode default), the rule at 2 programs an SM.
+# name: (spec fields over the product's, substitutions in its render). The product (main at b2a3fb7f, rendered with
+# MLA192_DECODE off): m32n32w4s2 (the wide decode default), the rule at 2 programs an SM.
 CANDS = {
     "product": ({}, {}),
     "pps4": ({}, pps(4)),
@@ -68,14 +73,26 @@ CANDS = {
     "n64s3": (dict(block_n=64, num_stages=3), {}),
     "n32s4": (dict(num_stages=4), {}),
 }
+BASE = "product"  # the baseline of the per-pass ratios
+if ROUND != "A":
+    # round B: the product's own render with MLA192_DECODE off (the s22 product, m32n32w4s2 at 2 an SM) and on at the
+    # round A winners (tile, programs an SM); the branch's default is (32, 4, 3, 3)
+    BASE = "off (s22)"
+    CANDS = {BASE: ({}, {"lever": None}), "lever n32s3p3": ({}, {"lever": (32, 4, 3, 3)}),
+             "lever n64s3p2": ({}, {"lever": (64, 4, 3, 2)}), "lever n32s4p2": ({}, {"lever": (32, 4, 4, 2)})}
 if os.environ.get(ENV + "CANDS"):
     CANDS = {k: CANDS[k] for k in os.environ[ENV + "CANDS"].split(",")}
-# the timed shapes (batch, KV length): the suite's three rows first, then b1 / b8
+# the timed shapes (batch, KV length[, query heads, queries a sequence, mask]): the suite's three rows first, then b1 /
+# b8; round B adds b16 / b128 kv8k and the suite's compute-bound row (Hq 128 over one KV head, Sq 2, causal)
 SHAPES = [(128, 4096), (64, 8192), (32, 32768), (1, 32768), (8, 32768), (8, 4096), (32, 4096)]
+if ROUND != "A":
+    SHAPES = [(128, 4096), (64, 8192), (32, 32768), (1, 32768), (8, 32768), (16, 8192), (128, 8192),
+              (32, 8192, 128, 2, "causal"), (32, 4096)]
 if CPU:
-    SHAPES = [(2, 256), (4, 512)]
+    SHAPES = [(2, 256), (4, 512), (2, 256, 32, 2, "causal")]
 SUITE = {(128, 4096): "decode-mla-d192v128-h16-kv4k-b128", (64, 8192): "decode-mla-d192v128-h16-kv8k-b64",
-         (32, 32768): "decode-mla-d192v128-h16-kv32k-b32"}
+         (32, 32768): "decode-mla-d192v128-h16-kv32k-b32",
+         (32, 8192, 128, 2, "causal"): "decode-mla-d192v128-h128-sq2-kv8k-b32"}
 PEER = "sdpa-cudnn"
 
 
@@ -93,29 +110,30 @@ LEVER = "lever"  # a candidate's substitutions key: the product's own render wit
 
 def cand_spec(name, spec=None):
     fields, subs = CANDS[name]
-    if LEVER in subs:  # the lever's tile ([Note] MLA 192/128 decode tiles in fagen/backends/triton.py)
-        bn, nw, ns, _ = subs[LEVER]
-        fields = {**fields, "block_n": bn, "num_warps": nw, "num_stages": ns}
+    # the lever's tile ([Note] MLA 192/128 decode tiles in fagen/backends/triton.py); off (and round A's candidates,
+    # the s22 product's render with fields and substitutions): the wide decode default m32n32w4s2 at 2 an SM
+    bn, nw, ns, _ = subs.get(LEVER) or (32, 4, 2, 2)
+    fields = {"block_n": bn, "num_warps": nw, "num_stages": ns, **fields}
     return dataclasses.replace(spec or base_spec(), **fields)
 
 
 def source(name, spec=None):
+    """(spec, source): the render with MLA192_DECODE on at the candidate's lever tile, else off, and its
+    substitutions."""
     import fagen
     from fagen.backends import triton as triton_backend
     spec = cand_spec(name, spec)
     subs = dict(CANDS[name][1])
-    if LEVER in subs:
-        tile = subs.pop(LEVER)
-        was = triton_backend.MLA192_DECODE, triton_backend.MLA192_DECODE_TILE
-        triton_backend.MLA192_DECODE, triton_backend.MLA192_DECODE_TILE = True, tile
-        try:
-            src = fagen.generate(spec)
-        finally:
-            triton_backend.MLA192_DECODE, triton_backend.MLA192_DECODE_TILE = was
-        if f"\nPROGRAMS_PER_SM = {tile[3]}\n" not in src:
-            raise AssertionError(f"{name}: the lever's render does not count {tile[3]} programs an SM")
-    else:
+    tile = subs.pop(LEVER, None)
+    was = triton_backend.MLA192_DECODE, triton_backend.MLA192_DECODE_TILE
+    triton_backend.MLA192_DECODE, triton_backend.MLA192_DECODE_TILE = tile is not None, tile or was[1]
+    try:
         src = fagen.generate(spec)
+    finally:
+        triton_backend.MLA192_DECODE, triton_backend.MLA192_DECODE_TILE = was
+    pps = tile[3] if tile else 2
+    if spec.mask in ("none", "padding", "causal") and f"\nPROGRAMS_PER_SM = {pps}\n" not in src:
+        raise AssertionError(f"{name}: the render does not count {pps} programs an SM")
     for a, b in subs.items():
         src, n = re.subn(a, b, src, flags=re.M)
         if n != 1:
@@ -135,17 +153,17 @@ def module(name, spec=None):
     return _MODS[key]
 
 
-def splits_at(m, b, sk):
-    return m._geometry(b, HKV, 1, sk, None, 0)[3]
+def splits_at(m, b, sk, hq=16, sq=1, mask="none"):
+    return m._geometry(b, HKV, sq, sk, None, 0)[3]
 
 
-def case_of(b, sk):
+def case_of(b, sk, hq=16, sq=1, mask="none"):
     from fagen.bench import workloads
     from fagen.bench.workloads import make_case
     kv = f"{sk // 1024}k" if sk >= 1024 else str(sk)
-    name = SUITE.get((b, sk), f"mla192-h16-kv{kv}-b{b}")
-    c = make_case(name, head_dim=HD, head_dim_v=HDV, mask="none", batch=b, heads_q=16, heads_kv=1, seq_q=1,
-                  seq_k=sk)
+    name = SUITE.get((b, sk, hq, sq, mask) if hq != 16 else (b, sk), f"mla192-h{hq}-sq{sq}-kv{kv}-b{b}")
+    c = make_case(name, head_dim=HD, head_dim_v=HDV, mask=mask, batch=b, heads_q=hq, heads_kv=1, seq_q=sq,
+                  seq_k=sk, peers=hq == 16)
     workloads.RELATIVE_TARGETS.setdefault(name, (("copy", 0.95),))
     return c
 
@@ -198,6 +216,20 @@ def check_candidate(name):
             worst = max(worst, compare(f"out {how} {i}", o[i:i + 1].double(), want, **TOLERANCE["bf16"]))
             compare(f"lse {how} {i}", lse[i:i + 1], wlse, **LSE_TOLERANCE)
         n_checked += 1
+    # the compute-bound form: Hq 128 over one KV head, 2 queries a sequence, causal (bottom-right), several row tiles
+    spec_c = cand_spec(name, fagen.KernelSpec(head_dim=HD, head_dim_v=HDV, gqa=128 if not CPU else 32, dtype="bf16",
+                                              mask="causal", kind="decode"))
+    mc = module(name, spec_c)
+    gq = spec_c.gqa
+    q = torch.randn(2, gq, 2, HD, device=dev, generator=gen).bfloat16()
+    k = torch.randn(2, HKV, sk, HD, device=dev, generator=gen).bfloat16()
+    v = torch.randn(2, HKV, sk, HDV, device=dev, generator=gen).bfloat16()
+    want, wlse = reference.attention(q.double(), k.double(), v.double(), mask="causal")
+    for how, (o, lse) in (("causal h%d sq2 rule" % gq, mc.forward(q, k, v)),
+                          ("causal h%d sq2 3 splits" % gq, mc.forward_split(q, k, v, num_splits=3))):
+        worst = max(worst, compare(f"out {how}", o.double(), want, **TOLERANCE["bf16"]))
+        compare(f"lse {how}", lse, wlse, **LSE_TOLERANCE)
+        n_checked += 1
     # batch invariance: each sequence alone, and in a batch, the same bits under batch_invariant=True
     inv = 0
     for sk, b in ((133, 5),) if CPU else ((1201, 5), (4099, 24)):
@@ -211,7 +243,7 @@ def check_candidate(name):
                 raise AssertionError(f"batch_invariant=True: sequence {i} of {b} (Sk {sk}) alone is not its row's "
                                      "bits in the batch")
             inv += 1
-    rule = ", ".join(f"b{b}k{sk // 1024}:{splits_at(m, b, sk)}" for b, sk in SHAPES)
+    rule = ", ".join(f"b{s[0]}k{s[1] // 1024}:{splits_at(m, *s)}" for s in SHAPES if len(s) == 2)
     return f"ok err {worst:.1e} ({n_checked} runs); invariant bits {inv}/{inv}; splits {rule}"
 
 
@@ -279,10 +311,10 @@ def time_phase():
     skip = set(filter(None, os.environ.get(ENV + "SKIP", "").split(",")))
     rng = random.Random(23 if ROUND == "A" else 2323)
     real_load = loader.load
-    for b, sk in SHAPES:
-        case = case_of(b, sk)
+    for shp in SHAPES:
+        case = case_of(*shp)
         names = [n for n in CANDS if n not in skip]
-        if "product" not in names:
+        if BASE not in names:
             continue
         if time.time() - T0 > PHASES["time"] - 2:
             emit("time", case.name, "-", "-", None, "skipped: the phase's time is short")
@@ -290,14 +322,14 @@ def time_phase():
         try:
             n_sets = 1 if CPU else max(3, 1 + -(-timing._FLUSH_BYTES // set_bytes(case)))
             cc = CaseContext(case, dev, n_sets)
-            ent = {}
+            ent, mods = {}, {}
             for n in names:
                 try:
-                    loader.load = lambda spec, n=n: module(n, spec)
+                    loader.load = lambda spec, n=n: mods.setdefault(n, module(n, spec))
                     ent[n] = impls.prepare_fagen(case, cc)
                 finally:
                     loader.load = real_load
-            if not CPU and PEER not in skip:
+            if not CPU and PEER not in skip and case.peers:
                 ent[PEER] = peers.sdpa_preparer(PEER)(case, cc)
             ent["copy"] = impls.prepare_copy(case, cc)
             with torch.no_grad():
@@ -312,10 +344,10 @@ def time_phase():
             nb = kv_bytes(case)
             for n in ent:
                 r = [c / x for c, x in zip(got["copy"], got[n])]
-                vs = [d / x for d, x in zip(got["product"], got[n])]
+                vs = [d / x for d, x in zip(got[BASE], got[n])]
                 pr = [d / x for d, x in zip(got[PEER], got[n])] if PEER in got else []
-                mod = module(n) if n in CANDS else None
-                splits = f"{splits_at(mod, b, sk)} sp" if mod else "-"
+                mod = mods.get(n)
+                splits = f"{splits_at(mod, *shp)} sp n{mod.BLOCK_N}" if mod else "-"
                 emit("time", case.name, n, f"{nb / statistics.median(got[n]) / 1e6:.0f}", statistics.median(got[n]),
                      json.dumps({"splits": splits, "copy": [round(x, 4) for x in r], "vs": [round(x, 4) for x in vs],
                                  "peer": [round(x, 4) for x in pr]}))
@@ -340,11 +372,11 @@ def dry_run():
     for name in CANDS:
         m = module(name)
         fn = m._decode_split
-        print(f"{name:14s} splits at " + ", ".join(f"b{b} kv{sk // 1024}k: {splits_at(m, b, sk)}"
-                                                   for b, sk in SHAPES), flush=True)
+        print(f"{name:14s} splits at " + ", ".join(f"b{s[0]} kv{s[1] // 1024}k: {splits_at(m, *s)}"
+                                                   for s in SHAPES if len(s) == 2), flush=True)
         bn, nw, ns = m.BLOCK_N, m.NUM_WARPS, m.NUM_STAGES
-        for direct in (True, False):
-            consts = dict(HEAD_DIM=HD, BLOCK_D=256, HEAD_DIM_V=HDV, BLOCK_DV=128, ROWS=m.tile_rows(G),
+        for direct, rows in ((True, G), (False, G), (False, 32)):  # 32 rows: the Hq 128 Sq 2 row's tiles
+            consts = dict(HEAD_DIM=HD, BLOCK_D=256, HEAD_DIM_V=HDV, BLOCK_DV=128, ROWS=rows,
                           BLOCK_N=bn, GQA=G, DOT=True, DIRECT=direct, SPLITS_PER_SEQ=0, UPCAST=False)
             sig, cx, attrs = {}, {}, {}
             for i, p in enumerate(fn.params):
@@ -382,7 +414,7 @@ def dry_run():
                         loops += "\n    ops " + json.dumps(got[0]["top"])
                 except Exception as e:  # noqa: BLE001
                     loops = f"(no SASS: {type(e).__name__})"
-                print(f"{name:14s} direct={int(direct)} n{bn} w{nw} s{ns}: "
+                print(f"{name:14s} direct={int(direct)} rows {rows} n{bn} w{nw} s{ns}: "
                       f"{r.registers} regs, {r.spill_stores + r.spill_loads} spill bytes, {smem // 1024} KB smem; "
                       f"an SM by regs {by_regs}, by smem {by_smem}; {loops}", flush=True)
             except Exception as e:  # noqa: BLE001
@@ -407,8 +439,8 @@ def summary(rows):
             if n in (PEER, "copy"):
                 continue
             cell = f"  {n:14s} {gbs:>5s} GB/s {statistics.median(d['copy']):.3f} copy {d['splits']:>6s}"
-            if n != "product":
-                cell += f"; x{q3(d['vs'])} prod"
+            if n != BASE:
+                cell += f"; x{q3(d['vs'])} base"
             if d["peer"]:
                 cell += f"; x{q3(d['peer'])} cuDNN"
             lines.append(cell)
@@ -463,7 +495,7 @@ def main():
         t.join()
     ok = {r[2] for r in rows if r[0] == "check" and r[5].startswith("ok")}
     bad = [n for n in [*CANDS, PEER] if n not in ok]
-    if "product" in bad:
+    if BASE in bad:
         rows.append(["time", "-", "-", "-", "", "ERROR the product failed its checks: nothing timed"])
     else:
         if bad:

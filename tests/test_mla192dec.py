@@ -22,7 +22,7 @@ from fagen.verify.tolerances import LSE_TOLERANCE, TOLERANCE, compare
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (batch, KV length): the split count on 132 SMs with the lever on: the serving suite's rows, b8 and b1
-SPLITS_ON = {(128, 4096): 4, (64, 8192): 7, (32, 32768): 14, (8, 32768): 57, (1, 32768): 114}
+SPLITS_ON = {(128, 4096): 3, (64, 8192): 6, (32, 32768): 11, (8, 32768): 43, (1, 32768): 114}
 SPLITS_OFF = {(128, 4096): 2, (64, 8192): 4, (32, 32768): 7, (8, 32768): 28, (1, 32768): 114}
 
 
@@ -42,6 +42,14 @@ def _lines(spec, *starts):
 
 def _module(spec, tag=""):
     return load_source(fagen.generate(spec), f"{spec.name}_s23{tag}")
+
+
+def test_the_lever_is_on_with_the_measured_tile():
+    """The product's default since round A (H200): m32n32w4s3 at 3 programs an SM."""
+    assert triton_backend.MLA192_DECODE and triton_backend.MLA192_DECODE_TILE == (32, 4, 3, 3)
+    spec = _spec()
+    assert (spec.block_n, spec.num_warps, spec.num_stages) == (32, 4, 3)
+    assert _lines(spec, "PROGRAMS_PER_SM =") == ["PROGRAMS_PER_SM = 3"]
 
 
 def test_off_the_render_is_the_one_before(monkeypatch):
@@ -67,7 +75,7 @@ def test_on_the_spec_takes_the_tile_and_its_programs_an_sm(on):
 
 
 def test_on_other_specs_keep_theirs(on):
-    assert _spec(arch="sm_80").block_n == 32 and _spec(arch="sm_80").num_stages == 2  # the tile is sm_90's
+    assert (_spec(arch="sm_80").block_n, _spec(arch="sm_80").num_stages) == (32, 2)  # the tile is sm_90's
     # a spec off the tile (its fields given) keeps the template's count
     bn = triton_backend.MLA192_DECODE_TILE[0]
     other = _spec(block_n=16 if bn != 16 else 64)
@@ -81,7 +89,7 @@ def test_on_other_specs_keep_theirs(on):
 
 def test_the_render_memo_follows_the_lever(monkeypatch):
     """One process renders the spec off, then on, then off: each render is the lever's (render_state keys it)."""
-    spec = _spec()
+    spec = _spec(block_n=32, num_warps=4, num_stages=2)
     monkeypatch.setattr(triton_backend, "MLA192_DECODE", False)
     off = fagen.generate(spec)
     monkeypatch.setattr(triton_backend, "MLA192_DECODE_TILE", (32, 4, 2, 5))

@@ -36,13 +36,17 @@ DENSE_FP8_TWO_WARPS = True
 MLA_GLUON_DKDV = True
 # [Note] MLA 192/128 decode tiles (twenty-third session; docs/serving.md, "MLA 192/128 decode (twenty-third
 # session)"). The MLA decode of its own V (d_qk 192, d_v 128, a dense bf16/fp16 cache; Hq 16 over one KV head in the
-# serving suite) takes the wide decode default m32n32w4s2, whose split rule counts 2 programs an SM; sm_90 ptxas gives
-# it 80-96 registers and 33 KB (5 an SM by registers, 6 by shared memory), so 2 an SM leave most of each SM's loads
-# unissued (H200, s22: 0.62x copy at b32 kv32k, cuDNN 0.85x). With MLA192_DECODE those specs on sm_90 take
-# MLA192_DECODE_TILE (block_n, num_warps, num_stages, programs an SM), and their split rule counts its programs an SM
-# (PROGRAMS_PER_SM in the decode template, through decode_programs_per_sm: any arch, for a spec on that tile).
-MLA192_DECODE = False
-MLA192_DECODE_TILE = (32, 4, 2, 4)
+# serving suite) took the wide decode default m32n32w4s2 (33 KB, 80-96 registers), whose split rule counts 2 programs
+# an SM: one 32-key block in flight a program, 2 a SM, and the cache read at 0.62-0.68 of copy on the H200 (cuDNN
+# 0.62-0.90). With MLA192_DECODE those specs on sm_90 take MLA192_DECODE_TILE (block_n, num_warps, num_stages,
+# programs an SM), and their split rule counts its programs an SM (PROGRAMS_PER_SM in the decode template, through
+# decode_programs_per_sm: any arch, for a spec on that tile). m32n32w4s3 (57 KB: 3 an SM by shared memory, 5 by
+# registers; no spills) at 3 an SM: H200 round A (scripts/gpu_mla192dec_s23.py, 3 passes, per pass against
+# m32n32w4s2 at 2): the suite's b128 kv4k / b64 kv8k / b32 kv32k 1.438 / 1.429 / 1.607 (0.971 / 0.960 / 0.988 of
+# copy; 1.56x / 1.12x / 1.10x cuDNN), b1 kv32k 1.105, b8 kv32k 1.332; b8 kv4k and b32 kv4k 0.99 / 1.04 (noise: 10-40
+# MB calls). Counting 4 an SM on that tile (a second wave) lost: 1.09 / 1.06 / 1.13.
+MLA192_DECODE = True
+MLA192_DECODE_TILE = (32, 4, 3, 3)
 
 
 def mla192_decode(spec) -> bool:

@@ -11,8 +11,9 @@ substitutions (PROGRAMS_PER_SM: the split rule's programs an SM, so its split co
 
 Round A (H200, 05:35 UTC, at c8a149e0; docs/serving.md): the product's render at other tiles and programs an SM.
 Round B: the product's own render with MLA192_DECODE off (the s22 product) against it on at round A's three best
-tiles (m32n32w4s3 at 3 an SM, the branch's default; m64n64w4s3 and m32n32w4s4 at 2), 5 passes, on the suite's rows,
-b1 / b8 / b16 / b128 and the suite's Hq 128 Sq 2 causal row (no cuDNN there: the suite runs fagen alone on it).
+tiles (m32n32w4s3 at 3 an SM, the branch's default then; m32n64w4s3 and m32n32w4s4 at 2), 5 passes, on the suite's
+rows, b1 / b8 / b16 / b128 and the suite's Hq 128 Sq 2 causal row (no cuDNN there: the suite runs fagen alone on it).
+Round B ran (H200, about 06:00 UTC, at ea21c362, 42 s): m32n64w4s3 at 2 won 7 of 9 shapes and is the default since.
 
 --dry-run (the CPU): builds every candidate's _decode_split for sm_90 (ptxas registers, spills, shared memory, the
 key loop's SASS a key) and prints each candidate's split count at every timed shape.
@@ -76,7 +77,7 @@ CANDS = {
 BASE = "product"  # the baseline of the per-pass ratios
 if ROUND != "A":
     # round B: the product's own render with MLA192_DECODE off (the s22 product, m32n32w4s2 at 2 an SM) and on at the
-    # round A winners (tile, programs an SM); the branch's default is (32, 4, 3, 3)
+    # round A winners (tile, programs an SM); the branch's default was (32, 4, 3, 3) then, (64, 4, 3, 2) since round B
     BASE = "off (s22)"
     CANDS = {BASE: ({}, {"lever": None}), "lever n32s3p3": ({}, {"lever": (32, 4, 3, 3)}),
              "lever n64s3p2": ({}, {"lever": (64, 4, 3, 2)}), "lever n32s4p2": ({}, {"lever": (32, 4, 4, 2)})}

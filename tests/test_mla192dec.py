@@ -22,7 +22,7 @@ from fagen.verify.tolerances import LSE_TOLERANCE, TOLERANCE, compare
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (batch, KV length): the split count on 132 SMs with the lever on: the serving suite's rows, b8 and b1
-SPLITS_ON = {(128, 4096): 3, (64, 8192): 6, (32, 32768): 11, (8, 32768): 43, (1, 32768): 114}
+SPLITS_ON = {(128, 4096): 2, (64, 8192): 4, (32, 32768): 7, (8, 32768): 29, (1, 32768): 128}
 SPLITS_OFF = {(128, 4096): 2, (64, 8192): 4, (32, 32768): 7, (8, 32768): 28, (1, 32768): 114}
 
 
@@ -45,11 +45,12 @@ def _module(spec, tag=""):
 
 
 def test_the_lever_is_on_with_the_measured_tile():
-    """The product's default since round A (H200): m32n32w4s3 at 3 programs an SM."""
-    assert triton_backend.MLA192_DECODE and triton_backend.MLA192_DECODE_TILE == (32, 4, 3, 3)
+    """The branch's default since round B (H200): m32n64w4s3 at 2 programs an SM (round A's m32n32w4s3 at 3 lost to it
+    at 7 of round B's 9 shapes)."""
+    assert triton_backend.MLA192_DECODE and triton_backend.MLA192_DECODE_TILE == (64, 4, 3, 2)
     spec = _spec()
-    assert (spec.block_n, spec.num_warps, spec.num_stages) == (32, 4, 3)
-    assert _lines(spec, "PROGRAMS_PER_SM =") == ["PROGRAMS_PER_SM = 3"]
+    assert spec.name == "decode_fwd_full_d192v128_m32n64w4s3_g16_bf16"
+    assert _lines(spec, "PROGRAMS_PER_SM =") == ["PROGRAMS_PER_SM = 2"]
 
 
 def test_off_the_render_is_the_one_before(monkeypatch):
@@ -61,7 +62,7 @@ def test_off_the_render_is_the_one_before(monkeypatch):
     assert {k: m._geometry(k[0], 1, 1, k[1], None, 0)[3] for k in SPLITS_OFF} == SPLITS_OFF
 
 
-def test_on_the_spec_takes_the_tile_and_its_programs_an_sm(on):
+def test_on_the_spec_takes_the_tile_and_its_programs_an_sm(on, monkeypatch):
     bn, nw, ns, pps = triton_backend.MLA192_DECODE_TILE
     for spec in (_spec(), _spec(mask="padding"), _spec(dtype="fp16"), _spec(mask="causal")):
         assert (spec.block_m, spec.block_n, spec.num_warps, spec.num_stages) == (32, bn, nw, ns), spec.name
@@ -72,6 +73,9 @@ def test_on_the_spec_takes_the_tile_and_its_programs_an_sm(on):
     assert m._geometry(32, 1, 1, 32768, 3, 0)[3] == 3
     inv = m._geometry(32, 1, 1, 32768, (m.INVARIANT_MIN_CHUNK, m.INVARIANT_SPLITS), 0)
     assert inv[3] == m.INVARIANT_SPLITS
+    # the tile's fourth field is what the rule counts (the default's is the template's own 2)
+    monkeypatch.setattr(triton_backend, "MLA192_DECODE_TILE", (bn, nw, ns, 3))
+    assert _lines(_spec(), "PROGRAMS_PER_SM =") == ["PROGRAMS_PER_SM = 3"]
 
 
 def test_on_other_specs_keep_theirs(on):
@@ -79,6 +83,7 @@ def test_on_other_specs_keep_theirs(on):
     # a spec off the tile (its fields given) keeps the template's count
     bn = triton_backend.MLA192_DECODE_TILE[0]
     other = _spec(block_n=16 if bn != 16 else 64)
+    assert triton_backend.decode_programs_per_sm(other) is None
     assert _lines(other, "PROGRAMS_PER_SM =") == ["PROGRAMS_PER_SM = 2"]
     for spec in (_spec(head_dim=128, head_dim_v=None), _spec(layout="paged"), _spec(kv_dtype="fp8_e4m3"),
                  fagen.KernelSpec(head_dim=576, head_dim_v=512, shared_kv=True, kind="decode", gqa=16, dtype="bf16"),

@@ -40,13 +40,16 @@ MLA_GLUON_DKDV = True
 # an SM: one 32-key block in flight a program, 2 a SM, and the cache read at 0.62-0.68 of copy on the H200 (cuDNN
 # 0.62-0.90). With MLA192_DECODE those specs on sm_90 take MLA192_DECODE_TILE (block_n, num_warps, num_stages,
 # programs an SM), and their split rule counts its programs an SM (PROGRAMS_PER_SM in the decode template, through
-# decode_programs_per_sm: any arch, for a spec on that tile). m32n32w4s3 (57 KB: 3 an SM by shared memory, 5 by
-# registers; no spills) at 3 an SM: H200 round A (scripts/gpu_mla192dec_s23.py, 3 passes, per pass against
-# m32n32w4s2 at 2): the suite's b128 kv4k / b64 kv8k / b32 kv32k 1.438 / 1.429 / 1.607 (0.971 / 0.960 / 0.988 of
-# copy; 1.56x / 1.12x / 1.10x cuDNN), b1 kv32k 1.105, b8 kv32k 1.332; b8 kv4k and b32 kv4k 0.99 / 1.04 (noise: 10-40
-# MB calls). Counting 4 an SM on that tile (a second wave) lost: 1.09 / 1.06 / 1.13.
+# decode_programs_per_sm: any arch, for a spec on that tile). H200 (scripts/gpu_mla192dec_s23.py, per pass against
+# m32n32w4s2 at 2): round A, the suite's b128 kv4k / b64 kv8k / b32 kv32k, m32n32w4s3 at 3 an SM 1.438 / 1.429 /
+# 1.607, m32n64w4s3 at 2 1.433 / 1.436 / 1.556, m32n32w4s4 at 2 1.437 / 1.438 / 1.514; counting 4 an SM on the
+# 3-stage tile (a second wave) 1.09 / 1.06 / 1.13. Round B (5 passes, the product's render on at each tile):
+# m32n64w4s3 at 2 (106 KB, 128 registers, no spills) 1.439 / 1.433 / 1.588 (0.973 / 0.964 / 0.987 of copy; 1.55x /
+# 1.12x / 1.09x cuDNN), b8 kv32k 1.427, b16 kv8k 1.371, b128 kv8k 1.472, b32 kv4k 1.394, b1 kv32k 1.081, Hq 128 Sq 2
+# b32 kv8k causal 1.415; m32n32w4s3 at 3 1.425 / 1.418 / 1.603, b8 kv32k 1.325, b1 1.109, Sq 2 1.339. The 64-key
+# tile's rule counts 2 an SM, the template's own count; with 32 rows a tile (Hq 128 Sq 2) it takes 116 KB, 1 an SM.
 MLA192_DECODE = True
-MLA192_DECODE_TILE = (32, 4, 3, 3)
+MLA192_DECODE_TILE = (64, 4, 3, 2)
 
 
 def mla192_decode(spec) -> bool:
@@ -121,7 +124,7 @@ class TritonBackend(KernelBackend):
             # flight a stage as the bf16 cache's 64-key ones; with V converted once ([Note] V converted once in the
             # decode template) sm_90 ptxas gives 168 registers and 105 KB (two programs an SM). H100 (eighth
             # session, scripts/gpu_fp8kv_s7.py round A, d128 h32/8 e4m3, % of copy at b32 kv8k / b128 kv8k / b32
-            # kv32k): m64n128w4s3 90 / 100 / 98 against m64n64w4s3 (before) 91 / 94 / 99; n128s2 85 / 93 / 92,
+            # kv32k): m64n128w4s3 90 / 100 / 98 against m32n64w4s3 (before) 91 / 94 / 99; n128s2 85 / 93 / 92,
             # n64s4 89 / 89 / 97 (both converted once); e5m2 n128s3 90 / 99 / 98 (92 / 94 / 99 before). Those are
             # do_bench's, whose L2 flush costs ~17 us a call; round B back to back: 96 / 100 / 100 against 96 / 95 /
             # 100 before (docs/serving.md, "128-key tiles"). Paged caches keep theirs (V converted once lost there).
@@ -247,8 +250,8 @@ def _sm80_config(head_dim: int, direction: Direction, mask: Mask | None, layout:
     in any catalog variant (ptxas of triton 3.6, 2026-11-26; `fagen build fagen/spec/catalog.toml`). The sm_90
     tiles spill on sm_80 (d64 causal m128n128w4s3: 78 words) or do not fit (d128 m128n128w8s3: 224 KB). Spills of
     the candidates, bf16: forward d64 causal m128n64w4s3 2 words, m128n64w8s3 0; d128 m128n64w8s3 0, tree 222
-    (m64n64w8s2 2, m64n32w8s2 0), paged 6 (m128n64w8s2 0); backward d64 m64n64w4s3 16 (gqa 4, mask none),
-    m64n64w8s3 0; d128 m64n64w4s3 16, m64n64w8s3 0; tree d64 m128n64w8s2 140, m64n32w4s2 0; tree d128
+    (m64n64w8s2 2, m64n32w8s2 0), paged 6 (m128n64w8s2 0); backward d64 m32n64w4s3 16 (gqa 4, mask none),
+    m64n64w8s3 0; d128 m32n64w4s3 16, m64n64w8s3 0; tree d64 m128n64w8s2 140, m64n32w4s2 0; tree d128
     m128n64w8s2 1404, m64n32w8s2 0. Decode kernels keep the sm_90 tiles (they fit: 112 KB dense, 144 KB paged).
     """
     tree = mask == Mask.TREE

@@ -34,6 +34,38 @@ DENSE_FP8_TWO_WARPS = True
 # `fagen.attention` 1.086; round B (27 passes) 1.048 [q1 1.020, q3 1.062], `fagen.attention` 1.044 (0.933x cuDNN
 # against 0.892x); back to back 1.007 / 1.017 [0.995, 1.032]. Same checks as the pair (float64, exact zeros, bits).
 MLA_GLUON_DKDV = True
+# [Note] MLA 192/128 decode tiles (twenty-third session; docs/serving.md, "MLA 192/128 decode (twenty-third
+# session)"). The MLA decode of its own V (d_qk 192, d_v 128, a dense bf16/fp16 cache; Hq 16 over one KV head in the
+# serving suite) took the wide decode default m32n32w4s2 (33 KB, 80-96 registers), whose split rule counts 2 programs
+# an SM: one 32-key block in flight a program, 2 a SM, and the cache read at 0.62-0.68 of copy on the H200 (cuDNN
+# 0.62-0.90). With MLA192_DECODE those specs on sm_90 take MLA192_DECODE_TILE (block_n, num_warps, num_stages,
+# programs an SM), and their split rule counts its programs an SM (PROGRAMS_PER_SM in the decode template, through
+# decode_programs_per_sm: any arch, for a spec on that tile). H200 (scripts/gpu_mla192dec_s23.py, per pass against
+# m32n32w4s2 at 2): round A, the suite's b128 kv4k / b64 kv8k / b32 kv32k, m32n32w4s3 at 3 an SM 1.438 / 1.429 /
+# 1.607, m32n64w4s3 at 2 1.433 / 1.436 / 1.556, m32n32w4s4 at 2 1.437 / 1.438 / 1.514; counting 4 an SM on the
+# 3-stage tile (a second wave) 1.09 / 1.06 / 1.13. Round B (5 passes, the product's render on at each tile):
+# m32n64w4s3 at 2 (106 KB, 128 registers, no spills) 1.439 / 1.433 / 1.588 (0.973 / 0.964 / 0.987 of copy; 1.55x /
+# 1.12x / 1.09x cuDNN), b8 kv32k 1.427, b16 kv8k 1.371, b128 kv8k 1.472, b32 kv4k 1.394, b1 kv32k 1.081, Hq 128 Sq 2
+# b32 kv8k causal 1.415; m32n32w4s3 at 3 1.425 / 1.418 / 1.603, b8 kv32k 1.325, b1 1.109, Sq 2 1.339. The 64-key
+# tile's rule counts 2 an SM, the template's own count; with 32 rows a tile (Hq 128 Sq 2) it takes 116 KB, 1 an SM.
+MLA192_DECODE = True
+MLA192_DECODE_TILE = (64, 4, 3, 2)
+
+
+def mla192_decode(spec) -> bool:
+    """Whether `spec` is the decode MLA192_DECODE covers: d_qk 192, d_v 128, a dense bf16/fp16 cache of its own V."""
+    return (spec.kind is Kind.DECODE and (spec.head_dim, spec.head_dim_v) == (192, 128) and spec.kv_dtype is None
+            and not spec.shared_kv and spec.layout is Layout.DENSE and spec.dtype is not DType.FP32)
+
+
+def decode_programs_per_sm(spec) -> int | None:
+    """The split rule's programs an SM a lever sets for a decode spec (the template's PROGRAMS_PER_SM): with
+    MLA192_DECODE, MLA192_DECODE_TILE's for a spec on its tile ([Note] MLA 192/128 decode tiles); else None (the
+    template's own count)."""
+    if MLA192_DECODE and mla192_decode(spec) and (spec.block_n, spec.num_warps, spec.num_stages) \
+            == tuple(MLA192_DECODE_TILE[:3]):
+        return MLA192_DECODE_TILE[3]
+    return None
 
 
 class TritonBackend(KernelBackend):
@@ -83,13 +115,16 @@ class TritonBackend(KernelBackend):
             return fit(tiles, lambda c: tile_bytes(spec.head_dim, spec.dtype, spec.direction, c["block_m"],
                                                    c["block_n"], c["num_stages"], spec.head_dim_v),
                        targets.smem_limit(arch), given)
+        if MLA192_DECODE and mla192_decode(spec) and targets.TILE_FAMILY.get(arch) == "sm_90":
+            bn, nw, ns, _ = MLA192_DECODE_TILE  # [Note] MLA 192/128 decode tiles
+            return {"block_m": 32, "block_n": bn, "num_warps": nw, "num_stages": ns, **given}
         if spec.kv_dtype is not None and spec.layout is Layout.DENSE and max(spec.head_dim, spec.head_dim_v) <= 128 \
                 and targets.TILE_FAMILY.get(arch) == "sm_90":
             # [Note] fp8 decode tiles. An fp8 key is half a bf16 key's bytes, so 128-key blocks keep as many bytes in
             # flight a stage as the bf16 cache's 64-key ones; with V converted once ([Note] V converted once in the
             # decode template) sm_90 ptxas gives 168 registers and 105 KB (two programs an SM). H100 (eighth
             # session, scripts/gpu_fp8kv_s7.py round A, d128 h32/8 e4m3, % of copy at b32 kv8k / b128 kv8k / b32
-            # kv32k): m64n128w4s3 90 / 100 / 98 against m64n64w4s3 (before) 91 / 94 / 99; n128s2 85 / 93 / 92,
+            # kv32k): m64n128w4s3 90 / 100 / 98 against m32n64w4s3 (before) 91 / 94 / 99; n128s2 85 / 93 / 92,
             # n64s4 89 / 89 / 97 (both converted once); e5m2 n128s3 90 / 99 / 98 (92 / 94 / 99 before). Those are
             # do_bench's, whose L2 flush costs ~17 us a call; round B back to back: 96 / 100 / 100 against 96 / 95 /
             # 100 before (docs/serving.md, "128-key tiles"). Paged caches keep theirs (V converted once lost there).
@@ -215,8 +250,8 @@ def _sm80_config(head_dim: int, direction: Direction, mask: Mask | None, layout:
     in any catalog variant (ptxas of triton 3.6, 2026-11-26; `fagen build fagen/spec/catalog.toml`). The sm_90
     tiles spill on sm_80 (d64 causal m128n128w4s3: 78 words) or do not fit (d128 m128n128w8s3: 224 KB). Spills of
     the candidates, bf16: forward d64 causal m128n64w4s3 2 words, m128n64w8s3 0; d128 m128n64w8s3 0, tree 222
-    (m64n64w8s2 2, m64n32w8s2 0), paged 6 (m128n64w8s2 0); backward d64 m64n64w4s3 16 (gqa 4, mask none),
-    m64n64w8s3 0; d128 m64n64w4s3 16, m64n64w8s3 0; tree d64 m128n64w8s2 140, m64n32w4s2 0; tree d128
+    (m64n64w8s2 2, m64n32w8s2 0), paged 6 (m128n64w8s2 0); backward d64 m32n64w4s3 16 (gqa 4, mask none),
+    m64n64w8s3 0; d128 m32n64w4s3 16, m64n64w8s3 0; tree d64 m128n64w8s2 140, m64n32w4s2 0; tree d128
     m128n64w8s2 1404, m64n32w8s2 0. Decode kernels keep the sm_90 tiles (they fit: 112 KB dense, 144 KB paged).
     """
     tree = mask == Mask.TREE

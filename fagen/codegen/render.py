@@ -137,7 +137,14 @@ def _context(spec: KernelSpec) -> dict:
                 kv_torch_dtype=tables.TORCH_KV_DTYPE[spec.kv_dtype] if spec.kv_dtype else "",
                 tree_keys="len_k" if paged else "seq_k",  # tree nodes are the last Sq of these keys
                 lse_shape="(q.shape[1], q.shape[0])" if spec.packed_q else "q.shape[:3]",
-                mod=_mod_code(spec), mla_gluon_dkdv=_mla_gluon_dkdv())
+                mod=_mod_code(spec), mla_gluon_dkdv=_mla_gluon_dkdv(), decode_pps=_decode_pps(spec))
+
+
+def _decode_pps(spec: KernelSpec) -> int | None:
+    """fagen/backends/triton.py's decode_programs_per_sm ([Note] MLA 192/128 decode tiles), read at each render."""
+    from fagen.backends import triton as triton_backend
+
+    return triton_backend.decode_programs_per_sm(spec)
 
 
 def _mla_gluon_dkdv() -> bool:
@@ -207,7 +214,9 @@ def render_state(spec: KernelSpec) -> str:
     index ([Note] Render index in fagen/runtime/loader.py) key on it, so a render made under one variant is never
     served under another, in this process or a later one."""
     state = json.dumps(backends.GLUON.variant_for(spec), sort_keys=True, default=repr)
-    return state + " mla_gluon_dkdv" if _mla_gluon_dkdv() else state  # off: the key as before
+    state = state + " mla_gluon_dkdv" if _mla_gluon_dkdv() else state  # off: the key as before
+    pps = _decode_pps(spec)
+    return state if pps is None else f"{state} decode_pps {pps}"
 
 
 INDEX_TRUSTED = True  # whether fagen.runtime.loader may serve a load from its render index ([Note] Render index)

@@ -548,6 +548,38 @@ def group_dense_fp8():
     paged_fp8_cases(qd, "fp8_e4m3", "causal", (1.2, 0.9), table, lens, pages=NB * width + 4, page=16, bad_lens=5)
 
 
+def group_mla192():
+    """MLA's prefill head dims in a dense decode (d_qk 192, d_v 128, GQA 16 over one KV head): on sm_90 the
+    MLA192_DECODE tile (fagen/backends/triton.py; twenty-third session) and its split rule's programs an SM. Bad
+    seqlens_k of sequence 1, through the split rule and 3 splits; NaN in every key past each sequence's length."""
+    dk, dv, sk = (192, 128, 4096) if GPU else (48, 32, 40)
+    qdt, name = (torch.bfloat16, "bf16") if GPU else (torch.float16, "fp16")
+    lens = [sk, sk // 2 + 37, sk - 5][:NB]
+    qd = torch.randn(NB, 16, 1, dk, device=DEV, dtype=qdt)
+    kc, vc = torch.randn(NB, 1, sk, dk, device=DEV, dtype=qdt), torch.randn(NB, 1, sk, dv, device=DEV, dtype=qdt)
+    for c in (kc, vc):
+        for b, n in enumerate(lens):
+            c[b, :, n:] = float("nan")
+    dec = fagen.load(fagen.KernelSpec(head_dim=dk, head_dim_v=dv, gqa=16, kind="decode", mask="padding", dtype=name,
+                                      **DTILES))
+
+    def run(lk):
+        kw = dict(seqlens_q=i32(*[1] * NB), seqlens_k=i32(*lk), check=False)
+        out, lse = dec.forward(qd, kc, vc, **kw)
+        out3, lse3 = dec.forward_split(qd, kc, vc, num_splits=3, **kw)
+        return dict(out=out, lse=lse, out3=out3, lse3=lse3)
+
+    good = run(lens)
+    report(f"dense decode d{dk}/v{dv} {name}: no NaN key past a length reaches a valid output",
+           ["NaN in out"] if any(torch.isnan(good[key]).any() for key in ("out", "out3")) else [])
+    for value in bad_ints(sk):
+        lk = list(lens)
+        lk[1] = value
+        case(f"dense decode d{dk}/v{dv} {name} sk{sk} (rule, 3 splits) seqlens_k[1]={value}", lambda: run(lk),
+             [(key, (OTHER,)) for key in good], good)
+    still_good(f"dense decode d{dk}/v{dv} {name}", lambda: run(lens), good)
+
+
 def group_mods():
     """User mods with captured tensors on the layouts that take lengths from the caller: a modded paged decode
     (bad block_table, seqlens_k) and a modded varlen fwd+bwd with a learned bias (bad cu_seqlens). The captured
@@ -674,7 +706,7 @@ def group_mla_gluon():
 GROUPS = {"padding": group_padding, "varlen": group_varlen, "paged": group_paged, "tree": group_tree,
           "window": group_window, "mla": group_mla, "mla_fp8": group_mla_fp8, "fp8_token": group_fp8_token,
           "paged_fp8": group_paged_fp8, "dense_fp8": group_dense_fp8, "mods": group_mods, "mla_gluon": group_mla_gluon,
-          "gluon_padding": group_gluon_padding}
+          "gluon_padding": group_gluon_padding, "mla192": group_mla192}
 
 torch.manual_seed(args.seed)
 for name in args.group or GROUPS:

@@ -20,8 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_memcheck_fuzz.py"
 
 
-@pytest.mark.parametrize("groups", [("padding", "window"), ("varlen", "tree"), ("paged",), ("fp8_token", "paged_fp8", "dense_fp8")],
-                         ids="+".join)
+@pytest.mark.parametrize("groups", [("padding", "window"), ("varlen", "tree"), ("paged",),
+                                    ("fp8_token", "paged_fp8", "dense_fp8", "mla192")], ids="+".join)
 def test_bad_values_stay_inside_the_tensors(groups):
     cmd = [sys.executable, str(SCRIPT), "--device", DEVICE, *(a for g in groups for a in ("--group", g))]
     # The interpreter on the CPU; on a GPU the compiled kernels themselves (the interpreter over CUDA tensors tests

@@ -78,7 +78,7 @@ class GluonBackend(DecodeRules, KernelBackend):
     # The gluon forward's register budgets (setmaxnreg): 240 per consumer thread, 24 for the producer (docs/hopper.md,
     # "Variants measured"). The variant switches measured beside them (ping-pong, late K/V releases, O via Q, joined
     # releases, one Q buffer, a K/V ring deeper than the spec's) were slower or no faster and left the template
-    # (docs/hopper.md, "What left the product").
+    # (docs/hopper.md, "What left the product"). fwd_s_ahead, _turns, _exp_poly, _wgs: [Note] The d64 forward's levers.
     # tile_schedule_all: render the tile schedule ([Note] Tile schedule in the template, _SCHED) for every causal
     # bf16/fp16 forward without mods or the window, not only MLA's; off in the product (d128 keeps its loop and order),
     # on only where scripts/gpu_mla_prefill.py renders d128 variants to time them.
@@ -119,8 +119,8 @@ class GluonBackend(DecodeRules, KernelBackend):
     variant = {"consumer_regs": 240, "loader_regs": 24, "tile_schedule_all": False, "causal_order": 3,
                "fp8_p_cvt": 3, "fp8_wgs": 2, "fp8_wg3_regs": (160, 24), "fp8_o_skip": 0,
                "fp8_pv_overlap": 0, "fp8_d64": {"fp8_wgs": 3}, "fp8_n192": 0, "fp8_vt": 0,
-               "fp8_pass_evict": 0, "fp8_vt_pad": 0, "fp8_full_order": 0,
-               "fp8_s_ahead": 0, "fp8_turns": 0, "fp8_n256": 0, "fp8_tail_split": 0,
+               "fp8_pass_evict": 0, "fp8_vt_pad": 0, "fp8_full_order": 0, "fwd_s_ahead": 0, "fwd_turns": 0, "fwd_wgs": 2,
+               "fp8_s_ahead": 0, "fp8_turns": 0, "fp8_n256": 0, "fp8_tail_split": 0, "fwd_exp_poly": 0, "fwd_exp_deg": 3,
                "pv_overlap": 0, "fwd_tail_first": 1, "pad_empty": 1, "pad_order": 2,  # [Note] Gluon padding masks
                "bwd_order": 0, "bwd_snake": 0, "bwd_named": 0, "bwd_epi_tma": 0, "bwd_fixed": 0, "bwd_window_desc": 0,
                "bwd_mod_early": 0, "bwd_window_fixed": 0, "bwd_prefix": 2, "bwd_window_chain": 0, "bwd_window_pending": 2,

@@ -59,12 +59,26 @@ CANDS = {
     "gl poly4": ("gluon", (128, 3), {"fwd_exp_poly": 4}),
     "gl wg3": ("gluon", (128, 3), {"fwd_wgs": 3}),
     "gl wg3 n64s4": ("gluon", (64, 4), {"fwd_wgs": 3}),
+    "gl wg3 n128s2": ("gluon", (128, 2), {"fwd_wgs": 3}),
+    "gl wg3 n64s3": ("gluon", (64, 3), {"fwd_wgs": 3}),
+    "gl wg3 n64s4 ahead": ("gluon", (64, 4), {"fwd_wgs": 3, "fwd_s_ahead": 1}),
+    "gl wg3 n64s4 poly2": ("gluon", (64, 4), {"fwd_wgs": 3, "fwd_exp_poly": 2}),
+    "gl wg3 poly2": ("gluon", (128, 3), {"fwd_wgs": 3, "fwd_exp_poly": 2}),
     "mutant poly4 shift22": ("gluon", (128, 3), {"fwd_exp_poly": 4, "patch": (r"<< 23\)", "<< 22)")}),
 }
-SPILLS = ("gl wg3", )  # spills at 160 registers (45 words; 13 loads, 12 stores in the masked step: --dry-run); timed
+# each round's candidates (the rest of CANDS is not built) and its full-mask rows
+ROUNDS = {"A": (["tri m128n128w8s3", "tri m128n64w4s3", "tri m128n128w4s4", "tri m128n64w4s4", "gl base", "gl n128s2",
+                 "gl n64s4", "gl turns1", "gl turns2", "gl turns4", "gl ahead", "gl pvov", "gl poly2", "gl poly4",
+                 "gl wg3", "gl wg3 n64s4", "mutant poly4 shift22"], ["gl base", "gl ahead", "gl turns2"]),
+          "B": (["gl base", "gl wg3", "gl wg3 n128s2", "gl wg3 n64s4", "gl wg3 n64s3", "gl wg3 n64s4 ahead",
+                 "gl wg3 n64s4 poly2", "gl wg3 poly2", "mutant poly4 shift22"],
+                ["gl base", "gl wg3", "gl wg3 n128s2", "gl wg3 n64s4"])}
+CANDS = {n: CANDS[n] for n in ROUNDS[ROUND][0]}
+# spills at 160 registers (45 words; 13 loads, 12 stores in the causal masked step only: --dry-run); timed
+SPILLS = ("gl wg3", "gl wg3 n128s2", "gl wg3 poly2")
 BITWISE = ("gl turns1", "gl turns2", "gl turns4", "gl ahead", "gl pvov")  # the same out and lse as "gl base"
 TIMED = [n for n in CANDS if not n.startswith("mutant")]
-TIMED_FULL = ["gl base", "gl ahead", "gl turns2"]
+TIMED_FULL = ROUNDS[ROUND][1]
 # (mask, B, Hq, Sq, Sk): odd lengths, Sq != Sk both ways (causal 1300 x 777: 523 rows a head see no key); the last at
 # the timed shape's specialization (B1, lengths divisible by 16: the timed build)
 CHECKS = (("causal", 2, 4, 1000, 1000), ("causal", 2, 4, 1300, 777), ("none", 2, 4, 777, 1300),

@@ -65,6 +65,8 @@ def test_three_warpgroups_host_and_tiles():
         src = render()
     assert "n_m = _cdiv(sq, 3 * BLOCK_M)" in src and "m_blk * (3 * BLOCK_M)" in src
     assert "CONSUMER_REGS = 160" in src and "_consumer2" in src
+    # one O staging buffer a warpgroup (round A's builds faulted with two: warpgroup 2 stored past them)
+    assert "o_smem = gl.allocate_shared_memory(dtype, [3, BLOCK_M, HEAD_DIM], q_layout)" in src
 
 
 class _GL:

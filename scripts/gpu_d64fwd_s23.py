@@ -64,6 +64,7 @@ CANDS = {
     "gl wg3 n64s4 ahead": ("gluon", (64, 4), {"fwd_wgs": 3, "fwd_s_ahead": 1}),
     "gl wg3 n64s4 poly2": ("gluon", (64, 4), {"fwd_wgs": 3, "fwd_exp_poly": 2}),
     "gl wg3 poly2": ("gluon", (128, 3), {"fwd_wgs": 3, "fwd_exp_poly": 2}),
+    "gl ahead poly2": ("gluon", (128, 3), {"fwd_s_ahead": 1, "fwd_exp_poly": 2}),
     "mutant poly4 shift22": ("gluon", (128, 3), {"fwd_exp_poly": 4, "patch": (r"<< 23\)", "<< 22)")}),
 }
 # each round's candidates in groups: a group's checks and timing run in a process of their own after the build, the
@@ -76,19 +77,21 @@ ROUNDS = {"A": [(["tri m128n128w8s3", "tri m128n64w4s3", "tri m128n128w4s4", "tr
           "B": [(["tri m128n128w8s3", "tri m128n64w4s3", "gl base", "gl n64s4", "gl turns2", "gl turns4", "gl ahead",
                   "gl poly2", "mutant poly4 shift22"], ["gl base", "gl ahead"]),
                 (["gl base", "gl wg3", "gl wg3 n128s2", "gl wg3 n64s4", "gl wg3 n64s4 ahead", "gl wg3 n64s4 poly2"],
-                 ["gl base", "gl wg3", "gl wg3 n64s4"])]}
+                 ["gl base", "gl wg3", "gl wg3 n64s4"])],
+          # C (for a confirmation run, after round B: group 0 had one pass): round B's leaders, one group, longer
+          "C": [(["gl base", "gl ahead", "gl poly2", "gl ahead poly2", "gl turns4", "gl wg3"], ["gl base", "gl ahead"])]}
 GROUP = int(sys.argv[sys.argv.index("--group") + 1]) if "--group" in sys.argv else None
 ALL = CANDS
 _names = [n for g in ROUNDS[ROUND] for n in g[0]]
 CANDS = {n: ALL[n] for n in _names}  # every candidate of the round (the build and the dry run)
 if GROUP is not None:  # a run phase: its group's
     CANDS = {n: ALL[n] for n in ROUNDS[ROUND][GROUP][0]}
-NOLAUNCH = [n for n in CANDS if "wg3" in n] if ROUND != "A" else []  # built without a launch (JITFunction.warmup)
+NOLAUNCH = [n for n in CANDS if "wg3" in n] if ROUND == "B" else []  # built without a launch (JITFunction.warmup)
 # spills at 160 registers (45 words; 13 loads, 12 stores in the causal masked step only: --dry-run); timed
 SPILLS = ("gl wg3", "gl wg3 n128s2", "gl wg3 poly2")
 # the same out and lse as another render (only the order of issue differs)
 BITWISE = {"gl turns1": "gl base", "gl turns2": "gl base", "gl turns4": "gl base", "gl ahead": "gl base",
-           "gl pvov": "gl base", "gl wg3 n64s4 ahead": "gl wg3 n64s4"}
+           "gl pvov": "gl base", "gl wg3 n64s4 ahead": "gl wg3 n64s4", "gl ahead poly2": "gl poly2"}
 TIMED = [n for n in CANDS if not n.startswith("mutant")]
 TIMED_FULL = ROUNDS[ROUND][GROUP][1] if GROUP is not None else sorted({n for g in ROUNDS[ROUND] for n in g[1]})
 # (mask, B, Hq, Sq, Sk): odd lengths, Sq != Sk both ways (causal 1300 x 777: 523 rows a head see no key); the last at
@@ -96,7 +99,7 @@ TIMED_FULL = ROUNDS[ROUND][GROUP][1] if GROUP is not None else sorted({n for g i
 CHECKS = (("causal", 2, 4, 1000, 1000), ("causal", 2, 4, 1300, 777), ("none", 2, 4, 777, 1300),
           ("causal", 2, 4, 777, 1300), ("causal", 1, 4, 2048, 2048), ("none", 1, 4, 2048, 2048))
 # run: a group's checks (cut at CHECK_S) then its timing, one process (modules loaded once)
-PHASE_LIMIT = {"build": 21, "run": (14, 13)}
+PHASE_LIMIT = {"build": 21, "run": {"A": (24, ), "B": (14, 13), "C": (27, )}[ROUND]}
 CHECK_S = 6
 
 

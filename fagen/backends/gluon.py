@@ -16,6 +16,7 @@ from fagen.spec.axes import Backend, Direction, DType, Kind, Layout, Mask, SpecE
 FP8_FULL_N192 = True  # turns 4 (variant_for); causal unchanged. H200 +3.4%: docs/hopper.md, fp8 forward (twenty-first)
 FP8_N256: dict = {}  # mask -> fp8_n256 mode (+ turns 4; variant_for, over FP8_FULL_N192). Off: hopper.md, twenty-second
 CAP_MAX_FIRST = 1  # [Note] Softcap forward levers (variant cap_max_first). H200 1.021 / 1.022x: hopper.md, twenty-third
+D64_S_AHEAD = True  # [Note] The d64 forward's levers: the d64 bf16 causal MHA forward, S ahead (H200 1.067x Triton)
 
 
 def smem_bytes(head_dim: int, block_m: int, block_n: int, num_stages: int, itemsize: int = 2,
@@ -79,7 +80,7 @@ class GluonBackend(DecodeRules, KernelBackend):
     # The gluon forward's register budgets (setmaxnreg): 240 per consumer thread, 24 for the producer (docs/hopper.md,
     # "Variants measured"). The variant switches measured beside them (ping-pong, late K/V releases, O via Q, joined
     # releases, one Q buffer, a K/V ring deeper than the spec's) were slower or no faster and left the template
-    # (docs/hopper.md, "What left the product").
+    # (docs/hopper.md, "What left the product"). fwd_s_ahead, _turns, _wgs: [Note] The d64 forward's levers.
     # tile_schedule_all: render the tile schedule ([Note] Tile schedule in the template, _SCHED) for every causal
     # bf16/fp16 forward without mods or the window, not only MLA's; off in the product (d128 keeps its loop and order),
     # on only where scripts/gpu_mla_prefill.py renders d128 variants to time them.
@@ -121,7 +122,7 @@ class GluonBackend(DecodeRules, KernelBackend):
                "fp8_p_cvt": 3, "fp8_wgs": 2, "fp8_wg3_regs": (160, 24), "fp8_o_skip": 0,
                "fp8_pv_overlap": 0, "fp8_d64": {"fp8_wgs": 3}, "fp8_n192": 0, "fp8_vt": 0,
                "fp8_pass_evict": 0, "fp8_vt_pad": 0, "fp8_full_order": 0, "cap_turns": 0, "cap_max_first": CAP_MAX_FIRST, "cap_exp_poly": 0, "cap_exp_deg": 3, "cap_fixed_max": 0,
-               "fp8_s_ahead": 0, "fp8_turns": 0, "fp8_n256": 0, "fp8_tail_split": 0,
+               "fwd_s_ahead": 0, "fwd_turns": 0, "fwd_wgs": 2, "fp8_s_ahead": 0, "fp8_turns": 0, "fp8_n256": 0, "fp8_tail_split": 0,
                "pv_overlap": 0, "fwd_tail_first": 1, "pad_empty": 1, "pad_order": 2,  # [Note] Gluon padding masks
                "bwd_order": 0, "bwd_snake": 0, "bwd_named": 0, "bwd_epi_tma": 0, "bwd_fixed": 0, "bwd_window_desc": 0,
                "bwd_mod_early": 0, "bwd_window_fixed": 0, "bwd_prefix": 2, "bwd_window_chain": 0, "bwd_window_pending": 2,
@@ -150,10 +151,9 @@ class GluonBackend(DecodeRules, KernelBackend):
     # [Note] Gluon selection rule. The cases where the H100 measurements of docs/hopper.md show the gluon forward
     # beating the Triton one: a prefill forward, head_dim 128, bf16, mask none (any gqa: +5% full s16k) or causal with
     # gqa > 1 (+13% gqa 32/8 causal s4k). MHA causal only with a tile order (variant causal_order, [Note] Gluon tile
-    # order): without one the Triton forward won it in the three latest runs (s16k Triton / Gluon TF/s: 558 / 550 in
-    # benchmarks/hopper/6-integration, 559 / 543 and 562 / 543 in benchmarks/scores.md); with the tile counter the gluon
-    # forward read 685 against 598 without (H100, fifth session), with sections 691 against 615 (sixth session), the
-    # Triton one 582. Not d64 (-7%; level on the H200, twenty-second session), not fp16 (496 vs 493 TF/s, a tie), not
+    # order): without one the Triton forward won it (s16k 558-562 / 543-550 TF/s); with sections 691 against 615 (sixth
+    # session), the Triton one 582. d64 causal MHA with S ahead only (D64_S_AHEAD; -7% on the H100 and level on the H200
+    # without it; H200 1.067x the Triton forward with it, twenty-third session), not fp16 (496 vs 493 TF/s, a tie), not
     # tree masks (no such kernel); padding masks (selected_pad_masks; H200, twenty-second session, rounds A / B: the
     # suite's fwd-causalpad-d128-s8k 444 / 442 vs 363 / 392 TF/s, twin 505 / 521 vs 451 / 465; docs/hopper.md). Score
     # switches: causal with the window alone (any gqa), where the gluon forward's block skipping measured +9% over the
@@ -200,13 +200,9 @@ class GluonBackend(DecodeRules, KernelBackend):
     # bwd_block_m: queries per step (64; 128 built for d64 only: shared 199 KB, spills ~400 B).
     # bwd_gqa: the keys a d128 GQA causal backward render takes over the others (variant_for); bwd_d128 (tenth
     # session) those of a d128 MHA one, none or causal ({}: the chain): the fixed-point dQ with its qmul rows by TMA
-    # and L2 sections of 4 heads. H100, bf16 B1 H16 s16k, TF/s, two passes in one process (scripts/gpu_detbwd_s10.py
-    # round A; docs/hopper.md, "The deterministic backward at d128 (tenth session)"): causal 543 / 473 against the
-    # chain's 465 / 457 and cuDNN's 570 / 547; full 527 / 542 against 455 / 465 and 542 / 559; the same render's
-    # unordered mode 552 / 539, 555 / 561. dq / dk / dv of head 0 against float64 as the chain's (2.46e-3 causal).
-    # Round B (three passes): causal 541 / 540 / 513 (chain 462 / 452 / 451, cuDNN 574 / 535 / 473), full 522 / 546 /
-    # 534 (chain 452 / 443 / 448, cuDNN 552 / 549 / 540). bwd_gqa takes the qmul rows by TMA too (round B, GQA 32/8
-    # causal B4 s4k: 458 / 449 / 393 against 421 / 416 / 416 without, cuDNN 444 / 435 / 443).
+    # and L2 sections of 4 heads (H100 measurements: docs/hopper.md, "The deterministic backward at d128 (tenth
+    # session)": causal 541-543 against the chain's 462-465, full 522-527 against 452-455; bwd_gqa's qmul rows by TMA
+    # 458 against 421 at GQA 32/8 causal B4 s4k).
     # bwd_ring (eleventh session): the Q/dO ring's slots (STAGES; 2 measured best at d128), for d64's short steps;
     # bwd_dq_slots 2: two dQ slots a warpgroup (d64, named-barrier kernels; [Note] Two dQ slots in the template).
     # Both off: round A (scripts/gpu_bwdstd_s11.py, H100, d64 causal B1 H32 s16k deterministic, medians of three
@@ -218,16 +214,10 @@ class GluonBackend(DecodeRules, KernelBackend):
                     "bwd_gqa": {"bwd_fixed": 1, "bwd_sections": 4, "bwd_fixed_tma": 1},
                     "bwd_d128": {"bwd_fixed": 1, "bwd_fixed_tma": 1, "bwd_sections": 4,
                                  "bwd_full_levers": {"bwd_named": 2, "bwd_epi_tma": 1, "bwd_dq_swap": 1}}})
-    # The full levers (twelfth session, scripts/gpu_bwdfull_s12.py, H100, B1 s16k, TF/s medians of rotated passes,
-    # deterministic / unordered): d128 H16 round A 543 / 559 against 512 / 560, round B 552 / 549 against 530 / 556;
-    # d64 H32 round B 458 / 446 against 428 / 427. Staggered walks (removed) lost: 527 / 522. dq_swap: docs/hopper.md
-    # Round B (H100, scripts/gpu_gluon_bwd_gqa64.py; TF/s deterministic / unordered, cuDNN): GQA 32/8 causal B4 s4k
-    # d128 with sections of 4: 429 / 510 (the chain 367), cuDNN 469; d64 with sections of 8: causal 425 / 447, full
-    # 416 / 403, GQA causal 360 / 402 (cuDNN 456, 463, 366; Triton 364, 371, 311).
-    # bwd_d64 takes the qmul rows by TMA (eleventh session, scripts/gpu_bwdstd_s11.py round A, H100, d64 causal B1 H32
-    # s16k, TF/s deterministic, three passes in one process): 457 / 452 / 407 against 422 / 419 / 414 without, cuDNN
-    # 451 / 442 / 436; medians 452 against 419 (1.02x against 0.95x cuDNN's median 442). Round B (four passes,
-    # medians): causal 455 against 418 (cuDNN 441), GQA 32/8 causal B4 s4k 385 against 355 (369), full 424 / 421 (457).
+    # The full levers (twelfth session, H100 d128 H16 B1 s16k deterministic / unordered: 552 / 549 against 530 / 556)
+    # and dq_swap (twenty-second): docs/hopper.md. bwd_d64 takes the qmul rows by TMA (eleventh session, H100 d64 causal
+    # B1 H32 s16k: 452-455 TF/s against 418-419 without, cuDNN 441-442; docs/hopper.md, "The standard suite's backward
+    # rows"); sections of 8 (ninth session, scripts/gpu_gluon_bwd_gqa64.py round B).
 
     def variant_for(self, spec) -> dict:
         """The variant a render of `spec` reads (the template's `gluon`): `variant`, with bwd_d64's keys over it for
@@ -235,6 +225,8 @@ class GluonBackend(DecodeRules, KernelBackend):
         a d128 MHA one, plain specs only (no switch, no mod); fp8_d64's for a d64 fp8 forward; FP8_N256 / _FULL_N192."""
         if spec.direction is Direction.FWD and spec.dtype is DType.FP8_E4M3 and spec.head_dim == 64:
             return {**self.variant, **self.variant["fp8_d64"]}  # [Note] fp8 three warpgroups: d64's own count
+        if self._d64_plain(spec):  # [Note] The d64 forward's levers: S a step ahead (causal and none, MHA)
+            return {**self.variant, "fwd_s_ahead": 1}
         plain = spec.direction is Direction.FWD and spec.dtype is DType.FP8_E4M3 and spec.head_dim == spec.block_n == 128 \
             and spec.gqa == 1 and not (spec.window or spec.switches or spec.modded)
         if plain and (spec.mask.value in FP8_N256 or FP8_FULL_N192 and spec.mask is Mask.NONE):  # [Note] fp8 256-key
@@ -479,6 +471,12 @@ class GluonBackend(DecodeRules, KernelBackend):
         (variant bwd_gqa: [Note] L2 sections in the backward)."""
         return not (Mask(mask) is Mask.CAUSAL and gqa > 1) or bool(self.variant["bwd_gqa"].get("bwd_sections"))
 
+    @staticmethod
+    def _d64_plain(spec) -> bool:  # a plain d64 MHA bf16/fp16 forward ([Note] The d64 forward's levers)
+        return (D64_S_AHEAD and spec.direction is Direction.FWD and spec.head_dim == spec.head_dim_v == 64 and spec.gqa
+                == 1 and spec.dtype in (DType.BF16, DType.FP16) and spec.mask in (Mask.NONE, Mask.CAUSAL)
+                and not (spec.switches or spec.modded))
+
     def selected(self, spec) -> bool:
         """Whether the measured rule ([Note] Gluon selection rule) picks the gluon forward for the case of `spec`."""
         if spec.dtype is DType.FP8_E4M3:  # the only fp8 kernel: selected wherever it exists
@@ -488,6 +486,8 @@ class GluonBackend(DecodeRules, KernelBackend):
             return (self.select_mla and spec.kind is Kind.PREFILL and spec.direction is Direction.FWD
                     and spec.dtype in self.selected_dtypes and spec.mask in self.selected_mla_masks
                     and not spec.switches and not spec.modded)
+        if self._d64_plain(spec) and spec.kind is Kind.PREFILL:  # the d64 causal MHA forward with S ahead
+            return spec.mask is Mask.CAUSAL and spec.dtype in self.selected_dtypes
         if not (spec.kind is Kind.PREFILL and spec.direction is Direction.FWD and spec.head_dim_v == spec.head_dim
                 and spec.head_dim in self.selected_head_dims and spec.dtype in self.selected_dtypes):
             return False

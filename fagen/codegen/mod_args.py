@@ -22,7 +22,7 @@ import dataclasses
 import functools
 
 from fagen.mods import ir
-from fagen.mods.grad import COLUMN, ROW, SCORE, TILE
+from fagen.mods.grad import COLUMN, DIAGONAL, ROW, SCORE, TILE
 from fagen.mods.emit import GLUON_HELPERS, TRITON_HELPERS, TensorRef, in_range, to_gluon, to_triton
 from fagen.mods.text import ModScalar, ModTensor
 
@@ -122,6 +122,29 @@ def _reads_score(n: ir.Node) -> bool:
 # 90 spilled words in the dK/dV kernel at 64 or 128 diagonals, 106 at 32; gathering each diagonal's query per key
 # ([BLOCK_N, r] along the queries) spilled 122-192.
 DIAGONALS = 64
+# [Note] Diagonal sums through a scratch (twenty-third session, docs/mods.md "The learned bias's gradient"): 1 sums a
+# dense dK/dV tile's diagonals by storing its values to a per-program scratch behind MG, transposed with the keys
+# reversed (value (key j, query i) at i * BLOCK_N + BLOCK_N - 1 - j), and reading it back at i * (BLOCK_N - 1) + r,
+# so diagonal r is a column of a [BLOCK_M, DIAGONALS] load, summed over the queries; two CTA barriers a step (the
+# last step's reads before the stores, the stores before the reads). 0: the tl.gather above. Read at each render
+# (render_state keys on it); varlen specs keep the gather.
+DIAG_SCRATCH = 0
+# Its CTA barrier: bar.sync 0 as an asm statement with a side effect (tl.debug_barrier in the loop turns Triton's
+# software pipelining of the Q and dO loads off: no cp.async, 62 KB less shared memory, ptxas sm_90). It passes x
+# through, so what reads its result is ordered after it. The interpreter runs a program's tensor ops in order: none.
+CTA_BARRIER = '''
+
+_MOD_CTA_BARRIER = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
+
+
+@triton.jit
+def _mod_cta_barrier(x):
+    """bar.sync 0 (every thread of the program), returning x ([Note] Diagonal sums through a scratch)."""
+    if _MOD_CTA_BARRIER:
+        x = tl.inline_asm_elementwise("bar.sync 0;\\n\\tmov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32, is_pure=False,
+                                      pack=1)
+    return x
+'''
 
 
 class ModCode:
@@ -159,6 +182,9 @@ class ModCode:
                 if t.dtype in ("fp32", "fp16", "bf16"):
                     self.grad_loads += [(i, load, deriv) for load, deriv in d_loads(self.score_tree, t.name)]
         self.grad_classes = [index_class(load) for _, load, _ in self.grad_loads]
+        self.diag_scratch = bool(DIAG_SCRATCH) and not self.packed and DIAGONAL in self.grad_classes
+        if self.diag_scratch:
+            self.helpers += CTA_BARRIER
 
     def _names(self, score, b, h, q_idx, kv_idx) -> dict:
         return {"score": score, "b": b, "h": h, "q_idx": q_idx, "kv_idx": kv_idx, **self.args.refs()}
@@ -320,12 +346,30 @@ class ModCode:
                 chunks = "((BLOCK_M + BLOCK_N - 2) // BLOCK_M + 1)"  # of BLOCK_M diagonals (a constexpr)
                 lines += [f"    g_len = (g_nq + {chunks} - 1) * BLOCK_M + (g_nk - 1) * BLOCK_N  # diagonals per (b, h)",
                           "    g_kb = g_nk - 1 - n0 // BLOCK_N",
-                          "    g_q = tl.arange(0, BLOCK_M)[None, :]",
-                          f"    for g_c in tl.static_range(0, (BLOCK_M + BLOCK_N - 2) // {DIAGONALS} + 1):",
-                          f"        g_r = g_c * {DIAGONALS} + tl.arange(0, {DIAGONALS})",
-                          "        g_j = g_q - g_r[:, None] + (BLOCK_N - 1)  # the key of query i on diagonal r",
-                          "        g_ok = (g_j >= 0) & (g_j < BLOCK_N)",
-                          "        g_sum = tl.sum(tl.where(g_ok, tl.gather(gval, tl.where(g_ok, g_j, 0), 0), 0.0), 1)",
+                          "    g_q = tl.arange(0, BLOCK_M)[None, :]"]
+                if self.diag_scratch:  # [Note] Diagonal sums through a scratch
+                    lines += ["    g_i = tl.arange(0, BLOCK_M)",
+                              "    g_n = _mod_cta_barrier(n0 // BLOCK_N)  # the last step's reads are done",
+                              "    g_ws = MG%d + ((tl.num_programs(2) * num_heads).to(tl.int64) * (g_nk * %s) * g_len"
+                              % (k, chunks),
+                              "            + ((off_b * tl.num_programs(1) + off_h // GQA) * tl.num_programs(0)"
+                              " + g_n).to(tl.int64) * (BLOCK_N * BLOCK_M))  # this program's scratch",
+                              "    g_j = (BLOCK_N - 1) - tl.arange(0, BLOCK_N)  # the keys reversed",
+                              "    tl.store(g_ws + g_i[None, :] * BLOCK_N + g_j[:, None], gval)",
+                              "    g_n = _mod_cta_barrier(g_n)  # the stores are seen"]
+                lines += [f"    for g_c in tl.static_range(0, (BLOCK_M + BLOCK_N - 2) // {DIAGONALS} + 1):"]
+                if self.diag_scratch:  # keys reversed: [i, BLOCK_N - 1 - j], read at [i, r]
+                    lines += [f"        g_r = g_c * {DIAGONALS} + tl.arange(0, {DIAGONALS})",
+                              "        g_d = g_r[None, :] - g_i[:, None]  # [BLOCK_M, DIAGONALS]: BLOCK_N - 1 - the key",
+                              "        g_ok = (g_d >= 0) & (g_d < BLOCK_N)  # (past S_pad: read, never stored)",
+                              "        g_sum = tl.sum(tl.load(g_ws + (g_n - n0 // BLOCK_N) + g_i[:, None] * (BLOCK_N - 1)"
+                              " + g_r[None, :], mask=g_ok, other=0.0), 0)"]
+                else:
+                    lines += [f"        g_r = g_c * {DIAGONALS} + tl.arange(0, {DIAGONALS})",
+                              "        g_j = g_q - g_r[:, None] + (BLOCK_N - 1)  # the key of query i on diagonal r",
+                              "        g_ok = (g_j >= 0) & (g_j < BLOCK_N)",
+                              "        g_sum = tl.sum(tl.where(g_ok, tl.gather(gval, tl.where(g_ok, g_j, 0), 0), 0.0), 1)"]
+                lines += [
                           "        g_p = start_m + g_r + g_kb * BLOCK_N  # the diagonal's place in its (b, h) line",
                           "        g_keep = g_r < BLOCK_M + BLOCK_N - 1",
                           f"        g_row = (g_bh * g_nk + g_kb) * {chunks} + g_r // BLOCK_M",

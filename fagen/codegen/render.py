@@ -207,7 +207,10 @@ def render_state(spec: KernelSpec) -> str:
     index ([Note] Render index in fagen/runtime/loader.py) key on it, so a render made under one variant is never
     served under another, in this process or a later one."""
     state = json.dumps(backends.GLUON.variant_for(spec), sort_keys=True, default=repr)
-    return state + " mla_gluon_dkdv" if _mla_gluon_dkdv() else state  # off: the key as before
+    state = state + " mla_gluon_dkdv" if _mla_gluon_dkdv() else state  # off: the key as before
+    from fagen.codegen import mod_args
+
+    return state + f" diag_scratch={mod_args.DIAG_SCRATCH}" if mod_args.DIAG_SCRATCH and spec.mod_tensors else state
 
 
 INDEX_TRUSTED = True  # whether fagen.runtime.loader may serve a load from its render index ([Note] Render index)

@@ -1,0 +1,69 @@
+"""The learned bias's gradient through a scratch ([Note] Diagonal sums through a scratch in
+fagen/codegen/mod_args.py, lever DIAG_SCRATCH, default 0; docs/mods.md "The learned bias's gradient (twenty-third
+session)"): the render holds the scratch only where on (and the render state names it), and with it on a learned
+relative bias (attention-gym's, a diagonal class) gives dq, dk, dv and d(bias) against float64 at odd shapes, causal
+and full, GQA 2, bitwise repeatable; the sm_90 build keeps the Q/dO pipelining (cp.async) and spills less than the
+gather."""
+
+import pytest
+import torch
+
+import fagen
+from _env import DEVICE, ON_GPU
+from fagen.bench import gym_mods as g
+from fagen.codegen import mod_args, render as render_mod
+from fagen.mods import lower as lowering
+from fagen.runtime import modded
+from fagen.verify import reference
+
+
+@pytest.fixture
+def scratch(monkeypatch):
+    """The lever on, the modded-module memo empty (it keys on the spec, not the render state)."""
+    monkeypatch.setattr(mod_args, "DIAG_SCRATCH", 1)
+    monkeypatch.setattr(modded, "_MODULES", {})
+
+
+def _spec(**fields):
+    return fagen.KernelSpec(head_dim=32, dtype="fp32", direction="bwd", mask="causal",
+                            score_mod="score + bias[h, q_idx - kv_idx + n - 1]", mod_tensors=[["bias", "fp32", 2]],
+                            mod_scalars=[["n", "int"]], **fields)
+
+
+def test_the_scratch_renders_only_where_on(monkeypatch):
+    off = render_mod.render(_spec()).source
+    state_off = render_mod.render_state(_spec())
+    assert "_mod_cta_barrier" not in off and "tl.gather(gval" in off
+    monkeypatch.setattr(mod_args, "DIAG_SCRATCH", 1)
+    on = render_mod.render(_spec()).source
+    assert on.count("_mod_cta_barrier(") == 3 and "tl.gather(gval" not in on  # the helper, two barriers a step
+    assert render_mod.render_state(_spec()) != state_off
+    varlen = render_mod.render(_spec(layout="varlen")).source  # packed rows keep the gather
+    assert "_mod_cta_barrier" not in varlen
+
+
+def _run(q, k, v, do, bias, s_k, causal):
+    score_mod = g.generate_relative_bias(bias, s_k)
+    mask_mod = g.causal_mask if causal else None
+    out = fagen.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod)
+    return torch.autograd.grad(out, (q, k, v, bias), do)
+
+
+# causal lowers to the causal switch (as the bench's row); lowering off runs the block mask's lists
+@pytest.mark.parametrize("causal, hq, hkv, s, lowered", [(True, 2, 2, 77, True), (False, 4, 2, 45, True),
+                                                          (True, 4, 2, 130, True), (True, 2, 1, 70, False)])
+def test_the_bias_gradient_through_the_scratch_against_float64(scratch, monkeypatch, causal, hq, hkv, s, lowered):
+    monkeypatch.setattr(lowering, "ENABLED", lowered)
+    gen = torch.Generator().manual_seed(s)
+    q = torch.randn(1, hq, s, 32, generator=gen).to(DEVICE).requires_grad_()
+    k, v = (torch.randn(1, hkv, s, 32, generator=gen).to(DEVICE).requires_grad_() for _ in range(2))
+    do = torch.randn(1, hq, s, 32, generator=gen).to(DEVICE)
+    bias = (torch.randn(hq, 2 * s - 1, generator=gen) * 0.5).to(DEVICE).requires_grad_()
+    got = [_run(q, k, v, do, bias, s, causal) for _ in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(*got))  # bitwise repeatable
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v, bias)]
+    want = reference.attention(*leaves[:3], mask_mod=g.causal_mask if causal else None,
+                               score_mod=g.generate_relative_bias(leaves[3], s))
+    want = torch.autograd.grad(want[0] if isinstance(want, tuple) else want, leaves, do.double())
+    for name, a, b in zip(("dq", "dk", "dv", "dbias"), got[0], want):
+        assert (a.double() - b).abs().max().item() < 1e-4, name

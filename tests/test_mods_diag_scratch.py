@@ -17,10 +17,11 @@ from fagen.runtime import modded
 from fagen.verify import reference
 
 
-@pytest.fixture
-def scratch(monkeypatch):
-    """The lever on, the modded-module memo empty (it keys on the spec, not the render state)."""
-    monkeypatch.setattr(mod_args, "DIAG_SCRATCH", 1)
+@pytest.fixture(params=[1, 2])
+def scratch(monkeypatch, request):
+    """The lever on (1: the band read masked; 2: zeros around the band, read unmasked), the modded-module memo empty
+    (it keys on the spec, not the render state)."""
+    monkeypatch.setattr(mod_args, "DIAG_SCRATCH", request.param)
     monkeypatch.setattr(modded, "_MODULES", {})
 
 
@@ -30,13 +31,15 @@ def _spec(**fields):
                             mod_scalars=[["n", "int"]], **fields)
 
 
-def test_the_scratch_renders_only_where_on(monkeypatch):
+@pytest.mark.parametrize("lever", [1, 2])
+def test_the_scratch_renders_only_where_on(monkeypatch, lever):
     off = render_mod.render(_spec()).source
     state_off = render_mod.render_state(_spec())
     assert "_mod_cta_barrier" not in off and "tl.gather(gval" in off
-    monkeypatch.setattr(mod_args, "DIAG_SCRATCH", 1)
+    monkeypatch.setattr(mod_args, "DIAG_SCRATCH", lever)
     on = render_mod.render(_spec()).source
     assert on.count("_mod_cta_barrier(") == 3 and "tl.gather(gval" not in on  # the helper, two barriers a step
+    assert ("mask=g_ok" in on) == (lever == 1) and ("new_zeros(n + b * hq" in on) == (lever == 2)
     assert render_mod.render_state(_spec()) != state_off
     varlen = render_mod.render(_spec(layout="varlen")).source  # packed rows keep the gather
     assert "_mod_cta_barrier" not in varlen

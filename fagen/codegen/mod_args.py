@@ -182,7 +182,11 @@ class ModCode:
                 if t.dtype in ("fp32", "fp16", "bf16"):
                     self.grad_loads += [(i, load, deriv) for load, deriv in d_loads(self.score_tree, t.name)]
         self.grad_classes = [index_class(load) for _, load, _ in self.grad_loads]
-        self.diag_scratch = bool(DIAG_SCRATCH) and not self.packed and DIAGONAL in self.grad_classes
+        self.diagonals = DIAGONALS
+        self.diag_scratch = DIAG_SCRATCH if not self.packed and DIAGONAL in self.grad_classes else 0
+        # the scratch's row length per query: 1 BLOCK_N (the band read masked), 2 the chunks' width (zeros outside)
+        self.diag_width = {1: "BLOCK_N", 2: f"(((BLOCK_M + BLOCK_N - 2) // {DIAGONALS} + 1) * {DIAGONALS})"}.get(
+            self.diag_scratch)
         if self.diag_scratch:
             self.helpers += CTA_BARRIER
 
@@ -353,16 +357,21 @@ class ModCode:
                               "    g_ws = MG%d + ((tl.num_programs(2) * num_heads).to(tl.int64) * (g_nk * %s) * g_len"
                               % (k, chunks),
                               "            + ((off_b * tl.num_programs(1) + off_h // GQA) * tl.num_programs(0)"
-                              " + g_n).to(tl.int64) * (BLOCK_N * BLOCK_M))  # this program's scratch",
+                              f" + g_n).to(tl.int64) * (BLOCK_M * {self.diag_width}))  # this program's scratch",
                               "    g_j = (BLOCK_N - 1) - tl.arange(0, BLOCK_N)  # the keys reversed",
-                              "    tl.store(g_ws + g_i[None, :] * BLOCK_N + g_j[:, None], gval)",
+                              f"    tl.store(g_ws + g_i[None, :] * {self.diag_width} + g_j[:, None]"
+                              + (" + g_i[None, :]" if self.diag_scratch == 2 else "") + ", gval)",
                               "    g_n = _mod_cta_barrier(g_n)  # the stores are seen"]
                 lines += [f"    for g_c in tl.static_range(0, (BLOCK_M + BLOCK_N - 2) // {DIAGONALS} + 1):"]
-                if self.diag_scratch:  # keys reversed: [i, BLOCK_N - 1 - j], read at [i, r]
+                if self.diag_scratch == 2:  # [i, i + BLOCK_N - 1 - j] = [i, r]: zeros outside the band, unmasked
+                    lines += [f"        g_r = g_c * {DIAGONALS} + tl.arange(0, {DIAGONALS})",
+                              f"        g_sum = tl.sum(tl.load(g_ws + (g_n - n0 // BLOCK_N) * BLOCK_M + g_i[:, None] * {self.diag_width}"
+                              " + g_r[None, :]), 0)"]
+                elif self.diag_scratch:  # keys reversed: [i, BLOCK_N - 1 - j], read at [i, r]
                     lines += [f"        g_r = g_c * {DIAGONALS} + tl.arange(0, {DIAGONALS})",
                               "        g_d = g_r[None, :] - g_i[:, None]  # [BLOCK_M, DIAGONALS]: BLOCK_N - 1 - the key",
                               "        g_ok = (g_d >= 0) & (g_d < BLOCK_N)  # (past S_pad: read, never stored)",
-                              "        g_sum = tl.sum(tl.load(g_ws + (g_n - n0 // BLOCK_N) + g_i[:, None] * (BLOCK_N - 1)"
+                              "        g_sum = tl.sum(tl.load(g_ws + (g_n - n0 // BLOCK_N) * BLOCK_M + g_i[:, None] * (BLOCK_N - 1)"
                               " + g_r[None, :], mask=g_ok, other=0.0), 0)"]
                 else:
                     lines += [f"        g_r = g_c * {DIAGONALS} + tl.arange(0, {DIAGONALS})",

@@ -1,14 +1,15 @@
 """The learned bias's gradient (issue 26), twenty-third session: the mods suite's row learned-bias+grad (attention-gym's
 relative bias over a learned fp32 [H, 2S - 1] table, causal mask_mod, B1 H16 S8192 d128 bf16) with the dK/dV tile's
-diagonal sums through a per-program scratch (fagen/codegen/mod_args.py DIAG_SCRATCH, [Note] Diagonal sums through a
+diagonal sums through a per-program scratch (fagen/codegen/mod_args.py DIAG_SUMS, [Note] Diagonal sums through a
 scratch: 1 "scratch", the band read back masked; 2 "padded", zeros around the band, read unmasked and vectorised)
-against the product's tl.gather (DIAG_SCRATCH 0, "gather").
+or by a rotation (3 "rotate": one tl.gather of the tile's own shape, no scratch) against the
+product's tl.gather (DIAG_SUMS 0, "gather").
 
 Phases, each a child process under a wall-clock limit, < 50 s in all:
   build  a pool makes every call the later phases make once (so they find their kernels compiled);
   check  dq, dk, dv and d(bias) against float64 (fagen.verify.reference, autograd) at odd small shapes, causal and
          full, GQA 2, both variants, each bitwise repeatable (two calls); fails on a rel. error (max |diff| / max
-         |ref|) over 2e-2, or a scratch variant's d(bias) error over 2x the gather's + 1e-3;
+         |ref|) over 2e-2, or a variant's d(bias) error over 2x the gather's + 1e-3;
   time   the suite's row (fagen.bench.mods.cases and _inputs, its block mask): each variant's d(bias) against the
          gather's at S 8192 (rel. diff <= 1e-4, fails otherwise; dq, dk, dv bitwise equal or not), then backward alone
          (kept graph) and forward+backward of both, and the backward without the bias gradient (the same mod, the
@@ -42,9 +43,10 @@ ROUND = (sys.argv[sys.argv.index("--round") + 1] if "--round" in sys.argv
          else os.environ.get("LBGRAD_ROUND", "B")).upper()
 OUT = Path(os.environ.get("OUT") or "/tmp/lbgrad-out")
 WORK = Path("/tmp/lbgrad-work")
-LIMIT = {"build": 22, "check": 10, "time": 15}
-VARIANTS = (0, 1, 2)  # DIAG_SCRATCH: 0 the product's gather, 1 the scratch (band read masked), 2 padded (unmasked)
-NAMES = {0: "gather", 1: "scratch", 2: "padded"}
+LIMIT = {"build": 24, "check": 9, "time": 14}
+# DIAG_SUMS: 0 the product's gather, 1 the scratch (band read masked), 2 padded (unmasked), 3 the rotation
+VARIANTS = (0, 1, 2, 3)
+NAMES = {0: "gather", 1: "scratch", 2: "padded", 3: "rotate"}
 # (causal, Hq, Hkv, S): odd lengths, GQA 2, causal and full
 CASES = [(True, 4, 2, 333), (False, 4, 2, 201)]
 PASSES = {"B": 6, "C": 10}.get(ROUND, 6)
@@ -63,12 +65,12 @@ def log(*a):
 
 
 def use(v, memo={}):  # noqa: B006 - the per-variant modded-module memos, kept across calls
-    """DIAG_SCRATCH v for the next fagen.attention calls: the lever and its own memo of modded modules (the memo keys
+    """DIAG_SUMS v for the next fagen.attention calls: the lever and its own memo of modded modules (the memo keys
     on the spec, the loader on the spec and the render state)."""
     from fagen.codegen import mod_args
     from fagen.runtime import modded
 
-    mod_args.DIAG_SCRATCH = v
+    mod_args.DIAG_SUMS = v
     modded._MODULES = memo.setdefault(v, {})
 
 
@@ -141,7 +143,7 @@ def _same_mod(table, s):
 
 def phase_build():
     work = [("time", v) for v in VARIANTS] + [("nograd", 0)] + [("check", v, *c) for v in VARIANTS for c in CASES]
-    with mp.get_context("spawn").Pool(min(len(work), 12)) as pool:
+    with mp.get_context("spawn").Pool(min(len(work), 16)) as pool:
         for msg in pool.imap_unordered(_warm, work):
             log(msg)
 
@@ -303,7 +305,7 @@ def dry_run():
 
     specs = {"row": ("causal", 1), "check causal gqa2": ("causal", 2), "check full gqa2": ("none", 2)}
     for vv in VARIANTS:
-        mod_args.DIAG_SCRATCH = vv
+        mod_args.DIAG_SUMS = vv
         for name, (mask, gqa) in specs.items():
             base = KernelSpec(head_dim=128, dtype="bf16", direction="bwd", mask=mask, gqa=gqa)
             spec = modded_spec(base, prepare(score_mod=g.generate_relative_bias(torch.zeros(16, 511), 256)).fields,

@@ -1,5 +1,5 @@
 """The learned bias's gradient through a scratch ([Note] Diagonal sums through a scratch in
-fagen/codegen/mod_args.py, lever DIAG_SCRATCH, default 0; docs/mods.md "The learned bias's gradient (twenty-third
+fagen/codegen/mod_args.py, lever DIAG_SUMS, default 0; docs/mods.md "The learned bias's gradient (twenty-third
 session)"): the render holds the scratch only where on (and the render state names it), and with it on a learned
 relative bias (attention-gym's, a diagonal class) gives dq, dk, dv and d(bias) against float64 at odd shapes, causal
 and full, GQA 2, bitwise repeatable; the sm_90 build keeps the Q/dO pipelining (cp.async) and spills less than the
@@ -17,11 +17,11 @@ from fagen.runtime import modded
 from fagen.verify import reference
 
 
-@pytest.fixture(params=[1, 2])
+@pytest.fixture(params=[1, 2, 3])
 def scratch(monkeypatch, request):
-    """The lever on (1: the band read masked; 2: zeros around the band, read unmasked), the modded-module memo empty
-    (it keys on the spec, not the render state)."""
-    monkeypatch.setattr(mod_args, "DIAG_SCRATCH", request.param)
+    """The lever on (1: the band read masked; 2: zeros around the band, read unmasked; 3: the rotation), the
+    modded-module memo empty (it keys on the spec, not the render state)."""
+    monkeypatch.setattr(mod_args, "DIAG_SUMS", request.param)
     monkeypatch.setattr(modded, "_MODULES", {})
 
 
@@ -31,14 +31,18 @@ def _spec(**fields):
                             mod_scalars=[["n", "int"]], **fields)
 
 
-@pytest.mark.parametrize("lever", [1, 2])
+@pytest.mark.parametrize("lever", [1, 2, 3])
 def test_the_scratch_renders_only_where_on(monkeypatch, lever):
     off = render_mod.render(_spec()).source
     state_off = render_mod.render_state(_spec())
-    assert "_mod_cta_barrier" not in off and "tl.gather(gval" in off
-    monkeypatch.setattr(mod_args, "DIAG_SCRATCH", lever)
+    assert "_mod_cta_barrier" not in off and "tl.gather(gval, tl.where(g_ok" in off
+    monkeypatch.setattr(mod_args, "DIAG_SUMS", lever)
     on = render_mod.render(_spec()).source
-    assert on.count("_mod_cta_barrier(") == 3 and "tl.gather(gval" not in on  # the helper, two barriers a step
+    assert "tl.gather(gval, tl.where(g_ok" not in on
+    if lever == 3:  # the rotation: one gather of the tile's shape, no scratch
+        assert "_mod_cta_barrier" not in on and on.count("tl.gather(gval, g_src") == 1
+    else:
+        assert on.count("_mod_cta_barrier(") == 3  # the helper, two barriers a step
     assert ("mask=g_ok" in on) == (lever == 1) and ("new_zeros(n + b * hq" in on) == (lever == 2)
     assert render_mod.render_state(_spec()) != state_off
     varlen = render_mod.render(_spec(layout="varlen")).source  # packed rows keep the gather

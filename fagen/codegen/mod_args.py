@@ -122,13 +122,20 @@ def _reads_score(n: ir.Node) -> bool:
 # 90 spilled words in the dK/dV kernel at 64 or 128 diagonals, 106 at 32; gathering each diagonal's query per key
 # ([BLOCK_N, r] along the queries) spilled 122-192.
 DIAGONALS = 64
-# [Note] Diagonal sums through a scratch (twenty-third session, docs/mods.md "The learned bias's gradient"): 1 sums a
-# dense dK/dV tile's diagonals by storing its values to a per-program scratch behind MG, transposed with the keys
-# reversed (value (key j, query i) at i * BLOCK_N + BLOCK_N - 1 - j), and reading it back at i * (BLOCK_N - 1) + r,
-# so diagonal r is a column of a [BLOCK_M, DIAGONALS] load, summed over the queries; two CTA barriers a step (the
-# last step's reads before the stores, the stores before the reads). 0: the tl.gather above. Read at each render
-# (render_state keys on it); varlen specs keep the gather.
-DIAG_SCRATCH = 0
+# [Note] Diagonal sums through a scratch (twenty-third session, docs/mods.md "The learned bias's gradient"). DIAG_SUMS
+# picks how a dense dK/dV tile [BLOCK_N keys j, BLOCK_M queries i] gets its diagonal sums (r = i - j + BLOCK_N - 1):
+#   0: the tl.gather above, DIAGONALS diagonals at a time ([DIAGONALS, BLOCK_M] gathers of the tile);
+#   1: the tile stored to a per-program scratch behind MG with its keys reversed ([i, BLOCK_N - 1 - j] at
+#      i * BLOCK_N + BLOCK_N - 1 - j) and read back at i * (BLOCK_N - 1) + r, masked to the band: diagonal r is a
+#      column of a [BLOCK_M, DIAGONALS] load, summed over the queries; two CTA barriers a step (the last step's reads
+#      before the stores, the stores before the reads);
+#   2: as 1 with rows of W = the chunks' width (a multiple of DIAGONALS): [i, r] at i * W + r, zeros around the band
+#      (the host zeroes the scratch once; the band is all a step writes), read unmasked and vectorised;
+#   3: [Note] Diagonal sums by a rotation: one tl.gather of the tile's own shape, [j', i] = tile[(j' + i) % BLOCK_N,
+#      i]: the wrap count c = (j' + i) // BLOCK_N splits row j' into diagonals r = (c + 1) BLOCK_N - 1 - j', each a
+#      masked row sum (no scratch, no barrier of ours).
+# Read at each render (render_state keys on it); varlen specs keep 0.
+DIAG_SUMS = 0
 # Its CTA barrier: bar.sync 0 as an asm statement with a side effect (tl.debug_barrier in the loop turns Triton's
 # software pipelining of the Q and dO loads off: no cp.async, 62 KB less shared memory, ptxas sm_90). It passes x
 # through, so what reads its result is ordered after it. The interpreter runs a program's tensor ops in order: none.
@@ -183,7 +190,9 @@ class ModCode:
                     self.grad_loads += [(i, load, deriv) for load, deriv in d_loads(self.score_tree, t.name)]
         self.grad_classes = [index_class(load) for _, load, _ in self.grad_loads]
         self.diagonals = DIAGONALS
-        self.diag_scratch = DIAG_SCRATCH if not self.packed and DIAGONAL in self.grad_classes else 0
+        on = DIAGONAL in self.grad_classes and not self.packed
+        self.diag_scratch = DIAG_SUMS if on and DIAG_SUMS in (1, 2) else 0
+        self.diag_rotate = on and DIAG_SUMS == 3
         # the scratch's row length per query: 1 BLOCK_N (the band read masked), 2 the chunks' width (zeros outside)
         self.diag_width = {1: "BLOCK_N", 2: f"(((BLOCK_M + BLOCK_N - 2) // {DIAGONALS} + 1) * {DIAGONALS})"}.get(
             self.diag_scratch)
@@ -362,7 +371,16 @@ class ModCode:
                               f"    tl.store(g_ws + g_i[None, :] * {self.diag_width} + g_j[:, None]"
                               + (" + g_i[None, :]" if self.diag_scratch == 2 else "") + ", gval)",
                               "    g_n = _mod_cta_barrier(g_n)  # the stores are seen"]
-                lines += [f"    for g_c in tl.static_range(0, (BLOCK_M + BLOCK_N - 2) // {DIAGONALS} + 1):"]
+                if self.diag_rotate:  # [Note] Diagonal sums through a scratch, 3: the rotation
+                    lines += ["    g_src = tl.arange(0, BLOCK_N)[:, None] + tl.arange(0, BLOCK_M)[None, :]  # j' + i",
+                              "    g_w = g_src // BLOCK_N  # the wraps",
+                              "    g_rot = tl.gather(gval, g_src - g_w * BLOCK_N, 0)  # [j', i]: gval[(j' + i) % BLOCK_N, i]",
+                              "    for g_c in tl.static_range(0, (BLOCK_M + BLOCK_N - 2) // BLOCK_N + 1):  # c wraps: r = "
+                              "(c + 1) BLOCK_N - 1 - j'",
+                              "        g_sum = tl.sum(tl.where(g_w == g_c, g_rot, 0.0), 1)",
+                              "        g_r = g_c * BLOCK_N + (BLOCK_N - 1) - tl.arange(0, BLOCK_N)"]
+                else:
+                    lines += [f"    for g_c in tl.static_range(0, (BLOCK_M + BLOCK_N - 2) // {DIAGONALS} + 1):"]
                 if self.diag_scratch == 2:  # [i, i + BLOCK_N - 1 - j] = [i, r]: zeros outside the band, unmasked
                     lines += [f"        g_r = g_c * {DIAGONALS} + tl.arange(0, {DIAGONALS})",
                               f"        g_sum = tl.sum(tl.load(g_ws + (g_n - n0 // BLOCK_N) * BLOCK_M + g_i[:, None] * {self.diag_width}"
@@ -373,7 +391,7 @@ class ModCode:
                               "        g_ok = (g_d >= 0) & (g_d < BLOCK_N)  # (past S_pad: read, never stored)",
                               "        g_sum = tl.sum(tl.load(g_ws + (g_n - n0 // BLOCK_N) * BLOCK_M + g_i[:, None] * (BLOCK_N - 1)"
                               " + g_r[None, :], mask=g_ok, other=0.0), 0)"]
-                else:
+                elif not self.diag_rotate:
                     lines += [f"        g_r = g_c * {DIAGONALS} + tl.arange(0, {DIAGONALS})",
                               "        g_j = g_q - g_r[:, None] + (BLOCK_N - 1)  # the key of query i on diagonal r",
                               "        g_ok = (g_j >= 0) & (g_j < BLOCK_N)",

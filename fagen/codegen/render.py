@@ -210,7 +210,7 @@ def render_state(spec: KernelSpec) -> str:
     state = state + " mla_gluon_dkdv" if _mla_gluon_dkdv() else state  # off: the key as before
     from fagen.codegen import mod_args
 
-    return state + f" diag_scratch={mod_args.DIAG_SCRATCH}" if mod_args.DIAG_SCRATCH and spec.mod_tensors else state
+    return state + f" diag_scratch={mod_args.DIAG_SUMS}" if mod_args.DIAG_SUMS and spec.mod_tensors else state
 
 
 INDEX_TRUSTED = True  # whether fagen.runtime.loader may serve a load from its render index ([Note] Render index)

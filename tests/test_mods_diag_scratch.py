@@ -17,10 +17,10 @@ from fagen.runtime import modded
 from fagen.verify import reference
 
 
-@pytest.fixture(params=[1, 2, 3])
+@pytest.fixture(params=[1, 2, 3, 4])
 def scratch(monkeypatch, request):
-    """The lever on (1: the band read masked; 2: zeros around the band, read unmasked; 3: the rotation), the
-    modded-module memo empty (it keys on the spec, not the render state)."""
+    """The lever on (1: the band read masked; 2: zeros around the band, read unmasked; 3: the rotation; 4: 2 a step
+    late), the modded-module memo empty (it keys on the spec, not the render state)."""
     monkeypatch.setattr(mod_args, "DIAG_SUMS", request.param)
     monkeypatch.setattr(modded, "_MODULES", {})
 
@@ -31,7 +31,7 @@ def _spec(**fields):
                             mod_scalars=[["n", "int"]], **fields)
 
 
-@pytest.mark.parametrize("lever", [1, 2, 3])
+@pytest.mark.parametrize("lever", [1, 2, 3, 4])
 def test_the_scratch_renders_only_where_on(monkeypatch, lever):
     off = render_mod.render(_spec()).source
     state_off = render_mod.render_state(_spec())
@@ -41,9 +41,11 @@ def test_the_scratch_renders_only_where_on(monkeypatch, lever):
     assert "tl.gather(gval, tl.where(g_ok" not in on
     if lever == 3:  # the rotation: one gather of the tile's shape, no scratch
         assert "_mod_cta_barrier" not in on and on.count("tl.gather(gval, g_src") == 1
+    elif lever == 4:  # one barrier a step and one after the loop (flat loops); the lists' loops keep 2's two
+        assert on.count("g_tok = _mod_cta_barrier(") == 2 and on.count("g_par = 1 - g_par") == 1
     else:
         assert on.count("_mod_cta_barrier(") == 3  # the helper, two barriers a step
-    assert ("mask=g_ok" in on) == (lever == 1) and ("new_zeros(n + b * hq" in on) == (lever == 2)
+    assert ("mask=g_ok" in on) == (lever == 1) and ("new_zeros(n + b * hq" in on) == (lever in (2, 4))
     assert render_mod.render_state(_spec()) != state_off
     varlen = render_mod.render(_spec(layout="varlen")).source  # packed rows keep the gather
     assert "_mod_cta_barrier" not in varlen

@@ -140,16 +140,20 @@ DIAG_SUMS = 0
 DIAG_CHUNK = 256
 # Its CTA barrier: bar.sync 0 as an asm statement with a side effect (tl.debug_barrier in the loop turns Triton's
 # software pipelining of the Q and dO loads off: no cp.async, 62 KB less shared memory, ptxas sm_90). It passes x
-# through, so what reads its result is ordered after it. The interpreter runs a program's tensor ops in order: none.
+# through, so what reads its result is ordered after it. The interpreter runs a program's tensor ops in order: none;
+# ROCm (no PTX): tl.debug_barrier.
 CTA_BARRIER = '''
 
-_MOD_CTA_BARRIER = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
+_MOD_CTA_BARRIER = tl.constexpr(0 if os.environ.get("TRITON_INTERPRET", "0") == "1" else
+                                 2 if torch.version.hip is not None else 1)  # (no PTX on ROCm)
 
 
 @triton.jit
 def _mod_cta_barrier(x):
     """bar.sync 0 (every thread of the program), returning x ([Note] Diagonal sums through a scratch)."""
-    if _MOD_CTA_BARRIER:
+    if _MOD_CTA_BARRIER == 2:
+        tl.debug_barrier()
+    if _MOD_CTA_BARRIER == 1:
         x = tl.inline_asm_elementwise("bar.sync 0;\\n\\tmov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32, is_pure=False,
                                       pack=1)
     return x

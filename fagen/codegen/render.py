@@ -208,9 +208,11 @@ def render_state(spec: KernelSpec) -> str:
     served under another, in this process or a later one."""
     state = json.dumps(backends.GLUON.variant_for(spec), sort_keys=True, default=repr)
     state = state + " mla_gluon_dkdv" if _mla_gluon_dkdv() else state  # off: the key as before
+    if not spec.mod_tensors:  # (a plain spec's load imports no mods code)
+        return state
     from fagen.codegen import mod_args
 
-    return state + f" diag_scratch={mod_args.DIAG_SUMS}" if mod_args.DIAG_SUMS and spec.mod_tensors else state
+    return state + f" diag_sums={mod_args.DIAG_SUMS}" if mod_args.DIAG_SUMS else state  # off: as before
 
 
 INDEX_TRUSTED = True  # whether fagen.runtime.loader may serve a load from its render index ([Note] Render index)

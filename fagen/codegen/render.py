@@ -203,7 +203,8 @@ def render(spec: KernelSpec) -> Rendered:
 
 def render_state(spec: KernelSpec) -> str:
     """What a render reads at run time beyond the spec and the template files: the Gluon variant of the spec
-    (`GluonBackend.variant_for`), which measurement scripts set in-process. The render memo and the loader's render
+    (`GluonBackend.variant_for`), which measurement scripts set in-process, and for a spec with captured tensors
+    fagen/codegen/mod_args.py's DIAG_SUMS where not 0. The render memo and the loader's render
     index ([Note] Render index in fagen/runtime/loader.py) key on it, so a render made under one variant is never
     served under another, in this process or a later one."""
     state = json.dumps(backends.GLUON.variant_for(spec), sort_keys=True, default=repr)

@@ -132,10 +132,15 @@ DIAGONALS = 64
 #   2: as 1 with rows of W = the chunks' width (a multiple of DIAG_CHUNK): [i, r] at i * W + r, zeros around the band
 #      (the host zeroes the scratch once; the band is all a step writes), read unmasked and vectorised, DIAG_CHUNK
 #      diagonals a load and a sum (256: the bench's 191 in one; 64 spilled 113 words, 256 63, ptxas sm_90);
-#   3: [Note] Diagonal sums by a rotation: one tl.gather of the tile's own shape, [j', i] = tile[(j' + i) % BLOCK_N,
-#      i]: the wrap count c = (j' + i) // BLOCK_N splits row j' into diagonals r = (c + 1) BLOCK_N - 1 - j', each a
-#      masked row sum (no scratch, no barrier of ours).
-# Read at each render (render_state keys on it); varlen specs keep 0.
+#   3: a rotation: one tl.gather of the tile's own shape, [j', i] = tile[(j' + i) % BLOCK_N, i]: the wrap count
+#      c = (j' + i) // BLOCK_N splits row j' into diagonals r = (c + 1) BLOCK_N - 1 - j', each a masked row sum (no
+#      scratch, no barrier of ours);
+#   4: 2 a step late in the flat loops: a step stores its tile into one of two buffers and sums the other's after
+#      one barrier; the last tile after the loop (grad_pipe).
+# Read at each render (render_state keys on it); varlen specs keep 0. H200, the mods suite's learned-bias+grad row
+# (scripts/gpu_lbgrad_s23.py rounds B and C): the backward 0.470x the gather's with 1, 0.4785x with 2, 0.5945x with 3,
+# 0.5651x with 4 (100 TF/s against 48 with 1 or 2); float64 checks passed (2-4 on the H200, 1 in the interpreter);
+# 0 until the lead flips it.
 DIAG_SUMS = 0
 DIAG_CHUNK = 256
 # Its CTA barrier: bar.sync 0 as an asm statement with a side effect (tl.debug_barrier in the loop turns Triton's
@@ -427,7 +432,7 @@ class ModCode:
                               f"    tl.store(g_ws + g_i[None, :] * {self.diag_width} + g_j[:, None]"
                               + (" + g_i[None, :]" if self.diag_scratch == 2 else "") + ", gval)",
                               "    g_n = _mod_cta_barrier(g_n)  # the stores are seen"]
-                if self.diag_rotate:  # [Note] Diagonal sums through a scratch, 3: the rotation
+                if self.diag_rotate:  # [Note] Diagonal sums through a scratch, 3
                     lines += ["    g_src = tl.arange(0, BLOCK_N)[:, None] + tl.arange(0, BLOCK_M)[None, :]  # j' + i",
                               "    g_w = g_src // BLOCK_N  # the wraps",
                               "    g_rot = tl.gather(gval, g_src - g_w * BLOCK_N, 0)  # [j', i]: gval[(j' + i) % BLOCK_N, i]",

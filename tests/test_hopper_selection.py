@@ -33,7 +33,8 @@ def test_a_spec_never_picks_gluon_by_itself():
 @pytest.mark.parametrize("fields,picked", [
     (dict(mask="none"), True), (dict(mask="causal", gqa=4), True),
     (dict(mask="causal"), True),  # MHA causal: with the tile counter order ([Note] Gluon tile order)
-    (dict(mask="causal", head_dim=64), False),  # d64: the Triton forward is faster (docs/hopper.md)
+    (dict(mask="causal", head_dim=64), True),  # d64 MHA causal with S ahead (D64_S_AHEAD; H200, 23rd session)
+    (dict(mask="none", head_dim=64), False), (dict(mask="causal", head_dim=64, gqa=2), False),  # Triton there
     (dict(mask="causal", dtype="fp16"), False),  # fp16: a tie
     (dict(mask="padding"), True), (dict(mask="causal+padding", gqa=4), True),  # H200, 22nd session (docs/hopper.md)
     (dict(mask="causal+padding", head_dim=64), False), (dict(mask="padding", dtype="fp16"), False),

@@ -22,7 +22,7 @@ import dataclasses
 import functools
 
 from fagen.mods import ir
-from fagen.mods.grad import COLUMN, ROW, SCORE, TILE
+from fagen.mods.grad import COLUMN, DIAGONAL, ROW, SCORE, TILE
 from fagen.mods.emit import GLUON_HELPERS, TRITON_HELPERS, TensorRef, in_range, to_gluon, to_triton
 from fagen.mods.text import ModScalar, ModTensor
 
@@ -122,6 +122,48 @@ def _reads_score(n: ir.Node) -> bool:
 # 90 spilled words in the dK/dV kernel at 64 or 128 diagonals, 106 at 32; gathering each diagonal's query per key
 # ([BLOCK_N, r] along the queries) spilled 122-192.
 DIAGONALS = 64
+# [Note] Diagonal sums through a scratch (twenty-third session, docs/mods.md "The learned bias's gradient"). DIAG_SUMS
+# picks how a dense dK/dV tile [BLOCK_N keys j, BLOCK_M queries i] gets its diagonal sums (r = i - j + BLOCK_N - 1):
+#   0: the tl.gather above, DIAGONALS diagonals at a time ([DIAGONALS, BLOCK_M] gathers of the tile);
+#   1: the tile stored to a per-program scratch behind MG with its keys reversed ([i, BLOCK_N - 1 - j] at
+#      i * BLOCK_N + BLOCK_N - 1 - j) and read back at i * (BLOCK_N - 1) + r, masked to the band: diagonal r is a
+#      column of a [BLOCK_M, DIAGONALS] load, summed over the queries; two CTA barriers a step (the last step's reads
+#      before the stores, the stores before the reads);
+#   2: as 1 with rows of W = the chunks' width (a multiple of DIAG_CHUNK): [i, r] at i * W + r, zeros around the band
+#      (the host zeroes the scratch once; the band is all a step writes), read unmasked and vectorised, DIAG_CHUNK
+#      diagonals a load and a sum (256: the bench's 191 in one; 64 spilled 113 words, 256 63, ptxas sm_90);
+#   3: a rotation: one tl.gather of the tile's own shape, [j', i] = tile[(j' + i) % BLOCK_N, i]: the wrap count
+#      c = (j' + i) // BLOCK_N splits row j' into diagonals r = (c + 1) BLOCK_N - 1 - j', each a masked row sum (no
+#      scratch, no barrier of ours);
+#   4: 2 a step late in the flat loops: a step stores its tile into one of two buffers and sums the other's after
+#      one barrier; the last tile after the loop (grad_pipe).
+# Read at each render (render_state keys on it); varlen specs keep 0. H200, the mods suite's learned-bias+grad row
+# (scripts/gpu_lbgrad_s23.py rounds B and C): the backward 0.470x the gather's with 1, 0.4785x with 2, 0.5945x with 3,
+# 0.5651x with 4 (100 TF/s against 48 with 1 or 2); float64 checks passed (2-4 on the H200, 1 in the interpreter;
+# 1's GPU results at S 8192 the product's: dq, dk, dv bitwise, d(bias) within 1.9e-7). On: 1 (no zero fill, half
+# 2's scratch, wgmma not serialised; twenty-third session, docs/mods.md).
+DIAG_SUMS = 1
+DIAG_CHUNK = 256
+# Its CTA barrier: bar.sync 0 as an asm statement with a side effect (tl.debug_barrier in the loop turns Triton's
+# software pipelining of the Q and dO loads off: no cp.async, 62 KB less shared memory, ptxas sm_90). It passes x
+# through, so what reads its result is ordered after it. The interpreter runs a program's tensor ops in order: none;
+# ROCm (no PTX): tl.debug_barrier.
+CTA_BARRIER = '''
+
+_MOD_CTA_BARRIER = tl.constexpr(0 if os.environ.get("TRITON_INTERPRET", "0") == "1" else
+                                 2 if torch.version.hip is not None else 1)  # (no PTX on ROCm)
+
+
+@triton.jit
+def _mod_cta_barrier(x):
+    """bar.sync 0 (every thread of the program), returning x ([Note] Diagonal sums through a scratch)."""
+    if _MOD_CTA_BARRIER == 2:
+        tl.debug_barrier()
+    if _MOD_CTA_BARRIER == 1:
+        x = tl.inline_asm_elementwise("bar.sync 0;\\n\\tmov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32, is_pure=False,
+                                      pack=1)
+    return x
+'''
 
 
 class ModCode:
@@ -159,6 +201,16 @@ class ModCode:
                 if t.dtype in ("fp32", "fp16", "bf16"):
                     self.grad_loads += [(i, load, deriv) for load, deriv in d_loads(self.score_tree, t.name)]
         self.grad_classes = [index_class(load) for _, load, _ in self.grad_loads]
+        on = DIAGONAL in self.grad_classes and not self.packed
+        self.diag_scratch = {1: 1, 2: 2, 4: 2}.get(DIAG_SUMS, 0) if on else 0
+        self.diag_pipe = on and DIAG_SUMS == 4  # 2 a step late, in the flat loops (dkdv_flat: grad_pipe)
+        self.diag_rotate = on and DIAG_SUMS == 3
+        self.diagonals = DIAG_CHUNK if self.diag_scratch == 2 else DIAGONALS  # the diagonals a load (a gather) sums
+        # the scratch's row length per query: 1 BLOCK_N (the band read masked), 2 the chunks' width (zeros outside)
+        chunks = f"(((BLOCK_M + BLOCK_N - 2) // {self.diagonals} + 1) * {self.diagonals})"
+        self.diag_width = {1: "BLOCK_N", 2: chunks}.get(self.diag_scratch)
+        if self.diag_scratch:
+            self.helpers += CTA_BARRIER
 
     def _names(self, score, b, h, q_idx, kv_idx) -> dict:
         return {"score": score, "b": b, "h": h, "q_idx": q_idx, "kv_idx": kv_idx, **self.args.refs()}
@@ -267,7 +319,56 @@ class ModCode:
         names = self._names("", b, h, q_idx, kv_idx)
         return self._to(self._tree("mask", hoisted, names), names)
 
-    def grad_stores(self, ds: str, p: str, score: str, h: str, q_idx: str, kv_idx: str, pad: str) -> str:
+    def _linear(self, i: int, load, score: str, h: str, q: str, kv: str) -> str:
+        """The linear element index of load (of tensor i) at (q, kv), clamped as the forward reads it."""
+        names = self._names(score, "off_b", h, q, kv)
+        out = "0"
+        for d, index in enumerate(load.index):
+            clamped = f"_mod_index({to_triton(index, names)}, mt{i}_n{d})"
+            out = (f"({out}) * mt{i}_n{d} + " if d else "") + clamped
+        return out
+
+    def _scratch(self, k: int, bufs: int) -> str:
+        """This program's scratch behind MG<k> ([Note] Diagonal sums through a scratch), `bufs` tiles a program."""
+        chunks = "((BLOCK_M + BLOCK_N - 2) // BLOCK_M + 1)"
+        return (f"MG{k} + ((tl.num_programs(2) * num_heads).to(tl.int64) * (g_nk * {chunks}) * g_len + ((off_b * "
+                f"tl.num_programs(1) + off_h // GQA) * tl.num_programs(0) + n0 // BLOCK_N).to(tl.int64) * "
+                f"({bufs} * BLOCK_M * {self.diag_width}))")
+
+    def grad_pipe(self, part: str, pad: str) -> str:
+        """DIAG_SUMS 4: lever 2 a step late ([Note] Diagonal sums through a scratch). 'init' before a flat loop (the
+        tile waiting in the scratch: its query block g_pm, head g_ph, whether any g_has, its buffer g_par); 'read'
+        after a step's dots (a barrier, then that tile summed into MG while the step's MMAs run); 'flush' after."""
+        if part == "init":
+            lines = ["g_pm = lo * 0  # the tile in the scratch: query block, head, whether any, buffer",
+                     "g_ph = off_h * 0", "g_has = lo * 0", "g_par = lo * 0"]
+        else:
+            chunks = "((BLOCK_M + BLOCK_N - 2) // BLOCK_M + 1)"
+            w, ch = self.diag_width, self.diagonals
+            lines = ["g_tok = _mod_cta_barrier(n0 // BLOCK_N)  # the last stores seen, the reads before them done",
+                     "if g_has != 0:",
+                     "    g_nk = (seq_k + BLOCK_N - 1) // BLOCK_N",
+                     f"    g_len = (stride_sh // BLOCK_M + {chunks} - 1) * BLOCK_M + (g_nk - 1) * BLOCK_N",
+                     "    g_kb = g_nk - 1 - n0 // BLOCK_N",
+                     "    g_bh = (off_b * num_heads + g_ph).to(tl.int64)",
+                     "    g_i = tl.arange(0, BLOCK_M)"]
+            for k, ((i, load, _), cls) in enumerate(zip(self.grad_loads, self.grad_classes)):
+                if cls != DIAGONAL:
+                    continue
+                lines += [f"    g_ws = {self._scratch(k, 2)} + (g_par + g_tok - n0 // BLOCK_N) * (BLOCK_M * {w})",
+                          f"    for g_c in tl.static_range(0, (BLOCK_M + BLOCK_N - 2) // {ch} + 1):",
+                          f"        g_r = g_c * {ch} + tl.arange(0, {ch})",
+                          f"        g_sum = tl.sum(tl.load(g_ws + g_i[:, None] * {w} + g_r[None, :]), 0)",
+                          "        g_p = g_pm + g_r + g_kb * BLOCK_N",
+                          "        g_keep = g_r < BLOCK_M + BLOCK_N - 1",
+                          f"        g_row = (g_bh * g_nk + g_kb) * {chunks} + g_r // BLOCK_M",
+                          f"        g_idx = {self._linear(i, load, '', 'g_ph', 'g_pm + g_r', 'n0 + BLOCK_N - 1')}",
+                          f"        tl.store(MG{k} + g_row * g_len + g_p, g_sum, mask=g_keep)",
+                          f"        tl.store(MGI{k} + g_bh * g_len + g_p, g_idx.to(tl.int64), mask=g_keep)"]
+        return "".join(pad + line + "\n" for line in lines)
+
+    def grad_stores(self, ds: str, p: str, score: str, h: str, q_idx: str, kv_idx: str, pad: str,
+                    pipe: bool = False) -> str:
         """The dK/dV loop's stores of each captured-tensor load's dS * derivative into its workspace pair (MG<k>,
         MGI<k>), where the host asked for them: summed over the tile along its [Note] Gradient index classes
         (fagen/mods/grad.py) with one linear element index per sum, or one pair per score (SCORE). The tile is
@@ -278,13 +379,7 @@ class ModCode:
         rows, keys, q_in, kv_in = ("stride_sh", "mg_sk", "len_q", "tl.minimum(len_k, mg_sk)") if self.packed else \
             ("seq_q", "seq_k", "seq_q", "seq_k")
         for k, ((i, load, deriv), cls) in enumerate(zip(self.grad_loads, self.grad_classes)):
-            def linear(q: str, kv: str, i=i, load=load) -> str:
-                names = self._names(score, "off_b", h, q, kv)
-                out = "0"
-                for d, index in enumerate(load.index):
-                    clamped = f"_mod_index({to_triton(index, names)}, mt{i}_n{d})"
-                    out = (f"({out}) * mt{i}_n{d} + " if d else "") + clamped
-                return out
+            linear = functools.partial(self._linear, i, load, score, h)
 
             value = f"{ds} * ({to_triton(deriv, self._names(score, 'off_b', h, q_idx, kv_idx))})"
             gin = f"({q_idx} < {q_in}) & ({kv_idx} < {kv_in})"
@@ -320,12 +415,50 @@ class ModCode:
                 chunks = "((BLOCK_M + BLOCK_N - 2) // BLOCK_M + 1)"  # of BLOCK_M diagonals (a constexpr)
                 lines += [f"    g_len = (g_nq + {chunks} - 1) * BLOCK_M + (g_nk - 1) * BLOCK_N  # diagonals per (b, h)",
                           "    g_kb = g_nk - 1 - n0 // BLOCK_N",
-                          "    g_q = tl.arange(0, BLOCK_M)[None, :]",
-                          f"    for g_c in tl.static_range(0, (BLOCK_M + BLOCK_N - 2) // {DIAGONALS} + 1):",
-                          f"        g_r = g_c * {DIAGONALS} + tl.arange(0, {DIAGONALS})",
-                          "        g_j = g_q - g_r[:, None] + (BLOCK_N - 1)  # the key of query i on diagonal r",
-                          "        g_ok = (g_j >= 0) & (g_j < BLOCK_N)",
-                          "        g_sum = tl.sum(tl.where(g_ok, tl.gather(gval, tl.where(g_ok, g_j, 0), 0), 0.0), 1)",
+                          "    g_q = tl.arange(0, BLOCK_M)[None, :]"]
+                if pipe and self.diag_pipe:  # the tile into the other buffer; summed at the next step's read
+                    lines += ["    g_i = tl.arange(0, BLOCK_M)",
+                              f"    g_ws = {self._scratch(k, 2)} + (1 - g_par) * (BLOCK_M * {self.diag_width})",
+                              "    g_j = (BLOCK_N - 1) - tl.arange(0, BLOCK_N)  # the keys reversed",
+                              f"    tl.store(g_ws + g_i[None, :] * {self.diag_width} + g_j[:, None] + g_i[None, :], gval)"]
+                    continue
+                if self.diag_scratch:  # [Note] Diagonal sums through a scratch
+                    lines += ["    g_i = tl.arange(0, BLOCK_M)",
+                              "    g_n = _mod_cta_barrier(n0 // BLOCK_N)  # the last step's reads are done",
+                              "    g_ws = MG%d + ((tl.num_programs(2) * num_heads).to(tl.int64) * (g_nk * %s) * g_len"
+                              % (k, chunks),
+                              "            + ((off_b * tl.num_programs(1) + off_h // GQA) * tl.num_programs(0)"
+                              f" + g_n).to(tl.int64) * (BLOCK_M * {self.diag_width}))  # this program's scratch",
+                              "    g_j = (BLOCK_N - 1) - tl.arange(0, BLOCK_N)  # the keys reversed",
+                              f"    tl.store(g_ws + g_i[None, :] * {self.diag_width} + g_j[:, None]"
+                              + (" + g_i[None, :]" if self.diag_scratch == 2 else "") + ", gval)",
+                              "    g_n = _mod_cta_barrier(g_n)  # the stores are seen"]
+                if self.diag_rotate:  # [Note] Diagonal sums through a scratch, 3
+                    lines += ["    g_src = tl.arange(0, BLOCK_N)[:, None] + tl.arange(0, BLOCK_M)[None, :]  # j' + i",
+                              "    g_w = g_src // BLOCK_N  # the wraps",
+                              "    g_rot = tl.gather(gval, g_src - g_w * BLOCK_N, 0)  # [j', i]: gval[(j' + i) % BLOCK_N, i]",
+                              "    for g_c in tl.static_range(0, (BLOCK_M + BLOCK_N - 2) // BLOCK_N + 1):  # c wraps: r = "
+                              "(c + 1) BLOCK_N - 1 - j'",
+                              "        g_sum = tl.sum(tl.where(g_w == g_c, g_rot, 0.0), 1)",
+                              "        g_r = g_c * BLOCK_N + (BLOCK_N - 1) - tl.arange(0, BLOCK_N)"]
+                else:
+                    lines += [f"    for g_c in tl.static_range(0, (BLOCK_M + BLOCK_N - 2) // {self.diagonals} + 1):"]
+                if self.diag_scratch == 2:  # [i, i + BLOCK_N - 1 - j] = [i, r]: zeros outside the band, unmasked
+                    lines += [f"        g_r = g_c * {self.diagonals} + tl.arange(0, {self.diagonals})",
+                              f"        g_sum = tl.sum(tl.load(g_ws + (g_n - n0 // BLOCK_N) * BLOCK_M + g_i[:, None] * {self.diag_width}"
+                              " + g_r[None, :]), 0)"]
+                elif self.diag_scratch:  # keys reversed: [i, BLOCK_N - 1 - j], read at [i, r]
+                    lines += [f"        g_r = g_c * {DIAGONALS} + tl.arange(0, {DIAGONALS})",
+                              "        g_d = g_r[None, :] - g_i[:, None]  # [BLOCK_M, DIAGONALS]: BLOCK_N - 1 - the key",
+                              "        g_ok = (g_d >= 0) & (g_d < BLOCK_N)  # (past S_pad: read, never stored)",
+                              "        g_sum = tl.sum(tl.load(g_ws + (g_n - n0 // BLOCK_N) * BLOCK_M + g_i[:, None] * (BLOCK_N - 1)"
+                              " + g_r[None, :], mask=g_ok, other=0.0), 0)"]
+                elif not self.diag_rotate:
+                    lines += [f"        g_r = g_c * {DIAGONALS} + tl.arange(0, {DIAGONALS})",
+                              "        g_j = g_q - g_r[:, None] + (BLOCK_N - 1)  # the key of query i on diagonal r",
+                              "        g_ok = (g_j >= 0) & (g_j < BLOCK_N)",
+                              "        g_sum = tl.sum(tl.where(g_ok, tl.gather(gval, tl.where(g_ok, g_j, 0), 0), 0.0), 1)"]
+                lines += [
                           "        g_p = start_m + g_r + g_kb * BLOCK_N  # the diagonal's place in its (b, h) line",
                           "        g_keep = g_r < BLOCK_M + BLOCK_N - 1",
                           f"        g_row = (g_bh * g_nk + g_kb) * {chunks} + g_r // BLOCK_M",
@@ -333,4 +466,7 @@ class ModCode:
                           "        if g_in:  # a branch, not a scalar in the mask (triton 3.9's interpreter refuses those)",
                           f"            tl.store(MG{k} + g_row * g_len + g_p, g_sum, mask=g_keep)",
                           f"            tl.store(MGI{k} + g_bh * g_len + g_p, g_idx.to(tl.int64), mask=g_keep)"]
+        if pipe and self.diag_pipe:  # this step's tile waits in the scratch
+            lines += ["g_par = 1 - g_par", "g_pm = start_m + 0", f"g_ph = {h} + 0",
+                      "g_has = (start_m < stride_sh).to(tl.int32)"]
         return "".join(pad + line + "\n" for line in lines)

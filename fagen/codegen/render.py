@@ -210,13 +210,20 @@ def render(spec: KernelSpec) -> Rendered:
 
 def render_state(spec: KernelSpec) -> str:
     """What a render reads at run time beyond the spec and the template files: the Gluon variant of the spec
-    (`GluonBackend.variant_for`), which measurement scripts set in-process. The render memo and the loader's render
+    (`GluonBackend.variant_for`), which measurement scripts set in-process, the decode's programs an SM where the
+    MLA192_DECODE tile sets them, and for a spec with captured tensors fagen/codegen/mod_args.py's DIAG_SUMS where
+    not 0. The render memo and the loader's render
     index ([Note] Render index in fagen/runtime/loader.py) key on it, so a render made under one variant is never
     served under another, in this process or a later one."""
     state = json.dumps(backends.GLUON.variant_for(spec), sort_keys=True, default=repr)
     state = state + " mla_gluon_dkdv" if _mla_gluon_dkdv() else state  # off: the key as before
     pps = _decode_pps(spec)
-    return state if pps is None else f"{state} decode_pps {pps}"
+    state = state if pps is None else f"{state} decode_pps {pps}"
+    if not spec.mod_tensors:  # (a plain spec's load imports no mods code)
+        return state
+    from fagen.codegen import mod_args
+
+    return state + f" diag_sums={mod_args.DIAG_SUMS}" if mod_args.DIAG_SUMS else state  # off: as before
 
 
 INDEX_TRUSTED = True  # whether fagen.runtime.loader may serve a load from its render index ([Note] Render index)

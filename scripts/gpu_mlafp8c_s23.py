@@ -39,7 +39,7 @@ ENV = "GPU_MLAFP8C_S23_"
 ROUND = os.environ.get(ENV + "ROUND", "A")
 if "--round" in sys.argv[:-1]:
     ROUND = os.environ[ENV + "ROUND"] = sys.argv[sys.argv.index("--round") + 1]
-PHASES = {"check-dense": 32, "check-paged": 32, "check-h64": 32, "time": 20}
+PHASES = {"check-dense": 25, "check-paged": 25, "check-h64": 25, "time": 22}
 PASSES = 5 if ROUND == "A" else 7
 D, DV, PAGE, SCALE = 576, 512, 64, 576 ** -0.5
 ROW8, ROW16 = "decode-mla-absorbed-h128-sq2-kv8k-b32-fp8", "decode-mla-absorbed-h128-sq2-kv8k-b32"

@@ -8,7 +8,7 @@ serving suite's row decode-mla-absorbed-h128-sq2-kv8k-b32-fp8, and against the b
 --dry-run (the CPU): the fp8 seesaw built for sm_90 (ptxas registers, spills, shared memory) in the forms the checks
 and the timing run, and the split counts of the timed shapes.
 Phases, each a child process with a timeout (scripts/_phases.py):
-1. check-dense, check-paged, check-h64 (in parallel, each its own caches): the gluon fp8 module with the variant on
+1. check-dense-a/b, check-paged-a/b, check-h64 (in parallel, each its own caches): the gluon fp8 module with the variant on
    against float64 on the dequantized cache: dense and paged (page 64, pages in a random order, NaN bytes and NaN
    per-token scales past each length), per tensor (a float), per KV head (a float32 [1]) and per token, Sq 1 and 2,
    Hq 64 and 128, causal and none, lengths not a multiple of 64 (and 0), the split rule, forced splits, one split
@@ -39,7 +39,7 @@ ENV = "GPU_MLAFP8C_S23_"
 ROUND = os.environ.get(ENV + "ROUND", "A")
 if "--round" in sys.argv[:-1]:
     ROUND = os.environ[ENV + "ROUND"] = sys.argv[sys.argv.index("--round") + 1]
-PHASES = {"check-dense": 25, "check-paged": 25, "check-h64": 25, "time": 22}
+PHASES = {**{f"check-{g}": 26 for g in ("dense-a", "dense-b", "paged-a", "paged-b", "h64")}, "time": 22}
 PASSES = 5 if ROUND == "A" else 7
 D, DV, PAGE, SCALE = 576, 512, 64, 576 ** -0.5
 ROW8, ROW16 = "decode-mla-absorbed-h128-sq2-kv8k-b32-fp8", "decode-mla-absorbed-h128-sq2-kv8k-b32"
@@ -150,16 +150,16 @@ def misses(out, lse, q, keys_all, table, lens, layout, mask):
     return ""
 
 
-GROUPS = {  # (scale form, layout, mask, Hq, Sq, lengths, how)
-    "check-dense": [("tensor", "dense", "causal", 128, 2, [1201] * 3, "rule"),
-                    ("token", "dense", "causal", 128, 2, [777] * 2, "s1"),
-                    ("head", "dense", "causal", 128, 1, [1201] * 2, "s3")],
-    "check-paged": [("token", "paged", "causal", 128, 2, [77, 1201, 0, 640], "rule"),
-                    ("head", "paged", "causal", 128, 2, [77, 1201, 640], "inv"),
-                    ("tensor", "paged", "causal", 128, 2, [4099, 130], "s1")],
+GROUPS = {  # (scale form, layout, mask, Hq, Sq, lengths, how); a group a child, each child's builds its own
+    "check-dense-a": [("tensor", "dense", "causal", 128, 2, [1201] * 3, "rule"),
+                      ("token", "dense", "causal", 128, 2, [777] * 2, "s1")],
+    "check-dense-b": [("head", "dense", "causal", 128, 1, [1201] * 2, "s3"),
+                      ("head", "dense", "none", 64, 2, [1000] * 2, "rule")],
+    "check-paged-a": [("token", "paged", "causal", 128, 2, [77, 1201, 0, 640], "rule")],
+    "check-paged-b": [("head", "paged", "causal", 128, 2, [77, 1201, 640], "inv"),
+                      ("tensor", "paged", "causal", 128, 2, [4099, 130], "s1")],
     "check-h64": [("tensor", "paged", "none", 64, 1, [1201, 65, 4096], "rule"),
-                  ("token", "paged", "none", 64, 1, [1201, 65, 4096], "s3"),
-                  ("head", "dense", "none", 64, 2, [1000] * 2, "rule")],
+                  ("token", "paged", "none", 64, 1, [1201, 65, 4096], "s3")],
 }
 
 

@@ -15,15 +15,17 @@ Phases, each a child process with a timeout (scripts/_phases.py):
    (direct), batch_invariant=True (each sequence alone: the same bits). Each case also asserts that the seesaw ran
    (its launcher counted) and that the check can fail: the cache read without its scales and the cache's bytes read
    as e5m2 must each miss the tolerance (a kernel reading the bytes some other way would not pass).
-2. time: the suite's fp8 row through the suite's row function (fagen.bench.impls.prepare_fagen, BenchCase.spec:
+2. warm (with the checks): the time phase's builds, in the cache the time phase then reads.
+3. time: the suite's fp8 row through the suite's row function (fagen.bench.impls.prepare_fagen, BenchCase.spec:
    hopper.latent_decode_spec picks the module), the variant off (the product: the Triton decode) and on (the
-   seesaw), and the bf16 row (the bf16 seesaw), the bench's measure (timing.time_prepared), PASSES shuffled passes;
+   seesaw, also with [Note] Converter order's ORDER 1), and the bf16 row (the bf16 seesaw), the bench's measure (timing.time_prepared), PASSES shuffled passes;
    per pass the ratios seesaw fp8 / Triton fp8 and seesaw fp8 / bf16 seesaw (time ratios inverted: > 1 is faster).
 Exit status 1 if a check fails or a phase dies.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import statistics
@@ -39,7 +41,7 @@ ENV = "GPU_MLAFP8C_S23_"
 ROUND = os.environ.get(ENV + "ROUND", "A")
 if "--round" in sys.argv[:-1]:
     ROUND = os.environ[ENV + "ROUND"] = sys.argv[sys.argv.index("--round") + 1]
-PHASES = {**{f"check-{g}": 26 for g in ("dense-a", "dense-b", "paged-a", "paged-b", "h64")}, "time": 22}
+PHASES = {**{f"check-{g}": 28 for g in ("dense-a", "dense-b", "paged-a", "paged-b", "h64")}, "warm": 28, "time": 18}
 PASSES = 5 if ROUND == "A" else 7
 D, DV, PAGE, SCALE = 576, 512, 64, 576 ** -0.5
 ROW8, ROW16 = "decode-mla-absorbed-h128-sq2-kv8k-b32-fp8", "decode-mla-absorbed-h128-sq2-kv8k-b32"
@@ -155,7 +157,8 @@ GROUPS = {  # (scale form, layout, mask, Hq, Sq, lengths, how); a group a child,
                       ("token", "dense", "causal", 128, 2, [777] * 2, "s1")],
     "check-dense-b": [("head", "dense", "causal", 128, 1, [1201] * 2, "s3"),
                       ("head", "dense", "none", 64, 2, [1000] * 2, "rule")],
-    "check-paged-a": [("token", "paged", "causal", 128, 2, [77, 1201, 0, 640], "rule")],
+    "check-paged-a": [("token", "paged", "causal", 128, 2, [77, 1201, 0, 640], "rule"),
+                      ("token", "paged", "causal", 128, 2, [77, 1201, 0, 640], "rule order1")],
     "check-paged-b": [("head", "paged", "causal", 128, 2, [77, 1201, 640], "inv"),
                       ("tensor", "paged", "causal", 128, 2, [4099, 130], "s1")],
     "check-h64": [("tensor", "paged", "none", 64, 1, [1201, 65, 4096], "rule"),
@@ -169,9 +172,11 @@ def check_phase(name):
     seesaw_on()
     for form, layout, mask, hq, sq, lens, how in GROUPS[name]:
         case = f"{layout} {mask} h{hq} sq{sq} {form} {how} n{max(lens)}"
+        how, _, order = how.partition(" order")
         t = time.time()
         try:
             m = module(layout, mask, hq)
+            m.SEESAW_ORDER = int(order or 0)  # [Note] Converter order
             counted = m._fast_mla_decode_ss8 = Counted(m._fast_mla_decode_ss8)
             q, cache, table, tl, ks = inputs(form, layout, len(lens), hq, sq, lens, 3)
             out, lse = run(m, q, cache, table, tl, ks, how, layout)
@@ -212,7 +217,22 @@ def q3(xs):
     return f"{statistics.median(s):.3f} [{qs[0]:.3f}-{qs[2]:.3f}]"
 
 
-def time_phase():
+class Ordered:
+    """A prepared call run with the module's SEESAW_ORDER set to `order` ([Note] Converter order)."""
+
+    def __init__(self, prepared, mod, order):
+        self.p, self.mod, self.order = prepared, mod, order
+        self.note, self.spec = prepared.note, prepared.spec
+
+    def fn(self, s):
+        keep, self.mod.SEESAW_ORDER = self.mod.SEESAW_ORDER, self.order
+        try:
+            return self.p.fn(s)
+        finally:
+            self.mod.SEESAW_ORDER = keep
+
+
+def time_phase(passes):
     import torch
 
     from fagen import backends
@@ -237,10 +257,22 @@ def time_phase():
         backends.GLUON.variant = {**keep, "fp8lat_seesaw": seesaw}
         try:
             spec, note = case.spec(dev)
+            if (spec.backend.value == "gluon") != (impl != "triton fp8 (product)"):
+                raise AssertionError(f"{impl}: the row's spec is {spec.name} ({note})")
             ent[impl] = (impls.prepare_fagen(case, ctx[row]), row, spec.name)
         finally:
             backends.GLUON.variant = keep
         emit("time", row, impl, "spec", f"{spec.name}; {note}")
+        if seesaw:
+            from fagen.runtime import loader
+            backends.GLUON.variant = {**keep, "fp8lat_seesaw": 1}
+            try:
+                mod = loader.load(spec)
+            finally:
+                backends.GLUON.variant = keep
+            assert mod.SEESAW_ORDER == 0
+            ent["gluon fp8 seesaw order1"] = (dataclasses.replace(ent[impl][0], fn=Ordered(ent[impl][0], mod, 1).fn),
+                                              row, spec.name)
     got = {}
     with torch.no_grad():
         for impl, (p, row, _) in ent.items():  # one call each first (the builds)
@@ -248,20 +280,23 @@ def time_phase():
             p.fn(ctx[row].sets[0])
             torch.cuda.synchronize()
             emit("time", row, impl, "built", f"{time.time() - t:.1f} s")
-        for _ in range(PASSES):
+        for _ in range(passes):
             order = list(ent)
             rng.shuffle(order)
             for impl in order:
                 p, row, _ = ent[impl]
                 got.setdefault(impl, []).append(timing.time_prepared(p, ctx[row], opts)["ms"])
+    if not passes:
+        return
     for impl, (p, row, _) in ent.items():
         ms = statistics.median(got[impl])
         emit("time", row, impl, f"{flops(rows[row]) / ms / 1e9:.0f}", f"TF/s; {ms:.4f} ms; passes "
              f"{[round(x, 4) for x in got[impl]]}")
-    s8 = got["gluon fp8 seesaw"]
-    for base in ("triton fp8 (product)", "gluon bf16 seesaw"):
-        r = [b / x for b, x in zip(got[base], s8)]
-        emit("ratio", ROW8, f"seesaw / {base.split(' (')[0]}", q3(r), f"per pass {[round(x, 3) for x in r]}")
+    for cand, base in (("gluon fp8 seesaw", "triton fp8 (product)"), ("gluon fp8 seesaw", "gluon bf16 seesaw"),
+                       ("gluon fp8 seesaw order1", "gluon fp8 seesaw")):
+        r = [b / x for b, x in zip(got[base], got[cand])]
+        emit("ratio", ROW8, f"{cand.replace('gluon fp8 ', '')} / {base.split(' (')[0]}", q3(r),
+             f"per pass (time ratio, > 1 faster) {[round(x, 3) for x in r]}")
 
 
 def dry_run():
@@ -270,9 +305,11 @@ def dry_run():
     from sm90 import ptxas
     seesaw_on()
     bad = 0
-    for layout, mask, hq, sq, scales, splits in (("dense", "causal", 128, 2, 1, 1), ("paged", "causal", 128, 2, 2, 3),
-                                                 ("paged", "none", 64, 1, 0, 3), ("dense", "causal", 128, 2, 0, 2)):
+    for layout, mask, hq, sq, scales, splits, order in (
+            ("dense", "causal", 128, 2, 1, 1, 0), ("dense", "causal", 128, 2, 1, 1, 1),
+            ("paged", "causal", 128, 2, 2, 3, 0), ("paged", "none", 64, 1, 0, 3, 0)):
         m = module(layout, mask, hq)
+        m.SEESAW_ORDER = order
         t = time.time()
         ck = m.compile_for(seq_q=sq, seesaw=True, scales=scales, num_splits=splits)
         res, log, _ = ptxas(ck.asm["ptx"])
@@ -280,7 +317,7 @@ def dry_run():
         spills = r.spill_stores + r.spill_loads
         ok = ck.metadata.shared <= 232448 and (spills == 0 or scales == 2)
         bad += not ok
-        emit("build", f"{layout} {mask} h{hq} sq{sq} scales{scales} sp{splits}", "gluon fp8 seesaw",
+        emit("build", f"{layout} {mask} h{hq} sq{sq} scales{scales} sp{splits}", f"gluon fp8 seesaw order{order}",
              "ok" if ok else "BAD", f"shared {ck.metadata.shared} B, spills {spills} B, {time.time() - t:.1f} s")
     m = module("dense", "causal", 128)
     for b, hq, sq, sk in ((32, 128, 2, 8192), (3, 128, 2, 1201), (2, 64, 1, 4096)):
@@ -292,7 +329,10 @@ def dry_run():
 def main():
     if "--phase" in sys.argv:
         name = sys.argv[sys.argv.index("--phase") + 1]
-        (time_phase if name == "time" else lambda: check_phase(name))()
+        if name in ("time", "warm"):
+            time_phase(PASSES if name == "time" else 0)
+        else:
+            check_phase(name)
         return 0
     if "--dry-run" in sys.argv:
         return 1 if dry_run() else 0
@@ -301,13 +341,14 @@ def main():
     rcs = {}
 
     def one(name):
-        env = child_env(f"/tmp/fagen-cache-mlafp8c-{name}", ROOT)
-        env["TRITON_CACHE_DIR"] = f"/tmp/triton-cache-mlafp8c-{name}"
+        cache = "time" if name in ("time", "warm") else name  # time reuses warm's builds (one after the other)
+        env = child_env(f"/tmp/fagen-cache-mlafp8c-{cache}", ROOT)
+        env["TRITON_CACHE_DIR"] = f"/tmp/triton-cache-mlafp8c-{cache}"
         rcs[name], lines = run_child(__file__, name, PHASES[name], env)
         if any(" FAIL " in x or "| FAIL" in x for x in lines):
             FAILED.set()
 
-    threads = [threading.Thread(target=one, args=(n, )) for n in GROUPS]
+    threads = [threading.Thread(target=one, args=(n, )) for n in (*GROUPS, "warm")]
     for th in threads:
         th.start()
     for th in threads:

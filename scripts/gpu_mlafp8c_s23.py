@@ -7,19 +7,24 @@ serving suite's row decode-mla-absorbed-h128-sq2-kv8k-b32-fp8, and against the b
 
 --dry-run (the CPU): the fp8 seesaw built for sm_90 (ptxas registers, spills, shared memory) in the forms the checks
 and the timing run, and the split counts of the timed shapes.
-Phases, each a child process with a timeout (scripts/_phases.py):
-1. check-dense-a/b, check-paged-a/b, check-h64 (in parallel, each its own caches): the gluon fp8 module with the variant on
-   against float64 on the dequantized cache: dense and paged (page 64, pages in a random order, NaN bytes and NaN
-   per-token scales past each length), per tensor (a float), per KV head (a float32 [1]) and per token, Sq 1 and 2,
-   Hq 64 and 128, causal and none, lengths not a multiple of 64 (and 0), the split rule, forced splits, one split
-   (direct), batch_invariant=True (each sequence alone: the same bits). Each case also asserts that the seesaw ran
-   (its launcher counted) and that the check can fail: the cache read without its scales and the cache's bytes read
-   as e5m2 must each miss the tolerance (a kernel reading the bytes some other way would not pass).
-2. warm (with the checks): the time phase's builds, in the cache the time phase then reads.
-3. time: the suite's fp8 row through the suite's row function (fagen.bench.impls.prepare_fagen, BenchCase.spec:
+Phases, each a child process with a timeout (scripts/_phases.py), one kernel build a child (the GPU host's builds
+take 5-15 s: round A's children of two and three builds ran out of time; each case prints when its call returned,
+the build done, and when the GPU finished, so a hang and a slow build read apart):
+1. in parallel: the checks (GROUPS) and the warm children (WARM, one implementation each: its build, in its own
+   caches, which the time child then reads merged); the time child starts when the warm children are done (the
+   checks' children are then building on the CPU: their GPU work is a few ms).
+   Checks: the gluon fp8 module with the variant on against float64 on the dequantized cache: dense and paged (page
+   64, pages in a random order, NaN bytes and NaN per-token scales past each length), per tensor (a float), per KV
+   head (a float32 [1]) and per token, Sq 1 and 2, Hq 64 and 128, causal and none, lengths not a multiple of 64
+   (and 0), the split rule, forced splits, one split (direct), batch_invariant=True (each sequence alone: the same
+   bits), [Note] Converter order's ORDER 1. Each case also asserts that the seesaw ran (its launcher counted) and
+   that the check can fail: the cache read without its scales and the cache's bytes read as e5m2 must each miss the
+   tolerance (a kernel reading the bytes some other way would not pass).
+2. time: the suite's fp8 row through the suite's row function (fagen.bench.impls.prepare_fagen, BenchCase.spec:
    hopper.latent_decode_spec picks the module), the variant off (the product: the Triton decode) and on (the
-   seesaw, also with [Note] Converter order's ORDER 1), and the bf16 row (the bf16 seesaw), the bench's measure (timing.time_prepared), PASSES shuffled passes;
-   per pass the ratios seesaw fp8 / Triton fp8 and seesaw fp8 / bf16 seesaw (time ratios inverted: > 1 is faster).
+   seesaw, also with ORDER 1), and the bf16 row (the bf16 seesaw), the bench's measure (timing.time_prepared),
+   PASSES shuffled passes; per pass the ratios of the times (> 1: the candidate is faster). Only what its warm child
+   built is timed.
 Exit status 1 if a check fails or a phase dies.
 """
 
@@ -41,7 +46,7 @@ ENV = "GPU_MLAFP8C_S23_"
 ROUND = os.environ.get(ENV + "ROUND", "A")
 if "--round" in sys.argv[:-1]:
     ROUND = os.environ[ENV + "ROUND"] = sys.argv[sys.argv.index("--round") + 1]
-PHASES = {**{f"check-{g}": 28 for g in ("dense-a", "dense-b", "paged-a", "paged-b", "h64")}, "warm": 28, "time": 18}
+PHASES = {"checks": 46, "warm": 28, "time": 18}  # all in parallel but time, which follows the warm children
 PASSES = 5 if ROUND == "A" else 7
 D, DV, PAGE, SCALE = 576, 512, 64, 576 ** -0.5
 ROW8, ROW16 = "decode-mla-absorbed-h128-sq2-kv8k-b32-fp8", "decode-mla-absorbed-h128-sq2-kv8k-b32"
@@ -152,18 +157,19 @@ def misses(out, lse, q, keys_all, table, lens, layout, mask):
     return ""
 
 
-GROUPS = {  # (scale form, layout, mask, Hq, Sq, lengths, how); a group a child, each child's builds its own
-    "check-dense-a": [("tensor", "dense", "causal", 128, 2, [1201] * 3, "rule"),
-                      ("token", "dense", "causal", 128, 2, [777] * 2, "s1")],
-    "check-dense-b": [("head", "dense", "causal", 128, 1, [1201] * 2, "s3"),
-                      ("head", "dense", "none", 64, 2, [1000] * 2, "rule")],
-    "check-paged-a": [("token", "paged", "causal", 128, 2, [77, 1201, 0, 640], "rule"),
-                      ("token", "paged", "causal", 128, 2, [77, 1201, 0, 640], "rule order1")],
-    "check-paged-b": [("head", "paged", "causal", 128, 2, [77, 1201, 640], "inv"),
-                      ("tensor", "paged", "causal", 128, 2, [4099, 130], "s1")],
-    "check-h64": [("tensor", "paged", "none", 64, 1, [1201, 65, 4096], "rule"),
-                  ("token", "paged", "none", 64, 1, [1201, 65, 4096], "s3")],
+GROUPS = {  # (scale form, layout, mask, Hq, Sq, lengths, how): a child a kernel build (the GPU host's builds take
+    # 5-15 s each: round A's children of two or three builds ran out of time)
+    "check-dense-tensor": [("tensor", "dense", "causal", 128, 2, [1201] * 3, "rule")],
+    "check-dense-head-direct": [("head", "dense", "causal", 128, 2, [777] * 2, "s1")],
+    "check-dense-head-sq1": [("head", "dense", "causal", 128, 1, [1201] * 2, "s3")],
+    "check-paged-token": [("token", "paged", "causal", 128, 2, [77, 1201, 0, 640], "rule")],
+    "check-paged-head-inv": [("head", "paged", "causal", 128, 2, [77, 1201, 640], "inv")],
+    "check-h64-tensor": [("tensor", "paged", "none", 64, 1, [1201, 65, 4096], "rule")],
+    "check-h64-token": [("token", "paged", "none", 64, 1, [1201, 65, 4096], "s3")],
+    "check-order1": [("head", "dense", "causal", 128, 2, [777] * 2, "s1 order1")],
 }
+IMPLS = ("triton fp8 (product)", "gluon fp8 seesaw", "gluon fp8 seesaw order1", "gluon bf16 seesaw")
+WARM = {f"warm-{k}": impl for k, impl in zip(("triton", "seesaw", "order1", "bf16"), IMPLS)}
 
 
 def check_phase(name):
@@ -180,7 +186,9 @@ def check_phase(name):
             counted = m._fast_mla_decode_ss8 = Counted(m._fast_mla_decode_ss8)
             q, cache, table, tl, ks = inputs(form, layout, len(lens), hq, sq, lens, 3)
             out, lse = run(m, q, cache, table, tl, ks, how, layout)
+            print(f"  {case}: launched at {time.time() - t:.1f} s (built)", flush=True)
             torch.cuda.synchronize()
+            print(f"  {case}: done at {time.time() - t:.1f} s", flush=True)
             assert counted.n == 1, f"the seesaw ran {counted.n} times"
             axis = 1 if layout == "dense" else 2
             err = worst(out, lse, q, reference.dequantize(cache, ks, head_dim_axis=axis), table, tl, layout, mask)
@@ -232,7 +240,7 @@ class Ordered:
             self.mod.SEESAW_ORDER = keep
 
 
-def time_phase(passes):
+def time_phase(passes, only=IMPLS):
     import torch
 
     from fagen import backends
@@ -251,9 +259,12 @@ def time_phase(passes):
     ent, ctx = {}, {}
     for impl, row, seesaw in (("triton fp8 (product)", ROW8, 0), ("gluon fp8 seesaw", ROW8, 1),
                               ("gluon bf16 seesaw", ROW16, 0)):
+        want = [x for x in only if x == impl or (seesaw and x == "gluon fp8 seesaw order1")]
+        if not want:
+            continue
         case = rows[row]
         if row not in ctx:
-            ctx[row] = CaseContext(case, dev, max(3, 1 + -(-timing._FLUSH_BYTES // set_bytes(case))))
+            ctx[row] = CaseContext(case, dev, max(3, 1 + -(-timing._FLUSH_BYTES // set_bytes(case))) if passes else 1)
         backends.GLUON.variant = {**keep, "fp8lat_seesaw": seesaw}
         try:
             spec, note = case.spec(dev)
@@ -262,8 +273,9 @@ def time_phase(passes):
             ent[impl] = (impls.prepare_fagen(case, ctx[row]), row, spec.name)
         finally:
             backends.GLUON.variant = keep
-        emit("time", row, impl, "spec", f"{spec.name}; {note}")
-        if seesaw:
+        if passes:
+            emit("time", row, impl, "spec", f"{spec.name}; {note}")
+        if seesaw and "gluon fp8 seesaw order1" in want:
             from fagen.runtime import loader
             backends.GLUON.variant = {**keep, "fp8lat_seesaw": 1}
             try:
@@ -273,13 +285,16 @@ def time_phase(passes):
             assert mod.SEESAW_ORDER == 0
             ent["gluon fp8 seesaw order1"] = (dataclasses.replace(ent[impl][0], fn=Ordered(ent[impl][0], mod, 1).fn),
                                               row, spec.name)
+        if impl not in only:
+            del ent[impl]
     got = {}
     with torch.no_grad():
-        for impl, (p, row, _) in ent.items():  # one call each first (the builds)
+        for impl, (p, row, _) in ent.items():  # one call each first (the builds; warm's: from the cache)
             t = time.time()
             p.fn(ctx[row].sets[0])
+            print(f"  {impl}: launched at {time.time() - t:.1f} s (built)", flush=True)
             torch.cuda.synchronize()
-            emit("time", row, impl, "built", f"{time.time() - t:.1f} s")
+            emit("time", row, impl, "built", f"{time.time() - t:.1f} s a first call")
         for _ in range(passes):
             order = list(ent)
             rng.shuffle(order)
@@ -293,7 +308,10 @@ def time_phase(passes):
         emit("time", row, impl, f"{flops(rows[row]) / ms / 1e9:.0f}", f"TF/s; {ms:.4f} ms; passes "
              f"{[round(x, 4) for x in got[impl]]}")
     for cand, base in (("gluon fp8 seesaw", "triton fp8 (product)"), ("gluon fp8 seesaw", "gluon bf16 seesaw"),
-                       ("gluon fp8 seesaw order1", "gluon fp8 seesaw")):
+                       ("gluon fp8 seesaw order1", "gluon fp8 seesaw"), ("gluon fp8 seesaw order1",
+                                                                          "triton fp8 (product)")):
+        if cand not in got or base not in got:
+            continue
         r = [b / x for b, x in zip(got[base], got[cand])]
         emit("ratio", ROW8, f"{cand.replace('gluon fp8 ', '')} / {base.split(' (')[0]}", q3(r),
              f"per pass (time ratio, > 1 faster) {[round(x, 3) for x in r]}")
@@ -329,8 +347,10 @@ def dry_run():
 def main():
     if "--phase" in sys.argv:
         name = sys.argv[sys.argv.index("--phase") + 1]
-        if name in ("time", "warm"):
-            time_phase(PASSES if name == "time" else 0)
+        if name == "time":
+            time_phase(PASSES, tuple(os.environ[ENV + "TIMED"].split("|")))
+        elif name in WARM:
+            time_phase(0, (WARM[name], ))
         else:
             check_phase(name)
         return 0
@@ -340,20 +360,35 @@ def main():
     print(f"gpu_mlafp8c_s23 round {ROUND}: section | case | impl | value | note", flush=True)
     rcs = {}
 
-    def one(name):
-        cache = "time" if name in ("time", "warm") else name  # time reuses warm's builds (one after the other)
-        env = child_env(f"/tmp/fagen-cache-mlafp8c-{cache}", ROOT)
-        env["TRITON_CACHE_DIR"] = f"/tmp/triton-cache-mlafp8c-{cache}"
-        rcs[name], lines = run_child(__file__, name, PHASES[name], env)
+    def env_of(name):
+        env = child_env(f"/tmp/fagen-cache-mlafp8c-{name}", ROOT)
+        env["TRITON_CACHE_DIR"] = f"/tmp/triton-cache-mlafp8c-{name}"
+        return env
+
+    def one(name, limit, env):
+        rcs[name], lines = run_child(__file__, name, limit, env)
         if any(" FAIL " in x or "| FAIL" in x for x in lines):
             FAILED.set()
 
-    threads = [threading.Thread(target=one, args=(n, )) for n in (*GROUPS, "warm")]
-    for th in threads:
+    checks = [threading.Thread(target=one, args=(n, PHASES["checks"], env_of(n))) for n in GROUPS]
+    warm = [threading.Thread(target=one, args=(n, PHASES["warm"], env_of(n))) for n in WARM]
+    for th in (*checks, *warm):
         th.start()
-    for th in threads:
+    for th in warm:  # the time child starts once the warm children are done: the checks' children build on the CPU
+        th.join()  # meanwhile, their GPU work is a few ms
+    import shutil
+    env = env_of("time")  # the warm children's builds, one cache (their keys differ)
+    for name in WARM:
+        for var in ("TRITON_CACHE_DIR", "FAGEN_CACHE_DIR"):
+            if os.path.isdir(env_of(name)[var]):
+                shutil.copytree(env_of(name)[var], env[var], dirs_exist_ok=True)
+    timed = [impl for name, impl in WARM.items() if rcs.get(name) == 0]
+    print(f"  time: {len(timed)} built by warm children ({time.time() - t0:.1f} s)", flush=True)
+    env[ENV + "TIMED"] = "|".join(timed)
+    if timed:
+        one("time", PHASES["time"], env)
+    for th in checks:
         th.join()
-    one("time")
     for name, rc in rcs.items():
         if rc != 0:
             print(f"phase {name}: {rc}", flush=True)

@@ -162,3 +162,132 @@ def test_the_fp8_seesaw_builds_within_shared_memory(built, key):
     assert r["wgmma"] == [44, 44], r
     assert {232, 48} <= set(r["setmaxnreg"]), r
     assert r["tma"] == 3 + 10, r
+
+
+def _converter_ops(src: str, n_blocks: int, order: int) -> list:
+    """The converter's operations as the rendered `_converter` calls them, for one split of n_blocks blocks:
+    ("tma", part, fill) and ("conv", part, fill), part = slot * 3 + t (t: 0 left, 1 right, 2 rope)."""
+    import re
+    body = src[src.index("def _converter("):src.index("def _scores_first(")]
+    lines = body[body.index("    for u in range(n_pairs):"):].splitlines()
+    n_pairs = (n_blocks + 1) // 2
+
+    def ops_of(line, env):
+        if "_issue8(" in line:
+            return [("tma", int(re.search(r"ready\.index\((\d)\)", line).group(1)), env["u"])]
+        if "_convert(" in line:
+            m = re.search(r"conv, (\d), (\d), (u - 1|u|n_pairs - 1),", line)
+            return [("conv", int(m.group(2)) * 3 + int(m.group(1)), eval(m.group(3), {}, env))]
+        return []
+
+    def run(block, env):
+        out, stack = [], []  # (indent, condition value) of the enclosing ifs
+        for line in block:
+            if not line.strip() or line.strip().startswith("#"):
+                continue
+            indent = len(line) - len(line.lstrip())
+            while stack and indent <= stack[-1][0]:
+                stack.pop()
+            if line.strip().startswith("if "):
+                cond = line.strip()[3:].split(":")[0]
+                stack.append((indent, eval(cond, {}, env)))
+                continue
+            if all(v for _, v in stack):
+                out += ops_of(line, env)
+        return out
+
+    joined, buf = [], ""
+    for line in lines[1:]:  # calls continued on the next line joined into one
+        buf = buf + " " + line.strip() if buf else line
+        if buf.count("(") == buf.count(")"):
+            joined.append(buf)
+            buf = ""
+    end = next((k for k, x in enumerate(joined) if x.strip() and len(x) - len(x.lstrip()) <= 4), len(joined))
+    loop, tail = joined[:end], joined[end:]  # the loop's body, then what follows it in the function
+    ops = []
+    for u in range(n_pairs):
+        ops += run(loop, dict(u=u, has_b=2 * u + 1 < n_blocks, ORDER=order, n_blocks=n_blocks, n_pairs=n_pairs))
+    ops += run(tail, dict(u=n_pairs, has_b=False, ORDER=order, n_blocks=n_blocks, n_pairs=n_pairs))
+    return ops
+
+
+def _warpgroup_ops(w: int, n_blocks: int) -> list:
+    """Warpgroup w's waits and arrivals in the seesaw ([Note] Seesaw pair, [Note] Seesaw order, [Note] Seesaw
+    slots: gluon/mla_seesaw.j2's _wg, which the bf16 seesaw runs on the GPU): ("wait", barrier, completions needed)
+    and ("arrive", barrier); the fp8 form waits on `conv` where the bf16 one waits on `ready`."""
+    ops = [("wait", "q", 1), ("arrive", "sync4")]
+
+    def scores(use, rest):
+        own = [("wait", f"conv{w * 3 + 2}", use + 1), ("wait", f"conv{0 if w == 0 else 4}", use + 1)]
+        return [("wait", f"conv{1 if w == 0 else 3}", use + 1)] if rest else own
+
+    if w < n_blocks:
+        ops += scores(0, False) + scores(0, True) + [("arrive", f"empty{w * 3 + 2}"), ("arrive", f"empty{w * 3 + 1 - w}")]
+    for i in range((n_blocks + 1) // 2):
+        if w == 1:
+            ops += [("wait", "sync0", i + 1), ("arrive", "sync1")] + ([("wait", "sync4", 1)] if i == 0 else [])
+            ops += [("arrive", "sync3"), ("wait", "sync2", i + 1), ("arrive", "empty4")]
+        else:
+            ops += [("arrive", "sync0"), ("arrive", "empty0"), ("wait", "sync1", i + 1), ("arrive", "sync2"),
+                    ("wait", "sync3", i + 1)]
+        if 2 * i + w + 2 < n_blocks:
+            ops += scores(i + 1, False) + [("arrive", f"empty{3 - 2 * w}")] + scores(i + 1, True)
+            ops += [("arrive", f"empty{w * 3 + 2}"), ("arrive", f"empty{w * 3 + 1 - w}")]
+        else:
+            ops += [("arrive", f"empty{3 - 2 * w}")]
+    return ops
+
+
+def _runs_to_the_end(src: str, n_blocks: int, order: int) -> bool:
+    """The three partitions' barrier protocol run until none can move: True when all finish (a TMA completes when
+    issued; `conv` when its part is converted, once its TMA has landed)."""
+    counts = {f"empty{s * 3 + t}": 2 if t == 1 - s else 1 for s in range(2) for t in range(3)}
+    counts["sync4"] = 2
+    done, arrivals = {"q": 1}, {}
+    conv = []
+    for kind, part, fill in _converter_ops(src, n_blocks, order):
+        if kind == "tma":  # the part's fill-th TMA waits for the previous fill's readers
+            conv.append(("wait", f"empty{part}", fill))
+            conv.append(("arrive", f"ready{part}"))
+        else:
+            conv += [("wait", f"ready{part}", fill + 1), ("arrive", f"conv{part}")]
+    progs = [conv, _warpgroup_ops(0, n_blocks), _warpgroup_ops(1, n_blocks)]
+    pcs = [0, 0, 0]
+    moved = True
+    while moved:
+        moved = False
+        for k, prog in enumerate(progs):
+            while pcs[k] < len(prog):
+                op = prog[pcs[k]]
+                if op[0] == "wait" and done.get(op[1], 0) < op[2]:
+                    break
+                if op[0] == "arrive":
+                    arrivals[op[1]] = arrivals.get(op[1], 0) + 1
+                    if arrivals[op[1]] == counts.get(op[1], 1):
+                        arrivals[op[1]] = 0
+                        done[op[1]] = done.get(op[1], 0) + 1
+                pcs[k] += 1
+                moved = True
+    return all(pc == len(p) for pc, p in zip(pcs, progs))
+
+
+def test_the_converter_order_runs_the_protocol_to_the_end(seesaw):
+    """[Note] Converter deadlock: the converter's calls as rendered, with the warpgroups' waits and arrivals, finish
+    for 0..9 blocks a split in both orders; the order first written (B_R converted after A_R's TMA) stops once a
+    split has a second pair with a block b (4 blocks and more), which is what rounds A and B saw on the H200: the
+    splits of 1 and 2 blocks passed, every split of 4 or more hung."""
+    from fagen.codegen.render import render
+
+    src = render(spec()).source
+    for order in (0, 1):
+        assert [n for n in range(10) if not _runs_to_the_end(src, n, order)] == [], order
+    fixed = ("        if has_b:  # before A_R's TMA: [Note] Converter deadlock\n"
+             "            _convert(kcl8, kcr8, kr8, kcl, kcr, kr, small, ready, conv, 1, 1, u, vb, KScale, row_b, SCALES)\n"
+             "        _issue8(k8l, kcr8.index(2), kcr8.index(3), ready.index(1), empty.index(1), u, row_a, 256, True)\n"
+             "        if has_b:\n")
+    first = ("        _issue8(k8l, kcr8.index(2), kcr8.index(3), ready.index(1), empty.index(1), u, row_a, 256, True)\n"
+             "        if has_b:\n"
+             "            _convert(kcl8, kcr8, kr8, kcl, kcr, kr, small, ready, conv, 1, 1, u, vb, KScale, row_b, SCALES)\n")
+    assert src.count(fixed) == 1
+    old = src.replace(fixed, first)
+    assert [n for n in range(10) if not _runs_to_the_end(old, n, 0)] == [4, 5, 6, 7, 8, 9]

@@ -135,7 +135,8 @@ for key, (layout, mask, gqa, kw) in json.loads(sys.argv[2]).items():
     res = next(iter(res.values()))
     out[key] = dict(shared=ck.metadata.shared, spills=res.spill_stores + res.spill_loads, stack=res.stack,
                     serialized="C7514" in log or "C7515" in log, tma=ptx.count("cp.async.bulk.tensor"),
-                    setmaxnreg=sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
+                    setmaxnreg=sorted({int(x) for x in
+                                       re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
                     wgmma=[s.count("wgmma.mma_async") for s in loops(ptx, 30, innermost=True)])
 print("RESULT " + json.dumps(out))
 """
@@ -222,7 +223,8 @@ def _warpgroup_ops(w: int, n_blocks: int) -> list:
         return [("wait", f"conv{1 if w == 0 else 3}", use + 1)] if rest else own
 
     if w < n_blocks:
-        ops += scores(0, False) + scores(0, True) + [("arrive", f"empty{w * 3 + 2}"), ("arrive", f"empty{w * 3 + 1 - w}")]
+        ops += scores(0, False) + scores(0, True)
+        ops += [("arrive", f"empty{w * 3 + 2}"), ("arrive", f"empty{w * 3 + 1 - w}")]
     for i in range((n_blocks + 1) // 2):
         if w == 1:
             ops += [("wait", "sync0", i + 1), ("arrive", "sync1")] + ([("wait", "sync4", 1)] if i == 0 else [])
@@ -281,13 +283,15 @@ def test_the_converter_order_runs_the_protocol_to_the_end(seesaw):
     src = render(spec()).source
     for order in (0, 1):
         assert [n for n in range(10) if not _runs_to_the_end(src, n, order)] == [], order
+    cvt = "            _convert(kcl8, kcr8, kr8, kcl, kcr, kr, small, ready, conv, 1, 1, u, vb, KScale, row_b, " \
+          "SCALES)\n"
     fixed = ("        if has_b:  # before A_R's TMA: [Note] Converter deadlock\n"
-             "            _convert(kcl8, kcr8, kr8, kcl, kcr, kr, small, ready, conv, 1, 1, u, vb, KScale, row_b, SCALES)\n"
+             + cvt +
              "        _issue8(k8l, kcr8.index(2), kcr8.index(3), ready.index(1), empty.index(1), u, row_a, 256, True)\n"
              "        if has_b:\n")
     first = ("        _issue8(k8l, kcr8.index(2), kcr8.index(3), ready.index(1), empty.index(1), u, row_a, 256, True)\n"
              "        if has_b:\n"
-             "            _convert(kcl8, kcr8, kr8, kcl, kcr, kr, small, ready, conv, 1, 1, u, vb, KScale, row_b, SCALES)\n")
+             + cvt)
     assert src.count(fixed) == 1
     old = src.replace(fixed, first)
     assert [n for n in range(10) if not _runs_to_the_end(old, n, 0)] == [4, 5, 6, 7, 8, 9]

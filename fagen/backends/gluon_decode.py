@@ -34,6 +34,8 @@ class DecodeRules:
     # to that module (fagen/templates/gluon/mla_seesaw.j2, [Note] Seesaw fp8 conversion: a converter warpgroup turns
     # each fp8 part into bf16 in shared memory; the bf16 matmuls unchanged) for Hq x Sq a multiple of 64, and the
     # rule (latent_decode_spec) sends those rows to it (docs/serving.md, "MLA fp8 latent decode at 64-row programs").
+    # H200, the suite's row decode-mla-absorbed-h128-sq2-kv8k-b32-fp8 (scripts/gpu_mlafp8c_s23.py, round B again):
+    # the Triton decode 207 TF/s, the fp8 seesaw 324 (SEESAW_ORDER 0) / 337 (1), the bf16 seesaw's row 535.
     decode_dims = (576, 512)
     decode_launch = {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2}
     select_mla_decode = True

@@ -30,6 +30,12 @@ class DecodeRules:
     # 1169 / 1394 / 934 -> 2135 / 2240 / 2477 / 1309 GB/s (per tensor 1418 / 1272 / 1528 / 1000 -> 2078 / 2167 /
     # 2403 / 1311); Hq 128 Sq 2 b32 kv8k 199 (Triton) against 188 TF/s: LATENT_FP8_MAX_ROWS 16. Thirteenth session:
     # fagen.attention routes an e4m3 cache here too (docs/serving.md, "MLA fp8 latent decode (thirteenth session)").
+    # Twenty-third session: variant fp8lat_seesaw (default 0) adds the seesaw of mla_decode.py.j2 over the e4m3 cache
+    # to that module (fagen/templates/gluon/mla_seesaw.j2, [Note] Seesaw fp8 conversion: a converter warpgroup turns
+    # each fp8 part into bf16 in shared memory; the bf16 matmuls unchanged) for Hq x Sq a multiple of 64, and the
+    # rule (latent_decode_spec) sends those rows to it (docs/serving.md, "MLA fp8 latent decode at 64-row programs").
+    # H200, the suite's row decode-mla-absorbed-h128-sq2-kv8k-b32-fp8 (scripts/gpu_mlafp8c_s23.py, round B again):
+    # the Triton decode 207 TF/s, the fp8 seesaw 324 (SEESAW_ORDER 0) / 337 (1), the bf16 seesaw's row 535.
     decode_dims = (576, 512)
     decode_launch = {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2}
     select_mla_decode = True
@@ -86,7 +92,9 @@ class DecodeRules:
     def decode_smem(self, spec) -> int:
         """Shared memory of a decode program: bf16, Q 72 KB, two slots of 72 KB, P 8 KB, the row stats and barriers;
         fp8, V's 8 fp16 chunks 64 KB, Q 18 KB, P 2 KB and triton's scratch, and 4 KB a staged chunk (variant
-        fp8lat_stage, [Note] Staged chunks)."""
+        fp8lat_stage, [Note] Staged chunks); with variant fp8lat_seesaw the module's seesaw, the bf16 one's."""
+        seesaw = 2 * (64 * 576 + 2 * 64 * 576 + 64 * 64) + 8 * 64 * 4 + 1024
         if spec.kv_dtype is not None:
-            return 2 * (64 * 512 + 9 * 16 * 64 + 64 * 16) + 1024 + 4096 * self.variant.get("fp8lat_stage", 0)
-        return 2 * (64 * 576 + 2 * 64 * 576 + 64 * 64) + 8 * 64 * 4 + 1024
+            own = 2 * (64 * 512 + 9 * 16 * 64 + 64 * 16) + 1024 + 4096 * self.variant.get("fp8lat_stage", 0)
+            return max(own, seesaw) if self.variant.get("fp8lat_seesaw") else own
+        return seesaw

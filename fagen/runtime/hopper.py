@@ -76,7 +76,9 @@ LATENT_CAPTURED_MIN_WORK = 1 << 21
 # GluonBackend.select_fp8_latent is on ([Note] Gluon fp8 latent decode in fagen/backends/gluon_decode.py): one program
 # of 16 rows a sequence and split (Hq 16 Sq 1, the memory-bound rows); more rows run one program a 16 rows, each
 # converting every block (Hq 128 Sq 2 b32 kv8k, H100 round A: 188 TF/s against the Triton decode's 199, docs/serving.md,
-# "MLA decode, twelfth session"): the Triton decode keeps those.
+# "MLA decode, twelfth session"): the Triton decode keeps those, unless the gluon backend's variant fp8lat_seesaw is on:
+# then Hq x Sq a multiple of 64 takes the seesaw over the converted cache ([Note] Seesaw fp8 conversion; H200, Hq 128
+# Sq 2 b32 kv8k: 337 TF/s against the Triton decode's 207, docs/serving.md "MLA fp8 latent decode at 64-row programs").
 LATENT_FP8_MAX_ROWS = 16
 # [Note] Gluon size rule. The Gluon forward's kernel is faster than the Triton one (0.70-0.75x the time per call
 # at 2^27 .. 2^29 causal d128 bf16 pairs on the H100), but its host path used to cost about 200 us a call
@@ -168,7 +170,8 @@ def latent_decode_spec(spec: KernelSpec, device, rows: int | None = None) -> Ker
             and gluon_missing() is None):
         return None
     if spec.kv_dtype is not None:  # [Note] Gluon fp8 latent decode: programs of 16 rows, measured up to
-        return _latent_twin(spec) if rows is None or rows <= LATENT_FP8_MAX_ROWS else None  # LATENT_FP8_MAX_ROWS
+        return _latent_twin(spec) if rows is None or rows <= LATENT_FP8_MAX_ROWS or (  # LATENT_FP8_MAX_ROWS
+            GLUON.variant["fp8lat_seesaw"] and rows % 64 == 0) else None  # or the seesaw's 64-row programs
     if rows is not None and rows % 64 and not LATENT_PAD_SELECTED:
         return None
     return _latent_twin(spec)

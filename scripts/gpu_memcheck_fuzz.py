@@ -703,10 +703,47 @@ def group_mla_gluon():
         still_good(f"mla gluon paged decode h{hq} sq{sq} invariant={invariant} swap_ab={sab}", run, good)
 
 
+def group_mla_fp8_seesaw():
+    """The Gluon fp8 latent decode's seesaw (sm_90 only; [Note] Seesaw fp8 conversion, variant fp8lat_seesaw: Hq x Sq
+    a multiple of 64 over an e4m3 cache, a converter warpgroup): bad block_table entries and lengths in sequence 1 of
+    a paged 576/512 decode, pages of 64, the scale a float, per KV head and per token, the split rule and the
+    batch-invariant splits; a hang (the converter's barriers) is the call's timeout."""
+    from fagen.runtime import hopper
+    if not GPU or torch.cuda.get_device_capability() != (9, 0) or hopper.gluon_missing():
+        say("skip mla_fp8_seesaw: needs an sm_90 GPU and triton's Gluon API")
+        return
+    pages, page, width = 16, 64, 4
+    kc = torch.randn(pages, page, 1, 576, device=DEV).to(torch.float8_e4m3fn)
+    table = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]][:NB]
+    lens = [200, 170, 130][:NB]
+    forms = (("float", 0.7), ("per head", torch.tensor([1.3], device=DEV)),
+             ("per token", token_scales(pages, page, table, lens)))
+    for hq, sq, invariant in ((64, 1, False), (32, 2, False), (32, 2, True)):
+        qd = torch.randn(NB, hq, sq, 576, device=DEV, dtype=torch.bfloat16)
+        mla = fagen.load(fagen.KernelSpec(head_dim=576, head_dim_v=512, shared_kv=True, gqa=hq, kind="decode",
+                                          layout="paged", mask="causal", dtype="bf16", kv_dtype="fp8_e4m3",
+                                          backend="gluon"))
+        for form, scale in forms:
+            def run(what=None, value=None, mla=mla, qd=qd, invariant=invariant, scale=scale):
+                t, n = paged_inputs(table, lens, what, value)
+                out, lse = mla.forward(qd, kc, None, block_table=t, seqlens_k=n, k_scale=scale, check=False,
+                                       batch_invariant=invariant)
+                return dict(out=out, lse=lse)
+
+            good = run()
+            variants = [("block_table[1][2]", p) for p in (100000, -1, pages, I32_MIN, I32_MAX)]
+            variants += [("seqlens_k[1]", n) for n in bad_ints(width * page)]
+            name = f"mla fp8 seesaw paged decode h{hq} sq{sq} {form} invariant={invariant}"
+            for what, value in variants:
+                case(f"{name} {what}={value}", lambda: run(what, value), [(key, (OTHER,)) for key in good], good)
+            still_good(name, run, good)
+
+
 GROUPS = {"padding": group_padding, "varlen": group_varlen, "paged": group_paged, "tree": group_tree,
           "window": group_window, "mla": group_mla, "mla_fp8": group_mla_fp8, "fp8_token": group_fp8_token,
           "paged_fp8": group_paged_fp8, "dense_fp8": group_dense_fp8, "mods": group_mods, "mla_gluon": group_mla_gluon,
-          "gluon_padding": group_gluon_padding, "mla192": group_mla192}
+          "gluon_padding": group_gluon_padding, "mla192": group_mla192,
+          "mla_fp8_seesaw": group_mla_fp8_seesaw}
 
 torch.manual_seed(args.seed)
 for name in args.group or GROUPS:

@@ -46,7 +46,7 @@ def test_the_rule_picks_measured_wins_only(as_if_hopper, fields, picked):
     assert hopper.selected(spec) == picked
     if spec.direction.value == "fwd":
         got = hopper.forward_spec(spec, torch.device("cuda"))
-        assert got == (gluon(mask=spec.mask, gqa=spec.gqa) if picked else None)
+        assert got == (gluon(mask=spec.mask, gqa=spec.gqa, head_dim=spec.head_dim) if picked else None)
 
 
 def test_mha_causal_is_picked_only_with_a_tile_order(as_if_hopper, monkeypatch):

@@ -1,6 +1,6 @@
 """The seesaw MLA decode over an e4m3 latent cache (twenty-third session; [Note] Seesaw fp8 conversion in
-fagen/templates/gluon/mla_seesaw.j2, variant fp8lat_seesaw of the gluon backend, default 0): the bf16 seesaw's render
-kept byte for byte (the seesaw's device code moved into the include), the fp8 render without the variant unchanged
+fagen/templates/gluon/mla_seesaw.j2, variant fp8lat_seesaw of the gluon backend, on since the twenty-third
+session): the bf16 seesaw's render kept byte for byte (the seesaw's device code moved into the include), the fp8 render without the variant unchanged
 and with it the seesaw kernel, its host dispatch and split rule, the use-time rule (hopper.latent_decode_spec, the
 serving bench's row) and the sm_90 builds (ptxas: shared memory, spills, the warpgroups' 44 wgmma a pair, the
 register split). On an H100/H200, scripts/gpu_mlafp8c_s23.py checks the kernel against float64."""
@@ -90,7 +90,8 @@ def test_the_rule_sends_multiples_of_64_rows_to_the_seesaw_only_with_the_variant
     monkeypatch.setattr(hopper, "is_hopper", lambda device: True)
     monkeypatch.setattr(hopper, "gluon_missing", lambda: None)
     triton_spec = spec("triton")
-    assert backends.GLUON.variant["fp8lat_seesaw"] == 0  # default off: the lead flips it from the GPU rounds
+    assert backends.GLUON.variant["fp8lat_seesaw"] == 1  # on since its H200 run (twenty-third session)
+    monkeypatch.setattr(backends.GLUON, "variant", {**backends.GLUON.variant, "fp8lat_seesaw": 0})
     assert hopper.latent_decode_spec(triton_spec, cuda, 256) is None
     assert hopper.latent_decode_spec(triton_spec, cuda, 16) == spec()
     monkeypatch.setattr(backends.GLUON, "variant", {**backends.GLUON.variant, "fp8lat_seesaw": 1})
@@ -110,6 +111,7 @@ def test_the_bench_row_takes_the_seesaw_with_the_variant(monkeypatch):
     monkeypatch.setattr(hopper, "is_hopper", lambda device: True)
     monkeypatch.setattr(hopper, "gluon_missing", lambda: None)
     row = {c.name: c for c in serving_rows()}["decode-mla-absorbed-h128-sq2-kv8k-b32-fp8"]
+    monkeypatch.setattr(backends.GLUON, "variant", {**backends.GLUON.variant, "fp8lat_seesaw": 0})
     assert row.spec("cuda")[0].backend.value == "triton"
     monkeypatch.setattr(backends.GLUON, "variant", {**backends.GLUON.variant, "fp8lat_seesaw": 1})
     got = row.spec("cuda")[0]

@@ -128,7 +128,7 @@ class GluonBackend(DecodeRules, KernelBackend):
                "bwd_mod_early": 0, "bwd_window_fixed": 0, "bwd_prefix": 2, "bwd_window_chain": 0, "bwd_window_pending": 2,
                "bwd_window_relaxed": 0, "bwd_window_pdl": 0, "bwd_fixed_fma": 0, "bwd_grid": 0, "bwd_spt": 0, "bwd_fixed_tma": 0,
                "bwd_unordered_levers": {"bwd_named": 2, "bwd_epi_tma": 1, "bwd_snake": 1}, "bwd_full_levers": {},
-               "fp8lat_lazy": 0, "fp8lat_early_fetch": 0, "fp8lat_stage": 7, "fp8lat_short": 8, "fp8lat_merge_cols": 64, "fp8lat_seesaw": 0}
+               "fp8lat_lazy": 0, "fp8lat_early_fetch": 0, "fp8lat_stage": 7, "fp8lat_short": 8, "fp8lat_merge_cols": 64, "fp8lat_seesaw": 1}
     # fp8lat_*: [Note] Lazy block max, [Note] Early first block, [Note] Staged chunks in
     # fagen/templates/gluon/mla_decode_fp8.py.j2. fp8lat_stage K: chunks 0..K-1 by cp.async through shared memory
     # (fourteenth session; 7 since both rounds: per token +4.9-8.7 points at the three large shapes, per tensor

@@ -30,7 +30,7 @@ class DecodeRules:
     # 1169 / 1394 / 934 -> 2135 / 2240 / 2477 / 1309 GB/s (per tensor 1418 / 1272 / 1528 / 1000 -> 2078 / 2167 /
     # 2403 / 1311); Hq 128 Sq 2 b32 kv8k 199 (Triton) against 188 TF/s: LATENT_FP8_MAX_ROWS 16. Thirteenth session:
     # fagen.attention routes an e4m3 cache here too (docs/serving.md, "MLA fp8 latent decode (thirteenth session)").
-    # Twenty-third session: variant fp8lat_seesaw (default 0) adds the seesaw of mla_decode.py.j2 over the e4m3 cache
+    # Twenty-third session: variant fp8lat_seesaw (on since its H200 run) adds the seesaw of mla_decode.py.j2 over the e4m3 cache
     # to that module (fagen/templates/gluon/mla_seesaw.j2, [Note] Seesaw fp8 conversion: a converter warpgroup turns
     # each fp8 part into bf16 in shared memory; the bf16 matmuls unchanged) for Hq x Sq a multiple of 64, and the
     # rule (latent_decode_spec) sends those rows to it (docs/serving.md, "MLA fp8 latent decode at 64-row programs").

@@ -76,7 +76,7 @@ LATENT_CAPTURED_MIN_WORK = 1 << 21
 # GluonBackend.select_fp8_latent is on ([Note] Gluon fp8 latent decode in fagen/backends/gluon_decode.py): one program
 # of 16 rows a sequence and split (Hq 16 Sq 1, the memory-bound rows); more rows run one program a 16 rows, each
 # converting every block (Hq 128 Sq 2 b32 kv8k, H100 round A: 188 TF/s against the Triton decode's 199, docs/serving.md,
-# "MLA decode, twelfth session"): the Triton decode keeps those, unless the gluon backend's variant fp8lat_seesaw is on:
+# "MLA decode, twelfth session"): the Triton decode kept those; with the gluon backend's variant fp8lat_seesaw (on):
 # then Hq x Sq a multiple of 64 takes the seesaw over the converted cache ([Note] Seesaw fp8 conversion; H200, Hq 128
 # Sq 2 b32 kv8k: 337 TF/s against the Triton decode's 207, docs/serving.md "MLA fp8 latent decode at 64-row programs").
 LATENT_FP8_MAX_ROWS = 16

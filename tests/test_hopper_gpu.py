@@ -19,22 +19,23 @@ def gluon(**fields) -> KernelSpec:
 @pytest.mark.skipif(not ON_HOPPER, reason="runs on an sm_90 GPU (H100/H200)")
 @pytest.mark.parametrize("mask", ["none", "causal"])
 @pytest.mark.parametrize("gqa", [1, 4])
-def test_matches_the_reference_on_hopper(mask, gqa):
+@pytest.mark.parametrize("head_dim", [128, 64])  # d64 MHA: S a step ahead ([Note] The d64 forward's levers)
+def test_matches_the_reference_on_hopper(mask, gqa, head_dim):
     from fagen.spec.axes import DType
     from fagen.verify import reference
     from fagen.verify import tolerances as verify
-    mod = fagen.load(gluon(mask=mask, gqa=gqa))
+    mod = fagen.load(gluon(mask=mask, gqa=gqa, head_dim=head_dim))
     g = torch.Generator(device="cuda").manual_seed(7)
     for sq, sk in [(97, 97), (200, 333), (333, 200)]:
-        q = torch.randn((2, 2 * gqa, sq, 128), generator=g, device="cuda", dtype=torch.bfloat16)
-        k, v = (torch.randn((2, 2, sk, 128), generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        q = torch.randn((2, 2 * gqa, sq, head_dim), generator=g, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn((2, 2, sk, head_dim), generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         out, lse = mod.forward(q, k, v)
         ref_out, ref_lse = reference.attention(q, k, v, mask=mask)
         verify.compare("out", out, ref_out, **verify.TOLERANCE[DType.BF16])
         verify.compare("lse", lse, ref_lse, **verify.LSE_TOLERANCE)
         # fagen.attention without gradients is served by the same kernel
         got = fagen.attention(q, k, v, mask=mask)
-        assert torch.equal(got, out)
+        assert torch.equal(got, out) or head_dim == 64 and (mask, gqa) != ("causal", 1)  # d64: Triton but there
 
 
 # Score switches on the GPU: (switches, [(batch, q heads, kv heads, Sq, Sk, window)]). Ragged lengths, Sq != Sk both

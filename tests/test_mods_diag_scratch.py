@@ -127,3 +127,19 @@ def test_the_rows_dkdv_kernel_keeps_its_pipelining_and_spills_less_for_sm_90(tmp
         assert b["cp_async"] >= 100 and b["spills"] <= 128, (lever, built)
         assert b["barrier"] >= 1, (lever, built)  # the asm barrier, not gpu.barrier
     assert not built["1"]["serialized"] and not built["4"]["serialized"], built
+
+
+@pytest.mark.parametrize("lever", [1, 2, 3, 4])
+def test_a_gluon_modded_forward_with_a_learned_tensor_takes_none_of_it(monkeypatch, lever):
+    """The learned bias's forward runs the Gluon modded forward on sm_90 (fagen.attention): its module has no
+    diagonal sums and none of their Triton helpers (the H200's final run of the twenty-third session read "NameError:
+    name 'tl' is not defined" there: the barrier's helper was emitted into the Gluon module), and it loads."""
+    from fagen.runtime.loader import load_source
+
+    monkeypatch.setattr(mod_args, "DIAG_SUMS", lever)
+    spec = fagen.KernelSpec(head_dim=128, dtype="bf16", mask="causal", backend="gluon",
+                            score_mod="score + bias[h, q_idx - kv_idx + n - 1]", mod_tensors=[["bias", "fp32", 2]],
+                            mod_scalars=[["n", "int"]])
+    src = render_mod.render(spec).source
+    assert "_mod_cta_barrier" not in src and "_MOD_CTA_BARRIER" not in src
+    load_source(src, f"{spec.name}_diag{lever}")

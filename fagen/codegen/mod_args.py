@@ -201,7 +201,7 @@ class ModCode:
                 if t.dtype in ("fp32", "fp16", "bf16"):
                     self.grad_loads += [(i, load, deriv) for load, deriv in d_loads(self.score_tree, t.name)]
         self.grad_classes = [index_class(load) for _, load, _ in self.grad_loads]
-        on = DIAGONAL in self.grad_classes and not self.packed
+        on = DIAGONAL in self.grad_classes and not self.packed and not self.gluon  # the Triton backward's sums only
         self.diag_scratch = {1: 1, 2: 2, 4: 2}.get(DIAG_SUMS, 0) if on else 0
         self.diag_pipe = on and DIAG_SUMS == 4  # 2 a step late, in the flat loops (dkdv_flat: grad_pipe)
         self.diag_rotate = on and DIAG_SUMS == 3

@@ -35,7 +35,10 @@ def test_matches_the_reference_on_hopper(mask, gqa, head_dim):
         verify.compare("lse", lse, ref_lse, **verify.LSE_TOLERANCE)
         # fagen.attention without gradients is served by the same kernel
         got = fagen.attention(q, k, v, mask=mask)
-        assert torch.equal(got, out) or head_dim == 64 and (mask, gqa) != ("causal", 1)  # d64: Triton but there
+        if head_dim == 128:
+            assert torch.equal(got, out)
+        else:  # d64: below hopper.MIN_WORK pairs fagen.attention keeps the Triton forward (not bit for bit)
+            verify.compare("fagen.attention out", got, ref_out, **verify.TOLERANCE[DType.BF16])
 
 
 # Score switches on the GPU: (switches, [(batch, q heads, kv heads, Sq, Sk, window)]). Ragged lengths, Sq != Sk both

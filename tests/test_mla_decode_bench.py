@@ -53,14 +53,15 @@ def test_shared_kv_needs_a_narrower_v_and_a_decode_shape():
 def test_the_spec_is_what_fagen_attention_picks(monkeypatch):
     """[Note] Hopper selection: on sm_90 the Hq 128 Sq 2 bf16 row runs the gluon MLA decode; Hq 16 (a padded tile)
     does where [Note] Latent padded tiles selects it; the fp8 rows at Hq 16 run the gluon fp8 decode where
-    select_fp8_latent, the Hq 128 fp8 row keeps the Triton decode (LATENT_FP8_MAX_ROWS)."""
+    select_fp8_latent, the Hq 128 fp8 row the fp8 seesaw where fp8lat_seesaw is on (the Triton decode before)."""
     monkeypatch.setattr(hopper, "is_hopper", lambda device: True)
     monkeypatch.setattr(hopper, "gluon_missing", lambda: None)
     monkeypatch.setattr(hopper, "LATENT_PAD_SELECTED", False)
     rows = _rows()
     assert rows["decode-mla-absorbed-h128-sq2-kv8k-b32"].spec("cpu")[0].backend is Backend.GLUON
-    for name in ("decode-mla-absorbed-h16-kv4k-b128", "decode-mla-absorbed-h128-sq2-kv8k-b32-fp8"):
-        assert rows[name].spec("cpu")[0].backend is Backend.TRITON, name
+    assert rows["decode-mla-absorbed-h16-kv4k-b128"].spec("cpu")[0].backend is Backend.TRITON
+    seesaw = Backend.GLUON if backends.GLUON.variant["fp8lat_seesaw"] else Backend.TRITON  # 256 rows: the fp8 seesaw
+    assert rows["decode-mla-absorbed-h128-sq2-kv8k-b32-fp8"].spec("cpu")[0].backend is seesaw
     fp8 = Backend.GLUON if backends.GLUON.select_fp8_latent else Backend.TRITON
     assert rows["decode-mla-absorbed-h16-kv32k-b32-fp8"].spec("cpu")[0].backend is fp8
     monkeypatch.setattr(hopper, "LATENT_PAD_SELECTED", True)

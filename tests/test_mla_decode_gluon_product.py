@@ -63,7 +63,9 @@ def test_latent_decode_spec_needs_sm90_the_api_and_the_switch(monkeypatch):
     twin = hopper.latent_decode_spec(triton_spec, cuda)
     assert twin == spec() and twin.layout is triton_spec.layout
     assert hopper.latent_decode_spec(spec("triton", layout="dense"), cuda) == spec(layout="dense")
-    assert hopper.latent_decode_spec(spec("triton", kv_dtype="fp8_e4m3"), cuda, 256) is None  # > LATENT_FP8_MAX_ROWS
+    assert hopper.latent_decode_spec(spec("triton", kv_dtype="fp8_e4m3"), cuda, 200) is None  # > LATENT_FP8_MAX_ROWS
+    seesaw = spec(kv_dtype="fp8_e4m3") if backends.GLUON.variant["fp8lat_seesaw"] else None  # 64-row multiples
+    assert hopper.latent_decode_spec(spec("triton", kv_dtype="fp8_e4m3"), cuda, 256) == seesaw
     assert hopper.latent_decode_spec(triton_spec, cuda, 128) == spec()
     monkeypatch.setattr(hopper, "LATENT_PAD_SELECTED", False)
     assert hopper.latent_decode_spec(triton_spec, cuda, 16) is None  # [Note] Latent padded tiles

@@ -1,8 +1,8 @@
 """The softcap forward's schedule levers, twenty-third session ([Note] Softcap forward levers in
 fagen/templates/gluon/attention.py.j2): GluonBackend.variant cap_turns (the fp8 forward's warpgroup turns in the
 bf16/fp16 softcap forward), cap_max_first (the unmasked step's row max on the scaled scores, before the tanh) and
-pv_overlap (the softmax under its own P V, a measurement key since the tenth session), and cap_fixed_max ([Note]
-Softcap fixed shift: no running max, a constant shift of the log2-domain scores). Here: every lever renders only
+pv_overlap (the softmax under its own P V, a measurement key since the tenth session); the fixed shift
+(cap_fixed_max) failed its float64 checks on the H200 and left the template. Here: every lever renders only
 where on (the softcap forward; the plain, window and fp8 renders byte for byte the defaults'), what each changes in
 the softmax, and the sm_90 build (no spills; in the SASS the P V wait after the exponentials with pv_overlap and
 turns 4's warpgroup 1, two MUFU.TANH more a step with cap_max_first). The kernels against float64 and the timing run
@@ -18,7 +18,7 @@ from test_fp8_wgs import variant
 from test_hopper_compile import build_sm90
 
 LEVERS = ({"cap_turns": 1}, {"cap_turns": 2}, {"cap_turns": 4}, {"cap_max_first": 1},
-          {"cap_turns": 4, "cap_max_first": 1}, {"cap_fixed_max": 1}, {"cap_fixed_max": 1, "cap_max_first": 1})
+          {"cap_turns": 4, "cap_max_first": 1})
 
 
 def render(mask="causal", **fields):
@@ -81,31 +81,6 @@ def test_turns_in_the_bf16_softcap_forward(turns):
     assert ("_turn(n, \"sync\", _BAR_TURN + WG)" in step) == (turns in (1, 3))
 
 
-def test_fixed_shift_drops_the_max_and_the_rescale():
-    with variant(cap_fixed_max=1, cap_turns=4):  # the turns need the max's barrier: off with the fixed shift
-        src = render(softcap=True)
-    soft, step = func(src, "_softmax"), func(src, "_consumer_step")
-    assert "gl.max(" not in soft and "gl.exp2(m_i - m_use)" not in soft and "_turn_dep" not in src
-    assert "p = gl.exp2(s_acc * qk_scale - m_use[:, None])" in soft and "l_i = l_i + gl.sum(p, 1)" in soft
-    # l sums P as the P V reads it (rounded to bf16): with l from the unrounded p the H200 check read 1.8x the error
-    assert soft.index("p = p.to(gl.bfloat16).to(gl.float32)") < soft.index("l_i = l_i + gl.sum(p, 1)")
-    with variant(cap_fixed_max=1):
-        assert "p = p.to(gl.float16).to(gl.float32)" in func(render(softcap=True, dtype="fp16"), "_softmax")
-    assert "gl.where(visible, s_acc, float(\"-inf\"))" in soft  # masked scores still give exactly 0
-    assert "o_acc * gl.convert_layout(alpha" not in step
-    line = next(x for x in src.splitlines() if "m_i = gl.full([BLOCK_M], 0.0" in x)
-    shift = line.split(" + ", 1)[1]
-    import math
-    for cap in [0.5, 5.0, 20.0, 30.0, 43.0, 50.0, 55.0, 55.4]:  # p = 2^(t Q - m), t in [-1, 1]: in [2^-96, 2^64]
-        q = cap / math.log(2)
-        m = eval(shift, {"qk_scale": q, "gl": _GLS})  # noqa: S307 (the repo's own render)
-        assert -96.0 - 1e-9 <= -q - m and q - m <= 64.0 + 1e-9 and q - m >= 0.0, (cap, m)
-
-
-class _GLS:
-    minimum, maximum = staticmethod(min), staticmethod(max)
-
-
 _SCRIPT = r"""
 import json, os, re, sys
 from collections import Counter
@@ -143,7 +118,7 @@ for key, changes in json.loads(sys.argv[2]).items():
 print("RESULT " + json.dumps(out))
 """
 MODULES = {"main": {"cap_max_first": 0}, "pv": {"pv_overlap": 1, "cap_max_first": 0},
-           "turns4": {"cap_turns": 4, "cap_max_first": 0}, "maxfirst": {}, "fix": {"cap_fixed_max": 1}}
+           "turns4": {"cap_turns": 4, "cap_max_first": 0}, "maxfirst": {}}
 
 
 @pytest.fixture(scope="module")
@@ -156,9 +131,6 @@ def built(tmp_path_factory):
 def test_sm90_no_spills_and_where_the_p_v_wait_sits(built, key):
     r = built[key]
     assert r["spills"] == 0 and not r["serialized"] and len(r["steps"]) == 4, r
-    if key == "fix":  # no max (no FMNMX), no alpha (64 exp2, all P's), in every loop
-        assert all(s["fmnmx"] == 0 and s["ex2"] == 64 and s["tanh"] == 64 for s in r["steps"]), r
-        return
     unmasked = [s for s in r["steps"] if s["tanh"] >= 64 and s["ex2"] == 66]
     assert len(unmasked) == 4, r  # two warpgroups x (unmasked, masked): 64 tanh and 66 exp2 a step (64 P, 2 alpha)
     tanh = sorted(s["tanh"] for s in r["steps"])

@@ -124,7 +124,7 @@ class TritonBackend(KernelBackend):
             # flight a stage as the bf16 cache's 64-key ones; with V converted once ([Note] V converted once in the
             # decode template) sm_90 ptxas gives 168 registers and 105 KB (two programs an SM). H100 (eighth
             # session, scripts/gpu_fp8kv_s7.py round A, d128 h32/8 e4m3, % of copy at b32 kv8k / b128 kv8k / b32
-            # kv32k): m64n128w4s3 90 / 100 / 98 against m32n64w4s3 (before) 91 / 94 / 99; n128s2 85 / 93 / 92,
+            # kv32k): m64n128w4s3 90 / 100 / 98 against m64n64w4s3 (before) 91 / 94 / 99; n128s2 85 / 93 / 92,
             # n64s4 89 / 89 / 97 (both converted once); e5m2 n128s3 90 / 99 / 98 (92 / 94 / 99 before). Those are
             # do_bench's, whose L2 flush costs ~17 us a call; round B back to back: 96 / 100 / 100 against 96 / 95 /
             # 100 before (docs/serving.md, "128-key tiles"). Paged caches keep theirs (V converted once lost there).
@@ -250,8 +250,8 @@ def _sm80_config(head_dim: int, direction: Direction, mask: Mask | None, layout:
     in any catalog variant (ptxas of triton 3.6, 2026-11-26; `fagen build fagen/spec/catalog.toml`). The sm_90
     tiles spill on sm_80 (d64 causal m128n128w4s3: 78 words) or do not fit (d128 m128n128w8s3: 224 KB). Spills of
     the candidates, bf16: forward d64 causal m128n64w4s3 2 words, m128n64w8s3 0; d128 m128n64w8s3 0, tree 222
-    (m64n64w8s2 2, m64n32w8s2 0), paged 6 (m128n64w8s2 0); backward d64 m32n64w4s3 16 (gqa 4, mask none),
-    m64n64w8s3 0; d128 m32n64w4s3 16, m64n64w8s3 0; tree d64 m128n64w8s2 140, m64n32w4s2 0; tree d128
+    (m64n64w8s2 2, m64n32w8s2 0), paged 6 (m128n64w8s2 0); backward d64 m64n64w4s3 16 (gqa 4, mask none),
+    m64n64w8s3 0; d128 m64n64w4s3 16, m64n64w8s3 0; tree d64 m128n64w8s2 140, m64n32w4s2 0; tree d128
     m128n64w8s2 1404, m64n32w8s2 0. Decode kernels keep the sm_90 tiles (they fit: 112 KB dense, 144 KB paged).
     """
     tree = mask == Mask.TREE

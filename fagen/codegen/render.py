@@ -137,21 +137,45 @@ def _context(spec: KernelSpec) -> dict:
                 kv_torch_dtype=tables.TORCH_KV_DTYPE[spec.kv_dtype] if spec.kv_dtype else "",
                 tree_keys="len_k" if paged else "seq_k",  # tree nodes are the last Sq of these keys
                 lse_shape="(q.shape[1], q.shape[0])" if spec.packed_q else "q.shape[:3]",
-                mod=_mod_code(spec), mla_gluon_dkdv=_mla_gluon_dkdv(), decode_pps=_decode_pps(spec))
+                mod=_mod_code(spec), **render_switches(spec))
+
+
+# [Note] Render switches. Module-level values a render reads beyond the spec, the template files and the Gluon
+# variant, in one list: each reader gives the value for a spec whose render reads it, else None (then the switch is
+# neither in the templates' context as anything but None nor in render_state's key). Templates see them by name;
+# render_state keys on the ones that are set, so a render made under one value is never served under another. A new
+# run-time lever adds its reader here and nowhere else.
+def _mla_gluon_dkdv(spec: KernelSpec) -> bool | None:
+    """fagen/backends/triton.py's MLA_GLUON_DKDV ([Note] MLA Gluon dK/dV) for a 192/128 backward."""
+    from fagen.backends import triton as triton_backend
+
+    mla_bwd = spec.direction == "bwd" and (spec.head_dim, spec.head_dim_v) == (192, 128)
+    return (triton_backend.MLA_GLUON_DKDV or None) if mla_bwd else None
 
 
 def _decode_pps(spec: KernelSpec) -> int | None:
-    """fagen/backends/triton.py's decode_programs_per_sm ([Note] MLA 192/128 decode tiles), read at each render."""
+    """fagen/backends/triton.py's decode_programs_per_sm ([Note] MLA 192/128 decode tiles)."""
     from fagen.backends import triton as triton_backend
 
     return triton_backend.decode_programs_per_sm(spec)
 
 
-def _mla_gluon_dkdv() -> bool:
-    """fagen/backends/triton.py's MLA_GLUON_DKDV ([Note] MLA Gluon dK/dV), read at each render."""
-    from fagen.backends import triton as triton_backend
+def _diag_sums(spec: KernelSpec) -> int | None:
+    """fagen/codegen/mod_args.py's DIAG_SUMS ([Note] Diagonal sums through a scratch) for a spec with captured
+    tensors (a plain spec's render imports no mods code), where not 0."""
+    if not spec.mod_tensors:
+        return None
+    from fagen.codegen import mod_args
 
-    return triton_backend.MLA_GLUON_DKDV
+    return mod_args.DIAG_SUMS or None
+
+
+_SWITCHES = (("mla_gluon_dkdv", _mla_gluon_dkdv), ("decode_pps", _decode_pps), ("diag_sums", _diag_sums))
+
+
+def render_switches(spec: KernelSpec) -> dict:
+    """{name: value or None} of every render switch ([Note] Render switches) for `spec`."""
+    return {name: read(spec) for name, read in _SWITCHES}
 
 
 def _mod_code(spec: KernelSpec):
@@ -210,20 +234,15 @@ def render(spec: KernelSpec) -> Rendered:
 
 def render_state(spec: KernelSpec) -> str:
     """What a render reads at run time beyond the spec and the template files: the Gluon variant of the spec
-    (`GluonBackend.variant_for`), which measurement scripts set in-process, the decode's programs an SM where the
-    MLA192_DECODE tile sets them, and for a spec with captured tensors fagen/codegen/mod_args.py's DIAG_SUMS where
-    not 0. The render memo and the loader's render
-    index ([Note] Render index in fagen/runtime/loader.py) key on it, so a render made under one variant is never
-    served under another, in this process or a later one."""
+    (`GluonBackend.variant_for`), which measurement scripts set in-process, and the render switches that are set for
+    it ([Note] Render switches: `name`, or `name=value`). The render memo and the loader's render index ([Note] Render
+    index in fagen/runtime/loader.py) key on it, so a render made under one variant is never served under another, in
+    this process or a later one."""
     state = json.dumps(backends.GLUON.variant_for(spec), sort_keys=True, default=repr)
-    state = state + " mla_gluon_dkdv" if _mla_gluon_dkdv() else state  # off: the key as before
-    pps = _decode_pps(spec)
-    state = state if pps is None else f"{state} decode_pps {pps}"
-    if not spec.mod_tensors:  # (a plain spec's load imports no mods code)
-        return state
-    from fagen.codegen import mod_args
-
-    return state + f" diag_sums={mod_args.DIAG_SUMS}" if mod_args.DIAG_SUMS else state  # off: as before
+    for name, value in render_switches(spec).items():
+        if value is not None:
+            state += f" {name}" if value is True else f" {name}={value}"
+    return state
 
 
 INDEX_TRUSTED = True  # whether fagen.runtime.loader may serve a load from its render index ([Note] Render index)

@@ -51,7 +51,8 @@ OUTX = Path(os.environ.get("OUTX") or os.environ.get("OUT") or "/tmp/fp8fwd24-ou
 VARIANTS = {"product": None}
 for _c in (4, 8, 16):  # [Note] fp8 tail split: the kernel is the product's; the split rows are not bit for bit
     VARIANTS[f"tail C{_c}"] = {"variant": {"fp8_tail_split": _c}, "base": {"causal": "product"},
-                               "block_n": {"none": 192, "causal": 128}}
+                               "block_n": {"none": 192, "causal": 128},
+                               "timed": ("none", )}  # causal: the product's render byte for byte (not timed)
 CANDIDATES = {"A": ("tail C4", "tail C8"), "B": ("tail C4", "tail C8")}[ROUND]
 REF = "fp8 product"  # the timed row the per-pass ratios divide by
 s7.VARIANTS = VARIANTS
@@ -352,16 +353,21 @@ def phase_time():
                   ("fagen bf16 (bench row)", lambda bcc=bcc: impls.prepare_fagen(bcc.case, bcc).fn, bcc),
                   (REF, row, cc)]
         makers += [(f"fp8 {n}", lambda row=row, n=n: row(keys=(VARIANTS[n] or {}).get("variant")), cc)
-                   for n in timed if f"fp8 {n}" != REF]
+                   for n in timed if f"fp8 {n}" != REF and mask in (VARIANTS[n] or {}).get("timed", s7.MASKS)]
         spec = cc.case.spec(dev)[0]
         import fagen
-        for n in timed:
+        for n in [n for n in timed if mask in (VARIANTS[n] or {}).get("timed", s7.MASKS)]:
             keys = (VARIANTS[n] or {}).get("variant") or {}
             with keys_set(keys):
                 src = fagen.generate(spec)
+                try:  # the split the module takes at the timed shape on this card
+                    sms = torch.cuda.get_device_properties(0).multi_processor_count
+                    split = fagen.load(spec)._tail_split(b, h, s // 128, s, sms, True)
+                except Exception as e:  # noqa: BLE001
+                    split = f"{type(e).__name__}: {e}"[:120]
             steps = re.search(r"\nBLOCK_N = (\d+)", src)
             s7.log(f"{spec.name}: 'fp8 {n}' = the suite's row with {keys} (BLOCK_N {steps and steps.group(1)}, "
-                   f"tail split rendered: {'_TAIL_C =' in src})")
+                   f"tail split rendered: {'_TAIL_C =' in src}; at B{b} H{h} S{s}: (query blocks, chunks) {split})")
         for label, make, c in makers:
             try:
                 fn = make()

@@ -11,7 +11,8 @@ Phases, each a child process with a wall-clock limit (a hung kernel costs its ow
          fingerprint that fails a bf16 P V; empty rows), full and causal S 4096, full Sq 2200 / Sk 1300 (216 tiles),
          causal Sq 1537 / Sk 1000 (empty rows, per-head descales), and two full rows whose tiles the split cuts (B1:
          H4 Sq 4480 / Sk 4096 per-head, 140 tiles; H2 Sq 8704 / Sk 2048, 136 tiles), two seeds each;
-  ncu    (round A, last: a kill costs the profile only) one profiling run at base clock: one call each of the
+  ncu    (round A, set up during the checks, profiling between them and the timed passes, which wait for its end;
+         a kill costs the profile only) one profiling run at base clock: one call each of the
          product's causal and full kernels and of cuDNN's fp8 kernel on the full row (the suite's rows, input set
          0), four sections and a few metrics; the compact table printed;
   time   TF/s of the suite's rows fwd-fp8-d128-{full,causal}-s16k through the suite's own row function
@@ -57,8 +58,9 @@ CANDIDATES = {"A": ("tail C4", "tail C8"), "B": ("tail C4", "tail C8")}[ROUND]
 REF = "fp8 product"  # the timed row the per-pass ratios divide by
 s7.VARIANTS = VARIANTS
 TOTAL = 47.5  # the round's 50 s less the parent's start and end: the time phase takes what the others left
-# ncu runs last (a kill there costs the profile only) in what the time phase leaves it (at least its reserve)
-PHASE_TIMEOUT = {"build": 15, "check": 12, "ncu": 13 if ROUND == "A" else 0}
+# ncu (round A) starts after the build: its app sets up during the checks, profiles once they are over (a flag file)
+# and the time phase's first kernel waits for its end (ncu locks the clocks while it profiles); a kill costs the profile
+PHASE_TIMEOUT = {"build": 16, "check": 13, "ncu": 26 if ROUND == "A" else 0}
 HANG_S = float(os.environ.get("FP8FWD24_HANG_S", 10))  # a check child this long without a finished row is killed
 PASSES = 30  # the time phase stops early when its time runs short
 BENCH_MS = (10, 40)  # the bench's measure's warm-up and rep ms (the bench's own: 25, 100)
@@ -375,6 +377,12 @@ def phase_time():
             except Exception as e:  # noqa: BLE001
                 s7.emit(section="time", variant=label, mask=mask, value="ERROR",
                         note=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
+    done = os.environ.get("FP8FWD24_NCU_DONE")  # ncu locks the clocks while it profiles: no kernel of ours then
+    t_wait = time.time()
+    while done and not os.path.exists(done) and time.time() - t_wait < 20:
+        time.sleep(0.05)
+    if done:
+        s7.log(f"waited {time.time() - t_wait:.1f}s for the ncu phase ({'done' if os.path.exists(done) else 'NOT done'})")
     times = {}
     with torch.no_grad():
         for label, mask, _, fn, n in rows:
@@ -423,7 +431,7 @@ def phase_time():
 
 
 NCU_SCRIPT = r"""
-import sys, time, torch
+import os, sys, time, torch
 sys.path.insert(0, "scripts")
 import gpu_fp8_fwd_s7 as s7
 import fagen
@@ -451,6 +459,10 @@ for _, f in calls:
     f()
 torch.cuda.synchronize()
 print(f"APP warm done {time.time() - t0:.1f}s", file=sys.stderr, flush=True)
+go = os.environ.get("FP8FWD24_NCU_GO")  # the parent's word that the checks (GPU work) are over
+while go and not os.path.exists(go) and time.time() - t0 < 30:
+    time.sleep(0.05)
+print(f"APP profiling from {time.time() - t0:.1f}s", file=sys.stderr, flush=True)
 torch.cuda.profiler.start()
 for name, f in calls:
     f()
@@ -492,7 +504,6 @@ def phase_ncu():
     the compact table printed (scripts/gpu_fp8fwd_s17.py's report_raw)."""
     import gpu_fp8fwd_s17 as s17
     s7.VARIANTS = VARIANTS
-    PHASE_TIMEOUT["ncu"] = float(os.environ.get("FP8FWD24_NCU_S", PHASE_TIMEOUT["ncu"]))
     ncu = s17._ncu_bin()
     s7.log(f"== ncu: {ncu}")
     if not ncu:
@@ -631,24 +642,41 @@ def main():
     s7.log(f"#### phase build (timeout {PHASE_TIMEOUT['build']}s)")
     rc, _ = run_child(__file__, "build", PHASE_TIMEOUT["build"], env, on_line)
     s7.log(f"#### phase build: rc={rc}, {time.time() - s7.T0:.0f}s")
+    ncu = None
+    if PHASE_TIMEOUT["ncu"]:  # set up during the checks, profiles between them and the timed passes
+        flags = Path(f"/tmp/fp8fwd24-flags-{os.getpid()}")  # not under $OUT
+        flags.mkdir(parents=True, exist_ok=True)
+        go, done = flags / "ncu_go", flags / "ncu_done"
+        for f in (go, done):
+            f.unlink(missing_ok=True)
+        env["FP8FWD24_NCU_GO"], env["FP8FWD24_NCU_DONE"] = str(go), str(done)
+        ncu_lines = []
+        s7.log(f"#### phase ncu (timeout {PHASE_TIMEOUT['ncu']}s, {time.time() - s7.T0:.0f}s so far)")
+
+        def ncu_run():
+            rc, _ = run_child(__file__, "ncu", PHASE_TIMEOUT["ncu"], env, ncu_lines.append)
+            ncu_lines.append(f"#### phase ncu: rc={rc}, ended at {time.time() - s7.T0:.0f}s\n")
+            done.touch()
+        ncu = threading.Thread(target=ncu_run, daemon=True)
+        ncu.start()
     good = run_checks(env, rows)
+    if ncu is not None:
+        go.touch()
     built = " ".join(r["line"] for r in rows if r.get("section") == "built")
     unbuilt = [n for n in good if any(f"built {n} {mask} in" not in built for mask in s7.MASKS)]
     if unbuilt:  # its timed-shape warm-up did not finish (a hang there would take the time phase with it)
         s7.log(f"not timed (no finished build at the timed shape): {unbuilt}")
         good = [n for n in good if n not in unbuilt]
-    limit = max(6.0, TOTAL - PHASE_TIMEOUT["ncu"] - (time.time() - s7.T0))
+    limit = max(6.0, TOTAL - (time.time() - s7.T0))
     env["FP8FWD24_TIME_LIMIT"] = f"{limit - 1:.1f}"
     env["FP8FWD24_TIMED"] = "|".join(good)
     s7.log(f"#### phase time (timeout {limit:.0f}s, {time.time() - s7.T0:.0f}s so far); timed: {good}")
     rc, _ = run_child(__file__, "time", limit, env, on_line)
     s7.log(f"#### phase time: rc={rc}")
-    if PHASE_TIMEOUT["ncu"]:
-        PHASE_TIMEOUT["ncu"] = max(PHASE_TIMEOUT["ncu"], TOTAL - (time.time() - s7.T0))
-        env["FP8FWD24_NCU_S"] = f"{PHASE_TIMEOUT['ncu']:.1f}"
-        s7.log(f"#### phase ncu (timeout {PHASE_TIMEOUT['ncu']:.0f}s, {time.time() - s7.T0:.0f}s so far)")
-        rc, _ = run_child(__file__, "ncu", PHASE_TIMEOUT["ncu"], env, on_line)
-        s7.log(f"#### phase ncu: rc={rc}")
+    if ncu is not None:
+        ncu.join(timeout=1)
+        for line in ncu_lines:
+            on_line(line)
     text = f"modules built: {sum(r.get('section') == 'built' for r in rows)}\n" + s7.table(rows) + checks_table(rows)
     s7.log(text)
     s7.log(f"total {time.time() - s7.T0:.0f}s")

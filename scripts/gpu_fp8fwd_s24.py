@@ -370,6 +370,11 @@ def phase_time():
             steps = re.search(r"\nBLOCK_N = (\d+)", src)
             s7.log(f"{spec.name}: 'fp8 {n}' = the suite's row with {keys} (BLOCK_N {steps and steps.group(1)}, "
                    f"tail split rendered: {'_TAIL_C =' in src}; at B{b} H{h} S{s}: (query blocks, chunks) {split})")
+        if mask == "none":  # diag: the host's V pass alone (the suite's V; both rows run it), its us in the table
+            def vpass(cc=cc, spec=spec):
+                m = fagen.load(spec)
+                return lambda st: m.transpose_v(st.v)
+            makers.append(("diag: transpose_v alone (us)", vpass, cc))
         for label, make, c in makers:
             try:
                 fn = make()
@@ -413,6 +418,10 @@ def phase_time():
             s7.emit(section="time", variant=label, mask=mask, value="ERROR", note=str(t)[:160])
             continue
         notes = []
+        if label.startswith("diag: transpose_v"):
+            s7.emit(section="time", variant=label, mask=mask, value=round(statistics.median(t) * 1e3, 1),
+                    note=f"us; quartiles {sorted(t)[len(t) // 4] * 1e3:.1f}-{sorted(t)[-1 - len(t) // 4] * 1e3:.1f}")
+            continue
         if label.startswith("fp8 "):
             for ref, word in (("fagen bf16 (bench row)", "bf16"), ("cudnn-fp8", "cudnn")):
                 if tf.get((ref, mask)):

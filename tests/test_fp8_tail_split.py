@@ -71,9 +71,14 @@ def _perm(cols):
 def _exact_kernel(mod):
     """A stand-in for mod._kernel: float64 attention over (q, k, vt) as the kernel reads them (vt's keys permuted
     within each 32 when the module permutes), writing o and lse (natural log) in place."""
-    def kernel(q, k, vt, o, lse, scale, descales, sms):
+    def kernel(q, k, vt, o, lse, scale, descales, sms, tiles=None):
         (qd, qdh), (kd, kdh), (vd, vdh) = descales
         b, hq, sq, d = q.shape
+        if tiles is not None:  # the first `tiles` of the order (heads fastest): whole query blocks of every head here
+            assert b == 1 and tiles % hq == 0
+            rows = tiles // hq * 128
+            kernel(q[:, :, :rows], k, vt, o[:, :, :rows], lse[:, :, :rows], scale, descales, sms)
+            return
         hkv, sk = k.shape[1], k.shape[2]
         heads = torch.arange(hq)
         kvh = heads // (hq // hkv)

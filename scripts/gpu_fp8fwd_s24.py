@@ -54,8 +54,9 @@ for _c in (4, 8, 16):  # [Note] fp8 tail split: the kernel is the product's; the
     VARIANTS[f"tail C{_c}"] = {"variant": {"fp8_tail_split": _c}, "base": {"causal": "product"},
                                "block_n": {"none": 192, "causal": 128},
                                "timed": ("none", )}  # causal: the product's render byte for byte (not timed)
-CANDIDATES = {"A": ("tail C4", "tail C8"), "B": ("tail C4", "tail C8")}[ROUND]
+CANDIDATES = {"A": ("tail C4", "tail C8"), "B": ("tail C4", "tail C8", "tail C16")}[ROUND]
 REF = "fp8 product"  # the timed row the per-pass ratios divide by
+BREAKDOWN_S = 4.0 if ROUND == "B" else 0.0  # round B: the time phase's last seconds for breakdown()
 s7.VARIANTS = VARIANTS
 TOTAL = 47.5  # the round's 50 s less the parent's start and end: the time phase takes what the others left
 # ncu (round A) starts after the build: its app sets up during the checks, profiles once they are over (a flag file)
@@ -399,7 +400,7 @@ def phase_time():
         t_passes = time.time()
         for p in range(PASSES):
             left = float(os.environ.get("FP8FWD24_TIME_LIMIT", 15)) - (time.time() - T_PHASE)
-            if p and (time.time() - t_passes) / p * 1.15 > left - 1.0:
+            if p and (time.time() - t_passes) / p * 1.15 > left - 1.0 - BREAKDOWN_S:
                 s7.log(f"pass {p} skipped: the phase's time is short")
                 break
             for label, mask, flops, fn, n in random.Random(2000 + p).sample(rows, len(rows)):
@@ -410,6 +411,8 @@ def phase_time():
                 except Exception as e:  # noqa: BLE001
                     times[(label, mask)] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
             s7.log(f"pass {p} done ({time.time() - s7.T0:.0f}s)")
+        if BREAKDOWN_S:  # after the passes: one call of each fp8 full row under torch.profiler (its kernels)
+            breakdown([r for r in rows if r[1] == "none" and r[0].startswith("fp8 ")])
     tf = {(label, mask): flops / statistics.median(times[(label, mask)]) / 1e9 for label, mask, flops, _, _ in rows
           if isinstance(times.get((label, mask)), list) and times[(label, mask)]}
     for label, mask, flops, _, _ in rows:
@@ -576,6 +579,27 @@ def report_raw(text, names):
                    + " | ".join(val(k, h) for k in kern) + " |")
     out += [f"kernel {j}: {val(k, 'Kernel Name')[:160]}" for j, k in enumerate(kern)]
     return "\n".join(out)
+
+def breakdown(rows):
+    """One call of each row (input set 1, after a warm call) under torch.profiler: its GPU kernels in order with
+    their durations (us) and the span from the first kernel's start to the last one's end."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    for label, mask, _, fn, n in rows:
+        try:
+            fn(0)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                fn(1 % n)
+                torch.cuda.synchronize()
+            ev = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                        key=lambda e: e.time_range.start)
+            span = ev[-1].time_range.end - ev[0].time_range.start if ev else 0
+            parts = " + ".join(f"{re.sub(r'^_+', '', e.name)[:22]} {e.time_range.elapsed_us():.1f}" for e in ev[:12])
+            s7.log(f"breakdown {label} {mask}: span {span:.1f} us = {parts}")
+        except Exception as e:  # noqa: BLE001
+            s7.log(f"breakdown {label}: {type(e).__name__}: {str(e)[:160]}")
+
 
 def checks_table(rows):
     out = ["", "| check | pass | worst rmse (emu) |", "|---|---:|---:|"]

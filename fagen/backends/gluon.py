@@ -110,7 +110,7 @@ class GluonBackend(DecodeRules, KernelBackend):
     # docs/hopper.md, thirteenth session. (fp8_exp_poly, fp8_o_warp_skip, fp8_lazy_max: lost in the 13th-14th sessions,
     # removed in the 15th; fp8_l_mma read NaN: removed; docs/hopper.md.) fp8_tail_split: C > 0 runs an fp8 full-mask
     # forward's last partial round of tiles as a second launch over C key chunks, combined by lse ([Note] fp8 tail split;
-    # fourteenth session: at locked clocks C 8 / 4 2914 / 2913 us a call against the product's 2915: off). fp8_s_ahead: 1
+    # 14th session: C 8 / 4 2914 / 2913 us a call against 2915; 24th, 192-key steps: C 8 -0.8% a call: off). fp8_s_ahead: 1
     # issues S_{n+1} inside step n after its exponentials ([Note] fp8 S a step ahead; bit for bit the product's). H100, the
     # bench's measure, causal / full (scripts/gpu_fp8mma_s14.py, fourteenth session): round A 0.973x / 0.969x the product,
     # exp_poly 8 + o_warp_skip 0.976x / 0.969x: off. fp8_turns: 1-5 the two consumer warpgroups take turns by named barriers

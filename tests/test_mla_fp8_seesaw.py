@@ -214,7 +214,7 @@ def _converter_ops(src: str, n_blocks: int, order: int) -> list:
     return ops
 
 
-def _warpgroup_ops(w: int, n_blocks: int) -> list:
+def _warpgroup_ops(w: int, n_blocks: int, split: int = 0) -> list:
     """Warpgroup w's waits and arrivals in the seesaw ([Note] Seesaw pair, [Note] Seesaw order, [Note] Seesaw
     slots: gluon/mla_seesaw.j2's _wg, which the bf16 seesaw runs on the GPU): ("wait", barrier, completions needed)
     and ("arrive", barrier); the fp8 form waits on `conv` where the bf16 one waits on `ready`."""
@@ -222,7 +222,8 @@ def _warpgroup_ops(w: int, n_blocks: int) -> list:
 
     def scores(use, rest):
         own = [("wait", f"conv{w * 3 + 2}", use + 1), ("wait", f"conv{0 if w == 0 else 4}", use + 1)]
-        return [("wait", f"conv{1 if w == 0 else 3}", use + 1)] if rest else own
+        mid = [("wait", f"mid{w}", use + 1)] if split else []  # [Note] Seesaw split half
+        return mid + [("wait", f"conv{1 if w == 0 else 3}", use + 1)] if rest else own
 
     if w < n_blocks:
         ops += scores(0, False) + scores(0, True)
@@ -242,7 +243,7 @@ def _warpgroup_ops(w: int, n_blocks: int) -> list:
     return ops
 
 
-def _runs_to_the_end(src: str, n_blocks: int, order: int) -> bool:
+def _runs_to_the_end(src: str, n_blocks: int, order: int, split: int = 0) -> bool:
     """The three partitions' barrier protocol run until none can move: True when all finish (a TMA completes when
     issued; `conv` when its part is converted, once its TMA has landed)."""
     counts = {f"empty{s * 3 + t}": 2 if t == 1 - s else 1 for s in range(2) for t in range(3)}
@@ -254,8 +255,9 @@ def _runs_to_the_end(src: str, n_blocks: int, order: int) -> bool:
             conv.append(("wait", f"empty{part}", fill))
             conv.append(("arrive", f"ready{part}"))
         else:
-            conv += [("wait", f"ready{part}", fill + 1), ("arrive", f"conv{part}")]
-    progs = [conv, _warpgroup_ops(0, n_blocks), _warpgroup_ops(1, n_blocks)]
+            mid = [("arrive", f"mid{part // 3}")] if split and part in (1, 3) else []  # the other halves
+            conv += [("wait", f"ready{part}", fill + 1)] + mid + [("arrive", f"conv{part}")]
+    progs = [conv, _warpgroup_ops(0, n_blocks, split), _warpgroup_ops(1, n_blocks, split)]
     pcs = [0, 0, 0]
     moved = True
     while moved:
@@ -283,17 +285,89 @@ def test_the_converter_order_runs_the_protocol_to_the_end(seesaw):
     from fagen.codegen.render import render
 
     src = render(spec()).source
-    for order in (0, 1):
-        assert [n for n in range(10) if not _runs_to_the_end(src, n, order)] == [], order
+    for order in (0, 1, 2):  # 2: B_L's TMA before A_R's (twenty-fourth session)
+        for split in (0, 1):  # [Note] Seesaw split half
+            assert [n for n in range(10) if not _runs_to_the_end(src, n, order, split)] == [], (order, split)
     cvt = "            _convert(kcl8, kcr8, kr8, kcl, kcr, kr, small, ready, conv, 1, 1, u, vb, KScale, row_b, " \
-          "SCALES)\n"
-    fixed = ("        if has_b:  # before A_R's TMA: [Note] Converter deadlock\n"
-             + cvt +
-             "        _issue8(k8l, kcr8.index(2), kcr8.index(3), ready.index(1), empty.index(1), u, row_a, 256, True)\n"
-             "        if has_b:\n")
-    first = ("        _issue8(k8l, kcr8.index(2), kcr8.index(3), ready.index(1), empty.index(1), u, row_a, 256, True)\n"
-             "        if has_b:\n"
-             + cvt)
-    assert src.count(fixed) == 1
-    old = src.replace(fixed, first)
+          "SCALES, CVT, SPLIT)\n"
+    fixed = "        if has_b:  # before A_R's TMA: [Note] Converter deadlock\n" + cvt
+    tma_ar = "        _issue8(k8l, kcr8.index(2), kcr8.index(3), ready.index(1), empty.index(1), u, row_a, 256, True)\n"
+    assert src.count(fixed) == 1 and src.count(tma_ar) == 1
+    old = src.replace(fixed, "").replace(tma_ar, tma_ar + "        if has_b:\n" + cvt)
     assert [n for n in range(10) if not _runs_to_the_end(old, n, 0)] == [4, 5, 6, 7, 8, 9]
+
+
+def _run_ptx(asm: str, word: int) -> list:
+    """The bit conversion's PTX ([Note] Seesaw bit conversion) run on one 32-bit word of four e4m3 bytes: its
+    instructions (mov, prmt, shr, and, or, mul.rn.bf16x2) read from the render; returns the outputs $0, $1."""
+    import re
+    import struct
+
+    def bf16(bits):
+        return struct.unpack("<f", struct.pack("<I", (bits & 0xFFFF) << 16))[0]
+
+    def bits_of(x):
+        b = struct.unpack("<I", struct.pack("<f", x))[0]
+        assert b & 0xFFFF == 0, "a bf16 product that is not exact"
+        return b >> 16
+
+    regs = {"$2": word}
+
+    def val(x):
+        x = x.strip()
+        return regs[x] if x in regs else int(x, 0)
+
+    for ins in asm.split(";"):
+        ins = ins.strip(" {}\n")
+        if not ins or ins.startswith(".reg"):
+            continue
+        op, args = ins.split(None, 1)
+        a = [x.strip() for x in args.split(",")]
+        if op == "mov.b32":
+            r = val(a[1])
+        elif op == "prmt.b32":
+            src = val(a[1]) | val(a[2]) << 32
+            sel = val(a[3])
+            r = sum(((src >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+            assert all(not (sel >> (4 * i + 3)) & 1 for i in range(4))
+        elif op == "shr.b32":
+            r = val(a[1]) >> val(a[2])
+        elif op == "and.b32":
+            r = val(a[1]) & val(a[2])
+        elif op == "or.b32":
+            r = val(a[1]) | val(a[2])
+        elif op == "mul.rn.bf16x2":
+            x, y = val(a[1]), val(a[2])
+            r = bits_of(bf16(x) * bf16(y)) | bits_of(bf16(x >> 16) * bf16(y >> 16)) << 16
+        else:
+            raise AssertionError(f"an instruction the test does not know: {op}")
+        regs[a[0]] = r & 0xFFFFFFFF
+        assert re.fullmatch(r"\$\d|[a-z]", a[0]), a[0]
+    return [regs["$0"], regs["$1"]]
+
+
+def test_the_bit_conversion_is_exact_for_every_finite_e4m3(seesaw):
+    """[Note] Seesaw bit conversion: the rendered PTX, run on the CPU, gives every finite e4m3 byte (zeros and
+    subnormals included) its exact bf16 in its own lane (bytes 0..3 of the word -> $0 low, $0 high, $1 low, $1 high);
+    NaN (0x7f, 0xff) gives 480. Seen red: the multiplier 2^119 (0x7B007B00), the prmt of the odd lanes swapped."""
+    import re
+
+    from fagen.codegen.render import render
+
+    src = render(spec()).source
+    asm = re.search(r'def _bf16\(.*?inline_asm_elementwise\(\s*(".*?)", "=r,=r,r"', src, re.S).group(1)
+    asm = eval("(" + asm + '")')  # the adjacent string literals as rendered
+    table = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.bfloat16)
+    want = table.view(torch.int16).to(torch.int32) & 0xFFFF
+    for lane in range(4):
+        for byte in range(256):
+            others = [(byte * 37 + 11 * k) & 0xFF for k in range(4)]
+            others[lane] = byte
+            word = sum(b << (8 * k) for k, b in enumerate(others))
+            out = _run_ptx(asm, word)
+            got = [out[0] & 0xFFFF, out[0] >> 16, out[1] & 0xFFFF, out[1] >> 16]
+            for k in range(4):
+                if others[k] & 0x7F == 0x7F:
+                    assert got[k] == (0x43F0 | (others[k] & 0x80) << 8), (k, others[k])  # NaN: +-480
+                else:
+                    assert got[k] == int(want[others[k]]), (lane, k, hex(others[k]), hex(got[k]))

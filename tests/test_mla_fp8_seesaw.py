@@ -221,8 +221,9 @@ def _warpgroup_ops(w: int, n_blocks: int, split: int = 0) -> list:
     ops = [("wait", "q", 1), ("arrive", "sync4")]
 
     def scores(use, rest):
-        own = [("wait", f"conv{w * 3 + 2}", use + 1), ("wait", f"conv{0 if w == 0 else 4}", use + 1)]
-        mid = [("wait", f"mid{w}", use + 1)] if split else []  # [Note] Seesaw split half
+        own_mid = [("wait", f"mid{8 + w}", use + 1)] if split == 2 else []  # [Note] Seesaw split half
+        own = [("wait", f"conv{w * 3 + 2}", use + 1)] + own_mid + [("wait", f"conv{0 if w == 0 else 4}", use + 1)]
+        mid = [("wait", f"mid{6 + w}", use + 1)] if split else []
         return mid + [("wait", f"conv{1 if w == 0 else 3}", use + 1)] if rest else own
 
     if w < n_blocks:
@@ -255,7 +256,8 @@ def _runs_to_the_end(src: str, n_blocks: int, order: int, split: int = 0) -> boo
             conv.append(("wait", f"empty{part}", fill))
             conv.append(("arrive", f"ready{part}"))
         else:
-            mid = [("arrive", f"mid{part // 3}")] if split and part in (1, 3) else []  # the other halves
+            idx = {1: 6, 3: 7, 0: 8, 4: 9}.get(part)  # the other halves' mid signals, then the own halves'
+            mid = [("arrive", f"mid{idx}")] if idx is not None and split > (idx >= 8) else []
             conv += [("wait", f"ready{part}", fill + 1)] + mid + [("arrive", f"conv{part}")]
     progs = [conv, _warpgroup_ops(0, n_blocks, split), _warpgroup_ops(1, n_blocks, split)]
     pcs = [0, 0, 0]
@@ -285,8 +287,8 @@ def test_the_converter_order_runs_the_protocol_to_the_end(seesaw):
     from fagen.codegen.render import render
 
     src = render(spec()).source
-    for order in (0, 1, 2):  # 2: B_L's TMA before A_R's (twenty-fourth session)
-        for split in (0, 1):  # [Note] Seesaw split half
+    for order in (0, 1, 2, 3):  # 2: B_L's TMA before A_R's, 3: both ropes first (twenty-fourth session)
+        for split in (0, 1, 2):  # [Note] Seesaw split half
             assert [n for n in range(10) if not _runs_to_the_end(src, n, order, split)] == [], (order, split)
     cvt = "            _convert(kcl8, kcr8, kr8, kcl, kcr, kr, small, ready, conv, 1, 1, u, vb, KScale, row_b, " \
           "SCALES, CVT, SPLIT)\n"

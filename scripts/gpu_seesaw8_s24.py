@@ -100,8 +100,11 @@ def inputs(form, layout, b, hq, sq, lens, seed):
         byte = torch.randint(0, 8, cache.shape, device=DEV, generator=gen, dtype=torch.int32)
         sign = torch.randint(0, 2, cache.shape, device=DEV, generator=gen, dtype=torch.int32) * 0x80
         cache = (byte | sign).to(torch.uint8).view(torch.float8_e4m3fn)
+    if form == "bigq":  # |q| past f16's range: [Note] Seesaw f16 operands' power-of-two scale of Q
+        q = (q.float() * 2.0 ** 20).bfloat16()
     ks = {"token": lambda: torch.exp2(torch.rand(cache.shape[:-1], device=DEV, generator=gen) * 6 - 3),
-          "tensor": lambda: 0.7, "head": lambda: torch.tensor([1.3], device=DEV), "sub": lambda: 512.0}[form]()
+          "tensor": lambda: 0.7, "head": lambda: torch.tensor([1.3], device=DEV), "sub": lambda: 512.0,
+          "bigq": lambda: 2.0 ** -20}[form]()
     if layout == "paged":
         for i, n in enumerate(lens):
             for p in range(table.shape[1]):
@@ -163,8 +166,11 @@ def misses(out, lse, q, keys_all, table, lens, layout, mask):
 KEYS = ("SEESAW_CVT", "SEESAW_SPLIT", "SEESAW_ORDER", "SEESAW_LOADER")
 CONFIGS = {"product": (0, 0, 1, 0), "diag-nocvt": (9, 0, 1, 0), "bit": (1, 0, 1, 0), "split": (0, 1, 1, 0),
            "split2": (0, 2, 1, 0), "order2": (0, 0, 2, 0), "order3": (0, 0, 3, 0), "loader": (0, 0, 1, 1),
-           "split2+order3": (0, 2, 3, 0), "loader+split2": (0, 2, 1, 1), "bit+split2+order3": (1, 2, 3, 0)}
-GROUPS = {  # (scale form, layout, mask, Hq, Sq, lengths, how, configuration): a child a kernel build
+           "split2+order3": (0, 2, 3, 0), "loader+split2": (0, 2, 1, 1), "bit+split2+order3": (1, 2, 3, 0),
+           # round B: [Note] Seesaw f16 operands
+           "f16": (2, 0, 1, 0), "f16+split": (2, 1, 1, 0), "f16+split2": (2, 2, 1, 0), "f16+order2": (2, 0, 2, 0),
+           "f16+order3": (2, 0, 3, 0), "f16+order0": (2, 0, 0, 0)}
+GROUPS_A = {  # (scale form, layout, mask, Hq, Sq, lengths, how, configuration): a child a kernel build
     "check-dense-tensor": [("tensor", "dense", "causal", 128, 2, [1201] * 3, "rule", "split2+order3")],
     "check-dense-head-direct": [("head", "dense", "causal", 128, 2, [777] * 2, "s1", "bit")],
     "check-dense-head-sq1": [("head", "dense", "causal", 128, 1, [1201] * 2, "s3", "order2")],
@@ -174,8 +180,20 @@ GROUPS = {  # (scale form, layout, mask, Hq, Sq, lengths, how, configuration): a
     "check-h64-token": [("token", "paged", "none", 64, 1, [1201, 65, 4096], "s3", "bit+split2+order3")],
     "check-sub-bit": [("sub", "dense", "causal", 128, 2, [777] * 2, "s1", "bit")],
 }
+GROUPS_B = {  # round B: the f16 operands in every form the flip would serve
+    "check-dense-tensor": [("tensor", "dense", "causal", 128, 2, [1201] * 3, "rule", "f16")],
+    "check-dense-head-direct": [("head", "dense", "causal", 128, 2, [777] * 2, "s1", "f16+split2")],
+    "check-dense-head-sq1": [("head", "dense", "causal", 128, 1, [1201] * 2, "s3", "f16")],
+    "check-paged-token": [("token", "paged", "causal", 128, 2, [77, 1201, 0, 640], "rule", "f16")],
+    "check-paged-head-inv": [("head", "paged", "causal", 128, 2, [77, 1201, 640], "inv", "f16")],
+    "check-h64-tensor": [("tensor", "paged", "none", 64, 1, [1201, 65, 4096], "rule", "f16+order3")],
+    "check-h64-token": [("token", "paged", "none", 64, 1, [1201, 65, 4096], "s3", "f16")],
+    "check-sub": [("sub", "dense", "causal", 128, 2, [777] * 2, "s1", "f16")],
+    "check-bigq": [("bigq", "dense", "causal", 128, 2, [777] * 2, "rule", "f16")],
+}
+GROUPS = GROUPS_A if ROUND == "A" else GROUPS_B
 TIMED = ("product", "diag-nocvt", "bit", "split", "split2", "order2", "order3", "loader") if ROUND == "A" else \
-    tuple(CONFIGS)
+    ("product", "diag-nocvt", "f16", "f16+split", "f16+split2", "f16+order3", "f16+order0")
 IMPLS = tuple(f"fp8 {c}" for c in TIMED) + ("bf16 seesaw", )
 WARM = {f"warm-{impl.replace(' ', '-').replace('+', '_')}": impl for impl in IMPLS}
 
@@ -208,11 +226,17 @@ def check_phase(name):
             print(f"  {case}: done at {time.time() - t:.1f} s", flush=True)
             assert counted.n == 1, f"the seesaw ran {counted.n} times"
             axis = 1 if layout == "dense" else 2
-            err = worst(out, lse, q, reference.dequantize(cache, ks, head_dim_axis=axis), table, tl, layout, mask)
+            out_c, q_c, ks_c, ks_bad = out, q, ks, None
+            if form == "bigq":  # out 2^-20 of the terms' size: compared as out 2^20 against q 2^-20 and the cache
+                # read with scale 1 (the same scores, exact powers of two); the wrong reading: the scale doubled
+                out_c, q_c, ks_c, ks_bad = out.double() * 2.0 ** 20, q.double() * 2.0 ** -20, 1.0, 2.0
+            err = worst(out_c, lse, q_c, reference.dequantize(cache, ks_c, head_dim_axis=axis), table, tl, layout,
+                        mask)
             # the check can fail: the cache without its scales, the bytes as e5m2
-            bad1 = misses(out, lse, q, reference.dequantize(cache, None, head_dim_axis=axis), table, tl, layout, mask)
-            bad2 = misses(out, lse, q, reference.dequantize(cache.view(torch.float8_e5m2), ks, head_dim_axis=axis),
-                          table, tl, layout, mask)
+            bad1 = misses(out_c, lse, q_c, reference.dequantize(cache, ks_bad, head_dim_axis=axis), table, tl, layout,
+                          mask)
+            bad2 = misses(out_c, lse, q_c, reference.dequantize(cache.view(torch.float8_e5m2), ks_c,
+                                                                head_dim_axis=axis), table, tl, layout, mask)
             if not (bad1 and bad2):
                 raise AssertionError(f"a wrong reading passes: no scales '{bad1}', e5m2 '{bad2}'")
             note = ""
@@ -332,9 +356,14 @@ def dry_run():
     from sm90 import ptxas
     seesaw_on()
     bad = 0
-    forms = [("dense", "causal", 128, 2, 1, 1, c) for c in CONFIGS]
-    forms += [("paged", "causal", 128, 2, 2, 3, "loader"), ("paged", "none", 64, 1, 0, 3, "loader+split2"),
-              ("paged", "none", 64, 1, 2, 3, "bit+split2+order3")]
+    configs = dict.fromkeys(TIMED + tuple(g[0][-1] for g in GROUPS.values()))  # the round's, in order
+    forms = [("dense", "causal", 128, 2, 1, 1, c) for c in configs]
+    if ROUND == "A":
+        forms += [("paged", "causal", 128, 2, 2, 3, "loader"), ("paged", "none", 64, 1, 0, 3, "loader+split2"),
+                  ("paged", "none", 64, 1, 2, 3, "bit+split2+order3")]
+    else:
+        forms += [("paged", "causal", 128, 2, 2, 3, "f16"), ("paged", "none", 64, 1, 0, 3, "f16+order3"),
+                  ("paged", "none", 64, 1, 2, 3, "f16")]
     for layout, mask, hq, sq, scales, splits, config in forms:
         m = module(layout, mask, hq)
         configure(m, config)
@@ -343,7 +372,8 @@ def dry_run():
         res, log, _ = ptxas(ck.asm["ptx"])
         r = next(iter(res.values()))
         spills = r.spill_stores + r.spill_loads
-        ok = ck.metadata.shared <= 232448 and (spills == 0 or scales == 2 or "loader" in config)
+        ok = ck.metadata.shared <= 232448 and (spills == 0 or scales == 2 or "loader" in config or
+                                                ("f16" in config and spills <= 56))
         bad += not ok
         emit("build", f"{layout} {mask} h{hq} sq{sq} scales{scales} sp{splits}", config, "ok" if ok else "BAD",
              f"shared {ck.metadata.shared} B, spills {spills} B, {time.time() - t:.1f} s")

@@ -64,10 +64,11 @@ def test_the_fp8_render_is_unchanged_without_the_variant_and_has_the_seesaw_with
     for part in ("def _mla_decode_ss8(", "def _converter(", "def _cvt_half(", "_fast_mla_decode_ss8 = _gluon(",
                  "seesaw = rows % SEESAW_ROWS == 0", "torch.float8_e4m3fn: gl.float8e4nv", "def _mla_decode_fp8("):
         assert part in with_it, part
-    # the warpgroups wait on the conversions (conv), not on the TMA (ready): the converter alone waits on ready
+    # the warpgroups wait on the conversions (conv), not on the TMA (ready): the converter alone waits on ready;
+    # Q on q_wg (q_ready, or with SEESAW_CVT 2 the converter's signal once Q is f16)
     kernel = with_it[with_it.index("def _mla_decode_ss8("):]
-    assert kernel.count("(_wg0, (qcl, qcr, qr, kcl, kcr, kr, p0_s, small, q_ready, conv, empty, sync,") == 2
-    assert kernel.count("(_wg1, (qcl, qcr, qr, kcl, kcr, kr, p0_s, small, q_ready, conv, empty, sync,") == 2
+    assert kernel.count("(_wg0, (qcl, qcr, qr, kcl, kcr, kr, p0_s, small, q_wg, conv, empty, sync,") == 2
+    assert kernel.count("(_wg1, (qcl, qcr, qr, kcl, kcr, kr, p0_s, small, q_wg, conv, empty, sync,") == 2
     assert "], [4, 4], [WG_REGS, CVT_REGS])" in kernel  # and [Note] Seesaw fp8 loader's form:
     assert "], [4, 2, 1], [WG_REGS, CVT_REGS_L, LOADER_REGS])" in kernel
 
@@ -132,9 +133,13 @@ out = {}
 for key, (layout, mask, gqa, kw) in json.loads(sys.argv[2]).items():
     mod = fagen.load(fagen.KernelSpec(head_dim=576, head_dim_v=512, shared_kv=True, kind="decode", gqa=gqa,
                                       dtype="bf16", mask=mask, layout=layout, backend="gluon", kv_dtype="fp8_e4m3"))
-    for name, value in kw.pop("attrs", {}).items():  # the module's switches (twenty-fourth session)
+    attrs = kw.pop("attrs", {})  # the module's switches (twenty-fourth session), for this build only
+    keep = {name: getattr(mod, name) for name in attrs}
+    for name, value in attrs.items():
         setattr(mod, name, value)
     ck = mod.compile_for(seesaw=True, **kw)
+    for name, value in keep.items():
+        setattr(mod, name, value)
     ptx = ck.asm["ptx"]
     res, log, _ = ptxas(ptx)
     res = next(iter(res.values()))
@@ -152,7 +157,10 @@ BUILDS = {"dense_sq2_head": ("dense", "causal", 128, dict(seq_q=2, scales=1)),
           "switches_dense_sq2_head": ("dense", "causal", 128, dict(seq_q=2, scales=1, attrs=dict(
               SEESAW_CVT=1, SEESAW_SPLIT=2, SEESAW_ORDER=3))),
           "loader_paged_sq2_token_split": ("paged", "causal", 128, dict(seq_q=2, scales=2, num_splits=3, attrs=dict(
-              SEESAW_LOADER=1, SEESAW_SPLIT=2)))}
+              SEESAW_LOADER=1, SEESAW_SPLIT=2))),
+          "f16_paged_sq2_token_split": ("paged", "causal", 128, dict(seq_q=2, scales=2, num_splits=3, attrs=dict(
+              SEESAW_CVT=2))),
+          "f16_dense_sq2_head": ("dense", "causal", 128, dict(seq_q=2, scales=1, attrs=dict(SEESAW_CVT=2)))}
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +177,9 @@ def test_the_fp8_seesaw_builds_within_shared_memory(built, key):
     and the parts' 10 (two [64, 128] fp8 boxes a latent half, one [64, 64] a rope)."""
     r = built[key]
     assert r["shared"] <= 2 * (64 * 576 + 2 * 64 * 576 + 64 * 64) + 8 * 64 * 4 + 1024 <= 232448, r
-    assert r["spills"] <= (96 if "token" in key or "loader" in key else 0) and not r["serialized"], r
+    # spills: per token (warpgroup 0 at 224 registers); LOADER 40 B and f16 52 B (one 4-byte value reloaded)
+    assert r["spills"] <= (96 if "token" in key or "loader" in key else 56 if "f16" in key else 0), r
+    assert not r["serialized"], r
     assert r["wgmma"] == [44, 44], r  # SEESAW_SPLIT: the same wgmma, two commit groups where one was
     assert {232, 48} <= set(r["setmaxnreg"]), r
     if "loader" in key:  # the loader warp's TMA (LLVM unswitches its loop on a pair's block b: 19 in the PTX)

@@ -193,8 +193,15 @@ GROUPS_B = {  # round B: the f16 operands in every form the flip would serve
 }
 GROUPS = GROUPS_A if ROUND == "A" else GROUPS_B
 TIMED = ("product", "diag-nocvt", "bit", "split", "split2", "order2", "order3", "loader") if ROUND == "A" else \
-    ("product", "diag-nocvt", "f16", "f16+split", "f16+split2", "f16+order3", "f16+order0")
+    ("product", "diag-nocvt", "f16", "f16+split2", "f16+order3")
 IMPLS = tuple(f"fp8 {c}" for c in TIMED) + ("bf16 seesaw", )
+if ROUND != "A":  # a shape that is not a suite row: Hq 64 Sq 1 (one 64-row program a sequence), b64, paged 64
+    IMPLS += ("x fp8 product", "x fp8 f16")
+ROWX = "decode-mla-absorbed-h64-sq1-kv8k-b64-fp8-paged64"
+
+
+def row_of(impl):
+    return ROW16 if impl == "bf16 seesaw" else ROWX if impl.startswith("x ") else ROW8
 WARM = {f"warm-{impl.replace(' ', '-').replace('+', '_')}": impl for impl in IMPLS}
 
 
@@ -297,9 +304,11 @@ def time_phase(passes, only=IMPLS):
     opts = BenchOptions(device=DEV, warmup_ms=3.0, rep_ms=25.0)
     rng = random.Random(24 if ROUND == "A" else 2424)
     rows = {c.name: c for c in serving_rows()}
+    rows[ROWX] = dataclasses.replace(rows[ROW8], name=ROWX, heads_q=64, seq_q=1, batch=64, page_size=64)
     ent, ctx = {}, {}
-    for row in (ROW8, ROW16):
-        want = [x for x in only if (x == "bf16 seesaw") == (row == ROW16)]
+    counted = {}
+    for row in (ROW8, ROW16, ROWX):
+        want = [x for x in only if row_of(x) == row]
         if not want:
             continue
         case = rows[row]
@@ -315,9 +324,9 @@ def time_phase(passes, only=IMPLS):
             continue
         mod = loader.load(spec)
         assert config_of(mod) == CONFIGS["product"], "the product's defaults"
-        counted = mod._fast_mla_decode_ss8 = Counted(mod._fast_mla_decode_ss8)  # the timed calls run the seesaw
+        counted[row] = mod._fast_mla_decode_ss8 = Counted(mod._fast_mla_decode_ss8)  # the timed calls: the seesaw
         for impl in want:
-            config = impl[len("fp8 "):]
+            config = impl.split("fp8 ")[1]
             ent[impl] = (dataclasses.replace(p, fn=Configured(p, mod, config).fn), row)
     got = {}
     with torch.no_grad():
@@ -328,8 +337,8 @@ def time_phase(passes, only=IMPLS):
             torch.cuda.synchronize()
             if passes:
                 emit("time", row, impl, "built", f"{time.time() - t:.1f} s a first call")
-        if ROW8 in ctx:
-            assert counted.n == len([x for x in ent if x != "bf16 seesaw"]), f"the seesaw ran {counted.n} times"
+        for row, c in counted.items():
+            assert c.n == len([x for x in ent if row_of(x) == row]), f"{row}: the seesaw ran {c.n} times"
         for _ in range(passes):
             order = list(ent)
             rng.shuffle(order)
@@ -342,12 +351,13 @@ def time_phase(passes, only=IMPLS):
         ms = statistics.median(got[impl])
         emit("time", row, impl, f"{flops(rows[row]) / ms / 1e9:.0f}", f"TF/s; {ms:.4f} ms; passes "
              f"{[round(x, 4) for x in got[impl]]}")
-    base = "fp8 product"
     for cand in got:
+        base = "x fp8 product" if cand.startswith("x ") else "fp8 product"
         if cand == base or base not in got:
             continue
         r = [b / x for b, x in zip(got[base], got[cand])]
-        emit("ratio", ROW8, f"{cand} / product", q3(r), f"per pass (time ratio, > 1 faster) {[round(x, 3) for x in r]}")
+        emit("ratio", row_of(cand), f"{cand} / product", q3(r),
+             f"per pass (time ratio, > 1 faster) {[round(x, 3) for x in r]}")
 
 
 def dry_run():

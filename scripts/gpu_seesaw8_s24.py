@@ -195,9 +195,9 @@ GROUPS = GROUPS_A if ROUND == "A" else GROUPS_B
 TIMED = ("product", "diag-nocvt", "bit", "split", "split2", "order2", "order3", "loader") if ROUND == "A" else \
     ("product", "diag-nocvt", "f16", "f16+split2", "f16+order3")
 IMPLS = tuple(f"fp8 {c}" for c in TIMED) + ("bf16 seesaw", )
-if ROUND != "A":  # a shape that is not a suite row: Hq 64 Sq 1 (one 64-row program a sequence), b64, paged 64
+if ROUND != "A":  # a shape that is not a suite row: Hq 64 Sq 1 (one 64-row program a sequence), b64
     IMPLS += ("x fp8 product", "x fp8 f16")
-ROWX = "decode-mla-absorbed-h64-sq1-kv8k-b64-fp8-paged64"
+ROWX = "decode-mla-absorbed-h64-sq1-kv8k-b64-fp8"
 
 
 def row_of(impl):
@@ -304,7 +304,8 @@ def time_phase(passes, only=IMPLS):
     opts = BenchOptions(device=DEV, warmup_ms=3.0, rep_ms=25.0)
     rng = random.Random(24 if ROUND == "A" else 2424)
     rows = {c.name: c for c in serving_rows()}
-    rows[ROWX] = dataclasses.replace(rows[ROW8], name=ROWX, heads_q=64, seq_q=1, batch=64, page_size=64)
+    rows[ROWX] = dataclasses.replace(rows[ROW8], name=ROWX, heads_q=64, seq_q=1, batch=64)  # dense: the bench's
+    # paged inputs have no shared-KV form (round B's paged 64 failed in fagen/bench/inputs.py's to_pages)
     ent, ctx = {}, {}
     counted = {}
     for row in (ROW8, ROW16, ROWX):

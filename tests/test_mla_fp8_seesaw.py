@@ -3,7 +3,10 @@ fagen/templates/gluon/mla_seesaw.j2, variant fp8lat_seesaw of the gluon backend,
 session): the bf16 seesaw's render kept byte for byte (the seesaw's device code moved into the include), the fp8 render without the variant unchanged
 and with it the seesaw kernel, its host dispatch and split rule, the use-time rule (hopper.latent_decode_spec, the
 serving bench's row) and the sm_90 builds (ptxas: shared memory, spills, the warpgroups' 44 wgmma a pair, the
-register split). On an H100/H200, scripts/gpu_mlafp8c_s23.py checks the kernel against float64."""
+register split). On an H100/H200, scripts/gpu_mlafp8c_s23.py checks the kernel against float64. Twenty-fourth session
+(docs/serving.md "MLA fp8 seesaw: the conversion's place"): the converter's switches SEESAW_CVT / SPLIT / ORDER /
+LOADER (default off): their protocol, the bit conversion's PTX on the CPU, their sm_90 builds; on the H200
+scripts/gpu_seesaw8_s24.py."""
 
 import hashlib
 
@@ -293,7 +296,8 @@ def _runs_to_the_end(src: str, n_blocks: int, order: int, split: int = 0, loader
             conv += [("wait", f"ready{part}", fill + 1)] + mid + [("arrive", f"conv{part}")]
     progs = [conv, _warpgroup_ops(0, n_blocks, split), _warpgroup_ops(1, n_blocks, split)]
     if loader:
-        progs.append([x for _, part, fill in tmas for x in (("wait", f"empty{part}", fill), ("arrive", f"ready{part}"))])
+        progs.append([x for _, part, fill in tmas
+                      for x in (("wait", f"empty{part}", fill), ("arrive", f"ready{part}"))])
     pcs = [0] * len(progs)
     moved = True
     while moved:

@@ -5,6 +5,12 @@ fagen/templates/gluon/mla_seesaw.j2; the module constants SEESAW_CVT, SEESAW_SPL
 (the fp8 seesaw as it stands) on the serving suite's row decode-mla-absorbed-h128-sq2-kv8k-b32-fp8, and the bf16
 seesaw's row.
 
+After round C (the lead's run of round B at 06340bd5) SEESAW_CVT 2, the f16 operands, became the product's default
+and the switches that lost (SEESAW_CVT 1 and 9, SEESAW_SPLIT, SEESAW_ORDER 2/3, SEESAW_LOADER) left the template:
+this script stays as the rounds' record. Its "product" configuration is now the product's default, f16 (SEESAW_CVT
+2, ORDER 1; in rounds A and B it was the bf16 conversion, now "cvt0"); a configuration that uses a removed switch
+is skipped in the timing and the dry run with a printed note, and a check written for one runs with the product.
+
     PYTHONPATH=$PWD python3 scripts/gpu_seesaw8_s24.py [--round A|B] [--dry-run]
 
 --dry-run (the CPU): every configuration built for sm_90 (ptxas registers, spills, shared memory) in the forms the
@@ -163,8 +169,11 @@ def misses(out, lse, q, keys_all, table, lens, layout, mask):
 
 
 # configurations: the module constants (SEESAW_CVT, SEESAW_SPLIT, SEESAW_ORDER, SEESAW_LOADER); the product's first
+# (since the flip f16: rounds A and B ran "product" as (0, 0, 1, 0), now "cvt0")
 KEYS = ("SEESAW_CVT", "SEESAW_SPLIT", "SEESAW_ORDER", "SEESAW_LOADER")
-CONFIGS = {"product": (0, 0, 1, 0), "diag-nocvt": (9, 0, 1, 0), "bit": (1, 0, 1, 0), "split": (0, 1, 1, 0),
+LIVE = {"SEESAW_CVT": (0, 2), "SEESAW_ORDER": (0, 1)}  # the values the product's template still has (after round C)
+CONFIGS = {"product": (2, 0, 1, 0), "cvt0": (0, 0, 1, 0), "diag-nocvt": (9, 0, 1, 0), "bit": (1, 0, 1, 0),
+           "split": (0, 1, 1, 0),
            "split2": (0, 2, 1, 0), "order2": (0, 0, 2, 0), "order3": (0, 0, 3, 0), "loader": (0, 0, 1, 1),
            "split2+order3": (0, 2, 3, 0), "loader+split2": (0, 2, 1, 1), "bit+split2+order3": (1, 2, 3, 0),
            # round B: [Note] Seesaw f16 operands
@@ -192,11 +201,27 @@ GROUPS_B = {  # round B: the f16 operands in every form the flip would serve
     "check-bigq": [("bigq", "dense", "causal", 128, 2, [777] * 2, "rule", "f16")],
 }
 GROUPS = GROUPS_A if ROUND == "A" else GROUPS_B
+
+
+def removed(config):
+    """True for a configuration that sets a switch the product's template no longer has (after round C)."""
+    return any(v not in LIVE[k] if k in LIVE else v != 0 for k, v in zip(KEYS, CONFIGS[config]))
+
+
+def live(configs, what):
+    """configs without the removed ones, a note printed for each of those."""
+    for c in configs:
+        if removed(c):
+            print(f"  {what} {c}: skipped (its switch left the template after round C)", flush=True)
+    return tuple(c for c in configs if not removed(c))
+
+
 TIMED = ("product", "diag-nocvt", "bit", "split", "split2", "order2", "order3", "loader") if ROUND == "A" else \
-    ("product", "diag-nocvt", "f16", "f16+split2", "f16+order3")
+    ("product", "cvt0", "diag-nocvt", "f16", "f16+split2", "f16+order3")  # cvt0: rounds A and B's product
+TIMED = live(TIMED, "time")
 IMPLS = tuple(f"fp8 {c}" for c in TIMED) + ("bf16 seesaw", )
 if ROUND != "A":  # a shape that is not a suite row: Hq 64 Sq 1 (one 64-row program a sequence), b64
-    IMPLS += ("x fp8 product", "x fp8 f16")
+    IMPLS += ("x fp8 product", "x fp8 cvt0")
 ROWX = "decode-mla-absorbed-h64-sq1-kv8k-b64-fp8"
 
 
@@ -206,12 +231,14 @@ WARM = {f"warm-{impl.replace(' ', '-').replace('+', '_')}": impl for impl in IMP
 
 
 def configure(m, config):
+    assert not removed(config), config
     for key, value in zip(KEYS, CONFIGS[config]):
-        setattr(m, key, value)
+        if key in LIVE:
+            setattr(m, key, value)
 
 
 def config_of(m):
-    return tuple(getattr(m, key) for key in KEYS)
+    return tuple(getattr(m, key, 0) for key in KEYS)  # a removed switch reads 0
 
 
 def check_phase(name):
@@ -221,6 +248,10 @@ def check_phase(name):
     for form, layout, mask, hq, sq, lens, how, config in GROUPS[name]:
         case = f"{layout} {mask} h{hq} sq{sq} {form} {how} n{max(lens)}"
         t = time.time()
+        if removed(config):
+            print(f"  check {case} {config}: its switch left the template after round C: checked with the product",
+                  flush=True)
+            config = "product"
         try:
             m = module(layout, mask, hq)
             assert config_of(m) == CONFIGS["product"], "the product's defaults"
@@ -286,7 +317,8 @@ class Configured:
             return self.p.fn(s)
         finally:
             for key, value in zip(KEYS, keep):
-                setattr(self.mod, key, value)
+                if key in LIVE:
+                    setattr(self.mod, key, value)
 
 
 def time_phase(passes, only=IMPLS):
@@ -367,7 +399,7 @@ def dry_run():
     from sm90 import ptxas
     seesaw_on()
     bad = 0
-    configs = dict.fromkeys(TIMED + tuple(g[0][-1] for g in GROUPS.values()))  # the round's, in order
+    configs = dict.fromkeys(TIMED + live(tuple(g[0][-1] for g in GROUPS.values()), "build"))  # the round's, in order
     forms = [("dense", "causal", 128, 2, 1, 1, c) for c in configs]
     if ROUND == "A":
         forms += [("paged", "causal", 128, 2, 2, 3, "loader"), ("paged", "none", 64, 1, 0, 3, "loader+split2"),
@@ -376,6 +408,9 @@ def dry_run():
         forms += [("paged", "causal", 128, 2, 2, 3, "f16"), ("paged", "none", 64, 1, 0, 3, "f16+order3"),
                   ("paged", "none", 64, 1, 2, 3, "f16")]
     for layout, mask, hq, sq, scales, splits, config in forms:
+        if removed(config):
+            print(f"  build {layout} {mask} h{hq} {config}: skipped (its switch left the template after round C)")
+            continue
         m = module(layout, mask, hq)
         configure(m, config)
         t = time.time()
@@ -383,8 +418,8 @@ def dry_run():
         res, log, _ = ptxas(ck.asm["ptx"])
         r = next(iter(res.values()))
         spills = r.spill_stores + r.spill_loads
-        ok = ck.metadata.shared <= 232448 and (spills == 0 or scales == 2 or "loader" in config or
-                                                ("f16" in config and spills <= 56))
+        f16 = CONFIGS[config][0] == 2  # [Note] Seesaw f16 operands: 52 B, one 4-byte value reloaded
+        ok = ck.metadata.shared <= 232448 and (spills == 0 or scales == 2 or (f16 and spills <= 56))
         bad += not ok
         emit("build", f"{layout} {mask} h{hq} sq{sq} scales{scales} sp{splits}", config, "ok" if ok else "BAD",
              f"shared {ck.metadata.shared} B, spills {spills} B, {time.time() - t:.1f} s")

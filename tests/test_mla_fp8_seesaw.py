@@ -3,7 +3,12 @@ fagen/templates/gluon/mla_seesaw.j2, variant fp8lat_seesaw of the gluon backend,
 session): the bf16 seesaw's render kept byte for byte (the seesaw's device code moved into the include), the fp8 render without the variant unchanged
 and with it the seesaw kernel, its host dispatch and split rule, the use-time rule (hopper.latent_decode_spec, the
 serving bench's row) and the sm_90 builds (ptxas: shared memory, spills, the warpgroups' 44 wgmma a pair, the
-register split). On an H100/H200, scripts/gpu_mlafp8c_s23.py checks the kernel against float64."""
+register split). On an H100/H200, scripts/gpu_mlafp8c_s23.py checks the kernel against float64. Twenty-fourth session
+(docs/serving.md "MLA fp8 seesaw: the conversion's place"): SEESAW_CVT 2, f16 operands ([Note] Seesaw f16
+operands), the default since its H200 rounds B and C, and SEESAW_CVT 0, the bf16 conversion it replaced: their
+protocol in both converter orders, their sm_90 builds, the default pinned; the switches that lost on the H200 (the
+bit conversion, the split halves, orders 2 and 3, the fp8 loader, the diagnostic without conversion) left the
+template, and a build asking for one fails. On the H200 scripts/gpu_seesaw8_s24.py (the rounds' record)."""
 
 import hashlib
 
@@ -64,11 +69,33 @@ def test_the_fp8_render_is_unchanged_without_the_variant_and_has_the_seesaw_with
     for part in ("def _mla_decode_ss8(", "def _converter(", "def _cvt_half(", "_fast_mla_decode_ss8 = _gluon(",
                  "seesaw = rows % SEESAW_ROWS == 0", "torch.float8_e4m3fn: gl.float8e4nv", "def _mla_decode_fp8("):
         assert part in with_it, part
-    # the warpgroups wait on the conversions (conv), not on the TMA (ready): the converter alone waits on ready
+    # the warpgroups wait on the conversions (conv), not on the TMA (ready): the converter alone waits on ready;
+    # Q on q_wg (q_ready, or with SEESAW_CVT 2 the converter's signal once Q is f16)
     kernel = with_it[with_it.index("def _mla_decode_ss8("):]
-    assert kernel.count("(_wg0, (qcl, qcr, qr, kcl, kcr, kr, p0_s, small, q_ready, conv, empty, sync,") == 1
-    assert kernel.count("(_wg1, (qcl, qcr, qr, kcl, kcr, kr, p0_s, small, q_ready, conv, empty, sync,") == 1
-    assert "], [4, 4], [WG_REGS, CVT_REGS])" in kernel
+    assert kernel.count("(_wg0, (qcl, qcr, qr, kcl, kcr, kr, p0_s, small, q_wg, conv, empty, sync,") == 1
+    assert kernel.count("(_wg1, (qcl, qcr, qr, kcl, kcr, kr, p0_s, small, q_wg, conv, empty, sync,") == 1
+    assert kernel.count("], [4, 4], [WG_REGS, CVT_REGS])") == 1
+
+
+def test_f16_operands_are_the_default_and_the_losing_switches_are_gone(seesaw):
+    """SEESAW_CVT 2 ([Note] Seesaw f16 operands) is the product's conversion (H200 rounds B and C: 1.094x, 1.092x the
+    bf16 conversion); 0 (the bf16 conversion) stays a switch; the bit conversion (1), the diagnostic that converts
+    nothing (9: wrong answers), the split halves, orders 2/3 and the fp8 loader are no longer in the render."""
+    from fagen.codegen.render import render
+
+    src = render(spec()).source
+    assert "\nSEESAW_CVT = 2  #" in src and "\nSEESAW_ORDER = 1  #" in src
+    assert fagen.load(spec(layout="dense")).SEESAW_CVT == 2
+    for name in ("SEESAW_SPLIT", "SEESAW_LOADER", "CVT_REGS_L", "_loader8", "_converter8", "_scores_first8",
+                 "0x7B807B80", "def _bf16(", "CVT == 9", "CVT == 1", "ORDER == 2", "ORDER == 3", "SPLIT:", "mid"):
+        assert name not in src, name
+    assert "gl.static_assert(CVT == 0 or CVT == 2)" in src and "gl.static_assert(ORDER == 0 or ORDER == 1)" in src
+    # the f16 form: f16 buffers, Q converted by the converter, its power-of-two scale read by the warpgroups
+    for part in ("dtype: gl.constexpr = gl.float16 if CVT == 2 else q256.dtype", "def _cvt_q(",
+                 "_cvt_q(qcl, qcr, qr, qd, small)", "mbarrier.arrive(q_conv.index(0))",
+                 "qk_scale = qk_scale * gl.max(small.slice(4 * 64, 64)", "return x.to(gl.float16)",
+                 "return x.to(gl.float32).to(gl.bfloat16)"):
+        assert part in src, part
 
 
 def test_the_seesaw_splits_follow_the_bf16_rule(seesaw):
@@ -131,7 +158,18 @@ out = {}
 for key, (layout, mask, gqa, kw) in json.loads(sys.argv[2]).items():
     mod = fagen.load(fagen.KernelSpec(head_dim=576, head_dim_v=512, shared_kv=True, kind="decode", gqa=gqa,
                                       dtype="bf16", mask=mask, layout=layout, backend="gluon", kv_dtype="fp8_e4m3"))
-    ck = mod.compile_for(seesaw=True, **kw)
+    attrs = kw.pop("attrs", {})  # the module's switches (twenty-fourth session), for this build only
+    keep = {name: getattr(mod, name) for name in attrs}
+    for name, value in attrs.items():
+        setattr(mod, name, value)
+    try:
+        ck = mod.compile_for(seesaw=True, **kw)
+    except Exception as e:  # a switch the kernel refuses (its static_assert)
+        out[key] = dict(error=f"{type(e).__name__}: {e}"[-2000:])
+        continue
+    finally:
+        for name, value in keep.items():
+            setattr(mod, name, value)
     ptx = ck.asm["ptx"]
     res, log, _ = ptxas(ptx)
     res = next(iter(res.values()))
@@ -142,9 +180,20 @@ for key, (layout, mask, gqa, kw) in json.loads(sys.argv[2]).items():
                     wgmma=[s.count("wgmma.mma_async") for s in loops(ptx, 30, innermost=True)])
 print("RESULT " + json.dumps(out))
 """
-BUILDS = {"dense_sq2_head": ("dense", "causal", 128, dict(seq_q=2, scales=1)),
-          "paged_sq2_token_split": ("paged", "causal", 128, dict(seq_q=2, scales=2, num_splits=3)),
-          "paged_none_h64_sq1_tensor_split": ("paged", "none", 64, dict(seq_q=1, scales=0, num_splits=3))}
+BUILDS = {  # the product's default, SEESAW_CVT 2 ([Note] Seesaw f16 operands)
+    "f16_dense_sq2_head": ("dense", "causal", 128, dict(seq_q=2, scales=1)),
+    "f16_paged_sq2_token_split": ("paged", "causal", 128, dict(seq_q=2, scales=2, num_splits=3)),
+    "f16_paged_none_h64_sq1_tensor_split": ("paged", "none", 64, dict(seq_q=1, scales=0, num_splits=3)),
+    "f16_dense_sq2_head_order0": ("dense", "causal", 128, dict(seq_q=2, scales=1, attrs=dict(SEESAW_ORDER=0))),
+    # SEESAW_CVT 0, the bf16 conversion (main's before the flip)
+    "cvt0_dense_sq2_head": ("dense", "causal", 128, dict(seq_q=2, scales=1, attrs=dict(SEESAW_CVT=0))),
+    "cvt0_paged_sq2_token_split": ("paged", "causal", 128, dict(seq_q=2, scales=2, num_splits=3, attrs=dict(
+        SEESAW_CVT=0))),
+    # the removed switches' values: refused by the kernel (the diagnostic's 9 gave wrong answers)
+    "refused_cvt9": ("dense", "causal", 128, dict(seq_q=2, scales=1, attrs=dict(SEESAW_CVT=9))),
+    "refused_cvt1": ("dense", "causal", 128, dict(seq_q=2, scales=1, attrs=dict(SEESAW_CVT=1))),
+    "refused_order3": ("dense", "causal", 128, dict(seq_q=2, scales=1, attrs=dict(SEESAW_ORDER=3)))}
+BUILT = [k for k in BUILDS if not k.startswith("refused")]
 
 
 @pytest.fixture(scope="module")
@@ -153,26 +202,40 @@ def built(tmp_path_factory):
 
 
 @pytest.mark.skipif(ON_GPU, reason="builds for a faked sm_90 on the CPU (the GPU script runs the kernel)")
-@pytest.mark.parametrize("key", list(BUILDS))
+@pytest.mark.parametrize("key", BUILT)
 def test_the_fp8_seesaw_builds_within_shared_memory(built, key):
-    """The bf16 seesaw's shared memory and 6 more barriers (the fp8 bytes land in their bf16 buffers), under 227 KB;
-    no spill with one scale (per token: at most 96 B, ptxas at 224 registers for warpgroup 0); each warpgroup's pair
-    loop 44 wgmma as the bf16 seesaw's; warpgroup 1 at 232 registers, the converter at 48; the TMA of Q's 3 boxes
-    and the parts' 10 (two [64, 128] fp8 boxes a latent half, one [64, 64] a rope)."""
+    """The bf16 seesaw's shared memory and 6 more barriers (the fp8 bytes land in their 16-bit buffers; f16: one
+    barrier more, Q's conversion), under 227 KB; spills as ptxas gives them (CVT 0: none with one scale; f16: 52 B,
+    one 4-byte value reloaded; per token at most 96 B, warpgroup 0 at 224 registers); each warpgroup's pair loop 44
+    wgmma as the bf16 seesaw's; warpgroup 1 at 232 registers, the converter at 48; the TMA of Q's 3 boxes and the
+    parts' 10 (two [64, 128] fp8 boxes a latent half, one [64, 64] a rope)."""
     r = built[key]
+    assert "error" not in r, r
     assert r["shared"] <= 2 * (64 * 576 + 2 * 64 * 576 + 64 * 64) + 8 * 64 * 4 + 1024 <= 232448, r
-    assert r["spills"] <= (96 if "token" in key else 0) and not r["serialized"], r
+    assert r["spills"] <= (96 if "token" in key else 56 if "f16" in key else 0), r
+    assert not r["serialized"], r
     assert r["wgmma"] == [44, 44], r
     assert {232, 48} <= set(r["setmaxnreg"]), r
     assert r["tma"] == 3 + 10, r
 
 
-def _converter_ops(src: str, n_blocks: int, order: int) -> list:
+@pytest.mark.skipif(ON_GPU, reason="builds for a faked sm_90 on the CPU (the GPU script runs the kernel)")
+@pytest.mark.parametrize("key", [k for k in BUILDS if k not in BUILT])
+def test_the_removed_switches_do_not_build(built, key):
+    """SEESAW_CVT 1 (the bit trick) and 9 (the diagnostic: no conversion, wrong answers), SEESAW_ORDER 3: the
+    kernel's static_assert refuses them (a stale setting cannot build the wrong kernel)."""
+    err = built[key].get("error", "")
+    assert "CompileTimeAssertionFailure" in err, built[key]
+    assert ("ORDER == 0 or ORDER == 1" if "order" in key else "CVT == 0 or CVT == 2") in err, err
+
+
+def _converter_ops(src: str, n_blocks: int, order: int, fn: str = "_converter") -> list:
     """The converter's operations as the rendered `_converter` calls them, for one split of n_blocks blocks:
     ("tma", part, fill) and ("conv", part, fill), part = slot * 3 + t (t: 0 left, 1 right, 2 rope)."""
     import re
-    body = src[src.index("def _converter("):src.index("def _scores_first(")]
-    lines = body[body.index("    for u in range(n_pairs):"):].splitlines()
+    body = src[src.index(f"def {fn}("):]
+    body = body[:body.index("\n@gluon.jit")]
+    lines = body[body.index("    for u in range("):].splitlines()
     n_pairs = (n_blocks + 1) // 2
 
     def ops_of(line, env):
@@ -209,15 +272,17 @@ def _converter_ops(src: str, n_blocks: int, order: int) -> list:
     loop, tail = joined[:end], joined[end:]  # the loop's body, then what follows it in the function
     ops = []
     for u in range(n_pairs):
-        ops += run(loop, dict(u=u, has_b=2 * u + 1 < n_blocks, ORDER=order, n_blocks=n_blocks, n_pairs=n_pairs))
-    ops += run(tail, dict(u=n_pairs, has_b=False, ORDER=order, n_blocks=n_blocks, n_pairs=n_pairs))
+        ops += run(loop, dict(u=u, has_b=2 * u + 1 < n_blocks, ORDER=order, n_blocks=n_blocks, n_pairs=n_pairs,
+                              SCALES=0))
+    ops += run(tail, dict(u=n_pairs, has_b=False, ORDER=order, n_blocks=n_blocks, n_pairs=n_pairs, SCALES=0))
     return ops
 
 
 def _warpgroup_ops(w: int, n_blocks: int) -> list:
     """Warpgroup w's waits and arrivals in the seesaw ([Note] Seesaw pair, [Note] Seesaw order, [Note] Seesaw
     slots: gluon/mla_seesaw.j2's _wg, which the bf16 seesaw runs on the GPU): ("wait", barrier, completions needed)
-    and ("arrive", barrier); the fp8 form waits on `conv` where the bf16 one waits on `ready`."""
+    and ("arrive", barrier); the fp8 form waits on `conv` where the bf16 one waits on `ready`, and on `q` (q_wg:
+    the TMA's q_ready, or with f16 operands the converter's signal once Q is converted)."""
     ops = [("wait", "q", 1), ("arrive", "sync4")]
 
     def scores(use, rest):
@@ -242,13 +307,14 @@ def _warpgroup_ops(w: int, n_blocks: int) -> list:
     return ops
 
 
-def _runs_to_the_end(src: str, n_blocks: int, order: int) -> bool:
-    """The three partitions' barrier protocol run until none can move: True when all finish (a TMA completes when
-    issued; `conv` when its part is converted, once its TMA has landed)."""
+def _runs_to_the_end(src: str, n_blocks: int, order: int, f16: bool = False) -> bool:
+    """The partitions' barrier protocol run until none can move: True when all finish (a TMA completes when
+    issued; `conv` when its part is converted, once its TMA has landed). f16 ([Note] Seesaw f16 operands): the
+    converter waits for Q's TMA and signals the warpgroups' `q` once Q is converted, before any part."""
     counts = {f"empty{s * 3 + t}": 2 if t == 1 - s else 1 for s in range(2) for t in range(3)}
     counts["sync4"] = 2
-    done, arrivals = {"q": 1}, {}
-    conv = []
+    done, arrivals = ({"q_ready": 1} if f16 else {"q": 1}), {}
+    conv = [("wait", "q_ready", 1), ("arrive", "q")] if f16 else []
     for kind, part, fill in _converter_ops(src, n_blocks, order):
         if kind == "tma":  # the part's fill-th TMA waits for the previous fill's readers
             conv.append(("wait", f"empty{part}", fill))
@@ -256,7 +322,7 @@ def _runs_to_the_end(src: str, n_blocks: int, order: int) -> bool:
         else:
             conv += [("wait", f"ready{part}", fill + 1), ("arrive", f"conv{part}")]
     progs = [conv, _warpgroup_ops(0, n_blocks), _warpgroup_ops(1, n_blocks)]
-    pcs = [0, 0, 0]
+    pcs = [0] * len(progs)
     moved = True
     while moved:
         moved = False
@@ -277,23 +343,23 @@ def _runs_to_the_end(src: str, n_blocks: int, order: int) -> bool:
 
 def test_the_converter_order_runs_the_protocol_to_the_end(seesaw):
     """[Note] Converter deadlock: the converter's calls as rendered, with the warpgroups' waits and arrivals, finish
-    for 0..9 blocks a split in both orders; the order first written (B_R converted after A_R's TMA) stops once a
-    split has a second pair with a block b (4 blocks and more), which is what rounds A and B saw on the H200: the
-    splits of 1 and 2 blocks passed, every split of 4 or more hung."""
+    for 0..9 blocks a split in both orders (0, 1), with the bf16 conversion's Q (the TMA's) and the f16 operands' (the
+    converter's signal once Q is converted, [Note] Seesaw f16 operands); the order first written (B_R converted after
+    A_R's TMA) stops once a split has a second pair with a block b (4 blocks and more), which is what the twenty-third
+    session's rounds A and B saw on the H200: the splits of 1 and 2 blocks passed, every split of 4 or more hung."""
     from fagen.codegen.render import render
 
     src = render(spec()).source
+    q_conv = src[src.index("def _converter("):]
+    assert q_conv.index("mbarrier.arrive(q_conv.index(0))") < q_conv.index("    for u in range(")  # Q before parts
     for order in (0, 1):
-        assert [n for n in range(10) if not _runs_to_the_end(src, n, order)] == [], order
+        for f16 in (False, True):
+            assert [n for n in range(10) if not _runs_to_the_end(src, n, order, f16)] == [], (order, f16)
     cvt = "            _convert(kcl8, kcr8, kr8, kcl, kcr, kr, small, ready, conv, 1, 1, u, vb, KScale, row_b, " \
-          "SCALES)\n"
-    fixed = ("        if has_b:  # before A_R's TMA: [Note] Converter deadlock\n"
-             + cvt +
-             "        _issue8(k8l, kcr8.index(2), kcr8.index(3), ready.index(1), empty.index(1), u, row_a, 256, True)\n"
-             "        if has_b:\n")
-    first = ("        _issue8(k8l, kcr8.index(2), kcr8.index(3), ready.index(1), empty.index(1), u, row_a, 256, True)\n"
-             "        if has_b:\n"
-             + cvt)
-    assert src.count(fixed) == 1
-    old = src.replace(fixed, first)
-    assert [n for n in range(10) if not _runs_to_the_end(old, n, 0)] == [4, 5, 6, 7, 8, 9]
+          "SCALES, CVT)\n"
+    fixed = "        if has_b:  # before A_R's TMA: [Note] Converter deadlock\n" + cvt
+    tma_ar = "        _issue8(k8l, kcr8.index(2), kcr8.index(3), ready.index(1), empty.index(1), u, row_a, 256, True)\n"
+    assert src.count(fixed) == 1 and src.count(tma_ar) == 1
+    old = src.replace(fixed, "").replace(tma_ar, tma_ar + "        if has_b:\n" + cvt)
+    for f16 in (False, True):
+        assert [n for n in range(10) if not _runs_to_the_end(old, n, 0, f16)] == [4, 5, 6, 7, 8, 9]

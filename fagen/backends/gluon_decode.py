@@ -32,7 +32,8 @@ class DecodeRules:
     # fagen.attention routes an e4m3 cache here too (docs/serving.md, "MLA fp8 latent decode (thirteenth session)").
     # Twenty-third session: variant fp8lat_seesaw (on since its H200 run) adds the seesaw of mla_decode.py.j2 over the e4m3 cache
     # to that module (fagen/templates/gluon/mla_seesaw.j2, [Note] Seesaw fp8 conversion: a converter warpgroup turns
-    # each fp8 part into bf16 in shared memory; the bf16 matmuls unchanged) for Hq x Sq a multiple of 64, and the
+    # each fp8 part into f16 in shared memory, Q into f16 too, [Note] Seesaw f16 operands, since the twenty-fourth
+    # session; SEESAW_CVT 0 the bf16 conversion with the bf16 matmuls unchanged) for Hq x Sq a multiple of 64, and the
     # rule (latent_decode_spec) sends those rows to it (docs/serving.md, "MLA fp8 latent decode at 64-row programs").
     # H200, the suite's row decode-mla-absorbed-h128-sq2-kv8k-b32-fp8 (scripts/gpu_mlafp8c_s23.py, round B again):
     # the Triton decode 207 TF/s, the fp8 seesaw 324 (SEESAW_ORDER 0) / 337 (1), the bf16 seesaw's row 535.

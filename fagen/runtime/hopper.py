@@ -78,7 +78,8 @@ LATENT_CAPTURED_MIN_WORK = 1 << 21
 # converting every block (Hq 128 Sq 2 b32 kv8k, H100 round A: 188 TF/s against the Triton decode's 199, docs/serving.md,
 # "MLA decode, twelfth session"): the Triton decode kept those; with the gluon backend's variant fp8lat_seesaw (on):
 # then Hq x Sq a multiple of 64 takes the seesaw over the converted cache ([Note] Seesaw fp8 conversion; H200, Hq 128
-# Sq 2 b32 kv8k: 337 TF/s against the Triton decode's 207, docs/serving.md "MLA fp8 latent decode at 64-row programs").
+# Sq 2 b32 kv8k: 337 TF/s against the Triton decode's 207, docs/serving.md "MLA fp8 latent decode at 64-row programs";
+# 366 with the f16 operands, the default since the twenty-fourth session, "MLA fp8 seesaw: the conversion's place").
 LATENT_FP8_MAX_ROWS = 16
 # [Note] Gluon size rule. The Gluon forward's kernel is faster than the Triton one (0.70-0.75x the time per call
 # at 2^27 .. 2^29 causal d128 bf16 pairs on the H100), but its host path used to cost about 200 us a call

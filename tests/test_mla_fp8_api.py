@@ -107,6 +107,30 @@ def test_the_fp8_cache_is_read_as_fp8_with_its_scale(monkeypatch):
     assert (out[:1].cpu().double() - unscaled).abs().max() > 0.05
 
 
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")], ids=["inf", "nan"])
+def test_a_non_finite_query_value_stays_in_its_row(bad, monkeypatch):
+    """README "The contract of every generated kernel": a NaN query gives NaN in its own row. Hq x Sq = 64 rows take
+    the fp8 seesaw on sm_90, whose f16 operands scale a tile's Q by the tile's largest |q| ([Note] Seesaw f16
+    operands): an inf or NaN there must leave the scale alone, so every other row keeps the finite call's bits."""
+    gen = torch.Generator().manual_seed(11)
+    q, cache, scale, extra, _ = _case(gen, [300, 77], "tensor", "paged", hq=64, sq=1)
+    asked = []
+    keep = api._module
+    monkeypatch.setattr(api, "_module", lambda spec: asked.append(spec) or keep(spec))
+    kw = dict(head_dim_v=DV, mask="none", k_scale=scale, batch_invariant=True, **extra)
+    bad_q = q.clone()
+    bad_q[0, 3, 0, 7] = bad
+    with torch.no_grad():
+        want = fagen.attention(q, cache, None, **kw)
+        got = fagen.attention(bad_q, cache, None, **kw)
+    if ON_GPU and hopper.is_hopper(q.device) and hopper.enabled() and not hopper.gluon_missing():
+        assert "gluon" in {str(s.backend) for s in asked}, asked  # the Triton spec, then its gluon twin
+    assert got[0, 3].isnan().all()
+    rest = torch.ones(got.shape[:2], dtype=torch.bool)
+    rest[0, 3] = False
+    assert torch.equal(got[rest], want[rest])
+
+
 def test_the_errors_name_the_argument():
     gen = torch.Generator().manual_seed(5)
     q, cache, scale, extra, keys = _case(gen, [20, 9], "tensor", "paged", nan_tails=False)

@@ -121,7 +121,7 @@ class GluonBackend(DecodeRules, KernelBackend):
     variant = {"consumer_regs": 240, "loader_regs": 24, "tile_schedule_all": False, "causal_order": 3,
                "fp8_p_cvt": 3, "fp8_wgs": 2, "fp8_wg3_regs": (160, 24), "fp8_o_skip": 0,
                "fp8_pv_overlap": 0, "fp8_d64": {"fp8_wgs": 3}, "fp8_n192": 0, "fp8_vt": 0,
-               "fp8_pass_evict": 0, "fp8_vt_pad": 0, "fp8_full_order": 0, "cap_turns": 0, "cap_max_first": CAP_MAX_FIRST, "cap_exp_poly": 0, "cap_exp_deg": 3,
+               "fp8_pass_evict": 0, "fp8_vt_pad": 0, "fp8_full_order": 0, "cap_turns": 0, "cap_max_first": CAP_MAX_FIRST,
                "fwd_s_ahead": 0, "fwd_turns": 0, "fwd_wgs": 2, "fp8_s_ahead": 0, "fp8_turns": 0, "fp8_n256": 0, "fp8_tail_split": 0,
                "pv_overlap": 0, "fwd_tail_first": 1, "pad_empty": 1, "pad_order": 2,  # [Note] Gluon padding masks
                "bwd_order": 0, "bwd_snake": 0, "bwd_named": 0, "bwd_epi_tma": 0, "bwd_fixed": 0, "bwd_window_desc": 0,
